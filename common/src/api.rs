@@ -1,0 +1,138 @@
+//! Request and response bodies of the HTTP API (DESIGN.md, "Public API contract").
+
+use serde::{Deserialize, Serialize};
+
+use crate::events::*;
+use crate::spec::{BackendKind, ExperimentSpec};
+use crate::validate::FieldError;
+
+/// Every error response: `{"error": "...", "fields": [{"field", "message"}]}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ApiError {
+    pub error: String,
+    #[serde(default)]
+    pub fields: Vec<FieldError>,
+}
+
+/// `GET /api/health`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Health {
+    pub status: String,
+    pub version: String,
+    /// Workers that sent a heartbeat or lease request recently.
+    pub workers: u64,
+    pub queued: u64,
+}
+
+/// `POST /api/experiments` -> 201
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Created {
+    pub id: i64,
+    pub status: ExperimentStatus,
+}
+
+/// `GET /api/experiments/{id}` and the items of the list.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExperimentView {
+    pub id: i64,
+    pub name: String,
+    pub status: ExperimentStatus,
+    pub spec: ExperimentSpec,
+    pub created_at: String,
+    pub started_at: Option<String>,
+    pub finished_at: Option<String>,
+    pub error: Option<String>,
+    pub summary: Option<RunSummary>,
+    /// How many times a worker has leased it (1 on the first run).
+    pub attempt: i64,
+    /// Optimizer steps reported so far.
+    pub steps_done: u64,
+}
+
+/// `GET /api/experiments?status=&limit=&offset=`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExperimentList {
+    pub experiments: Vec<ExperimentView>,
+    /// All experiments matching the filter (for paging).
+    pub total: u64,
+}
+
+/// `GET /api/experiments/{id}/metrics`
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Metrics {
+    pub steps: Vec<MetricPoint>,
+}
+
+// ---- worker protocol (Authorization: Bearer <worker token>) ----
+
+/// `POST /api/workers/register`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RegisterWorker {
+    pub name: String,
+    pub backends: Vec<BackendKind>,
+    /// Human-readable devices, e.g. "cpu: 2 cores".
+    pub devices: Vec<String>,
+    pub version: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Registered {
+    pub worker_id: i64,
+    /// How often the worker must heartbeat a leased experiment.
+    pub heartbeat_interval_s: f64,
+}
+
+/// `POST /api/workers/lease` -> 200 `Lease` or 204 when the queue is empty.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LeaseRequest {
+    pub worker_id: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Lease {
+    pub experiment_id: i64,
+    pub spec: ExperimentSpec,
+    pub attempt: i64,
+    /// The lease ends this many seconds from now unless a heartbeat renews it.
+    pub lease_s: f64,
+}
+
+/// `POST /api/workers/heartbeat`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub worker_id: i64,
+    pub experiment_id: Option<i64>,
+}
+
+/// Answer to heartbeats and event batches: `cancel` tells the worker to stop the run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerAck {
+    pub cancel: bool,
+}
+
+/// `POST /api/workers/events`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EventBatch {
+    pub worker_id: i64,
+    pub experiment_id: i64,
+    pub events: Vec<RunEvent>,
+}
+
+/// `POST /api/workers/complete`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Complete {
+    pub worker_id: i64,
+    pub experiment_id: i64,
+    pub summary: RunSummary,
+}
+
+/// `POST /api/workers/fail`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fail {
+    pub worker_id: i64,
+    pub experiment_id: i64,
+    pub error: String,
+    /// True when the worker stopped because the experiment was cancelled.
+    #[serde(default)]
+    pub cancelled: bool,
+}

@@ -1,0 +1,139 @@
+//! What a run reports while it trains: the worker sends these to the server in
+//! batches, the server stores them and streams them to browsers over SSE.
+
+use serde::{Deserialize, Serialize};
+
+/// One optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MetricPoint {
+    pub step: u64,
+    /// Mean cross-entropy over the step's global batch (nats per token).
+    pub loss: f64,
+    pub lr: f64,
+    /// L2 norm of the gradient before clipping.
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub step_ms: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Info,
+    Warn,
+    Error,
+}
+
+/// A line of text for the experiment's log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogLine {
+    pub level: LogLevel,
+    pub message: String,
+}
+
+/// What a worker reports about a running experiment.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RunEvent {
+    Metric(MetricPoint),
+    Log(LogLine),
+}
+
+/// What the end of a successful run reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunSummary {
+    pub steps: u64,
+    pub final_loss: f64,
+    pub min_loss: f64,
+    /// Loss of a model that guesses uniformly: ln(vocab).
+    pub uniform_loss: f64,
+    /// Best possible loss on the dataset, when it is known (the Markov chain's entropy rate).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_floor: Option<f64>,
+    pub params: u64,
+    pub tokens: u64,
+    /// Mean over the run, excluding the first (warm-up) step when there are more.
+    pub tokens_per_s: f64,
+    pub mean_step_ms: f64,
+    pub wall_s: f64,
+    pub world_size: usize,
+    pub threads: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExperimentStatus {
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl ExperimentStatus {
+    pub const ALL: [ExperimentStatus; 5] = [
+        ExperimentStatus::Queued,
+        ExperimentStatus::Running,
+        ExperimentStatus::Succeeded,
+        ExperimentStatus::Failed,
+        ExperimentStatus::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExperimentStatus::Queued => "queued",
+            ExperimentStatus::Running => "running",
+            ExperimentStatus::Succeeded => "succeeded",
+            ExperimentStatus::Failed => "failed",
+            ExperimentStatus::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+
+    /// Succeeded, failed and cancelled experiments never change again.
+    pub fn is_finished(self) -> bool {
+        matches!(self, ExperimentStatus::Succeeded | ExperimentStatus::Failed | ExperimentStatus::Cancelled)
+    }
+}
+
+/// A status change, as streamed to browsers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StatusChange {
+    pub status: ExperimentStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<RunSummary>,
+}
+
+/// One message on `GET /api/experiments/{id}/stream`. The SSE event name is the
+/// `type` field (`status`, `metric`, `log`); the data is this JSON.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum StreamEvent {
+    Status(StatusChange),
+    Metric(MetricPoint),
+    Log(LogLine),
+}
+
+impl StreamEvent {
+    pub fn name(&self) -> &'static str {
+        match self {
+            StreamEvent::Status(_) => "status",
+            StreamEvent::Metric(_) => "metric",
+            StreamEvent::Log(_) => "log",
+        }
+    }
+}
+
+impl From<RunEvent> for StreamEvent {
+    fn from(e: RunEvent) -> Self {
+        match e {
+            RunEvent::Metric(m) => StreamEvent::Metric(m),
+            RunEvent::Log(l) => StreamEvent::Log(l),
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! Types every part of distlab agrees on: the server, the worker and the browser.
+//!
+//! Compiles for native and wasm32: no I/O, no async runtime, no database.
+
+pub mod api;
+pub mod events;
+pub mod presets;
+pub mod spec;
+pub mod validate;
+
+pub use api::*;
+pub use events::*;
+pub use spec::*;
+pub use validate::{FieldError, Limits};
+
+/// Version of the distlab protocol and binaries (the workspace version).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

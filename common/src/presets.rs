@@ -1,0 +1,70 @@
+//! Ready-made experiments for the "new experiment" form and the demos.
+
+use crate::spec::*;
+
+pub struct Preset {
+    pub key: &'static str,
+    pub title: &'static str,
+    pub description: &'static str,
+    pub spec: ExperimentSpec,
+}
+
+pub fn presets() -> Vec<Preset> {
+    let tiny = ExperimentSpec::default();
+
+    let mut reference = ExperimentSpec { name: "reference-gpt".into(), ..ExperimentSpec::default() };
+    reference.model = ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 };
+    reference.train.micro_batch = 16;
+    reference.train.steps = 30;
+    reference.train.lr = 1e-3;
+
+    let mut text = ExperimentSpec { name: "shakespeare-bytes".into(), ..ExperimentSpec::default() };
+    text.data.dataset = Dataset::Text;
+    text.model = ModelSpec { layers: 2, d_model: 128, heads: 4, seq_len: 64, vocab: 256 };
+    text.train.steps = 200;
+    text.train.micro_batch = 16;
+
+    let mut ddp = ExperimentSpec { name: "ddp-2-ranks".into(), ..ExperimentSpec::default() };
+    ddp.parallel.dp = 2;
+    ddp.train.micro_batch = 4;
+
+    vec![
+        Preset {
+            key: "tiny",
+            title: "Tiny GPT on a Markov chain",
+            description: "2 layers, d_model 64: trains in seconds; the loss falls from ln(vocab) towards the chain's entropy rate.",
+            spec: tiny,
+        },
+        Preset {
+            key: "reference",
+            title: "Reference config (benchmark shape)",
+            description: "4 layers, d_model 256, 4 heads, seq 128, vocab 256, batch 16: the shape the PyTorch comparison uses.",
+            spec: reference,
+        },
+        Preset {
+            key: "text",
+            title: "Shakespeare, byte level",
+            description: "A small public-domain English text, one token per byte.",
+            spec: text,
+        },
+        Preset {
+            key: "ddp2",
+            title: "DDP on 2 ranks",
+            description: "Same global batch as the tiny preset, split across two data-parallel ranks.",
+            spec: ddp,
+        },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::Limits;
+
+    #[test]
+    fn every_preset_is_valid() {
+        for p in presets() {
+            assert_eq!(p.spec.validate(&Limits::default()), Ok(()), "preset {}", p.key);
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! The experiment spec: what a person submits, as JSON (see DESIGN.md).
+//!
+//! Every section has defaults (the tiny config below), so `{}` is a valid spec;
+//! unknown fields are rejected so that a typo never silently runs something else.
+
+use serde::{Deserialize, Serialize};
+
+use crate::validate::FieldError;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExperimentSpec {
+    pub name: String,
+    pub model: ModelSpec,
+    pub data: DataSpec,
+    pub parallel: ParallelSpec,
+    pub train: TrainSpec,
+    pub backend: BackendKind,
+}
+
+/// A GPT-2-style decoder: embeddings, `layers` pre-LN blocks, final LayerNorm, LM head.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSpec {
+    pub layers: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub seq_len: usize,
+    pub vocab: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSpec {
+    pub dataset: Dataset,
+    pub seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dataset {
+    /// A random Markov chain over the vocabulary, fixed by the data seed:
+    /// the best possible loss is its entropy rate.
+    Markov,
+    /// A small public-domain English text, one token per byte.
+    Text,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelSpec {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub sharding: Sharding,
+    pub pp_schedule: PpSchedule,
+    pub bucket_bytes: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    None,
+    Zero1,
+    Zero2,
+    Fsdp,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PpSchedule {
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSpec {
+    pub steps: u64,
+    pub micro_batch: usize,
+    pub micro_batches: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub warmup_steps: u64,
+    pub lr_schedule: LrSchedule,
+    pub optimizer: Optimizer,
+    pub weight_decay: f64,
+    pub grad_clip: f64,
+    pub precision: Precision,
+    pub loss_scaling: LossScaling,
+    pub checkpointing: Checkpointing,
+    pub checkpoint_every: u64,
+    pub seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    Cosine,
+    Constant,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    Adamw,
+    Sgd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossScaling {
+    None,
+    Dynamic,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Checkpointing {
+    None,
+    Every,
+    Sqrt,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+impl Default for ExperimentSpec {
+    fn default() -> Self {
+        Self {
+            name: "tiny-gpt".into(),
+            model: ModelSpec::default(),
+            data: DataSpec::default(),
+            parallel: ParallelSpec::default(),
+            train: TrainSpec::default(),
+            backend: BackendKind::Cpu,
+        }
+    }
+}
+
+impl Default for ModelSpec {
+    fn default() -> Self {
+        Self { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 }
+    }
+}
+
+impl Default for DataSpec {
+    fn default() -> Self {
+        Self { dataset: Dataset::Markov, seed: 1 }
+    }
+}
+
+impl Default for ParallelSpec {
+    fn default() -> Self {
+        Self {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            sharding: Sharding::None,
+            pp_schedule: PpSchedule::OneFOneB,
+            bucket_bytes: 1 << 20,
+        }
+    }
+}
+
+impl Default for TrainSpec {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            micro_batch: 8,
+            micro_batches: 1,
+            grad_accum: 1,
+            lr: 3e-3,
+            warmup_steps: 5,
+            lr_schedule: LrSchedule::Cosine,
+            optimizer: Optimizer::Adamw,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::None,
+            checkpointing: Checkpointing::None,
+            checkpoint_every: 0,
+            seed: 42,
+        }
+    }
+}
+
+impl ModelSpec {
+    /// Width of the MLP's hidden layer (GPT-2: 4 x d_model).
+    pub fn d_ff(&self) -> usize {
+        4 * self.d_model
+    }
+
+    /// Parameters of one transformer block: two LayerNorms (gain + bias),
+    /// QKV (d x 3d + 3d), attention output (d x d + d), MLP (d x 4d + 4d, 4d x d + d).
+    pub fn block_params(&self) -> u64 {
+        let d = self.d_model as u64;
+        let ff = self.d_ff() as u64;
+        2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)
+    }
+
+    /// All parameters: token and position embeddings, the blocks, the final LayerNorm
+    /// and the LM head (not tied to the token embedding).
+    pub fn param_count(&self) -> u64 {
+        let d = self.d_model as u64;
+        let v = self.vocab as u64;
+        let t = self.seq_len as u64;
+        v * d + t * d + self.layers as u64 * self.block_params() + 2 * d + d * v
+    }
+
+    /// Training FLOPs per token: 6 x params for the matmuls (forward 2, backward 4)
+    /// plus causal attention scores and weighted sum (12 x layers x seq_len x d_model,
+    /// counting the full square as PyTorch's FLOP counters and the seed texts do).
+    pub fn train_flops_per_token(&self) -> f64 {
+        6.0 * self.param_count() as f64
+            + 12.0 * self.layers as f64 * self.seq_len as f64 * self.d_model as f64
+    }
+}
+
+impl ExperimentSpec {
+    /// dp x tp x pp: the number of rank processes.
+    pub fn world_size(&self) -> usize {
+        self.parallel.dp * self.parallel.tp * self.parallel.pp
+    }
+
+    /// Sequences consumed by one optimizer step.
+    pub fn global_batch(&self) -> usize {
+        self.parallel.dp * self.train.micro_batch * self.train.micro_batches * self.train.grad_accum
+    }
+
+    /// Tokens consumed by one optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.global_batch() * self.model.seq_len
+    }
+
+    /// Parses a spec from JSON, naming the field for type errors, unknown fields
+    /// and unknown enum values (`parallel.sharding: unknown variant ...`).
+    pub fn from_json_value(value: serde_json::Value) -> Result<Self, Vec<FieldError>> {
+        serde_path_to_error::deserialize::<_, ExperimentSpec>(value).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." { String::new() } else { path };
+            vec![FieldError::new(field, e.into_inner().to_string())]
+        })
+    }
+
+    /// Parses a spec from JSON text (see [`ExperimentSpec::from_json_value`]).
+    pub fn from_json_str(text: &str) -> Result<Self, Vec<FieldError>> {
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| vec![FieldError::new("", format!("not valid JSON: {e}"))])?;
+        Self::from_json_value(value)
+    }
+}
+
+impl Sharding {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sharding::None => "none",
+            Sharding::Zero1 => "zero1",
+            Sharding::Zero2 => "zero2",
+            Sharding::Fsdp => "fsdp",
+        }
+    }
+}
+
+impl Precision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_object_is_the_default_spec() {
+        let spec = ExperimentSpec::from_json_str("{}").unwrap();
+        assert_eq!(spec, ExperimentSpec::default());
+    }
+
+    #[test]
+    fn design_md_example_parses() {
+        let text = r#"{
+          "name": "ddp-vs-single",
+          "model":    {"layers": 4, "d_model": 128, "heads": 4, "seq_len": 64, "vocab": 256},
+          "data":     {"dataset": "markov", "seed": 1},
+          "parallel": {"dp": 2, "tp": 1, "pp": 1, "sharding": "zero2",
+                       "pp_schedule": "1f1b", "bucket_bytes": 1048576},
+          "train":    {"steps": 50, "micro_batch": 8, "micro_batches": 1, "grad_accum": 1,
+                       "lr": 0.001, "warmup_steps": 5, "lr_schedule": "cosine",
+                       "optimizer": "adamw", "weight_decay": 0.0, "grad_clip": 1.0,
+                       "precision": "bf16", "loss_scaling": "none",
+                       "checkpointing": "sqrt", "checkpoint_every": 0, "seed": 42},
+          "backend":  "cpu"
+        }"#;
+        let spec = ExperimentSpec::from_json_str(text).unwrap();
+        assert_eq!(spec.parallel.sharding, Sharding::Zero2);
+        assert_eq!(spec.parallel.pp_schedule, PpSchedule::OneFOneB);
+        assert_eq!(spec.train.precision, Precision::Bf16);
+        assert_eq!(spec.world_size(), 2);
+        assert_eq!(spec.global_batch(), 16);
+        // Round trip keeps every field.
+        let again = ExperimentSpec::from_json_value(serde_json::to_value(&spec).unwrap()).unwrap();
+        assert_eq!(again, spec);
+    }
+
+    #[test]
+    fn unknown_field_names_its_path() {
+        let errs = ExperimentSpec::from_json_str(r#"{"train": {"stepz": 3}}"#).unwrap_err();
+        assert_eq!(errs[0].field, "train.stepz");
+        assert!(errs[0].message.contains("stepz"), "{}", errs[0].message);
+    }
+
+    #[test]
+    fn unknown_enum_value_names_its_path() {
+        let errs = ExperimentSpec::from_json_str(r#"{"parallel": {"sharding": "zero4"}}"#).unwrap_err();
+        assert_eq!(errs[0].field, "parallel.sharding");
+        assert!(errs[0].message.contains("zero4"), "{}", errs[0].message);
+    }
+
+    #[test]
+    fn param_count_matches_gpt2_small() {
+        // GPT-2 small (untied head, 1024 positions) = 124.4M + 38.6M head.
+        let m = ModelSpec { layers: 12, d_model: 768, heads: 12, seq_len: 1024, vocab: 50257 };
+        let tied = m.param_count() - (m.d_model * m.vocab) as u64;
+        assert_eq!(tied, 124_439_808);
+    }
+}

@@ -1,0 +1,274 @@
+//! Spec validation: one set of rules for the browser (instant field errors), the
+//! server (the authority) and the worker. Every message is written for a learner.
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::*;
+
+/// One problem with one field of a spec, e.g. `parallel.tp`: "tp=3 does not divide heads=4".
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+impl FieldError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { field: field.into(), message: message.into() }
+    }
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.field, self.message)
+        }
+    }
+}
+
+/// What one experiment may ask of the worker pool: a server setting, so that one
+/// person cannot tie up a shared machine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Limits {
+    pub max_world_size: usize,
+    pub max_params: u64,
+    pub max_steps: u64,
+    pub max_layers: usize,
+    pub max_d_model: usize,
+    pub max_seq_len: usize,
+    pub max_vocab: usize,
+    pub max_micro_batch: usize,
+    pub max_micro_batches: usize,
+    pub max_grad_accum: usize,
+    pub max_name_len: usize,
+    /// Tokens of one optimizer step across all ranks (bounds memory and step time).
+    pub max_tokens_per_step: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_world_size: 8,
+            max_params: 50_000_000,
+            max_steps: 20_000,
+            max_layers: 32,
+            max_d_model: 1024,
+            max_seq_len: 1024,
+            max_vocab: 65_536,
+            max_micro_batch: 256,
+            max_micro_batches: 64,
+            max_grad_accum: 64,
+            max_name_len: 100,
+            max_tokens_per_step: 1 << 20,
+        }
+    }
+}
+
+impl ExperimentSpec {
+    /// Checks every rule and returns all the problems at once (empty list = valid).
+    pub fn validate(&self, limits: &Limits) -> Result<(), Vec<FieldError>> {
+        let mut errs = Vec::new();
+        let mut err = |field: &str, message: String| errs.push(FieldError::new(field, message));
+
+        // name
+        if self.name.trim().is_empty() {
+            err("name", "give the experiment a name".into());
+        } else if self.name.chars().count() > limits.max_name_len {
+            err("name", format!("name is longer than {} characters", limits.max_name_len));
+        } else if self.name.chars().any(|c| c.is_control()) {
+            err("name", "name must not contain control characters".into());
+        }
+
+        // model
+        let m = &self.model;
+        in_range(&mut err, "model.layers", m.layers, 1, limits.max_layers, "layers");
+        in_range(&mut err, "model.d_model", m.d_model, 1, limits.max_d_model, "d_model");
+        in_range(&mut err, "model.heads", m.heads, 1, m.d_model.max(1), "heads");
+        in_range(&mut err, "model.seq_len", m.seq_len, 1, limits.max_seq_len, "seq_len");
+        in_range(&mut err, "model.vocab", m.vocab, 2, limits.max_vocab, "vocab");
+        if m.heads >= 1 && m.d_model >= 1 && m.d_model % m.heads != 0 {
+            err(
+                "model.heads",
+                format!("heads={} does not divide d_model={}: every head needs the same width", m.heads, m.d_model),
+            );
+        }
+        if self.data.dataset == Dataset::Text && m.vocab < 256 && m.vocab >= 2 {
+            err("model.vocab", format!("the text dataset has one token per byte, so vocab must be at least 256 (it is {})", m.vocab));
+        }
+        if m.layers >= 1 && m.d_model >= 1 && m.vocab >= 1 && m.seq_len >= 1 {
+            let params = m.param_count();
+            if params > limits.max_params {
+                err(
+                    "model",
+                    format!("this model has {} parameters; this server allows at most {}", params, limits.max_params),
+                );
+            }
+        }
+
+        // parallel
+        let p = &self.parallel;
+        in_range(&mut err, "parallel.dp", p.dp, 1, limits.max_world_size, "dp");
+        in_range(&mut err, "parallel.tp", p.tp, 1, limits.max_world_size, "tp");
+        in_range(&mut err, "parallel.pp", p.pp, 1, limits.max_world_size, "pp");
+        let world = p.dp.saturating_mul(p.tp).saturating_mul(p.pp);
+        if p.dp >= 1 && p.tp >= 1 && p.pp >= 1 && world > limits.max_world_size {
+            err(
+                "parallel",
+                format!("world size dp*tp*pp = {}*{}*{} = {} is more than the {} ranks this server allows", p.dp, p.tp, p.pp, world, limits.max_world_size),
+            );
+        }
+        if p.tp > 1 && m.heads >= 1 && m.heads % p.tp != 0 {
+            err("parallel.tp", format!("tp={} does not divide heads={}: each tensor-parallel rank takes whole heads", p.tp, m.heads));
+        }
+        if p.tp > 1 && m.d_ff() % p.tp != 0 {
+            err("parallel.tp", format!("tp={} does not divide the MLP width 4*d_model={}", p.tp, m.d_ff()));
+        }
+        if p.pp > 1 && m.layers >= 1 && p.pp > m.layers {
+            err("parallel.pp", format!("pp={} is more than layers={}: every pipeline stage needs at least one layer", p.pp, m.layers));
+        }
+        if p.sharding != Sharding::None && p.dp < 2 {
+            err("parallel.sharding", format!("sharding={} splits state across data-parallel ranks, so it needs dp >= 2", p.sharding.as_str()));
+        }
+        if p.bucket_bytes < 1024 || p.bucket_bytes > 1 << 30 {
+            err("parallel.bucket_bytes", "bucket_bytes must be between 1 KiB (1024) and 1 GiB".into());
+        }
+
+        // train
+        let t = &self.train;
+        if t.steps < 1 || t.steps > limits.max_steps {
+            err("train.steps", format!("steps must be between 1 and {} (it is {})", limits.max_steps, t.steps));
+        }
+        in_range(&mut err, "train.micro_batch", t.micro_batch, 1, limits.max_micro_batch, "micro_batch");
+        in_range(&mut err, "train.micro_batches", t.micro_batches, 1, limits.max_micro_batches, "micro_batches");
+        in_range(&mut err, "train.grad_accum", t.grad_accum, 1, limits.max_grad_accum, "grad_accum");
+        if !(t.lr.is_finite() && t.lr > 0.0 && t.lr <= 10.0) {
+            err("train.lr", format!("the learning rate must be a number above 0 and at most 10 (it is {})", t.lr));
+        }
+        if t.warmup_steps > t.steps {
+            err("train.warmup_steps", format!("warmup_steps={} is longer than the run (steps={})", t.warmup_steps, t.steps));
+        }
+        if !(t.weight_decay.is_finite() && (0.0..=1.0).contains(&t.weight_decay)) {
+            err("train.weight_decay", "weight_decay must be between 0 and 1".into());
+        }
+        if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
+            err("train.grad_clip", "grad_clip must be 0 (off) or a positive number".into());
+        }
+        if t.loss_scaling == LossScaling::Dynamic && t.precision != Precision::Fp16 {
+            err("train.loss_scaling", format!("dynamic loss scaling is for fp16; {} does not need it", t.precision.as_str()));
+        }
+        if t.checkpoint_every > t.steps {
+            err("train.checkpoint_every", format!("checkpoint_every={} is longer than the run (steps={}); use 0 for no checkpoints", t.checkpoint_every, t.steps));
+        }
+        let tokens = world_tokens(self);
+        if tokens > limits.max_tokens_per_step as u128 {
+            err(
+                "train.micro_batch",
+                format!("one step would process {} tokens; this server allows at most {}", tokens, limits.max_tokens_per_step),
+            );
+        }
+
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs)
+        }
+    }
+}
+
+fn world_tokens(spec: &ExperimentSpec) -> u128 {
+    [spec.parallel.dp, spec.train.micro_batch, spec.train.micro_batches, spec.train.grad_accum, spec.model.seq_len]
+        .iter()
+        .map(|&x| x as u128)
+        .product()
+}
+
+fn in_range(err: &mut impl FnMut(&str, String), field: &str, value: usize, min: usize, max: usize, name: &str) {
+    if value < min || value > max {
+        err(field, format!("{name} must be between {min} and {max} (it is {value})"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Applies a JSON patch (objects merged) to the default spec, then validates it.
+    fn errors_for(patch: serde_json::Value) -> Vec<FieldError> {
+        let mut value = serde_json::to_value(ExperimentSpec::default()).unwrap();
+        merge(&mut value, patch);
+        let spec = ExperimentSpec::from_json_value(value).expect("patch keeps the JSON shape");
+        spec.validate(&Limits::default()).err().unwrap_or_default()
+    }
+
+    fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+        match (a, b) {
+            (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+                for (k, v) in b {
+                    merge(a.entry(k).or_insert(serde_json::Value::Null), v);
+                }
+            }
+            (a, b) => *a = b,
+        }
+    }
+
+    #[test]
+    fn default_spec_is_valid() {
+        assert_eq!(ExperimentSpec::default().validate(&Limits::default()), Ok(()));
+    }
+
+    #[test]
+    fn table_of_bad_specs() {
+        let table: Vec<(serde_json::Value, Vec<(&str, &str)>)> = vec![
+            (json!({"name": "  "}), vec![("name", "give the experiment a name")]),
+            (json!({"model": {"heads": 3}}), vec![("model.heads", "heads=3 does not divide d_model=64")]),
+            (json!({"model": {"layers": 0}}), vec![("model.layers", "layers must be between 1 and 32 (it is 0)")]),
+            (json!({"model": {"vocab": 1}}), vec![("model.vocab", "vocab must be between 2 and 65536 (it is 1)")]),
+            (json!({"model": {"seq_len": 5000}}), vec![("model.seq_len", "seq_len must be between 1 and 1024")]),
+            (json!({"data": {"dataset": "text"}}), vec![("model.vocab", "at least 256")]),
+            (
+                json!({"parallel": {"tp": 3}}),
+                vec![("parallel.tp", "tp=3 does not divide heads=4"), ("parallel.tp", "tp=3 does not divide the MLP width 4*d_model=256")],
+            ),
+            (json!({"parallel": {"pp": 3}}), vec![("parallel.pp", "pp=3 is more than layers=2")]),
+            (json!({"parallel": {"dp": 0}}), vec![("parallel.dp", "dp must be between 1 and 8 (it is 0)")]),
+            (json!({"parallel": {"dp": 4, "tp": 4}}), vec![("parallel", "world size dp*tp*pp = 4*4*1 = 16")]),
+            (json!({"parallel": {"sharding": "zero2"}}), vec![("parallel.sharding", "needs dp >= 2")]),
+            (json!({"parallel": {"bucket_bytes": 10}}), vec![("parallel.bucket_bytes", "between 1 KiB")]),
+            (json!({"train": {"steps": 0, "warmup_steps": 0}}), vec![("train.steps", "steps must be between 1 and 20000")]),
+            (json!({"train": {"lr": -1.0}}), vec![("train.lr", "above 0")]),
+            (json!({"train": {"lr": 0.0}}), vec![("train.lr", "above 0")]),
+            (json!({"train": {"micro_batch": 0}}), vec![("train.micro_batch", "micro_batch must be between 1 and 256")]),
+            (json!({"train": {"warmup_steps": 500}}), vec![("train.warmup_steps", "longer than the run")]),
+            (json!({"train": {"loss_scaling": "dynamic"}}), vec![("train.loss_scaling", "for fp16")]),
+            (json!({"train": {"grad_clip": -1.0}}), vec![("train.grad_clip", "positive")]),
+            (json!({"model": {"d_model": 1024, "layers": 32, "vocab": 65536}}), vec![("model", "parameters; this server allows at most")]),
+            // Several problems at once: all of them are reported.
+            (
+                json!({"model": {"heads": 5}, "parallel": {"tp": 2}, "train": {"steps": 0, "warmup_steps": 0}}),
+                vec![("model.heads", "heads=5"), ("parallel.tp", "tp=2 does not divide heads=5"), ("train.steps", "between 1")],
+            ),
+        ];
+        for (patch, expected) in table {
+            let errs = errors_for(patch.clone());
+            assert_eq!(errs.len(), expected.len(), "patch {patch}: got {errs:?}");
+            for (field, needle) in expected {
+                assert!(
+                    errs.iter().any(|e| e.field == field && e.message.contains(needle)),
+                    "patch {patch}: expected {field} ~ {needle:?}, got {errs:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn nan_lr_is_rejected() {
+        let mut spec = ExperimentSpec::default();
+        spec.train.lr = f64::NAN;
+        let errs = spec.validate(&Limits::default()).unwrap_err();
+        assert_eq!(errs[0].field, "train.lr");
+    }
+}
