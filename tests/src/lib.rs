@@ -1,1 +1,216 @@
-//! End-to-end tests live in tests/tests/.
+//! Test harness: starts the real `distlab-server` (and workers) on 127.0.0.1 with a free
+//! port and a temporary data directory, and talks to it over HTTP.
+//!
+//! The binaries must be built first (`cargo xtask test` does it):
+//! `cargo build -p distlab-server -p distlab-worker`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use distlab_common::*;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+pub const WORKER_TOKEN: &str = "test-worker-token";
+
+/// The repository root (this crate lives in `tests/`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+}
+
+/// Where the binaries under test are: `DISTLAB_BIN_DIR`, else the cargo target dir of this
+/// test build's profile (target/debug for `cargo test`).
+pub fn bin_path(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("DISTLAB_BIN_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            // target/<profile>/deps/<test-binary> -> target/<profile>
+            let exe = std::env::current_exe().expect("current exe");
+            exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf()
+        }
+    };
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built. Build the binaries first: `cargo build -p distlab-server -p distlab-worker` \
+         (or run the whole suite with `cargo xtask test`)",
+        path.display()
+    );
+    path
+}
+
+pub struct LabOptions {
+    pub local_workers: usize,
+    pub lease_seconds: f64,
+    pub heartbeat_seconds: f64,
+}
+
+impl Default for LabOptions {
+    fn default() -> Self {
+        Self { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 1.0 }
+    }
+}
+
+/// A running server (with its local workers). Everything is stopped on drop.
+pub struct Lab {
+    pub base: String,
+    pub data_dir: tempfile::TempDir,
+    server: Child,
+    workers: Vec<Child>,
+    agent: ureq::Agent,
+}
+
+impl Lab {
+    pub fn start() -> Lab {
+        Lab::start_with(LabOptions::default())
+    }
+
+    pub fn start_with(opts: LabOptions) -> Lab {
+        let data_dir = tempfile::tempdir().expect("temp dir");
+        let mut server = Command::new(bin_path("distlab-server"))
+            .args(["--addr", "127.0.0.1:0", "--worker-token", WORKER_TOKEN])
+            .arg("--data-dir")
+            .arg(data_dir.path())
+            .arg("--static-dir")
+            .arg(repo_root().join("target/site"))
+            .args(["--local-workers", &opts.local_workers.to_string()])
+            .args(["--lease-seconds", &opts.lease_seconds.to_string()])
+            .args(["--heartbeat-seconds", &opts.heartbeat_seconds.to_string()])
+            .arg("--worker-bin")
+            .arg(bin_path("distlab-worker"))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start distlab-server");
+
+        // The server prints "distlab is ready at http://127.0.0.1:PORT/" once it listens.
+        let stdout = server.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                eprintln!("[server] {line}");
+                if let Some(rest) = line.split("ready at ").nth(1) {
+                    let _ = tx.send(rest.trim().trim_end_matches('/').to_string());
+                }
+            }
+        });
+        let base = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(base) => base,
+            Err(_) => {
+                let _ = server.kill();
+                panic!("distlab-server did not print its URL within 30 s");
+            }
+        };
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        Lab { base, data_dir, server, workers: Vec::new(), agent }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// Starts an extra worker process against this server (killed on drop, or by the test).
+    pub fn spawn_worker(&mut self, name: &str) -> usize {
+        let child = Command::new(bin_path("distlab-worker"))
+            .args(["--server", &self.base, "--token", WORKER_TOKEN, "--name", name, "--give-up-seconds", "10"])
+            .spawn()
+            .expect("start distlab-worker");
+        self.workers.push(child);
+        self.workers.len() - 1
+    }
+
+    /// SIGKILLs a worker started with `spawn_worker` (it gets no chance to report anything).
+    pub fn kill_worker(&mut self, index: usize) {
+        let _ = self.workers[index].kill();
+        let _ = self.workers[index].wait();
+    }
+
+    pub fn get(&self, path: &str) -> (u16, Value) {
+        let resp = self.agent.get(&self.url(path)).call();
+        read(resp)
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let resp = self.agent.post(&self.url(path)).send_json(body);
+        read(resp)
+    }
+
+    pub fn get_as<T: DeserializeOwned>(&self, path: &str) -> T {
+        let (status, body) = self.get(path);
+        assert_eq!(status, 200, "GET {path}: {body}");
+        serde_json::from_value(body).unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    }
+
+    /// Submits a spec and returns the new experiment's id.
+    pub fn submit(&self, spec: &ExperimentSpec) -> i64 {
+        let (status, body) = self.post("/api/experiments", &serde_json::to_value(spec).unwrap());
+        assert_eq!(status, 201, "submit: {body}");
+        body["id"].as_i64().expect("id")
+    }
+
+    pub fn experiment(&self, id: i64) -> ExperimentView {
+        self.get_as(&format!("/api/experiments/{id}"))
+    }
+
+    /// Polls until `done(experiment)` holds, panicking after `timeout` with the last view.
+    pub fn wait_for(&self, id: i64, timeout: Duration, done: impl Fn(&ExperimentView) -> bool) -> ExperimentView {
+        let start = Instant::now();
+        loop {
+            let exp = self.experiment(id);
+            if done(&exp) {
+                return exp;
+            }
+            assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting on experiment {id}: {exp:?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    pub fn wait_finished(&self, id: i64, timeout: Duration) -> ExperimentView {
+        self.wait_for(id, timeout, |e| e.status.is_finished())
+    }
+}
+
+fn read(resp: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> (u16, Value) {
+    let mut resp = resp.expect("HTTP request to the test server");
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap_or_default();
+    let body = if text.trim().is_empty() { Value::Null } else { serde_json::from_str(&text).unwrap_or(Value::String(text)) };
+    (status, body)
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+        // SIGTERM lets the server stop its local workers; SIGKILL if it does not exit.
+        unsafe {
+            libc::kill(self.server.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.server.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}
+
+/// A spec small enough to train in a few seconds on this machine.
+pub fn quick_spec(name: &str, steps: u64) -> ExperimentSpec {
+    let mut spec = ExperimentSpec { name: name.into(), ..ExperimentSpec::default() };
+    spec.train.steps = steps;
+    spec.train.warmup_steps = spec.train.warmup_steps.min(steps);
+    spec
+}

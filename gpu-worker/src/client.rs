@@ -1,0 +1,98 @@
+//! The worker's side of the worker protocol: plain blocking HTTP calls to the server.
+
+use std::time::Duration;
+
+use distlab_common::*;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server could not be reached (connection refused, timeout, ...).
+    #[error("cannot reach the server at {url}: {source}")]
+    Transport { url: String, source: ureq::Error },
+    /// The server answered with an error status.
+    #[error("the server answered {status} to {path}: {message}")]
+    Status { path: String, status: u16, message: String },
+    #[error("the server's answer to {path} was not understood: {message}")]
+    Decode { path: String, message: String },
+}
+
+impl ClientError {
+    /// 409: this worker no longer holds the experiment (cancelled, or re-queued after a lost lease).
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, ClientError::Status { status: 409, .. })
+    }
+}
+
+pub struct ServerClient {
+    agent: ureq::Agent,
+    base: String,
+    token: String,
+}
+
+impl ServerClient {
+    pub fn new(base: &str, token: &str) -> Self {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        Self { agent, base: base.trim_end_matches('/').to_string(), token: token.to_string() }
+    }
+
+    pub fn register(&self, body: &RegisterWorker) -> Result<Registered, ClientError> {
+        self.post("/api/workers/register", body)?.ok_or_else(|| no_body("/api/workers/register"))
+    }
+
+    /// The next queued experiment for this worker, or None when the queue is empty.
+    pub fn lease(&self, worker_id: i64) -> Result<Option<Lease>, ClientError> {
+        self.post("/api/workers/lease", &LeaseRequest { worker_id })
+    }
+
+    pub fn heartbeat(&self, worker_id: i64, experiment_id: Option<i64>) -> Result<WorkerAck, ClientError> {
+        Ok(self.post("/api/workers/heartbeat", &Heartbeat { worker_id, experiment_id })?.unwrap_or_default())
+    }
+
+    pub fn send_events(&self, batch: &EventBatch) -> Result<WorkerAck, ClientError> {
+        Ok(self.post("/api/workers/events", batch)?.unwrap_or_default())
+    }
+
+    pub fn complete(&self, body: &Complete) -> Result<(), ClientError> {
+        self.post::<_, serde_json::Value>("/api/workers/complete", body).map(drop)
+    }
+
+    pub fn fail(&self, body: &Fail) -> Result<(), ClientError> {
+        self.post::<_, serde_json::Value>("/api/workers/fail", body).map(drop)
+    }
+
+    /// POSTs JSON; Ok(None) for an empty answer (204), the decoded body otherwise.
+    fn post<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> Result<Option<T>, ClientError> {
+        let url = format!("{}{}", self.base, path);
+        let mut resp = self
+            .agent
+            .post(&url)
+            .header("Authorization", &format!("Bearer {}", self.token))
+            .send_json(body)
+            .map_err(|source| ClientError::Transport { url: url.clone(), source })?;
+        let status = resp.status().as_u16();
+        let text = resp
+            .body_mut()
+            .read_to_string()
+            .map_err(|e| ClientError::Decode { path: path.into(), message: e.to_string() })?;
+        if !(200..300).contains(&status) {
+            let message = serde_json::from_str::<ApiError>(&text).map(|e| e.error).unwrap_or(text);
+            return Err(ClientError::Status { path: path.into(), status, message });
+        }
+        if status == 204 || text.trim().is_empty() {
+            return Ok(None);
+        }
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| ClientError::Decode { path: path.into(), message: e.to_string() })
+    }
+}
+
+fn no_body(path: &str) -> ClientError {
+    ClientError::Decode { path: path.into(), message: "empty answer".into() }
+}

@@ -1,0 +1,74 @@
+//! `distlab-worker run SPEC.json [--out DIR]`: train one spec with no server.
+//! stdout: one JSON line per optimizer step, then `{"summary": {...}}`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use anyhow::Context;
+use distlab_common::*;
+use distlab_worker::train::{train, TrainError, TrainOptions};
+
+/// Exit codes: 0 done, 1 the run failed, 2 the spec is invalid or unsupported.
+pub fn run_spec_file(spec_path: &Path, out: Option<PathBuf>, threads: usize) -> anyhow::Result<i32> {
+    let text = std::fs::read_to_string(spec_path).with_context(|| format!("cannot read {}", spec_path.display()))?;
+    let spec = match ExperimentSpec::from_json_str(&text) {
+        Ok(spec) => spec,
+        Err(errors) => return Ok(invalid(spec_path, &errors)),
+    };
+    if let Err(errors) = spec.validate(&Limits::default()) {
+        return Ok(invalid(spec_path, &errors));
+    }
+    let mut metrics_file = match &out {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            std::fs::write(dir.join("spec.json"), serde_json::to_string_pretty(&spec)?)?;
+            Some(std::io::BufWriter::new(std::fs::File::create(dir.join("metrics.jsonl"))?))
+        }
+        None => None,
+    };
+
+    let stdout = std::io::stdout();
+    let mut write_error = None;
+    let mut on_event = |event: RunEvent| match event {
+        RunEvent::Metric(point) => {
+            let line = serde_json::to_string(&point).unwrap_or_default();
+            let mut w = stdout.lock();
+            let res = writeln!(w, "{line}").and_then(|_| w.flush());
+            let res = res.and_then(|_| metrics_file.as_mut().map_or(Ok(()), |f| writeln!(f, "{line}")));
+            if let Err(e) = res {
+                write_error.get_or_insert(e);
+            }
+        }
+        RunEvent::Log(log) => eprintln!("[{:?}] {}", log.level, log.message),
+    };
+    let result = train(&spec, &TrainOptions { threads }, &mut on_event, &AtomicBool::new(false));
+    if let Some(e) = write_error {
+        return Err(e).context("cannot write the metrics");
+    }
+    match result {
+        Ok(summary) => {
+            println!("{}", serde_json::json!({ "summary": summary }));
+            if let Some(dir) = &out {
+                std::fs::write(dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+            }
+            Ok(0)
+        }
+        Err(e @ (TrainError::Invalid(_) | TrainError::Unsupported(_))) => {
+            eprintln!("error: {e}");
+            Ok(2)
+        }
+        Err(e) => {
+            eprintln!("error: the run failed: {e}");
+            Ok(1)
+        }
+    }
+}
+
+fn invalid(path: &Path, errors: &[FieldError]) -> i32 {
+    eprintln!("error: {} is not a valid experiment spec:", path.display());
+    for e in errors {
+        eprintln!("  - {e}");
+    }
+    2
+}

@@ -1,0 +1,176 @@
+//! `distlab-worker --server URL --token T`: register, then lease experiments one at a
+//! time, train them, stream their events back in batches, and report how they ended.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use distlab_common::*;
+
+use crate::client::{ClientError, ServerClient};
+use distlab_worker::train::{train, TrainError, TrainOptions};
+
+pub struct WorkerConfig {
+    pub server: String,
+    pub token: String,
+    pub name: String,
+    pub threads: usize,
+    /// How long to wait between lease requests when the queue is empty.
+    pub poll_interval: Duration,
+    /// Exit when the server has been unreachable this long (a local worker whose server died).
+    pub give_up_after: Duration,
+}
+
+/// Events are sent when this many are pending, or when the oldest has waited `FLUSH_EVERY`.
+const BATCH_EVENTS: usize = 256;
+const FLUSH_EVERY: Duration = Duration::from_millis(500);
+
+pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
+    let client = ServerClient::new(&cfg.server, &cfg.token);
+    let threads = if cfg.threads == 0 { thread::available_parallelism().map_or(1, |n| n.get()) } else { cfg.threads };
+    let registration = RegisterWorker {
+        name: cfg.name.clone(),
+        backends: vec![BackendKind::Cpu],
+        devices: vec![format!("cpu: {threads} threads")],
+        version: VERSION.to_string(),
+    };
+    let registered = retry_while_unreachable(&cfg, "register", || client.register(&registration))?;
+    let heartbeat = Duration::from_secs_f64(registered.heartbeat_interval_s.clamp(0.2, 60.0));
+    tracing::info!(worker_id = registered.worker_id, server = %cfg.server, "registered");
+
+    loop {
+        let lease = retry_while_unreachable(&cfg, "lease", || client.lease(registered.worker_id))?;
+        match lease {
+            None => thread::sleep(cfg.poll_interval),
+            Some(lease) => {
+                tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased");
+                run_leased(&client, registered.worker_id, lease, threads, heartbeat);
+            }
+        }
+    }
+}
+
+/// Calls `f` until it gets an answer from the server, waiting while the server is unreachable
+/// (restarting, say) but at most `give_up_after`.
+fn retry_while_unreachable<T>(
+    cfg: &WorkerConfig,
+    what: &str,
+    mut f: impl FnMut() -> Result<T, ClientError>,
+) -> anyhow::Result<T> {
+    let started = Instant::now();
+    let mut wait = Duration::from_millis(200);
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e @ ClientError::Transport { .. }) if started.elapsed() < cfg.give_up_after => {
+                tracing::warn!("{what}: {e}; retrying in {wait:?}");
+                thread::sleep(wait);
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(anyhow::anyhow!("{what}: {e}")),
+        }
+    }
+}
+
+/// Trains one leased experiment on a training thread while this thread forwards its events,
+/// heartbeats, and turns a cancel from the server into the training loop's cancel flag.
+fn run_leased(client: &ServerClient, worker_id: i64, lease: Lease, threads: usize, heartbeat: Duration) {
+    let experiment_id = lease.experiment_id;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel::<RunEvent>();
+    let training = {
+        let cancel = cancel.clone();
+        let spec = lease.spec.clone();
+        thread::Builder::new().name(format!("train-{experiment_id}")).spawn(move || {
+            let mut on_event = |e: RunEvent| {
+                let _ = tx.send(e);
+            };
+            train(&spec, &TrainOptions { threads }, &mut on_event, &cancel)
+        })
+    };
+    let training = match training {
+        Ok(handle) => handle,
+        Err(e) => {
+            report_failure(client, worker_id, experiment_id, format!("could not start the training thread: {e}"), false);
+            return;
+        }
+    };
+
+    let mut pending: Vec<RunEvent> = Vec::new();
+    let mut last_flush = Instant::now();
+    let mut last_heartbeat = Instant::now();
+    // Set when the server says this worker no longer owns the experiment.
+    let mut lease_lost = false;
+    let mut on_ack = |ack: Result<WorkerAck, ClientError>, lease_lost: &mut bool| match ack {
+        Ok(ack) if ack.cancel => cancel.store(true, Ordering::Relaxed),
+        Ok(_) => {}
+        Err(e) if e.is_conflict() => {
+            *lease_lost = true;
+            cancel.store(true, Ordering::Relaxed);
+        }
+        Err(e) => tracing::warn!(experiment = experiment_id, "{e}"),
+    };
+    loop {
+        let done = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(event) => {
+                pending.push(event);
+                false
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => false,
+            Err(mpsc::RecvTimeoutError::Disconnected) => true,
+        };
+        let due = pending.len() >= BATCH_EVENTS || (!pending.is_empty() && last_flush.elapsed() >= FLUSH_EVERY);
+        if (due || done) && !pending.is_empty() && !lease_lost {
+            let batch = EventBatch { worker_id, experiment_id, events: std::mem::take(&mut pending) };
+            match client.send_events(&batch) {
+                Err(ClientError::Transport { .. }) => pending = batch.events, // keep them, try again
+                ack => on_ack(ack, &mut lease_lost),
+            }
+            last_flush = Instant::now();
+            last_heartbeat = Instant::now();
+        }
+        if done {
+            break;
+        }
+        if last_heartbeat.elapsed() >= heartbeat && !lease_lost {
+            on_ack(client.heartbeat(worker_id, Some(experiment_id)), &mut lease_lost);
+            last_heartbeat = Instant::now();
+        }
+    }
+
+    let result = training.join();
+    if lease_lost {
+        tracing::info!(experiment = experiment_id, "stopped: the server gave the experiment back to the queue or cancelled it");
+        return;
+    }
+    match result {
+        Ok(Ok(summary)) => {
+            tracing::info!(experiment = experiment_id, final_loss = summary.final_loss, "succeeded");
+            if let Err(e) = client.complete(&Complete { worker_id, experiment_id, summary }) {
+                tracing::warn!(experiment = experiment_id, "could not report completion: {e}");
+            }
+        }
+        Ok(Err(TrainError::Cancelled)) => report_failure(client, worker_id, experiment_id, "cancelled".into(), true),
+        Ok(Err(e)) => report_failure(client, worker_id, experiment_id, e.to_string(), false),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            report_failure(client, worker_id, experiment_id, format!("the engine crashed: {what}"), false)
+        }
+    }
+}
+
+fn report_failure(client: &ServerClient, worker_id: i64, experiment_id: i64, error: String, cancelled: bool) {
+    if cancelled {
+        tracing::info!(experiment = experiment_id, "cancelled");
+    } else {
+        tracing::warn!(experiment = experiment_id, "failed: {error}");
+    }
+    if let Err(e) = client.fail(&Fail { worker_id, experiment_id, error, cancelled }) {
+        tracing::warn!(experiment = experiment_id, "could not report the failure: {e}");
+    }
+}

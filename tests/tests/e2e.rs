@@ -1,0 +1,105 @@
+//! End to end: the real server and worker binaries on 127.0.0.1, over HTTP.
+
+use std::time::Duration;
+
+use distlab_common::*;
+use distlab_tests::*;
+
+#[test]
+fn submitted_experiment_trains_and_its_metrics_are_stored() {
+    let lab = Lab::start();
+    let health: Health = lab.get_as("/api/health");
+    assert_eq!(health.status, "ok");
+
+    let spec = quick_spec("e2e-quick", 40);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
+    assert_eq!(exp.attempt, 1);
+    assert_eq!(exp.steps_done, 40);
+    assert!(exp.started_at.is_some() && exp.finished_at.is_some());
+
+    let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
+    let steps: Vec<u64> = metrics.steps.iter().map(|m| m.step).collect();
+    assert_eq!(steps, (0..40).collect::<Vec<_>>());
+    let first = metrics.steps[0].loss;
+    let last = metrics.steps[39].loss;
+    assert!(last < first - 0.3, "the loss should fall: {first} -> {last}");
+
+    let summary = exp.summary.expect("a succeeded experiment has a summary");
+    assert_eq!(summary.steps, 40);
+    assert_eq!(summary.final_loss, last);
+    assert!(summary.tokens_per_s > 0.0);
+
+    let list: ExperimentList = lab.get_as("/api/experiments?status=succeeded");
+    assert_eq!(list.total, 1);
+    assert_eq!(list.experiments[0].id, id);
+    let health: Health = lab.get_as("/api/health");
+    assert!(health.workers >= 1, "the local worker is counted: {health:?}");
+}
+
+#[test]
+fn invalid_spec_is_rejected_with_every_field_error() {
+    let lab = Lab::start_with(LabOptions { local_workers: 0, ..LabOptions::default() });
+    let body = serde_json::json!({"name": "bad", "model": {"heads": 3}, "parallel": {"tp": 2}});
+    let (status, err) = lab.post("/api/experiments", &body);
+    assert_eq!(status, 422, "{err}");
+    let err: ApiError = serde_json::from_value(err).unwrap();
+    let fields: Vec<&str> = err.fields.iter().map(|f| f.field.as_str()).collect();
+    assert!(fields.contains(&"model.heads") && fields.contains(&"parallel.tp"), "{err:?}");
+    let list: ExperimentList = lab.get_as("/api/experiments");
+    assert_eq!(list.total, 0, "nothing is stored for a rejected spec");
+}
+
+/// A run long enough to be interrupted: a few hundred milliseconds per step would be too
+/// slow for CI, so it uses many quick steps.
+fn long_spec(name: &str) -> ExperimentSpec {
+    let mut spec = quick_spec(name, 3000);
+    spec.model.d_model = 128;
+    spec.train.micro_batch = 16;
+    spec
+}
+
+#[test]
+fn killed_worker_lease_expires_and_a_second_worker_finishes_the_run() {
+    let mut lab = Lab::start_with(LabOptions { local_workers: 0, lease_seconds: 2.0, heartbeat_seconds: 0.5 });
+    let first = lab.spawn_worker("first");
+    let mut spec = long_spec("survives-a-dead-worker");
+    spec.train.steps = 300;
+    let id = lab.submit(&spec);
+    lab.wait_for(id, Duration::from_secs(60), |e| e.status == ExperimentStatus::Running && e.steps_done >= 3);
+    lab.kill_worker(first);
+
+    // The lease expires (2 s) and the experiment goes back to the queue with attempt 1 used.
+    let requeued = lab.wait_for(id, Duration::from_secs(20), |e| e.status == ExperimentStatus::Queued);
+    assert_eq!(requeued.attempt, 1);
+
+    lab.spawn_worker("second");
+    let exp = lab.wait_finished(id, Duration::from_secs(240));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
+    assert_eq!(exp.attempt, 2, "the second worker's lease is the second attempt");
+    let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
+    assert_eq!(metrics.steps.len(), 300, "every step is stored once");
+}
+
+#[test]
+fn cancel_stops_a_running_experiment_and_frees_the_worker() {
+    let lab = Lab::start_with(LabOptions { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 0.5 });
+    let long = lab.submit(&long_spec("to-be-cancelled"));
+    lab.wait_for(long, Duration::from_secs(60), |e| e.status == ExperimentStatus::Running && e.steps_done >= 2);
+    let (status, body) = lab.post(&format!("/api/experiments/{long}/cancel"), &serde_json::json!({}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(lab.experiment(long).status, ExperimentStatus::Cancelled);
+
+    // The only worker must stop the cancelled run within seconds to pick up the next one.
+    let next = lab.submit(&quick_spec("after-cancel", 5));
+    let exp = lab.wait_finished(next, Duration::from_secs(30));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
+    let cancelled = lab.experiment(long);
+    assert_eq!(cancelled.status, ExperimentStatus::Cancelled);
+    assert!(cancelled.steps_done < 3000);
+
+    // Cancelling a finished experiment is a state conflict.
+    let (status, body) = lab.post(&format!("/api/experiments/{long}/cancel"), &serde_json::json!({}));
+    assert_eq!(status, 409, "{body}");
+}
