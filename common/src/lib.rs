@@ -6,6 +6,7 @@ pub mod api;
 pub mod events;
 pub mod presets;
 pub mod spec;
+pub mod trace;
 pub mod validate;
 
 pub use api::*;

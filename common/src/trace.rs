@@ -1,0 +1,106 @@
+//! What the engine records about communication, for the ring replay and timelines.
+//!
+//! Full detail (every ring step) is kept for the first `detail_limit` collectives of a
+//! rank; after that only per-operation counters grow, so a long run stays small.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveOp {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Send,
+    Recv,
+    Barrier,
+}
+
+impl CollectiveOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::ReduceScatter => "reduce_scatter",
+            CollectiveOp::AllGather => "all_gather",
+            CollectiveOp::Broadcast => "broadcast",
+            CollectiveOp::Send => "send",
+            CollectiveOp::Recv => "recv",
+            CollectiveOp::Barrier => "barrier",
+        }
+    }
+}
+
+/// Which half of a ring algorithm a step belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RingPhase {
+    /// Partial sums travel round the ring; each step adds one more rank's contribution.
+    ReduceScatter,
+    /// Finished chunks travel round the ring and are copied.
+    AllGather,
+    /// A chain from the root: each rank forwards what it received.
+    Broadcast,
+    /// A single send between two ranks.
+    PointToPoint,
+}
+
+/// One step of a collective as the sending rank saw it: chunk `chunk` went from `from` to `to`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RingStep {
+    pub collective: u64,
+    pub phase: RingPhase,
+    pub step: u32,
+    pub chunk: u32,
+    /// Global ranks.
+    pub from: u32,
+    pub to: u32,
+    pub bytes: u64,
+    /// Microseconds since the Unix epoch (all ranks share the machine's clock).
+    pub start_us: u64,
+    pub end_us: u64,
+    /// The values sent, for small buffers (demos), so a replay can show the numbers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub values: Option<Vec<f32>>,
+}
+
+/// One collective call on one rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CollectiveRecord {
+    /// Sequence number within the group (the same on every rank of the group).
+    pub id: u64,
+    pub op: CollectiveOp,
+    /// The group's name ("world", "dp", "tp", "pp") and its global ranks in ring order.
+    pub group: String,
+    pub ranks: Vec<u32>,
+    pub elements: u64,
+    pub bytes_sent: u64,
+    pub start_us: u64,
+    pub end_us: u64,
+    /// This rank's buffer before and after, for small buffers (demos).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<Vec<f32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<Vec<f32>>,
+}
+
+/// Totals per operation over the whole run, detailed or not.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CollectiveCounter {
+    pub op: CollectiveOp,
+    pub calls: u64,
+    pub elements: u64,
+    pub bytes_sent: u64,
+    pub total_us: u64,
+}
+
+/// Everything one rank recorded about its communication.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankCommTrace {
+    pub rank: u32,
+    /// Collectives recorded in full detail (the first ones); later ones only in `counters`.
+    pub detail_limit: u64,
+    pub collectives: Vec<CollectiveRecord>,
+    pub steps: Vec<RingStep>,
+    pub counters: Vec<CollectiveCounter>,
+}

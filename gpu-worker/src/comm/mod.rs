@@ -1,0 +1,98 @@
+//! Collective communication between rank processes.
+//!
+//! `Communicator` is the small interface the parallel strategies use (DDP, ZeRO, FSDP,
+//! tensor and pipeline parallel). `ring.rs` implements it with the ring algorithms written
+//! out step by step; `transport.rs` connects the rank processes (Unix domain sockets).
+//!
+//! Buffers are split into W chunks for the ring; when W does not divide the length the
+//! first `len % W` chunks are one element longer (`chunk_range`).
+
+pub mod ring;
+pub mod transport;
+
+use std::ops::Range;
+
+pub use ring::RingCommunicator;
+pub use transport::{Mesh, RendezvousError};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size (what data parallelism does with gradients).
+    Avg,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error("{collective}: waited {waited_s:.1} s for rank {peer}, which sent nothing (is it stuck or dead?)")]
+    Timeout { collective: String, peer: usize, waited_s: f64 },
+    #[error("{collective}: the connection to rank {peer} broke ({source}); that rank probably exited")]
+    Disconnected { collective: String, peer: usize, source: std::io::Error },
+    #[error("{collective}: rank {peer} sent {got}, but this rank expected {expected}: the ranks are not running the same collectives")]
+    Mismatch { collective: String, peer: usize, got: String, expected: String },
+    #[error("{collective}: {detail}")]
+    BadBuffer { collective: String, detail: String },
+}
+
+/// One group of ranks that run collectives together (all ranks, or a data-, tensor- or
+/// pipeline-parallel group of the mesh). Ranks here are positions in the group: 0..size.
+pub trait Communicator: Send {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+
+    /// Every rank ends with the element-wise sum (or mean) of all ranks' `buf`.
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError>;
+
+    /// Reduces `input` (the same length on every rank) and leaves chunk `rank` of the result
+    /// in `output` (`chunk_range(input.len(), size, rank)`). `input` is used as scratch.
+    fn reduce_scatter(&mut self, input: &mut [f32], output: &mut [f32], op: ReduceOp) -> Result<(), CommError>;
+
+    /// Concatenates every rank's chunk: rank r's `input` lands in
+    /// `output[chunk_range(output.len(), size, r)]`.
+    fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError>;
+
+    /// Every rank ends with `root`'s `buf`.
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
+
+    /// Point to point (pipeline parallelism): the receiver knows the length.
+    fn send(&mut self, buf: &[f32], to: usize) -> Result<(), CommError>;
+    fn recv(&mut self, buf: &mut [f32], from: usize) -> Result<(), CommError>;
+
+    /// Returns once every rank of the group has called it.
+    fn barrier(&mut self) -> Result<(), CommError>;
+
+    /// Bytes this rank has sent since it was created (payload only).
+    fn bytes_sent(&self) -> u64;
+}
+
+/// The elements of chunk `index` when `len` elements are split into `parts` chunks:
+/// the first `len % parts` chunks hold one element more than the others.
+pub fn chunk_range(len: usize, parts: usize, index: usize) -> Range<usize> {
+    let base = len / parts;
+    let extra = len % parts;
+    let start = index * base + index.min(extra);
+    let size = base + usize::from(index < extra);
+    start..start + size
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_in_order() {
+        for len in [0, 1, 2, 7, 16, 17, 1000] {
+            for parts in 1..=8 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let r = chunk_range(len, parts, i);
+                    assert_eq!(r.start, next);
+                    assert!(r.len() == len / parts || r.len() == len / parts + 1);
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}

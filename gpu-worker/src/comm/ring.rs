@@ -1,0 +1,454 @@
+//! Ring collectives, written out step by step.
+//!
+//! W ranks stand in a ring; each sends only to its right neighbour (position + 1) and
+//! receives only from its left one. A buffer of D elements is cut into W chunks.
+//!
+//! all-reduce = reduce-scatter, then all-gather:
+//!
+//! * reduce-scatter, W-1 steps: at step s rank r sends chunk (r-s-1) mod W and receives
+//!   chunk (r-s-2) mod W, adding it to its own copy. A chunk picks up one more rank's
+//!   contribution per step, so after W-1 steps rank r holds chunk r summed over all ranks.
+//! * all-gather, W-1 steps: at step s rank r sends chunk (r-s) mod W (finished) and
+//!   receives chunk (r-s-1) mod W, copying it. After W-1 steps every rank has every chunk.
+//!
+//! Each rank sends (W-1)/W * D elements per phase, so 2(W-1)/W * D for an all-reduce,
+//! whatever W is: the ring is bandwidth-optimal. Within a step a chunk streams in pieces,
+//! sent on a helper thread while this thread receives and adds, so sending, receiving and
+//! reducing overlap and large tensors never sit whole in a socket buffer.
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlab_common::trace::*;
+
+use super::transport::{recv_header, send_frame, Mesh};
+use super::{chunk_range, CommError, Communicator, ReduceOp};
+use crate::trace::{now_us, CommTracer, VALUE_RECORD_LIMIT};
+
+/// Elements received and reduced at a time.
+const PIECE: usize = 64 * 1024;
+/// Messages up to this size are written before receiving, without a helper thread:
+/// they fit in the socket buffer, so the write cannot wait on the neighbour.
+const INLINE_SEND_BYTES: usize = 256 * 1024;
+/// Tags of point-to-point messages (collectives use the group's sequence number).
+const P2P_TAG: u64 = 1 << 63;
+
+pub struct RingCommunicator {
+    name: String,
+    /// Global ranks of the group in ring order; `me` is this rank's position.
+    members: Vec<usize>,
+    me: usize,
+    /// Per position: the socket halves to that member (None for self).
+    tx: Vec<Option<UnixStream>>,
+    rx: Vec<Option<UnixStream>>,
+    /// Collectives started in this group: the same on every member, checked in each frame.
+    seq: u64,
+    p2p_sent: Vec<u64>,
+    p2p_received: Vec<u64>,
+    bytes_sent: u64,
+    timeout: Duration,
+    scratch: Vec<f32>,
+    tracer: Option<Arc<CommTracer>>,
+    /// Steps of the collective in progress, when it is recorded in detail.
+    steps: Option<Vec<RingStep>>,
+}
+
+/// What is running, for error messages and the trace.
+#[derive(Clone, Copy)]
+struct Step {
+    op: CollectiveOp,
+    id: u64,
+    phase: RingPhase,
+    step: u32,
+    steps: u32,
+}
+
+impl RingCommunicator {
+    /// A communicator over `members` (global ranks, in ring order; must include this rank).
+    pub fn new(
+        mesh: &Mesh,
+        name: &str,
+        members: Vec<usize>,
+        timeout: Duration,
+        tracer: Option<Arc<CommTracer>>,
+    ) -> std::io::Result<Self> {
+        let me = members.iter().position(|&r| r == mesh.rank).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("rank {} is not in group {name}", mesh.rank))
+        })?;
+        let mut tx = Vec::new();
+        let mut rx = Vec::new();
+        for link in mesh.links(&members)? {
+            match link {
+                Some(link) => {
+                    link.rx.set_read_timeout(Some(timeout))?;
+                    link.tx.set_write_timeout(Some(timeout))?;
+                    tx.push(Some(link.tx));
+                    rx.push(Some(link.rx));
+                }
+                None => {
+                    tx.push(None);
+                    rx.push(None);
+                }
+            }
+        }
+        let n = members.len();
+        Ok(Self {
+            name: name.to_string(),
+            members,
+            me,
+            tx,
+            rx,
+            seq: 0,
+            p2p_sent: vec![0; n],
+            p2p_received: vec![0; n],
+            bytes_sent: 0,
+            timeout,
+            scratch: vec![0.0; PIECE],
+            tracer,
+            steps: None,
+        })
+    }
+
+    fn next(&self) -> usize {
+        (self.me + 1) % self.members.len()
+    }
+
+    fn prev(&self) -> usize {
+        (self.me + self.members.len() - 1) % self.members.len()
+    }
+
+    fn describe(&self, s: &Step) -> String {
+        match s.phase {
+            RingPhase::ReduceScatter | RingPhase::AllGather => format!(
+                "{} #{} in group {} ({} step {}/{})",
+                s.op.as_str(),
+                s.id,
+                self.name,
+                if s.phase == RingPhase::ReduceScatter { "reduce-scatter" } else { "all-gather" },
+                s.step + 1,
+                s.steps
+            ),
+            _ => format!("{} #{} in group {}", s.op.as_str(), s.id, self.name),
+        }
+    }
+
+    fn io_error(&self, e: std::io::Error, s: &Step, peer_pos: usize) -> CommError {
+        let collective = self.describe(s);
+        let peer = self.members[peer_pos];
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                CommError::Timeout { collective, peer, waited_s: self.timeout.as_secs_f64() }
+            }
+            _ => CommError::Disconnected { collective, peer, source: e },
+        }
+    }
+
+    /// Starts a collective: its id, and whether it is recorded step by step.
+    fn begin(&mut self) -> u64 {
+        let id = self.seq;
+        self.seq += 1;
+        self.steps = match &self.tracer {
+            Some(t) if t.wants_detail() => Some(Vec::new()),
+            _ => None,
+        };
+        id
+    }
+
+    fn finish(&mut self, op: CollectiveOp, id: u64, elements: usize, sent_before: u64, start_us: u64, io: (Option<Vec<f32>>, Option<Vec<f32>>)) {
+        let steps = self.steps.take();
+        if let Some(tracer) = &self.tracer {
+            let detailed = steps.is_some();
+            let record = CollectiveRecord {
+                id,
+                op,
+                group: self.name.clone(),
+                ranks: self.members.iter().map(|&r| r as u32).collect(),
+                elements: elements as u64,
+                bytes_sent: self.bytes_sent - sent_before,
+                start_us,
+                end_us: now_us(),
+                input: if detailed { io.0 } else { None },
+                output: if detailed { io.1 } else { None },
+            };
+            tracer.record(record, steps.unwrap_or_default());
+        }
+    }
+
+    fn small_copy(&self, buf: &[f32]) -> Option<Vec<f32>> {
+        (self.steps.is_some() && buf.len() <= VALUE_RECORD_LIMIT).then(|| buf.to_vec())
+    }
+
+    /// One ring step: sends `out` to the right neighbour while receiving `inp.len()` elements
+    /// from the left one, which are added into `inp` (`reduce`) or copied over it.
+    fn ring_step(&mut self, out: &[f32], inp: &mut [f32], reduce: bool, s: Step, chunk: usize) -> Result<(), CommError> {
+        let (next, prev) = (self.next(), self.prev());
+        let start = now_us();
+        let tag = s.id;
+        let payload: &[u8] = bytemuck::cast_slice(out);
+        let tx = self.tx[next].as_mut().expect("a ring neighbour is another rank");
+        let rx = self.rx[prev].as_mut().expect("a ring neighbour is another rank");
+        let scratch = &mut self.scratch;
+        let (sent, received) = if payload.len() <= INLINE_SEND_BYTES {
+            let sent = send_frame(tx, tag, payload);
+            (sent, receive(rx, scratch, inp, reduce, tag))
+        } else {
+            std::thread::scope(|scope| {
+                let sender = scope.spawn(move || send_frame(tx, tag, payload));
+                let received = receive(rx, scratch, inp, reduce, tag);
+                let sent = sender.join().unwrap_or_else(|_| Err(std::io::Error::other("send thread panicked")));
+                (sent, received)
+            })
+        };
+        sent.map_err(|e| self.io_error(e, &s, next))?;
+        received.map_err(|e| self.receive_error(e, &s, prev, tag, inp.len()))?;
+        self.bytes_sent += payload.len() as u64;
+        if let Some(steps) = &mut self.steps {
+            steps.push(RingStep {
+                collective: s.id,
+                phase: s.phase,
+                step: s.step,
+                chunk: chunk as u32,
+                from: self.members[self.me] as u32,
+                to: self.members[next] as u32,
+                bytes: payload.len() as u64,
+                start_us: start,
+                end_us: now_us(),
+                values: (out.len() <= VALUE_RECORD_LIMIT).then(|| out.to_vec()),
+            });
+        }
+        Ok(())
+    }
+
+    fn receive_error(&self, e: ReceiveError, s: &Step, peer_pos: usize, tag: u64, elements: usize) -> CommError {
+        match e {
+            ReceiveError::Io(e) => self.io_error(e, s, peer_pos),
+            ReceiveError::Mismatch { tag: got_tag, bytes } => CommError::Mismatch {
+                collective: self.describe(s),
+                peer: self.members[peer_pos],
+                got: format!("message #{} of {} bytes", got_tag & !P2P_TAG, bytes),
+                expected: format!("message #{} of {} bytes", tag & !P2P_TAG, elements * 4),
+            },
+        }
+    }
+
+    /// The reduce-scatter phase in place: afterwards chunk `me` of `buf` is complete.
+    fn reduce_scatter_phase(&mut self, buf: &mut [f32], op: CollectiveOp, id: u64) -> Result<(), CommError> {
+        let w = self.members.len();
+        let r = self.me;
+        for step in 0..w - 1 {
+            let send_chunk = (r + 2 * w - step - 1) % w;
+            let recv_chunk = (r + 2 * w - step - 2) % w;
+            let (out, inp) = disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
+            let s = Step { op, id, phase: RingPhase::ReduceScatter, step: step as u32, steps: (w - 1) as u32 };
+            self.ring_step(out, inp, true, s, send_chunk)?;
+        }
+        Ok(())
+    }
+
+    /// The all-gather phase in place: chunk `me` of `buf` is complete; afterwards all are.
+    fn all_gather_phase(&mut self, buf: &mut [f32], op: CollectiveOp, id: u64) -> Result<(), CommError> {
+        let w = self.members.len();
+        let r = self.me;
+        for step in 0..w - 1 {
+            let send_chunk = (r + w - step) % w;
+            let recv_chunk = (r + 2 * w - step - 1) % w;
+            let (out, inp) = disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
+            let s = Step { op, id, phase: RingPhase::AllGather, step: step as u32, steps: (w - 1) as u32 };
+            self.ring_step(out, inp, false, s, send_chunk)?;
+        }
+        Ok(())
+    }
+}
+
+/// Borrows two non-overlapping ranges of one buffer: one to read, one to write.
+fn disjoint(buf: &mut [f32], read: std::ops::Range<usize>, write: std::ops::Range<usize>) -> (&[f32], &mut [f32]) {
+    if read.start >= write.end {
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.len()], &mut lo[write])
+    } else {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.len()])
+    }
+}
+
+enum ReceiveError {
+    Io(std::io::Error),
+    Mismatch { tag: u64, bytes: u64 },
+}
+
+impl From<std::io::Error> for ReceiveError {
+    fn from(e: std::io::Error) -> Self {
+        ReceiveError::Io(e)
+    }
+}
+
+/// Receives one framed message into `inp`, adding (`reduce`) or copying piece by piece.
+fn receive(rx: &mut UnixStream, scratch: &mut [f32], inp: &mut [f32], reduce: bool, tag: u64) -> Result<(), ReceiveError> {
+    let (got_tag, bytes) = recv_header(rx)?;
+    if got_tag != tag || bytes != (inp.len() * 4) as u64 {
+        return Err(ReceiveError::Mismatch { tag: got_tag, bytes });
+    }
+    if reduce {
+        for piece in inp.chunks_mut(PIECE) {
+            let incoming = &mut scratch[..piece.len()];
+            rx.read_exact(bytemuck::cast_slice_mut(incoming))?;
+            for (acc, x) in piece.iter_mut().zip(incoming.iter()) {
+                *acc += *x;
+            }
+        }
+    } else {
+        rx.read_exact(bytemuck::cast_slice_mut(inp))?;
+    }
+    Ok(())
+}
+
+fn scale(buf: &mut [f32], divisor: usize) {
+    let d = divisor as f32;
+    for x in buf {
+        *x /= d;
+    }
+}
+
+impl Communicator for RingCommunicator {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let id = self.begin();
+        let (start, sent_before, input) = (now_us(), self.bytes_sent, self.small_copy(buf));
+        let w = self.members.len();
+        if w > 1 {
+            self.reduce_scatter_phase(buf, CollectiveOp::AllReduce, id)?;
+            if op == ReduceOp::Avg {
+                let mine = chunk_range(buf.len(), w, self.me);
+                scale(&mut buf[mine], w);
+            }
+            self.all_gather_phase(buf, CollectiveOp::AllReduce, id)?;
+        }
+        let output = self.small_copy(buf);
+        self.finish(CollectiveOp::AllReduce, id, buf.len(), sent_before, start, (input, output));
+        Ok(())
+    }
+
+    fn reduce_scatter(&mut self, input: &mut [f32], output: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let w = self.members.len();
+        let mine = chunk_range(input.len(), w, self.me);
+        let id = self.begin();
+        if output.len() != mine.len() {
+            self.steps = None;
+            return Err(CommError::BadBuffer {
+                collective: format!("reduce_scatter #{id} in group {}", self.name),
+                detail: format!("input has {} elements, so this rank's output needs {}, not {}", input.len(), mine.len(), output.len()),
+            });
+        }
+        let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(input));
+        if w > 1 {
+            self.reduce_scatter_phase(input, CollectiveOp::ReduceScatter, id)?;
+        }
+        output.copy_from_slice(&input[mine]);
+        if op == ReduceOp::Avg && w > 1 {
+            scale(output, w);
+        }
+        let after = self.small_copy(output);
+        self.finish(CollectiveOp::ReduceScatter, id, input.len(), sent_before, start, (before, after));
+        Ok(())
+    }
+
+    fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        let w = self.members.len();
+        let mine = chunk_range(output.len(), w, self.me);
+        let id = self.begin();
+        if input.len() != mine.len() {
+            self.steps = None;
+            return Err(CommError::BadBuffer {
+                collective: format!("all_gather #{id} in group {}", self.name),
+                detail: format!("output has {} elements, so this rank's input needs {}, not {}", output.len(), mine.len(), input.len()),
+            });
+        }
+        let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(input));
+        output[mine].copy_from_slice(input);
+        if w > 1 {
+            self.all_gather_phase(output, CollectiveOp::AllGather, id)?;
+        }
+        let after = self.small_copy(output);
+        self.finish(CollectiveOp::AllGather, id, output.len(), sent_before, start, (before, after));
+        Ok(())
+    }
+
+    /// A chain from the root round the ring, piece by piece, so it pipelines.
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        let w = self.members.len();
+        let id = self.begin();
+        let (start, sent_before) = (now_us(), self.bytes_sent);
+        let position = (self.me + w - root % w) % w;
+        let s = Step { op: CollectiveOp::Broadcast, id, phase: RingPhase::Broadcast, step: position as u32, steps: w as u32 };
+        let (next, prev) = (self.next(), self.prev());
+        for piece in buf.chunks_mut(PIECE) {
+            if position > 0 {
+                let rx = self.rx[prev].as_mut().expect("neighbour");
+                receive(rx, &mut self.scratch, piece, false, id).map_err(|e| self.receive_error(e, &s, prev, id, piece.len()))?;
+            }
+            if position + 1 < w {
+                let tx = self.tx[next].as_mut().expect("neighbour");
+                send_frame(tx, id, bytemuck::cast_slice(piece)).map_err(|e| self.io_error(e, &s, next))?;
+                self.bytes_sent += (piece.len() * 4) as u64;
+            }
+        }
+        if let (Some(steps), true) = (&mut self.steps, position + 1 < w) {
+            steps.push(RingStep {
+                collective: id,
+                phase: RingPhase::Broadcast,
+                step: position as u32,
+                chunk: 0,
+                from: self.members[self.me] as u32,
+                to: self.members[next] as u32,
+                bytes: (buf.len() * 4) as u64,
+                start_us: start,
+                end_us: now_us(),
+                values: (buf.len() <= VALUE_RECORD_LIMIT).then(|| buf.to_vec()),
+            });
+        }
+        self.finish(CollectiveOp::Broadcast, id, buf.len(), sent_before, start, (None, None));
+        Ok(())
+    }
+
+    fn send(&mut self, buf: &[f32], to: usize) -> Result<(), CommError> {
+        let tag = P2P_TAG | self.p2p_sent[to];
+        self.p2p_sent[to] += 1;
+        let s = Step { op: CollectiveOp::Send, id: tag & !P2P_TAG, phase: RingPhase::PointToPoint, step: 0, steps: 1 };
+        let tx = self.tx[to].as_mut().ok_or_else(|| CommError::BadBuffer {
+            collective: format!("send in group {}", self.name),
+            detail: "a rank cannot send to itself".into(),
+        })?;
+        send_frame(tx, tag, bytemuck::cast_slice(buf)).map_err(|e| self.io_error(e, &s, to))?;
+        self.bytes_sent += (buf.len() * 4) as u64;
+        Ok(())
+    }
+
+    fn recv(&mut self, buf: &mut [f32], from: usize) -> Result<(), CommError> {
+        let tag = P2P_TAG | self.p2p_received[from];
+        self.p2p_received[from] += 1;
+        let s = Step { op: CollectiveOp::Recv, id: tag & !P2P_TAG, phase: RingPhase::PointToPoint, step: 0, steps: 1 };
+        let rx = self.rx[from].as_mut().ok_or_else(|| CommError::BadBuffer {
+            collective: format!("recv in group {}", self.name),
+            detail: "a rank cannot receive from itself".into(),
+        })?;
+        receive(rx, &mut self.scratch, buf, false, tag).map_err(|e| self.receive_error(e, &s, from, tag, buf.len()))
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let mut token = [0.0f32];
+        self.all_reduce(&mut token, ReduceOp::Sum)
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+}

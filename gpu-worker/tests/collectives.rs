@@ -1,0 +1,190 @@
+//! Ring collectives between ranks connected by real Unix sockets (one thread per rank
+//! here; the launcher tests run them as processes). Values are small integers, so float
+//! sums are exact and results must equal a sequential reduction bit for bit.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlab_common::trace::CollectiveOp;
+use distlab_worker::comm::*;
+use distlab_worker::trace::CommTracer;
+
+/// Runs `f(rank, communicator)` on `world` ranks (threads) joined by a socket mesh.
+fn on_ranks<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize, &mut RingCommunicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let dir = tempfile::tempdir().unwrap();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let path = dir.path().to_path_buf();
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let mesh = Mesh::connect(&path, rank, world, Duration::from_secs(10)).unwrap();
+                let tracer = Arc::new(CommTracer::new(rank, 1000));
+                let mut comm =
+                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), Some(tracer)).unwrap();
+                f(rank, &mut comm)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    ((rank * 31 + i * 7) % 17) as f32 - 8.0
+}
+
+const SIZES: [usize; 9] = [0, 1, 2, 7, 13, 1000, 4099, 70_001, 300_007];
+
+#[test]
+fn all_reduce_equals_a_sequential_sum_and_sends_2_w_minus_1_over_w_d() {
+    for world in 1..=8 {
+        for &len in &SIZES {
+            let results = on_ranks(world, move |rank, comm| {
+                let mut buf: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                (buf, comm.bytes_sent())
+            });
+            let expected: Vec<f32> = (0..len).map(|i| (0..world).map(|r| value(r, i)).sum()).collect();
+            for (rank, (buf, sent)) in results.iter().enumerate() {
+                assert_eq!(buf, &expected, "W={world} D={len} rank {rank}");
+                // Reduce-scatter sends every chunk but the rank's own, all-gather every chunk
+                // but its right neighbour's: 2(W-1)/W * D, exactly when W divides D.
+                let own = chunk_range(len, world, rank).len();
+                let right = chunk_range(len, world, (rank + 1) % world).len();
+                let exact = if world == 1 { 0 } else { 4 * (2 * len - own - right) as u64 };
+                assert_eq!(*sent, exact, "W={world} D={len} rank {rank}");
+                let formula = 2.0 * (world as f64 - 1.0) / world as f64 * (4 * len) as f64;
+                assert!((*sent as f64 - formula).abs() <= 8.0, "W={world} D={len}: {sent} vs {formula}");
+            }
+        }
+    }
+}
+
+#[test]
+fn all_reduce_avg_divides_by_the_group_size() {
+    let results = on_ranks(4, |rank, comm| {
+        let mut buf = vec![rank as f32 * 4.0; 10];
+        comm.all_reduce(&mut buf, ReduceOp::Avg).unwrap();
+        buf
+    });
+    for buf in results {
+        assert_eq!(buf, vec![6.0; 10]); // (0+4+8+12)/4
+    }
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_move_w_minus_1_over_w_d() {
+    for world in 1..=8 {
+        for &len in &SIZES {
+            let results = on_ranks(world, move |rank, comm| {
+                let mut input: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                let mine = chunk_range(len, world, rank);
+                let mut shard = vec![0.0; mine.len()];
+                comm.reduce_scatter(&mut input, &mut shard, ReduceOp::Sum).unwrap();
+                let after_rs = comm.bytes_sent();
+                let mut full = vec![0.0; len];
+                comm.all_gather(&shard, &mut full).unwrap();
+                (shard, full, after_rs, comm.bytes_sent() - after_rs)
+            });
+            let expected: Vec<f32> = (0..len).map(|i| (0..world).map(|r| value(r, i)).sum()).collect();
+            for (rank, (shard, full, rs_bytes, ag_bytes)) in results.iter().enumerate() {
+                let mine = chunk_range(len, world, rank);
+                assert_eq!(shard.as_slice(), &expected[mine.clone()], "reduce_scatter W={world} D={len} rank {rank}");
+                assert_eq!(full, &expected, "all_gather W={world} D={len} rank {rank}");
+                let own = mine.len();
+                let right = chunk_range(len, world, (rank + 1) % world).len();
+                let (rs_exact, ag_exact) =
+                    if world == 1 { (0, 0) } else { (4 * (len - own) as u64, 4 * (len - right) as u64) };
+                assert_eq!((*rs_bytes, *ag_bytes), (rs_exact, ag_exact), "W={world} D={len} rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_send_recv_and_barrier() {
+    for world in 1..=5 {
+        let results = on_ranks(world, move |rank, comm| {
+            let mut buf: Vec<f32> = if rank == world - 1 { (0..100_003).map(|i| i as f32).collect() } else { vec![0.0; 100_003] };
+            comm.broadcast(&mut buf, world - 1).unwrap();
+            comm.barrier().unwrap();
+            // Each rank sends its rank to the right and receives from the left.
+            let mut got = [0.0f32; 3];
+            if world > 1 {
+                let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+                comm.send(&[rank as f32; 3], next).unwrap();
+                comm.recv(&mut got, prev).unwrap();
+            }
+            (buf, got)
+        });
+        for (rank, (buf, got)) in results.iter().enumerate() {
+            assert!(buf.iter().enumerate().all(|(i, &x)| x == i as f32), "broadcast W={world} rank {rank}");
+            if world > 1 {
+                assert_eq!(got, &[((rank + world - 1) % world) as f32; 3]);
+            }
+        }
+    }
+}
+
+#[test]
+fn mismatched_collectives_are_reported_not_misread() {
+    let results = on_ranks(2, |rank, comm| {
+        let mut buf = vec![1.0f32; if rank == 0 { 10 } else { 12 }];
+        comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())
+    });
+    let errors: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    assert!(!errors.is_empty());
+    assert!(errors.iter().any(|e| e.contains("are not running the same collectives")), "{errors:?}");
+}
+
+#[test]
+fn a_silent_peer_times_out_with_the_collective_and_the_peer_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    let silent = std::thread::spawn(move || {
+        let mesh = Mesh::connect(&path, 1, 2, Duration::from_secs(10)).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(mesh);
+    });
+    let mesh = Mesh::connect(dir.path(), 0, 2, Duration::from_secs(10)).unwrap();
+    let mut comm = RingCommunicator::new(&mesh, "dp", vec![0, 1], Duration::from_millis(300), None).unwrap();
+    let err = comm.all_reduce(&mut [1.0; 4], ReduceOp::Sum).unwrap_err().to_string();
+    assert!(err.contains("all_reduce #0 in group dp") && err.contains("rank 1"), "{err}");
+    assert!(err.contains("waited 0.3 s"), "{err}");
+    silent.join().unwrap();
+}
+
+#[test]
+fn the_trace_records_every_ring_step_of_a_small_all_reduce() {
+    let tracers: Vec<Arc<CommTracer>> = (0..4).map(|r| Arc::new(CommTracer::new(r, 10))).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = (0..4)
+        .map(|rank| {
+            let path = dir.path().to_path_buf();
+            let tracer = tracers[rank].clone();
+            std::thread::spawn(move || {
+                let mesh = Mesh::connect(&path, rank, 4, Duration::from_secs(10)).unwrap();
+                let mut comm = RingCommunicator::new(&mesh, "dp", vec![0, 1, 2, 3], Duration::from_secs(10), Some(tracer)).unwrap();
+                let mut buf: Vec<f32> = (0..16).map(|i| (rank * 100 + i) as f32).collect();
+                comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            })
+        })
+        .collect();
+    handles.into_iter().for_each(|h| h.join().unwrap());
+    for (rank, tracer) in tracers.iter().enumerate() {
+        let trace = tracer.snapshot();
+        assert_eq!(trace.collectives.len(), 1);
+        let c = &trace.collectives[0];
+        assert_eq!(c.op, CollectiveOp::AllReduce);
+        assert_eq!(c.bytes_sent, 2 * 3 * 4 * 4); // 2(W-1) chunks of 4 floats
+        assert_eq!(c.input.as_ref().unwrap()[0], (rank * 100) as f32);
+        assert_eq!(c.output.as_ref().unwrap()[0], (0 + 100 + 200 + 300) as f32);
+        assert_eq!(trace.steps.len(), 6, "3 reduce-scatter + 3 all-gather steps");
+        assert!(trace.steps.iter().all(|s| s.from == rank as u32 && s.to == ((rank + 1) % 4) as u32));
+        assert!(trace.steps.iter().all(|s| s.values.as_ref().map(|v| v.len()) == Some(4)));
+        assert_eq!(trace.counters[0].calls, 1);
+    }
+}
