@@ -1,7 +1,10 @@
 //! `distlab-worker`: lease experiments from a distlab server and train them, or run one
 //! spec file locally (`distlab-worker run SPEC.json`).
 
+mod bench_comm;
 mod client;
+mod launch;
+mod rank;
 mod run_local;
 mod worker_loop;
 
@@ -44,6 +47,39 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Bus bandwidth of all-reduce, reduce-scatter and all-gather between W rank processes
+    /// (JSON lines, nccl-tests definitions).
+    BenchComm {
+        #[arg(long, default_value_t = 2)]
+        world: usize,
+        #[arg(long, default_value_t = 1024)]
+        min_bytes: usize,
+        #[arg(long, default_value_t = 256 << 20)]
+        max_bytes: usize,
+    },
+    /// One rank of a multi-process run (started by the launcher, not by hand).
+    #[command(hide = true)]
+    Rank {
+        #[arg(long)]
+        rank: usize,
+        #[arg(long)]
+        world: usize,
+        /// The rendezvous directory shared by all ranks of the run.
+        #[arg(long)]
+        dir: PathBuf,
+        #[command(subcommand)]
+        task: RankTask,
+    },
+}
+
+#[derive(Subcommand)]
+enum RankTask {
+    BenchComm {
+        #[arg(long)]
+        min_bytes: usize,
+        #[arg(long)]
+        max_bytes: usize,
+    },
 }
 
 fn main() {
@@ -67,6 +103,34 @@ fn main() {
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Some(Command::Run { spec, out }) => run_local::run_spec_file(&spec, out, cli.threads),
+        Some(Command::BenchComm { world, min_bytes, max_bytes }) => {
+            let run_dir = tempfile_dir("bench-comm")?;
+            let exe = std::env::current_exe()?;
+            let spec = launch::LaunchSpec {
+                exe: &exe,
+                world,
+                args: vec!["bench-comm".into(), "--min-bytes".into(), min_bytes.to_string(), "--max-bytes".into(), max_bytes.to_string()],
+                run_dir: &run_dir,
+                env: vec![],
+            };
+            let result = launch::launch(&spec, &mut |_, payload| println!("{payload}"), &std::sync::atomic::AtomicBool::new(false));
+            let _ = std::fs::remove_dir_all(&run_dir);
+            result?;
+            Ok(0)
+        }
+        Some(Command::Rank { rank, world, dir, task }) => {
+            let result = match task {
+                RankTask::BenchComm { min_bytes, max_bytes } => bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes),
+            };
+            match result {
+                Ok(()) => Ok(0),
+                Err(e) => {
+                    let peer = e.downcast_ref::<distlab_worker::comm::CommError>().and_then(rank::blamed_peer);
+                    rank::LauncherChannel.error(format!("{e:#}"), peer);
+                    Ok(1)
+                }
+            }
+        }
         None => {
             let token = cli
                 .token
@@ -83,4 +147,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// A fresh private directory for one run's rendezvous sockets.
+fn tempfile_dir(what: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("distlab-{what}-{}-{}", std::process::id(), distlab_worker::trace::now_us()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
 }

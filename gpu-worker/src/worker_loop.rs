@@ -102,7 +102,7 @@ fn run_leased(client: &ServerClient, worker_id: i64, lease: Lease, threads: usiz
     let mut last_heartbeat = Instant::now();
     // Set when the server says this worker no longer owns the experiment.
     let mut lease_lost = false;
-    let mut on_ack = |ack: Result<WorkerAck, ClientError>, lease_lost: &mut bool| match ack {
+    let on_ack = |ack: Result<WorkerAck, ClientError>, lease_lost: &mut bool| match ack {
         Ok(ack) if ack.cancel => cancel.store(true, Ordering::Relaxed),
         Ok(_) => {}
         Err(e) if e.is_conflict() => {

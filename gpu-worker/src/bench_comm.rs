@@ -1,0 +1,89 @@
+//! `distlab-worker bench-comm --world W`: bus bandwidth of the ring collectives between rank
+//! processes, with the nccl-tests definitions (as torch's gloo is measured in
+//! ../shared/bench/reference/allreduce.py):
+//!   algbw = bytes / time;  busbw = algbw * 2(W-1)/W (all-reduce), * (W-1)/W (reduce-scatter,
+//!   all-gather), where bytes is the full buffer.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use distlab_common::trace::CollectiveOp;
+use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator};
+
+use crate::rank::{connect, LauncherChannel};
+
+#[derive(Serialize)]
+pub struct BandwidthPoint {
+    pub bench: &'static str,
+    pub op: &'static str,
+    pub world: usize,
+    pub bytes: usize,
+    pub iters: usize,
+    pub time_us: f64,
+    pub algbw_gbps: f64,
+    pub busbw_gbps: f64,
+}
+
+pub fn sizes(min_bytes: usize, max_bytes: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut b = min_bytes.max(4);
+    while b <= max_bytes {
+        out.push(b);
+        b *= 4;
+    }
+    out
+}
+
+/// Runs on every rank; rank 0 reports one point per (op, size).
+pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, min_bytes: usize, max_bytes: usize) -> anyhow::Result<()> {
+    let mesh = connect(dir, rank, world)?;
+    let mut comm = RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(60), None)?;
+    let channel = LauncherChannel;
+    let max_elems = max_bytes / 4;
+    let mut buf = vec![1.0f32; max_elems];
+    let mut out = vec![0.0f32; max_elems];
+    for op in [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather] {
+        for bytes in sizes(min_bytes, max_bytes) {
+            let n = bytes / 4;
+            // Enough iterations for ~0.2 s of traffic, at least 3.
+            let iters = (((200 << 20) / bytes).clamp(3, 200)) as usize;
+            let mut run = |comm: &mut RingCommunicator| -> anyhow::Result<()> {
+                let shard = chunk_range(n, world, rank);
+                match op {
+                    CollectiveOp::AllReduce => comm.all_reduce(&mut buf[..n], ReduceOp::Sum)?,
+                    CollectiveOp::ReduceScatter => comm.reduce_scatter(&mut buf[..n], &mut out[..shard.len()], ReduceOp::Sum)?,
+                    _ => comm.all_gather(&buf[..shard.len()], &mut out[..n])?,
+                }
+                Ok(())
+            };
+            run(&mut comm)?; // warm-up
+            comm.barrier()?;
+            let start = Instant::now();
+            for _ in 0..iters {
+                run(&mut comm)?;
+            }
+            let time_us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
+            let algbw = bytes as f64 / (time_us * 1e-6) / 1e9;
+            let factor = match op {
+                CollectiveOp::AllReduce => 2.0 * (world as f64 - 1.0) / world as f64,
+                _ => (world as f64 - 1.0) / world as f64,
+            };
+            if rank == 0 {
+                channel.output(&BandwidthPoint {
+                    bench: "collective",
+                    op: op.as_str(),
+                    world,
+                    bytes,
+                    iters,
+                    time_us,
+                    algbw_gbps: algbw,
+                    busbw_gbps: algbw * factor,
+                });
+            }
+            // Reset values so sums stay finite over many iterations.
+            buf[..n].fill(1.0);
+        }
+    }
+    Ok(())
+}

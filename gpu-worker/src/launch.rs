@@ -1,0 +1,201 @@
+//! The launcher (like torchrun): starts one OS process per rank, gives each its rank, the
+//! world size and the rendezvous directory, and watches them.
+//!
+//! Each rank talks back on its stdout, one JSON `RankMessage` per line; its stderr is kept
+//! (the last lines) for error reports. If any rank fails (an error, a panic, a signal),
+//! every other rank is killed and the run fails with that rank's message and stderr tail.
+//! A rank stuck in a collective is caught by its peers' collective timeout. No rank process
+//! outlives `launch`: they are killed and reaped on every path out.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// What a rank process reports to the launcher (one JSON object per stdout line).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RankMessage {
+    /// Anything for the experiment's event stream (metrics, logs, traces, summary...).
+    Output { payload: serde_json::Value },
+    /// The rank is about to exit because of this error. `peer`: the rank it blames (it
+    /// stopped answering or hung up), when the error comes from another rank's failure.
+    Error { message: String, peer: Option<usize> },
+}
+
+/// Keeps the last lines of a rank's stderr.
+const STDERR_TAIL_LINES: usize = 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("could not start rank {rank}: {source}")]
+    Spawn { rank: usize, source: std::io::Error },
+    #[error("could not prepare the run directory {path}: {source}")]
+    RunDir { path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    RankFailed(String),
+    #[error("cancelled")]
+    Cancelled,
+}
+
+pub struct LaunchSpec<'a> {
+    pub exe: &'a Path,
+    pub world: usize,
+    /// Arguments after `rank --rank R --world W --dir DIR`.
+    pub args: Vec<String>,
+    /// Sockets live here (created if missing).
+    pub run_dir: &'a Path,
+    pub env: Vec<(String, String)>,
+}
+
+struct RankProcess {
+    rank: usize,
+    child: Child,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// The error message the rank sent before exiting, if any.
+    error: Option<(String, Option<usize>)>,
+    status: Option<ExitStatus>,
+}
+
+/// Kills and reaps every rank that is still running, whatever path leaves `launch`.
+struct Ranks(Vec<RankProcess>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for p in &mut self.0 {
+            if p.status.is_none() {
+                let _ = p.child.kill();
+                let _ = p.child.wait();
+            }
+        }
+    }
+}
+
+/// Runs `world` rank processes to completion. `on_output(rank, payload)` receives each
+/// rank's outputs in order; `cancel` stops everything.
+pub fn launch(
+    spec: &LaunchSpec,
+    on_output: &mut dyn FnMut(usize, serde_json::Value),
+    cancel: &AtomicBool,
+) -> Result<(), LaunchError> {
+    std::fs::create_dir_all(spec.run_dir).map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?;
+    let (tx, rx) = mpsc::channel::<(usize, RankMessage)>();
+    let mut ranks = Ranks(Vec::with_capacity(spec.world));
+    for rank in 0..spec.world {
+        let mut child = Command::new(spec.exe)
+            .arg("rank")
+            .args(["--rank", &rank.to_string(), "--world", &spec.world.to_string()])
+            .arg("--dir")
+            .arg(spec.run_dir)
+            .args(&spec.args)
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|source| LaunchError::Spawn { rank, source })?;
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let msg = serde_json::from_str::<RankMessage>(&line).unwrap_or_else(|_| RankMessage::Output {
+                    payload: serde_json::json!({"type": "log", "level": "info", "message": line}),
+                });
+                if tx.send((rank, msg)).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        let tail = stderr_tail.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[rank {rank}] {line}");
+                let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+                if t.len() == STDERR_TAIL_LINES {
+                    t.pop_front();
+                }
+                t.push_back(line);
+            }
+        });
+        ranks.0.push(RankProcess { rank, child, stderr_tail, error: None, status: None });
+    }
+    drop(tx);
+
+    let mut first_failure: Option<Instant> = None;
+    loop {
+        // Messages first, so an error line is read before its rank's exit is noticed.
+        while let Ok((rank, msg)) = rx.recv_timeout(Duration::from_millis(20)) {
+            match msg {
+                RankMessage::Output { payload } => on_output(rank, payload),
+                RankMessage::Error { message, peer } => ranks.0[rank].error = Some((message, peer)),
+            }
+        }
+        if cancel.load(Ordering::Relaxed) {
+            return Err(LaunchError::Cancelled);
+        }
+        for p in &mut ranks.0 {
+            if p.status.is_none() {
+                if let Ok(Some(status)) = p.child.try_wait() {
+                    p.status = Some(status);
+                    if !status.success() && first_failure.is_none() {
+                        first_failure = Some(Instant::now());
+                    }
+                }
+            }
+        }
+        if ranks.0.iter().all(|p| p.status.is_some_and(|s| s.success())) {
+            // Drain what is left of the outputs.
+            while let Ok((rank, msg)) = rx.recv_timeout(Duration::from_millis(50)) {
+                if let RankMessage::Output { payload } = msg {
+                    on_output(rank, payload);
+                }
+            }
+            return Ok(());
+        }
+        // After a failure, give the other ranks a moment to report what they saw, then blame.
+        if let Some(t) = first_failure {
+            if t.elapsed() > Duration::from_millis(300) {
+                return Err(LaunchError::RankFailed(blame(&ranks.0)));
+            }
+        }
+    }
+}
+
+/// Describes the failure that started it all: a rank that failed on its own (not because
+/// a peer went away), else the one its peers blame, else the first failed rank.
+fn blame(ranks: &[RankProcess]) -> String {
+    let failed: Vec<&RankProcess> = ranks.iter().filter(|p| p.status.is_some_and(|s| !s.success())).collect();
+    let root = failed
+        .iter()
+        .find(|p| !matches!(p.error, Some((_, Some(_)))))
+        .or_else(|| failed.first())
+        .copied();
+    let Some(p) = root else { return "a rank failed".into() };
+    let status = p.status.map(describe_status).unwrap_or_default();
+    let tail = p.stderr_tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>().join("\n")).unwrap_or_default();
+    let mut msg = match &p.error {
+        Some((message, _)) => format!("rank {} failed: {message}", p.rank),
+        None => format!("rank {} {status}", p.rank),
+    };
+    if !tail.trim().is_empty() {
+        msg.push_str(&format!("\n--- rank {} stderr (last lines) ---\n{tail}", p.rank));
+    }
+    msg
+}
+
+fn describe_status(s: ExitStatus) -> String {
+    match (s.code(), s.signal()) {
+        (Some(101), _) => "panicked (exit code 101)".into(),
+        (Some(code), _) => format!("exited with code {code}"),
+        (None, Some(sig)) => format!("was killed by signal {sig}"),
+        _ => "ended abnormally".into(),
+    }
+}
