@@ -1,0 +1,52 @@
+//! Timestamps as stored in the database: RFC3339 UTC text with a fixed width
+//! (`2025-01-31T12:00:00.000Z`), so that text comparison in SQL orders them by time.
+
+use std::time::{Duration, SystemTime};
+
+use time::OffsetDateTime;
+
+/// `t` as fixed-width RFC3339 UTC with milliseconds.
+pub fn rfc3339(t: SystemTime) -> String {
+    let t = OffsetDateTime::from(t);
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
+        t.millisecond()
+    )
+}
+
+pub fn now() -> SystemTime {
+    SystemTime::now()
+}
+
+/// `t + d` as stored text.
+pub fn after(t: SystemTime, d: Duration) -> String {
+    rfc3339(t + d)
+}
+
+/// `t - d` as stored text (the epoch if that would be earlier).
+pub fn before(t: SystemTime, d: Duration) -> String {
+    rfc3339(t.checked_sub(d).unwrap_or(SystemTime::UNIX_EPOCH))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_width_and_ordered() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+        assert_eq!(rfc3339(t), "2023-11-14T22:13:20.123Z");
+        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let a = rfc3339(t);
+        let b = after(t, Duration::from_millis(900));
+        assert_eq!(a.len(), b.len());
+        assert!(a < b);
+        assert!(before(t, Duration::from_secs(1)) < a);
+    }
+}

@@ -1,0 +1,147 @@
+//! Every error the API answers, as a status code plus the shared JSON body
+//! `{"error": "...", "fields": [{"field", "message"}]}` (`distlab_common::ApiError`).
+
+use axum::extract::{OriginalUri, Request};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use distlab_common::{ApiError, FieldError};
+
+/// An error response: status code and JSON body.
+#[derive(Debug, thiserror::Error)]
+#[error("{status}: {}", body.error)]
+pub struct HttpError {
+    pub status: StatusCode,
+    pub body: ApiError,
+}
+
+impl HttpError {
+    pub fn new(status: StatusCode, error: impl Into<String>) -> Self {
+        Self { status, body: ApiError { error: error.into(), fields: Vec::new() } }
+    }
+
+    pub fn with_fields(status: StatusCode, error: impl Into<String>, fields: Vec<FieldError>) -> Self {
+        Self { status, body: ApiError { error: error.into(), fields } }
+    }
+
+    /// 400: the request itself is malformed (not JSON, wrong content type, bad query).
+    pub fn bad_request(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, error)
+    }
+
+    /// 400 naming the query parameter or body field at fault.
+    pub fn bad_field(field: &str, error: impl Into<String>) -> Self {
+        let error = error.into();
+        Self::with_fields(StatusCode::BAD_REQUEST, error.clone(), vec![FieldError::new(field, error)])
+    }
+
+    pub fn unauthorized(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, error)
+    }
+
+    pub fn not_found(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, error)
+    }
+
+    /// 409: the resource is in a state that does not allow this.
+    pub fn conflict(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, error)
+    }
+
+    pub fn too_large(limit_bytes: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than this endpoint's limit of {}", human_bytes(limit_bytes)),
+        )
+    }
+
+    /// 422: a well-formed spec that breaks rules; every problem is listed in `fields`.
+    pub fn invalid_spec(fields: Vec<FieldError>) -> Self {
+        let error = match fields.len() {
+            1 => format!("the experiment spec is invalid: {}", fields[0]),
+            n => format!("the experiment spec has {n} problems"),
+        };
+        Self::with_fields(StatusCode::UNPROCESSABLE_ENTITY, error, fields)
+    }
+
+    pub fn unavailable(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, error)
+    }
+
+    /// 500; the details go to the log, not to the client.
+    pub fn internal(context: &str, detail: impl std::fmt::Display) -> Self {
+        tracing::error!("{context}: {detail}");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error ({context}); see the server log"))
+    }
+}
+
+impl From<sqlx::Error> for HttpError {
+    fn from(e: sqlx::Error) -> Self {
+        HttpError::internal("database", e)
+    }
+}
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, axum::Json(self.body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        resp
+    }
+}
+
+/// Middleware: turns any error response under /api that is not JSON (axum's plain-text
+/// rejections, 405 with no body, tower-http's 413 and timeout responses) into the JSON shape.
+pub async fn json_errors(req: Request, next: Next) -> Response {
+    let is_api = req.uri().path() == "/api" || req.uri().path().starts_with("/api/");
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if !is_api || is_json || !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = match axum::body::to_bytes(body, 64 * 1024).await {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).trim().to_string(),
+        Err(_) => String::new(),
+    };
+    let message = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "the request body is too large".to_string(),
+        StatusCode::REQUEST_TIMEOUT | StatusCode::GATEWAY_TIMEOUT => {
+            "the request took too long and was stopped".to_string()
+        }
+        StatusCode::METHOD_NOT_ALLOWED => "this method is not allowed on this path".to_string(),
+        _ if !text.is_empty() => text,
+        _ => status.canonical_reason().unwrap_or("error").to_string(),
+    };
+    let mut out = HttpError::new(status, message).into_response();
+    // Keep headers that tell the client what to do (Allow on 405, WWW-Authenticate, Retry-After).
+    for name in [header::ALLOW, header::WWW_AUTHENTICATE, header::RETRY_AFTER] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.headers_mut().insert(name, v.clone());
+        }
+    }
+    out
+}
+
+/// The JSON 404 for an unknown /api path.
+pub async fn api_not_found(method: Method, OriginalUri(uri): OriginalUri) -> HttpError {
+    HttpError::not_found(format!("no API endpoint {method} {}", uri.path()))
+}
+
+pub fn human_bytes(n: usize) -> String {
+    const MIB: usize = 1 << 20;
+    const KIB: usize = 1 << 10;
+    if n >= MIB && n % MIB == 0 {
+        format!("{} MiB", n / MIB)
+    } else if n >= KIB && n % KIB == 0 {
+        format!("{} KiB", n / KIB)
+    } else {
+        format!("{n} bytes")
+    }
+}

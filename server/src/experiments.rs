@@ -1,0 +1,265 @@
+//! The user API: submit, list, show, metrics and cancel experiments.
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use distlab_common::{
+    BackendKind, Created, ExperimentList, ExperimentSpec, ExperimentStatus, ExperimentView, FieldError, MetricPoint,
+    Metrics, RunSummary, StatusChange,
+};
+use serde::Deserialize;
+
+use crate::clock;
+use crate::db::Db;
+use crate::error::HttpError;
+use crate::extract::{parse_id, JsonBody};
+use crate::workers;
+use crate::AppState;
+
+/// The owner of every experiment in the embedded single-user mode.
+pub const LOCAL_OWNER: &str = "local";
+pub const DEFAULT_PAGE: i64 = 50;
+pub const MAX_PAGE: i64 = 200;
+
+#[derive(sqlx::FromRow)]
+struct ExperimentRow {
+    id: i64,
+    name: String,
+    status: String,
+    spec: String,
+    attempt: i64,
+    created_at: String,
+    started_at: Option<String>,
+    finished_at: Option<String>,
+    error: Option<String>,
+    summary: Option<String>,
+    steps_done: i64,
+}
+
+const SELECT_VIEW: &str = "SELECT e.id, e.name, e.status, e.spec, e.attempt, e.created_at, e.started_at, \
+     e.finished_at, e.error, e.summary, \
+     (SELECT COUNT(*) FROM metrics m WHERE m.experiment_id = e.id) AS steps_done \
+     FROM experiments e";
+
+impl ExperimentRow {
+    fn into_view(self) -> Result<ExperimentView, HttpError> {
+        let status = ExperimentStatus::parse(&self.status).ok_or_else(|| {
+            HttpError::internal("stored experiment", format!("experiment {} has status {:?}", self.id, self.status))
+        })?;
+        let spec: ExperimentSpec = serde_json::from_str(&self.spec).map_err(|e| {
+            HttpError::internal("stored experiment", format!("experiment {} has an unreadable spec: {e}", self.id))
+        })?;
+        let summary = match self.summary {
+            Some(text) => Some(serde_json::from_str::<RunSummary>(&text).map_err(|e| {
+                HttpError::internal(
+                    "stored experiment",
+                    format!("experiment {} has an unreadable summary: {e}", self.id),
+                )
+            })?),
+            None => None,
+        };
+        Ok(ExperimentView {
+            id: self.id,
+            name: self.name,
+            status,
+            spec,
+            created_at: self.created_at,
+            started_at: self.started_at,
+            finished_at: self.finished_at,
+            error: self.error,
+            summary,
+            attempt: self.attempt,
+            steps_done: u64::try_from(self.steps_done).unwrap_or(0),
+        })
+    }
+}
+
+pub fn not_found(id: i64) -> HttpError {
+    HttpError::not_found(format!("no experiment with id {id}"))
+}
+
+/// One experiment, or None when there is no such id.
+pub async fn load(db: &Db, id: i64) -> Result<Option<ExperimentView>, HttpError> {
+    let sql = format!("{SELECT_VIEW} WHERE e.id = ?1");
+    let row = sqlx::query_as::<_, ExperimentRow>(&sql).bind(id).fetch_optional(db).await?;
+    row.map(ExperimentRow::into_view).transpose()
+}
+
+#[derive(sqlx::FromRow)]
+struct MetricRow {
+    step: i64,
+    loss: f64,
+    lr: f64,
+    grad_norm: f64,
+    tokens_per_s: f64,
+    step_ms: f64,
+}
+
+/// Every stored metric point of an experiment, ordered by step.
+pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpError> {
+    let rows = sqlx::query_as::<_, MetricRow>(
+        "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms FROM metrics WHERE experiment_id = ?1 ORDER BY step",
+    )
+    .bind(id)
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| MetricPoint {
+            step: u64::try_from(r.step).unwrap_or(0),
+            loss: r.loss,
+            lr: r.lr,
+            grad_norm: r.grad_norm,
+            tokens_per_s: r.tokens_per_s,
+            step_ms: r.step_ms,
+        })
+        .collect())
+}
+
+/// `POST /api/experiments`: validate (all problems at once, 422) and queue.
+pub async fn create(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<serde_json::Value>,
+) -> Result<Response, HttpError> {
+    let spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
+    let mut problems = spec.validate(&state.config.limits).err().unwrap_or_default();
+    if spec.backend == BackendKind::Cuda && !workers::backend_offered(&state, BackendKind::Cuda).await? {
+        problems.push(FieldError::new("backend", "no registered worker offers the cuda backend"));
+    }
+    if !problems.is_empty() {
+        return Err(HttpError::invalid_spec(problems));
+    }
+    let spec_json = serde_json::to_string(&spec).map_err(|e| HttpError::internal("encoding the spec", e))?;
+    let backend = serde_json::to_value(spec.backend)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| "cpu".into());
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO experiments (owner, name, spec, backend, status, attempt, created_at) \
+         VALUES (?1, ?2, ?3, ?4, 'queued', 0, ?5) RETURNING id",
+    )
+    .bind(LOCAL_OWNER)
+    .bind(&spec.name)
+    .bind(&spec_json)
+    .bind(&backend)
+    .bind(clock::rfc3339(clock::now()))
+    .fetch_one(&state.db)
+    .await?;
+    tracing::info!(experiment = id, name = %spec.name, world_size = spec.world_size(), %backend, "experiment queued");
+    state.hub.status_changed(id, StatusChange { status: ExperimentStatus::Queued, error: None, summary: None });
+    let created = Created { id, status: ExperimentStatus::Queued };
+    Ok((StatusCode::CREATED, [(header::LOCATION, format!("/api/experiments/{id}"))], Json(created)).into_response())
+}
+
+/// Query of `GET /api/experiments`; parsed by hand for readable 400s.
+#[derive(Deserialize)]
+pub struct ListQuery {
+    status: Option<String>,
+    limit: Option<String>,
+    offset: Option<String>,
+}
+
+fn parse_count(field: &str, raw: Option<&str>, default: i64) -> Result<i64, HttpError> {
+    match raw.map(str::trim) {
+        None | Some("") => Ok(default),
+        Some(text) => text.parse::<u32>().map(i64::from).map_err(|_| {
+            HttpError::bad_field(
+                field,
+                format!("{field} must be a whole number >= 0, got '{}'", crate::extract::truncate(text, 40)),
+            )
+        }),
+    }
+}
+
+/// `GET /api/experiments?status=&limit=&offset=`: newest first, at most MAX_PAGE per page.
+pub async fn list(
+    State(state): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<ExperimentList>, HttpError> {
+    let status = match q.status.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(s) => Some(ExperimentStatus::parse(s).ok_or_else(|| {
+            let names: Vec<&str> = ExperimentStatus::ALL.iter().map(|s| s.as_str()).collect();
+            HttpError::bad_field(
+                "status",
+                format!("unknown status '{}'; use one of {}", crate::extract::truncate(s, 40), names.join(", ")),
+            )
+        })?),
+    };
+    let limit = parse_count("limit", q.limit.as_deref(), DEFAULT_PAGE)?.min(MAX_PAGE);
+    let offset = parse_count("offset", q.offset.as_deref(), 0)?;
+    let status_str = status.map(ExperimentStatus::as_str);
+
+    let sql = format!(
+        "{SELECT_VIEW} WHERE e.owner = ?1 AND (?2 IS NULL OR e.status = ?2) ORDER BY e.id DESC LIMIT ?3 OFFSET ?4"
+    );
+    let rows = sqlx::query_as::<_, ExperimentRow>(&sql)
+        .bind(LOCAL_OWNER)
+        .bind(status_str)
+        .bind(limit)
+        .bind(offset)
+        .fetch_all(&state.db)
+        .await?;
+    let total: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = ?1 AND (?2 IS NULL OR status = ?2)")
+            .bind(LOCAL_OWNER)
+            .bind(status_str)
+            .fetch_one(&state.db)
+            .await?;
+    let experiments = rows.into_iter().map(ExperimentRow::into_view).collect::<Result<Vec<_>, _>>()?;
+    Ok(Json(ExperimentList { experiments, total: u64::try_from(total).unwrap_or(0) }))
+}
+
+/// `GET /api/experiments/{id}`
+pub async fn get_one(
+    State(state): State<AppState>,
+    Path(raw_id): Path<String>,
+) -> Result<Json<ExperimentView>, HttpError> {
+    let id = parse_id(&raw_id)?;
+    load(&state.db, id).await?.map(Json).ok_or_else(|| not_found(id))
+}
+
+/// `GET /api/experiments/{id}/metrics`
+pub async fn metrics(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Metrics>, HttpError> {
+    let id = parse_id(&raw_id)?;
+    let exists: Option<i64> =
+        sqlx::query_scalar("SELECT id FROM experiments WHERE id = ?1").bind(id).fetch_optional(&state.db).await?;
+    if exists.is_none() {
+        return Err(not_found(id));
+    }
+    Ok(Json(Metrics { steps: load_metrics(&state.db, id).await? }))
+}
+
+/// `POST /api/experiments/{id}/cancel`: a queued or running experiment becomes cancelled at once;
+/// the worker running it learns it from the answer to its next heartbeat or event batch.
+pub async fn cancel(
+    State(state): State<AppState>,
+    Path(raw_id): Path<String>,
+) -> Result<Json<ExperimentView>, HttpError> {
+    let id = parse_id(&raw_id)?;
+    let cancelled: Option<Option<i64>> = sqlx::query_scalar(
+        "UPDATE experiments SET status = 'cancelled', cancel_requested = TRUE, finished_at = ?1, lease_until = NULL \
+         WHERE id = ?2 AND status IN ('queued', 'running') RETURNING worker_id",
+    )
+    .bind(clock::rfc3339(clock::now()))
+    .bind(id)
+    .fetch_optional(&state.db)
+    .await?;
+    let view = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
+    match cancelled {
+        None => Err(HttpError::conflict(format!(
+            "experiment {id} is already {}; only queued or running experiments can be cancelled",
+            view.status.as_str()
+        ))),
+        Some(worker) => {
+            if let Some(worker) = worker {
+                tracing::info!(experiment = id, worker, "cancel requested; the worker is told on its next heartbeat");
+            }
+            state
+                .hub
+                .status_changed(id, StatusChange { status: ExperimentStatus::Cancelled, error: None, summary: None });
+            Ok(Json(view))
+        }
+    }
+}

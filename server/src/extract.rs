@@ -1,0 +1,95 @@
+//! Request parsing that always answers in the JSON error shape: bodies are read with a
+//! size limit and parsed by hand, ids are parsed by hand.
+
+use axum::extract::{FromRequest, Request};
+use axum::http::header;
+use serde::de::DeserializeOwned;
+
+use crate::error::HttpError;
+use crate::AppState;
+
+/// A JSON body read with this route's size limit: 413 when larger, 400 when it is not JSON
+/// of the expected shape (the message names the field and position).
+pub struct JsonBody<T>(pub T);
+
+/// The body limit of a route, set with `axum::Extension(BodyLimit(n))`; routes without one
+/// use `ServerConfig::max_body_bytes`.
+#[derive(Clone, Copy, Debug)]
+pub struct BodyLimit(pub usize);
+
+impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
+    type Rejection = HttpError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, HttpError> {
+        let limit = req.extensions().get::<BodyLimit>().map_or(state.config.max_body_bytes, |l| l.0);
+        if let Some(ct) = req.headers().get(header::CONTENT_TYPE) {
+            let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
+            let essence = ct.split(';').next().unwrap_or("").trim();
+            if essence != "application/json" && !essence.ends_with("+json") {
+                return Err(HttpError::bad_request(format!(
+                    "expected a JSON body (Content-Type: application/json), got Content-Type: {essence}"
+                )));
+            }
+        }
+        let declared =
+            req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(HttpError::too_large(limit));
+        }
+        let bytes = match axum::body::to_bytes(req.into_body(), limit).await {
+            Ok(bytes) => bytes,
+            Err(e) if is_length_limit(&e) => return Err(HttpError::too_large(limit)),
+            Err(e) => return Err(HttpError::bad_request(format!("could not read the request body: {e}"))),
+        };
+        parse_json(&bytes).map(JsonBody)
+    }
+}
+
+/// Parses JSON bytes into `T`; the 400 message says what is wrong and where.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, HttpError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(HttpError::bad_request("the request body is empty; expected JSON"));
+    }
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let what =
+            if inner.is_syntax() || inner.is_eof() { "the request body is not valid JSON" } else { "unexpected JSON" };
+        if path == "." {
+            HttpError::bad_request(format!("{what}: {inner}"))
+        } else {
+            HttpError::bad_field(&path, format!("{what} at {path}: {inner}"))
+        }
+    })
+}
+
+fn is_length_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// An experiment id from the path: a positive integer, else 404 (no such experiment).
+pub fn parse_id(raw: &str) -> Result<i64, HttpError> {
+    match raw.parse::<i64>() {
+        Ok(id) if id > 0 => Ok(id),
+        _ => Err(HttpError::not_found(format!(
+            "no experiment with id '{}' (ids are positive integers)",
+            truncate(raw, 40)
+        ))),
+    }
+}
+
+/// At most `max` characters of `s` (for echoing user input in messages and storing text).
+pub fn truncate(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}

@@ -1,0 +1,335 @@
+//! distlab's HTTP server: the REST API, live streams (SSE), the experiment queue that
+//! workers lease from, and the static browser app. See DESIGN.md for the API contract.
+//!
+//! - [`app`] builds the router for a given [`AppState`] (tests drive it with `oneshot`).
+//! - [`serve`] opens the database, binds, prints `distlab is ready at http://ADDR/`,
+//!   starts the lease reaper and the local workers, and serves until ctrl-c / SIGTERM.
+
+pub mod clock;
+pub mod db;
+pub mod error;
+pub mod experiments;
+pub mod extract;
+pub mod health;
+pub mod local_workers;
+pub mod queue;
+pub mod static_files;
+pub mod stream;
+pub mod workers;
+
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum::body::Body;
+use axum::http::{Request, Response, StatusCode};
+use axum::routing::{get, post};
+use axum::{middleware, Extension, Router};
+use distlab_common::Limits;
+use rand::Rng;
+use tower_http::compression::CompressionLayer;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::timeout::TimeoutLayer;
+use tower_http::trace::TraceLayer;
+use tracing::{Level, Span};
+
+use crate::db::Db;
+use crate::extract::BodyLimit;
+use crate::local_workers::LocalWorkers;
+use crate::stream::Hub;
+
+/// Everything the server can be told at start (the CLI maps flags and env vars onto this).
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Where to listen; port 0 picks a free port (the ready line shows it).
+    pub addr: SocketAddr,
+    /// Holds distlab.db.
+    pub data_dir: PathBuf,
+    /// The built frontend (index.html, js, wasm).
+    pub static_dir: PathBuf,
+    /// Worker processes to start next to the server.
+    pub local_workers: usize,
+    /// The worker executable; None: `distlab-worker` next to the server's own executable.
+    pub worker_bin: Option<PathBuf>,
+    /// Workers authenticate with `Authorization: Bearer <worker_token>`.
+    pub worker_token: String,
+    /// A lease lasts this long unless a heartbeat or event batch renews it.
+    pub lease_seconds: f64,
+    /// How often workers heartbeat (sent to them on registration).
+    pub heartbeat_seconds: f64,
+    /// How often the reaper looks for expired leases.
+    pub reap_interval: Duration,
+    /// Open SSE streams at most; more get 503.
+    pub max_sse_connections: usize,
+    /// Body limit of user requests and most worker requests.
+    pub max_body_bytes: usize,
+    /// Body limit of worker event batches.
+    pub max_event_batch_bytes: usize,
+    /// Requests (other than SSE streams) taking longer are answered 408.
+    pub request_timeout: Duration,
+    /// What one experiment may ask for.
+    pub limits: Limits,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 8080)),
+            data_dir: PathBuf::from("./data"),
+            static_dir: PathBuf::from("target/site"),
+            local_workers: 1,
+            worker_bin: None,
+            worker_token: random_token(),
+            lease_seconds: 30.0,
+            heartbeat_seconds: 5.0,
+            reap_interval: Duration::from_secs(1),
+            max_sse_connections: 256,
+            max_body_bytes: 1 << 20,
+            max_event_batch_bytes: 16 << 20,
+            request_timeout: Duration::from_secs(30),
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl ServerConfig {
+    pub fn lease_duration(&self) -> Duration {
+        Duration::from_secs_f64(self.lease_seconds)
+    }
+
+    /// A worker counts as alive when seen within 3 heartbeat intervals, and at least 30 s.
+    pub fn worker_alive_window(&self) -> Duration {
+        Duration::from_secs_f64((3.0 * self.heartbeat_seconds).max(30.0))
+    }
+
+    pub fn validate(&self) -> Result<(), ServeError> {
+        let bad = |msg: String| Err(ServeError::Config(msg));
+        if self.worker_token.is_empty() {
+            return bad("the worker token must not be empty".into());
+        }
+        if !(self.lease_seconds.is_finite() && self.lease_seconds > 0.0 && self.lease_seconds <= 86_400.0) {
+            return bad(format!("--lease-seconds must be above 0 and at most a day (it is {})", self.lease_seconds));
+        }
+        if !(self.heartbeat_seconds.is_finite()
+            && self.heartbeat_seconds > 0.0
+            && self.heartbeat_seconds < self.lease_seconds)
+        {
+            return bad(format!(
+                "--heartbeat-seconds must be above 0 and shorter than --lease-seconds ({} vs {})",
+                self.heartbeat_seconds, self.lease_seconds
+            ));
+        }
+        if self.max_sse_connections == 0 {
+            return bad("the SSE connection limit must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// A random 32-character token (for local workers when none is configured).
+pub fn random_token() -> String {
+    const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let mut rng = rand::rng();
+    (0..32).map(|_| CHARS[rng.random_range(0..CHARS.len())] as char).collect()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Db(#[from] db::DbError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("server error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub db: Db,
+    pub config: Arc<ServerConfig>,
+    pub hub: Arc<Hub>,
+}
+
+impl AppState {
+    /// Opens the database in `config.data_dir` (applying migrations).
+    pub async fn new(config: ServerConfig) -> Result<Self, ServeError> {
+        let db = db::open(&config.data_dir).await?;
+        Ok(Self::with_db(db, config))
+    }
+
+    pub fn with_db(db: Db, config: ServerConfig) -> Self {
+        let hub = Arc::new(Hub::new(config.max_sse_connections));
+        Self { db, config: Arc::new(config), hub }
+    }
+
+    /// Re-queues (or fails) running experiments whose lease ended before `now`.
+    pub async fn reap_expired(&self, now: SystemTime) -> Result<Vec<queue::Reaped>, sqlx::Error> {
+        queue::reap_expired(&self.db, &self.hub, now).await
+    }
+}
+
+/// The whole HTTP app: /api (JSON), /api/experiments/{id}/stream (SSE), and the frontend.
+pub fn app(state: AppState) -> Router {
+    let config = state.config.clone();
+
+    let worker_api = Router::new()
+        .route("/register", post(workers::register))
+        .route("/lease", post(workers::lease))
+        .route("/heartbeat", post(workers::heartbeat))
+        .route("/events", post(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
+        .route("/complete", post(workers::complete))
+        .route("/fail", post(workers::fail))
+        .route_layer(middleware::from_fn_with_state(state.clone(), workers::require_token));
+
+    let api = Router::new()
+        .route("/health", get(health::health))
+        .route("/experiments", get(experiments::list).post(experiments::create))
+        .route("/experiments/{id}", get(experiments::get_one))
+        .route("/experiments/{id}/metrics", get(experiments::metrics))
+        .route("/experiments/{id}/cancel", post(experiments::cancel))
+        .nest("/workers", worker_api)
+        .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
+        // Added after the timeout layer, so that long-lived streams are not cut.
+        .route("/experiments/{id}/stream", get(stream::stream))
+        .fallback(error::api_not_found);
+
+    let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes);
+    Router::new()
+        .nest("/api", api)
+        .merge(static_files::router(&config.static_dir))
+        .layer(RequestBodyLimitLayer::new(largest_body))
+        .layer(middleware::from_fn(error::json_errors))
+        // Skips SSE (text/event-stream), images and tiny bodies.
+        .layer(CompressionLayer::new())
+        .layer(TraceLayer::new_for_http().make_span_with(request_span).on_request(()).on_response(log_response))
+        .with_state(state)
+}
+
+/// Worker polling is frequent: its requests are logged at debug, everything else at info.
+fn request_span(req: &Request<Body>) -> Span {
+    if req.uri().path().starts_with("/api/workers/") {
+        tracing::debug_span!("request", method = %req.method(), path = %req.uri().path())
+    } else {
+        tracing::info_span!("request", method = %req.method(), path = %req.uri().path())
+    }
+}
+
+fn log_response<B>(res: &Response<B>, latency: Duration, span: &Span) {
+    let quiet = span.metadata().is_none_or(|m| *m.level() > Level::INFO);
+    let ms = latency.as_secs_f64() * 1e3;
+    if quiet {
+        tracing::debug!(status = res.status().as_u16(), ms, "response");
+    } else {
+        tracing::info!(status = res.status().as_u16(), ms, "response");
+    }
+}
+
+/// The URL a browser or local worker on this machine uses for a bound address.
+pub fn local_url(addr: SocketAddr) -> String {
+    let ip = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    format!("http://{}/", SocketAddr::new(ip, addr.port()))
+}
+
+/// Runs the server until ctrl-c or SIGTERM: opens the database, binds `config.addr`, prints
+/// `distlab is ready at http://ADDR/` on stdout, starts the reaper and the local workers, and
+/// stops the workers on the way out.
+pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
+    config.validate()?;
+    let state = AppState::new(config.clone()).await?;
+    let listener = tokio::net::TcpListener::bind(config.addr)
+        .await
+        .map_err(|source| ServeError::Bind { addr: config.addr, source })?;
+    let bound = listener.local_addr()?;
+    let url = local_url(bound);
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "distlab is ready at {url}")?;
+        if bound.ip().is_unspecified() {
+            writeln!(out, "(listening on {bound}: every network interface)")?;
+        }
+        out.flush()?;
+    }
+    tracing::info!(%bound, data_dir = %config.data_dir.display(), static_dir = %config.static_dir.display(), "serving");
+
+    let reaper = tokio::spawn(reap_forever(state.clone()));
+    let worker_bin = config.worker_bin.clone().or_else(local_workers::default_worker_bin);
+    let workers = match worker_bin {
+        Some(bin) => LocalWorkers::spawn(&bin, config.local_workers, url.trim_end_matches('/'), &config.worker_token),
+        None if config.local_workers > 0 => {
+            tracing::error!("cannot find the worker executable; pass --worker-bin");
+            LocalWorkers::none()
+        }
+        None => LocalWorkers::none(),
+    };
+
+    let (stopping_tx, mut stopping_rx) = tokio::sync::watch::channel(false);
+    let hub = state.hub.clone();
+    let server = axum::serve(listener, app(state)).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        hub.shut_down();
+        stopping_tx.send_replace(true);
+    });
+    // Open requests get a few seconds to finish after the signal.
+    let deadline = async move {
+        let _ = stopping_rx.wait_for(|s| *s).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    };
+    let result = tokio::select! {
+        r = server => r.map_err(ServeError::Io),
+        _ = deadline => {
+            tracing::warn!("requests still open after 5 s; stopping anyway");
+            Ok(())
+        }
+    };
+    reaper.abort();
+    workers.stop().await;
+    result
+}
+
+async fn reap_forever(state: AppState) {
+    let mut tick = tokio::time::interval(state.config.reap_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = state.reap_expired(SystemTime::now()).await {
+            tracing::error!("lease reaper: {e}");
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!("cannot listen for ctrl-c: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = terminate => {}
+    }
+}

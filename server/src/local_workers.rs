@@ -1,0 +1,135 @@
+//! Local worker processes: `distlab-worker --server URL --token T --name local-N`, started
+//! after the listener is bound, with stdout/stderr inherited, and stopped with the server
+//! (SIGTERM, then SIGKILL after a grace period; on Linux they also get SIGTERM if the
+//! server dies without cleaning up).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+const GRACE: Duration = Duration::from_secs(3);
+
+/// `distlab-worker` next to the running executable.
+pub fn default_worker_bin() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    Some(exe.with_file_name(format!("distlab-worker{}", std::env::consts::EXE_SUFFIX)))
+}
+
+/// The running local workers; `stop` ends them.
+pub struct LocalWorkers {
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl LocalWorkers {
+    pub fn none() -> Self {
+        Self { stop: watch::Sender::new(false), tasks: Vec::new() }
+    }
+
+    /// Starts `count` workers; a worker that cannot start is logged and skipped (the server
+    /// still serves, and remote workers can still join).
+    pub fn spawn(bin: &Path, count: usize, server_url: &str, token: &str) -> Self {
+        let mut workers = Self::none();
+        if count == 0 {
+            return workers;
+        }
+        if !bin.is_file() {
+            tracing::error!(
+                "cannot start local workers: {} does not exist; build it with `cargo build -p distlab-worker` \
+                 or pass --worker-bin (DISTLAB_WORKER_BIN)",
+                bin.display()
+            );
+            return workers;
+        }
+        for n in 1..=count {
+            let name = format!("local-{n}");
+            match start(bin, server_url, token, &name) {
+                Ok(child) => {
+                    tracing::info!(worker = %name, pid = child.id(), "started a local worker");
+                    let stop = workers.stop.subscribe();
+                    workers.tasks.push(tokio::spawn(supervise(child, name, stop)));
+                }
+                Err(e) => tracing::error!("cannot start local worker {name} ({}): {e}", bin.display()),
+            }
+        }
+        workers
+    }
+
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// Stops every worker and waits for them to exit.
+    pub async fn stop(self) {
+        self.stop.send_replace(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+fn start(bin: &Path, server_url: &str, token: &str, name: &str) -> std::io::Result<Child> {
+    let mut cmd = Command::new(bin);
+    cmd.arg("--server")
+        .arg(server_url)
+        .arg("--token")
+        .arg(token)
+        .arg("--name")
+        .arg(name)
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    // The signal is tied to the spawning thread: `serve` spawns from the thread that
+    // runs it, which lives as long as the server.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// Logs an unexpected exit; on stop, asks the worker to exit and kills it after GRACE.
+async fn supervise(mut child: Child, name: String, mut stop: watch::Receiver<bool>) {
+    tokio::select! {
+        status = child.wait() => match status {
+            Ok(s) if s.success() => tracing::info!(worker = %name, "local worker exited"),
+            Ok(s) => tracing::error!(worker = %name, "local worker exited with {s}"),
+            Err(e) => tracing::error!(worker = %name, "lost track of local worker: {e}"),
+        },
+        _ = async { stop.wait_for(|stop| *stop).await.is_ok() } => terminate(&mut child, &name).await,
+    }
+}
+
+async fn terminate(child: &mut Child, name: &str) {
+    #[cfg(unix)]
+    if let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) {
+        // SAFETY: sending a signal to our own child process.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+        if tokio::time::timeout(GRACE, child.wait()).await.is_ok() {
+            tracing::info!(worker = %name, "local worker stopped");
+            return;
+        }
+    }
+    if let Err(e) = child.kill().await {
+        tracing::warn!(worker = %name, "could not kill local worker: {e}");
+    } else {
+        tracing::info!(worker = %name, "local worker killed");
+    }
+}

@@ -1,0 +1,297 @@
+//! The experiment queue as SQL: leasing (atomic), lease renewal, completion, failure,
+//! and the reaper that re-queues experiments whose worker stopped responding.
+//!
+//! States: queued -> running (lease) -> succeeded | failed | cancelled.
+//! A running experiment whose lease expires goes back to queued (attempt is kept and
+//! grows with the next lease), and fails after MAX_ATTEMPTS leases.
+
+use std::time::{Duration, SystemTime};
+
+use distlab_common::{BackendKind, ExperimentStatus, MetricPoint, RunEvent, RunSummary, StatusChange};
+
+use crate::clock;
+use crate::db::Db;
+use crate::extract::truncate;
+use crate::stream::Hub;
+
+/// Leases an experiment may have before an expired lease fails it.
+pub const MAX_ATTEMPTS: i64 = 3;
+
+/// Longest error or log text stored, in characters.
+pub const MAX_TEXT_CHARS: usize = 8192;
+
+pub fn gave_up_message() -> String {
+    format!("the worker running it stopped responding {MAX_ATTEMPTS} times (lease expired); giving up")
+}
+
+pub fn backend_name(b: BackendKind) -> &'static str {
+    match b {
+        BackendKind::Cpu => "cpu",
+        BackendKind::Cuda => "cuda",
+    }
+}
+
+/// What a lease hands to a worker.
+#[derive(Debug, sqlx::FromRow)]
+pub struct Leased {
+    pub id: i64,
+    pub spec: String,
+    pub attempt: i64,
+}
+
+/// Gives the oldest queued experiment whose backend is in `backends` to `worker_id`.
+///
+/// One UPDATE with the choice in a subquery: SQLite runs it under the database's write
+/// lock, so two concurrent leases can never get the same experiment.
+pub async fn lease(
+    db: &Db,
+    worker_id: i64,
+    backends: &[BackendKind],
+    lease: Duration,
+    now: SystemTime,
+) -> Result<Option<Leased>, sqlx::Error> {
+    if backends.is_empty() {
+        return Ok(None);
+    }
+    let placeholders: Vec<String> = (0..backends.len()).map(|i| format!("?{}", i + 4)).collect();
+    let sql = format!(
+        "UPDATE experiments \
+         SET status = 'running', worker_id = ?1, attempt = attempt + 1, lease_until = ?2, started_at = ?3, \
+             cancel_requested = FALSE \
+         WHERE id = (SELECT id FROM experiments WHERE status = 'queued' AND backend IN ({}) ORDER BY id LIMIT 1) \
+           AND status = 'queued' \
+         RETURNING id, spec, attempt",
+        placeholders.join(", ")
+    );
+    let mut query =
+        sqlx::query_as::<_, Leased>(&sql).bind(worker_id).bind(clock::after(now, lease)).bind(clock::rfc3339(now));
+    for b in backends {
+        query = query.bind(backend_name(*b));
+    }
+    query.fetch_optional(db).await
+}
+
+/// Whether a worker still holds an experiment it reports about.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ownership {
+    /// Running and leased to this worker.
+    Held,
+    /// A person cancelled it while this worker ran it: the worker should stop.
+    Cancelled,
+    /// It is no longer this worker's (re-queued after an expired lease, leased to another
+    /// worker, or finished): 409.
+    Lost(ExperimentStatus),
+    NotFound,
+}
+
+#[derive(sqlx::FromRow)]
+struct OwnerRow {
+    status: String,
+    worker_id: Option<i64>,
+}
+
+/// Why a guarded update of experiment `id` by `worker_id` did not apply.
+pub async fn ownership(db: &Db, worker_id: i64, id: i64) -> Result<Ownership, sqlx::Error> {
+    let row = sqlx::query_as::<_, OwnerRow>("SELECT status, worker_id FROM experiments WHERE id = ?1")
+        .bind(id)
+        .fetch_optional(db)
+        .await?;
+    Ok(match row {
+        None => Ownership::NotFound,
+        Some(r) => {
+            let status = ExperimentStatus::parse(&r.status).unwrap_or(ExperimentStatus::Failed);
+            match status {
+                ExperimentStatus::Running if r.worker_id == Some(worker_id) => Ownership::Held,
+                ExperimentStatus::Cancelled if r.worker_id == Some(worker_id) => Ownership::Cancelled,
+                other => Ownership::Lost(other),
+            }
+        }
+    })
+}
+
+/// Extends the lease of a running experiment held by `worker_id`.
+pub async fn renew(
+    db: &Db,
+    worker_id: i64,
+    id: i64,
+    lease: Duration,
+    now: SystemTime,
+) -> Result<Ownership, sqlx::Error> {
+    let renewed: Option<i64> = sqlx::query_scalar(
+        "UPDATE experiments SET lease_until = ?1 WHERE id = ?2 AND worker_id = ?3 AND status = 'running' RETURNING id",
+    )
+    .bind(clock::after(now, lease))
+    .bind(id)
+    .bind(worker_id)
+    .fetch_optional(db)
+    .await?;
+    match renewed {
+        Some(_) => Ok(Ownership::Held),
+        None => ownership(db, worker_id, id).await,
+    }
+}
+
+/// Stores a batch of events (metrics overwrite the same step of an earlier attempt) and
+/// renews the lease, in one transaction; nothing is stored unless the worker holds the lease.
+pub async fn store_events(
+    db: &Db,
+    worker_id: i64,
+    id: i64,
+    events: &[RunEvent],
+    lease: Duration,
+    now: SystemTime,
+) -> Result<Ownership, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    let renewed: Option<i64> = sqlx::query_scalar(
+        "UPDATE experiments SET lease_until = ?1 WHERE id = ?2 AND worker_id = ?3 AND status = 'running' RETURNING id",
+    )
+    .bind(clock::after(now, lease))
+    .bind(id)
+    .bind(worker_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if renewed.is_none() {
+        tx.rollback().await?;
+        return ownership(db, worker_id, id).await;
+    }
+    let at = clock::rfc3339(now);
+    for event in events {
+        match event {
+            RunEvent::Metric(m) => insert_metric(&mut tx, id, m).await?,
+            RunEvent::Log(line) => {
+                sqlx::query("INSERT INTO logs (experiment_id, created_at, level, message) VALUES (?1, ?2, ?3, ?4)")
+                    .bind(id)
+                    .bind(&at)
+                    .bind(level_name(line.level))
+                    .bind(truncate(&line.message, MAX_TEXT_CHARS))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+    }
+    tx.commit().await?;
+    Ok(Ownership::Held)
+}
+
+async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint) -> Result<(), sqlx::Error> {
+    // ON CONFLICT ... DO UPDATE is the portable spelling of INSERT OR REPLACE (SQLite and Postgres).
+    sqlx::query(
+        "INSERT INTO metrics (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
+         ON CONFLICT (experiment_id, step) DO UPDATE SET loss = excluded.loss, lr = excluded.lr, \
+           grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms",
+    )
+    .bind(id)
+    .bind(i64::try_from(m.step).unwrap_or(i64::MAX))
+    .bind(m.loss)
+    .bind(m.lr)
+    .bind(m.grad_norm)
+    .bind(m.tokens_per_s)
+    .bind(m.step_ms)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+fn level_name(level: distlab_common::LogLevel) -> &'static str {
+    match level {
+        distlab_common::LogLevel::Info => "info",
+        distlab_common::LogLevel::Warn => "warn",
+        distlab_common::LogLevel::Error => "error",
+    }
+}
+
+/// A running experiment held by `worker_id` succeeded.
+pub async fn complete(
+    db: &Db,
+    worker_id: i64,
+    id: i64,
+    summary: &RunSummary,
+    now: SystemTime,
+) -> Result<Ownership, sqlx::Error> {
+    let summary = serde_json::to_string(summary).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+    let done: Option<i64> = sqlx::query_scalar(
+        "UPDATE experiments SET status = 'succeeded', summary = ?1, error = NULL, finished_at = ?2, lease_until = NULL \
+         WHERE id = ?3 AND worker_id = ?4 AND status = 'running' RETURNING id",
+    )
+    .bind(summary)
+    .bind(clock::rfc3339(now))
+    .bind(id)
+    .bind(worker_id)
+    .fetch_optional(db)
+    .await?;
+    match done {
+        Some(_) => Ok(Ownership::Held),
+        None => ownership(db, worker_id, id).await,
+    }
+}
+
+/// A running experiment held by `worker_id` ended with an error (or stopped on its own
+/// after a cancel: `cancelled`).
+pub async fn fail(
+    db: &Db,
+    worker_id: i64,
+    id: i64,
+    error: &str,
+    cancelled: bool,
+    now: SystemTime,
+) -> Result<Ownership, sqlx::Error> {
+    let (status, error) =
+        if cancelled { ("cancelled", None) } else { ("failed", Some(truncate(error, MAX_TEXT_CHARS))) };
+    let done: Option<i64> = sqlx::query_scalar(
+        "UPDATE experiments SET status = ?1, error = ?2, finished_at = ?3, lease_until = NULL \
+         WHERE id = ?4 AND worker_id = ?5 AND status = 'running' RETURNING id",
+    )
+    .bind(status)
+    .bind(error)
+    .bind(clock::rfc3339(now))
+    .bind(id)
+    .bind(worker_id)
+    .fetch_optional(db)
+    .await?;
+    match done {
+        Some(_) => Ok(Ownership::Held),
+        None => ownership(db, worker_id, id).await,
+    }
+}
+
+/// An experiment the reaper took back from a silent worker.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Reaped {
+    pub id: i64,
+    pub status: String,
+    pub attempt: i64,
+    pub error: Option<String>,
+}
+
+/// Running experiments whose lease ended before `now` go back to the queue, or fail once
+/// they have been leased MAX_ATTEMPTS times. Each change is logged and streamed.
+pub async fn reap_expired(db: &Db, hub: &Hub, now: SystemTime) -> Result<Vec<Reaped>, sqlx::Error> {
+    let now_text = clock::rfc3339(now);
+    let reaped = sqlx::query_as::<_, Reaped>(
+        "UPDATE experiments SET \
+           status = CASE WHEN attempt < ?1 THEN 'queued' ELSE 'failed' END, \
+           error = CASE WHEN attempt < ?1 THEN error ELSE ?2 END, \
+           finished_at = CASE WHEN attempt < ?1 THEN NULL ELSE ?3 END, \
+           worker_id = CASE WHEN attempt < ?1 THEN NULL ELSE worker_id END, \
+           lease_until = NULL \
+         WHERE status = 'running' AND lease_until < ?3 \
+         RETURNING id, status, attempt, error",
+    )
+    .bind(MAX_ATTEMPTS)
+    .bind(gave_up_message())
+    .bind(&now_text)
+    .fetch_all(db)
+    .await?;
+    for r in &reaped {
+        let status = ExperimentStatus::parse(&r.status).unwrap_or(ExperimentStatus::Failed);
+        tracing::warn!(
+            experiment = r.id,
+            attempt = r.attempt,
+            status = status.as_str(),
+            "lease expired: the worker stopped responding"
+        );
+        hub.status_changed(r.id, StatusChange { status, error: r.error.clone(), summary: None });
+    }
+    Ok(reaped)
+}

@@ -1,0 +1,253 @@
+//! Live updates: a broadcast topic per experiment (the hub) and the SSE endpoint
+//! `GET /api/experiments/{id}/stream`.
+//!
+//! A stream sends the current status, then every stored metric point (replay), then
+//! live events as workers report them. It ends after a finished status (succeeded,
+//! failed, cancelled), which is always its last event. To lose nothing between the
+//! replay and the live part, the handler subscribes first and reads the database second;
+//! live metric points identical to replayed ones are then skipped.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use distlab_common::{LogLevel, LogLine, MetricPoint, StatusChange, StreamEvent};
+use futures::stream::{self, Stream, StreamExt};
+use tokio::sync::{broadcast, watch, OwnedSemaphorePermit, Semaphore};
+
+use crate::error::HttpError;
+use crate::experiments;
+use crate::extract::parse_id;
+use crate::AppState;
+
+/// Events a slow browser may fall behind by before it misses some.
+const TOPIC_CAPACITY: usize = 1024;
+/// How many of the last replayed metric points are remembered to skip their live duplicates.
+const DEDUP_WINDOW: usize = TOPIC_CAPACITY;
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// Per-experiment broadcast topics, created while someone listens.
+pub struct Hub {
+    topics: Mutex<HashMap<i64, broadcast::Sender<StreamEvent>>>,
+    connections: Arc<Semaphore>,
+    max_connections: usize,
+    shutdown: watch::Sender<bool>,
+}
+
+impl Hub {
+    pub fn new(max_connections: usize) -> Self {
+        Self {
+            topics: Mutex::new(HashMap::new()),
+            connections: Arc::new(Semaphore::new(max_connections)),
+            max_connections,
+            shutdown: watch::Sender::new(false),
+        }
+    }
+
+    /// Sends `event` to everyone watching experiment `id` (nobody: nothing happens).
+    pub fn publish(&self, id: i64, event: StreamEvent) {
+        let topics = self.topics.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = topics.get(&id) {
+            // An error only means that every receiver is gone; their guards remove the topic.
+            let _ = tx.send(event);
+        }
+    }
+
+    /// Logs a state change of experiment `id` and publishes it to its watchers.
+    pub fn status_changed(&self, id: i64, change: StatusChange) {
+        match &change.error {
+            Some(error) => {
+                tracing::info!(experiment = id, status = change.status.as_str(), %error, "experiment status changed")
+            }
+            None => tracing::info!(experiment = id, status = change.status.as_str(), "experiment status changed"),
+        }
+        self.publish(id, StreamEvent::Status(change));
+    }
+
+    pub fn subscribe(self: &Arc<Self>, id: i64) -> Subscription {
+        let mut topics = self.topics.lock().unwrap_or_else(|e| e.into_inner());
+        let rx = topics.entry(id).or_insert_with(|| broadcast::channel(TOPIC_CAPACITY).0).subscribe();
+        Subscription { hub: self.clone(), id, rx }
+    }
+
+    /// A slot for one more open stream, or None when `max_connections` are open.
+    pub fn try_connect(&self) -> Option<OwnedSemaphorePermit> {
+        self.connections.clone().try_acquire_owned().ok()
+    }
+
+    pub fn open_streams(&self) -> usize {
+        self.max_connections - self.connections.available_permits()
+    }
+
+    /// Ends every open stream (server shutdown: graceful shutdown waits for open responses).
+    pub fn shut_down(&self) {
+        self.shutdown.send_replace(true);
+    }
+
+    fn shutdown_signal(&self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        let mut rx = self.shutdown.subscribe();
+        Box::pin(async move {
+            let _ = rx.wait_for(|down| *down).await;
+        })
+    }
+
+    #[cfg(test)]
+    fn topic_count(&self) -> usize {
+        self.topics.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// A receiver on one topic; the topic is removed when its last subscription is dropped.
+pub struct Subscription {
+    hub: Arc<Hub>,
+    id: i64,
+    rx: broadcast::Receiver<StreamEvent>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let mut topics = self.hub.topics.lock().unwrap_or_else(|e| e.into_inner());
+        // This subscription's receiver is still alive here, hence `<= 1`.
+        if topics.get(&self.id).is_some_and(|tx| tx.receiver_count() <= 1) {
+            topics.remove(&self.id);
+        }
+    }
+}
+
+/// `GET /api/experiments/{id}/stream`
+pub async fn stream(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Response, HttpError> {
+    let id = parse_id(&raw_id)?;
+    let permit = state.hub.try_connect().ok_or_else(|| {
+        HttpError::unavailable(format!(
+            "too many live streams are open (this server allows {}); close some tabs or try again later",
+            state.hub.max_connections
+        ))
+    })?;
+    // Subscribe before reading the database, so that nothing falls between the two.
+    let subscription = state.hub.subscribe(id);
+    let view = experiments::load(&state.db, id).await?.ok_or_else(|| experiments::not_found(id))?;
+    let metrics = experiments::load_metrics(&state.db, id).await?;
+
+    let status = StatusChange { status: view.status, error: view.error.clone(), summary: view.summary.clone() };
+    let finished = view.status.is_finished();
+    let recent: HashMap<u64, MetricPoint> =
+        metrics.iter().rev().take(DEDUP_WINDOW).map(|m| (m.step, m.clone())).collect();
+    let mut replay = Vec::with_capacity(metrics.len() + 2);
+    replay.push(StreamEvent::Status(status.clone()));
+    replay.extend(metrics.into_iter().map(StreamEvent::Metric));
+
+    let live = if finished {
+        // The final status closes the stream, after the replayed metrics.
+        replay.push(StreamEvent::Status(status));
+        stream::empty().boxed()
+    } else {
+        live_events(subscription, recent).boxed()
+    };
+    let events = stream::iter(replay).chain(live).take_until(state.hub.shutdown_signal()).map(move |event| {
+        let _slot = &permit; // the connection slot is freed when the stream is dropped
+        Ok::<_, Infallible>(sse_event(&event))
+    });
+    Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response())
+}
+
+struct Live {
+    subscription: Subscription,
+    /// Replayed points not yet matched by a live duplicate.
+    replayed: HashMap<u64, MetricPoint>,
+    done: bool,
+}
+
+/// Live events until a finished status (inclusive) or the topic closes.
+fn live_events(
+    subscription: Subscription,
+    replayed: HashMap<u64, MetricPoint>,
+) -> impl Stream<Item = StreamEvent> + Send {
+    stream::unfold(Live { subscription, replayed, done: false }, |mut live| async move {
+        if live.done {
+            return None;
+        }
+        loop {
+            let event = match live.subscription.rx.recv().await {
+                Ok(event) => event,
+                Err(broadcast::error::RecvError::Lagged(n)) => StreamEvent::Log(LogLine {
+                    level: LogLevel::Warn,
+                    message: format!("this live view fell behind and skipped {n} events; reload the page to see all"),
+                }),
+                Err(broadcast::error::RecvError::Closed) => return None,
+            };
+            match &event {
+                // Already sent in the replay (each replayed point is matched at most once).
+                StreamEvent::Metric(m) if live.replayed.remove(&m.step).is_some_and(|seen| seen == *m) => continue,
+                StreamEvent::Status(s) if s.status.is_finished() => live.done = true,
+                _ => {}
+            }
+            return Some((event, live));
+        }
+    })
+}
+
+fn sse_event(event: &StreamEvent) -> Event {
+    let base = Event::default().event(event.name());
+    match serde_json::to_string(event) {
+        Ok(json) => base.data(json),
+        Err(e) => Event::default().comment(format!("could not encode an event: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distlab_common::ExperimentStatus;
+
+    fn finished(status: ExperimentStatus, error: Option<String>) -> StatusChange {
+        StatusChange { status, error, summary: None }
+    }
+
+    #[tokio::test]
+    async fn topics_are_removed_with_their_last_subscriber() {
+        let hub = Arc::new(Hub::new(4));
+        let a = hub.subscribe(1);
+        let b = hub.subscribe(1);
+        assert_eq!(hub.topic_count(), 1);
+        drop(a);
+        assert_eq!(hub.topic_count(), 1);
+        drop(b);
+        assert_eq!(hub.topic_count(), 0);
+        // Publishing with nobody listening is fine.
+        hub.publish(1, StreamEvent::Status(finished(ExperimentStatus::Failed, None)));
+    }
+
+    #[tokio::test]
+    async fn live_skips_replayed_duplicates_and_ends_on_finish() {
+        let hub = Arc::new(Hub::new(4));
+        let sub = hub.subscribe(7);
+        let point = |step, loss| MetricPoint { step, loss, lr: 0.1, grad_norm: 1.0, tokens_per_s: 1.0, step_ms: 1.0 };
+        let replayed = HashMap::from([(3, point(3, 1.0))]);
+        hub.publish(7, StreamEvent::Metric(point(3, 1.0))); // duplicate of the replay
+        hub.publish(7, StreamEvent::Metric(point(4, 0.9)));
+        hub.publish(7, StreamEvent::Status(finished(ExperimentStatus::Succeeded, None)));
+        hub.publish(7, StreamEvent::Metric(point(5, 0.8))); // after the end: not sent
+        let got: Vec<StreamEvent> = live_events(sub, replayed).collect().await;
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[0], StreamEvent::Metric(point(4, 0.9)));
+        assert!(matches!(&got[1], StreamEvent::Status(s) if s.status == ExperimentStatus::Succeeded));
+    }
+
+    #[test]
+    fn connection_slots_are_bounded() {
+        let hub = Hub::new(2);
+        let a = hub.try_connect();
+        let b = hub.try_connect();
+        assert!(a.is_some() && b.is_some());
+        assert!(hub.try_connect().is_none());
+        assert_eq!(hub.open_streams(), 2);
+        drop(a);
+        assert!(hub.try_connect().is_some());
+    }
+}

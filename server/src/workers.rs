@@ -1,0 +1,214 @@
+//! The worker protocol: `POST /api/workers/{register,lease,heartbeat,events,complete,fail}`,
+//! all behind `Authorization: Bearer <worker token>`.
+//!
+//! Heartbeats, event batches, complete and fail answer `WorkerAck`; `cancel: true` tells the
+//! worker to stop (a person cancelled the experiment). A worker that no longer holds the
+//! experiment (its lease expired and it was re-queued or leased again) gets 409.
+
+use std::time::SystemTime;
+
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use distlab_common::{
+    BackendKind, Complete, EventBatch, ExperimentSpec, ExperimentStatus, Fail, Heartbeat, Lease, LeaseRequest,
+    RegisterWorker, Registered, StatusChange, StreamEvent, WorkerAck, VERSION,
+};
+use subtle::ConstantTimeEq;
+
+use crate::clock;
+use crate::error::HttpError;
+use crate::extract::{truncate, JsonBody};
+use crate::queue::{self, Ownership};
+use crate::AppState;
+
+/// Middleware: 401 unless the request carries the worker token (compared in constant time).
+pub async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Result<Response, HttpError> {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        None => Err(HttpError::unauthorized("the worker API needs the header Authorization: Bearer <worker token>")),
+        Some(token) if token_matches(token, &state.config.worker_token) => Ok(next.run(req).await),
+        Some(_) => {
+            tracing::warn!("worker request with a wrong token");
+            Err(HttpError::unauthorized("wrong worker token"))
+        }
+    }
+}
+
+fn token_matches(presented: &str, expected: &str) -> bool {
+    !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes()))
+}
+
+/// Whether a worker seen recently (see `ServerConfig::worker_alive_window`) offers `backend`.
+pub async fn backend_offered(state: &AppState, backend: BackendKind) -> Result<bool, HttpError> {
+    let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
+    let rows: Vec<String> = sqlx::query_scalar("SELECT backends FROM workers WHERE last_seen >= ?1")
+        .bind(cutoff)
+        .fetch_all(&state.db)
+        .await?;
+    Ok(rows.iter().any(|json| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend))))
+}
+
+/// Marks a worker as alive and returns its backends; 404 for an id that never registered.
+async fn touch(state: &AppState, worker_id: i64, now: SystemTime) -> Result<Vec<BackendKind>, HttpError> {
+    let backends: Option<String> =
+        sqlx::query_scalar("UPDATE workers SET last_seen = ?1 WHERE id = ?2 RETURNING backends")
+            .bind(clock::rfc3339(now))
+            .bind(worker_id)
+            .fetch_optional(&state.db)
+            .await?;
+    let backends =
+        backends.ok_or_else(|| HttpError::not_found(format!("no worker with id {worker_id}; register first")))?;
+    serde_json::from_str(&backends)
+        .map_err(|e| HttpError::internal("stored worker", format!("worker {worker_id} backends: {e}")))
+}
+
+/// `POST /api/workers/register`
+pub async fn register(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<RegisterWorker>,
+) -> Result<Json<Registered>, HttpError> {
+    let name = truncate(body.name.trim(), 100);
+    if name.is_empty() {
+        return Err(HttpError::bad_field("name", "a worker needs a name"));
+    }
+    let devices: Vec<String> = body.devices.iter().take(64).map(|d| truncate(d, 200)).collect();
+    let now = clock::rfc3339(clock::now());
+    let backends = serde_json::to_string(&body.backends).map_err(|e| HttpError::internal("encoding backends", e))?;
+    let devices = serde_json::to_string(&devices).map_err(|e| HttpError::internal("encoding devices", e))?;
+    let version = truncate(&body.version, 40);
+    let worker_id: i64 = sqlx::query_scalar(
+        "INSERT INTO workers (name, backends, devices, version, registered_at, last_seen) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?5) RETURNING id",
+    )
+    .bind(&name)
+    .bind(&backends)
+    .bind(&devices)
+    .bind(&version)
+    .bind(&now)
+    .fetch_one(&state.db)
+    .await?;
+    if version != VERSION {
+        tracing::warn!(worker_id, %name, %version, server_version = VERSION, "worker version differs from the server's");
+    }
+    tracing::info!(worker_id, %name, %backends, %devices, "worker registered");
+    Ok(Json(Registered { worker_id, heartbeat_interval_s: state.config.heartbeat_seconds }))
+}
+
+/// `POST /api/workers/lease`: 200 `Lease`, or 204 when nothing this worker can run is queued.
+pub async fn lease(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<LeaseRequest>,
+) -> Result<Response, HttpError> {
+    let now = clock::now();
+    let backends = touch(&state, body.worker_id, now).await?;
+    let lease_for = state.config.lease_duration();
+    let Some(leased) = queue::lease(&state.db, body.worker_id, &backends, lease_for, now).await? else {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    };
+    let spec: ExperimentSpec = serde_json::from_str(&leased.spec).map_err(|e| {
+        HttpError::internal("stored experiment", format!("experiment {} has an unreadable spec: {e}", leased.id))
+    })?;
+    tracing::info!(experiment = leased.id, worker_id = body.worker_id, attempt = leased.attempt, "experiment leased");
+    state.hub.status_changed(leased.id, StatusChange { status: ExperimentStatus::Running, error: None, summary: None });
+    let lease = Lease { experiment_id: leased.id, spec, attempt: leased.attempt, lease_s: lease_for.as_secs_f64() };
+    Ok(Json(lease).into_response())
+}
+
+/// Answer for a report about an experiment, by who holds it now.
+fn ack(ownership: Ownership, worker_id: i64, experiment_id: i64) -> Result<Json<WorkerAck>, HttpError> {
+    match ownership {
+        Ownership::Held => Ok(Json(WorkerAck { cancel: false })),
+        Ownership::Cancelled => Ok(Json(WorkerAck { cancel: true })),
+        Ownership::NotFound => Err(HttpError::not_found(format!("no experiment with id {experiment_id}"))),
+        Ownership::Lost(status) => Err(HttpError::conflict(format!(
+            "experiment {experiment_id} is no longer leased to worker {worker_id} (it is {}); stop working on it",
+            status.as_str()
+        ))),
+    }
+}
+
+/// `POST /api/workers/heartbeat`: renews the lease of the experiment the worker runs.
+pub async fn heartbeat(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<Heartbeat>,
+) -> Result<Json<WorkerAck>, HttpError> {
+    let now = clock::now();
+    touch(&state, body.worker_id, now).await?;
+    let Some(experiment_id) = body.experiment_id else {
+        return Ok(Json(WorkerAck { cancel: false }));
+    };
+    let ownership = queue::renew(&state.db, body.worker_id, experiment_id, state.config.lease_duration(), now).await?;
+    ack(ownership, body.worker_id, experiment_id)
+}
+
+/// `POST /api/workers/events`: stores metric points and log lines, renews the lease, and
+/// forwards the events to the experiment's live streams.
+pub async fn events(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<EventBatch>,
+) -> Result<Json<WorkerAck>, HttpError> {
+    let now = clock::now();
+    touch(&state, body.worker_id, now).await?;
+    let ownership = queue::store_events(
+        &state.db,
+        body.worker_id,
+        body.experiment_id,
+        &body.events,
+        state.config.lease_duration(),
+        now,
+    )
+    .await?;
+    if ownership == Ownership::Held {
+        for event in body.events {
+            state.hub.publish(body.experiment_id, StreamEvent::from(event));
+        }
+    }
+    ack(ownership, body.worker_id, body.experiment_id)
+}
+
+/// `POST /api/workers/complete`: the run succeeded.
+pub async fn complete(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<Complete>,
+) -> Result<Json<WorkerAck>, HttpError> {
+    let now = clock::now();
+    touch(&state, body.worker_id, now).await?;
+    let ownership = queue::complete(&state.db, body.worker_id, body.experiment_id, &body.summary, now).await?;
+    if ownership == Ownership::Held {
+        state.hub.status_changed(
+            body.experiment_id,
+            StatusChange { status: ExperimentStatus::Succeeded, error: None, summary: Some(body.summary) },
+        );
+    }
+    ack(ownership, body.worker_id, body.experiment_id)
+}
+
+/// `POST /api/workers/fail`: the run failed, or stopped after a cancel (`cancelled: true`;
+/// harmless when the experiment is already cancelled).
+pub async fn fail(State(state): State<AppState>, JsonBody(body): JsonBody<Fail>) -> Result<Json<WorkerAck>, HttpError> {
+    let now = clock::now();
+    touch(&state, body.worker_id, now).await?;
+    let ownership =
+        queue::fail(&state.db, body.worker_id, body.experiment_id, &body.error, body.cancelled, now).await?;
+    if ownership == Ownership::Held {
+        let change = if body.cancelled {
+            StatusChange { status: ExperimentStatus::Cancelled, error: None, summary: None }
+        } else {
+            StatusChange {
+                status: ExperimentStatus::Failed,
+                error: Some(truncate(&body.error, queue::MAX_TEXT_CHARS)),
+                summary: None,
+            }
+        };
+        state.hub.status_changed(body.experiment_id, change);
+    }
+    ack(ownership, body.worker_id, body.experiment_id)
+}

@@ -1,0 +1,716 @@
+//! The HTTP API, driven through `app()` with `oneshot` on a temporary SQLite database.
+
+use std::collections::HashSet;
+use std::time::{Duration, SystemTime};
+
+use axum::body::Body;
+use axum::http::{header, Method, Request, StatusCode};
+use axum::Router;
+use distlab_common::*;
+use distlab_server::{app, AppState, ServerConfig};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+const TOKEN: &str = "test-worker-token";
+
+struct TestApp {
+    app: Router,
+    state: AppState,
+    dir: tempfile::TempDir,
+}
+
+async fn setup_with(edit: impl FnOnce(&mut ServerConfig)) -> TestApp {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut config = ServerConfig {
+        data_dir: dir.path().join("data"),
+        static_dir: dir.path().join("site"),
+        local_workers: 0,
+        worker_token: TOKEN.into(),
+        ..ServerConfig::default()
+    };
+    edit(&mut config);
+    let state = AppState::new(config).await.expect("state");
+    TestApp { app: app(state.clone()), state, dir }
+}
+
+async fn setup() -> TestApp {
+    setup_with(|_| {}).await
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: Value,
+}
+
+impl TestApp {
+    async fn send(&self, req: Request<Body>) -> axum::response::Response {
+        self.app.clone().oneshot(req).await.expect("infallible")
+    }
+
+    async fn call(&self, method: Method, uri: &str, body: Option<Value>, token: Option<&str>) -> Answer {
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(token) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let req = match body {
+            Some(body) => req.header(header::CONTENT_TYPE, "application/json").body(Body::from(body.to_string())),
+            None => req.body(Body::empty()),
+        }
+        .expect("request");
+        answer(self.send(req).await).await
+    }
+
+    async fn get(&self, uri: &str) -> Answer {
+        self.call(Method::GET, uri, None, None).await
+    }
+
+    async fn post(&self, uri: &str, body: Value) -> Answer {
+        self.call(Method::POST, uri, Some(body), None).await
+    }
+
+    async fn worker(&self, path: &str, body: Value) -> Answer {
+        self.call(Method::POST, &format!("/api/workers/{path}"), Some(body), Some(TOKEN)).await
+    }
+
+    async fn register(&self, backends: &[&str]) -> i64 {
+        let a = self
+            .worker(
+                "register",
+                json!({"name": "w", "backends": backends, "devices": ["cpu: 2 cores"], "version": VERSION}),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        a.body["worker_id"].as_i64().expect("worker_id")
+    }
+
+    async fn create(&self, name: &str) -> i64 {
+        let a = self.post("/api/experiments", json!({"name": name, "train": {"steps": 10}})).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        a.body["id"].as_i64().expect("id")
+    }
+
+    /// Leases the next experiment for `worker`; panics on 204.
+    async fn lease(&self, worker: i64) -> Lease {
+        let a = self.worker("lease", json!({"worker_id": worker})).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        serde_json::from_value(a.body).expect("Lease")
+    }
+
+    async fn view(&self, id: i64) -> ExperimentView {
+        let a = self.get(&format!("/api/experiments/{id}")).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        serde_json::from_value(a.body).expect("ExperimentView")
+    }
+}
+
+async fn answer(resp: axum::response::Response) -> Answer {
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+    };
+    Answer { status, headers, body }
+}
+
+/// Every error answer has the JSON shape `{"error": "...", "fields": [...]}`.
+fn assert_api_error(a: &Answer, status: StatusCode) -> ApiError {
+    assert_eq!(a.status, status, "{}", a.body);
+    serde_json::from_value::<ApiError>(a.body.clone()).unwrap_or_else(|e| panic!("not an ApiError ({e}): {}", a.body))
+}
+
+fn metric(step: u64, loss: f64) -> Value {
+    json!({"type": "metric", "step": step, "loss": loss, "lr": 0.001, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_ms": 5.0})
+}
+
+fn summary() -> Value {
+    serde_json::to_value(RunSummary {
+        steps: 3,
+        final_loss: 3.0,
+        min_loss: 3.0,
+        uniform_loss: 4.1,
+        ..RunSummary::default()
+    })
+    .expect("summary")
+}
+
+fn in_an_hour() -> SystemTime {
+    SystemTime::now() + Duration::from_secs(3600)
+}
+
+// ---------------------------------------------------------------- user API
+
+#[tokio::test]
+async fn health_reports_version_workers_and_queue() {
+    let t = setup().await;
+    let a = t.get("/api/health").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body, json!({"status": "ok", "version": VERSION, "workers": 0, "queued": 0}));
+    t.register(&["cpu"]).await;
+    t.create("a").await;
+    let h: Health = serde_json::from_value(t.get("/api/health").await.body).expect("Health");
+    assert_eq!((h.workers, h.queued), (1, 1));
+}
+
+#[tokio::test]
+async fn create_get_and_list_experiments() {
+    let t = setup().await;
+    let resp = t
+        .send(
+            Request::post("/api/experiments")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(r#"{"name": "first"}"#))
+                .expect("request"),
+        )
+        .await;
+    assert_eq!(resp.headers().get(header::LOCATION).and_then(|v| v.to_str().ok()), Some("/api/experiments/1"));
+    let a = answer(resp).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(a.body, json!({"id": 1, "status": "queued"}));
+    let second = t.create("second").await;
+    let third = t.create("third").await;
+
+    let v = t.view(1).await;
+    assert_eq!(v.name, "first");
+    assert_eq!(v.status, ExperimentStatus::Queued);
+    assert_eq!(v.spec, ExperimentSpec { name: "first".into(), ..ExperimentSpec::default() });
+    assert_eq!((v.attempt, v.steps_done), (0, 0));
+    assert!(v.created_at.ends_with('Z') && v.started_at.is_none() && v.summary.is_none());
+
+    let list: ExperimentList = serde_json::from_value(t.get("/api/experiments").await.body).expect("list");
+    assert_eq!(list.total, 3);
+    let ids: Vec<i64> = list.experiments.iter().map(|e| e.id).collect();
+    assert_eq!(ids, vec![third, second, 1], "newest first");
+
+    let page: ExperimentList =
+        serde_json::from_value(t.get("/api/experiments?limit=1&offset=1").await.body).expect("page");
+    assert_eq!((page.total, page.experiments.len(), page.experiments[0].id), (3, 1, second));
+
+    t.post(&format!("/api/experiments/{second}/cancel"), json!({})).await;
+    let cancelled: ExperimentList =
+        serde_json::from_value(t.get("/api/experiments?status=cancelled").await.body).expect("filtered");
+    assert_eq!(cancelled.total, 1);
+    assert_eq!(cancelled.experiments[0].id, second);
+
+    // Pages are bounded: a huge limit is clamped, not refused.
+    assert_eq!(t.get("/api/experiments?limit=100000").await.status, StatusCode::OK);
+    let e = assert_api_error(&t.get("/api/experiments?limit=ten").await, StatusCode::BAD_REQUEST);
+    assert_eq!(e.fields[0].field, "limit");
+    let e = assert_api_error(&t.get("/api/experiments?status=sleeping").await, StatusCode::BAD_REQUEST);
+    assert!(e.error.contains("queued, running"), "{}", e.error);
+}
+
+#[tokio::test]
+async fn invalid_spec_lists_every_problem_with_422() {
+    let t = setup().await;
+    let a = t
+        .post(
+            "/api/experiments",
+            json!({"name": "bad", "model": {"heads": 5}, "parallel": {"tp": 2}, "train": {"steps": 0, "warmup_steps": 0}}),
+        )
+        .await;
+    let e = assert_api_error(&a, StatusCode::UNPROCESSABLE_ENTITY);
+    let fields: HashSet<&str> = e.fields.iter().map(|f| f.field.as_str()).collect();
+    assert!(e.fields.len() >= 3, "{e:?}");
+    assert!(
+        fields.contains("model.heads") && fields.contains("parallel.tp") && fields.contains("train.steps"),
+        "{e:?}"
+    );
+
+    // Unknown fields and values name their path.
+    let e = assert_api_error(
+        &t.post("/api/experiments", json!({"train": {"stepz": 3}})).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    );
+    assert_eq!(e.fields[0].field, "train.stepz");
+    let e = assert_api_error(
+        &t.post("/api/experiments", json!({"parallel": {"sharding": "zero4"}})).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    );
+    assert_eq!(e.fields[0].field, "parallel.sharding");
+    assert_eq!(t.get("/api/health").await.body["queued"], 0);
+}
+
+#[tokio::test]
+async fn cuda_needs_a_worker_that_offers_it() {
+    let t = setup().await;
+    t.register(&["cpu"]).await;
+    let a = t.post("/api/experiments", json!({"name": "gpu", "backend": "cuda"})).await;
+    let e = assert_api_error(&a, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(e.fields, vec![FieldError::new("backend", "no registered worker offers the cuda backend")]);
+
+    let gpu_worker = t.register(&["cpu", "cuda"]).await;
+    let cpu_only = t.register(&["cpu"]).await;
+    let a = t.post("/api/experiments", json!({"name": "gpu", "backend": "cuda"})).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    // Only a worker that offers cuda leases it.
+    assert_eq!(t.worker("lease", json!({"worker_id": cpu_only})).await.status, StatusCode::NO_CONTENT);
+    assert_eq!(t.lease(gpu_worker).await.spec.backend, BackendKind::Cuda);
+}
+
+#[tokio::test]
+async fn malformed_requests_get_400_in_the_json_shape() {
+    let t = setup().await;
+    let raw = |body: &'static str, ct: &'static str| {
+        Request::post("/api/experiments").header(header::CONTENT_TYPE, ct).body(Body::from(body)).expect("request")
+    };
+    for req in [
+        raw("{not json", "application/json"),
+        raw("", "application/json"),
+        raw("name=x", "application/x-www-form-urlencoded"),
+    ] {
+        let a = answer(t.send(req).await).await;
+        let e = assert_api_error(&a, StatusCode::BAD_REQUEST);
+        assert!(!e.error.is_empty());
+    }
+    // Worker bodies of the wrong shape name the field.
+    let e = assert_api_error(&t.worker("lease", json!({"worker_id": "seven"})).await, StatusCode::BAD_REQUEST);
+    assert_eq!(e.fields[0].field, "worker_id");
+}
+
+#[tokio::test]
+async fn too_large_bodies_get_413_in_the_json_shape() {
+    let t = setup().await;
+    let big = format!(r#"{{"name": "{}"}}"#, "x".repeat(2 << 20));
+    let a = answer(
+        t.send(
+            Request::post("/api/experiments")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(big))
+                .expect("req"),
+        )
+        .await,
+    )
+    .await;
+    let e = assert_api_error(&a, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(e.error.contains("1 MiB"), "{}", e.error);
+
+    // Without a Content-Length (streamed), the limit still holds.
+    let chunks = futures::stream::iter((0..40).map(|_| Ok::<_, std::io::Error>(vec![b' '; 64 * 1024])));
+    let req = Request::post("/api/experiments")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(chunks))
+        .expect("req");
+    assert_api_error(&answer(t.send(req).await).await, StatusCode::PAYLOAD_TOO_LARGE);
+
+    // Event batches may be larger than user bodies (but not unbounded).
+    let worker = t.register(&["cpu"]).await;
+    t.create("big-batch").await;
+    let lease = t.lease(worker).await;
+    let events: Vec<Value> = (0..20_000).map(|s| metric(s, 1.0)).collect();
+    let a =
+        t.worker("events", json!({"worker_id": worker, "experiment_id": lease.experiment_id, "events": events})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let huge = "y".repeat(17 << 20);
+    let a = t.worker("heartbeat", json!({"worker_id": worker, "pad": huge})).await;
+    assert_api_error(&a, StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[tokio::test]
+async fn unknown_things_get_404_in_the_json_shape() {
+    let t = setup().await;
+    assert_api_error(&t.get("/api/experiments/99").await, StatusCode::NOT_FOUND);
+    assert_api_error(&t.get("/api/experiments/99/metrics").await, StatusCode::NOT_FOUND);
+    assert_api_error(&t.get("/api/experiments/99/stream").await, StatusCode::NOT_FOUND);
+    assert_api_error(&t.post("/api/experiments/99/cancel", json!({})).await, StatusCode::NOT_FOUND);
+    assert_api_error(&t.get("/api/experiments/abc").await, StatusCode::NOT_FOUND);
+    assert_api_error(&t.get("/api/experiments/-1/metrics").await, StatusCode::NOT_FOUND);
+    let e = assert_api_error(&t.get("/api/nothing/here").await, StatusCode::NOT_FOUND);
+    assert!(e.error.contains("/api/nothing/here"), "{}", e.error);
+    assert_api_error(&t.get("/api").await, StatusCode::NOT_FOUND);
+    // A known path with the wrong method: 405, still JSON.
+    let a = t.call(Method::DELETE, "/api/experiments", None, None).await;
+    assert_api_error(&a, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(a.headers.contains_key(header::ALLOW));
+}
+
+// ---------------------------------------------------------------- worker protocol
+
+#[tokio::test]
+async fn worker_api_needs_the_token() {
+    let t = setup().await;
+    let body = json!({"name": "w", "backends": ["cpu"], "devices": [], "version": VERSION});
+    for token in [None, Some("wrong"), Some("")] {
+        let a = t.call(Method::POST, "/api/workers/register", Some(body.clone()), token).await;
+        assert_api_error(&a, StatusCode::UNAUTHORIZED);
+        assert!(a.headers.contains_key(header::WWW_AUTHENTICATE));
+    }
+    // Every worker endpoint is protected.
+    for path in ["lease", "heartbeat", "events", "complete", "fail"] {
+        let a = t.call(Method::POST, &format!("/api/workers/{path}"), Some(json!({})), None).await;
+        assert_api_error(&a, StatusCode::UNAUTHORIZED);
+    }
+    let a = t.worker("register", body).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body["heartbeat_interval_s"], 5.0);
+    // Unknown worker ids are refused.
+    assert_api_error(&t.worker("lease", json!({"worker_id": 999})).await, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn lease_runs_the_oldest_queued_experiment_or_answers_204() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    let a = t.worker("lease", json!({"worker_id": worker})).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    assert_eq!(a.body, Value::Null);
+
+    let first = t.create("first").await;
+    t.create("second").await;
+    let lease = t.lease(worker).await;
+    assert_eq!((lease.experiment_id, lease.attempt, lease.lease_s), (first, 1, 30.0));
+    assert_eq!(lease.spec.name, "first");
+    let v = t.view(first).await;
+    assert_eq!((v.status, v.attempt), (ExperimentStatus::Running, 1));
+    assert!(v.started_at.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_leases_give_each_experiment_to_exactly_one_worker() {
+    let t = setup().await;
+    let mut workers = Vec::new();
+    for _ in 0..10 {
+        workers.push(t.register(&["cpu"]).await);
+    }
+    let mut queued = HashSet::new();
+    for i in 0..3 {
+        queued.insert(t.create(&format!("e{i}")).await);
+    }
+    let calls = workers.iter().map(|&w| {
+        let app = t.app.clone();
+        tokio::spawn(async move {
+            let req = Request::post("/api/workers/lease")
+                .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(json!({"worker_id": w}).to_string()))
+                .expect("request");
+            answer(app.oneshot(req).await.expect("infallible")).await
+        })
+    });
+    let answers = futures::future::join_all(calls).await;
+    let mut won = Vec::new();
+    let mut empty = 0;
+    for a in answers {
+        let a = a.expect("task");
+        match a.status {
+            StatusCode::OK => won.push(a.body["experiment_id"].as_i64().expect("id")),
+            StatusCode::NO_CONTENT => empty += 1,
+            other => panic!("unexpected {other}: {}", a.body),
+        }
+    }
+    let distinct: HashSet<i64> = won.iter().copied().collect();
+    assert_eq!(won.len(), 3, "{won:?}");
+    assert_eq!(distinct, queued);
+    assert_eq!(empty, 7);
+}
+
+#[tokio::test]
+async fn events_are_stored_and_visible_in_metrics() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("run").await;
+    t.lease(worker).await;
+    let events =
+        json!([metric(0, 4.0), metric(1, 3.5), {"type": "log", "level": "info", "message": "hello"}, metric(2, 3.0)]);
+    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": events})).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body, json!({"cancel": false}));
+    // A re-sent step overwrites the stored one.
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(1, 3.4)]})).await;
+
+    let m: Metrics =
+        serde_json::from_value(t.get(&format!("/api/experiments/{id}/metrics")).await.body).expect("metrics");
+    let steps: Vec<(u64, f64)> = m.steps.iter().map(|p| (p.step, p.loss)).collect();
+    assert_eq!(steps, vec![(0, 4.0), (1, 3.4), (2, 3.0)]);
+    assert_eq!(t.view(id).await.steps_done, 3);
+    let logs: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM logs WHERE experiment_id = ?1")
+        .bind(id)
+        .fetch_one(&t.state.db)
+        .await
+        .expect("logs");
+    assert_eq!(logs, 1);
+
+    // Complete: succeeded with the summary; later reports are refused with 409.
+    let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let v = t.view(id).await;
+    assert_eq!(v.status, ExperimentStatus::Succeeded);
+    assert_eq!(v.summary.map(|s| s.final_loss), Some(3.0));
+    assert!(v.finished_at.is_some());
+    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(3, 2.0)]})).await;
+    assert_api_error(&a, StatusCode::CONFLICT);
+    let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
+    assert_api_error(&a, StatusCode::CONFLICT);
+}
+
+#[tokio::test]
+async fn only_the_lease_holder_may_report() {
+    let t = setup().await;
+    let holder = t.register(&["cpu"]).await;
+    let other = t.register(&["cpu"]).await;
+    let id = t.create("run").await;
+    t.lease(holder).await;
+    let a = t.worker("events", json!({"worker_id": other, "experiment_id": id, "events": [metric(0, 1.0)]})).await;
+    assert_api_error(&a, StatusCode::CONFLICT);
+    assert_api_error(
+        &t.worker("heartbeat", json!({"worker_id": other, "experiment_id": id})).await,
+        StatusCode::CONFLICT,
+    );
+    let a = t.worker("fail", json!({"worker_id": other, "experiment_id": id, "error": "boom"})).await;
+    assert_api_error(&a, StatusCode::CONFLICT);
+    assert_api_error(
+        &t.worker("heartbeat", json!({"worker_id": other, "experiment_id": 77})).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_eq!(t.view(id).await.steps_done, 0);
+
+    let a = t
+        .worker("fail", json!({"worker_id": holder, "experiment_id": id, "error": "rank 1 died: out of memory"}))
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    let v = t.view(id).await;
+    assert_eq!(v.status, ExperimentStatus::Failed);
+    assert_eq!(v.error.as_deref(), Some("rank 1 died: out of memory"));
+}
+
+#[tokio::test]
+async fn cancel_queued_and_running_experiments() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    let running = t.create("running").await;
+    let queued = t.create("queued").await;
+    t.lease(worker).await;
+
+    let a = t.post(&format!("/api/experiments/{queued}/cancel"), json!({})).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body["status"], "cancelled");
+    // Finished: 409, and a cancelled experiment is never leased.
+    assert_api_error(&t.post(&format!("/api/experiments/{queued}/cancel"), json!({})).await, StatusCode::CONFLICT);
+    assert_eq!(t.worker("lease", json!({"worker_id": worker})).await.status, StatusCode::NO_CONTENT);
+
+    let hb = json!({"worker_id": worker, "experiment_id": running});
+    assert_eq!(t.worker("heartbeat", hb.clone()).await.body, json!({"cancel": false}));
+    let a = t.post(&format!("/api/experiments/{running}/cancel"), json!({})).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(t.view(running).await.status, ExperimentStatus::Cancelled);
+    // The worker learns it from its next heartbeat or event batch; nothing more is stored.
+    assert_eq!(t.worker("heartbeat", hb).await.body, json!({"cancel": true}));
+    let a =
+        t.worker("events", json!({"worker_id": worker, "experiment_id": running, "events": [metric(0, 1.0)]})).await;
+    assert_eq!((a.status, a.body), (StatusCode::OK, json!({"cancel": true})));
+    assert_eq!(t.view(running).await.steps_done, 0);
+    // Its fail(cancelled) is accepted harmlessly.
+    let a = t
+        .worker("fail", json!({"worker_id": worker, "experiment_id": running, "error": "cancelled", "cancelled": true}))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let v = t.view(running).await;
+    assert_eq!((v.status, v.error), (ExperimentStatus::Cancelled, None));
+    assert_api_error(&t.post(&format!("/api/experiments/{running}/cancel"), json!({})).await, StatusCode::CONFLICT);
+}
+
+#[tokio::test]
+async fn expired_leases_requeue_then_fail_after_three_attempts() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("flaky").await;
+    for attempt in 1..=3 {
+        let lease = t.lease(worker).await;
+        assert_eq!((lease.experiment_id, lease.attempt), (id, attempt));
+        // A fresh lease is not reaped now...
+        assert!(t.state.reap_expired(SystemTime::now()).await.expect("reap").is_empty());
+        // ...but it is once it has run out.
+        let reaped = t.state.reap_expired(in_an_hour()).await.expect("reap");
+        assert_eq!(reaped.len(), 1);
+        let v = t.view(id).await;
+        assert_eq!(v.attempt, attempt);
+        if attempt < 3 {
+            assert_eq!(v.status, ExperimentStatus::Queued);
+            // The worker that lost the lease is told so.
+            let a =
+                t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(0, 1.0)]})).await;
+            assert_api_error(&a, StatusCode::CONFLICT);
+        } else {
+            assert_eq!(v.status, ExperimentStatus::Failed);
+            assert_eq!(
+                v.error.as_deref(),
+                Some("the worker running it stopped responding 3 times (lease expired); giving up")
+            );
+        }
+    }
+    assert_eq!(t.worker("lease", json!({"worker_id": worker})).await.status, StatusCode::NO_CONTENT);
+}
+
+#[tokio::test]
+async fn heartbeats_renew_the_lease() {
+    let t = setup_with(|c| c.lease_seconds = 2.0).await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("steady").await;
+    t.lease(worker).await;
+    let in_3s = SystemTime::now() + Duration::from_secs(3);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let a = t.worker("heartbeat", json!({"worker_id": worker, "experiment_id": id})).await;
+    assert_eq!(a.body, json!({"cancel": false}));
+    // Without the heartbeat the lease would have ended before in_3s.
+    assert!(t.state.reap_expired(in_3s).await.expect("reap").is_empty());
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Running);
+}
+
+// ---------------------------------------------------------------- SSE
+
+/// (event name, data JSON) pairs from an SSE body.
+fn parse_sse(text: &str) -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for block in text.split("\n\n") {
+        let mut name = None;
+        let mut data = String::new();
+        for line in block.lines() {
+            if let Some(v) = line.strip_prefix("event:") {
+                name = Some(v.trim().to_string());
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push_str(v.trim_start());
+            }
+        }
+        if let Some(name) = name {
+            out.push((name, serde_json::from_str(&data).expect("event data is JSON")));
+        }
+    }
+    out
+}
+
+async fn finish_with_metrics(t: &TestApp, worker: i64, id: i64, steps: u64) {
+    let events: Vec<Value> = (0..steps).map(|s| metric(s, 4.0 - s as f64 * 0.1)).collect();
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": events})).await;
+    t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
+}
+
+#[tokio::test]
+async fn stream_of_a_finished_experiment_replays_metrics_and_ends() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("done").await;
+    t.lease(worker).await;
+    finish_with_metrics(&t, worker, id, 3).await;
+
+    let resp = t.send(Request::get(format!("/api/experiments/{id}/stream")).body(Body::empty()).expect("req")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()), Some("text/event-stream"));
+    // The body ends by itself (collect would hang otherwise).
+    let bytes = tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect())
+        .await
+        .expect("the stream ends")
+        .expect("body")
+        .to_bytes();
+    let events = parse_sse(&String::from_utf8_lossy(&bytes));
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, vec!["status", "metric", "metric", "metric", "status"]);
+    for (name, data) in &events {
+        let parsed: StreamEvent = serde_json::from_value(data.clone()).expect("StreamEvent");
+        assert_eq!(parsed.name(), name);
+    }
+    assert_eq!(events[2].1["step"], 1);
+    assert_eq!(events[4].1["status"], "succeeded");
+    assert_eq!(events[4].1["summary"]["final_loss"], 3.0);
+}
+
+#[tokio::test]
+async fn stream_sends_live_events_then_ends_on_finish() {
+    // A short request timeout must not cut live streams.
+    let t = setup_with(|c| c.request_timeout = Duration::from_millis(200)).await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("live").await;
+    t.lease(worker).await;
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(0, 4.0)]})).await;
+
+    let req = Request::get(format!("/api/experiments/{id}/stream")).header(header::ACCEPT_ENCODING, "gzip");
+    let resp = t.send(req.body(Body::empty()).expect("req")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(resp.headers().get(header::CONTENT_ENCODING).is_none(), "event streams are not compressed");
+    let reader = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect()).await.map(|b| b.map(|c| c.to_bytes()))
+    });
+    // Let the stream run past the request timeout, then report more and finish.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let log = json!({"type": "log", "level": "warn", "message": "slow step"});
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(1, 3.9), log]})).await;
+    t.worker("fail", json!({"worker_id": worker, "experiment_id": id, "error": "rank 0 crashed"})).await;
+
+    let bytes = reader.await.expect("task").expect("the stream ends").expect("body");
+    let events = parse_sse(&String::from_utf8_lossy(&bytes));
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, vec!["status", "metric", "metric", "log", "status"], "{events:?}");
+    assert_eq!(events[0].1["status"], "running");
+    assert_eq!((events[1].1["step"].clone(), events[2].1["step"].clone()), (json!(0), json!(1)));
+    assert_eq!(events[4].1, json!({"type": "status", "status": "failed", "error": "rank 0 crashed"}));
+}
+
+#[tokio::test]
+async fn open_streams_are_bounded() {
+    let t = setup_with(|c| c.max_sse_connections = 1).await;
+    let id = t.create("watched").await;
+    let first = t.send(Request::get(format!("/api/experiments/{id}/stream")).body(Body::empty()).expect("req")).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let a = t.get(&format!("/api/experiments/{id}/stream")).await;
+    assert_api_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    drop(first);
+    let again = t.send(Request::get(format!("/api/experiments/{id}/stream")).body(Body::empty()).expect("req")).await;
+    assert_eq!(again.status(), StatusCode::OK);
+}
+
+// ---------------------------------------------------------------- middleware, static files
+
+#[tokio::test]
+async fn json_answers_are_gzipped_when_asked() {
+    let t = setup().await;
+    for i in 0..5 {
+        t.create(&format!("e{i}")).await;
+    }
+    let resp = t
+        .send(
+            Request::get("/api/experiments").header(header::ACCEPT_ENCODING, "gzip").body(Body::empty()).expect("req"),
+        )
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers().get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()), Some("gzip"));
+}
+
+#[tokio::test]
+async fn frontend_not_built_page() {
+    let t = setup().await;
+    let a = t.get("/").await;
+    assert_eq!(a.status, StatusCode::OK);
+    let page = a.body.as_str().expect("html");
+    assert!(page.contains("not built") && page.contains("cargo xtask run"), "{page}");
+}
+
+#[tokio::test]
+async fn frontend_files_and_client_side_routes() {
+    let t = setup().await;
+    let site = t.dir.path().join("site");
+    std::fs::create_dir_all(&site).expect("site dir");
+    std::fs::write(site.join("index.html"), "<!doctype html><title>distlab app</title>").expect("index");
+    std::fs::write(site.join("app_bg.wasm"), b"\0asm\x01\0\0\0").expect("wasm");
+    std::fs::write(site.join("app.js"), "console.log('hi')").expect("js");
+
+    for path in ["/", "/experiments/3", "/new"] {
+        let a = t.get(path).await;
+        assert_eq!(a.status, StatusCode::OK, "{path}");
+        assert!(a.body.as_str().is_some_and(|b| b.contains("distlab app")), "{path}: {}", a.body);
+    }
+    let a = t.get("/app_bg.wasm").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()), Some("application/wasm"));
+    let a = t.get("/app.js").await;
+    assert!(a
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.contains("javascript")));
+    assert_eq!(t.get("/missing.js").await.status, StatusCode::NOT_FOUND);
+    // The API is not shadowed by the frontend.
+    assert_eq!(t.get("/api/health").await.status, StatusCode::OK);
+}
