@@ -37,6 +37,9 @@ pub struct LogLine {
 pub enum RunEvent {
     Metric(MetricPoint),
     Log(LogLine),
+    /// One rank's trace (sent once per rank at the end of a run; the server keeps the
+    /// latest per rank).
+    Trace(crate::trace::RankTrace),
 }
 
 /// What the end of a successful run reports.
@@ -117,6 +120,8 @@ pub enum StreamEvent {
     Status(StatusChange),
     Metric(MetricPoint),
     Log(LogLine),
+    /// A rank's trace was stored (fetch it from `/trace`).
+    Trace { rank: u32 },
 }
 
 impl StreamEvent {
@@ -125,6 +130,7 @@ impl StreamEvent {
             StreamEvent::Status(_) => "status",
             StreamEvent::Metric(_) => "metric",
             StreamEvent::Log(_) => "log",
+            StreamEvent::Trace { .. } => "trace",
         }
     }
 }
@@ -134,6 +140,7 @@ impl From<RunEvent> for StreamEvent {
         match e {
             RunEvent::Metric(m) => StreamEvent::Metric(m),
             RunEvent::Log(l) => StreamEvent::Log(l),
+            RunEvent::Trace(t) => StreamEvent::Trace { rank: t.rank },
         }
     }
 }

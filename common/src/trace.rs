@@ -104,3 +104,55 @@ pub struct RankCommTrace {
     pub steps: Vec<RingStep>,
     pub counters: Vec<CollectiveCounter>,
 }
+
+/// What a span of a rank's timeline was spent on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpanKind {
+    Forward,
+    Backward,
+    /// A collective (e.g. one gradient bucket's all-reduce), on the communication thread.
+    Comm,
+    Optimizer,
+    /// Waiting for something (the last bucket, a pipeline neighbour).
+    Idle,
+}
+
+/// One interval of a rank's timeline.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Span {
+    pub kind: SpanKind,
+    /// e.g. "forward", "backward layer 3", "all_reduce bucket 2 (1.0 MiB)", "optimizer".
+    pub name: String,
+    /// Optimizer step.
+    pub step: u64,
+    /// The thread it ran on: "compute" or "comm".
+    pub lane: String,
+    /// Microseconds since the Unix epoch.
+    pub start_us: u64,
+    pub end_us: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+}
+
+/// Everything one rank recorded: its timeline (the first `span_steps` steps) and its
+/// communication.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankTrace {
+    pub rank: u32,
+    pub world: u32,
+    /// Spans are kept for this many optimizer steps (the first ones).
+    pub span_steps: u64,
+    pub spans: Vec<Span>,
+    pub comm: RankCommTrace,
+}
+
+/// `GET /api/experiments/{id}/trace`: every rank's trace, in rank order.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExperimentTrace {
+    pub ranks: Vec<RankTrace>,
+}

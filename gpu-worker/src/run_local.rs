@@ -41,6 +41,7 @@ pub fn run_spec_file(spec_path: &Path, out: Option<PathBuf>, threads: usize) -> 
             }
         }
         RunEvent::Log(log) => eprintln!("[{:?}] {}", log.level, log.message),
+        RunEvent::Trace(_) => {}
     };
     let result = train(&spec, &TrainOptions { threads }, &mut on_event, &AtomicBool::new(false));
     if let Some(e) = write_error {
