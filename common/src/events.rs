@@ -113,7 +113,7 @@ pub struct StatusChange {
 }
 
 /// One message on `GET /api/experiments/{id}/stream`. The SSE event name is the
-/// `type` field (`status`, `metric`, `log`); the data is this JSON.
+/// `type` field (`status`, `metric`, `log`, `trace`); the data is this JSON.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum StreamEvent {

@@ -1,12 +1,12 @@
-//! The user API: submit, list, show, metrics and cancel experiments.
+//! The user API: submit, list, show, metrics and cancel experiments (traces: `traces.rs`).
 
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use distlab_common::{
-    BackendKind, Created, ExperimentList, ExperimentSpec, ExperimentStatus, ExperimentView, FieldError, MetricPoint,
-    Metrics, RunSummary, StatusChange,
+    BackendKind, Created, ExperimentList, ExperimentSpec, ExperimentStatus, ExperimentView, FieldError, LogLevel,
+    LogLine, MetricPoint, Metrics, RunSummary, StatusChange,
 };
 use serde::Deserialize;
 
@@ -14,8 +14,8 @@ use crate::clock;
 use crate::db::Db;
 use crate::error::HttpError;
 use crate::extract::{parse_id, JsonBody};
-use crate::workers;
 use crate::AppState;
+use crate::{queue, workers};
 
 /// The owner of every experiment in the embedded single-user mode.
 pub const LOCAL_OWNER: &str = "local";
@@ -113,6 +113,40 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpErro
             grad_norm: r.grad_norm,
             tokens_per_s: r.tokens_per_s,
             step_ms: r.step_ms,
+        })
+        .collect())
+}
+
+#[derive(sqlx::FromRow)]
+struct LogRow {
+    id: i64,
+    level: String,
+    message: String,
+}
+
+/// A stored log line and its id (ids grow in the order lines were stored).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredLog {
+    pub id: i64,
+    pub line: LogLine,
+}
+
+/// The last `limit` stored log lines of an experiment, oldest first.
+pub async fn load_recent_logs(db: &Db, id: i64, limit: i64) -> Result<Vec<StoredLog>, HttpError> {
+    let rows = sqlx::query_as::<_, LogRow>(
+        "SELECT id, level, message FROM \
+           (SELECT id, level, message FROM logs WHERE experiment_id = ?1 ORDER BY id DESC LIMIT ?2) \
+         ORDER BY id",
+    )
+    .bind(id)
+    .bind(limit)
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| StoredLog {
+            id: r.id,
+            line: LogLine { level: queue::level_from_name(&r.level).unwrap_or(LogLevel::Info), message: r.message },
         })
         .collect())
 }

@@ -15,6 +15,7 @@ pub mod local_workers;
 pub mod queue;
 pub mod static_files;
 pub mod stream;
+pub mod traces;
 pub mod workers;
 
 use std::io::Write;
@@ -191,6 +192,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments", get(experiments::list).post(experiments::create))
         .route("/experiments/{id}", get(experiments::get_one))
         .route("/experiments/{id}/metrics", get(experiments::metrics))
+        .route("/experiments/{id}/trace", get(traces::trace))
         .route("/experiments/{id}/cancel", post(experiments::cancel))
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))

@@ -7,12 +7,16 @@
 
 use std::time::{Duration, SystemTime};
 
-use distlab_common::{BackendKind, ExperimentStatus, MetricPoint, RunEvent, RunSummary, StatusChange};
+use distlab_common::{
+    BackendKind, ExperimentSpec, ExperimentStatus, FieldError, LogLevel, MetricPoint, RunEvent, RunSummary,
+    StatusChange,
+};
 
 use crate::clock;
 use crate::db::Db;
 use crate::extract::truncate;
 use crate::stream::Hub;
+use crate::traces;
 
 /// Leases an experiment may have before an expired lease fails it.
 pub const MAX_ATTEMPTS: i64 = 3;
@@ -131,8 +135,20 @@ pub async fn renew(
     }
 }
 
-/// Stores a batch of events (metrics overwrite the same step of an earlier attempt) and
-/// renews the lease, in one transaction; nothing is stored unless the worker holds the lease.
+/// What became of an event batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stored {
+    /// Stored and the lease renewed; `log_ids` are the ids of the batch's log lines, in order.
+    Held { log_ids: Vec<i64> },
+    /// Nothing stored: the worker does not hold the lease (cancelled, lost, unknown).
+    NotHeld(Ownership),
+    /// Nothing stored: traces that cannot belong to this experiment (see `traces::check`).
+    Invalid(Vec<FieldError>),
+}
+
+/// Stores a batch of events (metrics overwrite the same step of an earlier attempt, traces
+/// the same rank's earlier trace) and renews the lease, in one transaction; nothing is
+/// stored unless the worker holds the lease and every trace fits the experiment's world.
 pub async fn store_events(
     db: &Db,
     worker_id: i64,
@@ -140,37 +156,51 @@ pub async fn store_events(
     events: &[RunEvent],
     lease: Duration,
     now: SystemTime,
-) -> Result<Ownership, sqlx::Error> {
+) -> Result<Stored, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let renewed: Option<i64> = sqlx::query_scalar(
-        "UPDATE experiments SET lease_until = ?1 WHERE id = ?2 AND worker_id = ?3 AND status = 'running' RETURNING id",
+    let renewed: Option<String> = sqlx::query_scalar(
+        "UPDATE experiments SET lease_until = ?1 WHERE id = ?2 AND worker_id = ?3 AND status = 'running' \
+         RETURNING spec",
     )
     .bind(clock::after(now, lease))
     .bind(id)
     .bind(worker_id)
     .fetch_optional(&mut *tx)
     .await?;
-    if renewed.is_none() {
+    let Some(spec) = renewed else {
         tx.rollback().await?;
-        return ownership(db, worker_id, id).await;
+        return Ok(Stored::NotHeld(ownership(db, worker_id, id).await?));
+    };
+    if events.iter().any(|e| matches!(e, RunEvent::Trace(_))) {
+        let spec: ExperimentSpec = serde_json::from_str(&spec).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+        let problems = traces::check(events, &spec);
+        if !problems.is_empty() {
+            tx.rollback().await?;
+            return Ok(Stored::Invalid(problems));
+        }
     }
     let at = clock::rfc3339(now);
+    let mut log_ids = Vec::new();
     for event in events {
         match event {
             RunEvent::Metric(m) => insert_metric(&mut tx, id, m).await?,
             RunEvent::Log(line) => {
-                sqlx::query("INSERT INTO logs (experiment_id, created_at, level, message) VALUES (?1, ?2, ?3, ?4)")
-                    .bind(id)
-                    .bind(&at)
-                    .bind(level_name(line.level))
-                    .bind(truncate(&line.message, MAX_TEXT_CHARS))
-                    .execute(&mut *tx)
-                    .await?;
+                let log_id: i64 = sqlx::query_scalar(
+                    "INSERT INTO logs (experiment_id, created_at, level, message) VALUES (?1, ?2, ?3, ?4) RETURNING id",
+                )
+                .bind(id)
+                .bind(&at)
+                .bind(level_name(line.level))
+                .bind(truncate(&line.message, MAX_TEXT_CHARS))
+                .fetch_one(&mut *tx)
+                .await?;
+                log_ids.push(log_id);
             }
+            RunEvent::Trace(trace) => traces::upsert(&mut tx, id, trace, &at).await?,
         }
     }
     tx.commit().await?;
-    Ok(Ownership::Held)
+    Ok(Stored::Held { log_ids })
 }
 
 async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint) -> Result<(), sqlx::Error> {
@@ -193,11 +223,21 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     Ok(())
 }
 
-fn level_name(level: distlab_common::LogLevel) -> &'static str {
+fn level_name(level: LogLevel) -> &'static str {
     match level {
-        distlab_common::LogLevel::Info => "info",
-        distlab_common::LogLevel::Warn => "warn",
-        distlab_common::LogLevel::Error => "error",
+        LogLevel::Info => "info",
+        LogLevel::Warn => "warn",
+        LogLevel::Error => "error",
+    }
+}
+
+/// The level of a stored log line (the table's CHECK allows only the three names).
+pub fn level_from_name(name: &str) -> Option<LogLevel> {
+    match name {
+        "info" => Some(LogLevel::Info),
+        "warn" => Some(LogLevel::Warn),
+        "error" => Some(LogLevel::Error),
+        _ => None,
     }
 }
 

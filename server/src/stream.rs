@@ -1,11 +1,12 @@
 //! Live updates: a broadcast topic per experiment (the hub) and the SSE endpoint
 //! `GET /api/experiments/{id}/stream`.
 //!
-//! A stream sends the current status, then every stored metric point (replay), then
-//! live events as workers report them. It ends after a finished status (succeeded,
-//! failed, cancelled), which is always its last event. To lose nothing between the
-//! replay and the live part, the handler subscribes first and reads the database second;
-//! live metric points identical to replayed ones are then skipped.
+//! A stream sends the current status, then the last LOG_REPLAY stored log lines (oldest
+//! first) and every stored metric point (replay), then live events as workers report them.
+//! It ends after a finished status (succeeded, failed, cancelled), which is always its last
+//! event. To lose nothing between the replay and the live part, the handler subscribes
+//! first and reads the database second; live metric points identical to replayed ones,
+//! and live log lines whose stored id is not above the last replayed one, are then skipped.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -31,10 +32,20 @@ const TOPIC_CAPACITY: usize = 1024;
 /// How many of the last replayed metric points are remembered to skip their live duplicates.
 const DEDUP_WINDOW: usize = TOPIC_CAPACITY;
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// Stored log lines a new stream replays (the latest ones).
+pub const LOG_REPLAY: i64 = 200;
+
+/// What goes through a topic: the event, and for a stored log line its id (to skip lines
+/// that a stream already replayed from the database).
+#[derive(Clone, Debug)]
+struct Published {
+    event: StreamEvent,
+    log_id: Option<i64>,
+}
 
 /// Per-experiment broadcast topics, created while someone listens.
 pub struct Hub {
-    topics: Mutex<HashMap<i64, broadcast::Sender<StreamEvent>>>,
+    topics: Mutex<HashMap<i64, broadcast::Sender<Published>>>,
     connections: Arc<Semaphore>,
     max_connections: usize,
     shutdown: watch::Sender<bool>,
@@ -52,10 +63,19 @@ impl Hub {
 
     /// Sends `event` to everyone watching experiment `id` (nobody: nothing happens).
     pub fn publish(&self, id: i64, event: StreamEvent) {
+        self.send(id, Published { event, log_id: None });
+    }
+
+    /// Sends a log line stored with id `log_id` to everyone watching experiment `id`.
+    pub fn publish_log(&self, id: i64, log_id: Option<i64>, line: LogLine) {
+        self.send(id, Published { event: StreamEvent::Log(line), log_id });
+    }
+
+    fn send(&self, id: i64, published: Published) {
         let topics = self.topics.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(tx) = topics.get(&id) {
             // An error only means that every receiver is gone; their guards remove the topic.
-            let _ = tx.send(event);
+            let _ = tx.send(published);
         }
     }
 
@@ -107,7 +127,7 @@ impl Hub {
 pub struct Subscription {
     hub: Arc<Hub>,
     id: i64,
-    rx: broadcast::Receiver<StreamEvent>,
+    rx: broadcast::Receiver<Published>,
 }
 
 impl Drop for Subscription {
@@ -132,22 +152,26 @@ pub async fn stream(State(state): State<AppState>, Path(raw_id): Path<String>) -
     // Subscribe before reading the database, so that nothing falls between the two.
     let subscription = state.hub.subscribe(id);
     let view = experiments::load(&state.db, id).await?.ok_or_else(|| experiments::not_found(id))?;
+    let logs = experiments::load_recent_logs(&state.db, id, LOG_REPLAY).await?;
     let metrics = experiments::load_metrics(&state.db, id).await?;
 
     let status = StatusChange { status: view.status, error: view.error.clone(), summary: view.summary.clone() };
     let finished = view.status.is_finished();
-    let recent: HashMap<u64, MetricPoint> =
-        metrics.iter().rev().take(DEDUP_WINDOW).map(|m| (m.step, m.clone())).collect();
-    let mut replay = Vec::with_capacity(metrics.len() + 2);
+    let replayed = Replayed {
+        metrics: metrics.iter().rev().take(DEDUP_WINDOW).map(|m| (m.step, m.clone())).collect(),
+        last_log_id: logs.last().map(|l| l.id),
+    };
+    let mut replay = Vec::with_capacity(logs.len() + metrics.len() + 2);
     replay.push(StreamEvent::Status(status.clone()));
+    replay.extend(logs.into_iter().map(|l| StreamEvent::Log(l.line)));
     replay.extend(metrics.into_iter().map(StreamEvent::Metric));
 
     let live = if finished {
-        // The final status closes the stream, after the replayed metrics.
+        // The final status closes the stream, after the replayed logs and metrics.
         replay.push(StreamEvent::Status(status));
         stream::empty().boxed()
     } else {
-        live_events(subscription, recent).boxed()
+        live_events(subscription, replayed).boxed()
     };
     let events = stream::iter(replay).chain(live).take_until(state.hub.shutdown_signal()).map(move |event| {
         let _slot = &permit; // the connection slot is freed when the stream is dropped
@@ -156,34 +180,45 @@ pub async fn stream(State(state): State<AppState>, Path(raw_id): Path<String>) -
     Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response())
 }
 
+/// What a stream's replay sent, so that its live part skips the same things.
+#[derive(Default)]
+struct Replayed {
+    /// Replayed points not yet matched by a live duplicate.
+    metrics: HashMap<u64, MetricPoint>,
+    /// The id of the newest replayed log line: live lines up to it were replayed.
+    last_log_id: Option<i64>,
+}
+
 struct Live {
     subscription: Subscription,
-    /// Replayed points not yet matched by a live duplicate.
-    replayed: HashMap<u64, MetricPoint>,
+    replayed: Replayed,
     done: bool,
 }
 
 /// Live events until a finished status (inclusive) or the topic closes.
-fn live_events(
-    subscription: Subscription,
-    replayed: HashMap<u64, MetricPoint>,
-) -> impl Stream<Item = StreamEvent> + Send {
+fn live_events(subscription: Subscription, replayed: Replayed) -> impl Stream<Item = StreamEvent> + Send {
     stream::unfold(Live { subscription, replayed, done: false }, |mut live| async move {
         if live.done {
             return None;
         }
         loop {
-            let event = match live.subscription.rx.recv().await {
-                Ok(event) => event,
-                Err(broadcast::error::RecvError::Lagged(n)) => StreamEvent::Log(LogLine {
-                    level: LogLevel::Warn,
-                    message: format!("this live view fell behind and skipped {n} events; reload the page to see all"),
-                }),
+            let (event, log_id) = match live.subscription.rx.recv().await {
+                Ok(Published { event, log_id }) => (event, log_id),
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    let message =
+                        format!("this live view fell behind and skipped {n} events; reload the page to see all");
+                    (StreamEvent::Log(LogLine { level: LogLevel::Warn, message }), None)
+                }
                 Err(broadcast::error::RecvError::Closed) => return None,
             };
             match &event {
                 // Already sent in the replay (each replayed point is matched at most once).
-                StreamEvent::Metric(m) if live.replayed.remove(&m.step).is_some_and(|seen| seen == *m) => continue,
+                StreamEvent::Metric(m) if live.replayed.metrics.remove(&m.step).is_some_and(|seen| seen == *m) => {
+                    continue
+                }
+                StreamEvent::Log(_) if log_id.zip(live.replayed.last_log_id).is_some_and(|(id, last)| id <= last) => {
+                    continue
+                }
                 StreamEvent::Status(s) if s.status.is_finished() => live.done = true,
                 _ => {}
             }
@@ -228,7 +263,7 @@ mod tests {
         let hub = Arc::new(Hub::new(4));
         let sub = hub.subscribe(7);
         let point = |step, loss| MetricPoint { step, loss, lr: 0.1, grad_norm: 1.0, tokens_per_s: 1.0, step_ms: 1.0 };
-        let replayed = HashMap::from([(3, point(3, 1.0))]);
+        let replayed = Replayed { metrics: HashMap::from([(3, point(3, 1.0))]), last_log_id: None };
         hub.publish(7, StreamEvent::Metric(point(3, 1.0))); // duplicate of the replay
         hub.publish(7, StreamEvent::Metric(point(4, 0.9)));
         hub.publish(7, StreamEvent::Status(finished(ExperimentStatus::Succeeded, None)));
@@ -237,6 +272,28 @@ mod tests {
         assert_eq!(got.len(), 2, "{got:?}");
         assert_eq!(got[0], StreamEvent::Metric(point(4, 0.9)));
         assert!(matches!(&got[1], StreamEvent::Status(s) if s.status == ExperimentStatus::Succeeded));
+    }
+
+    #[tokio::test]
+    async fn live_skips_log_lines_the_replay_sent() {
+        let hub = Arc::new(Hub::new(4));
+        let sub = hub.subscribe(9);
+        let line = |m: &str| LogLine { level: LogLevel::Info, message: m.into() };
+        hub.publish_log(9, Some(11), line("replayed")); // stored before the replay read
+        hub.publish_log(9, Some(12), line("same text, new line"));
+        hub.publish_log(9, None, line("not stored"));
+        hub.publish(9, StreamEvent::Status(finished(ExperimentStatus::Cancelled, None)));
+        let got: Vec<StreamEvent> =
+            live_events(sub, Replayed { last_log_id: Some(11), ..Replayed::default() }).collect().await;
+        let logs: Vec<&str> = got
+            .iter()
+            .filter_map(|e| match e {
+                StreamEvent::Log(l) => Some(l.message.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(logs, vec!["same text, new line", "not stored"]);
+        assert_eq!(got.len(), 3, "{got:?}");
     }
 
     #[test]

@@ -13,15 +13,16 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use distlab_common::{
-    BackendKind, Complete, EventBatch, ExperimentSpec, ExperimentStatus, Fail, Heartbeat, Lease, LeaseRequest,
-    RegisterWorker, Registered, StatusChange, StreamEvent, WorkerAck, VERSION,
+    BackendKind, Complete, EventBatch, ExperimentSpec, ExperimentStatus, Fail, Heartbeat, Lease, LeaseRequest, LogLine,
+    RegisterWorker, Registered, RunEvent, StatusChange, StreamEvent, WorkerAck, VERSION,
 };
 use subtle::ConstantTimeEq;
 
 use crate::clock;
 use crate::error::HttpError;
 use crate::extract::{truncate, JsonBody};
-use crate::queue::{self, Ownership};
+use crate::queue::{self, Ownership, Stored};
+use crate::traces;
 use crate::AppState;
 
 /// Middleware: 401 unless the request carries the worker token (compared in constant time).
@@ -149,15 +150,16 @@ pub async fn heartbeat(
     ack(ownership, body.worker_id, experiment_id)
 }
 
-/// `POST /api/workers/events`: stores metric points and log lines, renews the lease, and
-/// forwards the events to the experiment's live streams.
+/// `POST /api/workers/events`: stores metric points, log lines and rank traces, renews the
+/// lease, and forwards the events to the experiment's live streams. A trace whose rank is
+/// outside the experiment's world is 422, and then nothing of the batch is stored.
 pub async fn events(
     State(state): State<AppState>,
     JsonBody(body): JsonBody<EventBatch>,
 ) -> Result<Json<WorkerAck>, HttpError> {
     let now = clock::now();
     touch(&state, body.worker_id, now).await?;
-    let ownership = queue::store_events(
+    let stored = queue::store_events(
         &state.db,
         body.worker_id,
         body.experiment_id,
@@ -166,12 +168,35 @@ pub async fn events(
         now,
     )
     .await?;
-    if ownership == Ownership::Held {
-        for event in body.events {
-            state.hub.publish(body.experiment_id, StreamEvent::from(event));
+    let log_ids = match stored {
+        Stored::Held { log_ids } => log_ids,
+        Stored::NotHeld(ownership) => return ack(ownership, body.worker_id, body.experiment_id),
+        Stored::Invalid(problems) => {
+            tracing::warn!(
+                experiment = body.experiment_id,
+                worker_id = body.worker_id,
+                problems = problems.len(),
+                "event batch refused: traces outside the experiment's world"
+            );
+            return Err(traces::invalid_batch(problems));
+        }
+    };
+    let mut log_ids = log_ids.into_iter();
+    for event in body.events {
+        match event {
+            RunEvent::Log(line) => {
+                // As stored: long messages are cut the same way.
+                let line = LogLine { level: line.level, message: truncate(&line.message, queue::MAX_TEXT_CHARS) };
+                state.hub.publish_log(body.experiment_id, log_ids.next(), line);
+            }
+            RunEvent::Trace(trace) => {
+                tracing::info!(experiment = body.experiment_id, rank = trace.rank, "rank trace stored");
+                state.hub.publish(body.experiment_id, StreamEvent::Trace { rank: trace.rank });
+            }
+            other => state.hub.publish(body.experiment_id, StreamEvent::from(other)),
         }
     }
-    ack(ownership, body.worker_id, body.experiment_id)
+    ack(Ownership::Held, body.worker_id, body.experiment_id)
 }
 
 /// `POST /api/workers/complete`: the run succeeded.

@@ -142,6 +142,104 @@ fn in_an_hour() -> SystemTime {
     SystemTime::now() + Duration::from_secs(3600)
 }
 
+/// A small trace of one rank of a `world`-rank DP run: a forward, a backward, one
+/// all-reduce with `ring_steps` recorded steps.
+fn rank_trace(rank: u32, world: u32, ring_steps: u32) -> trace::RankTrace {
+    use trace::*;
+    let span = |kind, name: &str, lane: &str, start_us, end_us| Span {
+        kind,
+        name: name.into(),
+        step: 0,
+        lane: lane.into(),
+        start_us,
+        end_us,
+        layer: None,
+        bucket: None,
+        bytes: None,
+    };
+    let t0 = 1_700_000_000_000_000 + u64::from(rank);
+    let steps: Vec<RingStep> = (0..ring_steps)
+        .map(|i| RingStep {
+            collective: 0,
+            phase: if i % 2 == 0 { RingPhase::ReduceScatter } else { RingPhase::AllGather },
+            step: i,
+            chunk: (rank + i) % world,
+            from: rank,
+            to: (rank + 1) % world,
+            bytes: 4096,
+            start_us: t0 + 200 + u64::from(i),
+            end_us: t0 + 201 + u64::from(i),
+            values: None,
+        })
+        .collect();
+    RankTrace {
+        rank,
+        world,
+        span_steps: 1,
+        spans: vec![
+            span(SpanKind::Forward, "forward", "compute", t0, t0 + 100),
+            span(SpanKind::Backward, "backward", "compute", t0 + 100, t0 + 200),
+            Span {
+                bucket: Some(0),
+                bytes: Some(8192),
+                ..span(SpanKind::Comm, "all_reduce bucket 0", "comm", t0 + 200, t0 + 300)
+            },
+        ],
+        comm: RankCommTrace {
+            rank,
+            detail_limit: 16,
+            collectives: vec![CollectiveRecord {
+                id: 0,
+                op: CollectiveOp::AllReduce,
+                group: "dp".into(),
+                ranks: (0..world).collect(),
+                elements: 2048,
+                bytes_sent: 2 * u64::from(world - 1) * 8192 / u64::from(world),
+                start_us: t0 + 200,
+                end_us: t0 + 300,
+                input: Some(vec![1.0, 2.0]),
+                output: Some(vec![3.0, 6.0]),
+            }],
+            steps,
+            counters: vec![CollectiveCounter {
+                op: CollectiveOp::AllReduce,
+                calls: 1,
+                elements: 2048,
+                bytes_sent: 8192,
+                total_us: 100,
+            }],
+        },
+    }
+}
+
+fn trace_event(trace: &trace::RankTrace) -> Value {
+    serde_json::to_value(RunEvent::Trace(trace.clone())).expect("trace event")
+}
+
+/// Registers a worker, creates an experiment with `parallel` and leases it: (worker, id).
+async fn running(t: &TestApp, parallel: Value) -> (i64, i64) {
+    let worker = t.register(&["cpu"]).await;
+    let a = t.post("/api/experiments", json!({"name": "traced", "parallel": parallel, "train": {"steps": 10}})).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let id = a.body["id"].as_i64().expect("id");
+    assert_eq!(t.lease(worker).await.experiment_id, id);
+    (worker, id)
+}
+
+async fn get_trace(t: &TestApp, id: i64) -> trace::ExperimentTrace {
+    let a = t.get(&format!("/api/experiments/{id}/trace")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    serde_json::from_value(a.body).expect("ExperimentTrace")
+}
+
+async fn log_count(t: &TestApp, id: i64) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM logs WHERE experiment_id = ?1")
+        .bind(id)
+        .fetch_one(&t.state.db)
+        .await
+        .expect("logs")
+}
+
 // ---------------------------------------------------------------- user API
 
 #[tokio::test]
@@ -316,6 +414,9 @@ async fn unknown_things_get_404_in_the_json_shape() {
     assert_api_error(&t.get("/api/experiments/99").await, StatusCode::NOT_FOUND);
     assert_api_error(&t.get("/api/experiments/99/metrics").await, StatusCode::NOT_FOUND);
     assert_api_error(&t.get("/api/experiments/99/stream").await, StatusCode::NOT_FOUND);
+    let e = assert_api_error(&t.get("/api/experiments/99/trace").await, StatusCode::NOT_FOUND);
+    assert_eq!(e.error, "no experiment with id 99");
+    assert_api_error(&t.get("/api/experiments/abc/trace").await, StatusCode::NOT_FOUND);
     assert_api_error(&t.post("/api/experiments/99/cancel", json!({})).await, StatusCode::NOT_FOUND);
     assert_api_error(&t.get("/api/experiments/abc").await, StatusCode::NOT_FOUND);
     assert_api_error(&t.get("/api/experiments/-1/metrics").await, StatusCode::NOT_FOUND);
@@ -560,6 +661,122 @@ async fn heartbeats_renew_the_lease() {
     assert_eq!(t.view(id).await.status, ExperimentStatus::Running);
 }
 
+// ---------------------------------------------------------------- traces
+
+#[tokio::test]
+async fn uploaded_traces_are_served_in_rank_order() {
+    let t = setup().await;
+    let (worker, id) = running(&t, json!({"dp": 2, "pp": 2})).await;
+    assert_eq!(get_trace(&t, id).await, trace::ExperimentTrace { ranks: vec![] }, "none yet");
+
+    // Ranks arrive out of order, in two batches, with other events beside them.
+    let (r0, r1, r3) = (rank_trace(0, 4, 6), rank_trace(1, 4, 6), rank_trace(3, 4, 6));
+    let batch = json!([metric(0, 4.0), trace_event(&r3), trace_event(&r1)]);
+    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": batch})).await;
+    assert_eq!((a.status, a.body), (StatusCode::OK, json!({"cancel": false})));
+    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [trace_event(&r0)]})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+
+    let got = get_trace(&t, id).await;
+    assert_eq!(got.ranks, vec![r0, r1.clone(), r3.clone()]);
+    assert_eq!(t.view(id).await.steps_done, 1);
+
+    // A second upload for a rank replaces the first (the latest wins).
+    let mut newer = rank_trace(0, 4, 2);
+    newer.spans.truncate(1);
+    let a =
+        t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [trace_event(&newer)]})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(get_trace(&t, id).await.ranks, vec![newer, r1, r3]);
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM traces WHERE experiment_id = ?1")
+        .bind(id)
+        .fetch_one(&t.state.db)
+        .await
+        .expect("rows");
+    assert_eq!(rows, 3);
+}
+
+#[tokio::test]
+async fn a_trace_outside_the_world_is_422_and_nothing_of_the_batch_is_stored() {
+    let t = setup().await;
+    let (worker, id) = running(&t, json!({"dp": 2})).await;
+    let log = json!({"type": "log", "level": "info", "message": "step 0 done"});
+    let batch = json!([metric(0, 4.0), log, trace_event(&rank_trace(0, 2, 2)), trace_event(&rank_trace(2, 2, 2))]);
+    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": batch})).await;
+    let e = assert_api_error(&a, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(e.fields.len(), 1, "{e:?}");
+    assert_eq!(e.fields[0].field, "events[3].rank");
+    assert!(e.error.contains("rank 2") && e.error.contains("ranks are 0 to 1"), "{}", e.error);
+
+    // Nothing of the batch: no metric, no log, no trace (not even the valid rank 0).
+    assert_eq!(t.view(id).await.steps_done, 0);
+    assert_eq!(log_count(&t, id).await, 0);
+    assert!(get_trace(&t, id).await.ranks.is_empty());
+
+    // A trace that claims another world size is refused too.
+    let a = t
+        .worker(
+            "events",
+            json!({"worker_id": worker, "experiment_id": id, "events": [trace_event(&rank_trace(1, 4, 2))]}),
+        )
+        .await;
+    let e = assert_api_error(&a, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(e.fields[0].field, "events[0].world");
+    assert!(get_trace(&t, id).await.ranks.is_empty());
+
+    // The experiment is still the worker's: a valid batch goes through.
+    let a = t
+        .worker(
+            "events",
+            json!({"worker_id": worker, "experiment_id": id, "events": [trace_event(&rank_trace(1, 2, 2))]}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(get_trace(&t, id).await.ranks.len(), 1);
+
+    // Only the lease holder may upload: another worker gets 409, not 422.
+    let other = t.register(&["cpu"]).await;
+    let bad = json!([trace_event(&rank_trace(5, 2, 2))]);
+    let a = t.worker("events", json!({"worker_id": other, "experiment_id": id, "events": bad})).await;
+    assert_api_error(&a, StatusCode::CONFLICT);
+}
+
+#[tokio::test]
+async fn large_traces_fit_in_a_batch_and_are_served_gzipped() {
+    let t = setup().await;
+    let (worker, id) = running(&t, json!({"dp": 2})).await;
+    // About 3 MB of JSON per rank.
+    let big: Vec<trace::RankTrace> = (0..2).map(|rank| rank_trace(rank, 2, 25_000)).collect();
+    let events: Vec<Value> = big.iter().map(trace_event).collect();
+    let body = json!({"worker_id": worker, "experiment_id": id, "events": events});
+    let raw_len = body.to_string().len();
+    assert!(raw_len > 6 << 20, "{raw_len} bytes");
+    let a = t.worker("events", body).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+
+    let resp = t
+        .send(
+            Request::get(format!("/api/experiments/{id}/trace"))
+                .header(header::ACCEPT_ENCODING, "gzip")
+                .body(Body::empty())
+                .expect("req"),
+        )
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers().get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()), Some("gzip"));
+    assert!(resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json")));
+    let gz = resp.into_body().collect().await.expect("body").to_bytes();
+    let mut json = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut json).expect("gunzip");
+    assert!(gz.len() * 4 < json.len(), "{} gzipped vs {} bytes", gz.len(), json.len());
+    let got: trace::ExperimentTrace = serde_json::from_slice(&json).expect("ExperimentTrace");
+    assert_eq!(got.ranks, big);
+}
+
 // ---------------------------------------------------------------- SSE
 
 /// (event name, data JSON) pairs from an SSE body.
@@ -646,6 +863,78 @@ async fn stream_sends_live_events_then_ends_on_finish() {
     assert_eq!(events[0].1["status"], "running");
     assert_eq!((events[1].1["step"].clone(), events[2].1["step"].clone()), (json!(0), json!(1)));
     assert_eq!(events[4].1, json!({"type": "status", "status": "failed", "error": "rank 0 crashed"}));
+}
+
+/// The whole body of a stream that ends by itself.
+async fn read_stream(t: &TestApp, id: i64) -> Vec<(String, Value)> {
+    let resp = t.send(Request::get(format!("/api/experiments/{id}/stream")).body(Body::empty()).expect("req")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let bytes = tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect())
+        .await
+        .expect("the stream ends")
+        .expect("body")
+        .to_bytes();
+    parse_sse(&String::from_utf8_lossy(&bytes))
+}
+
+fn log_event(i: usize) -> Value {
+    json!({"type": "log", "level": if i % 2 == 0 { "info" } else { "warn" }, "message": format!("line {i}")})
+}
+
+#[tokio::test]
+async fn stream_replays_the_last_stored_log_lines() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("chatty").await;
+    t.lease(worker).await;
+    let mut events: Vec<Value> = (0..150).map(log_event).collect();
+    events.push(metric(0, 4.0));
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": events})).await;
+    let events: Vec<Value> = (150..260).map(log_event).collect();
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": events})).await;
+    finish_with_metrics(&t, worker, id, 2).await;
+    assert_eq!(log_count(&t, id).await, 260);
+
+    let events = read_stream(&t, id).await;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let mut expected = vec!["status"];
+    expected.extend(["log"; 200]);
+    expected.extend(["metric", "metric", "status"]);
+    assert_eq!(names, expected);
+    // The last 200, oldest first, with their levels.
+    let messages: Vec<&str> = events[1..201].iter().map(|(_, d)| d["message"].as_str().expect("message")).collect();
+    let want: Vec<String> = (60..260).map(|i| format!("line {i}")).collect();
+    assert_eq!(messages, want);
+    assert_eq!(events[1].1, json!({"type": "log", "level": "info", "message": "line 60"}));
+    assert_eq!(events[2].1["level"], "warn");
+    assert_eq!(events[203].1["status"], "succeeded");
+}
+
+#[tokio::test]
+async fn stream_of_a_running_experiment_replays_logs_then_sends_live_logs_and_traces() {
+    let t = setup().await;
+    let (worker, id) = running(&t, json!({"dp": 2})).await;
+    let stored = json!([log_event(0), metric(0, 4.0), log_event(1)]);
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": stored})).await;
+
+    let resp = t.send(Request::get(format!("/api/experiments/{id}/stream")).body(Body::empty()).expect("req")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let reader = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect()).await.map(|b| b.map(|c| c.to_bytes()))
+    });
+    // The handler subscribed before answering: everything from here on is live.
+    let live = json!([log_event(2), trace_event(&rank_trace(1, 2, 2))]);
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": live})).await;
+    t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
+
+    let bytes = reader.await.expect("task").expect("the stream ends").expect("body");
+    let events = parse_sse(&String::from_utf8_lossy(&bytes));
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, vec!["status", "log", "log", "metric", "log", "trace", "status"], "{events:?}");
+    let messages: Vec<&Value> = events.iter().filter(|(n, _)| n == "log").map(|(_, d)| &d["message"]).collect();
+    assert_eq!(messages, vec!["line 0", "line 1", "line 2"], "each line once");
+    assert_eq!(events[5].1, json!({"type": "trace", "rank": 1}));
+    assert_eq!(events[6].1["status"], "succeeded");
 }
 
 #[tokio::test]
