@@ -1,1 +1,293 @@
-fn main() {}
+//! `cargo xtask`: build orchestration for distlab.
+//!
+//! - `build-frontend`: wasm32 build of the Leptos app, wasm-bindgen (as a library, so
+//!   the glue matches the wasm-bindgen in Cargo.lock), index.html + style.css into target/site/
+//! - `run`: build everything (release) and start the server with one local worker
+//! - `test`: install what a fresh machine lacks, build, `cargo test --workspace`
+//! - `bench`: the engine's training-step benchmark, next to PyTorch's when torch is installed
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+const WASM_TARGET: &str = "wasm32-unknown-unknown";
+const WASM_PROFILE: &str = "wasm-release";
+const SITE_DIR: &str = "target/site";
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Build, run, test and benchmark distlab")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build the browser app into target/site/ (wasm + JS glue + index.html + style.css).
+    BuildFrontend,
+    /// Build everything (release) and run the server with one local worker on 127.0.0.1:8080.
+    /// Extra arguments go to distlab-server, e.g. `cargo xtask run -- --addr 127.0.0.1:9000`.
+    Run {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        server_args: Vec<String>,
+    },
+    /// Install missing tools (wasm32 target, chromium, chromedriver), build, run every test.
+    /// Extra arguments go to `cargo test`, e.g. `cargo xtask test -- --nocapture`.
+    Test {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        test_args: Vec<String>,
+    },
+    /// Time training steps of the engine, and of PyTorch on the same shape when torch is installed.
+    Bench,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::BuildFrontend => build_frontend(),
+        Cmd::Run { server_args } => run(&server_args),
+        Cmd::Test { test_args } => test(&test_args),
+        Cmd::Bench => bench(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root (the parent of xtask/).
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(root());
+    cmd
+}
+
+/// Runs a command to completion with inherited stdio; an error unless it succeeds.
+fn status(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+fn ensure_wasm_target() -> Result<()> {
+    let out = Command::new("rustup").args(["target", "list", "--installed"]).output();
+    match out {
+        Ok(out) if String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == WASM_TARGET) => Ok(()),
+        Ok(_) => {
+            println!("xtask: installing the {WASM_TARGET} target");
+            status(Command::new("rustup").args(["target", "add", WASM_TARGET]))
+        }
+        // No rustup: let cargo report a missing target if there is one.
+        Err(_) => Ok(()),
+    }
+}
+
+fn build_frontend() -> Result<ExitCode> {
+    ensure_wasm_target()?;
+    let root = root();
+    status(cargo().args(["build", "-p", "distlab-frontend", "--target", WASM_TARGET, "--profile", WASM_PROFILE]))?;
+
+    let input = root.join("target").join(WASM_TARGET).join(WASM_PROFILE).join("distlab-frontend.wasm");
+    let site = root.join(SITE_DIR);
+    std::fs::create_dir_all(&site)?;
+    wasm_bindgen_cli_support::Bindgen::new()
+        .input_path(&input)
+        .out_name("distlab_frontend")
+        .web(true)?
+        // The library's default (true) leaves out the wasm URL: the page would stay blank.
+        .omit_default_module_path(false)
+        .typescript(false)
+        .remove_name_section(true)
+        .remove_producers_section(true)
+        .generate(&site)
+        .with_context(|| format!("wasm-bindgen on {}", input.display()))?;
+
+    let wasm = std::fs::read(site.join("distlab_frontend_bg.wasm"))?;
+    let frontend = root.join("frontend");
+    let css = std::fs::read(frontend.join("style.css"))?;
+    // A content hash in the URLs, so that a browser never mixes an old bundle with a new page.
+    let version = format!("{:016x}", fnv1a(&[wasm.as_slice(), css.as_slice()].concat()));
+    let index = std::fs::read_to_string(frontend.join("index.html"))?.replace("{version}", &version);
+    std::fs::write(site.join("index.html"), index)?;
+    std::fs::write(site.join("style.css"), css)?;
+
+    println!(
+        "xtask: frontend in {}: distlab_frontend_bg.wasm {} KB raw, {} KB gzip",
+        site.display(),
+        wasm.len() / 1024,
+        gzip_len(&wasm)? / 1024
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
+fn gzip_len(bytes: &[u8]) -> Result<usize> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(bytes)?;
+    Ok(gz.finish()?.len())
+}
+
+fn run(extra: &[String]) -> Result<ExitCode> {
+    build_frontend()?;
+    status(cargo().args(["build", "--release", "-p", "distlab-server", "-p", "distlab-worker"]))?;
+    let defaults =
+        [("--addr", "127.0.0.1:8080"), ("--data-dir", "./data"), ("--local-workers", "1"), ("--static-dir", SITE_DIR)];
+    let mut args: Vec<String> = Vec::new();
+    for (flag, value) in defaults {
+        // A flag given on the command line replaces the default.
+        let overridden = extra.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+        if !overridden {
+            args.extend([flag.to_string(), value.to_string()]);
+        }
+    }
+    args.extend(extra.iter().cloned());
+    let server = root().join("target/release/distlab-server");
+    println!("xtask: {} {}", server.display(), args.join(" "));
+    let status = Command::new(&server)
+        .args(&args)
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("cannot start {}", server.display()))?;
+    Ok(exit_code(status))
+}
+
+fn exit_code(status: std::process::ExitStatus) -> ExitCode {
+    match status.code() {
+        Some(0) => ExitCode::SUCCESS,
+        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        None => ExitCode::FAILURE,
+    }
+}
+
+fn test(extra: &[String]) -> Result<ExitCode> {
+    ensure_wasm_target()?;
+    ensure_browser();
+    build_frontend()?;
+    // Dev profile: the end-to-end tests start target/debug/distlab-server and distlab-worker.
+    status(cargo().args(["build", "-p", "distlab-server", "-p", "distlab-worker"]))?;
+    let mut cmd = cargo();
+    cmd.args(["test", "--workspace"]);
+    if !extra.is_empty() {
+        cmd.arg("--").args(extra);
+    }
+    let status = cmd.status().context("cannot start cargo test")?;
+    Ok(exit_code(status))
+}
+
+/// Headless Chromium and its WebDriver for the browser test; on failure the test
+/// itself explains what is missing (or skips with DISTLAB_SKIP_BROWSER=1).
+fn ensure_browser() {
+    if Path::new("/usr/bin/chromium").exists() && Path::new("/usr/bin/chromedriver").exists() {
+        return;
+    }
+    if std::env::var_os("DISTLAB_SKIP_BROWSER").is_some_and(|v| v == "1") {
+        println!("xtask: chromium/chromedriver missing; DISTLAB_SKIP_BROWSER=1, so not installing them");
+        return;
+    }
+    println!("xtask: installing chromium and chromium-driver with apt-get (for the browser test)");
+    let installed = Command::new("sh")
+        .args(["-c", "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver"])
+        .status();
+    match installed {
+        Ok(s) if s.success() => {}
+        Ok(s) => eprintln!(
+            "xtask: apt-get could not install chromium/chromium-driver ({s}); are we root with network access to the \
+             Debian mirrors? The browser test will fail unless DISTLAB_SKIP_BROWSER=1 is set."
+        ),
+        Err(e) => eprintln!("xtask: cannot run apt-get ({e}); install chromium and chromium-driver by hand."),
+    }
+}
+
+fn bench() -> Result<ExitCode> {
+    println!("xtask: cargo bench -p distlab-worker --bench train_step");
+    let out = cargo()
+        .args(["bench", "-p", "distlab-worker", "--bench", "train_step"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot start cargo bench")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    if !out.status.success() {
+        bail!("the train_step benchmark failed ({})", out.status);
+    }
+    let ours = tokens_per_s_by_threads(&text);
+
+    let python = std::env::var("DISTLAB_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_torch {
+        println!(
+            "xtask: PyTorch is not available ({python} cannot `import torch`): no reference numbers. \
+             Set DISTLAB_TORCH_PYTHON to a Python with torch installed to compare."
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let script = root().join("../shared/bench/reference/gpt_step.py");
+    if !script.exists() {
+        println!("xtask: {} not found: no reference numbers", script.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut theirs = BTreeMap::new();
+    for threads in [1, 2] {
+        let out = Command::new(&python)
+            .arg(&script)
+            .args(["--threads", &threads.to_string()])
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("cannot run {}", script.display()))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        print!("{text}");
+        if !out.status.success() {
+            println!("xtask: the PyTorch reference with {threads} thread(s) failed ({})", out.status);
+        }
+        theirs.extend(tokens_per_s_by_threads(&text));
+    }
+
+    let mut ratios = serde_json::Map::new();
+    for (threads, ours) in &ours {
+        if let Some(theirs) = theirs.get(threads) {
+            ratios.insert(
+                format!("threads_{threads}"),
+                serde_json::json!({
+                    "distlab_tokens_per_s": ours,
+                    "pytorch_tokens_per_s": theirs,
+                    "ratio": (ours / theirs * 1000.0).round() / 1000.0,
+                }),
+            );
+        }
+    }
+    if ratios.is_empty() {
+        println!("xtask: no thread count has numbers from both distlab and PyTorch: no ratio");
+    } else {
+        println!("{}", serde_json::json!({"bench": "train_step_vs_pytorch", "ratios": ratios}));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tokens_per_s` of every JSON line that also says its `threads` (the last line wins).
+fn tokens_per_s_by_threads(text: &str) -> BTreeMap<u64, f64> {
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line.trim()).ok())
+        .filter_map(|v| Some((v.get("threads")?.as_u64()?, v.get("tokens_per_s")?.as_f64()?)))
+        .collect()
+}

@@ -1,0 +1,142 @@
+//! The HTTP API (DESIGN.md, "Public API contract") as seen from the browser:
+//! JSON requests with gloo-net and the live stream with an `EventSource`.
+
+use distlab_common::{ApiError, Created, ExperimentList, ExperimentView, FieldError, Health, Metrics, StreamEvent};
+use gloo_net::http::{Request, Response};
+use serde::de::DeserializeOwned;
+use wasm_bindgen::closure::Closure;
+use wasm_bindgen::JsCast;
+use web_sys::{EventSource, MessageEvent};
+
+/// Why a request did not give the expected answer, in words for the page.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestError {
+    pub message: String,
+    /// Field errors from a 422 answer (`{"field": "train.steps", "message": ...}`).
+    pub fields: Vec<FieldError>,
+}
+
+impl RequestError {
+    fn new(message: impl Into<String>) -> Self {
+        Self { message: message.into(), fields: Vec::new() }
+    }
+}
+
+impl std::fmt::Display for RequestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+pub type ApiResult<T> = Result<T, RequestError>;
+
+pub async fn health() -> ApiResult<Health> {
+    get_json("/api/health").await
+}
+
+pub async fn list_experiments(limit: u32) -> ApiResult<ExperimentList> {
+    get_json(&format!("/api/experiments?limit={limit}")).await
+}
+
+pub async fn get_experiment(id: i64) -> ApiResult<ExperimentView> {
+    get_json(&format!("/api/experiments/{id}")).await
+}
+
+pub async fn get_metrics(id: i64) -> ApiResult<Metrics> {
+    get_json(&format!("/api/experiments/{id}/metrics")).await
+}
+
+/// `POST /api/experiments` with the spec as JSON; a 422 comes back with its field errors.
+pub async fn create_experiment(spec: &serde_json::Value) -> ApiResult<Created> {
+    let request = Request::post("/api/experiments")
+        .json(spec)
+        .map_err(|e| RequestError::new(format!("could not encode the spec: {e}")))?;
+    read_json(request.send().await).await
+}
+
+pub async fn cancel_experiment(id: i64) -> ApiResult<()> {
+    let response = Request::post(&format!("/api/experiments/{id}/cancel")).send().await;
+    let response = response.map_err(network_error)?;
+    if response.ok() {
+        Ok(())
+    } else {
+        Err(error_from(response).await)
+    }
+}
+
+async fn get_json<T: DeserializeOwned>(url: &str) -> ApiResult<T> {
+    read_json(Request::get(url).send().await).await
+}
+
+async fn read_json<T: DeserializeOwned>(response: Result<Response, gloo_net::Error>) -> ApiResult<T> {
+    let response = response.map_err(network_error)?;
+    if !response.ok() {
+        return Err(error_from(response).await);
+    }
+    response.json::<T>().await.map_err(|e| RequestError::new(format!("unexpected answer from the server: {e}")))
+}
+
+fn network_error(e: gloo_net::Error) -> RequestError {
+    RequestError::new(format!("cannot reach the server: {e}"))
+}
+
+/// Turns an error answer into words, using the server's `ApiError` body when there is one.
+async fn error_from(response: Response) -> RequestError {
+    let status = response.status();
+    let text = response.text().await.unwrap_or_default();
+    match serde_json::from_str::<ApiError>(&text) {
+        Ok(body) => RequestError { message: body.error, fields: body.fields },
+        Err(_) if text.trim().is_empty() => RequestError::new(format!("the server answered {status}")),
+        Err(_) => RequestError::new(format!("the server answered {status}: {}", text.trim())),
+    }
+}
+
+/// A live `GET /api/experiments/{id}/stream`: calls `on_event` for every `status`,
+/// `metric` and `log` message, and `on_error` (with the source, so that it can close
+/// it) when the connection ends or fails. The browser reconnects by itself unless
+/// the source is closed (the server then replays the stored metrics: callers
+/// de-duplicate by step). Dropping the stream closes it.
+pub struct EventStream {
+    source: EventSource,
+    _listeners: Vec<Closure<dyn FnMut(MessageEvent)>>,
+    _on_error: Closure<dyn FnMut()>,
+}
+
+impl EventStream {
+    pub fn open(
+        id: i64,
+        on_event: impl Fn(StreamEvent) + 'static,
+        on_error: impl Fn(&EventSource) + 'static,
+    ) -> ApiResult<Self> {
+        let url = format!("/api/experiments/{id}/stream");
+        let source =
+            EventSource::new(&url).map_err(|_| RequestError::new("this browser cannot open an event stream"))?;
+        let on_event = std::rc::Rc::new(on_event);
+        let mut listeners = Vec::new();
+        for name in ["status", "metric", "log", "message"] {
+            let on_event = on_event.clone();
+            let listener = Closure::<dyn FnMut(MessageEvent)>::new(move |message: MessageEvent| {
+                let Some(text) = message.data().as_string() else { return };
+                match serde_json::from_str::<StreamEvent>(&text) {
+                    Ok(event) => on_event(event),
+                    Err(e) => leptos::logging::warn!("ignoring a stream message that does not parse ({e}): {text}"),
+                }
+            });
+            source
+                .add_event_listener_with_callback(name, listener.as_ref().unchecked_ref())
+                .map_err(|_| RequestError::new("cannot listen to the event stream"))?;
+            listeners.push(listener);
+        }
+        let handle = source.clone();
+        let on_error = Closure::<dyn FnMut()>::new(move || on_error(&handle));
+        source.set_onerror(Some(on_error.as_ref().unchecked_ref()));
+        Ok(Self { source, _listeners: listeners, _on_error: on_error })
+    }
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        self.source.set_onerror(None);
+        self.source.close();
+    }
+}

@@ -1,0 +1,83 @@
+//! The router and the layout every page shares: a header with navigation and the
+//! server's health, the page, a footer.
+
+use std::time::Duration;
+
+use leptos::prelude::*;
+use leptos_router::components::{Route, Router, Routes, A};
+use leptos_router::path;
+
+use crate::api;
+use crate::pages::{experiment::ExperimentPage, list::ExperimentList, new::NewExperiment};
+
+#[component]
+pub fn App() -> impl IntoView {
+    view! {
+        <Router>
+            <header class="topbar">
+                <A href="/" attr:class="brand">
+                    <span class="brand-mark">"◆"</span>
+                    " distlab"
+                </A>
+                <nav>
+                    <A href="/" exact=true>"Experiments"</A>
+                    <A href="/new">"New experiment"</A>
+                </nav>
+                <HealthBadge/>
+            </header>
+            <main class="page">
+                <Routes fallback=|| view! { <NotFound/> }>
+                    <Route path=path!("/") view=ExperimentList/>
+                    <Route path=path!("/new") view=NewExperiment/>
+                    <Route path=path!("/experiments/:id") view=ExperimentPage/>
+                </Routes>
+            </main>
+            <footer class="footer">
+                "distlab " {distlab_common::VERSION}
+                " · a lab for distributed training: real processes, real bytes, measured numbers."
+            </footer>
+        </Router>
+    }
+}
+
+/// Workers and queue length from `GET /api/health`, refreshed every few seconds.
+#[component]
+fn HealthBadge() -> impl IntoView {
+    let health = RwSignal::new(None::<Result<distlab_common::Health, String>>);
+    let refresh = move || {
+        leptos::task::spawn_local(async move {
+            let answer = api::health().await.map_err(|e| e.message);
+            health.try_set(Some(answer));
+        })
+    };
+    refresh();
+    if let Ok(handle) = set_interval_with_handle(refresh, Duration::from_secs(5)) {
+        on_cleanup(move || handle.clear());
+    }
+    view! {
+        <div class="health" id="health">
+            {move || match health.get() {
+                None => view! { <span class="dot"></span>"connecting…" }.into_any(),
+                Some(Ok(h)) => {
+                    let workers = if h.workers == 1 { "1 worker".to_string() } else { format!("{} workers", h.workers) };
+                    view! {
+                        <span class="dot ok"></span>
+                        {workers} " · " {h.queued} " queued"
+                    }
+                        .into_any()
+                }
+                Some(Err(e)) => view! { <span class="dot bad"></span><span title=e>"server unreachable"</span> }.into_any(),
+            }}
+        </div>
+    }
+}
+
+#[component]
+fn NotFound() -> impl IntoView {
+    view! {
+        <section class="card">
+            <h1>"Not found"</h1>
+            <p>"There is no page here. " <A href="/">"Back to the experiments"</A></p>
+        </section>
+    }
+}

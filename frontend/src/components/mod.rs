@@ -1,0 +1,6 @@
+//! Pieces the pages share.
+
+pub mod loss_chart;
+pub mod progress;
+pub mod spec_view;
+pub mod status_badge;

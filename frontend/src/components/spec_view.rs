@@ -1,0 +1,108 @@
+//! An experiment spec in words, one line per section, with the raw JSON beside it.
+
+use distlab_common::ExperimentSpec;
+use leptos::prelude::*;
+use serde::Serialize;
+
+use crate::format;
+
+/// The JSON spelling of an enum value (`"1f1b"`, `"adamw"`, ...).
+pub fn label<T: Serialize>(value: &T) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(_) => "?".into(),
+    }
+}
+
+/// "2L · d64 · 4h · seq 32 · vocab 64, markov, dp1 tp1 pp1, fp32, cpu": what ran, in one line.
+pub fn one_line(spec: &ExperimentSpec) -> String {
+    let (m, p, t) = (&spec.model, &spec.parallel, &spec.train);
+    let mut parts = vec![
+        format!("{} layers, d_model {}, {} heads, seq {}, vocab {}", m.layers, m.d_model, m.heads, m.seq_len, m.vocab),
+        label(&spec.data.dataset),
+        format!("dp{} tp{} pp{}", p.dp, p.tp, p.pp),
+    ];
+    if p.sharding != distlab_common::Sharding::None {
+        parts.push(label(&p.sharding));
+    }
+    parts.push(format!("batch {}", spec.global_batch()));
+    parts.push(format!("{} lr {}", label(&t.optimizer), format::num(t.lr)));
+    parts.push(label(&t.precision));
+    parts.push(label(&spec.backend));
+    parts.join(" · ")
+}
+
+#[component]
+pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
+    let (m, d, p, t) = (&spec.model, &spec.data, &spec.parallel, &spec.train);
+    let model = format!(
+        "{} layers · d_model {} · {} heads · seq_len {} · vocab {} — {} parameters",
+        m.layers,
+        m.d_model,
+        m.heads,
+        m.seq_len,
+        m.vocab,
+        format::si(m.param_count() as f64)
+    );
+    let data = format!("{} · seed {}", label(&d.dataset), d.seed);
+    let parallel = format!(
+        "dp {} × tp {} × pp {} = {} rank{} · sharding {} · schedule {} · bucket {} bytes",
+        p.dp,
+        p.tp,
+        p.pp,
+        spec.world_size(),
+        if spec.world_size() == 1 { "" } else { "s" },
+        label(&p.sharding),
+        label(&p.pp_schedule),
+        p.bucket_bytes
+    );
+    let batch = format!(
+        "{} sequences = {} tokens per step (dp {} × micro_batch {} × micro_batches {} × grad_accum {})",
+        spec.global_batch(),
+        spec.tokens_per_step(),
+        p.dp,
+        t.micro_batch,
+        t.micro_batches,
+        t.grad_accum
+    );
+    let optim = format!(
+        "{} steps · {} · lr {} ({}, warmup {}) · weight_decay {} · grad_clip {} · seed {}",
+        t.steps,
+        label(&t.optimizer),
+        format::num(t.lr),
+        label(&t.lr_schedule),
+        t.warmup_steps,
+        t.weight_decay,
+        t.grad_clip,
+        t.seed
+    );
+    let numerics = format!(
+        "{} · loss scaling {} · activation checkpointing {}{}",
+        label(&t.precision),
+        label(&t.loss_scaling),
+        label(&t.checkpointing),
+        if t.checkpoint_every > 0 {
+            format!(" · checkpoint every {} steps", t.checkpoint_every)
+        } else {
+            String::new()
+        }
+    );
+    let backend = label(&spec.backend);
+    let json = serde_json::to_string_pretty(&spec).unwrap_or_default();
+    view! {
+        <dl class="spec" id="spec">
+            <dt>"model"</dt><dd>{model}</dd>
+            <dt>"data"</dt><dd>{data}</dd>
+            <dt>"parallel"</dt><dd>{parallel}</dd>
+            <dt>"batch"</dt><dd>{batch}</dd>
+            <dt>"training"</dt><dd>{optim}</dd>
+            <dt>"numerics"</dt><dd>{numerics}</dd>
+            <dt>"backend"</dt><dd>{backend}</dd>
+        </dl>
+        <details class="spec-json">
+            <summary>"spec as JSON"</summary>
+            <pre>{json}</pre>
+        </details>
+    }
+}

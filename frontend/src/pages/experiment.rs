@@ -1,0 +1,371 @@
+//! `/experiments/:id`: one experiment, live. The server-sent event stream feeds the
+//! status, the metric points (the loss chart grows while it runs) and the log; the
+//! REST endpoints fill in the rest (spec, timestamps) and cover a missed stream.
+
+use std::time::Duration;
+
+use distlab_common::{ExperimentStatus, ExperimentView, LogLevel, LogLine, MetricPoint, RunSummary, StreamEvent};
+use leptos::prelude::*;
+use leptos_router::components::A;
+use leptos_router::hooks::use_params_map;
+
+use crate::api::{self, EventStream};
+use crate::components::loss_chart::{LossChart, Reference};
+use crate::components::progress::ProgressBar;
+use crate::components::spec_view::{one_line, SpecView};
+use crate::components::status_badge::StatusBadge;
+use crate::format;
+
+/// Log lines kept on the page.
+const MAX_LOG: usize = 300;
+
+#[component]
+pub fn ExperimentPage() -> impl IntoView {
+    let params = use_params_map();
+    let id = Memo::new(move |_| params.read().get("id").and_then(|s| s.parse::<i64>().ok()));
+    move || match id.get() {
+        Some(id) => view! { <ExperimentDetail id=id/> }.into_any(),
+        None => view! {
+            <section class="card">
+                <p class="alert error">"This is not an experiment id. " <A href="/">"Back to the list"</A></p>
+            </section>
+        }
+        .into_any(),
+    }
+}
+
+/// Inserts a point in step order; a point for a step already present replaces it
+/// (the stream replays stored points when it reconnects).
+fn merge_point(points: &mut Vec<MetricPoint>, p: MetricPoint) {
+    match points.last() {
+        Some(last) if last.step < p.step => points.push(p),
+        None => points.push(p),
+        _ => match points.binary_search_by_key(&p.step, |q| q.step) {
+            Ok(i) => points[i] = p,
+            Err(i) => points.insert(i, p),
+        },
+    }
+}
+
+#[component]
+fn ExperimentDetail(id: i64) -> impl IntoView {
+    let experiment = RwSignal::new(None::<Result<ExperimentView, String>>);
+    let status = RwSignal::new(None::<ExperimentStatus>);
+    let points = RwSignal::new(Vec::<MetricPoint>::new());
+    let error = RwSignal::new(None::<String>);
+    let summary = RwSignal::new(None::<RunSummary>);
+    let logs = RwSignal::new(Vec::<LogLine>::new());
+    let stream_state = RwSignal::new("connecting");
+    let action_error = RwSignal::new(None::<String>);
+    let now = RwSignal::new(format::now_ms());
+
+    let reload = move || {
+        leptos::task::spawn_local(async move {
+            match api::get_experiment(id).await {
+                Ok(view) => {
+                    // The stream's status is at least as fresh, except when the run has finished.
+                    if status.get_untracked().is_none() || view.status.is_finished() {
+                        status.try_set(Some(view.status));
+                    }
+                    if view.error.is_some() {
+                        error.try_set(view.error.clone());
+                    }
+                    if view.summary.is_some() {
+                        summary.try_set(view.summary.clone());
+                    }
+                    experiment.try_set(Some(Ok(view)));
+                }
+                Err(e) => {
+                    if experiment.get_untracked().is_none() {
+                        experiment.try_set(Some(Err(e.message)));
+                    }
+                }
+            }
+        })
+    };
+    reload();
+    leptos::task::spawn_local(async move {
+        if let Ok(m) = api::get_metrics(id).await {
+            points.try_update(|ps| m.steps.into_iter().for_each(|p| merge_point(ps, p)));
+        }
+    });
+
+    let on_event = move |event: StreamEvent| {
+        stream_state.try_set("live");
+        match event {
+            StreamEvent::Status(change) => {
+                let changed = status.get_untracked() != Some(change.status);
+                status.try_set(Some(change.status));
+                if change.error.is_some() {
+                    error.try_set(change.error);
+                }
+                if change.summary.is_some() {
+                    summary.try_set(change.summary);
+                }
+                if changed {
+                    reload();
+                }
+            }
+            StreamEvent::Metric(p) => {
+                points.try_update(|ps| merge_point(ps, p));
+            }
+            StreamEvent::Log(line) => {
+                logs.try_update(|l| {
+                    l.push(line);
+                    if l.len() > MAX_LOG {
+                        l.drain(..l.len() - MAX_LOG);
+                    }
+                });
+            }
+            // Traces are fetched from /trace by the pages that draw them.
+            StreamEvent::Trace { .. } => {}
+        }
+    };
+    let on_error = move |source: &web_sys::EventSource| {
+        // The server ends the stream when the experiment has finished: stop, or the
+        // browser would reconnect and replay it forever.
+        if status.get_untracked().is_some_and(|s| s.is_finished()) {
+            source.close();
+            stream_state.try_set("closed");
+        } else {
+            stream_state.try_set("reconnecting");
+        }
+    };
+    match EventStream::open(id, on_event, on_error) {
+        // Dropped (and closed) with this page.
+        Ok(stream) => _ = StoredValue::new_local(stream),
+        Err(e) => action_error.set(Some(e.message)),
+    }
+    if let Ok(handle) = set_interval_with_handle(move || now.set(format::now_ms()), Duration::from_secs(1)) {
+        on_cleanup(move || handle.clear());
+    }
+
+    let cancel = move |_| {
+        action_error.set(None);
+        leptos::task::spawn_local(async move {
+            match api::cancel_experiment(id).await {
+                Ok(()) => reload(),
+                Err(e) => _ = action_error.try_set(Some(format!("could not cancel: {}", e.message))),
+            }
+        });
+    };
+
+    move || match experiment.get() {
+        None => view! { <section class="card"><p class="muted">"loading…"</p></section> }.into_any(),
+        Some(Err(e)) => view! {
+            <section class="card">
+                <h1>"Experiment " {id}</h1>
+                <p class="alert error" id="error">{e}</p>
+                <p><A href="/">"Back to the list"</A></p>
+            </section>
+        }
+        .into_any(),
+        Some(Ok(view)) => {
+            let spec = view.spec.clone();
+            let total = spec.train.steps;
+            let vocab = spec.model.vocab.max(1) as f64;
+            let name = view.name.clone();
+            let started = view.started_at.clone();
+            let finished = view.finished_at.clone();
+            let steps_done_server = view.steps_done;
+            let status_now = Signal::derive(move || status.get().unwrap_or(ExperimentStatus::Queued));
+            let latest = move || points.with(|p| p.last().cloned());
+            let steps_done =
+                Signal::derive(move || (points.with(|p| p.len() as u64)).max(steps_done_server).min(total));
+            let refs = Signal::derive(move || {
+                let s = summary.get();
+                let uniform =
+                    s.as_ref().map(|s| s.uniform_loss).filter(|u| u.is_finite() && *u > 0.0).unwrap_or(vocab.ln());
+                let mut refs = vec![Reference {
+                    class: "ref-uniform",
+                    value: uniform,
+                    label: format!("uniform guess: ln({}) = {:.3}", vocab as u64, uniform),
+                    below: false,
+                }];
+                if let Some(floor) = s.and_then(|s| s.loss_floor) {
+                    refs.push(Reference {
+                        class: "ref-floor",
+                        value: floor,
+                        label: format!("loss floor (entropy rate) = {floor:.3}"),
+                        below: true,
+                    });
+                }
+                refs
+            });
+            let title = format!("{name} (#{id}): training loss");
+            let subtitle = one_line(&spec);
+            let elapsed = move || {
+                let start = started.as_deref().and_then(format::parse_time)?;
+                let end = match finished.as_deref().and_then(format::parse_time) {
+                    Some(end) => end,
+                    None if status_now.get().is_finished() => return None,
+                    None => now.get(),
+                };
+                Some(format::duration((end - start) / 1000.0))
+            };
+            view! {
+                <section class="card">
+                    <div class="card-head">
+                        <h1>
+                            <span id="experiment-name">{name.clone()}</span>
+                            <span class="muted id">" #" {id}</span>
+                        </h1>
+                        <StatusBadge status=status_now id="status"/>
+                        <span class=move || format!("stream stream-{}", stream_state.get())>
+                            {move || match stream_state.get() {
+                                "live" => "live",
+                                "reconnecting" => "reconnecting…",
+                                "closed" => "stream ended",
+                                _ => "connecting…",
+                            }}
+                        </span>
+                        <div class="spacer"></div>
+                        {move || {
+                            (!status_now.get().is_finished())
+                                .then(|| view! { <button class="button danger" id="cancel" on:click=cancel>"Cancel"</button> })
+                        }}
+                    </div>
+                    <p class="muted small">
+                        "created " {format::local_time(&view.created_at)}
+                        {view.started_at.as_deref().map(|s| format!(" · started {}", format::local_time(s)))}
+                        {view.finished_at.as_deref().map(|s| format!(" · finished {}", format::local_time(s)))}
+                        {(view.attempt > 1).then(|| format!(" · attempt {}", view.attempt))}
+                    </p>
+                    {move || action_error.get().map(|e| view! { <p class="alert error">{e}</p> })}
+                    {move || (status_now.get() == ExperimentStatus::Queued)
+                        .then(|| view! { <p class="note" id="queued-note">"Waiting for a worker to pick it up…"</p> })}
+                    {move || (status_now.get() == ExperimentStatus::Failed).then(|| view! {
+                        <div class="alert error" id="error">
+                            <strong>"The run failed"</strong>
+                            <pre>{error.get().unwrap_or_else(|| "no error message was recorded".into())}</pre>
+                        </div>
+                    })}
+                    {move || (status_now.get() == ExperimentStatus::Cancelled).then(|| view! {
+                        <div class="alert" id="cancelled">
+                            <strong>"Cancelled"</strong>
+                            {error.get().map(|e| view! { <pre>{e}</pre> })}
+                        </div>
+                    })}
+
+                    <div class="stats" id="stats">
+                        <div class="stat wide">
+                            <span class="k">"step"</span>
+                            <span class="v" id="step">{move || format!("{} / {}", steps_done.get(), total)}</span>
+                            <ProgressBar done=steps_done total=total/>
+                        </div>
+                        <div class="stat">
+                            <span class="k">"loss"</span>
+                            <span class="v" id="loss">{move || latest().map(|p| format!("{:.4}", p.loss)).unwrap_or("–".into())}</span>
+                        </div>
+                        <div class="stat">
+                            <span class="k">"tokens / s"</span>
+                            <span class="v" id="tokens-per-s">{move || latest().map(|p| format::si(p.tokens_per_s)).unwrap_or("–".into())}</span>
+                        </div>
+                        <div class="stat">
+                            <span class="k">"learning rate"</span>
+                            <span class="v" id="lr">{move || latest().map(|p| format::num(p.lr)).unwrap_or("–".into())}</span>
+                        </div>
+                        <div class="stat">
+                            <span class="k">"grad norm"</span>
+                            <span class="v" id="grad-norm">{move || latest().map(|p| format::num(p.grad_norm)).unwrap_or("–".into())}</span>
+                        </div>
+                        <div class="stat">
+                            <span class="k">"step time"</span>
+                            <span class="v" id="step-ms">{move || latest().map(|p| format!("{:.1} ms", p.step_ms)).unwrap_or("–".into())}</span>
+                        </div>
+                        <div class="stat">
+                            <span class="k">"elapsed"</span>
+                            <span class="v" id="elapsed">{move || elapsed().unwrap_or("–".into())}</span>
+                        </div>
+                    </div>
+
+                    <div class="chart-wrap">
+                        <LossChart points=points total_steps=total refs=refs title=title subtitle=subtitle/>
+                    </div>
+
+                    {move || summary.get().filter(|_| status_now.get() == ExperimentStatus::Succeeded).map(|s| view! { <SummaryPanel summary=s/> })}
+                </section>
+
+                <section class="card">
+                    <h2>"Spec"</h2>
+                    <SpecView spec=spec/>
+                </section>
+
+                {move || {
+                    let lines = logs.get();
+                    (!lines.is_empty()).then(|| view! {
+                        <section class="card">
+                            <h2>"Log"</h2>
+                            <div class="log" id="log">
+                                {lines.into_iter().map(|l| {
+                                    let class = match l.level { LogLevel::Info => "info", LogLevel::Warn => "warn", LogLevel::Error => "error" };
+                                    view! { <div class=format!("log-line {class}")>{l.message}</div> }
+                                }).collect_view()}
+                            </div>
+                        </section>
+                    })
+                }}
+            }
+            .into_any()
+        }
+    }
+}
+
+/// What a successful run ended with, against what was possible.
+#[component]
+fn SummaryPanel(summary: RunSummary) -> impl IntoView {
+    let s = summary;
+    let learned = s.uniform_loss - s.final_loss;
+    let floor_text = s.loss_floor.map(|floor| {
+        let gap = s.final_loss - floor;
+        let share = if s.uniform_loss - floor > 0.0 { learned / (s.uniform_loss - floor) * 100.0 } else { 0.0 };
+        if gap > 0.0 {
+            format!(
+                "The best possible loss on this data (the chain's entropy rate) is {floor:.4}: the run ended {gap:.4} nats above it, {share:.0}% of the way there from a uniform guess."
+            )
+        } else {
+            format!(
+                "The best possible loss on this data (the chain's entropy rate) is {floor:.4}: the run reached it (a last batch can score a little below the floor by chance)."
+            )
+        }
+    });
+    view! {
+        <div class="summary" id="summary">
+            <h2>"Result"</h2>
+            <p class="headline">
+                "Final loss " <strong id="final-loss">{format!("{:.4}", s.final_loss)}</strong> " nats/token "
+                "(lowest " {format!("{:.4}", s.min_loss)} ") vs " {format!("{:.4}", s.uniform_loss)}
+                " for a uniform guess ln(vocab): the model learned " {format!("{learned:.3}")} " nats/token."
+            </p>
+            {floor_text.map(|t| view! { <p>{t}</p> })}
+            <dl class="summary-grid">
+                <div><dt>"steps"</dt><dd>{s.steps}</dd></div>
+                <div><dt>"parameters"</dt><dd>{format::si(s.params as f64)}</dd></div>
+                <div><dt>"tokens"</dt><dd>{format::si(s.tokens as f64)}</dd></div>
+                <div><dt>"tokens / s (mean)"</dt><dd>{format::si(s.tokens_per_s)}</dd></div>
+                <div><dt>"step time (mean)"</dt><dd>{format!("{:.1} ms", s.mean_step_ms)}</dd></div>
+                <div><dt>"wall time"</dt><dd>{format::duration(s.wall_s)}</dd></div>
+                <div><dt>"ranks"</dt><dd>{s.world_size}</dd></div>
+                <div><dt>"threads"</dt><dd>{s.threads}</dd></div>
+            </dl>
+        </div>
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(step: u64) -> MetricPoint {
+        MetricPoint { step, loss: step as f64, lr: 0.0, grad_norm: 0.0, tokens_per_s: 0.0, step_ms: 0.0 }
+    }
+
+    #[test]
+    fn merge_keeps_step_order_without_duplicates() {
+        let mut v = Vec::new();
+        for s in [0, 1, 2, 1, 0, 3, 5, 4] {
+            merge_point(&mut v, p(s));
+        }
+        assert_eq!(v.iter().map(|q| q.step).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+    }
+}

@@ -1,0 +1,98 @@
+//! `/`: every experiment, newest first, refreshed every 1.5 s.
+
+use std::time::Duration;
+
+use distlab_common::ExperimentView;
+use leptos::prelude::*;
+use leptos_router::components::A;
+
+use crate::api;
+use crate::components::progress::ProgressBar;
+use crate::components::spec_view::one_line;
+use crate::components::status_badge::StatusBadge;
+use crate::format;
+
+const PAGE: u32 = 100;
+
+#[component]
+pub fn ExperimentList() -> impl IntoView {
+    let list = RwSignal::new(None::<Result<(Vec<ExperimentView>, u64), String>>);
+    let refresh = move || {
+        leptos::task::spawn_local(async move {
+            let answer = api::list_experiments(PAGE).await.map(|mut l| {
+                l.experiments.sort_by_key(|e| std::cmp::Reverse(e.id));
+                (l.experiments, l.total)
+            });
+            list.try_set(Some(answer.map_err(|e| e.message)));
+        })
+    };
+    refresh();
+    if let Ok(handle) = set_interval_with_handle(refresh, Duration::from_millis(1500)) {
+        on_cleanup(move || handle.clear());
+    }
+
+    view! {
+        <section class="card">
+            <div class="card-head">
+                <h1>"Experiments"</h1>
+                <A href="/new" attr:class="button primary" attr:id="new-experiment">"+ New experiment"</A>
+            </div>
+            {move || match list.get() {
+                None => view! { <p class="muted">"loading…"</p> }.into_any(),
+                Some(Err(e)) => view! { <p class="alert error">{e}</p> }.into_any(),
+                Some(Ok((items, _))) if items.is_empty() => {
+                    view! {
+                        <p class="empty" id="no-experiments">
+                            "No experiments yet. " <A href="/new">"Start one"</A>
+                            " — the tiny preset trains in seconds."
+                        </p>
+                    }
+                        .into_any()
+                }
+                Some(Ok((items, total))) => {
+                    let more = (total > items.len() as u64)
+                        .then(|| format!("showing the newest {} of {total}", items.len()));
+                    view! {
+                        <table class="experiments" id="experiments">
+                            <thead>
+                                <tr>
+                                    <th class="num">"#"</th>
+                                    <th>"name"</th>
+                                    <th>"status"</th>
+                                    <th class="progress-col">"progress (steps)"</th>
+                                    <th>"created"</th>
+                                    <th></th>
+                                </tr>
+                            </thead>
+                            <tbody>{items.into_iter().map(row).collect_view()}</tbody>
+                        </table>
+                        {more.map(|m| view! { <p class="muted">{m}</p> })}
+                    }
+                        .into_any()
+                }
+            }}
+        </section>
+    }
+}
+
+fn row(e: ExperimentView) -> impl IntoView {
+    let href = format!("/experiments/{}", e.id);
+    let status = e.status;
+    let created = e.created_at.clone();
+    view! {
+        <tr class="experiment-row" data-id=e.id.to_string() data-status=status.as_str()>
+            <td class="num">{e.id}</td>
+            <td>
+                <A href=href.clone() attr:class="experiment-link">{e.name.clone()}</A>
+                <div class="muted small">{one_line(&e.spec)}</div>
+            </td>
+            <td><StatusBadge status=status/></td>
+            <td class="progress-col"><ProgressBar done=e.steps_done total=e.spec.train.steps/></td>
+            <td class="created">
+                <span title=created.clone()>{format::local_time(&created)}</span>
+                <div class="muted small">{format::ago(&created)}</div>
+            </td>
+            <td><A href=href attr:class="button small">"open"</A></td>
+        </tr>
+    }
+}

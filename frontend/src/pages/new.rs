@@ -1,0 +1,519 @@
+//! `/new`: the experiment form. Presets fill every field; every field stays editable.
+//! On every change the form is turned into an `ExperimentSpec` and checked with the
+//! same `validate` the server runs, so each message appears next to its field at once
+//! and the submit button stays disabled until the spec is valid. The server remains
+//! the authority: its 422 field errors are shown the same way.
+
+use distlab_common::presets::{presets, Preset};
+use distlab_common::{ExperimentSpec, FieldError, Limits, Precision, Sharding};
+use leptos::prelude::*;
+use leptos_router::hooks::use_navigate;
+use serde_json::{Map, Value};
+
+use crate::api::{self, RequestError};
+use crate::format;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Text,
+    /// A whole number, 0 or more.
+    Int,
+    Float,
+    /// One of these JSON strings.
+    Choice(&'static [&'static str]),
+}
+
+/// One input of the form, named by its path in the spec (`train.steps`).
+#[derive(Debug)]
+struct FieldDef {
+    path: &'static str,
+    kind: Kind,
+    help: &'static str,
+}
+
+struct SectionDef {
+    /// Errors about the section as a whole (`"model"`, `"parallel"`) show under its title.
+    key: &'static str,
+    title: &'static str,
+    fields: &'static [FieldDef],
+}
+
+const fn f(path: &'static str, kind: Kind, help: &'static str) -> FieldDef {
+    FieldDef { path, kind, help }
+}
+
+const SECTIONS: &[SectionDef] = &[
+    SectionDef {
+        key: "general",
+        title: "Experiment",
+        fields: &[
+            f("name", Kind::Text, "a name for the list"),
+            f("backend", Kind::Choice(&["cpu", "cuda"]), "cpu runs everywhere; cuda needs a worker with a GPU"),
+        ],
+    },
+    SectionDef {
+        key: "model",
+        title: "Model (GPT decoder)",
+        fields: &[
+            f("model.layers", Kind::Int, "transformer blocks"),
+            f("model.d_model", Kind::Int, "width of the residual stream"),
+            f("model.heads", Kind::Int, "attention heads; must divide d_model"),
+            f("model.seq_len", Kind::Int, "tokens per sequence (context length)"),
+            f("model.vocab", Kind::Int, "number of distinct tokens"),
+        ],
+    },
+    SectionDef {
+        key: "data",
+        title: "Data",
+        fields: &[
+            f(
+                "data.dataset",
+                Kind::Choice(&["markov", "text"]),
+                "markov: random chain with a known loss floor; text: bytes of English",
+            ),
+            f("data.seed", Kind::Int, "fixes the chain and the batches"),
+        ],
+    },
+    SectionDef {
+        key: "parallel",
+        title: "Parallelism (world size = dp × tp × pp ranks)",
+        fields: &[
+            f("parallel.dp", Kind::Int, "data-parallel replicas"),
+            f("parallel.tp", Kind::Int, "tensor-parallel ranks (split heads and MLP)"),
+            f("parallel.pp", Kind::Int, "pipeline stages (split layers)"),
+            f(
+                "parallel.sharding",
+                Kind::Choice(&["none", "zero1", "zero2", "fsdp"]),
+                "shard optimizer state / gradients / parameters over dp",
+            ),
+            f("parallel.pp_schedule", Kind::Choice(&["gpipe", "1f1b"]), "order of micro-batches in the pipeline"),
+            f("parallel.bucket_bytes", Kind::Int, "gradient all-reduce bucket size"),
+        ],
+    },
+    SectionDef {
+        key: "train",
+        title: "Training",
+        fields: &[
+            f("train.steps", Kind::Int, "optimizer steps"),
+            f("train.micro_batch", Kind::Int, "sequences per rank per micro-batch"),
+            f("train.micro_batches", Kind::Int, "pipeline micro-batches per step"),
+            f("train.grad_accum", Kind::Int, "gradient accumulation steps"),
+            f("train.lr", Kind::Float, "peak learning rate"),
+            f("train.warmup_steps", Kind::Int, "linear warm-up steps"),
+            f("train.lr_schedule", Kind::Choice(&["cosine", "constant"]), "after warm-up"),
+            f("train.optimizer", Kind::Choice(&["adamw", "sgd"]), ""),
+            f("train.weight_decay", Kind::Float, "0 to 1"),
+            f("train.grad_clip", Kind::Float, "max gradient norm; 0 = off"),
+            f("train.precision", Kind::Choice(&["fp32", "bf16", "fp16"]), "storage type of weights and activations"),
+            f("train.loss_scaling", Kind::Choice(&["none", "dynamic"]), "dynamic: for fp16"),
+            f("train.checkpointing", Kind::Choice(&["none", "every", "sqrt"]), "activation recomputation"),
+            f("train.checkpoint_every", Kind::Int, "save a resumable checkpoint every N steps; 0 = never"),
+            f("train.seed", Kind::Int, "initial weights"),
+        ],
+    },
+];
+
+/// A field of the form with its current text.
+#[derive(Clone, Copy)]
+struct FormField {
+    def: &'static FieldDef,
+    value: RwSignal<String>,
+}
+
+fn all_fields() -> impl Iterator<Item = &'static FieldDef> {
+    SECTIONS.iter().flat_map(|s| s.fields.iter())
+}
+
+/// The text of each field for a spec.
+fn field_texts(spec: &ExperimentSpec) -> Vec<String> {
+    let value = serde_json::to_value(spec).unwrap_or(Value::Null);
+    all_fields()
+        .map(|def| {
+            let mut v = &value;
+            for key in def.path.split('.') {
+                v = v.get(key).unwrap_or(&Value::Null);
+            }
+            match v {
+                Value::String(s) => s.clone(),
+                Value::Null => String::new(),
+                other => other.to_string(),
+            }
+        })
+        .collect()
+}
+
+/// What the form holds now: the spec (when it parses) and every problem with it.
+#[derive(Clone, Debug, PartialEq)]
+struct Checked {
+    spec: Option<ExperimentSpec>,
+    errors: Vec<FieldError>,
+}
+
+/// Turns the texts into a spec and checks it with the server's own rules.
+fn check(texts: &[(&'static FieldDef, String)]) -> Checked {
+    let mut errors = Vec::new();
+    let mut root = Map::new();
+    for (def, text) in texts {
+        let parsed = match def.kind {
+            Kind::Text | Kind::Choice(_) => Ok(Value::String(text.clone())),
+            Kind::Int => match text.trim() {
+                "" => Err("enter a whole number".to_string()),
+                t => t
+                    .parse::<u64>()
+                    .map(Value::from)
+                    .map_err(|_| format!("must be a whole number, 0 or more (it is \"{t}\")")),
+            },
+            Kind::Float => match text.trim() {
+                "" => Err("enter a number".to_string()),
+                t => match t.parse::<f64>() {
+                    Ok(x) if x.is_finite() => Ok(Value::from(x)),
+                    _ => Err(format!("must be a number such as 0.001 or 3e-4 (it is \"{t}\")")),
+                },
+            },
+        };
+        match parsed {
+            Ok(v) => insert(&mut root, def.path, v),
+            Err(message) => errors.push(FieldError::new(def.path, message)),
+        }
+    }
+    let unparsed: Vec<String> = errors.iter().map(|e| e.field.clone()).collect();
+    match ExperimentSpec::from_json_value(Value::Object(root)) {
+        Ok(spec) => {
+            if let Err(found) = spec.validate(&Limits::default()) {
+                // A field that did not parse was filled with its default: say nothing more about it.
+                errors.extend(found.into_iter().filter(|e| !unparsed.contains(&e.field)));
+            }
+            Checked { spec: Some(spec), errors }
+        }
+        Err(found) => {
+            errors.extend(found);
+            Checked { spec: None, errors }
+        }
+    }
+}
+
+fn insert(root: &mut Map<String, Value>, path: &str, value: Value) {
+    match path.split_once('.') {
+        None => {
+            root.insert(path.to_string(), value);
+        }
+        Some((head, rest)) => {
+            let child = root.entry(head.to_string()).or_insert_with(|| Value::Object(Map::new()));
+            if let Value::Object(map) = child {
+                insert(map, rest, value);
+            }
+        }
+    }
+}
+
+/// Settings the current worker may answer "not yet supported" for.
+fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
+    let mut out = Vec::new();
+    if spec.parallel.dp > 1 {
+        out.push(format!("dp={}", spec.parallel.dp));
+    }
+    if spec.parallel.tp > 1 {
+        out.push(format!("tp={}", spec.parallel.tp));
+    }
+    if spec.parallel.pp > 1 {
+        out.push(format!("pp={}", spec.parallel.pp));
+    }
+    if spec.parallel.sharding != Sharding::None {
+        out.push(format!("sharding={}", spec.parallel.sharding.as_str()));
+    }
+    if spec.train.precision != Precision::Fp32 {
+        out.push(format!("precision={}", spec.train.precision.as_str()));
+    }
+    if spec.backend == distlab_common::BackendKind::Cuda {
+        out.push("backend=cuda".into());
+    }
+    out
+}
+
+#[component]
+pub fn NewExperiment() -> impl IntoView {
+    let presets = presets();
+    let first = presets.first().map(|p| p.spec.clone()).unwrap_or_default();
+    let fields: Vec<FormField> = all_fields()
+        .zip(field_texts(&first))
+        .map(|(def, text)| FormField { def, value: RwSignal::new(text) })
+        .collect();
+    let fields = StoredValue::new(fields);
+    let active_preset = RwSignal::new(presets.first().map(|p| p.key));
+    let server_error = RwSignal::new(None::<RequestError>);
+    let submitting = RwSignal::new(false);
+
+    let checked = Memo::new(move |_| {
+        let texts: Vec<_> = fields.with_value(|fs| fs.iter().map(|f| (f.def, f.value.get())).collect());
+        check(&texts)
+    });
+    // Local problems, plus the server's from the last submit (until the next edit).
+    let errors_for = move |field: &'static str| {
+        let mut messages: Vec<String> =
+            checked.with(|c| c.errors.iter().filter(|e| e.field == field).map(|e| e.message.clone()).collect());
+        if let Some(server) = server_error.get() {
+            for e in server.fields.iter().filter(|e| e.field == field) {
+                if !messages.contains(&e.message) {
+                    messages.push(e.message.clone());
+                }
+            }
+        }
+        messages
+    };
+    let is_valid = move || checked.with(|c| c.errors.is_empty() && c.spec.is_some());
+
+    let apply_preset = move |preset: &Preset| {
+        let texts = field_texts(&preset.spec);
+        fields.with_value(|fs| {
+            for (f, text) in fs.iter().zip(texts) {
+                f.value.set(text);
+            }
+        });
+        active_preset.set(Some(preset.key));
+        server_error.set(None);
+    };
+
+    let navigate = use_navigate();
+    let submit = move |ev: leptos::ev::SubmitEvent| {
+        ev.prevent_default();
+        let Some(spec) = checked.with_untracked(|c| c.errors.is_empty().then(|| c.spec.clone()).flatten()) else {
+            return;
+        };
+        if submitting.get_untracked() {
+            return;
+        }
+        submitting.set(true);
+        server_error.set(None);
+        let navigate = navigate.clone();
+        leptos::task::spawn_local(async move {
+            let body = serde_json::to_value(&spec).unwrap_or(Value::Null);
+            match api::create_experiment(&body).await {
+                Ok(created) => navigate(&format!("/experiments/{}", created.id), Default::default()),
+                Err(e) => {
+                    server_error.try_set(Some(e));
+                    submitting.try_set(false);
+                }
+            }
+        });
+    };
+
+    let preset_buttons = presets
+        .into_iter()
+        .map(|preset| {
+            let key = preset.key;
+            let title = preset.title;
+            let description = preset.description;
+            view! {
+                <button
+                    type="button"
+                    class="preset"
+                    class:active=move || active_preset.get() == Some(key)
+                    id=format!("preset-{key}")
+                    data-preset=key
+                    on:click=move |_| apply_preset(&preset)
+                >
+                    <strong>{title}</strong>
+                    <span>{description}</span>
+                </button>
+            }
+        })
+        .collect_view();
+
+    let sections = SECTIONS
+        .iter()
+        .map(|section| {
+            let inputs = section
+                .fields
+                .iter()
+                .map(|def| {
+                    let field = fields.with_value(|fs| fs.iter().find(|f| std::ptr::eq(f.def, def)).copied());
+                    field.map(|field| view! { <FieldInput field=field errors=Signal::derive(move || errors_for(field.def.path)) on_edit=move || { server_error.set(None); active_preset.set(None); }/> })
+                })
+                .collect_view();
+            let key = section.key;
+            view! {
+                <fieldset class="section" data-section=key>
+                    <legend>{section.title}</legend>
+                    <ErrorList messages=Signal::derive(move || errors_for(key)) field=key/>
+                    <div class="fields">{inputs}</div>
+                </fieldset>
+            }
+        })
+        .collect_view();
+
+    // Problems that belong to no field of the form (e.g. unknown fields).
+    let known = |field: &str| {
+        field.is_empty() || SECTIONS.iter().any(|s| s.key == field) || all_fields().any(|d| d.path == field)
+    };
+    let other_errors = move || {
+        let mut out: Vec<String> = checked.with(|c| {
+            c.errors.iter().filter(|e| !known(&e.field) || e.field.is_empty()).map(|e| e.to_string()).collect()
+        });
+        if let Some(server) = server_error.get() {
+            out.push(format!("the server did not accept the experiment: {}", server.message));
+            out.extend(server.fields.iter().filter(|e| !known(&e.field) || e.field.is_empty()).map(|e| e.to_string()));
+        }
+        out
+    };
+
+    view! {
+        <section class="card">
+            <div class="card-head">
+                <h1>"New experiment"</h1>
+            </div>
+            <p class="muted">"Start from a preset, then change anything. Every change is checked at once with the server's own rules."</p>
+            <div class="presets" id="presets">{preset_buttons}</div>
+            <p class="note" id="support-note">
+                "Note: the current worker trains one CPU rank in fp32. Experiments with dp > 1, tensor or pipeline "
+                "parallelism, sharding (ZeRO, FSDP) or a precision other than fp32 are accepted here but may be "
+                "answered \"not yet supported\" when they run."
+            </p>
+        </section>
+        <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>
+            {sections}
+            <Summary checked=checked/>
+            {move || {
+                let list = other_errors();
+                (!list.is_empty())
+                    .then(|| view! { <div class="alert error" id="form-errors"><ul>{list.into_iter().map(|m| view! { <li>{m}</li> }).collect_view()}</ul></div> })
+            }}
+            {move || {
+                let list = checked.with(|c| c.spec.as_ref().map(ambitious).unwrap_or_default());
+                (!list.is_empty())
+                    .then(|| view! {
+                        <p class="note warn" id="support-warning">
+                            "Heads-up: " {list.join(", ")} " may be answered \"not yet supported\" by the current worker."
+                        </p>
+                    })
+            }}
+            <div class="actions">
+                <button type="submit" class="button primary" id="submit" disabled=move || !is_valid() || submitting.get()>
+                    {move || if submitting.get() { "Submitting…" } else { "Run experiment" }}
+                </button>
+                <span class="muted" id="validity">
+                    {move || {
+                        let n = checked.with(|c| c.errors.len());
+                        match n {
+                            0 => "the spec is valid".to_string(),
+                            1 => "1 problem to fix".to_string(),
+                            n => format!("{n} problems to fix"),
+                        }
+                    }}
+                </span>
+            </div>
+        </form>
+    }
+}
+
+#[component]
+fn FieldInput(
+    field: FormField,
+    #[prop(into)] errors: Signal<Vec<String>>,
+    on_edit: impl Fn() + Copy + Send + Sync + 'static,
+) -> impl IntoView {
+    let def = field.def;
+    let id = format!("field-{}", def.path.replace('.', "-"));
+    let label = def.path.rsplit('.').next().unwrap_or(def.path);
+    let control = match def.kind {
+        Kind::Choice(options) => view! {
+            <select
+                id=id.clone()
+                name=def.path
+                on:change=move |ev| { field.value.set(event_target_value(&ev)); on_edit(); }
+            >
+                {options
+                    .iter()
+                    .map(|&o| view! { <option value=o selected=move || field.value.get() == o>{o}</option> })
+                    .collect_view()}
+            </select>
+        }
+        .into_any(),
+        kind => view! {
+            <input
+                id=id.clone()
+                name=def.path
+                type="text"
+                autocomplete="off"
+                spellcheck="false"
+                inputmode=match kind { Kind::Int => "numeric", Kind::Float => "decimal", _ => "text" }
+                prop:value=move || field.value.get()
+                on:input=move |ev| { field.value.set(event_target_value(&ev)); on_edit(); }
+            />
+        }
+        .into_any(),
+    };
+    view! {
+        <div class="field" class:invalid=move || !errors.with(|e| e.is_empty())>
+            <label for=id>{label}</label>
+            {control}
+            {(!def.help.is_empty()).then(|| view! { <small class="help">{def.help}</small> })}
+            <ErrorList messages=errors field=def.path/>
+        </div>
+    }
+}
+
+#[component]
+fn ErrorList(#[prop(into)] messages: Signal<Vec<String>>, field: &'static str) -> impl IntoView {
+    move || messages.get().into_iter().map(|m| view! { <p class="field-error" data-field=field>{m}</p> }).collect_view()
+}
+
+/// What the spec amounts to: ranks, batch, parameters, compute per step.
+#[component]
+fn Summary(checked: Memo<Checked>) -> impl IntoView {
+    move || {
+        checked.with(|c| c.spec.clone()).map(|spec| {
+            let flops = spec.model.train_flops_per_token() * spec.tokens_per_step() as f64;
+            view! {
+                <div class="derived" id="derived">
+                    <div><span class="k">"ranks"</span><span class="v">{spec.world_size()}</span></div>
+                    <div><span class="k">"parameters"</span><span class="v">{format::si(spec.model.param_count() as f64)}</span></div>
+                    <div><span class="k">"sequences / step"</span><span class="v">{spec.global_batch()}</span></div>
+                    <div><span class="k">"tokens / step"</span><span class="v">{format::si(spec.tokens_per_step() as f64)}</span></div>
+                    <div><span class="k">"FLOPs / step"</span><span class="v">{format::si(flops)}</span></div>
+                    <div><span class="k">"uniform loss ln(vocab)"</span><span class="v">{format!("{:.3}", (spec.model.vocab.max(1) as f64).ln())}</span></div>
+                </div>
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn texts_for(spec: &ExperimentSpec) -> Vec<(&'static FieldDef, String)> {
+        all_fields().zip(field_texts(spec)).collect()
+    }
+
+    #[test]
+    fn every_spec_field_has_an_input() {
+        // The form round-trips every preset exactly: no field is missing or misnamed.
+        for preset in presets() {
+            let checked = check(&texts_for(&preset.spec));
+            assert_eq!(checked.errors, vec![], "{}", preset.key);
+            assert_eq!(checked.spec.as_ref(), Some(&preset.spec), "{}", preset.key);
+        }
+    }
+
+    #[test]
+    fn bad_text_names_its_field() {
+        let mut texts = texts_for(&ExperimentSpec::default());
+        for (def, text) in texts.iter_mut() {
+            match def.path {
+                "train.steps" => *text = "many".into(),
+                "model.heads" => *text = "3".into(),
+                _ => {}
+            }
+        }
+        let checked = check(&texts);
+        assert!(
+            checked.errors.iter().any(|e| e.field == "train.steps" && e.message.contains("whole number")),
+            "{:?}",
+            checked.errors
+        );
+        assert!(checked
+            .errors
+            .iter()
+            .any(|e| e.field == "model.heads" && e.message.contains("heads=3 does not divide")));
+    }
+}
