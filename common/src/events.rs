@@ -61,6 +61,23 @@ pub struct RunSummary {
     pub wall_s: f64,
     pub world_size: usize,
     pub threads: usize,
+    /// For a collective demo (no training): what the collective did, checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<CollectiveCheck>,
+}
+
+/// The outcome of a collective demo, checked against a sequential computation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CollectiveCheck {
+    pub op: crate::spec::DemoOp,
+    pub world: usize,
+    pub elements: usize,
+    /// Payload bytes each rank sent, in rank order.
+    pub bytes_sent: Vec<u64>,
+    /// The textbook amount per rank: 2(W-1)/W * D for all-reduce, (W-1)/W * D otherwise.
+    pub formula_bytes: f64,
+    /// Largest |result - expected| over all ranks and elements (0 when exact).
+    pub max_abs_error: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -28,6 +28,10 @@ pub fn presets() -> Vec<Preset> {
     ddp.parallel.dp = 2;
     ddp.train.micro_batch = 4;
 
+    let mut ring = ExperimentSpec { name: "all-reduce-demo".into(), ..ExperimentSpec::default() };
+    ring.parallel.dp = 4;
+    ring.demo = Some(CollectiveDemo { op: DemoOp::AllReduce, elements: 16 });
+
     vec![
         Preset {
             key: "tiny",
@@ -52,6 +56,12 @@ pub fn presets() -> Vec<Preset> {
             title: "DDP on 2 ranks",
             description: "Same global batch as the tiny preset, split across two data-parallel ranks.",
             spec: ddp,
+        },
+        Preset {
+            key: "allreduce",
+            title: "All-reduce demo (4 ranks, 16 numbers)",
+            description: "No training: 4 rank processes all-reduce a 16-element vector over the ring. Rank r starts with (r+1)*100 + i, so every chunk of the replay can be checked by hand.",
+            spec: ring,
         },
     ]
 }

@@ -16,6 +16,51 @@ pub struct ExperimentSpec {
     pub parallel: ParallelSpec,
     pub train: TrainSpec,
     pub backend: BackendKind,
+    /// Instead of training, run one collective on small readable vectors across the
+    /// dp ranks and record every ring step (the all-reduce replay demo).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub demo: Option<CollectiveDemo>,
+}
+
+/// A collective run on its own: rank r starts with the vector `(r+1)*100 + i` for
+/// i in 0..elements, so every number in the replay can be checked by hand.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CollectiveDemo {
+    pub op: DemoOp,
+    pub elements: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DemoOp {
+    #[default]
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl Default for CollectiveDemo {
+    fn default() -> Self {
+        Self { op: DemoOp::AllReduce, elements: 16 }
+    }
+}
+
+impl DemoOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DemoOp::AllReduce => "all_reduce",
+            DemoOp::ReduceScatter => "reduce_scatter",
+            DemoOp::AllGather => "all_gather",
+        }
+    }
+}
+
+impl CollectiveDemo {
+    /// Rank `rank`'s starting value at index `i`.
+    pub fn initial_value(rank: usize, i: usize) -> f32 {
+        ((rank + 1) * 100 + i) as f32
+    }
 }
 
 /// A GPT-2-style decoder: embeddings, `layers` pre-LN blocks, final LayerNorm, LM head.
@@ -147,6 +192,7 @@ impl Default for ExperimentSpec {
             parallel: ParallelSpec::default(),
             train: TrainSpec::default(),
             backend: BackendKind::Cpu,
+            demo: None,
         }
     }
 }

@@ -162,6 +162,15 @@ impl ExperimentSpec {
         if t.checkpoint_every > t.steps {
             err("train.checkpoint_every", format!("checkpoint_every={} is longer than the run (steps={}); use 0 for no checkpoints", t.checkpoint_every, t.steps));
         }
+        if let Some(demo) = &self.demo {
+            if demo.elements < 1 || demo.elements > 4096 {
+                err("demo.elements", format!("a demo vector has between 1 and 4096 elements (it is {})", demo.elements));
+            }
+            if p.tp != 1 || p.pp != 1 {
+                err("demo", "a collective demo runs across the dp ranks only: use tp=1 and pp=1".into());
+            }
+        }
+
         let tokens = world_tokens(self);
         if tokens > limits.max_tokens_per_step as u128 {
             err(
@@ -245,6 +254,8 @@ mod tests {
             (json!({"train": {"warmup_steps": 500}}), vec![("train.warmup_steps", "longer than the run")]),
             (json!({"train": {"loss_scaling": "dynamic"}}), vec![("train.loss_scaling", "for fp16")]),
             (json!({"train": {"grad_clip": -1.0}}), vec![("train.grad_clip", "positive")]),
+            (json!({"demo": {"elements": 0}}), vec![("demo.elements", "between 1 and 4096")]),
+            (json!({"demo": {"op": "all_reduce"}, "parallel": {"tp": 2}}), vec![("demo", "tp=1 and pp=1")]),
             (json!({"model": {"d_model": 1024, "layers": 32, "vocab": 65536}}), vec![("model", "parameters; this server allows at most")]),
             // Several problems at once: all of them are reported.
             (

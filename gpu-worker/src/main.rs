@@ -3,6 +3,8 @@
 
 mod bench_comm;
 mod client;
+mod demo;
+mod execute;
 mod launch;
 mod rank;
 mod run_local;
@@ -74,6 +76,11 @@ enum Command {
 
 #[derive(Subcommand)]
 enum RankTask {
+    /// The collective demo (see demo.rs).
+    Demo {
+        #[arg(long)]
+        spec: PathBuf,
+    },
     BenchComm {
         #[arg(long)]
         min_bytes: usize,
@@ -104,7 +111,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Some(Command::Run { spec, out }) => run_local::run_spec_file(&spec, out, cli.threads),
         Some(Command::BenchComm { world, min_bytes, max_bytes }) => {
-            let run_dir = tempfile_dir("bench-comm")?;
+            let run_dir = execute::run_dir("bench-comm")?;
             let exe = std::env::current_exe()?;
             let spec = launch::LaunchSpec {
                 exe: &exe,
@@ -121,6 +128,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Some(Command::Rank { rank, world, dir, task }) => {
             let result = match task {
                 RankTask::BenchComm { min_bytes, max_bytes } => bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes),
+                RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
+                    Some(d) => demo::run_rank(&dir, rank, world, d),
+                    None => Err(anyhow::anyhow!("the spec has no demo section")),
+                }),
             };
             match result {
                 Ok(()) => Ok(0),
@@ -149,9 +160,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-/// A fresh private directory for one run's rendezvous sockets.
-fn tempfile_dir(what: &str) -> anyhow::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("distlab-{what}-{}-{}", std::process::id(), distlab_worker::trace::now_us()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+fn read_spec(path: &std::path::Path) -> anyhow::Result<distlab_common::ExperimentSpec> {
+    let text = std::fs::read_to_string(path)?;
+    distlab_common::ExperimentSpec::from_json_str(&text).map_err(|errors| {
+        anyhow::anyhow!("{}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
+    })
 }

@@ -1,5 +1,6 @@
 //! `distlab-worker run SPEC.json [--out DIR]`: train one spec with no server.
-//! stdout: one JSON line per optimizer step, then `{"summary": {...}}`.
+//! stdout: one JSON line per optimizer step, then `{"summary": {...}}`. With `--out DIR`:
+//! spec.json, metrics.jsonl, summary.json and (for multi-rank runs) trace.json.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -7,7 +8,8 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
 use distlab_common::*;
-use distlab_worker::train::{train, TrainError, TrainOptions};
+
+use crate::execute::execute;
 
 /// Exit codes: 0 done, 1 the run failed, 2 the spec is invalid or unsupported.
 pub fn run_spec_file(spec_path: &Path, out: Option<PathBuf>, threads: usize) -> anyhow::Result<i32> {
@@ -30,6 +32,7 @@ pub fn run_spec_file(spec_path: &Path, out: Option<PathBuf>, threads: usize) -> 
 
     let stdout = std::io::stdout();
     let mut write_error = None;
+    let mut traces: Vec<distlab_common::trace::RankTrace> = Vec::new();
     let mut on_event = |event: RunEvent| match event {
         RunEvent::Metric(point) => {
             let line = serde_json::to_string(&point).unwrap_or_default();
@@ -41,9 +44,9 @@ pub fn run_spec_file(spec_path: &Path, out: Option<PathBuf>, threads: usize) -> 
             }
         }
         RunEvent::Log(log) => eprintln!("[{:?}] {}", log.level, log.message),
-        RunEvent::Trace(_) => {}
+        RunEvent::Trace(trace) => traces.push(trace),
     };
-    let result = train(&spec, &TrainOptions { threads }, &mut on_event, &AtomicBool::new(false));
+    let result = execute(&spec, threads, &mut on_event, &AtomicBool::new(false));
     if let Some(e) = write_error {
         return Err(e).context("cannot write the metrics");
     }
@@ -52,10 +55,15 @@ pub fn run_spec_file(spec_path: &Path, out: Option<PathBuf>, threads: usize) -> 
             println!("{}", serde_json::json!({ "summary": summary }));
             if let Some(dir) = &out {
                 std::fs::write(dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+                if !traces.is_empty() {
+                    traces.sort_by_key(|t| t.rank);
+                    let trace = distlab_common::trace::ExperimentTrace { ranks: traces };
+                    std::fs::write(dir.join("trace.json"), serde_json::to_string(&trace)?)?;
+                }
             }
             Ok(0)
         }
-        Err(e @ (TrainError::Invalid(_) | TrainError::Unsupported(_))) => {
+        Err(e) if e.is_spec_problem() => {
             eprintln!("error: {e}");
             Ok(2)
         }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use distlab_common::*;
 
 use crate::client::{ClientError, ServerClient};
-use distlab_worker::train::{train, TrainError, TrainOptions};
+use crate::execute::execute;
 
 pub struct WorkerConfig {
     pub server: String,
@@ -86,7 +86,7 @@ fn run_leased(client: &ServerClient, worker_id: i64, lease: Lease, threads: usiz
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
             };
-            train(&spec, &TrainOptions { threads }, &mut on_event, &cancel)
+            execute(&spec, threads, &mut on_event, &cancel)
         })
     };
     let training = match training {
@@ -151,7 +151,7 @@ fn run_leased(client: &ServerClient, worker_id: i64, lease: Lease, threads: usiz
                 tracing::warn!(experiment = experiment_id, "could not report completion: {e}");
             }
         }
-        Ok(Err(TrainError::Cancelled)) => report_failure(client, worker_id, experiment_id, "cancelled".into(), true),
+        Ok(Err(e)) if e.is_cancelled() => report_failure(client, worker_id, experiment_id, "cancelled".into(), true),
         Ok(Err(e)) => report_failure(client, worker_id, experiment_id, e.to_string(), false),
         Err(panic) => {
             let what = panic

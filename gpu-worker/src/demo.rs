@@ -1,0 +1,105 @@
+//! The collective demo: no model, just one collective across the dp ranks on small
+//! readable vectors, recorded step by step for the ring replay page.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlab_common::trace::RankTrace;
+use distlab_common::*;
+use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator};
+use distlab_worker::trace::CommTracer;
+use serde::{Deserialize, Serialize};
+
+use crate::rank::{connect, LauncherChannel};
+
+/// What each rank reports back to the launcher.
+#[derive(Serialize, Deserialize)]
+pub struct DemoRankResult {
+    pub rank: usize,
+    pub bytes_sent: u64,
+    pub output: Vec<f32>,
+}
+
+/// Runs on every rank: the collective, then its trace and result to the launcher.
+pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, demo: &CollectiveDemo) -> anyhow::Result<()> {
+    let mesh = connect(dir, rank, world)?;
+    let tracer = Arc::new(CommTracer::new(rank, 16));
+    let mut comm = RingCommunicator::new(&mesh, "dp", (0..world).collect(), Duration::from_secs(30), Some(tracer.clone()))?;
+    let n = demo.elements;
+    let mut full: Vec<f32> = (0..n).map(|i| CollectiveDemo::initial_value(rank, i)).collect();
+    let output = match demo.op {
+        DemoOp::AllReduce => {
+            comm.all_reduce(&mut full, ReduceOp::Sum)?;
+            full
+        }
+        DemoOp::ReduceScatter => {
+            let mut shard = vec![0.0; chunk_range(n, world, rank).len()];
+            comm.reduce_scatter(&mut full, &mut shard, ReduceOp::Sum)?;
+            shard
+        }
+        DemoOp::AllGather => {
+            let mine = chunk_range(n, world, rank);
+            let mut gathered = vec![0.0; n];
+            comm.all_gather(&full[mine], &mut gathered)?;
+            gathered
+        }
+    };
+    let channel = LauncherChannel;
+    let trace = RankTrace { rank: rank as u32, world: world as u32, span_steps: 0, spans: vec![], comm: tracer.snapshot() };
+    channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
+    channel.output(&RankOutput::Demo(DemoRankResult { rank, bytes_sent: comm.bytes_sent(), output }));
+    Ok(())
+}
+
+/// What a rank process sends to the launcher as its outputs.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RankOutput {
+    /// For the experiment's event stream.
+    Event(RunEvent),
+    Demo(DemoRankResult),
+    /// Rank 0's summary at the end of a training run.
+    Summary(RunSummary),
+}
+
+/// Checks every rank's result against a sequential computation and the byte formula.
+pub fn check(demo: &CollectiveDemo, world: usize, results: &[DemoRankResult]) -> CollectiveCheck {
+    let n = demo.elements;
+    let sum: Vec<f32> = (0..n).map(|i| (0..world).map(|r| CollectiveDemo::initial_value(r, i)).sum()).collect();
+    let mut max_abs_error = 0.0f64;
+    for r in results {
+        let expected: Vec<f32> = match demo.op {
+            DemoOp::AllReduce => sum.clone(),
+            DemoOp::ReduceScatter => sum[chunk_range(n, world, r.rank)].to_vec(),
+            DemoOp::AllGather => (0..n)
+                .map(|i| {
+                    let owner = (0..world).find(|&o| chunk_range(n, world, o).contains(&i)).unwrap_or(0);
+                    CollectiveDemo::initial_value(owner, i)
+                })
+                .collect(),
+        };
+        if expected.len() != r.output.len() {
+            max_abs_error = f64::INFINITY;
+            continue;
+        }
+        for (a, b) in expected.iter().zip(&r.output) {
+            max_abs_error = max_abs_error.max((*a as f64 - *b as f64).abs());
+        }
+    }
+    let w = world as f64;
+    let d = (n * 4) as f64;
+    let formula_bytes = match demo.op {
+        DemoOp::AllReduce => 2.0 * (w - 1.0) / w * d,
+        _ => (w - 1.0) / w * d,
+    };
+    let mut by_rank: Vec<&DemoRankResult> = results.iter().collect();
+    by_rank.sort_by_key(|r| r.rank);
+    CollectiveCheck {
+        op: demo.op,
+        world,
+        elements: n,
+        bytes_sent: by_rank.iter().map(|r| r.bytes_sent).collect(),
+        formula_bytes,
+        max_abs_error,
+    }
+}

@@ -1,0 +1,113 @@
+//! Runs one experiment spec, whatever its shape: a single-rank run trains in this
+//! process; a multi-rank run (or a collective demo) is launched as one process per rank.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use distlab_common::*;
+use distlab_worker::train::{train, TrainError, TrainOptions};
+
+use crate::demo::{self, DemoRankResult, RankOutput};
+use crate::launch::{self, LaunchError, LaunchSpec};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl ExecError {
+    pub fn is_cancelled(&self) -> bool {
+        matches!(self, ExecError::Train(TrainError::Cancelled) | ExecError::Launch(LaunchError::Cancelled))
+    }
+
+    /// The spec cannot run here (invalid, or asks for something not built yet).
+    pub fn is_spec_problem(&self) -> bool {
+        matches!(self, ExecError::Train(TrainError::Invalid(_) | TrainError::Unsupported(_)))
+    }
+}
+
+pub fn execute(
+    spec: &ExperimentSpec,
+    threads: usize,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RunSummary, ExecError> {
+    spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
+    match &spec.demo {
+        Some(demo) => run_demo(spec, demo, on_event, cancel),
+        None => Ok(train(spec, &TrainOptions { threads }, on_event, cancel)?),
+    }
+}
+
+fn run_demo(
+    spec: &ExperimentSpec,
+    demo: &CollectiveDemo,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RunSummary, ExecError> {
+    let world = spec.parallel.dp;
+    let started = Instant::now();
+    let run_dir = run_dir("demo")?;
+    let spec_path = run_dir.join("spec.json");
+    std::fs::write(&spec_path, serde_json::to_vec(spec).unwrap_or_default()).map_err(|e| ExecError::Other(e.to_string()))?;
+    let exe = std::env::current_exe().map_err(|e| ExecError::Other(e.to_string()))?;
+    let launch = LaunchSpec {
+        exe: &exe,
+        world,
+        args: vec!["demo".into(), "--spec".into(), spec_path.display().to_string()],
+        run_dir: &run_dir,
+        env: vec![],
+    };
+    let mut results: Vec<DemoRankResult> = Vec::new();
+    let outcome = launch::launch(
+        &launch,
+        &mut |_, payload| match serde_json::from_value::<RankOutput>(payload) {
+            Ok(RankOutput::Event(e)) => on_event(e),
+            Ok(RankOutput::Demo(r)) => results.push(r),
+            Ok(RankOutput::Summary(_)) | Err(_) => {}
+        },
+        cancel,
+    );
+    let _ = std::fs::remove_dir_all(&run_dir);
+    outcome?;
+    if results.len() != world {
+        return Err(ExecError::Other(format!("{} of {world} ranks reported a result", results.len())));
+    }
+    let check = demo::check(demo, world, &results);
+    on_event(RunEvent::Log(LogLine {
+        level: LogLevel::Info,
+        message: format!(
+            "{} of {} elements on {} ranks: each rank sent {:?} bytes (formula {:.1}); largest error {}",
+            demo.op.as_str(),
+            demo.elements,
+            world,
+            check.bytes_sent,
+            check.formula_bytes,
+            check.max_abs_error
+        ),
+    }));
+    Ok(RunSummary {
+        world_size: world,
+        threads: 1,
+        wall_s: started.elapsed().as_secs_f64(),
+        collective: Some(check),
+        ..RunSummary::default()
+    })
+}
+
+/// A fresh private directory for one run's rendezvous sockets and files.
+pub fn run_dir(what: &str) -> Result<PathBuf, ExecError> {
+    let dir = std::env::temp_dir().join(format!(
+        "distlab-{what}-{}-{}",
+        std::process::id(),
+        distlab_worker::trace::now_us()
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| ExecError::Other(format!("cannot create {}: {e}", dir.display())))?;
+    Ok(dir)
+}
