@@ -1,1 +1,115 @@
-fn main() {}
+//! Training-step throughput on the reference config (the one
+//! shared/bench/reference/gpt_step.py times in PyTorch): 4 layers, d_model 256,
+//! 4 heads, seq 128, vocab 256, batch 16, fp32, AdamW; forward + backward +
+//! optimizer step, through the public `train()` entry point.
+//!
+//! Prints one JSON line per thread count:
+//!   {"bench":"train_step","threads":1,"tokens_per_s":...,"step_ms":...,"params":...,"gflops_per_s":...}
+//!
+//! `cargo bench -p distlab-worker --bench train_step [-- --threads 1,2 --steps 20 --warmup 3]`
+
+use std::sync::atomic::AtomicBool;
+
+use distlab_common::{ExperimentSpec, ModelSpec, RunEvent, TrainSpec};
+use distlab_worker::{train, TrainOptions};
+
+struct Args {
+    threads: Vec<usize>,
+    steps: u64,
+    warmup: u64,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args { threads: vec![1, 2], steps: 20, warmup: 3 };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < argv.len() {
+        let value = argv.get(i + 1).cloned().unwrap_or_default();
+        match argv[i].as_str() {
+            "--threads" => {
+                args.threads = value.split(',').filter_map(|s| s.trim().parse().ok()).collect();
+                i += 1;
+            }
+            "--steps" => {
+                args.steps = value.parse().unwrap_or(args.steps);
+                i += 1;
+            }
+            "--warmup" => {
+                args.warmup = value.parse().unwrap_or(args.warmup);
+                i += 1;
+            }
+            _ => {} // cargo passes --bench; ignore anything else
+        }
+        i += 1;
+    }
+    args
+}
+
+fn reference_spec(steps: u64) -> ExperimentSpec {
+    let defaults = ExperimentSpec::default();
+    ExperimentSpec {
+        name: "bench-train-step".into(),
+        model: ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 },
+        train: TrainSpec {
+            micro_batch: 16,
+            steps,
+            warmup_steps: 0,
+            lr: 3e-4,
+            weight_decay: 0.1,
+            ..defaults.train.clone()
+        },
+        ..defaults
+    }
+}
+
+fn main() {
+    let args = parse_args();
+    let spec = reference_spec(args.warmup + args.steps);
+    let tokens_per_step = spec.tokens_per_step() as f64;
+    let flops_per_token = spec.model.train_flops_per_token();
+    for &threads in &args.threads {
+        let mut step_ms = Vec::new();
+        let cancel = AtomicBool::new(false);
+        let summary = train(
+            &spec,
+            &TrainOptions { threads },
+            &mut |e| {
+                if let RunEvent::Metric(m) = e {
+                    step_ms.push(m.step_ms);
+                }
+            },
+            &cancel,
+        );
+        let summary = match summary {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("train_step bench failed: {e}");
+                std::process::exit(1);
+            }
+        };
+        let timed = &step_ms[args.warmup as usize..];
+        let mean_ms = timed.iter().sum::<f64>() / timed.len() as f64;
+        let mut sorted = timed.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let median_ms = sorted[sorted.len() / 2];
+        let tokens_per_s = tokens_per_step / (mean_ms / 1e3);
+        let line = serde_json::json!({
+            "bench": "train_step",
+            "threads": summary.threads,
+            "tokens_per_s": (tokens_per_s * 10.0).round() / 10.0,
+            "step_ms": (mean_ms * 100.0).round() / 100.0,
+            "step_ms_median": (median_ms * 100.0).round() / 100.0,
+            "step_ms_min": (sorted[0] * 100.0).round() / 100.0,
+            "params": summary.params,
+            "flops_per_token": flops_per_token,
+            "gflops_per_s": (flops_per_token * tokens_per_s / 1e7).round() / 100.0,
+            "steps": timed.len(),
+            "warmup": args.warmup,
+            "final_loss": (summary.final_loss * 1e4).round() / 1e4,
+            "config": {"layers": 4, "d_model": 256, "heads": 4, "seq_len": 128, "vocab": 256, "batch": 16,
+                       "dtype": "fp32", "optim": "AdamW", "tied": false},
+        });
+        println!("{line}");
+        distlab_worker::backend::cpu::prof_report();
+    }
+}

@@ -3,10 +3,10 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use distlab_common::*;
-use distlab_worker::train::{train, TrainError, TrainOptions};
+use distlab_worker::train::{train, unsupported_features, TrainError, TrainOptions};
 
 use crate::demo::{self, DemoRankResult, RankOutput};
 use crate::launch::{self, LaunchError, LaunchSpec};
@@ -35,14 +35,75 @@ impl ExecError {
 pub fn execute(
     spec: &ExperimentSpec,
     threads: usize,
+    collective_timeout: Duration,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
     spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
     match &spec.demo {
         Some(demo) => run_demo(spec, demo, on_event, cancel),
+        None if spec.world_size() > 1 => run_ranks(spec, threads, collective_timeout, on_event, cancel),
         None => Ok(train(spec, &TrainOptions { threads }, on_event, cancel)?),
     }
+}
+
+/// A multi-rank run: one process per rank, each with its share of the machine's threads.
+fn run_ranks(
+    spec: &ExperimentSpec,
+    threads: usize,
+    collective_timeout: Duration,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RunSummary, ExecError> {
+    let unsupported = unsupported_features(spec);
+    if !unsupported.is_empty() {
+        return Err(TrainError::Unsupported(unsupported.join("; ")).into());
+    }
+    let world = spec.world_size();
+    let total = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+    let per_rank = (total / world).max(1);
+    let mut summary = None;
+    launch_ranks(
+        spec,
+        "train",
+        vec!["--threads".into(), per_rank.to_string(), "--collective-timeout-seconds".into(), collective_timeout.as_secs_f64().to_string()],
+        &mut |output| match output {
+            RankOutput::Event(e) => on_event(e),
+            RankOutput::Summary(s) => summary = Some(s),
+            RankOutput::Demo(_) => {}
+        },
+        cancel,
+    )?;
+    summary.ok_or_else(|| ExecError::Other("rank 0 finished without a summary".into()))
+}
+
+/// Launches `world_size` rank processes running `task` on `spec`, passing each rank's
+/// outputs to `on_output`.
+fn launch_ranks(
+    spec: &ExperimentSpec,
+    task: &str,
+    task_args: Vec<String>,
+    on_output: &mut dyn FnMut(RankOutput),
+    cancel: &AtomicBool,
+) -> Result<(), ExecError> {
+    let run_dir = run_dir(task)?;
+    let spec_path = run_dir.join("spec.json");
+    std::fs::write(&spec_path, serde_json::to_vec(spec).unwrap_or_default()).map_err(|e| ExecError::Other(e.to_string()))?;
+    let exe = std::env::current_exe().map_err(|e| ExecError::Other(e.to_string()))?;
+    let mut args = vec![task.to_string(), "--spec".into(), spec_path.display().to_string()];
+    args.extend(task_args);
+    let launch = LaunchSpec { exe: &exe, world: spec.world_size(), args, run_dir: &run_dir, env: vec![] };
+    let outcome = launch::launch(
+        &launch,
+        &mut |_, payload| {
+            if let Ok(output) = serde_json::from_value::<RankOutput>(payload) {
+                on_output(output);
+            }
+        },
+        cancel,
+    );
+    let _ = std::fs::remove_dir_all(&run_dir);
+    Ok(outcome?)
 }
 
 fn run_demo(
@@ -53,29 +114,18 @@ fn run_demo(
 ) -> Result<RunSummary, ExecError> {
     let world = spec.parallel.dp;
     let started = Instant::now();
-    let run_dir = run_dir("demo")?;
-    let spec_path = run_dir.join("spec.json");
-    std::fs::write(&spec_path, serde_json::to_vec(spec).unwrap_or_default()).map_err(|e| ExecError::Other(e.to_string()))?;
-    let exe = std::env::current_exe().map_err(|e| ExecError::Other(e.to_string()))?;
-    let launch = LaunchSpec {
-        exe: &exe,
-        world,
-        args: vec!["demo".into(), "--spec".into(), spec_path.display().to_string()],
-        run_dir: &run_dir,
-        env: vec![],
-    };
     let mut results: Vec<DemoRankResult> = Vec::new();
-    let outcome = launch::launch(
-        &launch,
-        &mut |_, payload| match serde_json::from_value::<RankOutput>(payload) {
-            Ok(RankOutput::Event(e)) => on_event(e),
-            Ok(RankOutput::Demo(r)) => results.push(r),
-            Ok(RankOutput::Summary(_)) | Err(_) => {}
+    launch_ranks(
+        spec,
+        "demo",
+        vec![],
+        &mut |output| match output {
+            RankOutput::Event(e) => on_event(e),
+            RankOutput::Demo(r) => results.push(r),
+            RankOutput::Summary(_) => {}
         },
         cancel,
-    );
-    let _ = std::fs::remove_dir_all(&run_dir);
-    outcome?;
+    )?;
     if results.len() != world {
         return Err(ExecError::Other(format!("{} of {world} ranks reported a result", results.len())));
     }

@@ -1,1 +1,18 @@
+//! distlab's worker: the training engine (this crate's library) and the
+//! `distlab-worker` binary that runs experiments for a server or from a spec file.
+//!
+//! Engine layout (see DESIGN.md): `backend/` (buffers + kernels; CPU today),
+//! `model/` (the GPT, one file per layer), `optim.rs`, `data.rs`, and `train.rs`,
+//! whose [`train`] is the entry point the CLI and the worker loop call.
 
+pub mod backend;
+pub mod comm;
+pub mod data;
+pub mod model;
+pub mod optim;
+pub mod parallel;
+pub mod rng;
+pub mod trace;
+pub mod train;
+
+pub use train::{train, StepStats, TrainError, TrainOptions, Trainer};

@@ -3,6 +3,7 @@
 
 mod bench_comm;
 mod client;
+mod ddp_rank;
 mod demo;
 mod execute;
 mod launch;
@@ -33,6 +34,10 @@ struct Cli {
     /// Seconds between lease requests while the queue is empty.
     #[arg(long, default_value_t = 0.5)]
     poll_seconds: f64,
+    /// A rank waiting longer than this for a peer in a collective fails the run, naming
+    /// the collective and the peer (a hung or dead rank).
+    #[arg(long, env = "DISTLAB_COLLECTIVE_TIMEOUT_SECONDS", default_value_t = 60.0, global = true)]
+    collective_timeout_seconds: f64,
     /// Exit after the server has been unreachable this many seconds.
     #[arg(long, env = "DISTLAB_GIVE_UP_SECONDS", default_value_t = 60.0)]
     give_up_seconds: f64,
@@ -76,6 +81,11 @@ enum Command {
 
 #[derive(Subcommand)]
 enum RankTask {
+    /// Data-parallel training (see ddp_rank.rs).
+    Train {
+        #[arg(long)]
+        spec: PathBuf,
+    },
     /// The collective demo (see demo.rs).
     Demo {
         #[arg(long)]
@@ -109,7 +119,9 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Some(Command::Run { spec, out }) => run_local::run_spec_file(&spec, out, cli.threads),
+        Some(Command::Run { spec, out }) => {
+            run_local::run_spec_file(&spec, out, cli.threads, collective_timeout(cli.collective_timeout_seconds))
+        }
         Some(Command::BenchComm { world, min_bytes, max_bytes }) => {
             let run_dir = execute::run_dir("bench-comm")?;
             let exe = std::env::current_exe()?;
@@ -128,6 +140,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Some(Command::Rank { rank, world, dir, task }) => {
             let result = match task {
                 RankTask::BenchComm { min_bytes, max_bytes } => bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes),
+                RankTask::Train { spec } => read_spec(&spec).and_then(|spec| {
+                    ddp_rank::run(&dir, rank, world, &spec, cli.threads, collective_timeout(cli.collective_timeout_seconds))
+                }),
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
                     Some(d) => demo::run_rank(&dir, rank, world, d),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),
@@ -136,7 +151,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             match result {
                 Ok(()) => Ok(0),
                 Err(e) => {
-                    let peer = e.downcast_ref::<distlab_worker::comm::CommError>().and_then(rank::blamed_peer);
+                    let peer = rank::blamed_peer_of(&e);
                     rank::LauncherChannel.error(format!("{e:#}"), peer);
                     Ok(1)
                 }
@@ -152,12 +167,17 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 token,
                 name,
                 threads: cli.threads,
+                collective_timeout: collective_timeout(cli.collective_timeout_seconds),
                 poll_interval: Duration::from_secs_f64(cli.poll_seconds.clamp(0.05, 60.0)),
                 give_up_after: Duration::from_secs_f64(cli.give_up_seconds.max(0.0)),
             })?;
             Ok(0)
         }
     }
+}
+
+fn collective_timeout(seconds: f64) -> Duration {
+    Duration::from_secs_f64(if seconds.is_finite() { seconds.clamp(0.1, 3600.0) } else { 60.0 })
 }
 
 fn read_spec(path: &std::path::Path) -> anyhow::Result<distlab_common::ExperimentSpec> {

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::launch::RankMessage;
 use distlab_worker::comm::{CommError, Mesh};
+use distlab_worker::train::TrainError;
 
 /// How long a rank waits for the others to show up at the rendezvous.
 pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(30);
@@ -34,8 +35,21 @@ impl LauncherChannel {
     }
 }
 
-/// The peer a communication error blames, if it comes from another rank.
-pub fn blamed_peer(e: &CommError) -> Option<usize> {
+/// The peer an error blames, if it comes from another rank's failure (a communication
+/// error, possibly inside a training error).
+pub fn blamed_peer_of(e: &anyhow::Error) -> Option<usize> {
+    e.chain().find_map(|cause| {
+        if let Some(c) = cause.downcast_ref::<CommError>() {
+            return blamed_peer(c);
+        }
+        match cause.downcast_ref::<TrainError>() {
+            Some(TrainError::Comm(c)) => blamed_peer(c),
+            _ => None,
+        }
+    })
+}
+
+fn blamed_peer(e: &CommError) -> Option<usize> {
     match e {
         CommError::Timeout { peer, .. } | CommError::Disconnected { peer, .. } | CommError::Mismatch { peer, .. } => {
             Some(*peer)

@@ -16,6 +16,7 @@ pub struct WorkerConfig {
     pub token: String,
     pub name: String,
     pub threads: usize,
+    pub collective_timeout: Duration,
     /// How long to wait between lease requests when the queue is empty.
     pub poll_interval: Duration,
     /// Exit when the server has been unreachable this long (a local worker whose server died).
@@ -45,7 +46,7 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
             None => thread::sleep(cfg.poll_interval),
             Some(lease) => {
                 tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased");
-                run_leased(&client, registered.worker_id, lease, threads, heartbeat);
+                run_leased(&client, registered.worker_id, lease, threads, cfg.collective_timeout, heartbeat);
             }
         }
     }
@@ -75,7 +76,14 @@ fn retry_while_unreachable<T>(
 
 /// Trains one leased experiment on a training thread while this thread forwards its events,
 /// heartbeats, and turns a cancel from the server into the training loop's cancel flag.
-fn run_leased(client: &ServerClient, worker_id: i64, lease: Lease, threads: usize, heartbeat: Duration) {
+fn run_leased(
+    client: &ServerClient,
+    worker_id: i64,
+    lease: Lease,
+    threads: usize,
+    collective_timeout: Duration,
+    heartbeat: Duration,
+) {
     let experiment_id = lease.experiment_id;
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel::<RunEvent>();
@@ -86,7 +94,7 @@ fn run_leased(client: &ServerClient, worker_id: i64, lease: Lease, threads: usiz
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
             };
-            execute(&spec, threads, &mut on_event, &cancel)
+            execute(&spec, threads, collective_timeout, &mut on_event, &cancel)
         })
     };
     let training = match training {

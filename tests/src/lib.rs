@@ -46,11 +46,13 @@ pub struct LabOptions {
     pub local_workers: usize,
     pub lease_seconds: f64,
     pub heartbeat_seconds: f64,
+    /// Extra environment for the server (inherited by its local workers and their ranks).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for LabOptions {
     fn default() -> Self {
-        Self { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 1.0 }
+        Self { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 1.0, env: Vec::new() }
     }
 }
 
@@ -82,6 +84,7 @@ impl Lab {
             .arg("--worker-bin")
             .arg(bin_path("distlab-worker"))
             .env("RUST_LOG", "info")
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .spawn()
             .expect("start distlab-server");
@@ -213,4 +216,33 @@ pub fn quick_spec(name: &str, steps: u64) -> ExperimentSpec {
     spec.train.steps = steps;
     spec.train.warmup_steps = spec.train.warmup_steps.min(steps);
     spec
+}
+
+/// Processes whose environment holds `marker` (a value unique to one test) and whose
+/// command line contains `needle`: what a test checks is gone after a run.
+pub fn processes_with(marker: &str, needle: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let has = |hay: &[u8], what: &str| hay.windows(what.len()).any(|w| w == what.as_bytes());
+            has(&environ, marker) && has(&cmdline, needle)
+        })
+        .collect()
+}
+
+/// Runs `distlab-worker run` on a spec and returns the per-step losses (panics on failure).
+pub fn run_losses(spec: &ExperimentSpec) -> Vec<f64> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("spec.json");
+    std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
+    let out = Command::new(bin_path("distlab-worker")).arg("run").arg(&path).output().expect("run distlab-worker");
+    assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<MetricPoint>(l).ok())
+        .map(|m| m.loss)
+        .collect()
 }

@@ -27,8 +27,8 @@ pub enum ReduceOp {
 pub enum CommError {
     #[error("{collective}: waited {waited_s:.1} s for rank {peer}, which sent nothing (is it stuck or dead?)")]
     Timeout { collective: String, peer: usize, waited_s: f64 },
-    #[error("{collective}: the connection to rank {peer} broke ({source}); that rank probably exited")]
-    Disconnected { collective: String, peer: usize, source: std::io::Error },
+    #[error("{collective}: the connection to rank {peer} broke ({cause}); that rank probably exited")]
+    Disconnected { collective: String, peer: usize, cause: std::io::Error },
     #[error("{collective}: rank {peer} sent {got}, but this rank expected {expected}: the ranks are not running the same collectives")]
     Mismatch { collective: String, peer: usize, got: String, expected: String },
     #[error("{collective}: {detail}")]

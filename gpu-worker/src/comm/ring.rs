@@ -141,7 +141,7 @@ impl RingCommunicator {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
                 CommError::Timeout { collective, peer, waited_s: self.timeout.as_secs_f64() }
             }
-            _ => CommError::Disconnected { collective, peer, source: e },
+            _ => CommError::Disconnected { collective, peer, cause: e },
         }
     }
 

@@ -1,0 +1,438 @@
+//! The CPU backend: buffers are `Vec`s, views are slices, GEMMs go through the
+//! `gemm` crate, and the other kernels (whose math is in `model/*.rs`) are split
+//! over the threads of the rayon pool the caller runs us in (`pool.install`).
+//!
+//! Work splitting never changes results: row-wise kernels compute each row alone;
+//! reductions over rows (bias, LayerNorm and embedding gradients) are split by
+//! column or vocabulary ranges so every sum runs in row order; `sum` and
+//! `sum_squares` add fixed-size chunks in order; the gemm crate splits only the
+//! output among threads. So losses are bit-identical run to run and for any
+//! thread count (tests/train.rs checks 1, 2 and 3 threads).
+
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use crate::backend::gemm::Parallelism;
+use crate::backend::{Backend, Float};
+use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
+use crate::optim::{self, AdamWStep};
+
+/// Elements per chunk of the elementwise kernels and of the ordered reductions.
+const ELEMENT_CHUNK: usize = 1 << 14;
+
+/// CPU kernels for element type `F` (f32 for training, f64 for gradient checks).
+#[derive(Clone, Debug)]
+pub struct CpuBackend<F: Float = f32> {
+    threads: usize,
+    _float: PhantomData<F>,
+}
+
+impl<F: Float> CpuBackend<F> {
+    /// `threads` must match the rayon pool the kernels run in (at least 1).
+    pub fn new(threads: usize) -> Self {
+        Self { threads: threads.max(1), _float: PhantomData }
+    }
+
+    fn gemm_parallelism(&self) -> Parallelism {
+        if self.threads > 1 {
+            Parallelism::Rayon(self.threads)
+        } else {
+            Parallelism::None
+        }
+    }
+
+    /// Rows per task for a row-wise kernel: about four tasks per thread.
+    fn rows_per_task(&self, rows: usize) -> usize {
+        if self.threads <= 1 {
+            rows.max(1)
+        } else {
+            rows.div_ceil(4 * self.threads).max(1)
+        }
+    }
+
+    /// Columns per task for a column-split reduction: one block per thread, 16-aligned.
+    fn cols_per_task(&self, cols: usize) -> usize {
+        if self.threads <= 1 {
+            cols.max(1)
+        } else {
+            cols.div_ceil(self.threads).next_multiple_of(16).max(1)
+        }
+    }
+}
+
+/// Sum of `f(x)` over `x`, in f64, chunk by chunk in order.
+fn ordered_sum<F: Float>(x: &[F], f: impl Fn(f64) -> f64 + Sync) -> f64 {
+    let partials: Vec<f64> =
+        x.par_chunks(ELEMENT_CHUNK).map(|chunk| chunk.iter().map(|&v| f(v.to_f64())).sum::<f64>()).collect();
+    partials.iter().sum()
+}
+
+
+pub static PROF: [std::sync::atomic::AtomicU64; 17] = [const { std::sync::atomic::AtomicU64::new(0) }; 17];
+pub const PROF_NAMES: [&str; 17] = ["fill","sum","sum_squares","encoder_forward","encoder_backward","layernorm_forward","layernorm_backward","matmul_forward","matmul_backward","attention_forward","attention_backward","gelu_forward","gelu_backward","crossentropy_forward","crossentropy_backward","adamw_update","sgd_update"];
+pub fn prof_report() { for (n, v) in PROF_NAMES.iter().zip(PROF.iter()) { eprintln!("{n:24} {:9.1} ms", v.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6); v.store(0, std::sync::atomic::Ordering::Relaxed); } }
+impl<F: Float> Backend for CpuBackend<F> {
+    type Float = F;
+    type Buf = Vec<F>;
+    type View<'a> = &'a [F];
+    type ViewMut<'a> = &'a mut [F];
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn alloc(&self, len: usize) -> Vec<F> {
+        vec![F::ZERO; len]
+    }
+
+    fn buf_len(&self, buf: &Vec<F>) -> usize {
+        buf.len()
+    }
+
+    fn upload(&self, dst: &mut Vec<F>, src: &[F]) {
+        dst[..src.len()].copy_from_slice(src);
+    }
+
+    fn download(&self, src: &Vec<F>, dst: &mut [F]) {
+        dst.copy_from_slice(&src[..dst.len()]);
+    }
+
+    fn view<'a>(&self, buf: &'a Vec<F>, range: Range<usize>) -> &'a [F] {
+        &buf[range]
+    }
+
+    fn view_mut<'a>(&self, buf: &'a mut Vec<F>, range: Range<usize>) -> &'a mut [F] {
+        &mut buf[range]
+    }
+
+    fn split_mut<'a>(&self, view: Self::ViewMut<'a>, mid: usize) -> (Self::ViewMut<'a>, Self::ViewMut<'a>) {
+        view.split_at_mut(mid)
+    }
+
+    fn reborrow<'b>(&self, view: &'b mut Self::ViewMut<'_>) -> Self::ViewMut<'b> {
+        view
+    }
+
+    fn freeze<'a>(&self, view: Self::ViewMut<'a>) -> Self::View<'a> {
+        view
+    }
+
+    fn fill(&self, out: &mut [F], value: f64) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let v = F::from_f64(value);
+        out.par_chunks_mut(ELEMENT_CHUNK).for_each(|chunk| chunk.fill(v));
+    })();
+ PROF[0].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn sum(&self, x: &[F]) -> f64 {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        ordered_sum(x, |v| v)
+    })();
+ PROF[1].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn sum_squares(&self, x: &[F]) -> f64 {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        ordered_sum(x, |v| v * v)
+    })();
+ PROF[2].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn encoder_forward(&self, out: &mut [F], tokens: &[u32], wte: &[F], wpe: &[F], seq_len: usize, c: usize) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let rows = tokens.len();
+        let k = self.rows_per_task(rows);
+        out[..rows * c].par_chunks_mut(k * c).enumerate().for_each(|(i, chunk)| {
+            embedding::encoder_forward(chunk, tokens, i * k, wte, wpe, seq_len, c);
+        });
+    })();
+ PROF[3].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn encoder_backward(&self, dwte: &mut [F], dwpe: &mut [F], dout: &[F], tokens: &[u32], seq_len: usize, c: usize) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let dout = &dout[..tokens.len() * c];
+        let vocab = dwte.len() / c;
+        let kv = self.rows_per_task(vocab);
+        let kt = self.rows_per_task(seq_len);
+        rayon::join(
+            || {
+                dwte.par_chunks_mut(kv * c).enumerate().for_each(|(i, chunk)| {
+                    embedding::encoder_backward_wte(chunk, i * kv, dout, tokens, c);
+                })
+            },
+            || {
+                dwpe[..seq_len * c].par_chunks_mut(kt * c).enumerate().for_each(|(i, chunk)| {
+                    embedding::encoder_backward_wpe(chunk, i * kt, dout, seq_len, c);
+                })
+            },
+        );
+    })();
+ PROF[4].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn layernorm_forward(
+        &self,
+        out: &mut [F],
+        mean: &mut [F],
+        rstd: &mut [F],
+        inp: &[F],
+        gamma: &[F],
+        beta: &[F],
+        c: usize,
+    ) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let k = self.rows_per_task(inp.len() / c);
+        out.par_chunks_mut(k * c)
+            .zip(mean.par_chunks_mut(k))
+            .zip(rstd.par_chunks_mut(k))
+            .zip(inp.par_chunks(k * c))
+            .for_each(|(((y, m), r), x)| layernorm::layernorm_forward(y, m, r, x, gamma, beta, c));
+    })();
+ PROF[5].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn layernorm_backward(
+        &self,
+        dinp: &mut [F],
+        dgamma: &mut [F],
+        dbeta: &mut [F],
+        dout: &[F],
+        inp: &[F],
+        gamma: &[F],
+        mean: &[F],
+        rstd: &[F],
+        c: usize,
+    ) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let k = self.rows_per_task(inp.len() / c);
+        let w = self.cols_per_task(c);
+        rayon::join(
+            || {
+                dinp.par_chunks_mut(k * c)
+                    .zip(dout.par_chunks(k * c))
+                    .zip(inp.par_chunks(k * c))
+                    .zip(mean.par_chunks(k))
+                    .zip(rstd.par_chunks(k))
+                    .for_each(|((((dx, dy), x), m), r)| layernorm::layernorm_backward_input(dx, dy, x, gamma, m, r, c));
+            },
+            || {
+                dgamma.par_chunks_mut(w).zip(dbeta.par_chunks_mut(w)).enumerate().for_each(|(i, (dg, db))| {
+                    layernorm::layernorm_backward_params(dg, db, i * w, dout, inp, mean, rstd, c);
+                });
+            },
+        );
+    })();
+ PROF[6].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn matmul_forward(
+        &self,
+        out: &mut [F],
+        inp: &[F],
+        weight: &[F],
+        bias: Option<&[F]>,
+        residual: Option<&[F]>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let rows = inp.len() / c_in;
+        let out = &mut out[..rows * c_out];
+        let prefilled = bias.is_some() || residual.is_some();
+        if prefilled {
+            let k = self.rows_per_task(rows);
+            out.par_chunks_mut(k * c_out).enumerate().for_each(|(i, chunk)| {
+                let res = residual.map(|r| &r[i * k * c_out..i * k * c_out + chunk.len()]);
+                linear::fill_bias_residual(chunk, bias, res, c_out);
+            });
+        }
+        linear::matmul_forward(out, inp, weight, c_in, c_out, prefilled, self.gemm_parallelism());
+    })();
+ PROF[7].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn matmul_backward(
+        &self,
+        dinp: Option<&mut [F]>,
+        dweight: &mut [F],
+        dbias: Option<&mut [F]>,
+        dout: &[F],
+        inp: &[F],
+        weight: &[F],
+        c_in: usize,
+        c_out: usize,
+    ) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let bias_grad = |dbias: Option<&mut [F]>| {
+            if let Some(dbias) = dbias {
+                let w = self.cols_per_task(c_out);
+                dbias.par_chunks_mut(w).enumerate().for_each(|(i, db)| linear::bias_backward(db, i * w, dout, c_out));
+            }
+        };
+        match dinp {
+            // The two products cost the same FLOPs: with an even thread count, run them
+            // side by side, each on half the threads (better than splitting each one).
+            Some(dinp) if self.threads % 2 == 0 => {
+                let half = if self.threads > 2 { Parallelism::Rayon(self.threads / 2) } else { Parallelism::None };
+                rayon::join(
+                    || linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, half),
+                    || {
+                        linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, half);
+                        bias_grad(dbias);
+                    },
+                );
+            }
+            _ => {
+                let par = self.gemm_parallelism();
+                if let Some(dinp) = dinp {
+                    linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
+                }
+                linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
+                bias_grad(dbias);
+            }
+        }
+    })();
+ PROF[8].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn attention_forward(&self, out: &mut [F], att: &mut [F], qkv: &[F], seq_len: usize, c: usize, heads: usize) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let t = seq_len;
+        out.par_chunks_mut(t * c)
+            .zip(att.par_chunks_mut(heads * t * t))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|((y, a), x)| attention::attention_forward(y, a, x, t, c, heads));
+    })();
+ PROF[9].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn attention_backward(
+        &self,
+        dqkv: &mut [F],
+        datt: &mut [F],
+        dout: &[F],
+        qkv: &[F],
+        att: &[F],
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let t = seq_len;
+        dqkv.par_chunks_mut(t * 3 * c)
+            .zip(datt.par_chunks_mut(heads * t * t))
+            .zip(dout.par_chunks(t * c))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .zip(att.par_chunks(heads * t * t))
+            .for_each(|((((dx, da), dy), x), a)| attention::attention_backward(dx, da, dy, x, a, t, c, heads));
+    })();
+ PROF[10].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn gelu_forward(&self, out: &mut [F], inp: &[F]) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        out.par_chunks_mut(ELEMENT_CHUNK).zip(inp.par_chunks(ELEMENT_CHUNK)).for_each(|(y, x)| mlp::gelu_forward(y, x));
+    })();
+ PROF[11].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn gelu_backward(&self, dinout: &mut [F], inp: &[F]) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        dinout
+            .par_chunks_mut(ELEMENT_CHUNK)
+            .zip(inp.par_chunks(ELEMENT_CHUNK))
+            .for_each(|(d, x)| mlp::gelu_backward(d, x));
+    })();
+ PROF[12].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn crossentropy_forward(&self, logits: &mut [F], losses: &mut [F], targets: &[u32], vocab: usize) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let rows = targets.len();
+        let k = self.rows_per_task(rows);
+        logits[..rows * vocab]
+            .par_chunks_mut(k * vocab)
+            .zip(losses[..rows].par_chunks_mut(k))
+            .zip(targets.par_chunks(k))
+            .for_each(|((z, l), t)| loss::crossentropy_forward(z, l, t, vocab));
+    })();
+ PROF[13].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn crossentropy_backward(&self, probs: &mut [F], targets: &[u32], vocab: usize, dloss: f64) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        let rows = targets.len();
+        let k = self.rows_per_task(rows);
+        let dloss = F::from_f64(dloss);
+        probs[..rows * vocab]
+            .par_chunks_mut(k * vocab)
+            .zip(targets.par_chunks(k))
+            .for_each(|(p, t)| loss::crossentropy_backward(p, t, vocab, dloss));
+    })();
+ PROF[14].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn adamw_update(&self, params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        params
+            .par_chunks_mut(ELEMENT_CHUNK)
+            .zip(grads.par_chunks(ELEMENT_CHUNK))
+            .zip(m.par_chunks_mut(ELEMENT_CHUNK))
+            .zip(v.par_chunks_mut(ELEMENT_CHUNK))
+            .for_each(|(((p, g), m), v)| optim::adamw_update(p, g, m, v, hp));
+    })();
+ PROF[15].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+
+    fn sgd_update(&self, params: &mut [F], grads: &[F], lr: f64, weight_decay: f64, grad_scale: f64) {
+ let _t0 = std::time::Instant::now();
+ let _r = (|| {
+        params
+            .par_chunks_mut(ELEMENT_CHUNK)
+            .zip(grads.par_chunks(ELEMENT_CHUNK))
+            .for_each(|(p, g)| optim::sgd_update(p, g, lr, weight_decay, grad_scale));
+    })();
+ PROF[16].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+ _r
+}
+}

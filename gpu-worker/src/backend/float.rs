@@ -1,0 +1,226 @@
+//! The element type of the CPU kernels: `f32` for training, `f64` for the
+//! finite-difference checks, so that the SAME kernel code is checked in f64.
+//!
+//! `f32` uses branch-free `exp` / `tanh` approximations (about 1-2 ulp) that the
+//! compiler vectorises; libm's scalar `expf` / `tanhf` would cost more than the
+//! GEMMs in GELU and softmax. `f64` uses the standard library.
+
+use std::fmt::Debug;
+use std::iter::Sum;
+use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
+
+pub trait Float:
+    Copy
+    + Send
+    + Sync
+    + Default
+    + Debug
+    + PartialOrd
+    + Sum
+    + 'static
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + SubAssign
+    + MulAssign
+    + DivAssign
+{
+    const ZERO: Self;
+    const ONE: Self;
+    /// Bytes per element.
+    const BYTES: usize;
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn exp(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn ln(self) -> Self;
+    fn max(self, other: Self) -> Self;
+    fn is_finite(self) -> bool;
+}
+
+impl Float for f64 {
+    const ZERO: f64 = 0.0;
+    const ONE: f64 = 1.0;
+    const BYTES: usize = 8;
+    #[inline(always)]
+    fn from_f64(x: f64) -> f64 {
+        x
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn exp(self) -> f64 {
+        f64::exp(self)
+    }
+    #[inline(always)]
+    fn tanh(self) -> f64 {
+        f64::tanh(self)
+    }
+    #[inline(always)]
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> f64 {
+        f64::ln(self)
+    }
+    #[inline(always)]
+    fn max(self, other: f64) -> f64 {
+        if self > other {
+            self
+        } else {
+            other
+        }
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f64::is_finite(self)
+    }
+}
+
+impl Float for f32 {
+    const ZERO: f32 = 0.0;
+    const ONE: f32 = 1.0;
+    const BYTES: usize = 4;
+    #[inline(always)]
+    fn from_f64(x: f64) -> f32 {
+        x as f32
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn exp(self) -> f32 {
+        exp_f32(self)
+    }
+    #[inline(always)]
+    fn tanh(self) -> f32 {
+        tanh_f32(self)
+    }
+    #[inline(always)]
+    fn sqrt(self) -> f32 {
+        f32::sqrt(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> f32 {
+        f32::ln(self)
+    }
+    #[inline(always)]
+    fn max(self, other: f32) -> f32 {
+        if self > other {
+            self
+        } else {
+            other
+        }
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
+}
+
+/// e^x for f32 (Cephes `expf`): x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6
+/// polynomial, 2^n put into the exponent bits. Inputs are clamped to [-87, 88]
+/// (e^-87 ~ 1.6e-38 stands in for smaller results). No branches, no libm call.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding 1.5 * 2^23 rounds to the nearest integer and leaves it in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = if x < -87.0 { -87.0 } else { x };
+    let x = if x > 88.0 { 88.0 } else { x };
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
+    let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let r2 = r * r;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let er = p * r2 + r + 1.0;
+    let two_n = f32::from_bits(((n_int + 127) as u32) << 23);
+    er * two_n
+}
+
+/// tanh(x) for f32: 1 - 2 / (e^{2|x|} + 1) with the sign of x; an odd Taylor
+/// polynomial near 0 where that form would cancel. Absolute error ~1e-7.
+#[inline(always)]
+pub fn tanh_f32(x: f32) -> f32 {
+    let a = f32::from_bits(x.to_bits() & 0x7fff_ffff);
+    let a_clamped = if a > 10.0 { 10.0 } else { a };
+    let e = exp_f32(2.0 * a_clamped);
+    let big = 1.0 - 2.0 / (e + 1.0);
+    let a2 = a * a;
+    // tanh a = a - a^3/3 + 2a^5/15 - 17a^7/315 (error < 1e-9 for a < 0.0625)
+    let small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))));
+    let t = if a < 0.0625 { small } else { big };
+    f32::from_bits(t.to_bits() | (x.to_bits() & 0x8000_0000))
+}
+
+/// `sum_{i<n} f(i)` with 8 independent partial sums, so that the compiler can
+/// vectorise it; the order is fixed by `n` alone, so results are deterministic.
+#[inline(always)]
+pub fn lane_sum<F: Float>(n: usize, mut f: impl FnMut(usize) -> F) -> F {
+    let mut acc = [F::ZERO; 8];
+    let full = n / 8 * 8;
+    let mut i = 0;
+    while i < full {
+        for (lane, a) in acc.iter_mut().enumerate() {
+            *a += f(i + lane);
+        }
+        i += 8;
+    }
+    let mut tail = F::ZERO;
+    for i in full..n {
+        tail += f(i);
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_f32_is_accurate() {
+        let mut worst = 0.0f64;
+        let mut x = -80.0f32;
+        while x < 80.0 {
+            let want = (x as f64).exp();
+            let got = exp_f32(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert!(exp_f32(-1000.0) < 1e-37);
+        assert!(exp_f32(1000.0).is_finite());
+    }
+
+    #[test]
+    fn tanh_f32_is_accurate() {
+        let mut worst = 0.0f64;
+        let mut x = -12.0f32;
+        while x < 12.0 {
+            let want = (x as f64).tanh();
+            let got = tanh_f32(x) as f64;
+            worst = worst.max((got - want).abs());
+            x += 0.00173;
+        }
+        assert!(worst < 2e-7, "worst absolute error {worst}");
+        assert_eq!(tanh_f32(0.0), 0.0);
+        assert_eq!(tanh_f32(100.0), 1.0);
+        assert_eq!(tanh_f32(-100.0), -1.0);
+        let tiny = 1e-3f32;
+        assert!(((tanh_f32(tiny) as f64 - (tiny as f64).tanh()) / tiny as f64).abs() < 1e-6);
+    }
+}

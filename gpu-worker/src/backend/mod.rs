@@ -1,0 +1,214 @@
+//! Backends: where buffers live and how the model's kernels run on them.
+//!
+//! The trait is deliberately small: the buffers and the dozen kernels a GPT
+//! needs (llm.c's list). Kernels work on views of backend-owned buffers, so a
+//! GPU backend can implement it with device memory (`CudaView` / `CudaViewMut`
+//! in cudarc) the same way the CPU backend does with slices. Token ids are
+//! passed as host slices (a few KiB per micro-batch; a GPU backend copies them).
+//!
+//! Conventions every implementation follows:
+//! - tensors are row-major; `rows` of an activation is its length / its width `c`;
+//! - a linear layer computes `out = inp · W + b` with `W` stored `(c_in, c_out)`;
+//! - kernels that write a *parameter* gradient ACCUMULATE (`+=`), so micro-batches
+//!   add up; the trainer zeroes the gradients once per optimizer step;
+//! - activation gradients are overwritten, except where a kernel says it adds
+//!   into the residual stream (`layernorm_backward`).
+//!
+//! The math of each CPU kernel lives beside the model layer that uses it
+//! (`model/layernorm.rs` holds `layernorm_forward` and `layernorm_backward`, llm.c
+//! style); `cpu.rs` splits the work over threads and calls them.
+
+pub mod cpu;
+pub mod float;
+pub mod gemm;
+pub mod simd;
+
+use std::ops::Range;
+
+pub use cpu::CpuBackend;
+pub use float::Float;
+
+use crate::optim::AdamWStep;
+
+pub trait Backend: Send + Sync + 'static {
+    /// Element type of every buffer (f32 for training; f64 on the CPU for checks).
+    type Float: Float;
+    /// An owned buffer of `Float`s on the device.
+    type Buf: Send + Sync;
+    /// A read-only range of a buffer.
+    type View<'a>: Copy + Send + Sync;
+    /// A writable range of a buffer.
+    type ViewMut<'a>: Send;
+
+    /// Short name for logs ("cpu").
+    fn name(&self) -> &'static str;
+    /// Threads the kernels use.
+    fn threads(&self) -> usize;
+
+    // ---- memory -------------------------------------------------------------
+
+    /// A zero-filled buffer of `len` elements.
+    fn alloc(&self, len: usize) -> Self::Buf;
+    fn buf_len(&self, buf: &Self::Buf) -> usize;
+    /// Copies host data into the start of `dst`.
+    fn upload(&self, dst: &mut Self::Buf, src: &[Self::Float]);
+    /// Copies the start of `src` to the host.
+    fn download(&self, src: &Self::Buf, dst: &mut [Self::Float]);
+    fn view<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Self::View<'a>;
+    fn view_mut<'a>(&self, buf: &'a mut Self::Buf, range: Range<usize>) -> Self::ViewMut<'a>;
+    /// Splits a writable view at `mid` (so that several parameter gradients can be
+    /// written at once).
+    fn split_mut<'a>(&self, view: Self::ViewMut<'a>, mid: usize) -> (Self::ViewMut<'a>, Self::ViewMut<'a>);
+    /// A shorter-lived copy of a writable view, so the view can be handed to a kernel
+    /// and still be used afterwards.
+    fn reborrow<'b>(&self, view: &'b mut Self::ViewMut<'_>) -> Self::ViewMut<'b>;
+    /// Gives up writing: the same range read-only, for as long as the view lived
+    /// (how backward hands finished gradients to data parallelism while it goes on).
+    fn freeze<'a>(&self, view: Self::ViewMut<'a>) -> Self::View<'a>;
+    /// The whole buffer, read-only.
+    fn all<'a>(&self, buf: &'a Self::Buf) -> Self::View<'a> {
+        self.view(buf, 0..self.buf_len(buf))
+    }
+    /// The whole buffer, writable.
+    fn all_mut<'a>(&self, buf: &'a mut Self::Buf) -> Self::ViewMut<'a> {
+        let len = self.buf_len(buf);
+        self.view_mut(buf, 0..len)
+    }
+    fn fill(&self, out: Self::ViewMut<'_>, value: f64);
+
+    // ---- reductions (return to the host) ---------------------------------------
+
+    /// Sum of the elements, accumulated in f64 in a fixed order (deterministic).
+    fn sum(&self, x: Self::View<'_>) -> f64;
+    /// Sum of squares (for the global gradient norm), in f64, fixed order.
+    fn sum_squares(&self, x: Self::View<'_>) -> f64;
+
+    // ---- model kernels ------------------------------------------------------------
+
+    /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`; tokens has `rows` ids, `seq_len` per sequence.
+    fn encoder_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        tokens: &[u32],
+        wte: Self::View<'_>,
+        wpe: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+    );
+    /// `dwte[tokens[b,t],:] += dout[b,t,:]`, `dwpe[t,:] += sum_b dout[b,t,:]`.
+    fn encoder_backward(
+        &self,
+        dwte: Self::ViewMut<'_>,
+        dwpe: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        tokens: &[u32],
+        seq_len: usize,
+        c: usize,
+    );
+
+    /// LayerNorm over rows of width `c`: saves each row's mean and 1/std for backward.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        mean: Self::ViewMut<'_>,
+        rstd: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        gamma: Self::View<'_>,
+        beta: Self::View<'_>,
+        c: usize,
+    );
+    /// ADDS the input gradient into `dinp` (the residual stream) and accumulates
+    /// `dgamma`, `dbeta`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dgamma: Self::ViewMut<'_>,
+        dbeta: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        gamma: Self::View<'_>,
+        mean: Self::View<'_>,
+        rstd: Self::View<'_>,
+        c: usize,
+    );
+
+    /// `out = [residual +] inp · W [+ bias]`, `W` is `(c_in, c_out)`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        weight: Self::View<'_>,
+        bias: Option<Self::View<'_>>,
+        residual: Option<Self::View<'_>>,
+        c_in: usize,
+        c_out: usize,
+    );
+    /// `dinp = dout · Wᵀ` (overwritten), `dW += inpᵀ · dout`, `dbias += Σ_rows dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(
+        &self,
+        dinp: Option<Self::ViewMut<'_>>,
+        dweight: Self::ViewMut<'_>,
+        dbias: Option<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        weight: Self::View<'_>,
+        c_in: usize,
+        c_out: usize,
+    );
+
+    /// Causal multi-head self-attention. `qkv` is `(rows, 3c)` = [Q | K | V], each
+    /// head a contiguous block of `c / heads` columns; `out` is `(rows, c)`; `att`
+    /// keeps the softmax probabilities, `(batch, heads, seq_len, seq_len)`.
+    fn attention_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        att: Self::ViewMut<'_>,
+        qkv: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+    /// Overwrites `dqkv`; `datt` is scratch of the size of `att`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dqkv: Self::ViewMut<'_>,
+        datt: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        qkv: Self::View<'_>,
+        att: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+
+    /// GELU, tanh approximation.
+    fn gelu_forward(&self, out: Self::ViewMut<'_>, inp: Self::View<'_>);
+    /// In place: `dinout = dinout * gelu'(inp)`.
+    fn gelu_backward(&self, dinout: Self::ViewMut<'_>, inp: Self::View<'_>);
+
+    /// In place: logits -> softmax probabilities (rows of width `vocab`);
+    /// `losses[r] = -ln probs[r, targets[r]]`.
+    fn crossentropy_forward(&self, logits: Self::ViewMut<'_>, losses: Self::ViewMut<'_>, targets: &[u32], vocab: usize);
+    /// In place: probs -> dlogits = `dloss * (probs - onehot(targets))`, where `dloss`
+    /// is d(objective)/d(each token's loss).
+    fn crossentropy_backward(&self, probs: Self::ViewMut<'_>, targets: &[u32], vocab: usize, dloss: f64);
+
+    // ---- optimizer kernels ----------------------------------------------------------
+
+    /// One AdamW step on a range of parameters (see [`AdamWStep`]).
+    fn adamw_update(
+        &self,
+        params: Self::ViewMut<'_>,
+        grads: Self::View<'_>,
+        m: Self::ViewMut<'_>,
+        v: Self::ViewMut<'_>,
+        hp: &AdamWStep,
+    );
+    /// `p -= lr * (grad_scale * g + weight_decay * p)`.
+    fn sgd_update(&self, params: Self::ViewMut<'_>, grads: Self::View<'_>, lr: f64, weight_decay: f64, grad_scale: f64);
+}

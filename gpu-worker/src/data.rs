@@ -1,0 +1,345 @@
+//! Training data: the `markov` and `text` datasets, and the global batch of a step.
+//!
+//! The global batch of optimizer step t is a pure function of (data seed, t):
+//! sequence i of it depends on (seed, t, i) alone. A caller asks for sequences
+//! `[start, start + count)` of step t's batch, so a data-parallel rank (or a
+//! micro-batch) takes its own disjoint slice and every strategy sees the same data.
+//! Each sequence has seq_len + 1 tokens; inputs are the first seq_len, targets the
+//! last seq_len (the same tokens shifted by one).
+
+use distlab_common::{DataSpec, Dataset, ModelSpec};
+
+use crate::rng::Rng;
+
+/// The text dataset: ~256 KiB of Shakespeare, one token per byte.
+pub static SHAKESPEARE: &[u8] = include_bytes!("../data/shakespeare.txt");
+
+/// Likely successors of each token in the Markov chain.
+pub const MARKOV_SUCCESSORS: usize = 4;
+/// Probability that the next token is drawn uniformly instead (keeps the chain
+/// irreducible and aperiodic, so its stationary distribution is unique).
+pub const MARKOV_UNIFORM_MIX: f64 = 0.05;
+
+/// Names the random streams, so that the chain and the sequences never share one.
+const CHAIN_STREAM: u64 = 0x4348_4149_4e00_0001;
+const SEQUENCE_STREAM: u64 = 0x5345_5155_454e_4345;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DataError {
+    #[error("the text dataset has one token per byte, so vocab must be at least 256 (it is {0})")]
+    VocabTooSmallForText(usize),
+    #[error("seq_len={seq_len} needs sequences of {} tokens but the text has only {len} bytes", seq_len + 1)]
+    TextTooShort { seq_len: usize, len: usize },
+}
+
+/// A random Markov chain over the vocabulary, fixed by the data seed:
+/// P(i -> j) = eps/V + (1 - eps) w_ij, where w_i puts Dirichlet(1) weights on
+/// `MARKOV_SUCCESSORS` distinct random successors of i.
+#[derive(Clone, Debug)]
+pub struct MarkovChain {
+    vocab: usize,
+    /// `k` successors per token, row-major.
+    successors: Vec<u32>,
+    /// Cumulative weights of each token's successors (the last of each row is 1).
+    cumulative: Vec<f64>,
+    /// Cumulative stationary distribution, for the first token of a sequence.
+    stationary_cdf: Vec<f64>,
+    /// sum_i pi_i H(P_i), nats per token: the best possible loss.
+    entropy_rate: f64,
+}
+
+impl MarkovChain {
+    pub fn new(vocab: usize, seed: u64) -> Self {
+        let k = MARKOV_SUCCESSORS.min(vocab);
+        let mut rng = Rng::from_parts(&[seed, CHAIN_STREAM, vocab as u64]);
+        let mut successors = Vec::with_capacity(vocab * k);
+        let mut weights = Vec::with_capacity(vocab * k);
+        for _ in 0..vocab {
+            let row_start = successors.len();
+            while successors.len() < row_start + k {
+                let s = rng.below(vocab as u64) as u32;
+                if !successors[row_start..].contains(&s) {
+                    successors.push(s);
+                }
+            }
+            // Dirichlet(1): normalised exponential deviates.
+            let w: Vec<f64> = (0..k).map(|_| -(1.0 - rng.uniform()).ln() + 1e-12).collect();
+            let total: f64 = w.iter().sum();
+            weights.extend(w.iter().map(|x| x / total));
+        }
+        let cumulative: Vec<f64> = weights
+            .chunks_exact(k)
+            .flat_map(|row| {
+                row.iter()
+                    .scan(0.0, |acc, &w| {
+                        *acc += w;
+                        Some(*acc)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+
+        let uniform = MARKOV_UNIFORM_MIX / vocab as f64;
+        let stationary = stationary_distribution(vocab, k, &successors, &weights);
+        let entropy_rate = (0..vocab)
+            .map(|i| {
+                let peaked: f64 = weights[i * k..(i + 1) * k]
+                    .iter()
+                    .map(|&w| {
+                        let p = uniform + (1.0 - MARKOV_UNIFORM_MIX) * w;
+                        -p * p.ln()
+                    })
+                    .sum();
+                let rest = (vocab - k) as f64 * -uniform * uniform.ln();
+                stationary[i] * (peaked + rest)
+            })
+            .sum();
+        let stationary_cdf = stationary
+            .iter()
+            .scan(0.0, |acc, &p| {
+                *acc += p;
+                Some(*acc)
+            })
+            .collect();
+        Self { vocab, successors, cumulative, stationary_cdf, entropy_rate }
+    }
+
+    /// The entropy rate in nats per token: the loss of a model that knows the chain.
+    pub fn entropy_rate(&self) -> f64 {
+        self.entropy_rate
+    }
+
+    fn first_token(&self, rng: &mut Rng) -> u32 {
+        let u = rng.uniform();
+        self.stationary_cdf.partition_point(|&c| c <= u).min(self.vocab - 1) as u32
+    }
+
+    fn next_token(&self, current: u32, rng: &mut Rng) -> u32 {
+        let u = rng.uniform();
+        if u < MARKOV_UNIFORM_MIX {
+            return rng.below(self.vocab as u64) as u32;
+        }
+        let u = (u - MARKOV_UNIFORM_MIX) / (1.0 - MARKOV_UNIFORM_MIX);
+        let k = self.successors.len() / self.vocab;
+        let row = current as usize * k;
+        let pick = self.cumulative[row..row + k].iter().position(|&c| u < c).unwrap_or(k - 1);
+        self.successors[row + pick]
+    }
+}
+
+/// pi = pi P by power iteration from the uniform distribution. The uniform mix
+/// makes P a contraction (factor 1 - eps), so this converges geometrically.
+fn stationary_distribution(vocab: usize, k: usize, successors: &[u32], weights: &[f64]) -> Vec<f64> {
+    let uniform = MARKOV_UNIFORM_MIX / vocab as f64;
+    let mut pi = vec![1.0 / vocab as f64; vocab];
+    let mut next = vec![0.0; vocab];
+    for _ in 0..10_000 {
+        let mass: f64 = pi.iter().sum();
+        next.fill(uniform * mass);
+        for i in 0..vocab {
+            let pi_i = (1.0 - MARKOV_UNIFORM_MIX) * pi[i];
+            for j in 0..k {
+                next[successors[i * k + j] as usize] += pi_i * weights[i * k + j];
+            }
+        }
+        let change: f64 = pi.iter().zip(&next).map(|(a, b)| (a - b).abs()).sum();
+        std::mem::swap(&mut pi, &mut next);
+        if change < 1e-14 {
+            break;
+        }
+    }
+    let total: f64 = pi.iter().sum();
+    pi.iter_mut().for_each(|p| *p /= total);
+    pi
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    Markov(MarkovChain),
+    Text(&'static [u8]),
+}
+
+/// A dataset with its seed: hands out any slice of any step's global batch.
+#[derive(Clone, Debug)]
+pub struct Data {
+    seed: u64,
+    source: Source,
+}
+
+impl Data {
+    pub fn new(data: &DataSpec, model: &ModelSpec) -> Result<Self, DataError> {
+        let source = match data.dataset {
+            Dataset::Markov => Source::Markov(MarkovChain::new(model.vocab, data.seed)),
+            Dataset::Text => {
+                if model.vocab < 256 {
+                    return Err(DataError::VocabTooSmallForText(model.vocab));
+                }
+                if SHAKESPEARE.len() < model.seq_len + 1 {
+                    return Err(DataError::TextTooShort { seq_len: model.seq_len, len: SHAKESPEARE.len() });
+                }
+                Source::Text(SHAKESPEARE)
+            }
+        };
+        Ok(Self { seed: data.seed, source })
+    }
+
+    /// The best achievable loss, when known (the Markov chain's entropy rate).
+    pub fn loss_floor(&self) -> Option<f64> {
+        match &self.source {
+            Source::Markov(chain) => Some(chain.entropy_rate()),
+            Source::Text(_) => None,
+        }
+    }
+
+    /// One line for the run's log.
+    pub fn describe(&self) -> String {
+        match &self.source {
+            Source::Markov(chain) => format!(
+                "data: random Markov chain over {} tokens (seed {}), {} likely successors per token; \
+                 best possible loss (entropy rate) {:.4} nats vs {:.4} for uniform guessing",
+                chain.vocab,
+                self.seed,
+                MARKOV_SUCCESSORS.min(chain.vocab),
+                chain.entropy_rate(),
+                (chain.vocab as f64).ln()
+            ),
+            Source::Text(text) => {
+                format!("data: Shakespeare text, {} bytes, one token per byte (seed {})", text.len(), self.seed)
+            }
+        }
+    }
+
+    /// Writes sequences `[start, start + count)` of step `step`'s global batch:
+    /// `inputs` and `targets` each get `count * seq_len` tokens, sequence by sequence.
+    pub fn fill_batch(
+        &self,
+        step: u64,
+        start: usize,
+        count: usize,
+        seq_len: usize,
+        inputs: &mut [u32],
+        targets: &mut [u32],
+    ) {
+        let inputs = &mut inputs[..count * seq_len];
+        let targets = &mut targets[..count * seq_len];
+        for (i, (inp, tgt)) in inputs.chunks_exact_mut(seq_len).zip(targets.chunks_exact_mut(seq_len)).enumerate() {
+            let index = (start + i) as u64;
+            let mut rng = Rng::from_parts(&[self.seed, SEQUENCE_STREAM, step, index]);
+            match &self.source {
+                Source::Markov(chain) => {
+                    let mut current = chain.first_token(&mut rng);
+                    for (x, y) in inp.iter_mut().zip(tgt.iter_mut()) {
+                        let next = chain.next_token(current, &mut rng);
+                        *x = current;
+                        *y = next;
+                        current = next;
+                    }
+                }
+                Source::Text(text) => {
+                    let offset = rng.below((text.len() - seq_len) as u64) as usize;
+                    let window = &text[offset..offset + seq_len + 1];
+                    for (j, (x, y)) in inp.iter_mut().zip(tgt.iter_mut()).enumerate() {
+                        *x = window[j] as u32;
+                        *y = window[j + 1] as u32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(dataset: Dataset, vocab: usize, seq_len: usize) -> (DataSpec, ModelSpec) {
+        (DataSpec { dataset, seed: 3 }, ModelSpec { vocab, seq_len, ..ModelSpec::default() })
+    }
+
+    #[test]
+    fn markov_floor_is_well_below_uniform_and_matches_sampling() {
+        let chain = MarkovChain::new(64, 1);
+        let h = chain.entropy_rate();
+        let uniform = (64f64).ln();
+        assert!(h > 0.5 && h < 0.6 * uniform, "entropy rate {h} vs ln V {uniform}");
+        // The empirical -log p of a long sampled path converges to the entropy rate.
+        let k = MARKOV_SUCCESSORS;
+        let prob = |i: u32, j: u32| {
+            let mut p = MARKOV_UNIFORM_MIX / 64.0;
+            let row = i as usize * k;
+            for s in 0..k {
+                if chain.successors[row + s] == j {
+                    let w = chain.cumulative[row + s] - if s == 0 { 0.0 } else { chain.cumulative[row + s - 1] };
+                    p += (1.0 - MARKOV_UNIFORM_MIX) * w;
+                }
+            }
+            p
+        };
+        let mut rng = Rng::new(9);
+        let mut x = chain.first_token(&mut rng);
+        let n = 400_000;
+        let mut nll = 0.0;
+        for _ in 0..n {
+            let y = chain.next_token(x, &mut rng);
+            nll -= prob(x, y).ln();
+            x = y;
+        }
+        let empirical = nll / n as f64;
+        assert!((empirical - h).abs() < 0.02, "empirical {empirical} vs entropy rate {h}");
+    }
+
+    #[test]
+    fn stationary_distribution_is_stationary() {
+        let chain = MarkovChain::new(10, 5);
+        let pi: Vec<f64> = std::iter::once(chain.stationary_cdf[0])
+            .chain(chain.stationary_cdf.windows(2).map(|w| w[1] - w[0]))
+            .collect();
+        let k = MARKOV_SUCCESSORS;
+        let mut next = vec![MARKOV_UNIFORM_MIX / 10.0; 10];
+        for i in 0..10 {
+            for s in 0..k {
+                let w = chain.cumulative[i * k + s] - if s == 0 { 0.0 } else { chain.cumulative[i * k + s - 1] };
+                next[chain.successors[i * k + s] as usize] += (1.0 - MARKOV_UNIFORM_MIX) * pi[i] * w;
+            }
+        }
+        for (a, b) in pi.iter().zip(&next) {
+            assert!((a - b).abs() < 1e-12);
+        }
+        assert!((chain.stationary_cdf[9] - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn tiny_vocab_works() {
+        let chain = MarkovChain::new(2, 1);
+        assert!(chain.entropy_rate() > 0.0 && chain.entropy_rate() <= 2f64.ln() + 1e-12);
+    }
+
+    #[test]
+    fn a_slice_of_the_batch_equals_the_same_sequences_of_the_whole_batch() {
+        for dataset in [Dataset::Markov, Dataset::Text] {
+            let (d, m) = spec(dataset, 256, 16);
+            let data = Data::new(&d, &m).unwrap();
+            let (mut xa, mut ya) = (vec![0; 8 * 16], vec![0; 8 * 16]);
+            data.fill_batch(5, 0, 8, 16, &mut xa, &mut ya);
+            let (mut xb, mut yb) = (vec![0; 3 * 16], vec![0; 3 * 16]);
+            data.fill_batch(5, 2, 3, 16, &mut xb, &mut yb);
+            assert_eq!(&xa[2 * 16..5 * 16], &xb[..]);
+            assert_eq!(&ya[2 * 16..5 * 16], &yb[..]);
+            // targets are inputs shifted by one
+            assert_eq!(&xa[1..16], &ya[..15]);
+            // another step gives other data
+            let (mut xc, mut yc) = (vec![0; 8 * 16], vec![0; 8 * 16]);
+            data.fill_batch(6, 0, 8, 16, &mut xc, &mut yc);
+            assert_ne!(xa, xc);
+            assert!(xa.iter().all(|&t| t < 256));
+        }
+    }
+
+    #[test]
+    fn text_needs_a_byte_vocab() {
+        let (d, m) = spec(Dataset::Text, 64, 16);
+        assert_eq!(Data::new(&d, &m).unwrap_err(), DataError::VocabTooSmallForText(64));
+        let (d, m) = spec(Dataset::Text, 256, 16);
+        assert!(Data::new(&d, &m).unwrap().loss_floor().is_none());
+    }
+}

@@ -1,0 +1,138 @@
+//! Causal multi-head self-attention for one sequence at a time (the CPU backend
+//! runs sequences in parallel). qkv is (T, 3C) = [Q | K | V], head h owns columns
+//! h*hs..(h+1)*hs of each part (hs = C / heads); the output is (T, C).
+//!
+//!   forward (per head):   S = Q Kᵀ / sqrt(hs)
+//!                         P_ij = softmax_j(S_ij) over j <= i (0 for j > i)
+//!                         Y = P V
+//!   backward (per head):  dP = dY Vᵀ,   dV = Pᵀ dY
+//!                         dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik) / sqrt(hs)
+//!                         dQ = dS K,   dK = dSᵀ Q
+//!
+//! The four products per head are GEMMs on strided views of qkv (no copies),
+//! in row blocks that skip the blocks above the diagonal.
+
+use crate::backend::float::lane_sum;
+use crate::backend::gemm::{matmul, Mat, MatMut, Parallelism};
+use crate::backend::simd::simd_kernel;
+use crate::backend::Float;
+
+/// Row-block size for skipping the masked (upper-right) blocks of the T x T products.
+const BLOCK: usize = 64;
+
+/// Row blocks `[r0, r1)` covering `0..t`. Row block i only needs key columns `0..r1`,
+/// and key/value block j only gets gradient from query rows `r0..t`: for T = 128 this
+/// skips a quarter of the attention FLOPs.
+fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(BLOCK)).map(move |b| (b * BLOCK, ((b + 1) * BLOCK).min(t)))
+}
+
+simd_kernel! {
+    /// One sequence: `out` (T, C), `att` (heads, T, T) keeps P for the backward pass.
+    pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], t: usize, c: usize, heads: usize) {
+        let hs = c / heads;
+        let c3 = 3 * c;
+        let scale = F::from_f64(1.0 / (hs as f64).sqrt());
+        for (h, p) in att.chunks_exact_mut(t * t).enumerate().take(heads) {
+            let (q, k, v) = (h * hs, c + h * hs, 2 * c + h * hs);
+            // S = Q Kᵀ / sqrt(hs), only the blocks on or below the diagonal
+            for (r0, r1) in row_blocks(t) {
+                let s = MatMut::new(&mut p[r0 * t..], r1 - r0, r1, t, 1);
+                let q_rows = Mat::new(&qkv[r0 * c3 + q..], r1 - r0, hs, c3, 1);
+                let k_rows = Mat::new(&qkv[k..], r1, hs, c3, 1);
+                matmul(s, false, q_rows, k_rows.t(), scale, Parallelism::None);
+            }
+            for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                causal_softmax_row(row, i);
+            }
+            // Y = P V
+            for (r0, r1) in row_blocks(t) {
+                let y = MatMut::new(&mut out[r0 * c + h * hs..], r1 - r0, hs, c, 1);
+                let p_rows = Mat::new(&p[r0 * t..], r1 - r0, r1, t, 1);
+                let v_rows = Mat::new(&qkv[v..], r1, hs, c3, 1);
+                matmul(y, false, p_rows, v_rows, F::ONE, Parallelism::None);
+            }
+        }
+    }
+}
+
+simd_kernel! {
+    /// One sequence: overwrites `dqkv` (T, 3C); `datt` (heads, T, T) is scratch.
+    pub fn attention_backward<F: Float>(
+        dqkv: &mut [F],
+        datt: &mut [F],
+        dout: &[F],
+        qkv: &[F],
+        att: &[F],
+        t: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let hs = c / heads;
+        let c3 = 3 * c;
+        let scale = F::from_f64(1.0 / (hs as f64).sqrt());
+        for (h, (dp, p)) in datt.chunks_exact_mut(t * t).zip(att.chunks_exact(t * t)).enumerate().take(heads) {
+            let (q, k, v) = (h * hs, c + h * hs, 2 * c + h * hs);
+            let dy = h * hs;
+            for (r0, r1) in row_blocks(t) {
+                // dP = dY Vᵀ (rows r0..r1, columns 0..r1)
+                let dp_rows = MatMut::new(&mut dp[r0 * t..], r1 - r0, r1, t, 1);
+                let dy_rows = Mat::new(&dout[r0 * c + dy..], r1 - r0, hs, c, 1);
+                let v_rows = Mat::new(&qkv[v..], r1, hs, c3, 1);
+                matmul(dp_rows, false, dy_rows, v_rows.t(), F::ONE, Parallelism::None);
+                // dV = Pᵀ dY (rows r0..r1 of dV get gradient from query rows r0..t)
+                let dv = MatMut::new(&mut dqkv[r0 * c3 + v..], r1 - r0, hs, c3, 1);
+                let p_cols = Mat::new(&p[r0 * t + r0..], t - r0, r1 - r0, t, 1);
+                let dy_below = Mat::new(&dout[r0 * c + dy..], t - r0, hs, c, 1);
+                matmul(dv, false, p_cols.t(), dy_below, F::ONE, Parallelism::None);
+            }
+            // dS, in place over dP
+            for (i, (dp_row, p_row)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+                causal_softmax_backward_row(dp_row, p_row, i, scale);
+            }
+            for (r0, r1) in row_blocks(t) {
+                // dQ = dS K
+                let dq = MatMut::new(&mut dqkv[r0 * c3 + q..], r1 - r0, hs, c3, 1);
+                let ds_rows = Mat::new(&dp[r0 * t..], r1 - r0, r1, t, 1);
+                let k_rows = Mat::new(&qkv[k..], r1, hs, c3, 1);
+                matmul(dq, false, ds_rows, k_rows, F::ONE, Parallelism::None);
+                // dK = dSᵀ Q
+                let dk = MatMut::new(&mut dqkv[r0 * c3 + k..], r1 - r0, hs, c3, 1);
+                let ds_cols = Mat::new(&dp[r0 * t + r0..], t - r0, r1 - r0, t, 1);
+                let q_below = Mat::new(&qkv[r0 * c3 + q..], t - r0, hs, c3, 1);
+                matmul(dk, false, ds_cols.t(), q_below, F::ONE, Parallelism::None);
+            }
+        }
+    }
+}
+
+/// Row i of the score matrix: softmax over columns 0..=i, zeros after.
+#[inline(always)]
+fn causal_softmax_row<F: Float>(row: &mut [F], i: usize) {
+    let (live, masked) = row.split_at_mut(i + 1);
+    let mut m = live[0];
+    for &v in live.iter() {
+        m = m.max(v);
+    }
+    for v in live.iter_mut() {
+        *v = (*v - m).exp();
+    }
+    let sum = lane_sum(live.len(), |j| live[j]);
+    let inv = F::ONE / sum;
+    for v in live.iter_mut() {
+        *v *= inv;
+    }
+    masked.fill(F::ZERO);
+}
+
+/// Row i: `dp` (holding dP) becomes dS = P (dP - <P, dP>) * scale over 0..=i, zeros after.
+#[inline(always)]
+fn causal_softmax_backward_row<F: Float>(dp: &mut [F], p: &[F], i: usize, scale: F) {
+    let (live, masked) = dp.split_at_mut(i + 1);
+    let p = &p[..i + 1];
+    let dot = lane_sum(i + 1, |j| p[j] * live[j]);
+    for (d, &pj) in live.iter_mut().zip(p) {
+        *d = pj * (*d - dot) * scale;
+    }
+    masked.fill(F::ZERO);
+}

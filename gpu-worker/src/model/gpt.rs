@@ -1,0 +1,644 @@
+//! The GPT-2-style decoder, composed from the backend's kernels.
+//!
+//! ```text
+//! x = wte[tokens] + wpe[positions]                      (embedding.rs)
+//! for each block:  x = x + attn_proj(attention(ln1(x)))  (layernorm.rs, linear.rs, attention.rs)
+//!                  x = x + fc_proj(gelu(fc(ln2(x))))      (linear.rs, mlp.rs)
+//! logits = lnf(x) · lm_head                              (LM head NOT tied to wte)
+//! loss = mean cross-entropy(logits, targets)             (loss.rs)
+//! ```
+//!
+//! ALL parameters live in ONE contiguous buffer, tensor after tensor in the order
+//! of [`ParamLayout`] (embeddings, block 0..L, final LayerNorm, LM head); the
+//! gradients live in a second buffer with the same layout, so a flat range of
+//! either is a well-defined shard (what FSDP and ZeRO will cut). Activations are
+//! allocated once for a micro-batch of `batch` sequences and reused every step.
+
+use std::ops::Range;
+
+use distlab_common::ModelSpec;
+
+use crate::backend::{Backend, Float};
+use crate::optim::ParamGroup;
+use crate::rng::Rng;
+
+/// GPT-2's initialisation: N(0, 0.02) for matrices and embeddings, the residual
+/// projections scaled by 1/sqrt(2 * layers), zero biases, LayerNorm gain 1.
+pub const INIT_STD: f64 = 0.02;
+const INIT_STREAM: u64 = 0x494e_4954_0000_0001;
+
+/// The tensors of one transformer block, in their order in the parameter buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockTensors<T> {
+    pub ln1_g: T,
+    pub ln1_b: T,
+    pub qkv_w: T,
+    pub qkv_b: T,
+    pub attn_proj_w: T,
+    pub attn_proj_b: T,
+    pub ln2_g: T,
+    pub ln2_b: T,
+    pub fc_w: T,
+    pub fc_b: T,
+    pub fc_proj_w: T,
+    pub fc_proj_b: T,
+}
+
+impl<T> BlockTensors<T> {
+    pub fn map<U>(&self, mut f: impl FnMut(&T) -> U) -> BlockTensors<U> {
+        BlockTensors {
+            ln1_g: f(&self.ln1_g),
+            ln1_b: f(&self.ln1_b),
+            qkv_w: f(&self.qkv_w),
+            qkv_b: f(&self.qkv_b),
+            attn_proj_w: f(&self.attn_proj_w),
+            attn_proj_b: f(&self.attn_proj_b),
+            ln2_g: f(&self.ln2_g),
+            ln2_b: f(&self.ln2_b),
+            fc_w: f(&self.fc_w),
+            fc_b: f(&self.fc_b),
+            fc_proj_w: f(&self.fc_proj_w),
+            fc_proj_b: f(&self.fc_proj_b),
+        }
+    }
+}
+
+/// How a tensor starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Normal { std: f64 },
+    Zeros,
+    Ones,
+}
+
+/// One named tensor of the parameter buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo {
+    /// e.g. `blocks.0.qkv_w`
+    pub name: String,
+    pub range: Range<usize>,
+    pub shape: Vec<usize>,
+    pub init: Init,
+    /// Whether AdamW's weight decay applies (matrices and embeddings).
+    pub decay: bool,
+}
+
+/// Where every tensor sits in the flat parameter (and gradient) buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamLayout {
+    pub wte: Range<usize>,
+    pub wpe: Range<usize>,
+    pub blocks: Vec<BlockTensors<Range<usize>>>,
+    pub lnf_g: Range<usize>,
+    pub lnf_b: Range<usize>,
+    pub lm_head: Range<usize>,
+    /// Every tensor in buffer order.
+    pub tensors: Vec<TensorInfo>,
+    /// Parameters in all (= `ModelSpec::param_count()`).
+    pub total: usize,
+}
+
+struct LayoutBuilder {
+    tensors: Vec<TensorInfo>,
+    next: usize,
+}
+
+impl LayoutBuilder {
+    fn push(&mut self, name: String, shape: &[usize], init: Init) -> Range<usize> {
+        let len: usize = shape.iter().product();
+        let range = self.next..self.next + len;
+        self.next += len;
+        let decay = shape.len() >= 2;
+        self.tensors.push(TensorInfo { name, range: range.clone(), shape: shape.to_vec(), init, decay });
+        range
+    }
+}
+
+impl ParamLayout {
+    pub fn new(m: &ModelSpec) -> Self {
+        let (v, t, c, l) = (m.vocab, m.seq_len, m.d_model, m.layers);
+        let normal = Init::Normal { std: INIT_STD };
+        let residual = Init::Normal { std: INIT_STD / (2.0 * l.max(1) as f64).sqrt() };
+        let mut b = LayoutBuilder { tensors: Vec::new(), next: 0 };
+        let wte = b.push("wte".into(), &[v, c], normal);
+        let wpe = b.push("wpe".into(), &[t, c], normal);
+        let blocks = (0..l)
+            .map(|i| {
+                let mut push = |name: &str, shape: &[usize], init| b.push(format!("blocks.{i}.{name}"), shape, init);
+                BlockTensors {
+                    ln1_g: push("ln1_g", &[c], Init::Ones),
+                    ln1_b: push("ln1_b", &[c], Init::Zeros),
+                    qkv_w: push("qkv_w", &[c, 3 * c], normal),
+                    qkv_b: push("qkv_b", &[3 * c], Init::Zeros),
+                    attn_proj_w: push("attn_proj_w", &[c, c], residual),
+                    attn_proj_b: push("attn_proj_b", &[c], Init::Zeros),
+                    ln2_g: push("ln2_g", &[c], Init::Ones),
+                    ln2_b: push("ln2_b", &[c], Init::Zeros),
+                    fc_w: push("fc_w", &[c, 4 * c], normal),
+                    fc_b: push("fc_b", &[4 * c], Init::Zeros),
+                    fc_proj_w: push("fc_proj_w", &[4 * c, c], residual),
+                    fc_proj_b: push("fc_proj_b", &[c], Init::Zeros),
+                }
+            })
+            .collect();
+        let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones);
+        let lnf_b = b.push("lnf_b".into(), &[c], Init::Zeros);
+        let lm_head = b.push("lm_head".into(), &[c, v], normal);
+        Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors: b.tensors, total: b.next }
+    }
+
+    /// The ranges of the parameter buffer whose gradients backward finishes together,
+    /// in the order it finishes them: LM head + final LayerNorm, blocks last to first,
+    /// embeddings. Each range sits right before the previous one in the buffer.
+    pub fn backward_units(&self) -> Vec<Range<usize>> {
+        let mut units = vec![self.lnf_g.start..self.lm_head.end];
+        units.extend(self.blocks.iter().rev().map(|b| b.ln1_g.start..b.fc_proj_b.end));
+        units.push(self.wte.start..self.wpe.end);
+        units
+    }
+
+    /// Parameters of one block (they are contiguous).
+    pub fn block_len(&self) -> usize {
+        self.blocks.first().map_or(0, |b| b.fc_proj_b.end - b.ln1_g.start)
+    }
+
+    /// Runs of adjacent tensors with the same weight-decay setting, for the optimizer.
+    pub fn param_groups(&self) -> Vec<ParamGroup> {
+        let mut groups: Vec<ParamGroup> = Vec::new();
+        for t in &self.tensors {
+            match groups.last_mut() {
+                Some(g) if g.decay == t.decay && g.range.end == t.range.start => g.range.end = t.range.end,
+                _ => groups.push(ParamGroup { range: t.range.clone(), decay: t.decay }),
+            }
+        }
+        groups
+    }
+
+    /// The initial parameters, deterministic from `seed` (drawn in buffer order).
+    pub fn init_params<F: Float>(&self, seed: u64) -> Vec<F> {
+        let mut rng = Rng::from_parts(&[seed, INIT_STREAM]);
+        let mut params = vec![F::ZERO; self.total];
+        for t in &self.tensors {
+            let dst = &mut params[t.range.clone()];
+            match t.init {
+                Init::Normal { std } => dst.iter_mut().for_each(|p| *p = F::from_f64(std * rng.normal())),
+                Init::Zeros => dst.fill(F::ZERO),
+                Init::Ones => dst.fill(F::ONE),
+            }
+        }
+        params
+    }
+}
+
+/// What one block keeps from forward for backward (one micro-batch).
+struct BlockActivations<Buf> {
+    ln1: Buf,
+    ln1_mean: Buf,
+    ln1_rstd: Buf,
+    qkv: Buf,
+    /// Softmax probabilities, (batch, heads, T, T).
+    att: Buf,
+    /// Attention output before its projection.
+    atty: Buf,
+    /// Residual stream after the attention half.
+    res_attn: Buf,
+    ln2: Buf,
+    ln2_mean: Buf,
+    ln2_rstd: Buf,
+    /// MLP hidden layer before and after GELU.
+    fch: Buf,
+    fch_gelu: Buf,
+    /// Residual stream after the MLP half: the block's output.
+    res_mlp: Buf,
+}
+
+struct Activations<Buf> {
+    encoded: Buf,
+    blocks: Vec<BlockActivations<Buf>>,
+    lnf: Buf,
+    lnf_mean: Buf,
+    lnf_rstd: Buf,
+    /// Logits, turned into probabilities by the loss, then into their gradient.
+    logits: Buf,
+    losses: Buf,
+}
+
+/// Activation gradients, shared by all blocks (backward visits one block at a time).
+struct GradScratch<Buf> {
+    /// Gradient of the residual stream.
+    dres: Buf,
+    /// Gradient of a LayerNorm output.
+    dln: Buf,
+    datty: Buf,
+    dqkv: Buf,
+    datt: Buf,
+    dfch: Buf,
+}
+
+/// A GPT on backend `B`: parameters, gradients, activations for `batch` sequences.
+pub struct Gpt<B: Backend> {
+    pub spec: ModelSpec,
+    /// Sequences per micro-batch (activations are sized for this).
+    pub batch: usize,
+    pub layout: ParamLayout,
+    pub params: B::Buf,
+    pub grads: B::Buf,
+    acts: Activations<B::Buf>,
+    scratch: GradScratch<B::Buf>,
+    activation_floats: usize,
+}
+
+impl<B: Backend> Gpt<B> {
+    /// Allocates everything once and initialises the parameters from `seed`.
+    pub fn new(be: &B, spec: &ModelSpec, batch: usize, seed: u64) -> Self {
+        let layout = ParamLayout::new(spec);
+        debug_assert_eq!(layout.total as u64, spec.param_count());
+        let (t, c, v, h) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads);
+        let rows = batch * t;
+        let mut floats = 0usize;
+        let mut alloc = |len: usize| {
+            floats += len;
+            be.alloc(len)
+        };
+        let blocks = (0..spec.layers)
+            .map(|_| BlockActivations {
+                ln1: alloc(rows * c),
+                ln1_mean: alloc(rows),
+                ln1_rstd: alloc(rows),
+                qkv: alloc(rows * 3 * c),
+                att: alloc(batch * h * t * t),
+                atty: alloc(rows * c),
+                res_attn: alloc(rows * c),
+                ln2: alloc(rows * c),
+                ln2_mean: alloc(rows),
+                ln2_rstd: alloc(rows),
+                fch: alloc(rows * 4 * c),
+                fch_gelu: alloc(rows * 4 * c),
+                res_mlp: alloc(rows * c),
+            })
+            .collect();
+        let acts = Activations {
+            encoded: alloc(rows * c),
+            blocks,
+            lnf: alloc(rows * c),
+            lnf_mean: alloc(rows),
+            lnf_rstd: alloc(rows),
+            logits: alloc(rows * v),
+            losses: alloc(rows),
+        };
+        let scratch = GradScratch {
+            dres: alloc(rows * c),
+            dln: alloc(rows * c),
+            datty: alloc(rows * c),
+            dqkv: alloc(rows * 3 * c),
+            datt: alloc(batch * h * t * t),
+            dfch: alloc(rows * 4 * c),
+        };
+        let mut params = be.alloc(layout.total);
+        be.upload(&mut params, &layout.init_params::<B::Float>(seed));
+        let grads = be.alloc(layout.total);
+        debug_assert_eq!(floats, Self::activation_floats_for(spec, batch));
+        Self { spec: spec.clone(), batch, layout, params, grads, acts, scratch, activation_floats: floats }
+    }
+
+    /// Floats held for activations and their gradients (for memory reports).
+    pub fn activation_floats(&self) -> usize {
+        self.activation_floats
+    }
+
+    /// What [`Gpt::new`] will allocate for activations and their gradients, without
+    /// allocating (saturating, so absurd specs give a huge number, not an overflow).
+    pub fn activation_floats_for(spec: &ModelSpec, batch: usize) -> usize {
+        let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads, spec.layers);
+        let rows = batch.saturating_mul(t);
+        let att = batch.saturating_mul(h).saturating_mul(t).saturating_mul(t);
+        let rc = rows.saturating_mul(c);
+        // per block: ln1, atty, res_attn, ln2, res_mlp (rows x c); qkv (3c); fch, fch_gelu (4c);
+        // 4 row statistics (mean, rstd of two LayerNorms); attention probabilities
+        let block = rc.saturating_mul(5 + 3 + 8).saturating_add(rows.saturating_mul(4)).saturating_add(att);
+        // encoded, lnf (rows x c), lnf statistics, logits, losses
+        let top = rc.saturating_mul(2).saturating_add(rows.saturating_mul(3)).saturating_add(rows.saturating_mul(v));
+        // backward scratch: dres, dln, datty (c), dqkv (3c), dfch (4c), datt
+        let scratch = rc.saturating_mul(3 + 3 + 4).saturating_add(att);
+        block.saturating_mul(l).saturating_add(top).saturating_add(scratch)
+    }
+
+    pub fn zero_grads(&mut self, be: &B) {
+        be.fill(be.all_mut(&mut self.grads), 0.0);
+    }
+
+    /// Runs the model on `batch` sequences (`inputs`, `targets`: batch * seq_len
+    /// tokens) and returns the SUM of the per-token losses.
+    pub fn forward(&mut self, be: &B, inputs: &[u32], targets: &[u32]) -> f64 {
+        let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
+        assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens");
+        assert_eq!(targets.len(), inputs.len(), "targets must match inputs");
+        let p = &self.params;
+        let lay = &self.layout;
+        let acts = &mut self.acts;
+
+        be.encoder_forward(
+            be.all_mut(&mut acts.encoded),
+            inputs,
+            be.view(p, lay.wte.clone()),
+            be.view(p, lay.wpe.clone()),
+            t,
+            c,
+        );
+        for l in 0..lay.blocks.len() {
+            let w = lay.blocks[l].map(|r| be.view(p, r.clone()));
+            let (done, rest) = acts.blocks.split_at_mut(l);
+            let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
+            let a = &mut rest[0];
+            // attention half: res_attn = x + attn_proj(attention(ln1(x)))
+            be.layernorm_forward(
+                be.all_mut(&mut a.ln1),
+                be.all_mut(&mut a.ln1_mean),
+                be.all_mut(&mut a.ln1_rstd),
+                be.all(x),
+                w.ln1_g,
+                w.ln1_b,
+                c,
+            );
+            be.matmul_forward(be.all_mut(&mut a.qkv), be.all(&a.ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * c);
+            be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, c, heads);
+            be.matmul_forward(
+                be.all_mut(&mut a.res_attn),
+                be.all(&a.atty),
+                w.attn_proj_w,
+                Some(w.attn_proj_b),
+                Some(be.all(x)),
+                c,
+                c,
+            );
+            // MLP half: res_mlp = res_attn + fc_proj(gelu(fc(ln2(res_attn))))
+            be.layernorm_forward(
+                be.all_mut(&mut a.ln2),
+                be.all_mut(&mut a.ln2_mean),
+                be.all_mut(&mut a.ln2_rstd),
+                be.all(&a.res_attn),
+                w.ln2_g,
+                w.ln2_b,
+                c,
+            );
+            be.matmul_forward(be.all_mut(&mut a.fch), be.all(&a.ln2), w.fc_w, Some(w.fc_b), None, c, 4 * c);
+            be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
+            be.matmul_forward(
+                be.all_mut(&mut a.res_mlp),
+                be.all(&a.fch_gelu),
+                w.fc_proj_w,
+                Some(w.fc_proj_b),
+                Some(be.all(&a.res_attn)),
+                4 * c,
+                c,
+            );
+        }
+        let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
+        be.layernorm_forward(
+            be.all_mut(&mut acts.lnf),
+            be.all_mut(&mut acts.lnf_mean),
+            be.all_mut(&mut acts.lnf_rstd),
+            be.all(last),
+            be.view(p, lay.lnf_g.clone()),
+            be.view(p, lay.lnf_b.clone()),
+            c,
+        );
+        be.matmul_forward(
+            be.all_mut(&mut acts.logits),
+            be.all(&acts.lnf),
+            be.view(p, lay.lm_head.clone()),
+            None,
+            None,
+            c,
+            vocab,
+        );
+        be.crossentropy_forward(be.all_mut(&mut acts.logits), be.all_mut(&mut acts.losses), targets, vocab);
+        be.sum(be.all(&acts.losses))
+    }
+
+    /// Backpropagates the last `forward` (same inputs and targets) and ADDS the
+    /// parameter gradients into `grads`. `dloss` weighs every token's loss: 1 /
+    /// (tokens in the optimizer step) makes the gradients those of the mean loss.
+    pub fn backward(&mut self, be: &B, inputs: &[u32], targets: &[u32], dloss: f64) {
+        self.backward_with(be, inputs, targets, dloss, &mut |_, _| {});
+    }
+
+    /// `backward`, calling `on_ready(unit, grads)` as soon as the gradients of each
+    /// readiness unit are final, in the order of [`ParamLayout::backward_units`]: the LM
+    /// head and final LayerNorm, then each block from the last to the first, then the
+    /// embeddings. Data parallelism starts communicating them while backward goes on.
+    pub fn backward_with(
+        &mut self,
+        be: &B,
+        inputs: &[u32],
+        targets: &[u32],
+        dloss: f64,
+        on_ready: &mut dyn FnMut(usize, B::View<'_>),
+    ) {
+        let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
+        let p = &self.params;
+        let lay = &self.layout;
+        let s = &mut self.scratch;
+
+        // The gradient buffer, cut into the views backward writes.
+        let g = be.all_mut(&mut self.grads);
+        let (mut g_embeddings, g) = be.split_mut(g, lay.wte.len() + lay.wpe.len());
+        let (mut g_blocks, mut g_head) = be.split_mut(g, lay.blocks.len() * lay.block_len());
+        let (g_lnf_g, g) = be.split_mut(be.reborrow(&mut g_head), lay.lnf_g.len());
+        let (g_lnf_b, g_lm_head) = be.split_mut(g, lay.lnf_b.len());
+
+        // loss and LM head
+        be.crossentropy_backward(be.all_mut(&mut self.acts.logits), targets, vocab, dloss);
+        let acts = &self.acts;
+        be.matmul_backward(
+            Some(be.all_mut(&mut s.dln)),
+            g_lm_head,
+            None,
+            be.all(&acts.logits),
+            be.all(&acts.lnf),
+            be.view(p, lay.lm_head.clone()),
+            c,
+            vocab,
+        );
+        be.fill(be.all_mut(&mut s.dres), 0.0);
+        let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
+        be.layernorm_backward(
+            be.all_mut(&mut s.dres),
+            g_lnf_g,
+            g_lnf_b,
+            be.all(&s.dln),
+            be.all(last),
+            be.view(p, lay.lnf_g.clone()),
+            be.all(&acts.lnf_mean),
+            be.all(&acts.lnf_rstd),
+            c,
+        );
+
+        on_ready(0, be.freeze(g_head));
+
+        for l in (0..lay.blocks.len()).rev() {
+            let (earlier, mut g_block) = be.split_mut(g_blocks, l * lay.block_len());
+            g_blocks = earlier;
+            // (a scope, so that the block's gradient views end before it is handed on)
+            {
+                let gw = split_block(be, be.reborrow(&mut g_block), &lay.blocks[l]);
+                let w = lay.blocks[l].map(|r| be.view(p, r.clone()));
+                let x = if l == 0 { &acts.encoded } else { &acts.blocks[l - 1].res_mlp };
+                let a = &acts.blocks[l];
+                // MLP half (dres holds d res_mlp, and becomes d res_attn)
+                be.matmul_backward(
+                    Some(be.all_mut(&mut s.dfch)),
+                    gw.fc_proj_w,
+                    Some(gw.fc_proj_b),
+                    be.all(&s.dres),
+                    be.all(&a.fch_gelu),
+                    w.fc_proj_w,
+                    4 * c,
+                    c,
+                );
+                be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
+                be.matmul_backward(
+                    Some(be.all_mut(&mut s.dln)),
+                    gw.fc_w,
+                    Some(gw.fc_b),
+                    be.all(&s.dfch),
+                    be.all(&a.ln2),
+                    w.fc_w,
+                    c,
+                    4 * c,
+                );
+                be.layernorm_backward(
+                    be.all_mut(&mut s.dres),
+                    gw.ln2_g,
+                    gw.ln2_b,
+                    be.all(&s.dln),
+                    be.all(&a.res_attn),
+                    w.ln2_g,
+                    be.all(&a.ln2_mean),
+                    be.all(&a.ln2_rstd),
+                    c,
+                );
+                // attention half (dres becomes d x)
+                be.matmul_backward(
+                    Some(be.all_mut(&mut s.datty)),
+                    gw.attn_proj_w,
+                    Some(gw.attn_proj_b),
+                    be.all(&s.dres),
+                    be.all(&a.atty),
+                    w.attn_proj_w,
+                    c,
+                    c,
+                );
+                be.attention_backward(
+                    be.all_mut(&mut s.dqkv),
+                    be.all_mut(&mut s.datt),
+                    be.all(&s.datty),
+                    be.all(&a.qkv),
+                    be.all(&a.att),
+                    t,
+                    c,
+                    heads,
+                );
+                be.matmul_backward(
+                    Some(be.all_mut(&mut s.dln)),
+                    gw.qkv_w,
+                    Some(gw.qkv_b),
+                    be.all(&s.dqkv),
+                    be.all(&a.ln1),
+                    w.qkv_w,
+                    c,
+                    3 * c,
+                );
+                be.layernorm_backward(
+                    be.all_mut(&mut s.dres),
+                    gw.ln1_g,
+                    gw.ln1_b,
+                    be.all(&s.dln),
+                    be.all(x),
+                    w.ln1_g,
+                    be.all(&a.ln1_mean),
+                    be.all(&a.ln1_rstd),
+                    c,
+                );
+            }
+            on_ready(lay.blocks.len() - l, be.freeze(g_block));
+        }
+        let (g_wte, g_wpe) = be.split_mut(be.reborrow(&mut g_embeddings), lay.wte.len());
+        be.encoder_backward(g_wte, g_wpe, be.all(&s.dres), inputs, t, c);
+        on_ready(lay.blocks.len() + 1, be.freeze(g_embeddings));
+    }
+}
+
+/// Cuts one block's gradient view into its tensors (they are contiguous, in order).
+fn split_block<'a, B: Backend>(
+    be: &B,
+    view: B::ViewMut<'a>,
+    lay: &BlockTensors<Range<usize>>,
+) -> BlockTensors<B::ViewMut<'a>> {
+    let mut rest = Some(view);
+    let mut take = |len: usize| {
+        let whole = rest.take().expect("split_block takes views one after another");
+        let (head, tail) = be.split_mut(whole, len);
+        rest = Some(tail);
+        head
+    };
+    BlockTensors {
+        ln1_g: take(lay.ln1_g.len()),
+        ln1_b: take(lay.ln1_b.len()),
+        qkv_w: take(lay.qkv_w.len()),
+        qkv_b: take(lay.qkv_b.len()),
+        attn_proj_w: take(lay.attn_proj_w.len()),
+        attn_proj_b: take(lay.attn_proj_b.len()),
+        ln2_g: take(lay.ln2_g.len()),
+        ln2_b: take(lay.ln2_b.len()),
+        fc_w: take(lay.fc_w.len()),
+        fc_b: take(lay.fc_b.len()),
+        fc_proj_w: take(lay.fc_proj_w.len()),
+        fc_proj_b: take(lay.fc_proj_b.len()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_matches_the_planner_param_count_and_is_contiguous() {
+        for m in [
+            ModelSpec::default(),
+            ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 },
+            ModelSpec { layers: 1, d_model: 8, heads: 2, seq_len: 3, vocab: 5 },
+        ] {
+            let lay = ParamLayout::new(&m);
+            assert_eq!(lay.total as u64, m.param_count());
+            let mut next = 0;
+            for t in &lay.tensors {
+                assert_eq!(t.range.start, next, "{} is not where the previous tensor ended", t.name);
+                assert_eq!(t.range.len(), t.shape.iter().product::<usize>());
+                next = t.range.end;
+            }
+            assert_eq!(next, lay.total);
+            assert_eq!(lay.block_len() as u64, m.block_params());
+            let groups = lay.param_groups();
+            assert_eq!(groups.iter().map(|g| g.range.len()).sum::<usize>(), lay.total);
+        }
+    }
+
+    #[test]
+    fn init_is_deterministic_and_scaled() {
+        let m = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 16, vocab: 32 };
+        let lay = ParamLayout::new(&m);
+        let a = lay.init_params::<f32>(7);
+        assert_eq!(a, lay.init_params::<f32>(7));
+        assert_ne!(a, lay.init_params::<f32>(8));
+        let std = |r: &Range<usize>| {
+            let x = &a[r.clone()];
+            (x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64).sqrt()
+        };
+        let b = &lay.blocks[0];
+        assert!((std(&b.fc_w) - 0.02).abs() < 0.002);
+        assert!((std(&b.fc_proj_w) - 0.01).abs() < 0.001); // 0.02 / sqrt(2 * 2)
+        assert!(a[b.ln1_g.clone()].iter().all(|&g| g == 1.0));
+        assert!(a[b.qkv_b.clone()].iter().all(|&g| g == 0.0));
+    }
+}

@@ -1,0 +1,108 @@
+//! Linear layer (fully connected), the bulk of the FLOPs: x (rows, c_in),
+//! W (c_in, c_out) row-major, b (c_out).
+//!
+//!   forward:  y = x·W + b            (optionally y = r + x·W + b: the residual add, fused)
+//!   backward: dx = dy·Wᵀ,   dW += xᵀ·dy,   db += sum_rows dy
+//!
+//! The products go through the `gemm` crate on strided views (the transposes are
+//! views, not copies); bias and residual are written first and the product is
+//! accumulated on top, so the output is written once and read once.
+
+use crate::backend::gemm::{matmul, Mat, MatMut, Parallelism};
+use crate::backend::simd::simd_kernel;
+use crate::backend::Float;
+
+simd_kernel! {
+    /// A chunk of output rows: `out = residual + bias` (either may be absent).
+    pub fn fill_bias_residual<F: Float>(out: &mut [F], bias: Option<&[F]>, residual: Option<&[F]>, c_out: usize) {
+        match (bias, residual) {
+            (Some(b), Some(r)) => {
+                for (y, r) in out.chunks_exact_mut(c_out).zip(r.chunks_exact(c_out)) {
+                    for ((y, &r), &b) in y.iter_mut().zip(r).zip(b) {
+                        *y = r + b;
+                    }
+                }
+            }
+            (Some(b), None) => {
+                for y in out.chunks_exact_mut(c_out) {
+                    y.copy_from_slice(&b[..c_out]);
+                }
+            }
+            (None, Some(r)) => out.copy_from_slice(&r[..out.len()]),
+            (None, None) => {}
+        }
+    }
+}
+
+/// `out (+)= inp · W`: accumulates onto `out` when it already holds bias/residual.
+pub fn matmul_forward<F: Float>(
+    out: &mut [F],
+    inp: &[F],
+    weight: &[F],
+    c_in: usize,
+    c_out: usize,
+    accumulate: bool,
+    par: Parallelism,
+) {
+    let rows = inp.len() / c_in;
+    matmul(
+        MatMut::row_major(out, rows, c_out),
+        accumulate,
+        Mat::row_major(inp, rows, c_in),
+        Mat::row_major(weight, c_in, c_out),
+        F::ONE,
+        par,
+    );
+}
+
+/// `dinp = dout · Wᵀ` (overwritten).
+pub fn matmul_backward_input<F: Float>(
+    dinp: &mut [F],
+    dout: &[F],
+    weight: &[F],
+    c_in: usize,
+    c_out: usize,
+    par: Parallelism,
+) {
+    let rows = dout.len() / c_out;
+    matmul(
+        MatMut::row_major(dinp, rows, c_in),
+        false,
+        Mat::row_major(dout, rows, c_out),
+        Mat::row_major(weight, c_in, c_out).t(),
+        F::ONE,
+        par,
+    );
+}
+
+/// `dW += inpᵀ · dout`.
+pub fn matmul_backward_weight<F: Float>(
+    dweight: &mut [F],
+    dout: &[F],
+    inp: &[F],
+    c_in: usize,
+    c_out: usize,
+    par: Parallelism,
+) {
+    let rows = dout.len() / c_out;
+    matmul(
+        MatMut::row_major(dweight, c_in, c_out),
+        true,
+        Mat::row_major(inp, rows, c_in).t(),
+        Mat::row_major(dout, rows, c_out),
+        F::ONE,
+        par,
+    );
+}
+
+simd_kernel! {
+    /// Columns `col0..col0 + dbias.len()`: `dbias += sum over rows of dout`.
+    pub fn bias_backward<F: Float>(dbias: &mut [F], col0: usize, dout: &[F], c_out: usize) {
+        let w = dbias.len();
+        for dy in dout.chunks_exact(c_out) {
+            for (db, &g) in dbias.iter_mut().zip(&dy[col0..col0 + w]) {
+                *db += g;
+            }
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! Softmax cross-entropy over the LM head's logits (the LM head itself is a
+//! linear layer without bias, see `linear.rs`).
+//!
+//!   forward:  p_j = exp(z_j - m) / sum_k exp(z_k - m)   (m = max_k z_k)
+//!             loss = log sum_k exp(z_k - m) - (z_target - m)
+//!   backward: dz_j = dloss * (p_j - [j == target])
+//!
+//! Both work in place on one (rows, vocab) buffer: logits -> probs -> dlogits.
+
+use crate::backend::float::lane_sum;
+use crate::backend::simd::simd_kernel;
+use crate::backend::Float;
+
+simd_kernel! {
+    /// A chunk of rows: logits become probabilities; `losses[r]` = that row's loss.
+    pub fn crossentropy_forward<F: Float>(logits: &mut [F], losses: &mut [F], targets: &[u32], vocab: usize) {
+        for ((z, loss), &target) in logits.chunks_exact_mut(vocab).zip(losses.iter_mut()).zip(targets) {
+            let target = target as usize;
+            let mut m = z[0];
+            for &v in z.iter() {
+                m = m.max(v);
+            }
+            let z_target = z[target];
+            for v in z.iter_mut() {
+                *v = (*v - m).exp();
+            }
+            let sum = lane_sum(vocab, |j| z[j]);
+            let inv = F::ONE / sum;
+            for v in z.iter_mut() {
+                *v *= inv;
+            }
+            *loss = sum.ln() - (z_target - m);
+        }
+    }
+}
+
+simd_kernel! {
+    /// A chunk of rows: probabilities become `dloss * (p - onehot)`.
+    pub fn crossentropy_backward<F: Float>(probs: &mut [F], targets: &[u32], vocab: usize, dloss: F) {
+        for (p, &target) in probs.chunks_exact_mut(vocab).zip(targets) {
+            for v in p.iter_mut() {
+                *v *= dloss;
+            }
+            p[target as usize] -= dloss;
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! The GPT model: one file per layer with its forward and backward math side by
+//! side (the CPU kernels, llm.c style), and `gpt.rs`, which composes them through
+//! the [`Backend`](crate::backend::Backend) trait.
+
+pub mod attention;
+pub mod embedding;
+pub mod gpt;
+pub mod layernorm;
+pub mod linear;
+pub mod loss;
+pub mod mlp;
+
+pub use gpt::{BlockTensors, Gpt, Init, ParamLayout, TensorInfo};

@@ -1,0 +1,205 @@
+//! Optimizers (AdamW, SGD), the learning-rate schedule and global-norm clipping.
+//!
+//! AdamW (decoupled weight decay, as `torch.optim.AdamW`), with g = grad_scale * grad:
+//!   m = b1 m + (1 - b1) g,   v = b2 v + (1 - b2) g^2
+//!   p = p - lr * ( m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd * p )
+//! betas (0.9, 0.95), eps 1e-8 (GPT-2/3 practice). Weight decay applies to the
+//! matrices and embeddings only, never to biases or LayerNorm parameters.
+//!
+//! SGD is plain stochastic gradient descent, no momentum (so it keeps no optimizer
+//! state; AdamW keeps two floats per parameter):  p = p - lr * (g + wd * p).
+//!
+//! Schedule: linear warmup from lr/warmup_steps to lr over `warmup_steps`, then
+//! `constant` or `cosine` decay to 10% of lr at the end of the run.
+//! Clipping: the gradient norm is the L2 norm over ALL parameters (reported before
+//! clipping); when it exceeds grad_clip (> 0) the update uses g * grad_clip / norm.
+
+use std::ops::Range;
+
+use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
+
+use crate::backend::simd::simd_kernel;
+use crate::backend::{Backend, Float};
+
+pub const ADAM_BETA1: f64 = 0.9;
+pub const ADAM_BETA2: f64 = 0.95;
+pub const ADAM_EPS: f64 = 1e-8;
+/// Cosine decay ends at this fraction of the peak learning rate.
+pub const COSINE_FINAL_FRACTION: f64 = 0.1;
+
+/// The hyperparameters of one AdamW update.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// 1-based step count, for the bias corrections.
+    pub step: u64,
+    /// Multiplies the gradient first (the clipping factor; 1 = none).
+    pub grad_scale: f64,
+}
+
+simd_kernel! {
+    /// The AdamW update on one chunk of parameters.
+    pub fn adamw_update<F: Float>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
+        let b1 = F::from_f64(hp.beta1);
+        let b2 = F::from_f64(hp.beta2);
+        let one_minus_b1 = F::from_f64(1.0 - hp.beta1);
+        let one_minus_b2 = F::from_f64(1.0 - hp.beta2);
+        let m_correction = F::from_f64(1.0 / (1.0 - hp.beta1.powf(hp.step as f64)));
+        let v_correction = F::from_f64(1.0 / (1.0 - hp.beta2.powf(hp.step as f64)));
+        let lr = F::from_f64(hp.lr);
+        let eps = F::from_f64(hp.eps);
+        let decay = F::from_f64(1.0 - hp.lr * hp.weight_decay);
+        let scale = F::from_f64(hp.grad_scale);
+        let n = params.len();
+        let (grads, m, v) = (&grads[..n], &mut m[..n], &mut v[..n]);
+        for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = g * scale;
+            *m = b1 * *m + one_minus_b1 * g;
+            *v = b2 * *v + one_minus_b2 * g * g;
+            let m_hat = *m * m_correction;
+            let v_hat = *v * v_correction;
+            *p = *p * decay - lr * m_hat / (v_hat.sqrt() + eps);
+        }
+    }
+}
+
+simd_kernel! {
+    /// The SGD update on one chunk of parameters.
+    pub fn sgd_update<F: Float>(params: &mut [F], grads: &[F], lr: f64, weight_decay: f64, grad_scale: f64) {
+        let lr_g = F::from_f64(lr * grad_scale);
+        let decay = F::from_f64(1.0 - lr * weight_decay);
+        let grads = &grads[..params.len()];
+        for (p, &g) in params.iter_mut().zip(grads) {
+            *p = *p * decay - lr_g * g;
+        }
+    }
+}
+
+/// The learning rate of optimizer step `step` (0-based).
+pub fn lr_at(train: &TrainSpec, step: u64) -> f64 {
+    let peak = train.lr;
+    if step < train.warmup_steps {
+        return peak * (step + 1) as f64 / train.warmup_steps as f64;
+    }
+    match train.lr_schedule {
+        LrSchedule::Constant => peak,
+        LrSchedule::Cosine => {
+            let decay_steps = train.steps.saturating_sub(train.warmup_steps).max(1);
+            let progress = ((step - train.warmup_steps) as f64 / decay_steps as f64).min(1.0);
+            let min_lr = COSINE_FINAL_FRACTION * peak;
+            min_lr + 0.5 * (peak - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
+        }
+    }
+}
+
+/// The factor the clipped gradient is multiplied by (1 when clipping is off or not needed).
+pub fn clip_scale(grad_norm: f64, grad_clip: f64) -> f64 {
+    if grad_clip > 0.0 && grad_norm > grad_clip {
+        grad_clip / grad_norm
+    } else {
+        1.0
+    }
+}
+
+/// A contiguous range of parameters sharing one weight-decay setting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamGroup {
+    pub range: Range<usize>,
+    pub decay: bool,
+}
+
+/// Optimizer state for one buffer of parameters (AdamW's m and v, allocated once).
+pub struct Optimizer<B: Backend> {
+    kind: OptimizerKind,
+    weight_decay: f64,
+    groups: Vec<ParamGroup>,
+    m: Option<B::Buf>,
+    v: Option<B::Buf>,
+    steps_taken: u64,
+}
+
+impl<B: Backend> Optimizer<B> {
+    pub fn new(be: &B, train: &TrainSpec, groups: Vec<ParamGroup>, n_params: usize) -> Self {
+        let (m, v) = match train.optimizer {
+            OptimizerKind::Adamw => (Some(be.alloc(n_params)), Some(be.alloc(n_params))),
+            OptimizerKind::Sgd => (None, None),
+        };
+        Self { kind: train.optimizer, weight_decay: train.weight_decay, groups, m, v, steps_taken: 0 }
+    }
+
+    /// Floats of optimizer state per parameter (AdamW 2, SGD 0).
+    pub fn state_floats_per_param(&self) -> usize {
+        match self.kind {
+            OptimizerKind::Adamw => 2,
+            OptimizerKind::Sgd => 0,
+        }
+    }
+
+    /// One update of every parameter group.
+    pub fn step(&mut self, be: &B, params: &mut B::Buf, grads: &B::Buf, lr: f64, grad_scale: f64) {
+        self.steps_taken += 1;
+        for group in &self.groups {
+            let wd = if group.decay { self.weight_decay } else { 0.0 };
+            let p = be.view_mut(params, group.range.clone());
+            let g = be.view(grads, group.range.clone());
+            match (self.kind, &mut self.m, &mut self.v) {
+                (OptimizerKind::Adamw, Some(m), Some(v)) => {
+                    let hp = AdamWStep {
+                        lr,
+                        beta1: ADAM_BETA1,
+                        beta2: ADAM_BETA2,
+                        eps: ADAM_EPS,
+                        weight_decay: wd,
+                        step: self.steps_taken,
+                        grad_scale,
+                    };
+                    let m = be.view_mut(m, group.range.clone());
+                    let v = be.view_mut(v, group.range.clone());
+                    be.adamw_update(p, g, m, v, &hp);
+                }
+                _ => be.sgd_update(p, g, lr, wd, grad_scale),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_ten_percent() {
+        let mut t = TrainSpec { steps: 100, warmup_steps: 10, lr: 1.0, ..TrainSpec::default() };
+        assert!((lr_at(&t, 0) - 0.1).abs() < 1e-12);
+        assert!((lr_at(&t, 9) - 1.0).abs() < 1e-12);
+        assert!((lr_at(&t, 10) - 1.0).abs() < 1e-12);
+        assert!(lr_at(&t, 55) < 0.6 && lr_at(&t, 55) > 0.5);
+        assert!((lr_at(&t, 99) - 0.1).abs() < 1e-3);
+        t.lr_schedule = LrSchedule::Constant;
+        assert_eq!(lr_at(&t, 99), 1.0);
+        t.warmup_steps = 0;
+        assert_eq!(lr_at(&t, 0), 1.0);
+    }
+
+    #[test]
+    fn adamw_first_step_moves_by_lr() {
+        // After one step m_hat = g and v_hat = g^2, so the update is lr * g / (|g| + eps).
+        let mut p = [1.0f64, -2.0];
+        let g = [0.5, -3.0];
+        let (mut m, mut v) = ([0.0; 2], [0.0; 2]);
+        let hp = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 0.0, weight_decay: 0.0, step: 1, grad_scale: 1.0 };
+        adamw_update(&mut p, &g, &mut m, &mut v, &hp);
+        assert!((p[0] - 0.9).abs() < 1e-12 && (p[1] + 1.9).abs() < 1e-12, "{p:?}");
+    }
+
+    #[test]
+    fn clipping_scales_only_above_the_threshold() {
+        assert_eq!(clip_scale(0.5, 1.0), 1.0);
+        assert_eq!(clip_scale(4.0, 1.0), 0.25);
+        assert_eq!(clip_scale(4.0, 0.0), 1.0);
+    }
+}

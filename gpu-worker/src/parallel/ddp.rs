@@ -1,0 +1,258 @@
+//! Distributed data parallel (DDP).
+//!
+//! Every rank holds the whole model and takes a disjoint slice of each step's global
+//! batch. After backward every rank must hold the SUM of all ranks' gradients (each
+//! token's loss is already weighted by 1 / tokens in the global batch), then every rank
+//! takes the same optimizer step, so the replicas stay identical.
+//!
+//! Gradients are grouped into buckets of about `bucket_bytes`, in the order backward
+//! finishes them (the LM head first, the embeddings last). As soon as every gradient of a
+//! bucket is final, the bucket is copied into its own buffer and handed to a
+//! communication thread, which all-reduces it over the ring while backward goes on with
+//! earlier layers. The optimizer waits only for what is still in flight at the end.
+
+use std::ops::Range;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use distlab_common::trace::{Span, SpanKind};
+
+use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::trace::now_us;
+
+/// This rank's part in data parallelism: its place in the group, the gradient
+/// synchroniser (with its communication thread), and a second handle on the same group
+/// for the few small collectives of the training loop itself (the step's loss).
+pub struct DataParallel {
+    pub rank: usize,
+    pub world: usize,
+    pub grads: GradSync,
+    pub comm: Box<dyn Communicator>,
+}
+
+impl DataParallel {
+    /// Sums `value` over the group (f64 carried as f32: the step loss needs ~7 digits).
+    pub fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
+        let mut buf = [value as f32];
+        self.comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        Ok(buf[0] as f64)
+    }
+}
+
+/// A contiguous range of the flat gradient buffer, all-reduced as one message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    pub range: Range<usize>,
+    /// Indices of the readiness units (see `plan_buckets`) it is made of.
+    pub units: Range<usize>,
+}
+
+/// Groups readiness units into buckets of at least `bucket_bytes` (the last one may be
+/// smaller). `units` are the ranges of the gradient buffer in the order backward makes
+/// them final; each must sit right before the previous one in the buffer (reverse layer
+/// order), so that every bucket is one contiguous range.
+pub fn plan_buckets(units: &[Range<usize>], bucket_bytes: u64) -> Vec<Bucket> {
+    let target = (bucket_bytes / 4).max(1) as usize;
+    let mut buckets: Vec<Bucket> = Vec::new();
+    let mut open: Option<Bucket> = None;
+    for (i, unit) in units.iter().enumerate() {
+        let b = open.get_or_insert(Bucket { range: unit.clone(), units: i..i });
+        debug_assert!(b.units.is_empty() || unit.end == b.range.start, "units must be adjacent, in reverse order");
+        b.range.start = unit.start;
+        b.units.end = i + 1;
+        if b.range.len() >= target {
+            buckets.extend(open.take());
+        }
+    }
+    buckets.extend(open);
+    buckets
+}
+
+/// One bucket on its way to the communication thread and back.
+struct InFlight {
+    bucket: usize,
+    data: Vec<f32>,
+}
+
+/// What the communication thread sends back.
+struct Reduced {
+    bucket: usize,
+    data: Vec<f32>,
+    span: Span,
+    result: Result<(), CommError>,
+}
+
+/// The DDP gradient synchroniser of one rank: bucket buffers and the communication thread.
+pub struct GradSync {
+    buckets: Vec<Bucket>,
+    /// Per readiness unit: its range of the gradient buffer and its bucket.
+    units: Vec<Range<usize>>,
+    unit_bucket: Vec<usize>,
+    /// Per bucket: its buffer while it is here (None while in flight), and how many of
+    /// its units are final this step.
+    buffers: Vec<Option<Vec<f32>>>,
+    ready_units: Vec<usize>,
+    to_comm: Option<mpsc::Sender<InFlight>>,
+    from_comm: mpsc::Receiver<Reduced>,
+    comm_thread: Option<JoinHandle<()>>,
+    in_flight: usize,
+    step: u64,
+    /// Comm spans of the steps recorded so far.
+    pub spans: Vec<Span>,
+    record_spans: bool,
+}
+
+impl GradSync {
+    /// Moves `comm` (the data-parallel group) onto a new communication thread.
+    pub fn new(comm: Box<dyn Communicator>, units: &[Range<usize>], bucket_bytes: u64) -> Self {
+        let buckets = plan_buckets(units, bucket_bytes);
+        let mut unit_bucket = vec![0; units.len()];
+        for (b, bucket) in buckets.iter().enumerate() {
+            for u in bucket.units.clone() {
+                unit_bucket[u] = b;
+            }
+        }
+        let buffers = buckets.iter().map(|b| Some(vec![0.0f32; b.range.len()])).collect();
+        let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
+        let (comm_tx, from_comm) = mpsc::channel::<Reduced>();
+        let sizes: Vec<usize> = buckets.iter().map(|b| b.range.len()).collect();
+        let comm_thread = std::thread::Builder::new()
+            .name("ddp-comm".into())
+            .spawn(move || communication_thread(comm, comm_rx, comm_tx, sizes))
+            .expect("spawn the DDP communication thread");
+        let n = buckets.len();
+        Self {
+            buckets,
+            units: units.to_vec(),
+            unit_bucket,
+            buffers,
+            ready_units: vec![0; n],
+            to_comm: Some(to_comm),
+            from_comm,
+            comm_thread: Some(comm_thread),
+            in_flight: 0,
+            step: 0,
+            spans: Vec::new(),
+            record_spans: false,
+        }
+    }
+
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// Call before the backward pass whose gradients are to be synchronised.
+    pub fn begin_step(&mut self, step: u64, record_spans: bool) {
+        self.step = step;
+        self.record_spans = record_spans;
+        self.ready_units.iter_mut().for_each(|n| *n = 0);
+    }
+
+    /// Readiness unit `unit` (gradients `grads`, which cover exactly that unit's range)
+    /// is final: copy it into its bucket, and send the bucket once all its units are in.
+    pub fn unit_ready(&mut self, unit: usize, grads: &[f32]) {
+        let b = self.unit_bucket[unit];
+        let bucket = &self.buckets[b];
+        let at = self.units[unit].start - bucket.range.start;
+        let buffer = self.buffers[b].as_mut().expect("a bucket is sent once per step");
+        buffer[at..at + grads.len()].copy_from_slice(grads);
+        self.ready_units[b] += 1;
+        if self.ready_units[b] == bucket.units.len() {
+            let data = self.buffers[b].take().expect("bucket buffer present");
+            if let Some(tx) = &self.to_comm {
+                if tx.send(InFlight { bucket: b, data }).is_ok() {
+                    self.in_flight += 1;
+                }
+            }
+        }
+    }
+
+    /// Waits for every bucket of this step and writes the summed gradients into `grads`
+    /// (the whole flat gradient buffer). Returns the time spent waiting, in microseconds.
+    pub fn finish(&mut self, grads: &mut [f32]) -> Result<u64, CommError> {
+        let wait_start = now_us();
+        let mut first_error = None;
+        while self.in_flight > 0 {
+            let Ok(done) = self.from_comm.recv() else { break };
+            self.in_flight -= 1;
+            let range = self.buckets[done.bucket].range.clone();
+            if done.result.is_ok() {
+                grads[range].copy_from_slice(&done.data);
+            }
+            if self.record_spans {
+                let mut span = done.span;
+                span.step = self.step;
+                self.spans.push(span);
+            }
+            self.buffers[done.bucket] = Some(done.data);
+            if let Err(e) = done.result {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        if self.buffers.iter().any(Option::is_none) {
+            return Err(CommError::BadBuffer {
+                collective: "ddp gradient sync".into(),
+                detail: "the communication thread stopped before every bucket came back".into(),
+            });
+        }
+        Ok(now_us() - wait_start)
+    }
+}
+
+impl Drop for GradSync {
+    fn drop(&mut self) {
+        self.to_comm.take();
+        if let Some(t) = self.comm_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn communication_thread(
+    mut comm: Box<dyn Communicator>,
+    rx: mpsc::Receiver<InFlight>,
+    tx: mpsc::Sender<Reduced>,
+    sizes: Vec<usize>,
+) {
+    for InFlight { bucket, mut data } in rx {
+        let start_us = now_us();
+        let result = comm.all_reduce(&mut data, ReduceOp::Sum);
+        let span = Span {
+            kind: SpanKind::Comm,
+            name: format!("all_reduce bucket {bucket} ({:.2} MiB)", (sizes[bucket] * 4) as f64 / (1 << 20) as f64),
+            step: 0,
+            lane: "comm".into(),
+            start_us,
+            end_us: now_us(),
+            layer: None,
+            bucket: Some(bucket as u32),
+            bytes: Some((sizes[bucket] * 4) as u64),
+        };
+        let failed = result.is_err();
+        if tx.send(Reduced { bucket, data, span, result }).is_err() || failed {
+            break;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_follow_backward_order_and_are_contiguous() {
+        // Buffer: [0,10) [10,30) [30,60) [60,100); backward finishes them last to first.
+        let units = vec![60..100, 30..60, 10..30, 0..10];
+        let buckets = plan_buckets(&units, 4 * 50); // at least 50 floats each
+        assert_eq!(
+            buckets,
+            vec![Bucket { range: 30..100, units: 0..2 }, Bucket { range: 0..30, units: 2..4 }]
+        );
+        // A huge bucket size gives one bucket; a tiny one, one bucket per unit.
+        assert_eq!(plan_buckets(&units, 1 << 30).len(), 1);
+        assert_eq!(plan_buckets(&units, 4).len(), 4);
+    }
+}

@@ -1,0 +1,296 @@
+//! Every op's backward, and the whole model's gradient, against central finite
+//! differences in f64. The kernels are the engine's own (generic over the float
+//! type), called through the `Backend` trait on `CpuBackend<f64>` inside 1- and
+//! 3-thread pools, so the threaded splits of the work are checked too.
+
+use distlab_common::ModelSpec;
+use distlab_worker::backend::{Backend, CpuBackend};
+use distlab_worker::model::Gpt;
+use distlab_worker::rng::Rng;
+
+const EPS: f64 = 1e-5;
+
+fn random(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| scale * rng.normal()).collect()
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Compares `analytic` with central differences of `f` around `x`, for every coordinate.
+fn check(name: &str, x: &[f64], analytic: &[f64], mut f: impl FnMut(&[f64]) -> f64) {
+    assert_eq!(x.len(), analytic.len(), "{name}: gradient length");
+    let mut xp = x.to_vec();
+    let mut worst = 0.0f64;
+    for i in 0..x.len() {
+        xp[i] = x[i] + EPS;
+        let up = f(&xp);
+        xp[i] = x[i] - EPS;
+        let down = f(&xp);
+        xp[i] = x[i];
+        let numeric = (up - down) / (2.0 * EPS);
+        let err = (analytic[i] - numeric).abs() / (1e-4 + numeric.abs().max(analytic[i].abs()));
+        worst = worst.max(err);
+        assert!(err < 1e-5, "{name}[{i}]: analytic {} vs numeric {numeric}", analytic[i]);
+    }
+    eprintln!("{name}: {} coordinates, worst relative error {worst:.2e}", x.len());
+}
+
+/// Runs `f` with backends of 1 and 3 threads, each inside its own pool.
+fn with_backends(mut f: impl FnMut(&CpuBackend<f64>) + Send) {
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let be = CpuBackend::<f64>::new(threads);
+        pool.install(|| f(&be));
+    }
+}
+
+#[test]
+fn encoder_backward_matches_finite_differences() {
+    let (b, t, c, v) = (3, 5, 6, 7);
+    let tokens: Vec<u32> = vec![0, 3, 3, 6, 1, 2, 3, 0, 0, 5, 6, 6, 2, 1, 4];
+    let wte = random(v * c, 1, 1.0);
+    let wpe = random(t * c, 2, 1.0);
+    let r = random(b * t * c, 3, 1.0);
+    with_backends(|be| {
+        let forward = |wte: &[f64], wpe: &[f64]| {
+            let mut out = vec![0.0; b * t * c];
+            be.encoder_forward(&mut out, &tokens, wte, wpe, t, c);
+            dot(&out, &r)
+        };
+        let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; t * c]);
+        be.encoder_backward(&mut dwte, &mut dwpe, &r, &tokens, t, c);
+        check("encoder dwte", &wte, &dwte, |x| forward(x, &wpe));
+        check("encoder dwpe", &wpe, &dwpe, |x| forward(&wte, x));
+    });
+}
+
+#[test]
+fn layernorm_backward_matches_finite_differences() {
+    let (rows, c) = (9, 40);
+    let inp = random(rows * c, 4, 2.0);
+    let gamma: Vec<f64> = random(c, 5, 0.3).iter().map(|g| 1.0 + g).collect();
+    let beta = random(c, 6, 0.3);
+    let r = random(rows * c, 7, 1.0);
+    with_backends(|be| {
+        let forward = |inp: &[f64], gamma: &[f64], beta: &[f64]| {
+            let (mut out, mut mean, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows], vec![0.0; rows]);
+            be.layernorm_forward(&mut out, &mut mean, &mut rstd, inp, gamma, beta, c);
+            (dot(&out, &r), mean, rstd)
+        };
+        let (_, mean, rstd) = forward(&inp, &gamma, &beta);
+        // the input gradient is ADDED to dinp: start from a known value
+        let base = random(rows * c, 8, 1.0);
+        let mut dinp = base.clone();
+        let (mut dgamma, mut dbeta) = (vec![0.0; c], vec![0.0; c]);
+        be.layernorm_backward(&mut dinp, &mut dgamma, &mut dbeta, &r, &inp, &gamma, &mean, &rstd, c);
+        let dinp: Vec<f64> = dinp.iter().zip(&base).map(|(d, b)| d - b).collect();
+        check("layernorm dinp", &inp, &dinp, |x| forward(x, &gamma, &beta).0);
+        check("layernorm dgamma", &gamma, &dgamma, |x| forward(&inp, x, &beta).0);
+        check("layernorm dbeta", &beta, &dbeta, |x| forward(&inp, &gamma, x).0);
+    });
+}
+
+#[test]
+fn matmul_backward_matches_finite_differences() {
+    let (rows, c_in, c_out) = (11, 6, 37);
+    let inp = random(rows * c_in, 9, 1.0);
+    let w = random(c_in * c_out, 10, 1.0);
+    let bias = random(c_out, 11, 1.0);
+    let residual = random(rows * c_out, 12, 1.0);
+    let r = random(rows * c_out, 13, 1.0);
+    with_backends(|be| {
+        let forward = |inp: &[f64], w: &[f64], bias: &[f64], residual: &[f64]| {
+            let mut out = vec![0.0; rows * c_out];
+            be.matmul_forward(&mut out, inp, w, Some(bias), Some(residual), c_in, c_out);
+            dot(&out, &r)
+        };
+        // plain product (no bias, no residual) against a naive loop
+        let mut out = vec![0.0; rows * c_out];
+        be.matmul_forward(&mut out, &inp, &w, None, None, c_in, c_out);
+        for i in 0..rows {
+            for j in 0..c_out {
+                let want: f64 = (0..c_in).map(|k| inp[i * c_in + k] * w[k * c_out + j]).sum();
+                assert!((out[i * c_out + j] - want).abs() < 1e-12);
+            }
+        }
+        let mut dinp = vec![7.0; rows * c_in]; // overwritten
+        let (mut dw, mut db) = (vec![0.0; c_in * c_out], vec![0.0; c_out]);
+        be.matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &r, &inp, &w, c_in, c_out);
+        check("matmul dinp", &inp, &dinp, |x| forward(x, &w, &bias, &residual));
+        check("matmul dweight", &w, &dw, |x| forward(&inp, x, &bias, &residual));
+        check("matmul dbias", &bias, &db, |x| forward(&inp, &w, x, &residual));
+        check("matmul dresidual", &residual, &r, |x| forward(&inp, &w, &bias, x));
+        // weight and bias gradients accumulate
+        be.matmul_backward(None, &mut dw, Some(&mut db), &r, &inp, &w, c_in, c_out);
+        let (mut dw1, mut db1) = (vec![0.0; c_in * c_out], vec![0.0; c_out]);
+        be.matmul_backward(None, &mut dw1, Some(&mut db1), &r, &inp, &w, c_in, c_out);
+        for (a, b) in dw.iter().zip(&dw1).chain(db.iter().zip(&db1)) {
+            assert!((a - 2.0 * b).abs() < 1e-12 * (1.0 + b.abs()));
+        }
+    });
+}
+
+#[test]
+fn attention_backward_matches_finite_differences() {
+    check_attention(2, 5, 8, 2);
+}
+
+#[test]
+fn attention_with_several_causal_blocks_matches_finite_differences() {
+    // seq_len 70 > the 64-row block: exercises the skipped upper-right blocks
+    // and a ragged last block.
+    check_attention(1, 70, 4, 2);
+}
+
+fn check_attention(b: usize, t: usize, c: usize, heads: usize) {
+    let qkv = random(b * t * 3 * c, 14, 1.0);
+    let r = random(b * t * c, 15, 1.0);
+    with_backends(|be| {
+        let forward = |qkv: &[f64]| {
+            let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * heads * t * t]);
+            be.attention_forward(&mut out, &mut att, qkv, t, c, heads);
+            (dot(&out, &r), out, att)
+        };
+        let (_, out, att) = forward(&qkv);
+        // causality: probabilities above the diagonal are zero, rows sum to one
+        for row in att.chunks(t).enumerate().map(|(i, row)| (i % t, row)) {
+            let (i, p) = row;
+            assert!(p[i + 1..].iter().all(|&x| x == 0.0));
+            assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        }
+        // the first position attends only to itself: its output is its own V
+        for h in 0..heads {
+            let hs = c / heads;
+            for d in 0..hs {
+                assert!((out[h * hs + d] - qkv[2 * c + h * hs + d]).abs() < 1e-12);
+            }
+        }
+        let mut dqkv = vec![3.0; b * t * 3 * c];
+        let mut datt = vec![0.0; b * heads * t * t];
+        be.attention_backward(&mut dqkv, &mut datt, &r, &qkv, &att, t, c, heads);
+        check("attention dqkv", &qkv, &dqkv, |x| forward(x).0);
+    });
+}
+
+#[test]
+fn gelu_backward_matches_finite_differences() {
+    let n = 50;
+    let inp = random(n, 16, 2.0);
+    let r = random(n, 17, 1.0);
+    with_backends(|be| {
+        let forward = |x: &[f64]| {
+            let mut out = vec![0.0; n];
+            be.gelu_forward(&mut out, x);
+            dot(&out, &r)
+        };
+        let mut d = r.clone();
+        be.gelu_backward(&mut d, &inp);
+        check("gelu", &inp, &d, forward);
+    });
+}
+
+#[test]
+fn crossentropy_backward_matches_finite_differences() {
+    let (rows, v) = (7, 13);
+    let logits = random(rows * v, 18, 2.0);
+    let targets: Vec<u32> = vec![0, 12, 5, 5, 3, 7, 1];
+    let dloss = 0.37;
+    with_backends(|be| {
+        let forward = |z: &[f64]| {
+            let mut z = z.to_vec();
+            let mut losses = vec![0.0; rows];
+            be.crossentropy_forward(&mut z, &mut losses, &targets, v);
+            dloss * be.sum(&losses)
+        };
+        // the loss is -log softmax
+        let mut z = logits.clone();
+        let mut losses = vec![0.0; rows];
+        be.crossentropy_forward(&mut z, &mut losses, &targets, v);
+        let row = &logits[..v];
+        let lse = row.iter().map(|x| x.exp()).sum::<f64>().ln();
+        assert!((losses[0] - (lse - row[0])).abs() < 1e-12);
+        be.crossentropy_backward(&mut z, &targets, v, dloss);
+        check("crossentropy dlogits", &logits, &z, forward);
+    });
+}
+
+fn tiny_model() -> ModelSpec {
+    ModelSpec { layers: 2, d_model: 8, heads: 2, seq_len: 5, vocab: 11 }
+}
+
+fn tiny_batch(spec: &ModelSpec, batch: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut rng = Rng::new(99);
+    let n = batch * spec.seq_len;
+    let inputs = (0..n).map(|_| rng.below(spec.vocab as u64) as u32).collect();
+    let targets = (0..n).map(|_| rng.below(spec.vocab as u64) as u32).collect();
+    (inputs, targets)
+}
+
+#[test]
+fn whole_model_gradient_matches_finite_differences() {
+    let spec = tiny_model();
+    let batch = 2;
+    let (inputs, targets) = tiny_batch(&spec, batch);
+    let dloss = 1.0 / (batch * spec.seq_len) as f64;
+    with_backends(|be| {
+        let mut model = Gpt::new(be, &spec, batch, 3);
+        assert_eq!(model.layout.total as u64, spec.param_count());
+        // Larger-than-GPT-2 weights so that every path carries a visible gradient.
+        let params: Vec<f64> =
+            model.params.iter().enumerate().map(|(i, p)| p * 10.0 + 0.01 * (i as f64).sin()).collect();
+        model.params.copy_from_slice(&params);
+        model.zero_grads(be);
+        model.forward(be, &inputs, &targets);
+        model.backward(be, &inputs, &targets, dloss);
+        let analytic = model.grads.clone();
+        assert!(analytic.iter().all(|g| g.is_finite()));
+        let mut loss_at = |x: &[f64]| {
+            model.params.copy_from_slice(x);
+            model.forward(be, &inputs, &targets) * dloss
+        };
+        check("gpt (all parameters)", &params, &analytic, &mut loss_at);
+    });
+}
+
+#[test]
+fn f32_gradient_agrees_with_f64() {
+    // The f32 kernels (fast exp / tanh) give the same gradient as the f64 reference.
+    let spec = tiny_model();
+    let batch = 2;
+    let (inputs, targets) = tiny_batch(&spec, batch);
+    let dloss = 1.0 / (batch * spec.seq_len) as f64;
+    let be64 = CpuBackend::<f64>::new(1);
+    let mut m64 = Gpt::new(&be64, &spec, batch, 3);
+    m64.zero_grads(&be64);
+    let l64 = m64.forward(&be64, &inputs, &targets);
+    m64.backward(&be64, &inputs, &targets, dloss);
+    let be32 = CpuBackend::<f32>::new(1);
+    let mut m32 = Gpt::new(&be32, &spec, batch, 3);
+    m32.zero_grads(&be32);
+    let l32 = m32.forward(&be32, &inputs, &targets);
+    m32.backward(&be32, &inputs, &targets, dloss);
+    assert!((l64 - l32).abs() < 1e-5 * l64.abs(), "loss f64 {l64} vs f32 {l32}");
+    let norm: f64 = m64.grads.iter().map(|g| g * g).sum::<f64>().sqrt();
+    let diff: f64 = m64.grads.iter().zip(&m32.grads).map(|(a, &b)| (a - b as f64).powi(2)).sum::<f64>().sqrt();
+    assert!(diff < 1e-5 * norm, "gradient difference {diff} vs norm {norm}");
+}
+
+#[test]
+fn backward_accumulates_across_micro_batches() {
+    let spec = tiny_model();
+    let (inputs, targets) = tiny_batch(&spec, 2);
+    let be = CpuBackend::<f64>::new(1);
+    let mut model = Gpt::new(&be, &spec, 2, 3);
+    model.zero_grads(&be);
+    model.forward(&be, &inputs, &targets);
+    model.backward(&be, &inputs, &targets, 0.1);
+    let once = model.grads.clone();
+    model.forward(&be, &inputs, &targets);
+    model.backward(&be, &inputs, &targets, 0.1);
+    for (a, b) in model.grads.iter().zip(&once) {
+        assert!((a - 2.0 * b).abs() <= 1e-12 * (1.0 + b.abs()));
+    }
+}
