@@ -306,6 +306,10 @@ pub fn train(
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, TrainError> {
+    let unsupported = unsupported_features(spec);
+    if !unsupported.is_empty() {
+        return Err(TrainError::Unsupported(unsupported.join("; ")));
+    }
     if spec.parallel.dp > 1 {
         return Err(TrainError::Unsupported(format!(
             "parallel.dp={}: data parallelism runs one process per rank; start it through the launcher \
