@@ -3,7 +3,22 @@
 //! Full detail (every ring step) is kept for the first `detail_limit` collectives of a
 //! rank; after that only per-operation counters grow, so a long run stays small.
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
+
+/// The elements of chunk `index` when `len` elements are split into `parts` chunks:
+/// the first `len % parts` chunks hold one element more than the others. The ring
+/// collectives cut buffers this way (the worker's `comm::chunk_range` is the same
+/// rule), so the browser's replay draws the same chunks.
+pub fn chunk_range(len: usize, parts: usize, index: usize) -> Range<usize> {
+    let parts = parts.max(1);
+    let base = len / parts;
+    let extra = len % parts;
+    let start = index * base + index.min(extra);
+    let size = base + usize::from(index < extra);
+    start..start + size
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -155,4 +170,27 @@ pub struct RankTrace {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ExperimentTrace {
     pub ranks: Vec<RankTrace>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_in_order() {
+        for len in [0, 1, 2, 7, 16, 17, 1000] {
+            for parts in 1..=8 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let r = chunk_range(len, parts, i);
+                    assert_eq!(r.start, next);
+                    assert!(r.len() == len / parts || r.len() == len / parts + 1);
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+        assert_eq!(chunk_range(10, 3, 0), 0..4);
+        assert_eq!(chunk_range(10, 3, 2), 7..10);
+    }
 }

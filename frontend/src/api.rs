@@ -1,6 +1,7 @@
 //! The HTTP API (DESIGN.md, "Public API contract") as seen from the browser:
 //! JSON requests with gloo-net and the live stream with an `EventSource`.
 
+use distlab_common::trace::ExperimentTrace;
 use distlab_common::{ApiError, Created, ExperimentList, ExperimentView, FieldError, Health, Metrics, StreamEvent};
 use gloo_net::http::{Request, Response};
 use serde::de::DeserializeOwned;
@@ -44,6 +45,11 @@ pub async fn get_experiment(id: i64) -> ApiResult<ExperimentView> {
 
 pub async fn get_metrics(id: i64) -> ApiResult<Metrics> {
     get_json(&format!("/api/experiments/{id}/metrics")).await
+}
+
+/// Every rank's trace: timeline spans and collective steps (`{"ranks": []}` before any).
+pub async fn get_trace(id: i64) -> ApiResult<ExperimentTrace> {
+    get_json(&format!("/api/experiments/{id}/trace")).await
 }
 
 /// `POST /api/experiments` with the spec as JSON; a 422 comes back with its field errors.
@@ -92,7 +98,7 @@ async fn error_from(response: Response) -> RequestError {
 }
 
 /// A live `GET /api/experiments/{id}/stream`: calls `on_event` for every `status`,
-/// `metric` and `log` message, and `on_error` (with the source, so that it can close
+/// `metric`, `log` and `trace` message, and `on_error` (with the source, so that it can close
 /// it) when the connection ends or fails. The browser reconnects by itself unless
 /// the source is closed (the server then replays the stored metrics: callers
 /// de-duplicate by step). Dropping the stream closes it.
@@ -113,7 +119,7 @@ impl EventStream {
             EventSource::new(&url).map_err(|_| RequestError::new("this browser cannot open an event stream"))?;
         let on_event = std::rc::Rc::new(on_event);
         let mut listeners = Vec::new();
-        for name in ["status", "metric", "log", "message"] {
+        for name in ["status", "metric", "log", "trace", "message"] {
             let on_event = on_event.clone();
             let listener = Closure::<dyn FnMut(MessageEvent)>::new(move |message: MessageEvent| {
                 let Some(text) = message.data().as_string() else { return };

@@ -8,7 +8,7 @@ use leptos_router::components::{Route, Router, Routes, A};
 use leptos_router::path;
 
 use crate::api;
-use crate::pages::{experiment::ExperimentPage, list::ExperimentList, new::NewExperiment};
+use crate::pages::{experiment::ExperimentPage, list::ExperimentList, new::NewExperiment, ring::RingReplayPage};
 
 #[component]
 pub fn App() -> impl IntoView {
@@ -30,6 +30,7 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/") view=ExperimentList/>
                     <Route path=path!("/new") view=NewExperiment/>
                     <Route path=path!("/experiments/:id") view=ExperimentPage/>
+                    <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
                 </Routes>
             </main>
             <footer class="footer">

@@ -90,6 +90,44 @@ pub fn num(x: f64) -> String {
     }
 }
 
+/// A number of a buffer, as short as it stays exact enough to check by hand:
+/// 1000 -> "1000", 1.5 -> "1.5", 0.123456 -> "0.1235", 3e-7 -> "3.00e-7".
+pub fn value(x: f32) -> String {
+    if !x.is_finite() {
+        return x.to_string();
+    }
+    let a = x.abs();
+    if x == x.trunc() && a < 1e7 {
+        return format!("{x:.0}");
+    }
+    if a != 0.0 && !(1e-3..1e7).contains(&a) {
+        return format!("{x:.2e}");
+    }
+    let decimals = if a >= 1000.0 {
+        1
+    } else if a >= 10.0 {
+        2
+    } else {
+        4
+    };
+    let s = format!("{x:.decimals$}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    s.to_string()
+}
+
+/// Bytes in words: 96 -> "96 B", 4096 -> "4.0 KiB", 3_000_000 -> "2.9 MiB".
+pub fn bytes(b: f64) -> String {
+    if b < 1024.0 {
+        format!("{} B", value(b as f32))
+    } else if b < 1024.0 * 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else if b < 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.1} MiB", b / 1024.0 / 1024.0)
+    } else {
+        format!("{:.2} GiB", b / 1024.0 / 1024.0 / 1024.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,5 +146,14 @@ mod tests {
         assert_eq!(si(4_500_000.0), "4.50 M");
         assert_eq!(num(0.003), "3.00e-3");
         assert_eq!(num(1.5), "1.500");
+        assert_eq!(value(1000.0), "1000");
+        assert_eq!(value(-4.0), "-4");
+        assert_eq!(value(1.5), "1.5");
+        assert_eq!(value(0.123456), "0.1235");
+        assert_eq!(value(53.333336), "53.33");
+        assert_eq!(value(3e-7), "3.00e-7");
+        assert_eq!(bytes(96.0), "96 B");
+        assert_eq!(bytes(53.333336), "53.33 B");
+        assert_eq!(bytes(4096.0), "4.0 KiB");
     }
 }

@@ -1,6 +1,8 @@
 //! The web app in a real headless Chromium, against the real server and worker:
 //! fill the form (with an instant validation error on the way), submit, watch the
 //! run finish on the experiment page, and save screenshots to target/screenshots/.
+//! A second test runs the all-reduce demo from the form and steps through its ring
+//! replay to the end, where every rank must show the sum.
 //!
 //! Needs `chromium` and `chromedriver` (Debian: `apt-get install chromium chromium-driver`;
 //! `cargo xtask test` installs them) and a built frontend (`cargo xtask build-frontend`).
@@ -102,18 +104,26 @@ fn screenshot_dir() -> PathBuf {
     repo_root().join("target/screenshots")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn submit_in_the_browser_and_watch_the_loss_fall() -> Result<()> {
+/// Whether the browser tests should run: panics when the browser or the built
+/// frontend is missing, unless DISTLAB_SKIP_BROWSER=1 (then false).
+fn browser_ready() -> bool {
     if let Some(why) = browser_missing() {
         if std::env::var_os("DISTLAB_SKIP_BROWSER").is_some_and(|v| v == "1") {
             eprintln!("SKIPPED (DISTLAB_SKIP_BROWSER=1): {why}");
-            return Ok(());
+            return false;
         }
         panic!("{why}");
     }
     let site = repo_root().join("target/site/index.html");
     assert!(site.exists(), "{} is missing: build the frontend first with `cargo xtask build-frontend`", site.display());
+    true
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_in_the_browser_and_watch_the_loss_fall() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
     let lab = Lab::start();
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
@@ -124,6 +134,162 @@ async fn submit_in_the_browser_and_watch_the_loss_fall() -> Result<()> {
     }
     let _ = client.close().await;
     result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_the_all_reduce_ring_step_by_step() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let lab = Lab::start();
+    let driver = ChromeDriver::start()?;
+    let client = driver.connect().await?;
+    let result = ring_scenario(&client, &lab).await;
+    if result.is_err() {
+        let _ = save_screenshot(&client, "failure-ring.png").await;
+    }
+    let _ = client.close().await;
+    result
+}
+
+/// The all-reduce preset through the form, its collective check, then the ring replay:
+/// stepped to the end with the step button, every rank shows the sum 1000 + 4i.
+async fn ring_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    const W: usize = 4;
+    const N: usize = 16;
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    c.find(Locator::Css("#preset-allreduce")).await?.click().await?;
+    wait_for(c, "the demo section to open", Duration::from_secs(5), || async {
+        Ok(js(c, "const e = document.querySelector(arguments[0]); return !!(e && e.checked);", "#demo-enabled").await?
+            == json!(true))
+    })
+    .await?;
+    assert_eq!(value_of(c, "demo.op").await?, "all_reduce");
+    assert_eq!(value_of(c, "demo.elements").await?, N.to_string());
+    assert_eq!(value_of(c, "parallel.dp").await?, W.to_string());
+    assert!(exists(c, "fieldset.unused[data-section='model']").await?, "the model section is greyed out for a demo");
+    let derived = text(c, "#derived").await?;
+    assert!(derived.contains("96 B"), "the form shows the formula's bytes per rank: {derived}");
+    save_full_page(c, "new-demo.png").await?;
+    wait_for(c, "submit to be enabled", Duration::from_secs(5), || async { Ok(!disabled(c, "#submit").await?) })
+        .await?;
+    c.find(Locator::Css("#submit")).await?.click().await?;
+
+    // The experiment page: the collective check instead of a loss.
+    wait_for(c, "the experiment page", Duration::from_secs(15), || async {
+        Ok(c.current_url().await?.path().starts_with("/experiments/"))
+    })
+    .await?;
+    wait_for(c, "the demo to succeed", Duration::from_secs(90), || async {
+        let status = text(c, "#status").await.unwrap_or_default();
+        if status == "failed" || status == "cancelled" {
+            let error = text(c, "#error").await.unwrap_or_default();
+            bail!("the demo {status}: {error}");
+        }
+        Ok(status == "succeeded")
+    })
+    .await?;
+    wait_for(c, "the collective check", Duration::from_secs(10), || exists(c, "#collective-check")).await?;
+    assert!(!exists(c, "#loss-chart").await?, "a demo has no loss chart");
+    assert_eq!(text(c, "#formula-bytes").await?, "96 B");
+    assert_eq!(text(c, "#max-error").await?, "0");
+    assert_eq!(attr(c, "#collective-check", "data-exact").await?.as_deref(), Some("true"));
+    let bytes = c
+        .execute(
+            "return [...document.querySelectorAll('#collective-bytes td.bytes')].map(e => e.getAttribute('data-bytes'));",
+            vec![],
+        )
+        .await?;
+    assert_eq!(bytes, json!(["96", "96", "96", "96"]), "each rank sent 2(W-1)/W * 64 B");
+    save_full_page(c, "experiment-demo.png").await?;
+
+    // The replay.
+    c.find(Locator::Css("#replay-link")).await?.click().await?;
+    wait_for(c, "the ring replay", Duration::from_secs(15), || exists(c, "#ring-step")).await?;
+    assert!(c.current_url().await?.path().ends_with("/ring"));
+    assert_eq!(attr(c, "#ring-position", "data-last").await?.as_deref(), Some("6"), "3 + 3 ring steps");
+    let rows = || async {
+        let v = c
+            .execute(
+                "return [...document.querySelectorAll('#ring-buffers tbody tr')].map(e => e.getAttribute('data-values'));",
+                vec![],
+            )
+            .await?;
+        Ok::<Vec<String>, anyhow::Error>(serde_json::from_value(v)?)
+    };
+    let numbers = |f: &dyn Fn(usize, usize) -> usize| -> Vec<String> {
+        (0..W).map(|r| (0..N).map(|i| f(r, i).to_string()).collect::<Vec<_>>().join(" ")).collect()
+    };
+    assert_eq!(rows().await?, numbers(&|r, i| (r + 1) * 100 + i), "each rank starts with (r+1)*100 + i");
+    assert_eq!(c.find_all(Locator::Css("#ring .chunk-g")).await?.len(), W * W, "W chunks on each of W ranks");
+
+    assert!(!disabled(c, "#ring-step").await?, "the step button is enabled at the start");
+    assert!(disabled(c, "#ring-back").await?, "nothing to go back to at the start");
+    let mut clicks = 0;
+    while !disabled(c, "#ring-step").await? {
+        c.find(Locator::Css("#ring-step")).await?.click().await?;
+        clicks += 1;
+        let want = clicks.to_string();
+        wait_for(c, "the next step", Duration::from_secs(5), || async {
+            Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some(want.as_str()))
+        })
+        .await?;
+        assert_eq!(c.find_all(Locator::Css("#ring .transfer")).await?.len(), W, "one arrow per link at step {clicks}");
+        if clicks == 2 {
+            assert_eq!(text(c, "#ring-phase").await?, "reduce-scatter step 2 of 3");
+            // The chunks written in step 2 hold 3 of the 4 contributions.
+            let badges = c
+                .execute(
+                    "return [...document.querySelectorAll('#ring .chunk.received')].map(e => e.parentNode.querySelector('.chunk-badge').textContent);",
+                    vec![],
+                )
+                .await?;
+            assert_eq!(badges, json!(["3/4", "3/4", "3/4", "3/4"]));
+            assert!(text(c, "#ring-explain").await?.contains("3/4"));
+            save_full_page(c, "ring-replay.png").await?;
+        }
+        assert!(clicks <= 6, "the step button is still enabled after the last step");
+    }
+    assert_eq!(clicks, 6);
+    assert_eq!(text(c, "#ring-phase").await?, "all-gather step 3 of 3");
+    // Every rank ends with the sum over the 4 ranks: sum_r (r+1)*100 + i = 1000 + 4i.
+    assert_eq!(rows().await?, numbers(&|_, i| 1000 + 4 * i));
+    let sent = c
+        .execute(
+            "return [...document.querySelectorAll('#ring .card-bytes')].map(e => e.getAttribute('data-sent'));",
+            vec![],
+        )
+        .await?;
+    assert_eq!(sent, json!(["96", "96", "96", "96"]));
+    wait_for(c, "the verdict", Duration::from_secs(5), || exists(c, "#ring-verdict")).await?;
+    assert_eq!(attr(c, "#ring-verdict", "data-ok").await?.as_deref(), Some("true"));
+    assert!(text(c, "#ring-demo-sum").await?.contains("1000 + 4·i"));
+    save_full_page(c, "ring-replay-end.png").await?;
+
+    // Scrub back to the end of the reduce-scatter, then play through to the end.
+    c.execute(
+        "const s = document.querySelector('#ring-scrub'); s.value = '3'; s.dispatchEvent(new Event('input', {bubbles: true}));",
+        vec![],
+    )
+    .await?;
+    wait_for(c, "the slider to move the replay", Duration::from_secs(5), || async {
+        Ok(text(c, "#ring-phase").await? == "reduce-scatter step 3 of 3")
+    })
+    .await?;
+    assert!(!exists(c, "#ring-verdict").await?, "the verdict belongs to the end");
+    c.find(Locator::Css("#ring-play")).await?.click().await?;
+    wait_for(c, "play to reach the end", Duration::from_secs(20), || async {
+        Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some("6"))
+    })
+    .await?;
+    wait_for(c, "play to stop at the end", Duration::from_secs(5), || async {
+        Ok(attr(c, "#ring-play", "data-playing").await?.as_deref() == Some("false"))
+    })
+    .await?;
+    c.find(Locator::Css("#ring-reset")).await?.click().await?;
+    assert_eq!(rows().await?, numbers(&|r, i| (r + 1) * 100 + i));
+    Ok(())
 }
 
 async fn scenario(c: &Client, lab: &Lab) -> Result<()> {

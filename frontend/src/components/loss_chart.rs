@@ -115,7 +115,7 @@ impl ChartModel {
 }
 
 /// 1, 2 or 5 times a power of ten, at least `raw`.
-fn nice_step(raw: f64) -> f64 {
+pub fn nice_step(raw: f64) -> f64 {
     if !(raw.is_finite() && raw > 0.0) {
         return 1.0;
     }

@@ -18,6 +18,15 @@ pub fn label<T: Serialize>(value: &T) -> String {
 /// "2L · d64 · 4h · seq 32 · vocab 64, markov, dp1 tp1 pp1, fp32, cpu": what ran, in one line.
 pub fn one_line(spec: &ExperimentSpec) -> String {
     let (m, p, t) = (&spec.model, &spec.parallel, &spec.train);
+    if let Some(demo) = &spec.demo {
+        return format!(
+            "collective demo · {} of {} numbers · ring of {} ranks · {}",
+            demo.op.as_str(),
+            demo.elements,
+            p.dp,
+            label(&spec.backend)
+        );
+    }
     let mut parts = vec![
         format!("{} layers, d_model {}, {} heads, seq {}, vocab {}", m.layers, m.d_model, m.heads, m.seq_len, m.vocab),
         label(&spec.data.dataset),
@@ -89,9 +98,18 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         }
     );
     let backend = label(&spec.backend);
+    let demo = spec.demo.as_ref().map(|d| {
+        format!(
+            "{} of {} numbers over the {} dp ranks, rank r starting with (r+1)·100 + i — no training: the model, data and training settings below are not used",
+            d.op.as_str(),
+            d.elements,
+            p.dp
+        )
+    });
     let json = serde_json::to_string_pretty(&spec).unwrap_or_default();
     view! {
         <dl class="spec" id="spec">
+            {demo.map(|d| view! { <dt>"collective demo"</dt><dd id="spec-demo">{d}</dd> })}
             <dt>"model"</dt><dd>{model}</dd>
             <dt>"data"</dt><dd>{data}</dd>
             <dt>"parallel"</dt><dd>{parallel}</dd>

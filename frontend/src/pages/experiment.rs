@@ -1,10 +1,16 @@
 //! `/experiments/:id`: one experiment, live. The server-sent event stream feeds the
 //! status, the metric points (the loss chart grows while it runs) and the log; the
 //! REST endpoints fill in the rest (spec, timestamps) and cover a missed stream.
+//! Once the ranks have stored their traces the page shows their timeline and links
+//! to the ring replay; a collective demo shows its checked result instead of a loss.
 
 use std::time::Duration;
 
-use distlab_common::{ExperimentStatus, ExperimentView, LogLevel, LogLine, MetricPoint, RunSummary, StreamEvent};
+use distlab_common::trace::ExperimentTrace;
+use distlab_common::{
+    CollectiveCheck, DemoOp, ExperimentSpec, ExperimentStatus, ExperimentView, LogLevel, LogLine, MetricPoint,
+    RunSummary, StreamEvent,
+};
 use leptos::prelude::*;
 use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
@@ -14,7 +20,9 @@ use crate::components::loss_chart::{LossChart, Reference};
 use crate::components::progress::ProgressBar;
 use crate::components::spec_view::{one_line, SpecView};
 use crate::components::status_badge::StatusBadge;
+use crate::components::timeline::{RankSpans, Timeline};
 use crate::format;
+use crate::ring_replay::ring_collectives;
 
 /// Log lines kept on the page.
 const MAX_LOG: usize = 300;
@@ -58,6 +66,10 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
     let stream_state = RwSignal::new("connecting");
     let action_error = RwSignal::new(None::<String>);
     let now = RwSignal::new(format::now_ms());
+    let trace = RwSignal::new(None::<ExperimentTrace>);
+    // One trace request at a time; a request asked for meanwhile runs after it.
+    let trace_loading = StoredValue::new(false);
+    let trace_again = StoredValue::new(false);
 
     let reload = move || {
         leptos::task::spawn_local(async move {
@@ -90,6 +102,44 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
         }
     });
 
+    fn load_trace(
+        id: i64,
+        trace: RwSignal<Option<ExperimentTrace>>,
+        loading: StoredValue<bool>,
+        again: StoredValue<bool>,
+    ) {
+        if loading.get_value() {
+            again.set_value(true);
+            return;
+        }
+        loading.set_value(true);
+        leptos::task::spawn_local(async move {
+            loop {
+                again.set_value(false);
+                if let Ok(t) = api::get_trace(id).await {
+                    if trace.try_set(Some(t)).is_some() {
+                        // The page is gone.
+                        break;
+                    }
+                }
+                if !again.get_value() {
+                    break;
+                }
+            }
+            loading.set_value(false);
+        });
+    }
+    let load_trace = move || load_trace(id, trace, trace_loading, trace_again);
+    // Ranks store their traces at the end of a run: fetch once it has finished (and
+    // again for any trace that arrives after that).
+    Effect::new(move |fetched: Option<bool>| {
+        let finished = status.get().is_some_and(|s| s.is_finished());
+        if finished && fetched != Some(true) {
+            load_trace();
+        }
+        finished
+    });
+
     let on_event = move |event: StreamEvent| {
         stream_state.try_set("live");
         match event {
@@ -117,8 +167,12 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                     }
                 });
             }
-            // Traces are fetched from /trace by the pages that draw them.
-            StreamEvent::Trace { .. } => {}
+            // Traces are fetched from /trace: now, if the run is over (else when it ends).
+            StreamEvent::Trace { .. } => {
+                if status.get_untracked().is_some_and(|s| s.is_finished()) {
+                    load_trace();
+                }
+            }
         }
     };
     let on_error = move |source: &web_sys::EventSource| {
@@ -162,6 +216,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
         .into_any(),
         Some(Ok(view)) => {
             let spec = view.spec.clone();
+            let view_spec = spec.clone();
             let total = spec.train.steps;
             let vocab = spec.model.vocab.max(1) as f64;
             let name = view.name.clone();
@@ -247,44 +302,88 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                         </div>
                     })}
 
-                    <div class="stats" id="stats">
-                        <div class="stat wide">
-                            <span class="k">"step"</span>
-                            <span class="v" id="step">{move || format!("{} / {}", steps_done.get(), total)}</span>
-                            <ProgressBar done=steps_done total=total/>
-                        </div>
-                        <div class="stat">
-                            <span class="k">"loss"</span>
-                            <span class="v" id="loss">{move || latest().map(|p| format!("{:.4}", p.loss)).unwrap_or("–".into())}</span>
-                        </div>
-                        <div class="stat">
-                            <span class="k">"tokens / s"</span>
-                            <span class="v" id="tokens-per-s">{move || latest().map(|p| format::si(p.tokens_per_s)).unwrap_or("–".into())}</span>
-                        </div>
-                        <div class="stat">
-                            <span class="k">"learning rate"</span>
-                            <span class="v" id="lr">{move || latest().map(|p| format::num(p.lr)).unwrap_or("–".into())}</span>
-                        </div>
-                        <div class="stat">
-                            <span class="k">"grad norm"</span>
-                            <span class="v" id="grad-norm">{move || latest().map(|p| format::num(p.grad_norm)).unwrap_or("–".into())}</span>
-                        </div>
-                        <div class="stat">
-                            <span class="k">"step time"</span>
-                            <span class="v" id="step-ms">{move || latest().map(|p| format!("{:.1} ms", p.step_ms)).unwrap_or("–".into())}</span>
-                        </div>
-                        <div class="stat">
-                            <span class="k">"elapsed"</span>
-                            <span class="v" id="elapsed">{move || elapsed().unwrap_or("–".into())}</span>
-                        </div>
-                    </div>
+                    {match spec.demo.clone() {
+                        Some(demo) => view! {
+                            <DemoOverview spec=spec.clone() op=demo.op elements=demo.elements/>
+                            {move || {
+                                let check = summary.get().filter(|_| status_now.get() == ExperimentStatus::Succeeded).and_then(|s| s.collective);
+                                check.map(|c| view! { <CollectivePanel id=id check=c/> })
+                            }}
+                        }
+                        .into_any(),
+                        None => view! {
+                            <div class="stats" id="stats">
+                                <div class="stat wide">
+                                    <span class="k">"step"</span>
+                                    <span class="v" id="step">{move || format!("{} / {}", steps_done.get(), total)}</span>
+                                    <ProgressBar done=steps_done total=total/>
+                                </div>
+                                <div class="stat">
+                                    <span class="k">"loss"</span>
+                                    <span class="v" id="loss">{move || latest().map(|p| format!("{:.4}", p.loss)).unwrap_or("–".into())}</span>
+                                </div>
+                                <div class="stat">
+                                    <span class="k">"tokens / s"</span>
+                                    <span class="v" id="tokens-per-s">{move || latest().map(|p| format::si(p.tokens_per_s)).unwrap_or("–".into())}</span>
+                                </div>
+                                <div class="stat">
+                                    <span class="k">"learning rate"</span>
+                                    <span class="v" id="lr">{move || latest().map(|p| format::num(p.lr)).unwrap_or("–".into())}</span>
+                                </div>
+                                <div class="stat">
+                                    <span class="k">"grad norm"</span>
+                                    <span class="v" id="grad-norm">{move || latest().map(|p| format::num(p.grad_norm)).unwrap_or("–".into())}</span>
+                                </div>
+                                <div class="stat">
+                                    <span class="k">"step time"</span>
+                                    <span class="v" id="step-ms">{move || latest().map(|p| format!("{:.1} ms", p.step_ms)).unwrap_or("–".into())}</span>
+                                </div>
+                                <div class="stat">
+                                    <span class="k">"elapsed"</span>
+                                    <span class="v" id="elapsed">{move || elapsed().unwrap_or("–".into())}</span>
+                                </div>
+                            </div>
 
-                    <div class="chart-wrap">
-                        <LossChart points=points total_steps=total refs=refs title=title subtitle=subtitle/>
-                    </div>
+                            <div class="chart-wrap">
+                                <LossChart points=points total_steps=total refs=refs title=title subtitle=subtitle/>
+                            </div>
 
-                    {move || summary.get().filter(|_| status_now.get() == ExperimentStatus::Succeeded).map(|s| view! { <SummaryPanel summary=s/> })}
+                            {move || {
+                                let s = summary.get().filter(|_| status_now.get() == ExperimentStatus::Succeeded)?;
+                                Some(match s.collective.clone() {
+                                    Some(c) => view! { <CollectivePanel id=id check=c/> }.into_any(),
+                                    None => view! { <SummaryPanel summary=s/> }.into_any(),
+                                })
+                            }}
+                        }
+                        .into_any(),
+                    }}
+                    {move || trace.with(|t| t.as_ref().map(|t| ring_collectives(t).len())).filter(|&n| n > 0 && spec_demo_none(&view_spec))
+                        .map(|n| view! {
+                            <p class="replay-line">
+                                <A href=format!("/experiments/{id}/ring") attr:class="button" attr:id="replay-link">"Replay the ring →"</A>
+                                " " {format!("{n} collective{} recorded step by step", if n == 1 { "" } else { "s" })}
+                            </p>
+                        })}
                 </section>
+
+                {move || {
+                    let ranks: Vec<RankSpans> = trace.with(|t| {
+                        t.as_ref()
+                            .map(|t| t.ranks.iter().filter(|r| !r.spans.is_empty()).map(|r| RankSpans { rank: r.rank, spans: r.spans.clone() }).collect())
+                            .unwrap_or_default()
+                    });
+                    (!ranks.is_empty()).then(|| view! {
+                        <section class="card" id="timeline-card">
+                            <h2>"What every rank did, over time"</h2>
+                            <p class="muted small">
+                                "Each rank's compute thread (forward, backward, optimizer) and its communication thread, as recorded for the first steps. "
+                                "Hover a box for its name, duration and bytes."
+                            </p>
+                            <Timeline ranks=ranks/>
+                        </section>
+                    })
+                }}
 
                 <section class="card">
                     <h2>"Spec"</h2>
@@ -308,6 +407,89 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
             }
             .into_any()
         }
+    }
+}
+
+/// The demo's own panel links the replay; a training run links it below its result.
+fn spec_demo_none(spec: &ExperimentSpec) -> bool {
+    spec.demo.is_none()
+}
+
+/// A collective demo in words, while it is queued or running and after.
+#[component]
+fn DemoOverview(spec: ExperimentSpec, op: DemoOp, elements: usize) -> impl IntoView {
+    let w = spec.parallel.dp;
+    let what = match op {
+        DemoOp::AllReduce => "all-reduce: afterwards every rank holds the element-wise sum of all the vectors",
+        DemoOp::ReduceScatter => "reduce-scatter: afterwards rank r holds chunk r of the element-wise sum",
+        DemoOp::AllGather => {
+            "all-gather: rank r contributes chunk r of its vector; afterwards every rank holds all the chunks"
+        }
+    };
+    view! {
+        <div class="demo-overview" id="demo-overview">
+            <p>
+                <strong>"Collective demo, no training. "</strong>
+                {format!("{w} rank processes run one {what}. Each holds {elements} numbers; rank r starts with (r+1)·100 + i, so every number can be checked by hand.")}
+            </p>
+        </div>
+    }
+}
+
+/// The outcome of a collective demo: bytes per rank against the formula, and the error.
+#[component]
+fn CollectivePanel(id: i64, check: CollectiveCheck) -> impl IntoView {
+    let c = check;
+    let w = c.world;
+    let d = c.elements * 4;
+    let formula = match c.op {
+        DemoOp::AllReduce => format!("2(W-1)/W × D = 2·{}/{w} × {d} B", w.saturating_sub(1)),
+        _ => format!("(W-1)/W × D = {}/{w} × {d} B", w.saturating_sub(1)),
+    };
+    let exact = c.bytes_sent.iter().all(|&b| b as f64 == c.formula_bytes);
+    let ok = c.max_abs_error == 0.0;
+    let rows = c
+        .bytes_sent
+        .iter()
+        .enumerate()
+        .map(|(r, &b)| {
+            let equal = b as f64 == c.formula_bytes;
+            view! {
+                <tr data-rank=r.to_string()>
+                    <td>{format!("rank {r}")}</td>
+                    <td class="bytes" data-bytes=b.to_string()>{format!("{b} B")}</td>
+                    <td class=if equal { "ok" } else { "muted" }>
+                        {if equal { "= formula".to_string() } else { format!("{:+} B vs formula (uneven chunks)", b as f64 - c.formula_bytes) }}
+                    </td>
+                </tr>
+            }
+        })
+        .collect_view();
+    view! {
+        <div class=if ok { "summary collective-check" } else { "summary collective-check bad" } id="collective-check" data-exact=exact.to_string()>
+            <h2>"Collective check"</h2>
+            <p class="headline">
+                {format!("{} of {} numbers over a ring of W = {w} ranks: ", c.op.as_str(), c.elements)}
+                {if ok {
+                    view! { <span>"every rank's result equals a sequential computation exactly (largest error " <strong id="max-error">{format::num(c.max_abs_error)}</strong> ")."</span> }.into_any()
+                } else {
+                    view! { <span>"the largest difference from a sequential computation is " <strong id="max-error">{format::num(c.max_abs_error)}</strong> "."</span> }.into_any()
+                }}
+            </p>
+            <p>
+                "Bytes each rank sent, against the textbook " <strong>{formula}</strong> " = "
+                <strong id="formula-bytes">{format::value(c.formula_bytes as f32)} " B"</strong>
+                {if exact { " — exactly, on every rank." } else { "." }}
+            </p>
+            <table class="bytes-table" id="collective-bytes">
+                <thead><tr><th>"rank"</th><th>"bytes sent"</th><th></th></tr></thead>
+                <tbody>{rows}</tbody>
+            </table>
+            <p class="replay-cta">
+                <A href=format!("/experiments/{id}/ring") attr:class="button primary big" attr:id="replay-link">"▶ Replay the ring, step by step"</A>
+                <span class="muted small">" watch the partial sums travel round the ring and check every number"</span>
+            </p>
+        </div>
     }
 }
 

@@ -87,7 +87,12 @@ fn row(e: ExperimentView) -> impl IntoView {
                 <div class="muted small">{one_line(&e.spec)}</div>
             </td>
             <td><StatusBadge status=status/></td>
-            <td class="progress-col"><ProgressBar done=e.steps_done total=e.spec.train.steps/></td>
+            <td class="progress-col">
+                {match &e.spec.demo {
+                    Some(demo) => view! { <span class="muted small">{format!("{} demo", demo.op.as_str())}</span> }.into_any(),
+                    None => view! { <ProgressBar done=e.steps_done total=e.spec.train.steps/> }.into_any(),
+                }}
+            </td>
             <td class="created">
                 <span title=created.clone()>{format::local_time(&created)}</span>
                 <div class="muted small">{format::ago(&created)}</div>

@@ -3,9 +3,12 @@
 //! same `validate` the server runs, so each message appears next to its field at once
 //! and the submit button stays disabled until the spec is valid. The server remains
 //! the authority: its 422 field errors are shown the same way.
+//!
+//! The "collective demo" section is optional: its checkbox (ticked by the all-reduce
+//! preset) adds `demo` to the spec, and the sections only training uses are greyed out.
 
 use distlab_common::presets::{presets, Preset};
-use distlab_common::{ExperimentSpec, FieldError, Limits, Precision, Sharding};
+use distlab_common::{CollectiveDemo, DemoOp, ExperimentSpec, FieldError, Limits, Precision, Sharding};
 use leptos::prelude::*;
 use leptos_router::hooks::use_navigate;
 use serde_json::{Map, Value};
@@ -33,6 +36,7 @@ struct FieldDef {
 
 struct SectionDef {
     /// Errors about the section as a whole (`"model"`, `"parallel"`) show under its title.
+    /// The section [`DEMO`] is only part of the spec while its checkbox is ticked.
     key: &'static str,
     title: &'static str,
     fields: &'static [FieldDef],
@@ -42,6 +46,9 @@ const fn f(path: &'static str, kind: Kind, help: &'static str) -> FieldDef {
     FieldDef { path, kind, help }
 }
 
+/// The key of the optional collective-demo section.
+const DEMO: &str = "demo";
+
 const SECTIONS: &[SectionDef] = &[
     SectionDef {
         key: "general",
@@ -49,6 +56,22 @@ const SECTIONS: &[SectionDef] = &[
         fields: &[
             f("name", Kind::Text, "a name for the list"),
             f("backend", Kind::Choice(&["cpu", "cuda"]), "cpu runs everywhere; cuda needs a worker with a GPU"),
+        ],
+    },
+    SectionDef {
+        key: DEMO,
+        title: "Collective demo instead of training",
+        fields: &[
+            f(
+                "demo.op",
+                Kind::Choice(&["all_reduce", "reduce_scatter", "all_gather"]),
+                "the collective the dp ranks run, once",
+            ),
+            f(
+                "demo.elements",
+                Kind::Int,
+                "numbers in each rank's vector (1 to 4096; up to 64 keep every value for the replay)",
+            ),
         ],
     },
     SectionDef {
@@ -124,9 +147,28 @@ fn all_fields() -> impl Iterator<Item = &'static FieldDef> {
     SECTIONS.iter().flat_map(|s| s.fields.iter())
 }
 
-/// The text of each field for a spec.
+fn is_demo_field(path: &str) -> bool {
+    path.starts_with("demo.")
+}
+
+/// Fields a collective demo does not use: it trains no model, and runs on dp ranks only.
+fn training_only(path: &str) -> bool {
+    ["model.", "data.", "train."].iter().any(|p| path.starts_with(p))
+        || matches!(
+            path,
+            "parallel.tp" | "parallel.pp" | "parallel.sharding" | "parallel.pp_schedule" | "parallel.bucket_bytes"
+        )
+}
+
+/// The text of each field for a spec. Without a demo the demo fields show the
+/// defaults, ready for when the checkbox is ticked.
 fn field_texts(spec: &ExperimentSpec) -> Vec<String> {
-    let value = serde_json::to_value(spec).unwrap_or(Value::Null);
+    let mut value = serde_json::to_value(spec).unwrap_or(Value::Null);
+    if spec.demo.is_none() {
+        if let Value::Object(map) = &mut value {
+            map.insert(DEMO.into(), serde_json::to_value(CollectiveDemo::default()).unwrap_or(Value::Null));
+        }
+    }
     all_fields()
         .map(|def| {
             let mut v = &value;
@@ -149,11 +191,15 @@ struct Checked {
     errors: Vec<FieldError>,
 }
 
-/// Turns the texts into a spec and checks it with the server's own rules.
-fn check(texts: &[(&'static FieldDef, String)]) -> Checked {
+/// Turns the texts into a spec and checks it with the server's own rules; the demo
+/// fields count only when `demo` (the section's checkbox) is on.
+fn check(texts: &[(&'static FieldDef, String)], demo: bool) -> Checked {
     let mut errors = Vec::new();
     let mut root = Map::new();
     for (def, text) in texts {
+        if is_demo_field(def.path) && !demo {
+            continue;
+        }
         let parsed = match def.kind {
             Kind::Text | Kind::Choice(_) => Ok(Value::String(text.clone())),
             Kind::Int => match text.trim() {
@@ -209,9 +255,6 @@ fn insert(root: &mut Map<String, Value>, path: &str, value: Value) {
 /// Settings the current worker may answer "not yet supported" for.
 fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
-    if spec.parallel.dp > 1 {
-        out.push(format!("dp={}", spec.parallel.dp));
-    }
     if spec.parallel.tp > 1 {
         out.push(format!("tp={}", spec.parallel.tp));
     }
@@ -240,12 +283,13 @@ pub fn NewExperiment() -> impl IntoView {
         .collect();
     let fields = StoredValue::new(fields);
     let active_preset = RwSignal::new(presets.first().map(|p| p.key));
+    let demo_on = RwSignal::new(first.demo.is_some());
     let server_error = RwSignal::new(None::<RequestError>);
     let submitting = RwSignal::new(false);
 
     let checked = Memo::new(move |_| {
         let texts: Vec<_> = fields.with_value(|fs| fs.iter().map(|f| (f.def, f.value.get())).collect());
-        check(&texts)
+        check(&texts, demo_on.get())
     });
     // Local problems, plus the server's from the last submit (until the next edit).
     let errors_for = move |field: &'static str| {
@@ -269,8 +313,13 @@ pub fn NewExperiment() -> impl IntoView {
                 f.value.set(text);
             }
         });
+        demo_on.set(preset.spec.demo.is_some());
         active_preset.set(Some(preset.key));
         server_error.set(None);
+    };
+    let on_edit = move || {
+        server_error.set(None);
+        active_preset.set(None);
     };
 
     let navigate = use_navigate();
@@ -327,17 +376,59 @@ pub fn NewExperiment() -> impl IntoView {
                 .iter()
                 .map(|def| {
                     let field = fields.with_value(|fs| fs.iter().find(|f| std::ptr::eq(f.def, def)).copied());
-                    field.map(|field| view! { <FieldInput field=field errors=Signal::derive(move || errors_for(field.def.path)) on_edit=move || { server_error.set(None); active_preset.set(None); }/> })
+                    let unused = Signal::derive(move || demo_on.get() && training_only(def.path));
+                    field.map(|field| view! { <FieldInput field=field errors=Signal::derive(move || errors_for(field.def.path)) on_edit=on_edit unused=unused/> })
                 })
                 .collect_view();
             let key = section.key;
+            if key == DEMO {
+                return view! {
+                    <fieldset class="section demo-section" class:on=move || demo_on.get() data-section=key id="demo-section">
+                        <legend>
+                            <label class="toggle">
+                                <input
+                                    type="checkbox"
+                                    id="demo-enabled"
+                                    prop:checked=move || demo_on.get()
+                                    on:change=move |ev| { demo_on.set(event_target_checked(&ev)); on_edit(); }
+                                />
+                                {section.title}
+                            </label>
+                        </legend>
+                        <ErrorList messages=Signal::derive(move || errors_for(key)) field=key/>
+                        {move || if demo_on.get() {
+                            view! {
+                                <p class="muted small demo-help">
+                                    "No model is trained: dp rank processes (set dp under Parallelism: it is the ring size W) run one collective "
+                                    "on a small vector, rank r starting with (r+1)·100 + i, and record every ring step for the replay. "
+                                    "The greyed-out fields keep their values but are not used."
+                                </p>
+                            }.into_any()
+                        } else {
+                            view! {
+                                <p class="muted small demo-help">
+                                    "Tick to run one all-reduce, reduce-scatter or all-gather across the dp ranks instead of training, "
+                                    "and watch it step by step on the ring replay."
+                                </p>
+                            }.into_any()
+                        }}
+                        <div class="fields" class:hidden=move || !demo_on.get()>{inputs}</div>
+                    </fieldset>
+                }
+                .into_any();
+            }
+            let all_training_only = section.fields.iter().all(|d| training_only(d.path));
             view! {
-                <fieldset class="section" data-section=key>
-                    <legend>{section.title}</legend>
+                <fieldset class="section" class:unused=move || all_training_only && demo_on.get() data-section=key>
+                    <legend>
+                        {section.title}
+                        {move || (all_training_only && demo_on.get()).then(|| view! { <span class="unused-tag">" — not used by a collective demo"</span> })}
+                    </legend>
                     <ErrorList messages=Signal::derive(move || errors_for(key)) field=key/>
                     <div class="fields">{inputs}</div>
                 </fieldset>
             }
+            .into_any()
         })
         .collect_view();
 
@@ -345,6 +436,8 @@ pub fn NewExperiment() -> impl IntoView {
     let known = |field: &str| {
         field.is_empty() || SECTIONS.iter().any(|s| s.key == field) || all_fields().any(|d| d.path == field)
     };
+    // A section-level problem of a section that is not shown goes to the list below the form.
+    let known = move |field: &str| known(field) && (field != DEMO || demo_on.get());
     let other_errors = move || {
         let mut out: Vec<String> = checked.with(|c| {
             c.errors.iter().filter(|e| !known(&e.field) || e.field.is_empty()).map(|e| e.to_string()).collect()
@@ -364,9 +457,9 @@ pub fn NewExperiment() -> impl IntoView {
             <p class="muted">"Start from a preset, then change anything. Every change is checked at once with the server's own rules."</p>
             <div class="presets" id="presets">{preset_buttons}</div>
             <p class="note" id="support-note">
-                "Note: the current worker trains one CPU rank in fp32. Experiments with dp > 1, tensor or pipeline "
-                "parallelism, sharding (ZeRO, FSDP) or a precision other than fp32 are accepted here but may be "
-                "answered \"not yet supported\" when they run."
+                "Note: the current worker runs data parallelism (dp ranks as processes, DDP) on the CPU in fp32. "
+                "Tensor or pipeline parallelism, sharding (ZeRO, FSDP) or a precision other than fp32 are accepted "
+                "here but may be answered \"not yet supported\" when they run."
             </p>
         </section>
         <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>
@@ -410,6 +503,9 @@ fn FieldInput(
     field: FormField,
     #[prop(into)] errors: Signal<Vec<String>>,
     on_edit: impl Fn() + Copy + Send + Sync + 'static,
+    /// Greyed out: a collective demo does not use it.
+    #[prop(into)]
+    unused: Signal<bool>,
 ) -> impl IntoView {
     let def = field.def;
     let id = format!("field-{}", def.path.replace('.', "-"));
@@ -443,7 +539,8 @@ fn FieldInput(
         .into_any(),
     };
     view! {
-        <div class="field" class:invalid=move || !errors.with(|e| e.is_empty())>
+        <div class="field" class:invalid=move || !errors.with(|e| e.is_empty()) class:unused=move || unused.get()
+            title=move || unused.get().then_some("not used by a collective demo")>
             <label for=id>{label}</label>
             {control}
             {(!def.help.is_empty()).then(|| view! { <small class="help">{def.help}</small> })}
@@ -462,6 +559,25 @@ fn ErrorList(#[prop(into)] messages: Signal<Vec<String>>, field: &'static str) -
 fn Summary(checked: Memo<Checked>) -> impl IntoView {
     move || {
         checked.with(|c| c.spec.clone()).map(|spec| {
+            if let Some(demo) = &spec.demo {
+                let w = spec.parallel.dp;
+                let d = demo.elements as f64 * 4.0;
+                let (formula, factor) = match demo.op {
+                    DemoOp::AllReduce => ("2(W-1)/W × D", 2.0),
+                    _ => ("(W-1)/W × D", 1.0),
+                };
+                let per_rank = factor * (w as f64 - 1.0) / w.max(1) as f64 * d;
+                return view! {
+                    <div class="derived" id="derived">
+                        <div><span class="k">"ring size W"</span><span class="v">{w}</span></div>
+                        <div><span class="k">"collective"</span><span class="v">{demo.op.as_str()}</span></div>
+                        <div><span class="k">"buffer D"</span><span class="v">{format!("{} × 4 B = {} B", demo.elements, d)}</span></div>
+                        <div><span class="k">{format!("bytes each rank sends: {formula}")}</span><span class="v">{format::bytes(per_rank)}</span></div>
+                        <div><span class="k">"ring steps"</span><span class="v">{factor as usize * w.saturating_sub(1)}</span></div>
+                    </div>
+                }
+                .into_any();
+            }
             let flops = spec.model.train_flops_per_token() * spec.tokens_per_step() as f64;
             view! {
                 <div class="derived" id="derived">
@@ -473,6 +589,7 @@ fn Summary(checked: Memo<Checked>) -> impl IntoView {
                     <div><span class="k">"uniform loss ln(vocab)"</span><span class="v">{format!("{:.3}", (spec.model.vocab.max(1) as f64).ln())}</span></div>
                 </div>
             }
+            .into_any()
         })
     }
 }
@@ -488,8 +605,9 @@ mod tests {
     #[test]
     fn every_spec_field_has_an_input() {
         // The form round-trips every preset exactly: no field is missing or misnamed.
+        assert!(presets().iter().any(|p| p.spec.demo.is_some()), "a preset exercises the demo section");
         for preset in presets() {
-            let checked = check(&texts_for(&preset.spec));
+            let checked = check(&texts_for(&preset.spec), preset.spec.demo.is_some());
             assert_eq!(checked.errors, vec![], "{}", preset.key);
             assert_eq!(checked.spec.as_ref(), Some(&preset.spec), "{}", preset.key);
         }
@@ -505,7 +623,7 @@ mod tests {
                 _ => {}
             }
         }
-        let checked = check(&texts);
+        let checked = check(&texts, false);
         assert!(
             checked.errors.iter().any(|e| e.field == "train.steps" && e.message.contains("whole number")),
             "{:?}",
@@ -515,5 +633,32 @@ mod tests {
             .errors
             .iter()
             .any(|e| e.field == "model.heads" && e.message.contains("heads=3 does not divide")));
+    }
+
+    #[test]
+    fn the_demo_checkbox_adds_and_removes_the_demo() {
+        let plain = ExperimentSpec {
+            parallel: distlab_common::ParallelSpec { dp: 4, ..Default::default() },
+            ..Default::default()
+        };
+        // Off: no demo, whatever its fields hold.
+        let mut texts = texts_for(&plain);
+        assert_eq!(check(&texts, false).spec.and_then(|s| s.demo), None);
+        // On: the defaults shown in its fields, then what is typed there.
+        assert_eq!(check(&texts, true).spec.and_then(|s| s.demo), Some(CollectiveDemo::default()));
+        for (def, text) in texts.iter_mut() {
+            match def.path {
+                "demo.op" => *text = "reduce_scatter".into(),
+                "demo.elements" => *text = "0".into(),
+                _ => {}
+            }
+        }
+        let checked = check(&texts, true);
+        assert!(checked.errors.iter().any(|e| e.field == "demo.elements"), "{:?}", checked.errors);
+        assert_eq!(checked.spec.and_then(|s| s.demo).map(|d| d.op), Some(DemoOp::ReduceScatter));
+        // A demo ignores the training sections; dp is kept.
+        assert!(training_only("model.layers") && training_only("train.lr") && training_only("parallel.tp"));
+        assert!(!training_only("parallel.dp") && !training_only("name") && !training_only("demo.op"));
+        assert!(ambitious(&presets().into_iter().find(|p| p.key == "allreduce").unwrap().spec).is_empty());
     }
 }

@@ -1,0 +1,986 @@
+//! The ring replay, computed: every rank's buffer after every recorded step of one
+//! ring collective (all-reduce, reduce-scatter, all-gather).
+//!
+//! Nothing here is re-derived from the textbook schedule. The replay starts from
+//! the `input` each rank recorded, then applies the `RingStep`s the ranks recorded
+//! (each step is recorded by its sender: chunk `chunk` went from `from` to `to`, with
+//! the numbers it carried for small buffers): in the reduce-scatter phase the
+//! receiver adds the numbers into its copy of the chunk, in the all-gather phase it
+//! copies them over it. Beside the numbers the replay tracks whose contributions
+//! each chunk holds, so the page can colour own data, partial sums ("2/4"), complete
+//! sums and gathered copies even when the numbers of a large buffer were not kept.
+//! At the end the replayed buffers are compared with the `output` each rank
+//! recorded and with the sum of the recorded inputs.
+//!
+//! Plain Rust (no Leptos): the page only draws [`Replay`]; the tests replay real
+//! traces saved from the worker (frontend/tests/fixtures/).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use distlab_common::trace::{chunk_range, CollectiveOp, CollectiveRecord, ExperimentTrace, RingPhase, RingStep};
+
+use crate::format;
+
+/// Bytes per element on the wire: the ring collectives move f32.
+const ELEMENT_BYTES: u64 = 4;
+
+/// A collective is named by its group and its sequence number in the group
+/// (the same on every member).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CollectiveKey {
+    pub group: String,
+    pub id: u64,
+}
+
+impl CollectiveKey {
+    /// `dp:0`, for a `<select>` value or a query parameter.
+    pub fn to_param(&self) -> String {
+        format!("{}:{}", self.group, self.id)
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        let (group, id) = s.rsplit_once(':')?;
+        Some(Self { group: group.to_string(), id: id.parse().ok()? })
+    }
+}
+
+/// A ring collective the trace holds in detail.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CollectiveInfo {
+    pub key: CollectiveKey,
+    pub op: CollectiveOp,
+    /// Global ranks of the group in ring order.
+    pub ranks: Vec<u32>,
+    pub elements: u64,
+    /// How many of the group's ranks recorded it (all of them once the run is over).
+    pub recorded_by: usize,
+    /// Ring steps recorded, over all ranks.
+    pub steps: usize,
+    /// Whether every recorded step carries its numbers (small buffers, the demo).
+    pub has_values: bool,
+}
+
+impl CollectiveInfo {
+    /// "#0 all_reduce · 16 elements · 4 ranks (dp)".
+    pub fn label(&self) -> String {
+        format!(
+            "#{} {} · {} element{} · {} ranks ({}){}",
+            self.key.id,
+            self.op.as_str(),
+            self.elements,
+            if self.elements == 1 { "" } else { "s" },
+            self.ranks.len(),
+            self.key.group,
+            if self.has_values { " · with numbers" } else { "" }
+        )
+    }
+}
+
+/// Whether the replay can draw this operation (the ring schedules with chunks).
+pub fn replayable(op: CollectiveOp) -> bool {
+    matches!(op, CollectiveOp::AllReduce | CollectiveOp::ReduceScatter | CollectiveOp::AllGather)
+}
+
+/// The steps of `record` among `steps` (recorded by `rank`): same id, sent by this
+/// rank to its ring neighbour in this group, during the collective's time window (a
+/// rank can be in two groups whose collectives share ids).
+fn steps_of<'a>(
+    rank: u32,
+    record: &'a CollectiveRecord,
+    steps: &'a [RingStep],
+) -> impl Iterator<Item = &'a RingStep> + 'a {
+    let w = record.ranks.len();
+    let next = record.ranks.iter().position(|&r| r == rank).map(|p| record.ranks[(p + 1) % w.max(1)]);
+    steps.iter().filter(move |s| {
+        s.collective == record.id
+            && s.from == rank
+            && Some(s.to) == next
+            && matches!(s.phase, RingPhase::ReduceScatter | RingPhase::AllGather)
+            && s.start_us >= record.start_us
+            && s.start_us <= record.end_us
+    })
+}
+
+/// Every ring collective of the trace recorded in detail, ordered by group and id.
+pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
+    let mut found: BTreeMap<CollectiveKey, CollectiveInfo> = BTreeMap::new();
+    for rank in &trace.ranks {
+        for record in &rank.comm.collectives {
+            if !replayable(record.op) || record.ranks.len() < 2 {
+                continue;
+            }
+            let key = CollectiveKey { group: record.group.clone(), id: record.id };
+            let steps: Vec<&RingStep> = steps_of(rank.rank, record, &rank.comm.steps).collect();
+            let info = found.entry(key.clone()).or_insert_with(|| CollectiveInfo {
+                key,
+                op: record.op,
+                ranks: record.ranks.clone(),
+                elements: record.elements,
+                recorded_by: 0,
+                steps: 0,
+                has_values: true,
+            });
+            info.recorded_by += 1;
+            info.steps += steps.len();
+            info.has_values &= steps.iter().all(|s| s.values.is_some());
+        }
+    }
+    found.into_values().filter(|c| c.steps > 0).collect()
+}
+
+/// What a chunk of a rank's buffer holds, for its colour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkKind {
+    /// Nothing yet (an all-gather's rank starts with its own chunk only).
+    Empty,
+    /// The rank's own data, untouched.
+    Own,
+    /// A sum of some ranks' contributions, not all yet.
+    Partial,
+    /// The sum over every rank, computed here.
+    Complete,
+    /// A finished chunk copied from the left neighbour (all-gather).
+    Gathered,
+}
+
+impl ChunkKind {
+    pub fn class(self) -> &'static str {
+        match self {
+            ChunkKind::Empty => "chunk-empty",
+            ChunkKind::Own => "chunk-own",
+            ChunkKind::Partial => "chunk-partial",
+            ChunkKind::Complete => "chunk-complete",
+            ChunkKind::Gathered => "chunk-gathered",
+        }
+    }
+}
+
+/// One chunk of one rank's buffer at one moment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkState {
+    /// The numbers, when they are known (recorded inputs and step values).
+    pub values: Option<Vec<f32>>,
+    /// Whose contributions it holds, by ring position.
+    pub holds: Vec<bool>,
+    pub kind: ChunkKind,
+    /// Written during this frame's step.
+    pub received: bool,
+    /// Sent during this frame's step (its numbers before the step).
+    pub sent: bool,
+}
+
+impl ChunkState {
+    pub fn count(&self) -> usize {
+        self.holds.iter().filter(|&&h| h).count()
+    }
+
+    /// The short text under a chunk: "own", "2/4", "4/4 sum", "copy 4/4", "from r2".
+    pub fn badge(&self, ranks: &[u32]) -> String {
+        let w = self.holds.len();
+        match self.kind {
+            ChunkKind::Empty => "empty".into(),
+            ChunkKind::Own => "own".into(),
+            ChunkKind::Partial => format!("{}/{w}", self.count()),
+            ChunkKind::Complete => format!("{w}/{w} sum"),
+            ChunkKind::Gathered if self.count() == w => format!("copy {w}/{w}"),
+            ChunkKind::Gathered => match self.holds.iter().position(|&h| h) {
+                Some(p) if self.count() == 1 => format!("from r{}", ranks.get(p).copied().unwrap_or(p as u32)),
+                _ => format!("copy {}/{w}", self.count()),
+            },
+        }
+    }
+}
+
+/// One chunk crossing one link during a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transfer {
+    /// Ring positions.
+    pub from: usize,
+    pub to: usize,
+    pub chunk: usize,
+    pub bytes: u64,
+    /// The numbers it carried, as recorded by the sender.
+    pub values: Option<Vec<f32>>,
+    /// Added into the receiver's chunk (reduce-scatter) or copied over it (all-gather).
+    pub reduce: bool,
+    /// How many ranks' contributions it carried.
+    pub carried: usize,
+    pub start_us: u64,
+    pub end_us: u64,
+}
+
+/// The state after one step (frame 0: before the first).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Frame {
+    /// The step shown: None for the initial state.
+    pub phase: Option<RingPhase>,
+    /// 0-based within its phase.
+    pub step: u32,
+    /// The transfers of this step, in ring order of the sender.
+    pub transfers: Vec<Transfer>,
+    /// `buffers[position][chunk]`.
+    pub buffers: Vec<Vec<ChunkState>>,
+    /// Bytes each position has sent so far.
+    pub bytes_sent: Vec<u64>,
+}
+
+impl Frame {
+    /// Microseconds from the first transfer's start to the last one's end.
+    pub fn duration_us(&self) -> Option<u64> {
+        let start = self.transfers.iter().map(|t| t.start_us).min()?;
+        let end = self.transfers.iter().map(|t| t.end_us).max()?;
+        Some(end.saturating_sub(start))
+    }
+}
+
+/// A whole collective replayed step by step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Replay {
+    pub info: CollectiveInfo,
+    /// Chunk `c` covers these elements of the full buffer.
+    pub chunks: Vec<Range<usize>>,
+    /// Frame 0 is the recorded inputs; frame k the state after step k.
+    pub frames: Vec<Frame>,
+    /// Recorded per position (small buffers only).
+    pub inputs: Vec<Option<Vec<f32>>>,
+    pub outputs: Vec<Option<Vec<f32>>>,
+    /// Reduce-scatter steps in the schedule (W-1 when the op has that phase).
+    pub rs_steps: u32,
+    pub ag_steps: u32,
+    /// Things a learner should know about this replay (missing ranks, local changes).
+    pub notes: Vec<String>,
+}
+
+/// What reaches a receiver in one step: (receiver, chunk, whose contributions, numbers).
+type Delivery = (usize, usize, Vec<bool>, Option<Vec<f32>>);
+
+/// Equal up to float rounding (sums in another order).
+fn close(a: f32, b: f32) -> bool {
+    (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> Option<f32> {
+    (a.len() == b.len()).then(|| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max))
+}
+
+fn all_close(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| close(*x, *y))
+}
+
+fn numbers(values: &[f32]) -> String {
+    values.iter().map(|&v| format::value(v)).collect::<Vec<_>>().join(", ")
+}
+
+impl Replay {
+    /// Replays collective `key` of `trace`; None when the trace does not hold it in detail.
+    pub fn build(trace: &ExperimentTrace, key: &CollectiveKey) -> Option<Replay> {
+        let info = ring_collectives(trace).into_iter().find(|c| &c.key == key)?;
+        let w = info.ranks.len();
+        let position = |rank: u32| info.ranks.iter().position(|&r| r == rank);
+        let elements = info.elements as usize;
+        let chunks: Vec<Range<usize>> = (0..w).map(|c| chunk_range(elements, w, c)).collect();
+        let mut notes = Vec::new();
+
+        // Each member's record and steps.
+        let mut inputs = vec![None; w];
+        let mut outputs = vec![None; w];
+        let mut recorded = vec![false; w];
+        let mut steps: Vec<(usize, &RingStep)> = Vec::new();
+        for rank in &trace.ranks {
+            let Some(p) = position(rank.rank) else { continue };
+            let Some(record) = rank.comm.collectives.iter().find(|c| c.group == key.group && c.id == key.id) else {
+                continue;
+            };
+            recorded[p] = true;
+            inputs[p] = record.input.clone();
+            outputs[p] = record.output.clone();
+            steps.extend(steps_of(rank.rank, record, &rank.comm.steps).map(|s| (p, s)));
+        }
+        let missing: Vec<String> =
+            (0..w).filter(|&p| !recorded[p]).map(|p| format!("rank {}", info.ranks[p])).collect();
+        if !missing.is_empty() {
+            notes.push(format!("No trace from {} yet: their sends are missing from the replay.", missing.join(", ")));
+        }
+
+        // Frame 0: the recorded inputs. An all-gather's input is the rank's own chunk only.
+        let mut buffers: Vec<Vec<ChunkState>> = (0..w)
+            .map(|p| {
+                (0..w)
+                    .map(|c| {
+                        let mut holds = vec![false; w];
+                        let starts_with_it = info.op != CollectiveOp::AllGather || c == p;
+                        holds[p] = starts_with_it;
+                        let values = match (&inputs[p], info.op) {
+                            (Some(input), CollectiveOp::AllGather) if c == p && input.len() == chunks[c].len() => {
+                                Some(input.clone())
+                            }
+                            (Some(input), op) if op != CollectiveOp::AllGather && input.len() == elements => {
+                                Some(input[chunks[c].clone()].to_vec())
+                            }
+                            _ => None,
+                        };
+                        ChunkState {
+                            values,
+                            holds,
+                            kind: if starts_with_it { ChunkKind::Own } else { ChunkKind::Empty },
+                            received: false,
+                            sent: false,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        if w == 1 {
+            for chunk in buffers.iter_mut().flatten() {
+                chunk.kind = ChunkKind::Complete;
+            }
+        }
+        let mut bytes_sent = vec![0u64; w];
+        let mut frames = vec![Frame {
+            phase: None,
+            step: 0,
+            transfers: Vec::new(),
+            buffers: buffers.clone(),
+            bytes_sent: bytes_sent.clone(),
+        }];
+
+        // The recorded steps, grouped by (phase, step), reduce-scatter first.
+        let mut by_step: BTreeMap<(u8, u32), Vec<(usize, &RingStep)>> = BTreeMap::new();
+        for (p, s) in steps {
+            let order = if s.phase == RingPhase::ReduceScatter { 0 } else { 1 };
+            by_step.entry((order, s.step)).or_default().push((p, s));
+        }
+        let mut changed_locally = Vec::new();
+        for ((order, step), mut sends) in by_step {
+            sends.sort_by_key(|(p, _)| *p);
+            let reduce = order == 0;
+            for chunk in buffers.iter_mut().flatten() {
+                chunk.received = false;
+                chunk.sent = false;
+            }
+            // Every rank sends what it held before the step, at the same time.
+            let mut transfers = Vec::new();
+            for (from, s) in sends {
+                let Some(to) = position(s.to) else { continue };
+                let c = s.chunk as usize;
+                if c >= w {
+                    notes.push(format!("rank {} recorded a step with chunk {c} of {w}: skipped", s.from));
+                    continue;
+                }
+                let sender = &mut buffers[from][c];
+                if let (Some(held), Some(sent)) = (&sender.values, &s.values) {
+                    if !all_close(held, sent) {
+                        changed_locally.push(format!(
+                            "rank {} sent chunk {c} as [{}] where the replay had [{}]",
+                            s.from,
+                            numbers(sent),
+                            numbers(held)
+                        ));
+                    }
+                }
+                // What went over the wire is what the sender held: trust the recording.
+                if s.values.is_some() {
+                    sender.values = s.values.clone();
+                }
+                sender.sent = true;
+                transfers.push(Transfer {
+                    from,
+                    to,
+                    chunk: c,
+                    bytes: s.bytes,
+                    values: s.values.clone(),
+                    reduce,
+                    carried: sender.count(),
+                    start_us: s.start_us,
+                    end_us: s.end_us,
+                });
+            }
+            let deliveries: Vec<Delivery> = transfers
+                .iter()
+                .map(|t| (t.to, t.chunk, buffers[t.from][t.chunk].holds.clone(), t.values.clone()))
+                .collect();
+            for (to, c, holds, values) in deliveries {
+                let chunk = &mut buffers[to][c];
+                if reduce {
+                    chunk.values = match (chunk.values.take(), values) {
+                        (Some(mine), Some(incoming)) if mine.len() == incoming.len() => {
+                            Some(mine.iter().zip(&incoming).map(|(a, b)| a + b).collect())
+                        }
+                        _ => None,
+                    };
+                    for (h, x) in chunk.holds.iter_mut().zip(holds) {
+                        *h |= x;
+                    }
+                    chunk.kind = if chunk.count() == w { ChunkKind::Complete } else { ChunkKind::Partial };
+                } else {
+                    chunk.values = values;
+                    chunk.holds = holds;
+                    chunk.kind = ChunkKind::Gathered;
+                }
+                chunk.received = true;
+            }
+            for t in &transfers {
+                bytes_sent[t.from] += t.bytes;
+            }
+            frames.push(Frame {
+                phase: Some(if reduce { RingPhase::ReduceScatter } else { RingPhase::AllGather }),
+                step,
+                transfers,
+                buffers: buffers.clone(),
+                bytes_sent: bytes_sent.clone(),
+            });
+        }
+        if !changed_locally.is_empty() {
+            notes.push(format!(
+                "Between steps a rank changed a chunk it owned (an average divides the finished sum by {w}): {}.",
+                changed_locally.join("; ")
+            ));
+        }
+        let has = |phase| info.op == CollectiveOp::AllReduce || info.op == phase;
+        let phase_steps = (w as u32).saturating_sub(1);
+        let rs_steps = if has(CollectiveOp::ReduceScatter) { phase_steps } else { 0 };
+        let ag_steps = if has(CollectiveOp::AllGather) { phase_steps } else { 0 };
+        if frames.len() - 1 < (rs_steps + ag_steps) as usize && missing.is_empty() {
+            notes.push(format!(
+                "The trace holds {} of the {} steps of the schedule.",
+                frames.len() - 1,
+                rs_steps + ag_steps
+            ));
+        }
+        Some(Replay { info, chunks, frames, inputs, outputs, rs_steps, ag_steps, notes })
+    }
+
+    pub fn world(&self) -> usize {
+        self.info.ranks.len()
+    }
+
+    /// Steps recorded (frames after the initial one).
+    pub fn steps(&self) -> usize {
+        self.frames.len() - 1
+    }
+
+    /// The buffer's size in bytes (D in the formulas).
+    pub fn buffer_bytes(&self) -> u64 {
+        self.info.elements * ELEMENT_BYTES
+    }
+
+    /// What each rank sends in the textbook: 2(W-1)/W·D for an all-reduce, (W-1)/W·D otherwise.
+    pub fn formula_bytes(&self) -> f64 {
+        let w = self.world() as f64;
+        let d = self.buffer_bytes() as f64;
+        let phases = if self.info.op == CollectiveOp::AllReduce { 2.0 } else { 1.0 };
+        phases * (w - 1.0) / w * d
+    }
+
+    /// "2(W-1)/W × D = 2·3/4 × 64 B = 96 B".
+    pub fn formula_text(&self) -> String {
+        let w = self.world();
+        let (factor, sym) = if self.info.op == CollectiveOp::AllReduce { ("2·", "2(W-1)/W") } else { ("", "(W-1)/W") };
+        format!(
+            "{sym} × D = {factor}{}/{w} × {} B = {} B",
+            w.saturating_sub(1),
+            self.buffer_bytes(),
+            format::value(self.formula_bytes() as f32)
+        )
+    }
+
+    /// "reduce-scatter step 2 of 3", or "start" for frame 0.
+    pub fn phase_label(&self, k: usize) -> String {
+        let Some(frame) = self.frames.get(k) else { return String::new() };
+        match frame.phase {
+            None => "start: every rank holds its own input".into(),
+            Some(RingPhase::ReduceScatter) => {
+                format!("reduce-scatter step {} of {}", frame.step + 1, self.rs_steps.max(frame.step + 1))
+            }
+            Some(RingPhase::AllGather) => {
+                format!("all-gather step {} of {}", frame.step + 1, self.ag_steps.max(frame.step + 1))
+            }
+            Some(_) => format!("step {}", frame.step + 1),
+        }
+    }
+
+    /// The numbers each position holds at frame k, as the result of the operation: the
+    /// whole buffer (all-reduce, all-gather) or its own chunk (reduce-scatter). None
+    /// while a chunk is unknown.
+    pub fn result(&self, k: usize, p: usize) -> Option<Vec<f32>> {
+        let buffer = self.frames.get(k)?.buffers.get(p)?;
+        if self.info.op == CollectiveOp::ReduceScatter {
+            return buffer.get(p)?.values.clone();
+        }
+        let mut out = Vec::with_capacity(self.info.elements as usize);
+        for chunk in buffer {
+            out.extend_from_slice(chunk.values.as_ref()?);
+        }
+        Some(out)
+    }
+
+    /// What the operation should leave on position p, computed from the recorded
+    /// inputs: the element-wise sum (all of it, or chunk p), or the chunks gathered.
+    pub fn expected(&self, p: usize) -> Option<Vec<f32>> {
+        let w = self.world();
+        let n = self.info.elements as usize;
+        match self.info.op {
+            CollectiveOp::AllGather => {
+                let mut out = Vec::with_capacity(n);
+                for c in 0..w {
+                    let input = self.inputs.get(c)?.as_ref()?;
+                    if input.len() != self.chunks[c].len() {
+                        return None;
+                    }
+                    out.extend_from_slice(input);
+                }
+                Some(out)
+            }
+            _ => {
+                let mut sum = vec![0.0f32; n];
+                for input in &self.inputs {
+                    let input = input.as_ref()?;
+                    if input.len() != n {
+                        return None;
+                    }
+                    for (s, x) in sum.iter_mut().zip(input) {
+                        *s += x;
+                    }
+                }
+                if self.info.op == CollectiveOp::ReduceScatter {
+                    Some(sum[self.chunks.get(p)?.clone()].to_vec())
+                } else {
+                    Some(sum)
+                }
+            }
+        }
+    }
+
+    /// The checks at the end of the replay.
+    pub fn verify(&self) -> Verification {
+        let last = self.frames.len() - 1;
+        let w = self.world();
+        let ranks = (0..w)
+            .map(|p| {
+                let result = self.result(last, p);
+                let vs = |other: Option<&Vec<f32>>| match (&result, other) {
+                    (Some(r), Some(o)) => match max_diff(r, o) {
+                        Some(d) if all_close(r, o) => Check::Equal(d),
+                        Some(d) => Check::Differs(d),
+                        None => Check::Differs(f32::INFINITY),
+                    },
+                    _ => Check::Unknown,
+                };
+                let buffer = &self.frames[last].buffers[p];
+                let structure = match self.info.op {
+                    CollectiveOp::AllReduce => buffer.iter().all(|c| c.count() == w),
+                    CollectiveOp::ReduceScatter => buffer.get(p).is_some_and(|c| c.count() == w),
+                    _ => buffer.iter().all(|c| c.kind != ChunkKind::Empty),
+                };
+                RankCheck {
+                    rank: self.info.ranks[p],
+                    vs_output: vs(self.outputs[p].as_ref()),
+                    vs_inputs: vs(self.expected(p).as_ref()),
+                    complete: structure,
+                }
+            })
+            .collect();
+        Verification { ranks }
+    }
+
+    /// A paragraph for a learner: what happens at frame k, with this run's numbers.
+    pub fn explain(&self, k: usize) -> String {
+        let Some(frame) = self.frames.get(k) else { return String::new() };
+        let w = self.world();
+        let n = self.info.elements;
+        let base = n / w as u64;
+        let per_chunk = if base * w as u64 == n { format!("{base}") } else { format!("about {base}") };
+        let r = |p: usize| self.info.ranks.get(p).copied().unwrap_or(p as u32);
+        let example = frame.transfers.first();
+        let example_numbers =
+            |t: &Transfer| t.values.as_ref().map(|v| format!(" [{}]", numbers(v))).unwrap_or_default();
+        match frame.phase {
+            None => {
+                let what = match self.info.op {
+                    CollectiveOp::AllGather => format!(
+                        "Each of the {w} ranks starts with one chunk of {per_chunk} numbers, its own shard; the other {} chunks of its {n}-element buffer are still empty. In the all-gather every rank will pass chunks to its right neighbour {} times until every rank holds every shard.",
+                        w - 1,
+                        w - 1
+                    ),
+                    _ => format!(
+                        "Each of the {w} ranks starts with its own vector of {n} numbers, cut into {w} chunks of {per_chunk}. Nobody has sent anything yet. In the reduce-scatter phase each rank will, {} times in a row, pass one chunk to its right neighbour, who adds it to its own copy of that chunk{}.",
+                        w - 1,
+                        if self.info.op == CollectiveOp::AllReduce {
+                            "; then, in the all-gather phase, the finished chunks go round the ring once more and are copied"
+                        } else {
+                            ""
+                        }
+                    ),
+                };
+                format!("{what} Press step (or play) to watch it happen.")
+            }
+            Some(RingPhase::ReduceScatter) => {
+                let s = frame.step as usize + 1;
+                let carried = if s == 1 {
+                    "only its sender's own numbers".to_string()
+                } else {
+                    format!("the sum of {s} ranks' contributions")
+                };
+                let mut text = format!(
+                    "All {w} ranks send at the same time, each one chunk to its right neighbour, and each neighbour adds the numbers it receives into its own copy of that chunk. A chunk that arrives carries {carried}; adding the receiver's own makes {}/{w}.",
+                    s + 1
+                );
+                if let Some(t) = example {
+                    text.push_str(&format!(
+                        " Here rank {} sent chunk {}{} to rank {}, which now holds {}/{w} of that chunk's sum.",
+                        r(t.from),
+                        t.chunk,
+                        example_numbers(t),
+                        r(t.to),
+                        frame.buffers[t.to][t.chunk].count()
+                    ));
+                }
+                if s as u32 == self.rs_steps {
+                    text.push_str(&format!(
+                        " That was the last reduce-scatter step: each rank now owns one chunk summed over all {w} ranks (rank r holds chunk r){}.",
+                        if self.info.op == CollectiveOp::AllReduce { ", and the rest of its buffer is stale partial sums" } else { ", which is the result of a reduce-scatter" }
+                    ));
+                } else {
+                    text.push_str(" Every link carries one chunk, so the step takes the same time whatever W is.");
+                }
+                text
+            }
+            Some(RingPhase::AllGather) => {
+                let s = frame.step as usize + 1;
+                let mut text = if self.info.op == CollectiveOp::AllReduce {
+                    "Now the finished chunks go round: each rank sends a complete chunk to its right neighbour, who copies it over its stale partial sum (no addition this time).".to_string()
+                } else {
+                    "Each rank sends a chunk it holds to its right neighbour, who copies it into its empty slot."
+                        .to_string()
+                };
+                if let Some(t) = example {
+                    text.push_str(&format!(
+                        " Here rank {} sent chunk {}{} to rank {}.",
+                        r(t.from),
+                        t.chunk,
+                        example_numbers(t),
+                        r(t.to)
+                    ));
+                }
+                let done = s + 1;
+                if s as u32 == self.ag_steps {
+                    text.push_str(&format!(
+                        " That was the last step: every rank holds all {w} chunks{}. Each rank sent {} chunk{} in all: {}.",
+                        if self.info.op == CollectiveOp::AllReduce { ", all of them the full sum" } else { "" },
+                        self.rs_steps + self.ag_steps,
+                        if self.rs_steps + self.ag_steps == 1 { "" } else { "s" },
+                        self.formula_text()
+                    ));
+                } else {
+                    text.push_str(&format!(" Every rank now holds {done} of the {w} finished chunks."));
+                }
+                text
+            }
+            Some(_) => String::new(),
+        }
+    }
+}
+
+/// One rank's result against a reference.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Check {
+    /// Equal up to float rounding; the largest difference.
+    Equal(f32),
+    Differs(f32),
+    /// The numbers were not recorded (large buffers) or a rank's trace is missing.
+    Unknown,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankCheck {
+    pub rank: u32,
+    /// The replayed buffer against the `output` the rank recorded.
+    pub vs_output: Check,
+    /// Against the sum (or gathering) of every rank's recorded input.
+    pub vs_inputs: Check,
+    /// Whether the contributions add up: every chunk of the result holds every rank's.
+    pub complete: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Verification {
+    pub ranks: Vec<RankCheck>,
+}
+
+impl Verification {
+    pub fn all_match_output(&self) -> bool {
+        !self.ranks.is_empty() && self.ranks.iter().all(|r| matches!(r.vs_output, Check::Equal(_)))
+    }
+
+    pub fn all_match_inputs(&self) -> bool {
+        !self.ranks.is_empty() && self.ranks.iter().all(|r| matches!(r.vs_inputs, Check::Equal(_)))
+    }
+
+    pub fn all_complete(&self) -> bool {
+        !self.ranks.is_empty() && self.ranks.iter().all(|r| r.complete)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distlab_common::trace::{RankCommTrace, RankTrace};
+    use distlab_common::CollectiveDemo;
+
+    fn fixture(name: &str) -> ExperimentTrace {
+        let text = match name {
+            "allreduce-4x16" => include_str!("../tests/fixtures/allreduce-4x16.trace.json"),
+            "allreduce-3x10" => include_str!("../tests/fixtures/allreduce-3x10.trace.json"),
+            "reduce-scatter-4x16" => include_str!("../tests/fixtures/reduce-scatter-4x16.trace.json"),
+            "all-gather-4x16" => include_str!("../tests/fixtures/all-gather-4x16.trace.json"),
+            "ddp-2ranks" => include_str!("../tests/fixtures/ddp-2ranks-3steps.trace.json"),
+            other => panic!("no fixture {other}"),
+        };
+        serde_json::from_str(text).expect("fixture parses as ExperimentTrace")
+    }
+
+    fn dp0() -> CollectiveKey {
+        CollectiveKey { group: "dp".into(), id: 0 }
+    }
+
+    fn demo_sum(world: usize, elements: usize) -> Vec<f32> {
+        (0..elements).map(|i| (0..world).map(|r| CollectiveDemo::initial_value(r, i)).sum()).collect()
+    }
+
+    #[test]
+    fn the_demo_trace_replays_to_the_sum_on_every_rank() {
+        let trace = fixture("allreduce-4x16");
+        let list = ring_collectives(&trace);
+        assert_eq!(list.len(), 1);
+        assert_eq!(list[0].op, CollectiveOp::AllReduce);
+        assert_eq!(list[0].recorded_by, 4);
+        assert_eq!(list[0].steps, 4 * 6);
+        assert!(list[0].has_values);
+
+        let replay = Replay::build(&trace, &dp0()).expect("replay");
+        assert_eq!(replay.steps(), 6, "3 reduce-scatter + 3 all-gather steps");
+        assert_eq!(replay.notes, Vec::<String>::new());
+        let sum = demo_sum(4, 16);
+        assert_eq!(sum[0], 1000.0);
+        assert_eq!(sum[15], 1060.0);
+        for p in 0..4 {
+            // Frame 0 is the recorded input: rank r holds (r+1)*100 + i.
+            let start: Vec<f32> = (0..16).map(|i| CollectiveDemo::initial_value(p, i)).collect();
+            assert_eq!(replay.result(0, p), Some(start));
+            assert_eq!(replay.result(6, p), Some(sum.clone()), "rank {p}");
+            assert_eq!(replay.frames[6].bytes_sent[p], 96);
+            assert!(replay.frames[6].buffers[p].iter().all(|c| c.count() == 4));
+        }
+        assert_eq!(replay.formula_bytes(), 96.0);
+        assert_eq!(replay.formula_text(), "2(W-1)/W × D = 2·3/4 × 64 B = 96 B");
+        let v = replay.verify();
+        assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{v:?}");
+    }
+
+    #[test]
+    fn partial_sums_grow_by_one_contribution_per_step() {
+        let replay = Replay::build(&fixture("allreduce-4x16"), &dp0()).unwrap();
+        // Before anything moves: all own data.
+        assert!(replay.frames[0].buffers.iter().flatten().all(|c| c.kind == ChunkKind::Own && c.count() == 1));
+        for s in 1..=3usize {
+            let f = &replay.frames[s];
+            assert_eq!(f.phase, Some(RingPhase::ReduceScatter));
+            assert_eq!(f.transfers.len(), 4);
+            for t in &f.transfers {
+                // The textbook schedule comes out of the recording: rank r sends chunk (r-s) mod W.
+                assert_eq!(t.to, (t.from + 1) % 4);
+                assert_eq!(t.chunk, (t.from + 4 * 2 - s) % 4);
+                assert_eq!(t.carried, s);
+                let got = &f.buffers[t.to][t.chunk];
+                assert!(got.received);
+                assert_eq!(got.count(), s + 1);
+                assert_eq!(got.kind, if s == 3 { ChunkKind::Complete } else { ChunkKind::Partial });
+            }
+            assert_eq!(replay.phase_label(s), format!("reduce-scatter step {s} of 3"));
+        }
+        // After reduce-scatter rank r owns chunk r, complete: the sum 1000 + 4i over its elements.
+        for p in 0..4 {
+            let chunk = &replay.frames[3].buffers[p][p];
+            assert_eq!(chunk.kind, ChunkKind::Complete);
+            let want: Vec<f32> = replay.chunks[p].clone().map(|i| 1000.0 + 4.0 * i as f32).collect();
+            assert_eq!(chunk.values.as_ref(), Some(&want));
+            assert_eq!(chunk.badge(&replay.info.ranks), "4/4 sum");
+        }
+        // After two steps rank 1 holds chunk 3 = rank 0's 112..115 + rank 1's 212..215 + ... ; check one by hand:
+        // step 1: rank 0 sends chunk 3 (112..115) to rank 1 -> 112+212 = 324.
+        assert_eq!(replay.frames[1].buffers[1][3].values.as_ref().map(|v| v[0]), Some(324.0));
+        assert_eq!(replay.frames[1].buffers[1][3].badge(&replay.info.ranks), "2/4");
+        for s in 4..=6 {
+            assert_eq!(replay.frames[s].phase, Some(RingPhase::AllGather));
+            for t in &replay.frames[s].transfers {
+                assert_eq!(replay.frames[s].buffers[t.to][t.chunk].kind, ChunkKind::Gathered);
+                assert_eq!(t.carried, 4);
+            }
+        }
+        assert_eq!(replay.phase_label(6), "all-gather step 3 of 3");
+        assert_eq!(replay.frames[3].bytes_sent, vec![48; 4]);
+        assert!(replay.explain(0).contains("4 chunks of 4"));
+        assert!(replay.explain(1).contains("2/4"));
+        assert!(replay.explain(6).contains("96 B"));
+    }
+
+    #[test]
+    fn uneven_chunks_replay_exactly() {
+        // 10 elements over 3 ranks: chunks of 4, 3, 3 elements.
+        let trace = fixture("allreduce-3x10");
+        let replay = Replay::build(&trace, &dp0()).unwrap();
+        assert_eq!(replay.chunks, vec![0..4, 4..7, 7..10]);
+        assert_eq!(replay.steps(), 4);
+        let sum = demo_sum(3, 10);
+        for p in 0..3 {
+            assert_eq!(replay.result(4, p), Some(sum.clone()));
+        }
+        assert!(replay.verify().all_match_output());
+        // Bytes differ per rank with uneven chunks: what each rank actually sent.
+        assert_eq!(replay.frames[4].bytes_sent, vec![52, 56, 52]);
+    }
+
+    #[test]
+    fn reduce_scatter_and_all_gather_demos() {
+        let rs = Replay::build(&fixture("reduce-scatter-4x16"), &dp0()).unwrap();
+        assert_eq!(rs.info.op, CollectiveOp::ReduceScatter);
+        assert_eq!(rs.steps(), 3);
+        let sum = demo_sum(4, 16);
+        for p in 0..4 {
+            assert_eq!(rs.result(3, p), Some(sum[rs.chunks[p].clone()].to_vec()));
+        }
+        let v = rs.verify();
+        assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{v:?}");
+        assert_eq!(rs.formula_bytes(), 48.0);
+
+        let ag = Replay::build(&fixture("all-gather-4x16"), &dp0()).unwrap();
+        assert_eq!(ag.steps(), 3);
+        // Rank 2 starts with its chunk only.
+        let start = &ag.frames[0].buffers[2];
+        assert_eq!(
+            start.iter().map(|c| c.kind).collect::<Vec<_>>(),
+            vec![ChunkKind::Empty, ChunkKind::Empty, ChunkKind::Own, ChunkKind::Empty]
+        );
+        assert_eq!(ag.result(0, 2), None);
+        let gathered: Vec<f32> = (0..16).map(|i| CollectiveDemo::initial_value(i / 4, i)).collect();
+        for p in 0..4 {
+            assert_eq!(ag.result(3, p), Some(gathered.clone()));
+        }
+        assert_eq!(ag.frames[3].buffers[0][2].badge(&ag.info.ranks), "from r2");
+        let v = ag.verify();
+        assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{v:?}");
+        assert!(ag.phase_label(1).starts_with("all-gather step 1 of 3"));
+    }
+
+    #[test]
+    fn a_ddp_run_replays_its_gradient_all_reduces_without_numbers() {
+        // 3 training steps of DDP on 2 ranks: one 110336-element bucket all-reduced per step.
+        let trace = fixture("ddp-2ranks");
+        let list = ring_collectives(&trace);
+        assert_eq!(list.iter().map(|c| c.key.id).collect::<Vec<_>>(), vec![0, 1, 2]);
+        for info in &list {
+            assert!(!info.has_values);
+            let replay = Replay::build(&trace, &info.key).unwrap();
+            assert_eq!(replay.steps(), 2, "1 reduce-scatter + 1 all-gather step");
+            assert!(replay.notes.is_empty(), "{:?}", replay.notes);
+            // The bytes are what the formula says: 2(W-1)/W * D = D for W = 2.
+            assert_eq!(replay.frames[2].bytes_sent, vec![replay.buffer_bytes(); 2]);
+            assert_eq!(replay.formula_bytes(), replay.buffer_bytes() as f64);
+            let v = replay.verify();
+            assert!(v.all_complete() && !v.all_match_output(), "{v:?}");
+        }
+    }
+
+    /// A synthetic all-reduce over 2 ranks whose owner divides by W between the
+    /// phases (an average), and a large one recorded without numbers.
+    fn synthetic(values: bool, average: bool) -> ExperimentTrace {
+        let input = |r: usize| vec![1.0 + r as f32, 10.0 + r as f32];
+        // Sum: [3, 21]; average: [1.5, 10.5].
+        let scale = if average { 0.5 } else { 1.0 };
+        let out = vec![3.0 * scale, 21.0 * scale];
+        let ranks = (0..2u32)
+            .map(|r| {
+                let ru = r as usize;
+                let other = 1 - ru;
+                let step = |phase, chunk: usize, v: Vec<f32>| RingStep {
+                    collective: 0,
+                    phase,
+                    step: 0,
+                    chunk: chunk as u32,
+                    from: r,
+                    to: other as u32,
+                    bytes: 4,
+                    start_us: 10 + ru as u64,
+                    end_us: 20,
+                    values: values.then_some(v),
+                };
+                // Rank r sends chunk (r-1) mod 2 = other in reduce-scatter, then its own finished chunk.
+                let rs = step(RingPhase::ReduceScatter, other, vec![input(ru)[other]]);
+                let ag = step(RingPhase::AllGather, ru, vec![out[ru]]);
+                RankTrace {
+                    rank: r,
+                    world: 2,
+                    span_steps: 0,
+                    spans: vec![],
+                    comm: RankCommTrace {
+                        rank: r,
+                        detail_limit: 16,
+                        collectives: vec![CollectiveRecord {
+                            id: 0,
+                            op: CollectiveOp::AllReduce,
+                            group: "dp".into(),
+                            ranks: vec![0, 1],
+                            elements: 2,
+                            bytes_sent: 8,
+                            start_us: 0,
+                            end_us: 100,
+                            input: values.then(|| input(ru)),
+                            output: values.then(|| out.clone()),
+                        }],
+                        steps: vec![rs, ag],
+                        counters: vec![],
+                    },
+                }
+            })
+            .collect();
+        ExperimentTrace { ranks }
+    }
+
+    #[test]
+    fn an_average_is_followed_through_the_recorded_values() {
+        let replay = Replay::build(&synthetic(true, true), &dp0()).unwrap();
+        assert_eq!(replay.result(2, 0), Some(vec![1.5, 10.5]));
+        assert!(replay.verify().all_match_output());
+        // Against the plain sum of the inputs it differs, and the page says why.
+        assert!(!replay.verify().all_match_inputs());
+        assert!(replay.notes.iter().any(|n| n.contains("average")), "{:?}", replay.notes);
+        let plain = Replay::build(&synthetic(true, false), &dp0()).unwrap();
+        assert!(plain.notes.is_empty() && plain.verify().all_match_inputs());
+    }
+
+    #[test]
+    fn without_numbers_the_contributions_are_still_tracked() {
+        let trace = synthetic(false, false);
+        assert!(!ring_collectives(&trace)[0].has_values);
+        let replay = Replay::build(&trace, &dp0()).unwrap();
+        assert_eq!(replay.result(2, 0), None);
+        let v = replay.verify();
+        assert!(v.all_complete());
+        assert!(v.ranks.iter().all(|r| r.vs_output == Check::Unknown));
+        assert_eq!(replay.frames[1].buffers[1][1].kind, ChunkKind::Complete);
+    }
+
+    #[test]
+    fn a_missing_rank_is_said_and_keys_parse() {
+        let mut trace = fixture("allreduce-4x16");
+        trace.ranks.remove(2);
+        let replay = Replay::build(&trace, &dp0()).unwrap();
+        assert!(replay.notes[0].contains("rank 2"), "{:?}", replay.notes);
+        assert!(!replay.verify().all_match_output());
+        assert_eq!(CollectiveKey::parse("dp:3"), Some(CollectiveKey { group: "dp".into(), id: 3 }));
+        assert_eq!(CollectiveKey::parse(&dp0().to_param()), Some(dp0()));
+        assert_eq!(CollectiveKey::parse("nonsense"), None);
+        assert!(Replay::build(&trace, &CollectiveKey { group: "tp".into(), id: 0 }).is_none());
+    }
+}
