@@ -23,6 +23,7 @@ pub const MARKOV_UNIFORM_MIX: f64 = 0.05;
 /// Names the random streams, so that the chain and the sequences never share one.
 const CHAIN_STREAM: u64 = 0x4348_4149_4e00_0001;
 const SEQUENCE_STREAM: u64 = 0x5345_5155_454e_4345;
+const EPOCH_STREAM: u64 = 0x4550_4f43_4800_0001;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum DataError {
@@ -164,10 +165,12 @@ enum Source {
 pub struct Data {
     seed: u64,
     source: Source,
+    /// Sequences per optimizer step (all ranks): numbers the text's samples across steps.
+    global_batch: usize,
 }
 
 impl Data {
-    pub fn new(data: &DataSpec, model: &ModelSpec) -> Result<Self, DataError> {
+    pub fn new(data: &DataSpec, model: &ModelSpec, global_batch: usize) -> Result<Self, DataError> {
         let source = match data.dataset {
             Dataset::Markov => Source::Markov(MarkovChain::new(model.vocab, data.seed)),
             Dataset::Text => {
@@ -180,7 +183,7 @@ impl Data {
                 Source::Text(SHAKESPEARE)
             }
         };
-        Ok(Self { seed: data.seed, source })
+        Ok(Self { seed: data.seed, source, global_batch })
     }
 
     /// The best achievable loss, when known (the Markov chain's entropy rate).
@@ -211,6 +214,13 @@ impl Data {
 
     /// Writes sequences `[start, start + count)` of step `step`'s global batch:
     /// `inputs` and `targets` each get `count * seq_len` tokens, sequence by sequence.
+    ///
+    /// Markov: sequence i of step t is sampled from the chain with a generator seeded by
+    /// (seed, t, i). Text (DistributedSampler semantics): the text is cut into
+    /// non-overlapping windows; every epoch visits all of them in an order shuffled from
+    /// (seed, epoch); the global batch of step t takes the next `global_batch` windows of
+    /// that order, so the data-parallel ranks, which take disjoint slices of the global
+    /// batch, see disjoint windows.
     pub fn fill_batch(
         &self,
         step: u64,
@@ -222,11 +232,12 @@ impl Data {
     ) {
         let inputs = &mut inputs[..count * seq_len];
         let targets = &mut targets[..count * seq_len];
+        let mut epoch_order: Option<(u64, Vec<u32>)> = None;
         for (i, (inp, tgt)) in inputs.chunks_exact_mut(seq_len).zip(targets.chunks_exact_mut(seq_len)).enumerate() {
             let index = (start + i) as u64;
-            let mut rng = Rng::from_parts(&[self.seed, SEQUENCE_STREAM, step, index]);
             match &self.source {
                 Source::Markov(chain) => {
+                    let mut rng = Rng::from_parts(&[self.seed, SEQUENCE_STREAM, step, index]);
                     let mut current = chain.first_token(&mut rng);
                     for (x, y) in inp.iter_mut().zip(tgt.iter_mut()) {
                         let next = chain.next_token(current, &mut rng);
@@ -236,7 +247,14 @@ impl Data {
                     }
                 }
                 Source::Text(text) => {
-                    let offset = rng.below((text.len() - seq_len) as u64) as usize;
+                    let windows = ((text.len() - 1) / seq_len) as u64;
+                    let global = step * self.global_batch as u64 + index;
+                    let (epoch, position) = (global / windows, global % windows);
+                    let order = match &epoch_order {
+                        Some((e, order)) if *e == epoch => order,
+                        _ => &epoch_order.insert((epoch, shuffled(windows as usize, self.seed, epoch))).1,
+                    };
+                    let offset = order[position as usize] as usize * seq_len;
                     let window = &text[offset..offset + seq_len + 1];
                     for (j, (x, y)) in inp.iter_mut().zip(tgt.iter_mut()).enumerate() {
                         *x = window[j] as u32;
@@ -246,6 +264,17 @@ impl Data {
             }
         }
     }
+}
+
+/// 0..n in the order of epoch `epoch` (Fisher-Yates from (seed, epoch)).
+fn shuffled(n: usize, seed: u64, epoch: u64) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    let mut rng = Rng::from_parts(&[seed, EPOCH_STREAM, epoch]);
+    for i in (1..n).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    order
 }
 
 #[cfg(test)]
@@ -318,7 +347,7 @@ mod tests {
     fn a_slice_of_the_batch_equals_the_same_sequences_of_the_whole_batch() {
         for dataset in [Dataset::Markov, Dataset::Text] {
             let (d, m) = spec(dataset, 256, 16);
-            let data = Data::new(&d, &m).unwrap();
+            let data = Data::new(&d, &m, 8).unwrap();
             let (mut xa, mut ya) = (vec![0; 8 * 16], vec![0; 8 * 16]);
             data.fill_batch(5, 0, 8, 16, &mut xa, &mut ya);
             let (mut xb, mut yb) = (vec![0; 3 * 16], vec![0; 3 * 16]);
@@ -338,8 +367,29 @@ mod tests {
     #[test]
     fn text_needs_a_byte_vocab() {
         let (d, m) = spec(Dataset::Text, 64, 16);
-        assert_eq!(Data::new(&d, &m).unwrap_err(), DataError::VocabTooSmallForText(64));
+        assert_eq!(Data::new(&d, &m, 8).unwrap_err(), DataError::VocabTooSmallForText(64));
         let (d, m) = spec(Dataset::Text, 256, 16);
-        assert!(Data::new(&d, &m).unwrap().loss_floor().is_none());
+        assert!(Data::new(&d, &m, 8).unwrap().loss_floor().is_none());
+    }
+
+    #[test]
+    fn text_epochs_visit_every_window_once_in_a_seeded_order() {
+        let (d, m) = spec(Dataset::Text, 256, 64);
+        let data = Data::new(&d, &m, 16).unwrap();
+        let windows = (SHAKESPEARE.len() - 1) / 64;
+        let steps = windows / 16;
+        let mut seen = std::collections::HashSet::new();
+        let (mut x, mut y) = (vec![0u32; 16 * 64], vec![0u32; 16 * 64]);
+        for step in 0..steps as u64 {
+            // Two ranks' halves of the global batch are disjoint and make up the whole.
+            data.fill_batch(step, 0, 8, 64, &mut x[..8 * 64], &mut y[..8 * 64]);
+            data.fill_batch(step, 8, 8, 64, &mut x[8 * 64..], &mut y[8 * 64..]);
+            for seq in x.chunks(64) {
+                assert!(seen.insert(seq.to_vec()), "a window repeats within the epoch");
+            }
+        }
+        assert_eq!(seen.len(), steps * 16);
+        // The next epoch uses another order.
+        assert_ne!(shuffled(windows, 3, 0), shuffled(windows, 3, 1));
     }
 }

@@ -180,7 +180,7 @@ impl Trainer {
     /// A trainer for one rank of a data-parallel group (`dp`), or the whole run (None).
     pub fn with_data_parallel(spec: &ExperimentSpec, threads: usize, dp: Option<DataParallel>) -> Result<Self, TrainError> {
         let backend = CpuBackend::<f32>::new(threads);
-        let data = Data::new(&spec.data, &spec.model)?;
+        let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let model = Gpt::new(&backend, &spec.model, spec.train.micro_batch, spec.train.seed);
         let optimizer = Optimizer::new(&backend, &spec.train, model.layout.param_groups(), model.layout.total);
         let tokens = spec.train.micro_batch * spec.model.seq_len;
