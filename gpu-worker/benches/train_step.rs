@@ -110,6 +110,5 @@ fn main() {
                        "dtype": "fp32", "optim": "AdamW", "tied": false},
         });
         println!("{line}");
-        distlab_worker::backend::cpu::prof_report();
     }
 }

@@ -69,10 +69,6 @@ fn ordered_sum<F: Float>(x: &[F], f: impl Fn(f64) -> f64 + Sync) -> f64 {
     partials.iter().sum()
 }
 
-
-pub static PROF: [std::sync::atomic::AtomicU64; 17] = [const { std::sync::atomic::AtomicU64::new(0) }; 17];
-pub const PROF_NAMES: [&str; 17] = ["fill","sum","sum_squares","encoder_forward","encoder_backward","layernorm_forward","layernorm_backward","matmul_forward","matmul_backward","attention_forward","attention_backward","gelu_forward","gelu_backward","crossentropy_forward","crossentropy_backward","adamw_update","sgd_update"];
-pub fn prof_report() { for (n, v) in PROF_NAMES.iter().zip(PROF.iter()) { eprintln!("{n:24} {:9.1} ms", v.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6); v.store(0, std::sync::atomic::Ordering::Relaxed); } }
 impl<F: Float> Backend for CpuBackend<F> {
     type Float = F;
     type Buf = Vec<F>;
@@ -124,49 +120,27 @@ impl<F: Float> Backend for CpuBackend<F> {
     }
 
     fn fill(&self, out: &mut [F], value: f64) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let v = F::from_f64(value);
         out.par_chunks_mut(ELEMENT_CHUNK).for_each(|chunk| chunk.fill(v));
-    })();
- PROF[0].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn sum(&self, x: &[F]) -> f64 {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         ordered_sum(x, |v| v)
-    })();
- PROF[1].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn sum_squares(&self, x: &[F]) -> f64 {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         ordered_sum(x, |v| v * v)
-    })();
- PROF[2].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn encoder_forward(&self, out: &mut [F], tokens: &[u32], wte: &[F], wpe: &[F], seq_len: usize, c: usize) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let rows = tokens.len();
         let k = self.rows_per_task(rows);
         out[..rows * c].par_chunks_mut(k * c).enumerate().for_each(|(i, chunk)| {
             embedding::encoder_forward(chunk, tokens, i * k, wte, wpe, seq_len, c);
         });
-    })();
- PROF[3].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn encoder_backward(&self, dwte: &mut [F], dwpe: &mut [F], dout: &[F], tokens: &[u32], seq_len: usize, c: usize) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let dout = &dout[..tokens.len() * c];
         let vocab = dwte.len() / c;
         let kv = self.rows_per_task(vocab);
@@ -183,10 +157,7 @@ impl<F: Float> Backend for CpuBackend<F> {
                 })
             },
         );
-    })();
- PROF[4].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn layernorm_forward(
         &self,
@@ -198,18 +169,13 @@ impl<F: Float> Backend for CpuBackend<F> {
         beta: &[F],
         c: usize,
     ) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let k = self.rows_per_task(inp.len() / c);
         out.par_chunks_mut(k * c)
             .zip(mean.par_chunks_mut(k))
             .zip(rstd.par_chunks_mut(k))
             .zip(inp.par_chunks(k * c))
             .for_each(|(((y, m), r), x)| layernorm::layernorm_forward(y, m, r, x, gamma, beta, c));
-    })();
- PROF[5].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn layernorm_backward(
         &self,
@@ -223,8 +189,6 @@ impl<F: Float> Backend for CpuBackend<F> {
         rstd: &[F],
         c: usize,
     ) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let k = self.rows_per_task(inp.len() / c);
         let w = self.cols_per_task(c);
         rayon::join(
@@ -242,10 +206,7 @@ impl<F: Float> Backend for CpuBackend<F> {
                 });
             },
         );
-    })();
- PROF[6].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn matmul_forward(
         &self,
@@ -257,8 +218,6 @@ impl<F: Float> Backend for CpuBackend<F> {
         c_in: usize,
         c_out: usize,
     ) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let rows = inp.len() / c_in;
         let out = &mut out[..rows * c_out];
         let prefilled = bias.is_some() || residual.is_some();
@@ -270,10 +229,7 @@ impl<F: Float> Backend for CpuBackend<F> {
             });
         }
         linear::matmul_forward(out, inp, weight, c_in, c_out, prefilled, self.gemm_parallelism());
-    })();
- PROF[7].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn matmul_backward(
         &self,
@@ -286,53 +242,24 @@ impl<F: Float> Backend for CpuBackend<F> {
         c_in: usize,
         c_out: usize,
     ) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
-        let bias_grad = |dbias: Option<&mut [F]>| {
-            if let Some(dbias) = dbias {
-                let w = self.cols_per_task(c_out);
-                dbias.par_chunks_mut(w).enumerate().for_each(|(i, db)| linear::bias_backward(db, i * w, dout, c_out));
-            }
-        };
-        match dinp {
-            // The two products cost the same FLOPs: with an even thread count, run them
-            // side by side, each on half the threads (better than splitting each one).
-            Some(dinp) if self.threads % 2 == 0 => {
-                let half = if self.threads > 2 { Parallelism::Rayon(self.threads / 2) } else { Parallelism::None };
-                rayon::join(
-                    || linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, half),
-                    || {
-                        linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, half);
-                        bias_grad(dbias);
-                    },
-                );
-            }
-            _ => {
-                let par = self.gemm_parallelism();
-                if let Some(dinp) = dinp {
-                    linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
-                }
-                linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
-                bias_grad(dbias);
-            }
+        let par = self.gemm_parallelism();
+        if let Some(dinp) = dinp {
+            linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
         }
-    })();
- PROF[8].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+        linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
+        if let Some(dbias) = dbias {
+            let w = self.cols_per_task(c_out);
+            dbias.par_chunks_mut(w).enumerate().for_each(|(i, db)| linear::bias_backward(db, i * w, dout, c_out));
+        }
+    }
 
     fn attention_forward(&self, out: &mut [F], att: &mut [F], qkv: &[F], seq_len: usize, c: usize, heads: usize) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let t = seq_len;
         out.par_chunks_mut(t * c)
             .zip(att.par_chunks_mut(heads * t * t))
             .zip(qkv.par_chunks(t * 3 * c))
             .for_each(|((y, a), x)| attention::attention_forward(y, a, x, t, c, heads));
-    })();
- PROF[9].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn attention_backward(
         &self,
@@ -345,8 +272,6 @@ impl<F: Float> Backend for CpuBackend<F> {
         c: usize,
         heads: usize,
     ) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let t = seq_len;
         dqkv.par_chunks_mut(t * 3 * c)
             .zip(datt.par_chunks_mut(heads * t * t))
@@ -354,35 +279,20 @@ impl<F: Float> Backend for CpuBackend<F> {
             .zip(qkv.par_chunks(t * 3 * c))
             .zip(att.par_chunks(heads * t * t))
             .for_each(|((((dx, da), dy), x), a)| attention::attention_backward(dx, da, dy, x, a, t, c, heads));
-    })();
- PROF[10].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn gelu_forward(&self, out: &mut [F], inp: &[F]) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         out.par_chunks_mut(ELEMENT_CHUNK).zip(inp.par_chunks(ELEMENT_CHUNK)).for_each(|(y, x)| mlp::gelu_forward(y, x));
-    })();
- PROF[11].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn gelu_backward(&self, dinout: &mut [F], inp: &[F]) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         dinout
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(inp.par_chunks(ELEMENT_CHUNK))
             .for_each(|(d, x)| mlp::gelu_backward(d, x));
-    })();
- PROF[12].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn crossentropy_forward(&self, logits: &mut [F], losses: &mut [F], targets: &[u32], vocab: usize) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let rows = targets.len();
         let k = self.rows_per_task(rows);
         logits[..rows * vocab]
@@ -390,14 +300,9 @@ impl<F: Float> Backend for CpuBackend<F> {
             .zip(losses[..rows].par_chunks_mut(k))
             .zip(targets.par_chunks(k))
             .for_each(|((z, l), t)| loss::crossentropy_forward(z, l, t, vocab));
-    })();
- PROF[13].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn crossentropy_backward(&self, probs: &mut [F], targets: &[u32], vocab: usize, dloss: f64) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         let rows = targets.len();
         let k = self.rows_per_task(rows);
         let dloss = F::from_f64(dloss);
@@ -405,34 +310,21 @@ impl<F: Float> Backend for CpuBackend<F> {
             .par_chunks_mut(k * vocab)
             .zip(targets.par_chunks(k))
             .for_each(|(p, t)| loss::crossentropy_backward(p, t, vocab, dloss));
-    })();
- PROF[14].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn adamw_update(&self, params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         params
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(grads.par_chunks(ELEMENT_CHUNK))
             .zip(m.par_chunks_mut(ELEMENT_CHUNK))
             .zip(v.par_chunks_mut(ELEMENT_CHUNK))
             .for_each(|(((p, g), m), v)| optim::adamw_update(p, g, m, v, hp));
-    })();
- PROF[15].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 
     fn sgd_update(&self, params: &mut [F], grads: &[F], lr: f64, weight_decay: f64, grad_scale: f64) {
- let _t0 = std::time::Instant::now();
- let _r = (|| {
         params
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(grads.par_chunks(ELEMENT_CHUNK))
             .for_each(|(p, g)| optim::sgd_update(p, g, lr, weight_decay, grad_scale));
-    })();
- PROF[16].fetch_add(_t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
- _r
-}
+    }
 }

@@ -186,6 +186,29 @@ pub fn lane_sum<F: Float>(n: usize, mut f: impl FnMut(usize) -> F) -> F {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// `max_{i<n} f(i)` (n > 0) with 8 independent partial maxima, so that it vectorises.
+#[inline(always)]
+pub fn lane_max<F: Float>(n: usize, mut f: impl FnMut(usize) -> F) -> F {
+    let first = f(0);
+    let mut acc = [first; 8];
+    let full = n / 8 * 8;
+    let mut i = 0;
+    while i < full {
+        for (lane, a) in acc.iter_mut().enumerate() {
+            *a = a.max(f(i + lane));
+        }
+        i += 8;
+    }
+    let mut m = first;
+    for i in full..n {
+        m = m.max(f(i));
+    }
+    for a in acc {
+        m = m.max(a);
+    }
+    m
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,5 +245,14 @@ mod tests {
         assert_eq!(tanh_f32(-100.0), -1.0);
         let tiny = 1e-3f32;
         assert!(((tanh_f32(tiny) as f64 - (tiny as f64).tanh()) / tiny as f64).abs() < 1e-6);
+    }
+
+    #[test]
+    fn lane_max_and_lane_sum_cover_every_element() {
+        for n in [1usize, 7, 8, 9, 30] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 37) % 11) as f32 - (i == n / 2) as u8 as f32 * -100.0).collect();
+            assert_eq!(lane_max(n, |i| x[i]), x.iter().copied().fold(f32::MIN, f32::max));
+            assert_eq!(lane_sum(n, |i| x[i]), x.iter().sum::<f32>());
+        }
     }
 }

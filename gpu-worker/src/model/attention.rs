@@ -12,7 +12,7 @@
 //! The four products per head are GEMMs on strided views of qkv (no copies),
 //! in row blocks that skip the blocks above the diagonal.
 
-use crate::backend::float::lane_sum;
+use crate::backend::float::{lane_max, lane_sum};
 use crate::backend::gemm::{matmul, Mat, MatMut, Parallelism};
 use crate::backend::simd::simd_kernel;
 use crate::backend::Float;
@@ -110,10 +110,7 @@ simd_kernel! {
 #[inline(always)]
 fn causal_softmax_row<F: Float>(row: &mut [F], i: usize) {
     let (live, masked) = row.split_at_mut(i + 1);
-    let mut m = live[0];
-    for &v in live.iter() {
-        m = m.max(v);
-    }
+    let m = lane_max(live.len(), |j| live[j]);
     for v in live.iter_mut() {
         *v = (*v - m).exp();
     }

@@ -7,7 +7,7 @@
 //!
 //! Both work in place on one (rows, vocab) buffer: logits -> probs -> dlogits.
 
-use crate::backend::float::lane_sum;
+use crate::backend::float::{lane_max, lane_sum};
 use crate::backend::simd::simd_kernel;
 use crate::backend::Float;
 
@@ -16,10 +16,7 @@ simd_kernel! {
     pub fn crossentropy_forward<F: Float>(logits: &mut [F], losses: &mut [F], targets: &[u32], vocab: usize) {
         for ((z, loss), &target) in logits.chunks_exact_mut(vocab).zip(losses.iter_mut()).zip(targets) {
             let target = target as usize;
-            let mut m = z[0];
-            for &v in z.iter() {
-                m = m.max(v);
-            }
+            let m = lane_max(vocab, |j| z[j]);
             let z_target = z[target];
             for v in z.iter_mut() {
                 *v = (*v - m).exp();
