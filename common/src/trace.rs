@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 
 /// The elements of chunk `index` when `len` elements are split into `parts` chunks:
 /// the first `len % parts` chunks hold one element more than the others. The ring
-/// collectives cut buffers this way (the worker's `comm::chunk_range` is the same
-/// rule), so the browser's replay draws the same chunks.
+/// collectives cut buffers this way (the worker re-exports this function), so the
+/// browser's replay draws the same chunks.
 pub fn chunk_range(len: usize, parts: usize, index: usize) -> Range<usize> {
     let parts = parts.max(1);
     let base = len / parts;

@@ -10,7 +10,6 @@
 pub mod ring;
 pub mod transport;
 
-use std::ops::Range;
 
 pub use ring::RingCommunicator;
 pub use transport::{Mesh, RendezvousError};
@@ -66,33 +65,5 @@ pub trait Communicator: Send {
     fn bytes_sent(&self) -> u64;
 }
 
-/// The elements of chunk `index` when `len` elements are split into `parts` chunks:
-/// the first `len % parts` chunks hold one element more than the others.
-pub fn chunk_range(len: usize, parts: usize, index: usize) -> Range<usize> {
-    let base = len / parts;
-    let extra = len % parts;
-    let start = index * base + index.min(extra);
-    let size = base + usize::from(index < extra);
-    start..start + size
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunks_cover_the_buffer_in_order() {
-        for len in [0, 1, 2, 7, 16, 17, 1000] {
-            for parts in 1..=8 {
-                let mut next = 0;
-                for i in 0..parts {
-                    let r = chunk_range(len, parts, i);
-                    assert_eq!(r.start, next);
-                    assert!(r.len() == len / parts || r.len() == len / parts + 1);
-                    next = r.end;
-                }
-                assert_eq!(next, len);
-            }
-        }
-    }
-}
+/// How a buffer is cut into one chunk per rank (shared with the browser's replay).
+pub use distlab_common::trace::chunk_range;
