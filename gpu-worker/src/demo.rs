@@ -24,7 +24,8 @@ pub struct DemoRankResult {
 pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, demo: &CollectiveDemo) -> anyhow::Result<()> {
     let mesh = connect(dir, rank, world)?;
     let tracer = Arc::new(CommTracer::new(rank, 16));
-    let mut comm = RingCommunicator::new(&mesh, "dp", (0..world).collect(), Duration::from_secs(30), Some(tracer.clone()))?;
+    let mut comm =
+        RingCommunicator::new(&mesh, "dp", (0..world).collect(), Duration::from_secs(30), Some(tracer.clone()))?;
     let n = demo.elements;
     let mut full: Vec<f32> = (0..n).map(|i| CollectiveDemo::initial_value(rank, i)).collect();
     let output = match demo.op {
@@ -45,7 +46,8 @@ pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, demo: &Collect
         }
     };
     let channel = LauncherChannel;
-    let trace = RankTrace { rank: rank as u32, world: world as u32, span_steps: 0, spans: vec![], comm: tracer.snapshot() };
+    let trace =
+        RankTrace { rank: rank as u32, world: world as u32, span_steps: 0, spans: vec![], comm: tracer.snapshot() };
     channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
     channel.output(&RankOutput::Demo(DemoRankResult { rank, bytes_sent: comm.bytes_sent(), output }));
     Ok(())

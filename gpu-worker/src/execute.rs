@@ -66,7 +66,12 @@ fn run_ranks(
     launch_ranks(
         spec,
         "train",
-        vec!["--threads".into(), per_rank.to_string(), "--collective-timeout-seconds".into(), collective_timeout.as_secs_f64().to_string()],
+        vec![
+            "--threads".into(),
+            per_rank.to_string(),
+            "--collective-timeout-seconds".into(),
+            collective_timeout.as_secs_f64().to_string(),
+        ],
         &mut |output| match output {
             RankOutput::Event(e) => on_event(e),
             RankOutput::Summary(s) => summary = Some(s),
@@ -88,7 +93,8 @@ fn launch_ranks(
 ) -> Result<(), ExecError> {
     let run_dir = run_dir(task)?;
     let spec_path = run_dir.join("spec.json");
-    std::fs::write(&spec_path, serde_json::to_vec(spec).unwrap_or_default()).map_err(|e| ExecError::Other(e.to_string()))?;
+    std::fs::write(&spec_path, serde_json::to_vec(spec).unwrap_or_default())
+        .map_err(|e| ExecError::Other(e.to_string()))?;
     let exe = std::env::current_exe().map_err(|e| ExecError::Other(e.to_string()))?;
     let mut args = vec![task.to_string(), "--spec".into(), spec_path.display().to_string()];
     args.extend(task_args);
@@ -153,11 +159,8 @@ fn run_demo(
 
 /// A fresh private directory for one run's rendezvous sockets and files.
 pub fn run_dir(what: &str) -> Result<PathBuf, ExecError> {
-    let dir = std::env::temp_dir().join(format!(
-        "distlab-{what}-{}-{}",
-        std::process::id(),
-        distlab_worker::trace::now_us()
-    ));
+    let dir =
+        std::env::temp_dir().join(format!("distlab-{what}-{}-{}", std::process::id(), distlab_worker::trace::now_us()));
     std::fs::create_dir_all(&dir).map_err(|e| ExecError::Other(format!("cannot create {}: {e}", dir.display())))?;
     Ok(dir)
 }

@@ -84,7 +84,8 @@ pub fn launch(
     on_output: &mut dyn FnMut(usize, serde_json::Value),
     cancel: &AtomicBool,
 ) -> Result<(), LaunchError> {
-    std::fs::create_dir_all(spec.run_dir).map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?;
+    std::fs::create_dir_all(spec.run_dir)
+        .map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?;
     let (tx, rx) = mpsc::channel::<(usize, RankMessage)>();
     let mut ranks = Ranks(Vec::with_capacity(spec.world));
     for rank in 0..spec.world {
@@ -173,11 +174,7 @@ pub fn launch(
 /// a peer went away), else the one its peers blame, else the first failed rank.
 fn blame(ranks: &[RankProcess]) -> String {
     let failed: Vec<&RankProcess> = ranks.iter().filter(|p| p.status.is_some_and(|s| !s.success())).collect();
-    let root = failed
-        .iter()
-        .find(|p| !matches!(p.error, Some((_, Some(_)))))
-        .or_else(|| failed.first())
-        .copied();
+    let root = failed.iter().find(|p| !matches!(p.error, Some((_, Some(_))))).or_else(|| failed.first()).copied();
     let Some(p) = root else { return "a rank failed".into() };
     let status = p.status.map(describe_status).unwrap_or_default();
     let tail = p.stderr_tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>().join("\n")).unwrap_or_default();

@@ -12,7 +12,12 @@ use distlab_common::*;
 use crate::execute::execute;
 
 /// Exit codes: 0 done, 1 the run failed, 2 the spec is invalid or unsupported.
-pub fn run_spec_file(spec_path: &Path, out: Option<PathBuf>, threads: usize, collective_timeout: std::time::Duration) -> anyhow::Result<i32> {
+pub fn run_spec_file(
+    spec_path: &Path,
+    out: Option<PathBuf>,
+    threads: usize,
+    collective_timeout: std::time::Duration,
+) -> anyhow::Result<i32> {
     let text = std::fs::read_to_string(spec_path).with_context(|| format!("cannot read {}", spec_path.display()))?;
     let spec = match ExperimentSpec::from_json_str(&text) {
         Ok(spec) => spec,

@@ -20,11 +20,11 @@ use distlab_common::trace::{Span, SpanKind};
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::CommError;
-use crate::parallel::ddp::DataParallel;
-use crate::trace::now_us;
 use crate::data::{Data, DataError};
 use crate::model::Gpt;
 use crate::optim::{clip_scale, lr_at, Optimizer};
+use crate::parallel::ddp::DataParallel;
+use crate::trace::now_us;
 
 /// How to run (not part of the experiment: results do not depend on it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -178,7 +178,11 @@ impl Trainer {
     }
 
     /// A trainer for one rank of a data-parallel group (`dp`), or the whole run (None).
-    pub fn with_data_parallel(spec: &ExperimentSpec, threads: usize, dp: Option<DataParallel>) -> Result<Self, TrainError> {
+    pub fn with_data_parallel(
+        spec: &ExperimentSpec,
+        threads: usize,
+        dp: Option<DataParallel>,
+    ) -> Result<Self, TrainError> {
         let backend = CpuBackend::<f32>::new(threads);
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let model = Gpt::new(&backend, &spec.model, spec.train.micro_batch, spec.train.seed);
@@ -230,7 +234,15 @@ impl Trainer {
             loss_sum += self.model.forward(be, &self.inputs, &self.targets);
             let mut mark = now_us();
             if record {
-                self.spans.push(span(SpanKind::Forward, format!("forward {micro}"), step, "compute", forward_start, mark, None));
+                self.spans.push(span(
+                    SpanKind::Forward,
+                    format!("forward {micro}"),
+                    step,
+                    "compute",
+                    forward_start,
+                    mark,
+                    None,
+                ));
             }
             // Gradients are summed across ranks once per step: only the last micro-step's
             // backward hands finished buckets to the communication thread (no_sync before).
@@ -260,7 +272,15 @@ impl Trainer {
             let wait_start = now_us();
             dp.grads.finish(&mut self.model.grads)?;
             if record {
-                self.spans.push(span(SpanKind::Idle, "wait for gradients".into(), step, "compute", wait_start, now_us(), None));
+                self.spans.push(span(
+                    SpanKind::Idle,
+                    "wait for gradients".into(),
+                    step,
+                    "compute",
+                    wait_start,
+                    now_us(),
+                    None,
+                ));
             }
             loss_sum = dp.sum_scalar(loss_sum)?;
         }
@@ -274,7 +294,15 @@ impl Trainer {
             self.optimizer.step(be, &mut self.model.params, &self.model.grads, lr, scale);
         }
         if record {
-            self.spans.push(span(SpanKind::Optimizer, "optimizer".into(), step, "compute", optimizer_start, now_us(), None));
+            self.spans.push(span(
+                SpanKind::Optimizer,
+                "optimizer".into(),
+                step,
+                "compute",
+                optimizer_start,
+                now_us(),
+                None,
+            ));
         }
         Ok(StepStats { loss, lr, grad_norm, updated })
     }

@@ -100,7 +100,13 @@ fn run_leased(
     let training = match training {
         Ok(handle) => handle,
         Err(e) => {
-            report_failure(client, worker_id, experiment_id, format!("could not start the training thread: {e}"), false);
+            report_failure(
+                client,
+                worker_id,
+                experiment_id,
+                format!("could not start the training thread: {e}"),
+                false,
+            );
             return;
         }
     };
@@ -149,7 +155,10 @@ fn run_leased(
 
     let result = training.join();
     if lease_lost {
-        tracing::info!(experiment = experiment_id, "stopped: the server gave the experiment back to the queue or cancelled it");
+        tracing::info!(
+            experiment = experiment_id,
+            "stopped: the server gave the experiment back to the queue or cancelled it"
+        );
         return;
     }
     match result {
