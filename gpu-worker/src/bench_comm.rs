@@ -17,12 +17,42 @@ use crate::rank::{connect, LauncherChannel};
 pub struct BandwidthPoint {
     pub bench: &'static str,
     pub op: &'static str,
+    /// "shared": buffers from `alloc_shared` (peers read them directly); "private": ordinary
+    /// memory (peers copy it out with process_vm_readv, or it goes through the pipe).
+    pub memory: &'static str,
     pub world: usize,
     pub bytes: usize,
     pub iters: usize,
     pub time_us: f64,
     pub algbw_gbps: f64,
     pub busbw_gbps: f64,
+}
+
+/// The yardstick for the collectives: one thread copying `bytes` between two buffers
+/// (best of several runs, pages touched first), reported as bytes copied per second.
+pub fn memcpy_point(bytes: usize) -> BandwidthPoint {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let iters = 10;
+    let mut best = f64::INFINITY;
+    for _ in 0..iters {
+        let start = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        best = best.min(start.elapsed().as_secs_f64());
+        std::hint::black_box(&mut dst);
+    }
+    let gbps = bytes as f64 / best / 1e9;
+    BandwidthPoint {
+        bench: "memcpy",
+        op: "memcpy",
+        memory: "private",
+        world: 1,
+        bytes,
+        iters,
+        time_us: best * 1e6,
+        algbw_gbps: gbps,
+        busbw_gbps: gbps,
+    }
 }
 
 pub fn sizes(min_bytes: usize, max_bytes: usize) -> Vec<usize> {
@@ -36,53 +66,67 @@ pub fn sizes(min_bytes: usize, max_bytes: usize) -> Vec<usize> {
 }
 
 /// Runs on every rank; rank 0 reports one point per (op, size).
-pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, min_bytes: usize, max_bytes: usize) -> anyhow::Result<()> {
+pub fn run_rank(
+    dir: &std::path::Path,
+    rank: usize,
+    world: usize,
+    min_bytes: usize,
+    max_bytes: usize,
+) -> anyhow::Result<()> {
     let mesh = connect(dir, rank, world)?;
     let mut comm = RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(60), None)?;
     let channel = LauncherChannel;
     let max_elems = max_bytes / 4;
-    let mut buf = vec![1.0f32; max_elems];
-    let mut out = vec![0.0f32; max_elems];
-    for op in [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather] {
-        for bytes in sizes(min_bytes, max_bytes) {
-            let n = bytes / 4;
-            // Enough iterations for ~0.2 s of traffic, at least 3.
-            let iters = (((200 << 20) / bytes).clamp(3, 200)) as usize;
-            let mut run = |comm: &mut RingCommunicator| -> anyhow::Result<()> {
-                let shard = chunk_range(n, world, rank);
-                match op {
-                    CollectiveOp::AllReduce => comm.all_reduce(&mut buf[..n], ReduceOp::Sum)?,
-                    CollectiveOp::ReduceScatter => comm.reduce_scatter(&mut buf[..n], &mut out[..shard.len()], ReduceOp::Sum)?,
-                    _ => comm.all_gather(&buf[..shard.len()], &mut out[..n])?,
+    let mut shared = (comm.alloc_shared(max_elems)?, comm.alloc_shared(max_elems)?);
+    let mut private = (vec![0.0f32; max_elems], vec![0.0f32; max_elems]);
+    for memory in ["shared", "private"] {
+        let (buf, out): (&mut [f32], &mut [f32]) =
+            if memory == "shared" { (&mut shared.0, &mut shared.1) } else { (&mut private.0, &mut private.1) };
+        buf.fill(1.0);
+        for op in [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather] {
+            for bytes in sizes(min_bytes, max_bytes) {
+                let n = bytes / 4;
+                // Enough iterations for ~0.2 s of traffic, at least 3.
+                let iters = (((200 << 20) / bytes).clamp(3, 200)) as usize;
+                let mut run = |comm: &mut RingCommunicator| -> anyhow::Result<()> {
+                    let shard = chunk_range(n, world, rank);
+                    match op {
+                        CollectiveOp::AllReduce => comm.all_reduce(&mut buf[..n], ReduceOp::Sum)?,
+                        CollectiveOp::ReduceScatter => {
+                            comm.reduce_scatter(&mut buf[..n], &mut out[..shard.len()], ReduceOp::Sum)?
+                        }
+                        _ => comm.all_gather(&buf[..shard.len()], &mut out[..n])?,
+                    }
+                    Ok(())
+                };
+                run(&mut comm)?; // warm-up
+                comm.barrier()?;
+                let start = Instant::now();
+                for _ in 0..iters {
+                    run(&mut comm)?;
                 }
-                Ok(())
-            };
-            run(&mut comm)?; // warm-up
-            comm.barrier()?;
-            let start = Instant::now();
-            for _ in 0..iters {
-                run(&mut comm)?;
+                let time_us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
+                let algbw = bytes as f64 / (time_us * 1e-6) / 1e9;
+                let factor = match op {
+                    CollectiveOp::AllReduce => 2.0 * (world as f64 - 1.0) / world as f64,
+                    _ => (world as f64 - 1.0) / world as f64,
+                };
+                if rank == 0 {
+                    channel.output(&BandwidthPoint {
+                        bench: "collective",
+                        op: op.as_str(),
+                        memory,
+                        world,
+                        bytes,
+                        iters,
+                        time_us,
+                        algbw_gbps: algbw,
+                        busbw_gbps: algbw * factor,
+                    });
+                }
+                // Reset values so sums stay finite over many iterations.
+                buf[..n].fill(1.0);
             }
-            let time_us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
-            let algbw = bytes as f64 / (time_us * 1e-6) / 1e9;
-            let factor = match op {
-                CollectiveOp::AllReduce => 2.0 * (world as f64 - 1.0) / world as f64,
-                _ => (world as f64 - 1.0) / world as f64,
-            };
-            if rank == 0 {
-                channel.output(&BandwidthPoint {
-                    bench: "collective",
-                    op: op.as_str(),
-                    world,
-                    bytes,
-                    iters,
-                    time_us,
-                    algbw_gbps: algbw,
-                    busbw_gbps: algbw * factor,
-                });
-            }
-            // Reset values so sums stay finite over many iterations.
-            buf[..n].fill(1.0);
         }
     }
     Ok(())

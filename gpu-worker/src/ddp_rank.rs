@@ -50,7 +50,7 @@ pub fn run(
     let grads_comm = RingCommunicator::new(&mesh, "dp", members.clone(), collective_timeout, Some(tracer.clone()))?;
     let loss_comm = RingCommunicator::new(&mesh, "dp-loss", members, collective_timeout, None)?;
     let units = ParamLayout::new(&spec.model).backward_units();
-    let grads = GradSync::new(Box::new(grads_comm), &units, spec.parallel.bucket_bytes);
+    let grads = GradSync::new(Box::new(grads_comm), &units, spec.parallel.bucket_bytes)?;
     let dp = DataParallel { rank, world, grads, comm: Box::new(loss_comm) };
 
     let channel = LauncherChannel;
@@ -66,8 +66,10 @@ pub fn run(
             channel.output(&RankOutput::Event(event));
         }
     };
-    let (summary, spans) = train_rank(spec, &TrainOptions { threads }, Some(dp), &mut on_event, &AtomicBool::new(false))?;
-    let trace = RankTrace { rank: rank as u32, world: world as u32, span_steps: SPAN_STEPS, spans, comm: tracer.snapshot() };
+    let (summary, spans) =
+        train_rank(spec, &TrainOptions { threads }, Some(dp), &mut on_event, &AtomicBool::new(false))?;
+    let trace =
+        RankTrace { rank: rank as u32, world: world as u32, span_steps: SPAN_STEPS, spans, comm: tracer.snapshot() };
     channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
     if rank == 0 {
         channel.output(&RankOutput::Summary(summary));

@@ -102,9 +102,7 @@ enum RankTask {
 fn main() {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let cli = Cli::parse();
     let code = match run(cli) {
@@ -123,25 +121,45 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             run_local::run_spec_file(&spec, out, cli.threads, collective_timeout(cli.collective_timeout_seconds))
         }
         Some(Command::BenchComm { world, min_bytes, max_bytes }) => {
+            println!("{}", serde_json::to_string(&bench_comm::memcpy_point(64 << 20))?);
             let run_dir = execute::run_dir("bench-comm")?;
             let exe = std::env::current_exe()?;
             let spec = launch::LaunchSpec {
                 exe: &exe,
                 world,
-                args: vec!["bench-comm".into(), "--min-bytes".into(), min_bytes.to_string(), "--max-bytes".into(), max_bytes.to_string()],
+                args: vec![
+                    "bench-comm".into(),
+                    "--min-bytes".into(),
+                    min_bytes.to_string(),
+                    "--max-bytes".into(),
+                    max_bytes.to_string(),
+                ],
                 run_dir: &run_dir,
                 env: vec![],
             };
-            let result = launch::launch(&spec, &mut |_, payload| println!("{payload}"), &std::sync::atomic::AtomicBool::new(false));
+            let result = launch::launch(
+                &spec,
+                &mut |_, payload| println!("{payload}"),
+                &std::sync::atomic::AtomicBool::new(false),
+            );
             let _ = std::fs::remove_dir_all(&run_dir);
             result?;
             Ok(0)
         }
         Some(Command::Rank { rank, world, dir, task }) => {
             let result = match task {
-                RankTask::BenchComm { min_bytes, max_bytes } => bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes),
+                RankTask::BenchComm { min_bytes, max_bytes } => {
+                    bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes)
+                }
                 RankTask::Train { spec } => read_spec(&spec).and_then(|spec| {
-                    ddp_rank::run(&dir, rank, world, &spec, cli.threads, collective_timeout(cli.collective_timeout_seconds))
+                    ddp_rank::run(
+                        &dir,
+                        rank,
+                        world,
+                        &spec,
+                        cli.threads,
+                        collective_timeout(cli.collective_timeout_seconds),
+                    )
                 }),
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
                     Some(d) => demo::run_rank(&dir, rank, world, d),
@@ -182,7 +200,6 @@ fn collective_timeout(seconds: f64) -> Duration {
 
 fn read_spec(path: &std::path::Path) -> anyhow::Result<distlab_common::ExperimentSpec> {
     let text = std::fs::read_to_string(path)?;
-    distlab_common::ExperimentSpec::from_json_str(&text).map_err(|errors| {
-        anyhow::anyhow!("{}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
-    })
+    distlab_common::ExperimentSpec::from_json_str(&text)
+        .map_err(|errors| anyhow::anyhow!("{}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")))
 }

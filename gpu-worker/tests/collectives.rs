@@ -24,7 +24,8 @@ fn on_ranks<T: Send + 'static>(
                 let mesh = Mesh::connect(&path, rank, world, Duration::from_secs(10)).unwrap();
                 let tracer = Arc::new(CommTracer::new(rank, 1000));
                 let mut comm =
-                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), Some(tracer)).unwrap();
+                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), Some(tracer))
+                        .unwrap();
                 f(rank, &mut comm)
             })
         })
@@ -108,7 +109,8 @@ fn reduce_scatter_and_all_gather_move_w_minus_1_over_w_d() {
 fn broadcast_send_recv_and_barrier() {
     for world in 1..=5 {
         let results = on_ranks(world, move |rank, comm| {
-            let mut buf: Vec<f32> = if rank == world - 1 { (0..100_003).map(|i| i as f32).collect() } else { vec![0.0; 100_003] };
+            let mut buf: Vec<f32> =
+                if rank == world - 1 { (0..100_003).map(|i| i as f32).collect() } else { vec![0.0; 100_003] };
             comm.broadcast(&mut buf, world - 1).unwrap();
             comm.barrier().unwrap();
             // Each rank sends its rank to the right and receives from the left.
@@ -167,7 +169,9 @@ fn the_trace_records_every_ring_step_of_a_small_all_reduce() {
             let tracer = tracers[rank].clone();
             std::thread::spawn(move || {
                 let mesh = Mesh::connect(&path, rank, 4, Duration::from_secs(10)).unwrap();
-                let mut comm = RingCommunicator::new(&mesh, "dp", vec![0, 1, 2, 3], Duration::from_secs(10), Some(tracer)).unwrap();
+                let mut comm =
+                    RingCommunicator::new(&mesh, "dp", vec![0, 1, 2, 3], Duration::from_secs(10), Some(tracer))
+                        .unwrap();
                 let mut buf: Vec<f32> = (0..16).map(|i| (rank * 100 + i) as f32).collect();
                 comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
             })
@@ -186,5 +190,33 @@ fn the_trace_records_every_ring_step_of_a_small_all_reduce() {
         assert!(trace.steps.iter().all(|s| s.from == rank as u32 && s.to == ((rank + 1) % 4) as u32));
         assert!(trace.steps.iter().all(|s| s.values.as_ref().map(|v| v.len()) == Some(4)));
         assert_eq!(trace.counters[0].calls, 1);
+    }
+}
+
+#[test]
+fn collectives_on_shared_buffers_equal_a_sequential_sum() {
+    // Chunks of at least 64 KiB in an `alloc_shared` buffer are read by the peer straight
+    // from its mapping; smaller ones go through the pipe. Both, at an offset inside the buffer.
+    for world in [1, 2, 3, 4, 8] {
+        for &len in &[0, 1, 13, 70_001, 300_007] {
+            let results = on_ranks(world, move |rank, comm| {
+                let mut shared = comm.alloc_shared(len + 5).unwrap();
+                let buf = &mut shared[5..];
+                buf.iter_mut().enumerate().for_each(|(i, x)| *x = value(rank, i));
+                comm.all_reduce(buf, ReduceOp::Sum).unwrap();
+                let reduced = buf.to_vec();
+                let mut gathered = comm.alloc_shared(len).unwrap();
+                let mine: Vec<f32> = chunk_range(len, world, rank).map(|i| value(rank, i)).collect();
+                comm.all_gather(&mine, &mut gathered).unwrap();
+                (reduced, gathered.to_vec())
+            });
+            let expected: Vec<f32> = (0..len).map(|i| (0..world).map(|r| value(r, i)).sum()).collect();
+            let concatenated: Vec<f32> =
+                (0..world).flat_map(|r| chunk_range(len, world, r).map(move |i| value(r, i))).collect();
+            for (rank, (reduced, gathered)) in results.iter().enumerate() {
+                assert_eq!(reduced, &expected, "all_reduce W={world} D={len} rank {rank}");
+                assert_eq!(gathered, &concatenated, "all_gather W={world} D={len} rank {rank}");
+            }
+        }
     }
 }

@@ -2,16 +2,19 @@
 //!
 //! `Communicator` is the small interface the parallel strategies use (DDP, ZeRO, FSDP,
 //! tensor and pipeline parallel). `ring.rs` implements it with the ring algorithms written
-//! out step by step; `transport.rs` connects the rank processes (Unix domain sockets).
+//! out step by step; `transport.rs` connects the rank processes (a Unix domain socket per
+//! pair for rendezvous and liveness, shared-memory pipes from `shm.rs` for the data).
 //!
 //! Buffers are split into W chunks for the ring; when W does not divide the length the
 //! first `len % W` chunks are one element longer (`chunk_range`).
 
+pub mod cma;
 pub mod ring;
+pub mod shm;
 pub mod transport;
 
-
 pub use ring::RingCommunicator;
+pub use shm::SharedBuffer;
 pub use transport::{Mesh, RendezvousError};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -63,6 +66,11 @@ pub trait Communicator: Send {
 
     /// Bytes this rank has sent since it was created (payload only).
     fn bytes_sent(&self) -> u64;
+
+    /// `len` zeros in memory the other members map too, so a collective on (part of) it moves
+    /// each chunk with one plain copy straight from the peer. Every member must call it, with
+    /// the same `len`, in the same order. The memory lives as long as the communicator.
+    fn alloc_shared(&mut self, len: usize) -> Result<SharedBuffer, CommError>;
 }
 
 /// How a buffer is cut into one chunk per rank (shared with the browser's replay).

@@ -14,24 +14,37 @@
 //! Each rank sends (W-1)/W * D elements per phase, so 2(W-1)/W * D for an all-reduce,
 //! whatever W is: the ring is bandwidth-optimal. Within a step a chunk streams in pieces,
 //! sent on a helper thread while this thread receives and adds, so sending, receiving and
-//! reducing overlap and large tensors never sit whole in a socket buffer.
+//! reducing overlap and large tensors never sit whole in a pipe. Incoming data is added
+//! straight from the shared-memory pipe into the rank's buffer (`transport.rs`, `shm.rs`).
+//!
+//! A large chunk is not pushed through the pipe at all: the sender posts where it lies, the
+//! receiver copies it straight out of the sender's memory (`cma.rs`; piece by piece into a
+//! small cache-resident scratch when it adds), and the sender waits until it is taken before
+//! it moves on. One copy per byte instead of two, and no helper thread. Fastest of all is a
+//! chunk in a buffer from `alloc_shared`, which the peer has mapped: it reads it with plain
+//! loads (as NCCL and PyTorch's symmetric memory do with registered buffers).
 
-use std::io::Read;
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
 use distlab_common::trace::*;
 
-use super::transport::{recv_header, send_frame, Mesh};
+use super::cma;
+use super::shm::{self, Patience, PipeReader, PipeWriter, SharedBuffer};
+use super::transport::{post_frame, recv_fd, send_fd, send_frame, Frame, Mesh, Payload};
 use super::{chunk_range, CommError, Communicator, ReduceOp};
 use crate::trace::{now_us, CommTracer, VALUE_RECORD_LIMIT};
 
-/// Elements received and reduced at a time.
+/// Elements a broadcast forwards at a time (so a chain of ranks pipelines), and elements
+/// copied out of a peer's memory at a time when adding them (they stay in cache).
 const PIECE: usize = 64 * 1024;
+/// Ring steps of at least this many bytes are posted rather than copied through the pipe.
+const POST_BYTES: usize = 64 * 1024;
 /// Messages up to this size are written before receiving, without a helper thread:
-/// they fit in the socket buffer, so the write cannot wait on the neighbour.
-const INLINE_SEND_BYTES: usize = 256 * 1024;
+/// they fit in the pipe, so the write cannot wait on the neighbour.
+const INLINE_SEND_BYTES: usize = shm::CAPACITY / 2;
 /// Tags of point-to-point messages (collectives use the group's sequence number).
 const P2P_TAG: u64 = 1 << 63;
 
@@ -40,16 +53,24 @@ pub struct RingCommunicator {
     /// Global ranks of the group in ring order; `me` is this rank's position.
     members: Vec<usize>,
     me: usize,
-    /// Per position: the socket halves to that member (None for self).
-    tx: Vec<Option<UnixStream>>,
-    rx: Vec<Option<UnixStream>>,
+    /// Per position: the pipes to and from that member, and the socket that tells whether
+    /// it is alive (None for self).
+    tx: Vec<Option<PipeWriter>>,
+    rx: Vec<Option<PipeReader>>,
+    sockets: Vec<Option<UnixStream>>,
+    /// Per position: that member's process id, and whether it can read our memory.
+    pids: Vec<i32>,
+    may_post: Vec<bool>,
+    /// Where posted pieces land before they are added.
+    scratch: Vec<f32>,
+    /// Buffers from `alloc_shared`, by number: ours, and every member's (by position).
+    shared: Vec<SharedSet>,
     /// Collectives started in this group: the same on every member, checked in each frame.
     seq: u64,
     p2p_sent: Vec<u64>,
     p2p_received: Vec<u64>,
     bytes_sent: u64,
     timeout: Duration,
-    scratch: Vec<f32>,
     tracer: Option<Arc<CommTracer>>,
     /// Steps of the collective in progress, when it is recorded in detail.
     steps: Option<Vec<RingStep>>,
@@ -77,21 +98,14 @@ impl RingCommunicator {
         let me = members.iter().position(|&r| r == mesh.rank).ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("rank {} is not in group {name}", mesh.rank))
         })?;
-        let mut tx = Vec::new();
-        let mut rx = Vec::new();
+        let (mut tx, mut rx, mut sockets) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut pids, mut may_post) = (Vec::new(), Vec::new());
         for link in mesh.links(&members)? {
-            match link {
-                Some(link) => {
-                    link.rx.set_read_timeout(Some(timeout))?;
-                    link.tx.set_write_timeout(Some(timeout))?;
-                    tx.push(Some(link.tx));
-                    rx.push(Some(link.rx));
-                }
-                None => {
-                    tx.push(None);
-                    rx.push(None);
-                }
-            }
+            pids.push(link.as_ref().map_or(std::process::id() as i32, |l| l.peer_pid));
+            may_post.push(link.as_ref().is_some_and(|l| l.may_post));
+            tx.push(link.as_ref().map(|l| l.tx.clone()));
+            rx.push(link.as_ref().map(|l| l.rx.clone()));
+            sockets.push(link.map(|l| l.socket));
         }
         let n = members.len();
         Ok(Self {
@@ -100,12 +114,16 @@ impl RingCommunicator {
             me,
             tx,
             rx,
+            sockets,
+            pids,
+            may_post,
+            scratch: vec![0.0; PIECE],
+            shared: Vec::new(),
             seq: 0,
             p2p_sent: vec![0; n],
             p2p_received: vec![0; n],
             bytes_sent: 0,
             timeout,
-            scratch: vec![0.0; PIECE],
             tracer,
             steps: None,
         })
@@ -156,7 +174,15 @@ impl RingCommunicator {
         id
     }
 
-    fn finish(&mut self, op: CollectiveOp, id: u64, elements: usize, sent_before: u64, start_us: u64, io: (Option<Vec<f32>>, Option<Vec<f32>>)) {
+    fn finish(
+        &mut self,
+        op: CollectiveOp,
+        id: u64,
+        elements: usize,
+        sent_before: u64,
+        start_us: u64,
+        io: (Option<Vec<f32>>, Option<Vec<f32>>),
+    ) {
         let steps = self.steps.take();
         if let Some(tracer) = &self.tracer {
             let detailed = steps.is_some();
@@ -182,21 +208,45 @@ impl RingCommunicator {
 
     /// One ring step: sends `out` to the right neighbour while receiving `inp.len()` elements
     /// from the left one, which are added into `inp` (`reduce`) or copied over it.
-    fn ring_step(&mut self, out: &[f32], inp: &mut [f32], reduce: bool, s: Step, chunk: usize) -> Result<(), CommError> {
+    fn ring_step(
+        &mut self,
+        out: &[f32],
+        inp: &mut [f32],
+        reduce: bool,
+        s: Step,
+        chunk: usize,
+    ) -> Result<(), CommError> {
         let (next, prev) = (self.next(), self.prev());
         let start = now_us();
         let tag = s.id;
         let payload: &[u8] = bytemuck::cast_slice(out);
         let tx = self.tx[next].as_mut().expect("a ring neighbour is another rank");
         let rx = self.rx[prev].as_mut().expect("a ring neighbour is another rank");
-        let scratch = &mut self.scratch;
-        let (sent, received) = if payload.len() <= INLINE_SEND_BYTES {
-            let sent = send_frame(tx, tag, payload);
-            (sent, receive(rx, scratch, inp, reduce, tag))
+        let (to_next, from_prev) =
+            (patience(&self.sockets, next, self.timeout), patience(&self.sockets, prev, self.timeout));
+        let from = Source { pid: self.pids[prev], position: prev, scratch: &mut self.scratch, shared: &self.shared };
+        let posted = match self.shared.iter().enumerate().find_map(|(i, set)| Some((i, set.mine.offset_of(out)?))) {
+            _ if payload.len() < POST_BYTES => None,
+            Some((buffer, offset)) => Some(Payload::Shared { buffer: buffer as u32, offset: offset as u64 }),
+            None if self.may_post[next] => Some(Payload::Posted { address: out.as_ptr() as u64 }),
+            None => None,
+        };
+        let (sent, received) = if let Some(posted) = posted {
+            // Post, take our own chunk from the left, then wait until the right has taken ours.
+            match post_frame(tx, tag, payload.len(), posted, &to_next) {
+                Ok(ticket) => {
+                    let received = receive(rx, inp, reduce, tag, &from_prev, from);
+                    (tx.wait_taken(ticket, &to_next), received)
+                }
+                Err(e) => (Err(e), Ok(())),
+            }
+        } else if payload.len() <= INLINE_SEND_BYTES {
+            let sent = send_frame(tx, tag, payload, &to_next);
+            (sent, receive(rx, inp, reduce, tag, &from_prev, from))
         } else {
             std::thread::scope(|scope| {
-                let sender = scope.spawn(move || send_frame(tx, tag, payload));
-                let received = receive(rx, scratch, inp, reduce, tag);
+                let sender = scope.spawn(|| send_frame(tx, tag, payload, &to_next));
+                let received = receive(rx, inp, reduce, tag, &from_prev, from);
                 let sent = sender.join().unwrap_or_else(|_| Err(std::io::Error::other("send thread panicked")));
                 (sent, received)
             })
@@ -240,7 +290,8 @@ impl RingCommunicator {
         for step in 0..w - 1 {
             let send_chunk = (r + 2 * w - step - 1) % w;
             let recv_chunk = (r + 2 * w - step - 2) % w;
-            let (out, inp) = disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
+            let (out, inp) =
+                disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
             let s = Step { op, id, phase: RingPhase::ReduceScatter, step: step as u32, steps: (w - 1) as u32 };
             self.ring_step(out, inp, true, s, send_chunk)?;
         }
@@ -254,7 +305,8 @@ impl RingCommunicator {
         for step in 0..w - 1 {
             let send_chunk = (r + w - step) % w;
             let recv_chunk = (r + 2 * w - step - 1) % w;
-            let (out, inp) = disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
+            let (out, inp) =
+                disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
             let s = Step { op, id, phase: RingPhase::AllGather, step: step as u32, steps: (w - 1) as u32 };
             self.ring_step(out, inp, false, s, send_chunk)?;
         }
@@ -284,23 +336,86 @@ impl From<std::io::Error> for ReceiveError {
     }
 }
 
-/// Receives one framed message into `inp`, adding (`reduce`) or copying piece by piece.
-fn receive(rx: &mut UnixStream, scratch: &mut [f32], inp: &mut [f32], reduce: bool, tag: u64) -> Result<(), ReceiveError> {
-    let (got_tag, bytes) = recv_header(rx)?;
-    if got_tag != tag || bytes != (inp.len() * 4) as u64 {
-        return Err(ReceiveError::Mismatch { tag: got_tag, bytes });
+/// How long to wait on the member at `pos`, and its socket to tell whether it is alive.
+fn patience(sockets: &[Option<UnixStream>], pos: usize, timeout: Duration) -> Patience<'_> {
+    Patience { timeout, peer: sockets[pos].as_ref().expect("a peer is another rank").as_fd() }
+}
+
+/// The sender of a message, for copying a posted payload out of its memory.
+struct Source<'a> {
+    pid: i32,
+    position: usize,
+    scratch: &'a mut [f32],
+    shared: &'a [SharedSet],
+}
+
+/// One buffer from `alloc_shared`: this rank's, and each member's mapped here.
+struct SharedSet {
+    mine: SharedBuffer,
+    /// By position in the group (None for this rank).
+    members: Vec<Option<SharedBuffer>>,
+}
+
+/// Receives one framed message into `inp`: adds it (`reduce`) or copies it, piece by piece
+/// straight out of the shared-memory pipe, or out of the sender's memory if it was posted.
+fn receive(
+    rx: &mut PipeReader,
+    inp: &mut [f32],
+    reduce: bool,
+    tag: u64,
+    patience: &Patience,
+    from: Source,
+) -> Result<(), ReceiveError> {
+    let frame = Frame::read(rx, patience)?;
+    if frame.tag != tag || frame.bytes != (inp.len() * 4) as u64 {
+        return Err(ReceiveError::Mismatch { tag: frame.tag, bytes: frame.bytes });
     }
-    if reduce {
-        for piece in inp.chunks_mut(PIECE) {
-            let incoming = &mut scratch[..piece.len()];
-            rx.read_exact(bytemuck::cast_slice_mut(incoming))?;
-            for (acc, x) in piece.iter_mut().zip(incoming.iter()) {
+    if let Payload::Shared { buffer, offset } = frame.payload {
+        let theirs = from.shared.get(buffer as usize).and_then(|set| set.members[from.position].as_ref());
+        let incoming = theirs
+            .and_then(|b| b.range(offset as usize, inp.len()))
+            .ok_or(ReceiveError::Mismatch { tag, bytes: frame.bytes })?;
+        if reduce {
+            for (acc, x) in inp.iter_mut().zip(incoming) {
                 *acc += *x;
             }
+        } else {
+            inp.copy_from_slice(incoming);
         }
-    } else {
-        rx.read_exact(bytemuck::cast_slice_mut(inp))?;
+        rx.mark_taken();
+        return Ok(());
     }
+    if let Payload::Posted { address } = frame.payload {
+        if reduce {
+            let step = from.scratch.len();
+            for (i, piece) in inp.chunks_mut(step).enumerate() {
+                let incoming = &mut from.scratch[..piece.len()];
+                let offset = (i * step * 4) as u64;
+                cma::read(from.pid, address + offset, bytemuck::cast_slice_mut(incoming))?;
+                for (acc, x) in piece.iter_mut().zip(incoming.iter()) {
+                    *acc += *x;
+                }
+            }
+        } else {
+            cma::read(from.pid, address, bytemuck::cast_slice_mut(inp))?;
+        }
+        rx.mark_taken();
+        return Ok(());
+    }
+    let mut at = 0;
+    rx.read_with(inp.len() * 4, patience, |piece| {
+        // Pieces are whole floats and 4-byte aligned: every frame is (16 + 4k) bytes long.
+        let incoming: &[f32] = bytemuck::cast_slice(piece);
+        let target = &mut inp[at..at + incoming.len()];
+        if reduce {
+            for (acc, x) in target.iter_mut().zip(incoming) {
+                *acc += *x;
+            }
+        } else {
+            target.copy_from_slice(incoming);
+        }
+        at += incoming.len();
+    })?;
     Ok(())
 }
 
@@ -345,7 +460,12 @@ impl Communicator for RingCommunicator {
             self.steps = None;
             return Err(CommError::BadBuffer {
                 collective: format!("reduce_scatter #{id} in group {}", self.name),
-                detail: format!("input has {} elements, so this rank's output needs {}, not {}", input.len(), mine.len(), output.len()),
+                detail: format!(
+                    "input has {} elements, so this rank's output needs {}, not {}",
+                    input.len(),
+                    mine.len(),
+                    output.len()
+                ),
             });
         }
         let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(input));
@@ -369,7 +489,12 @@ impl Communicator for RingCommunicator {
             self.steps = None;
             return Err(CommError::BadBuffer {
                 collective: format!("all_gather #{id} in group {}", self.name),
-                detail: format!("output has {} elements, so this rank's input needs {}, not {}", output.len(), mine.len(), input.len()),
+                detail: format!(
+                    "output has {} elements, so this rank's input needs {}, not {}",
+                    output.len(),
+                    mine.len(),
+                    input.len()
+                ),
             });
         }
         let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(input));
@@ -388,16 +513,31 @@ impl Communicator for RingCommunicator {
         let id = self.begin();
         let (start, sent_before) = (now_us(), self.bytes_sent);
         let position = (self.me + w - root % w) % w;
-        let s = Step { op: CollectiveOp::Broadcast, id, phase: RingPhase::Broadcast, step: position as u32, steps: w as u32 };
+        let s = Step {
+            op: CollectiveOp::Broadcast,
+            id,
+            phase: RingPhase::Broadcast,
+            step: position as u32,
+            steps: w as u32,
+        };
         let (next, prev) = (self.next(), self.prev());
         for piece in buf.chunks_mut(PIECE) {
             if position > 0 {
                 let rx = self.rx[prev].as_mut().expect("neighbour");
-                receive(rx, &mut self.scratch, piece, false, id).map_err(|e| self.receive_error(e, &s, prev, id, piece.len()))?;
+                receive(
+                    rx,
+                    piece,
+                    false,
+                    id,
+                    &patience(&self.sockets, prev, self.timeout),
+                    Source { pid: self.pids[prev], position: prev, scratch: &mut self.scratch, shared: &self.shared },
+                )
+                .map_err(|e| self.receive_error(e, &s, prev, id, piece.len()))?;
             }
             if position + 1 < w {
                 let tx = self.tx[next].as_mut().expect("neighbour");
-                send_frame(tx, id, bytemuck::cast_slice(piece)).map_err(|e| self.io_error(e, &s, next))?;
+                send_frame(tx, id, bytemuck::cast_slice(piece), &patience(&self.sockets, next, self.timeout))
+                    .map_err(|e| self.io_error(e, &s, next))?;
                 self.bytes_sent += (piece.len() * 4) as u64;
             }
         }
@@ -427,7 +567,8 @@ impl Communicator for RingCommunicator {
             collective: format!("send in group {}", self.name),
             detail: "a rank cannot send to itself".into(),
         })?;
-        send_frame(tx, tag, bytemuck::cast_slice(buf)).map_err(|e| self.io_error(e, &s, to))?;
+        send_frame(tx, tag, bytemuck::cast_slice(buf), &patience(&self.sockets, to, self.timeout))
+            .map_err(|e| self.io_error(e, &s, to))?;
         self.bytes_sent += (buf.len() * 4) as u64;
         Ok(())
     }
@@ -440,7 +581,15 @@ impl Communicator for RingCommunicator {
             collective: format!("recv in group {}", self.name),
             detail: "a rank cannot receive from itself".into(),
         })?;
-        receive(rx, &mut self.scratch, buf, false, tag).map_err(|e| self.receive_error(e, &s, from, tag, buf.len()))
+        receive(
+            rx,
+            buf,
+            false,
+            tag,
+            &patience(&self.sockets, from, self.timeout),
+            Source { pid: self.pids[from], position: from, scratch: &mut self.scratch, shared: &self.shared },
+        )
+        .map_err(|e| self.receive_error(e, &s, from, tag, buf.len()))
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
@@ -450,5 +599,49 @@ impl Communicator for RingCommunicator {
 
     fn bytes_sent(&self) -> u64 {
         self.bytes_sent
+    }
+
+    /// Every member creates a memfd and sends it to every other member over their socket
+    /// (all sends first: they are tiny), then maps each member's.
+    fn alloc_shared(&mut self, len: usize) -> Result<SharedBuffer, CommError> {
+        let number = self.shared.len();
+        let what = || format!("alloc_shared #{number} of {len} floats in group {}", self.name);
+        let broken = |peer: usize, cause: std::io::Error| CommError::Disconnected { collective: what(), peer, cause };
+        let (mine, fd) = SharedBuffer::create(len).map_err(|e| broken(self.members[self.me], e))?;
+        let hello = [(number as u64).to_le_bytes(), (len as u64).to_le_bytes()].concat();
+        for (pos, socket) in self.sockets.iter().enumerate() {
+            if let Some(socket) = socket {
+                send_fd(socket, &fd, &hello).map_err(|e| broken(self.members[pos], e))?;
+            }
+        }
+        let mut members = Vec::new();
+        for (pos, socket) in self.sockets.iter().enumerate() {
+            let Some(socket) = socket else {
+                members.push(None);
+                continue;
+            };
+            let peer = self.members[pos];
+            let mut theirs = [0u8; 16];
+            socket.set_read_timeout(Some(self.timeout)).map_err(|e| broken(peer, e))?;
+            let received = recv_fd(socket, &mut theirs);
+            socket.set_read_timeout(None).map_err(|e| broken(peer, e))?;
+            let fd = received.map_err(|e| match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                    CommError::Timeout { collective: what(), peer, waited_s: self.timeout.as_secs_f64() }
+                }
+                _ => broken(peer, e),
+            })?;
+            if theirs != hello.as_slice() {
+                return Err(CommError::Mismatch {
+                    collective: what(),
+                    peer,
+                    got: format!("a shared buffer announced as {theirs:?}"),
+                    expected: format!("{hello:?} (number, floats)"),
+                });
+            }
+            members.push(Some(SharedBuffer::open(fd, len).map_err(|e| broken(peer, e))?));
+        }
+        self.shared.push(SharedSet { mine: mine.share(), members });
+        Ok(mine)
     }
 }

@@ -10,6 +10,8 @@
 //! bucket is final, the bucket is copied into its own buffer and handed to a
 //! communication thread, which all-reduces it over the ring while backward goes on with
 //! earlier layers. The optimizer waits only for what is still in flight at the end.
+//! Bucket buffers live in memory every rank maps (`Communicator::alloc_shared`), so the
+//! ring moves each chunk with a single copy, straight from the neighbour's bucket.
 
 use std::ops::Range;
 use std::sync::mpsc;
@@ -17,7 +19,7 @@ use std::thread::JoinHandle;
 
 use distlab_common::trace::{Span, SpanKind};
 
-use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
 use crate::trace::now_us;
 
 /// This rank's part in data parallelism: its place in the group, the gradient
@@ -71,13 +73,13 @@ pub fn plan_buckets(units: &[Range<usize>], bucket_bytes: u64) -> Vec<Bucket> {
 /// One bucket on its way to the communication thread and back.
 struct InFlight {
     bucket: usize,
-    data: Vec<f32>,
+    data: SharedBuffer,
 }
 
 /// What the communication thread sends back.
 struct Reduced {
     bucket: usize,
-    data: Vec<f32>,
+    data: SharedBuffer,
     span: Span,
     result: Result<(), CommError>,
 }
@@ -90,7 +92,7 @@ pub struct GradSync {
     unit_bucket: Vec<usize>,
     /// Per bucket: its buffer while it is here (None while in flight), and how many of
     /// its units are final this step.
-    buffers: Vec<Option<Vec<f32>>>,
+    buffers: Vec<Option<SharedBuffer>>,
     ready_units: Vec<usize>,
     to_comm: Option<mpsc::Sender<InFlight>>,
     from_comm: mpsc::Receiver<Reduced>,
@@ -103,8 +105,9 @@ pub struct GradSync {
 }
 
 impl GradSync {
-    /// Moves `comm` (the data-parallel group) onto a new communication thread.
-    pub fn new(comm: Box<dyn Communicator>, units: &[Range<usize>], bucket_bytes: u64) -> Self {
+    /// Allocates the bucket buffers (a collective: every rank of the group calls it) and
+    /// moves `comm` (the data-parallel group) onto a new communication thread.
+    pub fn new(mut comm: Box<dyn Communicator>, units: &[Range<usize>], bucket_bytes: u64) -> Result<Self, CommError> {
         let buckets = plan_buckets(units, bucket_bytes);
         let mut unit_bucket = vec![0; units.len()];
         for (b, bucket) in buckets.iter().enumerate() {
@@ -112,7 +115,7 @@ impl GradSync {
                 unit_bucket[u] = b;
             }
         }
-        let buffers = buckets.iter().map(|b| Some(vec![0.0f32; b.range.len()])).collect();
+        let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;
         let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
         let (comm_tx, from_comm) = mpsc::channel::<Reduced>();
         let sizes: Vec<usize> = buckets.iter().map(|b| b.range.len()).collect();
@@ -121,7 +124,7 @@ impl GradSync {
             .spawn(move || communication_thread(comm, comm_rx, comm_tx, sizes))
             .expect("spawn the DDP communication thread");
         let n = buckets.len();
-        Self {
+        Ok(Self {
             buckets,
             units: units.to_vec(),
             unit_bucket,
@@ -134,7 +137,7 @@ impl GradSync {
             step: 0,
             spans: Vec::new(),
             record_spans: false,
-        }
+        })
     }
 
     pub fn buckets(&self) -> &[Bucket] {
@@ -247,10 +250,7 @@ mod tests {
         // Buffer: [0,10) [10,30) [30,60) [60,100); backward finishes them last to first.
         let units = vec![60..100, 30..60, 10..30, 0..10];
         let buckets = plan_buckets(&units, 4 * 50); // at least 50 floats each
-        assert_eq!(
-            buckets,
-            vec![Bucket { range: 30..100, units: 0..2 }, Bucket { range: 0..30, units: 2..4 }]
-        );
+        assert_eq!(buckets, vec![Bucket { range: 30..100, units: 0..2 }, Bucket { range: 0..30, units: 2..4 }]);
         // A huge bucket size gives one bucket; a tiny one, one bucket per unit.
         assert_eq!(plan_buckets(&units, 1 << 30).len(), 1);
         assert_eq!(plan_buckets(&units, 4).len(), 4);
