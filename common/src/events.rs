@@ -138,7 +138,9 @@ pub enum StreamEvent {
     Metric(MetricPoint),
     Log(LogLine),
     /// A rank's trace was stored (fetch it from `/trace`).
-    Trace { rank: u32 },
+    Trace {
+        rank: u32,
+    },
 }
 
 impl StreamEvent {

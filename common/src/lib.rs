@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod events;
+pub mod planner;
 pub mod presets;
 pub mod spec;
 pub mod trace;

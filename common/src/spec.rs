@@ -211,14 +211,7 @@ impl Default for DataSpec {
 
 impl Default for ParallelSpec {
     fn default() -> Self {
-        Self {
-            dp: 1,
-            tp: 1,
-            pp: 1,
-            sharding: Sharding::None,
-            pp_schedule: PpSchedule::OneFOneB,
-            bucket_bytes: 1 << 20,
-        }
+        Self { dp: 1, tp: 1, pp: 1, sharding: Sharding::None, pp_schedule: PpSchedule::OneFOneB, bucket_bytes: 1 << 20 }
     }
 }
 
@@ -271,8 +264,7 @@ impl ModelSpec {
     /// plus causal attention scores and weighted sum (12 x layers x seq_len x d_model,
     /// counting the full square as PyTorch's FLOP counters and the seed texts do).
     pub fn train_flops_per_token(&self) -> f64 {
-        6.0 * self.param_count() as f64
-            + 12.0 * self.layers as f64 * self.seq_len as f64 * self.d_model as f64
+        6.0 * self.param_count() as f64 + 12.0 * self.layers as f64 * self.seq_len as f64 * self.d_model as f64
     }
 }
 
@@ -304,8 +296,8 @@ impl ExperimentSpec {
 
     /// Parses a spec from JSON text (see [`ExperimentSpec::from_json_value`]).
     pub fn from_json_str(text: &str) -> Result<Self, Vec<FieldError>> {
-        let value: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| vec![FieldError::new("", format!("not valid JSON: {e}"))])?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| vec![FieldError::new("", format!("not valid JSON: {e}"))])?;
         Self::from_json_value(value)
     }
 }

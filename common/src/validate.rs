@@ -96,7 +96,10 @@ impl ExperimentSpec {
             );
         }
         if self.data.dataset == Dataset::Text && m.vocab < 256 && m.vocab >= 2 {
-            err("model.vocab", format!("the text dataset has one token per byte, so vocab must be at least 256 (it is {})", m.vocab));
+            err(
+                "model.vocab",
+                format!("the text dataset has one token per byte, so vocab must be at least 256 (it is {})", m.vocab),
+            );
         }
         if m.layers >= 1 && m.d_model >= 1 && m.vocab >= 1 && m.seq_len >= 1 {
             let params = m.param_count();
@@ -117,20 +120,35 @@ impl ExperimentSpec {
         if p.dp >= 1 && p.tp >= 1 && p.pp >= 1 && world > limits.max_world_size {
             err(
                 "parallel",
-                format!("world size dp*tp*pp = {}*{}*{} = {} is more than the {} ranks this server allows", p.dp, p.tp, p.pp, world, limits.max_world_size),
+                format!(
+                    "world size dp*tp*pp = {}*{}*{} = {} is more than the {} ranks this server allows",
+                    p.dp, p.tp, p.pp, world, limits.max_world_size
+                ),
             );
         }
         if p.tp > 1 && m.heads >= 1 && m.heads % p.tp != 0 {
-            err("parallel.tp", format!("tp={} does not divide heads={}: each tensor-parallel rank takes whole heads", p.tp, m.heads));
+            err(
+                "parallel.tp",
+                format!("tp={} does not divide heads={}: each tensor-parallel rank takes whole heads", p.tp, m.heads),
+            );
         }
         if p.tp > 1 && m.d_ff() % p.tp != 0 {
             err("parallel.tp", format!("tp={} does not divide the MLP width 4*d_model={}", p.tp, m.d_ff()));
         }
         if p.pp > 1 && m.layers >= 1 && p.pp > m.layers {
-            err("parallel.pp", format!("pp={} is more than layers={}: every pipeline stage needs at least one layer", p.pp, m.layers));
+            err(
+                "parallel.pp",
+                format!("pp={} is more than layers={}: every pipeline stage needs at least one layer", p.pp, m.layers),
+            );
         }
         if p.sharding != Sharding::None && p.dp < 2 {
-            err("parallel.sharding", format!("sharding={} splits state across data-parallel ranks, so it needs dp >= 2", p.sharding.as_str()));
+            err(
+                "parallel.sharding",
+                format!(
+                    "sharding={} splits state across data-parallel ranks, so it needs dp >= 2",
+                    p.sharding.as_str()
+                ),
+            );
         }
         if p.bucket_bytes < 1024 || p.bucket_bytes > 1 << 30 {
             err("parallel.bucket_bytes", "bucket_bytes must be between 1 KiB (1024) and 1 GiB".into());
@@ -148,7 +166,10 @@ impl ExperimentSpec {
             err("train.lr", format!("the learning rate must be a number above 0 and at most 10 (it is {})", t.lr));
         }
         if t.warmup_steps > t.steps {
-            err("train.warmup_steps", format!("warmup_steps={} is longer than the run (steps={})", t.warmup_steps, t.steps));
+            err(
+                "train.warmup_steps",
+                format!("warmup_steps={} is longer than the run (steps={})", t.warmup_steps, t.steps),
+            );
         }
         if !(t.weight_decay.is_finite() && (0.0..=1.0).contains(&t.weight_decay)) {
             err("train.weight_decay", "weight_decay must be between 0 and 1".into());
@@ -157,14 +178,26 @@ impl ExperimentSpec {
             err("train.grad_clip", "grad_clip must be 0 (off) or a positive number".into());
         }
         if t.loss_scaling == LossScaling::Dynamic && t.precision != Precision::Fp16 {
-            err("train.loss_scaling", format!("dynamic loss scaling is for fp16; {} does not need it", t.precision.as_str()));
+            err(
+                "train.loss_scaling",
+                format!("dynamic loss scaling is for fp16; {} does not need it", t.precision.as_str()),
+            );
         }
         if t.checkpoint_every > t.steps {
-            err("train.checkpoint_every", format!("checkpoint_every={} is longer than the run (steps={}); use 0 for no checkpoints", t.checkpoint_every, t.steps));
+            err(
+                "train.checkpoint_every",
+                format!(
+                    "checkpoint_every={} is longer than the run (steps={}); use 0 for no checkpoints",
+                    t.checkpoint_every, t.steps
+                ),
+            );
         }
         if let Some(demo) = &self.demo {
             if demo.elements < 1 || demo.elements > 4096 {
-                err("demo.elements", format!("a demo vector has between 1 and 4096 elements (it is {})", demo.elements));
+                err(
+                    "demo.elements",
+                    format!("a demo vector has between 1 and 4096 elements (it is {})", demo.elements),
+                );
             }
             if p.tp != 1 || p.pp != 1 {
                 err("demo", "a collective demo runs across the dp ranks only: use tp=1 and pp=1".into());
@@ -175,7 +208,10 @@ impl ExperimentSpec {
         if tokens > limits.max_tokens_per_step as u128 {
             err(
                 "train.micro_batch",
-                format!("one step would process {} tokens; this server allows at most {}", tokens, limits.max_tokens_per_step),
+                format!(
+                    "one step would process {} tokens; this server allows at most {}",
+                    tokens, limits.max_tokens_per_step
+                ),
             );
         }
 
@@ -240,27 +276,43 @@ mod tests {
             (json!({"data": {"dataset": "text"}}), vec![("model.vocab", "at least 256")]),
             (
                 json!({"parallel": {"tp": 3}}),
-                vec![("parallel.tp", "tp=3 does not divide heads=4"), ("parallel.tp", "tp=3 does not divide the MLP width 4*d_model=256")],
+                vec![
+                    ("parallel.tp", "tp=3 does not divide heads=4"),
+                    ("parallel.tp", "tp=3 does not divide the MLP width 4*d_model=256"),
+                ],
             ),
             (json!({"parallel": {"pp": 3}}), vec![("parallel.pp", "pp=3 is more than layers=2")]),
             (json!({"parallel": {"dp": 0}}), vec![("parallel.dp", "dp must be between 1 and 8 (it is 0)")]),
             (json!({"parallel": {"dp": 4, "tp": 4}}), vec![("parallel", "world size dp*tp*pp = 4*4*1 = 16")]),
             (json!({"parallel": {"sharding": "zero2"}}), vec![("parallel.sharding", "needs dp >= 2")]),
             (json!({"parallel": {"bucket_bytes": 10}}), vec![("parallel.bucket_bytes", "between 1 KiB")]),
-            (json!({"train": {"steps": 0, "warmup_steps": 0}}), vec![("train.steps", "steps must be between 1 and 20000")]),
+            (
+                json!({"train": {"steps": 0, "warmup_steps": 0}}),
+                vec![("train.steps", "steps must be between 1 and 20000")],
+            ),
             (json!({"train": {"lr": -1.0}}), vec![("train.lr", "above 0")]),
             (json!({"train": {"lr": 0.0}}), vec![("train.lr", "above 0")]),
-            (json!({"train": {"micro_batch": 0}}), vec![("train.micro_batch", "micro_batch must be between 1 and 256")]),
+            (
+                json!({"train": {"micro_batch": 0}}),
+                vec![("train.micro_batch", "micro_batch must be between 1 and 256")],
+            ),
             (json!({"train": {"warmup_steps": 500}}), vec![("train.warmup_steps", "longer than the run")]),
             (json!({"train": {"loss_scaling": "dynamic"}}), vec![("train.loss_scaling", "for fp16")]),
             (json!({"train": {"grad_clip": -1.0}}), vec![("train.grad_clip", "positive")]),
             (json!({"demo": {"elements": 0}}), vec![("demo.elements", "between 1 and 4096")]),
             (json!({"demo": {"op": "all_reduce"}, "parallel": {"tp": 2}}), vec![("demo", "tp=1 and pp=1")]),
-            (json!({"model": {"d_model": 1024, "layers": 32, "vocab": 65536}}), vec![("model", "parameters; this server allows at most")]),
+            (
+                json!({"model": {"d_model": 1024, "layers": 32, "vocab": 65536}}),
+                vec![("model", "parameters; this server allows at most")],
+            ),
             // Several problems at once: all of them are reported.
             (
                 json!({"model": {"heads": 5}, "parallel": {"tp": 2}, "train": {"steps": 0, "warmup_steps": 0}}),
-                vec![("model.heads", "heads=5"), ("parallel.tp", "tp=2 does not divide heads=5"), ("train.steps", "between 1")],
+                vec![
+                    ("model.heads", "heads=5"),
+                    ("parallel.tp", "tp=2 does not divide heads=5"),
+                    ("train.steps", "between 1"),
+                ],
             ),
         ];
         for (patch, expected) in table {

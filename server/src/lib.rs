@@ -12,6 +12,7 @@ pub mod experiments;
 pub mod extract;
 pub mod health;
 pub mod local_workers;
+pub mod plan;
 pub mod queue;
 pub mod static_files;
 pub mod stream;
@@ -194,6 +195,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/metrics", get(experiments::metrics))
         .route("/experiments/{id}/trace", get(traces::trace))
         .route("/experiments/{id}/cancel", post(experiments::cancel))
+        .route("/plan", post(plan::plan))
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
         // Added after the timeout layer, so that long-lived streams are not cut.

@@ -371,6 +371,74 @@ async fn malformed_requests_get_400_in_the_json_shape() {
 }
 
 #[tokio::test]
+async fn plan_of_a_tiny_spec_runs_nothing() {
+    let t = setup().await;
+    let body = json!({"name": "tiny", "parallel": {"dp": 2, "sharding": "zero2"}});
+    let a = t.post("/api/plan", body.clone()).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let got: planner::Plan = serde_json::from_value(a.body).expect("Plan");
+    let spec = ExperimentSpec::from_json_value(body).expect("spec");
+    assert_eq!(got, planner::plan(&spec).expect("plan"));
+    assert_eq!((got.param_count, got.world_size, got.stages.len()), (spec.model.param_count(), 2, 1));
+    let mem = &got.stages[0].memory;
+    assert_eq!(mem.parameters, 4 * got.param_count);
+    assert_eq!(mem.gradients, 4 * got.param_count.div_ceil(2));
+    assert!(mem.activations > 0 && got.stages[0].comm.dp_reduce_scatter > 0);
+    // Nothing was queued.
+    assert_eq!(t.get("/api/health").await.body["queued"], 0);
+    assert_eq!(t.get("/api/experiments").await.body["total"], 0);
+}
+
+#[tokio::test]
+async fn plan_accepts_a_70b_model_on_1024_ranks_beyond_the_run_limits() {
+    let t = setup().await;
+    let body = json!({
+        "name": "70b",
+        "model": {"layers": 80, "d_model": 8192, "heads": 64, "seq_len": 4096, "vocab": 32000},
+        "parallel": {"dp": 16, "tp": 8, "pp": 8, "sharding": "zero1"},
+        "train": {"micro_batch": 1, "micro_batches": 32, "precision": "bf16", "checkpointing": "every"}
+    });
+    let a = t.post("/api/plan", body.clone()).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let plan: planner::Plan = serde_json::from_value(a.body).expect("Plan");
+    assert_eq!(plan.world_size, 1024);
+    assert!(plan.param_count > 60_000_000_000, "{}", plan.param_count);
+    assert_eq!(plan.stages.len(), 8);
+    assert!(plan.stages.iter().all(|s| s.layers == 10 && s.memory.total > 0));
+    assert!((plan.bubble_fraction - 7.0 / 39.0).abs() < 1e-12);
+    // The same spec is far beyond what this server runs.
+    let e = assert_api_error(&t.post("/api/experiments", body).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(e.fields.iter().any(|f| f.field == "parallel"), "{e:?}");
+}
+
+#[tokio::test]
+async fn plan_rejects_malformed_bodies_and_impossible_specs() {
+    let t = setup().await;
+    let raw = |body: &'static str| {
+        Request::post("/api/plan")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .expect("request")
+    };
+    for body in ["{not json", "", "[1, 2"] {
+        let e = assert_api_error(&answer(t.send(raw(body)).await).await, StatusCode::BAD_REQUEST);
+        assert!(!e.error.is_empty());
+    }
+    let e =
+        assert_api_error(&t.post("/api/plan", json!({"model": {"layerz": 2}})).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(e.fields[0].field, "model.layerz");
+    let e = assert_api_error(
+        &t.post("/api/plan", json!({"parallel": {"dp": 0, "tp": 3}})).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    );
+    let fields: HashSet<&str> = e.fields.iter().map(|f| f.field.as_str()).collect();
+    assert_eq!(fields, HashSet::from(["parallel.dp", "parallel.tp"]), "{e:?}");
+    let e =
+        assert_api_error(&t.post("/api/plan", json!({"parallel": {"pp": 3}})).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(e.fields[0].message.contains("pp=3 is more than layers=2"), "{e:?}");
+}
+
+#[tokio::test]
 async fn too_large_bodies_get_413_in_the_json_shape() {
     let t = setup().await;
     let big = format!(r#"{{"name": "{}"}}"#, "x".repeat(2 << 20));

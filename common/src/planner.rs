@@ -1,0 +1,980 @@
+//! The analytic planner: what an experiment needs per rank, predicted from its spec alone.
+//!
+//! For any spec (the tiny CPU configs up to 175B models on thousands of ranks: the
+//! server's run limits do NOT apply here) it predicts, for one rank of every pipeline
+//! stage (all dp x tp ranks of a stage are alike; with uneven shards the figures are
+//! those of the rank with the largest shard):
+//!
+//! - memory by category: parameters, gradients, optimizer state, the gathered FSDP unit,
+//!   saved activations, activation gradients and communication buffers ([`RankMemory`]);
+//! - bytes sent per optimizer step by each collective ([`CommVolume`]);
+//! - the pipeline bubble and the training FLOPs of one step ([`Plan`], [`Flops`]).
+//!
+//! The page shows these NEXT to what the engine measures; they never replace it.
+//!
+//! # Model state (bytes per parameter, see [`bytes_per_param`])
+//!
+//! | precision | optimizer | parameters | gradients | optimizer state               | sum |
+//! |-----------|-----------|-----------:|----------:|-------------------------------|----:|
+//! | fp32      | adamw     | 4          | 4         | 8 (m, v)                      | 16  |
+//! | bf16/fp16 | adamw     | 2          | 2         | 12 (fp32 master copy, m, v)   | 16  |
+//! | fp32      | sgd       | 4          | 4         | 0 (no momentum: no state)     | 8   |
+//! | bf16/fp16 | sgd       | 2          | 2         | 4 (fp32 master copy)          | 8   |
+//!
+//! Sharding over the data-parallel group of `dp` ranks (ZeRO stages; a shard is
+//! `ceil(n / dp)` elements, the largest piece of the engine's flat split):
+//!
+//! | sharding | parameters | gradients | optimizer state |
+//! |----------|-----------|-----------|-----------------|
+//! | none     | full      | full      | full            |
+//! | zero1    | full      | full      | 1/dp            |
+//! | zero2    | full      | 1/dp      | 1/dp            |
+//! | fsdp     | 1/dp      | 1/dp      | 1/dp            |
+//!
+//! The optimizer state always includes the fp32 master weights (ZeRO paper convention).
+//!
+//! # How tensor and pipeline parallelism divide the model
+//!
+//! TP splits each block's QKV, attention-projection and MLP matrices (and the biases of
+//! the column-parallel ones) over `tp` ranks; the LayerNorms, the two row-parallel
+//! biases, the embeddings and the LM head stay whole on every TP rank. PP gives each
+//! stage a contiguous run of blocks (the first stages take one more when `pp` does not
+//! divide `layers`); the embeddings live on the first stage, the final LayerNorm and the
+//! LM head on the last.
+//!
+//! All arithmetic is u64 (saturating) or f64, so no input can overflow or panic.
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::*;
+use crate::trace::chunk_range;
+use crate::validate::FieldError;
+
+/// The planner models models up to this many parameters (a thousand times GPT-3).
+pub const MAX_PLANNED_PARAMS: f64 = 1e15;
+/// The plan lists every pipeline stage, so `pp` is bounded.
+pub const MAX_PLANNED_STAGES: usize = 1024;
+
+/// What the planner predicts for one spec. Byte counts are exact integers (JSON numbers).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// All parameters of the model ([`ModelSpec::param_count`]).
+    pub param_count: u64,
+    /// dp x tp x pp.
+    pub world_size: u64,
+    /// The byte accounting used for model state.
+    pub bytes_per_param: BytesPerParam,
+    /// Bytes of one activation element (4 in fp32, 2 in bf16/fp16).
+    pub activation_bytes: u64,
+    /// One entry per pipeline stage, for one rank of that stage.
+    pub stages: Vec<StagePlan>,
+    /// Index (in `stages`) of the stage whose ranks need the most memory: the peak rank.
+    pub peak_stage: usize,
+    /// Share of a step a pipeline stage sits idle: (P-1) / (M+P-1) for P stages and M
+    /// micro-batches (0 without pipeline parallelism).
+    pub bubble_fraction: f64,
+    /// The same idle time relative to the useful compute: (P-1) / M (the GPipe paper's ratio).
+    pub bubble_over_compute: f64,
+    pub flops: Flops,
+}
+
+/// Bytes each parameter costs, per category of model state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BytesPerParam {
+    pub parameters: u64,
+    pub gradients: u64,
+    /// fp32 master weights (mixed precision only) + the optimizer's moments (AdamW: m and v).
+    pub optimizer_state: u64,
+}
+
+/// One pipeline stage, as seen by any one of its dp x tp ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StagePlan {
+    pub stage: usize,
+    /// Index of the stage's first transformer block.
+    pub first_layer: usize,
+    /// Transformer blocks on this stage.
+    pub layers: usize,
+    /// Holds the token and position embeddings (the first stage).
+    pub embedding: bool,
+    /// Holds the final LayerNorm and the LM head (the last stage).
+    pub head: bool,
+    /// Parameters of this stage held by one TP rank, before any ZeRO/FSDP sharding.
+    pub params_per_rank: u64,
+    /// Micro-batches whose activations are held at once (see [`in_flight_micro_batches`]).
+    pub in_flight_micro_batches: u64,
+    pub memory: RankMemory,
+    pub comm: CommVolume,
+}
+
+/// Bytes one rank holds, by category (at the peak of a step).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankMemory {
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer_state: u64,
+    /// FSDP only: the largest unit (a block, the embeddings, or LayerNorm + LM head)
+    /// gathered in full for its forward or backward, on top of the rank's own shard.
+    pub gathered_parameters: u64,
+    /// Tensors saved by forward for backward, for every micro-batch in flight.
+    pub activations: u64,
+    /// Backward's activation-gradient buffers (one set, reused by every block).
+    pub activation_grads: u64,
+    /// DDP only: the engine copies each gradient bucket into its own buffer for the
+    /// communication thread, so the buckets together hold one more gradient's worth.
+    pub comm_buffers: u64,
+    pub total: u64,
+}
+
+/// Bytes one rank SENDS per optimizer step, by collective (it receives as much).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommVolume {
+    /// DDP gradient all-reduce over the data-parallel group.
+    pub dp_all_reduce: u64,
+    /// ZeRO / FSDP gradient reduce-scatter over the data-parallel group.
+    pub dp_reduce_scatter: u64,
+    /// ZeRO parameter all-gather after the update; FSDP's gathers before forward and backward.
+    pub dp_all_gather: u64,
+    /// Tensor-parallel all-reduces of activations and their gradients.
+    pub tp_all_reduce: u64,
+    /// Pipeline point-to-point sends: activations forward, their gradients backward.
+    pub pp_send: u64,
+    pub total: u64,
+}
+
+/// Floating-point operations of one optimizer step, over all ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Flops {
+    /// dp * micro_batch * micro_batches * grad_accum * seq_len.
+    pub tokens_per_step: u64,
+    /// The 6 * params * tokens rule: forward 2, backward 4 per parameter and token.
+    pub six_params_tokens: f64,
+    /// Attention scores and weighted sums: 12 * layers * seq_len * d_model per token.
+    pub attention: f64,
+    /// Recomputed forward passes of the blocks when activation checkpointing is on.
+    pub recompute: f64,
+    pub total: f64,
+    /// total / world_size: the average work of one rank.
+    pub per_rank: f64,
+}
+
+/// The byte accounting of model state for a precision and an optimizer (see the module
+/// table): 16 bytes per parameter with AdamW in either precision, split differently.
+pub fn bytes_per_param(precision: Precision, optimizer: Optimizer) -> BytesPerParam {
+    let mixed = precision != Precision::Fp32;
+    let (weight, master) = if mixed { (2, 4) } else { (4, 0) };
+    let moments = match optimizer {
+        Optimizer::Adamw => 2 * 4, // m and v, fp32
+        Optimizer::Sgd => 0,       // no momentum, as in the engine's optim.rs
+    };
+    BytesPerParam { parameters: weight, gradients: weight, optimizer_state: master + moments }
+}
+
+/// Bytes of one activation element: the storage dtype (4 in fp32, 2 in bf16/fp16).
+pub fn activation_bytes(precision: Precision) -> u64 {
+    match precision {
+        Precision::Fp32 => 4,
+        Precision::Bf16 | Precision::Fp16 => 2,
+    }
+}
+
+/// Model state of one rank that holds `params` parameters before sharding, with the
+/// data-parallel group of `dp` ranks (values below 1 count as 1). This is the whole
+/// accounting for the textbook cases ("7B with Adam = 112 GB per DDP rank"); the
+/// spec-based [`plan`] calls it with the parameters of one stage on one TP rank.
+///
+/// parameters = P * w, gradients = P * w, optimizer = P * o, where the sharded
+/// categories use ceil(P / dp) instead of P (zero1: optimizer; zero2: + gradients;
+/// fsdp: + parameters).
+pub fn model_state(params: u64, sharding: Sharding, precision: Precision, optimizer: Optimizer, dp: u64) -> ModelState {
+    let b = bytes_per_param(precision, optimizer);
+    let shard = params.div_ceil(dp.max(1));
+    let (p, g, o) = match sharding {
+        Sharding::None => (params, params, params),
+        Sharding::Zero1 => (params, params, shard),
+        Sharding::Zero2 => (params, shard, shard),
+        Sharding::Fsdp => (shard, shard, shard),
+    };
+    ModelState {
+        parameters: p.saturating_mul(b.parameters),
+        gradients: g.saturating_mul(b.gradients),
+        optimizer_state: o.saturating_mul(b.optimizer_state),
+    }
+}
+
+/// Parameters, gradients and optimizer state of one rank, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelState {
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer_state: u64,
+}
+
+impl ModelState {
+    pub fn total(&self) -> u64 {
+        self.parameters.saturating_add(self.gradients).saturating_add(self.optimizer_state)
+    }
+}
+
+/// Bytes one rank sends in a ring reduce-scatter (or all-gather) of `n` elements of
+/// `bytes` each over `w` ranks: every chunk but one, (w-1)/w * n when w divides n. The
+/// buffer is cut like [`chunk_range`] (the smallest chunk has floor(n/w) elements), so
+/// this is the largest over the ranks, and exact for the engine. A ring all-reduce is a
+/// reduce-scatter followed by an all-gather: twice this, 2(w-1)/w * n.
+pub fn ring_reduce_scatter_bytes(n: u64, w: u64, bytes: u64) -> u64 {
+    (n - n / w.max(1)).saturating_mul(bytes)
+}
+
+/// Ring all-reduce: 2(w-1)/w * n elements sent per rank (see [`ring_reduce_scatter_bytes`]).
+pub fn ring_all_reduce_bytes(n: u64, w: u64, bytes: u64) -> u64 {
+    ring_reduce_scatter_bytes(n, w, bytes).saturating_mul(2)
+}
+
+/// Micro-batches whose activations stage `stage` of `pp` holds at once, with
+/// `micro_batches` pipeline micro-batches: 1 without PP (micro-batches and accumulation
+/// run one after another), all M with GPipe (every forward before any backward), and
+/// min(P - stage, M) with 1F1B (the warm-up forwards, then one backward per forward).
+pub fn in_flight_micro_batches(schedule: PpSchedule, pp: u64, micro_batches: u64, stage: u64) -> u64 {
+    if pp <= 1 {
+        return 1;
+    }
+    match schedule {
+        PpSchedule::Gpipe => micro_batches,
+        PpSchedule::OneFOneB => pp.saturating_sub(stage).min(micro_batches),
+    }
+}
+
+/// Activation elements one transformer block saves for backward, for one micro-batch of
+/// `batch` sequences of `seq` tokens (d = d_model, h = heads, t = tp), as the engine
+/// stores them (model/gpt.rs `BlockActivations`):
+///
+/// ```text
+///   b*s * (4d + 12d/t + 4)  +  b * (h/t) * s^2
+/// ```
+///
+/// - 4d whole on every TP rank: the outputs of ln1 and ln2, and the residual stream
+///   after the attention half and after the MLP half;
+/// - 12d split over TP: q, k, v (3d), the attention output before its projection (d),
+///   the MLP hidden layer before and after GELU (4d + 4d);
+/// - 4 per token: mean and 1/std of the two LayerNorms;
+/// - the softmax probabilities, heads x s x s per sequence (no FlashAttention).
+///
+/// In 16-bit that is s*b*d*(32 + 8/d + 2*h*s/d) bytes, close to Korthikanti et al.'s
+/// s*b*d*(34 + 5*h*s/d), which also keeps dropout masks and the pre-softmax scores
+/// (the engine has no dropout and overwrites the scores). This is THE per-layer term:
+/// adjust it here when the engine's measured activations say otherwise.
+pub fn layer_activation_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64) -> u64 {
+    let tp = tp.max(1);
+    let rows = batch.saturating_mul(seq);
+    let per_token = d.saturating_mul(4).saturating_add(d.saturating_mul(12) / tp).saturating_add(4);
+    let scores = batch.saturating_mul(heads / tp).saturating_mul(seq).saturating_mul(seq);
+    rows.saturating_mul(per_token).saturating_add(scores)
+}
+
+/// Elements of backward's activation-gradient buffers (model/gpt.rs `GradScratch`): the
+/// residual and LayerNorm gradients (2d, whole), the attention output, QKV and MLP hidden
+/// gradients (d + 3d + 4d, split over TP) and the attention probabilities' gradient:
+/// b*s*(2d + 8d/t) + b*(h/t)*s^2.
+pub fn activation_grad_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64) -> u64 {
+    let tp = tp.max(1);
+    let rows = batch.saturating_mul(seq);
+    let per_token = d.saturating_mul(2).saturating_add(d.saturating_mul(8) / tp);
+    let scores = batch.saturating_mul(heads / tp).saturating_mul(seq).saturating_mul(seq);
+    rows.saturating_mul(per_token).saturating_add(scores)
+}
+
+/// Checks that `spec` describes a model and a mesh that can exist at all: positive
+/// sizes, whole heads per TP rank, at least one block per pipeline stage. Run limits
+/// (world size, parameters, steps) are NOT checked: see [`ExperimentSpec::validate`].
+pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
+    let mut errs = Vec::new();
+    let mut err = |field: &str, message: String| errs.push(FieldError::new(field, message));
+    let (m, p, t) = (&spec.model, &spec.parallel, &spec.train);
+    for (field, value) in [
+        ("model.layers", m.layers),
+        ("model.d_model", m.d_model),
+        ("model.heads", m.heads),
+        ("model.seq_len", m.seq_len),
+        ("model.vocab", m.vocab),
+        ("parallel.dp", p.dp),
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("train.micro_batch", t.micro_batch),
+        ("train.micro_batches", t.micro_batches),
+        ("train.grad_accum", t.grad_accum),
+    ] {
+        if value == 0 {
+            let name = field.rsplit('.').next().unwrap_or(field);
+            err(field, format!("{name} must be at least 1 (it is 0)"));
+        }
+    }
+    if m.heads >= 1 && m.d_model % m.heads != 0 {
+        err(
+            "model.heads",
+            format!("heads={} does not divide d_model={}: every head needs the same width", m.heads, m.d_model),
+        );
+    }
+    if p.tp >= 1 && m.heads >= 1 && m.heads % p.tp != 0 {
+        err(
+            "parallel.tp",
+            format!("tp={} does not divide heads={}: each tensor-parallel rank takes whole heads", p.tp, m.heads),
+        );
+    }
+    if p.pp >= 1 && m.layers >= 1 && p.pp > m.layers {
+        err(
+            "parallel.pp",
+            format!("pp={} is more than layers={}: every pipeline stage needs at least one layer", p.pp, m.layers),
+        );
+    } else if p.pp > MAX_PLANNED_STAGES {
+        err(
+            "parallel.pp",
+            format!("pp={}: the planner lists every stage and handles at most {MAX_PLANNED_STAGES}", p.pp),
+        );
+    }
+    // Estimated in f64 first, so that param_count (u64) is only called when it cannot overflow.
+    let (v, s, d, l) = (m.vocab as f64, m.seq_len as f64, m.d_model as f64, m.layers as f64);
+    let estimate = 2.0 * v * d + s * d + l * (12.0 * d * d + 13.0 * d) + 2.0 * d;
+    if estimate > MAX_PLANNED_PARAMS {
+        err("model", format!("this model has about {estimate:.3e} parameters; the planner handles at most 1e15"));
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs)
+    }
+}
+
+/// Plans `spec`: every structural problem at once as field errors (422), else the plan.
+pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
+    check_structure(spec)?;
+    let (m, p, t) = (&spec.model, &spec.parallel, &spec.train);
+    let u = |x: usize| x as u64;
+    let (d, heads, seq, vocab) = (u(m.d_model), u(m.heads), u(m.seq_len), u(m.vocab));
+    let (dp, tp, pp) = (u(p.dp), u(p.tp), u(p.pp));
+    let (batch, micro_batches) = (u(t.micro_batch), u(t.micro_batches));
+    let micro_steps = micro_batches.saturating_mul(u(t.grad_accum));
+
+    let param_count = m.param_count();
+    let per_param = bytes_per_param(t.precision, t.optimizer);
+    let act_bytes = activation_bytes(t.precision);
+
+    // The model's parts as the engine lays them out (ParamLayout): they add up to param_count.
+    let embedding = (vocab + seq) * d;
+    let head = 2 * d + d * vocab;
+    let block = m.block_params();
+    // Split by TP: QKV (3d^2 + 3d), attention projection weight (d^2), MLP (4d^2 + 4d, 4d^2).
+    let block_split = 12 * d * d + 7 * d;
+    let block_per_tp_rank = block_split / tp + (block - block_split);
+
+    let rows = batch.saturating_mul(seq);
+    let rows_d = rows.saturating_mul(d);
+    let layer_acts = layer_activation_elements(batch, seq, d, heads, tp);
+    let grad_acts = activation_grad_elements(batch, seq, d, heads, tp);
+    let recomputing = t.checkpointing != Checkpointing::None;
+
+    let mut stages = Vec::with_capacity(p.pp);
+    for s in 0..p.pp {
+        let layer_range = chunk_range(m.layers, p.pp, s);
+        let layers = u(layer_range.len());
+        let (first, last) = (s == 0, s + 1 == p.pp);
+        let params_per_rank =
+            layers * block_per_tp_rank + if first { embedding } else { 0 } + if last { head } else { 0 };
+        let in_flight = in_flight_micro_batches(p.pp_schedule, pp, micro_batches, u(s));
+
+        // Model state, and FSDP's gathered unit.
+        let state = model_state(params_per_rank, p.sharding, t.precision, t.optimizer, dp);
+        let gathered = if p.sharding == Sharding::Fsdp && dp > 1 {
+            let largest_unit = [
+                if layers > 0 { block_per_tp_rank } else { 0 },
+                if first { embedding } else { 0 },
+                if last { head } else { 0 },
+            ];
+            largest_unit.into_iter().max().unwrap_or(0) * per_param.parameters
+        } else {
+            0
+        };
+        let comm_buffers = if p.sharding == Sharding::None && dp > 1 {
+            params_per_rank.saturating_mul(per_param.gradients)
+        } else {
+            0
+        };
+
+        // Activations (elements). Every stage keeps its input per micro-batch (the first
+        // stage: the embedding output; the others: what the previous stage sent); the last
+        // stage also the final LayerNorm output and statistics, logits and token losses.
+        let (kept_layers, recompute_peak) = checkpointed(layers, t.checkpointing, rows_d, layer_acts);
+        let head_acts = if last {
+            rows_d.saturating_add(rows.saturating_mul(3)).saturating_add(rows.saturating_mul(vocab))
+        } else {
+            0
+        };
+        let per_micro_batch = rows_d.saturating_add(kept_layers).saturating_add(head_acts);
+        let activations = in_flight.saturating_mul(per_micro_batch).saturating_add(recompute_peak);
+
+        let mut memory = RankMemory {
+            parameters: state.parameters,
+            gradients: state.gradients,
+            optimizer_state: state.optimizer_state,
+            gathered_parameters: gathered,
+            activations: activations.saturating_mul(act_bytes),
+            activation_grads: grad_acts.saturating_mul(act_bytes),
+            comm_buffers,
+            total: 0,
+        };
+        memory.total = [
+            memory.parameters,
+            memory.gradients,
+            memory.optimizer_state,
+            memory.gathered_parameters,
+            memory.activations,
+            memory.activation_grads,
+            memory.comm_buffers,
+        ]
+        .into_iter()
+        .fold(0u64, u64::saturating_add);
+
+        let comm = stage_comm(StageCommInput {
+            params_per_rank,
+            layers,
+            first,
+            last,
+            sharding: p.sharding,
+            per_param,
+            act_bytes,
+            dp,
+            tp,
+            micro_steps,
+            rows_d,
+            recomputing,
+        });
+        stages.push(StagePlan {
+            stage: s,
+            first_layer: layer_range.start,
+            layers: layer_range.len(),
+            embedding: first,
+            head: last,
+            params_per_rank,
+            in_flight_micro_batches: in_flight,
+            memory,
+            comm,
+        });
+    }
+    let peak_stage =
+        stages.iter().enumerate().max_by_key(|(i, st)| (st.memory.total, usize::MAX - i)).map_or(0, |x| x.0);
+
+    let world_size = dp.saturating_mul(tp).saturating_mul(pp);
+    let (pf, mf) = (pp as f64, micro_batches as f64);
+    let flops = step_flops(spec, world_size);
+    Ok(Plan {
+        param_count,
+        world_size,
+        bytes_per_param: per_param,
+        activation_bytes: act_bytes,
+        stages,
+        peak_stage,
+        bubble_fraction: (pf - 1.0) / (mf + pf - 1.0),
+        bubble_over_compute: (pf - 1.0) / mf,
+        flops,
+    })
+}
+
+/// With activation checkpointing, forward keeps only some blocks' outputs (b*s*d each)
+/// and backward recomputes one segment at a time, holding that segment's full
+/// activations (for one micro-batch). Returns (elements kept per micro-batch, peak of
+/// the segment being recomputed) for a stage of `layers` blocks:
+///
+/// - none:  every block's activations,               no recompute;
+/// - every: each block's output,                     one block recomputed at a time;
+/// - sqrt:  every k-th output with k = ceil(sqrt(L)), k blocks recomputed at a time.
+fn checkpointed(layers: u64, checkpointing: Checkpointing, rows_d: u64, layer_acts: u64) -> (u64, u64) {
+    match checkpointing {
+        Checkpointing::None => (layers.saturating_mul(layer_acts), 0),
+        Checkpointing::Every => (layers.saturating_mul(rows_d), layer_acts),
+        Checkpointing::Sqrt => {
+            let k = ceil_sqrt(layers).max(1);
+            (layers.div_ceil(k).saturating_mul(rows_d), k.saturating_mul(layer_acts))
+        }
+    }
+}
+
+fn ceil_sqrt(n: u64) -> u64 {
+    let r = n.isqrt();
+    if r * r < n {
+        r + 1
+    } else {
+        r
+    }
+}
+
+struct StageCommInput {
+    params_per_rank: u64,
+    layers: u64,
+    first: bool,
+    last: bool,
+    sharding: Sharding,
+    per_param: BytesPerParam,
+    act_bytes: u64,
+    dp: u64,
+    tp: u64,
+    /// micro_batches * grad_accum: forward + backward passes per optimizer step.
+    micro_steps: u64,
+    /// Elements of one activation tensor between blocks: micro_batch * seq_len * d_model.
+    rows_d: u64,
+    recomputing: bool,
+}
+
+/// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
+/// n = micro_batches * grad_accum, A = one b*s*d activation tensor, all ring collectives):
+///
+/// - none (DDP): one gradient all-reduce per step (accumulation runs without sync):
+///   2(W-1)/W * N * grad bytes;
+/// - zero1: full gradients are kept, so one reduce-scatter of them, and one all-gather
+///   of the updated parameters: (W-1)/W * N each;
+/// - zero2: only a gradient shard is kept, so every micro-batch's gradients are
+///   reduce-scattered as they are made: n * (W-1)/W * N, plus the parameter all-gather;
+/// - fsdp: every micro-batch gathers the parameters before forward and again before
+///   backward and reduce-scatters the gradients: n * 3 * (W-1)/W * N; nothing after the
+///   update (parameters stay sharded);
+/// - TP: per block and micro-batch, 2 all-reduces of A forward (after the attention and
+///   MLP row-parallel layers) and 2 backward (the gradients of their inputs), plus 2 more
+///   when checkpointing recomputes the forward: 2(T-1)/T * A each;
+/// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
+///   back to the previous one (all but the first).
+///
+/// Not counted: the engine's one-float all-reduce of the step's loss.
+fn stage_comm(c: StageCommInput) -> CommVolume {
+    let (g, w) = (c.per_param.gradients, c.per_param.parameters);
+    let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
+    let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, w);
+    let mut v = CommVolume::default();
+    match c.sharding {
+        Sharding::None => v.dp_all_reduce = ring_all_reduce_bytes(c.params_per_rank, c.dp, g),
+        Sharding::Zero1 => {
+            v.dp_reduce_scatter = grads_rs;
+            v.dp_all_gather = params_ag;
+        }
+        Sharding::Zero2 => {
+            v.dp_reduce_scatter = c.micro_steps.saturating_mul(grads_rs);
+            v.dp_all_gather = params_ag;
+        }
+        Sharding::Fsdp => {
+            v.dp_reduce_scatter = c.micro_steps.saturating_mul(grads_rs);
+            v.dp_all_gather = c.micro_steps.saturating_mul(2).saturating_mul(params_ag);
+        }
+    }
+    let tp_per_block = if c.recomputing { 6 } else { 4 };
+    v.tp_all_reduce = ring_all_reduce_bytes(c.rows_d, c.tp, c.act_bytes)
+        .saturating_mul(tp_per_block)
+        .saturating_mul(c.layers)
+        .saturating_mul(c.micro_steps);
+    let sends = u64::from(!c.last) + u64::from(!c.first);
+    v.pp_send = c.rows_d.saturating_mul(c.act_bytes).saturating_mul(sends).saturating_mul(c.micro_steps);
+    v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send]
+        .into_iter()
+        .fold(0u64, u64::saturating_add);
+    v
+}
+
+/// FLOPs of one optimizer step over all ranks, T = tokens per step:
+/// 6 * params * T (matmuls: forward 2, backward 4) + 12 * layers * seq_len * d_model * T
+/// (attention, [`ModelSpec::train_flops_per_token`]) + with checkpointing one more
+/// forward of every block: (2 * layers * block_params + 4 * layers * seq_len * d_model) * T.
+fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
+    let (m, t) = (&spec.model, &spec.train);
+    let tokens = [spec.parallel.dp, t.micro_batch, t.micro_batches, t.grad_accum, m.seq_len]
+        .into_iter()
+        .fold(1u64, |acc, x| acc.saturating_mul(x as u64));
+    let tf = tokens as f64;
+    let six_params_tokens = 6.0 * m.param_count() as f64 * tf;
+    let training = m.train_flops_per_token() * tf;
+    let (l, s, d) = (m.layers as f64, m.seq_len as f64, m.d_model as f64);
+    let recompute = match t.checkpointing {
+        Checkpointing::None => 0.0,
+        Checkpointing::Every | Checkpointing::Sqrt => (2.0 * l * m.block_params() as f64 + 4.0 * l * s * d) * tf,
+    };
+    let total = training + recompute;
+    Flops {
+        tokens_per_step: tokens,
+        six_params_tokens,
+        attention: training - six_params_tokens,
+        recompute,
+        total,
+        per_rank: total / world_size.max(1) as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::Limits;
+
+    /// The seed texts count in decimal gigabytes: "7B x 16 bytes = 112 GB" is
+    /// 7e9 * 16 = 112e9 bytes (it would be 104.3 GiB). The planner reports bytes; the
+    /// worked numbers below are checked in GB = 1e9 bytes, the only unit that
+    /// reproduces them.
+    const GB: f64 = 1e9;
+
+    fn gb(bytes: u64) -> f64 {
+        bytes as f64 / GB
+    }
+
+    fn with_model(model: ModelSpec) -> ExperimentSpec {
+        ExperimentSpec { model, ..ExperimentSpec::default() }
+    }
+
+    fn adam_mixed(params: u64, sharding: Sharding, dp: u64) -> ModelState {
+        model_state(params, sharding, Precision::Bf16, Optimizer::Adamw, dp)
+    }
+
+    #[test]
+    fn sixteen_bytes_per_param_with_adam_in_either_precision() {
+        assert_eq!(
+            bytes_per_param(Precision::Bf16, Optimizer::Adamw),
+            BytesPerParam { parameters: 2, gradients: 2, optimizer_state: 12 }
+        );
+        assert_eq!(
+            bytes_per_param(Precision::Fp16, Optimizer::Adamw),
+            bytes_per_param(Precision::Bf16, Optimizer::Adamw)
+        );
+        // fp32 (the quiz's 4P + 4P + 8P): no master copy, only m and v.
+        assert_eq!(
+            bytes_per_param(Precision::Fp32, Optimizer::Adamw),
+            BytesPerParam { parameters: 4, gradients: 4, optimizer_state: 8 }
+        );
+        // The engine's SGD has no momentum: no state in fp32; mixed precision keeps the master copy.
+        assert_eq!(bytes_per_param(Precision::Fp32, Optimizer::Sgd).optimizer_state, 0);
+        assert_eq!(bytes_per_param(Precision::Bf16, Optimizer::Sgd).optimizer_state, 4);
+    }
+
+    #[test]
+    fn seven_billion_with_adam_is_112_gb_per_ddp_rank() {
+        let s = adam_mixed(7_000_000_000, Sharding::None, 8);
+        assert_eq!((s.parameters, s.gradients, s.optimizer_state), (14_000_000_000, 14_000_000_000, 84_000_000_000));
+        assert_eq!(s.total(), 112_000_000_000);
+        // The same 16 bytes per parameter in fp32, split 4 + 4 + 8.
+        let fp32 = model_state(7_000_000_000, Sharding::None, Precision::Fp32, Optimizer::Adamw, 1);
+        assert_eq!(fp32.total(), 112_000_000_000);
+        assert_eq!(fp32.optimizer_state, 56_000_000_000);
+    }
+
+    #[test]
+    fn zero_table_for_7b_on_8_gpus() {
+        // (weights, gradients, optimizer) in GB per GPU, fp16 + Adam, 8-way data parallel.
+        let table = [
+            (Sharding::None, 14.0, 14.0, 84.0),
+            (Sharding::Zero1, 14.0, 14.0, 10.5),
+            (Sharding::Zero2, 14.0, 1.75, 10.5),
+            (Sharding::Fsdp, 1.75, 1.75, 10.5),
+        ];
+        for (sharding, w, g, o) in table {
+            let s = model_state(7_000_000_000, sharding, Precision::Fp16, Optimizer::Adamw, 8);
+            assert_eq!((gb(s.parameters), gb(s.gradients), gb(s.optimizer_state)), (w, g, o), "{sharding:?}");
+        }
+        // FSDP with 8 ranks: 16N/8 = 2N = 14 GB of state per GPU.
+        assert_eq!(adam_mixed(7_000_000_000, Sharding::Fsdp, 8).total(), 14_000_000_000);
+    }
+
+    #[test]
+    fn zero_paper_7_5b_on_64_gpus() {
+        // Rajbhandari et al.: 120 / 31.4 / 16.6 / 1.9 GB for baseline / P_os / P_os+g / P_os+g+p.
+        // Reproduced only when stage 1 shards the fp32 master weights with m and v
+        // (all 12 bytes): 4 + 12/64 = 4.1875 bytes per parameter -> 31.4 GB.
+        let p = 7_500_000_000;
+        let expected =
+            [(Sharding::None, 120.0), (Sharding::Zero1, 31.4), (Sharding::Zero2, 16.6), (Sharding::Fsdp, 1.9)];
+        for (sharding, total) in expected {
+            let got = gb(adam_mixed(p, sharding, 64).total());
+            assert!((got - total).abs() < 0.05, "{sharding:?}: {got} GB, expected {total}");
+        }
+        assert_eq!(adam_mixed(p, Sharding::Zero1, 64).total(), 31_406_250_000);
+        assert_eq!(adam_mixed(p, Sharding::Zero2, 64).total(), 16_640_625_000);
+        assert_eq!(adam_mixed(p, Sharding::Fsdp, 64).total(), 1_875_000_000);
+    }
+
+    #[test]
+    fn flashcard_zero_convention_differs_on_the_master_weights() {
+        // The flashcard deck writes ZeRO-1 as 8N + 8N/K and ZeRO-2 as 6N + 10N/K (K=8: 9N,
+        // 7.25N): it leaves the 4N fp32 master copy unsharded. The chapter (ZeRO-1
+        // optimizer 12P -> 12P/N) and the ZeRO paper (31.4 GB above) shard it, and so does
+        // the planner: K=8 gives 4N + 12N/8 = 5.5N and 2N + 14N/8 = 3.75N.
+        let n = 1_000_000_000u64;
+        assert_eq!(adam_mixed(n, Sharding::Zero1, 8).total(), 5_500_000_000);
+        assert_eq!(adam_mixed(n, Sharding::Zero2, 8).total(), 3_750_000_000);
+        assert_eq!(adam_mixed(n, Sharding::Fsdp, 8).total(), 2 * n);
+    }
+
+    #[test]
+    fn fsdp_7b_32_layers_on_8_ranks_holds_a_shard_plus_one_layer() {
+        // Weights only, fp16: DDP 14 GB; FSDP 1.75 GB of shard + one gathered layer of
+        // 7e9/32 parameters (437.5 MB, "~440 MB") = 2.1875 GB ("~2.2 GB").
+        let p = 7_000_000_000u64;
+        let layer = p / 32 * bytes_per_param(Precision::Fp16, Optimizer::Adamw).parameters;
+        assert_eq!(adam_mixed(p, Sharding::None, 8).parameters, 14_000_000_000);
+        let shard = adam_mixed(p, Sharding::Fsdp, 8).parameters;
+        assert_eq!((shard, layer), (1_750_000_000, 437_500_000));
+        assert!((gb(shard + layer) - 2.2).abs() < 0.05);
+    }
+
+    #[test]
+    fn other_worked_numbers_of_the_seeds() {
+        // 70B fp16 weights = 140 GB; 175B = 350 GB, and 350/64 ~ 5.5 GB per GPU under ZeRO-3.
+        assert_eq!(adam_mixed(70_000_000_000, Sharding::None, 1).parameters, 140_000_000_000);
+        let gpt3 = adam_mixed(175_000_000_000, Sharding::Fsdp, 64).parameters;
+        assert!((gb(gpt3) - 5.47).abs() < 0.01, "{}", gb(gpt3));
+        // 3B -> 48 GB, 1.5B -> 24 GB and FSDP over 8 -> 3 GB, 1B -> 16 GB.
+        assert_eq!(adam_mixed(3_000_000_000, Sharding::None, 1).total(), 48_000_000_000);
+        assert_eq!(adam_mixed(1_500_000_000, Sharding::None, 1).total(), 24_000_000_000);
+        assert_eq!(adam_mixed(1_500_000_000, Sharding::Fsdp, 8).total(), 3_000_000_000);
+        // 70B on TP=8 x PP=4: 70e9/32 = 2.19B parameters per rank, 4.4 GB of bf16 weights.
+        let per_rank = adam_mixed(70_000_000_000 / 32, Sharding::None, 8).parameters;
+        assert_eq!(per_rank, 4_375_000_000);
+    }
+
+    #[test]
+    fn ring_collectives_send_the_textbook_volumes() {
+        // 8 GPUs, 1 GB of gradients: each sends 2 * 7/8 GB = 1.75 GB.
+        assert_eq!(ring_all_reduce_bytes(1_000_000_000, 8, 1), 1_750_000_000);
+        assert_eq!(ring_reduce_scatter_bytes(1_000_000_000, 8, 1), 875_000_000);
+        // Uneven chunks (10 over 3 = 4, 3, 3): the busiest rank sends all but a 3-chunk.
+        assert_eq!(ring_reduce_scatter_bytes(10, 3, 4), 7 * 4);
+        assert_eq!(ring_all_reduce_bytes(123, 1, 4), 0);
+    }
+
+    #[test]
+    fn comm_per_sharding_relative_to_ddp() {
+        // DDP 2D; ZeRO-1/2 reduce-scatter + all-gather = 2D as well (the ZeRO paper; the
+        // flashcards' "ZeRO-2 sends half of DDP" forgets the all-gather of the updated
+        // parameters); FSDP 3D (two gathers and a reduce-scatter): 1.5x DDP.
+        let spec_with = |sharding| {
+            let mut spec = with_model(ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 });
+            spec.parallel.dp = 4;
+            spec.parallel.sharding = sharding;
+            spec
+        };
+        let total = |sharding| plan(&spec_with(sharding)).unwrap().stages[0].comm.clone();
+        let ddp = total(Sharding::None);
+        let params = spec_with(Sharding::None).model.param_count();
+        assert_eq!(ddp.dp_all_reduce, ring_all_reduce_bytes(params, 4, 4));
+        assert_eq!(ddp.total, ddp.dp_all_reduce);
+        let z1 = total(Sharding::Zero1);
+        let z2 = total(Sharding::Zero2);
+        let fsdp = total(Sharding::Fsdp);
+        assert_eq!(z1.dp_reduce_scatter + z1.dp_all_gather, ddp.total);
+        assert_eq!(z2, z1);
+        assert_eq!(2 * fsdp.total, 3 * ddp.total);
+        assert_eq!(fsdp.dp_all_gather, 2 * fsdp.dp_reduce_scatter);
+    }
+
+    #[test]
+    fn zero2_and_fsdp_reduce_every_micro_batch() {
+        let mut spec = ExperimentSpec::default();
+        spec.parallel.dp = 2;
+        spec.train.grad_accum = 3;
+        spec.parallel.sharding = Sharding::Zero2;
+        let c = plan(&spec).unwrap().stages[0].comm.clone();
+        let rs = ring_reduce_scatter_bytes(spec.model.param_count(), 2, 4);
+        assert_eq!((c.dp_reduce_scatter, c.dp_all_gather), (3 * rs, rs));
+        spec.parallel.sharding = Sharding::None;
+        assert_eq!(plan(&spec).unwrap().stages[0].comm.dp_all_reduce, 2 * rs);
+    }
+
+    #[test]
+    fn tiny_spec_matches_the_engine_accounting() {
+        // The default spec: 2 layers, d=64, 4 heads, seq 32, vocab 64, micro-batch 8, fp32, AdamW.
+        let spec = ExperimentSpec::default();
+        let plan = plan(&spec).unwrap();
+        assert_eq!(plan.param_count, 110_336);
+        assert_eq!(plan.world_size, 1);
+        assert_eq!(plan.stages.len(), 1);
+        let st = &plan.stages[0];
+        assert_eq!((st.first_layer, st.layers, st.embedding, st.head), (0, 2, true, true));
+        assert_eq!(st.params_per_rank, 110_336);
+        let mem = &st.memory;
+        assert_eq!((mem.parameters, mem.gradients, mem.optimizer_state), (441_344, 441_344, 882_688));
+        assert_eq!((mem.gathered_parameters, mem.comm_buffers), (0, 0));
+        // The engine's Gpt::activation_floats_for, by hand: rows = 8*32 = 256, rc = rows*64.
+        let (rows, rc, att) = (256u64, 256 * 64u64, 8 * 4 * 32 * 32u64);
+        let block = 16 * rc + 4 * rows + att;
+        let top = 2 * rc + 3 * rows + rows * 64;
+        let scratch = 10 * rc + att;
+        assert_eq!(mem.activations, 4 * (2 * block + top));
+        assert_eq!(mem.activation_grads, 4 * scratch);
+        assert_eq!(mem.activations + mem.activation_grads, 4 * 838_400);
+        assert_eq!(mem.total, 441_344 * 2 + 882_688 + 4 * 838_400);
+        // One rank: nothing to send, no bubble.
+        assert_eq!(st.comm, CommVolume::default());
+        assert_eq!((plan.bubble_fraction, plan.bubble_over_compute), (0.0, 0.0));
+        // 8 sequences of 32 tokens: 6 * 110336 * 256 + 12 * 2 * 32 * 64 * 256.
+        assert_eq!(plan.flops.tokens_per_step, 256);
+        assert_eq!(plan.flops.six_params_tokens, 6.0 * 110_336.0 * 256.0);
+        assert_eq!(plan.flops.total, (6.0 * 110_336.0 + 12.0 * 2.0 * 32.0 * 64.0) * 256.0);
+        assert_eq!(plan.flops.recompute, 0.0);
+    }
+
+    #[test]
+    fn stages_and_tp_ranks_add_up_to_the_whole_model() {
+        let mut spec = with_model(ModelSpec { layers: 7, d_model: 96, heads: 6, seq_len: 16, vocab: 50 });
+        spec.parallel.pp = 3;
+        let p = plan(&spec).unwrap();
+        let layers: Vec<(usize, usize)> = p.stages.iter().map(|s| (s.first_layer, s.layers)).collect();
+        assert_eq!(layers, vec![(0, 3), (3, 2), (5, 2)]);
+        let sum: u64 = p.stages.iter().map(|s| s.params_per_rank).sum();
+        assert_eq!(sum, spec.model.param_count());
+        // TP: the split part of each block divides by tp, the rest (6d) is on every rank.
+        spec.parallel.pp = 1;
+        spec.parallel.tp = 3;
+        let d = 96u64;
+        let block = spec.model.block_params();
+        let expected = (block - 6 * d) / 3 + 6 * d;
+        let one = plan(&spec).unwrap().stages[0].params_per_rank;
+        let embed_head = spec.model.param_count() - 7 * block;
+        assert_eq!(one, 7 * expected + embed_head);
+    }
+
+    #[test]
+    fn pipeline_bubble_schedules_and_sends() {
+        let mut spec = ExperimentSpec::default();
+        spec.model.layers = 4;
+        spec.parallel.pp = 4;
+        spec.train.micro_batches = 16;
+        let p = plan(&spec).unwrap();
+        // P=4, M=16: 3/19 = 15.8% ("about 16%"); (P-1)/M = 18.75% of the compute time.
+        assert!((p.bubble_fraction - 3.0 / 19.0).abs() < 1e-12);
+        assert!((p.bubble_over_compute - 3.0 / 16.0).abs() < 1e-12);
+        // 1F1B holds P - stage micro-batches; GPipe all 16.
+        let in_flight: Vec<u64> = p.stages.iter().map(|s| s.in_flight_micro_batches).collect();
+        assert_eq!(in_flight, vec![4, 3, 2, 1]);
+        spec.parallel.pp_schedule = PpSchedule::Gpipe;
+        let g = plan(&spec).unwrap();
+        assert!(g.stages.iter().all(|s| s.in_flight_micro_batches == 16));
+        assert!(g.stages[0].memory.activations > p.stages[0].memory.activations);
+        // Sends: an activation of 8*32*64 fp32 per micro-batch forward and/or backward.
+        let a = 8 * 32 * 64 * 4 * 16u64;
+        let sends: Vec<u64> = p.stages.iter().map(|s| s.comm.pp_send).collect();
+        assert_eq!(sends, vec![a, 2 * a, 2 * a, a]);
+    }
+
+    #[test]
+    fn tp_all_reduces_four_per_block_per_micro_batch() {
+        let mut spec = ExperimentSpec::default();
+        spec.parallel.tp = 2;
+        spec.train.micro_batches = 2;
+        let p = plan(&spec).unwrap();
+        let one = ring_all_reduce_bytes(8 * 32 * 64, 2, 4);
+        assert_eq!(p.stages[0].comm.tp_all_reduce, 4 * 2 * 2 * one);
+        spec.train.checkpointing = Checkpointing::Every;
+        assert_eq!(plan(&spec).unwrap().stages[0].comm.tp_all_reduce, 6 * 2 * 2 * one);
+    }
+
+    #[test]
+    fn checkpointing_trades_activations_for_recompute() {
+        let mut spec = ExperimentSpec::default();
+        spec.model.layers = 16;
+        let none = plan(&spec).unwrap();
+        spec.train.checkpointing = Checkpointing::Sqrt;
+        let sqrt = plan(&spec).unwrap();
+        spec.train.checkpointing = Checkpointing::Every;
+        let every = plan(&spec).unwrap();
+        let acts = |p: &Plan| p.stages[0].memory.activations;
+        assert!(
+            acts(&sqrt) < acts(&none) && acts(&every) < acts(&none),
+            "{} {} {}",
+            acts(&none),
+            acts(&sqrt),
+            acts(&every)
+        );
+        // One extra forward of the blocks.
+        let m = &spec.model;
+        let tokens = 256.0;
+        let extra = (2.0 * 16.0 * m.block_params() as f64 + 4.0 * 16.0 * 32.0 * 64.0) * tokens;
+        assert_eq!(sqrt.flops.recompute, extra);
+        assert_eq!(every.flops.total, none.flops.total + extra);
+    }
+
+    #[test]
+    fn impossible_specs_are_field_errors() {
+        type Edit = fn(&mut ExperimentSpec);
+        let cases: Vec<(Edit, &str, &str)> = vec![
+            (|s| s.parallel.dp = 0, "parallel.dp", "dp must be at least 1"),
+            (|s| s.parallel.tp = 3, "parallel.tp", "tp=3 does not divide heads=4"),
+            (|s| s.parallel.pp = 3, "parallel.pp", "pp=3 is more than layers=2"),
+            (|s| s.model.heads = 3, "model.heads", "heads=3 does not divide d_model=64"),
+            (|s| s.model.layers = 0, "model.layers", "layers must be at least 1"),
+            (|s| s.train.micro_batch = 0, "train.micro_batch", "micro_batch must be at least 1"),
+            (|s| s.model.d_model = 1 << 30, "model", "the planner handles at most 1e15"),
+            (
+                |s| {
+                    s.model.layers = 4096;
+                    s.parallel.pp = 2048;
+                },
+                "parallel.pp",
+                "at most 1024",
+            ),
+        ];
+        for (edit, field, needle) in cases {
+            let mut spec = ExperimentSpec::default();
+            edit(&mut spec);
+            let errs = plan(&spec).unwrap_err();
+            assert!(
+                errs.iter().any(|e| e.field == field && e.message.contains(needle)),
+                "{field} ~ {needle}: {errs:?}"
+            );
+        }
+        // Zero everything: every problem at once, and no panic.
+        let mut spec = with_model(ModelSpec { layers: 0, d_model: 0, heads: 0, seq_len: 0, vocab: 0 });
+        spec.parallel.dp = 0;
+        assert!(plan(&spec).unwrap_err().len() >= 6);
+    }
+
+    #[test]
+    fn run_limits_do_not_apply() {
+        // dp=1 with zero sharding is rejected for runs but plans as unsharded state.
+        let mut spec = ExperimentSpec::default();
+        spec.parallel.sharding = Sharding::Zero2;
+        assert!(spec.validate(&Limits::default()).is_err());
+        let p = plan(&spec).unwrap();
+        assert_eq!(p.stages[0].memory.gradients, 4 * p.param_count);
+    }
+
+    #[test]
+    fn gpt3_on_3d_parallel_does_not_overflow() {
+        // 175B-class: 96 layers, d=12288, 96 heads, seq 2048, on dp=1024 x tp=8 x pp=16.
+        let mut spec = with_model(ModelSpec { layers: 96, d_model: 12288, heads: 96, seq_len: 2048, vocab: 50257 });
+        spec.parallel = ParallelSpec { dp: 1024, tp: 8, pp: 16, sharding: Sharding::Zero1, ..ParallelSpec::default() };
+        spec.train.precision = Precision::Bf16;
+        spec.train.micro_batch = 1;
+        spec.train.micro_batches = 64;
+        spec.train.checkpointing = Checkpointing::Every;
+        let p = plan(&spec).unwrap();
+        assert!((p.param_count as f64 - 175e9).abs() < 2e9, "{}", p.param_count);
+        assert_eq!(p.world_size, 1024 * 8 * 16);
+        assert_eq!(p.stages.len(), 16);
+        assert!(p.stages.iter().all(|s| s.layers == 6));
+        // ~175e9 / (8 * 16) = 1.4B parameters per middle rank, 2 bytes each.
+        let mid = &p.stages[5];
+        assert!((mid.params_per_rank as f64 / 1.36e9 - 1.0).abs() < 0.05, "{}", mid.params_per_rank);
+        assert_eq!(mid.memory.parameters, 2 * mid.params_per_rank);
+        assert!(p.stages.iter().all(|s| s.memory.total < 1 << 40 && s.comm.total > 0));
+        assert!(p.flops.total.is_finite() && p.flops.total > 1e18);
+        assert!((p.bubble_fraction - 15.0 / 79.0).abs() < 1e-12);
+        // The plan round-trips through JSON (the browser renders it).
+        let again: Plan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(again, p);
+    }
+
+    #[test]
+    fn absurd_sizes_saturate_instead_of_overflowing() {
+        let mut spec = ExperimentSpec::default();
+        spec.parallel.dp = usize::MAX;
+        spec.parallel.tp = 4;
+        spec.train.micro_batch = usize::MAX;
+        spec.train.micro_batches = usize::MAX;
+        spec.train.grad_accum = usize::MAX;
+        spec.model.seq_len = 1 << 20;
+        let p = plan(&spec).unwrap();
+        assert_eq!(p.world_size, u64::MAX);
+        assert_eq!(p.flops.tokens_per_step, u64::MAX);
+        assert!(p.flops.total.is_finite());
+        assert_eq!(p.stages[0].memory.total, u64::MAX);
+    }
+}
