@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod events;
+pub mod memory;
 pub mod planner;
 pub mod presets;
 pub mod spec;

@@ -274,6 +274,12 @@ impl ExperimentSpec {
         self.parallel.dp * self.parallel.tp * self.parallel.pp
     }
 
+    /// The pipeline stage of global rank `rank`: ranks are numbered with tensor parallelism
+    /// innermost, then pipeline stages, then data-parallel replicas.
+    pub fn stage_of(&self, rank: usize) -> usize {
+        (rank / self.parallel.tp.max(1)) % self.parallel.pp.max(1)
+    }
+
     /// Sequences consumed by one optimizer step.
     pub fn global_batch(&self) -> usize {
         self.parallel.dp * self.train.micro_batch * self.train.micro_batches * self.train.grad_accum

@@ -164,6 +164,9 @@ pub struct RankTrace {
     pub span_steps: u64,
     pub spans: Vec<Span>,
     pub comm: RankCommTrace,
+    /// What the engine allocated, by category (absent in traces from before it was measured).
+    #[serde(default)]
+    pub memory: Option<crate::memory::RankMemoryReport>,
 }
 
 /// `GET /api/experiments/{id}/trace`: every rank's trace, in rank order.

@@ -921,6 +921,7 @@ mod tests {
                 RankTrace {
                     rank: r,
                     world: 2,
+                    memory: None,
                     span_steps: 0,
                     spans: vec![],
                     comm: RankCommTrace {

@@ -69,7 +69,14 @@ pub fn run(
     let (summary, spans) =
         train_rank(spec, &TrainOptions { threads }, Some(dp), &mut on_event, &AtomicBool::new(false))?;
     let trace =
-        RankTrace { rank: rank as u32, world: world as u32, span_steps: SPAN_STEPS, spans, comm: tracer.snapshot() };
+        RankTrace {
+        rank: rank as u32,
+        world: world as u32,
+        span_steps: SPAN_STEPS,
+        spans,
+        comm: tracer.snapshot(),
+        memory: None,
+    };
     channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
     if rank == 0 {
         channel.output(&RankOutput::Summary(summary));

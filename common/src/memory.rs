@@ -1,0 +1,56 @@
+//! Memory one rank holds, as the engine's allocation tracker measured it, and the page's
+//! view of it next to the planner's prediction (`GET /api/experiments/{id}/memory`).
+//!
+//! Measured and predicted use the same breakdown ([`RankMemory`]) so that every category
+//! can be compared one to one.
+
+use serde::{Deserialize, Serialize};
+
+use crate::planner::{Plan, RankMemory};
+
+/// One point of a rank's memory timeline, taken at an op boundary of the first steps.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemorySample {
+    /// Microseconds since the Unix epoch (the clock of the rank's spans).
+    pub t_us: u64,
+    pub step: u64,
+    /// What just happened: "forward block 2", "gather block 3", "free block 3", ...
+    pub event: String,
+    /// Bytes held right after it, by category (`total` is their sum).
+    pub bytes: RankMemory,
+}
+
+/// A rank's measured memory: the engine's own allocations, by category.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankMemoryReport {
+    pub rank: u32,
+    /// Each category at its own highest point during the run; `total` is the highest the
+    /// sum ever was (so it can be less than the sum of the categories' peaks).
+    pub peak: RankMemory,
+    /// What was held when training ended.
+    pub current: RankMemory,
+    /// Samples at op boundaries of the first recorded steps (FSDP's gather/free sawtooth).
+    pub timeline: Vec<MemorySample>,
+}
+
+/// `GET /api/experiments/{id}/memory`: every rank's measured memory next to the planner.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryView {
+    pub ranks: Vec<RankMemoryView>,
+    /// The planner's output for the experiment's spec.
+    pub plan: Plan,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankMemoryView {
+    pub rank: u32,
+    /// The rank's pipeline stage (an index into `plan.stages`).
+    pub stage: usize,
+    /// None until the run has reported its memory (queued, running, or failed early).
+    pub measured: Option<RankMemoryReport>,
+    /// The planner's peak for this rank's stage.
+    pub predicted: RankMemory,
+    /// One learner-readable line per category where the measured peak differs from the
+    /// prediction, saying by how much and why.
+    pub differences: Vec<String>,
+}
