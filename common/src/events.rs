@@ -31,9 +31,11 @@ pub struct LogLine {
     pub message: String,
 }
 
-/// What a worker reports about a running experiment.
+/// What a worker reports about a running experiment. (A trace is much bigger than a
+/// metric point, but there is one per rank per run: not worth a Box in every match.)
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[allow(clippy::large_enum_variant)]
 pub enum RunEvent {
     Metric(MetricPoint),
     Log(LogLine),

@@ -120,8 +120,9 @@ pub struct RankMemory {
     pub activations: u64,
     /// Backward's activation-gradient buffers (one set, reused by every block).
     pub activation_grads: u64,
-    /// DDP only: the engine copies each gradient bucket into its own buffer for the
-    /// communication thread, so the buckets together hold one more gradient's worth.
+    /// Gradients waiting for a collective: DDP and ZeRO-1 copy every gradient bucket for
+    /// the communication thread (one more gradient's worth, when dp > 1); ZeRO-2 and FSDP
+    /// hold one unit's gradient until it is reduce-scattered.
     pub comm_buffers: u64,
     pub total: u64,
 }
@@ -187,8 +188,20 @@ pub fn activation_bytes(precision: Precision) -> u64 {
 /// categories use ceil(P / dp) instead of P (zero1: optimizer; zero2: + gradients;
 /// fsdp: + parameters).
 pub fn model_state(params: u64, sharding: Sharding, precision: Precision, optimizer: Optimizer, dp: u64) -> ModelState {
+    model_state_with_shard(params, params.div_ceil(dp.max(1)), sharding, precision, optimizer)
+}
+
+/// [`model_state`] with the shard size given: the engine cuts every unit (embeddings, each
+/// block, the head) into dp chunks separately, so its largest shard is the sum of each
+/// unit's largest chunk, which can exceed ceil(P / dp) by up to one element per unit.
+pub fn model_state_with_shard(
+    params: u64,
+    shard: u64,
+    sharding: Sharding,
+    precision: Precision,
+    optimizer: Optimizer,
+) -> ModelState {
     let b = bytes_per_param(precision, optimizer);
-    let shard = params.div_ceil(dp.max(1));
     let (p, g, o) = match sharding {
         Sharding::None => (params, params, params),
         Sharding::Zero1 => (params, params, shard),
@@ -381,22 +394,25 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             layers * block_per_tp_rank + if first { embedding } else { 0 } + if last { head } else { 0 };
         let in_flight = in_flight_micro_batches(p.pp_schedule, pp, micro_batches, u(s));
 
-        // Model state, and FSDP's gathered unit.
-        let state = model_state(params_per_rank, p.sharding, t.precision, t.optimizer, dp);
-        let gathered = if p.sharding == Sharding::Fsdp && dp > 1 {
-            let largest_unit = [
-                if layers > 0 { block_per_tp_rank } else { 0 },
-                if first { embedding } else { 0 },
-                if last { head } else { 0 },
-            ];
-            largest_unit.into_iter().max().unwrap_or(0) * per_param.parameters
-        } else {
-            0
-        };
-        let comm_buffers = if p.sharding == Sharding::None && dp > 1 {
-            params_per_rank.saturating_mul(per_param.gradients)
-        } else {
-            0
+        // Model state, sharded unit by unit as the engine does (see model_state_with_shard).
+        let units = [
+            (if layers > 0 { block_per_tp_rank } else { 0 }, layers),
+            (if first { embedding } else { 0 }, 1),
+            (if last { head } else { 0 }, 1),
+        ];
+        let shard =
+            units.iter().map(|&(n, count)| n.div_ceil(dp).saturating_mul(count)).fold(0u64, u64::saturating_add);
+        let state = model_state_with_shard(params_per_rank, shard, p.sharding, t.precision, t.optimizer);
+        let largest_unit = units.iter().map(|&(n, _)| n).max().unwrap_or(0);
+        // FSDP gathers one whole unit at a time (even alone: the gather is then a copy).
+        let gathered = if p.sharding == Sharding::Fsdp { largest_unit.saturating_mul(per_param.parameters) } else { 0 };
+        // What waits for a collective: DDP and ZeRO-1 copy every gradient bucket (the whole
+        // gradient, when there is a group to reduce with); ZeRO-2 and FSDP hold one unit's
+        // gradient until it is reduce-scattered.
+        let comm_buffers = match p.sharding {
+            Sharding::None | Sharding::Zero1 if dp > 1 => params_per_rank.saturating_mul(per_param.gradients),
+            Sharding::None | Sharding::Zero1 => 0,
+            Sharding::Zero2 | Sharding::Fsdp => largest_unit.saturating_mul(per_param.gradients),
         };
 
         // Activations (elements). Every stage keeps its input per micro-batch (the first

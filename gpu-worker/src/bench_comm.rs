@@ -87,7 +87,7 @@ pub fn run_rank(
             for bytes in sizes(min_bytes, max_bytes) {
                 let n = bytes / 4;
                 // Enough iterations for ~0.2 s of traffic, at least 3.
-                let iters = (((200 << 20) / bytes).clamp(3, 200)) as usize;
+                let iters = ((200 << 20) / bytes).clamp(3, 200);
                 let mut run = |comm: &mut RingCommunicator| -> anyhow::Result<()> {
                     let shard = chunk_range(n, world, rank);
                     match op {

@@ -8,8 +8,7 @@ use std::time::Duration;
 use distlab_common::trace::RankTrace;
 use distlab_common::*;
 use distlab_worker::comm::RingCommunicator;
-use distlab_worker::model::gpt::ParamLayout;
-use distlab_worker::parallel::ddp::{DataParallel, GradSync};
+use distlab_worker::parallel::DpGroup;
 use distlab_worker::trace::CommTracer;
 use distlab_worker::train::{train_rank, TrainOptions, SPAN_STEPS};
 
@@ -47,11 +46,11 @@ pub fn run(
     let mesh = connect(dir, rank, world)?;
     let members: Vec<usize> = (0..world).collect();
     let tracer = Arc::new(CommTracer::new(rank, DETAILED_COLLECTIVES));
-    let grads_comm = RingCommunicator::new(&mesh, "dp", members.clone(), collective_timeout, Some(tracer.clone()))?;
-    let loss_comm = RingCommunicator::new(&mesh, "dp-loss", members, collective_timeout, None)?;
-    let units = ParamLayout::new(&spec.model).backward_units();
-    let grads = GradSync::new(Box::new(grads_comm), &units, spec.parallel.bucket_bytes)?;
-    let dp = DataParallel { rank, world, grads, comm: Box::new(loss_comm) };
+    let grads = RingCommunicator::new(&mesh, "dp", members.clone(), collective_timeout, Some(tracer.clone()))?;
+    // ZeRO-2 and FSDP run their collectives on the training thread, on this one: trace it.
+    let scalars_tracer = matches!(spec.parallel.sharding, Sharding::Zero2 | Sharding::Fsdp).then(|| tracer.clone());
+    let scalars = RingCommunicator::new(&mesh, "dp-main", members, collective_timeout, scalars_tracer)?;
+    let dp = DpGroup { rank, world, grads: Box::new(grads), scalars: Box::new(scalars) };
 
     let channel = LauncherChannel;
     let fault = fault_from_env().filter(|f| f.rank == rank);
@@ -66,20 +65,18 @@ pub fn run(
             channel.output(&RankOutput::Event(event));
         }
     };
-    let (summary, spans) =
-        train_rank(spec, &TrainOptions { threads }, Some(dp), &mut on_event, &AtomicBool::new(false))?;
-    let trace =
-        RankTrace {
+    let run = train_rank(spec, &TrainOptions { threads }, Some(dp), &mut on_event, &AtomicBool::new(false))?;
+    let trace = RankTrace {
         rank: rank as u32,
         world: world as u32,
         span_steps: SPAN_STEPS,
-        spans,
+        spans: run.spans,
         comm: tracer.snapshot(),
-        memory: None,
+        memory: Some(run.memory),
     };
     channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
     if rank == 0 {
-        channel.output(&RankOutput::Summary(summary));
+        channel.output(&RankOutput::Summary(run.summary));
     }
     Ok(())
 }

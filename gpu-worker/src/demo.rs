@@ -46,8 +46,14 @@ pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, demo: &Collect
         }
     };
     let channel = LauncherChannel;
-    let trace =
-        RankTrace { rank: rank as u32, world: world as u32, span_steps: 0, spans: vec![], comm: tracer.snapshot(), memory: None };
+    let trace = RankTrace {
+        rank: rank as u32,
+        world: world as u32,
+        span_steps: 0,
+        spans: vec![],
+        comm: tracer.snapshot(),
+        memory: None,
+    };
     channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
     channel.output(&RankOutput::Demo(DemoRankResult { rank, bytes_sent: comm.bytes_sent(), output }));
     Ok(())

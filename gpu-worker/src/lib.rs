@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod comm;
 pub mod data;
+pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod parallel;

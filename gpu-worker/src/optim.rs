@@ -15,11 +15,13 @@
 //! clipping); when it exceeds grad_clip (> 0) the update uses g * grad_clip / norm.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
 use crate::backend::simd::simd_kernel;
 use crate::backend::{Backend, Float};
+use crate::memory::{Category, MemoryTracker, Receipt};
 
 pub const ADAM_BETA1: f64 = 0.9;
 pub const ADAM_BETA2: f64 = 0.95;
@@ -112,23 +114,81 @@ pub struct ParamGroup {
     pub decay: bool,
 }
 
-/// Optimizer state for one buffer of parameters (AdamW's m and v, allocated once).
+/// A run of parameters this optimizer updates: where it is in the whole flat layout
+/// (`global`) and in this rank's shard (`local`, also where its m and v live). Without
+/// sharding the two are equal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OptimGroup {
+    pub global: Range<usize>,
+    pub local: Range<usize>,
+    pub decay: bool,
+}
+
+impl OptimGroup {
+    /// The groups of a whole, unsharded parameter buffer.
+    pub fn unsharded(groups: &[ParamGroup]) -> Vec<OptimGroup> {
+        groups.iter().map(|g| OptimGroup { global: g.range.clone(), local: g.range.clone(), decay: g.decay }).collect()
+    }
+}
+
+/// How a buffer handed to `Optimizer::step` is indexed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Indexing {
+    /// The whole flat layout.
+    Global,
+    /// This rank's shard only.
+    Local,
+}
+
+/// Optimizer state for the parameters of `groups` (AdamW's m and v, allocated once).
 pub struct Optimizer<B: Backend> {
     kind: OptimizerKind,
     weight_decay: f64,
-    groups: Vec<ParamGroup>,
+    groups: Vec<OptimGroup>,
     m: Option<B::Buf>,
     v: Option<B::Buf>,
     steps_taken: u64,
+    _receipts: Vec<Receipt>,
 }
 
 impl<B: Backend> Optimizer<B> {
-    pub fn new(be: &B, train: &TrainSpec, groups: Vec<ParamGroup>, n_params: usize) -> Self {
-        let (m, v) = match train.optimizer {
-            OptimizerKind::Adamw => (Some(be.alloc(n_params)), Some(be.alloc(n_params))),
-            OptimizerKind::Sgd => (None, None),
+    /// State for `local_len` parameters (the shard, or everything), registered with `memory`.
+    pub fn new(
+        be: &B,
+        train: &TrainSpec,
+        groups: Vec<OptimGroup>,
+        local_len: usize,
+        memory: &Arc<MemoryTracker>,
+    ) -> Self {
+        let (m, v, receipts) = match train.optimizer {
+            OptimizerKind::Adamw => (
+                Some(be.alloc(local_len)),
+                Some(be.alloc(local_len)),
+                vec![
+                    memory.alloc(Category::OptimizerState, local_len),
+                    memory.alloc(Category::OptimizerState, local_len),
+                ],
+            ),
+            OptimizerKind::Sgd => (None, None, vec![]),
         };
-        Self { kind: train.optimizer, weight_decay: train.weight_decay, groups, m, v, steps_taken: 0 }
+        Self {
+            kind: train.optimizer,
+            weight_decay: train.weight_decay,
+            groups,
+            m,
+            v,
+            steps_taken: 0,
+            _receipts: receipts,
+        }
+    }
+
+    /// Bytes of the state buffers themselves (for checking the memory ledger).
+    pub fn held_bytes(&self, be: &B) -> u64 {
+        [&self.m, &self.v]
+            .iter()
+            .flat_map(|b| b.as_ref())
+            .map(|b| (be.buf_len(b) * std::mem::size_of::<B::Float>()) as u64)
+            .sum()
     }
 
     /// Floats of optimizer state per parameter (AdamW 2, SGD 0).
@@ -139,13 +199,26 @@ impl<B: Backend> Optimizer<B> {
         }
     }
 
-    /// One update of every parameter group.
-    pub fn step(&mut self, be: &B, params: &mut B::Buf, grads: &B::Buf, lr: f64, grad_scale: f64) {
+    /// One update of every parameter group; `params` and `grads` are indexed as said.
+    pub fn step(
+        &mut self,
+        be: &B,
+        params: (&mut B::Buf, Indexing),
+        grads: (&B::Buf, Indexing),
+        lr: f64,
+        grad_scale: f64,
+    ) {
         self.steps_taken += 1;
+        let (params, params_indexing) = params;
+        let (grads, grads_indexing) = grads;
+        let range = |group: &OptimGroup, indexing| match indexing {
+            Indexing::Global => group.global.clone(),
+            Indexing::Local => group.local.clone(),
+        };
         for group in &self.groups {
             let wd = if group.decay { self.weight_decay } else { 0.0 };
-            let p = be.view_mut(params, group.range.clone());
-            let g = be.view(grads, group.range.clone());
+            let p = be.view_mut(params, range(group, params_indexing));
+            let g = be.view(grads, range(group, grads_indexing));
             match (self.kind, &mut self.m, &mut self.v) {
                 (OptimizerKind::Adamw, Some(m), Some(v)) => {
                     let hp = AdamWStep {
@@ -157,8 +230,8 @@ impl<B: Backend> Optimizer<B> {
                         step: self.steps_taken,
                         grad_scale,
                     };
-                    let m = be.view_mut(m, group.range.clone());
-                    let v = be.view_mut(v, group.range.clone());
+                    let m = be.view_mut(m, group.local.clone());
+                    let v = be.view_mut(v, group.local.clone());
                     be.adamw_update(p, g, m, v, &hp);
                 }
                 _ => be.sgd_update(p, g, lr, wd, grad_scale),

@@ -1,6 +1,6 @@
 //! `distlab-worker run SPEC.json [--out DIR]`: train one spec with no server.
 //! stdout: one JSON line per optimizer step, then `{"summary": {...}}`. With `--out DIR`:
-//! spec.json, metrics.jsonl, summary.json and (for multi-rank runs) trace.json.
+//! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -13,17 +13,22 @@ use std::time::Instant;
 
 use distlab_common::{
     BackendKind, Checkpointing, ExperimentSpec, FieldError, Limits, LogLevel, LogLine, LossScaling, MetricPoint,
-    Precision, RunEvent, RunSummary, Sharding,
+    Precision, RunEvent, RunSummary,
 };
 
-use distlab_common::trace::{Span, SpanKind};
+use distlab_common::trace::{RankTrace, Span, SpanKind};
+
+use std::sync::Arc;
+
+use distlab_common::memory::RankMemoryReport;
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::CommError;
 use crate::data::{Data, DataError};
-use crate::model::Gpt;
-use crate::optim::{clip_scale, lr_at, Optimizer};
-use crate::parallel::ddp::DataParallel;
+use crate::memory::MemoryTracker;
+use crate::model::{Gpt, ModelState, OpenUnit, Pass, Unit};
+use crate::optim::{clip_scale, lr_at};
+use crate::parallel::{self, Cpu, DpGroup, Strategy};
 use crate::trace::now_us;
 
 /// How to run (not part of the experiment: results do not depend on it).
@@ -75,12 +80,6 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
     }
     if p.pp > 1 {
         out.push(format!("parallel.pp={}: pipeline parallelism is not yet supported by this worker; use pp=1", p.pp));
-    }
-    if p.sharding != Sharding::None {
-        out.push(format!(
-            "parallel.sharding={}: ZeRO / FSDP sharding is not yet supported by this worker; use sharding=none",
-            p.sharding.as_str()
-        ));
     }
     if t.precision != Precision::Fp32 {
         out.push(format!(
@@ -147,24 +146,26 @@ pub struct StepStats {
     pub updated: bool,
 }
 
-/// A model, its optimizer and its data on the CPU backend, ready to take steps.
-/// Call it from inside the rayon pool the backend was made for (see [`train`]).
+/// A model, its strategy (parameters, gradients, optimizer state) and its data on the CPU
+/// backend, ready to take steps. Call it from inside the rayon pool the backend was made
+/// for (see [`train`]).
 pub struct Trainer {
     spec: ExperimentSpec,
     backend: CpuBackend<f32>,
     model: Gpt<CpuBackend<f32>>,
-    optimizer: Optimizer<CpuBackend<f32>>,
+    strategy: Box<dyn Strategy>,
     data: Data,
     inputs: Vec<u32>,
     targets: Vec<u32>,
-    /// Data parallelism across rank processes (None: this process is the whole run).
-    dp: Option<DataParallel>,
+    /// This rank's place in data parallelism: (rank, world).
+    dp: (usize, usize),
+    memory: Arc<MemoryTracker>,
     /// Timeline spans of the first `SPAN_STEPS` steps (compute lane; comm spans come
-    /// from the gradient synchroniser).
+    /// from the strategy).
     pub spans: Vec<Span>,
 }
 
-/// Steps whose timeline is recorded span by span.
+/// Steps whose timeline is recorded span by span (and whose memory is sampled).
 pub const SPAN_STEPS: u64 = 3;
 
 fn span(kind: SpanKind, name: String, step: u64, lane: &str, start_us: u64, end_us: u64, layer: Option<u32>) -> Span {
@@ -178,25 +179,24 @@ impl Trainer {
     }
 
     /// A trainer for one rank of a data-parallel group (`dp`), or the whole run (None).
-    pub fn with_data_parallel(
-        spec: &ExperimentSpec,
-        threads: usize,
-        dp: Option<DataParallel>,
-    ) -> Result<Self, TrainError> {
+    pub fn with_data_parallel(spec: &ExperimentSpec, threads: usize, dp: Option<DpGroup>) -> Result<Self, TrainError> {
         let backend = CpuBackend::<f32>::new(threads);
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
-        let model = Gpt::new(&backend, &spec.model, spec.train.micro_batch, spec.train.seed);
-        let optimizer = Optimizer::new(&backend, &spec.train, model.layout.param_groups(), model.layout.total);
+        let memory = MemoryTracker::new();
+        let model = Gpt::new(&backend, &spec.model, spec.train.micro_batch, &memory);
+        let place = dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
+        let strategy = parallel::build(spec, &backend, &model.layout, &memory, dp)?;
         let tokens = spec.train.micro_batch * spec.model.seq_len;
         Ok(Self {
             spec: spec.clone(),
             backend,
             model,
-            optimizer,
+            strategy,
             data,
             inputs: vec![0; tokens],
             targets: vec![0; tokens],
-            dp,
+            dp: place,
+            memory,
             spans: Vec::new(),
         })
     }
@@ -209,6 +209,16 @@ impl Trainer {
         &self.data
     }
 
+    /// What the memory ledger says this rank holds, by category.
+    pub fn memory_report(&self) -> RankMemoryReport {
+        self.memory.report(self.dp.0)
+    }
+
+    /// Bytes of every buffer the trainer holds, counted from the buffers themselves.
+    pub fn held_bytes(&self) -> u64 {
+        self.model.held_bytes(&self.backend) + self.strategy.held_bytes(&self.backend)
+    }
+
     /// Optimizer step `step` (0-based): forward + backward over every micro-batch of this
     /// rank's slice of the global batch, the gradient sum across data-parallel ranks, then
     /// the update (the same on every rank).
@@ -217,60 +227,48 @@ impl Trainer {
         let t = &self.spec.train;
         let seq_len = self.spec.model.seq_len;
         let micro_steps = t.micro_batches * t.grad_accum;
-        let (dp_rank, dp_world) = self.dp.as_ref().map_or((0, 1), |d| (d.rank, d.world));
+        let (dp_rank, dp_world) = self.dp;
         // Rank r takes sequences [r * per_rank, (r+1) * per_rank) of the global batch.
         let per_rank = micro_steps * t.micro_batch;
         let step_tokens = dp_world * per_rank * seq_len;
         let dloss = 1.0 / step_tokens as f64;
         let record = step < SPAN_STEPS;
-        let layers = self.spec.model.layers;
+        self.memory.sample_step(record.then_some(step));
 
-        self.model.zero_grads(be);
+        self.strategy.begin_step(be, step, record);
         let mut loss_sum = 0.0;
         for micro in 0..micro_steps {
             let first_sequence = dp_rank * per_rank + micro * t.micro_batch;
             self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
+            let last = micro + 1 == micro_steps;
+            let mut state = Observed {
+                inner: self.strategy.state(last),
+                memory: &self.memory,
+                spans: &mut self.spans,
+                record,
+                step,
+                mark: now_us(),
+            };
             let forward_start = now_us();
-            loss_sum += self.model.forward(be, &self.inputs, &self.targets);
-            let mut mark = now_us();
+            loss_sum += self.model.forward(be, &mut state, &self.inputs, &self.targets)?;
+            let now = now_us();
             if record {
-                self.spans.push(span(
+                state.spans.push(span(
                     SpanKind::Forward,
                     format!("forward {micro}"),
                     step,
                     "compute",
                     forward_start,
-                    mark,
+                    now,
                     None,
                 ));
             }
-            // Gradients are summed across ranks once per step: only the last micro-step's
-            // backward hands finished buckets to the communication thread (no_sync before).
-            let last = micro + 1 == micro_steps;
-            let mut sync = if last { self.dp.as_mut().map(|d| &mut d.grads) } else { None };
-            if let Some(sync) = sync.as_mut() {
-                sync.begin_step(step, record);
-            }
-            let spans = &mut self.spans;
-            self.model.backward_with(be, &self.inputs, &self.targets, dloss, &mut |unit, grads| {
-                let now = now_us();
-                if record {
-                    let (name, layer) = match unit {
-                        0 => ("backward head".to_string(), None),
-                        u if u <= layers => (format!("backward layer {}", layers - u), Some((layers - u) as u32)),
-                        _ => ("backward embeddings".to_string(), None),
-                    };
-                    spans.push(span(SpanKind::Backward, name, step, "compute", mark, now, layer));
-                }
-                mark = now;
-                if let Some(sync) = sync.as_mut() {
-                    sync.unit_ready(unit, grads);
-                }
-            });
+            state.mark = now;
+            self.model.backward(be, &mut state, &self.inputs, &self.targets, dloss)?;
         }
-        if let Some(dp) = self.dp.as_mut() {
-            let wait_start = now_us();
-            dp.grads.finish(&mut self.model.grads)?;
+        let wait_start = now_us();
+        let grad_norm = self.strategy.reduce_gradients(be)?;
+        if dp_world > 1 {
             if record {
                 self.spans.push(span(
                     SpanKind::Idle,
@@ -282,16 +280,14 @@ impl Trainer {
                     None,
                 ));
             }
-            loss_sum = dp.sum_scalar(loss_sum)?;
+            loss_sum = self.strategy.sum_scalar(loss_sum)?;
         }
         let optimizer_start = now_us();
         let loss = loss_sum * dloss;
-        let grad_norm = be.sum_squares(be.all(&self.model.grads)).sqrt();
         let lr = lr_at(t, step);
         let updated = loss.is_finite() && grad_norm.is_finite();
         if updated {
-            let scale = clip_scale(grad_norm, t.grad_clip);
-            self.optimizer.step(be, &mut self.model.params, &self.model.grads, lr, scale);
+            self.strategy.update(be, lr, clip_scale(grad_norm, t.grad_clip))?;
         }
         if record {
             self.spans.push(span(
@@ -304,17 +300,60 @@ impl Trainer {
                 None,
             ));
         }
+        self.memory.sample(|| "optimizer step".into());
+        self.memory.sample_step(None);
         Ok(StepStats { loss, lr, grad_norm, updated })
     }
 
-    /// This rank's timeline so far: compute spans and the communication thread's spans.
+    /// This rank's timeline so far: compute spans and the strategy's communication spans.
     pub fn timeline(&self) -> Vec<Span> {
         let mut spans = self.spans.clone();
-        if let Some(dp) = &self.dp {
-            spans.extend(dp.grads.spans.iter().cloned());
-        }
+        spans.extend(self.strategy.comm_spans());
         spans.sort_by_key(|s| s.start_us);
         spans
+    }
+}
+
+/// The strategy's state as the model sees it, plus what the trainer observes on the way:
+/// a backward span per unit, and a memory sample after every open and close.
+struct Observed<'a> {
+    inner: &'a mut dyn ModelState<Cpu>,
+    memory: &'a MemoryTracker,
+    spans: &'a mut Vec<Span>,
+    record: bool,
+    step: u64,
+    /// When the current backward span began.
+    mark: u64,
+}
+
+impl ModelState<Cpu> for Observed<'_> {
+    fn open(&mut self, be: &Cpu, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<f32>>, CommError> {
+        let open = self.inner.open(be, unit, pass)?;
+        self.memory.sample(|| format!("{} {}: open", pass_name(pass), unit.name()));
+        Ok(open)
+    }
+
+    fn close(&mut self, be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
+        if let (true, Pass::Backward { .. }) = (self.record, pass) {
+            let now = now_us();
+            let (name, layer) = match unit {
+                Unit::Head => ("backward head".to_string(), None),
+                Unit::Block(l) => (format!("backward layer {l}"), Some(l as u32)),
+                Unit::Embeddings => ("backward embeddings".to_string(), None),
+            };
+            self.spans.push(span(SpanKind::Backward, name, self.step, "compute", self.mark, now, layer));
+        }
+        self.inner.close(be, unit, pass)?;
+        self.mark = now_us();
+        self.memory.sample(|| format!("{} {}: close", pass_name(pass), unit.name()));
+        Ok(())
+    }
+}
+
+fn pass_name(pass: Pass) -> &'static str {
+    match pass {
+        Pass::Forward => "forward",
+        Pass::Backward { .. } => "backward",
     }
 }
 
@@ -324,6 +363,10 @@ fn log(on_event: &mut dyn FnMut(RunEvent), message: String) {
 
 fn mib(floats: usize) -> f64 {
     (floats * 4) as f64 / (1024.0 * 1024.0)
+}
+
+fn mib_bytes(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// Trains `spec` on this process (one rank), reporting every optimizer step to
@@ -345,20 +388,38 @@ pub fn train(
             spec.parallel.dp
         )));
     }
-    train_rank(spec, opts, None, on_event, cancel).map(|(summary, _)| summary)
+    let run = train_rank(spec, opts, None, on_event, cancel)?;
+    on_event(RunEvent::Trace(RankTrace {
+        rank: 0,
+        world: 1,
+        span_steps: SPAN_STEPS,
+        spans: run.spans,
+        comm: Default::default(),
+        memory: Some(run.memory),
+    }));
+    Ok(run.summary)
+}
+
+/// What one rank's training leaves behind.
+pub struct RankRun {
+    pub summary: RunSummary,
+    /// Timeline spans of the first steps.
+    pub spans: Vec<Span>,
+    pub memory: RankMemoryReport,
 }
 
 /// Trains this rank's part of `spec`: the whole run when `dp` is None. Every rank reports
-/// the same (global) metrics. Returns the summary and this rank's timeline spans.
+/// the same (global) metrics.
 pub fn train_rank(
     spec: &ExperimentSpec,
     opts: &TrainOptions,
-    dp: Option<DataParallel>,
+    dp: Option<DpGroup>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
-) -> Result<(RunSummary, Vec<Span>), TrainError> {
+) -> Result<RankRun, TrainError> {
     let started = Instant::now();
     let world = dp.as_ref().map_or(1, |d| d.world);
+    let sharding = spec.parallel.sharding;
     spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
     let unsupported = unsupported_features(spec);
     if !unsupported.is_empty() {
@@ -399,15 +460,19 @@ pub fn train_rank(
         ),
     );
     log(on_event, trainer.data().describe());
+    let held = trainer.memory.current();
     log(
         on_event,
         format!(
-            "memory (fp32): parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
-             activations {:.2} MiB",
-            mib(params),
-            mib(params),
-            mib(params * trainer.optimizer.state_floats_per_param()),
-            mib(trainer.model().activation_floats())
+            "memory of this rank ({}, fp32): parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
+             activations {:.2} MiB, their gradients {:.2} MiB, communication buckets {:.2} MiB",
+            sharding.as_str(),
+            mib_bytes(held.parameters),
+            mib_bytes(held.gradients),
+            mib_bytes(held.optimizer_state),
+            mib_bytes(held.activations),
+            mib_bytes(held.activation_grads),
+            mib_bytes(held.comm_buffers)
         ),
     );
     log(
@@ -476,5 +541,5 @@ pub fn train_rank(
         threads,
         collective: None,
     };
-    Ok((summary, trainer.timeline()))
+    Ok(RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() })
 }

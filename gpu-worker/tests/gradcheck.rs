@@ -5,7 +5,8 @@
 
 use distlab_common::ModelSpec;
 use distlab_worker::backend::{Backend, CpuBackend};
-use distlab_worker::model::Gpt;
+use distlab_worker::memory::MemoryTracker;
+use distlab_worker::model::{FlatState, Gpt};
 use distlab_worker::rng::Rng;
 
 const EPS: f64 = 1e-5;
@@ -236,45 +237,56 @@ fn whole_model_gradient_matches_finite_differences() {
     let (inputs, targets) = tiny_batch(&spec, batch);
     let dloss = 1.0 / (batch * spec.seq_len) as f64;
     with_backends(|be| {
-        let mut model = Gpt::new(be, &spec, batch, 3);
+        let mut model = Gpt::new(be, &spec, batch, &MemoryTracker::new());
+        let mut state = FlatState::new(be, &model.layout, 3);
         assert_eq!(model.layout.total as u64, spec.param_count());
         // Larger-than-GPT-2 weights so that every path carries a visible gradient.
         let params: Vec<f64> =
-            model.params.iter().enumerate().map(|(i, p)| p * 10.0 + 0.01 * (i as f64).sin()).collect();
-        model.params.copy_from_slice(&params);
-        model.zero_grads(be);
-        model.forward(be, &inputs, &targets);
-        model.backward(be, &inputs, &targets, dloss);
-        let analytic = model.grads.clone();
+            state.params.iter().enumerate().map(|(i, p)| p * 10.0 + 0.01 * (i as f64).sin()).collect();
+        state.params.copy_from_slice(&params);
+        state.zero_grads(be);
+        model.forward(be, &mut state, &inputs, &targets).unwrap();
+        model.backward(be, &mut state, &inputs, &targets, dloss).unwrap();
+        let analytic = state.grads.clone();
         assert!(analytic.iter().all(|g| g.is_finite()));
         let mut loss_at = |x: &[f64]| {
-            model.params.copy_from_slice(x);
-            model.forward(be, &inputs, &targets) * dloss
+            state.params.copy_from_slice(x);
+            model.forward(be, &mut state, &inputs, &targets).unwrap() * dloss
         };
         check("gpt (all parameters)", &params, &analytic, &mut loss_at);
     });
+}
+
+/// A model and its state, the loss and the gradient of one forward + backward.
+fn loss_and_gradient<B: Backend>(
+    be: &B,
+    spec: &ModelSpec,
+    inputs: &[u32],
+    targets: &[u32],
+    dloss: f64,
+) -> (f64, Vec<B::Float>)
+where
+    B::Buf: Clone + Into<Vec<B::Float>>,
+{
+    let mut model = Gpt::new(be, spec, 2, &MemoryTracker::new());
+    let mut state = FlatState::new(be, &model.layout, 3);
+    state.zero_grads(be);
+    let loss = model.forward(be, &mut state, inputs, targets).unwrap();
+    model.backward(be, &mut state, inputs, targets, dloss).unwrap();
+    (loss, state.grads.clone().into())
 }
 
 #[test]
 fn f32_gradient_agrees_with_f64() {
     // The f32 kernels (fast exp / tanh) give the same gradient as the f64 reference.
     let spec = tiny_model();
-    let batch = 2;
-    let (inputs, targets) = tiny_batch(&spec, batch);
-    let dloss = 1.0 / (batch * spec.seq_len) as f64;
-    let be64 = CpuBackend::<f64>::new(1);
-    let mut m64 = Gpt::new(&be64, &spec, batch, 3);
-    m64.zero_grads(&be64);
-    let l64 = m64.forward(&be64, &inputs, &targets);
-    m64.backward(&be64, &inputs, &targets, dloss);
-    let be32 = CpuBackend::<f32>::new(1);
-    let mut m32 = Gpt::new(&be32, &spec, batch, 3);
-    m32.zero_grads(&be32);
-    let l32 = m32.forward(&be32, &inputs, &targets);
-    m32.backward(&be32, &inputs, &targets, dloss);
+    let (inputs, targets) = tiny_batch(&spec, 2);
+    let dloss = 1.0 / (2 * spec.seq_len) as f64;
+    let (l64, g64) = loss_and_gradient(&CpuBackend::<f64>::new(1), &spec, &inputs, &targets, dloss);
+    let (l32, g32) = loss_and_gradient(&CpuBackend::<f32>::new(1), &spec, &inputs, &targets, dloss);
     assert!((l64 - l32).abs() < 1e-5 * l64.abs(), "loss f64 {l64} vs f32 {l32}");
-    let norm: f64 = m64.grads.iter().map(|g| g * g).sum::<f64>().sqrt();
-    let diff: f64 = m64.grads.iter().zip(&m32.grads).map(|(a, &b)| (a - b as f64).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = g64.iter().map(|g| g * g).sum::<f64>().sqrt();
+    let diff: f64 = g64.iter().zip(&g32).map(|(a, &b)| (a - b as f64).powi(2)).sum::<f64>().sqrt();
     assert!(diff < 1e-5 * norm, "gradient difference {diff} vs norm {norm}");
 }
 
@@ -283,14 +295,15 @@ fn backward_accumulates_across_micro_batches() {
     let spec = tiny_model();
     let (inputs, targets) = tiny_batch(&spec, 2);
     let be = CpuBackend::<f64>::new(1);
-    let mut model = Gpt::new(&be, &spec, 2, 3);
-    model.zero_grads(&be);
-    model.forward(&be, &inputs, &targets);
-    model.backward(&be, &inputs, &targets, 0.1);
-    let once = model.grads.clone();
-    model.forward(&be, &inputs, &targets);
-    model.backward(&be, &inputs, &targets, 0.1);
-    for (a, b) in model.grads.iter().zip(&once) {
+    let mut model = Gpt::new(&be, &spec, 2, &MemoryTracker::new());
+    let mut state = FlatState::new(&be, &model.layout, 3);
+    state.zero_grads(&be);
+    model.forward(&be, &mut state, &inputs, &targets).unwrap();
+    model.backward(&be, &mut state, &inputs, &targets, 0.1).unwrap();
+    let once = state.grads.clone();
+    model.forward(&be, &mut state, &inputs, &targets).unwrap();
+    model.backward(&be, &mut state, &inputs, &targets, 0.1).unwrap();
+    for (a, b) in state.grads.iter().zip(&once) {
         assert!((a - 2.0 * b).abs() <= 1e-12 * (1.0 + b.abs()));
     }
 }

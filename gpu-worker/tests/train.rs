@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
     BackendKind, Checkpointing, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent,
-    RunSummary, Sharding,
+    RunSummary,
 };
 use distlab_worker::{train, TrainError, TrainOptions};
 
@@ -180,13 +180,6 @@ fn unsupported_features_are_refused_naming_the_field() {
         ("parallel.dp", Box::new(|s| s.parallel.dp = 2)),
         ("parallel.tp", Box::new(|s| s.parallel.tp = 2)),
         ("parallel.pp", Box::new(|s| s.parallel.pp = 2)),
-        (
-            "parallel.sharding",
-            Box::new(|s| {
-                s.parallel.dp = 2;
-                s.parallel.sharding = Sharding::Zero1;
-            }),
-        ),
         ("train.precision", Box::new(|s| s.train.precision = Precision::Bf16)),
         (
             "train.loss_scaling",
@@ -232,8 +225,10 @@ fn invalid_specs_are_refused_with_field_errors() {
 fn a_run_too_big_for_memory_is_refused_before_allocating() {
     // Valid under the default limits (38M parameters, 128 x 1024 tokens per step),
     // but about 64 GiB of activations.
-    let mut spec = ExperimentSpec::default();
-    spec.model = distlab_common::ModelSpec { layers: 3, d_model: 1024, heads: 16, seq_len: 1024, vocab: 256 };
+    let mut spec = ExperimentSpec {
+        model: distlab_common::ModelSpec { layers: 3, d_model: 1024, heads: 16, seq_len: 1024, vocab: 256 },
+        ..ExperimentSpec::default()
+    };
     spec.train.micro_batch = 128;
     assert!(distlab_worker::train::memory_bytes(&spec) > 40 << 30);
     match run(&spec, 1) {

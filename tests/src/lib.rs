@@ -184,7 +184,8 @@ fn read(resp: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> (u16, Va
     let mut resp = resp.expect("HTTP request to the test server");
     let status = resp.status().as_u16();
     let text = resp.body_mut().read_to_string().unwrap_or_default();
-    let body = if text.trim().is_empty() { Value::Null } else { serde_json::from_str(&text).unwrap_or(Value::String(text)) };
+    let body =
+        if text.trim().is_empty() { Value::Null } else { serde_json::from_str(&text).unwrap_or(Value::String(text)) };
     (status, body)
 }
 
@@ -245,4 +246,27 @@ pub fn run_losses(spec: &ExperimentSpec) -> Vec<f64> {
         .filter_map(|l| serde_json::from_str::<MetricPoint>(l).ok())
         .map(|m| m.loss)
         .collect()
+}
+
+/// Runs `distlab-worker run --out DIR` on a spec: the per-step losses and every rank's trace.
+pub fn run_with_trace(spec: &ExperimentSpec) -> (Vec<f64>, distlab_common::trace::ExperimentTrace) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("spec.json");
+    std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
+    let out_dir = dir.path().join("out");
+    let out = Command::new(bin_path("distlab-worker"))
+        .arg("run")
+        .arg(&path)
+        .arg("--out")
+        .arg(&out_dir)
+        .output()
+        .expect("run distlab-worker");
+    assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
+    let losses = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<MetricPoint>(l).ok())
+        .map(|m| m.loss)
+        .collect();
+    let trace = std::fs::read_to_string(out_dir.join("trace.json")).expect("trace.json");
+    (losses, serde_json::from_str(&trace).expect("trace JSON"))
 }

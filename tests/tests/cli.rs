@@ -9,12 +9,7 @@ fn run_spec(spec_json: &str, extra: &[&str]) -> std::process::Output {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("spec.json");
     std::fs::write(&path, spec_json).unwrap();
-    Command::new(bin_path("distlab-worker"))
-        .arg("run")
-        .arg(&path)
-        .args(extra)
-        .output()
-        .expect("run distlab-worker")
+    Command::new(bin_path("distlab-worker")).arg("run").arg(&path).args(extra).output().expect("run distlab-worker")
 }
 
 #[test]

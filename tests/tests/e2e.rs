@@ -62,7 +62,12 @@ fn long_spec(name: &str) -> ExperimentSpec {
 
 #[test]
 fn killed_worker_lease_expires_and_a_second_worker_finishes_the_run() {
-    let mut lab = Lab::start_with(LabOptions { local_workers: 0, lease_seconds: 2.0, heartbeat_seconds: 0.5, ..LabOptions::default() });
+    let mut lab = Lab::start_with(LabOptions {
+        local_workers: 0,
+        lease_seconds: 2.0,
+        heartbeat_seconds: 0.5,
+        ..LabOptions::default()
+    });
     let first = lab.spawn_worker("first");
     let mut spec = long_spec("survives-a-dead-worker");
     spec.train.steps = 300;
@@ -84,7 +89,12 @@ fn killed_worker_lease_expires_and_a_second_worker_finishes_the_run() {
 
 #[test]
 fn cancel_stops_a_running_experiment_and_frees_the_worker() {
-    let lab = Lab::start_with(LabOptions { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 0.5, ..LabOptions::default() });
+    let lab = Lab::start_with(LabOptions {
+        local_workers: 1,
+        lease_seconds: 30.0,
+        heartbeat_seconds: 0.5,
+        ..LabOptions::default()
+    });
     let long = lab.submit(&long_spec("to-be-cancelled"));
     lab.wait_for(long, Duration::from_secs(60), |e| e.status == ExperimentStatus::Running && e.steps_done >= 2);
     let (status, body) = lab.post(&format!("/api/experiments/{long}/cancel"), &serde_json::json!({}));

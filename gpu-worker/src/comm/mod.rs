@@ -54,6 +54,14 @@ pub trait Communicator: Send {
     /// `output[chunk_range(output.len(), size, r)]`.
     fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError>;
 
+    /// `reduce_scatter` without a separate output: afterwards this rank's chunk of `buf`
+    /// (`chunk_range(buf.len(), size, rank)`) holds the reduced values; the rest is scratch.
+    fn reduce_scatter_in_place(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError>;
+
+    /// `all_gather` without a separate input: this rank's chunk of `buf` is its contribution,
+    /// and afterwards every chunk is filled.
+    fn all_gather_in_place(&mut self, buf: &mut [f32]) -> Result<(), CommError>;
+
     /// Every rank ends with `root`'s `buf`.
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
 

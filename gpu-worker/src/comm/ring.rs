@@ -507,6 +507,35 @@ impl Communicator for RingCommunicator {
         Ok(())
     }
 
+    fn reduce_scatter_in_place(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let w = self.members.len();
+        let id = self.begin();
+        let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(buf));
+        if w > 1 {
+            self.reduce_scatter_phase(buf, CollectiveOp::ReduceScatter, id)?;
+        }
+        let mine = chunk_range(buf.len(), w, self.me);
+        if op == ReduceOp::Avg && w > 1 {
+            scale(&mut buf[mine.clone()], w);
+        }
+        let after = self.small_copy(&buf[mine]);
+        self.finish(CollectiveOp::ReduceScatter, id, buf.len(), sent_before, start, (before, after));
+        Ok(())
+    }
+
+    fn all_gather_in_place(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let w = self.members.len();
+        let id = self.begin();
+        let mine = chunk_range(buf.len(), w, self.me);
+        let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(&buf[mine]));
+        if w > 1 {
+            self.all_gather_phase(buf, CollectiveOp::AllGather, id)?;
+        }
+        let after = self.small_copy(buf);
+        self.finish(CollectiveOp::AllGather, id, buf.len(), sent_before, start, (before, after));
+        Ok(())
+    }
+
     /// A chain from the root round the ring, piece by piece, so it pipelines.
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         let w = self.members.len();

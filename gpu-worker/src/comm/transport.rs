@@ -66,7 +66,7 @@ impl Mesh {
         let deadline = Instant::now() + timeout;
 
         // Connect to every lower rank (retrying until it listens), introducing ourselves.
-        for peer in 0..rank {
+        for (peer, slot) in sockets.iter_mut().enumerate().take(rank) {
             let stream = loop {
                 match UnixStream::connect(socket_path(dir, peer)) {
                     Ok(s) => break s,
@@ -77,7 +77,7 @@ impl Mesh {
             let io = |source| RendezvousError::Io { rank, peer, source };
             let mut s = stream;
             s.write_all(&[(rank as u32).to_le_bytes(), (world as u32).to_le_bytes()].concat()).map_err(io)?;
-            sockets[peer] = Some(s);
+            *slot = Some(s);
         }
 
         // Accept one connection from every higher rank.

@@ -8,17 +8,23 @@
 //! loss = mean cross-entropy(logits, targets)             (loss.rs)
 //! ```
 //!
-//! ALL parameters live in ONE contiguous buffer, tensor after tensor in the order
-//! of [`ParamLayout`] (embeddings, block 0..L, final LayerNorm, LM head); the
-//! gradients live in a second buffer with the same layout, so a flat range of
-//! either is a well-defined shard (what FSDP and ZeRO will cut). Activations are
-//! allocated once for a micro-batch of `batch` sequences and reused every step.
+//! Parameters are laid out tensor after tensor in the order of [`ParamLayout`]
+//! (embeddings, block 0..L, final LayerNorm, LM head), and gradients the same way, so
+//! a flat range of either is a well-defined shard. Where they live is not the model's
+//! business: it opens one unit (embeddings, a block, the head) at a time through a
+//! [`ModelState`] (`state.rs`), whole buffers for one rank or DDP, gathered shards for
+//! FSDP. Activations are allocated once for a micro-batch of `batch` sequences and
+//! reused every step.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use distlab_common::ModelSpec;
 
 use crate::backend::{Backend, Float};
+use crate::comm::CommError;
+use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::model::state::{ModelState, Pass, Unit};
 use crate::optim::ParamGroup;
 use crate::rng::Rng;
 
@@ -151,10 +157,10 @@ impl ParamLayout {
     /// in the order it finishes them: LM head + final LayerNorm, blocks last to first,
     /// embeddings. Each range sits right before the previous one in the buffer.
     pub fn backward_units(&self) -> Vec<Range<usize>> {
-        let mut units = vec![self.lnf_g.start..self.lm_head.end];
-        units.extend(self.blocks.iter().rev().map(|b| b.ln1_g.start..b.fc_proj_b.end));
-        units.push(self.wte.start..self.wpe.end);
-        units
+        let layers = self.blocks.len();
+        let mut units: Vec<Unit> = Unit::all(layers).collect();
+        units.reverse();
+        units.into_iter().map(|u| u.range(self)).collect()
     }
 
     /// Parameters of one block (they are contiguous).
@@ -235,75 +241,103 @@ struct GradScratch<Buf> {
     dfch: Buf,
 }
 
-/// A GPT on backend `B`: parameters, gradients, activations for `batch` sequences.
+/// A GPT on backend `B`: its layout and the activations for `batch` sequences
+/// (parameters and gradients live in a [`ModelState`]).
 pub struct Gpt<B: Backend> {
     pub spec: ModelSpec,
     /// Sequences per micro-batch (activations are sized for this).
     pub batch: usize,
     pub layout: ParamLayout,
-    pub params: B::Buf,
-    pub grads: B::Buf,
     acts: Activations<B::Buf>,
     scratch: GradScratch<B::Buf>,
     activation_floats: usize,
+    /// The memory ledger's record of every buffer above.
+    receipts: Vec<Receipt>,
 }
 
 impl<B: Backend> Gpt<B> {
-    /// Allocates everything once and initialises the parameters from `seed`.
-    pub fn new(be: &B, spec: &ModelSpec, batch: usize, seed: u64) -> Self {
+    /// Allocates the activations once, each buffer registered with `memory`.
+    pub fn new(be: &B, spec: &ModelSpec, batch: usize, memory: &Arc<MemoryTracker>) -> Self {
         let layout = ParamLayout::new(spec);
         debug_assert_eq!(layout.total as u64, spec.param_count());
         let (t, c, v, h) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads);
         let rows = batch * t;
         let mut floats = 0usize;
-        let mut alloc = |len: usize| {
+        let mut receipts = Vec::new();
+        let mut alloc = |category: Category, len: usize| {
             floats += len;
+            receipts.push(memory.alloc(category, len));
             be.alloc(len)
         };
         let blocks = (0..spec.layers)
             .map(|_| BlockActivations {
-                ln1: alloc(rows * c),
-                ln1_mean: alloc(rows),
-                ln1_rstd: alloc(rows),
-                qkv: alloc(rows * 3 * c),
-                att: alloc(batch * h * t * t),
-                atty: alloc(rows * c),
-                res_attn: alloc(rows * c),
-                ln2: alloc(rows * c),
-                ln2_mean: alloc(rows),
-                ln2_rstd: alloc(rows),
-                fch: alloc(rows * 4 * c),
-                fch_gelu: alloc(rows * 4 * c),
-                res_mlp: alloc(rows * c),
+                ln1: alloc(Category::Activations, rows * c),
+                ln1_mean: alloc(Category::Activations, rows),
+                ln1_rstd: alloc(Category::Activations, rows),
+                qkv: alloc(Category::Activations, rows * 3 * c),
+                att: alloc(Category::Activations, batch * h * t * t),
+                atty: alloc(Category::Activations, rows * c),
+                res_attn: alloc(Category::Activations, rows * c),
+                ln2: alloc(Category::Activations, rows * c),
+                ln2_mean: alloc(Category::Activations, rows),
+                ln2_rstd: alloc(Category::Activations, rows),
+                fch: alloc(Category::Activations, rows * 4 * c),
+                fch_gelu: alloc(Category::Activations, rows * 4 * c),
+                res_mlp: alloc(Category::Activations, rows * c),
             })
             .collect();
         let acts = Activations {
-            encoded: alloc(rows * c),
+            encoded: alloc(Category::Activations, rows * c),
             blocks,
-            lnf: alloc(rows * c),
-            lnf_mean: alloc(rows),
-            lnf_rstd: alloc(rows),
-            logits: alloc(rows * v),
-            losses: alloc(rows),
+            lnf: alloc(Category::Activations, rows * c),
+            lnf_mean: alloc(Category::Activations, rows),
+            lnf_rstd: alloc(Category::Activations, rows),
+            logits: alloc(Category::Activations, rows * v),
+            losses: alloc(Category::Activations, rows),
         };
         let scratch = GradScratch {
-            dres: alloc(rows * c),
-            dln: alloc(rows * c),
-            datty: alloc(rows * c),
-            dqkv: alloc(rows * 3 * c),
-            datt: alloc(batch * h * t * t),
-            dfch: alloc(rows * 4 * c),
+            dres: alloc(Category::ActivationGrads, rows * c),
+            dln: alloc(Category::ActivationGrads, rows * c),
+            datty: alloc(Category::ActivationGrads, rows * c),
+            dqkv: alloc(Category::ActivationGrads, rows * 3 * c),
+            datt: alloc(Category::ActivationGrads, batch * h * t * t),
+            dfch: alloc(Category::ActivationGrads, rows * 4 * c),
         };
-        let mut params = be.alloc(layout.total);
-        be.upload(&mut params, &layout.init_params::<B::Float>(seed));
-        let grads = be.alloc(layout.total);
         debug_assert_eq!(floats, Self::activation_floats_for(spec, batch));
-        Self { spec: spec.clone(), batch, layout, params, grads, acts, scratch, activation_floats: floats }
+        Self { spec: spec.clone(), batch, layout, acts, scratch, activation_floats: floats, receipts }
     }
 
     /// Floats held for activations and their gradients (for memory reports).
     pub fn activation_floats(&self) -> usize {
         self.activation_floats
+    }
+
+    /// Bytes of every buffer the model holds, counted from the buffers themselves (what
+    /// the memory ledger must agree with).
+    pub fn held_bytes(&self, be: &B) -> u64 {
+        let a = &self.acts;
+        let s = &self.scratch;
+        let mut bufs = vec![&a.encoded, &a.lnf, &a.lnf_mean, &a.lnf_rstd, &a.logits, &a.losses];
+        for b in &a.blocks {
+            bufs.extend([
+                &b.ln1,
+                &b.ln1_mean,
+                &b.ln1_rstd,
+                &b.qkv,
+                &b.att,
+                &b.atty,
+                &b.res_attn,
+                &b.ln2,
+                &b.ln2_mean,
+                &b.ln2_rstd,
+                &b.fch,
+                &b.fch_gelu,
+                &b.res_mlp,
+            ]);
+        }
+        bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
+        debug_assert_eq!(bufs.len(), self.receipts.len());
+        bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Float>()) as u64).sum()
     }
 
     /// What [`Gpt::new`] will allocate for activations and their gradients, without
@@ -323,30 +357,36 @@ impl<B: Backend> Gpt<B> {
         block.saturating_mul(l).saturating_add(top).saturating_add(scratch)
     }
 
-    pub fn zero_grads(&mut self, be: &B) {
-        be.fill(be.all_mut(&mut self.grads), 0.0);
-    }
-
     /// Runs the model on `batch` sequences (`inputs`, `targets`: batch * seq_len
-    /// tokens) and returns the SUM of the per-token losses.
-    pub fn forward(&mut self, be: &B, inputs: &[u32], targets: &[u32]) -> f64 {
+    /// tokens) with the parameters of `state` and returns the SUM of the per-token losses.
+    pub fn forward(
+        &mut self,
+        be: &B,
+        state: &mut dyn ModelState<B>,
+        inputs: &[u32],
+        targets: &[u32],
+    ) -> Result<f64, CommError> {
         let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
         assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens");
         assert_eq!(targets.len(), inputs.len(), "targets must match inputs");
-        let p = &self.params;
         let lay = &self.layout;
         let acts = &mut self.acts;
 
-        be.encoder_forward(
-            be.all_mut(&mut acts.encoded),
-            inputs,
-            be.view(p, lay.wte.clone()),
-            be.view(p, lay.wpe.clone()),
-            t,
-            c,
-        );
+        {
+            let (p, at) = state.open(be, Unit::Embeddings, Pass::Forward)?.params.expect("forward has parameters");
+            be.encoder_forward(
+                be.all_mut(&mut acts.encoded),
+                inputs,
+                be.view(p, shift(&lay.wte, at)),
+                be.view(p, shift(&lay.wpe, at)),
+                t,
+                c,
+            );
+        }
+        state.close(be, Unit::Embeddings, Pass::Forward)?;
         for l in 0..lay.blocks.len() {
-            let w = lay.blocks[l].map(|r| be.view(p, r.clone()));
+            let (p, at) = state.open(be, Unit::Block(l), Pass::Forward)?.params.expect("forward has parameters");
+            let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
             let (done, rest) = acts.blocks.split_at_mut(l);
             let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
             let a = &mut rest[0];
@@ -392,97 +432,98 @@ impl<B: Backend> Gpt<B> {
                 4 * c,
                 c,
             );
+            state.close(be, Unit::Block(l), Pass::Forward)?;
         }
         let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
-        be.layernorm_forward(
-            be.all_mut(&mut acts.lnf),
-            be.all_mut(&mut acts.lnf_mean),
-            be.all_mut(&mut acts.lnf_rstd),
-            be.all(last),
-            be.view(p, lay.lnf_g.clone()),
-            be.view(p, lay.lnf_b.clone()),
-            c,
-        );
-        be.matmul_forward(
-            be.all_mut(&mut acts.logits),
-            be.all(&acts.lnf),
-            be.view(p, lay.lm_head.clone()),
-            None,
-            None,
-            c,
-            vocab,
-        );
+        {
+            let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
+            be.layernorm_forward(
+                be.all_mut(&mut acts.lnf),
+                be.all_mut(&mut acts.lnf_mean),
+                be.all_mut(&mut acts.lnf_rstd),
+                be.all(last),
+                be.view(p, shift(&lay.lnf_g, at)),
+                be.view(p, shift(&lay.lnf_b, at)),
+                c,
+            );
+            be.matmul_forward(
+                be.all_mut(&mut acts.logits),
+                be.all(&acts.lnf),
+                be.view(p, shift(&lay.lm_head, at)),
+                None,
+                None,
+                c,
+                vocab,
+            );
+        }
+        state.close(be, Unit::Head, Pass::Forward)?;
         be.crossentropy_forward(be.all_mut(&mut acts.logits), be.all_mut(&mut acts.losses), targets, vocab);
-        be.sum(be.all(&acts.losses))
+        Ok(be.sum(be.all(&acts.losses)))
     }
 
-    /// Backpropagates the last `forward` (same inputs and targets) and ADDS the
-    /// parameter gradients into `grads`. `dloss` weighs every token's loss: 1 /
-    /// (tokens in the optimizer step) makes the gradients those of the mean loss.
-    pub fn backward(&mut self, be: &B, inputs: &[u32], targets: &[u32], dloss: f64) {
-        self.backward_with(be, inputs, targets, dloss, &mut |_, _| {});
-    }
-
-    /// `backward`, calling `on_ready(unit, grads)` as soon as the gradients of each
-    /// readiness unit are final, in the order of [`ParamLayout::backward_units`]: the LM
-    /// head and final LayerNorm, then each block from the last to the first, then the
-    /// embeddings. Data parallelism starts communicating them while backward goes on.
-    pub fn backward_with(
+    /// Backpropagates the last `forward` (same inputs and targets and state) and ADDS the
+    /// parameter gradients into the state's gradient buffers, unit by unit: the LM head and
+    /// final LayerNorm, then each block from the last to the first, then the embeddings.
+    /// Closing a unit tells the state its gradients for this micro-batch are final (data
+    /// parallelism starts reducing them while backward goes on). `dloss` weighs every
+    /// token's loss: 1 / (tokens in the optimizer step) gives the gradients of the mean loss.
+    pub fn backward(
         &mut self,
         be: &B,
+        state: &mut dyn ModelState<B>,
         inputs: &[u32],
         targets: &[u32],
         dloss: f64,
-        on_ready: &mut dyn FnMut(usize, B::View<'_>),
-    ) {
+    ) -> Result<(), CommError> {
         let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
-        let p = &self.params;
         let lay = &self.layout;
         let s = &mut self.scratch;
-
-        // The gradient buffer, cut into the views backward writes.
-        let g = be.all_mut(&mut self.grads);
-        let (mut g_embeddings, g) = be.split_mut(g, lay.wte.len() + lay.wpe.len());
-        let (mut g_blocks, mut g_head) = be.split_mut(g, lay.blocks.len() * lay.block_len());
-        let (g_lnf_g, g) = be.split_mut(be.reborrow(&mut g_head), lay.lnf_g.len());
-        let (g_lnf_b, g_lm_head) = be.split_mut(g, lay.lnf_b.len());
+        let with_params = Pass::Backward { params: true };
 
         // loss and LM head
         be.crossentropy_backward(be.all_mut(&mut self.acts.logits), targets, vocab, dloss);
         let acts = &self.acts;
-        be.matmul_backward(
-            Some(be.all_mut(&mut s.dln)),
-            g_lm_head,
-            None,
-            be.all(&acts.logits),
-            be.all(&acts.lnf),
-            be.view(p, lay.lm_head.clone()),
-            c,
-            vocab,
-        );
-        be.fill(be.all_mut(&mut s.dres), 0.0);
-        let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
-        be.layernorm_backward(
-            be.all_mut(&mut s.dres),
-            g_lnf_g,
-            g_lnf_b,
-            be.all(&s.dln),
-            be.all(last),
-            be.view(p, lay.lnf_g.clone()),
-            be.all(&acts.lnf_mean),
-            be.all(&acts.lnf_rstd),
-            c,
-        );
-
-        on_ready(0, be.freeze(g_head));
+        {
+            let open = state.open(be, Unit::Head, with_params)?;
+            let (p, at) = open.params.expect("backward of the head has parameters");
+            let (g, g_at) = open.grads.expect("backward has gradients");
+            let g = be.view_mut(g, shift(&Unit::Head.range(lay), g_at));
+            let (g_lnf_g, g) = be.split_mut(g, lay.lnf_g.len());
+            let (g_lnf_b, g_lm_head) = be.split_mut(g, lay.lnf_b.len());
+            be.matmul_backward(
+                Some(be.all_mut(&mut s.dln)),
+                g_lm_head,
+                None,
+                be.all(&acts.logits),
+                be.all(&acts.lnf),
+                be.view(p, shift(&lay.lm_head, at)),
+                c,
+                vocab,
+            );
+            be.fill(be.all_mut(&mut s.dres), 0.0);
+            let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
+            be.layernorm_backward(
+                be.all_mut(&mut s.dres),
+                g_lnf_g,
+                g_lnf_b,
+                be.all(&s.dln),
+                be.all(last),
+                be.view(p, shift(&lay.lnf_g, at)),
+                be.all(&acts.lnf_mean),
+                be.all(&acts.lnf_rstd),
+                c,
+            );
+        }
+        state.close(be, Unit::Head, with_params)?;
 
         for l in (0..lay.blocks.len()).rev() {
-            let (earlier, mut g_block) = be.split_mut(g_blocks, l * lay.block_len());
-            g_blocks = earlier;
-            // (a scope, so that the block's gradient views end before it is handed on)
+            // (a scope, so that the block's views end before it is closed)
             {
-                let gw = split_block(be, be.reborrow(&mut g_block), &lay.blocks[l]);
-                let w = lay.blocks[l].map(|r| be.view(p, r.clone()));
+                let open = state.open(be, Unit::Block(l), with_params)?;
+                let (p, at) = open.params.expect("backward of a block has parameters");
+                let (g, g_at) = open.grads.expect("backward has gradients");
+                let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
+                let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
                 let x = if l == 0 { &acts.encoded } else { &acts.blocks[l - 1].res_mlp };
                 let a = &acts.blocks[l];
                 // MLP half (dres holds d res_mlp, and becomes d res_attn)
@@ -561,12 +602,22 @@ impl<B: Backend> Gpt<B> {
                     c,
                 );
             }
-            on_ready(lay.blocks.len() - l, be.freeze(g_block));
+            state.close(be, Unit::Block(l), with_params)?;
         }
-        let (g_wte, g_wpe) = be.split_mut(be.reborrow(&mut g_embeddings), lay.wte.len());
-        be.encoder_backward(g_wte, g_wpe, be.all(&s.dres), inputs, t, c);
-        on_ready(lay.blocks.len() + 1, be.freeze(g_embeddings));
+        let without_params = Pass::Backward { params: false };
+        {
+            let (g, g_at) = state.open(be, Unit::Embeddings, without_params)?.grads.expect("backward has gradients");
+            let g = be.view_mut(g, shift(&Unit::Embeddings.range(lay), g_at));
+            let (g_wte, g_wpe) = be.split_mut(g, lay.wte.len());
+            be.encoder_backward(g_wte, g_wpe, be.all(&s.dres), inputs, t, c);
+        }
+        state.close(be, Unit::Embeddings, without_params)
     }
+}
+
+/// A global range of the parameter buffer, in a buffer whose first element is global `at`.
+fn shift(range: &Range<usize>, at: usize) -> Range<usize> {
+    range.start - at..range.end - at
 }
 
 /// Cuts one block's gradient view into its tensors (they are contiguous, in order).

@@ -9,5 +9,7 @@ pub mod layernorm;
 pub mod linear;
 pub mod loss;
 pub mod mlp;
+pub mod state;
 
 pub use gpt::{BlockTensors, Gpt, Init, ParamLayout, TensorInfo};
+pub use state::{FlatState, ModelState, OpenUnit, Pass, Unit};

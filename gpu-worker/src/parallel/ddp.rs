@@ -12,32 +12,193 @@
 //! earlier layers. The optimizer waits only for what is still in flight at the end.
 //! Bucket buffers live in memory every rank maps (`Communicator::alloc_shared`), so the
 //! ring moves each chunk with a single copy, straight from the neighbour's bucket.
+//!
+//! ZeRO-1 (Rajbhandari et al.) is DDP with the optimizer state sharded: gradients are
+//! all-reduced the same way, but each rank keeps Adam's m and v for its own shard only
+//! (`shard.rs`), updates only that shard of the parameters, and the ranks then all-gather
+//! the updated parameters unit by unit.
 
 use std::ops::Range;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 use distlab_common::trace::{Span, SpanKind};
+use distlab_common::{ExperimentSpec, Sharding};
 
+use super::shard::ShardLayout;
+use super::{Cpu, DpGroup, Strategy};
+use crate::backend::Backend;
 use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
+use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Unit};
+use crate::optim::{Indexing, OptimGroup, Optimizer};
 use crate::trace::now_us;
 
-/// This rank's part in data parallelism: its place in the group, the gradient
-/// synchroniser (with its communication thread), and a second handle on the same group
-/// for the few small collectives of the training loop itself (the step's loss).
-pub struct DataParallel {
-    pub rank: usize,
-    pub world: usize,
-    pub grads: GradSync,
-    pub comm: Box<dyn Communicator>,
+/// Sums `value` over the group (f64 carried as f32: the step loss needs ~7 digits).
+pub fn sum_scalar(comm: &mut dyn Communicator, value: f64) -> Result<f64, CommError> {
+    let mut buf = [value as f32];
+    comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+    Ok(buf[0] as f64)
 }
 
-impl DataParallel {
-    /// Sums `value` over the group (f64 carried as f32: the step loss needs ~7 digits).
-    pub fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
-        let mut buf = [value as f32];
-        self.comm.all_reduce(&mut buf, ReduceOp::Sum)?;
-        Ok(buf[0] as f64)
+/// Every parameter and gradient whole on this rank: one process alone, DDP, or ZeRO-1.
+pub struct Replicated {
+    state: FlatState<Cpu>,
+    optimizer: Optimizer<Cpu>,
+    /// None: this process is the whole run.
+    dp: Option<Synced>,
+    /// ZeRO-1: this rank's shard, the only part its optimizer updates.
+    zero1: Option<ShardLayout>,
+    /// Whether the micro-batch running now hands its gradients to the synchroniser.
+    syncing: bool,
+    layers: usize,
+    step: u64,
+    record: bool,
+    spans: Vec<Span>,
+    _receipts: [Receipt; 2],
+}
+
+struct Synced {
+    grads: GradSync,
+    scalars: Box<dyn Communicator>,
+}
+
+impl Replicated {
+    pub fn new(
+        spec: &ExperimentSpec,
+        be: &Cpu,
+        layout: &ParamLayout,
+        memory: &Arc<MemoryTracker>,
+        dp: Option<DpGroup>,
+    ) -> Result<Self, CommError> {
+        let state = FlatState::new(be, layout, spec.train.seed);
+        let receipts =
+            [memory.alloc(Category::Parameters, layout.total), memory.alloc(Category::Gradients, layout.total)];
+        let zero1 = match &dp {
+            Some(g) if spec.parallel.sharding == Sharding::Zero1 => Some(ShardLayout::new(layout, g.rank, g.world)),
+            _ => None,
+        };
+        let optimizer = match &zero1 {
+            Some(shard) => {
+                Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, memory)
+            }
+            None => {
+                Optimizer::new(be, &spec.train, OptimGroup::unsharded(&layout.param_groups()), layout.total, memory)
+            }
+        };
+        let dp = match dp {
+            Some(g) => Some(Synced {
+                grads: GradSync::new(g.grads, &layout.backward_units(), spec.parallel.bucket_bytes, memory)?,
+                scalars: g.scalars,
+            }),
+            None => None,
+        };
+        Ok(Replicated {
+            state,
+            optimizer,
+            dp,
+            zero1,
+            syncing: false,
+            layers: layout.blocks.len(),
+            step: 0,
+            record: false,
+            spans: Vec::new(),
+            _receipts: receipts,
+        })
+    }
+}
+
+impl ModelState<Cpu> for Replicated {
+    fn open(&mut self, be: &Cpu, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<f32>>, CommError> {
+        self.state.open(be, unit, pass)
+    }
+
+    fn close(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
+        if let (true, Some(dp), Pass::Backward { .. }) = (self.syncing, &mut self.dp, pass) {
+            dp.grads.unit_ready(unit.backward_index(self.layers), &self.state.grads);
+        }
+        Ok(())
+    }
+}
+
+impl Strategy for Replicated {
+    fn begin_step(&mut self, be: &Cpu, step: u64, record: bool) {
+        self.state.zero_grads(be);
+        self.step = step;
+        self.record = record;
+        if let Some(dp) = &mut self.dp {
+            dp.grads.begin_step(step, record);
+        }
+    }
+
+    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu> {
+        // Gradients are summed across ranks once per step: only the last micro-batch's
+        // backward hands finished buckets to the communication thread (no_sync before).
+        self.syncing = last && self.dp.is_some();
+        self
+    }
+
+    fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError> {
+        if let Some(dp) = &mut self.dp {
+            dp.grads.finish(&mut self.state.grads)?;
+        }
+        Ok(be.sum_squares(be.all(&self.state.grads)).sqrt())
+    }
+
+    fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+        let params = (&mut self.state.params, Indexing::Global);
+        self.optimizer.step(be, params, (&self.state.grads, Indexing::Global), lr, grad_scale);
+        if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
+            let start = now_us();
+            for u in &shard.units {
+                dp.scalars.all_gather_in_place(&mut self.state.params[u.global.clone()])?;
+            }
+            if self.record {
+                self.spans.push(comm_span(
+                    "all_gather parameters (ZeRO-1)",
+                    self.step,
+                    start,
+                    (self.state.params.len() * 4) as u64,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
+        match &mut self.dp {
+            Some(dp) => sum_scalar(dp.scalars.as_mut(), value),
+            None => Ok(value),
+        }
+    }
+
+    fn comm_spans(&self) -> Vec<Span> {
+        let mut spans = self.spans.clone();
+        if let Some(dp) = &self.dp {
+            spans.extend(dp.grads.spans.iter().cloned());
+        }
+        spans
+    }
+
+    fn held_bytes(&self, be: &Cpu) -> u64 {
+        let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) as u64 * 4;
+        let buckets = self.dp.as_ref().map_or(0, |dp| dp.grads.held_bytes());
+        flat + self.optimizer.held_bytes(be) + buckets
+    }
+}
+
+/// A span on the communication lane of the timeline, from `start_us` to now.
+pub fn comm_span(name: &str, step: u64, start_us: u64, bytes: u64) -> Span {
+    Span {
+        kind: SpanKind::Comm,
+        name: name.into(),
+        step,
+        lane: "comm".into(),
+        start_us,
+        end_us: now_us(),
+        layer: None,
+        bucket: None,
+        bytes: Some(bytes),
     }
 }
 
@@ -93,6 +254,7 @@ pub struct GradSync {
     /// Per bucket: its buffer while it is here (None while in flight), and how many of
     /// its units are final this step.
     buffers: Vec<Option<SharedBuffer>>,
+    _receipts: Vec<Receipt>,
     ready_units: Vec<usize>,
     to_comm: Option<mpsc::Sender<InFlight>>,
     from_comm: mpsc::Receiver<Reduced>,
@@ -107,7 +269,12 @@ pub struct GradSync {
 impl GradSync {
     /// Allocates the bucket buffers (a collective: every rank of the group calls it) and
     /// moves `comm` (the data-parallel group) onto a new communication thread.
-    pub fn new(mut comm: Box<dyn Communicator>, units: &[Range<usize>], bucket_bytes: u64) -> Result<Self, CommError> {
+    pub fn new(
+        mut comm: Box<dyn Communicator>,
+        units: &[Range<usize>],
+        bucket_bytes: u64,
+        memory: &Arc<MemoryTracker>,
+    ) -> Result<Self, CommError> {
         let buckets = plan_buckets(units, bucket_bytes);
         let mut unit_bucket = vec![0; units.len()];
         for (b, bucket) in buckets.iter().enumerate() {
@@ -116,6 +283,7 @@ impl GradSync {
             }
         }
         let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;
+        let receipts = buckets.iter().map(|b| memory.alloc(Category::CommBuffers, b.range.len())).collect();
         let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
         let (comm_tx, from_comm) = mpsc::channel::<Reduced>();
         let sizes: Vec<usize> = buckets.iter().map(|b| b.range.len()).collect();
@@ -129,6 +297,7 @@ impl GradSync {
             units: units.to_vec(),
             unit_bucket,
             buffers,
+            _receipts: receipts,
             ready_units: vec![0; n],
             to_comm: Some(to_comm),
             from_comm,
@@ -151,9 +320,15 @@ impl GradSync {
         self.ready_units.iter_mut().for_each(|n| *n = 0);
     }
 
-    /// Readiness unit `unit` (gradients `grads`, which cover exactly that unit's range)
-    /// is final: copy it into its bucket, and send the bucket once all its units are in.
-    pub fn unit_ready(&mut self, unit: usize, grads: &[f32]) {
+    /// Bytes of the bucket buffers (all of them, whether here or in flight).
+    pub fn held_bytes(&self) -> u64 {
+        self.buckets.iter().map(|b| (b.range.len() * 4) as u64).sum()
+    }
+
+    /// Readiness unit `unit` of `all_grads` (the whole flat gradient buffer) is final: copy
+    /// it into its bucket, and send the bucket once all its units are in.
+    pub fn unit_ready(&mut self, unit: usize, all_grads: &[f32]) {
+        let grads = &all_grads[self.units[unit].clone()];
         let b = self.unit_bucket[unit];
         let bucket = &self.buckets[b];
         let at = self.units[unit].start - bucket.range.start;

@@ -1,4 +1,70 @@
-//! Parallel strategies, one per file (as in picotron): `ddp.rs` (data parallel with
-//! bucketed gradient all-reduce overlapping backward).
+//! Parallel strategies, one per file (as in picotron): how one rank holds the model's
+//! parameters, gradients and optimizer state, and how it keeps them in step with the
+//! other ranks of its data-parallel group.
+//!
+//! * `ddp.rs`: every rank holds everything; gradients are all-reduced in buckets that
+//!   overlap backward. With ZeRO-1 the optimizer state is sharded (`zero1`).
+//! * `sharded.rs`: ZeRO-2 (gradients and optimizer state sharded) and FSDP / ZeRO-3
+//!   (parameters too, gathered one unit at a time).
+//! * `shard.rs`: which piece of every unit a rank owns.
 
 pub mod ddp;
+pub mod shard;
+pub mod sharded;
+
+use std::sync::Arc;
+
+use distlab_common::trace::Span;
+use distlab_common::{ExperimentSpec, Sharding};
+
+use crate::backend::CpuBackend;
+use crate::comm::{CommError, Communicator};
+use crate::memory::MemoryTracker;
+use crate::model::{ModelState, ParamLayout};
+
+/// The backend the strategies run on (their collectives work on host memory).
+pub type Cpu = CpuBackend<f32>;
+
+/// How one rank holds and updates the model.
+pub trait Strategy: Send {
+    /// Before a step's micro-batches: zero the gradients; `record` keeps its timeline.
+    fn begin_step(&mut self, be: &Cpu, step: u64, record: bool);
+    /// The state the model runs a micro-batch on (`last`: the step's last micro-batch).
+    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu>;
+    /// After every micro-batch's backward: gradients summed over the group; returns their
+    /// global L2 norm.
+    fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError>;
+    /// The optimizer update (then the parameters are made whole again where needed).
+    fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError>;
+    /// Sums a scalar over the data-parallel group (the step's loss).
+    fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
+    /// Communication spans recorded so far.
+    fn comm_spans(&self) -> Vec<Span>;
+    /// Bytes of the buffers it holds, counted from the buffers themselves (what the
+    /// memory ledger must agree with).
+    fn held_bytes(&self, be: &Cpu) -> u64;
+}
+
+/// This rank's data-parallel group: two communicators over the same ranks, one for the
+/// gradients (DDP moves it onto its communication thread) and one for the training
+/// loop's own small collectives.
+pub struct DpGroup {
+    pub rank: usize,
+    pub world: usize,
+    pub grads: Box<dyn Communicator>,
+    pub scalars: Box<dyn Communicator>,
+}
+
+/// The strategy `spec.parallel.sharding` asks for (one rank alone when `dp` is None).
+pub fn build(
+    spec: &ExperimentSpec,
+    be: &Cpu,
+    layout: &ParamLayout,
+    memory: &Arc<MemoryTracker>,
+    dp: Option<DpGroup>,
+) -> Result<Box<dyn Strategy>, CommError> {
+    Ok(match spec.parallel.sharding {
+        Sharding::None | Sharding::Zero1 => Box::new(ddp::Replicated::new(spec, be, layout, memory, dp)?),
+        Sharding::Zero2 | Sharding::Fsdp => Box::new(sharded::Sharded::new(spec, be, layout, memory, dp)?),
+    })
+}

@@ -1,0 +1,158 @@
+//! Memory accounting: every buffer the engine allocates for a run is registered here, with
+//! its category, when it is allocated, and deregistered when it is freed (a `Receipt`
+//! dropped with the buffer). Per rank this gives the bytes held now, each category's peak,
+//! and a timeline sampled at op boundaries of the first steps, where FSDP's gather/free
+//! sawtooth shows.
+
+use std::sync::{Arc, Mutex};
+
+use distlab_common::memory::{MemorySample, RankMemoryReport};
+use distlab_common::planner::RankMemory;
+
+use crate::trace::now_us;
+
+/// What a buffer holds (the planner's categories).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Category {
+    Parameters,
+    Gradients,
+    OptimizerState,
+    /// FSDP: a unit's full parameters, gathered for its forward or backward.
+    GatheredParameters,
+    /// Tensors forward keeps for backward.
+    Activations,
+    /// Backward's activation-gradient scratch.
+    ActivationGrads,
+    /// Gradients on their way to a collective (DDP buckets, a unit awaiting reduce-scatter).
+    CommBuffers,
+}
+
+fn field(memory: &mut RankMemory, category: Category) -> &mut u64 {
+    match category {
+        Category::Parameters => &mut memory.parameters,
+        Category::Gradients => &mut memory.gradients,
+        Category::OptimizerState => &mut memory.optimizer_state,
+        Category::GatheredParameters => &mut memory.gathered_parameters,
+        Category::Activations => &mut memory.activations,
+        Category::ActivationGrads => &mut memory.activation_grads,
+        Category::CommBuffers => &mut memory.comm_buffers,
+    }
+}
+
+const CATEGORIES: [Category; 7] = [
+    Category::Parameters,
+    Category::Gradients,
+    Category::OptimizerState,
+    Category::GatheredParameters,
+    Category::Activations,
+    Category::ActivationGrads,
+    Category::CommBuffers,
+];
+
+#[derive(Default)]
+struct Ledger {
+    current: RankMemory,
+    peak: RankMemory,
+    /// Step being sampled into the timeline, if any.
+    sampling: Option<u64>,
+    timeline: Vec<MemorySample>,
+}
+
+/// One rank's ledger of live buffers. Shared (Arc) by everything that allocates.
+#[derive(Default)]
+pub struct MemoryTracker {
+    ledger: Mutex<Ledger>,
+}
+
+/// Proof that `bytes` of `category` are held; dropping it records their release.
+pub struct Receipt {
+    tracker: Arc<MemoryTracker>,
+    category: Category,
+    bytes: u64,
+}
+
+impl Drop for Receipt {
+    fn drop(&mut self) {
+        self.tracker.change(self.category, self.bytes, false);
+    }
+}
+
+impl MemoryTracker {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Records that a buffer of `floats` f32s of `category` now exists.
+    pub fn alloc(self: &Arc<Self>, category: Category, floats: usize) -> Receipt {
+        let bytes = (floats * std::mem::size_of::<f32>()) as u64;
+        self.change(category, bytes, true);
+        Receipt { tracker: self.clone(), category, bytes }
+    }
+
+    fn change(&self, category: Category, bytes: u64, grow: bool) {
+        let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+        let now = field(&mut ledger.current, category);
+        *now = if grow { *now + bytes } else { now.saturating_sub(bytes) };
+        let value = *now;
+        let total = CATEGORIES.iter().map(|&c| *field(&mut ledger.current, c)).sum();
+        ledger.current.total = total;
+        let peak = field(&mut ledger.peak, category);
+        *peak = (*peak).max(value);
+        ledger.peak.total = ledger.peak.total.max(total);
+    }
+
+    /// Samples of the timeline are taken during step `step` (None: stop sampling).
+    pub fn sample_step(&self, step: Option<u64>) {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner()).sampling = step;
+    }
+
+    /// Adds a timeline point after `event` (named lazily: most calls are not sampled).
+    pub fn sample(&self, event: impl FnOnce() -> String) {
+        let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(step) = ledger.sampling {
+            let bytes = ledger.current.clone();
+            ledger.timeline.push(MemorySample { t_us: now_us(), step, event: event(), bytes });
+        }
+    }
+
+    /// Bytes held now, by category.
+    pub fn current(&self) -> RankMemory {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner()).current.clone()
+    }
+
+    pub fn report(&self, rank: usize) -> RankMemoryReport {
+        let ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+        RankMemoryReport {
+            rank: rank as u32,
+            peak: ledger.peak.clone(),
+            current: ledger.current.clone(),
+            timeline: ledger.timeline.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn receipts_count_up_and_down_and_peaks_stay() {
+        let tracker = MemoryTracker::new();
+        let params = tracker.alloc(Category::Parameters, 100);
+        tracker.sample_step(Some(0));
+        {
+            let _gathered = tracker.alloc(Category::GatheredParameters, 50);
+            tracker.sample(|| "gather".into());
+            assert_eq!(tracker.current().total, 600);
+        }
+        tracker.sample(|| "free".into());
+        let report = tracker.report(3);
+        assert_eq!(report.current.total, 400);
+        assert_eq!(report.current.gathered_parameters, 0);
+        assert_eq!(report.peak.gathered_parameters, 200);
+        assert_eq!(report.peak.total, 600);
+        assert_eq!(report.timeline.iter().map(|s| s.bytes.total).collect::<Vec<_>>(), vec![600, 400]);
+        drop(params);
+        assert_eq!(tracker.current().total, 0);
+    }
+}

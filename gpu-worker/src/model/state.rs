@@ -1,0 +1,120 @@
+//! Where the model's parameters and gradients live while it runs.
+//!
+//! The model (`gpt.rs`) is only the math: it asks a `ModelState` for one unit's
+//! parameters (and, in backward, its gradient buffer) just before it needs them and says
+//! when it is done with them. A unit is what sharding cuts as one piece: the embeddings,
+//! one transformer block, or the head (final LayerNorm + LM head).
+//!
+//! * `FlatState` keeps everything, whole, in two flat buffers (one rank; DDP; ZeRO-1).
+//! * `parallel::zero::ShardedState` keeps only this rank's shard of every unit and
+//!   gathers or reduce-scatters a unit at the moment it is opened or closed (ZeRO-2, FSDP).
+
+use std::ops::Range;
+
+use crate::backend::Backend;
+use crate::comm::CommError;
+use crate::model::ParamLayout;
+
+/// One unit of the parameter buffer, in buffer order: `Embeddings`, `Block(0..L)`, `Head`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Embeddings,
+    Block(usize),
+    Head,
+}
+
+impl Unit {
+    /// Position in buffer order (embeddings 0, block l at 1 + l, head last).
+    pub fn index(self, layers: usize) -> usize {
+        match self {
+            Unit::Embeddings => 0,
+            Unit::Block(l) => 1 + l,
+            Unit::Head => layers + 1,
+        }
+    }
+
+    /// Position in the order backward finishes units (head 0, last block 1, ..., embeddings
+    /// L + 1): the readiness units of `ParamLayout::backward_units`.
+    pub fn backward_index(self, layers: usize) -> usize {
+        layers + 1 - self.index(layers)
+    }
+
+    /// Every unit in buffer order.
+    pub fn all(layers: usize) -> impl Iterator<Item = Unit> {
+        std::iter::once(Unit::Embeddings).chain((0..layers).map(Unit::Block)).chain(std::iter::once(Unit::Head))
+    }
+
+    /// Its range in the flat parameter buffer.
+    pub fn range(self, layout: &ParamLayout) -> Range<usize> {
+        match self {
+            Unit::Embeddings => layout.wte.start..layout.wpe.end,
+            Unit::Block(l) => layout.blocks[l].ln1_g.start..layout.blocks[l].fc_proj_b.end,
+            Unit::Head => layout.lnf_g.start..layout.lm_head.end,
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Unit::Embeddings => "embeddings".into(),
+            Unit::Block(l) => format!("block {l}"),
+            Unit::Head => "head".into(),
+        }
+    }
+}
+
+/// What the model needs of a unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    /// Backward; `params` is false where the unit's gradient needs no parameters (the
+    /// embeddings).
+    Backward {
+        params: bool,
+    },
+}
+
+/// A unit opened for the model: buffers holding it, and where the unit starts in each (a
+/// tensor at global range `r` is at `r - at` in the buffer).
+pub struct OpenUnit<'a, Buf> {
+    pub params: Option<(&'a Buf, usize)>,
+    /// Backward only; the model ADDS into it.
+    pub grads: Option<(&'a mut Buf, usize)>,
+}
+
+pub trait ModelState<B: Backend> {
+    /// Makes `unit` available for `pass` (gathering it first if it is sharded).
+    fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError>;
+    /// The model is done with `unit` for `pass`; after backward its gradients for this
+    /// micro-batch are final (data parallelism starts reducing them here).
+    fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError>;
+}
+
+/// Every parameter and gradient, whole, in two flat buffers laid out by `ParamLayout`.
+pub struct FlatState<B: Backend> {
+    pub params: B::Buf,
+    pub grads: B::Buf,
+}
+
+impl<B: Backend> FlatState<B> {
+    /// Parameters initialised from `seed`; gradients zero.
+    pub fn new(be: &B, layout: &ParamLayout, seed: u64) -> Self {
+        let mut params = be.alloc(layout.total);
+        be.upload(&mut params, &layout.init_params::<B::Float>(seed));
+        FlatState { params, grads: be.alloc(layout.total) }
+    }
+
+    pub fn zero_grads(&mut self, be: &B) {
+        be.fill(be.all_mut(&mut self.grads), 0.0);
+    }
+}
+
+impl<B: Backend> ModelState<B> for FlatState<B> {
+    fn open(&mut self, _be: &B, _unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
+        let grads = matches!(pass, Pass::Backward { .. }).then_some((&mut self.grads, 0));
+        Ok(OpenUnit { params: Some((&self.params, 0)), grads })
+    }
+
+    fn close(&mut self, _be: &B, _unit: Unit, _pass: Pass) -> Result<(), CommError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,264 @@
+//! ZeRO-2 and FSDP (ZeRO-3): each rank keeps only its shard (`shard.rs`) of the gradients
+//! and the optimizer state, and with FSDP of the parameters too.
+//!
+//! ZeRO-2, per micro-batch: backward writes one unit's gradient into a unit-sized buffer;
+//! when the unit is done it is reduce-scattered across the group, this rank adds its
+//! chunk of the sum into its gradient shard, and the buffer is freed. The full gradient
+//! never exists on a rank. After the last micro-batch each rank updates its shard of the
+//! parameters (its optimizer state covers only that shard) and the ranks all-gather the
+//! parameters unit by unit, so that every rank again holds all of them.
+//!
+//! FSDP goes one step further: a rank keeps only its shard of the parameters as well.
+//! Just before a unit's forward (and again before its backward) the ranks all-gather the
+//! unit's parameters into a temporary buffer, use them, and free it. Gradients are handled
+//! as in ZeRO-2. Memory: shard + one gathered unit, instead of the whole model; price: the
+//! gathers, 1.5x DDP's communication volume. (No prefetch: each gather waits.)
+//!
+//! Both run their collectives on the training thread, so the gathers and reduce-scatters
+//! appear on the timeline between the compute spans.
+
+use std::sync::Arc;
+
+use distlab_common::trace::Span;
+use distlab_common::{ExperimentSpec, Sharding};
+
+use super::ddp::{comm_span, sum_scalar};
+use super::shard::ShardLayout;
+use super::{Cpu, DpGroup, Strategy};
+use crate::backend::Backend;
+use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Unit};
+use crate::optim::{Indexing, Optimizer};
+use crate::trace::now_us;
+
+/// A buffer that exists only for a while, with its entry in the memory ledger.
+struct Temporary {
+    data: Vec<f32>,
+    _receipt: Receipt,
+}
+
+pub struct Sharded {
+    /// FSDP (parameters sharded) rather than ZeRO-2 (parameters whole).
+    fsdp: bool,
+    shard: ShardLayout,
+    /// ZeRO-2: every parameter, flat. FSDP: this rank's shard.
+    params: Vec<f32>,
+    grad_shard: Vec<f32>,
+    /// FSDP: the open unit's full parameters.
+    gathered: Option<Temporary>,
+    /// The open unit's gradient, before it is reduce-scattered.
+    unit_grads: Option<Temporary>,
+    optimizer: Optimizer<Cpu>,
+    comm: Box<dyn Communicator>,
+    memory: Arc<MemoryTracker>,
+    step: u64,
+    record: bool,
+    spans: Vec<Span>,
+    _receipts: [Receipt; 2],
+}
+
+impl Sharded {
+    pub fn new(
+        spec: &ExperimentSpec,
+        be: &Cpu,
+        layout: &ParamLayout,
+        memory: &Arc<MemoryTracker>,
+        dp: Option<DpGroup>,
+    ) -> Result<Self, CommError> {
+        let fsdp = spec.parallel.sharding == Sharding::Fsdp;
+        // One rank alone is a group of one: it owns every shard.
+        let DpGroup { rank, world, scalars: comm, .. } = match dp {
+            Some(g) => g,
+            None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone) },
+        };
+        let shard = ShardLayout::new(layout, rank, world);
+        let all = layout.init_params::<f32>(spec.train.seed);
+        let params: Vec<f32> =
+            if fsdp { shard.units.iter().flat_map(|u| all[u.global_mine()].iter().copied()).collect() } else { all };
+        let receipts = [memory.alloc(Category::Parameters, params.len()), memory.alloc(Category::Gradients, shard.len)];
+        let optimizer = Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, memory);
+        Ok(Sharded {
+            fsdp,
+            grad_shard: vec![0.0; shard.len],
+            shard,
+            params,
+            gathered: None,
+            unit_grads: None,
+            optimizer,
+            comm,
+            memory: memory.clone(),
+            step: 0,
+            record: false,
+            spans: Vec::new(),
+            _receipts: receipts,
+        })
+    }
+
+    fn temporary(&self, category: Category, len: usize) -> Temporary {
+        Temporary { data: vec![0.0; len], _receipt: self.memory.alloc(category, len) }
+    }
+
+    /// FSDP: all-gathers `unit`'s parameters into a new buffer.
+    fn gather(&mut self, unit: Unit) -> Result<(), CommError> {
+        let start = now_us();
+        let u = self.shard.unit(unit).clone();
+        let mut full = self.temporary(Category::GatheredParameters, u.global.len());
+        full.data[u.mine.clone()].copy_from_slice(&self.params[u.local()]);
+        self.comm.all_gather_in_place(&mut full.data)?;
+        self.gathered = Some(full);
+        if self.record {
+            let bytes = (u.global.len() * 4) as u64;
+            self.spans.push(comm_span(&format!("all_gather {}", unit.name()), self.step, start, bytes));
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters the open unit's gradient and adds this rank's chunk to its shard.
+    fn reduce_scatter(&mut self, unit: Unit) -> Result<(), CommError> {
+        let Some(mut grads) = self.unit_grads.take() else { return Ok(()) };
+        let start = now_us();
+        let u = self.shard.unit(unit);
+        self.comm.reduce_scatter_in_place(&mut grads.data, ReduceOp::Sum)?;
+        for (acc, g) in self.grad_shard[u.local()].iter_mut().zip(&grads.data[u.mine.clone()]) {
+            *acc += *g;
+        }
+        if self.record {
+            let bytes = (u.global.len() * 4) as u64;
+            self.spans.push(comm_span(&format!("reduce_scatter {}", unit.name()), self.step, start, bytes));
+        }
+        Ok(())
+    }
+}
+
+impl ModelState<Cpu> for Sharded {
+    fn open(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<f32>>, CommError> {
+        let want_params = matches!(pass, Pass::Forward | Pass::Backward { params: true });
+        let backward = matches!(pass, Pass::Backward { .. });
+        let global = self.shard.unit(unit).global.clone();
+        if self.fsdp && want_params {
+            self.gather(unit)?;
+        }
+        if backward {
+            self.unit_grads = Some(self.temporary(Category::CommBuffers, global.len()));
+        }
+        let params = match (want_params, &self.gathered) {
+            (false, _) => None,
+            (true, Some(full)) if self.fsdp => Some((&full.data, global.start)),
+            (true, _) => Some((&self.params, 0)),
+        };
+        let grads = self.unit_grads.as_mut().map(|g| (&mut g.data, global.start));
+        Ok(OpenUnit { params, grads })
+    }
+
+    fn close(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
+        self.gathered = None;
+        if let Pass::Backward { .. } = pass {
+            self.reduce_scatter(unit)?;
+        }
+        Ok(())
+    }
+}
+
+impl Strategy for Sharded {
+    fn begin_step(&mut self, _be: &Cpu, step: u64, record: bool) {
+        self.grad_shard.fill(0.0);
+        self.step = step;
+        self.record = record;
+    }
+
+    fn state(&mut self, _last: bool) -> &mut dyn ModelState<Cpu> {
+        self
+    }
+
+    fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError> {
+        // Every element is in exactly one rank's shard: the squares add up over the group.
+        let mine = be.sum_squares(be.all(&self.grad_shard));
+        Ok(sum_scalar(self.comm.as_mut(), mine)?.max(0.0).sqrt())
+    }
+
+    fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+        let indexing = if self.fsdp { Indexing::Local } else { Indexing::Global };
+        self.optimizer.step(be, (&mut self.params, indexing), (&self.grad_shard, Indexing::Local), lr, grad_scale);
+        if !self.fsdp {
+            let start = now_us();
+            for u in &self.shard.units {
+                self.comm.all_gather_in_place(&mut self.params[u.global.clone()])?;
+            }
+            if self.record {
+                self.spans.push(comm_span(
+                    "all_gather parameters (ZeRO-2)",
+                    self.step,
+                    start,
+                    (self.params.len() * 4) as u64,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
+        sum_scalar(self.comm.as_mut(), value)
+    }
+
+    fn comm_spans(&self) -> Vec<Span> {
+        self.spans.clone()
+    }
+
+    fn held_bytes(&self, be: &Cpu) -> u64 {
+        let temporaries =
+            [&self.gathered, &self.unit_grads].iter().flat_map(|t| t.as_ref()).map(|t| t.data.len()).sum::<usize>();
+        ((self.params.len() + self.grad_shard.len() + temporaries) * 4) as u64 + self.optimizer.held_bytes(be)
+    }
+}
+
+/// The group of one rank: every collective leaves the buffer as it is.
+struct Alone;
+
+impl Communicator for Alone {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn all_reduce(&mut self, _buf: &mut [f32], _op: ReduceOp) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn reduce_scatter(&mut self, input: &mut [f32], output: &mut [f32], _op: ReduceOp) -> Result<(), CommError> {
+        output.copy_from_slice(input);
+        Ok(())
+    }
+    fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        output.copy_from_slice(input);
+        Ok(())
+    }
+    fn reduce_scatter_in_place(&mut self, _buf: &mut [f32], _op: ReduceOp) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn all_gather_in_place(&mut self, _buf: &mut [f32]) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn broadcast(&mut self, _buf: &mut [f32], _root: usize) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn send(&mut self, _buf: &[f32], _to: usize) -> Result<(), CommError> {
+        Err(CommError::BadBuffer { collective: "send".into(), detail: "a group of one rank has no peer".into() })
+    }
+    fn recv(&mut self, _buf: &mut [f32], _from: usize) -> Result<(), CommError> {
+        Err(CommError::BadBuffer { collective: "recv".into(), detail: "a group of one rank has no peer".into() })
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn bytes_sent(&self) -> u64 {
+        0
+    }
+    fn alloc_shared(&mut self, len: usize) -> Result<crate::comm::SharedBuffer, CommError> {
+        crate::comm::SharedBuffer::create(len).map(|(b, _)| b).map_err(|cause| CommError::Disconnected {
+            collective: "alloc_shared".into(),
+            peer: 0,
+            cause,
+        })
+    }
+}
