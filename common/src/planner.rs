@@ -451,6 +451,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 
         let comm = stage_comm(StageCommInput {
             params_per_rank,
+            embedding: if first { embedding } else { 0 },
             layers,
             first,
             last,
@@ -524,6 +525,8 @@ fn ceil_sqrt(n: u64) -> u64 {
 
 struct StageCommInput {
     params_per_rank: u64,
+    /// Embedding parameters on this stage (the first), which backward gathers no more.
+    embedding: u64,
     layers: u64,
     first: bool,
     last: bool,
@@ -544,20 +547,23 @@ struct StageCommInput {
 ///
 /// - none (DDP): one gradient all-reduce per step (accumulation runs without sync):
 ///   2(W-1)/W * N * grad bytes;
-/// - zero1: full gradients are kept, so one reduce-scatter of them, and one all-gather
-///   of the updated parameters: (W-1)/W * N each;
+/// - zero1: DDP's gradient all-reduce (2(W-1)/W * N; every rank keeps the full gradient),
+///   then each rank updates its shard and the ranks all-gather the parameters:
+///   (W-1)/W * N;
 /// - zero2: only a gradient shard is kept, so every micro-batch's gradients are
 ///   reduce-scattered as they are made: n * (W-1)/W * N, plus the parameter all-gather;
 /// - fsdp: every micro-batch gathers the parameters before forward and again before
-///   backward and reduce-scatters the gradients: n * 3 * (W-1)/W * N; nothing after the
-///   update (parameters stay sharded);
+///   backward (except the embeddings, whose gradient needs no parameters) and
+///   reduce-scatters the gradients: n * (W-1)/W * (3N - E); nothing after the update
+///   (parameters stay sharded);
 /// - TP: per block and micro-batch, 2 all-reduces of A forward (after the attention and
 ///   MLP row-parallel layers) and 2 backward (the gradients of their inputs), plus 2 more
 ///   when checkpointing recomputes the forward: 2(T-1)/T * A each;
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
 ///   back to the previous one (all but the first).
 ///
-/// Not counted: the engine's one-float all-reduce of the step's loss.
+/// Not counted: the engine's one-float all-reduces of the step's loss (and, when sharded,
+/// of the squared gradient norm).
 fn stage_comm(c: StageCommInput) -> CommVolume {
     let (g, w) = (c.per_param.gradients, c.per_param.parameters);
     let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
@@ -566,7 +572,7 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
     match c.sharding {
         Sharding::None => v.dp_all_reduce = ring_all_reduce_bytes(c.params_per_rank, c.dp, g),
         Sharding::Zero1 => {
-            v.dp_reduce_scatter = grads_rs;
+            v.dp_all_reduce = ring_all_reduce_bytes(c.params_per_rank, c.dp, g);
             v.dp_all_gather = params_ag;
         }
         Sharding::Zero2 => {
@@ -575,7 +581,8 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
         }
         Sharding::Fsdp => {
             v.dp_reduce_scatter = c.micro_steps.saturating_mul(grads_rs);
-            v.dp_all_gather = c.micro_steps.saturating_mul(2).saturating_mul(params_ag);
+            let backward_ag = ring_reduce_scatter_bytes(c.params_per_rank - c.embedding, c.dp, w);
+            v.dp_all_gather = c.micro_steps.saturating_mul(params_ag.saturating_add(backward_ag));
         }
     }
     let tp_per_block = if c.recomputing { 6 } else { 4 };
@@ -758,9 +765,11 @@ mod tests {
 
     #[test]
     fn comm_per_sharding_relative_to_ddp() {
-        // DDP 2D; ZeRO-1/2 reduce-scatter + all-gather = 2D as well (the ZeRO paper; the
+        // DDP 2D. ZeRO-2: reduce-scatter + all-gather = 2D as well (the ZeRO paper; the
         // flashcards' "ZeRO-2 sends half of DDP" forgets the all-gather of the updated
-        // parameters); FSDP 3D (two gathers and a reduce-scatter): 1.5x DDP.
+        // parameters). ZeRO-1 as the engine runs it (and as this project's issue defines it)
+        // keeps DDP's all-reduce and adds the all-gather: 3D. FSDP: two gathers and a
+        // reduce-scatter, 3D, less the embeddings' backward gather (no parameters needed).
         let spec_with = |sharding| {
             let mut spec = with_model(ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 });
             spec.parallel.dp = 4;
@@ -769,16 +778,19 @@ mod tests {
         };
         let total = |sharding| plan(&spec_with(sharding)).unwrap().stages[0].comm.clone();
         let ddp = total(Sharding::None);
-        let params = spec_with(Sharding::None).model.param_count();
+        let m = spec_with(Sharding::None).model;
+        let params = m.param_count();
         assert_eq!(ddp.dp_all_reduce, ring_all_reduce_bytes(params, 4, 4));
         assert_eq!(ddp.total, ddp.dp_all_reduce);
         let z1 = total(Sharding::Zero1);
         let z2 = total(Sharding::Zero2);
         let fsdp = total(Sharding::Fsdp);
-        assert_eq!(z1.dp_reduce_scatter + z1.dp_all_gather, ddp.total);
-        assert_eq!(z2, z1);
-        assert_eq!(2 * fsdp.total, 3 * ddp.total);
-        assert_eq!(fsdp.dp_all_gather, 2 * fsdp.dp_reduce_scatter);
+        assert_eq!(z2.dp_reduce_scatter + z2.dp_all_gather, ddp.total);
+        assert_eq!((z1.dp_all_reduce, z1.dp_all_gather), (ddp.dp_all_reduce, z2.dp_all_gather));
+        let embedding = ((m.vocab + m.seq_len) * m.d_model) as u64;
+        let backward_gathers = ring_reduce_scatter_bytes(params - embedding, 4, 4);
+        assert_eq!(fsdp.dp_all_gather, fsdp.dp_reduce_scatter + backward_gathers);
+        assert_eq!(fsdp.total, 2 * fsdp.dp_reduce_scatter + backward_gathers);
     }
 
     #[test]

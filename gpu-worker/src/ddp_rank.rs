@@ -47,8 +47,9 @@ pub fn run(
     let members: Vec<usize> = (0..world).collect();
     let tracer = Arc::new(CommTracer::new(rank, DETAILED_COLLECTIVES));
     let grads = RingCommunicator::new(&mesh, "dp", members.clone(), collective_timeout, Some(tracer.clone()))?;
-    // ZeRO-2 and FSDP run their collectives on the training thread, on this one: trace it.
-    let scalars_tracer = matches!(spec.parallel.sharding, Sharding::Zero2 | Sharding::Fsdp).then(|| tracer.clone());
+    // ZeRO and FSDP run their parameter collectives on the training thread, on this one:
+    // trace it too.
+    let scalars_tracer = (spec.parallel.sharding != Sharding::None).then(|| tracer.clone());
     let scalars = RingCommunicator::new(&mesh, "dp-main", members, collective_timeout, scalars_tracer)?;
     let dp = DpGroup { rank, world, grads: Box::new(grads), scalars: Box::new(scalars) };
 

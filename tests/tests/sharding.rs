@@ -66,3 +66,30 @@ fn every_rank_measures_the_memory_the_planner_predicts() {
         }
     }
 }
+
+/// Bytes sent per step by each kind of collective, from rank 0's trace counters, next to
+/// the planner's CommVolume. Gathers and reduce-scatters are exact; all-reduces may carry a
+/// few bytes more: the one-float all-reduces of the loss and the gradient norm.
+#[test]
+fn bytes_sent_per_step_match_the_planner() {
+    for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
+        let mut s = spec(sharding.as_str(), 2, sharding);
+        s.train.steps = 3;
+        s.train.warmup_steps = 1;
+        let predicted = plan(&s).unwrap().stages[0].comm.clone();
+        let (_, trace) = run_with_trace(&s);
+        let sent = |op: trace::CollectiveOp| -> u64 {
+            let counters = &trace.ranks[0].comm.counters;
+            counters.iter().filter(|c| c.op == op).map(|c| c.bytes_sent).sum::<u64>() / s.train.steps
+        };
+        let what = format!("{sharding:?}");
+        assert_eq!(sent(trace::CollectiveOp::AllGather), predicted.dp_all_gather, "{what} all_gather");
+        assert_eq!(sent(trace::CollectiveOp::ReduceScatter), predicted.dp_reduce_scatter, "{what} reduce_scatter");
+        let all_reduce = sent(trace::CollectiveOp::AllReduce);
+        assert!(
+            (predicted.dp_all_reduce..=predicted.dp_all_reduce + 16).contains(&all_reduce),
+            "{what} all_reduce: {all_reduce} vs {}",
+            predicted.dp_all_reduce
+        );
+    }
+}
