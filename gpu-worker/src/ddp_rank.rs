@@ -1,5 +1,6 @@
-//! One rank of a data-parallel training run (`distlab-worker rank ... train`): joins the
-//! ring, trains its slice of every global batch, reports to the launcher.
+//! One rank of a multi-process training run (`distlab-worker rank ... train`): finds its
+//! place in the dp x tp x pp mesh, joins its data-parallel and pipeline groups, trains its
+//! part, reports to the launcher.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -8,9 +9,11 @@ use std::time::Duration;
 use distlab_common::trace::RankTrace;
 use distlab_common::*;
 use distlab_worker::comm::RingCommunicator;
+use distlab_worker::parallel::mesh::Topology;
+use distlab_worker::parallel::pipeline::PipelineGroup;
 use distlab_worker::parallel::DpGroup;
 use distlab_worker::trace::CommTracer;
-use distlab_worker::train::{train_rank, TrainOptions, SPAN_STEPS};
+use distlab_worker::train::{train_rank, Groups, TrainOptions, SPAN_STEPS};
 
 use crate::demo::RankOutput;
 use crate::rank::{connect, LauncherChannel};
@@ -44,14 +47,31 @@ pub fn run(
     collective_timeout: Duration,
 ) -> anyhow::Result<()> {
     let mesh = connect(dir, rank, world)?;
-    let members: Vec<usize> = (0..world).collect();
+    let p = &spec.parallel;
+    let topology = Topology::new(p.dp, p.tp, p.pp);
+    let coords = topology.coords(rank);
     let tracer = Arc::new(CommTracer::new(rank, DETAILED_COLLECTIVES));
-    let grads = RingCommunicator::new(&mesh, "dp", members.clone(), collective_timeout, Some(tracer.clone()))?;
-    // ZeRO and FSDP run their parameter collectives on the training thread, on this one:
-    // trace it too.
-    let scalars_tracer = (spec.parallel.sharding != Sharding::None).then(|| tracer.clone());
-    let scalars = RingCommunicator::new(&mesh, "dp-main", members, collective_timeout, scalars_tracer)?;
-    let dp = DpGroup { rank, world, grads: Box::new(grads), scalars: Box::new(scalars) };
+    let ring = |name: &str, members: Vec<usize>, traced: bool| {
+        RingCommunicator::new(&mesh, name, members, collective_timeout, traced.then(|| tracer.clone()))
+    };
+    let dp = if p.dp > 1 {
+        let members = topology.dp_group(rank);
+        let grads = ring("dp", members.clone(), true)?;
+        // ZeRO and FSDP run their parameter collectives on the training thread, on this
+        // one: trace it too.
+        let scalars = ring("dp-main", members, p.sharding != Sharding::None)?;
+        Some(DpGroup { rank: coords.dp, world: p.dp, grads: Box::new(grads), scalars: Box::new(scalars) })
+    } else {
+        None
+    };
+    let pp = if p.pp > 1 {
+        let members = topology.pp_group(rank);
+        let send = ring("pp-send", members.clone(), false)?;
+        let recv = ring("pp", members, false)?;
+        Some(PipelineGroup { stage: coords.stage, stages: p.pp, send: Box::new(send), recv: Box::new(recv) })
+    } else {
+        None
+    };
 
     let channel = LauncherChannel;
     let fault = fault_from_env().filter(|f| f.rank == rank);
@@ -66,7 +86,7 @@ pub fn run(
             channel.output(&RankOutput::Event(event));
         }
     };
-    let run = train_rank(spec, &TrainOptions { threads }, Some(dp), &mut on_event, &AtomicBool::new(false))?;
+    let run = train_rank(spec, &TrainOptions { threads }, Groups { dp, pp }, &mut on_event, &AtomicBool::new(false))?;
     let trace = RankTrace {
         rank: rank as u32,
         world: world as u32,

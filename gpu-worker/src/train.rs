@@ -26,8 +26,11 @@ use crate::backend::{Backend, CpuBackend};
 use crate::comm::CommError;
 use crate::data::{Data, DataError};
 use crate::memory::MemoryTracker;
-use crate::model::{Gpt, ModelState, OpenUnit, Pass, Unit};
+use crate::memory::{Category, Receipt};
+use crate::model::{Gpt, ModelState, OpenUnit, Pass, StageInput, Unit};
 use crate::optim::{clip_scale, lr_at};
+use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
+use crate::parallel::schedule::{self, Action};
 use crate::parallel::{self, Cpu, DpGroup, Strategy};
 use crate::trace::now_us;
 
@@ -77,9 +80,6 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
     if p.tp > 1 {
         out.push(format!("parallel.tp={}: tensor parallelism is not yet supported by this worker; use tp=1", p.tp));
-    }
-    if p.pp > 1 {
-        out.push(format!("parallel.pp={}: pipeline parallelism is not yet supported by this worker; use pp=1", p.pp));
     }
     if t.precision != Precision::Fp32 {
         out.push(format!(
@@ -159,6 +159,10 @@ pub struct Trainer {
     targets: Vec<u32>,
     /// This rank's place in data parallelism: (rank, world).
     dp: (usize, usize),
+    /// Pipeline parallelism: the links to the neighbouring stages (None: one stage).
+    links: Option<PipelineLinks>,
+    /// Where a stage receives its input activation and its output's gradient.
+    received: Received,
     memory: Arc<MemoryTracker>,
     /// Timeline spans of the first `SPAN_STEPS` steps (compute lane; comm spans come
     /// from the strategy).
@@ -180,12 +184,26 @@ impl Trainer {
 
     /// A trainer for one rank of a data-parallel group (`dp`), or the whole run (None).
     pub fn with_data_parallel(spec: &ExperimentSpec, threads: usize, dp: Option<DpGroup>) -> Result<Self, TrainError> {
+        Self::with_groups(spec, threads, Groups { dp, pp: None })
+    }
+
+    /// A trainer for one rank: its data-parallel group and its pipeline group.
+    pub fn with_groups(spec: &ExperimentSpec, threads: usize, groups: Groups) -> Result<Self, TrainError> {
         let backend = CpuBackend::<f32>::new(threads);
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
-        let model = Gpt::new(&backend, &spec.model, spec.train.micro_batch, &memory);
-        let place = dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
-        let strategy = parallel::build(spec, &backend, &model.layout, &memory, dp)?;
+        let t = &spec.train;
+        let (stage_index, stages) = groups.pp.as_ref().map_or((0, 1), |g| (g.stage, g.stages));
+        let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
+        let micro_steps = t.micro_batches * t.grad_accum;
+        let slots = schedule::activations_in_flight(spec.parallel.pp_schedule, stages, stage_index, micro_steps);
+        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), slots, &memory);
+        let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
+        let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp)?;
+        let activation = t.micro_batch * spec.model.seq_len * spec.model.d_model;
+        let received =
+            Received::new(&memory, if stage.first { 0 } else { activation }, if stage.last { 0 } else { activation });
+        let links = groups.pp.map(|g| PipelineLinks::new(g, &memory));
         let tokens = spec.train.micro_batch * spec.model.seq_len;
         Ok(Self {
             spec: spec.clone(),
@@ -196,6 +214,8 @@ impl Trainer {
             inputs: vec![0; tokens],
             targets: vec![0; tokens],
             dp: place,
+            links,
+            received,
             memory,
             spans: Vec::new(),
         })
@@ -216,11 +236,13 @@ impl Trainer {
 
     /// Bytes of every buffer the trainer holds, counted from the buffers themselves.
     pub fn held_bytes(&self) -> u64 {
-        self.model.held_bytes(&self.backend) + self.strategy.held_bytes(&self.backend)
+        let received = (self.received.activation.len() + self.received.grad.len()) * 4;
+        self.model.held_bytes(&self.backend) + self.strategy.held_bytes(&self.backend) + received as u64
     }
 
     /// Optimizer step `step` (0-based): forward + backward over every micro-batch of this
-    /// rank's slice of the global batch, the gradient sum across data-parallel ranks, then
+    /// rank's slice of the global batch, in the order of the pipeline schedule (one stage:
+    /// forward, backward, forward, ...), the gradient sum across data-parallel ranks, then
     /// the update (the same on every rank).
     pub fn step(&mut self, step: u64) -> Result<StepStats, TrainError> {
         let be = &self.backend;
@@ -234,40 +256,98 @@ impl Trainer {
         let dloss = 1.0 / step_tokens as f64;
         let record = step < SPAN_STEPS;
         self.memory.sample_step(record.then_some(step));
+        let (stage, stages) = self.links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
+        let (first, last) = (self.model.stage.first, self.model.stage.last);
+        let actions = schedule::schedule(self.spec.parallel.pp_schedule, stages, stage, micro_steps);
+        let slots = schedule::activations_in_flight(self.spec.parallel.pp_schedule, stages, stage, micro_steps);
+        let last_backward = actions.iter().rposition(|a| matches!(a, Action::Backward { .. }));
 
         self.strategy.begin_step(be, step, record);
         let mut loss_sum = 0.0;
-        for micro in 0..micro_steps {
+        for (index, action) in actions.iter().enumerate() {
+            let (Action::Forward { micro } | Action::Backward { micro }) = *action;
+            let slot = schedule::slot(micro, slots);
             let first_sequence = dp_rank * per_rank + micro * t.micro_batch;
             self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
-            let last = micro + 1 == micro_steps;
+            // What this action needs from a neighbour (the wait is the pipeline's bubble).
+            let wait_start = now_us();
+            match (*action, &mut self.links) {
+                (Action::Forward { .. }, Some(links)) if !first => {
+                    links.recv(&mut self.received.activation, stage - 1)?;
+                }
+                (Action::Backward { .. }, Some(links)) if !last => links.recv(&mut self.received.grad, stage + 1)?,
+                _ => {}
+            }
+            let start = now_us();
+            if record && stages > 1 && start - wait_start > 0 {
+                let name = format!(
+                    "wait for stage {}",
+                    if matches!(action, Action::Forward { .. }) { stage as i64 - 1 } else { stage as i64 + 1 }
+                );
+                self.spans.push(span(SpanKind::Idle, name, step, "compute", wait_start, start, None));
+            }
             let mut state = Observed {
-                inner: self.strategy.state(last),
+                inner: self.strategy.state(Some(index) == last_backward),
                 memory: &self.memory,
                 spans: &mut self.spans,
-                record,
+                record: record && stages == 1,
                 step,
-                mark: now_us(),
+                mark: start,
             };
-            let forward_start = now_us();
-            loss_sum += self.model.forward(be, &mut state, &self.inputs, &self.targets)?;
-            let now = now_us();
-            if record {
-                state.spans.push(span(
-                    SpanKind::Forward,
-                    format!("forward {micro}"),
-                    step,
-                    "compute",
-                    forward_start,
-                    now,
-                    None,
-                ));
+            match *action {
+                Action::Forward { micro } => {
+                    let input = if first {
+                        StageInput::Tokens(&self.inputs)
+                    } else {
+                        StageInput::Activation(&self.received.activation)
+                    };
+                    loss_sum += self.model.forward_stage(be, &mut state, slot, input, &self.targets)?;
+                    if record {
+                        let end = now_us();
+                        state.spans.push(span(
+                            SpanKind::Forward,
+                            format!("forward {micro}"),
+                            step,
+                            "compute",
+                            start,
+                            end,
+                            None,
+                        ));
+                    }
+                    if let (Some(links), false) = (&mut self.links, last) {
+                        links.send(self.model.output(slot), stage + 1);
+                    }
+                }
+                Action::Backward { micro } => {
+                    let grad = (!last).then_some(&self.received.grad[..]);
+                    self.model.backward_stage(be, &mut state, slot, &self.inputs, &self.targets, grad, dloss)?;
+                    if record && stages > 1 {
+                        let end = now_us();
+                        state.spans.push(span(
+                            SpanKind::Backward,
+                            format!("backward {micro}"),
+                            step,
+                            "compute",
+                            start,
+                            end,
+                            None,
+                        ));
+                    }
+                    if let (Some(links), false) = (&mut self.links, first) {
+                        links.send(self.model.input_grad(), stage - 1);
+                    }
+                }
             }
-            state.mark = now;
-            self.model.backward(be, &mut state, &self.inputs, &self.targets, dloss)?;
         }
         let wait_start = now_us();
-        let grad_norm = self.strategy.reduce_gradients(be)?;
+        let mut grad_norm_squared = self.strategy.reduce_gradients(be)?;
+        if let Some(links) = &mut self.links {
+            // Each stage holds its part of the gradient, and the loss is on the last one.
+            links.flush()?;
+            grad_norm_squared = links.sum_scalar(grad_norm_squared)?;
+            loss_sum = links.sum_scalar(loss_sum)?;
+        }
+        let grad_norm = grad_norm_squared.max(0.0).sqrt();
         if dp_world > 1 {
             if record {
                 self.spans.push(span(
@@ -311,6 +391,29 @@ impl Trainer {
         spans.extend(self.strategy.comm_spans());
         spans.sort_by_key(|s| s.start_us);
         spans
+    }
+}
+
+/// The groups of ranks one rank belongs to (None: it is alone in that dimension).
+#[derive(Default)]
+pub struct Groups {
+    pub dp: Option<DpGroup>,
+    pub pp: Option<PipelineGroup>,
+}
+
+/// Buffers a pipeline stage receives into: its input activation (all but the first stage)
+/// and its output's gradient (all but the last).
+struct Received {
+    activation: Vec<f32>,
+    grad: Vec<f32>,
+    _receipts: Vec<Receipt>,
+}
+
+impl Received {
+    fn new(memory: &Arc<MemoryTracker>, activation: usize, grad: usize) -> Self {
+        let receipts =
+            [activation, grad].iter().filter(|&&n| n > 0).map(|&n| memory.alloc(Category::CommBuffers, n)).collect();
+        Received { activation: vec![0.0; activation], grad: vec![0.0; grad], _receipts: receipts }
     }
 }
 
@@ -381,14 +484,15 @@ pub fn train(
     if !unsupported.is_empty() {
         return Err(TrainError::Unsupported(unsupported.join("; ")));
     }
-    if spec.parallel.dp > 1 {
+    if spec.world_size() > 1 {
+        let p = &spec.parallel;
         return Err(TrainError::Unsupported(format!(
-            "parallel.dp={}: data parallelism runs one process per rank; start it through the launcher \
-             (distlab-worker run or a server), not in this process",
-            spec.parallel.dp
+            "parallel.dp={} x pp={}: a run of several ranks runs one process per rank; start it through the \
+             launcher (distlab-worker run or a server), not in this process",
+            p.dp, p.pp
         )));
     }
-    let run = train_rank(spec, opts, None, on_event, cancel)?;
+    let run = train_rank(spec, opts, Groups::default(), on_event, cancel)?;
     on_event(RunEvent::Trace(RankTrace {
         rank: 0,
         world: 1,
@@ -413,12 +517,12 @@ pub struct RankRun {
 pub fn train_rank(
     spec: &ExperimentSpec,
     opts: &TrainOptions,
-    dp: Option<DpGroup>,
+    groups: Groups,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
     let started = Instant::now();
-    let world = dp.as_ref().map_or(1, |d| d.world);
+    let world = spec.world_size();
     let sharding = spec.parallel.sharding;
     spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
     let unsupported = unsupported_features(spec);
@@ -441,7 +545,7 @@ pub fn train_rank(
         .thread_name(|i| format!("distlab-kernel-{i}"))
         .build()
         .map_err(|e| TrainError::Threads { threads, message: e.to_string() })?;
-    let mut trainer = pool.install(|| Trainer::with_data_parallel(spec, threads, dp))?;
+    let mut trainer = pool.install(|| Trainer::with_groups(spec, threads, groups))?;
 
     let m = &spec.model;
     let t = &spec.train;

@@ -168,6 +168,17 @@ impl ParamLayout {
         self.blocks.first().map_or(0, |b| b.fc_proj_b.end - b.ln1_g.start)
     }
 
+    /// `param_groups` cut to `range` and counted from its start (a stage's own buffer).
+    pub fn param_groups_in(&self, range: &Range<usize>) -> Vec<ParamGroup> {
+        self.param_groups()
+            .into_iter()
+            .filter_map(|g| {
+                let (start, end) = (g.range.start.max(range.start), g.range.end.min(range.end));
+                (start < end).then(|| ParamGroup { range: start - range.start..end - range.start, decay: g.decay })
+            })
+            .collect()
+    }
+
     /// Runs of adjacent tensors with the same weight-decay setting, for the optimizer.
     pub fn param_groups(&self) -> Vec<ParamGroup> {
         let mut groups: Vec<ParamGroup> = Vec::new();
@@ -218,15 +229,70 @@ struct BlockActivations<Buf> {
     res_mlp: Buf,
 }
 
+/// What one micro-batch leaves on this stage for its backward.
 struct Activations<Buf> {
+    /// The stage's input: the embedding output on the first stage, what the previous
+    /// stage sent on the others.
     encoded: Buf,
+    /// The stage's blocks, in order.
     blocks: Vec<BlockActivations<Buf>>,
+    /// The last stage only.
+    head: Option<HeadActivations<Buf>>,
+}
+
+struct HeadActivations<Buf> {
     lnf: Buf,
     lnf_mean: Buf,
     lnf_rstd: Buf,
     /// Logits, turned into probabilities by the loss, then into their gradient.
     logits: Buf,
     losses: Buf,
+}
+
+/// The part of the model one pipeline stage runs: a run of blocks, plus the embeddings on
+/// the first stage and the final LayerNorm, LM head and loss on the last.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stage {
+    pub blocks: Range<usize>,
+    pub first: bool,
+    pub last: bool,
+}
+
+impl Stage {
+    /// The whole model (no pipeline parallelism).
+    pub fn whole(layers: usize) -> Stage {
+        Stage { blocks: 0..layers, first: true, last: true }
+    }
+
+    /// The contiguous run of the parameter buffer this stage's units cover.
+    pub fn range(&self, layout: &ParamLayout) -> Range<usize> {
+        let units = self.units();
+        match (units.first(), units.last()) {
+            (Some(first), Some(last)) => first.range(layout).start..last.range(layout).end,
+            _ => 0..0,
+        }
+    }
+
+    /// The units (in buffer order) whose parameters this stage holds.
+    pub fn units(&self) -> Vec<Unit> {
+        let mut units = Vec::new();
+        if self.first {
+            units.push(Unit::Embeddings);
+        }
+        units.extend(self.blocks.clone().map(Unit::Block));
+        if self.last {
+            units.push(Unit::Head);
+        }
+        units
+    }
+}
+
+/// What a stage's forward starts from.
+pub enum StageInput<'a, F> {
+    /// The first stage: token ids.
+    Tokens(&'a [u32]),
+    /// The other stages: the previous stage's output activation.
+    Activation(&'a [F]),
 }
 
 /// Activation gradients, shared by all blocks (backward visits one block at a time).
@@ -241,14 +307,17 @@ struct GradScratch<Buf> {
     dfch: Buf,
 }
 
-/// A GPT on backend `B`: its layout and the activations for `batch` sequences
+/// A GPT (or the stage of it this rank runs) on backend `B`: its layout and the
+/// activations for micro-batches of `batch` sequences, one set per micro-batch in flight
 /// (parameters and gradients live in a [`ModelState`]).
 pub struct Gpt<B: Backend> {
     pub spec: ModelSpec,
     /// Sequences per micro-batch (activations are sized for this).
     pub batch: usize,
     pub layout: ParamLayout,
-    acts: Activations<B::Buf>,
+    pub stage: Stage,
+    /// One set of saved activations per slot (micro-batch in flight).
+    acts: Vec<Activations<B::Buf>>,
     scratch: GradScratch<B::Buf>,
     activation_floats: usize,
     /// The memory ledger's record of every buffer above.
@@ -256,8 +325,21 @@ pub struct Gpt<B: Backend> {
 }
 
 impl<B: Backend> Gpt<B> {
-    /// Allocates the activations once, each buffer registered with `memory`.
+    /// The whole model, activations for one micro-batch at a time.
     pub fn new(be: &B, spec: &ModelSpec, batch: usize, memory: &Arc<MemoryTracker>) -> Self {
+        Self::new_stage(be, spec, batch, Stage::whole(spec.layers), 1, memory)
+    }
+
+    /// `stage` of the model, with activations for `slots` micro-batches in flight; every
+    /// buffer is allocated once and registered with `memory`.
+    pub fn new_stage(
+        be: &B,
+        spec: &ModelSpec,
+        batch: usize,
+        stage: Stage,
+        slots: usize,
+        memory: &Arc<MemoryTracker>,
+    ) -> Self {
         let layout = ParamLayout::new(spec);
         debug_assert_eq!(layout.total as u64, spec.param_count());
         let (t, c, v, h) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads);
@@ -269,32 +351,36 @@ impl<B: Backend> Gpt<B> {
             receipts.push(memory.alloc(category, len));
             be.alloc(len)
         };
-        let blocks = (0..spec.layers)
-            .map(|_| BlockActivations {
-                ln1: alloc(Category::Activations, rows * c),
-                ln1_mean: alloc(Category::Activations, rows),
-                ln1_rstd: alloc(Category::Activations, rows),
-                qkv: alloc(Category::Activations, rows * 3 * c),
-                att: alloc(Category::Activations, batch * h * t * t),
-                atty: alloc(Category::Activations, rows * c),
-                res_attn: alloc(Category::Activations, rows * c),
-                ln2: alloc(Category::Activations, rows * c),
-                ln2_mean: alloc(Category::Activations, rows),
-                ln2_rstd: alloc(Category::Activations, rows),
-                fch: alloc(Category::Activations, rows * 4 * c),
-                fch_gelu: alloc(Category::Activations, rows * 4 * c),
-                res_mlp: alloc(Category::Activations, rows * c),
-            })
-            .collect();
-        let acts = Activations {
+        let one_set = |alloc: &mut dyn FnMut(Category, usize) -> B::Buf| Activations {
             encoded: alloc(Category::Activations, rows * c),
-            blocks,
-            lnf: alloc(Category::Activations, rows * c),
-            lnf_mean: alloc(Category::Activations, rows),
-            lnf_rstd: alloc(Category::Activations, rows),
-            logits: alloc(Category::Activations, rows * v),
-            losses: alloc(Category::Activations, rows),
+            blocks: stage
+                .blocks
+                .clone()
+                .map(|_| BlockActivations {
+                    ln1: alloc(Category::Activations, rows * c),
+                    ln1_mean: alloc(Category::Activations, rows),
+                    ln1_rstd: alloc(Category::Activations, rows),
+                    qkv: alloc(Category::Activations, rows * 3 * c),
+                    att: alloc(Category::Activations, batch * h * t * t),
+                    atty: alloc(Category::Activations, rows * c),
+                    res_attn: alloc(Category::Activations, rows * c),
+                    ln2: alloc(Category::Activations, rows * c),
+                    ln2_mean: alloc(Category::Activations, rows),
+                    ln2_rstd: alloc(Category::Activations, rows),
+                    fch: alloc(Category::Activations, rows * 4 * c),
+                    fch_gelu: alloc(Category::Activations, rows * 4 * c),
+                    res_mlp: alloc(Category::Activations, rows * c),
+                })
+                .collect(),
+            head: stage.last.then(|| HeadActivations {
+                lnf: alloc(Category::Activations, rows * c),
+                lnf_mean: alloc(Category::Activations, rows),
+                lnf_rstd: alloc(Category::Activations, rows),
+                logits: alloc(Category::Activations, rows * v),
+                losses: alloc(Category::Activations, rows),
+            }),
         };
+        let acts = (0..slots.max(1)).map(|_| one_set(&mut alloc)).collect();
         let scratch = GradScratch {
             dres: alloc(Category::ActivationGrads, rows * c),
             dln: alloc(Category::ActivationGrads, rows * c),
@@ -303,8 +389,10 @@ impl<B: Backend> Gpt<B> {
             datt: alloc(Category::ActivationGrads, batch * h * t * t),
             dfch: alloc(Category::ActivationGrads, rows * 4 * c),
         };
-        debug_assert_eq!(floats, Self::activation_floats_for(spec, batch));
-        Self { spec: spec.clone(), batch, layout, acts, scratch, activation_floats: floats, receipts }
+        if stage == Stage::whole(spec.layers) && slots == 1 {
+            debug_assert_eq!(floats, Self::activation_floats_for(spec, batch));
+        }
+        Self { spec: spec.clone(), batch, layout, stage, acts, scratch, activation_floats: floats, receipts }
     }
 
     /// Floats held for activations and their gradients (for memory reports).
@@ -315,25 +403,30 @@ impl<B: Backend> Gpt<B> {
     /// Bytes of every buffer the model holds, counted from the buffers themselves (what
     /// the memory ledger must agree with).
     pub fn held_bytes(&self, be: &B) -> u64 {
-        let a = &self.acts;
         let s = &self.scratch;
-        let mut bufs = vec![&a.encoded, &a.lnf, &a.lnf_mean, &a.lnf_rstd, &a.logits, &a.losses];
-        for b in &a.blocks {
-            bufs.extend([
-                &b.ln1,
-                &b.ln1_mean,
-                &b.ln1_rstd,
-                &b.qkv,
-                &b.att,
-                &b.atty,
-                &b.res_attn,
-                &b.ln2,
-                &b.ln2_mean,
-                &b.ln2_rstd,
-                &b.fch,
-                &b.fch_gelu,
-                &b.res_mlp,
-            ]);
+        let mut bufs = Vec::new();
+        for a in &self.acts {
+            bufs.push(&a.encoded);
+            if let Some(h) = &a.head {
+                bufs.extend([&h.lnf, &h.lnf_mean, &h.lnf_rstd, &h.logits, &h.losses]);
+            }
+            bufs.extend(a.blocks.iter().flat_map(|b| {
+                [
+                    &b.ln1,
+                    &b.ln1_mean,
+                    &b.ln1_rstd,
+                    &b.qkv,
+                    &b.att,
+                    &b.atty,
+                    &b.res_attn,
+                    &b.ln2,
+                    &b.ln2_mean,
+                    &b.ln2_rstd,
+                    &b.fch,
+                    &b.fch_gelu,
+                    &b.res_mlp,
+                ]
+            }));
         }
         bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
         debug_assert_eq!(bufs.len(), self.receipts.len());
@@ -357,7 +450,7 @@ impl<B: Backend> Gpt<B> {
         block.saturating_mul(l).saturating_add(top).saturating_add(scratch)
     }
 
-    /// Runs the model on `batch` sequences (`inputs`, `targets`: batch * seq_len
+    /// Runs the whole model on `batch` sequences (`inputs`, `targets`: batch * seq_len
     /// tokens) with the parameters of `state` and returns the SUM of the per-token losses.
     pub fn forward(
         &mut self,
@@ -366,28 +459,44 @@ impl<B: Backend> Gpt<B> {
         inputs: &[u32],
         targets: &[u32],
     ) -> Result<f64, CommError> {
-        let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
-        assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens");
-        assert_eq!(targets.len(), inputs.len(), "targets must match inputs");
-        let lay = &self.layout;
-        let acts = &mut self.acts;
+        self.forward_stage(be, state, 0, StageInput::Tokens(inputs), targets)
+    }
 
-        {
-            let (p, at) = state.open(be, Unit::Embeddings, Pass::Forward)?.params.expect("forward has parameters");
-            be.encoder_forward(
-                be.all_mut(&mut acts.encoded),
-                inputs,
-                be.view(p, shift(&lay.wte, at)),
-                be.view(p, shift(&lay.wpe, at)),
-                t,
-                c,
-            );
+    /// Runs this stage on one micro-batch, keeping its activations in `slot`. On the last
+    /// stage returns the SUM of the per-token losses (`targets`); elsewhere 0, and the
+    /// output for the next stage is `output(slot)`.
+    pub fn forward_stage(
+        &mut self,
+        be: &B,
+        state: &mut dyn ModelState<B>,
+        slot: usize,
+        input: StageInput<'_, B::Float>,
+        targets: &[u32],
+    ) -> Result<f64, CommError> {
+        let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
+        let lay = &self.layout;
+        let acts = &mut self.acts[slot];
+
+        match input {
+            StageInput::Tokens(inputs) => {
+                assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens");
+                let (p, at) = state.open(be, Unit::Embeddings, Pass::Forward)?.params.expect("forward has parameters");
+                be.encoder_forward(
+                    be.all_mut(&mut acts.encoded),
+                    inputs,
+                    be.view(p, shift(&lay.wte, at)),
+                    be.view(p, shift(&lay.wpe, at)),
+                    t,
+                    c,
+                );
+                state.close(be, Unit::Embeddings, Pass::Forward)?;
+            }
+            StageInput::Activation(x) => be.upload(&mut acts.encoded, x),
         }
-        state.close(be, Unit::Embeddings, Pass::Forward)?;
-        for l in 0..lay.blocks.len() {
+        for (i, l) in self.stage.blocks.clone().enumerate() {
             let (p, at) = state.open(be, Unit::Block(l), Pass::Forward)?.params.expect("forward has parameters");
             let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-            let (done, rest) = acts.blocks.split_at_mut(l);
+            let (done, rest) = acts.blocks.split_at_mut(i);
             let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
             let a = &mut rest[0];
             // attention half: res_attn = x + attn_proj(attention(ln1(x)))
@@ -435,20 +544,22 @@ impl<B: Backend> Gpt<B> {
             state.close(be, Unit::Block(l), Pass::Forward)?;
         }
         let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
+        let Some(head) = acts.head.as_mut() else { return Ok(0.0) };
+        assert_eq!(targets.len(), self.batch * t, "targets must hold batch * seq_len tokens");
         {
             let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
             be.layernorm_forward(
-                be.all_mut(&mut acts.lnf),
-                be.all_mut(&mut acts.lnf_mean),
-                be.all_mut(&mut acts.lnf_rstd),
+                be.all_mut(&mut head.lnf),
+                be.all_mut(&mut head.lnf_mean),
+                be.all_mut(&mut head.lnf_rstd),
                 be.all(last),
                 be.view(p, shift(&lay.lnf_g, at)),
                 be.view(p, shift(&lay.lnf_b, at)),
                 c,
             );
             be.matmul_forward(
-                be.all_mut(&mut acts.logits),
-                be.all(&acts.lnf),
+                be.all_mut(&mut head.logits),
+                be.all(&head.lnf),
                 be.view(p, shift(&lay.lm_head, at)),
                 None,
                 None,
@@ -457,8 +568,20 @@ impl<B: Backend> Gpt<B> {
             );
         }
         state.close(be, Unit::Head, Pass::Forward)?;
-        be.crossentropy_forward(be.all_mut(&mut acts.logits), be.all_mut(&mut acts.losses), targets, vocab);
-        Ok(be.sum(be.all(&acts.losses)))
+        be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab);
+        Ok(be.sum(be.all(&head.losses)))
+    }
+
+    /// What this stage's forward of `slot` hands to the next stage: its last block's output.
+    pub fn output(&self, slot: usize) -> &B::Buf {
+        let a = &self.acts[slot];
+        a.blocks.last().map_or(&a.encoded, |b| &b.res_mlp)
+    }
+
+    /// After `backward_stage` on a stage that is not the first: the gradient of the stage's
+    /// input, for the previous stage.
+    pub fn input_grad(&self) -> &B::Buf {
+        &self.scratch.dres
     }
 
     /// Backpropagates the last `forward` (same inputs and targets and state) and ADDS the
@@ -475,15 +598,36 @@ impl<B: Backend> Gpt<B> {
         targets: &[u32],
         dloss: f64,
     ) -> Result<(), CommError> {
+        self.backward_stage(be, state, 0, inputs, targets, None, dloss)
+    }
+
+    /// Backpropagates this stage's forward of `slot`. The last stage starts from the loss
+    /// (`targets`, `dloss`); the others from `grad_output`, the gradient of their output
+    /// that the next stage sent. The first stage ends in the embeddings (`inputs`); the
+    /// others leave the gradient of their input in `input_grad()`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_stage(
+        &mut self,
+        be: &B,
+        state: &mut dyn ModelState<B>,
+        slot: usize,
+        inputs: &[u32],
+        targets: &[u32],
+        grad_output: Option<&[B::Float]>,
+        dloss: f64,
+    ) -> Result<(), CommError> {
         let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
         let lay = &self.layout;
         let s = &mut self.scratch;
         let with_params = Pass::Backward { params: true };
+        let acts = &mut self.acts[slot];
 
-        // loss and LM head
-        be.crossentropy_backward(be.all_mut(&mut self.acts.logits), targets, vocab, dloss);
-        let acts = &self.acts;
-        {
+        if let Some(head) = acts.head.as_mut() {
+            // loss and LM head
+            be.crossentropy_backward(be.all_mut(&mut head.logits), targets, vocab, dloss);
+        }
+        let acts = &*acts;
+        if let Some(head) = &acts.head {
             let open = state.open(be, Unit::Head, with_params)?;
             let (p, at) = open.params.expect("backward of the head has parameters");
             let (g, g_at) = open.grads.expect("backward has gradients");
@@ -494,8 +638,8 @@ impl<B: Backend> Gpt<B> {
                 Some(be.all_mut(&mut s.dln)),
                 g_lm_head,
                 None,
-                be.all(&acts.logits),
-                be.all(&acts.lnf),
+                be.all(&head.logits),
+                be.all(&head.lnf),
                 be.view(p, shift(&lay.lm_head, at)),
                 c,
                 vocab,
@@ -509,14 +653,19 @@ impl<B: Backend> Gpt<B> {
                 be.all(&s.dln),
                 be.all(last),
                 be.view(p, shift(&lay.lnf_g, at)),
-                be.all(&acts.lnf_mean),
-                be.all(&acts.lnf_rstd),
+                be.all(&head.lnf_mean),
+                be.all(&head.lnf_rstd),
                 c,
             );
+        } else {
+            // The next stage sent the gradient of our output.
+            be.upload(&mut s.dres, grad_output.expect("a stage before the last gets its output's gradient"));
         }
-        state.close(be, Unit::Head, with_params)?;
+        if acts.head.is_some() {
+            state.close(be, Unit::Head, with_params)?;
+        }
 
-        for l in (0..lay.blocks.len()).rev() {
+        for (i, l) in self.stage.blocks.clone().enumerate().rev() {
             // (a scope, so that the block's views end before it is closed)
             {
                 let open = state.open(be, Unit::Block(l), with_params)?;
@@ -524,8 +673,8 @@ impl<B: Backend> Gpt<B> {
                 let (g, g_at) = open.grads.expect("backward has gradients");
                 let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
                 let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-                let x = if l == 0 { &acts.encoded } else { &acts.blocks[l - 1].res_mlp };
-                let a = &acts.blocks[l];
+                let x = if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp };
+                let a = &acts.blocks[i];
                 // MLP half (dres holds d res_mlp, and becomes d res_attn)
                 be.matmul_backward(
                     Some(be.all_mut(&mut s.dfch)),
@@ -603,6 +752,9 @@ impl<B: Backend> Gpt<B> {
                 );
             }
             state.close(be, Unit::Block(l), with_params)?;
+        }
+        if !self.stage.first {
+            return Ok(());
         }
         let without_params = Pass::Backward { params: false };
         {

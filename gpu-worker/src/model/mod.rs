@@ -11,5 +11,5 @@ pub mod loss;
 pub mod mlp;
 pub mod state;
 
-pub use gpt::{BlockTensors, Gpt, Init, ParamLayout, TensorInfo};
+pub use gpt::{BlockTensors, Gpt, Init, ParamLayout, Stage, StageInput, TensorInfo};
 pub use state::{FlatState, ModelState, OpenUnit, Pass, Unit};

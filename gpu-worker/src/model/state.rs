@@ -89,18 +89,27 @@ pub trait ModelState<B: Backend> {
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError>;
 }
 
-/// Every parameter and gradient, whole, in two flat buffers laid out by `ParamLayout`.
+/// Every parameter and gradient of a stage (the whole model without pipeline
+/// parallelism), whole, in two flat buffers laid out by `ParamLayout`.
 pub struct FlatState<B: Backend> {
     pub params: B::Buf,
     pub grads: B::Buf,
+    /// The global index of the buffers' first element (the stage's first parameter).
+    pub at: usize,
 }
 
 impl<B: Backend> FlatState<B> {
-    /// Parameters initialised from `seed`; gradients zero.
+    /// The whole model: parameters initialised from `seed`; gradients zero.
     pub fn new(be: &B, layout: &ParamLayout, seed: u64) -> Self {
-        let mut params = be.alloc(layout.total);
-        be.upload(&mut params, &layout.init_params::<B::Float>(seed));
-        FlatState { params, grads: be.alloc(layout.total) }
+        Self::for_range(be, layout, 0..layout.total, seed)
+    }
+
+    /// Parameters `range` of the flat layout (a pipeline stage's), initialised exactly as
+    /// the whole model would be.
+    pub fn for_range(be: &B, layout: &ParamLayout, range: Range<usize>, seed: u64) -> Self {
+        let mut params = be.alloc(range.len());
+        be.upload(&mut params, &layout.init_params::<B::Float>(seed)[range.clone()]);
+        FlatState { params, grads: be.alloc(range.len()), at: range.start }
     }
 
     pub fn zero_grads(&mut self, be: &B) {
@@ -110,8 +119,8 @@ impl<B: Backend> FlatState<B> {
 
 impl<B: Backend> ModelState<B> for FlatState<B> {
     fn open(&mut self, _be: &B, _unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
-        let grads = matches!(pass, Pass::Backward { .. }).then_some((&mut self.grads, 0));
-        Ok(OpenUnit { params: Some((&self.params, 0)), grads })
+        let grads = matches!(pass, Pass::Backward { .. }).then_some((&mut self.grads, self.at));
+        Ok(OpenUnit { params: Some((&self.params, self.at)), grads })
     }
 
     fn close(&mut self, _be: &B, _unit: Unit, _pass: Pass) -> Result<(), CommError> {

@@ -30,7 +30,7 @@ use super::{Cpu, DpGroup, Strategy};
 use crate::backend::Backend;
 use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
-use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Unit};
+use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::optim::{Indexing, OptimGroup, Optimizer};
 use crate::trace::now_us;
 
@@ -51,7 +51,8 @@ pub struct Replicated {
     zero1: Option<ShardLayout>,
     /// Whether the micro-batch running now hands its gradients to the synchroniser.
     syncing: bool,
-    layers: usize,
+    /// The stage's units in buffer order.
+    units: Vec<Unit>,
     step: u64,
     record: bool,
     spans: Vec<Span>,
@@ -68,14 +69,19 @@ impl Replicated {
         spec: &ExperimentSpec,
         be: &Cpu,
         layout: &ParamLayout,
+        stage: &Stage,
         memory: &Arc<MemoryTracker>,
         dp: Option<DpGroup>,
     ) -> Result<Self, CommError> {
-        let state = FlatState::new(be, layout, spec.train.seed);
+        let range = stage.range(layout);
+        let units = stage.units();
+        let state = FlatState::for_range(be, layout, range.clone(), spec.train.seed);
         let receipts =
-            [memory.alloc(Category::Parameters, layout.total), memory.alloc(Category::Gradients, layout.total)];
+            [memory.alloc(Category::Parameters, range.len()), memory.alloc(Category::Gradients, range.len())];
         let zero1 = match &dp {
-            Some(g) if spec.parallel.sharding == Sharding::Zero1 => Some(ShardLayout::new(layout, g.rank, g.world)),
+            Some(g) if spec.parallel.sharding == Sharding::Zero1 => {
+                Some(ShardLayout::new(layout, &units, g.rank, g.world))
+            }
             _ => None,
         };
         let optimizer = match &zero1 {
@@ -83,12 +89,16 @@ impl Replicated {
                 Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, memory)
             }
             None => {
-                Optimizer::new(be, &spec.train, OptimGroup::unsharded(&layout.param_groups()), layout.total, memory)
+                let groups = OptimGroup::unsharded(&layout.param_groups_in(&range));
+                Optimizer::new(be, &spec.train, groups, range.len(), memory)
             }
         };
+        // Readiness units in the order backward finishes them, within the stage's buffer.
+        let backward_units: Vec<Range<usize>> =
+            units.iter().rev().map(|u| u.range(layout)).map(|r| r.start - range.start..r.end - range.start).collect();
         let dp = match dp {
             Some(g) => Some(Synced {
-                grads: GradSync::new(g.grads, &layout.backward_units(), spec.parallel.bucket_bytes, memory)?,
+                grads: GradSync::new(g.grads, &backward_units, spec.parallel.bucket_bytes, memory)?,
                 scalars: g.scalars,
             }),
             None => None,
@@ -99,7 +109,7 @@ impl Replicated {
             dp,
             zero1,
             syncing: false,
-            layers: layout.blocks.len(),
+            units,
             step: 0,
             record: false,
             spans: Vec::new(),
@@ -115,7 +125,8 @@ impl ModelState<Cpu> for Replicated {
 
     fn close(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
         if let (true, Some(dp), Pass::Backward { .. }) = (self.syncing, &mut self.dp, pass) {
-            dp.grads.unit_ready(unit.backward_index(self.layers), &self.state.grads);
+            let position = self.units.iter().position(|&u| u == unit).expect("a unit of this stage");
+            dp.grads.unit_ready(self.units.len() - 1 - position, &self.state.grads);
         }
         Ok(())
     }
@@ -142,7 +153,7 @@ impl Strategy for Replicated {
         if let Some(dp) = &mut self.dp {
             dp.grads.finish(&mut self.state.grads)?;
         }
-        Ok(be.sum_squares(be.all(&self.state.grads)).sqrt())
+        Ok(be.sum_squares(be.all(&self.state.grads)))
     }
 
     fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError> {
@@ -151,7 +162,7 @@ impl Strategy for Replicated {
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
             let start = now_us();
             for u in &shard.units {
-                dp.scalars.all_gather_in_place(&mut self.state.params[u.global.clone()])?;
+                dp.scalars.all_gather_in_place(&mut self.state.params[shard.in_buffer(u)])?;
             }
             if self.record {
                 self.spans.push(comm_span(

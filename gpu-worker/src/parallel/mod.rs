@@ -7,8 +7,12 @@
 //! * `sharded.rs`: ZeRO-2 (gradients and optimizer state sharded) and FSDP / ZeRO-3
 //!   (parameters too, gathered one unit at a time).
 //! * `shard.rs`: which piece of every unit a rank owns.
+//! * `pipeline.rs` + `schedule.rs`: pipeline stages and the GPipe / 1F1B schedules.
 
 pub mod ddp;
+pub mod mesh;
+pub mod pipeline;
+pub mod schedule;
 pub mod shard;
 pub mod sharded;
 
@@ -20,7 +24,7 @@ use distlab_common::{ExperimentSpec, Sharding};
 use crate::backend::CpuBackend;
 use crate::comm::{CommError, Communicator};
 use crate::memory::MemoryTracker;
-use crate::model::{ModelState, ParamLayout};
+use crate::model::{ModelState, ParamLayout, Stage};
 
 /// The backend the strategies run on (their collectives work on host memory).
 pub type Cpu = CpuBackend<f32>;
@@ -31,8 +35,9 @@ pub trait Strategy: Send {
     fn begin_step(&mut self, be: &Cpu, step: u64, record: bool);
     /// The state the model runs a micro-batch on (`last`: the step's last micro-batch).
     fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu>;
-    /// After every micro-batch's backward: gradients summed over the group; returns their
-    /// global L2 norm.
+    /// After every micro-batch's backward: gradients summed over the group; returns the
+    /// sum of their squares over the stage's parameters (the squared L2 norm of the
+    /// stage's part of the gradient).
     fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError>;
     /// The optimizer update (then the parameters are made whole again where needed).
     fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError>;
@@ -55,16 +60,18 @@ pub struct DpGroup {
     pub scalars: Box<dyn Communicator>,
 }
 
-/// The strategy `spec.parallel.sharding` asks for (one rank alone when `dp` is None).
+/// The strategy `spec.parallel.sharding` asks for, for the parameters of `stage` (one
+/// rank alone when `dp` is None).
 pub fn build(
     spec: &ExperimentSpec,
     be: &Cpu,
     layout: &ParamLayout,
+    stage: &Stage,
     memory: &Arc<MemoryTracker>,
     dp: Option<DpGroup>,
 ) -> Result<Box<dyn Strategy>, CommError> {
     Ok(match spec.parallel.sharding {
-        Sharding::None | Sharding::Zero1 => Box::new(ddp::Replicated::new(spec, be, layout, memory, dp)?),
-        Sharding::Zero2 | Sharding::Fsdp => Box::new(sharded::Sharded::new(spec, be, layout, memory, dp)?),
+        Sharding::None | Sharding::Zero1 => Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp)?),
+        Sharding::Zero2 | Sharding::Fsdp => Box::new(sharded::Sharded::new(spec, be, layout, stage, memory, dp)?),
     })
 }

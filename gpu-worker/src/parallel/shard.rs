@@ -50,15 +50,18 @@ pub struct ShardLayout {
     pub len: usize,
     /// The largest unit (what FSDP gathers at once).
     pub largest_unit: usize,
-    layers: usize,
+    /// The global index where a flat buffer of these units starts (a stage's first
+    /// parameter): `optim_groups` count whole-buffer ranges from here.
+    pub base: usize,
 }
 
 impl ShardLayout {
-    pub fn new(layout: &ParamLayout, rank: usize, world: usize) -> Self {
-        let layers = layout.blocks.len();
+    /// The shards of `units` (a stage's, in buffer order: one contiguous run).
+    pub fn new(layout: &ParamLayout, units: &[Unit], rank: usize, world: usize) -> Self {
         let mut at = 0;
-        let units: Vec<UnitShard> = Unit::all(layers)
-            .map(|unit| {
+        let units: Vec<UnitShard> = units
+            .iter()
+            .map(|&unit| {
                 let global = unit.range(layout);
                 let mine = chunk_range(global.len(), world, rank);
                 let shard = UnitShard { unit, global, mine, at };
@@ -67,14 +70,21 @@ impl ShardLayout {
             })
             .collect();
         let largest_unit = units.iter().map(|u| u.global.len()).max().unwrap_or(0);
-        ShardLayout { units, len: at, largest_unit, layers }
+        let base = units.first().map_or(0, |u| u.global.start);
+        ShardLayout { units, len: at, largest_unit, base }
     }
 
     pub fn unit(&self, unit: Unit) -> &UnitShard {
-        &self.units[unit.index(self.layers)]
+        self.units.iter().find(|u| u.unit == unit).expect("a unit of this stage")
     }
 
-    /// The optimizer's groups for this shard: each chunk cut where weight decay changes.
+    /// A unit's range in a flat buffer of these units.
+    pub fn in_buffer(&self, u: &UnitShard) -> Range<usize> {
+        u.global.start - self.base..u.global.end - self.base
+    }
+
+    /// The optimizer's groups for this shard: each chunk cut where weight decay changes
+    /// (`groups` in global indices; `global` of the result counts from `base`).
     pub fn optim_groups(&self, groups: &[ParamGroup]) -> Vec<OptimGroup> {
         let mut out = Vec::new();
         for u in &self.units {
@@ -83,7 +93,8 @@ impl ShardLayout {
                 let (start, end) = (piece.start.max(g.range.start), piece.end.min(g.range.end));
                 if start < end {
                     let local = u.at + (start - piece.start);
-                    out.push(OptimGroup { global: start..end, local: local..local + (end - start), decay: g.decay });
+                    let global = start - self.base..end - self.base;
+                    out.push(OptimGroup { global, local: local..local + (end - start), decay: g.decay });
                 }
             }
         }
@@ -103,7 +114,7 @@ mod tests {
         for world in [1, 2, 3, 4] {
             let mut owner = vec![0u32; layout.total];
             for rank in 0..world {
-                let shard = ShardLayout::new(&layout, rank, world);
+                let shard = ShardLayout::new(&layout, &Unit::all(spec.layers).collect::<Vec<_>>(), rank, world);
                 let groups = shard.optim_groups(&layout.param_groups());
                 assert_eq!(groups.iter().map(|g| g.local.len()).sum::<usize>(), shard.len);
                 for g in &groups {

@@ -28,7 +28,7 @@ use super::{Cpu, DpGroup, Strategy};
 use crate::backend::Backend;
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
-use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Unit};
+use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::optim::{Indexing, Optimizer};
 use crate::trace::now_us;
 
@@ -63,6 +63,7 @@ impl Sharded {
         spec: &ExperimentSpec,
         be: &Cpu,
         layout: &ParamLayout,
+        stage: &Stage,
         memory: &Arc<MemoryTracker>,
         dp: Option<DpGroup>,
     ) -> Result<Self, CommError> {
@@ -72,10 +73,13 @@ impl Sharded {
             Some(g) => g,
             None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone) },
         };
-        let shard = ShardLayout::new(layout, rank, world);
+        let shard = ShardLayout::new(layout, &stage.units(), rank, world);
         let all = layout.init_params::<f32>(spec.train.seed);
-        let params: Vec<f32> =
-            if fsdp { shard.units.iter().flat_map(|u| all[u.global_mine()].iter().copied()).collect() } else { all };
+        let params: Vec<f32> = if fsdp {
+            shard.units.iter().flat_map(|u| all[u.global_mine()].iter().copied()).collect()
+        } else {
+            all[stage.range(layout)].to_vec()
+        };
         let receipts = [memory.alloc(Category::Parameters, params.len()), memory.alloc(Category::Gradients, shard.len)];
         let optimizer = Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, memory);
         Ok(Sharded {
@@ -145,7 +149,7 @@ impl ModelState<Cpu> for Sharded {
         let params = match (want_params, &self.gathered) {
             (false, _) => None,
             (true, Some(full)) if self.fsdp => Some((&full.data, global.start)),
-            (true, _) => Some((&self.params, 0)),
+            (true, _) => Some((&self.params, self.shard.base)),
         };
         let grads = self.unit_grads.as_mut().map(|g| (&mut g.data, global.start));
         Ok(OpenUnit { params, grads })
@@ -174,7 +178,7 @@ impl Strategy for Sharded {
     fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError> {
         // Every element is in exactly one rank's shard: the squares add up over the group.
         let mine = be.sum_squares(be.all(&self.grad_shard));
-        Ok(sum_scalar(self.comm.as_mut(), mine)?.max(0.0).sqrt())
+        Ok(sum_scalar(self.comm.as_mut(), mine)?.max(0.0))
     }
 
     fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError> {
@@ -183,7 +187,7 @@ impl Strategy for Sharded {
         if !self.fsdp {
             let start = now_us();
             for u in &self.shard.units {
-                self.comm.all_gather_in_place(&mut self.params[u.global.clone()])?;
+                self.comm.all_gather_in_place(&mut self.params[self.shard.in_buffer(u)])?;
             }
             if self.record {
                 self.spans.push(comm_span(
