@@ -1,6 +1,7 @@
 //! The HTTP API (DESIGN.md, "Public API contract") as seen from the browser:
 //! JSON requests with gloo-net and the live stream with an `EventSource`.
 
+use distlab_common::memory::MemoryView;
 use distlab_common::trace::ExperimentTrace;
 use distlab_common::{ApiError, Created, ExperimentList, ExperimentView, FieldError, Health, Metrics, StreamEvent};
 use gloo_net::http::{Request, Response};
@@ -50,6 +51,11 @@ pub async fn get_metrics(id: i64) -> ApiResult<Metrics> {
 /// Every rank's trace: timeline spans and collective steps (`{"ranks": []}` before any).
 pub async fn get_trace(id: i64) -> ApiResult<ExperimentTrace> {
     get_json(&format!("/api/experiments/{id}/trace")).await
+}
+
+/// Every rank's measured memory next to the planner's prediction.
+pub async fn get_memory(id: i64) -> ApiResult<MemoryView> {
+    get_json(&format!("/api/experiments/{id}/memory")).await
 }
 
 /// `POST /api/experiments` with the spec as JSON; a 422 comes back with its field errors.

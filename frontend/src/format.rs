@@ -115,16 +115,56 @@ pub fn value(x: f32) -> String {
     s.to_string()
 }
 
-/// Bytes in words: 96 -> "96 B", 4096 -> "4.0 KiB", 3_000_000 -> "2.9 MiB".
+/// Bytes in words: 96 -> "96 B", 4096 -> "4.0 KiB", 3_000_000 -> "2.9 MiB", up to PiB.
 pub fn bytes(b: f64) -> String {
     if b < 1024.0 {
-        format!("{} B", value(b as f32))
-    } else if b < 1024.0 * 1024.0 {
-        format!("{:.1} KiB", b / 1024.0)
-    } else if b < 1024.0 * 1024.0 * 1024.0 {
-        format!("{:.1} MiB", b / 1024.0 / 1024.0)
+        return format!("{} B", value(b as f32));
+    }
+    let (scale, unit) = byte_unit(b);
+    let decimals = if unit == "KiB" || unit == "MiB" { 1 } else { 2 };
+    format!("{:.decimals$} {unit}", b / scale)
+}
+
+/// The binary unit `b` bytes read best in: (bytes per unit, name), B up to PiB.
+pub fn byte_unit(b: f64) -> (f64, &'static str) {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut scale = 1.0;
+    let mut i = 0;
+    while b.abs() >= scale * 1024.0 && i + 1 < UNITS.len() {
+        scale *= 1024.0;
+        i += 1;
+    }
+    (scale, UNITS[i])
+}
+
+/// A whole number with thousands separators: 3355443 -> "3,355,443".
+pub fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Bytes in words with the exact count, for tooltips: "3.2 MiB (3,355,443 bytes)".
+pub fn bytes_exact(n: u64) -> String {
+    if n < 1024 {
+        format!("{n} bytes")
     } else {
-        format!("{:.2} GiB", b / 1024.0 / 1024.0 / 1024.0)
+        format!("{} ({} bytes)", bytes(n as f64), grouped(n))
+    }
+}
+
+/// A share as a percentage: 0.2727 -> "27.3%".
+pub fn percent(share: f64) -> String {
+    if share.is_finite() {
+        format!("{:.1}%", share * 100.0)
+    } else {
+        "–".into()
     }
 }
 
@@ -155,5 +195,17 @@ mod tests {
         assert_eq!(bytes(96.0), "96 B");
         assert_eq!(bytes(53.333336), "53.33 B");
         assert_eq!(bytes(4096.0), "4.0 KiB");
+        assert_eq!(bytes(3_000_000.0), "2.9 MiB");
+        assert_eq!(bytes(112.0 * (1u64 << 30) as f64), "112.00 GiB");
+        assert_eq!(bytes(3.0 * (1u64 << 50) as f64), "3.00 PiB");
+        assert_eq!(byte_unit(1023.0), (1.0, "B"));
+        assert_eq!(byte_unit(2048.0), (1024.0, "KiB"));
+        assert_eq!(grouped(0), "0");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(grouped(1000), "1,000");
+        assert_eq!(grouped(3_355_443), "3,355,443");
+        assert_eq!(bytes_exact(96), "96 bytes");
+        assert_eq!(bytes_exact(4096), "4.0 KiB (4,096 bytes)");
+        assert_eq!(percent(0.27272), "27.3%");
     }
 }

@@ -12,6 +12,7 @@ pub mod experiments;
 pub mod extract;
 pub mod health;
 pub mod local_workers;
+pub mod memory;
 pub mod plan;
 pub mod queue;
 pub mod static_files;
@@ -194,6 +195,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}", get(experiments::get_one))
         .route("/experiments/{id}/metrics", get(experiments::metrics))
         .route("/experiments/{id}/trace", get(traces::trace))
+        .route("/experiments/{id}/memory", get(memory::memory))
         .route("/experiments/{id}/cancel", post(experiments::cancel))
         .route("/plan", post(plan::plan))
         .nest("/workers", worker_api)

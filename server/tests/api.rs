@@ -846,6 +846,93 @@ async fn large_traces_fit_in_a_batch_and_are_served_gzipped() {
     assert_eq!(got.ranks, big);
 }
 
+// ---------------------------------------------------------------- memory
+
+async fn get_memory(t: &TestApp, id: i64) -> memory::MemoryView {
+    let a = t.get(&format!("/api/experiments/{id}/memory")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    serde_json::from_value(a.body).expect("MemoryView")
+}
+
+/// The planner's output for `spec` through `POST /api/plan`.
+async fn plan_of(t: &TestApp, spec: Value) -> planner::Plan {
+    let a = t.post("/api/plan", spec).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    serde_json::from_value(a.body).expect("Plan")
+}
+
+#[tokio::test]
+async fn memory_view_puts_uploaded_memory_next_to_the_planner() {
+    let t = setup().await;
+    let (worker, id) = running(&t, json!({"dp": 2})).await;
+    let spec = t.view(id).await.spec;
+    let plan = plan_of(&t, serde_json::to_value(&spec).expect("spec")).await;
+    let predicted = plan.stages[0].memory.clone();
+
+    // Rank 0 measured a little more activation memory than predicted; rank 1's trace has no memory.
+    let mut peak = predicted.clone();
+    peak.activations += 4096;
+    peak.total += 4096;
+    let sample = |t_us, event: &str, bytes: &planner::RankMemory| memory::MemorySample {
+        t_us,
+        step: 0,
+        event: event.into(),
+        bytes: bytes.clone(),
+    };
+    let report = memory::RankMemoryReport {
+        rank: 0,
+        peak: peak.clone(),
+        current: planner::RankMemory { activations: 0, ..peak.clone() },
+        timeline: vec![sample(1_000, "forward block 0", &predicted), sample(2_000, "backward block 0", &peak)],
+    };
+    let r0 = trace::RankTrace { memory: Some(report.clone()), ..rank_trace(0, 2, 2) };
+    let r1 = rank_trace(1, 2, 2);
+    let batch = json!([trace_event(&r0), trace_event(&r1)]);
+    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": batch})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+
+    let view = get_memory(&t, id).await;
+    assert_eq!(view.plan, plan, "the view carries the planner's output for the spec");
+    assert_eq!(view.ranks.len(), 2);
+    let (v0, v1) = (&view.ranks[0], &view.ranks[1]);
+    assert_eq!((v0.rank, v0.stage, v1.rank, v1.stage), (0, 0, 1, 0));
+    assert_eq!(v0.measured.as_ref(), Some(&report));
+    assert_eq!(v0.predicted, predicted);
+    assert_eq!(v0.differences.len(), 1, "{:?}", v0.differences);
+    assert!(v0.differences[0].starts_with("activations: measured "), "{}", v0.differences[0]);
+    assert!(v0.differences[0].contains("+4096 B"), "{}", v0.differences[0]);
+    assert_eq!((v1.measured.as_ref(), &v1.predicted, v1.differences.len()), (None, &predicted, 0));
+}
+
+#[tokio::test]
+async fn memory_view_before_any_trace_has_the_prediction_only() {
+    let t = setup().await;
+    let parallel = json!({"dp": 2, "pp": 2});
+    let a = t.post("/api/experiments", json!({"name": "m", "parallel": parallel, "train": {"steps": 10}})).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let id = a.body["id"].as_i64().expect("id");
+    let plan = plan_of(&t, serde_json::to_value(t.view(id).await.spec).expect("spec")).await;
+
+    let view = get_memory(&t, id).await;
+    assert_eq!(view.ranks.len(), 4);
+    for (i, r) in view.ranks.iter().enumerate() {
+        assert_eq!(r.rank as usize, i);
+        assert_eq!(r.stage, i % 2, "tp=1: ranks alternate between the two stages");
+        assert_eq!(r.measured, None);
+        assert_eq!(r.predicted, plan.stages[r.stage].memory);
+        assert!(r.predicted.total > 0);
+        assert!(r.differences.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn memory_of_an_unknown_experiment_is_404() {
+    let t = setup().await;
+    let a = t.get("/api/experiments/999/memory").await;
+    assert!(assert_api_error(&a, StatusCode::NOT_FOUND).error.contains("999"), "{}", a.body);
+    assert_api_error(&t.get("/api/experiments/nope/memory").await, StatusCode::NOT_FOUND);
+}
+
 // ---------------------------------------------------------------- SSE
 
 /// (event name, data JSON) pairs from an SSE body.

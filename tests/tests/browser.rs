@@ -2,7 +2,10 @@
 //! fill the form (with an instant validation error on the way), submit, watch the
 //! run finish on the experiment page, and save screenshots to target/screenshots/.
 //! A second test runs the all-reduce demo from the form and steps through its ring
-//! replay to the end, where every rank must show the sum.
+//! replay to the end, where every rank must show the sum. A third watches the planner's
+//! live prediction on the form follow the fields, then runs a dp=2 experiment and checks
+//! the memory card: the planner's bars for every rank, and the measured ones next to them
+//! for every rank whose measured memory the server has.
 //!
 //! Needs `chromium` and `chromedriver` (Debian: `apt-get install chromium chromium-driver`;
 //! `cargo xtask test` installs them) and a built frontend (`cargo xtask build-frontend`).
@@ -14,7 +17,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use distlab_common::ExperimentStatus;
 use distlab_tests::{repo_root, Lab};
 use fantoccini::{Client, ClientBuilder, Locator};
@@ -150,6 +153,145 @@ async fn replay_the_all_reduce_ring_step_by_step() -> Result<()> {
     }
     let _ = client.close().await;
     result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let lab = Lab::start();
+    let driver = ChromeDriver::start()?;
+    let client = driver.connect().await?;
+    let mut result = planner_scenario(&client, &lab).await;
+    if result.is_ok() {
+        result = memory_scenario(&client, &lab).await;
+    }
+    if result.is_err() {
+        let _ = save_screenshot(&client, "failure-memory.png").await;
+    }
+    let _ = client.close().await;
+    result
+}
+
+/// The planner's numbers on /new follow dp and sharding as they change, keep the last
+/// plan while a field is half-typed, and give way to its field errors for a spec that
+/// cannot exist.
+async fn planner_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    c.find(Locator::Css("#preset-tiny")).await?.click().await?;
+    wait_for(c, "the planner", Duration::from_secs(10), || exists(c, "#planner-memory")).await?;
+    let bytes = |selector: &'static str| async move {
+        let v = attr(c, selector, "data-bytes").await?.ok_or_else(|| anyhow!("no {selector}"))?;
+        v.parse::<u64>().with_context(|| format!("{selector} data-bytes {v:?}"))
+    };
+    ensure!(value_of(c, "parallel.dp").await? == "1", "the tiny preset has dp=1");
+    let single = bytes("#planner-memory").await?;
+    ensure!(single > 0);
+    ensure!(bytes("#planner-comm").await? == 0, "one rank sends nothing");
+
+    // dp=2 (DDP): the gradient all-reduce appears, and the buckets' copy of the gradients.
+    set_field(c, "parallel.dp", "2").await?;
+    wait_for(c, "the planner to follow dp=2", Duration::from_secs(10), || async {
+        Ok(bytes("#planner-comm").await? > 0)
+    })
+    .await?;
+    ensure!(exists(c, "#planner-comm-table tr[data-collective='dp all-reduce']").await?);
+    let ddp = bytes("#planner-memory").await?;
+    ensure!(ddp > single, "DDP's bucket buffers: {ddp} vs {single}");
+
+    // FSDP: every rank keeps half the model state.
+    choose(c, "parallel.sharding", "fsdp").await?;
+    wait_for(c, "the planner to follow sharding=fsdp", Duration::from_secs(10), || {
+        exists(c, "#planner-comm-table tr[data-collective='dp all-gather']")
+    })
+    .await?;
+    let fsdp = bytes("#planner-memory").await?;
+    ensure!(fsdp < single, "FSDP over 2 ranks needs less than one rank alone: {fsdp} vs {single}");
+
+    // Half-typed (dp erased with the backspace key): the last plan stays, greyed; then the
+    // typed value counts.
+    c.find(Locator::Css("[name='parallel.dp']")).await?.send_keys("\u{E010}\u{E003}").await?; // End, Backspace
+    ensure!(value_of(c, "parallel.dp").await?.is_empty(), "backspace erased dp");
+    wait_for(c, "the plan to be marked stale", Duration::from_secs(10), || async {
+        Ok(attr(c, "#planner", "data-stale").await?.as_deref() == Some("true"))
+    })
+    .await?;
+    ensure!(bytes("#planner-memory").await? == fsdp, "a half-typed field keeps the last plan");
+    set_field(c, "parallel.dp", "4").await?;
+    wait_for(c, "the plan for dp=4", Duration::from_secs(10), || async {
+        Ok(attr(c, "#planner", "data-stale").await?.as_deref() == Some("false")
+            && bytes("#planner-memory").await? < fsdp)
+    })
+    .await?;
+
+    // A model that cannot exist: the planner's own field errors instead of numbers.
+    set_field(c, "model.heads", "3").await?;
+    wait_for(c, "the planner's errors", Duration::from_secs(10), || async {
+        Ok(exists(c, "#planner-errors").await? && text(c, "#planner-errors").await?.contains("heads=3 does not divide"))
+    })
+    .await?;
+    ensure!(!exists(c, "#planner-memory").await?);
+    set_field(c, "model.heads", "4").await?;
+    wait_for(c, "the plan to come back", Duration::from_secs(10), || exists(c, "#planner-memory")).await?;
+    save_element(c, "#planner", "new-planner.png").await?;
+    Ok(())
+}
+
+/// An FSDP run on 4 ranks to the end, then its memory card: for every rank the planner's
+/// bar, the measured bar (with the differences, none expected) and the memory over time.
+async fn memory_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut spec = distlab_tests::quick_spec("fsdp on 4 ranks", 20);
+    spec.parallel.dp = 4;
+    spec.parallel.sharding = distlab_common::Sharding::Fsdp;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the fsdp run did not succeed: {exp:?}");
+    let memory: distlab_common::memory::MemoryView = lab.get_as(&format!("/api/experiments/{id}/memory"));
+    ensure!(memory.ranks.len() == 4, "{memory:?}");
+
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the memory card", Duration::from_secs(30), || exists(c, "#memory-card .memory-rank[data-rank='3']"))
+        .await?;
+    for r in &memory.ranks {
+        let rank = r.rank;
+        let predicted = format!(".memory-bar[data-kind='predicted'][data-rank='{rank}']");
+        ensure!(exists(c, &predicted).await?, "the planner's bar of rank {rank}");
+        let sum: u64 = [
+            r.predicted.parameters,
+            r.predicted.gradients,
+            r.predicted.optimizer_state,
+            r.predicted.gathered_parameters,
+            r.predicted.activations,
+            r.predicted.activation_grads,
+            r.predicted.comm_buffers,
+        ]
+        .iter()
+        .sum();
+        ensure!(attr(c, &predicted, "data-bytes").await? == Some(sum.to_string()), "rank {rank}: {sum} bytes");
+        let Some(measured) = &r.measured else { bail!("rank {rank} of experiment {id} reported no memory") };
+        ensure!(r.differences.is_empty(), "rank {rank}: measured differs from the planner: {:?}", r.differences);
+        ensure!(measured.peak.gathered_parameters > 0, "rank {rank}: FSDP gathers units");
+        let bar = format!(".memory-bar[data-kind='measured'][data-rank='{rank}']");
+        wait_for(c, &format!("the measured bar of rank {rank}"), Duration::from_secs(15), || exists(c, &bar)).await?;
+        let block = format!(".memory-rank[data-rank='{rank}']");
+        if r.differences.is_empty() {
+            ensure!(text(c, &format!("{block} .memory-equal")).await?.contains("measured equals the planner"));
+        } else {
+            let shown = text(c, &format!("{block} .memory-differences")).await?;
+            for line in &r.differences {
+                ensure!(shown.contains(line.as_str()), "rank {rank}: {line:?} not in {shown:?}");
+            }
+        }
+        if !measured.timeline.is_empty() {
+            let chart = format!(".memory-timeline[data-rank='{rank}']");
+            let samples = measured.timeline.len().to_string();
+            ensure!(attr(c, &chart, "data-samples").await? == Some(samples), "rank {rank}: every sample drawn");
+        }
+    }
+    save_element(c, "#memory-card", "memory-tab.png").await?;
+    Ok(())
 }
 
 /// The all-reduce preset through the form, its collective check, then the ring replay:
@@ -470,6 +612,21 @@ async fn set_field(c: &Client, field: &str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// Picks `value` in the select named by its spec path (as a person would: a change event).
+async fn choose(c: &Client, field: &str, value: &str) -> Result<()> {
+    c.execute(
+        "const e = document.querySelector(`[name='${arguments[0]}']`); e.value = arguments[1]; \
+         e.dispatchEvent(new Event('change', {bubbles: true}));",
+        vec![json!(field), json!(value)],
+    )
+    .await?;
+    let now = value_of(c, field).await?;
+    if now != value {
+        bail!("select {field} holds {now:?} after choosing {value:?}");
+    }
+    Ok(())
+}
+
 async fn save_screenshot(c: &Client, file: &str) -> Result<PathBuf> {
     let png = c.screenshot().await?;
     let dir = screenshot_dir();
@@ -487,6 +644,22 @@ async fn save_full_page(c: &Client, file: &str) -> Result<PathBuf> {
     c.set_window_size(1280, height + 120).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let path = save_screenshot(c, file).await?;
+    c.set_window_size(1280, 900).await?;
+    Ok(path)
+}
+
+/// A screenshot of one element, whole: the window is made as tall as the document first.
+async fn save_element(c: &Client, selector: &str, file: &str) -> Result<PathBuf> {
+    let height = c.execute("return Math.ceil(document.documentElement.scrollHeight);", vec![]).await?;
+    let height = height.as_u64().unwrap_or(900).clamp(600, 6000) as u32;
+    c.set_window_size(1280, height + 120).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let png = c.find(Locator::Css(selector)).await?.screenshot().await?;
+    let dir = screenshot_dir();
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(file);
+    std::fs::write(&path, png)?;
+    eprintln!("screenshot: {}", path.display());
     c.set_window_size(1280, 900).await?;
     Ok(path)
 }

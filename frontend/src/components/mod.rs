@@ -1,6 +1,10 @@
 //! Pieces the pages share.
 
 pub mod loss_chart;
+pub mod memory_bars;
+pub mod memory_section;
+pub mod memory_timeline;
+pub mod plan_panel;
 pub mod progress;
 pub mod ring_view;
 pub mod spec_view;

@@ -3,9 +3,12 @@
 //! REST endpoints fill in the rest (spec, timestamps) and cover a missed stream.
 //! Once the ranks have stored their traces the page shows their timeline and links
 //! to the ring replay; a collective demo shows its checked result instead of a loss.
+//! A training run shows every rank's memory: the planner's prediction from the start,
+//! the measured memory next to it once the run has ended and its ranks reported it.
 
 use std::time::Duration;
 
+use distlab_common::memory::MemoryView;
 use distlab_common::trace::ExperimentTrace;
 use distlab_common::{
     CollectiveCheck, DemoOp, ExperimentSpec, ExperimentStatus, ExperimentView, LogLevel, LogLine, MetricPoint,
@@ -17,6 +20,7 @@ use leptos_router::hooks::use_params_map;
 
 use crate::api::{self, EventStream};
 use crate::components::loss_chart::{LossChart, Reference};
+use crate::components::memory_section::{predicted_only, MemorySection};
 use crate::components::progress::ProgressBar;
 use crate::components::spec_view::{one_line, SpecView};
 use crate::components::status_badge::StatusBadge;
@@ -67,6 +71,8 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
     let action_error = RwSignal::new(None::<String>);
     let now = RwSignal::new(format::now_ms());
     let trace = RwSignal::new(None::<ExperimentTrace>);
+    // The server's memory view; fetched with the trace (the memory comes with the traces).
+    let memory = RwSignal::new(None::<MemoryView>);
     // One trace request at a time; a request asked for meanwhile runs after it.
     let trace_loading = StoredValue::new(false);
     let trace_again = StoredValue::new(false);
@@ -102,9 +108,11 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
         }
     });
 
+    /// Fetches the traces and the memory view, which is built from them.
     fn load_trace(
         id: i64,
         trace: RwSignal<Option<ExperimentTrace>>,
+        memory: RwSignal<Option<MemoryView>>,
         loading: StoredValue<bool>,
         again: StoredValue<bool>,
     ) {
@@ -122,6 +130,11 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                         break;
                     }
                 }
+                if let Ok(m) = api::get_memory(id).await {
+                    if memory.try_set(Some(m)).is_some() {
+                        break;
+                    }
+                }
                 if !again.get_value() {
                     break;
                 }
@@ -129,7 +142,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
             loading.set_value(false);
         });
     }
-    let load_trace = move || load_trace(id, trace, trace_loading, trace_again);
+    let load_trace = move || load_trace(id, trace, memory, trace_loading, trace_again);
     // Ranks store their traces at the end of a run: fetch once it has finished (and
     // again for any trace that arrives after that).
     Effect::new(move |fetched: Option<bool>| {
@@ -217,6 +230,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
         Some(Ok(view)) => {
             let spec = view.spec.clone();
             let view_spec = spec.clone();
+            let memory_spec = spec.clone();
             let total = spec.train.steps;
             let vocab = spec.model.vocab.max(1) as f64;
             let name = view.name.clone();
@@ -384,6 +398,15 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                         </section>
                     })
                 }}
+
+                {spec_demo_none(&memory_spec).then(|| {
+                    let predicted = predicted_only(&memory_spec);
+                    let shown = Signal::derive(move || memory.get().or_else(|| predicted.clone()));
+                    // "Finished" for the card once the server's view of the ended run is here.
+                    let finished =
+                        Signal::derive(move || status_now.get().is_finished() && memory.with(Option::is_some));
+                    view! { <MemorySection view=shown finished=finished/> }
+                })}
 
                 <section class="card">
                     <h2>"Spec"</h2>

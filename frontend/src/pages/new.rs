@@ -4,16 +4,21 @@
 //! and the submit button stays disabled until the spec is valid. The server remains
 //! the authority: its 422 field errors are shown the same way.
 //!
+//! Below the form, the planner's prediction for the current spec (memory per rank by
+//! category, communication per step, bubble, FLOPs) follows every change, computed in
+//! the browser by the same planner the server runs (`components::plan_panel`).
+//!
 //! The "collective demo" section is optional: its checkbox (ticked by the all-reduce
 //! preset) adds `demo` to the spec, and the sections only training uses are greyed out.
 
 use distlab_common::presets::{presets, Preset};
-use distlab_common::{CollectiveDemo, DemoOp, ExperimentSpec, FieldError, Limits, Precision, Sharding};
+use distlab_common::{CollectiveDemo, DemoOp, ExperimentSpec, FieldError, Limits, Precision};
 use leptos::prelude::*;
 use leptos_router::hooks::use_navigate;
 use serde_json::{Map, Value};
 
 use crate::api::{self, RequestError};
+use crate::components::plan_panel::{next_state, PlanPanel, PlanState};
 use crate::format;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -189,6 +194,8 @@ fn field_texts(spec: &ExperimentSpec) -> Vec<String> {
 struct Checked {
     spec: Option<ExperimentSpec>,
     errors: Vec<FieldError>,
+    /// Every field's text parsed (a field that did not is filled with its default in `spec`).
+    complete: bool,
 }
 
 /// Turns the texts into a spec and checks it with the server's own rules; the demo
@@ -223,17 +230,18 @@ fn check(texts: &[(&'static FieldDef, String)], demo: bool) -> Checked {
         }
     }
     let unparsed: Vec<String> = errors.iter().map(|e| e.field.clone()).collect();
+    let complete = unparsed.is_empty();
     match ExperimentSpec::from_json_value(Value::Object(root)) {
         Ok(spec) => {
             if let Err(found) = spec.validate(&Limits::default()) {
                 // A field that did not parse was filled with its default: say nothing more about it.
                 errors.extend(found.into_iter().filter(|e| !unparsed.contains(&e.field)));
             }
-            Checked { spec: Some(spec), errors }
+            Checked { spec: Some(spec), errors, complete }
         }
         Err(found) => {
             errors.extend(found);
-            Checked { spec: None, errors }
+            Checked { spec: None, errors, complete: false }
         }
     }
 }
@@ -257,12 +265,6 @@ fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
     if spec.parallel.tp > 1 {
         out.push(format!("tp={}", spec.parallel.tp));
-    }
-    if spec.parallel.pp > 1 {
-        out.push(format!("pp={}", spec.parallel.pp));
-    }
-    if spec.parallel.sharding != Sharding::None {
-        out.push(format!("sharding={}", spec.parallel.sharding.as_str()));
     }
     if spec.train.precision != Precision::Fp32 {
         out.push(format!("precision={}", spec.train.precision.as_str()));
@@ -305,6 +307,10 @@ pub fn NewExperiment() -> impl IntoView {
         messages
     };
     let is_valid = move || checked.with(|c| c.errors.is_empty() && c.spec.is_some());
+    // The planner's view of the current spec; half-typed text keeps the last plan.
+    let plan_state = Memo::new(move |prev: Option<&PlanState>| {
+        checked.with(|c| next_state(prev, c.spec.as_ref().filter(|_| c.complete)))
+    });
 
     let apply_preset = move |preset: &Preset| {
         let texts = field_texts(&preset.spec);
@@ -457,14 +463,16 @@ pub fn NewExperiment() -> impl IntoView {
             <p class="muted">"Start from a preset, then change anything. Every change is checked at once with the server's own rules."</p>
             <div class="presets" id="presets">{preset_buttons}</div>
             <p class="note" id="support-note">
-                "Note: the current worker runs data parallelism (dp ranks as processes, DDP) on the CPU in fp32. "
-                "Tensor or pipeline parallelism, sharding (ZeRO, FSDP) or a precision other than fp32 are accepted "
+                "Note: the current worker runs data parallelism (dp ranks as processes: DDP, ZeRO-1, ZeRO-2 or FSDP) "
+                "and pipeline parallelism (GPipe, 1F1B) on the CPU in fp32. "
+                "Tensor parallelism or a precision other than fp32 are accepted "
                 "here but may be answered \"not yet supported\" when they run."
             </p>
         </section>
         <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>
             {sections}
             <Summary checked=checked/>
+            {move || (!demo_on.get()).then(|| view! { <PlanPanel state=plan_state/> })}
             {move || {
                 let list = other_errors();
                 (!list.is_empty())
