@@ -152,6 +152,9 @@ pub struct Span {
     pub bucket: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
+    /// The micro-batch a forward or backward span ran (pipeline timelines number them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro: Option<u32>,
 }
 
 /// Everything one rank recorded: its timeline (the first `span_steps` steps) and its

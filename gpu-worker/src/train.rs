@@ -173,7 +173,7 @@ pub struct Trainer {
 pub const SPAN_STEPS: u64 = 3;
 
 fn span(kind: SpanKind, name: String, step: u64, lane: &str, start_us: u64, end_us: u64, layer: Option<u32>) -> Span {
-    Span { kind, name, step, lane: lane.into(), start_us, end_us, layer, bucket: None, bytes: None }
+    Span { kind, name, step, lane: lane.into(), start_us, end_us, layer, bucket: None, bytes: None, micro: None }
 }
 
 impl Trainer {
@@ -304,15 +304,10 @@ impl Trainer {
                     loss_sum += self.model.forward_stage(be, &mut state, slot, input, &self.targets)?;
                     if record {
                         let end = now_us();
-                        state.spans.push(span(
-                            SpanKind::Forward,
-                            format!("forward {micro}"),
-                            step,
-                            "compute",
-                            start,
-                            end,
-                            None,
-                        ));
+                        let mut pass =
+                            span(SpanKind::Forward, format!("forward {micro}"), step, "compute", start, end, None);
+                        pass.micro = Some(micro as u32);
+                        state.spans.push(pass);
                     }
                     if let (Some(links), false) = (&mut self.links, last) {
                         links.send(self.model.output(slot), stage + 1);
@@ -323,15 +318,10 @@ impl Trainer {
                     self.model.backward_stage(be, &mut state, slot, &self.inputs, &self.targets, grad, dloss)?;
                     if record && stages > 1 {
                         let end = now_us();
-                        state.spans.push(span(
-                            SpanKind::Backward,
-                            format!("backward {micro}"),
-                            step,
-                            "compute",
-                            start,
-                            end,
-                            None,
-                        ));
+                        let mut pass =
+                            span(SpanKind::Backward, format!("backward {micro}"), step, "compute", start, end, None);
+                        pass.micro = Some(micro as u32);
+                        state.spans.push(pass);
                     }
                     if let (Some(links), false) = (&mut self.links, first) {
                         links.send(self.model.input_grad(), stage - 1);

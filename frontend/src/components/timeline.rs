@@ -420,6 +420,7 @@ mod tests {
             layer: None,
             bucket: None,
             bytes: Some(1024),
+            micro: None,
         }
     }
 

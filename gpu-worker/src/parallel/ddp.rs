@@ -210,6 +210,7 @@ pub fn comm_span(name: &str, step: u64, start_us: u64, bytes: u64) -> Span {
         layer: None,
         bucket: None,
         bytes: Some(bytes),
+        micro: None,
     }
 }
 
@@ -419,6 +420,7 @@ fn communication_thread(
             layer: None,
             bucket: Some(bucket as u32),
             bytes: Some((sizes[bucket] * 4) as u64),
+            micro: None,
         };
         let failed = result.is_err();
         if tx.send(Reduced { bucket, data, span, result }).is_err() || failed {
