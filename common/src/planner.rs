@@ -120,6 +120,7 @@ pub struct RankMemory {
     pub activations: u64,
     /// Backward's activation-gradient buffers (one set, reused by every block).
     pub activation_grads: u64,
+    /// Pipeline stages: their receive buffers (input activation, output gradient).
     /// Gradients waiting for a collective: DDP and ZeRO-1 copy every gradient bucket for
     /// the communication thread (one more gradient's worth, when dp > 1); ZeRO-2 and FSDP
     /// hold one unit's gradient until it is reduce-scattered.
@@ -414,6 +415,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             Sharding::None | Sharding::Zero1 => 0,
             Sharding::Zero2 | Sharding::Fsdp => largest_unit.saturating_mul(per_param.gradients),
         };
+        // A pipeline stage receives into one activation buffer (all but the first) and one
+        // output-gradient buffer (all but the last). Copies queued for sending come on top,
+        // as many as the schedule runs ahead of the neighbour: not predicted.
+        let receive_buffers = u64::from(!first) + u64::from(!last);
+        let comm_buffers =
+            comm_buffers.saturating_add(receive_buffers.saturating_mul(rows_d).saturating_mul(act_bytes));
 
         // Activations (elements). Every stage keeps its input per micro-batch (the first
         // stage: the embedding output; the others: what the previous stage sent); the last

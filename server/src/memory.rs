@@ -203,7 +203,13 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
         }
         Category::CommBuffers => {
             let held = if more { "held more" } else { "held less" };
-            match p.sharding {
+            let pipeline = if p.pp > 1 {
+                "; with pp > 1 it adds the stage's receive buffers, while activations and gradients queued for \
+                 sending to a neighbour (as many as the schedule runs ahead) come on top and are not predicted"
+            } else {
+                ""
+            };
+            let reason = match p.sharding {
                 Sharding::None | Sharding::Zero1 => format!(
                     "with sharding={} the planner counts the gradient buckets copied for the communication thread: \
                      one more gradient's worth when dp > 1, none with dp = 1 (this run has dp={}); the engine's \
@@ -216,7 +222,8 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
                      reduce-scattered; the engine {held} waiting for its collectives at once",
                     p.sharding.as_str()
                 ),
-            }
+            };
+            format!("{reason}{pipeline}")
         }
     }
 }

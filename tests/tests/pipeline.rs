@@ -81,6 +81,8 @@ fn one_f_one_b_holds_fewer_activations_than_gpipe() {
                 assert_eq!(measured.activations, stage.activations, "{schedule:?} rank {}", r.rank);
                 assert_eq!(measured.activation_grads, stage.activation_grads, "{schedule:?} rank {}", r.rank);
                 assert_eq!(measured.parameters, stage.parameters, "{schedule:?} rank {}", r.rank);
+                // Receive buffers are predicted; copies queued for sending come on top.
+                assert!(measured.comm_buffers >= stage.comm_buffers, "{schedule:?} rank {}", r.rank);
                 measured.activations
             })
             .collect::<Vec<u64>>()
