@@ -8,11 +8,13 @@
 //! Buffers are split into W chunks for the ring; when W does not divide the length the
 //! first `len % W` chunks are one element longer (`chunk_range`).
 
+pub mod alone;
 pub mod cma;
 pub mod ring;
 pub mod shm;
 pub mod transport;
 
+pub use alone::Alone;
 pub use ring::RingCommunicator;
 pub use shm::SharedBuffer;
 pub use transport::{Mesh, RendezvousError};

@@ -153,16 +153,6 @@ impl ParamLayout {
         Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors: b.tensors, total: b.next }
     }
 
-    /// The ranges of the parameter buffer whose gradients backward finishes together,
-    /// in the order it finishes them: LM head + final LayerNorm, blocks last to first,
-    /// embeddings. Each range sits right before the previous one in the buffer.
-    pub fn backward_units(&self) -> Vec<Range<usize>> {
-        let layers = self.blocks.len();
-        let mut units: Vec<Unit> = Unit::all(layers).collect();
-        units.reverse();
-        units.into_iter().map(|u| u.range(self)).collect()
-    }
-
     /// Parameters of one block (they are contiguous).
     pub fn block_len(&self) -> usize {
         self.blocks.first().map_or(0, |b| b.fc_proj_b.end - b.ln1_g.start)

@@ -24,21 +24,6 @@ pub enum Unit {
 }
 
 impl Unit {
-    /// Position in buffer order (embeddings 0, block l at 1 + l, head last).
-    pub fn index(self, layers: usize) -> usize {
-        match self {
-            Unit::Embeddings => 0,
-            Unit::Block(l) => 1 + l,
-            Unit::Head => layers + 1,
-        }
-    }
-
-    /// Position in the order backward finishes units (head 0, last block 1, ..., embeddings
-    /// L + 1): the readiness units of `ParamLayout::backward_units`.
-    pub fn backward_index(self, layers: usize) -> usize {
-        layers + 1 - self.index(layers)
-    }
-
     /// Every unit in buffer order.
     pub fn all(layers: usize) -> impl Iterator<Item = Unit> {
         std::iter::once(Unit::Embeddings).chain((0..layers).map(Unit::Block)).chain(std::iter::once(Unit::Head))
