@@ -8,6 +8,74 @@ use serde::{Deserialize, Serialize};
 
 use crate::planner::{Plan, RankMemory};
 
+/// One category of [`RankMemory`] (`total` is their sum, not a category).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryCategory {
+    Parameters,
+    Gradients,
+    OptimizerState,
+    /// FSDP: a unit's full parameters, gathered for its forward or backward.
+    GatheredParameters,
+    /// Tensors forward keeps for backward.
+    Activations,
+    /// Backward's activation-gradient scratch.
+    ActivationGrads,
+    /// What waits for a collective or a neighbour (DDP buckets, a unit's gradient before its
+    /// reduce-scatter, a pipeline stage's receive buffers and queued sends).
+    CommBuffers,
+}
+
+impl MemoryCategory {
+    /// Every category, model state first (the order bars stack them).
+    pub const ALL: [MemoryCategory; 7] = [
+        MemoryCategory::Parameters,
+        MemoryCategory::Gradients,
+        MemoryCategory::OptimizerState,
+        MemoryCategory::GatheredParameters,
+        MemoryCategory::Activations,
+        MemoryCategory::ActivationGrads,
+        MemoryCategory::CommBuffers,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryCategory::Parameters => "parameters",
+            MemoryCategory::Gradients => "gradients",
+            MemoryCategory::OptimizerState => "optimizer state",
+            MemoryCategory::GatheredParameters => "gathered parameters",
+            MemoryCategory::Activations => "activations",
+            MemoryCategory::ActivationGrads => "activation gradients",
+            MemoryCategory::CommBuffers => "communication buffers",
+        }
+    }
+
+    /// Its bytes in `m`.
+    pub fn of(self, m: &RankMemory) -> u64 {
+        match self {
+            MemoryCategory::Parameters => m.parameters,
+            MemoryCategory::Gradients => m.gradients,
+            MemoryCategory::OptimizerState => m.optimizer_state,
+            MemoryCategory::GatheredParameters => m.gathered_parameters,
+            MemoryCategory::Activations => m.activations,
+            MemoryCategory::ActivationGrads => m.activation_grads,
+            MemoryCategory::CommBuffers => m.comm_buffers,
+        }
+    }
+
+    /// Its field in `m`.
+    pub fn field(self, m: &mut RankMemory) -> &mut u64 {
+        match self {
+            MemoryCategory::Parameters => &mut m.parameters,
+            MemoryCategory::Gradients => &mut m.gradients,
+            MemoryCategory::OptimizerState => &mut m.optimizer_state,
+            MemoryCategory::GatheredParameters => &mut m.gathered_parameters,
+            MemoryCategory::Activations => &mut m.activations,
+            MemoryCategory::ActivationGrads => &mut m.activation_grads,
+            MemoryCategory::CommBuffers => &mut m.comm_buffers,
+        }
+    }
+}
+
 /// One point of a rank's memory timeline, taken at an op boundary of the first steps.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MemorySample {

@@ -12,42 +12,7 @@ use distlab_common::planner::RankMemory;
 use crate::trace::now_us;
 
 /// What a buffer holds (the planner's categories).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Category {
-    Parameters,
-    Gradients,
-    OptimizerState,
-    /// FSDP: a unit's full parameters, gathered for its forward or backward.
-    GatheredParameters,
-    /// Tensors forward keeps for backward.
-    Activations,
-    /// Backward's activation-gradient scratch.
-    ActivationGrads,
-    /// Gradients on their way to a collective (DDP buckets, a unit awaiting reduce-scatter).
-    CommBuffers,
-}
-
-fn field(memory: &mut RankMemory, category: Category) -> &mut u64 {
-    match category {
-        Category::Parameters => &mut memory.parameters,
-        Category::Gradients => &mut memory.gradients,
-        Category::OptimizerState => &mut memory.optimizer_state,
-        Category::GatheredParameters => &mut memory.gathered_parameters,
-        Category::Activations => &mut memory.activations,
-        Category::ActivationGrads => &mut memory.activation_grads,
-        Category::CommBuffers => &mut memory.comm_buffers,
-    }
-}
-
-const CATEGORIES: [Category; 7] = [
-    Category::Parameters,
-    Category::Gradients,
-    Category::OptimizerState,
-    Category::GatheredParameters,
-    Category::Activations,
-    Category::ActivationGrads,
-    Category::CommBuffers,
-];
+pub use distlab_common::memory::MemoryCategory as Category;
 
 #[derive(Default)]
 struct Ledger {
@@ -91,12 +56,12 @@ impl MemoryTracker {
 
     fn change(&self, category: Category, bytes: u64, grow: bool) {
         let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
-        let now = field(&mut ledger.current, category);
+        let now = category.field(&mut ledger.current);
         *now = if grow { *now + bytes } else { now.saturating_sub(bytes) };
         let value = *now;
-        let total = CATEGORIES.iter().map(|&c| *field(&mut ledger.current, c)).sum();
+        let total = Category::ALL.iter().map(|c| c.of(&ledger.current)).sum();
         ledger.current.total = total;
-        let peak = field(&mut ledger.peak, category);
+        let peak = category.field(&mut ledger.peak);
         *peak = (*peak).max(value);
         ledger.peak.total = ledger.peak.total.max(total);
     }

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use axum::extract::{Path, State};
 use axum::Json;
-use distlab_common::memory::{MemoryView, RankMemoryReport, RankMemoryView};
+use distlab_common::memory::{MemoryCategory as Category, MemoryView, RankMemoryReport, RankMemoryView};
 use distlab_common::planner::{self, Plan, RankMemory};
 use distlab_common::{Checkpointing, ExperimentSpec, Sharding};
 use serde::Deserialize;
@@ -73,59 +73,11 @@ pub fn view(spec: &ExperimentSpec, plan: Plan, mut measured: BTreeMap<i64, RankM
     MemoryView { ranks, plan }
 }
 
-/// One memory category of [`RankMemory`] (`total` is not one).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Category {
-    Parameters,
-    Gradients,
-    OptimizerState,
-    GatheredParameters,
-    Activations,
-    ActivationGrads,
-    CommBuffers,
-}
-
-const CATEGORIES: [Category; 7] = [
-    Category::Parameters,
-    Category::Gradients,
-    Category::OptimizerState,
-    Category::GatheredParameters,
-    Category::Activations,
-    Category::ActivationGrads,
-    Category::CommBuffers,
-];
-
-impl Category {
-    fn name(self) -> &'static str {
-        match self {
-            Category::Parameters => "parameters",
-            Category::Gradients => "gradients",
-            Category::OptimizerState => "optimizer state",
-            Category::GatheredParameters => "gathered parameters",
-            Category::Activations => "activations",
-            Category::ActivationGrads => "activation gradients",
-            Category::CommBuffers => "communication buffers",
-        }
-    }
-
-    fn of(self, m: &RankMemory) -> u64 {
-        match self {
-            Category::Parameters => m.parameters,
-            Category::Gradients => m.gradients,
-            Category::OptimizerState => m.optimizer_state,
-            Category::GatheredParameters => m.gathered_parameters,
-            Category::Activations => m.activations,
-            Category::ActivationGrads => m.activation_grads,
-            Category::CommBuffers => m.comm_buffers,
-        }
-    }
-}
-
 /// One line per category whose measured peak differs from the planner's prediction, in
 /// the order of [`RankMemory`]'s fields: "activations: measured 3.20 MiB, planner
 /// 3.06 MiB (+147456 B, +4.7%): ...why". Equal categories give no line; `total` never does.
 pub fn differences(measured: &RankMemory, predicted: &RankMemory, spec: &ExperimentSpec) -> Vec<String> {
-    CATEGORIES
+    Category::ALL
         .iter()
         .filter_map(|&c| {
             let (m, p) = (c.of(measured), c.of(predicted));

@@ -23,31 +23,24 @@ const AXIS_H: f64 = 30.0;
 /// Segments narrower than this get no text inside (their title still tells).
 const LABEL_MIN_W: f64 = 84.0;
 
-/// One category of [`RankMemory`] (`total` is their sum, not a category).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Category {
-    Parameters,
-    Gradients,
-    OptimizerState,
-    GatheredParameters,
-    Activations,
-    ActivationGrads,
-    CommBuffers,
-}
+/// The categories of [`RankMemory`] (shared with the server and the worker).
+pub use distlab_common::memory::MemoryCategory as Category;
 
 /// Every category, in the order the bars stack them (model state first).
-pub const CATEGORIES: [Category; 7] = [
-    Category::Parameters,
-    Category::Gradients,
-    Category::OptimizerState,
-    Category::GatheredParameters,
-    Category::Activations,
-    Category::ActivationGrads,
-    Category::CommBuffers,
-];
+pub const CATEGORIES: [Category; 7] = Category::ALL;
 
-impl Category {
-    pub fn name(self) -> &'static str {
+/// How the page shows a category.
+pub trait Look {
+    /// For the legend and titles.
+    fn label(self) -> &'static str;
+    /// For text inside a segment.
+    fn short(self) -> &'static str;
+    /// The CSS class that colours it (`.mem-activations`).
+    fn class(self) -> &'static str;
+}
+
+impl Look for Category {
+    fn label(self) -> &'static str {
         match self {
             Category::Parameters => "parameters",
             Category::Gradients => "gradients",
@@ -59,7 +52,6 @@ impl Category {
         }
     }
 
-    /// For text inside a segment.
     fn short(self) -> &'static str {
         match self {
             Category::Parameters => "params",
@@ -72,8 +64,7 @@ impl Category {
         }
     }
 
-    /// The CSS class that colours it (`.mem-activations`).
-    pub fn class(self) -> &'static str {
+    fn class(self) -> &'static str {
         match self {
             Category::Parameters => "mem-parameters",
             Category::Gradients => "mem-gradients",
@@ -82,18 +73,6 @@ impl Category {
             Category::Activations => "mem-activations",
             Category::ActivationGrads => "mem-activation-grads",
             Category::CommBuffers => "mem-comm",
-        }
-    }
-
-    pub fn of(self, m: &RankMemory) -> u64 {
-        match self {
-            Category::Parameters => m.parameters,
-            Category::Gradients => m.gradients,
-            Category::OptimizerState => m.optimizer_state,
-            Category::GatheredParameters => m.gathered_parameters,
-            Category::Activations => m.activations,
-            Category::ActivationGrads => m.activation_grads,
-            Category::CommBuffers => m.comm_buffers,
         }
     }
 }
@@ -210,7 +189,7 @@ impl BarsModel {
                         at = at.saturating_add(bytes);
                         let w = (sx(at as f64) - x).max(1.0);
                         let title =
-                            format!("{} · {} · {}: {}", bar.owner, bar.label, c.name(), format::bytes_exact(bytes));
+                            format!("{} · {} · {}: {}", bar.owner, bar.label, c.label(), format::bytes_exact(bytes));
                         let text = format!("{} {}", c.short(), format::bytes(bytes as f64));
                         let label = (w >= LABEL_MIN_W && text.len() as f64 * 6.2 <= w - 8.0).then_some(text);
                         Some(SegmentBox { x, w, class: c.class(), title, label })
@@ -250,7 +229,7 @@ impl BarsModel {
 pub fn MemoryLegend(#[prop(optional)] planner_only: bool) -> impl IntoView {
     let items = CATEGORIES
         .iter()
-        .map(|c| view! { <span class="legend-item"><span class=format!("swatch {}", c.class())></span>{c.name()}</span> })
+        .map(|c| view! { <span class="legend-item"><span class=format!("swatch {}", c.class())></span>{c.label()}</span> })
         .collect_view();
     view! {
         <div class="legend memory-legend">

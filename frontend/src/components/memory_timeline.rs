@@ -12,7 +12,7 @@ use distlab_common::memory::MemorySample;
 use leptos::prelude::*;
 
 use crate::components::loss_chart::nice_step;
-use crate::components::memory_bars::{byte_ticks, sum_of_categories, CATEGORIES};
+use crate::components::memory_bars::{byte_ticks, sum_of_categories, Look, CATEGORIES};
 use crate::format;
 
 const WIDTH: f64 = 1000.0;
@@ -110,7 +110,7 @@ impl MemoryTimelineModel {
                 for c in CATEGORIES {
                     let b = c.of(&s.bytes);
                     if b > 0 {
-                        title.push_str(&format!("\n{}: {}", c.name(), format::bytes(b as f64)));
+                        title.push_str(&format!("\n{}: {}", c.label(), format::bytes(b as f64)));
                     }
                 }
                 Column { x: xs[i], w: (xs[next] - xs[i]).max(0.5), title }
