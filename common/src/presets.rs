@@ -32,6 +32,15 @@ pub fn presets() -> Vec<Preset> {
     ring.parallel.dp = 4;
     ring.demo = Some(CollectiveDemo { op: DemoOp::AllReduce, elements: 16 });
 
+    let mut pipeline = ExperimentSpec { name: "pipeline-1f1b".into(), ..ExperimentSpec::default() };
+    pipeline.model = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    pipeline.parallel.pp = 4;
+    pipeline.parallel.pp_schedule = PpSchedule::OneFOneB;
+    pipeline.train.micro_batch = 2;
+    pipeline.train.micro_batches = 8;
+    pipeline.train.steps = 10;
+    pipeline.train.warmup_steps = 2;
+
     vec![
         Preset {
             key: "tiny",
@@ -62,6 +71,12 @@ pub fn presets() -> Vec<Preset> {
             title: "All-reduce demo (4 ranks, 16 numbers)",
             description: "No training: 4 rank processes all-reduce a 16-element vector over the ring. Rank r starts with (r+1)*100 + i, so every chunk of the replay can be checked by hand.",
             spec: ring,
+        },
+        Preset {
+            key: "pipeline",
+            title: "GPipe vs 1F1B (4 stages, 8 micro-batches)",
+            description: "4 layers cut into 4 pipeline stages, one rank each, 8 micro-batches per step, 1F1B schedule. Resubmit it with pp_schedule \"gpipe\" and compare the two on the pipeline page: same bubble formula (P-1)/(M+P-1), different activation memory.",
+            spec: pipeline,
         },
     ]
 }

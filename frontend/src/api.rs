@@ -40,6 +40,11 @@ pub async fn list_experiments(limit: u32) -> ApiResult<ExperimentList> {
     get_json(&format!("/api/experiments?limit={limit}")).await
 }
 
+/// The newest finished-with-success experiments (for "compare with" lists).
+pub async fn list_succeeded(limit: u32) -> ApiResult<ExperimentList> {
+    get_json(&format!("/api/experiments?status=succeeded&limit={limit}")).await
+}
+
 pub async fn get_experiment(id: i64) -> ApiResult<ExperimentView> {
     get_json(&format!("/api/experiments/{id}")).await
 }

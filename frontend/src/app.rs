@@ -8,7 +8,9 @@ use leptos_router::components::{Route, Router, Routes, A};
 use leptos_router::path;
 
 use crate::api;
-use crate::pages::{experiment::ExperimentPage, list::ExperimentList, new::NewExperiment, ring::RingReplayPage};
+use crate::pages::{
+    experiment::ExperimentPage, list::ExperimentList, new::NewExperiment, pipeline::PipelinePage, ring::RingReplayPage,
+};
 
 #[component]
 pub fn App() -> impl IntoView {
@@ -31,6 +33,7 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/new") view=NewExperiment/>
                     <Route path=path!("/experiments/:id") view=ExperimentPage/>
                     <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
+                    <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>
                 </Routes>
             </main>
             <footer class="footer">

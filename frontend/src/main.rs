@@ -11,6 +11,7 @@ mod app;
 mod components;
 mod format;
 mod pages;
+mod pipeline;
 mod ring_replay;
 
 fn main() {

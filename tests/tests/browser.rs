@@ -174,6 +174,71 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
     result
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_schedule_gpipe_next_to_1f1b() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let lab = Lab::start();
+    let driver = ChromeDriver::start()?;
+    let client = driver.connect().await?;
+    let result = pipeline_scenario(&client, &lab).await;
+    if result.is_err() {
+        let _ = save_screenshot(&client, "failure-pipeline.png").await;
+    }
+    let _ = client.close().await;
+    result
+}
+
+/// The pipeline preset (pp=4, 1F1B, M=8) and a GPipe copy, then the 1F1B run's pipeline
+/// page: 4 stage rows of 2M numbered boxes, the measured bubble next to the formula, and
+/// the GPipe run drawn below it for comparison.
+async fn pipeline_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "pipeline").context("preset")?;
+    let one_f_one_b = lab.submit(&preset.spec);
+    let mut gpipe_spec = preset.spec.clone();
+    gpipe_spec.name = "pp-gpipe".into();
+    gpipe_spec.parallel.pp_schedule = distlab_common::PpSchedule::Gpipe;
+    let gpipe = lab.submit(&gpipe_spec);
+    for id in [one_f_one_b, gpipe] {
+        let exp = lab.wait_finished(id, Duration::from_secs(120));
+        ensure!(exp.status == ExperimentStatus::Succeeded, "the pipeline run did not succeed: {exp:?}");
+    }
+    let m = preset.spec.train.micro_batches;
+
+    c.goto(&lab.url(&format!("/experiments/{one_f_one_b}"))).await?;
+    wait_for(c, "the pipeline link", Duration::from_secs(30), || exists(c, "a[href$='/pipeline']")).await?;
+    c.goto(&lab.url(&format!("/experiments/{one_f_one_b}/pipeline"))).await?;
+    wait_for(c, "the schedule", Duration::from_secs(30), || exists(c, "#pipeline-main-svg g.pp-row[data-stage='3']"))
+        .await?;
+    let rows = js(c, "return document.querySelectorAll(arguments[0]).length;", "#pipeline-main-svg g.pp-row").await?;
+    ensure!(rows == json!(4), "4 stage rows, not {rows}");
+    for stage in 0..4 {
+        let boxes = js(
+            c,
+            "return document.querySelectorAll(arguments[0]).length;",
+            &format!("#pipeline-main-svg g.pp-row[data-stage='{stage}'] g.pp-span"),
+        )
+        .await?;
+        ensure!(boxes == json!(2 * m), "stage {stage}: {boxes} boxes, not 2M = {}", 2 * m);
+    }
+    ensure!(text(c, "#pipeline-main .measured-bubble").await?.ends_with('%'));
+    ensure!(text(c, "#pipeline-main .formula-bubble").await? == "27.3%", "(4-1)/(8+4-1)");
+
+    c.execute(
+        "const e = document.getElementById('pipeline-compare'); e.value = arguments[0]; \
+         e.dispatchEvent(new Event('change', {bubbles: true}));",
+        vec![json!(gpipe.to_string())],
+    )
+    .await?;
+    wait_for(c, "the GPipe run to compare", Duration::from_secs(30), || {
+        exists(c, "#pipeline-compare-chart-svg g.pp-row[data-stage='3']")
+    })
+    .await?;
+    save_element(c, "#pipeline-card", "pipeline.png").await?;
+    Ok(())
+}
+
 /// The planner's numbers on /new follow dp and sharding as they change, keep the last
 /// plan while a field is half-typed, and give way to its field errors for a spec that
 /// cannot exist.

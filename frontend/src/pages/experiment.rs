@@ -379,6 +379,12 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                                 " " {format!("{n} collective{} recorded step by step", if n == 1 { "" } else { "s" })}
                             </p>
                         })}
+                    {(spec.parallel.pp > 1).then(|| view! {
+                        <p class="replay-line">
+                            <A href=format!("/experiments/{id}/pipeline") attr:class="button" attr:id="pipeline-link">"Pipeline schedule →"</A>
+                            " " {format!("{} stages, {} schedule: every forward and backward, and the bubble", spec.parallel.pp, if spec.parallel.pp_schedule == distlab_common::spec::PpSchedule::Gpipe { "GPipe" } else { "1F1B" })}
+                        </p>
+                    })}
                 </section>
 
                 {move || {

@@ -4,4 +4,5 @@
 pub mod experiment;
 pub mod list;
 pub mod new;
+pub mod pipeline;
 pub mod ring;

@@ -1,0 +1,179 @@
+//! `/experiments/:id/pipeline`: the pipeline schedule of one step, its measured bubble
+//! next to the formula (P-1)/(M+P-1), and the same for another finished run of the
+//! same model and pp with the other schedule (GPipe vs 1F1B).
+
+use distlab_common::spec::PpSchedule;
+use distlab_common::trace::ExperimentTrace;
+use distlab_common::ExperimentView;
+use leptos::prelude::*;
+use leptos_router::components::A;
+use leptos_router::hooks::use_params_map;
+
+use crate::api;
+use crate::components::pipeline_chart::PipelineChart;
+use crate::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
+
+#[component]
+pub fn PipelinePage() -> impl IntoView {
+    let params = use_params_map();
+    let id = Memo::new(move |_| params.read().get("id").and_then(|s| s.parse::<i64>().ok()));
+    move || match id.get() {
+        Some(id) => view! { <Pipeline id=id/> }.into_any(),
+        None => view! { <section class="card"><p class="alert error">"This is not an experiment id."</p></section> }
+            .into_any(),
+    }
+}
+
+fn schedule_name(s: PpSchedule) -> &'static str {
+    match s {
+        PpSchedule::Gpipe => "GPipe",
+        PpSchedule::OneFOneB => "1F1B",
+    }
+}
+
+/// An experiment and its trace, once both arrived.
+type Loaded = (ExperimentView, ExperimentTrace);
+
+async fn load(id: i64) -> Result<Loaded, String> {
+    let view = api::get_experiment(id).await.map_err(|e| e.message)?;
+    let trace = api::get_trace(id).await.map_err(|e| e.message)?;
+    Ok((view, trace))
+}
+
+#[component]
+fn Pipeline(id: i64) -> impl IntoView {
+    let main = RwSignal::new(None::<Result<Loaded, String>>);
+    let others = RwSignal::new(Vec::<ExperimentView>::new());
+    let compare_id = RwSignal::new(None::<i64>);
+    let compare = RwSignal::new(None::<Result<Loaded, String>>);
+    let step = RwSignal::new(None::<u64>);
+    leptos::task::spawn_local(async move {
+        let loaded = load(id).await;
+        if let Ok((view, trace)) = &loaded {
+            step.try_set(default_step(&recorded_steps(&trace.ranks)));
+            let spec = view.spec.clone();
+            if let Ok(list) = api::list_succeeded(50).await {
+                let same: Vec<ExperimentView> = list
+                    .experiments
+                    .into_iter()
+                    .filter(|e| {
+                        e.id != id
+                            && e.spec.model == spec.model
+                            && e.spec.parallel.pp == spec.parallel.pp
+                            && e.spec.parallel.pp_schedule != spec.parallel.pp_schedule
+                    })
+                    .collect();
+                others.try_set(same);
+            }
+        }
+        main.try_set(Some(loaded));
+    });
+    Effect::new(move |_| {
+        let Some(other) = compare_id.get() else {
+            compare.set(None);
+            return;
+        };
+        leptos::task::spawn_local(async move {
+            let loaded = load(other).await;
+            if compare_id.get_untracked() == Some(other) {
+                compare.try_set(Some(loaded));
+            }
+        });
+    });
+
+    let steps = move || {
+        main.with(|m| {
+            m.as_ref().and_then(|r| r.as_ref().ok()).map(|(_, t)| recorded_steps(&t.ranks)).unwrap_or_default()
+        })
+    };
+    view! {
+        <section class="card" id="pipeline-card">
+            <p><A href=format!("/experiments/{id}")>"← experiment " {id}</A></p>
+            <h1>"Pipeline schedule"</h1>
+            <p class="muted small">
+                "One row per pipeline stage: a box for the forward (F) and the backward (B) of every micro-batch, numbered by micro-batch; "
+                "hatched boxes are waits for a neighbouring stage. The bubble is the share of the step a stage sat idle: "
+                "1 - busy / window, where the window runs from the earliest forward to the latest backward over all stages."
+            </p>
+            <div class="timeline-controls">
+                <label for="pipeline-step">"step "</label>
+                <select id="pipeline-step" on:change=move |ev| step.set(event_target_value(&ev).parse().ok())>
+                    {move || steps().into_iter().map(|s| view! {
+                        <option value=s.to_string() selected=move || step.get() == Some(s)>{format!("step {s}")}</option>
+                    }).collect_view()}
+                </select>
+                <span class="legend">
+                    <span class="legend-item"><span class="swatch span-forward"></span>"forward"</span>
+                    <span class="legend-item"><span class="swatch span-backward"></span>"backward"</span>
+                    <span class="legend-item"><span class="swatch pp-idle"></span>"wait for a neighbour"</span>
+                </span>
+                <label for="pipeline-compare">" compare with "</label>
+                <select id="pipeline-compare" on:change=move |ev| compare_id.set(event_target_value(&ev).parse().ok())>
+                    <option value="">"(none)"</option>
+                    {move || others.get().into_iter().map(|e| view! {
+                        <option value=e.id.to_string()>{format!("#{} {} ({})", e.id, e.name, schedule_name(e.spec.parallel.pp_schedule))}</option>
+                    }).collect_view()}
+                </select>
+            </div>
+            {move || match main.get() {
+                None => view! { <p class="muted">"loading…"</p> }.into_any(),
+                Some(Err(e)) => view! { <p class="alert error">{e}</p> }.into_any(),
+                Some(Ok(loaded)) => view! { <Schedule loaded=loaded step=step.into() dom_id="pipeline-main"/> }.into_any(),
+            }}
+            {move || compare.get().map(|c| match c {
+                Err(e) => view! { <p class="alert error">{e}</p> }.into_any(),
+                Ok(loaded) => view! { <div class="pp-compare"><Schedule loaded=loaded step=step.into() dom_id="pipeline-compare-chart"/></div> }.into_any(),
+            })}
+        </section>
+    }
+}
+
+/// One run's schedule for the selected step, with its bubble table.
+#[component]
+fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> impl IntoView {
+    let (view, trace) = loaded;
+    let spec = view.spec.clone();
+    let p = spec.parallel.pp;
+    let m = spec.train.micro_batches * spec.train.grad_accum;
+    let formula = formula_bubble(p, m);
+    let heading = format!(
+        "#{} {} — {}, P = {p} stages, M = {m} micro-batches",
+        view.id,
+        view.name,
+        schedule_name(spec.parallel.pp_schedule)
+    );
+    let traces = StoredValue::new(trace.ranks);
+    move || {
+        let Some(s) = step.get() else {
+            return view! { <p class="muted">"no spans were recorded"</p> }.into_any();
+        };
+        let rows = traces.with_value(|r| stage_rows(r, s));
+        let stages: Vec<usize> = rows.iter().map(|r| spec.stage_of(r.rank as usize)).collect();
+        let bubble = measured_bubble(&rows);
+        let table = bubble.as_ref().map(|b| {
+            let per_rank = b.per_rank.iter().zip(&stages).map(|((_, busy, share), stage)| view! {
+                <tr><td>{format!("stage {stage}")}</td><td>{format!("{:.2} ms", *busy as f64 / 1000.0)}</td><td>{format!("{:.1}%", share * 100.0)}</td></tr>
+            }).collect_view();
+            view! {
+                <p class="bubble-line">
+                    "measured bubble " <strong class="measured-bubble">{format!("{:.1}%", b.overall * 100.0)}</strong>
+                    " · formula (P-1)/(M+P-1) = " {format!("({p}-1)/({m}+{p}-1) = ")}
+                    <strong class="formula-bubble">{format!("{:.1}%", formula * 100.0)}</strong>
+                    {format!(" · window {:.2} ms", (b.window.1 - b.window.0) as f64 / 1000.0)}
+                </p>
+                <table class="bubble-table small">
+                    <tr><th>"stage"</th><th>"busy (F+B)"</th><th>"bubble"</th></tr>
+                    {per_rank}
+                </table>
+            }
+        });
+        view! {
+            <div class="pp-schedule" id=dom_id>
+                <h3>{heading.clone()}</h3>
+                <PipelineChart rows=rows stages=stages id=format!("{dom_id}-svg")/>
+                {table}
+            </div>
+        }
+        .into_any()
+    }
+}
