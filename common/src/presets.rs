@@ -41,6 +41,20 @@ pub fn presets() -> Vec<Preset> {
     pipeline.train.steps = 10;
     pipeline.train.warmup_steps = 2;
 
+    let mut megatron = ExperimentSpec { name: "megatron-tp2".into(), ..ExperimentSpec::default() };
+    megatron.model = ModelSpec { layers: 2, d_model: 128, heads: 4, seq_len: 64, vocab: 64 };
+    megatron.parallel.tp = 2;
+    megatron.train.micro_batch = 8;
+    megatron.train.steps = 20;
+
+    let mut three_d = ExperimentSpec { name: "3d-dp2-tp2-pp2".into(), ..ExperimentSpec::default() };
+    three_d.model = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    three_d.parallel = ParallelSpec { dp: 2, tp: 2, pp: 2, ..ParallelSpec::default() };
+    three_d.train.micro_batch = 2;
+    three_d.train.micro_batches = 4;
+    three_d.train.steps = 10;
+    three_d.train.warmup_steps = 2;
+
     vec![
         Preset {
             key: "tiny",
@@ -77,6 +91,18 @@ pub fn presets() -> Vec<Preset> {
             title: "GPipe vs 1F1B (4 stages, 8 micro-batches)",
             description: "4 layers cut into 4 pipeline stages, one rank each, 8 micro-batches per step, 1F1B schedule. Resubmit it with pp_schedule \"gpipe\" and compare the two on the pipeline page: same bubble formula (P-1)/(M+P-1), different activation memory.",
             spec: pipeline,
+        },
+        Preset {
+            key: "megatron",
+            title: "Megatron tensor parallel (2 ranks)",
+            description: "Every block split over 2 ranks: each computes 2 of the 4 attention heads and half of the MLP's hidden units. Per block the ranks all-reduce the activations twice going forward and twice going back (the timeline's comm lane); each holds about half of every block's parameters.",
+            spec: megatron,
+        },
+        Preset {
+            key: "3d",
+            title: "3D parallel on 8 ranks (dp2 x tp2 x pp2)",
+            description: "Two replicas of a two-stage pipeline whose stages are each split over two tensor-parallel ranks: TP inside, PP across, DP everywhere. The losses match one rank with the same global batch.",
+            spec: three_d,
         },
     ]
 }

@@ -1,6 +1,6 @@
 //! One rank of a multi-process training run (`distlab-worker rank ... train`): finds its
-//! place in the dp x tp x pp mesh, joins its data-parallel and pipeline groups, trains its
-//! part, reports to the launcher.
+//! place in the dp x tp x pp mesh, joins its data-parallel, pipeline and tensor-parallel
+//! groups, trains its part, reports to the launcher.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use distlab_common::*;
 use distlab_worker::comm::RingCommunicator;
 use distlab_worker::parallel::mesh::Topology;
 use distlab_worker::parallel::pipeline::PipelineGroup;
+use distlab_worker::parallel::tensor::TensorParallel;
 use distlab_worker::parallel::DpGroup;
 use distlab_worker::trace::CommTracer;
 use distlab_worker::train::{train_rank, Groups, TrainOptions, SPAN_STEPS};
@@ -73,6 +74,11 @@ pub fn run(
         None
     };
 
+    // Tensor-parallel partners run every block together: their all-reduces are on the
+    // critical path (not traced step by step: there are four per block per micro-batch).
+    let tp =
+        if p.tp > 1 { Some(TensorParallel::new(Box::new(ring("tp", topology.tp_group(rank), false)?))) } else { None };
+
     let channel = LauncherChannel;
     let fault = fault_from_env().filter(|f| f.rank == rank);
     let mut on_event = |event: RunEvent| {
@@ -86,7 +92,8 @@ pub fn run(
             channel.output(&RankOutput::Event(event));
         }
     };
-    let run = train_rank(spec, &TrainOptions { threads }, Groups { dp, pp }, &mut on_event, &AtomicBool::new(false))?;
+    let run =
+        train_rank(spec, &TrainOptions { threads }, Groups { dp, pp, tp }, &mut on_event, &AtomicBool::new(false))?;
     let trace = RankTrace {
         rank: rank as u32,
         world: world as u32,

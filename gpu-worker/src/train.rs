@@ -27,10 +27,12 @@ use crate::comm::CommError;
 use crate::data::{Data, DataError};
 use crate::memory::MemoryTracker;
 use crate::memory::{Category, Receipt};
+use crate::model::gpt::TensorParallelGroup;
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, StageInput, Unit};
 use crate::optim::{clip_scale, lr_at};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::{self, Action};
+use crate::parallel::tensor::TensorParallel;
 use crate::parallel::{self, Cpu, DpGroup, Strategy};
 use crate::trace::now_us;
 
@@ -75,15 +77,11 @@ fn join_field_errors(errors: &[FieldError]) -> String {
 
 /// Every feature of a valid spec that this worker cannot run yet, one message each.
 pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
-    let p = &spec.parallel;
     let t = &spec.train;
     let mut out = Vec::new();
-    if p.tp > 1 {
-        out.push(format!("parallel.tp={}: tensor parallelism is not yet supported by this worker; use tp=1", p.tp));
-    }
     if t.precision != Precision::Fp32 {
         out.push(format!(
-            "train.precision={}: only fp32 training is supported by this worker so far; use precision=fp32",
+            "train.precision={}: mixed precision is not yet supported by this worker; use precision=fp32",
             t.precision.as_str()
         ));
     }
@@ -114,15 +112,17 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
     out
 }
 
-/// Bytes the engine allocates for `spec`: parameters, gradients, optimizer state
-/// and activations (fp32); what [`train`] checks against the available memory.
+/// Bytes the engine allocates for `spec` on one rank at most: parameters, gradients,
+/// optimizer state (all counted whole) and activations (fp32); what [`train`] checks
+/// against the available memory.
 pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
     let params = spec.model.param_count();
     let optimizer_states = match spec.train.optimizer {
         distlab_common::Optimizer::Adamw => 2,
         distlab_common::Optimizer::Sgd => 0,
     };
-    let activations = Gpt::<CpuBackend<f32>>::activation_floats_for(&spec.model, spec.train.micro_batch) as u64;
+    let activations =
+        Gpt::<CpuBackend<f32>>::activation_floats_for(&spec.model, spec.train.micro_batch, spec.parallel.tp) as u64;
     4u64.saturating_mul(params.saturating_mul(2 + optimizer_states).saturating_add(activations))
 }
 
@@ -184,7 +184,7 @@ impl Trainer {
 
     /// A trainer for one rank of a data-parallel group (`dp`), or the whole run (None).
     pub fn with_data_parallel(spec: &ExperimentSpec, threads: usize, dp: Option<DpGroup>) -> Result<Self, TrainError> {
-        Self::with_groups(spec, threads, Groups { dp, pp: None })
+        Self::with_groups(spec, threads, Groups { dp, ..Groups::default() })
     }
 
     /// A trainer for one rank: its data-parallel group and its pipeline group.
@@ -197,7 +197,8 @@ impl Trainer {
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
         let micro_steps = t.micro_batches * t.grad_accum;
         let slots = schedule::activations_in_flight(spec.parallel.pp_schedule, stages, stage_index, micro_steps);
-        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), slots, &memory);
+        let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<Cpu>>);
+        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), slots, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp)?;
         let activation = t.micro_batch * spec.model.seq_len * spec.model.d_model;
@@ -263,6 +264,9 @@ impl Trainer {
         let last_backward = actions.iter().rposition(|a| matches!(a, Action::Backward { .. }));
 
         self.strategy.begin_step(be, step, record);
+        if let Some(tp) = self.model.tensor_parallel() {
+            tp.begin_step(step, record);
+        }
         let mut loss_sum = 0.0;
         for (index, action) in actions.iter().enumerate() {
             let (Action::Forward { micro } | Action::Backward { micro }) = *action;
@@ -337,6 +341,11 @@ impl Trainer {
             grad_norm_squared = links.sum_scalar(grad_norm_squared)?;
             loss_sum = links.sum_scalar(loss_sum)?;
         }
+        if let Some(tp) = self.model.tensor_parallel() {
+            // Each TP rank holds its slice of the split tensors (replicated ones count
+            // 1/tp each); every TP rank computed the same loss.
+            grad_norm_squared = tp.sum_scalar(grad_norm_squared)?;
+        }
         let grad_norm = grad_norm_squared.max(0.0).sqrt();
         if dp_world > 1 {
             if record {
@@ -379,6 +388,9 @@ impl Trainer {
     pub fn timeline(&self) -> Vec<Span> {
         let mut spans = self.spans.clone();
         spans.extend(self.strategy.comm_spans());
+        if let Some(tp) = &self.model.tp_spans() {
+            spans.extend(tp.iter().cloned());
+        }
         spans.sort_by_key(|s| s.start_us);
         spans
     }
@@ -389,6 +401,7 @@ impl Trainer {
 pub struct Groups {
     pub dp: Option<DpGroup>,
     pub pp: Option<PipelineGroup>,
+    pub tp: Option<TensorParallel>,
 }
 
 /// Buffers a pipeline stage receives into: its input activation (all but the first stage)
@@ -477,9 +490,9 @@ pub fn train(
     if spec.world_size() > 1 {
         let p = &spec.parallel;
         return Err(TrainError::Unsupported(format!(
-            "parallel.dp={} x pp={}: a run of several ranks runs one process per rank; start it through the \
-             launcher (distlab-worker run or a server), not in this process",
-            p.dp, p.pp
+            "parallel.dp={} x tp={} x pp={}: a run of several ranks runs one process per rank; start it through \
+             the launcher (distlab-worker run or a server), not in this process",
+            p.dp, p.tp, p.pp
         )));
     }
     let run = train_rank(spec, opts, Groups::default(), on_event, cancel)?;

@@ -177,7 +177,6 @@ fn divergence_is_reported() {
 fn unsupported_features_are_refused_naming_the_field() {
     type Change = Box<dyn Fn(&mut ExperimentSpec)>;
     let cases: Vec<(&str, Change)> = vec![
-        ("parallel.tp", Box::new(|s| s.parallel.tp = 2)),
         ("train.precision", Box::new(|s| s.train.precision = Precision::Bf16)),
         (
             "train.loss_scaling",

@@ -175,14 +175,17 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pipeline_schedule_gpipe_next_to_1f1b() -> Result<()> {
+async fn pipeline_schedule_and_tensor_parallel_timeline() -> Result<()> {
     if !browser_ready() {
         return Ok(());
     }
     let lab = Lab::start();
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
-    let result = pipeline_scenario(&client, &lab).await;
+    let mut result = pipeline_scenario(&client, &lab).await;
+    if result.is_ok() {
+        result = tensor_parallel_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-pipeline.png").await;
     }
@@ -236,6 +239,39 @@ async fn pipeline_scenario(c: &Client, lab: &Lab) -> Result<()> {
     })
     .await?;
     save_element(c, "#pipeline-card", "pipeline.png").await?;
+    Ok(())
+}
+
+/// The Megatron preset (tp=2): the experiment page's timeline gets a "TP comm" lane per
+/// rank with four all-reduces per block per micro-batch, and both ranks hold what the
+/// planner predicted.
+async fn tensor_parallel_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "megatron").context("preset")?;
+    let mut spec = preset.spec.clone();
+    spec.train.steps = 4;
+    spec.train.warmup_steps = 1;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the tp=2 run did not succeed: {exp:?}");
+    let memory: distlab_common::memory::MemoryView = lab.get_as(&format!("/api/experiments/{id}/memory"));
+    ensure!(memory.ranks.len() == 2, "{memory:?}");
+    for r in &memory.ranks {
+        ensure!(r.differences.is_empty(), "rank {}: measured differs from the planner: {:?}", r.rank, r.differences);
+    }
+
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the TP note under the timeline", Duration::from_secs(30), || exists(c, "#tp-note")).await?;
+    let lanes = js(
+        c,
+        "return Array.from(document.querySelectorAll(arguments[0])).filter(e => e.textContent == 'TP comm').length;",
+        "#timeline .lane-label",
+    )
+    .await?;
+    ensure!(lanes == json!(2), "a TP comm lane per rank, not {lanes}");
+    let per_step = 4 * spec.model.layers * spec.train.micro_batches;
+    let note = text(c, "#tp-note").await?;
+    ensure!(note.contains(&format!("{per_step} tensor-parallel all-reduces per rank")), "{note}");
+    save_element(c, "#timeline", "tp-timeline.png").await?;
     Ok(())
 }
 

@@ -1,8 +1,9 @@
-//! The rank timeline: one row per rank with two lanes (compute, comm), a box per
-//! recorded span coloured by its kind, a time axis in ms from the earliest span of
-//! the chosen step, and hover titles (name, duration, bytes). Under it, the overlap:
-//! how much of each rank's communication ran while the same rank was computing its
-//! backward pass, i.e. was hidden behind it.
+//! The rank timeline: one row per rank with up to three lanes (compute; comm, the data
+//! parallel collectives that may overlap compute; TP comm, tensor parallelism's
+//! all-reduces, which compute waits for), a box per recorded span coloured by its kind, a
+//! time axis in ms from the earliest span of the chosen step, and hover titles (name,
+//! duration, bytes). Under it, the overlap: how much of each rank's comm lane ran while
+//! the same rank was computing its backward pass, i.e. was hidden behind it.
 //!
 //! The geometry ([`TimelineModel`]) and the overlap ([`overlap`]) are plain Rust,
 //! unit-tested; the component only draws them.
@@ -99,6 +100,14 @@ fn is_comm_lane(span: &Span) -> bool {
     span.lane == "comm"
 }
 
+/// A rank row's lanes, top to bottom: (the spans' `lane`, its label). Compute is always
+/// drawn; the others when some span of the chosen steps is on them.
+const LANES: [(&str, &str); 3] = [("compute", ""), ("comm", "comm"), ("tp", "TP comm")];
+
+fn lane_index(span: &Span) -> usize {
+    LANES.iter().position(|(lane, _)| *lane == span.lane).unwrap_or(0)
+}
+
 // ---- overlap ----
 
 /// Sorted, disjoint intervals covering the same time as `intervals` (half-open, µs).
@@ -183,6 +192,16 @@ pub fn overlaps(ranks: &[RankSpans], choice: StepChoice) -> (Vec<Overlap>, Overl
     (per_rank, all)
 }
 
+/// Tensor-parallel all-reduces of the chosen steps, per rank on average: (calls, µs).
+/// Compute waits for every one of them: they sit between a block's matmuls.
+pub fn tp_sums(ranks: &[RankSpans], choice: StepChoice) -> Option<(f64, f64)> {
+    let tp: Vec<&Span> =
+        ranks.iter().flat_map(|r| r.spans.iter()).filter(|s| s.lane == "tp" && choice.admits(s)).collect();
+    let n = ranks.len().max(1) as f64;
+    let us: u64 = tp.iter().map(|s| s.end_us.saturating_sub(s.start_us)).sum();
+    (!tp.is_empty()).then(|| (tp.len() as f64 / n, us as f64 / n))
+}
+
 // ---- geometry ----
 
 #[derive(Clone, Debug, PartialEq)]
@@ -237,17 +256,20 @@ impl TimelineModel {
         let plot_w = WIDTH - LEFT - RIGHT;
         let sx = |us: u64| LEFT + (us.saturating_sub(t0)) as f64 / 1000.0 / axis_ms * plot_w;
 
-        let has_comm = chosen.iter().any(|(_, s)| s.iter().any(|s| is_comm_lane(s)));
-        let lanes_per_rank = if has_comm { 2 } else { 1 };
-        let row_h = lanes_per_rank as f64 * (LANE_H + LANE_GAP) - LANE_GAP;
+        let drawn: Vec<usize> = (0..LANES.len())
+            .filter(|&l| l == 0 || chosen.iter().any(|(_, s)| s.iter().any(|s| lane_index(s) == l)))
+            .collect();
+        let row_h = drawn.len() as f64 * (LANE_H + LANE_GAP) - LANE_GAP;
         let mut boxes = Vec::new();
         let mut lanes = Vec::new();
         for (i, (rank, spans)) in chosen.iter().enumerate() {
             let row_y = TOP + i as f64 * (row_h + ROW_GAP);
-            let lane_y = |comm: bool| row_y + if comm && has_comm { LANE_H + LANE_GAP } else { 0.0 };
-            lanes.push(LaneLabel { y: lane_y(false), text: format!("rank {rank}"), rank_row: true });
-            if has_comm {
-                lanes.push(LaneLabel { y: lane_y(true), text: "comm".into(), rank_row: false });
+            let lane_y =
+                |lane: usize| row_y + drawn.iter().position(|&l| l == lane).unwrap_or(0) as f64 * (LANE_H + LANE_GAP);
+            for &l in &drawn {
+                let (rank_row, text) =
+                    if l == 0 { (true, format!("rank {rank}")) } else { (false, LANES[l].1.to_string()) };
+                lanes.push(LaneLabel { y: lane_y(l), text, rank_row });
             }
             for s in spans {
                 let x = sx(s.start_us);
@@ -260,7 +282,7 @@ impl TimelineModel {
                 title.push_str(&format!(" · starts at {}", duration_text(s.start_us.saturating_sub(t0))));
                 boxes.push(SpanBox {
                     x,
-                    y: lane_y(is_comm_lane(s)),
+                    y: lane_y(lane_index(s)),
                     w,
                     h: LANE_H,
                     class: kind_class(s.kind),
@@ -304,6 +326,7 @@ pub fn Timeline(ranks: Vec<RankSpans>) -> impl IntoView {
     let ranks = StoredValue::new(ranks);
     let model = Memo::new(move |_| ranks.with_value(|r| TimelineModel::new(r, choice.get())));
     let overlap = Memo::new(move |_| ranks.with_value(|r| overlaps(r, choice.get())));
+    let tp = Memo::new(move |_| ranks.with_value(|r| tp_sums(r, choice.get())));
     let options = steps
         .iter()
         .map(|&s| {
@@ -367,6 +390,15 @@ pub fn Timeline(ranks: Vec<RankSpans>) -> impl IntoView {
                     }
                 }}
             </svg>
+            {move || {
+                tp.get().map(|(calls, us)| view! {
+                    <p class="muted small" id="tp-note">
+                        "TP comm: " {format!("{calls:.0}")} " tensor-parallel all-reduces per rank, "
+                        {duration_text(us as u64)} " per rank in all. Each sits between two matmuls of a block, "
+                        "so compute waits for every one: none of it is hidden."
+                    </p>
+                })
+            }}
             {move || {
                 let (per_rank, all) = overlap.get();
                 (all.comm_us > 0).then(|| view! {
@@ -517,6 +549,15 @@ mod tests {
         assert!(m.boxes[2].y > m.boxes[1].y && m.boxes[2].y < m.boxes[4].y);
         assert!(m.boxes.iter().all(|b| b.x >= LEFT && b.x + b.w <= WIDTH - RIGHT + 1e-9 && b.y + b.h <= m.plot_bottom));
         assert!(m.boxes[1].title.contains("2.000 ms") && m.boxes[1].title.contains("1.0 KiB"));
+        // Tensor-parallel sums get a third lane, under the comm lane.
+        let mut with_tp = mk(0, 0);
+        with_tp.spans.push(span(Comm, "tp", 0, 500, 800));
+        let m = TimelineModel::new(&[with_tp], StepChoice::Step(0));
+        assert_eq!(m.lanes.iter().map(|l| l.text.as_str()).collect::<Vec<_>>(), ["rank 0", "comm", "TP comm"]);
+        assert!(m.boxes[3].y > m.boxes[2].y && m.boxes[2].y > m.boxes[1].y);
+        let two_sums = |rank| RankSpans { rank, spans: vec![span(Comm, "tp", 0, 0, 10), span(Comm, "tp", 0, 20, 30)] };
+        assert_eq!(tp_sums(&[two_sums(0), two_sums(1)], StepChoice::All), Some((2.0, 20.0)));
+        assert_eq!(tp_sums(&ranks, StepChoice::All), None);
         // Without comm spans a rank is a single lane.
         let only = vec![RankSpans { rank: 0, spans: vec![span(Forward, "compute", 0, 0, 10)] }];
         assert_eq!(TimelineModel::new(&only, StepChoice::All).lanes.len(), 1);

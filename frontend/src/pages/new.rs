@@ -263,9 +263,6 @@ fn insert(root: &mut Map<String, Value>, path: &str, value: Value) {
 /// Settings the current worker may answer "not yet supported" for.
 fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
-    if spec.parallel.tp > 1 {
-        out.push(format!("tp={}", spec.parallel.tp));
-    }
     if spec.train.precision != Precision::Fp32 {
         out.push(format!("precision={}", spec.train.precision.as_str()));
     }
@@ -463,10 +460,10 @@ pub fn NewExperiment() -> impl IntoView {
             <p class="muted">"Start from a preset, then change anything. Every change is checked at once with the server's own rules."</p>
             <div class="presets" id="presets">{preset_buttons}</div>
             <p class="note" id="support-note">
-                "Note: the current worker runs data parallelism (dp ranks as processes: DDP, ZeRO-1, ZeRO-2 or FSDP) "
-                "and pipeline parallelism (GPipe, 1F1B) on the CPU in fp32. "
-                "Tensor parallelism or a precision other than fp32 are accepted "
-                "here but may be answered \"not yet supported\" when they run."
+                "Note: the current worker runs data parallelism (DDP, ZeRO-1, ZeRO-2 or FSDP), tensor parallelism "
+                "(Megatron) and pipeline parallelism (GPipe, 1F1B), in any dp x tp x pp mix, one process per rank, "
+                "on the CPU in fp32. A precision other than fp32 is accepted "
+                "here but may be answered \"not yet supported\" when it runs."
             </p>
         </section>
         <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>

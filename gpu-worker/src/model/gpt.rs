@@ -8,194 +8,29 @@
 //! loss = mean cross-entropy(logits, targets)             (loss.rs)
 //! ```
 //!
-//! Parameters are laid out tensor after tensor in the order of [`ParamLayout`]
-//! (embeddings, block 0..L, final LayerNorm, LM head), and gradients the same way, so
-//! a flat range of either is a well-defined shard. Where they live is not the model's
-//! business: it opens one unit (embeddings, a block, the head) at a time through a
-//! [`ModelState`] (`state.rs`), whole buffers for one rank or DDP, gathered shards for
-//! FSDP. Activations are allocated once for a micro-batch of `batch` sequences and
-//! reused every step.
+//! Parameters and gradients are laid out by [`ParamLayout`] (`layout.rs`). Where they
+//! live is not the model's business: it opens one unit (embeddings, a block, the head)
+//! at a time through a [`ModelState`] (`state.rs`), whole buffers for one rank or DDP,
+//! gathered shards for FSDP. Activations are allocated once for a micro-batch of `batch`
+//! sequences and reused every step.
+//!
+//! Under tensor parallelism (`parallel/tensor.rs`) each rank runs the same code on its
+//! slice of every block: its heads (d/tp wide) and its 1/tp of the MLP's hidden units (4d/tp), and
+//! sums the two row-parallel outputs over the group (forward), and the two LayerNorm
+//! output gradients (backward). The row-parallel biases and the residual are added by TP
+//! rank 0 alone, so that the sum counts them once.
 
 use std::ops::Range;
 use std::sync::Arc;
 
+use distlab_common::trace::Span;
 use distlab_common::ModelSpec;
 
-use crate::backend::{Backend, Float};
+use crate::backend::Backend;
 use crate::comm::CommError;
 use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::model::layout::{BlockTensors, ParamLayout, TpPlace};
 use crate::model::state::{ModelState, Pass, Unit};
-use crate::optim::ParamGroup;
-use crate::rng::Rng;
-
-/// GPT-2's initialisation: N(0, 0.02) for matrices and embeddings, the residual
-/// projections scaled by 1/sqrt(2 * layers), zero biases, LayerNorm gain 1.
-pub const INIT_STD: f64 = 0.02;
-const INIT_STREAM: u64 = 0x494e_4954_0000_0001;
-
-/// The tensors of one transformer block, in their order in the parameter buffer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BlockTensors<T> {
-    pub ln1_g: T,
-    pub ln1_b: T,
-    pub qkv_w: T,
-    pub qkv_b: T,
-    pub attn_proj_w: T,
-    pub attn_proj_b: T,
-    pub ln2_g: T,
-    pub ln2_b: T,
-    pub fc_w: T,
-    pub fc_b: T,
-    pub fc_proj_w: T,
-    pub fc_proj_b: T,
-}
-
-impl<T> BlockTensors<T> {
-    pub fn map<U>(&self, mut f: impl FnMut(&T) -> U) -> BlockTensors<U> {
-        BlockTensors {
-            ln1_g: f(&self.ln1_g),
-            ln1_b: f(&self.ln1_b),
-            qkv_w: f(&self.qkv_w),
-            qkv_b: f(&self.qkv_b),
-            attn_proj_w: f(&self.attn_proj_w),
-            attn_proj_b: f(&self.attn_proj_b),
-            ln2_g: f(&self.ln2_g),
-            ln2_b: f(&self.ln2_b),
-            fc_w: f(&self.fc_w),
-            fc_b: f(&self.fc_b),
-            fc_proj_w: f(&self.fc_proj_w),
-            fc_proj_b: f(&self.fc_proj_b),
-        }
-    }
-}
-
-/// How a tensor starts.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Init {
-    Normal { std: f64 },
-    Zeros,
-    Ones,
-}
-
-/// One named tensor of the parameter buffer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TensorInfo {
-    /// e.g. `blocks.0.qkv_w`
-    pub name: String,
-    pub range: Range<usize>,
-    pub shape: Vec<usize>,
-    pub init: Init,
-    /// Whether AdamW's weight decay applies (matrices and embeddings).
-    pub decay: bool,
-}
-
-/// Where every tensor sits in the flat parameter (and gradient) buffer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ParamLayout {
-    pub wte: Range<usize>,
-    pub wpe: Range<usize>,
-    pub blocks: Vec<BlockTensors<Range<usize>>>,
-    pub lnf_g: Range<usize>,
-    pub lnf_b: Range<usize>,
-    pub lm_head: Range<usize>,
-    /// Every tensor in buffer order.
-    pub tensors: Vec<TensorInfo>,
-    /// Parameters in all (= `ModelSpec::param_count()`).
-    pub total: usize,
-}
-
-struct LayoutBuilder {
-    tensors: Vec<TensorInfo>,
-    next: usize,
-}
-
-impl LayoutBuilder {
-    fn push(&mut self, name: String, shape: &[usize], init: Init) -> Range<usize> {
-        let len: usize = shape.iter().product();
-        let range = self.next..self.next + len;
-        self.next += len;
-        let decay = shape.len() >= 2;
-        self.tensors.push(TensorInfo { name, range: range.clone(), shape: shape.to_vec(), init, decay });
-        range
-    }
-}
-
-impl ParamLayout {
-    pub fn new(m: &ModelSpec) -> Self {
-        let (v, t, c, l) = (m.vocab, m.seq_len, m.d_model, m.layers);
-        let normal = Init::Normal { std: INIT_STD };
-        let residual = Init::Normal { std: INIT_STD / (2.0 * l.max(1) as f64).sqrt() };
-        let mut b = LayoutBuilder { tensors: Vec::new(), next: 0 };
-        let wte = b.push("wte".into(), &[v, c], normal);
-        let wpe = b.push("wpe".into(), &[t, c], normal);
-        let blocks = (0..l)
-            .map(|i| {
-                let mut push = |name: &str, shape: &[usize], init| b.push(format!("blocks.{i}.{name}"), shape, init);
-                BlockTensors {
-                    ln1_g: push("ln1_g", &[c], Init::Ones),
-                    ln1_b: push("ln1_b", &[c], Init::Zeros),
-                    qkv_w: push("qkv_w", &[c, 3 * c], normal),
-                    qkv_b: push("qkv_b", &[3 * c], Init::Zeros),
-                    attn_proj_w: push("attn_proj_w", &[c, c], residual),
-                    attn_proj_b: push("attn_proj_b", &[c], Init::Zeros),
-                    ln2_g: push("ln2_g", &[c], Init::Ones),
-                    ln2_b: push("ln2_b", &[c], Init::Zeros),
-                    fc_w: push("fc_w", &[c, 4 * c], normal),
-                    fc_b: push("fc_b", &[4 * c], Init::Zeros),
-                    fc_proj_w: push("fc_proj_w", &[4 * c, c], residual),
-                    fc_proj_b: push("fc_proj_b", &[c], Init::Zeros),
-                }
-            })
-            .collect();
-        let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones);
-        let lnf_b = b.push("lnf_b".into(), &[c], Init::Zeros);
-        let lm_head = b.push("lm_head".into(), &[c, v], normal);
-        Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors: b.tensors, total: b.next }
-    }
-
-    /// Parameters of one block (they are contiguous).
-    pub fn block_len(&self) -> usize {
-        self.blocks.first().map_or(0, |b| b.fc_proj_b.end - b.ln1_g.start)
-    }
-
-    /// `param_groups` cut to `range` and counted from its start (a stage's own buffer).
-    pub fn param_groups_in(&self, range: &Range<usize>) -> Vec<ParamGroup> {
-        self.param_groups()
-            .into_iter()
-            .filter_map(|g| {
-                let (start, end) = (g.range.start.max(range.start), g.range.end.min(range.end));
-                (start < end).then(|| ParamGroup { range: start - range.start..end - range.start, decay: g.decay })
-            })
-            .collect()
-    }
-
-    /// Runs of adjacent tensors with the same weight-decay setting, for the optimizer.
-    pub fn param_groups(&self) -> Vec<ParamGroup> {
-        let mut groups: Vec<ParamGroup> = Vec::new();
-        for t in &self.tensors {
-            match groups.last_mut() {
-                Some(g) if g.decay == t.decay && g.range.end == t.range.start => g.range.end = t.range.end,
-                _ => groups.push(ParamGroup { range: t.range.clone(), decay: t.decay }),
-            }
-        }
-        groups
-    }
-
-    /// The initial parameters, deterministic from `seed` (drawn in buffer order).
-    pub fn init_params<F: Float>(&self, seed: u64) -> Vec<F> {
-        let mut rng = Rng::from_parts(&[seed, INIT_STREAM]);
-        let mut params = vec![F::ZERO; self.total];
-        for t in &self.tensors {
-            let dst = &mut params[t.range.clone()];
-            match t.init {
-                Init::Normal { std } => dst.iter_mut().for_each(|p| *p = F::from_f64(std * rng.normal())),
-                Init::Zeros => dst.fill(F::ZERO),
-                Init::Ones => dst.fill(F::ONE),
-            }
-        }
-        params
-    }
-}
 
 /// What one block keeps from forward for backward (one micro-batch).
 struct BlockActivations<Buf> {
@@ -285,6 +120,32 @@ pub enum StageInput<'a, F> {
     Activation(&'a [F]),
 }
 
+/// The four places where tensor parallelism sums a partial result over its group, per block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpSum {
+    /// Forward (g): the attention output projection, from each rank's heads.
+    Attention,
+    /// Forward (g): the MLP's output projection, from each rank's hidden units.
+    Mlp,
+    /// Backward (f): the gradient of ln2's output, through each rank's hidden units.
+    MlpInputGrad,
+    /// Backward (f): the gradient of ln1's output, through each rank's heads.
+    AttentionInputGrad,
+}
+
+/// A tensor-parallel group as the model sees it (`parallel/tensor.rs` has the real one).
+pub trait TensorParallelGroup<B: Backend>: Send {
+    fn place(&self) -> TpPlace;
+    /// Sums `buf` over the group in place: every rank ends with the same values.
+    fn all_reduce(&mut self, be: &B, buf: &mut B::Buf, what: TpSum, layer: usize) -> Result<(), CommError>;
+    /// Sums a scalar over the group (the gradient norm's squares).
+    fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
+    /// Before a step: whether to record its all-reduces on the timeline.
+    fn begin_step(&mut self, step: u64, record: bool);
+    /// The all-reduces recorded so far.
+    fn spans(&self) -> Vec<Span>;
+}
+
 /// Activation gradients, shared by all blocks (backward visits one block at a time).
 struct GradScratch<Buf> {
     /// Gradient of the residual stream.
@@ -312,27 +173,34 @@ pub struct Gpt<B: Backend> {
     activation_floats: usize,
     /// The memory ledger's record of every buffer above.
     receipts: Vec<Receipt>,
+    /// Tensor parallelism (None: this rank holds every block whole).
+    tp: Option<Box<dyn TensorParallelGroup<B>>>,
 }
 
 impl<B: Backend> Gpt<B> {
     /// The whole model, activations for one micro-batch at a time.
     pub fn new(be: &B, spec: &ModelSpec, batch: usize, memory: &Arc<MemoryTracker>) -> Self {
-        Self::new_stage(be, spec, batch, Stage::whole(spec.layers), 1, memory)
+        Self::new_stage(be, spec, batch, Stage::whole(spec.layers), 1, None, memory)
     }
 
-    /// `stage` of the model, with activations for `slots` micro-batches in flight; every
-    /// buffer is allocated once and registered with `memory`.
+    /// `stage` of the model (this rank's slice of it with `tp`), with activations for
+    /// `slots` micro-batches in flight; every buffer is allocated once and registered with
+    /// `memory`.
     pub fn new_stage(
         be: &B,
         spec: &ModelSpec,
         batch: usize,
         stage: Stage,
         slots: usize,
+        tp: Option<Box<dyn TensorParallelGroup<B>>>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
-        let layout = ParamLayout::new(spec);
-        debug_assert_eq!(layout.total as u64, spec.param_count());
-        let (t, c, v, h) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads);
+        let place = tp.as_ref().map_or(TpPlace::ALONE, |g| g.place());
+        let layout = ParamLayout::for_tp(spec, place);
+        let n = place.size;
+        // This rank's width of the attention (its heads) and of the MLP's hidden layer.
+        let (t, c, v, h) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n);
+        let (cl, hidden) = (c / n, 4 * spec.d_model / n);
         let rows = batch * t;
         let mut floats = 0usize;
         let mut receipts = Vec::new();
@@ -350,15 +218,15 @@ impl<B: Backend> Gpt<B> {
                     ln1: alloc(Category::Activations, rows * c),
                     ln1_mean: alloc(Category::Activations, rows),
                     ln1_rstd: alloc(Category::Activations, rows),
-                    qkv: alloc(Category::Activations, rows * 3 * c),
+                    qkv: alloc(Category::Activations, rows * 3 * cl),
                     att: alloc(Category::Activations, batch * h * t * t),
-                    atty: alloc(Category::Activations, rows * c),
+                    atty: alloc(Category::Activations, rows * cl),
                     res_attn: alloc(Category::Activations, rows * c),
                     ln2: alloc(Category::Activations, rows * c),
                     ln2_mean: alloc(Category::Activations, rows),
                     ln2_rstd: alloc(Category::Activations, rows),
-                    fch: alloc(Category::Activations, rows * 4 * c),
-                    fch_gelu: alloc(Category::Activations, rows * 4 * c),
+                    fch: alloc(Category::Activations, rows * hidden),
+                    fch_gelu: alloc(Category::Activations, rows * hidden),
                     res_mlp: alloc(Category::Activations, rows * c),
                 })
                 .collect(),
@@ -374,15 +242,15 @@ impl<B: Backend> Gpt<B> {
         let scratch = GradScratch {
             dres: alloc(Category::ActivationGrads, rows * c),
             dln: alloc(Category::ActivationGrads, rows * c),
-            datty: alloc(Category::ActivationGrads, rows * c),
-            dqkv: alloc(Category::ActivationGrads, rows * 3 * c),
+            datty: alloc(Category::ActivationGrads, rows * cl),
+            dqkv: alloc(Category::ActivationGrads, rows * 3 * cl),
             datt: alloc(Category::ActivationGrads, batch * h * t * t),
-            dfch: alloc(Category::ActivationGrads, rows * 4 * c),
+            dfch: alloc(Category::ActivationGrads, rows * hidden),
         };
         if stage == Stage::whole(spec.layers) && slots == 1 {
-            debug_assert_eq!(floats, Self::activation_floats_for(spec, batch));
+            debug_assert_eq!(floats, Self::activation_floats_for(spec, batch, n));
         }
-        Self { spec: spec.clone(), batch, layout, stage, acts, scratch, activation_floats: floats, receipts }
+        Self { spec: spec.clone(), batch, layout, stage, acts, scratch, activation_floats: floats, receipts, tp }
     }
 
     /// Floats held for activations and their gradients (for memory reports).
@@ -423,21 +291,39 @@ impl<B: Backend> Gpt<B> {
         bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Float>()) as u64).sum()
     }
 
-    /// What [`Gpt::new`] will allocate for activations and their gradients, without
-    /// allocating (saturating, so absurd specs give a huge number, not an overflow).
-    pub fn activation_floats_for(spec: &ModelSpec, batch: usize) -> usize {
-        let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads, spec.layers);
+    /// What [`Gpt::new`] will allocate for activations and their gradients on one of `tp`
+    /// tensor-parallel ranks, without allocating (saturating, so absurd specs give a huge
+    /// number, not an overflow).
+    pub fn activation_floats_for(spec: &ModelSpec, batch: usize, tp: usize) -> usize {
+        let n = tp.max(1);
+        let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n, spec.layers);
         let rows = batch.saturating_mul(t);
         let att = batch.saturating_mul(h).saturating_mul(t).saturating_mul(t);
         let rc = rows.saturating_mul(c);
-        // per block: ln1, atty, res_attn, ln2, res_mlp (rows x c); qkv (3c); fch, fch_gelu (4c);
-        // 4 row statistics (mean, rstd of two LayerNorms); attention probabilities
-        let block = rc.saturating_mul(5 + 3 + 8).saturating_add(rows.saturating_mul(4)).saturating_add(att);
+        let split = rows.saturating_mul(c / n);
+        // per block: ln1, res_attn, ln2, res_mlp (rows x c); qkv (3c/tp), atty (c/tp), fch,
+        // fch_gelu (4c/tp); 4 row statistics (mean, rstd of two LayerNorms); attention
+        // probabilities of this rank's heads
+        let block = rc
+            .saturating_mul(4)
+            .saturating_add(split.saturating_mul(3 + 1 + 8))
+            .saturating_add(rows.saturating_mul(4))
+            .saturating_add(att);
         // encoded, lnf (rows x c), lnf statistics, logits, losses
         let top = rc.saturating_mul(2).saturating_add(rows.saturating_mul(3)).saturating_add(rows.saturating_mul(v));
-        // backward scratch: dres, dln, datty (c), dqkv (3c), dfch (4c), datt
-        let scratch = rc.saturating_mul(3 + 3 + 4).saturating_add(att);
+        // backward scratch: dres, dln (c), datty (c/tp), dqkv (3c/tp), dfch (4c/tp), datt
+        let scratch = rc.saturating_mul(2).saturating_add(split.saturating_mul(1 + 3 + 4)).saturating_add(att);
         block.saturating_mul(l).saturating_add(top).saturating_add(scratch)
+    }
+
+    /// The all-reduces the tensor-parallel group recorded (None without one).
+    pub fn tp_spans(&self) -> Option<Vec<Span>> {
+        self.tp.as_ref().map(|g| g.spans())
+    }
+
+    /// The tensor-parallel group, if any (the trainer starts its steps and reads its spans).
+    pub fn tensor_parallel(&mut self) -> Option<&mut (dyn TensorParallelGroup<B> + 'static)> {
+        self.tp.as_deref_mut()
     }
 
     /// Runs the whole model on `batch` sequences (`inputs`, `targets`: batch * seq_len
@@ -463,7 +349,9 @@ impl<B: Backend> Gpt<B> {
         input: StageInput<'_, B::Float>,
         targets: &[u32],
     ) -> Result<f64, CommError> {
-        let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
+        let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
+        let (cl, heads, hidden) = self.tp_widths();
+        let lead = self.layout.tp.rank == 0;
         let lay = &self.layout;
         let acts = &mut self.acts[slot];
 
@@ -489,7 +377,8 @@ impl<B: Backend> Gpt<B> {
             let (done, rest) = acts.blocks.split_at_mut(i);
             let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
             let a = &mut rest[0];
-            // attention half: res_attn = x + attn_proj(attention(ln1(x)))
+            // attention half: res_attn = x + attn_proj(attention(ln1(x))); with TP each rank
+            // has its heads' q, k, v and adds its heads' share of the projection (g: sum)
             be.layernorm_forward(
                 be.all_mut(&mut a.ln1),
                 be.all_mut(&mut a.ln1_mean),
@@ -499,18 +388,21 @@ impl<B: Backend> Gpt<B> {
                 w.ln1_b,
                 c,
             );
-            be.matmul_forward(be.all_mut(&mut a.qkv), be.all(&a.ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * c);
-            be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, c, heads);
+            be.matmul_forward(be.all_mut(&mut a.qkv), be.all(&a.ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
+            be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads);
             be.matmul_forward(
                 be.all_mut(&mut a.res_attn),
                 be.all(&a.atty),
                 w.attn_proj_w,
-                Some(w.attn_proj_b),
-                Some(be.all(x)),
-                c,
+                lead.then_some(w.attn_proj_b),
+                lead.then(|| be.all(x)),
+                cl,
                 c,
             );
-            // MLP half: res_mlp = res_attn + fc_proj(gelu(fc(ln2(res_attn))))
+            if let Some(tp) = &mut self.tp {
+                tp.all_reduce(be, &mut a.res_attn, TpSum::Attention, l)?;
+            }
+            // MLP half: res_mlp = res_attn + fc_proj(gelu(fc(ln2(res_attn)))), the same way
             be.layernorm_forward(
                 be.all_mut(&mut a.ln2),
                 be.all_mut(&mut a.ln2_mean),
@@ -520,17 +412,20 @@ impl<B: Backend> Gpt<B> {
                 w.ln2_b,
                 c,
             );
-            be.matmul_forward(be.all_mut(&mut a.fch), be.all(&a.ln2), w.fc_w, Some(w.fc_b), None, c, 4 * c);
+            be.matmul_forward(be.all_mut(&mut a.fch), be.all(&a.ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
             be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
             be.matmul_forward(
                 be.all_mut(&mut a.res_mlp),
                 be.all(&a.fch_gelu),
                 w.fc_proj_w,
-                Some(w.fc_proj_b),
-                Some(be.all(&a.res_attn)),
-                4 * c,
+                lead.then_some(w.fc_proj_b),
+                lead.then(|| be.all(&a.res_attn)),
+                hidden,
                 c,
             );
+            if let Some(tp) = &mut self.tp {
+                tp.all_reduce(be, &mut a.res_mlp, TpSum::Mlp, l)?;
+            }
             state.close(be, Unit::Block(l), Pass::Forward)?;
         }
         let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
@@ -560,6 +455,13 @@ impl<B: Backend> Gpt<B> {
         state.close(be, Unit::Head, Pass::Forward)?;
         be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab);
         Ok(be.sum(be.all(&head.losses)))
+    }
+
+    /// This rank's width of the attention, its heads, and its width of the MLP's hidden
+    /// layer (d_model, heads and 4 * d_model without tensor parallelism).
+    fn tp_widths(&self) -> (usize, usize, usize) {
+        let n = self.layout.tp.size;
+        (self.spec.d_model / n, self.spec.heads / n, 4 * self.spec.d_model / n)
     }
 
     /// What this stage's forward of `slot` hands to the next stage: its last block's output.
@@ -606,7 +508,8 @@ impl<B: Backend> Gpt<B> {
         grad_output: Option<&[B::Float]>,
         dloss: f64,
     ) -> Result<(), CommError> {
-        let ModelSpec { seq_len: t, d_model: c, heads, vocab, .. } = self.spec;
+        let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
+        let (cl, heads, hidden) = self.tp_widths();
         let lay = &self.layout;
         let s = &mut self.scratch;
         let with_params = Pass::Backward { params: true };
@@ -665,7 +568,9 @@ impl<B: Backend> Gpt<B> {
                 let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
                 let x = if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp };
                 let a = &acts.blocks[i];
-                // MLP half (dres holds d res_mlp, and becomes d res_attn)
+                // MLP half (dres holds d res_mlp, and becomes d res_attn). With TP dres is
+                // whole on every rank (g's backward is the identity), so each rank computes
+                // the same gradient for the replicated bias.
                 be.matmul_backward(
                     Some(be.all_mut(&mut s.dfch)),
                     gw.fc_proj_w,
@@ -673,7 +578,7 @@ impl<B: Backend> Gpt<B> {
                     be.all(&s.dres),
                     be.all(&a.fch_gelu),
                     w.fc_proj_w,
-                    4 * c,
+                    hidden,
                     c,
                 );
                 be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
@@ -685,8 +590,12 @@ impl<B: Backend> Gpt<B> {
                     be.all(&a.ln2),
                     w.fc_w,
                     c,
-                    4 * c,
+                    hidden,
                 );
+                // f's backward: ln2's output fed every rank's hidden units
+                if let Some(tp) = &mut self.tp {
+                    tp.all_reduce(be, &mut s.dln, TpSum::MlpInputGrad, l)?;
+                }
                 be.layernorm_backward(
                     be.all_mut(&mut s.dres),
                     gw.ln2_g,
@@ -706,7 +615,7 @@ impl<B: Backend> Gpt<B> {
                     be.all(&s.dres),
                     be.all(&a.atty),
                     w.attn_proj_w,
-                    c,
+                    cl,
                     c,
                 );
                 be.attention_backward(
@@ -716,7 +625,7 @@ impl<B: Backend> Gpt<B> {
                     be.all(&a.qkv),
                     be.all(&a.att),
                     t,
-                    c,
+                    cl,
                     heads,
                 );
                 be.matmul_backward(
@@ -727,8 +636,11 @@ impl<B: Backend> Gpt<B> {
                     be.all(&a.ln1),
                     w.qkv_w,
                     c,
-                    3 * c,
+                    3 * cl,
                 );
+                if let Some(tp) = &mut self.tp {
+                    tp.all_reduce(be, &mut s.dln, TpSum::AttentionInputGrad, l)?;
+                }
                 be.layernorm_backward(
                     be.all_mut(&mut s.dres),
                     gw.ln1_g,
@@ -788,50 +700,5 @@ fn split_block<'a, B: Backend>(
         fc_b: take(lay.fc_b.len()),
         fc_proj_w: take(lay.fc_proj_w.len()),
         fc_proj_b: take(lay.fc_proj_b.len()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layout_matches_the_planner_param_count_and_is_contiguous() {
-        for m in [
-            ModelSpec::default(),
-            ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 },
-            ModelSpec { layers: 1, d_model: 8, heads: 2, seq_len: 3, vocab: 5 },
-        ] {
-            let lay = ParamLayout::new(&m);
-            assert_eq!(lay.total as u64, m.param_count());
-            let mut next = 0;
-            for t in &lay.tensors {
-                assert_eq!(t.range.start, next, "{} is not where the previous tensor ended", t.name);
-                assert_eq!(t.range.len(), t.shape.iter().product::<usize>());
-                next = t.range.end;
-            }
-            assert_eq!(next, lay.total);
-            assert_eq!(lay.block_len() as u64, m.block_params());
-            let groups = lay.param_groups();
-            assert_eq!(groups.iter().map(|g| g.range.len()).sum::<usize>(), lay.total);
-        }
-    }
-
-    #[test]
-    fn init_is_deterministic_and_scaled() {
-        let m = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 16, vocab: 32 };
-        let lay = ParamLayout::new(&m);
-        let a = lay.init_params::<f32>(7);
-        assert_eq!(a, lay.init_params::<f32>(7));
-        assert_ne!(a, lay.init_params::<f32>(8));
-        let std = |r: &Range<usize>| {
-            let x = &a[r.clone()];
-            (x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64).sqrt()
-        };
-        let b = &lay.blocks[0];
-        assert!((std(&b.fc_w) - 0.02).abs() < 0.002);
-        assert!((std(&b.fc_proj_w) - 0.01).abs() < 0.001); // 0.02 / sqrt(2 * 2)
-        assert!(a[b.ln1_g.clone()].iter().all(|&g| g == 1.0));
-        assert!(a[b.qkv_b.clone()].iter().all(|&g| g == 0.0));
     }
 }

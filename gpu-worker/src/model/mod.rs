@@ -6,10 +6,12 @@ pub mod attention;
 pub mod embedding;
 pub mod gpt;
 pub mod layernorm;
+pub mod layout;
 pub mod linear;
 pub mod loss;
 pub mod mlp;
 pub mod state;
 
-pub use gpt::{BlockTensors, Gpt, Init, ParamLayout, Stage, StageInput, TensorInfo};
+pub use gpt::{Gpt, Stage, StageInput};
+pub use layout::{BlockTensors, Init, ParamLayout, Split, TensorInfo, TpPlace};
 pub use state::{FlatState, ModelState, OpenUnit, Pass, Unit};

@@ -53,6 +53,9 @@ pub struct Replicated {
     syncing: bool,
     /// The stage's units in buffer order.
     units: Vec<Unit>,
+    layout: ParamLayout,
+    /// Where the stage's buffers start in the layout.
+    base: usize,
     step: u64,
     record: bool,
     spans: Vec<Span>,
@@ -110,6 +113,8 @@ impl Replicated {
             zero1,
             syncing: false,
             units,
+            layout: layout.clone(),
+            base: range.start,
             step: 0,
             record: false,
             spans: Vec::new(),
@@ -153,7 +158,7 @@ impl Strategy for Replicated {
         if let Some(dp) = &mut self.dp {
             dp.grads.finish(&mut self.state.grads)?;
         }
-        Ok(be.sum_squares(be.all(&self.state.grads)))
+        Ok(self.layout.grad_squares(be.all(&self.state.grads), self.base))
     }
 
     fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError> {

@@ -8,6 +8,8 @@
 //!   (parameters too, gathered one unit at a time).
 //! * `shard.rs`: which piece of every unit a rank owns.
 //! * `pipeline.rs` + `schedule.rs`: pipeline stages and the GPipe / 1F1B schedules.
+//! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
+//! * `mesh.rs`: the dp x tp x pp topology that hands every rank its groups.
 
 pub mod ddp;
 pub mod mesh;
@@ -15,6 +17,7 @@ pub mod pipeline;
 pub mod schedule;
 pub mod shard;
 pub mod sharded;
+pub mod tensor;
 
 use std::sync::Arc;
 

@@ -25,7 +25,6 @@ use distlab_common::{ExperimentSpec, Sharding};
 use super::ddp::{comm_span, sum_scalar};
 use super::shard::ShardLayout;
 use super::{Cpu, DpGroup, Strategy};
-use crate::backend::Backend;
 use crate::comm::{Alone, CommError, Communicator, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
@@ -42,6 +41,8 @@ pub struct Sharded {
     /// FSDP (parameters sharded) rather than ZeRO-2 (parameters whole).
     fsdp: bool,
     shard: ShardLayout,
+    /// For the gradient norm (tensor-parallel ranks count replicated tensors 1/tp).
+    layout: ParamLayout,
     /// ZeRO-2: every parameter, flat. FSDP: this rank's shard.
     params: Vec<f32>,
     grad_shard: Vec<f32>,
@@ -86,6 +87,7 @@ impl Sharded {
             fsdp,
             grad_shard: vec![0.0; shard.len],
             shard,
+            layout: layout.clone(),
             params,
             gathered: None,
             unit_grads: None,
@@ -175,9 +177,14 @@ impl Strategy for Sharded {
         self
     }
 
-    fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError> {
+    fn reduce_gradients(&mut self, _be: &Cpu) -> Result<f64, CommError> {
         // Every element is in exactly one rank's shard: the squares add up over the group.
-        let mine = be.sum_squares(be.all(&self.grad_shard));
+        let shard = &self.shard;
+        let mine = shard
+            .units
+            .iter()
+            .map(|u| self.layout.grad_squares(&self.grad_shard[u.local()], u.global_mine().start))
+            .sum();
         Ok(sum_scalar(self.comm.as_mut(), mine)?.max(0.0))
     }
 

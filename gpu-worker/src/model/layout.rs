@@ -1,0 +1,384 @@
+//! Where every parameter sits in the flat parameter (and gradient) buffer, and which part
+//! of each tensor a tensor-parallel rank holds.
+//!
+//! Parameters are laid out tensor after tensor in the order of [`ParamLayout`]
+//! (embeddings, block 0..L, final LayerNorm, LM head), and gradients the same way, so a
+//! flat range of either is a well-defined shard.
+//!
+//! With tensor parallelism over `tp` ranks (Megatron-LM; the why is in
+//! `parallel/tensor.rs`) every rank has the same layout with narrower matrices:
+//!
+//! ```text
+//!   qkv_w  [d, 3d]  -> [d, 3d/tp]   columns: 1/tp of q's, of k's and of v's (whole heads)
+//!   qkv_b  [3d]     -> [3d/tp]
+//!   attn_proj_w [d, d] -> [d/tp, d] rows: the inputs that come from this rank's heads
+//!   fc_w   [d, 4d]  -> [d, 4d/tp]   columns: 1/tp of the MLP's hidden units
+//!   fc_b   [4d]     -> [4d/tp]
+//!   fc_proj_w [4d, d] -> [4d/tp, d] rows: the inputs from this rank's hidden units
+//!   everything else (LayerNorms, the two row-parallel biases, embeddings, LM head): whole
+//! ```
+//!
+//! Every rank starts from the same parameters as one rank alone would (the whole model is
+//! initialised from the seed, then cut), so a run with `tp > 1` can be checked against one
+//! rank loss for loss.
+
+use std::ops::Range;
+
+use distlab_common::ModelSpec;
+
+use crate::backend::Float;
+use crate::optim::ParamGroup;
+use crate::rng::Rng;
+
+/// GPT-2's initialisation: N(0, 0.02) for matrices and embeddings, the residual
+/// projections scaled by 1/sqrt(2 * layers), zero biases, LayerNorm gain 1.
+pub const INIT_STD: f64 = 0.02;
+const INIT_STREAM: u64 = 0x494e_4954_0000_0001;
+
+/// The tensors of one transformer block, in their order in the parameter buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockTensors<T> {
+    pub ln1_g: T,
+    pub ln1_b: T,
+    pub qkv_w: T,
+    pub qkv_b: T,
+    pub attn_proj_w: T,
+    pub attn_proj_b: T,
+    pub ln2_g: T,
+    pub ln2_b: T,
+    pub fc_w: T,
+    pub fc_b: T,
+    pub fc_proj_w: T,
+    pub fc_proj_b: T,
+}
+
+impl<T> BlockTensors<T> {
+    pub fn map<U>(&self, mut f: impl FnMut(&T) -> U) -> BlockTensors<U> {
+        BlockTensors {
+            ln1_g: f(&self.ln1_g),
+            ln1_b: f(&self.ln1_b),
+            qkv_w: f(&self.qkv_w),
+            qkv_b: f(&self.qkv_b),
+            attn_proj_w: f(&self.attn_proj_w),
+            attn_proj_b: f(&self.attn_proj_b),
+            ln2_g: f(&self.ln2_g),
+            ln2_b: f(&self.ln2_b),
+            fc_w: f(&self.fc_w),
+            fc_b: f(&self.fc_b),
+            fc_proj_w: f(&self.fc_proj_w),
+            fc_proj_b: f(&self.fc_proj_b),
+        }
+    }
+}
+
+/// How a tensor starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Normal { std: f64 },
+    Zeros,
+    Ones,
+}
+
+/// How tensor parallelism cuts a tensor (seen as rows x columns; a vector is one row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Whole on every tensor-parallel rank.
+    Replicated,
+    /// Column-parallel: the columns fall into `groups` equal groups (q, k and v: 3), and
+    /// each rank takes its 1/tp of every group.
+    Columns { groups: usize },
+    /// Row-parallel: each rank takes 1/tp of the rows, in order.
+    Rows,
+}
+
+/// One named tensor of the parameter buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo {
+    /// e.g. `blocks.0.qkv_w`
+    pub name: String,
+    pub range: Range<usize>,
+    /// This rank's shape (its part of the tensor under tensor parallelism).
+    pub shape: Vec<usize>,
+    pub init: Init,
+    /// Whether AdamW's weight decay applies (matrices and embeddings).
+    pub decay: bool,
+    pub split: Split,
+}
+
+/// This rank's place in its tensor-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpPlace {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl TpPlace {
+    /// No tensor parallelism: one rank holds every tensor whole.
+    pub const ALONE: TpPlace = TpPlace { rank: 0, size: 1 };
+}
+
+/// Where every tensor sits in the flat parameter (and gradient) buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamLayout {
+    pub wte: Range<usize>,
+    pub wpe: Range<usize>,
+    pub blocks: Vec<BlockTensors<Range<usize>>>,
+    pub lnf_g: Range<usize>,
+    pub lnf_b: Range<usize>,
+    pub lm_head: Range<usize>,
+    /// Every tensor in buffer order.
+    pub tensors: Vec<TensorInfo>,
+    /// Parameters on this rank (= `ModelSpec::param_count()` without tensor parallelism).
+    pub total: usize,
+    pub model: ModelSpec,
+    pub tp: TpPlace,
+}
+
+struct LayoutBuilder {
+    tensors: Vec<TensorInfo>,
+    next: usize,
+}
+
+impl LayoutBuilder {
+    fn push(&mut self, name: String, shape: &[usize], init: Init, split: Split) -> Range<usize> {
+        let len: usize = shape.iter().product();
+        let range = self.next..self.next + len;
+        self.next += len;
+        let decay = shape.len() >= 2;
+        self.tensors.push(TensorInfo { name, range: range.clone(), shape: shape.to_vec(), init, decay, split });
+        range
+    }
+}
+
+impl ParamLayout {
+    /// The whole model on one rank.
+    pub fn new(m: &ModelSpec) -> Self {
+        Self::for_tp(m, TpPlace::ALONE)
+    }
+
+    /// The part of the model tensor-parallel rank `tp.rank` of `tp.size` holds (`tp.size`
+    /// must divide `heads`, which divides `d_model`: the spec's validation checks both).
+    pub fn for_tp(m: &ModelSpec, tp: TpPlace) -> Self {
+        let (v, t, c, l) = (m.vocab, m.seq_len, m.d_model, m.layers);
+        let n = tp.size.max(1);
+        let normal = Init::Normal { std: INIT_STD };
+        let residual = Init::Normal { std: INIT_STD / (2.0 * l.max(1) as f64).sqrt() };
+        let (whole, qkv, columns, rows) =
+            (Split::Replicated, Split::Columns { groups: 3 }, Split::Columns { groups: 1 }, Split::Rows);
+        let mut b = LayoutBuilder { tensors: Vec::new(), next: 0 };
+        let wte = b.push("wte".into(), &[v, c], normal, whole);
+        let wpe = b.push("wpe".into(), &[t, c], normal, whole);
+        let blocks = (0..l)
+            .map(|i| {
+                let mut push =
+                    |name: &str, shape: &[usize], init, split| b.push(format!("blocks.{i}.{name}"), shape, init, split);
+                BlockTensors {
+                    ln1_g: push("ln1_g", &[c], Init::Ones, whole),
+                    ln1_b: push("ln1_b", &[c], Init::Zeros, whole),
+                    qkv_w: push("qkv_w", &[c, 3 * c / n], normal, qkv),
+                    qkv_b: push("qkv_b", &[3 * c / n], Init::Zeros, qkv),
+                    attn_proj_w: push("attn_proj_w", &[c / n, c], residual, rows),
+                    attn_proj_b: push("attn_proj_b", &[c], Init::Zeros, whole),
+                    ln2_g: push("ln2_g", &[c], Init::Ones, whole),
+                    ln2_b: push("ln2_b", &[c], Init::Zeros, whole),
+                    fc_w: push("fc_w", &[c, 4 * c / n], normal, columns),
+                    fc_b: push("fc_b", &[4 * c / n], Init::Zeros, columns),
+                    fc_proj_w: push("fc_proj_w", &[4 * c / n, c], residual, rows),
+                    fc_proj_b: push("fc_proj_b", &[c], Init::Zeros, whole),
+                }
+            })
+            .collect();
+        let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones, whole);
+        let lnf_b = b.push("lnf_b".into(), &[c], Init::Zeros, whole);
+        let lm_head = b.push("lm_head".into(), &[c, v], normal, whole);
+        Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors: b.tensors, total: b.next, model: m.clone(), tp }
+    }
+
+    /// Parameters of one block (they are contiguous).
+    pub fn block_len(&self) -> usize {
+        self.blocks.first().map_or(0, |b| b.fc_proj_b.end - b.ln1_g.start)
+    }
+
+    /// `param_groups` cut to `range` and counted from its start (a stage's own buffer).
+    pub fn param_groups_in(&self, range: &Range<usize>) -> Vec<ParamGroup> {
+        self.param_groups()
+            .into_iter()
+            .filter_map(|g| {
+                let (start, end) = (g.range.start.max(range.start), g.range.end.min(range.end));
+                (start < end).then(|| ParamGroup { range: start - range.start..end - range.start, decay: g.decay })
+            })
+            .collect()
+    }
+
+    /// Runs of adjacent tensors with the same weight-decay setting, for the optimizer.
+    pub fn param_groups(&self) -> Vec<ParamGroup> {
+        let mut groups: Vec<ParamGroup> = Vec::new();
+        for t in &self.tensors {
+            match groups.last_mut() {
+                Some(g) if g.decay == t.decay && g.range.end == t.range.start => g.range.end = t.range.end,
+                _ => groups.push(ParamGroup { range: t.range.clone(), decay: t.decay }),
+            }
+        }
+        groups
+    }
+
+    /// The initial parameters, deterministic from `seed` (drawn in buffer order for the
+    /// whole model; a tensor-parallel rank takes its part of that).
+    pub fn init_params<F: Float>(&self, seed: u64) -> Vec<F> {
+        if self.tp.size > 1 {
+            let whole = ParamLayout::new(&self.model);
+            return self.part_of(&whole, &whole.init_params(seed));
+        }
+        let mut rng = Rng::from_parts(&[seed, INIT_STREAM]);
+        let mut params = vec![F::ZERO; self.total];
+        for t in &self.tensors {
+            let dst = &mut params[t.range.clone()];
+            match t.init {
+                Init::Normal { std } => dst.iter_mut().for_each(|p| *p = F::from_f64(std * rng.normal())),
+                Init::Zeros => dst.fill(F::ZERO),
+                Init::Ones => dst.fill(F::ONE),
+            }
+        }
+        params
+    }
+
+    /// This rank's part of `values`, a buffer laid out by `whole` (the same model, no
+    /// tensor parallelism).
+    pub fn part_of<F: Float>(&self, whole: &ParamLayout, values: &[F]) -> Vec<F> {
+        let (rank, n) = (self.tp.rank, self.tp.size.max(1));
+        let mut out = Vec::with_capacity(self.total);
+        for (mine, all) in self.tensors.iter().zip(&whole.tensors) {
+            let src = &values[all.range.clone()];
+            match mine.split {
+                Split::Replicated => out.extend_from_slice(src),
+                Split::Rows => {
+                    let part = src.len() / n;
+                    out.extend_from_slice(&src[rank * part..(rank + 1) * part]);
+                }
+                Split::Columns { groups } => {
+                    let cols = *all.shape.last().expect("a tensor has a shape");
+                    let (group, width) = (cols / groups, cols / groups / n);
+                    for row in src.chunks(cols) {
+                        for g in 0..groups {
+                            let at = g * group + rank * width;
+                            out.extend_from_slice(&row[at..at + width]);
+                        }
+                    }
+                }
+            }
+        }
+        debug_assert_eq!(out.len(), self.total);
+        out
+    }
+
+    /// The sum of squares of `grads`, whose element i is parameter `at + i` of this layout,
+    /// for the global gradient norm: a tensor every tensor-parallel rank holds whole counts
+    /// 1/tp on each, so summing over the group counts it once.
+    pub fn grad_squares(&self, grads: &[f32], at: usize) -> f64 {
+        let squares = |x: &[f32]| x.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+        if self.tp.size <= 1 {
+            return squares(grads);
+        }
+        let end = at + grads.len();
+        let share = 1.0 / self.tp.size as f64;
+        self.tensors
+            .iter()
+            .filter(|t| t.range.start < end && t.range.end > at)
+            .map(|t| {
+                let piece = &grads[t.range.start.max(at) - at..t.range.end.min(end) - at];
+                squares(piece) * if t.split == Split::Replicated { share } else { 1.0 }
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_matches_the_planner_param_count_and_is_contiguous() {
+        for m in [
+            ModelSpec::default(),
+            ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 },
+            ModelSpec { layers: 1, d_model: 8, heads: 2, seq_len: 3, vocab: 5 },
+        ] {
+            let lay = ParamLayout::new(&m);
+            assert_eq!(lay.total as u64, m.param_count());
+            let mut next = 0;
+            for t in &lay.tensors {
+                assert_eq!(t.range.start, next, "{} is not where the previous tensor ended", t.name);
+                assert_eq!(t.range.len(), t.shape.iter().product::<usize>());
+                next = t.range.end;
+            }
+            assert_eq!(next, lay.total);
+            assert_eq!(lay.block_len() as u64, m.block_params());
+            let groups = lay.param_groups();
+            assert_eq!(groups.iter().map(|g| g.range.len()).sum::<usize>(), lay.total);
+        }
+    }
+
+    #[test]
+    fn init_is_deterministic_and_scaled() {
+        let m = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 16, vocab: 32 };
+        let lay = ParamLayout::new(&m);
+        let a = lay.init_params::<f32>(7);
+        assert_eq!(a, lay.init_params::<f32>(7));
+        assert_ne!(a, lay.init_params::<f32>(8));
+        let std = |r: &Range<usize>| {
+            let x = &a[r.clone()];
+            (x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64).sqrt()
+        };
+        let b = &lay.blocks[0];
+        assert!((std(&b.fc_w) - 0.02).abs() < 0.002);
+        assert!((std(&b.fc_proj_w) - 0.01).abs() < 0.001); // 0.02 / sqrt(2 * 2)
+        assert!(a[b.ln1_g.clone()].iter().all(|&g| g == 1.0));
+        assert!(a[b.qkv_b.clone()].iter().all(|&g| g == 0.0));
+    }
+
+    #[test]
+    fn tensor_parallel_parts_tile_every_tensor_once() {
+        let m = ModelSpec { layers: 2, d_model: 16, heads: 4, seq_len: 5, vocab: 7 };
+        let whole = ParamLayout::new(&m);
+        // Values that name their own position, so every part says where it came from.
+        let ids: Vec<f32> = (0..whole.total).map(|i| i as f32).collect();
+        for n in [2, 4] {
+            let parts: Vec<Vec<f32>> =
+                (0..n).map(|r| ParamLayout::for_tp(&m, TpPlace { rank: r, size: n }).part_of(&whole, &ids)).collect();
+            let lay = ParamLayout::for_tp(&m, TpPlace { rank: 0, size: n });
+            for (t, w) in lay.tensors.iter().zip(&whole.tensors) {
+                let mut seen: Vec<f32> = parts.iter().flat_map(|p| p[t.range.clone()].iter().copied()).collect();
+                seen.sort_by(f32::total_cmp);
+                seen.dedup();
+                let expected: Vec<f32> = ids[w.range.clone()].to_vec();
+                assert_eq!(seen, expected, "{} with tp={n}", t.name);
+            }
+        }
+        // Rank 1 of 2 holds the second half of q's, k's and v's columns of row 0.
+        let lay = ParamLayout::for_tp(&m, TpPlace { rank: 1, size: 2 });
+        let part = lay.part_of(&whole, &ids);
+        let (q, w) = (&lay.blocks[0].qkv_w, &whole.blocks[0].qkv_w);
+        let row0: Vec<f32> = part[q.start..q.start + 24].to_vec();
+        let from = |col: usize| ids[w.start + col];
+        let expected: Vec<f32> = (8..16).chain(24..32).chain(40..48).map(from).collect();
+        assert_eq!(row0, expected);
+    }
+
+    #[test]
+    fn replicated_gradients_count_once_over_the_tensor_parallel_group() {
+        let m = ModelSpec { layers: 1, d_model: 8, heads: 2, seq_len: 3, vocab: 5 };
+        let whole = ParamLayout::new(&m);
+        let grads: Vec<f32> = (0..whole.total).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+        let expected = whole.grad_squares(&grads, 0);
+        let summed: f64 = (0..2)
+            .map(|r| {
+                let lay = ParamLayout::for_tp(&m, TpPlace { rank: r, size: 2 });
+                let part = lay.part_of(&whole, &grads);
+                // in two pieces, as a shard would see it
+                let cut = lay.total / 3;
+                lay.grad_squares(&part[..cut], 0) + lay.grad_squares(&part[cut..], cut)
+            })
+            .sum();
+        assert!((summed - expected).abs() < 1e-9 * expected, "{summed} vs {expected}");
+    }
+}

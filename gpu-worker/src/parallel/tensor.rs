@@ -1,0 +1,108 @@
+//! Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): the ranks of a TP group split
+//! every block's matrices and run each block together.
+//!
+//! A linear layer `Y = X·W` can be cut two ways:
+//!
+//! ```text
+//!   column-parallel  W = [W1 | W2]      Y = [X·W1 | X·W2]   each rank makes its columns of Y
+//!   row-parallel     W = [W1 ; W2]      Y = X1·W1 + X2·W2   each rank makes a partial Y: sum them
+//!                    X = [X1 | X2]
+//! ```
+//!
+//! Megatron chains them so that only one sum is needed per half-block. Attention: QKV is
+//! column-parallel by heads (a rank computes whole heads, the softmax needs nothing from the
+//! other ranks), the output projection row-parallel over the same heads. MLP: fc is
+//! column-parallel (GELU acts element by element, so each rank applies it to its hidden
+//! units), fc_proj row-parallel. Two conjugate operators bracket each half:
+//!
+//! ```text
+//!   f: forward identity (every rank has the whole ln output), backward all-reduce
+//!      (each rank's columns contribute a partial gradient of the ln output)
+//!   g: forward all-reduce (the row-parallel partial sums), backward identity
+//! ```
+//!
+//! so each block costs two all-reduces of b x s x d activations forward (g after the
+//! attention projection, g after fc_proj) and two backward (f at ln2's output, f at ln1's),
+//! on the critical path: nothing else can run while they are in flight. That is why TP
+//! stays inside a node, on the fastest links.
+//!
+//! What is whole on every TP rank: the LayerNorms, the residual stream, the two
+//! row-parallel biases (rank 0 adds them before the sum), the embeddings and the LM head.
+//! The embeddings and LM head are replicated rather than vocab-parallel: every TP rank
+//! computes the logits and the loss in full, the same on each. Replicated tensors get the
+//! same gradient on every rank (their inputs and output gradients are whole), so they stay
+//! identical without any extra communication; for the gradient norm each rank counts them
+//! 1/tp (`ParamLayout::grad_squares`). The split itself is in `model/layout.rs`, the
+//! sums in `model/gpt.rs`.
+
+use distlab_common::trace::{Span, SpanKind};
+
+use super::Cpu;
+use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::model::gpt::{TensorParallelGroup, TpSum};
+use crate::model::TpPlace;
+use crate::trace::now_us;
+
+/// One rank's tensor-parallel group: its communicator and the record of its all-reduces.
+pub struct TensorParallel {
+    comm: Box<dyn Communicator>,
+    step: u64,
+    record: bool,
+    spans: Vec<Span>,
+}
+
+impl TensorParallel {
+    pub fn new(comm: Box<dyn Communicator>) -> Self {
+        TensorParallel { comm, step: 0, record: false, spans: Vec::new() }
+    }
+}
+
+/// How the timeline names one of the four sums.
+pub fn sum_name(what: TpSum, layer: usize) -> String {
+    let (op, point) = match what {
+        TpSum::Attention => ("g", "attention output"),
+        TpSum::Mlp => ("g", "MLP output"),
+        TpSum::MlpInputGrad => ("f", "ln2 output gradient"),
+        TpSum::AttentionInputGrad => ("f", "ln1 output gradient"),
+    };
+    format!("all_reduce tp {op}: layer {layer} {point}")
+}
+
+impl TensorParallelGroup<Cpu> for TensorParallel {
+    fn place(&self) -> TpPlace {
+        TpPlace { rank: self.comm.rank(), size: self.comm.size() }
+    }
+
+    fn all_reduce(&mut self, _be: &Cpu, buf: &mut Vec<f32>, what: TpSum, layer: usize) -> Result<(), CommError> {
+        let start = now_us();
+        self.comm.all_reduce(buf, ReduceOp::Sum)?;
+        if self.record {
+            self.spans.push(Span {
+                kind: SpanKind::Comm,
+                name: sum_name(what, layer),
+                step: self.step,
+                lane: "tp".into(),
+                start_us: start,
+                end_us: now_us(),
+                layer: Some(layer as u32),
+                bucket: None,
+                bytes: Some((buf.len() * 4) as u64),
+                micro: None,
+            });
+        }
+        Ok(())
+    }
+
+    fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
+        super::ddp::sum_scalar(self.comm.as_mut(), value)
+    }
+
+    fn begin_step(&mut self, step: u64, record: bool) {
+        self.step = step;
+        self.record = record;
+    }
+
+    fn spans(&self) -> Vec<Span> {
+        self.spans.clone()
+    }
+}
