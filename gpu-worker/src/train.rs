@@ -632,6 +632,22 @@ pub fn train_rank(
             timed_steps += 1;
         }
     }
+    if let Some((calls, payload, sent)) = trainer.model.tensor_parallel().map(|tp| tp.totals()) {
+        let layers = trainer.model.stage.blocks.len();
+        let per_layer = payload as f64 / (t.steps as f64 * (t.micro_batches * t.grad_accum * layers) as f64);
+        log(
+            on_event,
+            format!(
+                "tensor parallel (this rank's group): {calls} all-reduces of activations, {:.2} MiB in all \
+                 ({:.3} MiB per layer per micro-batch, forward and backward together; 4 x b x s x d x 4 bytes = \
+                 {:.3} MiB); this rank sent {:.2} MiB over the ring",
+                mib_bytes(payload),
+                per_layer / (1024.0 * 1024.0),
+                mib(4 * t.micro_batch * m.seq_len * m.d_model),
+                mib_bytes(sent)
+            ),
+        );
+    }
     let timed_tokens = timed_steps as f64 * tokens_per_step as f64;
     let summary = RunSummary {
         steps: t.steps,

@@ -144,6 +144,8 @@ pub trait TensorParallelGroup<B: Backend>: Send {
     fn begin_step(&mut self, step: u64, record: bool);
     /// The all-reduces recorded so far.
     fn spans(&self) -> Vec<Span>;
+    /// (all-reduces, payload bytes summed, bytes this rank sent) since the start.
+    fn totals(&self) -> (u64, u64, u64);
 }
 
 /// Activation gradients, shared by all blocks (backward visits one block at a time).

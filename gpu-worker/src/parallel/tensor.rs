@@ -49,11 +49,13 @@ pub struct TensorParallel {
     step: u64,
     record: bool,
     spans: Vec<Span>,
+    calls: u64,
+    payload_bytes: u64,
 }
 
 impl TensorParallel {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
-        TensorParallel { comm, step: 0, record: false, spans: Vec::new() }
+        TensorParallel { comm, step: 0, record: false, spans: Vec::new(), calls: 0, payload_bytes: 0 }
     }
 }
 
@@ -76,6 +78,8 @@ impl TensorParallelGroup<Cpu> for TensorParallel {
     fn all_reduce(&mut self, _be: &Cpu, buf: &mut Vec<f32>, what: TpSum, layer: usize) -> Result<(), CommError> {
         let start = now_us();
         self.comm.all_reduce(buf, ReduceOp::Sum)?;
+        self.calls += 1;
+        self.payload_bytes += (buf.len() * 4) as u64;
         if self.record {
             self.spans.push(Span {
                 kind: SpanKind::Comm,
@@ -104,5 +108,9 @@ impl TensorParallelGroup<Cpu> for TensorParallel {
 
     fn spans(&self) -> Vec<Span> {
         self.spans.clone()
+    }
+
+    fn totals(&self) -> (u64, u64, u64) {
+        (self.calls, self.payload_bytes, self.comm.bytes_sent())
     }
 }
