@@ -470,6 +470,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             micro_steps,
             rows_d,
             recomputing,
+            regathered: recomputed_before_backward(layers, t.checkpointing).saturating_mul(block_per_tp_rank),
         });
         stages.push(StagePlan {
             stage: s,
@@ -521,6 +522,16 @@ fn checkpointed(layers: u64, checkpointing: Checkpointing, rows_d: u64, layer_ac
     }
 }
 
+/// Blocks whose recomputation runs before their own backward, with their parameters
+/// opened just for it: all but the last block of each segment (the last one recomputes
+/// inside its backward). With FSDP each costs one more all-gather per micro-batch.
+fn recomputed_before_backward(layers: u64, checkpointing: Checkpointing) -> u64 {
+    match checkpointing {
+        Checkpointing::None | Checkpointing::Every => 0,
+        Checkpointing::Sqrt => layers - layers.div_ceil(ceil_sqrt(layers).max(1)),
+    }
+}
+
 fn ceil_sqrt(n: u64) -> u64 {
     let r = n.isqrt();
     if r * r < n {
@@ -547,6 +558,9 @@ struct StageCommInput {
     /// Elements of one activation tensor between blocks: micro_batch * seq_len * d_model.
     rows_d: u64,
     recomputing: bool,
+    /// FSDP: parameters gathered once more per micro-batch, for blocks recomputed before
+    /// their own backward opens them (see [`recomputed_before_backward`]).
+    regathered: u64,
 }
 
 /// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
@@ -562,7 +576,8 @@ struct StageCommInput {
 /// - fsdp: every micro-batch gathers the parameters before forward and again before
 ///   backward (except the embeddings, whose gradient needs no parameters) and
 ///   reduce-scatters the gradients: n * (W-1)/W * (3N - E); nothing after the update
-///   (parameters stay sharded);
+///   (parameters stay sharded); sqrt checkpointing gathers the blocks it recomputes
+///   ahead of their backward once more;
 /// - TP: per block and micro-batch, 2 all-reduces of A forward (after the attention and
 ///   MLP row-parallel layers) and 2 backward (the gradients of their inputs), plus 2 more
 ///   when checkpointing recomputes the forward: 2(T-1)/T * A each;
@@ -589,7 +604,9 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
         Sharding::Fsdp => {
             v.dp_reduce_scatter = c.micro_steps.saturating_mul(grads_rs);
             let backward_ag = ring_reduce_scatter_bytes(c.params_per_rank - c.embedding, c.dp, w);
-            v.dp_all_gather = c.micro_steps.saturating_mul(params_ag.saturating_add(backward_ag));
+            let recompute_ag = ring_reduce_scatter_bytes(c.regathered, c.dp, w);
+            v.dp_all_gather =
+                c.micro_steps.saturating_mul(params_ag.saturating_add(backward_ag).saturating_add(recompute_ag));
         }
     }
     let tp_per_block = if c.recomputing { 6 } else { 4 };

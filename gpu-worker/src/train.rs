@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use distlab_common::{
-    BackendKind, Checkpointing, ExperimentSpec, FieldError, Limits, LogLevel, LogLine, LossScaling, MetricPoint,
-    Precision, RunEvent, RunSummary,
+    BackendKind, ExperimentSpec, FieldError, Limits, LogLevel, LogLine, LossScaling, MetricPoint, Precision, RunEvent,
+    RunSummary,
 };
 
 use distlab_common::trace::{RankTrace, Span, SpanKind};
@@ -28,7 +28,7 @@ use crate::data::{Data, DataError};
 use crate::memory::MemoryTracker;
 use crate::memory::{Category, Receipt};
 use crate::model::gpt::TensorParallelGroup;
-use crate::model::{Gpt, ModelState, OpenUnit, Pass, StageInput, Unit};
+use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::optim::{clip_scale, lr_at};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::{self, Action};
@@ -89,16 +89,6 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
         out.push(
             "train.loss_scaling=dynamic: loss scaling is not yet supported by this worker (it comes with fp16)".into(),
         );
-    }
-    if t.checkpointing != Checkpointing::None {
-        let name = match t.checkpointing {
-            Checkpointing::Every => "every",
-            _ => "sqrt",
-        };
-        out.push(format!(
-            "train.checkpointing={name}: activation checkpointing (recomputation) is not yet supported by this worker; \
-             use checkpointing=none"
-        ));
     }
     if t.checkpoint_every > 0 {
         out.push(format!(
@@ -198,7 +188,8 @@ impl Trainer {
         let micro_steps = t.micro_batches * t.grad_accum;
         let slots = schedule::activations_in_flight(spec.parallel.pp_schedule, stages, stage_index, micro_steps);
         let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<Cpu>>);
-        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), slots, tp, &memory);
+        let saved = Saved { in_flight: slots, checkpointing: t.checkpointing };
+        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp)?;
         let activation = t.micro_batch * spec.model.seq_len * spec.model.d_model;
@@ -440,14 +431,21 @@ impl ModelState<Cpu> for Observed<'_> {
     }
 
     fn close(&mut self, be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
-        if let (true, Pass::Backward { .. }) = (self.record, pass) {
-            let now = now_us();
-            let (name, layer) = match unit {
-                Unit::Head => ("backward head".to_string(), None),
-                Unit::Block(l) => (format!("backward layer {l}"), Some(l as u32)),
-                Unit::Embeddings => ("backward embeddings".to_string(), None),
-            };
-            self.spans.push(span(SpanKind::Backward, name, self.step, "compute", self.mark, now, layer));
+        let recorded = match (pass, unit) {
+            (Pass::Forward, _) => None,
+            (Pass::Recompute, Unit::Block(l)) => Some((SpanKind::Forward, format!("recompute layer {l}"), Some(l))),
+            (Pass::Recompute, _) => None,
+            (Pass::Backward { .. }, Unit::Head) => Some((SpanKind::Backward, "backward head".to_string(), None)),
+            (Pass::Backward { .. }, Unit::Block(l)) => {
+                Some((SpanKind::Backward, format!("backward layer {l}"), Some(l)))
+            }
+            (Pass::Backward { .. }, Unit::Embeddings) => {
+                Some((SpanKind::Backward, "backward embeddings".to_string(), None))
+            }
+        };
+        if let (true, Some((kind, name, layer))) = (self.record, recorded) {
+            let layer = layer.map(|l| l as u32);
+            self.spans.push(span(kind, name, self.step, "compute", self.mark, now_us(), layer));
         }
         self.inner.close(be, unit, pass)?;
         self.mark = now_us();
@@ -459,6 +457,7 @@ impl ModelState<Cpu> for Observed<'_> {
 fn pass_name(pass: Pass) -> &'static str {
     match pass {
         Pass::Forward => "forward",
+        Pass::Recompute => "recompute",
         Pass::Backward { .. } => "backward",
     }
 }

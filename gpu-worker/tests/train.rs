@@ -4,8 +4,7 @@
 use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
-    BackendKind, Checkpointing, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent,
-    RunSummary,
+    BackendKind, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent, RunSummary,
 };
 use distlab_worker::{train, TrainError, TrainOptions};
 
@@ -185,7 +184,6 @@ fn unsupported_features_are_refused_naming_the_field() {
                 s.train.loss_scaling = LossScaling::Dynamic;
             }),
         ),
-        ("train.checkpointing", Box::new(|s| s.train.checkpointing = Checkpointing::Sqrt)),
         ("train.checkpoint_every", Box::new(|s| s.train.checkpoint_every = 10)),
         ("backend", Box::new(|s| s.backend = BackendKind::Cuda)),
     ];

@@ -179,8 +179,9 @@ fn test(extra: &[String]) -> Result<ExitCode> {
     ensure_wasm_target()?;
     ensure_browser();
     build_frontend()?;
-    // Dev profile: the end-to-end tests start target/debug/distlab-server and distlab-worker.
-    status(cargo().args(["build", "-p", "distlab-server", "-p", "distlab-worker"]))?;
+    // The end-to-end tests start target/debug/distlab-server and distlab-worker: `cargo
+    // test` builds both (their packages have integration tests) before it runs any test,
+    // with the same features as everything else, so nothing is compiled twice.
     let mut cmd = cargo();
     cmd.args(["test", "--workspace"]);
     if !extra.is_empty() {

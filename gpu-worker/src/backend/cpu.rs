@@ -119,6 +119,10 @@ impl<F: Float> Backend for CpuBackend<F> {
         view
     }
 
+    fn copy(&self, dst: &mut [F], src: &[F]) {
+        dst.par_chunks_mut(ELEMENT_CHUNK).zip(src.par_chunks(ELEMENT_CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
+    }
+
     fn fill(&self, out: &mut [F], value: f64) {
         let v = F::from_f64(value);
         out.par_chunks_mut(ELEMENT_CHUNK).for_each(|chunk| chunk.fill(v));

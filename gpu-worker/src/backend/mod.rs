@@ -75,6 +75,8 @@ pub trait Backend: Send + Sync + 'static {
         self.view_mut(buf, 0..len)
     }
     fn fill(&self, out: Self::ViewMut<'_>, value: f64);
+    /// `dst = src` (the same length).
+    fn copy(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>);
 
     // ---- reductions (return to the host) ---------------------------------------
 

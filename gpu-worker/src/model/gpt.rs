@@ -24,7 +24,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::ModelSpec;
+use distlab_common::{Checkpointing, ModelSpec};
 
 use crate::backend::Backend;
 use crate::comm::CommError;
@@ -54,13 +54,35 @@ struct BlockActivations<Buf> {
     res_mlp: Buf,
 }
 
+impl<Buf> BlockActivations<Buf> {
+    fn buffers(&self) -> [&Buf; 13] {
+        [
+            &self.ln1,
+            &self.ln1_mean,
+            &self.ln1_rstd,
+            &self.qkv,
+            &self.att,
+            &self.atty,
+            &self.res_attn,
+            &self.ln2,
+            &self.ln2_mean,
+            &self.ln2_rstd,
+            &self.fch,
+            &self.fch_gelu,
+            &self.res_mlp,
+        ]
+    }
+}
+
 /// What one micro-batch leaves on this stage for its backward.
 struct Activations<Buf> {
     /// The stage's input: the embedding output on the first stage, what the previous
     /// stage sent on the others.
     encoded: Buf,
-    /// The stage's blocks, in order.
+    /// The stage's blocks, in order (without activation checkpointing).
     blocks: Vec<BlockActivations<Buf>>,
+    /// With checkpointing: the output of each segment's last block (b x s x d each).
+    checkpoints: Vec<Buf>,
     /// The last stage only.
     head: Option<HeadActivations<Buf>>,
 }
@@ -109,6 +131,42 @@ impl Stage {
             units.push(Unit::Head);
         }
         units
+    }
+}
+
+/// What forward saves for backward: activations for `in_flight` micro-batches, all of
+/// them or (activation checkpointing) only some blocks' outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Saved {
+    pub in_flight: usize,
+    pub checkpointing: Checkpointing,
+}
+
+impl Default for Saved {
+    fn default() -> Self {
+        Saved { in_flight: 1, checkpointing: Checkpointing::None }
+    }
+}
+
+impl Saved {
+    /// Blocks per recomputed segment on a stage of `blocks` blocks: every block its own
+    /// segment, or about sqrt(blocks) of them (ceil), keeping one output per segment
+    /// (Chen et al. 2016: sqrt(L) memory for one extra forward).
+    pub fn segment(&self, blocks: usize) -> Option<usize> {
+        match self.checkpointing {
+            Checkpointing::None => None,
+            Checkpointing::Every => Some(1),
+            Checkpointing::Sqrt => Some(ceil_sqrt(blocks).max(1)),
+        }
+    }
+}
+
+fn ceil_sqrt(n: usize) -> usize {
+    let r = n.isqrt();
+    if r * r < n {
+        r + 1
+    } else {
+        r
     }
 }
 
@@ -171,6 +229,11 @@ pub struct Gpt<B: Backend> {
     pub stage: Stage,
     /// One set of saved activations per slot (micro-batch in flight).
     acts: Vec<Activations<B::Buf>>,
+    /// Activation checkpointing: blocks per segment (None: keep every activation).
+    segment: Option<usize>,
+    /// With checkpointing: one segment's block activations, shared by every micro-batch
+    /// (forward runs each block here; backward recomputes a segment here).
+    recompute: Vec<BlockActivations<B::Buf>>,
     scratch: GradScratch<B::Buf>,
     activation_floats: usize,
     /// The memory ledger's record of every buffer above.
@@ -182,21 +245,22 @@ pub struct Gpt<B: Backend> {
 impl<B: Backend> Gpt<B> {
     /// The whole model, activations for one micro-batch at a time.
     pub fn new(be: &B, spec: &ModelSpec, batch: usize, memory: &Arc<MemoryTracker>) -> Self {
-        Self::new_stage(be, spec, batch, Stage::whole(spec.layers), 1, None, memory)
+        Self::new_stage(be, spec, batch, Stage::whole(spec.layers), Saved::default(), None, memory)
     }
 
-    /// `stage` of the model (this rank's slice of it with `tp`), with activations for
-    /// `slots` micro-batches in flight; every buffer is allocated once and registered with
-    /// `memory`.
+    /// `stage` of the model (this rank's slice of it with `tp`), saving activations as
+    /// `saved` says; every buffer is allocated once and registered with `memory`.
     pub fn new_stage(
         be: &B,
         spec: &ModelSpec,
         batch: usize,
         stage: Stage,
-        slots: usize,
+        saved: Saved,
         tp: Option<Box<dyn TensorParallelGroup<B>>>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
+        let slots = saved.in_flight.max(1);
+        let segment = saved.segment(stage.blocks.len());
         let place = tp.as_ref().map_or(TpPlace::ALONE, |g| g.place());
         let layout = ParamLayout::for_tp(spec, place);
         let n = place.size;
@@ -211,27 +275,29 @@ impl<B: Backend> Gpt<B> {
             receipts.push(memory.alloc(category, len));
             be.alloc(len)
         };
+        let block = |alloc: &mut dyn FnMut(Category, usize) -> B::Buf| BlockActivations {
+            ln1: alloc(Category::Activations, rows * c),
+            ln1_mean: alloc(Category::Activations, rows),
+            ln1_rstd: alloc(Category::Activations, rows),
+            qkv: alloc(Category::Activations, rows * 3 * cl),
+            att: alloc(Category::Activations, batch * h * t * t),
+            atty: alloc(Category::Activations, rows * cl),
+            res_attn: alloc(Category::Activations, rows * c),
+            ln2: alloc(Category::Activations, rows * c),
+            ln2_mean: alloc(Category::Activations, rows),
+            ln2_rstd: alloc(Category::Activations, rows),
+            fch: alloc(Category::Activations, rows * hidden),
+            fch_gelu: alloc(Category::Activations, rows * hidden),
+            res_mlp: alloc(Category::Activations, rows * c),
+        };
+        let (kept_blocks, checkpoints) = match segment {
+            None => (stage.blocks.len(), 0),
+            Some(k) => (0, stage.blocks.len().div_ceil(k)),
+        };
         let one_set = |alloc: &mut dyn FnMut(Category, usize) -> B::Buf| Activations {
             encoded: alloc(Category::Activations, rows * c),
-            blocks: stage
-                .blocks
-                .clone()
-                .map(|_| BlockActivations {
-                    ln1: alloc(Category::Activations, rows * c),
-                    ln1_mean: alloc(Category::Activations, rows),
-                    ln1_rstd: alloc(Category::Activations, rows),
-                    qkv: alloc(Category::Activations, rows * 3 * cl),
-                    att: alloc(Category::Activations, batch * h * t * t),
-                    atty: alloc(Category::Activations, rows * cl),
-                    res_attn: alloc(Category::Activations, rows * c),
-                    ln2: alloc(Category::Activations, rows * c),
-                    ln2_mean: alloc(Category::Activations, rows),
-                    ln2_rstd: alloc(Category::Activations, rows),
-                    fch: alloc(Category::Activations, rows * hidden),
-                    fch_gelu: alloc(Category::Activations, rows * hidden),
-                    res_mlp: alloc(Category::Activations, rows * c),
-                })
-                .collect(),
+            blocks: (0..kept_blocks).map(|_| block(alloc)).collect(),
+            checkpoints: (0..checkpoints).map(|_| alloc(Category::Activations, rows * c)).collect(),
             head: stage.last.then(|| HeadActivations {
                 lnf: alloc(Category::Activations, rows * c),
                 lnf_mean: alloc(Category::Activations, rows),
@@ -240,7 +306,8 @@ impl<B: Backend> Gpt<B> {
                 losses: alloc(Category::Activations, rows),
             }),
         };
-        let acts = (0..slots.max(1)).map(|_| one_set(&mut alloc)).collect();
+        let acts = (0..slots).map(|_| one_set(&mut alloc)).collect();
+        let recompute = (0..segment.unwrap_or(0)).map(|_| block(&mut alloc)).collect();
         let scratch = GradScratch {
             dres: alloc(Category::ActivationGrads, rows * c),
             dln: alloc(Category::ActivationGrads, rows * c),
@@ -249,10 +316,22 @@ impl<B: Backend> Gpt<B> {
             datt: alloc(Category::ActivationGrads, batch * h * t * t),
             dfch: alloc(Category::ActivationGrads, rows * hidden),
         };
-        if stage == Stage::whole(spec.layers) && slots == 1 {
+        if stage == Stage::whole(spec.layers) && slots == 1 && segment.is_none() {
             debug_assert_eq!(floats, Self::activation_floats_for(spec, batch, n));
         }
-        Self { spec: spec.clone(), batch, layout, stage, acts, scratch, activation_floats: floats, receipts, tp }
+        Self {
+            spec: spec.clone(),
+            batch,
+            layout,
+            stage,
+            acts,
+            segment,
+            recompute,
+            scratch,
+            activation_floats: floats,
+            receipts,
+            tp,
+        }
     }
 
     /// Floats held for activations and their gradients (for memory reports).
@@ -264,30 +343,17 @@ impl<B: Backend> Gpt<B> {
     /// the memory ledger must agree with).
     pub fn held_bytes(&self, be: &B) -> u64 {
         let s = &self.scratch;
+        let block = BlockActivations::buffers;
         let mut bufs = Vec::new();
         for a in &self.acts {
             bufs.push(&a.encoded);
             if let Some(h) = &a.head {
                 bufs.extend([&h.lnf, &h.lnf_mean, &h.lnf_rstd, &h.logits, &h.losses]);
             }
-            bufs.extend(a.blocks.iter().flat_map(|b| {
-                [
-                    &b.ln1,
-                    &b.ln1_mean,
-                    &b.ln1_rstd,
-                    &b.qkv,
-                    &b.att,
-                    &b.atty,
-                    &b.res_attn,
-                    &b.ln2,
-                    &b.ln2_mean,
-                    &b.ln2_rstd,
-                    &b.fch,
-                    &b.fch_gelu,
-                    &b.res_mlp,
-                ]
-            }));
+            bufs.extend(a.blocks.iter().flat_map(block));
+            bufs.extend(a.checkpoints.iter());
         }
+        bufs.extend(self.recompute.iter().flat_map(block));
         bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
         debug_assert_eq!(bufs.len(), self.receipts.len());
         bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Float>()) as u64).sum()
@@ -340,8 +406,8 @@ impl<B: Backend> Gpt<B> {
         self.forward_stage(be, state, 0, StageInput::Tokens(inputs), targets)
     }
 
-    /// Runs this stage on one micro-batch, keeping its activations in `slot`. On the last
-    /// stage returns the SUM of the per-token losses (`targets`); elsewhere 0, and the
+    /// Runs this stage on one micro-batch, keeping what backward needs in `slot`. On the
+    /// last stage returns the SUM of the per-token losses (`targets`); elsewhere 0, and the
     /// output for the next stage is `output(slot)`.
     pub fn forward_stage(
         &mut self,
@@ -352,8 +418,7 @@ impl<B: Backend> Gpt<B> {
         targets: &[u32],
     ) -> Result<f64, CommError> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
-        let (cl, heads, hidden) = self.tp_widths();
-        let lead = self.layout.tp.rank == 0;
+        let dims = self.dims();
         let lay = &self.layout;
         let acts = &mut self.acts[slot];
 
@@ -373,65 +438,37 @@ impl<B: Backend> Gpt<B> {
             }
             StageInput::Activation(x) => be.upload(&mut acts.encoded, x),
         }
+        let blocks = self.stage.blocks.len();
         for (i, l) in self.stage.blocks.clone().enumerate() {
             let (p, at) = state.open(be, Unit::Block(l), Pass::Forward)?.params.expect("forward has parameters");
             let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-            let (done, rest) = acts.blocks.split_at_mut(i);
-            let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
-            let a = &mut rest[0];
-            // attention half: res_attn = x + attn_proj(attention(ln1(x))); with TP each rank
-            // has its heads' q, k, v and adds its heads' share of the projection (g: sum)
-            be.layernorm_forward(
-                be.all_mut(&mut a.ln1),
-                be.all_mut(&mut a.ln1_mean),
-                be.all_mut(&mut a.ln1_rstd),
-                be.all(x),
-                w.ln1_g,
-                w.ln1_b,
-                c,
-            );
-            be.matmul_forward(be.all_mut(&mut a.qkv), be.all(&a.ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
-            be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads);
-            be.matmul_forward(
-                be.all_mut(&mut a.res_attn),
-                be.all(&a.atty),
-                w.attn_proj_w,
-                lead.then_some(w.attn_proj_b),
-                lead.then(|| be.all(x)),
-                cl,
-                c,
-            );
-            if let Some(tp) = &mut self.tp {
-                tp.all_reduce(be, &mut a.res_attn, TpSum::Attention, l)?;
-            }
-            // MLP half: res_mlp = res_attn + fc_proj(gelu(fc(ln2(res_attn)))), the same way
-            be.layernorm_forward(
-                be.all_mut(&mut a.ln2),
-                be.all_mut(&mut a.ln2_mean),
-                be.all_mut(&mut a.ln2_rstd),
-                be.all(&a.res_attn),
-                w.ln2_g,
-                w.ln2_b,
-                c,
-            );
-            be.matmul_forward(be.all_mut(&mut a.fch), be.all(&a.ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
-            be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
-            be.matmul_forward(
-                be.all_mut(&mut a.res_mlp),
-                be.all(&a.fch_gelu),
-                w.fc_proj_w,
-                lead.then_some(w.fc_proj_b),
-                lead.then(|| be.all(&a.res_attn)),
-                hidden,
-                c,
-            );
-            if let Some(tp) = &mut self.tp {
-                tp.all_reduce(be, &mut a.res_mlp, TpSum::Mlp, l)?;
+            match self.segment {
+                // Keep everything: block i's activations live in the slot.
+                None => {
+                    let (done, rest) = acts.blocks.split_at_mut(i);
+                    let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
+                    block_forward(be, &w, x, &mut rest[0], dims, &mut self.tp, l)?;
+                }
+                // Checkpointing: run the block in the shared segment buffers and keep only
+                // the output of each segment's last block.
+                Some(k) => {
+                    let j = i % k;
+                    let (before, rest) = self.recompute.split_at_mut(j);
+                    let x = match (j, i) {
+                        (0, 0) => &acts.encoded,
+                        (0, _) => &acts.checkpoints[i / k - 1],
+                        _ => &before[j - 1].res_mlp,
+                    };
+                    block_forward(be, &w, x, &mut rest[0], dims, &mut self.tp, l)?;
+                    if j == k - 1 || i == blocks - 1 {
+                        be.copy(be.all_mut(&mut acts.checkpoints[i / k]), be.all(&rest[0].res_mlp));
+                    }
+                }
             }
             state.close(be, Unit::Block(l), Pass::Forward)?;
         }
-        let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
         let Some(head) = acts.head.as_mut() else { return Ok(0.0) };
+        let last = acts.checkpoints.last().or(acts.blocks.last().map(|a| &a.res_mlp)).unwrap_or(&acts.encoded);
         assert_eq!(targets.len(), self.batch * t, "targets must hold batch * seq_len tokens");
         {
             let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
@@ -459,17 +496,24 @@ impl<B: Backend> Gpt<B> {
         Ok(be.sum(be.all(&head.losses)))
     }
 
-    /// This rank's width of the attention, its heads, and its width of the MLP's hidden
-    /// layer (d_model, heads and 4 * d_model without tensor parallelism).
-    fn tp_widths(&self) -> (usize, usize, usize) {
+    /// This rank's widths (its heads and its part of the MLP under tensor parallelism).
+    fn dims(&self) -> Dims {
         let n = self.layout.tp.size;
-        (self.spec.d_model / n, self.spec.heads / n, 4 * self.spec.d_model / n)
+        let ModelSpec { seq_len, d_model, heads, .. } = self.spec;
+        Dims {
+            t: seq_len,
+            c: d_model,
+            cl: d_model / n,
+            heads: heads / n,
+            hidden: 4 * d_model / n,
+            lead: self.layout.tp.rank == 0,
+        }
     }
 
     /// What this stage's forward of `slot` hands to the next stage: its last block's output.
     pub fn output(&self, slot: usize) -> &B::Buf {
         let a = &self.acts[slot];
-        a.blocks.last().map_or(&a.encoded, |b| &b.res_mlp)
+        a.checkpoints.last().or(a.blocks.last().map(|b| &b.res_mlp)).unwrap_or(&a.encoded)
     }
 
     /// After `backward_stage` on a stage that is not the first: the gradient of the stage's
@@ -498,7 +542,9 @@ impl<B: Backend> Gpt<B> {
     /// Backpropagates this stage's forward of `slot`. The last stage starts from the loss
     /// (`targets`, `dloss`); the others from `grad_output`, the gradient of their output
     /// that the next stage sent. The first stage ends in the embeddings (`inputs`); the
-    /// others leave the gradient of their input in `input_grad()`.
+    /// others leave the gradient of their input in `input_grad()`. With checkpointing,
+    /// each segment's forward runs again (from the saved input of the segment) just before
+    /// the segment's backward.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_stage(
         &mut self,
@@ -511,7 +557,7 @@ impl<B: Backend> Gpt<B> {
         dloss: f64,
     ) -> Result<(), CommError> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
-        let (cl, heads, hidden) = self.tp_widths();
+        let dims = self.dims();
         let lay = &self.layout;
         let s = &mut self.scratch;
         let with_params = Pass::Backward { params: true };
@@ -540,7 +586,7 @@ impl<B: Backend> Gpt<B> {
                 vocab,
             );
             be.fill(be.all_mut(&mut s.dres), 0.0);
-            let last = acts.blocks.last().map_or(&acts.encoded, |a| &a.res_mlp);
+            let last = acts.checkpoints.last().or(acts.blocks.last().map(|a| &a.res_mlp)).unwrap_or(&acts.encoded);
             be.layernorm_backward(
                 be.all_mut(&mut s.dres),
                 g_lnf_g,
@@ -560,102 +606,53 @@ impl<B: Backend> Gpt<B> {
             state.close(be, Unit::Head, with_params)?;
         }
 
-        for (i, l) in self.stage.blocks.clone().enumerate().rev() {
-            // (a scope, so that the block's views end before it is closed)
-            {
-                let open = state.open(be, Unit::Block(l), with_params)?;
-                let (p, at) = open.params.expect("backward of a block has parameters");
-                let (g, g_at) = open.grads.expect("backward has gradients");
-                let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
-                let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-                let x = if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp };
-                let a = &acts.blocks[i];
-                // MLP half (dres holds d res_mlp, and becomes d res_attn). With TP dres is
-                // whole on every rank (g's backward is the identity), so each rank computes
-                // the same gradient for the replicated bias.
-                be.matmul_backward(
-                    Some(be.all_mut(&mut s.dfch)),
-                    gw.fc_proj_w,
-                    Some(gw.fc_proj_b),
-                    be.all(&s.dres),
-                    be.all(&a.fch_gelu),
-                    w.fc_proj_w,
-                    hidden,
-                    c,
-                );
-                be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
-                be.matmul_backward(
-                    Some(be.all_mut(&mut s.dln)),
-                    gw.fc_w,
-                    Some(gw.fc_b),
-                    be.all(&s.dfch),
-                    be.all(&a.ln2),
-                    w.fc_w,
-                    c,
-                    hidden,
-                );
-                // f's backward: ln2's output fed every rank's hidden units
-                if let Some(tp) = &mut self.tp {
-                    tp.all_reduce(be, &mut s.dln, TpSum::MlpInputGrad, l)?;
+        // Segments of blocks, last first: without checkpointing one segment of them all,
+        // with its activations saved; with it, `k` blocks at a time, recomputed first.
+        let first_block = self.stage.blocks.start;
+        let blocks = self.stage.blocks.len();
+        let k = self.segment.unwrap_or(blocks.max(1));
+        for start in (0..blocks).step_by(k).rev() {
+            let end = (start + k).min(blocks);
+            if self.segment.is_some() {
+                // Every block of the segment but the last runs forward again on its own;
+                // the last one below, with the parameters its backward opens anyway.
+                for i in start..end - 1 {
+                    let l = first_block + i;
+                    let (p, at) =
+                        state.open(be, Unit::Block(l), Pass::Recompute)?.params.expect("recompute has parameters");
+                    let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
+                    recompute_block(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                    state.close(be, Unit::Block(l), Pass::Recompute)?;
                 }
-                be.layernorm_backward(
-                    be.all_mut(&mut s.dres),
-                    gw.ln2_g,
-                    gw.ln2_b,
-                    be.all(&s.dln),
-                    be.all(&a.res_attn),
-                    w.ln2_g,
-                    be.all(&a.ln2_mean),
-                    be.all(&a.ln2_rstd),
-                    c,
-                );
-                // attention half (dres becomes d x)
-                be.matmul_backward(
-                    Some(be.all_mut(&mut s.datty)),
-                    gw.attn_proj_w,
-                    Some(gw.attn_proj_b),
-                    be.all(&s.dres),
-                    be.all(&a.atty),
-                    w.attn_proj_w,
-                    cl,
-                    c,
-                );
-                be.attention_backward(
-                    be.all_mut(&mut s.dqkv),
-                    be.all_mut(&mut s.datt),
-                    be.all(&s.datty),
-                    be.all(&a.qkv),
-                    be.all(&a.att),
-                    t,
-                    cl,
-                    heads,
-                );
-                be.matmul_backward(
-                    Some(be.all_mut(&mut s.dln)),
-                    gw.qkv_w,
-                    Some(gw.qkv_b),
-                    be.all(&s.dqkv),
-                    be.all(&a.ln1),
-                    w.qkv_w,
-                    c,
-                    3 * cl,
-                );
-                if let Some(tp) = &mut self.tp {
-                    tp.all_reduce(be, &mut s.dln, TpSum::AttentionInputGrad, l)?;
-                }
-                be.layernorm_backward(
-                    be.all_mut(&mut s.dres),
-                    gw.ln1_g,
-                    gw.ln1_b,
-                    be.all(&s.dln),
-                    be.all(x),
-                    w.ln1_g,
-                    be.all(&a.ln1_mean),
-                    be.all(&a.ln1_rstd),
-                    c,
-                );
             }
-            state.close(be, Unit::Block(l), with_params)?;
+            for i in (start..end).rev() {
+                let l = first_block + i;
+                // (a scope, so that the block's views end before it is closed)
+                {
+                    let open = state.open(be, Unit::Block(l), with_params)?;
+                    let (p, at) = open.params.expect("backward of a block has parameters");
+                    let (g, g_at) = open.grads.expect("backward has gradients");
+                    let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
+                    let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
+                    let (x, a) = match self.segment {
+                        None => (if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp }, &acts.blocks[i]),
+                        Some(_) => {
+                            if i == end - 1 {
+                                recompute_block(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                            }
+                            let j = i - start;
+                            let x = match (j, i) {
+                                (0, 0) => &acts.encoded,
+                                (0, _) => &acts.checkpoints[i / k - 1],
+                                _ => &self.recompute[j - 1].res_mlp,
+                            };
+                            (x, &self.recompute[j])
+                        }
+                    };
+                    block_backward(be, &w, gw, x, a, s, dims, &mut self.tp, l)?;
+                }
+                state.close(be, Unit::Block(l), with_params)?;
+            }
         }
         if !self.stage.first {
             return Ok(());
@@ -669,6 +666,216 @@ impl<B: Backend> Gpt<B> {
         }
         state.close(be, Unit::Embeddings, without_params)
     }
+}
+
+/// A block's sizes on this rank: sequence length, model width, this rank's attention
+/// width and heads, its MLP hidden width, and whether it adds the row-parallel biases and
+/// the residual (tensor-parallel rank 0; the only rank without tensor parallelism).
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    t: usize,
+    c: usize,
+    cl: usize,
+    heads: usize,
+    hidden: usize,
+    lead: bool,
+}
+
+/// One transformer block forward, from its input `x`, keeping what backward needs in `a`:
+///
+/// ```text
+///   res_attn = x + attn_proj(attention(ln1(x)))
+///   res_mlp  = res_attn + fc_proj(gelu(fc(ln2(res_attn))))
+/// ```
+///
+/// With tensor parallelism each rank has its heads' q, k, v and its share of the hidden
+/// units, and the two row-parallel outputs are partial sums: g all-reduces them.
+fn block_forward<B: Backend>(
+    be: &B,
+    w: &BlockTensors<B::View<'_>>,
+    x: &B::Buf,
+    a: &mut BlockActivations<B::Buf>,
+    d: Dims,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    layer: usize,
+) -> Result<(), CommError> {
+    let Dims { t, c, cl, heads, hidden, lead } = d;
+    // attention half
+    be.layernorm_forward(
+        be.all_mut(&mut a.ln1),
+        be.all_mut(&mut a.ln1_mean),
+        be.all_mut(&mut a.ln1_rstd),
+        be.all(x),
+        w.ln1_g,
+        w.ln1_b,
+        c,
+    );
+    be.matmul_forward(be.all_mut(&mut a.qkv), be.all(&a.ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
+    be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads);
+    be.matmul_forward(
+        be.all_mut(&mut a.res_attn),
+        be.all(&a.atty),
+        w.attn_proj_w,
+        lead.then_some(w.attn_proj_b),
+        lead.then(|| be.all(x)),
+        cl,
+        c,
+    );
+    if let Some(tp) = tp {
+        tp.all_reduce(be, &mut a.res_attn, TpSum::Attention, layer)?;
+    }
+    // MLP half
+    be.layernorm_forward(
+        be.all_mut(&mut a.ln2),
+        be.all_mut(&mut a.ln2_mean),
+        be.all_mut(&mut a.ln2_rstd),
+        be.all(&a.res_attn),
+        w.ln2_g,
+        w.ln2_b,
+        c,
+    );
+    be.matmul_forward(be.all_mut(&mut a.fch), be.all(&a.ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
+    be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
+    be.matmul_forward(
+        be.all_mut(&mut a.res_mlp),
+        be.all(&a.fch_gelu),
+        w.fc_proj_w,
+        lead.then_some(w.fc_proj_b),
+        lead.then(|| be.all(&a.res_attn)),
+        hidden,
+        c,
+    );
+    if let Some(tp) = tp {
+        tp.all_reduce(be, &mut a.res_mlp, TpSum::Mlp, layer)?;
+    }
+    Ok(())
+}
+
+/// Checkpointing: block `i` of the stage forward again, into segment buffer `i % k`, from
+/// the segment's saved input or the previous segment buffer's output.
+#[allow(clippy::too_many_arguments)]
+fn recompute_block<B: Backend>(
+    be: &B,
+    w: &BlockTensors<B::View<'_>>,
+    acts: &Activations<B::Buf>,
+    segment: &mut [BlockActivations<B::Buf>],
+    i: usize,
+    k: usize,
+    d: Dims,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    layer: usize,
+) -> Result<(), CommError> {
+    let j = i % k;
+    let (before, rest) = segment.split_at_mut(j);
+    let x = match (j, i) {
+        (0, 0) => &acts.encoded,
+        (0, _) => &acts.checkpoints[i / k - 1],
+        _ => &before[j - 1].res_mlp,
+    };
+    block_forward(be, w, x, &mut rest[0], d, tp, layer)
+}
+
+/// One transformer block backward: `s.dres` holds the gradient of the block's output and
+/// becomes the gradient of its input `x`; the parameter gradients are ADDED into `gw`.
+/// With tensor parallelism `dres` is whole on every rank (g's backward is the identity,
+/// so each rank computes the same gradient for the replicated biases and LayerNorms once
+/// f's backward has summed the LayerNorm output gradients over the group).
+#[allow(clippy::too_many_arguments)]
+fn block_backward<B: Backend>(
+    be: &B,
+    w: &BlockTensors<B::View<'_>>,
+    gw: BlockTensors<B::ViewMut<'_>>,
+    x: &B::Buf,
+    a: &BlockActivations<B::Buf>,
+    s: &mut GradScratch<B::Buf>,
+    d: Dims,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    layer: usize,
+) -> Result<(), CommError> {
+    let Dims { t, c, cl, heads, hidden, .. } = d;
+    // MLP half (dres holds d res_mlp, and becomes d res_attn)
+    be.matmul_backward(
+        Some(be.all_mut(&mut s.dfch)),
+        gw.fc_proj_w,
+        Some(gw.fc_proj_b),
+        be.all(&s.dres),
+        be.all(&a.fch_gelu),
+        w.fc_proj_w,
+        hidden,
+        c,
+    );
+    be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
+    be.matmul_backward(
+        Some(be.all_mut(&mut s.dln)),
+        gw.fc_w,
+        Some(gw.fc_b),
+        be.all(&s.dfch),
+        be.all(&a.ln2),
+        w.fc_w,
+        c,
+        hidden,
+    );
+    // f's backward: ln2's output fed every rank's hidden units
+    if let Some(tp) = tp {
+        tp.all_reduce(be, &mut s.dln, TpSum::MlpInputGrad, layer)?;
+    }
+    be.layernorm_backward(
+        be.all_mut(&mut s.dres),
+        gw.ln2_g,
+        gw.ln2_b,
+        be.all(&s.dln),
+        be.all(&a.res_attn),
+        w.ln2_g,
+        be.all(&a.ln2_mean),
+        be.all(&a.ln2_rstd),
+        c,
+    );
+    // attention half (dres becomes d x)
+    be.matmul_backward(
+        Some(be.all_mut(&mut s.datty)),
+        gw.attn_proj_w,
+        Some(gw.attn_proj_b),
+        be.all(&s.dres),
+        be.all(&a.atty),
+        w.attn_proj_w,
+        cl,
+        c,
+    );
+    be.attention_backward(
+        be.all_mut(&mut s.dqkv),
+        be.all_mut(&mut s.datt),
+        be.all(&s.datty),
+        be.all(&a.qkv),
+        be.all(&a.att),
+        t,
+        cl,
+        heads,
+    );
+    be.matmul_backward(
+        Some(be.all_mut(&mut s.dln)),
+        gw.qkv_w,
+        Some(gw.qkv_b),
+        be.all(&s.dqkv),
+        be.all(&a.ln1),
+        w.qkv_w,
+        c,
+        3 * cl,
+    );
+    if let Some(tp) = tp {
+        tp.all_reduce(be, &mut s.dln, TpSum::AttentionInputGrad, layer)?;
+    }
+    be.layernorm_backward(
+        be.all_mut(&mut s.dres),
+        gw.ln1_g,
+        gw.ln1_b,
+        be.all(&s.dln),
+        be.all(x),
+        w.ln1_g,
+        be.all(&a.ln1_mean),
+        be.all(&a.ln1_rstd),
+        c,
+    );
+    Ok(())
 }
 
 /// A global range of the parameter buffer, in a buffer whose first element is global `at`.

@@ -12,6 +12,6 @@ pub mod loss;
 pub mod mlp;
 pub mod state;
 
-pub use gpt::{Gpt, Stage, StageInput};
+pub use gpt::{Gpt, Saved, Stage, StageInput};
 pub use layout::{BlockTensors, Init, ParamLayout, Split, TensorInfo, TpPlace};
 pub use state::{FlatState, ModelState, OpenUnit, Pass, Unit};

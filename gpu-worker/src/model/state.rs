@@ -6,7 +6,7 @@
 //! one transformer block, or the head (final LayerNorm + LM head).
 //!
 //! * `FlatState` keeps everything, whole, in two flat buffers (one rank; DDP; ZeRO-1).
-//! * `parallel::zero::ShardedState` keeps only this rank's shard of every unit and
+//! * `parallel::sharded::Sharded` keeps only this rank's shard of every unit and
 //!   gathers or reduce-scatters a unit at the moment it is opened or closed (ZeRO-2, FSDP).
 
 use std::ops::Range;
@@ -51,6 +51,9 @@ impl Unit {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
     Forward,
+    /// Activation checkpointing: backward runs a block's forward again, from its saved
+    /// input, before the block's own backward (the parameters are needed as in forward).
+    Recompute,
     /// Backward; `params` is false where the unit's gradient needs no parameters (the
     /// embeddings).
     Backward {

@@ -139,7 +139,7 @@ impl Sharded {
 
 impl ModelState<Cpu> for Sharded {
     fn open(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<f32>>, CommError> {
-        let want_params = matches!(pass, Pass::Forward | Pass::Backward { params: true });
+        let want_params = matches!(pass, Pass::Forward | Pass::Recompute | Pass::Backward { params: true });
         let backward = matches!(pass, Pass::Backward { .. });
         let global = self.shard.unit(unit).global.clone();
         if self.fsdp && want_params {
