@@ -462,7 +462,8 @@ pub fn NewExperiment() -> impl IntoView {
             <p class="note" id="support-note">
                 "Note: the current worker runs data parallelism (DDP, ZeRO-1, ZeRO-2 or FSDP), tensor parallelism "
                 "(Megatron) and pipeline parallelism (GPipe, 1F1B), in any dp x tp x pp mix, one process per rank, "
-                "on the CPU in fp32. A precision other than fp32 is accepted "
+                "with activation checkpointing and gradient accumulation, on the CPU in fp32. "
+                "A precision other than fp32 is accepted "
                 "here but may be answered \"not yet supported\" when it runs."
             </p>
         </section>
