@@ -55,6 +55,12 @@ pub fn presets() -> Vec<Preset> {
     three_d.train.steps = 10;
     three_d.train.warmup_steps = 2;
 
+    let mut recompute = ExperimentSpec { name: "checkpointing-every".into(), ..ExperimentSpec::default() };
+    recompute.model = ModelSpec { layers: 4, d_model: 128, heads: 4, seq_len: 128, vocab: 64 };
+    recompute.train.micro_batch = 8;
+    recompute.train.steps = 20;
+    recompute.train.checkpointing = Checkpointing::Every;
+
     vec![
         Preset {
             key: "tiny",
@@ -103,6 +109,12 @@ pub fn presets() -> Vec<Preset> {
             title: "3D parallel on 8 ranks (dp2 x tp2 x pp2)",
             description: "Two replicas of a two-stage pipeline whose stages are each split over two tensor-parallel ranks: TP inside, PP across, DP everywhere. The losses match one rank with the same global batch.",
             spec: three_d,
+        },
+        Preset {
+            key: "checkpointing",
+            title: "Activation checkpointing (every block)",
+            description: "Forward keeps only each block's output; backward runs each block's forward again just before its backward. Resubmit it with checkpointing \"none\" and compare the memory cards (activations fall to about a third) and the step times (about one more forward per step); the losses are identical.",
+            spec: recompute,
         },
     ]
 }
