@@ -266,6 +266,9 @@ fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
     if spec.train.precision != Precision::Fp32 {
         out.push(format!("precision={}", spec.train.precision.as_str()));
     }
+    if spec.train.checkpoint_every > 0 {
+        out.push(format!("checkpoint_every={}", spec.train.checkpoint_every));
+    }
     if spec.backend == distlab_common::BackendKind::Cuda {
         out.push("backend=cuda".into());
     }
