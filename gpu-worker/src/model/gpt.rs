@@ -15,10 +15,15 @@
 //! sequences and reused every step.
 //!
 //! Under tensor parallelism (`parallel/tensor.rs`) each rank runs the same code on its
-//! slice of every block: its heads (d/tp wide) and its 1/tp of the MLP's hidden units (4d/tp), and
-//! sums the two row-parallel outputs over the group (forward), and the two LayerNorm
-//! output gradients (backward). The row-parallel biases and the residual are added by TP
-//! rank 0 alone, so that the sum counts them once.
+//! slice of every block: its heads (d/tp wide) and its 1/tp of the MLP's hidden units
+//! (4d/tp), and sums the two row-parallel outputs over the group (forward), and the two
+//! LayerNorm output gradients (backward). The row-parallel biases and the residual are
+//! added by TP rank 0 alone, so that the sum counts them once.
+//!
+//! With activation checkpointing ([`Saved`]) forward keeps only each segment's output
+//! and runs its blocks in one shared set of segment buffers; backward runs a segment's
+//! forward again there, from the segment's saved input, just before the segment's
+//! backward (`Pass::Recompute`).
 
 use std::ops::Range;
 use std::sync::Arc;
