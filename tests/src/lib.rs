@@ -270,3 +270,23 @@ pub fn run_with_trace(spec: &ExperimentSpec) -> (Vec<f64>, distlab_common::trace
     let trace = std::fs::read_to_string(out_dir.join("trace.json")).expect("trace.json");
     (losses, serde_json::from_str(&trace).expect("trace JSON"))
 }
+
+/// Two runs' per-step losses agree within 1e-5 relative (strategies that sum in another
+/// order, or carry the loss through an f32 all-reduce).
+pub fn assert_same_losses(a: &[f64], b: &[f64], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (step, (x, y)) in a.iter().zip(b).enumerate() {
+        let rel = (x - y).abs() / x.abs();
+        assert!(rel < 1e-5, "{what} step {step}: {x} vs {y} ({rel:e})");
+    }
+}
+
+/// Bytes rank 0 sent per step in collective `op`, from its trace's counters.
+pub fn sent_per_step(
+    trace: &distlab_common::trace::ExperimentTrace,
+    op: distlab_common::trace::CollectiveOp,
+    steps: u64,
+) -> u64 {
+    let counters = &trace.ranks[0].comm.counters;
+    counters.iter().filter(|c| c.op == op).map(|c| c.bytes_sent).sum::<u64>() / steps
+}

@@ -108,10 +108,7 @@ fn fsdp_gathers_match_the_plan_with_recomputation() {
         s.train.warmup_steps = 1;
         let predicted = plan(&s).unwrap().stages[0].comm.clone();
         let (_, trace) = run_with_trace(&s);
-        let sent = |op: trace::CollectiveOp| -> u64 {
-            let counters = &trace.ranks[0].comm.counters;
-            counters.iter().filter(|c| c.op == op).map(|c| c.bytes_sent).sum::<u64>() / s.train.steps
-        };
+        let sent = |op| sent_per_step(&trace, op, s.train.steps);
         assert_eq!(sent(trace::CollectiveOp::AllGather), predicted.dp_all_gather, "{mode:?} all_gather");
         assert_eq!(sent(trace::CollectiveOp::ReduceScatter), predicted.dp_reduce_scatter, "{mode:?} reduce_scatter");
     }

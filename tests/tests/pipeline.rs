@@ -25,14 +25,6 @@ fn spec(name: &str, pp: usize, schedule: PpSchedule, micro_batches: usize) -> Ex
     spec
 }
 
-fn assert_same_losses(a: &[f64], b: &[f64], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for (step, (x, y)) in a.iter().zip(b).enumerate() {
-        let rel = (x - y).abs() / x.abs();
-        assert!(rel < 1e-5, "{what} step {step}: {x} vs {y} ({rel:e})");
-    }
-}
-
 /// The same micro-batches through the same blocks, their gradients accumulated in the
 /// same order: only the loss's trip through an f32 all-reduce differs (1e-5 as before).
 #[test]

@@ -78,10 +78,7 @@ fn bytes_sent_per_step_match_the_planner() {
         s.train.warmup_steps = 1;
         let predicted = plan(&s).unwrap().stages[0].comm.clone();
         let (_, trace) = run_with_trace(&s);
-        let sent = |op: trace::CollectiveOp| -> u64 {
-            let counters = &trace.ranks[0].comm.counters;
-            counters.iter().filter(|c| c.op == op).map(|c| c.bytes_sent).sum::<u64>() / s.train.steps
-        };
+        let sent = |op| sent_per_step(&trace, op, s.train.steps);
         let what = format!("{sharding:?}");
         assert_eq!(sent(trace::CollectiveOp::AllGather), predicted.dp_all_gather, "{what} all_gather");
         assert_eq!(sent(trace::CollectiveOp::ReduceScatter), predicted.dp_reduce_scatter, "{what} reduce_scatter");

@@ -27,15 +27,9 @@ fn spec(name: &str, dp: usize, tp: usize, pp: usize) -> ExperimentSpec {
     spec
 }
 
-/// The sums of partial products come in another order than one rank's matmul, and the
-/// loss and gradient norm cross an f32 all-reduce: 1e-5 as for the other strategies.
-fn assert_same_losses(a: &[f64], b: &[f64], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for (step, (x, y)) in a.iter().zip(b).enumerate() {
-        let rel = (x - y).abs() / x.abs();
-        assert!(rel < 1e-5, "{what} step {step}: {x} vs {y} ({rel:e})");
-    }
-}
+// The sums of partial products come in another order than one rank's matmul, and the
+// loss and gradient norm cross an f32 all-reduce: `assert_same_losses` (1e-5) as for the
+// other strategies.
 
 #[test]
 fn tensor_parallel_gives_the_losses_of_one_rank() {

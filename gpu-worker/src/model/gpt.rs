@@ -101,6 +101,18 @@ struct HeadActivations<Buf> {
     losses: Buf,
 }
 
+impl<Buf> Activations<Buf> {
+    /// The stage's output: its last block's (or, with no blocks, its input).
+    fn output(&self) -> &Buf {
+        stage_output(&self.checkpoints, &self.blocks, &self.encoded)
+    }
+}
+
+/// [`Activations::output`] from the fields, for callers that hold `head` mutably.
+fn stage_output<'a, Buf>(checkpoints: &'a [Buf], blocks: &'a [BlockActivations<Buf>], encoded: &'a Buf) -> &'a Buf {
+    checkpoints.last().or(blocks.last().map(|b| &b.res_mlp)).unwrap_or(encoded)
+}
+
 /// The part of the model one pipeline stage runs: a run of blocks, plus the embeddings on
 /// the first stage and the final LayerNorm, LM head and loss on the last.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -457,23 +469,16 @@ impl<B: Backend> Gpt<B> {
                 // Checkpointing: run the block in the shared segment buffers and keep only
                 // the output of each segment's last block.
                 Some(k) => {
-                    let j = i % k;
-                    let (before, rest) = self.recompute.split_at_mut(j);
-                    let x = match (j, i) {
-                        (0, 0) => &acts.encoded,
-                        (0, _) => &acts.checkpoints[i / k - 1],
-                        _ => &before[j - 1].res_mlp,
-                    };
-                    block_forward(be, &w, x, &mut rest[0], dims, &mut self.tp, l)?;
-                    if j == k - 1 || i == blocks - 1 {
-                        be.copy(be.all_mut(&mut acts.checkpoints[i / k]), be.all(&rest[0].res_mlp));
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                    if i % k == k - 1 || i == blocks - 1 {
+                        be.copy(be.all_mut(&mut acts.checkpoints[i / k]), be.all(&self.recompute[i % k].res_mlp));
                     }
                 }
             }
             state.close(be, Unit::Block(l), Pass::Forward)?;
         }
         let Some(head) = acts.head.as_mut() else { return Ok(0.0) };
-        let last = acts.checkpoints.last().or(acts.blocks.last().map(|a| &a.res_mlp)).unwrap_or(&acts.encoded);
+        let last = stage_output(&acts.checkpoints, &acts.blocks, &acts.encoded);
         assert_eq!(targets.len(), self.batch * t, "targets must hold batch * seq_len tokens");
         {
             let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
@@ -517,8 +522,7 @@ impl<B: Backend> Gpt<B> {
 
     /// What this stage's forward of `slot` hands to the next stage: its last block's output.
     pub fn output(&self, slot: usize) -> &B::Buf {
-        let a = &self.acts[slot];
-        a.checkpoints.last().or(a.blocks.last().map(|b| &b.res_mlp)).unwrap_or(&a.encoded)
+        self.acts[slot].output()
     }
 
     /// After `backward_stage` on a stage that is not the first: the gradient of the stage's
@@ -591,7 +595,7 @@ impl<B: Backend> Gpt<B> {
                 vocab,
             );
             be.fill(be.all_mut(&mut s.dres), 0.0);
-            let last = acts.checkpoints.last().or(acts.blocks.last().map(|a| &a.res_mlp)).unwrap_or(&acts.encoded);
+            let last = acts.output();
             be.layernorm_backward(
                 be.all_mut(&mut s.dres),
                 g_lnf_g,
@@ -626,7 +630,7 @@ impl<B: Backend> Gpt<B> {
                     let (p, at) =
                         state.open(be, Unit::Block(l), Pass::Recompute)?.params.expect("recompute has parameters");
                     let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-                    recompute_block(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
                     state.close(be, Unit::Block(l), Pass::Recompute)?;
                 }
             }
@@ -643,7 +647,7 @@ impl<B: Backend> Gpt<B> {
                         None => (if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp }, &acts.blocks[i]),
                         Some(_) => {
                             if i == end - 1 {
-                                recompute_block(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                                segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
                             }
                             let j = i - start;
                             let x = match (j, i) {
@@ -756,10 +760,11 @@ fn block_forward<B: Backend>(
     Ok(())
 }
 
-/// Checkpointing: block `i` of the stage forward again, into segment buffer `i % k`, from
-/// the segment's saved input or the previous segment buffer's output.
+/// Checkpointing: block `i` of the stage forward (the first time, or again in backward),
+/// into segment buffer `i % k`, from the segment's saved input or the previous segment
+/// buffer's output.
 #[allow(clippy::too_many_arguments)]
-fn recompute_block<B: Backend>(
+fn segment_block_forward<B: Backend>(
     be: &B,
     w: &BlockTensors<B::View<'_>>,
     acts: &Activations<B::Buf>,
