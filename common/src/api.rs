@@ -57,6 +57,27 @@ pub struct ExperimentList {
     pub total: u64,
 }
 
+/// One lease of an experiment by a worker (`GET /api/experiments/{id}/attempts`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttemptView {
+    /// 1 for the first lease.
+    pub attempt: i64,
+    /// The worker's name (None if it is gone from the server's records).
+    pub worker: Option<String>,
+    pub started_at: String,
+    /// Where the attempt began: 0, or the step of the checkpoint it resumed from (None
+    /// until the worker has said).
+    pub from_step: Option<u64>,
+    /// Steps an earlier attempt had already run from `from_step` on: work done twice.
+    pub lost_steps: u64,
+}
+
+/// `GET /api/experiments/{id}/attempts`, oldest first.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Attempts {
+    pub attempts: Vec<AttemptView>,
+}
+
 /// `GET /api/experiments/{id}/metrics`
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {

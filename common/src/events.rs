@@ -37,6 +37,11 @@ pub struct LogLine {
 #[serde(tag = "type", rename_all = "snake_case")]
 #[allow(clippy::large_enum_variant)]
 pub enum RunEvent {
+    /// A run, or a new attempt at it, begins at `from_step`: 0, or the step of the
+    /// checkpoint it resumes from. Metrics of that step and after are this attempt's.
+    Start {
+        from_step: u64,
+    },
     Metric(MetricPoint),
     Log(LogLine),
     /// One rank's trace (sent once per rank at the end of a run; the server keeps the
@@ -132,11 +137,16 @@ pub struct StatusChange {
 }
 
 /// One message on `GET /api/experiments/{id}/stream`. The SSE event name is the
-/// `type` field (`status`, `metric`, `log`, `trace`); the data is this JSON.
+/// `type` field (`status`, `start`, `metric`, `log`, `trace`); the data is this JSON.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum StreamEvent {
     Status(StatusChange),
+    /// An attempt began at `from_step` (after a resume: the checkpoint's step); metrics
+    /// of that step and later from earlier attempts are gone.
+    Start {
+        from_step: u64,
+    },
     Metric(MetricPoint),
     Log(LogLine),
     /// A rank's trace was stored (fetch it from `/trace`).
@@ -149,6 +159,7 @@ impl StreamEvent {
     pub fn name(&self) -> &'static str {
         match self {
             StreamEvent::Status(_) => "status",
+            StreamEvent::Start { .. } => "start",
             StreamEvent::Metric(_) => "metric",
             StreamEvent::Log(_) => "log",
             StreamEvent::Trace { .. } => "trace",
@@ -159,6 +170,7 @@ impl StreamEvent {
 impl From<RunEvent> for StreamEvent {
     fn from(e: RunEvent) -> Self {
         match e {
+            RunEvent::Start { from_step } => StreamEvent::Start { from_step },
             RunEvent::Metric(m) => StreamEvent::Metric(m),
             RunEvent::Log(l) => StreamEvent::Log(l),
             RunEvent::Trace(t) => StreamEvent::Trace { rank: t.rank },

@@ -136,6 +136,9 @@ pub struct TrainSpec {
     pub loss_scaling: LossScaling,
     pub checkpointing: Checkpointing,
     pub checkpoint_every: u64,
+    /// Who writes a checkpoint: a writer thread while training goes on, or the training
+    /// loop itself.
+    pub checkpoint_write: CheckpointWrite,
     pub seed: u64,
 }
 
@@ -174,6 +177,13 @@ pub enum Checkpointing {
     None,
     Every,
     Sqrt,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointWrite {
+    Async,
+    Sync,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,6 +242,7 @@ impl Default for TrainSpec {
             loss_scaling: LossScaling::None,
             checkpointing: Checkpointing::None,
             checkpoint_every: 0,
+            checkpoint_write: CheckpointWrite::Async,
             seed: 42,
         }
     }

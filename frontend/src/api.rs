@@ -3,7 +3,9 @@
 
 use distlab_common::memory::MemoryView;
 use distlab_common::trace::ExperimentTrace;
-use distlab_common::{ApiError, Created, ExperimentList, ExperimentView, FieldError, Health, Metrics, StreamEvent};
+use distlab_common::{
+    ApiError, Attempts, Created, ExperimentList, ExperimentView, FieldError, Health, Metrics, StreamEvent,
+};
 use gloo_net::http::{Request, Response};
 use serde::de::DeserializeOwned;
 use wasm_bindgen::closure::Closure;
@@ -51,6 +53,11 @@ pub async fn get_experiment(id: i64) -> ApiResult<ExperimentView> {
 
 pub async fn get_metrics(id: i64) -> ApiResult<Metrics> {
     get_json(&format!("/api/experiments/{id}/metrics")).await
+}
+
+/// Every lease of the experiment: where each attempt began and the work it redid.
+pub async fn get_attempts(id: i64) -> ApiResult<Attempts> {
+    get_json(&format!("/api/experiments/{id}/attempts")).await
 }
 
 /// Every rank's trace: timeline spans and collective steps (`{"ranks": []}` before any).
@@ -109,7 +116,7 @@ async fn error_from(response: Response) -> RequestError {
 }
 
 /// A live `GET /api/experiments/{id}/stream`: calls `on_event` for every `status`,
-/// `metric`, `log` and `trace` message, and `on_error` (with the source, so that it can close
+/// `start`, `metric`, `log` and `trace` message, and `on_error` (with the source, so that it can close
 /// it) when the connection ends or fails. The browser reconnects by itself unless
 /// the source is closed (the server then replays the stored metrics: callers
 /// de-duplicate by step). Dropping the stream closes it.
@@ -130,7 +137,7 @@ impl EventStream {
             EventSource::new(&url).map_err(|_| RequestError::new("this browser cannot open an event stream"))?;
         let on_event = std::rc::Rc::new(on_event);
         let mut listeners = Vec::new();
-        for name in ["status", "metric", "log", "trace", "message"] {
+        for name in ["status", "start", "metric", "log", "trace", "message"] {
             let on_event = on_event.clone();
             let listener = Closure::<dyn FnMut(MessageEvent)>::new(move |message: MessageEvent| {
                 let Some(text) = message.data().as_string() else { return };

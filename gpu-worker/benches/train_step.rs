@@ -72,7 +72,7 @@ fn main() {
         let cancel = AtomicBool::new(false);
         let summary = train(
             &spec,
-            &TrainOptions { threads },
+            &TrainOptions { threads, ..TrainOptions::default() },
             &mut |e| {
                 if let RunEvent::Metric(m) = e {
                     step_ms.push(m.step_ms);

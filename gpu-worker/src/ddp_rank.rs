@@ -14,7 +14,7 @@ use distlab_worker::parallel::pipeline::PipelineGroup;
 use distlab_worker::parallel::tensor::TensorParallel;
 use distlab_worker::parallel::DpGroup;
 use distlab_worker::trace::CommTracer;
-use distlab_worker::train::{train_rank, Groups, TrainOptions, SPAN_STEPS};
+use distlab_worker::train::{train_rank, Groups, TrainOptions, CHECKPOINT_LOG, SPAN_STEPS};
 
 use crate::demo::RankOutput;
 use crate::rank::{connect, LauncherChannel};
@@ -44,7 +44,7 @@ pub fn run(
     rank: usize,
     world: usize,
     spec: &ExperimentSpec,
-    threads: usize,
+    opts: &TrainOptions,
     collective_timeout: Duration,
 ) -> anyhow::Result<()> {
     let mesh = connect(dir, rank, world)?;
@@ -87,13 +87,13 @@ pub fn run(
                 inject(&f.kind, rank, m.step);
             }
         }
-        // Every rank computes the same global metrics; rank 0 speaks for the run.
-        if rank == 0 {
+        // Every rank computes the same global metrics; rank 0 speaks for the run. What only
+        // this rank knows (its checkpoint writes, its warnings) every rank reports.
+        if rank == 0 || is_about_this_rank(&event) {
             channel.output(&RankOutput::Event(event));
         }
     };
-    let run =
-        train_rank(spec, &TrainOptions { threads }, Groups { dp, pp, tp }, &mut on_event, &AtomicBool::new(false))?;
+    let run = train_rank(spec, opts, Groups { dp, pp, tp }, &mut on_event, &AtomicBool::new(false))?;
     let trace = RankTrace {
         rank: rank as u32,
         world: world as u32,
@@ -107,6 +107,13 @@ pub fn run(
         channel.output(&RankOutput::Summary(run.summary));
     }
     Ok(())
+}
+
+fn is_about_this_rank(event: &RunEvent) -> bool {
+    match event {
+        RunEvent::Log(line) => line.level != LogLevel::Info || line.message.starts_with(CHECKPOINT_LOG),
+        _ => false,
+    }
 }
 
 fn inject(kind: &str, rank: usize, step: u64) {

@@ -1,12 +1,13 @@
 //! Runs one experiment spec, whatever its shape: a single-rank run trains in this
 //! process; a multi-rank run (or a collective demo) is launched as one process per rank.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use distlab_common::*;
-use distlab_worker::train::{train, unsupported_features, TrainError, TrainOptions};
+use distlab_worker::checkpoint::CheckpointDir;
+use distlab_worker::train::{train, unsupported_features, CheckpointOptions, TrainError, TrainOptions};
 
 use crate::demo::{self, DemoRankResult, RankOutput};
 use crate::launch::{self, LaunchError, LaunchSpec};
@@ -32,25 +33,38 @@ impl ExecError {
     }
 }
 
+/// Runs `spec`. With `checkpoints` (the experiment's own directory) and a spec that asks
+/// for them, checkpoints are saved there and the run resumes from the latest complete one.
 pub fn execute(
     spec: &ExperimentSpec,
     threads: usize,
     collective_timeout: Duration,
+    checkpoints: Option<&Path>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
     spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
+    let checkpoints = match checkpoints {
+        Some(dir) if spec.demo.is_none() && spec.train.checkpoint_every > 0 => {
+            let resume_from = CheckpointDir::new(dir, spec.world_size()).prepare(spec).map_err(TrainError::from)?;
+            Some(CheckpointOptions { dir: dir.to_path_buf(), resume_from })
+        }
+        _ => None,
+    };
+    let from_step = checkpoints.as_ref().and_then(|c| c.resume_from).unwrap_or(0);
+    on_event(RunEvent::Start { from_step });
+    let opts = TrainOptions { threads, checkpoints };
     match &spec.demo {
         Some(demo) => run_demo(spec, demo, on_event, cancel),
-        None if spec.world_size() > 1 => run_ranks(spec, threads, collective_timeout, on_event, cancel),
-        None => Ok(train(spec, &TrainOptions { threads }, on_event, cancel)?),
+        None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, on_event, cancel),
+        None => Ok(train(spec, &opts, on_event, cancel)?),
     }
 }
 
 /// A multi-rank run: one process per rank, each with its share of the machine's threads.
 fn run_ranks(
     spec: &ExperimentSpec,
-    threads: usize,
+    opts: &TrainOptions,
     collective_timeout: Duration,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
@@ -60,18 +74,26 @@ fn run_ranks(
         return Err(TrainError::Unsupported(unsupported.join("; ")).into());
     }
     let world = spec.world_size();
+    let threads = opts.threads;
     let total = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
     let per_rank = (total / world).max(1);
     let mut summary = None;
+    let mut args = vec![
+        "--threads".into(),
+        per_rank.to_string(),
+        "--collective-timeout-seconds".into(),
+        collective_timeout.as_secs_f64().to_string(),
+    ];
+    if let Some(c) = &opts.checkpoints {
+        args.extend(["--checkpoint-dir".into(), c.dir.display().to_string()]);
+        if let Some(step) = c.resume_from {
+            args.extend(["--resume-from".into(), step.to_string()]);
+        }
+    }
     launch_ranks(
         spec,
         "train",
-        vec![
-            "--threads".into(),
-            per_rank.to_string(),
-            "--collective-timeout-seconds".into(),
-            collective_timeout.as_secs_f64().to_string(),
-        ],
+        args,
         &mut |output| match output {
             RankOutput::Event(e) => on_event(e),
             RankOutput::Summary(s) => summary = Some(s),

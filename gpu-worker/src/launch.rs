@@ -5,7 +5,9 @@
 //! (the last lines) for error reports. If any rank fails (an error, a panic, a signal),
 //! every other rank is killed and the run fails with that rank's message and stderr tail.
 //! A rank stuck in a collective is caught by its peers' collective timeout. No rank process
-//! outlives `launch`: they are killed and reaped on every path out.
+//! outlives `launch`: they are killed and reaped on every path out, and on Linux the kernel
+//! kills them if the launcher itself is killed (a SIGKILLed worker leaves no rank behind to
+//! write into checkpoints another worker resumes from).
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
@@ -89,7 +91,9 @@ pub fn launch(
     let (tx, rx) = mpsc::channel::<(usize, RankMessage)>();
     let mut ranks = Ranks(Vec::with_capacity(spec.world));
     for rank in 0..spec.world {
-        let mut child = Command::new(spec.exe)
+        let mut command = Command::new(spec.exe);
+        die_with_launcher(&mut command);
+        let mut child = command
             .arg("rank")
             .args(["--rank", &rank.to_string(), "--world", &spec.world.to_string()])
             .arg("--dir")
@@ -168,6 +172,32 @@ pub fn launch(
             }
         }
     }
+}
+
+/// On Linux: the rank gets SIGKILL when the thread that started it ends (with the process
+/// when it is killed; `launch` reaps its ranks before it returns).
+fn die_with_launcher(command: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let launcher = std::process::id();
+        // SAFETY: prctl, getppid and _exit are async-signal-safe and touch no memory of the
+        // parent.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The launcher died before prctl took effect.
+                if libc::getppid() as u32 != launcher {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = command;
 }
 
 /// Describes the failure that started it all: a rank that failed on its own (not because

@@ -6,6 +6,7 @@
 //! whose [`train`] is the entry point the CLI and the worker loop call.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod memory;

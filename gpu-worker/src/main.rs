@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use distlab_worker::train::{CheckpointOptions, TrainOptions};
 
 #[derive(Parser)]
 #[command(name = "distlab-worker", version, about = "distlab worker: trains experiments for a distlab server")]
@@ -38,6 +39,10 @@ struct Cli {
     /// the collective and the peer (a hung or dead rank).
     #[arg(long, env = "DISTLAB_COLLECTIVE_TIMEOUT_SECONDS", default_value_t = 60.0, global = true)]
     collective_timeout_seconds: f64,
+    /// Where experiments' checkpoints go, one directory each. Workers that should resume
+    /// each other's runs must share it (the server's local workers use DATA_DIR/checkpoints).
+    #[arg(long, env = "DISTLAB_CHECKPOINT_DIR", default_value = "./data/checkpoints")]
+    checkpoint_dir: PathBuf,
     /// Exit after the server has been unreachable this many seconds.
     #[arg(long, env = "DISTLAB_GIVE_UP_SECONDS", default_value_t = 60.0)]
     give_up_seconds: f64,
@@ -53,6 +58,10 @@ enum Command {
         /// Also write spec.json, metrics.jsonl and summary.json into this directory.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Save the spec's checkpoints here (train.checkpoint_every > 0); a second run of the
+        /// same spec resumes from the latest; a run that succeeds deletes them.
+        #[arg(long)]
+        checkpoint_dir: Option<PathBuf>,
     },
     /// Bus bandwidth of all-reduce, reduce-scatter and all-gather between W rank processes
     /// (JSON lines, nccl-tests definitions).
@@ -85,6 +94,12 @@ enum RankTask {
     Train {
         #[arg(long)]
         spec: PathBuf,
+        /// The experiment's checkpoint directory.
+        #[arg(long)]
+        checkpoint_dir: Option<PathBuf>,
+        /// Resume from the checkpoint of this step (in --checkpoint-dir).
+        #[arg(long, requires = "checkpoint_dir")]
+        resume_from: Option<u64>,
     },
     /// The collective demo (see demo.rs).
     Demo {
@@ -117,9 +132,13 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Some(Command::Run { spec, out }) => {
-            run_local::run_spec_file(&spec, out, cli.threads, collective_timeout(cli.collective_timeout_seconds))
-        }
+        Some(Command::Run { spec, out, checkpoint_dir }) => run_local::run_spec_file(
+            &spec,
+            out,
+            checkpoint_dir,
+            cli.threads,
+            collective_timeout(cli.collective_timeout_seconds),
+        ),
         Some(Command::BenchComm { world, min_bytes, max_bytes }) => {
             println!("{}", serde_json::to_string(&bench_comm::memcpy_point(64 << 20))?);
             let run_dir = execute::run_dir("bench-comm")?;
@@ -151,15 +170,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 RankTask::BenchComm { min_bytes, max_bytes } => {
                     bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes)
                 }
-                RankTask::Train { spec } => read_spec(&spec).and_then(|spec| {
-                    ddp_rank::run(
-                        &dir,
-                        rank,
-                        world,
-                        &spec,
-                        cli.threads,
-                        collective_timeout(cli.collective_timeout_seconds),
-                    )
+                RankTask::Train { spec, checkpoint_dir, resume_from } => read_spec(&spec).and_then(|spec| {
+                    let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
+                    let opts = TrainOptions { threads: cli.threads, checkpoints };
+                    ddp_rank::run(&dir, rank, world, &spec, &opts, collective_timeout(cli.collective_timeout_seconds))
                 }),
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
                     Some(d) => demo::run_rank(&dir, rank, world, d),
@@ -188,6 +202,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 collective_timeout: collective_timeout(cli.collective_timeout_seconds),
                 poll_interval: Duration::from_secs_f64(cli.poll_seconds.clamp(0.05, 60.0)),
                 give_up_after: Duration::from_secs_f64(cli.give_up_seconds.max(0.0)),
+                checkpoint_dir: cli.checkpoint_dir,
             })?;
             Ok(0)
         }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
 use crate::backend::simd::simd_kernel;
-use crate::backend::{Backend, Float};
+use crate::backend::{Backend, CpuBackend, Float};
 use crate::memory::{Category, MemoryTracker, Receipt};
 
 pub const ADAM_BETA1: f64 = 0.9;
@@ -237,6 +237,40 @@ impl<B: Backend> Optimizer<B> {
                 _ => be.sgd_update(p, g, lr, wd, grad_scale),
             }
         }
+    }
+}
+
+/// What a checkpoint keeps of an optimizer: its step count and AdamW's m and v (empty
+/// for SGD).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OptimizerState {
+    pub steps_taken: u64,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+impl Optimizer<CpuBackend<f32>> {
+    pub fn state(&self) -> OptimizerState {
+        OptimizerState {
+            steps_taken: self.steps_taken,
+            m: self.m.clone().unwrap_or_default(),
+            v: self.v.clone().unwrap_or_default(),
+        }
+    }
+
+    /// Puts back a state taken by [`Optimizer::state`] from an optimizer of the same shape.
+    pub fn load_state(&mut self, state: OptimizerState) -> Result<(), String> {
+        for (name, buf, saved) in [("m", &mut self.m, state.m), ("v", &mut self.v, state.v)] {
+            let held = buf.as_ref().map_or(0, |b| b.len());
+            if saved.len() != held {
+                return Err(format!("AdamW {name} has {} values, this rank's optimizer holds {held}", saved.len()));
+            }
+            if let Some(buf) = buf {
+                *buf = saved;
+            }
+        }
+        self.steps_taken = state.steps_taken;
+        Ok(())
     }
 }
 

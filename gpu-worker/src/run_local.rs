@@ -1,6 +1,9 @@
 //! `distlab-worker run SPEC.json [--out DIR]`: train one spec with no server.
 //! stdout: one JSON line per optimizer step, then `{"summary": {...}}`. With `--out DIR`:
 //! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory).
+//! With `--checkpoint-dir DIR` a spec with `checkpoint_every` > 0 saves its checkpoints
+//! there, a second run of the same spec resumes from the latest complete one (after a
+//! crash or a kill), and a run that succeeds deletes them.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -15,6 +18,7 @@ use crate::execute::execute;
 pub fn run_spec_file(
     spec_path: &Path,
     out: Option<PathBuf>,
+    checkpoint_dir: Option<PathBuf>,
     threads: usize,
     collective_timeout: std::time::Duration,
 ) -> anyhow::Result<i32> {
@@ -49,14 +53,20 @@ pub fn run_spec_file(
             }
         }
         RunEvent::Log(log) => eprintln!("[{:?}] {}", log.level, log.message),
+        RunEvent::Start { from_step } if from_step > 0 => eprintln!("resuming at step {from_step}"),
+        RunEvent::Start { .. } => {}
         RunEvent::Trace(trace) => traces.push(trace),
     };
-    let result = execute(&spec, threads, collective_timeout, &mut on_event, &AtomicBool::new(false));
+    let cancel = AtomicBool::new(false);
+    let result = execute(&spec, threads, collective_timeout, checkpoint_dir.as_deref(), &mut on_event, &cancel);
     if let Some(e) = write_error {
         return Err(e).context("cannot write the metrics");
     }
     match result {
         Ok(summary) => {
+            if let Some(dir) = &checkpoint_dir {
+                let _ = std::fs::remove_dir_all(dir);
+            }
             println!("{}", serde_json::json!({ "summary": summary }));
             if let Some(dir) = &out {
                 std::fs::write(dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;

@@ -8,12 +8,13 @@
 //! norm (reported before clipping), clipping, the learning rate of the step, the
 //! optimizer update.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use distlab_common::{
-    BackendKind, ExperimentSpec, FieldError, Limits, LogLevel, LogLine, LossScaling, MetricPoint, Precision, RunEvent,
-    RunSummary,
+    BackendKind, CheckpointWrite, ExperimentSpec, FieldError, Limits, LogLevel, LogLine, LossScaling, MetricPoint,
+    Precision, RunEvent, RunSummary,
 };
 
 use distlab_common::trace::{RankTrace, Span, SpanKind};
@@ -23,17 +24,18 @@ use std::sync::Arc;
 use distlab_common::memory::RankMemoryReport;
 
 use crate::backend::{Backend, CpuBackend};
+use crate::checkpoint::{self, CheckpointDir, CheckpointError, CheckpointWriter, RankCheckpoint, RankPlace, Written};
 use crate::comm::CommError;
 use crate::data::{Data, DataError};
 use crate::memory::MemoryTracker;
 use crate::memory::{Category, Receipt};
 use crate::model::gpt::TensorParallelGroup;
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
-use crate::optim::{clip_scale, lr_at};
+use crate::optim::{clip_scale, lr_at, OptimizerState};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::{self, Action};
 use crate::parallel::tensor::TensorParallel;
-use crate::parallel::{self, Cpu, DpGroup, Strategy};
+use crate::parallel::{self, Cpu, DpGroup, SavedState, Strategy};
 use crate::trace::now_us;
 
 /// How to run (not part of the experiment: results do not depend on it).
@@ -41,6 +43,17 @@ use crate::trace::now_us;
 pub struct TrainOptions {
     /// Kernel threads; 0 = all available cores.
     pub threads: usize,
+    /// Where checkpoints go (None: the run saves none, whatever `checkpoint_every` says).
+    pub checkpoints: Option<CheckpointOptions>,
+}
+
+/// The run's checkpoint directory and the step to resume from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointOptions {
+    /// The experiment's directory (see `checkpoint.rs`), made ready by `CheckpointDir::prepare`.
+    pub dir: PathBuf,
+    /// Resume from the complete checkpoint of this step.
+    pub resume_from: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +72,8 @@ pub enum TrainError {
     Diverged { step: u64, loss: f64, grad_norm: f64 },
     #[error("data: {0}")]
     Data(#[from] DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Comm(#[from] CommError),
     #[error("could not start {threads} kernel threads: {message}")]
@@ -89,12 +104,6 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
         out.push(
             "train.loss_scaling=dynamic: loss scaling is not yet supported by this worker (it comes with fp16)".into(),
         );
-    }
-    if t.checkpoint_every > 0 {
-        out.push(format!(
-            "train.checkpoint_every={}: saving checkpoints is not yet supported by this worker; use 0",
-            t.checkpoint_every
-        ));
     }
     if spec.backend == BackendKind::Cuda {
         out.push("backend=cuda: this worker has no CUDA backend yet; use backend=cpu".into());
@@ -149,6 +158,10 @@ pub struct Trainer {
     targets: Vec<u32>,
     /// This rank's place in data parallelism: (rank, world).
     dp: (usize, usize),
+    /// Its place in the whole mesh (its checkpoint file).
+    place: RankPlace,
+    /// The first step this process runs (after a resume, the checkpoint's).
+    first_step: u64,
     /// Pipeline parallelism: the links to the neighbouring stages (None: one stage).
     links: Option<PipelineLinks>,
     /// Where a stage receives its input activation and its output's gradient.
@@ -187,6 +200,7 @@ impl Trainer {
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
         let micro_steps = t.micro_batches * t.grad_accum;
         let slots = schedule::activations_in_flight(spec.parallel.pp_schedule, stages, stage_index, micro_steps);
+        let tp_rank = groups.tp.as_ref().map_or(0, |g| g.place().rank);
         let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<Cpu>>);
         let saved = Saved { in_flight: slots, checkpointing: t.checkpointing };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
@@ -206,6 +220,8 @@ impl Trainer {
             inputs: vec![0; tokens],
             targets: vec![0; tokens],
             dp: place,
+            place: RankPlace { dp: place.0, tp: tp_rank, pp: stage_index },
+            first_step: 0,
             links,
             received,
             memory,
@@ -246,7 +262,7 @@ impl Trainer {
         let per_rank = micro_steps * t.micro_batch;
         let step_tokens = dp_world * per_rank * seq_len;
         let dloss = 1.0 / step_tokens as f64;
-        let record = step < SPAN_STEPS;
+        let record = step - self.first_step.min(step) < SPAN_STEPS;
         self.memory.sample_step(record.then_some(step));
         let (stage, stages) = self.links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
         let (first, last) = (self.model.stage.first, self.model.stage.last);
@@ -373,6 +389,50 @@ impl Trainer {
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
         Ok(StepStats { loss, lr, grad_norm, updated })
+    }
+
+    /// This rank's checkpoint before step `step`: the state its strategy owns (state every
+    /// DP rank holds alike is written by DP rank 0 alone; see `checkpoint.rs`).
+    pub fn checkpoint(&self, step: u64, min_loss: f64) -> RankCheckpoint {
+        let saved = self.strategy.save();
+        let writes_replicated = self.place.dp == 0;
+        let mut sections = Vec::new();
+        if writes_replicated || !saved.params_replicated {
+            sections.push(("params".to_string(), saved.params));
+        }
+        if self.has_moments() && (writes_replicated || !saved.optimizer_replicated) {
+            sections.push(("adam_m".to_string(), saved.optimizer.m));
+            sections.push(("adam_v".to_string(), saved.optimizer.v));
+        }
+        RankCheckpoint { step, optimizer_steps: saved.optimizer.steps_taken, min_loss, sections }
+    }
+
+    /// Puts back the state of this rank's checkpoint `own`, taking what it does not hold
+    /// (replicated state) from `dp_rank_zero`'s; the next step is `own.step`.
+    pub fn restore(&mut self, own: &RankCheckpoint, dp_rank_zero: &RankCheckpoint) -> Result<(), String> {
+        let find = |name: &str| {
+            own.section(name)
+                .or_else(|| dp_rank_zero.section(name))
+                .map(<[f32]>::to_vec)
+                .ok_or_else(|| format!("the checkpoint of step {} has no {name} for this rank", own.step))
+        };
+        let (m, v) = if self.has_moments() { (find("adam_m")?, find("adam_v")?) } else { (vec![], vec![]) };
+        let state = SavedState {
+            params: find("params")?,
+            optimizer: OptimizerState { steps_taken: own.optimizer_steps, m, v },
+            ..SavedState::default()
+        };
+        self.strategy.load(state)?;
+        self.first_step = own.step;
+        Ok(())
+    }
+
+    fn has_moments(&self) -> bool {
+        self.spec.train.optimizer == distlab_common::Optimizer::Adamw
+    }
+
+    pub fn place(&self) -> RankPlace {
+        self.place
     }
 
     /// This rank's timeline so far: compute spans and the strategy's communication spans.
@@ -506,6 +566,64 @@ pub fn train(
     Ok(run.summary)
 }
 
+/// Loads this rank's part of the checkpoint of `step` (and DP rank 0's, for the state it
+/// writes for the whole group); returns the run's lowest loss so far.
+fn resume(trainer: &mut Trainer, dir: &CheckpointDir, step: u64) -> Result<f64, CheckpointError> {
+    let place = trainer.place();
+    let own = checkpoint::read(&dir.file(step, place))?;
+    let zero = if place.dp == 0 { None } else { Some(checkpoint::read(&dir.file(step, place.dp_rank_zero()))?) };
+    trainer
+        .restore(&own, zero.as_ref().unwrap_or(&own))
+        .map_err(|why| CheckpointError::Mismatch { path: dir.file(step, place), why })?;
+    Ok(own.min_loss)
+}
+
+/// How the log line of a checkpoint write begins.
+pub const CHECKPOINT_LOG: &str = "checkpoint of step";
+
+/// A log line per checkpoint write: its size and what it cost the training loop.
+fn report_checkpoints(
+    on_event: &mut dyn FnMut(RunEvent),
+    written: Vec<Result<Written, CheckpointError>>,
+    place: RankPlace,
+    mode: CheckpointWrite,
+) {
+    for w in written {
+        let (level, message) = match (w, mode) {
+            (Ok(w), CheckpointWrite::Async) => (
+                LogLevel::Info,
+                format!(
+                    "{CHECKPOINT_LOG} {} (rank dp{} tp{} pp{}): {:.2} MiB written in {:.1} ms by the writer \
+                     thread; training waited {:.1} ms to copy the state",
+                    w.step,
+                    place.dp,
+                    place.tp,
+                    place.pp,
+                    mib_bytes(w.bytes),
+                    w.write_ms,
+                    w.waited_ms
+                ),
+            ),
+            (Ok(w), CheckpointWrite::Sync) => (
+                LogLevel::Info,
+                format!(
+                    "{CHECKPOINT_LOG} {} (rank dp{} tp{} pp{}): {:.2} MiB written in {:.1} ms; training waited \
+                     {:.1} ms",
+                    w.step,
+                    place.dp,
+                    place.tp,
+                    place.pp,
+                    mib_bytes(w.bytes),
+                    w.write_ms,
+                    w.waited_ms
+                ),
+            ),
+            (Err(e), _) => (LogLevel::Warn, format!("{e}; training goes on without this checkpoint")),
+        };
+        on_event(RunEvent::Log(LogLine { level, message }));
+    }
+}
+
 /// What one rank's training leaves behind.
 pub struct RankRun {
     pub summary: RunSummary,
@@ -605,7 +723,22 @@ pub fn train_rank(
     let mut min_loss = f64::INFINITY;
     let mut timed_seconds = 0.0;
     let mut timed_steps = 0u64;
-    for step in 0..t.steps {
+    let mut first_step = 0;
+    let mut writer = None;
+    if let (Some(c), true) = (&opts.checkpoints, t.checkpoint_every > 0) {
+        let dir = CheckpointDir::new(&c.dir, world);
+        if let Some(step) = c.resume_from {
+            min_loss = resume(&mut trainer, &dir, step)?;
+            first_step = step;
+            log(
+                on_event,
+                format!("resumed from the checkpoint of step {step}: steps 0 to {} are not run again", step - 1),
+            );
+        }
+        let asynchronous = t.checkpoint_write == CheckpointWrite::Async;
+        writer = Some(CheckpointWriter::new(dir, trainer.place(), asynchronous));
+    }
+    for step in first_step..t.steps {
         if cancel.load(Ordering::Relaxed) {
             return Err(TrainError::Cancelled);
         }
@@ -626,10 +759,22 @@ pub fn train_rank(
         final_loss = stats.loss;
         min_loss = min_loss.min(stats.loss);
         // The first step pays for warm-up (page faults, caches): leave it out when there are more.
-        if step > 0 || t.steps == 1 {
+        if step > first_step || t.steps == first_step + 1 {
             timed_seconds += seconds;
             timed_steps += 1;
         }
+        if let Some(writer) = &mut writer {
+            let next = step + 1;
+            if next % t.checkpoint_every == 0 && next < t.steps {
+                let copy_start = Instant::now();
+                let ckpt = trainer.checkpoint(next, min_loss);
+                writer.save(ckpt, copy_start.elapsed().as_secs_f64() * 1e3);
+            }
+            report_checkpoints(on_event, writer.finished(), trainer.place(), t.checkpoint_write);
+        }
+    }
+    if let Some(writer) = writer {
+        report_checkpoints(on_event, writer.finish(), trainer.place(), t.checkpoint_write);
     }
     if let Some((calls, payload, sent)) = trainer.model.tensor_parallel().map(|tp| tp.totals()) {
         let layers = trainer.model.stage.blocks.len();

@@ -1,6 +1,7 @@
 //! `distlab-worker --server URL --token T`: register, then lease experiments one at a
 //! time, train them, stream their events back in batches, and report how they ended.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;
@@ -21,6 +22,8 @@ pub struct WorkerConfig {
     pub poll_interval: Duration,
     /// Exit when the server has been unreachable this long (a local worker whose server died).
     pub give_up_after: Duration,
+    /// Experiments' checkpoints, one directory each (`experiment-<id>`).
+    pub checkpoint_dir: PathBuf,
 }
 
 /// Events are sent when this many are pending, or when the oldest has waited `FLUSH_EVERY`.
@@ -46,7 +49,9 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
             None => thread::sleep(cfg.poll_interval),
             Some(lease) => {
                 tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased");
-                run_leased(&client, registered.worker_id, lease, threads, cfg.collective_timeout, heartbeat);
+                let checkpoints = cfg.checkpoint_dir.join(format!("experiment-{}", lease.experiment_id));
+                let run = Leased { lease, threads, collective_timeout: cfg.collective_timeout, heartbeat, checkpoints };
+                run_leased(&client, registered.worker_id, run);
             }
         }
     }
@@ -74,27 +79,34 @@ fn retry_while_unreachable<T>(
     }
 }
 
-/// Trains one leased experiment on a training thread while this thread forwards its events,
-/// heartbeats, and turns a cancel from the server into the training loop's cancel flag.
-fn run_leased(
-    client: &ServerClient,
-    worker_id: i64,
+/// An experiment this worker holds, and how to run it.
+struct Leased {
     lease: Lease,
     threads: usize,
     collective_timeout: Duration,
     heartbeat: Duration,
-) {
+    /// The experiment's checkpoint directory.
+    checkpoints: PathBuf,
+}
+
+/// Trains one leased experiment on a training thread while this thread forwards its events,
+/// heartbeats, and turns a cancel from the server into the training loop's cancel flag.
+/// The experiment's checkpoints are deleted once it has ended for good; they stay when the
+/// lease was lost (another worker resumes from them).
+fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
+    let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel::<RunEvent>();
     let training = {
         let cancel = cancel.clone();
         let spec = lease.spec.clone();
+        let checkpoints = checkpoints.clone();
         thread::Builder::new().name(format!("train-{experiment_id}")).spawn(move || {
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
             };
-            execute(&spec, threads, collective_timeout, &mut on_event, &cancel)
+            execute(&spec, threads, collective_timeout, Some(&checkpoints), &mut on_event, &cancel)
         })
     };
     let training = match training {
@@ -161,6 +173,7 @@ fn run_leased(
         );
         return;
     }
+    let _ = std::fs::remove_dir_all(&checkpoints);
     match result {
         Ok(Ok(summary)) => {
             tracing::info!(experiment = experiment_id, final_loss = summary.final_loss, "succeeded");

@@ -20,7 +20,7 @@ fn run(spec: &ExperimentSpec, threads: usize) -> Result<Run, TrainError> {
     let cancel = AtomicBool::new(false);
     let summary = train(
         spec,
-        &TrainOptions { threads },
+        &TrainOptions { threads, ..TrainOptions::default() },
         &mut |e| match e {
             RunEvent::Metric(m) => metrics.push(m),
             RunEvent::Log(l) => logs.push(l.message),
@@ -240,7 +240,7 @@ fn cancel_stops_between_steps() {
     let mut steps = 0;
     let result = train(
         &spec,
-        &TrainOptions { threads: 1 },
+        &TrainOptions { threads: 1, ..TrainOptions::default() },
         &mut |e| {
             if let RunEvent::Metric(_) = e {
                 steps += 1;

@@ -5,8 +5,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use distlab_common::{
-    BackendKind, Created, ExperimentList, ExperimentSpec, ExperimentStatus, ExperimentView, FieldError, LogLevel,
-    LogLine, MetricPoint, Metrics, RunSummary, StatusChange,
+    AttemptView, Attempts, BackendKind, Created, ExperimentList, ExperimentSpec, ExperimentStatus, ExperimentView,
+    FieldError, LogLevel, LogLine, MetricPoint, Metrics, RunSummary, StatusChange,
 };
 use serde::Deserialize;
 
@@ -263,6 +263,44 @@ pub async fn metrics(State(state): State<AppState>, Path(raw_id): Path<String>) 
         return Err(not_found(id));
     }
     Ok(Json(Metrics { steps: load_metrics(&state.db, id).await? }))
+}
+
+#[derive(sqlx::FromRow)]
+struct AttemptRow {
+    attempt: i64,
+    worker: Option<String>,
+    started_at: String,
+    from_step: Option<i64>,
+    lost_steps: i64,
+}
+
+/// `GET /api/experiments/{id}/attempts`: every lease of the experiment, where each began
+/// and the work it had to do again.
+pub async fn attempts(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Attempts>, HttpError> {
+    let id = parse_id(&raw_id)?;
+    let exists: Option<i64> =
+        sqlx::query_scalar("SELECT id FROM experiments WHERE id = ?1").bind(id).fetch_optional(&state.db).await?;
+    if exists.is_none() {
+        return Err(not_found(id));
+    }
+    let rows = sqlx::query_as::<_, AttemptRow>(
+        "SELECT a.attempt, w.name AS worker, a.started_at, a.from_step, a.lost_steps \
+         FROM attempts a LEFT JOIN workers w ON w.id = a.worker_id WHERE a.experiment_id = ?1 ORDER BY a.attempt",
+    )
+    .bind(id)
+    .fetch_all(&state.db)
+    .await?;
+    let attempts = rows
+        .into_iter()
+        .map(|r| AttemptView {
+            attempt: r.attempt,
+            worker: r.worker,
+            started_at: r.started_at,
+            from_step: r.from_step.and_then(|s| u64::try_from(s).ok()),
+            lost_steps: u64::try_from(r.lost_steps).unwrap_or(0),
+        })
+        .collect();
+    Ok(Json(Attempts { attempts }))
 }
 
 /// `POST /api/experiments/{id}/cancel`: a queued or running experiment becomes cancelled at once;

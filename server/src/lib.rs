@@ -194,6 +194,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments", get(experiments::list).post(experiments::create))
         .route("/experiments/{id}", get(experiments::get_one))
         .route("/experiments/{id}/metrics", get(experiments::metrics))
+        .route("/experiments/{id}/attempts", get(experiments::attempts))
         .route("/experiments/{id}/trace", get(traces::trace))
         .route("/experiments/{id}/memory", get(memory::memory))
         .route("/experiments/{id}/cancel", post(experiments::cancel))
@@ -269,7 +270,11 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     let reaper = tokio::spawn(reap_forever(state.clone()));
     let worker_bin = config.worker_bin.clone().or_else(local_workers::default_worker_bin);
     let workers = match worker_bin {
-        Some(bin) => LocalWorkers::spawn(&bin, config.local_workers, url.trim_end_matches('/'), &config.worker_token),
+        Some(bin) => {
+            let checkpoints = config.data_dir.join("checkpoints");
+            let server = url.trim_end_matches('/');
+            LocalWorkers::spawn(&bin, config.local_workers, server, &config.worker_token, &checkpoints)
+        }
         None if config.local_workers > 0 => {
             tracing::error!("cannot find the worker executable; pass --worker-bin");
             LocalWorkers::none()

@@ -1,4 +1,5 @@
-//! Local worker processes: `distlab-worker --server URL --token T --name local-N`, started
+//! Local worker processes: `distlab-worker --server URL --token T --name local-N
+//! --checkpoint-dir DATA_DIR/checkpoints`, started
 //! after the listener is bound, with stdout/stderr inherited, and stopped with the server
 //! (SIGTERM, then SIGKILL after a grace period; on Linux they also get SIGTERM if the
 //! server dies without cleaning up).
@@ -32,7 +33,7 @@ impl LocalWorkers {
 
     /// Starts `count` workers; a worker that cannot start is logged and skipped (the server
     /// still serves, and remote workers can still join).
-    pub fn spawn(bin: &Path, count: usize, server_url: &str, token: &str) -> Self {
+    pub fn spawn(bin: &Path, count: usize, server_url: &str, token: &str, checkpoints: &Path) -> Self {
         let mut workers = Self::none();
         if count == 0 {
             return workers;
@@ -47,7 +48,7 @@ impl LocalWorkers {
         }
         for n in 1..=count {
             let name = format!("local-{n}");
-            match start(bin, server_url, token, &name) {
+            match start(bin, server_url, token, &name, checkpoints) {
                 Ok(child) => {
                     tracing::info!(worker = %name, pid = child.id(), "started a local worker");
                     let stop = workers.stop.subscribe();
@@ -76,7 +77,7 @@ impl LocalWorkers {
     }
 }
 
-fn start(bin: &Path, server_url: &str, token: &str, name: &str) -> std::io::Result<Child> {
+fn start(bin: &Path, server_url: &str, token: &str, name: &str, checkpoints: &Path) -> std::io::Result<Child> {
     let mut cmd = Command::new(bin);
     cmd.arg("--server")
         .arg(server_url)
@@ -84,6 +85,8 @@ fn start(bin: &Path, server_url: &str, token: &str, name: &str) -> std::io::Resu
         .arg(token)
         .arg("--name")
         .arg(name)
+        .arg("--checkpoint-dir")
+        .arg(checkpoints)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())

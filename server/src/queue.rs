@@ -67,12 +67,47 @@ pub async fn lease(
          RETURNING id, spec, attempt",
         placeholders.join(", ")
     );
-    let mut query =
-        sqlx::query_as::<_, Leased>(&sql).bind(worker_id).bind(clock::after(now, lease)).bind(clock::rfc3339(now));
+    let started_at = clock::rfc3339(now);
+    let mut query = sqlx::query_as::<_, Leased>(&sql).bind(worker_id).bind(clock::after(now, lease)).bind(&started_at);
     for b in backends {
         query = query.bind(backend_name(*b));
     }
-    query.fetch_optional(db).await
+    let mut tx = db.begin().await?;
+    let leased = query.fetch_optional(&mut *tx).await?;
+    if let Some(l) = &leased {
+        sqlx::query("INSERT INTO attempts (experiment_id, attempt, worker_id, started_at) VALUES (?1, ?2, ?3, ?4)")
+            .bind(l.id)
+            .bind(l.attempt)
+            .bind(worker_id)
+            .bind(&started_at)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(leased)
+}
+
+/// An attempt of experiment `id` starts at `from_step`: the metrics an earlier attempt
+/// reported from there on are deleted (this attempt reports them again) and counted as
+/// lost work.
+async fn start_attempt(tx: &mut sqlx::SqliteConnection, id: i64, from_step: u64) -> Result<(), sqlx::Error> {
+    let from_step = i64::try_from(from_step).unwrap_or(i64::MAX);
+    let lost = sqlx::query("DELETE FROM metrics WHERE experiment_id = ?1 AND step >= ?2")
+        .bind(id)
+        .bind(from_step)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    sqlx::query(
+        "UPDATE attempts SET from_step = ?1, lost_steps = ?2 \
+         WHERE experiment_id = ?3 AND attempt = (SELECT attempt FROM experiments WHERE id = ?3)",
+    )
+    .bind(from_step)
+    .bind(i64::try_from(lost).unwrap_or(i64::MAX))
+    .bind(id)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// Whether a worker still holds an experiment it reports about.
@@ -183,6 +218,7 @@ pub async fn store_events(
     let mut log_ids = Vec::new();
     for event in events {
         match event {
+            RunEvent::Start { from_step } => start_attempt(&mut tx, id, *from_step).await?,
             RunEvent::Metric(m) => insert_metric(&mut tx, id, m).await?,
             RunEvent::Log(line) => {
                 let log_id: i64 = sqlx::query_scalar(

@@ -115,14 +115,27 @@ impl Lab {
         Lab { base, data_dir, server, workers: Vec::new(), agent }
     }
 
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.data_dir.path().join("checkpoints")
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }
 
     /// Starts an extra worker process against this server (killed on drop, or by the test).
     pub fn spawn_worker(&mut self, name: &str) -> usize {
+        self.spawn_worker_with_env(name, &[])
+    }
+
+    /// A worker with extra environment (inherited by its rank processes). Every worker of a
+    /// lab shares the local workers' checkpoint directory, DATA_DIR/checkpoints.
+    pub fn spawn_worker_with_env(&mut self, name: &str, env: &[(&str, &str)]) -> usize {
         let child = Command::new(bin_path("distlab-worker"))
             .args(["--server", &self.base, "--token", WORKER_TOKEN, "--name", name, "--give-up-seconds", "10"])
+            .arg("--checkpoint-dir")
+            .arg(self.checkpoint_dir())
+            .envs(env.iter().copied())
             .spawn()
             .expect("start distlab-worker");
         self.workers.push(child);

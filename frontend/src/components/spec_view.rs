@@ -92,7 +92,7 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         label(&t.loss_scaling),
         label(&t.checkpointing),
         if t.checkpoint_every > 0 {
-            format!(" · checkpoint every {} steps", t.checkpoint_every)
+            format!(" · checkpoint every {} steps ({})", t.checkpoint_every, label(&t.checkpoint_write))
         } else {
             String::new()
         }

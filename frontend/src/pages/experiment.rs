@@ -11,8 +11,8 @@ use std::time::Duration;
 use distlab_common::memory::MemoryView;
 use distlab_common::trace::ExperimentTrace;
 use distlab_common::{
-    CollectiveCheck, DemoOp, ExperimentSpec, ExperimentStatus, ExperimentView, LogLevel, LogLine, MetricPoint,
-    RunSummary, StreamEvent,
+    AttemptView, CollectiveCheck, DemoOp, ExperimentSpec, ExperimentStatus, ExperimentView, LogLevel, LogLine,
+    MetricPoint, RunSummary, StreamEvent,
 };
 use leptos::prelude::*;
 use leptos_router::components::A;
@@ -46,6 +46,23 @@ pub fn ExperimentPage() -> impl IntoView {
     }
 }
 
+/// What one attempt did, in a line.
+fn attempt_line(a: &AttemptView) -> String {
+    let worker = a.worker.as_deref().unwrap_or("a worker that is gone");
+    let start = match a.from_step {
+        None => "has not reported where it starts yet".to_string(),
+        Some(0) if a.attempt == 1 => "started at step 0".to_string(),
+        Some(0) => "started over at step 0 (no complete checkpoint)".to_string(),
+        Some(step) => format!("resumed from the checkpoint of step {step}"),
+    };
+    let lost = match a.lost_steps {
+        0 => String::new(),
+        1 => " · 1 step lost and run again".to_string(),
+        n => format!(" · {n} steps lost and run again"),
+    };
+    format!("attempt {} on {worker}: {start}{lost}", a.attempt)
+}
+
 /// Inserts a point in step order; a point for a step already present replaces it
 /// (the stream replays stored points when it reconnects).
 fn merge_point(points: &mut Vec<MetricPoint>, p: MetricPoint) {
@@ -68,6 +85,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
     let summary = RwSignal::new(None::<RunSummary>);
     let logs = RwSignal::new(Vec::<LogLine>::new());
     let stream_state = RwSignal::new("connecting");
+    let attempts = RwSignal::new(Vec::<AttemptView>::new());
     let action_error = RwSignal::new(None::<String>);
     let now = RwSignal::new(format::now_ms());
     let trace = RwSignal::new(None::<ExperimentTrace>);
@@ -79,6 +97,9 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
 
     let reload = move || {
         leptos::task::spawn_local(async move {
+            if let Ok(a) = api::get_attempts(id).await {
+                attempts.try_set(a.attempts);
+            }
             match api::get_experiment(id).await {
                 Ok(view) => {
                     // The stream's status is at least as fresh, except when the run has finished.
@@ -168,6 +189,11 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                 if changed {
                     reload();
                 }
+            }
+            // A new attempt redoes the steps from its checkpoint on: drop the old points.
+            StreamEvent::Start { from_step } => {
+                points.try_update(|ps| ps.retain(|p| p.step < from_step));
+                reload();
             }
             StreamEvent::Metric(p) => {
                 points.try_update(|ps| merge_point(ps, p));
@@ -379,6 +405,23 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                                 " " {format!("{n} collective{} recorded step by step", if n == 1 { "" } else { "s" })}
                             </p>
                         })}
+                    {move || {
+                        let list = attempts.get();
+                        (list.len() > 1).then(|| view! {
+                            <div class="attempts" id="attempts">
+                                <h3>"Attempts"</h3>
+                                <p class="muted small">
+                                    "A worker that stops answering loses its lease and the experiment goes back to the queue; "
+                                    "the next worker resumes from the latest complete checkpoint. The steps run after that checkpoint were lost and are run again."
+                                </p>
+                                <ul>
+                                    {list.iter().map(|a| view! {
+                                        <li class="attempt">{attempt_line(a)} <span class="muted">" · leased " {format::local_time(&a.started_at)}</span></li>
+                                    }).collect_view()}
+                                </ul>
+                            </div>
+                        })
+                    }}
                     {(spec.parallel.pp > 1).then(|| view! {
                         <p class="replay-line">
                             <A href=format!("/experiments/{id}/pipeline") attr:class="button" attr:id="pipeline-link">"Pipeline schedule →"</A>
@@ -569,6 +612,27 @@ mod tests {
 
     fn p(step: u64) -> MetricPoint {
         MetricPoint { step, loss: step as f64, lr: 0.0, grad_norm: 0.0, tokens_per_s: 0.0, step_ms: 0.0 }
+    }
+
+    #[test]
+    fn an_attempt_says_where_it_resumed_and_what_was_lost() {
+        let a = |attempt, from_step, lost_steps| AttemptView {
+            attempt,
+            worker: Some("w".into()),
+            started_at: String::new(),
+            from_step,
+            lost_steps,
+        };
+        assert_eq!(attempt_line(&a(1, Some(0), 0)), "attempt 1 on w: started at step 0");
+        assert_eq!(
+            attempt_line(&a(2, Some(20), 4)),
+            "attempt 2 on w: resumed from the checkpoint of step 20 · 4 steps lost and run again"
+        );
+        assert_eq!(
+            attempt_line(&a(3, Some(0), 1)),
+            "attempt 3 on w: started over at step 0 (no complete checkpoint) · 1 step lost and run again"
+        );
+        assert_eq!(attempt_line(&a(2, None, 0)), "attempt 2 on w: has not reported where it starts yet");
     }
 
     #[test]

@@ -136,6 +136,11 @@ const SECTIONS: &[SectionDef] = &[
             f("train.loss_scaling", Kind::Choice(&["none", "dynamic"]), "dynamic: for fp16"),
             f("train.checkpointing", Kind::Choice(&["none", "every", "sqrt"]), "activation recomputation"),
             f("train.checkpoint_every", Kind::Int, "save a resumable checkpoint every N steps; 0 = never"),
+            f(
+                "train.checkpoint_write",
+                Kind::Choice(&["async", "sync"]),
+                "async: a writer thread saves it while training goes on",
+            ),
             f("train.seed", Kind::Int, "initial weights"),
         ],
     },
@@ -265,9 +270,6 @@ fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
     if spec.train.precision != Precision::Fp32 {
         out.push(format!("precision={}", spec.train.precision.as_str()));
-    }
-    if spec.train.checkpoint_every > 0 {
-        out.push(format!("checkpoint_every={}", spec.train.checkpoint_every));
     }
     if spec.backend == distlab_common::BackendKind::Cuda {
         out.push("backend=cuda".into());

@@ -26,7 +26,7 @@ use distlab_common::trace::{Span, SpanKind};
 use distlab_common::{ExperimentSpec, Sharding};
 
 use super::shard::ShardLayout;
-use super::{Cpu, DpGroup, Strategy};
+use super::{load_params, Cpu, DpGroup, SavedState, Strategy};
 use crate::backend::Backend;
 use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
@@ -200,6 +200,20 @@ impl Strategy for Replicated {
         let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) as u64 * 4;
         let buckets = self.dp.as_ref().map_or(0, |dp| dp.grads.held_bytes());
         flat + self.optimizer.held_bytes(be) + buckets
+    }
+
+    fn save(&self) -> SavedState {
+        SavedState {
+            params: self.state.params.clone(),
+            optimizer: self.optimizer.state(),
+            params_replicated: true,
+            optimizer_replicated: self.zero1.is_none(),
+        }
+    }
+
+    fn load(&mut self, state: SavedState) -> Result<(), String> {
+        load_params(&mut self.state.params, state.params)?;
+        self.optimizer.load_state(state.optimizer)
     }
 }
 

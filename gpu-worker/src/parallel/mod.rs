@@ -28,6 +28,7 @@ use crate::backend::CpuBackend;
 use crate::comm::{CommError, Communicator};
 use crate::memory::MemoryTracker;
 use crate::model::{ModelState, ParamLayout, Stage};
+use crate::optim::OptimizerState;
 
 /// The backend the strategies run on (their collectives work on host memory).
 pub type Cpu = CpuBackend<f32>;
@@ -51,6 +52,32 @@ pub trait Strategy: Send {
     /// Bytes of the buffers it holds, counted from the buffers themselves (what the
     /// memory ledger must agree with).
     fn held_bytes(&self, be: &Cpu) -> u64;
+    /// A copy of what an optimizer step changes, for a checkpoint.
+    fn save(&self) -> SavedState;
+    /// Puts back a state `save` took on the same rank of the same run.
+    fn load(&mut self, state: SavedState) -> Result<(), String>;
+}
+
+/// What a strategy's checkpoint holds (see `checkpoint.rs`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SavedState {
+    /// This rank's parameters: all of its stage's, or its shard of them (FSDP).
+    pub params: Vec<f32>,
+    pub optimizer: OptimizerState,
+    /// Every rank of the data-parallel group holds the same parameters (then DP rank 0
+    /// alone writes them).
+    pub params_replicated: bool,
+    /// Every rank of the group holds the same optimizer state (DDP without ZeRO).
+    pub optimizer_replicated: bool,
+}
+
+/// Replaces `held` by `saved`, which must be as long.
+pub fn load_params(held: &mut Vec<f32>, saved: Vec<f32>) -> Result<(), String> {
+    if saved.len() != held.len() {
+        return Err(format!("{} parameters saved, this rank holds {}", saved.len(), held.len()));
+    }
+    *held = saved;
+    Ok(())
 }
 
 /// This rank's data-parallel group: two communicators over the same ranks, one for the

@@ -24,7 +24,7 @@ use distlab_common::{ExperimentSpec, Sharding};
 
 use super::ddp::{comm_span, sum_scalar};
 use super::shard::ShardLayout;
-use super::{Cpu, DpGroup, Strategy};
+use super::{load_params, Cpu, DpGroup, SavedState, Strategy};
 use crate::comm::{Alone, CommError, Communicator, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
@@ -220,5 +220,19 @@ impl Strategy for Sharded {
         let temporaries =
             [&self.gathered, &self.unit_grads].iter().flat_map(|t| t.as_ref()).map(|t| t.data.len()).sum::<usize>();
         ((self.params.len() + self.grad_shard.len() + temporaries) * 4) as u64 + self.optimizer.held_bytes(be)
+    }
+
+    fn save(&self) -> SavedState {
+        SavedState {
+            params: self.params.clone(),
+            optimizer: self.optimizer.state(),
+            params_replicated: !self.fsdp,
+            optimizer_replicated: false,
+        }
+    }
+
+    fn load(&mut self, state: SavedState) -> Result<(), String> {
+        load_params(&mut self.params, state.params)?;
+        self.optimizer.load_state(state.optimizer)
     }
 }

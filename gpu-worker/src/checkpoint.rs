@@ -1,0 +1,426 @@
+//! Checkpoints: what each rank needs to continue a run exactly where it stopped.
+//!
+//! The state of a run before optimizer step t is: the parameters, the optimizer state
+//! (AdamW's m and v and its step count) and the position in the data. The batch of step t
+//! is a function of (data seed, t) alone and nothing else draws random numbers, so the
+//! data position is t itself and there is no RNG state to carry.
+//!
+//! On disk, one directory per experiment:
+//!
+//! ```text
+//!   <root>/spec.json                       the spec these checkpoints belong to
+//!   <root>/step-000020/dp0-tp0-pp0.ckpt    one file per rank: "resume at step 20"
+//!   <root>/step-000020/dp1-tp0-pp0.ckpt
+//! ```
+//!
+//! A rank writes `<file>.tmp`, syncs it to disk and renames it over `<file>`. A rename is
+//! atomic, so a crash leaves the file whole or absent, never torn. A step is complete when
+//! every rank's file is there, and a resume takes the latest complete step.
+//!
+//! Who writes what follows the strategy. State that every rank of a data-parallel group
+//! holds alike (DDP's parameters and optimizer state, ZeRO's parameters) is written once,
+//! by DP rank 0, and read from there on resume. Sharded state (the ZeRO optimizer state,
+//! all of FSDP's) is written by the rank that owns it. A rank that owns nothing still
+//! writes a file with just the header, so "complete" is a count of files.
+//!
+//! A file is one JSON header line, then each section's f32 values, little-endian, in the
+//! header's order.
+
+use std::fs::{self, File};
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use distlab_common::ExperimentSpec;
+use serde::{Deserialize, Serialize};
+
+const FORMAT: &str = "distlab-checkpoint-1";
+
+/// Where a rank sits in the dp x tp x pp mesh (its checkpoint file's name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankPlace {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+}
+
+impl RankPlace {
+    fn file_name(self) -> String {
+        format!("dp{}-tp{}-pp{}.ckpt", self.dp, self.tp, self.pp)
+    }
+
+    /// The rank of the same tensor and pipeline coordinates that writes replicated state.
+    pub fn dp_rank_zero(self) -> RankPlace {
+        RankPlace { dp: 0, ..self }
+    }
+}
+
+/// One rank's checkpoint: the header's numbers and the sections this rank owns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankCheckpoint {
+    /// The next optimizer step to run.
+    pub step: u64,
+    /// Updates the optimizer has made (AdamW's bias corrections depend on it).
+    pub optimizer_steps: u64,
+    /// The lowest step loss so far (for the run's summary).
+    pub min_loss: f64,
+    /// Named runs of floats: "params", "adam_m", "adam_v".
+    pub sections: Vec<(String, Vec<f32>)>,
+}
+
+impl RankCheckpoint {
+    pub fn section(&self, name: &str) -> Option<&[f32]> {
+        self.sections.iter().find(|(n, _)| n == name).map(|(_, v)| &v[..])
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.sections.iter().map(|(_, v)| v.len() as u64 * 4).sum()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    format: String,
+    step: u64,
+    optimizer_steps: u64,
+    min_loss: f64,
+    sections: Vec<SectionInfo>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SectionInfo {
+    name: String,
+    len: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("checkpoint {path} is not a distlab checkpoint: {why}")]
+    Corrupt { path: PathBuf, why: String },
+    #[error("checkpoint {path} does not fit this rank: {why}")]
+    Mismatch { path: PathBuf, why: String },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+}
+
+/// Writes `ckpt` to `path` atomically (temp file, sync, rename); returns the bytes written.
+pub fn write(path: &Path, ckpt: &RankCheckpoint) -> Result<u64, CheckpointError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(io_error(dir))?;
+    let header = Header {
+        format: FORMAT.into(),
+        step: ckpt.step,
+        optimizer_steps: ckpt.optimizer_steps,
+        min_loss: ckpt.min_loss,
+        sections: ckpt.sections.iter().map(|(name, v)| SectionInfo { name: name.clone(), len: v.len() }).collect(),
+    };
+    let tmp = path.with_extension("ckpt.tmp");
+    let write_all = || -> std::io::Result<u64> {
+        let file = File::create(&tmp)?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        let line = serde_json::to_string(&header).map_err(std::io::Error::other)?;
+        writeln!(out, "{line}")?;
+        for (_, values) in &ckpt.sections {
+            out.write_all(bytemuck::cast_slice(values))?;
+        }
+        let file = out.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        Ok(line.len() as u64 + 1 + ckpt.bytes())
+    };
+    let bytes = write_all().map_err(io_error(&tmp))?;
+    fs::rename(&tmp, path).map_err(io_error(path))?;
+    Ok(bytes)
+}
+
+/// Reads a checkpoint written by [`write`], checking its format and length.
+pub fn read(path: &Path) -> Result<RankCheckpoint, CheckpointError> {
+    let corrupt = |why: String| CheckpointError::Corrupt { path: path.to_path_buf(), why };
+    let mut bytes = Vec::new();
+    File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(io_error(path))?;
+    let newline = bytes.iter().position(|&b| b == b'\n').ok_or_else(|| corrupt("no header line".into()))?;
+    let header: Header = serde_json::from_slice(&bytes[..newline]).map_err(|e| corrupt(e.to_string()))?;
+    if header.format != FORMAT {
+        return Err(corrupt(format!("format {:?}, expected {FORMAT:?}", header.format)));
+    }
+    let mut body = &bytes[newline + 1..];
+    let expected: usize = header.sections.iter().map(|s| s.len.saturating_mul(4)).sum();
+    if body.len() != expected {
+        return Err(corrupt(format!("{} bytes of values, the header describes {expected}", body.len())));
+    }
+    let mut sections = Vec::with_capacity(header.sections.len());
+    for s in header.sections {
+        let (values, rest) = body.split_at(s.len * 4);
+        sections.push((s.name, values.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()));
+        body = rest;
+    }
+    Ok(RankCheckpoint {
+        step: header.step,
+        optimizer_steps: header.optimizer_steps,
+        min_loss: header.min_loss,
+        sections,
+    })
+}
+
+/// One experiment's checkpoint directory, for a run of `world` ranks.
+#[derive(Clone, Debug)]
+pub struct CheckpointDir {
+    pub root: PathBuf,
+    pub world: usize,
+}
+
+impl CheckpointDir {
+    pub fn new(root: impl Into<PathBuf>, world: usize) -> Self {
+        Self { root: root.into(), world }
+    }
+
+    fn step_dir(&self, step: u64) -> PathBuf {
+        self.root.join(format!("step-{step:06}"))
+    }
+
+    pub fn file(&self, step: u64, place: RankPlace) -> PathBuf {
+        self.step_dir(step).join(place.file_name())
+    }
+
+    /// Steps with a directory, each with how many rank files it holds.
+    fn steps(&self) -> Vec<(u64, usize, PathBuf)> {
+        let Ok(entries) = fs::read_dir(&self.root) else { return Vec::new() };
+        let mut steps: Vec<(u64, usize, PathBuf)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let step = e.file_name().to_str()?.strip_prefix("step-")?.parse().ok()?;
+                let files = fs::read_dir(e.path())
+                    .map(|d| d.flatten().filter(|f| f.file_name().to_string_lossy().ends_with(".ckpt")).count())
+                    .unwrap_or(0);
+                Some((step, files, e.path()))
+            })
+            .collect();
+        steps.sort_by_key(|s| s.0);
+        steps
+    }
+
+    /// The latest step every rank has written its file for.
+    pub fn latest_complete(&self) -> Option<u64> {
+        self.steps().into_iter().rev().find(|s| s.1 == self.world).map(|s| s.0)
+    }
+
+    /// Deletes every step older than the latest complete one (no rank writes those any more).
+    pub fn prune(&self) {
+        let Some(latest) = self.latest_complete() else { return };
+        for (_, _, path) in self.steps().into_iter().filter(|s| s.0 < latest) {
+            let _ = fs::remove_dir_all(path);
+        }
+    }
+
+    /// Before a run: creates the directory for `spec` and returns the step to resume from.
+    /// Checkpoints of another spec (a reused experiment id) are deleted first.
+    pub fn prepare(&self, spec: &ExperimentSpec) -> Result<Option<u64>, CheckpointError> {
+        let spec_path = self.root.join("spec.json");
+        let written = fs::read_to_string(&spec_path).ok().and_then(|s| serde_json::from_str::<ExperimentSpec>(&s).ok());
+        if written.as_ref() != Some(spec) {
+            self.remove();
+            fs::create_dir_all(&self.root).map_err(io_error(&self.root))?;
+            let json = serde_json::to_vec_pretty(spec).map_err(|e| io_error(&spec_path)(std::io::Error::other(e)))?;
+            fs::write(&spec_path, json).map_err(io_error(&spec_path))?;
+            return Ok(None);
+        }
+        Ok(self.latest_complete())
+    }
+
+    /// Deletes the whole directory (after the run has ended for good).
+    pub fn remove(&self) {
+        let _ = fs::remove_dir_all(&self.root);
+    }
+}
+
+/// How one checkpoint write went.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Written {
+    pub step: u64,
+    pub bytes: u64,
+    /// Time spent writing (and syncing) the file.
+    pub write_ms: f64,
+    /// Time the training loop stood still for it: the whole write when synchronous, only the
+    /// copy of the state when a writer thread does the rest.
+    pub waited_ms: f64,
+}
+
+/// Writes a rank's checkpoints, on the training thread or on a writer thread of its own.
+pub struct CheckpointWriter {
+    dir: CheckpointDir,
+    place: RankPlace,
+    /// Rank 0 deletes the steps a newer complete one makes useless.
+    prunes: bool,
+    thread: Option<WriterThread>,
+    done: Vec<Result<Written, CheckpointError>>,
+}
+
+struct WriterThread {
+    jobs: mpsc::Sender<(RankCheckpoint, f64)>,
+    results: mpsc::Receiver<Result<Written, CheckpointError>>,
+    handle: JoinHandle<()>,
+}
+
+impl CheckpointWriter {
+    pub fn new(dir: CheckpointDir, place: RankPlace, asynchronous: bool) -> Self {
+        let prunes = place == RankPlace { dp: 0, tp: 0, pp: 0 };
+        let thread = asynchronous.then(|| {
+            let (jobs, job_rx) = mpsc::channel::<(RankCheckpoint, f64)>();
+            let (result_tx, results) = mpsc::channel();
+            let (dir, place) = (dir.clone(), place);
+            let handle = std::thread::Builder::new()
+                .name("checkpoint-writer".into())
+                .spawn(move || {
+                    for (ckpt, waited_ms) in job_rx {
+                        let _ = result_tx.send(write_step(&dir, place, prunes, &ckpt, waited_ms));
+                    }
+                })
+                .ok();
+            handle.map(|handle| WriterThread { jobs, results, handle })
+        });
+        Self { dir, place, prunes, thread: thread.flatten(), done: Vec::new() }
+    }
+
+    /// Saves `ckpt` (made `copy_ms` ago by copying the state). Synchronous writers return
+    /// when the file is on disk; asynchronous ones at once.
+    pub fn save(&mut self, ckpt: RankCheckpoint, copy_ms: f64) {
+        match &self.thread {
+            Some(t) => {
+                if let Err(mpsc::SendError((ckpt, waited))) = t.jobs.send((ckpt, copy_ms)) {
+                    self.done.push(write_step(&self.dir, self.place, self.prunes, &ckpt, waited));
+                }
+            }
+            None => {
+                let mut written = write_step(&self.dir, self.place, self.prunes, &ckpt, 0.0);
+                if let Ok(w) = &mut written {
+                    w.waited_ms = copy_ms + w.write_ms;
+                }
+                self.done.push(written);
+            }
+        }
+    }
+
+    /// The writes that have finished since the last call.
+    pub fn finished(&mut self) -> Vec<Result<Written, CheckpointError>> {
+        if let Some(t) = &self.thread {
+            self.done.extend(t.results.try_iter());
+        }
+        std::mem::take(&mut self.done)
+    }
+
+    /// Waits for every write still in flight; returns those not yet reported.
+    pub fn finish(mut self) -> Vec<Result<Written, CheckpointError>> {
+        if let Some(t) = self.thread.take() {
+            drop(t.jobs);
+            let _ = t.handle.join();
+            self.done.extend(t.results.try_iter());
+        }
+        std::mem::take(&mut self.done)
+    }
+}
+
+fn write_step(
+    dir: &CheckpointDir,
+    place: RankPlace,
+    prunes: bool,
+    ckpt: &RankCheckpoint,
+    waited_ms: f64,
+) -> Result<Written, CheckpointError> {
+    let start = Instant::now();
+    let bytes = write(&dir.file(ckpt.step, place), ckpt)?;
+    let write_ms = start.elapsed().as_secs_f64() * 1e3;
+    if prunes {
+        dir.prune();
+    }
+    Ok(Written { step: ckpt.step, bytes, write_ms, waited_ms })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(step: u64) -> RankCheckpoint {
+        RankCheckpoint {
+            step,
+            optimizer_steps: step,
+            min_loss: 1.25,
+            sections: vec![("params".into(), vec![1.0, -2.5, f32::MIN_POSITIVE]), ("adam_m".into(), vec![])],
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_reads_back_bit_for_bit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/b.ckpt");
+        let ckpt = sample(20);
+        write(&path, &ckpt).unwrap();
+        assert_eq!(read(&path).unwrap(), ckpt);
+        assert!(!path.with_extension("ckpt.tmp").exists(), "the temp file is renamed away");
+    }
+
+    #[test]
+    fn a_torn_or_foreign_file_is_refused_with_a_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.ckpt");
+        write(&path, &sample(3)).unwrap();
+        let bytes = fs::read(&path).unwrap();
+        fs::write(&path, &bytes[..bytes.len() - 2]).unwrap();
+        let err = read(&path).unwrap_err().to_string();
+        assert!(err.contains("bytes of values"), "{err}");
+        fs::write(&path, b"hello\n").unwrap();
+        assert!(matches!(read(&path), Err(CheckpointError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn only_steps_every_rank_wrote_are_complete_and_older_ones_are_pruned() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(root.path(), 2);
+        let (r0, r1) = (RankPlace { dp: 0, tp: 0, pp: 0 }, RankPlace { dp: 1, tp: 0, pp: 0 });
+        assert_eq!(dir.latest_complete(), None);
+        for place in [r0, r1] {
+            write(&dir.file(10, place), &sample(10)).unwrap();
+            write(&dir.file(20, place), &sample(20)).unwrap();
+        }
+        write(&dir.file(30, r0), &sample(30)).unwrap();
+        // A crash mid-write leaves a temp file, which does not count.
+        fs::write(dir.file(30, r1).with_extension("ckpt.tmp"), b"half").unwrap();
+        assert_eq!(dir.latest_complete(), Some(20));
+        dir.prune();
+        assert!(!dir.file(10, r0).exists());
+        assert!(dir.file(20, r1).exists() && dir.file(30, r0).exists());
+    }
+
+    #[test]
+    fn checkpoints_of_another_spec_are_not_resumed() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(root.path().join("experiment-1"), 1);
+        let spec = ExperimentSpec::default();
+        assert_eq!(dir.prepare(&spec).unwrap(), None);
+        write(&dir.file(5, RankPlace { dp: 0, tp: 0, pp: 0 }), &sample(5)).unwrap();
+        assert_eq!(dir.prepare(&spec).unwrap(), Some(5));
+        let mut other = spec.clone();
+        other.train.seed += 1;
+        assert_eq!(dir.prepare(&other).unwrap(), None);
+        assert_eq!(dir.latest_complete(), None);
+    }
+
+    #[test]
+    fn the_writer_thread_writes_what_it_is_given() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(root.path(), 1);
+        let place = RankPlace { dp: 0, tp: 0, pp: 0 };
+        let mut writer = CheckpointWriter::new(dir.clone(), place, true);
+        writer.save(sample(4), 0.5);
+        writer.save(sample(8), 0.5);
+        let written: Vec<Written> = writer.finish().into_iter().map(|w| w.unwrap()).collect();
+        assert_eq!(written.iter().map(|w| w.step).collect::<Vec<_>>(), vec![4, 8]);
+        assert!(written.iter().all(|w| w.waited_ms == 0.5 && w.bytes > 12));
+        assert_eq!(read(&dir.file(8, place)).unwrap(), sample(8));
+        assert!(!dir.file(4, place).exists(), "rank 0 prunes the older step");
+    }
+}

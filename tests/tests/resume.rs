@@ -1,0 +1,78 @@
+//! Checkpoints and resume: a worker is SIGKILLed mid-run, its lease expires, a second
+//! worker resumes from the latest complete checkpoint, and the loss curve is bit-identical
+//! to a run that was never interrupted (fp32, CPU).
+
+use std::time::{Duration, Instant};
+
+use distlab_common::*;
+use distlab_tests::*;
+
+/// 40 steps on two data-parallel ranks, a checkpoint every 10.
+fn spec(name: &str, sharding: Sharding) -> ExperimentSpec {
+    let mut spec = quick_spec(name, 40);
+    spec.model = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.train.micro_batch = 4;
+    spec.parallel.dp = 2;
+    spec.parallel.sharding = sharding;
+    spec.train.checkpoint_every = 10;
+    spec
+}
+
+fn killed_worker_resumes_with_identical_losses(sharding: Sharding) {
+    let spec = spec(&format!("resume-{}", sharding.as_str()), sharding);
+    let straight = run_losses(&spec);
+    assert_eq!(straight.len(), 40);
+
+    let mut lab = Lab::start_with(LabOptions {
+        local_workers: 0,
+        lease_seconds: 2.0,
+        heartbeat_seconds: 0.5,
+        ..LabOptions::default()
+    });
+    // Rank 0 of the first worker stops after step 24 (before reporting it): steps 0-23
+    // are stored, the checkpoints of steps 10 and 20 are on disk.
+    let marker = format!("resume-test-{}-{}", std::process::id(), sharding.as_str());
+    let first = lab.spawn_worker_with_env("first", &[("DISTLAB_FAULT", "0:24:hang"), ("DISTLAB_TEST_MARKER", &marker)]);
+    let id = lab.submit(&spec);
+    lab.wait_for(id, Duration::from_secs(120), |e| e.steps_done >= 24);
+    let experiment_dir = lab.checkpoint_dir().join(format!("experiment-{id}"));
+    assert!(experiment_dir.join("step-000020").is_dir(), "the checkpoint of step 20 is on disk");
+    lab.kill_worker(first);
+
+    // The kernel kills the ranks with their worker: none is left to write checkpoints.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !processes_with(&marker, "rank").is_empty() {
+        assert!(Instant::now() < deadline, "rank processes outlived their SIGKILLed worker");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let requeued = lab.wait_for(id, Duration::from_secs(20), |e| e.status == ExperimentStatus::Queued);
+    assert_eq!(requeued.attempt, 1);
+    lab.spawn_worker("second");
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
+
+    let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
+    let resumed: Vec<f64> = metrics.steps.iter().map(|m| m.loss).collect();
+    assert_eq!(metrics.steps.iter().map(|m| m.step).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
+    for (step, (a, b)) in straight.iter().zip(&resumed).enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "step {step}: straight {a} vs resumed {b}");
+    }
+
+    let attempts: Attempts = lab.get_as(&format!("/api/experiments/{id}/attempts"));
+    let summary: Vec<(i64, Option<u64>, u64)> =
+        attempts.attempts.iter().map(|a| (a.attempt, a.from_step, a.lost_steps)).collect();
+    assert_eq!(summary, vec![(1, Some(0), 0), (2, Some(20), 4)], "attempt 2 redid steps 20-23");
+    assert_eq!(attempts.attempts[1].worker.as_deref(), Some("second"));
+    assert!(!experiment_dir.exists(), "a finished run's checkpoints are deleted");
+}
+
+#[test]
+fn ddp_resumes_bit_identically_after_its_worker_is_killed() {
+    killed_worker_resumes_with_identical_losses(Sharding::None);
+}
+
+#[test]
+fn fsdp_resumes_bit_identically_from_sharded_checkpoints() {
+    killed_worker_resumes_with_identical_losses(Sharding::Fsdp);
+}
