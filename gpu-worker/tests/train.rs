@@ -4,8 +4,10 @@
 use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
-    BackendKind, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent, RunSummary,
+    BackendKind, CheckpointWrite, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent, RunSummary,
 };
+use distlab_worker::checkpoint::{CheckpointDir, RankPlace};
+use distlab_worker::train::CheckpointOptions;
 use distlab_worker::{train, TrainError, TrainOptions};
 
 struct Run {
@@ -15,12 +17,16 @@ struct Run {
 }
 
 fn run(spec: &ExperimentSpec, threads: usize) -> Result<Run, TrainError> {
+    run_with(spec, &TrainOptions { threads, ..TrainOptions::default() })
+}
+
+fn run_with(spec: &ExperimentSpec, opts: &TrainOptions) -> Result<Run, TrainError> {
     let mut metrics = Vec::new();
     let mut logs = Vec::new();
     let cancel = AtomicBool::new(false);
     let summary = train(
         spec,
-        &TrainOptions { threads, ..TrainOptions::default() },
+        opts,
         &mut |e| match e {
             RunEvent::Metric(m) => metrics.push(m),
             RunEvent::Log(l) => logs.push(l.message),
@@ -184,7 +190,6 @@ fn unsupported_features_are_refused_naming_the_field() {
                 s.train.loss_scaling = LossScaling::Dynamic;
             }),
         ),
-        ("train.checkpoint_every", Box::new(|s| s.train.checkpoint_every = 10)),
         ("backend", Box::new(|s| s.backend = BackendKind::Cuda)),
     ];
     for (field, change) in cases {
@@ -200,6 +205,32 @@ fn unsupported_features_are_refused_naming_the_field() {
     spec.parallel.dp = 2;
     let msg = run(&spec, 1).err().unwrap().to_string();
     assert!(msg.contains("parallel.dp=2") && msg.contains("one process per rank"), "{msg}");
+}
+
+#[test]
+fn a_run_resumed_from_its_checkpoint_continues_with_the_same_losses() {
+    for write in [CheckpointWrite::Sync, CheckpointWrite::Async] {
+        let mut spec = ExperimentSpec::default();
+        spec.train.steps = 8;
+        spec.train.checkpoint_every = 3;
+        spec.train.checkpoint_write = write;
+        let root = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(root.path().join("run"), 1);
+        assert_eq!(dir.prepare(&spec).unwrap(), None);
+        let checkpoints = |resume_from| CheckpointOptions { dir: dir.root.clone(), resume_from };
+        let opts = |resume_from| TrainOptions { threads: 1, checkpoints: Some(checkpoints(resume_from)) };
+        let whole = run_with(&spec, &opts(None)).unwrap();
+        let saves = whole.logs.iter().filter(|l| l.starts_with("checkpoint of step")).count();
+        assert_eq!(saves, 2, "steps 3 and 6: {:?}", whole.logs);
+        // Rank 0 keeps only the latest complete checkpoint.
+        assert_eq!(dir.prepare(&spec).unwrap(), Some(6));
+        assert!(!dir.file(3, RankPlace { dp: 0, tp: 0, pp: 0 }).exists());
+
+        let resumed = run_with(&spec, &opts(Some(6))).unwrap();
+        assert_eq!(resumed.metrics.iter().map(|m| m.step).collect::<Vec<_>>(), vec![6, 7]);
+        assert_eq!(losses(&resumed), losses(&whole)[6..], "{write:?}");
+        assert_eq!(resumed.summary.min_loss, whole.summary.min_loss, "the lowest loss comes from before the resume");
+    }
 }
 
 #[test]
