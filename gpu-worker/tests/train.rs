@@ -4,7 +4,8 @@
 use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
-    BackendKind, CheckpointWrite, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent, RunSummary,
+    BackendKind, CheckpointWrite, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent,
+    RunSummary,
 };
 use distlab_worker::checkpoint::{CheckpointDir, RankPlace};
 use distlab_worker::train::CheckpointOptions;

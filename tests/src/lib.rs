@@ -224,6 +224,29 @@ impl Drop for Lab {
     }
 }
 
+/// Runs a multi-rank `spec` on a worker whose rank 0 hangs after step `hang_after` (before
+/// reporting it), SIGKILLs that worker once the steps before are stored, checks that its
+/// rank processes died with it, and lets a second worker ("second") resume the run; returns
+/// the experiment's id once it has finished. The lab needs no local workers and a short lease.
+pub fn kill_and_resume(lab: &mut Lab, spec: &ExperimentSpec, hang_after: u64) -> (i64, ExperimentView) {
+    let marker = format!("kill-and-resume-{}-{}", std::process::id(), spec.name);
+    let fault = format!("0:{hang_after}:hang");
+    let first = lab.spawn_worker_with_env("first", &[("DISTLAB_FAULT", &fault), ("DISTLAB_TEST_MARKER", &marker)]);
+    let id = lab.submit(spec);
+    lab.wait_for(id, Duration::from_secs(120), |e| e.steps_done >= hang_after);
+    lab.kill_worker(first);
+    // The kernel kills the ranks with their worker: none is left to write checkpoints.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !processes_with(&marker, "rank").is_empty() {
+        assert!(Instant::now() < deadline, "rank processes outlived their SIGKILLed worker");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let requeued = lab.wait_for(id, Duration::from_secs(20), |e| e.status == ExperimentStatus::Queued);
+    assert_eq!(requeued.attempt, 1);
+    lab.spawn_worker("second");
+    (id, lab.wait_finished(id, Duration::from_secs(120)))
+}
+
 /// A spec small enough to train in a few seconds on this machine.
 pub fn quick_spec(name: &str, steps: u64) -> ExperimentSpec {
     let mut spec = ExperimentSpec { name: name.into(), ..ExperimentSpec::default() };

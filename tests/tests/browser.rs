@@ -18,8 +18,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use distlab_common::ExperimentStatus;
-use distlab_tests::{repo_root, Lab};
+use distlab_common::{ExperimentStatus, ModelSpec};
+use distlab_tests::{kill_and_resume, quick_spec, repo_root, Lab, LabOptions};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::{json, Value};
 
@@ -191,6 +191,53 @@ async fn pipeline_schedule_and_tensor_parallel_timeline() -> Result<()> {
     }
     let _ = client.close().await;
     result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_run_lists_its_attempts() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let mut lab = Lab::start_with(LabOptions {
+        local_workers: 0,
+        lease_seconds: 2.0,
+        heartbeat_seconds: 0.5,
+        ..Default::default()
+    });
+    let driver = ChromeDriver::start()?;
+    let client = driver.connect().await?;
+    let result = attempts_scenario(&client, &mut lab).await;
+    if result.is_err() {
+        let _ = save_screenshot(&client, "failure-attempts.png").await;
+    }
+    let _ = client.close().await;
+    result
+}
+
+/// A two-rank run whose first worker is SIGKILLed after step 14 resumes on a second worker
+/// from the checkpoint of step 10; the experiment page lists both attempts, where the
+/// second resumed and the four steps it ran again.
+async fn attempts_scenario(c: &Client, lab: &mut Lab) -> Result<()> {
+    let mut spec = quick_spec("resumed-after-a-kill", 30);
+    spec.model = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.parallel.dp = 2;
+    spec.train.checkpoint_every = 10;
+    let (id, exp) = tokio::task::block_in_place(|| kill_and_resume(lab, &spec, 14));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the resumed run did not succeed: {exp:?}");
+
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the attempts list", Duration::from_secs(30), || exists(c, "#attempts")).await?;
+    let items = js(c, "return document.querySelectorAll(arguments[0]).length;", "#attempts .attempt").await?;
+    ensure!(items == json!(2), "two attempts, not {items}");
+    let list = text(c, "#attempts").await?;
+    ensure!(list.contains("attempt 1 on first: started at step 0"), "{list}");
+    ensure!(
+        list.contains("attempt 2 on second: resumed from the checkpoint of step 10 · 4 steps lost and run again"),
+        "{list}"
+    );
+    ensure!(text(c, "#step").await?.starts_with("30 / 30"), "every step is shown once");
+    save_element(c, "#attempts", "attempts.png").await?;
+    Ok(())
 }
 
 /// The pipeline preset (pp=4, 1F1B, M=8) and a GPipe copy, then the 1F1B run's pipeline

@@ -2,8 +2,6 @@
 //! worker resumes from the latest complete checkpoint, and the loss curve is bit-identical
 //! to a run that was never interrupted (fp32, CPU).
 
-use std::time::{Duration, Instant};
-
 use distlab_common::*;
 use distlab_tests::*;
 
@@ -29,27 +27,9 @@ fn killed_worker_resumes_with_identical_losses(sharding: Sharding) {
         heartbeat_seconds: 0.5,
         ..LabOptions::default()
     });
-    // Rank 0 of the first worker stops after step 24 (before reporting it): steps 0-23
-    // are stored, the checkpoints of steps 10 and 20 are on disk.
-    let marker = format!("resume-test-{}-{}", std::process::id(), sharding.as_str());
-    let first = lab.spawn_worker_with_env("first", &[("DISTLAB_FAULT", "0:24:hang"), ("DISTLAB_TEST_MARKER", &marker)]);
-    let id = lab.submit(&spec);
-    lab.wait_for(id, Duration::from_secs(120), |e| e.steps_done >= 24);
-    let experiment_dir = lab.checkpoint_dir().join(format!("experiment-{id}"));
-    assert!(experiment_dir.join("step-000020").is_dir(), "the checkpoint of step 20 is on disk");
-    lab.kill_worker(first);
-
-    // The kernel kills the ranks with their worker: none is left to write checkpoints.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !processes_with(&marker, "rank").is_empty() {
-        assert!(Instant::now() < deadline, "rank processes outlived their SIGKILLed worker");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-
-    let requeued = lab.wait_for(id, Duration::from_secs(20), |e| e.status == ExperimentStatus::Queued);
-    assert_eq!(requeued.attempt, 1);
-    lab.spawn_worker("second");
-    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    // Rank 0 of the first worker stops after step 24: steps 0-23 are stored, and the
+    // checkpoints of steps 10 and 20 were written (only 20 is kept).
+    let (id, exp) = kill_and_resume(&mut lab, &spec, 24);
     assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
 
     let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
@@ -64,6 +44,7 @@ fn killed_worker_resumes_with_identical_losses(sharding: Sharding) {
         attempts.attempts.iter().map(|a| (a.attempt, a.from_step, a.lost_steps)).collect();
     assert_eq!(summary, vec![(1, Some(0), 0), (2, Some(20), 4)], "attempt 2 redid steps 20-23");
     assert_eq!(attempts.attempts[1].worker.as_deref(), Some("second"));
+    let experiment_dir = lab.checkpoint_dir().join(format!("experiment-{id}"));
     assert!(!experiment_dir.exists(), "a finished run's checkpoints are deleted");
 }
 
