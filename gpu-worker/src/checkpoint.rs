@@ -258,11 +258,16 @@ pub struct CheckpointWriter {
     prunes: bool,
     thread: Option<WriterThread>,
     done: Vec<Result<Written, CheckpointError>>,
+    /// A written checkpoint whose buffers the next one can reuse.
+    spare: Option<RankCheckpoint>,
 }
+
+/// What the writer thread sends back: how the write went, and the checkpoint to reuse.
+type WriteResult = (Result<Written, CheckpointError>, RankCheckpoint);
 
 struct WriterThread {
     jobs: mpsc::Sender<(RankCheckpoint, f64)>,
-    results: mpsc::Receiver<Result<Written, CheckpointError>>,
+    results: mpsc::Receiver<WriteResult>,
     handle: JoinHandle<()>,
 }
 
@@ -277,13 +282,30 @@ impl CheckpointWriter {
                 .name("checkpoint-writer".into())
                 .spawn(move || {
                     for (ckpt, waited_ms) in job_rx {
-                        let _ = result_tx.send(write_step(&dir, place, prunes, &ckpt, waited_ms));
+                        let written = write_step(&dir, place, prunes, &ckpt, waited_ms);
+                        let _ = result_tx.send((written, ckpt));
                     }
                 })
                 .ok();
             handle.map(|handle| WriterThread { jobs, results, handle })
         });
-        Self { dir, place, prunes, thread: thread.flatten(), done: Vec::new() }
+        Self { dir, place, prunes, thread: thread.flatten(), done: Vec::new(), spare: None }
+    }
+
+    /// An earlier checkpoint the writer is done with (its buffers are paged in: copying into
+    /// them is several times faster than into fresh memory), or an empty one.
+    pub fn spare(&mut self) -> RankCheckpoint {
+        self.collect();
+        self.spare.take().unwrap_or(RankCheckpoint { step: 0, optimizer_steps: 0, min_loss: 0.0, sections: vec![] })
+    }
+
+    fn collect(&mut self) {
+        if let Some(t) = &self.thread {
+            for (written, ckpt) in t.results.try_iter() {
+                self.done.push(written);
+                self.spare = Some(ckpt);
+            }
+        }
     }
 
     /// Saves `ckpt` (made `copy_ms` ago by copying the state). Synchronous writers return
@@ -293,6 +315,7 @@ impl CheckpointWriter {
             Some(t) => {
                 if let Err(mpsc::SendError((ckpt, waited))) = t.jobs.send((ckpt, copy_ms)) {
                     self.done.push(write_step(&self.dir, self.place, self.prunes, &ckpt, waited));
+                    self.spare = Some(ckpt);
                 }
             }
             None => {
@@ -301,15 +324,14 @@ impl CheckpointWriter {
                     w.waited_ms = copy_ms + w.write_ms;
                 }
                 self.done.push(written);
+                self.spare = Some(ckpt);
             }
         }
     }
 
     /// The writes that have finished since the last call.
     pub fn finished(&mut self) -> Vec<Result<Written, CheckpointError>> {
-        if let Some(t) = &self.thread {
-            self.done.extend(t.results.try_iter());
-        }
+        self.collect();
         std::mem::take(&mut self.done)
     }
 
@@ -318,7 +340,7 @@ impl CheckpointWriter {
         if let Some(t) = self.thread.take() {
             drop(t.jobs);
             let _ = t.handle.join();
-            self.done.extend(t.results.try_iter());
+            self.done.extend(t.results.try_iter().map(|(written, _)| written));
         }
         std::mem::take(&mut self.done)
     }

@@ -250,12 +250,10 @@ pub struct OptimizerState {
 }
 
 impl Optimizer<CpuBackend<f32>> {
-    pub fn state(&self) -> OptimizerState {
-        OptimizerState {
-            steps_taken: self.steps_taken,
-            m: self.m.clone().unwrap_or_default(),
-            v: self.v.clone().unwrap_or_default(),
-        }
+    /// AdamW's m and v (empty for SGD) and the updates made so far.
+    pub fn state_view(&self) -> ([&[f32]; 2], u64) {
+        let (m, v) = (self.m.as_deref().unwrap_or(&[]), self.v.as_deref().unwrap_or(&[]));
+        ([m, v], self.steps_taken)
     }
 
     /// Puts back a state taken by [`Optimizer::state`] from an optimizer of the same shape.

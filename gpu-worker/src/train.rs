@@ -391,20 +391,31 @@ impl Trainer {
         Ok(StepStats { loss, lr, grad_norm, updated })
     }
 
-    /// This rank's checkpoint before step `step`: the state its strategy owns (state every
-    /// DP rank holds alike is written by DP rank 0 alone; see `checkpoint.rs`).
-    pub fn checkpoint(&self, step: u64, min_loss: f64) -> RankCheckpoint {
-        let saved = self.strategy.save();
+    /// This rank's checkpoint before step `step`: a copy of the state its strategy owns
+    /// (state every DP rank holds alike is written by DP rank 0 alone; see `checkpoint.rs`).
+    /// The copy goes into `reuse`'s buffers, already paged in by an earlier checkpoint.
+    pub fn checkpoint(&self, step: u64, min_loss: f64, reuse: RankCheckpoint) -> RankCheckpoint {
+        let view = self.strategy.state_view();
         let writes_replicated = self.place.dp == 0;
-        let mut sections = Vec::new();
-        if writes_replicated || !saved.params_replicated {
-            sections.push(("params".to_string(), saved.params));
+        let mut wanted: Vec<(&str, &[f32])> = Vec::new();
+        if writes_replicated || !view.params_replicated {
+            wanted.push(("params", view.params));
         }
-        if self.has_moments() && (writes_replicated || !saved.optimizer_replicated) {
-            sections.push(("adam_m".to_string(), saved.optimizer.m));
-            sections.push(("adam_v".to_string(), saved.optimizer.v));
+        if self.has_moments() && (writes_replicated || !view.optimizer_replicated) {
+            wanted.extend([("adam_m", view.moments[0]), ("adam_v", view.moments[1])]);
         }
-        RankCheckpoint { step, optimizer_steps: saved.optimizer.steps_taken, min_loss, sections }
+        let mut spare = reuse.sections;
+        let sections = wanted
+            .into_iter()
+            .map(|(name, values)| {
+                let mut buf =
+                    spare.iter().position(|(n, _)| n == name).map_or_else(Vec::new, |i| spare.swap_remove(i).1);
+                buf.clear();
+                buf.extend_from_slice(values);
+                (name.to_string(), buf)
+            })
+            .collect();
+        RankCheckpoint { step, optimizer_steps: view.optimizer_steps, min_loss, sections }
     }
 
     /// Puts back the state of this rank's checkpoint `own`, taking what it does not hold
@@ -420,7 +431,6 @@ impl Trainer {
         let state = SavedState {
             params: find("params")?,
             optimizer: OptimizerState { steps_taken: own.optimizer_steps, m, v },
-            ..SavedState::default()
         };
         self.strategy.load(state)?;
         self.first_step = own.step;
@@ -767,7 +777,7 @@ pub fn train_rank(
             let next = step + 1;
             if next % t.checkpoint_every == 0 && next < t.steps {
                 let copy_start = Instant::now();
-                let ckpt = trainer.checkpoint(next, min_loss);
+                let ckpt = trainer.checkpoint(next, min_loss, writer.spare());
                 writer.save(ckpt, copy_start.elapsed().as_secs_f64() * 1e3);
             }
             report_checkpoints(on_event, writer.finished(), trainer.place(), t.checkpoint_write);

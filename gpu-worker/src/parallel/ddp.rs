@@ -26,7 +26,7 @@ use distlab_common::trace::{Span, SpanKind};
 use distlab_common::{ExperimentSpec, Sharding};
 
 use super::shard::ShardLayout;
-use super::{load_params, Cpu, DpGroup, SavedState, Strategy};
+use super::{load_params, Cpu, DpGroup, SavedState, StateView, Strategy};
 use crate::backend::Backend;
 use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
@@ -202,10 +202,12 @@ impl Strategy for Replicated {
         flat + self.optimizer.held_bytes(be) + buckets
     }
 
-    fn save(&self) -> SavedState {
-        SavedState {
-            params: self.state.params.clone(),
-            optimizer: self.optimizer.state(),
+    fn state_view(&self) -> StateView<'_> {
+        let (moments, optimizer_steps) = self.optimizer.state_view();
+        StateView {
+            params: &self.state.params,
+            moments,
+            optimizer_steps,
             params_replicated: true,
             optimizer_replicated: self.zero1.is_none(),
         }

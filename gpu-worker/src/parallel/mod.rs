@@ -52,23 +52,31 @@ pub trait Strategy: Send {
     /// Bytes of the buffers it holds, counted from the buffers themselves (what the
     /// memory ledger must agree with).
     fn held_bytes(&self, be: &Cpu) -> u64;
-    /// A copy of what an optimizer step changes, for a checkpoint.
-    fn save(&self) -> SavedState;
+    /// What an optimizer step changes, for a checkpoint to copy.
+    fn state_view(&self) -> StateView<'_>;
     /// Puts back a state `save` took on the same rank of the same run.
     fn load(&mut self, state: SavedState) -> Result<(), String>;
 }
 
-/// What a strategy's checkpoint holds (see `checkpoint.rs`).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SavedState {
+/// The state a checkpoint keeps of a strategy (see `checkpoint.rs`), as it holds it.
+pub struct StateView<'a> {
     /// This rank's parameters: all of its stage's, or its shard of them (FSDP).
-    pub params: Vec<f32>,
-    pub optimizer: OptimizerState,
+    pub params: &'a [f32],
+    /// AdamW's m and v (empty for SGD).
+    pub moments: [&'a [f32]; 2],
+    pub optimizer_steps: u64,
     /// Every rank of the data-parallel group holds the same parameters (then DP rank 0
     /// alone writes them).
     pub params_replicated: bool,
     /// Every rank of the group holds the same optimizer state (DDP without ZeRO).
     pub optimizer_replicated: bool,
+}
+
+/// A checkpoint's state for [`Strategy::load`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SavedState {
+    pub params: Vec<f32>,
+    pub optimizer: OptimizerState,
 }
 
 /// Replaces `held` by `saved`, which must be as long.

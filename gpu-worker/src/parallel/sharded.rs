@@ -24,7 +24,7 @@ use distlab_common::{ExperimentSpec, Sharding};
 
 use super::ddp::{comm_span, sum_scalar};
 use super::shard::ShardLayout;
-use super::{load_params, Cpu, DpGroup, SavedState, Strategy};
+use super::{load_params, Cpu, DpGroup, SavedState, StateView, Strategy};
 use crate::comm::{Alone, CommError, Communicator, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
@@ -222,10 +222,12 @@ impl Strategy for Sharded {
         ((self.params.len() + self.grad_shard.len() + temporaries) * 4) as u64 + self.optimizer.held_bytes(be)
     }
 
-    fn save(&self) -> SavedState {
-        SavedState {
-            params: self.params.clone(),
-            optimizer: self.optimizer.state(),
+    fn state_view(&self) -> StateView<'_> {
+        let (moments, optimizer_steps) = self.optimizer.state_view();
+        StateView {
+            params: &self.params,
+            moments,
+            optimizer_steps,
             params_replicated: !self.fsdp,
             optimizer_replicated: false,
         }
