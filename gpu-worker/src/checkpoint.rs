@@ -13,8 +13,9 @@
 //!   <root>/step-000020/dp1-tp0-pp0.ckpt
 //! ```
 //!
-//! A rank writes `<file>.tmp`, syncs it to disk and renames it over `<file>`. A rename is
-//! atomic, so a crash leaves the file whole or absent, never torn. A step is complete when
+//! A rank writes a temp file of its own (`.<file>.<pid>.tmp`), syncs it to disk and renames
+//! it over `<file>`. A rename is atomic, so a crash leaves the file whole or absent, never
+//! torn. A step is complete when
 //! every rank's file is there, and a resume takes the latest complete step.
 //!
 //! Who writes what follows the strategy. State that every rank of a data-parallel group
@@ -120,9 +121,9 @@ pub fn write(path: &Path, ckpt: &RankCheckpoint) -> Result<u64, CheckpointError>
         min_loss: ckpt.min_loss,
         sections: ckpt.sections.iter().map(|(name, v)| SectionInfo { name: name.clone(), len: v.len() }).collect(),
     };
-    let tmp = path.with_extension("ckpt.tmp");
+    let tmp = temp_path(path);
     let write_all = || -> std::io::Result<u64> {
-        let file = File::create(&tmp)?;
+        let file = fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         let line = serde_json::to_string(&header).map_err(std::io::Error::other)?;
         writeln!(out, "{line}")?;
@@ -133,9 +134,27 @@ pub fn write(path: &Path, ckpt: &RankCheckpoint) -> Result<u64, CheckpointError>
         file.sync_all()?;
         Ok(line.len() as u64 + 1 + ckpt.bytes())
     };
-    let bytes = write_all().map_err(io_error(&tmp))?;
-    fs::rename(&tmp, path).map_err(io_error(path))?;
-    Ok(bytes)
+    let renamed = write_all()
+        .map_err(io_error(&tmp))
+        .and_then(|bytes| fs::rename(&tmp, path).map(|_| bytes).map_err(io_error(path)));
+    match renamed {
+        Ok(bytes) => {
+            // The rename is durable once the directory entry is on disk too.
+            let _ = File::open(dir).and_then(|d| d.sync_all());
+            Ok(bytes)
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// A temp name no other process uses: `.<file>.<pid>.tmp` next to `path` (a rank left running
+/// by a worker that lost its lease must not write into the new attempt's temp file).
+fn temp_path(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
 }
 
 /// Reads a checkpoint written by [`write`], checking its format and length.
@@ -218,8 +237,9 @@ impl CheckpointDir {
     }
 
     /// Before a run: creates the directory for `spec` and returns the step to resume from.
-    /// Checkpoints of another spec (a reused experiment id) are deleted first.
-    pub fn prepare(&self, spec: &ExperimentSpec) -> Result<Option<u64>, CheckpointError> {
+    /// Checkpoints of another spec (a reused experiment id) are deleted first, and so are
+    /// steps after the one resumed from (incomplete, or unreadable: a warning says which).
+    pub fn prepare(&self, spec: &ExperimentSpec) -> Result<Resume, CheckpointError> {
         let spec_path = self.root.join("spec.json");
         let written = fs::read_to_string(&spec_path).ok().and_then(|s| serde_json::from_str::<ExperimentSpec>(&s).ok());
         if written.as_ref() != Some(spec) {
@@ -227,15 +247,53 @@ impl CheckpointDir {
             fs::create_dir_all(&self.root).map_err(io_error(&self.root))?;
             let json = serde_json::to_vec_pretty(spec).map_err(|e| io_error(&spec_path)(std::io::Error::other(e)))?;
             fs::write(&spec_path, json).map_err(io_error(&spec_path))?;
-            return Ok(None);
+            return Ok(Resume::default());
         }
-        Ok(self.latest_complete())
+        let mut resume = Resume::default();
+        for (step, files, path) in self.steps().into_iter().rev() {
+            if resume.step.is_none() && files == self.world {
+                match self.check_step(&path) {
+                    Ok(()) => {
+                        resume.step = Some(step);
+                        continue;
+                    }
+                    Err(e) => resume.warnings.push(format!("not resuming from step {step}: {e}")),
+                }
+            }
+            if resume.step.is_none() {
+                let _ = fs::remove_dir_all(path);
+            }
+        }
+        Ok(resume)
     }
 
-    /// Deletes the whole directory (after the run has ended for good).
-    pub fn remove(&self) {
-        let _ = fs::remove_dir_all(&self.root);
+    /// Every rank file of a step reads back whole.
+    fn check_step(&self, path: &Path) -> Result<(), CheckpointError> {
+        for entry in fs::read_dir(path).map_err(io_error(path))?.flatten() {
+            if entry.file_name().to_string_lossy().ends_with(".ckpt") {
+                read(&entry.path())?;
+            }
+        }
+        Ok(())
     }
+
+    /// Deletes what distlab wrote here (the steps and spec.json), then the directory itself
+    /// if nothing else is in it: a directory a user named may hold files of their own.
+    pub fn remove(&self) {
+        for (_, _, path) in self.steps() {
+            let _ = fs::remove_dir_all(path);
+        }
+        let _ = fs::remove_file(self.root.join("spec.json"));
+        let _ = fs::remove_dir(&self.root);
+    }
+}
+
+/// Where a run starts: the step of the checkpoint to resume from (none: from scratch), and
+/// why newer checkpoints were passed over.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Resume {
+    pub step: Option<u64>,
+    pub warnings: Vec<String>,
 }
 
 /// How one checkpoint write went.
@@ -266,7 +324,7 @@ pub struct CheckpointWriter {
 type WriteResult = (Result<Written, CheckpointError>, RankCheckpoint);
 
 struct WriterThread {
-    jobs: mpsc::Sender<(RankCheckpoint, f64)>,
+    jobs: mpsc::SyncSender<(RankCheckpoint, f64)>,
     results: mpsc::Receiver<WriteResult>,
     handle: JoinHandle<()>,
 }
@@ -275,7 +333,9 @@ impl CheckpointWriter {
     pub fn new(dir: CheckpointDir, place: RankPlace, asynchronous: bool) -> Self {
         let prunes = place == RankPlace { dp: 0, tp: 0, pp: 0 };
         let thread = asynchronous.then(|| {
-            let (jobs, job_rx) = mpsc::channel::<(RankCheckpoint, f64)>();
+            // One checkpoint queued behind the one being written, at most: a run that
+            // checkpoints faster than the disk takes them waits instead of piling up copies.
+            let (jobs, job_rx) = mpsc::sync_channel::<(RankCheckpoint, f64)>(1);
             let (result_tx, results) = mpsc::channel();
             let (dir, place) = (dir.clone(), place);
             let handle = std::thread::Builder::new()
@@ -337,12 +397,24 @@ impl CheckpointWriter {
 
     /// Waits for every write still in flight; returns those not yet reported.
     pub fn finish(mut self) -> Vec<Result<Written, CheckpointError>> {
+        self.join();
+        std::mem::take(&mut self.done)
+    }
+
+    fn join(&mut self) {
         if let Some(t) = self.thread.take() {
             drop(t.jobs);
             let _ = t.handle.join();
             self.done.extend(t.results.try_iter().map(|(written, _)| written));
         }
-        std::mem::take(&mut self.done)
+    }
+}
+
+/// A run that stops early (an error, a cancel) still lets the write in flight finish, so a
+/// rank never exits with its checkpoint half written by a thread killed with the process.
+impl Drop for CheckpointWriter {
+    fn drop(&mut self) {
+        self.join();
     }
 }
 
@@ -382,7 +454,7 @@ mod tests {
         let ckpt = sample(20);
         write(&path, &ckpt).unwrap();
         assert_eq!(read(&path).unwrap(), ckpt);
-        assert!(!path.with_extension("ckpt.tmp").exists(), "the temp file is renamed away");
+        assert_eq!(fs::read_dir(path.parent().unwrap()).unwrap().count(), 1, "the temp file is renamed away");
     }
 
     #[test]
@@ -410,7 +482,7 @@ mod tests {
         }
         write(&dir.file(30, r0), &sample(30)).unwrap();
         // A crash mid-write leaves a temp file, which does not count.
-        fs::write(dir.file(30, r1).with_extension("ckpt.tmp"), b"half").unwrap();
+        fs::write(temp_path(&dir.file(30, r1)), b"half").unwrap();
         assert_eq!(dir.latest_complete(), Some(20));
         dir.prune();
         assert!(!dir.file(10, r0).exists());
@@ -422,13 +494,47 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = CheckpointDir::new(root.path().join("experiment-1"), 1);
         let spec = ExperimentSpec::default();
-        assert_eq!(dir.prepare(&spec).unwrap(), None);
+        assert_eq!(dir.prepare(&spec).unwrap().step, None);
         write(&dir.file(5, RankPlace { dp: 0, tp: 0, pp: 0 }), &sample(5)).unwrap();
-        assert_eq!(dir.prepare(&spec).unwrap(), Some(5));
+        assert_eq!(dir.prepare(&spec).unwrap().step, Some(5));
         let mut other = spec.clone();
         other.train.seed += 1;
-        assert_eq!(dir.prepare(&other).unwrap(), None);
+        assert_eq!(dir.prepare(&other).unwrap().step, None);
         assert_eq!(dir.latest_complete(), None);
+    }
+
+    #[test]
+    fn an_unreadable_latest_checkpoint_falls_back_to_the_one_before() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(root.path().join("experiment-2"), 1);
+        let spec = ExperimentSpec::default();
+        dir.prepare(&spec).unwrap();
+        let place = RankPlace { dp: 0, tp: 0, pp: 0 };
+        for step in [5, 10, 15] {
+            write(&dir.file(step, place), &sample(step)).unwrap();
+        }
+        fs::write(dir.file(15, place), b"{}\n").unwrap();
+        let resume = dir.prepare(&spec).unwrap();
+        assert_eq!(resume.step, Some(10));
+        assert!(resume.warnings[0].contains("not resuming from step 15"), "{:?}", resume.warnings);
+        assert!(!dir.file(15, place).exists(), "the unreadable step is deleted");
+        assert!(dir.file(5, place).exists(), "older steps stay until the next checkpoint");
+    }
+
+    #[test]
+    fn removing_keeps_files_distlab_did_not_write() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(root.path(), 1);
+        dir.prepare(&ExperimentSpec::default()).unwrap();
+        write(&dir.file(5, RankPlace { dp: 0, tp: 0, pp: 0 }), &sample(5)).unwrap();
+        fs::write(root.path().join("notes.txt"), b"mine").unwrap();
+        dir.remove();
+        let left: Vec<_> = fs::read_dir(root.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("notes.txt")]);
+        let empty = CheckpointDir::new(root.path().join("only-ours"), 1);
+        empty.prepare(&ExperimentSpec::default()).unwrap();
+        empty.remove();
+        assert!(!empty.root.exists(), "a directory holding only checkpoints goes");
     }
 
     #[test]

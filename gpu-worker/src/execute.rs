@@ -46,13 +46,19 @@ pub fn execute(
     spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
     let checkpoints = match checkpoints {
         Some(dir) if spec.demo.is_none() && spec.train.checkpoint_every > 0 => {
-            let resume_from = CheckpointDir::new(dir, spec.world_size()).prepare(spec).map_err(TrainError::from)?;
-            Some(CheckpointOptions { dir: dir.to_path_buf(), resume_from })
+            let resume = CheckpointDir::new(dir, spec.world_size()).prepare(spec).map_err(TrainError::from)?;
+            Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: resume.step }, resume.warnings))
         }
         _ => None,
     };
-    let from_step = checkpoints.as_ref().and_then(|c| c.resume_from).unwrap_or(0);
+    let from_step = checkpoints.as_ref().and_then(|c| c.0.resume_from).unwrap_or(0);
     on_event(RunEvent::Start { from_step });
+    let checkpoints = checkpoints.map(|(options, warnings)| {
+        for message in warnings {
+            on_event(RunEvent::Log(LogLine { level: LogLevel::Warn, message }));
+        }
+        options
+    });
     let opts = TrainOptions { threads, checkpoints };
     match &spec.demo {
         Some(demo) => run_demo(spec, demo, on_event, cancel),

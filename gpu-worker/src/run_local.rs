@@ -3,7 +3,8 @@
 //! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory).
 //! With `--checkpoint-dir DIR` a spec with `checkpoint_every` > 0 saves its checkpoints
 //! there, a second run of the same spec resumes from the latest complete one (after a
-//! crash or a kill), and a run that succeeds deletes them.
+//! crash or a kill), and a run that succeeds deletes them (only the files distlab
+//! wrote: DIR itself goes only if nothing else is in it).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -65,7 +66,7 @@ pub fn run_spec_file(
     match result {
         Ok(summary) => {
             if let Some(dir) = &checkpoint_dir {
-                let _ = std::fs::remove_dir_all(dir);
+                distlab_worker::checkpoint::CheckpointDir::new(dir, 0).remove();
             }
             println!("{}", serde_json::json!({ "summary": summary }));
             if let Some(dir) = &out {

@@ -737,7 +737,7 @@ pub fn train_rank(
     let mut writer = None;
     if let (Some(c), true) = (&opts.checkpoints, t.checkpoint_every > 0) {
         let dir = CheckpointDir::new(&c.dir, world);
-        if let Some(step) = c.resume_from {
+        if let Some(step) = c.resume_from.filter(|&s| s > 0) {
             min_loss = resume(&mut trainer, &dir, step)?;
             first_step = step;
             log(
@@ -788,7 +788,8 @@ pub fn train_rank(
     }
     if let Some((calls, payload, sent)) = trainer.model.tensor_parallel().map(|tp| tp.totals()) {
         let layers = trainer.model.stage.blocks.len();
-        let per_layer = payload as f64 / (t.steps as f64 * (t.micro_batches * t.grad_accum * layers) as f64);
+        let steps_run = (t.steps - first_step) as f64;
+        let per_layer = payload as f64 / (steps_run * (t.micro_batches * t.grad_accum * layers) as f64);
         log(
             on_event,
             format!(

@@ -11,6 +11,7 @@ use distlab_common::*;
 
 use crate::client::{ClientError, ServerClient};
 use crate::execute::execute;
+use distlab_worker::checkpoint::CheckpointDir;
 
 pub struct WorkerConfig {
     pub server: String,
@@ -91,8 +92,8 @@ struct Leased {
 
 /// Trains one leased experiment on a training thread while this thread forwards its events,
 /// heartbeats, and turns a cancel from the server into the training loop's cancel flag.
-/// The experiment's checkpoints are deleted once it has ended for good; they stay when the
-/// lease was lost (another worker resumes from them).
+/// The experiment's checkpoints are deleted once the server knows it has ended for good;
+/// they stay when the lease was lost (another worker resumes from them).
 fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
     let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
@@ -112,13 +113,10 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
     let training = match training {
         Ok(handle) => handle,
         Err(e) => {
-            report_failure(
-                client,
-                worker_id,
-                experiment_id,
-                format!("could not start the training thread: {e}"),
-                false,
-            );
+            let error = format!("could not start the training thread: {e}");
+            if let Err(e) = report_failure(client, worker_id, experiment_id, error, false) {
+                tracing::warn!(experiment = experiment_id, "could not report {e}");
+            }
             return;
         }
     };
@@ -173,13 +171,10 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
         );
         return;
     }
-    let _ = std::fs::remove_dir_all(&checkpoints);
-    match result {
+    let reported = match result {
         Ok(Ok(summary)) => {
             tracing::info!(experiment = experiment_id, final_loss = summary.final_loss, "succeeded");
-            if let Err(e) = client.complete(&Complete { worker_id, experiment_id, summary }) {
-                tracing::warn!(experiment = experiment_id, "could not report completion: {e}");
-            }
+            client.complete(&Complete { worker_id, experiment_id, summary }).map_err(|e| format!("completion: {e}"))
         }
         Ok(Err(e)) if e.is_cancelled() => report_failure(client, worker_id, experiment_id, "cancelled".into(), true),
         Ok(Err(e)) => report_failure(client, worker_id, experiment_id, e.to_string(), false),
@@ -191,16 +186,26 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
                 .unwrap_or_else(|| "unknown panic".into());
             report_failure(client, worker_id, experiment_id, format!("the engine crashed: {what}"), false)
         }
+    };
+    // The checkpoints go only once the server knows how the run ended: if the report is
+    // lost, the lease expires and the next attempt resumes from them.
+    match reported {
+        Ok(_) => CheckpointDir::new(&checkpoints, 0).remove(),
+        Err(e) => tracing::warn!(experiment = experiment_id, "could not report {e}; keeping its checkpoints"),
     }
 }
 
-fn report_failure(client: &ServerClient, worker_id: i64, experiment_id: i64, error: String, cancelled: bool) {
+fn report_failure(
+    client: &ServerClient,
+    worker_id: i64,
+    experiment_id: i64,
+    error: String,
+    cancelled: bool,
+) -> Result<(), String> {
     if cancelled {
         tracing::info!(experiment = experiment_id, "cancelled");
     } else {
         tracing::warn!(experiment = experiment_id, "failed: {error}");
     }
-    if let Err(e) = client.fail(&Fail { worker_id, experiment_id, error, cancelled }) {
-        tracing::warn!(experiment = experiment_id, "could not report the failure: {e}");
-    }
+    client.fail(&Fail { worker_id, experiment_id, error, cancelled }).map_err(|e| format!("the failure: {e}"))
 }

@@ -89,8 +89,17 @@ pub async fn lease(
 
 /// An attempt of experiment `id` starts at `from_step`: the metrics an earlier attempt
 /// reported from there on are deleted (this attempt reports them again) and counted as
-/// lost work.
+/// lost work. Only the first report counts: a batch the worker sends again (its answer was
+/// lost) must not delete the metrics this attempt has reported since.
 async fn start_attempt(tx: &mut sqlx::SqliteConnection, id: i64, from_step: u64) -> Result<(), sqlx::Error> {
+    let attempt: Option<i64> = sqlx::query_scalar(
+        "SELECT a.attempt FROM attempts a JOIN experiments e ON e.id = a.experiment_id AND e.attempt = a.attempt \
+         WHERE a.experiment_id = ?1 AND a.from_step IS NULL",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(attempt) = attempt else { return Ok(()) };
     let from_step = i64::try_from(from_step).unwrap_or(i64::MAX);
     let lost = sqlx::query("DELETE FROM metrics WHERE experiment_id = ?1 AND step >= ?2")
         .bind(id)
@@ -98,15 +107,13 @@ async fn start_attempt(tx: &mut sqlx::SqliteConnection, id: i64, from_step: u64)
         .execute(&mut *tx)
         .await?
         .rows_affected();
-    sqlx::query(
-        "UPDATE attempts SET from_step = ?1, lost_steps = ?2 \
-         WHERE experiment_id = ?3 AND attempt = (SELECT attempt FROM experiments WHERE id = ?3)",
-    )
-    .bind(from_step)
-    .bind(i64::try_from(lost).unwrap_or(i64::MAX))
-    .bind(id)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query("UPDATE attempts SET from_step = ?1, lost_steps = ?2 WHERE experiment_id = ?3 AND attempt = ?4")
+        .bind(from_step)
+        .bind(i64::try_from(lost).unwrap_or(i64::MAX))
+        .bind(id)
+        .bind(attempt)
+        .execute(&mut *tx)
+        .await?;
     Ok(())
 }
 

@@ -717,6 +717,34 @@ async fn expired_leases_requeue_then_fail_after_three_attempts() {
 }
 
 #[tokio::test]
+async fn a_resumed_attempt_replaces_the_lost_steps_once() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("resumed").await;
+    let events = |events: Value| json!({"worker_id": worker, "experiment_id": id, "events": events});
+    t.lease(worker).await;
+    let first =
+        json!([{"type": "start", "from_step": 0}, metric(0, 4.0), metric(1, 3.9), metric(2, 3.8), metric(3, 3.7)]);
+    assert_eq!(t.worker("events", events(first)).await.status, StatusCode::OK);
+    t.state.reap_expired(in_an_hour()).await.expect("reap");
+    assert_eq!(t.lease(worker).await.attempt, 2);
+    // The second attempt resumes from a checkpoint of step 2: steps 2 and 3 are run again.
+    let second = json!([{"type": "start", "from_step": 2}, metric(2, 3.5)]);
+    assert_eq!(t.worker("events", events(second.clone())).await.status, StatusCode::OK);
+    assert_eq!(t.worker("events", events(json!([metric(3, 3.4)]))).await.status, StatusCode::OK);
+    // The same batch sent again (its answer was lost) must not delete step 3 again.
+    assert_eq!(t.worker("events", events(second)).await.status, StatusCode::OK);
+    let a = t.get(&format!("/api/experiments/{id}/attempts")).await;
+    let attempts: api::Attempts = serde_json::from_value(a.body).expect("attempts");
+    let got: Vec<_> = attempts.attempts.iter().map(|a| (a.attempt, a.from_step, a.lost_steps)).collect();
+    assert_eq!(got, vec![(1, Some(0), 0), (2, Some(2), 2)]);
+    let a = t.get(&format!("/api/experiments/{id}/metrics")).await;
+    let metrics: api::Metrics = serde_json::from_value(a.body).expect("metrics");
+    let losses: Vec<_> = metrics.steps.iter().map(|m| (m.step, m.loss)).collect();
+    assert_eq!(losses, vec![(0, 4.0), (1, 3.9), (2, 3.5), (3, 3.4)]);
+}
+
+#[tokio::test]
 async fn heartbeats_renew_the_lease() {
     let t = setup_with(|c| c.lease_seconds = 2.0).await;
     let worker = t.register(&["cpu"]).await;
