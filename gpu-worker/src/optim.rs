@@ -20,7 +20,7 @@ use std::sync::Arc;
 use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
 use crate::backend::simd::simd_kernel;
-use crate::backend::{Backend, CpuBackend, Float};
+use crate::backend::{Backend, CpuBackend, Float, Stored};
 use crate::memory::{Category, MemoryTracker, Receipt};
 
 pub const ADAM_BETA1: f64 = 0.9;
@@ -45,7 +45,7 @@ pub struct AdamWStep {
 
 simd_kernel! {
     /// The AdamW update on one chunk of parameters.
-    pub fn adamw_update<F: Float>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
+    pub fn adamw_update<F: Float, S: Stored<Acc = F>>(params: &mut [S], grads: &[S], m: &mut [S], v: &mut [S], hp: &AdamWStep) {
         let b1 = F::from_f64(hp.beta1);
         let b2 = F::from_f64(hp.beta2);
         let one_minus_b1 = F::from_f64(1.0 - hp.beta1);
@@ -59,24 +59,26 @@ simd_kernel! {
         let n = params.len();
         let (grads, m, v) = (&grads[..n], &mut m[..n], &mut v[..n]);
         for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let g = g * scale;
-            *m = b1 * *m + one_minus_b1 * g;
-            *v = b2 * *v + one_minus_b2 * g * g;
-            let m_hat = *m * m_correction;
-            let v_hat = *v * v_correction;
-            *p = *p * decay - lr * m_hat / (v_hat.sqrt() + eps);
+            let g = g.load() * scale;
+            let new_m = b1 * m.load() + one_minus_b1 * g;
+            let new_v = b2 * v.load() + one_minus_b2 * g * g;
+            let m_hat = new_m * m_correction;
+            let v_hat = new_v * v_correction;
+            *p = S::store(p.load() * decay - lr * m_hat / (v_hat.sqrt() + eps));
+            *m = S::store(new_m);
+            *v = S::store(new_v);
         }
     }
 }
 
 simd_kernel! {
     /// The SGD update on one chunk of parameters.
-    pub fn sgd_update<F: Float>(params: &mut [F], grads: &[F], lr: f64, weight_decay: f64, grad_scale: f64) {
+    pub fn sgd_update<F: Float, S: Stored<Acc = F>>(params: &mut [S], grads: &[S], lr: f64, weight_decay: f64, grad_scale: f64) {
         let lr_g = F::from_f64(lr * grad_scale);
         let decay = F::from_f64(1.0 - lr * weight_decay);
         let grads = &grads[..params.len()];
         for (p, &g) in params.iter_mut().zip(grads) {
-            *p = *p * decay - lr_g * g;
+            *p = S::store(p.load() * decay - lr_g * g.load());
         }
     }
 }
@@ -187,7 +189,7 @@ impl<B: Backend> Optimizer<B> {
         [&self.m, &self.v]
             .iter()
             .flat_map(|b| b.as_ref())
-            .map(|b| (be.buf_len(b) * std::mem::size_of::<B::Float>()) as u64)
+            .map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64)
             .sum()
     }
 

@@ -264,9 +264,9 @@ fn loss_and_gradient<B: Backend>(
     inputs: &[u32],
     targets: &[u32],
     dloss: f64,
-) -> (f64, Vec<B::Float>)
+) -> (f64, Vec<B::Elem>)
 where
-    B::Buf: Clone + Into<Vec<B::Float>>,
+    B::Buf: Clone + Into<Vec<B::Elem>>,
 {
     let mut model = Gpt::new(be, spec, 2, &MemoryTracker::new());
     let mut state = FlatState::new(be, &model.layout, 3);

@@ -15,24 +15,25 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::backend::gemm::Parallelism;
-use crate::backend::{Backend, Float};
+use crate::backend::{Backend, Float, Stored};
 use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
 use crate::optim::{self, AdamWStep};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.
 const ELEMENT_CHUNK: usize = 1 << 14;
 
-/// CPU kernels for element type `F` (f32 for training, f64 for gradient checks).
+/// CPU kernels on buffers of `S` (f32 for training, bf16/fp16 for mixed precision, f64
+/// for gradient checks).
 #[derive(Clone, Debug)]
-pub struct CpuBackend<F: Float = f32> {
+pub struct CpuBackend<S: Stored = f32> {
     threads: usize,
-    _float: PhantomData<F>,
+    _format: PhantomData<S>,
 }
 
-impl<F: Float> CpuBackend<F> {
+impl<S: Stored> CpuBackend<S> {
     /// `threads` must match the rayon pool the kernels run in (at least 1).
     pub fn new(threads: usize) -> Self {
-        Self { threads: threads.max(1), _float: PhantomData }
+        Self { threads: threads.max(1), _format: PhantomData }
     }
 
     fn gemm_parallelism(&self) -> Parallelism {
@@ -63,17 +64,17 @@ impl<F: Float> CpuBackend<F> {
 }
 
 /// Sum of `f(x)` over `x`, in f64, chunk by chunk in order.
-fn ordered_sum<F: Float>(x: &[F], f: impl Fn(f64) -> f64 + Sync) -> f64 {
+fn ordered_sum<S: Stored>(x: &[S], f: impl Fn(f64) -> f64 + Sync) -> f64 {
     let partials: Vec<f64> =
         x.par_chunks(ELEMENT_CHUNK).map(|chunk| chunk.iter().map(|&v| f(v.to_f64())).sum::<f64>()).collect();
     partials.iter().sum()
 }
 
-impl<F: Float> Backend for CpuBackend<F> {
-    type Float = F;
-    type Buf = Vec<F>;
-    type View<'a> = &'a [F];
-    type ViewMut<'a> = &'a mut [F];
+impl<S: Stored> Backend for CpuBackend<S> {
+    type Elem = S;
+    type Buf = Vec<S>;
+    type View<'a> = &'a [S];
+    type ViewMut<'a> = &'a mut [S];
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -83,27 +84,27 @@ impl<F: Float> Backend for CpuBackend<F> {
         self.threads
     }
 
-    fn alloc(&self, len: usize) -> Vec<F> {
-        vec![F::ZERO; len]
+    fn alloc(&self, len: usize) -> Vec<S> {
+        vec![S::default(); len]
     }
 
-    fn buf_len(&self, buf: &Vec<F>) -> usize {
+    fn buf_len(&self, buf: &Vec<S>) -> usize {
         buf.len()
     }
 
-    fn upload(&self, dst: &mut Vec<F>, src: &[F]) {
+    fn upload(&self, dst: &mut Vec<S>, src: &[S]) {
         dst[..src.len()].copy_from_slice(src);
     }
 
-    fn download(&self, src: &Vec<F>, dst: &mut [F]) {
+    fn download(&self, src: &Vec<S>, dst: &mut [S]) {
         dst.copy_from_slice(&src[..dst.len()]);
     }
 
-    fn view<'a>(&self, buf: &'a Vec<F>, range: Range<usize>) -> &'a [F] {
+    fn view<'a>(&self, buf: &'a Vec<S>, range: Range<usize>) -> &'a [S] {
         &buf[range]
     }
 
-    fn view_mut<'a>(&self, buf: &'a mut Vec<F>, range: Range<usize>) -> &'a mut [F] {
+    fn view_mut<'a>(&self, buf: &'a mut Vec<S>, range: Range<usize>) -> &'a mut [S] {
         &mut buf[range]
     }
 
@@ -119,24 +120,24 @@ impl<F: Float> Backend for CpuBackend<F> {
         view
     }
 
-    fn copy(&self, dst: &mut [F], src: &[F]) {
+    fn copy(&self, dst: &mut [S], src: &[S]) {
         dst.par_chunks_mut(ELEMENT_CHUNK).zip(src.par_chunks(ELEMENT_CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
     }
 
-    fn fill(&self, out: &mut [F], value: f64) {
-        let v = F::from_f64(value);
+    fn fill(&self, out: &mut [S], value: f64) {
+        let v = S::from_f64(value);
         out.par_chunks_mut(ELEMENT_CHUNK).for_each(|chunk| chunk.fill(v));
     }
 
-    fn sum(&self, x: &[F]) -> f64 {
+    fn sum(&self, x: &[S]) -> f64 {
         ordered_sum(x, |v| v)
     }
 
-    fn sum_squares(&self, x: &[F]) -> f64 {
+    fn sum_squares(&self, x: &[S]) -> f64 {
         ordered_sum(x, |v| v * v)
     }
 
-    fn encoder_forward(&self, out: &mut [F], tokens: &[u32], wte: &[F], wpe: &[F], seq_len: usize, c: usize) {
+    fn encoder_forward(&self, out: &mut [S], tokens: &[u32], wte: &[S], wpe: &[S], seq_len: usize, c: usize) {
         let rows = tokens.len();
         let k = self.rows_per_task(rows);
         out[..rows * c].par_chunks_mut(k * c).enumerate().for_each(|(i, chunk)| {
@@ -144,7 +145,7 @@ impl<F: Float> Backend for CpuBackend<F> {
         });
     }
 
-    fn encoder_backward(&self, dwte: &mut [F], dwpe: &mut [F], dout: &[F], tokens: &[u32], seq_len: usize, c: usize) {
+    fn encoder_backward(&self, dwte: &mut [S], dwpe: &mut [S], dout: &[S], tokens: &[u32], seq_len: usize, c: usize) {
         let dout = &dout[..tokens.len() * c];
         let vocab = dwte.len() / c;
         let kv = self.rows_per_task(vocab);
@@ -165,12 +166,12 @@ impl<F: Float> Backend for CpuBackend<F> {
 
     fn layernorm_forward(
         &self,
-        out: &mut [F],
-        mean: &mut [F],
-        rstd: &mut [F],
-        inp: &[F],
-        gamma: &[F],
-        beta: &[F],
+        out: &mut [S],
+        mean: &mut [S],
+        rstd: &mut [S],
+        inp: &[S],
+        gamma: &[S],
+        beta: &[S],
         c: usize,
     ) {
         let k = self.rows_per_task(inp.len() / c);
@@ -183,14 +184,14 @@ impl<F: Float> Backend for CpuBackend<F> {
 
     fn layernorm_backward(
         &self,
-        dinp: &mut [F],
-        dgamma: &mut [F],
-        dbeta: &mut [F],
-        dout: &[F],
-        inp: &[F],
-        gamma: &[F],
-        mean: &[F],
-        rstd: &[F],
+        dinp: &mut [S],
+        dgamma: &mut [S],
+        dbeta: &mut [S],
+        dout: &[S],
+        inp: &[S],
+        gamma: &[S],
+        mean: &[S],
+        rstd: &[S],
         c: usize,
     ) {
         let k = self.rows_per_task(inp.len() / c);
@@ -214,11 +215,11 @@ impl<F: Float> Backend for CpuBackend<F> {
 
     fn matmul_forward(
         &self,
-        out: &mut [F],
-        inp: &[F],
-        weight: &[F],
-        bias: Option<&[F]>,
-        residual: Option<&[F]>,
+        out: &mut [S],
+        inp: &[S],
+        weight: &[S],
+        bias: Option<&[S]>,
+        residual: Option<&[S]>,
         c_in: usize,
         c_out: usize,
     ) {
@@ -237,12 +238,12 @@ impl<F: Float> Backend for CpuBackend<F> {
 
     fn matmul_backward(
         &self,
-        dinp: Option<&mut [F]>,
-        dweight: &mut [F],
-        dbias: Option<&mut [F]>,
-        dout: &[F],
-        inp: &[F],
-        weight: &[F],
+        dinp: Option<&mut [S]>,
+        dweight: &mut [S],
+        dbias: Option<&mut [S]>,
+        dout: &[S],
+        inp: &[S],
+        weight: &[S],
         c_in: usize,
         c_out: usize,
     ) {
@@ -257,7 +258,7 @@ impl<F: Float> Backend for CpuBackend<F> {
         }
     }
 
-    fn attention_forward(&self, out: &mut [F], att: &mut [F], qkv: &[F], seq_len: usize, c: usize, heads: usize) {
+    fn attention_forward(&self, out: &mut [S], att: &mut [S], qkv: &[S], seq_len: usize, c: usize, heads: usize) {
         let t = seq_len;
         out.par_chunks_mut(t * c)
             .zip(att.par_chunks_mut(heads * t * t))
@@ -267,11 +268,11 @@ impl<F: Float> Backend for CpuBackend<F> {
 
     fn attention_backward(
         &self,
-        dqkv: &mut [F],
-        datt: &mut [F],
-        dout: &[F],
-        qkv: &[F],
-        att: &[F],
+        dqkv: &mut [S],
+        datt: &mut [S],
+        dout: &[S],
+        qkv: &[S],
+        att: &[S],
         seq_len: usize,
         c: usize,
         heads: usize,
@@ -285,18 +286,18 @@ impl<F: Float> Backend for CpuBackend<F> {
             .for_each(|((((dx, da), dy), x), a)| attention::attention_backward(dx, da, dy, x, a, t, c, heads));
     }
 
-    fn gelu_forward(&self, out: &mut [F], inp: &[F]) {
+    fn gelu_forward(&self, out: &mut [S], inp: &[S]) {
         out.par_chunks_mut(ELEMENT_CHUNK).zip(inp.par_chunks(ELEMENT_CHUNK)).for_each(|(y, x)| mlp::gelu_forward(y, x));
     }
 
-    fn gelu_backward(&self, dinout: &mut [F], inp: &[F]) {
+    fn gelu_backward(&self, dinout: &mut [S], inp: &[S]) {
         dinout
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(inp.par_chunks(ELEMENT_CHUNK))
             .for_each(|(d, x)| mlp::gelu_backward(d, x));
     }
 
-    fn crossentropy_forward(&self, logits: &mut [F], losses: &mut [F], targets: &[u32], vocab: usize) {
+    fn crossentropy_forward(&self, logits: &mut [S], losses: &mut [S], targets: &[u32], vocab: usize) {
         let rows = targets.len();
         let k = self.rows_per_task(rows);
         logits[..rows * vocab]
@@ -306,17 +307,17 @@ impl<F: Float> Backend for CpuBackend<F> {
             .for_each(|((z, l), t)| loss::crossentropy_forward(z, l, t, vocab));
     }
 
-    fn crossentropy_backward(&self, probs: &mut [F], targets: &[u32], vocab: usize, dloss: f64) {
+    fn crossentropy_backward(&self, probs: &mut [S], targets: &[u32], vocab: usize, dloss: f64) {
         let rows = targets.len();
         let k = self.rows_per_task(rows);
-        let dloss = F::from_f64(dloss);
+        let dloss = S::Acc::from_f64(dloss);
         probs[..rows * vocab]
             .par_chunks_mut(k * vocab)
             .zip(targets.par_chunks(k))
             .for_each(|(p, t)| loss::crossentropy_backward(p, t, vocab, dloss));
     }
 
-    fn adamw_update(&self, params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
+    fn adamw_update(&self, params: &mut [S], grads: &[S], m: &mut [S], v: &mut [S], hp: &AdamWStep) {
         params
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(grads.par_chunks(ELEMENT_CHUNK))
@@ -325,7 +326,7 @@ impl<F: Float> Backend for CpuBackend<F> {
             .for_each(|(((p, g), m), v)| optim::adamw_update(p, g, m, v, hp));
     }
 
-    fn sgd_update(&self, params: &mut [F], grads: &[F], lr: f64, weight_decay: f64, grad_scale: f64) {
+    fn sgd_update(&self, params: &mut [S], grads: &[S], lr: f64, weight_decay: f64, grad_scale: f64) {
         params
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(grads.par_chunks(ELEMENT_CHUNK))

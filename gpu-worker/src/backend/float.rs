@@ -126,6 +126,113 @@ impl Float for f32 {
     }
 }
 
+/// A number format a buffer stores: every element is loaded into `Acc` (the format
+/// arithmetic runs in), computed on there, and rounded once when a kernel stores its
+/// result, as a GPU kernel does with bf16/fp16 tensors (load, compute in f32, round on
+/// the store). f32 and f64 load and store themselves unchanged.
+pub trait Stored: Copy + Send + Sync + Default + Debug + PartialEq + bytemuck::Pod + 'static {
+    /// The format kernels compute in.
+    type Acc: Float;
+    /// Short name for logs ("bf16").
+    const NAME: &'static str;
+    fn load(self) -> Self::Acc;
+    /// Rounds to the nearest representable value (overflow gives ±inf, as on a GPU).
+    fn store(x: Self::Acc) -> Self;
+    /// This slice as the compute format, when the two are the same (f32, f64).
+    fn as_acc(x: &[Self]) -> Option<&[Self::Acc]>;
+    fn as_acc_mut(x: &mut [Self]) -> Option<&mut [Self::Acc]>;
+    #[inline(always)]
+    fn from_f64(x: f64) -> Self {
+        Self::store(Self::Acc::from_f64(x))
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self.load().to_f64()
+    }
+}
+
+macro_rules! stored_as_itself {
+    ($t:ty, $name:literal) => {
+        impl Stored for $t {
+            type Acc = $t;
+            const NAME: &'static str = $name;
+            #[inline(always)]
+            fn load(self) -> $t {
+                self
+            }
+            #[inline(always)]
+            fn store(x: $t) -> $t {
+                x
+            }
+            #[inline(always)]
+            fn as_acc(x: &[$t]) -> Option<&[$t]> {
+                Some(x)
+            }
+            #[inline(always)]
+            fn as_acc_mut(x: &mut [$t]) -> Option<&mut [$t]> {
+                Some(x)
+            }
+        }
+    };
+}
+stored_as_itself!(f32, "fp32");
+stored_as_itself!(f64, "fp64");
+
+/// bf16: f32's 8 exponent bits (same range), 7 mantissa bits. Rounds to nearest even.
+impl Stored for half::bf16 {
+    type Acc = f32;
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn load(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[inline(always)]
+    fn store(x: f32) -> half::bf16 {
+        half::bf16::from_f32(x)
+    }
+    fn as_acc(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+/// fp16: 5 exponent bits (largest 65504, smallest normal 6.1e-5), 10 mantissa bits.
+impl Stored for half::f16 {
+    type Acc = f32;
+    const NAME: &'static str = "fp16";
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(x: f32) -> half::f16 {
+        half::f16::from_f32(x)
+    }
+    fn as_acc(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+/// Runs `f` on `buf` in the compute format: in place when the formats are the same, else
+/// on a widened copy that is stored back (rounded once) afterwards. For sums over many
+/// rows into a gradient, which a GPU kernel also accumulates in f32 before its one store.
+#[inline(always)]
+pub fn in_acc<S: Stored>(buf: &mut [S], f: impl FnOnce(&mut [S::Acc])) {
+    if let Some(acc) = S::as_acc_mut(buf) {
+        return f(acc);
+    }
+    let mut wide: Vec<S::Acc> = buf.iter().map(|x| x.load()).collect();
+    f(&mut wide);
+    for (x, w) in buf.iter_mut().zip(wide) {
+        *x = S::store(w);
+    }
+}
+
 /// e^x for f32 (Cephes `expf`): x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6
 /// polynomial, 2^n put into the exponent bits. Inputs are clamped to [-87, 88]
 /// (e^-87 ~ 1.6e-38 stands in for smaller results). No branches, no libm call.
@@ -245,6 +352,20 @@ mod tests {
         assert_eq!(tanh_f32(-100.0), -1.0);
         let tiny = 1e-3f32;
         assert!(((tanh_f32(tiny) as f64 - (tiny as f64).tanh()) / tiny as f64).abs() < 1e-6);
+    }
+
+    #[test]
+    fn half_formats_round_to_nearest_and_overflow_to_infinity() {
+        use half::{bf16, f16};
+        assert_eq!(<bf16 as Stored>::store(1.0 + 1.0 / 512.0).load(), 1.0, "a tie rounds to even");
+        assert_eq!(<bf16 as Stored>::store(3.0e38).load(), bf16::from_f32(3.0e38).to_f32(), "bf16 keeps f32's range");
+        assert!(<bf16 as Stored>::store(3.0e38).load().is_finite());
+        assert_eq!(<f16 as Stored>::store(65504.0).load(), 65504.0);
+        assert_eq!(<f16 as Stored>::store(70000.0).load(), f32::INFINITY, "beyond 65504 is inf");
+        assert_eq!(<f16 as Stored>::store(1e-8).load(), 0.0, "below fp16's smallest subnormal is 0");
+        for x in [0.1f32, -2.5, 1234.5678] {
+            assert_eq!(<bf16 as Stored>::store(x).load(), bf16::from_f32(x).to_f32());
+        }
     }
 
     #[test]

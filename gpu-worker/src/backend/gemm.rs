@@ -4,8 +4,12 @@
 //! the fused QKV activation or a transposed weight is a view, never a copy.
 //! Note the crate's own argument order: `alpha` scales the existing destination and
 //! `beta` scales the product; [`matmul`] hides that behind `accumulate` / `scale`.
+//!
+//! bf16 and fp16 matrices are multiplied as cuBLAS does with an f32 compute type: the
+//! operands are widened to f32, the product is accumulated in f32, and the result is
+//! rounded once as it is stored (here through dense f32 copies of the views).
 
-use crate::backend::Float;
+use crate::backend::{Float, Stored};
 pub use gemm::Parallelism;
 
 /// A read-only strided matrix view.
@@ -78,13 +82,24 @@ impl<'a, F> MatMut<'a, F> {
     }
 }
 
+impl<F: Stored> Mat<'_, F> {
+    /// The view as a dense row-major matrix in the compute format.
+    fn widened(&self) -> Vec<F::Acc> {
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for i in 0..self.rows {
+            out.extend((0..self.cols).map(|j| self.data[i * self.row_stride + j * self.col_stride].load()));
+        }
+        out
+    }
+}
+
 /// `dst = (accumulate ? dst : 0) + scale * lhs · rhs`.
-pub fn matmul<F: Float>(
-    dst: MatMut<'_, F>,
+pub fn matmul<S: Stored>(
+    dst: MatMut<'_, S>,
     accumulate: bool,
-    lhs: Mat<'_, F>,
-    rhs: Mat<'_, F>,
-    scale: F,
+    lhs: Mat<'_, S>,
+    rhs: Mat<'_, S>,
+    scale: S::Acc,
     par: Parallelism,
 ) {
     assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
@@ -98,12 +113,57 @@ pub fn matmul<F: Float>(
         if !accumulate {
             for i in 0..dst.rows {
                 for j in 0..dst.cols {
-                    dst.data[i * dst.row_stride + j * dst.col_stride] = F::ZERO;
+                    dst.data[i * dst.row_stride + j * dst.col_stride] = S::default();
                 }
             }
         }
         return;
     }
+    let (rows, cols, inner) = (dst.rows, dst.cols, lhs.cols);
+    let (dst_strides, lhs_strides, rhs_strides) =
+        ((dst.row_stride, dst.col_stride), (lhs.row_stride, lhs.col_stride), (rhs.row_stride, rhs.col_stride));
+    if let (Some(l), Some(r)) = (S::as_acc(lhs.data), S::as_acc(rhs.data)) {
+        let d = S::as_acc_mut(dst.data).expect("every slice has the same format");
+        let (d, l, r) = (
+            MatMut { data: d, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 },
+            Mat { data: l, rows, cols: inner, row_stride: lhs_strides.0, col_stride: lhs_strides.1 },
+            Mat { data: r, rows: inner, cols, row_stride: rhs_strides.0, col_stride: rhs_strides.1 },
+        );
+        return gemm_in_place(d, accumulate, l, r, scale, par);
+    }
+    let (l, r) = (lhs.widened(), rhs.widened());
+    let mut out: Vec<S::Acc> = vec![S::Acc::ZERO; rows * cols];
+    if accumulate {
+        for i in 0..rows {
+            for j in 0..cols {
+                out[i * cols + j] = dst.data[i * dst_strides.0 + j * dst_strides.1].load();
+            }
+        }
+    }
+    gemm_in_place(
+        MatMut::row_major(&mut out, rows, cols),
+        accumulate,
+        Mat::row_major(&l, rows, inner),
+        Mat::row_major(&r, inner, cols),
+        scale,
+        par,
+    );
+    for i in 0..rows {
+        for j in 0..cols {
+            dst.data[i * dst_strides.0 + j * dst_strides.1] = S::store(out[i * cols + j]);
+        }
+    }
+}
+
+/// The gemm crate's product on f32 or f64 views (shapes already checked).
+fn gemm_in_place<F: Float>(
+    dst: MatMut<'_, F>,
+    accumulate: bool,
+    lhs: Mat<'_, F>,
+    rhs: Mat<'_, F>,
+    scale: F,
+    par: Parallelism,
+) {
     // SAFETY: the constructors checked that every index the strides reach is inside
     // its slice; `dst` is borrowed mutably, so it cannot alias `lhs` or `rhs`; F is
     // f32 or f64, which the gemm crate dispatches on.
@@ -136,7 +196,7 @@ pub fn matmul<F: Float>(
 mod tests {
     use super::*;
 
-    fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+    pub(super) fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
         let mut c = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -192,6 +252,54 @@ mod tests {
                 assert!((ct[j * m + i] - want[i * n + j]).abs() < 1e-12);
             }
         }
+    }
+
+    #[test]
+    fn bf16_and_fp16_products_accumulate_in_f32_and_round_once() {
+        use half::{bf16, f16};
+        let (m, k, n) = (4, 300, 5);
+        let a: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
+        let b: Vec<f64> = (0..k * n).map(|i| (i as f64 * 0.91).cos()).collect();
+        fn product<S: Stored<Acc = f32>>(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> (Vec<f64>, Vec<f64>) {
+            let a: Vec<S> = a.iter().map(|&x| S::from_f64(x)).collect();
+            let b: Vec<S> = b.iter().map(|&x| S::from_f64(x)).collect();
+            // The exact product of the rounded operands, to compare with.
+            let wide = |v: &[S]| v.iter().map(|x| x.to_f64()).collect::<Vec<_>>();
+            let want = super::tests::naive(&wide(&a), &wide(&b), m, k, n);
+            let mut c = vec![S::default(); m * n];
+            // Stored transposed: the strided path.
+            matmul(
+                MatMut::new(&mut c, m, n, 1, m),
+                false,
+                Mat::row_major(&a, m, k),
+                Mat::row_major(&b, k, n),
+                1.0,
+                Parallelism::None,
+            );
+            let got: Vec<f64> = (0..m * n).map(|i| c[(i % n) * m + i / n].to_f64()).collect();
+            (got, want)
+        }
+        let (got, want) = product::<bf16>(&a, &b, m, k, n);
+        for (g, w) in got.iter().zip(&want) {
+            // One rounding to bf16 (2^-9 relative), not one per addition.
+            assert!((g - w).abs() <= w.abs() * 2f64.powi(-8) + 1e-6, "{g} vs {w}");
+        }
+        let (got, want) = product::<f16>(&a, &b, m, k, n);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= w.abs() * 2f64.powi(-10) + 1e-4, "{g} vs {w}");
+        }
+        // An fp16 product beyond 65504 is inf, as on a GPU.
+        let big = vec![f16::from_f32(300.0); 4];
+        let mut out = [f16::ZERO];
+        matmul(
+            MatMut::row_major(&mut out, 1, 1),
+            false,
+            Mat::row_major(&big, 1, 4),
+            Mat::row_major(&big, 4, 1),
+            1.0,
+            Parallelism::None,
+        );
+        assert!(out[0].is_infinite());
     }
 
     #[test]

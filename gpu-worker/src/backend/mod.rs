@@ -26,14 +26,15 @@ pub mod simd;
 use std::ops::Range;
 
 pub use cpu::CpuBackend;
-pub use float::Float;
+pub use float::{Float, Stored};
 
 use crate::optim::AdamWStep;
 
 pub trait Backend: Send + Sync + 'static {
-    /// Element type of every buffer (f32 for training; f64 on the CPU for checks).
-    type Float: Float;
-    /// An owned buffer of `Float`s on the device.
+    /// Number format of every buffer: f32 for training, bf16 or fp16 for mixed precision
+    /// (kernels compute in f32 and round on the store), f64 on the CPU for checks.
+    type Elem: Stored;
+    /// An owned buffer of `Elem`s on the device.
     type Buf: Send + Sync;
     /// A read-only range of a buffer.
     type View<'a>: Copy + Send + Sync;
@@ -51,9 +52,9 @@ pub trait Backend: Send + Sync + 'static {
     fn alloc(&self, len: usize) -> Self::Buf;
     fn buf_len(&self, buf: &Self::Buf) -> usize;
     /// Copies host data into the start of `dst`.
-    fn upload(&self, dst: &mut Self::Buf, src: &[Self::Float]);
+    fn upload(&self, dst: &mut Self::Buf, src: &[Self::Elem]);
     /// Copies the start of `src` to the host.
-    fn download(&self, src: &Self::Buf, dst: &mut [Self::Float]);
+    fn download(&self, src: &Self::Buf, dst: &mut [Self::Elem]);
     fn view<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Self::View<'a>;
     fn view_mut<'a>(&self, buf: &'a mut Self::Buf, range: Range<usize>) -> Self::ViewMut<'a>;
     /// Splits a writable view at `mid` (so that several parameter gradients can be

@@ -15,7 +15,7 @@
 use crate::backend::float::{lane_max, lane_sum};
 use crate::backend::gemm::{matmul, Mat, MatMut, Parallelism};
 use crate::backend::simd::simd_kernel;
-use crate::backend::Float;
+use crate::backend::{Float, Stored};
 
 /// Row-block size for skipping the masked (upper-right) blocks of the T x T products.
 const BLOCK: usize = 64;
@@ -29,10 +29,18 @@ fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 
 simd_kernel! {
     /// One sequence: `out` (T, C), `att` (heads, T, T) keeps P for the backward pass.
-    pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], t: usize, c: usize, heads: usize) {
+    pub fn attention_forward<F: Float, S: Stored<Acc = F>>(
+        out: &mut [S],
+        att: &mut [S],
+        qkv: &[S],
+        t: usize,
+        c: usize,
+        heads: usize,
+    ) {
         let hs = c / heads;
         let c3 = 3 * c;
         let scale = F::from_f64(1.0 / (hs as f64).sqrt());
+        let mut exps = vec![F::ZERO; t];
         for (h, p) in att.chunks_exact_mut(t * t).enumerate().take(heads) {
             let (q, k, v) = (h * hs, c + h * hs, 2 * c + h * hs);
             // S = Q Kᵀ / sqrt(hs), only the blocks on or below the diagonal
@@ -43,7 +51,7 @@ simd_kernel! {
                 matmul(s, false, q_rows, k_rows.t(), scale, Parallelism::None);
             }
             for (i, row) in p.chunks_exact_mut(t).enumerate() {
-                causal_softmax_row(row, i);
+                causal_softmax_row(row, i, &mut exps);
             }
             // Y = P V
             for (r0, r1) in row_blocks(t) {
@@ -58,12 +66,12 @@ simd_kernel! {
 
 simd_kernel! {
     /// One sequence: overwrites `dqkv` (T, 3C); `datt` (heads, T, T) is scratch.
-    pub fn attention_backward<F: Float>(
-        dqkv: &mut [F],
-        datt: &mut [F],
-        dout: &[F],
-        qkv: &[F],
-        att: &[F],
+    pub fn attention_backward<F: Float, S: Stored<Acc = F>>(
+        dqkv: &mut [S],
+        datt: &mut [S],
+        dout: &[S],
+        qkv: &[S],
+        att: &[S],
         t: usize,
         c: usize,
         heads: usize,
@@ -106,30 +114,32 @@ simd_kernel! {
     }
 }
 
-/// Row i of the score matrix: softmax over columns 0..=i, zeros after.
+/// Row i of the score matrix: softmax over columns 0..=i, zeros after. `exps` (at least
+/// i + 1 long) holds the exponentials in F until the one rounding store.
 #[inline(always)]
-fn causal_softmax_row<F: Float>(row: &mut [F], i: usize) {
+fn causal_softmax_row<F: Float, S: Stored<Acc = F>>(row: &mut [S], i: usize, exps: &mut [F]) {
     let (live, masked) = row.split_at_mut(i + 1);
-    let m = lane_max(live.len(), |j| live[j]);
-    for v in live.iter_mut() {
-        *v = (*v - m).exp();
+    let exps = &mut exps[..i + 1];
+    let m = lane_max(live.len(), |j| live[j].load());
+    for (e, v) in exps.iter_mut().zip(live.iter()) {
+        *e = (v.load() - m).exp();
     }
-    let sum = lane_sum(live.len(), |j| live[j]);
+    let sum = lane_sum(exps.len(), |j| exps[j]);
     let inv = F::ONE / sum;
-    for v in live.iter_mut() {
-        *v *= inv;
+    for (v, &e) in live.iter_mut().zip(exps.iter()) {
+        *v = S::store(e * inv);
     }
-    masked.fill(F::ZERO);
+    masked.fill(S::default());
 }
 
 /// Row i: `dp` (holding dP) becomes dS = P (dP - <P, dP>) * scale over 0..=i, zeros after.
 #[inline(always)]
-fn causal_softmax_backward_row<F: Float>(dp: &mut [F], p: &[F], i: usize, scale: F) {
+fn causal_softmax_backward_row<F: Float, S: Stored<Acc = F>>(dp: &mut [S], p: &[S], i: usize, scale: F) {
     let (live, masked) = dp.split_at_mut(i + 1);
     let p = &p[..i + 1];
-    let dot = lane_sum(i + 1, |j| p[j] * live[j]);
+    let dot = lane_sum(i + 1, |j| p[j].load() * live[j].load());
     for (d, &pj) in live.iter_mut().zip(p) {
-        *d = pj * (*d - dot) * scale;
+        *d = S::store(pj.load() * (d.load() - dot) * scale);
     }
-    masked.fill(F::ZERO);
+    masked.fill(S::default());
 }

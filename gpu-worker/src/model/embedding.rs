@@ -7,17 +7,18 @@
 //! position rows, the wte gradient over vocabulary rows (each task scans all tokens
 //! and adds those in its range), so every sum runs in a fixed order.
 
+use crate::backend::float::in_acc;
 use crate::backend::simd::simd_kernel;
-use crate::backend::Float;
+use crate::backend::{Float, Stored};
 
 simd_kernel! {
     /// Rows `row0..row0 + out.len()/c` of the embedded batch (rows are b * seq_len + t).
-    pub fn encoder_forward<F: Float>(
-        out: &mut [F],
+    pub fn encoder_forward<F: Float, S: Stored<Acc = F>>(
+        out: &mut [S],
         tokens: &[u32],
         row0: usize,
-        wte: &[F],
-        wpe: &[F],
+        wte: &[S],
+        wpe: &[S],
         seq_len: usize,
         c: usize,
     ) {
@@ -28,7 +29,7 @@ simd_kernel! {
             let te = &wte[tok * c..(tok + 1) * c];
             let pe = &wpe[t * c..(t + 1) * c];
             for ((x, &a), &b) in x.iter_mut().zip(te).zip(pe) {
-                *x = a + b;
+                *x = S::store(a.load() + b.load());
             }
         }
     }
@@ -36,33 +37,37 @@ simd_kernel! {
 
 simd_kernel! {
     /// Position rows `t0..t0 + dwpe.len()/c`: `dwpe[t] += sum over sequences b of dout[b, t]`.
-    pub fn encoder_backward_wpe<F: Float>(dwpe: &mut [F], t0: usize, dout: &[F], seq_len: usize, c: usize) {
+    pub fn encoder_backward_wpe<F: Float, S: Stored<Acc = F>>(dwpe: &mut [S], t0: usize, dout: &[S], seq_len: usize, c: usize) {
         let sequences = dout.len() / (seq_len * c);
-        for (i, dp) in dwpe.chunks_exact_mut(c).enumerate() {
-            let t = t0 + i;
-            for b in 0..sequences {
-                let row = b * seq_len + t;
-                for (d, &g) in dp.iter_mut().zip(&dout[row * c..(row + 1) * c]) {
-                    *d += g;
+        in_acc(dwpe, |dwpe| {
+            for (i, dp) in dwpe.chunks_exact_mut(c).enumerate() {
+                let t = t0 + i;
+                for b in 0..sequences {
+                    let row = b * seq_len + t;
+                    for (d, &g) in dp.iter_mut().zip(&dout[row * c..(row + 1) * c]) {
+                        *d += g.load();
+                    }
                 }
             }
-        }
+        });
     }
 }
 
 simd_kernel! {
     /// Vocabulary rows `v0..v0 + dwte.len()/c`: adds every position whose token falls in range.
-    pub fn encoder_backward_wte<F: Float>(dwte: &mut [F], v0: usize, dout: &[F], tokens: &[u32], c: usize) {
+    pub fn encoder_backward_wte<F: Float, S: Stored<Acc = F>>(dwte: &mut [S], v0: usize, dout: &[S], tokens: &[u32], c: usize) {
         let v1 = v0 + dwte.len() / c;
-        for (row, &tok) in tokens.iter().enumerate() {
-            let tok = tok as usize;
-            if tok < v0 || tok >= v1 {
-                continue;
+        in_acc(dwte, |dwte| {
+            for (row, &tok) in tokens.iter().enumerate() {
+                let tok = tok as usize;
+                if tok < v0 || tok >= v1 {
+                    continue;
+                }
+                let dst = &mut dwte[(tok - v0) * c..(tok - v0 + 1) * c];
+                for (d, &g) in dst.iter_mut().zip(&dout[row * c..(row + 1) * c]) {
+                    *d += g.load();
+                }
             }
-            let dst = &mut dwte[(tok - v0) * c..(tok - v0 + 1) * c];
-            for (d, &g) in dst.iter_mut().zip(&dout[row * c..(row + 1) * c]) {
-                *d += g;
-            }
-        }
+        });
     }
 }

@@ -373,7 +373,7 @@ impl<B: Backend> Gpt<B> {
         bufs.extend(self.recompute.iter().flat_map(block));
         bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
         debug_assert_eq!(bufs.len(), self.receipts.len());
-        bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Float>()) as u64).sum()
+        bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64).sum()
     }
 
     /// What [`Gpt::new`] will allocate for activations and their gradients on one of `tp`
@@ -431,7 +431,7 @@ impl<B: Backend> Gpt<B> {
         be: &B,
         state: &mut dyn ModelState<B>,
         slot: usize,
-        input: StageInput<'_, B::Float>,
+        input: StageInput<'_, B::Elem>,
         targets: &[u32],
     ) -> Result<f64, CommError> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
@@ -562,7 +562,7 @@ impl<B: Backend> Gpt<B> {
         slot: usize,
         inputs: &[u32],
         targets: &[u32],
-        grad_output: Option<&[B::Float]>,
+        grad_output: Option<&[B::Elem]>,
         dloss: f64,
     ) -> Result<(), CommError> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;

@@ -26,7 +26,7 @@ use std::ops::Range;
 
 use distlab_common::ModelSpec;
 
-use crate::backend::Float;
+use crate::backend::Stored;
 use crate::optim::ParamGroup;
 use crate::rng::Rng;
 
@@ -224,19 +224,19 @@ impl ParamLayout {
 
     /// The initial parameters, deterministic from `seed` (drawn in buffer order for the
     /// whole model; a tensor-parallel rank takes its part of that).
-    pub fn init_params<F: Float>(&self, seed: u64) -> Vec<F> {
+    pub fn init_params<F: Stored>(&self, seed: u64) -> Vec<F> {
         if self.tp.size > 1 {
             let whole = ParamLayout::new(&self.model);
             return self.part_of(&whole, &whole.init_params(seed));
         }
         let mut rng = Rng::from_parts(&[seed, INIT_STREAM]);
-        let mut params = vec![F::ZERO; self.total];
+        let mut params = vec![F::default(); self.total];
         for t in &self.tensors {
             let dst = &mut params[t.range.clone()];
             match t.init {
                 Init::Normal { std } => dst.iter_mut().for_each(|p| *p = F::from_f64(std * rng.normal())),
-                Init::Zeros => dst.fill(F::ZERO),
-                Init::Ones => dst.fill(F::ONE),
+                Init::Zeros => dst.fill(F::default()),
+                Init::Ones => dst.fill(F::from_f64(1.0)),
             }
         }
         params
@@ -244,7 +244,7 @@ impl ParamLayout {
 
     /// This rank's part of `values`, a buffer laid out by `whole` (the same model, no
     /// tensor parallelism).
-    pub fn part_of<F: Float>(&self, whole: &ParamLayout, values: &[F]) -> Vec<F> {
+    pub fn part_of<F: Stored>(&self, whole: &ParamLayout, values: &[F]) -> Vec<F> {
         let (rank, n) = (self.tp.rank, self.tp.size.max(1));
         let mut out = Vec::with_capacity(self.total);
         for (mine, all) in self.tensors.iter().zip(&whole.tensors) {

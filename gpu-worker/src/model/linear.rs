@@ -8,18 +8,19 @@
 //! views, not copies); bias and residual are written first and the product is
 //! accumulated on top, so the output is written once and read once.
 
+use crate::backend::float::in_acc;
 use crate::backend::gemm::{matmul, Mat, MatMut, Parallelism};
 use crate::backend::simd::simd_kernel;
-use crate::backend::Float;
+use crate::backend::{Float, Stored};
 
 simd_kernel! {
     /// A chunk of output rows: `out = residual + bias` (either may be absent).
-    pub fn fill_bias_residual<F: Float>(out: &mut [F], bias: Option<&[F]>, residual: Option<&[F]>, c_out: usize) {
+    pub fn fill_bias_residual<F: Float, S: Stored<Acc = F>>(out: &mut [S], bias: Option<&[S]>, residual: Option<&[S]>, c_out: usize) {
         match (bias, residual) {
             (Some(b), Some(r)) => {
                 for (y, r) in out.chunks_exact_mut(c_out).zip(r.chunks_exact(c_out)) {
                     for ((y, &r), &b) in y.iter_mut().zip(r).zip(b) {
-                        *y = r + b;
+                        *y = S::store(r.load() + b.load());
                     }
                 }
             }
@@ -35,10 +36,10 @@ simd_kernel! {
 }
 
 /// `out (+)= inp · W`: accumulates onto `out` when it already holds bias/residual.
-pub fn matmul_forward<F: Float>(
-    out: &mut [F],
-    inp: &[F],
-    weight: &[F],
+pub fn matmul_forward<S: Stored>(
+    out: &mut [S],
+    inp: &[S],
+    weight: &[S],
     c_in: usize,
     c_out: usize,
     accumulate: bool,
@@ -50,16 +51,16 @@ pub fn matmul_forward<F: Float>(
         accumulate,
         Mat::row_major(inp, rows, c_in),
         Mat::row_major(weight, c_in, c_out),
-        F::ONE,
+        S::Acc::ONE,
         par,
     );
 }
 
 /// `dinp = dout · Wᵀ` (overwritten).
-pub fn matmul_backward_input<F: Float>(
-    dinp: &mut [F],
-    dout: &[F],
-    weight: &[F],
+pub fn matmul_backward_input<S: Stored>(
+    dinp: &mut [S],
+    dout: &[S],
+    weight: &[S],
     c_in: usize,
     c_out: usize,
     par: Parallelism,
@@ -70,16 +71,16 @@ pub fn matmul_backward_input<F: Float>(
         false,
         Mat::row_major(dout, rows, c_out),
         Mat::row_major(weight, c_in, c_out).t(),
-        F::ONE,
+        S::Acc::ONE,
         par,
     );
 }
 
 /// `dW += inpᵀ · dout`.
-pub fn matmul_backward_weight<F: Float>(
-    dweight: &mut [F],
-    dout: &[F],
-    inp: &[F],
+pub fn matmul_backward_weight<S: Stored>(
+    dweight: &mut [S],
+    dout: &[S],
+    inp: &[S],
     c_in: usize,
     c_out: usize,
     par: Parallelism,
@@ -90,19 +91,21 @@ pub fn matmul_backward_weight<F: Float>(
         true,
         Mat::row_major(inp, rows, c_in).t(),
         Mat::row_major(dout, rows, c_out),
-        F::ONE,
+        S::Acc::ONE,
         par,
     );
 }
 
 simd_kernel! {
     /// Columns `col0..col0 + dbias.len()`: `dbias += sum over rows of dout`.
-    pub fn bias_backward<F: Float>(dbias: &mut [F], col0: usize, dout: &[F], c_out: usize) {
+    pub fn bias_backward<F: Float, S: Stored<Acc = F>>(dbias: &mut [S], col0: usize, dout: &[S], c_out: usize) {
         let w = dbias.len();
-        for dy in dout.chunks_exact(c_out) {
-            for (db, &g) in dbias.iter_mut().zip(&dy[col0..col0 + w]) {
-                *db += g;
+        in_acc(dbias, |dbias| {
+            for dy in dout.chunks_exact(c_out) {
+                for (db, &g) in dbias.iter_mut().zip(&dy[col0..col0 + w]) {
+                    *db += g.load();
+                }
             }
-        }
+        });
     }
 }

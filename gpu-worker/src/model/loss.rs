@@ -9,36 +9,39 @@
 
 use crate::backend::float::{lane_max, lane_sum};
 use crate::backend::simd::simd_kernel;
-use crate::backend::Float;
+use crate::backend::{Float, Stored};
 
 simd_kernel! {
     /// A chunk of rows: logits become probabilities; `losses[r]` = that row's loss.
-    pub fn crossentropy_forward<F: Float>(logits: &mut [F], losses: &mut [F], targets: &[u32], vocab: usize) {
+    pub fn crossentropy_forward<F: Float, S: Stored<Acc = F>>(logits: &mut [S], losses: &mut [S], targets: &[u32], vocab: usize) {
+        let mut exps = vec![F::ZERO; vocab];
         for ((z, loss), &target) in logits.chunks_exact_mut(vocab).zip(losses.iter_mut()).zip(targets) {
             let target = target as usize;
-            let m = lane_max(vocab, |j| z[j]);
-            let z_target = z[target];
-            for v in z.iter_mut() {
-                *v = (*v - m).exp();
+            let m = lane_max(vocab, |j| z[j].load());
+            let z_target = z[target].load();
+            for (e, v) in exps.iter_mut().zip(z.iter()) {
+                *e = (v.load() - m).exp();
             }
-            let sum = lane_sum(vocab, |j| z[j]);
+            let sum = lane_sum(vocab, |j| exps[j]);
             let inv = F::ONE / sum;
-            for v in z.iter_mut() {
-                *v *= inv;
+            for (v, &e) in z.iter_mut().zip(&exps) {
+                *v = S::store(e * inv);
             }
-            *loss = sum.ln() - (z_target - m);
+            *loss = S::store(sum.ln() - (z_target - m));
         }
     }
 }
 
 simd_kernel! {
     /// A chunk of rows: probabilities become `dloss * (p - onehot)`.
-    pub fn crossentropy_backward<F: Float>(probs: &mut [F], targets: &[u32], vocab: usize, dloss: F) {
+    pub fn crossentropy_backward<F: Float, S: Stored<Acc = F>>(probs: &mut [S], targets: &[u32], vocab: usize, dloss: F) {
         for (p, &target) in probs.chunks_exact_mut(vocab).zip(targets) {
+            let target = target as usize;
+            let p_target = p[target].load();
             for v in p.iter_mut() {
-                *v *= dloss;
+                *v = S::store(v.load() * dloss);
             }
-            p[target as usize] -= dloss;
+            p[target] = S::store(p_target * dloss - dloss);
         }
     }
 }

@@ -5,7 +5,7 @@
 //!   backward: dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) s (1 + 3k x^2)
 
 use crate::backend::simd::simd_kernel;
-use crate::backend::Float;
+use crate::backend::{Float, Stored};
 
 const GELU_K: f64 = 0.044715;
 
@@ -14,29 +14,31 @@ fn gelu_s() -> f64 {
 }
 
 simd_kernel! {
-    pub fn gelu_forward<F: Float>(out: &mut [F], inp: &[F]) {
+    pub fn gelu_forward<F: Float, S: Stored<Acc = F>>(out: &mut [S], inp: &[S]) {
         let s = F::from_f64(gelu_s());
         let k = F::from_f64(GELU_K);
         let half = F::from_f64(0.5);
         for (y, &x) in out.iter_mut().zip(inp) {
+            let x = x.load();
             let u = s * (x + k * x * x * x);
-            *y = half * x * (F::ONE + u.tanh());
+            *y = S::store(half * x * (F::ONE + u.tanh()));
         }
     }
 }
 
 simd_kernel! {
     /// In place: `dinout *= gelu'(inp)`.
-    pub fn gelu_backward<F: Float>(dinout: &mut [F], inp: &[F]) {
+    pub fn gelu_backward<F: Float, S: Stored<Acc = F>>(dinout: &mut [S], inp: &[S]) {
         let s = F::from_f64(gelu_s());
         let k = F::from_f64(GELU_K);
         let k3 = F::from_f64(3.0 * GELU_K);
         let half = F::from_f64(0.5);
         for (d, &x) in dinout.iter_mut().zip(inp) {
+            let x = x.load();
             let x2 = x * x;
             let th = (s * (x + k * x2 * x)).tanh();
             let local = half * (F::ONE + th) + half * x * (F::ONE - th * th) * s * (F::ONE + k3 * x2);
-            *d *= local;
+            *d = S::store(d.load() * local);
         }
     }
 }
