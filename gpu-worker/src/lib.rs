@@ -9,6 +9,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;
+pub mod loss_scale;
 pub mod memory;
 pub mod model;
 pub mod optim;

@@ -44,8 +44,11 @@ pub struct AdamWStep {
 }
 
 simd_kernel! {
-    /// The AdamW update on one chunk of parameters.
-    pub fn adamw_update<F: Float, S: Stored<Acc = F>>(params: &mut [S], grads: &[S], m: &mut [S], v: &mut [S], hp: &AdamWStep) {
+    /// The AdamW update on one chunk of parameters. The weights it updates and the moments
+    /// are in the compute format F (f32): the model's own parameters in an fp32 run, the
+    /// fp32 master copy in a mixed-precision run. The gradients are in the model's format
+    /// S (bf16/fp16 there), widened as they are read.
+    pub fn adamw_update<F: Float, S: Stored<Acc = F>>(params: &mut [F], grads: &[S], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
         let b1 = F::from_f64(hp.beta1);
         let b2 = F::from_f64(hp.beta2);
         let one_minus_b1 = F::from_f64(1.0 - hp.beta1);
@@ -60,25 +63,33 @@ simd_kernel! {
         let (grads, m, v) = (&grads[..n], &mut m[..n], &mut v[..n]);
         for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
             let g = g.load() * scale;
-            let new_m = b1 * m.load() + one_minus_b1 * g;
-            let new_v = b2 * v.load() + one_minus_b2 * g * g;
-            let m_hat = new_m * m_correction;
-            let v_hat = new_v * v_correction;
-            *p = S::store(p.load() * decay - lr * m_hat / (v_hat.sqrt() + eps));
-            *m = S::store(new_m);
-            *v = S::store(new_v);
+            *m = b1 * *m + one_minus_b1 * g;
+            *v = b2 * *v + one_minus_b2 * g * g;
+            let m_hat = *m * m_correction;
+            let v_hat = *v * v_correction;
+            *p = *p * decay - lr * m_hat / (v_hat.sqrt() + eps);
         }
     }
 }
 
 simd_kernel! {
-    /// The SGD update on one chunk of parameters.
-    pub fn sgd_update<F: Float, S: Stored<Acc = F>>(params: &mut [S], grads: &[S], lr: f64, weight_decay: f64, grad_scale: f64) {
+    /// The SGD update on one chunk of parameters (F: as for AdamW).
+    pub fn sgd_update<F: Float, S: Stored<Acc = F>>(params: &mut [F], grads: &[S], lr: f64, weight_decay: f64, grad_scale: f64) {
         let lr_g = F::from_f64(lr * grad_scale);
         let decay = F::from_f64(1.0 - lr * weight_decay);
         let grads = &grads[..params.len()];
         for (p, &g) in params.iter_mut().zip(grads) {
-            *p = S::store(p.load() * decay - lr_g * g.load());
+            *p = *p * decay - lr_g * g.load();
+        }
+    }
+}
+
+simd_kernel! {
+    /// Mixed precision, after the update: the model's parameters become the master
+    /// weights rounded to its format (what the next forward computes with).
+    pub fn round_to_model<F: Float, S: Stored<Acc = F>>(params: &mut [S], master: &[F]) {
+        for (p, &w) in params.iter_mut().zip(master) {
+            *p = S::store(w);
         }
     }
 }
@@ -301,6 +312,30 @@ mod tests {
         let hp = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 0.0, weight_decay: 0.0, step: 1, grad_scale: 1.0 };
         adamw_update(&mut p, &g, &mut m, &mut v, &hp);
         assert!((p[0] - 0.9).abs() < 1e-12 && (p[1] + 1.9).abs() < 1e-12, "{p:?}");
+    }
+
+    #[test]
+    fn mixed_adamw_updates_the_f32_master_and_rounds_the_bf16_copy() {
+        use half::bf16;
+        // A step far below bf16's spacing at 1.0 (2^-7) still moves the master weight; the
+        // bf16 copy only moves once the steps add up to half of that spacing.
+        let mut master = [1.0f32];
+        let mut model = [bf16::ONE];
+        let (mut m, mut v) = ([0.0f32], [0.0f32]);
+        for step in 1..=40 {
+            let g = [bf16::from_f32(-1.0)];
+            let hp =
+                AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 0.0, weight_decay: 0.0, step, grad_scale: 1.0 };
+            adamw_update(&mut master, &g, &mut m, &mut v, &hp);
+            round_to_model(&mut model, &master);
+            if step == 1 {
+                assert!(master[0] > 1.0 && model[0] == bf16::ONE, "{} {}", master[0], model[0]);
+            }
+        }
+        assert!((master[0] - 1.004).abs() < 1e-5, "{}", master[0]);
+        assert_eq!(model[0], bf16::from_f32(1.0 + 1.0 / 128.0));
+        // Without the master copy, every one of these updates would round away in bf16.
+        assert_eq!(bf16::from_f32(1.0 + 1e-4), bf16::ONE);
     }
 
     #[test]

@@ -4,10 +4,11 @@
 //! 3-thread pools, so the threaded splits of the work are checked too.
 
 use distlab_common::ModelSpec;
-use distlab_worker::backend::{Backend, CpuBackend};
+use distlab_worker::backend::{Backend, CpuBackend, Stored};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::model::{FlatState, Gpt};
 use distlab_worker::rng::Rng;
+use half::{bf16, f16};
 
 const EPS: f64 = 1e-5;
 
@@ -288,6 +289,30 @@ fn f32_gradient_agrees_with_f64() {
     let norm: f64 = g64.iter().map(|g| g * g).sum::<f64>().sqrt();
     let diff: f64 = g64.iter().zip(&g32).map(|(a, &b)| (a - b as f64).powi(2)).sum::<f64>().sqrt();
     assert!(diff < 1e-5 * norm, "gradient difference {diff} vs norm {norm}");
+}
+
+/// Relative L2 distance of a gradient from the f64 one.
+fn relative_distance<S: Stored>(reference: &[f64], got: &[S]) -> f64 {
+    let norm: f64 = reference.iter().map(|g| g * g).sum::<f64>().sqrt();
+    let diff: f64 = reference.iter().zip(got).map(|(a, b)| (a - b.to_f64()).powi(2)).sum::<f64>().sqrt();
+    diff / norm
+}
+
+#[test]
+fn bf16_and_fp16_gradients_follow_f64_to_their_precision() {
+    // The same kernels on 2-byte buffers: each stored value carries a rounding error of
+    // 2^-9 (bf16) or 2^-12 (fp16) relative, and the layers compound a few of them.
+    let spec = tiny_model();
+    let (inputs, targets) = tiny_batch(&spec, 2);
+    let dloss = 1.0 / (2 * spec.seq_len) as f64;
+    let (l64, g64) = loss_and_gradient(&CpuBackend::<f64>::new(1), &spec, &inputs, &targets, dloss);
+    let (lb, gb) = loss_and_gradient(&CpuBackend::<bf16>::new(1), &spec, &inputs, &targets, dloss);
+    let (lh, gh) = loss_and_gradient(&CpuBackend::<f16>::new(1), &spec, &inputs, &targets, dloss);
+    let (db, dh) = (relative_distance(&g64, &gb), relative_distance(&g64, &gh));
+    eprintln!("loss f64 {l64:.6} bf16 {lb:.6} fp16 {lh:.6}; gradient distance bf16 {db:.2e} fp16 {dh:.2e}");
+    assert!((lb - l64).abs() < 3e-3 * l64 && (lh - l64).abs() < 5e-4 * l64, "losses {l64} {lb} {lh}");
+    assert!(db < 2e-2 && dh < 3e-3, "gradient distances bf16 {db}, fp16 {dh}");
+    assert!(dh < db, "fp16 keeps 3 more mantissa bits than bf16");
 }
 
 #[test]

@@ -318,6 +318,9 @@ impl<S: Stored> Backend for CpuBackend<S> {
     }
 
     fn adamw_update(&self, params: &mut [S], grads: &[S], m: &mut [S], v: &mut [S], hp: &AdamWStep) {
+        let (Some(params), Some(m), Some(v)) = (S::as_acc_mut(params), S::as_acc_mut(m), S::as_acc_mut(v)) else {
+            unreachable!("{}: a model in a 2-byte format keeps f32 master weights for the optimizer", S::NAME);
+        };
         params
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(grads.par_chunks(ELEMENT_CHUNK))
@@ -327,6 +330,9 @@ impl<S: Stored> Backend for CpuBackend<S> {
     }
 
     fn sgd_update(&self, params: &mut [S], grads: &[S], lr: f64, weight_decay: f64, grad_scale: f64) {
+        let Some(params) = S::as_acc_mut(params) else {
+            unreachable!("{}: a model in a 2-byte format keeps f32 master weights for the optimizer", S::NAME);
+        };
         params
             .par_chunks_mut(ELEMENT_CHUNK)
             .zip(grads.par_chunks(ELEMENT_CHUNK))
