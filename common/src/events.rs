@@ -4,16 +4,23 @@
 use serde::{Deserialize, Serialize};
 
 /// One optimizer step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MetricPoint {
     pub step: u64,
     /// Mean cross-entropy over the step's global batch (nats per token).
     pub loss: f64,
     pub lr: f64,
-    /// L2 norm of the gradient before clipping.
+    /// L2 norm of the gradient before clipping; `f64::MAX` when it overflowed (a step
+    /// that dynamic loss scaling skipped).
     pub grad_norm: f64,
     pub tokens_per_s: f64,
     pub step_ms: f64,
+    /// Dynamic loss scaling (fp16): the factor this step's loss was multiplied by.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// Dynamic loss scaling: steps skipped so far (their gradients overflowed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -59,7 +59,7 @@ impl RankPlace {
 }
 
 /// One rank's checkpoint: the header's numbers and the sections this rank owns.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RankCheckpoint {
     /// The next optimizer step to run.
     pub step: u64,
@@ -356,7 +356,7 @@ impl CheckpointWriter {
     /// them is several times faster than into fresh memory), or an empty one.
     pub fn spare(&mut self) -> RankCheckpoint {
         self.collect();
-        self.spare.take().unwrap_or(RankCheckpoint { step: 0, optimizer_steps: 0, min_loss: 0.0, sections: vec![] })
+        self.spare.take().unwrap_or_default()
     }
 
     fn collect(&mut self) {

@@ -49,7 +49,12 @@ impl MemoryTracker {
 
     /// Records that a buffer of `floats` f32s of `category` now exists.
     pub fn alloc(self: &Arc<Self>, category: Category, floats: usize) -> Receipt {
-        let bytes = (floats * std::mem::size_of::<f32>()) as u64;
+        self.alloc_of::<f32>(category, floats)
+    }
+
+    /// `len` elements of `T` (2 bytes each for bf16/fp16).
+    pub fn alloc_of<T>(self: &Arc<Self>, category: Category, len: usize) -> Receipt {
+        let bytes = (len * std::mem::size_of::<T>()) as u64;
         self.change(category, bytes, true);
         Receipt { tracker: self.clone(), category, bytes }
     }

@@ -20,7 +20,9 @@ use std::sync::Arc;
 use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
 use crate::backend::simd::simd_kernel;
-use crate::backend::{Backend, CpuBackend, Float, Stored};
+use rayon::prelude::*;
+
+use crate::backend::{Float, Stored};
 use crate::memory::{Category, MemoryTracker, Receipt};
 
 pub const ADAM_BETA1: f64 = 0.9;
@@ -153,74 +155,90 @@ pub enum Indexing {
     Local,
 }
 
-/// Optimizer state for the parameters of `groups` (AdamW's m and v, allocated once).
-pub struct Optimizer<B: Backend> {
+/// Optimizer state for the parameters of `groups`: AdamW's m and v, and in mixed
+/// precision the fp32 master weights, all fp32 and allocated once. Indexed by the groups'
+/// `local` ranges (this rank's shard, or everything).
+///
+/// Mixed precision (bf16/fp16 models): the model computes with 2-byte parameters, but an
+/// update (lr x a normalised gradient, 1e-4 and less) is below bf16's resolution for most
+/// weights and would round away. So the optimizer keeps fp32 master weights, applies the
+/// update there, and rounds the result into the model's copy: 2 + 2 bytes for the model's
+/// parameters and gradients, 4 + 4 + 4 for master, m and v (the seed texts' 16 bytes per
+/// parameter).
+pub struct Optimizer<S: Stored<Acc = f32> = f32> {
     kind: OptimizerKind,
     weight_decay: f64,
     groups: Vec<OptimGroup>,
-    m: Option<B::Buf>,
-    v: Option<B::Buf>,
+    m: Option<Vec<f32>>,
+    v: Option<Vec<f32>>,
+    /// Mixed precision only (None when the model itself is fp32).
+    master: Option<Vec<f32>>,
     steps_taken: u64,
     _receipts: Vec<Receipt>,
+    _format: std::marker::PhantomData<S>,
 }
 
-impl<B: Backend> Optimizer<B> {
-    /// State for `local_len` parameters (the shard, or everything), registered with `memory`.
+/// Whether a model stored as `S` needs fp32 master weights (it does unless it is fp32).
+pub fn needs_master<S: Stored<Acc = f32>>() -> bool {
+    S::as_acc(&[S::default()]).is_none()
+}
+
+impl<S: Stored<Acc = f32>> Optimizer<S> {
+    /// State for `local_len` parameters (the shard, or everything), registered with
+    /// `memory`. `initial` gives the starting fp32 values of those parameters, which a
+    /// mixed-precision optimizer keeps as its master weights.
     pub fn new(
-        be: &B,
         train: &TrainSpec,
         groups: Vec<OptimGroup>,
         local_len: usize,
+        initial: impl FnOnce() -> Vec<f32>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
-        let (m, v, receipts) = match train.optimizer {
-            OptimizerKind::Adamw => (
-                Some(be.alloc(local_len)),
-                Some(be.alloc(local_len)),
-                vec![
-                    memory.alloc(Category::OptimizerState, local_len),
-                    memory.alloc(Category::OptimizerState, local_len),
-                ],
-            ),
-            OptimizerKind::Sgd => (None, None, vec![]),
+        let mut receipts = Vec::new();
+        let mut state = |len: usize| {
+            receipts.push(memory.alloc(Category::OptimizerState, len));
+            vec![0.0f32; len]
         };
+        let (m, v) = match train.optimizer {
+            OptimizerKind::Adamw => (Some(state(local_len)), Some(state(local_len))),
+            OptimizerKind::Sgd => (None, None),
+        };
+        let master = needs_master::<S>().then(|| {
+            let values = initial();
+            assert_eq!(values.len(), local_len, "master weights for every parameter this optimizer updates");
+            receipts.push(memory.alloc(Category::OptimizerState, local_len));
+            values
+        });
         Self {
             kind: train.optimizer,
             weight_decay: train.weight_decay,
             groups,
             m,
             v,
+            master,
             steps_taken: 0,
             _receipts: receipts,
+            _format: std::marker::PhantomData,
         }
     }
 
     /// Bytes of the state buffers themselves (for checking the memory ledger).
-    pub fn held_bytes(&self, be: &B) -> u64 {
-        [&self.m, &self.v]
-            .iter()
-            .flat_map(|b| b.as_ref())
-            .map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64)
-            .sum()
+    pub fn held_bytes(&self) -> u64 {
+        [&self.m, &self.v, &self.master].iter().flat_map(|b| b.as_ref()).map(|b| (b.len() * 4) as u64).sum()
     }
 
-    /// Floats of optimizer state per parameter (AdamW 2, SGD 0).
+    /// Floats of optimizer state per parameter (AdamW 2, SGD 0; one more for master weights).
     pub fn state_floats_per_param(&self) -> usize {
-        match self.kind {
+        let moments = match self.kind {
             OptimizerKind::Adamw => 2,
             OptimizerKind::Sgd => 0,
-        }
+        };
+        moments + self.master.is_some() as usize
     }
 
-    /// One update of every parameter group; `params` and `grads` are indexed as said.
-    pub fn step(
-        &mut self,
-        be: &B,
-        params: (&mut B::Buf, Indexing),
-        grads: (&B::Buf, Indexing),
-        lr: f64,
-        grad_scale: f64,
-    ) {
+    /// One update of every parameter group; `params` (the model's) and `grads` are indexed
+    /// as said. With master weights the update goes there and `params` get it rounded.
+    pub fn step(&mut self, params: (&mut [S], Indexing), grads: (&[S], Indexing), lr: f64, grad_scale: f64) {
         self.steps_taken += 1;
         let (params, params_indexing) = params;
         let (grads, grads_indexing) = grads;
@@ -230,8 +248,12 @@ impl<B: Backend> Optimizer<B> {
         };
         for group in &self.groups {
             let wd = if group.decay { self.weight_decay } else { 0.0 };
-            let p = be.view_mut(params, range(group, params_indexing));
-            let g = be.view(grads, range(group, grads_indexing));
+            let model = &mut params[range(group, params_indexing)];
+            let g = &grads[range(group, grads_indexing)];
+            let weights: &mut [f32] = match &mut self.master {
+                Some(master) => &mut master[group.local.clone()],
+                None => S::as_acc_mut(model).expect("an fp32 model is its own master copy"),
+            };
             match (self.kind, &mut self.m, &mut self.v) {
                 (OptimizerKind::Adamw, Some(m), Some(v)) => {
                     let hp = AdamWStep {
@@ -243,38 +265,46 @@ impl<B: Backend> Optimizer<B> {
                         step: self.steps_taken,
                         grad_scale,
                     };
-                    let m = be.view_mut(m, group.local.clone());
-                    let v = be.view_mut(v, group.local.clone());
-                    be.adamw_update(p, g, m, v, &hp);
+                    let (m, v) = (&mut m[group.local.clone()], &mut v[group.local.clone()]);
+                    weights
+                        .par_chunks_mut(CHUNK)
+                        .zip(g.par_chunks(CHUNK))
+                        .zip(m.par_chunks_mut(CHUNK))
+                        .zip(v.par_chunks_mut(CHUNK))
+                        .for_each(|(((p, g), m), v)| adamw_update(p, g, m, v, &hp));
                 }
-                _ => be.sgd_update(p, g, lr, wd, grad_scale),
+                _ => weights
+                    .par_chunks_mut(CHUNK)
+                    .zip(g.par_chunks(CHUNK))
+                    .for_each(|(p, g)| sgd_update(p, g, lr, wd, grad_scale)),
+            }
+            if let Some(master) = &self.master {
+                let master = &master[group.local.clone()];
+                model.par_chunks_mut(CHUNK).zip(master.par_chunks(CHUNK)).for_each(|(p, w)| round_to_model(p, w));
             }
         }
     }
-}
 
-/// What a checkpoint keeps of an optimizer: its step count and AdamW's m and v (empty
-/// for SGD).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct OptimizerState {
-    pub steps_taken: u64,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
-}
+    /// The fp32 master weights (mixed precision only), indexed by the groups' local ranges.
+    pub fn master(&self) -> Option<&[f32]> {
+        self.master.as_deref()
+    }
 
-impl Optimizer<CpuBackend<f32>> {
     /// AdamW's m and v (empty for SGD) and the updates made so far.
     pub fn state_view(&self) -> ([&[f32]; 2], u64) {
         let (m, v) = (self.m.as_deref().unwrap_or(&[]), self.v.as_deref().unwrap_or(&[]));
         ([m, v], self.steps_taken)
     }
 
-    /// Puts back a state taken by [`Optimizer::state`] from an optimizer of the same shape.
+    /// Puts back a checkpoint's state, taken from an optimizer of the same shape.
     pub fn load_state(&mut self, state: OptimizerState) -> Result<(), String> {
-        for (name, buf, saved) in [("m", &mut self.m, state.m), ("v", &mut self.v, state.v)] {
+        let saved_master = state.master.unwrap_or_default();
+        for (name, buf, saved) in
+            [("m", &mut self.m, state.m), ("v", &mut self.v, state.v), ("master", &mut self.master, saved_master)]
+        {
             let held = buf.as_ref().map_or(0, |b| b.len());
             if saved.len() != held {
-                return Err(format!("AdamW {name} has {} values, this rank's optimizer holds {held}", saved.len()));
+                return Err(format!("{name} has {} values saved, this rank's optimizer holds {held}", saved.len()));
             }
             if let Some(buf) = buf {
                 *buf = saved;
@@ -283,6 +313,19 @@ impl Optimizer<CpuBackend<f32>> {
         self.steps_taken = state.steps_taken;
         Ok(())
     }
+}
+
+/// Elements per task of the update kernels.
+const CHUNK: usize = 1 << 14;
+
+/// What a checkpoint keeps of an optimizer: its step count, AdamW's m and v (empty for
+/// SGD) and the master weights (mixed precision).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OptimizerState {
+    pub steps_taken: u64,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub master: Option<Vec<f32>>,
 }
 
 #[cfg(test)]

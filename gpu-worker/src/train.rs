@@ -23,15 +23,16 @@ use std::sync::Arc;
 
 use distlab_common::memory::RankMemoryReport;
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, CpuBackend, Stored};
 use crate::checkpoint::{self, CheckpointDir, CheckpointError, CheckpointWriter, RankCheckpoint, RankPlace, Written};
 use crate::comm::CommError;
 use crate::data::{Data, DataError};
+use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::MemoryTracker;
 use crate::memory::{Category, Receipt};
 use crate::model::gpt::TensorParallelGroup;
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
-use crate::optim::{clip_scale, lr_at, OptimizerState};
+use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::{self, Action};
 use crate::parallel::tensor::TensorParallel;
@@ -67,7 +68,7 @@ pub enum TrainError {
     Cancelled,
     #[error(
         "training diverged at step {step}: loss {loss}, gradient norm {grad_norm} (not finite); \
-         try a lower learning rate or gradient clipping"
+         try a lower learning rate or gradient clipping (with fp16: loss_scaling=dynamic)"
     )]
     Diverged { step: u64, loss: f64, grad_norm: f64 },
     #[error("data: {0}")]
@@ -92,19 +93,7 @@ fn join_field_errors(errors: &[FieldError]) -> String {
 
 /// Every feature of a valid spec that this worker cannot run yet, one message each.
 pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
-    let t = &spec.train;
     let mut out = Vec::new();
-    if t.precision != Precision::Fp32 {
-        out.push(format!(
-            "train.precision={}: mixed precision is not yet supported by this worker; use precision=fp32",
-            t.precision.as_str()
-        ));
-    }
-    if t.loss_scaling != LossScaling::None {
-        out.push(
-            "train.loss_scaling=dynamic: loss scaling is not yet supported by this worker (it comes with fp16)".into(),
-        );
-    }
     if spec.backend == BackendKind::Cuda {
         out.push("backend=cuda: this worker has no CUDA backend yet; use backend=cpu".into());
     }
@@ -112,17 +101,22 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
 }
 
 /// Bytes the engine allocates for `spec` on one rank at most: parameters, gradients,
-/// optimizer state (all counted whole) and activations (fp32); what [`train`] checks
-/// against the available memory.
+/// optimizer state (all counted whole, fp32 master weights included) and activations;
+/// what [`train`] checks against the available memory.
 pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
     let params = spec.model.param_count();
+    let (model_bytes, master) = match spec.train.precision {
+        Precision::Fp32 => (4u64, 0u64),
+        Precision::Bf16 | Precision::Fp16 => (2, 1),
+    };
     let optimizer_states = match spec.train.optimizer {
-        distlab_common::Optimizer::Adamw => 2,
-        distlab_common::Optimizer::Sgd => 0,
+        distlab_common::Optimizer::Adamw => 2 + master,
+        distlab_common::Optimizer::Sgd => master,
     };
     let activations =
         Gpt::<CpuBackend<f32>>::activation_floats_for(&spec.model, spec.train.micro_batch, spec.parallel.tp) as u64;
-    4u64.saturating_mul(params.saturating_mul(2 + optimizer_states).saturating_add(activations))
+    let model = model_bytes.saturating_mul(params.saturating_mul(2).saturating_add(activations));
+    model.saturating_add(params.saturating_mul(4 * optimizer_states))
 }
 
 /// Memory the kernel reports as available (Linux `MemAvailable`), when it can be read.
@@ -139,20 +133,23 @@ pub struct StepStats {
     /// Mean loss over the step's global batch.
     pub loss: f64,
     pub lr: f64,
-    /// Global L2 norm of the gradient, before clipping.
+    /// Global L2 norm of the gradient, before clipping (unscaled).
     pub grad_norm: f64,
     /// False when the loss or gradient was not finite: then nothing was updated.
     pub updated: bool,
+    /// Dynamic loss scaling (fp16): the scale this step's loss was multiplied by, and
+    /// the steps skipped so far (this one included when it was not updated).
+    pub loss_scale: Option<(f64, u64)>,
 }
 
 /// A model, its strategy (parameters, gradients, optimizer state) and its data on the CPU
-/// backend, ready to take steps. Call it from inside the rayon pool the backend was made
-/// for (see [`train`]).
-pub struct Trainer {
+/// backend with buffers of `S` (f32; bf16 or fp16 for mixed precision), ready to take
+/// steps. Call it from inside the rayon pool the backend was made for (see [`train`]).
+pub struct Trainer<S: Stored<Acc = f32> = f32> {
     spec: ExperimentSpec,
-    backend: CpuBackend<f32>,
-    model: Gpt<CpuBackend<f32>>,
-    strategy: Box<dyn Strategy>,
+    backend: CpuBackend<S>,
+    model: Gpt<CpuBackend<S>>,
+    strategy: Box<dyn Strategy<S>>,
     data: Data,
     inputs: Vec<u32>,
     targets: Vec<u32>,
@@ -165,7 +162,9 @@ pub struct Trainer {
     /// Pipeline parallelism: the links to the neighbouring stages (None: one stage).
     links: Option<PipelineLinks>,
     /// Where a stage receives its input activation and its output's gradient.
-    received: Received,
+    received: Received<S>,
+    /// Dynamic loss scaling (fp16 with `loss_scaling: dynamic`).
+    scaler: Option<LossScaler>,
     memory: Arc<MemoryTracker>,
     /// Timeline spans of the first `SPAN_STEPS` steps (compute lane; comm spans come
     /// from the strategy).
@@ -179,7 +178,7 @@ fn span(kind: SpanKind, name: String, step: u64, lane: &str, start_us: u64, end_
     Span { kind, name, step, lane: lane.into(), start_us, end_us, layer, bucket: None, bytes: None, micro: None }
 }
 
-impl Trainer {
+impl<S: Stored<Acc = f32>> Trainer<S> {
     /// Builds everything a run needs; the spec must be valid and supported.
     pub fn new(spec: &ExperimentSpec, threads: usize) -> Result<Self, TrainError> {
         Self::with_data_parallel(spec, threads, None)
@@ -192,7 +191,7 @@ impl Trainer {
 
     /// A trainer for one rank: its data-parallel group and its pipeline group.
     pub fn with_groups(spec: &ExperimentSpec, threads: usize, groups: Groups) -> Result<Self, TrainError> {
-        let backend = CpuBackend::<f32>::new(threads);
+        let backend = CpuBackend::<S>::new(threads);
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
         let t = &spec.train;
@@ -201,7 +200,7 @@ impl Trainer {
         let micro_steps = t.micro_batches * t.grad_accum;
         let slots = schedule::activations_in_flight(spec.parallel.pp_schedule, stages, stage_index, micro_steps);
         let tp_rank = groups.tp.as_ref().map_or(0, |g| g.place().rank);
-        let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<Cpu>>);
+        let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<Cpu<S>>>);
         let saved = Saved { in_flight: slots, checkpointing: t.checkpointing };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
@@ -224,12 +223,21 @@ impl Trainer {
             first_step: 0,
             links,
             received,
+            scaler: (t.loss_scaling == LossScaling::Dynamic).then(LossScaler::default),
             memory,
             spans: Vec::new(),
         })
     }
 
-    pub fn model(&self) -> &Gpt<CpuBackend<f32>> {
+    /// Dynamic loss scaling: start at `scale` instead of 2^16 (for demos and tests of the
+    /// overflow path). Without loss scaling in the spec it does nothing.
+    pub fn start_loss_scale(&mut self, scale: f64) {
+        if let Some(scaler) = &mut self.scaler {
+            *scaler = LossScaler::new(scale);
+        }
+    }
+
+    pub fn model(&self) -> &Gpt<CpuBackend<S>> {
         &self.model
     }
 
@@ -244,7 +252,7 @@ impl Trainer {
 
     /// Bytes of every buffer the trainer holds, counted from the buffers themselves.
     pub fn held_bytes(&self) -> u64 {
-        let received = (self.received.activation.len() + self.received.grad.len()) * 4;
+        let received = (self.received.activation.len() + self.received.grad.len()) * size_of::<S>();
         self.model.held_bytes(&self.backend) + self.strategy.held_bytes(&self.backend) + received as u64
     }
 
@@ -262,6 +270,8 @@ impl Trainer {
         let per_rank = micro_steps * t.micro_batch;
         let step_tokens = dp_world * per_rank * seq_len;
         let dloss = 1.0 / step_tokens as f64;
+        // Dynamic loss scaling multiplies the loss, so every gradient, by the scale.
+        let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let record = step - self.first_step.min(step) < SPAN_STEPS;
         self.memory.sample_step(record.then_some(step));
         let (stage, stages) = self.links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
@@ -326,6 +336,7 @@ impl Trainer {
                 }
                 Action::Backward { micro } => {
                     let grad = (!last).then_some(&self.received.grad[..]);
+                    let dloss = dloss * scale;
                     self.model.backward_stage(be, &mut state, slot, &self.inputs, &self.targets, grad, dloss)?;
                     if record && stages > 1 {
                         let end = now_us();
@@ -353,7 +364,8 @@ impl Trainer {
             // 1/tp each); every TP rank computed the same loss.
             grad_norm_squared = tp.sum_scalar(grad_norm_squared)?;
         }
-        let grad_norm = grad_norm_squared.max(0.0).sqrt();
+        // (A NaN gradient must stay NaN here: `max(0.0)` would turn it into 0.)
+        let grad_norm = grad_norm_squared.sqrt() / scale;
         if dp_world > 1 {
             if record {
                 self.spans.push(span(
@@ -371,9 +383,17 @@ impl Trainer {
         let optimizer_start = now_us();
         let loss = loss_sum * dloss;
         let lr = lr_at(t, step);
-        let updated = loss.is_finite() && grad_norm.is_finite();
+        // Loss scaling acts on backward only: an overflow in forward (a non-finite loss)
+        // is divergence whatever the scale; an overflowed gradient skips the step.
+        let grads_finite = grad_norm.is_finite();
+        let updated = loss.is_finite()
+            && match self.scaler.as_mut() {
+                Some(scaler) => scaler.update(grads_finite) == ScaledStep::Apply,
+                None => grads_finite,
+            };
         if updated {
-            self.strategy.update(be, lr, clip_scale(grad_norm, t.grad_clip))?;
+            // Unscale (in f32, inside the update) and clip in one factor.
+            self.strategy.update(be, lr, clip_scale(grad_norm, t.grad_clip) / scale)?;
         }
         if record {
             self.spans.push(span(
@@ -388,7 +408,8 @@ impl Trainer {
         }
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
-        Ok(StepStats { loss, lr, grad_norm, updated })
+        let loss_scale = self.scaler.as_ref().map(|s| (scale, s.skipped()));
+        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale })
     }
 
     /// This rank's checkpoint before step `step`: a copy of the state its strategy owns
@@ -399,10 +420,22 @@ impl Trainer {
         let writes_replicated = self.place.dp == 0;
         let mut wanted: Vec<(&str, &[f32])> = Vec::new();
         if writes_replicated || !view.params_replicated {
-            wanted.push(("params", view.params));
+            wanted.push(("params", &view.params));
         }
-        if self.has_moments() && (writes_replicated || !view.optimizer_replicated) {
+        let writes_optimizer = writes_replicated || !view.optimizer_replicated;
+        if self.has_moments() && writes_optimizer {
             wanted.extend([("adam_m", view.moments[0]), ("adam_v", view.moments[1])]);
+        }
+        if let (Some(master), true) = (view.master, writes_optimizer) {
+            wanted.push(("master", master));
+        }
+        // Every rank holds the same scaler (its decisions follow the global gradient norm).
+        let scaler = self.scaler.as_ref().map(|s| {
+            let (scale, good_steps, skipped) = s.state();
+            [scale as f32, good_steps as f32, skipped as f32]
+        });
+        if let Some(scaler) = &scaler {
+            wanted.push(("loss_scale", scaler));
         }
         let mut spare = reuse.sections;
         let sections = wanted
@@ -428,9 +461,16 @@ impl Trainer {
                 .ok_or_else(|| format!("the checkpoint of step {} has no {name} for this rank", own.step))
         };
         let (m, v) = if self.has_moments() { (find("adam_m")?, find("adam_v")?) } else { (vec![], vec![]) };
+        let master = if needs_master::<S>() { Some(find("master")?) } else { None };
+        if let Some(scaler) = &mut self.scaler {
+            let &[scale, good_steps, skipped] = &find("loss_scale")?[..] else {
+                return Err("the loss_scale section holds 3 values".into());
+            };
+            *scaler = LossScaler::from_state((scale as f64, good_steps as u64, skipped as u64));
+        }
         let state = SavedState {
             params: find("params")?,
-            optimizer: OptimizerState { steps_taken: own.optimizer_steps, m, v },
+            optimizer: OptimizerState { steps_taken: own.optimizer_steps, m, v, master },
         };
         self.strategy.load(state)?;
         self.first_step = own.step;
@@ -467,24 +507,27 @@ pub struct Groups {
 
 /// Buffers a pipeline stage receives into: its input activation (all but the first stage)
 /// and its output's gradient (all but the last).
-struct Received {
-    activation: Vec<f32>,
-    grad: Vec<f32>,
+struct Received<S> {
+    activation: Vec<S>,
+    grad: Vec<S>,
     _receipts: Vec<Receipt>,
 }
 
-impl Received {
+impl<S: Stored> Received<S> {
     fn new(memory: &Arc<MemoryTracker>, activation: usize, grad: usize) -> Self {
-        let receipts =
-            [activation, grad].iter().filter(|&&n| n > 0).map(|&n| memory.alloc(Category::CommBuffers, n)).collect();
-        Received { activation: vec![0.0; activation], grad: vec![0.0; grad], _receipts: receipts }
+        let receipts = [activation, grad]
+            .iter()
+            .filter(|&&n| n > 0)
+            .map(|&n| memory.alloc_of::<S>(Category::CommBuffers, n))
+            .collect();
+        Received { activation: vec![S::default(); activation], grad: vec![S::default(); grad], _receipts: receipts }
     }
 }
 
 /// The strategy's state as the model sees it, plus what the trainer observes on the way:
 /// a backward span per unit, and a memory sample after every open and close.
-struct Observed<'a> {
-    inner: &'a mut dyn ModelState<Cpu>,
+struct Observed<'a, S: Stored<Acc = f32>> {
+    inner: &'a mut dyn ModelState<Cpu<S>>,
     memory: &'a MemoryTracker,
     spans: &'a mut Vec<Span>,
     record: bool,
@@ -493,14 +536,14 @@ struct Observed<'a> {
     mark: u64,
 }
 
-impl ModelState<Cpu> for Observed<'_> {
-    fn open(&mut self, be: &Cpu, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<f32>>, CommError> {
+impl<S: Stored<Acc = f32>> ModelState<Cpu<S>> for Observed<'_, S> {
+    fn open(&mut self, be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<S>>, CommError> {
         let open = self.inner.open(be, unit, pass)?;
         self.memory.sample(|| format!("{} {}: open", pass_name(pass), unit.name()));
         Ok(open)
     }
 
-    fn close(&mut self, be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
+    fn close(&mut self, be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<(), CommError> {
         let recorded = match (pass, unit) {
             (Pass::Forward, _) => None,
             (Pass::Recompute, Unit::Block(l)) => Some((SpanKind::Forward, format!("recompute layer {l}"), Some(l))),
@@ -578,7 +621,11 @@ pub fn train(
 
 /// Loads this rank's part of the checkpoint of `step` (and DP rank 0's, for the state it
 /// writes for the whole group); returns the run's lowest loss so far.
-fn resume(trainer: &mut Trainer, dir: &CheckpointDir, step: u64) -> Result<f64, CheckpointError> {
+fn resume<S: Stored<Acc = f32>>(
+    trainer: &mut Trainer<S>,
+    dir: &CheckpointDir,
+    step: u64,
+) -> Result<f64, CheckpointError> {
     let place = trainer.place();
     let own = checkpoint::read(&dir.file(step, place))?;
     let zero = if place.dp == 0 { None } else { Some(checkpoint::read(&dir.file(step, place.dp_rank_zero()))?) };
@@ -651,6 +698,21 @@ pub fn train_rank(
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
+    match spec.train.precision {
+        Precision::Fp32 => train_rank_as::<f32>(spec, opts, groups, on_event, cancel),
+        Precision::Bf16 => train_rank_as::<half::bf16>(spec, opts, groups, on_event, cancel),
+        Precision::Fp16 => train_rank_as::<half::f16>(spec, opts, groups, on_event, cancel),
+    }
+}
+
+/// [`train_rank`] with the model's parameters, gradients and activations stored as `S`.
+fn train_rank_as<S: Stored<Acc = f32>>(
+    spec: &ExperimentSpec,
+    opts: &TrainOptions,
+    groups: Groups,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RankRun, TrainError> {
     let started = Instant::now();
     let world = spec.world_size();
     let sharding = spec.parallel.sharding;
@@ -675,7 +737,7 @@ pub fn train_rank(
         .thread_name(|i| format!("distlab-kernel-{i}"))
         .build()
         .map_err(|e| TrainError::Threads { threads, message: e.to_string() })?;
-    let mut trainer = pool.install(|| Trainer::with_groups(spec, threads, groups))?;
+    let mut trainer = pool.install(|| Trainer::<S>::with_groups(spec, threads, groups))?;
 
     let m = &spec.model;
     let t = &spec.train;
@@ -683,9 +745,10 @@ pub fn train_rank(
     log(
         on_event,
         format!(
-            "model: GPT with {params} parameters ({:.2} MiB fp32): {} layers, d_model {}, {} heads, seq_len {}, \
+            "model: GPT with {params} parameters ({:.2} MiB in {}): {} layers, d_model {}, {} heads, seq_len {}, \
              vocab {}, LM head not tied to the embedding",
-            mib(params),
+            mib_bytes((params * size_of::<S>()) as u64),
+            S::NAME,
             m.layers,
             m.d_model,
             m.heads,
@@ -698,9 +761,10 @@ pub fn train_rank(
     log(
         on_event,
         format!(
-            "memory of this rank ({}, fp32): parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
+            "memory of this rank ({}, {}): parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
              activations {:.2} MiB, their gradients {:.2} MiB, communication buckets {:.2} MiB",
             sharding.as_str(),
+            S::NAME,
             mib_bytes(held.parameters),
             mib_bytes(held.gradients),
             mib_bytes(held.optimizer_state),
@@ -755,16 +819,33 @@ pub fn train_rank(
         let step_start = Instant::now();
         let stats = pool.install(|| trainer.step(step))?;
         let seconds = step_start.elapsed().as_secs_f64();
-        if !stats.updated {
+        // A step loss scaling skipped (its gradient overflowed) is not divergence, unless the
+        // scale could not go lower.
+        let skipped = !stats.updated
+            && stats.loss.is_finite()
+            && stats.loss_scale.is_some_and(|(scale, _)| scale > crate::loss_scale::MIN_SCALE);
+        if !stats.updated && !skipped {
             return Err(TrainError::Diverged { step, loss: stats.loss, grad_norm: stats.grad_norm });
+        }
+        if let (true, Some((scale, _))) = (skipped, stats.loss_scale) {
+            log(
+                on_event,
+                format!(
+                    "step {step}: the gradient overflowed fp16 at loss scale {scale}; step skipped, the scale halves \
+                     to {}",
+                    scale / 2.0
+                ),
+            );
         }
         on_event(RunEvent::Metric(MetricPoint {
             step,
             loss: stats.loss,
             lr: stats.lr,
-            grad_norm: stats.grad_norm,
+            grad_norm: if stats.grad_norm.is_finite() { stats.grad_norm } else { f64::MAX },
             tokens_per_s: tokens_per_step as f64 / seconds,
             step_ms: seconds * 1e3,
+            loss_scale: stats.loss_scale.map(|(scale, _)| scale),
+            skipped_steps: stats.loss_scale.map(|(_, skipped)| skipped),
         }));
         final_loss = stats.loss;
         min_loss = min_loss.min(stats.loss);

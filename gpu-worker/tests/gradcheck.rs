@@ -316,6 +316,39 @@ fn bf16_and_fp16_gradients_follow_f64_to_their_precision() {
 }
 
 #[test]
+fn fp16_gradients_underflow_without_loss_scaling_and_survive_with_it() {
+    // A step of 32768 tokens weights each token's loss by 1/32768. With 2048 tokens in the
+    // vocabulary an unlikely token's logit gradient, p / 32768 ~ 1.5e-8, is below fp16's
+    // smallest subnormal (2^-24 ~ 6e-8): stored in fp16 it is 0. Scaling the loss by 2^16
+    // lifts every gradient into range; dividing by 2^16 afterwards (in f32) gives it back.
+    let spec = ModelSpec { layers: 1, d_model: 16, heads: 2, seq_len: 8, vocab: 2048 };
+    let (inputs, targets) = tiny_batch(&spec, 2);
+    let dloss = 1.0 / 32768.0;
+    let scale = 65536.0;
+    let (_, g64) = loss_and_gradient(&CpuBackend::<f64>::new(1), &spec, &inputs, &targets, dloss);
+    let (_, plain) = loss_and_gradient(&CpuBackend::<f16>::new(1), &spec, &inputs, &targets, dloss);
+    let (_, scaled) = loss_and_gradient(&CpuBackend::<f16>::new(1), &spec, &inputs, &targets, dloss * scale);
+    let unscaled: Vec<f64> = scaled.iter().map(|g| g.to_f64() / scale).collect();
+    let lost = |g: &[f64]| {
+        let nonzero = g64.iter().filter(|&&x| x != 0.0).count();
+        let lost = g64.iter().zip(g).filter(|&(&x, &y)| x != 0.0 && y == 0.0).count();
+        lost as f64 / nonzero as f64
+    };
+    let plain: Vec<f64> = plain.iter().map(|g| g.to_f64()).collect();
+    let (lost_plain, lost_scaled) = (lost(&plain), lost(&unscaled));
+    let (d_plain, d_scaled) = (relative_distance(&g64, &plain), relative_distance(&g64, &unscaled));
+    eprintln!(
+        "fp16 gradient entries flushed to zero: {:.1}% unscaled, {:.2}% with a 2^16 loss scale; distance from f64 \
+         {d_plain:.2e} vs {d_scaled:.2e}",
+        100.0 * lost_plain,
+        100.0 * lost_scaled
+    );
+    assert!(lost_plain > 0.3, "most of the tiny gradients vanish: {lost_plain}");
+    assert!(lost_scaled < 0.01, "scaled, they survive: {lost_scaled}");
+    assert!(d_scaled < 1e-2 && d_scaled < d_plain / 5.0, "{d_scaled} vs {d_plain}");
+}
+
+#[test]
 fn backward_accumulates_across_micro_batches() {
     let spec = tiny_model();
     let (inputs, targets) = tiny_batch(&spec, 2);

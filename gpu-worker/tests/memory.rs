@@ -1,9 +1,12 @@
 //! The memory ledger: it agrees with the buffers the engine actually holds, and with the
 //! planner on model state (exactly) and activations.
 
+use distlab_common::memory::RankMemoryReport;
 use distlab_common::planner::plan;
-use distlab_common::{ExperimentSpec, ModelSpec, Optimizer, Sharding};
+use distlab_common::{ExperimentSpec, ModelSpec, Optimizer, Precision, Sharding};
+use distlab_worker::backend::Stored;
 use distlab_worker::Trainer;
+use half::{bf16, f16};
 
 fn spec(sharding: Sharding, optimizer: Optimizer) -> ExperimentSpec {
     let mut spec = ExperimentSpec {
@@ -19,51 +22,79 @@ fn spec(sharding: Sharding, optimizer: Optimizer) -> ExperimentSpec {
 
 const ALL: [Sharding; 4] = [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp];
 
-#[test]
-fn the_ledger_equals_the_bytes_of_the_buffers_held() {
+/// Runs `check` on a trainer of every sharding and optimizer, for every precision (the
+/// trainer's buffers stored as f32, bf16 or fp16).
+fn for_every_config(check: impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) -> (RankMemoryReport, u64))) {
     for sharding in ALL {
         for optimizer in [Optimizer::Adamw, Optimizer::Sgd] {
-            let spec = spec(sharding, optimizer);
-            let mut trainer = Trainer::new(&spec, 1).unwrap();
-            let what = format!("{sharding:?} {optimizer:?}");
-            assert_eq!(trainer.memory_report().current.total, trainer.held_bytes(), "{what} before a step");
-            trainer.step(0).unwrap();
-            trainer.step(1).unwrap();
-            // Between steps no temporary (gathered unit, unit gradient) is alive.
-            let report = trainer.memory_report();
-            assert_eq!(report.current.total, trainer.held_bytes(), "{what} after steps");
-            assert_eq!((report.current.gathered_parameters, report.current.comm_buffers), (0, 0), "{what}");
-            assert!(!report.timeline.is_empty(), "{what}: the first steps are sampled");
+            for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+                let mut spec = spec(sharding, optimizer);
+                spec.train.precision = precision;
+                let what = format!("{sharding:?} {optimizer:?} {}", precision.as_str());
+                match precision {
+                    Precision::Fp32 => drive(Trainer::<f32>::new(&spec, 1).unwrap(), &spec, &what, &check),
+                    Precision::Bf16 => drive(Trainer::<bf16>::new(&spec, 1).unwrap(), &spec, &what, &check),
+                    Precision::Fp16 => drive(Trainer::<f16>::new(&spec, 1).unwrap(), &spec, &what, &check),
+                }
+            }
         }
     }
 }
 
+/// Hands `check` a function that takes `steps` steps and returns the ledger's report and
+/// the bytes the trainer holds.
+fn drive<S: Stored<Acc = f32>>(
+    mut trainer: Trainer<S>,
+    spec: &ExperimentSpec,
+    what: &str,
+    check: &impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) -> (RankMemoryReport, u64)),
+) {
+    let mut taken = 0;
+    let mut advance = |steps: u64| {
+        for _ in 0..steps {
+            trainer.step(taken).unwrap();
+            taken += 1;
+        }
+        (trainer.memory_report(), trainer.held_bytes())
+    };
+    check(spec, what, &mut advance);
+}
+
+#[test]
+fn the_ledger_equals_the_bytes_of_the_buffers_held() {
+    for_every_config(|_, what, advance| {
+        let (report, held) = advance(0);
+        assert_eq!(report.current.total, held, "{what} before a step");
+        let (report, held) = advance(2);
+        // Between steps no temporary (gathered unit, unit gradient) is alive.
+        assert_eq!(report.current.total, held, "{what} after steps");
+        assert_eq!((report.current.gathered_parameters, report.current.comm_buffers), (0, 0), "{what}");
+        assert!(!report.timeline.is_empty(), "{what}: the first steps are sampled");
+    });
+}
+
 #[test]
 fn one_rank_measures_what_the_planner_predicts() {
-    for sharding in ALL {
-        for optimizer in [Optimizer::Adamw, Optimizer::Sgd] {
-            let spec = spec(sharding, optimizer);
-            let predicted = plan(&spec).unwrap().stages[0].memory.clone();
-            let mut trainer = Trainer::new(&spec, 1).unwrap();
-            trainer.step(0).unwrap();
-            let measured = trainer.memory_report().peak;
-            let what = format!("{sharding:?} {optimizer:?}");
-            assert_eq!(measured.parameters, predicted.parameters, "{what}");
-            assert_eq!(measured.gradients, predicted.gradients, "{what}");
-            assert_eq!(measured.optimizer_state, predicted.optimizer_state, "{what}");
-            assert_eq!(measured.gathered_parameters, predicted.gathered_parameters, "{what}");
-            assert_eq!(measured.comm_buffers, predicted.comm_buffers, "{what}");
-            // The planner's activation formula is derived from what the engine stores.
-            assert_eq!(measured.activations, predicted.activations, "{what}");
-            assert_eq!(measured.activation_grads, predicted.activation_grads, "{what}");
-        }
-    }
+    // bf16/fp16: 2 bytes for parameters, gradients and activations, 12 (master, m, v)
+    // for AdamW's state, 4 (the master copy) for SGD's.
+    for_every_config(|spec, what, advance| {
+        let predicted = plan(spec).unwrap().stages[0].memory.clone();
+        let measured = advance(1).0.peak;
+        assert_eq!(measured.parameters, predicted.parameters, "{what}");
+        assert_eq!(measured.gradients, predicted.gradients, "{what}");
+        assert_eq!(measured.optimizer_state, predicted.optimizer_state, "{what}");
+        assert_eq!(measured.gathered_parameters, predicted.gathered_parameters, "{what}");
+        assert_eq!(measured.comm_buffers, predicted.comm_buffers, "{what}");
+        // The planner's activation formula is derived from what the engine stores.
+        assert_eq!(measured.activations, predicted.activations, "{what}");
+        assert_eq!(measured.activation_grads, predicted.activation_grads, "{what}");
+    });
 }
 
 #[test]
 fn fsdp_gathers_and_frees_one_unit_at_a_time() {
     let spec = spec(Sharding::Fsdp, Optimizer::Adamw);
-    let mut trainer = Trainer::new(&spec, 1).unwrap();
+    let mut trainer = Trainer::<f32>::new(&spec, 1).unwrap();
     trainer.step(0).unwrap();
     let timeline = trainer.memory_report().timeline;
     let gathered: Vec<u64> = timeline.iter().map(|s| s.bytes.gathered_parameters).collect();

@@ -9,7 +9,7 @@ use distlab_common::{
 };
 use distlab_worker::checkpoint::{CheckpointDir, RankPlace};
 use distlab_worker::train::CheckpointOptions;
-use distlab_worker::{train, TrainError, TrainOptions};
+use distlab_worker::{train, TrainError, TrainOptions, Trainer};
 
 struct Run {
     metrics: Vec<MetricPoint>,
@@ -182,17 +182,7 @@ fn divergence_is_reported() {
 #[test]
 fn unsupported_features_are_refused_naming_the_field() {
     type Change = Box<dyn Fn(&mut ExperimentSpec)>;
-    let cases: Vec<(&str, Change)> = vec![
-        ("train.precision", Box::new(|s| s.train.precision = Precision::Bf16)),
-        (
-            "train.loss_scaling",
-            Box::new(|s| {
-                s.train.precision = Precision::Fp16;
-                s.train.loss_scaling = LossScaling::Dynamic;
-            }),
-        ),
-        ("backend", Box::new(|s| s.backend = BackendKind::Cuda)),
-    ];
+    let cases: Vec<(&str, Change)> = vec![("backend", Box::new(|s| s.backend = BackendKind::Cuda))];
     for (field, change) in cases {
         let mut spec = ExperimentSpec::default();
         change(&mut spec);
@@ -285,4 +275,67 @@ fn cancel_stops_between_steps() {
     );
     assert!(matches!(result, Err(TrainError::Cancelled)), "{:?}", result.err());
     assert_eq!(steps, 3);
+}
+
+/// The losses of `spec` in `precision` (with dynamic loss scaling when asked).
+fn losses_in(spec: &ExperimentSpec, precision: Precision, scaling: LossScaling) -> Run {
+    let mut spec = spec.clone();
+    spec.train.precision = precision;
+    spec.train.loss_scaling = scaling;
+    run(&spec, 2).unwrap()
+}
+
+#[test]
+fn bf16_and_fp16_runs_follow_the_fp32_run() {
+    let mut spec = ExperimentSpec::default();
+    spec.train.steps = 12;
+    let fp32 = losses(&run(&spec, 2).unwrap());
+    // Relative tolerance per step: bf16 keeps 8 significant bits, fp16 11.
+    for (precision, scaling, tolerance) in [
+        (Precision::Bf16, LossScaling::None, 2e-2),
+        (Precision::Fp16, LossScaling::None, 5e-3),
+        (Precision::Fp16, LossScaling::Dynamic, 5e-3),
+    ] {
+        let r = losses_in(&spec, precision, scaling);
+        let worst = losses(&r).iter().zip(&fp32).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+        eprintln!("{} {scaling:?}: worst relative loss difference from fp32 {worst:.2e}", precision.as_str());
+        assert!(worst < tolerance, "{} {scaling:?}: {worst}", precision.as_str());
+        let scaled = scaling == LossScaling::Dynamic;
+        assert!(r.metrics.iter().all(|m| m.loss_scale.is_some() == scaled && m.skipped_steps.is_some() == scaled));
+        assert!(r.logs.iter().any(|l| l.contains(&format!("MiB in {}", precision.as_str()))), "{:?}", r.logs);
+    }
+}
+
+#[test]
+fn an_overflowing_fp16_step_is_skipped_and_the_scale_halves() {
+    let mut spec = ExperimentSpec::default();
+    spec.train.precision = Precision::Fp16;
+    spec.train.loss_scaling = LossScaling::Dynamic;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    pool.install(|| {
+        let mut trainer = Trainer::<half::f16>::new(&spec, 1).unwrap();
+        // 2^40 times any gradient is far beyond fp16's 65504.
+        trainer.start_loss_scale(2f64.powi(40));
+        let params =
+            |t: &Trainer<half::f16>| t.checkpoint(0, 0.0, Default::default()).section("params").unwrap().to_vec();
+        let before = params(&trainer);
+        let mut step = 0;
+        let mut skipped = 0;
+        loop {
+            let stats = trainer.step(step).unwrap();
+            let (scale, skipped_so_far) = stats.loss_scale.unwrap();
+            assert_eq!(scale, 2f64.powi(40 - skipped as i32), "the scale halves on each overflow");
+            step += 1;
+            if stats.updated {
+                break;
+            }
+            skipped += 1;
+            assert_eq!(skipped_so_far, skipped);
+            assert!(stats.loss.is_finite() && !stats.grad_norm.is_finite());
+            assert_eq!(params(&trainer), before, "a skipped step changes nothing");
+            assert!(skipped < 40, "the scale comes down until the gradient fits");
+        }
+        assert!(skipped >= 20, "from 2^40 down to a scale fp16 holds: {skipped} halvings");
+        assert_ne!(params(&trainer), before, "the first finite step updates");
+    });
 }

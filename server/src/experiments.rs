@@ -94,12 +94,15 @@ struct MetricRow {
     grad_norm: f64,
     tokens_per_s: f64,
     step_ms: f64,
+    loss_scale: Option<f64>,
+    skipped_steps: Option<i64>,
 }
 
 /// Every stored metric point of an experiment, ordered by step.
 pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpError> {
     let rows = sqlx::query_as::<_, MetricRow>(
-        "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms FROM metrics WHERE experiment_id = ?1 ORDER BY step",
+        "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps FROM metrics \
+         WHERE experiment_id = ?1 ORDER BY step",
     )
     .bind(id)
     .fetch_all(db)
@@ -113,6 +116,8 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpErro
             grad_norm: r.grad_norm,
             tokens_per_s: r.tokens_per_s,
             step_ms: r.step_ms,
+            loss_scale: r.loss_scale,
+            skipped_steps: r.skipped_steps.and_then(|n| u64::try_from(n).ok()),
         })
         .collect())
 }

@@ -249,10 +249,12 @@ pub async fn store_events(
 async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint) -> Result<(), sqlx::Error> {
     // ON CONFLICT ... DO UPDATE is the portable spelling of INSERT OR REPLACE (SQLite and Postgres).
     sqlx::query(
-        "INSERT INTO metrics (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
+        "INSERT INTO metrics \
+           (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
          ON CONFLICT (experiment_id, step) DO UPDATE SET loss = excluded.loss, lr = excluded.lr, \
-           grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms",
+           grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms, \
+           loss_scale = excluded.loss_scale, skipped_steps = excluded.skipped_steps",
     )
     .bind(id)
     .bind(i64::try_from(m.step).unwrap_or(i64::MAX))
@@ -261,6 +263,8 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     .bind(m.grad_norm)
     .bind(m.tokens_per_s)
     .bind(m.step_ms)
+    .bind(m.loss_scale)
+    .bind(m.skipped_steps.map(|n| i64::try_from(n).unwrap_or(i64::MAX)))
     .execute(tx)
     .await?;
     Ok(())

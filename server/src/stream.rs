@@ -262,7 +262,15 @@ mod tests {
     async fn live_skips_replayed_duplicates_and_ends_on_finish() {
         let hub = Arc::new(Hub::new(4));
         let sub = hub.subscribe(7);
-        let point = |step, loss| MetricPoint { step, loss, lr: 0.1, grad_norm: 1.0, tokens_per_s: 1.0, step_ms: 1.0 };
+        let point = |step, loss| MetricPoint {
+            step,
+            loss,
+            lr: 0.1,
+            grad_norm: 1.0,
+            tokens_per_s: 1.0,
+            step_ms: 1.0,
+            ..Default::default()
+        };
         let replayed = Replayed { metrics: HashMap::from([(3, point(3, 1.0))]), last_log_id: None };
         hub.publish(7, StreamEvent::Metric(point(3, 1.0))); // duplicate of the replay
         hub.publish(7, StreamEvent::Metric(point(4, 0.9)));

@@ -257,7 +257,7 @@ mod tests {
     use super::*;
 
     fn point(step: u64, loss: f64) -> MetricPoint {
-        MetricPoint { step, loss, lr: 1e-3, grad_norm: 1.0, tokens_per_s: 1.0, step_ms: 1.0 }
+        MetricPoint { step, loss, lr: 1e-3, grad_norm: 1.0, tokens_per_s: 1.0, step_ms: 1.0, ..Default::default() }
     }
 
     #[test]

@@ -611,7 +611,7 @@ mod tests {
     use super::*;
 
     fn p(step: u64) -> MetricPoint {
-        MetricPoint { step, loss: step as f64, lr: 0.0, grad_norm: 0.0, tokens_per_s: 0.0, step_ms: 0.0 }
+        MetricPoint { step, loss: step as f64, ..Default::default() }
     }
 
     #[test]

@@ -220,17 +220,19 @@ impl Stored for half::f16 {
 
 /// Runs `f` on `buf` in the compute format: in place when the formats are the same, else
 /// on a widened copy that is stored back (rounded once) afterwards. For sums over many
-/// rows into a gradient, which a GPU kernel also accumulates in f32 before its one store.
+/// rows into a gradient, which a GPU kernel also accumulates in f32 before its one store,
+/// and for collectives, which carry f32.
 #[inline(always)]
-pub fn in_acc<S: Stored>(buf: &mut [S], f: impl FnOnce(&mut [S::Acc])) {
+pub fn in_acc<S: Stored, R>(buf: &mut [S], f: impl FnOnce(&mut [S::Acc]) -> R) -> R {
     if let Some(acc) = S::as_acc_mut(buf) {
         return f(acc);
     }
     let mut wide: Vec<S::Acc> = buf.iter().map(|x| x.load()).collect();
-    f(&mut wide);
+    let result = f(&mut wide);
     for (x, w) in buf.iter_mut().zip(wide) {
         *x = S::store(w);
     }
+    result
 }
 
 /// e^x for f32 (Cephes `expf`): x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6

@@ -289,7 +289,7 @@ impl<B: Backend> Gpt<B> {
         let mut receipts = Vec::new();
         let mut alloc = |category: Category, len: usize| {
             floats += len;
-            receipts.push(memory.alloc(category, len));
+            receipts.push(memory.alloc_of::<B::Elem>(category, len));
             be.alloc(len)
         };
         let block = |alloc: &mut dyn FnMut(Category, usize) -> B::Buf| BlockActivations {

@@ -274,8 +274,8 @@ impl ParamLayout {
     /// The sum of squares of `grads`, whose element i is parameter `at + i` of this layout,
     /// for the global gradient norm: a tensor every tensor-parallel rank holds whole counts
     /// 1/tp on each, so summing over the group counts it once.
-    pub fn grad_squares(&self, grads: &[f32], at: usize) -> f64 {
-        let squares = |x: &[f32]| x.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+    pub fn grad_squares<S: Stored>(&self, grads: &[S], at: usize) -> f64 {
+        let squares = |x: &[S]| x.iter().map(|g| g.to_f64() * g.to_f64()).sum::<f64>();
         if self.tp.size <= 1 {
             return squares(grads);
         }

@@ -26,8 +26,8 @@ use distlab_common::trace::{Span, SpanKind};
 use distlab_common::{ExperimentSpec, Sharding};
 
 use super::shard::ShardLayout;
-use super::{load_params, Cpu, DpGroup, SavedState, StateView, Strategy};
-use crate::backend::Backend;
+use super::{collective_f32, load_params, params_f32, Cpu, DpGroup, SavedState, StateView, Strategy};
+use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
@@ -42,9 +42,9 @@ pub fn sum_scalar(comm: &mut dyn Communicator, value: f64) -> Result<f64, CommEr
 }
 
 /// Every parameter and gradient whole on this rank: one process alone, DDP, or ZeRO-1.
-pub struct Replicated {
-    state: FlatState<Cpu>,
-    optimizer: Optimizer<Cpu>,
+pub struct Replicated<S: Stored<Acc = f32> = f32> {
+    state: FlatState<Cpu<S>>,
+    optimizer: Optimizer<S>,
     /// None: this process is the whole run.
     dp: Option<Synced>,
     /// ZeRO-1: this rank's shard, the only part its optimizer updates.
@@ -67,10 +67,10 @@ struct Synced {
     scalars: Box<dyn Communicator>,
 }
 
-impl Replicated {
+impl<S: Stored<Acc = f32>> Replicated<S> {
     pub fn new(
         spec: &ExperimentSpec,
-        be: &Cpu,
+        be: &Cpu<S>,
         layout: &ParamLayout,
         stage: &Stage,
         memory: &Arc<MemoryTracker>,
@@ -79,21 +79,27 @@ impl Replicated {
         let range = stage.range(layout);
         let units = stage.units();
         let state = FlatState::for_range(be, layout, range.clone(), spec.train.seed);
-        let receipts =
-            [memory.alloc(Category::Parameters, range.len()), memory.alloc(Category::Gradients, range.len())];
+        let receipts = [
+            memory.alloc_of::<S>(Category::Parameters, range.len()),
+            memory.alloc_of::<S>(Category::Gradients, range.len()),
+        ];
         let zero1 = match &dp {
             Some(g) if spec.parallel.sharding == Sharding::Zero1 => {
                 Some(ShardLayout::new(layout, &units, g.rank, g.world))
             }
             _ => None,
         };
+        // Mixed precision: the optimizer's fp32 master weights start from the fp32 init.
+        let seed = spec.train.seed;
         let optimizer = match &zero1 {
             Some(shard) => {
-                Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, memory)
+                let initial = || shard.gather_mine(&layout.init_params::<f32>(seed));
+                Optimizer::new(&spec.train, shard.optim_groups(&layout.param_groups()), shard.len, initial, memory)
             }
             None => {
                 let groups = OptimGroup::unsharded(&layout.param_groups_in(&range));
-                Optimizer::new(be, &spec.train, groups, range.len(), memory)
+                let initial = || layout.init_params::<f32>(seed)[range.clone()].to_vec();
+                Optimizer::new(&spec.train, groups, range.len(), initial, memory)
             }
         };
         // Readiness units in the order backward finishes them, within the stage's buffer.
@@ -123,12 +129,12 @@ impl Replicated {
     }
 }
 
-impl ModelState<Cpu> for Replicated {
-    fn open(&mut self, be: &Cpu, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<f32>>, CommError> {
+impl<S: Stored<Acc = f32>> ModelState<Cpu<S>> for Replicated<S> {
+    fn open(&mut self, be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<S>>, CommError> {
         self.state.open(be, unit, pass)
     }
 
-    fn close(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
+    fn close(&mut self, _be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<(), CommError> {
         if let (true, Some(dp), Pass::Backward { .. }) = (self.syncing, &mut self.dp, pass) {
             let position = self.units.iter().position(|&u| u == unit).expect("a unit of this stage");
             dp.grads.unit_ready(self.units.len() - 1 - position, &self.state.grads);
@@ -137,8 +143,8 @@ impl ModelState<Cpu> for Replicated {
     }
 }
 
-impl Strategy for Replicated {
-    fn begin_step(&mut self, be: &Cpu, step: u64, record: bool) {
+impl<S: Stored<Acc = f32>> Strategy<S> for Replicated<S> {
+    fn begin_step(&mut self, be: &Cpu<S>, step: u64, record: bool) {
         self.state.zero_grads(be);
         self.step = step;
         self.record = record;
@@ -147,27 +153,27 @@ impl Strategy for Replicated {
         }
     }
 
-    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu> {
+    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu<S>> {
         // Gradients are summed across ranks once per step: only the last micro-batch's
         // backward hands finished buckets to the communication thread (no_sync before).
         self.syncing = last && self.dp.is_some();
         self
     }
 
-    fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError> {
+    fn reduce_gradients(&mut self, be: &Cpu<S>) -> Result<f64, CommError> {
         if let Some(dp) = &mut self.dp {
             dp.grads.finish(&mut self.state.grads)?;
         }
         Ok(self.layout.grad_squares(be.all(&self.state.grads), self.base))
     }
 
-    fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError> {
-        let params = (&mut self.state.params, Indexing::Global);
-        self.optimizer.step(be, params, (&self.state.grads, Indexing::Global), lr, grad_scale);
+    fn update(&mut self, _be: &Cpu<S>, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+        let params = (&mut self.state.params[..], Indexing::Global);
+        self.optimizer.step(params, (&self.state.grads, Indexing::Global), lr, grad_scale);
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
             let start = now_us();
             for u in &shard.units {
-                dp.scalars.all_gather_in_place(&mut self.state.params[shard.in_buffer(u)])?;
+                collective_f32(&mut self.state.params[shard.in_buffer(u)], |p| dp.scalars.all_gather_in_place(p))?;
             }
             if self.record {
                 self.spans.push(comm_span(
@@ -196,17 +202,18 @@ impl Strategy for Replicated {
         spans
     }
 
-    fn held_bytes(&self, be: &Cpu) -> u64 {
-        let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) as u64 * 4;
+    fn held_bytes(&self, be: &Cpu<S>) -> u64 {
+        let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) * size_of::<S>();
         let buckets = self.dp.as_ref().map_or(0, |dp| dp.grads.held_bytes());
-        flat + self.optimizer.held_bytes(be) + buckets
+        flat as u64 + self.optimizer.held_bytes() + buckets
     }
 
     fn state_view(&self) -> StateView<'_> {
         let (moments, optimizer_steps) = self.optimizer.state_view();
         StateView {
-            params: &self.state.params,
+            params: params_f32(&self.state.params),
             moments,
+            master: self.optimizer.master(),
             optimizer_steps,
             params_replicated: true,
             optimizer_replicated: self.zero1.is_none(),
@@ -360,13 +367,15 @@ impl GradSync {
 
     /// Readiness unit `unit` of `all_grads` (the whole flat gradient buffer) is final: copy
     /// it into its bucket, and send the bucket once all its units are in.
-    pub fn unit_ready(&mut self, unit: usize, all_grads: &[f32]) {
+    pub fn unit_ready<S: Stored<Acc = f32>>(&mut self, unit: usize, all_grads: &[S]) {
         let grads = &all_grads[self.units[unit].clone()];
         let b = self.unit_bucket[unit];
         let bucket = &self.buckets[b];
         let at = self.units[unit].start - bucket.range.start;
         let buffer = self.buffers[b].as_mut().expect("a bucket is sent once per step");
-        buffer[at..at + grads.len()].copy_from_slice(grads);
+        for (b, g) in buffer[at..at + grads.len()].iter_mut().zip(grads) {
+            *b = g.load();
+        }
         self.ready_units[b] += 1;
         if self.ready_units[b] == bucket.units.len() {
             let data = self.buffers[b].take().expect("bucket buffer present");
@@ -380,7 +389,7 @@ impl GradSync {
 
     /// Waits for every bucket of this step and writes the summed gradients into `grads`
     /// (the whole flat gradient buffer). Returns the time spent waiting, in microseconds.
-    pub fn finish(&mut self, grads: &mut [f32]) -> Result<u64, CommError> {
+    pub fn finish<S: Stored<Acc = f32>>(&mut self, grads: &mut [S]) -> Result<u64, CommError> {
         let wait_start = now_us();
         let mut first_error = None;
         while self.in_flight > 0 {
@@ -388,7 +397,9 @@ impl GradSync {
             self.in_flight -= 1;
             let range = self.buckets[done.bucket].range.clone();
             if done.result.is_ok() {
-                grads[range].copy_from_slice(&done.data);
+                for (g, &sum) in grads[range].iter_mut().zip(done.data.iter()) {
+                    *g = S::store(sum);
+                }
             }
             if self.record_spans {
                 let mut span = done.span;

@@ -19,39 +19,42 @@ pub mod shard;
 pub mod sharded;
 pub mod tensor;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
 use distlab_common::{ExperimentSpec, Sharding};
 
-use crate::backend::CpuBackend;
+use crate::backend::float::in_acc;
+use crate::backend::{CpuBackend, Stored};
 use crate::comm::{CommError, Communicator};
 use crate::memory::MemoryTracker;
 use crate::model::{ModelState, ParamLayout, Stage};
 use crate::optim::OptimizerState;
 
-/// The backend the strategies run on (their collectives work on host memory).
-pub type Cpu = CpuBackend<f32>;
+/// The backend the strategies run on (their collectives work on host memory), with
+/// buffers of `S`: f32, or bf16/fp16 for mixed precision.
+pub type Cpu<S = f32> = CpuBackend<S>;
 
-/// How one rank holds and updates the model.
-pub trait Strategy: Send {
+/// How one rank holds and updates the model, stored as `S`.
+pub trait Strategy<S: Stored<Acc = f32> = f32>: Send {
     /// Before a step's micro-batches: zero the gradients; `record` keeps its timeline.
-    fn begin_step(&mut self, be: &Cpu, step: u64, record: bool);
+    fn begin_step(&mut self, be: &Cpu<S>, step: u64, record: bool);
     /// The state the model runs a micro-batch on (`last`: the step's last micro-batch).
-    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu>;
+    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu<S>>;
     /// After every micro-batch's backward: gradients summed over the group; returns the
     /// sum of their squares over the stage's parameters (the squared L2 norm of the
     /// stage's part of the gradient).
-    fn reduce_gradients(&mut self, be: &Cpu) -> Result<f64, CommError>;
+    fn reduce_gradients(&mut self, be: &Cpu<S>) -> Result<f64, CommError>;
     /// The optimizer update (then the parameters are made whole again where needed).
-    fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError>;
+    fn update(&mut self, be: &Cpu<S>, lr: f64, grad_scale: f64) -> Result<(), CommError>;
     /// Sums a scalar over the data-parallel group (the step's loss).
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
     /// Communication spans recorded so far.
     fn comm_spans(&self) -> Vec<Span>;
     /// Bytes of the buffers it holds, counted from the buffers themselves (what the
     /// memory ledger must agree with).
-    fn held_bytes(&self, be: &Cpu) -> u64;
+    fn held_bytes(&self, be: &Cpu<S>) -> u64;
     /// What an optimizer step changes, for a checkpoint to copy.
     fn state_view(&self) -> StateView<'_>;
     /// Puts back a state `save` took on the same rank of the same run.
@@ -60,10 +63,13 @@ pub trait Strategy: Send {
 
 /// The state a checkpoint keeps of a strategy (see `checkpoint.rs`), as it holds it.
 pub struct StateView<'a> {
-    /// This rank's parameters: all of its stage's, or its shard of them (FSDP).
-    pub params: &'a [f32],
+    /// This rank's parameters (all of its stage's, or its shard of them with FSDP), as
+    /// f32: borrowed from an fp32 model, widened (exactly) from a bf16/fp16 one.
+    pub params: Cow<'a, [f32]>,
     /// AdamW's m and v (empty for SGD).
     pub moments: [&'a [f32]; 2],
+    /// Mixed precision: the fp32 master weights, sharded as the optimizer state is.
+    pub master: Option<&'a [f32]>,
     pub optimizer_steps: u64,
     /// Every rank of the data-parallel group holds the same parameters (then DP rank 0
     /// alone writes them).
@@ -79,13 +85,35 @@ pub struct SavedState {
     pub optimizer: OptimizerState,
 }
 
-/// Replaces `held` by `saved`, which must be as long.
-pub fn load_params(held: &mut Vec<f32>, saved: Vec<f32>) -> Result<(), String> {
+/// `params` as f32: the buffer itself for an fp32 model, a widened copy otherwise.
+pub fn params_f32<S: Stored<Acc = f32>>(params: &[S]) -> Cow<'_, [f32]> {
+    match S::as_acc(params) {
+        Some(same) => Cow::Borrowed(same),
+        None => Cow::Owned(params.iter().map(|p| p.load()).collect()),
+    }
+}
+
+/// Replaces `held` by `saved` (f32; exact for a bf16/fp16 model, whose values it came
+/// from), which must be as long.
+pub fn load_params<S: Stored<Acc = f32>>(held: &mut [S], saved: Vec<f32>) -> Result<(), String> {
     if saved.len() != held.len() {
         return Err(format!("{} parameters saved, this rank holds {}", saved.len(), held.len()));
     }
-    *held = saved;
+    for (h, s) in held.iter_mut().zip(saved) {
+        *h = S::store(s);
+    }
     Ok(())
+}
+
+/// Runs a collective on `buf` in f32, the format the communicators carry: in place for
+/// an fp32 model; for bf16/fp16, on a widened copy whose result is rounded back. So
+/// mixed-precision gradients are summed in fp32 (as with Megatron's
+/// `accumulate_allreduce_grads_in_fp32`) and move 4 bytes per element.
+pub fn collective_f32<S: Stored<Acc = f32>>(
+    buf: &mut [S],
+    f: impl FnOnce(&mut [f32]) -> Result<(), CommError>,
+) -> Result<(), CommError> {
+    in_acc(buf, f)
 }
 
 /// This rank's data-parallel group: two communicators over the same ranks, one for the
@@ -100,14 +128,14 @@ pub struct DpGroup {
 
 /// The strategy `spec.parallel.sharding` asks for, for the parameters of `stage` (one
 /// rank alone when `dp` is None).
-pub fn build(
+pub fn build<S: Stored<Acc = f32>>(
     spec: &ExperimentSpec,
-    be: &Cpu,
+    be: &Cpu<S>,
     layout: &ParamLayout,
     stage: &Stage,
     memory: &Arc<MemoryTracker>,
     dp: Option<DpGroup>,
-) -> Result<Box<dyn Strategy>, CommError> {
+) -> Result<Box<dyn Strategy<S>>, CommError> {
     Ok(match spec.parallel.sharding {
         Sharding::None | Sharding::Zero1 => Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp)?),
         Sharding::Zero2 | Sharding::Fsdp => Box::new(sharded::Sharded::new(spec, be, layout, stage, memory, dp)?),

@@ -16,6 +16,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use crate::backend::Stored;
 use crate::comm::{chunk_range, CommError, Communicator};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::Stage;
@@ -93,17 +94,21 @@ impl PipelineLinks {
         }
     }
 
-    /// Queues `data` for stage `to` (a neighbour) and returns at once.
-    pub fn send(&mut self, data: &[f32], to: usize) {
-        let out = Outgoing { data: data.to_vec(), to, _receipt: self.memory.alloc(Category::CommBuffers, data.len()) };
+    /// Queues `data` for stage `to` (a neighbour) and returns at once. Activations travel
+    /// as f32 (bf16/fp16 ones widened exactly, and rounded back on arrival).
+    pub fn send<S: Stored<Acc = f32>>(&mut self, data: &[S], to: usize) {
+        let data: Vec<f32> = data.iter().map(|x| x.load()).collect();
+        let receipt = self.memory.alloc(Category::CommBuffers, data.len());
+        let out = Outgoing { data, to, _receipt: receipt };
         if let Some(jobs) = &self.jobs {
             let _ = jobs.send(Job::Send(out));
         }
     }
 
     /// Receives what stage `from` sent next, into `buf` (its length is known).
-    pub fn recv(&mut self, buf: &mut [f32], from: usize) -> Result<(), CommError> {
-        self.recv.recv(buf, from)
+    pub fn recv<S: Stored<Acc = f32>>(&mut self, buf: &mut [S], from: usize) -> Result<(), CommError> {
+        let comm = &mut self.recv;
+        super::collective_f32(buf, |b| comm.recv(b, from))
     }
 
     /// Waits until every queued send is written (before the group's collectives, which

@@ -78,6 +78,12 @@ impl ShardLayout {
         self.units.iter().find(|u| u.unit == unit).expect("a unit of this stage")
     }
 
+    /// This rank's pieces of `all` (indexed like the whole model's flat layout), in shard
+    /// order.
+    pub fn gather_mine<T: Copy>(&self, all: &[T]) -> Vec<T> {
+        self.units.iter().flat_map(|u| all[u.global_mine()].iter().copied()).collect()
+    }
+
     /// A unit's range in a flat buffer of these units.
     pub fn in_buffer(&self, u: &UnitShard) -> Range<usize> {
         u.global.start - self.base..u.global.end - self.base

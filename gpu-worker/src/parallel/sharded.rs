@@ -24,7 +24,8 @@ use distlab_common::{ExperimentSpec, Sharding};
 
 use super::ddp::{comm_span, sum_scalar};
 use super::shard::ShardLayout;
-use super::{load_params, Cpu, DpGroup, SavedState, StateView, Strategy};
+use super::{collective_f32, load_params, params_f32, Cpu, DpGroup, SavedState, StateView, Strategy};
+use crate::backend::Stored;
 use crate::comm::{Alone, CommError, Communicator, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
@@ -32,25 +33,25 @@ use crate::optim::{Indexing, Optimizer};
 use crate::trace::now_us;
 
 /// A buffer that exists only for a while, with its entry in the memory ledger.
-struct Temporary {
-    data: Vec<f32>,
+struct Temporary<S> {
+    data: Vec<S>,
     _receipt: Receipt,
 }
 
-pub struct Sharded {
+pub struct Sharded<S: Stored<Acc = f32> = f32> {
     /// FSDP (parameters sharded) rather than ZeRO-2 (parameters whole).
     fsdp: bool,
     shard: ShardLayout,
     /// For the gradient norm (tensor-parallel ranks count replicated tensors 1/tp).
     layout: ParamLayout,
     /// ZeRO-2: every parameter, flat. FSDP: this rank's shard.
-    params: Vec<f32>,
-    grad_shard: Vec<f32>,
+    params: Vec<S>,
+    grad_shard: Vec<S>,
     /// FSDP: the open unit's full parameters.
-    gathered: Option<Temporary>,
+    gathered: Option<Temporary<S>>,
     /// The open unit's gradient, before it is reduce-scattered.
-    unit_grads: Option<Temporary>,
-    optimizer: Optimizer<Cpu>,
+    unit_grads: Option<Temporary<S>>,
+    optimizer: Optimizer<S>,
     comm: Box<dyn Communicator>,
     memory: Arc<MemoryTracker>,
     step: u64,
@@ -59,10 +60,10 @@ pub struct Sharded {
     _receipts: [Receipt; 2],
 }
 
-impl Sharded {
+impl<S: Stored<Acc = f32>> Sharded<S> {
     pub fn new(
         spec: &ExperimentSpec,
-        be: &Cpu,
+        _be: &Cpu<S>,
         layout: &ParamLayout,
         stage: &Stage,
         memory: &Arc<MemoryTracker>,
@@ -76,16 +77,20 @@ impl Sharded {
         };
         let shard = ShardLayout::new(layout, &stage.units(), rank, world);
         let all = layout.init_params::<f32>(spec.train.seed);
-        let params: Vec<f32> = if fsdp {
-            shard.units.iter().flat_map(|u| all[u.global_mine()].iter().copied()).collect()
+        let params: Vec<S> = if fsdp {
+            shard.gather_mine(&all).into_iter().map(S::store).collect()
         } else {
-            all[stage.range(layout)].to_vec()
+            all[stage.range(layout)].iter().map(|&p| S::store(p)).collect()
         };
-        let receipts = [memory.alloc(Category::Parameters, params.len()), memory.alloc(Category::Gradients, shard.len)];
-        let optimizer = Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, memory);
+        let receipts = [
+            memory.alloc_of::<S>(Category::Parameters, params.len()),
+            memory.alloc_of::<S>(Category::Gradients, shard.len),
+        ];
+        let groups = shard.optim_groups(&layout.param_groups());
+        let optimizer = Optimizer::new(&spec.train, groups, shard.len, || shard.gather_mine(&all), memory);
         Ok(Sharded {
             fsdp,
-            grad_shard: vec![0.0; shard.len],
+            grad_shard: vec![S::default(); shard.len],
             shard,
             layout: layout.clone(),
             params,
@@ -101,8 +106,8 @@ impl Sharded {
         })
     }
 
-    fn temporary(&self, category: Category, len: usize) -> Temporary {
-        Temporary { data: vec![0.0; len], _receipt: self.memory.alloc(category, len) }
+    fn temporary(&self, category: Category, len: usize) -> Temporary<S> {
+        Temporary { data: vec![S::default(); len], _receipt: self.memory.alloc_of::<S>(category, len) }
     }
 
     /// FSDP: all-gathers `unit`'s parameters into a new buffer.
@@ -111,7 +116,8 @@ impl Sharded {
         let u = self.shard.unit(unit).clone();
         let mut full = self.temporary(Category::GatheredParameters, u.global.len());
         full.data[u.mine.clone()].copy_from_slice(&self.params[u.local()]);
-        self.comm.all_gather_in_place(&mut full.data)?;
+        let comm = &mut self.comm;
+        collective_f32(&mut full.data, |p| comm.all_gather_in_place(p))?;
         self.gathered = Some(full);
         if self.record {
             let bytes = (u.global.len() * 4) as u64;
@@ -125,9 +131,10 @@ impl Sharded {
         let Some(mut grads) = self.unit_grads.take() else { return Ok(()) };
         let start = now_us();
         let u = self.shard.unit(unit);
-        self.comm.reduce_scatter_in_place(&mut grads.data, ReduceOp::Sum)?;
+        let comm = &mut self.comm;
+        collective_f32(&mut grads.data, |g| comm.reduce_scatter_in_place(g, ReduceOp::Sum))?;
         for (acc, g) in self.grad_shard[u.local()].iter_mut().zip(&grads.data[u.mine.clone()]) {
-            *acc += *g;
+            *acc = S::store(acc.load() + g.load());
         }
         if self.record {
             let bytes = (u.global.len() * 4) as u64;
@@ -137,8 +144,8 @@ impl Sharded {
     }
 }
 
-impl ModelState<Cpu> for Sharded {
-    fn open(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<f32>>, CommError> {
+impl<S: Stored<Acc = f32>> ModelState<Cpu<S>> for Sharded<S> {
+    fn open(&mut self, _be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<S>>, CommError> {
         let want_params = matches!(pass, Pass::Forward | Pass::Recompute | Pass::Backward { params: true });
         let backward = matches!(pass, Pass::Backward { .. });
         let global = self.shard.unit(unit).global.clone();
@@ -157,7 +164,7 @@ impl ModelState<Cpu> for Sharded {
         Ok(OpenUnit { params, grads })
     }
 
-    fn close(&mut self, _be: &Cpu, unit: Unit, pass: Pass) -> Result<(), CommError> {
+    fn close(&mut self, _be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<(), CommError> {
         self.gathered = None;
         if let Pass::Backward { .. } = pass {
             self.reduce_scatter(unit)?;
@@ -166,18 +173,18 @@ impl ModelState<Cpu> for Sharded {
     }
 }
 
-impl Strategy for Sharded {
-    fn begin_step(&mut self, _be: &Cpu, step: u64, record: bool) {
-        self.grad_shard.fill(0.0);
+impl<S: Stored<Acc = f32>> Strategy<S> for Sharded<S> {
+    fn begin_step(&mut self, _be: &Cpu<S>, step: u64, record: bool) {
+        self.grad_shard.fill(S::default());
         self.step = step;
         self.record = record;
     }
 
-    fn state(&mut self, _last: bool) -> &mut dyn ModelState<Cpu> {
+    fn state(&mut self, _last: bool) -> &mut dyn ModelState<Cpu<S>> {
         self
     }
 
-    fn reduce_gradients(&mut self, _be: &Cpu) -> Result<f64, CommError> {
+    fn reduce_gradients(&mut self, _be: &Cpu<S>) -> Result<f64, CommError> {
         // Every element is in exactly one rank's shard: the squares add up over the group.
         let shard = &self.shard;
         let mine = shard
@@ -185,16 +192,17 @@ impl Strategy for Sharded {
             .iter()
             .map(|u| self.layout.grad_squares(&self.grad_shard[u.local()], u.global_mine().start))
             .sum();
-        Ok(sum_scalar(self.comm.as_mut(), mine)?.max(0.0))
+        sum_scalar(self.comm.as_mut(), mine)
     }
 
-    fn update(&mut self, be: &Cpu, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+    fn update(&mut self, _be: &Cpu<S>, lr: f64, grad_scale: f64) -> Result<(), CommError> {
         let indexing = if self.fsdp { Indexing::Local } else { Indexing::Global };
-        self.optimizer.step(be, (&mut self.params, indexing), (&self.grad_shard, Indexing::Local), lr, grad_scale);
+        self.optimizer.step((&mut self.params, indexing), (&self.grad_shard, Indexing::Local), lr, grad_scale);
         if !self.fsdp {
             let start = now_us();
             for u in &self.shard.units {
-                self.comm.all_gather_in_place(&mut self.params[self.shard.in_buffer(u)])?;
+                let comm = &mut self.comm;
+                collective_f32(&mut self.params[self.shard.in_buffer(u)], |p| comm.all_gather_in_place(p))?;
             }
             if self.record {
                 self.spans.push(comm_span(
@@ -216,17 +224,19 @@ impl Strategy for Sharded {
         self.spans.clone()
     }
 
-    fn held_bytes(&self, be: &Cpu) -> u64 {
+    fn held_bytes(&self, _be: &Cpu<S>) -> u64 {
         let temporaries =
             [&self.gathered, &self.unit_grads].iter().flat_map(|t| t.as_ref()).map(|t| t.data.len()).sum::<usize>();
-        ((self.params.len() + self.grad_shard.len() + temporaries) * 4) as u64 + self.optimizer.held_bytes(be)
+        ((self.params.len() + self.grad_shard.len() + temporaries) * size_of::<S>()) as u64
+            + self.optimizer.held_bytes()
     }
 
     fn state_view(&self) -> StateView<'_> {
         let (moments, optimizer_steps) = self.optimizer.state_view();
         StateView {
-            params: &self.params,
+            params: params_f32(&self.params),
             moments,
+            master: self.optimizer.master(),
             optimizer_steps,
             params_replicated: !self.fsdp,
             optimizer_replicated: false,

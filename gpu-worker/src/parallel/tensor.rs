@@ -37,7 +37,8 @@
 
 use distlab_common::trace::{Span, SpanKind};
 
-use super::Cpu;
+use super::{collective_f32, Cpu};
+use crate::backend::Stored;
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::model::gpt::{TensorParallelGroup, TpSum};
 use crate::model::TpPlace;
@@ -57,6 +58,10 @@ impl TensorParallel {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
         TensorParallel { comm, step: 0, record: false, spans: Vec::new(), calls: 0, payload_bytes: 0 }
     }
+
+    pub fn place(&self) -> TpPlace {
+        TpPlace { rank: self.comm.rank(), size: self.comm.size() }
+    }
 }
 
 /// How the timeline names one of the four sums.
@@ -70,14 +75,15 @@ pub fn sum_name(what: TpSum, layer: usize) -> String {
     format!("all_reduce tp {op}: layer {layer} {point}")
 }
 
-impl TensorParallelGroup<Cpu> for TensorParallel {
+impl<S: Stored<Acc = f32>> TensorParallelGroup<Cpu<S>> for TensorParallel {
     fn place(&self) -> TpPlace {
-        TpPlace { rank: self.comm.rank(), size: self.comm.size() }
+        TensorParallel::place(self)
     }
 
-    fn all_reduce(&mut self, _be: &Cpu, buf: &mut Vec<f32>, what: TpSum, layer: usize) -> Result<(), CommError> {
+    fn all_reduce(&mut self, _be: &Cpu<S>, buf: &mut Vec<S>, what: TpSum, layer: usize) -> Result<(), CommError> {
         let start = now_us();
-        self.comm.all_reduce(buf, ReduceOp::Sum)?;
+        let comm = &mut self.comm;
+        collective_f32(buf, |b| comm.all_reduce(b, ReduceOp::Sum))?;
         self.calls += 1;
         self.payload_bytes += (buf.len() * 4) as u64;
         if self.record {
