@@ -408,10 +408,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // FSDP gathers one whole unit at a time (even alone: the gather is then a copy).
         let gathered = if p.sharding == Sharding::Fsdp { largest_unit.saturating_mul(per_param.parameters) } else { 0 };
         // What waits for a collective: DDP and ZeRO-1 copy every gradient bucket (the whole
-        // gradient, when there is a group to reduce with); ZeRO-2 and FSDP hold one unit's
-        // gradient until it is reduce-scattered.
+        // gradient, when there is a group to reduce with; the buckets are fp32 in every
+        // precision, as gradients are summed across ranks in fp32); ZeRO-2 and FSDP hold one
+        // unit's gradient until it is reduce-scattered.
         let comm_buffers = match p.sharding {
-            Sharding::None | Sharding::Zero1 if dp > 1 => params_per_rank.saturating_mul(per_param.gradients),
+            Sharding::None | Sharding::Zero1 if dp > 1 => params_per_rank.saturating_mul(4),
             Sharding::None | Sharding::Zero1 => 0,
             Sharding::Zero2 | Sharding::Fsdp => largest_unit.saturating_mul(per_param.gradients),
         };
@@ -584,10 +585,14 @@ struct StageCommInput {
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
 ///   back to the previous one (all but the first).
 ///
+/// Gradients cross the wire in fp32 in every precision: bf16/fp16 gradients are summed
+/// across ranks in fp32 (Megatron-LM does the same for bf16), so grad bytes = 4. Parameters
+/// and activations travel in the model's format.
+///
 /// Not counted: the engine's one-float all-reduces of the step's loss (and, when sharded,
 /// of the squared gradient norm).
 fn stage_comm(c: StageCommInput) -> CommVolume {
-    let (g, w) = (c.per_param.gradients, c.per_param.parameters);
+    let (g, w) = (4, c.per_param.parameters);
     let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
     let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, w);
     let mut v = CommVolume::default();
