@@ -61,6 +61,25 @@ pub fn presets() -> Vec<Preset> {
     recompute.train.steps = 20;
     recompute.train.checkpointing = Checkpointing::Every;
 
+    // Mixed precision: a step of 32768 tokens (64 sequences of 64, 8 accumulation steps)
+    // weights each token's loss by 1/32768, and with 4096 tokens in the vocabulary the
+    // logit gradient of an unlikely token, p / 32768 ~ 1e-8, is below fp16's smallest
+    // subnormal (6e-8): without loss scaling most of those gradients are stored as 0.
+    let mut fp16_plain = ExperimentSpec { name: "fp16-no-loss-scaling".into(), ..ExperimentSpec::default() };
+    fp16_plain.model = ModelSpec { layers: 1, d_model: 32, heads: 2, seq_len: 64, vocab: 4096 };
+    fp16_plain.train.micro_batch = 64;
+    fp16_plain.train.grad_accum = 8;
+    fp16_plain.train.steps = 20;
+    fp16_plain.train.warmup_steps = 0;
+    fp16_plain.train.lr = 3e-3;
+    fp16_plain.train.precision = Precision::Fp16;
+    let mut fp16_scaled = fp16_plain.clone();
+    fp16_scaled.name = "fp16-dynamic-loss-scaling".into();
+    fp16_scaled.train.loss_scaling = LossScaling::Dynamic;
+    let mut bf16 = fp16_plain.clone();
+    bf16.name = "bf16".into();
+    bf16.train.precision = Precision::Bf16;
+
     vec![
         Preset {
             key: "tiny",
@@ -115,6 +134,24 @@ pub fn presets() -> Vec<Preset> {
             title: "Activation checkpointing (every block)",
             description: "Forward keeps only each block's output; backward runs each block's forward again just before its backward. Resubmit it with checkpointing \"none\" and compare the memory cards (activations fall to about a third) and the step times (about one more forward per step); the losses are identical.",
             spec: recompute,
+        },
+        Preset {
+            key: "fp16-plain",
+            title: "fp16 without loss scaling (gradients underflow)",
+            description: "32768 tokens per step and a 4096-token vocabulary: most logit gradients are below fp16's smallest subnormal and are stored as 0, so the loss falls more slowly than in fp32. Run the next two presets too and compare the three curves.",
+            spec: fp16_plain,
+        },
+        Preset {
+            key: "fp16-scaled",
+            title: "fp16 with dynamic loss scaling",
+            description: "The same run with the loss multiplied by 2^16 before backward: the gradients fit in fp16, are divided by the scale again in fp32, and the curve follows fp32's. The loss scale and the skipped steps are shown as the run goes.",
+            spec: fp16_scaled,
+        },
+        Preset {
+            key: "bf16",
+            title: "bf16 (no loss scaling needed)",
+            description: "The same run in bf16: 8 exponent bits, the range of fp32, so the tiny gradients survive without scaling; 7 mantissa bits, so each value is rounded more coarsely than in fp16.",
+            spec: bf16,
         },
     ]
 }

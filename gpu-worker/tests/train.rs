@@ -200,8 +200,17 @@ fn unsupported_features_are_refused_naming_the_field() {
 
 #[test]
 fn a_run_resumed_from_its_checkpoint_continues_with_the_same_losses() {
-    for write in [CheckpointWrite::Sync, CheckpointWrite::Async] {
+    // Mixed precision keeps the fp32 master weights (and fp16 the loss scaler) in the
+    // checkpoint too: the resumed losses are still bit-identical.
+    for (write, precision, scaling) in [
+        (CheckpointWrite::Sync, Precision::Fp32, LossScaling::None),
+        (CheckpointWrite::Async, Precision::Fp32, LossScaling::None),
+        (CheckpointWrite::Async, Precision::Bf16, LossScaling::None),
+        (CheckpointWrite::Sync, Precision::Fp16, LossScaling::Dynamic),
+    ] {
         let mut spec = ExperimentSpec::default();
+        spec.train.precision = precision;
+        spec.train.loss_scaling = scaling;
         spec.train.steps = 8;
         spec.train.checkpoint_every = 3;
         spec.train.checkpoint_write = write;
@@ -219,7 +228,10 @@ fn a_run_resumed_from_its_checkpoint_continues_with_the_same_losses() {
 
         let resumed = run_with(&spec, &opts(Some(6))).unwrap();
         assert_eq!(resumed.metrics.iter().map(|m| m.step).collect::<Vec<_>>(), vec![6, 7]);
-        assert_eq!(losses(&resumed), losses(&whole)[6..], "{write:?}");
+        assert_eq!(losses(&resumed), losses(&whole)[6..], "{write:?} {}", precision.as_str());
+        let numbers =
+            |m: &[MetricPoint]| -> Vec<_> { m.iter().map(|m| (m.grad_norm, m.loss_scale, m.skipped_steps)).collect() };
+        assert_eq!(numbers(&resumed.metrics), numbers(&whole.metrics[6..]), "the gradients and the loss scaler too");
         assert_eq!(resumed.summary.min_loss, whole.summary.min_loss, "the lowest loss comes from before the resume");
     }
 }

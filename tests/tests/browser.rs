@@ -588,7 +588,7 @@ async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
     wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
     c.find(Locator::Css("#preset-tiny")).await?.click().await?;
     assert_eq!(value_of(c, "model.heads").await?, "4");
-    assert!(text(c, "#support-note").await?.contains("not yet supported"));
+    assert!(text(c, "#support-note").await?.contains("fp32, bf16 or fp16"));
 
     // An invalid value: the message appears at once, next to its field, and submit is disabled.
     set_field(c, "model.heads", "3").await?;

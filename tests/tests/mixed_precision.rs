@@ -55,7 +55,11 @@ fn every_strategy_trains_in_bf16_and_fp16_like_one_rank() {
             let alone = if s.parallel.dp == 2 { &alone_2 } else { &alone_1 };
             for (step, (a, b)) in alone.iter().zip(&losses).enumerate() {
                 let rel = (a - b).abs() / a.abs();
-                assert!(rel < tolerance, "{} {name} step {step}: one rank {a}, {name} {b} ({rel:e})", precision.as_str());
+                assert!(
+                    rel < tolerance,
+                    "{} {name} step {step}: one rank {a}, {name} {b} ({rel:e})",
+                    precision.as_str()
+                );
             }
         }
     }

@@ -372,8 +372,14 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                                 </div>
                                 <div class="stat">
                                     <span class="k">"grad norm"</span>
-                                    <span class="v" id="grad-norm">{move || latest().map(|p| format::num(p.grad_norm)).unwrap_or("–".into())}</span>
+                                    <span class="v" id="grad-norm">{move || latest().map(|p| grad_norm_text(p.grad_norm)).unwrap_or("–".into())}</span>
                                 </div>
+                                {move || latest().and_then(|p| p.loss_scale.map(|scale| (scale, p.skipped_steps.unwrap_or(0)))).map(|(scale, skipped)| view! {
+                                    <div class="stat" title="fp16 dynamic loss scaling: the loss is multiplied by this before backward; a step whose gradient overflows is skipped and the scale halves">
+                                        <span class="k">"loss scale"</span>
+                                        <span class="v" id="loss-scale">{loss_scale_text(scale, skipped)}</span>
+                                    </div>
+                                })}
                                 <div class="stat">
                                     <span class="k">"step time"</span>
                                     <span class="v" id="step-ms">{move || latest().map(|p| format!("{:.1} ms", p.step_ms)).unwrap_or("–".into())}</span>
@@ -606,9 +612,31 @@ fn SummaryPanel(summary: RunSummary) -> impl IntoView {
     }
 }
 
+/// A gradient norm; the engine reports `f64::MAX` for one that overflowed (a step loss
+/// scaling skipped).
+fn grad_norm_text(norm: f64) -> String {
+    if norm == f64::MAX {
+        "overflow".into()
+    } else {
+        format::num(norm)
+    }
+}
+
+/// "65536 · 2 skipped": the current loss scale and the steps skipped so far.
+fn loss_scale_text(scale: f64, skipped: u64) -> String {
+    format!("{} · {skipped} skipped", format::num(scale))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_overflowed_gradient_and_the_loss_scale_read_plainly() {
+        assert_eq!(grad_norm_text(f64::MAX), "overflow");
+        assert_eq!(grad_norm_text(1.5), format::num(1.5));
+        assert_eq!(loss_scale_text(65536.0, 2), format!("{} · 2 skipped", format::num(65536.0)));
+    }
 
     fn p(step: u64) -> MetricPoint {
         MetricPoint { step, loss: step as f64, ..Default::default() }

@@ -12,7 +12,7 @@
 //! preset) adds `demo` to the spec, and the sections only training uses are greyed out.
 
 use distlab_common::presets::{presets, Preset};
-use distlab_common::{CollectiveDemo, DemoOp, ExperimentSpec, FieldError, Limits, Precision};
+use distlab_common::{CollectiveDemo, DemoOp, ExperimentSpec, FieldError, Limits};
 use leptos::prelude::*;
 use leptos_router::hooks::use_navigate;
 use serde_json::{Map, Value};
@@ -268,9 +268,6 @@ fn insert(root: &mut Map<String, Value>, path: &str, value: Value) {
 /// Settings the current worker may answer "not yet supported" for.
 fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
-    if spec.train.precision != Precision::Fp32 {
-        out.push(format!("precision={}", spec.train.precision.as_str()));
-    }
     if spec.backend == distlab_common::BackendKind::Cuda {
         out.push("backend=cuda".into());
     }
@@ -467,9 +464,8 @@ pub fn NewExperiment() -> impl IntoView {
             <p class="note" id="support-note">
                 "Note: the current worker runs data parallelism (DDP, ZeRO-1, ZeRO-2 or FSDP), tensor parallelism "
                 "(Megatron) and pipeline parallelism (GPipe, 1F1B), in any dp x tp x pp mix, one process per rank, "
-                "with activation checkpointing and gradient accumulation, on the CPU in fp32. "
-                "A precision other than fp32 is accepted "
-                "here but may be answered \"not yet supported\" when it runs."
+                "with activation checkpointing, gradient accumulation and checkpoints, on the CPU, in fp32, bf16 or "
+                "fp16 (2-byte weights, gradients and activations; fp32 master weights; dynamic loss scaling for fp16)."
             </p>
         </section>
         <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>
