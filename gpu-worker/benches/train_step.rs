@@ -6,21 +6,37 @@
 //! Prints one JSON line per thread count:
 //!   {"bench":"train_step","threads":1,"tokens_per_s":...,"step_ms":...,"params":...,"gflops_per_s":...}
 //!
-//! `cargo bench -p distlab-worker --bench train_step [-- --threads 1,2 --steps 20 --warmup 3]`
+//! `cargo bench -p distlab-worker --bench train_step [-- --threads 1,2 --steps 20 --warmup 3
+//!  --precision fp32|bf16|fp16 --checkpointing none|every|sqrt]`
+//!
+//! Each line also carries the rank's peak memory by category (MiB, from the ledger).
 
 use std::sync::atomic::AtomicBool;
 
-use distlab_common::{ExperimentSpec, ModelSpec, RunEvent, TrainSpec};
+use distlab_common::{Checkpointing, ExperimentSpec, LossScaling, ModelSpec, Precision, RunEvent, TrainSpec};
 use distlab_worker::{train, TrainOptions};
 
 struct Args {
     threads: Vec<usize>,
     steps: u64,
     warmup: u64,
+    precision: Precision,
+    checkpointing: Checkpointing,
+}
+
+/// A spec enum from its JSON name ("bf16", "sqrt").
+fn choice<T: serde::de::DeserializeOwned>(value: &str) -> Result<T, serde_json::Error> {
+    serde_json::from_value(serde_json::Value::String(value.into()))
 }
 
 fn parse_args() -> Args {
-    let mut args = Args { threads: vec![1, 2], steps: 20, warmup: 3 };
+    let mut args = Args {
+        threads: vec![1, 2],
+        steps: 20,
+        warmup: 3,
+        precision: Precision::Fp32,
+        checkpointing: Checkpointing::None,
+    };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < argv.len() {
@@ -38,6 +54,15 @@ fn parse_args() -> Args {
                 args.warmup = value.parse().unwrap_or(args.warmup);
                 i += 1;
             }
+            "--precision" => {
+                args.precision = choice(&value).unwrap_or_else(|_| panic!("--precision fp32|bf16|fp16, not {value}"));
+                i += 1;
+            }
+            "--checkpointing" => {
+                args.checkpointing =
+                    choice(&value).unwrap_or_else(|_| panic!("--checkpointing none|every|sqrt, not {value}"));
+                i += 1;
+            }
             _ => {} // cargo passes --bench; ignore anything else
         }
         i += 1;
@@ -45,9 +70,10 @@ fn parse_args() -> Args {
     args
 }
 
-fn reference_spec(steps: u64) -> ExperimentSpec {
+fn reference_spec(args: &Args) -> ExperimentSpec {
+    let steps = args.warmup + args.steps;
     let defaults = ExperimentSpec::default();
-    ExperimentSpec {
+    let mut spec = ExperimentSpec {
         name: "bench-train-step".into(),
         model: ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 },
         train: TrainSpec {
@@ -59,24 +85,31 @@ fn reference_spec(steps: u64) -> ExperimentSpec {
             ..defaults.train.clone()
         },
         ..defaults
+    };
+    spec.train.precision = args.precision;
+    spec.train.checkpointing = args.checkpointing;
+    if args.precision == Precision::Fp16 {
+        spec.train.loss_scaling = LossScaling::Dynamic;
     }
+    spec
 }
 
 fn main() {
     let args = parse_args();
-    let spec = reference_spec(args.warmup + args.steps);
+    let spec = reference_spec(&args);
     let tokens_per_step = spec.tokens_per_step() as f64;
     let flops_per_token = spec.model.train_flops_per_token();
     for &threads in &args.threads {
         let mut step_ms = Vec::new();
+        let mut peak = None;
         let cancel = AtomicBool::new(false);
         let summary = train(
             &spec,
             &TrainOptions { threads, ..TrainOptions::default() },
-            &mut |e| {
-                if let RunEvent::Metric(m) = e {
-                    step_ms.push(m.step_ms);
-                }
+            &mut |e| match e {
+                RunEvent::Metric(m) => step_ms.push(m.step_ms),
+                RunEvent::Trace(t) => peak = t.memory.map(|m| m.peak),
+                _ => {}
             },
             &cancel,
         );
@@ -107,7 +140,16 @@ fn main() {
             "warmup": args.warmup,
             "final_loss": (summary.final_loss * 1e4).round() / 1e4,
             "config": {"layers": 4, "d_model": 256, "heads": 4, "seq_len": 128, "vocab": 256, "batch": 16,
-                       "dtype": "fp32", "optim": "AdamW", "tied": false},
+                       "dtype": args.precision.as_str(), "checkpointing": args.checkpointing,
+                       "optim": "AdamW", "tied": false},
+            "peak_mib": peak.map(|p| {
+                let mib = |b: u64| (b as f64 / 1048576.0 * 100.0).round() / 100.0;
+                serde_json::json!({
+                    "parameters": mib(p.parameters), "gradients": mib(p.gradients),
+                    "optimizer_state": mib(p.optimizer_state), "activations": mib(p.activations),
+                    "activation_grads": mib(p.activation_grads), "total": mib(p.total),
+                })
+            }),
         });
         println!("{line}");
     }

@@ -140,6 +140,21 @@ pub trait Stored: Copy + Send + Sync + Default + Debug + PartialEq + bytemuck::P
     fn store(x: Self::Acc) -> Self;
     /// This slice as the compute format, when the two are the same (f32, f64).
     fn as_acc(x: &[Self]) -> Option<&[Self::Acc]>;
+    /// `dst[i] = src[i].load()` over equal lengths (fp16 overrides it with half's F16C
+    /// slice conversion, several times faster than element by element).
+    #[inline]
+    fn widen_slice(src: &[Self], dst: &mut [Self::Acc]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.load();
+        }
+    }
+    /// `dst[i] = store(src[i])` over equal lengths.
+    #[inline]
+    fn narrow_slice(src: &[Self::Acc], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::store(s);
+        }
+    }
     fn as_acc_mut(x: &mut [Self]) -> Option<&mut [Self::Acc]>;
     #[inline(always)]
     fn from_f64(x: f64) -> Self {
@@ -213,6 +228,14 @@ impl Stored for half::f16 {
     fn as_acc(_: &[Self]) -> Option<&[f32]> {
         None
     }
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
+    }
     fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
@@ -233,6 +256,35 @@ pub fn in_acc<S: Stored, R>(buf: &mut [S], f: impl FnOnce(&mut [S::Acc]) -> R) -
         *x = S::store(w);
     }
     result
+}
+
+/// Elements per block when a 2-byte buffer is widened for an elementwise kernel (two
+/// blocks of f32 stay in L1).
+const WIDEN_BLOCK: usize = 512;
+
+/// `out[i] = f(inp[i], out[i])`, computed in the compute format: straight on the slices
+/// when they are f32 (or f64); for bf16/fp16 through blocks widened and narrowed with
+/// slice conversions, so that `f` still runs on plain f32 arrays the compiler vectorises.
+#[inline(always)]
+pub fn map_elements<S: Stored>(out: &mut [S], inp: &[S], f: impl Fn(S::Acc, S::Acc) -> S::Acc) {
+    if let (Some(x), Some(y)) = (S::as_acc(inp), S::as_acc_mut(out)) {
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = f(x, *y);
+        }
+        return;
+    }
+    let mut x = [S::Acc::ZERO; WIDEN_BLOCK];
+    let mut y = [S::Acc::ZERO; WIDEN_BLOCK];
+    for (out, inp) in out.chunks_mut(WIDEN_BLOCK).zip(inp.chunks(WIDEN_BLOCK)) {
+        let n = out.len().min(inp.len());
+        let (x, y) = (&mut x[..n], &mut y[..n]);
+        S::widen_slice(&inp[..n], x);
+        S::widen_slice(&out[..n], y);
+        for (y, &x) in y.iter_mut().zip(x.iter()) {
+            *y = f(x, *y);
+        }
+        S::narrow_slice(y, &mut out[..n]);
+    }
 }
 
 /// e^x for f32 (Cephes `expf`): x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6

@@ -85,9 +85,16 @@ impl<'a, F> MatMut<'a, F> {
 impl<F: Stored> Mat<'_, F> {
     /// The view as a dense row-major matrix in the compute format.
     fn widened(&self) -> Vec<F::Acc> {
-        let mut out = Vec::with_capacity(self.rows * self.cols);
-        for i in 0..self.rows {
-            out.extend((0..self.cols).map(|j| self.data[i * self.row_stride + j * self.col_stride].load()));
+        let mut out = vec![F::Acc::ZERO; self.rows * self.cols];
+        for (i, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            let start = i * self.row_stride;
+            if self.col_stride == 1 {
+                F::widen_slice(&self.data[start..start + self.cols], row);
+            } else {
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = self.data[start + j * self.col_stride].load();
+                }
+            }
         }
         out
     }
@@ -134,11 +141,8 @@ pub fn matmul<S: Stored>(
     let (l, r) = (lhs.widened(), rhs.widened());
     let mut out: Vec<S::Acc> = vec![S::Acc::ZERO; rows * cols];
     if accumulate {
-        for i in 0..rows {
-            for j in 0..cols {
-                out[i * cols + j] = dst.data[i * dst_strides.0 + j * dst_strides.1].load();
-            }
-        }
+        let existing = Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 };
+        out = existing.widened();
     }
     gemm_in_place(
         MatMut::row_major(&mut out, rows, cols),
@@ -148,9 +152,14 @@ pub fn matmul<S: Stored>(
         scale,
         par,
     );
-    for i in 0..rows {
-        for j in 0..cols {
-            dst.data[i * dst_strides.0 + j * dst_strides.1] = S::store(out[i * cols + j]);
+    for (i, row) in out.chunks_exact(cols).enumerate() {
+        let start = i * dst_strides.0;
+        if dst_strides.1 == 1 {
+            S::narrow_slice(row, &mut dst.data[start..start + cols]);
+        } else {
+            for (j, &x) in row.iter().enumerate() {
+                dst.data[start + j * dst_strides.1] = S::store(x);
+            }
         }
     }
 }

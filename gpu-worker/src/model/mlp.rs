@@ -4,6 +4,7 @@
 //!   forward:  u = s (x + k x^3),   y = x/2 (1 + tanh u),   s = sqrt(2/pi), k = 0.044715
 //!   backward: dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) s (1 + 3k x^2)
 
+use crate::backend::float::map_elements;
 use crate::backend::simd::simd_kernel;
 use crate::backend::{Float, Stored};
 
@@ -18,11 +19,10 @@ simd_kernel! {
         let s = F::from_f64(gelu_s());
         let k = F::from_f64(GELU_K);
         let half = F::from_f64(0.5);
-        for (y, &x) in out.iter_mut().zip(inp) {
-            let x = x.load();
+        map_elements(out, inp, |x, _| {
             let u = s * (x + k * x * x * x);
-            *y = S::store(half * x * (F::ONE + u.tanh()));
-        }
+            half * x * (F::ONE + u.tanh())
+        });
     }
 }
 
@@ -33,12 +33,11 @@ simd_kernel! {
         let k = F::from_f64(GELU_K);
         let k3 = F::from_f64(3.0 * GELU_K);
         let half = F::from_f64(0.5);
-        for (d, &x) in dinout.iter_mut().zip(inp) {
-            let x = x.load();
+        map_elements(dinout, inp, |x, d| {
             let x2 = x * x;
             let th = (s * (x + k * x2 * x)).tanh();
             let local = half * (F::ONE + th) + half * x * (F::ONE - th * th) * s * (F::ONE + k3 * x2);
-            *d = S::store(d.load() * local);
-        }
+            d * local
+        });
     }
 }
