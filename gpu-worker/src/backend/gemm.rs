@@ -9,6 +9,8 @@
 //! operands are widened to f32, the product is accumulated in f32, and the result is
 //! rounded once as it is stored (here through dense f32 copies of the views).
 
+use rayon::prelude::*;
+
 use crate::backend::{Float, Stored};
 pub use gemm::Parallelism;
 
@@ -82,11 +84,15 @@ impl<'a, F> MatMut<'a, F> {
     }
 }
 
+/// Rows per task when widening or narrowing a matrix on several threads.
+const CONVERT_ROWS: usize = 64;
+
 impl<F: Stored> Mat<'_, F> {
-    /// The view as a dense row-major matrix in the compute format.
-    fn widened(&self) -> Vec<F::Acc> {
+    /// The view as a dense row-major matrix in the compute format (rows split over the
+    /// threads when `par` has several).
+    fn widened(&self, par: Parallelism) -> Vec<F::Acc> {
         let mut out = vec![F::Acc::ZERO; self.rows * self.cols];
-        for (i, row) in out.chunks_exact_mut(self.cols).enumerate() {
+        let widen_row = |i: usize, row: &mut [F::Acc]| {
             let start = i * self.row_stride;
             if self.col_stride == 1 {
                 F::widen_slice(&self.data[start..start + self.cols], row);
@@ -95,6 +101,16 @@ impl<F: Stored> Mat<'_, F> {
                     *x = self.data[start + j * self.col_stride].load();
                 }
             }
+        };
+        match par {
+            Parallelism::Rayon(n) if n > 1 && self.rows > CONVERT_ROWS => {
+                out.par_chunks_mut(self.cols * CONVERT_ROWS).enumerate().for_each(|(b, block)| {
+                    for (k, row) in block.chunks_exact_mut(self.cols).enumerate() {
+                        widen_row(b * CONVERT_ROWS + k, row);
+                    }
+                });
+            }
+            _ => out.chunks_exact_mut(self.cols).enumerate().for_each(|(i, row)| widen_row(i, row)),
         }
         out
     }
@@ -138,11 +154,11 @@ pub fn matmul<S: Stored>(
         );
         return gemm_in_place(d, accumulate, l, r, scale, par);
     }
-    let (l, r) = (lhs.widened(), rhs.widened());
+    let (l, r) = (lhs.widened(par), rhs.widened(par));
     let mut out: Vec<S::Acc> = vec![S::Acc::ZERO; rows * cols];
     if accumulate {
         let existing = Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 };
-        out = existing.widened();
+        out = existing.widened(par);
     }
     gemm_in_place(
         MatMut::row_major(&mut out, rows, cols),
@@ -152,6 +168,18 @@ pub fn matmul<S: Stored>(
         scale,
         par,
     );
+    if dst_strides == (cols, 1) {
+        // Dense row-major: the rows are contiguous chunks of both buffers.
+        let dense = &mut dst.data[..rows * cols];
+        match par {
+            Parallelism::Rayon(n) if n > 1 && rows > CONVERT_ROWS => dense
+                .par_chunks_mut(cols * CONVERT_ROWS)
+                .zip(out.par_chunks(cols * CONVERT_ROWS))
+                .for_each(|(d, o)| S::narrow_slice(o, d)),
+            _ => S::narrow_slice(&out, dense),
+        }
+        return;
+    }
     for (i, row) in out.chunks_exact(cols).enumerate() {
         let start = i * dst_strides.0;
         if dst_strides.1 == 1 {
