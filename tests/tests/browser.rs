@@ -186,6 +186,9 @@ async fn pipeline_schedule_and_tensor_parallel_timeline() -> Result<()> {
     if result.is_ok() {
         result = tensor_parallel_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = mixed_precision_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-pipeline.png").await;
     }
@@ -237,6 +240,25 @@ async fn attempts_scenario(c: &Client, lab: &mut Lab) -> Result<()> {
     );
     ensure!(text(c, "#step").await?.starts_with("30 / 30"), "every step is shown once");
     save_element(c, "#attempts", "attempts.png").await?;
+    Ok(())
+}
+
+/// An fp16 run with dynamic loss scaling: the experiment page shows the loss scale and
+/// the steps skipped next to the other live numbers.
+async fn mixed_precision_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut spec = quick_spec("fp16-loss-scaling", 10);
+    spec.train.precision = distlab_common::Precision::Fp16;
+    spec.train.loss_scaling = distlab_common::LossScaling::Dynamic;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the fp16 run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the loss scale", Duration::from_secs(30), || exists(c, "#loss-scale")).await?;
+    let scale = attr(c, "#loss-scale", "data-scale").await?;
+    ensure!(scale.as_deref() == Some("65536"), "{scale:?}");
+    ensure!(text(c, "#skipped-steps").await? == "0 skipped");
+    ensure!(text(c, "#grad-norm").await? != "overflow");
+    save_element(c, "#stats", "loss-scale.png").await?;
     Ok(())
 }
 

@@ -377,7 +377,13 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                                 {move || latest().and_then(|p| p.loss_scale.map(|scale| (scale, p.skipped_steps.unwrap_or(0)))).map(|(scale, skipped)| view! {
                                     <div class="stat" title="fp16 dynamic loss scaling: the loss is multiplied by this before backward; a step whose gradient overflows is skipped and the scale halves">
                                         <span class="k">"loss scale"</span>
-                                        <span class="v" id="loss-scale">{loss_scale_text(scale, skipped)}</span>
+                                        <span class="v" id="loss-scale" data-scale=scale.to_string()>
+                                            {match power_of_two(scale) {
+                                                Some(e) => view! { "2"<sup>{e}</sup> }.into_any(),
+                                                None => format::num(scale).into_any(),
+                                            }}
+                                        </span>
+                                        <span class="k" id="skipped-steps">{format!("{skipped} skipped")}</span>
                                     </div>
                                 })}
                                 <div class="stat">
@@ -622,9 +628,11 @@ fn grad_norm_text(norm: f64) -> String {
     }
 }
 
-/// "65536 · 2 skipped": the current loss scale and the steps skipped so far.
-fn loss_scale_text(scale: f64, skipped: u64) -> String {
-    format!("{} · {skipped} skipped", format::num(scale))
+/// The exponent of a loss scale that is a power of two (it starts at 2^16, then halves
+/// and doubles), shown as 2 to that power.
+fn power_of_two(scale: f64) -> Option<i32> {
+    let exponent = scale.log2();
+    (scale > 0.0 && exponent.fract() == 0.0).then_some(exponent as i32)
 }
 
 #[cfg(test)]
@@ -635,7 +643,9 @@ mod tests {
     fn an_overflowed_gradient_and_the_loss_scale_read_plainly() {
         assert_eq!(grad_norm_text(f64::MAX), "overflow");
         assert_eq!(grad_norm_text(1.5), format::num(1.5));
-        assert_eq!(loss_scale_text(65536.0, 2), format!("{} · 2 skipped", format::num(65536.0)));
+        assert_eq!(power_of_two(65536.0), Some(16));
+        assert_eq!(power_of_two(0.5), Some(-1));
+        assert_eq!(power_of_two(3.0), None);
     }
 
     fn p(step: u64) -> MetricPoint {
