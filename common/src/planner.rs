@@ -464,8 +464,6 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             first,
             last,
             sharding: p.sharding,
-            per_param,
-            act_bytes,
             dp,
             tp,
             micro_steps,
@@ -542,6 +540,9 @@ fn ceil_sqrt(n: u64) -> u64 {
     }
 }
 
+/// Bytes per element on the wire: the engine's collectives carry f32.
+const WIRE_BYTES: u64 = 4;
+
 struct StageCommInput {
     params_per_rank: u64,
     /// Embedding parameters on this stage (the first), which backward gathers no more.
@@ -550,8 +551,6 @@ struct StageCommInput {
     first: bool,
     last: bool,
     sharding: Sharding,
-    per_param: BytesPerParam,
-    act_bytes: u64,
     dp: u64,
     tp: u64,
     /// micro_batches * grad_accum: forward + backward passes per optimizer step.
@@ -585,14 +584,15 @@ struct StageCommInput {
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
 ///   back to the previous one (all but the first).
 ///
-/// Gradients cross the wire in fp32 in every precision: bf16/fp16 gradients are summed
-/// across ranks in fp32 (Megatron-LM does the same for bf16), so grad bytes = 4. Parameters
-/// and activations travel in the model's format.
+/// Everything crosses the wire in fp32, in every precision, as this engine sends it:
+/// bf16/fp16 gradients are summed across ranks in fp32 (Megatron-LM does the same for
+/// bf16), and parameters and activations are widened (exactly) for the ring. A system
+/// that sends them in 2 bytes moves half of the parameter, TP and PP bytes below.
 ///
 /// Not counted: the engine's one-float all-reduces of the step's loss (and, when sharded,
 /// of the squared gradient norm).
 fn stage_comm(c: StageCommInput) -> CommVolume {
-    let (g, w) = (4, c.per_param.parameters);
+    let (g, w) = (WIRE_BYTES, WIRE_BYTES);
     let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
     let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, w);
     let mut v = CommVolume::default();
@@ -615,12 +615,12 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
         }
     }
     let tp_per_block = if c.recomputing { 6 } else { 4 };
-    v.tp_all_reduce = ring_all_reduce_bytes(c.rows_d, c.tp, c.act_bytes)
+    v.tp_all_reduce = ring_all_reduce_bytes(c.rows_d, c.tp, WIRE_BYTES)
         .saturating_mul(tp_per_block)
         .saturating_mul(c.layers)
         .saturating_mul(c.micro_steps);
     let sends = u64::from(!c.last) + u64::from(!c.first);
-    v.pp_send = c.rows_d.saturating_mul(c.act_bytes).saturating_mul(sends).saturating_mul(c.micro_steps);
+    v.pp_send = c.rows_d.saturating_mul(WIRE_BYTES).saturating_mul(sends).saturating_mul(c.micro_steps);
     v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send]
         .into_iter()
         .fold(0u64, u64::saturating_add);

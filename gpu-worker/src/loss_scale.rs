@@ -65,7 +65,7 @@ impl LossScaler {
             return ScaledStep::Skip;
         }
         self.good_steps += 1;
-        if self.good_steps == GROWTH_INTERVAL {
+        if self.good_steps >= GROWTH_INTERVAL {
             self.good_steps = 0;
             self.scale *= 2.0;
         }

@@ -163,8 +163,8 @@ pub enum Indexing {
 /// update (lr x a normalised gradient, 1e-4 and less) is below bf16's resolution for most
 /// weights and would round away. So the optimizer keeps fp32 master weights, applies the
 /// update there, and rounds the result into the model's copy: 2 + 2 bytes for the model's
-/// parameters and gradients, 4 + 4 + 4 for master, m and v (the seed texts' 16 bytes per
-/// parameter).
+/// parameters and gradients, 4 + 4 + 4 for master, m and v: 16 bytes per parameter with
+/// AdamW, the mixed-precision accounting of the ZeRO paper.
 pub struct Optimizer<S: Stored<Acc = f32> = f32> {
     kind: OptimizerKind,
     weight_decay: f64,

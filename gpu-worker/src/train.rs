@@ -191,6 +191,13 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
 
     /// A trainer for one rank: its data-parallel group and its pipeline group.
     pub fn with_groups(spec: &ExperimentSpec, threads: usize, groups: Groups) -> Result<Self, TrainError> {
+        if S::NAME != spec.train.precision.as_str() {
+            return Err(TrainError::Unsupported(format!(
+                "train.precision={}: this trainer stores {} (the trainer must be made for the spec's precision)",
+                spec.train.precision.as_str(),
+                S::NAME
+            )));
+        }
         let backend = CpuBackend::<S>::new(threads);
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();

@@ -57,10 +57,10 @@ fn run_rejects_an_invalid_spec_with_a_readable_message() {
 
 #[test]
 fn run_says_when_a_feature_is_not_supported_yet() {
-    let mut spec = quick_spec("bf16", 3);
-    spec.train.precision = Precision::Bf16;
+    let mut spec = quick_spec("cuda", 3);
+    spec.backend = BackendKind::Cuda;
     let out = run_spec(&serde_json::to_string(&spec).unwrap(), &[]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("train.precision") && stderr.contains("not yet supported"), "{stderr}");
+    assert!(stderr.contains("backend=cuda") && stderr.contains("no CUDA backend yet"), "{stderr}");
 }

@@ -72,14 +72,19 @@ fn every_rank_measures_the_memory_the_planner_predicts() {
 /// few bytes more: the one-float all-reduces of the loss and the gradient norm.
 #[test]
 fn bytes_sent_per_step_match_the_planner() {
-    for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
+    // bf16 too: the engine's collectives carry f32 whatever the model's format.
+    let layouts = [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp]
+        .into_iter()
+        .flat_map(|s| [(s, Precision::Fp32), (s, Precision::Bf16)]);
+    for (sharding, precision) in layouts {
         let mut s = spec(sharding.as_str(), 2, sharding);
+        s.train.precision = precision;
         s.train.steps = 3;
         s.train.warmup_steps = 1;
         let predicted = plan(&s).unwrap().stages[0].comm.clone();
         let (_, trace) = run_with_trace(&s);
         let sent = |op| sent_per_step(&trace, op, s.train.steps);
-        let what = format!("{sharding:?}");
+        let what = format!("{sharding:?} {}", precision.as_str());
         assert_eq!(sent(trace::CollectiveOp::AllGather), predicted.dp_all_gather, "{what} all_gather");
         assert_eq!(sent(trace::CollectiveOp::ReduceScatter), predicted.dp_reduce_scatter, "{what} reduce_scatter");
         let all_reduce = sent(trace::CollectiveOp::AllReduce);

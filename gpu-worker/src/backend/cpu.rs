@@ -17,7 +17,6 @@ use rayon::prelude::*;
 use crate::backend::gemm::Parallelism;
 use crate::backend::{Backend, Float, Stored};
 use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
-use crate::optim::{self, AdamWStep};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.
 const ELEMENT_CHUNK: usize = 1 << 14;
@@ -315,27 +314,5 @@ impl<S: Stored> Backend for CpuBackend<S> {
             .par_chunks_mut(k * vocab)
             .zip(targets.par_chunks(k))
             .for_each(|(p, t)| loss::crossentropy_backward(p, t, vocab, dloss));
-    }
-
-    fn adamw_update(&self, params: &mut [S], grads: &[S], m: &mut [S], v: &mut [S], hp: &AdamWStep) {
-        let (Some(params), Some(m), Some(v)) = (S::as_acc_mut(params), S::as_acc_mut(m), S::as_acc_mut(v)) else {
-            unreachable!("{}: a model in a 2-byte format keeps f32 master weights for the optimizer", S::NAME);
-        };
-        params
-            .par_chunks_mut(ELEMENT_CHUNK)
-            .zip(grads.par_chunks(ELEMENT_CHUNK))
-            .zip(m.par_chunks_mut(ELEMENT_CHUNK))
-            .zip(v.par_chunks_mut(ELEMENT_CHUNK))
-            .for_each(|(((p, g), m), v)| optim::adamw_update(p, g, m, v, hp));
-    }
-
-    fn sgd_update(&self, params: &mut [S], grads: &[S], lr: f64, weight_decay: f64, grad_scale: f64) {
-        let Some(params) = S::as_acc_mut(params) else {
-            unreachable!("{}: a model in a 2-byte format keeps f32 master weights for the optimizer", S::NAME);
-        };
-        params
-            .par_chunks_mut(ELEMENT_CHUNK)
-            .zip(grads.par_chunks(ELEMENT_CHUNK))
-            .for_each(|(p, g)| optim::sgd_update(p, g, lr, weight_decay, grad_scale));
     }
 }

@@ -1,5 +1,7 @@
-//! The element type of the CPU kernels: `f32` for training, `f64` for the
-//! finite-difference checks, so that the SAME kernel code is checked in f64.
+//! Number formats. [`Stored`] is what a buffer holds: f32, bf16 or fp16 for training,
+//! f64 for the finite-difference checks (so that the SAME kernel code is checked in
+//! f64). [`Float`] is what the kernels compute in: f32 (for f32, bf16 and fp16 buffers)
+//! or f64.
 //!
 //! `f32` uses branch-free `exp` / `tanh` approximations (about 1-2 ulp) that the
 //! compiler vectorises; libm's scalar `expf` / `tanhf` would cost more than the
@@ -130,7 +132,7 @@ impl Float for f32 {
 /// arithmetic runs in), computed on there, and rounded once when a kernel stores its
 /// result, as a GPU kernel does with bf16/fp16 tensors (load, compute in f32, round on
 /// the store). f32 and f64 load and store themselves unchanged.
-pub trait Stored: Copy + Send + Sync + Default + Debug + PartialEq + bytemuck::Pod + 'static {
+pub trait Stored: Copy + Send + Sync + Default + Debug + PartialEq + 'static {
     /// The format kernels compute in.
     type Acc: Float;
     /// Short name for logs ("bf16").

@@ -1,7 +1,8 @@
 //! Backends: where buffers live and how the model's kernels run on them.
 //!
 //! The trait is deliberately small: the buffers and the dozen kernels a GPT
-//! needs (llm.c's list). Kernels work on views of backend-owned buffers, so a
+//! needs (llm.c's list). The optimizer's kernels (`optim.rs`) run on host slices: its
+//! state is fp32 whatever the model's format. Kernels work on views of backend-owned buffers, so a
 //! GPU backend can implement it with device memory (`CudaView` / `CudaViewMut`
 //! in cudarc) the same way the CPU backend does with slices. Token ids are
 //! passed as host slices (a few KiB per micro-batch; a GPU backend copies them).
@@ -27,8 +28,6 @@ use std::ops::Range;
 
 pub use cpu::CpuBackend;
 pub use float::{Float, Stored};
-
-use crate::optim::AdamWStep;
 
 pub trait Backend: Send + Sync + 'static {
     /// Number format of every buffer: f32 for training, bf16 or fp16 for mixed precision
@@ -200,18 +199,4 @@ pub trait Backend: Send + Sync + 'static {
     /// In place: probs -> dlogits = `dloss * (probs - onehot(targets))`, where `dloss`
     /// is d(objective)/d(each token's loss).
     fn crossentropy_backward(&self, probs: Self::ViewMut<'_>, targets: &[u32], vocab: usize, dloss: f64);
-
-    // ---- optimizer kernels ----------------------------------------------------------
-
-    /// One AdamW step on a range of parameters (see [`AdamWStep`]).
-    fn adamw_update(
-        &self,
-        params: Self::ViewMut<'_>,
-        grads: Self::View<'_>,
-        m: Self::ViewMut<'_>,
-        v: Self::ViewMut<'_>,
-        hp: &AdamWStep,
-    );
-    /// `p -= lr * (grad_scale * g + weight_decay * p)`.
-    fn sgd_update(&self, params: Self::ViewMut<'_>, grads: Self::View<'_>, lr: f64, weight_decay: f64, grad_scale: f64);
 }
