@@ -20,6 +20,8 @@ use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.
 const ELEMENT_CHUNK: usize = 1 << 14;
+/// Rows per task of the cross-entropy forward (whose loss sums are added in task order).
+const LOSS_ROWS: usize = 32;
 
 /// CPU kernels on buffers of `S` (f32 for training, bf16/fp16 for mixed precision, f64
 /// for gradient checks).
@@ -296,14 +298,18 @@ impl<S: Stored> Backend for CpuBackend<S> {
             .for_each(|(d, x)| mlp::gelu_backward(d, x));
     }
 
-    fn crossentropy_forward(&self, logits: &mut [S], losses: &mut [S], targets: &[u32], vocab: usize) {
+    fn crossentropy_forward(&self, logits: &mut [S], losses: &mut [S], targets: &[u32], vocab: usize) -> f64 {
+        // Tasks of a fixed number of rows, so the partial sums (and the loss) do not depend
+        // on the thread count.
         let rows = targets.len();
-        let k = self.rows_per_task(rows);
-        logits[..rows * vocab]
+        let k = LOSS_ROWS;
+        let partials: Vec<f64> = logits[..rows * vocab]
             .par_chunks_mut(k * vocab)
             .zip(losses[..rows].par_chunks_mut(k))
             .zip(targets.par_chunks(k))
-            .for_each(|((z, l), t)| loss::crossentropy_forward(z, l, t, vocab));
+            .map(|((z, l), t)| loss::crossentropy_forward(z, l, t, vocab))
+            .collect();
+        partials.iter().sum()
     }
 
     fn crossentropy_backward(&self, probs: &mut [S], targets: &[u32], vocab: usize, dloss: f64) {

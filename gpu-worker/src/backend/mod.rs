@@ -194,8 +194,15 @@ pub trait Backend: Send + Sync + 'static {
     fn gelu_backward(&self, dinout: Self::ViewMut<'_>, inp: Self::View<'_>);
 
     /// In place: logits -> softmax probabilities (rows of width `vocab`);
-    /// `losses[r] = -ln probs[r, targets[r]]`.
-    fn crossentropy_forward(&self, logits: Self::ViewMut<'_>, losses: Self::ViewMut<'_>, targets: &[u32], vocab: usize);
+    /// `losses[r] = -ln probs[r, targets[r]]`. Returns the sum of the losses, taken before
+    /// they are rounded to the buffer's format, added in a fixed order.
+    fn crossentropy_forward(
+        &self,
+        logits: Self::ViewMut<'_>,
+        losses: Self::ViewMut<'_>,
+        targets: &[u32],
+        vocab: usize,
+    ) -> f64;
     /// In place: probs -> dlogits = `dloss * (probs - onehot(targets))`, where `dloss`
     /// is d(objective)/d(each token's loss).
     fn crossentropy_backward(&self, probs: Self::ViewMut<'_>, targets: &[u32], vocab: usize, dloss: f64);

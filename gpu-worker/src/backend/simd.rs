@@ -53,31 +53,31 @@ pub mod x86 {
     }
 }
 
-/// Defines a kernel `fn name<F: Float, S: Stored<Acc = F>>(args) { body }` (buffers of
-/// `S`, arithmetic in `F`) whose body is compiled for AVX-512, AVX2 and baseline x86-64,
+/// Defines a kernel `fn name<F: Float, S: Stored<Acc = F>>(args) [-> T] { body }` (buffers
+/// of `S`, arithmetic in `F`) whose body is compiled for AVX-512, AVX2 and baseline x86-64,
 /// and dispatched at run time.
 macro_rules! simd_kernel {
     (
         $(#[$meta:meta])*
-        $vis:vis fn $name:ident<F: Float, S: Stored<Acc = F>>($($arg:ident: $ty:ty),* $(,)?) $body:block
+        $vis:vis fn $name:ident<F: Float, S: Stored<Acc = F>>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
     ) => {
         $(#[$meta])*
         #[allow(clippy::too_many_arguments)]
-        $vis fn $name<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) {
+        $vis fn $name<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
             #[allow(clippy::too_many_arguments)]
-            fn body<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) $body
+            fn body<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) $(-> $ret)? $body
 
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512cd,avx512dq,avx512vl,avx2,fma,bmi1,bmi2,lzcnt,popcnt,f16c")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn v4<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) {
+                unsafe fn v4<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt,popcnt,f16c")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn v3<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) {
+                unsafe fn v3<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
                 match $crate::backend::simd::x86::level() {

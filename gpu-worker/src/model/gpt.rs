@@ -502,8 +502,7 @@ impl<B: Backend> Gpt<B> {
             );
         }
         state.close(be, Unit::Head, Pass::Forward)?;
-        be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab);
-        Ok(be.sum(be.all(&head.losses)))
+        Ok(be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab))
     }
 
     /// This rank's widths (its heads and its part of the MLP under tensor parallelism).

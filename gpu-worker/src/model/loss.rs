@@ -12,8 +12,16 @@ use crate::backend::simd::simd_kernel;
 use crate::backend::{Float, Stored};
 
 simd_kernel! {
-    /// A chunk of rows: logits become probabilities; `losses[r]` = that row's loss.
-    pub fn crossentropy_forward<F: Float, S: Stored<Acc = F>>(logits: &mut [S], losses: &mut [S], targets: &[u32], vocab: usize) {
+    /// A chunk of rows: logits become probabilities; `losses[r]` = that row's loss. Returns
+    /// the chunk's sum of losses, added in f64 before they are rounded to the stored format
+    /// (the reported loss keeps full precision in bf16 and fp16 too).
+    pub fn crossentropy_forward<F: Float, S: Stored<Acc = F>>(
+        logits: &mut [S],
+        losses: &mut [S],
+        targets: &[u32],
+        vocab: usize,
+    ) -> f64 {
+        let mut total = 0.0f64;
         let mut exps = vec![F::ZERO; vocab];
         for ((z, loss), &target) in logits.chunks_exact_mut(vocab).zip(losses.iter_mut()).zip(targets) {
             let target = target as usize;
@@ -27,8 +35,11 @@ simd_kernel! {
             for (v, &e) in z.iter_mut().zip(&exps) {
                 *v = S::store(e * inv);
             }
-            *loss = S::store(sum.ln() - (z_target - m));
+            let row_loss = sum.ln() - (z_target - m);
+            total += row_loss.to_f64();
+            *loss = S::store(row_loss);
         }
+        total
     }
 }
 
