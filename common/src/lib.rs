@@ -3,6 +3,7 @@
 //! Compiles for native and wasm32: no I/O, no async runtime, no database.
 
 pub mod api;
+pub mod cards;
 pub mod events;
 pub mod memory;
 pub mod planner;

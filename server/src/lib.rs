@@ -5,6 +5,7 @@
 //! - [`serve`] opens the database, binds, prints `distlab is ready at http://ADDR/`,
 //!   starts the lease reaper and the local workers, and serves until ctrl-c / SIGTERM.
 
+pub mod cards;
 pub mod clock;
 pub mod db;
 pub mod error;
@@ -199,6 +200,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/memory", get(memory::memory))
         .route("/experiments/{id}/cancel", post(experiments::cancel))
         .route("/plan", post(plan::plan))
+        .route("/cards", get(cards::cards))
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
         // Added after the timeout layer, so that long-lived streams are not cut.
@@ -251,6 +253,7 @@ pub fn local_url(addr: SocketAddr) -> String {
 /// stops the workers on the way out.
 pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     config.validate()?;
+    cards::deck().map_err(ServeError::Config)?;
     let state = AppState::new(config.clone()).await?;
     let listener = tokio::net::TcpListener::bind(config.addr)
         .await

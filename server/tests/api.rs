@@ -745,6 +745,18 @@ async fn a_resumed_attempt_replaces_the_lost_steps_once() {
 }
 
 #[tokio::test]
+async fn the_flashcard_deck_covers_every_topic_with_a_demo() {
+    let t = setup().await;
+    let a = t.get("/api/cards").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let cards: Vec<cards::Card> = serde_json::from_value(a.body).expect("cards");
+    let topics: HashSet<u32> = cards.iter().map(|c| c.topic).collect();
+    assert_eq!(topics, (1..=cards::TOPICS).collect::<HashSet<_>>());
+    assert!(cards.iter().all(|c| !c.question.is_empty() && !c.answer.is_empty()));
+    assert!(cards.iter().any(|c| matches!(c.demo, cards::Demo::Ring { .. })));
+}
+
+#[tokio::test]
 async fn heartbeats_renew_the_lease() {
     let t = setup_with(|c| c.lease_seconds = 2.0).await;
     let worker = t.register(&["cpu"]).await;
