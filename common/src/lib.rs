@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod cards;
+pub mod compare;
 pub mod events;
 pub mod memory;
 pub mod planner;

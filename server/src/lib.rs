@@ -7,6 +7,7 @@
 
 pub mod cards;
 pub mod clock;
+pub mod compare;
 pub mod db;
 pub mod error;
 pub mod experiments;
@@ -201,6 +202,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/cancel", post(experiments::cancel))
         .route("/plan", post(plan::plan))
         .route("/cards", get(cards::cards))
+        .route("/compare", get(compare::compare))
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
         // Added after the timeout layer, so that long-lived streams are not cut.

@@ -1200,3 +1200,81 @@ async fn frontend_files_and_client_side_routes() {
     // The API is not shadowed by the frontend.
     assert_eq!(t.get("/api/health").await.status, StatusCode::OK);
 }
+
+// ---------------------------------------------------------------- compare
+
+#[tokio::test]
+async fn compare_shows_two_runs_their_diff_verdict_and_exports() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    // One rank with micro-batch 8, and DDP on 2 ranks with micro-batch 4: the same training.
+    let one = t
+        .post(
+            "/api/experiments",
+            json!({"name": "one rank", "train": {"steps": 3, "warmup_steps": 1, "micro_batch": 8}}),
+        )
+        .await;
+    let ddp = t
+        .post(
+            "/api/experiments",
+            json!({"name": "ddp, 2 ranks", "parallel": {"dp": 2}, "train": {"steps": 3, "warmup_steps": 1, "micro_batch": 4}}),
+        )
+        .await;
+    assert_eq!((one.status, ddp.status), (StatusCode::CREATED, StatusCode::CREATED), "{} {}", one.body, ddp.body);
+    let (one, ddp) = (one.body["id"].as_i64().expect("id"), ddp.body["id"].as_i64().expect("id"));
+    for (id, losses) in [(one, [5.0, 4.0, 3.0]), (ddp, [5.0, 4.00001, 3.00002])] {
+        assert_eq!(t.lease(worker).await.experiment_id, id);
+        let mut events: Vec<Value> = losses.iter().enumerate().map(|(s, l)| metric(s as u64, *l)).collect();
+        if id == ddp {
+            events.extend([trace_event(&rank_trace(0, 2, 2)), trace_event(&rank_trace(1, 2, 2))]);
+        }
+        let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": events})).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    }
+
+    let a = t.get(&format!("/api/compare?ids={one},{ddp}")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let view: compare::CompareView = serde_json::from_value(a.body).expect("CompareView");
+    assert_eq!(view.runs.iter().map(|r| r.experiment.id).collect::<Vec<_>>(), vec![one, ddp]);
+    assert_eq!(view.runs[1].metrics.len(), 3);
+    let dp_row = view.config.iter().find(|r| r.field == "parallel.dp").expect("dp row");
+    assert!(dp_row.differs && dp_row.values == ["1", "2"]);
+    let world = view.config.iter().find(|r| r.field == "world size").expect("derived row");
+    assert!(world.derived && world.differs);
+    assert!(!view.config.iter().find(|r| r.field == "model.layers").expect("layers").differs);
+    let verdict = &view.equivalence[0];
+    assert_eq!((verdict.baseline, verdict.other, verdict.common_steps), (one, ddp, 3));
+    assert!(verdict.not_expected_because.is_empty(), "{:?}", verdict.not_expected_because);
+    assert!(verdict.equivalent, "{verdict:?}");
+    // DDP's trace: 8192 bytes per rank over 3 steps; its time split comes from the spans.
+    let stats = &view.runs[1].stats;
+    assert!((stats.comm_bytes_per_step.expect("comm") - 8192.0 / 3.0).abs() < 1e-9);
+    let split = stats.time_split.expect("split");
+    assert!((split.compute_ms - 0.2).abs() < 1e-9 && (split.comm_ms - 0.1).abs() < 1e-9, "{split:?}");
+    assert!(view.runs[0].stats.time_split.is_none(), "no trace, no split");
+
+    let csv = t.get(&format!("/api/compare?ids={one},{ddp}&format=csv")).await;
+    assert_eq!(csv.status, StatusCode::OK);
+    assert!(csv.headers[header::CONTENT_DISPOSITION].to_str().unwrap_or("").contains("metrics.csv"));
+    let text = csv.body.as_str().expect("csv text");
+    assert!(text.starts_with("experiment_id,name,step,loss"), "{text}");
+    assert!(text.contains(&format!("{ddp},\"ddp, 2 ranks\",1,4.00001,")), "{text}");
+    assert_eq!(text.lines().count(), 7);
+    let summary_csv = t.get(&format!("/api/compare?ids={one},{ddp}&format=csv&table=summary")).await;
+    assert_eq!(summary_csv.body.as_str().expect("csv").lines().count(), 3);
+    let json_file = t.get(&format!("/api/compare?ids={one},{ddp}&format=json")).await;
+    assert!(json_file.headers[header::CONTENT_DISPOSITION].to_str().unwrap_or("").contains("view.json"));
+    assert_eq!(json_file.body["runs"].as_array().map(Vec::len), Some(2));
+
+    // Bad input: too few ids, a missing run, an unknown format.
+    assert!(assert_api_error(&t.get(&format!("/api/compare?ids={one}")).await, StatusCode::BAD_REQUEST)
+        .error
+        .contains("pick 2 to 6"));
+    assert!(assert_api_error(&t.get(&format!("/api/compare?ids={one},999")).await, StatusCode::NOT_FOUND)
+        .error
+        .contains("999"));
+    assert_api_error(&t.get(&format!("/api/compare?ids={one},{ddp}&format=xml")).await, StatusCode::BAD_REQUEST);
+    assert_api_error(&t.get("/api/compare").await, StatusCode::BAD_REQUEST);
+}

@@ -1,0 +1,105 @@
+//! `GET /api/compare?ids=1,2,3`: 2 to 6 experiments side by side (`CompareView`: each
+//! run's metrics and summary row, the config diff, the equivalence verdicts, seed bands).
+//! `&format=csv` exports the metrics (`&table=summary`: the summary table) as a file.
+
+use axum::extract::{Query, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use distlab_common::compare::{self, CompareView, ComparedRun};
+use distlab_common::planner;
+use distlab_common::trace::RankTrace;
+use serde::Deserialize;
+
+use crate::error::HttpError;
+use crate::{experiments, AppState};
+
+#[derive(Deserialize)]
+pub struct CompareQuery {
+    ids: Option<String>,
+    format: Option<String>,
+    table: Option<String>,
+}
+
+pub async fn compare(State(state): State<AppState>, Query(q): Query<CompareQuery>) -> Result<Response, HttpError> {
+    let ids = compare::parse_ids(q.ids.as_deref().unwrap_or("")).map_err(|e| HttpError::bad_field("ids", e))?;
+    let export = Export::parse(q.format.as_deref(), q.table.as_deref())?;
+    let view = build(&state, &ids).await?;
+    let stamp = ids.iter().map(i64::to_string).collect::<Vec<_>>().join("-");
+    let file = |name: &str, body: String, kind: &'static str| {
+        let disposition = format!("attachment; filename=\"distlab-compare-{stamp}-{name}\"");
+        ([(header::CONTENT_TYPE, kind.to_string()), (header::CONTENT_DISPOSITION, disposition)], body).into_response()
+    };
+    Ok(match export {
+        Export::View => Json(view).into_response(),
+        Export::Json => {
+            let body = serde_json::to_string_pretty(&view).map_err(|e| HttpError::internal("encoding", e))?;
+            file("view.json", body, "application/json")
+        }
+        Export::MetricsCsv => file("metrics.csv", compare::metrics_csv(&view), "text/csv; charset=utf-8"),
+        Export::SummaryCsv => file("summary.csv", compare::summary_csv(&view), "text/csv; charset=utf-8"),
+    })
+}
+
+enum Export {
+    View,
+    Json,
+    MetricsCsv,
+    SummaryCsv,
+}
+
+impl Export {
+    fn parse(format: Option<&str>, table: Option<&str>) -> Result<Export, HttpError> {
+        match (format.unwrap_or(""), table.unwrap_or("")) {
+            ("", "") => Ok(Export::View),
+            ("json", "") => Ok(Export::Json),
+            ("csv", "" | "metrics") => Ok(Export::MetricsCsv),
+            ("csv", "summary") => Ok(Export::SummaryCsv),
+            ("csv", other) => Err(HttpError::bad_field(
+                "table",
+                format!("unknown table '{}'; use metrics or summary", crate::extract::truncate(other, 40)),
+            )),
+            (_, t) if !t.is_empty() => Err(HttpError::bad_field("table", "table goes with format=csv")),
+            (other, _) => Err(HttpError::bad_field(
+                "format",
+                format!("unknown format '{}'; use json or csv", crate::extract::truncate(other, 40)),
+            )),
+        }
+    }
+}
+
+/// Loads every run (404 naming the first missing id) and builds the view.
+async fn build(state: &AppState, ids: &[i64]) -> Result<CompareView, HttpError> {
+    let mut runs = Vec::with_capacity(ids.len());
+    let mut plans = Vec::with_capacity(ids.len());
+    for &id in ids {
+        let experiment = experiments::load(&state.db, id).await?.ok_or_else(|| experiments::not_found(id))?;
+        let metrics = experiments::load_metrics(&state.db, id).await?;
+        let ranks = load_traces(state, id).await?;
+        let plan = planner::plan(&experiment.spec).ok();
+        let stats = compare::run_stats(&experiment, &metrics, &ranks, plan.as_ref());
+        runs.push(ComparedRun { experiment, metrics, stats });
+        plans.push(plan);
+    }
+    let specs: Vec<_> = runs.iter().zip(&plans).map(|(r, p)| (&r.experiment.spec, p.as_ref())).collect();
+    let config = compare::config_rows(&specs);
+    let series: Vec<_> = runs.iter().map(|r| (r.experiment.id, &r.experiment.spec, r.metrics.as_slice())).collect();
+    let equivalence = series[1..].iter().map(|other| compare::equivalence(series[0], *other)).collect();
+    let seed_bands = compare::seed_bands(&series);
+    Ok(CompareView { runs, config, equivalence, seed_bands })
+}
+
+async fn load_traces(state: &AppState, id: i64) -> Result<Vec<RankTrace>, HttpError> {
+    let rows: Vec<(i64, String)> =
+        sqlx::query_as("SELECT rank, trace FROM traces WHERE experiment_id = ?1 ORDER BY rank")
+            .bind(id)
+            .fetch_all(&state.db)
+            .await?;
+    rows.into_iter()
+        .map(|(rank, json)| {
+            serde_json::from_str(&json).map_err(|e| {
+                HttpError::internal("stored trace", format!("experiment {id} rank {rank} has an unreadable trace: {e}"))
+            })
+        })
+        .collect()
+}
