@@ -47,6 +47,11 @@ pub async fn list_succeeded(limit: u32) -> ApiResult<ExperimentList> {
     get_json(&format!("/api/experiments?status=succeeded&limit={limit}")).await
 }
 
+/// `GET /api/compare?ids=...` (the caller builds the URL, which the page also links to).
+pub async fn get_compare(url: &str) -> ApiResult<distlab_common::compare::CompareView> {
+    get_json(url).await
+}
+
 pub async fn get_experiment(id: i64) -> ApiResult<ExperimentView> {
     get_json(&format!("/api/experiments/{id}")).await
 }

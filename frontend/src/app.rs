@@ -9,7 +9,8 @@ use leptos_router::path;
 
 use crate::api;
 use crate::pages::{
-    experiment::ExperimentPage, list::ExperimentList, new::NewExperiment, pipeline::PipelinePage, ring::RingReplayPage,
+    compare::ComparePage, experiment::ExperimentPage, list::ExperimentList, new::NewExperiment, pipeline::PipelinePage,
+    ring::RingReplayPage,
 };
 
 #[component]
@@ -24,6 +25,7 @@ pub fn App() -> impl IntoView {
                 <nav>
                     <A href="/" exact=true>"Experiments"</A>
                     <A href="/new">"New experiment"</A>
+                    <A href="/compare">"Compare"</A>
                 </nav>
                 <HealthBadge/>
             </header>
@@ -31,6 +33,7 @@ pub fn App() -> impl IntoView {
                 <Routes fallback=|| view! { <NotFound/> }>
                     <Route path=path!("/") view=ExperimentList/>
                     <Route path=path!("/new") view=NewExperiment/>
+                    <Route path=path!("/compare") view=ComparePage/>
                     <Route path=path!("/experiments/:id") view=ExperimentPage/>
                     <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
                     <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>

@@ -217,6 +217,92 @@ async fn a_resumed_run_lists_its_attempts() -> Result<()> {
     result
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_runs_plan_a_model_and_study_cards() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let lab = Lab::start();
+    let driver = ChromeDriver::start()?;
+    let client = driver.connect().await?;
+    let result = compare_scenario(&client, &lab).await;
+    if result.is_err() {
+        let _ = save_screenshot(&client, "failure-compare.png").await;
+    }
+    let _ = client.close().await;
+    result
+}
+
+/// One rank with micro-batch 8 and DDP on 2 ranks with micro-batch 4, ticked in the list
+/// and compared: two curves, the "equivalent" verdict, the diff-only toggle, and the
+/// exported CSV's lines.
+async fn compare_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut one = quick_spec("one rank, batch 8", 8);
+    one.train.micro_batch = 8;
+    let mut ddp = quick_spec("ddp 2 ranks, batch 4 each", 8);
+    ddp.parallel.dp = 2;
+    ddp.train.micro_batch = 4;
+    let (a, b) = (lab.submit(&one), lab.submit(&ddp));
+    for id in [a, b] {
+        let exp = lab.wait_finished(id, Duration::from_secs(120));
+        ensure!(exp.status == ExperimentStatus::Succeeded, "run {id} did not succeed: {exp:?}");
+    }
+
+    c.goto(&lab.url("/")).await?;
+    let last_pick = format!("tr[data-id='{b}'] .compare-pick");
+    wait_for(c, "the list", Duration::from_secs(30), || exists(c, &last_pick)).await?;
+    ensure!(disabled(c, "#compare-selected").await?, "compare needs two runs");
+    for id in [a, b] {
+        c.find(Locator::Css(&format!("tr[data-id='{id}'] .compare-pick"))).await?.click().await?;
+    }
+    wait_for(c, "the compare button", Duration::from_secs(5), || async {
+        Ok(!disabled(c, "#compare-selected").await?)
+    })
+    .await?;
+    c.find(Locator::Css("#compare-selected")).await?.click().await?;
+    wait_for(c, "the overlay", Duration::from_secs(30), || async {
+        Ok(attr(c, "#overlay-chart", "data-lines").await?.as_deref() == Some("2"))
+    })
+    .await?;
+    let url = c.current_url().await?.to_string();
+    ensure!(url.ends_with(&format!("/compare?ids={a},{b}")), "{url}");
+    let verdict = attr(c, &format!(".verdict[data-other='{b}']"), "data-equivalent").await?;
+    ensure!(verdict.as_deref() == Some("true"), "DDP equals one rank: {:?}", text(c, "#verdicts").await?);
+
+    let rows = || {
+        js(
+            c,
+            "return [...document.querySelectorAll(arguments[0])].map(r => r.dataset.field);",
+            "#config-diff .config-row",
+        )
+    };
+    let diff = rows().await?;
+    let diff: Vec<&str> = diff.as_array().context("rows")?.iter().filter_map(Value::as_str).collect();
+    for field in ["parallel.dp", "train.micro_batch", "world size", "name"] {
+        ensure!(diff.contains(&field), "{field} differs: {diff:?}");
+    }
+    ensure!(!diff.contains(&"model.layers"), "only differences: {diff:?}");
+    c.find(Locator::Css("#diff-only")).await?.click().await?;
+    wait_for(c, "every row", Duration::from_secs(5), || async {
+        Ok(rows().await?.as_array().is_some_and(|r| r.iter().any(|f| f == "model.layers")))
+    })
+    .await?;
+
+    let csv = c
+        .execute_async(
+            "const done = arguments[arguments.length - 1]; \
+             fetch(document.querySelector('#export-metrics-csv').href).then(r => r.text()).then(done);",
+            vec![],
+        )
+        .await?;
+    let csv = csv.as_str().context("csv text")?;
+    ensure!(csv.starts_with("experiment_id,name,step,loss"), "{csv}");
+    ensure!(csv.lines().count() == 1 + 8 + 8, "a line per run and step: {csv}");
+    ensure!(csv.contains(&format!("{b},\"ddp 2 ranks, batch 4 each\",0,")), "names are quoted: {csv}");
+    save_full_page(c, "compare.png").await?;
+    Ok(())
+}
+
 /// A two-rank run whose first worker is SIGKILLed after step 14 resumes on a second worker
 /// from the checkpoint of step 10; the experiment page lists both attempts, where the
 /// second resumed and the four steps it ran again.

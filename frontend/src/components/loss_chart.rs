@@ -133,7 +133,7 @@ pub fn nice_step(raw: f64) -> f64 {
     nice * power
 }
 
-fn ticks(min: f64, max: f64, step: f64) -> Vec<f64> {
+pub fn ticks(min: f64, max: f64, step: f64) -> Vec<f64> {
     let first = (min / step).ceil() as i64;
     let last = (max / step + 1e-9).floor() as i64;
     (first..=last).map(|i| i as f64 * step).collect()

@@ -4,6 +4,7 @@ pub mod loss_chart;
 pub mod memory_bars;
 pub mod memory_section;
 pub mod memory_timeline;
+pub mod overlay_chart;
 pub mod pipeline_chart;
 pub mod plan_panel;
 pub mod progress;

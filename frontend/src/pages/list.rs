@@ -1,10 +1,13 @@
-//! `/`: every experiment, newest first, refreshed every 1.5 s.
+//! `/`: every experiment, newest first, refreshed every 1.5 s. Ticking 2 to 6 of them
+//! and pressing "Compare" opens `/compare?ids=...`.
 
 use std::time::Duration;
 
+use distlab_common::compare::{MAX_RUNS, MIN_RUNS};
 use distlab_common::ExperimentView;
 use leptos::prelude::*;
 use leptos_router::components::A;
+use leptos_router::hooks::use_navigate;
 
 use crate::api;
 use crate::components::progress::ProgressBar;
@@ -31,11 +34,29 @@ pub fn ExperimentList() -> impl IntoView {
         on_cleanup(move || handle.clear());
     }
 
+    // The ticked experiments, in the order they were ticked (the first is the baseline).
+    let selected = RwSignal::new(Vec::<i64>::new());
+    let navigate = use_navigate();
+    let compare = move |_| {
+        let ids = selected.get_untracked();
+        if (MIN_RUNS..=MAX_RUNS).contains(&ids.len()) {
+            let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+            navigate(&format!("/compare?ids={list}"), Default::default());
+        }
+    };
     view! {
         <section class="card">
             <div class="card-head">
                 <h1>"Experiments"</h1>
-                <A href="/new" attr:class="button primary" attr:id="new-experiment">"+ New experiment"</A>
+                <div class="head-actions">
+                    <button class="button" id="compare-selected"
+                        disabled=move || !(MIN_RUNS..=MAX_RUNS).contains(&selected.with(Vec::len))
+                        title=format!("tick {MIN_RUNS} to {MAX_RUNS} experiments")
+                        on:click=compare>
+                        {move || format!("Compare ({})", selected.with(Vec::len))}
+                    </button>
+                    <A href="/new" attr:class="button primary" attr:id="new-experiment">"+ New experiment"</A>
+                </div>
             </div>
             {move || match list.get() {
                 None => view! { <p class="muted">"loading…"</p> }.into_any(),
@@ -56,6 +77,7 @@ pub fn ExperimentList() -> impl IntoView {
                         <table class="experiments" id="experiments">
                             <thead>
                                 <tr>
+                                    <th class="pick" title="tick runs to compare">"cmp"</th>
                                     <th class="num">"#"</th>
                                     <th>"name"</th>
                                     <th>"status"</th>
@@ -64,7 +86,7 @@ pub fn ExperimentList() -> impl IntoView {
                                     <th></th>
                                 </tr>
                             </thead>
-                            <tbody>{items.into_iter().map(row).collect_view()}</tbody>
+                            <tbody>{items.into_iter().map(|e| row(e, selected)).collect_view()}</tbody>
                         </table>
                         {more.map(|m| view! { <p class="muted">{m}</p> })}
                     }
@@ -75,12 +97,26 @@ pub fn ExperimentList() -> impl IntoView {
     }
 }
 
-fn row(e: ExperimentView) -> impl IntoView {
+fn row(e: ExperimentView, selected: RwSignal<Vec<i64>>) -> impl IntoView {
+    let id = e.id;
     let href = format!("/experiments/{}", e.id);
     let status = e.status;
     let created = e.created_at.clone();
     view! {
         <tr class="experiment-row" data-id=e.id.to_string() data-status=status.as_str()>
+            <td class="pick">
+                <input type="checkbox" class="compare-pick" aria-label=format!("compare experiment {id}")
+                    prop:checked=move || selected.with(|s| s.contains(&id))
+                    on:change=move |ev| {
+                        let on = event_target_checked(&ev);
+                        selected.update(|s| {
+                            s.retain(|x| *x != id);
+                            if on && s.len() < MAX_RUNS {
+                                s.push(id);
+                            }
+                        });
+                    }/>
+            </td>
             <td class="num">{e.id}</td>
             <td>
                 <A href=href.clone() attr:class="experiment-link">{e.name.clone()}</A>
