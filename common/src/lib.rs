@@ -5,6 +5,7 @@
 pub mod api;
 pub mod cards;
 pub mod compare;
+pub mod estimate;
 pub mod events;
 pub mod memory;
 pub mod planner;

@@ -1,0 +1,976 @@
+//! From a [`Plan`] to a cluster: does the peak rank fit in a GPU, how long does one
+//! optimizer step take, and what model FLOP utilization (MFU) would that be?
+//!
+//! The planner says what every rank holds and sends; this module adds the hardware
+//! ([`Cluster`]: GPU memory, peak FLOP/s, NVLink and network bandwidth, per-message
+//! latency) and turns the plan into seconds. It is a first-order model for the planner
+//! page, shown beside measured runs, never instead of them:
+//!
+//! - every rate is a peak (tensor-core FLOP/s, link bandwidth), so compute and
+//!   communication times are lower bounds;
+//! - data-parallel communication is counted as fully exposed (not overlapped with
+//!   backward), which errs the other way: DDP, ZeRO and FSDP hide most of it;
+//! - every rank is credited with the average FLOPs (`plan.flops.per_rank`): the extra
+//!   work of the embedding and LM-head stages is not modelled;
+//! - the communicated bytes are the engine's ([`crate::planner::CommVolume`]): fp32 on the
+//!   wire in every precision, where Megatron-LM sends 16-bit activations.
+//!
+//! Pure functions of their inputs (the browser runs them compiled to wasm32).
+
+use serde::{Deserialize, Serialize};
+
+use crate::planner::{Plan, StagePlan};
+use crate::spec::*;
+
+/// Decimal gigabyte: GPU memory is sold (and the seed texts count) in 1e9 bytes.
+const GB: f64 = 1e9;
+
+// ---------------------------------------------------------------------------------------
+// Model presets
+// ---------------------------------------------------------------------------------------
+
+/// A well-known model shape, in distlab's GPT (GPT-2 blocks: LayerNorm, 4d GELU MLP,
+/// learned positions, a separate LM head).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelPreset {
+    pub key: String,
+    pub label: String,
+    /// The size the model is known by, in parameters.
+    pub nominal_params: u64,
+    /// The original ties its LM head to the token embedding (GPT-2, GPT-3), so its
+    /// published size leaves out the vocab x d_model head that distlab keeps separate.
+    pub original_ties_head: bool,
+    pub model: ModelSpec,
+}
+
+impl ModelPreset {
+    /// Parameters counted as the original's authors count them: distlab's
+    /// [`ModelSpec::param_count`], less the separate LM head where the original ties it.
+    pub fn comparable_param_count(&self) -> u64 {
+        let head = (self.model.vocab as u64).saturating_mul(self.model.d_model as u64);
+        let count = self.model.param_count();
+        if self.original_ties_head {
+            count.saturating_sub(head)
+        } else {
+            count
+        }
+    }
+}
+
+/// Model shapes for the planner page, smallest first. Their parameter counts (checked by
+/// a test) land within 10% of the names:
+///
+/// | preset          | layers | d_model | heads | seq  | vocab | distlab count        |
+/// |-----------------|-------:|--------:|------:|-----:|------:|----------------------|
+/// | GPT-2 124M      | 12     | 768     | 12    | 1024 | 50257 | 124.4M (+38.6M head) |
+/// | GPT-3 XL 1.3B   | 24     | 2048    | 16    | 2048 | 50257 | 1.32B (+0.10B head)  |
+/// | LLaMA-like 7B   | 32     | 4096    | 32    | 4096 | 32000 | 6.72B                |
+/// | LLaMA-like 13B  | 40     | 5120    | 40    | 4096 | 32000 | 12.9B                |
+/// | LLaMA-like 70B  | 80     | 8448    | 64    | 4096 | 32000 | 69.1B                |
+/// | GPT-3 175B      | 96     | 12288   | 96    | 2048 | 50257 | 174.6B (+0.6B head)  |
+pub fn model_presets() -> Vec<ModelPreset> {
+    let preset = |key: &str, label: &str, nominal: u64, tied: bool, model: ModelSpec| ModelPreset {
+        key: key.into(),
+        label: label.into(),
+        nominal_params: nominal,
+        original_ties_head: tied,
+        model,
+    };
+    let m = |layers, d_model, heads, seq_len, vocab| ModelSpec { layers, d_model, heads, seq_len, vocab };
+    vec![
+        preset("gpt2-124m", "GPT-2 124M", 124_000_000, true, m(12, 768, 12, 1024, 50257)),
+        preset("gpt3-xl-1.3b", "GPT-3 XL 1.3B", 1_300_000_000, true, m(24, 2048, 16, 2048, 50257)),
+        // LLaMA-2 7B and 13B shapes. LLaMA's SwiGLU MLP (3 matrices of d x 2.7d) has about
+        // as many weights as the 4d GELU MLP here (2 of d x 4d), so the counts agree.
+        preset("llama-7b", "7B (LLaMA-like)", 7_000_000_000, false, m(32, 4096, 32, 4096, 32000)),
+        preset("llama-13b", "13B (LLaMA-like)", 13_000_000_000, false, m(40, 5120, 40, 4096, 32000)),
+        // LLaMA-2 70B is 80 x 8192 with a 3.5d SwiGLU MLP and grouped-query attention;
+        // GPT blocks of width 8192 would give only 64.9B, so the width is 8448 (64 heads of
+        // 132): 69.1B parameters with the original's depth.
+        preset("llama-70b", "70B (LLaMA-like)", 70_000_000_000, false, m(80, 8448, 64, 4096, 32000)),
+        preset("gpt3-175b", "GPT-3 175B", 175_000_000_000, true, m(96, 12288, 96, 2048, 50257)),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------
+// Clusters
+// ---------------------------------------------------------------------------------------
+
+/// The hardware an experiment would run on. Rates are per GPU and per direction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Cluster {
+    /// GPUs in all; [`Cluster::for_spec`] sets it to the spec's world size.
+    pub gpus: u64,
+    pub gpus_per_node: u64,
+    /// Memory a training process may use on one GPU.
+    pub gpu_memory_bytes: u64,
+    /// Dense (no structured sparsity) tensor-core peak in bf16, FLOP/s.
+    pub peak_flops_bf16: f64,
+    /// Dense tensor-core peak in fp16, FLOP/s.
+    pub peak_flops_fp16: f64,
+    /// Peak in plain fp32 (not TF32: the engine multiplies fp32 in fp32), FLOP/s.
+    pub peak_flops_fp32: f64,
+    /// What one GPU sends to the GPUs of its own node per second (NVLink).
+    pub intra_node_bytes_per_s: f64,
+    /// What one GPU sends to other nodes per second (its share of the node's network).
+    pub inter_node_bytes_per_s: f64,
+    /// Fixed cost of one message (one step of a ring collective, one send): alpha in the
+    /// alpha-beta model.
+    pub latency_s: f64,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Cluster::a100_80gb_sxm()
+    }
+}
+
+/// Per-message latency of every preset: a round figure for one NCCL ring step or send
+/// (link latency is 1-2 us; kernel launch and protocol overhead add a few more).
+const LATENCY_S: f64 = 5e-6;
+
+impl Cluster {
+    /// One DGX A100 node (8 x A100 80GB SXM). A100 datasheet: 312 TFLOP/s dense bf16 and
+    /// fp16 (624 with sparsity), 19.5 TFLOP/s fp32 (156 in TF32); NVLink 3: 12 links of 25
+    /// GB/s each way = 300 GB/s per direction (the "600 GB/s" quoted is both directions
+    /// together). Network: eight 200 Gb/s HDR InfiniBand adapters per node, one per GPU:
+    /// 25 GB/s per GPU, 200 GB/s per node. Memory: 80 GiB (85.9e9 bytes) physically; 80e9
+    /// usable leaves ~6 GB for the CUDA context, NCCL and allocator fragmentation, which
+    /// the planner does not count.
+    pub fn a100_80gb_sxm() -> Self {
+        Cluster {
+            gpus: 8,
+            gpus_per_node: 8,
+            gpu_memory_bytes: 80_000_000_000,
+            peak_flops_bf16: 312e12,
+            peak_flops_fp16: 312e12,
+            peak_flops_fp32: 19.5e12,
+            intra_node_bytes_per_s: 300e9,
+            inter_node_bytes_per_s: 25e9,
+            latency_s: LATENCY_S,
+        }
+    }
+
+    /// DGX A100 with the 40GB part: the same compute, NVLink and network as
+    /// [`Cluster::a100_80gb_sxm`], half the memory (40 GiB physically, 40e9 usable).
+    pub fn a100_40gb_sxm() -> Self {
+        Cluster { gpu_memory_bytes: 40_000_000_000, ..Cluster::a100_80gb_sxm() }
+    }
+
+    /// One DGX H100 node (8 x H100 80GB SXM). H100 SXM datasheet: 989 TFLOP/s dense bf16
+    /// and fp16 (1979 with sparsity), 67 TFLOP/s fp32 (495 dense TF32); NVLink 4: 18 links,
+    /// 900 GB/s both directions = 450 GB/s per direction. Network: eight 400 Gb/s NDR
+    /// InfiniBand adapters per node, one per GPU: 50 GB/s per GPU. Memory as for the A100
+    /// 80GB: 80e9 of the 80 GiB.
+    pub fn h100_80gb_sxm() -> Self {
+        Cluster {
+            gpus: 8,
+            gpus_per_node: 8,
+            gpu_memory_bytes: 80_000_000_000,
+            peak_flops_bf16: 989e12,
+            peak_flops_fp16: 989e12,
+            peak_flops_fp32: 67e12,
+            intra_node_bytes_per_s: 450e9,
+            inter_node_bytes_per_s: 50e9,
+            latency_s: LATENCY_S,
+        }
+    }
+
+    /// The same hardware with `gpus` GPUs in all.
+    pub fn with_gpus(self, gpus: u64) -> Self {
+        Cluster { gpus, ..self }
+    }
+
+    /// The same hardware with exactly the GPUs the spec needs (dp x tp x pp).
+    pub fn for_spec(self, spec: &ExperimentSpec) -> Self {
+        let world = [spec.parallel.dp, spec.parallel.tp, spec.parallel.pp]
+            .into_iter()
+            .fold(1u64, |acc, x| acc.saturating_mul(x as u64));
+        self.with_gpus(world)
+    }
+
+    /// Peak FLOP/s of one GPU for the matmuls of a run in `precision`.
+    pub fn peak_flops(&self, precision: Precision) -> f64 {
+        match precision {
+            Precision::Bf16 => self.peak_flops_bf16,
+            Precision::Fp16 => self.peak_flops_fp16,
+            Precision::Fp32 => self.peak_flops_fp32,
+        }
+    }
+
+    /// Nodes needed for `gpus` GPUs: ceil(gpus / gpus_per_node).
+    pub fn nodes_for(&self, gpus: u64) -> u64 {
+        gpus.div_ceil(self.gpus_per_node.max(1))
+    }
+}
+
+/// A named cluster for the planner page's picker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterPreset {
+    pub key: String,
+    pub label: String,
+    /// One node's worth of GPUs; [`Cluster::for_spec`] sizes it to a spec.
+    pub cluster: Cluster,
+}
+
+/// The clusters the planner page offers (the first is the default).
+pub fn cluster_presets() -> Vec<ClusterPreset> {
+    let preset = |key: &str, label: &str, cluster| ClusterPreset { key: key.into(), label: label.into(), cluster };
+    vec![
+        preset("a100-80gb", "A100 80GB SXM (DGX A100, 200 Gb/s IB per GPU)", Cluster::a100_80gb_sxm()),
+        preset("a100-40gb", "A100 40GB SXM (DGX A100, 200 Gb/s IB per GPU)", Cluster::a100_40gb_sxm()),
+        preset("h100-80gb", "H100 80GB SXM (DGX H100, 400 Gb/s IB per GPU)", Cluster::h100_80gb_sxm()),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------
+// The estimate
+// ---------------------------------------------------------------------------------------
+
+/// What one step of the spec would cost on the cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    /// GPUs the spec uses: dp x tp x pp (the plan's world size).
+    pub world_size: u64,
+    /// Nodes those GPUs fill: ceil(world_size / gpus_per_node).
+    pub nodes: u64,
+    /// The pipeline stage whose ranks need the most memory (`plan.peak_stage`; its
+    /// category split is `plan.stages[peak_stage].memory`).
+    pub peak_stage: usize,
+    /// Bytes one GPU of the peak stage needs (`plan.stages[peak_stage].memory.total`).
+    pub memory_per_gpu_bytes: u64,
+    pub gpu_memory_bytes: u64,
+    /// memory_per_gpu_bytes <= gpu_memory_bytes.
+    pub fits: bool,
+    /// gpu_memory_bytes - memory_per_gpu_bytes: negative when it does not fit.
+    pub headroom_bytes: i64,
+    /// Peak FLOP/s of one GPU in the spec's precision.
+    pub peak_flops: f64,
+    /// One rank's share of the step's FLOPs at peak: plan.flops.per_rank / peak_flops.
+    pub compute_seconds: f64,
+    /// Idle time of the pipeline's fill and drain.
+    pub bubble_seconds: f64,
+    pub dp: AxisComm,
+    pub tp: AxisComm,
+    pub pp: AxisComm,
+    /// Communication on the critical path: dp + tp + pp seconds (all counted as exposed).
+    pub exposed_comm_seconds: f64,
+    pub step_seconds: f64,
+    pub tokens_per_second: f64,
+    /// FLOPs of the model itself per step: 6 * params * tokens + attention (no recompute).
+    pub model_flops: f64,
+    /// Model FLOP utilization: model_flops / (step_seconds * world_size * peak_flops).
+    pub mfu: f64,
+    /// Hardware FLOP utilization: the same with the recomputed forward counted.
+    pub hfu: f64,
+    pub notes: Vec<Note>,
+}
+
+/// Communication of one parallelism axis, for the stage that spends longest on it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AxisComm {
+    /// Ranks in one group of this axis (1: nothing to communicate).
+    pub group_size: u64,
+    /// Global-rank distance between neighbours of a group: tp 1, pp tp, dp tp * pp.
+    pub stride: u64,
+    /// Some group of this axis has ranks on two nodes, so it runs at network bandwidth.
+    pub crosses_nodes: bool,
+    /// Bytes per second the axis is credited with (intra- or inter-node, per GPU).
+    pub bytes_per_s: f64,
+    /// The stage counted (the one whose ranks take longest).
+    pub stage: usize,
+    /// Bytes one rank of that stage sends per step on this axis.
+    pub bytes_per_rank: u64,
+    /// Messages it sends per step: ring steps of each collective, or point-to-point sends.
+    pub messages: u64,
+    /// messages * latency + bytes / bandwidth.
+    pub seconds: f64,
+}
+
+/// A remark on the estimate for the page, in words a learner understands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Note {
+    pub level: NoteLevel,
+    pub text: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NoteLevel {
+    /// Worth knowing; nothing wrong.
+    Info,
+    /// The run would fail or waste much of the hardware.
+    Warning,
+}
+
+/// The alpha-beta model of a transfer: `messages` fixed costs of `latency_s` each plus
+/// `bytes` at `bytes_per_s`:  t = messages * alpha + bytes / beta.
+/// A rate that is zero, negative or not finite gives no bandwidth term (never inf/NaN).
+pub fn alpha_beta_seconds(messages: u64, bytes: u64, latency_s: f64, bytes_per_s: f64) -> f64 {
+    let latency = if latency_s.is_finite() && latency_s > 0.0 { messages as f64 * latency_s } else { 0.0 };
+    latency + ratio(bytes as f64, bytes_per_s)
+}
+
+/// Whether every group of `size` ranks spaced `stride` apart stays inside one node, with
+/// ranks numbered tp innermost, then pp, then dp (Megatron-LM's order; see
+/// [`ExperimentSpec::stage_of`]). A group's ranks then fill an aligned block of
+/// stride * size consecutive ranks, and the blocks tile the world; all of them stay inside
+/// nodes of `gpus_per_node` exactly when the block size divides the node size, or when the
+/// whole world fits in one node.
+pub fn group_inside_node(stride: u64, size: u64, gpus_per_node: u64, world_size: u64) -> bool {
+    let per_node = gpus_per_node.max(1);
+    let block = stride.max(1).saturating_mul(size);
+    size <= 1 || world_size <= per_node || per_node % block == 0
+}
+
+/// Turns `plan` (of `spec`) into memory, time and utilization on `cluster`.
+///
+/// The step, for P pipeline stages and M micro-batches:
+///
+/// ```text
+///   compute  = flops.per_rank / peak                 (every rank at peak FLOP/s)
+///   busy     = compute + tp + pp                     (each micro-batch's TP all-reduces and
+///                                                     PP sends sit between its layers)
+///   pipeline = busy / (1 - bubble) = busy * (M+P-1)/M (the fill and drain slots carry the
+///                                                     same per-slot work, idle elsewhere)
+///   step     = pipeline + dp                         (gradient sync counted as exposed)
+///   MFU      = (6 * params * tokens + attention) / (step * world_size * peak)
+/// ```
+///
+/// World size, stages and FLOPs come from the plan; `cluster.gpus` is only compared with
+/// the world size (a note when they differ).
+pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estimate {
+    let world_size = plan.world_size;
+    let (dp, tp, pp) = (spec.parallel.dp as u64, spec.parallel.tp as u64, spec.parallel.pp as u64);
+    let micro_steps = (spec.train.micro_batches as u64).saturating_mul(spec.train.grad_accum as u64);
+
+    // Memory: the peak stage against one GPU.
+    let peak_stage = plan.peak_stage.min(plan.stages.len().saturating_sub(1));
+    let memory_per_gpu_bytes = plan.stages.get(peak_stage).map_or(0, |s| s.memory.total);
+    let gpu_memory_bytes = cluster.gpu_memory_bytes;
+    let headroom = i128::from(gpu_memory_bytes) - i128::from(memory_per_gpu_bytes);
+    let headroom_bytes = headroom.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
+
+    // Placement: tp innermost (stride 1), then pp (stride tp), then dp (stride tp * pp).
+    let axis = |stride: u64, size: u64| {
+        let inside = group_inside_node(stride, size, cluster.gpus_per_node, world_size);
+        let bytes_per_s = if inside { cluster.intra_node_bytes_per_s } else { cluster.inter_node_bytes_per_s };
+        AxisComm { group_size: size, stride, crosses_nodes: !inside, bytes_per_s, ..AxisComm::default() }
+    };
+    let slowest_stage = |template: AxisComm, traffic: &dyn Fn(&StagePlan) -> (u64, u64)| {
+        let per_stage = plan.stages.iter().map(|st| {
+            let (bytes, messages) = if template.group_size > 1 { traffic(st) } else { (0, 0) };
+            let seconds = alpha_beta_seconds(messages, bytes, cluster.latency_s, template.bytes_per_s);
+            AxisComm { stage: st.stage, bytes_per_rank: bytes, messages, seconds, ..template.clone() }
+        });
+        per_stage.fold(template.clone(), |best, this| if this.seconds > best.seconds { this } else { best })
+    };
+    let dp_axis = slowest_stage(axis(tp.saturating_mul(pp), dp), &|st| {
+        let c = &st.comm;
+        let bytes = c.dp_all_reduce.saturating_add(c.dp_reduce_scatter).saturating_add(c.dp_all_gather);
+        (bytes, dp_messages(spec, st, micro_steps))
+    });
+    let tp_axis = slowest_stage(axis(1, tp), &|st| {
+        // Ring all-reduce: 2(T-1) steps; 4 per block and micro-batch (6 when the forward is
+        // recomputed), as the planner counts them.
+        let per_block: u64 = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+        let all_reduces = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps);
+        (st.comm.tp_all_reduce, all_reduces.saturating_mul(tp.saturating_sub(1).saturating_mul(2)))
+    });
+    let pp_axis = slowest_stage(axis(tp, pp), &|st| {
+        // One send per micro-batch forward (all but the last stage) and backward (all but the first).
+        let sends = u64::from(!st.embedding) + u64::from(!st.head);
+        (st.comm.pp_send, sends.saturating_mul(micro_steps))
+    });
+
+    // Time.
+    let peak_flops = cluster.peak_flops(spec.train.precision);
+    let compute_seconds = ratio(plan.flops.per_rank, peak_flops);
+    let busy = compute_seconds + tp_axis.seconds + pp_axis.seconds;
+    // 1 - bubble = M / (M + P - 1): positive for M >= 1; a broken plan counts no bubble.
+    let useful_share = 1.0 - plan.bubble_fraction;
+    let pipeline_seconds = if useful_share > 0.0 && useful_share <= 1.0 { busy / useful_share } else { busy };
+    let bubble_seconds = pipeline_seconds - busy;
+    let step_seconds = pipeline_seconds + dp_axis.seconds;
+    let exposed_comm_seconds = dp_axis.seconds + tp_axis.seconds + pp_axis.seconds;
+    let tokens_per_second = ratio(plan.flops.tokens_per_step as f64, step_seconds);
+    let model_flops = plan.flops.six_params_tokens + plan.flops.attention;
+    let capacity = step_seconds * world_size as f64 * peak_flops; // FLOPs the GPUs could do in a step
+    let mfu = ratio(model_flops, capacity);
+    let hfu = ratio(plan.flops.total, capacity);
+
+    let mut e = Estimate {
+        world_size,
+        nodes: cluster.nodes_for(world_size),
+        peak_stage,
+        memory_per_gpu_bytes,
+        gpu_memory_bytes,
+        fits: memory_per_gpu_bytes <= gpu_memory_bytes,
+        headroom_bytes,
+        peak_flops,
+        compute_seconds,
+        bubble_seconds,
+        dp: dp_axis,
+        tp: tp_axis,
+        pp: pp_axis,
+        exposed_comm_seconds,
+        step_seconds,
+        tokens_per_second,
+        model_flops,
+        mfu,
+        hfu,
+        notes: Vec::new(),
+    };
+    e.notes = notes(spec, plan, cluster, &e);
+    e
+}
+
+/// a / b, or 0 when b is zero, negative or not finite (no inf or NaN reaches the JSON).
+fn ratio(a: f64, b: f64) -> f64 {
+    if b.is_finite() && b > 0.0 && a.is_finite() {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// Messages one rank of `stage` sends per step in the data-parallel group (W = dp ranks):
+/// a ring all-reduce takes 2(W-1) steps, a reduce-scatter or all-gather W-1.
+///
+/// - none: one all-reduce per gradient bucket (fp32 buckets of `bucket_bytes`);
+/// - zero1: the same, plus an all-gather of each unit's parameters after the update;
+/// - zero2: a reduce-scatter of each unit every micro-batch, plus the all-gather;
+/// - fsdp: per micro-batch, a gather of each unit before forward and (but the embeddings)
+///   before backward, and a reduce-scatter of each unit.
+///
+/// Units are the stage's blocks, its embeddings and its head. FSDP's extra gathers for
+/// sqrt checkpointing are in the bytes but not counted as messages.
+fn dp_messages(spec: &ExperimentSpec, stage: &StagePlan, micro_steps: u64) -> u64 {
+    let w = spec.parallel.dp as u64;
+    if w <= 1 {
+        return 0;
+    }
+    let ring_step = w - 1;
+    let units = (stage.layers as u64) + u64::from(stage.embedding) + u64::from(stage.head);
+    let gradient_bytes = stage.params_per_rank.saturating_mul(4);
+    let buckets = match spec.parallel.bucket_bytes {
+        0 => 1,
+        size => gradient_bytes.div_ceil(size).max(1),
+    };
+    let collectives_times_steps = match spec.parallel.sharding {
+        Sharding::None => buckets.saturating_mul(2),
+        Sharding::Zero1 => buckets.saturating_mul(2).saturating_add(units),
+        Sharding::Zero2 => micro_steps.saturating_mul(units).saturating_add(units),
+        Sharding::Fsdp => {
+            let backward_gathers = units - u64::from(stage.embedding);
+            micro_steps.saturating_mul(units.saturating_mul(2).saturating_add(backward_gathers))
+        }
+    };
+    collectives_times_steps.saturating_mul(ring_step)
+}
+
+/// The remarks for the page: what does not fit, what runs slowly and why.
+fn notes(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster, e: &Estimate) -> Vec<Note> {
+    let mut notes = Vec::new();
+    let mut say = |level, text: String| notes.push(Note { level, text });
+    let gb = |bytes: u64| bytes as f64 / GB;
+    let (p, t) = (&spec.parallel, &spec.train);
+
+    if e.world_size != cluster.gpus {
+        let level = if e.world_size > cluster.gpus { NoteLevel::Warning } else { NoteLevel::Info };
+        say(
+            level,
+            format!(
+                "The spec uses dp x tp x pp = {} GPUs; the cluster has {}. The estimate assumes {} GPUs.",
+                e.world_size, cluster.gpus, e.world_size
+            ),
+        );
+    }
+    if !e.fits {
+        let mut text = format!(
+            "Out of memory: a GPU of pipeline stage {} needs {:.1} GB, {:.1} GB more than the {:.1} GB it has.",
+            e.peak_stage,
+            gb(e.memory_per_gpu_bytes),
+            gb(e.memory_per_gpu_bytes.saturating_sub(e.gpu_memory_bytes)),
+            gb(e.gpu_memory_bytes)
+        );
+        if t.checkpointing == Checkpointing::None {
+            text.push_str(" Activation checkpointing would keep one tensor per block instead of all of them.");
+        }
+        if p.dp > 1 && p.sharding != Sharding::Fsdp {
+            text.push_str(" Sharding the model state over the data-parallel group (ZeRO, FSDP) divides it by dp.");
+        }
+        if p.dp <= 1 {
+            text.push_str(" Tensor or pipeline parallelism splits the model itself over more GPUs.");
+        }
+        say(NoteLevel::Warning, text);
+    }
+    if e.tp.crosses_nodes {
+        say(
+            NoteLevel::Warning,
+            format!(
+                "TP spans nodes: tp={} with {} GPUs per node, so its all-reduces (several per block and \
+                 micro-batch) run at {:.0} GB/s instead of {:.0} GB/s. Keep tp within a node.",
+                p.tp,
+                cluster.gpus_per_node,
+                cluster.inter_node_bytes_per_s / GB,
+                cluster.intra_node_bytes_per_s / GB
+            ),
+        );
+    }
+    if e.pp.crosses_nodes {
+        say(
+            NoteLevel::Info,
+            format!(
+                "Pipeline stages are on different nodes: their sends run at {:.0} GB/s. That is the usual \
+                 placement: a stage boundary carries one activation per micro-batch.",
+                cluster.inter_node_bytes_per_s / GB
+            ),
+        );
+    }
+    if e.dp.crosses_nodes {
+        say(
+            NoteLevel::Info,
+            format!(
+                "Data-parallel groups span nodes: gradient synchronization runs at {:.0} GB/s per GPU.",
+                cluster.inter_node_bytes_per_s / GB
+            ),
+        );
+    }
+    if plan.bubble_fraction > 0.2 {
+        say(
+            NoteLevel::Warning,
+            format!(
+                "The pipeline idles {:.0}% of the step (bubble (P-1)/(M+P-1) with P={} stages, M={} \
+                 micro-batches): use many more micro-batches than stages.",
+                100.0 * plan.bubble_fraction,
+                p.pp,
+                t.micro_batches
+            ),
+        );
+    }
+    if e.step_seconds > 0.0 && e.exposed_comm_seconds > 0.5 * e.step_seconds {
+        say(
+            NoteLevel::Warning,
+            format!(
+                "Communication takes {:.0}% of the step (DP {:.3} s, TP {:.3} s, PP {:.3} s): the GPUs mostly wait.",
+                100.0 * e.exposed_comm_seconds / e.step_seconds,
+                e.dp.seconds,
+                e.tp.seconds,
+                e.pp.seconds
+            ),
+        );
+    }
+    if e.peak_flops <= 0.0 || !e.peak_flops.is_finite() {
+        say(NoteLevel::Warning, "The cluster has no peak FLOP/s for this precision: no compute time.".into());
+    }
+    if t.precision == Precision::Fp32 {
+        say(
+            NoteLevel::Info,
+            format!(
+                "fp32 runs on the GPU's fp32 units ({:.1} TFLOP/s) instead of its bf16 tensor cores ({:.0} TFLOP/s).",
+                cluster.peak_flops_fp32 / 1e12,
+                cluster.peak_flops_bf16 / 1e12
+            ),
+        );
+    } else if e.tp.group_size > 1 || e.pp.group_size > 1 {
+        say(
+            NoteLevel::Info,
+            "Activation bytes are counted in fp32, as this engine sends them; Megatron-LM sends them in 16 bits, \
+             which halves the TP and PP times."
+                .into(),
+        );
+    }
+    if e.dp.seconds > 0.0 {
+        say(
+            NoteLevel::Info,
+            "Gradient synchronization is counted as exposed; overlapping it with backward (as DDP's buckets do) \
+             hides most of it."
+                .into(),
+        );
+    }
+    notes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::{plan, ring_all_reduce_bytes};
+
+    fn gb(bytes: u64) -> f64 {
+        bytes as f64 / GB
+    }
+
+    fn preset(key: &str) -> ModelSpec {
+        model_presets().into_iter().find(|p| p.key == key).map(|p| p.model).expect("preset exists")
+    }
+
+    /// A 3D-parallel mixed-precision spec as the large published runs use it: AdamW,
+    /// activation checkpointing of every block, 1F1B, micro-batch 1, 25 MiB buckets.
+    fn megatron_spec(model: ModelSpec, dp: usize, tp: usize, pp: usize, micro_batches: usize) -> ExperimentSpec {
+        let mut spec = ExperimentSpec { model, ..ExperimentSpec::default() };
+        spec.parallel = ParallelSpec {
+            dp,
+            tp,
+            pp,
+            sharding: Sharding::None,
+            pp_schedule: PpSchedule::OneFOneB,
+            bucket_bytes: 25 << 20,
+        };
+        spec.train.precision = Precision::Bf16;
+        spec.train.optimizer = Optimizer::Adamw;
+        spec.train.micro_batch = 1;
+        spec.train.micro_batches = micro_batches;
+        spec.train.checkpointing = Checkpointing::Every;
+        spec
+    }
+
+    fn run(spec: &ExperimentSpec, cluster: Cluster) -> (Plan, Estimate) {
+        let p = plan(spec).expect("plannable spec");
+        let e = estimate(spec, &p, &cluster.for_spec(spec));
+        (p, e)
+    }
+
+    fn report(name: &str, e: &Estimate) {
+        println!(
+            "{name}: {:.2} GB per GPU (stage {}), fits {}, headroom {:.2} GB; compute {:.3} s, bubble {:.3} s, \
+             DP {:.3} s, TP {:.3} s, PP {:.3} s, step {:.3} s, {:.0} tokens/s, MFU {:.3}, HFU {:.3}",
+            gb(e.memory_per_gpu_bytes),
+            e.peak_stage,
+            e.fits,
+            e.headroom_bytes as f64 / GB,
+            e.compute_seconds,
+            e.bubble_seconds,
+            e.dp.seconds,
+            e.tp.seconds,
+            e.pp.seconds,
+            e.step_seconds,
+            e.tokens_per_second,
+            e.mfu,
+            e.hfu
+        );
+    }
+
+    #[test]
+    fn model_presets_are_near_their_nominal_size() {
+        let presets = model_presets();
+        assert_eq!(presets.len(), 6);
+        for p in &presets {
+            let count = p.comparable_param_count();
+            let off = count as f64 / p.nominal_params as f64 - 1.0;
+            println!("{}: {} parameters ({:+.1}%), {} in distlab", p.key, count, 100.0 * off, p.model.param_count());
+            assert!(off.abs() < 0.10, "{}: {count} is {:+.1}% off", p.key, 100.0 * off);
+            // Every preset is a plannable model, with whole heads on up to 4 TP ranks.
+            let spec = ExperimentSpec { model: p.model.clone(), ..ExperimentSpec::default() };
+            assert_eq!(plan(&spec).expect("plan").param_count, p.model.param_count());
+            assert_eq!(p.model.heads % 4, 0, "{}", p.key);
+        }
+        // GPT-2 small: the published 124M leaves out the tied head (exactly 124,439,808).
+        assert_eq!(presets[0].comparable_param_count(), 124_439_808);
+        // The keys are unique.
+        let mut keys: Vec<&str> = presets.iter().map(|p| p.key.as_str()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), presets.len());
+    }
+
+    #[test]
+    fn gpt3_175b_fits_on_1024_a100s_with_tp8_pp8_dp16() {
+        // Narayanan et al. 2021 (Megatron-LM on 1024 A100 80GB): t=8, p=8, d=16, batch
+        // 1536, micro-batch 1, sequence 2048, mixed precision, full recomputation, no ZeRO.
+        // 1536 sequences / dp 16 = 96 micro-batches per pipeline.
+        let spec = megatron_spec(preset("gpt3-175b"), 16, 8, 8, 96);
+        let (p, e) = run(&spec, Cluster::a100_80gb_sxm());
+        report("GPT-3 175B, 1024 x A100 80GB, TP8 PP8 DP16", &e);
+        let m = &p.stages[e.peak_stage].memory;
+        println!(
+            "  params {:.2}, grads {:.2}, optimizer {:.2}, activations {:.2}, act grads {:.2}, comm buffers {:.2} GB",
+            gb(m.parameters),
+            gb(m.gradients),
+            gb(m.optimizer_state),
+            gb(m.activations),
+            gb(m.activation_grads),
+            gb(m.comm_buffers)
+        );
+        assert_eq!((e.world_size, e.nodes), (1024, 128));
+        assert!(e.fits, "{:.1} GB", gb(e.memory_per_gpu_bytes));
+        assert!(e.headroom_bytes > 0);
+        assert_eq!(e.headroom_bytes, 80_000_000_000 - e.memory_per_gpu_bytes as i64);
+        // A middle stage holds ~175e9 / 64 = 2.7B parameters per GPU: 16 bytes each is
+        // ~44 GB of model state. The first stage (the peak) also holds the token and
+        // position embeddings, whole on every TP rank in this engine (Megatron-LM splits
+        // the vocabulary over TP): 0.64B more parameters, 54 GB of state.
+        let state = |m: &crate::planner::RankMemory| m.parameters + m.gradients + m.optimizer_state;
+        assert!((gb(state(&p.stages[4].memory)) - 43.5).abs() < 0.5, "{}", gb(state(&p.stages[4].memory)));
+        assert_eq!(e.peak_stage, 0);
+        assert_eq!(state(m), 16 * p.stages[0].params_per_rank);
+        assert!((gb(state(m)) - 53.8).abs() < 0.5, "{}", gb(state(m)));
+        // TP stays in the node (NVLink); PP and DP cross nodes.
+        assert!(!e.tp.crosses_nodes && e.pp.crosses_nodes && e.dp.crosses_nodes);
+        assert_eq!((e.tp.bytes_per_s, e.pp.bytes_per_s), (300e9, 25e9));
+        // The paper measured 153 TFLOP/s per GPU with its count, which includes the
+        // recomputed forward (49% of 312): our HFU, peak rates everywhere, is of that order.
+        assert!(e.hfu > 0.4 && e.hfu < 0.9, "{}", e.hfu);
+        assert!(e.mfu < e.hfu);
+        // ZeRO-1 shards the 12 bytes of optimizer state over dp=16: more headroom.
+        let mut zero1 = spec.clone();
+        zero1.parallel.sharding = Sharding::Zero1;
+        let (_, z) = run(&zero1, Cluster::a100_80gb_sxm());
+        report("  with ZeRO-1", &z);
+        assert!(z.fits && z.memory_per_gpu_bytes < e.memory_per_gpu_bytes);
+        // The same model without tensor or pipeline parallelism: 175B x 16 bytes on one GPU.
+        let alone = megatron_spec(preset("gpt3-175b"), 1024, 1, 1, 1);
+        let (_, a) = run(&alone, Cluster::a100_80gb_sxm());
+        assert!(!a.fits && a.headroom_bytes < -2_000_000_000_000);
+    }
+
+    #[test]
+    fn llama_70b_fits_on_256_gpus_with_tp8_pp4_dp8() {
+        // The seed deck's recipe: TP=8 in a node, PP=4 across nodes, DP=8; "70B / (8 x 4)
+        // ~ 2.2B per GPU, ~4.4 GB" of bf16 weights. LLaMA-2's batch: 4M tokens = 1024
+        // sequences of 4096, so 128 micro-batches of 1 per pipeline.
+        let spec = megatron_spec(preset("llama-70b"), 8, 8, 4, 128);
+        for (name, cluster) in [("A100 80GB", Cluster::a100_80gb_sxm()), ("H100 80GB", Cluster::h100_80gb_sxm())] {
+            let (p, e) = run(&spec, cluster);
+            report(&format!("70B, 256 x {name}, TP8 PP4 DP8"), &e);
+            assert_eq!((e.world_size, e.nodes), (256, 32));
+            assert!(e.fits, "{:.1} GB", gb(e.memory_per_gpu_bytes));
+            let middle = &p.stages[1];
+            assert!((middle.params_per_rank as f64 / 2.2e9 - 1.0).abs() < 0.1, "{}", middle.params_per_rank);
+            assert!((gb(middle.memory.parameters) - 4.4).abs() < 0.4, "{}", gb(middle.memory.parameters));
+            assert!(e.mfu > 0.0 && e.mfu < 1.0);
+        }
+        // On A100 40GB the same layout does not fit without sharding the optimizer state.
+        let (_, small) = run(&spec, Cluster::a100_40gb_sxm());
+        report("70B, 256 x A100 40GB, TP8 PP4 DP8", &small);
+        assert!(!small.fits);
+        assert!(small.notes.iter().any(|n| n.level == NoteLevel::Warning && n.text.contains("ZeRO")));
+    }
+
+    #[test]
+    fn seed_example_3b_fits_one_a100_80gb() {
+        // The deck's quick math: 3B with Adam in mixed precision is 3B x 16 = 48 GB of
+        // state, which leaves 32 GB of an 80 GB A100 for activations: fine with
+        // checkpointing at a moderate batch. A GPT of ~3.0B: 36 blocks of width 2560.
+        let model = ModelSpec { layers: 36, d_model: 2560, heads: 32, seq_len: 2048, vocab: 32000 };
+        let params = model.param_count();
+        assert!((params as f64 / 3e9 - 1.0).abs() < 0.02, "{params}");
+        let mut spec = megatron_spec(model, 1, 1, 1, 1);
+        spec.train.micro_batch = 4;
+        let (p, e) = run(&spec, Cluster::a100_80gb_sxm());
+        report("3B, 1 x A100 80GB, micro-batch 4 x 2048, checkpointing", &e);
+        let m = &p.stages[0].memory;
+        let state = m.parameters + m.gradients + m.optimizer_state;
+        assert_eq!(state, 16 * params);
+        assert!((gb(state) - 48.0).abs() < 0.5, "{}", gb(state));
+        assert!(e.fits);
+        assert!(gb(e.headroom_bytes as u64) > 20.0, "{}", e.headroom_bytes);
+        // Without checkpointing the same batch's activations (with s x s attention
+        // probabilities in every block) no longer fit in those 32 GB.
+        spec.train.checkpointing = Checkpointing::None;
+        let (_, full) = run(&spec, Cluster::a100_80gb_sxm());
+        report("3B, 1 x A100 80GB, micro-batch 4 x 2048, no checkpointing", &full);
+        assert!(!full.fits);
+        assert!(full.notes.iter().any(|n| n.text.contains("checkpointing")));
+    }
+
+    #[test]
+    fn seed_example_7b_does_not_fit_one_gpu() {
+        // "7B x 16 bytes = 112 GB": more than an 80 GB GPU before any activation, in
+        // mixed precision (2 + 2 + 12) and in fp32 (4 + 4 + 8) alike.
+        for precision in [Precision::Bf16, Precision::Fp32] {
+            let mut spec = megatron_spec(preset("llama-7b"), 1, 1, 1, 1);
+            spec.train.precision = precision;
+            for (name, cluster) in [("A100 80GB", Cluster::a100_80gb_sxm()), ("H100 80GB", Cluster::h100_80gb_sxm())] {
+                let (p, e) = run(&spec, cluster);
+                report(&format!("7B {precision:?}, 1 x {name}"), &e);
+                let m = &p.stages[0].memory;
+                let state = m.parameters + m.gradients + m.optimizer_state;
+                assert_eq!(state, 16 * p.param_count); // 6.71B x 16 = 107 GB
+                assert!(gb(state) > 100.0);
+                assert!(!e.fits && e.headroom_bytes < -20_000_000_000, "{}", e.headroom_bytes);
+                assert!(e.notes.iter().any(|n| n.level == NoteLevel::Warning && n.text.contains("Out of memory")));
+            }
+        }
+        // Eight GPUs with FSDP: 16 x 6.7B / 8 = 13.4 GB of state each, which fits.
+        let mut fsdp = megatron_spec(preset("llama-7b"), 8, 1, 1, 1);
+        fsdp.parallel.sharding = Sharding::Fsdp;
+        let (_, e) = run(&fsdp, Cluster::a100_80gb_sxm());
+        report("7B FSDP, 8 x A100 80GB", &e);
+        assert!(e.fits);
+    }
+
+    #[test]
+    fn mfu_is_a_fraction_for_every_preset_and_cluster() {
+        let layouts = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 8, 4), (16, 8, 8)];
+        for model in model_presets() {
+            for cluster in cluster_presets() {
+                for (dp, tp, pp) in layouts {
+                    if model.model.layers < pp || model.model.heads % tp != 0 {
+                        continue;
+                    }
+                    let spec = megatron_spec(model.model.clone(), dp, tp, pp, 4 * pp);
+                    let (_, e) = run(&spec, cluster.cluster.clone());
+                    let what = format!("{} on {} dp{dp} tp{tp} pp{pp}", model.key, cluster.key);
+                    assert!(e.mfu > 0.0 && e.mfu < 1.0, "{what}: {}", e.mfu);
+                    assert!(e.hfu >= e.mfu && e.hfu <= 1.0 + 1e-12, "{what}: {}", e.hfu);
+                    assert!(e.step_seconds >= e.compute_seconds && e.tokens_per_second > 0.0, "{what}");
+                }
+            }
+        }
+        // With no communication and no bubble, the only loss is the recomputed forward:
+        // MFU = model FLOPs / all FLOPs, HFU = 1.
+        let spec = megatron_spec(preset("gpt2-124m"), 1, 1, 1, 1);
+        let (p, e) = run(&spec, Cluster::h100_80gb_sxm());
+        assert_eq!(e.exposed_comm_seconds, 0.0);
+        assert!((e.hfu - 1.0).abs() < 1e-12, "{}", e.hfu);
+        assert!((e.mfu - e.model_flops / p.flops.total).abs() < 1e-12);
+        assert!((e.step_seconds - p.flops.total / 989e12).abs() < 1e-15);
+    }
+
+    #[test]
+    fn step_time_grows_when_tp_crosses_nodes() {
+        // 13B, tp=8: inside a node of 8 GPUs; on nodes of 4 it spans two.
+        let spec = megatron_spec(preset("llama-13b"), 4, 8, 1, 8);
+        let (_, inside) = run(&spec, Cluster::a100_80gb_sxm());
+        let four_per_node = Cluster { gpus_per_node: 4, ..Cluster::a100_80gb_sxm() };
+        let (_, across) = run(&spec, four_per_node);
+        report("13B TP8 in a node", &inside);
+        report("13B TP8 over two nodes", &across);
+        assert!(!inside.tp.crosses_nodes && across.tp.crosses_nodes);
+        assert_eq!(inside.tp.bytes_per_rank, across.tp.bytes_per_rank);
+        // 300 / 25 GB/s: the bandwidth term is 12 times longer.
+        let beta = |e: &Estimate| e.tp.seconds - e.tp.messages as f64 * 5e-6;
+        assert!((beta(&across) / beta(&inside) - 12.0).abs() < 1e-6);
+        assert!(across.step_seconds > inside.step_seconds * 1.5, "{} {}", across.step_seconds, inside.step_seconds);
+        assert!(across.mfu < inside.mfu);
+        assert!(across.notes.iter().any(|n| n.level == NoteLevel::Warning && n.text.starts_with("TP spans nodes")));
+        assert!(!inside.notes.iter().any(|n| n.text.starts_with("TP spans nodes")));
+        // tp=16 on nodes of 8 crosses as well.
+        let wide = megatron_spec(preset("llama-13b"), 1, 8, 1, 1);
+        let mut wider = wide.clone();
+        wider.model.heads = 16 * 4; // 80-wide heads, so that tp=16 divides them
+        wider.parallel.tp = 16;
+        let (_, e) = run(&wider, Cluster::a100_80gb_sxm());
+        assert!(e.tp.crosses_nodes);
+    }
+
+    #[test]
+    fn alpha_beta_formula_on_hand_computed_cases() {
+        // 10 messages of 5 us and 1 GB at 10 GB/s: 50 us + 0.1 s.
+        assert!((alpha_beta_seconds(10, 1_000_000_000, 5e-6, 10e9) - 0.10005).abs() < 1e-15);
+        // No bandwidth: the latency term alone (and never inf).
+        assert_eq!(alpha_beta_seconds(4, 1_000, 1e-3, 0.0), 4e-3);
+        assert_eq!(alpha_beta_seconds(4, 1_000, f64::NAN, f64::INFINITY), 0.0);
+
+        // DDP over 4 ranks in one node: the default tiny GPT (110,336 parameters), fp32
+        // gradient buckets of 64 KiB: ceil(441,344 / 65,536) = 7 buckets, each a ring
+        // all-reduce of 2 * 3 = 6 steps: 42 messages.
+        let mut spec = ExperimentSpec::default();
+        spec.parallel.dp = 4;
+        spec.parallel.bucket_bytes = 64 << 10;
+        let cluster = Cluster {
+            gpus: 4,
+            gpus_per_node: 4,
+            intra_node_bytes_per_s: 1e9,
+            inter_node_bytes_per_s: 1e8,
+            latency_s: 1e-5,
+            ..Cluster::a100_80gb_sxm()
+        };
+        let p = plan(&spec).unwrap();
+        let e = estimate(&spec, &p, &cluster);
+        let bytes = ring_all_reduce_bytes(110_336, 4, 4); // 2 * 3/4 * 110,336 * 4 = 662,016
+        assert_eq!(bytes, 662_016);
+        assert_eq!((e.dp.bytes_per_rank, e.dp.messages, e.dp.crosses_nodes), (bytes, 42, false));
+        assert!((e.dp.seconds - (42.0 * 1e-5 + 662_016.0 / 1e9)).abs() < 1e-15, "{}", e.dp.seconds);
+        // Step = compute + DP (no TP, PP or bubble); compute in fp32 at 19.5 TFLOP/s.
+        let compute = p.flops.per_rank / 19.5e12;
+        assert!((e.compute_seconds - compute).abs() < 1e-18);
+        assert!((e.step_seconds - (compute + e.dp.seconds)).abs() < 1e-15);
+        // Two nodes of 2: the same ring at the network's 0.1 GB/s.
+        let e2 = estimate(&spec, &p, &Cluster { gpus_per_node: 2, ..cluster.clone() });
+        assert!(e2.dp.crosses_nodes);
+        assert!((e2.dp.seconds - (42.0 * 1e-5 + 662_016.0 / 1e8)).abs() < 1e-15);
+
+        // A pipeline of 2 stages, 2 micro-batches: bubble 1/3, so the busy time is
+        // stretched by (M+P-1)/M = 3/2. Each stage sends one activation (8 x 32 x 64 fp32)
+        // per micro-batch: 2 messages of 65,536 bytes.
+        let mut pipe = ExperimentSpec::default();
+        pipe.parallel.pp = 2;
+        pipe.train.micro_batches = 2;
+        let p = plan(&pipe).unwrap();
+        let e = estimate(&pipe, &p, &cluster);
+        assert_eq!((e.pp.bytes_per_rank, e.pp.messages), (2 * 65_536, 2));
+        assert!((e.pp.seconds - (2.0 * 1e-5 + 131_072.0 / 1e9)).abs() < 1e-15);
+        let busy = e.compute_seconds + e.pp.seconds;
+        assert!((e.step_seconds - 1.5 * busy).abs() < 1e-15);
+        assert!((e.bubble_seconds - 0.5 * busy).abs() < 1e-15);
+    }
+
+    #[test]
+    fn placement_follows_tp_then_pp_then_dp() {
+        // tp=8 fills a node of 8.
+        assert!(group_inside_node(1, 8, 8, 64));
+        // tp=3 on nodes of 8: the group of ranks 6, 7, 8 straddles two nodes.
+        assert!(!group_inside_node(1, 3, 8, 24));
+        // ... unless the whole world is one node.
+        assert!(group_inside_node(1, 3, 8, 6));
+        // pp=4 after tp=2: ranks 0, 2, 4, 6 are one node.
+        assert!(group_inside_node(2, 4, 8, 64));
+        // dp after tp=8: one rank per node.
+        assert!(!group_inside_node(8, 2, 8, 16));
+        // A group of one never communicates; a zero node size counts as one GPU per node.
+        assert!(group_inside_node(8, 1, 8, 16));
+        assert!(!group_inside_node(1, 2, 0, 16));
+    }
+
+    #[test]
+    fn degenerate_clusters_give_finite_numbers() {
+        let spec = megatron_spec(preset("gpt2-124m"), 2, 2, 2, 2);
+        let p = plan(&spec).unwrap();
+        let zero = Cluster {
+            gpus: 0,
+            gpus_per_node: 0,
+            gpu_memory_bytes: 0,
+            peak_flops_bf16: 0.0,
+            peak_flops_fp16: 0.0,
+            peak_flops_fp32: 0.0,
+            intra_node_bytes_per_s: 0.0,
+            inter_node_bytes_per_s: f64::NAN,
+            latency_s: -1.0,
+        };
+        let e = estimate(&spec, &p, &zero);
+        assert!(!e.fits);
+        assert_eq!(e.headroom_bytes, -(e.memory_per_gpu_bytes as i64));
+        for x in [e.compute_seconds, e.step_seconds, e.tokens_per_second, e.mfu, e.hfu, e.dp.seconds, e.tp.seconds] {
+            assert!(x.is_finite() && x >= 0.0, "{x}");
+        }
+        assert_eq!((e.mfu, e.tokens_per_second), (0.0, 0.0));
+        assert!(e.notes.iter().any(|n| n.text.contains("no peak FLOP/s")));
+        assert!(e.notes.iter().any(|n| n.text.contains("the cluster has 0")));
+        // An empty plan (no stages) does not panic either.
+        let empty = Plan { stages: Vec::new(), ..p.clone() };
+        let e = estimate(&spec, &empty, &Cluster::default());
+        assert_eq!((e.memory_per_gpu_bytes, e.fits), (0, true));
+        // The estimate and the clusters go through JSON (the page renders them).
+        let e = estimate(&spec, &p, &Cluster::default().for_spec(&spec));
+        // (serde_json may round the last bit of an f64, so floats are compared to 1e-12.)
+        let again: Estimate = serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap();
+        assert_eq!(
+            (again.memory_per_gpu_bytes, again.headroom_bytes, &again.notes),
+            (e.memory_per_gpu_bytes, e.headroom_bytes, &e.notes)
+        );
+        assert_eq!(
+            (again.dp.messages, again.tp.bytes_per_rank, again.pp.crosses_nodes),
+            (e.dp.messages, e.tp.bytes_per_rank, e.pp.crosses_nodes)
+        );
+        assert!((again.step_seconds / e.step_seconds - 1.0).abs() < 1e-12);
+        assert!((again.mfu / e.mfu - 1.0).abs() < 1e-12);
+        let cluster: Cluster = serde_json::from_str("{}").unwrap();
+        assert_eq!(cluster, Cluster::a100_80gb_sxm());
+        let presets: Vec<ClusterPreset> =
+            serde_json::from_str(&serde_json::to_string(&cluster_presets()).unwrap()).unwrap();
+        assert_eq!(presets, cluster_presets());
+    }
+}
