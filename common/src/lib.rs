@@ -10,6 +10,7 @@ pub mod events;
 pub mod memory;
 pub mod planner;
 pub mod presets;
+pub mod scale_down;
 pub mod spec;
 pub mod trace;
 pub mod validate;

@@ -10,7 +10,7 @@ use leptos_router::path;
 use crate::api;
 use crate::pages::{
     compare::ComparePage, experiment::ExperimentPage, list::ExperimentList, new::NewExperiment, pipeline::PipelinePage,
-    ring::RingReplayPage,
+    planner::PlannerPage, ring::RingReplayPage,
 };
 
 #[component]
@@ -26,6 +26,7 @@ pub fn App() -> impl IntoView {
                     <A href="/" exact=true>"Experiments"</A>
                     <A href="/new">"New experiment"</A>
                     <A href="/compare">"Compare"</A>
+                    <A href="/planner">"Planner"</A>
                 </nav>
                 <HealthBadge/>
             </header>
@@ -34,6 +35,7 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/") view=ExperimentList/>
                     <Route path=path!("/new") view=NewExperiment/>
                     <Route path=path!("/compare") view=ComparePage/>
+                    <Route path=path!("/planner") view=PlannerPage/>
                     <Route path=path!("/experiments/:id") view=ExperimentPage/>
                     <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
                     <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>

@@ -63,10 +63,16 @@ pub fn duration(secs: f64) -> String {
     }
 }
 
-/// 1234 -> "1.23 k", 4_500_000 -> "4.50 M".
+/// 1234 -> "1.23 k", 4_500_000 -> "4.50 M", up to E (1e18).
 pub fn si(x: f64) -> String {
     let a = x.abs();
-    if a >= 1e9 {
+    if a >= 1e18 {
+        format!("{:.2} E", x / 1e18)
+    } else if a >= 1e15 {
+        format!("{:.2} P", x / 1e15)
+    } else if a >= 1e12 {
+        format!("{:.2} T", x / 1e12)
+    } else if a >= 1e9 {
         format!("{:.2} G", x / 1e9)
     } else if a >= 1e6 {
         format!("{:.2} M", x / 1e6)
@@ -184,6 +190,8 @@ mod tests {
         assert_eq!(si(1234.0), "1234");
         assert_eq!(si(45_600.0), "45.6 k");
         assert_eq!(si(4_500_000.0), "4.50 M");
+        assert_eq!(si(4.52e18), "4.52 E");
+        assert_eq!(si(3.15e12), "3.15 T");
         assert_eq!(num(0.003), "3.00e-3");
         assert_eq!(num(1.5), "1.500");
         assert_eq!(value(1000.0), "1000");

@@ -225,7 +225,10 @@ async fn compare_runs_plan_a_model_and_study_cards() -> Result<()> {
     let lab = Lab::start();
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
-    let result = compare_scenario(&client, &lab).await;
+    let mut result = compare_scenario(&client, &lab).await;
+    if result.is_ok() {
+        result = planner_page_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-compare.png").await;
     }
@@ -300,6 +303,61 @@ async fn compare_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(csv.lines().count() == 1 + 8 + 8, "a line per run and step: {csv}");
     ensure!(csv.contains(&format!("{b},\"ddp 2 ranks, batch 4 each\",0,")), "names are quoted: {csv}");
     save_full_page(c, "compare.png").await?;
+    Ok(())
+}
+
+/// The planner page: GPT-3 175B on 1024 A100s with TP=8, PP=8, DP=16 (a link fills it
+/// in) fits in 80 GB; the 7B preset on one GPU does not; "Run it small" submits the
+/// layout shrunk to this lab and the run's page opens.
+async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let spec = json!({
+        "model": {"layers": 96, "d_model": 12288, "heads": 96, "seq_len": 2048, "vocab": 50257},
+        "parallel": {"dp": 16, "tp": 8, "pp": 8},
+        "train": {"micro_batch": 1, "micro_batches": 96, "precision": "bf16", "checkpointing": "every"}
+    });
+    let encoded: String = spec
+        .to_string()
+        .bytes()
+        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect();
+    c.goto(&lab.url(&format!("/planner?spec={encoded}"))).await?;
+    wait_for(c, "the estimate", Duration::from_secs(30), || exists(c, "#fits")).await?;
+    ensure!(!exists(c, "#link-error").await?, "{}", text(c, "#link-error").await.unwrap_or_default());
+    ensure!(value_of(c, "tp").await? == "8" && value_of(c, "dp").await? == "16");
+    let fits = text(c, "#fits").await?;
+    ensure!(attr(c, "#fits", "data-fits").await?.as_deref() == Some("true"), "175B fits in 80 GB: {fits}");
+    ensure!(fits.contains("1024 GPUs on 128 node(s)"), "{fits}");
+    let mfu = text(c, "#mfu").await?;
+    ensure!(mfu.ends_with('%') && mfu != "0.0%", "{mfu}");
+    ensure!(exists(c, "#axis-comm tr[data-axis='tp']").await?, "the TP axis has a row");
+    save_full_page(c, "planner.png").await?;
+
+    c.execute(
+        "const e = document.querySelector('#model-preset'); e.value = 'llama-7b'; \
+         e.dispatchEvent(new Event('change', {bubbles: true}));",
+        vec![],
+    )
+    .await?;
+    for field in ["dp", "tp", "pp"] {
+        set_field(c, field, "1").await?;
+    }
+    wait_for(c, "7B on one GPU", Duration::from_secs(10), || async {
+        Ok(attr(c, "#fits", "data-fits").await?.as_deref() == Some("false"))
+    })
+    .await?;
+    ensure!(text(c, "#fits").await?.starts_with("Does not fit"), "{}", text(c, "#fits").await?);
+
+    set_field(c, "dp", "2").await?;
+    set_field(c, "tp", "2").await?;
+    c.find(Locator::Css("#run-small")).await?.click().await?;
+    wait_for(c, "the small run's page", Duration::from_secs(30), || async {
+        Ok(c.current_url().await?.path().starts_with("/experiments/"))
+    })
+    .await?;
+    let id: i64 = c.current_url().await?.path().trim_start_matches("/experiments/").parse()?;
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the small run did not succeed: {exp:?}");
+    ensure!((exp.spec.parallel.dp, exp.spec.parallel.tp) == (2, 2), "the layout is kept: {:?}", exp.spec.parallel);
     Ok(())
 }
 

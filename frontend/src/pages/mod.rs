@@ -6,4 +6,5 @@ pub mod experiment;
 pub mod list;
 pub mod new;
 pub mod pipeline;
+pub mod planner;
 pub mod ring;

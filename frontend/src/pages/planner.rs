@@ -1,0 +1,378 @@
+//! `/planner`: plan a model of any size on a cluster, in the browser (the planner and the
+//! estimate are `distlab_common` compiled to wasm). Memory per GPU by category with a
+//! "fits?" line, communication per axis, the bubble, step time and MFU; "Run it small"
+//! submits the same layout shrunk to this lab, so the prediction meets a measurement.
+//!
+//! `?spec=<JSON>` fills the form (the fields given over the defaults): flashcards link
+//! here with their example filled in.
+
+use distlab_common::estimate::{cluster_presets, estimate, model_presets, AxisComm, Cluster, Estimate, NoteLevel};
+use distlab_common::planner::{self, Plan};
+use distlab_common::scale_down::run_it_small;
+use distlab_common::{ExperimentSpec, Limits};
+use leptos::prelude::*;
+use leptos_router::hooks::{use_navigate, use_query_map};
+use serde_json::json;
+
+use crate::api;
+use crate::components::plan_panel::{PlanPanel, PlanState};
+use crate::format;
+
+/// The page's starting point: GPT-2 124M, data parallel on one 8-GPU node, bf16.
+fn default_spec() -> ExperimentSpec {
+    let mut spec = ExperimentSpec { name: "planned".into(), ..ExperimentSpec::default() };
+    if let Some(gpt2) = model_presets().into_iter().next() {
+        spec.model = gpt2.model;
+    }
+    spec.parallel.dp = 8;
+    spec.train.micro_batch = 8;
+    spec.train.precision = distlab_common::Precision::Bf16;
+    spec
+}
+
+/// The form's first spec: `?spec=` (fields over the page's defaults), else the defaults.
+fn initial_spec(raw: Option<String>) -> (ExperimentSpec, Option<String>) {
+    let Some(raw) = raw.filter(|r| !r.trim().is_empty()) else { return (default_spec(), None) };
+    let given: serde_json::Value = match serde_json::from_str(&raw) {
+        Ok(v) => v,
+        Err(e) => return (default_spec(), Some(format!("the spec in the link is not JSON: {e}"))),
+    };
+    let mut base = serde_json::to_value(default_spec()).unwrap_or_default();
+    merge(&mut base, given);
+    match ExperimentSpec::from_json_value(base) {
+        Ok(spec) => (spec, None),
+        Err(errors) => (
+            default_spec(),
+            Some(format!(
+                "the spec in the link is not valid: {}",
+                errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
+            )),
+        ),
+    }
+}
+
+/// `over` written into `base`, object by object.
+fn merge(base: &mut serde_json::Value, over: serde_json::Value) {
+    match (base, over) {
+        (serde_json::Value::Object(b), serde_json::Value::Object(o)) => {
+            for (k, v) in o {
+                merge(b.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (b, o) => *b = o,
+    }
+}
+
+#[component]
+pub fn PlannerPage() -> impl IntoView {
+    let query = use_query_map();
+    let (first, link_error) = initial_spec(query.read_untracked().get("spec"));
+    let spec = RwSignal::new(first);
+    let cluster = RwSignal::new(Cluster::default());
+    let plan = Memo::new(move |_| spec.with(planner::plan));
+    let plan_state = Signal::derive(move || match plan.get() {
+        Ok(p) => PlanState::Ready { plan: Box::new(p), spec: Box::new(spec.get()), stale: false },
+        Err(errors) => PlanState::Impossible(errors),
+    });
+    let estimated =
+        Memo::new(move |_| plan.get().ok().map(|p: Plan| spec.with(|s| estimate(s, &p, &cluster.get().for_spec(s)))));
+
+    view! {
+        <section class="card" id="planner-page">
+            <h1>"Plan a training run"</h1>
+            <p class="muted">
+                "Any model on any cluster: what each GPU holds, what it sends, how long a step takes and how much of the hardware does useful work. "
+                "The planner is the one the lab's runs are checked against; the time model adds peak FLOP/s and an alpha–beta network (latency per message + bytes / bandwidth)."
+            </p>
+            {link_error.map(|e| view! { <p class="alert error" id="link-error">{e}</p> })}
+            <div class="planner-form">
+                <fieldset>
+                    <legend>"Model"</legend>
+                    <label>"preset "
+                        <select id="model-preset" on:change=move |ev| {
+                            let key = event_target_value(&ev);
+                            if let Some(p) = model_presets().into_iter().find(|p| p.key == key) {
+                                spec.update(|s| s.model = p.model);
+                            }
+                        }>
+                            <option value="">"(custom)"</option>
+                            {model_presets().into_iter().map(|p| {
+                                let selected = spec.with_untracked(|s| s.model == p.model);
+                                view! { <option value=p.key.clone() selected=selected>{p.label.clone()}</option> }
+                            }).collect_view()}
+                        </select>
+                    </label>
+                    {number(spec, "layers", |s| s.model.layers, |s, v| s.model.layers = v)}
+                    {number(spec, "d_model", |s| s.model.d_model, |s, v| s.model.d_model = v)}
+                    {number(spec, "heads", |s| s.model.heads, |s, v| s.model.heads = v)}
+                    {number(spec, "seq_len", |s| s.model.seq_len, |s, v| s.model.seq_len = v)}
+                    {number(spec, "vocab", |s| s.model.vocab, |s, v| s.model.vocab = v)}
+                </fieldset>
+                <fieldset>
+                    <legend>"Parallelism"</legend>
+                    {number(spec, "dp", |s| s.parallel.dp, |s, v| s.parallel.dp = v)}
+                    {number(spec, "tp", |s| s.parallel.tp, |s, v| s.parallel.tp = v)}
+                    {number(spec, "pp", |s| s.parallel.pp, |s, v| s.parallel.pp = v)}
+                    {choice(spec, "sharding", &["none", "zero1", "zero2", "fsdp"], |s| s.parallel.sharding.as_str().to_string(),
+                        |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.sharding = x })}
+                    {choice(spec, "pp_schedule", &["1f1b", "gpipe"], |s| json_str(&s.parallel.pp_schedule),
+                        |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.pp_schedule = x })}
+                </fieldset>
+                <fieldset>
+                    <legend>"Training"</legend>
+                    {number(spec, "micro_batch", |s| s.train.micro_batch, |s, v| s.train.micro_batch = v)}
+                    {number(spec, "micro_batches", |s| s.train.micro_batches, |s, v| s.train.micro_batches = v)}
+                    {choice(spec, "precision", &["fp32", "bf16", "fp16"], |s| json_str(&s.train.precision),
+                        |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.precision = x })}
+                    {choice(spec, "checkpointing", &["none", "every", "sqrt"], |s| json_str(&s.train.checkpointing),
+                        |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.checkpointing = x })}
+                    {choice(spec, "optimizer", &["adamw", "sgd"], |s| json_str(&s.train.optimizer),
+                        |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.optimizer = x })}
+                </fieldset>
+                <ClusterFields cluster=cluster/>
+            </div>
+        </section>
+        <section class="card" id="estimate">
+            {move || match estimated.get() {
+                Some(e) => estimate_view(e, cluster.get()).into_any(),
+                None => view! { <p class="muted">"No estimate: the planner cannot plan this spec (below)."</p> }.into_any(),
+            }}
+        </section>
+        <section class="card"><PlanPanel state=plan_state/></section>
+        <RunItSmall spec=spec/>
+    }
+}
+
+fn json_str<T: serde::Serialize>(x: &T) -> String {
+    serde_json::to_value(x).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+}
+
+/// A whole-number field bound to one spec value; text that is not a number leaves the spec as it was.
+fn number(
+    spec: RwSignal<ExperimentSpec>,
+    name: &'static str,
+    get: fn(&ExperimentSpec) -> usize,
+    set: fn(&mut ExperimentSpec, usize),
+) -> impl IntoView {
+    let bad = RwSignal::new(false);
+    let on_input = move |ev: leptos::ev::Event| match event_target_value(&ev).trim().parse::<usize>() {
+        Ok(v) => {
+            bad.set(false);
+            spec.update(|s| set(s, v));
+        }
+        Err(_) => bad.set(true),
+    };
+    view! {
+        <label>{name}" "
+            <input type="number" min="0" name=name class:invalid=move || bad.get()
+                prop:value=move || spec.with(get).to_string() on:input=on_input/>
+        </label>
+    }
+}
+
+fn choice(
+    spec: RwSignal<ExperimentSpec>,
+    name: &'static str,
+    options: &'static [&'static str],
+    get: fn(&ExperimentSpec) -> String,
+    set: fn(&mut ExperimentSpec, &str),
+) -> impl IntoView {
+    view! {
+        <label>{name}" "
+            <select name=name prop:value=move || spec.with(get) on:change=move |ev| {
+                let v = event_target_value(&ev);
+                spec.update(|s| set(s, &v));
+            }>
+                {options.iter().map(|o| view! { <option value=*o selected=spec.with_untracked(get) == *o>{*o}</option> }).collect_view()}
+            </select>
+        </label>
+    }
+}
+
+#[component]
+fn ClusterFields(cluster: RwSignal<Cluster>) -> impl IntoView {
+    // Rates are edited in the units people quote: GB, GB/s, TFLOP/s, microseconds.
+    let field = move |name: &'static str, unit: f64, get: fn(&Cluster) -> f64, set: fn(&mut Cluster, f64)| {
+        let on_change = move |ev: leptos::ev::Event| {
+            if let Ok(v) = event_target_value(&ev).trim().parse::<f64>() {
+                if v.is_finite() && v >= 0.0 {
+                    cluster.update(|c| set(c, v * unit));
+                }
+            }
+        };
+        view! {
+            <label>{name}" "
+                <input type="number" min="0" step="any" name=name
+                    prop:value=move || format!("{}", (cluster.with(get) / unit * 1000.0).round() / 1000.0)
+                    on:change=on_change/>
+            </label>
+        }
+    };
+    view! {
+        <fieldset>
+            <legend>"Cluster"</legend>
+            <label>"GPU "
+                <select id="cluster-preset" on:change=move |ev| {
+                    let key = event_target_value(&ev);
+                    if let Some(p) = cluster_presets().into_iter().find(|p| p.key == key) { cluster.set(p.cluster); }
+                }>
+                    {cluster_presets().into_iter().map(|p| view! { <option value=p.key.clone()>{p.label.clone()}</option> }).collect_view()}
+                </select>
+            </label>
+            {field("GPUs per node", 1.0, |c| c.gpus_per_node as f64, |c, v| c.gpus_per_node = v as u64)}
+            {field("GPU memory (GB)", 1e9, |c| c.gpu_memory_bytes as f64, |c, v| c.gpu_memory_bytes = v as u64)}
+            {field("bf16/fp16 TFLOP/s", 1e12, |c| c.peak_flops_bf16, |c, v| { c.peak_flops_bf16 = v; c.peak_flops_fp16 = v; })}
+            {field("fp32 TFLOP/s", 1e12, |c| c.peak_flops_fp32, |c, v| c.peak_flops_fp32 = v)}
+            {field("intra-node GB/s", 1e9, |c| c.intra_node_bytes_per_s, |c, v| c.intra_node_bytes_per_s = v)}
+            {field("inter-node GB/s", 1e9, |c| c.inter_node_bytes_per_s, |c, v| c.inter_node_bytes_per_s = v)}
+            {field("latency (µs)", 1e-6, |c| c.latency_s, |c, v| c.latency_s = v)}
+        </fieldset>
+    }
+}
+
+fn gb(bytes: f64) -> String {
+    format!("{:.1} GB", bytes / 1e9)
+}
+
+fn seconds(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.2} ms", s * 1000.0)
+    }
+}
+
+fn estimate_view(e: Estimate, cluster: Cluster) -> impl IntoView {
+    let fits_line = if e.fits {
+        format!(
+            "Fits: {} of {} per GPU ({} to spare)",
+            gb(e.memory_per_gpu_bytes as f64),
+            gb(e.gpu_memory_bytes as f64),
+            gb(e.headroom_bytes as f64)
+        )
+    } else {
+        format!(
+            "Does not fit: {} per GPU, the GPU has {} ({} short)",
+            gb(e.memory_per_gpu_bytes as f64),
+            gb(e.gpu_memory_bytes as f64),
+            gb(-(e.headroom_bytes as f64))
+        )
+    };
+    let axis_row = |name: &'static str, a: &AxisComm| {
+        (a.group_size > 1).then(|| {
+            view! {
+                <tr data-axis=name>
+                    <td>{name}</td>
+                    <td class="num">{a.group_size}</td>
+                    <td>{if a.crosses_nodes { "across nodes" } else { "inside a node" }}</td>
+                    <td class="num">{format!("{:.0} GB/s", a.bytes_per_s / 1e9)}</td>
+                    <td class="num">{format::bytes(a.bytes_per_rank as f64)}</td>
+                    <td class="num">{a.messages}</td>
+                    <td class="num">{seconds(a.seconds)}</td>
+                </tr>
+            }
+        })
+    };
+    let any_comm = [&e.dp, &e.tp, &e.pp].iter().any(|a| a.group_size > 1);
+    view! {
+        <h2>"On the cluster"</h2>
+        <p class=if e.fits { "fits yes" } else { "fits no" } id="fits" data-fits=e.fits.to_string()>
+            <strong>{fits_line}</strong>
+            <span class="muted small">{format!(" · {} GPUs on {} node(s) of {}", e.world_size, e.nodes, cluster.gpus_per_node)}</span>
+        </p>
+        <div class="derived planner-stats">
+            <div><span class="k">"step time"</span><span class="v" id="step-time">{seconds(e.step_seconds)}</span></div>
+            <div><span class="k">"tokens / s"</span><span class="v">{format::si(e.tokens_per_second)}</span></div>
+            <div><span class="k">"MFU"</span><span class="v" id="mfu">{format::percent(e.mfu)}</span></div>
+            <div><span class="k">"HFU (with recompute)"</span><span class="v">{format::percent(e.hfu)}</span></div>
+            <div><span class="k">"compute at peak"</span><span class="v">{seconds(e.compute_seconds)}</span></div>
+            <div><span class="k">"pipeline bubble"</span><span class="v">{seconds(e.bubble_seconds)}</span></div>
+            <div><span class="k">"exposed comm"</span><span class="v">{seconds(e.exposed_comm_seconds)}</span></div>
+        </div>
+        <p class="muted small">"MFU = (6 × parameters × tokens + attention FLOPs) / (step time × GPUs × peak FLOP/s). Compute runs at peak and data-parallel communication is counted as not overlapped, so the step time is a first-order estimate."</p>
+        {any_comm.then(|| view! {
+            <h3>"Communication per step, by axis"</h3>
+            <table class="data" id="axis-comm">
+                <thead><tr><th>"axis"</th><th>"group"</th><th>"placement"</th><th>"bandwidth"</th><th>"bytes per rank"</th><th>"messages"</th><th>"time"</th></tr></thead>
+                <tbody>{axis_row("dp", &e.dp)}{axis_row("tp", &e.tp)}{axis_row("pp", &e.pp)}</tbody>
+            </table>
+        })}
+        <ul class="notes" id="estimate-notes">
+            {e.notes.into_iter().map(|n| view! {
+                <li class=if n.level == NoteLevel::Warning { "note warn" } else { "note" }>{n.text}</li>
+            }).collect_view()}
+        </ul>
+    }
+}
+
+/// The same layout shrunk to this lab, submitted as an experiment.
+#[component]
+fn RunItSmall(spec: RwSignal<ExperimentSpec>) -> impl IntoView {
+    let small = Memo::new(move |_| spec.with(|s| run_it_small(s, &Limits::default())));
+    let error = RwSignal::new(None::<String>);
+    let busy = RwSignal::new(false);
+    let navigate = use_navigate();
+    let submit = move |_| {
+        if busy.get_untracked() {
+            return;
+        }
+        busy.set(true);
+        error.set(None);
+        let (small_spec, _) = small.get_untracked();
+        let navigate = navigate.clone();
+        leptos::task::spawn_local(async move {
+            let body = serde_json::to_value(&small_spec).unwrap_or_default();
+            match api::create_experiment(&body).await {
+                Ok(created) => navigate(&format!("/experiments/{}", created.id), Default::default()),
+                Err(e) => {
+                    let fields: Vec<String> = e.fields.iter().map(|f| f.to_string()).collect();
+                    error.try_set(Some(if fields.is_empty() { e.message } else { fields.join("; ") }));
+                    busy.try_set(false);
+                }
+            }
+        });
+    };
+    view! {
+        <section class="card" id="run-it-small">
+            <h2>"Run it small"</h2>
+            {move || {
+                let (s, changes) = small.get();
+                let (p, m) = (&s.parallel, &s.model);
+                view! {
+                    <p>
+                        {format!(
+                            "The same layout in this lab: dp={} × tp={} × pp={}, sharding {}, {} schedule, {} micro-batches, {}, checkpointing {}; a {}-layer d{} model for {} steps. ",
+                            p.dp, p.tp, p.pp, p.sharding.as_str(), json_str(&p.pp_schedule), s.train.micro_batches,
+                            json_str(&s.train.precision), json_str(&s.train.checkpointing), m.layers, m.d_model, s.train.steps
+                        )}
+                        "Its memory page puts every rank's measured bytes next to the planner's prediction for the small spec."
+                    </p>
+                    <ul class="muted small">{changes.into_iter().map(|c| view! { <li>{c}</li> }).collect_view()}</ul>
+                }
+            }}
+            <button class="button primary" id="run-small" disabled=move || busy.get() on:click=submit>"Run it small"</button>
+            {move || error.get().map(|e| view! { <p class="alert error">{e}</p> })}
+        </section>
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_link_fills_the_fields_it_names_over_the_defaults() {
+        let (spec, error) = initial_spec(Some(
+            r#"{"parallel": {"dp": 4, "sharding": "zero2"}, "train": {"precision": "fp16"}}"#.into(),
+        ));
+        assert_eq!(error, None);
+        assert_eq!(spec.parallel.dp, 4);
+        assert_eq!(spec.parallel.sharding, distlab_common::Sharding::Zero2);
+        assert_eq!(spec.model, default_spec().model, "unnamed fields keep the page's defaults");
+        let (spec, error) = initial_spec(Some("{not json".into()));
+        assert!(error.unwrap().contains("not JSON"));
+        assert_eq!(spec, default_spec());
+        let (_, error) = initial_spec(Some(r#"{"parallel": {"dq": 4}}"#.into()));
+        assert!(error.unwrap().contains("not valid"));
+    }
+}
