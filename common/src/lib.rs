@@ -4,10 +4,12 @@
 
 pub mod api;
 pub mod cards;
+pub mod claims;
 pub mod compare;
 pub mod estimate;
 pub mod events;
 pub mod memory;
+pub mod pipeline;
 pub mod planner;
 pub mod presets;
 pub mod scale_down;

@@ -11,7 +11,6 @@ mod app;
 mod components;
 mod format;
 mod pages;
-mod pipeline;
 mod ring_replay;
 
 fn main() {

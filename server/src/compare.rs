@@ -89,7 +89,8 @@ async fn build(state: &AppState, ids: &[i64]) -> Result<CompareView, HttpError> 
     Ok(CompareView { runs, config, equivalence, seed_bands })
 }
 
-async fn load_traces(state: &AppState, id: i64) -> Result<Vec<RankTrace>, HttpError> {
+/// Every stored rank trace of an experiment, in rank order.
+pub async fn load_traces(state: &AppState, id: i64) -> Result<Vec<RankTrace>, HttpError> {
     let rows: Vec<(i64, String)> =
         sqlx::query_as("SELECT rank, trace FROM traces WHERE experiment_id = ?1 ORDER BY rank")
             .bind(id)

@@ -86,6 +86,13 @@ pub async fn load(db: &Db, id: i64) -> Result<Option<ExperimentView>, HttpError>
     row.map(ExperimentRow::into_view).transpose()
 }
 
+/// The newest `limit` succeeded experiments, newest first.
+pub async fn recent_succeeded(db: &Db, limit: i64) -> Result<Vec<ExperimentView>, HttpError> {
+    let sql = format!("{SELECT_VIEW} WHERE e.owner = ?1 AND e.status = 'succeeded' ORDER BY e.id DESC LIMIT ?2");
+    let rows = sqlx::query_as::<_, ExperimentRow>(&sql).bind(LOCAL_OWNER).bind(limit).fetch_all(db).await?;
+    rows.into_iter().map(ExperimentRow::into_view).collect()
+}
+
 #[derive(sqlx::FromRow)]
 struct MetricRow {
     step: i64,

@@ -6,6 +6,7 @@
 //!   starts the lease reaper and the local workers, and serves until ctrl-c / SIGTERM.
 
 pub mod cards;
+pub mod claims;
 pub mod clock;
 pub mod compare;
 pub mod db;
@@ -202,6 +203,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/cancel", post(experiments::cancel))
         .route("/plan", post(plan::plan))
         .route("/cards", get(cards::cards))
+        .route("/cards/checks", get(claims::checks))
         .route("/compare", get(compare::compare))
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))

@@ -1278,3 +1278,39 @@ async fn compare_shows_two_runs_their_diff_verdict_and_exports() {
     assert_api_error(&t.get(&format!("/api/compare?ids={one},{ddp}&format=xml")).await, StatusCode::BAD_REQUEST);
     assert_api_error(&t.get("/api/compare").await, StatusCode::BAD_REQUEST);
 }
+
+#[tokio::test]
+async fn card_claims_are_checked_by_the_latest_run_of_their_preset() {
+    let t = setup().await;
+    let a = t.get("/api/cards/checks").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let before: claims::ClaimChecks = serde_json::from_value(a.body).expect("ClaimChecks");
+    let allreduce = |c: &claims::ClaimChecks| {
+        c.checks
+            .iter()
+            .find(|s| s.check == cards::ClaimCheck::AllreduceBytes && s.preset == "allreduce")
+            .cloned()
+            .expect("the all-reduce claim")
+    };
+    let status = allreduce(&before);
+    assert!(status.measurement.is_none() && status.how.contains("run the allreduce preset"), "{status:?}");
+
+    // A finished run of the allreduce preset, whose ranks each sent the formula's 96 bytes.
+    let worker = t.register(&["cpu"]).await;
+    let spec = presets::presets().into_iter().find(|p| p.key == "allreduce").expect("preset").spec;
+    let created = t.post("/api/experiments", serde_json::to_value(&spec).expect("spec")).await;
+    let id = created.body["id"].as_i64().expect("id");
+    assert_eq!(t.lease(worker).await.experiment_id, id);
+    let check =
+        CollectiveCheck { world: 4, elements: 16, bytes_sent: vec![96; 4], formula_bytes: 96.0, ..Default::default() };
+    let summary = RunSummary { collective: Some(check), ..RunSummary::default() };
+    let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+
+    let after: claims::ClaimChecks =
+        serde_json::from_value(t.get("/api/cards/checks").await.body).expect("ClaimChecks");
+    let measured = allreduce(&after).measurement.expect("measured now");
+    assert_eq!(measured.experiment_id, id);
+    assert!(measured.agrees, "{measured:?}");
+    assert_eq!(measured.predicted, "96 bytes per rank");
+}

@@ -6,7 +6,7 @@ use distlab_common::trace::SpanKind;
 use leptos::prelude::*;
 
 use crate::components::loss_chart::nice_step;
-use crate::pipeline::{measured_bubble, StageRow};
+use distlab_common::pipeline::{measured_bubble, StageRow};
 
 const WIDTH: f64 = 1000.0;
 const LEFT: f64 = 70.0;

@@ -11,7 +11,7 @@ use leptos_router::hooks::use_params_map;
 
 use crate::api;
 use crate::components::pipeline_chart::PipelineChart;
-use crate::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
+use distlab_common::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
 
 #[component]
 pub fn PipelinePage() -> impl IntoView {

@@ -2,7 +2,7 @@
 //! backward boxes each stage ran in one step, and the measured bubble next to the
 //! formula (P-1)/(M+P-1).
 
-use distlab_common::trace::{RankTrace, Span, SpanKind};
+use crate::trace::{RankTrace, Span, SpanKind};
 
 /// The analytic bubble of a pipeline with `stages` stages and `micro_batches`
 /// micro-batches per step: (P-1)/(M+P-1).

@@ -1,0 +1,328 @@
+//! A flashcard's claim checked by a run: the number the card predicts next to the number
+//! the lab measured (`GET /api/cards/checks`). Each [`ClaimCheck`] reads one kind of
+//! evidence from a finished run of a preset: collective byte counters, the memory
+//! ledger, the pipeline timeline, the losses.
+
+use serde::{Deserialize, Serialize};
+
+use crate::cards::ClaimCheck;
+use crate::compare;
+use crate::events::MetricPoint;
+use crate::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
+use crate::planner::{self, Plan};
+use crate::trace::{CollectiveOp, RankTrace};
+use crate::{Checkpointing, ExperimentSpec, ExperimentView, Sharding};
+
+/// `GET /api/cards/checks`: one entry per (check, preset) the deck uses.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClaimChecks {
+    pub checks: Vec<ClaimStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClaimStatus {
+    pub check: ClaimCheck,
+    /// The preset whose run checks it.
+    pub preset: String,
+    /// None until a run of the preset (and, for an equality, its partner) has finished.
+    pub measurement: Option<Measurement>,
+    /// What to run to check it, or why the latest run could not.
+    pub how: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    /// The run measured (the latest finished run of the preset).
+    pub experiment_id: i64,
+    pub predicted: String,
+    pub measured: String,
+    /// The measurement agrees with the prediction (within the stated bound).
+    pub agrees: bool,
+}
+
+/// A finished run with what a check reads.
+pub struct RunEvidence<'a> {
+    pub view: &'a ExperimentView,
+    pub metrics: &'a [MetricPoint],
+    pub ranks: &'a [RankTrace],
+}
+
+/// The preset that checks a claim when the card's own demo runs none (a planner demo).
+pub fn canonical_preset(check: ClaimCheck) -> &'static str {
+    match check {
+        ClaimCheck::AllreduceBytes => "allreduce",
+        ClaimCheck::DdpEqualsOneRank => "ddp2",
+        ClaimCheck::BubbleFraction => "pipeline",
+        ClaimCheck::BytesPerParam => "reference",
+        ClaimCheck::ActivationCheckpointingMemory => "checkpointing",
+        ClaimCheck::ZeroMemory => "3d",
+        ClaimCheck::TpAllreduces => "megatron",
+        ClaimCheck::LossScalingUnderflow => "fp16-plain",
+        ClaimCheck::Bf16NoScaling => "bf16",
+    }
+}
+
+/// The run that a check compares its run with, if it needs one: a one-rank copy with the
+/// same global batch (equal losses), or the fp16 run with loss scaling (underflow).
+pub fn partner_spec(check: ClaimCheck, spec: &ExperimentSpec) -> Option<ExperimentSpec> {
+    match check {
+        ClaimCheck::DdpEqualsOneRank => Some(one_rank_copy(spec)),
+        ClaimCheck::LossScalingUnderflow => {
+            let mut scaled = spec.clone();
+            scaled.train.loss_scaling = crate::LossScaling::Dynamic;
+            Some(scaled)
+        }
+        _ => None,
+    }
+}
+
+/// The same training on one rank: dp, tp and pp become 1, and the micro-batch grows by
+/// dp so the global batch stays the same (pipeline micro-batches run one after another).
+pub fn one_rank_copy(spec: &ExperimentSpec) -> ExperimentSpec {
+    let mut one = spec.clone();
+    one.name = format!("{} on one rank", spec.name);
+    one.train.micro_batch = spec.train.micro_batch * spec.parallel.dp.max(1);
+    (one.parallel.dp, one.parallel.tp, one.parallel.pp) = (1, 1, 1);
+    one.parallel.sharding = Sharding::None;
+    one
+}
+
+/// Checks `check` on `run` (and `partner`, when the check compares two runs).
+pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidence>) -> Result<Measurement, String> {
+    let spec = &run.view.spec;
+    let plan = planner::plan(spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
+    let id = run.view.id;
+    let rank0 = run.ranks.iter().find(|r| r.rank == 0);
+    let steps = run.view.summary.as_ref().map_or(run.metrics.len() as u64, |s| s.steps).max(1);
+    let m = |predicted: String, measured: String, agrees: bool| Measurement {
+        experiment_id: id,
+        predicted,
+        measured,
+        agrees,
+    };
+    match check {
+        ClaimCheck::AllreduceBytes => {
+            if let Some(c) = run.view.summary.as_ref().and_then(|s| s.collective.as_ref()) {
+                let most = c.bytes_sent.iter().copied().max().unwrap_or(0);
+                let least = c.bytes_sent.iter().copied().min().unwrap_or(0);
+                return Ok(m(
+                    format!("{} bytes per rank", c.formula_bytes),
+                    format!("{least}–{most} bytes per rank ({} ranks)", c.world),
+                    least == most && (most as f64 - c.formula_bytes).abs() < 0.5,
+                ));
+            }
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let sent: u64 = op_counters(rank, CollectiveOp::AllReduce).map(|c| c.bytes_sent).sum();
+            let predicted = plan.stages[0].comm.dp_all_reduce + plan.stages[0].comm.tp_all_reduce;
+            Ok(m(bytes_text(predicted), bytes_text(sent / steps), sent / steps == predicted))
+        }
+        ClaimCheck::BytesPerParam | ClaimCheck::ZeroMemory => {
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let measured = rank.memory.as_ref().ok_or("the run recorded no memory")?;
+            let stage = &plan.stages[spec.stage_of(0)];
+            let state = |m: &planner::RankMemory| m.parameters + m.gradients + m.optimizer_state;
+            let (got, want) = (state(&measured.peak), state(&stage.memory));
+            if check == ClaimCheck::BytesPerParam {
+                let per_param = |b: u64| b as f64 / stage.params_per_rank.max(1) as f64;
+                Ok(m(
+                    format!("{:.2} bytes per parameter", per_param(want)),
+                    format!("{:.2} bytes per parameter ({} on rank 0)", per_param(got), bytes_text(got)),
+                    got == want,
+                ))
+            } else {
+                Ok(m(
+                    format!(
+                        "{} of model state on rank 0 (sharding {}, dp={})",
+                        bytes_text(want),
+                        spec.parallel.sharding.as_str(),
+                        spec.parallel.dp
+                    ),
+                    bytes_text(got),
+                    got == want,
+                ))
+            }
+        }
+        ClaimCheck::ActivationCheckpointingMemory => {
+            let measured = run.ranks.iter().filter_map(|r| r.memory.as_ref()).map(|m| m.peak.activations).max();
+            let measured = measured.ok_or("the run recorded no memory")?;
+            let mut plain = spec.clone();
+            plain.train.checkpointing = Checkpointing::None;
+            let without = planner::plan(&plain).map(|p| peak_activations(&p)).unwrap_or(0);
+            let ratio = measured as f64 / without.max(1) as f64;
+            Ok(m(
+                format!(
+                    "{} without checkpointing; about a third of it with checkpointing {}",
+                    bytes_text(without),
+                    checkpointing_name(spec.train.checkpointing)
+                ),
+                format!("{} kept ({:.0}% of the planner's full amount)", bytes_text(measured), 100.0 * ratio),
+                spec.train.checkpointing != Checkpointing::None && ratio < 0.5,
+            ))
+        }
+        ClaimCheck::BubbleFraction => {
+            let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
+            let bubble =
+                measured_bubble(&stage_rows(run.ranks, step)).ok_or("the timeline has no forward or backward")?;
+            let formula = formula_bubble(spec.parallel.pp, spec.train.micro_batches);
+            Ok(m(
+                format!(
+                    "(P-1)/(M+P-1) = {:.1}% (P={}, M={})",
+                    100.0 * formula,
+                    spec.parallel.pp,
+                    spec.train.micro_batches
+                ),
+                format!("{:.1}% idle in step {step}", 100.0 * bubble.overall),
+                (bubble.overall - formula).abs() <= 0.1,
+            ))
+        }
+        ClaimCheck::TpAllreduces => {
+            let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let calls = rank.spans.iter().filter(|s| s.step == step && s.lane == "tp").count();
+            let layers = plan.stages[spec.stage_of(0)].layers;
+            let per_block = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+            let predicted = per_block * layers * spec.train.micro_batches;
+            Ok(m(
+                format!(
+                    "{per_block} x {layers} blocks x {} micro-batches = {predicted} per step",
+                    spec.train.micro_batches
+                ),
+                format!("{calls} on rank 0 in step {step}"),
+                calls == predicted,
+            ))
+        }
+        ClaimCheck::DdpEqualsOneRank => {
+            let one = partner.ok_or("no finished one-rank run with the same global batch yet")?;
+            let verdict = compare::equivalence((one.view.id, &one.view.spec, one.metrics), (id, spec, run.metrics));
+            let rel = verdict.max_rel_diff.map_or("–".to_string(), |r| format!("{r:.1e}"));
+            Ok(m(
+                format!("equal losses within {:.0e} relative per step", verdict.tolerance),
+                format!(
+                    "max relative difference {rel} over {} steps (one rank: run {})",
+                    verdict.common_steps, one.view.id
+                ),
+                verdict.equivalent,
+            ))
+        }
+        ClaimCheck::LossScalingUnderflow => {
+            let scaled = partner.ok_or("no finished run of the same config with dynamic loss scaling yet")?;
+            let (plain, with) = (final_loss(run)?, final_loss(scaled)?);
+            Ok(m(
+                "without scaling the loss falls more slowly".to_string(),
+                format!("final loss {plain:.4} without scaling, {with:.4} with it (run {})", scaled.view.id),
+                plain > with,
+            ))
+        }
+        ClaimCheck::Bf16NoScaling => {
+            let last = final_loss(run)?;
+            let uniform = (spec.model.vocab as f64).ln();
+            Ok(m(
+                format!("it learns: below a uniform guess, ln {} = {uniform:.4}", spec.model.vocab),
+                format!("final loss {last:.4}, no loss scaling"),
+                last.is_finite() && last < uniform,
+            ))
+        }
+    }
+}
+
+fn op_counters(rank: &RankTrace, op: CollectiveOp) -> impl Iterator<Item = &crate::trace::CollectiveCounter> {
+    rank.comm.counters.iter().filter(move |c| c.op == op)
+}
+
+fn peak_activations(plan: &Plan) -> u64 {
+    plan.stages.iter().map(|s| s.memory.activations).max().unwrap_or(0)
+}
+
+fn final_loss(run: &RunEvidence) -> Result<f64, String> {
+    run.view
+        .summary
+        .as_ref()
+        .map(|s| s.final_loss)
+        .or(run.metrics.last().map(|p| p.loss))
+        .ok_or_else(|| "the run has no loss".into())
+}
+
+fn checkpointing_name(c: Checkpointing) -> String {
+    serde_json::to_value(c).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+}
+
+/// Bytes in words, exact below 10 KiB: "96 B", "431.0 KiB (441,344 B)".
+fn bytes_text(b: u64) -> String {
+    const KIB: f64 = 1024.0;
+    let x = b as f64;
+    if b < 10 * 1024 {
+        format!("{b} B")
+    } else if x < KIB * KIB {
+        format!("{:.1} KiB ({b} B)", x / KIB)
+    } else {
+        format!("{:.2} MiB ({b} B)", x / KIB / KIB)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::presets;
+
+    #[test]
+    fn every_check_has_a_preset_and_the_one_rank_copy_keeps_the_global_batch() {
+        let keys: Vec<&str> = presets().iter().map(|p| p.key).collect();
+        for check in [
+            ClaimCheck::AllreduceBytes,
+            ClaimCheck::DdpEqualsOneRank,
+            ClaimCheck::BubbleFraction,
+            ClaimCheck::BytesPerParam,
+            ClaimCheck::ActivationCheckpointingMemory,
+            ClaimCheck::ZeroMemory,
+            ClaimCheck::TpAllreduces,
+            ClaimCheck::LossScalingUnderflow,
+            ClaimCheck::Bf16NoScaling,
+        ] {
+            assert!(keys.contains(&canonical_preset(check)), "{check:?}");
+        }
+        for preset in presets().into_iter().filter(|p| p.spec.demo.is_none()) {
+            let one = one_rank_copy(&preset.spec);
+            assert_eq!(one.world_size(), 1);
+            assert_eq!(one.global_batch(), preset.spec.global_batch(), "{}", preset.key);
+            assert!(compare::why_not_equal(&preset.spec, &one).is_empty(), "{}", preset.key);
+        }
+    }
+
+    #[test]
+    fn a_collective_demo_checks_its_byte_counts() {
+        let spec = presets().into_iter().find(|p| p.key == "allreduce").map(|p| p.spec).unwrap_or_default();
+        let mut view = crate::ExperimentView {
+            id: 7,
+            name: "allreduce".into(),
+            status: crate::ExperimentStatus::Succeeded,
+            spec,
+            created_at: String::new(),
+            started_at: None,
+            finished_at: None,
+            error: None,
+            summary: Some(crate::RunSummary {
+                collective: Some(crate::CollectiveCheck {
+                    world: 4,
+                    elements: 16,
+                    bytes_sent: vec![96; 4],
+                    formula_bytes: 96.0,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            attempt: 1,
+            steps_done: 0,
+        };
+        let got =
+            measure(ClaimCheck::AllreduceBytes, &RunEvidence { view: &view, metrics: &[], ranks: &[] }, None).unwrap();
+        assert!(got.agrees && got.measured.starts_with("96–96 bytes"), "{got:?}");
+        if let Some(c) = view.summary.as_mut().and_then(|s| s.collective.as_mut()) {
+            c.bytes_sent[2] = 112;
+        }
+        let got =
+            measure(ClaimCheck::AllreduceBytes, &RunEvidence { view: &view, metrics: &[], ranks: &[] }, None).unwrap();
+        assert!(!got.agrees, "{got:?}");
+        let err = measure(ClaimCheck::DdpEqualsOneRank, &RunEvidence { view: &view, metrics: &[], ranks: &[] }, None);
+        assert!(err.unwrap_err().contains("one-rank"));
+    }
+}
