@@ -12,6 +12,7 @@ pub mod memory;
 pub mod pipeline;
 pub mod planner;
 pub mod presets;
+pub mod review;
 pub mod scale_down;
 pub mod spec;
 pub mod trace;

@@ -79,8 +79,7 @@ mod tests {
 
     #[test]
     fn a_big_plan_shrinks_to_a_valid_spec_that_keeps_its_layout() {
-        let mut big = ExperimentSpec::default();
-        big.name = "gpt3".into();
+        let mut big = ExperimentSpec { name: "gpt3".into(), ..ExperimentSpec::default() };
         big.model.layers = 96;
         big.model.d_model = 12288;
         big.model.heads = 96;

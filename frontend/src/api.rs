@@ -52,6 +52,48 @@ pub async fn get_compare(url: &str) -> ApiResult<distlab_common::compare::Compar
     get_json(url).await
 }
 
+/// The flashcard deck.
+pub async fn get_cards() -> ApiResult<Vec<distlab_common::cards::Card>> {
+    get_json("/api/cards").await
+}
+
+/// Every card claim's latest measurement (or what to run to check it).
+pub async fn get_claim_checks() -> ApiResult<distlab_common::claims::ClaimChecks> {
+    get_json("/api/cards/checks").await
+}
+
+pub async fn list_profiles() -> ApiResult<distlab_common::review::ProfileList> {
+    get_json("/api/profiles").await
+}
+
+pub async fn create_profile(name: &str) -> ApiResult<distlab_common::review::Profile> {
+    post_json("/api/profiles", &serde_json::json!({ "name": name })).await
+}
+
+/// A profile's queue, counts, per-topic progress and card states, as of now.
+pub async fn get_review(profile: i64) -> ApiResult<distlab_common::review::ReviewView> {
+    get_json(&format!("/api/profiles/{profile}/review")).await
+}
+
+pub async fn review_card(profile: i64, card_id: &str, rating: i64) -> ApiResult<distlab_common::review::ReviewResult> {
+    post_json(&format!("/api/profiles/{profile}/reviews"), &serde_json::json!({ "card_id": card_id, "rating": rating }))
+        .await
+}
+
+/// Replaces the profile's progress with an exported document (sent as it was read).
+pub async fn import_progress(profile: i64, document: &str) -> ApiResult<distlab_common::review::ImportResult> {
+    let request = Request::post(&format!("/api/profiles/{profile}/import"))
+        .header("Content-Type", "application/json")
+        .body(document.to_string())
+        .map_err(|e| RequestError::new(format!("could not send the file: {e}")))?;
+    read_json(request.send().await).await
+}
+
+async fn post_json<T: DeserializeOwned>(url: &str, body: &serde_json::Value) -> ApiResult<T> {
+    let request = Request::post(url).json(body).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    read_json(request.send().await).await
+}
+
 pub async fn get_experiment(id: i64) -> ApiResult<ExperimentView> {
     get_json(&format!("/api/experiments/{id}")).await
 }

@@ -9,8 +9,8 @@ use leptos_router::path;
 
 use crate::api;
 use crate::pages::{
-    compare::ComparePage, experiment::ExperimentPage, list::ExperimentList, new::NewExperiment, pipeline::PipelinePage,
-    planner::PlannerPage, ring::RingReplayPage,
+    cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList, new::NewExperiment,
+    pipeline::PipelinePage, planner::PlannerPage, ring::RingReplayPage,
 };
 
 #[component]
@@ -27,6 +27,7 @@ pub fn App() -> impl IntoView {
                     <A href="/new">"New experiment"</A>
                     <A href="/compare">"Compare"</A>
                     <A href="/planner">"Planner"</A>
+                    <A href="/cards">"Flashcards"</A>
                 </nav>
                 <HealthBadge/>
             </header>
@@ -36,6 +37,7 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/new") view=NewExperiment/>
                     <Route path=path!("/compare") view=ComparePage/>
                     <Route path=path!("/planner") view=PlannerPage/>
+                    <Route path=path!("/cards") view=CardsPage/>
                     <Route path=path!("/experiments/:id") view=ExperimentPage/>
                     <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
                     <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>

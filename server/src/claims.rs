@@ -58,10 +58,10 @@ pub async fn checks(State(state): State<AppState>) -> Result<Json<ClaimChecks>, 
             })
         });
         for view in [Some(run), partner].into_iter().flatten() {
-            if !loaded.contains_key(&view.id) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = loaded.entry(view.id) {
                 let metrics = experiments::load_metrics(&state.db, view.id).await?;
                 let ranks = compare::load_traces(&state, view.id).await?;
-                loaded.insert(view.id, (metrics, ranks));
+                slot.insert((metrics, ranks));
             }
         }
         let result = claims::measure(check, &evidence(&loaded, run), partner.map(|p| evidence(&loaded, p)).as_ref());

@@ -18,6 +18,7 @@ pub mod local_workers;
 pub mod memory;
 pub mod plan;
 pub mod queue;
+pub mod review;
 pub mod static_files;
 pub mod stream;
 pub mod traces;
@@ -204,6 +205,11 @@ pub fn app(state: AppState) -> Router {
         .route("/plan", post(plan::plan))
         .route("/cards", get(cards::cards))
         .route("/cards/checks", get(claims::checks))
+        .route("/profiles", get(review::list_profiles).post(review::create_profile))
+        .route("/profiles/{id}/review", get(review::review_view))
+        .route("/profiles/{id}/reviews", post(review::review))
+        .route("/profiles/{id}/export", get(review::export))
+        .route("/profiles/{id}/import", post(review::import).layer(Extension(BodyLimit(review::MAX_IMPORT_BYTES))))
         .route("/compare", get(compare::compare))
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))

@@ -229,6 +229,9 @@ async fn compare_runs_plan_a_model_and_study_cards() -> Result<()> {
     if result.is_ok() {
         result = planner_page_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = flashcards_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-compare.png").await;
     }
@@ -302,7 +305,8 @@ async fn compare_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(csv.starts_with("experiment_id,name,step,loss"), "{csv}");
     ensure!(csv.lines().count() == 1 + 8 + 8, "a line per run and step: {csv}");
     ensure!(csv.contains(&format!("{b},\"ddp 2 ranks, batch 4 each\",0,")), "names are quoted: {csv}");
-    save_full_page(c, "compare.png").await?;
+    save_element(c, "#compare", "compare.png").await?;
+    save_full_page(c, "compare-page.png").await?;
     Ok(())
 }
 
@@ -330,7 +334,8 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let mfu = text(c, "#mfu").await?;
     ensure!(mfu.ends_with('%') && mfu != "0.0%", "{mfu}");
     ensure!(exists(c, "#axis-comm tr[data-axis='tp']").await?, "the TP axis has a row");
-    save_full_page(c, "planner.png").await?;
+    save_element(c, "#estimate", "planner.png").await?;
+    save_full_page(c, "planner-page.png").await?;
 
     c.execute(
         "const e = document.querySelector('#model-preset'); e.value = 'llama-7b'; \
@@ -358,6 +363,101 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let exp = lab.wait_finished(id, Duration::from_secs(120));
     ensure!(exp.status == ExperimentStatus::Succeeded, "the small run did not succeed: {exp:?}");
     ensure!((exp.spec.parallel.dp, exp.spec.parallel.tp) == (2, 2), "the layout is kept: {:?}", exp.spec.parallel);
+    Ok(())
+}
+
+/// The flashcards: make a profile, review a card (rating 5 moves its due date days ahead,
+/// rating 1 keeps the next one due within a day), the all-reduce claim shows the bytes a
+/// finished run of its preset measured, a demo link opens its demo, progress exports.
+async fn flashcards_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let allreduce = distlab_common::presets::presets().into_iter().find(|p| p.key == "allreduce").context("preset")?;
+    let run = lab.submit(&allreduce.spec);
+    ensure!(lab.wait_finished(run, Duration::from_secs(60)).status == ExperimentStatus::Succeeded);
+
+    c.goto(&lab.url("/cards")).await?;
+    wait_for(c, "the profile form", Duration::from_secs(30), || exists(c, "#no-profile")).await?;
+    c.find(Locator::Css("#new-profile-name")).await?.send_keys("ada").await?;
+    c.find(Locator::Css("#create-profile")).await?.click().await?;
+    wait_for(c, "the first card", Duration::from_secs(30), || exists(c, "#flashcard")).await?;
+    let queue = attr(c, "#review-counts", "data-queue").await?;
+    ensure!(queue.as_deref() == Some("10"), "ten new cards a day: {queue:?}");
+    let profile: i64 = attr(c, "#profile option", "value").await?.context("profile option")?.parse()?;
+
+    let review = |rating: u8| async move {
+        let card = attr(c, "#flashcard", "data-card").await?.context("card id")?;
+        c.find(Locator::Css("#reveal")).await?.click().await?;
+        wait_for(c, "the answer", Duration::from_secs(5), || exists(c, "#answer")).await?;
+        c.find(Locator::Css(&format!("#rate-{rating}"))).await?.click().await?;
+        wait_for(c, "the review to be stored", Duration::from_secs(10), || async {
+            Ok(attr(c, "#last-review", "data-card").await?.as_deref() == Some(card.as_str()))
+        })
+        .await?;
+        let due = attr(c, "#last-review", "data-due").await?.context("due")?;
+        anyhow::Ok((card, due))
+    };
+    let (first, due_easy) = review(5).await?;
+    wait_for(c, "the next card", Duration::from_secs(10), || async {
+        Ok(attr(c, "#flashcard", "data-card").await?.is_some_and(|id| id != first))
+    })
+    .await?;
+    let (_, due_again) = review(1).await?;
+    let (_, state) = lab.get(&format!("/api/profiles/{profile}/review"));
+    let now = state["now"].as_str().context("now")?.to_string();
+    ensure!(due_easy > now && due_again > now, "both are scheduled ahead: {due_easy}, {due_again}, now {now}");
+    ensure!(due_easy > due_again, "5 waits longer than 1: {due_easy} vs {due_again}");
+    ensure!(state["cards"][&first]["reps"] == json!(1), "{}", state["cards"][&first]);
+    ensure!(
+        attr(c, "#review-counts", "data-queue").await?.as_deref() == Some("8"),
+        "two of today's ten new cards are reviewed; the one rated 1 comes back when due ({due_again})"
+    );
+
+    // The all-reduce claim carries the finished run's measurement.
+    let checks = js(
+        c,
+        "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent);",
+        "#browse .check.agrees[data-check='allreduce_bytes']",
+    )
+    .await?;
+    let checks = checks.as_array().context("checks")?;
+    ensure!(!checks.is_empty(), "a measured all-reduce claim");
+    ensure!(
+        checks.iter().any(|t| t.as_str().is_some_and(|t| t.contains("measured 96–96 bytes per rank"))),
+        "{checks:?}"
+    );
+
+    let export = c
+        .execute_async(
+            "const done = arguments[arguments.length - 1]; \
+             fetch(document.querySelector('#export-progress').href).then(r => r.json()).then(done);",
+            vec![],
+        )
+        .await?;
+    ensure!(
+        export["format"] == json!("distlab-review/1") && export["cards"].as_array().map(Vec::len) == Some(2),
+        "{export}"
+    );
+
+    // The current card, revealed, and its demo link.
+    c.find(Locator::Css("#reveal")).await?.click().await?;
+    wait_for(c, "the demo link", Duration::from_secs(5), || exists(c, "#demo-link")).await?;
+    save_element(c, "#review", "flashcards.png").await?;
+    let href = attr(c, "#demo-link", "href").await?.context("href")?;
+    c.find(Locator::Css("#demo-link")).await?.click().await?;
+    wait_for(c, "the demo", Duration::from_secs(30), || async {
+        let url = c.current_url().await?;
+        Ok(!url.path().starts_with("/cards") && !exists(c, "#cards-page").await?)
+    })
+    .await?;
+    let page = text(c, "main").await?;
+    ensure!(!page.contains("There is no page here"), "the demo link {href} opens a page");
+    let demo_ready = if href.starts_with("/planner") {
+        "#fits"
+    } else if href.starts_with("/new") {
+        "#presets .preset.active"
+    } else {
+        "main section"
+    };
+    wait_for(c, "the demo page", Duration::from_secs(30), || exists(c, demo_ready)).await?;
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! The screens: the list of experiments, the form for a new one, one experiment live,
 //! the ring replay of its collectives.
 
+pub mod cards;
 pub mod compare;
 pub mod experiment;
 pub mod list;

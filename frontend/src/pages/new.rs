@@ -14,7 +14,7 @@
 use distlab_common::presets::{presets, Preset};
 use distlab_common::{CollectiveDemo, DemoOp, ExperimentSpec, FieldError, Limits};
 use leptos::prelude::*;
-use leptos_router::hooks::use_navigate;
+use leptos_router::hooks::{use_navigate, use_query_map};
 use serde_json::{Map, Value};
 
 use crate::api::{self, RequestError};
@@ -277,13 +277,16 @@ fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
 #[component]
 pub fn NewExperiment() -> impl IntoView {
     let presets = presets();
-    let first = presets.first().map(|p| p.spec.clone()).unwrap_or_default();
+    // `/new?preset=KEY` (a flashcard's demo link) starts from that preset.
+    let asked = use_query_map().read_untracked().get("preset");
+    let start = presets.iter().find(|p| Some(p.key) == asked.as_deref()).or(presets.first());
+    let first = start.map(|p| p.spec.clone()).unwrap_or_default();
     let fields: Vec<FormField> = all_fields()
         .zip(field_texts(&first))
         .map(|(def, text)| FormField { def, value: RwSignal::new(text) })
         .collect();
     let fields = StoredValue::new(fields);
-    let active_preset = RwSignal::new(presets.first().map(|p| p.key));
+    let active_preset = RwSignal::new(start.map(|p| p.key));
     let demo_on = RwSignal::new(first.demo.is_some());
     let server_error = RwSignal::new(None::<RequestError>);
     let submitting = RwSignal::new(false);
