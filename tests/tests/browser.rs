@@ -305,8 +305,24 @@ async fn compare_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(csv.starts_with("experiment_id,name,step,loss"), "{csv}");
     ensure!(csv.lines().count() == 1 + 8 + 8, "a line per run and step: {csv}");
     ensure!(csv.contains(&format!("{b},\"ddp 2 ranks, batch 4 each\",0,")), "names are quoted: {csv}");
-    save_element(c, "#compare", "compare.png").await?;
     save_full_page(c, "compare-page.png").await?;
+
+    // Re-running the one-rank run with a new seed adds it to the view, and the two runs
+    // that differ only in their seed get a band.
+    c.find(Locator::Css(&format!(".legend-item[data-id='{a}'] .rerun-seed"))).await?.click().await?;
+    wait_for(c, "the re-run in the URL", Duration::from_secs(30), || async {
+        Ok(c.current_url().await?.query().is_some_and(|q| q.split(',').count() == 3))
+    })
+    .await?;
+    let query = c.current_url().await?.query().unwrap_or_default().to_string();
+    let rerun: i64 = query.rsplit(',').next().unwrap_or_default().parse()?;
+    let exp = lab.wait_finished(rerun, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded && exp.spec.train.seed != one.train.seed, "{exp:?}");
+    wait_for(c, "the seed band", Duration::from_secs(30), || exists(c, "#overlay-chart path.seed-band")).await?;
+    let band = text(c, "#seed-bands").await?;
+    ensure!(band.contains(&format!("#{a}, #{rerun}")), "{band}");
+    ensure!(attr(c, "#overlay-chart", "data-lines").await?.as_deref() == Some("3"));
+    save_element(c, "#compare", "compare.png").await?;
     Ok(())
 }
 
