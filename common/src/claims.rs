@@ -5,13 +5,13 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::cards::ClaimCheck;
+use crate::cards::{Card, ClaimCheck, Demo};
 use crate::compare;
 use crate::events::MetricPoint;
 use crate::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
 use crate::planner::{self, Plan};
 use crate::trace::{CollectiveOp, RankTrace};
-use crate::{Checkpointing, ExperimentSpec, ExperimentView, Sharding};
+use crate::{Checkpointing, ExperimentSpec, ExperimentView};
 
 /// `GET /api/cards/checks`: one entry per (check, preset) the deck uses.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -45,6 +45,21 @@ pub struct RunEvidence<'a> {
     pub view: &'a ExperimentView,
     pub metrics: &'a [MetricPoint],
     pub ranks: &'a [RankTrace],
+    /// Steps the traces cover: a resumed run's ranks trace only their last attempt.
+    pub traced_steps: u64,
+}
+
+/// The preset whose latest run checks a card's claim: the card's own demo run, or for a
+/// planner or ring demo the check's canonical preset. The loss-scaling claim is always
+/// checked on fp16 without scaling, set against the same config with it.
+pub fn preset_for(card: &Card) -> Option<&str> {
+    let check = card.claim.as_ref()?.check;
+    Some(match (&card.demo, check) {
+        (_, ClaimCheck::LossScalingUnderflow) | (Demo::Planner { .. } | Demo::Ring { .. }, _) => {
+            canonical_preset(check)
+        }
+        (demo, _) => demo.preset().unwrap_or(canonical_preset(check)),
+    })
 }
 
 /// The preset that checks a claim when the card's own demo runs none (a planner demo).
@@ -55,36 +70,28 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::BubbleFraction => "pipeline",
         ClaimCheck::BytesPerParam => "reference",
         ClaimCheck::ActivationCheckpointingMemory => "checkpointing",
-        ClaimCheck::ZeroMemory => "3d",
+        ClaimCheck::ZeroMemory => "fsdp",
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
     }
 }
 
-/// The run that a check compares its run with, if it needs one: a one-rank copy with the
-/// same global batch (equal losses), or the fp16 run with loss scaling (underflow).
-pub fn partner_spec(check: ClaimCheck, spec: &ExperimentSpec) -> Option<ExperimentSpec> {
+/// Whether `candidate` is the run a check sets `run` against, for the checks that compare
+/// two runs: any one-rank run of the same training (equal losses), or the same config with
+/// dynamic loss scaling (underflow). None: the check needs no partner.
+pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     match check {
-        ClaimCheck::DdpEqualsOneRank => Some(one_rank_copy(spec)),
+        ClaimCheck::DdpEqualsOneRank => {
+            Some(candidate.world_size() == 1 && compare::why_not_equal(run, candidate).is_empty())
+        }
         ClaimCheck::LossScalingUnderflow => {
-            let mut scaled = spec.clone();
+            let mut scaled = run.clone();
             scaled.train.loss_scaling = crate::LossScaling::Dynamic;
-            Some(scaled)
+            Some(scaled.same_up_to_name(candidate))
         }
         _ => None,
     }
-}
-
-/// The same training on one rank: dp, tp and pp become 1, and the micro-batch grows by
-/// dp so the global batch stays the same (pipeline micro-batches run one after another).
-pub fn one_rank_copy(spec: &ExperimentSpec) -> ExperimentSpec {
-    let mut one = spec.clone();
-    one.name = format!("{} on one rank", spec.name);
-    one.train.micro_batch = spec.train.micro_batch * spec.parallel.dp.max(1);
-    (one.parallel.dp, one.parallel.tp, one.parallel.pp) = (1, 1, 1);
-    one.parallel.sharding = Sharding::None;
-    one
 }
 
 /// Checks `check` on `run` (and `partner`, when the check compares two runs).
@@ -93,7 +100,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
     let plan = planner::plan(spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
     let id = run.view.id;
     let rank0 = run.ranks.iter().find(|r| r.rank == 0);
-    let steps = run.view.summary.as_ref().map_or(run.metrics.len() as u64, |s| s.steps).max(1);
+    let traced_steps = run.traced_steps.max(1);
     let m = |predicted: String, measured: String, agrees: bool| Measurement {
         experiment_id: id,
         predicted,
@@ -111,10 +118,16 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
                     least == most && (most as f64 - c.formula_bytes).abs() < 0.5,
                 ));
             }
+            // The data-parallel ring is the one traced (tensor and pipeline rings are not).
             let rank = rank0.ok_or("the run recorded no trace")?;
             let sent: u64 = op_counters(rank, CollectiveOp::AllReduce).map(|c| c.bytes_sent).sum();
-            let predicted = plan.stages[0].comm.dp_all_reduce + plan.stages[0].comm.tp_all_reduce;
-            Ok(m(bytes_text(predicted), bytes_text(sent / steps), sent / steps == predicted))
+            let predicted = plan.stages[0].comm.dp_all_reduce;
+            let per_step = sent / traced_steps;
+            Ok(m(
+                format!("{} per rank per step (2(W-1)/W x D, W={})", bytes_text(predicted), spec.parallel.dp),
+                format!("{} on rank 0", bytes_text(per_step)),
+                per_step == predicted,
+            ))
         }
         ClaimCheck::BytesPerParam | ClaimCheck::ZeroMemory => {
             let rank = rank0.ok_or("the run recorded no trace")?;
@@ -180,13 +193,12 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
             let rank = rank0.ok_or("the run recorded no trace")?;
             let calls = rank.spans.iter().filter(|s| s.step == step && s.lane == "tp").count();
             let layers = plan.stages[spec.stage_of(0)].layers;
+            // Checkpointing recomputes each block's forward, with its two all-reduces.
             let per_block = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
-            let predicted = per_block * layers * spec.train.micro_batches;
+            let micro_batches = spec.train.micro_batches * spec.train.grad_accum;
+            let predicted = per_block * layers * micro_batches;
             Ok(m(
-                format!(
-                    "{per_block} x {layers} blocks x {} micro-batches = {predicted} per step",
-                    spec.train.micro_batches
-                ),
+                format!("{per_block} x {layers} blocks x {micro_batches} micro-batches = {predicted} per step"),
                 format!("{calls} on rank 0 in step {step}"),
                 calls == predicted,
             ))
@@ -265,7 +277,7 @@ mod tests {
     use crate::presets::presets;
 
     #[test]
-    fn every_check_has_a_preset_and_the_one_rank_copy_keeps_the_global_batch() {
+    fn every_check_has_a_preset_and_partners_are_found() {
         let keys: Vec<&str> = presets().iter().map(|p| p.key).collect();
         for check in [
             ClaimCheck::AllreduceBytes,
@@ -280,12 +292,25 @@ mod tests {
         ] {
             assert!(keys.contains(&canonical_preset(check)), "{check:?}");
         }
-        for preset in presets().into_iter().filter(|p| p.spec.demo.is_none()) {
-            let one = one_rank_copy(&preset.spec);
-            assert_eq!(one.world_size(), 1);
-            assert_eq!(one.global_batch(), preset.spec.global_batch(), "{}", preset.key);
-            assert!(compare::why_not_equal(&preset.spec, &one).is_empty(), "{}", preset.key);
+        let find = |key: &str| presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
+        let (plain, scaled) = (find("fp16-plain"), find("fp16-scaled"));
+        assert_eq!(is_partner(ClaimCheck::LossScalingUnderflow, &plain, &scaled), Some(true));
+        assert_eq!(is_partner(ClaimCheck::LossScalingUnderflow, &plain, &plain), Some(false));
+        let mut one = find("ddp2");
+        (one.parallel.dp, one.train.micro_batch) = (1, 8);
+        assert_eq!(is_partner(ClaimCheck::DdpEqualsOneRank, &find("ddp2"), &one), Some(true));
+        assert_eq!(is_partner(ClaimCheck::BytesPerParam, &one, &one), None);
+    }
+
+    #[test]
+    fn the_deck_checks_loss_scaling_on_fp16_without_scaling() {
+        let deck = crate::cards::load_deck(include_str!("../../cards/deck.json")).unwrap_or_default();
+        let scaling = |c: &&Card| c.claim.as_ref().is_some_and(|c| c.check == ClaimCheck::LossScalingUnderflow);
+        assert!(deck.iter().filter(scaling).count() > 0);
+        for card in deck.iter().filter(scaling) {
+            assert_eq!(preset_for(card), Some("fp16-plain"), "{}", card.id);
         }
+        assert!(deck.iter().filter(|c| c.claim.is_none()).all(|c| preset_for(c).is_none()));
     }
 
     #[test]
@@ -313,16 +338,28 @@ mod tests {
             attempt: 1,
             steps_done: 0,
         };
-        let got =
-            measure(ClaimCheck::AllreduceBytes, &RunEvidence { view: &view, metrics: &[], ranks: &[] }, None).unwrap();
+        let got = measure(
+            ClaimCheck::AllreduceBytes,
+            &RunEvidence { view: &view, metrics: &[], ranks: &[], traced_steps: 1 },
+            None,
+        )
+        .unwrap();
         assert!(got.agrees && got.measured.starts_with("96–96 bytes"), "{got:?}");
         if let Some(c) = view.summary.as_mut().and_then(|s| s.collective.as_mut()) {
             c.bytes_sent[2] = 112;
         }
-        let got =
-            measure(ClaimCheck::AllreduceBytes, &RunEvidence { view: &view, metrics: &[], ranks: &[] }, None).unwrap();
+        let got = measure(
+            ClaimCheck::AllreduceBytes,
+            &RunEvidence { view: &view, metrics: &[], ranks: &[], traced_steps: 1 },
+            None,
+        )
+        .unwrap();
         assert!(!got.agrees, "{got:?}");
-        let err = measure(ClaimCheck::DdpEqualsOneRank, &RunEvidence { view: &view, metrics: &[], ranks: &[] }, None);
+        let err = measure(
+            ClaimCheck::DdpEqualsOneRank,
+            &RunEvidence { view: &view, metrics: &[], ranks: &[], traced_steps: 1 },
+            None,
+        );
         assert!(err.unwrap_err().contains("one-rank"));
     }
 }

@@ -48,10 +48,11 @@ pub struct RunStats {
     pub time_split: Option<TimeSplit>,
     /// Each category's highest peak over the ranks (`total`: the highest rank total).
     pub peak_memory: Option<RankMemory>,
-    /// Bytes one rank sent per step (mean over ranks and steps), measured by the collectives.
-    pub comm_bytes_per_step: Option<f64>,
-    /// The planner's bytes per step for the busiest rank.
-    pub predicted_comm_bytes_per_step: Option<u64>,
+    /// Data-parallel bytes the busiest rank sent per step, counted by its collectives (the
+    /// data-parallel ring is the traced one; tensor and pipeline traffic is not counted).
+    pub dp_comm_bytes_per_step: Option<f64>,
+    /// The planner's data-parallel bytes per step for the busiest rank.
+    pub predicted_dp_comm_bytes_per_step: Option<u64>,
     /// The planner's pipeline bubble: (P-1)/(M+P-1), 0 without pipeline parallelism.
     pub predicted_bubble: Option<f64>,
 }
@@ -59,9 +60,11 @@ pub struct RunStats {
 /// Mean milliseconds per recorded step and rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TimeSplit {
-    /// Forward, backward and optimizer on the compute thread.
+    /// Forward, backward and optimizer on the compute thread, less the tensor-parallel
+    /// all-reduces the compute thread waits for inside them.
     pub compute_ms: f64,
-    /// Communication that no compute ran under (the exposed part).
+    /// Communication the step waited for: tensor-parallel all-reduces, and data-parallel
+    /// collectives that no compute ran under.
     pub comm_ms: f64,
     /// Neither: waiting for a pipeline neighbour, the last bucket, the scheduler.
     pub idle_ms: f64,
@@ -169,7 +172,11 @@ pub fn derived(spec: &ExperimentSpec, plan: Option<&Plan>) -> Vec<(String, Strin
                 b.parameters + b.gradients + b.optimizer_state
             ),
         ));
-        rows.push(("predicted comm bytes per step (busiest rank)".to_string(), busiest_comm(plan).to_string()));
+        rows.push(("predicted DP comm bytes per step (busiest rank)".to_string(), busiest_dp_comm(plan).to_string()));
+        rows.push((
+            "predicted comm bytes per step, all axes (busiest rank)".to_string(),
+            busiest_comm(plan).to_string(),
+        ));
         rows.push(("predicted peak memory (busiest rank)".to_string(), busiest_memory(plan).to_string()));
         rows.push(("predicted bubble".to_string(), format!("{:.3}", plan.bubble_fraction)));
     }
@@ -178,6 +185,14 @@ pub fn derived(spec: &ExperimentSpec, plan: Option<&Plan>) -> Vec<(String, Strin
 
 fn busiest_comm(plan: &Plan) -> u64 {
     plan.stages.iter().map(|s| s.comm.total).max().unwrap_or(0)
+}
+
+fn busiest_dp_comm(plan: &Plan) -> u64 {
+    plan.stages
+        .iter()
+        .map(|s| s.comm.dp_all_reduce + s.comm.dp_reduce_scatter + s.comm.dp_all_gather)
+        .max()
+        .unwrap_or(0)
 }
 
 fn busiest_memory(plan: &Plan) -> u64 {
@@ -293,16 +308,17 @@ pub fn equivalence(
 
 // ---- seed bands ----
 
-/// The spec with its seeds and name blanked: runs with equal keys differ only in seeds.
+/// The spec with its initialisation seed and name blanked: runs with equal keys differ
+/// only in where training started (the data seed picks another dataset, so it counts).
 fn seed_key(spec: &ExperimentSpec) -> String {
     let mut s = spec.clone();
     s.name.clear();
-    s.data.seed = 0;
     s.train.seed = 0;
     serde_json::to_string(&s).unwrap_or_default()
 }
 
-/// Bands over each group of two or more runs whose specs differ only in seeds (and name),
+/// Bands over each group of two or more runs whose specs differ only in the initialisation
+/// seed (and name),
 /// at the steps every run of the group has.
 pub fn seed_bands(runs: &[(i64, &ExperimentSpec, &[MetricPoint])]) -> Vec<SeedBand> {
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
@@ -338,9 +354,14 @@ pub fn seed_bands(runs: &[(i64, &ExperimentSpec, &[MetricPoint])]) -> Vec<SeedBa
 
 // ---- measured summary ----
 
-/// Where each rank's recorded steps went, averaged over ranks and steps. Compute is the
-/// union of forward/backward/optimizer spans; exposed comm is comm time outside it;
-/// idle is the rest of the step (first span start to last span end).
+/// Where each rank's recorded steps went, averaged over ranks and steps.
+/// - compute: forward, backward and optimizer spans, less the tensor-parallel all-reduces
+///   (lane "tp") the compute thread waits for inside them;
+/// - exposed comm: those all-reduces, plus data-parallel comm (lane "comm") outside compute;
+/// - idle: the rest of the step (first span start to last span end).
+///
+/// FSDP and ZeRO gathers issued from the compute thread share the "comm" lane with DDP's
+/// background buckets, so inside a forward or optimizer span they count as compute.
 pub fn time_split(ranks: &[RankTrace]) -> Option<TimeSplit> {
     let (mut compute, mut comm, mut idle, mut samples) = (0u64, 0u64, 0u64, 0u64);
     let mut steps_covered = 0;
@@ -356,13 +377,15 @@ pub fn time_split(ranks: &[RankTrace]) -> Option<TimeSplit> {
             let spans: Vec<&Span> = rank.spans.iter().filter(|s| s.step == step).collect();
             let start = spans.iter().map(|s| s.start_us).min().unwrap_or(0);
             let end = spans.iter().map(|s| s.end_us).max().unwrap_or(0);
-            let work = intervals(&spans, |k| matches!(k, SpanKind::Forward | SpanKind::Backward | SpanKind::Optimizer));
-            let talk = intervals(&spans, |k| k == SpanKind::Comm);
-            let busy = union_length(&work);
-            let exposed = union_length(&[work.clone(), talk].concat()) - busy;
+            let work =
+                intervals(&spans, |s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Optimizer));
+            let blocking = intervals(&spans, |s| s.kind == SpanKind::Comm && s.lane == "tp");
+            let background = intervals(&spans, |s| s.kind == SpanKind::Comm && s.lane != "tp");
+            let busy = union_length(&[work.clone(), blocking.clone()].concat()) - union_length(&blocking);
+            let waited = union_length(&[work, blocking, background].concat()) - busy;
             compute += busy;
-            comm += exposed;
-            idle += (end - start).saturating_sub(busy + exposed);
+            comm += waited;
+            idle += end.saturating_sub(start).saturating_sub(busy + waited);
             samples += 1;
         }
     }
@@ -372,8 +395,8 @@ pub fn time_split(ranks: &[RankTrace]) -> Option<TimeSplit> {
     })
 }
 
-fn intervals(spans: &[&Span], keep: impl Fn(SpanKind) -> bool) -> Vec<(u64, u64)> {
-    spans.iter().filter(|s| keep(s.kind) && s.end_us > s.start_us).map(|s| (s.start_us, s.end_us)).collect()
+fn intervals(spans: &[&Span], keep: impl Fn(&Span) -> bool) -> Vec<(u64, u64)> {
+    spans.iter().filter(|s| keep(s) && s.end_us > s.start_us).map(|s| (s.start_us, s.end_us)).collect()
 }
 
 /// Total length covered by a set of intervals.
@@ -405,17 +428,24 @@ pub fn peak_memory(ranks: &[RankTrace]) -> Option<RankMemory> {
     Some(peak)
 }
 
-/// Bytes a rank sent per optimizer step, mean over the ranks, from the collective counters.
-pub fn comm_bytes_per_step(ranks: &[RankTrace], steps: u64) -> Option<f64> {
-    if ranks.is_empty() || steps == 0 {
+/// Bytes the busiest rank sent per optimizer step, from the collective counters of the
+/// `traced_steps` steps its trace covers (a resumed run traces only its last attempt).
+pub fn comm_bytes_per_step(ranks: &[RankTrace], traced_steps: u64) -> Option<f64> {
+    if traced_steps == 0 {
         return None;
     }
-    let sent: u64 = ranks.iter().flat_map(|r| &r.comm.counters).map(|c| c.bytes_sent).sum();
-    Some(sent as f64 / ranks.len() as f64 / steps as f64)
+    let busiest = ranks.iter().map(|r| r.comm.counters.iter().map(|c| c.bytes_sent).sum::<u64>()).max()?;
+    Some(busiest as f64 / traced_steps as f64)
 }
 
-/// The summary row of a run.
-pub fn run_stats(view: &ExperimentView, metrics: &[MetricPoint], ranks: &[RankTrace], plan: Option<&Plan>) -> RunStats {
+/// The summary row of a run whose traces cover its last `traced_steps` steps.
+pub fn run_stats(
+    view: &ExperimentView,
+    metrics: &[MetricPoint],
+    ranks: &[RankTrace],
+    traced_steps: u64,
+    plan: Option<&Plan>,
+) -> RunStats {
     let summary = view.summary.as_ref();
     let timed: Vec<&MetricPoint> = metrics.iter().skip(usize::from(metrics.len() > 1)).collect();
     let mean = |f: fn(&MetricPoint) -> f64| {
@@ -427,8 +457,8 @@ pub fn run_stats(view: &ExperimentView, metrics: &[MetricPoint], ranks: &[RankTr
         step_ms: summary.map(|s| s.mean_step_ms).or_else(|| mean(|p| p.step_ms)),
         time_split: time_split(ranks),
         peak_memory: peak_memory(ranks),
-        comm_bytes_per_step: comm_bytes_per_step(ranks, summary.map_or(metrics.len() as u64, |s| s.steps)),
-        predicted_comm_bytes_per_step: plan.map(busiest_comm),
+        dp_comm_bytes_per_step: comm_bytes_per_step(ranks, traced_steps),
+        predicted_dp_comm_bytes_per_step: plan.map(busiest_dp_comm),
         predicted_bubble: plan.map(|p| p.bubble_fraction),
     }
 }
@@ -461,7 +491,7 @@ pub fn summary_csv(view: &CompareView) -> String {
     let mut out = String::from(
         "experiment_id,name,status,world_size,final_loss,tokens_per_s,step_ms,compute_ms,comm_ms,idle_ms,\
          peak_parameters,peak_gradients,peak_optimizer_state,peak_activations,peak_total,\
-         comm_bytes_per_step,predicted_comm_bytes_per_step,predicted_bubble\n",
+         dp_comm_bytes_per_step,predicted_dp_comm_bytes_per_step,predicted_bubble\n",
     );
     let opt = |x: Option<f64>| x.map(|v| v.to_string()).unwrap_or_default();
     let opt_u = |x: Option<u64>| x.map(|v| v.to_string()).unwrap_or_default();
@@ -486,8 +516,8 @@ pub fn summary_csv(view: &CompareView) -> String {
             opt_u(peak.map(|m| m.optimizer_state)),
             opt_u(peak.map(|m| m.activations)),
             opt_u(peak.map(|m| m.total)),
-            opt(s.comm_bytes_per_step),
-            opt_u(s.predicted_comm_bytes_per_step),
+            opt(s.dp_comm_bytes_per_step),
+            opt_u(s.predicted_dp_comm_bytes_per_step),
             opt(s.predicted_bubble),
         ));
     }
@@ -609,10 +639,12 @@ mod tests {
         let mut b = a.clone();
         b.train.seed = 7;
         b.name = "again".into();
+        let mut other_data = a.clone();
+        other_data.data.seed = 9;
         let mut c = a.clone();
         c.parallel.dp = 2;
         let (la, lb, lc) = ([point(0, 4.0), point(1, 3.0)], [point(0, 6.0)], [point(0, 1.0)]);
-        let bands = seed_bands(&[(1, &a, &la), (2, &b, &lb), (3, &c, &lc)]);
+        let bands = seed_bands(&[(1, &a, &la), (2, &b, &lb), (3, &c, &lc), (4, &other_data, &lb)]);
         assert_eq!(bands.len(), 1);
         assert_eq!(bands[0].ids, vec![1, 2]);
         assert_eq!(bands[0].points, vec![BandPoint { step: 0, mean: 5.0, min: 4.0, max: 6.0 }]);
@@ -640,6 +672,17 @@ mod tests {
     }
 
     #[test]
+    fn tensor_parallel_all_reduces_inside_compute_count_as_communication() {
+        // One step: forward 0..100 holds a TP all-reduce 20..50; backward 100..150.
+        let tp = Span { lane: "tp".into(), ..span(SpanKind::Comm, 0, 20, 50) };
+        let spans = vec![span(SpanKind::Forward, 0, 0, 100), tp, span(SpanKind::Backward, 0, 100, 150)];
+        let split = time_split(&[RankTrace { spans, ..RankTrace::default() }]).unwrap();
+        assert!((split.compute_ms - 0.120).abs() < 1e-12, "{split:?}");
+        assert!((split.comm_ms - 0.030).abs() < 1e-12, "{split:?}");
+        assert!(split.idle_ms.abs() < 1e-12, "{split:?}");
+    }
+
+    #[test]
     fn comm_bytes_are_per_rank_and_step() {
         let counter = |bytes_sent| crate::trace::CollectiveCounter {
             op: crate::trace::CollectiveOp::AllReduce,
@@ -652,8 +695,9 @@ mod tests {
             comm: RankCommTrace { counters: vec![counter(bytes)], ..RankCommTrace::default() },
             ..RankTrace::default()
         };
-        assert_eq!(comm_bytes_per_step(&[rank(100), rank(300)], 4), Some(50.0));
+        assert_eq!(comm_bytes_per_step(&[rank(100), rank(300)], 4), Some(75.0), "the busiest rank");
         assert_eq!(comm_bytes_per_step(&[], 4), None);
+        assert_eq!(comm_bytes_per_step(&[rank(100)], 0), None);
     }
 
     #[test]

@@ -55,6 +55,12 @@ pub fn presets() -> Vec<Preset> {
     three_d.train.steps = 10;
     three_d.train.warmup_steps = 2;
 
+    let mut fsdp = ddp.clone();
+    fsdp.name = "fsdp-4-ranks".into();
+    fsdp.parallel.dp = 4;
+    fsdp.parallel.sharding = Sharding::Fsdp;
+    fsdp.train.micro_batch = 2;
+
     let mut recompute = ExperimentSpec { name: "checkpointing-every".into(), ..ExperimentSpec::default() };
     recompute.model = ModelSpec { layers: 4, d_model: 128, heads: 4, seq_len: 128, vocab: 64 };
     recompute.train.micro_batch = 8;
@@ -122,6 +128,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Megatron tensor parallel (2 ranks)",
             description: "Every block split over 2 ranks: each computes 2 of the 4 attention heads and half of the MLP's hidden units. Per block the ranks all-reduce the activations twice going forward and twice going back (the timeline's comm lane); each holds about half of every block's parameters.",
             spec: megatron,
+        },
+        Preset {
+            key: "fsdp",
+            title: "FSDP on 4 ranks",
+            description: "Fully sharded data parallel (ZeRO-3): parameters, gradients and Adam state are split over 4 ranks, each unit gathered for its forward and backward and freed. Each rank holds 16N/4 bytes of model state; the memory page shows the gather and free pulses.",
+            spec: fsdp,
         },
         Preset {
             key: "3d",

@@ -291,6 +291,13 @@ impl ExperimentSpec {
         (rank / self.parallel.tp.max(1)) % self.parallel.pp.max(1)
     }
 
+    /// The same experiment whatever it is called.
+    pub fn same_up_to_name(&self, other: &ExperimentSpec) -> bool {
+        let mut other = other.clone();
+        other.name.clone_from(&self.name);
+        *self == other
+    }
+
     /// Sequences consumed by one optimizer step.
     pub fn global_batch(&self) -> usize {
         self.parallel.dp * self.train.micro_batch * self.train.micro_batches * self.train.grad_accum

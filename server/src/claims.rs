@@ -6,38 +6,35 @@ use std::collections::HashMap;
 
 use axum::extract::State;
 use axum::Json;
-use distlab_common::cards::{ClaimCheck, Demo};
+use distlab_common::cards::ClaimCheck;
 use distlab_common::claims::{self, ClaimChecks, ClaimStatus, RunEvidence};
-use distlab_common::compare::why_not_equal;
 use distlab_common::presets::presets;
 use distlab_common::trace::RankTrace;
-use distlab_common::{ExperimentSpec, ExperimentView, MetricPoint};
+use distlab_common::{ExperimentView, MetricPoint};
 
 use crate::error::HttpError;
 use crate::{cards, compare, experiments, AppState};
 
-/// Finished runs searched for a preset's latest run, newest first.
-const RECENT_RUNS: i64 = 500;
+/// Finished runs searched for a preset's latest run, newest first (as many as the list
+/// endpoint gives the browser, so a card's demo link and its check find the same run).
+const RECENT_RUNS: i64 = experiments::MAX_PAGE;
 
 pub async fn checks(State(state): State<AppState>) -> Result<Json<ClaimChecks>, HttpError> {
     let deck = cards::deck().map_err(|e| HttpError::internal("flashcards", e))?;
-    let mut wanted: Vec<(ClaimCheck, String)> = Vec::new();
+    let mut wanted: Vec<(ClaimCheck, &str)> = Vec::new();
     for card in deck {
-        let Some(claim) = &card.claim else { continue };
-        let preset = match &card.demo {
-            Demo::Planner { .. } | Demo::Ring { .. } => claims::canonical_preset(claim.check).to_string(),
-            demo => demo.preset().unwrap_or(claims::canonical_preset(claim.check)).to_string(),
-        };
-        if !wanted.contains(&(claim.check, preset.clone())) {
+        let (Some(claim), Some(preset)) = (&card.claim, claims::preset_for(card)) else { continue };
+        if !wanted.contains(&(claim.check, preset)) {
             wanted.push((claim.check, preset));
         }
     }
     let runs = experiments::recent_succeeded(&state.db, RECENT_RUNS).await?;
-    let mut loaded: HashMap<i64, (Vec<MetricPoint>, Vec<RankTrace>)> = HashMap::new();
+    let mut loaded: HashMap<i64, Evidence> = HashMap::new();
     let mut checks = Vec::with_capacity(wanted.len());
     for (check, preset) in wanted {
         let Some(preset_spec) = presets().into_iter().find(|p| p.key == preset).map(|p| p.spec) else { continue };
-        let Some(run) = runs.iter().find(|r| same_spec(&r.spec, &preset_spec)) else {
+        let preset = preset.to_string();
+        let Some(run) = runs.iter().find(|r| r.spec.same_up_to_name(&preset_spec)) else {
             checks.push(ClaimStatus {
                 check,
                 preset: preset.clone(),
@@ -46,22 +43,14 @@ pub async fn checks(State(state): State<AppState>) -> Result<Json<ClaimChecks>, 
             });
             continue;
         };
-        let partner = claims::partner_spec(check, &run.spec).and_then(|want| {
-            runs.iter().find(|r| {
-                r.id != run.id
-                    && match check {
-                        ClaimCheck::DdpEqualsOneRank => {
-                            r.spec.world_size() == 1 && why_not_equal(&run.spec, &r.spec).is_empty()
-                        }
-                        _ => same_spec(&r.spec, &want),
-                    }
-            })
-        });
+        let partner =
+            runs.iter().find(|r| r.id != run.id && claims::is_partner(check, &run.spec, &r.spec) == Some(true));
         for view in [Some(run), partner].into_iter().flatten() {
             if let std::collections::hash_map::Entry::Vacant(slot) = loaded.entry(view.id) {
                 let metrics = experiments::load_metrics(&state.db, view.id).await?;
                 let ranks = compare::load_traces(&state, view.id).await?;
-                slot.insert((metrics, ranks));
+                let traced = compare::traced_steps(&state, view).await?;
+                slot.insert(Evidence { metrics, ranks, traced });
             }
         }
         let result = claims::measure(check, &evidence(&loaded, run), partner.map(|p| evidence(&loaded, p)).as_ref());
@@ -73,17 +62,14 @@ pub async fn checks(State(state): State<AppState>) -> Result<Json<ClaimChecks>, 
     Ok(Json(ClaimChecks { checks }))
 }
 
-fn evidence<'a>(
-    loaded: &'a HashMap<i64, (Vec<MetricPoint>, Vec<RankTrace>)>,
-    view: &'a ExperimentView,
-) -> RunEvidence<'a> {
-    let (metrics, ranks) = &loaded[&view.id];
-    RunEvidence { view, metrics, ranks }
+/// What a check reads of a run, loaded once per run.
+struct Evidence {
+    metrics: Vec<MetricPoint>,
+    ranks: Vec<RankTrace>,
+    traced: u64,
 }
 
-/// Equal specs up to their names.
-fn same_spec(a: &ExperimentSpec, b: &ExperimentSpec) -> bool {
-    let mut b = b.clone();
-    b.name = a.name.clone();
-    *a == b
+fn evidence<'a>(loaded: &'a HashMap<i64, Evidence>, view: &'a ExperimentView) -> RunEvidence<'a> {
+    let e = &loaded[&view.id];
+    RunEvidence { view, metrics: &e.metrics, ranks: &e.ranks, traced_steps: e.traced }
 }

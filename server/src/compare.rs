@@ -9,6 +9,7 @@ use axum::Json;
 use distlab_common::compare::{self, CompareView, ComparedRun};
 use distlab_common::planner;
 use distlab_common::trace::RankTrace;
+use distlab_common::ExperimentView;
 use serde::Deserialize;
 
 use crate::error::HttpError;
@@ -77,7 +78,8 @@ async fn build(state: &AppState, ids: &[i64]) -> Result<CompareView, HttpError> 
         let metrics = experiments::load_metrics(&state.db, id).await?;
         let ranks = load_traces(state, id).await?;
         let plan = planner::plan(&experiment.spec).ok();
-        let stats = compare::run_stats(&experiment, &metrics, &ranks, plan.as_ref());
+        let traced = traced_steps(state, &experiment).await?;
+        let stats = compare::run_stats(&experiment, &metrics, &ranks, traced, plan.as_ref());
         runs.push(ComparedRun { experiment, metrics, stats });
         plans.push(plan);
     }
@@ -87,6 +89,19 @@ async fn build(state: &AppState, ids: &[i64]) -> Result<CompareView, HttpError> 
     let equivalence = series[1..].iter().map(|other| compare::equivalence(series[0], *other)).collect();
     let seed_bands = compare::seed_bands(&series);
     Ok(CompareView { runs, config, equivalence, seed_bands })
+}
+
+/// Steps the ranks' traces cover: a resumed run's ranks were restarted (and their counters
+/// with them) at the checkpoint the last attempt began from.
+pub async fn traced_steps(state: &AppState, experiment: &ExperimentView) -> Result<u64, HttpError> {
+    let from: Option<Option<i64>> =
+        sqlx::query_scalar("SELECT from_step FROM attempts WHERE experiment_id = ?1 ORDER BY attempt DESC LIMIT 1")
+            .bind(experiment.id)
+            .fetch_optional(&state.db)
+            .await?;
+    let from = from.flatten().and_then(|s| u64::try_from(s).ok()).unwrap_or(0);
+    let steps = experiment.summary.as_ref().map_or(experiment.steps_done, |s| s.steps);
+    Ok(steps.saturating_sub(from))
 }
 
 /// Every stored rank trace of an experiment, in rank order.

@@ -1250,7 +1250,8 @@ async fn compare_shows_two_runs_their_diff_verdict_and_exports() {
     assert!(verdict.equivalent, "{verdict:?}");
     // DDP's trace: 8192 bytes per rank over 3 steps; its time split comes from the spans.
     let stats = &view.runs[1].stats;
-    assert!((stats.comm_bytes_per_step.expect("comm") - 8192.0 / 3.0).abs() < 1e-9);
+    assert!((stats.dp_comm_bytes_per_step.expect("comm") - 8192.0 / 3.0).abs() < 1e-9, "{stats:?}");
+    assert!(stats.predicted_dp_comm_bytes_per_step.is_some_and(|b| b > 0));
     let split = stats.time_split.expect("split");
     assert!((split.compute_ms - 0.2).abs() < 1e-9 && (split.comm_ms - 0.1).abs() < 1e-9, "{split:?}");
     assert!(view.runs[0].stats.time_split.is_none(), "no trace, no split");

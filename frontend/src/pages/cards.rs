@@ -40,11 +40,7 @@ fn remember_profile(id: i64) {
 pub fn demo_link(demo: &Demo, finished: &[ExperimentView]) -> (String, String) {
     let latest = |key: &str| {
         let spec = presets().into_iter().find(|p| p.key == key)?.spec;
-        finished.iter().find(|e| {
-            let mut s = e.spec.clone();
-            s.name = spec.name.clone();
-            s == spec
-        })
+        finished.iter().find(|e| e.spec.same_up_to_name(&spec))
     };
     let run_it = |key: &str| (format!("/new?preset={key}"), format!("run the {key} preset"));
     match demo {
@@ -56,7 +52,7 @@ pub fn demo_link(demo: &Demo, finished: &[ExperimentView]) -> (String, String) {
             .map(|e| (format!("/experiments/{}/pipeline", e.id), format!("the pipeline schedule of run #{}", e.id)))
             .unwrap_or_else(|| run_it(preset)),
         Demo::Memory { preset } => latest(preset)
-            .map(|e| (format!("/experiments/{}#memory", e.id), format!("the memory of run #{}", e.id)))
+            .map(|e| (format!("/experiments/{}#memory-card", e.id), format!("the memory of run #{}", e.id)))
             .unwrap_or_else(|| run_it(preset)),
         Demo::Timeline { preset } => latest(preset)
             .map(|e| (format!("/experiments/{}#timeline", e.id), format!("the timeline of run #{}", e.id)))
@@ -69,24 +65,28 @@ pub fn demo_link(demo: &Demo, finished: &[ExperimentView]) -> (String, String) {
     }
 }
 
-/// Everything the page reads once: the deck, the claim checks, the finished runs.
+/// What the page reads once: the deck and the finished runs its demos link to.
 #[derive(Clone)]
 struct Deck {
     cards: Vec<Card>,
-    checks: Vec<ClaimStatus>,
     finished: Vec<ExperimentView>,
 }
 
 async fn load_deck() -> Result<Deck, String> {
     let cards = api::get_cards().await.map_err(|e| e.message)?;
-    let checks = api::get_claim_checks().await.map(|c: ClaimChecks| c.checks).unwrap_or_default();
     let finished = api::list_succeeded(200).await.map(|l| l.experiments).unwrap_or_default();
-    Ok(Deck { cards, checks, finished })
+    Ok(Deck { cards, finished })
 }
 
 #[component]
 pub fn CardsPage() -> impl IntoView {
     let deck = RwSignal::new(None::<Result<Deck, String>>);
+    // The claims' measurements arrive after the deck (the server reads the runs' traces).
+    let checks = RwSignal::new(None::<Vec<ClaimStatus>>);
+    leptos::task::spawn_local(async move {
+        let answer = api::get_claim_checks().await.map(|c: ClaimChecks| c.checks).unwrap_or_default();
+        checks.try_set(Some(answer));
+    });
     let profiles = RwSignal::new(Vec::<Profile>::new());
     let profile = RwSignal::new(remembered_profile());
     let error = RwSignal::new(None::<String>);
@@ -158,14 +158,16 @@ pub fn CardsPage() -> impl IntoView {
             (Some(Ok(_)), None) => view! {
                 <section class="card" id="no-profile"><p>"Create a profile above to start reviewing: your progress is kept on the server under it."</p></section>
             }.into_any(),
-            (Some(Ok(deck)), Some(id)) => view! { <Review deck=deck profile=id/> }.into_any(),
+            (Some(Ok(deck)), Some(id)) => view! { <Review deck=deck checks=checks profile=id/> }.into_any(),
         }}
     }
 }
 
 #[component]
-fn Review(deck: Deck, profile: i64) -> impl IntoView {
+fn Review(deck: Deck, checks: RwSignal<Option<Vec<ClaimStatus>>>, profile: i64) -> impl IntoView {
     let deck = StoredValue::new(deck);
+    // Kept here, so that the import's message outlives the view it refreshes.
+    let import_message = RwSignal::new(None::<(bool, String)>);
     let review = RwSignal::new(None::<Result<ReviewView, String>>);
     let revealed = RwSignal::new(false);
     let last = RwSignal::new(None::<(String, ReviewResult)>);
@@ -220,7 +222,7 @@ fn Review(deck: Deck, profile: i64) -> impl IntoView {
                         </p>
                     })}
                     {match current {
-                        Some(card) => card_view(card, deck, revealed, rate, busy).into_any(),
+                        Some(card) => card_view(card, deck, checks, revealed, rate, busy).into_any(),
                         None => view! {
                             <p class="empty" id="queue-empty">"Nothing left for today. Come back when cards fall due — or browse the deck below."</p>
                         }.into_any(),
@@ -229,7 +231,7 @@ fn Review(deck: Deck, profile: i64) -> impl IntoView {
                 <section class="card" id="progress">
                     <div class="card-head">
                         <h2>"Progress by topic"</h2>
-                        <ExportImport profile=profile on_import=move || refresh()/>
+                        <ExportImport profile=profile message=import_message on_import=move || refresh()/>
                     </div>
                     <div class="topics" id="topics">
                         {r.topics.iter().map(|t| {
@@ -253,11 +255,11 @@ fn Review(deck: Deck, profile: i64) -> impl IntoView {
                         <ol class="deck-list">
                             {deck.with_value(|d| d.cards.iter().map(|c| {
                                 let (href, label) = demo_link(&c.demo, &d.finished);
-                                let check = claim_line(c, &d.checks);
+                                let card = c.clone();
                                 view! {
                                     <li data-card=c.id.clone()>
                                         <strong>{c.title.clone()}</strong>" · "<A href=href>{label}</A>
-                                        {check}
+                                        {move || claim_line(&card, checks.get().as_deref())}
                                     </li>
                                 }
                             }).collect_view())}
@@ -286,12 +288,13 @@ fn next_review_text(days: f32) -> String {
 fn card_view(
     card: Card,
     deck: StoredValue<Deck>,
+    checks: RwSignal<Option<Vec<ClaimStatus>>>,
     revealed: RwSignal<bool>,
     rate: impl Fn(String, i64) + Clone + Send + Sync + 'static,
     busy: RwSignal<bool>,
 ) -> impl IntoView {
     let (href, label) = deck.with_value(|d| demo_link(&card.demo, &d.finished));
-    let claim = deck.with_value(|d| claim_line(&card, &d.checks));
+    let claim_card = card.clone();
     let id = card.id.clone();
     view! {
         <article class="flashcard" id="flashcard" data-card=card.id.clone()>
@@ -302,7 +305,7 @@ fn card_view(
                 let id = id.clone();
                 view! {
                     <div class="answer" id="answer">{card.answer.clone()}</div>
-                    {claim.clone()}
+                    {let claim_card = claim_card.clone(); move || claim_line(&claim_card, checks.get().as_deref())}
                     <p class="demo"><A href=href.clone() attr:id="demo-link">{format!("Live demo: {label} →")}</A></p>
                     <div class="ratings" id="ratings">
                         <span class="muted small">"How well did you know this?"</span>
@@ -325,14 +328,12 @@ fn card_view(
     }
 }
 
-/// The card's claim with its measurement, or why it is not checked yet; nothing for a card without one.
-fn claim_line(card: &Card, checks: &[ClaimStatus]) -> Option<impl IntoView + Clone> {
+/// The card's claim with its measurement, or why it is not checked yet (None: the checks
+/// are still loading); nothing for a card without a claim.
+fn claim_line(card: &Card, checks: Option<&[ClaimStatus]>) -> Option<impl IntoView + Clone> {
     let claim = card.claim.as_ref()?;
-    let preset = match &card.demo {
-        Demo::Planner { .. } | Demo::Ring { .. } => claims::canonical_preset(claim.check).to_string(),
-        demo => demo.preset().unwrap_or(claims::canonical_preset(claim.check)).to_string(),
-    };
-    let status = checks.iter().find(|s| s.check == claim.check && s.preset == preset);
+    let preset = claims::preset_for(card)?;
+    let status = checks.unwrap_or_default().iter().find(|s| s.check == claim.check && s.preset == preset);
     let (class, text) = match status.and_then(|s| s.measurement.as_ref().map(|m| (s, m))) {
         Some((_, m)) => (
             if m.agrees { "check agrees" } else { "check disagrees" },
@@ -344,6 +345,7 @@ fn claim_line(card: &Card, checks: &[ClaimStatus]) -> Option<impl IntoView + Clo
                 if m.agrees { " ✓" } else { " ✗ — they disagree" }
             ),
         ),
+        None if checks.is_none() => ("check unchecked", "looking for a run that checks it…".to_string()),
         None => ("check unchecked", status.map(|s| s.how.clone()).unwrap_or_else(|| "not checked yet".into())),
     };
     let claim_text = claim.text.clone();
@@ -358,8 +360,11 @@ fn claim_line(card: &Card, checks: &[ClaimStatus]) -> Option<impl IntoView + Clo
 }
 
 #[component]
-fn ExportImport(profile: i64, on_import: impl Fn() + Clone + Send + Sync + 'static) -> impl IntoView {
-    let message = RwSignal::new(None::<(bool, String)>);
+fn ExportImport(
+    profile: i64,
+    message: RwSignal<Option<(bool, String)>>,
+    on_import: impl Fn() + Clone + Send + Sync + 'static,
+) -> impl IntoView {
     let on_change = move |ev: leptos::ev::Event| {
         let Some(input) = ev.target().and_then(|t| t.dyn_into::<web_sys::HtmlInputElement>().ok()) else { return };
         let Some(file) = input.files().and_then(|f| f.get(0)) else { return };

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use distlab_common::compare::{self, CompareView, ComparedRun, ConfigRow, Equivalence, RunStats};
-use distlab_common::ExperimentView;
+use distlab_common::{ExperimentView, Limits};
 use leptos::prelude::*;
 use leptos_router::components::A;
 use leptos_router::hooks::{use_navigate, use_query_map};
@@ -44,14 +44,26 @@ enum XAxis {
 #[component]
 fn Compare(ids: Vec<i64>) -> impl IntoView {
     let view_data = RwSignal::new(None::<Result<CompareView, String>>);
+    // A refresh that failed while the last good view stays on the page.
+    let refresh_error = RwSignal::new(None::<String>);
     let url = format!("/api/compare?ids={}", ids.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
     let load = {
         let url = url.clone();
         move || {
             let url = url.clone();
             leptos::task::spawn_local(async move {
-                let answer = api::get_compare(&url).await.map_err(|e| e.message);
-                view_data.try_set(Some(answer));
+                match api::get_compare(&url).await {
+                    Ok(view) => {
+                        view_data.try_set(Some(Ok(view)));
+                        refresh_error.try_set(None);
+                    }
+                    Err(e) if matches!(view_data.get_untracked(), Some(Ok(_))) => {
+                        refresh_error.try_set(Some(e.message));
+                    }
+                    Err(e) => {
+                        view_data.try_set(Some(Err(e.message)));
+                    }
+                }
             })
         }
     };
@@ -85,7 +97,7 @@ fn Compare(ids: Vec<i64>) -> impl IntoView {
         Some(Ok(data)) => {
             let data = StoredValue::new(data);
             let series = Signal::derive(move || data.with_value(|d| curves(&d.runs, x_axis.get(), smoothing.get())));
-            let bands = Signal::derive(move || data.with_value(|d| seed_bands(d, x_axis.get())));
+            let bands = Signal::derive(move || data.with_value(|d| seed_bands(d, x_axis.get(), smoothing.get())));
             let x_title = Signal::derive(move || match x_axis.get() {
                 XAxis::Step => "step".to_string(),
                 XAxis::WallTime => "wall time (s, summed step times)".to_string(),
@@ -101,18 +113,22 @@ fn Compare(ids: Vec<i64>) -> impl IntoView {
                             <a class="button small" id="export-json" href=format!("{url}&format=json") download="">"JSON"</a>
                         </div>
                     </div>
+                    {move || refresh_error.get().map(|e| view! {
+                        <p class="alert small">{format!("Could not refresh ({e}); showing the last answer, trying again.")}</p>
+                    })}
                     <ul class="legend" id="legend">
                         {data.with_value(|d| d.runs.iter().enumerate().map(|(i, r)| legend_item(i, &r.experiment, ids_for_rerun)).collect_view())}
                     </ul>
                     <div class="chart-controls">
                         <label>"x axis "
-                            <select id="x-axis" on:change=move |ev| x_axis.set(if event_target_value(&ev) == "time" { XAxis::WallTime } else { XAxis::Step })>
-                                <option value="step" selected=true>"step"</option>
+                            <select id="x-axis" prop:value=move || if x_axis.get() == XAxis::Step { "step" } else { "time" }
+                                on:change=move |ev| x_axis.set(if event_target_value(&ev) == "time" { XAxis::WallTime } else { XAxis::Step })>
+                                <option value="step">"step"</option>
                                 <option value="time">"wall time"</option>
                             </select>
                         </label>
                         <label>"smoothing "
-                            <input id="smoothing" type="range" min="0" max="0.95" step="0.05" prop:value="0"
+                            <input id="smoothing" type="range" min="0" max="0.95" step="0.05" prop:value=move || smoothing.get().to_string()
                                 on:input=move |ev| smoothing.set(event_target_value(&ev).parse().unwrap_or(0.0))/>
                             <span class="muted">{move || format!(" {:.2}", smoothing.get())}</span>
                         </label>
@@ -181,8 +197,9 @@ fn x_values(metrics: &[distlab_common::MetricPoint], x_axis: XAxis) -> Vec<f64> 
         .collect()
 }
 
-/// Bands at each step; on the wall-time axis a band takes the first run's times.
-fn seed_bands(view: &CompareView, x_axis: XAxis) -> Vec<Band> {
+/// Bands at each step, smoothed as the lines are; on the wall-time axis a band takes the
+/// first run's times.
+fn seed_bands(view: &CompareView, x_axis: XAxis, smoothing: f64) -> Vec<Band> {
     view.seed_bands
         .iter()
         .filter_map(|band| {
@@ -193,7 +210,15 @@ fn seed_bands(view: &CompareView, x_axis: XAxis) -> Vec<Band> {
                 .map(|p| p.step)
                 .zip(x_values(&view.runs[first].metrics, x_axis))
                 .collect();
-            let points = band.points.iter().filter_map(|p| Some((*times.get(&p.step)?, p.min, p.max))).collect();
+            let mins = smooth(&band.points.iter().map(|p| p.min).collect::<Vec<_>>(), smoothing);
+            let maxs = smooth(&band.points.iter().map(|p| p.max).collect::<Vec<_>>(), smoothing);
+            let points = band
+                .points
+                .iter()
+                .zip(mins.into_iter().zip(maxs))
+                .filter(|(_, (min, max))| min.is_finite() && max.is_finite())
+                .filter_map(|(p, (min, max))| Some((*times.get(&p.step)?, min, max)))
+                .collect();
             Some(Band { color: COLORS[first % COLORS.len()], points })
         })
         .collect()
@@ -202,6 +227,7 @@ fn seed_bands(view: &CompareView, x_axis: XAxis) -> Vec<Band> {
 fn legend_item(i: usize, e: &ExperimentView, ids: StoredValue<Vec<i64>>) -> impl IntoView {
     let color = COLORS[i % COLORS.len()];
     let spec = e.spec.clone();
+    let source = e.id;
     let navigate = use_navigate();
     let busy = RwSignal::new(false);
     let error = RwSignal::new(None::<String>);
@@ -211,7 +237,8 @@ fn legend_item(i: usize, e: &ExperimentView, ids: StoredValue<Vec<i64>>) -> impl
         }
         busy.set(true);
         let mut spec = spec.clone();
-        spec.name = format!("{} (re-run)", spec.name).chars().take(120).collect();
+        let base = spec.name.trim_end_matches(" (re-run)").to_string();
+        spec.name = format!("{base} (re-run)").chars().take(Limits::default().max_name_len).collect();
         if new_seed {
             // A seed from the clock: different from every earlier run's with near certainty.
             spec.train.seed = (js_sys::Date::now() as u64) % 1_000_000_007;
@@ -221,9 +248,12 @@ fn legend_item(i: usize, e: &ExperimentView, ids: StoredValue<Vec<i64>>) -> impl
             let body = serde_json::to_value(&spec).unwrap_or_default();
             match api::create_experiment(&body).await {
                 Ok(created) => {
+                    // A full view gives up its oldest run after the baseline (not the one re-run).
                     let mut ids = ids.get_value();
                     if ids.len() >= compare::MAX_RUNS {
-                        ids.remove(ids.len() - 1);
+                        if let Some(i) = (1..ids.len()).find(|&i| ids[i] != source) {
+                            ids.remove(i);
+                        }
                     }
                     ids.push(created.id);
                     let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
@@ -314,7 +344,7 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
                     <td class="num">{mem(|m| m.optimizer_state)}</td>
                     <td class="num">{mem(|m| m.activations)}</td>
                     <td class="num">{mem(|m| m.total)}</td>
-                    <td class="num">{opt(s.comm_bytes_per_step, format::bytes)}" / "{opt(s.predicted_comm_bytes_per_step.map(|b| b as f64), format::bytes)}</td>
+                    <td class="num">{opt(s.dp_comm_bytes_per_step, format::bytes)}" / "{opt(s.predicted_dp_comm_bytes_per_step.map(|b| b as f64), format::bytes)}</td>
                     <td class="num">{opt(s.predicted_bubble, format::percent)}</td>
                 </tr>
             }
@@ -330,14 +360,14 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
                         <th title="communication no compute ran under">"exposed comm ms"</th>
                         <th title="waiting: pipeline neighbours, the last bucket">"idle ms"</th>
                         <th>"params"</th><th>"grads"</th><th>"optimizer"</th><th>"activations"</th><th>"peak total"</th>
-                        <th title="bytes one rank sent per step: measured / planner">"comm per step (measured / planned)"</th>
+                        <th title="data-parallel bytes the busiest rank sent per step: measured / planner">"DP comm per step (measured / planned)"</th>
                         <th title="the planner's (P-1)/(M+P-1)">"bubble"</th>
                     </tr>
                 </thead>
                 <tbody>{rows}</tbody>
             </table>
         </div>
-        <p class="muted small">"Times per step and rank, from the recorded timelines (the first, warm-up step left out). Memory: each category's highest peak over the ranks."</p>
+        <p class="muted small">"Times per step and rank, from the recorded timelines (the first, warm-up step left out); tensor-parallel all-reduces count as communication, while FSDP and ZeRO gathers issued inside forward or the optimizer count as compute. Memory: each category's highest peak over the ranks."</p>
     }
 }
 

@@ -18,6 +18,9 @@ use crate::api;
 use crate::components::plan_panel::{PlanPanel, PlanState};
 use crate::format;
 
+/// The largest value a whole-number field takes (the planner's products stay far inside u64).
+const MAX_FIELD: usize = 100_000;
+
 /// The page's starting point: GPT-2 124M, data parallel on one 8-GPU node, bf16.
 fn default_spec() -> ExperimentSpec {
     let mut spec = ExperimentSpec { name: "planned".into(), ..ExperimentSpec::default() };
@@ -89,17 +92,16 @@ pub fn PlannerPage() -> impl IntoView {
                 <fieldset>
                     <legend>"Model"</legend>
                     <label>"preset "
-                        <select id="model-preset" on:change=move |ev| {
+                        <select id="model-preset"
+                            prop:value=move || spec.with(|s| model_presets().into_iter().find(|p| p.model == s.model).map(|p| p.key).unwrap_or_default())
+                            on:change=move |ev| {
                             let key = event_target_value(&ev);
                             if let Some(p) = model_presets().into_iter().find(|p| p.key == key) {
                                 spec.update(|s| s.model = p.model);
                             }
                         }>
                             <option value="">"(custom)"</option>
-                            {model_presets().into_iter().map(|p| {
-                                let selected = spec.with_untracked(|s| s.model == p.model);
-                                view! { <option value=p.key.clone() selected=selected>{p.label.clone()}</option> }
-                            }).collect_view()}
+                            {model_presets().into_iter().map(|p| view! { <option value=p.key.clone()>{p.label.clone()}</option> }).collect_view()}
                         </select>
                     </label>
                     {number(spec, "layers", |s| s.model.layers, |s, v| s.model.layers = v)}
@@ -122,6 +124,7 @@ pub fn PlannerPage() -> impl IntoView {
                     <legend>"Training"</legend>
                     {number(spec, "micro_batch", |s| s.train.micro_batch, |s, v| s.train.micro_batch = v)}
                     {number(spec, "micro_batches", |s| s.train.micro_batches, |s, v| s.train.micro_batches = v)}
+                    {number(spec, "grad_accum", |s| s.train.grad_accum, |s, v| s.train.grad_accum = v)}
                     {choice(spec, "precision", &["fp32", "bf16", "fp16"], |s| json_str(&s.train.precision),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.precision = x })}
                     {choice(spec, "checkpointing", &["none", "every", "sqrt"], |s| json_str(&s.train.checkpointing),
@@ -156,15 +159,16 @@ fn number(
 ) -> impl IntoView {
     let bad = RwSignal::new(false);
     let on_input = move |ev: leptos::ev::Event| match event_target_value(&ev).trim().parse::<usize>() {
-        Ok(v) => {
+        Ok(v) if v <= MAX_FIELD => {
             bad.set(false);
             spec.update(|s| set(s, v));
         }
-        Err(_) => bad.set(true),
+        _ => bad.set(true),
     };
     view! {
         <label>{name}" "
-            <input type="number" min="0" name=name class:invalid=move || bad.get()
+            <input type="number" min="0" max=MAX_FIELD name=name class:invalid=move || bad.get()
+                title=format!("a whole number up to {MAX_FIELD}")
                 prop:value=move || spec.with(get).to_string() on:input=on_input/>
         </label>
     }
@@ -230,8 +234,9 @@ fn ClusterFields(cluster: RwSignal<Cluster>) -> impl IntoView {
     }
 }
 
+/// GPU memory is sold in decimal GB; the planner's panel below counts in GiB: both here.
 fn gb(bytes: f64) -> String {
-    format!("{:.1} GB", bytes / 1e9)
+    format!("{:.1} GB ({:.1} GiB)", bytes / 1e9, bytes / (1u64 << 30) as f64)
 }
 
 fn seconds(s: f64) -> String {
