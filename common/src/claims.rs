@@ -38,6 +38,9 @@ pub struct Measurement {
     pub measured: String,
     /// The measurement agrees with the prediction (within the stated bound).
     pub agrees: bool,
+    /// What else the measured number contains, when the formula leaves something out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// A finished run with what a check reads.
@@ -106,6 +109,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         predicted,
         measured,
         agrees,
+        note: None,
     };
     match check {
         ClaimCheck::AllreduceBytes => {
@@ -177,16 +181,25 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
             let bubble =
                 measured_bubble(&stage_rows(run.ranks, step)).ok_or("the timeline has no forward or backward")?;
             let formula = formula_bubble(spec.parallel.pp, spec.train.micro_batches);
-            Ok(m(
-                format!(
-                    "(P-1)/(M+P-1) = {:.1}% (P={}, M={})",
-                    100.0 * formula,
-                    spec.parallel.pp,
-                    spec.train.micro_batches
-                ),
-                format!("{:.1}% idle in step {step}", 100.0 * bubble.overall),
-                (bubble.overall - formula).abs() <= 0.1,
-            ))
+            Ok(Measurement {
+                note: Some(format!(
+                    "The formula assumes every stage has a processor of its own and equal work. Here {} \
+                     rank processes run at once on the worker's machine: with more of them than cores, a \
+                     stage also waits for a core, and the first and last stages do more (embeddings, LM \
+                     head). Both add idle time the formula does not count.",
+                    spec.world_size()
+                )),
+                ..m(
+                    format!(
+                        "(P-1)/(M+P-1) = {:.1}% (P={}, M={})",
+                        100.0 * formula,
+                        spec.parallel.pp,
+                        spec.train.micro_batches
+                    ),
+                    format!("{:.1}% idle in step {step}", 100.0 * bubble.overall),
+                    (bubble.overall - formula).abs() <= 0.1,
+                )
+            })
         }
         ClaimCheck::TpAllreduces => {
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;

@@ -349,12 +349,14 @@ fn claim_line(card: &Card, checks: Option<&[ClaimStatus]>) -> Option<impl IntoVi
         None => ("check unchecked", status.map(|s| s.how.clone()).unwrap_or_else(|| "not checked yet".into())),
     };
     let claim_text = claim.text.clone();
+    let note = status.and_then(|s| s.measurement.as_ref()).and_then(|m| m.note.clone());
     Some(view! {
         <div class="claim">
             <div>{claim_text}</div>
             <div class=class data-check=serde_json::to_value(claim.check).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()>
                 {text}
             </div>
+            {note.map(|n| view! { <div class="muted small check-note">{n}</div> })}
         </div>
     })
 }
