@@ -1,13 +1,15 @@
 //! distlab's worker: the training engine (this crate's library) and the
 //! `distlab-worker` binary that runs experiments for a server or from a spec file.
 //!
-//! Engine layout (see DESIGN.md): `backend/` (buffers + kernels; CPU today),
+//! Engine layout (see DESIGN.md): `backend/` (buffers + kernels: CPU, and CUDA with the `cuda` feature),
 //! `model/` (the GPT, one file per layer), `optim.rs`, `data.rs`, and `train.rs`,
 //! whose [`train`] is the entry point the CLI and the worker loop call.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda_train;
 pub mod data;
 pub mod loss_scale;
 pub mod memory;

@@ -20,6 +20,8 @@
 //! style); `cpu.rs` splits the work over threads and calls them.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod float;
 pub mod gemm;
 pub mod simd;

@@ -1,0 +1,981 @@
+//! The CUDA backend (cargo feature `cuda`): buffers live in GPU memory, GEMMs go through
+//! cuBLAS (fp32, or bf16/fp16 with fp32 accumulation), and every other kernel is CUDA C
+//! from `cuda_kernels.cu`, compiled by NVRTC for the buffers' format when the backend
+//! starts. cudarc loads libcuda, cuBLAS and NVRTC at run time, so this builds on a machine
+//! without CUDA; there [`CudaBackend::new`] says what is missing instead of starting.
+//!
+//! Everything runs in order on one stream, so a kernel may read what the one before it
+//! wrote; results come back to the host (`download`, `sum`, the loss) after a sync.
+//! Views are device pointers with a length, borrowed from the buffer like slices.
+//!
+//! Like the CPU backend, results do not depend on timing: no kernel uses atomics, every
+//! sum over rows runs in a fixed order, and cuBLAS's default algorithms are deterministic
+//! on one stream.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use crate::backend::{Backend, Stored};
+use crate::optim::AdamWStep;
+
+const KERNELS: &str = include_str!("cuda_kernels.cu");
+/// Threads per block of every kernel (`BLOCK` in the .cu file).
+const BLOCK: u32 = 256;
+/// Rows per warp-per-row kernel block.
+const ROWS_PER_BLOCK: u32 = BLOCK / 32;
+/// Elements per block of `sum` / `sum_squares`.
+const SUM_CHUNK: usize = 1 << 16;
+/// Rows per block of the column sums (bias, LayerNorm parameter gradients).
+const COLUMN_ROWS: usize = 64;
+
+/// A storage format the CUDA kernels and cuBLAS handle.
+pub trait DeviceElem: Stored<Acc = f32> + DeviceRepr + ValidAsZeroBits {
+    /// The macro `cuda_kernels.cu` is compiled with.
+    const DEFINE: &'static str;
+    /// cuBLAS's name for it.
+    const DATA_TYPE: blas_sys::cudaDataType;
+}
+
+impl DeviceElem for f32 {
+    const DEFINE: &'static str = "ELEM_F32";
+    const DATA_TYPE: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_32F;
+}
+
+impl DeviceElem for half::bf16 {
+    const DEFINE: &'static str = "ELEM_BF16";
+    const DATA_TYPE: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_16BF;
+}
+
+impl DeviceElem for half::f16 {
+    const DEFINE: &'static str = "ELEM_F16";
+    const DATA_TYPE: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_16F;
+}
+
+/// Why the CUDA backend cannot start here.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaUnavailable {
+    #[error("the CUDA driver library (libcuda.so) is not installed on this machine")]
+    NoDriver,
+    #[error("{0} is not installed on this machine")]
+    NoLibrary(&'static str),
+    #[error("no CUDA device {ordinal} (this machine has {count})")]
+    NoDevice { ordinal: usize, count: i32 },
+    #[error("the CUDA driver finds no usable GPU: {0}")]
+    NoUsableDevice(cudarc::driver::DriverError),
+    #[error("CUDA: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("cuBLAS: {0}")]
+    Blas(#[from] blas::CublasError),
+    #[error("NVRTC could not compile the kernels: {0}")]
+    Compile(String),
+}
+
+impl CudaUnavailable {
+    /// True when this machine simply has no GPU to offer (no driver, library or device),
+    /// as opposed to a GPU that is there but failed.
+    pub fn no_gpu_here(&self) -> bool {
+        matches!(self, Self::NoDriver | Self::NoLibrary(_) | Self::NoDevice { .. } | Self::NoUsableDevice(_))
+    }
+}
+
+/// The GPUs this machine offers (name and memory of each), or why it offers none.
+pub fn devices() -> Result<Vec<String>, CudaUnavailable> {
+    // cudarc panics on first use of a library it cannot load: check first.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaUnavailable::NoDriver);
+    }
+    let count = CudaContext::device_count().map_err(CudaUnavailable::NoUsableDevice)?;
+    (0..count.max(0) as usize)
+        .map(|i| {
+            let ctx = CudaContext::new(i)?;
+            let gib = ctx.total_mem()? as f64 / (1u64 << 30) as f64;
+            Ok(format!("cuda:{i} {} ({gib:.0} GiB)", ctx.name()?))
+        })
+        .collect()
+}
+
+/// A read-only range of a device buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceView<'a, S> {
+    ptr: u64,
+    len: usize,
+    _borrow: PhantomData<&'a [S]>,
+}
+
+/// A writable range of a device buffer.
+#[derive(Debug)]
+pub struct DeviceViewMut<'a, S> {
+    ptr: u64,
+    len: usize,
+    _borrow: PhantomData<&'a mut [S]>,
+}
+
+/// CUDA kernels on buffers of `S` on one GPU.
+pub struct CudaBackend<S: DeviceElem = f32> {
+    stream: Arc<CudaStream>,
+    blas: Arc<CudaBlas>,
+    kernels: Arc<HashMap<&'static str, CudaFunction>>,
+    device: String,
+    _format: PhantomData<S>,
+}
+
+impl<S: DeviceElem> Clone for CudaBackend<S> {
+    fn clone(&self) -> Self {
+        Self {
+            stream: self.stream.clone(),
+            blas: self.blas.clone(),
+            kernels: self.kernels.clone(),
+            device: self.device.clone(),
+            _format: PhantomData,
+        }
+    }
+}
+
+/// Every kernel of `cuda_kernels.cu` the backend calls.
+const KERNEL_NAMES: [&str; 18] = [
+    "fill",
+    "partial_sums",
+    "add_column_partials",
+    "column_partials",
+    "encoder_forward",
+    "encoder_backward_wte",
+    "encoder_backward_wpe",
+    "layernorm_forward",
+    "layernorm_backward_input",
+    "layernorm_param_partials",
+    "add_bias",
+    "gelu_forward",
+    "gelu_backward",
+    "causal_softmax_forward",
+    "causal_softmax_backward",
+    "crossentropy_forward",
+    "crossentropy_backward",
+    "adamw",
+];
+
+/// Launches kernel `$name` with `$cfg` and the arguments in order (each a device pointer
+/// `u64`, or an `i32` / `i64` / `f32` value, as the kernel declares it).
+macro_rules! launch {
+    ($be:expr, $name:literal, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let function = $be.kernel($name);
+        let mut builder = $be.stream.launch_builder(function);
+        $(
+            let arg = $arg;
+            builder.arg(&arg);
+        )+
+        // SAFETY: the arguments match the kernel's parameters in number, order and type
+        // (kernel by kernel, checked against cuda_kernels.cu), and the pointers come from
+        // live views of the sizes the kernel reads and writes.
+        unsafe { builder.launch($cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {}: {e}", $name));
+    }};
+}
+
+fn blocks_for(n: usize, per_block: u32) -> u32 {
+    u32::try_from(n.div_ceil(per_block as usize)).expect("a grid of fewer than 2^32 blocks").max(1)
+}
+
+/// One thread per element.
+fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks_for(n, BLOCK), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One warp per row.
+fn warp_per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks_for(rows, ROWS_PER_BLOCK), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One block per row.
+fn block_per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks_for(rows, 1), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn int(x: usize) -> i32 {
+    i32::try_from(x).expect("a size below 2^31")
+}
+
+fn op(transpose: bool) -> blas_sys::cublasOperation_t {
+    if transpose {
+        blas_sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        blas_sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+/// One operand of a (batched) column-major GEMM: a device pointer, its leading dimension
+/// and the distance between consecutive matrices of the batch (all in elements).
+#[derive(Clone, Copy)]
+struct Operand {
+    ptr: u64,
+    ld: usize,
+    stride: usize,
+}
+
+impl<S: DeviceElem> CudaBackend<S> {
+    /// A backend on GPU `ordinal`: a context, one stream, a cuBLAS handle and the kernels
+    /// compiled for this GPU and format `S`.
+    pub fn new(ordinal: usize) -> Result<Self, CudaUnavailable> {
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaUnavailable::NoDriver);
+        }
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaUnavailable::NoLibrary("cuBLAS (libcublas.so)"));
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(CudaUnavailable::NoLibrary("NVRTC (libnvrtc.so)"));
+        }
+        let count = CudaContext::device_count().map_err(CudaUnavailable::NoUsableDevice)?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CudaUnavailable::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream: order is enough, cudarc's per-buffer events would only cost time.
+        // SAFETY: called before any buffer or stream of this context exists.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability()?;
+        let stream = ctx.default_stream();
+        let options = CompileOptions {
+            options: vec![format!("-D{}", S::DEFINE), format!("--gpu-architecture=compute_{major}{minor}")],
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaUnavailable::Compile(e.to_string()))?;
+        let module = ctx.load_module(ptx)?;
+        let mut kernels = HashMap::new();
+        for name in KERNEL_NAMES {
+            kernels.insert(name, module.load_function(name)?);
+        }
+        let blas = CudaBlas::new(stream.clone())?;
+        let gib = ctx.total_mem()? as f64 / (1u64 << 30) as f64;
+        Ok(Self {
+            device: format!("cuda:{ordinal} {} ({gib:.0} GiB, sm_{major}{minor})", ctx.name()?),
+            stream,
+            blas: Arc::new(blas),
+            kernels: Arc::new(kernels),
+            _format: PhantomData,
+        })
+    }
+
+    /// Which GPU this is, for logs and reports.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    /// Waits until every kernel queued so far has finished (for timing).
+    pub fn synchronize(&self) {
+        self.stream.synchronize().expect("CUDA stream synchronize");
+    }
+
+    fn kernel(&self, name: &str) -> &CudaFunction {
+        &self.kernels[name]
+    }
+
+    fn base(&self, buf: &CudaSlice<S>) -> u64 {
+        let (ptr, _no_event) = buf.device_ptr(&self.stream);
+        ptr
+    }
+
+    fn upload_u32(&self, host: &[u32]) -> CudaSlice<u32> {
+        self.stream.clone_htod(host).expect("CUDA upload")
+    }
+
+    fn scratch<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
+        self.stream.alloc_zeros::<T>(len.max(1)).expect("CUDA scratch allocation")
+    }
+
+    fn ptr_of<T>(&self, buf: &CudaSlice<T>) -> u64 {
+        let (ptr, _no_event) = buf.device_ptr(&self.stream);
+        ptr
+    }
+
+    fn download_f64(&self, buf: &CudaSlice<f64>, len: usize) -> Vec<f64> {
+        let mut host = vec![0.0; len];
+        self.stream.memcpy_dtoh(&buf.slice(0..len), &mut host).expect("CUDA download");
+        self.stream.synchronize().expect("CUDA stream synchronize");
+        host
+    }
+
+    /// `c = alpha · op(a) · op(b) + beta · c` for `batch` column-major matrices (m x n),
+    /// computed in fp32 whatever `S` is.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        a: Operand,
+        b: Operand,
+        beta: f32,
+        c: Operand,
+        batch: usize,
+    ) {
+        // SAFETY: the operands point into live device buffers that hold the matrices
+        // described by the dimensions, leading dimensions and strides; alpha and beta
+        // are host floats (cuBLAS's default pointer mode), as COMPUTE_32F expects.
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                op(ta),
+                op(tb),
+                int(m),
+                int(n),
+                int(k),
+                &alpha as *const f32 as *const c_void,
+                a.ptr as *const c_void,
+                S::DATA_TYPE,
+                int(a.ld),
+                a.stride as i64,
+                b.ptr as *const c_void,
+                S::DATA_TYPE,
+                int(b.ld),
+                b.stride as i64,
+                &beta as *const f32 as *const c_void,
+                c.ptr as *mut c_void,
+                S::DATA_TYPE,
+                int(c.ld),
+                c.stride as i64,
+                int(batch),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .unwrap_or_else(|e| panic!("cuBLAS GEMM: {e}"));
+    }
+
+    /// `dst[j] += sum over rows of x[r, j]` (x is `rows x c`), in row order.
+    fn add_column_sums(&self, dst: u64, x: u64, rows: usize, c: usize) {
+        let blocks = rows.div_ceil(COLUMN_ROWS).max(1);
+        let partial = self.scratch::<f32>(blocks * c);
+        let p = self.ptr_of(&partial);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_for(c, BLOCK), blocks as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "column_partials", cfg, p, x, int(rows), int(c), int(COLUMN_ROWS));
+        launch!(self, "add_column_partials", elementwise(c), dst, p, int(blocks), int(c));
+    }
+
+    fn ordered_sum(&self, x: DeviceView<'_, S>, squares: bool) -> f64 {
+        if x.len == 0 {
+            return 0.0;
+        }
+        let blocks = x.len.div_ceil(SUM_CHUNK);
+        let partial = self.scratch::<f64>(blocks);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        launch!(
+            self,
+            "partial_sums",
+            cfg,
+            x.ptr,
+            x.len as i64,
+            SUM_CHUNK as i64,
+            self.ptr_of(&partial),
+            squares as i32
+        );
+        self.download_f64(&partial, blocks).iter().sum()
+    }
+
+    /// Moments and (mixed precision) master weights of AdamW in GPU memory, for `len`
+    /// parameters starting from `params`.
+    pub fn adamw_state(&self, params: &CudaSlice<S>) -> AdamWState {
+        let len = params.len();
+        let master = crate::optim::needs_master::<S>().then(|| {
+            let mut host = vec![S::default(); len];
+            self.download(params, &mut host);
+            let widened: Vec<f32> = host.iter().map(|p| p.load()).collect();
+            self.stream.clone_htod(&widened).expect("CUDA upload")
+        });
+        AdamWState { m: self.scratch::<f32>(len), v: self.scratch::<f32>(len), master }
+    }
+
+    /// One AdamW update of parameters `range` from their gradients, on the GPU (the math
+    /// of `optim::adamw_update`; mixed precision updates the master weights and rounds
+    /// them into `params`).
+    pub fn adamw_update(
+        &self,
+        params: &mut CudaSlice<S>,
+        grads: &CudaSlice<S>,
+        state: &mut AdamWState,
+        range: Range<usize>,
+        hp: &AdamWStep,
+    ) {
+        assert!(range.end <= params.len() && grads.len() == params.len(), "a gradient per parameter");
+        let n = range.len();
+        if n == 0 {
+            return;
+        }
+        let at = |ptr: u64, bytes: usize| ptr + (range.start * bytes) as u64;
+        let e = size_of::<S>();
+        let model = at(self.base(params), e);
+        let (weights, model) = match &state.master {
+            Some(master) => (at(self.ptr_of(master), 4), model),
+            None => (model, 0u64),
+        };
+        let m_correction = (1.0 / (1.0 - hp.beta1.powf(hp.step as f64))) as f32;
+        let v_correction = (1.0 / (1.0 - hp.beta2.powf(hp.step as f64))) as f32;
+        let decay = (1.0 - hp.lr * hp.weight_decay) as f32;
+        launch!(
+            self,
+            "adamw",
+            elementwise(n),
+            weights,
+            model,
+            at(self.base(grads), e),
+            at(self.ptr_of(&state.m), 4),
+            at(self.ptr_of(&state.v), 4),
+            n as i64,
+            hp.lr as f32,
+            hp.beta1 as f32,
+            hp.beta2 as f32,
+            hp.eps as f32,
+            decay,
+            m_correction,
+            v_correction,
+            hp.grad_scale as f32,
+        );
+    }
+}
+
+/// AdamW's state on the GPU.
+pub struct AdamWState {
+    pub m: CudaSlice<f32>,
+    pub v: CudaSlice<f32>,
+    /// fp32 master weights (bf16/fp16 models only).
+    pub master: Option<CudaSlice<f32>>,
+}
+
+impl AdamWState {
+    pub fn bytes(&self) -> u64 {
+        let master = self.master.as_ref().map_or(0, |m| m.len());
+        ((self.m.len() + self.v.len() + master) * 4) as u64
+    }
+}
+
+impl<S: DeviceElem> Backend for CudaBackend<S> {
+    type Elem = S;
+    type Buf = CudaSlice<S>;
+    type View<'a> = DeviceView<'a, S>;
+    type ViewMut<'a> = DeviceViewMut<'a, S>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn alloc(&self, len: usize) -> CudaSlice<S> {
+        let buf = if len == 0 { self.stream.null() } else { self.stream.alloc_zeros::<S>(len) };
+        buf.unwrap_or_else(|e| panic!("CUDA: allocating {len} elements: {e}"))
+    }
+
+    fn buf_len(&self, buf: &CudaSlice<S>) -> usize {
+        buf.len()
+    }
+
+    fn upload(&self, dst: &mut CudaSlice<S>, src: &[S]) {
+        if src.is_empty() {
+            return;
+        }
+        self.stream.memcpy_htod(src, &mut dst.slice_mut(0..src.len())).expect("CUDA upload");
+    }
+
+    fn download(&self, src: &CudaSlice<S>, dst: &mut [S]) {
+        if dst.is_empty() {
+            return;
+        }
+        self.stream.memcpy_dtoh(&src.slice(0..dst.len()), dst).expect("CUDA download");
+        self.stream.synchronize().expect("CUDA stream synchronize");
+    }
+
+    fn view<'a>(&self, buf: &'a CudaSlice<S>, range: Range<usize>) -> DeviceView<'a, S> {
+        assert!(range.start <= range.end && range.end <= buf.len(), "view {range:?} of a buffer of {}", buf.len());
+        let ptr = self.base(buf) + (range.start * size_of::<S>()) as u64;
+        DeviceView { ptr, len: range.len(), _borrow: PhantomData }
+    }
+
+    fn view_mut<'a>(&self, buf: &'a mut CudaSlice<S>, range: Range<usize>) -> DeviceViewMut<'a, S> {
+        assert!(range.start <= range.end && range.end <= buf.len(), "view {range:?} of a buffer of {}", buf.len());
+        let ptr = self.base(buf) + (range.start * size_of::<S>()) as u64;
+        DeviceViewMut { ptr, len: range.len(), _borrow: PhantomData }
+    }
+
+    fn split_mut<'a>(&self, view: Self::ViewMut<'a>, mid: usize) -> (Self::ViewMut<'a>, Self::ViewMut<'a>) {
+        assert!(mid <= view.len, "split at {mid} of a view of {}", view.len);
+        let tail = view.ptr + (mid * size_of::<S>()) as u64;
+        (
+            DeviceViewMut { ptr: view.ptr, len: mid, _borrow: PhantomData },
+            DeviceViewMut { ptr: tail, len: view.len - mid, _borrow: PhantomData },
+        )
+    }
+
+    fn reborrow<'b>(&self, view: &'b mut DeviceViewMut<'_, S>) -> DeviceViewMut<'b, S> {
+        DeviceViewMut { ptr: view.ptr, len: view.len, _borrow: PhantomData }
+    }
+
+    fn freeze<'a>(&self, view: Self::ViewMut<'a>) -> Self::View<'a> {
+        DeviceView { ptr: view.ptr, len: view.len, _borrow: PhantomData }
+    }
+
+    fn fill(&self, out: DeviceViewMut<'_, S>, value: f64) {
+        if out.len > 0 {
+            launch!(self, "fill", elementwise(out.len), out.ptr, out.len as i64, value as f32);
+        }
+    }
+
+    fn copy(&self, dst: DeviceViewMut<'_, S>, src: DeviceView<'_, S>) {
+        assert_eq!(dst.len, src.len, "copy between views of different lengths");
+        if dst.len > 0 {
+            // SAFETY: both views are live ranges of `len` elements of device buffers.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    dst.ptr,
+                    src.ptr,
+                    dst.len * size_of::<S>(),
+                    self.stream.cu_stream(),
+                )
+            }
+            .expect("CUDA copy");
+        }
+    }
+
+    fn sum(&self, x: DeviceView<'_, S>) -> f64 {
+        self.ordered_sum(x, false)
+    }
+
+    fn sum_squares(&self, x: DeviceView<'_, S>) -> f64 {
+        self.ordered_sum(x, true)
+    }
+
+    fn encoder_forward(
+        &self,
+        out: DeviceViewMut<'_, S>,
+        tokens: &[u32],
+        wte: DeviceView<'_, S>,
+        wpe: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+    ) {
+        let rows = out.len / c;
+        let tokens = self.upload_u32(&tokens[..rows]);
+        launch!(
+            self,
+            "encoder_forward",
+            elementwise(rows * c),
+            out.ptr,
+            self.ptr_of(&tokens),
+            wte.ptr,
+            wpe.ptr,
+            int(rows),
+            int(seq_len),
+            int(c)
+        );
+    }
+
+    fn encoder_backward(
+        &self,
+        dwte: DeviceViewMut<'_, S>,
+        dwpe: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        tokens: &[u32],
+        seq_len: usize,
+        c: usize,
+    ) {
+        let rows = dout.len / c;
+        // Group the rows by token on the host (the ids are here anyway), so that one
+        // thread adds every row of a token for one column, in row order.
+        let mut rows_of: Vec<u32> = (0..rows as u32).collect();
+        rows_of.sort_by_key(|&r| tokens[r as usize]);
+        let mut distinct = Vec::new();
+        let mut starts = Vec::new();
+        for (k, &r) in rows_of.iter().enumerate() {
+            let token = tokens[r as usize];
+            if distinct.last() != Some(&token) {
+                distinct.push(token);
+                starts.push(k as u32);
+            }
+        }
+        starts.push(rows as u32);
+        if !distinct.is_empty() {
+            let (distinct_d, starts_d, rows_d) =
+                (self.upload_u32(&distinct), self.upload_u32(&starts), self.upload_u32(&rows_of));
+            let cfg = LaunchConfig {
+                grid_dim: (blocks_for(c, BLOCK), u32::try_from(distinct.len()).expect("fewer tokens than 2^32"), 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                self,
+                "encoder_backward_wte",
+                cfg,
+                dwte.ptr,
+                dout.ptr,
+                self.ptr_of(&distinct_d),
+                self.ptr_of(&starts_d),
+                self.ptr_of(&rows_d),
+                int(c)
+            );
+        }
+        let sequences = rows / seq_len;
+        launch!(
+            self,
+            "encoder_backward_wpe",
+            elementwise(seq_len * c),
+            dwpe.ptr,
+            dout.ptr,
+            int(sequences),
+            int(seq_len),
+            int(c)
+        );
+    }
+
+    fn layernorm_forward(
+        &self,
+        out: DeviceViewMut<'_, S>,
+        mean: DeviceViewMut<'_, S>,
+        rstd: DeviceViewMut<'_, S>,
+        inp: DeviceView<'_, S>,
+        gamma: DeviceView<'_, S>,
+        beta: DeviceView<'_, S>,
+        c: usize,
+    ) {
+        let rows = inp.len / c;
+        launch!(
+            self,
+            "layernorm_forward",
+            warp_per_row(rows),
+            out.ptr,
+            mean.ptr,
+            rstd.ptr,
+            inp.ptr,
+            gamma.ptr,
+            beta.ptr,
+            int(rows),
+            int(c)
+        );
+    }
+
+    fn layernorm_backward(
+        &self,
+        dinp: DeviceViewMut<'_, S>,
+        dgamma: DeviceViewMut<'_, S>,
+        dbeta: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        inp: DeviceView<'_, S>,
+        gamma: DeviceView<'_, S>,
+        mean: DeviceView<'_, S>,
+        rstd: DeviceView<'_, S>,
+        c: usize,
+    ) {
+        let rows = inp.len / c;
+        launch!(
+            self,
+            "layernorm_backward_input",
+            warp_per_row(rows),
+            dinp.ptr,
+            dout.ptr,
+            inp.ptr,
+            gamma.ptr,
+            mean.ptr,
+            rstd.ptr,
+            int(rows),
+            int(c)
+        );
+        let blocks = rows.div_ceil(COLUMN_ROWS).max(1);
+        let partial = self.scratch::<f32>(2 * blocks * c);
+        let p = self.ptr_of(&partial);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_for(c, BLOCK), blocks as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            "layernorm_param_partials",
+            cfg,
+            p,
+            dout.ptr,
+            inp.ptr,
+            mean.ptr,
+            rstd.ptr,
+            int(rows),
+            int(c),
+            int(COLUMN_ROWS)
+        );
+        launch!(self, "add_column_partials", elementwise(c), dgamma.ptr, p, int(blocks), int(c));
+        let dbeta_partial = p + (blocks * c * 4) as u64;
+        launch!(self, "add_column_partials", elementwise(c), dbeta.ptr, dbeta_partial, int(blocks), int(c));
+    }
+
+    fn matmul_forward(
+        &self,
+        out: DeviceViewMut<'_, S>,
+        inp: DeviceView<'_, S>,
+        weight: DeviceView<'_, S>,
+        bias: Option<DeviceView<'_, S>>,
+        residual: Option<DeviceView<'_, S>>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let rows = inp.len / c_in;
+        let beta = match residual {
+            Some(residual) => {
+                self.copy(DeviceViewMut { ptr: out.ptr, len: out.len, _borrow: PhantomData }, residual);
+                1.0
+            }
+            None => 0.0,
+        };
+        // Row-major out (rows x c_out) = inp · W is column-major outᵀ = Wᵀ · inpᵀ.
+        self.gemm(
+            (false, false),
+            (c_out, rows, c_in),
+            1.0,
+            Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
+            Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
+            beta,
+            Operand { ptr: out.ptr, ld: c_out, stride: 0 },
+            1,
+        );
+        if let Some(bias) = bias {
+            launch!(self, "add_bias", elementwise(rows * c_out), out.ptr, bias.ptr, int(rows), int(c_out));
+        }
+    }
+
+    fn matmul_backward(
+        &self,
+        dinp: Option<DeviceViewMut<'_, S>>,
+        dweight: DeviceViewMut<'_, S>,
+        dbias: Option<DeviceViewMut<'_, S>>,
+        dout: DeviceView<'_, S>,
+        inp: DeviceView<'_, S>,
+        weight: DeviceView<'_, S>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let rows = inp.len / c_in;
+        if let Some(dinp) = dinp {
+            // dinp = dout · Wᵀ: column-major dinpᵀ (c_in x rows) = W · doutᵀ.
+            self.gemm(
+                (true, false),
+                (c_in, rows, c_out),
+                1.0,
+                Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
+                Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
+                0.0,
+                Operand { ptr: dinp.ptr, ld: c_in, stride: 0 },
+                1,
+            );
+        }
+        // dW += inpᵀ · dout: column-major dWᵀ (c_out x c_in) += doutᵀ · inp.
+        self.gemm(
+            (false, true),
+            (c_out, c_in, rows),
+            1.0,
+            Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
+            Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
+            1.0,
+            Operand { ptr: dweight.ptr, ld: c_out, stride: 0 },
+            1,
+        );
+        if let Some(dbias) = dbias {
+            self.add_column_sums(dbias.ptr, dout.ptr, rows, c_out);
+        }
+    }
+
+    fn attention_forward(
+        &self,
+        out: DeviceViewMut<'_, S>,
+        att: DeviceViewMut<'_, S>,
+        qkv: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        let batch = qkv.len / (t * 3 * c);
+        let scale = 1.0 / (hs as f32).sqrt();
+        let e = size_of::<S>() as u64;
+        // Per sequence, batched over heads (head h is `hs` columns further on).
+        for b in 0..batch {
+            let qkv_b = qkv.ptr + (b * t * 3 * c) as u64 * e;
+            let att_b = att.ptr + (b * heads * t * t) as u64 * e;
+            let (q, k) = (qkv_b, qkv_b + c as u64 * e);
+            // S = Q Kᵀ * scale: column-major Sᵀ (keys x queries) = K · Qᵀ.
+            self.gemm(
+                (true, false),
+                (t, t, hs),
+                scale,
+                Operand { ptr: k, ld: 3 * c, stride: hs },
+                Operand { ptr: q, ld: 3 * c, stride: hs },
+                0.0,
+                Operand { ptr: att_b, ld: t, stride: t * t },
+                heads,
+            );
+        }
+        launch!(
+            self,
+            "causal_softmax_forward",
+            warp_per_row(batch * heads * t),
+            att.ptr,
+            (batch * heads * t) as i64,
+            int(t)
+        );
+        for b in 0..batch {
+            let qkv_b = qkv.ptr + (b * t * 3 * c) as u64 * e;
+            let att_b = att.ptr + (b * heads * t * t) as u64 * e;
+            let out_b = out.ptr + (b * t * c) as u64 * e;
+            // Y = P V: column-major Yᵀ (hs x T) = Vᵀ · Pᵀ.
+            self.gemm(
+                (false, false),
+                (hs, t, t),
+                1.0,
+                Operand { ptr: qkv_b + 2 * c as u64 * e, ld: 3 * c, stride: hs },
+                Operand { ptr: att_b, ld: t, stride: t * t },
+                0.0,
+                Operand { ptr: out_b, ld: c, stride: hs },
+                heads,
+            );
+        }
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: DeviceViewMut<'_, S>,
+        datt: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        qkv: DeviceView<'_, S>,
+        att: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        let batch = qkv.len / (t * 3 * c);
+        let scale = 1.0 / (hs as f32).sqrt();
+        let e = size_of::<S>() as u64;
+        let at = |base: u64, elems: usize| base + elems as u64 * e;
+        for b in 0..batch {
+            let (qkv_b, dqkv_b) = (at(qkv.ptr, b * t * 3 * c), at(dqkv.ptr, b * t * 3 * c));
+            let (att_b, datt_b) = (at(att.ptr, b * heads * t * t), at(datt.ptr, b * heads * t * t));
+            let dout_b = at(dout.ptr, b * t * c);
+            // dP = dY Vᵀ: column-major dPᵀ = V · dYᵀ.
+            self.gemm(
+                (true, false),
+                (t, t, hs),
+                1.0,
+                Operand { ptr: at(qkv_b, 2 * c), ld: 3 * c, stride: hs },
+                Operand { ptr: dout_b, ld: c, stride: hs },
+                0.0,
+                Operand { ptr: datt_b, ld: t, stride: t * t },
+                heads,
+            );
+            // dV = Pᵀ dY: column-major dVᵀ (hs x T) = dYᵀ · P.
+            self.gemm(
+                (false, true),
+                (hs, t, t),
+                1.0,
+                Operand { ptr: dout_b, ld: c, stride: hs },
+                Operand { ptr: att_b, ld: t, stride: t * t },
+                0.0,
+                Operand { ptr: at(dqkv_b, 2 * c), ld: 3 * c, stride: hs },
+                heads,
+            );
+        }
+        let rows = batch * heads * t;
+        launch!(self, "causal_softmax_backward", warp_per_row(rows), datt.ptr, att.ptr, rows as i64, int(t), scale);
+        for b in 0..batch {
+            let (qkv_b, dqkv_b) = (at(qkv.ptr, b * t * 3 * c), at(dqkv.ptr, b * t * 3 * c));
+            let datt_b = at(datt.ptr, b * heads * t * t);
+            // dQ = dS K: column-major dQᵀ (hs x T) = Kᵀ · dSᵀ.
+            self.gemm(
+                (false, false),
+                (hs, t, t),
+                1.0,
+                Operand { ptr: at(qkv_b, c), ld: 3 * c, stride: hs },
+                Operand { ptr: datt_b, ld: t, stride: t * t },
+                0.0,
+                Operand { ptr: dqkv_b, ld: 3 * c, stride: hs },
+                heads,
+            );
+            // dK = dSᵀ Q: column-major dKᵀ (hs x T) = Qᵀ · dS.
+            self.gemm(
+                (false, true),
+                (hs, t, t),
+                1.0,
+                Operand { ptr: qkv_b, ld: 3 * c, stride: hs },
+                Operand { ptr: datt_b, ld: t, stride: t * t },
+                0.0,
+                Operand { ptr: at(dqkv_b, c), ld: 3 * c, stride: hs },
+                heads,
+            );
+        }
+    }
+
+    fn gelu_forward(&self, out: DeviceViewMut<'_, S>, inp: DeviceView<'_, S>) {
+        launch!(self, "gelu_forward", elementwise(inp.len), out.ptr, inp.ptr, inp.len as i64);
+    }
+
+    fn gelu_backward(&self, dinout: DeviceViewMut<'_, S>, inp: DeviceView<'_, S>) {
+        launch!(self, "gelu_backward", elementwise(inp.len), dinout.ptr, inp.ptr, inp.len as i64);
+    }
+
+    fn crossentropy_forward(
+        &self,
+        logits: DeviceViewMut<'_, S>,
+        losses: DeviceViewMut<'_, S>,
+        targets: &[u32],
+        vocab: usize,
+    ) -> f64 {
+        let rows = logits.len / vocab;
+        let targets = self.upload_u32(&targets[..rows]);
+        let row_loss = self.scratch::<f64>(rows);
+        launch!(
+            self,
+            "crossentropy_forward",
+            block_per_row(rows),
+            logits.ptr,
+            losses.ptr,
+            self.ptr_of(&row_loss),
+            self.ptr_of(&targets),
+            int(vocab)
+        );
+        self.download_f64(&row_loss, rows).iter().sum()
+    }
+
+    fn crossentropy_backward(&self, probs: DeviceViewMut<'_, S>, targets: &[u32], vocab: usize, dloss: f64) {
+        let rows = probs.len / vocab;
+        let targets = self.upload_u32(&targets[..rows]);
+        launch!(
+            self,
+            "crossentropy_backward",
+            block_per_row(rows),
+            probs.ptr,
+            self.ptr_of(&targets),
+            int(vocab),
+            dloss as f32
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_named_here_is_in_the_source() {
+        for name in KERNEL_NAMES {
+            let declaration = format!("extern \"C\" __global__ void {name}(");
+            assert!(KERNELS.contains(&declaration), "{name} is not a kernel of cuda_kernels.cu");
+        }
+    }
+}

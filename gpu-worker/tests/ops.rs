@@ -1,0 +1,355 @@
+//! The op-level test suite, written once and run on every backend this build has (the
+//! `test_device!` pattern of candle): each check makes random inputs, runs kernels through
+//! the `Backend` trait on the backend under test, and compares with the CPU backend in f64
+//! on the same inputs (rounded to the tested format first).
+//!
+//! Backends: the CPU in fp32 and bf16 always; with `--features cuda`, CUDA in fp32, bf16
+//! and fp16. On a machine without a GPU the CUDA tests print why they are skipped and pass.
+//!
+//! Tolerances, on the largest error relative to the largest magnitude of the reference
+//! tensor (so one tiny element cannot fail a check on rounding alone): fp32 1e-4 (sums
+//! of up to a few hundred products, in a different order on the GPU), bf16 4e-2 and
+//! fp16 8e-3 (8 and 11 mantissa bits, with intermediate tensors stored rounded).
+
+use distlab_common::ModelSpec;
+use distlab_worker::backend::{Backend, CpuBackend, Stored};
+use distlab_worker::memory::MemoryTracker;
+use distlab_worker::model::{FlatState, Gpt};
+use distlab_worker::rng::Rng;
+
+type Reference = CpuBackend<f64>;
+
+fn tolerance<B: Backend>() -> f64 {
+    match <B::Elem as Stored>::NAME {
+        "bf16" => 4e-2,
+        "fp16" => 8e-3,
+        _ => 1e-4,
+    }
+}
+
+/// `n` normal values times `scale`, rounded to `B`'s format (what both backends get).
+fn random<B: Backend>(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| B::Elem::from_f64(scale * rng.normal()).to_f64()).collect()
+}
+
+fn put<B: Backend>(be: &B, x: &[f64]) -> B::Buf {
+    let mut buf = be.alloc(x.len());
+    let host: Vec<B::Elem> = x.iter().map(|&v| B::Elem::from_f64(v)).collect();
+    be.upload(&mut buf, &host);
+    buf
+}
+
+fn get<B: Backend>(be: &B, buf: &B::Buf) -> Vec<f64> {
+    let mut host = vec![B::Elem::default(); be.buf_len(buf)];
+    be.download(buf, &mut host);
+    host.iter().map(|v| v.to_f64()).collect()
+}
+
+/// Asserts |got - want| <= tol * max|want| (or tol where want is all zeros).
+fn assert_close(name: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let scale = want.iter().fold(0.0f64, |m, w| m.max(w.abs())).max(1e-30);
+    let (mut worst, mut at) = (0.0f64, 0);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs() / scale;
+        if err > worst || err.is_nan() {
+            (worst, at) = (if err.is_nan() { f64::INFINITY } else { err }, i);
+        }
+    }
+    eprintln!("{name}: {} values, largest error {worst:.2e} of max |want| {scale:.3e}", got.len());
+    assert!(worst <= tol, "{name}[{at}]: got {} want {} (error {worst:.2e} > {tol:.0e})", got[at], want[at]);
+}
+
+/// Runs `op` on the backend under test and on the reference with the same inputs, and
+/// compares every output buffer. `op` gets the backend and its input/output buffers.
+fn compare<B: Backend>(
+    be: &B,
+    name: &str,
+    buffers: &[Vec<f64>],
+    op_tested: impl FnOnce(&B, &mut [B::Buf]),
+    op_reference: impl FnOnce(&Reference, &mut [Vec<f64>]),
+    outputs: &[usize],
+) {
+    let mut tested: Vec<B::Buf> = buffers.iter().map(|x| put(be, x)).collect();
+    op_tested(be, &mut tested);
+    let mut reference: Vec<Vec<f64>> = buffers.to_vec();
+    op_reference(&Reference::new(1), &mut reference);
+    for &i in outputs {
+        assert_close(&format!("{name} (output {i})"), &get(be, &tested[i]), &reference[i], tolerance::<B>());
+    }
+}
+
+/// Three distinct mutable buffers of a slice (the kernels write several at once).
+fn three<T>(v: &mut [T]) -> (&mut T, &mut T, &mut T, &mut [T]) {
+    let (a, rest) = v.split_first_mut().unwrap();
+    let (b, rest) = rest.split_first_mut().unwrap();
+    let (c, rest) = rest.split_first_mut().unwrap();
+    (a, b, c, rest)
+}
+
+// ---- the checks -------------------------------------------------------------------------
+
+fn memory_ops<B: Backend>(be: &B) {
+    let x = random::<B>(70_001, 1, 1.0);
+    let buf = put(be, &x);
+    let want: f64 = x.iter().sum();
+    let want_sq: f64 = x.iter().map(|v| v * v).sum();
+    assert!((be.sum(be.all(&buf)) - want).abs() <= 1e-9 * want_sq, "sum");
+    assert!((be.sum_squares(be.all(&buf)) - want_sq).abs() <= 1e-9 * want_sq, "sum of squares");
+    // fill and copy on views at an offset, split in two
+    let mut dst = be.alloc(1000);
+    let view = be.view_mut(&mut dst, 100..900);
+    let (left, right) = be.split_mut(view, 300);
+    be.fill(left, 2.5);
+    be.copy(right, be.view(&buf, 5..505));
+    let got = get(be, &dst);
+    let mut want = vec![0.0; 1000];
+    want[100..400].fill(2.5);
+    want[400..900].copy_from_slice(&x[5..505]);
+    assert_eq!(got, want, "fill + copy on split views");
+    assert_eq!(be.sum(be.view(&dst, 0..0)), 0.0, "sum of nothing");
+}
+
+fn encoder<B: Backend>(be: &B) {
+    let (batch, t, c, v) = (3, 17, 24, 11);
+    let rows = batch * t;
+    // repeated tokens, so rows add into the same embedding row
+    let tokens: Vec<u32> = (0..rows as u32).map(|i| (i * 7 + i / 5) % v as u32).collect();
+    let bufs = [
+        vec![0.0; rows * c],           // 0 out
+        random::<B>(v * c, 2, 1.0),    // 1 wte
+        random::<B>(t * c, 3, 1.0),    // 2 wpe
+        random::<B>(rows * c, 4, 1.0), // 3 dout
+        random::<B>(v * c, 5, 0.1),    // 4 dwte (accumulated into)
+        random::<B>(t * c, 6, 0.1),    // 5 dwpe
+    ];
+    fn run<X: Backend>(be: &X, b: &mut [X::Buf], tokens: &[u32], t: usize, c: usize) {
+        let (out, wte, wpe, rest) = three(b);
+        be.encoder_forward(be.all_mut(out), tokens, be.all(wte), be.all(wpe), t, c);
+        let (dout, dwte, dwpe, _) = three(rest);
+        be.encoder_backward(be.all_mut(dwte), be.all_mut(dwpe), be.all(dout), tokens, t, c);
+    }
+    compare(be, "encoder", &bufs, |be, b| run(be, b, &tokens, t, c), |r, b| run(r, b, &tokens, t, c), &[0, 4, 5]);
+}
+
+fn layernorm<B: Backend>(be: &B) {
+    let (rows, c) = (131, 96);
+    let bufs = [
+        random::<B>(rows * c, 7, 2.0),  // 0 inp
+        random::<B>(c, 8, 1.0),         // 1 gamma
+        random::<B>(c, 9, 1.0),         // 2 beta
+        vec![0.0; rows * c],            // 3 out
+        vec![0.0; rows],                // 4 mean
+        vec![0.0; rows],                // 5 rstd
+        random::<B>(rows * c, 10, 1.0), // 6 dout
+        random::<B>(rows * c, 11, 1.0), // 7 dinp (added into)
+        random::<B>(c, 12, 1.0),        // 8 dgamma
+        random::<B>(c, 13, 1.0),        // 9 dbeta
+    ];
+    fn run<X: Backend>(be: &X, b: &mut [X::Buf], c: usize) {
+        let (inp, gamma, beta, rest) = three(b);
+        let (out, mean, rstd, rest) = three(rest);
+        be.layernorm_forward(
+            be.all_mut(out),
+            be.all_mut(mean),
+            be.all_mut(rstd),
+            be.all(inp),
+            be.all(gamma),
+            be.all(beta),
+            c,
+        );
+        let (dout, dinp, dgamma, rest) = three(rest);
+        let dbeta = &mut rest[0];
+        be.layernorm_backward(
+            be.all_mut(dinp),
+            be.all_mut(dgamma),
+            be.all_mut(dbeta),
+            be.all(dout),
+            be.all(inp),
+            be.all(gamma),
+            be.all(mean),
+            be.all(rstd),
+            c,
+        );
+    }
+    compare(be, "layernorm", &bufs, |be, b| run(be, b, c), |r, b| run(r, b, c), &[3, 4, 5, 7, 8, 9]);
+}
+
+fn matmul<B: Backend>(be: &B) {
+    let (rows, c_in, c_out) = (67, 48, 80);
+    for (with_bias, with_residual, with_dinp) in [(true, true, true), (false, false, false), (true, false, true)] {
+        let bufs = [
+            random::<B>(rows * c_in, 14, 1.0),  // 0 inp
+            random::<B>(c_in * c_out, 15, 0.2), // 1 weight
+            random::<B>(c_out, 16, 1.0),        // 2 bias
+            random::<B>(rows * c_out, 17, 1.0), // 3 residual
+            vec![0.0; rows * c_out],            // 4 out
+            random::<B>(rows * c_out, 18, 1.0), // 5 dout
+            vec![0.0; rows * c_in],             // 6 dinp
+            random::<B>(c_in * c_out, 19, 1.0), // 7 dweight (accumulated into)
+            random::<B>(c_out, 20, 1.0),        // 8 dbias
+        ];
+        fn go<X: Backend>(be: &X, b: &mut [X::Buf], flags: (bool, bool, bool), c_in: usize, c_out: usize) {
+            let (inp, weight, bias, rest) = three(b);
+            let (residual, out, dout, rest) = three(rest);
+            let (dinp, dweight, dbias, _) = three(rest);
+            let (with_bias, with_residual, with_dinp) = flags;
+            be.matmul_forward(
+                be.all_mut(out),
+                be.all(inp),
+                be.all(weight),
+                with_bias.then(|| be.all(bias)),
+                with_residual.then(|| be.all(residual)),
+                c_in,
+                c_out,
+            );
+            be.matmul_backward(
+                with_dinp.then(|| be.all_mut(dinp)),
+                be.all_mut(dweight),
+                with_bias.then(|| be.all_mut(dbias)),
+                be.all(dout),
+                be.all(inp),
+                be.all(weight),
+                c_in,
+                c_out,
+            );
+        }
+        let flags = (with_bias, with_residual, with_dinp);
+        compare(
+            be,
+            &format!("matmul bias={with_bias} residual={with_residual} dinp={with_dinp}"),
+            &bufs,
+            |be, b| go(be, b, flags, c_in, c_out),
+            |r, b| go(r, b, flags, c_in, c_out),
+            &[4, 6, 7, 8],
+        );
+    }
+}
+
+fn attention<B: Backend>(be: &B) {
+    let (batch, t, c, heads) = (2, 19, 32, 4);
+    let rows = batch * t;
+    let bufs = [
+        random::<B>(rows * 3 * c, 21, 1.0), // 0 qkv
+        vec![0.0; rows * c],                // 1 out
+        vec![0.0; batch * heads * t * t],   // 2 att
+        random::<B>(rows * c, 22, 1.0),     // 3 dout
+        vec![0.0; rows * 3 * c],            // 4 dqkv
+        vec![0.0; batch * heads * t * t],   // 5 datt (scratch)
+    ];
+    fn run<X: Backend>(be: &X, b: &mut [X::Buf], t: usize, c: usize, heads: usize) {
+        let (qkv, out, att, rest) = three(b);
+        be.attention_forward(be.all_mut(out), be.all_mut(att), be.all(qkv), t, c, heads);
+        let (dout, dqkv, datt, _) = three(rest);
+        be.attention_backward(be.all_mut(dqkv), be.all_mut(datt), be.all(dout), be.all(qkv), be.all(att), t, c, heads);
+    }
+    compare(be, "attention", &bufs, |be, b| run(be, b, t, c, heads), |r, b| run(r, b, t, c, heads), &[1, 2, 4]);
+}
+
+fn gelu<B: Backend>(be: &B) {
+    let n = 5000;
+    let bufs = [random::<B>(n, 23, 2.0), vec![0.0; n], random::<B>(n, 24, 1.0)];
+    fn run<X: Backend>(be: &X, b: &mut [X::Buf]) {
+        let (inp, out, dinout, _) = three(b);
+        be.gelu_forward(be.all_mut(out), be.all(inp));
+        be.gelu_backward(be.all_mut(dinout), be.all(inp));
+    }
+    compare(be, "gelu", &bufs, run, run, &[1, 2]);
+}
+
+fn crossentropy<B: Backend>(be: &B) {
+    let (rows, vocab) = (37, 1000);
+    let targets: Vec<u32> = (0..rows as u32).map(|r| (r * 131) % vocab as u32).collect();
+    let logits = random::<B>(rows * vocab, 25, 3.0);
+    let (mut tested, mut losses) = (put(be, &logits), be.alloc(rows));
+    let total = be.crossentropy_forward(be.all_mut(&mut tested), be.all_mut(&mut losses), &targets, vocab);
+    let r = Reference::new(1);
+    let (mut want, mut want_losses) = (logits.clone(), vec![0.0; rows]);
+    let want_total = r.crossentropy_forward(&mut want, &mut want_losses, &targets, vocab);
+    let tol = tolerance::<B>();
+    assert!((total - want_total).abs() <= tol * want_total.abs(), "loss sum {total} vs {want_total}");
+    assert_close("crossentropy probabilities", &get(be, &tested), &want, tol);
+    assert_close("crossentropy losses", &get(be, &losses), &want_losses, tol);
+    be.crossentropy_backward(be.all_mut(&mut tested), &targets, vocab, 0.25);
+    r.crossentropy_backward(&mut want, &targets, vocab, 0.25);
+    assert_close("crossentropy dlogits", &get(be, &tested), &want, tol);
+}
+
+/// The whole GPT: loss and every parameter gradient of one forward + backward, and the
+/// same bits when it runs again (the backends are deterministic).
+fn gpt<B: Backend>(be: &B) {
+    let spec = ModelSpec { vocab: 50, seq_len: 16, d_model: 32, heads: 4, layers: 2 };
+    let batch = 3;
+    let tokens: Vec<u32> =
+        (0..(batch * spec.seq_len + 1) as u32).map(|i| (i * 13 + i / 3) % spec.vocab as u32).collect();
+    let (inputs, targets) = (&tokens[..batch * spec.seq_len], &tokens[1..]);
+    fn run<X: Backend>(be: &X, spec: &ModelSpec, batch: usize, inputs: &[u32], targets: &[u32]) -> (f64, Vec<f64>) {
+        let memory = MemoryTracker::new();
+        let mut model = Gpt::new(be, spec, batch, &memory);
+        let mut state = FlatState::new(be, &model.layout, 42);
+        let loss = model.forward(be, &mut state, inputs, targets).expect("forward");
+        model.backward(be, &mut state, inputs, targets, 1.0 / inputs.len() as f64).expect("backward");
+        (loss, get(be, &state.grads))
+    }
+    let (loss, grads) = run(be, &spec, batch, inputs, targets);
+    let again = run(be, &spec, batch, inputs, targets);
+    assert!(again.0 == loss && again.1 == grads, "the same step twice gives different bits");
+    let (want_loss, want_grads) = run(&Reference::new(1), &spec, batch, inputs, targets);
+    let tol = tolerance::<B>();
+    eprintln!("gpt loss {loss} vs {want_loss}");
+    assert!((loss - want_loss).abs() <= tol * want_loss, "loss {loss} vs {want_loss}");
+    assert_close("gpt gradients", &grads, &want_grads, 2.0 * tol);
+}
+
+// ---- one test per (check, backend) --------------------------------------------------------
+
+#[cfg(feature = "cuda")]
+fn cuda<S: distlab_worker::backend::cuda::DeviceElem>() -> Option<distlab_worker::backend::cuda::CudaBackend<S>> {
+    match distlab_worker::backend::cuda::CudaBackend::<S>::new(0) {
+        Ok(be) => Some(be),
+        Err(why) if why.no_gpu_here() => {
+            eprintln!("skipped: the CUDA backend cannot start here: {why}");
+            None
+        }
+        Err(broken) => panic!("there is a GPU, but the CUDA backend failed to start: {broken}"),
+    }
+}
+
+macro_rules! test_device {
+    ($($check:ident),+ $(,)?) => {$(
+        mod $check {
+            #[test]
+            fn cpu_fp32() {
+                super::$check(&super::CpuBackend::<f32>::new(2));
+            }
+            #[test]
+            fn cpu_bf16() {
+                super::$check(&super::CpuBackend::<half::bf16>::new(2));
+            }
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda_fp32() {
+                if let Some(be) = super::cuda::<f32>() {
+                    super::$check(&be);
+                }
+            }
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda_bf16() {
+                if let Some(be) = super::cuda::<half::bf16>() {
+                    super::$check(&be);
+                }
+            }
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda_fp16() {
+                if let Some(be) = super::cuda::<half::f16>() {
+                    super::$check(&be);
+                }
+            }
+        }
+    )+};
+}
+
+test_device!(memory_ops, encoder, layernorm, matmul, attention, gelu, crossentropy, gpt);
