@@ -7,10 +7,15 @@
 //! A step is the CPU trainer's with one rank: zero the gradients, forward + backward over
 //! the step's micro-batches, the global gradient norm, clipping folded into the update.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use distlab_common::memory::RankMemoryReport;
-use distlab_common::{ExperimentSpec, LossScaling, Optimizer as OptimizerKind};
+use distlab_common::{
+    ExperimentSpec, LogLevel, LogLine, LossScaling, MetricPoint, Optimizer as OptimizerKind, Precision, RunEvent,
+    RunSummary,
+};
 
 use crate::backend::cuda::{AdamWState, CudaBackend, DeviceElem};
 use crate::backend::Backend;
@@ -18,7 +23,7 @@ use crate::data::Data;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, Gpt, Saved, Stage};
 use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
-use crate::train::{StepStats, TrainError};
+use crate::train::{RankRun, StepStats, TrainError};
 
 /// What [`CudaTrainer`] cannot run yet, one message each (empty: it can).
 pub fn unsupported(spec: &ExperimentSpec) -> Vec<String> {
@@ -35,6 +40,12 @@ pub fn unsupported(spec: &ExperimentSpec) -> Vec<String> {
     }
     if spec.train.loss_scaling == LossScaling::Dynamic {
         out.push("train.loss_scaling=dynamic: the CUDA backend has no loss scaler yet".into());
+    }
+    if spec.train.checkpoint_every > 0 {
+        out.push("train.checkpoint_every: the CUDA backend writes no checkpoints yet (set it to 0)".into());
+    }
+    if spec.demo.is_some() {
+        out.push("demo: the collective demos run on the CPU backend (set backend to cpu)".into());
     }
     out
 }
@@ -171,4 +182,118 @@ impl<S: DeviceElem> CudaTrainer<S> {
         self.memory.sample_step(None);
         Ok(StepStats { loss, lr, grad_norm, updated, loss_scale: None })
     }
+}
+
+/// Trains `spec` (backend=cuda, one rank) on GPU 0, reporting every optimizer step to
+/// `on_event` as the CPU trainer does, and checking `cancel` between steps.
+pub fn train_on_gpu(
+    spec: &ExperimentSpec,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RankRun, TrainError> {
+    match spec.train.precision {
+        Precision::Fp32 => train_as::<f32>(spec, on_event, cancel),
+        Precision::Bf16 => train_as::<half::bf16>(spec, on_event, cancel),
+        Precision::Fp16 => train_as::<half::f16>(spec, on_event, cancel),
+    }
+}
+
+fn log(on_event: &mut dyn FnMut(RunEvent), message: String) {
+    on_event(RunEvent::Log(LogLine { level: LogLevel::Info, message }));
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+fn train_as<S: DeviceElem>(
+    spec: &ExperimentSpec,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RankRun, TrainError> {
+    let started = Instant::now();
+    let mut trainer = CudaTrainer::<S>::new(spec, 0)?;
+    let (m, t) = (&spec.model, &spec.train);
+    let params = trainer.params();
+    log(on_event, format!("device: {} (CUDA backend: cuBLAS GEMMs, NVRTC kernels)", trainer.backend().device()));
+    log(
+        on_event,
+        format!(
+            "model: GPT with {params} parameters ({:.2} MiB in {}): {} layers, d_model {}, {} heads, seq_len {}, \
+             vocab {}",
+            mib((params * size_of::<S>()) as u64),
+            S::NAME,
+            m.layers,
+            m.d_model,
+            m.heads,
+            m.seq_len,
+            m.vocab
+        ),
+    );
+    log(on_event, trainer.data().describe());
+    let held = trainer.memory.current();
+    log(
+        on_event,
+        format!(
+            "GPU memory of this rank ({}): parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
+             activations {:.2} MiB, their gradients {:.2} MiB",
+            S::NAME,
+            mib(held.parameters),
+            mib(held.gradients),
+            mib(held.optimizer_state),
+            mib(held.activations),
+            mib(held.activation_grads)
+        ),
+    );
+    let tokens_per_step = spec.tokens_per_step();
+    let (mut final_loss, mut min_loss) = (f64::NAN, f64::INFINITY);
+    let (mut timed_seconds, mut timed_steps) = (0.0, 0u64);
+    for step in 0..t.steps {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(TrainError::Cancelled);
+        }
+        let step_start = Instant::now();
+        let stats = trainer.step(step)?;
+        let seconds = step_start.elapsed().as_secs_f64();
+        if !stats.updated {
+            return Err(TrainError::Diverged { step, loss: stats.loss, grad_norm: stats.grad_norm });
+        }
+        on_event(RunEvent::Metric(MetricPoint {
+            step,
+            loss: stats.loss,
+            lr: stats.lr,
+            grad_norm: stats.grad_norm,
+            tokens_per_s: tokens_per_step as f64 / seconds,
+            step_ms: seconds * 1e3,
+            loss_scale: None,
+            skipped_steps: None,
+        }));
+        final_loss = stats.loss;
+        min_loss = min_loss.min(stats.loss);
+        // The first step pays for warm-up (allocations, cuBLAS heuristics): leave it out.
+        if step > 0 || t.steps == 1 {
+            timed_seconds += seconds;
+            timed_steps += 1;
+        }
+    }
+    let summary = RunSummary {
+        steps: t.steps,
+        final_loss,
+        min_loss,
+        uniform_loss: (m.vocab as f64).ln(),
+        loss_floor: trainer.data().loss_floor(),
+        params: params as u64,
+        tokens: t.steps * tokens_per_step as u64,
+        tokens_per_s: if timed_seconds > 0.0 {
+            (timed_steps * tokens_per_step as u64) as f64 / timed_seconds
+        } else {
+            0.0
+        },
+        mean_step_ms: if timed_steps > 0 { timed_seconds * 1e3 / timed_steps as f64 } else { 0.0 },
+        wall_s: started.elapsed().as_secs_f64(),
+        world_size: 1,
+        threads: 1,
+        collective: None,
+    };
+    Ok(RankRun { summary, spans: Vec::new(), memory: trainer.memory_report() })
 }

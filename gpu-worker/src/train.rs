@@ -95,7 +95,10 @@ fn join_field_errors(errors: &[FieldError]) -> String {
 pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
     if spec.backend == BackendKind::Cuda {
-        out.push("backend=cuda: this worker has no CUDA backend yet; use backend=cpu".into());
+        #[cfg(feature = "cuda")]
+        out.extend(crate::cuda_train::unsupported(spec).into_iter().map(|why| format!("backend=cuda: {why}")));
+        #[cfg(not(feature = "cuda"))]
+        out.push("backend=cuda: this worker was built without the cuda feature (cargo build --features cuda)".into());
     }
     out
 }
@@ -614,6 +617,12 @@ pub fn train(
             p.dp, p.tp, p.pp
         )));
     }
+    #[cfg(feature = "cuda")]
+    let run = match spec.backend {
+        BackendKind::Cuda => crate::cuda_train::train_on_gpu(spec, on_event, cancel)?,
+        BackendKind::Cpu => train_rank(spec, opts, Groups::default(), on_event, cancel)?,
+    };
+    #[cfg(not(feature = "cuda"))]
     let run = train_rank(spec, opts, Groups::default(), on_event, cancel)?;
     on_event(RunEvent::Trace(RankTrace {
         rank: 0,

@@ -31,15 +31,28 @@ pub struct WorkerConfig {
 const BATCH_EVENTS: usize = 256;
 const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
+/// The backends this worker can run and its devices, as it tells the server when it
+/// registers: the CPU always; CUDA when built with it and this machine has a GPU.
+fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>) {
+    #[allow(unused_mut)]
+    let (mut backends, mut devices) = (vec![BackendKind::Cpu], vec![format!("cpu: {threads} threads")]);
+    #[cfg(feature = "cuda")]
+    match distlab_worker::backend::cuda::devices() {
+        Ok(gpus) if !gpus.is_empty() => {
+            backends.push(BackendKind::Cuda);
+            devices.extend(gpus);
+        }
+        Ok(_) => tracing::info!("built with CUDA, but this machine has no GPU: offering the CPU backend only"),
+        Err(why) => tracing::info!(%why, "built with CUDA, but it cannot run here: offering the CPU backend only"),
+    }
+    (backends, devices)
+}
+
 pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
     let client = ServerClient::new(&cfg.server, &cfg.token);
     let threads = if cfg.threads == 0 { thread::available_parallelism().map_or(1, |n| n.get()) } else { cfg.threads };
-    let registration = RegisterWorker {
-        name: cfg.name.clone(),
-        backends: vec![BackendKind::Cpu],
-        devices: vec![format!("cpu: {threads} threads")],
-        version: VERSION.to_string(),
-    };
+    let (backends, devices) = offered(threads);
+    let registration = RegisterWorker { name: cfg.name.clone(), backends, devices, version: VERSION.to_string() };
     let registered = retry_while_unreachable(&cfg, "register", || client.register(&registration))?;
     let heartbeat = Duration::from_secs_f64(registered.heartbeat_interval_s.clamp(0.2, 60.0));
     tracing::info!(worker_id = registered.worker_id, server = %cfg.server, "registered");

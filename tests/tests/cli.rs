@@ -62,5 +62,8 @@ fn run_says_when_a_feature_is_not_supported_yet() {
     let out = run_spec(&serde_json::to_string(&spec).unwrap(), &[]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("backend=cuda") && stderr.contains("no CUDA backend yet"), "{stderr}");
+    // Without the cuda feature the worker says it was built without it; with it, on a
+    // machine without a GPU, what is missing (CI builds the feature and has no GPU).
+    assert!(stderr.contains("backend=cuda"), "{stderr}");
+    assert!(stderr.contains("cuda feature") || stderr.contains("not installed") || stderr.contains("GPU"), "{stderr}");
 }

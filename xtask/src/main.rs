@@ -3,7 +3,8 @@
 //! - `build-frontend`: wasm32 build of the Leptos app, wasm-bindgen (as a library, so
 //!   the glue matches the wasm-bindgen in Cargo.lock), index.html + style.css into target/site/
 //! - `run`: build everything (release) and start the server with one local worker
-//! - `test`: install what a fresh machine lacks, build, `cargo test --workspace`
+//! - `test`: install what a fresh machine lacks, build, `cargo test --workspace` (with the
+//!   worker's `cuda` feature, so the CUDA backend compiles and its tests run or skip)
 //! - `bench`: the engine's training-step benchmark, next to PyTorch's when torch is installed
 
 use std::collections::BTreeMap;
@@ -182,8 +183,10 @@ fn test(extra: &[String]) -> Result<ExitCode> {
     // The end-to-end tests start target/debug/distlab-server and distlab-worker: `cargo
     // test` builds both (their packages have integration tests) before it runs any test,
     // with the same features as everything else, so nothing is compiled twice.
+    // With the worker's `cuda` feature: the CUDA backend is compiled and its op tests run
+    // (on a machine without a GPU they print why they skip; cudarc loads CUDA at run time).
     let mut cmd = cargo();
-    cmd.args(["test", "--workspace"]);
+    cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda"]);
     if !extra.is_empty() {
         cmd.arg("--").args(extra);
     }
