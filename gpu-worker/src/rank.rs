@@ -54,7 +54,7 @@ fn blamed_peer(e: &CommError) -> Option<usize> {
         CommError::Timeout { peer, .. } | CommError::Disconnected { peer, .. } | CommError::Mismatch { peer, .. } => {
             Some(*peer)
         }
-        CommError::BadBuffer { .. } => None,
+        CommError::BadBuffer { .. } | CommError::Device { .. } => None,
     }
 }
 

@@ -4,12 +4,15 @@
 //! tensor and pipeline parallel). `ring.rs` implements it with the ring algorithms written
 //! out step by step; `transport.rs` connects the rank processes (a Unix domain socket per
 //! pair for rendezvous and liveness, shared-memory pipes from `shm.rs` for the data).
+//! With the `cuda` feature, `nccl.rs` implements it with NCCL on GPUs.
 //!
 //! Buffers are split into W chunks for the ring; when W does not divide the length the
 //! first `len % W` chunks are one element longer (`chunk_range`).
 
 pub mod alone;
 pub mod cma;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod ring;
 pub mod shm;
 pub mod transport;
@@ -37,6 +40,9 @@ pub enum CommError {
     Mismatch { collective: String, peer: usize, got: String, expected: String },
     #[error("{collective}: {detail}")]
     BadBuffer { collective: String, detail: String },
+    /// The GPU or its communication library failed (NCCL).
+    #[error("{collective}: {detail}")]
+    Device { collective: String, detail: String },
 }
 
 /// One group of ranks that run collectives together (all ranks, or a data-, tensor- or

@@ -1,0 +1,334 @@
+//! NCCL behind the same `Communicator` trait as the hand-written ring (cargo feature
+//! `cuda`): the collectives a GPU cluster actually runs, with the same trace events at
+//! collective granularity (NCCL's own ring or tree steps happen inside the library, so
+//! there are no per-step records; `bytes_sent` counts what a ring would send, the
+//! nccl-tests "bus bandwidth" accounting: 2(W-1)/W x D for all-reduce, (W-1)/W x D for
+//! reduce-scatter and all-gather).
+//!
+//! The trait hands over host slices; this communicator copies them into GPU memory, runs
+//! the NCCL call on its stream, and copies the result back. NCCL wants every rank's chunk
+//! the same size, so uneven chunks (`chunk_range`) travel padded to the largest.
+//!
+//! The ranks of a group agree on an NCCL unique id before they start: the group's first
+//! rank asks NCCL for one and broadcasts its 128 bytes over the launcher's rendezvous
+//! (the ring communicator every rank already has), see [`share_unique_id`].
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
+use distlab_common::trace::{CollectiveOp, CollectiveRecord};
+
+use crate::comm::{chunk_range, CommError, Communicator, ReduceOp, SharedBuffer};
+use crate::trace::{now_us, CommTracer};
+
+/// Bytes of an NCCL unique id.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// Why an NCCL communicator cannot be made here.
+#[derive(Debug, thiserror::Error)]
+pub enum NcclUnavailable {
+    #[error("the CUDA driver library (libcuda.so) is not installed on this machine")]
+    NoDriver,
+    #[error("NCCL (libnccl.so) is not installed on this machine")]
+    NoLibrary,
+    #[error("CUDA: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("NCCL: {0:?}")]
+    Nccl(cudarc::nccl::result::NcclError),
+    #[error("sharing the NCCL unique id: {0}")]
+    Rendezvous(#[from] CommError),
+}
+
+fn libraries_present() -> Result<(), NcclUnavailable> {
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(NcclUnavailable::NoDriver);
+    }
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(NcclUnavailable::NoLibrary);
+    }
+    Ok(())
+}
+
+/// A fresh NCCL unique id, as bytes (what the group's first rank sends to the others).
+pub fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES], NcclUnavailable> {
+    libraries_present()?;
+    let id = Id::new().map_err(NcclUnavailable::Nccl)?;
+    Ok(id.internal().map(|c| c as u8))
+}
+
+/// Every rank of `group` gets the bytes that rank `root` passes in (the others pass None):
+/// one byte per float, broadcast over the group, so every byte arrives exactly.
+pub fn share_unique_id(
+    group: &mut dyn Communicator,
+    root: usize,
+    id: Option<[u8; UNIQUE_ID_BYTES]>,
+) -> Result<[u8; UNIQUE_ID_BYTES], CommError> {
+    let mut carrier: Vec<f32> = match id {
+        Some(bytes) => bytes.iter().map(|&b| b as f32).collect(),
+        None => vec![0.0; UNIQUE_ID_BYTES],
+    };
+    group.broadcast(&mut carrier, root)?;
+    Ok(std::array::from_fn(|i| carrier[i] as u8))
+}
+
+/// One group of ranks talking through NCCL on one GPU each.
+pub struct NcclCommunicator {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    /// Device copies of the host buffers: input and output of a collective.
+    send: CudaSlice<f32>,
+    recv: CudaSlice<f32>,
+    name: String,
+    /// Global ranks of the group, in NCCL rank order.
+    members: Vec<usize>,
+    me: usize,
+    tracer: Option<Arc<CommTracer>>,
+    seq: u64,
+    bytes_sent: u64,
+}
+
+// SAFETY: an NCCL communicator may move between threads; it must not be used by two at
+// once, which `&mut self` on every collective rules out. Each call first makes the GPU's
+// context current on the calling thread (`upload`).
+unsafe impl Send for NcclCommunicator {}
+
+impl NcclCommunicator {
+    /// Joins the NCCL group `unique_id` as rank `me` of `members.len()`, on GPU `ordinal`.
+    /// Every member must call it (NCCL's init waits for all of them).
+    pub fn new(
+        ordinal: usize,
+        unique_id: [u8; UNIQUE_ID_BYTES],
+        me: usize,
+        members: Vec<usize>,
+        name: &str,
+        tracer: Option<Arc<CommTracer>>,
+    ) -> Result<Self, NcclUnavailable> {
+        libraries_present()?;
+        let ctx = CudaContext::new(ordinal)?;
+        let stream = ctx.new_stream()?;
+        let id = Id::uninit(unique_id.map(|b| b as ::core::ffi::c_char));
+        let comm = Comm::from_rank(stream.clone(), me, members.len(), id).map_err(NcclUnavailable::Nccl)?;
+        Ok(Self {
+            comm,
+            send: stream.alloc_zeros::<f32>(1)?,
+            recv: stream.alloc_zeros::<f32>(1)?,
+            stream,
+            name: name.into(),
+            members,
+            me,
+            tracer,
+            seq: 0,
+            bytes_sent: 0,
+        })
+    }
+
+    fn device_error(&self, op: CollectiveOp, what: impl std::fmt::Debug) -> CommError {
+        CommError::Device { collective: format!("{} {}", self.name, op.as_str()), detail: format!("NCCL: {what:?}") }
+    }
+
+    /// Grows the device buffers to hold `send_len` and `recv_len` floats.
+    fn reserve(&mut self, op: CollectiveOp, send_len: usize, recv_len: usize) -> Result<(), CommError> {
+        for (buf, len) in [(&mut self.send, send_len), (&mut self.recv, recv_len)] {
+            if buf.len() < len {
+                *buf = self.stream.alloc_zeros::<f32>(len).map_err(|e| CommError::Device {
+                    collective: format!("{} {}", self.name, op.as_str()),
+                    detail: e.to_string(),
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn upload(&mut self, op: CollectiveOp, host: &[f32], at: usize) -> Result<(), CommError> {
+        self.stream.context().bind_to_thread().map_err(|e| self.device_error(op, e))?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut view = self.send.slice_mut(at..at + host.len());
+        self.stream.memcpy_htod(host, &mut view).map_err(|e| self.device_error(op, e))
+    }
+
+    fn download(&self, op: CollectiveOp, from_recv: bool, at: usize, host: &mut [f32]) -> Result<(), CommError> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        let buf = if from_recv { &self.recv } else { &self.send };
+        self.stream.memcpy_dtoh(&buf.slice(at..at + host.len()), host).map_err(|e| self.device_error(op, e))?;
+        self.stream.synchronize().map_err(|e| self.device_error(op, e))
+    }
+
+    fn nccl_op(op: ReduceOp) -> NcclOp {
+        match op {
+            ReduceOp::Sum => NcclOp::Sum,
+            ReduceOp::Avg => NcclOp::Avg,
+        }
+    }
+
+    fn record(&mut self, op: CollectiveOp, elements: usize, sent: u64, start_us: u64) {
+        self.bytes_sent += sent;
+        let id = self.seq;
+        self.seq += 1;
+        if let Some(tracer) = &self.tracer {
+            let record = CollectiveRecord {
+                id,
+                op,
+                group: self.name.clone(),
+                ranks: self.members.iter().map(|&r| r as u32).collect(),
+                elements: elements as u64,
+                bytes_sent: sent,
+                start_us,
+                end_us: now_us(),
+                input: None,
+                output: None,
+            };
+            tracer.record(record, Vec::new());
+        }
+    }
+
+    /// The largest chunk when `len` is cut into one chunk per rank (NCCL's chunk size).
+    fn padded_chunk(&self, len: usize) -> usize {
+        len.div_ceil(self.members.len())
+    }
+
+    /// What a ring sends per rank for a reduce-scatter or all-gather of `len` floats.
+    fn ring_half_bytes(&self, len: usize) -> u64 {
+        let w = self.members.len() as u64;
+        (len as u64 * 4) * (w - 1) / w
+    }
+}
+
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let (start, n, kind) = (now_us(), buf.len(), CollectiveOp::AllReduce);
+        self.reserve(kind, n, 0)?;
+        self.upload(kind, buf, 0)?;
+        let done = self.comm.all_reduce_in_place(&mut self.send.slice_mut(0..n), &Self::nccl_op(op));
+        done.map_err(|e| self.device_error(kind, e))?;
+        self.download(kind, false, 0, buf)?;
+        self.record(kind, n, 2 * self.ring_half_bytes(n), start);
+        Ok(())
+    }
+
+    fn reduce_scatter(&mut self, input: &mut [f32], output: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let (start, n, kind) = (now_us(), input.len(), CollectiveOp::ReduceScatter);
+        let (w, chunk) = (self.members.len(), self.padded_chunk(n));
+        let mine = chunk_range(n, w, self.me);
+        if output.len() != mine.len() {
+            return Err(CommError::BadBuffer {
+                collective: format!("{} reduce_scatter", self.name),
+                detail: format!("output holds {} floats, this rank's chunk of {n} is {}", output.len(), mine.len()),
+            });
+        }
+        self.reserve(kind, w * chunk, chunk)?;
+        // Chunk r of the input goes to padded slot r (the padding is never read back).
+        for r in 0..w {
+            self.upload(kind, &input[chunk_range(n, w, r)], r * chunk)?;
+        }
+        let done = self.comm.reduce_scatter(
+            &self.send.slice(0..w * chunk),
+            &mut self.recv.slice_mut(0..chunk),
+            &Self::nccl_op(op),
+        );
+        done.map_err(|e| self.device_error(kind, e))?;
+        self.download(kind, true, 0, output)?;
+        self.record(kind, n, self.ring_half_bytes(n), start);
+        Ok(())
+    }
+
+    fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        let (start, n, kind) = (now_us(), output.len(), CollectiveOp::AllGather);
+        let (w, chunk) = (self.members.len(), self.padded_chunk(n));
+        let mine = chunk_range(n, w, self.me);
+        if input.len() != mine.len() {
+            return Err(CommError::BadBuffer {
+                collective: format!("{} all_gather", self.name),
+                detail: format!("input holds {} floats, this rank's chunk of {n} is {}", input.len(), mine.len()),
+            });
+        }
+        self.reserve(kind, chunk, w * chunk)?;
+        self.upload(kind, input, 0)?;
+        let done = self.comm.all_gather(&self.send.slice(0..chunk), &mut self.recv.slice_mut(0..w * chunk));
+        done.map_err(|e| self.device_error(kind, e))?;
+        for r in 0..w {
+            let range = chunk_range(n, w, r);
+            self.download(kind, true, r * chunk, &mut output[range])?;
+        }
+        self.record(kind, n, self.ring_half_bytes(n), start);
+        Ok(())
+    }
+
+    fn reduce_scatter_in_place(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let mine = chunk_range(buf.len(), self.members.len(), self.me);
+        let mut out = vec![0.0; mine.len()];
+        self.reduce_scatter(buf, &mut out, op)?;
+        buf[mine].copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn all_gather_in_place(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let mine = buf[chunk_range(buf.len(), self.members.len(), self.me)].to_vec();
+        self.all_gather(&mine, buf)
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        let (start, n, kind) = (now_us(), buf.len(), CollectiveOp::Broadcast);
+        self.reserve(kind, n, 0)?;
+        self.upload(kind, buf, 0)?;
+        let done = self.comm.broadcast_in_place(&mut self.send.slice_mut(0..n), root as i32);
+        done.map_err(|e| self.device_error(kind, e))?;
+        self.download(kind, false, 0, buf)?;
+        // Down a chain from the root, every rank but the last forwards the whole buffer.
+        let w = self.members.len();
+        let last = w > 1 && (self.me + w - root) % w == w - 1;
+        self.record(kind, n, if w > 1 && !last { n as u64 * 4 } else { 0 }, start);
+        Ok(())
+    }
+
+    fn send(&mut self, buf: &[f32], to: usize) -> Result<(), CommError> {
+        let (start, n, kind) = (now_us(), buf.len(), CollectiveOp::Send);
+        self.reserve(kind, n, 0)?;
+        self.upload(kind, buf, 0)?;
+        let done = self.comm.send(&self.send.slice(0..n), to as i32);
+        done.map_err(|e| self.device_error(kind, e))?;
+        self.stream.synchronize().map_err(|e| self.device_error(kind, e))?;
+        self.record(kind, n, n as u64 * 4, start);
+        Ok(())
+    }
+
+    fn recv(&mut self, buf: &mut [f32], from: usize) -> Result<(), CommError> {
+        let (start, n, kind) = (now_us(), buf.len(), CollectiveOp::Recv);
+        self.stream.context().bind_to_thread().map_err(|e| self.device_error(kind, e))?;
+        self.reserve(kind, 0, n)?;
+        let done = self.comm.recv(&mut self.recv.slice_mut(0..n), from as i32);
+        done.map_err(|e| self.device_error(kind, e))?;
+        self.download(kind, true, 0, buf)?;
+        self.record(kind, n, 0, start);
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let mut token = [0.0f32];
+        self.all_reduce(&mut token, ReduceOp::Sum)
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+
+    /// NCCL moves device memory, so there is nothing to share on the host: plain memory.
+    fn alloc_shared(&mut self, len: usize) -> Result<SharedBuffer, CommError> {
+        SharedBuffer::create(len).map(|(b, _)| b).map_err(|cause| CommError::Device {
+            collective: format!("{} alloc_shared", self.name),
+            detail: cause.to_string(),
+        })
+    }
+}

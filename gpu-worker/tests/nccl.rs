@@ -1,0 +1,72 @@
+//! The NCCL communicator (cargo feature `cuda`). The unique id's trip over the launcher's
+//! rendezvous needs no GPU and always runs; the collectives need a GPU and NCCL and print
+//! why they skip without them. One GPU allows a group of one rank only (NCCL refuses two
+//! ranks on one device), so multi-rank NCCL is not tested here.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlab_common::trace::CollectiveOp;
+use distlab_worker::comm::nccl::{new_unique_id, share_unique_id, NcclCommunicator, UNIQUE_ID_BYTES};
+use distlab_worker::comm::{Communicator, Mesh, ReduceOp, RingCommunicator};
+use distlab_worker::trace::CommTracer;
+
+#[test]
+fn the_unique_id_reaches_every_rank_byte_for_byte() {
+    let world = 3;
+    let dir = tempfile::tempdir().unwrap();
+    let id: [u8; UNIQUE_ID_BYTES] = std::array::from_fn(|i| (i * 37 % 256) as u8 ^ 0x80);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let path = dir.path().to_path_buf();
+            std::thread::spawn(move || {
+                let mesh = Mesh::connect(&path, rank, world, Duration::from_secs(10)).unwrap();
+                let mut ring =
+                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), None).unwrap();
+                share_unique_id(&mut ring, 1, (rank == 1).then_some(id)).unwrap()
+            })
+        })
+        .collect();
+    for got in handles {
+        assert_eq!(got.join().unwrap(), id);
+    }
+}
+
+#[test]
+fn collectives_of_a_group_of_one_on_the_gpu() {
+    let id = match new_unique_id() {
+        Ok(id) => id,
+        Err(why) => {
+            eprintln!("skipped: NCCL cannot run here: {why}");
+            return;
+        }
+    };
+    let tracer = Arc::new(CommTracer::new(0, 100));
+    let mut comm = NcclCommunicator::new(0, id, 0, vec![0], "world", Some(tracer.clone())).expect("NCCL init");
+    let values: Vec<f32> = (0..1001).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let mut buf = values.clone();
+    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    assert_eq!(buf, values, "the sum over one rank is the rank's own buffer");
+    comm.all_reduce(&mut buf, ReduceOp::Avg).unwrap();
+    assert_eq!(buf, values);
+    let (mut input, mut output) = (values.clone(), vec![0.0; values.len()]);
+    comm.reduce_scatter(&mut input, &mut output, ReduceOp::Sum).unwrap();
+    assert_eq!(output, values);
+    let mut gathered = vec![0.0; values.len()];
+    comm.all_gather(&values, &mut gathered).unwrap();
+    assert_eq!(gathered, values);
+    comm.broadcast(&mut buf, 0).unwrap();
+    assert_eq!(buf, values);
+    comm.barrier().unwrap();
+    assert_eq!(comm.bytes_sent(), 0, "one rank sends nothing");
+    let trace = tracer.snapshot();
+    let ops: Vec<CollectiveOp> = trace.collectives.iter().map(|c| c.op).collect();
+    use CollectiveOp::*;
+    assert_eq!(ops, [AllReduce, AllReduce, ReduceScatter, AllGather, Broadcast, AllReduce]);
+    assert!(trace.collectives.iter().all(|c| c.group == "world" && c.ranks == [0] && c.end_us >= c.start_us));
+    assert_eq!(trace.collectives[0].elements, 1001);
+    // A wrong-sized output is refused, not sent to NCCL.
+    let mut short = vec![0.0; 10];
+    assert!(comm.reduce_scatter(&mut input, &mut short, ReduceOp::Sum).is_err());
+}
