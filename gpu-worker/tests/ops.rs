@@ -134,7 +134,15 @@ fn encoder<B: Backend>(be: &B) {
 }
 
 fn layernorm<B: Backend>(be: &B) {
-    let (rows, c) = (131, 96);
+    layernorm_of(be, 131, 96);
+}
+
+/// Rows wider than a warp keeps in registers (the CUDA kernels' other path).
+fn layernorm_wide<B: Backend>(be: &B) {
+    layernorm_of(be, 5, 1100);
+}
+
+fn layernorm_of<B: Backend>(be: &B, rows: usize, c: usize) {
     let bufs = [
         random::<B>(rows * c, 7, 2.0),  // 0 inp
         random::<B>(c, 8, 1.0),         // 1 gamma
@@ -228,7 +236,15 @@ fn matmul<B: Backend>(be: &B) {
 }
 
 fn attention<B: Backend>(be: &B) {
-    let (batch, t, c, heads) = (2, 19, 32, 4);
+    attention_of(be, 2, 19, 32, 4);
+}
+
+/// A sequence longer than a warp keeps in registers (the CUDA kernels' other path).
+fn attention_long<B: Backend>(be: &B) {
+    attention_of(be, 1, 1030, 8, 2);
+}
+
+fn attention_of<B: Backend>(be: &B, batch: usize, t: usize, c: usize, heads: usize) {
     let rows = batch * t;
     let bufs = [
         random::<B>(rows * 3 * c, 21, 1.0), // 0 qkv
@@ -352,4 +368,15 @@ macro_rules! test_device {
     )+};
 }
 
-test_device!(memory_ops, encoder, layernorm, matmul, attention, gelu, crossentropy, gpt);
+test_device!(
+    memory_ops,
+    encoder,
+    layernorm,
+    layernorm_wide,
+    matmul,
+    attention,
+    attention_long,
+    gelu,
+    crossentropy,
+    gpt
+);

@@ -37,6 +37,9 @@ __device__ __forceinline__ elem store(float x) {
 #endif
 
 #define WARP 32
+// Values per lane a warp-per-row kernel keeps in registers: rows up to 32 x 32 = 1024 wide
+// (every d_model and seq_len the limits allow) are read once; wider rows loop over memory.
+#define ROW_REGS 32
 // (NVRTC has no math.h: its INFINITY and NAN, by their bits)
 #define NEG_INF __int_as_float(0xff800000)
 #define QUIET_NAN __int_as_float(0x7fffffff)
@@ -191,6 +194,28 @@ extern "C" __global__ void layernorm_backward_input(elem* dinp, const elem* dout
     long long at = (long long)row * c;
     float mu = load(mean[row]), r = load(rstd[row]);
     float g_sum = 0.0f, gx_sum = 0.0f;
+    if (c <= WARP * ROW_REGS) {
+        float g[ROW_REGS], xhat[ROW_REGS];
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; k++) {
+            int j = lane + k * WARP;
+            g[k] = 0.0f;
+            xhat[k] = 0.0f;
+            if (j < c) {
+                g[k] = load(dout[at + j]) * load(gamma[j]);
+                xhat[k] = (load(inp[at + j]) - mu) * r;
+                g_sum += g[k];
+                gx_sum += g[k] * xhat[k];
+            }
+        }
+        float mean_g = warp_sum(g_sum) / c, mean_gx = warp_sum(gx_sum) / c;
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; k++) {
+            int j = lane + k * WARP;
+            if (j < c) dinp[at + j] = store(load(dinp[at + j]) + r * (g[k] - mean_g - xhat[k] * mean_gx));
+        }
+        return;
+    }
     for (int j = lane; j < c; j += WARP) {
         float g = load(dout[at + j]) * load(gamma[j]);
         g_sum += g;
@@ -262,10 +287,32 @@ extern "C" __global__ void causal_softmax_forward(elem* att, long long rows, int
     if (row >= rows) return;
     int i = (int)(row % t);
     elem* p = att + row * t;
-    float m = NEG_INF;
+    float m = NEG_INF, s = 0.0f;
+    if (t <= WARP * ROW_REGS) {
+        float e[ROW_REGS];
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; k++) {
+            int j = lane + k * WARP;
+            e[k] = j <= i ? load(p[j]) : NEG_INF;
+            m = fmaxf(m, e[k]);
+        }
+        m = warp_max(m);
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; k++) {
+            int j = lane + k * WARP;
+            e[k] = j <= i ? expf(e[k] - m) : 0.0f;
+            s += e[k];
+        }
+        float inv = 1.0f / warp_sum(s);
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; k++) {
+            int j = lane + k * WARP;
+            if (j < t) p[j] = store(e[k] * inv);
+        }
+        return;
+    }
     for (int j = lane; j <= i; j += WARP) m = fmaxf(m, load(p[j]));
     m = warp_max(m);
-    float s = 0.0f;
     for (int j = lane; j <= i; j += WARP) s += expf(load(p[j]) - m);
     float inv = 1.0f / warp_sum(s);
     for (int j = lane; j < t; j += WARP) p[j] = store(j <= i ? expf(load(p[j]) - m) * inv : 0.0f);
@@ -280,6 +327,23 @@ extern "C" __global__ void causal_softmax_backward(elem* datt, const elem* att, 
     elem* dp = datt + row * t;
     const elem* p = att + row * t;
     float dot = 0.0f;
+    if (t <= WARP * ROW_REGS) {
+        float pv[ROW_REGS], dv[ROW_REGS];
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; k++) {
+            int j = lane + k * WARP;
+            pv[k] = j <= i ? load(p[j]) : 0.0f;
+            dv[k] = j <= i ? load(dp[j]) : 0.0f;
+            dot += pv[k] * dv[k];
+        }
+        dot = warp_sum(dot);
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; k++) {
+            int j = lane + k * WARP;
+            if (j < t) dp[j] = store(j <= i ? pv[k] * (dv[k] - dot) * scale : 0.0f);
+        }
+        return;
+    }
     for (int j = lane; j <= i; j += WARP) dot += load(p[j]) * load(dp[j]);
     dot = warp_sum(dot);
     for (int j = lane; j < t; j += WARP) dp[j] = store(j <= i ? load(p[j]) * (load(dp[j]) - dot) * scale : 0.0f);
