@@ -142,7 +142,7 @@ impl<S: DeviceElem> Clone for CudaBackend<S> {
 }
 
 /// Every kernel of `cuda_kernels.cu` the backend calls.
-const KERNEL_NAMES: [&str; 18] = [
+const KERNEL_NAMES: [&str; 19] = [
     "fill",
     "partial_sums",
     "add_column_partials",
@@ -161,6 +161,7 @@ const KERNEL_NAMES: [&str; 18] = [
     "crossentropy_forward",
     "crossentropy_backward",
     "adamw",
+    "head_pointers",
 ];
 
 /// Launches kernel `$name` with `$cfg` and the arguments in order (each a device pointer
@@ -218,6 +219,16 @@ struct Operand {
     ptr: u64,
     ld: usize,
     stride: usize,
+}
+
+/// One operand of the per-(sequence, head) products of attention: the matrix of head h of
+/// sequence b starts `b * seq + h * head` elements after `ptr`.
+#[derive(Clone, Copy)]
+struct HeadOperand {
+    ptr: u64,
+    ld: usize,
+    seq: usize,
+    head: usize,
 }
 
 impl<S: DeviceElem> CudaBackend<S> {
@@ -348,6 +359,82 @@ impl<S: DeviceElem> CudaBackend<S> {
             )
         }
         .unwrap_or_else(|e| panic!("cuBLAS GEMM: {e}"));
+    }
+
+    /// The attention product `c = alpha · op(a) · op(b) + beta · c` for every (sequence,
+    /// head) of `(batch, heads)`, in one cuBLAS call: strided over the heads of one
+    /// sequence, or through arrays of matrix pointers (built on the GPU) for several.
+    #[allow(clippy::too_many_arguments)]
+    fn head_gemm(
+        &self,
+        trans: (bool, bool),
+        mnk: (usize, usize, usize),
+        alpha: f32,
+        a: HeadOperand,
+        b: HeadOperand,
+        beta: f32,
+        c: HeadOperand,
+        (batch, heads): (usize, usize),
+    ) {
+        if batch == 1 {
+            let strided = |o: HeadOperand| Operand { ptr: o.ptr, ld: o.ld, stride: o.head };
+            self.gemm(trans, mnk, alpha, strided(a), strided(b), beta, strided(c), heads);
+            return;
+        }
+        let count = batch * heads;
+        let pointers = self.scratch::<u64>(3 * count);
+        let p = self.ptr_of(&pointers);
+        let e = size_of::<S>() as i64;
+        let bytes = |o: HeadOperand| (o.seq as i64 * e, o.head as i64 * e);
+        let ((a_seq, a_head), (b_seq, b_head), (c_seq, c_head)) = (bytes(a), bytes(b), bytes(c));
+        launch!(
+            self,
+            "head_pointers",
+            elementwise(count),
+            p,
+            a.ptr,
+            b.ptr,
+            c.ptr,
+            a_seq,
+            a_head,
+            b_seq,
+            b_head,
+            c_seq,
+            c_head,
+            int(heads),
+            int(count)
+        );
+        let (m, n, k) = mnk;
+        let array = |i: usize| (p + (i * count * 8) as u64) as *const *const c_void;
+        // SAFETY: `head_pointers` filled the three arrays (queued before this call on the
+        // same stream) with `count` pointers each into live buffers holding the matrices
+        // the dimensions and leading dimensions describe.
+        unsafe {
+            blas_sys::cublasGemmBatchedEx(
+                *self.blas.handle(),
+                op(trans.0),
+                op(trans.1),
+                int(m),
+                int(n),
+                int(k),
+                &alpha as *const f32 as *const c_void,
+                array(0),
+                S::DATA_TYPE,
+                int(a.ld),
+                array(1),
+                S::DATA_TYPE,
+                int(b.ld),
+                &beta as *const f32 as *const c_void,
+                array(2) as *const *mut c_void,
+                S::DATA_TYPE,
+                int(c.ld),
+                int(count),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()
+        .unwrap_or_else(|e| panic!("cuBLAS batched GEMM: {e}"));
     }
 
     /// `dst[j] += sum over rows of x[r, j]` (x is `rows x c`), in row order.
@@ -805,23 +892,12 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         let batch = qkv.len / (t * 3 * c);
         let scale = 1.0 / (hs as f32).sqrt();
         let e = size_of::<S>() as u64;
-        // Per sequence, batched over heads (head h is `hs` columns further on).
-        for b in 0..batch {
-            let qkv_b = qkv.ptr + (b * t * 3 * c) as u64 * e;
-            let att_b = att.ptr + (b * heads * t * t) as u64 * e;
-            let (q, k) = (qkv_b, qkv_b + c as u64 * e);
-            // S = Q Kᵀ * scale: column-major Sᵀ (keys x queries) = K · Qᵀ.
-            self.gemm(
-                (true, false),
-                (t, t, hs),
-                scale,
-                Operand { ptr: k, ld: 3 * c, stride: hs },
-                Operand { ptr: q, ld: 3 * c, stride: hs },
-                0.0,
-                Operand { ptr: att_b, ld: t, stride: t * t },
-                heads,
-            );
-        }
+        let qkv_part =
+            |part: usize| HeadOperand { ptr: qkv.ptr + (part * c) as u64 * e, ld: 3 * c, seq: t * 3 * c, head: hs };
+        let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
+        let shape = (batch, heads);
+        // S = Q Kᵀ * scale: column-major Sᵀ (keys x queries) = K · Qᵀ.
+        self.head_gemm((true, false), (t, t, hs), scale, qkv_part(1), qkv_part(0), 0.0, scores(att.ptr), shape);
         launch!(
             self,
             "causal_softmax_forward",
@@ -830,22 +906,9 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             (batch * heads * t) as i64,
             int(t)
         );
-        for b in 0..batch {
-            let qkv_b = qkv.ptr + (b * t * 3 * c) as u64 * e;
-            let att_b = att.ptr + (b * heads * t * t) as u64 * e;
-            let out_b = out.ptr + (b * t * c) as u64 * e;
-            // Y = P V: column-major Yᵀ (hs x T) = Vᵀ · Pᵀ.
-            self.gemm(
-                (false, false),
-                (hs, t, t),
-                1.0,
-                Operand { ptr: qkv_b + 2 * c as u64 * e, ld: 3 * c, stride: hs },
-                Operand { ptr: att_b, ld: t, stride: t * t },
-                0.0,
-                Operand { ptr: out_b, ld: c, stride: hs },
-                heads,
-            );
-        }
+        // Y = P V: column-major Yᵀ (hs x T) = Vᵀ · Pᵀ.
+        let y = HeadOperand { ptr: out.ptr, ld: c, seq: t * c, head: hs };
+        self.head_gemm((false, false), (hs, t, t), 1.0, qkv_part(2), scores(att.ptr), 0.0, y, shape);
     }
 
     fn attention_backward(
@@ -863,62 +926,43 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         let batch = qkv.len / (t * 3 * c);
         let scale = 1.0 / (hs as f32).sqrt();
         let e = size_of::<S>() as u64;
-        let at = |base: u64, elems: usize| base + elems as u64 * e;
-        for b in 0..batch {
-            let (qkv_b, dqkv_b) = (at(qkv.ptr, b * t * 3 * c), at(dqkv.ptr, b * t * 3 * c));
-            let (att_b, datt_b) = (at(att.ptr, b * heads * t * t), at(datt.ptr, b * heads * t * t));
-            let dout_b = at(dout.ptr, b * t * c);
-            // dP = dY Vᵀ: column-major dPᵀ = V · dYᵀ.
-            self.gemm(
-                (true, false),
-                (t, t, hs),
-                1.0,
-                Operand { ptr: at(qkv_b, 2 * c), ld: 3 * c, stride: hs },
-                Operand { ptr: dout_b, ld: c, stride: hs },
-                0.0,
-                Operand { ptr: datt_b, ld: t, stride: t * t },
-                heads,
-            );
-            // dV = Pᵀ dY: column-major dVᵀ (hs x T) = dYᵀ · P.
-            self.gemm(
-                (false, true),
-                (hs, t, t),
-                1.0,
-                Operand { ptr: dout_b, ld: c, stride: hs },
-                Operand { ptr: att_b, ld: t, stride: t * t },
-                0.0,
-                Operand { ptr: at(dqkv_b, 2 * c), ld: 3 * c, stride: hs },
-                heads,
-            );
-        }
+        let part = |ptr: u64, part: usize| HeadOperand {
+            ptr: ptr + (part * c) as u64 * e,
+            ld: 3 * c,
+            seq: t * 3 * c,
+            head: hs,
+        };
+        let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
+        let dy = HeadOperand { ptr: dout.ptr, ld: c, seq: t * c, head: hs };
+        let shape = (batch, heads);
+        // dP = dY Vᵀ: column-major dPᵀ = V · dYᵀ.
+        self.head_gemm((true, false), (t, t, hs), 1.0, part(qkv.ptr, 2), dy, 0.0, scores(datt.ptr), shape);
+        // dV = Pᵀ dY: column-major dVᵀ (hs x T) = dYᵀ · P.
+        self.head_gemm((false, true), (hs, t, t), 1.0, dy, scores(att.ptr), 0.0, part(dqkv.ptr, 2), shape);
         let rows = batch * heads * t;
         launch!(self, "causal_softmax_backward", warp_per_row(rows), datt.ptr, att.ptr, rows as i64, int(t), scale);
-        for b in 0..batch {
-            let (qkv_b, dqkv_b) = (at(qkv.ptr, b * t * 3 * c), at(dqkv.ptr, b * t * 3 * c));
-            let datt_b = at(datt.ptr, b * heads * t * t);
-            // dQ = dS K: column-major dQᵀ (hs x T) = Kᵀ · dSᵀ.
-            self.gemm(
-                (false, false),
-                (hs, t, t),
-                1.0,
-                Operand { ptr: at(qkv_b, c), ld: 3 * c, stride: hs },
-                Operand { ptr: datt_b, ld: t, stride: t * t },
-                0.0,
-                Operand { ptr: dqkv_b, ld: 3 * c, stride: hs },
-                heads,
-            );
-            // dK = dSᵀ Q: column-major dKᵀ (hs x T) = Qᵀ · dS.
-            self.gemm(
-                (false, true),
-                (hs, t, t),
-                1.0,
-                Operand { ptr: qkv_b, ld: 3 * c, stride: hs },
-                Operand { ptr: datt_b, ld: t, stride: t * t },
-                0.0,
-                Operand { ptr: at(dqkv_b, c), ld: 3 * c, stride: hs },
-                heads,
-            );
-        }
+        // dQ = dS K: column-major dQᵀ (hs x T) = Kᵀ · dSᵀ.
+        self.head_gemm(
+            (false, false),
+            (hs, t, t),
+            1.0,
+            part(qkv.ptr, 1),
+            scores(datt.ptr),
+            0.0,
+            part(dqkv.ptr, 0),
+            shape,
+        );
+        // dK = dSᵀ Q: column-major dKᵀ (hs x T) = Qᵀ · dS.
+        self.head_gemm(
+            (false, true),
+            (hs, t, t),
+            1.0,
+            part(qkv.ptr, 0),
+            scores(datt.ptr),
+            0.0,
+            part(dqkv.ptr, 1),
+            shape,
+        );
     }
 
     fn gelu_forward(&self, out: DeviceViewMut<'_, S>, inp: DeviceView<'_, S>) {

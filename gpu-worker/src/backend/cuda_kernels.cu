@@ -349,6 +349,19 @@ extern "C" __global__ void causal_softmax_backward(elem* datt, const elem* att, 
     for (int j = lane; j < t; j += WARP) dp[j] = store(j <= i ? load(p[j]) * (load(dp[j]) - dot) * scale : 0.0f);
 }
 
+// The matrix pointers of a batched attention product, i = sequence * heads + head: A's
+// in out[0, count), B's in out[count, 2 count), C's in out[2 count, 3 count). Strides in bytes.
+extern "C" __global__ void head_pointers(unsigned long long* out, unsigned long long a, unsigned long long b,
+                                         unsigned long long c, long long a_seq, long long a_head, long long b_seq,
+                                         long long b_head, long long c_seq, long long c_head, int heads, int count) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    long long s = i / heads, h = i % heads;
+    out[i] = a + s * a_seq + h * a_head;
+    out[count + i] = b + s * b_seq + h * b_head;
+    out[2 * count + i] = c + s * c_seq + h * c_head;
+}
+
 // ---- softmax cross-entropy (model/loss.rs): one block per row --------------------------
 
 // Logits become probabilities; losses[r] and row_loss[r] (unrounded, for the host's sum)
