@@ -70,3 +70,35 @@ fn collectives_of_a_group_of_one_on_the_gpu() {
     let mut short = vec![0.0; 10];
     assert!(comm.reduce_scatter(&mut input, &mut short, ReduceOp::Sum).is_err());
 }
+
+/// Two ranks on GPU 0, each its own thread (a machine with one GPU). NCCL may refuse two
+/// ranks of one group on the same device; then this says so and passes.
+#[test]
+fn two_ranks_sum_through_nccl() {
+    let id = match new_unique_id() {
+        Ok(id) => id,
+        Err(why) => {
+            eprintln!("skipped: NCCL cannot run here: {why}");
+            return;
+        }
+    };
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut comm = NcclCommunicator::new(0, id, rank, vec![0, 1], "world", None)?;
+                let mut buf: Vec<f32> = (0..1000).map(|i| (i + rank * 1000) as f32).collect();
+                comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(distlab_worker::comm::nccl::NcclUnavailable::from)?;
+                Ok::<_, distlab_worker::comm::nccl::NcclUnavailable>((buf, comm.bytes_sent()))
+            })
+        })
+        .collect();
+    for (rank, handle) in ranks.into_iter().enumerate() {
+        match handle.join().unwrap() {
+            Ok((buf, sent)) => {
+                assert!(buf.iter().enumerate().all(|(i, &v)| v == (2 * i + 1000) as f32), "rank {rank}");
+                assert_eq!(sent, 4000, "2(W-1)/W x 4000 bytes");
+            }
+            Err(why) => eprintln!("skipped: rank {rank}: NCCL refused two ranks on one GPU here: {why}"),
+        }
+    }
+}

@@ -34,10 +34,15 @@ pub enum NcclUnavailable {
     NoLibrary,
     #[error("CUDA: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
-    #[error("NCCL: {0:?}")]
+    #[error("NCCL: {}", nccl_message(.0))]
     Nccl(cudarc::nccl::result::NcclError),
     #[error("sharing the NCCL unique id: {0}")]
     Rendezvous(#[from] CommError),
+}
+
+/// NCCL's name for what went wrong (cudarc's error prints only "NcclError").
+fn nccl_message(e: &cudarc::nccl::result::NcclError) -> String {
+    format!("{:?}", e.0)
 }
 
 fn libraries_present() -> Result<(), NcclUnavailable> {
@@ -123,8 +128,12 @@ impl NcclCommunicator {
         })
     }
 
-    fn device_error(&self, op: CollectiveOp, what: impl std::fmt::Debug) -> CommError {
-        CommError::Device { collective: format!("{} {}", self.name, op.as_str()), detail: format!("NCCL: {what:?}") }
+    fn device_error(&self, op: CollectiveOp, what: impl std::fmt::Display) -> CommError {
+        CommError::Device { collective: format!("{} {}", self.name, op.as_str()), detail: what.to_string() }
+    }
+
+    fn nccl_error(&self, op: CollectiveOp, e: cudarc::nccl::result::NcclError) -> CommError {
+        self.device_error(op, format!("NCCL: {}", nccl_message(&e)))
     }
 
     /// Grows the device buffers to hold `send_len` and `recv_len` floats.
@@ -212,7 +221,7 @@ impl Communicator for NcclCommunicator {
         self.reserve(kind, n, 0)?;
         self.upload(kind, buf, 0)?;
         let done = self.comm.all_reduce_in_place(&mut self.send.slice_mut(0..n), &Self::nccl_op(op));
-        done.map_err(|e| self.device_error(kind, e))?;
+        done.map_err(|e| self.nccl_error(kind, e))?;
         self.download(kind, false, 0, buf)?;
         self.record(kind, n, 2 * self.ring_half_bytes(n), start);
         Ok(())
@@ -238,7 +247,7 @@ impl Communicator for NcclCommunicator {
             &mut self.recv.slice_mut(0..chunk),
             &Self::nccl_op(op),
         );
-        done.map_err(|e| self.device_error(kind, e))?;
+        done.map_err(|e| self.nccl_error(kind, e))?;
         self.download(kind, true, 0, output)?;
         self.record(kind, n, self.ring_half_bytes(n), start);
         Ok(())
@@ -257,7 +266,7 @@ impl Communicator for NcclCommunicator {
         self.reserve(kind, chunk, w * chunk)?;
         self.upload(kind, input, 0)?;
         let done = self.comm.all_gather(&self.send.slice(0..chunk), &mut self.recv.slice_mut(0..w * chunk));
-        done.map_err(|e| self.device_error(kind, e))?;
+        done.map_err(|e| self.nccl_error(kind, e))?;
         for r in 0..w {
             let range = chunk_range(n, w, r);
             self.download(kind, true, r * chunk, &mut output[range])?;
@@ -284,7 +293,7 @@ impl Communicator for NcclCommunicator {
         self.reserve(kind, n, 0)?;
         self.upload(kind, buf, 0)?;
         let done = self.comm.broadcast_in_place(&mut self.send.slice_mut(0..n), root as i32);
-        done.map_err(|e| self.device_error(kind, e))?;
+        done.map_err(|e| self.nccl_error(kind, e))?;
         self.download(kind, false, 0, buf)?;
         // Down a chain from the root, every rank but the last forwards the whole buffer.
         let w = self.members.len();
@@ -298,7 +307,7 @@ impl Communicator for NcclCommunicator {
         self.reserve(kind, n, 0)?;
         self.upload(kind, buf, 0)?;
         let done = self.comm.send(&self.send.slice(0..n), to as i32);
-        done.map_err(|e| self.device_error(kind, e))?;
+        done.map_err(|e| self.nccl_error(kind, e))?;
         self.stream.synchronize().map_err(|e| self.device_error(kind, e))?;
         self.record(kind, n, n as u64 * 4, start);
         Ok(())
@@ -309,7 +318,7 @@ impl Communicator for NcclCommunicator {
         self.stream.context().bind_to_thread().map_err(|e| self.device_error(kind, e))?;
         self.reserve(kind, 0, n)?;
         let done = self.comm.recv(&mut self.recv.slice_mut(0..n), from as i32);
-        done.map_err(|e| self.device_error(kind, e))?;
+        done.map_err(|e| self.nccl_error(kind, e))?;
         self.download(kind, true, 0, buf)?;
         self.record(kind, n, 0, start);
         Ok(())
