@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use distlab_common::memory::RankMemoryReport;
+use distlab_common::trace::{Span, SpanKind};
 use distlab_common::{
     ExperimentSpec, LogLevel, LogLine, LossScaling, MetricPoint, Optimizer as OptimizerKind, Precision, RunEvent,
     RunSummary,
@@ -23,7 +24,8 @@ use crate::data::Data;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, Gpt, Saved, Stage};
 use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
-use crate::train::{RankRun, StepStats, TrainError};
+use crate::trace::now_us;
+use crate::train::{RankRun, StepStats, TrainError, SPAN_STEPS};
 
 /// What [`CudaTrainer`] cannot run yet, one message each (empty: it can).
 pub fn unsupported(spec: &ExperimentSpec) -> Vec<String> {
@@ -62,6 +64,8 @@ pub struct CudaTrainer<S: DeviceElem> {
     inputs: Vec<u32>,
     targets: Vec<u32>,
     updates: u64,
+    /// Forward, backward and optimizer spans of the first `SPAN_STEPS` steps.
+    spans: Vec<Span>,
     memory: Arc<MemoryTracker>,
     _receipts: Vec<Receipt>,
 }
@@ -112,6 +116,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
             inputs: vec![0; tokens],
             targets: vec![0; tokens],
             updates: 0,
+            spans: Vec::new(),
             memory,
             _receipts: receipts,
         })
@@ -142,21 +147,52 @@ impl<S: DeviceElem> CudaTrainer<S> {
         self.model.held_bytes(be) + flat as u64 + self.adam.bytes()
     }
 
-    /// Optimizer step `step` (0-based); returns once the GPU has finished it.
+    /// The timeline of the first steps (the compute lane: one span per pass).
+    pub fn timeline(&self) -> Vec<Span> {
+        self.spans.clone()
+    }
+
+    /// Optimizer step `step` (0-based); returns once the GPU has finished it. The first
+    /// `SPAN_STEPS` steps wait for the GPU after every pass to time it.
     pub fn step(&mut self, step: u64) -> Result<StepStats, TrainError> {
         let be = &self.backend;
         let t = &self.spec.train;
         let seq_len = self.spec.model.seq_len;
         let micro_steps = t.micro_batches * t.grad_accum;
         let dloss = 1.0 / (micro_steps * t.micro_batch * seq_len) as f64;
-        self.memory.sample_step(Some(step));
+        let record = step < SPAN_STEPS;
+        let mut mark = now_us();
+        let mut timed = |kind: SpanKind, name: String, micro: Option<usize>, spans: &mut Vec<Span>| {
+            if record {
+                be.synchronize();
+                let end = now_us();
+                let micro = micro.map(|m| m as u32);
+                let lane = "compute".into();
+                spans.push(Span {
+                    kind,
+                    name,
+                    step,
+                    lane,
+                    start_us: mark,
+                    end_us: end,
+                    layer: None,
+                    bucket: None,
+                    bytes: None,
+                    micro,
+                });
+                mark = end;
+            }
+        };
+        self.memory.sample_step(record.then_some(step));
         self.state.zero_grads(be);
         let mut loss_sum = 0.0;
         for micro in 0..micro_steps {
             let first_sequence = micro * t.micro_batch;
             self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
             loss_sum += self.model.forward(be, &mut self.state, &self.inputs, &self.targets)?;
+            timed(SpanKind::Forward, format!("forward {micro}"), Some(micro), &mut self.spans);
             self.model.backward(be, &mut self.state, &self.inputs, &self.targets, dloss)?;
+            timed(SpanKind::Backward, format!("backward {micro}"), Some(micro), &mut self.spans);
         }
         let grad_norm = be.sum_squares(be.all(&self.state.grads)).sqrt();
         let loss = loss_sum * dloss;
@@ -177,6 +213,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
                 be.adamw_update(&mut self.state.params, &self.state.grads, &mut self.adam, group.range.clone(), &hp);
             }
         }
+        timed(SpanKind::Optimizer, "optimizer".into(), None, &mut self.spans);
         be.synchronize();
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
@@ -295,5 +332,5 @@ fn train_as<S: DeviceElem>(
         threads: 1,
         collective: None,
     };
-    Ok(RankRun { summary, spans: Vec::new(), memory: trainer.memory_report() })
+    Ok(RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() })
 }
