@@ -77,7 +77,7 @@ fn main() {
 }
 
 fn run<S: DeviceElem>(spec: &ExperimentSpec, args: &Args) {
-    let mut trainer = CudaTrainer::<S>::new(spec, 0).unwrap_or_else(|e| {
+    let mut trainer = CudaTrainer::<S>::new(spec, None).unwrap_or_else(|e| {
         eprintln!("cannot train on the GPU: {e}");
         std::process::exit(2);
     });

@@ -1,11 +1,13 @@
-//! Training on one GPU (cargo feature `cuda`): one rank, dp = tp = pp = 1. The model is
-//! the same `Gpt` the CPU ranks run, on the CUDA backend; its parameters and gradients
-//! live in GPU memory (`FlatState`), and AdamW runs there too (fp32 moments, and fp32
-//! master weights for a bf16 model). Every buffer is registered with the memory ledger
-//! in the categories the CPU ranks use.
+//! Training on GPUs (cargo feature `cuda`): one rank per GPU, alone or in a data-parallel
+//! group (DDP; tp = pp = 1). The model is the same `Gpt` the CPU ranks run, on the CUDA
+//! backend; its parameters and gradients live in GPU memory (`FlatState`), and AdamW runs
+//! there too (fp32 moments, and fp32 master weights for a bf16 model). Every buffer is
+//! registered with the memory ledger in the categories the CPU ranks use.
 //!
-//! A step is the CPU trainer's with one rank: zero the gradients, forward + backward over
-//! the step's micro-batches, the global gradient norm, clipping folded into the update.
+//! A step is the CPU trainer's: zero the gradients, forward + backward over this rank's
+//! micro-batches, the gradients summed over the data-parallel group (in fp32, through a
+//! host copy: NCCL when every rank has a GPU of its own, the CPU ring when ranks share
+//! one), the global gradient norm, clipping folded into the update.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,26 +17,36 @@ use distlab_common::memory::RankMemoryReport;
 use distlab_common::trace::{Span, SpanKind};
 use distlab_common::{
     ExperimentSpec, LogLevel, LogLine, LossScaling, MetricPoint, Optimizer as OptimizerKind, Precision, RunEvent,
-    RunSummary,
+    RunSummary, Sharding,
 };
 
-use crate::backend::cuda::{AdamWState, CudaBackend, DeviceElem};
+use crate::backend::cuda::{self, AdamWState, CudaBackend, DeviceElem};
 use crate::backend::Backend;
+use crate::comm::nccl::{self, NcclCommunicator};
+use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::data::Data;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, Gpt, Saved, Stage};
 use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
+use crate::parallel::ddp::{comm_span, sum_scalar};
+use crate::parallel::DpGroup;
 use crate::trace::now_us;
 use crate::train::{RankRun, StepStats, TrainError, SPAN_STEPS};
 
 /// What [`CudaTrainer`] cannot run yet, one message each (empty: it can).
 pub fn unsupported(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
-    if spec.world_size() > 1 {
-        let p = &spec.parallel;
+    let p = &spec.parallel;
+    if p.tp > 1 || p.pp > 1 {
         out.push(format!(
-            "parallel.dp={} x tp={} x pp={}: the CUDA backend runs one rank on one GPU so far (dp = tp = pp = 1)",
-            p.dp, p.tp, p.pp
+            "parallel.tp={} x pp={}: the CUDA backend runs data parallelism only so far (tp = pp = 1)",
+            p.tp, p.pp
+        ));
+    }
+    if p.dp > 1 && p.sharding != Sharding::None {
+        out.push(format!(
+            "parallel.sharding={}: the CUDA backend runs plain DDP only so far (sharding none)",
+            p.sharding.as_str()
         ));
     }
     if spec.train.optimizer != OptimizerKind::Adamw {
@@ -64,16 +76,18 @@ pub struct CudaTrainer<S: DeviceElem> {
     inputs: Vec<u32>,
     targets: Vec<u32>,
     updates: u64,
-    /// Forward, backward and optimizer spans of the first `SPAN_STEPS` steps.
+    dp: Option<GpuDataParallel<S>>,
+    /// Forward, backward, optimizer and gradient all-reduce spans of the first `SPAN_STEPS` steps.
     spans: Vec<Span>,
     memory: Arc<MemoryTracker>,
     _receipts: Vec<Receipt>,
 }
 
 impl<S: DeviceElem> CudaTrainer<S> {
-    /// Builds everything on GPU `ordinal`; the spec must be valid, of precision `S`, and
-    /// within [`unsupported`].
-    pub fn new(spec: &ExperimentSpec, ordinal: usize) -> Result<Self, TrainError> {
+    /// Builds everything for one rank: alone (`dp` None) on GPU 0, or rank `dp.rank` of its
+    /// data-parallel group on GPU `dp.rank % GPUs`. The spec must be valid, of precision
+    /// `S`, and within [`unsupported`].
+    pub fn new(spec: &ExperimentSpec, dp: Option<DpGroup>) -> Result<Self, TrainError> {
         let problems = unsupported(spec);
         if !problems.is_empty() {
             return Err(TrainError::Unsupported(problems.join("; ")));
@@ -85,8 +99,10 @@ impl<S: DeviceElem> CudaTrainer<S> {
                 S::NAME
             )));
         }
-        let backend =
-            CudaBackend::<S>::new(ordinal).map_err(|e| TrainError::Unsupported(format!("backend=cuda: {e}")))?;
+        let unavailable = |e: &dyn std::fmt::Display| TrainError::Unsupported(format!("backend=cuda: {e}"));
+        let gpus = cuda::devices().map_err(|e| unavailable(&e))?.len().max(1);
+        let ordinal = dp.as_ref().map_or(0, |g| g.rank % gpus);
+        let backend = CudaBackend::<S>::new(ordinal).map_err(|e| unavailable(&e))?;
         let t = &spec.train;
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
@@ -105,6 +121,14 @@ impl<S: DeviceElem> CudaTrainer<S> {
             receipts.push(memory.alloc(Category::OptimizerState, params));
         }
         let tokens = t.micro_batch * spec.model.seq_len;
+        let dp = match dp {
+            Some(group) => {
+                receipts.push(memory.alloc_of::<S>(Category::CommBuffers, params));
+                receipts.push(memory.alloc(Category::CommBuffers, params));
+                Some(GpuDataParallel::new(group, ordinal, gpus, params)?)
+            }
+            None => None,
+        };
         Ok(Self {
             spec: spec.clone(),
             groups: model.layout.param_groups(),
@@ -116,6 +140,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
             inputs: vec![0; tokens],
             targets: vec![0; tokens],
             updates: 0,
+            dp,
             spans: Vec::new(),
             memory,
             _receipts: receipts,
@@ -159,40 +184,55 @@ impl<S: DeviceElem> CudaTrainer<S> {
         let t = &self.spec.train;
         let seq_len = self.spec.model.seq_len;
         let micro_steps = t.micro_batches * t.grad_accum;
-        let dloss = 1.0 / (micro_steps * t.micro_batch * seq_len) as f64;
+        let (dp_rank, dp_world) = self.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
+        // Rank r takes sequences [r * per_rank, (r+1) * per_rank) of the global batch.
+        let per_rank = micro_steps * t.micro_batch;
+        let dloss = 1.0 / (dp_world * per_rank * seq_len) as f64;
         let record = step < SPAN_STEPS;
         let mut mark = now_us();
-        let mut timed = |kind: SpanKind, name: String, micro: Option<usize>, spans: &mut Vec<Span>| {
+        let timed = |kind: SpanKind, name: String, micro: Option<usize>, spans: &mut Vec<Span>, mark: &mut u64| {
             if record {
                 be.synchronize();
                 let end = now_us();
                 let micro = micro.map(|m| m as u32);
                 let lane = "compute".into();
+                let start_us = *mark;
                 spans.push(Span {
                     kind,
                     name,
                     step,
                     lane,
-                    start_us: mark,
+                    start_us,
                     end_us: end,
                     layer: None,
                     bucket: None,
                     bytes: None,
                     micro,
                 });
-                mark = end;
+                *mark = end;
             }
         };
         self.memory.sample_step(record.then_some(step));
         self.state.zero_grads(be);
         let mut loss_sum = 0.0;
         for micro in 0..micro_steps {
-            let first_sequence = micro * t.micro_batch;
+            let first_sequence = dp_rank * per_rank + micro * t.micro_batch;
             self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
             loss_sum += self.model.forward(be, &mut self.state, &self.inputs, &self.targets)?;
-            timed(SpanKind::Forward, format!("forward {micro}"), Some(micro), &mut self.spans);
+            timed(SpanKind::Forward, format!("forward {micro}"), Some(micro), &mut self.spans, &mut mark);
             self.model.backward(be, &mut self.state, &self.inputs, &self.targets, dloss)?;
-            timed(SpanKind::Backward, format!("backward {micro}"), Some(micro), &mut self.spans);
+            timed(SpanKind::Backward, format!("backward {micro}"), Some(micro), &mut self.spans, &mut mark);
+        }
+        if let Some(dp) = &mut self.dp {
+            let start = now_us();
+            dp.sum_gradients(be, &mut self.state.grads)?;
+            loss_sum = sum_scalar(dp.scalars.as_mut(), loss_sum)?;
+            if record {
+                let bytes = dp.grads.bytes_sent() - dp.sent_before_step;
+                self.spans.push(comm_span(&format!("all-reduce gradients ({})", dp.via), step, start, bytes));
+                mark = now_us();
+            }
+            dp.sent_before_step = dp.grads.bytes_sent();
         }
         let grad_norm = be.sum_squares(be.all(&self.state.grads)).sqrt();
         let loss = loss_sum * dloss;
@@ -213,7 +253,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
                 be.adamw_update(&mut self.state.params, &self.state.grads, &mut self.adam, group.range.clone(), &hp);
             }
         }
-        timed(SpanKind::Optimizer, "optimizer".into(), None, &mut self.spans);
+        timed(SpanKind::Optimizer, "optimizer".into(), None, &mut self.spans, &mut mark);
         be.synchronize();
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
@@ -221,17 +261,75 @@ impl<S: DeviceElem> CudaTrainer<S> {
     }
 }
 
-/// Trains `spec` (backend=cuda, one rank) on GPU 0, reporting every optimizer step to
-/// `on_event` as the CPU trainer does, and checking `cancel` between steps.
+/// This rank's data-parallel group on GPUs. The gradients are summed in fp32 through a host
+/// copy, as the CPU ranks sum theirs: NCCL when every rank has a GPU of its own, the CPU
+/// ring otherwise (NCCL refuses two ranks of one group on one GPU).
+struct GpuDataParallel<S> {
+    rank: usize,
+    world: usize,
+    grads: Box<dyn Communicator>,
+    scalars: Box<dyn Communicator>,
+    /// How the gradients travel, for logs and span names.
+    via: &'static str,
+    host: Vec<S>,
+    widened: Vec<f32>,
+    sent_before_step: u64,
+}
+
+impl<S: DeviceElem> GpuDataParallel<S> {
+    fn new(group: DpGroup, ordinal: usize, gpus: usize, params: usize) -> Result<Self, TrainError> {
+        let DpGroup { rank, world, grads, mut scalars } = group;
+        let (grads, via): (Box<dyn Communicator>, _) = if gpus >= world {
+            let nccl_failed = |e: nccl::NcclUnavailable| TrainError::Unsupported(format!("backend=cuda: {e}"));
+            // Group rank 0 asks NCCL for the id and sends it over the launcher's rendezvous.
+            let id = if rank == 0 { Some(nccl::new_unique_id().map_err(nccl_failed)?) } else { None };
+            let id = nccl::share_unique_id(scalars.as_mut(), 0, id)?;
+            let comm =
+                NcclCommunicator::new(ordinal, id, rank, (0..world).collect(), "dp", None).map_err(nccl_failed)?;
+            (Box::new(comm), "NCCL")
+        } else {
+            (grads, "CPU ring, the ranks share a GPU")
+        };
+        Ok(Self {
+            rank,
+            world,
+            grads,
+            scalars,
+            via,
+            host: vec![S::default(); params],
+            widened: vec![0.0; params],
+            sent_before_step: 0,
+        })
+    }
+
+    /// Replaces this rank's gradients by their sum over the group.
+    fn sum_gradients(
+        &mut self,
+        be: &CudaBackend<S>,
+        grads: &mut cudarc::driver::CudaSlice<S>,
+    ) -> Result<(), CommError> {
+        be.download(grads, &mut self.host);
+        S::widen_slice(&self.host, &mut self.widened);
+        self.grads.all_reduce(&mut self.widened, ReduceOp::Sum)?;
+        S::narrow_slice(&self.widened, &mut self.host);
+        be.upload(grads, &self.host);
+        Ok(())
+    }
+}
+
+/// Trains this rank's part of `spec` (backend=cuda) on its GPU: the whole run when `dp` is
+/// None. Reports every optimizer step to `on_event` as the CPU trainer does, and checks
+/// `cancel` between steps.
 pub fn train_on_gpu(
     spec: &ExperimentSpec,
+    dp: Option<DpGroup>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
     match spec.train.precision {
-        Precision::Fp32 => train_as::<f32>(spec, on_event, cancel),
-        Precision::Bf16 => train_as::<half::bf16>(spec, on_event, cancel),
-        Precision::Fp16 => train_as::<half::f16>(spec, on_event, cancel),
+        Precision::Fp32 => train_as::<f32>(spec, dp, on_event, cancel),
+        Precision::Bf16 => train_as::<half::bf16>(spec, dp, on_event, cancel),
+        Precision::Fp16 => train_as::<half::f16>(spec, dp, on_event, cancel),
     }
 }
 
@@ -245,14 +343,26 @@ fn mib(bytes: u64) -> f64 {
 
 fn train_as<S: DeviceElem>(
     spec: &ExperimentSpec,
+    dp: Option<DpGroup>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
     let started = Instant::now();
-    let mut trainer = CudaTrainer::<S>::new(spec, 0)?;
+    let world = spec.world_size();
+    let mut trainer = CudaTrainer::<S>::new(spec, dp)?;
     let (m, t) = (&spec.model, &spec.train);
     let params = trainer.params();
     log(on_event, format!("device: {} (CUDA backend: cuBLAS GEMMs, NVRTC kernels)", trainer.backend().device()));
+    if let Some(dp) = &trainer.dp {
+        log(
+            on_event,
+            format!(
+                "data parallel: {} ranks, one GPU each where there are enough; gradients summed in fp32 through a host \
+                 copy ({})",
+                dp.world, dp.via
+            ),
+        );
+    }
     log(
         on_event,
         format!(
@@ -272,14 +382,15 @@ fn train_as<S: DeviceElem>(
     log(
         on_event,
         format!(
-            "GPU memory of this rank ({}): parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
-             activations {:.2} MiB, their gradients {:.2} MiB",
+            "memory of this rank ({}): on the GPU parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
+             activations {:.2} MiB, their gradients {:.2} MiB; host copy of the gradients for the all-reduce {:.2} MiB",
             S::NAME,
             mib(held.parameters),
             mib(held.gradients),
             mib(held.optimizer_state),
             mib(held.activations),
-            mib(held.activation_grads)
+            mib(held.activation_grads),
+            mib(held.comm_buffers)
         ),
     );
     let tokens_per_step = spec.tokens_per_step();
@@ -328,7 +439,7 @@ fn train_as<S: DeviceElem>(
         },
         mean_step_ms: if timed_steps > 0 { timed_seconds * 1e3 / timed_steps as f64 } else { 0.0 },
         wall_s: started.elapsed().as_secs_f64(),
-        world_size: 1,
+        world_size: world,
         threads: 1,
         collective: None,
     };

@@ -617,12 +617,6 @@ pub fn train(
             p.dp, p.tp, p.pp
         )));
     }
-    #[cfg(feature = "cuda")]
-    let run = match spec.backend {
-        BackendKind::Cuda => crate::cuda_train::train_on_gpu(spec, on_event, cancel)?,
-        BackendKind::Cpu => train_rank(spec, opts, Groups::default(), on_event, cancel)?,
-    };
-    #[cfg(not(feature = "cuda"))]
     let run = train_rank(spec, opts, Groups::default(), on_event, cancel)?;
     on_event(RunEvent::Trace(RankTrace {
         rank: 0,
@@ -714,6 +708,15 @@ pub fn train_rank(
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
+    #[cfg(feature = "cuda")]
+    if spec.backend == BackendKind::Cuda {
+        spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
+        let unsupported = unsupported_features(spec);
+        if !unsupported.is_empty() {
+            return Err(TrainError::Unsupported(unsupported.join("; ")));
+        }
+        return crate::cuda_train::train_on_gpu(spec, groups.dp, on_event, cancel);
+    }
     match spec.train.precision {
         Precision::Fp32 => train_rank_as::<f32>(spec, opts, groups, on_event, cancel),
         Precision::Bf16 => train_rank_as::<half::bf16>(spec, opts, groups, on_event, cancel),
