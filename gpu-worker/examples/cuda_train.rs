@@ -31,7 +31,7 @@ struct Args {
     vocab: usize,
     #[arg(long, default_value_t = 8)]
     micro_batch: usize,
-    /// fp32 or bf16.
+    /// fp32, bf16 or fp16 (fp16 without loss scaling).
     #[arg(long, default_value = "bf16")]
     precision: String,
     /// none, every or sqrt.

@@ -31,7 +31,21 @@ use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BE
 use crate::parallel::ddp::{comm_span, sum_scalar};
 use crate::parallel::DpGroup;
 use crate::trace::now_us;
-use crate::train::{RankRun, StepStats, TrainError, SPAN_STEPS};
+use crate::train::{memory_bytes, RankRun, StepStats, TrainError, SPAN_STEPS};
+
+/// Why the GPU cannot run this: a machine without one is a spec this worker cannot run;
+/// anything else is the GPU failing.
+fn unavailable(e: cuda::CudaUnavailable) -> TrainError {
+    if e.no_gpu_here() {
+        TrainError::Unsupported(format!("backend=cuda: {e}"))
+    } else {
+        TrainError::Device(e.to_string())
+    }
+}
+
+const VIA_NCCL: &str = "NCCL";
+const VIA_RING_SHARED: &str = "CPU ring, the ranks share a GPU";
+const VIA_RING_NO_NCCL: &str = "CPU ring, NCCL is missing on some rank";
 
 /// What [`CudaTrainer`] cannot run yet, one message each (empty: it can).
 pub fn unsupported(spec: &ExperimentSpec) -> Vec<String> {
@@ -88,7 +102,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
     /// data-parallel group on GPU `dp.rank % GPUs`. The spec must be valid, of precision
     /// `S`, and within [`unsupported`].
     pub fn new(spec: &ExperimentSpec, dp: Option<DpGroup>) -> Result<Self, TrainError> {
-        let problems = unsupported(spec);
+        let problems: Vec<String> = unsupported(spec).into_iter().map(|p| format!("backend=cuda: {p}")).collect();
         if !problems.is_empty() {
             return Err(TrainError::Unsupported(problems.join("; ")));
         }
@@ -99,10 +113,17 @@ impl<S: DeviceElem> CudaTrainer<S> {
                 S::NAME
             )));
         }
-        let unavailable = |e: &dyn std::fmt::Display| TrainError::Unsupported(format!("backend=cuda: {e}"));
-        let gpus = cuda::devices().map_err(|e| unavailable(&e))?.len().max(1);
+        let gpus = cuda::device_count().map_err(unavailable)?.max(1);
         let ordinal = dp.as_ref().map_or(0, |g| g.rank % gpus);
-        let backend = CudaBackend::<S>::new(ordinal).map_err(|e| unavailable(&e))?;
+        let backend = CudaBackend::<S>::new(ordinal).map_err(unavailable)?;
+        // What the run allocates on the GPU, checked before anything is (a spec that is valid
+        // can still be far too big for this GPU). Ranks sharing a GPU each need their share.
+        let sharing = dp.as_ref().map_or(1, |g| g.world.div_ceil(gpus));
+        let needed = memory_bytes(spec) + if dp.is_some() { 4 * spec.model.param_count() } else { 0 };
+        let free = backend.free_memory().map_err(unavailable)? as u64 / sharing as u64;
+        if needed > free / 10 * 9 {
+            return Err(TrainError::OutOfMemory { needed_mib: needed >> 20, available_mib: free >> 20 });
+        }
         let t = &spec.train;
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
@@ -111,7 +132,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage, saved, None, &memory);
         let params = model.layout.total;
         let state = FlatState::new(&backend, &model.layout, t.seed);
-        let adam = backend.adamw_state(&state.params);
+        let adam = backend.adamw_state(params, || model.layout.init_params::<f32>(t.seed));
         let mut receipts = vec![
             memory.alloc_of::<S>(Category::Parameters, params),
             memory.alloc_of::<S>(Category::Gradients, params),
@@ -123,9 +144,14 @@ impl<S: DeviceElem> CudaTrainer<S> {
         let tokens = t.micro_batch * spec.model.seq_len;
         let dp = match dp {
             Some(group) => {
+                let dp = GpuDataParallel::new(group, ordinal, gpus, params)?;
+                // The host copy (the model's format and fp32), and NCCL's copy on the GPU.
                 receipts.push(memory.alloc_of::<S>(Category::CommBuffers, params));
                 receipts.push(memory.alloc(Category::CommBuffers, params));
-                Some(GpuDataParallel::new(group, ordinal, gpus, params)?)
+                if dp.via == VIA_NCCL {
+                    receipts.push(memory.alloc(Category::CommBuffers, params));
+                }
+                Some(dp)
             }
             None => None,
         };
@@ -279,16 +305,25 @@ struct GpuDataParallel<S> {
 impl<S: DeviceElem> GpuDataParallel<S> {
     fn new(group: DpGroup, ordinal: usize, gpus: usize, params: usize) -> Result<Self, TrainError> {
         let DpGroup { rank, world, grads, mut scalars } = group;
-        let (grads, via): (Box<dyn Communicator>, _) = if gpus >= world {
-            let nccl_failed = |e: nccl::NcclUnavailable| TrainError::Unsupported(format!("backend=cuda: {e}"));
+        // Every rank says whether it has NCCL: NCCL only if all do (a rank without it would
+        // leave the others waiting in NCCL's init, where no timeout reaches).
+        let has_nccl = nccl::libraries_present().is_ok();
+        let votes = sum_scalar(scalars.as_mut(), if has_nccl { 1.0 } else { 0.0 })?;
+        let via = match (gpus >= world, votes as usize == world) {
+            (false, _) => VIA_RING_SHARED,
+            (true, false) => VIA_RING_NO_NCCL,
+            (true, true) => VIA_NCCL,
+        };
+        let grads: Box<dyn Communicator> = if via == VIA_NCCL {
+            let device_failure = |e: nccl::NcclUnavailable| TrainError::Device(e.to_string());
             // Group rank 0 asks NCCL for the id and sends it over the launcher's rendezvous.
-            let id = if rank == 0 { Some(nccl::new_unique_id().map_err(nccl_failed)?) } else { None };
-            let id = nccl::share_unique_id(scalars.as_mut(), 0, id)?;
+            let id = (rank == 0).then(nccl::new_unique_id);
+            let id = nccl::share_unique_id(scalars.as_mut(), 0, id).map_err(device_failure)?;
             let comm =
-                NcclCommunicator::new(ordinal, id, rank, (0..world).collect(), "dp", None).map_err(nccl_failed)?;
-            (Box::new(comm), "NCCL")
+                NcclCommunicator::new(ordinal, id, rank, (0..world).collect(), "dp", None).map_err(device_failure)?;
+            Box::new(comm)
         } else {
-            (grads, "CPU ring, the ranks share a GPU")
+            grads
         };
         Ok(Self {
             rank,

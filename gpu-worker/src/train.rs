@@ -77,6 +77,9 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The GPU or its libraries failed (not the spec's fault).
+    #[error("GPU: {0}")]
+    Device(String),
     #[error("could not start {threads} kernel threads: {message}")]
     Threads { threads: usize, message: String },
     /// The run would need more memory than this machine has available.
@@ -711,10 +714,6 @@ pub fn train_rank(
     #[cfg(feature = "cuda")]
     if spec.backend == BackendKind::Cuda {
         spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
-        let unsupported = unsupported_features(spec);
-        if !unsupported.is_empty() {
-            return Err(TrainError::Unsupported(unsupported.join("; ")));
-        }
         return crate::cuda_train::train_on_gpu(spec, groups.dp, on_event, cancel);
     }
     match spec.train.precision {

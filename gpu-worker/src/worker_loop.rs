@@ -36,13 +36,15 @@ const FLUSH_EVERY: Duration = Duration::from_millis(500);
 fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>) {
     #[allow(unused_mut)]
     let (mut backends, mut devices) = (vec![BackendKind::Cpu], vec![format!("cpu: {threads} threads")]);
+    // Offered only when the backend really starts here (driver, cuBLAS, NVRTC, kernels).
     #[cfg(feature = "cuda")]
-    match distlab_worker::backend::cuda::devices() {
-        Ok(gpus) if !gpus.is_empty() => {
+    match distlab_worker::backend::cuda::CudaBackend::<f32>::new(0)
+        .and_then(|_| distlab_worker::backend::cuda::devices())
+    {
+        Ok(gpus) => {
             backends.push(BackendKind::Cuda);
             devices.extend(gpus);
         }
-        Ok(_) => tracing::info!("built with CUDA, but this machine has no GPU: offering the CPU backend only"),
         Err(why) => tracing::info!(%why, "built with CUDA, but it cannot run here: offering the CPU backend only"),
     }
     (backends, devices)

@@ -88,6 +88,15 @@ impl CudaUnavailable {
     }
 }
 
+/// How many GPUs this machine has (without making a context on any).
+pub fn device_count() -> Result<usize, CudaUnavailable> {
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaUnavailable::NoDriver);
+    }
+    let count = CudaContext::device_count().map_err(CudaUnavailable::NoUsableDevice)?;
+    Ok(count.max(0) as usize)
+}
+
 /// The GPUs this machine offers (name and memory of each), or why it offers none.
 pub fn devices() -> Result<Vec<String>, CudaUnavailable> {
     // cudarc panics on first use of a library it cannot load: check first.
@@ -175,8 +184,9 @@ macro_rules! launch {
             builder.arg(&arg);
         )+
         // SAFETY: the arguments match the kernel's parameters in number, order and type
-        // (kernel by kernel, checked against cuda_kernels.cu), and the pointers come from
-        // live views of the sizes the kernel reads and writes.
+        // (kernel by kernel, checked against cuda_kernels.cu); the pointers come from live
+        // views, whose lengths and token ids the callers check (`check_shape`,
+        // `check_tokens`) where the kernel would otherwise go out of bounds.
         unsafe { builder.launch($cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {}: {e}", $name));
     }};
 }
@@ -198,6 +208,21 @@ fn warp_per_row(rows: usize) -> LaunchConfig {
 /// One block per row.
 fn block_per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks_for(rows, 1), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Kernels index tables by token id on the GPU, where nothing checks bounds: an id outside
+/// the table is refused here, as a slice index would be on the CPU.
+fn check_tokens(kernel: &str, ids: &[u32], table_rows: usize) {
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= table_rows) {
+        panic!("{kernel}: token id {bad} outside a table of {table_rows} rows");
+    }
+}
+
+/// Buffer lengths a kernel relies on: (have, need) pairs, checked before the launch.
+fn check_shape(kernel: &str, lengths: &[(usize, usize)]) {
+    for (i, &(have, need)) in lengths.iter().enumerate() {
+        assert!(have >= need, "{kernel}: buffer {i} holds {have} elements, the kernel needs {need}");
+    }
 }
 
 fn int(x: usize) -> i32 {
@@ -278,6 +303,11 @@ impl<S: DeviceElem> CudaBackend<S> {
     /// Which GPU this is, for logs and reports.
     pub fn device(&self) -> &str {
         &self.device
+    }
+
+    /// Bytes of GPU memory free now.
+    pub fn free_memory(&self) -> Result<usize, CudaUnavailable> {
+        Ok(self.stream.context().mem_get_info()?.0)
     }
 
     /// Waits until every kernel queued so far has finished (for timing).
@@ -471,15 +501,14 @@ impl<S: DeviceElem> CudaBackend<S> {
         self.download_f64(&partial, blocks).iter().sum()
     }
 
-    /// Moments and (mixed precision) master weights of AdamW in GPU memory, for `len`
-    /// parameters starting from `params`.
-    pub fn adamw_state(&self, params: &CudaSlice<S>) -> AdamWState {
-        let len = params.len();
+    /// Moments and (mixed precision) master weights of AdamW in GPU memory for `len`
+    /// parameters; `initial` gives their starting fp32 values, which a bf16/fp16 model keeps
+    /// as its master weights (as the CPU optimizer does).
+    pub fn adamw_state(&self, len: usize, initial: impl FnOnce() -> Vec<f32>) -> AdamWState {
         let master = crate::optim::needs_master::<S>().then(|| {
-            let mut host = vec![S::default(); len];
-            self.download(params, &mut host);
-            let widened: Vec<f32> = host.iter().map(|p| p.load()).collect();
-            self.stream.clone_htod(&widened).expect("CUDA upload")
+            let values = initial();
+            assert_eq!(values.len(), len, "master weights for every parameter");
+            self.stream.clone_htod(&values).expect("CUDA upload")
         });
         AdamWState { m: self.scratch::<f32>(len), v: self.scratch::<f32>(len), master }
     }
@@ -654,6 +683,8 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         c: usize,
     ) {
         let rows = out.len / c;
+        check_tokens("encoder_forward", &tokens[..rows], wte.len / c);
+        assert!(wpe.len >= seq_len.min(rows) * c, "encoder_forward: fewer positions than the sequence");
         let tokens = self.upload_u32(&tokens[..rows]);
         launch!(
             self,
@@ -679,6 +710,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         c: usize,
     ) {
         let rows = dout.len / c;
+        check_tokens("encoder_backward", &tokens[..rows], dwte.len / c);
         // Group the rows by token on the host (the ids are here anyway), so that one
         // thread adds every row of a token for one column, in row order.
         let mut rows_of: Vec<u32> = (0..rows as u32).collect();
@@ -696,8 +728,9 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         if !distinct.is_empty() {
             let (distinct_d, starts_d, rows_d) =
                 (self.upload_u32(&distinct), self.upload_u32(&starts), self.upload_u32(&rows_of));
+            // Distinct tokens on x (up to 2^31 blocks), column blocks on y (at most 65535).
             let cfg = LaunchConfig {
-                grid_dim: (blocks_for(c, BLOCK), u32::try_from(distinct.len()).expect("fewer tokens than 2^32"), 1),
+                grid_dim: (u32::try_from(distinct.len()).expect("fewer tokens than 2^32"), blocks_for(c, BLOCK), 1),
                 block_dim: (BLOCK, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -815,6 +848,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         c_out: usize,
     ) {
         let rows = inp.len / c_in;
+        check_shape("matmul_forward", &[(inp.len, rows * c_in), (weight.len, c_in * c_out), (out.len, rows * c_out)]);
         let beta = match residual {
             Some(residual) => {
                 self.copy(DeviceViewMut { ptr: out.ptr, len: out.len, _borrow: PhantomData }, residual);
@@ -850,6 +884,15 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         c_out: usize,
     ) {
         let rows = inp.len / c_in;
+        check_shape(
+            "matmul_backward",
+            &[
+                (inp.len, rows * c_in),
+                (weight.len, c_in * c_out),
+                (dweight.len, c_in * c_out),
+                (dout.len, rows * c_out),
+            ],
+        );
         if let Some(dinp) = dinp {
             // dinp = dout · Wᵀ: column-major dinpᵀ (c_in x rows) = W · doutᵀ.
             self.gemm(
@@ -890,6 +933,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
     ) {
         let (t, hs) = (seq_len, c / heads);
         let batch = qkv.len / (t * 3 * c);
+        check_shape("attention_forward", &[(out.len, batch * t * c), (att.len, batch * heads * t * t)]);
         let scale = 1.0 / (hs as f32).sqrt();
         let e = size_of::<S>() as u64;
         let qkv_part =
@@ -924,6 +968,10 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
     ) {
         let (t, hs) = (seq_len, c / heads);
         let batch = qkv.len / (t * 3 * c);
+        check_shape(
+            "attention_backward",
+            &[(dqkv.len, qkv.len), (dout.len, batch * t * c), (att.len, batch * heads * t * t), (datt.len, att.len)],
+        );
         let scale = 1.0 / (hs as f32).sqrt();
         let e = size_of::<S>() as u64;
         let part = |ptr: u64, part: usize| HeadOperand {
@@ -981,6 +1029,10 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         vocab: usize,
     ) -> f64 {
         let rows = logits.len / vocab;
+        if rows == 0 {
+            return 0.0;
+        }
+        check_tokens("crossentropy_forward", &targets[..rows], vocab);
         let targets = self.upload_u32(&targets[..rows]);
         let row_loss = self.scratch::<f64>(rows);
         launch!(
@@ -998,6 +1050,10 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
 
     fn crossentropy_backward(&self, probs: DeviceViewMut<'_, S>, targets: &[u32], vocab: usize, dloss: f64) {
         let rows = probs.len / vocab;
+        if rows == 0 {
+            return;
+        }
+        check_tokens("crossentropy_backward", &targets[..rows], vocab);
         let targets = self.upload_u32(&targets[..rows]);
         launch!(
             self,

@@ -141,8 +141,8 @@ extern "C" __global__ void encoder_forward(elem* out, const unsigned int* tokens
 // (`rows_of` lists them, token by token, in row order; `starts` has distinct + 1 offsets).
 extern "C" __global__ void encoder_backward_wte(elem* dwte, const elem* dout, const unsigned int* distinct,
                                                 const unsigned int* starts, const unsigned int* rows_of, int c) {
-    int u = blockIdx.y;
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    int u = blockIdx.x;
+    int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= c) return;
     float acc = 0.0f;
     for (unsigned int k = starts[u]; k < starts[u + 1]; k++) acc += load(dout[(long long)rows_of[k] * c + j]);

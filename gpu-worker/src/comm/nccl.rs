@@ -38,6 +38,8 @@ pub enum NcclUnavailable {
     Nccl(cudarc::nccl::result::NcclError),
     #[error("sharing the NCCL unique id: {0}")]
     Rendezvous(#[from] CommError),
+    #[error("rank {root} of the group could not make an NCCL unique id")]
+    NoId { root: usize },
 }
 
 /// NCCL's name for what went wrong (cudarc's error prints only "NcclError").
@@ -45,7 +47,8 @@ fn nccl_message(e: &cudarc::nccl::result::NcclError) -> String {
     format!("{:?}", e.0)
 }
 
-fn libraries_present() -> Result<(), NcclUnavailable> {
+/// Whether this machine has the CUDA driver and NCCL.
+pub fn libraries_present() -> Result<(), NcclUnavailable> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(NcclUnavailable::NoDriver);
     }
@@ -62,18 +65,28 @@ pub fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES], NcclUnavailable> {
     Ok(id.internal().map(|c| c as u8))
 }
 
-/// Every rank of `group` gets the bytes that rank `root` passes in (the others pass None):
-/// one byte per float, broadcast over the group, so every byte arrives exactly.
+/// Every rank of `group` gets the id that rank `root` passes in (the others pass None): one
+/// byte per float, broadcast over the group, so every byte arrives exactly. When the root
+/// could not make one, every rank gets an error (the root's, or one naming the root).
 pub fn share_unique_id(
     group: &mut dyn Communicator,
     root: usize,
-    id: Option<[u8; UNIQUE_ID_BYTES]>,
-) -> Result<[u8; UNIQUE_ID_BYTES], CommError> {
-    let mut carrier: Vec<f32> = match id {
-        Some(bytes) => bytes.iter().map(|&b| b as f32).collect(),
-        None => vec![0.0; UNIQUE_ID_BYTES],
+    id: Option<Result<[u8; UNIQUE_ID_BYTES], NcclUnavailable>>,
+) -> Result<[u8; UNIQUE_ID_BYTES], NcclUnavailable> {
+    /// What the root sends instead of an id it could not make (no byte is negative).
+    const NO_ID: f32 = -1.0;
+    let (mut carrier, failure) = match id {
+        Some(Ok(bytes)) => (bytes.iter().map(|&b| b as f32).collect(), None),
+        Some(Err(e)) => (vec![NO_ID; UNIQUE_ID_BYTES], Some(e)),
+        None => (vec![0.0; UNIQUE_ID_BYTES], None),
     };
     group.broadcast(&mut carrier, root)?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if carrier[0] == NO_ID {
+        return Err(NcclUnavailable::NoId { root });
+    }
     Ok(std::array::from_fn(|i| carrier[i] as u8))
 }
 
