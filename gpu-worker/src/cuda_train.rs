@@ -1,7 +1,8 @@
 //! Training on GPUs (cargo feature `cuda`): one rank per GPU, alone or in a data-parallel
 //! group (DDP; tp = pp = 1). The model is the same `Gpt` the CPU ranks run, on the CUDA
 //! backend; its parameters and gradients live in GPU memory (`FlatState`), and AdamW runs
-//! there too (fp32 moments, and fp32 master weights for a bf16 model). Every buffer is
+//! there too (fp32 moments, and fp32 master weights for a bf16/fp16 model), or SGD; fp16
+//! runs may use the same dynamic loss scaler as the CPU. Every buffer is
 //! registered with the memory ledger in the categories the CPU ranks use.
 //!
 //! A step is the CPU trainer's: zero the gradients, forward + backward over this rank's
@@ -20,11 +21,12 @@ use distlab_common::{
     RunSummary, Sharding,
 };
 
-use crate::backend::cuda::{self, AdamWState, CudaBackend, DeviceElem};
+use crate::backend::cuda::{self, CudaBackend, DeviceElem, OptimizerState};
 use crate::backend::Backend;
 use crate::comm::nccl::{self, NcclCommunicator};
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::data::Data;
+use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, Gpt, Saved, Stage};
 use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
@@ -63,12 +65,6 @@ pub fn unsupported(spec: &ExperimentSpec) -> Vec<String> {
             p.sharding.as_str()
         ));
     }
-    if spec.train.optimizer != OptimizerKind::Adamw {
-        out.push("train.optimizer: the CUDA backend runs AdamW only so far".into());
-    }
-    if spec.train.loss_scaling == LossScaling::Dynamic {
-        out.push("train.loss_scaling=dynamic: the CUDA backend has no loss scaler yet".into());
-    }
     if spec.train.checkpoint_every > 0 {
         out.push("train.checkpoint_every: the CUDA backend writes no checkpoints yet (set it to 0)".into());
     }
@@ -84,7 +80,9 @@ pub struct CudaTrainer<S: DeviceElem> {
     backend: CudaBackend<S>,
     model: Gpt<CudaBackend<S>>,
     state: FlatState<CudaBackend<S>>,
-    adam: AdamWState,
+    optimizer: OptimizerState,
+    /// Dynamic loss scaling (fp16), as on the CPU.
+    scaler: Option<LossScaler>,
     groups: Vec<ParamGroup>,
     data: Data,
     inputs: Vec<u32>,
@@ -132,13 +130,14 @@ impl<S: DeviceElem> CudaTrainer<S> {
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage, saved, None, &memory);
         let params = model.layout.total;
         let state = FlatState::new(&backend, &model.layout, t.seed);
-        let adam = backend.adamw_state(params, || model.layout.init_params::<f32>(t.seed));
-        let mut receipts = vec![
-            memory.alloc_of::<S>(Category::Parameters, params),
-            memory.alloc_of::<S>(Category::Gradients, params),
-            memory.alloc(Category::OptimizerState, 2 * params),
-        ];
-        if adam.master.is_some() {
+        let adamw = t.optimizer == OptimizerKind::Adamw;
+        let optimizer = backend.optimizer_state(params, adamw, || model.layout.init_params::<f32>(t.seed));
+        let mut receipts =
+            vec![memory.alloc_of::<S>(Category::Parameters, params), memory.alloc_of::<S>(Category::Gradients, params)];
+        if adamw {
+            receipts.push(memory.alloc(Category::OptimizerState, 2 * params));
+        }
+        if optimizer.master.is_some() {
             receipts.push(memory.alloc(Category::OptimizerState, params));
         }
         let tokens = t.micro_batch * spec.model.seq_len;
@@ -161,7 +160,8 @@ impl<S: DeviceElem> CudaTrainer<S> {
             backend,
             model,
             state,
-            adam,
+            optimizer,
+            scaler: (t.loss_scaling == LossScaling::Dynamic).then(LossScaler::default),
             data,
             inputs: vec![0; tokens],
             targets: vec![0; tokens],
@@ -195,7 +195,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
     pub fn held_bytes(&self) -> u64 {
         let be = &self.backend;
         let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) * size_of::<S>();
-        self.model.held_bytes(be) + flat as u64 + self.adam.bytes()
+        self.model.held_bytes(be) + flat as u64 + self.optimizer.bytes()
     }
 
     /// The timeline of the first steps (the compute lane: one span per pass).
@@ -214,6 +214,8 @@ impl<S: DeviceElem> CudaTrainer<S> {
         // Rank r takes sequences [r * per_rank, (r+1) * per_rank) of the global batch.
         let per_rank = micro_steps * t.micro_batch;
         let dloss = 1.0 / (dp_world * per_rank * seq_len) as f64;
+        // Dynamic loss scaling multiplies the loss, so every gradient, by the scale.
+        let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let record = step < SPAN_STEPS;
         let mut mark = now_us();
         let timed = |kind: SpanKind, name: String, micro: Option<usize>, spans: &mut Vec<Span>, mark: &mut u64| {
@@ -246,7 +248,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
             self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
             loss_sum += self.model.forward(be, &mut self.state, &self.inputs, &self.targets)?;
             timed(SpanKind::Forward, format!("forward {micro}"), Some(micro), &mut self.spans, &mut mark);
-            self.model.backward(be, &mut self.state, &self.inputs, &self.targets, dloss)?;
+            self.model.backward(be, &mut self.state, &self.inputs, &self.targets, dloss * scale)?;
             timed(SpanKind::Backward, format!("backward {micro}"), Some(micro), &mut self.spans, &mut mark);
         }
         if let Some(dp) = &mut self.dp {
@@ -260,30 +262,50 @@ impl<S: DeviceElem> CudaTrainer<S> {
             }
             dp.sent_before_step = dp.grads.bytes_sent();
         }
-        let grad_norm = be.sum_squares(be.all(&self.state.grads)).sqrt();
+        // (A NaN gradient must stay NaN: the norm decides whether the step is taken.)
+        let grad_norm = be.sum_squares(be.all(&self.state.grads)).sqrt() / scale;
         let loss = loss_sum * dloss;
         let lr = lr_at(t, step);
-        let updated = loss.is_finite() && grad_norm.is_finite();
+        // Loss scaling acts on backward only: an overflow in forward (a non-finite loss) is
+        // divergence whatever the scale; an overflowed gradient skips the step.
+        let grads_finite = grad_norm.is_finite();
+        let updated = loss.is_finite()
+            && match self.scaler.as_mut() {
+                Some(scaler) => scaler.update(grads_finite) == ScaledStep::Apply,
+                None => grads_finite,
+            };
         if updated {
             self.updates += 1;
+            // Unscale (in f32, inside the update) and clip in one factor.
+            let grad_scale = clip_scale(grad_norm, t.grad_clip) / scale;
             for group in &self.groups {
-                let hp = AdamWStep {
-                    lr,
-                    beta1: ADAM_BETA1,
-                    beta2: ADAM_BETA2,
-                    eps: ADAM_EPS,
-                    weight_decay: if group.decay { t.weight_decay } else { 0.0 },
-                    step: self.updates,
-                    grad_scale: clip_scale(grad_norm, t.grad_clip),
-                };
-                be.adamw_update(&mut self.state.params, &self.state.grads, &mut self.adam, group.range.clone(), &hp);
+                let weight_decay = if group.decay { t.weight_decay } else { 0.0 };
+                let (params, grads, range) = (&mut self.state.params, &self.state.grads, group.range.clone());
+                match t.optimizer {
+                    OptimizerKind::Adamw => {
+                        let hp = AdamWStep {
+                            lr,
+                            beta1: ADAM_BETA1,
+                            beta2: ADAM_BETA2,
+                            eps: ADAM_EPS,
+                            weight_decay,
+                            step: self.updates,
+                            grad_scale,
+                        };
+                        be.adamw_update(params, grads, &mut self.optimizer, range, &hp);
+                    }
+                    OptimizerKind::Sgd => {
+                        be.sgd_update(params, grads, &mut self.optimizer, range, (lr, weight_decay, grad_scale))
+                    }
+                }
             }
         }
         timed(SpanKind::Optimizer, "optimizer".into(), None, &mut self.spans, &mut mark);
         be.synchronize();
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
-        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale: None })
+        let loss_scale = self.scaler.as_ref().map(|s| (scale, s.skipped()));
+        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale })
     }
 }
 
@@ -438,18 +460,33 @@ fn train_as<S: DeviceElem>(
         let step_start = Instant::now();
         let stats = trainer.step(step)?;
         let seconds = step_start.elapsed().as_secs_f64();
-        if !stats.updated {
+        // A step loss scaling skipped (its gradient overflowed) is not divergence, unless the
+        // scale could not go lower.
+        let skipped = !stats.updated
+            && stats.loss.is_finite()
+            && stats.loss_scale.is_some_and(|(scale, _)| scale > crate::loss_scale::MIN_SCALE);
+        if !stats.updated && !skipped {
             return Err(TrainError::Diverged { step, loss: stats.loss, grad_norm: stats.grad_norm });
+        }
+        if let (true, Some((scale, _))) = (skipped, stats.loss_scale) {
+            log(
+                on_event,
+                format!(
+                    "step {step}: the gradient overflowed fp16 at loss scale {scale}; step skipped, the scale halves \
+                     to {}",
+                    scale / 2.0
+                ),
+            );
         }
         on_event(RunEvent::Metric(MetricPoint {
             step,
             loss: stats.loss,
             lr: stats.lr,
-            grad_norm: stats.grad_norm,
+            grad_norm: if stats.grad_norm.is_finite() { stats.grad_norm } else { f64::MAX },
             tokens_per_s: tokens_per_step as f64 / seconds,
             step_ms: seconds * 1e3,
-            loss_scale: None,
-            skipped_steps: None,
+            loss_scale: stats.loss_scale.map(|(scale, _)| scale),
+            skipped_steps: stats.loss_scale.map(|(_, skipped)| skipped),
         }));
         final_loss = stats.loss;
         min_loss = min_loss.min(stats.loss);

@@ -380,3 +380,78 @@ test_device!(
     crossentropy,
     gpt
 );
+
+/// The GPU's optimizer kernels against the CPU's (`optim.rs`), over three updates of a
+/// slice of the parameters (the rest must stay as they were): AdamW and SGD, fp32 and bf16
+/// (whose update goes to fp32 master weights and is rounded into the model).
+#[cfg(feature = "cuda")]
+mod cuda_optimizer {
+    use distlab_worker::backend::cuda::DeviceElem;
+    use distlab_worker::backend::Backend;
+    use distlab_worker::optim::{adamw_update, sgd_update, AdamWStep};
+
+    fn check<S: DeviceElem>(adamw: bool) {
+        let Some(be) = super::cuda::<S>() else { return };
+        let (n, range) = (3000, 100..2900);
+        let weights: Vec<f32> = super::random::<distlab_worker::backend::CpuBackend<f32>>(n, 31, 0.5)
+            .iter()
+            .map(|&w| S::store(w as f32).load())
+            .collect();
+        let grads: Vec<S> = super::random::<distlab_worker::backend::CpuBackend<f32>>(n, 32, 1.0)
+            .iter()
+            .map(|&g| S::store(g as f32))
+            .collect();
+        let model: Vec<S> = weights.iter().map(|&w| S::store(w)).collect();
+        let (mut params, mut grads_d) = (be.alloc(n), be.alloc(n));
+        be.upload(&mut params, &model);
+        be.upload(&mut grads_d, &grads);
+        let mut state = be.optimizer_state(n, adamw, || weights.clone());
+        // The CPU reference: fp32 weights (the master copy), moments.
+        let (mut want, mut m, mut v) = (weights.clone(), vec![0.0f32; n], vec![0.0f32; n]);
+        for step in 1..=3 {
+            let hp =
+                AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
+            let r = range.clone();
+            if adamw {
+                be.adamw_update(&mut params, &grads_d, &mut state, r.clone(), &hp);
+                adamw_update(&mut want[r.clone()], &grads[r.clone()], &mut m[r.clone()], &mut v[r], &hp);
+            } else {
+                be.sgd_update(&mut params, &grads_d, &mut state, r.clone(), (hp.lr, hp.weight_decay, hp.grad_scale));
+                sgd_update(&mut want[r.clone()], &grads[r], hp.lr, hp.weight_decay, hp.grad_scale);
+            }
+        }
+        let mut got = vec![S::default(); n];
+        be.download(&params, &mut got);
+        let scale = want.iter().fold(0.0f32, |a, w| a.max(w.abs()));
+        let worst =
+            got.iter().zip(&want).map(|(g, w)| (g.load() - S::store(*w).load()).abs() / scale).fold(0.0, f32::max);
+        eprintln!(
+            "{} {}: largest error {worst:.2e} of max |w| {scale:.3}",
+            if adamw { "adamw" } else { "sgd" },
+            S::NAME
+        );
+        // fp32: the same math in another order of operations; bf16: at most one rounding step
+        // of the model copy apart (the master weights agree to fp32 precision).
+        let tol = if S::NAME == "fp32" { 1e-6 } else { 8e-3 };
+        assert!(worst <= tol, "largest error {worst:e} > {tol:e}");
+        assert_eq!(&got[..100], &model[..100], "parameters outside the range are untouched");
+        assert_eq!(&got[2900..], &model[2900..], "parameters outside the range are untouched");
+    }
+
+    #[test]
+    fn adamw_fp32() {
+        check::<f32>(true);
+    }
+    #[test]
+    fn adamw_bf16() {
+        check::<half::bf16>(true);
+    }
+    #[test]
+    fn sgd_fp32() {
+        check::<f32>(false);
+    }
+    #[test]
+    fn sgd_bf16() {
+        check::<half::bf16>(false);
+    }
+}

@@ -151,7 +151,7 @@ impl<S: DeviceElem> Clone for CudaBackend<S> {
 }
 
 /// Every kernel of `cuda_kernels.cu` the backend calls.
-const KERNEL_NAMES: [&str; 19] = [
+const KERNEL_NAMES: [&str; 20] = [
     "fill",
     "partial_sums",
     "add_column_partials",
@@ -171,6 +171,7 @@ const KERNEL_NAMES: [&str; 19] = [
     "crossentropy_backward",
     "adamw",
     "head_pointers",
+    "sgd",
 ];
 
 /// Launches kernel `$name` with `$cfg` and the arguments in order (each a device pointer
@@ -501,16 +502,47 @@ impl<S: DeviceElem> CudaBackend<S> {
         self.download_f64(&partial, blocks).iter().sum()
     }
 
-    /// Moments and (mixed precision) master weights of AdamW in GPU memory for `len`
-    /// parameters; `initial` gives their starting fp32 values, which a bf16/fp16 model keeps
-    /// as its master weights (as the CPU optimizer does).
-    pub fn adamw_state(&self, len: usize, initial: impl FnOnce() -> Vec<f32>) -> AdamWState {
+    /// The optimizer's state in GPU memory for `len` parameters: AdamW's moments (with
+    /// `moments`), and the master weights of a bf16/fp16 model, starting from `initial`, the
+    /// parameters' fp32 values (as the CPU optimizer does).
+    pub fn optimizer_state(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> OptimizerState {
         let master = crate::optim::needs_master::<S>().then(|| {
             let values = initial();
             assert_eq!(values.len(), len, "master weights for every parameter");
             self.stream.clone_htod(&values).expect("CUDA upload")
         });
-        AdamWState { m: self.scratch::<f32>(len), v: self.scratch::<f32>(len), master }
+        let moments = moments.then(|| (self.scratch::<f32>(len), self.scratch::<f32>(len)));
+        OptimizerState { moments, master }
+    }
+
+    /// The fp32 weights an update writes and the model copy it rounds them into (null for
+    /// an fp32 model, whose parameters are the weights), from parameter `start` on.
+    fn update_targets(&self, params: &CudaSlice<S>, state: &OptimizerState, start: usize) -> (u64, u64) {
+        let model = self.base(params) + (start * size_of::<S>()) as u64;
+        match &state.master {
+            Some(master) => (self.ptr_of(master) + (start * 4) as u64, model),
+            None => (model, 0),
+        }
+    }
+
+    /// One SGD update of parameters `range` (the math of `optim::sgd_update`).
+    pub fn sgd_update(
+        &self,
+        params: &mut CudaSlice<S>,
+        grads: &CudaSlice<S>,
+        state: &mut OptimizerState,
+        range: Range<usize>,
+        (lr, weight_decay, grad_scale): (f64, f64, f64),
+    ) {
+        assert!(range.end <= params.len() && grads.len() == params.len(), "a gradient per parameter");
+        let n = range.len();
+        if n == 0 {
+            return;
+        }
+        let (weights, model) = self.update_targets(params, state, range.start);
+        let g = self.base(grads) + (range.start * size_of::<S>()) as u64;
+        let (lr_g, decay) = ((lr * grad_scale) as f32, (1.0 - lr * weight_decay) as f32);
+        launch!(self, "sgd", elementwise(n), weights, model, g, n as i64, lr_g, decay);
     }
 
     /// One AdamW update of parameters `range` from their gradients, on the GPU (the math
@@ -520,7 +552,7 @@ impl<S: DeviceElem> CudaBackend<S> {
         &self,
         params: &mut CudaSlice<S>,
         grads: &CudaSlice<S>,
-        state: &mut AdamWState,
+        state: &mut OptimizerState,
         range: Range<usize>,
         hp: &AdamWStep,
     ) {
@@ -529,13 +561,10 @@ impl<S: DeviceElem> CudaBackend<S> {
         if n == 0 {
             return;
         }
+        let Some((m, v)) = &state.moments else { panic!("AdamW needs its moments (state made without them)") };
         let at = |ptr: u64, bytes: usize| ptr + (range.start * bytes) as u64;
         let e = size_of::<S>();
-        let model = at(self.base(params), e);
-        let (weights, model) = match &state.master {
-            Some(master) => (at(self.ptr_of(master), 4), model),
-            None => (model, 0u64),
-        };
+        let (weights, model) = self.update_targets(params, state, range.start);
         let m_correction = (1.0 / (1.0 - hp.beta1.powf(hp.step as f64))) as f32;
         let v_correction = (1.0 / (1.0 - hp.beta2.powf(hp.step as f64))) as f32;
         let decay = (1.0 - hp.lr * hp.weight_decay) as f32;
@@ -546,8 +575,8 @@ impl<S: DeviceElem> CudaBackend<S> {
             weights,
             model,
             at(self.base(grads), e),
-            at(self.ptr_of(&state.m), 4),
-            at(self.ptr_of(&state.v), 4),
+            at(self.ptr_of(m), 4),
+            at(self.ptr_of(v), 4),
             n as i64,
             hp.lr as f32,
             hp.beta1 as f32,
@@ -561,18 +590,19 @@ impl<S: DeviceElem> CudaBackend<S> {
     }
 }
 
-/// AdamW's state on the GPU.
-pub struct AdamWState {
-    pub m: CudaSlice<f32>,
-    pub v: CudaSlice<f32>,
+/// The optimizer's state on the GPU.
+pub struct OptimizerState {
+    /// AdamW's m and v (None for SGD).
+    pub moments: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// fp32 master weights (bf16/fp16 models only).
     pub master: Option<CudaSlice<f32>>,
 }
 
-impl AdamWState {
+impl OptimizerState {
     pub fn bytes(&self) -> u64 {
+        let moments = self.moments.as_ref().map_or(0, |(m, v)| m.len() + v.len());
         let master = self.master.as_ref().map_or(0, |m| m.len());
-        ((self.m.len() + self.v.len() + master) * 4) as u64
+        ((moments + master) * 4) as u64
     }
 }
 

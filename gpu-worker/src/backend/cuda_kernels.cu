@@ -349,6 +349,15 @@ extern "C" __global__ void causal_softmax_backward(elem* datt, const elem* att, 
     for (int j = lane; j < t; j += WARP) dp[j] = store(j <= i ? load(p[j]) * (load(dp[j]) - dot) * scale : 0.0f);
 }
 
+// SGD on fp32 weights (the master copy with mixed precision, rounded into `model`).
+extern "C" __global__ void sgd(float* weights, elem* model, const elem* grads, long long n, float lr_g, float decay) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float w = weights[i] * decay - lr_g * load(grads[i]);
+    weights[i] = w;
+    if (model) model[i] = store(w);
+}
+
 // The matrix pointers of a batched attention product, i = sequence * heads + head: A's
 // in out[0, count), B's in out[count, 2 count), C's in out[2 count, 3 count). Strides in bytes.
 extern "C" __global__ void head_pointers(unsigned long long* out, unsigned long long a, unsigned long long b,
