@@ -3,6 +3,7 @@
 //! Compiles for native and wasm32: no I/O, no async runtime, no database.
 
 pub mod api;
+pub mod backends;
 pub mod cards;
 pub mod claims;
 pub mod compare;

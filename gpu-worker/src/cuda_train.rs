@@ -14,11 +14,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use distlab_common::backends::unsupported_on_backend;
 use distlab_common::memory::RankMemoryReport;
 use distlab_common::trace::{Span, SpanKind};
 use distlab_common::{
-    ExperimentSpec, LogLevel, LogLine, LossScaling, MetricPoint, Optimizer as OptimizerKind, Precision, RunEvent,
-    RunSummary, Sharding,
+    BackendKind, ExperimentSpec, LogLevel, LogLine, LossScaling, MetricPoint, Optimizer as OptimizerKind, Precision,
+    RunEvent, RunSummary,
 };
 
 use crate::backend::cuda::{self, CudaBackend, DeviceElem, OptimizerState};
@@ -49,32 +50,15 @@ const VIA_NCCL: &str = "NCCL";
 const VIA_RING_SHARED: &str = "CPU ring, the ranks share a GPU";
 const VIA_RING_NO_NCCL: &str = "CPU ring, NCCL is missing on some rank";
 
-/// What [`CudaTrainer`] cannot run yet, one message each (empty: it can).
+/// What [`CudaTrainer`] cannot run yet, one message each (empty: it can); the rules live
+/// in `common` so the server and the browser say the same.
 pub fn unsupported(spec: &ExperimentSpec) -> Vec<String> {
-    let mut out = Vec::new();
-    let p = &spec.parallel;
-    if p.tp > 1 || p.pp > 1 {
-        out.push(format!(
-            "parallel.tp={} x pp={}: the CUDA backend runs data parallelism only so far (tp = pp = 1)",
-            p.tp, p.pp
-        ));
-    }
-    if p.dp > 1 && p.sharding != Sharding::None {
-        out.push(format!(
-            "parallel.sharding={}: the CUDA backend runs plain DDP only so far (sharding none)",
-            p.sharding.as_str()
-        ));
-    }
-    if spec.train.checkpoint_every > 0 {
-        out.push("train.checkpoint_every: the CUDA backend writes no checkpoints yet (set it to 0)".into());
-    }
-    if spec.demo.is_some() {
-        out.push("demo: the collective demos run on the CPU backend (set backend to cpu)".into());
-    }
-    out
+    let mut on_cuda = spec.clone();
+    on_cuda.backend = BackendKind::Cuda;
+    unsupported_on_backend(&on_cuda).iter().map(ToString::to_string).collect()
 }
 
-/// A model, its parameters, gradients and AdamW state on one GPU, and its data.
+/// A model, its parameters, gradients and optimizer state on one GPU, and its data.
 pub struct CudaTrainer<S: DeviceElem> {
     spec: ExperimentSpec,
     backend: CudaBackend<S>,

@@ -173,6 +173,7 @@ pub async fn create(
     if spec.backend == BackendKind::Cuda && !workers::backend_offered(&state, BackendKind::Cuda).await? {
         problems.push(FieldError::new("backend", "no registered worker offers the cuda backend"));
     }
+    problems.extend(distlab_common::backends::unsupported_on_backend(&spec));
     if !problems.is_empty() {
         return Err(HttpError::invalid_spec(problems));
     }

@@ -872,6 +872,22 @@ async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
     assert_eq!(value_of(c, "model.heads").await?, "4");
     assert!(text(c, "#support-note").await?.contains("fp32, bf16 or fp16"));
 
+    // The cuda backend: what it cannot run yet is said while the form is filled in.
+    choose(c, "backend", "cuda").await?;
+    set_field(c, "parallel.tp", "2").await?;
+    wait_for(c, "the cuda warning", Duration::from_secs(5), || async {
+        Ok(text(c, "#support-warning")
+            .await
+            .unwrap_or_default()
+            .contains("parallel.tp: the cuda backend runs data parallelism"))
+    })
+    .await?;
+    save_element(c, "#support-warning", "new-cuda-warning.png").await?;
+    set_field(c, "parallel.tp", "1").await?;
+    choose(c, "backend", "cpu").await?;
+    wait_for(c, "the warning to go", Duration::from_secs(5), || async { Ok(!exists(c, "#support-warning").await?) })
+        .await?;
+
     // An invalid value: the message appears at once, next to its field, and submit is disabled.
     set_field(c, "model.heads", "3").await?;
     let heads_error = ".field-error[data-field='model.heads']";

@@ -60,7 +60,11 @@ const SECTIONS: &[SectionDef] = &[
         title: "Experiment",
         fields: &[
             f("name", Kind::Text, "a name for the list"),
-            f("backend", Kind::Choice(&["cpu", "cuda"]), "cpu runs everywhere; cuda needs a worker with a GPU"),
+            f(
+                "backend",
+                Kind::Choice(&["cpu", "cuda"]),
+                "cpu runs everything; cuda needs a worker with a GPU and runs data parallelism only so far",
+            ),
         ],
     },
     SectionDef {
@@ -265,13 +269,9 @@ fn insert(root: &mut Map<String, Value>, path: &str, value: Value) {
     }
 }
 
-/// Settings the current worker may answer "not yet supported" for.
+/// Settings the chosen backend cannot run yet (the server refuses them at submission).
 fn ambitious(spec: &ExperimentSpec) -> Vec<String> {
-    let mut out = Vec::new();
-    if spec.backend == distlab_common::BackendKind::Cuda {
-        out.push("backend=cuda".into());
-    }
-    out
+    distlab_common::backends::unsupported_on_backend(spec).iter().map(ToString::to_string).collect()
 }
 
 #[component]
@@ -468,7 +468,9 @@ pub fn NewExperiment() -> impl IntoView {
                 "Note: the current worker runs data parallelism (DDP, ZeRO-1, ZeRO-2 or FSDP), tensor parallelism "
                 "(Megatron) and pipeline parallelism (GPipe, 1F1B), in any dp x tp x pp mix, one process per rank, "
                 "with activation checkpointing, gradient accumulation and checkpoints, on the CPU, in fp32, bf16 or "
-                "fp16 (2-byte weights, gradients and activations; fp32 master weights; dynamic loss scaling for fp16)."
+                "fp16 (2-byte weights, gradients and activations; fp32 master weights; dynamic loss scaling for fp16). "
+                "A worker built with CUDA on a machine with a GPU also runs backend cuda: one rank per GPU, "
+                "data parallelism (DDP) only so far."
             </p>
         </section>
         <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>
@@ -485,7 +487,7 @@ pub fn NewExperiment() -> impl IntoView {
                 (!list.is_empty())
                     .then(|| view! {
                         <p class="note warn" id="support-warning">
-                            "Heads-up: " {list.join(", ")} " may be answered \"not yet supported\" by the current worker."
+                            "Not on this backend yet: " {list.join("; ")}
                         </p>
                     })
             }}
