@@ -17,10 +17,7 @@ use std::time::Instant;
 use distlab_common::backends::unsupported_on_backend;
 use distlab_common::memory::RankMemoryReport;
 use distlab_common::trace::{Span, SpanKind};
-use distlab_common::{
-    BackendKind, ExperimentSpec, LogLevel, LogLine, LossScaling, MetricPoint, Optimizer as OptimizerKind, Precision,
-    RunEvent, RunSummary,
-};
+use distlab_common::{BackendKind, ExperimentSpec, LossScaling, Optimizer as OptimizerKind, Precision, RunEvent};
 
 use crate::backend::cuda::{self, CudaBackend, DeviceElem, OptimizerState};
 use crate::backend::Backend;
@@ -34,7 +31,7 @@ use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BE
 use crate::parallel::ddp::{comm_span, sum_scalar};
 use crate::parallel::DpGroup;
 use crate::trace::now_us;
-use crate::train::{memory_bytes, RankRun, StepStats, TrainError, SPAN_STEPS};
+use crate::train::{log, memory_bytes, mib_bytes as mib, RankRun, StepStats, StepTally, TrainError, SPAN_STEPS};
 
 /// Why the GPU cannot run this: a machine without one is a spec this worker cannot run;
 /// anything else is the GPU failing.
@@ -374,14 +371,6 @@ pub fn train_on_gpu(
     }
 }
 
-fn log(on_event: &mut dyn FnMut(RunEvent), message: String) {
-    on_event(RunEvent::Log(LogLine { level: LogLevel::Info, message }));
-}
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1u64 << 20) as f64
-}
-
 fn train_as<S: DeviceElem>(
     spec: &ExperimentSpec,
     dp: Option<DpGroup>,
@@ -389,7 +378,6 @@ fn train_as<S: DeviceElem>(
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
     let started = Instant::now();
-    let world = spec.world_size();
     let mut trainer = CudaTrainer::<S>::new(spec, dp)?;
     let (m, t) = (&spec.model, &spec.train);
     let params = trainer.params();
@@ -434,70 +422,15 @@ fn train_as<S: DeviceElem>(
             mib(held.comm_buffers)
         ),
     );
-    let tokens_per_step = spec.tokens_per_step();
-    let (mut final_loss, mut min_loss) = (f64::NAN, f64::INFINITY);
-    let (mut timed_seconds, mut timed_steps) = (0.0, 0u64);
+    let mut tally = StepTally::new(spec, 0, f64::INFINITY);
     for step in 0..t.steps {
         if cancel.load(Ordering::Relaxed) {
             return Err(TrainError::Cancelled);
         }
         let step_start = Instant::now();
         let stats = trainer.step(step)?;
-        let seconds = step_start.elapsed().as_secs_f64();
-        // A step loss scaling skipped (its gradient overflowed) is not divergence, unless the
-        // scale could not go lower.
-        let skipped = !stats.updated
-            && stats.loss.is_finite()
-            && stats.loss_scale.is_some_and(|(scale, _)| scale > crate::loss_scale::MIN_SCALE);
-        if !stats.updated && !skipped {
-            return Err(TrainError::Diverged { step, loss: stats.loss, grad_norm: stats.grad_norm });
-        }
-        if let (true, Some((scale, _))) = (skipped, stats.loss_scale) {
-            log(
-                on_event,
-                format!(
-                    "step {step}: the gradient overflowed fp16 at loss scale {scale}; step skipped, the scale halves \
-                     to {}",
-                    scale / 2.0
-                ),
-            );
-        }
-        on_event(RunEvent::Metric(MetricPoint {
-            step,
-            loss: stats.loss,
-            lr: stats.lr,
-            grad_norm: if stats.grad_norm.is_finite() { stats.grad_norm } else { f64::MAX },
-            tokens_per_s: tokens_per_step as f64 / seconds,
-            step_ms: seconds * 1e3,
-            loss_scale: stats.loss_scale.map(|(scale, _)| scale),
-            skipped_steps: stats.loss_scale.map(|(_, skipped)| skipped),
-        }));
-        final_loss = stats.loss;
-        min_loss = min_loss.min(stats.loss);
-        // The first step pays for warm-up (allocations, cuBLAS heuristics): leave it out.
-        if step > 0 || t.steps == 1 {
-            timed_seconds += seconds;
-            timed_steps += 1;
-        }
+        tally.record(on_event, t.steps, step, &stats, step_start.elapsed().as_secs_f64())?;
     }
-    let summary = RunSummary {
-        steps: t.steps,
-        final_loss,
-        min_loss,
-        uniform_loss: (m.vocab as f64).ln(),
-        loss_floor: trainer.data().loss_floor(),
-        params: params as u64,
-        tokens: t.steps * tokens_per_step as u64,
-        tokens_per_s: if timed_seconds > 0.0 {
-            (timed_steps * tokens_per_step as u64) as f64 / timed_seconds
-        } else {
-            0.0
-        },
-        mean_step_ms: if timed_steps > 0 { timed_seconds * 1e3 / timed_steps as f64 } else { 0.0 },
-        wall_s: started.elapsed().as_secs_f64(),
-        world_size: world,
-        threads: 1,
-        collective: None,
-    };
+    let summary = tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), 1);
     Ok(RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() })
 }

@@ -588,7 +588,7 @@ fn pass_name(pass: Pass) -> &'static str {
     }
 }
 
-fn log(on_event: &mut dyn FnMut(RunEvent), message: String) {
+pub(crate) fn log(on_event: &mut dyn FnMut(RunEvent), message: String) {
     on_event(RunEvent::Log(LogLine { level: LogLevel::Info, message }));
 }
 
@@ -596,7 +596,7 @@ fn mib(floats: usize) -> f64 {
     (floats * 4) as f64 / (1024.0 * 1024.0)
 }
 
-fn mib_bytes(bytes: u64) -> f64 {
+pub(crate) fn mib_bytes(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
@@ -691,6 +691,101 @@ fn report_checkpoints(
             (Err(e), _) => (LogLevel::Warn, format!("{e}; training goes on without this checkpoint")),
         };
         on_event(RunEvent::Log(LogLine { level, message }));
+    }
+}
+
+/// What a training loop reports of each optimizer step, and keeps for the run's summary.
+pub(crate) struct StepTally {
+    first_step: u64,
+    tokens_per_step: usize,
+    final_loss: f64,
+    /// The lowest step loss so far (a resumed run starts from its checkpoint's).
+    pub min_loss: f64,
+    timed_seconds: f64,
+    timed_steps: u64,
+}
+
+impl StepTally {
+    pub fn new(spec: &ExperimentSpec, first_step: u64, min_loss: f64) -> Self {
+        let tokens_per_step = spec.tokens_per_step();
+        Self { first_step, tokens_per_step, final_loss: f64::NAN, min_loss, timed_seconds: 0.0, timed_steps: 0 }
+    }
+
+    /// Reports step `step`, which took `seconds`: its metric point, and a log line when loss
+    /// scaling skipped it; an error when it diverged.
+    pub fn record(
+        &mut self,
+        on_event: &mut dyn FnMut(RunEvent),
+        steps: u64,
+        step: u64,
+        stats: &StepStats,
+        seconds: f64,
+    ) -> Result<(), TrainError> {
+        // A step loss scaling skipped (its gradient overflowed) is not divergence, unless the
+        // scale could not go lower.
+        let skipped = !stats.updated
+            && stats.loss.is_finite()
+            && stats.loss_scale.is_some_and(|(scale, _)| scale > crate::loss_scale::MIN_SCALE);
+        if !stats.updated && !skipped {
+            return Err(TrainError::Diverged { step, loss: stats.loss, grad_norm: stats.grad_norm });
+        }
+        if let (true, Some((scale, _))) = (skipped, stats.loss_scale) {
+            log(
+                on_event,
+                format!(
+                    "step {step}: the gradient overflowed fp16 at loss scale {scale}; step skipped, the scale halves \
+                     to {}",
+                    scale / 2.0
+                ),
+            );
+        }
+        on_event(RunEvent::Metric(MetricPoint {
+            step,
+            loss: stats.loss,
+            lr: stats.lr,
+            grad_norm: if stats.grad_norm.is_finite() { stats.grad_norm } else { f64::MAX },
+            tokens_per_s: self.tokens_per_step as f64 / seconds,
+            step_ms: seconds * 1e3,
+            loss_scale: stats.loss_scale.map(|(scale, _)| scale),
+            skipped_steps: stats.loss_scale.map(|(_, skipped)| skipped),
+        }));
+        self.final_loss = stats.loss;
+        self.min_loss = self.min_loss.min(stats.loss);
+        // The first step pays for warm-up (page faults, caches, cuBLAS heuristics): leave it
+        // out when there are more.
+        if step > self.first_step || steps == self.first_step + 1 {
+            self.timed_seconds += seconds;
+            self.timed_steps += 1;
+        }
+        Ok(())
+    }
+
+    /// The run's summary; `loss_floor` is the data's, `threads` the kernel threads per rank.
+    pub fn summary(
+        &self,
+        spec: &ExperimentSpec,
+        params: usize,
+        loss_floor: Option<f64>,
+        wall_s: f64,
+        threads: usize,
+    ) -> RunSummary {
+        let steps = spec.train.steps;
+        let timed_tokens = self.timed_steps as f64 * self.tokens_per_step as f64;
+        RunSummary {
+            steps,
+            final_loss: self.final_loss,
+            min_loss: self.min_loss,
+            uniform_loss: (spec.model.vocab as f64).ln(),
+            loss_floor,
+            params: params as u64,
+            tokens: steps * self.tokens_per_step as u64,
+            tokens_per_s: if self.timed_seconds > 0.0 { timed_tokens / self.timed_seconds } else { 0.0 },
+            mean_step_ms: if self.timed_steps > 0 { self.timed_seconds * 1e3 / self.timed_steps as f64 } else { 0.0 },
+            wall_s,
+            world_size: spec.world_size(),
+            threads,
+            collective: None,
+        }
     }
 }
 
@@ -810,12 +905,8 @@ fn train_rank_as<S: Stored<Acc = f32>>(
         ),
     );
 
-    let tokens_per_step = spec.tokens_per_step();
-    let mut final_loss = f64::NAN;
-    let mut min_loss = f64::INFINITY;
-    let mut timed_seconds = 0.0;
-    let mut timed_steps = 0u64;
     let mut first_step = 0;
+    let mut min_loss = f64::INFINITY;
     let mut writer = None;
     if let (Some(c), true) = (&opts.checkpoints, t.checkpoint_every > 0) {
         let dir = CheckpointDir::new(&c.dir, world);
@@ -830,53 +921,19 @@ fn train_rank_as<S: Stored<Acc = f32>>(
         let asynchronous = t.checkpoint_write == CheckpointWrite::Async;
         writer = Some(CheckpointWriter::new(dir, trainer.place(), asynchronous));
     }
+    let mut tally = StepTally::new(spec, first_step, min_loss);
     for step in first_step..t.steps {
         if cancel.load(Ordering::Relaxed) {
             return Err(TrainError::Cancelled);
         }
         let step_start = Instant::now();
         let stats = pool.install(|| trainer.step(step))?;
-        let seconds = step_start.elapsed().as_secs_f64();
-        // A step loss scaling skipped (its gradient overflowed) is not divergence, unless the
-        // scale could not go lower.
-        let skipped = !stats.updated
-            && stats.loss.is_finite()
-            && stats.loss_scale.is_some_and(|(scale, _)| scale > crate::loss_scale::MIN_SCALE);
-        if !stats.updated && !skipped {
-            return Err(TrainError::Diverged { step, loss: stats.loss, grad_norm: stats.grad_norm });
-        }
-        if let (true, Some((scale, _))) = (skipped, stats.loss_scale) {
-            log(
-                on_event,
-                format!(
-                    "step {step}: the gradient overflowed fp16 at loss scale {scale}; step skipped, the scale halves \
-                     to {}",
-                    scale / 2.0
-                ),
-            );
-        }
-        on_event(RunEvent::Metric(MetricPoint {
-            step,
-            loss: stats.loss,
-            lr: stats.lr,
-            grad_norm: if stats.grad_norm.is_finite() { stats.grad_norm } else { f64::MAX },
-            tokens_per_s: tokens_per_step as f64 / seconds,
-            step_ms: seconds * 1e3,
-            loss_scale: stats.loss_scale.map(|(scale, _)| scale),
-            skipped_steps: stats.loss_scale.map(|(_, skipped)| skipped),
-        }));
-        final_loss = stats.loss;
-        min_loss = min_loss.min(stats.loss);
-        // The first step pays for warm-up (page faults, caches): leave it out when there are more.
-        if step > first_step || t.steps == first_step + 1 {
-            timed_seconds += seconds;
-            timed_steps += 1;
-        }
+        tally.record(on_event, t.steps, step, &stats, step_start.elapsed().as_secs_f64())?;
         if let Some(writer) = &mut writer {
             let next = step + 1;
             if next % t.checkpoint_every == 0 && next < t.steps {
                 let copy_start = Instant::now();
-                let ckpt = trainer.checkpoint(next, min_loss, writer.spare());
+                let ckpt = trainer.checkpoint(next, tally.min_loss, writer.spare());
                 writer.save(ckpt, copy_start.elapsed().as_secs_f64() * 1e3);
             }
             report_checkpoints(on_event, writer.finished(), trainer.place(), t.checkpoint_write);
@@ -902,21 +959,6 @@ fn train_rank_as<S: Stored<Acc = f32>>(
             ),
         );
     }
-    let timed_tokens = timed_steps as f64 * tokens_per_step as f64;
-    let summary = RunSummary {
-        steps: t.steps,
-        final_loss,
-        min_loss,
-        uniform_loss: (m.vocab as f64).ln(),
-        loss_floor: trainer.data().loss_floor(),
-        params: params as u64,
-        tokens: t.steps * tokens_per_step as u64,
-        tokens_per_s: if timed_seconds > 0.0 { timed_tokens / timed_seconds } else { 0.0 },
-        mean_step_ms: if timed_steps > 0 { timed_seconds * 1e3 / timed_steps as f64 } else { 0.0 },
-        wall_s: started.elapsed().as_secs_f64(),
-        world_size: world,
-        threads,
-        collective: None,
-    };
+    let summary = tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), threads);
     Ok(RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() })
 }

@@ -13,11 +13,9 @@ use distlab_worker::comm::nccl::{new_unique_id, share_unique_id, NcclCommunicato
 use distlab_worker::comm::{Communicator, Mesh, ReduceOp, RingCommunicator};
 use distlab_worker::trace::CommTracer;
 
-#[test]
-fn the_unique_id_reaches_every_rank_byte_for_byte() {
-    let world = 3;
+/// Runs `f(rank, ring)` on `world` ranks (threads) joined by the launcher's socket mesh.
+fn on_ranks<T: Send + 'static>(world: usize, f: fn(usize, &mut RingCommunicator) -> T) -> Vec<T> {
     let dir = tempfile::tempdir().unwrap();
-    let id: [u8; UNIQUE_ID_BYTES] = std::array::from_fn(|i| (i * 37 % 256) as u8 ^ 0x80);
     let handles: Vec<_> = (0..world)
         .map(|rank| {
             let path = dir.path().to_path_buf();
@@ -25,32 +23,35 @@ fn the_unique_id_reaches_every_rank_byte_for_byte() {
                 let mesh = Mesh::connect(&path, rank, world, Duration::from_secs(10)).unwrap();
                 let mut ring =
                     RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), None).unwrap();
-                share_unique_id(&mut ring, 1, (rank == 1).then_some(Ok(id))).unwrap()
+                f(rank, &mut ring)
             })
         })
         .collect();
-    for got in handles {
-        assert_eq!(got.join().unwrap(), id);
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+const ID: [u8; UNIQUE_ID_BYTES] = {
+    let mut id = [0u8; UNIQUE_ID_BYTES];
+    let mut i = 0;
+    while i < UNIQUE_ID_BYTES {
+        id[i] = (i * 37 % 256) as u8 ^ 0x80;
+        i += 1;
     }
+    id
+};
+
+#[test]
+fn the_unique_id_reaches_every_rank_byte_for_byte() {
+    let got = on_ranks(3, |rank, ring| share_unique_id(ring, 1, (rank == 1).then_some(Ok(ID))).unwrap());
+    assert!(got.iter().all(|id| *id == ID));
 }
 
 #[test]
 fn a_root_without_an_id_fails_every_rank() {
-    let world = 2;
-    let dir = tempfile::tempdir().unwrap();
-    let handles: Vec<_> = (0..world)
-        .map(|rank| {
-            let path = dir.path().to_path_buf();
-            std::thread::spawn(move || {
-                let mesh = Mesh::connect(&path, rank, world, Duration::from_secs(10)).unwrap();
-                let mut ring =
-                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), None).unwrap();
-                let id = (rank == 0).then_some(Err(NcclUnavailable::NoLibrary));
-                share_unique_id(&mut ring, 0, id).unwrap_err().to_string()
-            })
-        })
-        .collect();
-    let errors: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let errors = on_ranks(2, |rank, ring| {
+        let id = (rank == 0).then_some(Err(NcclUnavailable::NoLibrary));
+        share_unique_id(ring, 0, id).unwrap_err().to_string()
+    });
     assert!(errors[0].contains("NCCL (libnccl.so) is not installed"), "{}", errors[0]);
     assert!(errors[1].contains("rank 0 of the group could not make an NCCL unique id"), "{}", errors[1]);
 }
