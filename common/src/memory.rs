@@ -86,6 +86,38 @@ pub struct MemorySample {
     pub event: String,
     /// Bytes held right after it, by category (`total` is their sum).
     pub bytes: RankMemory,
+    /// Heap bytes the process held at that moment (counting allocator), when measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heap: Option<u64>,
+}
+
+/// What the rank process measured of itself, beside the ledger's bookings: every heap
+/// allocation (a counting global allocator) and the kernel's peak resident set. Each is
+/// None where it was not measured.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProcessMemory {
+    /// Heap bytes live when training ended.
+    #[serde(default)]
+    pub heap_current: Option<u64>,
+    /// The most heap bytes ever live at once, start-up included.
+    #[serde(default)]
+    pub heap_peak: Option<u64>,
+    /// Peak resident set size (`VmHWM`): heap, stacks, shared-memory pipes and code.
+    #[serde(default)]
+    pub peak_resident: Option<u64>,
+    /// GPU: device memory the run holds, from the driver (free before the run minus free
+    /// when the report was made; cuda backend).
+    #[serde(default)]
+    pub device_used: Option<u64>,
+}
+
+impl ProcessMemory {
+    /// Heap bytes at the process's peak that the ledger's peak total does not explain
+    /// (negative when the ledger books more than the heap held, e.g. buffers that live in
+    /// shared memory rather than on the heap).
+    pub fn untracked(&self, ledger_peak_total: u64) -> Option<i64> {
+        self.heap_peak.map(|heap| heap as i64 - ledger_peak_total as i64)
+    }
 }
 
 /// A rank's measured memory: the engine's own allocations, by category.
@@ -99,6 +131,9 @@ pub struct RankMemoryReport {
     pub current: RankMemory,
     /// Samples at op boundaries of the first recorded steps (FSDP's gather/free sawtooth).
     pub timeline: Vec<MemorySample>,
+    /// The process's own measurement beside the ledger (None from older workers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<ProcessMemory>,
 }
 
 /// `GET /api/experiments/{id}/memory`: every rank's measured memory next to the planner.

@@ -11,6 +11,7 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda_train;
 pub mod data;
+pub mod heap;
 pub mod loss_scale;
 pub mod memory;
 pub mod model;

@@ -15,7 +15,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use distlab_worker::heap::CountingAllocator;
 use distlab_worker::train::{CheckpointOptions, TrainOptions};
+
+/// Every allocation of the worker and its rank processes is counted: the memory page shows
+/// the heap measured next to the ledger's bookings.
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 #[derive(Parser)]
 #[command(name = "distlab-worker", version, about = "distlab worker: trains experiments for a distlab server")]

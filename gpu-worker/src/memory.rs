@@ -2,7 +2,8 @@
 //! its category, when it is allocated, and deregistered when it is freed (a `Receipt`
 //! dropped with the buffer). Per rank this gives the bytes held now, each category's peak,
 //! and a timeline sampled at op boundaries of the first steps, where FSDP's gather/free
-//! sawtooth shows.
+//! sawtooth shows. Beside the bookings, each report and sample carries what the process
+//! measured of itself (`heap.rs`), so a buffer the ledger misses shows as "untracked".
 
 use std::sync::{Arc, Mutex};
 
@@ -81,7 +82,8 @@ impl MemoryTracker {
         let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(step) = ledger.sampling {
             let bytes = ledger.current.clone();
-            ledger.timeline.push(MemorySample { t_us: now_us(), step, event: event(), bytes });
+            let heap = crate::heap::heap_now();
+            ledger.timeline.push(MemorySample { t_us: now_us(), step, event: event(), bytes, heap });
         }
     }
 
@@ -97,6 +99,7 @@ impl MemoryTracker {
             peak: ledger.peak.clone(),
             current: ledger.current.clone(),
             timeline: ledger.timeline.clone(),
+            process: Some(crate::heap::measure()),
         }
     }
 }

@@ -358,6 +358,26 @@ mod tests {
     }
 
     #[test]
+    fn sgd_decays_the_weights_then_steps_against_the_unscaled_gradient() {
+        // p' = p (1 - lr wd) - lr * grad_scale * g, worked by hand for lr 0.1, wd 0.5,
+        // grad_scale 2: 1 * 0.95 - 0.1 * 2 * 0.5 = 0.85 and -2 * 0.95 + 0.1 * 2 * 3 = -1.3.
+        let mut p = [1.0f64, -2.0];
+        sgd_update(&mut p, &[0.5f64, -3.0], 0.1, 0.5, 2.0);
+        assert!((p[0] - 0.85).abs() < 1e-12 && (p[1] + 1.3).abs() < 1e-12, "{p:?}");
+    }
+
+    #[test]
+    fn adamw_decays_the_weights_apart_from_the_gradient() {
+        // Decoupled decay: p' = p (1 - lr wd) - lr * m_hat / sqrt(v_hat); after one step the
+        // second term is lr * sign(g): 1 * 0.95 - 0.1 = 0.85 for lr 0.1, wd 0.5.
+        let mut p = [1.0f64];
+        let (mut m, mut v) = ([0.0; 1], [0.0; 1]);
+        let hp = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 0.0, weight_decay: 0.5, step: 1, grad_scale: 1.0 };
+        adamw_update(&mut p, &[0.5f64], &mut m, &mut v, &hp);
+        assert!((p[0] - 0.85).abs() < 1e-12, "{p:?}");
+    }
+
+    #[test]
     fn mixed_adamw_updates_the_f32_master_and_rounds_the_bf16_copy() {
         use half::bf16;
         // A step far below bf16's spacing at 1.0 (2^-7) still moves the master weight; the

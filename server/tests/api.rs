@@ -925,12 +925,14 @@ async fn memory_view_puts_uploaded_memory_next_to_the_planner() {
         step: 0,
         event: event.into(),
         bytes: bytes.clone(),
+        heap: None,
     };
     let report = memory::RankMemoryReport {
         rank: 0,
         peak: peak.clone(),
         current: planner::RankMemory { activations: 0, ..peak.clone() },
         timeline: vec![sample(1_000, "forward block 0", &predicted), sample(2_000, "backward block 0", &peak)],
+        process: None,
     };
     let r0 = trace::RankTrace { memory: Some(report.clone()), ..rank_trace(0, 2, 2) };
     let r1 = rank_trace(1, 2, 2);

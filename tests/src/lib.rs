@@ -270,50 +270,112 @@ pub fn processes_with(marker: &str, needle: &str) -> Vec<u32> {
         .collect()
 }
 
-/// Runs `distlab-worker run` on a spec and returns the per-step losses (panics on failure).
+/// Runs `distlab-worker run` on a spec: one metric point per optimizer step, in order.
+/// Fails on anything unexpected in the output (see [`parse_run_output`]).
+pub fn run_steps(spec: &ExperimentSpec) -> Vec<MetricPoint> {
+    worker_run(spec, None)
+}
+
+/// The per-step losses of [`run_steps`].
 pub fn run_losses(spec: &ExperimentSpec) -> Vec<f64> {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("spec.json");
-    std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
-    let out = Command::new(bin_path("distlab-worker")).arg("run").arg(&path).output().expect("run distlab-worker");
-    assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<MetricPoint>(l).ok())
-        .map(|m| m.loss)
-        .collect()
+    run_steps(spec).iter().map(|m| m.loss).collect()
 }
 
 /// Runs `distlab-worker run --out DIR` on a spec: the per-step losses and every rank's trace.
 pub fn run_with_trace(spec: &ExperimentSpec) -> (Vec<f64>, distlab_common::trace::ExperimentTrace) {
+    let out = tempfile::tempdir().expect("temp dir");
+    let steps = worker_run(spec, Some(out.path()));
+    let trace = std::fs::read_to_string(out.path().join("trace.json")).expect("trace.json");
+    (steps.iter().map(|m| m.loss).collect(), serde_json::from_str(&trace).expect("trace JSON"))
+}
+
+fn worker_run(spec: &ExperimentSpec, out_dir: Option<&Path>) -> Vec<MetricPoint> {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("spec.json");
     std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
-    let out_dir = dir.path().join("out");
-    let out = Command::new(bin_path("distlab-worker"))
-        .arg("run")
-        .arg(&path)
-        .arg("--out")
-        .arg(&out_dir)
-        .output()
-        .expect("run distlab-worker");
+    let mut cmd = Command::new(bin_path("distlab-worker"));
+    cmd.arg("run").arg(&path);
+    if let Some(out_dir) = out_dir {
+        cmd.arg("--out").arg(out_dir);
+    }
+    let out = cmd.output().expect("run distlab-worker");
     assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
-    let losses = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<MetricPoint>(l).ok())
-        .map(|m| m.loss)
-        .collect();
-    let trace = std::fs::read_to_string(out_dir.join("trace.json")).expect("trace.json");
-    (losses, serde_json::from_str(&trace).expect("trace JSON"))
+    parse_run_output(&String::from_utf8_lossy(&out.stdout), spec.train.steps)
+}
+
+/// The metric points of `distlab-worker run`'s stdout, which must be exactly one point per
+/// step (steps 0, 1, ... in order) and then one `{"summary": ...}` line: a line that is
+/// neither, a missing or extra step, or a missing summary fails the test.
+pub fn parse_run_output(stdout: &str, steps: u64) -> Vec<MetricPoint> {
+    let mut points = Vec::new();
+    let mut summary = false;
+    for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
+        assert!(!summary, "a line after the summary: {line}");
+        let value: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        if value.get("summary").is_some() {
+            summary = true;
+            continue;
+        }
+        let point: MetricPoint =
+            serde_json::from_value(value).unwrap_or_else(|e| panic!("not a metric point ({e}): {line}"));
+        assert_eq!(point.step, points.len() as u64, "steps out of order: {line}");
+        points.push(point);
+    }
+    assert!(summary, "no summary line in the output:\n{stdout}");
+    assert_eq!(points.len() as u64, steps, "one metric point per step");
+    points
 }
 
 /// Two runs' per-step losses agree within 1e-5 relative (strategies that sum in another
 /// order, or carry the loss through an f32 all-reduce).
 pub fn assert_same_losses(a: &[f64], b: &[f64], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
+    assert!(!a.is_empty(), "{what}: no steps");
+    assert_eq!(a.len(), b.len(), "{what}: different numbers of steps");
     for (step, (x, y)) in a.iter().zip(b).enumerate() {
         let rel = (x - y).abs() / x.abs();
-        assert!(rel < 1e-5, "{what} step {step}: {x} vs {y} ({rel:e})");
+        assert!(rel < 1e-5, "{what} step {step}: loss {x} vs {y} ({rel:e})");
+    }
+}
+
+/// Two runs are the same training: per step the same loss (1e-5 relative, as
+/// [`assert_same_losses`]) AND the same gradient norm before clipping (2e-5 relative, seen up to 2.6e-6: the
+/// norm is a sum of squares over every rank's shard, summed in f32 in another order, and
+/// small norms late in a run lose more digits). The norm is what catches a gradient that is
+/// off by a constant (a sum instead of a mean across ranks) which AdamW would all but hide.
+pub fn assert_same_training(a: &[MetricPoint], b: &[MetricPoint], what: &str) {
+    let losses = |m: &[MetricPoint]| m.iter().map(|p| p.loss).collect::<Vec<_>>();
+    assert_same_losses(&losses(a), &losses(b), what);
+    let mut worst = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        let rel = (x.grad_norm - y.grad_norm).abs() / x.grad_norm.abs();
+        assert!(rel < 2e-5, "{what} step {}: gradient norm {} vs {} ({rel:e})", x.step, x.grad_norm, y.grad_norm);
+        worst.0 = worst.0.max((x.loss - y.loss).abs() / x.loss.abs());
+        worst.1 = worst.1.max(rel);
+    }
+    println!("{what}: largest relative difference {:.1e} in loss, {:.1e} in gradient norm", worst.0, worst.1);
+}
+
+/// The optimizers every equivalence test trains under: the spec's AdamW with clipping, and
+/// plain SGD with weight decay 0.1 and no clipping, whose update is proportional to the
+/// gradient (AdamW's is nearly blind to a gradient scaled by a constant; clipping too).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestOptimizer {
+    AdamwClipped,
+    SgdWeightDecay,
+}
+
+pub const OPTIMIZERS: [TestOptimizer; 2] = [TestOptimizer::AdamwClipped, TestOptimizer::SgdWeightDecay];
+
+impl TestOptimizer {
+    /// `spec` trained with this optimizer.
+    pub fn on(self, mut spec: ExperimentSpec) -> ExperimentSpec {
+        if self == TestOptimizer::SgdWeightDecay {
+            spec.train.optimizer = Optimizer::Sgd;
+            spec.train.lr = 0.2;
+            spec.train.weight_decay = 0.1;
+            spec.train.grad_clip = 0.0;
+        }
+        spec
     }
 }
 
@@ -325,4 +387,53 @@ pub fn sent_per_step(
 ) -> u64 {
     let counters = &trace.ranks[0].comm.counters;
     counters.iter().filter(|c| c.op == op).map(|c| c.bytes_sent).sum::<u64>() / steps
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TWO_STEPS: &str = r#"{"step":0,"loss":4.1,"lr":0.001,"grad_norm":1.5,"tokens_per_s":10.0,"step_ms":2.0}
+{"step":1,"loss":4.0,"lr":0.001,"grad_norm":1.4,"tokens_per_s":10.0,"step_ms":2.0}
+{"summary":{}}
+"#;
+
+    #[test]
+    fn run_output_parses_one_point_per_step() {
+        let points = parse_run_output(TWO_STEPS, 2);
+        assert_eq!(points.iter().map(|p| p.grad_norm).collect::<Vec<_>>(), vec![1.5, 1.4]);
+    }
+
+    #[test]
+    #[should_panic(expected = "not a metric point")]
+    fn a_line_that_is_not_a_metric_point_fails() {
+        parse_run_output(&TWO_STEPS.replace(r#""loss":4.0,"#, ""), 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "not JSON")]
+    fn a_line_that_is_not_json_fails() {
+        parse_run_output(&format!("warning: something\n{TWO_STEPS}"), 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "one metric point per step")]
+    fn a_missing_step_fails() {
+        parse_run_output(TWO_STEPS, 3);
+    }
+
+    #[test]
+    #[should_panic(expected = "no summary line")]
+    fn a_run_without_its_summary_fails() {
+        parse_run_output(&TWO_STEPS.replace("{\"summary\":{}}", ""), 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "gradient norm")]
+    fn training_with_a_gradient_twice_as_large_is_not_the_same() {
+        let a = parse_run_output(TWO_STEPS, 2);
+        let mut b = a.clone();
+        b[1].grad_norm *= 2.0;
+        assert_same_training(&a, &b, "doubled");
+    }
 }

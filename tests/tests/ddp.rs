@@ -15,30 +15,29 @@ fn spec(name: &str, dp: usize, micro_batch: usize, steps: u64) -> ExperimentSpec
 }
 
 /// dp=W with micro-batch b sees the same global batch as one rank with W*b, and sums the
-/// same gradients (in another order), so the losses agree to float rounding.
-/// Tolerance: 1e-5 relative per step over 20 steps (seen: ~1e-7).
+/// same gradients (in another order), so losses and gradient norms agree to float rounding,
+/// under AdamW and under SGD with weight decay, with the gradients in several buckets.
+/// Tolerance: 1e-5 relative per step over 20 steps for the loss (seen: up to 4.7e-7), 2e-5
+/// for the gradient norm (seen: up to 4.6e-6).
 #[test]
-fn ddp_losses_equal_one_rank_with_the_whole_batch() {
+fn ddp_trains_like_one_rank_with_the_whole_batch() {
     for world in [2, 4] {
-        let single = run_losses(&spec("single", 1, 2 * world, 20));
-        let ddp = run_losses(&spec("ddp", world, 2, 20));
-        assert_eq!(single.len(), 20);
-        assert_eq!(ddp.len(), 20);
-        for (step, (a, b)) in single.iter().zip(&ddp).enumerate() {
-            let rel = (a - b).abs() / a.abs();
-            assert!(rel < 1e-5, "dp={world} step {step}: one rank {a}, ddp {b} (relative {rel:e})");
+        for optimizer in OPTIMIZERS {
+            let single = optimizer.on(spec("single", 1, 2 * world, 20));
+            let mut ddp = optimizer.on(spec("ddp", world, 2, 20));
+            ddp.parallel.bucket_bytes = 64 * 1024; // several buckets for a 0.42 MiB model
+            assert_same_training(&run_steps(&single), &run_steps(&ddp), &format!("dp={world} {optimizer:?}"));
         }
     }
 }
 
 #[test]
-fn ddp_with_accumulation_equals_one_rank() {
-    let single = run_losses(&spec("single", 1, 8, 20));
-    let mut accumulated = spec("ddp-accum", 2, 2, 20);
-    accumulated.train.grad_accum = 2;
-    let ddp = run_losses(&accumulated);
-    for (step, (a, b)) in single.iter().zip(&ddp).enumerate() {
-        assert!((a - b).abs() / a.abs() < 1e-5, "step {step}: {a} vs {b}");
+fn ddp_with_accumulation_trains_like_one_rank() {
+    for optimizer in OPTIMIZERS {
+        let single = optimizer.on(spec("single", 1, 8, 20));
+        let mut accumulated = optimizer.on(spec("ddp-accum", 2, 2, 20));
+        accumulated.train.grad_accum = 2;
+        assert_same_training(&run_steps(&single), &run_steps(&accumulated), &format!("dp=2 x accum 2 {optimizer:?}"));
     }
 }
 

@@ -6,6 +6,9 @@
 //! - `test`: install what a fresh machine lacks, build, `cargo test --workspace` (with the
 //!   worker's `cuda` feature, so the CUDA backend compiles and its tests run or skip)
 //! - `bench`: the engine's training-step benchmark, next to PyTorch's when torch is installed
+//! - `mutants`: break the engine on purpose (`mutants.rs`) and check the tests notice
+
+mod mutants;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -44,6 +47,12 @@ enum Cmd {
     },
     /// Time training steps of the engine, and of PyTorch on the same shape when torch is installed.
     Bench,
+    /// Break the engine on purpose, one hand-written mutant at a time, and run the tests
+    /// that should notice; prints caught / missed (fails if any is missed).
+    Mutants {
+        /// Only the mutants whose name contains this.
+        filter: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -53,6 +62,9 @@ fn main() -> ExitCode {
         Cmd::Run { server_args } => run(&server_args),
         Cmd::Test { test_args } => test(&test_args),
         Cmd::Bench => bench(),
+        Cmd::Mutants { filter } => {
+            mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
     };
     match result {
         Ok(code) => code,

@@ -6,7 +6,7 @@
 //! memory), the card shows the planner's prediction alone, computed in the browser by
 //! the same planner the server runs ([`predicted_only`]).
 
-use distlab_common::memory::{MemoryView, RankMemoryView};
+use distlab_common::memory::{MemoryView, RankMemoryReport, RankMemoryView};
 use distlab_common::planner;
 use distlab_common::ExperimentSpec;
 use leptos::prelude::*;
@@ -55,6 +55,31 @@ pub fn rank_bars(r: &RankMemoryView) -> Vec<Bar> {
         memory: r.predicted.clone(),
     });
     bars
+}
+
+/// What the rank process measured of itself next to what the ledger booked: the heap at
+/// its peak (counting allocator), how much of it the ledger's peak total explains, the
+/// rest as "untracked", and the peak resident set (None when nothing was measured).
+pub fn process_line(m: &RankMemoryReport) -> Option<String> {
+    let p = m.process.as_ref()?;
+    let mut parts = Vec::new();
+    if let (Some(heap), Some(untracked)) = (p.heap_peak, p.untracked(m.peak.total)) {
+        parts.push(format!("process heap peak {} (every allocation counted)", format::bytes(heap as f64)));
+        parts.push(format!("ledger booked {}", format::bytes(m.peak.total as f64)));
+        let sign = if untracked < 0 { "-" } else { "" };
+        parts.push(format!(
+            "untracked {sign}{} ({:.0}% of the heap peak)",
+            format::bytes(untracked.unsigned_abs() as f64),
+            100.0 * untracked as f64 / heap.max(1) as f64
+        ));
+    }
+    if let Some(rss) = p.peak_resident {
+        parts.push(format!("peak resident {} (heap, stacks, shared-memory pipes, code)", format::bytes(rss as f64)));
+    }
+    if let Some(device) = p.device_used {
+        parts.push(format!("GPU memory in use {}", format::bytes(device as f64)));
+    }
+    (!parts.is_empty()).then(|| parts.join(" · "))
 }
 
 /// The longest bar of any rank: every rank's chart uses this scale, so bars compare across ranks.
@@ -141,6 +166,9 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
             .into_any()
         }
     });
+    let process = r.measured.as_ref().and_then(process_line).map(|line| {
+        view! { <p class="memory-process small" title="untracked = heap peak - the ledger's peak total">{line}</p> }
+    });
     let timeline = r.measured.as_ref().filter(|m| !m.timeline.is_empty()).map(|m| {
         let samples = m.timeline.clone();
         let steps: Vec<u64> = {
@@ -169,6 +197,7 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
             </h3>
             <MemoryBars bars=bars scale_max=scale/>
             {differences}
+            {process}
             {timeline}
         </div>
     }
@@ -177,7 +206,7 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
 #[cfg(test)]
 mod tests {
     use super::*;
-    use distlab_common::memory::RankMemoryReport;
+    use distlab_common::memory::ProcessMemory;
 
     fn spec(dp: usize, pp: usize) -> ExperimentSpec {
         let mut spec = ExperimentSpec::default();
@@ -219,5 +248,20 @@ mod tests {
         v.ranks.iter_mut().for_each(|r| r.measured = None);
         assert!(provenance(&v, true).starts_with("The ranks did not report"));
         assert!(provenance(&v, false).starts_with("The planner's prediction"));
+    }
+
+    #[test]
+    fn the_process_line_says_how_much_the_ledger_leaves_out() {
+        let mut m = RankMemoryReport::default();
+        assert_eq!(process_line(&m), None);
+        m.peak.total = 3 << 20;
+        m.process =
+            Some(ProcessMemory { heap_peak: Some(4 << 20), peak_resident: Some(10 << 20), ..Default::default() });
+        let line = process_line(&m).unwrap();
+        assert!(line.contains("process heap peak 4.0 MiB"), "{line}");
+        assert!(line.contains("untracked 1.0 MiB (25% of the heap peak)"), "{line}");
+        assert!(line.contains("peak resident 10.0 MiB"), "{line}");
+        m.peak.total = 5 << 20;
+        assert!(process_line(&m).unwrap().contains("untracked -1.0 MiB"));
     }
 }

@@ -247,6 +247,7 @@ mod tests {
                 total: parameters + gathered,
                 ..RankMemory::default()
             },
+            heap: None,
         }
     }
 

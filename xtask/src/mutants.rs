@@ -1,0 +1,215 @@
+//! `cargo xtask mutants`: breaks the engine on purpose, one mutant at a time, and runs the
+//! tests that guard what the mutant breaks. A mutant the tests do not notice is a hole in
+//! the suite: a learner would see a wrong engine and no test would say so.
+//!
+//! cargo-mutants would generate hundreds of mutants over `parallel/`, `comm/` and
+//! `optim.rs`, each a rebuild of the optimised worker (minutes on 2 cores); these are the
+//! mistakes that change what a learner sees, written by hand. Each names an exact piece of
+//! code: when the code moves on and the piece is gone, the mutant fails loudly instead of
+//! silently testing nothing. The file is restored after every mutant, even on failure.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use crate::{cargo, root};
+
+/// One deliberate mistake and the tests that should catch it.
+pub struct Mutant {
+    pub name: &'static str,
+    /// Relative to the repository root.
+    pub file: &'static str,
+    /// Code that must occur exactly once in `file`...
+    pub find: &'static str,
+    /// ...and what it becomes.
+    pub replace: &'static str,
+    /// `cargo test` arguments selecting the guarding tests.
+    pub tests: &'static [&'static str],
+}
+
+pub const MUTANTS: &[Mutant] = &[
+    Mutant {
+        name: "DDP sums gradients across ranks instead of averaging them",
+        file: "gpu-worker/src/train.rs",
+        find: "let dloss = dloss * scale;",
+        replace: "let dloss = dloss * scale * dp_world as f64;",
+        tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "DDP never sends its last bucket (those gradients stay local)",
+        file: "gpu-worker/src/parallel/ddp.rs",
+        find: "if self.ready_units[b] == bucket.units.len() {",
+        replace: "if self.ready_units[b] == bucket.units.len() && b + 1 < self.buckets.len() {",
+        tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "the ring's reduce-scatter sends the wrong chunk",
+        file: "gpu-worker/src/comm/ring.rs",
+        find: "let send_chunk = (r + 2 * w - step - 1) % w;",
+        replace: "let send_chunk = (r + 2 * w - step) % w;",
+        tests: &["-p", "distlab-worker", "--test", "collectives"],
+    },
+    Mutant {
+        name: "ZeRO/FSDP shards start one element late",
+        file: "gpu-worker/src/parallel/shard.rs",
+        find: "self.global.start + self.mine.start..self.global.start + self.mine.end",
+        replace: "self.global.start + self.mine.start + 1..self.global.start + self.mine.end + 1",
+        tests: &["-p", "distlab-tests", "--test", "sharding", "zero_and_fsdp_train_like_ddp"],
+    },
+    Mutant {
+        name: "tensor parallel skips the all-reduce of the MLP's input gradient",
+        file: "gpu-worker/src/model/gpt.rs",
+        find: "tp.all_reduce(be, &mut s.dln, TpSum::MlpInputGrad, layer)?;",
+        replace: "let _ = (&tp, TpSum::MlpInputGrad);",
+        tests: &["-p", "distlab-tests", "--test", "tensor_parallel", "tensor_parallel_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "tensor parallel leaves the gradient norm rank-local",
+        file: "gpu-worker/src/train.rs",
+        find: "grad_norm_squared = tp.sum_scalar(grad_norm_squared)?;",
+        replace: "let _ = &tp;",
+        tests: &["-p", "distlab-tests", "--test", "tensor_parallel", "tensor_parallel_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "dynamic loss scaling forgets to unscale the gradients",
+        file: "gpu-worker/src/train.rs",
+        find: "clip_scale(grad_norm, t.grad_clip) / scale)?;",
+        replace: "clip_scale(grad_norm, t.grad_clip))?;",
+        tests: &["-p", "distlab-tests", "--test", "mixed_precision", "loss_scaling"],
+    },
+    Mutant {
+        name: "SGD ignores weight decay",
+        file: "gpu-worker/src/optim.rs",
+        find: "let decay = F::from_f64(1.0 - lr * weight_decay);",
+        replace: "let decay = F::from_f64(1.0 - lr * weight_decay * 0.0);",
+        tests: &["-p", "distlab-worker", "--lib", "optim"],
+    },
+    Mutant {
+        name: "gradients are not zeroed between steps",
+        file: "gpu-worker/src/model/state.rs",
+        find: "pub fn zero_grads(&mut self, be: &B) {",
+        replace: "pub fn zero_grads(&mut self, be: &B) {\n        return;",
+        tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
+    },
+];
+
+/// Restores a mutated file when dropped (the mutant's test may panic or be interrupted).
+struct Restore<'a> {
+    path: &'a Path,
+    original: String,
+}
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(self.path, &self.original) {
+            eprintln!("xtask: CANNOT RESTORE {}: {e}; `git checkout` it", self.path.display());
+        }
+    }
+}
+
+/// What became of one mutant.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Caught,
+    Missed,
+}
+
+/// `find` replaced by `replace` in `text`; an error unless `find` occurs exactly once.
+pub fn mutate(text: &str, m: &Mutant) -> Result<String> {
+    match text.matches(m.find).count() {
+        1 => Ok(text.replacen(m.find, m.replace, 1)),
+        n => bail!(
+            "mutant \"{}\": `{}` occurs {n} times in {} (must be once): update the mutant",
+            m.name,
+            m.find,
+            m.file
+        ),
+    }
+}
+
+fn run_one(m: &Mutant) -> Result<Outcome> {
+    let path = root().join(m.file);
+    let original = std::fs::read_to_string(&path).with_context(|| format!("read {}", m.file))?;
+    let mutated = mutate(&original, m)?;
+    let _restore = Restore { path: &path, original };
+    std::fs::write(&path, mutated).with_context(|| format!("write {}", m.file))?;
+    // The mutant must build: a mutant that does not compile tests nothing.
+    if !build_worker()? {
+        bail!("mutant \"{}\" does not compile: fix the mutant", m.name);
+    }
+    Ok(if run_tests(m.tests)? { Outcome::Missed } else { Outcome::Caught })
+}
+
+/// Builds the worker (library and the binary the end-to-end tests start).
+fn build_worker() -> Result<bool> {
+    Ok(cargo().args(["build", "-p", "distlab-worker"]).status().context("cannot start cargo build")?.success())
+}
+
+/// Whether `cargo test ARGS` passes.
+fn run_tests(args: &[&str]) -> Result<bool> {
+    Ok(cargo().arg("test").args(args).status().context("cannot start cargo test")?.success())
+}
+
+/// Runs every mutant whose name contains `filter` (all when None) and prints caught/missed.
+pub fn run(filter: Option<&str>) -> Result<bool> {
+    let chosen: Vec<&Mutant> = MUTANTS.iter().filter(|m| filter.is_none_or(|f| m.name.contains(f))).collect();
+    if chosen.is_empty() {
+        bail!("no mutant's name contains {filter:?}");
+    }
+    // The unmutated engine must pass the same tests, or "caught" means nothing.
+    if !build_worker()? {
+        bail!("the worker does not build");
+    }
+    let mut guards: Vec<&[&str]> = chosen.iter().map(|m| m.tests).collect();
+    guards.dedup();
+    for args in guards {
+        if !run_tests(args)? {
+            bail!("`cargo test {}` fails without any mutant: fix that first", args.join(" "));
+        }
+    }
+    let mut results = Vec::new();
+    for m in &chosen {
+        let start = Instant::now();
+        eprintln!("xtask: mutant: {}", m.name);
+        let outcome = run_one(m)?;
+        eprintln!("xtask: mutant: {} -> {outcome:?} ({:.0} s)", m.name, start.elapsed().as_secs_f64());
+        results.push((m.name, outcome));
+    }
+    // Rebuild the real engine so the binary under target/ is not a mutant's.
+    if !build_worker()? {
+        bail!("the unmutated worker does not build");
+    }
+    let caught = results.iter().filter(|(_, o)| *o == Outcome::Caught).count();
+    println!("\nmutant | outcome");
+    println!("--- | ---");
+    for (name, outcome) in &results {
+        println!("{name} | {}", if *outcome == Outcome::Caught { "caught" } else { "MISSED" });
+    }
+    println!("\n{caught} caught, {} missed", results.len() - caught);
+    Ok(caught == results.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every mutant still names code that exists exactly once, so none silently tests
+    /// nothing after the engine changes.
+    #[test]
+    fn every_mutant_applies_to_the_code_as_it_is() {
+        for m in MUTANTS {
+            let text = std::fs::read_to_string(root().join(m.file)).expect(m.file);
+            let mutated = mutate(&text, m).unwrap_or_else(|e| panic!("{e}"));
+            assert_ne!(mutated, text, "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn a_piece_of_code_found_twice_is_refused() {
+        let m = Mutant { name: "twice", file: "f.rs", find: "a", replace: "b", tests: &[] };
+        assert!(mutate("a a", &m).is_err());
+        assert!(mutate("c", &m).is_err());
+        assert_eq!(mutate("a c", &m).unwrap(), "b c");
+    }
+}
