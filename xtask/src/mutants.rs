@@ -79,6 +79,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "loss_scaling"],
     },
     Mutant {
+        name: "1F1B fills the pipe with one forward too many (same losses, more activations)",
+        file: "gpu-worker/src/parallel/schedule.rs",
+        find: "(stages - stage - 1).min(micro_batches)",
+        replace: "(stages - stage).min(micro_batches)",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "every_stage_runs_the_schedules_order"],
+    },
+    Mutant {
         name: "SGD ignores weight decay",
         file: "gpu-worker/src/optim.rs",
         find: "let decay = F::from_f64(1.0 - lr * weight_decay);",
