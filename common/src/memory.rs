@@ -109,6 +109,18 @@ pub struct ProcessMemory {
     /// when the report was made; cuda backend).
     #[serde(default)]
     pub device_used: Option<u64>,
+    /// The peaks when the model and its state had been built, before the first step.
+    #[serde(default)]
+    pub start_up: Option<StartUpMemory>,
+}
+
+/// Start-up: the heap's peak (counting allocator) and the ledger's peak total, once the
+/// model and its state are built. Their difference is what initialisation held beside
+/// the booked buffers (a whole-model copy on a rank that keeps a shard would show here).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StartUpMemory {
+    pub heap_peak: u64,
+    pub ledger_peak: u64,
 }
 
 impl ProcessMemory {

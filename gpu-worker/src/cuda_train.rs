@@ -106,7 +106,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
         let t = &spec.train;
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
-        let saved = Saved { in_flight: 1, checkpointing: t.checkpointing };
+        let saved = Saved { checkpointing: t.checkpointing };
         let stage = Stage::whole(spec.model.layers);
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage, saved, None, &memory);
         let params = model.layout.total;

@@ -76,6 +76,7 @@ pub fn measure() -> ProcessMemory {
         heap_peak: INSTALLED.load(Relaxed).then(|| PEAK.load(Relaxed)),
         peak_resident: peak_resident_bytes(),
         device_used: None,
+        start_up: None,
     }
 }
 

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use distlab_common::memory::{MemorySample, RankMemoryReport};
+use distlab_common::memory::{MemorySample, ProcessMemory, RankMemoryReport, StartUpMemory};
 use distlab_common::planner::RankMemory;
 
 use crate::trace::now_us;
@@ -22,6 +22,8 @@ struct Ledger {
     /// Step being sampled into the timeline, if any.
     sampling: Option<u64>,
     timeline: Vec<MemorySample>,
+    /// The heap's and the ledger's peaks when the model and its state were built.
+    start_up: Option<StartUpMemory>,
 }
 
 /// One rank's ledger of live buffers. Shared (Arc) by everything that allocates.
@@ -87,6 +89,14 @@ impl MemoryTracker {
         }
     }
 
+    /// The model and its state are built, training starts: what the process and the
+    /// ledger peaked at so far is the start-up peak (the initialisation's copies live here).
+    pub fn mark_start_up(&self) {
+        let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+        let ledger_peak = ledger.peak.total;
+        ledger.start_up = crate::heap::measure().heap_peak.map(|heap_peak| StartUpMemory { heap_peak, ledger_peak });
+    }
+
     /// Bytes held now, by category.
     pub fn current(&self) -> RankMemory {
         self.ledger.lock().unwrap_or_else(|e| e.into_inner()).current.clone()
@@ -99,7 +109,7 @@ impl MemoryTracker {
             peak: ledger.peak.clone(),
             current: ledger.current.clone(),
             timeline: ledger.timeline.clone(),
-            process: Some(crate::heap::measure()),
+            process: Some(ProcessMemory { start_up: ledger.start_up.clone(), ..crate::heap::measure() }),
         }
     }
 }

@@ -55,6 +55,17 @@ impl Rng {
         }
     }
 
+    /// This generator moved on so that its next [`Self::normal`] is deviate `k` of its
+    /// stream (each Box-Muller pair takes two draws, and SplitMix64 jumps in O(1)).
+    pub fn at_normal(mut self, k: u64) -> Self {
+        self.state = self.state.wrapping_add((k / 2).wrapping_mul(2).wrapping_mul(GOLDEN_GAMMA));
+        self.spare_normal = None;
+        if k % 2 == 1 {
+            self.normal();
+        }
+        self
+    }
+
     /// Standard normal deviate (Box-Muller).
     pub fn normal(&mut self) -> f64 {
         if let Some(z) = self.spare_normal.take() {
@@ -72,6 +83,15 @@ impl Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn jumping_to_a_normal_deviate_gives_the_streams_value() {
+        let mut stream = Rng::new(3);
+        let drawn: Vec<f64> = (0..9).map(|_| stream.normal()).collect();
+        for (k, &value) in drawn.iter().enumerate() {
+            assert_eq!(Rng::new(3).at_normal(k as u64).normal(), value, "deviate {k}");
+        }
+    }
 
     #[test]
     fn same_seed_same_stream_and_streams_differ() {

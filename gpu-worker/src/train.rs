@@ -210,11 +210,9 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         let t = &spec.train;
         let (stage_index, stages) = groups.pp.as_ref().map_or((0, 1), |g| (g.stage, g.stages));
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
-        let micro_steps = t.micro_batches * t.grad_accum;
-        let slots = schedule::activations_in_flight(spec.parallel.pp_schedule, stages, stage_index, micro_steps);
         let tp_rank = groups.tp.as_ref().map_or(0, |g| g.place().rank);
         let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<Cpu<S>>>);
-        let saved = Saved { in_flight: slots, checkpointing: t.checkpointing };
+        let saved = Saved { checkpointing: t.checkpointing };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp)?;
@@ -223,6 +221,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
             Received::new(&memory, if stage.first { 0 } else { activation }, if stage.last { 0 } else { activation });
         let links = groups.pp.map(|g| PipelineLinks::new(g, &memory));
         let tokens = spec.train.micro_batch * spec.model.seq_len;
+        memory.mark_start_up();
         Ok(Self {
             spec: spec.clone(),
             backend,
@@ -290,7 +289,6 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         let (stage, stages) = self.links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
         let (first, last) = (self.model.stage.first, self.model.stage.last);
         let actions = schedule::schedule(self.spec.parallel.pp_schedule, stages, stage, micro_steps);
-        let slots = schedule::activations_in_flight(self.spec.parallel.pp_schedule, stages, stage, micro_steps);
         let last_backward = actions.iter().rposition(|a| matches!(a, Action::Backward { .. }));
 
         self.strategy.begin_step(be, step, record);
@@ -300,7 +298,6 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         let mut loss_sum = 0.0;
         for (index, action) in actions.iter().enumerate() {
             let (Action::Forward { micro } | Action::Backward { micro }) = *action;
-            let slot = schedule::slot(micro, slots);
             let first_sequence = dp_rank * per_rank + micro * t.micro_batch;
             self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
             // What this action needs from a neighbour (the wait is the pipeline's bubble).
@@ -335,7 +332,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
                     } else {
                         StageInput::Activation(&self.received.activation)
                     };
-                    loss_sum += self.model.forward_stage(be, &mut state, slot, input, &self.targets)?;
+                    loss_sum += self.model.forward_stage(be, &mut state, micro, input, &self.targets)?;
                     if record {
                         let end = now_us();
                         let mut pass =
@@ -344,13 +341,13 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
                         state.spans.push(pass);
                     }
                     if let (Some(links), false) = (&mut self.links, last) {
-                        links.send(self.model.output(slot), stage + 1);
+                        links.send(self.model.output(micro), stage + 1);
                     }
                 }
                 Action::Backward { micro } => {
                     let grad = (!last).then_some(&self.received.grad[..]);
                     let dloss = dloss * scale;
-                    self.model.backward_stage(be, &mut state, slot, &self.inputs, &self.targets, grad, dloss)?;
+                    self.model.backward_stage(be, &mut state, micro, &self.inputs, &self.targets, grad, dloss)?;
                     if record && stages > 1 {
                         let end = now_us();
                         let mut pass =

@@ -90,3 +90,34 @@ fn bytes_sent_per_step_match_the_planner() {
         );
     }
 }
+
+/// Each rank measures its own process beside the ledger (a counting allocator), and no
+/// FSDP rank ever holds the whole model's initial values: each computes only its shard's.
+/// At start-up the heap holds less beside the ledger's bookings than half the whole model
+/// in fp32 (a rank that initialised the whole model first would hold all of it there).
+#[test]
+fn fsdp_ranks_never_hold_the_whole_model() {
+    let mut s = spec("fsdp-init", 4, Sharding::Fsdp);
+    s.model = ModelSpec { layers: 4, d_model: 128, heads: 4, seq_len: 8, vocab: 64 };
+    s.train.micro_batch = 1;
+    s.train.steps = 1;
+    s.train.warmup_steps = 1;
+    let whole = s.model.param_count() * 4;
+    let (_, trace) = run_with_trace(&s);
+    assert_eq!(trace.ranks.len(), 4);
+    for rank in &trace.ranks {
+        let m = rank.memory.as_ref().expect("ranks report their memory");
+        let p = m.process.as_ref().expect("the worker measures its process");
+        let start = p.start_up.as_ref().expect("the start-up peak is measured");
+        let beside = start.heap_peak.saturating_sub(start.ledger_peak);
+        let what = format!(
+            "rank {}: start-up heap {} B, ledger {} B, whole model {whole} B",
+            rank.rank, start.heap_peak, start.ledger_peak
+        );
+        assert!(start.heap_peak >= start.ledger_peak, "{what}: every booked buffer is on the heap");
+        assert!(beside < whole / 2, "{what}");
+        let heap = p.heap_peak.expect("heap peak");
+        assert!(heap >= m.peak.total, "rank {}: heap peak {heap} below the ledger's {}", rank.rank, m.peak.total);
+        assert!(p.peak_resident.expect("peak resident set") >= heap, "rank {}", rank.rank);
+    }
+}

@@ -86,6 +86,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "pipeline", "every_stage_runs_the_schedules_order"],
     },
     Mutant {
+        name: "FSDP ranks initialise the whole model before keeping their shard",
+        file: "gpu-worker/src/parallel/sharded.rs",
+        find: "let seed = spec.train.seed;",
+        replace: "let seed = spec.train.seed;\n        let _whole = layout.init_params::<f32>(seed);",
+        tests: &["-p", "distlab-tests", "--test", "sharding", "fsdp_ranks_never_hold_the_whole_model"],
+    },
+    Mutant {
+        name: "activations are booked for the whole run, not per micro-batch in flight",
+        file: "gpu-worker/src/model/gpt.rs",
+        find: "let done = self.in_flight.swap_remove(index);\n        self.spare.push(done.acts);",
+        replace: "let _ = index;",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "one_f_one_b_holds_fewer_activations_than_gpipe"],
+    },
+    Mutant {
         name: "SGD ignores weight decay",
         file: "gpu-worker/src/optim.rs",
         find: "let decay = F::from_f64(1.0 - lr * weight_decay);",

@@ -73,6 +73,13 @@ pub fn process_line(m: &RankMemoryReport) -> Option<String> {
             100.0 * untracked as f64 / heap.max(1) as f64
         ));
     }
+    if let Some(start) = &p.start_up {
+        parts.push(format!(
+            "at start-up heap {} for ledger {}",
+            format::bytes(start.heap_peak as f64),
+            format::bytes(start.ledger_peak as f64)
+        ));
+    }
     if let Some(rss) = p.peak_resident {
         parts.push(format!("peak resident {} (heap, stacks, shared-memory pipes, code)", format::bytes(rss as f64)));
     }

@@ -11,8 +11,12 @@
 //! Parameters and gradients are laid out by [`ParamLayout`] (`layout.rs`). Where they
 //! live is not the model's business: it opens one unit (embeddings, a block, the head)
 //! at a time through a [`ModelState`] (`state.rs`), whole buffers for one rank or DDP,
-//! gathered shards for FSDP. Activations are allocated once for a micro-batch of `batch`
-//! sequences and reused every step.
+//! gathered shards for FSDP. A micro-batch's activations are taken (and booked in the
+//! memory ledger) when its forward starts and released when its backward is done, so the
+//! memory a pipeline schedule holds is what the running schedule keeps alive. Released
+//! sets are kept for reuse (as a caching allocator would), so a stage allocates as many
+//! sets as it ever had in flight at once; the backward scratch and the recompute buffers
+//! are allocated once.
 //!
 //! Under tensor parallelism (`parallel/tensor.rs`) each rank runs the same code on its
 //! slice of every block: its heads (d/tp wide) and its 1/tp of the MLP's hidden units
@@ -151,17 +155,16 @@ impl Stage {
     }
 }
 
-/// What forward saves for backward: activations for `in_flight` micro-batches, all of
-/// them or (activation checkpointing) only some blocks' outputs.
+/// What forward saves for backward: every activation, or (activation checkpointing)
+/// only some blocks' outputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Saved {
-    pub in_flight: usize,
     pub checkpointing: Checkpointing,
 }
 
 impl Default for Saved {
     fn default() -> Self {
-        Saved { in_flight: 1, checkpointing: Checkpointing::None }
+        Saved { checkpointing: Checkpointing::None }
     }
 }
 
@@ -235,25 +238,103 @@ struct GradScratch<Buf> {
     dfch: Buf,
 }
 
+/// The sizes of one micro-batch's [`Activations`] on this rank.
+#[derive(Clone, Copy, Debug)]
+struct ActivationShape {
+    batch: usize,
+    rows: usize,
+    t: usize,
+    c: usize,
+    /// This rank's width of the attention (its heads) and of the MLP's hidden layer.
+    cl: usize,
+    heads: usize,
+    hidden: usize,
+    vocab: usize,
+    /// Blocks whose activations are all kept (none with checkpointing).
+    kept_blocks: usize,
+    /// Segment outputs kept (checkpointing).
+    checkpoints: usize,
+    last: bool,
+}
+
+impl ActivationShape {
+    /// One block's buffers, each from `alloc(floats)`.
+    fn block<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> BlockActivations<Buf> {
+        let (rows, c, cl, hidden) = (self.rows, self.c, self.cl, self.hidden);
+        BlockActivations {
+            ln1: alloc(rows * c),
+            ln1_mean: alloc(rows),
+            ln1_rstd: alloc(rows),
+            qkv: alloc(rows * 3 * cl),
+            att: alloc(self.batch * self.heads * self.t * self.t),
+            atty: alloc(rows * cl),
+            res_attn: alloc(rows * c),
+            ln2: alloc(rows * c),
+            ln2_mean: alloc(rows),
+            ln2_rstd: alloc(rows),
+            fch: alloc(rows * hidden),
+            fch_gelu: alloc(rows * hidden),
+            res_mlp: alloc(rows * c),
+        }
+    }
+
+    /// Everything one micro-batch's forward leaves for its backward.
+    fn set<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> Activations<Buf> {
+        let (rows, c) = (self.rows, self.c);
+        Activations {
+            encoded: alloc(rows * c),
+            blocks: (0..self.kept_blocks).map(|_| self.block(alloc)).collect(),
+            checkpoints: (0..self.checkpoints).map(|_| alloc(rows * c)).collect(),
+            head: self.last.then(|| HeadActivations {
+                lnf: alloc(rows * c),
+                lnf_mean: alloc(rows),
+                lnf_rstd: alloc(rows),
+                logits: alloc(rows * self.vocab),
+                losses: alloc(rows),
+            }),
+        }
+    }
+
+    /// Floats of one [`Self::set`].
+    fn set_floats(&self) -> usize {
+        let mut floats = 0;
+        self.set(&mut |len| floats += len);
+        floats
+    }
+}
+
+/// One micro-batch in flight on this stage: its activations, booked in the ledger until
+/// its backward is done.
+struct InFlight<Buf> {
+    micro: usize,
+    acts: Activations<Buf>,
+    _booked: Receipt,
+}
+
 /// A GPT (or the stage of it this rank runs) on backend `B`: its layout and the
-/// activations for micro-batches of `batch` sequences, one set per micro-batch in flight
-/// (parameters and gradients live in a [`ModelState`]).
+/// activations of the micro-batches (of `batch` sequences) in flight (parameters and
+/// gradients live in a [`ModelState`]).
 pub struct Gpt<B: Backend> {
     pub spec: ModelSpec,
     /// Sequences per micro-batch (activations are sized for this).
     pub batch: usize,
     pub layout: ParamLayout,
     pub stage: Stage,
-    /// One set of saved activations per slot (micro-batch in flight).
-    acts: Vec<Activations<B::Buf>>,
+    /// The micro-batches between their forward and the end of their backward.
+    in_flight: Vec<InFlight<B::Buf>>,
+    /// Sets whose backward is done, kept for the next forward instead of being freed and
+    /// allocated again (what a caching allocator does: no longer booked in the ledger,
+    /// still on the heap, so between steps they show as "untracked").
+    spare: Vec<Activations<B::Buf>>,
+    shape: ActivationShape,
+    memory: Arc<MemoryTracker>,
     /// Activation checkpointing: blocks per segment (None: keep every activation).
     segment: Option<usize>,
     /// With checkpointing: one segment's block activations, shared by every micro-batch
     /// (forward runs each block here; backward recomputes a segment here).
     recompute: Vec<BlockActivations<B::Buf>>,
     scratch: GradScratch<B::Buf>,
-    activation_floats: usize,
-    /// The memory ledger's record of every buffer above.
+    /// The memory ledger's record of the recompute and scratch buffers.
     receipts: Vec<Receipt>,
     /// Tensor parallelism (None: this rank holds every block whole).
     tp: Option<Box<dyn TensorParallelGroup<B>>>,
@@ -266,7 +347,8 @@ impl<B: Backend> Gpt<B> {
     }
 
     /// `stage` of the model (this rank's slice of it with `tp`), saving activations as
-    /// `saved` says; every buffer is allocated once and registered with `memory`.
+    /// `saved` says. The recompute and scratch buffers are allocated here and registered
+    /// with `memory`; each micro-batch's activations when its forward starts.
     pub fn new_stage(
         be: &B,
         spec: &ModelSpec,
@@ -276,15 +358,28 @@ impl<B: Backend> Gpt<B> {
         tp: Option<Box<dyn TensorParallelGroup<B>>>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
-        let slots = saved.in_flight.max(1);
         let segment = saved.segment(stage.blocks.len());
         let place = tp.as_ref().map_or(TpPlace::ALONE, |g| g.place());
         let layout = ParamLayout::for_tp(spec, place);
         let n = place.size;
-        // This rank's width of the attention (its heads) and of the MLP's hidden layer.
-        let (t, c, v, h) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n);
-        let (cl, hidden) = (c / n, 4 * spec.d_model / n);
-        let rows = batch * t;
+        let (kept_blocks, checkpoints) = match segment {
+            None => (stage.blocks.len(), 0),
+            Some(k) => (0, stage.blocks.len().div_ceil(k)),
+        };
+        let shape = ActivationShape {
+            batch,
+            rows: batch * spec.seq_len,
+            t: spec.seq_len,
+            c: spec.d_model,
+            cl: spec.d_model / n,
+            heads: spec.heads / n,
+            hidden: 4 * spec.d_model / n,
+            vocab: spec.vocab,
+            kept_blocks,
+            checkpoints,
+            last: stage.last,
+        };
+        let (rows, c, cl, hidden) = (shape.rows, shape.c, shape.cl, shape.hidden);
         let mut floats = 0usize;
         let mut receipts = Vec::new();
         let mut alloc = |category: Category, len: usize| {
@@ -292,77 +387,73 @@ impl<B: Backend> Gpt<B> {
             receipts.push(memory.alloc_of::<B::Elem>(category, len));
             be.alloc(len)
         };
-        let block = |alloc: &mut dyn FnMut(Category, usize) -> B::Buf| BlockActivations {
-            ln1: alloc(Category::Activations, rows * c),
-            ln1_mean: alloc(Category::Activations, rows),
-            ln1_rstd: alloc(Category::Activations, rows),
-            qkv: alloc(Category::Activations, rows * 3 * cl),
-            att: alloc(Category::Activations, batch * h * t * t),
-            atty: alloc(Category::Activations, rows * cl),
-            res_attn: alloc(Category::Activations, rows * c),
-            ln2: alloc(Category::Activations, rows * c),
-            ln2_mean: alloc(Category::Activations, rows),
-            ln2_rstd: alloc(Category::Activations, rows),
-            fch: alloc(Category::Activations, rows * hidden),
-            fch_gelu: alloc(Category::Activations, rows * hidden),
-            res_mlp: alloc(Category::Activations, rows * c),
-        };
-        let (kept_blocks, checkpoints) = match segment {
-            None => (stage.blocks.len(), 0),
-            Some(k) => (0, stage.blocks.len().div_ceil(k)),
-        };
-        let one_set = |alloc: &mut dyn FnMut(Category, usize) -> B::Buf| Activations {
-            encoded: alloc(Category::Activations, rows * c),
-            blocks: (0..kept_blocks).map(|_| block(alloc)).collect(),
-            checkpoints: (0..checkpoints).map(|_| alloc(Category::Activations, rows * c)).collect(),
-            head: stage.last.then(|| HeadActivations {
-                lnf: alloc(Category::Activations, rows * c),
-                lnf_mean: alloc(Category::Activations, rows),
-                lnf_rstd: alloc(Category::Activations, rows),
-                logits: alloc(Category::Activations, rows * v),
-                losses: alloc(Category::Activations, rows),
-            }),
-        };
-        let acts = (0..slots).map(|_| one_set(&mut alloc)).collect();
-        let recompute = (0..segment.unwrap_or(0)).map(|_| block(&mut alloc)).collect();
+        let recompute =
+            (0..segment.unwrap_or(0)).map(|_| shape.block(&mut |len| alloc(Category::Activations, len))).collect();
         let scratch = GradScratch {
             dres: alloc(Category::ActivationGrads, rows * c),
             dln: alloc(Category::ActivationGrads, rows * c),
             datty: alloc(Category::ActivationGrads, rows * cl),
             dqkv: alloc(Category::ActivationGrads, rows * 3 * cl),
-            datt: alloc(Category::ActivationGrads, batch * h * t * t),
+            datt: alloc(Category::ActivationGrads, batch * shape.heads * shape.t * shape.t),
             dfch: alloc(Category::ActivationGrads, rows * hidden),
         };
-        if stage == Stage::whole(spec.layers) && slots == 1 && segment.is_none() {
-            debug_assert_eq!(floats, Self::activation_floats_for(spec, batch, n));
+        if stage == Stage::whole(spec.layers) && segment.is_none() {
+            debug_assert_eq!(floats + shape.set_floats(), Self::activation_floats_for(spec, batch, n));
         }
         Self {
             spec: spec.clone(),
             batch,
             layout,
             stage,
-            acts,
+            in_flight: Vec::new(),
+            spare: Vec::new(),
+            shape,
+            memory: memory.clone(),
             segment,
             recompute,
             scratch,
-            activation_floats: floats,
             receipts,
             tp,
         }
     }
 
-    /// Floats held for activations and their gradients (for memory reports).
-    pub fn activation_floats(&self) -> usize {
-        self.activation_floats
+    /// Micro-batch `micro`'s forward starts: its activations are allocated and booked (a
+    /// forward run again before its backward, as a finite-difference check does, reuses them).
+    fn take_activations(&mut self, be: &B, micro: usize) {
+        if let Some(i) = self.in_flight.iter().position(|f| f.micro == micro) {
+            let last = self.in_flight.len() - 1;
+            self.in_flight.swap(i, last);
+            return;
+        }
+        let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, self.shape.set_floats());
+        let shape = self.shape;
+        let acts = self.spare.pop().unwrap_or_else(|| shape.set(&mut |len| be.alloc(len)));
+        self.in_flight.push(InFlight { micro, acts, _booked: booked });
     }
 
-    /// Bytes of every buffer the model holds, counted from the buffers themselves (what
-    /// the memory ledger must agree with).
+    /// Where micro-batch `micro`'s activations are (its forward ran, its backward has not).
+    fn activations_of(&self, micro: usize) -> usize {
+        self.in_flight
+            .iter()
+            .position(|f| f.micro == micro)
+            .unwrap_or_else(|| panic!("micro-batch {micro} has no activations: backward before forward"))
+    }
+
+    /// Micro-batches whose activations this stage holds now.
+    pub fn micro_batches_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Bytes of every buffer the model holds in use (spare activation sets aside),
+    /// counted from the buffers themselves (what the memory ledger must agree with).
     pub fn held_bytes(&self, be: &B) -> u64 {
         let s = &self.scratch;
         let block = BlockActivations::buffers;
         let mut bufs = Vec::new();
-        for a in &self.acts {
+        bufs.extend(self.recompute.iter().flat_map(block));
+        bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
+        debug_assert_eq!(bufs.len(), self.receipts.len());
+        for a in self.in_flight.iter().map(|f| &f.acts) {
             bufs.push(&a.encoded);
             if let Some(h) = &a.head {
                 bufs.extend([&h.lnf, &h.lnf_mean, &h.lnf_rstd, &h.logits, &h.losses]);
@@ -370,9 +461,6 @@ impl<B: Backend> Gpt<B> {
             bufs.extend(a.blocks.iter().flat_map(block));
             bufs.extend(a.checkpoints.iter());
         }
-        bufs.extend(self.recompute.iter().flat_map(block));
-        bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
-        debug_assert_eq!(bufs.len(), self.receipts.len());
         bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64).sum()
     }
 
@@ -423,21 +511,22 @@ impl<B: Backend> Gpt<B> {
         self.forward_stage(be, state, 0, StageInput::Tokens(inputs), targets)
     }
 
-    /// Runs this stage on one micro-batch, keeping what backward needs in `slot`. On the
-    /// last stage returns the SUM of the per-token losses (`targets`); elsewhere 0, and the
-    /// output for the next stage is `output(slot)`.
+    /// Runs this stage on micro-batch `micro`, keeping what backward needs in activations
+    /// allocated for it. On the last stage returns the SUM of the per-token losses
+    /// (`targets`); elsewhere 0, and the output for the next stage is `output(micro)`.
     pub fn forward_stage(
         &mut self,
         be: &B,
         state: &mut dyn ModelState<B>,
-        slot: usize,
+        micro: usize,
         input: StageInput<'_, B::Elem>,
         targets: &[u32],
     ) -> Result<f64, CommError> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
         let dims = self.dims();
+        self.take_activations(be, micro);
         let lay = &self.layout;
-        let acts = &mut self.acts[slot];
+        let acts = &mut self.in_flight.last_mut().expect("taken above").acts;
 
         match input {
             StageInput::Tokens(inputs) => {
@@ -519,9 +608,9 @@ impl<B: Backend> Gpt<B> {
         }
     }
 
-    /// What this stage's forward of `slot` hands to the next stage: its last block's output.
-    pub fn output(&self, slot: usize) -> &B::Buf {
-        self.acts[slot].output()
+    /// What this stage's forward of `micro` hands to the next stage: its last block's output.
+    pub fn output(&self, micro: usize) -> &B::Buf {
+        self.in_flight[self.activations_of(micro)].acts.output()
     }
 
     /// After `backward_stage` on a stage that is not the first: the gradient of the stage's
@@ -547,7 +636,7 @@ impl<B: Backend> Gpt<B> {
         self.backward_stage(be, state, 0, inputs, targets, None, dloss)
     }
 
-    /// Backpropagates this stage's forward of `slot`. The last stage starts from the loss
+    /// Backpropagates this stage's forward of `micro`, then frees its activations. The last stage starts from the loss
     /// (`targets`, `dloss`); the others from `grad_output`, the gradient of their output
     /// that the next stage sent. The first stage ends in the embeddings (`inputs`); the
     /// others leave the gradient of their input in `input_grad()`. With checkpointing,
@@ -558,7 +647,7 @@ impl<B: Backend> Gpt<B> {
         &mut self,
         be: &B,
         state: &mut dyn ModelState<B>,
-        slot: usize,
+        micro: usize,
         inputs: &[u32],
         targets: &[u32],
         grad_output: Option<&[B::Elem]>,
@@ -567,9 +656,10 @@ impl<B: Backend> Gpt<B> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
         let dims = self.dims();
         let lay = &self.layout;
+        let index = self.activations_of(micro);
         let s = &mut self.scratch;
         let with_params = Pass::Backward { params: true };
-        let acts = &mut self.acts[slot];
+        let acts = &mut self.in_flight[index].acts;
 
         if let Some(head) = acts.head.as_mut() {
             // loss and LM head
@@ -662,6 +752,10 @@ impl<B: Backend> Gpt<B> {
                 state.close(be, Unit::Block(l), with_params)?;
             }
         }
+        // Every activation of this micro-batch is consumed (the embeddings' backward needs
+        // only the token ids): released from the ledger, kept for the next forward.
+        let done = self.in_flight.swap_remove(index);
+        self.spare.push(done.acts);
         if !self.stage.first {
             return Ok(());
         }

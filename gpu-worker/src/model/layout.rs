@@ -18,9 +18,9 @@
 //!   everything else (LayerNorms, the two row-parallel biases, embeddings, LM head): whole
 //! ```
 //!
-//! Every rank starts from the same parameters as one rank alone would (the whole model is
-//! initialised from the seed, then cut), so a run with `tp > 1` can be checked against one
-//! rank loss for loss.
+//! Every rank starts from the same parameters as one rank alone would (the values the whole
+//! model's initialisation gives, cut), so a run with `tp > 1` can be checked against one
+//! rank loss for loss; each rank computes only its own part of them.
 
 use std::ops::Range;
 
@@ -222,53 +222,90 @@ impl ParamLayout {
         groups
     }
 
-    /// The initial parameters, deterministic from `seed` (drawn in buffer order for the
-    /// whole model; a tensor-parallel rank takes its part of that).
+    /// The initial parameters, deterministic from `seed` (see [`Self::init_params_range`]).
     pub fn init_params<F: Stored>(&self, seed: u64) -> Vec<F> {
-        if self.tp.size > 1 {
-            let whole = ParamLayout::new(&self.model);
-            return self.part_of(&whole, &whole.init_params(seed));
-        }
-        let mut rng = Rng::from_parts(&[seed, INIT_STREAM]);
-        let mut params = vec![F::default(); self.total];
-        for t in &self.tensors {
-            let dst = &mut params[t.range.clone()];
-            match t.init {
-                Init::Normal { std } => dst.iter_mut().for_each(|p| *p = F::from_f64(std * rng.normal())),
-                Init::Zeros => dst.fill(F::default()),
-                Init::Ones => dst.fill(F::from_f64(1.0)),
+        self.init_params_range(seed, 0..self.total)
+    }
+
+    /// Parameters `range` of this rank's flat buffer as initialised: exactly the values the
+    /// whole model's initialisation puts there (normal deviates drawn in buffer order over
+    /// the whole model without tensor parallelism, then cut), computed for `range` alone.
+    /// Like materialising one shard of a model built on PyTorch's meta device: no rank ever
+    /// holds the whole model's initial values (a tensor-parallel rank holds one whole
+    /// tensor at a time while it cuts its part).
+    pub fn init_params_range<F: Stored>(&self, seed: u64, range: Range<usize>) -> Vec<F> {
+        let whole = ParamLayout::new(&self.model);
+        let mut out = Vec::with_capacity(range.len());
+        for (i, (mine, all)) in self.tensors.iter().zip(&whole.tensors).enumerate() {
+            let (lo, hi) = (mine.range.start.max(range.start), mine.range.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            if self.tp.size <= 1 {
+                out.extend(whole.init_values::<F>(seed, i, lo..hi));
+            } else {
+                let values = whole.init_values::<F>(seed, i, all.range.clone());
+                let part = self.cut(mine, all, &values);
+                out.extend_from_slice(&part[lo - mine.range.start..hi - mine.range.start]);
             }
         }
-        params
+        out
+    }
+
+    /// The initial values at flat positions `range` (inside tensor `i` of this layout,
+    /// which has no tensor parallelism).
+    fn init_values<F: Stored>(&self, seed: u64, i: usize, range: Range<usize>) -> Vec<F> {
+        let t = &self.tensors[i];
+        match t.init {
+            Init::Zeros => vec![F::default(); range.len()],
+            Init::Ones => vec![F::from_f64(1.0); range.len()],
+            Init::Normal { std } => {
+                // Deviate k of the stream belongs to the k-th element of the Normal tensors.
+                let before: usize = self.tensors[..i]
+                    .iter()
+                    .filter(|t| matches!(t.init, Init::Normal { .. }))
+                    .map(|t| t.range.len())
+                    .sum();
+                let first = before + range.start - t.range.start;
+                let mut rng = Rng::from_parts(&[seed, INIT_STREAM]).at_normal(first as u64);
+                range.map(|_| F::from_f64(std * rng.normal())).collect()
+            }
+        }
     }
 
     /// This rank's part of `values`, a buffer laid out by `whole` (the same model, no
     /// tensor parallelism).
     pub fn part_of<F: Stored>(&self, whole: &ParamLayout, values: &[F]) -> Vec<F> {
-        let (rank, n) = (self.tp.rank, self.tp.size.max(1));
         let mut out = Vec::with_capacity(self.total);
         for (mine, all) in self.tensors.iter().zip(&whole.tensors) {
-            let src = &values[all.range.clone()];
-            match mine.split {
-                Split::Replicated => out.extend_from_slice(src),
-                Split::Rows => {
-                    let part = src.len() / n;
-                    out.extend_from_slice(&src[rank * part..(rank + 1) * part]);
-                }
-                Split::Columns { groups } => {
-                    let cols = *all.shape.last().expect("a tensor has a shape");
-                    let (group, width) = (cols / groups, cols / groups / n);
-                    for row in src.chunks(cols) {
-                        for g in 0..groups {
-                            let at = g * group + rank * width;
-                            out.extend_from_slice(&row[at..at + width]);
-                        }
-                    }
-                }
-            }
+            out.extend(self.cut(mine, all, &values[all.range.clone()]));
         }
         debug_assert_eq!(out.len(), self.total);
         out
+    }
+
+    /// This rank's part (`mine`) of one whole tensor's values (`all`, `src`).
+    fn cut<F: Stored>(&self, mine: &TensorInfo, all: &TensorInfo, src: &[F]) -> Vec<F> {
+        let (rank, n) = (self.tp.rank, self.tp.size.max(1));
+        match mine.split {
+            Split::Replicated => src.to_vec(),
+            Split::Rows => {
+                let part = src.len() / n;
+                src[rank * part..(rank + 1) * part].to_vec()
+            }
+            Split::Columns { groups } => {
+                let cols = *all.shape.last().expect("a tensor has a shape");
+                let (group, width) = (cols / groups, cols / groups / n);
+                let mut out = Vec::with_capacity(mine.range.len());
+                for row in src.chunks(cols) {
+                    for g in 0..groups {
+                        let at = g * group + rank * width;
+                        out.extend_from_slice(&row[at..at + width]);
+                    }
+                }
+                out
+            }
+        }
     }
 
     /// The sum of squares of `grads`, whose element i is parameter `at + i` of this layout,
@@ -315,6 +352,42 @@ mod tests {
             assert_eq!(lay.block_len() as u64, m.block_params());
             let groups = lay.param_groups();
             assert_eq!(groups.iter().map(|g| g.range.len()).sum::<usize>(), lay.total);
+        }
+    }
+
+    /// The straightforward initialisation, written independently: every normal deviate of
+    /// the whole model drawn in buffer order, then this rank's part cut out.
+    fn whole_then_cut(lay: &ParamLayout, seed: u64) -> Vec<f32> {
+        let whole = ParamLayout::new(&lay.model);
+        let mut rng = Rng::from_parts(&[seed, INIT_STREAM]);
+        let mut all = vec![0.0f32; whole.total];
+        for t in &whole.tensors {
+            for p in &mut all[t.range.clone()] {
+                *p = match t.init {
+                    Init::Normal { std } => (std * rng.normal()) as f32,
+                    Init::Zeros => 0.0,
+                    Init::Ones => 1.0,
+                };
+            }
+        }
+        lay.part_of(&whole, &all)
+    }
+
+    #[test]
+    fn any_range_initialises_to_the_whole_models_values() {
+        let m = ModelSpec { layers: 2, d_model: 16, heads: 4, seq_len: 8, vocab: 24 };
+        for tp in [1, 2, 4] {
+            for rank in 0..tp {
+                let lay = ParamLayout::for_tp(&m, TpPlace { rank, size: tp });
+                let expected = whole_then_cut(&lay, 9);
+                assert_eq!(lay.init_params::<f32>(9), expected, "tp {rank}/{tp}");
+                // Ranges that start and end inside tensors, odd offsets included (the
+                // Box-Muller pairs straddle them).
+                for range in [0..1, 3..7, 385..1000, 1001..lay.total, 17..lay.total - 5] {
+                    let part = lay.init_params_range::<f32>(9, range.clone());
+                    assert_eq!(part, expected[range.clone()], "tp {rank}/{tp} range {range:?}");
+                }
+            }
         }
     }
 

@@ -96,7 +96,7 @@ impl<B: Backend> FlatState<B> {
     /// the whole model would be.
     pub fn for_range(be: &B, layout: &ParamLayout, range: Range<usize>, seed: u64) -> Self {
         let mut params = be.alloc(range.len());
-        be.upload(&mut params, &layout.init_params::<B::Elem>(seed)[range.clone()]);
+        be.upload(&mut params, &layout.init_params_range::<B::Elem>(seed, range.clone()));
         FlatState { params, grads: be.alloc(range.len()), at: range.start }
     }
 

@@ -93,12 +93,12 @@ impl<S: Stored<Acc = f32>> Replicated<S> {
         let seed = spec.train.seed;
         let optimizer = match &zero1 {
             Some(shard) => {
-                let initial = || shard.gather_mine(&layout.init_params::<f32>(seed));
+                let initial = || shard.init_mine(layout, seed);
                 Optimizer::new(&spec.train, shard.optim_groups(&layout.param_groups()), shard.len, initial, memory)
             }
             None => {
                 let groups = OptimGroup::unsharded(&layout.param_groups_in(&range));
-                let initial = || layout.init_params::<f32>(seed)[range.clone()].to_vec();
+                let initial = || layout.init_params_range::<f32>(seed, range.clone());
                 Optimizer::new(&spec.train, groups, range.len(), initial, memory)
             }
         };

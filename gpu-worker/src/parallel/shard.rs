@@ -78,10 +78,10 @@ impl ShardLayout {
         self.units.iter().find(|u| u.unit == unit).expect("a unit of this stage")
     }
 
-    /// This rank's pieces of `all` (indexed like the whole model's flat layout), in shard
-    /// order.
-    pub fn gather_mine<T: Copy>(&self, all: &[T]) -> Vec<T> {
-        self.units.iter().flat_map(|u| all[u.global_mine()].iter().copied()).collect()
+    /// The initial values of this rank's pieces, in shard order (computed for the pieces
+    /// alone: the whole model's initial values never exist on this rank).
+    pub fn init_mine(&self, layout: &ParamLayout, seed: u64) -> Vec<f32> {
+        self.units.iter().flat_map(|u| layout.init_params_range::<f32>(seed, u.global_mine())).collect()
     }
 
     /// A unit's range in a flat buffer of these units.

@@ -76,18 +76,19 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
             None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone) },
         };
         let shard = ShardLayout::new(layout, &stage.units(), rank, world);
-        let all = layout.init_params::<f32>(spec.train.seed);
+        // Each rank computes only the initial values it keeps (never the whole model's).
+        let seed = spec.train.seed;
         let params: Vec<S> = if fsdp {
-            shard.gather_mine(&all).into_iter().map(S::store).collect()
+            shard.init_mine(layout, seed).into_iter().map(S::store).collect()
         } else {
-            all[stage.range(layout)].iter().map(|&p| S::store(p)).collect()
+            layout.init_params_range::<f32>(seed, stage.range(layout)).into_iter().map(S::store).collect()
         };
         let receipts = [
             memory.alloc_of::<S>(Category::Parameters, params.len()),
             memory.alloc_of::<S>(Category::Gradients, shard.len),
         ];
         let groups = shard.optim_groups(&layout.param_groups());
-        let optimizer = Optimizer::new(&spec.train, groups, shard.len, || shard.gather_mine(&all), memory);
+        let optimizer = Optimizer::new(&spec.train, groups, shard.len, || shard.init_mine(layout, seed), memory);
         Ok(Sharded {
             fsdp,
             grad_shard: vec![S::default(); shard.len],
