@@ -58,6 +58,9 @@ pub struct Claim {
 pub enum ClaimCheck {
     /// A ring all-reduce sends 2(W-1)/W x D bytes per rank.
     AllreduceBytes,
+    /// Each phase of a ring all-reduce (reduce-scatter, then all-gather) sends (W-1)/W x D
+    /// bytes per rank.
+    RingPhaseBytes,
     /// DDP on W ranks gives the losses of one rank with W times the batch.
     DdpEqualsOneRank,
     /// The measured pipeline bubble next to (P-1)/(M+P-1).

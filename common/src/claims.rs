@@ -10,7 +10,7 @@ use crate::compare;
 use crate::events::MetricPoint;
 use crate::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
 use crate::planner::{self, Plan};
-use crate::trace::{CollectiveOp, RankTrace};
+use crate::trace::{CollectiveOp, RankTrace, RingPhase};
 use crate::{Checkpointing, ExperimentSpec, ExperimentView};
 
 /// `GET /api/cards/checks`: one entry per (check, preset) the deck uses.
@@ -68,7 +68,7 @@ pub fn preset_for(card: &Card) -> Option<&str> {
 /// The preset that checks a claim when the card's own demo runs none (a planner demo).
 pub fn canonical_preset(check: ClaimCheck) -> &'static str {
     match check {
-        ClaimCheck::AllreduceBytes => "allreduce",
+        ClaimCheck::AllreduceBytes | ClaimCheck::RingPhaseBytes => "allreduce",
         ClaimCheck::DdpEqualsOneRank => "ddp2",
         ClaimCheck::BubbleFraction => "pipeline",
         ClaimCheck::BytesPerParam => "reference",
@@ -81,20 +81,24 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 }
 
 /// Whether `candidate` is the run a check sets `run` against, for the checks that compare
-/// two runs: any one-rank run of the same training (equal losses), or the same config with
-/// dynamic loss scaling (underflow). None: the check needs no partner.
+/// two measured runs: any one-rank run of the same training (equal losses), the same
+/// config with dynamic loss scaling (underflow), in fp32 (bf16), or without activation
+/// checkpointing (its memory). None: the check needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
+    let mut twin = run.clone();
     match check {
         ClaimCheck::DdpEqualsOneRank => {
-            Some(candidate.world_size() == 1 && compare::why_not_equal(run, candidate).is_empty())
+            return Some(candidate.world_size() == 1 && compare::why_not_equal(run, candidate).is_empty())
         }
-        ClaimCheck::LossScalingUnderflow => {
-            let mut scaled = run.clone();
-            scaled.train.loss_scaling = crate::LossScaling::Dynamic;
-            Some(scaled.same_up_to_name(candidate))
+        ClaimCheck::LossScalingUnderflow => twin.train.loss_scaling = crate::LossScaling::Dynamic,
+        ClaimCheck::Bf16NoScaling => {
+            twin.train.precision = crate::Precision::Fp32;
+            twin.train.loss_scaling = crate::LossScaling::None;
         }
-        _ => None,
+        ClaimCheck::ActivationCheckpointingMemory => twin.train.checkpointing = Checkpointing::None,
+        _ => return None,
     }
+    Some(twin.same_up_to_name(candidate))
 }
 
 /// Checks `check` on `run` (and `partner`, when the check compares two runs).
@@ -160,27 +164,41 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
             }
         }
         ClaimCheck::ActivationCheckpointingMemory => {
-            let measured = run.ranks.iter().filter_map(|r| r.memory.as_ref()).map(|m| m.peak.activations).max();
-            let measured = measured.ok_or("the run recorded no memory")?;
-            let mut plain = spec.clone();
-            plain.train.checkpointing = Checkpointing::None;
-            let without = planner::plan(&plain).map(|p| peak_activations(&p)).unwrap_or(0);
-            let ratio = measured as f64 / without.max(1) as f64;
+            // Measured on both runs: this one, and the same config without checkpointing.
+            let plain = partner.ok_or(
+                "no finished run of the same config without checkpointing yet (resubmit the preset with \
+                 checkpointing none)",
+            )?;
+            let with = measured_activations(run)?;
+            let without = measured_activations(plain)?;
+            let ratio = with as f64 / without.max(1) as f64;
+            let mut plain_spec = spec.clone();
+            plain_spec.train.checkpointing = Checkpointing::None;
+            let planned = planner::plan(&plain_spec).map(|p| peak_activations(&p)).unwrap_or(0);
+            let planned_ratio = peak_activations(&plan) as f64 / planned.max(1) as f64;
             Ok(m(
                 format!(
-                    "{} without checkpointing; about a third of it with checkpointing {}",
-                    bytes_text(without),
-                    checkpointing_name(spec.train.checkpointing)
+                    "checkpointing {} keeps {:.0}% of the activations (planner: {} of {})",
+                    checkpointing_name(spec.train.checkpointing),
+                    100.0 * planned_ratio,
+                    bytes_text(peak_activations(&plan)),
+                    bytes_text(planned)
                 ),
-                format!("{} kept ({:.0}% of the planner's full amount)", bytes_text(measured), 100.0 * ratio),
-                spec.train.checkpointing != Checkpointing::None && ratio < 0.5,
+                format!(
+                    "{:.0}%: {} kept, {} without checkpointing (run {})",
+                    100.0 * ratio,
+                    bytes_text(with),
+                    bytes_text(without),
+                    plain.view.id
+                ),
+                spec.train.checkpointing != Checkpointing::None && (ratio - planned_ratio).abs() <= 0.05,
             ))
         }
         ClaimCheck::BubbleFraction => {
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
             let bubble =
                 measured_bubble(&stage_rows(run.ranks, step)).ok_or("the timeline has no forward or backward")?;
-            let formula = formula_bubble(spec.parallel.pp, spec.train.micro_batches);
+            let formula = formula_bubble(spec.parallel.pp, spec.pipeline_micro_batches());
             Ok(Measurement {
                 note: Some(format!(
                     "The formula assumes every stage has a processor of its own and equal work. Here {} \
@@ -194,7 +212,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
                         "(P-1)/(M+P-1) = {:.1}% (P={}, M={})",
                         100.0 * formula,
                         spec.parallel.pp,
-                        spec.train.micro_batches
+                        spec.pipeline_micro_batches()
                     ),
                     format!("{:.1}% idle in step {step}", 100.0 * bubble.overall),
                     (bubble.overall - formula).abs() <= 0.1,
@@ -204,11 +222,11 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::TpAllreduces => {
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
             let rank = rank0.ok_or("the run recorded no trace")?;
-            let calls = rank.spans.iter().filter(|s| s.step == step && s.lane == "tp").count();
+            let calls = rank.spans.iter().filter(|s| s.step == step && s.lane == crate::trace::lane::TP).count();
             let layers = plan.stages[spec.stage_of(0)].layers;
             // Checkpointing recomputes each block's forward, with its two all-reduces.
             let per_block = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
-            let micro_batches = spec.train.micro_batches * spec.train.grad_accum;
+            let micro_batches = spec.pipeline_micro_batches();
             let predicted = per_block * layers * micro_batches;
             Ok(m(
                 format!("{per_block} x {layers} blocks x {micro_batches} micro-batches = {predicted} per step"),
@@ -231,23 +249,84 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         }
         ClaimCheck::LossScalingUnderflow => {
             let scaled = partner.ok_or("no finished run of the same config with dynamic loss scaling yet")?;
-            let (plain, with) = (final_loss(run)?, final_loss(scaled)?);
+            let (plain, with) = (descent(run)?, descent(scaled)?);
             Ok(m(
-                "without scaling the loss falls more slowly".to_string(),
-                format!("final loss {plain:.4} without scaling, {with:.4} with it (run {})", scaled.view.id),
-                plain > with,
+                format!("without scaling the loss falls less than {:.0}% as far", 100.0 * SLOWER),
+                format!(
+                    "{:.0}%: down {:.4} without scaling, {:.4} with it (run {})",
+                    100.0 * plain / with,
+                    plain,
+                    with,
+                    scaled.view.id
+                ),
+                with > 0.0 && plain < SLOWER * with,
             ))
         }
         ClaimCheck::Bf16NoScaling => {
-            let last = final_loss(run)?;
-            let uniform = (spec.model.vocab as f64).ln();
+            let fp32 = partner
+                .ok_or("no finished run of the same config in fp32 yet (resubmit the preset with precision fp32)")?;
+            let (bf16, full) = (descent(run)?, descent(fp32)?);
             Ok(m(
-                format!("it learns: below a uniform guess, ln {} = {uniform:.4}", spec.model.vocab),
-                format!("final loss {last:.4}, no loss scaling"),
-                last.is_finite() && last < uniform,
+                format!("without scaling bf16 falls as far as fp32 (within {:.0}%)", 100.0 * (1.0 - ALONGSIDE)),
+                format!(
+                    "{:.0}%: down {bf16:.4} in bf16, {full:.4} in fp32 (run {})",
+                    100.0 * bf16 / full,
+                    fp32.view.id
+                ),
+                full > 0.0 && bf16 >= ALONGSIDE * full,
+            ))
+        }
+        ClaimCheck::RingPhaseBytes => {
+            let c = run
+                .view
+                .summary
+                .as_ref()
+                .and_then(|s| s.collective.as_ref())
+                .ok_or("the phases are measured on the all-reduce demo's ring replay: run the allreduce preset")?;
+            let per_phase = c.formula_bytes / 2.0;
+            let sent = |rank: u32, phase: RingPhase| -> u64 {
+                let rank_steps = run.ranks.iter().filter(|r| r.rank == rank).flat_map(|r| &r.comm.steps);
+                rank_steps.filter(|s| s.from == rank && s.phase == phase).map(|s| s.bytes).sum()
+            };
+            let phases: Vec<(u64, u64)> = (0..c.world as u32)
+                .map(|r| (sent(r, RingPhase::ReduceScatter), sent(r, RingPhase::AllGather)))
+                .collect();
+            if phases.iter().all(|&(rs, ag)| rs == 0 && ag == 0) {
+                return Err("the run recorded no ring steps".into());
+            }
+            let agrees = phases.iter().all(|&(rs, ag)| rs as f64 == per_phase && ag as f64 == per_phase);
+            let (rs, ag) = phases[0];
+            Ok(m(
+                format!("(W-1)/W x D = {per_phase} bytes per rank in each phase (W={})", c.world),
+                format!(
+                    "rank 0 sent {rs} bytes in reduce-scatter and {ag} in all-gather; {}",
+                    if agrees { "every rank the same" } else { "not every rank the same" }
+                ),
+                agrees,
             ))
         }
     }
+}
+
+/// Without loss scaling fp16 must fall less than this share of the scaled run's descent.
+const SLOWER: f64 = 0.9;
+/// bf16 must fall at least this share of fp32's descent.
+const ALONGSIDE: f64 = 0.95;
+
+/// How far a run's loss fell: its first step's loss minus its last (the summary's final).
+fn descent(run: &RunEvidence) -> Result<f64, String> {
+    let first = run.metrics.first().map(|p| p.loss).ok_or("the run has no loss")?;
+    let last = final_loss(run)?;
+    if !(first.is_finite() && last.is_finite()) {
+        return Err(format!("run {} has a loss that is not finite", run.view.id));
+    }
+    Ok(first - last)
+}
+
+/// The most activation memory any rank of a run booked (its memory ledger).
+fn measured_activations(run: &RunEvidence) -> Result<u64, String> {
+    let peaks = run.ranks.iter().filter_map(|r| r.memory.as_ref()).map(|m| m.peak.activations);
+    peaks.max().ok_or_else(|| format!("run {} recorded no memory", run.view.id))
 }
 
 fn op_counters(rank: &RankTrace, op: CollectiveOp) -> impl Iterator<Item = &crate::trace::CollectiveCounter> {
@@ -294,6 +373,7 @@ mod tests {
         let keys: Vec<&str> = presets().iter().map(|p| p.key).collect();
         for check in [
             ClaimCheck::AllreduceBytes,
+            ClaimCheck::RingPhaseBytes,
             ClaimCheck::DdpEqualsOneRank,
             ClaimCheck::BubbleFraction,
             ClaimCheck::BytesPerParam,
@@ -374,5 +454,136 @@ mod tests {
             None,
         );
         assert!(err.unwrap_err().contains("one-rank"));
+    }
+
+    fn view(id: i64, spec: ExperimentSpec, summary: Option<crate::RunSummary>) -> ExperimentView {
+        ExperimentView {
+            id,
+            name: spec.name.clone(),
+            status: crate::ExperimentStatus::Succeeded,
+            spec,
+            created_at: String::new(),
+            started_at: None,
+            finished_at: None,
+            error: None,
+            summary,
+            attempt: 1,
+            steps_done: 0,
+        }
+    }
+
+    fn losses(first: f64, last: f64) -> Vec<MetricPoint> {
+        vec![
+            MetricPoint { step: 0, loss: first, ..MetricPoint::default() },
+            MetricPoint { step: 1, loss: last, ..MetricPoint::default() },
+        ]
+    }
+
+    #[test]
+    fn the_ring_phases_are_checked_from_the_bytes_each_rank_sent_in_each() {
+        let spec = presets().into_iter().find(|p| p.key == "allreduce").map(|p| p.spec).unwrap_or_default();
+        let collective = crate::CollectiveCheck {
+            world: 2,
+            elements: 16,
+            bytes_sent: vec![64; 2],
+            formula_bytes: 64.0,
+            ..Default::default()
+        };
+        let v = view(3, spec, Some(crate::RunSummary { collective: Some(collective), ..Default::default() }));
+        let step = |from: u32, phase: RingPhase, bytes: u64| crate::trace::RingStep {
+            collective: 0,
+            phase,
+            step: 0,
+            chunk: from,
+            from,
+            to: 1 - from,
+            bytes,
+            start_us: 0,
+            end_us: 1,
+            values: None,
+        };
+        let rank = |r: u32, rs: u64, ag: u64| RankTrace {
+            rank: r,
+            comm: crate::trace::RankCommTrace {
+                steps: vec![step(r, RingPhase::ReduceScatter, rs), step(r, RingPhase::AllGather, ag)],
+                ..Default::default()
+            },
+            ..RankTrace::default()
+        };
+        let check = |ranks: &[RankTrace]| {
+            measure(ClaimCheck::RingPhaseBytes, &RunEvidence { view: &v, metrics: &[], ranks, traced_steps: 1 }, None)
+        };
+        let right = check(&[rank(0, 32, 32), rank(1, 32, 32)]).unwrap();
+        assert!(right.agrees && right.measured.contains("32 bytes in reduce-scatter"), "{right:?}");
+        // An all-reduce that sends the right total but splits it wrongly between the phases.
+        assert!(!check(&[rank(0, 48, 16), rank(1, 48, 16)]).unwrap().agrees);
+        assert!(check(&[]).is_err());
+    }
+
+    #[test]
+    fn mixed_precision_claims_compare_how_far_the_loss_fell_with_a_measured_partner() {
+        let find = |key: &str| presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
+        let (plain, scaled, bf16) =
+            (view(1, find("fp16-plain"), None), view(2, find("fp16-scaled"), None), view(3, find("bf16"), None));
+        let mut fp32_spec = find("bf16");
+        fp32_spec.train.precision = crate::Precision::Fp32;
+        assert_eq!(is_partner(ClaimCheck::Bf16NoScaling, &bf16.spec, &fp32_spec), Some(true));
+        let fp32 = view(4, fp32_spec, None);
+        let run = |v, m| RunEvidence { view: v, metrics: m, ranks: &[], traced_steps: 1 };
+        // Measured on the presets: fp32 8.3226 -> 7.6179, fp16 without scaling -> 7.7657,
+        // with scaling -> 7.6178, bf16 -> 7.6181.
+        let (l_plain, l_scaled, l_bf16, l_fp32) =
+            (losses(8.3226, 7.7657), losses(8.3226, 7.6178), losses(8.3226, 7.6181), losses(8.3226, 7.6179));
+        let under =
+            measure(ClaimCheck::LossScalingUnderflow, &run(&plain, &l_plain), Some(&run(&scaled, &l_scaled))).unwrap();
+        assert!(under.agrees, "{under:?}");
+        // A fp16 run that falls nearly as far as the scaled one does not show underflow.
+        let nearly = losses(8.3226, 7.65);
+        assert!(
+            !measure(ClaimCheck::LossScalingUnderflow, &run(&plain, &nearly), Some(&run(&scaled, &l_scaled)))
+                .unwrap()
+                .agrees
+        );
+        let bf = measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &l_bf16), Some(&run(&fp32, &l_fp32))).unwrap();
+        assert!(bf.agrees, "{bf:?}");
+        // bf16 that learns (below ln V) but falls much less than fp32 does not agree.
+        let lagging = losses(8.3226, 8.0);
+        assert!(!measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &lagging), Some(&run(&fp32, &l_fp32))).unwrap().agrees);
+        assert!(measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &l_bf16), None).unwrap_err().contains("fp32"));
+    }
+
+    #[test]
+    fn checkpointing_memory_is_set_against_a_measured_run_without_it() {
+        let spec = presets().into_iter().find(|p| p.key == "checkpointing").map(|p| p.spec).unwrap_or_default();
+        let mut plain_spec = spec.clone();
+        plain_spec.train.checkpointing = Checkpointing::None;
+        assert_eq!(is_partner(ClaimCheck::ActivationCheckpointingMemory, &spec, &plain_spec), Some(true));
+        let planned = |s: &ExperimentSpec| peak_activations(&planner::plan(s).unwrap());
+        let ranks = |activations: u64| {
+            vec![RankTrace {
+                memory: Some(crate::memory::RankMemoryReport {
+                    peak: planner::RankMemory { activations, ..Default::default() },
+                    ..Default::default()
+                }),
+                ..RankTrace::default()
+            }]
+        };
+        let (with, without) = (view(1, spec.clone(), None), view(2, plain_spec.clone(), None));
+        let (r_with, r_without) = (ranks(planned(&spec)), ranks(planned(&plain_spec)));
+        let run = |v, r| RunEvidence { view: v, metrics: &[], ranks: r, traced_steps: 1 };
+        let got =
+            measure(ClaimCheck::ActivationCheckpointingMemory, &run(&with, &r_with), Some(&run(&without, &r_without)))
+                .unwrap();
+        assert!(got.agrees, "{got:?}");
+        // Checkpointing that keeps everything (a broken engine) does not agree.
+        let kept_all = ranks(planned(&plain_spec));
+        let got = measure(
+            ClaimCheck::ActivationCheckpointingMemory,
+            &run(&with, &kept_all),
+            Some(&run(&without, &r_without)),
+        )
+        .unwrap();
+        assert!(!got.agrees, "{got:?}");
+        assert!(measure(ClaimCheck::ActivationCheckpointingMemory, &run(&with, &r_with), None).is_err());
     }
 }

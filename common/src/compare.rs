@@ -50,7 +50,11 @@ pub struct RunStats {
     pub peak_memory: Option<RankMemory>,
     /// Data-parallel bytes the busiest rank sent per step, counted by its collectives (the
     /// data-parallel ring is the traced one; tensor and pipeline traffic is not counted).
+    /// None when nothing was traced (a run with several ranks and no counters).
     pub dp_comm_bytes_per_step: Option<f64>,
+    /// Some of those bytes are NCCL's formula, not counted as they were sent.
+    #[serde(default)]
+    pub dp_comm_bytes_from_formula: bool,
     /// The planner's data-parallel bytes per step for the busiest rank.
     pub predicted_dp_comm_bytes_per_step: Option<u64>,
     /// The planner's pipeline bubble: (P-1)/(M+P-1), 0 without pipeline parallelism.
@@ -355,13 +359,12 @@ pub fn seed_bands(runs: &[(i64, &ExperimentSpec, &[MetricPoint])]) -> Vec<SeedBa
 // ---- measured summary ----
 
 /// Where each rank's recorded steps went, averaged over ranks and steps.
-/// - compute: forward, backward and optimizer spans, less the tensor-parallel all-reduces
-///   (lane "tp") the compute thread waits for inside them;
-/// - exposed comm: those all-reduces, plus data-parallel comm (lane "comm") outside compute;
+/// - compute: forward, backward and optimizer spans, less the collectives the compute
+///   thread waits for inside them (tensor parallelism's all-reduces, ZeRO/FSDP's gathers
+///   and reduce-scatters: [`Span::blocks_compute`]);
+/// - exposed comm: those collectives, plus the communication thread's (DDP's buckets)
+///   outside compute;
 /// - idle: the rest of the step (first span start to last span end).
-///
-/// FSDP and ZeRO gathers issued from the compute thread share the "comm" lane with DDP's
-/// background buckets, so inside a forward or optimizer span they count as compute.
 pub fn time_split(ranks: &[RankTrace]) -> Option<TimeSplit> {
     let (mut compute, mut comm, mut idle, mut samples) = (0u64, 0u64, 0u64, 0u64);
     let mut steps_covered = 0;
@@ -379,8 +382,8 @@ pub fn time_split(ranks: &[RankTrace]) -> Option<TimeSplit> {
             let end = spans.iter().map(|s| s.end_us).max().unwrap_or(0);
             let work =
                 intervals(&spans, |s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Optimizer));
-            let blocking = intervals(&spans, |s| s.kind == SpanKind::Comm && s.lane == "tp");
-            let background = intervals(&spans, |s| s.kind == SpanKind::Comm && s.lane != "tp");
+            let blocking = intervals(&spans, |s| s.blocks_compute());
+            let background = intervals(&spans, |s| s.kind == SpanKind::Comm && !s.blocks_compute());
             let busy = union_length(&[work.clone(), blocking.clone()].concat()) - union_length(&blocking);
             let waited = union_length(&[work, blocking, background].concat()) - busy;
             compute += busy;
@@ -430,8 +433,11 @@ pub fn peak_memory(ranks: &[RankTrace]) -> Option<RankMemory> {
 
 /// Bytes the busiest rank sent per optimizer step, from the collective counters of the
 /// `traced_steps` steps its trace covers (a resumed run traces only its last attempt).
+/// None when there is nothing to count from: no steps, or several ranks none of which
+/// traced a collective (one rank alone sends nothing: 0).
 pub fn comm_bytes_per_step(ranks: &[RankTrace], traced_steps: u64) -> Option<f64> {
-    if traced_steps == 0 {
+    let untraced = ranks.len() > 1 && ranks.iter().all(|r| r.comm.counters.is_empty());
+    if traced_steps == 0 || untraced {
         return None;
     }
     let busiest = ranks.iter().map(|r| r.comm.counters.iter().map(|c| c.bytes_sent).sum::<u64>()).max()?;
@@ -458,6 +464,7 @@ pub fn run_stats(
         time_split: time_split(ranks),
         peak_memory: peak_memory(ranks),
         dp_comm_bytes_per_step: comm_bytes_per_step(ranks, traced_steps),
+        dp_comm_bytes_from_formula: ranks.iter().flat_map(|r| &r.comm.counters).any(|c| c.bytes_from_formula),
         predicted_dp_comm_bytes_per_step: plan.map(busiest_dp_comm),
         predicted_bubble: plan.map(|p| p.bubble_fraction),
     }
@@ -558,7 +565,7 @@ pub fn parse_ids(raw: &str) -> Result<Vec<i64>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::RankCommTrace;
+    use crate::trace::{lane, RankCommTrace};
 
     fn point(step: u64, loss: f64) -> MetricPoint {
         MetricPoint { step, loss, ..MetricPoint::default() }
@@ -683,12 +690,25 @@ mod tests {
     }
 
     #[test]
+    fn fsdp_gathers_the_compute_thread_waits_for_are_exposed_even_inside_backward() {
+        // One step: backward 0..100 holds an FSDP all-gather 10..40 (the compute thread
+        // waits for it) and overlaps a DDP-style bucket 60..90 on the comm thread (hidden).
+        let gather = Span { lane: lane::DP_BLOCKING.into(), ..span(SpanKind::Comm, 0, 10, 40) };
+        let bucket = Span { lane: lane::COMM.into(), ..span(SpanKind::Comm, 0, 60, 90) };
+        let spans = vec![span(SpanKind::Backward, 0, 0, 100), gather, bucket];
+        let split = time_split(&[RankTrace { spans, ..RankTrace::default() }]).unwrap();
+        assert!((split.compute_ms - 0.070).abs() < 1e-12, "{split:?}");
+        assert!((split.comm_ms - 0.030).abs() < 1e-12, "{split:?}");
+    }
+
+    #[test]
     fn comm_bytes_are_per_rank_and_step() {
         let counter = |bytes_sent| crate::trace::CollectiveCounter {
             op: crate::trace::CollectiveOp::AllReduce,
             calls: 1,
             elements: 0,
             bytes_sent,
+            bytes_from_formula: false,
             total_us: 0,
         };
         let rank = |bytes| RankTrace {
@@ -697,6 +717,9 @@ mod tests {
         };
         assert_eq!(comm_bytes_per_step(&[rank(100), rank(300)], 4), Some(75.0), "the busiest rank");
         assert_eq!(comm_bytes_per_step(&[], 4), None);
+        let untraced = || RankTrace::default();
+        assert_eq!(comm_bytes_per_step(&[untraced(), untraced()], 4), None, "several ranks, nothing traced");
+        assert_eq!(comm_bytes_per_step(&[untraced()], 4), Some(0.0), "one rank sends nothing");
         assert_eq!(comm_bytes_per_step(&[rank(100)], 0), None);
     }
 

@@ -543,10 +543,10 @@ fn notes(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster, e: &Estimate) ->
             NoteLevel::Warning,
             format!(
                 "The pipeline idles {:.0}% of the step (bubble (P-1)/(M+P-1) with P={} stages, M={} \
-                 micro-batches): use many more micro-batches than stages.",
+                 micro-batches x accumulation): use many more micro-batches than stages.",
                 100.0 * plan.bubble_fraction,
                 p.pp,
-                t.micro_batches
+                spec.pipeline_micro_batches()
             ),
         );
     }

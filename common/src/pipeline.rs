@@ -13,7 +13,7 @@ pub fn formula_bubble(stages: usize, micro_batches: usize) -> f64 {
 
 /// True for the spans a pipeline timeline draws: forwards, backwards and waits on the compute lane.
 fn is_pipeline_span(s: &Span) -> bool {
-    s.lane != "comm" && matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Idle)
+    s.lane == crate::trace::lane::COMPUTE && matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Idle)
 }
 
 /// One stage's spans of one step (forward, backward, idle).

@@ -393,7 +393,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let (first, last) = (s == 0, s + 1 == p.pp);
         let params_per_rank =
             layers * block_per_tp_rank + if first { embedding } else { 0 } + if last { head } else { 0 };
-        let in_flight = in_flight_micro_batches(p.pp_schedule, pp, micro_batches, u(s));
+        // M is every micro-batch of the step (accumulated ones too): one schedule runs them.
+        let in_flight = in_flight_micro_batches(p.pp_schedule, pp, micro_steps, u(s));
 
         // Model state, sharded unit by unit as the engine does (see model_state_with_shard).
         let units = [
@@ -487,7 +488,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         stages.iter().enumerate().max_by_key(|(i, st)| (st.memory.total, usize::MAX - i)).map_or(0, |x| x.0);
 
     let world_size = dp.saturating_mul(tp).saturating_mul(pp);
-    let (pf, mf) = (pp as f64, micro_batches as f64);
+    let (pf, mf) = (pp as f64, micro_steps as f64);
     let flops = step_flops(spec, world_size);
     Ok(Plan {
         param_count,
@@ -905,6 +906,15 @@ mod tests {
         let g = plan(&spec).unwrap();
         assert!(g.stages.iter().all(|s| s.in_flight_micro_batches == 16));
         assert!(g.stages[0].memory.activations > p.stages[0].memory.activations);
+        // Accumulation runs in the same schedule: M = micro_batches x grad_accum = 32.
+        spec.train.micro_batches = 8;
+        spec.train.grad_accum = 4;
+        assert_eq!(spec.pipeline_micro_batches(), 32);
+        let accumulated = plan(&spec).unwrap();
+        assert!((accumulated.bubble_fraction - 3.0 / 35.0).abs() < 1e-12);
+        assert!(accumulated.stages.iter().all(|s| s.in_flight_micro_batches == 32));
+        spec.train.micro_batches = 16;
+        spec.train.grad_accum = 1;
         // Sends: an activation of 8*32*64 fp32 per micro-batch forward and/or backward.
         let a = 8 * 32 * 64 * 4 * 16u64;
         let sends: Vec<u64> = p.stages.iter().map(|s| s.comm.pp_send).collect();

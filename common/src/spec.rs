@@ -298,6 +298,14 @@ impl ExperimentSpec {
         *self == other
     }
 
+    /// M, the micro-batches of one pipeline flush: `micro_batches` x `grad_accum`. The engine
+    /// runs every micro-batch of an optimizer step, accumulated ones included, in one
+    /// schedule, so the bubble (P-1)/(M+P-1) is paid once per step with this M, and GPipe
+    /// holds the activations of all M. The one definition of M everywhere.
+    pub fn pipeline_micro_batches(&self) -> usize {
+        self.train.micro_batches * self.train.grad_accum
+    }
+
     /// Sequences consumed by one optimizer step.
     pub fn global_batch(&self) -> usize {
         self.parallel.dp * self.train.micro_batch * self.train.micro_batches * self.train.grad_accum

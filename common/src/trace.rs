@@ -90,6 +90,10 @@ pub struct CollectiveRecord {
     pub ranks: Vec<u32>,
     pub elements: u64,
     pub bytes_sent: u64,
+    /// `bytes_sent` is the formula (NCCL: what a ring would send, 2(W-1)/W x D for an
+    /// all-reduce; NCCL does not say what it sent), not bytes counted as they were sent.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bytes_from_formula: bool,
     pub start_us: u64,
     pub end_us: u64,
     /// This rank's buffer before and after, for small buffers (demos).
@@ -106,6 +110,9 @@ pub struct CollectiveCounter {
     pub calls: u64,
     pub elements: u64,
     pub bytes_sent: u64,
+    /// The calls' bytes are the formula (see [`CollectiveRecord::bytes_from_formula`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bytes_from_formula: bool,
     pub total_us: u64,
 }
 
@@ -133,6 +140,26 @@ pub enum SpanKind {
     Idle,
 }
 
+/// The lanes of a rank's timeline.
+pub mod lane {
+    /// The compute thread: forward, backward, optimizer, waits.
+    pub const COMPUTE: &str = "compute";
+    /// The communication thread: DDP's gradient buckets, all-reduced while backward goes on.
+    pub const COMM: &str = "comm";
+    /// Data-parallel collectives the compute thread issues and waits for: ZeRO/FSDP's
+    /// gathers and reduce-scatters, ZeRO's parameter gather after the update.
+    pub const DP_BLOCKING: &str = "dp-blocking";
+    /// Tensor parallelism's all-reduces, between a block's matmuls (waited for too).
+    pub const TP: &str = "tp";
+}
+
+impl Span {
+    /// A collective the compute thread stopped for: it can never be hidden under compute.
+    pub fn blocks_compute(&self) -> bool {
+        self.kind == SpanKind::Comm && (self.lane == lane::DP_BLOCKING || self.lane == lane::TP)
+    }
+}
+
 /// One interval of a rank's timeline.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Span {
@@ -141,7 +168,8 @@ pub struct Span {
     pub name: String,
     /// Optimizer step.
     pub step: u64,
-    /// The thread it ran on: "compute" or "comm".
+    /// Where it is drawn, one of [`lane`]'s names: the compute thread, the communication
+    /// thread, or a collective the compute thread waited for.
     pub lane: String,
     /// Microseconds since the Unix epoch.
     pub start_us: u64,
@@ -150,6 +178,7 @@ pub struct Span {
     pub layer: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket: Option<u32>,
+    /// A collective: the bytes this rank sent during it (measured by the communicator).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
     /// The micro-batch a forward or backward span ran (pipeline timelines number them).

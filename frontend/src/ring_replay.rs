@@ -934,6 +934,7 @@ mod tests {
                             ranks: vec![0, 1],
                             elements: 2,
                             bytes_sent: 8,
+                            bytes_from_formula: false,
                             start_us: 0,
                             end_us: 100,
                             input: values.then(|| input(ru)),

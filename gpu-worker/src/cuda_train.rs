@@ -28,7 +28,7 @@ use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, Gpt, Saved, Stage};
 use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
-use crate::parallel::ddp::{comm_span, sum_scalar};
+use crate::parallel::ddp::{blocking_comm_span, sum_scalar};
 use crate::parallel::DpGroup;
 use crate::trace::now_us;
 use crate::train::{log, memory_bytes, mib_bytes as mib, RankRun, StepStats, StepTally, TrainError, SPAN_STEPS};
@@ -238,7 +238,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
             loss_sum = sum_scalar(dp.scalars.as_mut(), loss_sum)?;
             if record {
                 let bytes = dp.grads.bytes_sent() - dp.sent_before_step;
-                self.spans.push(comm_span(&format!("all-reduce gradients ({})", dp.via), step, start, bytes));
+                self.spans.push(blocking_comm_span(&format!("all-reduce gradients ({})", dp.via), step, start, bytes));
                 mark = now_us();
             }
             dp.sent_before_step = dp.grads.bytes_sent();

@@ -35,7 +35,8 @@ impl CommTracer {
     pub fn record(&self, record: CollectiveRecord, steps: Vec<RingStep>) {
         let mut t = self.lock();
         let duration = record.end_us.saturating_sub(record.start_us);
-        match t.counters.iter_mut().find(|c| c.op == record.op) {
+        let same = |c: &&mut CollectiveCounter| c.op == record.op && c.bytes_from_formula == record.bytes_from_formula;
+        match t.counters.iter_mut().find(same) {
             Some(c) => {
                 c.calls += 1;
                 c.elements += record.elements;
@@ -47,6 +48,7 @@ impl CommTracer {
                 calls: 1,
                 elements: record.elements,
                 bytes_sent: record.bytes_sent,
+                bytes_from_formula: record.bytes_from_formula,
                 total_us: duration,
             }),
         }

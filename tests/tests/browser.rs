@@ -714,6 +714,15 @@ async fn memory_scenario(c: &Client, lab: &Lab) -> Result<()> {
                 ensure!(shown.contains(line.as_str()), "rank {rank}: {line:?} not in {shown:?}");
             }
         }
+        // What the process measured beside the ledger: the heap (every allocation
+        // counted), how much of it the ledger leaves untracked, the peak resident set.
+        let process = measured.process.as_ref().ok_or_else(|| anyhow!("rank {rank}: no process measurement"))?;
+        let heap = process.heap_peak.ok_or_else(|| anyhow!("rank {rank}: no heap peak"))?;
+        ensure!(heap >= measured.peak.total, "rank {rank}: heap {heap} below the ledger {}", measured.peak.total);
+        let line = text(c, &format!("{block} .memory-process")).await?;
+        for part in ["process heap peak", "ledger booked", "untracked", "peak resident", "at start-up"] {
+            ensure!(line.contains(part), "rank {rank}: {part:?} not in {line:?}");
+        }
         if !measured.timeline.is_empty() {
             let chart = format!(".memory-timeline[data-rank='{rank}']");
             let samples = measured.timeline.len().to_string();

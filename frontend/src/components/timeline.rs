@@ -1,16 +1,18 @@
-//! The rank timeline: one row per rank with up to three lanes (compute; comm, the data
-//! parallel collectives that may overlap compute; TP comm, tensor parallelism's
-//! all-reduces, which compute waits for), a box per recorded span coloured by its kind, a
-//! time axis in ms from the earliest span of the chosen step, and hover titles (name,
-//! duration, bytes). Under it, the overlap: how much of each rank's comm lane ran while
-//! the same rank was computing its backward pass, i.e. was hidden behind it.
+//! The rank timeline: one row per rank with up to four lanes (compute; comm, DDP's buckets
+//! on the communication thread, which may overlap compute; DP comm (blocking), ZeRO/FSDP's
+//! gathers and reduce-scatters, which the compute thread issues and waits for; TP comm,
+//! tensor parallelism's all-reduces, also waited for), a box per recorded span coloured
+//! by its kind, a time axis in ms from the earliest span of the chosen step, and hover
+//! titles (name, duration, bytes sent). Under it, the overlap: how much of each rank's
+//! data-parallel communication ran on the communication thread while the same rank was
+//! computing its backward pass, i.e. was hidden behind it; blocking collectives never are.
 //!
 //! The geometry ([`TimelineModel`]) and the overlap ([`overlap`]) are plain Rust,
 //! unit-tested; the component only draws them.
 
 use std::collections::BTreeSet;
 
-use distlab_common::trace::{Span, SpanKind};
+use distlab_common::trace::{lane, Span, SpanKind};
 use leptos::prelude::*;
 
 use crate::components::loss_chart::nice_step;
@@ -96,13 +98,15 @@ fn kind_name(kind: SpanKind) -> &'static str {
     }
 }
 
-fn is_comm_lane(span: &Span) -> bool {
-    span.lane == "comm"
+/// Data-parallel communication: the communication thread's, and the blocking kind.
+fn is_dp_comm(span: &Span) -> bool {
+    span.kind == SpanKind::Comm && (span.lane == lane::COMM || span.lane == lane::DP_BLOCKING)
 }
 
 /// A rank row's lanes, top to bottom: (the spans' `lane`, its label). Compute is always
 /// drawn; the others when some span of the chosen steps is on them.
-const LANES: [(&str, &str); 3] = [("compute", ""), ("comm", "comm"), ("tp", "TP comm")];
+const LANES: [(&str, &str); 4] =
+    [(lane::COMPUTE, ""), (lane::COMM, "comm"), (lane::DP_BLOCKING, "DP comm (blocking)"), (lane::TP, "TP comm")];
 
 fn lane_index(span: &Span) -> usize {
     LANES.iter().position(|(lane, _)| *lane == span.lane).unwrap_or(0)
@@ -146,14 +150,15 @@ pub fn intersection(a: &[(u64, u64)], b: &[(u64, u64)]) -> u64 {
     sum
 }
 
-/// How much of a rank's communication ran under its own backward pass.
+/// How much of a rank's data-parallel communication ran under its own backward pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Overlap {
     /// None for the sum over ranks.
     pub rank: Option<u32>,
-    /// Time the comm lane was busy (union of its spans).
+    /// Time the data-parallel comm lanes were busy (union of their spans).
     pub comm_us: u64,
-    /// Of that, the time the same rank was also in a backward span.
+    /// Of that, the time the communication thread ran while the same rank was in a
+    /// backward span (a blocking collective inside backward is not hidden: compute waits).
     pub hidden_us: u64,
 }
 
@@ -170,11 +175,15 @@ impl Overlap {
 
 /// The overlap of one rank's spans (those of the chosen steps).
 pub fn overlap<'a>(rank: u32, spans: impl IntoIterator<Item = &'a Span> + Clone) -> Overlap {
-    let comm = union(spans.clone().into_iter().filter(|s| is_comm_lane(s)).map(|s| (s.start_us, s.end_us)));
+    let comm = union(spans.clone().into_iter().filter(|s| is_dp_comm(s)).map(|s| (s.start_us, s.end_us)));
+    let background = union(spans.clone().into_iter().filter(|s| s.lane == lane::COMM).map(|s| (s.start_us, s.end_us)));
     let backward = union(
-        spans.into_iter().filter(|s| s.kind == SpanKind::Backward && !is_comm_lane(s)).map(|s| (s.start_us, s.end_us)),
+        spans
+            .into_iter()
+            .filter(|s| s.kind == SpanKind::Backward && s.lane == lane::COMPUTE)
+            .map(|s| (s.start_us, s.end_us)),
     );
-    Overlap { rank: Some(rank), comm_us: total(&comm), hidden_us: intersection(&comm, &backward) }
+    Overlap { rank: Some(rank), comm_us: total(&comm), hidden_us: intersection(&background, &backward) }
 }
 
 /// Per rank (ranks with communication) and the sum over them.
@@ -196,7 +205,7 @@ pub fn overlaps(ranks: &[RankSpans], choice: StepChoice) -> (Vec<Overlap>, Overl
 /// Compute waits for every one of them: they sit between a block's matmuls.
 pub fn tp_sums(ranks: &[RankSpans], choice: StepChoice) -> Option<(f64, f64)> {
     let tp: Vec<&Span> =
-        ranks.iter().flat_map(|r| r.spans.iter()).filter(|s| s.lane == "tp" && choice.admits(s)).collect();
+        ranks.iter().flat_map(|r| r.spans.iter()).filter(|s| s.lane == lane::TP && choice.admits(s)).collect();
     let n = ranks.len().max(1) as f64;
     let us: u64 = tp.iter().map(|s| s.end_us.saturating_sub(s.start_us)).sum();
     (!tp.is_empty()).then(|| (tp.len() as f64 / n, us as f64 / n))
@@ -277,7 +286,7 @@ impl TimelineModel {
                 let us = s.end_us.saturating_sub(s.start_us);
                 let mut title = format!("rank {rank} · {} · step {} · {}", s.name, s.step, duration_text(us));
                 if let Some(b) = s.bytes {
-                    title.push_str(&format!(" · {}", format::bytes(b as f64)));
+                    title.push_str(&format!(" · {} sent", format::bytes(b as f64)));
                 }
                 title.push_str(&format!(" · starts at {}", duration_text(s.start_us.saturating_sub(t0))));
                 boxes.push(SpanBox {
@@ -405,9 +414,9 @@ pub fn Timeline(ranks: Vec<RankSpans>) -> impl IntoView {
                     <div class="overlap" id="overlap">
                         <h3>"Communication hidden under backward"</h3>
                         <p class="muted small">
-                            "The share of each rank's communication time (its comm lane) that ran while the same rank was still computing its backward pass. "
+                            "The share of each rank's data-parallel communication time that ran on its communication thread while the same rank was still computing its backward pass. "
                             "That time costs nothing: the gradients of the last layers are being all-reduced while earlier layers are still being differentiated. "
-                            "The rest is exposed: the step waits for it."
+                            "The rest is exposed: the step waits for it. Collectives the compute thread issues and waits for (ZeRO/FSDP's gathers and reduce-scatters, on the blocking lane) are always exposed, even inside backward."
                         </p>
                         <table class="overlap-table">
                             <thead><tr><th>"rank"</th><th>"communication"</th><th>"under backward"</th><th>"exposed"</th><th>"hidden share"</th></tr></thead>
@@ -495,6 +504,10 @@ mod tests {
         let (per, all) = overlaps(&ranks, StepChoice::Step(1));
         assert_eq!(per[1].hidden_us, 0);
         assert_eq!((all.comm_us, all.hidden_us), (115, 35));
+        // An FSDP gather inside backward, on the blocking lane: communication, never hidden.
+        let fsdp = vec![span(Backward, "compute", 1, 0, 100), span(Comm, lane::DP_BLOCKING, 1, 20, 50)];
+        let o = overlap(2, &fsdp);
+        assert_eq!((o.comm_us, o.hidden_us), (30, 0));
         // No comm at all: no share.
         assert_eq!(overlap(3, &[span(Backward, "compute", 0, 0, 9)]).share(), None);
         let (per, all) = overlaps(&ranks, StepChoice::Step(7));

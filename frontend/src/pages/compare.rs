@@ -318,6 +318,17 @@ fn opt(x: Option<f64>, f: fn(f64) -> String) -> String {
     x.map(f).unwrap_or_else(|| "–".into())
 }
 
+/// The data-parallel bytes a run's busiest rank sent per step: counted, NCCL's formula
+/// (said so), or "not traced" for a run of several ranks that recorded no collective.
+fn dp_bytes(s: &RunStats, world: usize) -> String {
+    match s.dp_comm_bytes_per_step {
+        Some(b) if s.dp_comm_bytes_from_formula => format!("{} (NCCL: formula)", format::bytes(b)),
+        Some(b) => format::bytes(b),
+        None if world > 1 && s.time_split.is_some() => "not traced".into(),
+        None => "–".into(),
+    }
+}
+
 fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
     let rows = runs
         .iter()
@@ -344,7 +355,7 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
                     <td class="num">{mem(|m| m.optimizer_state)}</td>
                     <td class="num">{mem(|m| m.activations)}</td>
                     <td class="num">{mem(|m| m.total)}</td>
-                    <td class="num">{opt(s.dp_comm_bytes_per_step, format::bytes)}" / "{opt(s.predicted_dp_comm_bytes_per_step.map(|b| b as f64), format::bytes)}</td>
+                    <td class="num">{dp_bytes(&s, run.experiment.spec.world_size())}" / "{opt(s.predicted_dp_comm_bytes_per_step.map(|b| b as f64), format::bytes)}</td>
                     <td class="num">{opt(s.predicted_bubble, format::percent)}</td>
                 </tr>
             }

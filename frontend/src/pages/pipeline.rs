@@ -134,13 +134,16 @@ fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> 
     let (view, trace) = loaded;
     let spec = view.spec.clone();
     let p = spec.parallel.pp;
-    let m = spec.train.micro_batches * spec.train.grad_accum;
+    let m = spec.pipeline_micro_batches();
     let formula = formula_bubble(p, m);
+    // M: every micro-batch of the step, accumulated ones too (one schedule runs them all).
     let heading = format!(
-        "#{} {} — {}, P = {p} stages, M = {m} micro-batches",
+        "#{} {} — {}, P = {p} stages, M = {m} micro-batches ({} per flush x {} accumulated)",
         view.id,
         view.name,
-        schedule_name(spec.parallel.pp_schedule)
+        schedule_name(spec.parallel.pp_schedule),
+        spec.train.micro_batches,
+        spec.train.grad_accum
     );
     let traces = StoredValue::new(trace.ranks);
     move || {

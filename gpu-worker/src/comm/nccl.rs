@@ -199,6 +199,7 @@ impl NcclCommunicator {
                 ranks: self.members.iter().map(|&r| r as u32).collect(),
                 elements: elements as u64,
                 bytes_sent: sent,
+                bytes_from_formula: true,
                 start_us,
                 end_us: now_us(),
                 input: None,

@@ -193,6 +193,7 @@ impl RingCommunicator {
                 ranks: self.members.iter().map(|&r| r as u32).collect(),
                 elements: elements as u64,
                 bytes_sent: self.bytes_sent - sent_before,
+                bytes_from_formula: false,
                 start_us,
                 end_us: now_us(),
                 input: if detailed { io.0 } else { None },

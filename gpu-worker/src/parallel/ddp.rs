@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
-use distlab_common::trace::{Span, SpanKind};
+use distlab_common::trace::{lane, Span, SpanKind};
 use distlab_common::{ExperimentSpec, Sharding};
 
 use super::shard::ShardLayout;
@@ -171,17 +171,13 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Replicated<S> {
         let params = (&mut self.state.params[..], Indexing::Global);
         self.optimizer.step(params, (&self.state.grads, Indexing::Global), lr, grad_scale);
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
-            let start = now_us();
+            let (start, sent_before) = (now_us(), dp.scalars.bytes_sent());
             for u in &shard.units {
                 collective_f32(&mut self.state.params[shard.in_buffer(u)], |p| dp.scalars.all_gather_in_place(p))?;
             }
             if self.record {
-                self.spans.push(comm_span(
-                    "all_gather parameters (ZeRO-1)",
-                    self.step,
-                    start,
-                    (self.state.params.len() * 4) as u64,
-                ));
+                let sent = dp.scalars.bytes_sent() - sent_before;
+                self.spans.push(blocking_comm_span("all_gather parameters (ZeRO-1)", self.step, start, sent));
             }
         }
         Ok(())
@@ -227,17 +223,19 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Replicated<S> {
 }
 
 /// A span on the communication lane of the timeline, from `start_us` to now.
-pub fn comm_span(name: &str, step: u64, start_us: u64, bytes: u64) -> Span {
+/// A data-parallel collective the compute thread issued and waited for, from `start_us`
+/// to now, in which this rank sent `bytes_sent` bytes.
+pub fn blocking_comm_span(name: &str, step: u64, start_us: u64, bytes_sent: u64) -> Span {
     Span {
         kind: SpanKind::Comm,
         name: name.into(),
         step,
-        lane: "comm".into(),
+        lane: lane::DP_BLOCKING.into(),
         start_us,
         end_us: now_us(),
         layer: None,
         bucket: None,
-        bytes: Some(bytes),
+        bytes: Some(bytes_sent),
         micro: None,
     }
 }
@@ -440,18 +438,18 @@ fn communication_thread(
     sizes: Vec<usize>,
 ) {
     for InFlight { bucket, mut data } in rx {
-        let start_us = now_us();
+        let (start_us, sent_before) = (now_us(), comm.bytes_sent());
         let result = comm.all_reduce(&mut data, ReduceOp::Sum);
         let span = Span {
             kind: SpanKind::Comm,
             name: format!("all_reduce bucket {bucket} ({:.2} MiB)", (sizes[bucket] * 4) as f64 / (1 << 20) as f64),
             step: 0,
-            lane: "comm".into(),
+            lane: lane::COMM.into(),
             start_us,
             end_us: now_us(),
             layer: None,
             bucket: Some(bucket as u32),
-            bytes: Some((sizes[bucket] * 4) as u64),
+            bytes: Some(comm.bytes_sent() - sent_before),
             micro: None,
         };
         let failed = result.is_err();

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use distlab_common::trace::Span;
 use distlab_common::{ExperimentSpec, Sharding};
 
-use super::ddp::{comm_span, sum_scalar};
+use super::ddp::{blocking_comm_span, sum_scalar};
 use super::shard::ShardLayout;
 use super::{collective_f32, load_params, params_f32, Cpu, DpGroup, SavedState, StateView, Strategy};
 use crate::backend::Stored;
@@ -113,7 +113,7 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
 
     /// FSDP: all-gathers `unit`'s parameters into a new buffer.
     fn gather(&mut self, unit: Unit) -> Result<(), CommError> {
-        let start = now_us();
+        let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit).clone();
         let mut full = self.temporary(Category::GatheredParameters, u.global.len());
         full.data[u.mine.clone()].copy_from_slice(&self.params[u.local()]);
@@ -121,8 +121,8 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
         collective_f32(&mut full.data, |p| comm.all_gather_in_place(p))?;
         self.gathered = Some(full);
         if self.record {
-            let bytes = (u.global.len() * 4) as u64;
-            self.spans.push(comm_span(&format!("all_gather {}", unit.name()), self.step, start, bytes));
+            let sent = self.comm.bytes_sent() - sent_before;
+            self.spans.push(blocking_comm_span(&format!("all_gather {}", unit.name()), self.step, start, sent));
         }
         Ok(())
     }
@@ -130,7 +130,7 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
     /// Reduce-scatters the open unit's gradient and adds this rank's chunk to its shard.
     fn reduce_scatter(&mut self, unit: Unit) -> Result<(), CommError> {
         let Some(mut grads) = self.unit_grads.take() else { return Ok(()) };
-        let start = now_us();
+        let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit);
         let comm = &mut self.comm;
         collective_f32(&mut grads.data, |g| comm.reduce_scatter_in_place(g, ReduceOp::Sum))?;
@@ -138,8 +138,8 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
             *acc = S::store(acc.load() + g.load());
         }
         if self.record {
-            let bytes = (u.global.len() * 4) as u64;
-            self.spans.push(comm_span(&format!("reduce_scatter {}", unit.name()), self.step, start, bytes));
+            let sent = self.comm.bytes_sent() - sent_before;
+            self.spans.push(blocking_comm_span(&format!("reduce_scatter {}", unit.name()), self.step, start, sent));
         }
         Ok(())
     }
@@ -200,18 +200,14 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Sharded<S> {
         let indexing = if self.fsdp { Indexing::Local } else { Indexing::Global };
         self.optimizer.step((&mut self.params, indexing), (&self.grad_shard, Indexing::Local), lr, grad_scale);
         if !self.fsdp {
-            let start = now_us();
+            let (start, sent_before) = (now_us(), self.comm.bytes_sent());
             for u in &self.shard.units {
                 let comm = &mut self.comm;
                 collective_f32(&mut self.params[self.shard.in_buffer(u)], |p| comm.all_gather_in_place(p))?;
             }
             if self.record {
-                self.spans.push(comm_span(
-                    "all_gather parameters (ZeRO-2)",
-                    self.step,
-                    start,
-                    (self.params.len() * 4) as u64,
-                ));
+                let sent = self.comm.bytes_sent() - sent_before;
+                self.spans.push(blocking_comm_span("all_gather parameters (ZeRO-2)", self.step, start, sent));
             }
         }
         Ok(())

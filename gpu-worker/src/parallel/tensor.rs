@@ -35,7 +35,7 @@
 //! 1/tp (`ParamLayout::grad_squares`). The split itself is in `model/layout.rs`, the
 //! sums in `model/gpt.rs`.
 
-use distlab_common::trace::{Span, SpanKind};
+use distlab_common::trace::{lane, Span, SpanKind};
 
 use super::{collective_f32, Cpu};
 use crate::backend::Stored;
@@ -81,7 +81,7 @@ impl<S: Stored<Acc = f32>> TensorParallelGroup<Cpu<S>> for TensorParallel {
     }
 
     fn all_reduce(&mut self, _be: &Cpu<S>, buf: &mut Vec<S>, what: TpSum, layer: usize) -> Result<(), CommError> {
-        let start = now_us();
+        let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let comm = &mut self.comm;
         collective_f32(buf, |b| comm.all_reduce(b, ReduceOp::Sum))?;
         self.calls += 1;
@@ -91,12 +91,12 @@ impl<S: Stored<Acc = f32>> TensorParallelGroup<Cpu<S>> for TensorParallel {
                 kind: SpanKind::Comm,
                 name: sum_name(what, layer),
                 step: self.step,
-                lane: "tp".into(),
+                lane: lane::TP.into(),
                 start_us: start,
                 end_us: now_us(),
                 layer: Some(layer as u32),
                 bucket: None,
-                bytes: Some((buf.len() * 4) as u64),
+                bytes: Some(self.comm.bytes_sent() - sent_before),
                 micro: None,
             });
         }
