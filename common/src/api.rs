@@ -1,4 +1,4 @@
-//! Request and response bodies of the HTTP API (DESIGN.md, "Public API contract").
+//! Request and response bodies of the HTTP API (README.md, "API").
 
 use serde::{Deserialize, Serialize};
 

@@ -123,7 +123,7 @@ pub struct BandPoint {
 }
 
 /// The engine's stated per-step relative tolerance for equal trainings: 1e-5 in fp32
-/// (DESIGN.md), and the bounds the mixed-precision tests check for bf16 and fp16.
+/// (the equivalence tests' bound), and the bounds the mixed-precision tests check for bf16 and fp16.
 pub fn tolerance(precision: Precision) -> f64 {
     match precision {
         Precision::Fp32 => 1e-5,

@@ -1,5 +1,5 @@
 //! Training-step throughput on the reference config (the one
-//! shared/bench/reference/gpt_step.py times in PyTorch): 4 layers, d_model 256,
+//! xtask/reference/gpt_step.py times in PyTorch): 4 layers, d_model 256,
 //! 4 heads, seq 128, vocab 256, batch 16, fp32, AdamW; forward + backward +
 //! optimizer step, through the public `train()` entry point.
 //!

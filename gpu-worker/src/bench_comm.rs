@@ -1,6 +1,6 @@
 //! `distlab-worker bench-comm --world W`: bus bandwidth of the ring collectives between rank
 //! processes, with the nccl-tests definitions (as torch's gloo is measured in
-//! ../shared/bench/reference/allreduce.py):
+//! xtask/reference/allreduce.py):
 //!   algbw = bytes / time;  busbw = algbw * 2(W-1)/W (all-reduce), * (W-1)/W (reduce-scatter,
 //!   all-gather), where bytes is the full buffer.
 

@@ -1,7 +1,7 @@
 //! distlab's worker: the training engine (this crate's library) and the
 //! `distlab-worker` binary that runs experiments for a server or from a spec file.
 //!
-//! Engine layout (see DESIGN.md): `backend/` (buffers + kernels: CPU, and CUDA with the `cuda` feature),
+//! Engine layout (see docs/ARCHITECTURE.md): `backend/` (buffers + kernels: CPU, and CUDA with the `cuda` feature),
 //! `model/` (the GPT, one file per layer), `optim.rs`, `data.rs`, and `train.rs`,
 //! whose [`train`] is the entry point the CLI and the worker loop call.
 

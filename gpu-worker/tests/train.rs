@@ -4,8 +4,8 @@
 use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
-    BackendKind, CheckpointWrite, Dataset, ExperimentSpec, LossScaling, MetricPoint, Optimizer, Precision, RunEvent,
-    RunSummary,
+    BackendKind, CheckpointWrite, Dataset, ExperimentSpec, LossScaling, LrSchedule, MetricPoint, Optimizer, Precision,
+    RunEvent, RunSummary,
 };
 use distlab_worker::checkpoint::{CheckpointDir, RankPlace};
 use distlab_worker::train::CheckpointOptions;
@@ -161,23 +161,35 @@ fn sgd_and_constant_schedule_and_text_train() {
     assert!(r.summary.final_loss < 0.8 * r.summary.uniform_loss, "text: {:?}", losses(&r));
 }
 
+/// SGD at lr 10 blows up; the run stops at the first step whose loss or gradient norm is
+/// not finite, and says which. (A constant learning rate, so a shorter run of the same
+/// spec takes the very same steps.)
 #[test]
-fn divergence_is_reported() {
+fn divergence_is_reported_at_the_first_non_finite_step() {
     let mut spec = ExperimentSpec::default();
     spec.train.steps = 40;
     spec.train.optimizer = Optimizer::Sgd;
     spec.train.lr = 10.0;
     spec.train.grad_clip = 0.0;
     spec.train.warmup_steps = 0;
-    match run(&spec, 1) {
-        Err(TrainError::Diverged { step, .. }) => assert!(step < 40),
+    spec.train.lr_schedule = LrSchedule::Constant;
+    let (step, loss, grad_norm) = match run(&spec, 1) {
+        Err(TrainError::Diverged { step, loss, grad_norm }) => (step, loss, grad_norm),
         Err(e) => panic!("expected Diverged, got {e}"),
-        Ok(r) => {
-            // Not every lr-10 run blows up; then it must at least report finite numbers.
-            assert!(r.metrics.iter().all(|m| m.loss.is_finite()));
-        }
-    }
+        Ok(r) => panic!("lr 10 should diverge within 40 steps: {:?}", losses(&r)),
+    };
+    assert!(!loss.is_finite() || !grad_norm.is_finite(), "step {step}: loss {loss}, gradient norm {grad_norm}");
+    eprintln!("diverged at step {step}: loss {loss}, gradient norm {grad_norm}");
+    assert_eq!(step, DIVERGES_AT, "the step this seeded run diverges at");
+    // Every step before it was finite: the same spec stopped just before runs to the end.
+    spec.train.steps = step;
+    let before = run(&spec, 1).expect("the steps before the reported one are finite");
+    assert_eq!(before.metrics.len() as u64, step);
+    assert!(before.metrics.iter().all(|m| m.loss.is_finite() && m.grad_norm.is_finite()));
 }
+
+/// Where `divergence_is_reported_at_the_first_non_finite_step`'s run diverges (measured).
+const DIVERGES_AT: u64 = 8;
 
 #[test]
 fn unsupported_features_are_refused_naming_the_field() {

@@ -42,6 +42,10 @@ enum Cmd {
     /// Install missing tools (wasm32 target, chromium, chromedriver), build, run every test.
     /// Extra arguments go to `cargo test`, e.g. `cargo xtask test -- --nocapture`.
     Test {
+        /// Also run the GPU tests (CUDA kernels, NCCL); fails when this machine has no GPU.
+        /// Without it they are reported as ignored.
+        #[arg(long)]
+        gpu: bool,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         test_args: Vec<String>,
     },
@@ -60,7 +64,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Cmd::BuildFrontend => build_frontend(),
         Cmd::Run { server_args } => run(&server_args),
-        Cmd::Test { test_args } => test(&test_args),
+        Cmd::Test { gpu, test_args } => test(gpu, &test_args),
         Cmd::Bench => bench(),
         Cmd::Mutants { filter } => {
             mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
@@ -188,7 +192,16 @@ fn exit_code(status: std::process::ExitStatus) -> ExitCode {
     }
 }
 
-fn test(extra: &[String]) -> Result<ExitCode> {
+fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
+    if gpu {
+        let gpus = gpus_here();
+        if gpus.is_empty() {
+            bail!("--gpu: this machine has no GPU (`nvidia-smi -L` lists none), so the GPU tests cannot run");
+        }
+        println!("xtask: GPU tests on {}", gpus.join("; "));
+    } else {
+        println!("xtask: the GPU tests (CUDA kernels, NCCL) are not run: cargo test reports them as ignored; `--gpu` runs them");
+    }
     ensure_wasm_target()?;
     ensure_browser();
     build_frontend()?;
@@ -199,11 +212,25 @@ fn test(extra: &[String]) -> Result<ExitCode> {
     // (on a machine without a GPU they print why they skip; cudarc loads CUDA at run time).
     let mut cmd = cargo();
     cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda"]);
-    if !extra.is_empty() {
+    if gpu || !extra.is_empty() {
         cmd.arg("--").args(extra);
+    }
+    if gpu {
+        // Only the GPU tests are #[ignore]d; this runs them with everything else.
+        cmd.arg("--include-ignored");
     }
     let status = cmd.status().context("cannot start cargo test")?;
     Ok(exit_code(status))
+}
+
+/// The GPUs `nvidia-smi -L` lists (none where it is missing or fails).
+fn gpus_here() -> Vec<String> {
+    match Command::new("nvidia-smi").arg("-L").output() {
+        Ok(out) if out.status.success() => {
+            String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with("GPU")).map(str::to_string).collect()
+        }
+        _ => Vec::new(),
+    }
 }
 
 /// Headless Chromium and its WebDriver for the browser test; on failure the test
@@ -258,7 +285,7 @@ fn bench() -> Result<ExitCode> {
         );
         return Ok(ExitCode::SUCCESS);
     }
-    let script = root().join("../shared/bench/reference/gpt_step.py");
+    let script = root().join("xtask/reference/gpt_step.py");
     if !script.exists() {
         println!("xtask: {} not found: no reference numbers", script.display());
         return Ok(ExitCode::SUCCESS);

@@ -100,6 +100,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "pipeline", "one_f_one_b_holds_fewer_activations_than_gpipe"],
     },
     Mutant {
+        name: "LayerNorm's backward drops the x̂·mean(dx̂·x̂) term",
+        file: "gpu-worker/src/model/layernorm.rs",
+        find: "r * (dy.load() * g.load() - mean_g - xhat * mean_gx)",
+        replace: "r * (dy.load() * g.load() - mean_g)",
+        tests: &["-p", "distlab-worker", "--test", "ops", "layernorm"],
+    },
+    Mutant {
         name: "SGD ignores weight decay",
         file: "gpu-worker/src/optim.rs",
         find: "let decay = F::from_f64(1.0 - lr * weight_decay);",

@@ -3,7 +3,9 @@
 //! category, so FSDP's gather/free sawtooth and the rise and fall of activations
 //! through forward and backward are visible. x is the time since the first sample, y
 //! the bytes held; each sample holds until the next one. A dashed line marks the
-//! planner's predicted peak; hovering a column names its sample.
+//! planner's predicted peak; a dotted line the process's heap at each sample (every
+//! allocation counted), so the gap above the stack is what the ledger leaves untracked;
+//! hovering a column names its sample.
 //!
 //! The geometry ([`MemoryTimelineModel`]) is plain Rust, unit-tested; the component
 //! only draws it.
@@ -44,6 +46,8 @@ pub struct MemoryTimelineModel {
     pub areas: Vec<Area>,
     /// The outline of the total.
     pub total_path: String,
+    /// The process heap at each sample (None when a sample has no heap figure).
+    pub heap_path: Option<String>,
     pub columns: Vec<Column>,
     pub x_ticks: Vec<(f64, String)>,
     pub y_ticks: Vec<(f64, String)>,
@@ -75,7 +79,10 @@ impl MemoryTimelineModel {
         let plot_w = WIDTH - LEFT - RIGHT;
         let sx = |us: u64| LEFT + us as f64 / 1000.0 / x_axis * plot_w;
 
-        let highest = samples.iter().map(|s| sum_of_categories(&s.bytes)).max().unwrap_or(0);
+        let heaps: Option<Vec<u64>> = samples.iter().map(|s| s.heap).collect();
+        let heaps = heaps.filter(|h| !h.is_empty());
+        let highest_heap = heaps.as_ref().and_then(|h| h.iter().copied().max()).unwrap_or(0);
+        let highest = samples.iter().map(|s| sum_of_categories(&s.bytes)).max().unwrap_or(0).max(highest_heap);
         let (y_axis, y_ticks) = byte_ticks(highest.max(predicted_total) as f64, 4.0);
         let plot_bottom = HEIGHT - BOTTOM;
         let sy = |b: u64| plot_bottom - b as f64 / y_axis * (plot_bottom - TOP);
@@ -93,6 +100,7 @@ impl MemoryTimelineModel {
             below = above;
         }
         let total_path = step_line(&xs, &below, sy);
+        let heap_path = heaps.as_ref().map(|h| step_line(&xs, h, sy));
 
         let stride = samples.len().div_ceil(MAX_COLUMNS).max(1);
         let columns = (0..samples.len())
@@ -113,6 +121,15 @@ impl MemoryTimelineModel {
                         title.push_str(&format!("\n{}: {}", c.label(), format::bytes(b as f64)));
                     }
                 }
+                if let Some(heap) = s.heap {
+                    let untracked = heap as i64 - sum_of_categories(&s.bytes) as i64;
+                    title.push_str(&format!(
+                        "\nprocess heap: {} (untracked {}{})",
+                        format::bytes(heap as f64),
+                        if untracked < 0 { "-" } else { "" },
+                        format::bytes(untracked.unsigned_abs() as f64)
+                    ));
+                }
                 Column { x: xs[i], w: (xs[next] - xs[i]).max(0.5), title }
             })
             .collect();
@@ -127,7 +144,7 @@ impl MemoryTimelineModel {
         let y_ticks = y_ticks.into_iter().map(|(b, label)| (sy(b as u64), label)).collect();
         let planner = (predicted_total > 0)
             .then(|| (sy(predicted_total), format!("planner's peak {}", format::bytes(predicted_total as f64))));
-        MemoryTimelineModel { areas, total_path, columns, x_ticks, y_ticks, planner, samples: samples.len() }
+        MemoryTimelineModel { areas, total_path, heap_path, columns, x_ticks, y_ticks, planner, samples: samples.len() }
     }
 }
 
@@ -219,6 +236,10 @@ pub fn MemoryTimeline(samples: Vec<MemorySample>, predicted_total: u64, rank: u3
             <g>{y_ticks}</g>
             <g class="areas">{areas}</g>
             <path class="mem-total-line" d=m.total_path fill="none"></path>
+            {m.heap_path.map(|d| view! {
+                <path class="mem-heap-line" d=d fill="none" stroke-dasharray="2 3"></path>
+                <text class="mem-heap-label" x=(LEFT + 6.0).to_string() y=(TOP + 12.0).to_string()>"dotted: process heap (every allocation)"</text>
+            })}
             {planner}
             <g>{x_ticks}</g>
             <line class="axis" x1=LEFT.to_string() x2=LEFT.to_string() y1=TOP.to_string() y2=plot_bottom.to_string()></line>
@@ -283,6 +304,18 @@ mod tests {
         assert!(m.columns[1].title.starts_with("after \"gather block 0\" · step 0 · at 1.00 ms · total 4.9 KiB"));
         assert!(m.columns[1].title.contains("gathered parameters: 3.9 KiB"), "{}", m.columns[1].title);
         assert!(m.columns.windows(2).all(|w| (w[0].x + w[0].w - w[1].x).abs() < 1e-9), "columns tile the time");
+    }
+
+    #[test]
+    fn the_process_heap_is_drawn_when_every_sample_has_it() {
+        assert_eq!(MemoryTimelineModel::new(&sawtooth(), 6000).heap_path, None);
+        let mut samples = sawtooth();
+        for (i, s) in samples.iter_mut().enumerate() {
+            s.heap = Some(sum_of_categories(&s.bytes) + 500 * i as u64);
+        }
+        let m = MemoryTimelineModel::new(&samples, 0);
+        assert!(m.heap_path.as_deref().is_some_and(|d| d.starts_with('M')), "{:?}", m.heap_path);
+        assert!(m.columns[4].title.contains("process heap: 2.9 KiB (untracked 2.0 KiB)"), "{}", m.columns[4].title);
     }
 
     #[test]
