@@ -409,48 +409,34 @@ mod tests {
     #[test]
     fn a_collective_demo_checks_its_byte_counts() {
         let spec = presets().into_iter().find(|p| p.key == "allreduce").map(|p| p.spec).unwrap_or_default();
-        let mut view = crate::ExperimentView {
-            id: 7,
-            name: "allreduce".into(),
-            status: crate::ExperimentStatus::Succeeded,
-            spec,
-            created_at: String::new(),
-            started_at: None,
-            finished_at: None,
-            error: None,
-            summary: Some(crate::RunSummary {
-                collective: Some(crate::CollectiveCheck {
-                    world: 4,
-                    elements: 16,
-                    bytes_sent: vec![96; 4],
-                    formula_bytes: 96.0,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            attempt: 1,
-            steps_done: 0,
+        let collective = crate::CollectiveCheck {
+            world: 4,
+            elements: 16,
+            bytes_sent: vec![96; 4],
+            formula_bytes: 96.0,
+            ..Default::default()
         };
+        let mut v = view(7, spec, Some(crate::RunSummary { collective: Some(collective), ..Default::default() }));
         let got = measure(
             ClaimCheck::AllreduceBytes,
-            &RunEvidence { view: &view, metrics: &[], ranks: &[], traced_steps: 1 },
+            &RunEvidence { view: &v, metrics: &[], ranks: &[], traced_steps: 1 },
             None,
         )
         .unwrap();
         assert!(got.agrees && got.measured.starts_with("96–96 bytes"), "{got:?}");
-        if let Some(c) = view.summary.as_mut().and_then(|s| s.collective.as_mut()) {
+        if let Some(c) = v.summary.as_mut().and_then(|s| s.collective.as_mut()) {
             c.bytes_sent[2] = 112;
         }
         let got = measure(
             ClaimCheck::AllreduceBytes,
-            &RunEvidence { view: &view, metrics: &[], ranks: &[], traced_steps: 1 },
+            &RunEvidence { view: &v, metrics: &[], ranks: &[], traced_steps: 1 },
             None,
         )
         .unwrap();
         assert!(!got.agrees, "{got:?}");
         let err = measure(
             ClaimCheck::DdpEqualsOneRank,
-            &RunEvidence { view: &view, metrics: &[], ranks: &[], traced_steps: 1 },
+            &RunEvidence { view: &v, metrics: &[], ranks: &[], traced_steps: 1 },
             None,
         );
         assert!(err.unwrap_err().contains("one-rank"));

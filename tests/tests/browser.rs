@@ -730,6 +730,20 @@ async fn memory_scenario(c: &Client, lab: &Lab) -> Result<()> {
         }
     }
     save_element(c, "#memory-card", "memory-tab.png").await?;
+
+    // The timeline: FSDP's gathers and reduce-scatters, which the compute thread waits for,
+    // on a blocking lane of their own, and none of that communication counted as hidden.
+    wait_for(c, "the overlap table", Duration::from_secs(30), || exists(c, "#overlap-overall")).await?;
+    let lanes = js(
+        c,
+        "return Array.from(document.querySelectorAll(arguments[0])).filter(e => e.textContent == 'DP blocking').length;",
+        "#timeline .lane-label",
+    )
+    .await?;
+    ensure!(lanes == json!(4), "a blocking DP comm lane per rank, not {lanes}");
+    let hidden = text(c, "#overlap-overall .share").await?;
+    ensure!(hidden == "0%" || hidden == "0.0%", "FSDP's blocking collectives are not hidden under backward: {hidden}");
+    save_element(c, "#timeline-card", "fsdp-timeline.png").await?;
     Ok(())
 }
 

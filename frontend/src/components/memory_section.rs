@@ -98,8 +98,10 @@ pub fn shared_scale(view: &MemoryView) -> u64 {
 fn provenance(view: &MemoryView, finished: bool) -> &'static str {
     let measured = view.ranks.iter().filter(|r| r.measured.is_some()).count();
     if measured == view.ranks.len() && measured > 0 {
-        "Measured: the engine's own allocations, each category at its own highest point during the run. \
-         Next to it, the analytic planner's prediction for the rank's pipeline stage."
+        "Measured: the engine's buffers, booked where they are allocated (a micro-batch's activations from its \
+         forward to the end of its backward), each category at its own highest point during the run; under each \
+         rank, the process heap with every allocation counted. Next to it, the analytic planner's prediction for \
+         the rank's pipeline stage."
     } else if measured > 0 {
         "Some ranks have reported their measured memory; the others show the planner's prediction alone."
     } else if finished {

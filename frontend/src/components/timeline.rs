@@ -1,5 +1,5 @@
 //! The rank timeline: one row per rank with up to four lanes (compute; comm, DDP's buckets
-//! on the communication thread, which may overlap compute; DP comm (blocking), ZeRO/FSDP's
+//! on the communication thread, which may overlap compute; DP blocking, ZeRO/FSDP's
 //! gathers and reduce-scatters, which the compute thread issues and waits for; TP comm,
 //! tensor parallelism's all-reduces, also waited for), a box per recorded span coloured
 //! by its kind, a time axis in ms from the earliest span of the chosen step, and hover
@@ -106,7 +106,7 @@ fn is_dp_comm(span: &Span) -> bool {
 /// A rank row's lanes, top to bottom: (the spans' `lane`, its label). Compute is always
 /// drawn; the others when some span of the chosen steps is on them.
 const LANES: [(&str, &str); 4] =
-    [(lane::COMPUTE, ""), (lane::COMM, "comm"), (lane::DP_BLOCKING, "DP comm (blocking)"), (lane::TP, "TP comm")];
+    [(lane::COMPUTE, ""), (lane::COMM, "comm"), (lane::DP_BLOCKING, "DP blocking"), (lane::TP, "TP comm")];
 
 fn lane_index(span: &Span) -> usize {
     LANES.iter().position(|(lane, _)| *lane == span.lane).unwrap_or(0)
@@ -416,7 +416,7 @@ pub fn Timeline(ranks: Vec<RankSpans>) -> impl IntoView {
                         <p class="muted small">
                             "The share of each rank's data-parallel communication time that ran on its communication thread while the same rank was still computing its backward pass. "
                             "That time costs nothing: the gradients of the last layers are being all-reduced while earlier layers are still being differentiated. "
-                            "The rest is exposed: the step waits for it. Collectives the compute thread issues and waits for (ZeRO/FSDP's gathers and reduce-scatters, on the blocking lane) are always exposed, even inside backward."
+                            "The rest is exposed: the step waits for it. Collectives the compute thread issues and waits for (ZeRO/FSDP's gathers and reduce-scatters, on the DP blocking lane) are always exposed, even inside backward."
                         </p>
                         <table class="overlap-table">
                             <thead><tr><th>"rank"</th><th>"communication"</th><th>"under backward"</th><th>"exposed"</th><th>"hidden share"</th></tr></thead>
