@@ -89,6 +89,13 @@ pub struct MemorySample {
     /// Heap bytes the process held at that moment (counting allocator), when measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heap: Option<u64>,
+    /// Of `bytes`, what lives in shared memory (DDP's buckets), not on the heap.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 /// What the rank process measured of itself, beside the ledger's bookings: every heap
@@ -114,8 +121,8 @@ pub struct ProcessMemory {
     pub start_up: Option<StartUpMemory>,
 }
 
-/// Start-up: the heap's peak (counting allocator) and the ledger's peak total, once the
-/// model and its state are built. Their difference is what initialisation held beside
+/// Start-up: the heap's peak (counting allocator) and the most the ledger booked on the
+/// heap, once the model and its state are built. Their difference is what initialisation held beside
 /// the booked buffers (a whole-model copy on a rank that keeps a shard would show here).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StartUpMemory {
@@ -124,11 +131,10 @@ pub struct StartUpMemory {
 }
 
 impl ProcessMemory {
-    /// Heap bytes at the process's peak that the ledger's peak total does not explain
-    /// (negative when the ledger books more than the heap held, e.g. buffers that live in
-    /// shared memory rather than on the heap).
-    pub fn untracked(&self, ledger_peak_total: u64) -> Option<i64> {
-        self.heap_peak.map(|heap| heap as i64 - ledger_peak_total as i64)
+    /// Heap bytes at the process's peak that the ledger's bookings on the heap do not
+    /// explain (`booked_heap_peak`: the most the ledger booked on the heap at once).
+    pub fn untracked(&self, booked_heap_peak: u64) -> Option<i64> {
+        self.heap_peak.map(|heap| heap as i64 - booked_heap_peak as i64)
     }
 }
 
@@ -143,9 +149,25 @@ pub struct RankMemoryReport {
     pub current: RankMemory,
     /// Samples at op boundaries of the first recorded steps (FSDP's gather/free sawtooth).
     pub timeline: Vec<MemorySample>,
+    /// The most the ledger had booked in shared memory (DDP's buckets, which every rank of
+    /// the group maps) rather than on the heap.
+    #[serde(default)]
+    pub shared_peak: u64,
+    /// The most the ledger had booked on the heap at once (its total less shared memory);
+    /// what the heap measurement is set against. None from older workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub booked_heap_peak: Option<u64>,
     /// The process's own measurement beside the ledger (None from older workers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process: Option<ProcessMemory>,
+}
+
+impl RankMemoryReport {
+    /// Heap bytes at the peak the ledger does not explain (None when not measured).
+    pub fn untracked(&self) -> Option<i64> {
+        let booked = self.booked_heap_peak.unwrap_or(self.peak.total);
+        self.process.as_ref()?.untracked(booked)
+    }
 }
 
 /// `GET /api/experiments/{id}/memory`: every rank's measured memory next to the planner.

@@ -24,6 +24,11 @@ struct Ledger {
     timeline: Vec<MemorySample>,
     /// The heap's and the ledger's peaks when the model and its state were built.
     start_up: Option<StartUpMemory>,
+    /// Booked bytes that live in shared memory (mapped by several ranks), not on the heap.
+    shared: u64,
+    shared_peak: u64,
+    /// The most the ledger had booked on the heap at once (total less shared memory).
+    heap_peak: u64,
 }
 
 /// One rank's ledger of live buffers. Shared (Arc) by everything that allocates.
@@ -37,11 +42,13 @@ pub struct Receipt {
     tracker: Arc<MemoryTracker>,
     category: Category,
     bytes: u64,
+    /// In shared memory rather than on the heap.
+    shared: bool,
 }
 
 impl Drop for Receipt {
     fn drop(&mut self) {
-        self.tracker.change(self.category, self.bytes, false);
+        self.tracker.change(self.category, self.bytes, false, self.shared);
     }
 }
 
@@ -57,12 +64,22 @@ impl MemoryTracker {
 
     /// `len` elements of `T` (2 bytes each for bf16/fp16).
     pub fn alloc_of<T>(self: &Arc<Self>, category: Category, len: usize) -> Receipt {
-        let bytes = (len * std::mem::size_of::<T>()) as u64;
-        self.change(category, bytes, true);
-        Receipt { tracker: self.clone(), category, bytes }
+        self.book::<T>(category, len, false)
     }
 
-    fn change(&self, category: Category, bytes: u64, grow: bool) {
+    /// `floats` f32s in shared memory (`Communicator::alloc_shared`): booked like any other
+    /// buffer, but not on the heap, so the heap measurement is set against the rest.
+    pub fn alloc_shared(self: &Arc<Self>, category: Category, floats: usize) -> Receipt {
+        self.book::<f32>(category, floats, true)
+    }
+
+    fn book<T>(self: &Arc<Self>, category: Category, len: usize, shared: bool) -> Receipt {
+        let bytes = (len * std::mem::size_of::<T>()) as u64;
+        self.change(category, bytes, true, shared);
+        Receipt { tracker: self.clone(), category, bytes, shared }
+    }
+
+    fn change(&self, category: Category, bytes: u64, grow: bool, shared: bool) {
         let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
         let now = category.field(&mut ledger.current);
         *now = if grow { *now + bytes } else { now.saturating_sub(bytes) };
@@ -72,6 +89,11 @@ impl MemoryTracker {
         let peak = category.field(&mut ledger.peak);
         *peak = (*peak).max(value);
         ledger.peak.total = ledger.peak.total.max(total);
+        if shared {
+            ledger.shared = if grow { ledger.shared + bytes } else { ledger.shared.saturating_sub(bytes) };
+            ledger.shared_peak = ledger.shared_peak.max(ledger.shared);
+        }
+        ledger.heap_peak = ledger.heap_peak.max(total.saturating_sub(ledger.shared));
     }
 
     /// Samples of the timeline are taken during step `step` (None: stop sampling).
@@ -84,8 +106,8 @@ impl MemoryTracker {
         let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(step) = ledger.sampling {
             let bytes = ledger.current.clone();
-            let heap = crate::heap::heap_now();
-            ledger.timeline.push(MemorySample { t_us: now_us(), step, event: event(), bytes, heap });
+            let (heap, shared) = (crate::heap::heap_now(), ledger.shared);
+            ledger.timeline.push(MemorySample { t_us: now_us(), step, event: event(), bytes, heap, shared });
         }
     }
 
@@ -93,7 +115,7 @@ impl MemoryTracker {
     /// ledger peaked at so far is the start-up peak (the initialisation's copies live here).
     pub fn mark_start_up(&self) {
         let mut ledger = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
-        let ledger_peak = ledger.peak.total;
+        let ledger_peak = ledger.heap_peak;
         ledger.start_up = crate::heap::measure().heap_peak.map(|heap_peak| StartUpMemory { heap_peak, ledger_peak });
     }
 
@@ -109,6 +131,8 @@ impl MemoryTracker {
             peak: ledger.peak.clone(),
             current: ledger.current.clone(),
             timeline: ledger.timeline.clone(),
+            shared_peak: ledger.shared_peak,
+            booked_heap_peak: Some(ledger.heap_peak),
             process: Some(ProcessMemory { start_up: ledger.start_up.clone(), ..crate::heap::measure() }),
         }
     }

@@ -928,12 +928,15 @@ async fn memory_view_puts_uploaded_memory_next_to_the_planner() {
         event: event.into(),
         bytes: bytes.clone(),
         heap: None,
+        shared: 0,
     };
     let report = memory::RankMemoryReport {
         rank: 0,
         peak: peak.clone(),
         current: planner::RankMemory { activations: 0, ..peak.clone() },
         timeline: vec![sample(1_000, "forward block 0", &predicted), sample(2_000, "backward block 0", &peak)],
+        shared_peak: 0,
+        booked_heap_peak: None,
         process: None,
     };
     let r0 = trace::RankTrace { memory: Some(report.clone()), ..rank_trace(0, 2, 2) };

@@ -718,7 +718,8 @@ async fn memory_scenario(c: &Client, lab: &Lab) -> Result<()> {
         // counted), how much of it the ledger leaves untracked, the peak resident set.
         let process = measured.process.as_ref().ok_or_else(|| anyhow!("rank {rank}: no process measurement"))?;
         let heap = process.heap_peak.ok_or_else(|| anyhow!("rank {rank}: no heap peak"))?;
-        ensure!(heap >= measured.peak.total, "rank {rank}: heap {heap} below the ledger {}", measured.peak.total);
+        let booked = measured.booked_heap_peak.ok_or_else(|| anyhow!("rank {rank}: no heap bookings"))?;
+        ensure!(heap >= booked, "rank {rank}: heap {heap} below the ledger's heap bookings {booked}");
         let line = text(c, &format!("{block} .memory-process")).await?;
         for part in ["process heap peak", "ledger booked", "untracked", "peak resident", "at start-up"] {
             ensure!(line.contains(part), "rank {rank}: {part:?} not in {line:?}");

@@ -117,7 +117,34 @@ fn fsdp_ranks_never_hold_the_whole_model() {
         assert!(start.heap_peak >= start.ledger_peak, "{what}: every booked buffer is on the heap");
         assert!(beside < whole / 2, "{what}");
         let heap = p.heap_peak.expect("heap peak");
-        assert!(heap >= m.peak.total, "rank {}: heap peak {heap} below the ledger's {}", rank.rank, m.peak.total);
+        let booked = m.booked_heap_peak.expect("the ledger's heap bookings");
+        assert!(heap >= booked, "rank {}: heap peak {heap} below the ledger's {booked}", rank.rank);
         assert!(p.peak_resident.expect("peak resident set") >= heap, "rank {}", rank.rank);
+    }
+}
+
+/// DDP's gradient buckets live in shared memory every rank of the group maps: the ledger
+/// books them apart from the heap, and the heap (every allocation counted) holds at least
+/// what the ledger books on it; "untracked" is the difference.
+#[test]
+fn ddp_buckets_are_booked_in_shared_memory_and_the_heap_holds_the_rest() {
+    let mut s = spec("ddp-shared", 2, Sharding::None);
+    s.train.steps = 2;
+    s.train.warmup_steps = 1;
+    let (_, trace) = run_with_trace(&s);
+    for rank in &trace.ranks {
+        let m = rank.memory.as_ref().expect("ranks report their memory");
+        let what = format!("rank {}", rank.rank);
+        assert!(
+            m.shared_peak > 0 && m.shared_peak == m.peak.comm_buffers,
+            "{what}: {} shared, {} comm",
+            m.shared_peak,
+            m.peak.comm_buffers
+        );
+        let booked = m.booked_heap_peak.expect("heap bookings");
+        assert!(booked + m.shared_peak >= m.peak.total, "{what}");
+        let heap = m.process.as_ref().and_then(|p| p.heap_peak).expect("heap peak");
+        assert!(heap >= booked, "{what}: heap {heap} below the ledger's heap bookings {booked}");
+        assert_eq!(m.untracked(), Some(heap as i64 - booked as i64), "{what}");
     }
 }

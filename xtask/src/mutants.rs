@@ -107,6 +107,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--test", "ops", "layernorm"],
     },
     Mutant {
+        name: "DDP's shared-memory buckets are booked as heap",
+        file: "gpu-worker/src/parallel/ddp.rs",
+        find: "memory.alloc_shared(Category::CommBuffers, b.range.len())",
+        replace: "memory.alloc(Category::CommBuffers, b.range.len())",
+        tests: &["-p", "distlab-tests", "--test", "sharding", "ddp_buckets_are_booked_in_shared_memory"],
+    },
+    Mutant {
         name: "SGD ignores weight decay",
         file: "gpu-worker/src/optim.rs",
         find: "let decay = F::from_f64(1.0 - lr * weight_decay);",

@@ -63,9 +63,15 @@ pub fn rank_bars(r: &RankMemoryView) -> Vec<Bar> {
 pub fn process_line(m: &RankMemoryReport) -> Option<String> {
     let p = m.process.as_ref()?;
     let mut parts = Vec::new();
-    if let (Some(heap), Some(untracked)) = (p.heap_peak, p.untracked(m.peak.total)) {
+    if let (Some(heap), Some(untracked)) = (p.heap_peak, m.untracked()) {
         parts.push(format!("process heap peak {} (every allocation counted)", format::bytes(heap as f64)));
-        parts.push(format!("ledger booked {}", format::bytes(m.peak.total as f64)));
+        let booked = m.booked_heap_peak.unwrap_or(m.peak.total);
+        let shared = if m.shared_peak > 0 {
+            format!(" (and {} in shared memory, not on the heap)", format::bytes(m.shared_peak as f64))
+        } else {
+            String::new()
+        };
+        parts.push(format!("ledger booked {} on the heap{shared}", format::bytes(booked as f64)));
         let sign = if untracked < 0 { "-" } else { "" };
         parts.push(format!(
             "untracked {sign}{} ({:.0}% of the heap peak)",
@@ -176,7 +182,7 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
         }
     });
     let process = r.measured.as_ref().and_then(process_line).map(|line| {
-        view! { <p class="memory-process small" title="untracked = heap peak - the ledger's peak total">{line}</p> }
+        view! { <p class="memory-process small" title="untracked = heap peak - the most the ledger booked on the heap at once">{line}</p> }
     });
     let timeline = r.measured.as_ref().filter(|m| !m.timeline.is_empty()).map(|m| {
         let samples = m.timeline.clone();
@@ -268,9 +274,15 @@ mod tests {
             Some(ProcessMemory { heap_peak: Some(4 << 20), peak_resident: Some(10 << 20), ..Default::default() });
         let line = process_line(&m).unwrap();
         assert!(line.contains("process heap peak 4.0 MiB"), "{line}");
+        assert!(line.contains("ledger booked 3.0 MiB on the heap ·"), "{line}");
         assert!(line.contains("untracked 1.0 MiB (25% of the heap peak)"), "{line}");
         assert!(line.contains("peak resident 10.0 MiB"), "{line}");
         m.peak.total = 5 << 20;
         assert!(process_line(&m).unwrap().contains("untracked -1.0 MiB"));
+        // DDP's buckets live in shared memory: the heap is set against the rest.
+        (m.shared_peak, m.booked_heap_peak) = (2 << 20, Some(3 << 20));
+        let line = process_line(&m).unwrap();
+        assert!(line.contains("ledger booked 3.0 MiB on the heap (and 2.0 MiB in shared memory"), "{line}");
+        assert!(line.contains("untracked 1.0 MiB"), "{line}");
     }
 }

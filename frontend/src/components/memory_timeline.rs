@@ -122,7 +122,8 @@ impl MemoryTimelineModel {
                     }
                 }
                 if let Some(heap) = s.heap {
-                    let untracked = heap as i64 - sum_of_categories(&s.bytes) as i64;
+                    // Set against what the ledger booked on the heap (DDP's buckets are shared memory).
+                    let untracked = heap as i64 - sum_of_categories(&s.bytes).saturating_sub(s.shared) as i64;
                     title.push_str(&format!(
                         "\nprocess heap: {} (untracked {}{})",
                         format::bytes(heap as f64),
@@ -269,6 +270,7 @@ mod tests {
                 ..RankMemory::default()
             },
             heap: None,
+            shared: 0,
         }
     }
 

@@ -321,7 +321,7 @@ impl GradSync {
             }
         }
         let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;
-        let receipts = buckets.iter().map(|b| memory.alloc(Category::CommBuffers, b.range.len())).collect();
+        let receipts = buckets.iter().map(|b| memory.alloc_shared(Category::CommBuffers, b.range.len())).collect();
         let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
         let (comm_tx, from_comm) = mpsc::channel::<Reduced>();
         let sizes: Vec<usize> = buckets.iter().map(|b| b.range.len()).collect();
