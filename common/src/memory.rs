@@ -23,11 +23,14 @@ pub enum MemoryCategory {
     /// What waits for a collective or a neighbour (DDP buckets, a unit's gradient before its
     /// reduce-scatter, a pipeline stage's receive buffers and queued sends).
     CommBuffers,
+    /// Buffers that live for one call: the f32 copy of a 2-byte buffer for a collective.
+    /// Measured only: the planner does not predict them.
+    Transient,
 }
 
 impl MemoryCategory {
     /// Every category, model state first (the order bars stack them).
-    pub const ALL: [MemoryCategory; 7] = [
+    pub const ALL: [MemoryCategory; 8] = [
         MemoryCategory::Parameters,
         MemoryCategory::Gradients,
         MemoryCategory::OptimizerState,
@@ -35,7 +38,13 @@ impl MemoryCategory {
         MemoryCategory::Activations,
         MemoryCategory::ActivationGrads,
         MemoryCategory::CommBuffers,
+        MemoryCategory::Transient,
     ];
+
+    /// Whether the planner predicts it (every category but the measured-only transient).
+    pub fn planned(self) -> bool {
+        self != MemoryCategory::Transient
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -46,6 +55,7 @@ impl MemoryCategory {
             MemoryCategory::Activations => "activations",
             MemoryCategory::ActivationGrads => "activation gradients",
             MemoryCategory::CommBuffers => "communication buffers",
+            MemoryCategory::Transient => "transient (measured only)",
         }
     }
 
@@ -59,6 +69,7 @@ impl MemoryCategory {
             MemoryCategory::Activations => m.activations,
             MemoryCategory::ActivationGrads => m.activation_grads,
             MemoryCategory::CommBuffers => m.comm_buffers,
+            MemoryCategory::Transient => m.transient,
         }
     }
 
@@ -72,6 +83,7 @@ impl MemoryCategory {
             MemoryCategory::Activations => &mut m.activations,
             MemoryCategory::ActivationGrads => &mut m.activation_grads,
             MemoryCategory::CommBuffers => &mut m.comm_buffers,
+            MemoryCategory::Transient => &mut m.transient,
         }
     }
 }

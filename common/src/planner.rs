@@ -125,6 +125,10 @@ pub struct RankMemory {
     /// the communication thread (one more gradient's worth, when dp > 1); ZeRO-2 and FSDP
     /// hold one unit's gradient until it is reduce-scattered.
     pub comm_buffers: u64,
+    /// Measured only (the planner predicts none): buffers that live for one call, such as
+    /// the f32 copy a 2-byte buffer gets for a collective.
+    #[serde(default)]
+    pub transient: u64,
     pub total: u64,
 }
 
@@ -444,6 +448,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             activations: activations.saturating_mul(act_bytes),
             activation_grads: grad_acts.saturating_mul(act_bytes),
             comm_buffers,
+            transient: 0,
             total: 0,
         };
         memory.total = [

@@ -79,6 +79,7 @@ pub fn view(spec: &ExperimentSpec, plan: Plan, mut measured: BTreeMap<i64, RankM
 pub fn differences(measured: &RankMemory, predicted: &RankMemory, spec: &ExperimentSpec) -> Vec<String> {
     Category::ALL
         .iter()
+        .filter(|c| c.planned())
         .filter_map(|&c| {
             let (m, p) = (c.of(measured), c.of(predicted));
             (m != p).then(|| {
@@ -153,6 +154,7 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
                 format!("{base}; the engine needed less scratch than that")
             }
         }
+        Category::Transient => "the planner does not predict buffers that live for one call".into(),
         Category::CommBuffers => {
             let held = if more { "held more" } else { "held less" };
             let pipeline = if p.pp > 1 {

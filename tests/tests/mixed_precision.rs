@@ -67,6 +67,12 @@ fn every_strategy_trains_in_bf16_and_fp16_like_one_rank() {
 
 #[test]
 fn every_rank_measures_the_bf16_memory_the_planner_predicts() {
+    // The largest unit in bf16: what FSDP gathers at once (the planner's count).
+    let largest_unit_bf16 = {
+        let mut fsdp = spec("fsdp", Precision::Bf16);
+        (fsdp.parallel.dp, fsdp.parallel.sharding) = (2, Sharding::Fsdp);
+        plan(&fsdp).unwrap().stages[0].memory.gathered_parameters
+    };
     for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
         let mut s = spec(sharding.as_str(), Precision::Bf16);
         s.parallel.dp = 2;
@@ -88,6 +94,12 @@ fn every_rank_measures_the_bf16_memory_the_planner_predicts() {
             // DDP's buckets and ZeRO/FSDP's unit gradients: the planner's count, in the
             // format they are held in.
             assert_eq!(measured.comm_buffers, predicted.comm_buffers, "{what}");
+            // Measured only: the f32 copy a bf16 unit gets for its gather or reduce-scatter
+            // (4 bytes for each of the largest unit's elements, FSDP's gathered unit in bf16
+            // is 2), none for DDP, whose buckets are f32 already.
+            let largest_unit_f32 = 2 * largest_unit_bf16;
+            let expected = if sharding == Sharding::None { 0 } else { largest_unit_f32 };
+            assert_eq!(measured.transient, expected, "{what}: transient");
         }
     }
 }

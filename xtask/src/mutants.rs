@@ -114,6 +114,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "sharding", "ddp_buckets_are_booked_in_shared_memory"],
     },
     Mutant {
+        name: "the f32 copy of a 2-byte buffer for a collective goes unbooked",
+        file: "gpu-worker/src/parallel/mod.rs",
+        find: "(std::mem::size_of::<S>() != 4).then(",
+        replace: "(std::mem::size_of::<S>() == 0).then(",
+        tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
+    },
+    Mutant {
         name: "SGD ignores weight decay",
         file: "gpu-worker/src/optim.rs",
         find: "let decay = F::from_f64(1.0 - lr * weight_decay);",

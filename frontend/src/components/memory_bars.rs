@@ -27,7 +27,7 @@ const LABEL_MIN_W: f64 = 84.0;
 pub use distlab_common::memory::MemoryCategory as Category;
 
 /// Every category, in the order the bars stack them (model state first).
-pub const CATEGORIES: [Category; 7] = Category::ALL;
+pub const CATEGORIES: [Category; 8] = Category::ALL;
 
 /// How the page shows a category.
 pub trait Look {
@@ -49,6 +49,7 @@ impl Look for Category {
             Category::Activations => "activations",
             Category::ActivationGrads => "activation grads",
             Category::CommBuffers => "comm buffers",
+            Category::Transient => "transient (measured only)",
         }
     }
 
@@ -61,6 +62,7 @@ impl Look for Category {
             Category::Activations => "activations",
             Category::ActivationGrads => "act. grads",
             Category::CommBuffers => "comm",
+            Category::Transient => "transient",
         }
     }
 
@@ -73,6 +75,7 @@ impl Look for Category {
             Category::Activations => "mem-activations",
             Category::ActivationGrads => "mem-activation-grads",
             Category::CommBuffers => "mem-comm",
+            Category::Transient => "mem-transient",
         }
     }
 }

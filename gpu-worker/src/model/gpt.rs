@@ -224,6 +224,8 @@ pub trait TensorParallelGroup<B: Backend>: Send {
     fn spans(&self) -> Vec<Span>;
     /// (all-reduces, payload bytes summed, bytes this rank sent) since the start.
     fn totals(&self) -> (u64, u64, u64);
+    /// The rank's memory ledger, for what the group's collectives allocate.
+    fn attach_memory(&mut self, memory: &Arc<MemoryTracker>);
 }
 
 /// Activation gradients, shared by all blocks (backward visits one block at a time).
@@ -359,6 +361,10 @@ impl<B: Backend> Gpt<B> {
         memory: &Arc<MemoryTracker>,
     ) -> Self {
         let segment = saved.segment(stage.blocks.len());
+        let mut tp = tp;
+        if let Some(group) = tp.as_mut() {
+            group.attach_memory(memory);
+        }
         let place = tp.as_ref().map_or(TpPlace::ALONE, |g| g.place());
         let layout = ParamLayout::for_tp(spec, place);
         let n = place.size;

@@ -59,6 +59,7 @@ pub struct Replicated<S: Stored<Acc = f32> = f32> {
     step: u64,
     record: bool,
     spans: Vec<Span>,
+    memory: Arc<MemoryTracker>,
     _receipts: [Receipt; 2],
 }
 
@@ -124,6 +125,7 @@ impl<S: Stored<Acc = f32>> Replicated<S> {
             step: 0,
             record: false,
             spans: Vec::new(),
+            memory: memory.clone(),
             _receipts: receipts,
         })
     }
@@ -173,7 +175,8 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Replicated<S> {
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
             let (start, sent_before) = (now_us(), dp.scalars.bytes_sent());
             for u in &shard.units {
-                collective_f32(&mut self.state.params[shard.in_buffer(u)], |p| dp.scalars.all_gather_in_place(p))?;
+                let params = &mut self.state.params[shard.in_buffer(u)];
+                collective_f32(&self.memory, params, |p| dp.scalars.all_gather_in_place(p))?;
             }
             if self.record {
                 let sent = dp.scalars.bytes_sent() - sent_before;

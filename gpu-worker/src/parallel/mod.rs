@@ -28,7 +28,7 @@ use distlab_common::{ExperimentSpec, Sharding};
 use crate::backend::float::in_acc;
 use crate::backend::{CpuBackend, Stored};
 use crate::comm::{CommError, Communicator};
-use crate::memory::MemoryTracker;
+use crate::memory::{Category, MemoryTracker};
 use crate::model::{ModelState, ParamLayout, Stage};
 use crate::optim::OptimizerState;
 
@@ -110,9 +110,12 @@ pub fn load_params<S: Stored<Acc = f32>>(held: &mut [S], saved: Vec<f32>) -> Res
 /// mixed-precision gradients are summed in fp32 (as with Megatron's
 /// `accumulate_allreduce_grads_in_fp32`) and move 4 bytes per element.
 pub fn collective_f32<S: Stored<Acc = f32>>(
+    memory: &Arc<MemoryTracker>,
     buf: &mut [S],
     f: impl FnOnce(&mut [f32]) -> Result<(), CommError>,
 ) -> Result<(), CommError> {
+    // A 2-byte buffer travels as an f32 copy, booked for as long as it lives.
+    let _copy = (std::mem::size_of::<S>() != 4).then(|| memory.alloc(Category::Transient, buf.len()));
     in_acc(buf, f)
 }
 

@@ -108,7 +108,7 @@ impl PipelineLinks {
     /// Receives what stage `from` sent next, into `buf` (its length is known).
     pub fn recv<S: Stored<Acc = f32>>(&mut self, buf: &mut [S], from: usize) -> Result<(), CommError> {
         let comm = &mut self.recv;
-        super::collective_f32(buf, |b| comm.recv(b, from))
+        super::collective_f32(&self.memory, buf, |b| comm.recv(b, from))
     }
 
     /// Waits until every queued send is written (before the group's collectives, which

@@ -118,7 +118,7 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
         let mut full = self.temporary(Category::GatheredParameters, u.global.len());
         full.data[u.mine.clone()].copy_from_slice(&self.params[u.local()]);
         let comm = &mut self.comm;
-        collective_f32(&mut full.data, |p| comm.all_gather_in_place(p))?;
+        collective_f32(&self.memory, &mut full.data, |p| comm.all_gather_in_place(p))?;
         self.gathered = Some(full);
         if self.record {
             let sent = self.comm.bytes_sent() - sent_before;
@@ -133,7 +133,7 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit);
         let comm = &mut self.comm;
-        collective_f32(&mut grads.data, |g| comm.reduce_scatter_in_place(g, ReduceOp::Sum))?;
+        collective_f32(&self.memory, &mut grads.data, |g| comm.reduce_scatter_in_place(g, ReduceOp::Sum))?;
         for (acc, g) in self.grad_shard[u.local()].iter_mut().zip(&grads.data[u.mine.clone()]) {
             *acc = S::store(acc.load() + g.load());
         }
@@ -203,7 +203,9 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Sharded<S> {
             let (start, sent_before) = (now_us(), self.comm.bytes_sent());
             for u in &self.shard.units {
                 let comm = &mut self.comm;
-                collective_f32(&mut self.params[self.shard.in_buffer(u)], |p| comm.all_gather_in_place(p))?;
+                collective_f32(&self.memory, &mut self.params[self.shard.in_buffer(u)], |p| {
+                    comm.all_gather_in_place(p)
+                })?;
             }
             if self.record {
                 let sent = self.comm.bytes_sent() - sent_before;

@@ -35,11 +35,14 @@
 //! 1/tp (`ParamLayout::grad_squares`). The split itself is in `model/layout.rs`, the
 //! sums in `model/gpt.rs`.
 
+use std::sync::Arc;
+
 use distlab_common::trace::{lane, Span, SpanKind};
 
 use super::{collective_f32, Cpu};
 use crate::backend::Stored;
 use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::memory::MemoryTracker;
 use crate::model::gpt::{TensorParallelGroup, TpSum};
 use crate::model::TpPlace;
 use crate::trace::now_us;
@@ -52,11 +55,14 @@ pub struct TensorParallel {
     spans: Vec<Span>,
     calls: u64,
     payload_bytes: u64,
+    /// The rank's memory ledger (its own until the model attaches the rank's).
+    memory: Arc<MemoryTracker>,
 }
 
 impl TensorParallel {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
-        TensorParallel { comm, step: 0, record: false, spans: Vec::new(), calls: 0, payload_bytes: 0 }
+        let memory = MemoryTracker::new();
+        TensorParallel { comm, step: 0, record: false, spans: Vec::new(), calls: 0, payload_bytes: 0, memory }
     }
 
     pub fn place(&self) -> TpPlace {
@@ -83,7 +89,7 @@ impl<S: Stored<Acc = f32>> TensorParallelGroup<Cpu<S>> for TensorParallel {
     fn all_reduce(&mut self, _be: &Cpu<S>, buf: &mut Vec<S>, what: TpSum, layer: usize) -> Result<(), CommError> {
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let comm = &mut self.comm;
-        collective_f32(buf, |b| comm.all_reduce(b, ReduceOp::Sum))?;
+        collective_f32(&self.memory, buf, |b| comm.all_reduce(b, ReduceOp::Sum))?;
         self.calls += 1;
         self.payload_bytes += (buf.len() * 4) as u64;
         if self.record {
@@ -118,5 +124,9 @@ impl<S: Stored<Acc = f32>> TensorParallelGroup<Cpu<S>> for TensorParallel {
 
     fn totals(&self) -> (u64, u64, u64) {
         (self.calls, self.payload_bytes, self.comm.bytes_sent())
+    }
+
+    fn attach_memory(&mut self, memory: &Arc<MemoryTracker>) {
+        self.memory = memory.clone();
     }
 }
