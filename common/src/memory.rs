@@ -26,11 +26,14 @@ pub enum MemoryCategory {
     /// Buffers that live for one call: the f32 copy of a 2-byte buffer for a collective.
     /// Measured only: the planner does not predict them.
     Transient,
+    /// The channels between rank processes: shared-memory pipes and the ring's staging
+    /// pieces. Measured only.
+    Transport,
 }
 
 impl MemoryCategory {
     /// Every category, model state first (the order bars stack them).
-    pub const ALL: [MemoryCategory; 8] = [
+    pub const ALL: [MemoryCategory; 9] = [
         MemoryCategory::Parameters,
         MemoryCategory::Gradients,
         MemoryCategory::OptimizerState,
@@ -39,11 +42,12 @@ impl MemoryCategory {
         MemoryCategory::ActivationGrads,
         MemoryCategory::CommBuffers,
         MemoryCategory::Transient,
+        MemoryCategory::Transport,
     ];
 
-    /// Whether the planner predicts it (every category but the measured-only transient).
+    /// Whether the planner predicts it (every category but the measured-only ones).
     pub fn planned(self) -> bool {
-        self != MemoryCategory::Transient
+        !matches!(self, MemoryCategory::Transient | MemoryCategory::Transport)
     }
 
     pub fn name(self) -> &'static str {
@@ -56,6 +60,7 @@ impl MemoryCategory {
             MemoryCategory::ActivationGrads => "activation gradients",
             MemoryCategory::CommBuffers => "communication buffers",
             MemoryCategory::Transient => "transient (measured only)",
+            MemoryCategory::Transport => "transport (measured only)",
         }
     }
 
@@ -70,6 +75,7 @@ impl MemoryCategory {
             MemoryCategory::ActivationGrads => m.activation_grads,
             MemoryCategory::CommBuffers => m.comm_buffers,
             MemoryCategory::Transient => m.transient,
+            MemoryCategory::Transport => m.transport,
         }
     }
 
@@ -84,6 +90,7 @@ impl MemoryCategory {
             MemoryCategory::ActivationGrads => &mut m.activation_grads,
             MemoryCategory::CommBuffers => &mut m.comm_buffers,
             MemoryCategory::Transient => &mut m.transient,
+            MemoryCategory::Transport => &mut m.transport,
         }
     }
 }

@@ -129,6 +129,11 @@ pub struct RankMemory {
     /// the f32 copy a 2-byte buffer gets for a collective.
     #[serde(default)]
     pub transient: u64,
+    /// Measured only (the planner predicts none): this lab's channels between rank
+    /// processes, the shared-memory pipes (one each way per peer) and the ring's staging
+    /// pieces. A GPU cluster's NCCL has buffers of its own that the planner does not model.
+    #[serde(default)]
+    pub transport: u64,
     pub total: u64,
 }
 
@@ -449,6 +454,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             activation_grads: grad_acts.saturating_mul(act_bytes),
             comm_buffers,
             transient: 0,
+            transport: 0,
             total: 0,
         };
         memory.total = [

@@ -93,7 +93,13 @@ pub fn run(
             channel.output(&RankOutput::Event(event));
         }
     };
-    let run = train_rank(spec, opts, Groups { dp, pp, tp }, &mut on_event, &AtomicBool::new(false))?;
+    let run = train_rank(
+        spec,
+        opts,
+        Groups { dp, pp, tp, pipe_bytes: mesh.pipe_bytes() },
+        &mut on_event,
+        &AtomicBool::new(false),
+    )?;
     let trace = RankTrace {
         rank: rank as u32,
         world: world as u32,

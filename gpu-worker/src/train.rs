@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use distlab_common::{
     BackendKind, CheckpointWrite, ExperimentSpec, FieldError, Limits, LogLevel, LogLine, LossScaling, MetricPoint,
-    Precision, RunEvent, RunSummary,
+    Precision, RunEvent, RunSummary, Sharding,
 };
 
 use distlab_common::trace::{RankTrace, Span, SpanKind};
@@ -172,6 +172,8 @@ pub struct Trainer<S: Stored<Acc = f32> = f32> {
     /// Dynamic loss scaling (fp16 with `loss_scaling: dynamic`).
     scaler: Option<LossScaler>,
     memory: Arc<MemoryTracker>,
+    /// The pipes and staging pieces of the channels to the other ranks, booked.
+    _transport: [Receipt; 2],
     /// Timeline spans of the first `SPAN_STEPS` steps (compute lane; comm spans come
     /// from the strategy).
     pub spans: Vec<Span>,
@@ -207,6 +209,11 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         let backend = CpuBackend::<S>::new(threads);
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
+        // The channels to the other ranks: pipes in shared memory, staging on the heap.
+        let transport = [
+            memory.alloc_shared(Category::Transport, (groups.pipe_bytes / 4) as usize),
+            memory.alloc(Category::Transport, (groups.staging_bytes(spec.parallel.sharding) / 4) as usize),
+        ];
         let t = &spec.train;
         let (stage_index, stages) = groups.pp.as_ref().map_or((0, 1), |g| (g.stage, g.stages));
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
@@ -237,6 +244,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
             received,
             scaler: (t.loss_scaling == LossScaling::Dynamic).then(LossScaler::default),
             memory,
+            _transport: transport,
             spans: Vec::new(),
         })
     }
@@ -513,6 +521,21 @@ pub struct Groups {
     pub dp: Option<DpGroup>,
     pub pp: Option<PipelineGroup>,
     pub tp: Option<TensorParallel>,
+    /// Bytes of the shared-memory pipes to the other rank processes this rank maps.
+    pub pipe_bytes: u64,
+}
+
+impl Groups {
+    /// Heap bytes the communicators the run keeps hold for staging what they move (ZeRO-2
+    /// and FSDP reduce-scatter on the main data-parallel communicator and drop the other).
+    fn staging_bytes(&self, sharding: Sharding) -> u64 {
+        let dp = self.dp.as_ref().map_or(0, |g| {
+            let grads = matches!(sharding, Sharding::None | Sharding::Zero1).then(|| g.grads.staging_bytes());
+            grads.unwrap_or(0) + g.scalars.staging_bytes()
+        });
+        let pp = self.pp.as_ref().map_or(0, |g| g.send.staging_bytes() + g.recv.staging_bytes());
+        dp + pp + self.tp.as_ref().map_or(0, TensorParallel::staging_bytes)
+    }
 }
 
 /// Buffers a pipeline stage receives into: its input activation (all but the first stage)

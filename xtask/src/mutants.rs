@@ -121,6 +121,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
     },
     Mutant {
+        name: "the shared-memory pipes between ranks go unbooked",
+        file: "gpu-worker/src/train.rs",
+        find: "(groups.pipe_bytes / 4) as usize",
+        replace: "0",
+        tests: &["-p", "distlab-tests", "--test", "sharding", "ddp_buckets_are_booked_in_shared_memory"],
+    },
+    Mutant {
         name: "SGD ignores weight decay",
         file: "gpu-worker/src/optim.rs",
         find: "let decay = F::from_f64(1.0 - lr * weight_decay);",

@@ -27,7 +27,7 @@ const LABEL_MIN_W: f64 = 84.0;
 pub use distlab_common::memory::MemoryCategory as Category;
 
 /// Every category, in the order the bars stack them (model state first).
-pub const CATEGORIES: [Category; 8] = Category::ALL;
+pub const CATEGORIES: [Category; 9] = Category::ALL;
 
 /// How the page shows a category.
 pub trait Look {
@@ -50,6 +50,7 @@ impl Look for Category {
             Category::ActivationGrads => "activation grads",
             Category::CommBuffers => "comm buffers",
             Category::Transient => "transient (measured only)",
+            Category::Transport => "transport (measured only)",
         }
     }
 
@@ -63,6 +64,7 @@ impl Look for Category {
             Category::ActivationGrads => "act. grads",
             Category::CommBuffers => "comm",
             Category::Transient => "transient",
+            Category::Transport => "transport",
         }
     }
 
@@ -76,6 +78,7 @@ impl Look for Category {
             Category::ActivationGrads => "mem-activation-grads",
             Category::CommBuffers => "mem-comm",
             Category::Transient => "mem-transient",
+            Category::Transport => "mem-transport",
         }
     }
 }

@@ -87,6 +87,12 @@ pub trait Communicator: Send {
     /// each chunk with one plain copy straight from the peer. Every member must call it, with
     /// the same `len`, in the same order. The memory lives as long as the communicator.
     fn alloc_shared(&mut self, len: usize) -> Result<SharedBuffer, CommError>;
+
+    /// Heap bytes the communicator keeps for staging data it moves (booked by the trainer
+    /// as transport).
+    fn staging_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// How a buffer is cut into one chunk per rank (shared with the browser's replay).

@@ -631,6 +631,10 @@ impl Communicator for RingCommunicator {
         self.bytes_sent
     }
 
+    fn staging_bytes(&self) -> u64 {
+        (self.scratch.len() * std::mem::size_of::<f32>()) as u64
+    }
+
     /// Every member creates a memfd and sends it to every other member over their socket
     /// (all sends first: they are tiny), then maps each member's.
     fn alloc_shared(&mut self, len: usize) -> Result<SharedBuffer, CommError> {

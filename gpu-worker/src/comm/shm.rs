@@ -35,7 +35,8 @@ pub const CAPACITY: usize = 2 << 20;
 const PIECE_BYTES: usize = 256 << 10;
 /// The counters sit in the first page, the ring after it.
 const HEADER_BYTES: usize = 4096;
-const MAP_BYTES: usize = HEADER_BYTES + CAPACITY;
+/// Bytes one pipe maps (in both processes).
+pub const MAP_BYTES: usize = HEADER_BYTES + CAPACITY;
 /// Checks of the other side's counter before going to sleep: the first ones back to back,
 /// the rest each after offering the CPU to another thread (ranks may outnumber cores).
 const SPINS: u32 = 200;

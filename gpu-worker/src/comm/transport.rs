@@ -148,6 +148,11 @@ impl Mesh {
         Ok(Mesh { rank, world, links })
     }
 
+    /// Bytes of the shared-memory pipes this rank maps: one each way per peer.
+    pub fn pipe_bytes(&self) -> u64 {
+        (self.links.iter().flatten().count() * 2 * shm::MAP_BYTES) as u64
+    }
+
     /// Handles to the given peers for a group's own use (the pipes are shared: two groups
     /// with a common pair of ranks must not run collectives at the same time).
     pub fn links(&self, peers: &[usize]) -> std::io::Result<Vec<Option<Link>>> {

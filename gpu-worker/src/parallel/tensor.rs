@@ -68,6 +68,11 @@ impl TensorParallel {
     pub fn place(&self) -> TpPlace {
         TpPlace { rank: self.comm.rank(), size: self.comm.size() }
     }
+
+    /// What the group's communicator keeps for staging (see `Communicator::staging_bytes`).
+    pub fn staging_bytes(&self) -> u64 {
+        self.comm.staging_bytes()
+    }
 }
 
 /// How the timeline names one of the four sums.
