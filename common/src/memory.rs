@@ -26,8 +26,7 @@ pub enum MemoryCategory {
     /// Buffers that live for one call: the f32 copy of a 2-byte buffer for a collective.
     /// Measured only: the planner does not predict them.
     Transient,
-    /// The channels between rank processes: shared-memory pipes and the ring's staging
-    /// pieces. Measured only.
+    /// The channels between rank processes: the rings' staging pieces. Measured only.
     Transport,
 }
 
@@ -172,6 +171,11 @@ pub struct RankMemoryReport {
     /// the group maps) rather than on the heap.
     #[serde(default)]
     pub shared_peak: u64,
+    /// The shared-memory pipes to the other rank processes this rank maps (2 MiB + 4 KiB each
+    /// way per peer): not in the categories (mostly never touched; the resident set shows
+    /// what is).
+    #[serde(default)]
+    pub pipe_bytes: u64,
     /// The most the ledger had booked on the heap at once (its total less shared memory);
     /// what the heap measurement is set against. None from older workers.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -129,9 +129,9 @@ pub struct RankMemory {
     /// the f32 copy a 2-byte buffer gets for a collective.
     #[serde(default)]
     pub transient: u64,
-    /// Measured only (the planner predicts none): this lab's channels between rank
-    /// processes, the shared-memory pipes (one each way per peer) and the ring's staging
-    /// pieces. A GPU cluster's NCCL has buffers of its own that the planner does not model.
+    /// Measured only (the planner predicts none): what this lab's channels between rank
+    /// processes keep on the heap, the rings' staging pieces (the shared-memory pipes are
+    /// reported apart). A GPU cluster's NCCL has buffers of its own the planner does not model.
     #[serde(default)]
     pub transport: u64,
     pub total: u64,

@@ -29,6 +29,8 @@ struct Ledger {
     shared_peak: u64,
     /// The most the ledger had booked on the heap at once (total less shared memory).
     heap_peak: u64,
+    /// Shared-memory pipes to the other ranks this process maps (not booked).
+    pipe_bytes: u64,
 }
 
 /// One rank's ledger of live buffers. Shared (Arc) by everything that allocates.
@@ -119,6 +121,12 @@ impl MemoryTracker {
         ledger.start_up = crate::heap::measure().heap_peak.map(|heap_peak| StartUpMemory { heap_peak, ledger_peak });
     }
 
+    /// The shared-memory pipes to the other rank processes: mapped, mostly never touched, so
+    /// reported beside the ledger rather than booked in it.
+    pub fn set_pipe_bytes(&self, bytes: u64) {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner()).pipe_bytes = bytes;
+    }
+
     /// Bytes held now, by category.
     pub fn current(&self) -> RankMemory {
         self.ledger.lock().unwrap_or_else(|e| e.into_inner()).current.clone()
@@ -132,6 +140,7 @@ impl MemoryTracker {
             current: ledger.current.clone(),
             timeline: ledger.timeline.clone(),
             shared_peak: ledger.shared_peak,
+            pipe_bytes: ledger.pipe_bytes,
             booked_heap_peak: Some(ledger.heap_peak),
             process: Some(ProcessMemory { start_up: ledger.start_up.clone(), ..crate::heap::measure() }),
         }

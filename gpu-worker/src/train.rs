@@ -172,8 +172,8 @@ pub struct Trainer<S: Stored<Acc = f32> = f32> {
     /// Dynamic loss scaling (fp16 with `loss_scaling: dynamic`).
     scaler: Option<LossScaler>,
     memory: Arc<MemoryTracker>,
-    /// The pipes and staging pieces of the channels to the other ranks, booked.
-    _transport: [Receipt; 2],
+    /// The staging pieces of the channels to the other ranks, booked.
+    _transport: Receipt,
     /// Timeline spans of the first `SPAN_STEPS` steps (compute lane; comm spans come
     /// from the strategy).
     pub spans: Vec<Span>,
@@ -209,11 +209,10 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         let backend = CpuBackend::<S>::new(threads);
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
-        // The channels to the other ranks: pipes in shared memory, staging on the heap.
-        let transport = [
-            memory.alloc_shared(Category::Transport, (groups.pipe_bytes / 4) as usize),
-            memory.alloc(Category::Transport, (groups.staging_bytes(spec.parallel.sharding) / 4) as usize),
-        ];
+        // The channels to the other ranks: the rings' staging pieces (heap) are booked; the
+        // pipes (shared memory, mostly never touched) are reported beside the ledger.
+        let transport = memory.alloc(Category::Transport, (groups.staging_bytes(spec.parallel.sharding) / 4) as usize);
+        memory.set_pipe_bytes(groups.pipe_bytes);
         let t = &spec.train;
         let (stage_index, stages) = groups.pp.as_ref().map_or((0, 1), |g| (g.stage, g.stages));
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);

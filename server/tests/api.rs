@@ -936,6 +936,7 @@ async fn memory_view_puts_uploaded_memory_next_to_the_planner() {
         current: planner::RankMemory { activations: 0, ..peak.clone() },
         timeline: vec![sample(1_000, "forward block 0", &predicted), sample(2_000, "backward block 0", &peak)],
         shared_peak: 0,
+        pipe_bytes: 0,
         booked_heap_peak: None,
         process: None,
     };

@@ -121,10 +121,10 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
     },
     Mutant {
-        name: "the shared-memory pipes between ranks go unbooked",
+        name: "the shared-memory pipes between ranks go unreported",
         file: "gpu-worker/src/train.rs",
-        find: "(groups.pipe_bytes / 4) as usize",
-        replace: "0",
+        find: "memory.set_pipe_bytes(groups.pipe_bytes);",
+        replace: "let _ = groups.pipe_bytes;",
         tests: &["-p", "distlab-tests", "--test", "sharding", "ddp_buckets_are_booked_in_shared_memory"],
     },
     Mutant {

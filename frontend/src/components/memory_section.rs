@@ -86,6 +86,9 @@ pub fn process_line(m: &RankMemoryReport) -> Option<String> {
             format::bytes(start.ledger_peak as f64)
         ));
     }
+    if m.pipe_bytes > 0 {
+        parts.push(format!("pipes to the other ranks: {} of shared memory mapped", format::bytes(m.pipe_bytes as f64)));
+    }
     if let Some(rss) = p.peak_resident {
         parts.push(format!("peak resident {} (heap, stacks, shared-memory pipes, code)", format::bytes(rss as f64)));
     }
@@ -171,7 +174,7 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
     };
     let differences = r.measured.as_ref().map(|_| {
         if r.differences.is_empty() {
-            view! { <p class="memory-equal">"✓ measured equals the planner in every category"</p> }.into_any()
+            view! { <p class="memory-equal">"✓ measured equals the planner in every category it predicts (transient and transport are measured only)"</p> }.into_any()
         } else {
             view! {
                 <ul class="memory-differences">
