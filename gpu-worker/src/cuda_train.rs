@@ -167,9 +167,15 @@ impl<S: DeviceElem> CudaTrainer<S> {
         self.model.layout.total
     }
 
-    /// What the memory ledger says this rank holds, by category.
+    /// What the memory ledger says this rank holds, by category. Its buffers are in GPU
+    /// memory, so the host heap is not set against them (no heap figures, no "untracked").
     pub fn memory_report(&self) -> RankMemoryReport {
-        self.memory.report(0)
+        let mut report = self.memory.report(0);
+        report.booked_heap_peak = None;
+        if let Some(process) = report.process.as_mut() {
+            (process.heap_peak, process.heap_current, process.start_up) = (None, None, None);
+        }
+        report
     }
 
     /// Bytes of every buffer the trainer holds on the GPU, counted from the buffers.
