@@ -28,24 +28,23 @@ fn shrank(bytes: usize) {
     CURRENT.fetch_sub(bytes as u64, Relaxed);
 }
 
+/// Counts a fresh allocation of `bytes` at `ptr` (none when it failed) and hands it on.
+fn counted(ptr: *mut u8, bytes: usize) -> *mut u8 {
+    if !ptr.is_null() {
+        INSTALLED.store(true, Relaxed);
+        grew(bytes);
+    }
+    ptr
+}
+
 // SAFETY: every call is forwarded to `System` unchanged; the counters only observe sizes.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let ptr = unsafe { System.alloc(layout) };
-        if !ptr.is_null() {
-            INSTALLED.store(true, Relaxed);
-            grew(layout.size());
-        }
-        ptr
+        counted(unsafe { System.alloc(layout) }, layout.size())
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let ptr = unsafe { System.alloc_zeroed(layout) };
-        if !ptr.is_null() {
-            INSTALLED.store(true, Relaxed);
-            grew(layout.size());
-        }
-        ptr
+        counted(unsafe { System.alloc_zeroed(layout) }, layout.size())
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {

@@ -590,13 +590,8 @@ async fn tensor_parallel_scenario(c: &Client, lab: &Lab) -> Result<()> {
 
     c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
     wait_for(c, "the TP note under the timeline", Duration::from_secs(30), || exists(c, "#tp-note")).await?;
-    let lanes = js(
-        c,
-        "return Array.from(document.querySelectorAll(arguments[0])).filter(e => e.textContent == 'TP comm').length;",
-        "#timeline .lane-label",
-    )
-    .await?;
-    ensure!(lanes == json!(2), "a TP comm lane per rank, not {lanes}");
+    let lanes = timeline_lanes(c, "TP comm").await?;
+    ensure!(lanes == 2, "a TP comm lane per rank, not {lanes}");
     let per_step = 4 * spec.model.layers * spec.train.micro_batches;
     let note = text(c, "#tp-note").await?;
     ensure!(note.contains(&format!("{per_step} tensor-parallel all-reduces per rank")), "{note}");
@@ -669,6 +664,17 @@ async fn planner_scenario(c: &Client, lab: &Lab) -> Result<()> {
     Ok(())
 }
 
+/// How many lanes of the timeline carry `label` (one per rank that has such spans).
+async fn timeline_lanes(c: &Client, label: &str) -> Result<u64> {
+    let count = js(
+        c,
+        "return Array.from(document.querySelectorAll('#timeline .lane-label')).filter(e => e.textContent == arguments[0]).length;",
+        label,
+    )
+    .await?;
+    count.as_u64().ok_or_else(|| anyhow!("not a count: {count}"))
+}
+
 /// An FSDP run on 4 ranks to the end, then its memory card: for every rank the planner's
 /// bar, the measured bar (with the differences, none expected) and the memory over time.
 async fn memory_scenario(c: &Client, lab: &Lab) -> Result<()> {
@@ -735,13 +741,8 @@ async fn memory_scenario(c: &Client, lab: &Lab) -> Result<()> {
     // The timeline: FSDP's gathers and reduce-scatters, which the compute thread waits for,
     // on a blocking lane of their own, and none of that communication counted as hidden.
     wait_for(c, "the overlap table", Duration::from_secs(30), || exists(c, "#overlap-overall")).await?;
-    let lanes = js(
-        c,
-        "return Array.from(document.querySelectorAll(arguments[0])).filter(e => e.textContent == 'DP blocking').length;",
-        "#timeline .lane-label",
-    )
-    .await?;
-    ensure!(lanes == json!(4), "a blocking DP comm lane per rank, not {lanes}");
+    let lanes = timeline_lanes(c, "DP blocking").await?;
+    ensure!(lanes == 4, "a blocking DP comm lane per rank, not {lanes}");
     let hidden = text(c, "#overlap-overall .share").await?;
     ensure!(hidden == "0%" || hidden == "0.0%", "FSDP's blocking collectives are not hidden under backward: {hidden}");
     save_element(c, "#timeline-card", "fsdp-timeline.png").await?;

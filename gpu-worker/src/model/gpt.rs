@@ -329,6 +329,8 @@ pub struct Gpt<B: Backend> {
     /// still on the heap, so between steps they show as "untracked").
     spare: Vec<Activations<B::Buf>>,
     shape: ActivationShape,
+    /// Floats of one micro-batch's activations (what its forward books).
+    set_floats: usize,
     memory: Arc<MemoryTracker>,
     /// Activation checkpointing: blocks per segment (None: keep every activation).
     segment: Option<usize>,
@@ -403,8 +405,9 @@ impl<B: Backend> Gpt<B> {
             datt: alloc(Category::ActivationGrads, batch * shape.heads * shape.t * shape.t),
             dfch: alloc(Category::ActivationGrads, rows * hidden),
         };
+        let set_floats = shape.set_floats();
         if stage == Stage::whole(spec.layers) && segment.is_none() {
-            debug_assert_eq!(floats + shape.set_floats(), Self::activation_floats_for(spec, batch, n));
+            debug_assert_eq!(floats + set_floats, Self::activation_floats_for(spec, batch, n));
         }
         Self {
             spec: spec.clone(),
@@ -414,6 +417,7 @@ impl<B: Backend> Gpt<B> {
             in_flight: Vec::new(),
             spare: Vec::new(),
             shape,
+            set_floats,
             memory: memory.clone(),
             segment,
             recompute,
@@ -431,7 +435,7 @@ impl<B: Backend> Gpt<B> {
             self.in_flight.swap(i, last);
             return;
         }
-        let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, self.shape.set_floats());
+        let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, self.set_floats);
         let shape = self.shape;
         let acts = self.spare.pop().unwrap_or_else(|| shape.set(&mut |len| be.alloc(len)));
         self.in_flight.push(InFlight { micro, acts, _booked: booked });
