@@ -422,24 +422,34 @@ async fn flashcards_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(due_easy > now && due_again > now, "both are scheduled ahead: {due_easy}, {due_again}, now {now}");
     ensure!(due_easy > due_again, "5 waits longer than 1: {due_easy} vs {due_again}");
     ensure!(state["cards"][&first]["reps"] == json!(1), "{}", state["cards"][&first]);
-    ensure!(
-        attr(c, "#review-counts", "data-queue").await?.as_deref() == Some("8"),
-        "two of today's ten new cards are reviewed; the one rated 1 comes back when due ({due_again})"
-    );
+    // The rated line shows as soon as the review is stored; the queue follows with the
+    // refreshed review state, so it is waited for, not read once.
+    wait_for(c, "the queue to shrink", Duration::from_secs(10), || async {
+        Ok(attr(c, "#review-counts", "data-queue").await?.as_deref() == Some("8"))
+    })
+    .await
+    .with_context(|| {
+        format!("two of today's ten new cards are reviewed; the one rated 1 comes back when due ({due_again})")
+    })?;
 
     // The all-reduce claim carries the finished run's measurement.
-    let checks = js(
-        c,
-        "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent);",
-        "#browse .check.agrees[data-check='allreduce_bytes']",
-    )
-    .await?;
-    let checks = checks.as_array().context("checks")?;
-    ensure!(!checks.is_empty(), "a measured all-reduce claim");
-    ensure!(
-        checks.iter().any(|t| t.as_str().is_some_and(|t| t.contains("measured 96–96 bytes per rank"))),
-        "{checks:?}"
-    );
+    let checks = || {
+        js(
+            c,
+            "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent);",
+            "#browse .check.agrees[data-check='allreduce_bytes']",
+        )
+    };
+    let measured = |checks: &Value| {
+        checks.as_array().is_some_and(|all| {
+            all.iter().any(|t| t.as_str().is_some_and(|t| t.contains("measured 96–96 bytes per rank")))
+        })
+    };
+    let waited = wait_for(c, "the measured all-reduce claim", Duration::from_secs(10), || async {
+        Ok(measured(&checks().await?))
+    })
+    .await;
+    ensure!(waited.is_ok(), "a measured all-reduce claim: {:?}", checks().await?);
 
     let export = c
         .execute_async(
