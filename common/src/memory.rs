@@ -23,16 +23,19 @@ pub enum MemoryCategory {
     /// What waits for a collective or a neighbour (DDP buckets, a unit's gradient before its
     /// reduce-scatter, a pipeline stage's receive buffers and queued sends).
     CommBuffers,
-    /// Buffers that live for one call: the f32 copy of a 2-byte buffer for a collective.
-    /// Measured only: the planner does not predict them.
+    /// Buffers that live for one call: the f32 copies of 2-byte buffers for a collective
+    /// or a matrix product. Measured only: the planner does not predict them.
     Transient,
     /// The channels between rank processes: the rings' staging pieces. Measured only.
     Transport,
+    /// The host copy of the rank's state a checkpoint is written from (kept for the next
+    /// checkpoint to reuse). Measured only.
+    Checkpoint,
 }
 
 impl MemoryCategory {
     /// Every category, model state first (the order bars stack them).
-    pub const ALL: [MemoryCategory; 9] = [
+    pub const ALL: [MemoryCategory; 10] = [
         MemoryCategory::Parameters,
         MemoryCategory::Gradients,
         MemoryCategory::OptimizerState,
@@ -42,11 +45,12 @@ impl MemoryCategory {
         MemoryCategory::CommBuffers,
         MemoryCategory::Transient,
         MemoryCategory::Transport,
+        MemoryCategory::Checkpoint,
     ];
 
     /// Whether the planner predicts it (every category but the measured-only ones).
     pub fn planned(self) -> bool {
-        !matches!(self, MemoryCategory::Transient | MemoryCategory::Transport)
+        !matches!(self, MemoryCategory::Transient | MemoryCategory::Transport | MemoryCategory::Checkpoint)
     }
 
     pub fn name(self) -> &'static str {
@@ -60,6 +64,7 @@ impl MemoryCategory {
             MemoryCategory::CommBuffers => "communication buffers",
             MemoryCategory::Transient => "transient (measured only)",
             MemoryCategory::Transport => "transport (measured only)",
+            MemoryCategory::Checkpoint => "checkpoint copy (measured only)",
         }
     }
 
@@ -75,6 +80,7 @@ impl MemoryCategory {
             MemoryCategory::CommBuffers => m.comm_buffers,
             MemoryCategory::Transient => m.transient,
             MemoryCategory::Transport => m.transport,
+            MemoryCategory::Checkpoint => m.checkpoint,
         }
     }
 
@@ -90,6 +96,7 @@ impl MemoryCategory {
             MemoryCategory::CommBuffers => &mut m.comm_buffers,
             MemoryCategory::Transient => &mut m.transient,
             MemoryCategory::Transport => &mut m.transport,
+            MemoryCategory::Checkpoint => &mut m.checkpoint,
         }
     }
 }

@@ -125,8 +125,8 @@ pub struct RankMemory {
     /// the communication thread (one more gradient's worth, when dp > 1); ZeRO-2 and FSDP
     /// hold one unit's gradient until it is reduce-scattered.
     pub comm_buffers: u64,
-    /// Measured only (the planner predicts none): buffers that live for one call, such as
-    /// the f32 copy a 2-byte buffer gets for a collective.
+    /// Measured only (the planner predicts none): buffers that live for one call, the f32
+    /// copies 2-byte buffers get for a collective or a matrix product.
     #[serde(default)]
     pub transient: u64,
     /// Measured only (the planner predicts none): what this lab's channels between rank
@@ -134,6 +134,9 @@ pub struct RankMemory {
     /// reported apart). A GPU cluster's NCCL has buffers of its own the planner does not model.
     #[serde(default)]
     pub transport: u64,
+    /// Measured only: the host copy of the rank's state its checkpoints are written from.
+    #[serde(default)]
+    pub checkpoint: u64,
     pub total: u64,
 }
 
@@ -455,6 +458,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             comm_buffers,
             transient: 0,
             transport: 0,
+            checkpoint: 0,
             total: 0,
         };
         memory.total = [

@@ -37,6 +37,8 @@ use std::time::Instant;
 use distlab_common::ExperimentSpec;
 use serde::{Deserialize, Serialize};
 
+use crate::memory::Receipt;
+
 const FORMAT: &str = "distlab-checkpoint-1";
 
 /// Where a rank sits in the dp x tp x pp mesh (its checkpoint file's name).
@@ -59,7 +61,7 @@ impl RankPlace {
 }
 
 /// One rank's checkpoint: the header's numbers and the sections this rank owns.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Debug, Default)]
 pub struct RankCheckpoint {
     /// The next optimizer step to run.
     pub step: u64,
@@ -69,6 +71,17 @@ pub struct RankCheckpoint {
     pub min_loss: f64,
     /// Named runs of floats: "params", "adam_m", "adam_v".
     pub sections: Vec<(String, Vec<f32>)>,
+    /// The sections' booking in the rank's ledger (a copy made for writing; None for one
+    /// read back from a file).
+    pub booked: Option<Receipt>,
+}
+
+/// The same checkpoint: the same numbers (wherever they are booked).
+impl PartialEq for RankCheckpoint {
+    fn eq(&self, other: &Self) -> bool {
+        (self.step, self.optimizer_steps, self.min_loss, &self.sections)
+            == (other.step, other.optimizer_steps, other.min_loss, &other.sections)
+    }
 }
 
 impl RankCheckpoint {
@@ -183,6 +196,7 @@ pub fn read(path: &Path) -> Result<RankCheckpoint, CheckpointError> {
         optimizer_steps: header.optimizer_steps,
         min_loss: header.min_loss,
         sections,
+        booked: None,
     })
 }
 
@@ -444,6 +458,7 @@ mod tests {
             optimizer_steps: step,
             min_loss: 1.25,
             sections: vec![("params".into(), vec![1.0, -2.5, f32::MIN_POSITIVE]), ("adam_m".into(), vec![])],
+            booked: None,
         }
     }
 

@@ -5,6 +5,7 @@
 //! sawtooth shows. Beside the bookings, each report and sample carries what the process
 //! measured of itself (`heap.rs`), so a buffer the ledger misses shows as "untracked".
 
+use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
 use distlab_common::memory::{MemorySample, ProcessMemory, RankMemoryReport, StartUpMemory};
@@ -40,12 +41,19 @@ pub struct MemoryTracker {
 }
 
 /// Proof that `bytes` of `category` are held; dropping it records their release.
+#[must_use = "the bytes are released when the receipt drops"]
 pub struct Receipt {
     tracker: Arc<MemoryTracker>,
     category: Category,
     bytes: u64,
     /// In shared memory rather than on the heap.
     shared: bool,
+}
+
+impl std::fmt::Debug for Receipt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes of {}", self.bytes, self.category.name())
+    }
 }
 
 impl Drop for Receipt {
@@ -147,6 +155,35 @@ impl MemoryTracker {
     }
 }
 
+thread_local! {
+    /// The ledger of the kernel this thread is running (see `with_kernel_ledger`).
+    static KERNEL_LEDGER: RefCell<Option<Arc<MemoryTracker>>> = const { RefCell::new(None) };
+}
+
+/// Runs `kernel` with `ledger` as the place its per-call scratch is booked: a kernel has
+/// no handle on the trainer's ledger, so the backend that calls it (on this thread) lends
+/// it for the call. Without a ledger (kernels driven alone, in tests) nothing is booked.
+pub fn with_kernel_ledger<R>(ledger: Option<&Arc<MemoryTracker>>, kernel: impl FnOnce() -> R) -> R {
+    let Some(ledger) = ledger else { return kernel() };
+    let outer = KERNEL_LEDGER.with(|l| l.replace(Some(ledger.clone())));
+    // Put back on the way out, even when the kernel panics.
+    struct Restore(Option<Option<Arc<MemoryTracker>>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let outer = self.0.take().flatten();
+            KERNEL_LEDGER.with(|l| *l.borrow_mut() = outer);
+        }
+    }
+    let _restore = Restore(Some(outer));
+    kernel()
+}
+
+/// Books `len` elements of `T` of kernel scratch (f32 copies of 2-byte operands) as
+/// transient in the ledger of the kernel running on this thread, if any.
+pub fn kernel_scratch<T>(len: usize) -> Option<Receipt> {
+    KERNEL_LEDGER.with(|l| l.borrow().as_ref().map(|ledger| ledger.alloc_of::<T>(Category::Transient, len)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,5 +207,31 @@ mod tests {
         assert_eq!(report.timeline.iter().map(|s| s.bytes.total).collect::<Vec<_>>(), vec![600, 400]);
         drop(params);
         assert_eq!(tracker.current().total, 0);
+    }
+
+    /// A bf16 matrix product works on f32 copies of both operands and the output, booked
+    /// as transient for the call; an f32 product runs in place and books nothing.
+    #[test]
+    fn a_two_byte_product_books_its_f32_copies_for_the_call() {
+        use crate::backend::{Backend, CpuBackend};
+        let (rows, c_in, c_out) = (8, 4, 6);
+        let bf16 = MemoryTracker::new();
+        let be = CpuBackend::<half::bf16>::new(1).booking_scratch_in(&bf16);
+        let (mut out, inp, w) = (be.alloc(rows * c_out), be.alloc(rows * c_in), be.alloc(c_in * c_out));
+        be.matmul_forward(&mut out, &inp, &w, None, None, c_in, c_out);
+        let mut dinp = be.alloc(rows * c_in);
+        let mut dw = be.alloc(c_in * c_out);
+        be.matmul_backward(Some(&mut dinp), &mut dw, None, &out, &inp, &w, c_in, c_out);
+        let report = bf16.report(0);
+        assert_eq!(report.peak.transient, 4 * (rows * c_in + c_in * c_out + rows * c_out) as u64);
+        assert_eq!(report.current.transient, 0, "released after the call");
+
+        let f32 = MemoryTracker::new();
+        let be = CpuBackend::<f32>::new(1).booking_scratch_in(&f32);
+        let (mut out, inp, w) = (be.alloc(rows * c_out), be.alloc(rows * c_in), be.alloc(c_in * c_out));
+        be.matmul_forward(&mut out, &inp, &w, None, None, c_in, c_out);
+        assert_eq!(f32.report(0).peak.transient, 0);
+        // Outside a backend's call nothing is booked anywhere.
+        assert!(kernel_scratch::<f32>(10).is_none());
     }
 }

@@ -206,9 +206,9 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
                 S::NAME
             )));
         }
-        let backend = CpuBackend::<S>::new(threads);
-        let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         let memory = MemoryTracker::new();
+        let backend = CpuBackend::<S>::new(threads).booking_scratch_in(&memory);
+        let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         // The channels to the other ranks: the rings' staging pieces (heap) are booked; the
         // pipes (shared memory, mostly never touched) are reported beside the ledger.
         let transport = memory.alloc(Category::Transport, (groups.staging_bytes(spec.parallel.sharding) / 4) as usize);
@@ -454,7 +454,11 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         if let Some(scaler) = &scaler {
             wanted.push(("loss_scale", scaler));
         }
-        let mut spare = reuse.sections;
+        // The copy is booked from here until the next checkpoint reuses it (the writer keeps it).
+        let RankCheckpoint { sections: mut spare, booked, .. } = reuse;
+        drop(booked);
+        let floats = wanted.iter().map(|(_, v)| v.len()).sum();
+        let booked = Some(self.memory.alloc(Category::Checkpoint, floats));
         let sections = wanted
             .into_iter()
             .map(|(name, values)| {
@@ -465,7 +469,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
                 (name.to_string(), buf)
             })
             .collect();
-        RankCheckpoint { step, optimizer_steps: view.optimizer_steps, min_loss, sections }
+        RankCheckpoint { step, optimizer_steps: view.optimizer_steps, min_loss, sections, booked }
     }
 
     /// Puts back the state of this rank's checkpoint `own`, taking what it does not hold

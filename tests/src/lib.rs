@@ -289,7 +289,19 @@ pub fn run_with_trace(spec: &ExperimentSpec) -> (Vec<f64>, distlab_common::trace
     (steps.iter().map(|m| m.loss).collect(), serde_json::from_str(&trace).expect("trace JSON"))
 }
 
+/// `run_with_trace`, saving the spec's checkpoints (`train.checkpoint_every`) as it goes.
+pub fn run_with_checkpoints(spec: &ExperimentSpec) -> distlab_common::trace::ExperimentTrace {
+    let (out, checkpoints) = (tempfile::tempdir().expect("temp dir"), tempfile::tempdir().expect("temp dir"));
+    worker_run_with(spec, Some(out.path()), Some(checkpoints.path()));
+    let trace = std::fs::read_to_string(out.path().join("trace.json")).expect("trace.json");
+    serde_json::from_str(&trace).expect("trace JSON")
+}
+
 fn worker_run(spec: &ExperimentSpec, out_dir: Option<&Path>) -> Vec<MetricPoint> {
+    worker_run_with(spec, out_dir, None)
+}
+
+fn worker_run_with(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir: Option<&Path>) -> Vec<MetricPoint> {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("spec.json");
     std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
@@ -297,6 +309,9 @@ fn worker_run(spec: &ExperimentSpec, out_dir: Option<&Path>) -> Vec<MetricPoint>
     cmd.arg("run").arg(&path);
     if let Some(out_dir) = out_dir {
         cmd.arg("--out").arg(out_dir);
+    }
+    if let Some(dir) = checkpoint_dir {
+        cmd.arg("--checkpoint-dir").arg(dir);
     }
     let out = cmd.output().expect("run distlab-worker");
     assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));

@@ -94,14 +94,26 @@ fn every_rank_measures_the_bf16_memory_the_planner_predicts() {
             // DDP's buckets and ZeRO/FSDP's unit gradients: the planner's count, in the
             // format they are held in.
             assert_eq!(measured.comm_buffers, predicted.comm_buffers, "{what}");
-            // Measured only: the f32 copy a bf16 unit gets for its gather or reduce-scatter
-            // (4 bytes for each of the largest unit's elements, FSDP's gathered unit in bf16
-            // is 2), none for DDP, whose buckets are f32 already.
+            // Measured only, one call's copies at a time: the f32 copy a bf16 unit gets for
+            // its gather or reduce-scatter (4 bytes for each of the largest unit's elements,
+            // FSDP's gathered unit in bf16 is 2; none for DDP, whose buckets are f32 already),
+            // or the f32 copies of a matrix product's operands and output.
             let largest_unit_f32 = 2 * largest_unit_bf16;
-            let expected = if sharding == Sharding::None { 0 } else { largest_unit_f32 };
+            let collective = if sharding == Sharding::None { 0 } else { largest_unit_f32 };
+            let expected = collective.max(largest_product_f32(&s));
             assert_eq!(measured.transient, expected, "{what}: transient");
         }
     }
+}
+
+/// The largest f32 copies a bf16 matrix product makes at once, in bytes: both operands and
+/// the output, `rows·c_in + c_in·c_out + rows·c_out` floats for each of the model's linear
+/// layers (forward, and both products of backward, make the same three sizes).
+fn largest_product_f32(s: &ExperimentSpec) -> u64 {
+    let rows = (s.train.micro_batch * s.model.seq_len) as u64;
+    let c = s.model.d_model as u64;
+    let layers = [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c), (c, s.model.vocab as u64)];
+    layers.iter().map(|&(c_in, c_out)| 4 * (rows * c_in + c_in * c_out + rows * c_out)).max().unwrap_or(0)
 }
 
 /// fp16 with dynamic loss scaling follows fp32 under SGD, whose update is proportional to

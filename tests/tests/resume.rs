@@ -57,3 +57,25 @@ fn ddp_resumes_bit_identically_after_its_worker_is_killed() {
 fn fsdp_resumes_bit_identically_from_sharded_checkpoints() {
     killed_worker_resumes_with_identical_losses(Sharding::Fsdp);
 }
+
+/// The copy of the state a checkpoint is written from is booked in the ledger (measured
+/// only): DDP's DP rank 0 copies the parameters and the optimizer state every rank holds
+/// alike, rank 1 nothing; with ZeRO-1 rank 1 copies the optimizer shard it owns.
+#[test]
+fn the_checkpoint_copy_is_booked_by_the_ranks_that_write() {
+    for sharding in [Sharding::None, Sharding::Zero1] {
+        let mut spec = spec(&format!("booked-{}", sharding.as_str()), sharding);
+        (spec.train.steps, spec.train.warmup_steps, spec.train.checkpoint_every) = (4, 1, 2);
+        let trace = run_with_checkpoints(&spec);
+        for rank in &trace.ranks {
+            let peak = &rank.memory.as_ref().expect("memory report").peak;
+            let expected = match (rank.rank, sharding) {
+                (0, _) => peak.parameters + peak.optimizer_state,
+                (_, Sharding::Zero1) => peak.optimizer_state,
+                _ => 0,
+            };
+            assert!(expected > 0 || rank.rank > 0);
+            assert_eq!(peak.checkpoint, expected, "{sharding:?} rank {}", rank.rank);
+        }
+    }
+}

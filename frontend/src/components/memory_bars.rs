@@ -27,7 +27,7 @@ const LABEL_MIN_W: f64 = 84.0;
 pub use distlab_common::memory::MemoryCategory as Category;
 
 /// Every category, in the order the bars stack them (model state first).
-pub const CATEGORIES: [Category; 9] = Category::ALL;
+pub const CATEGORIES: [Category; Category::ALL.len()] = Category::ALL;
 
 /// How the page shows a category.
 pub trait Look {
@@ -51,6 +51,7 @@ impl Look for Category {
             Category::CommBuffers => "comm buffers",
             Category::Transient => "transient (measured only)",
             Category::Transport => "transport (measured only)",
+            Category::Checkpoint => "checkpoint copy (measured only)",
         }
     }
 
@@ -65,6 +66,7 @@ impl Look for Category {
             Category::CommBuffers => "comm",
             Category::Transient => "transient",
             Category::Transport => "transport",
+            Category::Checkpoint => "checkpoint",
         }
     }
 
@@ -79,6 +81,7 @@ impl Look for Category {
             Category::CommBuffers => "mem-comm",
             Category::Transient => "mem-transient",
             Category::Transport => "mem-transport",
+            Category::Checkpoint => "mem-checkpoint",
         }
     }
 }

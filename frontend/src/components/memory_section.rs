@@ -174,7 +174,7 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
     };
     let differences = r.measured.as_ref().map(|_| {
         if r.differences.is_empty() {
-            view! { <p class="memory-equal">"✓ measured equals the planner in every category it predicts (transient and transport are measured only)"</p> }.into_any()
+            view! { <p class="memory-equal">"✓ measured equals the planner in every category it predicts (transient, transport and checkpoint copies are measured only)"</p> }.into_any()
         } else {
             view! {
                 <ul class="memory-differences">

@@ -11,11 +11,13 @@
 
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
 use crate::backend::gemm::Parallelism;
 use crate::backend::{Backend, Float, Stored};
+use crate::memory::{with_kernel_ledger, MemoryTracker};
 use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.
@@ -25,16 +27,25 @@ const LOSS_ROWS: usize = 32;
 
 /// CPU kernels on buffers of `S` (f32 for training, bf16/fp16 for mixed precision, f64
 /// for gradient checks).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct CpuBackend<S: Stored = f32> {
     threads: usize,
+    /// Where the kernels' per-call scratch is booked (the rank's ledger), if anywhere.
+    ledger: Option<Arc<MemoryTracker>>,
     _format: PhantomData<S>,
 }
 
 impl<S: Stored> CpuBackend<S> {
     /// `threads` must match the rayon pool the kernels run in (at least 1).
     pub fn new(threads: usize) -> Self {
-        Self { threads: threads.max(1), _format: PhantomData }
+        Self { threads: threads.max(1), ledger: None, _format: PhantomData }
+    }
+
+    /// Books the scratch the kernels allocate per call (the f32 copies a 2-byte matrix
+    /// product works on) in `ledger`, as transient.
+    pub fn booking_scratch_in(mut self, ledger: &Arc<MemoryTracker>) -> Self {
+        self.ledger = Some(ledger.clone());
+        self
     }
 
     fn gemm_parallelism(&self) -> Parallelism {
@@ -234,7 +245,8 @@ impl<S: Stored> Backend for CpuBackend<S> {
                 linear::fill_bias_residual(chunk, bias, res, c_out);
             });
         }
-        linear::matmul_forward(out, inp, weight, c_in, c_out, prefilled, self.gemm_parallelism());
+        let par = self.gemm_parallelism();
+        with_kernel_ledger(self.ledger.as_ref(), || linear::matmul_forward(out, inp, weight, c_in, c_out, prefilled, par));
     }
 
     fn matmul_backward(
@@ -249,10 +261,12 @@ impl<S: Stored> Backend for CpuBackend<S> {
         c_out: usize,
     ) {
         let par = self.gemm_parallelism();
-        if let Some(dinp) = dinp {
-            linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
-        }
-        linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            if let Some(dinp) = dinp {
+                linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
+            }
+            linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
+        });
         if let Some(dbias) = dbias {
             let w = self.cols_per_task(c_out);
             dbias.par_chunks_mut(w).enumerate().for_each(|(i, db)| linear::bias_backward(db, i * w, dout, c_out));

@@ -12,6 +12,7 @@
 use rayon::prelude::*;
 
 use crate::backend::{Float, Stored};
+use crate::memory::kernel_scratch;
 pub use gemm::Parallelism;
 
 /// A read-only strided matrix view.
@@ -155,11 +156,13 @@ pub fn matmul<S: Stored>(
         return gemm_in_place(d, accumulate, l, r, scale, par);
     }
     let (l, r) = (lhs.widened(par), rhs.widened(par));
-    let mut out: Vec<S::Acc> = vec![S::Acc::ZERO; rows * cols];
-    if accumulate {
-        let existing = Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 };
-        out = existing.widened(par);
-    }
+    let mut out: Vec<S::Acc> = if accumulate {
+        Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 }.widened(par)
+    } else {
+        vec![S::Acc::ZERO; rows * cols]
+    };
+    // The three compute-format copies live for this call: transient scratch.
+    let _scratch = kernel_scratch::<S::Acc>(l.len() + r.len() + out.len());
     gemm_in_place(
         MatMut::row_major(&mut out, rows, cols),
         accumulate,
