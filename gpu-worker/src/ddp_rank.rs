@@ -90,7 +90,7 @@ pub fn run(
         // Every rank computes the same global metrics; rank 0 speaks for the run. What only
         // this rank knows (its checkpoint writes, its warnings) every rank reports.
         if rank == 0 || is_about_this_rank(&event) {
-            channel.output(&RankOutput::Event(event));
+            channel.output(&RankOutput::Event(Box::new(event)));
         }
     };
     let run = train_rank(
@@ -108,7 +108,7 @@ pub fn run(
         comm: tracer.snapshot(),
         memory: Some(run.memory),
     };
-    channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
+    channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
     if rank == 0 {
         channel.output(&RankOutput::Summary(run.summary));
     }

@@ -54,7 +54,7 @@ pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, demo: &Collect
         comm: tracer.snapshot(),
         memory: None,
     };
-    channel.output(&RankOutput::Event(RunEvent::Trace(trace)));
+    channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
     channel.output(&RankOutput::Demo(DemoRankResult { rank, bytes_sent: comm.bytes_sent(), output }));
     Ok(())
 }
@@ -64,7 +64,7 @@ pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, demo: &Collect
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum RankOutput {
     /// For the experiment's event stream.
-    Event(RunEvent),
+    Event(Box<RunEvent>),
     Demo(DemoRankResult),
     /// Rank 0's summary at the end of a training run.
     Summary(RunSummary),

@@ -101,7 +101,7 @@ fn run_ranks(
         "train",
         args,
         &mut |output| match output {
-            RankOutput::Event(e) => on_event(e),
+            RankOutput::Event(e) => on_event(*e),
             RankOutput::Summary(s) => summary = Some(s),
             RankOutput::Demo(_) => {}
         },
@@ -154,7 +154,7 @@ fn run_demo(
         "demo",
         vec![],
         &mut |output| match output {
-            RankOutput::Event(e) => on_event(e),
+            RankOutput::Event(e) => on_event(*e),
             RankOutput::Demo(r) => results.push(r),
             RankOutput::Summary(_) => {}
         },

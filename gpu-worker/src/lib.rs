@@ -21,4 +21,4 @@ pub mod rng;
 pub mod trace;
 pub mod train;
 
-pub use train::{train, StepStats, TrainError, TrainOptions, Trainer};
+pub use train::{train, CpuTrainer, StepStats, TrainError, TrainOptions, Trainer};

@@ -36,7 +36,7 @@ use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::{self, Action};
 use crate::parallel::tensor::TensorParallel;
-use crate::parallel::{self, Cpu, DpGroup, SavedState, Strategy};
+use crate::parallel::{self, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::trace::now_us;
 
 /// How to run (not part of the experiment: results do not depend on it).
@@ -151,11 +151,11 @@ pub struct StepStats {
 /// A model, its strategy (parameters, gradients, optimizer state) and its data on the CPU
 /// backend with buffers of `S` (f32; bf16 or fp16 for mixed precision), ready to take
 /// steps. Call it from inside the rayon pool the backend was made for (see [`train`]).
-pub struct Trainer<S: Stored<Acc = f32> = f32> {
+pub struct Trainer<B: TrainBackend> {
     spec: ExperimentSpec,
-    backend: CpuBackend<S>,
-    model: Gpt<CpuBackend<S>>,
-    strategy: Box<dyn Strategy<S>>,
+    backend: B,
+    model: Gpt<B>,
+    strategy: Box<dyn Strategy<B>>,
     data: Data,
     inputs: Vec<u32>,
     targets: Vec<u32>,
@@ -168,7 +168,7 @@ pub struct Trainer<S: Stored<Acc = f32> = f32> {
     /// Pipeline parallelism: the links to the neighbouring stages (None: one stage).
     links: Option<PipelineLinks>,
     /// Where a stage receives its input activation and its output's gradient.
-    received: Received<S>,
+    received: Received<B::Elem>,
     /// Dynamic loss scaling (fp16 with `loss_scaling: dynamic`).
     scaler: Option<LossScaler>,
     memory: Arc<MemoryTracker>,
@@ -186,7 +186,10 @@ fn span(kind: SpanKind, name: String, step: u64, lane: &str, start_us: u64, end_
     Span { kind, name, step, lane: lane.into(), start_us, end_us, layer, bucket: None, bytes: None, micro: None }
 }
 
-impl<S: Stored<Acc = f32>> Trainer<S> {
+/// The trainer on the CPU backend with buffers of `S`.
+pub type CpuTrainer<S = f32> = Trainer<CpuBackend<S>>;
+
+impl<S: Stored<Acc = f32>> Trainer<CpuBackend<S>> {
     /// Builds everything a run needs; the spec must be valid and supported.
     pub fn new(spec: &ExperimentSpec, threads: usize) -> Result<Self, TrainError> {
         Self::with_data_parallel(spec, threads, None)
@@ -199,15 +202,23 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
 
     /// A trainer for one rank: its data-parallel group and its pipeline group.
     pub fn with_groups(spec: &ExperimentSpec, threads: usize, groups: Groups) -> Result<Self, TrainError> {
-        if S::NAME != spec.train.precision.as_str() {
-            return Err(TrainError::Unsupported(format!(
-                "train.precision={}: this trainer stores {} (the trainer must be made for the spec's precision)",
-                spec.train.precision.as_str(),
-                S::NAME
-            )));
-        }
         let memory = MemoryTracker::new();
         let backend = CpuBackend::<S>::new(threads).booking_scratch_in(&memory);
+        Self::build(spec, backend, memory, groups)
+    }
+}
+
+impl<B: TrainBackend> Trainer<B> {
+    /// A trainer for one rank on `backend`, booking into `memory`: its model, its
+    /// strategy for its groups, its data.
+    pub fn build(spec: &ExperimentSpec, backend: B, memory: Arc<MemoryTracker>, groups: Groups) -> Result<Self, TrainError> {
+        let stored = <B::Elem as Stored>::NAME;
+        if stored != spec.train.precision.as_str() {
+            return Err(TrainError::Unsupported(format!(
+                "train.precision={}: this trainer stores {stored} (the trainer must be made for the spec's precision)",
+                spec.train.precision.as_str(),
+            )));
+        }
         let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
         // The channels to the other ranks: the rings' staging pieces (heap) are booked; the
         // pipes (shared memory, mostly never touched) are reported beside the ledger.
@@ -217,7 +228,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         let (stage_index, stages) = groups.pp.as_ref().map_or((0, 1), |g| (g.stage, g.stages));
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
         let tp_rank = groups.tp.as_ref().map_or(0, |g| g.place().rank);
-        let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<Cpu<S>>>);
+        let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<B>>);
         let saved = Saved { checkpointing: t.checkpointing };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
@@ -256,7 +267,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
         }
     }
 
-    pub fn model(&self) -> &Gpt<CpuBackend<S>> {
+    pub fn model(&self) -> &Gpt<B> {
         &self.model
     }
 
@@ -271,7 +282,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
 
     /// Bytes of every buffer the trainer holds, counted from the buffers themselves.
     pub fn held_bytes(&self) -> u64 {
-        let received = (self.received.activation.len() + self.received.grad.len()) * size_of::<S>();
+        let received = (self.received.activation.len() + self.received.grad.len()) * size_of::<B::Elem>();
         self.model.held_bytes(&self.backend) + self.strategy.held_bytes(&self.backend) + received as u64
     }
 
@@ -348,7 +359,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
                         state.spans.push(pass);
                     }
                     if let (Some(links), false) = (&mut self.links, last) {
-                        links.send(self.model.output(micro), stage + 1);
+                        be.read_host(be.all(self.model.output(micro)), |out| links.send(out, stage + 1));
                     }
                 }
                 Action::Backward { micro } => {
@@ -363,7 +374,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
                         state.spans.push(pass);
                     }
                     if let (Some(links), false) = (&mut self.links, first) {
-                        links.send(self.model.input_grad(), stage - 1);
+                        be.read_host(be.all(self.model.input_grad()), |grad| links.send(grad, stage - 1));
                     }
                 }
             }
@@ -433,7 +444,16 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
     /// (state every DP rank holds alike is written by DP rank 0 alone; see `checkpoint.rs`).
     /// The copy goes into `reuse`'s buffers, already paged in by an earlier checkpoint.
     pub fn checkpoint(&self, step: u64, min_loss: f64, reuse: RankCheckpoint) -> RankCheckpoint {
-        let view = self.strategy.state_view();
+        let mut reuse = Some(reuse);
+        let mut made = None;
+        self.strategy.view_state(&self.backend, &mut |view| {
+            let reuse = reuse.take().unwrap_or_default();
+            made = Some(self.checkpoint_of(view, step, min_loss, reuse));
+        });
+        made.expect("a strategy shows its state")
+    }
+
+    fn checkpoint_of(&self, view: StateView<'_>, step: u64, min_loss: f64, reuse: RankCheckpoint) -> RankCheckpoint {
         let writes_replicated = self.place.dp == 0;
         let mut wanted: Vec<(&str, &[f32])> = Vec::new();
         if writes_replicated || !view.params_replicated {
@@ -482,7 +502,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
                 .ok_or_else(|| format!("the checkpoint of step {} has no {name} for this rank", own.step))
         };
         let (m, v) = if self.has_moments() { (find("adam_m")?, find("adam_v")?) } else { (vec![], vec![]) };
-        let master = if needs_master::<S>() { Some(find("master")?) } else { None };
+        let master = if needs_master::<B::Elem>() { Some(find("master")?) } else { None };
         if let Some(scaler) = &mut self.scaler {
             let &[scale, good_steps, skipped] = &find("loss_scale")?[..] else {
                 return Err("the loss_scale section holds 3 values".into());
@@ -493,7 +513,7 @@ impl<S: Stored<Acc = f32>> Trainer<S> {
             params: find("params")?,
             optimizer: OptimizerState { steps_taken: own.optimizer_steps, m, v, master },
         };
-        self.strategy.load(state)?;
+        self.strategy.load(&self.backend, state)?;
         self.first_step = own.step;
         Ok(())
     }
@@ -562,8 +582,8 @@ impl<S: Stored> Received<S> {
 
 /// The strategy's state as the model sees it, plus what the trainer observes on the way:
 /// a backward span per unit, and a memory sample after every open and close.
-struct Observed<'a, S: Stored<Acc = f32>> {
-    inner: &'a mut dyn ModelState<Cpu<S>>,
+struct Observed<'a, B: TrainBackend> {
+    inner: &'a mut dyn ModelState<B>,
     memory: &'a MemoryTracker,
     spans: &'a mut Vec<Span>,
     record: bool,
@@ -572,14 +592,14 @@ struct Observed<'a, S: Stored<Acc = f32>> {
     mark: u64,
 }
 
-impl<S: Stored<Acc = f32>> ModelState<Cpu<S>> for Observed<'_, S> {
-    fn open(&mut self, be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<S>>, CommError> {
+impl<B: TrainBackend> ModelState<B> for Observed<'_, B> {
+    fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
         let open = self.inner.open(be, unit, pass)?;
         self.memory.sample(|| format!("{} {}: open", pass_name(pass), unit.name()));
         Ok(open)
     }
 
-    fn close(&mut self, be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<(), CommError> {
+    fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
         let recorded = match (pass, unit) {
             (Pass::Forward, _) => None,
             (Pass::Recompute, Unit::Block(l)) => Some((SpanKind::Forward, format!("recompute layer {l}"), Some(l))),
@@ -657,8 +677,8 @@ pub fn train(
 
 /// Loads this rank's part of the checkpoint of `step` (and DP rank 0's, for the state it
 /// writes for the whole group); returns the run's lowest loss so far.
-fn resume<S: Stored<Acc = f32>>(
-    trainer: &mut Trainer<S>,
+fn resume<B: TrainBackend>(
+    trainer: &mut Trainer<B>,
     dir: &CheckpointDir,
     step: u64,
 ) -> Result<f64, CheckpointError> {
@@ -873,7 +893,7 @@ fn train_rank_as<S: Stored<Acc = f32>>(
         .thread_name(|i| format!("distlab-kernel-{i}"))
         .build()
         .map_err(|e| TrainError::Threads { threads, message: e.to_string() })?;
-    let mut trainer = pool.install(|| Trainer::<S>::with_groups(spec, threads, groups))?;
+    let mut trainer = pool.install(|| CpuTrainer::<S>::with_groups(spec, threads, groups))?;
 
     let m = &spec.model;
     let t = &spec.train;

@@ -5,7 +5,7 @@ use distlab_common::memory::RankMemoryReport;
 use distlab_common::planner::plan;
 use distlab_common::{ExperimentSpec, ModelSpec, Optimizer, Precision, Sharding};
 use distlab_worker::backend::Stored;
-use distlab_worker::Trainer;
+use distlab_worker::CpuTrainer;
 use half::{bf16, f16};
 
 fn spec(sharding: Sharding, optimizer: Optimizer) -> ExperimentSpec {
@@ -32,9 +32,9 @@ fn for_every_config(check: impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) ->
                 spec.train.precision = precision;
                 let what = format!("{sharding:?} {optimizer:?} {}", precision.as_str());
                 match precision {
-                    Precision::Fp32 => drive(Trainer::<f32>::new(&spec, 1).unwrap(), &spec, &what, &check),
-                    Precision::Bf16 => drive(Trainer::<bf16>::new(&spec, 1).unwrap(), &spec, &what, &check),
-                    Precision::Fp16 => drive(Trainer::<f16>::new(&spec, 1).unwrap(), &spec, &what, &check),
+                    Precision::Fp32 => drive(CpuTrainer::<f32>::new(&spec, 1).unwrap(), &spec, &what, &check),
+                    Precision::Bf16 => drive(CpuTrainer::<bf16>::new(&spec, 1).unwrap(), &spec, &what, &check),
+                    Precision::Fp16 => drive(CpuTrainer::<f16>::new(&spec, 1).unwrap(), &spec, &what, &check),
                 }
             }
         }
@@ -44,7 +44,7 @@ fn for_every_config(check: impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) ->
 /// Hands `check` a function that takes `steps` steps and returns the ledger's report and
 /// the bytes the trainer holds.
 fn drive<S: Stored<Acc = f32>>(
-    mut trainer: Trainer<S>,
+    mut trainer: CpuTrainer<S>,
     spec: &ExperimentSpec,
     what: &str,
     check: &impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) -> (RankMemoryReport, u64)),
@@ -94,7 +94,7 @@ fn one_rank_measures_what_the_planner_predicts() {
 #[test]
 fn fsdp_gathers_and_frees_one_unit_at_a_time() {
     let spec = spec(Sharding::Fsdp, Optimizer::Adamw);
-    let mut trainer = Trainer::<f32>::new(&spec, 1).unwrap();
+    let mut trainer = CpuTrainer::<f32>::new(&spec, 1).unwrap();
     trainer.step(0).unwrap();
     let timeline = trainer.memory_report().timeline;
     let gathered: Vec<u64> = timeline.iter().map(|s| s.bytes.gathered_parameters).collect();

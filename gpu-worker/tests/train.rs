@@ -9,7 +9,7 @@ use distlab_common::{
 };
 use distlab_worker::checkpoint::{CheckpointDir, RankPlace};
 use distlab_worker::train::CheckpointOptions;
-use distlab_worker::{train, TrainError, TrainOptions, Trainer};
+use distlab_worker::{train, CpuTrainer, TrainError, TrainOptions};
 
 struct Run {
     metrics: Vec<MetricPoint>,
@@ -337,11 +337,11 @@ fn an_overflowing_fp16_step_is_skipped_and_the_scale_halves() {
     spec.train.loss_scaling = LossScaling::Dynamic;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     pool.install(|| {
-        let mut trainer = Trainer::<half::f16>::new(&spec, 1).unwrap();
+        let mut trainer = CpuTrainer::<half::f16>::new(&spec, 1).unwrap();
         // 2^40 times any gradient is far beyond fp16's 65504.
         trainer.start_loss_scale(2f64.powi(40));
         let params =
-            |t: &Trainer<half::f16>| t.checkpoint(0, 0.0, Default::default()).section("params").unwrap().to_vec();
+            |t: &CpuTrainer<half::f16>| t.checkpoint(0, 0.0, Default::default()).section("params").unwrap().to_vec();
         let before = params(&trainer);
         let mut step = 0;
         let mut skipped = 0;

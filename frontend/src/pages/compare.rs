@@ -355,7 +355,7 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
                     <td class="num">{mem(|m| m.optimizer_state)}</td>
                     <td class="num">{mem(|m| m.activations)}</td>
                     <td class="num">{mem(|m| m.total)}</td>
-                    <td class="num">{dp_bytes(&s, run.experiment.spec.world_size())}" / "{opt(s.predicted_dp_comm_bytes_per_step.map(|b| b as f64), format::bytes)}</td>
+                    <td class="num">{dp_bytes(s, run.experiment.spec.world_size())}" / "{opt(s.predicted_dp_comm_bytes_per_step.map(|b| b as f64), format::bytes)}</td>
                     <td class="num">{opt(s.predicted_bubble, format::percent)}</td>
                 </tr>
             }

@@ -136,6 +136,14 @@ impl<S: Stored> Backend for CpuBackend<S> {
         dst.par_chunks_mut(ELEMENT_CHUNK).zip(src.par_chunks(ELEMENT_CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
     }
 
+    fn on_host<R>(&self, view: &mut [S], f: impl FnOnce(&mut [S]) -> R) -> R {
+        f(view)
+    }
+
+    fn read_host<R>(&self, view: &[S], f: impl FnOnce(&[S]) -> R) -> R {
+        f(view)
+    }
+
     fn fill(&self, out: &mut [S], value: f64) {
         let v = S::from_f64(value);
         out.par_chunks_mut(ELEMENT_CHUNK).for_each(|chunk| chunk.fill(v));

@@ -673,6 +673,42 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         DeviceView { ptr: view.ptr, len: view.len, _borrow: PhantomData }
     }
 
+    fn on_host<R>(&self, view: DeviceViewMut<'_, S>, f: impl FnOnce(&mut [S]) -> R) -> R {
+        if view.len == 0 {
+            return f(&mut []);
+        }
+        let mut host = vec![S::default(); view.len];
+        // SAFETY: `view` is a live range of `len` elements of a device buffer, and `host`
+        // is as long; the stream is synchronised before `host` is read or dropped.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut host, view.ptr, self.stream.cu_stream())
+                .expect("CUDA download");
+        }
+        self.stream.synchronize().expect("CUDA stream synchronize");
+        let result = f(&mut host);
+        // SAFETY: as above; synchronised before `host` is dropped.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(view.ptr, &host, self.stream.cu_stream()).expect("CUDA upload");
+        }
+        self.stream.synchronize().expect("CUDA stream synchronize");
+        result
+    }
+
+    fn read_host<R>(&self, view: DeviceView<'_, S>, f: impl FnOnce(&[S]) -> R) -> R {
+        if view.len == 0 {
+            return f(&[]);
+        }
+        let mut host = vec![S::default(); view.len];
+        // SAFETY: `view` is a live range of `len` elements of a device buffer, and `host`
+        // is as long; the stream is synchronised before `host` is read.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut host, view.ptr, self.stream.cu_stream())
+                .expect("CUDA download");
+        }
+        self.stream.synchronize().expect("CUDA stream synchronize");
+        f(&host)
+    }
+
     fn fill(&self, out: DeviceViewMut<'_, S>, value: f64) {
         if out.len > 0 {
             launch!(self, "fill", elementwise(out.len), out.ptr, out.len as i64, value as f32);

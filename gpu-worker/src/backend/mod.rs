@@ -80,6 +80,15 @@ pub trait Backend: Send + Sync + 'static {
     /// `dst = src` (the same length).
     fn copy(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>);
 
+    // ---- host access (collectives over host channels, the optimizer, checkpoints) ----
+
+    /// Runs `f` on the elements of `view` in host memory, and keeps what it writes: the
+    /// CPU backend's buffers are host memory already; a GPU backend stages the range
+    /// through the host (copied down, then back up).
+    fn on_host<R>(&self, view: Self::ViewMut<'_>, f: impl FnOnce(&mut [Self::Elem]) -> R) -> R;
+    /// Runs `f` on the elements of `view` read in host memory.
+    fn read_host<R>(&self, view: Self::View<'_>, f: impl FnOnce(&[Self::Elem]) -> R) -> R;
+
     // ---- reductions (return to the host) ---------------------------------------
 
     /// Sum of the elements, accumulated in f64 in a fixed order (deterministic).

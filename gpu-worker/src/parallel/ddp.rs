@@ -26,8 +26,8 @@ use distlab_common::trace::{lane, Span, SpanKind};
 use distlab_common::{ExperimentSpec, Sharding};
 
 use super::shard::ShardLayout;
-use super::{collective_f32, load_params, params_f32, Cpu, DpGroup, SavedState, StateView, Strategy};
-use crate::backend::{Backend, Stored};
+use super::{collective_f32, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
+use crate::backend::Stored;
 use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
@@ -42,9 +42,9 @@ pub fn sum_scalar(comm: &mut dyn Communicator, value: f64) -> Result<f64, CommEr
 }
 
 /// Every parameter and gradient whole on this rank: one process alone, DDP, or ZeRO-1.
-pub struct Replicated<S: Stored<Acc = f32> = f32> {
-    state: FlatState<Cpu<S>>,
-    optimizer: Optimizer<S>,
+pub struct Replicated<B: TrainBackend> {
+    state: FlatState<B>,
+    optimizer: Optimizer<B::Elem>,
     /// None: this process is the whole run.
     dp: Option<Synced>,
     /// ZeRO-1: this rank's shard, the only part its optimizer updates.
@@ -68,10 +68,10 @@ struct Synced {
     scalars: Box<dyn Communicator>,
 }
 
-impl<S: Stored<Acc = f32>> Replicated<S> {
+impl<B: TrainBackend> Replicated<B> {
     pub fn new(
         spec: &ExperimentSpec,
-        be: &Cpu<S>,
+        be: &B,
         layout: &ParamLayout,
         stage: &Stage,
         memory: &Arc<MemoryTracker>,
@@ -81,8 +81,8 @@ impl<S: Stored<Acc = f32>> Replicated<S> {
         let units = stage.units();
         let state = FlatState::for_range(be, layout, range.clone(), spec.train.seed);
         let receipts = [
-            memory.alloc_of::<S>(Category::Parameters, range.len()),
-            memory.alloc_of::<S>(Category::Gradients, range.len()),
+            memory.alloc_of::<B::Elem>(Category::Parameters, range.len()),
+            memory.alloc_of::<B::Elem>(Category::Gradients, range.len()),
         ];
         let zero1 = match &dp {
             Some(g) if spec.parallel.sharding == Sharding::Zero1 => {
@@ -131,22 +131,24 @@ impl<S: Stored<Acc = f32>> Replicated<S> {
     }
 }
 
-impl<S: Stored<Acc = f32>> ModelState<Cpu<S>> for Replicated<S> {
-    fn open(&mut self, be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<S>>, CommError> {
+impl<B: TrainBackend> ModelState<B> for Replicated<B> {
+    fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
         self.state.open(be, unit, pass)
     }
 
-    fn close(&mut self, _be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<(), CommError> {
+    fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
         if let (true, Some(dp), Pass::Backward { .. }) = (self.syncing, &mut self.dp, pass) {
             let position = self.units.iter().position(|&u| u == unit).expect("a unit of this stage");
-            dp.grads.unit_ready(self.units.len() - 1 - position, &self.state.grads);
+            let ready = self.units.len() - 1 - position;
+            let grads = be.view(&self.state.grads, dp.grads.unit_range(ready));
+            be.read_host(grads, |grads| dp.grads.unit_ready(ready, grads));
         }
         Ok(())
     }
 }
 
-impl<S: Stored<Acc = f32>> Strategy<S> for Replicated<S> {
-    fn begin_step(&mut self, be: &Cpu<S>, step: u64, record: bool) {
+impl<B: TrainBackend> Strategy<B> for Replicated<B> {
+    fn begin_step(&mut self, be: &B, step: u64, record: bool) {
         self.state.zero_grads(be);
         self.step = step;
         self.record = record;
@@ -155,28 +157,39 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Replicated<S> {
         }
     }
 
-    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu<S>> {
+    fn state(&mut self, last: bool) -> &mut dyn ModelState<B> {
         // Gradients are summed across ranks once per step: only the last micro-batch's
         // backward hands finished buckets to the communication thread (no_sync before).
         self.syncing = last && self.dp.is_some();
         self
     }
 
-    fn reduce_gradients(&mut self, be: &Cpu<S>) -> Result<f64, CommError> {
+    fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
         if let Some(dp) = &mut self.dp {
-            dp.grads.finish(&mut self.state.grads)?;
+            let grads = &mut self.state.grads;
+            dp.grads.finish(|range, sums| {
+                be.on_host(be.view_mut(grads, range), |g| {
+                    for (g, &sum) in g.iter_mut().zip(sums) {
+                        *g = B::Elem::store(sum);
+                    }
+                })
+            })?;
         }
-        Ok(self.layout.grad_squares(be.all(&self.state.grads), self.base))
+        Ok(be.read_host(be.all(&self.state.grads), |g| self.layout.grad_squares(g, self.base)))
     }
 
-    fn update(&mut self, _be: &Cpu<S>, lr: f64, grad_scale: f64) -> Result<(), CommError> {
-        let params = (&mut self.state.params[..], Indexing::Global);
-        self.optimizer.step(params, (&self.state.grads, Indexing::Global), lr, grad_scale);
+    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+        let (state, optimizer) = (&mut self.state, &mut self.optimizer);
+        be.on_host(be.all_mut(&mut state.params), |params| {
+            be.read_host(be.all(&state.grads), |grads| {
+                optimizer.step((params, Indexing::Global), (grads, Indexing::Global), lr, grad_scale)
+            })
+        });
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
             let (start, sent_before) = (now_us(), dp.scalars.bytes_sent());
             for u in &shard.units {
-                let params = &mut self.state.params[shard.in_buffer(u)];
-                collective_f32(&self.memory, params, |p| dp.scalars.all_gather_in_place(p))?;
+                let params = be.view_mut(&mut self.state.params, shard.in_buffer(u));
+                be.on_host(params, |p| collective_f32(&self.memory, p, |p| dp.scalars.all_gather_in_place(p)))?;
             }
             if self.record {
                 let sent = dp.scalars.bytes_sent() - sent_before;
@@ -201,26 +214,28 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Replicated<S> {
         spans
     }
 
-    fn held_bytes(&self, be: &Cpu<S>) -> u64 {
-        let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) * size_of::<S>();
+    fn held_bytes(&self, be: &B) -> u64 {
+        let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) * size_of::<B::Elem>();
         let buckets = self.dp.as_ref().map_or(0, |dp| dp.grads.held_bytes());
         flat as u64 + self.optimizer.held_bytes() + buckets
     }
 
-    fn state_view(&self) -> StateView<'_> {
+    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) {
         let (moments, optimizer_steps) = self.optimizer.state_view();
-        StateView {
-            params: params_f32(&self.state.params),
-            moments,
-            master: self.optimizer.master(),
-            optimizer_steps,
-            params_replicated: true,
-            optimizer_replicated: self.zero1.is_none(),
-        }
+        be.read_host(be.all(&self.state.params), |params| {
+            f(StateView {
+                params: params_f32(params),
+                moments,
+                master: self.optimizer.master(),
+                optimizer_steps,
+                params_replicated: true,
+                optimizer_replicated: self.zero1.is_none(),
+            })
+        })
     }
 
-    fn load(&mut self, state: SavedState) -> Result<(), String> {
-        load_params(&mut self.state.params, state.params)?;
+    fn load(&mut self, be: &B, state: SavedState) -> Result<(), String> {
+        be.on_host(be.all_mut(&mut self.state.params), |params| load_params(params, state.params))?;
         self.optimizer.load_state(state.optimizer)
     }
 }
@@ -366,10 +381,15 @@ impl GradSync {
         self.buckets.iter().map(|b| (b.range.len() * 4) as u64).sum()
     }
 
-    /// Readiness unit `unit` of `all_grads` (the whole flat gradient buffer) is final: copy
-    /// it into its bucket, and send the bucket once all its units are in.
-    pub fn unit_ready<S: Stored<Acc = f32>>(&mut self, unit: usize, all_grads: &[S]) {
-        let grads = &all_grads[self.units[unit].clone()];
+    /// Where readiness unit `unit` lies in the flat gradient buffer.
+    pub fn unit_range(&self, unit: usize) -> Range<usize> {
+        self.units[unit].clone()
+    }
+
+    /// Readiness unit `unit` is final, its gradients are `grads` (its `unit_range` of the
+    /// flat gradient buffer): copy them into its bucket, and send the bucket once all its
+    /// units are in.
+    pub fn unit_ready<S: Stored<Acc = f32>>(&mut self, unit: usize, grads: &[S]) {
         let b = self.unit_bucket[unit];
         let bucket = &self.buckets[b];
         let at = self.units[unit].start - bucket.range.start;
@@ -388,9 +408,10 @@ impl GradSync {
         }
     }
 
-    /// Waits for every bucket of this step and writes the summed gradients into `grads`
-    /// (the whole flat gradient buffer). Returns the time spent waiting, in microseconds.
-    pub fn finish<S: Stored<Acc = f32>>(&mut self, grads: &mut [S]) -> Result<u64, CommError> {
+    /// Waits for every bucket of this step and hands each one's sums to `store`, with the
+    /// bucket's range of the flat gradient buffer (where they belong). Returns the time
+    /// spent waiting, in microseconds.
+    pub fn finish(&mut self, mut store: impl FnMut(Range<usize>, &[f32])) -> Result<u64, CommError> {
         let wait_start = now_us();
         let mut first_error = None;
         while self.in_flight > 0 {
@@ -398,9 +419,7 @@ impl GradSync {
             self.in_flight -= 1;
             let range = self.buckets[done.bucket].range.clone();
             if done.result.is_ok() {
-                for (g, &sum) in grads[range].iter_mut().zip(done.data.iter()) {
-                    *g = S::store(sum);
-                }
+                store(range, &done.data);
             }
             if self.record_spans {
                 let mut span = done.span;

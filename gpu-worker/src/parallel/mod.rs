@@ -26,39 +26,42 @@ use distlab_common::trace::Span;
 use distlab_common::{ExperimentSpec, Sharding};
 
 use crate::backend::float::in_acc;
-use crate::backend::{CpuBackend, Stored};
+use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator};
 use crate::memory::{Category, MemoryTracker};
 use crate::model::{ModelState, ParamLayout, Stage};
 use crate::optim::OptimizerState;
 
-/// The backend the strategies run on (their collectives work on host memory), with
-/// buffers of `S`: f32, or bf16/fp16 for mixed precision.
-pub type Cpu<S = f32> = CpuBackend<S>;
+/// A backend the engine trains on: any `Backend` whose buffers hold a format that
+/// computes in f32 (f32 itself, or bf16/fp16 for mixed precision). The strategies are
+/// written against this alone; which backend runs them is the trainer's choice.
+pub trait TrainBackend: Backend<Elem: Stored<Acc = f32>> {}
+impl<B: Backend<Elem: Stored<Acc = f32>>> TrainBackend for B {}
 
-/// How one rank holds and updates the model, stored as `S`.
-pub trait Strategy<S: Stored<Acc = f32> = f32>: Send {
+/// How one rank holds and updates the model, on backend `B`.
+pub trait Strategy<B: TrainBackend>: Send {
     /// Before a step's micro-batches: zero the gradients; `record` keeps its timeline.
-    fn begin_step(&mut self, be: &Cpu<S>, step: u64, record: bool);
+    fn begin_step(&mut self, be: &B, step: u64, record: bool);
     /// The state the model runs a micro-batch on (`last`: the step's last micro-batch).
-    fn state(&mut self, last: bool) -> &mut dyn ModelState<Cpu<S>>;
+    fn state(&mut self, last: bool) -> &mut dyn ModelState<B>;
     /// After every micro-batch's backward: gradients summed over the group; returns the
     /// sum of their squares over the stage's parameters (the squared L2 norm of the
     /// stage's part of the gradient).
-    fn reduce_gradients(&mut self, be: &Cpu<S>) -> Result<f64, CommError>;
+    fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError>;
     /// The optimizer update (then the parameters are made whole again where needed).
-    fn update(&mut self, be: &Cpu<S>, lr: f64, grad_scale: f64) -> Result<(), CommError>;
+    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError>;
     /// Sums a scalar over the data-parallel group (the step's loss).
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
     /// Communication spans recorded so far.
     fn comm_spans(&self) -> Vec<Span>;
     /// Bytes of the buffers it holds, counted from the buffers themselves (what the
     /// memory ledger must agree with).
-    fn held_bytes(&self, be: &Cpu<S>) -> u64;
-    /// What an optimizer step changes, for a checkpoint to copy.
-    fn state_view(&self) -> StateView<'_>;
+    fn held_bytes(&self, be: &B) -> u64;
+    /// Shows `f` what an optimizer step changes, for a checkpoint to copy (the parameters
+    /// read on the host for the call).
+    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>));
     /// Puts back a state `save` took on the same rank of the same run.
-    fn load(&mut self, state: SavedState) -> Result<(), String>;
+    fn load(&mut self, be: &B, state: SavedState) -> Result<(), String>;
 }
 
 /// The state a checkpoint keeps of a strategy (see `checkpoint.rs`), as it holds it.
@@ -131,14 +134,14 @@ pub struct DpGroup {
 
 /// The strategy `spec.parallel.sharding` asks for, for the parameters of `stage` (one
 /// rank alone when `dp` is None).
-pub fn build<S: Stored<Acc = f32>>(
+pub fn build<B: TrainBackend>(
     spec: &ExperimentSpec,
-    be: &Cpu<S>,
+    be: &B,
     layout: &ParamLayout,
     stage: &Stage,
     memory: &Arc<MemoryTracker>,
     dp: Option<DpGroup>,
-) -> Result<Box<dyn Strategy<S>>, CommError> {
+) -> Result<Box<dyn Strategy<B>>, CommError> {
     Ok(match spec.parallel.sharding {
         Sharding::None | Sharding::Zero1 => Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp)?),
         Sharding::Zero2 | Sharding::Fsdp => Box::new(sharded::Sharded::new(spec, be, layout, stage, memory, dp)?),

@@ -24,7 +24,7 @@ use distlab_common::{ExperimentSpec, Sharding};
 
 use super::ddp::{blocking_comm_span, sum_scalar};
 use super::shard::ShardLayout;
-use super::{collective_f32, load_params, params_f32, Cpu, DpGroup, SavedState, StateView, Strategy};
+use super::{collective_f32, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
 use crate::comm::{Alone, CommError, Communicator, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
@@ -33,25 +33,25 @@ use crate::optim::{Indexing, Optimizer};
 use crate::trace::now_us;
 
 /// A buffer that exists only for a while, with its entry in the memory ledger.
-struct Temporary<S> {
-    data: Vec<S>,
+struct Temporary<Buf> {
+    data: Buf,
     _receipt: Receipt,
 }
 
-pub struct Sharded<S: Stored<Acc = f32> = f32> {
+pub struct Sharded<B: TrainBackend> {
     /// FSDP (parameters sharded) rather than ZeRO-2 (parameters whole).
     fsdp: bool,
     shard: ShardLayout,
     /// For the gradient norm (tensor-parallel ranks count replicated tensors 1/tp).
     layout: ParamLayout,
     /// ZeRO-2: every parameter, flat. FSDP: this rank's shard.
-    params: Vec<S>,
-    grad_shard: Vec<S>,
+    params: B::Buf,
+    grad_shard: B::Buf,
     /// FSDP: the open unit's full parameters.
-    gathered: Option<Temporary<S>>,
+    gathered: Option<Temporary<B::Buf>>,
     /// The open unit's gradient, before it is reduce-scattered.
-    unit_grads: Option<Temporary<S>>,
-    optimizer: Optimizer<S>,
+    unit_grads: Option<Temporary<B::Buf>>,
+    optimizer: Optimizer<B::Elem>,
     comm: Box<dyn Communicator>,
     memory: Arc<MemoryTracker>,
     step: u64,
@@ -60,10 +60,10 @@ pub struct Sharded<S: Stored<Acc = f32> = f32> {
     _receipts: [Receipt; 2],
 }
 
-impl<S: Stored<Acc = f32>> Sharded<S> {
+impl<B: TrainBackend> Sharded<B> {
     pub fn new(
         spec: &ExperimentSpec,
-        _be: &Cpu<S>,
+        be: &B,
         layout: &ParamLayout,
         stage: &Stage,
         memory: &Arc<MemoryTracker>,
@@ -78,20 +78,23 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
         let shard = ShardLayout::new(layout, &stage.units(), rank, world);
         // Each rank computes only the initial values it keeps (never the whole model's).
         let seed = spec.train.seed;
-        let params: Vec<S> = if fsdp {
-            shard.init_mine(layout, seed).into_iter().map(S::store).collect()
+        let initial: Vec<B::Elem> = if fsdp {
+            shard.init_mine(layout, seed).into_iter().map(B::Elem::store).collect()
         } else {
-            layout.init_params_range::<f32>(seed, stage.range(layout)).into_iter().map(S::store).collect()
+            layout.init_params_range::<f32>(seed, stage.range(layout)).into_iter().map(B::Elem::store).collect()
         };
+        let mut params = be.alloc(initial.len());
+        be.upload(&mut params, &initial);
+        drop(initial);
         let receipts = [
-            memory.alloc_of::<S>(Category::Parameters, params.len()),
-            memory.alloc_of::<S>(Category::Gradients, shard.len),
+            memory.alloc_of::<B::Elem>(Category::Parameters, be.buf_len(&params)),
+            memory.alloc_of::<B::Elem>(Category::Gradients, shard.len),
         ];
         let groups = shard.optim_groups(&layout.param_groups());
         let optimizer = Optimizer::new(&spec.train, groups, shard.len, || shard.init_mine(layout, seed), memory);
         Ok(Sharded {
             fsdp,
-            grad_shard: vec![S::default(); shard.len],
+            grad_shard: be.alloc(shard.len),
             shard,
             layout: layout.clone(),
             params,
@@ -107,18 +110,18 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
         })
     }
 
-    fn temporary(&self, category: Category, len: usize) -> Temporary<S> {
-        Temporary { data: vec![S::default(); len], _receipt: self.memory.alloc_of::<S>(category, len) }
+    fn temporary(&self, be: &B, category: Category, len: usize) -> Temporary<B::Buf> {
+        Temporary { data: be.alloc(len), _receipt: self.memory.alloc_of::<B::Elem>(category, len) }
     }
 
     /// FSDP: all-gathers `unit`'s parameters into a new buffer.
-    fn gather(&mut self, unit: Unit) -> Result<(), CommError> {
+    fn gather(&mut self, be: &B, unit: Unit) -> Result<(), CommError> {
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit).clone();
-        let mut full = self.temporary(Category::GatheredParameters, u.global.len());
-        full.data[u.mine.clone()].copy_from_slice(&self.params[u.local()]);
-        let comm = &mut self.comm;
-        collective_f32(&self.memory, &mut full.data, |p| comm.all_gather_in_place(p))?;
+        let mut full = self.temporary(be, Category::GatheredParameters, u.global.len());
+        be.copy(be.view_mut(&mut full.data, u.mine.clone()), be.view(&self.params, u.local()));
+        let (comm, memory) = (&mut self.comm, &self.memory);
+        be.on_host(be.all_mut(&mut full.data), |p| collective_f32(memory, p, |p| comm.all_gather_in_place(p)))?;
         self.gathered = Some(full);
         if self.record {
             let sent = self.comm.bytes_sent() - sent_before;
@@ -128,15 +131,21 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
     }
 
     /// Reduce-scatters the open unit's gradient and adds this rank's chunk to its shard.
-    fn reduce_scatter(&mut self, unit: Unit) -> Result<(), CommError> {
+    fn reduce_scatter(&mut self, be: &B, unit: Unit) -> Result<(), CommError> {
         let Some(mut grads) = self.unit_grads.take() else { return Ok(()) };
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit);
-        let comm = &mut self.comm;
-        collective_f32(&self.memory, &mut grads.data, |g| comm.reduce_scatter_in_place(g, ReduceOp::Sum))?;
-        for (acc, g) in self.grad_shard[u.local()].iter_mut().zip(&grads.data[u.mine.clone()]) {
-            *acc = S::store(acc.load() + g.load());
-        }
+        let (comm, memory) = (&mut self.comm, &self.memory);
+        be.on_host(be.all_mut(&mut grads.data), |g| {
+            collective_f32(memory, g, |g| comm.reduce_scatter_in_place(g, ReduceOp::Sum))
+        })?;
+        be.on_host(be.view_mut(&mut self.grad_shard, u.local()), |acc| {
+            be.read_host(be.view(&grads.data, u.mine.clone()), |g| {
+                for (acc, g) in acc.iter_mut().zip(g) {
+                    *acc = B::Elem::store(acc.load() + g.load());
+                }
+            })
+        });
         if self.record {
             let sent = self.comm.bytes_sent() - sent_before;
             self.spans.push(blocking_comm_span(&format!("reduce_scatter {}", unit.name()), self.step, start, sent));
@@ -145,16 +154,16 @@ impl<S: Stored<Acc = f32>> Sharded<S> {
     }
 }
 
-impl<S: Stored<Acc = f32>> ModelState<Cpu<S>> for Sharded<S> {
-    fn open(&mut self, _be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, Vec<S>>, CommError> {
+impl<B: TrainBackend> ModelState<B> for Sharded<B> {
+    fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
         let want_params = matches!(pass, Pass::Forward | Pass::Recompute | Pass::Backward { params: true });
         let backward = matches!(pass, Pass::Backward { .. });
         let global = self.shard.unit(unit).global.clone();
         if self.fsdp && want_params {
-            self.gather(unit)?;
+            self.gather(be, unit)?;
         }
         if backward {
-            self.unit_grads = Some(self.temporary(Category::CommBuffers, global.len()));
+            self.unit_grads = Some(self.temporary(be, Category::CommBuffers, global.len()));
         }
         let params = match (want_params, &self.gathered) {
             (false, _) => None,
@@ -165,47 +174,49 @@ impl<S: Stored<Acc = f32>> ModelState<Cpu<S>> for Sharded<S> {
         Ok(OpenUnit { params, grads })
     }
 
-    fn close(&mut self, _be: &Cpu<S>, unit: Unit, pass: Pass) -> Result<(), CommError> {
+    fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
         self.gathered = None;
         if let Pass::Backward { .. } = pass {
-            self.reduce_scatter(unit)?;
+            self.reduce_scatter(be, unit)?;
         }
         Ok(())
     }
 }
 
-impl<S: Stored<Acc = f32>> Strategy<S> for Sharded<S> {
-    fn begin_step(&mut self, _be: &Cpu<S>, step: u64, record: bool) {
-        self.grad_shard.fill(S::default());
+impl<B: TrainBackend> Strategy<B> for Sharded<B> {
+    fn begin_step(&mut self, be: &B, step: u64, record: bool) {
+        be.fill(be.all_mut(&mut self.grad_shard), 0.0);
         self.step = step;
         self.record = record;
     }
 
-    fn state(&mut self, _last: bool) -> &mut dyn ModelState<Cpu<S>> {
+    fn state(&mut self, _last: bool) -> &mut dyn ModelState<B> {
         self
     }
 
-    fn reduce_gradients(&mut self, _be: &Cpu<S>) -> Result<f64, CommError> {
+    fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
         // Every element is in exactly one rank's shard: the squares add up over the group.
-        let shard = &self.shard;
-        let mine = shard
-            .units
-            .iter()
-            .map(|u| self.layout.grad_squares(&self.grad_shard[u.local()], u.global_mine().start))
-            .sum();
+        let (shard, layout) = (&self.shard, &self.layout);
+        let mine = be.read_host(be.all(&self.grad_shard), |grads| {
+            shard.units.iter().map(|u| layout.grad_squares(&grads[u.local()], u.global_mine().start)).sum()
+        });
         sum_scalar(self.comm.as_mut(), mine)
     }
 
-    fn update(&mut self, _be: &Cpu<S>, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError> {
         let indexing = if self.fsdp { Indexing::Local } else { Indexing::Global };
-        self.optimizer.step((&mut self.params, indexing), (&self.grad_shard, Indexing::Local), lr, grad_scale);
+        let optimizer = &mut self.optimizer;
+        be.on_host(be.all_mut(&mut self.params), |params| {
+            be.read_host(be.all(&self.grad_shard), |grads| {
+                optimizer.step((params, indexing), (grads, Indexing::Local), lr, grad_scale)
+            })
+        });
         if !self.fsdp {
             let (start, sent_before) = (now_us(), self.comm.bytes_sent());
             for u in &self.shard.units {
-                let comm = &mut self.comm;
-                collective_f32(&self.memory, &mut self.params[self.shard.in_buffer(u)], |p| {
-                    comm.all_gather_in_place(p)
-                })?;
+                let (comm, memory) = (&mut self.comm, &self.memory);
+                let params = be.view_mut(&mut self.params, self.shard.in_buffer(u));
+                be.on_host(params, |p| collective_f32(memory, p, |p| comm.all_gather_in_place(p)))?;
             }
             if self.record {
                 let sent = self.comm.bytes_sent() - sent_before;
@@ -223,27 +234,32 @@ impl<S: Stored<Acc = f32>> Strategy<S> for Sharded<S> {
         self.spans.clone()
     }
 
-    fn held_bytes(&self, _be: &Cpu<S>) -> u64 {
-        let temporaries =
-            [&self.gathered, &self.unit_grads].iter().flat_map(|t| t.as_ref()).map(|t| t.data.len()).sum::<usize>();
-        ((self.params.len() + self.grad_shard.len() + temporaries) * size_of::<S>()) as u64
+    fn held_bytes(&self, be: &B) -> u64 {
+        let temporaries = [&self.gathered, &self.unit_grads]
+            .iter()
+            .flat_map(|t| t.as_ref())
+            .map(|t| be.buf_len(&t.data))
+            .sum::<usize>();
+        ((be.buf_len(&self.params) + be.buf_len(&self.grad_shard) + temporaries) * size_of::<B::Elem>()) as u64
             + self.optimizer.held_bytes()
     }
 
-    fn state_view(&self) -> StateView<'_> {
+    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) {
         let (moments, optimizer_steps) = self.optimizer.state_view();
-        StateView {
-            params: params_f32(&self.params),
-            moments,
-            master: self.optimizer.master(),
-            optimizer_steps,
-            params_replicated: !self.fsdp,
-            optimizer_replicated: false,
-        }
+        be.read_host(be.all(&self.params), |params| {
+            f(StateView {
+                params: params_f32(params),
+                moments,
+                master: self.optimizer.master(),
+                optimizer_steps,
+                params_replicated: !self.fsdp,
+                optimizer_replicated: false,
+            })
+        })
     }
 
-    fn load(&mut self, state: SavedState) -> Result<(), String> {
-        load_params(&mut self.params, state.params)?;
+    fn load(&mut self, be: &B, state: SavedState) -> Result<(), String> {
+        be.on_host(be.all_mut(&mut self.params), |params| load_params(params, state.params))?;
         self.optimizer.load_state(state.optimizer)
     }
 }

@@ -39,8 +39,7 @@ use std::sync::Arc;
 
 use distlab_common::trace::{lane, Span, SpanKind};
 
-use super::{collective_f32, Cpu};
-use crate::backend::Stored;
+use super::{collective_f32, TrainBackend};
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::memory::MemoryTracker;
 use crate::model::gpt::{TensorParallelGroup, TpSum};
@@ -86,17 +85,17 @@ pub fn sum_name(what: TpSum, layer: usize) -> String {
     format!("all_reduce tp {op}: layer {layer} {point}")
 }
 
-impl<S: Stored<Acc = f32>> TensorParallelGroup<Cpu<S>> for TensorParallel {
+impl<B: TrainBackend> TensorParallelGroup<B> for TensorParallel {
     fn place(&self) -> TpPlace {
         TensorParallel::place(self)
     }
 
-    fn all_reduce(&mut self, _be: &Cpu<S>, buf: &mut Vec<S>, what: TpSum, layer: usize) -> Result<(), CommError> {
+    fn all_reduce(&mut self, be: &B, buf: &mut B::Buf, what: TpSum, layer: usize) -> Result<(), CommError> {
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
-        let comm = &mut self.comm;
-        collective_f32(&self.memory, buf, |b| comm.all_reduce(b, ReduceOp::Sum))?;
+        let (comm, memory) = (&mut self.comm, &self.memory);
+        be.on_host(be.all_mut(buf), |b| collective_f32(memory, b, |b| comm.all_reduce(b, ReduceOp::Sum)))?;
         self.calls += 1;
-        self.payload_bytes += (buf.len() * 4) as u64;
+        self.payload_bytes += (be.buf_len(buf) * 4) as u64;
         if self.record {
             self.spans.push(Span {
                 kind: SpanKind::Comm,
