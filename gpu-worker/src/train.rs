@@ -477,7 +477,7 @@ impl<B: TrainBackend> Trainer<B> {
         // The copy is booked from here until the next checkpoint reuses it (the writer keeps it).
         let RankCheckpoint { sections: mut spare, booked, .. } = reuse;
         drop(booked);
-        let floats = wanted.iter().map(|(_, v)| v.len()).sum();
+        let floats: usize = wanted.iter().map(|(_, v)| v.len()).sum();
         let booked = Some(self.memory.alloc(Category::Checkpoint, floats));
         let sections = wanted
             .into_iter()

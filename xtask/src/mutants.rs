@@ -141,6 +141,20 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "pub fn zero_grads(&mut self, be: &B) {\n        return;",
         tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
     },
+    Mutant {
+        name: "a 2-byte matrix product's f32 copies go unbooked",
+        file: "gpu-worker/src/backend/gemm.rs",
+        find: "kernel_scratch::<S::Acc>(l.len() + r.len() + out.len())",
+        replace: "kernel_scratch::<S::Acc>(0)",
+        tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
+    },
+    Mutant {
+        name: "the copy a checkpoint is written from goes unbooked",
+        file: "gpu-worker/src/train.rs",
+        find: "let booked = Some(self.memory.alloc(Category::Checkpoint, floats));",
+        replace: "let booked: Option<crate::memory::Receipt> = None;",
+        tests: &["-p", "distlab-tests", "--test", "resume", "the_checkpoint_copy_is_booked"],
+    },
 ];
 
 /// Restores a mutated file when dropped (the mutant's test may panic or be interrupted).
