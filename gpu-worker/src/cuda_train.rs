@@ -19,7 +19,7 @@ use distlab_common::memory::RankMemoryReport;
 use distlab_common::trace::{Span, SpanKind};
 use distlab_common::{BackendKind, ExperimentSpec, LossScaling, Optimizer as OptimizerKind, Precision, RunEvent};
 
-use crate::backend::cuda::{self, CudaBackend, DeviceElem, OptimizerState};
+use crate::backend::cuda::{self, CudaBackend, DeviceElem, DeviceOptimizerBuffers};
 use crate::backend::Backend;
 use crate::comm::nccl::{self, NcclCommunicator};
 use crate::comm::{CommError, Communicator, ReduceOp};
@@ -27,7 +27,7 @@ use crate::data::Data;
 use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, Gpt, Saved, Stage};
-use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
+use crate::optim::{clip_scale, lr_at, AdamWStep, ParamGroup, Update, ADAM_BETA1, ADAM_BETA2, ADAM_EPS};
 use crate::parallel::ddp::{blocking_comm_span, sum_scalar};
 use crate::parallel::DpGroup;
 use crate::trace::now_us;
@@ -61,7 +61,7 @@ pub struct CudaTrainer<S: DeviceElem> {
     backend: CudaBackend<S>,
     model: Gpt<CudaBackend<S>>,
     state: FlatState<CudaBackend<S>>,
-    optimizer: OptimizerState,
+    optimizer: DeviceOptimizerBuffers,
     /// Dynamic loss scaling (fp16), as on the CPU.
     scaler: Option<LossScaler>,
     groups: Vec<ParamGroup>,
@@ -112,7 +112,7 @@ impl<S: DeviceElem> CudaTrainer<S> {
         let params = model.layout.total;
         let state = FlatState::new(&backend, &model.layout, t.seed);
         let adamw = t.optimizer == OptimizerKind::Adamw;
-        let optimizer = backend.optimizer_state(params, adamw, || model.layout.init_params::<f32>(t.seed));
+        let optimizer = backend.optimizer_buffers(params, adamw, || model.layout.init_params::<f32>(t.seed));
         let mut receipts =
             vec![memory.alloc_of::<S>(Category::Parameters, params), memory.alloc_of::<S>(Category::Gradients, params)];
         if adamw {
@@ -182,7 +182,10 @@ impl<S: DeviceElem> CudaTrainer<S> {
     pub fn held_bytes(&self) -> u64 {
         let be = &self.backend;
         let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) * size_of::<S>();
-        self.model.held_bytes(be) + flat as u64 + self.optimizer.bytes()
+        let optimizer = be.read_optimizer_buffers(&self.optimizer, |s| {
+            (s.m.len() + s.v.len() + s.master.map_or(0, <[f32]>::len)) as u64 * 4
+        });
+        self.model.held_bytes(be) + flat as u64 + optimizer
     }
 
     /// The timeline of the first steps (the compute lane: one span per pass).
@@ -279,10 +282,13 @@ impl<S: DeviceElem> CudaTrainer<S> {
                             step: self.updates,
                             grad_scale,
                         };
-                        be.adamw_update(params, grads, &mut self.optimizer, range, &hp);
+                        let (params, grads) = (be.view_mut(params, range.clone()), be.view(grads, range.clone()));
+                        be.optimizer_update(params, grads, &mut self.optimizer, range, &Update::AdamW(hp));
                     }
                     OptimizerKind::Sgd => {
-                        be.sgd_update(params, grads, &mut self.optimizer, range, (lr, weight_decay, grad_scale))
+                        let (params, grads) = (be.view_mut(params, range.clone()), be.view(grads, range.clone()));
+                        let update = Update::Sgd { lr, weight_decay, grad_scale };
+                        be.optimizer_update(params, grads, &mut self.optimizer, range, &update);
                     }
                 }
             }

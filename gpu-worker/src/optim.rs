@@ -22,7 +22,7 @@ use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 use crate::backend::simd::simd_kernel;
 use rayon::prelude::*;
 
-use crate::backend::{Float, Stored};
+use crate::backend::{Backend, Float, Stored};
 use crate::memory::{Category, MemoryTracker, Receipt};
 
 pub const ADAM_BETA1: f64 = 0.9;
@@ -155,9 +155,97 @@ pub enum Indexing {
     Local,
 }
 
-/// Optimizer state for the parameters of `groups`: AdamW's m and v, and in mixed
-/// precision the fp32 master weights, all fp32 and allocated once. Indexed by the groups'
-/// `local` ranges (this rank's shard, or everything).
+/// One update's rule and numbers, as a backend applies it to a range of parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Update {
+    AdamW(AdamWStep),
+    Sgd { lr: f64, weight_decay: f64, grad_scale: f64 },
+}
+
+/// The optimizer's buffers in host memory (the CPU backend's `OptimizerBuffers`), in the
+/// compute format F (f32 for training; f64 where the CPU backend checks gradients):
+/// AdamW's m and v (empty for SGD), and the master weights of a bf16/fp16 model.
+#[derive(Debug, Default)]
+pub struct HostOptimizerBuffers<F = f32> {
+    pub m: Vec<F>,
+    pub v: Vec<F>,
+    pub master: Option<Vec<F>>,
+}
+
+impl<F: Float> HostOptimizerBuffers<F> {
+    /// Buffers for `len` parameters of a model stored as `S` (see `Backend::optimizer_buffers`).
+    pub fn new<S: Stored<Acc = F>>(len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> Self {
+        let moment = || if moments { vec![F::ZERO; len] } else { Vec::new() };
+        let master = needs_master::<S>().then(|| {
+            let values = initial();
+            assert_eq!(values.len(), len, "master weights for every parameter this optimizer updates");
+            values.into_iter().map(|x| F::from_f64(x as f64)).collect()
+        });
+        Self { m: moment(), v: moment(), master }
+    }
+
+    /// One update of `params` (the model's, in its format) from `grads`, whose state is
+    /// `range` of these buffers. With master weights the update goes there and `params`
+    /// get it rounded; an fp32 model's parameters are their own master copy.
+    pub fn update<S: Stored<Acc = F>>(&mut self, params: &mut [S], grads: &[S], range: Range<usize>, update: &Update) {
+        let weights: &mut [F] = match &mut self.master {
+            Some(master) => &mut master[range.clone()],
+            None => S::as_acc_mut(params).expect("an fp32 model is its own master copy"),
+        };
+        match update {
+            Update::AdamW(hp) => {
+                let (m, v) = (&mut self.m[range.clone()], &mut self.v[range.clone()]);
+                weights
+                    .par_chunks_mut(CHUNK)
+                    .zip(grads.par_chunks(CHUNK))
+                    .zip(m.par_chunks_mut(CHUNK))
+                    .zip(v.par_chunks_mut(CHUNK))
+                    .for_each(|(((p, g), m), v)| adamw_update(p, g, m, v, hp));
+            }
+            &Update::Sgd { lr, weight_decay, grad_scale } => weights
+                .par_chunks_mut(CHUNK)
+                .zip(grads.par_chunks(CHUNK))
+                .for_each(|(p, g)| sgd_update(p, g, lr, weight_decay, grad_scale)),
+        }
+        if let Some(master) = &self.master {
+            let master = &master[range];
+            params.par_chunks_mut(CHUNK).zip(master.par_chunks(CHUNK)).for_each(|(p, w)| round_to_model(p, w));
+        }
+    }
+
+    /// Puts back a checkpoint's buffers, which must be as long as these.
+    pub fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
+        let held_master = self.master.as_ref().map_or(0, Vec::len);
+        let saved_master = saved.master.as_deref().unwrap_or_default();
+        for (name, held, saved) in
+            [("m", self.m.len(), saved.m.len()), ("v", self.v.len(), saved.v.len()), ("master", held_master, saved_master.len())]
+        {
+            if saved != held {
+                return Err(format!("{name} has {saved} values saved, this rank's optimizer holds {held}"));
+            }
+        }
+        let put = |held: &mut [F], saved: &[f32]| held.iter_mut().zip(saved).for_each(|(h, &s)| *h = F::from_f64(s as f64));
+        put(&mut self.m, &saved.m);
+        put(&mut self.v, &saved.v);
+        if let Some(master) = &mut self.master {
+            put(master, saved_master);
+        }
+        Ok(())
+    }
+}
+
+/// What a checkpoint copies of an optimizer's buffers: m and v (empty for SGD), master,
+/// in the compute format F.
+pub struct OptimizerSlices<'a, F = f32> {
+    pub m: &'a [F],
+    pub v: &'a [F],
+    pub master: Option<&'a [F]>,
+}
+
+/// Optimizer state for the parameters of `groups`, on backend `B`: AdamW's m and v, and
+/// in mixed precision the fp32 master weights, all fp32 and allocated once (the backend
+/// keeps them where its buffers live). Indexed by the groups' `local` ranges (this rank's
+/// shard, or everything).
 ///
 /// Mixed precision (bf16/fp16 models): the model computes with 2-byte parameters, but an
 /// update (lr x a normalised gradient, 1e-4 and less) is below bf16's resolution for most
@@ -165,80 +253,50 @@ pub enum Indexing {
 /// update there, and rounds the result into the model's copy: 2 + 2 bytes for the model's
 /// parameters and gradients, 4 + 4 + 4 for master, m and v: 16 bytes per parameter with
 /// AdamW, the mixed-precision accounting of the ZeRO paper.
-pub struct Optimizer<S: Stored<Acc = f32> = f32> {
+pub struct Optimizer<B: Backend> {
     kind: OptimizerKind,
     weight_decay: f64,
     groups: Vec<OptimGroup>,
-    m: Option<Vec<f32>>,
-    v: Option<Vec<f32>>,
-    /// Mixed precision only (None when the model itself is fp32).
-    master: Option<Vec<f32>>,
+    buffers: B::OptimizerBuffers,
     steps_taken: u64,
     _receipts: Vec<Receipt>,
-    _format: std::marker::PhantomData<S>,
 }
 
 /// Whether a model stored as `S` needs fp32 master weights (it does unless it is fp32).
-pub fn needs_master<S: Stored<Acc = f32>>() -> bool {
+pub fn needs_master<S: Stored>() -> bool {
     S::as_acc(&[S::default()]).is_none()
 }
 
-impl<S: Stored<Acc = f32>> Optimizer<S> {
+impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
     /// State for `local_len` parameters (the shard, or everything), registered with
     /// `memory`. `initial` gives the starting fp32 values of those parameters, which a
     /// mixed-precision optimizer keeps as its master weights.
     pub fn new(
+        be: &B,
         train: &TrainSpec,
         groups: Vec<OptimGroup>,
         local_len: usize,
         initial: impl FnOnce() -> Vec<f32>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
-        let mut receipts = Vec::new();
-        let mut state = |len: usize| {
-            receipts.push(memory.alloc(Category::OptimizerState, len));
-            vec![0.0f32; len]
-        };
-        let (m, v) = match train.optimizer {
-            OptimizerKind::Adamw => (Some(state(local_len)), Some(state(local_len))),
-            OptimizerKind::Sgd => (None, None),
-        };
-        let master = needs_master::<S>().then(|| {
-            let values = initial();
-            assert_eq!(values.len(), local_len, "master weights for every parameter this optimizer updates");
-            receipts.push(memory.alloc(Category::OptimizerState, local_len));
-            values
-        });
-        Self {
-            kind: train.optimizer,
-            weight_decay: train.weight_decay,
-            groups,
-            m,
-            v,
-            master,
-            steps_taken: 0,
-            _receipts: receipts,
-            _format: std::marker::PhantomData,
-        }
+        let adamw = train.optimizer == OptimizerKind::Adamw;
+        let buffers = be.optimizer_buffers(local_len, adamw, initial);
+        let master = needs_master::<B::Elem>() as usize;
+        let floats = local_len * (2 * adamw as usize + master);
+        let receipts = (floats > 0).then(|| memory.alloc(Category::OptimizerState, floats)).into_iter().collect();
+        Self { kind: train.optimizer, weight_decay: train.weight_decay, groups, buffers, steps_taken: 0, _receipts: receipts }
     }
 
     /// Bytes of the state buffers themselves (for checking the memory ledger).
-    pub fn held_bytes(&self) -> u64 {
-        [&self.m, &self.v, &self.master].iter().flat_map(|b| b.as_ref()).map(|b| (b.len() * 4) as u64).sum()
-    }
-
-    /// Floats of optimizer state per parameter (AdamW 2, SGD 0; one more for master weights).
-    pub fn state_floats_per_param(&self) -> usize {
-        let moments = match self.kind {
-            OptimizerKind::Adamw => 2,
-            OptimizerKind::Sgd => 0,
-        };
-        moments + self.master.is_some() as usize
+    pub fn held_bytes(&self, be: &B) -> u64 {
+        be.read_optimizer_buffers(&self.buffers, |s| {
+            (s.m.len() + s.v.len() + s.master.map_or(0, <[f32]>::len)) as u64 * 4
+        })
     }
 
     /// One update of every parameter group; `params` (the model's) and `grads` are indexed
     /// as said. With master weights the update goes there and `params` get it rounded.
-    pub fn step(&mut self, params: (&mut [S], Indexing), grads: (&[S], Indexing), lr: f64, grad_scale: f64) {
+    pub fn step(&mut self, be: &B, params: (&mut B::Buf, Indexing), grads: (&B::Buf, Indexing), lr: f64, grad_scale: f64) {
         self.steps_taken += 1;
         let (params, params_indexing) = params;
         let (grads, grads_indexing) = grads;
@@ -247,69 +305,33 @@ impl<S: Stored<Acc = f32>> Optimizer<S> {
             Indexing::Local => group.local.clone(),
         };
         for group in &self.groups {
-            let wd = if group.decay { self.weight_decay } else { 0.0 };
-            let model = &mut params[range(group, params_indexing)];
-            let g = &grads[range(group, grads_indexing)];
-            let weights: &mut [f32] = match &mut self.master {
-                Some(master) => &mut master[group.local.clone()],
-                None => S::as_acc_mut(model).expect("an fp32 model is its own master copy"),
+            let weight_decay = if group.decay { self.weight_decay } else { 0.0 };
+            let update = match self.kind {
+                OptimizerKind::Adamw => Update::AdamW(AdamWStep {
+                    lr,
+                    beta1: ADAM_BETA1,
+                    beta2: ADAM_BETA2,
+                    eps: ADAM_EPS,
+                    weight_decay,
+                    step: self.steps_taken,
+                    grad_scale,
+                }),
+                OptimizerKind::Sgd => Update::Sgd { lr, weight_decay, grad_scale },
             };
-            match (self.kind, &mut self.m, &mut self.v) {
-                (OptimizerKind::Adamw, Some(m), Some(v)) => {
-                    let hp = AdamWStep {
-                        lr,
-                        beta1: ADAM_BETA1,
-                        beta2: ADAM_BETA2,
-                        eps: ADAM_EPS,
-                        weight_decay: wd,
-                        step: self.steps_taken,
-                        grad_scale,
-                    };
-                    let (m, v) = (&mut m[group.local.clone()], &mut v[group.local.clone()]);
-                    weights
-                        .par_chunks_mut(CHUNK)
-                        .zip(g.par_chunks(CHUNK))
-                        .zip(m.par_chunks_mut(CHUNK))
-                        .zip(v.par_chunks_mut(CHUNK))
-                        .for_each(|(((p, g), m), v)| adamw_update(p, g, m, v, &hp));
-                }
-                _ => weights
-                    .par_chunks_mut(CHUNK)
-                    .zip(g.par_chunks(CHUNK))
-                    .for_each(|(p, g)| sgd_update(p, g, lr, wd, grad_scale)),
-            }
-            if let Some(master) = &self.master {
-                let master = &master[group.local.clone()];
-                model.par_chunks_mut(CHUNK).zip(master.par_chunks(CHUNK)).for_each(|(p, w)| round_to_model(p, w));
-            }
+            let model = be.view_mut(params, range(group, params_indexing));
+            let g = be.view(grads, range(group, grads_indexing));
+            be.optimizer_update(model, g, &mut self.buffers, group.local.clone(), &update);
         }
     }
 
-    /// The fp32 master weights (mixed precision only), indexed by the groups' local ranges.
-    pub fn master(&self) -> Option<&[f32]> {
-        self.master.as_deref()
-    }
-
-    /// AdamW's m and v (empty for SGD) and the updates made so far.
-    pub fn state_view(&self) -> ([&[f32]; 2], u64) {
-        let (m, v) = (self.m.as_deref().unwrap_or(&[]), self.v.as_deref().unwrap_or(&[]));
-        ([m, v], self.steps_taken)
+    /// Shows `f` the buffers (read on the host) and the updates made so far.
+    pub fn read<R>(&self, be: &B, f: impl FnOnce(OptimizerSlices<'_, f32>, u64) -> R) -> R {
+        be.read_optimizer_buffers(&self.buffers, |slices| f(slices, self.steps_taken))
     }
 
     /// Puts back a checkpoint's state, taken from an optimizer of the same shape.
-    pub fn load_state(&mut self, state: OptimizerState) -> Result<(), String> {
-        let saved_master = state.master.unwrap_or_default();
-        for (name, buf, saved) in
-            [("m", &mut self.m, state.m), ("v", &mut self.v, state.v), ("master", &mut self.master, saved_master)]
-        {
-            let held = buf.as_ref().map_or(0, |b| b.len());
-            if saved.len() != held {
-                return Err(format!("{name} has {} values saved, this rank's optimizer holds {held}", saved.len()));
-            }
-            if let Some(buf) = buf {
-                *buf = saved;
-            }
-        }
+    pub fn load_state(&mut self, be: &B, state: OptimizerState) -> Result<(), String> {
+        be.load_optimizer_buffers(&mut self.buffers, &state)?;
         self.steps_taken = state.steps_taken;
         Ok(())
     }

@@ -461,9 +461,9 @@ impl<B: TrainBackend> Trainer<B> {
         }
         let writes_optimizer = writes_replicated || !view.optimizer_replicated;
         if self.has_moments() && writes_optimizer {
-            wanted.extend([("adam_m", view.moments[0]), ("adam_v", view.moments[1])]);
+            wanted.extend([("adam_m", view.optimizer.m), ("adam_v", view.optimizer.v)]);
         }
-        if let (Some(master), true) = (view.master, writes_optimizer) {
+        if let (Some(master), true) = (view.optimizer.master, writes_optimizer) {
             wanted.push(("master", master));
         }
         // Every rank holds the same scaler (its decisions follow the global gradient norm).

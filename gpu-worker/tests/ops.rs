@@ -402,7 +402,7 @@ test_device!(
 mod cuda_optimizer {
     use distlab_worker::backend::cuda::DeviceElem;
     use distlab_worker::backend::Backend;
-    use distlab_worker::optim::{adamw_update, sgd_update, AdamWStep};
+    use distlab_worker::optim::{adamw_update, sgd_update, AdamWStep, Update};
 
     fn check<S: DeviceElem>(adamw: bool) {
         let be = super::cuda::<S>();
@@ -419,18 +419,20 @@ mod cuda_optimizer {
         let (mut params, mut grads_d) = (be.alloc(n), be.alloc(n));
         be.upload(&mut params, &model);
         be.upload(&mut grads_d, &grads);
-        let mut state = be.optimizer_state(n, adamw, || weights.clone());
+        let mut state = be.optimizer_buffers(n, adamw, || weights.clone());
         // The CPU reference: fp32 weights (the master copy), moments.
         let (mut want, mut m, mut v) = (weights.clone(), vec![0.0f32; n], vec![0.0f32; n]);
         for step in 1..=3 {
             let hp =
                 AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
             let r = range.clone();
+            let (p, g) = (be.view_mut(&mut params, r.clone()), be.view(&grads_d, r.clone()));
             if adamw {
-                be.adamw_update(&mut params, &grads_d, &mut state, r.clone(), &hp);
+                be.optimizer_update(p, g, &mut state, r.clone(), &Update::AdamW(hp.clone()));
                 adamw_update(&mut want[r.clone()], &grads[r.clone()], &mut m[r.clone()], &mut v[r], &hp);
             } else {
-                be.sgd_update(&mut params, &grads_d, &mut state, r.clone(), (hp.lr, hp.weight_decay, hp.grad_scale));
+                let update = Update::Sgd { lr: hp.lr, weight_decay: hp.weight_decay, grad_scale: hp.grad_scale };
+                be.optimizer_update(p, g, &mut state, r.clone(), &update);
                 sgd_update(&mut want[r.clone()], &grads[r], hp.lr, hp.weight_decay, hp.grad_scale);
             }
         }

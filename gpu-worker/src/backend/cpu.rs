@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use crate::backend::gemm::Parallelism;
 use crate::backend::{Backend, Float, Stored};
 use crate::memory::{with_kernel_ledger, MemoryTracker};
+use crate::optim::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
 use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.
@@ -142,6 +143,35 @@ impl<S: Stored> Backend for CpuBackend<S> {
 
     fn read_host<R>(&self, view: &[S], f: impl FnOnce(&[S]) -> R) -> R {
         f(view)
+    }
+
+    type OptimizerBuffers = HostOptimizerBuffers<S::Acc>;
+
+    fn optimizer_buffers(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> Self::OptimizerBuffers {
+        HostOptimizerBuffers::new::<S>(len, moments, initial)
+    }
+
+    fn optimizer_update(
+        &self,
+        params: &mut [S],
+        grads: &[S],
+        buffers: &mut Self::OptimizerBuffers,
+        range: Range<usize>,
+        update: &Update,
+    ) {
+        buffers.update(params, grads, range, update);
+    }
+
+    fn read_optimizer_buffers<R>(
+        &self,
+        buffers: &Self::OptimizerBuffers,
+        f: impl FnOnce(OptimizerSlices<'_, S::Acc>) -> R,
+    ) -> R {
+        f(OptimizerSlices { m: &buffers.m, v: &buffers.v, master: buffers.master.as_deref() })
+    }
+
+    fn load_optimizer_buffers(&self, buffers: &mut Self::OptimizerBuffers, saved: &OptimizerState) -> Result<(), String> {
+        buffers.load(saved)
     }
 
     fn fill(&self, out: &mut [S], value: f64) {

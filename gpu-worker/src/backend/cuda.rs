@@ -26,7 +26,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 use crate::backend::{Backend, Stored};
-use crate::optim::AdamWStep;
+use crate::optim::{OptimizerSlices, OptimizerState, Update};
 
 const KERNELS: &str = include_str!("cuda_kernels.cu");
 /// Threads per block of every kernel (`BLOCK` in the .cu file).
@@ -502,108 +502,78 @@ impl<S: DeviceElem> CudaBackend<S> {
         self.download_f64(&partial, blocks).iter().sum()
     }
 
-    /// The optimizer's state in GPU memory for `len` parameters: AdamW's moments (with
-    /// `moments`), and the master weights of a bf16/fp16 model, starting from `initial`, the
-    /// parameters' fp32 values (as the CPU optimizer does).
-    pub fn optimizer_state(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> OptimizerState {
-        let master = crate::optim::needs_master::<S>().then(|| {
-            let values = initial();
-            assert_eq!(values.len(), len, "master weights for every parameter");
-            self.stream.clone_htod(&values).expect("CUDA upload")
-        });
-        let moments = moments.then(|| (self.scratch::<f32>(len), self.scratch::<f32>(len)));
-        OptimizerState { moments, master }
-    }
-
-    /// The fp32 weights an update writes and the model copy it rounds them into (null for
-    /// an fp32 model, whose parameters are the weights), from parameter `start` on.
-    fn update_targets(&self, params: &CudaSlice<S>, state: &OptimizerState, start: usize) -> (u64, u64) {
-        let model = self.base(params) + (start * size_of::<S>()) as u64;
-        match &state.master {
-            Some(master) => (self.ptr_of(master) + (start * 4) as u64, model),
-            None => (model, 0),
-        }
-    }
-
-    /// One SGD update of parameters `range` (the math of `optim::sgd_update`).
-    pub fn sgd_update(
+    /// One AdamW or SGD update on the GPU (the math of `optim::adamw_update` and
+    /// `optim::sgd_update`): the fp32 weights are the master copy at `range` (mixed
+    /// precision, rounded into `params` after) or `params` themselves (fp32).
+    fn update_on_device(
         &self,
-        params: &mut CudaSlice<S>,
-        grads: &CudaSlice<S>,
-        state: &mut OptimizerState,
+        params: DeviceViewMut<'_, S>,
+        grads: DeviceView<'_, S>,
+        state: &mut DeviceOptimizerBuffers,
         range: Range<usize>,
-        (lr, weight_decay, grad_scale): (f64, f64, f64),
+        update: &Update,
     ) {
-        assert!(range.end <= params.len() && grads.len() == params.len(), "a gradient per parameter");
+        assert!(params.len == grads.len && params.len == range.len(), "a gradient and a state slot per parameter");
         let n = range.len();
         if n == 0 {
             return;
         }
-        let (weights, model) = self.update_targets(params, state, range.start);
-        let g = self.base(grads) + (range.start * size_of::<S>()) as u64;
-        let (lr_g, decay) = ((lr * grad_scale) as f32, (1.0 - lr * weight_decay) as f32);
-        launch!(self, "sgd", elementwise(n), weights, model, g, n as i64, lr_g, decay);
+        let (weights, model) = match &state.master {
+            Some(master) => (self.ptr_of(master) + (range.start * 4) as u64, params.ptr),
+            None => (params.ptr, 0),
+        };
+        match update {
+            Update::Sgd { lr, weight_decay, grad_scale } => {
+                let (lr_g, decay) = ((lr * grad_scale) as f32, (1.0 - lr * weight_decay) as f32);
+                launch!(self, "sgd", elementwise(n), weights, model, grads.ptr, n as i64, lr_g, decay);
+            }
+            Update::AdamW(hp) => {
+                let Some((m, v)) = &state.moments else { panic!("AdamW needs its moments (state made without them)") };
+                let at = |ptr: u64| ptr + (range.start * 4) as u64;
+                let m_correction = (1.0 / (1.0 - hp.beta1.powf(hp.step as f64))) as f32;
+                let v_correction = (1.0 / (1.0 - hp.beta2.powf(hp.step as f64))) as f32;
+                let decay = (1.0 - hp.lr * hp.weight_decay) as f32;
+                launch!(
+                    self,
+                    "adamw",
+                    elementwise(n),
+                    weights,
+                    model,
+                    grads.ptr,
+                    at(self.ptr_of(m)),
+                    at(self.ptr_of(v)),
+                    n as i64,
+                    hp.lr as f32,
+                    hp.beta1 as f32,
+                    hp.beta2 as f32,
+                    hp.eps as f32,
+                    decay,
+                    m_correction,
+                    v_correction,
+                    hp.grad_scale as f32,
+                );
+            }
+        }
     }
 
-    /// One AdamW update of parameters `range` from their gradients, on the GPU (the math
-    /// of `optim::adamw_update`; mixed precision updates the master weights and rounds
-    /// them into `params`).
-    pub fn adamw_update(
-        &self,
-        params: &mut CudaSlice<S>,
-        grads: &CudaSlice<S>,
-        state: &mut OptimizerState,
-        range: Range<usize>,
-        hp: &AdamWStep,
-    ) {
-        assert!(range.end <= params.len() && grads.len() == params.len(), "a gradient per parameter");
-        let n = range.len();
-        if n == 0 {
-            return;
+    fn download_f32(&self, buf: &CudaSlice<f32>) -> Vec<f32> {
+        let mut host = vec![0.0; buf.len()];
+        if !host.is_empty() {
+            self.stream.memcpy_dtoh(buf, &mut host).expect("CUDA download");
+            self.stream.synchronize().expect("CUDA stream synchronize");
         }
-        let Some((m, v)) = &state.moments else { panic!("AdamW needs its moments (state made without them)") };
-        let at = |ptr: u64, bytes: usize| ptr + (range.start * bytes) as u64;
-        let e = size_of::<S>();
-        let (weights, model) = self.update_targets(params, state, range.start);
-        let m_correction = (1.0 / (1.0 - hp.beta1.powf(hp.step as f64))) as f32;
-        let v_correction = (1.0 / (1.0 - hp.beta2.powf(hp.step as f64))) as f32;
-        let decay = (1.0 - hp.lr * hp.weight_decay) as f32;
-        launch!(
-            self,
-            "adamw",
-            elementwise(n),
-            weights,
-            model,
-            at(self.base(grads), e),
-            at(self.ptr_of(m), 4),
-            at(self.ptr_of(v), 4),
-            n as i64,
-            hp.lr as f32,
-            hp.beta1 as f32,
-            hp.beta2 as f32,
-            hp.eps as f32,
-            decay,
-            m_correction,
-            v_correction,
-            hp.grad_scale as f32,
-        );
+        host
     }
 }
 
-/// The optimizer's state on the GPU.
-pub struct OptimizerState {
+/// The optimizer's state on the GPU (the CUDA backend's `OptimizerBuffers`).
+pub struct DeviceOptimizerBuffers {
+    /// Parameters it is for (a buffer is never empty on the GPU: at least one element).
+    pub len: usize,
     /// AdamW's m and v (None for SGD).
     pub moments: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// fp32 master weights (bf16/fp16 models only).
     pub master: Option<CudaSlice<f32>>,
-}
-
-impl OptimizerState {
-    pub fn bytes(&self) -> u64 {
-        let moments = self.moments.as_ref().map_or(0, |(m, v)| m.len() + v.len());
-        let master = self.master.as_ref().map_or(0, |m| m.len());
-        ((moments + master) * 4) as u64
-    }
 }
 
 impl<S: DeviceElem> Backend for CudaBackend<S> {
@@ -692,6 +662,71 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         }
         self.stream.synchronize().expect("CUDA stream synchronize");
         result
+    }
+
+    type OptimizerBuffers = DeviceOptimizerBuffers;
+
+    /// The optimizer's state in GPU memory for `len` parameters: AdamW's moments (with
+    /// `moments`), and the master weights of a bf16/fp16 model, starting from `initial`, the
+    /// parameters' fp32 values (as the CPU optimizer does).
+    fn optimizer_buffers(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> DeviceOptimizerBuffers {
+        let master = crate::optim::needs_master::<S>().then(|| {
+            let values = initial();
+            assert_eq!(values.len(), len, "master weights for every parameter");
+            self.stream.clone_htod(&values).expect("CUDA upload")
+        });
+        let moments = moments.then(|| (self.scratch::<f32>(len), self.scratch::<f32>(len)));
+        DeviceOptimizerBuffers { len, moments, master }
+    }
+
+    fn optimizer_update(
+        &self,
+        params: DeviceViewMut<'_, S>,
+        grads: DeviceView<'_, S>,
+        buffers: &mut DeviceOptimizerBuffers,
+        range: Range<usize>,
+        update: &Update,
+    ) {
+        self.update_on_device(params, grads, buffers, range, update);
+    }
+
+    fn read_optimizer_buffers<R>(&self, buffers: &DeviceOptimizerBuffers, f: impl FnOnce(OptimizerSlices<'_>) -> R) -> R {
+        let len = buffers.len;
+        let (m, v) = match &buffers.moments {
+            Some((m, v)) => (self.download_f32(m), self.download_f32(v)),
+            None => (Vec::new(), Vec::new()),
+        };
+        let master = buffers.master.as_ref().map(|w| self.download_f32(w));
+        let (m, v) = (&m[..m.len().min(len)], &v[..v.len().min(len)]);
+        f(OptimizerSlices { m, v, master: master.as_deref() })
+    }
+
+    fn load_optimizer_buffers(&self, buffers: &mut DeviceOptimizerBuffers, saved: &OptimizerState) -> Result<(), String> {
+        let len = buffers.len;
+        let moments = if buffers.moments.is_some() { len } else { 0 };
+        let master = if buffers.master.is_some() { len } else { 0 };
+        let saved_master = saved.master.as_deref().unwrap_or_default();
+        for (name, held, saved) in
+            [("m", moments, saved.m.len()), ("v", moments, saved.v.len()), ("master", master, saved_master.len())]
+        {
+            if saved != held {
+                return Err(format!("{name} has {saved} values saved, this rank's optimizer holds {held}"));
+            }
+        }
+        let put = |buf: &mut CudaSlice<f32>, values: &[f32]| {
+            if !values.is_empty() {
+                self.stream.memcpy_htod(values, &mut buf.slice_mut(0..values.len())).expect("CUDA upload");
+            }
+        };
+        if let Some((m, v)) = &mut buffers.moments {
+            put(m, &saved.m);
+            put(v, &saved.v);
+        }
+        if let Some(w) = &mut buffers.master {
+            put(w, saved_master);
+        }
+        self.stream.synchronize().expect("CUDA stream synchronize");
+        Ok(())
     }
 
     fn read_host<R>(&self, view: DeviceView<'_, S>, f: impl FnOnce(&[S]) -> R) -> R {

@@ -29,6 +29,7 @@ pub mod simd;
 use std::ops::Range;
 
 pub use cpu::CpuBackend;
+use crate::optim::{OptimizerSlices, OptimizerState, Update};
 pub use float::{Float, Stored};
 
 pub trait Backend: Send + Sync + 'static {
@@ -88,6 +89,35 @@ pub trait Backend: Send + Sync + 'static {
     fn on_host<R>(&self, view: Self::ViewMut<'_>, f: impl FnOnce(&mut [Self::Elem]) -> R) -> R;
     /// Runs `f` on the elements of `view` read in host memory.
     fn read_host<R>(&self, view: Self::View<'_>, f: impl FnOnce(&[Self::Elem]) -> R) -> R;
+
+    // ---- the optimizer (`optim.rs`: its math and its CPU kernels) -------------------
+
+    /// The optimizer's state where this backend's buffers live, f32 whatever `Elem` is:
+    /// AdamW's m and v, and the master weights of a bf16/fp16 model.
+    type OptimizerBuffers: Send + Sync;
+    /// Buffers for `len` parameters: the moments (with `moments`), and master weights
+    /// starting from `initial` (the parameters' fp32 values) when `Elem` is not f32.
+    fn optimizer_buffers(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>)
+        -> Self::OptimizerBuffers;
+    /// One update of `params` from `grads` (as long), whose optimizer state is `range` of
+    /// `buffers`.
+    fn optimizer_update(
+        &self,
+        params: Self::ViewMut<'_>,
+        grads: Self::View<'_>,
+        buffers: &mut Self::OptimizerBuffers,
+        range: Range<usize>,
+        update: &Update,
+    );
+    /// Runs `f` on the buffers read in host memory (for checkpoints).
+    fn read_optimizer_buffers<R>(
+        &self,
+        buffers: &Self::OptimizerBuffers,
+        f: impl FnOnce(OptimizerSlices<'_, <Self::Elem as Stored>::Acc>) -> R,
+    ) -> R;
+    /// Puts back a checkpoint's state; an error when its lengths are not the buffers'.
+    fn load_optimizer_buffers(&self, buffers: &mut Self::OptimizerBuffers, saved: &OptimizerState)
+        -> Result<(), String>;
 
     // ---- reductions (return to the host) ---------------------------------------
 

@@ -44,7 +44,7 @@ pub fn sum_scalar(comm: &mut dyn Communicator, value: f64) -> Result<f64, CommEr
 /// Every parameter and gradient whole on this rank: one process alone, DDP, or ZeRO-1.
 pub struct Replicated<B: TrainBackend> {
     state: FlatState<B>,
-    optimizer: Optimizer<B::Elem>,
+    optimizer: Optimizer<B>,
     /// None: this process is the whole run.
     dp: Option<Synced>,
     /// ZeRO-1: this rank's shard, the only part its optimizer updates.
@@ -95,12 +95,12 @@ impl<B: TrainBackend> Replicated<B> {
         let optimizer = match &zero1 {
             Some(shard) => {
                 let initial = || shard.init_mine(layout, seed);
-                Optimizer::new(&spec.train, shard.optim_groups(&layout.param_groups()), shard.len, initial, memory)
+                Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, initial, memory)
             }
             None => {
                 let groups = OptimGroup::unsharded(&layout.param_groups_in(&range));
                 let initial = || layout.init_params_range::<f32>(seed, range.clone());
-                Optimizer::new(&spec.train, groups, range.len(), initial, memory)
+                Optimizer::new(be, &spec.train, groups, range.len(), initial, memory)
             }
         };
         // Readiness units in the order backward finishes them, within the stage's buffer.
@@ -179,12 +179,8 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
     }
 
     fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError> {
-        let (state, optimizer) = (&mut self.state, &mut self.optimizer);
-        be.on_host(be.all_mut(&mut state.params), |params| {
-            be.read_host(be.all(&state.grads), |grads| {
-                optimizer.step((params, Indexing::Global), (grads, Indexing::Global), lr, grad_scale)
-            })
-        });
+        let (params, grads) = ((&mut self.state.params, Indexing::Global), (&self.state.grads, Indexing::Global));
+        self.optimizer.step(be, params, grads, lr, grad_scale);
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
             let (start, sent_before) = (now_us(), dp.scalars.bytes_sent());
             for u in &shard.units {
@@ -217,26 +213,22 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
     fn held_bytes(&self, be: &B) -> u64 {
         let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) * size_of::<B::Elem>();
         let buckets = self.dp.as_ref().map_or(0, |dp| dp.grads.held_bytes());
-        flat as u64 + self.optimizer.held_bytes() + buckets
+        flat as u64 + self.optimizer.held_bytes(be) + buckets
     }
 
     fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) {
-        let (moments, optimizer_steps) = self.optimizer.state_view();
+        let optimizer_replicated = self.zero1.is_none();
         be.read_host(be.all(&self.state.params), |params| {
-            f(StateView {
-                params: params_f32(params),
-                moments,
-                master: self.optimizer.master(),
-                optimizer_steps,
-                params_replicated: true,
-                optimizer_replicated: self.zero1.is_none(),
+            self.optimizer.read(be, |optimizer, optimizer_steps| {
+                let params = params_f32(params);
+                f(StateView { params, optimizer, optimizer_steps, params_replicated: true, optimizer_replicated })
             })
         })
     }
 
     fn load(&mut self, be: &B, state: SavedState) -> Result<(), String> {
         be.on_host(be.all_mut(&mut self.state.params), |params| load_params(params, state.params))?;
-        self.optimizer.load_state(state.optimizer)
+        self.optimizer.load_state(be, state.optimizer)
     }
 }
 

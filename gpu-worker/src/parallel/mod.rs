@@ -30,7 +30,7 @@ use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator};
 use crate::memory::{Category, MemoryTracker};
 use crate::model::{ModelState, ParamLayout, Stage};
-use crate::optim::OptimizerState;
+use crate::optim::{OptimizerSlices, OptimizerState};
 
 /// A backend the engine trains on: any `Backend` whose buffers hold a format that
 /// computes in f32 (f32 itself, or bf16/fp16 for mixed precision). The strategies are
@@ -69,10 +69,9 @@ pub struct StateView<'a> {
     /// This rank's parameters (all of its stage's, or its shard of them with FSDP), as
     /// f32: borrowed from an fp32 model, widened (exactly) from a bf16/fp16 one.
     pub params: Cow<'a, [f32]>,
-    /// AdamW's m and v (empty for SGD).
-    pub moments: [&'a [f32]; 2],
-    /// Mixed precision: the fp32 master weights, sharded as the optimizer state is.
-    pub master: Option<&'a [f32]>,
+    /// AdamW's m and v (empty for SGD); mixed precision: the fp32 master weights, sharded
+    /// as the optimizer state is.
+    pub optimizer: OptimizerSlices<'a>,
     pub optimizer_steps: u64,
     /// Every rank of the data-parallel group holds the same parameters (then DP rank 0
     /// alone writes them).

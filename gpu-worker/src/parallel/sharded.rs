@@ -51,7 +51,7 @@ pub struct Sharded<B: TrainBackend> {
     gathered: Option<Temporary<B::Buf>>,
     /// The open unit's gradient, before it is reduce-scattered.
     unit_grads: Option<Temporary<B::Buf>>,
-    optimizer: Optimizer<B::Elem>,
+    optimizer: Optimizer<B>,
     comm: Box<dyn Communicator>,
     memory: Arc<MemoryTracker>,
     step: u64,
@@ -91,7 +91,7 @@ impl<B: TrainBackend> Sharded<B> {
             memory.alloc_of::<B::Elem>(Category::Gradients, shard.len),
         ];
         let groups = shard.optim_groups(&layout.param_groups());
-        let optimizer = Optimizer::new(&spec.train, groups, shard.len, || shard.init_mine(layout, seed), memory);
+        let optimizer = Optimizer::new(be, &spec.train, groups, shard.len, || shard.init_mine(layout, seed), memory);
         Ok(Sharded {
             fsdp,
             grad_shard: be.alloc(shard.len),
@@ -205,12 +205,8 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
 
     fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError> {
         let indexing = if self.fsdp { Indexing::Local } else { Indexing::Global };
-        let optimizer = &mut self.optimizer;
-        be.on_host(be.all_mut(&mut self.params), |params| {
-            be.read_host(be.all(&self.grad_shard), |grads| {
-                optimizer.step((params, indexing), (grads, Indexing::Local), lr, grad_scale)
-            })
-        });
+        let (params, grads) = ((&mut self.params, indexing), (&self.grad_shard, Indexing::Local));
+        self.optimizer.step(be, params, grads, lr, grad_scale);
         if !self.fsdp {
             let (start, sent_before) = (now_us(), self.comm.bytes_sent());
             for u in &self.shard.units {
@@ -241,25 +237,21 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
             .map(|t| be.buf_len(&t.data))
             .sum::<usize>();
         ((be.buf_len(&self.params) + be.buf_len(&self.grad_shard) + temporaries) * size_of::<B::Elem>()) as u64
-            + self.optimizer.held_bytes()
+            + self.optimizer.held_bytes(be)
     }
 
     fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) {
-        let (moments, optimizer_steps) = self.optimizer.state_view();
+        let params_replicated = !self.fsdp;
         be.read_host(be.all(&self.params), |params| {
-            f(StateView {
-                params: params_f32(params),
-                moments,
-                master: self.optimizer.master(),
-                optimizer_steps,
-                params_replicated: !self.fsdp,
-                optimizer_replicated: false,
+            self.optimizer.read(be, |optimizer, optimizer_steps| {
+                let params = params_f32(params);
+                f(StateView { params, optimizer, optimizer_steps, params_replicated, optimizer_replicated: false })
             })
         })
     }
 
     fn load(&mut self, be: &B, state: SavedState) -> Result<(), String> {
         be.on_host(be.all_mut(&mut self.params), |params| load_params(params, state.params))?;
-        self.optimizer.load_state(state.optimizer)
+        self.optimizer.load_state(be, state.optimizer)
     }
 }
