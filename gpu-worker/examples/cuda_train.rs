@@ -14,8 +14,9 @@ use std::time::Instant;
 use clap::Parser;
 use distlab_common::estimate::Cluster;
 use distlab_common::{Checkpointing, ExperimentSpec, ModelSpec, Precision};
-use distlab_worker::backend::cuda::DeviceElem;
-use distlab_worker::cuda_train::CudaTrainer;
+use distlab_worker::backend::cuda::{CudaBackend, DeviceElem};
+use distlab_worker::memory::MemoryTracker;
+use distlab_worker::train::{Groups, Trainer};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -77,13 +78,18 @@ fn main() {
 }
 
 fn run<S: DeviceElem>(spec: &ExperimentSpec, args: &Args) {
-    let mut trainer = CudaTrainer::<S>::new(spec, None).unwrap_or_else(|e| {
+    let fail = |e: &dyn std::fmt::Display| -> ! {
         eprintln!("cannot train on the GPU: {e}");
         std::process::exit(2);
-    });
-    eprintln!("{}", trainer.backend().device());
+    };
+    let backend = CudaBackend::<S>::new(0).unwrap_or_else(|e| fail(&e));
+    let device = backend.device().to_string();
+    // The same trainer the worker runs, here for one rank alone on GPU 0.
+    let mut trainer =
+        Trainer::build(spec, backend, MemoryTracker::new(), Groups::default()).unwrap_or_else(|e| fail(&e));
+    eprintln!("{device}");
     eprintln!("{}", trainer.data().describe());
-    let params = trainer.params();
+    let params = trainer.model().layout.total;
     let tokens_per_step = (spec.train.micro_batch * spec.model.seq_len) as f64;
     let mut timed = 0.0;
     let mut last_loss = f64::NAN;
@@ -112,7 +118,7 @@ fn run<S: DeviceElem>(spec: &ExperimentSpec, args: &Args) {
         "{}",
         serde_json::json!({
             "bench": "cuda_train",
-            "device": trainer.backend().device(),
+            "device": device,
             "precision": spec.train.precision.as_str(),
             "checkpointing": args.checkpointing,
             "params": params,

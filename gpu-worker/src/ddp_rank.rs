@@ -96,7 +96,7 @@ pub fn run(
     let run = train_rank(
         spec,
         opts,
-        Groups { dp, pp, tp, pipe_bytes: mesh.pipe_bytes() },
+        Groups { rank, dp, pp, tp, pipe_bytes: mesh.pipe_bytes() },
         &mut on_event,
         &AtomicBool::new(false),
     )?;

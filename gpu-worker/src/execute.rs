@@ -44,6 +44,12 @@ pub fn execute(
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
     spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
+    // What this worker cannot run (a demo on cuda, cuda without the feature) is refused
+    // before anything starts, whichever way the spec runs.
+    let unsupported = unsupported_features(spec);
+    if !unsupported.is_empty() {
+        return Err(TrainError::Unsupported(unsupported.join("; ")).into());
+    }
     let checkpoints = match checkpoints {
         Some(dir) if spec.demo.is_none() && spec.train.checkpoint_every > 0 => {
             let resume = CheckpointDir::new(dir, spec.world_size()).prepare(spec).map_err(TrainError::from)?;
@@ -75,10 +81,6 @@ fn run_ranks(
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
-    let unsupported = unsupported_features(spec);
-    if !unsupported.is_empty() {
-        return Err(TrainError::Unsupported(unsupported.join("; ")).into());
-    }
     let world = spec.world_size();
     let threads = opts.threads;
     let total = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };

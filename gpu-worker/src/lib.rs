@@ -9,7 +9,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod comm;
 #[cfg(feature = "cuda")]
-pub mod cuda_train;
+pub mod cuda_rank;
 pub mod data;
 pub mod heap;
 pub mod loss_scale;

@@ -217,14 +217,17 @@ impl<F: Float> HostOptimizerBuffers<F> {
     pub fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
         let held_master = self.master.as_ref().map_or(0, Vec::len);
         let saved_master = saved.master.as_deref().unwrap_or_default();
-        for (name, held, saved) in
-            [("m", self.m.len(), saved.m.len()), ("v", self.v.len(), saved.v.len()), ("master", held_master, saved_master.len())]
-        {
+        for (name, held, saved) in [
+            ("m", self.m.len(), saved.m.len()),
+            ("v", self.v.len(), saved.v.len()),
+            ("master", held_master, saved_master.len()),
+        ] {
             if saved != held {
                 return Err(format!("{name} has {saved} values saved, this rank's optimizer holds {held}"));
             }
         }
-        let put = |held: &mut [F], saved: &[f32]| held.iter_mut().zip(saved).for_each(|(h, &s)| *h = F::from_f64(s as f64));
+        let put =
+            |held: &mut [F], saved: &[f32]| held.iter_mut().zip(saved).for_each(|(h, &s)| *h = F::from_f64(s as f64));
         put(&mut self.m, &saved.m);
         put(&mut self.v, &saved.v);
         if let Some(master) = &mut self.master {
@@ -284,7 +287,14 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
         let master = needs_master::<B::Elem>() as usize;
         let floats = local_len * (2 * adamw as usize + master);
         let receipts = (floats > 0).then(|| memory.alloc(Category::OptimizerState, floats)).into_iter().collect();
-        Self { kind: train.optimizer, weight_decay: train.weight_decay, groups, buffers, steps_taken: 0, _receipts: receipts }
+        Self {
+            kind: train.optimizer,
+            weight_decay: train.weight_decay,
+            groups,
+            buffers,
+            steps_taken: 0,
+            _receipts: receipts,
+        }
     }
 
     /// Bytes of the state buffers themselves (for checking the memory ledger).
@@ -296,7 +306,14 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
 
     /// One update of every parameter group; `params` (the model's) and `grads` are indexed
     /// as said. With master weights the update goes there and `params` get it rounded.
-    pub fn step(&mut self, be: &B, params: (&mut B::Buf, Indexing), grads: (&B::Buf, Indexing), lr: f64, grad_scale: f64) {
+    pub fn step(
+        &mut self,
+        be: &B,
+        params: (&mut B::Buf, Indexing),
+        grads: (&B::Buf, Indexing),
+        lr: f64,
+        grad_scale: f64,
+    ) {
         self.steps_taken += 1;
         let (params, params_indexing) = params;
         let (grads, grads_indexing) = grads;

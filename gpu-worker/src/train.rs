@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use distlab_common::memory::RankMemoryReport;
 
-use crate::backend::{Backend, CpuBackend, Stored};
+use crate::backend::{CpuBackend, Stored};
 use crate::checkpoint::{self, CheckpointDir, CheckpointError, CheckpointWriter, RankCheckpoint, RankPlace, Written};
 use crate::comm::CommError;
 use crate::data::{Data, DataError};
@@ -99,7 +99,9 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
     let mut out = Vec::new();
     if spec.backend == BackendKind::Cuda {
         #[cfg(feature = "cuda")]
-        out.extend(crate::cuda_train::unsupported(spec).into_iter().map(|why| format!("backend=cuda: {why}")));
+        out.extend(
+            distlab_common::backends::unsupported_on_backend(spec).iter().map(|why| format!("backend=cuda: {why}")),
+        );
         #[cfg(not(feature = "cuda"))]
         out.push("backend=cuda: this worker was built without the cuda feature (cargo build --features cuda)".into());
     }
@@ -211,7 +213,12 @@ impl<S: Stored<Acc = f32>> Trainer<CpuBackend<S>> {
 impl<B: TrainBackend> Trainer<B> {
     /// A trainer for one rank on `backend`, booking into `memory`: its model, its
     /// strategy for its groups, its data.
-    pub fn build(spec: &ExperimentSpec, backend: B, memory: Arc<MemoryTracker>, groups: Groups) -> Result<Self, TrainError> {
+    pub fn build(
+        spec: &ExperimentSpec,
+        backend: B,
+        memory: Arc<MemoryTracker>,
+        groups: Groups,
+    ) -> Result<Self, TrainError> {
         let stored = <B::Elem as Stored>::NAME;
         if stored != spec.train.precision.as_str() {
             return Err(TrainError::Unsupported(format!(
@@ -275,9 +282,20 @@ impl<B: TrainBackend> Trainer<B> {
         &self.data
     }
 
-    /// What the memory ledger says this rank holds, by category.
+    /// What the memory ledger says this rank holds, by category, and what the process
+    /// measured. On a GPU the ledger's buffers are device memory: the driver's count of it
+    /// is reported, and the host heap is not set against them (no heap figures, no
+    /// "untracked").
     pub fn memory_report(&self) -> RankMemoryReport {
-        self.memory.report(self.dp.0)
+        let mut report = self.memory.report(self.dp.0);
+        if let Some(used) = self.backend.device_memory_used() {
+            report.booked_heap_peak = None;
+            if let Some(process) = report.process.as_mut() {
+                (process.heap_peak, process.heap_current, process.start_up) = (None, None, None);
+                process.device_used = Some(used);
+            }
+        }
+        report
     }
 
     /// Bytes of every buffer the trainer holds, counted from the buffers themselves.
@@ -319,6 +337,10 @@ impl<B: TrainBackend> Trainer<B> {
             let first_sequence = dp_rank * per_rank + micro * t.micro_batch;
             self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
             // What this action needs from a neighbour (the wait is the pipeline's bubble).
+            // Recorded steps wait for the device at every span boundary, so spans time work.
+            if record {
+                be.synchronize();
+            }
             let wait_start = now_us();
             match (*action, &mut self.links) {
                 (Action::Forward { .. }, Some(links)) if !first => {
@@ -352,6 +374,7 @@ impl<B: TrainBackend> Trainer<B> {
                     };
                     loss_sum += self.model.forward_stage(be, &mut state, micro, input, &self.targets)?;
                     if record {
+                        be.synchronize();
                         let end = now_us();
                         let mut pass =
                             span(SpanKind::Forward, format!("forward {micro}"), step, "compute", start, end, None);
@@ -367,6 +390,7 @@ impl<B: TrainBackend> Trainer<B> {
                     let dloss = dloss * scale;
                     self.model.backward_stage(be, &mut state, micro, &self.inputs, &self.targets, grad, dloss)?;
                     if record && stages > 1 {
+                        be.synchronize();
                         let end = now_us();
                         let mut pass =
                             span(SpanKind::Backward, format!("backward {micro}"), step, "compute", start, end, None);
@@ -408,6 +432,9 @@ impl<B: TrainBackend> Trainer<B> {
             }
             loss_sum = self.strategy.sum_scalar(loss_sum)?;
         }
+        if record {
+            be.synchronize();
+        }
         let optimizer_start = now_us();
         let loss = loss_sum * dloss;
         let lr = lr_at(t, step);
@@ -424,6 +451,7 @@ impl<B: TrainBackend> Trainer<B> {
             self.strategy.update(be, lr, clip_scale(grad_norm, t.grad_clip) / scale)?;
         }
         if record {
+            be.synchronize();
             self.spans.push(span(
                 SpanKind::Optimizer,
                 "optimizer".into(),
@@ -541,6 +569,8 @@ impl<B: TrainBackend> Trainer<B> {
 /// The groups of ranks one rank belongs to (None: it is alone in that dimension).
 #[derive(Default)]
 pub struct Groups {
+    /// This rank's place in the whole run (0..world): which GPU it takes.
+    pub rank: usize,
     pub dp: Option<DpGroup>,
     pub pp: Option<PipelineGroup>,
     pub tp: Option<TensorParallel>,
@@ -613,6 +643,7 @@ impl<B: TrainBackend> ModelState<B> for Observed<'_, B> {
             }
         };
         if let (true, Some((kind, name, layer))) = (self.record, recorded) {
+            be.synchronize();
             let layer = layer.map(|l| l as u32);
             self.spans.push(span(kind, name, self.step, "compute", self.mark, now_us(), layer));
         }
@@ -677,11 +708,7 @@ pub fn train(
 
 /// Loads this rank's part of the checkpoint of `step` (and DP rank 0's, for the state it
 /// writes for the whole group); returns the run's lowest loss so far.
-fn resume<B: TrainBackend>(
-    trainer: &mut Trainer<B>,
-    dir: &CheckpointDir,
-    step: u64,
-) -> Result<f64, CheckpointError> {
+fn resume<B: TrainBackend>(trainer: &mut Trainer<B>, dir: &CheckpointDir, step: u64) -> Result<f64, CheckpointError> {
     let place = trainer.place();
     let own = checkpoint::read(&dir.file(step, place))?;
     let zero = if place.dp == 0 { None } else { Some(checkpoint::read(&dir.file(step, place.dp_rank_zero()))?) };
@@ -849,41 +876,26 @@ pub fn train_rank(
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
-    #[cfg(feature = "cuda")]
-    if spec.backend == BackendKind::Cuda {
-        spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
-        return crate::cuda_train::train_on_gpu(spec, groups.dp, on_event, cancel);
-    }
-    match spec.train.precision {
-        Precision::Fp32 => train_rank_as::<f32>(spec, opts, groups, on_event, cancel),
-        Precision::Bf16 => train_rank_as::<half::bf16>(spec, opts, groups, on_event, cancel),
-        Precision::Fp16 => train_rank_as::<half::f16>(spec, opts, groups, on_event, cancel),
-    }
-}
-
-/// [`train_rank`] with the model's parameters, gradients and activations stored as `S`.
-fn train_rank_as<S: Stored<Acc = f32>>(
-    spec: &ExperimentSpec,
-    opts: &TrainOptions,
-    groups: Groups,
-    on_event: &mut dyn FnMut(RunEvent),
-    cancel: &AtomicBool,
-) -> Result<RankRun, TrainError> {
-    let started = Instant::now();
-    let world = spec.world_size();
-    let sharding = spec.parallel.sharding;
     spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
     let unsupported = unsupported_features(spec);
     if !unsupported.is_empty() {
         return Err(TrainError::Unsupported(unsupported.join("; ")));
     }
-    let needed = memory_bytes(spec);
-    if let Some(available) = available_memory_bytes() {
-        // Leave a quarter for the rest of the machine (and the other ranks, later).
-        if needed > available / 4 * 3 {
-            return Err(TrainError::OutOfMemory { needed_mib: needed >> 20, available_mib: available >> 20 });
+    match (spec.backend, spec.train.precision) {
+        (BackendKind::Cpu, Precision::Fp32) => train_on_cpu::<f32>(spec, opts, groups, on_event, cancel),
+        (BackendKind::Cpu, Precision::Bf16) => train_on_cpu::<half::bf16>(spec, opts, groups, on_event, cancel),
+        (BackendKind::Cpu, Precision::Fp16) => train_on_cpu::<half::f16>(spec, opts, groups, on_event, cancel),
+        #[cfg(feature = "cuda")]
+        (BackendKind::Cuda, precision) => {
+            crate::cuda_rank::train_on_gpu(precision, spec, opts, groups, on_event, cancel)
         }
+        #[cfg(not(feature = "cuda"))]
+        (BackendKind::Cuda, _) => unreachable!("unsupported_features refuses cuda without the cuda feature"),
     }
+}
+
+/// Kernel threads `opts` asks for (0: every core), in a rayon pool of their own.
+pub(crate) fn kernel_pool(opts: &TrainOptions) -> Result<(rayon::ThreadPool, usize), TrainError> {
     let threads = match opts.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -893,8 +905,46 @@ fn train_rank_as<S: Stored<Acc = f32>>(
         .thread_name(|i| format!("distlab-kernel-{i}"))
         .build()
         .map_err(|e| TrainError::Threads { threads, message: e.to_string() })?;
-    let mut trainer = pool.install(|| CpuTrainer::<S>::with_groups(spec, threads, groups))?;
+    Ok((pool, threads))
+}
 
+/// [`train_rank`] on the CPU backend, with the model's parameters, gradients and
+/// activations stored as `S`.
+fn train_on_cpu<S: Stored<Acc = f32>>(
+    spec: &ExperimentSpec,
+    opts: &TrainOptions,
+    groups: Groups,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RankRun, TrainError> {
+    let started = Instant::now();
+    let needed = memory_bytes(spec);
+    if let Some(available) = available_memory_bytes() {
+        // Leave a quarter for the rest of the machine (and the other ranks, later).
+        if needed > available / 4 * 3 {
+            return Err(TrainError::OutOfMemory { needed_mib: needed >> 20, available_mib: available >> 20 });
+        }
+    }
+    let (pool, threads) = kernel_pool(opts)?;
+    let trainer = pool.install(|| CpuTrainer::<S>::with_groups(spec, threads, groups))?;
+    run(spec, opts, trainer, &pool, threads, started, on_event, cancel)
+}
+
+/// Runs `trainer`'s steps from its first to the spec's last, in `pool`: reports every
+/// step, writes and reports checkpoints, and sums the run up. The same for every backend.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run<B: TrainBackend>(
+    spec: &ExperimentSpec,
+    opts: &TrainOptions,
+    mut trainer: Trainer<B>,
+    pool: &rayon::ThreadPool,
+    threads: usize,
+    started: Instant,
+    on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
+) -> Result<RankRun, TrainError> {
+    let (world, sharding) = (spec.world_size(), spec.parallel.sharding);
+    let stored = <B::Elem as Stored>::NAME;
     let m = &spec.model;
     let t = &spec.train;
     let params = trainer.model().layout.total;
@@ -903,8 +953,8 @@ fn train_rank_as<S: Stored<Acc = f32>>(
         format!(
             "model: GPT with {params} parameters ({:.2} MiB in {}): {} layers, d_model {}, {} heads, seq_len {}, \
              vocab {}, LM head not tied to the embedding",
-            mib_bytes((params * size_of::<S>()) as u64),
-            S::NAME,
+            mib_bytes((params * size_of::<B::Elem>()) as u64),
+            stored,
             m.layers,
             m.d_model,
             m.heads,
@@ -920,7 +970,7 @@ fn train_rank_as<S: Stored<Acc = f32>>(
             "memory of this rank ({}, {}): parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB, \
              activations {:.2} MiB, their gradients {:.2} MiB, communication buckets {:.2} MiB",
             sharding.as_str(),
-            S::NAME,
+            stored,
             mib_bytes(held.parameters),
             mib_bytes(held.gradients),
             mib_bytes(held.optimizer_state),

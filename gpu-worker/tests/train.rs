@@ -4,8 +4,8 @@
 use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
-    BackendKind, CheckpointWrite, Dataset, ExperimentSpec, LossScaling, LrSchedule, MetricPoint, Optimizer, Precision,
-    RunEvent, RunSummary,
+    BackendKind, CheckpointWrite, CollectiveDemo, Dataset, ExperimentSpec, LossScaling, LrSchedule, MetricPoint,
+    Optimizer, Precision, RunEvent, RunSummary,
 };
 use distlab_worker::checkpoint::{CheckpointDir, RankPlace};
 use distlab_worker::train::CheckpointOptions;
@@ -194,7 +194,15 @@ const DIVERGES_AT: u64 = 8;
 #[test]
 fn unsupported_features_are_refused_naming_the_field() {
     type Change = Box<dyn Fn(&mut ExperimentSpec)>;
-    let cases: Vec<(&str, Change)> = vec![("backend", Box::new(|s| s.backend = BackendKind::Cuda))];
+    // A collective demo on cuda: refused with or without a GPU (the demos run on the CPU;
+    // a worker without the cuda feature refuses the backend itself).
+    let cases: Vec<(&str, Change)> = vec![(
+        "backend=cuda",
+        Box::new(|s| {
+            s.backend = BackendKind::Cuda;
+            s.demo = Some(CollectiveDemo::default());
+        }),
+    )];
     for (field, change) in cases {
         let mut spec = ExperimentSpec::default();
         change(&mut spec);

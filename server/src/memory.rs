@@ -154,7 +154,9 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
                 format!("{base}; the engine needed less scratch than that")
             }
         }
-        Category::Transient | Category::Transport | Category::Checkpoint => "measured only: the planner does not predict it".into(),
+        Category::Transient | Category::Transport | Category::Checkpoint => {
+            "measured only: the planner does not predict it".into()
+        }
         Category::CommBuffers => {
             let held = if more { "held more" } else { "held less" };
             let pipeline = if p.pp > 1 {

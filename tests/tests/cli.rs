@@ -57,16 +57,17 @@ fn run_rejects_an_invalid_spec_with_a_readable_message() {
 
 #[test]
 fn run_says_when_a_feature_is_not_supported_yet() {
-    // tensor parallelism on cuda: refused with or without a GPU (this test holds on both).
+    // A collective demo on cuda: refused with or without a GPU (this test holds on both).
     let mut spec = quick_spec("cuda", 3);
     spec.backend = BackendKind::Cuda;
-    spec.parallel.tp = 2;
+    spec.parallel.dp = 2;
+    spec.demo = Some(CollectiveDemo::default());
     let out = run_spec(&serde_json::to_string(&spec).unwrap(), &[]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    // Without the cuda feature the worker says it was built without it; with it, what is
-    // missing (no GPU here) or what the cuda backend does not run yet (tp).
-    assert!(stderr.contains("backend=cuda") || stderr.contains("parallel.tp"), "{stderr}");
-    let why = ["cuda feature", "not installed", "GPU", "parallel.tp"];
+    // Without the cuda feature the worker says it was built without it; with it, what the
+    // cuda backend leaves to the cpu (the demo).
+    assert!(stderr.contains("backend=cuda"), "{stderr}");
+    let why = ["cuda feature", "demo"];
     assert!(why.iter().any(|w| stderr.contains(w)), "{stderr}");
 }

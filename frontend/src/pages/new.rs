@@ -63,7 +63,7 @@ const SECTIONS: &[SectionDef] = &[
             f(
                 "backend",
                 Kind::Choice(&["cpu", "cuda"]),
-                "cpu runs everything; cuda needs a worker with a GPU and runs data parallelism only so far",
+                "cpu runs everything; cuda needs a worker with a GPU and runs the same engine (not the collective demos)",
             ),
         ],
     },
@@ -469,8 +469,8 @@ pub fn NewExperiment() -> impl IntoView {
                 "(Megatron) and pipeline parallelism (GPipe, 1F1B), in any dp x tp x pp mix, one process per rank, "
                 "with activation checkpointing, gradient accumulation and checkpoints, on the CPU, in fp32, bf16 or "
                 "fp16 (2-byte weights, gradients and activations; fp32 master weights; dynamic loss scaling for fp16). "
-                "A worker built with CUDA on a machine with a GPU also runs backend cuda: one rank per GPU, "
-                "data parallelism (DDP) only so far."
+                "A worker built with CUDA on a machine with a GPU also runs backend cuda, the same engine: a GPU "
+                "per rank where there are enough (NCCL for data-parallel gradients), ranks sharing GPUs otherwise."
             </p>
         </section>
         <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>

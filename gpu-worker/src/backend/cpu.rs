@@ -18,8 +18,8 @@ use rayon::prelude::*;
 use crate::backend::gemm::Parallelism;
 use crate::backend::{Backend, Float, Stored};
 use crate::memory::{with_kernel_ledger, MemoryTracker};
-use crate::optim::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
 use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
+use crate::optim::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.
 const ELEMENT_CHUNK: usize = 1 << 14;
@@ -147,7 +147,12 @@ impl<S: Stored> Backend for CpuBackend<S> {
 
     type OptimizerBuffers = HostOptimizerBuffers<S::Acc>;
 
-    fn optimizer_buffers(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> Self::OptimizerBuffers {
+    fn optimizer_buffers(
+        &self,
+        len: usize,
+        moments: bool,
+        initial: impl FnOnce() -> Vec<f32>,
+    ) -> Self::OptimizerBuffers {
         HostOptimizerBuffers::new::<S>(len, moments, initial)
     }
 
@@ -170,7 +175,11 @@ impl<S: Stored> Backend for CpuBackend<S> {
         f(OptimizerSlices { m: &buffers.m, v: &buffers.v, master: buffers.master.as_deref() })
     }
 
-    fn load_optimizer_buffers(&self, buffers: &mut Self::OptimizerBuffers, saved: &OptimizerState) -> Result<(), String> {
+    fn load_optimizer_buffers(
+        &self,
+        buffers: &mut Self::OptimizerBuffers,
+        saved: &OptimizerState,
+    ) -> Result<(), String> {
         buffers.load(saved)
     }
 
@@ -284,7 +293,9 @@ impl<S: Stored> Backend for CpuBackend<S> {
             });
         }
         let par = self.gemm_parallelism();
-        with_kernel_ledger(self.ledger.as_ref(), || linear::matmul_forward(out, inp, weight, c_in, c_out, prefilled, par));
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            linear::matmul_forward(out, inp, weight, c_in, c_out, prefilled, par)
+        });
     }
 
     fn matmul_backward(

@@ -135,6 +135,8 @@ pub struct CudaBackend<S: DeviceElem = f32> {
     blas: Arc<CudaBlas>,
     kernels: Arc<HashMap<&'static str, CudaFunction>>,
     device: String,
+    /// Free device memory when the backend was made (what the run's use is measured from).
+    free_at_start: usize,
     _format: PhantomData<S>,
 }
 
@@ -145,6 +147,7 @@ impl<S: DeviceElem> Clone for CudaBackend<S> {
             blas: self.blas.clone(),
             kernels: self.kernels.clone(),
             device: self.device.clone(),
+            free_at_start: self.free_at_start,
             _format: PhantomData,
         }
     }
@@ -292,8 +295,10 @@ impl<S: DeviceElem> CudaBackend<S> {
         }
         let blas = CudaBlas::new(stream.clone())?;
         let gib = ctx.total_mem()? as f64 / (1u64 << 30) as f64;
+        let free_at_start = ctx.mem_get_info()?.0;
         Ok(Self {
             device: format!("cuda:{ordinal} {} ({gib:.0} GiB, sm_{major}{minor})", ctx.name()?),
+            free_at_start,
             stream,
             blas: Arc::new(blas),
             kernels: Arc::new(kernels),
@@ -309,11 +314,6 @@ impl<S: DeviceElem> CudaBackend<S> {
     /// Bytes of GPU memory free now.
     pub fn free_memory(&self) -> Result<usize, CudaUnavailable> {
         Ok(self.stream.context().mem_get_info()?.0)
-    }
-
-    /// Waits until every kernel queued so far has finished (for timing).
-    pub fn synchronize(&self) {
-        self.stream.synchronize().expect("CUDA stream synchronize");
     }
 
     fn kernel(&self, name: &str) -> &CudaFunction {
@@ -664,12 +664,26 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         result
     }
 
+    fn synchronize(&self) {
+        self.stream.synchronize().expect("CUDA stream synchronize");
+    }
+
+    fn device_memory_used(&self) -> Option<u64> {
+        let free = self.free_memory().ok()?;
+        Some(self.free_at_start.saturating_sub(free) as u64)
+    }
+
     type OptimizerBuffers = DeviceOptimizerBuffers;
 
     /// The optimizer's state in GPU memory for `len` parameters: AdamW's moments (with
     /// `moments`), and the master weights of a bf16/fp16 model, starting from `initial`, the
     /// parameters' fp32 values (as the CPU optimizer does).
-    fn optimizer_buffers(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> DeviceOptimizerBuffers {
+    fn optimizer_buffers(
+        &self,
+        len: usize,
+        moments: bool,
+        initial: impl FnOnce() -> Vec<f32>,
+    ) -> DeviceOptimizerBuffers {
         let master = crate::optim::needs_master::<S>().then(|| {
             let values = initial();
             assert_eq!(values.len(), len, "master weights for every parameter");
@@ -690,7 +704,11 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         self.update_on_device(params, grads, buffers, range, update);
     }
 
-    fn read_optimizer_buffers<R>(&self, buffers: &DeviceOptimizerBuffers, f: impl FnOnce(OptimizerSlices<'_>) -> R) -> R {
+    fn read_optimizer_buffers<R>(
+        &self,
+        buffers: &DeviceOptimizerBuffers,
+        f: impl FnOnce(OptimizerSlices<'_>) -> R,
+    ) -> R {
         let len = buffers.len;
         let (m, v) = match &buffers.moments {
             Some((m, v)) => (self.download_f32(m), self.download_f32(v)),
@@ -701,7 +719,11 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         f(OptimizerSlices { m, v, master: master.as_deref() })
     }
 
-    fn load_optimizer_buffers(&self, buffers: &mut DeviceOptimizerBuffers, saved: &OptimizerState) -> Result<(), String> {
+    fn load_optimizer_buffers(
+        &self,
+        buffers: &mut DeviceOptimizerBuffers,
+        saved: &OptimizerState,
+    ) -> Result<(), String> {
         let len = buffers.len;
         let moments = if buffers.moments.is_some() { len } else { 0 };
         let master = if buffers.master.is_some() { len } else { 0 };

@@ -28,8 +28,8 @@ pub mod simd;
 
 use std::ops::Range;
 
-pub use cpu::CpuBackend;
 use crate::optim::{OptimizerSlices, OptimizerState, Update};
+pub use cpu::CpuBackend;
 pub use float::{Float, Stored};
 
 pub trait Backend: Send + Sync + 'static {
@@ -45,6 +45,15 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Short name for logs ("cpu").
     fn name(&self) -> &'static str;
+    /// Waits until every kernel queued so far has finished, so that a clock read after it
+    /// times them (a GPU queues kernels and returns at once; the CPU runs them in the call).
+    fn synchronize(&self) {}
+    /// Device memory this backend's run uses now, measured by the driver (free when the
+    /// backend was made minus free now), for a backend whose buffers are not on the host
+    /// heap; None for the CPU backend, whose buffers the heap measurement counts.
+    fn device_memory_used(&self) -> Option<u64> {
+        None
+    }
     /// Threads the kernels use.
     fn threads(&self) -> usize;
 
@@ -97,8 +106,12 @@ pub trait Backend: Send + Sync + 'static {
     type OptimizerBuffers: Send + Sync;
     /// Buffers for `len` parameters: the moments (with `moments`), and master weights
     /// starting from `initial` (the parameters' fp32 values) when `Elem` is not f32.
-    fn optimizer_buffers(&self, len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>)
-        -> Self::OptimizerBuffers;
+    fn optimizer_buffers(
+        &self,
+        len: usize,
+        moments: bool,
+        initial: impl FnOnce() -> Vec<f32>,
+    ) -> Self::OptimizerBuffers;
     /// One update of `params` from `grads` (as long), whose optimizer state is `range` of
     /// `buffers`.
     fn optimizer_update(
@@ -116,8 +129,11 @@ pub trait Backend: Send + Sync + 'static {
         f: impl FnOnce(OptimizerSlices<'_, <Self::Elem as Stored>::Acc>) -> R,
     ) -> R;
     /// Puts back a checkpoint's state; an error when its lengths are not the buffers'.
-    fn load_optimizer_buffers(&self, buffers: &mut Self::OptimizerBuffers, saved: &OptimizerState)
-        -> Result<(), String>;
+    fn load_optimizer_buffers(
+        &self,
+        buffers: &mut Self::OptimizerBuffers,
+        saved: &OptimizerState,
+    ) -> Result<(), String>;
 
     // ---- reductions (return to the host) ---------------------------------------
 

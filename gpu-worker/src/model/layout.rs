@@ -26,7 +26,7 @@ use std::ops::Range;
 
 use distlab_common::ModelSpec;
 
-use crate::backend::Stored;
+use crate::backend::{Backend, Stored};
 use crate::optim::ParamGroup;
 use crate::rng::Rng;
 
@@ -308,22 +308,22 @@ impl ParamLayout {
         }
     }
 
-    /// The sum of squares of `grads`, whose element i is parameter `at + i` of this layout,
-    /// for the global gradient norm: a tensor every tensor-parallel rank holds whole counts
+    /// The sum of squares of elements `range` of `grads`, where element `range.start` is
+    /// parameter `at` of this layout, for the global gradient norm (summed by the backend,
+    /// where the gradients are): a tensor every tensor-parallel rank holds whole counts
     /// 1/tp on each, so summing over the group counts it once.
-    pub fn grad_squares<S: Stored>(&self, grads: &[S], at: usize) -> f64 {
-        let squares = |x: &[S]| x.iter().map(|g| g.to_f64() * g.to_f64()).sum::<f64>();
+    pub fn grad_squares<B: Backend>(&self, be: &B, grads: &B::Buf, range: Range<usize>, at: usize) -> f64 {
         if self.tp.size <= 1 {
-            return squares(grads);
+            return be.sum_squares(be.view(grads, range));
         }
-        let end = at + grads.len();
+        let end = at + range.len();
         let share = 1.0 / self.tp.size as f64;
         self.tensors
             .iter()
             .filter(|t| t.range.start < end && t.range.end > at)
             .map(|t| {
-                let piece = &grads[t.range.start.max(at) - at..t.range.end.min(end) - at];
-                squares(piece) * if t.split == Split::Replicated { share } else { 1.0 }
+                let piece = t.range.start.max(at) - at + range.start..t.range.end.min(end) - at + range.start;
+                be.sum_squares(be.view(grads, piece)) * if t.split == Split::Replicated { share } else { 1.0 }
             })
             .sum()
     }
@@ -441,15 +441,16 @@ mod tests {
     fn replicated_gradients_count_once_over_the_tensor_parallel_group() {
         let m = ModelSpec { layers: 1, d_model: 8, heads: 2, seq_len: 3, vocab: 5 };
         let whole = ParamLayout::new(&m);
+        let be = crate::backend::CpuBackend::<f32>::new(1);
         let grads: Vec<f32> = (0..whole.total).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
-        let expected = whole.grad_squares(&grads, 0);
+        let expected = whole.grad_squares(&be, &grads, 0..grads.len(), 0);
         let summed: f64 = (0..2)
             .map(|r| {
                 let lay = ParamLayout::for_tp(&m, TpPlace { rank: r, size: 2 });
                 let part = lay.part_of(&whole, &grads);
                 // in two pieces, as a shard would see it
                 let cut = lay.total / 3;
-                lay.grad_squares(&part[..cut], 0) + lay.grad_squares(&part[cut..], cut)
+                lay.grad_squares(&be, &part, 0..cut, 0) + lay.grad_squares(&be, &part, cut..part.len(), cut)
             })
             .sum();
         assert!((summed - expected).abs() < 1e-9 * expected, "{summed} vs {expected}");

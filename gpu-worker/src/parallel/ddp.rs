@@ -175,7 +175,8 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
                 })
             })?;
         }
-        Ok(be.read_host(be.all(&self.state.grads), |g| self.layout.grad_squares(g, self.base)))
+        let grads = &self.state.grads;
+        Ok(self.layout.grad_squares(be, grads, 0..be.buf_len(grads), self.base))
     }
 
     fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError> {

@@ -197,9 +197,8 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
     fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
         // Every element is in exactly one rank's shard: the squares add up over the group.
         let (shard, layout) = (&self.shard, &self.layout);
-        let mine = be.read_host(be.all(&self.grad_shard), |grads| {
-            shard.units.iter().map(|u| layout.grad_squares(&grads[u.local()], u.global_mine().start)).sum()
-        });
+        let grads = &self.grad_shard;
+        let mine = shard.units.iter().map(|u| layout.grad_squares(be, grads, u.local(), u.global_mine().start)).sum();
         sum_scalar(self.comm.as_mut(), mine)
     }
 
