@@ -1,5 +1,5 @@
 //! A training rank on a GPU (cargo feature `cuda`): the same trainer, strategies and step
-//! loop as on the CPU (`train.rs`), on the CUDA backend. What is particular to a GPU lives
+//! loop as on the CPU (`train/`), on the CUDA backend. What is particular to a GPU lives
 //! here: which GPU a rank takes (rank mod GPUs: ranks share GPUs when there are more of
 //! them), whether the run fits in its memory, and how data-parallel gradients travel:
 //! NCCL when every rank has a GPU of its own and every rank has NCCL, the ranks' ring

@@ -2,7 +2,8 @@
 //! `distlab-worker` binary that runs experiments for a server or from a spec file.
 //!
 //! Engine layout (see docs/ARCHITECTURE.md): `backend/` (buffers + kernels: CPU, and CUDA with the `cuda` feature),
-//! `model/` (the GPT, one file per layer), `optim.rs`, `data.rs`, and `train.rs`,
+//! `model/` (the GPT, one file per layer), `parallel/` (the strategies), `comm/`, `optim.rs`,
+//! `data.rs`, and `train/`,
 //! whose [`train`] is the entry point the CLI and the worker loop call.
 
 pub mod backend;

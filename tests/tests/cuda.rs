@@ -119,8 +119,12 @@ fn a_killed_cuda_run_resumes_bit_identically() {
     (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Fsdp);
     s.train.checkpoint_every = 10;
     let straight = run_losses(&s);
-    let mut lab =
-        Lab::start_with(LabOptions { local_workers: 0, lease_seconds: 2.0, heartbeat_seconds: 0.5, ..LabOptions::default() });
+    let mut lab = Lab::start_with(LabOptions {
+        local_workers: 0,
+        lease_seconds: 2.0,
+        heartbeat_seconds: 0.5,
+        ..LabOptions::default()
+    });
     let (id, exp) = kill_and_resume(&mut lab, &s, 14);
     assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
     let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));

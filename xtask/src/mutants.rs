@@ -31,7 +31,7 @@ pub struct Mutant {
 pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "DDP sums gradients across ranks instead of averaging them",
-        file: "gpu-worker/src/train.rs",
+        file: "gpu-worker/src/train/trainer.rs",
         find: "let dloss = dloss * scale;",
         replace: "let dloss = dloss * scale * dp_world as f64;",
         tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
@@ -66,14 +66,14 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "tensor parallel leaves the gradient norm rank-local",
-        file: "gpu-worker/src/train.rs",
+        file: "gpu-worker/src/train/trainer.rs",
         find: "grad_norm_squared = tp.sum_scalar(grad_norm_squared)?;",
         replace: "let _ = &tp;",
         tests: &["-p", "distlab-tests", "--test", "tensor_parallel", "tensor_parallel_trains_like_one_rank"],
     },
     Mutant {
         name: "dynamic loss scaling forgets to unscale the gradients",
-        file: "gpu-worker/src/train.rs",
+        file: "gpu-worker/src/train/trainer.rs",
         find: "clip_scale(grad_norm, t.grad_clip) / scale)?;",
         replace: "clip_scale(grad_norm, t.grad_clip))?;",
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "loss_scaling"],
@@ -122,7 +122,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "the shared-memory pipes between ranks go unreported",
-        file: "gpu-worker/src/train.rs",
+        file: "gpu-worker/src/train/trainer.rs",
         find: "memory.set_pipe_bytes(groups.pipe_bytes);",
         replace: "let _ = groups.pipe_bytes;",
         tests: &["-p", "distlab-tests", "--test", "sharding", "ddp_buckets_are_booked_in_shared_memory"],
@@ -150,7 +150,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "the copy a checkpoint is written from goes unbooked",
-        file: "gpu-worker/src/train.rs",
+        file: "gpu-worker/src/train/trainer.rs",
         find: "let booked = Some(self.memory.alloc(Category::Checkpoint, floats));",
         replace: "let booked: Option<crate::memory::Receipt> = None;",
         tests: &["-p", "distlab-tests", "--test", "resume", "the_checkpoint_copy_is_booked"],

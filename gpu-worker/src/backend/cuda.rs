@@ -502,60 +502,6 @@ impl<S: DeviceElem> CudaBackend<S> {
         self.download_f64(&partial, blocks).iter().sum()
     }
 
-    /// One AdamW or SGD update on the GPU (the math of `optim::adamw_update` and
-    /// `optim::sgd_update`): the fp32 weights are the master copy at `range` (mixed
-    /// precision, rounded into `params` after) or `params` themselves (fp32).
-    fn update_on_device(
-        &self,
-        params: DeviceViewMut<'_, S>,
-        grads: DeviceView<'_, S>,
-        state: &mut DeviceOptimizerBuffers,
-        range: Range<usize>,
-        update: &Update,
-    ) {
-        assert!(params.len == grads.len && params.len == range.len(), "a gradient and a state slot per parameter");
-        let n = range.len();
-        if n == 0 {
-            return;
-        }
-        let (weights, model) = match &state.master {
-            Some(master) => (self.ptr_of(master) + (range.start * 4) as u64, params.ptr),
-            None => (params.ptr, 0),
-        };
-        match update {
-            Update::Sgd { lr, weight_decay, grad_scale } => {
-                let (lr_g, decay) = ((lr * grad_scale) as f32, (1.0 - lr * weight_decay) as f32);
-                launch!(self, "sgd", elementwise(n), weights, model, grads.ptr, n as i64, lr_g, decay);
-            }
-            Update::AdamW(hp) => {
-                let Some((m, v)) = &state.moments else { panic!("AdamW needs its moments (state made without them)") };
-                let at = |ptr: u64| ptr + (range.start * 4) as u64;
-                let m_correction = (1.0 / (1.0 - hp.beta1.powf(hp.step as f64))) as f32;
-                let v_correction = (1.0 / (1.0 - hp.beta2.powf(hp.step as f64))) as f32;
-                let decay = (1.0 - hp.lr * hp.weight_decay) as f32;
-                launch!(
-                    self,
-                    "adamw",
-                    elementwise(n),
-                    weights,
-                    model,
-                    grads.ptr,
-                    at(self.ptr_of(m)),
-                    at(self.ptr_of(v)),
-                    n as i64,
-                    hp.lr as f32,
-                    hp.beta1 as f32,
-                    hp.beta2 as f32,
-                    hp.eps as f32,
-                    decay,
-                    m_correction,
-                    v_correction,
-                    hp.grad_scale as f32,
-                );
-            }
-        }
-    }
-
     fn download_f32(&self, buf: &CudaSlice<f32>) -> Vec<f32> {
         let mut host = vec![0.0; buf.len()];
         if !host.is_empty() {
@@ -693,15 +639,58 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         DeviceOptimizerBuffers { len, moments, master }
     }
 
+    /// One AdamW or SGD update on the GPU (the math of `optim::adamw_update` and
+    /// `optim::sgd_update`): the fp32 weights are the master copy at `range` (mixed
+    /// precision, rounded into `params` after) or `params` themselves (fp32).
     fn optimizer_update(
         &self,
         params: DeviceViewMut<'_, S>,
         grads: DeviceView<'_, S>,
-        buffers: &mut DeviceOptimizerBuffers,
+        state: &mut DeviceOptimizerBuffers,
         range: Range<usize>,
         update: &Update,
     ) {
-        self.update_on_device(params, grads, buffers, range, update);
+        assert!(params.len == grads.len && params.len == range.len(), "a gradient and a state slot per parameter");
+        let n = range.len();
+        if n == 0 {
+            return;
+        }
+        let (weights, model) = match &state.master {
+            Some(master) => (self.ptr_of(master) + (range.start * 4) as u64, params.ptr),
+            None => (params.ptr, 0),
+        };
+        match update {
+            Update::Sgd { lr, weight_decay, grad_scale } => {
+                let (lr_g, decay) = ((lr * grad_scale) as f32, (1.0 - lr * weight_decay) as f32);
+                launch!(self, "sgd", elementwise(n), weights, model, grads.ptr, n as i64, lr_g, decay);
+            }
+            Update::AdamW(hp) => {
+                let Some((m, v)) = &state.moments else { panic!("AdamW needs its moments (state made without them)") };
+                let at = |ptr: u64| ptr + (range.start * 4) as u64;
+                let m_correction = (1.0 / (1.0 - hp.beta1.powf(hp.step as f64))) as f32;
+                let v_correction = (1.0 / (1.0 - hp.beta2.powf(hp.step as f64))) as f32;
+                let decay = (1.0 - hp.lr * hp.weight_decay) as f32;
+                launch!(
+                    self,
+                    "adamw",
+                    elementwise(n),
+                    weights,
+                    model,
+                    grads.ptr,
+                    at(self.ptr_of(m)),
+                    at(self.ptr_of(v)),
+                    n as i64,
+                    hp.lr as f32,
+                    hp.beta1 as f32,
+                    hp.beta2 as f32,
+                    hp.eps as f32,
+                    decay,
+                    m_correction,
+                    v_correction,
+                    hp.grad_scale as f32,
+                );
+            }
+        }
     }
 
     fn read_optimizer_buffers<R>(
