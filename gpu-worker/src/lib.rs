@@ -2,7 +2,8 @@
 //! `distlab-worker` binary that runs experiments for a server or from a spec file.
 //!
 //! Engine layout (see docs/ARCHITECTURE.md): `backend/` (buffers + kernels: CPU, and CUDA with the `cuda` feature),
-//! `model/` (the GPT, one file per layer), `parallel/` (the strategies), `comm/`, `optim.rs`,
+//! `ops/` (each layer's math, CPU kernel and CUDA kernel), `model/` (the GPT),
+//! `parallel/` (the strategies), `comm/`, `optim.rs`,
 //! `data.rs`, and `train/`,
 //! whose [`train`] is the entry point the CLI and the worker loop call.
 
@@ -16,6 +17,7 @@ pub mod heap;
 pub mod loss_scale;
 pub mod memory;
 pub mod model;
+pub mod ops;
 pub mod optim;
 pub mod parallel;
 pub mod rng;

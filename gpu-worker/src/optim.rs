@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
-use crate::backend::simd::simd_kernel;
+use crate::ops::simd::simd_kernel;
 use rayon::prelude::*;
 
 use crate::backend::{Backend, Float, Stored};

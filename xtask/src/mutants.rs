@@ -101,7 +101,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "LayerNorm's backward drops the x̂·mean(dx̂·x̂) term",
-        file: "gpu-worker/src/model/layernorm.rs",
+        file: "gpu-worker/src/ops/layernorm.rs",
         find: "r * (dy.load() * g.load() - mean_g - xhat * mean_gx)",
         replace: "r * (dy.load() * g.load() - mean_g)",
         tests: &["-p", "distlab-worker", "--test", "ops", "layernorm"],
@@ -143,7 +143,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "a 2-byte matrix product's f32 copies go unbooked",
-        file: "gpu-worker/src/backend/gemm.rs",
+        file: "gpu-worker/src/ops/gemm.rs",
         find: "kernel_scratch::<S::Acc>(l.len() + r.len() + out.len())",
         replace: "kernel_scratch::<S::Acc>(0)",
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],

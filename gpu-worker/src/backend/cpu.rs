@@ -15,10 +15,10 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::backend::gemm::Parallelism;
 use crate::backend::{Backend, Float, Stored};
 use crate::memory::{with_kernel_ledger, MemoryTracker};
-use crate::model::{attention, embedding, layernorm, linear, loss, mlp};
+use crate::ops::gemm::Parallelism;
+use crate::ops::{attention, embedding, layernorm, linear, loss, mlp};
 use crate::optim::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.

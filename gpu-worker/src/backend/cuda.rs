@@ -1,6 +1,7 @@
 //! The CUDA backend (cargo feature `cuda`): buffers live in GPU memory, GEMMs go through
 //! cuBLAS (fp32, or bf16/fp16 with fp32 accumulation), and every other kernel is CUDA C
-//! from `cuda_kernels.cu`, compiled by NVRTC for the buffers' format when the backend
+//! (`cuda_prelude.cu`, `cuda_reductions.cu`, each op's `.cu` beside its CPU kernel in `ops/`,
+//! `optim.cu`), compiled by NVRTC for the buffers' format when the backend
 //! starts. cudarc loads libcuda, cuBLAS and NVRTC at run time, so this builds on a machine
 //! without CUDA; there [`CudaBackend::new`] says what is missing instead of starting.
 //!
@@ -28,7 +29,19 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use crate::backend::{Backend, Stored};
 use crate::optim::{OptimizerSlices, OptimizerState, Update};
 
-const KERNELS: &str = include_str!("cuda_kernels.cu");
+/// The kernels' CUDA C: what they share, then every op's kernels from the file beside its
+/// CPU kernel, as one source for NVRTC.
+const KERNELS: &str = concat!(
+    include_str!("cuda_prelude.cu"),
+    include_str!("cuda_reductions.cu"),
+    include_str!("../ops/embedding.cu"),
+    include_str!("../ops/layernorm.cu"),
+    include_str!("../ops/linear.cu"),
+    include_str!("../ops/mlp.cu"),
+    include_str!("../ops/attention.cu"),
+    include_str!("../ops/loss.cu"),
+    include_str!("../optim.cu"),
+);
 /// Threads per block of every kernel (`BLOCK` in the .cu file).
 const BLOCK: u32 = 256;
 /// Rows per warp-per-row kernel block.
@@ -40,7 +53,7 @@ const COLUMN_ROWS: usize = 64;
 
 /// A storage format the CUDA kernels and cuBLAS handle.
 pub trait DeviceElem: Stored<Acc = f32> + DeviceRepr + ValidAsZeroBits {
-    /// The macro `cuda_kernels.cu` is compiled with.
+    /// The macro the kernels' CUDA C is compiled with.
     const DEFINE: &'static str;
     /// cuBLAS's name for it.
     const DATA_TYPE: blas_sys::cudaDataType;
@@ -153,7 +166,7 @@ impl<S: DeviceElem> Clone for CudaBackend<S> {
     }
 }
 
-/// Every kernel of `cuda_kernels.cu` the backend calls.
+/// Every kernel of [`KERNELS`] the backend calls.
 const KERNEL_NAMES: [&str; 20] = [
     "fill",
     "partial_sums",
@@ -188,7 +201,7 @@ macro_rules! launch {
             builder.arg(&arg);
         )+
         // SAFETY: the arguments match the kernel's parameters in number, order and type
-        // (kernel by kernel, checked against cuda_kernels.cu); the pointers come from live
+        // (kernel by kernel, checked against their `.cu` files); the pointers come from live
         // views, whose lengths and token ids the callers check (`check_shape`,
         // `check_tokens`) where the kernel would otherwise go out of bounds.
         unsafe { builder.launch($cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {}: {e}", $name));
@@ -1187,7 +1200,7 @@ mod tests {
     fn every_kernel_named_here_is_in_the_source() {
         for name in KERNEL_NAMES {
             let declaration = format!("extern \"C\" __global__ void {name}(");
-            assert!(KERNELS.contains(&declaration), "{name} is not a kernel of cuda_kernels.cu");
+            assert!(KERNELS.contains(&declaration), "{name} is not a kernel of the .cu files");
         }
     }
 }

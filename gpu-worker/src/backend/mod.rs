@@ -16,21 +16,18 @@
 //!   into the residual stream (`layernorm_backward`).
 //!
 //! The math of each CPU kernel lives beside the model layer that uses it
-//! (`model/layernorm.rs` holds `layernorm_forward` and `layernorm_backward`, llm.c
+//! (`ops/layernorm.rs` holds `layernorm_forward` and `layernorm_backward`, llm.c
 //! style); `cpu.rs` splits the work over threads and calls them.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod float;
-pub mod gemm;
-pub mod simd;
 
 use std::ops::Range;
 
+pub use crate::ops::float::{Float, Stored};
 use crate::optim::{OptimizerSlices, OptimizerState, Update};
 pub use cpu::CpuBackend;
-pub use float::{Float, Stored};
 
 pub trait Backend: Send + Sync + 'static {
     /// Number format of every buffer: f32 for training, bf16 or fp16 for mixed precision

@@ -1,15 +1,10 @@
-//! The GPT model: one file per layer with its forward and backward math side by
-//! side (the CPU kernels, llm.c style), and `gpt.rs`, which composes them through
-//! the [`Backend`](crate::backend::Backend) trait.
+//! The GPT model: `gpt.rs` composes the layers through the
+//! [`Backend`](crate::backend::Backend) trait (the ops' math lives in `ops/`), `layout.rs`
+//! places every parameter in one flat buffer, `state.rs` says where they live while it
+//! runs.
 
-pub mod attention;
-pub mod embedding;
 pub mod gpt;
-pub mod layernorm;
 pub mod layout;
-pub mod linear;
-pub mod loss;
-pub mod mlp;
 pub mod state;
 
 pub use gpt::{Gpt, Saved, Stage, StageInput};

@@ -25,11 +25,11 @@ use std::sync::Arc;
 use distlab_common::trace::Span;
 use distlab_common::{ExperimentSpec, Sharding};
 
-use crate::backend::float::in_acc;
 use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator};
 use crate::memory::{Category, MemoryTracker};
 use crate::model::{ModelState, ParamLayout, Stage};
+use crate::ops::float::in_acc;
 use crate::optim::{OptimizerSlices, OptimizerState};
 
 /// A backend the engine trains on: any `Backend` whose buffers hold a format that

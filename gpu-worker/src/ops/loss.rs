@@ -7,9 +7,9 @@
 //!
 //! Both work in place on one (rows, vocab) buffer: logits -> probs -> dlogits.
 
-use crate::backend::float::{lane_max, lane_sum};
-use crate::backend::simd::simd_kernel;
-use crate::backend::{Float, Stored};
+use crate::ops::float::{lane_max, lane_sum};
+use crate::ops::float::{Float, Stored};
+use crate::ops::simd::simd_kernel;
 
 simd_kernel! {
     /// A chunk of rows: logits become probabilities; `losses[r]` = that row's loss. Returns

@@ -12,10 +12,10 @@
 //! The four products per head are GEMMs on strided views of qkv (no copies),
 //! in row blocks that skip the blocks above the diagonal.
 
-use crate::backend::float::{lane_max, lane_sum};
-use crate::backend::gemm::{matmul, Mat, MatMut, Parallelism};
-use crate::backend::simd::simd_kernel;
-use crate::backend::{Float, Stored};
+use crate::ops::float::{lane_max, lane_sum};
+use crate::ops::float::{Float, Stored};
+use crate::ops::gemm::{matmul, Mat, MatMut, Parallelism};
+use crate::ops::simd::simd_kernel;
 
 /// Row-block size for skipping the masked (upper-right) blocks of the T x T products.
 const BLOCK: usize = 64;

@@ -11,8 +11,8 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{Float, Stored};
 use crate::memory::kernel_scratch;
+use crate::ops::float::{Float, Stored};
 pub use gemm::Parallelism;
 
 /// A read-only strided matrix view.

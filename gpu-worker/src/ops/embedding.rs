@@ -7,9 +7,9 @@
 //! position rows, the wte gradient over vocabulary rows (each task scans all tokens
 //! and adds those in its range), so every sum runs in a fixed order.
 
-use crate::backend::float::in_acc;
-use crate::backend::simd::simd_kernel;
-use crate::backend::{Float, Stored};
+use crate::ops::float::in_acc;
+use crate::ops::float::{Float, Stored};
+use crate::ops::simd::simd_kernel;
 
 simd_kernel! {
     /// Rows `row0..row0 + out.len()/c` of the embedded batch (rows are b * seq_len + t).

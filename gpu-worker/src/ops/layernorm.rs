@@ -10,9 +10,9 @@
 //! gradients are sums over rows, split over column ranges instead so that each
 //! column is summed in row order whatever the thread count.
 
-use crate::backend::float::{in_acc, lane_sum};
-use crate::backend::simd::simd_kernel;
-use crate::backend::{Float, Stored};
+use crate::ops::float::{in_acc, lane_sum};
+use crate::ops::float::{Float, Stored};
+use crate::ops::simd::simd_kernel;
 
 pub const LAYERNORM_EPS: f64 = 1e-5;
 

@@ -80,10 +80,10 @@ macro_rules! simd_kernel {
                 unsafe fn v3<F: Float, S: Stored<Acc = F>>($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
-                match $crate::backend::simd::x86::level() {
+                match $crate::ops::simd::x86::level() {
                     // SAFETY: the level is only reported when the CPU has every enabled feature.
-                    $crate::backend::simd::x86::V4 => return unsafe { v4($($arg),*) },
-                    $crate::backend::simd::x86::V3 => return unsafe { v3($($arg),*) },
+                    $crate::ops::simd::x86::V4 => return unsafe { v4($($arg),*) },
+                    $crate::ops::simd::x86::V3 => return unsafe { v3($($arg),*) },
                     _ => {}
                 }
             }

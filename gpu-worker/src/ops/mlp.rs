@@ -4,9 +4,9 @@
 //!   forward:  u = s (x + k x^3),   y = x/2 (1 + tanh u),   s = sqrt(2/pi), k = 0.044715
 //!   backward: dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) s (1 + 3k x^2)
 
-use crate::backend::float::map_elements;
-use crate::backend::simd::simd_kernel;
-use crate::backend::{Float, Stored};
+use crate::ops::float::map_elements;
+use crate::ops::float::{Float, Stored};
+use crate::ops::simd::simd_kernel;
 
 const GELU_K: f64 = 0.044715;
 

@@ -8,10 +8,10 @@
 //! views, not copies); bias and residual are written first and the product is
 //! accumulated on top, so the output is written once and read once.
 
-use crate::backend::float::in_acc;
-use crate::backend::gemm::{matmul, Mat, MatMut, Parallelism};
-use crate::backend::simd::simd_kernel;
-use crate::backend::{Float, Stored};
+use crate::ops::float::in_acc;
+use crate::ops::float::{Float, Stored};
+use crate::ops::gemm::{matmul, Mat, MatMut, Parallelism};
+use crate::ops::simd::simd_kernel;
 
 simd_kernel! {
     /// A chunk of output rows: `out = residual + bias` (either may be absent).

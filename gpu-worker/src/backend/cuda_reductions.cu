@@ -1,0 +1,47 @@
+// ---- memory and reductions -------------------------------------------------------------
+
+extern "C" __global__ void fill(elem* out, long long n, float value) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = store(value);
+}
+
+// Block b adds elements [b*chunk, (b+1)*chunk) (their squares with `squares`) in double,
+// in a fixed tree; the host adds the blocks' sums in order.
+extern "C" __global__ void partial_sums(const elem* x, long long n, long long chunk, double* out, int squares) {
+    __shared__ double shared[BLOCK];
+    long long start = (long long)blockIdx.x * chunk;
+    long long end = min(start + chunk, n);
+    double acc = 0.0;
+    for (long long i = start + threadIdx.x; i < end; i += BLOCK) {
+        double v = (double)load(x[i]);
+        acc += squares ? v * v : v;
+    }
+    shared[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s /= 2) {
+        if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = shared[0];
+}
+
+// dst[j] += sum over blocks b (in order) of partial[b * c + j]: the second half of a
+// column sum whose first half left one row block's sums per row of `partial`.
+extern "C" __global__ void add_column_partials(elem* dst, const float* partial, int blocks, int c) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= c) return;
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; b++) acc += partial[(long long)b * c + j];
+    dst[j] = store(load(dst[j]) + acc);
+}
+
+// partial[b * c + j] = sum over rows r of row block b (rows_per_block of them) of x[r, j].
+extern "C" __global__ void column_partials(float* partial, const elem* x, int rows, int c, int rows_per_block) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    int b = blockIdx.y;
+    if (j >= c) return;
+    int r1 = min(rows, (b + 1) * rows_per_block);
+    float acc = 0.0f;
+    for (int r = b * rows_per_block; r < r1; r++) acc += load(x[(long long)r * c + j]);
+    partial[(long long)b * c + j] = acc;
+}
