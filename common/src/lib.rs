@@ -22,7 +22,7 @@ pub mod validate;
 pub use api::*;
 pub use events::*;
 pub use spec::*;
-pub use validate::{FieldError, Limits};
+pub use validate::{FieldError, Limits, ValidSpec};
 
 /// Version of the distlab protocol and binaries (the workspace version).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -67,7 +67,40 @@ impl Default for Limits {
     }
 }
 
+/// A spec that passed [`ExperimentSpec::validate`]: what the training engine takes, so that
+/// a spec is checked once, where it enters (the browser's form, the server's API, the
+/// worker's lease or spec file, a rank process's start), and nowhere inside.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct ValidSpec(ExperimentSpec);
+
+impl std::ops::Deref for ValidSpec {
+    type Target = ExperimentSpec;
+    fn deref(&self) -> &ExperimentSpec {
+        &self.0
+    }
+}
+
+impl ValidSpec {
+    pub fn into_inner(self) -> ExperimentSpec {
+        self.0
+    }
+
+    /// `spec` unchecked, for tests that drive the engine on what no user can submit (one
+    /// process holding a ZeRO or FSDP shard of a group of one). Input is never taken this way.
+    #[doc(hidden)]
+    pub fn assume_valid(spec: ExperimentSpec) -> Self {
+        ValidSpec(spec)
+    }
+}
+
 impl ExperimentSpec {
+    /// The spec as a [`ValidSpec`] if it passes every rule, else all the problems.
+    pub fn validated(self, limits: &Limits) -> Result<ValidSpec, Vec<FieldError>> {
+        self.validate(limits)?;
+        Ok(ValidSpec(self))
+    }
+
     /// Checks every rule and returns all the problems at once (empty list = valid).
     pub fn validate(&self, limits: &Limits) -> Result<(), Vec<FieldError>> {
         let mut errs = Vec::new();
@@ -258,6 +291,18 @@ mod tests {
             }
             (a, b) => *a = b,
         }
+    }
+
+    #[test]
+    fn only_a_spec_that_passes_becomes_a_valid_spec() {
+        let valid = ExperimentSpec::default().validated(&Limits::default()).unwrap();
+        assert_eq!(*valid, ExperimentSpec::default());
+        // It travels as the plain spec (the launcher writes it for the rank processes).
+        assert_eq!(serde_json::to_value(&valid).unwrap(), serde_json::to_value(ExperimentSpec::default()).unwrap());
+        let mut bad = ExperimentSpec::default();
+        bad.parallel.tp = 3;
+        let errors = bad.validated(&Limits::default()).unwrap_err();
+        assert!(errors.iter().any(|e| e.field == "parallel.tp"), "{errors:?}");
     }
 
     #[test]

@@ -13,7 +13,7 @@
 
 use std::sync::atomic::AtomicBool;
 
-use distlab_common::{Checkpointing, ExperimentSpec, LossScaling, ModelSpec, Precision, RunEvent, TrainSpec};
+use distlab_common::{Checkpointing, ExperimentSpec, Limits, LossScaling, ModelSpec, Precision, RunEvent, TrainSpec};
 use distlab_worker::{train, TrainOptions};
 
 struct Args {
@@ -96,7 +96,10 @@ fn reference_spec(args: &Args) -> ExperimentSpec {
 
 fn main() {
     let args = parse_args();
-    let spec = reference_spec(&args);
+    let spec = reference_spec(&args).validated(&Limits::default()).unwrap_or_else(|errors| {
+        errors.iter().for_each(|e| eprintln!("{e}"));
+        std::process::exit(2)
+    });
     let tokens_per_step = spec.tokens_per_step() as f64;
     let flops_per_token = spec.model.train_flops_per_token();
     for &threads in &args.threads {

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use distlab_common::estimate::Cluster;
-use distlab_common::{Checkpointing, ExperimentSpec, ModelSpec, Precision};
+use distlab_common::{Checkpointing, ExperimentSpec, Limits, ModelSpec, Precision, ValidSpec};
 use distlab_worker::backend::cuda::{CudaBackend, DeviceElem};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::train::{Groups, Trainer};
@@ -70,6 +70,12 @@ fn main() {
     spec.train.lr = 6e-4;
     spec.train.precision = choice::<Precision>(&args.precision);
     spec.train.checkpointing = choice::<Checkpointing>(&args.checkpointing);
+    // GPT-2 124M is larger than a shared server lets one experiment be: no size limits here.
+    let limits = Limits { max_params: u64::MAX, max_tokens_per_step: usize::MAX, ..Limits::default() };
+    let spec = spec.validated(&limits).unwrap_or_else(|errors| {
+        errors.iter().for_each(|e| eprintln!("{e}"));
+        std::process::exit(2)
+    });
     match spec.train.precision {
         Precision::Fp32 => run::<f32>(&spec, &args),
         Precision::Bf16 => run::<half::bf16>(&spec, &args),
@@ -77,7 +83,7 @@ fn main() {
     }
 }
 
-fn run<S: DeviceElem>(spec: &ExperimentSpec, args: &Args) {
+fn run<S: DeviceElem>(spec: &ValidSpec, args: &Args) {
     let fail = |e: &dyn std::fmt::Display| -> ! {
         eprintln!("cannot train on the GPU: {e}");
         std::process::exit(2);

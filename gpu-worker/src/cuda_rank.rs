@@ -1,21 +1,22 @@
 //! A training rank on a GPU (cargo feature `cuda`): the same trainer, strategies and step
 //! loop as on the CPU (`train/`), on the CUDA backend. What is particular to a GPU lives
 //! here: which GPU a rank takes (rank mod GPUs: ranks share GPUs when there are more of
-//! them), whether the run fits in its memory, and how data-parallel gradients travel:
-//! NCCL when every rank has a GPU of its own and every rank has NCCL, the ranks' ring
-//! otherwise (NCCL refuses two ranks of one group on one GPU).
+//! them), whether the run fits in its memory, and how the data- and tensor-parallel
+//! groups talk: NCCL on the GPUs' memory when every rank has a GPU of its own and every
+//! rank of the group has NCCL, the ranks' ring through host memory otherwise (NCCL refuses
+//! two ranks of one group on one GPU). Pipeline stages always pass their activations over
+//! the ring (host-staged): one point-to-point message per micro-batch.
 
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use distlab_common::{ExperimentSpec, Precision, RunEvent};
+use distlab_common::{Precision, RunEvent, ValidSpec};
 
 use crate::backend::cuda::{self, CudaBackend, DeviceElem};
 use crate::comm::nccl::{self, NcclCommunicator};
 use crate::comm::Communicator;
 use crate::memory::MemoryTracker;
 use crate::parallel::ddp::sum_scalar;
-use crate::parallel::DpGroup;
 use crate::train::{kernel_pool, log, memory_bytes, run, Groups, RankRun, TrainError, TrainOptions, Trainer};
 
 /// Why the GPU cannot run this: a machine without one is a spec this worker cannot run;
@@ -32,7 +33,7 @@ fn unavailable(e: cuda::CudaUnavailable) -> TrainError {
 /// spec's precision.
 pub fn train_on_gpu(
     precision: Precision,
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     opts: &TrainOptions,
     groups: Groups,
     on_event: &mut dyn FnMut(RunEvent),
@@ -46,7 +47,7 @@ pub fn train_on_gpu(
 }
 
 fn train_as<S: DeviceElem>(
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     opts: &TrainOptions,
     mut groups: Groups,
     on_event: &mut dyn FnMut(RunEvent),
@@ -66,35 +67,66 @@ fn train_as<S: DeviceElem>(
         return Err(TrainError::OutOfMemory { needed_mib: needed >> 20, available_mib: free >> 20 });
     }
     log(on_event, format!("device: {} (CUDA backend: cuBLAS GEMMs, NVRTC kernels)", backend.device()));
+    let own_gpus = gpus >= world;
     if let Some(dp) = groups.dp.as_mut() {
-        let via = gradients_via_nccl(dp, ordinal, gpus >= world)?;
+        let via = match nccl_group(dp.scalars.as_mut(), dp.rank, dp.world, ordinal, own_gpus, "dp")? {
+            Ok(nccl) => swap_in(&mut dp.grads, nccl),
+            Err(why) => why,
+        };
         log(on_event, format!("data parallel: {} ranks on {gpus} GPU(s); gradients travel over {via}", dp.world));
+    }
+    if let Some(tp) = groups.tp.as_mut() {
+        let place = tp.place();
+        // The group's one communicator carries the votes and the id, then NCCL takes its place.
+        let via = match nccl_group(tp.comm_mut().as_mut(), place.rank, place.size, ordinal, own_gpus, "tp")? {
+            Ok(nccl) => swap_in(tp.comm_mut(), nccl),
+            Err(why) => why,
+        };
+        log(on_event, format!("tensor parallel: {} ranks; activation sums travel over {via}", place.size));
+    }
+    if groups.pp.is_some() {
+        log(
+            on_event,
+            "pipeline parallel: activations travel between stages over the ranks' ring (through host memory)".into(),
+        );
     }
     let (pool, threads) = kernel_pool(opts)?;
     let trainer = pool.install(|| Trainer::build(spec, backend, MemoryTracker::new(), groups))?;
     run(spec, opts, trainer, &pool, threads, started, on_event, cancel)
 }
 
-/// Puts an NCCL communicator in place of the ring for `dp`'s gradients when every rank of
-/// the run has a GPU of its own (`own_gpus`) and every rank of the group has NCCL; says
-/// which way the gradients go. A collective: every rank of the group calls it.
-fn gradients_via_nccl(dp: &mut DpGroup, ordinal: usize, own_gpus: bool) -> Result<&'static str, TrainError> {
+/// An NCCL communicator for a group of `size` ranks (this one `rank`) when every rank of
+/// the run has a GPU of its own (`own_gpus`) and every rank of the group has NCCL, or why
+/// the group stays on the ranks' ring. `rendezvous` (a ring over the same ranks) carries
+/// the votes and NCCL's id. A collective: every rank of the group calls it.
+fn nccl_group(
+    rendezvous: &mut dyn Communicator,
+    rank: usize,
+    size: usize,
+    ordinal: usize,
+    own_gpus: bool,
+    name: &str,
+) -> Result<Result<NcclCommunicator, &'static str>, TrainError> {
     // Every rank says whether it has NCCL: NCCL only if all do (a rank without it would
     // leave the others waiting in NCCL's init, where no timeout reaches).
     let has_nccl = nccl::libraries_present().is_ok();
-    let votes = sum_scalar(dp.scalars.as_mut(), if has_nccl { 1.0 } else { 0.0 })?;
+    let votes = sum_scalar(rendezvous, if has_nccl { 1.0 } else { 0.0 })?;
     if !own_gpus {
-        return Ok("the ranks' ring (ranks share a GPU)");
+        return Ok(Err("the ranks' ring through host memory (ranks share a GPU)"));
     }
-    if votes as usize != dp.world {
-        return Ok("the ranks' ring (NCCL is missing on some rank)");
+    if votes as usize != size {
+        return Ok(Err("the ranks' ring through host memory (NCCL is missing on some rank)"));
     }
     let device_failure = |e: nccl::NcclUnavailable| TrainError::Device(e.to_string());
     // Group rank 0 asks NCCL for the id and sends it over the group's ring.
-    let id = (dp.rank == 0).then(nccl::new_unique_id);
-    let id = nccl::share_unique_id(dp.scalars.as_mut(), 0, id).map_err(device_failure)?;
-    let comm =
-        NcclCommunicator::new(ordinal, id, dp.rank, (0..dp.world).collect(), "dp", None).map_err(device_failure)?;
-    dp.grads = Box::new(comm) as Box<dyn Communicator>;
-    Ok("NCCL")
+    let id = (rank == 0).then(nccl::new_unique_id);
+    let id = nccl::share_unique_id(rendezvous, 0, id).map_err(device_failure)?;
+    let nccl = NcclCommunicator::new(ordinal, id, rank, (0..size).collect(), name, None).map_err(device_failure)?;
+    Ok(Ok(nccl))
+}
+
+/// Puts `nccl` in `comm`'s place; says so.
+fn swap_in(comm: &mut Box<dyn Communicator>, nccl: NcclCommunicator) -> &'static str {
+    *comm = Box::new(nccl);
+    "NCCL on the GPUs' memory"
 }

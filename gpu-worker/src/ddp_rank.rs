@@ -43,7 +43,7 @@ pub fn run(
     dir: &std::path::Path,
     rank: usize,
     world: usize,
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     opts: &TrainOptions,
     collective_timeout: Duration,
 ) -> anyhow::Result<()> {

@@ -36,14 +36,13 @@ impl ExecError {
 /// Runs `spec`. With `checkpoints` (the experiment's own directory) and a spec that asks
 /// for them, checkpoints are saved there and the run resumes from the latest complete one.
 pub fn execute(
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     threads: usize,
     collective_timeout: Duration,
     checkpoints: Option<&Path>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
-    spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
     // What this worker cannot run (a demo on cuda, cuda without the feature) is refused
     // before anything starts, whichever way the spec runs.
     let unsupported = unsupported_features(spec);
@@ -75,7 +74,7 @@ pub fn execute(
 
 /// A multi-rank run: one process per rank, each with its share of the machine's threads.
 fn run_ranks(
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     opts: &TrainOptions,
     collective_timeout: Duration,
     on_event: &mut dyn FnMut(RunEvent),

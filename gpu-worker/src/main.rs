@@ -219,8 +219,12 @@ fn collective_timeout(seconds: f64) -> Duration {
     Duration::from_secs_f64(if seconds.is_finite() { seconds.clamp(0.1, 3600.0) } else { 60.0 })
 }
 
-fn read_spec(path: &std::path::Path) -> anyhow::Result<distlab_common::ExperimentSpec> {
+/// The spec a rank process is started with, checked as it enters the process.
+fn read_spec(path: &std::path::Path) -> anyhow::Result<distlab_common::ValidSpec> {
     let text = std::fs::read_to_string(path)?;
-    distlab_common::ExperimentSpec::from_json_str(&text)
-        .map_err(|errors| anyhow::anyhow!("{}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")))
+    let joined = |errors: Vec<distlab_common::FieldError>| {
+        anyhow::anyhow!("{}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
+    };
+    let spec = distlab_common::ExperimentSpec::from_json_str(&text).map_err(joined)?;
+    spec.validated(&distlab_common::Limits::default()).map_err(joined)
 }

@@ -24,13 +24,10 @@ pub fn run_spec_file(
     collective_timeout: std::time::Duration,
 ) -> anyhow::Result<i32> {
     let text = std::fs::read_to_string(spec_path).with_context(|| format!("cannot read {}", spec_path.display()))?;
-    let spec = match ExperimentSpec::from_json_str(&text) {
+    let spec = match ExperimentSpec::from_json_str(&text).and_then(|spec| spec.validated(&Limits::default())) {
         Ok(spec) => spec,
         Err(errors) => return Ok(invalid(spec_path, &errors)),
     };
-    if let Err(errors) = spec.validate(&Limits::default()) {
-        return Ok(invalid(spec_path, &errors));
-    }
     let mut metrics_file = match &out {
         Some(dir) => {
             std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;

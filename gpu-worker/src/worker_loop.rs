@@ -12,6 +12,7 @@ use distlab_common::*;
 use crate::client::{ClientError, ServerClient};
 use crate::execute::execute;
 use distlab_worker::checkpoint::CheckpointDir;
+use distlab_worker::train::TrainError;
 
 pub struct WorkerConfig {
     pub server: String,
@@ -122,6 +123,8 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
             };
+            // The spec came over the network: checked here, as it enters the worker.
+            let spec = spec.validated(&Limits::default()).map_err(TrainError::Invalid)?;
             execute(&spec, threads, collective_timeout, Some(&checkpoints), &mut on_event, &cancel)
         })
     };

@@ -9,9 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlab_common::trace::CollectiveOp;
-use distlab_worker::backend::cuda::device_count;
+use distlab_worker::backend::cuda::{device_count, CudaBackend, DeviceElem};
+use distlab_worker::backend::{Backend, Stored};
 use distlab_worker::comm::nccl::{new_unique_id, share_unique_id, NcclCommunicator, NcclUnavailable, UNIQUE_ID_BYTES};
-use distlab_worker::comm::{Communicator, Mesh, ReduceOp, RingCommunicator};
+use distlab_worker::comm::{chunk_range, Communicator, InPlace, Mesh, ReduceOp, RingCommunicator};
+use distlab_worker::memory::MemoryTracker;
+use distlab_worker::parallel::collective;
 use distlab_worker::trace::CommTracer;
 
 /// Runs `f(rank, ring)` on `world` ranks (threads) joined by the launcher's socket mesh.
@@ -120,4 +123,70 @@ fn two_ranks_sum_through_nccl() {
             Err(why) => panic!("rank {rank}: NCCL init failed with {gpus} GPUs: {why}"),
         }
     }
+}
+
+/// Collectives on the CUDA backend's own buffers (`parallel::collective`: no host copies):
+/// two ranks on GPUs `rank % GPUs`, every in-place op on an even and an uneven length (NCCL's
+/// own in-place form, and the padded path), in fp32 and in bf16 (summed as a widened f32
+/// copy). With one GPU NCCL refuses the pair: then this says so and passes.
+#[test]
+#[ignore = "needs a GPU: cargo xtask test --gpu"]
+fn collectives_run_on_gpu_buffers_in_place() {
+    let id = new_unique_id().unwrap_or_else(|why| panic!("the GPU tests were asked for, but NCCL cannot run: {why}"));
+    let gpus = device_count().unwrap().max(1);
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut comm = match NcclCommunicator::new(rank % gpus, id, rank, vec![0, 1], "dp", None) {
+                    Ok(comm) => comm,
+                    Err(why) => return Err(why.to_string()),
+                };
+                check_in_place::<f32>(rank, gpus, &mut comm);
+                check_in_place::<half::bf16>(rank, gpus, &mut comm);
+                Ok(())
+            })
+        })
+        .collect();
+    for (rank, handle) in ranks.into_iter().enumerate() {
+        match handle.join().unwrap() {
+            Ok(()) => {}
+            Err(why) if gpus == 1 => eprintln!("rank {rank}: NCCL refused two ranks on one GPU, as it must: {why}"),
+            Err(why) => panic!("rank {rank}: NCCL init failed with {gpus} GPUs: {why}"),
+        }
+    }
+}
+
+/// Rank `rank`'s value at `i` (small integers: exact in bf16, and so are their sums).
+fn value(rank: usize, i: usize) -> f32 {
+    ((i % 61) + 3 * rank) as f32
+}
+
+fn check_in_place<S: DeviceElem + Stored<Acc = f32>>(rank: usize, gpus: usize, comm: &mut NcclCommunicator) {
+    let be = CudaBackend::<S>::new(rank % gpus).expect("a CUDA backend");
+    assert!(be.reaches(comm), "the backend reaches NCCL on its own GPU");
+    let memory = MemoryTracker::new();
+    let what = S::NAME;
+    for len in [1000, 1001] {
+        let mut run = |op: InPlace, values: &dyn Fn(usize) -> f32| -> Vec<f32> {
+            let host: Vec<S> = (0..len).map(|i| S::store(values(i))).collect();
+            let mut buf = be.alloc(len);
+            be.upload(&mut buf, &host);
+            collective(&be, &memory, &mut *comm, &mut buf, 0..len, op).unwrap();
+            let mut back = vec![S::default(); len];
+            be.download(&buf, &mut back);
+            back.iter().map(|x| x.load()).collect()
+        };
+        let summed = run(InPlace::AllReduce(ReduceOp::Sum), &|i| value(rank, i));
+        assert!((0..len).all(|i| summed[i] == value(0, i) + value(1, i)), "{what} all-reduce of {len}");
+        let scattered = run(InPlace::ReduceScatter(ReduceOp::Sum), &|i| value(rank, i));
+        let mine = chunk_range(len, 2, rank);
+        assert!(mine.clone().all(|i| scattered[i] == value(0, i) + value(1, i)), "{what} reduce-scatter of {len}");
+        // Each rank brings its own chunk (its values there); afterwards chunk r is rank r's.
+        let gathered = run(InPlace::AllGather, &|i| if mine.contains(&i) { value(rank, i) } else { -1.0 });
+        for r in 0..2 {
+            let chunk = chunk_range(len, 2, r);
+            assert!(chunk.clone().all(|i| gathered[i] == value(r, i)), "{what} all-gather of {len}, chunk {r}");
+        }
+    }
+    assert!(comm.bytes_sent() > 0);
 }

@@ -4,8 +4,8 @@
 use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
-    BackendKind, CheckpointWrite, CollectiveDemo, Dataset, ExperimentSpec, LossScaling, LrSchedule, MetricPoint,
-    Optimizer, Precision, RunEvent, RunSummary,
+    BackendKind, CheckpointWrite, CollectiveDemo, Dataset, ExperimentSpec, Limits, LossScaling, LrSchedule,
+    MetricPoint, Optimizer, Precision, RunEvent, RunSummary,
 };
 use distlab_worker::checkpoint::{CheckpointDir, RankPlace};
 use distlab_worker::train::CheckpointOptions;
@@ -25,8 +25,10 @@ fn run_with(spec: &ExperimentSpec, opts: &TrainOptions) -> Result<Run, TrainErro
     let mut metrics = Vec::new();
     let mut logs = Vec::new();
     let cancel = AtomicBool::new(false);
+    // Checked as the worker checks a spec when it enters.
+    let spec = spec.clone().validated(&Limits::default()).map_err(TrainError::Invalid)?;
     let summary = train(
-        spec,
+        &spec,
         opts,
         &mut |e| match e {
             RunEvent::Metric(m) => metrics.push(m),
@@ -289,7 +291,7 @@ fn a_run_too_big_for_memory_is_refused_before_allocating() {
 
 #[test]
 fn cancel_stops_between_steps() {
-    let spec = ExperimentSpec::default();
+    let spec = ExperimentSpec::default().validated(&Limits::default()).unwrap();
     let cancel = AtomicBool::new(false);
     let mut steps = 0;
     let result = train(
@@ -345,6 +347,7 @@ fn an_overflowing_fp16_step_is_skipped_and_the_scale_halves() {
     spec.train.loss_scaling = LossScaling::Dynamic;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     pool.install(|| {
+        let spec = spec.clone().validated(&Limits::default()).unwrap();
         let mut trainer = CpuTrainer::<half::f16>::new(&spec, 1).unwrap();
         // 2^40 times any gradient is far beyond fp16's 65504.
         trainer.start_loss_scale(2f64.powi(40));

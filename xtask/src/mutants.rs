@@ -30,17 +30,24 @@ pub struct Mutant {
 
 pub const MUTANTS: &[Mutant] = &[
     Mutant {
+        name: "A pipeline stage never marks the step's last backward (its data-parallel gradients stay local)",
+        file: "gpu-worker/src/parallel/pipeline.rs",
+        find: "work.backward(be, micro, received, Some(index) == last_backward)?;",
+        replace: "work.backward(be, micro, received, Some(index) == last_backward && stages == 1)?;",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "pipelines_compose_with_data_parallelism"],
+    },
+    Mutant {
         name: "DDP sums gradients across ranks instead of averaging them",
         file: "gpu-worker/src/train/trainer.rs",
-        find: "let dloss = dloss * scale;",
-        replace: "let dloss = dloss * scale * dp_world as f64;",
+        find: "dloss: dloss * scale,",
+        replace: "dloss: dloss * scale * dp_world as f64,",
         tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
     },
     Mutant {
         name: "DDP never sends its last bucket (those gradients stay local)",
         file: "gpu-worker/src/parallel/ddp.rs",
-        find: "if self.ready_units[b] == bucket.units.len() {",
-        replace: "if self.ready_units[b] == bucket.units.len() && b + 1 < self.buckets.len() {",
+        find: "(self.ready_units[b] == self.buckets[b].units.len()).then_some(b)",
+        replace: "(self.ready_units[b] == self.buckets[b].units.len() && b + 1 < self.buckets.len()).then_some(b)",
         tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
     },
     Mutant {

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 use crate::backend::{Backend, Float, Stored};
 use crate::memory::{with_kernel_ledger, MemoryTracker};
+use crate::ops::float::map_elements;
 use crate::ops::gemm::Parallelism;
 use crate::ops::{attention, embedding, layernorm, linear, loss, mlp};
 use crate::optim::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
@@ -135,6 +136,13 @@ impl<S: Stored> Backend for CpuBackend<S> {
 
     fn copy(&self, dst: &mut [S], src: &[S]) {
         dst.par_chunks_mut(ELEMENT_CHUNK).zip(src.par_chunks(ELEMENT_CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
+    }
+
+    fn add(&self, dst: &mut [S], src: &[S]) {
+        assert_eq!(dst.len(), src.len(), "add between views of different lengths");
+        dst.par_chunks_mut(ELEMENT_CHUNK)
+            .zip(src.par_chunks(ELEMENT_CHUNK))
+            .for_each(|(d, s)| map_elements(d, s, |x, y| y + x));
     }
 
     fn on_host<R>(&self, view: &mut [S], f: impl FnOnce(&mut [S]) -> R) -> R {

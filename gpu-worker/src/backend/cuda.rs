@@ -27,6 +27,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 use crate::backend::{Backend, Stored};
+use crate::comm::{CommError, Communicator, InPlace};
 use crate::optim::{OptimizerSlices, OptimizerState, Update};
 
 /// The kernels' CUDA C: what they share, then every op's kernels from the file beside its
@@ -167,8 +168,11 @@ impl<S: DeviceElem> Clone for CudaBackend<S> {
 }
 
 /// Every kernel of [`KERNELS`] the backend calls.
-const KERNEL_NAMES: [&str; 20] = [
+const KERNEL_NAMES: [&str; 23] = [
     "fill",
+    "add",
+    "widen",
+    "narrow",
     "partial_sums",
     "add_column_partials",
     "column_partials",
@@ -627,6 +631,45 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         self.stream.synchronize().expect("CUDA stream synchronize");
     }
 
+    /// NCCL on this backend's GPU moves its buffers itself.
+    fn reaches(&self, comm: &mut dyn Communicator) -> bool {
+        comm.nccl().is_some_and(|nccl| nccl.ordinal() == self.stream.context().ordinal())
+    }
+
+    /// The collective through NCCL on the buffer itself (fp32), or on an f32 copy widened
+    /// and narrowed on the GPU (bf16/fp16): no byte passes through the host.
+    fn device_collective(
+        &self,
+        comm: &mut dyn Communicator,
+        view: DeviceViewMut<'_, S>,
+        op: InPlace,
+    ) -> Result<(), CommError> {
+        let unreachable = || CommError::BadBuffer {
+            collective: format!("{op:?}"),
+            detail: "this communicator does not reach the GPU's memory (not NCCL on this GPU)".into(),
+        };
+        if !self.reaches(comm) {
+            return Err(unreachable());
+        }
+        let nccl = comm.nccl().ok_or_else(unreachable)?;
+        if view.len == 0 {
+            return Ok(());
+        }
+        if size_of::<S>() == 4 {
+            // SAFETY: `view` is a live range of `len` f32 of this GPU's memory, borrowed
+            // mutably for the call; the backend's stream waits for the collective.
+            return unsafe { nccl.in_place(&self.stream, view.ptr, view.len, op) };
+        }
+        let wide = self.scratch::<f32>(view.len);
+        let wide_ptr = self.ptr_of(&wide);
+        launch!(self, "widen", elementwise(view.len), wide_ptr, view.ptr, view.len as i64);
+        // SAFETY: `wide` holds `len` f32 on this GPU and lives until the stream has used it
+        // (cudarc frees it in stream order).
+        unsafe { nccl.in_place(&self.stream, wide_ptr, view.len, op) }?;
+        launch!(self, "narrow", elementwise(view.len), view.ptr, wide_ptr, view.len as i64);
+        Ok(())
+    }
+
     fn device_memory_used(&self) -> Option<u64> {
         let free = self.free_memory().ok()?;
         Some(self.free_at_start.saturating_sub(free) as u64)
@@ -787,6 +830,13 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
                 )
             }
             .expect("CUDA copy");
+        }
+    }
+
+    fn add(&self, dst: DeviceViewMut<'_, S>, src: DeviceView<'_, S>) {
+        assert_eq!(dst.len, src.len, "add between views of different lengths");
+        if dst.len > 0 {
+            launch!(self, "add", elementwise(dst.len), dst.ptr, src.ptr, dst.len as i64);
         }
     }
 

@@ -5,6 +5,22 @@ extern "C" __global__ void fill(elem* out, long long n, float value) {
     if (i < n) out[i] = store(value);
 }
 
+extern "C" __global__ void add(elem* dst, const elem* src, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = store(load(dst[i]) + load(src[i]));
+}
+
+// A collective sums a 2-byte buffer as an f32 copy (as the host path does).
+extern "C" __global__ void widen(float* out, const elem* in, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = load(in[i]);
+}
+
+extern "C" __global__ void narrow(elem* out, const float* in, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = store(in[i]);
+}
+
 // Block b adds elements [b*chunk, (b+1)*chunk) (their squares with `squares`) in double,
 // in a fixed tree; the host adds the blocks' sums in order.
 extern "C" __global__ void partial_sums(const elem* x, long long n, long long chunk, double* out, int squares) {

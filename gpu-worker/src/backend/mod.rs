@@ -25,6 +25,7 @@ pub mod cuda;
 
 use std::ops::Range;
 
+use crate::comm::{CommError, Communicator, InPlace};
 pub use crate::ops::float::{Float, Stored};
 use crate::optim::{OptimizerSlices, OptimizerState, Update};
 pub use cpu::CpuBackend;
@@ -86,6 +87,8 @@ pub trait Backend: Send + Sync + 'static {
     fn fill(&self, out: Self::ViewMut<'_>, value: f64);
     /// `dst = src` (the same length).
     fn copy(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>);
+    /// `dst += src` (the same length), in f32, rounded once.
+    fn add(&self, dst: Self::ViewMut<'_>, src: Self::View<'_>);
 
     // ---- host access (collectives over host channels, the optimizer, checkpoints) ----
 
@@ -95,6 +98,29 @@ pub trait Backend: Send + Sync + 'static {
     fn on_host<R>(&self, view: Self::ViewMut<'_>, f: impl FnOnce(&mut [Self::Elem]) -> R) -> R;
     /// Runs `f` on the elements of `view` read in host memory.
     fn read_host<R>(&self, view: Self::View<'_>, f: impl FnOnce(&[Self::Elem]) -> R) -> R;
+
+    // ---- collectives where the buffers live ------------------------------------------
+
+    /// Whether `comm` moves this backend's memory itself (NCCL between GPUs), so that a
+    /// collective on a buffer needs no trip through the host. The CPU backend's buffers are
+    /// host memory: every communicator works on them directly.
+    fn reaches(&self, _comm: &mut dyn Communicator) -> bool {
+        false
+    }
+    /// Runs `op` through `comm` on `view` where it lives, summing in f32 whatever `Elem`
+    /// is; its result is there for every kernel queued afterwards. Only for a `comm` this
+    /// backend [`reaches`](Backend::reaches).
+    fn device_collective(
+        &self,
+        _comm: &mut dyn Communicator,
+        _view: Self::ViewMut<'_>,
+        op: InPlace,
+    ) -> Result<(), CommError> {
+        Err(CommError::BadBuffer {
+            collective: format!("{op:?}"),
+            detail: format!("the {} backend's buffers are host memory: no collective runs on a device", self.name()),
+        })
+    }
 
     // ---- the optimizer (`optim.rs`: its math and its CPU kernels) -------------------
 

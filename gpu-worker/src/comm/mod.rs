@@ -30,6 +30,28 @@ pub enum ReduceOp {
     Avg,
 }
 
+/// A collective that works on one buffer in place (the form the strategies use on their
+/// backend's buffers; see `parallel::collective`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InPlace {
+    AllReduce(ReduceOp),
+    /// Afterwards this rank's chunk (`chunk_range`) holds the reduced values.
+    ReduceScatter(ReduceOp),
+    /// This rank's chunk is its contribution; afterwards every chunk is filled.
+    AllGather,
+}
+
+impl InPlace {
+    /// Runs it on a host buffer.
+    pub fn run(self, comm: &mut dyn Communicator, buf: &mut [f32]) -> Result<(), CommError> {
+        match self {
+            InPlace::AllReduce(op) => comm.all_reduce(buf, op),
+            InPlace::ReduceScatter(op) => comm.reduce_scatter_in_place(buf, op),
+            InPlace::AllGather => comm.all_gather_in_place(buf),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     #[error("{collective}: waited {waited_s:.1} s for rank {peer}, which sent nothing (is it stuck or dead?)")]
@@ -92,6 +114,13 @@ pub trait Communicator: Send {
     /// as transport).
     fn staging_bytes(&self) -> u64 {
         0
+    }
+
+    /// This communicator as NCCL, which moves GPU memory itself (then a GPU backend runs
+    /// collectives on its buffers without a trip through the host).
+    #[cfg(feature = "cuda")]
+    fn nccl(&mut self) -> Option<&mut nccl::NcclCommunicator> {
+        None
     }
 }
 

@@ -5,9 +5,13 @@
 //! nccl-tests "bus bandwidth" accounting: 2(W-1)/W x D for all-reduce, (W-1)/W x D for
 //! reduce-scatter and all-gather).
 //!
-//! The trait hands over host slices; this communicator copies them into GPU memory, runs
-//! the NCCL call on its stream, and copies the result back. NCCL wants every rank's chunk
-//! the same size, so uneven chunks (`chunk_range`) travel padded to the largest.
+//! Two ways in. [`NcclCommunicator::in_place`] works on GPU memory itself: the CUDA
+//! backend hands it its buffers (`Backend::device_collective`), NCCL's stream waits for
+//! the kernels queued before and the backend's stream for the collective, and nothing
+//! passes through the host. The `Communicator` trait hands over host slices: those are
+//! copied into GPU memory, reduced, and copied back (the path for host buffers). NCCL wants
+//! every rank's chunk the same size, so uneven chunks (`chunk_range`) travel through a
+//! buffer padded to the largest.
 //!
 //! The ranks of a group agree on an NCCL unique id before they start: the group's first
 //! rank asks NCCL for one and broadcasts its 128 bytes over the launcher's rendezvous
@@ -15,11 +19,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
 use distlab_common::trace::{CollectiveOp, CollectiveRecord};
 
-use crate::comm::{chunk_range, CommError, Communicator, ReduceOp, SharedBuffer};
+use crate::comm::{chunk_range, CommError, Communicator, InPlace, ReduceOp, SharedBuffer};
 use crate::trace::{now_us, CommTracer};
 
 /// Bytes of an NCCL unique id.
@@ -221,6 +225,134 @@ impl NcclCommunicator {
     }
 }
 
+/// A range of GPU memory the caller owns, as cudarc's NCCL calls take it: f32 at `ptr`,
+/// `len` of them, ordered on `stream`.
+struct Raw<'a> {
+    ptr: u64,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+}
+
+impl DeviceSlice<f32> for Raw<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl DevicePtr<f32> for Raw<'_> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl DevicePtrMut<f32> for Raw<'_> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl NcclCommunicator {
+    /// The GPU this communicator's ranks talk from.
+    pub fn ordinal(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    /// Runs `op` on the `len` floats of GPU memory at `ptr` (on this communicator's GPU),
+    /// ordered after everything queued on `caller`, and makes `caller` wait for it: the
+    /// host does not wait, and the data never leaves the GPU. Chunks that NCCL cannot
+    /// take in place (uneven ones) go through its padded buffers, device to device.
+    ///
+    /// # Safety
+    /// `ptr..ptr + 4 * len` is live GPU memory of this communicator's GPU that nothing else
+    /// writes until the collective is done on `caller`'s stream.
+    pub unsafe fn in_place(
+        &mut self,
+        caller: &Arc<CudaStream>,
+        ptr: u64,
+        len: usize,
+        op: InPlace,
+    ) -> Result<(), CommError> {
+        let kind = match op {
+            InPlace::AllReduce(_) => CollectiveOp::AllReduce,
+            InPlace::ReduceScatter(_) => CollectiveOp::ReduceScatter,
+            InPlace::AllGather => CollectiveOp::AllGather,
+        };
+        let start = now_us();
+        self.stream.context().bind_to_thread().map_err(|e| self.device_error(kind, e))?;
+        self.stream.join(caller).map_err(|e| self.device_error(kind, e))?;
+        let (w, chunk) = (self.members.len(), self.padded_chunk(len));
+        if len.is_multiple_of(w) || matches!(op, InPlace::AllReduce(_)) {
+            // NCCL works in place when the output (reduce-scatter) or the input (all-gather)
+            // is this rank's own chunk of the buffer.
+            let whole = Raw { ptr, len, stream: &self.stream };
+            let mine = Raw { ptr: ptr + (self.me * chunk * 4) as u64, len: chunk, ..whole };
+            match op {
+                InPlace::AllReduce(r) => self.comm.all_reduce_in_place(&mut Raw { ..whole }, &Self::nccl_op(r)),
+                InPlace::ReduceScatter(r) => self.comm.reduce_scatter(&whole, &mut Raw { ..mine }, &Self::nccl_op(r)),
+                InPlace::AllGather => self.comm.all_gather(&mine, &mut Raw { ..whole }),
+            }
+            .map_err(|e| self.nccl_error(kind, e))?;
+        } else {
+            let at = |rank: usize| (rank * chunk * 4) as u64;
+            let element = |i: usize| ptr + (i * 4) as u64;
+            let mine = chunk_range(len, w, self.me);
+            match op {
+                InPlace::ReduceScatter(r) => {
+                    self.reserve(kind, w * chunk, chunk)?;
+                    for rank in 0..w {
+                        let from = chunk_range(len, w, rank);
+                        self.device_copy(kind, self.base(false) + at(rank), element(from.start), from.len())?;
+                    }
+                    let (send, mut recv) = (self.send.slice(0..w * chunk), self.recv.slice_mut(0..chunk));
+                    self.comm
+                        .reduce_scatter(&send, &mut recv, &Self::nccl_op(r))
+                        .map_err(|e| self.nccl_error(kind, e))?;
+                    self.device_copy(kind, element(mine.start), self.base(true), mine.len())?;
+                }
+                // (An all-reduce never comes here: NCCL runs it in place whatever its length.)
+                InPlace::AllGather | InPlace::AllReduce(_) => {
+                    self.reserve(kind, chunk, w * chunk)?;
+                    self.device_copy(kind, self.base(false), element(mine.start), mine.len())?;
+                    let (send, mut recv) = (self.send.slice(0..chunk), self.recv.slice_mut(0..w * chunk));
+                    self.comm.all_gather(&send, &mut recv).map_err(|e| self.nccl_error(kind, e))?;
+                    for rank in 0..w {
+                        let to = chunk_range(len, w, rank);
+                        self.device_copy(kind, element(to.start), self.base(true) + at(rank), to.len())?;
+                    }
+                }
+            }
+        }
+        caller.join(&self.stream).map_err(|e| self.device_error(kind, e))?;
+        let sent = match op {
+            InPlace::AllReduce(_) => 2 * self.ring_half_bytes(len),
+            _ => self.ring_half_bytes(len),
+        };
+        self.record(kind, len, sent, start);
+        Ok(())
+    }
+
+    /// Where the padded send (or receive) buffer starts on the GPU.
+    fn base(&self, recv: bool) -> u64 {
+        let buf = if recv { &self.recv } else { &self.send };
+        let (ptr, _sync) = buf.device_ptr(&self.stream);
+        ptr
+    }
+
+    /// Copies `len` floats from `src` to `dst` on this communicator's stream.
+    fn device_copy(&self, op: CollectiveOp, dst: u64, src: u64, len: usize) -> Result<(), CommError> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: both are ranges of `len` floats of live GPU memory (the caller's buffer,
+        // or this communicator's, reserved for the call), ordered on this stream.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, len * 4, self.stream.cu_stream()) }
+            .map_err(|e| self.device_error(op, e))
+    }
+}
+
 impl Communicator for NcclCommunicator {
     fn rank(&self) -> usize {
         self.me
@@ -345,6 +477,10 @@ impl Communicator for NcclCommunicator {
 
     fn bytes_sent(&self) -> u64 {
         self.bytes_sent
+    }
+
+    fn nccl(&mut self) -> Option<&mut NcclCommunicator> {
+        Some(self)
     }
 
     /// NCCL moves device memory, so there is nothing to share on the host: plain memory.

@@ -26,9 +26,9 @@ use distlab_common::trace::{lane, Span, SpanKind};
 use distlab_common::{ExperimentSpec, Sharding};
 
 use super::shard::ShardLayout;
-use super::{collective_f32, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
+use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
-use crate::comm::{CommError, Communicator, ReduceOp, SharedBuffer};
+use crate::comm::{CommError, Communicator, InPlace, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::optim::{Indexing, OptimGroup, Optimizer};
@@ -64,8 +64,16 @@ pub struct Replicated<B: TrainBackend> {
 }
 
 struct Synced {
-    grads: GradSync,
+    grads: GradientSum,
     scalars: Box<dyn Communicator>,
+}
+
+/// How the data-parallel group sums the gradients.
+enum GradientSum {
+    /// Bucket copies on the host, all-reduced on a communication thread (the ring).
+    Thread(GradSync),
+    /// In place in the gradient buffer, where the backend keeps it (NCCL between GPUs).
+    InPlace(InPlaceSync),
 }
 
 impl<B: TrainBackend> Replicated<B> {
@@ -106,9 +114,14 @@ impl<B: TrainBackend> Replicated<B> {
         // Readiness units in the order backward finishes them, within the stage's buffer.
         let backward_units: Vec<Range<usize>> =
             units.iter().rev().map(|u| u.range(layout)).map(|r| r.start - range.start..r.end - range.start).collect();
+        let bucket_bytes = spec.parallel.bucket_bytes;
         let dp = match dp {
-            Some(g) => Some(Synced {
-                grads: GradSync::new(g.grads, &backward_units, spec.parallel.bucket_bytes, memory)?,
+            Some(mut g) => Some(Synced {
+                grads: if be.reaches(g.grads.as_mut()) {
+                    GradientSum::InPlace(InPlaceSync::new(g.grads, &backward_units, bucket_bytes))
+                } else {
+                    GradientSum::Thread(GradSync::new(g.grads, &backward_units, bucket_bytes, memory)?)
+                },
                 scalars: g.scalars,
             }),
             None => None,
@@ -140,8 +153,13 @@ impl<B: TrainBackend> ModelState<B> for Replicated<B> {
         if let (true, Some(dp), Pass::Backward { .. }) = (self.syncing, &mut self.dp, pass) {
             let position = self.units.iter().position(|&u| u == unit).expect("a unit of this stage");
             let ready = self.units.len() - 1 - position;
-            let grads = be.view(&self.state.grads, dp.grads.unit_range(ready));
-            be.read_host(grads, |grads| dp.grads.unit_ready(ready, grads));
+            match &mut dp.grads {
+                GradientSum::Thread(sync) => {
+                    let grads = be.view(&self.state.grads, sync.unit_range(ready));
+                    be.read_host(grads, |grads| sync.unit_ready(ready, grads));
+                }
+                GradientSum::InPlace(sync) => sync.unit_ready(be, &self.memory, &mut self.state.grads, ready)?,
+            }
         }
         Ok(())
     }
@@ -153,7 +171,10 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
         self.step = step;
         self.record = record;
         if let Some(dp) = &mut self.dp {
-            dp.grads.begin_step(step, record);
+            match &mut dp.grads {
+                GradientSum::Thread(sync) => sync.begin_step(step, record),
+                GradientSum::InPlace(sync) => sync.begin_step(step, record),
+            }
         }
     }
 
@@ -165,9 +186,9 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
     }
 
     fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
-        if let Some(dp) = &mut self.dp {
+        if let Some(Synced { grads: GradientSum::Thread(sync), .. }) = &mut self.dp {
             let grads = &mut self.state.grads;
-            dp.grads.finish(|range, sums| {
+            sync.finish(|range, sums| {
                 be.on_host(be.view_mut(grads, range), |g| {
                     for (g, &sum) in g.iter_mut().zip(sums) {
                         *g = B::Elem::store(sum);
@@ -183,13 +204,22 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
         let (params, grads) = ((&mut self.state.params, Indexing::Global), (&self.state.grads, Indexing::Global));
         self.optimizer.step(be, params, grads, lr, grad_scale);
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
-            let (start, sent_before) = (now_us(), dp.scalars.bytes_sent());
+            // The gradients' communicator when the compute thread still has it.
+            let comm = match &mut dp.grads {
+                GradientSum::InPlace(sync) => sync.comm.as_mut(),
+                GradientSum::Thread(_) => dp.scalars.as_mut(),
+            };
+            if self.record {
+                be.synchronize();
+            }
+            let (start, sent_before) = (now_us(), comm.bytes_sent());
             for u in &shard.units {
-                let params = be.view_mut(&mut self.state.params, shard.in_buffer(u));
-                be.on_host(params, |p| collective_f32(&self.memory, p, |p| dp.scalars.all_gather_in_place(p)))?;
+                let params = &mut self.state.params;
+                collective(be, &self.memory, &mut *comm, params, shard.in_buffer(u), InPlace::AllGather)?;
             }
             if self.record {
-                let sent = dp.scalars.bytes_sent() - sent_before;
+                be.synchronize();
+                let sent = comm.bytes_sent() - sent_before;
                 self.spans.push(blocking_comm_span("all_gather parameters (ZeRO-1)", self.step, start, sent));
             }
         }
@@ -205,15 +235,20 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
 
     fn comm_spans(&self) -> Vec<Span> {
         let mut spans = self.spans.clone();
-        if let Some(dp) = &self.dp {
-            spans.extend(dp.grads.spans.iter().cloned());
+        match &self.dp {
+            Some(Synced { grads: GradientSum::Thread(sync), .. }) => spans.extend(sync.spans.iter().cloned()),
+            Some(Synced { grads: GradientSum::InPlace(sync), .. }) => spans.extend(sync.spans.iter().cloned()),
+            None => {}
         }
         spans
     }
 
     fn held_bytes(&self, be: &B) -> u64 {
         let flat = (be.buf_len(&self.state.params) + be.buf_len(&self.state.grads)) * size_of::<B::Elem>();
-        let buckets = self.dp.as_ref().map_or(0, |dp| dp.grads.held_bytes());
+        let buckets = match &self.dp {
+            Some(Synced { grads: GradientSum::Thread(sync), .. }) => sync.held_bytes(),
+            _ => 0,
+        };
         flat as u64 + self.optimizer.held_bytes(be) + buckets
     }
 
@@ -280,6 +315,103 @@ pub fn plan_buckets(units: &[Range<usize>], bucket_bytes: u64) -> Vec<Bucket> {
     buckets
 }
 
+/// Which bucket each readiness unit belongs to, and which buckets backward has finished.
+struct BucketPlan {
+    buckets: Vec<Bucket>,
+    /// Per readiness unit: its range of the gradient buffer and its bucket.
+    units: Vec<Range<usize>>,
+    unit_bucket: Vec<usize>,
+    /// Per bucket: how many of its units are final this step.
+    ready_units: Vec<usize>,
+}
+
+impl BucketPlan {
+    fn new(units: &[Range<usize>], bucket_bytes: u64) -> Self {
+        let buckets = plan_buckets(units, bucket_bytes);
+        let mut unit_bucket = vec![0; units.len()];
+        for (b, bucket) in buckets.iter().enumerate() {
+            for u in bucket.units.clone() {
+                unit_bucket[u] = b;
+            }
+        }
+        let ready_units = vec![0; buckets.len()];
+        BucketPlan { buckets, units: units.to_vec(), unit_bucket, ready_units }
+    }
+
+    fn begin_step(&mut self) {
+        self.ready_units.iter_mut().for_each(|n| *n = 0);
+    }
+
+    /// Unit `unit` is final: the bucket it completes, if it is that bucket's last.
+    fn unit_ready(&mut self, unit: usize) -> Option<usize> {
+        let b = self.unit_bucket[unit];
+        self.ready_units[b] += 1;
+        (self.ready_units[b] == self.buckets[b].units.len()).then_some(b)
+    }
+}
+
+/// A span on the data-parallel communication lane for bucket `bucket` (`len` floats).
+fn bucket_span(bucket: usize, len: usize, step: u64, start_us: u64, bytes_sent: u64) -> Span {
+    Span {
+        kind: SpanKind::Comm,
+        name: format!("all_reduce bucket {bucket} ({:.2} MiB)", (len * 4) as f64 / (1 << 20) as f64),
+        step,
+        lane: lane::COMM.into(),
+        start_us,
+        end_us: now_us(),
+        layer: None,
+        bucket: Some(bucket as u32),
+        bytes: Some(bytes_sent),
+        micro: None,
+    }
+}
+
+/// The DDP gradient sum where the backend keeps the gradients (NCCL between GPUs): each
+/// bucket is all-reduced in place in the gradient buffer as soon as backward finishes it,
+/// queued on the device behind the kernels that made it, so the host never waits for it.
+pub struct InPlaceSync {
+    comm: Box<dyn Communicator>,
+    plan: BucketPlan,
+    step: u64,
+    record: bool,
+    pub spans: Vec<Span>,
+}
+
+impl InPlaceSync {
+    fn new(comm: Box<dyn Communicator>, units: &[Range<usize>], bucket_bytes: u64) -> Self {
+        InPlaceSync { comm, plan: BucketPlan::new(units, bucket_bytes), step: 0, record: false, spans: Vec::new() }
+    }
+
+    fn begin_step(&mut self, step: u64, record: bool) {
+        (self.step, self.record) = (step, record);
+        self.plan.begin_step();
+    }
+
+    /// Readiness unit `unit` of `grads` is final: all-reduce its bucket once all its
+    /// units are (recorded steps wait for the device, so that the span times the sum).
+    fn unit_ready<B: TrainBackend>(
+        &mut self,
+        be: &B,
+        memory: &Arc<MemoryTracker>,
+        grads: &mut B::Buf,
+        unit: usize,
+    ) -> Result<(), CommError> {
+        let Some(b) = self.plan.unit_ready(unit) else { return Ok(()) };
+        let range = self.plan.buckets[b].range.clone();
+        if self.record {
+            be.synchronize();
+        }
+        let (start, sent_before) = (now_us(), self.comm.bytes_sent());
+        collective(be, memory, self.comm.as_mut(), grads, range.clone(), InPlace::AllReduce(ReduceOp::Sum))?;
+        if self.record {
+            be.synchronize();
+            let sent = self.comm.bytes_sent() - sent_before;
+            self.spans.push(bucket_span(b, range.len(), self.step, start, sent));
+        }
+        Ok(())
+    }
+}
+
 /// One bucket on its way to the communication thread and back.
 struct InFlight {
     bucket: usize,
@@ -296,15 +428,10 @@ struct Reduced {
 
 /// The DDP gradient synchroniser of one rank: bucket buffers and the communication thread.
 pub struct GradSync {
-    buckets: Vec<Bucket>,
-    /// Per readiness unit: its range of the gradient buffer and its bucket.
-    units: Vec<Range<usize>>,
-    unit_bucket: Vec<usize>,
-    /// Per bucket: its buffer while it is here (None while in flight), and how many of
-    /// its units are final this step.
+    plan: BucketPlan,
+    /// Per bucket: its buffer while it is here (None while in flight).
     buffers: Vec<Option<SharedBuffer>>,
     _receipts: Vec<Receipt>,
-    ready_units: Vec<usize>,
     to_comm: Option<mpsc::Sender<InFlight>>,
     from_comm: mpsc::Receiver<Reduced>,
     comm_thread: Option<JoinHandle<()>>,
@@ -324,13 +451,8 @@ impl GradSync {
         bucket_bytes: u64,
         memory: &Arc<MemoryTracker>,
     ) -> Result<Self, CommError> {
-        let buckets = plan_buckets(units, bucket_bytes);
-        let mut unit_bucket = vec![0; units.len()];
-        for (b, bucket) in buckets.iter().enumerate() {
-            for u in bucket.units.clone() {
-                unit_bucket[u] = b;
-            }
-        }
+        let plan = BucketPlan::new(units, bucket_bytes);
+        let buckets = &plan.buckets;
         let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;
         let receipts = buckets.iter().map(|b| memory.alloc_shared(Category::CommBuffers, b.range.len())).collect();
         let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
@@ -340,14 +462,10 @@ impl GradSync {
             .name("ddp-comm".into())
             .spawn(move || communication_thread(comm, comm_rx, comm_tx, sizes))
             .expect("spawn the DDP communication thread");
-        let n = buckets.len();
         Ok(Self {
-            buckets,
-            units: units.to_vec(),
-            unit_bucket,
+            plan,
             buffers,
             _receipts: receipts,
-            ready_units: vec![0; n],
             to_comm: Some(to_comm),
             from_comm,
             comm_thread: Some(comm_thread),
@@ -359,39 +477,37 @@ impl GradSync {
     }
 
     pub fn buckets(&self) -> &[Bucket] {
-        &self.buckets
+        &self.plan.buckets
     }
 
     /// Call before the backward pass whose gradients are to be synchronised.
     pub fn begin_step(&mut self, step: u64, record_spans: bool) {
         self.step = step;
         self.record_spans = record_spans;
-        self.ready_units.iter_mut().for_each(|n| *n = 0);
+        self.plan.begin_step();
     }
 
     /// Bytes of the bucket buffers (all of them, whether here or in flight).
     pub fn held_bytes(&self) -> u64 {
-        self.buckets.iter().map(|b| (b.range.len() * 4) as u64).sum()
+        self.plan.buckets.iter().map(|b| (b.range.len() * 4) as u64).sum()
     }
 
     /// Where readiness unit `unit` lies in the flat gradient buffer.
     pub fn unit_range(&self, unit: usize) -> Range<usize> {
-        self.units[unit].clone()
+        self.plan.units[unit].clone()
     }
 
     /// Readiness unit `unit` is final, its gradients are `grads` (its `unit_range` of the
     /// flat gradient buffer): copy them into its bucket, and send the bucket once all its
     /// units are in.
     pub fn unit_ready<S: Stored<Acc = f32>>(&mut self, unit: usize, grads: &[S]) {
-        let b = self.unit_bucket[unit];
-        let bucket = &self.buckets[b];
-        let at = self.units[unit].start - bucket.range.start;
+        let b = self.plan.unit_bucket[unit];
+        let at = self.plan.units[unit].start - self.plan.buckets[b].range.start;
         let buffer = self.buffers[b].as_mut().expect("a bucket is sent once per step");
         for (b, g) in buffer[at..at + grads.len()].iter_mut().zip(grads) {
             *b = g.load();
         }
-        self.ready_units[b] += 1;
-        if self.ready_units[b] == bucket.units.len() {
+        if self.plan.unit_ready(unit).is_some() {
             let data = self.buffers[b].take().expect("bucket buffer present");
             if let Some(tx) = &self.to_comm {
                 if tx.send(InFlight { bucket: b, data }).is_ok() {
@@ -410,7 +526,7 @@ impl GradSync {
         while self.in_flight > 0 {
             let Ok(done) = self.from_comm.recv() else { break };
             self.in_flight -= 1;
-            let range = self.buckets[done.bucket].range.clone();
+            let range = self.plan.buckets[done.bucket].range.clone();
             if done.result.is_ok() {
                 store(range, &done.data);
             }
@@ -455,18 +571,7 @@ fn communication_thread(
     for InFlight { bucket, mut data } in rx {
         let (start_us, sent_before) = (now_us(), comm.bytes_sent());
         let result = comm.all_reduce(&mut data, ReduceOp::Sum);
-        let span = Span {
-            kind: SpanKind::Comm,
-            name: format!("all_reduce bucket {bucket} ({:.2} MiB)", (sizes[bucket] * 4) as f64 / (1 << 20) as f64),
-            step: 0,
-            lane: lane::COMM.into(),
-            start_us,
-            end_us: now_us(),
-            layer: None,
-            bucket: Some(bucket as u32),
-            bytes: Some(comm.bytes_sent() - sent_before),
-            micro: None,
-        };
+        let span = bucket_span(bucket, sizes[bucket], 0, start_us, comm.bytes_sent() - sent_before);
         let failed = result.is_err();
         if tx.send(Reduced { bucket, data, span, result }).is_err() || failed {
             break;

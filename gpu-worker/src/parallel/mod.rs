@@ -20,13 +20,14 @@ pub mod sharded;
 pub mod tensor;
 
 use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
 use distlab_common::{ExperimentSpec, Sharding};
 
 use crate::backend::{Backend, Stored};
-use crate::comm::{CommError, Communicator};
+use crate::comm::{CommError, Communicator, InPlace};
 use crate::memory::{Category, MemoryTracker};
 use crate::model::{ModelState, ParamLayout, Stage};
 use crate::ops::float::in_acc;
@@ -119,6 +120,24 @@ pub fn collective_f32<S: Stored<Acc = f32>>(
     // A 2-byte buffer travels as an f32 copy, booked for as long as it lives.
     let _copy = (std::mem::size_of::<S>() != 4).then(|| memory.alloc(Category::Transient, buf.len()));
     in_acc(buf, f)
+}
+
+/// Runs `op` through `comm` on `range` of `buf`: where the buffer lives when the backend
+/// and the communicator allow it (NCCL on GPU memory), otherwise on the host in f32
+/// ([`collective_f32`]). Either way a 2-byte buffer is summed as an f32 copy, booked.
+pub fn collective<B: TrainBackend>(
+    be: &B,
+    memory: &Arc<MemoryTracker>,
+    comm: &mut dyn Communicator,
+    buf: &mut B::Buf,
+    range: Range<usize>,
+    op: InPlace,
+) -> Result<(), CommError> {
+    if be.reaches(comm) {
+        let _copy = (size_of::<B::Elem>() != 4).then(|| memory.alloc(Category::Transient, range.len()));
+        return be.device_collective(comm, be.view_mut(buf, range), op);
+    }
+    be.on_host(be.view_mut(buf, range), |host| collective_f32(memory, host, |b| op.run(comm, b)))
 }
 
 /// This rank's data-parallel group: two communicators over the same ranks, one for the

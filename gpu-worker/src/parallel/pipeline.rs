@@ -7,6 +7,11 @@
 //! Stages get equal numbers of blocks (`chunk_range`, as the planner assumes); the
 //! embeddings and the head are small next to a block at the sizes this lab runs.
 //!
+//! [`run_step`] is one stage's step: the schedule's actions in order, each forward's input
+//! received from the previous stage and its output sent to the next, each backward's output
+//! gradient received from the next stage and its input gradient sent back. What a pass
+//! computes is the trainer's business ([`StageWork`]).
+//!
 //! Sends do not wait for the receiver: each is queued to a sender thread (like NCCL's
 //! asynchronous isend). A blocking send could deadlock 1F1B: stage s sending an
 //! activation to s+1 while s+1 sends a gradient back to s, both waiting for the other to
@@ -16,10 +21,15 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use distlab_common::trace::{Span, SpanKind};
+
+use super::schedule::Action;
+use super::TrainBackend;
 use crate::backend::Stored;
 use crate::comm::{chunk_range, CommError, Communicator};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::Stage;
+use crate::trace::now_us;
 
 /// Which blocks stage `stage` of `stages` runs.
 pub fn stage_of(layers: usize, stages: usize, stage: usize) -> Stage {
@@ -48,18 +58,24 @@ enum Job {
     Flush(mpsc::Sender<Result<(), CommError>>),
 }
 
-/// Links of one stage to its neighbours.
-pub struct PipelineLinks {
+/// Links of one stage to its neighbours, and the buffers it receives into.
+pub struct PipelineLinks<S> {
     pub stage: usize,
     pub stages: usize,
+    /// The input activation (all but the first stage).
+    activation: Vec<S>,
+    /// The gradient of the stage's output (all but the last).
+    output_grad: Vec<S>,
+    _received: Vec<Receipt>,
     recv: Box<dyn Communicator>,
     jobs: Option<mpsc::Sender<Job>>,
     sender: Option<JoinHandle<()>>,
     memory: Arc<MemoryTracker>,
 }
 
-impl PipelineLinks {
-    pub fn new(group: PipelineGroup, memory: &Arc<MemoryTracker>) -> Self {
+impl<S: Stored<Acc = f32>> PipelineLinks<S> {
+    /// Links for `group`, receiving activations of `activation` elements.
+    pub fn new(group: PipelineGroup, activation: usize, memory: &Arc<MemoryTracker>) -> Self {
         let (jobs, inbox) = mpsc::channel::<Job>();
         let mut comm = group.send;
         let sender = std::thread::Builder::new()
@@ -84,9 +100,19 @@ impl PipelineLinks {
                 }
             })
             .expect("spawn the pipeline sender thread");
+        let (first, last) = (group.stage == 0, group.stage + 1 == group.stages);
+        let (input, output_grad) = (if first { 0 } else { activation }, if last { 0 } else { activation });
+        let received = [input, output_grad]
+            .iter()
+            .filter(|&&n| n > 0)
+            .map(|&n| memory.alloc_of::<S>(Category::CommBuffers, n))
+            .collect();
         PipelineLinks {
             stage: group.stage,
             stages: group.stages,
+            activation: vec![S::default(); input],
+            output_grad: vec![S::default(); output_grad],
+            _received: received,
             recv: group.recv,
             jobs: Some(jobs),
             sender: Some(sender),
@@ -96,7 +122,7 @@ impl PipelineLinks {
 
     /// Queues `data` for stage `to` (a neighbour) and returns at once. Activations travel
     /// as f32 (bf16/fp16 ones widened exactly, and rounded back on arrival).
-    pub fn send<S: Stored<Acc = f32>>(&mut self, data: &[S], to: usize) {
+    pub fn send(&mut self, data: &[S], to: usize) {
         let data: Vec<f32> = data.iter().map(|x| x.load()).collect();
         let receipt = self.memory.alloc(Category::CommBuffers, data.len());
         let out = Outgoing { data, to, _receipt: receipt };
@@ -105,10 +131,18 @@ impl PipelineLinks {
         }
     }
 
-    /// Receives what stage `from` sent next, into `buf` (its length is known).
-    pub fn recv<S: Stored<Acc = f32>>(&mut self, buf: &mut [S], from: usize) -> Result<(), CommError> {
+    /// Receives what stage `from` sent next: the input activation from the previous
+    /// stage, the output's gradient from the next.
+    fn recv(&mut self, from: usize) -> Result<&[S], CommError> {
+        let buf = if from < self.stage { &mut self.activation } else { &mut self.output_grad };
         let comm = &mut self.recv;
-        super::collective_f32(&self.memory, buf, |b| comm.recv(b, from))
+        super::collective_f32(&self.memory, buf, |b| comm.recv(b, from))?;
+        Ok(buf)
+    }
+
+    /// Bytes of the buffers it receives into.
+    pub fn held_bytes(&self) -> u64 {
+        ((self.activation.len() + self.output_grad.len()) * size_of::<S>()) as u64
     }
 
     /// Waits until every queued send is written (before the group's collectives, which
@@ -129,11 +163,107 @@ impl PipelineLinks {
     }
 }
 
-impl Drop for PipelineLinks {
+impl<S> Drop for PipelineLinks<S> {
     fn drop(&mut self) {
         self.jobs.take();
         if let Some(t) = self.sender.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// What one stage computes for a micro-batch (the trainer implements it with its model,
+/// strategy and data).
+pub trait StageWork<B: TrainBackend> {
+    type Error: From<CommError>;
+    /// Forward of micro-batch `micro`: from its tokens on the first stage, from `input`
+    /// (the previous stage's output) on the others. Returns the sum of its tokens' losses
+    /// on the last stage, 0 elsewhere.
+    fn forward(&mut self, be: &B, micro: usize, input: Option<&[B::Elem]>) -> Result<f64, Self::Error>;
+    /// Backward of micro-batch `micro`: from its loss on the last stage, from `output_grad`
+    /// (the next stage's input gradient) on the others. `last`: the step's last backward.
+    fn backward(
+        &mut self,
+        be: &B,
+        micro: usize,
+        output_grad: Option<&[B::Elem]>,
+        last: bool,
+    ) -> Result<(), Self::Error>;
+    /// What forward of `micro` produced (the stage's output), read on the host.
+    fn read_output(&self, be: &B, micro: usize, f: &mut dyn FnMut(&[B::Elem]));
+    /// What the last backward produced for the previous stage (its input's gradient).
+    fn read_input_grad(&self, be: &B, f: &mut dyn FnMut(&[B::Elem]));
+    /// This stage waited from `start_us` to `end_us` for stage `neighbour` (the bubble).
+    fn waited(&mut self, neighbour: usize, start_us: u64, end_us: u64);
+}
+
+/// One step of one stage: `actions` (the schedule's order) run by `work`, with the
+/// activations and their gradients passed over `links` (None: the only stage). With
+/// `record`, the device is synchronised before each wait so that a wait is a wait.
+/// Returns the sum of the losses this stage computed.
+pub fn run_step<B: TrainBackend, W: StageWork<B>>(
+    be: &B,
+    mut links: Option<&mut PipelineLinks<B::Elem>>,
+    actions: &[Action],
+    work: &mut W,
+    record: bool,
+) -> Result<f64, W::Error> {
+    let (stage, stages) = links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
+    let last_backward = actions.iter().rposition(|a| matches!(a, Action::Backward { .. }));
+    let mut loss_sum = 0.0;
+    for (index, &action) in actions.iter().enumerate() {
+        if record {
+            be.synchronize();
+        }
+        // What this action needs from a neighbour (the wait is the pipeline's bubble).
+        let neighbour = match action {
+            Action::Forward { .. } if stage > 0 => Some(stage - 1),
+            Action::Backward { .. } if stage + 1 < stages => Some(stage + 1),
+            _ => None,
+        };
+        let wait_start = now_us();
+        let received = match (neighbour, links.as_deref_mut()) {
+            (Some(from), Some(links)) => Some(links.recv(from)?),
+            _ => None,
+        };
+        let waited_until = now_us();
+        if record && received.is_some() && waited_until > wait_start {
+            work.waited(neighbour.unwrap_or(stage), wait_start, waited_until);
+        }
+        match action {
+            Action::Forward { micro } => {
+                loss_sum += work.forward(be, micro, received)?;
+                if let (Some(links), true) = (links.as_deref_mut(), stage + 1 < stages) {
+                    work.read_output(be, micro, &mut |out| links.send(out, stage + 1));
+                }
+            }
+            Action::Backward { micro } => {
+                work.backward(be, micro, received, Some(index) == last_backward)?;
+                if let (Some(links), true) = (links.as_deref_mut(), stage > 0) {
+                    work.read_input_grad(be, &mut |grad| links.send(grad, stage - 1));
+                }
+            }
+        }
+    }
+    Ok(loss_sum)
+}
+
+/// A span of the compute lane for a pass of micro-batch `micro`, from `start_us` to now.
+pub fn pass_span(kind: SpanKind, micro: usize, step: u64, start_us: u64) -> Span {
+    let name = match kind {
+        SpanKind::Forward => format!("forward {micro}"),
+        _ => format!("backward {micro}"),
+    };
+    Span {
+        kind,
+        name,
+        step,
+        lane: "compute".into(),
+        start_us,
+        end_us: now_us(),
+        layer: None,
+        bucket: None,
+        bytes: None,
+        micro: Some(micro as u32),
     }
 }

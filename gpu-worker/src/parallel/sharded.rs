@@ -24,9 +24,9 @@ use distlab_common::{ExperimentSpec, Sharding};
 
 use super::ddp::{blocking_comm_span, sum_scalar};
 use super::shard::ShardLayout;
-use super::{collective_f32, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
+use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
-use crate::comm::{Alone, CommError, Communicator, ReduceOp};
+use crate::comm::{Alone, CommError, Communicator, InPlace, ReduceOp::Sum};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::optim::{Indexing, Optimizer};
@@ -116,14 +116,17 @@ impl<B: TrainBackend> Sharded<B> {
 
     /// FSDP: all-gathers `unit`'s parameters into a new buffer.
     fn gather(&mut self, be: &B, unit: Unit) -> Result<(), CommError> {
+        if self.record {
+            be.synchronize();
+        }
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit).clone();
         let mut full = self.temporary(be, Category::GatheredParameters, u.global.len());
         be.copy(be.view_mut(&mut full.data, u.mine.clone()), be.view(&self.params, u.local()));
-        let (comm, memory) = (&mut self.comm, &self.memory);
-        be.on_host(be.all_mut(&mut full.data), |p| collective_f32(memory, p, |p| comm.all_gather_in_place(p)))?;
+        collective(be, &self.memory, self.comm.as_mut(), &mut full.data, 0..u.global.len(), InPlace::AllGather)?;
         self.gathered = Some(full);
         if self.record {
+            be.synchronize();
             let sent = self.comm.bytes_sent() - sent_before;
             self.spans.push(blocking_comm_span(&format!("all_gather {}", unit.name()), self.step, start, sent));
         }
@@ -133,20 +136,16 @@ impl<B: TrainBackend> Sharded<B> {
     /// Reduce-scatters the open unit's gradient and adds this rank's chunk to its shard.
     fn reduce_scatter(&mut self, be: &B, unit: Unit) -> Result<(), CommError> {
         let Some(mut grads) = self.unit_grads.take() else { return Ok(()) };
+        if self.record {
+            be.synchronize();
+        }
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit);
-        let (comm, memory) = (&mut self.comm, &self.memory);
-        be.on_host(be.all_mut(&mut grads.data), |g| {
-            collective_f32(memory, g, |g| comm.reduce_scatter_in_place(g, ReduceOp::Sum))
-        })?;
-        be.on_host(be.view_mut(&mut self.grad_shard, u.local()), |acc| {
-            be.read_host(be.view(&grads.data, u.mine.clone()), |g| {
-                for (acc, g) in acc.iter_mut().zip(g) {
-                    *acc = B::Elem::store(acc.load() + g.load());
-                }
-            })
-        });
+        let everything = 0..u.global.len();
+        collective(be, &self.memory, self.comm.as_mut(), &mut grads.data, everything, InPlace::ReduceScatter(Sum))?;
+        be.add(be.view_mut(&mut self.grad_shard, u.local()), be.view(&grads.data, u.mine.clone()));
         if self.record {
+            be.synchronize();
             let sent = self.comm.bytes_sent() - sent_before;
             self.spans.push(blocking_comm_span(&format!("reduce_scatter {}", unit.name()), self.step, start, sent));
         }
@@ -207,13 +206,16 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
         let (params, grads) = ((&mut self.params, indexing), (&self.grad_shard, Indexing::Local));
         self.optimizer.step(be, params, grads, lr, grad_scale);
         if !self.fsdp {
+            if self.record {
+                be.synchronize();
+            }
             let (start, sent_before) = (now_us(), self.comm.bytes_sent());
             for u in &self.shard.units {
-                let (comm, memory) = (&mut self.comm, &self.memory);
-                let params = be.view_mut(&mut self.params, self.shard.in_buffer(u));
-                be.on_host(params, |p| collective_f32(memory, p, |p| comm.all_gather_in_place(p)))?;
+                let range = self.shard.in_buffer(u);
+                collective(be, &self.memory, self.comm.as_mut(), &mut self.params, range, InPlace::AllGather)?;
             }
             if self.record {
+                be.synchronize();
                 let sent = self.comm.bytes_sent() - sent_before;
                 self.spans.push(blocking_comm_span("all_gather parameters (ZeRO-2)", self.step, start, sent));
             }

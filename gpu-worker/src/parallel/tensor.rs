@@ -39,8 +39,8 @@ use std::sync::Arc;
 
 use distlab_common::trace::{lane, Span, SpanKind};
 
-use super::{collective_f32, TrainBackend};
-use crate::comm::{CommError, Communicator, ReduceOp};
+use super::{collective, TrainBackend};
+use crate::comm::{CommError, Communicator, InPlace, ReduceOp};
 use crate::memory::MemoryTracker;
 use crate::model::gpt::{TensorParallelGroup, TpSum};
 use crate::model::TpPlace;
@@ -68,6 +68,12 @@ impl TensorParallel {
         TpPlace { rank: self.comm.rank(), size: self.comm.size() }
     }
 
+    /// The group's communicator, for a faster one over the same ranks to take its place
+    /// (NCCL, see `cuda_rank.rs`).
+    pub fn comm_mut(&mut self) -> &mut Box<dyn Communicator> {
+        &mut self.comm
+    }
+
     /// What the group's communicator keeps for staging (see `Communicator::staging_bytes`).
     pub fn staging_bytes(&self) -> u64 {
         self.comm.staging_bytes()
@@ -91,12 +97,16 @@ impl<B: TrainBackend> TensorParallelGroup<B> for TensorParallel {
     }
 
     fn all_reduce(&mut self, be: &B, buf: &mut B::Buf, what: TpSum, layer: usize) -> Result<(), CommError> {
+        if self.record {
+            be.synchronize();
+        }
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
-        let (comm, memory) = (&mut self.comm, &self.memory);
-        be.on_host(be.all_mut(buf), |b| collective_f32(memory, b, |b| comm.all_reduce(b, ReduceOp::Sum)))?;
+        let everything = 0..be.buf_len(buf);
+        collective(be, &self.memory, self.comm.as_mut(), buf, everything, InPlace::AllReduce(ReduceOp::Sum))?;
         self.calls += 1;
         self.payload_bytes += (be.buf_len(buf) * 4) as u64;
         if self.record {
+            be.synchronize();
             self.spans.push(Span {
                 kind: SpanKind::Comm,
                 name: sum_name(what, layer),

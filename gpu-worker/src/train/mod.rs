@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use distlab_common::trace::RankTrace;
 use distlab_common::{
-    BackendKind, CheckpointWrite, ExperimentSpec, FieldError, Limits, Precision, RunEvent, RunSummary,
+    BackendKind, CheckpointWrite, ExperimentSpec, FieldError, Precision, RunEvent, RunSummary, ValidSpec,
 };
 
 use crate::backend::{CpuBackend, Stored};
@@ -134,7 +134,7 @@ fn available_memory_bytes() -> Option<u64> {
 /// Trains `spec` on this process (one rank), reporting every optimizer step to
 /// `on_event`, and checking `cancel` between steps.
 pub fn train(
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     opts: &TrainOptions,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
@@ -178,17 +178,12 @@ fn resume<B: TrainBackend>(trainer: &mut Trainer<B>, dir: &CheckpointDir, step: 
 /// Trains this rank's part of `spec`: the whole run when `dp` is None. Every rank reports
 /// the same (global) metrics.
 pub fn train_rank(
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     opts: &TrainOptions,
     groups: Groups,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
-    spec.validate(&Limits::default()).map_err(TrainError::Invalid)?;
-    let unsupported = unsupported_features(spec);
-    if !unsupported.is_empty() {
-        return Err(TrainError::Unsupported(unsupported.join("; ")));
-    }
     match (spec.backend, spec.train.precision) {
         (BackendKind::Cpu, Precision::Fp32) => train_on_cpu::<f32>(spec, opts, groups, on_event, cancel),
         (BackendKind::Cpu, Precision::Bf16) => train_on_cpu::<half::bf16>(spec, opts, groups, on_event, cancel),
@@ -198,7 +193,7 @@ pub fn train_rank(
             crate::cuda_rank::train_on_gpu(precision, spec, opts, groups, on_event, cancel)
         }
         #[cfg(not(feature = "cuda"))]
-        (BackendKind::Cuda, _) => unreachable!("unsupported_features refuses cuda without the cuda feature"),
+        (BackendKind::Cuda, _) => Err(TrainError::Unsupported(unsupported_features(spec).join("; "))),
     }
 }
 
@@ -219,7 +214,7 @@ pub(crate) fn kernel_pool(opts: &TrainOptions) -> Result<(rayon::ThreadPool, usi
 /// [`train_rank`] on the CPU backend, with the model's parameters, gradients and
 /// activations stored as `S`.
 fn train_on_cpu<S: Stored<Acc = f32>>(
-    spec: &ExperimentSpec,
+    spec: &ValidSpec,
     opts: &TrainOptions,
     groups: Groups,
     on_event: &mut dyn FnMut(RunEvent),

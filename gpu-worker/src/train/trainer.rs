@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use distlab_common::memory::RankMemoryReport;
 use distlab_common::trace::{Span, SpanKind};
-use distlab_common::{ExperimentSpec, LossScaling, Sharding};
+use distlab_common::{ExperimentSpec, LossScaling, Sharding, ValidSpec};
 
 use crate::backend::{CpuBackend, Stored};
 use crate::checkpoint::{RankCheckpoint, RankPlace};
@@ -18,7 +18,7 @@ use crate::model::gpt::TensorParallelGroup;
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
-use crate::parallel::schedule::{self, Action};
+use crate::parallel::schedule;
 use crate::parallel::tensor::TensorParallel;
 use crate::parallel::{self, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::trace::now_us;
@@ -58,9 +58,7 @@ pub struct Trainer<B: TrainBackend> {
     /// The first step this process runs (after a resume, the checkpoint's).
     first_step: u64,
     /// Pipeline parallelism: the links to the neighbouring stages (None: one stage).
-    links: Option<PipelineLinks>,
-    /// Where a stage receives its input activation and its output's gradient.
-    received: Received<B::Elem>,
+    links: Option<PipelineLinks<B::Elem>>,
     /// Dynamic loss scaling (fp16 with `loss_scaling: dynamic`).
     scaler: Option<LossScaler>,
     pub(super) memory: Arc<MemoryTracker>,
@@ -82,18 +80,18 @@ fn span(kind: SpanKind, name: String, step: u64, lane: &str, start_us: u64, end_
 pub type CpuTrainer<S = f32> = Trainer<CpuBackend<S>>;
 
 impl<S: Stored<Acc = f32>> Trainer<CpuBackend<S>> {
-    /// Builds everything a run needs; the spec must be valid and supported.
-    pub fn new(spec: &ExperimentSpec, threads: usize) -> Result<Self, TrainError> {
+    /// Builds everything a run needs; the spec must be supported here.
+    pub fn new(spec: &ValidSpec, threads: usize) -> Result<Self, TrainError> {
         Self::with_data_parallel(spec, threads, None)
     }
 
     /// A trainer for one rank of a data-parallel group (`dp`), or the whole run (None).
-    pub fn with_data_parallel(spec: &ExperimentSpec, threads: usize, dp: Option<DpGroup>) -> Result<Self, TrainError> {
+    pub fn with_data_parallel(spec: &ValidSpec, threads: usize, dp: Option<DpGroup>) -> Result<Self, TrainError> {
         Self::with_groups(spec, threads, Groups { dp, ..Groups::default() })
     }
 
     /// A trainer for one rank: its data-parallel group and its pipeline group.
-    pub fn with_groups(spec: &ExperimentSpec, threads: usize, groups: Groups) -> Result<Self, TrainError> {
+    pub fn with_groups(spec: &ValidSpec, threads: usize, groups: Groups) -> Result<Self, TrainError> {
         let memory = MemoryTracker::new();
         let backend = CpuBackend::<S>::new(threads).booking_scratch_in(&memory);
         Self::build(spec, backend, memory, groups)
@@ -103,12 +101,7 @@ impl<S: Stored<Acc = f32>> Trainer<CpuBackend<S>> {
 impl<B: TrainBackend> Trainer<B> {
     /// A trainer for one rank on `backend`, booking into `memory`: its model, its
     /// strategy for its groups, its data.
-    pub fn build(
-        spec: &ExperimentSpec,
-        backend: B,
-        memory: Arc<MemoryTracker>,
-        groups: Groups,
-    ) -> Result<Self, TrainError> {
+    pub fn build(spec: &ValidSpec, backend: B, memory: Arc<MemoryTracker>, groups: Groups) -> Result<Self, TrainError> {
         let stored = <B::Elem as Stored>::NAME;
         if stored != spec.train.precision.as_str() {
             return Err(TrainError::Unsupported(format!(
@@ -131,13 +124,11 @@ impl<B: TrainBackend> Trainer<B> {
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp)?;
         let activation = t.micro_batch * spec.model.seq_len * spec.model.d_model;
-        let received =
-            Received::new(&memory, if stage.first { 0 } else { activation }, if stage.last { 0 } else { activation });
-        let links = groups.pp.map(|g| PipelineLinks::new(g, &memory));
+        let links = groups.pp.map(|g| PipelineLinks::new(g, activation, &memory));
         let tokens = spec.train.micro_batch * spec.model.seq_len;
         memory.mark_start_up();
         Ok(Self {
-            spec: spec.clone(),
+            spec: ExperimentSpec::clone(spec),
             backend,
             model,
             strategy,
@@ -148,7 +139,6 @@ impl<B: TrainBackend> Trainer<B> {
             place: RankPlace { dp: place.0, tp: tp_rank, pp: stage_index },
             first_step: 0,
             links,
-            received,
             scaler: (t.loss_scaling == LossScaling::Dynamic).then(LossScaler::default),
             memory,
             _transport: transport,
@@ -190,8 +180,8 @@ impl<B: TrainBackend> Trainer<B> {
 
     /// Bytes of every buffer the trainer holds, counted from the buffers themselves.
     pub fn held_bytes(&self) -> u64 {
-        let received = (self.received.activation.len() + self.received.grad.len()) * size_of::<B::Elem>();
-        self.model.held_bytes(&self.backend) + self.strategy.held_bytes(&self.backend) + received as u64
+        let received = self.links.as_ref().map_or(0, PipelineLinks::held_bytes);
+        self.model.held_bytes(&self.backend) + self.strategy.held_bytes(&self.backend) + received
     }
 
     /// Optimizer step `step` (0-based): forward + backward over every micro-batch of this
@@ -213,86 +203,29 @@ impl<B: TrainBackend> Trainer<B> {
         let record = step - self.first_step.min(step) < SPAN_STEPS;
         self.memory.sample_step(record.then_some(step));
         let (stage, stages) = self.links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
-        let (first, last) = (self.model.stage.first, self.model.stage.last);
         let actions = schedule::schedule(self.spec.parallel.pp_schedule, stages, stage, micro_steps);
-        let last_backward = actions.iter().rposition(|a| matches!(a, Action::Backward { .. }));
 
         self.strategy.begin_step(be, step, record);
         if let Some(tp) = self.model.tensor_parallel() {
             tp.begin_step(step, record);
         }
-        let mut loss_sum = 0.0;
-        for (index, action) in actions.iter().enumerate() {
-            let (Action::Forward { micro } | Action::Backward { micro }) = *action;
-            let first_sequence = dp_rank * per_rank + micro * t.micro_batch;
-            self.data.fill_batch(step, first_sequence, t.micro_batch, seq_len, &mut self.inputs, &mut self.targets);
-            // What this action needs from a neighbour (the wait is the pipeline's bubble).
-            // Recorded steps wait for the device at every span boundary, so spans time work.
-            if record {
-                be.synchronize();
-            }
-            let wait_start = now_us();
-            match (*action, &mut self.links) {
-                (Action::Forward { .. }, Some(links)) if !first => {
-                    links.recv(&mut self.received.activation, stage - 1)?;
-                }
-                (Action::Backward { .. }, Some(links)) if !last => links.recv(&mut self.received.grad, stage + 1)?,
-                _ => {}
-            }
-            let start = now_us();
-            if record && stages > 1 && start - wait_start > 0 {
-                let name = format!(
-                    "wait for stage {}",
-                    if matches!(action, Action::Forward { .. }) { stage as i64 - 1 } else { stage as i64 + 1 }
-                );
-                self.spans.push(span(SpanKind::Idle, name, step, "compute", wait_start, start, None));
-            }
-            let mut state = Observed {
-                inner: self.strategy.state(Some(index) == last_backward),
-                memory: &self.memory,
-                spans: &mut self.spans,
-                record: record && stages == 1,
-                step,
-                mark: start,
-            };
-            match *action {
-                Action::Forward { micro } => {
-                    let input = if first {
-                        StageInput::Tokens(&self.inputs)
-                    } else {
-                        StageInput::Activation(&self.received.activation)
-                    };
-                    loss_sum += self.model.forward_stage(be, &mut state, micro, input, &self.targets)?;
-                    if record {
-                        be.synchronize();
-                        let end = now_us();
-                        let mut pass =
-                            span(SpanKind::Forward, format!("forward {micro}"), step, "compute", start, end, None);
-                        pass.micro = Some(micro as u32);
-                        state.spans.push(pass);
-                    }
-                    if let (Some(links), false) = (&mut self.links, last) {
-                        be.read_host(be.all(self.model.output(micro)), |out| links.send(out, stage + 1));
-                    }
-                }
-                Action::Backward { micro } => {
-                    let grad = (!last).then_some(&self.received.grad[..]);
-                    let dloss = dloss * scale;
-                    self.model.backward_stage(be, &mut state, micro, &self.inputs, &self.targets, grad, dloss)?;
-                    if record && stages > 1 {
-                        be.synchronize();
-                        let end = now_us();
-                        let mut pass =
-                            span(SpanKind::Backward, format!("backward {micro}"), step, "compute", start, end, None);
-                        pass.micro = Some(micro as u32);
-                        state.spans.push(pass);
-                    }
-                    if let (Some(links), false) = (&mut self.links, first) {
-                        be.read_host(be.all(self.model.input_grad()), |grad| links.send(grad, stage - 1));
-                    }
-                }
-            }
-        }
+        let mut work = StageStep {
+            model: &mut self.model,
+            strategy: self.strategy.as_mut(),
+            data: &self.data,
+            inputs: &mut self.inputs,
+            targets: &mut self.targets,
+            memory: &self.memory,
+            spans: &mut self.spans,
+            step,
+            record,
+            pipelined: stages > 1,
+            first_sequence: dp_rank * per_rank,
+            micro_batch: t.micro_batch,
+            seq_len,
+            dloss: dloss * scale,
+        };
+        let mut loss_sum = pipeline::run_step(be, self.links.as_mut(), &actions, &mut work, record)?;
         let wait_start = now_us();
         let mut grad_norm_squared = self.strategy.reduce_gradients(be)?;
         if let Some(links) = &mut self.links {
@@ -481,22 +414,96 @@ impl Groups {
     }
 }
 
-/// Buffers a pipeline stage receives into: its input activation (all but the first stage)
-/// and its output's gradient (all but the last).
-struct Received<S> {
-    activation: Vec<S>,
-    grad: Vec<S>,
-    _receipts: Vec<Receipt>,
+/// One step's work on this stage, as the pipeline's loop asks for it: each micro-batch's
+/// tokens, its pass through the model on the strategy's state, its spans.
+struct StageStep<'a, B: TrainBackend> {
+    model: &'a mut Gpt<B>,
+    strategy: &'a mut dyn Strategy<B>,
+    data: &'a Data,
+    inputs: &'a mut Vec<u32>,
+    targets: &'a mut Vec<u32>,
+    memory: &'a MemoryTracker,
+    spans: &'a mut Vec<Span>,
+    step: u64,
+    record: bool,
+    /// Several stages: passes are recorded whole (one stage: per layer).
+    pipelined: bool,
+    /// This rank's first sequence of the global batch.
+    first_sequence: usize,
+    micro_batch: usize,
+    seq_len: usize,
+    /// d(objective)/d(each token's loss), times the loss scale.
+    dloss: f64,
 }
 
-impl<S: Stored> Received<S> {
-    fn new(memory: &Arc<MemoryTracker>, activation: usize, grad: usize) -> Self {
-        let receipts = [activation, grad]
-            .iter()
-            .filter(|&&n| n > 0)
-            .map(|&n| memory.alloc_of::<S>(Category::CommBuffers, n))
-            .collect();
-        Received { activation: vec![S::default(); activation], grad: vec![S::default(); grad], _receipts: receipts }
+impl<B: TrainBackend> StageStep<'_, B> {
+    /// Micro-batch `micro`'s tokens and targets.
+    fn fill(&mut self, micro: usize) {
+        let first = self.first_sequence + micro * self.micro_batch;
+        self.data.fill_batch(self.step, first, self.micro_batch, self.seq_len, self.inputs, self.targets);
+    }
+
+    /// The strategy's state, with the trainer watching (`last`: the step's last micro-batch):
+    /// spans per layer when one stage records, memory samples always.
+    fn observed(&mut self, last: bool) -> (Observed<'_, B>, &mut Gpt<B>, &[u32], &[u32]) {
+        let state = Observed {
+            inner: self.strategy.state(last),
+            memory: self.memory,
+            spans: self.spans,
+            record: self.record && !self.pipelined,
+            step: self.step,
+            mark: now_us(),
+        };
+        (state, self.model, self.inputs, self.targets)
+    }
+}
+
+impl<B: TrainBackend> pipeline::StageWork<B> for StageStep<'_, B> {
+    type Error = TrainError;
+
+    fn forward(&mut self, be: &B, micro: usize, input: Option<&[B::Elem]>) -> Result<f64, TrainError> {
+        self.fill(micro);
+        let start = now_us();
+        let (mut state, model, inputs, targets) = self.observed(false);
+        let input = input.map_or(StageInput::Tokens(inputs), StageInput::Activation);
+        let loss = model.forward_stage(be, &mut state, micro, input, targets)?;
+        if self.record {
+            be.synchronize();
+            self.spans.push(pipeline::pass_span(SpanKind::Forward, micro, self.step, start));
+        }
+        Ok(loss)
+    }
+
+    fn backward(
+        &mut self,
+        be: &B,
+        micro: usize,
+        output_grad: Option<&[B::Elem]>,
+        last: bool,
+    ) -> Result<(), TrainError> {
+        self.fill(micro);
+        let start = now_us();
+        let dloss = self.dloss;
+        let (mut state, model, inputs, targets) = self.observed(last);
+        model.backward_stage(be, &mut state, micro, inputs, targets, output_grad, dloss)?;
+        if self.record && self.pipelined {
+            be.synchronize();
+            self.spans.push(pipeline::pass_span(SpanKind::Backward, micro, self.step, start));
+        }
+        Ok(())
+    }
+
+    fn read_output(&self, be: &B, micro: usize, f: &mut dyn FnMut(&[B::Elem])) {
+        be.read_host(be.all(self.model.output(micro)), f);
+    }
+
+    fn read_input_grad(&self, be: &B, f: &mut dyn FnMut(&[B::Elem])) {
+        be.read_host(be.all(self.model.input_grad()), f);
+    }
+
+    fn waited(&mut self, neighbour: usize, start_us: u64, end_us: u64) {
+        let name = format!("wait for stage {neighbour}");
+        self.spans.push(span(SpanKind::Idle, name, self.step, "compute", start_us, end_us, None));
     }
 }
 
