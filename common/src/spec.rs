@@ -193,6 +193,16 @@ pub enum BackendKind {
     Cuda,
 }
 
+impl BackendKind {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
 impl Default for ExperimentSpec {
     fn default() -> Self {
         Self {

@@ -23,6 +23,16 @@ impl ClientError {
     pub fn is_conflict(&self) -> bool {
         matches!(self, ClientError::Status { status: 409, .. })
     }
+
+    /// A failure that may pass if the request is made again: the server unreachable, or an
+    /// answer saying it is busy, restarting or failing for now (5xx, 408, 429).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ClientError::Transport { .. } => true,
+            ClientError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
+            ClientError::Decode { .. } => false,
+        }
+    }
 }
 
 pub struct ServerClient {

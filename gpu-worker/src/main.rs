@@ -14,6 +14,7 @@ mod worker_loop;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use distlab_worker::heap::CountingAllocator;
 use distlab_worker::train::{CheckpointOptions, TrainOptions};
@@ -29,9 +30,10 @@ struct Cli {
     /// The server to lease experiments from.
     #[arg(long, env = "DISTLAB_SERVER", default_value = "http://127.0.0.1:8080")]
     server: String,
-    /// The server's worker token (`distlab-server --worker-token`).
-    #[arg(long, env = "DISTLAB_WORKER_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    /// A file holding the server's worker token; or set DISTLAB_WORKER_TOKEN. Never on the
+    /// command line, where `ps` shows it to everyone.
+    #[arg(long, env = "DISTLAB_WORKER_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// A name for this worker, shown by the server.
     #[arg(long, env = "DISTLAB_WORKER_NAME")]
     name: Option<String>,
@@ -196,9 +198,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             }
         }
         None => {
-            let token = cli
-                .token
-                .ok_or_else(|| anyhow::anyhow!("--token (or DISTLAB_WORKER_TOKEN) is required to talk to a server"))?;
+            let token = worker_token(cli.token_file.as_deref())?.ok_or_else(|| {
+                anyhow::anyhow!("set DISTLAB_WORKER_TOKEN (or --token-file) to the server's worker token")
+            })?;
             let name = cli.name.unwrap_or_else(|| format!("worker-{}", std::process::id()));
             worker_loop::run_worker(worker_loop::WorkerConfig {
                 server: cli.server,
@@ -213,6 +215,17 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// The worker token from DISTLAB_WORKER_TOKEN, else from the first line of `file`.
+fn worker_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    if let Some(token) = std::env::var("DISTLAB_WORKER_TOKEN").ok().filter(|t| !t.trim().is_empty()) {
+        return Ok(Some(token.trim().to_string()));
+    }
+    let Some(file) = file else { return Ok(None) };
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read the token file {}", file.display()))?;
+    Ok(text.lines().next().map(str::trim).filter(|t| !t.is_empty()).map(str::to_string))
 }
 
 fn collective_timeout(seconds: f64) -> Duration {

@@ -68,32 +68,49 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
                 tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased");
                 let checkpoints = cfg.checkpoint_dir.join(format!("experiment-{}", lease.experiment_id));
                 let run = Leased { lease, threads, collective_timeout: cfg.collective_timeout, heartbeat, checkpoints };
-                run_leased(&client, registered.worker_id, run);
+                run_leased(&cfg, &client, registered.worker_id, run);
             }
         }
     }
 }
 
-/// Calls `f` until it gets an answer from the server, waiting while the server is unreachable
-/// (restarting, say) but at most `give_up_after`.
+/// Calls `f` until it gets an answer from the server. A transient failure (a 5xx, a timeout,
+/// the server unreachable while it restarts) is retried with a growing, jittered wait; only
+/// a server unreachable for longer than `give_up_after` ends the worker (a local worker
+/// whose server is gone), and a 5xx never does.
 fn retry_while_unreachable<T>(
     cfg: &WorkerConfig,
     what: &str,
     mut f: impl FnMut() -> Result<T, ClientError>,
 ) -> anyhow::Result<T> {
-    let started = Instant::now();
+    let mut last_contact = Instant::now();
     let mut wait = Duration::from_millis(200);
     loop {
         match f() {
             Ok(v) => return Ok(v),
-            Err(e @ ClientError::Transport { .. }) if started.elapsed() < cfg.give_up_after => {
-                tracing::warn!("{what}: {e}; retrying in {wait:?}");
-                thread::sleep(wait);
+            Err(e) if e.is_transient() => {
+                let unreachable = matches!(e, ClientError::Transport { .. });
+                if !unreachable {
+                    last_contact = Instant::now();
+                } else if last_contact.elapsed() >= cfg.give_up_after {
+                    let waited = last_contact.elapsed().as_secs_f64();
+                    return Err(anyhow::anyhow!("{what}: {e} (unreachable for {waited:.0} s: giving up)"));
+                }
+                let jittered = jitter(wait);
+                tracing::warn!("{what}: {e}; retrying in {jittered:?}");
+                thread::sleep(jittered);
                 wait = (wait * 2).min(Duration::from_secs(5));
             }
             Err(e) => return Err(anyhow::anyhow!("{what}: {e}")),
         }
     }
+}
+
+/// `wait` times a factor in [0.5, 1.5), so that workers failed by one server hiccup do not
+/// all come back at the same instant.
+fn jitter(wait: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    wait.mul_f64(0.5 + f64::from(nanos % 1000) / 1000.0)
 }
 
 /// An experiment this worker holds, and how to run it.
@@ -110,7 +127,7 @@ struct Leased {
 /// heartbeats, and turns a cancel from the server into the training loop's cancel flag.
 /// The experiment's checkpoints are deleted once the server knows it has ended for good;
 /// they stay when the lease was lost (another worker resumes from them).
-fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
+fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Leased) {
     let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
     let cancel = Arc::new(AtomicBool::new(false));
@@ -132,7 +149,7 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
         Ok(handle) => handle,
         Err(e) => {
             let error = format!("could not start the training thread: {e}");
-            if let Err(e) = report_failure(client, worker_id, experiment_id, error, false) {
+            if let Err(e) = report_failure(cfg, client, worker_id, experiment_id, error, false) {
                 tracing::warn!(experiment = experiment_id, "could not report {e}");
             }
             return;
@@ -166,7 +183,15 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
         if (due || done) && !pending.is_empty() && !lease_lost {
             let batch = EventBatch { worker_id, experiment_id, events: std::mem::take(&mut pending) };
             match client.send_events(&batch) {
-                Err(ClientError::Transport { .. }) => pending = batch.events, // keep them, try again
+                // The last events are sent until the server has them; earlier ones wait for
+                // the next batch.
+                Err(e) if e.is_transient() && done => {
+                    match retry_while_unreachable(cfg, "events", || client.send_events(&batch)) {
+                        Ok(ack) => on_ack(Ok(ack), &mut lease_lost),
+                        Err(e) => tracing::warn!(experiment = experiment_id, "the last events were not delivered: {e}"),
+                    }
+                }
+                Err(e) if e.is_transient() => pending = batch.events, // keep them, try again
                 ack => on_ack(ack, &mut lease_lost),
             }
             last_flush = Instant::now();
@@ -192,17 +217,20 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
     let reported = match result {
         Ok(Ok(summary)) => {
             tracing::info!(experiment = experiment_id, final_loss = summary.final_loss, "succeeded");
-            client.complete(&Complete { worker_id, experiment_id, summary }).map_err(|e| format!("completion: {e}"))
+            let complete = Complete { worker_id, experiment_id, summary };
+            retry_while_unreachable(cfg, "completion", || client.complete(&complete)).map_err(|e| e.to_string())
         }
-        Ok(Err(e)) if e.is_cancelled() => report_failure(client, worker_id, experiment_id, "cancelled".into(), true),
-        Ok(Err(e)) => report_failure(client, worker_id, experiment_id, e.to_string(), false),
+        Ok(Err(e)) if e.is_cancelled() => {
+            report_failure(cfg, client, worker_id, experiment_id, "cancelled".into(), true)
+        }
+        Ok(Err(e)) => report_failure(cfg, client, worker_id, experiment_id, e.to_string(), false),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<String>()
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
-            report_failure(client, worker_id, experiment_id, format!("the engine crashed: {what}"), false)
+            report_failure(cfg, client, worker_id, experiment_id, format!("the engine crashed: {what}"), false)
         }
     };
     // The checkpoints go only once the server knows how the run ended: if the report is
@@ -213,7 +241,9 @@ fn run_leased(client: &ServerClient, worker_id: i64, run: Leased) {
     }
 }
 
+/// Tells the server the run failed (or stopped after a cancel), retrying until it answers.
 fn report_failure(
+    cfg: &WorkerConfig,
     client: &ServerClient,
     worker_id: i64,
     experiment_id: i64,
@@ -225,5 +255,61 @@ fn report_failure(
     } else {
         tracing::warn!(experiment = experiment_id, "failed: {error}");
     }
-    client.fail(&Fail { worker_id, experiment_id, error, cancelled }).map_err(|e| format!("the failure: {e}"))
+    let fail = Fail { worker_id, experiment_id, error, cancelled };
+    retry_while_unreachable(cfg, "the failure", || client.fail(&fail)).map(drop).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(give_up_after: Duration) -> WorkerConfig {
+        WorkerConfig {
+            server: "http://127.0.0.1:9".into(),
+            token: "t".into(),
+            name: "w".into(),
+            threads: 1,
+            collective_timeout: Duration::from_secs(1),
+            poll_interval: Duration::from_millis(10),
+            give_up_after,
+            checkpoint_dir: PathBuf::from("unused"),
+        }
+    }
+
+    fn status(code: u16) -> ClientError {
+        ClientError::Status { path: "/api/workers/lease".into(), status: code, message: "busy".into() }
+    }
+
+    /// A server that answers 500 (or 503, or 429) for a while is waited for, however short
+    /// `give_up_after` is: only an unreachable server ends the worker.
+    #[test]
+    fn server_errors_are_retried_until_the_server_answers() {
+        let mut answers = vec![Err(status(500)), Err(status(503)), Err(status(429)), Ok(7)].into_iter();
+        let got = retry_while_unreachable(&config(Duration::ZERO), "lease", || answers.next().unwrap());
+        assert_eq!(got.unwrap(), 7);
+        assert_eq!(answers.next().map(|a| a.is_ok()), None, "every answer was asked for");
+    }
+
+    #[test]
+    fn an_unreachable_server_is_given_up_on_and_a_refusal_is_final() {
+        let unreachable =
+            || ClientError::Transport { url: "http://127.0.0.1:9".into(), source: ureq::Error::ConnectionFailed };
+        let e = retry_while_unreachable::<()>(&config(Duration::ZERO), "lease", || Err(unreachable())).unwrap_err();
+        assert!(e.to_string().contains("giving up"), "{e}");
+        let mut calls = 0;
+        let e = retry_while_unreachable::<()>(&config(Duration::from_secs(60)), "lease", || {
+            calls += 1;
+            Err(status(401))
+        })
+        .unwrap_err();
+        assert_eq!(calls, 1, "a 401 is not retried: {e}");
+    }
+
+    #[test]
+    fn jitter_stays_within_half_and_one_and_a_half() {
+        for _ in 0..100 {
+            let j = jitter(Duration::from_millis(1000));
+            assert!(j >= Duration::from_millis(500) && j < Duration::from_millis(1500), "{j:?}");
+        }
+    }
 }

@@ -5,9 +5,18 @@ use std::time::{Duration, SystemTime};
 
 use time::OffsetDateTime;
 
-/// `t` as fixed-width RFC3339 UTC with milliseconds.
+/// `t` as fixed-width RFC3339 UTC with milliseconds; times the calendar cannot show
+/// (beyond year 9999 either way) are shown as its last (or first) millisecond.
 pub fn rfc3339(t: SystemTime) -> String {
-    let t = OffsetDateTime::from(t);
+    let nanos = match t.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(after) => i128::try_from(after.as_nanos()).unwrap_or(i128::MAX),
+        Err(before) => i128::try_from(before.duration().as_nanos()).map_or(i128::MIN, |n| -n),
+    };
+    let t = OffsetDateTime::from_unix_timestamp_nanos(nanos).unwrap_or(if nanos > 0 {
+        time::PrimitiveDateTime::MAX.assume_utc()
+    } else {
+        time::PrimitiveDateTime::MIN.assume_utc()
+    });
     format!(
         "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
         t.year(),
@@ -26,7 +35,7 @@ pub fn now() -> SystemTime {
 
 /// `t + d` as stored text.
 pub fn after(t: SystemTime, d: Duration) -> String {
-    rfc3339(t + d)
+    rfc3339(t.checked_add(d).unwrap_or(t))
 }
 
 /// `t - d` as stored text (the epoch if that would be earlier).
@@ -48,5 +57,12 @@ mod tests {
         assert_eq!(a.len(), b.len());
         assert!(a < b);
         assert!(before(t, Duration::from_secs(1)) < a);
+    }
+
+    #[test]
+    fn times_beyond_the_calendar_do_not_panic() {
+        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(400_000_000_000);
+        assert_eq!(rfc3339(far), "9999-12-31T23:59:59.999Z");
+        assert_eq!(after(far, Duration::MAX), "9999-12-31T23:59:59.999Z");
     }
 }

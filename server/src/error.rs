@@ -35,6 +35,16 @@ impl HttpError {
         Self::with_fields(StatusCode::BAD_REQUEST, error.clone(), vec![FieldError::new(field, error)])
     }
 
+    /// 415: the body is not declared as JSON.
+    pub fn unsupported_media_type(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, error)
+    }
+
+    /// 403: the request is understood but not allowed.
+    pub fn forbidden(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, error)
+    }
+
     pub fn unauthorized(error: impl Into<String>) -> Self {
         Self::new(StatusCode::UNAUTHORIZED, error)
     }
@@ -129,6 +139,46 @@ pub async fn json_errors(req: Request, next: Next) -> Response {
     out
 }
 
+/// Middleware: a request that changes state (any method but GET, HEAD and OPTIONS) from a
+/// page of another origin gets 403. Browsers say where a request comes from in `Origin`
+/// (or at least `Referer`); it must name this server (`Host`). Requests with neither are
+/// not from a page (curl, the workers) and pass.
+pub async fn same_origin(req: Request, next: Next) -> Response {
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return next.run(req).await;
+    }
+    let headers = req.headers();
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+    let from = headers.get(header::ORIGIN).or_else(|| headers.get(header::REFERER)).map(|v| v.to_str().unwrap_or(""));
+    match (from, host) {
+        (None, _) => next.run(req).await,
+        (Some(from), Some(host)) if origin_host(from) == Some(host) => next.run(req).await,
+        (Some(from), _) => HttpError::forbidden(format!(
+            "a page of another origin ({}) cannot change anything here; open distlab itself to do this",
+            from.chars().take(100).collect::<String>()
+        ))
+        .into_response(),
+    }
+}
+
+/// `host[:port]` of an origin or URL (`http://host:port/path` -> `host:port`); None for
+/// `null` and anything that is not http(s).
+fn origin_host(url: &str) -> Option<&str> {
+    let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"))?;
+    let host = rest.split(['/', '?', '#']).next()?;
+    (!host.is_empty()).then_some(host)
+}
+
+/// What a handler that panicked answers (the panic itself goes to the log): the JSON 500.
+pub fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let detail = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)");
+    HttpError::internal("a handler panicked", detail).into_response()
+}
+
 /// The JSON 404 for an unknown /api path.
 pub async fn api_not_found(method: Method, OriginalUri(uri): OriginalUri) -> HttpError {
     HttpError::not_found(format!("no API endpoint {method} {}", uri.path()))
@@ -143,5 +193,40 @@ pub fn human_bytes(n: usize) -> String {
         format!("{} KiB", n / KIB)
     } else {
         format!("{n} bytes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use axum::http::Request;
+    use axum::routing::get;
+    use axum::Router;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    use tower_http::catch_panic::CatchPanicLayer;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_handler_answers_the_json_500() {
+        async fn broken() -> &'static str {
+            panic!("index out of bounds")
+        }
+        let app = Router::new().route("/api/broken", get(broken)).layer(CatchPanicLayer::custom(panic_response));
+        let resp = app.oneshot(Request::get("/api/broken").body(Body::empty()).unwrap()).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let error: ApiError = serde_json::from_slice(&body).unwrap();
+        assert!(error.error.contains("a handler panicked"), "{}", error.error);
+        assert!(!error.error.contains("index out of bounds"), "the details stay in the log");
+    }
+
+    #[test]
+    fn origins_name_their_host() {
+        assert_eq!(origin_host("http://127.0.0.1:8080"), Some("127.0.0.1:8080"));
+        assert_eq!(origin_host("https://lab.example/new?x#y"), Some("lab.example"));
+        assert_eq!(origin_host("null"), None);
+        assert_eq!(origin_host("file:///tmp/page.html"), None);
     }
 }

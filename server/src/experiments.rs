@@ -1,7 +1,7 @@
 //! The user API: submit, list, show, metrics and cancel experiments (traces: `traces.rs`).
 
 use axum::extract::{Path, Query, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use distlab_common::{
@@ -164,10 +164,18 @@ pub async fn load_recent_logs(db: &Db, id: i64, limit: i64) -> Result<Vec<Stored
 }
 
 /// `POST /api/experiments`: validate (all problems at once, 422) and queue.
+/// The longest `Idempotency-Key` accepted.
+const MAX_IDEMPOTENCY_KEY: usize = 200;
+
+/// `POST /api/experiments`: validates and queues a spec (201). With an `Idempotency-Key`
+/// header, a retry of the same submission gets the first one's experiment (201 again, the
+/// same id); the same key with another spec is refused (409).
 pub async fn create(
     State(state): State<AppState>,
+    headers: HeaderMap,
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<Response, HttpError> {
+    let key = idempotency_key(&headers)?;
     let spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
     let mut problems = spec.validate(&state.config.limits).err().unwrap_or_default();
     if spec.backend == BackendKind::Cuda && !workers::backend_offered(&state, BackendKind::Cuda).await? {
@@ -178,25 +186,39 @@ pub async fn create(
         return Err(HttpError::invalid_spec(problems));
     }
     let spec_json = serde_json::to_string(&spec).map_err(|e| HttpError::internal("encoding the spec", e))?;
-    let backend = serde_json::to_value(spec.backend)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_else(|| "cpu".into());
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO experiments (owner, name, spec, backend, status, attempt, created_at) \
-         VALUES (?1, ?2, ?3, ?4, 'queued', 0, ?5) RETURNING id",
-    )
-    .bind(LOCAL_OWNER)
-    .bind(&spec.name)
-    .bind(&spec_json)
-    .bind(&backend)
-    .bind(clock::rfc3339(clock::now()))
-    .fetch_one(&state.db)
-    .await?;
-    tracing::info!(experiment = id, name = %spec.name, world_size = spec.world_size(), %backend, "experiment queued");
-    state.hub.status_changed(id, StatusChange { status: ExperimentStatus::Queued, error: None, summary: None });
-    let created = Created { id, status: ExperimentStatus::Queued };
+    let submitted = queue::submit(&state.db, LOCAL_OWNER, &spec, &spec_json, key.as_deref(), clock::now()).await?;
+    let (id, status) = match submitted {
+        queue::Submitted::New(id) => {
+            let backend = spec.backend.as_str();
+            tracing::info!(experiment = id, name = %spec.name, world_size = spec.world_size(), backend, "experiment queued");
+            let queued = StatusChange { status: ExperimentStatus::Queued, error: None, summary: None };
+            state.hub.status_changed(id, queued);
+            (id, ExperimentStatus::Queued)
+        }
+        queue::Submitted::Existing { id, same_spec: true } => {
+            (id, load(&state.db, id).await?.map_or(ExperimentStatus::Queued, |v| v.status))
+        }
+        queue::Submitted::Existing { id, same_spec: false } => {
+            return Err(HttpError::conflict(format!(
+                "this Idempotency-Key was already used for experiment {id}, with another spec; use a new key"
+            )))
+        }
+    };
+    let created = Created { id, status };
     Ok((StatusCode::CREATED, [(header::LOCATION, format!("/api/experiments/{id}"))], Json(created)).into_response())
+}
+
+/// The `Idempotency-Key` header, if any: printable ASCII, at most `MAX_IDEMPOTENCY_KEY` long.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, HttpError> {
+    let Some(raw) = headers.get("idempotency-key") else { return Ok(None) };
+    let key = raw.to_str().ok().map(str::trim).filter(|k| !k.is_empty() && k.len() <= MAX_IDEMPOTENCY_KEY);
+    let bad = || {
+        HttpError::bad_field(
+            "Idempotency-Key",
+            format!("Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters"),
+        )
+    };
+    key.map(|k| Some(k.to_string())).ok_or_else(bad)
 }
 
 /// Query of `GET /api/experiments`; parsed by hand for readable 400s.

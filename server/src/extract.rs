@@ -8,8 +8,10 @@ use serde::de::DeserializeOwned;
 use crate::error::HttpError;
 use crate::AppState;
 
-/// A JSON body read with this route's size limit: 413 when larger, 400 when it is not JSON
-/// of the expected shape (the message names the field and position).
+/// A JSON body read with this route's size limit: 415 unless it says it is JSON
+/// (`Content-Type: application/json`: a page on another origin cannot send that without the
+/// browser asking first), 413 when larger, 400 when it is not JSON of the expected shape
+/// (the message names the field and position).
 pub struct JsonBody<T>(pub T);
 
 /// The body limit of a route, set with `axum::Extension(BodyLimit(n))`; routes without one
@@ -22,13 +24,19 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, HttpError> {
         let limit = req.extensions().get::<BodyLimit>().map_or(state.config.max_body_bytes, |l| l.0);
-        if let Some(ct) = req.headers().get(header::CONTENT_TYPE) {
-            let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
-            let essence = ct.split(';').next().unwrap_or("").trim();
-            if essence != "application/json" && !essence.ends_with("+json") {
-                return Err(HttpError::bad_request(format!(
-                    "expected a JSON body (Content-Type: application/json), got Content-Type: {essence}"
-                )));
+        let ct = req.headers().get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap_or("").to_ascii_lowercase());
+        let essence = ct.as_deref().map(|ct| ct.split(';').next().unwrap_or("").trim().to_string());
+        match essence.as_deref() {
+            Some(e) if e == "application/json" || e.ends_with("+json") => {}
+            Some(e) => {
+                return Err(HttpError::unsupported_media_type(format!(
+                    "expected a JSON body (Content-Type: application/json), got Content-Type: {e}"
+                )))
+            }
+            None => {
+                return Err(HttpError::unsupported_media_type(
+                    "expected a JSON body with Content-Type: application/json (the request has no Content-Type)",
+                ))
             }
         }
         let declared =

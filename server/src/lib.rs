@@ -36,6 +36,7 @@ use axum::routing::{get, post};
 use axum::{middleware, Extension, Router};
 use distlab_common::Limits;
 use rand::Rng;
+use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::compression::CompressionLayer;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
@@ -78,6 +79,8 @@ pub struct ServerConfig {
     pub request_timeout: Duration,
     /// What one experiment may ask for.
     pub limits: Limits,
+    /// An attempt running longer than this is stopped and failed (None: no limit).
+    pub max_run: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -97,6 +100,7 @@ impl Default for ServerConfig {
             max_event_batch_bytes: 16 << 20,
             request_timeout: Duration::from_secs(30),
             limits: Limits::default(),
+            max_run: None,
         }
     }
 }
@@ -133,6 +137,18 @@ impl ServerConfig {
         }
         Ok(())
     }
+}
+
+/// A secret from environment variable `var`, else from the first line of `file`; None when
+/// neither gives one. Secrets never come from the command line, which `ps` shows everyone.
+pub fn secret_from(var: &str, file: Option<&std::path::Path>) -> std::io::Result<Option<String>> {
+    if let Some(value) = std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
+        return Ok(Some(value.trim().to_string()));
+    }
+    let Some(file) = file else { return Ok(None) };
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot read the token file {}: {e}", file.display())))?;
+    Ok(text.lines().next().map(str::trim).filter(|t| !t.is_empty()).map(str::to_string))
 }
 
 /// A random 32-character token (for local workers when none is configured).
@@ -174,8 +190,12 @@ impl AppState {
         Self { db, config: Arc::new(config), hub }
     }
 
-    /// Re-queues (or fails) running experiments whose lease ended before `now`.
+    /// Re-queues (or fails) running experiments whose lease ended before `now`, and fails
+    /// those running longer than `max_run`.
     pub async fn reap_expired(&self, now: SystemTime) -> Result<Vec<queue::Reaped>, sqlx::Error> {
+        if let Some(max) = self.config.max_run {
+            queue::end_overdue(&self.db, &self.hub, max, now).await?;
+        }
         queue::reap_expired(&self.db, &self.hub, now).await
     }
 }
@@ -222,7 +242,11 @@ pub fn app(state: AppState) -> Router {
         .nest("/api", api)
         .merge(static_files::router(&config.static_dir))
         .layer(RequestBodyLimitLayer::new(largest_body))
+        .layer(middleware::from_fn(error::same_origin))
         .layer(middleware::from_fn(error::json_errors))
+        // A panic in a handler is a bug; the client still gets the JSON 500 and the
+        // connection stays up.
+        .layer(CatchPanicLayer::custom(error::panic_response))
         // Skips SSE (text/event-stream), images and tiny bodies.
         .layer(CompressionLayer::new())
         .layer(TraceLayer::new_for_http().make_span_with(request_span).on_request(()).on_response(log_response))

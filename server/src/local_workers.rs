@@ -1,4 +1,4 @@
-//! Local worker processes: `distlab-worker --server URL --token T --name local-N
+//! Local worker processes: `distlab-worker --server URL --name local-N
 //! --checkpoint-dir DATA_DIR/checkpoints`, started
 //! after the listener is bound, with stdout/stderr inherited, and stopped with the server
 //! (SIGTERM, then SIGKILL after a grace period; on Linux they also get SIGTERM if the
@@ -79,10 +79,10 @@ impl LocalWorkers {
 
 fn start(bin: &Path, server_url: &str, token: &str, name: &str, checkpoints: &Path) -> std::io::Result<Child> {
     let mut cmd = Command::new(bin);
-    cmd.arg("--server")
+    // The token goes in the environment, not argv: `ps` shows every process's arguments.
+    cmd.env("DISTLAB_WORKER_TOKEN", token)
+        .arg("--server")
         .arg(server_url)
-        .arg("--token")
-        .arg(token)
         .arg("--name")
         .arg(name)
         .arg("--checkpoint-dir")

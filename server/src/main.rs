@@ -33,10 +33,11 @@ struct Cli {
     #[arg(long, env = "DISTLAB_WORKER_BIN")]
     worker_bin: Option<PathBuf>,
 
-    /// Token workers must send (Authorization: Bearer ...). Default: a random one,
-    /// handed to the local workers only.
-    #[arg(long, env = "DISTLAB_WORKER_TOKEN", hide_env_values = true)]
-    worker_token: Option<String>,
+    /// A file holding the token workers must send (Authorization: Bearer ...); or set
+    /// DISTLAB_WORKER_TOKEN. Never on the command line, where `ps` shows it to everyone.
+    /// Default: a random one, handed to the local workers only.
+    #[arg(long, env = "DISTLAB_WORKER_TOKEN_FILE")]
+    worker_token_file: Option<std::path::PathBuf>,
 
     /// Seconds a lease lasts unless a heartbeat renews it.
     #[arg(long, env = "DISTLAB_LEASE_SECONDS", default_value_t = 30.0)]
@@ -49,6 +50,10 @@ struct Cli {
     /// Live streams (SSE) open at once at most.
     #[arg(long, env = "DISTLAB_MAX_STREAMS", default_value_t = 256)]
     max_streams: usize,
+
+    /// Seconds an experiment may run (each attempt) before it is stopped and failed; 0: no limit.
+    #[arg(long, env = "DISTLAB_MAX_RUN_SECONDS", default_value_t = 0)]
+    max_run_seconds: u64,
 
     /// Seconds before a request (other than a live stream) is cut off.
     #[arg(long, env = "DISTLAB_REQUEST_TIMEOUT_SECONDS", default_value_t = 30)]
@@ -68,7 +73,8 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let generated = cli.worker_token.as_deref().is_none_or(str::is_empty);
+    let token = distlab_server::secret_from("DISTLAB_WORKER_TOKEN", cli.worker_token_file.as_deref())?;
+    let generated = token.is_none();
     let defaults = ServerConfig::default();
     let config = ServerConfig {
         addr: cli.addr,
@@ -76,16 +82,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         static_dir: cli.static_dir,
         local_workers: cli.local_workers,
         worker_bin: cli.worker_bin,
-        worker_token: cli.worker_token.filter(|t| !t.is_empty()).unwrap_or(defaults.worker_token.clone()),
+        worker_token: token.unwrap_or(defaults.worker_token.clone()),
         lease_seconds: cli.lease_seconds,
         heartbeat_seconds: cli.heartbeat_seconds,
         max_sse_connections: cli.max_streams,
         request_timeout: Duration::from_secs(cli.request_timeout_seconds.max(1)),
+        max_run: (cli.max_run_seconds > 0).then(|| Duration::from_secs(cli.max_run_seconds)),
         ..defaults
     };
     if generated {
         tracing::info!(
-            "generated a random worker token for the local workers; set --worker-token (DISTLAB_WORKER_TOKEN) to let other workers join"
+            "generated a random worker token for the local workers; set DISTLAB_WORKER_TOKEN (or --worker-token-file) to let other workers join"
         );
     }
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;

@@ -124,6 +124,9 @@ pub enum Ownership {
     Held,
     /// A person cancelled it while this worker ran it: the worker should stop.
     Cancelled,
+    /// This worker already reported that it ended so (a retried report whose first answer
+    /// was lost): acknowledged again, changing nothing.
+    AlreadyReported,
     /// It is no longer this worker's (re-queued after an expired lease, leased to another
     /// worker, or finished): 409.
     Lost(ExperimentStatus),
@@ -309,7 +312,20 @@ pub async fn complete(
     .await?;
     match done {
         Some(_) => Ok(Ownership::Held),
-        None => ownership(db, worker_id, id).await,
+        None => ended_already(db, worker_id, id, ExperimentStatus::Succeeded).await,
+    }
+}
+
+/// Why a report that experiment `id` ended as `status` did not apply: `AlreadyReported` when
+/// `worker_id` ran it and it did end so (the report is a retry), else as [`ownership`].
+async fn ended_already(db: &Db, worker_id: i64, id: i64, status: ExperimentStatus) -> Result<Ownership, sqlx::Error> {
+    let row = sqlx::query_as::<_, OwnerRow>("SELECT status, worker_id FROM experiments WHERE id = ?1")
+        .bind(id)
+        .fetch_optional(db)
+        .await?;
+    match row {
+        Some(r) if r.worker_id == Some(worker_id) && r.status == status.as_str() => Ok(Ownership::AlreadyReported),
+        _ => ownership(db, worker_id, id).await,
     }
 }
 
@@ -338,8 +354,78 @@ pub async fn fail(
     .await?;
     match done {
         Some(_) => Ok(Ownership::Held),
-        None => ownership(db, worker_id, id).await,
+        None if cancelled => ownership(db, worker_id, id).await,
+        None => ended_already(db, worker_id, id, ExperimentStatus::Failed).await,
     }
+}
+
+/// What a submission did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Submitted {
+    /// A new queued experiment.
+    New(i64),
+    /// The experiment an earlier submission with the same idempotency key made, for the
+    /// same spec (`same_spec`) or another.
+    Existing { id: i64, same_spec: bool },
+}
+
+/// Queues `spec` (its JSON `spec_json`) for `owner`; with `key`, a second submission with the
+/// same key gets the first one's experiment instead of a new one.
+pub async fn submit(
+    db: &Db,
+    owner: &str,
+    spec: &ExperimentSpec,
+    spec_json: &str,
+    key: Option<&str>,
+    now: SystemTime,
+) -> Result<Submitted, sqlx::Error> {
+    let inserted: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO experiments (owner, name, spec, backend, status, attempt, created_at, idempotency_key) \
+         VALUES (?1, ?2, ?3, ?4, 'queued', 0, ?5, ?6) ON CONFLICT DO NOTHING RETURNING id",
+    )
+    .bind(owner)
+    .bind(&spec.name)
+    .bind(spec_json)
+    .bind(spec.backend.as_str())
+    .bind(clock::rfc3339(now))
+    .bind(key)
+    .fetch_optional(db)
+    .await?;
+    if let Some(id) = inserted {
+        return Ok(Submitted::New(id));
+    }
+    let (id, earlier): (i64, String) =
+        sqlx::query_as("SELECT id, spec FROM experiments WHERE owner = ?1 AND idempotency_key = ?2")
+            .bind(owner)
+            .bind(key)
+            .fetch_one(db)
+            .await?;
+    Ok(Submitted::Existing { id, same_spec: earlier == spec_json })
+}
+
+/// Fails every experiment whose current attempt has been running longer than `max` (the
+/// server's `--max-run-seconds`), saying so; its worker learns it at its next report (409)
+/// and stops.
+pub async fn end_overdue(db: &Db, hub: &Hub, max: Duration, now: SystemTime) -> Result<Vec<i64>, sqlx::Error> {
+    let error = format!(
+        "stopped: it ran longer than this server allows one experiment ({} s, distlab-server --max-run-seconds)",
+        max.as_secs()
+    );
+    let ended: Vec<i64> = sqlx::query_scalar(
+        "UPDATE experiments SET status = 'failed', error = ?1, finished_at = ?2, lease_until = NULL \
+         WHERE status = 'running' AND started_at < ?3 RETURNING id",
+    )
+    .bind(&error)
+    .bind(clock::rfc3339(now))
+    .bind(clock::before(now, max))
+    .fetch_all(db)
+    .await?;
+    for &id in &ended {
+        tracing::warn!(experiment = id, "{error}");
+        let change = StatusChange { status: ExperimentStatus::Failed, error: Some(error.clone()), summary: None };
+        hub.status_changed(id, change);
+    }
+    Ok(ended)
 }
 
 /// An experiment the reaper took back from a silent worker.

@@ -56,9 +56,12 @@ static SCHEDULER: LazyLock<fsrs::FSRS> = LazyLock::new(fsrs::FSRS::default);
 // ---------------------------------------------------------------------------------------
 // Scheduling (pure)
 
-/// A timestamp in any RFC3339 form; stored and answered in `clock::rfc3339`'s fixed form.
+/// A timestamp in any RFC3339 form between 1970 and 2999 (a review later than that is
+/// nonsense, and dates after it can overflow the scheduling arithmetic); stored and
+/// answered in `clock::rfc3339`'s fixed form.
 pub fn parse_time(text: &str) -> Option<SystemTime> {
-    OffsetDateTime::parse(text, &Rfc3339).ok().map(SystemTime::from)
+    let t = OffsetDateTime::parse(text, &Rfc3339).ok()?;
+    (1970..3000).contains(&t.year()).then(|| SystemTime::from(t))
 }
 
 /// Days from `from` to `to` (0 when `to` is earlier).
@@ -523,7 +526,10 @@ pub fn check_import(body: serde_json::Value, deck: &[Card]) -> Result<CheckedImp
             None => {
                 problems.push(FieldError::new(
                     field,
-                    format!("'{}' is not an RFC3339 time like 2025-01-31T12:00:00.000Z", truncate(text, 40)),
+                    format!(
+                        "'{}' is not an RFC3339 time between 1970 and 2999 like 2025-01-31T12:00:00.000Z",
+                        truncate(text, 40)
+                    ),
                 ));
                 None
             }
@@ -688,6 +694,8 @@ mod tests {
         assert_eq!(clock::rfc3339(utc_day_start(now)), "2025-03-04T00:00:00.000Z");
         assert!(parse_time("yesterday").is_none());
         assert!(parse_time("2025-03-04").is_none());
+        assert!(parse_time("9999-12-31T23:59:59Z").is_none(), "year 9999 plus an interval overflows");
+        assert!(parse_time("1969-12-31T23:59:59Z").is_none());
     }
 
     #[test]

@@ -126,7 +126,7 @@ pub async fn lease(
 /// Answer for a report about an experiment, by who holds it now.
 fn ack(ownership: Ownership, worker_id: i64, experiment_id: i64) -> Result<Json<WorkerAck>, HttpError> {
     match ownership {
-        Ownership::Held => Ok(Json(WorkerAck { cancel: false })),
+        Ownership::Held | Ownership::AlreadyReported => Ok(Json(WorkerAck { cancel: false })),
         Ownership::Cancelled => Ok(Json(WorkerAck { cancel: true })),
         Ownership::NotFound => Err(HttpError::not_found(format!("no experiment with id {experiment_id}"))),
         Ownership::Lost(status) => Err(HttpError::conflict(format!(

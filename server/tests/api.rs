@@ -369,18 +369,65 @@ async fn malformed_requests_get_400_in_the_json_shape() {
     let raw = |body: &'static str, ct: &'static str| {
         Request::post("/api/experiments").header(header::CONTENT_TYPE, ct).body(Body::from(body)).expect("request")
     };
-    for req in [
-        raw("{not json", "application/json"),
-        raw("", "application/json"),
-        raw("name=x", "application/x-www-form-urlencoded"),
-    ] {
+    for req in [raw("{not json", "application/json"), raw("", "application/json")] {
         let a = answer(t.send(req).await).await;
         let e = assert_api_error(&a, StatusCode::BAD_REQUEST);
         assert!(!e.error.is_empty());
     }
+    // A body not declared as JSON is refused before it is read (a form on another site can
+    // send text/plain or a form without asking the browser first).
+    let untyped = Request::post("/api/experiments").body(Body::from(r#"{"name": "x"}"#)).expect("request");
+    for req in [raw("name=x", "application/x-www-form-urlencoded"), raw(r#"{"name": "x"}"#, "text/plain"), untyped] {
+        let a = answer(t.send(req).await).await;
+        let e = assert_api_error(&a, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert!(e.error.contains("Content-Type: application/json"), "{}", e.error);
+    }
+    assert_eq!(t.get("/api/experiments").await.body["total"], 0, "nothing was queued");
     // Worker bodies of the wrong shape name the field.
     let e = assert_api_error(&t.worker("lease", json!({"worker_id": "seven"})).await, StatusCode::BAD_REQUEST);
     assert_eq!(e.fields[0].field, "worker_id");
+}
+
+/// A page of another origin cannot change anything through a visitor's browser: every
+/// state-changing request whose Origin (or Referer) is not this server gets 403; the same
+/// origin, and clients that are not pages (no Origin, no Referer), pass.
+#[tokio::test]
+async fn state_changes_from_another_origin_are_refused() {
+    let t = setup().await;
+    let body = json!({"name": "from-a-page"}).to_string();
+    let from = |origin: Option<(&'static str, &'static str)>| {
+        let mut req = Request::post("/api/experiments")
+            .header(header::HOST, "127.0.0.1:8080")
+            .header(header::CONTENT_TYPE, "application/json");
+        if let Some((name, value)) = origin {
+            req = req.header(name, value);
+        }
+        req.body(Body::from(body.clone())).expect("request")
+    };
+    for foreign in [
+        ("origin", "http://evil.example"),
+        ("origin", "http://127.0.0.1:8081"),
+        ("origin", "null"),
+        ("referer", "http://evil.example/page.html"),
+    ] {
+        let a = answer(t.send(from(Some(foreign))).await).await;
+        let e = assert_api_error(&a, StatusCode::FORBIDDEN);
+        assert!(e.error.contains("another origin"), "{foreign:?}: {}", e.error);
+    }
+    let cancel = Request::post("/api/experiments/1/cancel")
+        .header(header::HOST, "127.0.0.1:8080")
+        .header(header::ORIGIN, "http://evil.example")
+        .body(Body::empty())
+        .expect("request");
+    assert_api_error(&answer(t.send(cancel).await).await, StatusCode::FORBIDDEN);
+    assert_eq!(t.get("/api/experiments").await.body["total"], 0, "nothing was queued");
+    for same in [Some(("origin", "http://127.0.0.1:8080")), Some(("referer", "http://127.0.0.1:8080/new")), None] {
+        let a = answer(t.send(from(same)).await).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{same:?}: {}", a.body);
+    }
+    // Reading is not a state change: a GET from anywhere is answered.
+    let read = Request::get("/api/experiments").header(header::ORIGIN, "http://evil.example").body(Body::empty());
+    assert_eq!(answer(t.send(read.expect("request")).await).await.status, StatusCode::OK);
 }
 
 #[tokio::test]
@@ -609,12 +656,20 @@ async fn events_are_stored_and_visible_in_metrics() {
     let steps: Vec<(u64, f64)> = m.steps.iter().map(|p| (p.step, p.loss)).collect();
     assert_eq!(steps, vec![(0, 4.0), (1, 3.4), (2, 3.0)]);
     assert_eq!(t.view(id).await.steps_done, 3);
+    // A loss is stored exactly as the worker measured it, to the last bit (JSON's shortest
+    // decimal form read back exactly, not by the fast approximate parse).
+    let measured = 3.8786377790383995_f64;
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(3, measured)]})).await;
+    let m: Metrics =
+        serde_json::from_value(t.get(&format!("/api/experiments/{id}/metrics")).await.body).expect("metrics");
+    assert_eq!(m.steps[3].loss.to_bits(), measured.to_bits(), "{} stored as {}", measured, m.steps[3].loss);
     let logs: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM logs WHERE experiment_id = ?1")
         .bind(id)
         .fetch_one(&t.state.db)
         .await
         .expect("logs");
     assert_eq!(logs, 1);
+    assert_eq!(t.view(id).await.steps_done, 4);
 
     // Complete: succeeded with the summary; later reports are refused with 409.
     let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
@@ -623,10 +678,20 @@ async fn events_are_stored_and_visible_in_metrics() {
     assert_eq!(v.status, ExperimentStatus::Succeeded);
     assert_eq!(v.summary.map(|s| s.final_loss), Some(3.0));
     assert!(v.finished_at.is_some());
-    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(3, 2.0)]})).await;
+    let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(4, 2.0)]})).await;
     assert_api_error(&a, StatusCode::CONFLICT);
+    // The same completion again (a retry whose first answer was lost) is acknowledged and
+    // changes nothing; any other ending is refused.
+    let finished = t.view(id).await.finished_at;
     let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(t.view(id).await.finished_at, finished);
+    let failed = json!({"worker_id": worker, "experiment_id": id, "error": "late", "cancelled": false});
+    assert_api_error(&t.worker("fail", failed).await, StatusCode::CONFLICT);
+    let other = t.register(&["cpu"]).await;
+    let a = t.worker("complete", json!({"worker_id": other, "experiment_id": id, "summary": summary()})).await;
     assert_api_error(&a, StatusCode::CONFLICT);
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Succeeded);
 }
 
 #[tokio::test]
@@ -1331,4 +1396,57 @@ async fn card_claims_are_checked_by_the_latest_run_of_their_preset() {
     assert_eq!(measured.experiment_id, id);
     assert!(measured.agrees, "{measured:?}");
     assert_eq!(measured.predicted, "96 bytes per rank");
+}
+
+/// A submission retried with the same `Idempotency-Key` (its first answer lost, say) gets the
+/// first one's experiment; the same key with another spec is refused; bad keys are 400.
+#[tokio::test]
+async fn a_retried_submission_with_its_idempotency_key_queues_once() {
+    let t = setup().await;
+    let submit = |key: &str, name: &str| {
+        Request::post("/api/experiments")
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("idempotency-key", key)
+            .body(Body::from(json!({"name": name, "train": {"steps": 10}}).to_string()))
+            .expect("request")
+    };
+    let first = answer(t.send(submit("k-1", "run")).await).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let again = answer(t.send(submit("k-1", "run")).await).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    assert_eq!(again.body["id"], first.body["id"]);
+    assert_eq!(t.get("/api/experiments").await.body["total"], 1);
+    let other = answer(t.send(submit("k-1", "another run")).await).await;
+    let e = assert_api_error(&other, StatusCode::CONFLICT);
+    assert!(e.error.contains("Idempotency-Key"), "{}", e.error);
+    let second = answer(t.send(submit("k-2", "run")).await).await;
+    assert_ne!(second.body["id"], first.body["id"]);
+    let long = "x".repeat(201);
+    assert_api_error(&answer(t.send(submit(&long, "run")).await).await, StatusCode::BAD_REQUEST);
+    assert_eq!(t.get("/api/experiments").await.body["total"], 2);
+}
+
+/// `--max-run-seconds`: an attempt running longer is failed, saying why, and its worker is
+/// told at its next report (409) so that it stops.
+#[tokio::test]
+async fn an_experiment_running_past_the_limit_is_stopped() {
+    let t = setup_with(|c| c.max_run = Some(Duration::from_secs(600))).await;
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("long").await;
+    t.lease(worker).await;
+    t.state.reap_expired(SystemTime::now() + Duration::from_secs(20)).await.expect("reap");
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Running, "within the limit (and the lease)");
+    // 11 minutes on, with the lease kept alive by heartbeats.
+    let later = SystemTime::now() + Duration::from_secs(660);
+    sqlx::query("UPDATE experiments SET lease_until = '9000-01-01T00:00:00.000Z' WHERE id = ?1")
+        .bind(id)
+        .execute(&t.state.db)
+        .await
+        .expect("keep the lease");
+    t.state.reap_expired(later).await.expect("reap");
+    let v = t.view(id).await;
+    assert_eq!(v.status, ExperimentStatus::Failed);
+    assert!(v.error.as_deref().is_some_and(|e| e.contains("--max-run-seconds")), "{:?}", v.error);
+    let a = t.worker("heartbeat", json!({"worker_id": worker, "experiment_id": id})).await;
+    assert_api_error(&a, StatusCode::CONFLICT);
 }

@@ -30,7 +30,8 @@ fn http_get(addr: &str, path: &str) -> String {
 fn prints_the_bound_port_and_serves() {
     let dir = tempfile::tempdir().expect("temp dir");
     let child = Command::new(BIN)
-        .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--worker-token", "t"])
+        .args(["--addr", "127.0.0.1:0", "--local-workers", "0"])
+        .env("DISTLAB_WORKER_TOKEN", "t")
         .arg("--data-dir")
         .arg(dir.path().join("data"))
         .arg("--static-dir")

@@ -478,6 +478,15 @@ async fn malformed_imports_are_refused_and_lose_nothing() {
     });
     let e = api_error(&t.post(&uri, dup).await, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(e.error.contains("appears twice"), "{}", e.error);
+    // Times at the calendar's end (they used to overflow the scheduling and drop the
+    // connection) are field errors like any other.
+    let far = edit(&|v| {
+        v["cards"][0]["last_review"] = json!("9999-12-31T23:59:59Z");
+        v["cards"][0]["due"] = json!("9999-12-31T23:59:59Z");
+    });
+    let e = api_error(&t.post(&uri, far).await, StatusCode::UNPROCESSABLE_ENTITY);
+    let fields: Vec<&str> = e.fields.iter().map(|f| f.field.as_str()).collect();
+    assert_eq!(fields, ["cards[0].due", "cards[0].last_review"], "{}", e.error);
     let e = api_error(
         &t.post(&uri, edit(&|v| v["cards"][0]["due"] = json!("2000-01-01T00:00:00.000Z"))).await,
         StatusCode::UNPROCESSABLE_ENTITY,

@@ -73,7 +73,8 @@ impl Lab {
     pub fn start_with(opts: LabOptions) -> Lab {
         let data_dir = tempfile::tempdir().expect("temp dir");
         let mut server = Command::new(bin_path("distlab-server"))
-            .args(["--addr", "127.0.0.1:0", "--worker-token", WORKER_TOKEN])
+            .args(["--addr", "127.0.0.1:0"])
+            .env("DISTLAB_WORKER_TOKEN", WORKER_TOKEN)
             .arg("--data-dir")
             .arg(data_dir.path())
             .arg("--static-dir")
@@ -132,7 +133,8 @@ impl Lab {
     /// lab shares the local workers' checkpoint directory, DATA_DIR/checkpoints.
     pub fn spawn_worker_with_env(&mut self, name: &str, env: &[(&str, &str)]) -> usize {
         let child = Command::new(bin_path("distlab-worker"))
-            .args(["--server", &self.base, "--token", WORKER_TOKEN, "--name", name, "--give-up-seconds", "10"])
+            .args(["--server", &self.base, "--name", name, "--give-up-seconds", "10"])
+            .env("DISTLAB_WORKER_TOKEN", WORKER_TOKEN)
             .arg("--checkpoint-dir")
             .arg(self.checkpoint_dir())
             .envs(env.iter().copied())
