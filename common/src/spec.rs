@@ -259,9 +259,10 @@ impl Default for TrainSpec {
 }
 
 impl ModelSpec {
-    /// Width of the MLP's hidden layer (GPT-2: 4 x d_model).
+    /// Width of the MLP's hidden layer (GPT-2: 4 x d_model; saturating, for a d_model far
+    /// beyond any limit that validation is about to refuse).
     pub fn d_ff(&self) -> usize {
-        4 * self.d_model
+        self.d_model.saturating_mul(4)
     }
 
     /// Parameters of one transformer block: two LayerNorms (gain + bias),

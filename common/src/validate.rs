@@ -134,7 +134,13 @@ impl ExperimentSpec {
                 format!("the text dataset has one token per byte, so vocab must be at least 256 (it is {})", m.vocab),
             );
         }
-        if m.layers >= 1 && m.d_model >= 1 && m.vocab >= 1 && m.seq_len >= 1 {
+        // Counted only within the limits above, where the count cannot overflow.
+        let within = |value: usize, max: usize| (1..=max).contains(&value);
+        if within(m.layers, limits.max_layers)
+            && within(m.d_model, limits.max_d_model)
+            && within(m.vocab, limits.max_vocab)
+            && within(m.seq_len, limits.max_seq_len)
+        {
             let params = m.param_count();
             if params > limits.max_params {
                 err(
@@ -259,8 +265,7 @@ impl ExperimentSpec {
 fn world_tokens(spec: &ExperimentSpec) -> u128 {
     [spec.parallel.dp, spec.train.micro_batch, spec.train.micro_batches, spec.train.grad_accum, spec.model.seq_len]
         .iter()
-        .map(|&x| x as u128)
-        .product()
+        .fold(1u128, |product, &x| product.saturating_mul(x as u128))
 }
 
 fn in_range(err: &mut impl FnMut(&str, String), field: &str, value: usize, min: usize, max: usize, name: &str) {
