@@ -94,6 +94,19 @@ pub struct RegisterWorker {
     /// Human-readable devices, e.g. "cpu: 2 cores".
     pub devices: Vec<String>,
     pub version: String,
+    /// What the worker's machine has (None from a worker that does not say): the server
+    /// refuses a spec whose ranks need more memory than the largest live worker has.
+    #[serde(default)]
+    pub capacity: Option<WorkerCapacity>,
+}
+
+/// A worker's machine, as it reports it when it registers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerCapacity {
+    /// Physical memory (Linux `MemTotal`).
+    pub memory_bytes: u64,
+    pub cores: u32,
+    pub gpus: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

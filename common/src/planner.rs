@@ -371,6 +371,15 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
 }
 
 /// Plans `spec`: every structural problem at once as field errors (422), else the plan.
+impl Plan {
+    /// Bytes every rank of the run holds together at its peak: each stage's rank times
+    /// the dp x tp ranks of that stage.
+    pub fn memory_of_all_ranks(&self) -> u64 {
+        let per_stage = self.world_size / (self.stages.len().max(1) as u64);
+        self.stages.iter().map(|s| s.memory.total.saturating_mul(per_stage)).fold(0, u64::saturating_add)
+    }
+}
+
 pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     check_structure(spec)?;
     let (m, p, t) = (&spec.model, &spec.parallel, &spec.train);

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use distlab_common::*;
 use distlab_worker::checkpoint::CheckpointDir;
-use distlab_worker::train::{train, unsupported_features, CheckpointOptions, TrainError, TrainOptions};
+use distlab_worker::train::{
+    available_memory_bytes, ranks_fit, train, unsupported_features, CheckpointOptions, TrainError, TrainOptions,
+};
 
 use crate::demo::{self, DemoRankResult, RankOutput};
 use crate::launch::{self, LaunchError, LaunchSpec};
@@ -81,6 +83,9 @@ fn run_ranks(
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
     let world = spec.world_size();
+    if let (Some(available), BackendKind::Cpu) = (available_memory_bytes(), spec.backend) {
+        ranks_fit(spec, available)?;
+    }
     let threads = opts.threads;
     let total = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
     let per_rank = (total / world).max(1);

@@ -32,30 +32,37 @@ pub struct WorkerConfig {
 const BATCH_EVENTS: usize = 256;
 const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
-/// The backends this worker can run and its devices, as it tells the server when it
-/// registers: the CPU always; CUDA when built with it and this machine has a GPU.
-fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>) {
+/// The backends this worker can run, its devices and its machine, as it tells the server
+/// when it registers: the CPU always; CUDA when built with it and this machine has a GPU.
+fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>, Option<WorkerCapacity>) {
     #[allow(unused_mut)]
     let (mut backends, mut devices) = (vec![BackendKind::Cpu], vec![format!("cpu: {threads} threads")]);
+    let cores = thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    #[allow(unused_mut)]
+    let mut gpus = 0;
     // Offered only when the backend really starts here (driver, cuBLAS, NVRTC, kernels).
     #[cfg(feature = "cuda")]
     match distlab_worker::backend::cuda::CudaBackend::<f32>::new(0)
         .and_then(|_| distlab_worker::backend::cuda::devices())
     {
-        Ok(gpus) => {
+        Ok(found) => {
             backends.push(BackendKind::Cuda);
-            devices.extend(gpus);
+            gpus = found.len() as u32;
+            devices.extend(found);
         }
         Err(why) => tracing::info!(%why, "built with CUDA, but it cannot run here: offering the CPU backend only"),
     }
-    (backends, devices)
+    let capacity =
+        distlab_worker::train::total_memory_bytes().map(|memory_bytes| WorkerCapacity { memory_bytes, cores, gpus });
+    (backends, devices, capacity)
 }
 
 pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
     let client = ServerClient::new(&cfg.server, &cfg.token);
     let threads = if cfg.threads == 0 { thread::available_parallelism().map_or(1, |n| n.get()) } else { cfg.threads };
-    let (backends, devices) = offered(threads);
-    let registration = RegisterWorker { name: cfg.name.clone(), backends, devices, version: VERSION.to_string() };
+    let (backends, devices, capacity) = offered(threads);
+    let registration =
+        RegisterWorker { name: cfg.name.clone(), backends, devices, version: VERSION.to_string(), capacity };
     let registered = retry_while_unreachable(&cfg, "register", || client.register(&registration))?;
     let heartbeat = Duration::from_secs_f64(registered.heartbeat_interval_s.clamp(0.2, 60.0));
     tracing::info!(worker_id = registered.worker_id, server = %cfg.server, "registered");

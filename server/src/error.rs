@@ -74,6 +74,11 @@ impl HttpError {
         Self::with_fields(StatusCode::UNPROCESSABLE_ENTITY, error, fields)
     }
 
+    /// 429: this client has used its share.
+    pub fn too_many_requests(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, error)
+    }
+
     pub fn unavailable(error: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, error)
     }

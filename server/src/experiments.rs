@@ -182,6 +182,9 @@ pub async fn create(
         problems.push(FieldError::new("backend", "no registered worker offers the cuda backend"));
     }
     problems.extend(distlab_common::backends::unsupported_on_backend(&spec));
+    if problems.is_empty() {
+        problems.extend(too_big_for_every_worker(&state, &spec).await?);
+    }
     if !problems.is_empty() {
         return Err(HttpError::invalid_spec(problems));
     }
@@ -206,6 +209,31 @@ pub async fn create(
     };
     let created = Created { id, status };
     Ok((StatusCode::CREATED, [(header::LOCATION, format!("/api/experiments/{id}"))], Json(created)).into_response())
+}
+
+/// Admission control: a CPU spec whose ranks together need more memory (as the planner
+/// counts it) than the largest live worker has would only be killed by the kernel there.
+/// GPU memory is checked by the worker, against its GPUs.
+async fn too_big_for_every_worker(state: &AppState, spec: &ExperimentSpec) -> Result<Option<FieldError>, HttpError> {
+    if spec.backend != BackendKind::Cpu {
+        return Ok(None);
+    }
+    let Some(largest) = workers::largest_worker_memory(state, spec.backend).await? else { return Ok(None) };
+    let Ok(plan) = distlab_common::planner::plan(spec) else { return Ok(None) };
+    let needed = plan.memory_of_all_ranks();
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    Ok((needed > largest).then(|| {
+        FieldError::new(
+            "model",
+            format!(
+                "its {} ranks need {:.2} GiB together (the planner's count), more than the largest worker \
+                 has ({:.2} GiB); use a smaller model, micro_batch or seq_len, or shard the state (zero1/zero2/fsdp)",
+                spec.world_size(),
+                gib(needed),
+                gib(largest)
+            ),
+        )
+    }))
 }
 
 /// The `Idempotency-Key` header, if any: printable ASCII, at most `MAX_IDEMPOTENCY_KEY` long.

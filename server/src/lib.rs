@@ -71,6 +71,8 @@ pub struct ServerConfig {
     pub reap_interval: Duration,
     /// Open SSE streams at most; more get 503.
     pub max_sse_connections: usize,
+    /// Open SSE streams one client address may hold; more get 429.
+    pub max_sse_per_client: usize,
     /// Body limit of user requests and most worker requests.
     pub max_body_bytes: usize,
     /// Body limit of worker event batches.
@@ -95,7 +97,8 @@ impl Default for ServerConfig {
             lease_seconds: 30.0,
             heartbeat_seconds: 5.0,
             reap_interval: Duration::from_secs(1),
-            max_sse_connections: 256,
+            max_sse_connections: 1024,
+            max_sse_per_client: 32,
             max_body_bytes: 1 << 20,
             max_event_batch_bytes: 16 << 20,
             request_timeout: Duration::from_secs(30),
@@ -132,8 +135,8 @@ impl ServerConfig {
                 self.heartbeat_seconds, self.lease_seconds
             ));
         }
-        if self.max_sse_connections == 0 {
-            return bad("the SSE connection limit must be at least 1".into());
+        if self.max_sse_connections == 0 || self.max_sse_per_client == 0 {
+            return bad("the live-stream limits must be at least 1".into());
         }
         Ok(())
     }
@@ -186,7 +189,7 @@ impl AppState {
     }
 
     pub fn with_db(db: Db, config: ServerConfig) -> Self {
-        let hub = Arc::new(Hub::new(config.max_sse_connections));
+        let hub = Arc::new(Hub::new(config.max_sse_connections, config.max_sse_per_client));
         Self { db, config: Arc::new(config), hub }
     }
 
@@ -321,7 +324,8 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
 
     let (stopping_tx, mut stopping_rx) = tokio::sync::watch::channel(false);
     let hub = state.hub.clone();
-    let server = axum::serve(listener, app(state)).with_graceful_shutdown(async move {
+    let service = app(state).into_make_service_with_connect_info::<SocketAddr>();
+    let server = axum::serve(listener, service).with_graceful_shutdown(async move {
         shutdown_signal().await;
         tracing::info!("shutting down");
         hub.shut_down();

@@ -48,8 +48,12 @@ struct Cli {
     heartbeat_seconds: f64,
 
     /// Live streams (SSE) open at once at most.
-    #[arg(long, env = "DISTLAB_MAX_STREAMS", default_value_t = 256)]
+    #[arg(long, env = "DISTLAB_MAX_STREAMS", default_value_t = 1024)]
     max_streams: usize,
+
+    /// Live streams one client address may hold at once.
+    #[arg(long, env = "DISTLAB_MAX_STREAMS_PER_CLIENT", default_value_t = 32)]
+    max_streams_per_client: usize,
 
     /// Seconds an experiment may run (each attempt) before it is stopped and failed; 0: no limit.
     #[arg(long, env = "DISTLAB_MAX_RUN_SECONDS", default_value_t = 0)]
@@ -86,6 +90,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         lease_seconds: cli.lease_seconds,
         heartbeat_seconds: cli.heartbeat_seconds,
         max_sse_connections: cli.max_streams,
+        max_sse_per_client: cli.max_streams_per_client,
         request_timeout: Duration::from_secs(cli.request_timeout_seconds.max(1)),
         max_run: (cli.max_run_seconds > 0).then(|| Duration::from_secs(cli.max_run_seconds)),
         ..defaults

@@ -11,11 +11,12 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::{ConnectInfo, Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use distlab_common::{LogLevel, LogLine, MetricPoint, StatusChange, StreamEvent};
@@ -48,15 +49,49 @@ pub struct Hub {
     topics: Mutex<HashMap<i64, broadcast::Sender<Published>>>,
     connections: Arc<Semaphore>,
     max_connections: usize,
+    /// Open streams per client address, and the most one client may hold.
+    per_client: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    max_per_client: usize,
     shutdown: watch::Sender<bool>,
 }
 
+/// One open stream's place: freed (in the total and in its client's count) when dropped.
+pub struct StreamSlot {
+    _total: OwnedSemaphorePermit,
+    client: Option<(IpAddr, Arc<Mutex<HashMap<IpAddr, usize>>>)>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        if let Some((ip, counts)) = &self.client {
+            let mut counts = counts.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = counts.get_mut(ip) {
+                *n -= 1;
+                if *n == 0 {
+                    counts.remove(ip);
+                }
+            }
+        }
+    }
+}
+
+/// Why a stream was not opened.
+#[derive(Debug, PartialEq, Eq)]
+pub enum StreamRefused {
+    /// The server's total is reached.
+    Full(usize),
+    /// This client already holds its share.
+    ClientFull(usize),
+}
+
 impl Hub {
-    pub fn new(max_connections: usize) -> Self {
+    pub fn new(max_connections: usize, max_per_client: usize) -> Self {
         Self {
             topics: Mutex::new(HashMap::new()),
             connections: Arc::new(Semaphore::new(max_connections)),
             max_connections,
+            per_client: Arc::new(Mutex::new(HashMap::new())),
+            max_per_client,
             shutdown: watch::Sender::new(false),
         }
     }
@@ -96,9 +131,19 @@ impl Hub {
         Subscription { hub: self.clone(), id, rx }
     }
 
-    /// A slot for one more open stream, or None when `max_connections` are open.
-    pub fn try_connect(&self) -> Option<OwnedSemaphorePermit> {
-        self.connections.clone().try_acquire_owned().ok()
+    /// A slot for one more open stream for `client` (None: address unknown, counted in
+    /// the total only), unless the server's total or the client's share is reached.
+    pub fn try_connect(&self, client: Option<IpAddr>) -> Result<StreamSlot, StreamRefused> {
+        let total =
+            self.connections.clone().try_acquire_owned().map_err(|_| StreamRefused::Full(self.max_connections))?;
+        let Some(ip) = client else { return Ok(StreamSlot { _total: total, client: None }) };
+        let mut counts = self.per_client.lock().unwrap_or_else(|e| e.into_inner());
+        let open = counts.entry(ip).or_insert(0);
+        if *open >= self.max_per_client {
+            return Err(StreamRefused::ClientFull(self.max_per_client));
+        }
+        *open += 1;
+        Ok(StreamSlot { _total: total, client: Some((ip, self.per_client.clone())) })
     }
 
     pub fn open_streams(&self) -> usize {
@@ -141,13 +186,20 @@ impl Drop for Subscription {
 }
 
 /// `GET /api/experiments/{id}/stream`
-pub async fn stream(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Response, HttpError> {
+pub async fn stream(
+    State(state): State<AppState>,
+    Path(raw_id): Path<String>,
+    request: axum::http::request::Parts,
+) -> Result<Response, HttpError> {
     let id = parse_id(&raw_id)?;
-    let permit = state.hub.try_connect().ok_or_else(|| {
-        HttpError::unavailable(format!(
-            "too many live streams are open (this server allows {}); close some tabs or try again later",
-            state.hub.max_connections
-        ))
+    let client = request.extensions.get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
+    let permit = state.hub.try_connect(client).map_err(|refused| match refused {
+        StreamRefused::Full(max) => HttpError::unavailable(format!(
+            "too many live streams are open (this server allows {max}); close some tabs or try again later"
+        )),
+        StreamRefused::ClientFull(max) => HttpError::too_many_requests(format!(
+            "you have {max} live streams open, the most one client may; close some tabs"
+        )),
     })?;
     // Subscribe before reading the database, so that nothing falls between the two.
     let subscription = state.hub.subscribe(id);
@@ -246,7 +298,7 @@ mod tests {
 
     #[tokio::test]
     async fn topics_are_removed_with_their_last_subscriber() {
-        let hub = Arc::new(Hub::new(4));
+        let hub = Arc::new(Hub::new(4, 4));
         let a = hub.subscribe(1);
         let b = hub.subscribe(1);
         assert_eq!(hub.topic_count(), 1);
@@ -260,7 +312,7 @@ mod tests {
 
     #[tokio::test]
     async fn live_skips_replayed_duplicates_and_ends_on_finish() {
-        let hub = Arc::new(Hub::new(4));
+        let hub = Arc::new(Hub::new(4, 4));
         let sub = hub.subscribe(7);
         let point = |step, loss| MetricPoint {
             step,
@@ -284,7 +336,7 @@ mod tests {
 
     #[tokio::test]
     async fn live_skips_log_lines_the_replay_sent() {
-        let hub = Arc::new(Hub::new(4));
+        let hub = Arc::new(Hub::new(4, 4));
         let sub = hub.subscribe(9);
         let line = |m: &str| LogLine { level: LogLevel::Info, message: m.into() };
         hub.publish_log(9, Some(11), line("replayed")); // stored before the replay read
@@ -305,14 +357,17 @@ mod tests {
     }
 
     #[test]
-    fn connection_slots_are_bounded() {
-        let hub = Hub::new(2);
-        let a = hub.try_connect();
-        let b = hub.try_connect();
-        assert!(a.is_some() && b.is_some());
-        assert!(hub.try_connect().is_none());
-        assert_eq!(hub.open_streams(), 2);
-        drop(a);
-        assert!(hub.try_connect().is_some());
+    fn connection_slots_are_bounded_in_total_and_per_client() {
+        let hub = Hub::new(3, 2);
+        let (ada, bob) = (Some(IpAddr::from([10, 0, 0, 1])), Some(IpAddr::from([10, 0, 0, 2])));
+        let a1 = hub.try_connect(ada).unwrap();
+        let _a2 = hub.try_connect(ada).unwrap();
+        assert_eq!(hub.try_connect(ada).err(), Some(StreamRefused::ClientFull(2)), "ada's share is used");
+        let _b1 = hub.try_connect(bob).unwrap();
+        assert_eq!(hub.try_connect(bob).err(), Some(StreamRefused::Full(3)), "the server's total is used");
+        assert_eq!(hub.open_streams(), 3);
+        drop(a1);
+        let _a3 = hub.try_connect(ada).expect("a closed stream frees its client's place and the total's");
+        assert_eq!(hub.open_streams(), 3);
     }
 }

@@ -57,6 +57,18 @@ pub async fn backend_offered(state: &AppState, backend: BackendKind) -> Result<b
     Ok(rows.iter().any(|json| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend))))
 }
 
+/// The most memory any live worker offering `backend` reports (None when none reports it).
+pub async fn largest_worker_memory(state: &AppState, backend: BackendKind) -> Result<Option<u64>, HttpError> {
+    let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
+    let rows: Vec<(String, Option<i64>)> =
+        sqlx::query_as("SELECT backends, memory_bytes FROM workers WHERE last_seen >= ?1 AND memory_bytes IS NOT NULL")
+            .bind(cutoff)
+            .fetch_all(&state.db)
+            .await?;
+    let offers = |json: &str| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend));
+    Ok(rows.iter().filter(|(b, _)| offers(b)).filter_map(|(_, m)| m.map(|m| m.max(0) as u64)).max())
+}
+
 /// Marks a worker as alive and returns its backends; 404 for an id that never registered.
 async fn touch(state: &AppState, worker_id: i64, now: SystemTime) -> Result<Vec<BackendKind>, HttpError> {
     let backends: Option<String> =
@@ -85,15 +97,21 @@ pub async fn register(
     let backends = serde_json::to_string(&body.backends).map_err(|e| HttpError::internal("encoding backends", e))?;
     let devices = serde_json::to_string(&devices).map_err(|e| HttpError::internal("encoding devices", e))?;
     let version = truncate(&body.version, 40);
+    let capacity = body.capacity;
+    // SQLite integers are i64: a (nonsense) memory size beyond that is stored as the largest.
+    let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     let worker_id: i64 = sqlx::query_scalar(
-        "INSERT INTO workers (name, backends, devices, version, registered_at, last_seen) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?5) RETURNING id",
+        "INSERT INTO workers (name, backends, devices, version, registered_at, last_seen, memory_bytes, cores, gpus) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?5, ?6, ?7, ?8) RETURNING id",
     )
     .bind(&name)
     .bind(&backends)
     .bind(&devices)
     .bind(&version)
     .bind(&now)
+    .bind(capacity.map(|c| as_i64(c.memory_bytes)))
+    .bind(capacity.map(|c| i64::from(c.cores)))
+    .bind(capacity.map(|c| i64::from(c.gpus)))
     .fetch_one(&state.db)
     .await?;
     if version != VERSION {

@@ -1450,3 +1450,34 @@ async fn an_experiment_running_past_the_limit_is_stopped() {
     let a = t.worker("heartbeat", json!({"worker_id": worker, "experiment_id": id})).await;
     assert_api_error(&a, StatusCode::CONFLICT);
 }
+
+/// Admission control: with a live worker that says how much memory it has, a CPU spec whose
+/// ranks together need more (the planner's count) is refused at submission, naming both
+/// sizes; one that fits is queued. Without any worker saying, nothing is refused for size.
+#[tokio::test]
+async fn a_spec_too_big_for_every_worker_is_refused_at_submission() {
+    let t = setup().await;
+    let big = json!({
+        "name": "big",
+        "model": {"layers": 8, "d_model": 512, "heads": 8, "seq_len": 256, "vocab": 16000},
+        "parallel": {"dp": 2},
+        "train": {"steps": 10, "micro_batch": 8}
+    });
+    let spec = ExperimentSpec::from_json_value(big.clone()).expect("spec");
+    let needed = planner::plan(&spec).expect("plan").memory_of_all_ranks();
+    assert!(needed > 1 << 30, "the example needs more than 1 GiB ({needed})");
+    assert_eq!(t.post("/api/experiments", big.clone()).await.status, StatusCode::CREATED, "no worker says its size");
+    let register = |memory: u64| {
+        json!({"name": "small", "backends": ["cpu"], "devices": [], "version": VERSION,
+               "capacity": {"memory_bytes": memory, "cores": 2, "gpus": 0}})
+    };
+    assert_eq!(t.worker("register", register(1 << 30)).await.status, StatusCode::OK);
+    let e = assert_api_error(&t.post("/api/experiments", big.clone()).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(e.fields[0].field, "model");
+    assert!(e.error.contains("1.00 GiB") && e.error.contains("its 2 ranks need"), "{}", e.error);
+    let small = json!({"name": "small", "train": {"steps": 10}});
+    assert_eq!(t.post("/api/experiments", small).await.status, StatusCode::CREATED);
+    // A larger worker joins: the big spec fits it.
+    assert_eq!(t.worker("register", register(needed + (1 << 20))).await.status, StatusCode::OK);
+    assert_eq!(t.post("/api/experiments", big).await.status, StatusCode::CREATED);
+}

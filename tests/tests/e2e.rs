@@ -113,3 +113,37 @@ fn cancel_stops_a_running_experiment_and_frees_the_worker() {
     let (status, body) = lab.post(&format!("/api/experiments/{long}/cancel"), &serde_json::json!({}));
     assert_eq!(status, 409, "{body}");
 }
+
+/// A local worker that dies is started again by the server, and trains what is submitted
+/// next. No process of the lab shows the worker token in its command line (`ps` shows
+/// every process's arguments to every user of the machine).
+#[test]
+fn a_local_worker_that_dies_is_started_again_and_no_argv_holds_the_token() {
+    let marker = format!("restart-{}", std::process::id());
+    let env = vec![("DISTLAB_TEST_MARKER".to_string(), marker.clone())];
+    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
+    let local_worker = |other_than: Option<u32>| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let found = processes_with(&marker, "local-1").into_iter().find(|&pid| Some(pid) != other_than);
+            if let Some(pid) = found {
+                return pid;
+            }
+            assert!(std::time::Instant::now() < deadline, "no local worker (other than {other_than:?}) within 20 s");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let first = local_worker(None);
+    for pid in processes_with(&marker, "distlab") {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let token = WORKER_TOKEN.as_bytes();
+        assert!(!cmdline.windows(token.len()).any(|w| w == token), "pid {pid} has the token in its argv");
+    }
+    // SAFETY: signalling a child process of this test's server.
+    unsafe { libc::kill(first as i32, libc::SIGKILL) };
+    let second = local_worker(Some(first));
+    assert_ne!(first, second);
+    let id = lab.submit(&quick_spec("after-restart", 5));
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
+}

@@ -124,11 +124,32 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
 }
 
 /// Memory the kernel reports as available (Linux `MemAvailable`), when it can be read.
-fn available_memory_bytes() -> Option<u64> {
+pub fn available_memory_bytes() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+/// The machine's physical memory (Linux `MemTotal`), when it can be read.
+pub fn total_memory_bytes() -> Option<u64> {
+    meminfo("MemTotal:")
+}
+
+fn meminfo(field: &str) -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let line = info.lines().find(|l| l.starts_with(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Whether every rank of `spec` fits in `available` bytes together (the planner's count
+/// of what they hold, against three quarters of it: the rest is the machine's), checked
+/// before the ranks start so that a run too big fails saying so instead of being killed.
+pub fn ranks_fit(spec: &ExperimentSpec, available: u64) -> Result<(), TrainError> {
+    let Ok(plan) = distlab_common::planner::plan(spec) else { return Ok(()) };
+    let needed = plan.memory_of_all_ranks();
+    if needed > available / 4 * 3 {
+        return Err(TrainError::OutOfMemory { needed_mib: needed >> 20, available_mib: available >> 20 });
+    }
+    Ok(())
 }
 
 /// Trains `spec` on this process (one rank), reporting every optimizer step to
@@ -357,4 +378,24 @@ pub(crate) fn run<B: TrainBackend>(
     }
     let summary = tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), threads);
     Ok(RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ranks' memory is checked together, before they start: dp=4 of a model whose one
+    /// rank fits needs four times that.
+    #[test]
+    fn the_ranks_are_checked_together() {
+        let mut spec = ExperimentSpec::default();
+        spec.parallel.dp = 4;
+        let all = distlab_common::planner::plan(&spec).unwrap().memory_of_all_ranks();
+        let one = all / 4;
+        assert!(ranks_fit(&spec, all / 3 * 4 + 4).is_ok());
+        match ranks_fit(&spec, one * 2) {
+            Err(TrainError::OutOfMemory { needed_mib, .. }) => assert_eq!(needed_mib, all >> 20),
+            other => panic!("{other:?}"),
+        }
+    }
 }
