@@ -24,6 +24,62 @@ pub struct Health {
     pub queued: u64,
 }
 
+// ---- accounts (`distlab-server --auth accounts`) ----
+
+/// How a server knows who is asking.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AuthMode {
+    /// One user, no sign-in (only on a loopback address).
+    #[default]
+    None,
+    /// Everyone signs in; experiments and flashcard profiles belong to accounts.
+    Accounts,
+}
+
+/// `POST /api/session`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignIn {
+    pub name: String,
+    pub password: String,
+}
+
+/// `GET /api/me`, and the answer to a sign-in.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Me {
+    pub name: String,
+    pub admin: bool,
+    pub auth: AuthMode,
+}
+
+/// `POST /api/users` (admins)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NewAccount {
+    pub name: String,
+    pub password: String,
+    #[serde(default)]
+    pub admin: bool,
+}
+
+/// `PUT /api/users/{name}/password` (admins)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NewPassword {
+    pub password: String,
+}
+
+/// One account, as `GET /api/users` lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccountView {
+    pub name: String,
+    pub admin: bool,
+}
+
+/// `GET /api/users`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccountList {
+    pub users: Vec<AccountView>,
+}
+
 /// `POST /api/experiments` -> 201
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Created {
@@ -36,6 +92,10 @@ pub struct Created {
 pub struct ExperimentView {
     pub id: i64,
     pub name: String,
+    /// Who submitted it (an account's name; "local" in the single-user mode): everyone may
+    /// read it, only its owner or an admin may cancel or delete it.
+    #[serde(default)]
+    pub owner: String,
     pub status: ExperimentStatus,
     pub spec: ExperimentSpec,
     pub created_at: String,

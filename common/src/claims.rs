@@ -446,6 +446,7 @@ mod tests {
         ExperimentView {
             id,
             name: spec.name.clone(),
+            owner: "local".into(),
             status: crate::ExperimentStatus::Succeeded,
             spec,
             created_at: String::new(),

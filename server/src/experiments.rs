@@ -3,13 +3,14 @@
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use distlab_common::{
     AttemptView, Attempts, BackendKind, Created, ExperimentList, ExperimentSpec, ExperimentStatus, ExperimentView,
     FieldError, LogLevel, LogLine, MetricPoint, Metrics, RunSummary, StatusChange,
 };
 use serde::Deserialize;
 
+use crate::accounts::Account;
 use crate::clock;
 use crate::db::Db;
 use crate::error::HttpError;
@@ -26,6 +27,7 @@ pub const MAX_PAGE: i64 = 200;
 struct ExperimentRow {
     id: i64,
     name: String,
+    owner: String,
     status: String,
     spec: String,
     attempt: i64,
@@ -37,7 +39,7 @@ struct ExperimentRow {
     steps_done: i64,
 }
 
-const SELECT_VIEW: &str = "SELECT e.id, e.name, e.status, e.spec, e.attempt, e.created_at, e.started_at, \
+const SELECT_VIEW: &str = "SELECT e.id, e.name, e.owner, e.status, e.spec, e.attempt, e.created_at, e.started_at, \
      e.finished_at, e.error, e.summary, \
      (SELECT COUNT(*) FROM metrics m WHERE m.experiment_id = e.id) AS steps_done \
      FROM experiments e";
@@ -62,6 +64,7 @@ impl ExperimentRow {
         Ok(ExperimentView {
             id: self.id,
             name: self.name,
+            owner: self.owner,
             status,
             spec,
             created_at: self.created_at,
@@ -86,10 +89,10 @@ pub async fn load(db: &Db, id: i64) -> Result<Option<ExperimentView>, HttpError>
     row.map(ExperimentRow::into_view).transpose()
 }
 
-/// The newest `limit` succeeded experiments, newest first.
+/// The newest `limit` succeeded experiments (of everyone: results are shared), newest first.
 pub async fn recent_succeeded(db: &Db, limit: i64) -> Result<Vec<ExperimentView>, HttpError> {
-    let sql = format!("{SELECT_VIEW} WHERE e.owner = ?1 AND e.status = 'succeeded' ORDER BY e.id DESC LIMIT ?2");
-    let rows = sqlx::query_as::<_, ExperimentRow>(&sql).bind(LOCAL_OWNER).bind(limit).fetch_all(db).await?;
+    let sql = format!("{SELECT_VIEW} WHERE e.status = 'succeeded' ORDER BY e.id DESC LIMIT ?1");
+    let rows = sqlx::query_as::<_, ExperimentRow>(&sql).bind(limit).fetch_all(db).await?;
     rows.into_iter().map(ExperimentRow::into_view).collect()
 }
 
@@ -172,6 +175,7 @@ const MAX_IDEMPOTENCY_KEY: usize = 200;
 /// same id); the same key with another spec is refused (409).
 pub async fn create(
     State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<Response, HttpError> {
@@ -189,7 +193,16 @@ pub async fn create(
         return Err(HttpError::invalid_spec(problems));
     }
     let spec_json = serde_json::to_string(&spec).map_err(|e| HttpError::internal("encoding the spec", e))?;
-    let submitted = queue::submit(&state.db, LOCAL_OWNER, &spec, &spec_json, key.as_deref(), clock::now()).await?;
+    let max_queued = state.config.max_queued_per_user;
+    let queued = queue::queued_by(&state.db, &owner.name).await?;
+    // A retry of a submission already taken is answered whatever the quota.
+    if queued >= max_queued && !queue::submitted_with(&state.db, &owner.name, key.as_deref()).await? {
+        return Err(HttpError::too_many_requests(format!(
+            "you have {queued} experiments queued, the most this server takes from one person \
+             (--max-queued-per-user={max_queued}); wait for some to run, or cancel some"
+        )));
+    }
+    let submitted = queue::submit(&state.db, &owner.name, &spec, &spec_json, key.as_deref(), clock::now()).await?;
     let (id, status) = match submitted {
         queue::Submitted::New(id) => {
             let backend = spec.backend.as_str();
@@ -234,6 +247,45 @@ async fn too_big_for_every_worker(state: &AppState, spec: &ExperimentSpec) -> Re
             ),
         )
     }))
+}
+
+/// Whether `caller` may cancel or delete `experiment`: its owner or an admin (403 otherwise).
+fn may_change(caller: &Account, experiment: &ExperimentView, what: &str) -> Result<(), HttpError> {
+    if caller.admin || caller.name == experiment.owner {
+        Ok(())
+    } else {
+        Err(HttpError::forbidden(format!(
+            "experiment {} is {}'s: only its owner or an admin may {what} it",
+            experiment.id, experiment.owner
+        )))
+    }
+}
+
+/// `DELETE /api/experiments/{id}` (its owner or an admin): removes a finished experiment with
+/// its metrics, logs, traces and checkpoints (204); a queued or running one is cancelled
+/// first (409 says so).
+pub async fn delete(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
+    Path(raw_id): Path<String>,
+) -> Result<StatusCode, HttpError> {
+    let id = parse_id(&raw_id)?;
+    let experiment = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
+    may_change(&caller, &experiment, "delete")?;
+    if !queue::delete_finished(&state.db, id).await? {
+        return Err(HttpError::conflict(format!(
+            "experiment {id} is {}: cancel it first, then delete it",
+            experiment.status.as_str()
+        )));
+    }
+    let checkpoints = state.config.data_dir.join("checkpoints").join(format!("experiment-{id}"));
+    if let Err(e) = std::fs::remove_dir_all(&checkpoints) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(experiment = id, "could not remove {}: {e}", checkpoints.display());
+        }
+    }
+    tracing::info!(experiment = id, by = %caller.name, "experiment deleted");
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// The `Idempotency-Key` header, if any: printable ASCII, at most `MAX_IDEMPOTENCY_KEY` long.
@@ -288,22 +340,14 @@ pub async fn list(
     let offset = parse_count("offset", q.offset.as_deref(), 0)?;
     let status_str = status.map(ExperimentStatus::as_str);
 
-    let sql = format!(
-        "{SELECT_VIEW} WHERE e.owner = ?1 AND (?2 IS NULL OR e.status = ?2) ORDER BY e.id DESC LIMIT ?3 OFFSET ?4"
-    );
-    let rows = sqlx::query_as::<_, ExperimentRow>(&sql)
-        .bind(LOCAL_OWNER)
+    // Everyone reads every experiment: sharing results is the point of a class's server.
+    let sql = format!("{SELECT_VIEW} WHERE (?1 IS NULL OR e.status = ?1) ORDER BY e.id DESC LIMIT ?2 OFFSET ?3");
+    let rows =
+        sqlx::query_as::<_, ExperimentRow>(&sql).bind(status_str).bind(limit).bind(offset).fetch_all(&state.db).await?;
+    let total: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE ?1 IS NULL OR status = ?1")
         .bind(status_str)
-        .bind(limit)
-        .bind(offset)
-        .fetch_all(&state.db)
+        .fetch_one(&state.db)
         .await?;
-    let total: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = ?1 AND (?2 IS NULL OR status = ?2)")
-            .bind(LOCAL_OWNER)
-            .bind(status_str)
-            .fetch_one(&state.db)
-            .await?;
     let experiments = rows.into_iter().map(ExperimentRow::into_view).collect::<Result<Vec<_>, _>>()?;
     Ok(Json(ExperimentList { experiments, total: u64::try_from(total).unwrap_or(0) }))
 }
@@ -370,9 +414,12 @@ pub async fn attempts(State(state): State<AppState>, Path(raw_id): Path<String>)
 /// the worker running it learns it from the answer to its next heartbeat or event batch.
 pub async fn cancel(
     State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
     Path(raw_id): Path<String>,
 ) -> Result<Json<ExperimentView>, HttpError> {
     let id = parse_id(&raw_id)?;
+    let before = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
+    may_change(&caller, &before, "cancel")?;
     let cancelled: Option<Option<i64>> = sqlx::query_scalar(
         "UPDATE experiments SET status = 'cancelled', cancel_requested = TRUE, finished_at = ?1, lease_until = NULL \
          WHERE id = ?2 AND status IN ('queued', 'running') RETURNING worker_id",

@@ -5,6 +5,7 @@
 //! - [`serve`] opens the database, binds, prints `distlab is ready at http://ADDR/`,
 //!   starts the lease reaper and the local workers, and serves until ctrl-c / SIGTERM.
 
+pub mod accounts;
 pub mod cards;
 pub mod claims;
 pub mod clock;
@@ -19,6 +20,7 @@ pub mod memory;
 pub mod plan;
 pub mod queue;
 pub mod review;
+pub mod session;
 pub mod static_files;
 pub mod stream;
 pub mod traces;
@@ -32,9 +34,9 @@ use std::time::{Duration, SystemTime};
 
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{middleware, Extension, Router};
-use distlab_common::Limits;
+use distlab_common::{AuthMode, Limits};
 use rand::Rng;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::compression::CompressionLayer;
@@ -83,6 +85,12 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// An attempt running longer than this is stopped and failed (None: no limit).
     pub max_run: Option<Duration>,
+    /// How the server knows who is asking (one local user, or accounts with sign-in).
+    pub auth: AuthMode,
+    /// Queued experiments one person may have; more get 429.
+    pub max_queued_per_user: usize,
+    /// Experiments of one person that run at once (None: no limit); the rest wait.
+    pub max_running_per_user: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -104,6 +112,9 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(30),
             limits: Limits::default(),
             max_run: None,
+            auth: AuthMode::None,
+            max_queued_per_user: 20,
+            max_running_per_user: None,
         }
     }
 }
@@ -134,6 +145,17 @@ impl ServerConfig {
                 "--heartbeat-seconds must be above 0 and shorter than --lease-seconds ({} vs {})",
                 self.heartbeat_seconds, self.lease_seconds
             ));
+        }
+        if self.auth == AuthMode::None && !self.addr.ip().is_loopback() {
+            return bad(format!(
+                "--auth none lets anyone who reaches the server do anything, so it only listens on a loopback \
+                 address (127.0.0.1 or ::1), not {}; to serve a class, start it with --auth accounts and create \
+                 accounts with `distlab-server user add NAME`",
+                self.addr.ip()
+            ));
+        }
+        if self.max_queued_per_user == 0 || self.max_running_per_user == Some(0) {
+            return bad("the per-person limits must be at least 1".into());
         }
         if self.max_sse_connections == 0 || self.max_sse_per_client == 0 {
             return bad("the live-stream limits must be at least 1".into());
@@ -216,10 +238,15 @@ pub fn app(state: AppState) -> Router {
         .route("/fail", post(workers::fail))
         .route_layer(middleware::from_fn_with_state(state.clone(), workers::require_token));
 
-    let api = Router::new()
-        .route("/health", get(health::health))
+    // Everything a person does: `identify` puts the caller on the request (401 without a
+    // session when the server has accounts).
+    let identify = middleware::from_fn_with_state(state.clone(), session::identify);
+    let user_api = Router::new()
+        .route("/me", get(session::who))
+        .route("/users", get(session::list_users).post(session::create_user))
+        .route("/users/{name}/password", put(session::reset_password))
         .route("/experiments", get(experiments::list).post(experiments::create))
-        .route("/experiments/{id}", get(experiments::get_one))
+        .route("/experiments/{id}", get(experiments::get_one).delete(experiments::delete))
         .route("/experiments/{id}/metrics", get(experiments::metrics))
         .route("/experiments/{id}/attempts", get(experiments::attempts))
         .route("/experiments/{id}/trace", get(traces::trace))
@@ -234,10 +261,16 @@ pub fn app(state: AppState) -> Router {
         .route("/profiles/{id}/export", get(review::export))
         .route("/profiles/{id}/import", post(review::import).layer(Extension(BodyLimit(review::MAX_IMPORT_BYTES))))
         .route("/compare", get(compare::compare))
+        .route_layer(identify.clone());
+
+    let api = Router::new()
+        .route("/health", get(health::health))
+        .route("/session", post(session::sign_in).delete(session::sign_out))
+        .merge(user_api)
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
         // Added after the timeout layer, so that long-lived streams are not cut.
-        .route("/experiments/{id}/stream", get(stream::stream))
+        .route("/experiments/{id}/stream", get(stream::stream).route_layer(identify))
         .fallback(error::api_not_found);
 
     let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes);

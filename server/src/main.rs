@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{Parser, Subcommand, ValueEnum};
+use distlab_common::AuthMode;
 use distlab_server::{serve, ServerConfig};
 
 /// distlab's server: the web app, its API, the experiment queue, and local workers.
@@ -18,7 +19,7 @@ struct Cli {
     addr: SocketAddr,
 
     /// Directory for the database (distlab.db); created if missing.
-    #[arg(long, env = "DISTLAB_DATA_DIR", default_value = "./data")]
+    #[arg(long, env = "DISTLAB_DATA_DIR", default_value = "./data", global = true)]
     data_dir: PathBuf,
 
     /// The built frontend (index.html, js, wasm).
@@ -62,6 +63,48 @@ struct Cli {
     /// Seconds before a request (other than a live stream) is cut off.
     #[arg(long, env = "DISTLAB_REQUEST_TIMEOUT_SECONDS", default_value_t = 30)]
     request_timeout_seconds: u64,
+
+    /// `none`: one user, no sign-in (only on a loopback address). `accounts`: everyone signs
+    /// in; experiments and flashcard profiles belong to accounts (`distlab-server user add`).
+    #[arg(long, env = "DISTLAB_AUTH", value_enum, default_value = "none")]
+    auth: Auth,
+
+    /// Queued experiments one person may have; more are refused (429).
+    #[arg(long, env = "DISTLAB_MAX_QUEUED_PER_USER", default_value_t = 20)]
+    max_queued_per_user: usize,
+
+    /// Experiments of one person running at once; 0: no limit (the rest wait their turn).
+    #[arg(long, env = "DISTLAB_MAX_RUNNING_PER_USER", default_value_t = 0)]
+    max_running_per_user: usize,
+
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Auth {
+    None,
+    Accounts,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Manage accounts (in the database of --data-dir; the server may be running).
+    User {
+        #[command(subcommand)]
+        action: UserAction,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum UserAction {
+    /// Creates an account; its password is read from standard input (one line).
+    Add {
+        name: String,
+        /// A teacher: may create accounts, reset passwords, and cancel or delete anyone's runs.
+        #[arg(long)]
+        admin: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -77,6 +120,9 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(Command::User { action: UserAction::Add { name, admin } }) = &cli.command {
+        return add_user(&cli.data_dir, name, *admin);
+    }
     let token = distlab_server::secret_from("DISTLAB_WORKER_TOKEN", cli.worker_token_file.as_deref())?;
     let generated = token.is_none();
     let defaults = ServerConfig::default();
@@ -93,6 +139,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         max_sse_per_client: cli.max_streams_per_client,
         request_timeout: Duration::from_secs(cli.request_timeout_seconds.max(1)),
         max_run: (cli.max_run_seconds > 0).then(|| Duration::from_secs(cli.max_run_seconds)),
+        auth: match cli.auth {
+            Auth::None => AuthMode::None,
+            Auth::Accounts => AuthMode::Accounts,
+        },
+        max_queued_per_user: cli.max_queued_per_user,
+        max_running_per_user: (cli.max_running_per_user > 0).then_some(cli.max_running_per_user),
         ..defaults
     };
     if generated {
@@ -102,6 +154,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(serve(config))?;
+    Ok(())
+}
+
+/// `distlab-server user add NAME [--admin]`, the password read from standard input.
+fn add_user(data_dir: &std::path::Path, name: &str, admin: bool) -> anyhow::Result<()> {
+    if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+        eprint!("password for {name}: ");
+    }
+    let mut password = String::new();
+    std::io::stdin().read_line(&mut password).context("cannot read the password from standard input")?;
+    let password = password.trim_end_matches(['\r', '\n']);
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let account = runtime.block_on(async {
+        let db = distlab_server::db::open(data_dir).await?;
+        anyhow::Ok(distlab_server::accounts::create(&db, name, password, admin).await?)
+    })?;
+    println!("created {}account {}", if account.admin { "admin " } else { "" }, account.name);
     Ok(())
 }
 

@@ -43,7 +43,9 @@ pub struct Leased {
     pub attempt: i64,
 }
 
-/// Gives the oldest queued experiment whose backend is in `backends` to `worker_id`.
+/// Gives a queued experiment whose backend is in `backends` to `worker_id`: fair share
+/// first (the owner with the fewest experiments running now), then the oldest; an owner
+/// already running `max_running` waits.
 ///
 /// One UPDATE with the choice in a subquery: SQLite runs it under the database's write
 /// lock, so two concurrent leases can never get the same experiment.
@@ -51,24 +53,35 @@ pub async fn lease(
     db: &Db,
     worker_id: i64,
     backends: &[BackendKind],
+    max_running: Option<usize>,
     lease: Duration,
     now: SystemTime,
 ) -> Result<Option<Leased>, sqlx::Error> {
     if backends.is_empty() {
         return Ok(None);
     }
-    let placeholders: Vec<String> = (0..backends.len()).map(|i| format!("?{}", i + 4)).collect();
+    let placeholders: Vec<String> = (0..backends.len()).map(|i| format!("?{}", i + 5)).collect();
     let sql = format!(
         "UPDATE experiments \
          SET status = 'running', worker_id = ?1, attempt = attempt + 1, lease_until = ?2, started_at = ?3, \
              cancel_requested = FALSE \
-         WHERE id = (SELECT id FROM experiments WHERE status = 'queued' AND backend IN ({}) ORDER BY id LIMIT 1) \
+         WHERE id = ( \
+             SELECT q.id FROM experiments q \
+             LEFT JOIN (SELECT owner, COUNT(*) AS n FROM experiments WHERE status = 'running' GROUP BY owner) r \
+               ON r.owner = q.owner \
+             WHERE q.status = 'queued' AND q.backend IN ({}) AND COALESCE(r.n, 0) < ?4 \
+             ORDER BY COALESCE(r.n, 0), q.id LIMIT 1) \
            AND status = 'queued' \
          RETURNING id, spec, attempt",
         placeholders.join(", ")
     );
     let started_at = clock::rfc3339(now);
-    let mut query = sqlx::query_as::<_, Leased>(&sql).bind(worker_id).bind(clock::after(now, lease)).bind(&started_at);
+    let max_running = max_running.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
+    let mut query = sqlx::query_as::<_, Leased>(&sql)
+        .bind(worker_id)
+        .bind(clock::after(now, lease))
+        .bind(&started_at)
+        .bind(max_running);
     for b in backends {
         query = query.bind(backend_name(*b));
     }
@@ -401,6 +414,36 @@ pub async fn submit(
             .fetch_one(db)
             .await?;
     Ok(Submitted::Existing { id, same_spec: earlier == spec_json })
+}
+
+/// How many experiments `owner` has queued.
+pub async fn queued_by(db: &Db, owner: &str) -> Result<usize, sqlx::Error> {
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = ?1 AND status = 'queued'")
+        .bind(owner)
+        .fetch_one(db)
+        .await?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// Whether `owner` already submitted something with idempotency key `key`.
+pub async fn submitted_with(db: &Db, owner: &str, key: Option<&str>) -> Result<bool, sqlx::Error> {
+    let Some(key) = key else { return Ok(false) };
+    let found: Option<i64> = sqlx::query_scalar("SELECT id FROM experiments WHERE owner = ?1 AND idempotency_key = ?2")
+        .bind(owner)
+        .bind(key)
+        .fetch_optional(db)
+        .await?;
+    Ok(found.is_some())
+}
+
+/// Deletes finished experiment `id` with everything stored of it (metrics, logs, traces,
+/// attempts); false when it is not finished (or not there).
+pub async fn delete_finished(db: &Db, id: i64) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query("DELETE FROM experiments WHERE id = ?1 AND status IN ('succeeded', 'failed', 'cancelled')")
+        .bind(id)
+        .execute(db)
+        .await?;
+    Ok(done.rows_affected() == 1)
 }
 
 /// Fails every experiment whose current attempt has been running longer than `max` (the

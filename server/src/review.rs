@@ -31,15 +31,15 @@ use std::time::{Duration, SystemTime};
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use distlab_common::cards::Card;
 use distlab_common::review::*;
 use distlab_common::FieldError;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
+use crate::accounts::Account;
 use crate::error::HttpError;
-use crate::experiments::LOCAL_OWNER;
 use crate::extract::{truncate, JsonBody};
 use crate::{cards, clock, AppState};
 
@@ -258,7 +258,7 @@ fn profile_not_found(raw: &str) -> HttpError {
 }
 
 /// The owner's profile with the id in the path, else 404 (also when someone else owns it).
-async fn load_profile(state: &AppState, raw_id: &str) -> Result<Profile, HttpError> {
+async fn load_profile(state: &AppState, owner: &Account, raw_id: &str) -> Result<Profile, HttpError> {
     let id = match raw_id.parse::<i64>() {
         Ok(id) if id > 0 => id,
         _ => {
@@ -270,7 +270,7 @@ async fn load_profile(state: &AppState, raw_id: &str) -> Result<Profile, HttpErr
     };
     let row = sqlx::query_as::<_, ProfileRow>("SELECT id, name, created_at FROM profiles WHERE id = ?1 AND owner = ?2")
         .bind(id)
-        .bind(LOCAL_OWNER)
+        .bind(&owner.name)
         .fetch_optional(&state.db)
         .await?;
     row.map(Profile::from).ok_or_else(|| profile_not_found(raw_id))
@@ -294,10 +294,13 @@ fn unprocessable(problem: FieldError) -> HttpError {
 // Handlers
 
 /// `GET /api/profiles`: the owner's profiles, oldest first.
-pub async fn list_profiles(State(state): State<AppState>) -> Result<Json<ProfileList>, HttpError> {
+pub async fn list_profiles(
+    State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
+) -> Result<Json<ProfileList>, HttpError> {
     let rows =
         sqlx::query_as::<_, ProfileRow>("SELECT id, name, created_at FROM profiles WHERE owner = ?1 ORDER BY id")
-            .bind(LOCAL_OWNER)
+            .bind(&owner.name)
             .fetch_all(&state.db)
             .await?;
     Ok(Json(ProfileList { profiles: rows.into_iter().map(Profile::from).collect() }))
@@ -307,11 +310,12 @@ pub async fn list_profiles(State(state): State<AppState>) -> Result<Json<Profile
 /// unique per owner (409; names compare exactly, case included).
 pub async fn create_profile(
     State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
     JsonBody(body): JsonBody<NewProfile>,
 ) -> Result<Response, HttpError> {
     let name = validate_profile_name(&body.name).map_err(unprocessable)?;
     let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM profiles WHERE owner = ?1")
-        .bind(LOCAL_OWNER)
+        .bind(&owner.name)
         .fetch_one(&state.db)
         .await?;
     if count >= MAX_PROFILES as i64 {
@@ -322,7 +326,7 @@ pub async fn create_profile(
         "INSERT INTO profiles (owner, name, created_at) VALUES (?1, ?2, ?3) \
          ON CONFLICT (owner, name) DO NOTHING RETURNING id",
     )
-    .bind(LOCAL_OWNER)
+    .bind(&owner.name)
     .bind(&name)
     .bind(&created_at)
     .fetch_optional(&state.db)
@@ -338,9 +342,10 @@ pub async fn create_profile(
 /// `GET /api/profiles/{id}/review`
 pub async fn review_view(
     State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
     Path(raw_id): Path<String>,
 ) -> Result<Json<ReviewView>, HttpError> {
-    let profile = load_profile(&state, &raw_id).await?;
+    let profile = load_profile(&state, &owner, &raw_id).await?;
     let deck = deck()?;
     let now = clock::now();
     let states: HashMap<String, CardState> = load_states(&state, profile.id).await?.into_iter().collect();
@@ -360,10 +365,11 @@ pub async fn review_view(
 /// card was reviewed by another request at the same moment (nothing is changed: retry).
 pub async fn review(
     State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
     Path(raw_id): Path<String>,
     JsonBody(body): JsonBody<ReviewRequest>,
 ) -> Result<Json<ReviewResult>, HttpError> {
-    let profile = load_profile(&state, &raw_id).await?;
+    let profile = load_profile(&state, &owner, &raw_id).await?;
     let grade = Grade::from_rating(body.rating).map_err(unprocessable)?;
     let rating = body.rating as u8; // 1..=5 after from_rating
     if !deck()?.iter().any(|c| c.id == body.card_id) {
@@ -446,9 +452,10 @@ pub async fn review(
 /// log (oldest first), including cards the deck no longer has.
 pub async fn export(
     State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
     Path(raw_id): Path<String>,
 ) -> Result<Json<ReviewExport>, HttpError> {
-    let profile = load_profile(&state, &raw_id).await?;
+    let profile = load_profile(&state, &owner, &raw_id).await?;
     let cards =
         load_states(&state, profile.id).await?.into_iter().map(|(card_id, s)| ExportedCard::new(card_id, s)).collect();
     let log = sqlx::query_as::<_, LogRow>(
@@ -619,10 +626,11 @@ pub fn check_import(body: serde_json::Value, deck: &[Card]) -> Result<CheckedImp
 /// nothing). The profile keeps its own name.
 pub async fn import(
     State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
     Path(raw_id): Path<String>,
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<Json<ImportResult>, HttpError> {
-    let profile = load_profile(&state, &raw_id).await?;
+    let profile = load_profile(&state, &owner, &raw_id).await?;
     let checked = check_import(body, deck()?)?;
 
     let mut tx = state.db.begin().await?;

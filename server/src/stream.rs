@@ -50,15 +50,18 @@ pub struct Hub {
     connections: Arc<Semaphore>,
     max_connections: usize,
     /// Open streams per client address, and the most one client may hold.
-    per_client: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    per_client: ClientStreams,
     max_per_client: usize,
     shutdown: watch::Sender<bool>,
 }
 
+/// How many streams each client address holds open.
+type ClientStreams = Arc<Mutex<HashMap<IpAddr, usize>>>;
+
 /// One open stream's place: freed (in the total and in its client's count) when dropped.
 pub struct StreamSlot {
     _total: OwnedSemaphorePermit,
-    client: Option<(IpAddr, Arc<Mutex<HashMap<IpAddr, usize>>>)>,
+    client: Option<(IpAddr, ClientStreams)>,
 }
 
 impl Drop for StreamSlot {

@@ -129,7 +129,8 @@ pub async fn lease(
     let now = clock::now();
     let backends = touch(&state, body.worker_id, now).await?;
     let lease_for = state.config.lease_duration();
-    let Some(leased) = queue::lease(&state.db, body.worker_id, &backends, lease_for, now).await? else {
+    let max_running = state.config.max_running_per_user;
+    let Some(leased) = queue::lease(&state.db, body.worker_id, &backends, max_running, lease_for, now).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let spec: ExperimentSpec = serde_json::from_str(&leased.spec).map_err(|e| {

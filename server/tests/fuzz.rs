@@ -37,6 +37,8 @@ impl Lab {
             static_dir: dir.path().join("site"),
             local_workers: 0,
             worker_token: TOKEN.into(),
+            // Every valid spec is queued: the quota is not what is fuzzed here.
+            max_queued_per_user: usize::MAX,
             ..ServerConfig::default()
         };
         let state = runtime.block_on(AppState::new(config)).expect("state");

@@ -425,6 +425,7 @@ mod tests {
         let run = ExperimentView {
             id: 12,
             name: "renamed".into(),
+            owner: "local".into(),
             status: distlab_common::ExperimentStatus::Succeeded,
             spec: distlab_common::ExperimentSpec { name: "renamed".into(), ..preset.spec },
             created_at: String::new(),

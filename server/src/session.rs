@@ -1,0 +1,184 @@
+//! Who is asking. `identify` (middleware on the user API) puts the caller's [`Account`] on
+//! every request: with `--auth none` the machine's one user (an admin); with
+//! `--auth accounts` the account of the session cookie, and anyone else gets 401. Also the
+//! routes around it: sign in and out (`POST` / `DELETE /api/session`), `GET /api/me`, and
+//! the accounts admins manage (`/api/users`).
+
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use distlab_common::{AccountList, AccountView, AuthMode, Me, NewAccount, NewPassword, SignIn};
+
+use crate::accounts::{self, Account, AccountError};
+use crate::clock;
+use crate::error::HttpError;
+use crate::experiments::LOCAL_OWNER;
+use crate::extract::JsonBody;
+use crate::AppState;
+
+/// The session cookie's name.
+pub const COOKIE: &str = "distlab_session";
+
+/// The one user of a server without accounts.
+pub fn local_user() -> Account {
+    Account { name: LOCAL_OWNER.to_string(), admin: true }
+}
+
+/// The session token the request carries, if any.
+fn session_token(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(name, _)| *name == COOKIE)
+        .map(|(_, value)| value)
+}
+
+/// Middleware: the caller's account on the request, or 401.
+pub async fn identify(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let account = match state.config.auth {
+        AuthMode::None => local_user(),
+        AuthMode::Accounts => {
+            let found = match session_token(req.headers()) {
+                Some(token) => accounts::session(&state.db, token, clock::now()).await,
+                None => Ok(None),
+            };
+            match found {
+                Ok(Some(account)) => account,
+                Ok(None) => return HttpError::unauthorized("sign in first (POST /api/session)").into_response(),
+                Err(e) => return HttpError::from(e).into_response(),
+            }
+        }
+    };
+    req.extensions_mut().insert(account);
+    next.run(req).await
+}
+
+fn me(account: &Account, auth: AuthMode) -> Me {
+    Me { name: account.name.clone(), admin: account.admin, auth }
+}
+
+/// `GET /api/me`: who is signed in.
+pub async fn who(State(state): State<AppState>, Extension(caller): Extension<Account>) -> Json<Me> {
+    Json(me(&caller, state.config.auth))
+}
+
+fn cookie(value: &str, max_age_s: u64) -> HeaderValue {
+    let text = format!("{COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age_s}");
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("distlab_session=; Max-Age=0"))
+}
+
+/// `POST /api/session {"name", "password"}`: signs in (a session cookie, HttpOnly and
+/// SameSite=Strict); 401 for a wrong name or password (without saying which).
+pub async fn sign_in(State(state): State<AppState>, JsonBody(body): JsonBody<SignIn>) -> Result<Response, HttpError> {
+    if state.config.auth == AuthMode::None {
+        return Err(HttpError::conflict(
+            "this server runs without accounts (--auth none): there is nothing to sign in to",
+        ));
+    }
+    let too_long =
+        body.name.len() > 4 * accounts::MAX_NAME_CHARS || body.password.len() > 4 * accounts::MAX_PASSWORD_CHARS;
+    let account = if too_long { None } else { accounts::verify(&state.db, &body.name, &body.password).await? };
+    let Some(account) = account else {
+        tracing::info!(name = %body.name.chars().take(64).collect::<String>(), "sign-in refused");
+        return Err(HttpError::unauthorized("wrong name or password"));
+    };
+    let token = accounts::open_session(&state.db, &account, clock::now()).await?;
+    tracing::info!(name = %account.name, "signed in");
+    let mut resp = Json(me(&account, state.config.auth)).into_response();
+    resp.headers_mut().insert(header::SET_COOKIE, cookie(&token, accounts::SESSION_LIFETIME.as_secs()));
+    Ok(resp)
+}
+
+/// `DELETE /api/session`: signs out (the session ends on the server, the cookie is cleared).
+pub async fn sign_out(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, HttpError> {
+    if let Some(token) = session_token(&headers) {
+        accounts::close_session(&state.db, token).await?;
+    }
+    let mut resp = StatusCode::NO_CONTENT.into_response();
+    resp.headers_mut().insert(header::SET_COOKIE, cookie("", 0));
+    Ok(resp)
+}
+
+fn require_admin(caller: &Account) -> Result<(), HttpError> {
+    if caller.admin {
+        Ok(())
+    } else {
+        Err(HttpError::forbidden("only an admin (a teacher) may manage accounts"))
+    }
+}
+
+fn account_error(e: AccountError) -> HttpError {
+    match e {
+        AccountError::Invalid(message) => HttpError::with_fields(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            message.clone(),
+            vec![distlab_common::FieldError::new("", message)],
+        ),
+        AccountError::Exists(_) => HttpError::conflict(e.to_string()),
+        AccountError::NoSuchAccount(_) => HttpError::not_found(e.to_string()),
+        AccountError::Hash(detail) => HttpError::internal("password hashing", detail),
+        AccountError::Db(e) => HttpError::from(e),
+    }
+}
+
+/// `GET /api/users` (admins): every account.
+pub async fn list_users(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
+) -> Result<Json<AccountList>, HttpError> {
+    require_admin(&caller)?;
+    let users = accounts::list(&state.db).await?;
+    Ok(Json(AccountList { users: users.into_iter().map(|a| AccountView { name: a.name, admin: a.admin }).collect() }))
+}
+
+/// `POST /api/users {"name", "password", "admin"}` (admins): a new account (201).
+pub async fn create_user(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
+    JsonBody(body): JsonBody<NewAccount>,
+) -> Result<Response, HttpError> {
+    require_admin(&caller)?;
+    let account = accounts::create(&state.db, &body.name, &body.password, body.admin).await.map_err(account_error)?;
+    tracing::info!(name = %account.name, admin = account.admin, by = %caller.name, "account created");
+    Ok((StatusCode::CREATED, Json(AccountView { name: account.name, admin: account.admin })).into_response())
+}
+
+/// `PUT /api/users/{name}/password {"password"}` (admins): a new password; the account's
+/// sessions end (204).
+pub async fn reset_password(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<NewPassword>,
+) -> Result<StatusCode, HttpError> {
+    require_admin(&caller)?;
+    accounts::set_password(&state.db, &name, &body.password).await.map_err(account_error)?;
+    tracing::info!(%name, by = %caller.name, "password reset");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_session_cookie_is_found_among_others() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::COOKIE, HeaderValue::from_static("theme=dark; distlab_session=abc123; x=y"));
+        assert_eq!(session_token(&headers), Some("abc123"));
+        headers.insert(header::COOKIE, HeaderValue::from_static("distlab_sessionx=no"));
+        assert_eq!(session_token(&headers), None);
+    }
+
+    #[test]
+    fn the_cookie_is_http_only_and_same_site_strict() {
+        let c = cookie("t0ken", 60);
+        let text = c.to_str().unwrap();
+        assert!(text.contains("HttpOnly") && text.contains("SameSite=Strict") && text.contains("Max-Age=60"), "{text}");
+    }
+}

@@ -1,0 +1,371 @@
+//! A class shares one server (`--auth accounts`): sign-in, who may do what (an authorization
+//! matrix over every kind of route), per-person quotas and fair-share leasing.
+
+use std::collections::BTreeMap;
+
+use axum::body::Body;
+use axum::http::{header, Method, Request, StatusCode};
+use axum::Router;
+use distlab_common::{AuthMode, Me};
+use distlab_server::{accounts, app, AppState, ServerConfig};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+const TOKEN: &str = "test-worker-token";
+const HOST: &str = "127.0.0.1:8080";
+
+struct Class {
+    app: Router,
+    state: AppState,
+    /// Session cookie of each signed-in account.
+    cookies: BTreeMap<&'static str, String>,
+    _dir: tempfile::TempDir,
+}
+
+/// Who asks: nobody signed in, an account, or an account's browser on another site's page.
+#[derive(Clone, Copy, Debug)]
+enum Caller {
+    Anonymous,
+    As(&'static str),
+    CrossOrigin(&'static str),
+}
+use Caller::*;
+
+impl Class {
+    /// A server with accounts ada and bob (students) and teach (an admin), all signed in.
+    async fn new(edit: impl FnOnce(&mut ServerConfig)) -> Class {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut config = ServerConfig {
+            data_dir: dir.path().join("data"),
+            static_dir: dir.path().join("site"),
+            local_workers: 0,
+            worker_token: TOKEN.into(),
+            auth: AuthMode::Accounts,
+            ..ServerConfig::default()
+        };
+        edit(&mut config);
+        let state = AppState::new(config).await.expect("state");
+        let mut class = Class { app: app(state.clone()), state, cookies: BTreeMap::new(), _dir: dir };
+        for (name, admin) in [("ada", false), ("bob", false), ("teach", true)] {
+            accounts::create(&class.state.db, name, "correct horse", admin).await.expect("account");
+            let signed_in = class
+                .send(Anonymous, Method::POST, "/api/session", Some(json!({"name": name, "password": "correct horse"})))
+                .await;
+            let (status, headers, _) = signed_in;
+            assert_eq!(status, StatusCode::OK, "{name} signs in");
+            let set_cookie = headers.get(header::SET_COOKIE).expect("a cookie").to_str().unwrap().to_string();
+            assert!(set_cookie.contains("HttpOnly") && set_cookie.contains("SameSite=Strict"), "{set_cookie}");
+            let cookie = set_cookie.split(';').next().unwrap().to_string();
+            class.cookies.insert(name, cookie);
+        }
+        class
+    }
+
+    async fn send(
+        &self,
+        caller: Caller,
+        method: Method,
+        uri: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, axum::http::HeaderMap, Value) {
+        let mut req = Request::builder().method(method).uri(uri).header(header::HOST, HOST);
+        match caller {
+            Anonymous => {}
+            As(name) => req = req.header(header::COOKIE, &self.cookies[name]),
+            CrossOrigin(name) => {
+                req = req.header(header::COOKIE, &self.cookies[name]).header(header::ORIGIN, "http://evil.example")
+            }
+        }
+        let req = match body {
+            Some(body) => req.header(header::CONTENT_TYPE, "application/json").body(Body::from(body.to_string())),
+            None => req.body(Body::empty()),
+        }
+        .expect("request");
+        let resp = self.app.clone().oneshot(req).await.expect("an answer");
+        let (status, headers) = (resp.status(), resp.headers().clone());
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, headers, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    async fn status(&self, caller: Caller, method: Method, uri: &str, body: Option<Value>) -> StatusCode {
+        self.send(caller, method, uri, body).await.0
+    }
+
+    /// A queued experiment of `owner`.
+    async fn experiment_of(&self, owner: &'static str) -> i64 {
+        let (status, _, body) = self
+            .send(As(owner), Method::POST, "/api/experiments", Some(json!({"name": "run", "train": {"steps": 5}})))
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        body["id"].as_i64().expect("id")
+    }
+
+    /// A finished (cancelled) experiment of `owner`.
+    async fn finished_experiment_of(&self, owner: &'static str) -> i64 {
+        let id = self.experiment_of(owner).await;
+        let uri = format!("/api/experiments/{id}/cancel");
+        assert_eq!(self.status(As(owner), Method::POST, &uri, None).await, StatusCode::OK);
+        id
+    }
+
+    async fn worker(&self, path: &str, body: Value) -> (StatusCode, Value) {
+        let req = Request::post(format!("/api/workers/{path}"))
+            .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .expect("request");
+        let resp = self.app.clone().oneshot(req).await.expect("an answer");
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+}
+
+/// Every kind of route x {anonymous, the owner, another student, an admin, the owner's
+/// browser on another site}: the status each gets.
+#[tokio::test]
+async fn who_may_do_what() {
+    let c = Class::new(|_| {}).await;
+    let (_, _, profile) = c.send(As("ada"), Method::POST, "/api/profiles", Some(json!({"name": "ada's deck"}))).await;
+    let profile = profile["id"].as_i64().expect("a profile");
+    let running = c.experiment_of("ada").await;
+    // (A live stream of a finished experiment ends after its replay.)
+    let done = c.finished_experiment_of("ada").await;
+
+    use StatusCode as S;
+    let callers = [Anonymous, As("ada"), As("bob"), As("teach"), CrossOrigin("ada")];
+    // (method, route, body, expected per caller, whether each cell needs a fresh experiment)
+    struct Row {
+        method: Method,
+        route: &'static str,
+        body: Option<Value>,
+        expect: [StatusCode; 5],
+    }
+    let new_spec = json!({"name": "mine", "train": {"steps": 5}});
+    let rows = [
+        Row { method: Method::GET, route: "/api/health", body: None, expect: [S::OK; 5] },
+        Row {
+            method: Method::GET,
+            route: "/api/me",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/experiments",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/experiments/{running}",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/experiments/{running}/metrics",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/experiments/{done}/stream",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::POST,
+            route: "/api/experiments",
+            body: Some(new_spec.clone()),
+            expect: [S::UNAUTHORIZED, S::CREATED, S::CREATED, S::CREATED, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::POST,
+            route: "/api/plan",
+            body: Some(new_spec.clone()),
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/cards",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/compare?ids={done},{running}",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::POST,
+            route: "/api/experiments/{fresh}/cancel",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::FORBIDDEN, S::OK, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::DELETE,
+            route: "/api/experiments/{finished}",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::NO_CONTENT, S::FORBIDDEN, S::NO_CONTENT, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/profiles",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/profiles/{profile}/review",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::NOT_FOUND, S::NOT_FOUND, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/profiles/{profile}/export",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::NOT_FOUND, S::NOT_FOUND, S::OK],
+        },
+        Row {
+            method: Method::POST,
+            route: "/api/profiles/{profile}/import",
+            body: Some(
+                json!({"format": "distlab-review/1", "profile": "x", "exported_at": "2025-01-31T12:00:00.000Z", "cards": [], "log": []}),
+            ),
+            expect: [S::UNAUTHORIZED, S::OK, S::NOT_FOUND, S::NOT_FOUND, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/users",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::FORBIDDEN, S::FORBIDDEN, S::OK, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::POST,
+            route: "/api/users",
+            body: Some(json!({"name": "{fresh_name}", "password": "long enough"})),
+            expect: [S::UNAUTHORIZED, S::FORBIDDEN, S::FORBIDDEN, S::CREATED, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::PUT,
+            route: "/api/users/bob/password",
+            body: Some(json!({"password": "a new one!"})),
+            expect: [S::UNAUTHORIZED, S::FORBIDDEN, S::FORBIDDEN, S::NO_CONTENT, S::FORBIDDEN],
+        },
+    ];
+    let mut fresh_names = 0;
+    let mut wrong = Vec::new();
+    for row in &rows {
+        for (caller, &want) in callers.iter().zip(&row.expect) {
+            let mut route = row
+                .route
+                .replace("{running}", &running.to_string())
+                .replace("{done}", &done.to_string())
+                .replace("{profile}", &profile.to_string());
+            if route.contains("{fresh}") {
+                route = route.replace("{fresh}", &c.experiment_of("ada").await.to_string());
+            }
+            if route.contains("{finished}") {
+                route = route.replace("{finished}", &c.finished_experiment_of("ada").await.to_string());
+            }
+            let body = row.body.as_ref().map(|b| {
+                fresh_names += 1;
+                serde_json::from_str(&b.to_string().replace("{fresh_name}", &format!("student{fresh_names}"))).unwrap()
+            });
+            let got = c.status(*caller, row.method.clone(), &route, body).await;
+            if got != want {
+                wrong.push(format!("{} {route} as {caller:?}: {got}, expected {want}", row.method));
+            }
+        }
+        // bob's password was reset by the admin: sign him in again with the new one.
+        if row.route == "/api/users/bob/password" {
+            let (status, headers, _) = c
+                .send(Anonymous, Method::POST, "/api/session", Some(json!({"name": "bob", "password": "a new one!"})))
+                .await;
+            assert_eq!(status, StatusCode::OK);
+            assert!(headers.contains_key(header::SET_COOKIE));
+        }
+    }
+    assert!(wrong.is_empty(), "{} cells differ:\n{}", wrong.len(), wrong.join("\n"));
+    // The worker API answers its token, not sessions.
+    let (status, _) =
+        c.worker("register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn signing_in_and_out() {
+    let c = Class::new(|_| {}).await;
+    let wrong =
+        c.send(Anonymous, Method::POST, "/api/session", Some(json!({"name": "ada", "password": "wrong horse"}))).await;
+    assert_eq!(wrong.0, StatusCode::UNAUTHORIZED);
+    assert!(wrong.1.get(header::SET_COOKIE).is_none());
+    let nobody = c
+        .send(Anonymous, Method::POST, "/api/session", Some(json!({"name": "zed", "password": "correct horse"})))
+        .await;
+    assert_eq!(nobody.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(wrong.2["error"], nobody.2["error"], "a wrong name and a wrong password look alike");
+    let (status, _, me) = c.send(As("teach"), Method::GET, "/api/me", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let me: Me = serde_json::from_value(me).unwrap();
+    assert_eq!(me, Me { name: "teach".into(), admin: true, auth: AuthMode::Accounts });
+    let (status, headers, _) = c.send(As("ada"), Method::DELETE, "/api/session", None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert!(headers.get(header::SET_COOKIE).unwrap().to_str().unwrap().contains("Max-Age=0"));
+    assert_eq!(c.status(As("ada"), Method::GET, "/api/me", None).await, StatusCode::UNAUTHORIZED, "the session ended");
+    assert_eq!(c.status(As("bob"), Method::GET, "/api/me", None).await, StatusCode::OK, "bob's did not");
+}
+
+/// Experiments belong to their submitter; everyone sees everyone's.
+#[tokio::test]
+async fn experiments_are_shared_and_owned() {
+    let c = Class::new(|_| {}).await;
+    let id = c.experiment_of("ada").await;
+    let (_, _, view) = c.send(As("bob"), Method::GET, &format!("/api/experiments/{id}"), None).await;
+    assert_eq!(view["owner"], "ada");
+    let (_, _, list) = c.send(As("bob"), Method::GET, "/api/experiments", None).await;
+    assert_eq!(list["total"], 1);
+    // A queued or running one is cancelled before it is deleted.
+    let (status, _, e) = c.send(As("ada"), Method::DELETE, &format!("/api/experiments/{id}"), None).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{e}");
+}
+
+/// `--max-queued-per-user`: past it a person's submission is refused (429), saying the
+/// limit; another person is not held back.
+#[tokio::test]
+async fn each_person_may_queue_so_many() {
+    let c = Class::new(|config| config.max_queued_per_user = 3).await;
+    for _ in 0..3 {
+        c.experiment_of("ada").await;
+    }
+    let spec = json!({"name": "fourth", "train": {"steps": 5}});
+    let (status, _, e) = c.send(As("ada"), Method::POST, "/api/experiments", Some(spec.clone())).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("--max-queued-per-user=3"), "{e}");
+    assert_eq!(c.status(As("bob"), Method::POST, "/api/experiments", Some(spec)).await, StatusCode::CREATED);
+}
+
+/// Fair share: one person queues ten; another's one submission runs next, before the
+/// first person's second. With `--max-running-per-user 1`, a person's second waits while
+/// their first runs, even with a worker free.
+#[tokio::test]
+async fn the_lease_takes_the_person_running_least() {
+    let c = Class::new(|config| config.max_running_per_user = Some(1)).await;
+    let mut ada = Vec::new();
+    for _ in 0..10 {
+        ada.push(c.experiment_of("ada").await);
+    }
+    let (_, registered) =
+        c.worker("register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
+    let worker = registered["worker_id"].as_i64().unwrap();
+    let (_, first) = c.worker("lease", json!({"worker_id": worker})).await;
+    assert_eq!(first["experiment_id"], ada[0]);
+    let bob = c.experiment_of("bob").await;
+    let (_, second) = c.worker("lease", json!({"worker_id": worker})).await;
+    assert_eq!(second["experiment_id"], bob, "bob runs nothing, ada runs one");
+    let (status, _) = c.worker("lease", json!({"worker_id": worker})).await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "ada already runs one, her limit");
+}
