@@ -18,11 +18,18 @@ pub struct RequestError {
     pub message: String,
     /// Field errors from a 422 answer (`{"field": "train.steps", "message": ...}`).
     pub fields: Vec<FieldError>,
+    /// The answer's status (None: no answer came).
+    pub status: Option<u16>,
 }
 
 impl RequestError {
     fn new(message: impl Into<String>) -> Self {
-        Self { message: message.into(), fields: Vec::new() }
+        Self { message: message.into(), fields: Vec::new(), status: None }
+    }
+
+    /// The server wants a signed-in caller (401).
+    pub fn needs_sign_in(&self) -> bool {
+        self.status == Some(401)
     }
 }
 
@@ -36,6 +43,25 @@ pub type ApiResult<T> = Result<T, RequestError>;
 
 pub async fn health() -> ApiResult<Health> {
     get_json("/api/health").await
+}
+
+/// Who is signed in (401 when nobody is, on a server with accounts).
+pub async fn me() -> ApiResult<distlab_common::Me> {
+    get_json("/api/me").await
+}
+
+/// Signs in: the server sets the session cookie.
+pub async fn sign_in(name: &str, password: &str) -> ApiResult<distlab_common::Me> {
+    post_json("/api/session", &serde_json::json!({ "name": name, "password": password })).await
+}
+
+pub async fn sign_out() -> ApiResult<()> {
+    let response = Request::delete("/api/session").send().await.map_err(network_error)?;
+    if response.ok() {
+        Ok(())
+    } else {
+        Err(error_from(response).await)
+    }
 }
 
 pub async fn list_experiments(limit: u32) -> ApiResult<ExperimentList> {
@@ -155,11 +181,12 @@ fn network_error(e: gloo_net::Error) -> RequestError {
 async fn error_from(response: Response) -> RequestError {
     let status = response.status();
     let text = response.text().await.unwrap_or_default();
-    match serde_json::from_str::<ApiError>(&text) {
-        Ok(body) => RequestError { message: body.error, fields: body.fields },
+    let error = match serde_json::from_str::<ApiError>(&text) {
+        Ok(body) => RequestError { message: body.error, fields: body.fields, status: None },
         Err(_) if text.trim().is_empty() => RequestError::new(format!("the server answered {status}")),
         Err(_) => RequestError::new(format!("the server answered {status}: {}", text.trim())),
-    }
+    };
+    RequestError { status: Some(status), ..error }
 }
 
 /// A live `GET /api/experiments/{id}/stream`: calls `on_event` for every `status`,

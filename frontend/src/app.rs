@@ -8,6 +8,7 @@ use leptos_router::components::{Route, Router, Routes, A};
 use leptos_router::path;
 
 use crate::api;
+use crate::pages::sign_in::{ask_who, AccountBadge, Session, SignInPage};
 use crate::pages::{
     cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList, new::NewExperiment,
     pipeline::PipelinePage, planner::PlannerPage, ring::RingReplayPage,
@@ -15,6 +16,9 @@ use crate::pages::{
 
 #[component]
 pub fn App() -> impl IntoView {
+    // On a server with accounts, the pages wait for a signed-in session.
+    let session = RwSignal::new(Session::Asking);
+    ask_who(session);
     view! {
         <Router>
             <header class="topbar">
@@ -30,18 +34,25 @@ pub fn App() -> impl IntoView {
                     <A href="/cards">"Flashcards"</A>
                 </nav>
                 <HealthBadge/>
+                <AccountBadge session=session/>
             </header>
             <main class="page">
-                <Routes fallback=|| view! { <NotFound/> }>
-                    <Route path=path!("/") view=ExperimentList/>
-                    <Route path=path!("/new") view=NewExperiment/>
-                    <Route path=path!("/compare") view=ComparePage/>
-                    <Route path=path!("/planner") view=PlannerPage/>
-                    <Route path=path!("/cards") view=CardsPage/>
-                    <Route path=path!("/experiments/:id") view=ExperimentPage/>
-                    <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
-                    <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>
-                </Routes>
+                {move || match session.get() {
+                    Session::Asking => view! { <p class="muted">"…"</p> }.into_any(),
+                    Session::SignedOut => view! { <SignInPage session=session/> }.into_any(),
+                    Session::SignedIn(_) => view! {
+                        <Routes fallback=|| view! { <NotFound/> }>
+                            <Route path=path!("/") view=ExperimentList/>
+                            <Route path=path!("/new") view=NewExperiment/>
+                            <Route path=path!("/compare") view=ComparePage/>
+                            <Route path=path!("/planner") view=PlannerPage/>
+                            <Route path=path!("/cards") view=CardsPage/>
+                            <Route path=path!("/experiments/:id") view=ExperimentPage/>
+                            <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
+                            <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>
+                        </Routes>
+                    }.into_any(),
+                }}
             </main>
             <footer class="footer">
                 "distlab " {distlab_common::VERSION}

@@ -66,6 +66,12 @@ fn check_password(password: &str) -> Result<(), AccountError> {
     Ok(())
 }
 
+/// Argon2 takes tens of milliseconds on purpose: it runs on tokio's blocking threads, so
+/// that a class signing in at once does not stall every other request.
+async fn off_the_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, AccountError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| AccountError::Hash(e.to_string()))
+}
+
 fn hash_password(password: &str) -> Result<String, AccountError> {
     let salt_bytes: [u8; 16] = rand::random();
     let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| AccountError::Hash(e.to_string()))?;
@@ -79,7 +85,8 @@ fn hash_password(password: &str) -> Result<String, AccountError> {
 pub async fn create(db: &Db, name: &str, password: &str, admin: bool) -> Result<Account, AccountError> {
     check_name(name)?;
     check_password(password)?;
-    let hash = hash_password(password)?;
+    let owned = password.to_string();
+    let hash = off_the_runtime(move || hash_password(&owned)).await??;
     let done = sqlx::query(
         "INSERT INTO users (name, password_hash, admin, created_at) VALUES (?1, ?2, ?3, ?4) ON CONFLICT DO NOTHING",
     )
@@ -98,7 +105,8 @@ pub async fn create(db: &Db, name: &str, password: &str, admin: bool) -> Result<
 /// Gives `name` a new password and ends its sessions.
 pub async fn set_password(db: &Db, name: &str, password: &str) -> Result<(), AccountError> {
     check_password(password)?;
-    let hash = hash_password(password)?;
+    let owned = password.to_string();
+    let hash = off_the_runtime(move || hash_password(&owned)).await??;
     let changed =
         sqlx::query("UPDATE users SET password_hash = ?1 WHERE name = ?2").bind(&hash).bind(name).execute(db).await?;
     if changed.rows_affected() == 0 {
@@ -123,8 +131,13 @@ pub async fn verify(db: &Db, name: &str, password: &str) -> Result<Option<Accoun
         Some((hash, admin)) => (hash, admin, true),
         None => (UNKNOWN_NAME_HASH.clone(), false, false),
     };
-    let matches = PasswordHash::new(&hash)
-        .is_ok_and(|parsed| Argon2::default().verify_password(password.as_bytes(), &parsed).is_ok());
+    let password = password.to_string();
+    let matches = off_the_runtime(move || {
+        PasswordHash::new(&hash)
+            .is_ok_and(|parsed| Argon2::default().verify_password(password.as_bytes(), &parsed).is_ok())
+    })
+    .await
+    .unwrap_or(false);
     Ok((matches && exists).then(|| Account { name: name.to_string(), admin }))
 }
 

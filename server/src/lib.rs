@@ -325,6 +325,12 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     config.validate()?;
     cards::deck().map_err(ServeError::Config)?;
     let state = AppState::new(config.clone()).await?;
+    if config.auth == AuthMode::Accounts && accounts::list(&state.db).await.is_ok_and(|users| users.is_empty()) {
+        tracing::warn!(
+            "--auth accounts, but there are no accounts yet: create one with `distlab-server user add NAME --admin` \
+             (same --data-dir)"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(config.addr)
         .await
         .map_err(|source| ServeError::Bind { addr: config.addr, source })?;

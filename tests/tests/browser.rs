@@ -239,6 +239,67 @@ async fn compare_runs_plan_a_model_and_study_cards() -> Result<()> {
     result
 }
 
+/// A server with accounts: the pages wait behind the sign-in page; a wrong password is
+/// refused there, the right one opens the experiments (the header says who is signed in),
+/// and signing out brings the sign-in page back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_member_signs_in_and_out() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let env = vec![("DISTLAB_AUTH".to_string(), "accounts".to_string())];
+    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
+    let mut add = Command::new(distlab_tests::bin_path("distlab-server"))
+        .args(["user", "add", "ada"])
+        .arg("--data-dir")
+        .arg(lab.data_dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
+    std::io::Write::write_all(&mut add.stdin.take().context("stdin")?, b"correct horse\n")?;
+    ensure!(add.wait()?.success(), "distlab-server user add failed");
+    let driver = ChromeDriver::start()?;
+    let client = driver.connect().await?;
+    let result = sign_in_scenario(&client, &lab).await;
+    if result.is_err() {
+        let _ = save_screenshot(&client, "failure-sign-in.png").await;
+    }
+    let _ = client.close().await;
+    result
+}
+
+async fn sign_in_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/")).await?;
+    wait_for(c, "the sign-in page", Duration::from_secs(30), || exists(c, "#sign-in-page")).await?;
+    ensure!(!exists(c, "#compare-selected").await?, "the experiments page is not shown before signing in");
+    let type_into = |selector: &'static str, value: &'static str| async move {
+        let input = c.find(Locator::Css(selector)).await?;
+        input.clear().await?;
+        input.send_keys(value).await?;
+        anyhow::Ok(())
+    };
+    type_into("#sign-in-name", "ada").await?;
+    type_into("#sign-in-password", "wrong horse").await?;
+    c.find(Locator::Css("#sign-in")).await?.click().await?;
+    wait_for(c, "the refusal", Duration::from_secs(15), || exists(c, "#sign-in-error")).await?;
+    let refusal = text(c, "#sign-in-error").await?;
+    ensure!(refusal.contains("wrong name or password"), "{refusal}");
+    save_screenshot(c, "sign-in.png").await?;
+    type_into("#sign-in-password", "correct horse").await?;
+    c.find(Locator::Css("#sign-in")).await?.click().await?;
+    wait_for(c, "the experiments page", Duration::from_secs(15), || exists(c, "#compare-selected")).await?;
+    let who = text(c, "#signed-in-as").await?;
+    ensure!(who == "ada", "the header says {who:?}");
+    save_screenshot(c, "signed-in.png").await?;
+    c.find(Locator::Css("#sign-out")).await?.click().await?;
+    wait_for(c, "the sign-in page again", Duration::from_secs(15), || exists(c, "#sign-in-page")).await?;
+    // The session ended on the server too: the API answers 401 to that browser.
+    c.goto(&lab.url("/api/me")).await?;
+    let body = js(c, "return document.body.textContent;", "body").await?;
+    ensure!(body.as_str().is_some_and(|b| b.contains("sign in first")), "after signing out /api/me says {body}");
+    Ok(())
+}
+
 /// One rank with micro-batch 8 and DDP on 2 ranks with micro-batch 4, ticked in the list
 /// and compared: two curves, the "equivalent" verdict, the diff-only toggle, and the
 /// exported CSV's lines.

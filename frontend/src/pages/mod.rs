@@ -9,3 +9,4 @@ pub mod new;
 pub mod pipeline;
 pub mod planner;
 pub mod ring;
+pub mod sign_in;

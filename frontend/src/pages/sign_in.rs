@@ -1,0 +1,96 @@
+//! Signing in, on a server started with `--auth accounts`: the page everyone sees until
+//! they have a session, and the header's "signed in as ... · sign out".
+
+use distlab_common::{AuthMode, Me};
+use leptos::prelude::*;
+
+use crate::api;
+
+/// Where the browser stands with the server: still asking, signed in (or a server without
+/// accounts), or not signed in on a server that wants it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Session {
+    Asking,
+    SignedIn(Me),
+    SignedOut,
+}
+
+/// Asks the server who this browser is, into `session`. A server that cannot be reached
+/// leaves the pages to say so themselves.
+pub fn ask_who(session: RwSignal<Session>) {
+    leptos::task::spawn_local(async move {
+        let now = match api::me().await {
+            Ok(me) => Session::SignedIn(me),
+            Err(e) if e.needs_sign_in() => Session::SignedOut,
+            Err(_) => Session::SignedIn(Me { name: String::new(), admin: false, auth: AuthMode::None }),
+        };
+        session.try_set(now);
+    });
+}
+
+#[component]
+pub fn SignInPage(session: RwSignal<Session>) -> impl IntoView {
+    let name = RwSignal::new(String::new());
+    let password = RwSignal::new(String::new());
+    let error = RwSignal::new(None::<String>);
+    let busy = RwSignal::new(false);
+    let submit = move |ev: leptos::ev::SubmitEvent| {
+        ev.prevent_default();
+        let (who, secret) = (name.get_untracked(), password.get_untracked());
+        busy.set(true);
+        leptos::task::spawn_local(async move {
+            match api::sign_in(who.trim(), &secret).await {
+                Ok(me) => {
+                    password.try_set(String::new());
+                    session.try_set(Session::SignedIn(me));
+                }
+                Err(e) => {
+                    error.try_set(Some(e.message));
+                }
+            }
+            busy.try_set(false);
+        });
+    };
+    view! {
+        <section class="card sign-in" id="sign-in-page">
+            <h1>"Sign in"</h1>
+            <p class="muted">"This distlab is shared by a class: sign in with the account your teacher made for you."</p>
+            <form on:submit=submit>
+                <label>"name"
+                    <input id="sign-in-name" autocomplete="username" maxlength="64"
+                        prop:value=move || name.get() on:input=move |ev| name.set(event_target_value(&ev))/>
+                </label>
+                <label>"password"
+                    <input id="sign-in-password" type="password" autocomplete="current-password"
+                        prop:value=move || password.get() on:input=move |ev| password.set(event_target_value(&ev))/>
+                </label>
+                <button class="button primary" id="sign-in" type="submit" disabled=move || busy.get()>"Sign in"</button>
+            </form>
+            {move || error.get().map(|e| view! { <p class="alert error" id="sign-in-error">{e}</p> })}
+        </section>
+    }
+}
+
+/// "ada · sign out" in the header, on a server with accounts.
+#[component]
+pub fn AccountBadge(session: RwSignal<Session>) -> impl IntoView {
+    let sign_out = move |_| {
+        leptos::task::spawn_local(async move {
+            let _ = api::sign_out().await;
+            session.try_set(Session::SignedOut);
+        });
+    };
+    move || match session.get() {
+        Session::SignedIn(me) if me.auth == AuthMode::Accounts => {
+            let who = if me.admin { format!("{} (admin)", me.name) } else { me.name };
+            view! {
+                <div class="account" id="account">
+                    <span id="signed-in-as">{who}</span>
+                    <button class="button small" id="sign-out" on:click=sign_out>"sign out"</button>
+                </div>
+            }
+            .into_any()
+        }
+        _ => ().into_any(),
+    }
+}
