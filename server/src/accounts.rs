@@ -72,6 +72,12 @@ async fn off_the_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
     tokio::task::spawn_blocking(work).await.map_err(|e| AccountError::Hash(e.to_string()))
 }
 
+/// [`hash_password`] off the runtime.
+async fn hash(password: &str) -> Result<String, AccountError> {
+    let owned = password.to_string();
+    off_the_runtime(move || hash_password(&owned)).await?
+}
+
 fn hash_password(password: &str) -> Result<String, AccountError> {
     let salt_bytes: [u8; 16] = rand::random();
     let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| AccountError::Hash(e.to_string()))?;
@@ -85,8 +91,7 @@ fn hash_password(password: &str) -> Result<String, AccountError> {
 pub async fn create(db: &Db, name: &str, password: &str, admin: bool) -> Result<Account, AccountError> {
     check_name(name)?;
     check_password(password)?;
-    let owned = password.to_string();
-    let hash = off_the_runtime(move || hash_password(&owned)).await??;
+    let hash = hash(password).await?;
     let done = sqlx::query(
         "INSERT INTO users (name, password_hash, admin, created_at) VALUES (?1, ?2, ?3, ?4) ON CONFLICT DO NOTHING",
     )
@@ -105,8 +110,7 @@ pub async fn create(db: &Db, name: &str, password: &str, admin: bool) -> Result<
 /// Gives `name` a new password and ends its sessions.
 pub async fn set_password(db: &Db, name: &str, password: &str) -> Result<(), AccountError> {
     check_password(password)?;
-    let owned = password.to_string();
-    let hash = off_the_runtime(move || hash_password(&owned)).await??;
+    let hash = hash(password).await?;
     let changed =
         sqlx::query("UPDATE users SET password_hash = ?1 WHERE name = ?2").bind(&hash).bind(name).execute(db).await?;
     if changed.rows_affected() == 0 {

@@ -154,6 +154,17 @@ struct OwnerRow {
 
 /// Why a guarded update of experiment `id` by `worker_id` did not apply.
 pub async fn ownership(db: &Db, worker_id: i64, id: i64) -> Result<Ownership, sqlx::Error> {
+    ownership_after(db, worker_id, id, None).await
+}
+
+/// [`ownership`], where `worker_id` is reporting that the experiment ended as `reported`:
+/// when it did end so in that worker's hands, the report is a retry (`AlreadyReported`).
+async fn ownership_after(
+    db: &Db,
+    worker_id: i64,
+    id: i64,
+    reported: Option<ExperimentStatus>,
+) -> Result<Ownership, sqlx::Error> {
     let row = sqlx::query_as::<_, OwnerRow>("SELECT status, worker_id FROM experiments WHERE id = ?1")
         .bind(id)
         .fetch_optional(db)
@@ -161,10 +172,12 @@ pub async fn ownership(db: &Db, worker_id: i64, id: i64) -> Result<Ownership, sq
     Ok(match row {
         None => Ownership::NotFound,
         Some(r) => {
+            let mine = r.worker_id == Some(worker_id);
             let status = ExperimentStatus::parse(&r.status).unwrap_or(ExperimentStatus::Failed);
             match status {
-                ExperimentStatus::Running if r.worker_id == Some(worker_id) => Ownership::Held,
-                ExperimentStatus::Cancelled if r.worker_id == Some(worker_id) => Ownership::Cancelled,
+                ExperimentStatus::Running if mine => Ownership::Held,
+                ended if mine && Some(ended) == reported => Ownership::AlreadyReported,
+                ExperimentStatus::Cancelled if mine => Ownership::Cancelled,
                 other => Ownership::Lost(other),
             }
         }
@@ -325,20 +338,7 @@ pub async fn complete(
     .await?;
     match done {
         Some(_) => Ok(Ownership::Held),
-        None => ended_already(db, worker_id, id, ExperimentStatus::Succeeded).await,
-    }
-}
-
-/// Why a report that experiment `id` ended as `status` did not apply: `AlreadyReported` when
-/// `worker_id` ran it and it did end so (the report is a retry), else as [`ownership`].
-async fn ended_already(db: &Db, worker_id: i64, id: i64, status: ExperimentStatus) -> Result<Ownership, sqlx::Error> {
-    let row = sqlx::query_as::<_, OwnerRow>("SELECT status, worker_id FROM experiments WHERE id = ?1")
-        .bind(id)
-        .fetch_optional(db)
-        .await?;
-    match row {
-        Some(r) if r.worker_id == Some(worker_id) && r.status == status.as_str() => Ok(Ownership::AlreadyReported),
-        _ => ownership(db, worker_id, id).await,
+        None => ownership_after(db, worker_id, id, Some(ExperimentStatus::Succeeded)).await,
     }
 }
 
@@ -368,7 +368,7 @@ pub async fn fail(
     match done {
         Some(_) => Ok(Ownership::Held),
         None if cancelled => ownership(db, worker_id, id).await,
-        None => ended_already(db, worker_id, id, ExperimentStatus::Failed).await,
+        None => ownership_after(db, worker_id, id, Some(ExperimentStatus::Failed)).await,
     }
 }
 

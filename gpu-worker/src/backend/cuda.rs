@@ -644,14 +644,11 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         view: DeviceViewMut<'_, S>,
         op: InPlace,
     ) -> Result<(), CommError> {
-        let unreachable = || CommError::BadBuffer {
+        let ordinal = self.stream.context().ordinal();
+        let nccl = comm.nccl().filter(|nccl| nccl.ordinal() == ordinal).ok_or_else(|| CommError::BadBuffer {
             collective: format!("{op:?}"),
             detail: "this communicator does not reach the GPU's memory (not NCCL on this GPU)".into(),
-        };
-        if !self.reaches(comm) {
-            return Err(unreachable());
-        }
-        let nccl = comm.nccl().ok_or_else(unreachable)?;
+        })?;
         if view.len == 0 {
             return Ok(());
         }
