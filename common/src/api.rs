@@ -144,7 +144,9 @@ pub struct Metrics {
     pub steps: Vec<MetricPoint>,
 }
 
-// ---- worker protocol (Authorization: Bearer <worker token>) ----
+// ---- worker protocol ----
+// `register` carries `Authorization: Bearer <worker token>` (shared by the server's
+// workers); everything after it the worker's own credential from `Registered`.
 
 /// `POST /api/workers/register`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -167,11 +169,17 @@ pub struct WorkerCapacity {
     pub memory_bytes: u64,
     pub cores: u32,
     pub gpus: u32,
+    /// The memory of its smallest GPU (0 without GPUs).
+    #[serde(default)]
+    pub gpu_memory_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Registered {
     pub worker_id: i64,
+    /// This worker's own secret: every later request carries it as
+    /// `Authorization: Bearer <credential>`, and it speaks for this `worker_id` only.
+    pub credential: String,
     /// How often the worker must heartbeat a leased experiment.
     pub heartbeat_interval_s: f64,
 }

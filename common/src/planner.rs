@@ -370,7 +370,6 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
     }
 }
 
-/// Plans `spec`: every structural problem at once as field errors (422), else the plan.
 impl Plan {
     /// Bytes every rank of the run holds together at its peak: each stage's rank times
     /// the dp x tp ranks of that stage.
@@ -378,7 +377,17 @@ impl Plan {
         let per_stage = self.world_size / (self.stages.len().max(1) as u64);
         self.stages.iter().map(|s| s.memory.total.saturating_mul(per_stage)).fold(0, u64::saturating_add)
     }
+
+    /// At most the bytes one GPU holds when the ranks take `gpus` GPUs in turn (rank mod
+    /// gpus, as the CUDA worker places them): the peak rank's memory times the ranks that
+    /// share a GPU.
+    pub fn memory_per_gpu(&self, gpus: u64) -> u64 {
+        let peak_rank = self.stages.get(self.peak_stage).map_or(0, |s| s.memory.total);
+        peak_rank.saturating_mul(self.world_size.div_ceil(gpus.max(1)))
+    }
 }
+
+/// Plans `spec`: every structural problem at once as field errors (422), else the plan.
 
 pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     check_structure(spec)?;

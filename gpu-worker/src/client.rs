@@ -38,7 +38,8 @@ impl ClientError {
 pub struct ServerClient {
     agent: ureq::Agent,
     base: String,
-    token: String,
+    /// The worker token until the worker has registered, its own credential after.
+    secret: String,
 }
 
 impl ServerClient {
@@ -48,7 +49,12 @@ impl ServerClient {
             .timeout_global(Some(Duration::from_secs(30)))
             .build()
             .into();
-        Self { agent, base: base.trim_end_matches('/').to_string(), token: token.to_string() }
+        Self { agent, base: base.trim_end_matches('/').to_string(), secret: token.to_string() }
+    }
+
+    /// The same server, spoken to with the credential `register` answered.
+    pub fn as_worker(&self, credential: &str) -> Self {
+        Self { agent: self.agent.clone(), base: self.base.clone(), secret: credential.to_string() }
     }
 
     pub fn register(&self, body: &RegisterWorker) -> Result<Registered, ClientError> {
@@ -82,7 +88,7 @@ impl ServerClient {
         let mut resp = self
             .agent
             .post(&url)
-            .header("Authorization", &format!("Bearer {}", self.token))
+            .header("Authorization", &format!("Bearer {}", self.secret))
             .send_json(body)
             .map_err(|source| ClientError::Transport { url: url.clone(), source })?;
         let status = resp.status().as_u16();

@@ -1,4 +1,5 @@
-//! `distlab-worker --server URL --token T`: register, then lease experiments one at a
+//! `distlab-worker --server URL` (the worker token in `DISTLAB_WORKER_TOKEN` or a file):
+//! register, then, with the credential the server answers, lease experiments one at a
 //! time, train them, stream their events back in batches, and report how they ended.
 
 use std::path::PathBuf;
@@ -39,7 +40,7 @@ fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>, Option<WorkerCapac
     let (mut backends, mut devices) = (vec![BackendKind::Cpu], vec![format!("cpu: {threads} threads")]);
     let cores = thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     #[allow(unused_mut)]
-    let mut gpus = 0;
+    let (mut gpus, mut gpu_memory_bytes) = (0, 0);
     // Offered only when the backend really starts here (driver, cuBLAS, NVRTC, kernels).
     #[cfg(feature = "cuda")]
     match distlab_worker::backend::cuda::CudaBackend::<f32>::new(0)
@@ -48,12 +49,13 @@ fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>, Option<WorkerCapac
         Ok(found) => {
             backends.push(BackendKind::Cuda);
             gpus = found.len() as u32;
-            devices.extend(found);
+            gpu_memory_bytes = found.iter().map(|gpu| gpu.memory_bytes).min().unwrap_or(0);
+            devices.extend(found.into_iter().map(|gpu| gpu.label));
         }
         Err(why) => tracing::info!(%why, "built with CUDA, but it cannot run here: offering the CPU backend only"),
     }
-    let capacity =
-        distlab_worker::train::total_memory_bytes().map(|memory_bytes| WorkerCapacity { memory_bytes, cores, gpus });
+    let capacity = distlab_worker::train::total_memory_bytes()
+        .map(|memory_bytes| WorkerCapacity { memory_bytes, cores, gpus, gpu_memory_bytes });
     (backends, devices, capacity)
 }
 
@@ -64,6 +66,8 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
     let registration =
         RegisterWorker { name: cfg.name.clone(), backends, devices, version: VERSION.to_string(), capacity };
     let registered = retry_while_unreachable(&cfg, "register", || client.register(&registration))?;
+    // From here on the worker speaks with its own credential.
+    let client = client.as_worker(&registered.credential);
     let heartbeat = Duration::from_secs_f64(registered.heartbeat_interval_s.clamp(0.2, 60.0));
     tracing::info!(worker_id = registered.worker_id, server = %cfg.server, "registered");
 

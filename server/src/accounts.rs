@@ -149,8 +149,8 @@ pub async fn verify(db: &Db, name: &str, password: &str) -> Result<Option<Accoun
 static UNKNOWN_NAME_HASH: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| hash_password(&crate::random_token()).unwrap_or_default());
 
-/// The stored form of a session token.
-fn token_digest(token: &str) -> String {
+/// The stored form of a session token (or a worker's credential): its SHA-256 in hex.
+pub fn token_digest(token: &str) -> String {
     Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -224,29 +224,45 @@ pub async fn create(
     Ok((StatusCode::CREATED, [(header::LOCATION, format!("/api/experiments/{id}"))], Json(created)).into_response())
 }
 
-/// Admission control: a CPU spec whose ranks together need more memory (as the planner
-/// counts it) than the largest live worker has would only be killed by the kernel there.
-/// GPU memory is checked by the worker, against its GPUs.
+/// Admission control: a spec whose ranks need more memory (as the planner counts it) than
+/// any live worker offering its backend has would only be killed there. On the CPU the
+/// ranks of a run share the machine's memory; on CUDA they take the GPUs in turn, and the
+/// busiest GPU must hold its ranks. Workers that do not report their memory are not asked.
 async fn too_big_for_every_worker(state: &AppState, spec: &ExperimentSpec) -> Result<Option<FieldError>, HttpError> {
-    if spec.backend != BackendKind::Cpu {
-        return Ok(None);
-    }
-    let Some(largest) = workers::largest_worker_memory(state, spec.backend).await? else { return Ok(None) };
+    let capacities = workers::live_capacities(state, spec.backend).await?;
     let Ok(plan) = distlab_common::planner::plan(spec) else { return Ok(None) };
-    let needed = plan.memory_of_all_ranks();
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    Ok((needed > largest).then(|| {
-        FieldError::new(
-            "model",
-            format!(
-                "its {} ranks need {:.2} GiB together (the planner's count), more than the largest worker \
-                 has ({:.2} GiB); use a smaller model, micro_batch or seq_len, or shard the state (zero1/zero2/fsdp)",
-                spec.world_size(),
-                gib(needed),
-                gib(largest)
-            ),
+    let world = spec.world_size();
+    let refusal = if spec.backend == BackendKind::Cpu {
+        let Some(largest) = capacities.iter().map(|c| c.memory_bytes).max() else { return Ok(None) };
+        let needed = plan.memory_of_all_ranks();
+        if needed <= largest {
+            return Ok(None);
+        }
+        format!(
+            "its {world} ranks need {:.2} GiB together (the planner's count), more than the largest worker has \
+             ({:.2} GiB)",
+            gib(needed),
+            gib(largest)
         )
-    }))
+    } else {
+        let gpu_workers = || capacities.iter().filter(|c| c.gpus > 0 && c.gpu_memory_bytes > 0);
+        let Some(best) = gpu_workers().max_by_key(|c| (c.gpus, c.gpu_memory_bytes)) else { return Ok(None) };
+        if gpu_workers().any(|c| plan.memory_per_gpu(c.gpus.into()) <= c.gpu_memory_bytes) {
+            return Ok(None);
+        }
+        format!(
+            "its {world} ranks need {:.2} GiB on each GPU of a worker with {} GPU(s) (the planner's count for the \
+             busiest one), more than such a GPU has ({:.2} GiB)",
+            gib(plan.memory_per_gpu(best.gpus.into())),
+            best.gpus,
+            gib(best.gpu_memory_bytes)
+        )
+    };
+    Ok(Some(FieldError::new(
+        "model",
+        format!("{refusal}; use a smaller model, micro_batch or seq_len, or shard the state (zero1/zero2/fsdp)"),
+    )))
 }
 
 /// Whether `caller` may cancel or delete `experiment`: its owner or an admin (403 otherwise).

@@ -63,7 +63,8 @@ pub struct ServerConfig {
     pub local_workers: usize,
     /// The worker executable; None: `distlab-worker` next to the server's own executable.
     pub worker_bin: Option<PathBuf>,
-    /// Workers authenticate with `Authorization: Bearer <worker_token>`.
+    /// Workers register with `Authorization: Bearer <worker_token>` (then each uses the
+    /// credential it was given).
     pub worker_token: String,
     /// A lease lasts this long unless a heartbeat or event batch renews it.
     pub lease_seconds: f64,
@@ -230,13 +231,16 @@ pub fn app(state: AppState) -> Router {
     let config = state.config.clone();
 
     let worker_api = Router::new()
-        .route("/register", post(workers::register))
         .route("/lease", post(workers::lease))
         .route("/heartbeat", post(workers::heartbeat))
         .route("/events", post(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
         .route("/complete", post(workers::complete))
         .route("/fail", post(workers::fail))
-        .route_layer(middleware::from_fn_with_state(state.clone(), workers::require_token));
+        .route_layer(middleware::from_fn_with_state(state.clone(), workers::require_credential))
+        .route(
+            "/register",
+            post(workers::register).route_layer(middleware::from_fn_with_state(state.clone(), workers::require_token)),
+        );
 
     // Everything a person does: `identify` puts the caller on the request (401 without a
     // session when the server has accounts).

@@ -1,5 +1,9 @@
-//! The worker protocol: `POST /api/workers/{register,lease,heartbeat,events,complete,fail}`,
-//! all behind `Authorization: Bearer <worker token>`.
+//! The worker protocol: `POST /api/workers/{register,lease,heartbeat,events,complete,fail}`.
+//!
+//! `register` is behind `Authorization: Bearer <worker token>`, the secret the server's
+//! workers share, and answers the worker's own credential; every later request carries that
+//! credential instead, and speaks for its worker only (403 for another worker's id), so a
+//! worker cannot renew, report or fail another's lease.
 //!
 //! Heartbeats, event batches, complete and fail answer `WorkerAck`; `cancel: true` tells the
 //! worker to stop (a person cancelled the experiment). A worker that no longer holds the
@@ -11,29 +15,33 @@ use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use distlab_common::{
     BackendKind, Complete, EventBatch, ExperimentSpec, ExperimentStatus, Fail, Heartbeat, Lease, LeaseRequest, LogLine,
-    RegisterWorker, Registered, RunEvent, StatusChange, StreamEvent, WorkerAck, VERSION,
+    RegisterWorker, Registered, RunEvent, StatusChange, StreamEvent, WorkerAck, WorkerCapacity, VERSION,
 };
 use subtle::ConstantTimeEq;
 
-use crate::clock;
 use crate::error::HttpError;
+use crate::{accounts, clock};
 use crate::extract::{truncate, JsonBody};
 use crate::queue::{self, Ownership, Stored};
 use crate::traces;
 use crate::AppState;
 
-/// Middleware: 401 unless the request carries the worker token (compared in constant time).
-pub async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Result<Response, HttpError> {
-    let presented = req
-        .headers()
+/// The `Authorization: Bearer` secret of a request.
+fn bearer(req: &Request) -> Option<&str> {
+    req.headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match presented {
+        .map(str::trim)
+}
+
+/// Middleware of `register`: 401 unless the request carries the worker token (compared in
+/// constant time).
+pub async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Result<Response, HttpError> {
+    match bearer(&req) {
         None => Err(HttpError::unauthorized("the worker API needs the header Authorization: Bearer <worker token>")),
         Some(token) if token_matches(token, &state.config.worker_token) => Ok(next.run(req).await),
         Some(_) => {
@@ -47,6 +55,49 @@ fn token_matches(presented: &str, expected: &str) -> bool {
     !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes()))
 }
 
+/// The registered worker a request comes from, known by its credential.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallingWorker(pub i64);
+
+impl CallingWorker {
+    /// 403 unless a body's `worker_id` is this worker's own.
+    fn speaks_for(self, worker_id: i64) -> Result<(), HttpError> {
+        if self.0 == worker_id {
+            return Ok(());
+        }
+        tracing::warn!(caller = self.0, claimed = worker_id, "a worker spoke for another worker");
+        Err(HttpError::forbidden(format!(
+            "this credential is worker {}'s; it cannot act for worker {worker_id}",
+            self.0
+        )))
+    }
+}
+
+/// Middleware of every worker route after `register`: 401 unless the request carries the
+/// credential a worker was given when it registered; the handlers get that worker as
+/// `CallingWorker`. Only credentials' SHA-256 digests are stored.
+pub async fn require_credential(
+    State(state): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, HttpError> {
+    let Some(credential) = bearer(&req) else {
+        return Err(HttpError::unauthorized(
+            "the worker API needs the header Authorization: Bearer <the credential /api/workers/register answered>",
+        ));
+    };
+    let worker: Option<i64> = sqlx::query_scalar("SELECT id FROM workers WHERE credential_sha256 = ?1")
+        .bind(accounts::token_digest(credential))
+        .fetch_optional(&state.db)
+        .await?;
+    let Some(worker) = worker else {
+        tracing::warn!("worker request with an unknown credential");
+        return Err(HttpError::unauthorized("unknown worker credential: register again"));
+    };
+    req.extensions_mut().insert(CallingWorker(worker));
+    Ok(next.run(req).await)
+}
+
 /// Whether a worker seen recently (see `ServerConfig::worker_alive_window`) offers `backend`.
 pub async fn backend_offered(state: &AppState, backend: BackendKind) -> Result<bool, HttpError> {
     let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
@@ -57,20 +108,39 @@ pub async fn backend_offered(state: &AppState, backend: BackendKind) -> Result<b
     Ok(rows.iter().any(|json| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend))))
 }
 
-/// The most memory any live worker offering `backend` reports (None when none reports it).
-pub async fn largest_worker_memory(state: &AppState, backend: BackendKind) -> Result<Option<u64>, HttpError> {
+/// What the live workers offering `backend` report about their machines (those that say).
+pub async fn live_capacities(state: &AppState, backend: BackendKind) -> Result<Vec<WorkerCapacity>, HttpError> {
     let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
-    let rows: Vec<(String, Option<i64>)> =
-        sqlx::query_as("SELECT backends, memory_bytes FROM workers WHERE last_seen >= ?1 AND memory_bytes IS NOT NULL")
-            .bind(cutoff)
-            .fetch_all(&state.db)
-            .await?;
+    let rows: Vec<(String, i64, Option<i64>, Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT backends, memory_bytes, cores, gpus, gpu_memory_bytes FROM workers \
+         WHERE last_seen >= ?1 AND memory_bytes IS NOT NULL",
+    )
+    .bind(cutoff)
+    .fetch_all(&state.db)
+    .await?;
     let offers = |json: &str| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend));
-    Ok(rows.iter().filter(|(b, _)| offers(b)).filter_map(|(_, m)| m.map(|m| m.max(0) as u64)).max())
+    let unsigned = |n: Option<i64>| n.unwrap_or(0).max(0) as u64;
+    Ok(rows
+        .iter()
+        .filter(|(backends, ..)| offers(backends))
+        .map(|&(_, memory, cores, gpus, gpu_memory)| WorkerCapacity {
+            memory_bytes: unsigned(Some(memory)),
+            cores: u32::try_from(unsigned(cores)).unwrap_or(u32::MAX),
+            gpus: u32::try_from(unsigned(gpus)).unwrap_or(u32::MAX),
+            gpu_memory_bytes: unsigned(gpu_memory),
+        })
+        .collect())
 }
 
-/// Marks a worker as alive and returns its backends; 404 for an id that never registered.
-async fn touch(state: &AppState, worker_id: i64, now: SystemTime) -> Result<Vec<BackendKind>, HttpError> {
+/// Marks the calling worker as alive and returns its backends; 403 when the body names
+/// another worker.
+async fn touch(
+    state: &AppState,
+    caller: CallingWorker,
+    worker_id: i64,
+    now: SystemTime,
+) -> Result<Vec<BackendKind>, HttpError> {
+    caller.speaks_for(worker_id)?;
     let backends: Option<String> =
         sqlx::query_scalar("UPDATE workers SET last_seen = ?1 WHERE id = ?2 RETURNING backends")
             .bind(clock::rfc3339(now))
@@ -100,9 +170,10 @@ pub async fn register(
     let capacity = body.capacity;
     // SQLite integers are i64: a (nonsense) memory size beyond that is stored as the largest.
     let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let credential = crate::random_token() + &crate::random_token();
     let worker_id: i64 = sqlx::query_scalar(
-        "INSERT INTO workers (name, backends, devices, version, registered_at, last_seen, memory_bytes, cores, gpus) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?5, ?6, ?7, ?8) RETURNING id",
+        "INSERT INTO workers (name, backends, devices, version, registered_at, last_seen, memory_bytes, cores, gpus, \
+         gpu_memory_bytes, credential_sha256) VALUES (?1, ?2, ?3, ?4, ?5, ?5, ?6, ?7, ?8, ?9, ?10) RETURNING id",
     )
     .bind(&name)
     .bind(&backends)
@@ -112,22 +183,25 @@ pub async fn register(
     .bind(capacity.map(|c| as_i64(c.memory_bytes)))
     .bind(capacity.map(|c| i64::from(c.cores)))
     .bind(capacity.map(|c| i64::from(c.gpus)))
+    .bind(capacity.map(|c| as_i64(c.gpu_memory_bytes)))
+    .bind(accounts::token_digest(&credential))
     .fetch_one(&state.db)
     .await?;
     if version != VERSION {
         tracing::warn!(worker_id, %name, %version, server_version = VERSION, "worker version differs from the server's");
     }
     tracing::info!(worker_id, %name, %backends, %devices, "worker registered");
-    Ok(Json(Registered { worker_id, heartbeat_interval_s: state.config.heartbeat_seconds }))
+    Ok(Json(Registered { worker_id, credential, heartbeat_interval_s: state.config.heartbeat_seconds }))
 }
 
 /// `POST /api/workers/lease`: 200 `Lease`, or 204 when nothing this worker can run is queued.
 pub async fn lease(
     State(state): State<AppState>,
+    Extension(caller): Extension<CallingWorker>,
     JsonBody(body): JsonBody<LeaseRequest>,
 ) -> Result<Response, HttpError> {
     let now = clock::now();
-    let backends = touch(&state, body.worker_id, now).await?;
+    let backends = touch(&state, caller, body.worker_id, now).await?;
     let lease_for = state.config.lease_duration();
     let max_running = state.config.max_running_per_user;
     let Some(leased) = queue::lease(&state.db, body.worker_id, &backends, max_running, lease_for, now).await? else {
@@ -158,10 +232,11 @@ fn ack(ownership: Ownership, worker_id: i64, experiment_id: i64) -> Result<Json<
 /// `POST /api/workers/heartbeat`: renews the lease of the experiment the worker runs.
 pub async fn heartbeat(
     State(state): State<AppState>,
+    Extension(caller): Extension<CallingWorker>,
     JsonBody(body): JsonBody<Heartbeat>,
 ) -> Result<Json<WorkerAck>, HttpError> {
     let now = clock::now();
-    touch(&state, body.worker_id, now).await?;
+    touch(&state, caller, body.worker_id, now).await?;
     let Some(experiment_id) = body.experiment_id else {
         return Ok(Json(WorkerAck { cancel: false }));
     };
@@ -174,10 +249,11 @@ pub async fn heartbeat(
 /// outside the experiment's world is 422, and then nothing of the batch is stored.
 pub async fn events(
     State(state): State<AppState>,
+    Extension(caller): Extension<CallingWorker>,
     JsonBody(body): JsonBody<EventBatch>,
 ) -> Result<Json<WorkerAck>, HttpError> {
     let now = clock::now();
-    touch(&state, body.worker_id, now).await?;
+    touch(&state, caller, body.worker_id, now).await?;
     let stored = queue::store_events(
         &state.db,
         body.worker_id,
@@ -221,10 +297,11 @@ pub async fn events(
 /// `POST /api/workers/complete`: the run succeeded.
 pub async fn complete(
     State(state): State<AppState>,
+    Extension(caller): Extension<CallingWorker>,
     JsonBody(body): JsonBody<Complete>,
 ) -> Result<Json<WorkerAck>, HttpError> {
     let now = clock::now();
-    touch(&state, body.worker_id, now).await?;
+    touch(&state, caller, body.worker_id, now).await?;
     let ownership = queue::complete(&state.db, body.worker_id, body.experiment_id, &body.summary, now).await?;
     if ownership == Ownership::Held {
         state.hub.status_changed(
@@ -237,9 +314,13 @@ pub async fn complete(
 
 /// `POST /api/workers/fail`: the run failed, or stopped after a cancel (`cancelled: true`;
 /// harmless when the experiment is already cancelled).
-pub async fn fail(State(state): State<AppState>, JsonBody(body): JsonBody<Fail>) -> Result<Json<WorkerAck>, HttpError> {
+pub async fn fail(
+    State(state): State<AppState>,
+    Extension(caller): Extension<CallingWorker>,
+    JsonBody(body): JsonBody<Fail>,
+) -> Result<Json<WorkerAck>, HttpError> {
     let now = clock::now();
-    touch(&state, body.worker_id, now).await?;
+    touch(&state, caller, body.worker_id, now).await?;
     let ownership =
         queue::fail(&state.db, body.worker_id, body.experiment_id, &body.error, body.cancelled, now).await?;
     if ownership == Ownership::Held {

@@ -109,9 +109,11 @@ impl Class {
         id
     }
 
-    async fn worker(&self, path: &str, body: Value) -> (StatusCode, Value) {
+    /// POSTs to the worker API with `bearer` (the worker token for `register`, the
+    /// credential it answered after).
+    async fn worker(&self, bearer: &str, path: &str, body: Value) -> (StatusCode, Value) {
         let req = Request::post(format!("/api/workers/{path}"))
-            .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+            .header(header::AUTHORIZATION, format!("Bearer {bearer}"))
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(body.to_string()))
             .expect("request");
@@ -292,7 +294,7 @@ async fn who_may_do_what() {
     assert!(wrong.is_empty(), "{} cells differ:\n{}", wrong.len(), wrong.join("\n"));
     // The worker API answers its token, not sessions.
     let (status, _) =
-        c.worker("register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
+        c.worker(TOKEN, "register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
     assert_eq!(status, StatusCode::OK);
 }
 
@@ -359,13 +361,14 @@ async fn the_lease_takes_the_person_running_least() {
         ada.push(c.experiment_of("ada").await);
     }
     let (_, registered) =
-        c.worker("register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
+        c.worker(TOKEN, "register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
     let worker = registered["worker_id"].as_i64().unwrap();
-    let (_, first) = c.worker("lease", json!({"worker_id": worker})).await;
+    let credential = registered["credential"].as_str().unwrap();
+    let (_, first) = c.worker(credential, "lease", json!({"worker_id": worker})).await;
     assert_eq!(first["experiment_id"], ada[0]);
     let bob = c.experiment_of("bob").await;
-    let (_, second) = c.worker("lease", json!({"worker_id": worker})).await;
+    let (_, second) = c.worker(credential, "lease", json!({"worker_id": worker})).await;
     assert_eq!(second["experiment_id"], bob, "bob runs nothing, ada runs one");
-    let (status, _) = c.worker("lease", json!({"worker_id": worker})).await;
+    let (status, _) = c.worker(credential, "lease", json!({"worker_id": worker})).await;
     assert_eq!(status, StatusCode::NO_CONTENT, "ada already runs one, her limit");
 }

@@ -18,6 +18,8 @@ struct TestApp {
     app: Router,
     state: AppState,
     dir: tempfile::TempDir,
+    /// Each registered worker's credential, by worker id.
+    credentials: std::sync::Mutex<std::collections::HashMap<i64, String>>,
 }
 
 async fn setup_with(edit: impl FnOnce(&mut ServerConfig)) -> TestApp {
@@ -31,7 +33,7 @@ async fn setup_with(edit: impl FnOnce(&mut ServerConfig)) -> TestApp {
     };
     edit(&mut config);
     let state = AppState::new(config).await.expect("state");
-    TestApp { app: app(state.clone()), state, dir }
+    TestApp { app: app(state.clone()), state, dir, credentials: Default::default() }
 }
 
 async fn setup() -> TestApp {
@@ -70,8 +72,24 @@ impl TestApp {
         self.call(Method::POST, uri, Some(body), None).await
     }
 
+    /// POSTs to the worker API as a worker would: `register` with the worker token (keeping
+    /// the credential it answers), the rest with the credential of the body's `worker_id`.
     async fn worker(&self, path: &str, body: Value) -> Answer {
-        self.call(Method::POST, &format!("/api/workers/{path}"), Some(body), Some(TOKEN)).await
+        let bearer = if path == "register" {
+            TOKEN.to_string()
+        } else {
+            let credentials = self.credentials.lock().unwrap();
+            body["worker_id"].as_i64().and_then(|id| credentials.get(&id).cloned()).unwrap_or_default()
+        };
+        let a = self.call(Method::POST, &format!("/api/workers/{path}"), Some(body), Some(&bearer)).await;
+        if let (Some(id), Some(credential)) = (a.body["worker_id"].as_i64(), a.body["credential"].as_str()) {
+            self.credentials.lock().unwrap().insert(id, credential.to_string());
+        }
+        a
+    }
+
+    fn credential(&self, worker: i64) -> String {
+        self.credentials.lock().unwrap()[&worker].clone()
     }
 
     async fn register(&self, backends: &[&str]) -> i64 {
@@ -384,7 +402,10 @@ async fn malformed_requests_get_400_in_the_json_shape() {
     }
     assert_eq!(t.get("/api/experiments").await.body["total"], 0, "nothing was queued");
     // Worker bodies of the wrong shape name the field.
-    let e = assert_api_error(&t.worker("lease", json!({"worker_id": "seven"})).await, StatusCode::BAD_REQUEST);
+    let worker = t.register(&["cpu"]).await;
+    let seven = Some(json!({"worker_id": "seven"}));
+    let a = t.call(Method::POST, "/api/workers/lease", seven, Some(&t.credential(worker))).await;
+    let e = assert_api_error(&a, StatusCode::BAD_REQUEST);
     assert_eq!(e.fields[0].field, "worker_id");
 }
 
@@ -576,8 +597,41 @@ async fn worker_api_needs_the_token() {
     let a = t.worker("register", body).await;
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(a.body["heartbeat_interval_s"], 5.0);
-    // Unknown worker ids are refused.
-    assert_api_error(&t.worker("lease", json!({"worker_id": 999})).await, StatusCode::NOT_FOUND);
+    let worker = a.body["worker_id"].as_i64().unwrap();
+    // After registering, the shared token no longer works: only the worker's own credential.
+    let lease = json!({"worker_id": worker});
+    let a = t.call(Method::POST, "/api/workers/lease", Some(lease.clone()), Some(TOKEN)).await;
+    assert_api_error(&a, StatusCode::UNAUTHORIZED);
+    assert_eq!(t.worker("lease", lease).await.status, StatusCode::NO_CONTENT);
+}
+
+/// A worker's credential speaks for that worker only: it cannot lease, renew, report on,
+/// complete or fail for another worker, even an experiment the other holds.
+#[tokio::test]
+async fn a_worker_cannot_act_for_another() {
+    let t = setup().await;
+    let (holder, intruder) = (t.register(&["cpu"]).await, t.register(&["cpu"]).await);
+    let id = t.create("held").await;
+    assert_eq!(t.lease(holder).await.experiment_id, id);
+    let as_holder = [
+        ("lease", json!({"worker_id": holder})),
+        ("heartbeat", json!({"worker_id": holder, "experiment_id": id})),
+        ("events", json!({"worker_id": holder, "experiment_id": id, "events": [metric(0, 1.0)]})),
+        ("complete", json!({"worker_id": holder, "experiment_id": id, "summary": summary()})),
+        ("fail", json!({"worker_id": holder, "experiment_id": id, "error": "taken over"})),
+    ];
+    let intruders_credential = t.credential(intruder);
+    for (path, body) in as_holder {
+        let a = t.call(Method::POST, &format!("/api/workers/{path}"), Some(body), Some(&intruders_credential)).await;
+        let e = assert_api_error(&a, StatusCode::FORBIDDEN);
+        assert!(e.error.contains(&format!("worker {intruder}'s")), "{path}: {}", e.error);
+    }
+    let v = t.view(id).await;
+    assert_eq!((v.status, v.attempt), (ExperimentStatus::Running, 1), "nothing the intruder said took effect");
+    assert_eq!(t.get(&format!("/api/experiments/{id}/metrics")).await.body["steps"], json!([]));
+    // Unknown credentials are refused.
+    let a = t.call(Method::POST, "/api/workers/lease", Some(json!({"worker_id": holder})), Some("made-up")).await;
+    assert_api_error(&a, StatusCode::UNAUTHORIZED);
 }
 
 #[tokio::test]
@@ -611,9 +665,10 @@ async fn concurrent_leases_give_each_experiment_to_exactly_one_worker() {
     }
     let calls = workers.iter().map(|&w| {
         let app = t.app.clone();
+        let credential = t.credential(w);
         tokio::spawn(async move {
             let req = Request::post("/api/workers/lease")
-                .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+                .header(header::AUTHORIZATION, format!("Bearer {credential}"))
                 .header(header::CONTENT_TYPE, "application/json")
                 .body(Body::from(json!({"worker_id": w}).to_string()))
                 .expect("request");
@@ -1479,5 +1534,39 @@ async fn a_spec_too_big_for_every_worker_is_refused_at_submission() {
     assert_eq!(t.post("/api/experiments", small).await.status, StatusCode::CREATED);
     // A larger worker joins: the big spec fits it.
     assert_eq!(t.worker("register", register(needed + (1 << 20))).await.status, StatusCode::OK);
+    assert_eq!(t.post("/api/experiments", big).await.status, StatusCode::CREATED);
+}
+
+/// Admission control on GPUs: a CUDA run's ranks take a worker's GPUs in turn, so the
+/// busiest GPU must hold the ranks that share it. Refused when no live CUDA worker's GPUs
+/// can (naming the sizes); queued once a worker with enough GPUs says so.
+#[tokio::test]
+async fn a_cuda_spec_too_big_for_every_gpu_is_refused_at_submission() {
+    let t = setup().await;
+    let big = json!({
+        "name": "big on a GPU",
+        "backend": "cuda",
+        "model": {"layers": 8, "d_model": 512, "heads": 8, "seq_len": 256, "vocab": 16000},
+        "parallel": {"dp": 2},
+        "train": {"steps": 10, "micro_batch": 8}
+    });
+    let plan = planner::plan(&ExperimentSpec::from_json_value(big.clone()).expect("spec")).expect("plan");
+    let (one_gpu, own_gpus) = (plan.memory_per_gpu(1), plan.memory_per_gpu(2));
+    assert_eq!(one_gpu, 2 * own_gpus, "two ranks on one GPU need twice one rank");
+    let register = |gpus: u32, gpu_memory: u64| {
+        json!({"name": "gpu box", "backends": ["cpu", "cuda"], "devices": [], "version": VERSION,
+               "capacity": {"memory_bytes": 1u64 << 40, "cores": 16, "gpus": gpus, "gpu_memory_bytes": gpu_memory}})
+    };
+    // One GPU with room for one rank, not two.
+    assert_eq!(t.worker("register", register(1, own_gpus + (1 << 20))).await.status, StatusCode::OK);
+    let e = assert_api_error(&t.post("/api/experiments", big.clone()).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(e.fields[0].field, "model");
+    assert!(e.error.contains("on each GPU of a worker with 1 GPU(s)"), "{}", e.error);
+    // The CPU memory of that worker is no reason to refuse: the same spec on the CPU is taken.
+    let mut on_cpu = big.clone();
+    on_cpu["backend"] = json!("cpu");
+    assert_eq!(t.post("/api/experiments", on_cpu).await.status, StatusCode::CREATED);
+    // Two such GPUs: each rank has its own.
+    assert_eq!(t.worker("register", register(2, own_gpus + (1 << 20))).await.status, StatusCode::OK);
     assert_eq!(t.post("/api/experiments", big).await.status, StatusCode::CREATED);
 }

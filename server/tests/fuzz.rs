@@ -45,11 +45,12 @@ impl Lab {
         Lab { app: app(state), runtime, _dir: dir }
     }
 
-    /// POSTs `body` to `uri` (as a worker with `worker`); the status and the JSON answer.
-    fn post(&self, uri: &str, body: Vec<u8>, worker: bool) -> (StatusCode, Value) {
+    /// POSTs `body` to `uri` (as a worker when `bearer` is its token or credential); the
+    /// status and the JSON answer.
+    fn post(&self, uri: &str, body: Vec<u8>, bearer: Option<&str>) -> (StatusCode, Value) {
         let mut req = Request::post(uri).header(header::CONTENT_TYPE, "application/json");
-        if worker {
-            req = req.header(header::AUTHORIZATION, format!("Bearer {TOKEN}"));
+        if let Some(secret) = bearer {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {secret}"));
         }
         let req = req.body(Body::from(body)).expect("request");
         self.runtime.block_on(async {
@@ -60,8 +61,8 @@ impl Lab {
         })
     }
 
-    fn post_json(&self, uri: &str, body: &Value, worker: bool) -> (StatusCode, Value) {
-        self.post(uri, body.to_string().into_bytes(), worker)
+    fn post_json(&self, uri: &str, body: &Value, bearer: Option<&str>) -> (StatusCode, Value) {
+        self.post(uri, body.to_string().into_bytes(), bearer)
     }
 }
 
@@ -216,13 +217,13 @@ fn no_spec_makes_the_server_fail() {
     let lab = Lab::new();
     let base = serde_json::to_value(ExperimentSpec::default()).unwrap();
     fuzz("specs", 300, mutations_of(base), |spec| {
-        let (status, body) = lab.post_json("/api/experiments", spec, false);
+        let (status, body) = lab.post_json("/api/experiments", spec, None);
         error_shape(status, &body).unwrap();
         assert!(
             [StatusCode::CREATED, StatusCode::BAD_REQUEST, StatusCode::UNPROCESSABLE_ENTITY].contains(&status),
             "{status} for {spec}"
         );
-        let (plan, body) = lab.post_json("/api/plan", spec, false);
+        let (plan, body) = lab.post_json("/api/plan", spec, None);
         error_shape(plan, &body).unwrap();
         status.max(plan)
     });
@@ -236,7 +237,7 @@ fn no_bytes_make_the_server_fail() {
         "[{}\\[\\]\":,0-9a-z .eE+-]{0,200}".prop_map(String::into_bytes),
     ];
     fuzz("raw bodies", 100, bytes.prop_map(|b| Value::from(String::from_utf8_lossy(&b).into_owned())), |text| {
-        let (status, body) = lab.post("/api/experiments", text.as_str().unwrap_or("").as_bytes().to_vec(), false);
+        let (status, body) = lab.post("/api/experiments", text.as_str().unwrap_or("").as_bytes().to_vec(), None);
         error_shape(status, &body).unwrap();
         status
     });
@@ -245,7 +246,7 @@ fn no_bytes_make_the_server_fail() {
 #[test]
 fn no_import_makes_the_server_fail() {
     let lab = Lab::new();
-    let (_, profile) = lab.post_json("/api/profiles", &json!({"name": "fuzz"}), false);
+    let (_, profile) = lab.post_json("/api/profiles", &json!({"name": "fuzz"}), None);
     let id = profile["id"].as_i64().expect("a profile");
     let (_, cards) = lab.runtime.block_on(async {
         let req = Request::get("/api/cards").body(Body::empty()).unwrap();
@@ -255,7 +256,7 @@ fn no_import_makes_the_server_fail() {
     });
     let card = cards["cards"][0]["id"].as_str().or_else(|| cards[0]["id"].as_str()).expect("a card id").to_string();
     let (status, _) =
-        lab.post_json(&format!("/api/profiles/{id}/reviews"), &json!({"card_id": card, "rating": 4}), false);
+        lab.post_json(&format!("/api/profiles/{id}/reviews"), &json!({"card_id": card, "rating": 4}), None);
     assert_eq!(status, StatusCode::OK);
     let base = json!({
         "format": "distlab-review/1",
@@ -266,9 +267,9 @@ fn no_import_makes_the_server_fail() {
         "log": [{"card_id": card, "rating": 4, "reviewed_at": "2025-01-31T12:00:00.000Z", "interval_days": 3.0}],
     });
     let uri = format!("/api/profiles/{id}/import");
-    assert_eq!(lab.post_json(&uri, &base, false).0, StatusCode::OK, "the base document imports");
+    assert_eq!(lab.post_json(&uri, &base, None).0, StatusCode::OK, "the base document imports");
     fuzz("imports", 300, mutations_of(base), |doc| {
-        let (status, body) = lab.post_json(&uri, doc, false);
+        let (status, body) = lab.post_json(&uri, doc, None);
         error_shape(status, &body).unwrap();
         assert!(
             [StatusCode::OK, StatusCode::BAD_REQUEST, StatusCode::UNPROCESSABLE_ENTITY].contains(&status),
@@ -282,11 +283,12 @@ fn no_import_makes_the_server_fail() {
 fn no_event_batch_makes_the_server_fail() {
     let lab = Lab::new();
     let register = json!({"name": "fuzz", "backends": ["cpu"], "devices": [], "version": env!("CARGO_PKG_VERSION")});
-    let (_, registered) = lab.post_json("/api/workers/register", &register, true);
+    let (_, registered) = lab.post_json("/api/workers/register", &register, Some(TOKEN));
     let worker = registered["worker_id"].as_i64().expect("a worker id");
-    let (_, created) = lab.post_json("/api/experiments", &json!({"name": "fuzzed", "train": {"steps": 50}}), false);
+    let credential = Some(registered["credential"].as_str().expect("a credential"));
+    let (_, created) = lab.post_json("/api/experiments", &json!({"name": "fuzzed", "train": {"steps": 50}}), None);
     let id = created["id"].as_i64().expect("an experiment");
-    let (status, _) = lab.post_json("/api/workers/lease", &json!({"worker_id": worker}), true);
+    let (status, _) = lab.post_json("/api/workers/lease", &json!({"worker_id": worker}), credential);
     assert_eq!(status, StatusCode::OK);
     let base = json!({
         "worker_id": worker,
@@ -297,9 +299,9 @@ fn no_event_batch_makes_the_server_fail() {
             {"type": "log", "level": "info", "message": "hello"},
         ],
     });
-    assert_eq!(lab.post_json("/api/workers/events", &base, true).0, StatusCode::OK, "the base batch is taken");
+    assert_eq!(lab.post_json("/api/workers/events", &base, credential).0, StatusCode::OK, "the base batch is taken");
     fuzz("event batches", 300, mutations_of(base), |batch| {
-        let (status, body) = lab.post_json("/api/workers/events", batch, true);
+        let (status, body) = lab.post_json("/api/workers/events", batch, credential);
         error_shape(status, &body).unwrap();
         status
     });

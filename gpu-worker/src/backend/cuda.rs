@@ -111,8 +111,15 @@ pub fn device_count() -> Result<usize, CudaUnavailable> {
     Ok(count.max(0) as usize)
 }
 
-/// The GPUs this machine offers (name and memory of each), or why it offers none.
-pub fn devices() -> Result<Vec<String>, CudaUnavailable> {
+/// A GPU of this machine, as a worker reports it.
+pub struct Gpu {
+    /// e.g. "cuda:0 NVIDIA H100 80GB HBM3 (79 GiB)".
+    pub label: String,
+    pub memory_bytes: u64,
+}
+
+/// The GPUs this machine offers, or why it offers none.
+pub fn devices() -> Result<Vec<Gpu>, CudaUnavailable> {
     // cudarc panics on first use of a library it cannot load: check first.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(CudaUnavailable::NoDriver);
@@ -121,8 +128,9 @@ pub fn devices() -> Result<Vec<String>, CudaUnavailable> {
     (0..count.max(0) as usize)
         .map(|i| {
             let ctx = CudaContext::new(i)?;
-            let gib = ctx.total_mem()? as f64 / (1u64 << 30) as f64;
-            Ok(format!("cuda:{i} {} ({gib:.0} GiB)", ctx.name()?))
+            let memory_bytes = ctx.total_mem()? as u64;
+            let gib = memory_bytes as f64 / (1u64 << 30) as f64;
+            Ok(Gpu { label: format!("cuda:{i} {} ({gib:.0} GiB)", ctx.name()?), memory_bytes })
         })
         .collect()
 }
