@@ -388,7 +388,6 @@ impl Plan {
 }
 
 /// Plans `spec`: every structural problem at once as field errors (422), else the plan.
-
 pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     check_structure(spec)?;
     let (m, p, t) = (&spec.model, &spec.parallel, &spec.train);

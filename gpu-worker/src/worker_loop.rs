@@ -54,8 +54,12 @@ fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>, Option<WorkerCapac
         }
         Err(why) => tracing::info!(%why, "built with CUDA, but it cannot run here: offering the CPU backend only"),
     }
-    let capacity = distlab_worker::train::total_memory_bytes()
-        .map(|memory_bytes| WorkerCapacity { memory_bytes, cores, gpus, gpu_memory_bytes });
+    let capacity = distlab_worker::train::total_memory_bytes().map(|memory_bytes| WorkerCapacity {
+        memory_bytes,
+        cores,
+        gpus,
+        gpu_memory_bytes,
+    });
     (backends, devices, capacity)
 }
 

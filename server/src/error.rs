@@ -91,8 +91,26 @@ impl HttpError {
 }
 
 impl From<sqlx::Error> for HttpError {
+    /// A database busy past its timeout (another process holding SQLite's write lock, a pool
+    /// with no free connection) is 503 with `Retry-After`: the request may be made again,
+    /// and workers do. Anything else is a 500.
     fn from(e: sqlx::Error) -> Self {
+        if database_busy(&e) {
+            tracing::warn!("database busy: {e}");
+            return HttpError::new(StatusCode::SERVICE_UNAVAILABLE, "the database is busy; try again in a moment");
+        }
         HttpError::internal("database", e)
+    }
+}
+
+/// SQLITE_BUSY (5) or SQLITE_LOCKED (6), in their extended forms too, or no free connection.
+fn database_busy(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => {
+            db.code().and_then(|code| code.parse::<i64>().ok()).is_some_and(|code| matches!(code & 0xff, 5 | 6))
+        }
+        _ => false,
     }
 }
 
@@ -101,6 +119,9 @@ impl IntoResponse for HttpError {
         let mut resp = (self.status, axum::Json(self.body)).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
             resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }

@@ -23,11 +23,11 @@ use distlab_common::{
 use subtle::ConstantTimeEq;
 
 use crate::error::HttpError;
-use crate::{accounts, clock};
 use crate::extract::{truncate, JsonBody};
 use crate::queue::{self, Ownership, Stored};
 use crate::traces;
 use crate::AppState;
+use crate::{accounts, clock};
 
 /// The `Authorization: Bearer` secret of a request.
 fn bearer(req: &Request) -> Option<&str> {
@@ -108,10 +108,20 @@ pub async fn backend_offered(state: &AppState, backend: BackendKind) -> Result<b
     Ok(rows.iter().any(|json| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend))))
 }
 
+/// A worker's row as admission control reads it.
+#[derive(sqlx::FromRow)]
+struct WorkerMachine {
+    backends: String,
+    memory_bytes: i64,
+    cores: Option<i64>,
+    gpus: Option<i64>,
+    gpu_memory_bytes: Option<i64>,
+}
+
 /// What the live workers offering `backend` report about their machines (those that say).
 pub async fn live_capacities(state: &AppState, backend: BackendKind) -> Result<Vec<WorkerCapacity>, HttpError> {
     let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
-    let rows: Vec<(String, i64, Option<i64>, Option<i64>, Option<i64>)> = sqlx::query_as(
+    let rows: Vec<WorkerMachine> = sqlx::query_as(
         "SELECT backends, memory_bytes, cores, gpus, gpu_memory_bytes FROM workers \
          WHERE last_seen >= ?1 AND memory_bytes IS NOT NULL",
     )
@@ -122,12 +132,12 @@ pub async fn live_capacities(state: &AppState, backend: BackendKind) -> Result<V
     let unsigned = |n: Option<i64>| n.unwrap_or(0).max(0) as u64;
     Ok(rows
         .iter()
-        .filter(|(backends, ..)| offers(backends))
-        .map(|&(_, memory, cores, gpus, gpu_memory)| WorkerCapacity {
-            memory_bytes: unsigned(Some(memory)),
-            cores: u32::try_from(unsigned(cores)).unwrap_or(u32::MAX),
-            gpus: u32::try_from(unsigned(gpus)).unwrap_or(u32::MAX),
-            gpu_memory_bytes: unsigned(gpu_memory),
+        .filter(|w| offers(&w.backends))
+        .map(|w| WorkerCapacity {
+            memory_bytes: unsigned(Some(w.memory_bytes)),
+            cores: u32::try_from(unsigned(w.cores)).unwrap_or(u32::MAX),
+            gpus: u32::try_from(unsigned(w.gpus)).unwrap_or(u32::MAX),
+            gpu_memory_bytes: unsigned(w.gpu_memory_bytes),
         })
         .collect())
 }

@@ -48,11 +48,13 @@ pub struct LabOptions {
     pub heartbeat_seconds: f64,
     /// Extra environment for the server (inherited by its local workers and their ranks).
     pub env: Vec<(String, String)>,
+    /// Extra command-line flags for the server.
+    pub args: Vec<String>,
 }
 
 impl Default for LabOptions {
     fn default() -> Self {
-        Self { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 1.0, env: Vec::new() }
+        Self { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 1.0, env: Vec::new(), args: Vec::new() }
     }
 }
 
@@ -60,9 +62,52 @@ impl Default for LabOptions {
 pub struct Lab {
     pub base: String,
     pub data_dir: tempfile::TempDir,
+    opts: LabOptions,
     server: Child,
     workers: Vec<Child>,
     agent: ureq::Agent,
+}
+
+/// Starts `distlab-server` on 127.0.0.1 with a free port and `data_dir`; the process and the
+/// URL it printed once ready.
+fn start_server(data_dir: &Path, opts: &LabOptions) -> (Child, String) {
+    let mut server = Command::new(bin_path("distlab-server"))
+        .args(["--addr", "127.0.0.1:0"])
+        .env("DISTLAB_WORKER_TOKEN", WORKER_TOKEN)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .arg("--static-dir")
+        .arg(repo_root().join("target/site"))
+        .args(["--local-workers", &opts.local_workers.to_string()])
+        .args(["--lease-seconds", &opts.lease_seconds.to_string()])
+        .args(["--heartbeat-seconds", &opts.heartbeat_seconds.to_string()])
+        .arg("--worker-bin")
+        .arg(bin_path("distlab-worker"))
+        .args(&opts.args)
+        .env("RUST_LOG", "info")
+        .envs(opts.env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start distlab-server");
+
+    // The server prints "distlab is ready at http://127.0.0.1:PORT/" once it listens.
+    let stdout = server.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            eprintln!("[server] {line}");
+            if let Some(rest) = line.split("ready at ").nth(1) {
+                let _ = tx.send(rest.trim().trim_end_matches('/').to_string());
+            }
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(base) => (server, base),
+        Err(_) => {
+            let _ = server.kill();
+            panic!("distlab-server did not print its URL within 30 s");
+        }
+    }
 }
 
 impl Lab {
@@ -72,48 +117,22 @@ impl Lab {
 
     pub fn start_with(opts: LabOptions) -> Lab {
         let data_dir = tempfile::tempdir().expect("temp dir");
-        let mut server = Command::new(bin_path("distlab-server"))
-            .args(["--addr", "127.0.0.1:0"])
-            .env("DISTLAB_WORKER_TOKEN", WORKER_TOKEN)
-            .arg("--data-dir")
-            .arg(data_dir.path())
-            .arg("--static-dir")
-            .arg(repo_root().join("target/site"))
-            .args(["--local-workers", &opts.local_workers.to_string()])
-            .args(["--lease-seconds", &opts.lease_seconds.to_string()])
-            .args(["--heartbeat-seconds", &opts.heartbeat_seconds.to_string()])
-            .arg("--worker-bin")
-            .arg(bin_path("distlab-worker"))
-            .env("RUST_LOG", "info")
-            .envs(opts.env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start distlab-server");
-
-        // The server prints "distlab is ready at http://127.0.0.1:PORT/" once it listens.
-        let stdout = server.stdout.take().expect("piped stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                eprintln!("[server] {line}");
-                if let Some(rest) = line.split("ready at ").nth(1) {
-                    let _ = tx.send(rest.trim().trim_end_matches('/').to_string());
-                }
-            }
-        });
-        let base = match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(base) => base,
-            Err(_) => {
-                let _ = server.kill();
-                panic!("distlab-server did not print its URL within 30 s");
-            }
-        };
+        let (server, base) = start_server(data_dir.path(), &opts);
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(30)))
             .build()
             .into();
-        Lab { base, data_dir, server, workers: Vec::new(), agent }
+        Lab { base, data_dir, opts, server, workers: Vec::new(), agent }
+    }
+
+    /// SIGKILLs the server (it gets no chance to finish anything) and starts it again on the
+    /// same data directory, at a new port (`base` follows).
+    pub fn kill_server_and_restart(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let (server, base) = start_server(self.data_dir.path(), &self.opts);
+        (self.server, self.base) = (server, base);
     }
 
     pub fn checkpoint_dir(&self) -> PathBuf {
@@ -142,6 +161,11 @@ impl Lab {
             .expect("start distlab-worker");
         self.workers.push(child);
         self.workers.len() - 1
+    }
+
+    /// Whether a worker started with `spawn_worker` is still running.
+    pub fn worker_alive(&mut self, index: usize) -> bool {
+        matches!(self.workers[index].try_wait(), Ok(None))
     }
 
     /// SIGKILLs a worker started with `spawn_worker` (it gets no chance to report anything).
