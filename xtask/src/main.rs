@@ -8,6 +8,7 @@
 //! - `bench`: the engine's training-step benchmark, next to PyTorch's when torch is installed
 //! - `mutants`: break the engine on purpose (`mutants.rs`) and check the tests notice
 
+mod load;
 mod mutants;
 
 use std::collections::BTreeMap;
@@ -57,6 +58,19 @@ enum Cmd {
         /// Only the mutants whose name contains this.
         filter: Option<String>,
     },
+    /// Load a release server on 127.0.0.1: req/s and latency of the list, one experiment,
+    /// the planner and submissions at N connections, then S live streams held at once.
+    Load {
+        /// Seconds each request phase runs.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Connections (threads) making requests at once.
+        #[arg(long, default_value_t = 64)]
+        connections: usize,
+        /// Live streams (SSE) held at once.
+        #[arg(long, default_value_t = 500)]
+        streams: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -68,6 +82,9 @@ fn main() -> ExitCode {
         Cmd::Bench => bench(),
         Cmd::Mutants { filter } => {
             mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Cmd::Load { seconds, connections, streams } => {
+            load::run(&load::LoadOptions { seconds, connections, streams }).map(|()| ExitCode::SUCCESS)
         }
     };
     match result {

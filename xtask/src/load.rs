@@ -1,0 +1,316 @@
+//! `cargo xtask load`: a small load generator against a release server it starts on
+//! 127.0.0.1 (temporary data directory, no workers, one person with a large quota).
+//!
+//! In one run: requests per second and latency percentiles at N connections for the
+//! experiment list, one experiment, the planner and submissions; then S live streams
+//! (SSE) held at once, from several loopback source addresses as a class's machines would
+//! be, every one of them receiving the event that ends it. Each loop is bounded in time
+//! and in count. The generator shares the machine with the server: the figures are the
+//! two together.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+pub struct LoadOptions {
+    pub seconds: f64,
+    pub connections: usize,
+    pub streams: usize,
+}
+
+/// Each connection makes at most this many requests per phase, whatever the time left.
+const MAX_REQUESTS_PER_CONNECTION: usize = 100_000;
+/// Streams opened from one source address (the server allows 32 per client by default).
+const STREAMS_PER_SOURCE: usize = 25;
+
+pub fn run(opts: &LoadOptions) -> Result<()> {
+    if opts.connections == 0 || opts.streams == 0 || !(opts.seconds > 0.0 && opts.seconds <= 600.0) {
+        bail!("--connections and --streams must be at least 1, --seconds above 0 and at most 600");
+    }
+    crate::status(crate::cargo().args(["build", "--release", "-p", "distlab-server"]))?;
+    let data = std::env::temp_dir().join(format!("distlab-load-{}", std::process::id()));
+    let server = Server::start(&data)?;
+    let result = drive(&server, opts);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&data);
+    result
+}
+
+fn drive(server: &Server, opts: &LoadOptions) -> Result<()> {
+    let spec = json!({"name": "load", "train": {"steps": 10}});
+    let seeded: Vec<i64> = (0..100).map(|_| submit(&server.base, &spec)).collect::<Result<_>>()?;
+    let one = format!("/api/experiments/{}", seeded[seeded.len() / 2]);
+    let plan = json!({"name": "plan", "parallel": {"dp": 2, "tp": 2}, "model": {"layers": 8}});
+    println!(
+        "xtask load: {} connections, {:.0} s per phase, against {} ({} cores here, shared with the generator)",
+        opts.connections,
+        opts.seconds,
+        server.base,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!(
+        "{:<28} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "", "requests", "req/s", "p50 ms", "p99 ms", "max ms", "non-2xx"
+    );
+    let phases: [(&str, Request); 4] = [
+        ("GET /api/experiments", Request::Get("/api/experiments".into())),
+        ("GET /api/experiments/{id}", Request::Get(one)),
+        ("POST /api/plan", Request::Post("/api/plan".into(), plan)),
+        ("POST /api/experiments", Request::Post("/api/experiments".into(), spec)),
+    ];
+    for (name, request) in phases {
+        let measured = hammer(&server.base, &request, opts)?;
+        println!(
+            "{name:<28} {:>9} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>7}",
+            measured.latencies.len(),
+            measured.per_second(),
+            measured.percentile_ms(0.50),
+            measured.percentile_ms(0.99),
+            measured.percentile_ms(1.0),
+            measured.failed
+        );
+    }
+    streams(server, seeded[0], opts.streams)
+}
+
+enum Request {
+    Get(String),
+    Post(String, Value),
+}
+
+struct Measured {
+    latencies: Vec<Duration>,
+    failed: usize,
+    elapsed: Duration,
+}
+
+impl Measured {
+    fn per_second(&self) -> f64 {
+        self.latencies.len() as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn percentile_ms(&self, q: f64) -> f64 {
+        if self.latencies.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((self.latencies.len() - 1) as f64 * q).round() as usize;
+        self.latencies[i].as_secs_f64() * 1e3
+    }
+}
+
+/// `opts.connections` threads, each with its own kept-alive connection, make `request`
+/// back to back for `opts.seconds`.
+fn hammer(base: &str, request: &Request, opts: &LoadOptions) -> Result<Measured> {
+    let duration = Duration::from_secs_f64(opts.seconds);
+    let start = Arc::new(Barrier::new(opts.connections + 1));
+    let began = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..opts.connections)
+            .map(|_| {
+                let start = start.clone();
+                scope.spawn(move || {
+                    let agent = agent();
+                    let (mut latencies, mut failed) = (Vec::new(), 0);
+                    start.wait();
+                    let until = Instant::now() + duration;
+                    while Instant::now() < until && latencies.len() + failed < MAX_REQUESTS_PER_CONNECTION {
+                        let sent = Instant::now();
+                        let answer = match request {
+                            Request::Get(path) => agent.get(format!("{base}{path}")).call(),
+                            Request::Post(path, body) => agent.post(format!("{base}{path}")).send_json(body),
+                        };
+                        match answer {
+                            Ok(mut resp) if resp.status().is_success() => {
+                                let _ = resp.body_mut().read_to_vec();
+                                latencies.push(sent.elapsed());
+                            }
+                            _ => failed += 1,
+                        }
+                    }
+                    (latencies, failed)
+                })
+            })
+            .collect();
+        start.wait();
+        let began = Instant::now();
+        let results: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
+        (began.elapsed(), results)
+    });
+    let (elapsed, results) = began;
+    let mut measured = Measured { latencies: Vec::new(), failed: 0, elapsed };
+    for result in results {
+        let (latencies, failed) = result.map_err(|_| anyhow::anyhow!("a load thread panicked"))?;
+        measured.latencies.extend(latencies);
+        measured.failed += failed;
+    }
+    measured.latencies.sort();
+    Ok(measured)
+}
+
+/// Opens `count` live streams of a queued experiment (STREAMS_PER_SOURCE per loopback
+/// source address), holds them until every one has its first event, cancels the experiment
+/// and times how long until every stream has the event that ends it.
+fn streams(server: &Server, experiment: i64, count: usize) -> Result<()> {
+    let port = server.addr.port();
+    let request = format!(
+        "GET /api/experiments/{experiment}/stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: text/event-stream\r\n\r\n"
+    );
+    let opening = Instant::now();
+    let opened: Vec<Result<TcpStream>> = (0..count)
+        .map(|i| {
+            let source = Ipv4Addr::new(127, 0, 0, 2 + (i / STREAMS_PER_SOURCE) as u8);
+            let mut stream = connect_from(source, server.addr)?;
+            stream.write_all(request.as_bytes())?;
+            Ok(stream)
+        })
+        .collect();
+    let streams: Vec<TcpStream> = opened.into_iter().collect::<Result<_>>()?;
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+    let (ended_tx, ended_rx) = std::sync::mpsc::channel::<Result<Instant>>();
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|stream| {
+            let (ready, ended) = (ready_tx.clone(), ended_tx.clone());
+            std::thread::Builder::new().stack_size(64 << 10).spawn(move || follow(stream, ready, ended))
+        })
+        .collect::<std::io::Result<_>>()
+        .context("cannot start a stream reader")?;
+    drop((ready_tx, ended_tx));
+    for _ in 0..count {
+        ready_rx.recv_timeout(Duration::from_secs(60)).context("a stream had no first event within 60 s")??;
+    }
+    let held_after = opening.elapsed();
+    let sources = count.div_ceil(STREAMS_PER_SOURCE);
+    std::thread::sleep(Duration::from_secs(2));
+    let cancelled = Instant::now();
+    let (status, body) = post(&server.base, &format!("/api/experiments/{experiment}/cancel"), &json!({}))?;
+    if status != 200 {
+        bail!("cancelling the watched experiment: {status} {body}");
+    }
+    let mut slowest = Duration::ZERO;
+    for _ in 0..count {
+        let at = ended_rx.recv_timeout(Duration::from_secs(60)).context("a stream missed the cancel within 60 s")??;
+        slowest = slowest.max(at.saturating_duration_since(cancelled));
+    }
+    for reader in readers {
+        let _ = reader.join();
+    }
+    println!(
+        "{count} live streams from {sources} loopback addresses: all open with their first event after {:.2} s, \
+         held 2 s, all had the cancel {:.1} ms after it was made",
+        held_after.as_secs_f64(),
+        slowest.as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+/// Reads one stream: says when its HTTP 200 and first event came, then when the event that
+/// ends it ("cancelled") came.
+fn follow(
+    stream: TcpStream,
+    ready: std::sync::mpsc::Sender<Result<()>>,
+    ended: std::sync::mpsc::Sender<Result<Instant>>,
+) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(90)));
+    let mut reader = BufReader::new(stream);
+    let mut status = String::new();
+    if reader.read_line(&mut status).is_err() || !status.contains(" 200 ") {
+        let _ = ready.send(Err(anyhow::anyhow!("a stream was answered {}", status.trim())));
+        return;
+    }
+    let (mut line, mut said_ready) = (String::new(), false);
+    loop {
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => {
+                let _ = ended.send(Err(anyhow::anyhow!("a stream closed before the cancel")));
+                return;
+            }
+            Ok(_) => {}
+        }
+        if !said_ready && line.starts_with("event:") {
+            said_ready = true;
+            let _ = ready.send(Ok(()));
+        } else if line.contains("cancelled") {
+            let _ = ended.send(Ok(Instant::now()));
+            return;
+        }
+    }
+}
+
+/// A TCP connection to `to` from the loopback address `source`.
+fn connect_from(source: Ipv4Addr, to: SocketAddr) -> Result<TcpStream> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    socket.bind(&SocketAddr::V4(SocketAddrV4::new(source, 0)).into()).with_context(|| format!("bind {source}"))?;
+    socket.connect(&to.into()).with_context(|| format!("connect to {to} from {source}"))?;
+    Ok(socket.into())
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
+fn post(base: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
+    let mut resp = agent().post(format!("{base}{path}")).send_json(body)?;
+    let status = resp.status().as_u16();
+    let mut text = String::new();
+    resp.body_mut().as_reader().read_to_string(&mut text)?;
+    Ok((status, serde_json::from_str(&text).unwrap_or(Value::String(text))))
+}
+
+fn submit(base: &str, spec: &Value) -> Result<i64> {
+    let (status, body) = post(base, "/api/experiments", spec)?;
+    match (status, body["id"].as_i64()) {
+        (201, Some(id)) => Ok(id),
+        _ => bail!("seeding: a submission was answered {status} {body}"),
+    }
+}
+
+/// The release server on 127.0.0.1 (a free port), stopped on drop.
+struct Server {
+    process: Child,
+    base: String,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(data: &std::path::Path) -> Result<Self> {
+        let bin = crate::root().join("target/release/distlab-server");
+        let mut process = Command::new(&bin)
+            .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--max-queued-per-user", "10000000"])
+            .arg("--data-dir")
+            .arg(data)
+            .env("DISTLAB_WORKER_TOKEN", "load-test-token")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start {}", bin.display()))?;
+        let mut stdout = BufReader::new(process.stdout.take().context("piped stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        // Whatever else it prints is read and dropped, so that it never writes to a closed pipe.
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        let Some(url) = line.split("ready at ").nth(1) else {
+            let _ = process.kill();
+            bail!("the server did not say where it listens: {line:?}");
+        };
+        let base = url.trim().trim_end_matches('/').to_string();
+        let addr: SocketAddr = base.trim_start_matches("http://").parse().context("the server's address")?;
+        Ok(Self { process, base, addr })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
