@@ -56,12 +56,38 @@ pub async fn sign_in(name: &str, password: &str) -> ApiResult<distlab_common::Me
 }
 
 pub async fn sign_out() -> ApiResult<()> {
-    let response = Request::delete("/api/session").send().await.map_err(network_error)?;
-    if response.ok() {
-        Ok(())
-    } else {
-        Err(error_from(response).await)
-    }
+    expect_empty(Request::delete("/api/session").send().await).await
+}
+
+thread_local! {
+    /// Told when the server answers 401: the browser's session has ended (it expired, or an
+    /// admin reset the password), and the app falls back to the sign-in page.
+    static ON_UNAUTHORIZED: std::cell::RefCell<Option<std::rc::Rc<dyn Fn()>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Calls `f` whenever a request is answered 401.
+pub fn on_unauthorized(f: impl Fn() + 'static) {
+    ON_UNAUTHORIZED.with(|hook| *hook.borrow_mut() = Some(std::rc::Rc::new(f)));
+}
+
+/// Every account (admins).
+pub async fn list_accounts() -> ApiResult<distlab_common::AccountList> {
+    get_json("/api/users").await
+}
+
+/// A new account (admins).
+pub async fn create_account(account: &distlab_common::NewAccount) -> ApiResult<distlab_common::AccountView> {
+    let body = serde_json::to_value(account).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    post_json("/api/users", &body).await
+}
+
+/// A new password for `name` (admins); that account's sessions end.
+pub async fn reset_password(name: &str, password: &str) -> ApiResult<()> {
+    let url = format!("/api/users/{}/password", js_sys::encode_uri_component(name));
+    let request = Request::put(&url)
+        .json(&serde_json::json!({ "password": password }))
+        .map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    expect_empty(request.send().await).await
 }
 
 pub async fn list_experiments(limit: u32) -> ApiResult<ExperimentList> {
@@ -152,7 +178,11 @@ pub async fn create_experiment(spec: &serde_json::Value) -> ApiResult<Created> {
 }
 
 pub async fn cancel_experiment(id: i64) -> ApiResult<()> {
-    let response = Request::post(&format!("/api/experiments/{id}/cancel")).send().await;
+    expect_empty(Request::post(&format!("/api/experiments/{id}/cancel")).send().await).await
+}
+
+/// Ok for any success, whatever the body.
+async fn expect_empty(response: Result<Response, gloo_net::Error>) -> ApiResult<()> {
     let response = response.map_err(network_error)?;
     if response.ok() {
         Ok(())
@@ -178,8 +208,14 @@ fn network_error(e: gloo_net::Error) -> RequestError {
 }
 
 /// Turns an error answer into words, using the server's `ApiError` body when there is one.
+/// A 401 also tells `on_unauthorized`'s hook.
 async fn error_from(response: Response) -> RequestError {
     let status = response.status();
+    if status == 401 {
+        if let Some(hook) = ON_UNAUTHORIZED.with(|hook| hook.borrow().clone()) {
+            hook();
+        }
+    }
     let text = response.text().await.unwrap_or_default();
     let error = match serde_json::from_str::<ApiError>(&text) {
         Ok(body) => RequestError { message: body.error, fields: body.fields, status: None },

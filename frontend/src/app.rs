@@ -8,10 +8,10 @@ use leptos_router::components::{Route, Router, Routes, A};
 use leptos_router::path;
 
 use crate::api;
-use crate::pages::sign_in::{ask_who, AccountBadge, Session, SignInPage};
+use crate::pages::sign_in::{ask_who, sign_in_again_when_refused, AccountBadge, Session, SignInPage};
 use crate::pages::{
-    cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList, new::NewExperiment,
-    pipeline::PipelinePage, planner::PlannerPage, ring::RingReplayPage,
+    accounts::AccountsPage, cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList,
+    new::NewExperiment, pipeline::PipelinePage, planner::PlannerPage, ring::RingReplayPage,
 };
 
 #[component]
@@ -19,6 +19,7 @@ pub fn App() -> impl IntoView {
     // On a server with accounts, the pages wait for a signed-in session.
     let session = RwSignal::new(Session::Asking);
     ask_who(session);
+    sign_in_again_when_refused(session);
     view! {
         <Router>
             <header class="topbar">
@@ -32,6 +33,7 @@ pub fn App() -> impl IntoView {
                     <A href="/compare">"Compare"</A>
                     <A href="/planner">"Planner"</A>
                     <A href="/cards">"Flashcards"</A>
+                    {move || session.get().is_teacher().then(|| view! { <A href="/accounts" attr:id="nav-accounts">"Accounts"</A> })}
                 </nav>
                 <HealthBadge/>
                 <AccountBadge session=session/>
@@ -39,14 +41,15 @@ pub fn App() -> impl IntoView {
             <main class="page">
                 {move || match session.get() {
                     Session::Asking => view! { <p class="muted">"…"</p> }.into_any(),
-                    Session::SignedOut => view! { <SignInPage session=session/> }.into_any(),
-                    Session::SignedIn(_) => view! {
+                    s if s.needs_sign_in() => view! { <SignInPage session=session/> }.into_any(),
+                    _ => view! {
                         <Routes fallback=|| view! { <NotFound/> }>
                             <Route path=path!("/") view=ExperimentList/>
                             <Route path=path!("/new") view=NewExperiment/>
                             <Route path=path!("/compare") view=ComparePage/>
                             <Route path=path!("/planner") view=PlannerPage/>
                             <Route path=path!("/cards") view=CardsPage/>
+                            <Route path=path!("/accounts") view=AccountsPage/>
                             <Route path=path!("/experiments/:id") view=ExperimentPage/>
                             <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
                             <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>

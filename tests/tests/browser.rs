@@ -239,18 +239,18 @@ async fn compare_runs_plan_a_model_and_study_cards() -> Result<()> {
     result
 }
 
-/// A server with accounts: the pages wait behind the sign-in page; a wrong password is
-/// refused there, the right one opens the experiments (the header says who is signed in),
-/// and signing out brings the sign-in page back.
+/// A server with accounts: the pages wait behind the sign-in page; the teacher makes a
+/// student's account in the browser; a session that ends brings the sign-in page back
+/// (see `sign_in_scenario`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_class_member_signs_in_and_out() -> Result<()> {
+async fn a_teacher_makes_an_account_and_an_ended_session_signs_in_again() -> Result<()> {
     if !browser_ready() {
         return Ok(());
     }
     let env = vec![("DISTLAB_AUTH".to_string(), "accounts".to_string())];
     let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
     let mut add = Command::new(distlab_tests::bin_path("distlab-server"))
-        .args(["user", "add", "ada"])
+        .args(["user", "add", "teacher", "--admin"])
         .arg("--data-dir")
         .arg(lab.data_dir.path())
         .stdin(Stdio::piped())
@@ -268,31 +268,84 @@ async fn a_class_member_signs_in_and_out() -> Result<()> {
     result
 }
 
+async fn type_into(c: &Client, selector: &str, value: &str) -> Result<()> {
+    let input = c.find(Locator::Css(selector)).await?;
+    input.clear().await?;
+    input.send_keys(value).await?;
+    Ok(())
+}
+
+async fn sign_in_as(c: &Client, name: &str, password: &str) -> Result<()> {
+    type_into(c, "#sign-in-name", name).await?;
+    type_into(c, "#sign-in-password", password).await?;
+    c.find(Locator::Css("#sign-in")).await?.click().await?;
+    Ok(())
+}
+
+/// The teacher signs in (a wrong password first), makes a student's account on the accounts
+/// page and resets its password; the teacher's session then expires with the page open, and
+/// the next thing the page asks brings the sign-in page back, saying why. The student signs
+/// in with the new password, sees no accounts page (the server refuses it too), and signs out.
 async fn sign_in_scenario(c: &Client, lab: &Lab) -> Result<()> {
     c.goto(&lab.url("/")).await?;
     wait_for(c, "the sign-in page", Duration::from_secs(30), || exists(c, "#sign-in-page")).await?;
     ensure!(!exists(c, "#compare-selected").await?, "the experiments page is not shown before signing in");
-    let type_into = |selector: &'static str, value: &'static str| async move {
-        let input = c.find(Locator::Css(selector)).await?;
-        input.clear().await?;
-        input.send_keys(value).await?;
-        anyhow::Ok(())
-    };
-    type_into("#sign-in-name", "ada").await?;
-    type_into("#sign-in-password", "wrong horse").await?;
-    c.find(Locator::Css("#sign-in")).await?.click().await?;
+    sign_in_as(c, "teacher", "wrong horse").await?;
     wait_for(c, "the refusal", Duration::from_secs(15), || exists(c, "#sign-in-error")).await?;
     let refusal = text(c, "#sign-in-error").await?;
     ensure!(refusal.contains("wrong name or password"), "{refusal}");
     save_screenshot(c, "sign-in.png").await?;
-    type_into("#sign-in-password", "correct horse").await?;
-    c.find(Locator::Css("#sign-in")).await?.click().await?;
+    sign_in_as(c, "teacher", "correct horse").await?;
     wait_for(c, "the experiments page", Duration::from_secs(15), || exists(c, "#compare-selected")).await?;
     let who = text(c, "#signed-in-as").await?;
-    ensure!(who == "ada", "the header says {who:?}");
+    ensure!(who == "teacher (admin)", "the header says {who:?}");
     save_screenshot(c, "signed-in.png").await?;
+
+    c.find(Locator::Css("#nav-accounts")).await?.click().await?;
+    wait_for(c, "the accounts page", Duration::from_secs(15), || exists(c, "#accounts tr[data-name='teacher']"))
+        .await?;
+    type_into(c, "#new-account-name", "ada").await?;
+    type_into(c, "#new-account-password", "short").await?;
+    c.find(Locator::Css("#create-account")).await?.click().await?;
+    wait_for(c, "the refusal of a short password", Duration::from_secs(15), || exists(c, "#accounts-refused")).await?;
+    let refused = text(c, "#accounts-refused").await?;
+    ensure!(refused.contains("a password is"), "{refused}");
+    ensure!(!exists(c, "#accounts tr[data-name='ada']").await?, "a refused account is not listed");
+    type_into(c, "#new-account-password", "first horse").await?;
+    c.find(Locator::Css("#create-account")).await?.click().await?;
+    wait_for(c, "ada's account", Duration::from_secs(15), || exists(c, "#accounts tr[data-name='ada']")).await?;
+    ensure!(text(c, "#accounts-done").await?.contains("ada can sign in now"), "no confirmation");
+    type_into(c, "#accounts tr[data-name='ada'] .reset-password-input", "battery staple").await?;
+    c.find(Locator::Css("#accounts tr[data-name='ada'] .reset-password-set")).await?.click().await?;
+    wait_for(c, "the reset", Duration::from_secs(15), || async {
+        Ok(text(c, "#accounts-done").await?.contains("ada has a new password"))
+    })
+    .await?;
+    save_screenshot(c, "accounts.png").await?;
+
+    // The teacher's session expires while the page is open.
+    let db = format!("sqlite://{}", lab.data_dir.path().join("distlab.db").display());
+    let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&db).await?;
+    sqlx::query("UPDATE sessions SET expires_at = '2000-01-01T00:00:00Z' WHERE user_name = 'teacher'")
+        .execute(&mut conn)
+        .await?;
+    c.find(Locator::Css("nav a[href='/']")).await?.click().await?;
+    wait_for(c, "the sign-in page after the session ended", Duration::from_secs(15), || exists(c, "#session-ended"))
+        .await?;
+    ensure!(!exists(c, "#nav-accounts").await?, "the accounts link went with the session");
+    save_screenshot(c, "session-ended.png").await?;
+
+    sign_in_as(c, "ada", "battery staple").await?;
+    wait_for(c, "ada's experiments page", Duration::from_secs(15), || exists(c, "#compare-selected")).await?;
+    ensure!(text(c, "#signed-in-as").await? == "ada", "the header does not say ada");
+    ensure!(!exists(c, "#nav-accounts").await?, "a student has no accounts link");
+    c.goto(&lab.url("/accounts")).await?;
+    wait_for(c, "the server's refusal", Duration::from_secs(15), || exists(c, "#accounts-error")).await?;
+    let refused = text(c, "#accounts-error").await?;
+    ensure!(refused.contains("only an admin"), "{refused}");
     c.find(Locator::Css("#sign-out")).await?.click().await?;
     wait_for(c, "the sign-in page again", Duration::from_secs(15), || exists(c, "#sign-in-page")).await?;
+    ensure!(!exists(c, "#session-ended").await?, "signing out is not a session that ended");
     // The session ended on the server too: the API answers 401 to that browser.
     c.goto(&lab.url("/api/me")).await?;
     let body = js(c, "return document.body.textContent;", "body").await?;

@@ -1,6 +1,7 @@
 //! The screens: the list of experiments, the form for a new one, one experiment live,
-//! the ring replay of its collectives.
+//! the ring replay of its collectives, signing in and the teacher's accounts page.
 
+pub mod accounts;
 pub mod cards;
 pub mod compare;
 pub mod experiment;

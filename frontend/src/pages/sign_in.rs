@@ -7,12 +7,36 @@ use leptos::prelude::*;
 use crate::api;
 
 /// Where the browser stands with the server: still asking, signed in (or a server without
-/// accounts), or not signed in on a server that wants it.
+/// accounts), not signed in on a server that wants it, or signed in until the server
+/// answered 401 (the session expired, or an admin reset the password).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Session {
     Asking,
     SignedIn(Me),
     SignedOut,
+    Ended,
+}
+
+impl Session {
+    /// Whether the sign-in page shows.
+    pub fn needs_sign_in(&self) -> bool {
+        matches!(self, Session::SignedOut | Session::Ended)
+    }
+
+    /// Whether the signed-in person manages the class's accounts.
+    pub fn is_teacher(&self) -> bool {
+        matches!(self, Session::SignedIn(me) if me.admin && me.auth == AuthMode::Accounts)
+    }
+}
+
+/// From now on, a 401 to any request while signed in brings the sign-in page back, saying
+/// why; the page the person was on shows again once they are signed in.
+pub fn sign_in_again_when_refused(session: RwSignal<Session>) {
+    api::on_unauthorized(move || {
+        if matches!(session.get_untracked(), Session::SignedIn(_)) {
+            session.try_set(Session::Ended);
+        }
+    });
 }
 
 /// Asks the server who this browser is, into `session`. A server that cannot be reached
@@ -54,6 +78,9 @@ pub fn SignInPage(session: RwSignal<Session>) -> impl IntoView {
     view! {
         <section class="card sign-in" id="sign-in-page">
             <h1>"Sign in"</h1>
+            {move || (session.get() == Session::Ended).then(|| view! {
+                <p class="alert" id="session-ended">"Your session has ended (it expired, or your password was reset). Sign in again to go on where you were."</p>
+            })}
             <p class="muted">"This distlab is shared by a class: sign in with the account your teacher made for you."</p>
             <form on:submit=submit>
                 <label>"name"
