@@ -2,7 +2,7 @@
 //! (which refuses it at submission) and the browser (which says so while the form is
 //! filled in). The CPU backend runs every valid spec.
 
-use crate::spec::{BackendKind, ExperimentSpec};
+use crate::spec::{Attention, BackendKind, ExperimentSpec};
 use crate::validate::FieldError;
 
 /// The settings of a valid `spec` its backend cannot run yet, one error per field.
@@ -13,13 +13,25 @@ pub fn unsupported_on_backend(spec: &ExperimentSpec) -> Vec<FieldError> {
     }
 }
 
+/// The widest attention head the CUDA flash-attention kernels hold (a warp of 32 lanes,
+/// 32 values each, in registers).
+pub const CUDA_FLASH_MAX_HEAD: usize = 1024;
+
 /// The CUDA backend runs the same engine as the CPU: every strategy, mesh, precision and
 /// checkpoint. What it leaves to the CPU: the collective demos, which show the ring's
-/// steps between rank processes and have no model to put on a GPU.
+/// steps between rank processes and have no model to put on a GPU, and flash attention
+/// with heads wider than its kernels hold.
 fn unsupported_on_cuda(spec: &ExperimentSpec) -> Vec<FieldError> {
     let mut out = Vec::new();
     if spec.demo.is_some() {
         out.push(FieldError::new("demo", "the collective demos run on the cpu backend"));
+    }
+    let head = spec.model.d_model / spec.model.heads.max(1);
+    if spec.train.attention == Attention::Flash && head > CUDA_FLASH_MAX_HEAD {
+        out.push(FieldError::new(
+            "train.attention",
+            format!("flash attention on cuda holds heads of up to {CUDA_FLASH_MAX_HEAD} values (this one: {head})"),
+        ));
     }
     out
 }
@@ -41,5 +53,11 @@ mod tests {
         spec.demo = Some(Default::default());
         let fields: Vec<String> = unsupported_on_backend(&spec).into_iter().map(|e| e.field).collect();
         assert_eq!(fields, ["demo"]);
+        spec.demo = None;
+        spec.train.attention = Attention::Flash;
+        assert!(unsupported_on_backend(&spec).is_empty(), "flash attention with narrow heads");
+        (spec.model.d_model, spec.model.heads) = (2048, 1);
+        let fields: Vec<String> = unsupported_on_backend(&spec).into_iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["train.attention"]);
     }
 }

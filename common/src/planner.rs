@@ -275,7 +275,7 @@ pub fn in_flight_micro_batches(schedule: PpSchedule, pp: u64, micro_batches: u64
 /// stores them (model/gpt.rs `BlockActivations`):
 ///
 /// ```text
-///   b*s * (4d + 12d/t + 4)  +  b * (h/t) * s^2
+///   b*s * (4d + 12d/t + 4)  +  b * (h/t) * s^2        (flash: b * (h/t) * s * 2)
 /// ```
 ///
 /// - 4d whole on every TP rank: the outputs of ln1 and ln2, and the residual stream
@@ -283,30 +283,39 @@ pub fn in_flight_micro_batches(schedule: PpSchedule, pp: u64, micro_batches: u64
 /// - 12d split over TP: q, k, v (3d), the attention output before its projection (d),
 ///   the MLP hidden layer before and after GELU (4d + 4d);
 /// - 4 per token: mean and 1/std of the two LayerNorms;
-/// - the softmax probabilities, heads x s x s per sequence (no FlashAttention).
+/// - the softmax probabilities, heads x s x s per sequence; with FlashAttention only one
+///   log-sum-exp per row and head, kept as a (hi, lo) pair: the s^2 term is gone.
 ///
 /// In 16-bit that is s*b*d*(32 + 8/d + 2*h*s/d) bytes, close to Korthikanti et al.'s
 /// s*b*d*(34 + 5*h*s/d), which also keeps dropout masks and the pre-softmax scores
 /// (the engine has no dropout and overwrites the scores). This is THE per-layer term:
 /// adjust it here when the engine's measured activations say otherwise.
-pub fn layer_activation_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64) -> u64 {
+pub fn layer_activation_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64, attention: Attention) -> u64 {
     let tp = tp.max(1);
     let rows = batch.saturating_mul(seq);
     let per_token = d.saturating_mul(4).saturating_add(d.saturating_mul(12) / tp).saturating_add(4);
-    let scores = batch.saturating_mul(heads / tp).saturating_mul(seq).saturating_mul(seq);
-    rows.saturating_mul(per_token).saturating_add(scores)
+    rows.saturating_mul(per_token).saturating_add(attention_elements(batch, seq, heads / tp, attention))
+}
+
+/// What attention keeps for one micro-batch (and the size of its gradient scratch): the
+/// (s, s) probabilities per sequence and head, or (flash) a log-sum-exp pair per row.
+pub fn attention_elements(batch: u64, seq: u64, heads: u64, attention: Attention) -> u64 {
+    let per_head = match attention {
+        Attention::Naive => seq.saturating_mul(seq),
+        Attention::Flash => seq.saturating_mul(2),
+    };
+    batch.saturating_mul(heads).saturating_mul(per_head)
 }
 
 /// Elements of backward's activation-gradient buffers (model/gpt.rs `GradScratch`): the
 /// residual and LayerNorm gradients (2d, whole), the attention output, QKV and MLP hidden
 /// gradients (d + 3d + 4d, split over TP) and the attention probabilities' gradient:
-/// b*s*(2d + 8d/t) + b*(h/t)*s^2.
-pub fn activation_grad_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64) -> u64 {
+/// b*s*(2d + 8d/t) + b*(h/t)*s^2 (flash: a pair per row, rowsum(dO ∘ O), in place of s^2).
+pub fn activation_grad_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64, attention: Attention) -> u64 {
     let tp = tp.max(1);
     let rows = batch.saturating_mul(seq);
     let per_token = d.saturating_mul(2).saturating_add(d.saturating_mul(8) / tp);
-    let scores = batch.saturating_mul(heads / tp).saturating_mul(seq).saturating_mul(seq);
-    rows.saturating_mul(per_token).saturating_add(scores)
+    rows.saturating_mul(per_token).saturating_add(attention_elements(batch, seq, heads / tp, attention))
 }
 
 /// Checks that `spec` describes a model and a mesh that can exist at all: positive
@@ -411,8 +420,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 
     let rows = batch.saturating_mul(seq);
     let rows_d = rows.saturating_mul(d);
-    let layer_acts = layer_activation_elements(batch, seq, d, heads, tp);
-    let grad_acts = activation_grad_elements(batch, seq, d, heads, tp);
+    let layer_acts = layer_activation_elements(batch, seq, d, heads, tp, t.attention);
+    let grad_acts = activation_grad_elements(batch, seq, d, heads, tp, t.attention);
     let recomputing = t.checkpointing != Checkpointing::None;
 
     let mut stages = Vec::with_capacity(p.pp);
@@ -866,6 +875,20 @@ mod tests {
         assert_eq!((c.dp_reduce_scatter, c.dp_all_gather), (3 * rs, rs));
         spec.parallel.sharding = Sharding::None;
         assert_eq!(plan(&spec).unwrap().stages[0].comm.dp_all_reduce, 2 * rs);
+    }
+
+    /// Flash attention keeps no (s, s) matrix: its activations grow linearly in s.
+    #[test]
+    fn flash_attention_has_no_quadratic_term() {
+        let (b, d, h) = (2, 64, 4);
+        for s in [128u64, 1024] {
+            let naive = layer_activation_elements(b, s, d, h, 1, Attention::Naive);
+            let flash = layer_activation_elements(b, s, d, h, 1, Attention::Flash);
+            assert_eq!(naive - flash, b * h * (s * s - 2 * s), "s={s}");
+            assert_eq!(flash, b * s * (16 * d + 4) + b * h * s * 2, "s={s}");
+            let grads = activation_grad_elements(b, s, d, h, 2, Attention::Flash);
+            assert_eq!(grads, b * s * (2 * d + 4 * d) + b * (h / 2) * s * 2, "s={s}, tp=2");
+        }
     }
 
     #[test]

@@ -135,6 +135,10 @@ pub struct TrainSpec {
     pub precision: Precision,
     pub loss_scaling: LossScaling,
     pub checkpointing: Checkpointing,
+    /// How attention is computed: the whole (heads, T, T) probability matrix kept for
+    /// backward, or FlashAttention's tiles (one log-sum-exp per row kept, the rest
+    /// recomputed in backward).
+    pub attention: Attention,
     pub checkpoint_every: u64,
     /// Who writes a checkpoint: a writer thread while training goes on, or the training
     /// loop itself.
@@ -177,6 +181,13 @@ pub enum Checkpointing {
     None,
     Every,
     Sqrt,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Attention {
+    Naive,
+    Flash,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -253,6 +264,7 @@ impl Default for TrainSpec {
             checkpointing: Checkpointing::None,
             checkpoint_every: 0,
             checkpoint_write: CheckpointWrite::Async,
+            attention: Attention::Naive,
             seed: 42,
         }
     }

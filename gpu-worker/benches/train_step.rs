@@ -7,13 +7,16 @@
 //!   {"bench":"train_step","threads":1,"tokens_per_s":...,"step_ms":...,"params":...,"gflops_per_s":...}
 //!
 //! `cargo bench -p distlab-worker --bench train_step [-- --threads 1,2 --steps 20 --warmup 3
-//!  --precision fp32|bf16|fp16 --checkpointing none|every|sqrt]`
+//!  --precision fp32|bf16|fp16 --checkpointing none|every|sqrt --attention naive|flash
+//!  --seq-len 128 --batch 16]`
 //!
 //! Each line also carries the rank's peak memory by category (MiB, from the ledger).
 
 use std::sync::atomic::AtomicBool;
 
-use distlab_common::{Checkpointing, ExperimentSpec, Limits, LossScaling, ModelSpec, Precision, RunEvent, TrainSpec};
+use distlab_common::{
+    Attention, Checkpointing, ExperimentSpec, Limits, LossScaling, ModelSpec, Precision, RunEvent, TrainSpec,
+};
 use distlab_worker::{train, TrainOptions};
 
 struct Args {
@@ -22,6 +25,9 @@ struct Args {
     warmup: u64,
     precision: Precision,
     checkpointing: Checkpointing,
+    attention: Attention,
+    seq_len: usize,
+    batch: usize,
 }
 
 /// A spec enum from its JSON name ("bf16", "sqrt").
@@ -36,6 +42,9 @@ fn parse_args() -> Args {
         warmup: 3,
         precision: Precision::Fp32,
         checkpointing: Checkpointing::None,
+        attention: Attention::Naive,
+        seq_len: 128,
+        batch: 16,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -63,6 +72,18 @@ fn parse_args() -> Args {
                     choice(&value).unwrap_or_else(|_| panic!("--checkpointing none|every|sqrt, not {value}"));
                 i += 1;
             }
+            "--attention" => {
+                args.attention = choice(&value).unwrap_or_else(|_| panic!("--attention naive|flash, not {value}"));
+                i += 1;
+            }
+            "--seq-len" => {
+                args.seq_len = value.parse().unwrap_or_else(|_| panic!("--seq-len takes a number, not {value}"));
+                i += 1;
+            }
+            "--batch" => {
+                args.batch = value.parse().unwrap_or_else(|_| panic!("--batch takes a number, not {value}"));
+                i += 1;
+            }
             _ => {} // cargo passes --bench; ignore anything else
         }
         i += 1;
@@ -75,9 +96,9 @@ fn reference_spec(args: &Args) -> ExperimentSpec {
     let defaults = ExperimentSpec::default();
     let mut spec = ExperimentSpec {
         name: "bench-train-step".into(),
-        model: ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 },
+        model: ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: args.seq_len, vocab: 256 },
         train: TrainSpec {
-            micro_batch: 16,
+            micro_batch: args.batch,
             steps,
             warmup_steps: 0,
             lr: 3e-4,
@@ -88,6 +109,7 @@ fn reference_spec(args: &Args) -> ExperimentSpec {
     };
     spec.train.precision = args.precision;
     spec.train.checkpointing = args.checkpointing;
+    spec.train.attention = args.attention;
     if args.precision == Precision::Fp16 {
         spec.train.loss_scaling = LossScaling::Dynamic;
     }
@@ -142,8 +164,9 @@ fn main() {
             "steps": timed.len(),
             "warmup": args.warmup,
             "final_loss": (summary.final_loss * 1e4).round() / 1e4,
-            "config": {"layers": 4, "d_model": 256, "heads": 4, "seq_len": 128, "vocab": 256, "batch": 16,
-                       "dtype": args.precision.as_str(), "checkpointing": args.checkpointing,
+            "config": {"layers": 4, "d_model": 256, "heads": 4, "seq_len": args.seq_len, "vocab": 256,
+                       "batch": args.batch, "dtype": args.precision.as_str(), "checkpointing": args.checkpointing,
+                       "attention": args.attention,
                        "optim": "AdamW", "tied": false},
             "peak_mib": peak.map(|p| {
                 let mib = |b: u64| (b as f64 / 1048576.0 * 100.0).round() / 100.0;

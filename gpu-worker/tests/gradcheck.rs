@@ -177,6 +177,41 @@ fn check_attention(b: usize, t: usize, c: usize, heads: usize) {
     });
 }
 
+/// Flash attention's backward (which recomputes the probabilities from the log-sum-exp
+/// pairs) against finite differences of its own forward: one tile, and 70 positions
+/// (two query and key tiles, the second ragged).
+#[test]
+fn flash_attention_backward_matches_finite_differences() {
+    for (b, t, c, heads) in [(2, 5, 8, 2), (1, 70, 4, 2)] {
+        let qkv = random(b * t * 3 * c, 18, 1.0);
+        let r = random(b * t * c, 19, 1.0);
+        with_backends(|be| {
+            let forward = |qkv: &[f64]| {
+                let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * heads * t * 2]);
+                be.flash_attention_forward(&mut out, &mut lse, qkv, t, c, heads);
+                (dot(&out, &r), out, lse)
+            };
+            let (_, out, lse) = forward(&qkv);
+            // the first position attends only to itself: its output is its own V
+            let hs = c / heads;
+            for d in 0..c {
+                assert!((out[d] - qkv[2 * c + d]).abs() < 1e-12, "position 0, column {d}");
+            }
+            // and its log-sum-exp is its one score, q·k / sqrt(hs)
+            for h in 0..heads {
+                let score: f64 =
+                    (0..hs).map(|d| qkv[h * hs + d] * qkv[c + h * hs + d]).sum::<f64>() / (hs as f64).sqrt();
+                let l = lse[h * t * 2] + lse[h * t * 2 + 1];
+                assert!((l - score).abs() < 1e-12, "head {h}: log-sum-exp {l} vs {score}");
+            }
+            let mut dqkv = vec![3.0; b * t * 3 * c];
+            let mut delta = vec![0.0; b * heads * t * 2];
+            be.flash_attention_backward(&mut dqkv, &mut delta, &r, &qkv, &out, &lse, t, c, heads);
+            check("flash attention dqkv", &qkv, &dqkv, |x| forward(x).0);
+        });
+    }
+}
+
 #[test]
 fn gelu_backward_matches_finite_differences() {
     let n = 50;

@@ -285,6 +285,51 @@ fn attention_of<B: Backend>(be: &B, batch: usize, t: usize, c: usize, heads: usi
     compare(be, "attention", &bufs, |be, b| run(be, b, t, c, heads), plain, &[1, 2, 4]);
 }
 
+/// Flash attention against the same plain attention: the output and the gradients (what
+/// it keeps instead of the probabilities, one log-sum-exp per row, is its own business).
+/// 19 positions fit one tile; 150 cross three query and key tiles, with a ragged last one.
+fn flash_attention<B: Backend>(be: &B) {
+    flash_attention_of(be, 2, 19, 32, 4);
+    flash_attention_of(be, 1, 150, 16, 2);
+}
+
+/// A sequence far longer than a tile, with wide heads (the CUDA kernels' registers).
+fn flash_attention_long<B: Backend>(be: &B) {
+    flash_attention_of(be, 1, 1030, 256, 2);
+}
+
+fn flash_attention_of<B: Backend>(be: &B, batch: usize, t: usize, c: usize, heads: usize) {
+    let rows = batch * t;
+    let bufs = [
+        random::<B>(rows * 3 * c, 41, 1.0), // 0 qkv
+        vec![0.0; rows * c],                // 1 out
+        vec![0.0; batch * heads * t * 2],   // 2 lse (pairs)
+        random::<B>(rows * c, 42, 1.0),     // 3 dout
+        vec![0.0; rows * 3 * c],            // 4 dqkv
+        vec![0.0; batch * heads * t * 2],   // 5 delta (scratch)
+    ];
+    fn run<X: Backend>(be: &X, b: &mut [X::Buf], t: usize, c: usize, heads: usize) {
+        let (qkv, out, lse, rest) = three(b);
+        be.flash_attention_forward(be.all_mut(out), be.all_mut(lse), be.all(qkv), t, c, heads);
+        let (dout, dqkv, delta, _) = three(rest);
+        let (dqkv, delta) = (be.all_mut(dqkv), be.all_mut(delta));
+        be.flash_attention_backward(dqkv, delta, be.all(dout), be.all(qkv), be.all(out), be.all(lse), t, c, heads);
+    }
+    let plain = |b: &mut [Vec<f64>]| {
+        let mut naive = vec![
+            b[0].clone(),
+            vec![0.0; rows * c],
+            vec![0.0; batch * heads * t * t],
+            b[3].clone(),
+            vec![0.0; rows * 3 * c],
+            Vec::new(),
+        ];
+        reference::attention(&mut naive, t, c, heads);
+        (b[1], b[4]) = (naive[1].clone(), naive[4].clone());
+    };
+    compare(be, &format!("flash attention T={t}"), &bufs, |be, b| run(be, b, t, c, heads), plain, &[1, 4]);
+}
+
 fn gelu<B: Backend>(be: &B) {
     let n = 5000;
     let bufs = [random::<B>(n, 23, 2.0), vec![0.0; n], random::<B>(n, 24, 1.0)];
@@ -390,6 +435,8 @@ test_device!(
     matmul,
     attention,
     attention_long,
+    flash_attention,
+    flash_attention_long,
     gelu,
     crossentropy,
     gpt

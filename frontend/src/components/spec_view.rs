@@ -87,10 +87,11 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         t.seed
     );
     let numerics = format!(
-        "{} · loss scaling {} · activation checkpointing {}{}",
+        "{} · loss scaling {} · activation checkpointing {} · {} attention{}",
         label(&t.precision),
         label(&t.loss_scaling),
         label(&t.checkpointing),
+        label(&t.attention),
         if t.checkpoint_every > 0 {
             format!(" · checkpoint every {} steps ({})", t.checkpoint_every, label(&t.checkpoint_write))
         } else {

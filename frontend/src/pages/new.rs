@@ -139,6 +139,11 @@ const SECTIONS: &[SectionDef] = &[
             f("train.precision", Kind::Choice(&["fp32", "bf16", "fp16"]), "storage type of weights and activations"),
             f("train.loss_scaling", Kind::Choice(&["none", "dynamic"]), "dynamic: for fp16"),
             f("train.checkpointing", Kind::Choice(&["none", "every", "sqrt"]), "activation recomputation"),
+            f(
+                "train.attention",
+                Kind::Choice(&["naive", "flash"]),
+                "flash: tiled, keeps one log-sum-exp per row instead of the T×T probabilities",
+            ),
             f("train.checkpoint_every", Kind::Int, "save a resumable checkpoint every N steps; 0 = never"),
             f(
                 "train.checkpoint_write",

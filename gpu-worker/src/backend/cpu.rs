@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 use crate::backend::{Backend, Float, Stored};
 use crate::memory::{with_kernel_ledger, MemoryTracker};
+use crate::ops::flash_attention::{self, PAIR};
 use crate::ops::float::map_elements;
 use crate::ops::gemm::Parallelism;
 use crate::ops::{attention, embedding, layernorm, linear, loss, mlp};
@@ -356,6 +357,38 @@ impl<S: Stored> Backend for CpuBackend<S> {
             .zip(qkv.par_chunks(t * 3 * c))
             .zip(att.par_chunks(heads * t * t))
             .for_each(|((((dx, da), dy), x), a)| attention::attention_backward(dx, da, dy, x, a, t, c, heads));
+    }
+
+    fn flash_attention_forward(&self, out: &mut [S], lse: &mut [S], qkv: &[S], seq_len: usize, c: usize, heads: usize) {
+        let t = seq_len;
+        out.par_chunks_mut(t * c)
+            .zip(lse.par_chunks_mut(heads * t * PAIR))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|((y, l), x)| flash_attention::flash_attention_forward(y, l, x, t, c, heads));
+    }
+
+    fn flash_attention_backward(
+        &self,
+        dqkv: &mut [S],
+        delta: &mut [S],
+        dout: &[S],
+        qkv: &[S],
+        out: &[S],
+        lse: &[S],
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let t = seq_len;
+        dqkv.par_chunks_mut(t * 3 * c)
+            .zip(delta.par_chunks_mut(heads * t * PAIR))
+            .zip(dout.par_chunks(t * c))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .zip(out.par_chunks(t * c))
+            .zip(lse.par_chunks(heads * t * PAIR))
+            .for_each(|(((((dx, d), dy), x), y), l)| {
+                flash_attention::flash_attention_backward(dx, d, dy, x, y, l, t, c, heads)
+            });
     }
 
     fn gelu_forward(&self, out: &mut [S], inp: &[S]) {

@@ -32,7 +32,7 @@ use crate::optim::{OptimizerSlices, OptimizerState, Update};
 
 /// The kernels' CUDA C: what they share, then every op's kernels from the file beside its
 /// CPU kernel, as one source for NVRTC.
-const KERNELS: &str = concat!(
+pub const KERNELS: &str = concat!(
     include_str!("cuda_prelude.cu"),
     include_str!("cuda_reductions.cu"),
     include_str!("../ops/embedding.cu"),
@@ -40,11 +40,14 @@ const KERNELS: &str = concat!(
     include_str!("../ops/linear.cu"),
     include_str!("../ops/mlp.cu"),
     include_str!("../ops/attention.cu"),
+    include_str!("../ops/flash_attention.cu"),
     include_str!("../ops/loss.cu"),
     include_str!("../optim.cu"),
 );
 /// Threads per block of every kernel (`BLOCK` in the .cu file).
 const BLOCK: u32 = 256;
+/// The widest head flash attention's kernels hold in registers (WARP * ROW_REGS).
+const FLASH_MAX_HEAD: usize = distlab_common::backends::CUDA_FLASH_MAX_HEAD;
 /// Rows per warp-per-row kernel block.
 const ROWS_PER_BLOCK: u32 = BLOCK / 32;
 /// Elements per block of `sum` / `sum_squares`.
@@ -176,7 +179,7 @@ impl<S: DeviceElem> Clone for CudaBackend<S> {
 }
 
 /// Every kernel of [`KERNELS`] the backend calls.
-const KERNEL_NAMES: [&str; 23] = [
+const KERNEL_NAMES: [&str; 27] = [
     "fill",
     "add",
     "widen",
@@ -195,6 +198,10 @@ const KERNEL_NAMES: [&str; 23] = [
     "gelu_backward",
     "causal_softmax_forward",
     "causal_softmax_backward",
+    "flash_attention_forward",
+    "flash_attention_delta",
+    "flash_attention_backward_query",
+    "flash_attention_backward_key",
     "crossentropy_forward",
     "crossentropy_backward",
     "adamw",
@@ -1190,6 +1197,99 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             0.0,
             part(dqkv.ptr, 1),
             shape,
+        );
+    }
+
+    fn flash_attention_forward(
+        &self,
+        out: DeviceViewMut<'_, S>,
+        lse: DeviceViewMut<'_, S>,
+        qkv: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        assert!(hs <= FLASH_MAX_HEAD, "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)");
+        let batch = qkv.len / (t * 3 * c);
+        let rows = batch * heads * t;
+        check_shape("flash_attention_forward", &[(out.len, batch * t * c), (lse.len, rows * 2)]);
+        let scale = 1.0 / (hs as f32).sqrt();
+        launch!(
+            self,
+            "flash_attention_forward",
+            warp_per_row(rows),
+            out.ptr,
+            lse.ptr,
+            qkv.ptr,
+            rows as i64,
+            int(t),
+            int(c),
+            int(heads),
+            scale
+        );
+    }
+
+    fn flash_attention_backward(
+        &self,
+        dqkv: DeviceViewMut<'_, S>,
+        delta: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        qkv: DeviceView<'_, S>,
+        out: DeviceView<'_, S>,
+        lse: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        assert!(hs <= FLASH_MAX_HEAD, "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)");
+        let batch = qkv.len / (t * 3 * c);
+        let rows = batch * heads * t;
+        check_shape(
+            "flash_attention_backward",
+            &[
+                (dqkv.len, qkv.len),
+                (dout.len, batch * t * c),
+                (out.len, batch * t * c),
+                (lse.len, rows * 2),
+                (delta.len, rows * 2),
+            ],
+        );
+        let scale = 1.0 / (hs as f32).sqrt();
+        let (n, t, c, heads) = (rows as i64, int(t), int(c), int(heads));
+        launch!(self, "flash_attention_delta", warp_per_row(rows), delta.ptr, dout.ptr, out.ptr, n, t, c, heads);
+        let (dqkv, dout, qkv, lse, delta) = (dqkv.ptr, dout.ptr, qkv.ptr, lse.ptr, delta.ptr);
+        // dQ by query row, then dK and dV by key row: disjoint columns of dqkv.
+        launch!(
+            self,
+            "flash_attention_backward_query",
+            warp_per_row(rows),
+            dqkv,
+            dout,
+            qkv,
+            lse,
+            delta,
+            n,
+            t,
+            c,
+            heads,
+            scale
+        );
+        launch!(
+            self,
+            "flash_attention_backward_key",
+            warp_per_row(rows),
+            dqkv,
+            dout,
+            qkv,
+            lse,
+            delta,
+            n,
+            t,
+            c,
+            heads,
+            scale
         );
     }
 

@@ -268,6 +268,34 @@ pub trait Backend: Send + Sync + 'static {
         heads: usize,
     );
 
+    /// The same attention, FlashAttention's way (ops/flash_attention.rs): tile by tile,
+    /// keeping only `out` and, in `lse`, one log-sum-exp per row as a (hi, lo) pair of the
+    /// storage format, `(batch, heads, seq_len, 2)`.
+    fn flash_attention_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        lse: Self::ViewMut<'_>,
+        qkv: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+    /// Overwrites `dqkv`, recomputing the probabilities from `lse`; `delta` is scratch of
+    /// the size of `lse` (rowsum(dout ∘ out), as pairs).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        &self,
+        dqkv: Self::ViewMut<'_>,
+        delta: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        qkv: Self::View<'_>,
+        out: Self::View<'_>,
+        lse: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+
     /// GELU, tanh approximation.
     fn gelu_forward(&self, out: Self::ViewMut<'_>, inp: Self::View<'_>);
     /// In place: `dinout = dinout * gelu'(inp)`.

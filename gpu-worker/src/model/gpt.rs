@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! x = wte[tokens] + wpe[positions]                      (embedding.rs)
-//! for each block:  x = x + attn_proj(attention(ln1(x)))  (layernorm.rs, linear.rs, attention.rs)
+//! for each block:  x = x + attn_proj(attention(ln1(x)))  (layernorm.rs, linear.rs, attention.rs
+//!                                                         or flash_attention.rs)
 //!                  x = x + fc_proj(gelu(fc(ln2(x))))      (linear.rs, mlp.rs)
 //! logits = lnf(x) · lm_head                              (LM head NOT tied to wte)
 //! loss = mean cross-entropy(logits, targets)             (loss.rs)
@@ -33,7 +34,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::{Checkpointing, ModelSpec};
+use distlab_common::{Attention, Checkpointing, ModelSpec};
 
 use crate::backend::Backend;
 use crate::comm::CommError;
@@ -47,7 +48,8 @@ struct BlockActivations<Buf> {
     ln1_mean: Buf,
     ln1_rstd: Buf,
     qkv: Buf,
-    /// Softmax probabilities, (batch, heads, T, T).
+    /// Softmax probabilities, (batch, heads, T, T); with flash attention only one
+    /// log-sum-exp per row, (batch, heads, T, 2).
     att: Buf,
     /// Attention output before its projection.
     atty: Buf,
@@ -156,15 +158,17 @@ impl Stage {
 }
 
 /// What forward saves for backward: every activation, or (activation checkpointing)
-/// only some blocks' outputs.
+/// only some blocks' outputs; the attention's probabilities, or (flash attention) one
+/// log-sum-exp per row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Saved {
     pub checkpointing: Checkpointing,
+    pub attention: Attention,
 }
 
 impl Default for Saved {
     fn default() -> Self {
-        Saved { checkpointing: Checkpointing::None }
+        Saved { checkpointing: Checkpointing::None, attention: Attention::Naive }
     }
 }
 
@@ -236,6 +240,8 @@ struct GradScratch<Buf> {
     dln: Buf,
     datty: Buf,
     dqkv: Buf,
+    /// The probabilities' gradient (batch, heads, T, T); with flash attention the
+    /// per-row rowsum(dO ∘ O), (batch, heads, T, 2).
     datt: Buf,
     dfch: Buf,
 }
@@ -257,9 +263,15 @@ struct ActivationShape {
     /// Segment outputs kept (checkpointing).
     checkpoints: usize,
     last: bool,
+    attention: Attention,
 }
 
 impl ActivationShape {
+    /// Elements of the attention's saved tensor (and of its gradient scratch).
+    fn attention_floats(&self) -> usize {
+        attention_floats(self.batch, self.heads, self.t, self.attention)
+    }
+
     /// One block's buffers, each from `alloc(floats)`.
     fn block<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> BlockActivations<Buf> {
         let (rows, c, cl, hidden) = (self.rows, self.c, self.cl, self.hidden);
@@ -268,7 +280,7 @@ impl ActivationShape {
             ln1_mean: alloc(rows),
             ln1_rstd: alloc(rows),
             qkv: alloc(rows * 3 * cl),
-            att: alloc(self.batch * self.heads * self.t * self.t),
+            att: alloc(self.attention_floats()),
             atty: alloc(rows * cl),
             res_attn: alloc(rows * c),
             ln2: alloc(rows * c),
@@ -386,6 +398,7 @@ impl<B: Backend> Gpt<B> {
             kept_blocks,
             checkpoints,
             last: stage.last,
+            attention: saved.attention,
         };
         let (rows, c, cl, hidden) = (shape.rows, shape.c, shape.cl, shape.hidden);
         let mut floats = 0usize;
@@ -402,12 +415,12 @@ impl<B: Backend> Gpt<B> {
             dln: alloc(Category::ActivationGrads, rows * c),
             datty: alloc(Category::ActivationGrads, rows * cl),
             dqkv: alloc(Category::ActivationGrads, rows * 3 * cl),
-            datt: alloc(Category::ActivationGrads, batch * shape.heads * shape.t * shape.t),
+            datt: alloc(Category::ActivationGrads, shape.attention_floats()),
             dfch: alloc(Category::ActivationGrads, rows * hidden),
         };
         let set_floats = shape.set_floats();
         if stage == Stage::whole(spec.layers) && segment.is_none() {
-            debug_assert_eq!(floats + set_floats, Self::activation_floats_for(spec, batch, n));
+            debug_assert_eq!(floats + set_floats, Self::activation_floats_for(spec, batch, n, saved.attention));
         }
         Self {
             spec: spec.clone(),
@@ -477,16 +490,16 @@ impl<B: Backend> Gpt<B> {
     /// What [`Gpt::new`] will allocate for activations and their gradients on one of `tp`
     /// tensor-parallel ranks, without allocating (saturating, so absurd specs give a huge
     /// number, not an overflow).
-    pub fn activation_floats_for(spec: &ModelSpec, batch: usize, tp: usize) -> usize {
+    pub fn activation_floats_for(spec: &ModelSpec, batch: usize, tp: usize, attention: Attention) -> usize {
         let n = tp.max(1);
         let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n, spec.layers);
         let rows = batch.saturating_mul(t);
-        let att = batch.saturating_mul(h).saturating_mul(t).saturating_mul(t);
+        let att = attention_floats(batch, h, t, attention);
         let rc = rows.saturating_mul(c);
         let split = rows.saturating_mul(c / n);
         // per block: ln1, res_attn, ln2, res_mlp (rows x c); qkv (3c/tp), atty (c/tp), fch,
         // fch_gelu (4c/tp); 4 row statistics (mean, rstd of two LayerNorms); attention
-        // probabilities of this rank's heads
+        // probabilities of this rank's heads (a log-sum-exp pair per row with flash)
         let block = rc
             .saturating_mul(4)
             .saturating_add(split.saturating_mul(3 + 1 + 8))
@@ -495,6 +508,7 @@ impl<B: Backend> Gpt<B> {
         // encoded, lnf (rows x c), lnf statistics, logits, losses
         let top = rc.saturating_mul(2).saturating_add(rows.saturating_mul(3)).saturating_add(rows.saturating_mul(v));
         // backward scratch: dres, dln (c), datty (c/tp), dqkv (3c/tp), dfch (4c/tp), datt
+        // (the size of att)
         let scratch = rc.saturating_mul(2).saturating_add(split.saturating_mul(1 + 3 + 4)).saturating_add(att);
         block.saturating_mul(l).saturating_add(top).saturating_add(scratch)
     }
@@ -615,6 +629,7 @@ impl<B: Backend> Gpt<B> {
             heads: heads / n,
             hidden: 4 * d_model / n,
             lead: self.layout.tp.rank == 0,
+            attention: self.shape.attention,
         }
     }
 
@@ -791,6 +806,17 @@ struct Dims {
     heads: usize,
     hidden: usize,
     lead: bool,
+    attention: Attention,
+}
+
+/// Elements attention keeps per micro-batch of `batch` sequences for `heads` heads: the
+/// (T, T) probabilities of each head, or (flash) a log-sum-exp pair per row.
+fn attention_floats(batch: usize, heads: usize, t: usize, attention: Attention) -> usize {
+    let per_head = match attention {
+        Attention::Naive => t.saturating_mul(t),
+        Attention::Flash => t.saturating_mul(crate::ops::flash_attention::PAIR),
+    };
+    batch.saturating_mul(heads).saturating_mul(per_head)
 }
 
 /// One transformer block forward, from its input `x`, keeping what backward needs in `a`:
@@ -811,7 +837,7 @@ fn block_forward<B: Backend>(
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     layer: usize,
 ) -> Result<(), CommError> {
-    let Dims { t, c, cl, heads, hidden, lead } = d;
+    let Dims { t, c, cl, heads, hidden, lead, attention } = d;
     // attention half
     be.layernorm_forward(
         be.all_mut(&mut a.ln1),
@@ -823,7 +849,14 @@ fn block_forward<B: Backend>(
         c,
     );
     be.matmul_forward(be.all_mut(&mut a.qkv), be.all(&a.ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
-    be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads);
+    match attention {
+        Attention::Naive => {
+            be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
+        }
+        Attention::Flash => {
+            be.flash_attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
+        }
+    }
     be.matmul_forward(
         be.all_mut(&mut a.res_attn),
         be.all(&a.atty),
@@ -905,7 +938,7 @@ fn block_backward<B: Backend>(
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     layer: usize,
 ) -> Result<(), CommError> {
-    let Dims { t, c, cl, heads, hidden, .. } = d;
+    let Dims { t, c, cl, heads, hidden, attention, .. } = d;
     // MLP half (dres holds d res_mlp, and becomes d res_attn)
     be.matmul_backward(
         Some(be.all_mut(&mut s.dfch)),
@@ -954,16 +987,29 @@ fn block_backward<B: Backend>(
         cl,
         c,
     );
-    be.attention_backward(
-        be.all_mut(&mut s.dqkv),
-        be.all_mut(&mut s.datt),
-        be.all(&s.datty),
-        be.all(&a.qkv),
-        be.all(&a.att),
-        t,
-        cl,
-        heads,
-    );
+    match attention {
+        Attention::Naive => be.attention_backward(
+            be.all_mut(&mut s.dqkv),
+            be.all_mut(&mut s.datt),
+            be.all(&s.datty),
+            be.all(&a.qkv),
+            be.all(&a.att),
+            t,
+            cl,
+            heads,
+        ),
+        Attention::Flash => be.flash_attention_backward(
+            be.all_mut(&mut s.dqkv),
+            be.all_mut(&mut s.datt),
+            be.all(&s.datty),
+            be.all(&a.qkv),
+            be.all(&a.atty),
+            be.all(&a.att),
+            t,
+            cl,
+            heads,
+        ),
+    }
     be.matmul_backward(
         Some(be.all_mut(&mut s.dln)),
         gw.qkv_w,

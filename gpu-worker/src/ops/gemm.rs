@@ -195,6 +195,36 @@ pub fn matmul<S: Stored>(
     }
 }
 
+/// `dst = (accumulate ? dst : 0) + scale * lhs · rhs` on views of the compute format
+/// itself (f32 or f64), with no copies: for kernels that widen their operands once and
+/// multiply tiles of them many times (flash_attention.rs).
+pub fn matmul_widened<F: Float>(
+    dst: MatMut<'_, F>,
+    accumulate: bool,
+    lhs: Mat<'_, F>,
+    rhs: Mat<'_, F>,
+    scale: F,
+    par: Parallelism,
+) {
+    assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
+    assert_eq!(dst.rows, lhs.rows, "output rows differ");
+    assert_eq!(dst.cols, rhs.cols, "output columns differ");
+    if dst.rows == 0 || dst.cols == 0 {
+        return;
+    }
+    if lhs.cols == 0 {
+        if !accumulate {
+            for i in 0..dst.rows {
+                for j in 0..dst.cols {
+                    dst.data[i * dst.row_stride + j * dst.col_stride] = F::ZERO;
+                }
+            }
+        }
+        return;
+    }
+    gemm_in_place(dst, accumulate, lhs, rhs, scale, par);
+}
+
 /// The gemm crate's product on f32 or f64 views (shapes already checked).
 fn gemm_in_place<F: Float>(
     dst: MatMut<'_, F>,

@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod flash_attention;
 pub mod float;
 pub mod gemm;
 pub mod layernorm;

@@ -117,8 +117,12 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
         distlab_common::Optimizer::Adamw => 2 + master,
         distlab_common::Optimizer::Sgd => master,
     };
-    let activations =
-        Gpt::<CpuBackend<f32>>::activation_floats_for(&spec.model, spec.train.micro_batch, spec.parallel.tp) as u64;
+    let activations = Gpt::<CpuBackend<f32>>::activation_floats_for(
+        &spec.model,
+        spec.train.micro_batch,
+        spec.parallel.tp,
+        spec.train.attention,
+    ) as u64;
     let model = model_bytes.saturating_mul(params.saturating_mul(2).saturating_add(activations));
     model.saturating_add(params.saturating_mul(4 * optimizer_states))
 }

@@ -119,7 +119,7 @@ impl<B: TrainBackend> Trainer<B> {
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
         let tp_rank = groups.tp.as_ref().map_or(0, |g| g.place().rank);
         let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<B>>);
-        let saved = Saved { checkpointing: t.checkpointing };
+        let saved = Saved { checkpointing: t.checkpointing, attention: t.attention };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp)?;

@@ -1,0 +1,220 @@
+//! FlashAttention (Dao et al. 2022; the backward in FlashAttention-2's order): the causal
+//! multi-head self-attention of attention.rs, computed tile by tile for one sequence at a
+//! time. The result is the same; what is kept differs: no (heads, T, T) matrix of
+//! probabilities, only the output and one log-sum-exp L per row.
+//!
+//!   forward (per head; query tile i, key tiles j <= i; m = -inf, l = 0, O = 0 at first):
+//!     S  = Qi Kjᵀ / sqrt(hs)                          (masked above the diagonal)
+//!     m' = max(m, rowmax S),   P = exp(S - m')
+//!     l  = l exp(m - m') + rowsum P,   O = O exp(m - m') + P Vj,   m = m'
+//!     last: O = O / l,   L = m + ln l
+//!   backward (per head; D = rowsum(dO ∘ O), attention.rs's sum_k P_ik dP_ik):
+//!     P  = exp(Qi Kjᵀ / sqrt(hs) - L)                 (recomputed, tile by tile)
+//!     dVj += Pᵀ dOi,   dP = dOi Vjᵀ,   dS = P ∘ (dP - D) / sqrt(hs)
+//!     dQi += dS Kj,    dKj += dSᵀ Qi
+//!
+//! Each head's Q, K, V (and O, dO) are widened to the compute format once and its
+//! gradients summed there, stored once at the end: the tiles are what a GPU keeps in
+//! shared memory. L and D are per-row scalars that a 2-byte format would blur (bf16 keeps
+//! 8 bits: L = 5 would be off by 0.02, every P by 2%), so each is kept as a pair of the
+//! storage format, hi = round(x) and lo = round(x - hi), whose sum is within about 2^-16
+//! of x relative even in bf16 (exact in f32).
+
+use crate::memory::kernel_scratch;
+use crate::ops::float::{Float, Stored};
+use crate::ops::gemm::{matmul_widened, Mat, MatMut, Parallelism};
+
+/// Rows of a query tile and of a key tile.
+const TILE: usize = 64;
+
+/// Tiles `[r0, r1)` covering `0..t`.
+fn tiles(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(TILE)).map(move |b| (b * TILE, ((b + 1) * TILE).min(t)))
+}
+
+/// Elements a per-row scalar takes in the storage format (a (hi, lo) pair).
+pub const PAIR: usize = 2;
+
+fn store_pair<S: Stored>(pair: &mut [S], x: S::Acc) {
+    let hi = S::store(x);
+    pair[0] = hi;
+    pair[1] = S::store(x - hi.load());
+}
+
+fn load_pair<S: Stored>(pair: &[S]) -> S::Acc {
+    pair[0].load() + pair[1].load()
+}
+
+/// One head's columns of `src` (rows of `stride` elements, the head's `hs` columns from
+/// `col`) as a dense (t, hs) matrix of the compute format.
+fn widen_head<S: Stored>(dst: &mut [S::Acc], src: &[S], t: usize, hs: usize, stride: usize, col: usize) {
+    for (i, row) in dst.chunks_exact_mut(hs).enumerate().take(t) {
+        S::widen_slice(&src[i * stride + col..i * stride + col + hs], row);
+    }
+}
+
+/// The inverse: rounds a dense (t, hs) matrix into the head's columns of `dst`.
+fn narrow_head<S: Stored>(dst: &mut [S], src: &[S::Acc], t: usize, hs: usize, stride: usize, col: usize) {
+    for (i, row) in src.chunks_exact(hs).enumerate().take(t) {
+        S::narrow_slice(row, &mut dst[i * stride + col..i * stride + col + hs]);
+    }
+}
+
+/// Key columns of tile row `i` (global row `r0 + i`) at or before the diagonal, in a key
+/// tile starting at `c0` with `cols` columns. Tiles are aligned, so a key tile at or
+/// before a query tile always has at least one.
+fn live_columns(r0: usize, i: usize, c0: usize, cols: usize) -> usize {
+    (r0 + i + 1).saturating_sub(c0).min(cols)
+}
+
+/// A (rows, cols) view of a tile buffer whose rows are TILE apart.
+fn tile_mut<F>(buf: &mut [F], rows: usize, cols: usize) -> MatMut<'_, F> {
+    MatMut::new(buf, rows, cols, TILE, 1)
+}
+
+fn tile<F>(buf: &[F], rows: usize, cols: usize) -> Mat<'_, F> {
+    Mat::new(buf, rows, cols, TILE, 1)
+}
+
+/// `hs` columns of the dense (t, hs) matrix `m`, rows `r0..r1`.
+fn rows_of<F>(m: &[F], r0: usize, r1: usize, hs: usize) -> Mat<'_, F> {
+    Mat::new(&m[r0 * hs..], r1 - r0, hs, hs, 1)
+}
+
+fn rows_of_mut<F>(m: &mut [F], r0: usize, r1: usize, hs: usize) -> MatMut<'_, F> {
+    MatMut::new(&mut m[r0 * hs..], r1 - r0, hs, hs, 1)
+}
+
+/// One sequence: `out` (T, C); `lse` (heads, T, PAIR) keeps L for the backward pass.
+pub fn flash_attention_forward<S: Stored>(out: &mut [S], lse: &mut [S], qkv: &[S], t: usize, c: usize, heads: usize) {
+    let (hs, c3) = (c / heads, 3 * c);
+    let scale = S::Acc::from_f64(1.0 / (hs as f64).sqrt());
+    let _scratch = kernel_scratch::<S::Acc>(4 * t * hs + TILE * TILE + 2 * TILE);
+    let (mut q, mut k, mut v, mut o) = (
+        vec![S::Acc::ZERO; t * hs],
+        vec![S::Acc::ZERO; t * hs],
+        vec![S::Acc::ZERO; t * hs],
+        vec![S::Acc::ZERO; t * hs],
+    );
+    let mut s = vec![S::Acc::ZERO; TILE * TILE];
+    let (mut m, mut l) = (vec![S::Acc::ZERO; TILE], vec![S::Acc::ZERO; TILE]);
+    for (h, lse) in lse.chunks_exact_mut(t * PAIR).enumerate().take(heads) {
+        widen_head(&mut q, qkv, t, hs, c3, h * hs);
+        widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
+        widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
+        o.fill(S::Acc::ZERO);
+        for (r0, r1) in tiles(t) {
+            let rows = r1 - r0;
+            m[..rows].fill(S::Acc::from_f64(f64::NEG_INFINITY));
+            l[..rows].fill(S::Acc::ZERO);
+            for (c0, c1) in tiles(r1) {
+                let cols = c1 - c0;
+                // S = Qi Kjᵀ / sqrt(hs)
+                let (qi, kj) = (rows_of(&q, r0, r1, hs), rows_of(&k, c0, c1, hs));
+                matmul_widened(tile_mut(&mut s, rows, cols), false, qi, kj.t(), scale, Parallelism::None);
+                for i in 0..rows {
+                    let row = &mut s[i * TILE..i * TILE + cols];
+                    let live = live_columns(r0, i, c0, cols);
+                    let m_new = row[..live].iter().fold(m[i], |a, &x| a.max(x));
+                    let correction = (m[i] - m_new).exp();
+                    let mut sum = S::Acc::ZERO;
+                    for x in &mut row[..live] {
+                        *x = (*x - m_new).exp();
+                        sum += *x;
+                    }
+                    row[live..].fill(S::Acc::ZERO);
+                    (l[i], m[i]) = (l[i] * correction + sum, m_new);
+                    o[(r0 + i) * hs..(r0 + i + 1) * hs].iter_mut().for_each(|x| *x *= correction);
+                }
+                // O += P Vj
+                let (p, vj) = (tile(&s, rows, cols), rows_of(&v, c0, c1, hs));
+                matmul_widened(rows_of_mut(&mut o, r0, r1, hs), true, p, vj, S::Acc::ONE, Parallelism::None);
+            }
+            for i in 0..rows {
+                let inv = S::Acc::ONE / l[i];
+                o[(r0 + i) * hs..(r0 + i + 1) * hs].iter_mut().for_each(|x| *x *= inv);
+                store_pair(&mut lse[(r0 + i) * PAIR..], m[i] + l[i].ln());
+            }
+        }
+        narrow_head(out, &o, t, hs, c, h * hs);
+    }
+}
+
+/// One sequence: overwrites `dqkv` (T, 3C); `delta` (heads, T, PAIR) is scratch for D.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward<S: Stored>(
+    dqkv: &mut [S],
+    delta: &mut [S],
+    dout: &[S],
+    qkv: &[S],
+    out: &[S],
+    lse: &[S],
+    t: usize,
+    c: usize,
+    heads: usize,
+) {
+    let (hs, c3) = (c / heads, 3 * c);
+    let scale = S::Acc::from_f64(1.0 / (hs as f64).sqrt());
+    let zeros = || vec![S::Acc::ZERO; t * hs];
+    let _scratch = kernel_scratch::<S::Acc>(8 * t * hs + 2 * TILE * TILE);
+    let (mut q, mut k, mut v, mut dy) = (zeros(), zeros(), zeros(), zeros());
+    let (mut dq, mut dk, mut dv) = (zeros(), zeros(), zeros());
+    let mut y = zeros();
+    let (mut p, mut ds) = (vec![S::Acc::ZERO; TILE * TILE], vec![S::Acc::ZERO; TILE * TILE]);
+    for (h, (delta, lse)) in delta.chunks_exact_mut(t * PAIR).zip(lse.chunks_exact(t * PAIR)).enumerate().take(heads) {
+        widen_head(&mut q, qkv, t, hs, c3, h * hs);
+        widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
+        widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
+        widen_head(&mut y, out, t, hs, c, h * hs);
+        widen_head(&mut dy, dout, t, hs, c, h * hs);
+        // D = rowsum(dO ∘ O)
+        for (i, (dyi, yi)) in dy.chunks_exact(hs).zip(y.chunks_exact(hs)).enumerate() {
+            let d = dyi.iter().zip(yi).fold(S::Acc::ZERO, |a, (&g, &x)| a + g * x);
+            store_pair(&mut delta[i * PAIR..], d);
+        }
+        for buf in [&mut dq, &mut dk, &mut dv] {
+            buf.fill(S::Acc::ZERO);
+        }
+        for (c0, c1) in tiles(t) {
+            let cols = c1 - c0;
+            for (r0, r1) in tiles(t).filter(|&(_, r1)| r1 > c0) {
+                let rows = r1 - r0;
+                // P = exp(Qi Kjᵀ / sqrt(hs) - L)
+                let (qi, kj) = (rows_of(&q, r0, r1, hs), rows_of(&k, c0, c1, hs));
+                matmul_widened(tile_mut(&mut p, rows, cols), false, qi, kj.t(), scale, Parallelism::None);
+                for i in 0..rows {
+                    let lse_i = load_pair(&lse[(r0 + i) * PAIR..]);
+                    let row = &mut p[i * TILE..i * TILE + cols];
+                    let live = live_columns(r0, i, c0, cols);
+                    row[..live].iter_mut().for_each(|x| *x = (*x - lse_i).exp());
+                    row[live..].fill(S::Acc::ZERO);
+                }
+                // dVj += Pᵀ dOi
+                let dyi = rows_of(&dy, r0, r1, hs);
+                matmul_widened(
+                    rows_of_mut(&mut dv, c0, c1, hs),
+                    true,
+                    tile(&p, rows, cols).t(),
+                    dyi,
+                    S::Acc::ONE,
+                    Parallelism::None,
+                );
+                // dP = dOi Vjᵀ, then dS = P ∘ (dP - D) / sqrt(hs) in place
+                let vj = rows_of(&v, c0, c1, hs);
+                matmul_widened(tile_mut(&mut ds, rows, cols), false, dyi, vj.t(), S::Acc::ONE, Parallelism::None);
+                for i in 0..rows {
+                    let d = load_pair(&delta[(r0 + i) * PAIR..]);
+                    let (dsi, pi) = (&mut ds[i * TILE..i * TILE + cols], &p[i * TILE..i * TILE + cols]);
+                    dsi.iter_mut().zip(pi).for_each(|(x, &pij)| *x = pij * (*x - d) * scale);
+                }
+                // dQi += dS Kj,  dKj += dSᵀ Qi
+                let dsij = tile(&ds, rows, cols);
+                matmul_widened(rows_of_mut(&mut dq, r0, r1, hs), true, dsij, kj, S::Acc::ONE, Parallelism::None);
+                matmul_widened(rows_of_mut(&mut dk, c0, c1, hs), true, dsij.t(), qi, S::Acc::ONE, Parallelism::None);
+            }
+        }
+        narrow_head(dqkv, &dq, t, hs, c3, h * hs);
+        narrow_head(dqkv, &dk, t, hs, c3, c + h * hs);
+        narrow_head(dqkv, &dv, t, hs, c3, 2 * c + h * hs);
+    }
+}
