@@ -617,6 +617,7 @@ mod tests {
             sharding: Sharding::None,
             pp_schedule: PpSchedule::OneFOneB,
             bucket_bytes: 25 << 20,
+            prefetch: false,
         };
         spec.train.precision = Precision::Bf16;
         spec.train.optimizer = Optimizer::Adamw;

@@ -396,6 +396,15 @@ impl Plan {
     }
 }
 
+/// The most parameters two units opened one after the other hold: a block and the
+/// embeddings, two blocks, or a block and the head (`units`: (block size, blocks),
+/// (embeddings, 1), (head, 1), zero where the stage has none).
+fn largest_adjacent_pair(units: &[(u64, u64); 3]) -> u64 {
+    let [(block, blocks), (embedding, _), (head, _)] = *units;
+    let two_blocks = if blocks >= 2 { block.saturating_mul(2) } else { block };
+    two_blocks.max(block.saturating_add(embedding)).max(block.saturating_add(head))
+}
+
 /// Plans `spec`: every structural problem at once as field errors (422), else the plan.
 pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     check_structure(spec)?;
@@ -443,9 +452,13 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let shard =
             units.iter().map(|&(n, count)| n.div_ceil(dp).saturating_mul(count)).fold(0u64, u64::saturating_add);
         let state = model_state_with_shard(params_per_rank, shard, p.sharding, t.precision, t.optimizer);
+        // FSDP gathers one whole unit at a time (even alone: the gather is then a copy);
+        // with prefetch the next unit's gather is under way too: two units in the order
+        // they are opened (embeddings, blocks, head, and back).
         let largest_unit = units.iter().map(|&(n, _)| n).max().unwrap_or(0);
-        // FSDP gathers one whole unit at a time (even alone: the gather is then a copy).
-        let gathered = if p.sharding == Sharding::Fsdp { largest_unit.saturating_mul(per_param.parameters) } else { 0 };
+        let gathered_units = if p.prefetch { largest_adjacent_pair(&units) } else { largest_unit };
+        let gathered =
+            if p.sharding == Sharding::Fsdp { gathered_units.saturating_mul(per_param.parameters) } else { 0 };
         // What waits for a collective: DDP and ZeRO-1 copy every gradient bucket (the whole
         // gradient, when there is a group to reduce with; the buckets are fp32 in every
         // precision, as gradients are summed across ranks in fp32); ZeRO-2 and FSDP hold one

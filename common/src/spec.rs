@@ -100,6 +100,9 @@ pub struct ParallelSpec {
     pub sharding: Sharding,
     pub pp_schedule: PpSchedule,
     pub bucket_bytes: u64,
+    /// FSDP: gather the unit the model opens next on a communication thread while the
+    /// current one computes (forward in order, backward in reverse), at most two gathered.
+    pub prefetch: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -242,7 +245,15 @@ impl Default for DataSpec {
 
 impl Default for ParallelSpec {
     fn default() -> Self {
-        Self { dp: 1, tp: 1, pp: 1, sharding: Sharding::None, pp_schedule: PpSchedule::OneFOneB, bucket_bytes: 1 << 20 }
+        Self {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            sharding: Sharding::None,
+            pp_schedule: PpSchedule::OneFOneB,
+            bucket_bytes: 1 << 20,
+            prefetch: false,
+        }
     }
 }
 

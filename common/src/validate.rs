@@ -192,6 +192,16 @@ impl ExperimentSpec {
         if p.bucket_bytes < 1024 || p.bucket_bytes > 1 << 30 {
             err("parallel.bucket_bytes", "bucket_bytes must be between 1 KiB (1024) and 1 GiB".into());
         }
+        if p.prefetch && p.sharding != Sharding::Fsdp {
+            err(
+                "parallel.prefetch",
+                format!(
+                    "prefetch gathers the next unit's parameters while one computes; only sharding=fsdp gathers \
+                     parameters during compute (it is {})",
+                    p.sharding.as_str()
+                ),
+            );
+        }
 
         // train
         let t = &self.train;
@@ -336,6 +346,10 @@ mod tests {
             (json!({"parallel": {"dp": 4, "tp": 4}}), vec![("parallel", "world size dp*tp*pp = 4*4*1 = 16")]),
             (json!({"parallel": {"sharding": "zero2"}}), vec![("parallel.sharding", "needs dp >= 2")]),
             (json!({"parallel": {"bucket_bytes": 10}}), vec![("parallel.bucket_bytes", "between 1 KiB")]),
+            (
+                json!({"parallel": {"dp": 2, "sharding": "zero2", "prefetch": true}}),
+                vec![("parallel.prefetch", "only sharding=fsdp")],
+            ),
             (
                 json!({"train": {"steps": 0, "warmup_steps": 0}}),
                 vec![("train.steps", "steps must be between 1 and 20000")],

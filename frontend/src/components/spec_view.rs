@@ -56,13 +56,14 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
     );
     let data = format!("{} · seed {}", label(&d.dataset), d.seed);
     let parallel = format!(
-        "dp {} × tp {} × pp {} = {} rank{} · sharding {} · schedule {} · bucket {} bytes",
+        "dp {} × tp {} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes",
         p.dp,
         p.tp,
         p.pp,
         spec.world_size(),
         if spec.world_size() == 1 { "" } else { "s" },
         label(&p.sharding),
+        if p.prefetch { " with prefetch" } else { "" },
         label(&p.pp_schedule),
         p.bucket_bytes
     );

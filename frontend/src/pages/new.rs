@@ -29,6 +29,8 @@ enum Kind {
     Float,
     /// One of these JSON strings.
     Choice(&'static [&'static str]),
+    /// true or false.
+    Bool,
 }
 
 /// One input of the form, named by its path in the spec (`train.steps`).
@@ -120,6 +122,7 @@ const SECTIONS: &[SectionDef] = &[
             ),
             f("parallel.pp_schedule", Kind::Choice(&["gpipe", "1f1b"]), "order of micro-batches in the pipeline"),
             f("parallel.bucket_bytes", Kind::Int, "gradient all-reduce bucket size"),
+            f("parallel.prefetch", Kind::Bool, "fsdp: gather the next unit while this one computes"),
         ],
     },
     SectionDef {
@@ -175,7 +178,12 @@ fn training_only(path: &str) -> bool {
     ["model.", "data.", "train."].iter().any(|p| path.starts_with(p))
         || matches!(
             path,
-            "parallel.tp" | "parallel.pp" | "parallel.sharding" | "parallel.pp_schedule" | "parallel.bucket_bytes"
+            "parallel.tp"
+                | "parallel.pp"
+                | "parallel.sharding"
+                | "parallel.pp_schedule"
+                | "parallel.bucket_bytes"
+                | "parallel.prefetch"
         )
 }
 
@@ -223,6 +231,11 @@ fn check(texts: &[(&'static FieldDef, String)], demo: bool) -> Checked {
         }
         let parsed = match def.kind {
             Kind::Text | Kind::Choice(_) => Ok(Value::String(text.clone())),
+            Kind::Bool => match text.trim() {
+                "true" => Ok(Value::Bool(true)),
+                "false" => Ok(Value::Bool(false)),
+                t => Err(format!("must be true or false (it is \"{t}\")")),
+            },
             Kind::Int => match text.trim() {
                 "" => Err("enter a whole number".to_string()),
                 t => t
@@ -528,19 +541,25 @@ fn FieldInput(
     let id = format!("field-{}", def.path.replace('.', "-"));
     let label = def.path.rsplit('.').next().unwrap_or(def.path);
     let control = match def.kind {
-        Kind::Choice(options) => view! {
-            <select
-                id=id.clone()
-                name=def.path
-                on:change=move |ev| { field.value.set(event_target_value(&ev)); on_edit(); }
-            >
-                {options
-                    .iter()
-                    .map(|&o| view! { <option value=o selected=move || field.value.get() == o>{o}</option> })
-                    .collect_view()}
-            </select>
+        Kind::Choice(_) | Kind::Bool => {
+            let options: &[&str] = match def.kind {
+                Kind::Choice(options) => options,
+                _ => &["false", "true"],
+            };
+            view! {
+                <select
+                    id=id.clone()
+                    name=def.path
+                    on:change=move |ev| { field.value.set(event_target_value(&ev)); on_edit(); }
+                >
+                    {options
+                        .iter()
+                        .map(|&o| view! { <option value=o selected=move || field.value.get() == o>{o}</option> })
+                        .collect_view()}
+                </select>
+            }
+            .into_any()
         }
-        .into_any(),
         kind => view! {
             <input
                 id=id.clone()

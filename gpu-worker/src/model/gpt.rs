@@ -549,12 +549,14 @@ impl<B: Backend> Gpt<B> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
         let dims = self.dims();
         self.take_activations(be, micro);
+        let mut upcoming = Upcoming::new(self.forward_opens());
         let lay = &self.layout;
         let acts = &mut self.in_flight.last_mut().expect("taken above").acts;
 
         match input {
             StageInput::Tokens(inputs) => {
                 assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens");
+                upcoming.before_open(state, Unit::Embeddings, Pass::Forward);
                 let (p, at) = state.open(be, Unit::Embeddings, Pass::Forward)?.params.expect("forward has parameters");
                 be.encoder_forward(
                     be.all_mut(&mut acts.encoded),
@@ -570,6 +572,7 @@ impl<B: Backend> Gpt<B> {
         }
         let blocks = self.stage.blocks.len();
         for (i, l) in self.stage.blocks.clone().enumerate() {
+            upcoming.before_open(state, Unit::Block(l), Pass::Forward);
             let (p, at) = state.open(be, Unit::Block(l), Pass::Forward)?.params.expect("forward has parameters");
             let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
             match self.segment {
@@ -594,6 +597,7 @@ impl<B: Backend> Gpt<B> {
         let last = stage_output(&acts.checkpoints, &acts.blocks, &acts.encoded);
         assert_eq!(targets.len(), self.batch * t, "targets must hold batch * seq_len tokens");
         {
+            upcoming.before_open(state, Unit::Head, Pass::Forward);
             let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
             be.layernorm_forward(
                 be.all_mut(&mut head.lnf),
@@ -616,6 +620,43 @@ impl<B: Backend> Gpt<B> {
         }
         state.close(be, Unit::Head, Pass::Forward)?;
         Ok(be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab))
+    }
+
+    /// The units one micro-batch's forward on this stage opens, in order.
+    fn forward_opens(&self) -> Vec<(Unit, Pass)> {
+        let mut opens = Vec::new();
+        if self.stage.first {
+            opens.push((Unit::Embeddings, Pass::Forward));
+        }
+        opens.extend(self.stage.blocks.clone().map(|l| (Unit::Block(l), Pass::Forward)));
+        if self.stage.last {
+            opens.push((Unit::Head, Pass::Forward));
+        }
+        opens
+    }
+
+    /// The units one micro-batch's backward opens, in order: the head, the segments of
+    /// blocks last first (with checkpointing, each segment's blocks but its last
+    /// recomputed first, then every block's backward in reverse), the embeddings.
+    fn backward_opens(&self) -> Vec<(Unit, Pass)> {
+        let with_params = Pass::Backward { params: true };
+        let mut opens = Vec::new();
+        if self.stage.last {
+            opens.push((Unit::Head, with_params));
+        }
+        let (first_block, blocks) = (self.stage.blocks.start, self.stage.blocks.len());
+        let k = self.segment.unwrap_or(blocks.max(1));
+        for start in (0..blocks).step_by(k).rev() {
+            let end = (start + k).min(blocks);
+            if self.segment.is_some() {
+                opens.extend((start..end - 1).map(|i| (Unit::Block(first_block + i), Pass::Recompute)));
+            }
+            opens.extend((start..end).rev().map(|i| (Unit::Block(first_block + i), with_params)));
+        }
+        if self.stage.first {
+            opens.push((Unit::Embeddings, Pass::Backward { params: false }));
+        }
+        opens
     }
 
     /// This rank's widths (its heads and its part of the MLP under tensor parallelism).
@@ -682,6 +723,7 @@ impl<B: Backend> Gpt<B> {
         let dims = self.dims();
         let lay = &self.layout;
         let index = self.activations_of(micro);
+        let mut upcoming = Upcoming::new(self.backward_opens());
         let s = &mut self.scratch;
         let with_params = Pass::Backward { params: true };
         let acts = &mut self.in_flight[index].acts;
@@ -692,6 +734,7 @@ impl<B: Backend> Gpt<B> {
         }
         let acts = &*acts;
         if let Some(head) = &acts.head {
+            upcoming.before_open(state, Unit::Head, with_params);
             let open = state.open(be, Unit::Head, with_params)?;
             let (p, at) = open.params.expect("backward of the head has parameters");
             let (g, g_at) = open.grads.expect("backward has gradients");
@@ -741,6 +784,7 @@ impl<B: Backend> Gpt<B> {
                 // the last one below, with the parameters its backward opens anyway.
                 for i in start..end - 1 {
                     let l = first_block + i;
+                    upcoming.before_open(state, Unit::Block(l), Pass::Recompute);
                     let (p, at) =
                         state.open(be, Unit::Block(l), Pass::Recompute)?.params.expect("recompute has parameters");
                     let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
@@ -752,6 +796,7 @@ impl<B: Backend> Gpt<B> {
                 let l = first_block + i;
                 // (a scope, so that the block's views end before it is closed)
                 {
+                    upcoming.before_open(state, Unit::Block(l), with_params);
                     let open = state.open(be, Unit::Block(l), with_params)?;
                     let (p, at) = open.params.expect("backward of a block has parameters");
                     let (g, g_at) = open.grads.expect("backward has gradients");
@@ -786,12 +831,32 @@ impl<B: Backend> Gpt<B> {
         }
         let without_params = Pass::Backward { params: false };
         {
+            upcoming.before_open(state, Unit::Embeddings, without_params);
             let (g, g_at) = state.open(be, Unit::Embeddings, without_params)?.grads.expect("backward has gradients");
             let g = be.view_mut(g, shift(&Unit::Embeddings.range(lay), g_at));
             let (g_wte, g_wpe) = be.split_mut(g, lay.wte.len());
             be.encoder_backward(g_wte, g_wpe, be.all(&s.dres), inputs, t, c);
         }
         state.close(be, Unit::Embeddings, without_params)
+    }
+}
+
+/// Where a pass is in the list of units it opens ([`Gpt::forward_opens`],
+/// [`Gpt::backward_opens`]): before each open, the state hears what comes after it.
+struct Upcoming {
+    opens: Vec<(Unit, Pass)>,
+    at: usize,
+}
+
+impl Upcoming {
+    fn new(opens: Vec<(Unit, Pass)>) -> Self {
+        Self { opens, at: 0 }
+    }
+
+    fn before_open<B: Backend>(&mut self, state: &mut dyn ModelState<B>, unit: Unit, pass: Pass) {
+        debug_assert_eq!(self.opens.get(self.at), Some(&(unit, pass)), "units opened out of the listed order");
+        self.at += 1;
+        state.announce_next(self.opens.get(self.at).copied());
     }
 }
 

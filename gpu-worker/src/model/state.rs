@@ -61,6 +61,13 @@ pub enum Pass {
     },
 }
 
+impl Pass {
+    /// Whether the unit's parameters must be at hand (FSDP gathers them).
+    pub fn needs_params(self) -> bool {
+        matches!(self, Pass::Forward | Pass::Recompute | Pass::Backward { params: true })
+    }
+}
+
 /// A unit opened for the model: buffers holding it, and where the unit starts in each (a
 /// tensor at global range `r` is at `r - at` in the buffer).
 pub struct OpenUnit<'a, Buf> {
@@ -72,6 +79,10 @@ pub struct OpenUnit<'a, Buf> {
 pub trait ModelState<B: Backend> {
     /// Makes `unit` available for `pass` (gathering it first if it is sharded).
     fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError>;
+    /// Said just before the model opens a unit: what it opens after that one in the same
+    /// pass (None: nothing). FSDP with prefetch starts gathering it once the unit about
+    /// to be opened is in place; a state that gathers nothing ignores it.
+    fn announce_next(&mut self, next: Option<(Unit, Pass)>);
     /// The model is done with `unit` for `pass`; after backward its gradients for this
     /// micro-batch are final (data parallelism starts reducing them here).
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError>;
@@ -110,6 +121,8 @@ impl<B: Backend> ModelState<B> for FlatState<B> {
         let grads = matches!(pass, Pass::Backward { .. }).then_some((&mut self.grads, self.at));
         Ok(OpenUnit { params: Some((&self.params, self.at)), grads })
     }
+
+    fn announce_next(&mut self, _next: Option<(Unit, Pass)>) {}
 
     fn close(&mut self, _be: &B, _unit: Unit, _pass: Pass) -> Result<(), CommError> {
         Ok(())

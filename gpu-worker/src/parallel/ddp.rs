@@ -149,6 +149,9 @@ impl<B: TrainBackend> ModelState<B> for Replicated<B> {
         self.state.open(be, unit, pass)
     }
 
+    /// Every parameter is here: nothing to gather ahead.
+    fn announce_next(&mut self, _next: Option<(Unit, Pass)>) {}
+
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
         if let (true, Some(dp), Pass::Backward { .. }) = (self.syncing, &mut self.dp, pass) {
             let position = self.units.iter().position(|&u| u == unit).expect("a unit of this stage");

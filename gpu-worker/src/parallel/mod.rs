@@ -5,7 +5,8 @@
 //! * `ddp.rs`: every rank holds everything; gradients are all-reduced in buckets that
 //!   overlap backward. With ZeRO-1 the optimizer state is sharded (`zero1`).
 //! * `sharded.rs`: ZeRO-2 (gradients and optimizer state sharded) and FSDP / ZeRO-3
-//!   (parameters too, gathered one unit at a time).
+//!   (parameters too, gathered one unit at a time); `prefetch.rs`: FSDP's next gather
+//!   on a communication thread while the current unit computes.
 //! * `shard.rs`: which piece of every unit a rank owns.
 //! * `pipeline.rs` + `schedule.rs`: pipeline stages and the GPipe / 1F1B schedules.
 //! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
@@ -14,6 +15,7 @@
 pub mod ddp;
 pub mod mesh;
 pub mod pipeline;
+pub mod prefetch;
 pub mod schedule;
 pub mod shard;
 pub mod sharded;

@@ -12,10 +12,13 @@
 //! Just before a unit's forward (and again before its backward) the ranks all-gather the
 //! unit's parameters into a temporary buffer, use them, and free it. Gradients are handled
 //! as in ZeRO-2. Memory: shard + one gathered unit, instead of the whole model; price: the
-//! gathers, 1.5x DDP's communication volume. (No prefetch: each gather waits.)
+//! gathers, 1.5x DDP's communication volume.
 //!
 //! Both run their collectives on the training thread, so the gathers and reduce-scatters
-//! appear on the timeline between the compute spans.
+//! appear on the timeline between the compute spans, and the compute waits for each.
+//! FSDP with `parallel.prefetch` gathers the unit the model opens next on a communication
+//! thread while the current one computes (`prefetch.rs`): two units gathered at a time,
+//! the waits mostly gone.
 
 use std::sync::Arc;
 
@@ -23,6 +26,7 @@ use distlab_common::trace::Span;
 use distlab_common::{ExperimentSpec, Sharding};
 
 use super::ddp::{blocking_comm_span, sum_scalar};
+use super::prefetch::{Prefetched, Prefetcher};
 use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
@@ -49,6 +53,10 @@ pub struct Sharded<B: TrainBackend> {
     grad_shard: B::Buf,
     /// FSDP: the open unit's full parameters.
     gathered: Option<Temporary<B::Buf>>,
+    /// FSDP with prefetch: the next unit's gather, under way on its own thread.
+    prefetch: Option<Prefetcher>,
+    /// What the model opens after the unit it opens next (`announce_next`).
+    announced: Option<(Unit, Pass)>,
     /// The open unit's gradient, before it is reduce-scattered.
     unit_grads: Option<Temporary<B::Buf>>,
     optimizer: Optimizer<B>,
@@ -71,10 +79,11 @@ impl<B: TrainBackend> Sharded<B> {
     ) -> Result<Self, CommError> {
         let fsdp = spec.parallel.sharding == Sharding::Fsdp;
         // One rank alone is a group of one: it owns every shard.
-        let DpGroup { rank, world, scalars: comm, .. } = match dp {
+        let DpGroup { rank, world, scalars: comm, grads: second } = match dp {
             Some(g) => g,
             None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone) },
         };
+        let prefetch = (fsdp && spec.parallel.prefetch).then(|| Prefetcher::new(second));
         let shard = ShardLayout::new(layout, &stage.units(), rank, world);
         // Each rank computes only the initial values it keeps (never the whole model's).
         let seed = spec.train.seed;
@@ -99,6 +108,8 @@ impl<B: TrainBackend> Sharded<B> {
             layout: layout.clone(),
             params,
             gathered: None,
+            prefetch,
+            announced: None,
             unit_grads: None,
             optimizer,
             comm,
@@ -114,8 +125,21 @@ impl<B: TrainBackend> Sharded<B> {
         Temporary { data: be.alloc(len), _receipt: self.memory.alloc_of::<B::Elem>(category, len) }
     }
 
-    /// FSDP: all-gathers `unit`'s parameters into a new buffer.
+    /// FSDP: all-gathers `unit`'s parameters into a new buffer (or takes them from the
+    /// prefetch that gathered them).
     fn gather(&mut self, be: &B, unit: Unit) -> Result<(), CommError> {
+        let prefetched = match self.prefetch.as_mut() {
+            Some(prefetch) => prefetch.take(unit, self.step, self.record)?,
+            None => None,
+        };
+        if let Some(Prefetched { values, booked: _booked }) = prefetched {
+            let mut full = self.temporary(be, Category::GatheredParameters, values.len());
+            be.on_host(be.all_mut(&mut full.data), |host| {
+                host.iter_mut().zip(&values).for_each(|(h, &v)| *h = B::Elem::store(v));
+            });
+            self.gathered = Some(full);
+            return Ok(());
+        }
         if self.record {
             be.synchronize();
         }
@@ -133,9 +157,36 @@ impl<B: TrainBackend> Sharded<B> {
         Ok(())
     }
 
+    /// FSDP with prefetch: starts gathering `unit` on the prefetch thread, from this
+    /// rank's shard of it. Booked as a gathered unit (and, for a 2-byte model, its f32
+    /// widening as transient) until it is opened.
+    fn start_prefetch(&mut self, be: &B, unit: Unit) {
+        let Some(prefetch) = self.prefetch.as_mut() else { return };
+        let u = self.shard.unit(unit).clone();
+        let mut values = vec![0.0f32; u.global.len()];
+        be.read_host(be.view(&self.params, u.local()), |mine| {
+            values[u.mine.clone()].iter_mut().zip(mine).for_each(|(v, m)| *v = m.load());
+        });
+        let mut booked = vec![self.memory.alloc_of::<B::Elem>(Category::GatheredParameters, values.len())];
+        if size_of::<B::Elem>() != 4 {
+            booked.push(self.memory.alloc(Category::Transient, values.len()));
+        }
+        prefetch.start(unit, values, booked, self.step, self.record);
+    }
+
+    /// Waits for the prefetch under way (if any) before the training thread runs a
+    /// data-parallel collective itself: both would use the same pipes.
+    fn settle_prefetch(&mut self) -> Result<(), CommError> {
+        match self.prefetch.as_mut() {
+            Some(prefetch) => prefetch.settle(self.step, self.record),
+            None => Ok(()),
+        }
+    }
+
     /// Reduce-scatters the open unit's gradient and adds this rank's chunk to its shard.
     fn reduce_scatter(&mut self, be: &B, unit: Unit) -> Result<(), CommError> {
         let Some(mut grads) = self.unit_grads.take() else { return Ok(()) };
+        self.settle_prefetch()?;
         if self.record {
             be.synchronize();
         }
@@ -155,11 +206,16 @@ impl<B: TrainBackend> Sharded<B> {
 
 impl<B: TrainBackend> ModelState<B> for Sharded<B> {
     fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
-        let want_params = matches!(pass, Pass::Forward | Pass::Recompute | Pass::Backward { params: true });
+        let want_params = pass.needs_params();
         let backward = matches!(pass, Pass::Backward { .. });
         let global = self.shard.unit(unit).global.clone();
         if self.fsdp && want_params {
             self.gather(be, unit)?;
+        }
+        // The unit is in place: the next one's gather can start (a unit whose pass needs
+        // no parameters, the embeddings' backward, needs no gather).
+        if let Some((next, _)) = self.announced.take().filter(|(_, p)| p.needs_params()) {
+            self.start_prefetch(be, next);
         }
         if backward {
             self.unit_grads = Some(self.temporary(be, Category::CommBuffers, global.len()));
@@ -171,6 +227,12 @@ impl<B: TrainBackend> ModelState<B> for Sharded<B> {
         };
         let grads = self.unit_grads.as_mut().map(|g| (&mut g.data, global.start));
         Ok(OpenUnit { params, grads })
+    }
+
+    fn announce_next(&mut self, next: Option<(Unit, Pass)>) {
+        if self.prefetch.is_some() {
+            self.announced = next;
+        }
     }
 
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
@@ -194,6 +256,7 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
     }
 
     fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
+        self.settle_prefetch()?;
         // Every element is in exactly one rank's shard: the squares add up over the group.
         let (shard, layout) = (&self.shard, &self.layout);
         let grads = &self.grad_shard;
@@ -224,11 +287,16 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
     }
 
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
+        self.settle_prefetch()?;
         sum_scalar(self.comm.as_mut(), value)
     }
 
     fn comm_spans(&self) -> Vec<Span> {
-        self.spans.clone()
+        let mut spans = self.spans.clone();
+        if let Some(prefetch) = &self.prefetch {
+            spans.extend(prefetch.spans.iter().cloned());
+        }
+        spans
     }
 
     fn held_bytes(&self, be: &B) -> u64 {

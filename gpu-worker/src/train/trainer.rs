@@ -526,6 +526,10 @@ impl<B: TrainBackend> ModelState<B> for Observed<'_, B> {
         Ok(open)
     }
 
+    fn announce_next(&mut self, next: Option<(Unit, Pass)>) {
+        self.inner.announce_next(next);
+    }
+
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
         let recorded = match (pass, unit) {
             (Pass::Forward, _) => None,
