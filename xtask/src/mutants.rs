@@ -162,6 +162,27 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "let booked: Option<crate::memory::Receipt> = None;",
         tests: &["-p", "distlab-tests", "--test", "resume", "the_checkpoint_copy_is_booked"],
     },
+    Mutant {
+        name: "flash attention's backward forgets D = rowsum(dO * O) (the softmax's own term)",
+        file: "gpu-worker/src/ops/flash_attention.rs",
+        find: "dsi.iter_mut().zip(pi).for_each(|(x, &pij)| *x = pij * (*x - d) * scale);",
+        replace: "dsi.iter_mut().zip(pi).for_each(|(x, &pij)| *x = pij * (*x - d * S::Acc::ZERO) * scale);",
+        tests: &["-p", "distlab-tests", "--test", "flash_attention", "flash_attention_trains_like"],
+    },
+    Mutant {
+        name: "flash attention keeps only the rounded half of each log-sum-exp (its 2-byte copies drift)",
+        file: "gpu-worker/src/ops/flash_attention.rs",
+        find: "pair[1] = S::store(x - hi.load());",
+        replace: "pair[1] = S::store(S::Acc::ZERO);",
+        tests: &["-p", "distlab-worker", "--lib", "flash_attention"],
+    },
+    Mutant {
+        name: "FSDP's prefetch is never told what comes next (it silently gathers on demand)",
+        file: "gpu-worker/src/train/trainer.rs",
+        find: "self.inner.announce_next(next);",
+        replace: "let _ = next;",
+        tests: &["-p", "distlab-tests", "--test", "prefetch", "prefetch_sends_the_same_bytes"],
+    },
 ];
 
 /// Restores a mutated file when dropped (the mutant's test may panic or be interrupted).

@@ -218,3 +218,31 @@ pub fn flash_attention_backward<S: Stored>(
         narrow_head(dqkv, &dv, t, hs, c3, 2 * c + h * hs);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A (hi, lo) pair of bf16 or fp16 holds a log-sum-exp to about 2^-16 relative; hi
+    /// alone would be off by up to 2^-9 (bf16), and every probability recomputed from it
+    /// by as much.
+    #[test]
+    fn a_pair_keeps_a_scalar_far_more_precisely_than_one_value() {
+        for x in [5.123_456_f32, -0.731_9, 11.000_7, 0.000_123_4] {
+            let mut pair = [half::bf16::ZERO; PAIR];
+            store_pair(&mut pair, x);
+            let error = ((load_pair(&pair) - x) / x).abs();
+            assert!(error < 2f32.powi(-15), "bf16 pair of {x}: relative error {error:e}");
+            let one = ((half::bf16::from_f32(x).to_f32() - x) / x).abs();
+            assert!(one > 16.0 * error || one == 0.0, "{x}: one bf16 {one:e}, the pair {error:e}");
+            // fp16's lo runs into its subnormals below ~0.06 (a pair then keeps what fp16
+            // can: loss scaling keeps gradients, and so D, away from there).
+            if x.abs() >= 0.06 {
+                let mut pair = [half::f16::ZERO; PAIR];
+                store_pair(&mut pair, x);
+                let error = ((load_pair(&pair) - x) / x).abs();
+                assert!(error < 2f32.powi(-18), "fp16 pair of {x}: relative error {error:e}");
+            }
+        }
+    }
+}
