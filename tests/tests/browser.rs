@@ -167,6 +167,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
     if result.is_ok() {
         result = memory_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = prefetch_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-memory.png").await;
     }
@@ -870,6 +873,31 @@ async fn memory_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let hidden = text(c, "#overlap-overall .share").await?;
     ensure!(hidden == "0%" || hidden == "0.0%", "FSDP's blocking collectives are not hidden under backward: {hidden}");
     save_element(c, "#timeline-card", "fsdp-timeline.png").await?;
+    Ok(())
+}
+
+/// FSDP with prefetch on 2 ranks: the timeline draws each rank's gathers on a "comm" lane
+/// of their own, running under the compute, and part of the communication counts as
+/// hidden; the memory card still matches the planner (two gathered units at the peak).
+async fn prefetch_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut spec = distlab_tests::quick_spec("fsdp with prefetch", 20);
+    spec.model.layers = 4;
+    spec.parallel.dp = 2;
+    spec.parallel.sharding = distlab_common::Sharding::Fsdp;
+    spec.parallel.prefetch = true;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the prefetching run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the overlap table", Duration::from_secs(30), || exists(c, "#overlap-overall")).await?;
+    let lanes = timeline_lanes(c, "comm").await?;
+    ensure!(lanes == 2, "a comm lane per rank for the prefetched gathers, not {lanes}");
+    let hidden = text(c, "#overlap-overall .share").await?;
+    ensure!(hidden != "0%" && hidden != "0.0%", "some of the prefetched gathers ran under compute: {hidden}");
+    wait_for(c, "the memory card", Duration::from_secs(30), || exists(c, "#memory-card .memory-rank[data-rank='1']"))
+        .await?;
+    ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
+    save_element(c, "#timeline-card", "fsdp-prefetch-timeline.png").await?;
     Ok(())
 }
 

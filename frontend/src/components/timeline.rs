@@ -1,11 +1,12 @@
 //! The rank timeline: one row per rank with up to four lanes (compute; comm, DDP's buckets
-//! on the communication thread, which may overlap compute; DP blocking, ZeRO/FSDP's
-//! gathers and reduce-scatters, which the compute thread issues and waits for; TP comm,
-//! tensor parallelism's all-reduces, also waited for), a box per recorded span coloured
-//! by its kind, a time axis in ms from the earliest span of the chosen step, and hover
-//! titles (name, duration, bytes sent). Under it, the overlap: how much of each rank's
-//! data-parallel communication ran on the communication thread while the same rank was
-//! computing its backward pass, i.e. was hidden behind it; blocking collectives never are.
+//! and FSDP's prefetched gathers on the communication thread, which may overlap compute;
+//! DP blocking, ZeRO/FSDP's gathers and reduce-scatters, which the compute thread issues
+//! and waits for; TP comm, tensor parallelism's all-reduces, also waited for), a box per
+//! recorded span coloured by its kind, a time axis in ms from the earliest span of the
+//! chosen step, and hover titles (name, duration, bytes sent). Under it, the overlap: how
+//! much of each rank's data-parallel communication ran on the communication thread while
+//! the same rank was computing (forward or backward), i.e. was hidden behind it; blocking
+//! collectives never are.
 //!
 //! The geometry ([`TimelineModel`]) and the overlap ([`overlap`]) are plain Rust,
 //! unit-tested; the component only draws them.
@@ -150,7 +151,7 @@ pub fn intersection(a: &[(u64, u64)], b: &[(u64, u64)]) -> u64 {
     sum
 }
 
-/// How much of a rank's data-parallel communication ran under its own backward pass.
+/// How much of a rank's data-parallel communication ran under its own compute.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Overlap {
     /// None for the sum over ranks.
@@ -158,7 +159,8 @@ pub struct Overlap {
     /// Time the data-parallel comm lanes were busy (union of their spans).
     pub comm_us: u64,
     /// Of that, the time the communication thread ran while the same rank was in a
-    /// backward span (a blocking collective inside backward is not hidden: compute waits).
+    /// forward or backward span (a blocking collective inside them is not hidden: compute
+    /// waits for it).
     pub hidden_us: u64,
 }
 
@@ -177,13 +179,13 @@ impl Overlap {
 pub fn overlap<'a>(rank: u32, spans: impl IntoIterator<Item = &'a Span> + Clone) -> Overlap {
     let comm = union(spans.clone().into_iter().filter(|s| is_dp_comm(s)).map(|s| (s.start_us, s.end_us)));
     let background = union(spans.clone().into_iter().filter(|s| s.lane == lane::COMM).map(|s| (s.start_us, s.end_us)));
-    let backward = union(
+    let computing = union(
         spans
             .into_iter()
-            .filter(|s| s.kind == SpanKind::Backward && s.lane == lane::COMPUTE)
+            .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward) && s.lane == lane::COMPUTE)
             .map(|s| (s.start_us, s.end_us)),
     );
-    Overlap { rank: Some(rank), comm_us: total(&comm), hidden_us: intersection(&background, &backward) }
+    Overlap { rank: Some(rank), comm_us: total(&comm), hidden_us: intersection(&background, &computing) }
 }
 
 /// Per rank (ranks with communication) and the sum over them.
@@ -412,14 +414,14 @@ pub fn Timeline(ranks: Vec<RankSpans>) -> impl IntoView {
                 let (per_rank, all) = overlap.get();
                 (all.comm_us > 0).then(|| view! {
                     <div class="overlap" id="overlap">
-                        <h3>"Communication hidden under backward"</h3>
+                        <h3>"Communication hidden under compute"</h3>
                         <p class="muted small">
-                            "The share of each rank's data-parallel communication time that ran on its communication thread while the same rank was still computing its backward pass. "
-                            "That time costs nothing: the gradients of the last layers are being all-reduced while earlier layers are still being differentiated. "
-                            "The rest is exposed: the step waits for it. Collectives the compute thread issues and waits for (ZeRO/FSDP's gathers and reduce-scatters, on the DP blocking lane) are always exposed, even inside backward."
+                            "The share of each rank's data-parallel communication time that ran on its communication thread while the same rank was computing (forward or backward). "
+                            "That time costs nothing: DDP all-reduces the gradients of the last layers while earlier layers are still being differentiated; FSDP with prefetch gathers the next unit while this one computes. "
+                            "The rest is exposed: the step waits for it. Collectives the compute thread issues and waits for (ZeRO/FSDP's gathers and reduce-scatters, and the waits for a prefetch not done yet, on the DP blocking lane) are always exposed, even inside compute."
                         </p>
                         <table class="overlap-table">
-                            <thead><tr><th>"rank"</th><th>"communication"</th><th>"under backward"</th><th>"exposed"</th><th>"hidden share"</th></tr></thead>
+                            <thead><tr><th>"rank"</th><th>"communication"</th><th>"under compute"</th><th>"exposed"</th><th>"hidden share"</th></tr></thead>
                             <tbody>
                                 {per_rank.into_iter().map(|o| view! {
                                     <tr data-rank=o.rank.map(|r| r.to_string())>
@@ -481,7 +483,7 @@ mod tests {
     }
 
     #[test]
-    fn overlap_counts_comm_under_the_same_ranks_backward() {
+    fn overlap_counts_comm_under_the_same_ranks_compute() {
         use SpanKind::*;
         // Rank 0: backward 0..100 (two layers, overlapping the union); comm 60..90 and 95..130:
         // hidden 30 + 5 = 35 of 65 (the comm spans themselves overlap nothing twice).
@@ -504,6 +506,9 @@ mod tests {
         let (per, all) = overlaps(&ranks, StepChoice::Step(1));
         assert_eq!(per[1].hidden_us, 0);
         assert_eq!((all.comm_us, all.hidden_us), (115, 35));
+        // A prefetched gather on the communication thread under forward is hidden too.
+        let prefetch = vec![span(Forward, "compute", 1, 0, 100), span(Comm, "comm", 1, 40, 120)];
+        assert_eq!(overlap(0, &prefetch).hidden_us, 60);
         // An FSDP gather inside backward, on the blocking lane: communication, never hidden.
         let fsdp = vec![span(Backward, "compute", 1, 0, 100), span(Comm, lane::DP_BLOCKING, 1, 20, 50)];
         let o = overlap(2, &fsdp);
