@@ -2,7 +2,7 @@
 //! (which refuses it at submission) and the browser (which says so while the form is
 //! filled in). The CPU backend runs every valid spec.
 
-use crate::spec::{Attention, BackendKind, ExperimentSpec};
+use crate::spec::{Attention, BackendKind, ExperimentSpec, Precision};
 use crate::validate::FieldError;
 
 /// The settings of a valid `spec` its backend cannot run yet, one error per field.
@@ -19,12 +19,19 @@ pub const CUDA_FLASH_MAX_HEAD: usize = 1024;
 
 /// The CUDA backend runs the same engine as the CPU: every strategy, mesh, precision and
 /// checkpoint. What it leaves to the CPU: the collective demos, which show the ring's
-/// steps between rank processes and have no model to put on a GPU, and flash attention
-/// with heads wider than its kernels hold.
+/// steps between rank processes and have no model to put on a GPU; flash attention with
+/// heads wider than its kernels hold; 2-byte communication, which the ranks' ring does
+/// (NCCL would carry it in its own bf16/fp16 types, not used yet).
 fn unsupported_on_cuda(spec: &ExperimentSpec) -> Vec<FieldError> {
     let mut out = Vec::new();
     if spec.demo.is_some() {
         out.push(FieldError::new("demo", "the collective demos run on the cpu backend"));
+    }
+    if spec.parallel.comm_dtype != Precision::Fp32 {
+        out.push(FieldError::new(
+            "parallel.comm_dtype",
+            "2-byte communication runs on the cpu backend (its ring); on cuda the collectives carry fp32",
+        ));
     }
     let head = spec.model.d_model / spec.model.heads.max(1);
     if spec.train.attention == Attention::Flash && head > CUDA_FLASH_MAX_HEAD {
@@ -59,5 +66,9 @@ mod tests {
         (spec.model.d_model, spec.model.heads) = (2048, 1);
         let fields: Vec<String> = unsupported_on_backend(&spec).into_iter().map(|e| e.field).collect();
         assert_eq!(fields, ["train.attention"]);
+        spec.model = Default::default();
+        (spec.train.precision, spec.parallel.comm_dtype) = (Precision::Bf16, Precision::Bf16);
+        let fields: Vec<String> = unsupported_on_backend(&spec).into_iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["parallel.comm_dtype"]);
     }
 }

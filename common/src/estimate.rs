@@ -618,6 +618,7 @@ mod tests {
             pp_schedule: PpSchedule::OneFOneB,
             bucket_bytes: 25 << 20,
             prefetch: false,
+            comm_dtype: Precision::Fp32,
         };
         spec.train.precision = Precision::Bf16;
         spec.train.optimizer = Optimizer::Adamw;

@@ -525,6 +525,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             rows_d,
             recomputing,
             regathered: recomputed_before_backward(layers, t.checkpointing).saturating_mul(block_per_tp_rank),
+            dp_wire_bytes: wire_bytes(p.comm_dtype),
         });
         stages.push(StagePlan {
             stage: s,
@@ -595,8 +596,16 @@ fn ceil_sqrt(n: u64) -> u64 {
     }
 }
 
-/// Bytes per element on the wire: the engine's collectives carry f32.
+/// Bytes per element on the wire: the engine's collectives carry f32, the data-parallel
+/// ones `parallel.comm_dtype` (2 bytes for bf16/fp16).
 const WIRE_BYTES: u64 = 4;
+
+fn wire_bytes(format: Precision) -> u64 {
+    match format {
+        Precision::Fp32 => 4,
+        Precision::Bf16 | Precision::Fp16 => 2,
+    }
+}
 
 struct StageCommInput {
     params_per_rank: u64,
@@ -616,6 +625,8 @@ struct StageCommInput {
     /// FSDP: parameters gathered once more per micro-batch, for blocks recomputed before
     /// their own backward opens them (see [`recomputed_before_backward`]).
     regathered: u64,
+    /// Bytes per element of the data-parallel collectives (`parallel.comm_dtype`).
+    dp_wire_bytes: u64,
 }
 
 /// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
@@ -639,15 +650,16 @@ struct StageCommInput {
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
 ///   back to the previous one (all but the first).
 ///
-/// Everything crosses the wire in fp32, in every precision, as this engine sends it:
-/// bf16/fp16 gradients are summed across ranks in fp32 (Megatron-LM does the same for
-/// bf16), and parameters and activations are widened (exactly) for the ring. A system
-/// that sends them in 2 bytes moves half of the parameter, TP and PP bytes below.
+/// By default everything crosses the wire in fp32, in every precision: bf16/fp16 gradients
+/// are summed across ranks in fp32 (Megatron-LM does the same for bf16), and parameters
+/// and activations are widened (exactly) for the ring. With `comm_dtype` bf16/fp16 the
+/// data-parallel collectives (gradients, ZeRO/FSDP's parameters) carry 2 bytes per
+/// element, half the DP bytes below; TP and PP stay fp32.
 ///
 /// Not counted: the engine's one-float all-reduces of the step's loss (and, when sharded,
 /// of the squared gradient norm).
 fn stage_comm(c: StageCommInput) -> CommVolume {
-    let (g, w) = (WIRE_BYTES, WIRE_BYTES);
+    let (g, w) = (c.dp_wire_bytes, c.dp_wire_bytes);
     let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
     let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, w);
     let mut v = CommVolume::default();
@@ -888,6 +900,24 @@ mod tests {
         assert_eq!((c.dp_reduce_scatter, c.dp_all_gather), (3 * rs, rs));
         spec.parallel.sharding = Sharding::None;
         assert_eq!(plan(&spec).unwrap().stages[0].comm.dp_all_reduce, 2 * rs);
+    }
+
+    /// A 2-byte wire halves every data-parallel byte and no other.
+    #[test]
+    fn a_two_byte_wire_halves_the_data_parallel_bytes() {
+        for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
+            let mut spec = ExperimentSpec::default();
+            (spec.parallel.dp, spec.parallel.tp, spec.parallel.sharding) = (2, 2, sharding);
+            spec.train.precision = Precision::Bf16;
+            let fp32 = plan(&spec).unwrap().stages[0].comm.clone();
+            spec.parallel.comm_dtype = Precision::Bf16;
+            let bf16 = plan(&spec).unwrap().stages[0].comm.clone();
+            assert!(fp32.dp_all_reduce + fp32.dp_reduce_scatter > 0, "{sharding:?}");
+            assert_eq!(2 * bf16.dp_all_reduce, fp32.dp_all_reduce, "{sharding:?}");
+            assert_eq!(2 * bf16.dp_reduce_scatter, fp32.dp_reduce_scatter, "{sharding:?}");
+            assert_eq!(2 * bf16.dp_all_gather, fp32.dp_all_gather, "{sharding:?}");
+            assert_eq!(bf16.tp_all_reduce, fp32.tp_all_reduce, "{sharding:?}: tensor parallelism stays fp32");
+        }
     }
 
     /// Flash attention keeps no (s, s) matrix: its activations grow linearly in s.

@@ -103,6 +103,10 @@ pub struct ParallelSpec {
     /// FSDP: gather the unit the model opens next on a communication thread while the
     /// current one computes (forward in order, backward in reverse), at most two gathered.
     pub prefetch: bool,
+    /// The format of the data-parallel collectives on the wire (gradients, ZeRO/FSDP's
+    /// parameters): fp32, or a 2-byte run's own format (half the bytes; sums still made
+    /// in f32 where they arrive).
+    pub comm_dtype: Precision,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -253,6 +257,7 @@ impl Default for ParallelSpec {
             pp_schedule: PpSchedule::OneFOneB,
             bucket_bytes: 1 << 20,
             prefetch: false,
+            comm_dtype: Precision::Fp32,
         }
     }
 }

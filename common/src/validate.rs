@@ -192,6 +192,17 @@ impl ExperimentSpec {
         if p.bucket_bytes < 1024 || p.bucket_bytes > 1 << 30 {
             err("parallel.bucket_bytes", "bucket_bytes must be between 1 KiB (1024) and 1 GiB".into());
         }
+        if p.comm_dtype != Precision::Fp32 && p.comm_dtype != self.train.precision {
+            err(
+                "parallel.comm_dtype",
+                format!(
+                    "comm_dtype={} sends the data-parallel collectives in a 2-byte format, which a run in {} \
+                     does not have: use fp32, or the run's own precision",
+                    p.comm_dtype.as_str(),
+                    self.train.precision.as_str()
+                ),
+            );
+        }
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",

@@ -220,3 +220,47 @@ fn collectives_on_shared_buffers_equal_a_sequential_sum() {
         }
     }
 }
+
+/// With a 2-byte wire (`set_wire`, `parallel.comm_dtype`) a rank sends exactly half the
+/// bytes of f32. Values bf16 and fp16 hold exactly (small integers and their sums) come out
+/// bit for bit; others within the format's rounding per hop, the same on every rank. An
+/// f32 collective after it on the same pipes still works (2-byte payloads are padded).
+#[test]
+fn a_two_byte_wire_halves_the_bytes_and_every_rank_ends_equal() {
+    use distlab_common::Precision;
+    for wire in [Precision::Bf16, Precision::Fp16] {
+        for world in [2, 3, 4] {
+            for &len in &[1usize, 7, 13, 1000, 70_001, 300_007] {
+                let results = on_ranks(world, move |rank, comm| {
+                    comm.set_wire(wire);
+                    let mut exact: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                    comm.all_reduce(&mut exact, ReduceOp::Sum).unwrap();
+                    let sent = comm.bytes_sent();
+                    let mut rounded: Vec<f32> = (0..len).map(|i| value(rank, i) * 0.1 + 0.013 * rank as f32).collect();
+                    comm.all_reduce(&mut rounded, ReduceOp::Sum).unwrap();
+                    comm.set_wire(Precision::Fp32);
+                    let mut after: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                    comm.all_reduce(&mut after, ReduceOp::Sum).unwrap();
+                    (exact, sent, rounded, after)
+                });
+                let expected: Vec<f32> = (0..len).map(|i| (0..world).map(|r| value(r, i)).sum()).collect();
+                let true_sum = |i: usize| (0..world).map(|r| value(r, i) * 0.1 + 0.013 * r as f32).sum::<f32>();
+                let first = &results[0].2;
+                for (rank, (exact, sent, rounded, after)) in results.iter().enumerate() {
+                    let what = format!("{wire:?} W={world} D={len} rank {rank}");
+                    assert_eq!(exact, &expected, "{what}: exactly representable sums");
+                    let own = chunk_range(len, world, rank).len();
+                    let right = chunk_range(len, world, (rank + 1) % world).len();
+                    assert_eq!(*sent, 2 * (2 * len - own - right) as u64, "{what}: bytes");
+                    assert_eq!(rounded, first, "{what}: every rank ends with the same values");
+                    for (i, &got) in rounded.iter().enumerate() {
+                        let want = true_sum(i);
+                        let allowed = world as f32 * 2f32.powi(-7) * (want.abs() + 1.0);
+                        assert!((got - want).abs() <= allowed, "{what}, element {i}: {got} vs {want}");
+                    }
+                    assert_eq!(after, &expected, "{what}: an f32 all-reduce after it");
+                }
+            }
+        }
+    }
+}

@@ -171,7 +171,7 @@ fn check_in_place<S: DeviceElem + Stored<Acc = f32>>(rank: usize, gpus: usize, c
             let host: Vec<S> = (0..len).map(|i| S::store(values(i))).collect();
             let mut buf = be.alloc(len);
             be.upload(&mut buf, &host);
-            collective(&be, &memory, &mut *comm, &mut buf, 0..len, op).unwrap();
+            collective(&be, &memory, &mut *comm, &mut buf, 0..len, op, distlab_common::Precision::Fp32).unwrap();
             let mut back = vec![S::default(); len];
             be.download(&buf, &mut back);
             back.iter().map(|x| x.load()).collect()

@@ -183,6 +183,13 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "let _ = next;",
         tests: &["-p", "distlab-tests", "--test", "prefetch", "prefetch_sends_the_same_bytes"],
     },
+    Mutant {
+        name: "with a 2-byte wire a rank keeps its own chunk unrounded (ranks end with different values)",
+        file: "gpu-worker/src/comm/ring.rs",
+        find: "buf[mine].iter_mut().for_each(|x| *x = unpack(wire, pack(wire, *x)));",
+        replace: "let _ = (&buf[mine], wire);",
+        tests: &["-p", "distlab-worker", "--test", "collectives", "a_two_byte_wire"],
+    },
 ];
 
 /// Restores a mutated file when dropped (the mutant's test may panic or be interrupted).

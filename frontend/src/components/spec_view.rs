@@ -56,7 +56,7 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
     );
     let data = format!("{} · seed {}", label(&d.dataset), d.seed);
     let parallel = format!(
-        "dp {} × tp {} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes",
+        "dp {} × tp {} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire",
         p.dp,
         p.tp,
         p.pp,
@@ -65,7 +65,8 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         label(&p.sharding),
         if p.prefetch { " with prefetch" } else { "" },
         label(&p.pp_schedule),
-        p.bucket_bytes
+        p.bucket_bytes,
+        label(&p.comm_dtype)
     );
     let batch = format!(
         "{} sequences = {} tokens per step (dp {} × micro_batch {} × micro_batches {} × grad_accum {})",

@@ -123,6 +123,11 @@ const SECTIONS: &[SectionDef] = &[
             f("parallel.pp_schedule", Kind::Choice(&["gpipe", "1f1b"]), "order of micro-batches in the pipeline"),
             f("parallel.bucket_bytes", Kind::Int, "gradient all-reduce bucket size"),
             f("parallel.prefetch", Kind::Bool, "fsdp: gather the next unit while this one computes"),
+            f(
+                "parallel.comm_dtype",
+                Kind::Choice(&["fp32", "bf16", "fp16"]),
+                "data-parallel collectives on the wire: fp32, or the run's own 2-byte format",
+            ),
         ],
     },
     SectionDef {
@@ -184,6 +189,7 @@ fn training_only(path: &str) -> bool {
                 | "parallel.pp_schedule"
                 | "parallel.bucket_bytes"
                 | "parallel.prefetch"
+                | "parallel.comm_dtype"
         )
 }
 

@@ -41,6 +41,9 @@ impl Communicator for Alone {
     fn barrier(&mut self) -> Result<(), CommError> {
         Ok(())
     }
+    /// Nothing crosses a wire.
+    fn set_wire(&mut self, _wire: distlab_common::Precision) {}
+
     fn bytes_sent(&self) -> u64 {
         0
     }

@@ -22,6 +22,8 @@ pub use ring::RingCommunicator;
 pub use shm::SharedBuffer;
 pub use transport::{Mesh, RendezvousError};
 
+use distlab_common::Precision;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ReduceOp {
@@ -109,6 +111,11 @@ pub trait Communicator: Send {
     /// each chunk with one plain copy straight from the peer. Every member must call it, with
     /// the same `len`, in the same order. The memory lives as long as the communicator.
     fn alloc_shared(&mut self, len: usize) -> Result<SharedBuffer, CommError>;
+
+    /// The format the values of the collectives that follow cross the wire in: f32, or
+    /// rounded to bf16/fp16 when sent (halving the bytes), summed in f32 where they
+    /// arrive. Set around the data-parallel collectives of a run with `comm_dtype`.
+    fn set_wire(&mut self, wire: Precision);
 
     /// Heap bytes the communicator keeps for staging data it moves (booked by the trainer
     /// as transport).

@@ -358,6 +358,10 @@ impl Communicator for NcclCommunicator {
         self.me
     }
 
+    /// NCCL carries f32 here: 2-byte communication is refused for cuda runs
+    /// (`backends::unsupported_on_backend`) until NCCL's own bf16/fp16 path is used.
+    fn set_wire(&mut self, _wire: distlab_common::Precision) {}
+
     fn size(&self) -> usize {
         self.members.len()
     }

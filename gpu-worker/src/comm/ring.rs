@@ -23,6 +23,13 @@
 //! it moves on. One copy per byte instead of two, and no helper thread. Fastest of all is a
 //! chunk in a buffer from `alloc_shared`, which the peer has mapped: it reads it with plain
 //! loads (as NCCL and PyTorch's symmetric memory do with registered buffers).
+//!
+//! The wire format is f32 unless `set_wire` says bf16 or fp16: then each step rounds what
+//! it sends to 2 bytes (half the bytes; a reduce-scatter's partial sums are rounded at
+//! every hop, as NCCL's bf16 all-reduce does) and the receiver widens it back, adding in
+//! f32. Before an all-gather a rank rounds its own chunk the same way, so that every rank
+//! ends with the same values. A 2-byte payload is padded to whole f32 words in the pipe
+//! (every frame stays a multiple of 4 bytes); the padding is not counted as sent.
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -30,6 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlab_common::trace::*;
+use distlab_common::Precision;
 
 use super::cma;
 use super::shm::{self, Patience, PipeReader, PipeWriter, SharedBuffer};
@@ -63,6 +71,10 @@ pub struct RingCommunicator {
     may_post: Vec<bool>,
     /// Where posted pieces land before they are added.
     scratch: Vec<f32>,
+    /// The format values cross the wire in (`set_wire`).
+    wire: Precision,
+    /// The 2-byte copy of what a step sends.
+    packed: Vec<u16>,
     /// Buffers from `alloc_shared`, by number: ours, and every member's (by position).
     shared: Vec<SharedSet>,
     /// Collectives started in this group: the same on every member, checked in each frame.
@@ -118,6 +130,8 @@ impl RingCommunicator {
             pids,
             may_post,
             scratch: vec![0.0; PIECE],
+            wire: Precision::Fp32,
+            packed: Vec::new(),
             shared: Vec::new(),
             seq: 0,
             p2p_sent: vec![0; n],
@@ -220,41 +234,54 @@ impl RingCommunicator {
         let (next, prev) = (self.next(), self.prev());
         let start = now_us();
         let tag = s.id;
-        let payload: &[u8] = bytemuck::cast_slice(out);
+        let wire = self.wire;
+        // A 2-byte wire sends a rounded copy, padded to whole f32 words.
+        let mut packed = std::mem::take(&mut self.packed);
+        if wire != Precision::Fp32 {
+            packed.clear();
+            packed.extend(out.iter().map(|&x| pack(wire, x)));
+            packed.resize(out.len().next_multiple_of(2), 0);
+        }
+        let payload: &[u8] =
+            if wire == Precision::Fp32 { bytemuck::cast_slice(out) } else { bytemuck::cast_slice(&packed) };
+        let sent_bytes = wire_bytes(wire, out.len());
         let tx = self.tx[next].as_mut().expect("a ring neighbour is another rank");
         let rx = self.rx[prev].as_mut().expect("a ring neighbour is another rank");
         let (to_next, from_prev) =
             (patience(&self.sockets, next, self.timeout), patience(&self.sockets, prev, self.timeout));
         let from = Source { pid: self.pids[prev], position: prev, scratch: &mut self.scratch, shared: &self.shared };
-        let posted = match self.shared.iter().enumerate().find_map(|(i, set)| Some((i, set.mine.offset_of(out)?))) {
+        let in_shared =
+            |out: &[f32]| self.shared.iter().enumerate().find_map(|(i, set)| Some((i, set.mine.offset_of(out)?)));
+        let posted = match (wire == Precision::Fp32).then(|| in_shared(out)).flatten() {
             _ if payload.len() < POST_BYTES => None,
             Some((buffer, offset)) => Some(Payload::Shared { buffer: buffer as u32, offset: offset as u64 }),
-            None if self.may_post[next] => Some(Payload::Posted { address: out.as_ptr() as u64 }),
+            None if self.may_post[next] => Some(Payload::Posted { address: payload.as_ptr() as u64 }),
             None => None,
         };
         let (sent, received) = if let Some(posted) = posted {
             // Post, take our own chunk from the left, then wait until the right has taken ours.
             match post_frame(tx, tag, payload.len(), posted, &to_next) {
                 Ok(ticket) => {
-                    let received = receive(rx, inp, reduce, tag, &from_prev, from);
+                    let received = receive(rx, inp, reduce, wire, tag, &from_prev, from);
                     (tx.wait_taken(ticket, &to_next), received)
                 }
                 Err(e) => (Err(e), Ok(())),
             }
         } else if payload.len() <= INLINE_SEND_BYTES {
             let sent = send_frame(tx, tag, payload, &to_next);
-            (sent, receive(rx, inp, reduce, tag, &from_prev, from))
+            (sent, receive(rx, inp, reduce, wire, tag, &from_prev, from))
         } else {
             std::thread::scope(|scope| {
                 let sender = scope.spawn(|| send_frame(tx, tag, payload, &to_next));
-                let received = receive(rx, inp, reduce, tag, &from_prev, from);
+                let received = receive(rx, inp, reduce, wire, tag, &from_prev, from);
                 let sent = sender.join().unwrap_or_else(|_| Err(std::io::Error::other("send thread panicked")));
                 (sent, received)
             })
         };
+        self.packed = packed;
         sent.map_err(|e| self.io_error(e, &s, next))?;
-        received.map_err(|e| self.receive_error(e, &s, prev, tag, inp.len()))?;
-        self.bytes_sent += payload.len() as u64;
+        received.map_err(|e| self.receive_error(e, &s, prev, tag, frame_bytes(wire, inp.len())))?;
+        self.bytes_sent += sent_bytes as u64;
         if let Some(steps) = &mut self.steps {
             steps.push(RingStep {
                 collective: s.id,
@@ -263,7 +290,7 @@ impl RingCommunicator {
                 chunk: chunk as u32,
                 from: self.members[self.me] as u32,
                 to: self.members[next] as u32,
-                bytes: payload.len() as u64,
+                bytes: sent_bytes as u64,
                 start_us: start,
                 end_us: now_us(),
                 values: (out.len() <= VALUE_RECORD_LIMIT).then(|| out.to_vec()),
@@ -272,14 +299,14 @@ impl RingCommunicator {
         Ok(())
     }
 
-    fn receive_error(&self, e: ReceiveError, s: &Step, peer_pos: usize, tag: u64, elements: usize) -> CommError {
+    fn receive_error(&self, e: ReceiveError, s: &Step, peer_pos: usize, tag: u64, expected_bytes: usize) -> CommError {
         match e {
             ReceiveError::Io(e) => self.io_error(e, s, peer_pos),
             ReceiveError::Mismatch { tag: got_tag, bytes } => CommError::Mismatch {
                 collective: self.describe(s),
                 peer: self.members[peer_pos],
                 got: format!("message #{} of {} bytes", got_tag & !P2P_TAG, bytes),
-                expected: format!("message #{} of {} bytes", tag & !P2P_TAG, elements * 4),
+                expected: format!("message #{} of {} bytes", tag & !P2P_TAG, expected_bytes),
             },
         }
     }
@@ -303,6 +330,11 @@ impl RingCommunicator {
     fn all_gather_phase(&mut self, buf: &mut [f32], op: CollectiveOp, id: u64) -> Result<(), CommError> {
         let w = self.members.len();
         let r = self.me;
+        if self.wire != Precision::Fp32 {
+            // Every rank keeps what the others receive of its chunk.
+            let (wire, mine) = (self.wire, chunk_range(buf.len(), w, r));
+            buf[mine].iter_mut().for_each(|x| *x = unpack(wire, pack(wire, *x)));
+        }
         for step in 0..w - 1 {
             let send_chunk = (r + w - step) % w;
             let recv_chunk = (r + 2 * w - step - 1) % w;
@@ -363,13 +395,17 @@ fn receive(
     rx: &mut PipeReader,
     inp: &mut [f32],
     reduce: bool,
+    wire: Precision,
     tag: u64,
     patience: &Patience,
     from: Source,
 ) -> Result<(), ReceiveError> {
     let frame = Frame::read(rx, patience)?;
-    if frame.tag != tag || frame.bytes != (inp.len() * 4) as u64 {
+    if frame.tag != tag || frame.bytes != frame_bytes(wire, inp.len()) as u64 {
         return Err(ReceiveError::Mismatch { tag: frame.tag, bytes: frame.bytes });
+    }
+    if wire != Precision::Fp32 {
+        return receive_two_bytes(rx, inp, reduce, wire, frame, patience, from);
     }
     if let Payload::Shared { buffer, offset } = frame.payload {
         let theirs = from.shared.get(buffer as usize).and_then(|set| set.members[from.position].as_ref());
@@ -420,6 +456,80 @@ fn receive(
     Ok(())
 }
 
+/// Payload bytes of `n` values in `wire`'s format (what counts as sent).
+fn wire_bytes(wire: Precision, n: usize) -> usize {
+    match wire {
+        Precision::Fp32 => 4 * n,
+        Precision::Bf16 | Precision::Fp16 => 2 * n,
+    }
+}
+
+/// Bytes a frame of `n` values announces: 2-byte payloads are padded to whole f32 words.
+fn frame_bytes(wire: Precision, n: usize) -> usize {
+    wire_bytes(wire, n).next_multiple_of(4)
+}
+
+/// `x` rounded (to nearest even) to a 2-byte wire format, as its bits.
+fn pack(wire: Precision, x: f32) -> u16 {
+    match wire {
+        Precision::Fp16 => half::f16::from_f32(x).to_bits(),
+        _ => half::bf16::from_f32(x).to_bits(),
+    }
+}
+
+fn unpack(wire: Precision, bits: u16) -> f32 {
+    match wire {
+        Precision::Fp16 => half::f16::from_bits(bits).to_f32(),
+        _ => half::bf16::from_bits(bits).to_f32(),
+    }
+}
+
+/// Adds the widened `incoming` values into `target` (`reduce`), or copies them.
+fn take_two_bytes(target: &mut [f32], incoming: &[u16], reduce: bool, wire: Precision) {
+    for (acc, &bits) in target.iter_mut().zip(incoming) {
+        let x = unpack(wire, bits);
+        *acc = if reduce { *acc + x } else { x };
+    }
+}
+
+/// [`receive`] of a 2-byte payload: copied out of the sender's memory in pieces when it was
+/// posted, else read from the pipe (padding included) piece by piece.
+fn receive_two_bytes(
+    rx: &mut PipeReader,
+    inp: &mut [f32],
+    reduce: bool,
+    wire: Precision,
+    frame: Frame,
+    patience: &Patience,
+    from: Source,
+) -> Result<(), ReceiveError> {
+    match frame.payload {
+        Payload::Shared { .. } => Err(ReceiveError::Mismatch { tag: frame.tag, bytes: frame.bytes }),
+        Payload::Posted { address } => {
+            let scratch: &mut [u16] = bytemuck::cast_slice_mut(from.scratch);
+            let step = scratch.len();
+            for (i, piece) in inp.chunks_mut(step).enumerate() {
+                let incoming = &mut scratch[..piece.len()];
+                cma::read(from.pid, address + (2 * i * step) as u64, bytemuck::cast_slice_mut(incoming))?;
+                take_two_bytes(piece, incoming, reduce, wire);
+            }
+            rx.mark_taken();
+            Ok(())
+        }
+        Payload::Inline => {
+            let mut at = 0;
+            rx.read_with(frame.bytes as usize, patience, |piece| {
+                // Pieces are whole f32 words (every frame is 32 + 4k bytes): whole u16s too.
+                let incoming: &[u16] = bytemuck::cast_slice(piece);
+                let n = incoming.len().min(inp.len() - at);
+                take_two_bytes(&mut inp[at..at + n], &incoming[..n], reduce, wire);
+                at += n;
+            })?;
+            Ok(())
+        }
+    }
+}
+
 fn scale(buf: &mut [f32], divisor: usize) {
     let d = divisor as f32;
     for x in buf {
@@ -430,6 +540,10 @@ fn scale(buf: &mut [f32], divisor: usize) {
 impl Communicator for RingCommunicator {
     fn rank(&self) -> usize {
         self.me
+    }
+
+    fn set_wire(&mut self, wire: Precision) {
+        self.wire = wire;
     }
 
     fn size(&self) -> usize {
@@ -558,11 +672,12 @@ impl Communicator for RingCommunicator {
                     rx,
                     piece,
                     false,
+                    Precision::Fp32,
                     id,
                     &patience(&self.sockets, prev, self.timeout),
                     Source { pid: self.pids[prev], position: prev, scratch: &mut self.scratch, shared: &self.shared },
                 )
-                .map_err(|e| self.receive_error(e, &s, prev, id, piece.len()))?;
+                .map_err(|e| self.receive_error(e, &s, prev, id, frame_bytes(Precision::Fp32, piece.len())))?;
             }
             if position + 1 < w {
                 let tx = self.tx[next].as_mut().expect("neighbour");
@@ -615,11 +730,12 @@ impl Communicator for RingCommunicator {
             rx,
             buf,
             false,
+            Precision::Fp32,
             tag,
             &patience(&self.sockets, from, self.timeout),
             Source { pid: self.pids[from], position: from, scratch: &mut self.scratch, shared: &self.shared },
         )
-        .map_err(|e| self.receive_error(e, &s, from, tag, buf.len()))
+        .map_err(|e| self.receive_error(e, &s, from, tag, frame_bytes(Precision::Fp32, buf.len())))
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

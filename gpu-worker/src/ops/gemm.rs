@@ -117,30 +117,39 @@ impl<F: Stored> Mat<'_, F> {
     }
 }
 
+/// Checks the shapes of `dst = lhs · rhs`; true (with the work done) when there is nothing
+/// to multiply: an empty output, or an empty product, which leaves the destination kept
+/// (`accumulate`) or cleared.
+fn trivial<A, B: Default>(dst: &mut MatMut<'_, B>, accumulate: bool, lhs: &Mat<'_, A>, rhs: &Mat<'_, A>) -> bool {
+    assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
+    assert_eq!(dst.rows, lhs.rows, "output rows differ");
+    assert_eq!(dst.cols, rhs.cols, "output columns differ");
+    if dst.rows == 0 || dst.cols == 0 {
+        return true;
+    }
+    if lhs.cols != 0 {
+        return false;
+    }
+    if !accumulate {
+        for i in 0..dst.rows {
+            for j in 0..dst.cols {
+                dst.data[i * dst.row_stride + j * dst.col_stride] = B::default();
+            }
+        }
+    }
+    true
+}
+
 /// `dst = (accumulate ? dst : 0) + scale * lhs · rhs`.
 pub fn matmul<S: Stored>(
-    dst: MatMut<'_, S>,
+    mut dst: MatMut<'_, S>,
     accumulate: bool,
     lhs: Mat<'_, S>,
     rhs: Mat<'_, S>,
     scale: S::Acc,
     par: Parallelism,
 ) {
-    assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
-    assert_eq!(dst.rows, lhs.rows, "output rows differ");
-    assert_eq!(dst.cols, rhs.cols, "output columns differ");
-    if dst.rows == 0 || dst.cols == 0 {
-        return;
-    }
-    if lhs.cols == 0 {
-        // An empty product: only the (kept or cleared) destination remains.
-        if !accumulate {
-            for i in 0..dst.rows {
-                for j in 0..dst.cols {
-                    dst.data[i * dst.row_stride + j * dst.col_stride] = S::default();
-                }
-            }
-        }
+    if trivial(&mut dst, accumulate, &lhs, &rhs) {
         return;
     }
     let (rows, cols, inner) = (dst.rows, dst.cols, lhs.cols);
@@ -199,30 +208,16 @@ pub fn matmul<S: Stored>(
 /// itself (f32 or f64), with no copies: for kernels that widen their operands once and
 /// multiply tiles of them many times (flash_attention.rs).
 pub fn matmul_widened<F: Float>(
-    dst: MatMut<'_, F>,
+    mut dst: MatMut<'_, F>,
     accumulate: bool,
     lhs: Mat<'_, F>,
     rhs: Mat<'_, F>,
     scale: F,
     par: Parallelism,
 ) {
-    assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
-    assert_eq!(dst.rows, lhs.rows, "output rows differ");
-    assert_eq!(dst.cols, rhs.cols, "output columns differ");
-    if dst.rows == 0 || dst.cols == 0 {
-        return;
+    if !trivial(&mut dst, accumulate, &lhs, &rhs) {
+        gemm_in_place(dst, accumulate, lhs, rhs, scale, par);
     }
-    if lhs.cols == 0 {
-        if !accumulate {
-            for i in 0..dst.rows {
-                for j in 0..dst.cols {
-                    dst.data[i * dst.row_stride + j * dst.col_stride] = F::ZERO;
-                }
-            }
-        }
-        return;
-    }
-    gemm_in_place(dst, accumulate, lhs, rhs, scale, par);
 }
 
 /// The gemm crate's product on f32 or f64 views (shapes already checked).

@@ -23,7 +23,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 use distlab_common::trace::{lane, Span, SpanKind};
-use distlab_common::{ExperimentSpec, Sharding};
+use distlab_common::{ExperimentSpec, Precision, Sharding};
 
 use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
@@ -49,6 +49,8 @@ pub struct Replicated<B: TrainBackend> {
     dp: Option<Synced>,
     /// ZeRO-1: this rank's shard, the only part its optimizer updates.
     zero1: Option<ShardLayout>,
+    /// The format of ZeRO-1's parameter gather on the wire (`parallel.comm_dtype`).
+    wire: Precision,
     /// Whether the micro-batch running now hands its gradients to the synchroniser.
     syncing: bool,
     /// The stage's units in buffer order.
@@ -120,7 +122,8 @@ impl<B: TrainBackend> Replicated<B> {
                 grads: if be.reaches(g.grads.as_mut()) {
                     GradientSum::InPlace(InPlaceSync::new(g.grads, &backward_units, bucket_bytes))
                 } else {
-                    GradientSum::Thread(GradSync::new(g.grads, &backward_units, bucket_bytes, memory)?)
+                    let wire = spec.parallel.comm_dtype;
+                    GradientSum::Thread(GradSync::new(g.grads, &backward_units, bucket_bytes, wire, memory)?)
                 },
                 scalars: g.scalars,
             }),
@@ -131,6 +134,7 @@ impl<B: TrainBackend> Replicated<B> {
             optimizer,
             dp,
             zero1,
+            wire: spec.parallel.comm_dtype,
             syncing: false,
             units,
             layout: layout.clone(),
@@ -218,7 +222,8 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
             let (start, sent_before) = (now_us(), comm.bytes_sent());
             for u in &shard.units {
                 let params = &mut self.state.params;
-                collective(be, &self.memory, &mut *comm, params, shard.in_buffer(u), InPlace::AllGather)?;
+                let range = shard.in_buffer(u);
+                collective(be, &self.memory, &mut *comm, params, range, InPlace::AllGather, self.wire)?;
             }
             if self.record {
                 be.synchronize();
@@ -405,7 +410,8 @@ impl InPlaceSync {
             be.synchronize();
         }
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
-        collective(be, memory, self.comm.as_mut(), grads, range.clone(), InPlace::AllReduce(ReduceOp::Sum))?;
+        let op = InPlace::AllReduce(ReduceOp::Sum);
+        collective(be, memory, self.comm.as_mut(), grads, range.clone(), op, Precision::Fp32)?;
         if self.record {
             be.synchronize();
             let sent = self.comm.bytes_sent() - sent_before;
@@ -447,13 +453,16 @@ pub struct GradSync {
 
 impl GradSync {
     /// Allocates the bucket buffers (a collective: every rank of the group calls it) and
-    /// moves `comm` (the data-parallel group) onto a new communication thread.
+    /// moves `comm` (the data-parallel group) onto a new communication thread, where the
+    /// buckets cross the wire as `wire` says.
     pub fn new(
         mut comm: Box<dyn Communicator>,
         units: &[Range<usize>],
         bucket_bytes: u64,
+        wire: Precision,
         memory: &Arc<MemoryTracker>,
     ) -> Result<Self, CommError> {
+        comm.set_wire(wire);
         let plan = BucketPlan::new(units, bucket_bytes);
         let buckets = &plan.buckets;
         let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;

@@ -26,7 +26,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::{ExperimentSpec, Sharding};
+use distlab_common::{ExperimentSpec, Precision, Sharding};
 
 use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator, InPlace};
@@ -126,7 +126,8 @@ pub fn collective_f32<S: Stored<Acc = f32>>(
 
 /// Runs `op` through `comm` on `range` of `buf`: where the buffer lives when the backend
 /// and the communicator allow it (NCCL on GPU memory), otherwise on the host in f32
-/// ([`collective_f32`]). Either way a 2-byte buffer is summed as an f32 copy, booked.
+/// ([`collective_f32`]), its values crossing the wire as `wire` says (f32, or 2 bytes:
+/// `parallel.comm_dtype`). Either way a 2-byte buffer is summed as an f32 copy, booked.
 pub fn collective<B: TrainBackend>(
     be: &B,
     memory: &Arc<MemoryTracker>,
@@ -134,12 +135,16 @@ pub fn collective<B: TrainBackend>(
     buf: &mut B::Buf,
     range: Range<usize>,
     op: InPlace,
+    wire: Precision,
 ) -> Result<(), CommError> {
     if be.reaches(comm) {
         let _copy = (size_of::<B::Elem>() != 4).then(|| memory.alloc(Category::Transient, range.len()));
         return be.device_collective(comm, be.view_mut(buf, range), op);
     }
-    be.on_host(be.view_mut(buf, range), |host| collective_f32(memory, host, |b| op.run(comm, b)))
+    comm.set_wire(wire);
+    let done = be.on_host(be.view_mut(buf, range), |host| collective_f32(memory, host, |b| op.run(comm, b)));
+    comm.set_wire(Precision::Fp32);
+    done
 }
 
 /// This rank's data-parallel group: two communicators over the same ranks, one for the

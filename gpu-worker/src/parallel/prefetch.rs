@@ -21,6 +21,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use distlab_common::trace::{lane, Span, SpanKind};
+use distlab_common::Precision;
 
 use crate::comm::{CommError, Communicator};
 use crate::memory::Receipt;
@@ -62,8 +63,10 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
-    /// Moves `comm` (the data-parallel group's second communicator) onto a new thread.
-    pub fn new(comm: Box<dyn Communicator>) -> Self {
+    /// Moves `comm` (the data-parallel group's second communicator) onto a new thread,
+    /// its gathers crossing the wire as `wire`.
+    pub fn new(mut comm: Box<dyn Communicator>, wire: Precision) -> Self {
+        comm.set_wire(wire);
         let (to_comm, requests) = mpsc::channel::<Request>();
         let (done, from_comm) = mpsc::channel();
         let thread = std::thread::Builder::new()

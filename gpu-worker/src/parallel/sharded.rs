@@ -23,7 +23,7 @@
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::{ExperimentSpec, Sharding};
+use distlab_common::{ExperimentSpec, Precision, Sharding};
 
 use super::ddp::{blocking_comm_span, sum_scalar};
 use super::prefetch::{Prefetched, Prefetcher};
@@ -57,6 +57,8 @@ pub struct Sharded<B: TrainBackend> {
     prefetch: Option<Prefetcher>,
     /// What the model opens after the unit it opens next (`announce_next`).
     announced: Option<(Unit, Pass)>,
+    /// The format of the group's collectives on the wire (`parallel.comm_dtype`).
+    wire: Precision,
     /// The open unit's gradient, before it is reduce-scattered.
     unit_grads: Option<Temporary<B::Buf>>,
     optimizer: Optimizer<B>,
@@ -83,7 +85,8 @@ impl<B: TrainBackend> Sharded<B> {
             Some(g) => g,
             None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone) },
         };
-        let prefetch = (fsdp && spec.parallel.prefetch).then(|| Prefetcher::new(second));
+        let wire = spec.parallel.comm_dtype;
+        let prefetch = (fsdp && spec.parallel.prefetch).then(|| Prefetcher::new(second, wire));
         let shard = ShardLayout::new(layout, &stage.units(), rank, world);
         // Each rank computes only the initial values it keeps (never the whole model's).
         let seed = spec.train.seed;
@@ -110,6 +113,7 @@ impl<B: TrainBackend> Sharded<B> {
             gathered: None,
             prefetch,
             announced: None,
+            wire,
             unit_grads: None,
             optimizer,
             comm,
@@ -147,7 +151,8 @@ impl<B: TrainBackend> Sharded<B> {
         let u = self.shard.unit(unit).clone();
         let mut full = self.temporary(be, Category::GatheredParameters, u.global.len());
         be.copy(be.view_mut(&mut full.data, u.mine.clone()), be.view(&self.params, u.local()));
-        collective(be, &self.memory, self.comm.as_mut(), &mut full.data, 0..u.global.len(), InPlace::AllGather)?;
+        let everything = 0..u.global.len();
+        collective(be, &self.memory, self.comm.as_mut(), &mut full.data, everything, InPlace::AllGather, self.wire)?;
         self.gathered = Some(full);
         if self.record {
             be.synchronize();
@@ -193,7 +198,8 @@ impl<B: TrainBackend> Sharded<B> {
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let u = self.shard.unit(unit);
         let everything = 0..u.global.len();
-        collective(be, &self.memory, self.comm.as_mut(), &mut grads.data, everything, InPlace::ReduceScatter(Sum))?;
+        let op = InPlace::ReduceScatter(Sum);
+        collective(be, &self.memory, self.comm.as_mut(), &mut grads.data, everything, op, self.wire)?;
         be.add(be.view_mut(&mut self.grad_shard, u.local()), be.view(&grads.data, u.mine.clone()));
         if self.record {
             be.synchronize();
@@ -275,7 +281,15 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
             let (start, sent_before) = (now_us(), self.comm.bytes_sent());
             for u in &self.shard.units {
                 let range = self.shard.in_buffer(u);
-                collective(be, &self.memory, self.comm.as_mut(), &mut self.params, range, InPlace::AllGather)?;
+                collective(
+                    be,
+                    &self.memory,
+                    self.comm.as_mut(),
+                    &mut self.params,
+                    range,
+                    InPlace::AllGather,
+                    self.wire,
+                )?;
             }
             if self.record {
                 be.synchronize();

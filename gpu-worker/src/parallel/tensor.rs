@@ -38,6 +38,7 @@
 use std::sync::Arc;
 
 use distlab_common::trace::{lane, Span, SpanKind};
+use distlab_common::Precision;
 
 use super::{collective, TrainBackend};
 use crate::comm::{CommError, Communicator, InPlace, ReduceOp};
@@ -102,7 +103,15 @@ impl<B: TrainBackend> TensorParallelGroup<B> for TensorParallel {
         }
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let everything = 0..be.buf_len(buf);
-        collective(be, &self.memory, self.comm.as_mut(), buf, everything, InPlace::AllReduce(ReduceOp::Sum))?;
+        collective(
+            be,
+            &self.memory,
+            self.comm.as_mut(),
+            buf,
+            everything,
+            InPlace::AllReduce(ReduceOp::Sum),
+            Precision::Fp32,
+        )?;
         self.calls += 1;
         self.payload_bytes += (be.buf_len(buf) * 4) as u64;
         if self.record {
