@@ -68,6 +68,15 @@ pub struct Lab {
     agent: ureq::Agent,
 }
 
+/// An HTTP client for the test server: error statuses are answers, not errors; 30 s at most.
+pub fn http_agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
 /// Starts `distlab-server` on 127.0.0.1 with a free port and `data_dir`; the process and the
 /// URL it printed once ready.
 fn start_server(data_dir: &Path, opts: &LabOptions) -> (Child, String) {
@@ -118,12 +127,7 @@ impl Lab {
     pub fn start_with(opts: LabOptions) -> Lab {
         let data_dir = tempfile::tempdir().expect("temp dir");
         let (server, base) = start_server(data_dir.path(), &opts);
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build()
-            .into();
-        Lab { base, data_dir, opts, server, workers: Vec::new(), agent }
+        Lab { base, data_dir, opts, server, workers: Vec::new(), agent: http_agent() }
     }
 
     /// SIGKILLs the server (it gets no chance to finish anything) and starts it again on the

@@ -9,14 +9,6 @@ use distlab_tests::*;
 use serde_json::json;
 use sqlx::Connection;
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(30)))
-        .build()
-        .into()
-}
-
 /// 200 clients submit as fast as the server answers; the server is SIGKILLed in the middle
 /// of it. Once it is started again, every submission it answered 201 is there, with its spec.
 #[test]
@@ -34,7 +26,7 @@ fn every_submission_answered_201_survives_a_killed_server() {
         .map(|client| {
             let (url, accepted, answered, start) = (url.clone(), accepted.clone(), answered.clone(), start.clone());
             std::thread::spawn(move || {
-                let agent = agent();
+                let agent = http_agent();
                 start.wait();
                 let mut failures = 0;
                 for n in 0..MAX_PER_CLIENT {
@@ -102,7 +94,7 @@ fn a_worker_survives_a_database_locked_for_15_seconds_and_the_queue_drains() {
     });
     let locked_at = Instant::now();
     let before = lab.get_as::<ExperimentList>("/api/experiments").total;
-    let mut resp = agent()
+    let mut resp = http_agent()
         .post(&lab.url("/api/experiments"))
         .send_json(json!({"name": "during the lock", "train": {"steps": 5}}))
         .expect("an answer");
