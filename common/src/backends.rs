@@ -1,16 +1,29 @@
 //! What each backend can run, shared by the worker (which refuses the rest), the server
 //! (which refuses it at submission) and the browser (which says so while the form is
-//! filled in). The CPU backend runs every valid spec.
+//! filled in).
 
-use crate::spec::{Attention, BackendKind, ExperimentSpec, Precision};
+use crate::spec::{Attention, BackendKind, ExperimentSpec, Offload, Precision};
 use crate::validate::FieldError;
 
 /// The settings of a valid `spec` its backend cannot run yet, one error per field.
 pub fn unsupported_on_backend(spec: &ExperimentSpec) -> Vec<FieldError> {
     match spec.backend {
-        BackendKind::Cpu => Vec::new(),
+        BackendKind::Cpu => unsupported_on_cpu(spec),
         BackendKind::Cuda => unsupported_on_cuda(spec),
     }
+}
+
+/// The CPU backend runs every valid spec but one that offloads to the host, which is
+/// where its buffers already are.
+fn unsupported_on_cpu(spec: &ExperimentSpec) -> Vec<FieldError> {
+    if spec.parallel.offload == Offload::Host {
+        return vec![FieldError::new(
+            "parallel.offload",
+            "on the cpu backend the host is the device: offload=host would move nothing (offload=disk moves \
+             the optimizer's state to files)",
+        )];
+    }
+    Vec::new()
 }
 
 /// The widest attention head the CUDA flash-attention kernels hold (a warp of 32 lanes,
@@ -70,5 +83,13 @@ mod tests {
         (spec.train.precision, spec.parallel.comm_dtype) = (Precision::Bf16, Precision::Bf16);
         let fields: Vec<String> = unsupported_on_backend(&spec).into_iter().map(|e| e.field).collect();
         assert_eq!(fields, ["parallel.comm_dtype"]);
+        spec = ExperimentSpec { backend: BackendKind::Cuda, ..ExperimentSpec::default() };
+        spec.parallel.offload = Offload::Host;
+        assert!(unsupported_on_backend(&spec).is_empty(), "a GPU run offloads to its host");
+        spec.backend = BackendKind::Cpu;
+        let fields: Vec<String> = unsupported_on_backend(&spec).into_iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["parallel.offload"]);
+        spec.parallel.offload = Offload::Disk;
+        assert!(unsupported_on_backend(&spec).is_empty(), "the cpu backend offloads to disk");
     }
 }

@@ -619,6 +619,7 @@ mod tests {
             bucket_bytes: 25 << 20,
             prefetch: false,
             comm_dtype: Precision::Fp32,
+            offload: Offload::None,
         };
         spec.train.precision = Precision::Bf16;
         spec.train.optimizer = Optimizer::Adamw;

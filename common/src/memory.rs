@@ -31,10 +31,14 @@ pub enum MemoryCategory {
     /// The host copy of the rank's state a checkpoint is written from (kept for the next
     /// checkpoint to reuse). Measured only.
     Checkpoint,
+    /// ZeRO-Offload: optimizer state kept off the device (host memory, or files on disk).
+    /// Not device memory: not in [`ALL`](MemoryCategory::ALL), not in `total`.
+    Offloaded,
 }
 
 impl MemoryCategory {
-    /// Every category, model state first (the order bars stack them).
+    /// Every category of device memory (all but `Offloaded`), model state first (the order
+    /// bars stack them); `total` is their sum.
     pub const ALL: [MemoryCategory; 10] = [
         MemoryCategory::Parameters,
         MemoryCategory::Gradients,
@@ -65,6 +69,7 @@ impl MemoryCategory {
             MemoryCategory::Transient => "transient (measured only)",
             MemoryCategory::Transport => "transport (measured only)",
             MemoryCategory::Checkpoint => "checkpoint copy (measured only)",
+            MemoryCategory::Offloaded => "offloaded (off the device)",
         }
     }
 
@@ -81,6 +86,7 @@ impl MemoryCategory {
             MemoryCategory::Transient => m.transient,
             MemoryCategory::Transport => m.transport,
             MemoryCategory::Checkpoint => m.checkpoint,
+            MemoryCategory::Offloaded => m.offloaded,
         }
     }
 
@@ -97,6 +103,7 @@ impl MemoryCategory {
             MemoryCategory::Transient => &mut m.transient,
             MemoryCategory::Transport => &mut m.transport,
             MemoryCategory::Checkpoint => &mut m.checkpoint,
+            MemoryCategory::Offloaded => &mut m.offloaded,
         }
     }
 }

@@ -137,6 +137,11 @@ pub struct RankMemory {
     /// Measured only: the host copy of the rank's state its checkpoints are written from.
     #[serde(default)]
     pub checkpoint: u64,
+    /// ZeRO-Offload: the optimizer state kept off the device (host memory or disk), not
+    /// counted in `total`.
+    #[serde(default)]
+    pub offloaded: u64,
+    /// Every category but `offloaded`: the device memory the rank holds.
     pub total: u64,
 }
 
@@ -191,6 +196,10 @@ pub fn activation_bytes(precision: Precision) -> u64 {
         Precision::Bf16 | Precision::Fp16 => 2,
     }
 }
+
+/// Disk offload streams the optimizer's state through a buffer this many parameters long:
+/// the piece being updated is all of it in memory.
+pub const OFFLOAD_PIECE_ELEMENTS: usize = 1 << 18;
 
 /// Model state of one rank that holds `params` parameters before sharding, with the
 /// data-parallel group of `dp` ranks (values below 1 count as 1). This is the whole
@@ -487,10 +496,21 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let per_micro_batch = rows_d.saturating_add(kept_layers).saturating_add(head_acts);
         let activations = in_flight.saturating_mul(per_micro_batch).saturating_add(recompute_peak);
 
+        // ZeRO-Offload: the optimizer's state leaves the device. Streamed from disk, one
+        // piece of it at a time is in memory while it is updated.
+        let optimizer_elements = if p.sharding == Sharding::None { params_per_rank } else { shard };
+        let (optimizer_state, offloaded) = match p.offload {
+            Offload::None => (state.optimizer_state, 0),
+            Offload::Host => (0, state.optimizer_state),
+            Offload::Disk => (
+                optimizer_elements.min(OFFLOAD_PIECE_ELEMENTS as u64).saturating_mul(per_param.optimizer_state),
+                state.optimizer_state,
+            ),
+        };
         let mut memory = RankMemory {
             parameters: state.parameters,
             gradients: state.gradients,
-            optimizer_state: state.optimizer_state,
+            optimizer_state,
             gathered_parameters: gathered,
             activations: activations.saturating_mul(act_bytes),
             activation_grads: grad_acts.saturating_mul(act_bytes),
@@ -498,6 +518,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             transient: 0,
             transport: 0,
             checkpoint: 0,
+            offloaded,
             total: 0,
         };
         memory.total = [

@@ -107,6 +107,32 @@ pub struct ParallelSpec {
     /// parameters): fp32, or a 2-byte run's own format (half the bytes; sums still made
     /// in f32 where they arrive).
     pub comm_dtype: Precision,
+    /// ZeRO-Offload: where the optimizer's state lives and its step runs.
+    pub offload: Offload,
+}
+
+/// Where the optimizer's state (AdamW's moments, the master weights) lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    /// Beside the model, on its device.
+    None,
+    /// In host memory, the update run there by CPU threads (a GPU run's ZeRO-Offload).
+    Host,
+    /// In a file, streamed through a small buffer piece by piece for each update
+    /// (ZeRO-Infinity's NVMe tier).
+    Disk,
+}
+
+impl Offload {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Host => "host",
+            Offload::Disk => "disk",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -258,6 +284,7 @@ impl Default for ParallelSpec {
             bucket_bytes: 1 << 20,
             prefetch: false,
             comm_dtype: Precision::Fp32,
+            offload: Offload::None,
         }
     }
 }

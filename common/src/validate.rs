@@ -203,6 +203,19 @@ impl ExperimentSpec {
                 ),
             );
         }
+        if p.offload != Offload::None
+            && self.train.optimizer == Optimizer::Sgd
+            && self.train.precision == Precision::Fp32
+        {
+            err(
+                "parallel.offload",
+                format!(
+                    "offload={} moves the optimizer's state off the device, and SGD in fp32 keeps none (no moments, \
+                     no master weights): use adamw, or a 2-byte precision, or offload=none",
+                    p.offload.as_str()
+                ),
+            );
+        }
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",
@@ -360,6 +373,10 @@ mod tests {
             (
                 json!({"parallel": {"dp": 2, "sharding": "zero2", "prefetch": true}}),
                 vec![("parallel.prefetch", "only sharding=fsdp")],
+            ),
+            (
+                json!({"parallel": {"offload": "disk"}, "train": {"optimizer": "sgd"}}),
+                vec![("parallel.offload", "SGD in fp32 keeps none")],
             ),
             (
                 json!({"train": {"steps": 0, "warmup_steps": 0}}),

@@ -96,7 +96,7 @@ pub fn run(
     let run = train_rank(
         spec,
         opts,
-        Groups { rank, dp, pp, tp, pipe_bytes: mesh.pipe_bytes() },
+        Groups { rank, dp, pp, tp, pipe_bytes: mesh.pipe_bytes(), offload_dir: opts.offload_dir.clone() },
         &mut on_event,
         &AtomicBool::new(false),
     )?;

@@ -37,11 +37,13 @@ impl ExecError {
 
 /// Runs `spec`. With `checkpoints` (the experiment's own directory) and a spec that asks
 /// for them, checkpoints are saved there and the run resumes from the latest complete one.
+/// `offload_dir`: where `parallel.offload=disk` keeps the optimizer's state.
 pub fn execute(
     spec: &ValidSpec,
     threads: usize,
     collective_timeout: Duration,
     checkpoints: Option<&Path>,
+    offload_dir: Option<&Path>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
@@ -66,7 +68,7 @@ pub fn execute(
         }
         options
     });
-    let opts = TrainOptions { threads, checkpoints };
+    let opts = TrainOptions { threads, checkpoints, offload_dir: offload_dir.map(Path::to_path_buf) };
     match &spec.demo {
         Some(demo) => run_demo(spec, demo, on_event, cancel),
         None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, on_event, cancel),
@@ -96,6 +98,9 @@ fn run_ranks(
         "--collective-timeout-seconds".into(),
         collective_timeout.as_secs_f64().to_string(),
     ];
+    if let Some(dir) = &opts.offload_dir {
+        args.extend(["--offload-dir".into(), dir.display().to_string()]);
+    }
     if let Some(c) = &opts.checkpoints {
         args.extend(["--checkpoint-dir".into(), c.dir.display().to_string()]);
         if let Some(step) = c.resume_from {

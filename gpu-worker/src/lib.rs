@@ -3,7 +3,7 @@
 //!
 //! Engine layout (see docs/ARCHITECTURE.md): `backend/` (buffers + kernels: CPU, and CUDA with the `cuda` feature),
 //! `ops/` (each layer's math, CPU kernel and CUDA kernel), `model/` (the GPT),
-//! `parallel/` (the strategies), `comm/`, `optim.rs`,
+//! `parallel/` (the strategies), `comm/`, `optim.rs` (and `offload.rs`: its state off the device),
 //! `data.rs`, and `train/`,
 //! whose [`train`] is the entry point the CLI and the worker loop call.
 
@@ -17,6 +17,7 @@ pub mod heap;
 pub mod loss_scale;
 pub mod memory;
 pub mod model;
+pub mod offload;
 pub mod ops;
 pub mod optim;
 pub mod parallel;

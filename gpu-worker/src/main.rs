@@ -51,6 +51,10 @@ struct Cli {
     /// each other's runs must share it (the server's local workers use DATA_DIR/checkpoints).
     #[arg(long, env = "DISTLAB_CHECKPOINT_DIR", default_value = "./data/checkpoints")]
     checkpoint_dir: PathBuf,
+    /// Where a spec with parallel.offload=disk keeps its optimizer state: files without a
+    /// name, gone when the run's processes end (the server's local workers use DATA_DIR/offload).
+    #[arg(long, env = "DISTLAB_OFFLOAD_DIR", default_value = "./data/offload")]
+    offload_dir: PathBuf,
     /// Exit after the server has been unreachable this many seconds.
     #[arg(long, env = "DISTLAB_GIVE_UP_SECONDS", default_value_t = 60.0)]
     give_up_seconds: f64,
@@ -108,6 +112,9 @@ enum RankTask {
         /// Resume from the checkpoint of this step (in --checkpoint-dir).
         #[arg(long, requires = "checkpoint_dir")]
         resume_from: Option<u64>,
+        /// Where parallel.offload=disk keeps this rank's optimizer state.
+        #[arg(long)]
+        offload_dir: Option<PathBuf>,
     },
     /// The collective demo (see demo.rs).
     Demo {
@@ -178,11 +185,20 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 RankTask::BenchComm { min_bytes, max_bytes } => {
                     bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes)
                 }
-                RankTask::Train { spec, checkpoint_dir, resume_from } => read_spec(&spec).and_then(|spec| {
-                    let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
-                    let opts = TrainOptions { threads: cli.threads, checkpoints };
-                    ddp_rank::run(&dir, rank, world, &spec, &opts, collective_timeout(cli.collective_timeout_seconds))
-                }),
+                RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir } => {
+                    read_spec(&spec).and_then(|spec| {
+                        let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
+                        let opts = TrainOptions { threads: cli.threads, checkpoints, offload_dir };
+                        ddp_rank::run(
+                            &dir,
+                            rank,
+                            world,
+                            &spec,
+                            &opts,
+                            collective_timeout(cli.collective_timeout_seconds),
+                        )
+                    })
+                }
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
                     Some(d) => demo::run_rank(&dir, rank, world, d),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),
@@ -211,6 +227,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 poll_interval: Duration::from_secs_f64(cli.poll_seconds.clamp(0.05, 60.0)),
                 give_up_after: Duration::from_secs_f64(cli.give_up_seconds.max(0.0)),
                 checkpoint_dir: cli.checkpoint_dir,
+                offload_dir: cli.offload_dir,
             })?;
             Ok(0)
         }

@@ -24,6 +24,7 @@ use rayon::prelude::*;
 
 use crate::backend::{Backend, Float, Stored};
 use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::offload::{OffloadError, OffloadTo, OffloadedState};
 
 pub const ADAM_BETA1: f64 = 0.9;
 pub const ADAM_BETA2: f64 = 0.95;
@@ -216,16 +217,8 @@ impl<F: Float> HostOptimizerBuffers<F> {
     /// Puts back a checkpoint's buffers, which must be as long as these.
     pub fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
         let held_master = self.master.as_ref().map_or(0, Vec::len);
+        saved.check_lengths(self.m.len(), held_master)?;
         let saved_master = saved.master.as_deref().unwrap_or_default();
-        for (name, held, saved) in [
-            ("m", self.m.len(), saved.m.len()),
-            ("v", self.v.len(), saved.v.len()),
-            ("master", held_master, saved_master.len()),
-        ] {
-            if saved != held {
-                return Err(format!("{name} has {saved} values saved, this rank's optimizer holds {held}"));
-            }
-        }
         let put =
             |held: &mut [F], saved: &[f32]| held.iter_mut().zip(saved).for_each(|(h, &s)| *h = F::from_f64(s as f64));
         put(&mut self.m, &saved.m);
@@ -256,13 +249,23 @@ pub struct OptimizerSlices<'a, F = f32> {
 /// update there, and rounds the result into the model's copy: 2 + 2 bytes for the model's
 /// parameters and gradients, 4 + 4 + 4 for master, m and v: 16 bytes per parameter with
 /// AdamW, the mixed-precision accounting of the ZeRO paper.
+///
+/// With `parallel.offload` the state lives off the device instead (`offload.rs`).
 pub struct Optimizer<B: Backend> {
     kind: OptimizerKind,
     weight_decay: f64,
     groups: Vec<OptimGroup>,
-    buffers: B::OptimizerBuffers,
+    state: Placement<B>,
     steps_taken: u64,
     _receipts: Vec<Receipt>,
+}
+
+/// Where an optimizer's state lives.
+enum Placement<B: Backend> {
+    /// Where the model's buffers are, updated by the backend's kernels.
+    Device(B::OptimizerBuffers),
+    /// Off the device (host memory or disk), updated on the host.
+    Offloaded(OffloadedState),
 }
 
 /// Whether a model stored as `S` needs fp32 master weights (it does unless it is fp32).
@@ -272,8 +275,8 @@ pub fn needs_master<S: Stored>() -> bool {
 
 impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
     /// State for `local_len` parameters (the shard, or everything), registered with
-    /// `memory`. `initial` gives the starting fp32 values of those parameters, which a
-    /// mixed-precision optimizer keeps as its master weights.
+    /// `memory`, where `offload` says. `initial` gives the starting fp32 values of those
+    /// parameters, which a mixed-precision optimizer keeps as its master weights.
     pub fn new(
         be: &B,
         train: &TrainSpec,
@@ -281,27 +284,48 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
         local_len: usize,
         initial: impl FnOnce() -> Vec<f32>,
         memory: &Arc<MemoryTracker>,
-    ) -> Self {
+        offload: &OffloadTo,
+    ) -> Result<Self, OffloadError> {
         let adamw = train.optimizer == OptimizerKind::Adamw;
-        let buffers = be.optimizer_buffers(local_len, adamw, initial);
-        let master = needs_master::<B::Elem>() as usize;
-        let floats = local_len * (2 * adamw as usize + master);
-        let receipts = (floats > 0).then(|| memory.alloc(Category::OptimizerState, floats)).into_iter().collect();
-        Self {
+        let floats = local_len * (2 * adamw as usize + needs_master::<B::Elem>() as usize);
+        let state = match offload {
+            OffloadTo::None => Placement::Device(be.optimizer_buffers(local_len, adamw, initial)),
+            OffloadTo::Host => Placement::Offloaded(OffloadedState::host::<B::Elem>(local_len, adamw, initial)),
+            OffloadTo::Disk(dir) => {
+                Placement::Offloaded(OffloadedState::disk::<B::Elem>(dir, local_len, adamw, initial)?)
+            }
+        };
+        // On the device: all of it; offloaded: all of it off the device, and what of it is
+        // in memory at once (a disk state's piece) as optimizer state.
+        let (resident, offloaded) = match &state {
+            Placement::Device(_) => (floats, 0),
+            Placement::Offloaded(OffloadedState::Host(_)) => (0, floats),
+            Placement::Offloaded(disk) => (disk.resident_floats(), floats),
+        };
+        let receipts = [(Category::OptimizerState, resident), (Category::Offloaded, offloaded)]
+            .into_iter()
+            .filter(|&(_, floats)| floats > 0)
+            .map(|(category, floats)| memory.alloc(category, floats))
+            .collect();
+        Ok(Self {
             kind: train.optimizer,
             weight_decay: train.weight_decay,
             groups,
-            buffers,
+            state,
             steps_taken: 0,
             _receipts: receipts,
-        }
+        })
     }
 
-    /// Bytes of the state buffers themselves (for checking the memory ledger).
+    /// Bytes of the state buffers in device memory (for checking the memory ledger).
     pub fn held_bytes(&self, be: &B) -> u64 {
-        be.read_optimizer_buffers(&self.buffers, |s| {
-            (s.m.len() + s.v.len() + s.master.map_or(0, <[f32]>::len)) as u64 * 4
-        })
+        match &self.state {
+            Placement::Device(buffers) => be.read_optimizer_buffers(buffers, |s| {
+                (s.m.len() + s.v.len() + s.master.map_or(0, <[f32]>::len)) as u64 * 4
+            }),
+            Placement::Offloaded(OffloadedState::Host(_)) => 0,
+            Placement::Offloaded(disk) => disk.resident_floats() as u64 * 4,
+        }
     }
 
     /// One update of every parameter group; `params` (the model's) and `grads` are indexed
@@ -313,7 +337,7 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
         grads: (&B::Buf, Indexing),
         lr: f64,
         grad_scale: f64,
-    ) {
+    ) -> Result<(), OffloadError> {
         self.steps_taken += 1;
         let (params, params_indexing) = params;
         let (grads, grads_indexing) = grads;
@@ -337,18 +361,31 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
             };
             let model = be.view_mut(params, range(group, params_indexing));
             let g = be.view(grads, range(group, grads_indexing));
-            be.optimizer_update(model, g, &mut self.buffers, group.local.clone(), &update);
+            match &mut self.state {
+                Placement::Device(buffers) => be.optimizer_update(model, g, buffers, group.local.clone(), &update),
+                // Off the device: the gradients come down, the parameters go down and back up.
+                Placement::Offloaded(state) => be.read_host(g, |g| {
+                    be.on_host(model, |model| state.update(model, g, group.local.clone(), &update))
+                })?,
+            }
         }
+        Ok(())
     }
 
     /// Shows `f` the buffers (read on the host) and the updates made so far.
-    pub fn read<R>(&self, be: &B, f: impl FnOnce(OptimizerSlices<'_, f32>, u64) -> R) -> R {
-        be.read_optimizer_buffers(&self.buffers, |slices| f(slices, self.steps_taken))
+    pub fn read<R>(&self, be: &B, f: impl FnOnce(OptimizerSlices<'_, f32>, u64) -> R) -> Result<R, OffloadError> {
+        match &self.state {
+            Placement::Device(buffers) => Ok(be.read_optimizer_buffers(buffers, |slices| f(slices, self.steps_taken))),
+            Placement::Offloaded(state) => state.read(|slices| f(slices, self.steps_taken)),
+        }
     }
 
     /// Puts back a checkpoint's state, taken from an optimizer of the same shape.
     pub fn load_state(&mut self, be: &B, state: OptimizerState) -> Result<(), String> {
-        be.load_optimizer_buffers(&mut self.buffers, &state)?;
+        match &mut self.state {
+            Placement::Device(buffers) => be.load_optimizer_buffers(buffers, &state)?,
+            Placement::Offloaded(offloaded) => offloaded.load(&state)?,
+        }
         self.steps_taken = state.steps_taken;
         Ok(())
     }
@@ -365,6 +402,22 @@ pub struct OptimizerState {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     pub master: Option<Vec<f32>>,
+}
+
+impl OptimizerState {
+    /// An error unless it holds `moments` values each of m and v and `master` master
+    /// weights (what the optimizer it is put back into holds).
+    pub fn check_lengths(&self, moments: usize, master: usize) -> Result<(), String> {
+        let saved_master = self.master.as_deref().map_or(0, <[f32]>::len);
+        for (name, held, saved) in
+            [("m", moments, self.m.len()), ("v", moments, self.v.len()), ("master", master, saved_master)]
+        {
+            if saved != held {
+                return Err(format!("{name} has {saved} values saved, this rank's optimizer holds {held}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

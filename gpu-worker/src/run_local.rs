@@ -56,7 +56,7 @@ pub fn run_spec_file(
         RunEvent::Trace(trace) => traces.push(trace),
     };
     let cancel = AtomicBool::new(false);
-    let result = execute(&spec, threads, collective_timeout, checkpoint_dir.as_deref(), &mut on_event, &cancel);
+    let result = execute(&spec, threads, collective_timeout, checkpoint_dir.as_deref(), None, &mut on_event, &cancel);
     if let Some(e) = write_error {
         return Err(e).context("cannot write the metrics");
     }

@@ -27,6 +27,8 @@ pub struct WorkerConfig {
     pub give_up_after: Duration,
     /// Experiments' checkpoints, one directory each (`experiment-<id>`).
     pub checkpoint_dir: PathBuf,
+    /// Where `parallel.offload=disk` keeps optimizer state (nameless files, gone with the run).
+    pub offload_dir: PathBuf,
 }
 
 /// Events are sent when this many are pending, or when the oldest has waited `FLUSH_EVERY`.
@@ -151,13 +153,14 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         let cancel = cancel.clone();
         let spec = lease.spec.clone();
         let checkpoints = checkpoints.clone();
+        let offload_dir = cfg.offload_dir.clone();
         thread::Builder::new().name(format!("train-{experiment_id}")).spawn(move || {
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
             };
             // The spec came over the network: checked here, as it enters the worker.
             let spec = spec.validated(&Limits::default()).map_err(TrainError::Invalid)?;
-            execute(&spec, threads, collective_timeout, Some(&checkpoints), &mut on_event, &cancel)
+            execute(&spec, threads, collective_timeout, Some(&checkpoints), Some(&offload_dir), &mut on_event, &cancel)
         })
     };
     let training = match training {
@@ -288,6 +291,7 @@ mod tests {
             poll_interval: Duration::from_millis(10),
             give_up_after,
             checkpoint_dir: PathBuf::from("unused"),
+            offload_dir: PathBuf::from("unused"),
         }
     }
 

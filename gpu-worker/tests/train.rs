@@ -240,7 +240,8 @@ fn a_run_resumed_from_its_checkpoint_continues_with_the_same_losses() {
         let dir = CheckpointDir::new(root.path().join("run"), 1);
         assert_eq!(dir.prepare(&spec).unwrap().step, None);
         let checkpoints = |resume_from| CheckpointOptions { dir: dir.root.clone(), resume_from };
-        let opts = |resume_from| TrainOptions { threads: 1, checkpoints: Some(checkpoints(resume_from)) };
+        let opts =
+            |resume_from| TrainOptions { threads: 1, checkpoints: Some(checkpoints(resume_from)), offload_dir: None };
         let whole = run_with(&spec, &opts(None)).unwrap();
         let saves = whole.logs.iter().filter(|l| l.starts_with("checkpoint of step")).count();
         assert_eq!(saves, 2, "steps 3 and 6: {:?}", whole.logs);
@@ -351,8 +352,9 @@ fn an_overflowing_fp16_step_is_skipped_and_the_scale_halves() {
         let mut trainer = CpuTrainer::<half::f16>::new(&spec, 1).unwrap();
         // 2^40 times any gradient is far beyond fp16's 65504.
         trainer.start_loss_scale(2f64.powi(40));
-        let params =
-            |t: &CpuTrainer<half::f16>| t.checkpoint(0, 0.0, Default::default()).section("params").unwrap().to_vec();
+        let params = |t: &CpuTrainer<half::f16>| {
+            t.checkpoint(0, 0.0, Default::default()).unwrap().section("params").unwrap().to_vec()
+        };
         let before = params(&trainer);
         let mut step = 0;
         let mut skipped = 0;

@@ -354,9 +354,8 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     let worker_bin = config.worker_bin.clone().or_else(local_workers::default_worker_bin);
     let workers = match worker_bin {
         Some(bin) => {
-            let checkpoints = config.data_dir.join("checkpoints");
             let server = url.trim_end_matches('/');
-            LocalWorkers::spawn(&bin, config.local_workers, server, &config.worker_token, &checkpoints)
+            LocalWorkers::spawn(&bin, config.local_workers, server, &config.worker_token, &config.data_dir)
         }
         None if config.local_workers > 0 => {
             tracing::error!("cannot find the worker executable; pass --worker-bin");

@@ -1,5 +1,5 @@
 //! Local worker processes: `distlab-worker --server URL --name local-N
-//! --checkpoint-dir DATA_DIR/checkpoints`, started
+//! --checkpoint-dir DATA_DIR/checkpoints --offload-dir DATA_DIR/offload`, started
 //! after the listener is bound, with stdout/stderr inherited, restarted when one exits
 //! (after a pause that grows while it keeps exiting), and stopped with the server
 //! (SIGTERM, then SIGKILL after a grace period; on Linux they also get SIGTERM if the
@@ -39,7 +39,7 @@ impl LocalWorkers {
 
     /// Starts `count` workers; a worker that cannot start is logged and skipped (the server
     /// still serves, and remote workers can still join).
-    pub fn spawn(bin: &Path, count: usize, server_url: &str, token: &str, checkpoints: &Path) -> Self {
+    pub fn spawn(bin: &Path, count: usize, server_url: &str, token: &str, data_dir: &Path) -> Self {
         let mut workers = Self::none();
         if count == 0 {
             return workers;
@@ -58,7 +58,8 @@ impl LocalWorkers {
                 server_url: server_url.to_string(),
                 token: token.to_string(),
                 name: format!("local-{n}"),
-                checkpoints: checkpoints.to_path_buf(),
+                checkpoints: data_dir.join("checkpoints"),
+                offload: data_dir.join("offload"),
             };
             match launch.start() {
                 Ok(child) => {
@@ -96,6 +97,7 @@ struct Launch {
     token: String,
     name: String,
     checkpoints: PathBuf,
+    offload: PathBuf,
 }
 
 impl Launch {
@@ -109,6 +111,8 @@ impl Launch {
             .arg(&self.name)
             .arg("--checkpoint-dir")
             .arg(&self.checkpoints)
+            .arg("--offload-dir")
+            .arg(&self.offload)
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())
             .stderr(Stdio::inherit())

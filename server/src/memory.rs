@@ -76,9 +76,11 @@ pub fn view(spec: &ExperimentSpec, plan: Plan, mut measured: BTreeMap<i64, RankM
 /// One line per category whose measured peak differs from the planner's prediction, in
 /// the order of [`RankMemory`]'s fields: "activations: measured 3.20 MiB, planner
 /// 3.06 MiB (+147456 B, +4.7%): ...why". Equal categories give no line; `total` never does.
+/// The offloaded state (off the device) is compared too, last.
 pub fn differences(measured: &RankMemory, predicted: &RankMemory, spec: &ExperimentSpec) -> Vec<String> {
     Category::ALL
         .iter()
+        .chain([Category::Offloaded].iter())
         .filter(|c| c.planned())
         .filter_map(|&c| {
             let (m, p) = (c.of(measured), c.of(predicted));
@@ -115,7 +117,7 @@ fn by_how_much(measured: u64, predicted: u64) -> String {
 fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
     let p = &spec.parallel;
     match c {
-        Category::Parameters | Category::Gradients | Category::OptimizerState => {
+        Category::Parameters | Category::Gradients | Category::OptimizerState | Category::Offloaded => {
             "unexpected: the engine and the planner disagree on model state, which both count exactly \
              (parameters x bytes per parameter, sharded over dp as the sharding says)"
                 .into()

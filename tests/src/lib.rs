@@ -153,13 +153,15 @@ impl Lab {
     }
 
     /// A worker with extra environment (inherited by its rank processes). Every worker of a
-    /// lab shares the local workers' checkpoint directory, DATA_DIR/checkpoints.
+    /// lab shares the local workers' checkpoint and offload directories under DATA_DIR.
     pub fn spawn_worker_with_env(&mut self, name: &str, env: &[(&str, &str)]) -> usize {
         let child = Command::new(bin_path("distlab-worker"))
             .args(["--server", &self.base, "--name", name, "--give-up-seconds", "10"])
             .env("DISTLAB_WORKER_TOKEN", WORKER_TOKEN)
             .arg("--checkpoint-dir")
             .arg(self.checkpoint_dir())
+            .arg("--offload-dir")
+            .arg(self.data_dir.path().join("offload"))
             .envs(env.iter().copied())
             .spawn()
             .expect("start distlab-worker");
@@ -275,6 +277,14 @@ pub fn kill_and_resume(lab: &mut Lab, spec: &ExperimentSpec, hang_after: u64) ->
     assert_eq!(requeued.attempt, 1);
     lab.spawn_worker("second");
     (id, lab.wait_finished(id, Duration::from_secs(120)))
+}
+
+/// Held by a test that starts rank processes, so that the tests of one file (which cargo
+/// runs on parallel threads) start theirs one at a time on this 2-core machine (and a
+/// timing, like a pipeline's bubble, is not disturbed by another test's ranks).
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A spec small enough to train in a few seconds on this machine.

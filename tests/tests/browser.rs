@@ -170,6 +170,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
     if result.is_ok() {
         result = prefetch_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = offload_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-memory.png").await;
     }
@@ -898,6 +901,34 @@ async fn prefetch_scenario(c: &Client, lab: &Lab) -> Result<()> {
         .await?;
     ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
     save_element(c, "#timeline-card", "fsdp-prefetch-timeline.png").await?;
+    Ok(())
+}
+
+/// ZeRO-Offload to disk: the form offers the field; on the memory card each rank's
+/// optimizer segment is one streamed piece and the offloaded state, measured, equals the
+/// planner's, beside the bars.
+async fn offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    ensure!(value_of(c, "parallel.offload").await? == "none", "the form offers parallel.offload");
+    let mut spec = distlab_tests::quick_spec("ddp with its optimizer state on disk", 6);
+    spec.model = distlab_common::ModelSpec { layers: 2, d_model: 128, heads: 4, seq_len: 32, vocab: 256 };
+    spec.parallel.dp = 2;
+    spec.parallel.offload = distlab_common::Offload::Disk;
+    let planned = distlab_common::planner::plan(&spec).map_err(|e| anyhow!("{e:?}"))?.stages[0].memory.offloaded;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the offloading run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    let offloaded = "#memory-card .memory-rank[data-rank='1'] .memory-offloaded";
+    wait_for(c, "the memory card", Duration::from_secs(30), || exists(c, offloaded)).await?;
+    let line = text(c, ".memory-rank[data-rank='0'] .memory-offloaded").await?;
+    let between = |from: &str, to: &str| line.split(from).nth(1).and_then(|rest| rest.split(to).next()).map(str::trim);
+    let (measured, predicted) = (between("measured ", "·"), between("planner ", ". On"));
+    ensure!(measured.is_some() && measured == predicted, "offloaded, measured and planned alike: {line}");
+    ensure!(planned > 2 << 20 && measured.is_some_and(|m| m.ends_with("MiB")), "{planned} B planned: {line}");
+    ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
+    save_element(c, "#memory-card", "offload-memory.png").await?;
     Ok(())
 }
 

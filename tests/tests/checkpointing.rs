@@ -7,13 +7,6 @@ use distlab_common::trace::{self, SpanKind};
 use distlab_common::*;
 use distlab_tests::*;
 
-/// Every test here starts rank processes on a 2-core machine: one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Five blocks: sqrt checkpointing cuts them into segments of 3 and 2.
 fn spec(name: &str, checkpointing: Checkpointing) -> ExperimentSpec {
     let mut spec = quick_spec(name, 5);
@@ -28,7 +21,7 @@ const MODES: [Checkpointing; 2] = [Checkpointing::Every, Checkpointing::Sqrt];
 
 #[test]
 fn recomputing_gives_exactly_the_training_without_it() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     type Mesh = fn(&mut ExperimentSpec);
     let meshes: [(&str, Mesh); 4] = [
         ("one rank", |_| {}),
@@ -60,7 +53,7 @@ fn recomputing_gives_exactly_the_training_without_it() {
 /// a "recompute layer" span for each block recomputed ahead of its own backward.
 #[test]
 fn activations_held_match_the_plan_and_recomputes_show_on_the_timeline() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for pp in [1, 2] {
         let mut peaks = Vec::new();
         for mode in [Checkpointing::None, Checkpointing::Every, Checkpointing::Sqrt] {
@@ -101,7 +94,7 @@ fn activations_held_match_the_plan_and_recomputes_show_on_the_timeline() {
 /// more; the planner counts it, and the bytes sent match it exactly.
 #[test]
 fn fsdp_gathers_match_the_plan_with_recomputation() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for mode in MODES {
         let mut s = spec("fsdp", mode);
         s.parallel.dp = 2;

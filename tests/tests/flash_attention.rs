@@ -6,13 +6,6 @@ use distlab_common::planner::plan;
 use distlab_common::*;
 use distlab_tests::*;
 
-/// Every test here starts rank processes on a 2-core machine: one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// 128 positions: two query tiles and two key tiles of flash attention's 64.
 fn spec(name: &str, attention: Attention) -> ExperimentSpec {
     let mut spec = quick_spec(name, 20);
@@ -43,7 +36,7 @@ const MESHES: [(&str, Mesh); 5] = [
 /// gradient norm within 1e-4 (the sums run in another order, so not bit for bit).
 #[test]
 fn flash_attention_trains_like_the_attention_that_keeps_its_probabilities() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for (name, mesh) in MESHES {
         let (mut naive, mut flash) = (spec(name, Attention::Naive), spec(name, Attention::Flash));
         mesh(&mut naive);
@@ -65,7 +58,7 @@ fn flash_attention_trains_like_the_attention_that_keeps_its_probabilities() {
 /// gradient (heads x T x T per sequence and layer, less the log-sum-exp pairs).
 #[test]
 fn flash_attention_holds_no_t_by_t_buffer() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for tp in [1, 2] {
         let mut peaks = Vec::new();
         for attention in [Attention::Naive, Attention::Flash] {

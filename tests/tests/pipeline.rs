@@ -7,14 +7,6 @@ use distlab_common::trace::{ExperimentTrace, SpanKind};
 use distlab_common::*;
 use distlab_tests::*;
 
-/// The tests of this file run one at a time: the bubble is a timing, and every test here
-/// starts several rank processes on a 2-core machine.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn spec(name: &str, pp: usize, schedule: PpSchedule, micro_batches: usize) -> ExperimentSpec {
     let mut spec = quick_spec(name, 12);
     spec.model = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
@@ -30,7 +22,7 @@ fn spec(name: &str, pp: usize, schedule: PpSchedule, micro_batches: usize) -> Ex
 /// (`assert_same_training`'s bounds), under AdamW and SGD.
 #[test]
 fn both_schedules_train_like_one_rank() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for optimizer in OPTIMIZERS {
         let single = run_steps(&optimizer.on(spec("one rank", 1, PpSchedule::Gpipe, 4)));
         for pp in [2, 4] {
@@ -44,7 +36,7 @@ fn both_schedules_train_like_one_rank() {
 
 #[test]
 fn pipelines_compose_with_data_parallelism() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for optimizer in OPTIMIZERS {
         let mut single = spec("one rank", 1, PpSchedule::Gpipe, 2);
         single.train.micro_batch = 4;
@@ -63,7 +55,7 @@ fn pipelines_compose_with_data_parallelism() {
 /// stage. Both measured by the engine's ledger and equal to the planner's prediction.
 #[test]
 fn one_f_one_b_holds_fewer_activations_than_gpipe() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     let peak = |schedule| {
         let mut s = spec("memory", 2, schedule, 8);
         s.train.steps = 2;
@@ -141,7 +133,7 @@ fn expected_order(schedule: PpSchedule, stages: usize, stage: usize, m: usize) -
 /// is reported next to (P-1)/(M+P-1), not asserted.
 #[test]
 fn every_stage_runs_the_schedules_order_and_the_bubble_is_reported() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for (pp, m) in [(2, 4), (4, 6)] {
         for schedule in [PpSchedule::Gpipe, PpSchedule::OneFOneB] {
             let mut s = spec("bubble", pp, schedule, m);

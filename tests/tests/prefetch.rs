@@ -8,13 +8,6 @@ use distlab_common::trace::{self, lane};
 use distlab_common::*;
 use distlab_tests::*;
 
-/// Every test here starts rank processes on a 2-core machine: one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn fsdp(name: &str, prefetch: bool) -> ExperimentSpec {
     let mut spec = quick_spec(name, 6);
     spec.model = ModelSpec { layers: 5, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
@@ -39,7 +32,7 @@ const VARIANTS: [(&str, Variant); 4] = [
 
 #[test]
 fn prefetch_trains_bit_for_bit_like_gathering_on_demand() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     let same = |m: &[MetricPoint]| m.iter().map(|p| (p.loss, p.grad_norm)).collect::<Vec<_>>();
     for (name, variant) in VARIANTS {
         let (mut waiting, mut prefetching) = (fsdp(name, false), fsdp(name, true));
@@ -54,7 +47,7 @@ fn prefetch_trains_bit_for_bit_like_gathering_on_demand() {
 /// gathers drawn on the communication lane, with the waits for them on the blocking one.
 #[test]
 fn prefetch_sends_the_same_bytes_and_holds_two_gathered_units() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for checkpointing in [Checkpointing::None, Checkpointing::Sqrt] {
         let mut gathered = Vec::new();
         for prefetch in [false, true] {

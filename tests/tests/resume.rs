@@ -17,7 +17,10 @@ fn spec(name: &str, sharding: Sharding) -> ExperimentSpec {
 }
 
 fn killed_worker_resumes_with_identical_losses(sharding: Sharding) {
-    let spec = spec(&format!("resume-{}", sharding.as_str()), sharding);
+    resumes_with_identical_losses(spec(&format!("resume-{}", sharding.as_str()), sharding));
+}
+
+fn resumes_with_identical_losses(spec: ExperimentSpec) {
     let straight = run_losses(&spec);
     assert_eq!(straight.len(), 40);
 
@@ -56,6 +59,15 @@ fn ddp_resumes_bit_identically_after_its_worker_is_killed() {
 #[test]
 fn fsdp_resumes_bit_identically_from_sharded_checkpoints() {
     killed_worker_resumes_with_identical_losses(Sharding::Fsdp);
+}
+
+/// ZeRO-Offload to disk: the checkpoint is read from the state's file and put back into a
+/// new one by the worker that resumes.
+#[test]
+fn zero1_with_its_state_on_disk_resumes_bit_identically() {
+    let mut spec = spec("resume-zero1-offload", Sharding::Zero1);
+    spec.parallel.offload = Offload::Disk;
+    resumes_with_identical_losses(spec);
 }
 
 /// The copy of the state a checkpoint is written from is booked in the ledger (measured

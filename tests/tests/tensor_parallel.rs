@@ -7,13 +7,6 @@ use distlab_common::trace::SpanKind;
 use distlab_common::*;
 use distlab_tests::*;
 
-/// Every test here starts several rank processes on a 2-core machine: one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 const MODEL: ModelSpec = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
 
 fn spec(name: &str, dp: usize, tp: usize, pp: usize) -> ExperimentSpec {
@@ -33,7 +26,7 @@ fn spec(name: &str, dp: usize, tp: usize, pp: usize) -> ExperimentSpec {
 
 #[test]
 fn tensor_parallel_trains_like_one_rank() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for optimizer in OPTIMIZERS {
         let single = run_steps(&optimizer.on(spec("one rank", 1, 1, 1)));
         assert!(single.last().unwrap().loss < single[0].loss - 0.3, "the model learns: {single:?}");
@@ -48,7 +41,7 @@ fn tensor_parallel_trains_like_one_rank() {
 /// eight processes, against one rank with the same global batch.
 #[test]
 fn meshes_train_like_one_rank() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     for optimizer in OPTIMIZERS {
         let run = |s: ExperimentSpec| run_steps(&optimizer.on(s));
         let mut single = spec("one rank", 1, 1, 1);
@@ -77,7 +70,7 @@ fn meshes_train_like_one_rank() {
 /// b x s x d activations; and every rank holds what the planner predicts.
 #[test]
 fn each_block_all_reduces_twice_per_direction_and_memory_matches_the_plan() {
-    let _serial = serial();
+    let _serial = one_at_a_time();
     let mut s = spec("tp trace", 1, 2, 1);
     s.train.steps = 2;
     s.train.warmup_steps = 1;

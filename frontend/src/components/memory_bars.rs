@@ -52,6 +52,7 @@ impl Look for Category {
             Category::Transient => "transient (measured only)",
             Category::Transport => "transport (measured only)",
             Category::Checkpoint => "checkpoint copy (measured only)",
+            Category::Offloaded => "offloaded (off the device)",
         }
     }
 
@@ -67,6 +68,7 @@ impl Look for Category {
             Category::Transient => "transient",
             Category::Transport => "transport",
             Category::Checkpoint => "checkpoint",
+            Category::Offloaded => "offloaded",
         }
     }
 
@@ -82,6 +84,7 @@ impl Look for Category {
             Category::Transient => "mem-transient",
             Category::Transport => "mem-transport",
             Category::Checkpoint => "mem-checkpoint",
+            Category::Offloaded => "mem-offloaded",
         }
     }
 }

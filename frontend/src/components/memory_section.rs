@@ -98,6 +98,24 @@ pub fn process_line(m: &RankMemoryReport) -> Option<String> {
     (!parts.is_empty()).then(|| parts.join(" · "))
 }
 
+/// ZeRO-Offload: the optimizer state kept off the device, measured next to the planner
+/// (None when neither has any). It is not device memory, so not in the bars.
+pub fn offloaded_line(r: &RankMemoryView) -> Option<String> {
+    let measured = r.measured.as_ref().map_or(0, |m| m.peak.offloaded);
+    if measured == 0 && r.predicted.offloaded == 0 {
+        return None;
+    }
+    let measured = match &r.measured {
+        Some(_) => format!("measured {}", format::bytes(measured as f64)),
+        None => "not measured yet".into(),
+    };
+    Some(format!(
+        "Optimizer state offloaded off the device (host memory, or a file on disk), not in the bars: {measured} · \
+         planner {}. On the device: what the bars' optimizer segment shows (with disk offload, the one piece being updated).",
+        format::bytes(r.predicted.offloaded as f64)
+    ))
+}
+
 /// The longest bar of any rank: every rank's chart uses this scale, so bars compare across ranks.
 pub fn shared_scale(view: &MemoryView) -> u64 {
     view.ranks.iter().flat_map(rank_bars).map(|b| sum_of_categories(&b.memory)).max().unwrap_or(0)
@@ -184,6 +202,7 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
             .into_any()
         }
     });
+    let offloaded = offloaded_line(&r).map(|line| view! { <p class="memory-offloaded small">{line}</p> });
     let process = r.measured.as_ref().and_then(process_line).map(|line| {
         view! { <p class="memory-process small" title="untracked = heap peak - the most the ledger booked on the heap at once">{line}</p> }
     });
@@ -215,6 +234,7 @@ fn RankMemoryBlock(rank: RankMemoryView, scale: u64, pipeline: bool) -> impl Int
             </h3>
             <MemoryBars bars=bars scale_max=scale/>
             {differences}
+            {offloaded}
             {process}
             {timeline}
         </div>
@@ -266,6 +286,23 @@ mod tests {
         v.ranks.iter_mut().for_each(|r| r.measured = None);
         assert!(provenance(&v, true).starts_with("The ranks did not report"));
         assert!(provenance(&v, false).starts_with("The planner's prediction"));
+    }
+
+    #[test]
+    fn the_offloaded_state_is_shown_beside_the_bars_measured_and_planned() {
+        let mut s = spec(2, 1);
+        let v = predicted_only(&s).expect("plan");
+        assert_eq!(offloaded_line(&v.ranks[0]), None, "nothing offloaded");
+        s.parallel.offload = distlab_common::Offload::Disk;
+        let mut v = predicted_only(&s).expect("plan");
+        let planned = v.ranks[0].predicted.offloaded;
+        assert!(planned > 0);
+        assert!(offloaded_line(&v.ranks[0]).unwrap().contains("not measured yet"));
+        let peak = planner::RankMemory { offloaded: planned / 2, ..Default::default() };
+        v.ranks[0].measured = Some(RankMemoryReport { peak, ..Default::default() });
+        let line = offloaded_line(&v.ranks[0]).unwrap();
+        let (half, whole) = (format::bytes((planned / 2) as f64), format::bytes(planned as f64));
+        assert!(line.contains(&format!("measured {half} · planner {whole}")), "{line}");
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
     );
     let data = format!("{} · seed {}", label(&d.dataset), d.seed);
     let parallel = format!(
-        "dp {} × tp {} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire",
+        "dp {} × tp {} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire{}",
         p.dp,
         p.tp,
         p.pp,
@@ -66,7 +66,11 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         if p.prefetch { " with prefetch" } else { "" },
         label(&p.pp_schedule),
         p.bucket_bytes,
-        label(&p.comm_dtype)
+        label(&p.comm_dtype),
+        match p.offload {
+            distlab_common::Offload::None => String::new(),
+            offload => format!(" · optimizer state offloaded to {}", offload.as_str()),
+        }
     );
     let batch = format!(
         "{} sequences = {} tokens per step (dp {} × micro_batch {} × micro_batches {} × grad_accum {})",

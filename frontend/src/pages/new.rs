@@ -128,6 +128,11 @@ const SECTIONS: &[SectionDef] = &[
                 Kind::Choice(&["fp32", "bf16", "fp16"]),
                 "data-parallel collectives on the wire: fp32, or the run's own 2-byte format",
             ),
+            f(
+                "parallel.offload",
+                Kind::Choice(&["none", "host", "disk"]),
+                "ZeRO-Offload: optimizer state and its update off the device (host: cuda only)",
+            ),
         ],
     },
     SectionDef {
@@ -190,6 +195,7 @@ fn training_only(path: &str) -> bool {
                 | "parallel.bucket_bytes"
                 | "parallel.prefetch"
                 | "parallel.comm_dtype"
+                | "parallel.offload"
         )
 }
 

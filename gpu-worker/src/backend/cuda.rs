@@ -784,14 +784,8 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         let len = buffers.len;
         let moments = if buffers.moments.is_some() { len } else { 0 };
         let master = if buffers.master.is_some() { len } else { 0 };
+        saved.check_lengths(moments, master)?;
         let saved_master = saved.master.as_deref().unwrap_or_default();
-        for (name, held, saved) in
-            [("m", moments, saved.m.len()), ("v", moments, saved.v.len()), ("master", master, saved_master.len())]
-        {
-            if saved != held {
-                return Err(format!("{name} has {saved} values saved, this rank's optimizer holds {held}"));
-            }
-        }
         let put = |buf: &mut CudaSlice<f32>, values: &[f32]| {
             if !values.is_empty() {
                 self.stream.memcpy_htod(values, &mut buf.slice_mut(0..values.len())).expect("CUDA upload");

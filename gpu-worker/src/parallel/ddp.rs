@@ -31,8 +31,10 @@ use crate::backend::Stored;
 use crate::comm::{CommError, Communicator, InPlace, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
+use crate::offload::{OffloadError, OffloadTo};
 use crate::optim::{Indexing, OptimGroup, Optimizer};
 use crate::trace::now_us;
+use crate::train::TrainError;
 
 /// Sums `value` over the group (f64 carried as f32: the step loss needs ~7 digits).
 pub fn sum_scalar(comm: &mut dyn Communicator, value: f64) -> Result<f64, CommError> {
@@ -86,7 +88,8 @@ impl<B: TrainBackend> Replicated<B> {
         stage: &Stage,
         memory: &Arc<MemoryTracker>,
         dp: Option<DpGroup>,
-    ) -> Result<Self, CommError> {
+        offload: &OffloadTo,
+    ) -> Result<Self, TrainError> {
         let range = stage.range(layout);
         let units = stage.units();
         let state = FlatState::for_range(be, layout, range.clone(), spec.train.seed);
@@ -105,12 +108,20 @@ impl<B: TrainBackend> Replicated<B> {
         let optimizer = match &zero1 {
             Some(shard) => {
                 let initial = || shard.init_mine(layout, seed);
-                Optimizer::new(be, &spec.train, shard.optim_groups(&layout.param_groups()), shard.len, initial, memory)
+                Optimizer::new(
+                    be,
+                    &spec.train,
+                    shard.optim_groups(&layout.param_groups()),
+                    shard.len,
+                    initial,
+                    memory,
+                    offload,
+                )?
             }
             None => {
                 let groups = OptimGroup::unsharded(&layout.param_groups_in(&range));
                 let initial = || layout.init_params_range::<f32>(seed, range.clone());
-                Optimizer::new(be, &spec.train, groups, range.len(), initial, memory)
+                Optimizer::new(be, &spec.train, groups, range.len(), initial, memory, offload)?
             }
         };
         // Readiness units in the order backward finishes them, within the stage's buffer.
@@ -207,9 +218,9 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
         Ok(self.layout.grad_squares(be, grads, 0..be.buf_len(grads), self.base))
     }
 
-    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), TrainError> {
         let (params, grads) = ((&mut self.state.params, Indexing::Global), (&self.state.grads, Indexing::Global));
-        self.optimizer.step(be, params, grads, lr, grad_scale);
+        self.optimizer.step(be, params, grads, lr, grad_scale)?;
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
             // The gradients' communicator when the compute thread still has it.
             let comm = match &mut dp.grads {
@@ -260,7 +271,7 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
         flat as u64 + self.optimizer.held_bytes(be) + buckets
     }
 
-    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) {
+    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) -> Result<(), OffloadError> {
         let optimizer_replicated = self.zero1.is_none();
         be.read_host(be.all(&self.state.params), |params| {
             self.optimizer.read(be, |optimizer, optimizer_steps| {

@@ -32,8 +32,10 @@ use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator, InPlace};
 use crate::memory::{Category, MemoryTracker};
 use crate::model::{ModelState, ParamLayout, Stage};
+use crate::offload::{OffloadError, OffloadTo};
 use crate::ops::float::in_acc;
 use crate::optim::{OptimizerSlices, OptimizerState};
+use crate::train::TrainError;
 
 /// A backend the engine trains on: any `Backend` whose buffers hold a format that
 /// computes in f32 (f32 itself, or bf16/fp16 for mixed precision). The strategies are
@@ -52,7 +54,7 @@ pub trait Strategy<B: TrainBackend>: Send {
     /// stage's part of the gradient).
     fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError>;
     /// The optimizer update (then the parameters are made whole again where needed).
-    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError>;
+    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), TrainError>;
     /// Sums a scalar over the data-parallel group (the step's loss).
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
     /// Communication spans recorded so far.
@@ -61,8 +63,8 @@ pub trait Strategy<B: TrainBackend>: Send {
     /// memory ledger must agree with).
     fn held_bytes(&self, be: &B) -> u64;
     /// Shows `f` what an optimizer step changes, for a checkpoint to copy (the parameters
-    /// read on the host for the call).
-    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>));
+    /// read on the host for the call; an offloaded optimizer state read from disk).
+    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) -> Result<(), OffloadError>;
     /// Puts back a state `save` took on the same rank of the same run.
     fn load(&mut self, be: &B, state: SavedState) -> Result<(), String>;
 }
@@ -158,7 +160,7 @@ pub struct DpGroup {
 }
 
 /// The strategy `spec.parallel.sharding` asks for, for the parameters of `stage` (one
-/// rank alone when `dp` is None).
+/// rank alone when `dp` is None), its optimizer's state where `offload` says.
 pub fn build<B: TrainBackend>(
     spec: &ExperimentSpec,
     be: &B,
@@ -166,9 +168,14 @@ pub fn build<B: TrainBackend>(
     stage: &Stage,
     memory: &Arc<MemoryTracker>,
     dp: Option<DpGroup>,
-) -> Result<Box<dyn Strategy<B>>, CommError> {
+    offload: &OffloadTo,
+) -> Result<Box<dyn Strategy<B>>, TrainError> {
     Ok(match spec.parallel.sharding {
-        Sharding::None | Sharding::Zero1 => Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp)?),
-        Sharding::Zero2 | Sharding::Fsdp => Box::new(sharded::Sharded::new(spec, be, layout, stage, memory, dp)?),
+        Sharding::None | Sharding::Zero1 => {
+            Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp, offload)?)
+        }
+        Sharding::Zero2 | Sharding::Fsdp => {
+            Box::new(sharded::Sharded::new(spec, be, layout, stage, memory, dp, offload)?)
+        }
     })
 }

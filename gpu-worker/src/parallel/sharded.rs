@@ -33,8 +33,10 @@ use crate::backend::Stored;
 use crate::comm::{Alone, CommError, Communicator, InPlace, ReduceOp::Sum};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
+use crate::offload::{OffloadError, OffloadTo};
 use crate::optim::{Indexing, Optimizer};
 use crate::trace::now_us;
+use crate::train::TrainError;
 
 /// A buffer that exists only for a while, with its entry in the memory ledger.
 struct Temporary<Buf> {
@@ -78,7 +80,8 @@ impl<B: TrainBackend> Sharded<B> {
         stage: &Stage,
         memory: &Arc<MemoryTracker>,
         dp: Option<DpGroup>,
-    ) -> Result<Self, CommError> {
+        offload: &OffloadTo,
+    ) -> Result<Self, TrainError> {
         let fsdp = spec.parallel.sharding == Sharding::Fsdp;
         // One rank alone is a group of one: it owns every shard.
         let DpGroup { rank, world, scalars: comm, grads: second } = match dp {
@@ -103,7 +106,8 @@ impl<B: TrainBackend> Sharded<B> {
             memory.alloc_of::<B::Elem>(Category::Gradients, shard.len),
         ];
         let groups = shard.optim_groups(&layout.param_groups());
-        let optimizer = Optimizer::new(be, &spec.train, groups, shard.len, || shard.init_mine(layout, seed), memory);
+        let optimizer =
+            Optimizer::new(be, &spec.train, groups, shard.len, || shard.init_mine(layout, seed), memory, offload)?;
         Ok(Sharded {
             fsdp,
             grad_shard: be.alloc(shard.len),
@@ -270,10 +274,10 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
         sum_scalar(self.comm.as_mut(), mine)
     }
 
-    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), CommError> {
+    fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), TrainError> {
         let indexing = if self.fsdp { Indexing::Local } else { Indexing::Global };
         let (params, grads) = ((&mut self.params, indexing), (&self.grad_shard, Indexing::Local));
-        self.optimizer.step(be, params, grads, lr, grad_scale);
+        self.optimizer.step(be, params, grads, lr, grad_scale)?;
         if !self.fsdp {
             if self.record {
                 be.synchronize();
@@ -323,7 +327,7 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
             + self.optimizer.held_bytes(be)
     }
 
-    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) {
+    fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) -> Result<(), OffloadError> {
         let params_replicated = !self.fsdp;
         be.read_host(be.all(&self.params), |params| {
             self.optimizer.read(be, |optimizer, optimizer_steps| {

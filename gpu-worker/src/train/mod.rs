@@ -42,6 +42,9 @@ pub struct TrainOptions {
     pub threads: usize,
     /// Where checkpoints go (None: the run saves none, whatever `checkpoint_every` says).
     pub checkpoints: Option<CheckpointOptions>,
+    /// Where `parallel.offload=disk` keeps the optimizer's state (None: the system's
+    /// temporary directory).
+    pub offload_dir: Option<PathBuf>,
 }
 
 /// The run's checkpoint directory and the step to resume from.
@@ -73,6 +76,8 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Comm(#[from] CommError),
+    #[error(transparent)]
+    Offload(#[from] crate::offload::OffloadError),
     /// The GPU or its libraries failed (not the spec's fault).
     #[error("GPU: {0}")]
     Device(String),
@@ -92,13 +97,14 @@ fn join_field_errors(errors: &[FieldError]) -> String {
 
 /// Every feature of a valid spec that this worker cannot run yet, one message each.
 pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
-    let mut out = Vec::new();
+    let backend = spec.backend.as_str();
+    #[allow(unused_mut)]
+    let mut out: Vec<String> = distlab_common::backends::unsupported_on_backend(spec)
+        .iter()
+        .map(|why| format!("backend={backend}: {why}"))
+        .collect();
+    #[cfg(not(feature = "cuda"))]
     if spec.backend == BackendKind::Cuda {
-        #[cfg(feature = "cuda")]
-        out.extend(
-            distlab_common::backends::unsupported_on_backend(spec).iter().map(|why| format!("backend=cuda: {why}")),
-        );
-        #[cfg(not(feature = "cuda"))]
         out.push("backend=cuda: this worker was built without the cuda feature (cargo build --features cuda)".into());
     }
     out
@@ -176,7 +182,8 @@ pub fn train(
             p.dp, p.tp, p.pp
         )));
     }
-    let run = train_rank(spec, opts, Groups::default(), on_event, cancel)?;
+    let groups = Groups { offload_dir: opts.offload_dir.clone(), ..Groups::default() };
+    let run = train_rank(spec, opts, groups, on_event, cancel)?;
     on_event(RunEvent::Trace(RankTrace {
         rank: 0,
         world: 1,
@@ -354,7 +361,7 @@ pub(crate) fn run<B: TrainBackend>(
             let next = step + 1;
             if next % t.checkpoint_every == 0 && next < t.steps {
                 let copy_start = Instant::now();
-                let ckpt = trainer.checkpoint(next, tally.min_loss, writer.spare());
+                let ckpt = trainer.checkpoint(next, tally.min_loss, writer.spare())?;
                 writer.save(ckpt, copy_start.elapsed().as_secs_f64() * 1e3);
             }
             report_checkpoints(on_event, writer.finished(), trainer.place(), t.checkpoint_write);

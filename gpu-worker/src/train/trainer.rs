@@ -2,11 +2,12 @@
 //! optimizer step (every micro-batch in the pipeline schedule's order, the gradient sum,
 //! the global norm, the update), checkpoints of its state, its timeline.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use distlab_common::memory::RankMemoryReport;
 use distlab_common::trace::{Span, SpanKind};
-use distlab_common::{ExperimentSpec, LossScaling, Sharding, ValidSpec};
+use distlab_common::{ExperimentSpec, LossScaling, Offload, Sharding, ValidSpec};
 
 use crate::backend::{CpuBackend, Stored};
 use crate::checkpoint::{RankCheckpoint, RankPlace};
@@ -16,6 +17,7 @@ use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::gpt::TensorParallelGroup;
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
+use crate::offload::OffloadTo;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule;
@@ -122,7 +124,12 @@ impl<B: TrainBackend> Trainer<B> {
         let saved = Saved { checkpointing: t.checkpointing, attention: t.attention };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
-        let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp)?;
+        let offload = match spec.parallel.offload {
+            Offload::None => OffloadTo::None,
+            Offload::Host => OffloadTo::Host,
+            Offload::Disk => OffloadTo::Disk(groups.offload_dir.unwrap_or_else(default_offload_dir)),
+        };
+        let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp, &offload)?;
         let activation = t.micro_batch * spec.model.seq_len * spec.model.d_model;
         let links = groups.pp.map(|g| PipelineLinks::new(g, activation, &memory));
         let tokens = spec.train.micro_batch * spec.model.seq_len;
@@ -294,14 +301,14 @@ impl<B: TrainBackend> Trainer<B> {
     /// This rank's checkpoint before step `step`: a copy of the state its strategy owns
     /// (state every DP rank holds alike is written by DP rank 0 alone; see `checkpoint.rs`).
     /// The copy goes into `reuse`'s buffers, already paged in by an earlier checkpoint.
-    pub fn checkpoint(&self, step: u64, min_loss: f64, reuse: RankCheckpoint) -> RankCheckpoint {
+    pub fn checkpoint(&self, step: u64, min_loss: f64, reuse: RankCheckpoint) -> Result<RankCheckpoint, TrainError> {
         let mut reuse = Some(reuse);
         let mut made = None;
         self.strategy.view_state(&self.backend, &mut |view| {
             let reuse = reuse.take().unwrap_or_default();
             made = Some(self.checkpoint_of(view, step, min_loss, reuse));
-        });
-        made.expect("a strategy shows its state")
+        })?;
+        Ok(made.expect("a strategy shows its state"))
     }
 
     fn checkpoint_of(&self, view: StateView<'_>, step: u64, min_loss: f64, reuse: RankCheckpoint) -> RankCheckpoint {
@@ -399,6 +406,14 @@ pub struct Groups {
     pub tp: Option<TensorParallel>,
     /// Bytes of the shared-memory pipes to the other rank processes this rank maps.
     pub pipe_bytes: u64,
+    /// Where this rank's optimizer state goes with `parallel.offload=disk` (None: the
+    /// system's temporary directory).
+    pub offload_dir: Option<PathBuf>,
+}
+
+/// Disk offload's directory when the worker names none.
+fn default_offload_dir() -> PathBuf {
+    std::env::temp_dir().join("distlab-offload")
 }
 
 impl Groups {

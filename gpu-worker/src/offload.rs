@@ -1,0 +1,356 @@
+//! ZeRO-Offload (`parallel.offload`): the optimizer's state (AdamW's m and v, the fp32
+//! master weights of a bf16/fp16 model) leaves the device, and so does its update.
+//!
+//! * `host` (ZeRO-Offload proper): the whole state in host memory. Each update brings
+//!   the gradients down to the host, runs the optimizer's CPU kernel there (`optim.rs`)
+//!   and sends the updated parameters back up: 12 or 16 bytes per parameter leave the
+//!   GPU for 2 + 2 (or 4 + 4) crossing the bus each step. On the CPU backend the host is
+//!   the device, so the spec is refused there.
+//! * `disk` (ZeRO-Infinity's NVMe tier): the state in a file, streamed through one piece
+//!   of `OFFLOAD_PIECE_ELEMENTS` parameters: read the piece's m, v and master, update,
+//!   write them back, next piece. Only the piece is in memory, so on the CPU backend the
+//!   process's resident memory really drops by the state's size, for the reads and
+//!   writes each step costs (the page cache may keep the file: it is not the process's).
+//!
+//! The file has no name (made with `tempfile_in`, removed by the kernel when the process
+//! ends however it ends) and is laid out as the state's regions one after another:
+//! `[m: len][v: len][master: len]` f32s, those the state has.
+
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use distlab_common::planner::OFFLOAD_PIECE_ELEMENTS;
+
+use crate::backend::Stored;
+use crate::optim::{needs_master, HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
+
+/// Where an optimizer's state goes (`parallel.offload`, with the directory for `disk`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OffloadTo {
+    None,
+    Host,
+    Disk(PathBuf),
+}
+
+/// Disk offload's file could not be made, read or written (full disk, missing directory).
+#[derive(Debug, thiserror::Error)]
+#[error("optimizer state offloaded to disk under {dir}: {what}: {source}")]
+pub struct OffloadError {
+    pub dir: PathBuf,
+    pub what: &'static str,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// The optimizer's state off the device.
+pub enum OffloadedState {
+    /// All of it in host memory.
+    Host(HostOptimizerBuffers<f32>),
+    /// In a file, updated piece by piece.
+    Disk(DiskState),
+}
+
+/// The state in a file and the one piece of it in memory.
+pub struct DiskState {
+    file: File,
+    dir: PathBuf,
+    /// Parameters the state is for.
+    len: usize,
+    /// Regions of the file, in order: m and v (AdamW), master (2-byte models).
+    moments: bool,
+    master: bool,
+    /// Where the piece being updated is read into.
+    piece: HostOptimizerBuffers<f32>,
+}
+
+impl OffloadedState {
+    /// The whole state in host memory, for `len` parameters of a model stored as `S`.
+    pub fn host<S: Stored<Acc = f32>>(len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> Self {
+        OffloadedState::Host(HostOptimizerBuffers::new::<S>(len, moments, initial))
+    }
+
+    /// The state in a new file under `dir`: m and v start at zero, master (2-byte models)
+    /// at `initial`.
+    pub fn disk<S: Stored<Acc = f32>>(
+        dir: &Path,
+        len: usize,
+        moments: bool,
+        initial: impl FnOnce() -> Vec<f32>,
+    ) -> Result<Self, OffloadError> {
+        let fail = |what| move |source| OffloadError { dir: dir.to_path_buf(), what, source };
+        std::fs::create_dir_all(dir).map_err(fail("making the directory"))?;
+        let file = tempfile::tempfile_in(dir).map_err(fail("making the file"))?;
+        let master = needs_master::<S>();
+        let piece_len = len.min(OFFLOAD_PIECE_ELEMENTS);
+        let piece = HostOptimizerBuffers::new::<S>(piece_len, moments, || vec![0.0; piece_len]);
+        let disk = DiskState { file, dir: dir.to_path_buf(), len, moments, master, piece };
+        // Zeros where the file is extended; the master weights written once.
+        disk.file.set_len((disk.regions() * len * 4) as u64).map_err(fail("sizing the file"))?;
+        if master {
+            let values = initial();
+            assert_eq!(values.len(), len, "master weights for every parameter this optimizer updates");
+            disk.write(disk.master_region(), 0, &values)?;
+        }
+        Ok(OffloadedState::Disk(disk))
+    }
+
+    /// One update of `params` (the model's, on the host) from `grads`, whose state is `range`.
+    pub fn update<S: Stored<Acc = f32>>(
+        &mut self,
+        params: &mut [S],
+        grads: &[S],
+        range: Range<usize>,
+        update: &Update,
+    ) -> Result<(), OffloadError> {
+        match self {
+            OffloadedState::Host(buffers) => {
+                buffers.update(params, grads, range, update);
+                Ok(())
+            }
+            OffloadedState::Disk(disk) => disk.update(params, grads, range, update),
+        }
+    }
+
+    /// Shows `f` the whole state, read into memory for the call from disk.
+    pub fn read<R>(&self, f: impl FnOnce(OptimizerSlices<'_>) -> R) -> Result<R, OffloadError> {
+        match self {
+            OffloadedState::Host(b) => Ok(f(OptimizerSlices { m: &b.m, v: &b.v, master: b.master.as_deref() })),
+            OffloadedState::Disk(disk) => {
+                let whole = disk.read_all()?;
+                Ok(f(OptimizerSlices { m: &whole.m, v: &whole.v, master: whole.master.as_deref() }))
+            }
+        }
+    }
+
+    /// Puts back a checkpoint's state, which must be as long as this one.
+    pub fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
+        match self {
+            OffloadedState::Host(b) => b.load(saved),
+            OffloadedState::Disk(disk) => disk.load(saved),
+        }
+    }
+
+    /// Floats of it that are in memory now (all of a host state; a disk state's piece).
+    pub fn resident_floats(&self) -> usize {
+        let floats = |b: &HostOptimizerBuffers<f32>| b.m.len() + b.v.len() + b.master.as_ref().map_or(0, Vec::len);
+        match self {
+            OffloadedState::Host(b) => floats(b),
+            OffloadedState::Disk(disk) => floats(&disk.piece),
+        }
+    }
+}
+
+impl DiskState {
+    fn regions(&self) -> usize {
+        2 * self.moments as usize + self.master as usize
+    }
+
+    fn master_region(&self) -> usize {
+        2 * self.moments as usize
+    }
+
+    fn fail(&self, what: &'static str) -> impl FnOnce(std::io::Error) -> OffloadError + '_ {
+        move |source| OffloadError { dir: self.dir.clone(), what, source }
+    }
+
+    /// Byte offset of parameter `at` of region `region`.
+    fn offset(&self, region: usize, at: usize) -> u64 {
+        ((region * self.len + at) * 4) as u64
+    }
+
+    fn read(&self, region: usize, at: usize, into: &mut [f32]) -> Result<(), OffloadError> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(into);
+        self.file.read_exact_at(bytes, self.offset(region, at)).map_err(self.fail("reading"))
+    }
+
+    fn write(&self, region: usize, at: usize, from: &[f32]) -> Result<(), OffloadError> {
+        self.file.write_all_at(bytemuck::cast_slice(from), self.offset(region, at)).map_err(self.fail("writing"))
+    }
+
+    /// Streams `range` of the state through the piece: read, update, write back.
+    fn update<S: Stored<Acc = f32>>(
+        &mut self,
+        params: &mut [S],
+        grads: &[S],
+        range: Range<usize>,
+        update: &Update,
+    ) -> Result<(), OffloadError> {
+        let piece_len = self.piece.m.len().max(self.piece.master.as_ref().map_or(0, Vec::len)).max(1);
+        let (params, grads) = (params.chunks_mut(piece_len), grads.chunks(piece_len));
+        for ((params, grads), at) in params.zip(grads).zip(range.step_by(piece_len)) {
+            let n = params.len();
+            self.through_piece(at, n, |piece| piece.update(params, grads, 0..n, update))?;
+        }
+        Ok(())
+    }
+
+    /// Reads the state of parameters `at..at + n` into the piece, runs `f` on it, writes
+    /// it back.
+    fn through_piece(
+        &mut self,
+        at: usize,
+        n: usize,
+        f: impl FnOnce(&mut HostOptimizerBuffers<f32>),
+    ) -> Result<(), OffloadError> {
+        let mut piece = std::mem::take(&mut self.piece);
+        let result = (|| {
+            for (region, buf) in self.piece_regions(&mut piece) {
+                self.read(region, at, &mut buf[..n])?;
+            }
+            f(&mut piece);
+            for (region, buf) in self.piece_regions(&mut piece) {
+                self.write(region, at, &buf[..n])?;
+            }
+            Ok(())
+        })();
+        self.piece = piece;
+        result
+    }
+
+    /// The piece's buffers with the file region each comes from.
+    fn piece_regions<'a>(&self, piece: &'a mut HostOptimizerBuffers<f32>) -> Vec<(usize, &'a mut Vec<f32>)> {
+        let mut out = Vec::with_capacity(3);
+        if self.moments {
+            out.extend([(0, &mut piece.m), (1, &mut piece.v)]);
+        }
+        if let Some(master) = piece.master.as_mut() {
+            out.push((self.master_region(), master));
+        }
+        out
+    }
+
+    /// The whole state in memory (for a checkpoint).
+    fn read_all(&self) -> Result<HostOptimizerBuffers<f32>, OffloadError> {
+        let region = |i: usize, present: bool| -> Result<Vec<f32>, OffloadError> {
+            let mut values = vec![0.0; if present { self.len } else { 0 }];
+            if present {
+                self.read(i, 0, &mut values)?;
+            }
+            Ok(values)
+        };
+        let master = if self.master { Some(region(self.master_region(), true)?) } else { None };
+        Ok(HostOptimizerBuffers { m: region(0, self.moments)?, v: region(1, self.moments)?, master })
+    }
+
+    fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
+        saved.check_lengths(if self.moments { self.len } else { 0 }, if self.master { self.len } else { 0 })?;
+        let saved_master = saved.master.as_deref().unwrap_or_default();
+        let mut regions = Vec::new();
+        if self.moments {
+            regions.extend([(0, saved.m.as_slice()), (1, saved.v.as_slice())]);
+        }
+        if self.master {
+            regions.push((self.master_region(), saved_master));
+        }
+        for (region, values) in regions {
+            self.write(region, 0, values).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Backend, CpuBackend};
+    use crate::memory::MemoryTracker;
+    use crate::optim::{Indexing, OptimGroup, Optimizer};
+    use distlab_common::planner::RankMemory;
+    use distlab_common::TrainSpec;
+
+    /// More parameters than two pieces: the disk state streams through three.
+    const LEN: usize = 2 * OFFLOAD_PIECE_ELEMENTS + 1000;
+
+    fn initial() -> Vec<f32> {
+        (0..LEN).map(|i| ((i as f32) * 0.37).sin() * 0.1).collect()
+    }
+
+    struct Run<S> {
+        params: Vec<S>,
+        state: OptimizerState,
+        ledger: RankMemory,
+    }
+
+    /// `steps` AdamW updates of LEN parameters (two groups, one decayed) with the state
+    /// where `offload` says, from `start` (a checkpoint's state) when given.
+    fn train<S: Stored<Acc = f32>>(offload: &OffloadTo, steps: u64, start: Option<(&[S], OptimizerState)>) -> Run<S> {
+        let be = CpuBackend::<S>::new(1);
+        let memory = MemoryTracker::new();
+        let train = TrainSpec { weight_decay: 0.1, ..TrainSpec::default() };
+        let groups = vec![
+            OptimGroup { global: 0..LEN / 3, local: 0..LEN / 3, decay: true },
+            OptimGroup { global: LEN / 3..LEN, local: LEN / 3..LEN, decay: false },
+        ];
+        let mut optimizer = Optimizer::new(&be, &train, groups, LEN, initial, &memory, offload).unwrap();
+        let mut params = be.alloc(LEN);
+        match start {
+            Some((values, state)) => {
+                be.upload(&mut params, values);
+                optimizer.load_state(&be, state).unwrap();
+            }
+            None => be.upload(&mut params, &initial().into_iter().map(S::store).collect::<Vec<_>>()),
+        }
+        let mut grads = be.alloc(LEN);
+        for step in 0..steps {
+            let g: Vec<S> = (0..LEN).map(|i| S::store(((i as f32 + step as f32) * 0.11).cos() * 0.01)).collect();
+            be.upload(&mut grads, &g);
+            optimizer.step(&be, (&mut params, Indexing::Global), (&grads, Indexing::Global), 1e-3, 0.5).unwrap();
+        }
+        let state = optimizer
+            .read(&be, |s, steps_taken| OptimizerState {
+                steps_taken,
+                m: s.m.to_vec(),
+                v: s.v.to_vec(),
+                master: s.master.map(<[f32]>::to_vec),
+            })
+            .unwrap();
+        Run { params, state, ledger: memory.current() }
+    }
+
+    fn offloaded_trains_like_on_device<S: Stored<Acc = f32>>() {
+        let disk_dir = tempfile::tempdir().unwrap();
+        let disk = OffloadTo::Disk(disk_dir.path().to_path_buf());
+        let device = train::<S>(&OffloadTo::None, 3, None);
+        let floats_per_param = 2 + needs_master::<S>() as usize;
+        for offload in [OffloadTo::Host, disk.clone()] {
+            let off = train::<S>(&offload, 3, None);
+            let bits = |p: &[S]| p.iter().map(|x| x.load().to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&off.params), bits(&device.params), "{offload:?}: parameters");
+            assert_eq!(off.state, device.state, "{offload:?}: m, v, master");
+            // Off the device, all of it; in memory, a disk state's piece and nothing else.
+            assert_eq!(off.ledger.offloaded, (LEN * floats_per_param * 4) as u64, "{offload:?}");
+            let resident = if offload == OffloadTo::Host { 0 } else { OFFLOAD_PIECE_ELEMENTS * floats_per_param * 4 };
+            assert_eq!(off.ledger.optimizer_state, resident as u64, "{offload:?}");
+        }
+        assert_eq!(device.ledger.offloaded, 0);
+        // Resume: the disk state put back from a checkpoint goes on like the device's.
+        let further = train::<S>(&OffloadTo::None, 1, Some((&device.params, device.state.clone())));
+        let resumed = train::<S>(&disk, 1, Some((&device.params, device.state)));
+        assert_eq!(resumed.state, further.state);
+        // The files have no names: nothing is left in the directory.
+        assert_eq!(std::fs::read_dir(disk_dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn offloaded_state_trains_bit_for_bit_like_state_on_the_device() {
+        offloaded_trains_like_on_device::<f32>();
+        offloaded_trains_like_on_device::<half::bf16>();
+    }
+
+    #[test]
+    fn a_directory_that_cannot_be_made_is_a_clear_error() {
+        let dir = Path::new("/proc/distlab-offload-test");
+        let Err(e) = OffloadedState::disk::<f32>(dir, 10, true, Vec::new) else { panic!("made a file in /proc") };
+        assert!(e.to_string().contains("/proc/distlab-offload-test: making the directory"), "{e}");
+    }
+
+    #[test]
+    fn a_checkpoint_of_another_length_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut disk = OffloadedState::disk::<f32>(dir.path(), 10, true, Vec::new).unwrap();
+        let saved = OptimizerState { m: vec![0.0; 9], v: vec![0.0; 9], ..OptimizerState::default() };
+        assert_eq!(disk.load(&saved).unwrap_err(), "m has 9 values saved, this rank's optimizer holds 10");
+    }
+}
