@@ -620,6 +620,7 @@ mod tests {
             prefetch: false,
             comm_dtype: Precision::Fp32,
             offload: Offload::None,
+            sequence_parallel: false,
         };
         spec.train.precision = Precision::Bf16;
         spec.train.optimizer = Optimizer::Adamw;

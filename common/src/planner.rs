@@ -154,7 +154,9 @@ pub struct CommVolume {
     pub dp_reduce_scatter: u64,
     /// ZeRO parameter all-gather after the update; FSDP's gathers before forward and backward.
     pub dp_all_gather: u64,
-    /// Tensor-parallel all-reduces of activations and their gradients.
+    /// Tensor-parallel collectives of activations and their gradients: all-reduces, or with
+    /// sequence parallelism all-gathers and reduce-scatters (and the LayerNorm parameter
+    /// gradients' all-reduces).
     pub tp_all_reduce: u64,
     /// Pipeline point-to-point sends: activations forward, their gradients backward.
     pub pp_send: u64,
@@ -295,15 +297,28 @@ pub fn in_flight_micro_batches(schedule: PpSchedule, pp: u64, micro_batches: u64
 /// - the softmax probabilities, heads x s x s per sequence; with FlashAttention only one
 ///   log-sum-exp per row and head, kept as a (hi, lo) pair: the s^2 term is gone.
 ///
+/// With sequence parallelism (`sp`) the 4d and the 4 statistics are split over TP too:
+/// each rank keeps them for its own b*s/t tokens, b*s * ((4d + 4)/t + 12d/t).
+///
 /// In 16-bit that is s*b*d*(32 + 8/d + 2*h*s/d) bytes, close to Korthikanti et al.'s
 /// s*b*d*(34 + 5*h*s/d), which also keeps dropout masks and the pre-softmax scores
 /// (the engine has no dropout and overwrites the scores). This is THE per-layer term:
 /// adjust it here when the engine's measured activations say otherwise.
-pub fn layer_activation_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64, attention: Attention) -> u64 {
+pub fn layer_activation_elements(
+    batch: u64,
+    seq: u64,
+    d: u64,
+    heads: u64,
+    tp: u64,
+    attention: Attention,
+    sp: bool,
+) -> u64 {
     let tp = tp.max(1);
     let rows = batch.saturating_mul(seq);
-    let per_token = d.saturating_mul(4).saturating_add(d.saturating_mul(12) / tp).saturating_add(4);
-    rows.saturating_mul(per_token).saturating_add(attention_elements(batch, seq, heads / tp, attention))
+    let whole = rows.saturating_mul(d.saturating_mul(4).saturating_add(4));
+    let whole = if sp { whole / tp } else { whole };
+    let split = rows.saturating_mul(d.saturating_mul(12) / tp);
+    whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp, attention))
 }
 
 /// What attention keeps for one micro-batch (and the size of its gradient scratch): the
@@ -320,11 +335,26 @@ pub fn attention_elements(batch: u64, seq: u64, heads: u64, attention: Attention
 /// residual and LayerNorm gradients (2d, whole), the attention output, QKV and MLP hidden
 /// gradients (d + 3d + 4d, split over TP) and the attention probabilities' gradient:
 /// b*s*(2d + 8d/t) + b*(h/t)*s^2 (flash: a pair per row, rowsum(dO ∘ O), in place of s^2).
-pub fn activation_grad_elements(batch: u64, seq: u64, d: u64, heads: u64, tp: u64, attention: Attention) -> u64 {
+/// With sequence parallelism (`sp`) the residual's gradient is this rank's b*s/t tokens
+/// only, and the LayerNorm parameters' gradients of a block (4d) are made in scratch
+/// before they are summed over the group.
+pub fn activation_grad_elements(
+    batch: u64,
+    seq: u64,
+    d: u64,
+    heads: u64,
+    tp: u64,
+    attention: Attention,
+    sp: bool,
+) -> u64 {
     let tp = tp.max(1);
     let rows = batch.saturating_mul(seq);
-    let per_token = d.saturating_mul(2).saturating_add(d.saturating_mul(8) / tp);
-    rows.saturating_mul(per_token).saturating_add(attention_elements(batch, seq, heads / tp, attention))
+    let split = rows.saturating_mul(d.saturating_mul(8) / tp);
+    let whole = match sp {
+        false => rows.saturating_mul(d.saturating_mul(2)),
+        true => (rows.saturating_mul(d) / tp).saturating_add(rows.saturating_mul(d)).saturating_add(4 * d),
+    };
+    whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp, attention))
 }
 
 /// Checks that `spec` describes a model and a mesh that can exist at all: positive
@@ -438,8 +468,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 
     let rows = batch.saturating_mul(seq);
     let rows_d = rows.saturating_mul(d);
-    let layer_acts = layer_activation_elements(batch, seq, d, heads, tp, t.attention);
-    let grad_acts = activation_grad_elements(batch, seq, d, heads, tp, t.attention);
+    let sp = p.sequence_parallel && tp > 1;
+    let layer_acts = layer_activation_elements(batch, seq, d, heads, tp, t.attention, sp);
+    let grad_acts = activation_grad_elements(batch, seq, d, heads, tp, t.attention, sp);
+    // The residual stream between blocks (a stage's input and output, checkpointed segment
+    // outputs): whole on every TP rank, or with sequence parallelism this rank's tokens.
+    let res_d = if sp { rows_d / tp } else { rows_d };
     let recomputing = t.checkpointing != Checkpointing::None;
 
     let mut stages = Vec::with_capacity(p.pp);
@@ -481,20 +515,26 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // output-gradient buffer (all but the last). Copies queued for sending come on top,
         // as many as the schedule runs ahead of the neighbour: not predicted.
         let receive_buffers = u64::from(!first) + u64::from(!last);
-        let comm_buffers =
-            comm_buffers.saturating_add(receive_buffers.saturating_mul(rows_d).saturating_mul(act_bytes));
+        let comm_buffers = comm_buffers.saturating_add(receive_buffers.saturating_mul(res_d).saturating_mul(act_bytes));
 
         // Activations (elements). Every stage keeps its input per micro-batch (the first
         // stage: the embedding output; the others: what the previous stage sent); the last
         // stage also the final LayerNorm output and statistics, logits and token losses.
-        let (kept_layers, recompute_peak) = checkpointed(layers, t.checkpointing, rows_d, layer_acts);
+        // With sequence parallelism the final LayerNorm's statistics are this rank's tokens
+        // only, its output gathered whole for the LM head.
+        let (kept_layers, recompute_peak) = checkpointed(layers, t.checkpointing, res_d, layer_acts);
+        let lnf_stats = if sp { rows.saturating_mul(2) / tp } else { rows.saturating_mul(2) };
         let head_acts = if last {
-            rows_d.saturating_add(rows.saturating_mul(3)).saturating_add(rows.saturating_mul(vocab))
+            rows_d.saturating_add(lnf_stats).saturating_add(rows).saturating_add(rows.saturating_mul(vocab))
         } else {
             0
         };
-        let per_micro_batch = rows_d.saturating_add(kept_layers).saturating_add(head_acts);
-        let activations = in_flight.saturating_mul(per_micro_batch).saturating_add(recompute_peak);
+        let per_micro_batch = res_d.saturating_add(kept_layers).saturating_add(head_acts);
+        // Sequence parallelism's two exchange buffers (b*s*d each, shared by every block):
+        // a LayerNorm output gathered whole, a row-parallel output before its reduce-scatter.
+        let exchange = if sp { rows_d.saturating_mul(2) } else { 0 };
+        let activations =
+            in_flight.saturating_mul(per_micro_batch).saturating_add(recompute_peak).saturating_add(exchange);
 
         // ZeRO-Offload: the optimizer's state leaves the device. Streamed from disk, one
         // piece of it at a time is in memory while it is updated.
@@ -513,7 +553,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             optimizer_state,
             gathered_parameters: gathered,
             activations: activations.saturating_mul(act_bytes),
-            activation_grads: grad_acts.saturating_mul(act_bytes),
+            // (with sequence parallelism the last stage's final LayerNorm gradients too, 2d)
+            activation_grads: grad_acts.saturating_add(if sp && last { 2 * d } else { 0 }).saturating_mul(act_bytes),
             comm_buffers,
             transient: 0,
             transport: 0,
@@ -544,6 +585,9 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             tp,
             micro_steps,
             rows_d,
+            res_d,
+            d,
+            sp,
             recomputing,
             regathered: recomputed_before_backward(layers, t.checkpointing).saturating_mul(block_per_tp_rank),
             dp_wire_bytes: wire_bytes(p.comm_dtype),
@@ -642,6 +686,11 @@ struct StageCommInput {
     micro_steps: u64,
     /// Elements of one activation tensor between blocks: micro_batch * seq_len * d_model.
     rows_d: u64,
+    /// Of it, what a TP rank holds of the residual stream (rows_d / tp with sequence parallelism).
+    res_d: u64,
+    d: u64,
+    /// Sequence parallelism.
+    sp: bool,
     recomputing: bool,
     /// FSDP: parameters gathered once more per micro-batch, for blocks recomputed before
     /// their own backward opens them (see [`recomputed_before_backward`]).
@@ -668,8 +717,16 @@ struct StageCommInput {
 /// - TP: per block and micro-batch, 2 all-reduces of A forward (after the attention and
 ///   MLP row-parallel layers) and 2 backward (the gradients of their inputs), plus 2 more
 ///   when checkpointing recomputes the forward: 2(T-1)/T * A each;
+/// - TP with sequence parallelism: all-gathers and reduce-scatters of A, (T-1)/T * A each:
+///   per block and micro-batch 2 + 2 forward (the LayerNorm outputs gathered, the
+///   row-parallel outputs reduce-scattered), 6 backward (the output gradients gathered, the
+///   LayerNorm outputs gathered again for the weight gradients, the LayerNorm output
+///   gradients reduce-scattered), 4 more when checkpointing recomputes the forward, and an
+///   all-reduce of the block's LayerNorm parameter gradients (4d); the last stage gathers
+///   the final LayerNorm's output (and all-reduces its 2d parameter gradients), the first
+///   gathers the embedding output's gradient;
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
-///   back to the previous one (all but the first).
+///   back to the previous one (all but the first); with sequence parallelism A / T.
 ///
 /// By default everything crosses the wire in fp32, in every precision: bf16/fp16 gradients
 /// are summed across ranks in fp32 (Megatron-LM does the same for bf16), and parameters
@@ -702,13 +759,21 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
                 c.micro_steps.saturating_mul(params_ag.saturating_add(backward_ag).saturating_add(recompute_ag));
         }
     }
-    let tp_per_block = if c.recomputing { 6 } else { 4 };
-    v.tp_all_reduce = ring_all_reduce_bytes(c.rows_d, c.tp, WIRE_BYTES)
-        .saturating_mul(tp_per_block)
-        .saturating_mul(c.layers)
-        .saturating_mul(c.micro_steps);
+    let half = ring_reduce_scatter_bytes(c.rows_d, c.tp, WIRE_BYTES);
+    let per_micro_batch = if c.sp {
+        let halves_per_block = if c.recomputing { 14 } else { 10 };
+        let block =
+            half.saturating_mul(halves_per_block).saturating_add(ring_all_reduce_bytes(4 * c.d, c.tp, WIRE_BYTES));
+        let head = if c.last { half.saturating_add(ring_all_reduce_bytes(2 * c.d, c.tp, WIRE_BYTES)) } else { 0 };
+        let embeddings = if c.first { half } else { 0 };
+        block.saturating_mul(c.layers).saturating_add(head).saturating_add(embeddings)
+    } else {
+        let all_reduces_per_block = if c.recomputing { 6 } else { 4 };
+        half.saturating_mul(2 * all_reduces_per_block).saturating_mul(c.layers)
+    };
+    v.tp_all_reduce = if c.tp > 1 { per_micro_batch.saturating_mul(c.micro_steps) } else { 0 };
     let sends = u64::from(!c.last) + u64::from(!c.first);
-    v.pp_send = c.rows_d.saturating_mul(WIRE_BYTES).saturating_mul(sends).saturating_mul(c.micro_steps);
+    v.pp_send = c.res_d.saturating_mul(WIRE_BYTES).saturating_mul(sends).saturating_mul(c.micro_steps);
     v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send]
         .into_iter()
         .fold(0u64, u64::saturating_add);
@@ -946,11 +1011,11 @@ mod tests {
     fn flash_attention_has_no_quadratic_term() {
         let (b, d, h) = (2, 64, 4);
         for s in [128u64, 1024] {
-            let naive = layer_activation_elements(b, s, d, h, 1, Attention::Naive);
-            let flash = layer_activation_elements(b, s, d, h, 1, Attention::Flash);
+            let naive = layer_activation_elements(b, s, d, h, 1, Attention::Naive, false);
+            let flash = layer_activation_elements(b, s, d, h, 1, Attention::Flash, false);
             assert_eq!(naive - flash, b * h * (s * s - 2 * s), "s={s}");
             assert_eq!(flash, b * s * (16 * d + 4) + b * h * s * 2, "s={s}");
-            let grads = activation_grad_elements(b, s, d, h, 2, Attention::Flash);
+            let grads = activation_grad_elements(b, s, d, h, 2, Attention::Flash, false);
             assert_eq!(grads, b * s * (2 * d + 4 * d) + b * (h / 2) * s * 2, "s={s}, tp=2");
         }
     }
@@ -1038,6 +1103,30 @@ mod tests {
         let a = 8 * 32 * 64 * 4 * 16u64;
         let sends: Vec<u64> = p.stages.iter().map(|s| s.comm.pp_send).collect();
         assert_eq!(sends, vec![a, 2 * a, 2 * a, a]);
+    }
+
+    /// Sequence parallelism splits the LayerNorm/residual regions: the activations per rank
+    /// drop by (4d + 4)(1 - 1/t) per token and block, less the two exchange buffers; the
+    /// TP bytes are those of the all-reduces plus the re-gathers in backward, the
+    /// LayerNorm gradients' sums, the head's gather and the embeddings' gradient gather.
+    #[test]
+    fn sequence_parallelism_splits_the_layernorm_regions() {
+        let mut spec = ExperimentSpec::default();
+        (spec.parallel.tp, spec.model.layers) = (2, 4);
+        let tp = plan(&spec).unwrap().stages[0].clone();
+        spec.parallel.sequence_parallel = true;
+        let sp = plan(&spec).unwrap().stages[0].clone();
+        let (b, s, d, l) = (8u64, 32u64, 64u64, 4u64);
+        let (rows, rows_d) = (b * s, b * s * d);
+        // per block (4d + 4) per token halved; the stage input and the lnf statistics halved;
+        // two b*s*d exchange buffers added.
+        let saved = l * rows * (4 * d + 4) / 2 + rows_d / 2 + rows;
+        assert_eq!(tp.memory.activations - sp.memory.activations, 4 * (saved - 2 * rows_d));
+        assert_eq!(tp.memory.activation_grads - sp.memory.activation_grads, 4 * (rows_d / 2 - 6 * d));
+        let half = ring_reduce_scatter_bytes(rows_d, 2, 4);
+        let sums = l * ring_all_reduce_bytes(4 * d, 2, 4) + ring_all_reduce_bytes(2 * d, 2, 4);
+        assert_eq!(sp.comm.tp_all_reduce, l * 10 * half + half + half + sums);
+        assert_eq!(tp.comm.tp_all_reduce, l * 8 * half);
     }
 
     #[test]

@@ -109,6 +109,11 @@ pub struct ParallelSpec {
     pub comm_dtype: Precision,
     /// ZeRO-Offload: where the optimizer's state lives and its step runs.
     pub offload: Offload,
+    /// Megatron sequence parallelism (tp > 1): the LayerNorm and residual regions are
+    /// split along the tokens across the tensor-parallel group, with an all-gather before
+    /// each column-parallel matmul and a reduce-scatter after each row-parallel one in
+    /// place of the all-reduce.
+    pub sequence_parallel: bool,
 }
 
 /// Where the optimizer's state (AdamW's moments, the master weights) lives.
@@ -285,6 +290,7 @@ impl Default for ParallelSpec {
             prefetch: false,
             comm_dtype: Precision::Fp32,
             offload: Offload::None,
+            sequence_parallel: false,
         }
     }
 }

@@ -216,6 +216,28 @@ impl ExperimentSpec {
                 ),
             );
         }
+        if p.sequence_parallel {
+            let tokens = self.train.micro_batch * self.model.seq_len;
+            if p.tp < 2 {
+                err(
+                    "parallel.sequence_parallel",
+                    format!(
+                        "sequence parallelism splits the LayerNorm regions across a tensor-parallel group: it \
+                         needs tp >= 2 (it is {})",
+                        p.tp
+                    ),
+                );
+            } else if tokens % p.tp != 0 {
+                err(
+                    "parallel.sequence_parallel",
+                    format!(
+                        "sequence parallelism gives each of the tp={} ranks an equal share of a micro-batch's \
+                         micro_batch x seq_len = {tokens} tokens: make it a multiple of tp",
+                        p.tp
+                    ),
+                );
+            }
+        }
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",
@@ -377,6 +399,14 @@ mod tests {
             (
                 json!({"parallel": {"offload": "disk"}, "train": {"optimizer": "sgd"}}),
                 vec![("parallel.offload", "SGD in fp32 keeps none")],
+            ),
+            (
+                json!({"parallel": {"sequence_parallel": true}}),
+                vec![("parallel.sequence_parallel", "it needs tp >= 2 (it is 1)")],
+            ),
+            (
+                json!({"parallel": {"tp": 2, "sequence_parallel": true}, "model": {"seq_len": 7}, "train": {"micro_batch": 1}}),
+                vec![("parallel.sequence_parallel", "= 7 tokens: make it a multiple of tp")],
             ),
             (
                 json!({"train": {"steps": 0, "warmup_steps": 0}}),

@@ -173,6 +173,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
     if result.is_ok() {
         result = offload_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = sequence_parallel_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-memory.png").await;
     }
@@ -724,7 +727,7 @@ async fn tensor_parallel_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(lanes == 2, "a TP comm lane per rank, not {lanes}");
     let per_step = 4 * spec.model.layers * spec.train.micro_batches;
     let note = text(c, "#tp-note").await?;
-    ensure!(note.contains(&format!("{per_step} tensor-parallel all-reduces per rank")), "{note}");
+    ensure!(note.contains(&format!("{per_step} tensor-parallel collectives per rank")), "{note}");
     save_element(c, "#timeline", "tp-timeline.png").await?;
     Ok(())
 }
@@ -929,6 +932,42 @@ async fn offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(planned > 2 << 20 && measured.is_some_and(|m| m.ends_with("MiB")), "{planned} B planned: {line}");
     ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
     save_element(c, "#memory-card", "offload-memory.png").await?;
+    Ok(())
+}
+
+/// Sequence parallelism, tp=2: the form offers it; on the run's page each rank's memory
+/// equals the planner's and the timeline's TP lanes hold all-gathers and reduce-scatters.
+async fn sequence_parallel_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    ensure!(exists(c, "[name='parallel.sequence_parallel']").await?, "the form offers parallel.sequence_parallel");
+    let mut spec = distlab_tests::quick_spec("tp=2 with sequence parallelism", 6);
+    (spec.parallel.tp, spec.parallel.sequence_parallel) = (2, true);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the sequence-parallel run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the timeline", Duration::from_secs(30), || exists(c, "#timeline .lane-label")).await?;
+    let lanes = timeline_lanes(c, "TP comm").await?;
+    ensure!(lanes == 2, "a tp lane per rank, not {lanes}");
+    let titles = js(
+        c,
+        "return Array.from(document.querySelectorAll('#timeline .span title')).map(t => t.textContent).join('\\n');",
+        "",
+    )
+    .await?;
+    let titles = titles.as_str().unwrap_or_default();
+    ensure!(titles.contains("all_gather tp: layer 0 ln1 output"), "gathers on the timeline: {titles:.400}");
+    ensure!(titles.contains("reduce_scatter tp: layer 0 attention output"), "reduce-scatters on the timeline");
+    // Per block 4 forward, 7 backward (with the LayerNorm gradients' sum); the head's gather and
+    // sum, the embeddings' gather.
+    let per_step = 11 * spec.model.layers + 3;
+    let note = text(c, "#tp-note").await?;
+    ensure!(note.contains(&format!("{per_step} tensor-parallel collectives per rank")), "{note}");
+    let memory = "#memory-card .memory-rank[data-rank='1'] .memory-equal";
+    wait_for(c, "the memory card", Duration::from_secs(30), || exists(c, memory)).await?;
+    ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
+    save_element(c, "#timeline-card", "sequence-parallel-timeline.png").await?;
     Ok(())
 }
 

@@ -67,9 +67,22 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "tensor parallel skips the all-reduce of the MLP's input gradient",
         file: "gpu-worker/src/model/gpt.rs",
-        find: "tp.all_reduce(be, &mut s.dln, TpSum::MlpInputGrad, layer)?;",
-        replace: "let _ = (&tp, TpSum::MlpInputGrad);",
+        find: "let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?;",
+        replace: "let dln = 0..be.buf_len(&s.dln);",
         tests: &["-p", "distlab-tests", "--test", "tensor_parallel", "tensor_parallel_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "sequence parallelism leaves each rank's LayerNorm gradients from its own tokens only",
+        file: "gpu-worker/src/model/gpt.rs",
+        find: "tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LayerNormGrads, at)?;",
+        replace: "let _ = &tp;",
+        tests: &[
+            "-p",
+            "distlab-tests",
+            "--test",
+            "sequence_parallel",
+            "sequence_parallelism_trains_like_tensor_parallelism",
+        ],
     },
     Mutant {
         name: "tensor parallel leaves the gradient norm rank-local",

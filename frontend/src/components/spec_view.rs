@@ -56,9 +56,10 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
     );
     let data = format!("{} · seed {}", label(&d.dataset), d.seed);
     let parallel = format!(
-        "dp {} × tp {} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire{}",
+        "dp {} × tp {}{} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire{}",
         p.dp,
         p.tp,
+        if p.sequence_parallel { " (sequence parallel)" } else { "" },
         p.pp,
         spec.world_size(),
         if spec.world_size() == 1 { "" } else { "s" },

@@ -404,7 +404,8 @@ pub fn Timeline(ranks: Vec<RankSpans>) -> impl IntoView {
             {move || {
                 tp.get().map(|(calls, us)| view! {
                     <p class="muted small" id="tp-note">
-                        "TP comm: " {format!("{calls:.0}")} " tensor-parallel all-reduces per rank, "
+                        "TP comm: " {format!("{calls:.0}")} " tensor-parallel collectives per rank (all-reduces; with "
+                        "sequence parallelism all-gathers and reduce-scatters), "
                         {duration_text(us as u64)} " per rank in all. Each sits between two matmuls of a block, "
                         "so compute waits for every one: none of it is hidden."
                     </p>

@@ -116,6 +116,11 @@ const SECTIONS: &[SectionDef] = &[
             f("parallel.tp", Kind::Int, "tensor-parallel ranks (split heads and MLP)"),
             f("parallel.pp", Kind::Int, "pipeline stages (split layers)"),
             f(
+                "parallel.sequence_parallel",
+                Kind::Bool,
+                "tp > 1: LayerNorms and residuals split along the tokens (Megatron-SP)",
+            ),
+            f(
                 "parallel.sharding",
                 Kind::Choice(&["none", "zero1", "zero2", "fsdp"]),
                 "shard optimizer state / gradients / parameters over dp",
@@ -196,6 +201,7 @@ fn training_only(path: &str) -> bool {
                 | "parallel.prefetch"
                 | "parallel.comm_dtype"
                 | "parallel.offload"
+                | "parallel.sequence_parallel"
         )
 }
 

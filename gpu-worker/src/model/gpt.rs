@@ -25,6 +25,18 @@
 //! LayerNorm output gradients (backward). The row-parallel biases and the residual are
 //! added by TP rank 0 alone, so that the sum counts them once.
 //!
+//! With sequence parallelism (Megatron-SP, Korthikanti et al. 2022) the LayerNorms and
+//! the residual stream, whole on every TP rank above, are split along the tokens: each
+//! rank normalises and keeps its own tokens (b*s/t of them). Before a column-parallel
+//! matmul the LayerNorm output is all-gathered (and again in backward, for the weight
+//! gradient, instead of being kept whole); after a row-parallel matmul the partial
+//! outputs are reduce-scattered, each rank receiving its own tokens' sums. In backward
+//! the mirror images: the output gradient gathered, the LayerNorm output gradient
+//! reduce-scattered. The same bytes as the two all-reduces (an all-reduce is a
+//! reduce-scatter then an all-gather), minus what the regions no longer keep whole; each
+//! rank's LayerNorm parameter gradients now come from its own tokens and are summed over
+//! the group.
+//!
 //! With activation checkpointing ([`Saved`]) forward keeps only each segment's output
 //! and runs its blocks in one shared set of segment buffers; backward runs a segment's
 //! forward again there, from the segment's saved input, just before the segment's
@@ -37,7 +49,7 @@ use distlab_common::trace::Span;
 use distlab_common::{Attention, Checkpointing, ModelSpec};
 
 use crate::backend::Backend;
-use crate::comm::CommError;
+use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::layout::{BlockTensors, ParamLayout, TpPlace};
 use crate::model::state::{ModelState, Pass, Unit};
@@ -164,11 +176,13 @@ impl Stage {
 pub struct Saved {
     pub checkpointing: Checkpointing,
     pub attention: Attention,
+    /// Sequence parallelism: the LayerNorm and residual regions keep this rank's tokens only.
+    pub sequence_parallel: bool,
 }
 
 impl Default for Saved {
     fn default() -> Self {
-        Saved { checkpointing: Checkpointing::None, attention: Attention::Naive }
+        Saved { checkpointing: Checkpointing::None, attention: Attention::Naive, sequence_parallel: false }
     }
 }
 
@@ -202,34 +216,106 @@ pub enum StageInput<'a, F> {
     Activation(&'a [F]),
 }
 
-/// The four places where tensor parallelism sums a partial result over its group, per block.
+/// What a tensor-parallel collective carries (the timeline names it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TpSum {
-    /// Forward (g): the attention output projection, from each rank's heads.
-    Attention,
-    /// Forward (g): the MLP's output projection, from each rank's hidden units.
-    Mlp,
-    /// Backward (f): the gradient of ln2's output, through each rank's hidden units.
-    MlpInputGrad,
-    /// Backward (f): the gradient of ln1's output, through each rank's heads.
-    AttentionInputGrad,
+pub enum TpPoint {
+    /// The row-parallel outputs: summed (g: all-reduce), or with sequence parallelism
+    /// reduce-scattered to the ranks that own the tokens.
+    AttentionOutput,
+    MlpOutput,
+    /// The gradients of the LayerNorm outputs, through each rank's heads or hidden units:
+    /// summed (f: all-reduce), or reduce-scattered.
+    Ln1OutputGrad,
+    Ln2OutputGrad,
+    /// Sequence parallelism: the LayerNorm outputs gathered for a column-parallel matmul
+    /// (in forward, and again in backward for its weight gradient).
+    Ln1Output,
+    Ln2Output,
+    /// Sequence parallelism: the row-parallel outputs' gradients gathered.
+    AttentionOutputGrad,
+    MlpOutputGrad,
+    /// Sequence parallelism: a block's LayerNorm parameter gradients, each rank's from its
+    /// own tokens, summed.
+    LayerNormGrads,
+    /// Sequence parallelism: the final LayerNorm's output gathered for the LM head, its
+    /// parameter gradients summed, and the embedding output's gradient gathered.
+    LnfOutput,
+    LnfGrads,
+    EmbeddingOutputGrad,
+}
+
+impl TpPoint {
+    /// What it carries, in words.
+    pub fn tensor(self) -> &'static str {
+        match self {
+            TpPoint::AttentionOutput => "attention output",
+            TpPoint::MlpOutput => "MLP output",
+            TpPoint::Ln1OutputGrad => "ln1 output gradient",
+            TpPoint::Ln2OutputGrad => "ln2 output gradient",
+            TpPoint::Ln1Output => "ln1 output",
+            TpPoint::Ln2Output => "ln2 output",
+            TpPoint::AttentionOutputGrad => "attention output gradient",
+            TpPoint::MlpOutputGrad => "MLP output gradient",
+            TpPoint::LayerNormGrads => "LayerNorm parameter gradients",
+            TpPoint::LnfOutput => "final LayerNorm output",
+            TpPoint::LnfGrads => "final LayerNorm parameter gradients",
+            TpPoint::EmbeddingOutputGrad => "embedding output gradient",
+        }
+    }
 }
 
 /// A tensor-parallel group as the model sees it (`parallel/tensor.rs` has the real one).
 pub trait TensorParallelGroup<B: Backend>: Send {
     fn place(&self) -> TpPlace;
-    /// Sums `buf` over the group in place: every rank ends with the same values.
-    fn all_reduce(&mut self, be: &B, buf: &mut B::Buf, what: TpSum, layer: usize) -> Result<(), CommError>;
+    /// Runs `op` over the group on `buf`, in place (an all-gather fills every rank's chunk
+    /// from each rank's own; a reduce-scatter leaves each rank its chunk's sum). `layer`:
+    /// the block it belongs to (None: the embeddings or the head).
+    fn collective(
+        &mut self,
+        be: &B,
+        buf: &mut B::Buf,
+        op: InPlace,
+        point: TpPoint,
+        layer: Option<usize>,
+    ) -> Result<(), CommError>;
     /// Sums a scalar over the group (the gradient norm's squares).
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
-    /// Before a step: whether to record its all-reduces on the timeline.
+    /// Before a step: whether to record its collectives on the timeline.
     fn begin_step(&mut self, step: u64, record: bool);
-    /// The all-reduces recorded so far.
+    /// The collectives recorded so far.
     fn spans(&self) -> Vec<Span>;
-    /// (all-reduces, payload bytes summed, bytes this rank sent) since the start.
+    /// (collectives, payload bytes summed, bytes this rank sent) since the start.
     fn totals(&self) -> (u64, u64, u64);
     /// The rank's memory ledger, for what the group's collectives allocate.
     fn attach_memory(&mut self, memory: &Arc<MemoryTracker>);
+}
+
+/// Sequence parallelism: this rank's share of a micro-batch's tokens (rows `start ..
+/// start + len` of every (tokens x width) tensor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tokens {
+    start: usize,
+    len: usize,
+}
+
+impl Tokens {
+    /// Its elements in a (tokens x `width`) buffer.
+    fn of(self, width: usize) -> Range<usize> {
+        self.start * width..(self.start + self.len) * width
+    }
+}
+
+/// Sequence parallelism's buffers, shared by every block (one micro-batch at a time).
+struct Exchange<Buf> {
+    /// A LayerNorm output gathered whole (b*s x d) for a column-parallel matmul.
+    gathered: Buf,
+    /// A row-parallel output before its reduce-scatter; in backward an output gradient
+    /// gathered whole (b*s x d).
+    full: Buf,
+    /// A block's LayerNorm parameter gradients from this rank's tokens (ln1 g, b, ln2 g, b).
+    ln_grads: Buf,
+    /// The final LayerNorm's (last stage only).
+    lnf_grads: Option<Buf>,
 }
 
 /// Activation gradients, shared by all blocks (backward visits one block at a time).
@@ -251,6 +337,9 @@ struct GradScratch<Buf> {
 struct ActivationShape {
     batch: usize,
     rows: usize,
+    /// Rows of the LayerNorm and residual regions this rank keeps: all of them, or with
+    /// sequence parallelism its own tokens' (rows / tp).
+    res_rows: usize,
     t: usize,
     c: usize,
     /// This rank's width of the attention (its heads) and of the MLP's hidden layer.
@@ -274,35 +363,37 @@ impl ActivationShape {
 
     /// One block's buffers, each from `alloc(floats)`.
     fn block<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> BlockActivations<Buf> {
-        let (rows, c, cl, hidden) = (self.rows, self.c, self.cl, self.hidden);
+        let (rows, own, c, cl, hidden) = (self.rows, self.res_rows, self.c, self.cl, self.hidden);
         BlockActivations {
-            ln1: alloc(rows * c),
-            ln1_mean: alloc(rows),
-            ln1_rstd: alloc(rows),
+            ln1: alloc(own * c),
+            ln1_mean: alloc(own),
+            ln1_rstd: alloc(own),
             qkv: alloc(rows * 3 * cl),
             att: alloc(self.attention_floats()),
             atty: alloc(rows * cl),
-            res_attn: alloc(rows * c),
-            ln2: alloc(rows * c),
-            ln2_mean: alloc(rows),
-            ln2_rstd: alloc(rows),
+            res_attn: alloc(own * c),
+            ln2: alloc(own * c),
+            ln2_mean: alloc(own),
+            ln2_rstd: alloc(own),
             fch: alloc(rows * hidden),
             fch_gelu: alloc(rows * hidden),
-            res_mlp: alloc(rows * c),
+            res_mlp: alloc(own * c),
         }
     }
 
     /// Everything one micro-batch's forward leaves for its backward.
     fn set<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> Activations<Buf> {
-        let (rows, c) = (self.rows, self.c);
+        let (rows, own, c) = (self.rows, self.res_rows, self.c);
         Activations {
-            encoded: alloc(rows * c),
+            encoded: alloc(own * c),
             blocks: (0..self.kept_blocks).map(|_| self.block(alloc)).collect(),
-            checkpoints: (0..self.checkpoints).map(|_| alloc(rows * c)).collect(),
+            checkpoints: (0..self.checkpoints).map(|_| alloc(own * c)).collect(),
+            // The final LayerNorm's output is whole (gathered, with sequence parallelism)
+            // for the LM head, which every TP rank runs in full.
             head: self.last.then(|| HeadActivations {
                 lnf: alloc(rows * c),
-                lnf_mean: alloc(rows),
-                lnf_rstd: alloc(rows),
+                lnf_mean: alloc(own),
+                lnf_rstd: alloc(own),
                 logits: alloc(rows * self.vocab),
                 losses: alloc(rows),
             }),
@@ -354,6 +445,8 @@ pub struct Gpt<B: Backend> {
     receipts: Vec<Receipt>,
     /// Tensor parallelism (None: this rank holds every block whole).
     tp: Option<Box<dyn TensorParallelGroup<B>>>,
+    /// Sequence parallelism's buffers (None without it).
+    exchange: Option<Exchange<B::Buf>>,
 }
 
 impl<B: Backend> Gpt<B> {
@@ -386,9 +479,12 @@ impl<B: Backend> Gpt<B> {
             None => (stage.blocks.len(), 0),
             Some(k) => (0, stage.blocks.len().div_ceil(k)),
         };
+        let sequence_parallel = saved.sequence_parallel && n > 1;
+        let rows = batch * spec.seq_len;
         let shape = ActivationShape {
             batch,
-            rows: batch * spec.seq_len,
+            rows,
+            res_rows: if sequence_parallel { rows / n } else { rows },
             t: spec.seq_len,
             c: spec.d_model,
             cl: spec.d_model / n,
@@ -411,16 +507,23 @@ impl<B: Backend> Gpt<B> {
         let recompute =
             (0..segment.unwrap_or(0)).map(|_| shape.block(&mut |len| alloc(Category::Activations, len))).collect();
         let scratch = GradScratch {
-            dres: alloc(Category::ActivationGrads, rows * c),
+            dres: alloc(Category::ActivationGrads, shape.res_rows * c),
             dln: alloc(Category::ActivationGrads, rows * c),
             datty: alloc(Category::ActivationGrads, rows * cl),
             dqkv: alloc(Category::ActivationGrads, rows * 3 * cl),
             datt: alloc(Category::ActivationGrads, shape.attention_floats()),
             dfch: alloc(Category::ActivationGrads, rows * hidden),
         };
+        let exchange = sequence_parallel.then(|| Exchange {
+            gathered: alloc(Category::Activations, rows * c),
+            full: alloc(Category::Activations, rows * c),
+            ln_grads: alloc(Category::ActivationGrads, 4 * c),
+            lnf_grads: stage.last.then(|| alloc(Category::ActivationGrads, 2 * c)),
+        });
         let set_floats = shape.set_floats();
         if stage == Stage::whole(spec.layers) && segment.is_none() {
-            debug_assert_eq!(floats + set_floats, Self::activation_floats_for(spec, batch, n, saved.attention));
+            let expected = Self::activation_floats_for(spec, batch, n, saved.attention, sequence_parallel);
+            debug_assert_eq!(floats + set_floats, expected);
         }
         Self {
             spec: spec.clone(),
@@ -437,6 +540,7 @@ impl<B: Backend> Gpt<B> {
             scratch,
             receipts,
             tp,
+            exchange,
         }
     }
 
@@ -475,6 +579,10 @@ impl<B: Backend> Gpt<B> {
         let mut bufs = Vec::new();
         bufs.extend(self.recompute.iter().flat_map(block));
         bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
+        if let Some(e) = &self.exchange {
+            bufs.extend([&e.gathered, &e.full, &e.ln_grads]);
+            bufs.extend(e.lnf_grads.iter());
+        }
         debug_assert_eq!(bufs.len(), self.receipts.len());
         for a in self.in_flight.iter().map(|f| &f.acts) {
             bufs.push(&a.encoded);
@@ -488,29 +596,44 @@ impl<B: Backend> Gpt<B> {
     }
 
     /// What [`Gpt::new`] will allocate for activations and their gradients on one of `tp`
-    /// tensor-parallel ranks, without allocating (saturating, so absurd specs give a huge
+    /// tensor-parallel ranks (with `sequence_parallel`, its share of the LayerNorm and
+    /// residual regions), without allocating (saturating, so absurd specs give a huge
     /// number, not an overflow).
-    pub fn activation_floats_for(spec: &ModelSpec, batch: usize, tp: usize, attention: Attention) -> usize {
+    pub fn activation_floats_for(
+        spec: &ModelSpec,
+        batch: usize,
+        tp: usize,
+        attention: Attention,
+        sequence_parallel: bool,
+    ) -> usize {
         let n = tp.max(1);
         let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n, spec.layers);
         let rows = batch.saturating_mul(t);
+        let own = if sequence_parallel && n > 1 { rows / n } else { rows };
         let att = attention_floats(batch, h, t, attention);
         let rc = rows.saturating_mul(c);
+        let own_c = own.saturating_mul(c);
         let split = rows.saturating_mul(c / n);
-        // per block: ln1, res_attn, ln2, res_mlp (rows x c); qkv (3c/tp), atty (c/tp), fch,
-        // fch_gelu (4c/tp); 4 row statistics (mean, rstd of two LayerNorms); attention
-        // probabilities of this rank's heads (a log-sum-exp pair per row with flash)
-        let block = rc
+        // per block: ln1, res_attn, ln2, res_mlp (own rows x c); qkv (3c/tp), atty (c/tp),
+        // fch, fch_gelu (4c/tp); 4 row statistics (mean, rstd of two LayerNorms, own rows);
+        // attention probabilities of this rank's heads (a log-sum-exp pair per row with flash)
+        let block = own_c
             .saturating_mul(4)
             .saturating_add(split.saturating_mul(3 + 1 + 8))
-            .saturating_add(rows.saturating_mul(4))
+            .saturating_add(own.saturating_mul(4))
             .saturating_add(att);
-        // encoded, lnf (rows x c), lnf statistics, logits, losses
-        let top = rc.saturating_mul(2).saturating_add(rows.saturating_mul(3)).saturating_add(rows.saturating_mul(v));
-        // backward scratch: dres, dln (c), datty (c/tp), dqkv (3c/tp), dfch (4c/tp), datt
-        // (the size of att)
-        let scratch = rc.saturating_mul(2).saturating_add(split.saturating_mul(1 + 3 + 4)).saturating_add(att);
-        block.saturating_mul(l).saturating_add(top).saturating_add(scratch)
+        // encoded (own rows), lnf (rows x c), lnf statistics (own rows), logits, losses
+        let top = own_c
+            .saturating_add(rc)
+            .saturating_add(own.saturating_mul(2))
+            .saturating_add(rows)
+            .saturating_add(rows.saturating_mul(v));
+        // backward scratch: dres (own rows), dln (c), datty (c/tp), dqkv (3c/tp), dfch
+        // (4c/tp), datt (the size of att); sequence parallelism's exchange buffers (two
+        // rows x c) and LayerNorm gradient scratch (4c + 2c)
+        let scratch = own_c.saturating_add(rc).saturating_add(split.saturating_mul(1 + 3 + 4)).saturating_add(att);
+        let exchange = if own < rows { rc.saturating_mul(2).saturating_add(6 * c) } else { 0 };
+        block.saturating_mul(l).saturating_add(top).saturating_add(scratch).saturating_add(exchange)
     }
 
     /// The all-reduces the tensor-parallel group recorded (None without one).
@@ -558,14 +681,23 @@ impl<B: Backend> Gpt<B> {
                 assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens");
                 upcoming.before_open(state, Unit::Embeddings, Pass::Forward);
                 let (p, at) = state.open(be, Unit::Embeddings, Pass::Forward)?.params.expect("forward has parameters");
+                // With sequence parallelism every rank embeds every token (the embeddings
+                // are replicated) and keeps its own.
+                let out = match &mut self.exchange {
+                    Some(e) => &mut e.full,
+                    None => &mut acts.encoded,
+                };
                 be.encoder_forward(
-                    be.all_mut(&mut acts.encoded),
+                    be.all_mut(out),
                     inputs,
                     be.view(p, shift(&lay.wte, at)),
                     be.view(p, shift(&lay.wpe, at)),
                     t,
                     c,
                 );
+                if let (Some(e), Some(mine)) = (&self.exchange, dims.mine) {
+                    be.copy(be.all_mut(&mut acts.encoded), be.view(&e.full, mine.of(c)));
+                }
                 state.close(be, Unit::Embeddings, Pass::Forward)?;
             }
             StageInput::Activation(x) => be.upload(&mut acts.encoded, x),
@@ -580,12 +712,13 @@ impl<B: Backend> Gpt<B> {
                 None => {
                     let (done, rest) = acts.blocks.split_at_mut(i);
                     let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
-                    block_forward(be, &w, x, &mut rest[0], dims, &mut self.tp, l)?;
+                    block_forward(be, &w, x, &mut rest[0], dims, &mut self.tp, &mut self.exchange, l)?;
                 }
                 // Checkpointing: run the block in the shared segment buffers and keep only
                 // the output of each segment's last block.
                 Some(k) => {
-                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                    let (tp, exchange) = (&mut self.tp, &mut self.exchange);
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, l)?;
                     if i % k == k - 1 || i == blocks - 1 {
                         be.copy(be.all_mut(&mut acts.checkpoints[i / k]), be.all(&self.recompute[i % k].res_mlp));
                     }
@@ -599,8 +732,12 @@ impl<B: Backend> Gpt<B> {
         {
             upcoming.before_open(state, Unit::Head, Pass::Forward);
             let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
+            // With sequence parallelism each rank normalises its own tokens, then the
+            // output is gathered whole for the LM head.
+            let whole = be.buf_len(&head.lnf);
+            let own = dims.mine.map_or(0..whole, |mine| mine.of(c));
             be.layernorm_forward(
-                be.all_mut(&mut head.lnf),
+                be.view_mut(&mut head.lnf, own),
                 be.all_mut(&mut head.lnf_mean),
                 be.all_mut(&mut head.lnf_rstd),
                 be.all(last),
@@ -608,6 +745,9 @@ impl<B: Backend> Gpt<B> {
                 be.view(p, shift(&lay.lnf_b, at)),
                 c,
             );
+            if let (Some(tp), Some(_)) = (&mut self.tp, dims.mine) {
+                tp.collective(be, &mut head.lnf, InPlace::AllGather, TpPoint::LnfOutput, None)?;
+            }
             be.matmul_forward(
                 be.all_mut(&mut head.logits),
                 be.all(&head.lnf),
@@ -661,16 +801,18 @@ impl<B: Backend> Gpt<B> {
 
     /// This rank's widths (its heads and its part of the MLP under tensor parallelism).
     fn dims(&self) -> Dims {
-        let n = self.layout.tp.size;
+        let TpPlace { rank, size: n } = self.layout.tp;
         let ModelSpec { seq_len, d_model, heads, .. } = self.spec;
+        let own = self.shape.res_rows;
         Dims {
             t: seq_len,
             c: d_model,
             cl: d_model / n,
             heads: heads / n,
             hidden: 4 * d_model / n,
-            lead: self.layout.tp.rank == 0,
+            lead: rank == 0,
             attention: self.shape.attention,
+            mine: self.exchange.is_some().then_some(Tokens { start: rank * own, len: own }),
         }
     }
 
@@ -741,6 +883,18 @@ impl<B: Backend> Gpt<B> {
             let g = be.view_mut(g, shift(&Unit::Head.range(lay), g_at));
             let (g_lnf_g, g) = be.split_mut(g, lay.lnf_g.len());
             let (g_lnf_b, g_lm_head) = be.split_mut(g, lay.lnf_b.len());
+            let mut g_lnf = [g_lnf_g, g_lnf_b];
+            // The final LayerNorm's parameter gradients: straight into the state's, or
+            // (sequence parallelism: from this rank's tokens only) into scratch, summed
+            // over the group and then added.
+            let mut lnf_scratch = self.exchange.as_mut().and_then(|e| e.lnf_grads.as_mut());
+            let [d_lnf_g, d_lnf_b] = match lnf_scratch.as_deref_mut() {
+                Some(buf) => {
+                    be.fill(be.all_mut(buf), 0.0);
+                    pieces::<B, 2>(be, buf, c)
+                }
+                None => g_lnf.each_mut().map(|v| be.reborrow(v)),
+            };
             be.matmul_backward(
                 Some(be.all_mut(&mut s.dln)),
                 g_lm_head,
@@ -753,17 +907,23 @@ impl<B: Backend> Gpt<B> {
             );
             be.fill(be.all_mut(&mut s.dres), 0.0);
             let last = acts.output();
+            // Every TP rank has the whole gradient of lnf's output; each takes its tokens'.
+            let own = dims.mine.map_or(0..be.buf_len(&s.dln), |mine| mine.of(c));
             be.layernorm_backward(
                 be.all_mut(&mut s.dres),
-                g_lnf_g,
-                g_lnf_b,
-                be.all(&s.dln),
+                d_lnf_g,
+                d_lnf_b,
+                be.view(&s.dln, own),
                 be.all(last),
                 be.view(p, shift(&lay.lnf_g, at)),
                 be.all(&head.lnf_mean),
                 be.all(&head.lnf_rstd),
                 c,
             );
+            if let (Some(buf), Some(tp)) = (lnf_scratch, &mut self.tp) {
+                tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LnfGrads, None)?;
+                add_pieces(be, g_lnf, buf, c);
+            }
         } else {
             // The next stage sent the gradient of our output.
             be.upload(&mut s.dres, grad_output.expect("a stage before the last gets its output's gradient"));
@@ -788,7 +948,8 @@ impl<B: Backend> Gpt<B> {
                     let (p, at) =
                         state.open(be, Unit::Block(l), Pass::Recompute)?.params.expect("recompute has parameters");
                     let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                    let (tp, exchange) = (&mut self.tp, &mut self.exchange);
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, l)?;
                     state.close(be, Unit::Block(l), Pass::Recompute)?;
                 }
             }
@@ -806,7 +967,8 @@ impl<B: Backend> Gpt<B> {
                         None => (if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp }, &acts.blocks[i]),
                         Some(_) => {
                             if i == end - 1 {
-                                segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, &mut self.tp, l)?;
+                                let (tp, exchange) = (&mut self.tp, &mut self.exchange);
+                                segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, l)?;
                             }
                             let j = i - start;
                             let x = match (j, i) {
@@ -817,7 +979,7 @@ impl<B: Backend> Gpt<B> {
                             (x, &self.recompute[j])
                         }
                     };
-                    block_backward(be, &w, gw, x, a, s, dims, &mut self.tp, l)?;
+                    block_backward(be, &w, gw, x, a, s, dims, &mut self.tp, &mut self.exchange, l)?;
                 }
                 state.close(be, Unit::Block(l), with_params)?;
             }
@@ -835,7 +997,18 @@ impl<B: Backend> Gpt<B> {
             let (g, g_at) = state.open(be, Unit::Embeddings, without_params)?.grads.expect("backward has gradients");
             let g = be.view_mut(g, shift(&Unit::Embeddings.range(lay), g_at));
             let (g_wte, g_wpe) = be.split_mut(g, lay.wte.len());
-            be.encoder_backward(g_wte, g_wpe, be.all(&s.dres), inputs, t, c);
+            // With sequence parallelism the replicated embeddings need every token's gradient.
+            let whole = gather_tokens(
+                be,
+                &s.dres,
+                self.exchange.as_mut().map(|e| &mut e.full),
+                dims.mine,
+                c,
+                &mut self.tp,
+                TpPoint::EmbeddingOutputGrad,
+                None,
+            )?;
+            be.encoder_backward(g_wte, g_wpe, be.all(whole), inputs, t, c);
         }
         state.close(be, Unit::Embeddings, without_params)
     }
@@ -862,7 +1035,8 @@ impl Upcoming {
 
 /// A block's sizes on this rank: sequence length, model width, this rank's attention
 /// width and heads, its MLP hidden width, and whether it adds the row-parallel biases and
-/// the residual (tensor-parallel rank 0; the only rank without tensor parallelism).
+/// the residual (tensor-parallel rank 0; the only rank without tensor parallelism), and
+/// with sequence parallelism the tokens it keeps.
 #[derive(Clone, Copy, Debug)]
 struct Dims {
     t: usize,
@@ -872,6 +1046,8 @@ struct Dims {
     hidden: usize,
     lead: bool,
     attention: Attention,
+    /// Sequence parallelism: the tokens whose LayerNorm and residual regions this rank keeps.
+    mine: Option<Tokens>,
 }
 
 /// Elements attention keeps per micro-batch of `batch` sequences for `heads` heads: the
@@ -892,7 +1068,11 @@ fn attention_floats(batch: usize, heads: usize, t: usize, attention: Attention) 
 /// ```
 ///
 /// With tensor parallelism each rank has its heads' q, k, v and its share of the hidden
-/// units, and the two row-parallel outputs are partial sums: g all-reduces them.
+/// units, and the two row-parallel outputs are partial sums: g all-reduces them. With
+/// sequence parallelism `x`, the LayerNorms and the residuals are this rank's tokens only:
+/// the LayerNorm outputs are gathered before the column-parallel matmuls and the
+/// row-parallel outputs reduce-scattered.
+#[allow(clippy::too_many_arguments)]
 fn block_forward<B: Backend>(
     be: &B,
     w: &BlockTensors<B::View<'_>>,
@@ -900,9 +1080,11 @@ fn block_forward<B: Backend>(
     a: &mut BlockActivations<B::Buf>,
     d: Dims,
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
     layer: usize,
 ) -> Result<(), CommError> {
-    let Dims { t, c, cl, heads, hidden, lead, attention } = d;
+    let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
+    let at = Some(layer);
     // attention half
     be.layernorm_forward(
         be.all_mut(&mut a.ln1),
@@ -913,7 +1095,8 @@ fn block_forward<B: Backend>(
         w.ln1_b,
         c,
     );
-    be.matmul_forward(be.all_mut(&mut a.qkv), be.all(&a.ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
+    let ln1 = gather_tokens(be, &a.ln1, gathered(exchange), mine, c, tp, TpPoint::Ln1Output, at)?;
+    be.matmul_forward(be.all_mut(&mut a.qkv), be.all(ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
     match attention {
         Attention::Naive => {
             be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
@@ -922,18 +1105,8 @@ fn block_forward<B: Backend>(
             be.flash_attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
         }
     }
-    be.matmul_forward(
-        be.all_mut(&mut a.res_attn),
-        be.all(&a.atty),
-        w.attn_proj_w,
-        lead.then_some(w.attn_proj_b),
-        lead.then(|| be.all(x)),
-        cl,
-        c,
-    );
-    if let Some(tp) = tp {
-        tp.all_reduce(be, &mut a.res_attn, TpSum::Attention, layer)?;
-    }
+    let proj = (w.attn_proj_w, w.attn_proj_b, cl);
+    row_parallel_forward(be, (&mut a.res_attn, &a.atty, x), proj, TpPoint::AttentionOutput, d, tp, exchange, layer)?;
     // MLP half
     be.layernorm_forward(
         be.all_mut(&mut a.ln2),
@@ -944,21 +1117,124 @@ fn block_forward<B: Backend>(
         w.ln2_b,
         c,
     );
-    be.matmul_forward(be.all_mut(&mut a.fch), be.all(&a.ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
+    let ln2 = gather_tokens(be, &a.ln2, gathered(exchange), mine, c, tp, TpPoint::Ln2Output, at)?;
+    be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
     be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
-    be.matmul_forward(
-        be.all_mut(&mut a.res_mlp),
-        be.all(&a.fch_gelu),
-        w.fc_proj_w,
-        lead.then_some(w.fc_proj_b),
-        lead.then(|| be.all(&a.res_attn)),
-        hidden,
-        c,
-    );
-    if let Some(tp) = tp {
-        tp.all_reduce(be, &mut a.res_mlp, TpSum::Mlp, layer)?;
+    let proj = (w.fc_proj_w, w.fc_proj_b, hidden);
+    row_parallel_forward(
+        be,
+        (&mut a.res_mlp, &a.fch_gelu, &a.res_attn),
+        proj,
+        TpPoint::MlpOutput,
+        d,
+        tp,
+        exchange,
+        layer,
+    )
+}
+
+/// A row-parallel linear layer's `out = inp · W + b + residual`, every rank's partial
+/// product summed (`point` names the sum): whole (g: all-reduce; rank 0 alone adds the
+/// bias and the residual so the sum counts them once), or with sequence parallelism
+/// reduce-scattered so each rank gets its own tokens' sums, to which it adds its own
+/// tokens' residual.
+#[allow(clippy::too_many_arguments)]
+fn row_parallel_forward<B: Backend>(
+    be: &B,
+    (out, inp, residual): (&mut B::Buf, &B::Buf, &B::Buf),
+    (weight, bias, c_in): (B::View<'_>, B::View<'_>, usize),
+    point: TpPoint,
+    d: Dims,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
+    layer: usize,
+) -> Result<(), CommError> {
+    let (c, bias) = (d.c, d.lead.then_some(bias));
+    match (exchange, d.mine, tp) {
+        (Some(e), Some(mine), Some(tp)) => {
+            be.matmul_forward(be.all_mut(&mut e.full), be.all(inp), weight, bias, None, c_in, c);
+            tp.collective(be, &mut e.full, InPlace::ReduceScatter(ReduceOp::Sum), point, Some(layer))?;
+            be.copy(be.all_mut(out), be.view(&e.full, mine.of(c)));
+            be.add(be.all_mut(out), be.all(residual));
+        }
+        (_, _, tp) => {
+            let residual = d.lead.then(|| be.all(residual));
+            be.matmul_forward(be.all_mut(out), be.all(inp), weight, bias, residual, c_in, c);
+            if let Some(tp) = tp {
+                tp.collective(be, out, InPlace::AllReduce(ReduceOp::Sum), point, Some(layer))?;
+            }
+        }
     }
     Ok(())
+}
+
+/// Sequence parallelism's buffer for gathered LayerNorm outputs, if any.
+fn gathered<Buf>(exchange: &mut Option<Exchange<Buf>>) -> Option<&mut Buf> {
+    exchange.as_mut().map(|e| &mut e.gathered)
+}
+
+/// A (tokens x `c`) tensor whole: `local` itself, or with sequence parallelism (`mine`)
+/// `local`, this rank's tokens, put in its place in `whole` and every other rank's
+/// gathered around it (all-gather).
+#[allow(clippy::too_many_arguments)]
+fn gather_tokens<'a, B: Backend>(
+    be: &B,
+    local: &'a B::Buf,
+    whole: Option<&'a mut B::Buf>,
+    mine: Option<Tokens>,
+    c: usize,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    point: TpPoint,
+    layer: Option<usize>,
+) -> Result<&'a B::Buf, CommError> {
+    let (Some(whole), Some(mine), Some(tp)) = (whole, mine, tp.as_mut()) else { return Ok(local) };
+    be.copy(be.view_mut(whole, mine.of(c)), be.all(local));
+    tp.collective(be, whole, InPlace::AllGather, point, layer)?;
+    Ok(whole)
+}
+
+/// The gradient of a LayerNorm output, from every rank's partial `grad` (tokens x `c`,
+/// through its heads or hidden units): summed whole (f: all-reduce), or with sequence
+/// parallelism only this rank's tokens' sums (reduce-scatter). Returns where in `grad`
+/// it is.
+fn sum_input_grad<B: Backend>(
+    be: &B,
+    grad: &mut B::Buf,
+    mine: Option<Tokens>,
+    c: usize,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    point: TpPoint,
+    layer: usize,
+) -> Result<Range<usize>, CommError> {
+    let whole = 0..be.buf_len(grad);
+    let Some(tp) = tp.as_mut() else { return Ok(whole) };
+    match mine {
+        Some(mine) => {
+            tp.collective(be, grad, InPlace::ReduceScatter(ReduceOp::Sum), point, Some(layer))?;
+            Ok(mine.of(c))
+        }
+        None => {
+            tp.collective(be, grad, InPlace::AllReduce(ReduceOp::Sum), point, Some(layer))?;
+            Ok(whole)
+        }
+    }
+}
+
+/// `buf`, `N` pieces of `width` one after another, as N views.
+fn pieces<'a, B: Backend, const N: usize>(be: &B, buf: &'a mut B::Buf, width: usize) -> [B::ViewMut<'a>; N] {
+    let mut rest = Some(be.all_mut(buf));
+    std::array::from_fn(|_| {
+        let (piece, tail) = be.split_mut(rest.take().expect("one piece at a time"), width);
+        rest = Some(tail);
+        piece
+    })
+}
+
+/// `targets[i] += piece i of `buf`` (pieces of `width`).
+fn add_pieces<B: Backend, const N: usize>(be: &B, targets: [B::ViewMut<'_>; N], buf: &B::Buf, width: usize) {
+    for (i, target) in targets.into_iter().enumerate() {
+        be.add(target, be.view(buf, i * width..(i + 1) * width));
+    }
 }
 
 /// Checkpointing: block `i` of the stage forward (the first time, or again in backward),
@@ -974,6 +1250,7 @@ fn segment_block_forward<B: Backend>(
     k: usize,
     d: Dims,
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
     layer: usize,
 ) -> Result<(), CommError> {
     let j = i % k;
@@ -983,14 +1260,18 @@ fn segment_block_forward<B: Backend>(
         (0, _) => &acts.checkpoints[i / k - 1],
         _ => &before[j - 1].res_mlp,
     };
-    block_forward(be, w, x, &mut rest[0], d, tp, layer)
+    block_forward(be, w, x, &mut rest[0], d, tp, exchange, layer)
 }
 
 /// One transformer block backward: `s.dres` holds the gradient of the block's output and
 /// becomes the gradient of its input `x`; the parameter gradients are ADDED into `gw`.
 /// With tensor parallelism `dres` is whole on every rank (g's backward is the identity,
 /// so each rank computes the same gradient for the replicated biases and LayerNorms once
-/// f's backward has summed the LayerNorm output gradients over the group).
+/// f's backward has summed the LayerNorm output gradients over the group). With sequence
+/// parallelism `dres` is this rank's tokens': it is gathered whole for the row-parallel
+/// layers' backward, the LayerNorm outputs are gathered again for the column-parallel
+/// weight gradients, the LayerNorm output gradients reduce-scattered, and the LayerNorm
+/// parameter gradients (each rank's from its own tokens) summed over the group.
 #[allow(clippy::too_many_arguments)]
 fn block_backward<B: Backend>(
     be: &B,
@@ -1001,40 +1282,61 @@ fn block_backward<B: Backend>(
     s: &mut GradScratch<B::Buf>,
     d: Dims,
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
     layer: usize,
 ) -> Result<(), CommError> {
-    let Dims { t, c, cl, heads, hidden, attention, .. } = d;
+    let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
+    let at = Some(layer);
+    let BlockTensors {
+        ln1_g,
+        ln1_b,
+        qkv_w,
+        qkv_b,
+        attn_proj_w,
+        attn_proj_b,
+        ln2_g,
+        ln2_b,
+        fc_w,
+        fc_b,
+        fc_proj_w,
+        fc_proj_b,
+    } = gw;
+    let (mut gathered, mut full, mut ln_scratch) = match exchange {
+        Some(e) => (Some(&mut e.gathered), Some(&mut e.full), Some(&mut e.ln_grads)),
+        None => (None, None, None),
+    };
+    // The LayerNorm parameter gradients: straight into gw, or (sequence parallelism) into
+    // scratch, summed over the group at the end and then added to gw.
+    let mut g_ln = [ln1_g, ln1_b, ln2_g, ln2_b];
+    let [d_ln1_g, d_ln1_b, d_ln2_g, d_ln2_b] = match ln_scratch.as_deref_mut() {
+        Some(buf) => {
+            be.fill(be.all_mut(buf), 0.0);
+            pieces::<B, 4>(be, buf, c)
+        }
+        None => g_ln.each_mut().map(|v| be.reborrow(v)),
+    };
     // MLP half (dres holds d res_mlp, and becomes d res_attn)
+    let dout = gather_tokens(be, &s.dres, full.as_deref_mut(), mine, c, tp, TpPoint::MlpOutputGrad, at)?;
     be.matmul_backward(
         Some(be.all_mut(&mut s.dfch)),
-        gw.fc_proj_w,
-        Some(gw.fc_proj_b),
-        be.all(&s.dres),
+        fc_proj_w,
+        Some(fc_proj_b),
+        be.all(dout),
         be.all(&a.fch_gelu),
         w.fc_proj_w,
         hidden,
         c,
     );
     be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
-    be.matmul_backward(
-        Some(be.all_mut(&mut s.dln)),
-        gw.fc_w,
-        Some(gw.fc_b),
-        be.all(&s.dfch),
-        be.all(&a.ln2),
-        w.fc_w,
-        c,
-        hidden,
-    );
+    let ln2 = gather_tokens(be, &a.ln2, gathered.as_deref_mut(), mine, c, tp, TpPoint::Ln2Output, at)?;
+    be.matmul_backward(Some(be.all_mut(&mut s.dln)), fc_w, Some(fc_b), be.all(&s.dfch), be.all(ln2), w.fc_w, c, hidden);
     // f's backward: ln2's output fed every rank's hidden units
-    if let Some(tp) = tp {
-        tp.all_reduce(be, &mut s.dln, TpSum::MlpInputGrad, layer)?;
-    }
+    let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?;
     be.layernorm_backward(
         be.all_mut(&mut s.dres),
-        gw.ln2_g,
-        gw.ln2_b,
-        be.all(&s.dln),
+        d_ln2_g,
+        d_ln2_b,
+        be.view(&s.dln, dln),
         be.all(&a.res_attn),
         w.ln2_g,
         be.all(&a.ln2_mean),
@@ -1042,11 +1344,12 @@ fn block_backward<B: Backend>(
         c,
     );
     // attention half (dres becomes d x)
+    let dout = gather_tokens(be, &s.dres, full, mine, c, tp, TpPoint::AttentionOutputGrad, at)?;
     be.matmul_backward(
         Some(be.all_mut(&mut s.datty)),
-        gw.attn_proj_w,
-        Some(gw.attn_proj_b),
-        be.all(&s.dres),
+        attn_proj_w,
+        Some(attn_proj_b),
+        be.all(dout),
         be.all(&a.atty),
         w.attn_proj_w,
         cl,
@@ -1075,30 +1378,33 @@ fn block_backward<B: Backend>(
             heads,
         ),
     }
+    let ln1 = gather_tokens(be, &a.ln1, gathered, mine, c, tp, TpPoint::Ln1Output, at)?;
     be.matmul_backward(
         Some(be.all_mut(&mut s.dln)),
-        gw.qkv_w,
-        Some(gw.qkv_b),
+        qkv_w,
+        Some(qkv_b),
         be.all(&s.dqkv),
-        be.all(&a.ln1),
+        be.all(ln1),
         w.qkv_w,
         c,
         3 * cl,
     );
-    if let Some(tp) = tp {
-        tp.all_reduce(be, &mut s.dln, TpSum::AttentionInputGrad, layer)?;
-    }
+    let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln1OutputGrad, layer)?;
     be.layernorm_backward(
         be.all_mut(&mut s.dres),
-        gw.ln1_g,
-        gw.ln1_b,
-        be.all(&s.dln),
+        d_ln1_g,
+        d_ln1_b,
+        be.view(&s.dln, dln),
         be.all(x),
         w.ln1_g,
         be.all(&a.ln1_mean),
         be.all(&a.ln1_rstd),
         c,
     );
+    if let (Some(buf), Some(tp)) = (ln_scratch, tp) {
+        tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LayerNormGrads, at)?;
+        add_pieces(be, g_ln, buf, c);
+    }
     Ok(())
 }
 

@@ -34,6 +34,20 @@
 //! identical without any extra communication; for the gradient norm each rank counts them
 //! 1/tp (`ParamLayout::grad_squares`). The split itself is in `model/layout.rs`, the
 //! sums in `model/gpt.rs`.
+//!
+//! Sequence parallelism (`parallel.sequence_parallel`, Korthikanti et al. 2022) splits
+//! what is whole above along the tokens: each rank keeps the LayerNorms and residual
+//! stream of its b*s/t tokens. Each all-reduce becomes its two halves at two places:
+//!
+//! ```text
+//!   before a column-parallel matmul   all-gather the LayerNorm output   (backward: reduce-scatter its gradient)
+//!   after a row-parallel matmul       reduce-scatter the partial output (backward: all-gather its gradient)
+//! ```
+//!
+//! the same bytes, with the LayerNorm-region activations divided by t. Backward gathers
+//! each LayerNorm output once more (for the column-parallel weight gradient) rather than
+//! keeping it whole, and the LayerNorm parameter gradients, each rank's from its own
+//! tokens, are all-reduced (4d per block).
 
 use std::sync::Arc;
 
@@ -41,9 +55,9 @@ use distlab_common::trace::{lane, Span, SpanKind};
 use distlab_common::Precision;
 
 use super::{collective, TrainBackend};
-use crate::comm::{CommError, Communicator, InPlace, ReduceOp};
+use crate::comm::{CommError, Communicator, InPlace};
 use crate::memory::MemoryTracker;
-use crate::model::gpt::{TensorParallelGroup, TpSum};
+use crate::model::gpt::{TensorParallelGroup, TpPoint};
 use crate::model::TpPlace;
 use crate::trace::now_us;
 
@@ -81,15 +95,24 @@ impl TensorParallel {
     }
 }
 
-/// How the timeline names one of the four sums.
-pub fn sum_name(what: TpSum, layer: usize) -> String {
-    let (op, point) = match what {
-        TpSum::Attention => ("g", "attention output"),
-        TpSum::Mlp => ("g", "MLP output"),
-        TpSum::MlpInputGrad => ("f", "ln2 output gradient"),
-        TpSum::AttentionInputGrad => ("f", "ln1 output gradient"),
+/// How the timeline names a collective: "all_reduce tp g: layer 2 attention output" (g and
+/// f, Megatron's operators, name tensor parallelism's four sums), "all_gather tp: layer 2
+/// ln1 output", "reduce_scatter tp: final LayerNorm output".
+pub fn span_name(op: InPlace, point: TpPoint, layer: Option<usize>) -> String {
+    let (op_name, operator) = match op {
+        InPlace::AllReduce(_) => {
+            let operator = match point {
+                TpPoint::AttentionOutput | TpPoint::MlpOutput => " g",
+                TpPoint::Ln1OutputGrad | TpPoint::Ln2OutputGrad => " f",
+                _ => "",
+            };
+            ("all_reduce", operator)
+        }
+        InPlace::ReduceScatter(_) => ("reduce_scatter", ""),
+        InPlace::AllGather => ("all_gather", ""),
     };
-    format!("all_reduce tp {op}: layer {layer} {point}")
+    let place = layer.map_or(String::new(), |l| format!("layer {l} "));
+    format!("{op_name} tp{operator}: {place}{}", point.tensor())
 }
 
 impl<B: TrainBackend> TensorParallelGroup<B> for TensorParallel {
@@ -97,33 +120,32 @@ impl<B: TrainBackend> TensorParallelGroup<B> for TensorParallel {
         TensorParallel::place(self)
     }
 
-    fn all_reduce(&mut self, be: &B, buf: &mut B::Buf, what: TpSum, layer: usize) -> Result<(), CommError> {
+    fn collective(
+        &mut self,
+        be: &B,
+        buf: &mut B::Buf,
+        op: InPlace,
+        point: TpPoint,
+        layer: Option<usize>,
+    ) -> Result<(), CommError> {
         if self.record {
             be.synchronize();
         }
         let (start, sent_before) = (now_us(), self.comm.bytes_sent());
         let everything = 0..be.buf_len(buf);
-        collective(
-            be,
-            &self.memory,
-            self.comm.as_mut(),
-            buf,
-            everything,
-            InPlace::AllReduce(ReduceOp::Sum),
-            Precision::Fp32,
-        )?;
+        collective(be, &self.memory, self.comm.as_mut(), buf, everything, op, Precision::Fp32)?;
         self.calls += 1;
         self.payload_bytes += (be.buf_len(buf) * 4) as u64;
         if self.record {
             be.synchronize();
             self.spans.push(Span {
                 kind: SpanKind::Comm,
-                name: sum_name(what, layer),
+                name: span_name(op, point, layer),
                 step: self.step,
                 lane: lane::TP.into(),
                 start_us: start,
                 end_us: now_us(),
-                layer: Some(layer as u32),
+                layer: layer.map(|l| l as u32),
                 bucket: None,
                 bytes: Some(self.comm.bytes_sent() - sent_before),
                 micro: None,

@@ -128,6 +128,7 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
         spec.train.micro_batch,
         spec.parallel.tp,
         spec.train.attention,
+        spec.parallel.sequence_parallel,
     ) as u64;
     let model = model_bytes.saturating_mul(params.saturating_mul(2).saturating_add(activations));
     model.saturating_add(params.saturating_mul(4 * optimizer_states))
