@@ -2,7 +2,7 @@
 //! (which refuses it at submission) and the browser (which says so while the form is
 //! filled in).
 
-use crate::spec::{Attention, BackendKind, ExperimentSpec, Offload, Precision};
+use crate::spec::{AllReduce, Attention, BackendKind, ExperimentSpec, Offload, Precision};
 use crate::validate::FieldError;
 
 /// The settings of a valid `spec` its backend cannot run yet, one error per field.
@@ -39,6 +39,13 @@ fn unsupported_on_cuda(spec: &ExperimentSpec) -> Vec<FieldError> {
     let mut out = Vec::new();
     if spec.demo.is_some() {
         out.push(FieldError::new("demo", "the collective demos run on the cpu backend"));
+    }
+    if spec.parallel.allreduce != AllReduce::Ring {
+        out.push(FieldError::new(
+            "parallel.allreduce",
+            "on cuda NCCL all-reduces the gradients with its own algorithms; naive, tree and hierarchical run on \
+             the cpu backend's ranks",
+        ));
     }
     if spec.parallel.comm_dtype != Precision::Fp32 {
         out.push(FieldError::new(

@@ -424,7 +424,7 @@ pub fn peak_memory(ranks: &[RankTrace]) -> Option<RankMemory> {
         return None;
     }
     let mut peak = RankMemory::default();
-    for category in crate::memory::MemoryCategory::ALL.into_iter().chain([crate::memory::MemoryCategory::Offloaded]) {
+    for category in crate::memory::MemoryCategory::EVERY {
         *category.field(&mut peak) = reports.iter().map(|m| category.of(m)).max().unwrap_or(0);
     }
     peak.total = reports.iter().map(|m| m.total).max().unwrap_or(0);

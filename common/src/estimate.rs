@@ -621,6 +621,8 @@ mod tests {
             comm_dtype: Precision::Fp32,
             offload: Offload::None,
             sequence_parallel: false,
+            allreduce: AllReduce::Ring,
+            ranks_per_node: 2,
         };
         spec.train.precision = Precision::Bf16;
         spec.train.optimizer = Optimizer::Adamw;

@@ -2,6 +2,7 @@
 //!
 //! Compiles for native and wasm32: no I/O, no async runtime, no database.
 
+pub mod all_reduce;
 pub mod api;
 pub mod backends;
 pub mod cards;

@@ -52,6 +52,18 @@ impl MemoryCategory {
         MemoryCategory::Checkpoint,
     ];
 
+    /// Every category, device memory first, then `Offloaded`: what is compared with the
+    /// planner and taken at its peak.
+    pub const EVERY: [MemoryCategory; 11] = {
+        let mut every = [MemoryCategory::Offloaded; 11];
+        let mut i = 0;
+        while i < MemoryCategory::ALL.len() {
+            every[i] = MemoryCategory::ALL[i];
+            i += 1;
+        }
+        every
+    };
+
     /// Whether the planner predicts it (every category but the measured-only ones).
     pub fn planned(self) -> bool {
         !matches!(self, MemoryCategory::Transient | MemoryCategory::Transport | MemoryCategory::Checkpoint)

@@ -468,7 +468,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 
     let rows = batch.saturating_mul(seq);
     let rows_d = rows.saturating_mul(d);
-    let sp = p.sequence_parallel && tp > 1;
+    let sp = p.splits_sequence();
     let layer_acts = layer_activation_elements(batch, seq, d, heads, tp, t.attention, sp);
     let grad_acts = activation_grad_elements(batch, seq, d, heads, tp, t.attention, sp);
     // The residual stream between blocks (a stage's input and output, checkpointed segment
@@ -542,6 +542,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let (optimizer_state, offloaded) = match p.offload {
             Offload::None => (state.optimizer_state, 0),
             Offload::Host => (0, state.optimizer_state),
+            // (on a GPU the piece is host memory: not the device's)
+            Offload::Disk if spec.backend == BackendKind::Cuda => (0, state.optimizer_state),
             Offload::Disk => (
                 optimizer_elements.min(OFFLOAD_PIECE_ELEMENTS as u64).saturating_mul(per_param.optimizer_state),
                 state.optimizer_state,
@@ -591,6 +593,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             recomputing,
             regathered: recomputed_before_backward(layers, t.checkpointing).saturating_mul(block_per_tp_rank),
             dp_wire_bytes: wire_bytes(p.comm_dtype),
+            allreduce: p.allreduce,
+            ranks_per_node: p.ranks_per_node,
         });
         stages.push(StagePlan {
             stage: s,
@@ -697,13 +701,17 @@ struct StageCommInput {
     regathered: u64,
     /// Bytes per element of the data-parallel collectives (`parallel.comm_dtype`).
     dp_wire_bytes: u64,
+    /// The gradient all-reduce's algorithm and `hierarchical`'s node size.
+    allreduce: AllReduce,
+    ranks_per_node: usize,
 }
 
 /// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
 /// n = micro_batches * grad_accum, A = one b*s*d activation tensor, all ring collectives):
 ///
 /// - none (DDP): one gradient all-reduce per step (accumulation runs without sync):
-///   2(W-1)/W * N * grad bytes;
+///   2(W-1)/W * N * grad bytes round the ring; with `allreduce` naive, tree or hierarchical
+///   the busiest rank's bytes (`all_reduce.rs`: rank 0's (W-1) * N for naive);
 /// - zero1: DDP's gradient all-reduce (2(W-1)/W * N; every rank keeps the full gradient),
 ///   then each rank updates its shard and the ranks all-gather the parameters:
 ///   (W-1)/W * N;
@@ -741,10 +749,18 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
     let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
     let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, w);
     let mut v = CommVolume::default();
+    // The ring sends as much from every rank; the others are counted at their busiest rank.
+    let all_reduce = match c.allreduce {
+        AllReduce::Ring => ring_all_reduce_bytes(c.params_per_rank, c.dp, g),
+        other => {
+            let (n, w) = (c.params_per_rank as usize, c.dp as usize);
+            (crate::all_reduce::busiest_elements_sent(other, n, w, c.ranks_per_node) as u64).saturating_mul(g)
+        }
+    };
     match c.sharding {
-        Sharding::None => v.dp_all_reduce = ring_all_reduce_bytes(c.params_per_rank, c.dp, g),
+        Sharding::None => v.dp_all_reduce = all_reduce,
         Sharding::Zero1 => {
-            v.dp_all_reduce = ring_all_reduce_bytes(c.params_per_rank, c.dp, g);
+            v.dp_all_reduce = all_reduce;
             v.dp_all_gather = params_ag;
         }
         Sharding::Zero2 => {

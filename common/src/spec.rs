@@ -114,6 +114,39 @@ pub struct ParallelSpec {
     /// each column-parallel matmul and a reduce-scatter after each row-parallel one in
     /// place of the all-reduce.
     pub sequence_parallel: bool,
+    /// How the data-parallel gradients are all-reduced (DDP, ZeRO-1).
+    pub allreduce: AllReduce,
+    /// `allreduce: hierarchical`: ranks per "node" (consecutive DP ranks); a ring inside
+    /// each node, one across the nodes' leaders.
+    pub ranks_per_node: usize,
+}
+
+/// An all-reduce algorithm (`comm/all_reduce.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllReduce {
+    /// Reduce-scatter then all-gather round a ring: 2(W-1)/W x D sent by every rank.
+    Ring,
+    /// A binary tree: partial sums up to rank 0, the result back down.
+    Tree,
+    /// The parameter-server pattern: every rank sends to rank 0, which sums and sends the
+    /// result to each: (W-1) x D through rank 0 each way.
+    Naive,
+    /// A ring inside each node, a ring across the nodes' leaders, then each leader sends
+    /// the result to its node.
+    Hierarchical,
+}
+
+impl AllReduce {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AllReduce::Ring => "ring",
+            AllReduce::Tree => "tree",
+            AllReduce::Naive => "naive",
+            AllReduce::Hierarchical => "hierarchical",
+        }
+    }
 }
 
 /// Where the optimizer's state (AdamW's moments, the master weights) lives.
@@ -278,6 +311,14 @@ impl Default for DataSpec {
     }
 }
 
+impl ParallelSpec {
+    /// Whether sequence parallelism is in effect: asked for, with a tensor-parallel group
+    /// to split the tokens over.
+    pub fn splits_sequence(&self) -> bool {
+        self.sequence_parallel && self.tp > 1
+    }
+}
+
 impl Default for ParallelSpec {
     fn default() -> Self {
         Self {
@@ -291,6 +332,8 @@ impl Default for ParallelSpec {
             comm_dtype: Precision::Fp32,
             offload: Offload::None,
             sequence_parallel: false,
+            allreduce: AllReduce::Ring,
+            ranks_per_node: 2,
         }
     }
 }

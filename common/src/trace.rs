@@ -54,8 +54,11 @@ pub enum RingPhase {
     ReduceScatter,
     /// Finished chunks travel round the ring and are copied.
     AllGather,
-    /// A chain from the root: each rank forwards what it received.
+    /// A chain from the root: each rank forwards what it received (naive, tree and
+    /// hierarchical all-reduces: the result sent on from the root, or a node's leader).
     Broadcast,
+    /// Partial sums travel toward a root (naive and tree all-reduces).
+    Reduce,
     /// A single send between two ranks.
     PointToPoint,
 }

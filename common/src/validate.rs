@@ -217,7 +217,8 @@ impl ExperimentSpec {
             );
         }
         if p.sequence_parallel {
-            let tokens = self.train.micro_batch * self.model.seq_len;
+            // (saturating: the sizes are range-checked elsewhere, maybe not yet)
+            let tokens = self.train.micro_batch.saturating_mul(self.model.seq_len);
             if p.tp < 2 {
                 err(
                     "parallel.sequence_parallel",
@@ -237,6 +238,37 @@ impl ExperimentSpec {
                     ),
                 );
             }
+        }
+        in_range(&mut err, "parallel.ranks_per_node", p.ranks_per_node, 1, limits.max_world_size, "ranks_per_node");
+        if p.allreduce != AllReduce::Ring && self.demo.is_some() {
+            err(
+                "parallel.allreduce",
+                format!(
+                    "the collective demos replay the ring; allreduce={} runs in training (DDP's gradients)",
+                    p.allreduce.as_str()
+                ),
+            );
+        }
+        if p.allreduce != AllReduce::Ring && matches!(p.sharding, Sharding::Zero2 | Sharding::Fsdp) {
+            err(
+                "parallel.allreduce",
+                format!(
+                    "allreduce={} is the gradient all-reduce of DDP and ZeRO-1; sharding={} reduce-scatters \
+                     the gradients instead",
+                    p.allreduce.as_str(),
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        if p.allreduce != AllReduce::Ring && p.comm_dtype != Precision::Fp32 {
+            err(
+                "parallel.allreduce",
+                format!(
+                    "allreduce={} runs in fp32; comm_dtype={} (a 2-byte wire) runs on the ring only",
+                    p.allreduce.as_str(),
+                    p.comm_dtype.as_str()
+                ),
+            );
         }
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
@@ -400,6 +432,11 @@ mod tests {
                 json!({"parallel": {"offload": "disk"}, "train": {"optimizer": "sgd"}}),
                 vec![("parallel.offload", "SGD in fp32 keeps none")],
             ),
+            (
+                json!({"parallel": {"allreduce": "tree", "comm_dtype": "bf16"}, "train": {"precision": "bf16"}}),
+                vec![("parallel.allreduce", "runs on the ring only")],
+            ),
+            (json!({"parallel": {"ranks_per_node": 0}}), vec![("parallel.ranks_per_node", "between 1 and 8")]),
             (
                 json!({"parallel": {"sequence_parallel": true}}),
                 vec![("parallel.sequence_parallel", "it needs tp >= 2 (it is 1)")],

@@ -102,15 +102,30 @@ fn steps_of<'a>(
     })
 }
 
+/// Whether every step `rank` recorded of `record` is a ring step (an all-reduce by another
+/// algorithm, `parallel.allreduce`, sends along a tree, a star or rings inside nodes: the
+/// replay does not draw those).
+fn only_ring_steps(rank: u32, record: &CollectiveRecord, steps: &[RingStep]) -> bool {
+    let of_record = steps.iter().filter(|s| {
+        s.collective == record.id && s.from == rank && s.start_us >= record.start_us && s.start_us <= record.end_us
+    });
+    of_record.count() == steps_of(rank, record, steps).count()
+}
+
 /// Every ring collective of the trace recorded in detail, ordered by group and id.
 pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
     let mut found: BTreeMap<CollectiveKey, CollectiveInfo> = BTreeMap::new();
+    let mut not_ring = Vec::new();
     for rank in &trace.ranks {
         for record in &rank.comm.collectives {
             if !replayable(record.op) || record.ranks.len() < 2 {
                 continue;
             }
             let key = CollectiveKey { group: record.group.clone(), id: record.id };
+            if !only_ring_steps(rank.rank, record, &rank.comm.steps) {
+                not_ring.push(key);
+                continue;
+            }
             let steps: Vec<&RingStep> = steps_of(rank.rank, record, &rank.comm.steps).collect();
             let info = found.entry(key.clone()).or_insert_with(|| CollectiveInfo {
                 key,
@@ -125,6 +140,9 @@ pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
             info.steps += steps.len();
             info.has_values &= steps.iter().all(|s| s.values.is_some());
         }
+    }
+    for key in not_ring {
+        found.remove(&key);
     }
     found.into_values().filter(|c| c.steps > 0).collect()
 }
@@ -776,6 +794,16 @@ mod tests {
         assert_eq!(replay.formula_text(), "2(W-1)/W × D = 2·3/4 × 64 B = 96 B");
         let v = replay.verify();
         assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{v:?}");
+    }
+
+    /// An all-reduce by another algorithm (a step to a rank other than the ring neighbour,
+    /// or a tree's reduce step) is not offered for the ring replay.
+    #[test]
+    fn an_all_reduce_that_is_not_a_ring_is_not_replayed_as_one() {
+        let mut trace = fixture("allreduce-4x16");
+        let step = trace.ranks[1].comm.steps.iter_mut().find(|s| s.from == 1).expect("a step of rank 1");
+        (step.phase, step.to) = (RingPhase::Reduce, 0);
+        assert!(ring_collectives(&trace).is_empty());
     }
 
     #[test]

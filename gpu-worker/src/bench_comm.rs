@@ -3,12 +3,15 @@
 //! xtask/reference/allreduce.py):
 //!   algbw = bytes / time;  busbw = algbw * 2(W-1)/W (all-reduce), * (W-1)/W (reduce-scatter,
 //!   all-gather), where bytes is the full buffer.
+//! Then the all-reduce algorithms side by side (`AlgorithmPoint`): each one's time, and the
+//! bytes rank 0 (the busiest in every one: the root, the first leader) sent per call.
 
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use distlab_common::trace::CollectiveOp;
+use distlab_common::AllReduce;
 use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator};
 
 use crate::rank::{connect, LauncherChannel};
@@ -53,6 +56,19 @@ pub fn memcpy_point(bytes: usize) -> BandwidthPoint {
         algbw_gbps: gbps,
         busbw_gbps: gbps,
     }
+}
+
+/// One all-reduce algorithm at one size (`hierarchical`: nodes of 2 ranks).
+#[derive(Serialize)]
+pub struct AlgorithmPoint {
+    pub bench: &'static str,
+    pub algorithm: &'static str,
+    pub world: usize,
+    pub bytes: usize,
+    pub iters: usize,
+    pub time_us: f64,
+    /// What rank 0 sent per call, counted as it was sent.
+    pub rank0_sent_bytes: u64,
 }
 
 pub fn sizes(min_bytes: usize, max_bytes: usize) -> Vec<usize> {
@@ -129,5 +145,35 @@ pub fn run_rank(
             }
         }
     }
+    let buf = &mut private.0;
+    for algorithm in [AllReduce::Ring, AllReduce::Naive, AllReduce::Tree, AllReduce::Hierarchical] {
+        comm.set_all_reduce(algorithm, 2);
+        for bytes in sizes(min_bytes, max_bytes) {
+            let n = bytes / 4;
+            let iters = ((100 << 20) / bytes).clamp(3, 100);
+            buf[..n].fill(0.0);
+            comm.all_reduce(&mut buf[..n], ReduceOp::Sum)?; // warm-up
+            comm.barrier()?;
+            let (start, sent_before) = (Instant::now(), comm.bytes_sent());
+            for _ in 0..iters {
+                comm.all_reduce(&mut buf[..n], ReduceOp::Sum)?;
+            }
+            let time_us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
+            // The barrier's one float is not in it: the calls alone.
+            let rank0_sent_bytes = (comm.bytes_sent() - sent_before) / iters as u64;
+            if rank == 0 {
+                channel.output(&AlgorithmPoint {
+                    bench: "all_reduce_algorithm",
+                    algorithm: algorithm.as_str(),
+                    world,
+                    bytes,
+                    iters,
+                    time_us,
+                    rank0_sent_bytes,
+                });
+            }
+        }
+    }
+    comm.set_all_reduce(AllReduce::Ring, 1);
     Ok(())
 }

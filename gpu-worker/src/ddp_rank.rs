@@ -57,7 +57,9 @@ pub fn run(
     };
     let dp = if p.dp > 1 {
         let members = topology.dp_group(rank);
-        let grads = ring("dp", members.clone(), true)?;
+        let mut grads = ring("dp", members.clone(), true)?;
+        // The gradients' all-reduce runs the spec's algorithm (the loop's scalars the ring's).
+        grads.set_all_reduce(p.allreduce, p.ranks_per_node);
         // ZeRO and FSDP run their parameter collectives on the training thread, on this
         // one: trace it too.
         let scalars = ring("dp-main", members, p.sharding != Sharding::None)?;

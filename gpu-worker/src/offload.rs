@@ -3,9 +3,10 @@
 //!
 //! * `host` (ZeRO-Offload proper): the whole state in host memory. Each update brings
 //!   the gradients down to the host, runs the optimizer's CPU kernel there (`optim.rs`)
-//!   and sends the updated parameters back up: 12 or 16 bytes per parameter leave the
-//!   GPU for 2 + 2 (or 4 + 4) crossing the bus each step. On the CPU backend the host is
-//!   the device, so the spec is refused there.
+//!   and sends the updated parameters back up: the state's 8 (fp32 AdamW) or 12 (2-byte
+//!   AdamW) bytes per parameter leave the GPU, for a gradient down and a parameter up
+//!   crossing the bus each step. On the CPU backend the host is the device, so the spec is
+//!   refused there.
 //! * `disk` (ZeRO-Infinity's NVMe tier): the state in a file, streamed through one piece
 //!   of `OFFLOAD_PIECE_ELEMENTS` parameters: read the piece's m, v and master, update,
 //!   write them back, next piece. Only the piece is in memory, so on the CPU backend the
@@ -58,11 +59,39 @@ pub struct DiskState {
     dir: PathBuf,
     /// Parameters the state is for.
     len: usize,
-    /// Regions of the file, in order: m and v (AdamW), master (2-byte models).
-    moments: bool,
-    master: bool,
-    /// Where the piece being updated is read into.
+    /// The regions of the file, in order: m and v (AdamW), master (2-byte models).
+    regions: Vec<Region>,
+    /// Where the piece being updated is read into, `piece_len` parameters long.
     piece: HostOptimizerBuffers<f32>,
+    piece_len: usize,
+}
+
+/// One of the state's buffers, a region of the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Region {
+    M,
+    V,
+    Master,
+}
+
+impl Region {
+    /// Its buffer in `b` (a master buffer is made if `b` has none).
+    fn of(self, b: &mut HostOptimizerBuffers<f32>) -> &mut Vec<f32> {
+        match self {
+            Region::M => &mut b.m,
+            Region::V => &mut b.v,
+            Region::Master => b.master.get_or_insert_with(Vec::new),
+        }
+    }
+
+    /// Its values in a checkpoint's state.
+    fn in_saved(self, saved: &OptimizerState) -> &[f32] {
+        match self {
+            Region::M => &saved.m,
+            Region::V => &saved.v,
+            Region::Master => saved.master.as_deref().unwrap_or_default(),
+        }
+    }
 }
 
 impl OffloadedState {
@@ -82,16 +111,19 @@ impl OffloadedState {
         let fail = |what| move |source| OffloadError { dir: dir.to_path_buf(), what, source };
         std::fs::create_dir_all(dir).map_err(fail("making the directory"))?;
         let file = tempfile::tempfile_in(dir).map_err(fail("making the file"))?;
-        let master = needs_master::<S>();
+        let mut regions = if moments { vec![Region::M, Region::V] } else { Vec::new() };
+        if needs_master::<S>() {
+            regions.push(Region::Master);
+        }
         let piece_len = len.min(OFFLOAD_PIECE_ELEMENTS);
         let piece = HostOptimizerBuffers::new::<S>(piece_len, moments, || vec![0.0; piece_len]);
-        let disk = DiskState { file, dir: dir.to_path_buf(), len, moments, master, piece };
+        let disk = DiskState { file, dir: dir.to_path_buf(), len, regions, piece, piece_len: piece_len.max(1) };
         // Zeros where the file is extended; the master weights written once.
-        disk.file.set_len((disk.regions() * len * 4) as u64).map_err(fail("sizing the file"))?;
-        if master {
+        disk.file.set_len((disk.regions.len() * len * 4) as u64).map_err(fail("sizing the file"))?;
+        if let Some(at) = disk.regions.iter().position(|&r| r == Region::Master) {
             let values = initial();
             assert_eq!(values.len(), len, "master weights for every parameter this optimizer updates");
-            disk.write(disk.master_region(), 0, &values)?;
+            disk.write(at, 0, &values)?;
         }
         Ok(OffloadedState::Disk(disk))
     }
@@ -132,30 +164,29 @@ impl OffloadedState {
         }
     }
 
-    /// Floats of it that are in memory now (all of a host state; a disk state's piece).
-    pub fn resident_floats(&self) -> usize {
-        let floats = |b: &HostOptimizerBuffers<f32>| b.m.len() + b.v.len() + b.master.as_ref().map_or(0, Vec::len);
+    /// Floats of it in host memory at every step: all of a host state, a disk state's piece.
+    pub fn host_floats(&self) -> usize {
         match self {
-            OffloadedState::Host(b) => floats(b),
-            OffloadedState::Disk(disk) => floats(&disk.piece),
+            OffloadedState::Host(b) => b.m.len() + b.v.len() + b.master.as_ref().map_or(0, Vec::len),
+            OffloadedState::Disk(disk) => disk.piece_floats(),
+        }
+    }
+
+    /// Floats a checkpoint's read of it holds for the call beyond those (a disk state read whole).
+    pub fn read_floats(&self) -> usize {
+        match self {
+            OffloadedState::Host(_) => 0,
+            OffloadedState::Disk(disk) => disk.regions.len() * disk.len,
         }
     }
 }
 
 impl DiskState {
-    fn regions(&self) -> usize {
-        2 * self.moments as usize + self.master as usize
-    }
-
-    fn master_region(&self) -> usize {
-        2 * self.moments as usize
-    }
-
     fn fail(&self, what: &'static str) -> impl FnOnce(std::io::Error) -> OffloadError + '_ {
         move |source| OffloadError { dir: self.dir.clone(), what, source }
     }
 
-    /// Byte offset of parameter `at` of region `region`.
+    /// Byte offset of parameter `at` of the `region`-th region.
     fn offset(&self, region: usize, at: usize) -> u64 {
         ((region * self.len + at) * 4) as u64
     }
@@ -177,7 +208,7 @@ impl DiskState {
         range: Range<usize>,
         update: &Update,
     ) -> Result<(), OffloadError> {
-        let piece_len = self.piece.m.len().max(self.piece.master.as_ref().map_or(0, Vec::len)).max(1);
+        let piece_len = self.piece_len;
         let (params, grads) = (params.chunks_mut(piece_len), grads.chunks(piece_len));
         for ((params, grads), at) in params.zip(grads).zip(range.step_by(piece_len)) {
             let n = params.len();
@@ -196,12 +227,12 @@ impl DiskState {
     ) -> Result<(), OffloadError> {
         let mut piece = std::mem::take(&mut self.piece);
         let result = (|| {
-            for (region, buf) in self.piece_regions(&mut piece) {
-                self.read(region, at, &mut buf[..n])?;
+            for (i, region) in self.regions.iter().enumerate() {
+                self.read(i, at, &mut region.of(&mut piece)[..n])?;
             }
             f(&mut piece);
-            for (region, buf) in self.piece_regions(&mut piece) {
-                self.write(region, at, &buf[..n])?;
+            for (i, region) in self.regions.iter().enumerate() {
+                self.write(i, at, &region.of(&mut piece)[..n])?;
             }
             Ok(())
         })();
@@ -209,45 +240,29 @@ impl DiskState {
         result
     }
 
-    /// The piece's buffers with the file region each comes from.
-    fn piece_regions<'a>(&self, piece: &'a mut HostOptimizerBuffers<f32>) -> Vec<(usize, &'a mut Vec<f32>)> {
-        let mut out = Vec::with_capacity(3);
-        if self.moments {
-            out.extend([(0, &mut piece.m), (1, &mut piece.v)]);
-        }
-        if let Some(master) = piece.master.as_mut() {
-            out.push((self.master_region(), master));
-        }
-        out
-    }
-
     /// The whole state in memory (for a checkpoint).
     fn read_all(&self) -> Result<HostOptimizerBuffers<f32>, OffloadError> {
-        let region = |i: usize, present: bool| -> Result<Vec<f32>, OffloadError> {
-            let mut values = vec![0.0; if present { self.len } else { 0 }];
-            if present {
-                self.read(i, 0, &mut values)?;
-            }
-            Ok(values)
-        };
-        let master = if self.master { Some(region(self.master_region(), true)?) } else { None };
-        Ok(HostOptimizerBuffers { m: region(0, self.moments)?, v: region(1, self.moments)?, master })
+        let mut whole = HostOptimizerBuffers::default();
+        for (i, region) in self.regions.iter().enumerate() {
+            let values = region.of(&mut whole);
+            values.resize(self.len, 0.0);
+            self.read(i, 0, values)?;
+        }
+        Ok(whole)
     }
 
     fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
-        saved.check_lengths(if self.moments { self.len } else { 0 }, if self.master { self.len } else { 0 })?;
-        let saved_master = saved.master.as_deref().unwrap_or_default();
-        let mut regions = Vec::new();
-        if self.moments {
-            regions.extend([(0, saved.m.as_slice()), (1, saved.v.as_slice())]);
-        }
-        if self.master {
-            regions.push((self.master_region(), saved_master));
-        }
-        for (region, values) in regions {
-            self.write(region, 0, values).map_err(|e| e.to_string())?;
+        let has = |r| if self.regions.contains(&r) { self.len } else { 0 };
+        saved.check_lengths(has(Region::M), has(Region::Master))?;
+        for (i, region) in self.regions.iter().enumerate() {
+            self.write(i, 0, region.in_saved(saved)).map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// Floats of the piece.
+    fn piece_floats(&self) -> usize {
+        self.regions.len() * self.piece_len.min(self.len)
     }
 }
 
@@ -319,9 +334,12 @@ mod tests {
             let bits = |p: &[S]| p.iter().map(|x| x.load().to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&off.params), bits(&device.params), "{offload:?}: parameters");
             assert_eq!(off.state, device.state, "{offload:?}: m, v, master");
-            // Off the device, all of it; in memory, a disk state's piece and nothing else.
-            assert_eq!(off.ledger.offloaded, (LEN * floats_per_param * 4) as u64, "{offload:?}");
-            let resident = if offload == OffloadTo::Host { 0 } else { OFFLOAD_PIECE_ELEMENTS * floats_per_param * 4 };
+            // Off the device, all of it; in memory, a disk state's piece and nothing else (a host
+            // state is in the CPU backend's memory whole: why specs are refused that offload).
+            let whole = LEN * floats_per_param * 4;
+            assert_eq!(off.ledger.offloaded, whole as u64, "{offload:?}");
+            let resident =
+                if offload == OffloadTo::Host { whole } else { OFFLOAD_PIECE_ELEMENTS * floats_per_param * 4 };
             assert_eq!(off.ledger.optimizer_state, resident as u64, "{offload:?}");
         }
         assert_eq!(device.ledger.offloaded, 0);

@@ -257,7 +257,14 @@ pub struct Optimizer<B: Backend> {
     groups: Vec<OptimGroup>,
     state: Placement<B>,
     steps_taken: u64,
+    memory: Arc<MemoryTracker>,
     _receipts: Vec<Receipt>,
+}
+
+/// Whether what an offloaded optimizer keeps in host memory is the device's memory too
+/// (the CPU backend).
+fn host_is_device<B: Backend>(be: &B) -> bool {
+    be.buffers_on_host()
 }
 
 /// Where an optimizer's state lives.
@@ -295,12 +302,12 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
                 Placement::Offloaded(OffloadedState::disk::<B::Elem>(dir, local_len, adamw, initial)?)
             }
         };
-        // On the device: all of it; offloaded: all of it off the device, and what of it is
-        // in memory at once (a disk state's piece) as optimizer state.
+        // On the device: all of it. Offloaded: all of it off the device; what of it is in
+        // host memory at every step (a disk state's piece) is device memory too where the
+        // host is the device (the CPU backend: its buffers are on the heap).
         let (resident, offloaded) = match &state {
             Placement::Device(_) => (floats, 0),
-            Placement::Offloaded(OffloadedState::Host(_)) => (0, floats),
-            Placement::Offloaded(disk) => (disk.resident_floats(), floats),
+            Placement::Offloaded(off) => (if host_is_device(be) { off.host_floats() } else { 0 }, floats),
         };
         let receipts = [(Category::OptimizerState, resident), (Category::Offloaded, offloaded)]
             .into_iter()
@@ -313,6 +320,7 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
             groups,
             state,
             steps_taken: 0,
+            memory: memory.clone(),
             _receipts: receipts,
         })
     }
@@ -323,8 +331,8 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
             Placement::Device(buffers) => be.read_optimizer_buffers(buffers, |s| {
                 (s.m.len() + s.v.len() + s.master.map_or(0, <[f32]>::len)) as u64 * 4
             }),
-            Placement::Offloaded(OffloadedState::Host(_)) => 0,
-            Placement::Offloaded(disk) => disk.resident_floats() as u64 * 4,
+            Placement::Offloaded(off) if host_is_device(be) => off.host_floats() as u64 * 4,
+            Placement::Offloaded(_) => 0,
         }
     }
 
@@ -376,7 +384,12 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
     pub fn read<R>(&self, be: &B, f: impl FnOnce(OptimizerSlices<'_, f32>, u64) -> R) -> Result<R, OffloadError> {
         match &self.state {
             Placement::Device(buffers) => Ok(be.read_optimizer_buffers(buffers, |slices| f(slices, self.steps_taken))),
-            Placement::Offloaded(state) => state.read(|slices| f(slices, self.steps_taken)),
+            Placement::Offloaded(state) => {
+                // A disk state is read whole for the call: booked while it is.
+                let _copy =
+                    (state.read_floats() > 0).then(|| self.memory.alloc(Category::Transient, state.read_floats()));
+                state.read(|slices| f(slices, self.steps_taken))
+            }
         }
     }
 

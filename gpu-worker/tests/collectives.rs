@@ -264,3 +264,38 @@ fn a_two_byte_wire_halves_the_bytes_and_every_rank_ends_equal() {
         }
     }
 }
+
+/// Every all-reduce algorithm ends with the sequential sum on every rank (exact: integer
+/// values), and every rank sends what `distlab_common::all_reduce` says it does, for W =
+/// 1..8, node sizes 1..3 and sizes not divisible by W.
+#[test]
+fn every_all_reduce_algorithm_sums_exactly_and_sends_its_formula() {
+    use distlab_common::all_reduce::elements_sent;
+    use distlab_common::AllReduce;
+    for algorithm in [AllReduce::Naive, AllReduce::Tree, AllReduce::Hierarchical, AllReduce::Ring] {
+        for world in 1..=8 {
+            let node_sizes: &[usize] = if algorithm == AllReduce::Hierarchical { &[1, 2, 3] } else { &[2] };
+            for &ranks_per_node in node_sizes {
+                for len in [0usize, 1, 7, 1000, 70_001] {
+                    let results = on_ranks(world, move |rank, comm| {
+                        comm.set_all_reduce(algorithm, ranks_per_node);
+                        let mut buf: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                        let mut avg = vec![world as f32 * 3.0; 5];
+                        comm.all_reduce(&mut avg, ReduceOp::Avg).unwrap();
+                        (buf, comm.bytes_sent(), avg)
+                    });
+                    let expected: Vec<f32> = (0..len).map(|i| (0..world).map(|r| value(r, i)).sum()).collect();
+                    let what = format!("{algorithm:?} W={world} L={ranks_per_node} D={len}");
+                    for (rank, (buf, sent, avg)) in results.iter().enumerate() {
+                        assert_eq!(buf, &expected, "{what} rank {rank}");
+                        assert_eq!(avg, &vec![world as f32 * 3.0; 5], "{what} rank {rank}: the mean");
+                        let formula = elements_sent(algorithm, len, world, ranks_per_node, rank)
+                            + elements_sent(algorithm, 5, world, ranks_per_node, rank);
+                        assert_eq!(*sent, 4 * formula as u64, "{what} rank {rank}: bytes sent");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -78,9 +78,8 @@ pub fn view(spec: &ExperimentSpec, plan: Plan, mut measured: BTreeMap<i64, RankM
 /// 3.06 MiB (+147456 B, +4.7%): ...why". Equal categories give no line; `total` never does.
 /// The offloaded state (off the device) is compared too, last.
 pub fn differences(measured: &RankMemory, predicted: &RankMemory, spec: &ExperimentSpec) -> Vec<String> {
-    Category::ALL
+    Category::EVERY
         .iter()
-        .chain([Category::Offloaded].iter())
         .filter(|c| c.planned())
         .filter_map(|&c| {
             let (m, p) = (c.of(measured), c.of(predicted));

@@ -85,6 +85,13 @@ pub const MUTANTS: &[Mutant] = &[
         ],
     },
     Mutant {
+        name: "the tree all-reduce copies its children's partial sums instead of adding them",
+        file: "gpu-worker/src/comm/ring/all_reduce.rs",
+        find: "self.recv_step(child, buf, true, step(RingPhase::Reduce, me, child))?;",
+        replace: "self.recv_step(child, buf, false, step(RingPhase::Reduce, me, child))?;",
+        tests: &["-p", "distlab-worker", "--test", "collectives", "every_all_reduce_algorithm"],
+    },
+    Mutant {
         name: "tensor parallel leaves the gradient norm rank-local",
         file: "gpu-worker/src/train/trainer.rs",
         find: "grad_norm_squared = tp.sum_scalar(grad_norm_squared)?;",

@@ -71,6 +71,12 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         match p.offload {
             distlab_common::Offload::None => String::new(),
             offload => format!(" · optimizer state offloaded to {}", offload.as_str()),
+        } + &match p.allreduce {
+            distlab_common::AllReduce::Ring => String::new(),
+            distlab_common::AllReduce::Hierarchical => {
+                format!(" · hierarchical all-reduce, {} ranks per node", p.ranks_per_node)
+            }
+            other => format!(" · {} all-reduce", other.as_str()),
         }
     );
     let batch = format!(

@@ -134,6 +134,12 @@ const SECTIONS: &[SectionDef] = &[
                 "data-parallel collectives on the wire: fp32, or the run's own 2-byte format",
             ),
             f(
+                "parallel.allreduce",
+                Kind::Choice(&["ring", "tree", "naive", "hierarchical"]),
+                "how DDP all-reduces the gradients",
+            ),
+            f("parallel.ranks_per_node", Kind::Int, "hierarchical: ranks per node (a ring inside, one across)"),
+            f(
                 "parallel.offload",
                 Kind::Choice(&["none", "host", "disk"]),
                 "ZeRO-Offload: optimizer state and its update off the device (host: cuda only)",
@@ -202,6 +208,8 @@ fn training_only(path: &str) -> bool {
                 | "parallel.comm_dtype"
                 | "parallel.offload"
                 | "parallel.sequence_parallel"
+                | "parallel.allreduce"
+                | "parallel.ranks_per_node"
         )
 }
 

@@ -687,6 +687,10 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         Some(self.free_at_start.saturating_sub(free) as u64)
     }
 
+    fn buffers_on_host(&self) -> bool {
+        false
+    }
+
     type OptimizerBuffers = DeviceOptimizerBuffers;
 
     /// The optimizer's state in GPU memory for `len` parameters: AdamW's moments (with

@@ -52,6 +52,11 @@ pub trait Backend: Send + Sync + 'static {
     fn device_memory_used(&self) -> Option<u64> {
         None
     }
+    /// Whether the buffers are host memory (the CPU backend), so that what the host holds
+    /// for the run is device memory too (an offloaded optimizer's piece).
+    fn buffers_on_host(&self) -> bool {
+        true
+    }
     /// Threads the kernels use.
     fn threads(&self) -> usize;
 

@@ -30,6 +30,12 @@
 //! f32. Before an all-gather a rank rounds its own chunk the same way, so that every rank
 //! ends with the same values. A 2-byte payload is padded to whole f32 words in the pipe
 //! (every frame stays a multiple of 4 bytes); the padding is not counted as sent.
+//!
+//! The ring is one all-reduce algorithm of several (`set_all_reduce`); the others (the
+//! parameter server's naive one, a binary tree, a hierarchy of rings) are in
+//! `ring/all_reduce.rs`, built from the same steps.
+
+mod all_reduce;
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -37,7 +43,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlab_common::trace::*;
-use distlab_common::Precision;
+use distlab_common::{AllReduce, Precision};
 
 use super::cma;
 use super::shm::{self, Patience, PipeReader, PipeWriter, SharedBuffer};
@@ -73,6 +79,9 @@ pub struct RingCommunicator {
     scratch: Vec<f32>,
     /// The format values cross the wire in (`set_wire`).
     wire: Precision,
+    /// How `all_reduce` runs, and `hierarchical`'s node size (`set_all_reduce`).
+    algorithm: AllReduce,
+    ranks_per_node: usize,
     /// The 2-byte copy of what a step sends.
     packed: Vec<u16>,
     /// Buffers from `alloc_shared`, by number: ours, and every member's (by position).
@@ -131,6 +140,8 @@ impl RingCommunicator {
             may_post,
             scratch: vec![0.0; PIECE],
             wire: Precision::Fp32,
+            algorithm: AllReduce::Ring,
+            ranks_per_node: 1,
             packed: Vec::new(),
             shared: Vec::new(),
             seq: 0,
@@ -143,12 +154,23 @@ impl RingCommunicator {
         })
     }
 
+    /// `all_reduce` runs `algorithm` from now on (`ranks_per_node`: the node size of
+    /// `hierarchical`, consecutive positions of the group).
+    pub fn set_all_reduce(&mut self, algorithm: AllReduce, ranks_per_node: usize) {
+        (self.algorithm, self.ranks_per_node) = (algorithm, ranks_per_node.max(1));
+    }
+
     fn next(&self) -> usize {
         (self.me + 1) % self.members.len()
     }
 
     fn prev(&self) -> usize {
         (self.me + self.members.len() - 1) % self.members.len()
+    }
+
+    /// Every position of the group, in ring order.
+    fn whole_ring(&self) -> Vec<usize> {
+        (0..self.members.len()).collect()
     }
 
     fn describe(&self, s: &Step) -> String {
@@ -221,17 +243,19 @@ impl RingCommunicator {
         (self.steps.is_some() && buf.len() <= VALUE_RECORD_LIMIT).then(|| buf.to_vec())
     }
 
-    /// One ring step: sends `out` to the right neighbour while receiving `inp.len()` elements
-    /// from the left one, which are added into `inp` (`reduce`) or copied over it.
+    /// One ring step: sends `out` to the right neighbour `next` while receiving `inp.len()`
+    /// elements from the left one `prev`, which are added into `inp` (`reduce`) or copied
+    /// over it.
+    #[allow(clippy::too_many_arguments)]
     fn ring_step(
         &mut self,
+        (next, prev): (usize, usize),
         out: &[f32],
         inp: &mut [f32],
         reduce: bool,
         s: Step,
         chunk: usize,
     ) -> Result<(), CommError> {
-        let (next, prev) = (self.next(), self.prev());
         let start = now_us();
         let tag = s.id;
         let wire = self.wire;
@@ -311,25 +335,46 @@ impl RingCommunicator {
         }
     }
 
-    /// The reduce-scatter phase in place: afterwards chunk `me` of `buf` is complete.
-    fn reduce_scatter_phase(&mut self, buf: &mut [f32], op: CollectiveOp, id: u64) -> Result<(), CommError> {
-        let w = self.members.len();
-        let r = self.me;
+    /// This rank's place in `ring` (positions of the group, in ring order) and its
+    /// neighbours' positions: (index, next, prev).
+    fn place_in(&self, ring: &[usize]) -> (usize, (usize, usize)) {
+        let w = ring.len();
+        let r = ring.iter().position(|&p| p == self.me).expect("a ring this rank is in");
+        (r, (ring[(r + 1) % w], ring[(r + w - 1) % w]))
+    }
+
+    /// The reduce-scatter phase in place round `ring` (positions, in order; the whole group
+    /// or, for `hierarchical`, a node or its leaders): afterwards chunk r of `buf` is
+    /// complete at the r-th member of the ring.
+    fn reduce_scatter_phase(
+        &mut self,
+        buf: &mut [f32],
+        ring: &[usize],
+        op: CollectiveOp,
+        id: u64,
+    ) -> Result<(), CommError> {
+        let (w, (r, neighbours)) = (ring.len(), self.place_in(ring));
         for step in 0..w - 1 {
             let send_chunk = (r + 2 * w - step - 1) % w;
             let recv_chunk = (r + 2 * w - step - 2) % w;
             let (out, inp) =
                 disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
             let s = Step { op, id, phase: RingPhase::ReduceScatter, step: step as u32, steps: (w - 1) as u32 };
-            self.ring_step(out, inp, true, s, send_chunk)?;
+            self.ring_step(neighbours, out, inp, true, s, send_chunk)?;
         }
         Ok(())
     }
 
-    /// The all-gather phase in place: chunk `me` of `buf` is complete; afterwards all are.
-    fn all_gather_phase(&mut self, buf: &mut [f32], op: CollectiveOp, id: u64) -> Result<(), CommError> {
-        let w = self.members.len();
-        let r = self.me;
+    /// The all-gather phase in place round `ring`: chunk r of `buf` is complete at the r-th
+    /// member; afterwards all are everywhere.
+    fn all_gather_phase(
+        &mut self,
+        buf: &mut [f32],
+        ring: &[usize],
+        op: CollectiveOp,
+        id: u64,
+    ) -> Result<(), CommError> {
+        let (w, (r, neighbours)) = (ring.len(), self.place_in(ring));
         if self.wire != Precision::Fp32 {
             // Every rank keeps what the others receive of its chunk.
             let (wire, mine) = (self.wire, chunk_range(buf.len(), w, r));
@@ -341,7 +386,7 @@ impl RingCommunicator {
             let (out, inp) =
                 disjoint(buf, chunk_range(buf.len(), w, send_chunk), chunk_range(buf.len(), w, recv_chunk));
             let s = Step { op, id, phase: RingPhase::AllGather, step: step as u32, steps: (w - 1) as u32 };
-            self.ring_step(out, inp, false, s, send_chunk)?;
+            self.ring_step(neighbours, out, inp, false, s, send_chunk)?;
         }
         Ok(())
     }
@@ -555,12 +600,23 @@ impl Communicator for RingCommunicator {
         let (start, sent_before, input) = (now_us(), self.bytes_sent, self.small_copy(buf));
         let w = self.members.len();
         if w > 1 {
-            self.reduce_scatter_phase(buf, CollectiveOp::AllReduce, id)?;
-            if op == ReduceOp::Avg {
-                let mine = chunk_range(buf.len(), w, self.me);
-                scale(&mut buf[mine], w);
+            match self.algorithm {
+                AllReduce::Ring => {
+                    let ring = self.whole_ring();
+                    self.reduce_scatter_phase(buf, &ring, CollectiveOp::AllReduce, id)?;
+                    if op == ReduceOp::Avg {
+                        let mine = chunk_range(buf.len(), w, self.me);
+                        scale(&mut buf[mine], w);
+                    }
+                    self.all_gather_phase(buf, &ring, CollectiveOp::AllReduce, id)?;
+                }
+                AllReduce::Naive => self.naive_all_reduce(buf, id)?,
+                AllReduce::Tree => self.tree_all_reduce(buf, id)?,
+                AllReduce::Hierarchical => self.hierarchical_all_reduce(buf, id)?,
             }
-            self.all_gather_phase(buf, CollectiveOp::AllReduce, id)?;
+            if op == ReduceOp::Avg && self.algorithm != AllReduce::Ring {
+                scale(buf, w);
+            }
         }
         let output = self.small_copy(buf);
         self.finish(CollectiveOp::AllReduce, id, buf.len(), sent_before, start, (input, output));
@@ -585,7 +641,8 @@ impl Communicator for RingCommunicator {
         }
         let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(input));
         if w > 1 {
-            self.reduce_scatter_phase(input, CollectiveOp::ReduceScatter, id)?;
+            let ring = self.whole_ring();
+            self.reduce_scatter_phase(input, &ring, CollectiveOp::ReduceScatter, id)?;
         }
         output.copy_from_slice(&input[mine]);
         if op == ReduceOp::Avg && w > 1 {
@@ -615,7 +672,8 @@ impl Communicator for RingCommunicator {
         let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(input));
         output[mine].copy_from_slice(input);
         if w > 1 {
-            self.all_gather_phase(output, CollectiveOp::AllGather, id)?;
+            let ring = self.whole_ring();
+            self.all_gather_phase(output, &ring, CollectiveOp::AllGather, id)?;
         }
         let after = self.small_copy(output);
         self.finish(CollectiveOp::AllGather, id, output.len(), sent_before, start, (before, after));
@@ -627,7 +685,8 @@ impl Communicator for RingCommunicator {
         let id = self.begin();
         let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(buf));
         if w > 1 {
-            self.reduce_scatter_phase(buf, CollectiveOp::ReduceScatter, id)?;
+            let ring = self.whole_ring();
+            self.reduce_scatter_phase(buf, &ring, CollectiveOp::ReduceScatter, id)?;
         }
         let mine = chunk_range(buf.len(), w, self.me);
         if op == ReduceOp::Avg && w > 1 {
@@ -644,7 +703,8 @@ impl Communicator for RingCommunicator {
         let mine = chunk_range(buf.len(), w, self.me);
         let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(&buf[mine]));
         if w > 1 {
-            self.all_gather_phase(buf, CollectiveOp::AllGather, id)?;
+            let ring = self.whole_ring();
+            self.all_gather_phase(buf, &ring, CollectiveOp::AllGather, id)?;
         }
         let after = self.small_copy(buf);
         self.finish(CollectiveOp::AllGather, id, buf.len(), sent_before, start, (before, after));

@@ -52,6 +52,9 @@ use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::layout::{BlockTensors, ParamLayout, TpPlace};
+use crate::model::sequence_parallel::{
+    add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, Tokens,
+};
 use crate::model::state::{ModelState, Pass, Unit};
 
 /// What one block keeps from forward for backward (one micro-batch).
@@ -104,7 +107,8 @@ struct Activations<Buf> {
     encoded: Buf,
     /// The stage's blocks, in order (without activation checkpointing).
     blocks: Vec<BlockActivations<Buf>>,
-    /// With checkpointing: the output of each segment's last block (b x s x d each).
+    /// With checkpointing: the output of each segment's last block (b x s x d each; with
+    /// sequence parallelism this rank's tokens, b x s/t x d).
     checkpoints: Vec<Buf>,
     /// The last stage only.
     head: Option<HeadActivations<Buf>>,
@@ -290,34 +294,6 @@ pub trait TensorParallelGroup<B: Backend>: Send {
     fn attach_memory(&mut self, memory: &Arc<MemoryTracker>);
 }
 
-/// Sequence parallelism: this rank's share of a micro-batch's tokens (rows `start ..
-/// start + len` of every (tokens x width) tensor).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Tokens {
-    start: usize,
-    len: usize,
-}
-
-impl Tokens {
-    /// Its elements in a (tokens x `width`) buffer.
-    fn of(self, width: usize) -> Range<usize> {
-        self.start * width..(self.start + self.len) * width
-    }
-}
-
-/// Sequence parallelism's buffers, shared by every block (one micro-batch at a time).
-struct Exchange<Buf> {
-    /// A LayerNorm output gathered whole (b*s x d) for a column-parallel matmul.
-    gathered: Buf,
-    /// A row-parallel output before its reduce-scatter; in backward an output gradient
-    /// gathered whole (b*s x d).
-    full: Buf,
-    /// A block's LayerNorm parameter gradients from this rank's tokens (ln1 g, b, ln2 g, b).
-    ln_grads: Buf,
-    /// The final LayerNorm's (last stage only).
-    lnf_grads: Option<Buf>,
-}
-
 /// Activation gradients, shared by all blocks (backward visits one block at a time).
 struct GradScratch<Buf> {
     /// Gradient of the residual stream.
@@ -481,6 +457,10 @@ impl<B: Backend> Gpt<B> {
         };
         let sequence_parallel = saved.sequence_parallel && n > 1;
         let rows = batch * spec.seq_len;
+        assert!(
+            !sequence_parallel || rows.is_multiple_of(n),
+            "sequence parallelism splits {rows} tokens over tp={n}: validation lets only multiples through"
+        );
         let shape = ActivationShape {
             batch,
             rows,
@@ -636,7 +616,7 @@ impl<B: Backend> Gpt<B> {
         block.saturating_mul(l).saturating_add(top).saturating_add(scratch).saturating_add(exchange)
     }
 
-    /// The all-reduces the tensor-parallel group recorded (None without one).
+    /// The collectives the tensor-parallel group recorded (None without one).
     pub fn tp_spans(&self) -> Option<Vec<Span>> {
         self.tp.as_ref().map(|g| g.spans())
     }
@@ -814,6 +794,12 @@ impl<B: Backend> Gpt<B> {
             attention: self.shape.attention,
             mine: self.exchange.is_some().then_some(Tokens { start: rank * own, len: own }),
         }
+    }
+
+    /// Elements of what a stage hands to the next one (and gets the gradient of): a
+    /// micro-batch's residual stream, this rank's tokens' with sequence parallelism.
+    pub fn stage_output_len(&self) -> usize {
+        self.shape.res_rows * self.shape.c
     }
 
     /// What this stage's forward of `micro` hands to the next stage: its last block's output.
@@ -1105,8 +1091,19 @@ fn block_forward<B: Backend>(
             be.flash_attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
         }
     }
+    // (this rank's width, whether it adds the bias and residual, its tokens)
+    let place = (c, d.lead, mine);
     let proj = (w.attn_proj_w, w.attn_proj_b, cl);
-    row_parallel_forward(be, (&mut a.res_attn, &a.atty, x), proj, TpPoint::AttentionOutput, d, tp, exchange, layer)?;
+    row_parallel_forward(
+        be,
+        (&mut a.res_attn, &a.atty, x),
+        proj,
+        TpPoint::AttentionOutput,
+        place,
+        tp,
+        exchange,
+        layer,
+    )?;
     // MLP half
     be.layernorm_forward(
         be.all_mut(&mut a.ln2),
@@ -1121,120 +1118,8 @@ fn block_forward<B: Backend>(
     be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
     be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
     let proj = (w.fc_proj_w, w.fc_proj_b, hidden);
-    row_parallel_forward(
-        be,
-        (&mut a.res_mlp, &a.fch_gelu, &a.res_attn),
-        proj,
-        TpPoint::MlpOutput,
-        d,
-        tp,
-        exchange,
-        layer,
-    )
-}
-
-/// A row-parallel linear layer's `out = inp · W + b + residual`, every rank's partial
-/// product summed (`point` names the sum): whole (g: all-reduce; rank 0 alone adds the
-/// bias and the residual so the sum counts them once), or with sequence parallelism
-/// reduce-scattered so each rank gets its own tokens' sums, to which it adds its own
-/// tokens' residual.
-#[allow(clippy::too_many_arguments)]
-fn row_parallel_forward<B: Backend>(
-    be: &B,
-    (out, inp, residual): (&mut B::Buf, &B::Buf, &B::Buf),
-    (weight, bias, c_in): (B::View<'_>, B::View<'_>, usize),
-    point: TpPoint,
-    d: Dims,
-    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
-    exchange: &mut Option<Exchange<B::Buf>>,
-    layer: usize,
-) -> Result<(), CommError> {
-    let (c, bias) = (d.c, d.lead.then_some(bias));
-    match (exchange, d.mine, tp) {
-        (Some(e), Some(mine), Some(tp)) => {
-            be.matmul_forward(be.all_mut(&mut e.full), be.all(inp), weight, bias, None, c_in, c);
-            tp.collective(be, &mut e.full, InPlace::ReduceScatter(ReduceOp::Sum), point, Some(layer))?;
-            be.copy(be.all_mut(out), be.view(&e.full, mine.of(c)));
-            be.add(be.all_mut(out), be.all(residual));
-        }
-        (_, _, tp) => {
-            let residual = d.lead.then(|| be.all(residual));
-            be.matmul_forward(be.all_mut(out), be.all(inp), weight, bias, residual, c_in, c);
-            if let Some(tp) = tp {
-                tp.collective(be, out, InPlace::AllReduce(ReduceOp::Sum), point, Some(layer))?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Sequence parallelism's buffer for gathered LayerNorm outputs, if any.
-fn gathered<Buf>(exchange: &mut Option<Exchange<Buf>>) -> Option<&mut Buf> {
-    exchange.as_mut().map(|e| &mut e.gathered)
-}
-
-/// A (tokens x `c`) tensor whole: `local` itself, or with sequence parallelism (`mine`)
-/// `local`, this rank's tokens, put in its place in `whole` and every other rank's
-/// gathered around it (all-gather).
-#[allow(clippy::too_many_arguments)]
-fn gather_tokens<'a, B: Backend>(
-    be: &B,
-    local: &'a B::Buf,
-    whole: Option<&'a mut B::Buf>,
-    mine: Option<Tokens>,
-    c: usize,
-    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
-    point: TpPoint,
-    layer: Option<usize>,
-) -> Result<&'a B::Buf, CommError> {
-    let (Some(whole), Some(mine), Some(tp)) = (whole, mine, tp.as_mut()) else { return Ok(local) };
-    be.copy(be.view_mut(whole, mine.of(c)), be.all(local));
-    tp.collective(be, whole, InPlace::AllGather, point, layer)?;
-    Ok(whole)
-}
-
-/// The gradient of a LayerNorm output, from every rank's partial `grad` (tokens x `c`,
-/// through its heads or hidden units): summed whole (f: all-reduce), or with sequence
-/// parallelism only this rank's tokens' sums (reduce-scatter). Returns where in `grad`
-/// it is.
-fn sum_input_grad<B: Backend>(
-    be: &B,
-    grad: &mut B::Buf,
-    mine: Option<Tokens>,
-    c: usize,
-    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
-    point: TpPoint,
-    layer: usize,
-) -> Result<Range<usize>, CommError> {
-    let whole = 0..be.buf_len(grad);
-    let Some(tp) = tp.as_mut() else { return Ok(whole) };
-    match mine {
-        Some(mine) => {
-            tp.collective(be, grad, InPlace::ReduceScatter(ReduceOp::Sum), point, Some(layer))?;
-            Ok(mine.of(c))
-        }
-        None => {
-            tp.collective(be, grad, InPlace::AllReduce(ReduceOp::Sum), point, Some(layer))?;
-            Ok(whole)
-        }
-    }
-}
-
-/// `buf`, `N` pieces of `width` one after another, as N views.
-fn pieces<'a, B: Backend, const N: usize>(be: &B, buf: &'a mut B::Buf, width: usize) -> [B::ViewMut<'a>; N] {
-    let mut rest = Some(be.all_mut(buf));
-    std::array::from_fn(|_| {
-        let (piece, tail) = be.split_mut(rest.take().expect("one piece at a time"), width);
-        rest = Some(tail);
-        piece
-    })
-}
-
-/// `targets[i] += piece i of `buf`` (pieces of `width`).
-fn add_pieces<B: Backend, const N: usize>(be: &B, targets: [B::ViewMut<'_>; N], buf: &B::Buf, width: usize) {
-    for (i, target) in targets.into_iter().enumerate() {
-        be.add(target, be.view(buf, i * width..(i + 1) * width));
-    }
+    let (out, inp, residual) = (&mut a.res_mlp, &a.fch_gelu, &a.res_attn);
+    row_parallel_forward(be, (out, inp, residual), proj, TpPoint::MlpOutput, place, tp, exchange, layer)
 }
 
 /// Checkpointing: block `i` of the stage forward (the first time, or again in backward),

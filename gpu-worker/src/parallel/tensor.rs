@@ -61,7 +61,7 @@ use crate::model::gpt::{TensorParallelGroup, TpPoint};
 use crate::model::TpPlace;
 use crate::trace::now_us;
 
-/// One rank's tensor-parallel group: its communicator and the record of its all-reduces.
+/// One rank's tensor-parallel group: its communicator and the record of its collectives.
 pub struct TensorParallel {
     comm: Box<dyn Communicator>,
     step: u64,

@@ -23,9 +23,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use distlab_common::planner::OFFLOAD_PIECE_ELEMENTS;
 use distlab_common::trace::RankTrace;
 use distlab_common::{
-    BackendKind, CheckpointWrite, ExperimentSpec, FieldError, Precision, RunEvent, RunSummary, ValidSpec,
+    BackendKind, CheckpointWrite, ExperimentSpec, FieldError, Offload, Precision, RunEvent, RunSummary, ValidSpec,
 };
 
 use crate::backend::{CpuBackend, Stored};
@@ -111,8 +112,8 @@ pub fn unsupported_features(spec: &ExperimentSpec) -> Vec<String> {
 }
 
 /// Bytes the engine allocates for `spec` on one rank at most: parameters, gradients,
-/// optimizer state (all counted whole, fp32 master weights included) and activations;
-/// what [`train`] checks against the available memory.
+/// optimizer state (all counted whole, fp32 master weights included, unless offloaded) and
+/// activations; what [`train`] checks against the available memory.
 pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
     let params = spec.model.param_count();
     let (model_bytes, master) = match spec.train.precision {
@@ -130,8 +131,15 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
         spec.train.attention,
         spec.parallel.sequence_parallel,
     ) as u64;
+    // ZeRO-Offload: the state leaves the device (a disk state's piece stays in host memory,
+    // which is the CPU backend's device).
+    let optimizer_params = match (spec.parallel.offload, spec.backend) {
+        (Offload::None, _) => params,
+        (Offload::Disk, BackendKind::Cpu) => params.min(OFFLOAD_PIECE_ELEMENTS as u64),
+        (Offload::Host | Offload::Disk, _) => 0,
+    };
     let model = model_bytes.saturating_mul(params.saturating_mul(2).saturating_add(activations));
-    model.saturating_add(params.saturating_mul(4 * optimizer_states))
+    model.saturating_add(optimizer_params.saturating_mul(4 * optimizer_states))
 }
 
 /// Memory the kernel reports as available (Linux `MemAvailable`), when it can be read.

@@ -121,7 +121,7 @@ impl<B: TrainBackend> Trainer<B> {
         let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
         let tp_rank = groups.tp.as_ref().map_or(0, |g| g.place().rank);
         let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<B>>);
-        let sequence_parallel = spec.parallel.sequence_parallel && spec.parallel.tp > 1;
+        let sequence_parallel = spec.parallel.splits_sequence();
         let saved = Saved { checkpointing: t.checkpointing, attention: t.attention, sequence_parallel };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
@@ -131,10 +131,7 @@ impl<B: TrainBackend> Trainer<B> {
             Offload::Disk => OffloadTo::Disk(groups.offload_dir.unwrap_or_else(default_offload_dir)),
         };
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp, &offload)?;
-        // What a stage sends on: its output, this rank's tokens' with sequence parallelism.
-        let tokens = t.micro_batch * spec.model.seq_len / if sequence_parallel { spec.parallel.tp } else { 1 };
-        let activation = tokens * spec.model.d_model;
-        let links = groups.pp.map(|g| PipelineLinks::new(g, activation, &memory));
+        let links = groups.pp.map(|g| PipelineLinks::new(g, model.stage_output_len(), &memory));
         let tokens = spec.train.micro_batch * spec.model.seq_len;
         memory.mark_start_up();
         Ok(Self {

@@ -1,0 +1,153 @@
+//! Megatron sequence parallelism (Korthikanti et al. 2022), the model's side: which
+//! tokens a tensor-parallel rank keeps of the LayerNorm and residual regions, the buffers
+//! their exchanges go through, and the exchanges themselves. Where a block crosses from
+//! the split region into the tensor-parallel one and back:
+//!
+//! ```text
+//!   LayerNorm (own tokens) -> gather_tokens (all-gather) -> column-parallel matmul
+//!   row-parallel matmul -> row_parallel_forward (reduce-scatter, + own residual)
+//!   backward: the output gradient gathered (gather_tokens), the LayerNorm output
+//!   gathered again for the weight gradient, its gradient reduce-scattered (sum_input_grad)
+//! ```
+//!
+//! Without sequence parallelism the same functions are tensor parallelism's f and g:
+//! identity and all-reduce. `gpt.rs` calls them.
+
+use std::ops::Range;
+
+use crate::backend::Backend;
+use crate::comm::{CommError, InPlace, ReduceOp};
+use crate::model::gpt::{TensorParallelGroup, TpPoint};
+
+/// Sequence parallelism: this rank's share of a micro-batch's tokens (rows `start ..
+/// start + len` of every (tokens x width) tensor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tokens {
+    pub start: usize,
+    pub len: usize,
+}
+
+impl Tokens {
+    /// Its elements in a (tokens x `width`) buffer.
+    pub fn of(self, width: usize) -> Range<usize> {
+        self.start * width..(self.start + self.len) * width
+    }
+}
+
+/// Sequence parallelism's buffers, shared by every block (one micro-batch at a time).
+pub struct Exchange<Buf> {
+    /// A LayerNorm output gathered whole (b*s x d) for a column-parallel matmul.
+    pub gathered: Buf,
+    /// A row-parallel output before its reduce-scatter, the embedding output before each
+    /// rank keeps its tokens'; in backward an output gradient (or the embedding output's)
+    /// gathered whole (b*s x d).
+    pub full: Buf,
+    /// A block's LayerNorm parameter gradients from this rank's tokens (ln1 g, b, ln2 g, b).
+    pub ln_grads: Buf,
+    /// The final LayerNorm's (last stage only).
+    pub lnf_grads: Option<Buf>,
+}
+
+/// A row-parallel linear layer's `out = inp · W + b + residual`, every rank's partial
+/// product summed (`point` names the sum): whole (g: all-reduce; rank 0 alone adds the
+/// bias and the residual so the sum counts them once), or with sequence parallelism
+/// reduce-scattered so each rank gets its own tokens' sums, to which it adds its own
+/// tokens' residual.
+#[allow(clippy::too_many_arguments)]
+pub fn row_parallel_forward<B: Backend>(
+    be: &B,
+    (out, inp, residual): (&mut B::Buf, &B::Buf, &B::Buf),
+    (weight, bias, c_in): (B::View<'_>, B::View<'_>, usize),
+    point: TpPoint,
+    (c, lead, mine): (usize, bool, Option<Tokens>),
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
+    layer: usize,
+) -> Result<(), CommError> {
+    let bias = lead.then_some(bias);
+    match (exchange, mine, tp) {
+        (Some(e), Some(mine), Some(tp)) => {
+            be.matmul_forward(be.all_mut(&mut e.full), be.all(inp), weight, bias, None, c_in, c);
+            tp.collective(be, &mut e.full, InPlace::ReduceScatter(ReduceOp::Sum), point, Some(layer))?;
+            be.copy(be.all_mut(out), be.view(&e.full, mine.of(c)));
+            be.add(be.all_mut(out), be.all(residual));
+        }
+        (_, _, tp) => {
+            let residual = lead.then(|| be.all(residual));
+            be.matmul_forward(be.all_mut(out), be.all(inp), weight, bias, residual, c_in, c);
+            if let Some(tp) = tp {
+                tp.collective(be, out, InPlace::AllReduce(ReduceOp::Sum), point, Some(layer))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sequence parallelism's buffer for gathered LayerNorm outputs, if any.
+pub fn gathered<Buf>(exchange: &mut Option<Exchange<Buf>>) -> Option<&mut Buf> {
+    exchange.as_mut().map(|e| &mut e.gathered)
+}
+
+/// A (tokens x `c`) tensor whole: `local` itself, or with sequence parallelism (`mine`)
+/// `local`, this rank's tokens, put in its place in `whole` and every other rank's
+/// gathered around it (all-gather).
+#[allow(clippy::too_many_arguments)]
+pub fn gather_tokens<'a, B: Backend>(
+    be: &B,
+    local: &'a B::Buf,
+    whole: Option<&'a mut B::Buf>,
+    mine: Option<Tokens>,
+    c: usize,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    point: TpPoint,
+    layer: Option<usize>,
+) -> Result<&'a B::Buf, CommError> {
+    let (Some(whole), Some(mine), Some(tp)) = (whole, mine, tp.as_mut()) else { return Ok(local) };
+    be.copy(be.view_mut(whole, mine.of(c)), be.all(local));
+    tp.collective(be, whole, InPlace::AllGather, point, layer)?;
+    Ok(whole)
+}
+
+/// The gradient of a LayerNorm output, from every rank's partial `grad` (tokens x `c`,
+/// through its heads or hidden units): summed whole (f: all-reduce), or with sequence
+/// parallelism only this rank's tokens' sums (reduce-scatter). Returns where in `grad`
+/// it is.
+pub fn sum_input_grad<B: Backend>(
+    be: &B,
+    grad: &mut B::Buf,
+    mine: Option<Tokens>,
+    c: usize,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    point: TpPoint,
+    layer: usize,
+) -> Result<Range<usize>, CommError> {
+    let whole = 0..be.buf_len(grad);
+    let Some(tp) = tp.as_mut() else { return Ok(whole) };
+    match mine {
+        Some(mine) => {
+            tp.collective(be, grad, InPlace::ReduceScatter(ReduceOp::Sum), point, Some(layer))?;
+            Ok(mine.of(c))
+        }
+        None => {
+            tp.collective(be, grad, InPlace::AllReduce(ReduceOp::Sum), point, Some(layer))?;
+            Ok(whole)
+        }
+    }
+}
+
+/// `buf`, `N` pieces of `width` one after another, as N views.
+pub fn pieces<'a, B: Backend, const N: usize>(be: &B, buf: &'a mut B::Buf, width: usize) -> [B::ViewMut<'a>; N] {
+    let mut rest = Some(be.all_mut(buf));
+    std::array::from_fn(|_| {
+        let (piece, tail) = be.split_mut(rest.take().expect("one piece at a time"), width);
+        rest = Some(tail);
+        piece
+    })
+}
+
+/// Adds piece i of `buf` (pieces of `width`) into `targets[i]`.
+pub fn add_pieces<B: Backend, const N: usize>(be: &B, targets: [B::ViewMut<'_>; N], buf: &B::Buf, width: usize) {
+    for (i, target) in targets.into_iter().enumerate() {
+        be.add(target, be.view(buf, i * width..(i + 1) * width));
+    }
+}
