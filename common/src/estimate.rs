@@ -610,20 +610,7 @@ mod tests {
     /// activation checkpointing of every block, 1F1B, micro-batch 1, 25 MiB buckets.
     fn megatron_spec(model: ModelSpec, dp: usize, tp: usize, pp: usize, micro_batches: usize) -> ExperimentSpec {
         let mut spec = ExperimentSpec { model, ..ExperimentSpec::default() };
-        spec.parallel = ParallelSpec {
-            dp,
-            tp,
-            pp,
-            sharding: Sharding::None,
-            pp_schedule: PpSchedule::OneFOneB,
-            bucket_bytes: 25 << 20,
-            prefetch: false,
-            comm_dtype: Precision::Fp32,
-            offload: Offload::None,
-            sequence_parallel: false,
-            allreduce: AllReduce::Ring,
-            ranks_per_node: 2,
-        };
+        spec.parallel = ParallelSpec { dp, tp, pp, bucket_bytes: 25 << 20, ..ParallelSpec::default() };
         spec.train.precision = Precision::Bf16;
         spec.train.optimizer = Optimizer::Adamw;
         spec.train.micro_batch = 1;

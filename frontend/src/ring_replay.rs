@@ -102,14 +102,14 @@ fn steps_of<'a>(
     })
 }
 
-/// Whether every step `rank` recorded of `record` is a ring step (an all-reduce by another
-/// algorithm, `parallel.allreduce`, sends along a tree, a star or rings inside nodes: the
-/// replay does not draw those).
-fn only_ring_steps(rank: u32, record: &CollectiveRecord, steps: &[RingStep]) -> bool {
+/// Whether the `ring_steps` of `record` (see [`steps_of`]) are every step `rank` recorded
+/// of it (an all-reduce by another algorithm, `parallel.allreduce`, sends along a tree, a
+/// star or rings inside nodes: the replay does not draw those).
+fn only_ring_steps(rank: u32, record: &CollectiveRecord, steps: &[RingStep], ring_steps: usize) -> bool {
     let of_record = steps.iter().filter(|s| {
         s.collective == record.id && s.from == rank && s.start_us >= record.start_us && s.start_us <= record.end_us
     });
-    of_record.count() == steps_of(rank, record, steps).count()
+    of_record.count() == ring_steps
 }
 
 /// Every ring collective of the trace recorded in detail, ordered by group and id.
@@ -122,11 +122,11 @@ pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
                 continue;
             }
             let key = CollectiveKey { group: record.group.clone(), id: record.id };
-            if !only_ring_steps(rank.rank, record, &rank.comm.steps) {
+            let steps: Vec<&RingStep> = steps_of(rank.rank, record, &rank.comm.steps).collect();
+            if !only_ring_steps(rank.rank, record, &rank.comm.steps, steps.len()) {
                 not_ring.push(key);
                 continue;
             }
-            let steps: Vec<&RingStep> = steps_of(rank.rank, record, &rank.comm.steps).collect();
             let info = found.entry(key.clone()).or_insert_with(|| CollectiveInfo {
                 key,
                 op: record.op,
