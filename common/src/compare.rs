@@ -194,7 +194,7 @@ fn busiest_comm(plan: &Plan) -> u64 {
 fn busiest_dp_comm(plan: &Plan) -> u64 {
     plan.stages
         .iter()
-        .map(|s| s.comm.dp_all_reduce + s.comm.dp_reduce_scatter + s.comm.dp_all_gather)
+        .map(|s| s.comm.dp_all_reduce + s.comm.dp_reduce_scatter + s.comm.dp_all_gather + s.comm.dp_compressed)
         .max()
         .unwrap_or(0)
 }

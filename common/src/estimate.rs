@@ -368,7 +368,9 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
     };
     let dp_axis = slowest_stage(axis(tp.saturating_mul(pp), dp), &|st| {
         let c = &st.comm;
-        let bytes = c.dp_all_reduce.saturating_add(c.dp_reduce_scatter).saturating_add(c.dp_all_gather);
+        let bytes = [c.dp_all_reduce, c.dp_reduce_scatter, c.dp_all_gather, c.dp_compressed]
+            .into_iter()
+            .fold(0u64, u64::saturating_add);
         (bytes, dp_messages(spec, st, micro_steps))
     });
     let tp_axis = slowest_stage(axis(1, tp), &|st| {

@@ -8,6 +8,7 @@ pub mod backends;
 pub mod cards;
 pub mod claims;
 pub mod compare;
+pub mod compression;
 pub mod estimate;
 pub mod events;
 pub mod memory;

@@ -31,6 +31,8 @@ pub enum MemoryCategory {
     /// The host copy of the rank's state a checkpoint is written from (kept for the next
     /// checkpoint to reuse). Measured only.
     Checkpoint,
+    /// Gradient compression: the error-feedback residual and PowerSGD's Q.
+    CompressionState,
     /// ZeRO-Offload: optimizer state kept off the device (host memory, or files on disk).
     /// Not device memory: not in [`ALL`](MemoryCategory::ALL), not in `total`.
     Offloaded,
@@ -39,7 +41,7 @@ pub enum MemoryCategory {
 impl MemoryCategory {
     /// Every category of device memory (all but `Offloaded`), model state first (the order
     /// bars stack them); `total` is their sum.
-    pub const ALL: [MemoryCategory; 10] = [
+    pub const ALL: [MemoryCategory; 11] = [
         MemoryCategory::Parameters,
         MemoryCategory::Gradients,
         MemoryCategory::OptimizerState,
@@ -47,6 +49,7 @@ impl MemoryCategory {
         MemoryCategory::Activations,
         MemoryCategory::ActivationGrads,
         MemoryCategory::CommBuffers,
+        MemoryCategory::CompressionState,
         MemoryCategory::Transient,
         MemoryCategory::Transport,
         MemoryCategory::Checkpoint,
@@ -54,8 +57,8 @@ impl MemoryCategory {
 
     /// Every category, device memory first, then `Offloaded`: what is compared with the
     /// planner and taken at its peak.
-    pub const EVERY: [MemoryCategory; 11] = {
-        let mut every = [MemoryCategory::Offloaded; 11];
+    pub const EVERY: [MemoryCategory; 12] = {
+        let mut every = [MemoryCategory::Offloaded; 12];
         let mut i = 0;
         while i < MemoryCategory::ALL.len() {
             every[i] = MemoryCategory::ALL[i];
@@ -78,6 +81,7 @@ impl MemoryCategory {
             MemoryCategory::Activations => "activations",
             MemoryCategory::ActivationGrads => "activation gradients",
             MemoryCategory::CommBuffers => "communication buffers",
+            MemoryCategory::CompressionState => "compression state",
             MemoryCategory::Transient => "transient (measured only)",
             MemoryCategory::Transport => "transport (measured only)",
             MemoryCategory::Checkpoint => "checkpoint copy (measured only)",
@@ -95,6 +99,7 @@ impl MemoryCategory {
             MemoryCategory::Activations => m.activations,
             MemoryCategory::ActivationGrads => m.activation_grads,
             MemoryCategory::CommBuffers => m.comm_buffers,
+            MemoryCategory::CompressionState => m.compression_state,
             MemoryCategory::Transient => m.transient,
             MemoryCategory::Transport => m.transport,
             MemoryCategory::Checkpoint => m.checkpoint,
@@ -112,6 +117,7 @@ impl MemoryCategory {
             MemoryCategory::Activations => &mut m.activations,
             MemoryCategory::ActivationGrads => &mut m.activation_grads,
             MemoryCategory::CommBuffers => &mut m.comm_buffers,
+            MemoryCategory::CompressionState => &mut m.compression_state,
             MemoryCategory::Transient => &mut m.transient,
             MemoryCategory::Transport => &mut m.transport,
             MemoryCategory::Checkpoint => &mut m.checkpoint,

@@ -46,6 +46,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::compression::{self, Compressor};
 use crate::spec::*;
 use crate::trace::chunk_range;
 use crate::validate::FieldError;
@@ -137,6 +138,10 @@ pub struct RankMemory {
     /// Measured only: the host copy of the rank's state its checkpoints are written from.
     #[serde(default)]
     pub checkpoint: u64,
+    /// Gradient compression: the error-feedback residual (one fp32 value per gradient
+    /// value) and PowerSGD's Q kept for the next step.
+    #[serde(default)]
+    pub compression_state: u64,
     /// ZeRO-Offload: the optimizer state kept off the device (host memory or disk), not
     /// counted in `total`.
     #[serde(default)]
@@ -160,6 +165,10 @@ pub struct CommVolume {
     pub tp_all_reduce: u64,
     /// Pipeline point-to-point sends: activations forward, their gradients backward.
     pub pp_send: u64,
+    /// DDP's gradients compressed (`parallel.grad_compression`) in place of `dp_all_reduce`:
+    /// top-k's and int8's all-gathers, PowerSGD's all-reduces of P and Q.
+    #[serde(default)]
+    pub dp_compressed: u64,
     pub total: u64,
 }
 
@@ -549,6 +558,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
                 state.optimizer_state,
             ),
         };
+        // Gradient compression: its residual and PowerSGD's Q, fp32 (DDP only, dp > 1).
+        let compressor =
+            Compressor { method: p.grad_compression, ratio: p.compression_ratio, rank: p.compression_rank };
+        let shapes = compression::stage_shapes(m, p.tp, layer_range.len(), first, last);
+        let compressing = dp > 1 && p.grad_compression != GradCompression::None;
+        let compression_state = if compressing { compressor.state_floats(&shapes) as u64 * 4 } else { 0 };
         let mut memory = RankMemory {
             parameters: state.parameters,
             gradients: state.gradients,
@@ -561,10 +576,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             transient: 0,
             transport: 0,
             checkpoint: 0,
+            compression_state,
             offloaded,
             total: 0,
         };
         memory.total = [
+            memory.compression_state,
             memory.parameters,
             memory.gradients,
             memory.optimizer_state,
@@ -595,6 +612,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             dp_wire_bytes: wire_bytes(p.comm_dtype),
             allreduce: p.allreduce,
             ranks_per_node: p.ranks_per_node,
+            compressed: compressing.then(|| compressor.bytes_sent(&shapes, p.dp)),
         });
         stages.push(StagePlan {
             stage: s,
@@ -704,6 +722,8 @@ struct StageCommInput {
     /// The gradient all-reduce's algorithm and `hierarchical`'s node size.
     allreduce: AllReduce,
     ranks_per_node: usize,
+    /// With gradient compression: the bytes its messages take, in place of the all-reduce.
+    compressed: Option<u64>,
 }
 
 /// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
@@ -711,7 +731,8 @@ struct StageCommInput {
 ///
 /// - none (DDP): one gradient all-reduce per step (accumulation runs without sync):
 ///   2(W-1)/W * N * grad bytes round the ring; with `allreduce` naive, tree or hierarchical
-///   the busiest rank's bytes (`all_reduce.rs`: rank 0's (W-1) * N for naive);
+///   the busiest rank's bytes (`all_reduce.rs`: rank 0's (W-1) * N for naive); with
+///   `grad_compression` its messages instead (`compression.rs`);
 /// - zero1: DDP's gradient all-reduce (2(W-1)/W * N; every rank keeps the full gradient),
 ///   then each rank updates its shard and the ranks all-gather the parameters:
 ///   (W-1)/W * N;
@@ -758,7 +779,10 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
         }
     };
     match c.sharding {
-        Sharding::None => v.dp_all_reduce = all_reduce,
+        Sharding::None => match c.compressed {
+            Some(bytes) => v.dp_compressed = bytes,
+            None => v.dp_all_reduce = all_reduce,
+        },
         Sharding::Zero1 => {
             v.dp_all_reduce = all_reduce;
             v.dp_all_gather = params_ag;
@@ -790,7 +814,7 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
     v.tp_all_reduce = if c.tp > 1 { per_micro_batch.saturating_mul(c.micro_steps) } else { 0 };
     let sends = u64::from(!c.last) + u64::from(!c.first);
     v.pp_send = c.res_d.saturating_mul(WIRE_BYTES).saturating_mul(sends).saturating_mul(c.micro_steps);
-    v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send]
+    v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send, v.dp_compressed]
         .into_iter()
         .fold(0u64, u64::saturating_add);
     v

@@ -119,6 +119,42 @@ pub struct ParallelSpec {
     /// `allreduce: hierarchical`: ranks per "node" (consecutive DP ranks); a ring inside
     /// each node, one across the nodes' leaders.
     pub ranks_per_node: usize,
+    /// DDP's gradients compressed before they cross the wire, with error feedback
+    /// (`parallel/compression.rs`).
+    pub grad_compression: GradCompression,
+    /// `grad_compression: topk`: the share of each gradient tensor's values sent (0 to 1].
+    pub compression_ratio: f64,
+    /// `grad_compression: powersgd`: the rank of each matrix's approximation.
+    pub compression_rank: usize,
+}
+
+/// How DDP's gradients are compressed on the wire; what each loses is kept on the rank
+/// (error feedback) and added to the next step's gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradCompression {
+    /// fp32 values, all-reduced round the ring.
+    None,
+    /// Each tensor's `compression_ratio` largest values (by magnitude) and their indices,
+    /// all-gathered and added up.
+    Topk,
+    /// Each tensor as 8-bit integers with one fp32 scale, all-gathered and added up.
+    Int8,
+    /// Each matrix as a rank-`compression_rank` product P Q^T, P and Q all-reduced
+    /// (Vogels et al., 2019); vectors all-reduced whole.
+    Powersgd,
+}
+
+impl GradCompression {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GradCompression::None => "none",
+            GradCompression::Topk => "topk",
+            GradCompression::Int8 => "int8",
+            GradCompression::Powersgd => "powersgd",
+        }
+    }
 }
 
 /// An all-reduce algorithm (`comm/all_reduce.rs`).
@@ -334,6 +370,9 @@ impl Default for ParallelSpec {
             sequence_parallel: false,
             allreduce: AllReduce::Ring,
             ranks_per_node: 2,
+            grad_compression: GradCompression::None,
+            compression_ratio: 0.01,
+            compression_rank: 4,
         }
     }
 }

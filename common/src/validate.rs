@@ -270,6 +270,7 @@ impl ExperimentSpec {
                 ),
             );
         }
+        self.check_compression(&mut err);
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",
@@ -346,6 +347,73 @@ impl ExperimentSpec {
             Ok(())
         } else {
             Err(errs)
+        }
+    }
+}
+
+impl ExperimentSpec {
+    /// `parallel.grad_compression` and its settings: DDP's gradient all-reduce on the ring
+    /// is what a compressor replaces, and its error-feedback residual is not checkpointed.
+    fn check_compression(&self, err: &mut impl FnMut(&str, String)) {
+        let p = &self.parallel;
+        let ratio = p.compression_ratio;
+        if !(ratio > 0.0 && ratio <= 1.0) {
+            err(
+                "parallel.compression_ratio",
+                format!("compression_ratio is the share of each gradient tensor top-k sends: above 0, at most 1 (it is {ratio})"),
+            );
+        }
+        in_range(err, "parallel.compression_rank", p.compression_rank, 1, 64, "compression_rank");
+        let method = p.grad_compression;
+        if method == GradCompression::None {
+            return;
+        }
+        let name = method.as_str();
+        let mut refuse = |field: &str, why: String| err(field, format!("grad_compression={name}: {why}"));
+        if p.dp < 2 {
+            refuse(
+                "parallel.grad_compression",
+                format!("compresses what DDP's ranks exchange; it needs dp >= 2 (it is {})", p.dp),
+            );
+        }
+        if p.sharding != Sharding::None {
+            refuse(
+                "parallel.grad_compression",
+                format!(
+                    "compresses DDP's gradient all-reduce; sharding={} sums the gradients another way",
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        if p.allreduce != AllReduce::Ring {
+            refuse(
+                "parallel.grad_compression",
+                format!("replaces the all-reduce itself; leave allreduce=ring (it is {})", p.allreduce.as_str()),
+            );
+        }
+        if p.comm_dtype != Precision::Fp32 {
+            refuse(
+                "parallel.comm_dtype",
+                "the compressed messages cross the wire as they are: use comm_dtype=fp32".into(),
+            );
+        }
+        if self.train.checkpoint_every > 0 {
+            refuse(
+                "train.checkpoint_every",
+                "the error-feedback residual is not saved in checkpoints yet, so a resumed run would not continue \
+                 the same training: use checkpoint_every=0"
+                    .into(),
+            );
+        }
+        if self.train.loss_scaling == LossScaling::Dynamic {
+            refuse(
+                "train.loss_scaling",
+                "the error-feedback residual would mix gradients scaled by different loss scales: use bf16, or fp32"
+                    .into(),
+            );
+        }
+        if self.demo.is_some() {
+            refuse("demo", "the collective demos exchange plain vectors, not gradients".into());
         }
     }
 }
@@ -437,6 +505,27 @@ mod tests {
                 vec![("parallel.allreduce", "runs on the ring only")],
             ),
             (json!({"parallel": {"ranks_per_node": 0}}), vec![("parallel.ranks_per_node", "between 1 and 8")]),
+            (
+                json!({"parallel": {"grad_compression": "topk", "compression_ratio": 0.0}}),
+                vec![
+                    ("parallel.compression_ratio", "above 0, at most 1 (it is 0)"),
+                    ("parallel.grad_compression", "needs dp >= 2 (it is 1)"),
+                ],
+            ),
+            (
+                json!({"parallel": {"dp": 2, "grad_compression": "powersgd", "compression_rank": 0, "sharding": "zero1"}}),
+                vec![
+                    ("parallel.compression_rank", "between 1 and 64 (it is 0)"),
+                    (
+                        "parallel.grad_compression",
+                        "grad_compression=powersgd: compresses DDP's gradient all-reduce; sharding=zero1",
+                    ),
+                ],
+            ),
+            (
+                json!({"parallel": {"dp": 2, "grad_compression": "int8"}, "train": {"checkpoint_every": 5}}),
+                vec![("train.checkpoint_every", "error-feedback residual is not saved")],
+            ),
             (
                 json!({"parallel": {"sequence_parallel": true}}),
                 vec![("parallel.sequence_parallel", "it needs tp >= 2 (it is 1)")],

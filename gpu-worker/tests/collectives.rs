@@ -299,3 +299,56 @@ fn every_all_reduce_algorithm_sums_exactly_and_sends_its_formula() {
         }
     }
 }
+
+#[test]
+fn every_compressor_leaves_each_rank_the_same_sum_keeps_what_it_did_not_send_and_sends_its_formula() {
+    use distlab_common::compression::Compressor as Settings;
+    use distlab_common::GradCompression;
+    use distlab_worker::memory::MemoryTracker;
+    use distlab_worker::parallel::compression::{BucketTensor, Compressor};
+
+    // A 12 x 20 matrix and a vector of 12 in one bucket.
+    let tensors = vec![BucketTensor { at: 0, rows: 12, cols: 20 }, BucketTensor { at: 240, rows: 1, cols: 12 }];
+    let (shapes, len) = ([(12, 20), (1, 12)], 252);
+    for method in [GradCompression::Topk, GradCompression::Int8, GradCompression::Powersgd] {
+        for world in 1..=4 {
+            let settings = Settings { method, ratio: 0.1, rank: 2 };
+            let tensors = tensors.clone();
+            let results = on_ranks(world, move |rank, comm| {
+                let mut compressor = Compressor::new(settings, vec![tensors.clone()], &MemoryTracker::new());
+                (0..3)
+                    .map(|step| {
+                        let mut grads: Vec<f32> = (0..len).map(|i| value(rank, i * (step + 1))).collect();
+                        let acc: Vec<f32> = grads.iter().zip(compressor.residual(0)).map(|(g, e)| g + e).collect();
+                        let before = comm.bytes_sent();
+                        compressor.exchange(comm, 0, &mut grads).unwrap();
+                        (acc, grads, compressor.residual(0).to_vec(), comm.bytes_sent() - before)
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let what = format!("{method:?} W={world}");
+            for step in 0..3 {
+                let sum = &results[0][step].1;
+                assert!(results.iter().all(|r| &r[step].1 == sum), "{what} step {step}: ranks disagree");
+                // Error feedback: what was summed plus what every rank kept is every rank's input.
+                for (i, summed) in sum.iter().enumerate() {
+                    let input: f32 = results.iter().map(|r| r[step].0[i]).sum();
+                    let kept: f32 = results.iter().map(|r| r[step].2[i]).sum();
+                    let what = format!("{what} step {step} [{i}]: {summed} + {kept} != {input}");
+                    assert!((summed + kept - input).abs() < 1e-3, "{what}");
+                }
+                let sent: Vec<u64> = results.iter().map(|r| r[step].3).collect();
+                // (PowerSGD's ring all-reduces send the formula when W divides their lengths,
+                // 36 and 40 floats; at most it otherwise)
+                let formula = settings.bytes_sent(&shapes, world);
+                if world == 3 && method == GradCompression::Powersgd {
+                    assert!(sent.iter().all(|&s| s <= formula && s + 8 * 4 >= formula), "{what}: bytes {sent:?}");
+                } else {
+                    assert!(sent.iter().all(|&s| s == formula), "{what}: bytes {sent:?} against {formula}");
+                }
+            }
+            // Something was compressed away (not a plain all-reduce).
+            assert!(results[0].iter().any(|(_, _, kept, _)| kept.iter().any(|&e| e != 0.0)), "{what}");
+        }
+    }
+}

@@ -158,6 +158,13 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
         Category::Transient | Category::Transport | Category::Checkpoint => {
             "measured only: the planner does not predict it".into()
         }
+        Category::CompressionState => format!(
+            "the planner counts one fp32 residual per gradient value and PowerSGD's Q per matrix, with \
+             grad_compression set and dp > 1 (this run: grad_compression={}, dp={}); the engine {}",
+            p.grad_compression.as_str(),
+            p.dp,
+            if more { "kept more" } else { "kept less" }
+        ),
         Category::CommBuffers => {
             let held = if more { "held more" } else { "held less" };
             let pipeline = if p.pp > 1 {

@@ -176,6 +176,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
     if result.is_ok() {
         result = sequence_parallel_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = compression_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-memory.png").await;
     }
@@ -932,6 +935,39 @@ async fn offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(planned > 2 << 20 && measured.is_some_and(|m| m.ends_with("MiB")), "{planned} B planned: {line}");
     ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
     save_element(c, "#memory-card", "offload-memory.png").await?;
+    Ok(())
+}
+
+/// PowerSGD on DDP's gradients: the form offers gradient compression; on the run's page
+/// the timeline names each bucket's compressed exchange and the memory card shows the
+/// error-feedback residual, measured equal to the planner's.
+async fn compression_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    ensure!(value_of(c, "parallel.grad_compression").await? == "none", "the form offers parallel.grad_compression");
+    let mut spec = distlab_tests::quick_spec("ddp with PowerSGD", 6);
+    spec.parallel.dp = 2;
+    spec.parallel.grad_compression = distlab_common::GradCompression::Powersgd;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the compressed run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the timeline", Duration::from_secs(30), || exists(c, "#timeline .lane-label")).await?;
+    let titles = js(
+        c,
+        "return Array.from(document.querySelectorAll('#timeline .span title')).map(t => t.textContent).join('\\n');",
+        "",
+    )
+    .await?;
+    let titles = titles.as_str().unwrap_or_default();
+    ensure!(titles.contains("powersgd bucket 0"), "compressed buckets on the timeline: {titles:.400}");
+    let memory = "#memory-card .memory-rank[data-rank='1'] .memory-equal";
+    wait_for(c, "the memory card", Duration::from_secs(30), || exists(c, memory)).await?;
+    ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
+    let legend = text(c, "#memory-card").await?;
+    ensure!(legend.contains("compression"), "the residual's category on the memory card: {legend:.600}");
+    save_element(c, "#memory-card", "compression-memory.png").await?;
+    save_element(c, "#timeline-card", "compression-timeline.png").await?;
     Ok(())
 }
 

@@ -51,6 +51,11 @@ pub fn next_state(prev: Option<&PlanState>, spec: Option<&ExperimentSpec>) -> Pl
 pub fn comm_rows(c: &CommVolume) -> Vec<(&'static str, &'static str, u64)> {
     [
         ("dp all-reduce", "gradients (DDP, ZeRO-1)", c.dp_all_reduce),
+        (
+            "dp compressed",
+            "gradients compressed (top-k, int8: all-gather; PowerSGD: all-reduce of P and Q)",
+            c.dp_compressed,
+        ),
         ("dp reduce-scatter", "gradients (ZeRO-2, FSDP)", c.dp_reduce_scatter),
         ("dp all-gather", "parameters (ZeRO after the update, FSDP before forward and backward)", c.dp_all_gather),
         ("tp all-reduce", "activations and their gradients", c.tp_all_reduce),

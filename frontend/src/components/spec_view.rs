@@ -77,6 +77,18 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
                 format!(" · hierarchical all-reduce, {} ranks per node", p.ranks_per_node)
             }
             other => format!(" · {} all-reduce", other.as_str()),
+        } + &match p.grad_compression {
+            distlab_common::GradCompression::None => String::new(),
+            distlab_common::GradCompression::Topk => {
+                format!(
+                    " · top-k compression ({} of each tensor) with error feedback",
+                    format::num(p.compression_ratio)
+                )
+            }
+            distlab_common::GradCompression::Int8 => " · int8 compression with error feedback".into(),
+            distlab_common::GradCompression::Powersgd => {
+                format!(" · PowerSGD compression (rank {}) with error feedback", p.compression_rank)
+            }
         }
     );
     let batch = format!(

@@ -140,6 +140,13 @@ const SECTIONS: &[SectionDef] = &[
             ),
             f("parallel.ranks_per_node", Kind::Int, "hierarchical: ranks per node (a ring inside, one across)"),
             f(
+                "parallel.grad_compression",
+                Kind::Choice(&["none", "topk", "int8", "powersgd"]),
+                "DDP's gradients compressed on the wire, what is not sent kept for the next step",
+            ),
+            f("parallel.compression_ratio", Kind::Float, "topk: share of each tensor's values sent"),
+            f("parallel.compression_rank", Kind::Int, "powersgd: rank of each matrix's approximation"),
+            f(
                 "parallel.offload",
                 Kind::Choice(&["none", "host", "disk"]),
                 "ZeRO-Offload: optimizer state and its update off the device (host: cuda only)",
@@ -210,6 +217,9 @@ fn training_only(path: &str) -> bool {
                 | "parallel.sequence_parallel"
                 | "parallel.allreduce"
                 | "parallel.ranks_per_node"
+                | "parallel.grad_compression"
+                | "parallel.compression_ratio"
+                | "parallel.compression_rank"
         )
 }
 

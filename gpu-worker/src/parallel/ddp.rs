@@ -22,9 +22,11 @@ use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
+use distlab_common::compression::Compressor as Settings;
 use distlab_common::trace::{lane, Span, SpanKind};
-use distlab_common::{ExperimentSpec, Precision, Sharding};
+use distlab_common::{ExperimentSpec, GradCompression, Precision, Sharding};
 
+use super::compression::{BucketTensor, Compressor};
 use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
@@ -134,7 +136,16 @@ impl<B: TrainBackend> Replicated<B> {
                     GradientSum::InPlace(InPlaceSync::new(g.grads, &backward_units, bucket_bytes))
                 } else {
                     let wire = spec.parallel.comm_dtype;
-                    GradientSum::Thread(GradSync::new(g.grads, &backward_units, bucket_bytes, wire, memory)?)
+                    let compression = match spec.parallel.grad_compression {
+                        GradCompression::None => None,
+                        method => {
+                            let p = &spec.parallel;
+                            let settings = Settings { method, ratio: p.compression_ratio, rank: p.compression_rank };
+                            Some((settings, BucketTensor::of_range(layout, &range)))
+                        }
+                    };
+                    let sync = GradSync::new(g.grads, &backward_units, bucket_bytes, wire, compression, memory)?;
+                    GradientSum::Thread(sync)
                 },
                 scalars: g.scalars,
             }),
@@ -369,11 +380,12 @@ impl BucketPlan {
     }
 }
 
-/// A span on the data-parallel communication lane for bucket `bucket` (`len` floats).
-fn bucket_span(bucket: usize, len: usize, step: u64, start_us: u64, bytes_sent: u64) -> Span {
+/// A span on the data-parallel communication lane for bucket `bucket` (`len` floats),
+/// summed by `how` (all_reduce, or a compressor's name).
+fn bucket_span(how: &str, bucket: usize, len: usize, step: u64, start_us: u64, bytes_sent: u64) -> Span {
     Span {
         kind: SpanKind::Comm,
-        name: format!("all_reduce bucket {bucket} ({:.2} MiB)", (len * 4) as f64 / (1 << 20) as f64),
+        name: format!("{how} bucket {bucket} ({:.2} MiB)", (len * 4) as f64 / (1 << 20) as f64),
         step,
         lane: lane::COMM.into(),
         start_us,
@@ -426,7 +438,7 @@ impl InPlaceSync {
         if self.record {
             be.synchronize();
             let sent = self.comm.bytes_sent() - sent_before;
-            self.spans.push(bucket_span(b, range.len(), self.step, start, sent));
+            self.spans.push(bucket_span("all_reduce", b, range.len(), self.step, start, sent));
         }
         Ok(())
     }
@@ -465,17 +477,23 @@ pub struct GradSync {
 impl GradSync {
     /// Allocates the bucket buffers (a collective: every rank of the group calls it) and
     /// moves `comm` (the data-parallel group) onto a new communication thread, where the
-    /// buckets cross the wire as `wire` says.
+    /// buckets cross the wire as `wire` says, or compressed as `compression` says (its
+    /// settings and the gradient's tensors).
     pub fn new(
         mut comm: Box<dyn Communicator>,
         units: &[Range<usize>],
         bucket_bytes: u64,
         wire: Precision,
+        compression: Option<(Settings, Vec<BucketTensor>)>,
         memory: &Arc<MemoryTracker>,
     ) -> Result<Self, CommError> {
         comm.set_wire(wire);
         let plan = BucketPlan::new(units, bucket_bytes);
         let buckets = &plan.buckets;
+        let compressor = compression.map(|(settings, tensors)| {
+            let ranges: Vec<Range<usize>> = buckets.iter().map(|b| b.range.clone()).collect();
+            Compressor::new(settings, BucketTensor::per_bucket(&tensors, &ranges), memory)
+        });
         let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;
         let receipts = buckets.iter().map(|b| memory.alloc_shared(Category::CommBuffers, b.range.len())).collect();
         let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
@@ -483,7 +501,7 @@ impl GradSync {
         let sizes: Vec<usize> = buckets.iter().map(|b| b.range.len()).collect();
         let comm_thread = std::thread::Builder::new()
             .name("ddp-comm".into())
-            .spawn(move || communication_thread(comm, comm_rx, comm_tx, sizes))
+            .spawn(move || communication_thread(comm, compressor, comm_rx, comm_tx, sizes))
             .expect("spawn the DDP communication thread");
         Ok(Self {
             plan,
@@ -587,14 +605,18 @@ impl Drop for GradSync {
 
 fn communication_thread(
     mut comm: Box<dyn Communicator>,
+    mut compressor: Option<Compressor>,
     rx: mpsc::Receiver<InFlight>,
     tx: mpsc::Sender<Reduced>,
     sizes: Vec<usize>,
 ) {
     for InFlight { bucket, mut data } in rx {
         let (start_us, sent_before) = (now_us(), comm.bytes_sent());
-        let result = comm.all_reduce(&mut data, ReduceOp::Sum);
-        let span = bucket_span(bucket, sizes[bucket], 0, start_us, comm.bytes_sent() - sent_before);
+        let (result, how) = match &mut compressor {
+            Some(c) => (c.exchange(comm.as_mut(), bucket, &mut data), c.name()),
+            None => (comm.all_reduce(&mut data, ReduceOp::Sum), "all_reduce"),
+        };
+        let span = bucket_span(how, bucket, sizes[bucket], 0, start_us, comm.bytes_sent() - sent_before);
         let failed = result.is_err();
         if tx.send(Reduced { bucket, data, span, result }).is_err() || failed {
             break;

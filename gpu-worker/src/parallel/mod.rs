@@ -7,11 +7,14 @@
 //! * `sharded.rs`: ZeRO-2 (gradients and optimizer state sharded) and FSDP / ZeRO-3
 //!   (parameters too, gathered one unit at a time); `prefetch.rs`: FSDP's next gather
 //!   on a communication thread while the current unit computes.
+//! * `compression.rs`: DDP's gradients compressed on the wire (top-k, int8, PowerSGD)
+//!   with error feedback.
 //! * `shard.rs`: which piece of every unit a rank owns.
 //! * `pipeline.rs` + `schedule.rs`: pipeline stages and the GPipe / 1F1B schedules.
 //! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
 //! * `mesh.rs`: the dp x tp x pp topology that hands every rank its groups.
 
+pub mod compression;
 pub mod ddp;
 pub mod mesh;
 pub mod pipeline;
