@@ -17,6 +17,7 @@ pub mod planner;
 pub mod presets;
 pub mod review;
 pub mod scale_down;
+pub mod schedule;
 pub mod spec;
 pub mod trace;
 pub mod validate;

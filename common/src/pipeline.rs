@@ -1,8 +1,11 @@
 //! The pipeline schedule's math, plain Rust and unit-tested: which forward and
-//! backward boxes each stage ran in one step, and the measured bubble next to the
-//! formula (P-1)/(M+P-1).
+//! backward boxes each stage ran in one step, the measured bubble next to the
+//! formula (P-1)/(M+P-1), and the step replayed as if every stage had a device of its own
+//! ([`project`]).
 
-use crate::trace::{RankTrace, Span, SpanKind};
+use crate::schedule::{schedule, Action};
+use crate::spec::PpSchedule;
+use crate::trace::{lane, RankTrace, Span, SpanKind};
 
 /// The analytic bubble of a pipeline with `stages` stages and `micro_batches`
 /// micro-batches per step: (P-1)/(M+P-1).
@@ -78,6 +81,129 @@ pub fn measured_bubble(rows: &[StageRow]) -> Option<Bubble> {
     Some(Bubble { window: (start, end), per_rank, overall })
 }
 
+/// One stage's pass durations (µs): a forward and a backward of one micro-batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageDurations {
+    pub forward: u64,
+    pub backward: u64,
+}
+
+/// Every stage's median forward and median backward in `rows` (over all its ranks, its dp
+/// and tp replicas, and all micro-batches: a pass that lost its core to another rank for a
+/// while is an outlier the median leaves out); None when a stage recorded no forward or no
+/// backward.
+pub fn stage_durations(rows: &[StageRow], stage_of: &[usize], stages: usize) -> Option<Vec<StageDurations>> {
+    (0..stages)
+        .map(|stage| {
+            let median = |kind: SpanKind| {
+                let mut took: Vec<u64> = rows
+                    .iter()
+                    .zip(stage_of)
+                    .filter(|(_, &s)| s == stage)
+                    .flat_map(|(r, _)| r.spans.iter().filter(|s| s.kind == kind))
+                    .map(|s| s.end_us.saturating_sub(s.start_us))
+                    .collect();
+                took.sort_unstable();
+                took.get(took.len() / 2).copied()
+            };
+            Some(StageDurations { forward: median(SpanKind::Forward)?, backward: median(SpanKind::Backward)? })
+        })
+        .collect()
+}
+
+/// The step of `micro_batches` replayed from `durations` (one per stage) as if every stage ran on a device of
+/// its own with nothing else on it and free transfers: each stage runs its passes in
+/// `kind`'s order, a forward as soon as the previous stage's forward of the same
+/// micro-batch is done, a backward as soon as the next stage's backward is (the last
+/// stage's: its own forward). One row per stage (`rank` = the stage), its passes and its
+/// waits as spans from 0 µs; None if the schedule could not finish (it always can).
+///
+/// With every forward taking F and every backward B, GPipe and 1F1B both finish at
+/// (M+P-1)(F+B): the bubble is the formula's (P-1)/(M+P-1). Measured durations differ by
+/// stage (the first holds the embeddings, the last the head and the loss), and the
+/// slowest stage sets the pace.
+pub fn project(
+    kind: PpSchedule,
+    durations: &[StageDurations],
+    micro_batches: usize,
+    step: u64,
+) -> Option<Vec<StageRow>> {
+    let stages = durations.len();
+    let orders: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, micro_batches)).collect();
+    let mut next = vec![0usize; stages];
+    let mut free = vec![0u64; stages];
+    let mut forward_end = vec![vec![None::<u64>; micro_batches]; stages];
+    let mut backward_end = vec![vec![None::<u64>; micro_batches]; stages];
+    let mut rows: Vec<StageRow> = (0..stages).map(|s| StageRow { rank: s as u32, spans: Vec::new() }).collect();
+    loop {
+        let mut progressed = false;
+        for s in 0..stages {
+            while let Some(&action) = orders[s].get(next[s]) {
+                let (ready, micro, took, kind) = match action {
+                    Action::Forward { micro } => {
+                        let ready = if s == 0 { Some(0) } else { forward_end[s - 1][micro] };
+                        (ready, micro, durations[s].forward, SpanKind::Forward)
+                    }
+                    Action::Backward { micro } => {
+                        let ready = if s + 1 == stages { forward_end[s][micro] } else { backward_end[s + 1][micro] };
+                        (ready, micro, durations[s].backward, SpanKind::Backward)
+                    }
+                };
+                let Some(ready) = ready else { break };
+                let start = ready.max(free[s]);
+                if start > free[s] && !rows[s].spans.is_empty() {
+                    rows[s].spans.push(projected_span(
+                        SpanKind::Idle,
+                        "wait for a neighbour",
+                        micro,
+                        step,
+                        free[s],
+                        start,
+                    ));
+                }
+                let end = start + took;
+                let name = if kind == SpanKind::Forward { "forward" } else { "backward" };
+                rows[s].spans.push(projected_span(
+                    kind,
+                    &format!("{name} {micro} (projected)"),
+                    micro,
+                    step,
+                    start,
+                    end,
+                ));
+                match kind {
+                    SpanKind::Forward => forward_end[s][micro] = Some(end),
+                    _ => backward_end[s][micro] = Some(end),
+                }
+                free[s] = end;
+                next[s] += 1;
+                progressed = true;
+            }
+        }
+        if (0..stages).all(|s| next[s] == orders[s].len()) {
+            return Some(rows);
+        }
+        if !progressed {
+            return None;
+        }
+    }
+}
+
+fn projected_span(kind: SpanKind, name: &str, micro: usize, step: u64, start_us: u64, end_us: u64) -> Span {
+    Span {
+        kind,
+        name: name.into(),
+        step,
+        lane: lane::COMPUTE.into(),
+        start_us,
+        end_us,
+        layer: None,
+        bucket: None,
+        bytes: None,
+        micro: Some(micro as u32),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +257,45 @@ mod tests {
         assert_eq!(b.per_rank, vec![(0, 20, 0.5), (1, 20, 0.5)]);
         assert!((b.overall - 0.5).abs() < 1e-12);
         assert!((b.overall - formula_bubble(2, 1)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn equal_stages_replay_to_the_formula_and_a_slow_stage_sets_the_pace() {
+        for kind in [PpSchedule::Gpipe, PpSchedule::OneFOneB] {
+            for p in 1..=5 {
+                for m in 1..=9 {
+                    let equal = vec![StageDurations { forward: 10, backward: 23 }; p];
+                    let rows = project(kind, &equal, m, 1).unwrap();
+                    let b = measured_bubble(&rows).unwrap();
+                    assert_eq!(b.window, (0, (m + p - 1) as u64 * 33), "{kind:?} P={p} M={m}");
+                    assert!((b.overall - formula_bubble(p, m)).abs() < 1e-12, "{kind:?} P={p} M={m}");
+                    // Every pass once, in the schedule's order, one at a time per stage.
+                    for row in &rows {
+                        let passes = row.spans.iter().filter(|s| s.kind != SpanKind::Idle).count();
+                        assert_eq!(passes, 2 * m);
+                        assert!(row.spans.windows(2).all(|w| w[0].end_us <= w[1].start_us));
+                    }
+                }
+            }
+        }
+        // The last stage twice as slow: everything waits for it.
+        let mut slow = vec![StageDurations { forward: 10, backward: 20 }; 4];
+        slow[3] = StageDurations { forward: 20, backward: 40 };
+        let b = measured_bubble(&project(PpSchedule::OneFOneB, &slow, 8, 1).unwrap()).unwrap();
+        assert!(b.overall > formula_bubble(4, 8) + 0.1, "{}", b.overall);
+    }
+
+    #[test]
+    fn a_stage_s_duration_is_the_median_over_its_ranks_and_micro_batches() {
+        let f = |micro, start, end| span(SpanKind::Forward, 1, micro, start, end);
+        let rows = vec![
+            StageRow { rank: 0, spans: vec![f(0, 0, 10), f(1, 10, 19), span(SpanKind::Backward, 1, 0, 19, 39)] },
+            // A pass that lost its core for a while does not move the median.
+            StageRow { rank: 1, spans: vec![f(0, 0, 11), f(1, 11, 500), span(SpanKind::Backward, 1, 0, 500, 520)] },
+        ];
+        let d = stage_durations(&rows, &[0, 0], 1).unwrap();
+        assert_eq!(d, vec![StageDurations { forward: 11, backward: 20 }]);
+        assert!(stage_durations(&rows, &[0, 0], 2).is_none(), "stage 1 recorded nothing");
     }
 
     #[test]

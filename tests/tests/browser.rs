@@ -659,8 +659,8 @@ async fn mixed_precision_scenario(c: &Client, lab: &Lab) -> Result<()> {
 }
 
 /// The pipeline preset (pp=4, 1F1B, M=8) and a GPipe copy, then the 1F1B run's pipeline
-/// page: 4 stage rows of 2M numbered boxes, the measured bubble next to the formula, and
-/// the GPipe run drawn below it for comparison.
+/// page: 4 stage rows of 2M numbered boxes, the measured bubble next to the formula, the
+/// step replayed with a device per stage, and the GPipe run drawn below it for comparison.
 async fn pipeline_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "pipeline").context("preset")?;
     let one_f_one_b = lab.submit(&preset.spec);
@@ -692,6 +692,21 @@ async fn pipeline_scenario(c: &Client, lab: &Lab) -> Result<()> {
     }
     ensure!(text(c, "#pipeline-main .measured-bubble").await?.ends_with('%'));
     ensure!(text(c, "#pipeline-main .formula-bubble").await? == "27.3%", "(4-1)/(8+4-1)");
+    // The same step replayed with a device per stage: 4 rows of 2M passes, and a smaller
+    // bubble than 4 rank processes measured sharing this machine's cores.
+    for stage in 0..4 {
+        let boxes = js(
+            c,
+            "return document.querySelectorAll(arguments[0]).length;",
+            &format!("#pipeline-main-projected-svg g.pp-row[data-stage='{stage}'] g.pp-span"),
+        )
+        .await?;
+        ensure!(boxes == json!(2 * m), "projected stage {stage}: {boxes} boxes, not 2M = {}", 2 * m);
+    }
+    let percent = |t: String| t.trim_end_matches('%').parse::<f64>().map_err(|e| anyhow!("{t}: {e}"));
+    let measured = percent(text(c, "#pipeline-main .measured-bubble").await?)?;
+    let projected = percent(text(c, "#pipeline-main .projected-bubble").await?)?;
+    ensure!(projected < measured, "projected bubble {projected}% below the measured {measured}%");
 
     c.execute(
         "const e = document.getElementById('pipeline-compare'); e.value = arguments[0]; \

@@ -1,6 +1,8 @@
 //! `/experiments/:id/pipeline`: the pipeline schedule of one step, its measured bubble
-//! next to the formula (P-1)/(M+P-1), and the same for another finished run of the
-//! same model and pp with the other schedule (GPipe vs 1F1B).
+//! next to the formula (P-1)/(M+P-1), the same step replayed from its measured pass
+//! durations as if every stage had a device of its own (the formula's world, where ranks
+//! do not share cores), and the same for another finished run of the same model and pp
+//! with the other schedule (GPipe vs 1F1B).
 
 use distlab_common::spec::PpSchedule;
 use distlab_common::trace::ExperimentTrace;
@@ -11,7 +13,9 @@ use leptos_router::hooks::use_params_map;
 
 use crate::api;
 use crate::components::pipeline_chart::PipelineChart;
-use distlab_common::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
+use distlab_common::pipeline::{
+    default_step, formula_bubble, measured_bubble, project, recorded_steps, stage_durations, stage_rows,
+};
 
 #[component]
 pub fn PipelinePage() -> impl IntoView {
@@ -170,11 +174,36 @@ fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> 
                 </table>
             }
         });
+        // The same passes replayed with a device per stage (durations as measured here).
+        let projected = stage_durations(&rows, &stages, p).and_then(|d| project(spec.parallel.pp_schedule, &d, m, s));
+        let projection = projected.map(|rows| {
+            let bubble = measured_bubble(&rows);
+            let labels: Vec<usize> = (0..rows.len()).collect();
+            view! {
+                <h4>"Projected: every stage on a device of its own"</h4>
+                <p class="muted small">
+                    "Not a measurement: the schedule replayed from this step's measured passes (each stage's median forward "
+                    "and median backward over its ranks and micro-batches), every stage starting a pass as soon as its input is there, "
+                    "with free transfers and no other work on its device. It removes what the machine adds (ranks sharing "
+                    "its cores, the operating system's scheduling) and keeps what the schedule and unequal stages cost."
+                </p>
+                {bubble.map(|b| view! {
+                    <p class="bubble-line">
+                        "projected bubble " <strong class="projected-bubble">{format!("{:.1}%", b.overall * 100.0)}</strong>
+                        " · formula " {format!("{:.1}%", formula * 100.0)}
+                        {format!(" · window {:.2} ms", (b.window.1 - b.window.0) as f64 / 1000.0)}
+                    </p>
+                })}
+                <PipelineChart rows=rows stages=labels id=format!("{dom_id}-projected-svg")/>
+            }
+        });
         view! {
             <div class="pp-schedule" id=dom_id>
                 <h3>{heading.clone()}</h3>
+                <h4>"Measured on this machine"</h4>
                 <PipelineChart rows=rows stages=stages id=format!("{dom_id}-svg")/>
                 {table}
+                {projection}
             </div>
         }
         .into_any()

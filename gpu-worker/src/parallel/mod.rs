@@ -10,7 +10,8 @@
 //! * `compression.rs`: DDP's gradients compressed on the wire (top-k, int8, PowerSGD)
 //!   with error feedback.
 //! * `shard.rs`: which piece of every unit a rank owns.
-//! * `pipeline.rs` + `schedule.rs`: pipeline stages and the GPipe / 1F1B schedules.
+//! * `pipeline.rs`: pipeline stages; their GPipe / 1F1B schedules are plain functions in
+//!   `distlab_common::schedule`, which the pipeline page replays too.
 //! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
 //! * `mesh.rs`: the dp x tp x pp topology that hands every rank its groups.
 
@@ -19,7 +20,7 @@ pub mod ddp;
 pub mod mesh;
 pub mod pipeline;
 pub mod prefetch;
-pub mod schedule;
+pub use distlab_common::schedule;
 pub mod shard;
 pub mod sharded;
 pub mod tensor;

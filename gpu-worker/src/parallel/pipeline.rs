@@ -1,7 +1,7 @@
 //! Pipeline parallelism: the model's blocks are cut into P contiguous stages (embeddings
 //! on the first, final LayerNorm + LM head + loss on the last), one per rank of the
 //! pipeline group; a step's micro-batches flow through them in the order a schedule
-//! (`schedule.rs`: GPipe or 1F1B) gives. Between neighbours only activations go forward
+//! (`distlab_common::schedule`: GPipe or 1F1B) gives. Between neighbours only activations go forward
 //! and their gradients go back, point to point.
 //!
 //! Stages get equal numbers of blocks (`chunk_range`, as the planner assumes); the

@@ -18,7 +18,7 @@
 //! Both leave the same bubble, (P-1)/(M+P-1) of the step on equal stages; 1F1B holds at
 //! most P - stage micro-batches' activations at once where GPipe holds all M.
 
-use distlab_common::PpSchedule;
+use crate::spec::PpSchedule;
 
 /// One pass of one micro-batch on this stage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
