@@ -105,7 +105,8 @@ pub struct ExperimentView {
     pub summary: Option<RunSummary>,
     /// How many times a worker has leased it (1 on the first run).
     pub attempt: i64,
-    /// Optimizer steps reported so far.
+    /// One past the last optimizer step reported (a run resumed from another experiment's
+    /// checkpoint starts at its step).
     pub steps_done: u64,
 }
 

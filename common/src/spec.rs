@@ -251,6 +251,18 @@ pub struct TrainSpec {
     /// loop itself.
     pub checkpoint_write: CheckpointWrite,
     pub seed: u64,
+    /// Elastic resume: start from another experiment's checkpoint, with any dp and
+    /// sharding (`elastic.rs` says what must match).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<ResumeFrom>,
+}
+
+/// A checkpoint of another experiment: the state before its optimizer step `step`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeFrom {
+    pub experiment: i64,
+    pub step: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -397,6 +409,7 @@ impl Default for TrainSpec {
             checkpoint_write: CheckpointWrite::Async,
             attention: Attention::Naive,
             seed: 42,
+            resume_from: None,
         }
     }
 }

@@ -311,6 +311,22 @@ impl ExperimentSpec {
                 format!("dynamic loss scaling is for fp16; {} does not need it", t.precision.as_str()),
             );
         }
+        if let Some(from) = t.resume_from {
+            if from.step < 1 || from.step >= t.steps {
+                err(
+                    "train.resume_from",
+                    format!(
+                        "resume_from.step is the checkpoint's step, where this run starts: between 1 and steps-1 = {} \
+                         (it is {})",
+                        t.steps.saturating_sub(1),
+                        from.step
+                    ),
+                );
+            }
+            if self.demo.is_some() {
+                err("train.resume_from", "a collective demo trains nothing to resume".into());
+            }
+        }
         if t.checkpoint_every > t.steps {
             err(
                 "train.checkpoint_every",
@@ -521,6 +537,10 @@ mod tests {
                         "grad_compression=powersgd: compresses DDP's gradient all-reduce; sharding=zero1",
                     ),
                 ],
+            ),
+            (
+                json!({"train": {"steps": 10, "resume_from": {"experiment": 3, "step": 10}}}),
+                vec![("train.resume_from", "between 1 and steps-1 = 9 (it is 10)")],
             ),
             (
                 json!({"parallel": {"dp": 2, "grad_compression": "int8"}, "train": {"checkpoint_every": 5}}),

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use distlab_common::*;
 use distlab_worker::checkpoint::CheckpointDir;
+use distlab_worker::elastic;
 use distlab_worker::train::{
     available_memory_bytes, ranks_fit, train, unsupported_features, CheckpointOptions, TrainError, TrainOptions,
 };
@@ -53,19 +54,33 @@ pub fn execute(
     if !unsupported.is_empty() {
         return Err(TrainError::Unsupported(unsupported.join("; ")).into());
     }
+    let resume_from = spec.train.resume_from;
     let checkpoints = match checkpoints {
-        Some(dir) if spec.demo.is_none() && spec.train.checkpoint_every > 0 => {
+        Some(dir) if spec.demo.is_none() && (spec.train.checkpoint_every > 0 || resume_from.is_some()) => {
             let resume = CheckpointDir::new(dir, spec.world_size()).prepare(spec).map_err(TrainError::from)?;
-            Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: resume.step }, resume.warnings))
+            let warn = |message| LogLine { level: LogLevel::Warn, message };
+            let mut lines: Vec<LogLine> = resume.warnings.into_iter().map(warn).collect();
+            let mut step = resume.step;
+            // Elastic resume: nothing of this run's own yet, so start from the other
+            // experiment's checkpoint, re-cut for this run's ranks.
+            if let (None, Some(from)) = (step, resume_from) {
+                let note = elastic::recut_into(dir, spec, from).map_err(TrainError::from)?;
+                lines.extend(note.map(|message| LogLine { level: LogLevel::Info, message }));
+                step = Some(from.step);
+            }
+            Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: step }, lines))
+        }
+        None if resume_from.is_some() => {
+            return Err(ExecError::Other(
+                "train.resume_from: this run has no checkpoint directory to resume in (--checkpoint-dir)".into(),
+            ))
         }
         _ => None,
     };
     let from_step = checkpoints.as_ref().and_then(|c| c.0.resume_from).unwrap_or(0);
     on_event(RunEvent::Start { from_step });
-    let checkpoints = checkpoints.map(|(options, warnings)| {
-        for message in warnings {
-            on_event(RunEvent::Log(LogLine { level: LogLevel::Warn, message }));
-        }
+    let checkpoints = checkpoints.map(|(options, lines)| {
+        lines.into_iter().for_each(|line| on_event(RunEvent::Log(line)));
         options
     });
     let opts = TrainOptions { threads, checkpoints, offload_dir: offload_dir.map(Path::to_path_buf) };

@@ -13,6 +13,7 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda_rank;
 pub mod data;
+pub mod elastic;
 pub mod heap;
 pub mod loss_scale;
 pub mod memory;

@@ -3,8 +3,9 @@
 //! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory).
 //! With `--checkpoint-dir DIR` a spec with `checkpoint_every` > 0 saves its checkpoints
 //! there, a second run of the same spec resumes from the latest complete one (after a
-//! crash or a kill), and a run that succeeds deletes them (only the files distlab
-//! wrote: DIR itself goes only if nothing else is in it).
+//! crash or a kill), and a run that succeeds keeps only the latest, for another spec to
+//! start from (`train.resume_from`, with DIR named `experiment-<id>` next to the other
+//! experiment's).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -63,7 +64,8 @@ pub fn run_spec_file(
     match result {
         Ok(summary) => {
             if let Some(dir) = &checkpoint_dir {
-                distlab_worker::checkpoint::CheckpointDir::new(dir, 0).remove();
+                // The latest checkpoint stays, for another run to start from (`train.resume_from`).
+                distlab_worker::checkpoint::CheckpointDir::new(dir, spec.world_size()).prune();
             }
             println!("{}", serde_json::json!({ "summary": summary }));
             if let Some(dir) = &out {

@@ -12,7 +12,7 @@ use distlab_common::*;
 
 use crate::client::{ClientError, ServerClient};
 use crate::execute::execute;
-use distlab_worker::checkpoint::CheckpointDir;
+use distlab_worker::checkpoint::{self, CheckpointDir};
 use distlab_worker::train::TrainError;
 
 pub struct WorkerConfig {
@@ -83,7 +83,7 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
             None => thread::sleep(cfg.poll_interval),
             Some(lease) => {
                 tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased");
-                let checkpoints = cfg.checkpoint_dir.join(format!("experiment-{}", lease.experiment_id));
+                let checkpoints = cfg.checkpoint_dir.join(checkpoint::experiment_dir_name(lease.experiment_id));
                 let run = Leased { lease, threads, collective_timeout: cfg.collective_timeout, heartbeat, checkpoints };
                 run_leased(&cfg, &client, registered.worker_id, run);
             }
@@ -142,8 +142,7 @@ struct Leased {
 
 /// Trains one leased experiment on a training thread while this thread forwards its events,
 /// heartbeats, and turns a cancel from the server into the training loop's cancel flag.
-/// The experiment's checkpoints are deleted once the server knows it has ended for good;
-/// they stay when the lease was lost (another worker resumes from them).
+/// The experiment's latest checkpoint stays when it ends (see the end of this function).
 fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Leased) {
     let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
@@ -251,11 +250,13 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
             report_failure(cfg, client, worker_id, experiment_id, format!("the engine crashed: {what}"), false)
         }
     };
-    // The checkpoints go only once the server knows how the run ended: if the report is
-    // lost, the lease expires and the next attempt resumes from them.
-    match reported {
-        Ok(_) => CheckpointDir::new(&checkpoints, 0).remove(),
-        Err(e) => tracing::warn!(experiment = experiment_id, "could not report {e}; keeping its checkpoints"),
+    // The latest complete checkpoint stays when the run has ended: another experiment can
+    // start from it (`train.resume_from`), and if the report is lost the lease expires and
+    // the next attempt resumes from it. It goes with the experiment (the server deletes
+    // DATA_DIR/checkpoints/experiment-<id>, where its local workers keep them).
+    CheckpointDir::new(&checkpoints, lease.spec.world_size()).prune();
+    if let Err(e) = reported {
+        tracing::warn!(experiment = experiment_id, "could not report {e}");
     }
 }
 

@@ -41,7 +41,7 @@ struct ExperimentRow {
 
 const SELECT_VIEW: &str = "SELECT e.id, e.name, e.owner, e.status, e.spec, e.attempt, e.created_at, e.started_at, \
      e.finished_at, e.error, e.summary, \
-     (SELECT COUNT(*) FROM metrics m WHERE m.experiment_id = e.id) AS steps_done \
+     (SELECT COALESCE(MAX(m.step) + 1, 0) FROM metrics m WHERE m.experiment_id = e.id) AS steps_done \
      FROM experiments e";
 
 impl ExperimentRow {
@@ -180,8 +180,9 @@ pub async fn create(
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<Response, HttpError> {
     let key = idempotency_key(&headers)?;
-    let spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
-    let mut problems = spec.validate(&state.config.limits).err().unwrap_or_default();
+    let mut spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
+    let mut problems = resume_source_problems(&state.db, &mut spec).await?;
+    problems.extend(spec.validate(&state.config.limits).err().unwrap_or_default());
     if spec.backend == BackendKind::Cuda && !workers::backend_offered(&state, BackendKind::Cuda).await? {
         problems.push(FieldError::new("backend", "no registered worker offers the cuda backend"));
     }
@@ -222,6 +223,16 @@ pub async fn create(
     };
     let created = Created { id, status };
     Ok((StatusCode::CREATED, [(header::LOCATION, format!("/api/experiments/{id}"))], Json(created)).into_response())
+}
+
+/// Elastic resume: the experiment `train.resume_from` names must exist and its checkpoint
+/// fit `spec`, whose grad_accum is changed when that keeps the global batch.
+async fn resume_source_problems(db: &Db, spec: &mut ExperimentSpec) -> Result<Vec<FieldError>, HttpError> {
+    let Some(from) = spec.train.resume_from else { return Ok(Vec::new()) };
+    let Some(source) = load(db, from.experiment).await? else {
+        return Ok(vec![FieldError::new("train.resume_from", format!("there is no experiment {}", from.experiment))]);
+    };
+    Ok(distlab_common::elastic::fit_to_source(spec, &source.spec).err().unwrap_or_default())
 }
 
 /// Admission control: a spec whose ranks need more memory (as the planner counts it) than

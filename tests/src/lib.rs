@@ -190,6 +190,11 @@ impl Lab {
         read(resp)
     }
 
+    /// DELETE `path`: the status.
+    pub fn delete(&self, path: &str) -> u16 {
+        read(self.agent.delete(&self.url(path)).call()).0
+    }
+
     pub fn get_as<T: DeserializeOwned>(&self, path: &str) -> T {
         let (status, body) = self.get(path);
         assert_eq!(status, 200, "GET {path}: {body}");
@@ -355,13 +360,27 @@ fn worker_run_with(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir
     }
     let out = cmd.output().expect("run distlab-worker");
     assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
-    parse_run_output(&String::from_utf8_lossy(&out.stdout), spec.train.steps)
+    // A run resumed from another experiment's checkpoint starts at its step.
+    let first = spec.train.resume_from.map_or(0, |from| from.step);
+    parse_run_output_from(&String::from_utf8_lossy(&out.stdout), first, spec.train.steps)
+}
+
+/// Runs `distlab-worker run --checkpoint-dir DIR`: the spec's checkpoints are saved in DIR
+/// (the latest stays after the run) and `train.resume_from` finds the other experiment's
+/// next to it (`experiment-<id>`). One metric point per step it ran.
+pub fn run_in_checkpoint_dir(spec: &ExperimentSpec, dir: &Path) -> Vec<MetricPoint> {
+    worker_run_with(spec, None, Some(dir))
 }
 
 /// The metric points of `distlab-worker run`'s stdout, which must be exactly one point per
 /// step (steps 0, 1, ... in order) and then one `{"summary": ...}` line: a line that is
 /// neither, a missing or extra step, or a missing summary fails the test.
 pub fn parse_run_output(stdout: &str, steps: u64) -> Vec<MetricPoint> {
+    parse_run_output_from(stdout, 0, steps)
+}
+
+/// [`parse_run_output`] of a run that starts at step `first`: steps `first..steps`.
+pub fn parse_run_output_from(stdout: &str, first: u64, steps: u64) -> Vec<MetricPoint> {
     let mut points = Vec::new();
     let mut summary = false;
     for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
@@ -373,11 +392,11 @@ pub fn parse_run_output(stdout: &str, steps: u64) -> Vec<MetricPoint> {
         }
         let point: MetricPoint =
             serde_json::from_value(value).unwrap_or_else(|e| panic!("not a metric point ({e}): {line}"));
-        assert_eq!(point.step, points.len() as u64, "steps out of order: {line}");
+        assert_eq!(point.step, first + points.len() as u64, "steps out of order: {line}");
         points.push(point);
     }
     assert!(summary, "no summary line in the output:\n{stdout}");
-    assert_eq!(points.len() as u64, steps, "one metric point per step");
+    assert_eq!(points.len() as u64, steps - first, "one metric point per step");
     points
 }
 

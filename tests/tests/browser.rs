@@ -179,6 +179,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
     if result.is_ok() {
         result = compression_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = elastic_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-memory.png").await;
     }
@@ -983,6 +986,47 @@ async fn compression_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(legend.contains("compression"), "the residual's category on the memory card: {legend:.600}");
     save_element(c, "#memory-card", "compression-memory.png").await?;
     save_element(c, "#timeline-card", "compression-timeline.png").await?;
+    Ok(())
+}
+
+/// Elastic resume: a finished dp=4 ZeRO-2 run's page offers to continue from its last
+/// checkpoint; the form opens with its spec and `train.resume_from`, the learner makes it
+/// dp=2 FSDP, and the new experiment (grad_accum raised by the server to keep the global
+/// batch) starts at the checkpoint's step and links back to the first.
+async fn elastic_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut source = distlab_tests::quick_spec("dp4 zero2 with checkpoints", 8);
+    (source.parallel.dp, source.parallel.sharding) = (4, distlab_common::Sharding::Zero2);
+    (source.train.micro_batch, source.train.checkpoint_every) = (2, 4);
+    let source_id = lab.submit(&source);
+    let exp = lab.wait_finished(source_id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the source run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{source_id}"))).await?;
+    wait_for(c, "the continue link", Duration::from_secs(30), || exists(c, "#continue-link")).await?;
+    ensure!(text(c, "#continue-link").await?.contains("step 4"), "the last checkpoint is step 4");
+    c.find(Locator::Css("#continue-link")).await?.click().await?;
+    wait_for(c, "the form with the run's spec", Duration::from_secs(30), || async {
+        Ok(value_of(c, "train.resume_from.experiment").await? == source_id.to_string())
+    })
+    .await?;
+    ensure!(value_of(c, "train.resume_from.step").await? == "4");
+    ensure!(value_of(c, "parallel.dp").await? == "4", "the source's spec");
+    set_field(c, "parallel.dp", "2").await?;
+    choose(c, "parallel.sharding", "fsdp").await?;
+    c.find(Locator::Css("#submit")).await?.click().await?;
+    wait_for(c, "the new experiment's page", Duration::from_secs(30), || exists(c, "#spec-resumed-from")).await?;
+    let url = c.current_url().await?.to_string();
+    let id: i64 = url.rsplit('/').next().and_then(|s| s.parse().ok()).context("an experiment id in the URL")?;
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the continued run did not succeed: {exp:?}");
+    ensure!(exp.spec.train.grad_accum == 2 && exp.spec.global_batch() == source.global_batch(), "{:?}", exp.spec.train);
+    let link = text(c, "#spec-resumed-from").await?;
+    ensure!(link.contains(&format!("experiment {source_id}'s checkpoint of step 4")), "{link}");
+    wait_for(c, "the log", Duration::from_secs(30), || async {
+        Ok(exists(c, "#log").await? && text(c, "#log").await?.contains("resumed from experiment"))
+    })
+    .await?;
+    ensure!(text(c, "#step").await?.starts_with("8 / 8"), "steps 4 to 7 ran here");
+    save_full_page(c, "elastic-resume.png").await?;
     Ok(())
 }
 

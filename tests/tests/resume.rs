@@ -47,8 +47,17 @@ fn resumes_with_identical_losses(spec: ExperimentSpec) {
         attempts.attempts.iter().map(|a| (a.attempt, a.from_step, a.lost_steps)).collect();
     assert_eq!(summary, vec![(1, Some(0), 0), (2, Some(20), 4)], "attempt 2 redid steps 20-23");
     assert_eq!(attempts.attempts[1].worker.as_deref(), Some("second"));
+    // The latest checkpoint stays for another run to start from, until the experiment goes.
     let experiment_dir = lab.checkpoint_dir().join(format!("experiment-{id}"));
-    assert!(!experiment_dir.exists(), "a finished run's checkpoints are deleted");
+    let steps: Vec<String> = std::fs::read_dir(&experiment_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("step-"))
+        .collect();
+    assert_eq!(steps, ["step-000030"], "a finished run keeps its latest checkpoint");
+    assert_eq!(lab.delete(&format!("/api/experiments/{id}")), 204);
+    assert!(!experiment_dir.exists(), "a deleted experiment's checkpoints are deleted");
 }
 
 #[test]

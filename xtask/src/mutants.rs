@@ -107,7 +107,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "1F1B fills the pipe with one forward too many (same losses, more activations)",
-        file: "gpu-worker/src/parallel/schedule.rs",
+        file: "common/src/schedule.rs",
         find: "(stages - stage - 1).min(micro_batches)",
         replace: "(stages - stage).min(micro_batches)",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "every_stage_runs_the_schedules_order"],
@@ -209,6 +209,20 @@ pub const MUTANTS: &[Mutant] = &[
         find: "buf[mine].iter_mut().for_each(|x| *x = unpack(wire, pack(wire, *x)));",
         replace: "let _ = (&buf[mine], wire);",
         tests: &["-p", "distlab-worker", "--test", "collectives", "a_two_byte_wire"],
+    },
+    Mutant {
+        name: "Gradient compression forgets what it did not send (no error feedback)",
+        file: "gpu-worker/src/parallel/compression.rs",
+        find: "            *g += *e;",
+        replace: "            let _ = (g, e);",
+        tests: &["-p", "distlab-tests", "--test", "grad_compression", "compressed_ddp_learns_within_a_margin_of_ddp"],
+    },
+    Mutant {
+        name: "Elastic resume hands every new rank the first rank's shard",
+        file: "gpu-worker/src/elastic.rs",
+        find: "        let shards = self.shards(rank, world);\n        let sections = whole",
+        replace: "        let shards = self.shards(0, world);\n        let sections = whole",
+        tests: &["-p", "distlab-tests", "--test", "elastic", "a_dp4_zero2_checkpoint_continues_at_dp2"],
     },
 ];
 

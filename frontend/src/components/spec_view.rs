@@ -2,6 +2,7 @@
 
 use distlab_common::ExperimentSpec;
 use leptos::prelude::*;
+use leptos_router::components::A;
 use serde::Serialize;
 
 use crate::format;
@@ -132,6 +133,15 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
             p.dp
         )
     });
+    let resumed = t.resume_from.map(|from| {
+        view! {
+            <dt>"resumed from"</dt>
+            <dd id="spec-resumed-from">
+                <A href=format!("/experiments/{}", from.experiment)>{format!("experiment {}", from.experiment)}</A>
+                {format!("'s checkpoint of step {}, re-cut for these ranks (steps before it ran there)", from.step)}
+            </dd>
+        }
+    });
     let json = serde_json::to_string_pretty(&spec).unwrap_or_default();
     view! {
         <dl class="spec" id="spec">
@@ -143,6 +153,7 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
             <dt>"training"</dt><dd>{optim}</dd>
             <dt>"numerics"</dt><dd>{numerics}</dd>
             <dt>"backend"</dt><dd>{backend}</dd>
+            {resumed}
         </dl>
         <details class="spec-json">
             <summary>"spec as JSON"</summary>

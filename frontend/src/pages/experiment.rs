@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use distlab_common::elastic::latest_checkpoint;
 use distlab_common::memory::MemoryView;
 use distlab_common::trace::ExperimentTrace;
 use distlab_common::{
@@ -265,8 +266,9 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
             let steps_done_server = view.steps_done;
             let status_now = Signal::derive(move || status.get().unwrap_or(ExperimentStatus::Queued));
             let latest = move || points.with(|p| p.last().cloned());
-            let steps_done =
-                Signal::derive(move || (points.with(|p| p.len() as u64)).max(steps_done_server).min(total));
+            let steps_done = Signal::derive(move || {
+                points.with(|p| p.last().map_or(0, |p| p.step + 1)).max(steps_done_server).min(total)
+            });
             let refs = Signal::derive(move || {
                 let s = summary.get();
                 let uniform =
@@ -434,6 +436,19 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                             </div>
                         })
                     }}
+                    {(spec.demo.is_none() && spec.train.checkpoint_every > 0).then(|| {
+                        let (every, steps) = (spec.train.checkpoint_every, spec.train.steps);
+                        move || {
+                            let done = points.with(|p| p.last().map_or(0, |p| p.step + 1));
+                            let step = latest_checkpoint(every, steps, done).filter(|_| status_now.get().is_finished())?;
+                            Some(view! {
+                                <p class="replay-line">
+                                    <A href=format!("/new?resume_from={id}&step={step}") attr:class="button" attr:id="continue-link">{format!("Continue from step {step} →")}</A>
+                                    " in a new experiment with another dp or sharding: its checkpoint is re-cut for the new ranks, the global batch kept"
+                                </p>
+                            })
+                        }
+                    })}
                     {(spec.parallel.pp > 1).then(|| view! {
                         <p class="replay-line">
                             <A href=format!("/experiments/{id}/pipeline") attr:class="button" attr:id="pipeline-link">"Pipeline schedule →"</A>

@@ -26,6 +26,8 @@ enum Kind {
     Text,
     /// A whole number, 0 or more.
     Int,
+    /// A whole number, or empty for none (the field is left out of the spec).
+    OptionalInt,
     Float,
     /// One of these JSON strings.
     Choice(&'static [&'static str]),
@@ -182,6 +184,12 @@ const SECTIONS: &[SectionDef] = &[
                 "async: a writer thread saves it while training goes on",
             ),
             f("train.seed", Kind::Int, "initial weights"),
+            f(
+                "train.resume_from.experiment",
+                Kind::OptionalInt,
+                "elastic resume: start from this experiment's checkpoint, with any dp and sharding (empty: from scratch)",
+            ),
+            f("train.resume_from.step", Kind::OptionalInt, "elastic resume: the step of its checkpoint"),
         ],
     },
 ];
@@ -272,7 +280,8 @@ fn check(texts: &[(&'static FieldDef, String)], demo: bool) -> Checked {
                 "false" => Ok(Value::Bool(false)),
                 t => Err(format!("must be true or false (it is \"{t}\")")),
             },
-            Kind::Int => match text.trim() {
+            Kind::Int | Kind::OptionalInt => match text.trim() {
+                "" if def.kind == Kind::OptionalInt => continue,
                 "" => Err("enter a whole number".to_string()),
                 t => t
                     .parse::<u64>()
@@ -335,6 +344,11 @@ pub fn NewExperiment() -> impl IntoView {
     let asked = use_query_map().read_untracked().get("preset");
     let start = presets.iter().find(|p| Some(p.key) == asked.as_deref()).or(presets.first());
     let first = start.map(|p| p.spec.clone()).unwrap_or_default();
+    // `/new?resume_from=ID&step=K` (an experiment's "continue" link) starts from that
+    // experiment's spec, resuming from its checkpoint of step K.
+    let query = use_query_map().read_untracked();
+    let continue_from = query.get("resume_from").and_then(|id| id.parse::<i64>().ok());
+    let continue_step = query.get("step").and_then(|step| step.parse::<u64>().ok());
     let fields: Vec<FormField> = all_fields()
         .zip(field_texts(&first))
         .map(|(def, text)| FormField { def, value: RwSignal::new(text) })
@@ -383,6 +397,18 @@ pub fn NewExperiment() -> impl IntoView {
         server_error.set(None);
         active_preset.set(None);
     };
+    if let (Some(experiment), Some(step)) = (continue_from, continue_step) {
+        leptos::task::spawn_local(async move {
+            let Ok(source) = api::get_experiment(experiment).await else { return };
+            let mut spec = source.spec;
+            spec.name = format!("{} (continued from step {step})", source.name);
+            spec.train.resume_from = Some(distlab_common::ResumeFrom { experiment, step });
+            let texts = field_texts(&spec);
+            fields.with_value(|fs| fs.iter().zip(texts).for_each(|(f, text)| f.value.set(text)));
+            demo_on.set(false);
+            active_preset.set(None);
+        });
+    }
 
     let navigate = use_navigate();
     let submit = move |ev: leptos::ev::SubmitEvent| {
@@ -603,7 +629,7 @@ fn FieldInput(
                 type="text"
                 autocomplete="off"
                 spellcheck="false"
-                inputmode=match kind { Kind::Int => "numeric", Kind::Float => "decimal", _ => "text" }
+                inputmode=match kind { Kind::Int | Kind::OptionalInt => "numeric", Kind::Float => "decimal", _ => "text" }
                 prop:value=move || field.value.get()
                 on:input=move |ev| { field.value.set(event_target_value(&ev)); on_edit(); }
             />

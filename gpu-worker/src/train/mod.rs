@@ -345,7 +345,7 @@ pub(crate) fn run<B: TrainBackend>(
     let mut first_step = 0;
     let mut min_loss = f64::INFINITY;
     let mut writer = None;
-    if let (Some(c), true) = (&opts.checkpoints, t.checkpoint_every > 0) {
+    if let Some(c) = &opts.checkpoints {
         let dir = CheckpointDir::new(&c.dir, world);
         if let Some(step) = c.resume_from.filter(|&s| s > 0) {
             min_loss = resume(&mut trainer, &dir, step)?;
@@ -355,8 +355,10 @@ pub(crate) fn run<B: TrainBackend>(
                 format!("resumed from the checkpoint of step {step}: steps 0 to {} are not run again", step - 1),
             );
         }
-        let asynchronous = t.checkpoint_write == CheckpointWrite::Async;
-        writer = Some(CheckpointWriter::new(dir, trainer.place(), asynchronous));
+        if t.checkpoint_every > 0 {
+            let asynchronous = t.checkpoint_write == CheckpointWrite::Async;
+            writer = Some(CheckpointWriter::new(dir, trainer.place(), asynchronous));
+        }
     }
     let mut tally = StepTally::new(spec, first_step, min_loss);
     for step in first_step..t.steps {

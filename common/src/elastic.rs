@@ -1,0 +1,150 @@
+//! Elastic resume (`train.resume_from`): a new experiment starts from another one's
+//! checkpoint with another data-parallel degree or sharding. The worker re-cuts the saved
+//! shards for the new ranks (`gpu-worker/src/elastic.rs`); what a checkpoint holds fixes the
+//! rest: the model and its tensor-parallel and pipeline cut (each rank file holds one
+//! stage of one TP rank), the precision, optimizer and loss scaling (which sections there
+//! are), and the data and the global batch (step t's batch is a function of the data seed
+//! and t alone, and a step is one global batch).
+//!
+//! Changing dp or the micro-batch changes the global batch, dp x micro_batch x
+//! micro_batches x grad_accum: [`fit_to_source`] keeps it through grad_accum when it can.
+
+use crate::spec::{ExperimentSpec, ResumeFrom};
+use crate::validate::FieldError;
+
+/// Checks that `spec` (whose `train.resume_from` names `source`) can continue `source`'s
+/// checkpoint, and keeps the global batch through `grad_accum` when dp or the micro-batch
+/// changed it. Returns what it changed, or one error per field that does not fit.
+pub fn fit_to_source(spec: &mut ExperimentSpec, source: &ExperimentSpec) -> Result<Option<String>, Vec<FieldError>> {
+    let Some(ResumeFrom { experiment, step }) = spec.train.resume_from else { return Ok(None) };
+    let mut errors = Vec::new();
+    let mut differs = |field: &str, ours: String, theirs: String| {
+        if ours != theirs {
+            errors.push(FieldError::new(
+                field,
+                format!("a checkpoint continues with the {field} it was saved with: {theirs} in experiment {experiment} (here {ours})"),
+            ));
+        }
+    };
+    let (s, src) = (&spec, source);
+    differs("model", format!("{:?}", s.model), format!("{:?}", src.model));
+    differs("data", format!("{:?}", s.data), format!("{:?}", src.data));
+    differs("parallel.tp", s.parallel.tp.to_string(), src.parallel.tp.to_string());
+    differs("parallel.pp", s.parallel.pp.to_string(), src.parallel.pp.to_string());
+    differs("train.precision", s.train.precision.as_str().into(), src.train.precision.as_str().into());
+    differs("train.optimizer", format!("{:?}", s.train.optimizer), format!("{:?}", src.train.optimizer));
+    differs("train.loss_scaling", format!("{:?}", s.train.loss_scaling), format!("{:?}", src.train.loss_scaling));
+    let every = src.train.checkpoint_every;
+    if src.demo.is_some() || every == 0 {
+        errors.push(FieldError::new(
+            "train.resume_from",
+            format!("experiment {experiment} saves no checkpoints (checkpoint_every=0)"),
+        ));
+    } else if step % every != 0 || step >= src.train.steps {
+        errors.push(FieldError::new(
+            "train.resume_from",
+            format!(
+                "experiment {experiment} saves a checkpoint every {every} steps before its last step {}: step {step} \
+                 is not one of them",
+                src.train.steps
+            ),
+        ));
+    }
+    let (ours, theirs) = (spec.global_batch(), source.global_batch());
+    let mut note = None;
+    if errors.is_empty() && ours != theirs {
+        let t = &spec.train;
+        let per_accumulation = spec.parallel.dp * t.micro_batch * t.micro_batches;
+        if per_accumulation > 0 && theirs % per_accumulation == 0 {
+            let grad_accum = theirs / per_accumulation;
+            note = Some(format!(
+                "global batch kept at experiment {experiment}'s {theirs} sequences: grad_accum {} -> {grad_accum} \
+                 (dp {} x micro_batch {} x micro_batches {} x grad_accum {grad_accum})",
+                t.grad_accum, spec.parallel.dp, t.micro_batch, t.micro_batches
+            ));
+            spec.train.grad_accum = grad_accum;
+        } else {
+            errors.push(FieldError::new(
+                "train.grad_accum",
+                format!(
+                    "experiment {experiment} trains on {theirs} sequences per step; dp {} x micro_batch {} x \
+                     micro_batches {} = {per_accumulation} does not divide it, so no grad_accum keeps it",
+                    spec.parallel.dp, t.micro_batch, t.micro_batches
+                ),
+            ));
+        }
+    }
+    if errors.is_empty() {
+        Ok(note)
+    } else {
+        Err(errors)
+    }
+}
+
+/// The step of the latest checkpoint a run that saves one every `every` steps (before its
+/// last, `steps`) has written after running `done` steps; None before the first.
+pub fn latest_checkpoint(every: u64, steps: u64, done: u64) -> Option<u64> {
+    let last = done.min(steps.saturating_sub(1));
+    let step = last.checked_div(every)? * every;
+    (step > 0).then_some(step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{Precision, Sharding};
+
+    fn source() -> ExperimentSpec {
+        let mut s = ExperimentSpec::default();
+        (s.parallel.dp, s.parallel.sharding, s.train.micro_batch) = (4, Sharding::Zero2, 2);
+        (s.train.steps, s.train.checkpoint_every) = (20, 5);
+        s
+    }
+
+    fn resuming(step: u64) -> ExperimentSpec {
+        let mut s = source();
+        s.train.resume_from = Some(ResumeFrom { experiment: 7, step });
+        s
+    }
+
+    #[test]
+    fn another_dp_and_sharding_fit_and_keep_the_global_batch() {
+        let mut spec = resuming(10);
+        (spec.parallel.dp, spec.parallel.sharding) = (2, Sharding::Fsdp);
+        let note = fit_to_source(&mut spec, &source()).unwrap().unwrap();
+        assert_eq!(spec.train.grad_accum, 2);
+        assert_eq!(spec.global_batch(), source().global_batch());
+        assert!(note.contains("grad_accum 1 -> 2"), "{note}");
+        // Nothing to change, nothing said.
+        assert_eq!(fit_to_source(&mut resuming(5), &source()), Ok(None));
+        // No resume_from: nothing checked.
+        assert_eq!(fit_to_source(&mut ExperimentSpec::default(), &source()), Ok(None));
+    }
+
+    #[test]
+    fn the_latest_checkpoint_is_the_last_multiple_before_the_last_step() {
+        assert_eq!(latest_checkpoint(5, 20, 20), Some(15), "none after the last step");
+        assert_eq!(latest_checkpoint(5, 21, 21), Some(20));
+        assert_eq!(latest_checkpoint(5, 20, 12), Some(10), "a run that stopped after 12 steps");
+        assert_eq!(latest_checkpoint(5, 20, 4), None);
+        assert_eq!(latest_checkpoint(0, 20, 20), None);
+    }
+
+    #[test]
+    fn what_a_checkpoint_fixes_is_refused_field_by_field() {
+        let mut spec = resuming(7);
+        (spec.parallel.tp, spec.train.precision) = (2, Precision::Bf16);
+        let fields: Vec<String> =
+            fit_to_source(&mut spec, &source()).unwrap_err().into_iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["parallel.tp", "train.precision", "train.resume_from"]);
+        let mut spec = resuming(5);
+        (spec.parallel.dp, spec.train.micro_batch) = (3, 1);
+        let errors = fit_to_source(&mut spec, &source()).unwrap_err();
+        assert!(errors[0].message.contains("3 does not divide it"), "{errors:?}");
+        let mut no_checkpoints = source();
+        no_checkpoints.train.checkpoint_every = 0;
+        assert!(fit_to_source(&mut resuming(5), &no_checkpoints).unwrap_err()[0]
+            .message
+            .contains("saves no checkpoints"));
+    }
+}
