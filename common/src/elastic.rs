@@ -12,11 +12,11 @@
 use crate::spec::{ExperimentSpec, ResumeFrom};
 use crate::validate::FieldError;
 
-/// Checks that `spec` (whose `train.resume_from` names `source`) can continue `source`'s
-/// checkpoint, and keeps the global batch through `grad_accum` when dp or the micro-batch
+/// Checks that `spec` (whose `train.resume_from` names `source`) can continue a checkpoint
+/// of `source` (which step it keeps: [`check_resume_step`]), and keeps the global batch through `grad_accum` when dp or the micro-batch
 /// changed it. Returns what it changed, or one error per field that does not fit.
 pub fn fit_to_source(spec: &mut ExperimentSpec, source: &ExperimentSpec) -> Result<Option<String>, Vec<FieldError>> {
-    let Some(ResumeFrom { experiment, step }) = spec.train.resume_from else { return Ok(None) };
+    let Some(ResumeFrom { experiment, .. }) = spec.train.resume_from else { return Ok(None) };
     let mut errors = Vec::new();
     let mut differs = |field: &str, ours: String, theirs: String| {
         if ours != theirs {
@@ -34,21 +34,8 @@ pub fn fit_to_source(spec: &mut ExperimentSpec, source: &ExperimentSpec) -> Resu
     differs("train.precision", s.train.precision.as_str().into(), src.train.precision.as_str().into());
     differs("train.optimizer", format!("{:?}", s.train.optimizer), format!("{:?}", src.train.optimizer));
     differs("train.loss_scaling", format!("{:?}", s.train.loss_scaling), format!("{:?}", src.train.loss_scaling));
-    let every = src.train.checkpoint_every;
-    if src.demo.is_some() || every == 0 {
-        errors.push(FieldError::new(
-            "train.resume_from",
-            format!("experiment {experiment} saves no checkpoints (checkpoint_every=0)"),
-        ));
-    } else if step % every != 0 || step >= src.train.steps {
-        errors.push(FieldError::new(
-            "train.resume_from",
-            format!(
-                "experiment {experiment} saves a checkpoint every {every} steps before its last step {}: step {step} \
-                 is not one of them",
-                src.train.steps
-            ),
-        ));
+    if src.demo.is_some() {
+        errors.push(FieldError::new("train.resume_from", format!("experiment {experiment} is a collective demo")));
     }
     let (ours, theirs) = (spec.global_batch(), source.global_batch());
     let mut note = None;
@@ -81,12 +68,37 @@ pub fn fit_to_source(spec: &mut ExperimentSpec, source: &ExperimentSpec) -> Resu
     }
 }
 
-/// The step of the latest checkpoint a run that saves one every `every` steps (before its
-/// last, `steps`) has written after running `done` steps; None before the first.
-pub fn latest_checkpoint(every: u64, steps: u64, done: u64) -> Option<u64> {
-    let last = done.min(steps.saturating_sub(1));
-    let step = last.checked_div(every)? * every;
-    (step > 0).then_some(step)
+/// The step of the checkpoint a run of `spec` keeps once it has run up to step `done`
+/// (one past its last step): the latest multiple of `checkpoint_every` before its last step
+/// that it ran to (each new one replaces the one before), or, for a run that itself
+/// resumed at step k and saved none since, the copy it resumed from. None when it saves
+/// none.
+pub fn latest_checkpoint(spec: &ExperimentSpec, done: u64) -> Option<u64> {
+    let t = &spec.train;
+    let every = t.checkpoint_every;
+    let started = t.resume_from.map_or(0, |from| from.step);
+    let last = done.min(t.steps.saturating_sub(1));
+    let saved = (last.checked_div(every)? * every).max(started);
+    (saved > 0).then_some(saved)
+}
+
+/// Whether `from` names the checkpoint experiment `source` keeps, having run up to step
+/// `done` and `finished` (a running one still replaces its checkpoint).
+pub fn check_resume_step(from: ResumeFrom, source: &ExperimentSpec, done: u64, finished: bool) -> Option<FieldError> {
+    let experiment = from.experiment;
+    let why = if !finished {
+        format!("experiment {experiment} is still running (or queued): continue from it once it has ended")
+    } else {
+        match latest_checkpoint(source, done) {
+            Some(step) if step == from.step => return None,
+            Some(step) => format!(
+                "experiment {experiment} keeps only its latest checkpoint, of step {step} (each one replaces the one \
+                 before): resume from step {step}"
+            ),
+            None => format!("experiment {experiment} saved no checkpoint"),
+        }
+    };
+    Some(FieldError::new("train.resume_from", why))
 }
 
 #[cfg(test)]
@@ -122,12 +134,21 @@ mod tests {
     }
 
     #[test]
-    fn the_latest_checkpoint_is_the_last_multiple_before_the_last_step() {
-        assert_eq!(latest_checkpoint(5, 20, 20), Some(15), "none after the last step");
-        assert_eq!(latest_checkpoint(5, 21, 21), Some(20));
-        assert_eq!(latest_checkpoint(5, 20, 12), Some(10), "a run that stopped after 12 steps");
-        assert_eq!(latest_checkpoint(5, 20, 4), None);
-        assert_eq!(latest_checkpoint(0, 20, 20), None);
+    fn the_checkpoint_kept_is_the_last_multiple_before_the_last_step_or_the_one_resumed_from() {
+        let mut s = source();
+        assert_eq!(latest_checkpoint(&s, 20), Some(15), "none after the last step");
+        assert_eq!(latest_checkpoint(&s, 12), Some(10), "a run that stopped after 12 steps");
+        assert_eq!(latest_checkpoint(&s, 4), None);
+        s.train.resume_from = Some(ResumeFrom { experiment: 1, step: 12 });
+        assert_eq!(latest_checkpoint(&s, 14), Some(12), "nothing saved since it resumed at 12");
+        assert_eq!(latest_checkpoint(&s, 20), Some(15));
+        s.train.checkpoint_every = 0;
+        assert_eq!(latest_checkpoint(&s, 20), None, "saves none");
+        let from = |step| ResumeFrom { experiment: 7, step };
+        assert_eq!(check_resume_step(from(15), &source(), 20, true), None);
+        let older = check_resume_step(from(10), &source(), 20, true).unwrap();
+        assert!(older.message.contains("only its latest checkpoint, of step 15"), "{older}");
+        assert!(check_resume_step(from(15), &source(), 20, false).unwrap().message.contains("still running"));
     }
 
     #[test]
@@ -136,15 +157,14 @@ mod tests {
         (spec.parallel.tp, spec.train.precision) = (2, Precision::Bf16);
         let fields: Vec<String> =
             fit_to_source(&mut spec, &source()).unwrap_err().into_iter().map(|e| e.field).collect();
-        assert_eq!(fields, ["parallel.tp", "train.precision", "train.resume_from"]);
+        assert_eq!(fields, ["parallel.tp", "train.precision"]);
         let mut spec = resuming(5);
         (spec.parallel.dp, spec.train.micro_batch) = (3, 1);
         let errors = fit_to_source(&mut spec, &source()).unwrap_err();
         assert!(errors[0].message.contains("3 does not divide it"), "{errors:?}");
         let mut no_checkpoints = source();
         no_checkpoints.train.checkpoint_every = 0;
-        assert!(fit_to_source(&mut resuming(5), &no_checkpoints).unwrap_err()[0]
-            .message
-            .contains("saves no checkpoints"));
+        let why = check_resume_step(ResumeFrom { experiment: 7, step: 5 }, &no_checkpoints, 20, true).unwrap();
+        assert!(why.message.contains("saved no checkpoint"), "{why}");
     }
 }

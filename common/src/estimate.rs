@@ -460,8 +460,15 @@ fn dp_messages(spec: &ExperimentSpec, stage: &StagePlan, micro_steps: u64) -> u6
         0 => 1,
         size => gradient_bytes.div_ceil(size).max(1),
     };
+    // Per bucket, ring steps of W-1 messages: an all-reduce's two phases; top-k's and
+    // int8's one all-gather; PowerSGD's two all-reduces (P, then Q).
+    let per_bucket = match spec.parallel.grad_compression {
+        GradCompression::None => 2,
+        GradCompression::Topk | GradCompression::Int8 => 1,
+        GradCompression::Powersgd => 4,
+    };
     let collectives_times_steps = match spec.parallel.sharding {
-        Sharding::None => buckets.saturating_mul(2),
+        Sharding::None => buckets.saturating_mul(per_bucket),
         Sharding::Zero1 => buckets.saturating_mul(2).saturating_add(units),
         Sharding::Zero2 => micro_steps.saturating_mul(units).saturating_add(units),
         Sharding::Fsdp => {

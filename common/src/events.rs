@@ -88,8 +88,16 @@ pub struct CollectiveCheck {
     pub elements: usize,
     /// Payload bytes each rank sent, in rank order.
     pub bytes_sent: Vec<u64>,
-    /// The textbook amount per rank: 2(W-1)/W * D for all-reduce, (W-1)/W * D otherwise.
+    /// The textbook amount per rank: 2(W-1)/W * D for all-reduce, (W-1)/W * D otherwise
+    /// (the ring's, for the other all-reduces too: what they are compared with).
     pub formula_bytes: f64,
+    /// The all-reduce's algorithm (`parallel.allreduce`).
+    #[serde(default)]
+    pub algorithm: crate::spec::AllReduce,
+    /// Another algorithm than the ring: what each rank sends by its formula
+    /// (`all_reduce::elements_sent`), in rank order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_formula_bytes: Vec<u64>,
     /// Largest |result - expected| over all ranks and elements (0 when exact).
     pub max_abs_error: f64,
 }

@@ -158,10 +158,11 @@ impl GradCompression {
 }
 
 /// An all-reduce algorithm (`comm/all_reduce.rs`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AllReduce {
     /// Reduce-scatter then all-gather round a ring: 2(W-1)/W x D sent by every rank.
+    #[default]
     Ring,
     /// A binary tree: partial sums up to rank 0, the result back down.
     Tree,

@@ -1,5 +1,7 @@
 //! The ring replay, computed: every rank's buffer after every recorded step of one
-//! ring collective (all-reduce, reduce-scatter, all-gather).
+//! ring collective (all-reduce, reduce-scatter, all-gather), or of an all-reduce that
+//! moves whole buffers between any two ranks (`parallel.allreduce` naive or tree: partial
+//! sums towards rank 0, then the result back out).
 //!
 //! Nothing here is re-derived from the textbook schedule. The replay starts from
 //! the `input` each rank recorded, then applies the `RingStep`s the ranks recorded
@@ -18,7 +20,9 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use distlab_common::all_reduce::elements_sent;
 use distlab_common::trace::{chunk_range, CollectiveOp, CollectiveRecord, ExperimentTrace, RingPhase, RingStep};
+use distlab_common::AllReduce;
 
 use crate::format;
 
@@ -45,11 +49,32 @@ impl CollectiveKey {
     }
 }
 
-/// A ring collective the trace holds in detail.
+/// How a collective moved its data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// Round the ring, one chunk per rank: reduce-scatter, then all-gather.
+    Ring,
+    /// Whole buffers between any two ranks: partial sums up to rank 0 (reduce), the result
+    /// back out (broadcast). The naive and tree all-reduces.
+    WholeBuffers,
+}
+
+impl Schedule {
+    /// Whether a step of `phase` belongs to this schedule.
+    fn has(self, phase: RingPhase) -> bool {
+        match self {
+            Schedule::Ring => matches!(phase, RingPhase::ReduceScatter | RingPhase::AllGather),
+            Schedule::WholeBuffers => matches!(phase, RingPhase::Reduce | RingPhase::Broadcast),
+        }
+    }
+}
+
+/// A collective the trace holds in detail, that the replay can draw.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CollectiveInfo {
     pub key: CollectiveKey,
     pub op: CollectiveOp,
+    pub schedule: Schedule,
     /// Global ranks of the group in ring order.
     pub ranks: Vec<u32>,
     pub elements: u64,
@@ -73,7 +98,7 @@ impl CollectiveInfo {
             self.ranks.len(),
             self.key.group,
             if self.has_values { " · with numbers" } else { "" }
-        )
+        ) + if self.schedule == Schedule::WholeBuffers { " · whole buffers, not a ring" } else { "" }
     }
 }
 
@@ -82,34 +107,45 @@ pub fn replayable(op: CollectiveOp) -> bool {
     matches!(op, CollectiveOp::AllReduce | CollectiveOp::ReduceScatter | CollectiveOp::AllGather)
 }
 
-/// The steps of `record` among `steps` (recorded by `rank`): same id, sent by this
-/// rank to its ring neighbour in this group, during the collective's time window (a
-/// rank can be in two groups whose collectives share ids).
+/// The steps of `record` among `steps` (recorded by `rank`) that belong to `schedule`:
+/// same id, sent by this rank (on a ring: to its right neighbour) to a rank of this group,
+/// during the collective's time window (a rank can be in two groups whose collectives
+/// share ids).
 fn steps_of<'a>(
     rank: u32,
     record: &'a CollectiveRecord,
     steps: &'a [RingStep],
+    schedule: Schedule,
 ) -> impl Iterator<Item = &'a RingStep> + 'a {
     let w = record.ranks.len();
     let next = record.ranks.iter().position(|&r| r == rank).map(|p| record.ranks[(p + 1) % w.max(1)]);
     steps.iter().filter(move |s| {
-        s.collective == record.id
-            && s.from == rank
-            && Some(s.to) == next
-            && matches!(s.phase, RingPhase::ReduceScatter | RingPhase::AllGather)
-            && s.start_us >= record.start_us
-            && s.start_us <= record.end_us
+        of_record(rank, record, s)
+            && schedule.has(s.phase)
+            && match schedule {
+                Schedule::Ring => Some(s.to) == next,
+                Schedule::WholeBuffers => record.ranks.contains(&s.to),
+            }
     })
 }
 
-/// Whether the `ring_steps` of `record` (see [`steps_of`]) are every step `rank` recorded
-/// of it (an all-reduce by another algorithm, `parallel.allreduce`, sends along a tree, a
-/// star or rings inside nodes: the replay does not draw those).
-fn only_ring_steps(rank: u32, record: &CollectiveRecord, steps: &[RingStep], ring_steps: usize) -> bool {
-    let of_record = steps.iter().filter(|s| {
-        s.collective == record.id && s.from == rank && s.start_us >= record.start_us && s.start_us <= record.end_us
-    });
-    of_record.count() == ring_steps
+/// Whether `step` is one `rank` sent during `record`.
+fn of_record(rank: u32, record: &CollectiveRecord, step: &RingStep) -> bool {
+    step.collective == record.id
+        && step.from == rank
+        && step.start_us >= record.start_us
+        && step.start_us <= record.end_us
+}
+
+/// The schedule of every step `rank` recorded of `record`, if one schedule has them all
+/// (the hierarchical all-reduce mixes rings inside nodes with whole buffers: the replay
+/// does not draw it).
+fn schedule_of(rank: u32, record: &CollectiveRecord, steps: &[RingStep]) -> Option<Schedule> {
+    let all = steps.iter().filter(|s| of_record(rank, record, s)).count();
+    [Schedule::Ring, Schedule::WholeBuffers]
+        .into_iter()
+        .filter(|&schedule| schedule == Schedule::Ring || record.op == CollectiveOp::AllReduce)
+        .find(|&schedule| steps_of(rank, record, steps, schedule).count() == all)
 }
 
 /// Every ring collective of the trace recorded in detail, ordered by group and id.
@@ -122,20 +158,25 @@ pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
                 continue;
             }
             let key = CollectiveKey { group: record.group.clone(), id: record.id };
-            let steps: Vec<&RingStep> = steps_of(rank.rank, record, &rank.comm.steps).collect();
-            if !only_ring_steps(rank.rank, record, &rank.comm.steps, steps.len()) {
+            let Some(schedule) = schedule_of(rank.rank, record, &rank.comm.steps) else {
                 not_ring.push(key);
                 continue;
-            }
+            };
+            let steps: Vec<&RingStep> = steps_of(rank.rank, record, &rank.comm.steps, schedule).collect();
             let info = found.entry(key.clone()).or_insert_with(|| CollectiveInfo {
-                key,
+                key: key.clone(),
                 op: record.op,
+                schedule,
                 ranks: record.ranks.clone(),
                 elements: record.elements,
                 recorded_by: 0,
                 steps: 0,
                 has_values: true,
             });
+            if info.schedule != schedule {
+                not_ring.push(key);
+                continue;
+            }
             info.recorded_by += 1;
             info.steps += steps.len();
             info.has_values &= steps.iter().all(|s| s.values.is_some());
@@ -263,12 +304,21 @@ pub struct Replay {
     /// Recorded per position (small buffers only).
     pub inputs: Vec<Option<Vec<f32>>>,
     pub outputs: Vec<Option<Vec<f32>>>,
-    /// Reduce-scatter steps in the schedule (W-1 when the op has that phase).
+    /// Reduce-scatter steps in the schedule (W-1 when the op has that phase); for whole
+    /// buffers, the reduce steps recorded.
     pub rs_steps: u32,
+    /// All-gather steps (W-1); for whole buffers, the broadcast steps recorded.
     pub ag_steps: u32,
+    /// Whole buffers: the all-reduce algorithm the steps follow (naive: every transfer to
+    /// or from rank 0; tree otherwise).
+    pub algorithm: AllReduce,
     /// Things a learner should know about this replay (missing ranks, local changes).
     pub notes: Vec<String>,
 }
+
+/// Where a recorded step goes in the replay's order: (phase: 0 reducing, 1 copying; then
+/// the send's end (whole buffers) or 0; then the ring step or the sender).
+type StepKey = (u8, u64, u32);
 
 /// What reaches a receiver in one step: (receiver, chunk, whose contributions, numbers).
 type Delivery = (usize, usize, Vec<bool>, Option<Vec<f32>>);
@@ -297,7 +347,12 @@ impl Replay {
         let w = info.ranks.len();
         let position = |rank: u32| info.ranks.iter().position(|&r| r == rank);
         let elements = info.elements as usize;
-        let chunks: Vec<Range<usize>> = (0..w).map(|c| chunk_range(elements, w, c)).collect();
+        // A ring cuts the buffer into one chunk per rank; whole buffers are one chunk.
+        let chunks: Vec<Range<usize>> = match info.schedule {
+            Schedule::Ring => (0..w).map(|c| chunk_range(elements, w, c)).collect(),
+            Schedule::WholeBuffers => std::iter::once(0..elements).collect(),
+        };
+        let n_chunks = chunks.len();
         let mut notes = Vec::new();
 
         // Each member's record and steps.
@@ -313,7 +368,7 @@ impl Replay {
             recorded[p] = true;
             inputs[p] = record.input.clone();
             outputs[p] = record.output.clone();
-            steps.extend(steps_of(rank.rank, record, &rank.comm.steps).map(|s| (p, s)));
+            steps.extend(steps_of(rank.rank, record, &rank.comm.steps, info.schedule).map(|s| (p, s)));
         }
         let missing: Vec<String> =
             (0..w).filter(|&p| !recorded[p]).map(|p| format!("rank {}", info.ranks[p])).collect();
@@ -324,7 +379,7 @@ impl Replay {
         // Frame 0: the recorded inputs. An all-gather's input is the rank's own chunk only.
         let mut buffers: Vec<Vec<ChunkState>> = (0..w)
             .map(|p| {
-                (0..w)
+                (0..n_chunks)
                     .map(|c| {
                         let mut holds = vec![false; w];
                         let starts_with_it = info.op != CollectiveOp::AllGather || c == p;
@@ -363,16 +418,34 @@ impl Replay {
             bytes_sent: bytes_sent.clone(),
         }];
 
-        // The recorded steps, grouped by (phase, step), reduce-scatter first.
-        let mut by_step: BTreeMap<(u8, u32), Vec<(usize, &RingStep)>> = BTreeMap::new();
+        // The recorded steps: on a ring grouped by (phase, step), reduce-scatter first (all
+        // ranks send at once); whole buffers one transfer at a time, reduce first, in the
+        // order they were taken (a send ends when its receiver has it; a rank forwards a sum
+        // only after it arrived).
+        let mut by_step: BTreeMap<StepKey, Vec<(usize, &RingStep)>> = BTreeMap::new();
         for (p, s) in steps {
-            let order = if s.phase == RingPhase::ReduceScatter { 0 } else { 1 };
-            by_step.entry((order, s.step)).or_default().push((p, s));
+            let order = u8::from(!matches!(s.phase, RingPhase::ReduceScatter | RingPhase::Reduce));
+            let key = match info.schedule {
+                Schedule::Ring => (order, 0, s.step),
+                Schedule::WholeBuffers => (order, s.end_us, s.from),
+            };
+            by_step.entry(key).or_default().push((p, s));
         }
         let mut changed_locally = Vec::new();
-        for ((order, step), mut sends) in by_step {
+        let mut phase_counts = [0u32; 2];
+        for ((order, _, ring_step), mut sends) in by_step {
             sends.sort_by_key(|(p, _)| *p);
             let reduce = order == 0;
+            let (phase, step) = match info.schedule {
+                Schedule::Ring => (if reduce { RingPhase::ReduceScatter } else { RingPhase::AllGather }, ring_step),
+                Schedule::WholeBuffers => {
+                    phase_counts[usize::from(order)] += 1;
+                    (
+                        if reduce { RingPhase::Reduce } else { RingPhase::Broadcast },
+                        phase_counts[usize::from(order)] - 1,
+                    )
+                }
+            };
             for chunk in buffers.iter_mut().flatten() {
                 chunk.received = false;
                 chunk.sent = false;
@@ -381,9 +454,9 @@ impl Replay {
             let mut transfers = Vec::new();
             for (from, s) in sends {
                 let Some(to) = position(s.to) else { continue };
-                let c = s.chunk as usize;
-                if c >= w {
-                    notes.push(format!("rank {} recorded a step with chunk {c} of {w}: skipped", s.from));
+                let c = if info.schedule == Schedule::WholeBuffers { 0 } else { s.chunk as usize };
+                if c >= n_chunks {
+                    notes.push(format!("rank {} recorded a step with chunk {c} of {n_chunks}: skipped", s.from));
                     continue;
                 }
                 let sender = &mut buffers[from][c];
@@ -442,7 +515,7 @@ impl Replay {
                 bytes_sent[t.from] += t.bytes;
             }
             frames.push(Frame {
-                phase: Some(if reduce { RingPhase::ReduceScatter } else { RingPhase::AllGather }),
+                phase: Some(phase),
                 step,
                 transfers,
                 buffers: buffers.clone(),
@@ -457,8 +530,19 @@ impl Replay {
         }
         let has = |phase| info.op == CollectiveOp::AllReduce || info.op == phase;
         let phase_steps = (w as u32).saturating_sub(1);
-        let rs_steps = if has(CollectiveOp::ReduceScatter) { phase_steps } else { 0 };
-        let ag_steps = if has(CollectiveOp::AllGather) { phase_steps } else { 0 };
+        let (rs_steps, ag_steps, algorithm) = match info.schedule {
+            Schedule::Ring => (
+                if has(CollectiveOp::ReduceScatter) { phase_steps } else { 0 },
+                if has(CollectiveOp::AllGather) { phase_steps } else { 0 },
+                AllReduce::Ring,
+            ),
+            Schedule::WholeBuffers => {
+                let star = frames.iter().flat_map(|f| &f.transfers).all(|t| t.from == 0 || t.to == 0);
+                let algorithm = if star { AllReduce::Naive } else { AllReduce::Tree };
+                // Every rank but the root sends its sum up once, and gets the result once.
+                (phase_counts[0], phase_counts[1], algorithm)
+            }
+        };
         if frames.len() - 1 < (rs_steps + ag_steps) as usize && missing.is_empty() {
             notes.push(format!(
                 "The trace holds {} of the {} steps of the schedule.",
@@ -466,7 +550,7 @@ impl Replay {
                 rs_steps + ag_steps
             ));
         }
-        Some(Replay { info, chunks, frames, inputs, outputs, rs_steps, ag_steps, notes })
+        Some(Replay { info, chunks, frames, inputs, outputs, rs_steps, ag_steps, algorithm, notes })
     }
 
     pub fn world(&self) -> usize {
@@ -483,7 +567,8 @@ impl Replay {
         self.info.elements * ELEMENT_BYTES
     }
 
-    /// What each rank sends in the textbook: 2(W-1)/W·D for an all-reduce, (W-1)/W·D otherwise.
+    /// What each rank sends on a ring, in the textbook: 2(W-1)/W·D for an all-reduce,
+    /// (W-1)/W·D otherwise.
     pub fn formula_bytes(&self) -> f64 {
         let w = self.world() as f64;
         let d = self.buffer_bytes() as f64;
@@ -491,16 +576,45 @@ impl Replay {
         phases * (w - 1.0) / w * d
     }
 
-    /// "2(W-1)/W × D = 2·3/4 × 64 B = 96 B".
+    /// What position `p` sends by its algorithm's formula: the ring's for every rank; with
+    /// whole buffers, D per buffer it sends (`all_reduce::elements_sent`).
+    pub fn formula_bytes_of(&self, p: usize) -> f64 {
+        match self.info.schedule {
+            Schedule::Ring => self.formula_bytes(),
+            Schedule::WholeBuffers => {
+                let (n, w) = (self.info.elements as usize, self.world());
+                (elements_sent(self.algorithm, n, w, 1, p) * ELEMENT_BYTES as usize) as f64
+            }
+        }
+    }
+
+    /// "2(W-1)/W × D = 2·3/4 × 64 B = 96 B"; for whole buffers each rank's share next to it.
     pub fn formula_text(&self) -> String {
         let w = self.world();
         let (factor, sym) = if self.info.op == CollectiveOp::AllReduce { ("2·", "2(W-1)/W") } else { ("", "(W-1)/W") };
-        format!(
+        let ring = format!(
             "{sym} × D = {factor}{}/{w} × {} B = {} B",
             w.saturating_sub(1),
             self.buffer_bytes(),
             format::value(self.formula_bytes() as f32)
-        )
+        );
+        if self.info.schedule == Schedule::Ring {
+            return ring;
+        }
+        let d = self.buffer_bytes();
+        let shares: Vec<String> = (0..w)
+            .map(|p| format!("r{} {} B", self.info.ranks[p], format::value(self.formula_bytes_of(p) as f32)))
+            .collect();
+        let how = match self.algorithm {
+            AllReduce::Naive if w > 3 => {
+                format!("naive: (W-1) × D = {} × {d} B through rank 0, D from every other rank", w - 1)
+            }
+            AllReduce::Naive => {
+                "a star (naive; a tree of 3 ranks or fewer is the same star): D per buffer sent".to_string()
+            }
+            _ => "tree: D per tree edge, up once and down once".to_string(),
+        };
+        format!("{how} ({}), against the ring's {ring} from every rank", shares.join(", "))
     }
 
     /// "reduce-scatter step 2 of 3", or "start" for frame 0.
@@ -514,7 +628,13 @@ impl Replay {
             Some(RingPhase::AllGather) => {
                 format!("all-gather step {} of {}", frame.step + 1, self.ag_steps.max(frame.step + 1))
             }
-            Some(_) => format!("step {}", frame.step + 1),
+            Some(RingPhase::Reduce) => {
+                format!("reduce step {} of {}", frame.step + 1, self.rs_steps.max(frame.step + 1))
+            }
+            Some(RingPhase::Broadcast) => {
+                format!("broadcast step {} of {}", frame.step + 1, self.ag_steps.max(frame.step + 1))
+            }
+            Some(RingPhase::PointToPoint) => format!("step {}", frame.step + 1),
         }
     }
 
@@ -695,7 +815,43 @@ impl Replay {
                 }
                 text
             }
-            Some(_) => String::new(),
+            Some(phase @ (RingPhase::Reduce | RingPhase::Broadcast)) => self.explain_whole_buffers(frame, phase),
+            Some(RingPhase::PointToPoint) => String::new(),
+        }
+    }
+
+    /// [`explain`](Self::explain) for a step of the naive or tree all-reduce.
+    fn explain_whole_buffers(&self, frame: &Frame, phase: RingPhase) -> String {
+        let w = self.world();
+        let r = |p: usize| self.info.ranks.get(p).copied().unwrap_or(p as u32);
+        let Some(t) = frame.transfers.first() else { return String::new() };
+        let numbers = t.values.as_ref().map(|v| format!(" [{}]", numbers(v))).unwrap_or_default();
+        let held = frame.buffers[t.to][0].count();
+        if phase == RingPhase::Reduce {
+            let mut text = format!(
+                "Rank {} sends its whole buffer{numbers}, {}, to rank {}, which adds it to its own: it now holds {held}/{w}.",
+                r(t.from),
+                if t.carried == 1 { "its own numbers".to_string() } else { format!("the sum of {} ranks' numbers", t.carried) },
+                r(t.to)
+            );
+            text.push_str(match self.algorithm {
+                AllReduce::Naive => " Every buffer goes to rank 0, one after another: its link carries them all while the others wait.",
+                _ => " Up the tree: a rank sends once its children's sums are in, so the partial sums grow as they climb.",
+            });
+            if frame.step + 1 == self.rs_steps {
+                text.push_str(&format!(" Rank {} now holds the complete sum.", r(0)));
+            }
+            text
+        } else {
+            let mut text = format!(
+                "Rank {} sends the finished sum to rank {}, which copies it over its buffer.",
+                r(t.from),
+                r(t.to)
+            );
+            if frame.step + 1 == self.ag_steps {
+                text.push_str(&format!(" That was the last step: every rank holds the sum. {}.", self.formula_text()));
+            }
+            text
         }
     }
 }
@@ -753,6 +909,8 @@ mod tests {
             "reduce-scatter-4x16" => include_str!("../tests/fixtures/reduce-scatter-4x16.trace.json"),
             "all-gather-4x16" => include_str!("../tests/fixtures/all-gather-4x16.trace.json"),
             "ddp-2ranks" => include_str!("../tests/fixtures/ddp-2ranks-3steps.trace.json"),
+            "naive-4x6" => include_str!("../tests/fixtures/naive-allreduce-4x6.trace.json"),
+            "tree-5x6" => include_str!("../tests/fixtures/tree-allreduce-5x6.trace.json"),
             other => panic!("no fixture {other}"),
         };
         serde_json::from_str(text).expect("fixture parses as ExperimentTrace")
@@ -764,6 +922,46 @@ mod tests {
 
     fn demo_sum(world: usize, elements: usize) -> Vec<f32> {
         (0..elements).map(|i| (0..world).map(|r| CollectiveDemo::initial_value(r, i)).sum()).collect()
+    }
+
+    /// The naive (4 ranks) and tree (5 ranks) all-reduce demos: whole buffers, each
+    /// transfer its own frame in the order it was sent, rank 0 complete after the last
+    /// reduce, every rank the sum at the end, and each rank's bytes its algorithm's.
+    #[test]
+    fn whole_buffer_all_reduces_replay_to_the_sum_with_their_own_bytes() {
+        for (name, w, algorithm) in [("naive-4x6", 4, AllReduce::Naive), ("tree-5x6", 5, AllReduce::Tree)] {
+            let trace = fixture(name);
+            let info = ring_collectives(&trace).into_iter().next().expect("the demo's all-reduce");
+            assert_eq!(info.schedule, Schedule::WholeBuffers, "{name}");
+            assert!(info.label().contains("whole buffers"), "{name}");
+            let replay = Replay::build(&trace, &dp0()).unwrap();
+            assert_eq!(replay.algorithm, algorithm, "{name}");
+            assert_eq!(replay.chunks, vec![0..6]);
+            // W-1 sums go up, W-1 copies come down, one transfer per frame.
+            assert_eq!((replay.rs_steps, replay.ag_steps), ((w - 1) as u32, (w - 1) as u32), "{name}");
+            assert!(replay.frames[1..].iter().all(|f| f.transfers.len() == 1), "{name}");
+            let last_reduce = &replay.frames[w - 1];
+            assert_eq!(last_reduce.phase, Some(RingPhase::Reduce));
+            assert_eq!(last_reduce.buffers[0][0].kind, ChunkKind::Complete, "{name}: rank 0 holds the sum");
+            assert_eq!(replay.frames[w].phase, Some(RingPhase::Broadcast));
+            let end = replay.frames.len() - 1;
+            for p in 0..w {
+                assert_eq!(replay.result(end, p), Some(demo_sum(w, 6)), "{name} rank {p}");
+                let sent = replay.frames[end].bytes_sent[p] as f64;
+                assert_eq!(sent, replay.formula_bytes_of(p), "{name} rank {p}: its algorithm's bytes");
+            }
+            // In buffers: rank 0 sends W-1 in the naive one, the others one each; in the tree a
+            // rank sends one up and one to each child (rank 0's children: 1, 2, 4; rank 2's: 3).
+            let d = replay.buffer_bytes() as f64;
+            let buffers: Vec<f64> = (0..w).map(|p| replay.formula_bytes_of(p) / d).collect();
+            let want =
+                if algorithm == AllReduce::Naive { vec![3.0, 1.0, 1.0, 1.0] } else { vec![3.0, 1.0, 2.0, 1.0, 1.0] };
+            assert_eq!(buffers, want, "{name}");
+            let v = replay.verify();
+            assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{name}: {v:?}");
+            assert!(replay.explain(1).contains("sends its whole buffer"), "{name}");
+            assert!(replay.formula_text().contains("against the ring's"), "{name}");
+        }
     }
 
     #[test]

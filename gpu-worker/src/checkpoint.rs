@@ -11,6 +11,7 @@
 //!   <root>/spec.json                       the spec these checkpoints belong to
 //!   <root>/step-000020/dp0-tp0-pp0.ckpt    one file per rank: "resume at step 20"
 //!   <root>/step-000020/dp1-tp0-pp0.ckpt
+//!   <root>/finished                        the run ended: only its latest step is kept
 //! ```
 //!
 //! A rank writes a temp file of its own (`.<file>.<pid>.tmp`), syncs it to disk and renames
@@ -40,6 +41,8 @@ use serde::{Deserialize, Serialize};
 use crate::memory::Receipt;
 
 const FORMAT: &str = "distlab-checkpoint-1";
+/// The file that marks a finished run's directory (see [`CheckpointDir::mark_finished`]).
+const FINISHED: &str = "finished";
 
 /// Where a rank sits in the dp x tp x pp mesh (its checkpoint file's name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,13 +258,21 @@ impl CheckpointDir {
         }
     }
 
+    /// Marks the run these checkpoints belong to as finished: its latest checkpoint stays
+    /// for other runs to start from (`train.resume_from`), and the same spec run here again
+    /// starts afresh instead of resuming.
+    pub fn mark_finished(&self) {
+        let _ = fs::write(self.root.join(FINISHED), b"");
+    }
+
     /// Before a run: creates the directory for `spec` and returns the step to resume from.
-    /// Checkpoints of another spec (a reused experiment id) are deleted first, and so are
-    /// steps after the one resumed from (incomplete, or unreadable: a warning says which).
+    /// Checkpoints of another spec (a reused experiment id) or of a finished run are deleted
+    /// first, and so are steps after the one resumed from (incomplete, or unreadable: a
+    /// warning says which).
     pub fn prepare(&self, spec: &ExperimentSpec) -> Result<Resume, CheckpointError> {
         let spec_path = self.root.join("spec.json");
         let written = fs::read_to_string(&spec_path).ok().and_then(|s| serde_json::from_str::<ExperimentSpec>(&s).ok());
-        if written.as_ref() != Some(spec) {
+        if written.as_ref() != Some(spec) || self.root.join(FINISHED).exists() {
             self.remove();
             fs::create_dir_all(&self.root).map_err(io_error(&self.root))?;
             let json = serde_json::to_vec_pretty(spec).map_err(|e| io_error(&spec_path)(std::io::Error::other(e)))?;
@@ -303,6 +314,7 @@ impl CheckpointDir {
             let _ = fs::remove_dir_all(path);
         }
         let _ = fs::remove_file(self.root.join("spec.json"));
+        let _ = fs::remove_file(self.root.join(FINISHED));
         let _ = fs::remove_dir(&self.root);
     }
 }

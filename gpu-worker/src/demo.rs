@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
+use distlab_common::all_reduce::elements_sent;
 use distlab_common::trace::RankTrace;
 use distlab_common::*;
 use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator};
@@ -21,11 +23,14 @@ pub struct DemoRankResult {
 }
 
 /// Runs on every rank: the collective, then its trace and result to the launcher.
-pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, demo: &CollectiveDemo) -> anyhow::Result<()> {
+pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, spec: &ExperimentSpec) -> anyhow::Result<()> {
+    let demo = spec.demo.as_ref().context("a collective demo spec")?;
     let mesh = connect(dir, rank, world)?;
     let tracer = Arc::new(CommTracer::new(rank, 16));
     let mut comm =
         RingCommunicator::new(&mesh, "dp", (0..world).collect(), Duration::from_secs(30), Some(tracer.clone()))?;
+    // An all-reduce demo runs the spec's algorithm (ring, naive, tree).
+    comm.set_all_reduce(spec.parallel.allreduce, spec.parallel.ranks_per_node);
     let n = demo.elements;
     let mut full: Vec<f32> = (0..n).map(|i| CollectiveDemo::initial_value(rank, i)).collect();
     let output = match demo.op {
@@ -70,8 +75,9 @@ pub enum RankOutput {
     Summary(RunSummary),
 }
 
-/// Checks every rank's result against a sequential computation and the byte formula.
-pub fn check(demo: &CollectiveDemo, world: usize, results: &[DemoRankResult]) -> CollectiveCheck {
+/// Checks every rank's result against a sequential computation and the byte formula (of
+/// `algorithm`, for an all-reduce).
+pub fn check(demo: &CollectiveDemo, algorithm: AllReduce, world: usize, results: &[DemoRankResult]) -> CollectiveCheck {
     let n = demo.elements;
     let sum: Vec<f32> = (0..n).map(|i| (0..world).map(|r| CollectiveDemo::initial_value(r, i)).sum()).collect();
     let mut max_abs_error = 0.0f64;
@@ -102,12 +108,19 @@ pub fn check(demo: &CollectiveDemo, world: usize, results: &[DemoRankResult]) ->
     };
     let mut by_rank: Vec<&DemoRankResult> = results.iter().collect();
     by_rank.sort_by_key(|r| r.rank);
+    let algorithm = if demo.op == DemoOp::AllReduce { algorithm } else { AllReduce::Ring };
+    let rank_formula_bytes = match algorithm {
+        AllReduce::Ring => Vec::new(),
+        other => (0..world).map(|r| elements_sent(other, n, world, 1, r) as u64 * 4).collect(),
+    };
     CollectiveCheck {
         op: demo.op,
         world,
         elements: n,
         bytes_sent: by_rank.iter().map(|r| r.bytes_sent).collect(),
         formula_bytes,
+        algorithm,
+        rank_formula_bytes,
         max_abs_error,
     }
 }

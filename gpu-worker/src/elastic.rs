@@ -74,10 +74,15 @@ pub fn recut_into(own: &Path, spec: &ExperimentSpec, from: ResumeFrom) -> Result
         .map_err(|e| CheckpointError::Corrupt { path: spec_path.clone(), why: e.to_string() })?;
     // The server has made the spec fit already (grad_accum); anything left is a mismatch.
     let mut fitted = spec.clone();
-    let note = fit_to_source(&mut fitted, &source)
+    fit_to_source(&mut fitted, &source)
         .map_err(|errors| missing(errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")))?;
     if fitted != *spec {
-        return Err(missing(note.unwrap_or_default()));
+        return Err(missing(format!(
+            "set train.grad_accum to {} to keep experiment {}'s global batch of {} sequences",
+            fitted.train.grad_accum,
+            from.experiment,
+            source.global_batch()
+        )));
     }
     let (source_dir, own_dir) =
         (CheckpointDir::new(&source_root, source.world_size()), CheckpointDir::new(own, spec.world_size()));

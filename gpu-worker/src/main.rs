@@ -71,7 +71,9 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
         /// Save the spec's checkpoints here (train.checkpoint_every > 0); a second run of the
-        /// same spec resumes from the latest; a run that succeeds deletes them.
+        /// same spec after a crash resumes from the latest; a run that succeeds keeps the
+        /// latest for another spec's train.resume_from (which looks for `experiment-<id>`
+        /// next to this directory) and a second run of it starts afresh.
         #[arg(long)]
         checkpoint_dir: Option<PathBuf>,
     },
@@ -200,7 +202,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                     })
                 }
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
-                    Some(d) => demo::run_rank(&dir, rank, world, d),
+                    Some(_) => demo::run_rank(&dir, rank, world, &spec),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),
                 }),
             };

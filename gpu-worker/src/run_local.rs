@@ -5,7 +5,7 @@
 //! there, a second run of the same spec resumes from the latest complete one (after a
 //! crash or a kill), and a run that succeeds keeps only the latest, for another spec to
 //! start from (`train.resume_from`, with DIR named `experiment-<id>` next to the other
-//! experiment's).
+//! experiment's); the same spec run again after a success starts afresh.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -65,7 +65,9 @@ pub fn run_spec_file(
         Ok(summary) => {
             if let Some(dir) = &checkpoint_dir {
                 // The latest checkpoint stays, for another run to start from (`train.resume_from`).
-                distlab_worker::checkpoint::CheckpointDir::new(dir, spec.world_size()).prune();
+                let dir = distlab_worker::checkpoint::CheckpointDir::new(dir, spec.world_size());
+                dir.prune();
+                dir.mark_finished();
             }
             println!("{}", serde_json::json!({ "summary": summary }));
             if let Some(dir) = &out {

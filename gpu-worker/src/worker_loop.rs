@@ -252,9 +252,16 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     };
     // The latest complete checkpoint stays when the run has ended: another experiment can
     // start from it (`train.resume_from`), and if the report is lost the lease expires and
-    // the next attempt resumes from it. It goes with the experiment (the server deletes
-    // DATA_DIR/checkpoints/experiment-<id>, where its local workers keep them).
-    CheckpointDir::new(&checkpoints, lease.spec.world_size()).prune();
+    // the next attempt resumes from it. It goes with the experiment where the server can
+    // reach it (DATA_DIR/checkpoints/experiment-<id>, its local workers'); a remote
+    // worker keeps it until its directory is cleaned.
+    let dir = CheckpointDir::new(&checkpoints, lease.spec.world_size());
+    if lease.spec.train.checkpoint_every == 0 {
+        // (a run resumed from another experiment's checkpoint saves none of its own)
+        dir.remove();
+    } else {
+        dir.prune();
+    }
     if let Err(e) = reported {
         tracing::warn!(experiment = experiment_id, "could not report {e}");
     }

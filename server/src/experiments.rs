@@ -232,7 +232,10 @@ async fn resume_source_problems(db: &Db, spec: &mut ExperimentSpec) -> Result<Ve
     let Some(source) = load(db, from.experiment).await? else {
         return Ok(vec![FieldError::new("train.resume_from", format!("there is no experiment {}", from.experiment))]);
     };
-    Ok(distlab_common::elastic::fit_to_source(spec, &source.spec).err().unwrap_or_default())
+    let mut problems = distlab_common::elastic::fit_to_source(spec, &source.spec).err().unwrap_or_default();
+    let finished = source.status.is_finished();
+    problems.extend(distlab_common::elastic::check_resume_step(from, &source.spec, source.steps_done, finished));
+    Ok(problems)
 }
 
 /// Admission control: a spec whose ranks need more memory (as the planner counts it) than

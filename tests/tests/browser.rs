@@ -1203,6 +1203,49 @@ async fn ring_scenario(c: &Client, lab: &Lab) -> Result<()> {
     .await?;
     c.find(Locator::Css("#ring-reset")).await?.click().await?;
     assert_eq!(rows().await?, numbers(&|r, i| (r + 1) * 100 + i));
+    naive_replay_scenario(c, lab).await
+}
+
+/// The parameter server's all-reduce (`parallel.allreduce: naive`) as a demo: the replay
+/// moves whole buffers, one transfer a frame (3 up to rank 0, 3 back out), and at the end
+/// rank 0 has sent 3·D where each other rank sent D.
+async fn naive_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut spec = quick_spec("naive all-reduce demo", 1);
+    spec.parallel.dp = 4;
+    spec.parallel.allreduce = distlab_common::AllReduce::Naive;
+    spec.demo = Some(distlab_common::CollectiveDemo { op: distlab_common::DemoOp::AllReduce, elements: 6 });
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(90));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the naive demo did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
+    wait_for(c, "the replay", Duration::from_secs(15), || exists(c, "#ring-step")).await?;
+    ensure!(exists(c, "#ring-not-a-ring").await?, "the page says it is not a ring");
+    ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("6"), "3 reduces + 3 broadcasts");
+    for click in 1..=6 {
+        c.find(Locator::Css("#ring-step")).await?.click().await?;
+        let want = click.to_string();
+        wait_for(c, "the next transfer", Duration::from_secs(5), || async {
+            Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some(want.as_str()))
+        })
+        .await?;
+        ensure!(c.find_all(Locator::Css("#ring .transfer")).await?.len() == 1, "one transfer at frame {click}");
+        if click == 3 {
+            ensure!(text(c, "#ring-phase").await? == "reduce step 3 of 3");
+            save_full_page(c, "naive-replay.png").await?;
+        }
+    }
+    ensure!(text(c, "#ring-phase").await? == "broadcast step 3 of 3");
+    let sent = c
+        .execute(
+            "return [...document.querySelectorAll('#ring .card-bytes')].map(e => e.getAttribute('data-sent'));",
+            vec![],
+        )
+        .await?;
+    ensure!(sent == json!(["72", "24", "24", "24"]), "rank 0 sent 3·D = 72 B, the others D: {sent}");
+    wait_for(c, "the verdict", Duration::from_secs(5), || exists(c, "#ring-verdict")).await?;
+    ensure!(attr(c, "#ring-verdict", "data-ok").await?.as_deref() == Some("true"));
+    ensure!(text(c, "#ring-formula").await?.contains("against the ring's"));
+    save_full_page(c, "naive-replay-end.png").await?;
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! Elastic resume (`train.resume_from`): a dp=4 ZeRO-2 run's checkpoint, re-cut for 2 ranks
 //! (ZeRO-2, FSDP or plain DDP) by the worker, continues as an uninterrupted dp=2 run of the
 //! same global batch does; through the server, the resumed experiment's grad_accum keeps
-//! the global batch and what cannot fit is refused field by field.
+//! the global batch, and what cannot fit (another tp, a checkpoint no longer kept, a
+//! missing experiment) is refused field by field.
 
 use distlab_common::*;
 use distlab_tests::*;
@@ -57,12 +58,17 @@ fn the_server_keeps_the_global_batch_and_refuses_what_a_checkpoint_fixes() {
     let attempts: Attempts = lab.get_as(&format!("/api/experiments/{id}/attempts"));
     assert_eq!(attempts.attempts[0].from_step, Some(4), "it began at the checkpoint's step");
 
+    // The source saved steps 2, 4 and 6, and keeps only the latest.
+    let mut older = source.clone();
+    (older.name, older.train.checkpoint_every) = ("every 2".into(), 2);
+    let older_id = lab.submit(&older);
+    assert_eq!(lab.wait_finished(older_id, std::time::Duration::from_secs(120)).status, ExperimentStatus::Succeeded);
     let mut wrong = resumed.clone();
-    (wrong.parallel.tp, wrong.train.resume_from) = (2, Some(ResumeFrom { experiment: source_id, step: 3 }));
+    (wrong.parallel.tp, wrong.train.resume_from) = (2, Some(ResumeFrom { experiment: older_id, step: 4 }));
     let (status, body) = lab.post("/api/experiments", &serde_json::to_value(&wrong).unwrap());
     assert_eq!(status, 422, "{body}");
     let text = body.to_string();
-    assert!(text.contains("parallel.tp") && text.contains("step 3 is not one of them"), "{body}");
+    assert!(text.contains("parallel.tp") && text.contains("only its latest checkpoint, of step 6"), "{body}");
     let mut missing = resumed;
     missing.train.resume_from = Some(ResumeFrom { experiment: 999, step: 4 });
     let (status, body) = lab.post("/api/experiments", &serde_json::to_value(&missing).unwrap());

@@ -1,7 +1,9 @@
 //! The ring, drawn: W rank cards on a circle (rank 0 at the top, the right neighbour
 //! clockwise), each holding its buffer as W chunk boxes coloured by what they hold,
 //! and for the step shown an arrow along the circle from every rank to its right
-//! neighbour, labelled with the chunk it carried and its numbers.
+//! neighbour, labelled with the chunk it carried and its numbers. The naive and tree
+//! all-reduces move whole buffers (one box per card) along straight arrows between any
+//! two cards.
 //!
 //! [`RingLayout`] is the geometry (plain Rust, unit-tested); [`RingView`] draws one
 //! frame of a [`Replay`].
@@ -10,7 +12,7 @@ use distlab_common::trace::RingPhase;
 use leptos::prelude::*;
 
 use crate::format;
-use crate::ring_replay::{ChunkKind, ChunkState, Frame, Replay, Transfer};
+use crate::ring_replay::{ChunkKind, ChunkState, Frame, Replay, Schedule, Transfer};
 
 const MARGIN: f64 = 16.0;
 const PAD: f64 = 8.0;
@@ -43,6 +45,8 @@ pub struct ArrowGeom {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RingLayout {
     pub world: usize,
+    /// Chunk boxes per card: one per rank on a ring, one for whole buffers.
+    pub chunks: usize,
     pub width: f64,
     pub height: f64,
     pub center: (f64, f64),
@@ -64,9 +68,11 @@ fn inside(p: (f64, f64), (x, y): (f64, f64), w: f64, h: f64, margin: f64) -> boo
 }
 
 impl RingLayout {
-    /// `max_chunk_len`: elements in the largest chunk; `values`: whether numbers are known.
-    pub fn new(world: usize, max_chunk_len: usize, values: bool) -> Self {
+    /// `chunks`: boxes per card; `max_chunk_len`: elements in the largest chunk; `values`:
+    /// whether numbers are known.
+    pub fn new(world: usize, chunks: usize, max_chunk_len: usize, values: bool) -> Self {
         let w = world.max(1);
+        let n = chunks.max(1);
         let show_values = values && max_chunk_len <= MAX_VALUE_LINES && w <= MAX_VALUE_RANKS;
         let value_lines = if show_values { max_chunk_len.max(1) } else { 1 };
         let chunk_w = if show_values {
@@ -78,8 +84,8 @@ impl RingLayout {
         };
         let chunk_h = CHUNK_TITLE_H + value_lines as f64 * LINE_H + BADGE_H;
         // Wide enough for the header ("rank 3   sent 105.9 KiB / 211.8 KiB"); the chunks share it.
-        let card_w = (2.0 * PAD + w as f64 * chunk_w + (w as f64 - 1.0) * GAP).max(MIN_CARD_W);
-        let chunk_w = (card_w - 2.0 * PAD - (w as f64 - 1.0) * GAP) / w as f64;
+        let card_w = (2.0 * PAD + n as f64 * chunk_w + (n as f64 - 1.0) * GAP).max(MIN_CARD_W);
+        let chunk_w = (card_w - 2.0 * PAD - (n as f64 - 1.0) * GAP) / n as f64;
         let card_h = HEADER_H + BAR_H + 6.0 + chunk_h + PAD;
         // Far enough apart that neighbouring cards leave room for an arrow and its label.
         let radius = if w < 2 {
@@ -160,6 +166,7 @@ impl RingLayout {
             .collect();
         RingLayout {
             world: w,
+            chunks: n,
             width: max.0 - min.0 + 2.0 * MARGIN,
             height: max.1 - min.1 + 2.0 * MARGIN,
             center: shift((0.0, 0.0)),
@@ -175,10 +182,32 @@ impl RingLayout {
         }
     }
 
+    /// A straight arrow from card `from` to card `to`, from where it leaves one card to
+    /// where it meets the other (whole buffers go between any two ranks).
+    pub fn chord(&self, from: usize, to: usize) -> ArrowGeom {
+        let centre = |p: usize| (self.cards[p].0 + self.card_w / 2.0, self.cards[p].1 + self.card_h / 2.0);
+        let (a, b) = (centre(from), centre(to));
+        let samples = 400;
+        let at = |i: usize| {
+            let t = i as f64 / samples as f64;
+            (a.0 + (b.0 - a.0) * t, a.1 + (b.1 - a.1) * t)
+        };
+        let leave =
+            (0..=samples).find(|&i| !inside(at(i), self.cards[from], self.card_w, self.card_h, 6.0)).unwrap_or(0);
+        let arrive = (0..=samples)
+            .rev()
+            .find(|&i| !inside(at(i), self.cards[to], self.card_w, self.card_h, 12.0))
+            .unwrap_or(samples);
+        let (start, end) = (at(leave), at(arrive.max(leave)));
+        let label = ((start.0 + end.0) / 2.0, (start.1 + end.1) / 2.0);
+        let path = format!("M{:.1} {:.1} L{:.1} {:.1}", start.0, start.1, end.0, end.1);
+        ArrowGeom { from, to, path, start, end, label }
+    }
+
     /// Top-left corner of chunk `c` in the card of position `p`.
     pub fn chunk_origin(&self, p: usize, c: usize) -> (f64, f64) {
         let (x, y) = self.cards[p];
-        let used = self.world as f64 * self.chunk_w + (self.world as f64 - 1.0) * GAP;
+        let used = self.chunks as f64 * self.chunk_w + (self.chunks as f64 - 1.0) * GAP;
         let left = x + (self.card_w - used) / 2.0;
         (left + c as f64 * (self.chunk_w + GAP), y + HEADER_H + BAR_H + 6.0)
     }
@@ -200,14 +229,19 @@ fn numbers(values: &[f32]) -> String {
     values.iter().map(|&v| format::value(v)).collect::<Vec<_>>().join(" ")
 }
 
-fn transfer_label(t: &Transfer, ranks: &[u32]) -> (String, Option<String>) {
+/// The text on an arrow: what it carried (`whole`: a whole buffer, not a chunk) and its numbers.
+fn transfer_label(t: &Transfer, ranks: &[u32], whole: bool) -> (String, Option<String>) {
     let rank = |p: usize| ranks.get(p).copied().unwrap_or(p as u32);
     let what = match (t.reduce, t.carried) {
         (true, 1) => format!("own data, 1/{}", ranks.len()),
         (true, n) => format!("{n}/{} partial sum", ranks.len()),
         (false, _) => "copy".into(),
     };
-    let head = format!("chunk {} → r{} · {what}", t.chunk, rank(t.to));
+    let head = if whole {
+        format!("buffer → r{} · {what}", rank(t.to))
+    } else {
+        format!("chunk {} → r{} · {what}", t.chunk, rank(t.to))
+    };
     (head, t.values.as_ref().map(|v| format!("[{}]", numbers(v))))
 }
 
@@ -220,7 +254,7 @@ pub fn RingView(replay: StoredValue<Replay>, #[prop(into)] frame: Signal<usize>)
             .frames
             .iter()
             .all(|f| f.buffers.iter().flatten().all(|c| c.values.is_some() || c.kind == ChunkKind::Empty));
-        RingLayout::new(r.world(), max_chunk, known)
+        RingLayout::new(r.world(), r.chunks.len(), max_chunk, known)
     });
     let layout = StoredValue::new(layout);
     let (width, height) = layout.with_value(|l| (l.width, l.height));
@@ -257,7 +291,6 @@ fn draw(replay: &Replay, l: &RingLayout, k: usize) -> AnyView {
     let Some(f) = replay.frames.get(k) else { return ().into_any() };
     let w = replay.world();
     let ranks = &replay.info.ranks;
-    let formula = replay.formula_bytes();
     let (cx, cy) = l.center;
     let (phase, step) = match f.phase {
         None => ("before the first step".to_string(), "every rank holds its own input".to_string()),
@@ -265,32 +298,38 @@ fn draw(replay: &Replay, l: &RingLayout, k: usize) -> AnyView {
             ("reduce-scatter".into(), format!("step {} of {}", f.step + 1, replay.rs_steps))
         }
         Some(RingPhase::AllGather) => ("all-gather".into(), format!("step {} of {}", f.step + 1, replay.ag_steps)),
-        Some(_) => (String::new(), String::new()),
+        Some(RingPhase::Reduce) => ("reduce".into(), format!("step {} of {}", f.step + 1, replay.rs_steps)),
+        Some(RingPhase::Broadcast) => ("broadcast".into(), format!("step {} of {}", f.step + 1, replay.ag_steps)),
+        Some(RingPhase::PointToPoint) => (String::new(), String::new()),
+    };
+    let direction = match replay.info.schedule {
+        Schedule::Ring => ["every rank sends to its", "right neighbour (clockwise)"],
+        Schedule::WholeBuffers => ["whole buffers between", "two ranks at a time"],
     };
     let ring_circle = view! {
         <circle class="ring-track" cx=format!("{cx:.1}") cy=format!("{cy:.1}") r=format!("{:.1}", l.radius)></circle>
         <text class="ring-phase-title" x=format!("{cx:.1}") y=format!("{:.1}", cy - 6.0) text-anchor="middle">{phase}</text>
         <text class="ring-phase-step" x=format!("{cx:.1}") y=format!("{:.1}", cy + 16.0) text-anchor="middle">{step}</text>
-        <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 40.0) text-anchor="middle">"every rank sends to its"</text>
-        <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 55.0) text-anchor="middle">"right neighbour (clockwise)"</text>
+        <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 40.0) text-anchor="middle">{direction[0]}</text>
+        <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 55.0) text-anchor="middle">{direction[1]}</text>
     };
-    let arrows = draw_arrows(f, l, ranks);
-    let cards = (0..w).map(|p| draw_card(replay, f, l, p, formula)).collect_view();
+    let arrows = draw_arrows(f, l, ranks, replay.info.schedule == Schedule::WholeBuffers);
+    let cards = (0..w).map(|p| draw_card(replay, f, l, p, replay.formula_bytes_of(p))).collect_view();
     view! { <g>{ring_circle}</g> <g class="cards">{cards}</g> <g class="arrows">{arrows}</g> }.into_any()
 }
 
-fn draw_arrows(f: &Frame, l: &RingLayout, ranks: &[u32]) -> impl IntoView {
+fn draw_arrows(f: &Frame, l: &RingLayout, ranks: &[u32], whole: bool) -> impl IntoView {
     f.transfers
         .iter()
-        .filter_map(|t| {
-            let a = l.arrows.iter().find(|a| a.from == t.from && a.to == t.to)?;
+        .map(|t| {
+            let a = l.arrows.iter().find(|a| a.from == t.from && a.to == t.to).cloned().unwrap_or_else(|| l.chord(t.from, t.to));
             let (class, marker) = if t.reduce { ("ring-arrow rs", "url(#arrow-rs)") } else { ("ring-arrow ag", "url(#arrow-ag)") };
-            let (head, values) = transfer_label(t, ranks);
+            let (head, values) = transfer_label(t, ranks, whole);
             let chars = head.chars().count().max(values.as_ref().map(|v| v.chars().count()).unwrap_or(0));
             let lw = (chars as f64 * 7.0 + 16.0).max(90.0);
             let lh = if values.is_some() { LABEL_H } else { 20.0 };
             let (x, y) = a.label;
-            Some(view! {
+            view! {
                 <g class="transfer" data-from=t.from.to_string() data-to=t.to.to_string() data-chunk=t.chunk.to_string()>
                     <path class=class d=a.path.clone() marker-end=marker></path>
                     <rect class=if t.reduce { "arrow-label rs" } else { "arrow-label ag" } x=format!("{:.1}", x - lw / 2.0) y=format!("{:.1}", y - lh / 2.0)
@@ -300,7 +339,7 @@ fn draw_arrows(f: &Frame, l: &RingLayout, ranks: &[u32]) -> impl IntoView {
                         <text class="arrow-values" x=format!("{x:.1}") y=format!("{:.1}", y - lh / 2.0 + 29.0) text-anchor="middle">{v}</text>
                     })}
                 </g>
-            })
+            }
         })
         .collect_view()
 }
@@ -403,7 +442,7 @@ fn chunk_title(replay: &Replay, p: usize, c: usize, chunk: &ChunkState) -> Strin
         ChunkKind::Own => "this rank's own data, untouched".to_string(),
         ChunkKind::Partial => format!("partial sum of {}", holds.join(" + ")),
         ChunkKind::Complete => format!("complete sum of all {} ranks", replay.world()),
-        ChunkKind::Gathered => format!("copy received in the all-gather (holds {})", holds.join(" + ")),
+        ChunkKind::Gathered => format!("copy received (all-gather, broadcast; holds {})", holds.join(" + ")),
     };
     let mut text = format!(
         "rank {}, chunk {c}: elements {}..{} ({} B) — {what}",
@@ -430,7 +469,7 @@ mod tests {
     fn cards_and_arrows_fit_without_overlapping() {
         for world in 2..=12 {
             for (len, values) in [(4, true), (40, true), (1000, false)] {
-                let l = RingLayout::new(world, len, values);
+                let l = RingLayout::new(world, world, len, values);
                 assert_eq!(l.cards.len(), world);
                 assert_eq!(l.arrows.len(), world);
                 for (i, &a) in l.cards.iter().enumerate() {
@@ -463,14 +502,40 @@ mod tests {
     }
 
     #[test]
+    fn whole_buffers_get_one_box_and_straight_arrows_between_any_two_cards() {
+        for world in 2..=8 {
+            let l = RingLayout::new(world, 1, 6, true);
+            let (x, _) = l.chunk_origin(0, 0);
+            assert!(
+                x >= l.cards[0].0 && x + l.chunk_w <= l.cards[0].0 + l.card_w + 1e-9,
+                "W={world}: one box fills the card"
+            );
+            for from in 0..world {
+                for to in (0..world).filter(|&t| t != from) {
+                    let a = l.chord(from, to);
+                    assert!(
+                        !inside(a.start, l.cards[from], l.card_w, l.card_h, 0.0),
+                        "W={world}: {from}->{to} starts inside"
+                    );
+                    assert!(
+                        !inside(a.end, l.cards[to], l.card_w, l.card_h, 0.0),
+                        "W={world}: {from}->{to} ends inside"
+                    );
+                    assert!(a.path.starts_with('M') && a.path.contains(" L"));
+                }
+            }
+        }
+    }
+
+    #[test]
     fn numbers_only_when_they_fit() {
-        assert!(RingLayout::new(4, 4, true).show_values);
-        assert_eq!(RingLayout::new(4, 4, true).value_lines, 4);
-        assert!(!RingLayout::new(4, 4, false).show_values, "no numbers recorded");
-        assert!(!RingLayout::new(4, 40, true).show_values, "too many per chunk");
-        assert!(!RingLayout::new(8, 2, true).show_values, "too many ranks");
+        assert!(RingLayout::new(4, 4, 4, true).show_values);
+        assert_eq!(RingLayout::new(4, 4, 4, true).value_lines, 4);
+        assert!(!RingLayout::new(4, 4, 4, false).show_values, "no numbers recorded");
+        assert!(!RingLayout::new(4, 4, 40, true).show_values, "too many per chunk");
+        assert!(!RingLayout::new(8, 8, 2, true).show_values, "too many ranks");
         // Rank 0 at the top, rank 1 to its right (clockwise).
-        let l = RingLayout::new(4, 4, true);
+        let l = RingLayout::new(4, 4, 4, true);
         assert!(l.cards[0].1 < l.cards[1].1 && l.cards[1].0 > l.cards[0].0);
         assert!(l.cards[2].1 > l.cards[1].1 && l.cards[3].0 < l.cards[0].0);
     }

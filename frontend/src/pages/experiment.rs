@@ -437,10 +437,10 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                         })
                     }}
                     {(spec.demo.is_none() && spec.train.checkpoint_every > 0).then(|| {
-                        let (every, steps) = (spec.train.checkpoint_every, spec.train.steps);
+                        let kept_by = spec.clone();
                         move || {
                             let done = points.with(|p| p.last().map_or(0, |p| p.step + 1));
-                            let step = latest_checkpoint(every, steps, done).filter(|_| status_now.get().is_finished())?;
+                            let step = latest_checkpoint(&kept_by, done).filter(|_| status_now.get().is_finished())?;
                             Some(view! {
                                 <p class="replay-line">
                                     <A href=format!("/new?resume_from={id}&step={step}") attr:class="button" attr:id="continue-link">{format!("Continue from step {step} →")}</A>
@@ -545,20 +545,31 @@ fn CollectivePanel(id: i64, check: CollectiveCheck) -> impl IntoView {
         DemoOp::AllReduce => format!("2(W-1)/W × D = 2·{}/{w} × {d} B", w.saturating_sub(1)),
         _ => format!("(W-1)/W × D = {}/{w} × {d} B", w.saturating_sub(1)),
     };
-    let exact = c.bytes_sent.iter().all(|&b| b as f64 == c.formula_bytes);
+    // Another all-reduce than the ring: each rank against its own share by that algorithm.
+    let expected = |r: usize| c.rank_formula_bytes.get(r).map_or(c.formula_bytes, |&b| b as f64);
+    let exact = c.bytes_sent.iter().enumerate().all(|(r, &b)| b as f64 == expected(r));
+    let algorithm = (!c.rank_formula_bytes.is_empty()).then(|| {
+        let shares: Vec<String> = c.rank_formula_bytes.iter().map(|b| format!("{b} B")).collect();
+        format!(
+            "This demo ran the {} all-reduce: whole buffers of D = {d} B, so each rank sends D per buffer it passes on ({}), where the ring would have every rank send {}.",
+            c.algorithm.as_str(),
+            shares.join(", "),
+            formula
+        )
+    });
     let ok = c.max_abs_error == 0.0;
     let rows = c
         .bytes_sent
         .iter()
         .enumerate()
         .map(|(r, &b)| {
-            let equal = b as f64 == c.formula_bytes;
+            let equal = b as f64 == expected(r);
             view! {
                 <tr data-rank=r.to_string()>
                     <td>{format!("rank {r}")}</td>
                     <td class="bytes" data-bytes=b.to_string()>{format!("{b} B")}</td>
                     <td class=if equal { "ok" } else { "muted" }>
-                        {if equal { "= formula".to_string() } else { format!("{:+} B vs formula (uneven chunks)", b as f64 - c.formula_bytes) }}
+                        {if equal { "= formula".to_string() } else { format!("{:+} B vs formula (uneven chunks)", b as f64 - expected(r)) }}
                     </td>
                 </tr>
             }
@@ -568,18 +579,23 @@ fn CollectivePanel(id: i64, check: CollectiveCheck) -> impl IntoView {
         <div class=if ok { "summary collective-check" } else { "summary collective-check bad" } id="collective-check" data-exact=exact.to_string()>
             <h2>"Collective check"</h2>
             <p class="headline">
-                {format!("{} of {} numbers over a ring of W = {w} ranks: ", c.op.as_str(), c.elements)}
+                {format!("{} of {} numbers over {}W = {w} ranks: ", c.op.as_str(), c.elements, if c.rank_formula_bytes.is_empty() { "a ring of " } else { "" })}
                 {if ok {
                     view! { <span>"every rank's result equals a sequential computation exactly (largest error " <strong id="max-error">{format::num(c.max_abs_error)}</strong> ")."</span> }.into_any()
                 } else {
                     view! { <span>"the largest difference from a sequential computation is " <strong id="max-error">{format::num(c.max_abs_error)}</strong> "."</span> }.into_any()
                 }}
             </p>
-            <p>
-                "Bytes each rank sent, against the textbook " <strong>{formula}</strong> " = "
-                <strong id="formula-bytes">{format::value(c.formula_bytes as f32)} " B"</strong>
-                {if exact { " — exactly, on every rank." } else { "." }}
-            </p>
+            {match algorithm {
+                Some(text) => view! { <p id="collective-algorithm">{text} {if exact { " Every rank sent exactly its share." } else { "" }}</p> }.into_any(),
+                None => view! {
+                    <p>
+                        "Bytes each rank sent, against the textbook " <strong>{formula}</strong> " = "
+                        <strong id="formula-bytes">{format::value(c.formula_bytes as f32)} " B"</strong>
+                        {if exact { " — exactly, on every rank." } else { "." }}
+                    </p>
+                }.into_any(),
+            }}
             <table class="bytes-table" id="collective-bytes">
                 <thead><tr><th>"rank"</th><th>"bytes sent"</th><th></th></tr></thead>
                 <tbody>{rows}</tbody>

@@ -223,7 +223,6 @@ fn training_only(path: &str) -> bool {
                 | "parallel.comm_dtype"
                 | "parallel.offload"
                 | "parallel.sequence_parallel"
-                | "parallel.allreduce"
                 | "parallel.ranks_per_node"
                 | "parallel.grad_compression"
                 | "parallel.compression_ratio"

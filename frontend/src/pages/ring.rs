@@ -15,7 +15,7 @@ use leptos_router::hooks::use_params_map;
 use crate::api;
 use crate::components::ring_view::{partial_fill, RingView};
 use crate::format;
-use crate::ring_replay::{ring_collectives, Check, ChunkKind, CollectiveInfo, CollectiveKey, Replay};
+use crate::ring_replay::{ring_collectives, Check, ChunkKind, CollectiveInfo, CollectiveKey, Replay, Schedule};
 
 /// Time between two steps while playing.
 const PLAY_EVERY: Duration = Duration::from_millis(1200);
@@ -77,7 +77,7 @@ fn RingReplay(id: i64) -> impl IntoView {
                 <A href=back.clone() attr:class="button small" attr:id="back-to-experiment">"← experiment"</A>
             </div>
             <p class="muted">
-                "A ring collective, step by step, as the rank processes recorded it. Each rank sends only to its right "
+                "A collective, step by step, as the rank processes recorded it. On a ring each rank sends only to its right "
                 "neighbour and receives only from its left one; the buffer is cut into one chunk per rank, and each step moves one chunk over every link at the same time."
             </p>
             {move || match trace.get() {
@@ -222,6 +222,13 @@ fn ReplayPlayer(replay: Replay, #[prop(into)] demo_op: Signal<Option<DemoOp>>) -
                     {move || format!("step {} / {}", frame.get(), last)}
                 </span>
             </div>
+            {(info.schedule == Schedule::WholeBuffers).then(|| view! {
+                <p class="note" id="ring-not-a-ring">
+                    "Not a ring: this all-reduce (" <code>"parallel.allreduce"</code> " naive or tree) sends whole buffers between two ranks at a time, "
+                    "partial sums towards rank 0 first, then the result back out. Every transfer is drawn in the order it was sent; "
+                    "compare what each rank sent with the ring's 2(W-1)/W × D."
+                </p>
+            })}
             <h2 class="ring-phase" id="ring-phase">{phase}</h2>
             <p class="ring-explain" id="ring-explain">{explain}</p>
             <div class="chart-wrap ring-wrap">
@@ -254,7 +261,7 @@ fn RingLegend(world: usize) -> impl IntoView {
             <span class="legend-item"><span class="swatch chunk-partial-lo"></span><span class="swatch chunk-partial-hi"></span>
                 {format!("partial sum (k/{w}: holds k ranks' contributions)")}</span>
             <span class="legend-item"><span class="swatch chunk-complete"></span>{format!("complete sum ({w}/{w}), reduced here")}</span>
-            <span class="legend-item"><span class="swatch chunk-gathered"></span>"copy received in the all-gather"</span>
+            <span class="legend-item"><span class="swatch chunk-gathered"></span>"copy received (all-gather, broadcast)"</span>
             <span class="legend-item"><span class="swatch chunk-empty"></span>"empty"</span>
             <span class="legend-item"><span class="swatch received"></span>"written in this step"</span>
             <span class="legend-item"><span class="swatch sending"></span>"sent in this step"</span>

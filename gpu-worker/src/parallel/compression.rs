@@ -125,6 +125,7 @@ impl Compressor {
         }
         let memory = &self.memory;
         match self.settings.method {
+            // (never built for None; were it, a plain sum)
             GradCompression::None => comm.all_reduce(grads, ReduceOp::Sum),
             GradCompression::Topk => topk_exchange(comm, memory, tensors, self.settings.ratio, grads, residual),
             GradCompression::Int8 => int8_exchange(comm, memory, tensors, grads, residual),
@@ -214,7 +215,9 @@ fn int8_exchange(
     let mut message = Vec::new();
     for t in tensors {
         let acc = &grads[t.range()];
-        let scale = acc.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+        // (a non-finite value makes the scale NaN, so that the sum shows it, not a 0)
+        let finite = acc.iter().all(|v| v.is_finite());
+        let scale = if finite { acc.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0 } else { f32::NAN };
         let quantized: Vec<i8> =
             acc.iter().map(|&v| if scale > 0.0 { (v / scale).round().clamp(-127.0, 127.0) as i8 } else { 0 }).collect();
         message.push(scale);
@@ -244,10 +247,13 @@ fn int8_exchange(
     })
 }
 
+/// The random stream PowerSGD's Q is drawn from.
+const POWERSGD_STREAM: u64 = 0x504f_5745_5253_4744;
+
 /// PowerSGD's starting Q for a bucket: N(0, 1) values, the same on every rank.
 fn first_q(bucket: usize, tensors: &[BucketTensor], rank: usize) -> Vec<f32> {
     let floats = tensors.iter().filter_map(|t| powersgd_rank(t.rows, t.cols, rank).map(|r| t.cols * r)).sum();
-    let mut rng = Rng::from_parts(&[0x504f_5745_5253_4744, bucket as u64]);
+    let mut rng = Rng::from_parts(&[POWERSGD_STREAM, bucket as u64]);
     (0..floats).map(|_| rng.normal() as f32).collect()
 }
 
@@ -303,13 +309,18 @@ fn powersgd_exchange(
 
     // The sum's approximation P Q^T; Q starts the next step.
     let (mut p_at, mut q_at) = (0, 0);
-    for &(t, r) in &matrices {
+    for (m, &(t, r)) in matrices.iter().enumerate() {
         let (p_t, q_t) = (&p[p_at..p_at + t.rows * r], &q[q_at..q_at + t.cols * r]);
         grads[t.range()].copy_from_slice(&matmul_by_transpose(p_t, q_t, t.rows, t.cols, r));
-        // A zero Q would stay zero: start that matrix afresh instead.
-        let fresh = q_t.iter().all(|&x| x == 0.0) || q_t.iter().any(|x| !x.is_finite());
-        if !fresh {
-            warm_q[q_at..q_at + t.cols * r].copy_from_slice(q_t);
+        let warm = &mut warm_q[q_at..q_at + t.cols * r];
+        warm.copy_from_slice(q_t);
+        // A column of Q that is zero (or not finite) would stay so: it starts afresh, from
+        // numbers every rank draws alike (every rank has the same Q).
+        for j in 0..r {
+            if (0..t.cols).all(|i| warm[i * r + j] == 0.0) || (0..t.cols).any(|i| !warm[i * r + j].is_finite()) {
+                let mut rng = Rng::from_parts(&[POWERSGD_STREAM, m as u64, j as u64, t.at as u64]);
+                (0..t.cols).for_each(|i| warm[i * r + j] = rng.normal() as f32);
+            }
         }
         p_at += t.rows * r;
         q_at += t.cols * r;
