@@ -12,6 +12,13 @@
 use crate::spec::{ExperimentSpec, ResumeFrom};
 use crate::validate::FieldError;
 
+/// The directory of experiment `id`'s checkpoints under a worker's `--checkpoint-dir` (the
+/// server's local workers: DATA_DIR/checkpoints), where `resume_from` finds them next to a
+/// run's own and the server deletes them with the experiment.
+pub fn checkpoint_dir_name(id: i64) -> String {
+    format!("experiment-{id}")
+}
+
 /// Checks that `spec` (whose `train.resume_from` names `source`) can continue a checkpoint
 /// of `source` (which step it keeps: [`check_resume_step`]), and keeps the global batch through `grad_accum` when dp or the micro-batch
 /// changed it. Returns what it changed, or one error per field that does not fit.

@@ -203,11 +203,6 @@ pub fn read(path: &Path) -> Result<RankCheckpoint, CheckpointError> {
     })
 }
 
-/// The name of experiment `id`'s directory under a worker's `--checkpoint-dir`.
-pub fn experiment_dir_name(id: i64) -> String {
-    format!("experiment-{id}")
-}
-
 /// One experiment's checkpoint directory, for a run of `world` ranks.
 #[derive(Clone, Debug)]
 pub struct CheckpointDir {

@@ -21,7 +21,7 @@
 
 use std::path::{Path, PathBuf};
 
-use distlab_common::elastic::fit_to_source;
+use distlab_common::elastic::{checkpoint_dir_name, fit_to_source};
 use distlab_common::{ExperimentSpec, ResumeFrom, Sharding};
 
 use crate::checkpoint::{self, CheckpointDir, CheckpointError, RankCheckpoint, RankPlace};
@@ -53,7 +53,7 @@ fn held(section: &str, sharding: Sharding) -> Held {
 /// The checkpoint directory of experiment `experiment`, a sibling of `own` (every
 /// experiment's directory is `experiment-<id>` under the worker's `--checkpoint-dir`).
 pub fn experiment_dir(own: &Path, experiment: i64) -> PathBuf {
-    own.parent().unwrap_or(Path::new(".")).join(checkpoint::experiment_dir_name(experiment))
+    own.parent().unwrap_or(Path::new(".")).join(checkpoint_dir_name(experiment))
 }
 
 /// Writes `from`'s checkpoint re-cut for `spec` into `own` (this run's directory, made

@@ -12,7 +12,7 @@ use distlab_common::*;
 
 use crate::client::{ClientError, ServerClient};
 use crate::execute::execute;
-use distlab_worker::checkpoint::{self, CheckpointDir};
+use distlab_worker::checkpoint::CheckpointDir;
 use distlab_worker::train::TrainError;
 
 pub struct WorkerConfig {
@@ -83,7 +83,8 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
             None => thread::sleep(cfg.poll_interval),
             Some(lease) => {
                 tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased");
-                let checkpoints = cfg.checkpoint_dir.join(checkpoint::experiment_dir_name(lease.experiment_id));
+                let checkpoints =
+                    cfg.checkpoint_dir.join(distlab_common::elastic::checkpoint_dir_name(lease.experiment_id));
                 let run = Leased { lease, threads, collective_timeout: cfg.collective_timeout, heartbeat, checkpoints };
                 run_leased(&cfg, &client, registered.worker_id, run);
             }

@@ -308,7 +308,7 @@ pub async fn delete(
             experiment.status.as_str()
         )));
     }
-    let checkpoints = state.config.data_dir.join("checkpoints").join(format!("experiment-{id}"));
+    let checkpoints = state.config.data_dir.join("checkpoints").join(distlab_common::elastic::checkpoint_dir_name(id));
     if let Err(e) = std::fs::remove_dir_all(&checkpoints) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(experiment = id, "could not remove {}: {e}", checkpoints.display());
