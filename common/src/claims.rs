@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 use crate::cards::{Card, ClaimCheck, Demo};
 use crate::compare;
 use crate::events::MetricPoint;
-use crate::pipeline::{default_step, formula_bubble, measured_bubble, recorded_steps, stage_rows};
+use crate::pipeline::{default_step, measured_bubble, recorded_steps, stage_rows};
 use crate::planner::{self, Plan};
+use crate::schedule::Pipeline;
 use crate::trace::{CollectiveOp, RankTrace, RingPhase};
 use crate::{Checkpointing, ExperimentSpec, ExperimentView};
 
@@ -198,7 +199,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
             let bubble =
                 measured_bubble(&stage_rows(run.ranks, step)).ok_or("the timeline has no forward or backward")?;
-            let formula = formula_bubble(spec.parallel.pp, spec.pipeline_micro_batches());
+            let formula = Pipeline::of(spec).formula_bubble();
             Ok(Measurement {
                 note: Some(format!(
                     "The formula assumes every stage has a processor of its own and equal work. Here {} \

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::events::MetricPoint;
 use crate::planner::{Plan, RankMemory};
-use crate::trace::{RankTrace, Span, SpanKind};
+use crate::trace::{CollectiveOp, RankTrace, Span, SpanKind};
 use crate::{ExperimentSpec, ExperimentView, Precision};
 
 /// How many experiments one comparison takes.
@@ -380,8 +380,9 @@ pub fn time_split(ranks: &[RankTrace]) -> Option<TimeSplit> {
             let spans: Vec<&Span> = rank.spans.iter().filter(|s| s.step == step).collect();
             let start = spans.iter().map(|s| s.start_us).min().unwrap_or(0);
             let end = spans.iter().map(|s| s.end_us).max().unwrap_or(0);
-            let work =
-                intervals(&spans, |s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Optimizer));
+            let work = intervals(&spans, |s| {
+                matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Weights | SpanKind::Optimizer)
+            });
             let blocking = intervals(&spans, |s| s.blocks_compute());
             let background = intervals(&spans, |s| s.kind == SpanKind::Comm && !s.blocks_compute());
             let busy = union_length(&[work.clone(), blocking.clone()].concat()) - union_length(&blocking);
@@ -436,11 +437,15 @@ pub fn peak_memory(ranks: &[RankTrace]) -> Option<RankMemory> {
 /// None when there is nothing to count from: no steps, or several ranks none of which
 /// traced a collective (one rank alone sends nothing: 0).
 pub fn comm_bytes_per_step(ranks: &[RankTrace], traced_steps: u64) -> Option<f64> {
-    let untraced = ranks.len() > 1 && ranks.iter().all(|r| r.comm.counters.is_empty());
+    // (a pipeline's point-to-point sends are counted too: not data-parallel traffic)
+    let collectives = |r: &RankTrace| {
+        r.comm.counters.iter().filter(|c| c.op != CollectiveOp::Send).map(|c| c.bytes_sent).collect::<Vec<u64>>()
+    };
+    let untraced = ranks.len() > 1 && ranks.iter().all(|r| collectives(r).is_empty());
     if traced_steps == 0 || untraced {
         return None;
     }
-    let busiest = ranks.iter().map(|r| r.comm.counters.iter().map(|c| c.bytes_sent).sum::<u64>()).max()?;
+    let busiest = ranks.iter().map(|r| collectives(r).iter().sum::<u64>()).max()?;
     Some(busiest as f64 / traced_steps as f64)
 }
 
@@ -583,6 +588,7 @@ mod tests {
             bucket: None,
             bytes: None,
             micro: None,
+            chunk: None,
         }
     }
 

@@ -38,6 +38,9 @@ pub fn fit_to_source(spec: &mut ExperimentSpec, source: &ExperimentSpec) -> Resu
     differs("data", format!("{:?}", s.data), format!("{:?}", src.data));
     differs("parallel.tp", s.parallel.tp.to_string(), src.parallel.tp.to_string());
     differs("parallel.pp", s.parallel.pp.to_string(), src.parallel.pp.to_string());
+    // (an interleaved run lays the blocks out in another order)
+    let chunks = |spec: &ExperimentSpec| crate::schedule::Pipeline::of(spec).chunks.to_string();
+    differs("parallel.virtual_stages", chunks(s), chunks(src));
     differs("train.precision", s.train.precision.as_str().into(), src.train.precision.as_str().into());
     differs("train.optimizer", format!("{:?}", s.train.optimizer), format!("{:?}", src.train.optimizer));
     differs("train.loss_scaling", format!("{:?}", s.train.loss_scaling), format!("{:?}", src.train.loss_scaling));

@@ -332,7 +332,7 @@ pub fn group_inside_node(stride: u64, size: u64, gpus_per_node: u64, world_size:
 ///   compute  = flops.per_rank / peak                 (every rank at peak FLOP/s)
 ///   busy     = compute + tp + pp                     (each micro-batch's TP all-reduces and
 ///                                                     PP sends sit between its layers)
-///   pipeline = busy / (1 - bubble) = busy * (M+P-1)/M (the fill and drain slots carry the
+///   pipeline = busy / (1 - bubble) = busy * (M+P-1)/M (interleaved (vM+P-1)/vM; the fill and drain slots carry the
 ///                                                     same per-slot work, idle elsewhere)
 ///   step     = pipeline + dp                         (gradient sync counted as exposed)
 ///   MFU      = (6 * params * tokens + attention) / (step * world_size * peak)
@@ -380,9 +380,11 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
         let all_reduces = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps);
         (st.comm.tp_all_reduce, all_reduces.saturating_mul(tp.saturating_sub(1).saturating_mul(2)))
     });
+    let chunks = crate::schedule::Pipeline::of(spec).chunks as u64;
     let pp_axis = slowest_stage(axis(tp, pp), &|st| {
-        // One send per micro-batch forward (all but the last stage) and backward (all but the first).
-        let sends = u64::from(!st.embedding) + u64::from(!st.head);
+        // One send per micro-batch forward of each chunk (but the model's last) and backward
+        // (but the model's first).
+        let sends = (chunks - u64::from(st.head)) + (chunks - u64::from(st.embedding));
         (st.comm.pp_send, sends.saturating_mul(micro_steps))
     });
 
@@ -390,7 +392,8 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
     let peak_flops = cluster.peak_flops(spec.train.precision);
     let compute_seconds = ratio(plan.flops.per_rank, peak_flops);
     let busy = compute_seconds + tp_axis.seconds + pp_axis.seconds;
-    // 1 - bubble = M / (M + P - 1): positive for M >= 1; a broken plan counts no bubble.
+    // 1 - bubble = M / (M + P - 1) (interleaved vM / (vM + P - 1)): positive for M >= 1; a
+    // broken plan counts no bubble.
     let useful_share = 1.0 - plan.bubble_fraction;
     let pipeline_seconds = if useful_share > 0.0 && useful_share <= 1.0 { busy / useful_share } else { busy };
     let bubble_seconds = pipeline_seconds - busy;

@@ -47,12 +47,15 @@
 use serde::{Deserialize, Serialize};
 
 use crate::compression::{self, Compressor};
+use crate::schedule::{Action, Pipeline};
 use crate::spec::*;
-use crate::trace::chunk_range;
 use crate::validate::FieldError;
 
 /// The planner models models up to this many parameters (a thousand times GPT-3).
 pub const MAX_PLANNED_PARAMS: f64 = 1e15;
+/// An interleaved stage's activation peak is found by following its schedule.
+const MAX_INTERLEAVED_MICRO_BATCHES: usize = 1 << 16;
+
 /// The plan lists every pipeline stage, so `pp` is bounded.
 pub const MAX_PLANNED_STAGES: usize = 1024;
 
@@ -72,9 +75,10 @@ pub struct Plan {
     /// Index (in `stages`) of the stage whose ranks need the most memory: the peak rank.
     pub peak_stage: usize,
     /// Share of a step a pipeline stage sits idle: (P-1) / (M+P-1) for P stages and M
-    /// micro-batches (0 without pipeline parallelism).
+    /// micro-batches, (P-1) / (vM+P-1) interleaved (0 without pipeline parallelism).
     pub bubble_fraction: f64,
-    /// The same idle time relative to the useful compute: (P-1) / M (the GPipe paper's ratio).
+    /// The same idle time relative to the useful compute: (P-1) / M (the GPipe paper's
+    /// ratio; interleaved (P-1) / (vM)).
     pub bubble_over_compute: f64,
     pub flops: Flops,
 }
@@ -92,9 +96,9 @@ pub struct BytesPerParam {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StagePlan {
     pub stage: usize,
-    /// Index of the stage's first transformer block.
+    /// Index of the stage's first transformer block (interleaved: of its first chunk).
     pub first_layer: usize,
-    /// Transformer blocks on this stage.
+    /// Transformer blocks on this stage (interleaved: in all its chunks).
     pub layers: usize,
     /// Holds the token and position embeddings (the first stage).
     pub embedding: bool,
@@ -102,7 +106,8 @@ pub struct StagePlan {
     pub head: bool,
     /// Parameters of this stage held by one TP rank, before any ZeRO/FSDP sharding.
     pub params_per_rank: u64,
-    /// Micro-batches whose activations are held at once (see [`in_flight_micro_batches`]).
+    /// Micro-batches whose activations are held at once (interleaved: chunk passes; see
+    /// [`Pipeline::activations_in_flight`]).
     pub in_flight_micro_batches: u64,
     pub memory: RankMemory,
     pub comm: CommVolume,
@@ -276,20 +281,6 @@ pub fn ring_all_reduce_bytes(n: u64, w: u64, bytes: u64) -> u64 {
     ring_reduce_scatter_bytes(n, w, bytes).saturating_mul(2)
 }
 
-/// Micro-batches whose activations stage `stage` of `pp` holds at once, with
-/// `micro_batches` pipeline micro-batches: 1 without PP (micro-batches and accumulation
-/// run one after another), all M with GPipe (every forward before any backward), and
-/// min(P - stage, M) with 1F1B (the warm-up forwards, then one backward per forward).
-pub fn in_flight_micro_batches(schedule: PpSchedule, pp: u64, micro_batches: u64, stage: u64) -> u64 {
-    if pp <= 1 {
-        return 1;
-    }
-    match schedule {
-        PpSchedule::Gpipe => micro_batches,
-        PpSchedule::OneFOneB => pp.saturating_sub(stage).min(micro_batches),
-    }
-}
-
 /// Activation elements one transformer block saves for backward, for one micro-batch of
 /// `batch` sequences of `seq` tokens (d = d_model, h = heads, t = tp), as the engine
 /// stores them (model/gpt.rs `BlockActivations`):
@@ -413,6 +404,18 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
             "parallel.pp",
             format!("pp={}: the planner lists every stage and handles at most {MAX_PLANNED_STAGES}", p.pp),
         );
+    } else {
+        spec.check_pipeline_schedule(&mut err);
+        let micro = spec.pipeline_micro_batches();
+        if p.pp_schedule == PpSchedule::Interleaved && micro > MAX_INTERLEAVED_MICRO_BATCHES {
+            err(
+                "train.micro_batches",
+                format!(
+                    "micro_batches * grad_accum = {micro}: the planner follows an interleaved schedule pass by \
+                     pass and handles at most {MAX_INTERLEAVED_MICRO_BATCHES}"
+                ),
+            );
+        }
     }
     // Estimated in f64 first, so that param_count (u64) is only called when it cannot overflow.
     let (v, s, d, l) = (m.vocab as f64, m.seq_len as f64, m.d_model as f64, m.layers as f64);
@@ -480,20 +483,24 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let sp = p.splits_sequence();
     let layer_acts = layer_activation_elements(batch, seq, d, heads, tp, t.attention, sp);
     let grad_acts = activation_grad_elements(batch, seq, d, heads, tp, t.attention, sp);
+    // ZB-H1 (no sequence parallelism): the gradients of a block's four matmul outputs
+    // (attention projection, MLP out: b*s*d; QKV: 3d/t; MLP hidden: 4d/t wide).
+    let weight_stash_elements = rows.saturating_mul(d.saturating_mul(2) + (3 * d + 4 * d) / tp);
     // The residual stream between blocks (a stage's input and output, checkpointed segment
     // outputs): whole on every TP rank, or with sequence parallelism this rank's tokens.
     let res_d = if sp { rows_d / tp } else { rows_d };
     let recomputing = t.checkpointing != Checkpointing::None;
 
+    // M is every micro-batch of the step (accumulated ones too): one schedule runs them.
+    let pipe = Pipeline::of(spec);
     let mut stages = Vec::with_capacity(p.pp);
     for s in 0..p.pp {
-        let layer_range = chunk_range(m.layers, p.pp, s);
-        let layers = u(layer_range.len());
+        let chunks = pipe.blocks_of(m.layers, s);
+        let layers = chunks.iter().map(|c| u(c.len())).sum::<u64>();
         let (first, last) = (s == 0, s + 1 == p.pp);
         let params_per_rank =
             layers * block_per_tp_rank + if first { embedding } else { 0 } + if last { head } else { 0 };
-        // M is every micro-batch of the step (accumulated ones too): one schedule runs them.
-        let in_flight = in_flight_micro_batches(p.pp_schedule, pp, micro_steps, u(s));
+        let in_flight = u(pipe.activations_in_flight(s));
 
         // Model state, sharded unit by unit as the engine does (see model_state_with_shard).
         let units = [
@@ -521,9 +528,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             Sharding::Zero2 | Sharding::Fsdp => largest_unit.saturating_mul(per_param.gradients),
         };
         // A pipeline stage receives into one activation buffer (all but the first) and one
-        // output-gradient buffer (all but the last). Copies queued for sending come on top,
-        // as many as the schedule runs ahead of the neighbour: not predicted.
-        let receive_buffers = u64::from(!first) + u64::from(!last);
+        // output-gradient buffer (all but the last; interleaved: every stage both). Copies
+        // queued for sending come on top, as many as the schedule runs ahead of the
+        // neighbour: not predicted.
+        let (gets_activations, gets_gradients) = pipe.receives(s);
+        let receive_buffers = u64::from(gets_activations) + u64::from(gets_gradients);
         let comm_buffers = comm_buffers.saturating_add(receive_buffers.saturating_mul(res_d).saturating_mul(act_bytes));
 
         // Activations (elements). Every stage keeps its input per micro-batch (the first
@@ -531,19 +540,33 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // stage also the final LayerNorm output and statistics, logits and token losses.
         // With sequence parallelism the final LayerNorm's statistics are this rank's tokens
         // only, its output gathered whole for the LM head.
-        let (kept_layers, recompute_peak) = checkpointed(layers, t.checkpointing, res_d, layer_acts);
+        // Each of the stage's chunks keeps its own (interleaved: one set per chunk and
+        // micro-batch, the head's only on the model's last chunk); the peak is the most
+        // the schedule's order holds at once.
         let lnf_stats = if sp { rows.saturating_mul(2) / tp } else { rows.saturating_mul(2) };
-        let head_acts = if last {
-            rows_d.saturating_add(lnf_stats).saturating_add(rows).saturating_add(rows.saturating_mul(vocab))
-        } else {
-            0
+        let head_acts =
+            rows_d.saturating_add(lnf_stats).saturating_add(rows).saturating_add(rows.saturating_mul(vocab));
+        let per_chunk: Vec<u64> = (0..chunks.len())
+            .map(|c| {
+                let (kept_layers, _) = checkpointed(u(chunks[c].len()), t.checkpointing, res_d, layer_acts);
+                let is_head = pipe.model_chunk(s, c) + 1 == pipe.model_chunks();
+                res_d.saturating_add(kept_layers).saturating_add(if is_head { head_acts } else { 0 })
+            })
+            .collect();
+        let recompute_peak =
+            chunks.iter().map(|c| checkpointed(u(c.len()), t.checkpointing, res_d, layer_acts).1).max().unwrap_or(0);
+        // ZB-H1's B leaves each block's four output gradients for the W (the weight
+        // gradients' other operands are activations the W keeps anyway).
+        let stash = if pipe.splits_backward() { layers.saturating_mul(weight_stash_elements) } else { 0 };
+        let held_at_peak = match pipe.kind {
+            // (the sets are alike: no need to follow the order pass by pass)
+            PpSchedule::Gpipe | PpSchedule::OneFOneB => in_flight.saturating_mul(per_chunk[0]),
+            PpSchedule::Interleaved | PpSchedule::ZbH1 => peak_held(&pipe.actions(s), &per_chunk, stash),
         };
-        let per_micro_batch = res_d.saturating_add(kept_layers).saturating_add(head_acts);
         // Sequence parallelism's two exchange buffers (b*s*d each, shared by every block):
         // a LayerNorm output gathered whole, a row-parallel output before its reduce-scatter.
         let exchange = if sp { rows_d.saturating_mul(2) } else { 0 };
-        let activations =
-            in_flight.saturating_mul(per_micro_batch).saturating_add(recompute_peak).saturating_add(exchange);
+        let activations = held_at_peak.saturating_add(recompute_peak).saturating_add(exchange);
 
         // ZeRO-Offload: the optimizer's state leaves the device. Streamed from disk, one
         // piece of it at a time is in memory while it is updated.
@@ -561,7 +584,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // Gradient compression: its residual and PowerSGD's Q, fp32 (DDP only, dp > 1).
         let compressor =
             Compressor { method: p.grad_compression, ratio: p.compression_ratio, rank: p.compression_rank };
-        let shapes = compression::stage_shapes(m, p.tp, layer_range.len(), first, last);
+        let shapes = compression::stage_shapes(m, p.tp, layers as usize, first, last);
         let compressing = dp > 1 && p.grad_compression != GradCompression::None;
         let compression_state = if compressing { compressor.state_floats(&shapes) as u64 * 4 } else { 0 };
         let mut memory = RankMemory {
@@ -608,7 +631,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             d,
             sp,
             recomputing,
-            regathered: recomputed_before_backward(layers, t.checkpointing).saturating_mul(block_per_tp_rank),
+            regathered: chunks
+                .iter()
+                .map(|c| recomputed_before_backward(u(c.len()), t.checkpointing))
+                .sum::<u64>()
+                .saturating_mul(block_per_tp_rank),
+            chunks: u(pipe.chunks),
             dp_wire_bytes: wire_bytes(p.comm_dtype),
             allreduce: p.allreduce,
             ranks_per_node: p.ranks_per_node,
@@ -616,8 +644,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         });
         stages.push(StagePlan {
             stage: s,
-            first_layer: layer_range.start,
-            layers: layer_range.len(),
+            first_layer: chunks.first().map_or(0, |c| c.start),
+            layers: layers as usize,
             embedding: first,
             head: last,
             params_per_rank,
@@ -639,8 +667,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         activation_bytes: act_bytes,
         stages,
         peak_stage,
-        bubble_fraction: (pf - 1.0) / (mf + pf - 1.0),
-        bubble_over_compute: (pf - 1.0) / mf,
+        bubble_fraction: pipe.formula_bubble(),
+        bubble_over_compute: (pf - 1.0) / (mf * pipe.chunks as f64),
         flops,
     })
 }
@@ -662,6 +690,25 @@ fn checkpointed(layers: u64, checkpointing: Checkpointing, rows_d: u64, layer_ac
             (layers.div_ceil(k).saturating_mul(rows_d), k.saturating_mul(layer_acts))
         }
     }
+}
+
+/// The most elements a stage holds at once running `actions`, when a forward of its chunk
+/// c keeps `per_chunk[c]` until the backward of the same pass (ZB-H1: until its W) and a
+/// ZB-H1 B keeps `stash` more until its W.
+fn peak_held(actions: &[Action], per_chunk: &[u64], stash: u64) -> u64 {
+    let split = actions.iter().any(|a| matches!(a, Action::Weights { .. }));
+    let (mut held, mut peak) = (0u64, 0u64);
+    for a in actions {
+        let size = per_chunk.get(a.chunk()).copied().unwrap_or(0);
+        match a {
+            Action::Forward { .. } => held = held.saturating_add(size),
+            Action::Backward { .. } if split => held = held.saturating_add(stash),
+            Action::Backward { .. } => held = held.saturating_sub(size),
+            Action::Weights { .. } => held = held.saturating_sub(size.saturating_add(stash)),
+        }
+        peak = peak.max(held);
+    }
+    peak
 }
 
 /// Blocks whose recomputation runs before their own backward, with their parameters
@@ -717,6 +764,8 @@ struct StageCommInput {
     /// FSDP: parameters gathered once more per micro-batch, for blocks recomputed before
     /// their own backward opens them (see [`recomputed_before_backward`]).
     regathered: u64,
+    /// Chunks of layers on the stage (v: interleaved; else 1).
+    chunks: u64,
     /// Bytes per element of the data-parallel collectives (`parallel.comm_dtype`).
     dp_wire_bytes: u64,
     /// The gradient all-reduce's algorithm and `hierarchical`'s node size.
@@ -812,7 +861,9 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
         half.saturating_mul(2 * all_reduces_per_block).saturating_mul(c.layers)
     };
     v.tp_all_reduce = if c.tp > 1 { per_micro_batch.saturating_mul(c.micro_steps) } else { 0 };
-    let sends = u64::from(!c.last) + u64::from(!c.first);
+    // Every chunk of the stage sends on but the model's last; every chunk's backward sends
+    // back but the model's first.
+    let sends = (c.chunks - u64::from(c.last)) + (c.chunks - u64::from(c.first));
     v.pp_send = c.res_d.saturating_mul(WIRE_BYTES).saturating_mul(sends).saturating_mul(c.micro_steps);
     v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send, v.dp_compressed]
         .into_iter()
@@ -1143,6 +1194,22 @@ mod tests {
         let a = 8 * 32 * 64 * 4 * 16u64;
         let sends: Vec<u64> = p.stages.iter().map(|s| s.comm.pp_send).collect();
         assert_eq!(sends, vec![a, 2 * a, 2 * a, a]);
+        // Interleaved, v = 2 on 8 blocks: (P-1)/(vM+P-1) = 3/35, (P-1)/(vM) of the compute;
+        // every chunk but the model's last sends on, every one but its first sends back;
+        // warm-up 2(P-1-s) + (v-1)P chunk passes, one more in flight.
+        spec.model.layers = 8;
+        (spec.parallel.pp_schedule, spec.parallel.virtual_stages) = (PpSchedule::Interleaved, 2);
+        let v = plan(&spec).unwrap();
+        assert!((v.bubble_fraction - 3.0 / 35.0).abs() < 1e-12);
+        assert!((v.bubble_over_compute - 3.0 / 32.0).abs() < 1e-12);
+        let sends: Vec<u64> = v.stages.iter().map(|s| s.comm.pp_send).collect();
+        assert_eq!(sends, vec![3 * a, 4 * a, 4 * a, 3 * a]);
+        let in_flight: Vec<u64> = v.stages.iter().map(|s| s.in_flight_micro_batches).collect();
+        assert_eq!(in_flight, vec![11, 9, 7, 5]);
+        assert!(v.stages.iter().all(|s| s.layers == 2));
+        spec.parallel.virtual_stages = 3;
+        let refused = plan(&spec).unwrap_err();
+        assert!(refused.iter().any(|e| e.message.contains("multiple of 12")), "{refused:?}");
     }
 
     /// Sequence parallelism splits the LayerNorm/residual regions: the activations per rank

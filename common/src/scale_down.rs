@@ -57,6 +57,18 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
     } else {
         small.train.micro_batches = small.train.micro_batches.clamp(1, 8);
     }
+    if p.pp_schedule == crate::PpSchedule::Interleaved {
+        if p.pp < 2 {
+            changes.push("the interleaved schedule needs pp >= 2, so the small run has one stage".to_string());
+            (p.pp_schedule, p.virtual_stages) = (crate::PpSchedule::OneFOneB, 1);
+        } else {
+            // pp * v chunks of one block each, micro-batches in whole groups of pp.
+            p.virtual_stages = p.virtual_stages.clamp(2, 4);
+            small.model.layers = p.pp * p.virtual_stages;
+            let groups = (small.train.micro_batches / p.pp).max(1);
+            small.train.micro_batches = groups * p.pp;
+        }
+    }
     small.train.micro_batch = 4;
     small.train.grad_accum = 1;
     small.train.steps = 20;
@@ -117,6 +129,13 @@ mod tests {
                 assert_eq!(small.validate(&limits), Ok(()), "dp={dp} tp={tp} pp={pp} {sharding:?}");
                 assert!(small.world_size() <= limits.max_world_size);
             }
+            // Interleaved (v = 3 on a planned 96-layer model, 6 micro-batches).
+            let mut spec = ExperimentSpec::default();
+            (spec.parallel.dp, spec.parallel.tp, spec.parallel.pp) = (dp, tp, pp);
+            (spec.parallel.pp_schedule, spec.parallel.virtual_stages) = (PpSchedule::Interleaved, 3);
+            (spec.model.layers, spec.train.micro_batches) = (96, 6);
+            let (small, _) = run_it_small(&spec, &limits);
+            assert_eq!(small.validate(&limits), Ok(()), "interleaved dp={dp} tp={tp} pp={pp}");
         }
     }
 }

@@ -99,6 +99,9 @@ pub struct ParallelSpec {
     pub pp: usize,
     pub sharding: Sharding,
     pub pp_schedule: PpSchedule,
+    /// `pp_schedule: interleaved`: chunks of layers per pipeline stage (v); stage s holds
+    /// chunks s, s + pp, s + 2pp, ... of the pp * v equal chunks.
+    pub virtual_stages: usize,
     pub bucket_bytes: u64,
     /// FSDP: gather the unit the model opens next on a communication thread while the
     /// current one computes (forward in order, backward in reverse), at most two gathered.
@@ -225,6 +228,25 @@ pub enum PpSchedule {
     Gpipe,
     #[serde(rename = "1f1b")]
     OneFOneB,
+    /// Megatron-LM's interleaved 1F1B: each stage holds `virtual_stages` chunks of layers.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+    /// Zero-bubble ZB-H1 (Qi et al. 2023): backward split into the input gradient (B) and
+    /// the weight gradient (W), the W passes deferred into the pipeline's bubbles.
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+}
+
+impl PpSchedule {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PpSchedule::Gpipe => "gpipe",
+            PpSchedule::OneFOneB => "1f1b",
+            PpSchedule::Interleaved => "interleaved",
+            PpSchedule::ZbH1 => "zb-h1",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -376,6 +398,7 @@ impl Default for ParallelSpec {
             pp: 1,
             sharding: Sharding::None,
             pp_schedule: PpSchedule::OneFOneB,
+            virtual_stages: 1,
             bucket_bytes: 1 << 20,
             prefetch: false,
             comm_dtype: Precision::Fp32,
@@ -469,9 +492,10 @@ impl ExperimentSpec {
     /// M, the micro-batches of one pipeline flush: `micro_batches` x `grad_accum`. The engine
     /// runs every micro-batch of an optimizer step, accumulated ones included, in one
     /// schedule, so the bubble (P-1)/(M+P-1) is paid once per step with this M, and GPipe
-    /// holds the activations of all M. The one definition of M everywhere.
+    /// holds the activations of all M. The one definition of M everywhere (saturating: the
+    /// planner takes any size).
     pub fn pipeline_micro_batches(&self) -> usize {
-        self.train.micro_batches * self.train.grad_accum
+        self.train.micro_batches.saturating_mul(self.train.grad_accum)
     }
 
     /// Sequences consumed by one optimizer step.

@@ -135,7 +135,10 @@ pub struct RankCommTrace {
 #[serde(rename_all = "snake_case")]
 pub enum SpanKind {
     Forward,
+    /// The backward (ZB-H1: its input-gradient half, B).
     Backward,
+    /// ZB-H1's weight-gradient half of a backward (W).
+    Weights,
     /// A collective (e.g. one gradient bucket's all-reduce), on the communication thread.
     Comm,
     Optimizer,
@@ -187,6 +190,9 @@ pub struct Span {
     /// The micro-batch a forward or backward span ran (pipeline timelines number them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub micro: Option<u32>,
+    /// Interleaved pipelines: which of the stage's chunks of layers the pass ran through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<u32>,
 }
 
 /// Everything one rank recorded: its timeline (the first `span_steps` steps) and its

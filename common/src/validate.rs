@@ -282,6 +282,7 @@ impl ExperimentSpec {
             );
         }
         self.check_compression(&mut err);
+        self.check_pipeline_schedule(&mut err);
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",
@@ -379,6 +380,99 @@ impl ExperimentSpec {
 }
 
 impl ExperimentSpec {
+    /// `parallel.pp_schedule` and `parallel.virtual_stages`: interleaving cuts the layers
+    /// into pp * v equal chunks and takes micro-batches through them in groups of pp.
+    pub(crate) fn check_pipeline_schedule(&self, err: &mut impl FnMut(&str, String)) {
+        let p = &self.parallel;
+        in_range(err, "parallel.virtual_stages", p.virtual_stages, 1, 16, "virtual_stages");
+        if p.pp_schedule == PpSchedule::ZbH1 {
+            self.check_zero_bubble(err);
+        }
+        if p.pp_schedule != PpSchedule::Interleaved {
+            if p.virtual_stages != 1 {
+                err(
+                    "parallel.virtual_stages",
+                    format!(
+                        "virtual_stages={} is for pp_schedule=interleaved; {} runs one chunk per stage (use 1)",
+                        p.virtual_stages,
+                        p.pp_schedule.as_str()
+                    ),
+                );
+            }
+            return;
+        }
+        if p.pp < 2 {
+            err("parallel.pp_schedule", format!("interleaved needs a pipeline: pp >= 2 (it is {})", p.pp));
+        }
+        if p.virtual_stages < 2 {
+            err(
+                "parallel.virtual_stages",
+                format!(
+                    "interleaved gives each stage virtual_stages >= 2 chunks of layers (it is {})",
+                    p.virtual_stages
+                ),
+            );
+        }
+        let chunks = p.pp.saturating_mul(p.virtual_stages);
+        let layers = self.model.layers;
+        if chunks >= 1 && layers >= 1 && layers % chunks != 0 {
+            err(
+                "parallel.virtual_stages",
+                format!(
+                    "interleaved cuts the layers into pp * virtual_stages = {chunks} equal chunks: layers={layers} \
+                     must be a multiple of {chunks}"
+                ),
+            );
+        }
+        let micro = self.pipeline_micro_batches();
+        if p.pp >= 1 && micro % p.pp != 0 {
+            err(
+                "train.micro_batches",
+                format!(
+                    "interleaved takes micro-batches through the chunks in groups of pp={}: micro_batches * \
+                     grad_accum = {micro} must be a multiple of it",
+                    p.pp
+                ),
+            );
+        }
+    }
+
+    /// `pp_schedule: zb-h1`: its W passes write each block's weight gradients after the
+    /// block's B, from what the B left and the saved activations.
+    fn check_zero_bubble(&self, err: &mut impl FnMut(&str, String)) {
+        let p = &self.parallel;
+        let mut refuse = |field: &str, why: String| err(field, format!("pp_schedule=zb-h1: {why}"));
+        if p.pp < 2 {
+            refuse("parallel.pp_schedule", format!("fills a pipeline's bubbles; it needs pp >= 2 (it is {})", p.pp));
+        }
+        if matches!(p.sharding, Sharding::Zero2 | Sharding::Fsdp) {
+            refuse(
+                "parallel.sharding",
+                format!(
+                    "sharding={} reduce-scatters each unit's gradient when its backward ends, before the W that \
+                     completes it: use none or zero1",
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        if p.splits_sequence() {
+            refuse(
+                "parallel.sequence_parallel",
+                "the W would gather each LayerNorm output across the tensor-parallel group once more: turn \
+                 sequence_parallel off"
+                    .into(),
+            );
+        }
+        if self.train.checkpointing != Checkpointing::None {
+            refuse(
+                "train.checkpointing",
+                "the W needs the activations the B used, which checkpointing recomputes into buffers the next \
+                 block reuses: use checkpointing=none"
+                    .into(),
+            );
+        }
+    }
+
     /// `parallel.grad_compression` and its settings: DDP's gradient all-reduce on the ring
     /// is what a compressor replaces, and its error-feedback residual is not checkpointed.
     fn check_compression(&self, err: &mut impl FnMut(&str, String)) {
@@ -515,6 +609,30 @@ mod tests {
                 ],
             ),
             (json!({"parallel": {"pp": 3}}), vec![("parallel.pp", "pp=3 is more than layers=2")]),
+            (
+                json!({"train": {"checkpointing": "every"}, "parallel": {"dp": 2, "pp_schedule": "zb-h1", "sharding": "fsdp"}}),
+                vec![
+                    ("parallel.pp_schedule", "zb-h1: fills a pipeline's bubbles; it needs pp >= 2"),
+                    ("parallel.sharding", "sharding=fsdp reduce-scatters"),
+                    ("train.checkpointing", "use checkpointing=none"),
+                ],
+            ),
+            (
+                json!({"parallel": {"virtual_stages": 2}}),
+                vec![("parallel.virtual_stages", "virtual_stages=2 is for pp_schedule=interleaved")],
+            ),
+            (
+                json!({"parallel": {"pp_schedule": "interleaved", "virtual_stages": 1}}),
+                vec![("parallel.pp_schedule", "needs a pipeline: pp >= 2"), ("parallel.virtual_stages", ">= 2 chunks")],
+            ),
+            (
+                json!({"model": {"layers": 6}, "train": {"micro_batches": 3},
+                       "parallel": {"pp": 2, "pp_schedule": "interleaved", "virtual_stages": 2}}),
+                vec![
+                    ("parallel.virtual_stages", "layers=6 must be a multiple of 4"),
+                    ("train.micro_batches", "micro_batches * grad_accum = 3 must be a multiple of it"),
+                ],
+            ),
             (json!({"parallel": {"dp": 0}}), vec![("parallel.dp", "dp must be between 1 and 8 (it is 0)")]),
             (json!({"parallel": {"dp": 4, "tp": 4}}), vec![("parallel", "world size dp*tp*pp = 4*4*1 = 16")]),
             (json!({"parallel": {"sharding": "zero2"}}), vec![("parallel.sharding", "needs dp >= 2")]),

@@ -69,7 +69,8 @@ pub fn run(
     };
     let pp = if p.pp > 1 {
         let members = topology.pp_group(rank);
-        let send = ring("pp-send", members.clone(), false)?;
+        // (its sends are counted, never recorded step by step)
+        let send = ring("pp-send", members.clone(), true)?;
         let recv = ring("pp", members, false)?;
         Some(PipelineGroup { stage: coords.stage, stages: p.pp, send: Box::new(send), recv: Box::new(recv) })
     } else {

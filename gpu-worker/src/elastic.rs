@@ -22,6 +22,7 @@
 use std::path::{Path, PathBuf};
 
 use distlab_common::elastic::{checkpoint_dir_name, fit_to_source};
+use distlab_common::schedule::Pipeline;
 use distlab_common::{ExperimentSpec, ResumeFrom, Sharding};
 
 use crate::checkpoint::{self, CheckpointDir, CheckpointError, RankCheckpoint, RankPlace};
@@ -114,10 +115,12 @@ pub fn recut(
     step: u64,
 ) -> Result<(), CheckpointError> {
     let (tp, pp) = (spec.parallel.tp, spec.parallel.pp);
+    let pipe = Pipeline::of(spec);
     for tp_rank in 0..tp {
         for stage in 0..pp {
-            let layout = ParamLayout::for_tp(&spec.model, TpPlace { rank: tp_rank, size: tp });
-            let stage_blocks = stage_of(spec.model.layers, pp, stage);
+            let stage_blocks = stage_of(&pipe, spec.model.layers, stage);
+            let place = TpPlace { rank: tp_rank, size: tp };
+            let layout = ParamLayout::with_block_order(&spec.model, place, &stage_blocks.block_order);
             let place = |dp| RankPlace { dp, tp: tp_rank, pp: stage };
             let old: Vec<RankCheckpoint> = (0..source.parallel.dp)
                 .map(|dp| checkpoint::read(&from.file(step, place(dp))))
@@ -219,7 +222,7 @@ impl StageCut<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use distlab_common::ModelSpec;
+    use distlab_common::{ModelSpec, PpSchedule};
 
     /// A stage's state, made up, saved the way a run of `dp` ranks sharded as `sharding` would.
     fn saved(cut: &StageCut, whole: &[(String, Vec<f32>)], sharding: Sharding, dp: usize) -> Vec<RankCheckpoint> {
@@ -231,7 +234,8 @@ mod tests {
     fn any_dp_and_sharding_re_cut_to_any_other_gives_back_the_same_numbers() {
         let model = ModelSpec { layers: 3, d_model: 8, heads: 2, seq_len: 5, vocab: 11 };
         let layout = ParamLayout::for_tp(&model, TpPlace { rank: 1, size: 2 });
-        let stage = stage_of(model.layers, 2, 1);
+        let pipe = Pipeline { kind: PpSchedule::OneFOneB, stages: 2, chunks: 1, micro_batches: 2 };
+        let stage = stage_of(&pipe, model.layers, 1);
         let cut = StageCut { layout: &layout, stage: &stage };
         let len = stage.range(&layout).len();
         let whole: Vec<(String, Vec<f32>)> = ["params", "adam_m", "adam_v", "master"]

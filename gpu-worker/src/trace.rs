@@ -33,29 +33,19 @@ impl CommTracer {
 
     /// Adds one finished collective: always to the counters, in detail while under the limit.
     pub fn record(&self, record: CollectiveRecord, steps: Vec<RingStep>) {
-        let mut t = self.lock();
         let duration = record.end_us.saturating_sub(record.start_us);
-        let same = |c: &&mut CollectiveCounter| c.op == record.op && c.bytes_from_formula == record.bytes_from_formula;
-        match t.counters.iter_mut().find(same) {
-            Some(c) => {
-                c.calls += 1;
-                c.elements += record.elements;
-                c.bytes_sent += record.bytes_sent;
-                c.total_us += duration;
-            }
-            None => t.counters.push(CollectiveCounter {
-                op: record.op,
-                calls: 1,
-                elements: record.elements,
-                bytes_sent: record.bytes_sent,
-                bytes_from_formula: record.bytes_from_formula,
-                total_us: duration,
-            }),
-        }
+        let mut t = self.lock();
+        add_to_counters(&mut t, record.op, record.bytes_from_formula, (record.elements, record.bytes_sent, duration));
         if (t.collectives.len() as u64) < t.detail_limit {
             t.collectives.push(record);
             t.steps.extend(steps);
         }
+    }
+
+    /// Counts one call that is never recorded in detail (a pipeline's point-to-point send:
+    /// many per step, each one message to one peer).
+    pub fn count(&self, op: CollectiveOp, elements: u64, bytes_sent: u64, duration_us: u64) {
+        add_to_counters(&mut self.lock(), op, false, (elements, bytes_sent, duration_us));
     }
 
     pub fn snapshot(&self) -> RankCommTrace {
@@ -66,5 +56,19 @@ impl CommTracer {
         // A panic while holding the lock cannot leave the record half-written in a way
         // that matters for reading it, so a poisoned lock is still used.
         self.trace.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Adds one call of `op` (elements, bytes sent, µs) to `t`'s counters.
+fn add_to_counters(t: &mut RankCommTrace, op: CollectiveOp, bytes_from_formula: bool, call: (u64, u64, u64)) {
+    let (elements, bytes_sent, total_us) = call;
+    match t.counters.iter_mut().find(|c| c.op == op && c.bytes_from_formula == bytes_from_formula) {
+        Some(c) => {
+            c.calls += 1;
+            c.elements += elements;
+            c.bytes_sent += bytes_sent;
+            c.total_us += total_us;
+        }
+        None => t.counters.push(CollectiveCounter { op, calls: 1, elements, bytes_sent, bytes_from_formula, total_us }),
     }
 }

@@ -175,6 +175,7 @@ fn rank_trace(rank: u32, world: u32, ring_steps: u32) -> trace::RankTrace {
         bucket: None,
         bytes: None,
         micro: None,
+        chunk: None,
     };
     let t0 = 1_700_000_000_000_000 + u64::from(rank);
     let steps: Vec<RingStep> = (0..ring_steps)

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use distlab_common::{ExperimentStatus, ModelSpec};
+use distlab_common::{ExperimentSpec, ExperimentStatus, ModelSpec};
 use distlab_tests::{kill_and_resume, quick_spec, repo_root, Lab, LabOptions};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::{json, Value};
@@ -722,6 +722,64 @@ async fn pipeline_scenario(c: &Client, lab: &Lab) -> Result<()> {
     })
     .await?;
     save_element(c, "#pipeline-card", "pipeline.png").await?;
+    interleaved_scenario(c, lab, &preset.spec).await
+}
+
+/// Runs `spec` (4 stages) and opens its pipeline page; returns its M.
+async fn run_and_open_pipeline_page(c: &Client, lab: &Lab, spec: &ExperimentSpec) -> Result<usize> {
+    let id = lab.submit(spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "{} did not succeed: {exp:?}", spec.name);
+    c.goto(&lab.url(&format!("/experiments/{id}/pipeline"))).await?;
+    wait_for(c, "the schedule", Duration::from_secs(30), || exists(c, "#pipeline-main-svg g.pp-row[data-stage='3']"))
+        .await?;
+    Ok(spec.pipeline_micro_batches())
+}
+
+/// The pipeline preset on an 8-block model, interleaved with v = 2: every stage row has
+/// 2vM boxes lettered by chunk, and the formula is (P-1)/(vM+P-1).
+async fn interleaved_scenario(c: &Client, lab: &Lab, pipeline: &ExperimentSpec) -> Result<()> {
+    let mut spec = pipeline.clone();
+    spec.name = "pp-interleaved".into();
+    spec.model.layers = 8;
+    (spec.parallel.pp_schedule, spec.parallel.virtual_stages) = (distlab_common::PpSchedule::Interleaved, 2);
+    let m = run_and_open_pipeline_page(c, lab, &spec).await?;
+    let count = "return document.querySelectorAll(arguments[0]).length;";
+    for svg in ["pipeline-main-svg", "pipeline-main-projected-svg"] {
+        for stage in 0..4 {
+            let row = format!("#{svg} g.pp-row[data-stage='{stage}']");
+            let all = js(c, count, &format!("{row} g.pp-span")).await?;
+            ensure!(all == json!(4 * m), "{svg} stage {stage}: {all} boxes, not 2vM = {}", 4 * m);
+            let second = js(c, count, &format!("{row} g.pp-span[data-chunk='b']")).await?;
+            ensure!(second == json!(2 * m), "{svg} stage {stage}: {second} boxes of chunk b, not 2M");
+        }
+    }
+    ensure!(text(c, "#pipeline-main .formula-bubble").await? == "15.8%", "(4-1)/(2*8+4-1)");
+    ensure!(text(c, "#pipeline-main h3").await?.contains("interleaved 1F1B, v = 2"));
+    save_element(c, "#pipeline-card", "pipeline-interleaved.png").await?;
+    zero_bubble_scenario(c, lab, pipeline).await
+}
+
+/// The pipeline preset as ZB-H1: every stage row has M forwards, M B's and M W's (drawn
+/// apart), measured and projected, and the formula is (P-1)/(3M+P-1).
+async fn zero_bubble_scenario(c: &Client, lab: &Lab, pipeline: &ExperimentSpec) -> Result<()> {
+    let mut spec = pipeline.clone();
+    spec.name = "pp-zb-h1".into();
+    spec.parallel.pp_schedule = distlab_common::PpSchedule::ZbH1;
+    let m = run_and_open_pipeline_page(c, lab, &spec).await?;
+    let count = "return document.querySelectorAll(arguments[0]).length;";
+    for svg in ["pipeline-main-svg", "pipeline-main-projected-svg"] {
+        for stage in 0..4 {
+            for class in ["span-forward", "span-backward", "span-weights"] {
+                let boxes = js(c, count, &format!("#{svg} g.pp-row[data-stage='{stage}'] rect.{class}")).await?;
+                ensure!(boxes == json!(m), "{svg} stage {stage}: {boxes} {class} boxes, not M = {m}");
+            }
+        }
+    }
+    ensure!(text(c, "#pipeline-main .formula-bubble").await? == "11.1%", "(4-1)/(3*8+4-1)");
+    // The same formula with the step's own F, B and W.
+    ensure!(text(c, "#pipeline-main .measured-formula-bubble").await?.ends_with('%'));
+    save_element(c, "#pipeline-card", "pipeline-zb-h1.png").await?;
     Ok(())
 }
 

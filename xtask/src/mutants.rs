@@ -32,8 +32,9 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "A pipeline stage never marks the step's last backward (its data-parallel gradients stay local)",
         file: "gpu-worker/src/parallel/pipeline.rs",
-        find: "work.backward(be, micro, received, Some(index) == last_backward)?;",
-        replace: "work.backward(be, micro, received, Some(index) == last_backward && stages == 1)?;",
+        find: "work.backward(be, chunk, micro, received, Some(index) == last_of(chunk, false))?;",
+        replace:
+            "work.backward(be, chunk, micro, received, Some(index) == last_of(chunk, false) && pipe.stages == 1)?;",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "pipelines_compose_with_data_parallelism"],
     },
     Mutant {
@@ -108,9 +109,37 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "1F1B fills the pipe with one forward too many (same losses, more activations)",
         file: "common/src/schedule.rs",
-        find: "(stages - stage - 1).min(micro_batches)",
-        replace: "(stages - stage).min(micro_batches)",
+        find: "PpSchedule::OneFOneB | PpSchedule::ZbH1 => last.min(m),",
+        replace: "PpSchedule::OneFOneB | PpSchedule::ZbH1 => (last + 1).min(m),",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "every_stage_runs_the_schedules_order"],
+    },
+    Mutant {
+        name: "Interleaved backwards go through a stage's chunks in forward order (waits on a gradient never sent)",
+        file: "common/src/schedule.rs",
+        find: "Action::Backward { micro: micro(k), chunk: v - 1 - (k / p) % v }",
+        replace: "Action::Backward { micro: micro(k), chunk: (k / p) % v }",
+        tests: &["-p", "distlab-common", "schedule"],
+    },
+    Mutant {
+        name: "ZB-H1 hands DDP a unit's gradient after its B, before the W completes it",
+        file: "gpu-worker/src/model/state.rs",
+        find: "matches!(self, Pass::Backward { .. } | Pass::Weights)",
+        replace: "matches!(self, Pass::Backward { .. } | Pass::BackwardInput)",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "zero_bubble_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "ZB-H1's B adds the weight gradients too (the W adds them again)",
+        file: "gpu-worker/src/model/gpt.rs",
+        find: "be.matmul_backward_input(dinp, dout, weight, c_in, c_out);\n        }",
+        replace: "be.matmul_backward(Some(dinp), dweight, dbias, dout, inp, weight, c_in, c_out);\n        }",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "zero_bubble_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "An interleaved stage holds every parameter from its first block to its last (other stages' blocks too)",
+        file: "gpu-worker/src/parallel/pipeline.rs",
+        find: "let block_order = (0..pipe.stages).flat_map(|s| pipe.blocks_of(layers, s)).flatten().collect();",
+        replace: "let block_order = (0..layers).collect();",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "one_f_one_b_holds_fewer_activations_than_gpipe"],
     },
     Mutant {
         name: "FSDP ranks initialise the whole model before keeping their shard",
@@ -122,7 +151,7 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "activations are booked for the whole run, not per micro-batch in flight",
         file: "gpu-worker/src/model/gpt.rs",
-        find: "let done = self.in_flight.swap_remove(index);\n        self.spare.push(done.acts);",
+        find: "let done = self.in_flight.swap_remove(index);\n                self.spare.push((chunk, done.acts));",
         replace: "let _ = index;",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "one_f_one_b_holds_fewer_activations_than_gpipe"],
     },

@@ -55,11 +55,19 @@ pub fn PipelineChart(rows: Vec<StageRow>, stages: Vec<usize>, #[prop(into)] id: 
                     let (class, letter) = match s.kind {
                         SpanKind::Forward => ("pp-box span-forward", "F"),
                         SpanKind::Backward => ("pp-box span-backward", "B"),
+                        SpanKind::Weights => ("pp-box span-weights", "W"),
                         _ => ("pp-idle", ""),
                     };
                     let micro = s.micro.map(|m| m.to_string()).unwrap_or_default();
+                    // Interleaved: which of the stage's chunks, as a letter (a, b, ...),
+                    // and every other chunk a lighter shade.
+                    let chunk = s.chunk.map(|c| char::from(b'a' + (c % 26) as u8).to_string()).unwrap_or_default();
+                    let class = match s.chunk {
+                        Some(c) if c % 2 == 1 => format!("{class} pp-chunk-odd"),
+                        _ => class.to_string(),
+                    };
                     let label = (!letter.is_empty()).then(|| {
-                        let text = if w >= 18.0 { format!("{letter}{micro}") } else { micro.clone() };
+                        let text = if w >= 18.0 { format!("{letter}{micro}{chunk}") } else { micro.clone() };
                         view! { <text class="pp-label" x=format!("{:.1}", x + w / 2.0) y=format!("{:.1}", y + ROW_H * 0.68) text-anchor="middle">{text}</text> }
                     });
                     let title = format!(
@@ -69,7 +77,7 @@ pub fn PipelineChart(rows: Vec<StageRow>, stages: Vec<usize>, #[prop(into)] id: 
                         s.start_us.saturating_sub(t0) as f64 / 1000.0
                     );
                     view! {
-                        <g class=if letter.is_empty() { "pp-wait" } else { "pp-span" } data-micro=micro.clone()>
+                        <g class=if letter.is_empty() { "pp-wait" } else { "pp-span" } data-micro=micro.clone() data-chunk=chunk>
                             <rect class=class x=format!("{x:.1}") y=format!("{y:.1}") width=format!("{w:.1}") height=ROW_H.to_string() rx="2">
                                 <title>{title}</title>
                             </rect>

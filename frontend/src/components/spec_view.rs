@@ -66,7 +66,11 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         if spec.world_size() == 1 { "" } else { "s" },
         label(&p.sharding),
         if p.prefetch { " with prefetch" } else { "" },
-        label(&p.pp_schedule),
+        match p.pp_schedule {
+            distlab_common::PpSchedule::Interleaved => format!("interleaved (v = {})", p.virtual_stages),
+            distlab_common::PpSchedule::ZbH1 => "ZB-H1".into(),
+            schedule => label(&schedule),
+        },
         p.bucket_bytes,
         label(&p.comm_dtype),
         match p.offload {

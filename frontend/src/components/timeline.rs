@@ -83,6 +83,7 @@ fn kind_class(kind: SpanKind) -> &'static str {
     match kind {
         SpanKind::Forward => "span-forward",
         SpanKind::Backward => "span-backward",
+        SpanKind::Weights => "span-weights",
         SpanKind::Comm => "span-comm",
         SpanKind::Optimizer => "span-optimizer",
         SpanKind::Idle => "span-idle",
@@ -93,6 +94,7 @@ fn kind_name(kind: SpanKind) -> &'static str {
     match kind {
         SpanKind::Forward => "forward",
         SpanKind::Backward => "backward",
+        SpanKind::Weights => "weight gradients (W)",
         SpanKind::Comm => "communication",
         SpanKind::Optimizer => "optimizer",
         SpanKind::Idle => "idle / waiting",
@@ -465,6 +467,7 @@ mod tests {
             bucket: None,
             bytes: Some(1024),
             micro: None,
+            chunk: None,
         }
     }
 

@@ -452,7 +452,12 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                     {(spec.parallel.pp > 1).then(|| view! {
                         <p class="replay-line">
                             <A href=format!("/experiments/{id}/pipeline") attr:class="button" attr:id="pipeline-link">"Pipeline schedule →"</A>
-                            " " {format!("{} stages, {} schedule: every forward and backward, and the bubble", spec.parallel.pp, if spec.parallel.pp_schedule == distlab_common::spec::PpSchedule::Gpipe { "GPipe" } else { "1F1B" })}
+                            " " {format!("{} stages, {} schedule: every forward and backward, and the bubble", spec.parallel.pp, match spec.parallel.pp_schedule {
+                                distlab_common::spec::PpSchedule::Gpipe => "GPipe",
+                                distlab_common::spec::PpSchedule::OneFOneB => "1F1B",
+                                distlab_common::spec::PpSchedule::Interleaved => "interleaved 1F1B",
+                                distlab_common::spec::PpSchedule::ZbH1 => "ZB-H1",
+                            })}
                         </p>
                     })}
                 </section>

@@ -127,7 +127,16 @@ const SECTIONS: &[SectionDef] = &[
                 Kind::Choice(&["none", "zero1", "zero2", "fsdp"]),
                 "shard optimizer state / gradients / parameters over dp",
             ),
-            f("parallel.pp_schedule", Kind::Choice(&["gpipe", "1f1b"]), "order of micro-batches in the pipeline"),
+            f(
+                "parallel.pp_schedule",
+                Kind::Choice(&["gpipe", "1f1b", "interleaved", "zb-h1"]),
+                "order of micro-batches in the pipeline",
+            ),
+            f(
+                "parallel.virtual_stages",
+                Kind::Int,
+                "interleaved: chunks of layers per stage (v; 1 for the others)",
+            ),
             f("parallel.bucket_bytes", Kind::Int, "gradient all-reduce bucket size"),
             f("parallel.prefetch", Kind::Bool, "fsdp: gather the next unit while this one computes"),
             f(
@@ -218,6 +227,7 @@ fn training_only(path: &str) -> bool {
                 | "parallel.pp"
                 | "parallel.sharding"
                 | "parallel.pp_schedule"
+                | "parallel.virtual_stages"
                 | "parallel.bucket_bytes"
                 | "parallel.prefetch"
                 | "parallel.comm_dtype"

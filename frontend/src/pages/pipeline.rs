@@ -1,8 +1,8 @@
 //! `/experiments/:id/pipeline`: the pipeline schedule of one step, its measured bubble
-//! next to the formula (P-1)/(M+P-1), the same step replayed from its measured pass
-//! durations as if every stage had a device of its own (the formula's world, where ranks
-//! do not share cores), and the same for another finished run of the same model and pp
-//! with the other schedule (GPipe vs 1F1B).
+//! next to the schedule's formula ((P-1)/(M+P-1), interleaved (P-1)/(vM+P-1)), the same
+//! step replayed from its measured pass durations as if every stage had a device of its
+//! own (the formula's world, where ranks do not share cores), and the same for another
+//! finished run of the same model and pp with another schedule.
 
 use distlab_common::spec::PpSchedule;
 use distlab_common::trace::ExperimentTrace;
@@ -14,8 +14,10 @@ use leptos_router::hooks::use_params_map;
 use crate::api;
 use crate::components::pipeline_chart::PipelineChart;
 use distlab_common::pipeline::{
-    default_step, formula_bubble, measured_bubble, project, recorded_steps, stage_durations, stage_rows,
+    default_step, measured_bubble, project, recorded_steps, stage_durations, stage_rows, zero_bubble_formula,
+    StageDurations,
 };
+use distlab_common::schedule::Pipeline as PipelineShape;
 
 #[component]
 pub fn PipelinePage() -> impl IntoView {
@@ -28,10 +30,24 @@ pub fn PipelinePage() -> impl IntoView {
     }
 }
 
-fn schedule_name(s: PpSchedule) -> &'static str {
-    match s {
-        PpSchedule::Gpipe => "GPipe",
-        PpSchedule::OneFOneB => "1F1B",
+/// The schedule of `spec`'s pipeline, as the texts name it.
+fn schedule_name(spec: &distlab_common::ExperimentSpec) -> String {
+    match spec.parallel.pp_schedule {
+        PpSchedule::Gpipe => "GPipe".into(),
+        PpSchedule::OneFOneB => "1F1B".into(),
+        PpSchedule::Interleaved => format!("interleaved 1F1B, v = {}", spec.parallel.virtual_stages),
+        PpSchedule::ZbH1 => "ZB-H1 (backward split into B and W)".into(),
+    }
+}
+
+/// The bubble formula of `pipe` with its numbers filled in.
+fn formula_text(pipe: &PipelineShape) -> String {
+    let (p, m, v) = (pipe.stages, pipe.micro_batches, pipe.chunks);
+    match pipe.kind {
+        PpSchedule::Interleaved => format!("(P-1)/(v·M+P-1) = ({p}-1)/({v}·{m}+{p}-1) = "),
+        // Qi et al. 2023, section 3.1: (P-1)(F+B-W) idle against M(F+B+W) busy.
+        PpSchedule::ZbH1 => format!("(P-1)(F+B-W)/(M(F+B+W)+(P-1)(F+B-W)), with F = B = W: ({p}-1)/(3·{m}+{p}-1) = "),
+        _ => format!("(P-1)/(M+P-1) = ({p}-1)/({m}+{p}-1) = "),
     }
 }
 
@@ -64,7 +80,8 @@ fn Pipeline(id: i64) -> impl IntoView {
                         e.id != id
                             && e.spec.model == spec.model
                             && e.spec.parallel.pp == spec.parallel.pp
-                            && e.spec.parallel.pp_schedule != spec.parallel.pp_schedule
+                            && (e.spec.parallel.pp_schedule, e.spec.parallel.virtual_stages)
+                                != (spec.parallel.pp_schedule, spec.parallel.virtual_stages)
                     })
                     .collect();
                 others.try_set(same);
@@ -95,7 +112,9 @@ fn Pipeline(id: i64) -> impl IntoView {
             <p><A href=format!("/experiments/{id}")>"← experiment " {id}</A></p>
             <h1>"Pipeline schedule"</h1>
             <p class="muted small">
-                "One row per pipeline stage: a box for the forward (F) and the backward (B) of every micro-batch, numbered by micro-batch; "
+                "One row per pipeline stage: a box for the forward (F) and the backward (B) of every micro-batch, numbered by micro-batch "
+                "(interleaved: and lettered by the stage's chunk of layers, a, b, ..., every other chunk lighter; "
+                "ZB-H1: the backward split into B, the input's gradient, and W, the weights' gradient, which waits for a bubble); "
                 "hatched boxes are waits for a neighbouring stage. The bubble is the share of the step a stage sat idle: "
                 "1 - busy / window, where the window runs from the earliest forward to the latest backward over all stages."
             </p>
@@ -109,13 +128,14 @@ fn Pipeline(id: i64) -> impl IntoView {
                 <span class="legend">
                     <span class="legend-item"><span class="swatch span-forward"></span>"forward"</span>
                     <span class="legend-item"><span class="swatch span-backward"></span>"backward"</span>
+                    <span class="legend-item"><span class="swatch span-weights"></span>"weights (ZB-H1's W)"</span>
                     <span class="legend-item"><span class="swatch pp-idle"></span>"wait for a neighbour"</span>
                 </span>
                 <label for="pipeline-compare">" compare with "</label>
                 <select id="pipeline-compare" on:change=move |ev| compare_id.set(event_target_value(&ev).parse().ok())>
                     <option value="">"(none)"</option>
                     {move || others.get().into_iter().map(|e| view! {
-                        <option value=e.id.to_string()>{format!("#{} {} ({})", e.id, e.name, schedule_name(e.spec.parallel.pp_schedule))}</option>
+                        <option value=e.id.to_string()>{format!("#{} {} ({})", e.id, e.name, schedule_name(&e.spec))}</option>
                     }).collect_view()}
                 </select>
             </div>
@@ -137,15 +157,15 @@ fn Pipeline(id: i64) -> impl IntoView {
 fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> impl IntoView {
     let (view, trace) = loaded;
     let spec = view.spec.clone();
-    let p = spec.parallel.pp;
-    let m = spec.pipeline_micro_batches();
-    let formula = formula_bubble(p, m);
+    let pipe = PipelineShape::of(&spec);
+    let (p, m) = (pipe.stages, pipe.micro_batches);
+    let formula = pipe.formula_bubble();
     // M: every micro-batch of the step, accumulated ones too (one schedule runs them all).
     let heading = format!(
         "#{} {} — {}, P = {p} stages, M = {m} micro-batches ({} per flush x {} accumulated)",
         view.id,
         view.name,
-        schedule_name(spec.parallel.pp_schedule),
+        schedule_name(&spec),
         spec.train.micro_batches,
         spec.train.grad_accum
     );
@@ -164,18 +184,35 @@ fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> 
             view! {
                 <p class="bubble-line">
                     "measured bubble " <strong class="measured-bubble">{format!("{:.1}%", b.overall * 100.0)}</strong>
-                    " · formula (P-1)/(M+P-1) = " {format!("({p}-1)/({m}+{p}-1) = ")}
+                    " · formula " {formula_text(&pipe)}
                     <strong class="formula-bubble">{format!("{:.1}%", formula * 100.0)}</strong>
                     {format!(" · window {:.2} ms", (b.window.1 - b.window.0) as f64 / 1000.0)}
                 </p>
                 <table class="bubble-table small">
-                    <tr><th>"stage"</th><th>"busy (F+B)"</th><th>"bubble"</th></tr>
+                    <tr><th>"stage"</th><th>{if pipe.splits_backward() { "busy (F+B+W)" } else { "busy (F+B)" }}</th><th>"bubble"</th></tr>
                     {per_rank}
                 </table>
             }
         });
         // The same passes replayed with a device per stage (durations as measured here).
-        let projected = stage_durations(&rows, &stages, p).and_then(|d| project(spec.parallel.pp_schedule, &d, m, s));
+        let durations = stage_durations(&rows, &stages, p);
+        // ZB-H1's formula with this step's passes (their means over the stages' medians).
+        let zero_bubble = durations.as_ref().filter(|_| pipe.splits_backward()).map(|d| {
+            let mean =
+                |pass: fn(&StageDurations) -> u64| d.iter().map(pass).sum::<u64>() as f64 / d.len().max(1) as f64;
+            let fbw = (mean(|d| d.forward), mean(|d| d.backward), mean(|d| d.weights));
+            let share = zero_bubble_formula(p, m, fbw);
+            view! {
+                <p class="bubble-line small">
+                    {format!(
+                        "with this step's F = {:.2} ms, B = {:.2} ms, W = {:.2} ms (means over the stages): ",
+                        fbw.0 / 1000.0, fbw.1 / 1000.0, fbw.2 / 1000.0
+                    )}
+                    <strong class="measured-formula-bubble">{format!("{:.1}%", share * 100.0)}</strong>
+                </p>
+            }
+        });
+        let projected = durations.and_then(|d| project(pipe, &d, s));
         let projection = projected.map(|rows| {
             let bubble = measured_bubble(&rows);
             let labels: Vec<usize> = (0..rows.len()).collect();
@@ -194,6 +231,7 @@ fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> 
                         {format!(" · window {:.2} ms", (b.window.1 - b.window.0) as f64 / 1000.0)}
                     </p>
                 })}
+                {zero_bubble.clone()}
                 <PipelineChart rows=rows stages=labels id=format!("{dom_id}-projected-svg")/>
             }
         });

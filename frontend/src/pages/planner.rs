@@ -117,8 +117,9 @@ pub fn PlannerPage() -> impl IntoView {
                     {number(spec, "pp", |s| s.parallel.pp, |s, v| s.parallel.pp = v)}
                     {choice(spec, "sharding", &["none", "zero1", "zero2", "fsdp"], |s| s.parallel.sharding.as_str().to_string(),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.sharding = x })}
-                    {choice(spec, "pp_schedule", &["1f1b", "gpipe"], |s| json_str(&s.parallel.pp_schedule),
+                    {choice(spec, "pp_schedule", &["1f1b", "gpipe", "interleaved", "zb-h1"], |s| json_str(&s.parallel.pp_schedule),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.pp_schedule = x })}
+                    {number(spec, "virtual_stages", |s| s.parallel.virtual_stages, |s, v| s.parallel.virtual_stages = v)}
                 </fieldset>
                 <fieldset>
                     <legend>"Training"</legend>

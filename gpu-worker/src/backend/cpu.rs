@@ -307,22 +307,24 @@ impl<S: Stored> Backend for CpuBackend<S> {
         });
     }
 
-    fn matmul_backward(
+    fn matmul_backward_input(&self, dinp: &mut [S], dout: &[S], weight: &[S], c_in: usize, c_out: usize) {
+        let par = self.gemm_parallelism();
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
+        });
+    }
+
+    fn matmul_backward_weights(
         &self,
-        dinp: Option<&mut [S]>,
         dweight: &mut [S],
         dbias: Option<&mut [S]>,
         dout: &[S],
         inp: &[S],
-        weight: &[S],
         c_in: usize,
         c_out: usize,
     ) {
         let par = self.gemm_parallelism();
         with_kernel_ledger(self.ledger.as_ref(), || {
-            if let Some(dinp) = dinp {
-                linear::matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
-            }
             linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
         });
         if let Some(dbias) = dbias {

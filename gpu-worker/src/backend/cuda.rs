@@ -1057,40 +1057,46 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         }
     }
 
-    fn matmul_backward(
+    fn matmul_backward_input(
         &self,
-        dinp: Option<DeviceViewMut<'_, S>>,
+        dinp: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        weight: DeviceView<'_, S>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let rows = dinp.len / c_in;
+        check_shape(
+            "matmul_backward_input",
+            &[(dinp.len, rows * c_in), (weight.len, c_in * c_out), (dout.len, rows * c_out)],
+        );
+        // dinp = dout · Wᵀ: column-major dinpᵀ (c_in x rows) = W · doutᵀ.
+        self.gemm(
+            (true, false),
+            (c_in, rows, c_out),
+            1.0,
+            Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
+            Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
+            0.0,
+            Operand { ptr: dinp.ptr, ld: c_in, stride: 0 },
+            1,
+        );
+    }
+
+    fn matmul_backward_weights(
+        &self,
         dweight: DeviceViewMut<'_, S>,
         dbias: Option<DeviceViewMut<'_, S>>,
         dout: DeviceView<'_, S>,
         inp: DeviceView<'_, S>,
-        weight: DeviceView<'_, S>,
         c_in: usize,
         c_out: usize,
     ) {
         let rows = inp.len / c_in;
         check_shape(
-            "matmul_backward",
-            &[
-                (inp.len, rows * c_in),
-                (weight.len, c_in * c_out),
-                (dweight.len, c_in * c_out),
-                (dout.len, rows * c_out),
-            ],
+            "matmul_backward_weights",
+            &[(inp.len, rows * c_in), (dweight.len, c_in * c_out), (dout.len, rows * c_out)],
         );
-        if let Some(dinp) = dinp {
-            // dinp = dout · Wᵀ: column-major dinpᵀ (c_in x rows) = W · doutᵀ.
-            self.gemm(
-                (true, false),
-                (c_in, rows, c_out),
-                1.0,
-                Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
-                Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
-                0.0,
-                Operand { ptr: dinp.ptr, ld: c_in, stride: 0 },
-                1,
-            );
-        }
         // dW += inpᵀ · dout: column-major dWᵀ (c_out x c_in) += doutᵀ · inp.
         self.gemm(
             (false, true),

@@ -245,6 +245,30 @@ pub trait Backend: Send + Sync + 'static {
         weight: Self::View<'_>,
         c_in: usize,
         c_out: usize,
+    ) {
+        if let Some(dinp) = dinp {
+            self.matmul_backward_input(dinp, dout, weight, c_in, c_out);
+        }
+        self.matmul_backward_weights(dweight, dbias, dout, inp, c_in, c_out);
+    }
+    /// The input's half of [`Self::matmul_backward`] (ZB-H1's B): `dinp = dout · Wᵀ`.
+    fn matmul_backward_input(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        weight: Self::View<'_>,
+        c_in: usize,
+        c_out: usize,
+    );
+    /// The weights' half (ZB-H1's W): `dW += inpᵀ · dout`, `dbias += Σ_rows dout`.
+    fn matmul_backward_weights(
+        &self,
+        dweight: Self::ViewMut<'_>,
+        dbias: Option<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        c_in: usize,
+        c_out: usize,
     );
 
     /// Causal multi-head self-attention. `qkv` is `(rows, 3c)` = [Q | K | V], each

@@ -772,9 +772,14 @@ impl Communicator for RingCommunicator {
             collective: format!("send in group {}", self.name),
             detail: "a rank cannot send to itself".into(),
         })?;
+        let start = now_us();
         send_frame(tx, tag, bytemuck::cast_slice(buf), &patience(&self.sockets, to, self.timeout))
             .map_err(|e| self.io_error(e, &s, to))?;
-        self.bytes_sent += (buf.len() * 4) as u64;
+        let bytes = (buf.len() * 4) as u64;
+        self.bytes_sent += bytes;
+        if let Some(tracer) = &self.tracer {
+            tracer.count(CollectiveOp::Send, buf.len() as u64, bytes, now_us().saturating_sub(start));
+        }
         Ok(())
     }
 

@@ -100,6 +100,25 @@ impl<Buf> BlockActivations<Buf> {
     }
 }
 
+/// ZB-H1: what a block's B leaves for its W, the gradients of its four matmuls' outputs
+/// (their inputs are activations the micro-batch keeps until the W anyway).
+struct WeightStash<Buf> {
+    /// d(MLP output), the gradient of `fc_proj`'s output (rows x c).
+    dmlp_out: Buf,
+    /// d(MLP hidden layer before GELU), of `fc`'s output (rows x 4c/tp).
+    dfch: Buf,
+    /// d(attention output), of `attn_proj`'s output (rows x c).
+    dattn_out: Buf,
+    /// d(q, k, v), of `qkv`'s output (rows x 3c/tp).
+    dqkv: Buf,
+}
+
+impl<Buf> WeightStash<Buf> {
+    fn buffers(&self) -> [&Buf; 4] {
+        [&self.dmlp_out, &self.dfch, &self.dattn_out, &self.dqkv]
+    }
+}
+
 /// What one micro-batch leaves on this stage for its backward.
 struct Activations<Buf> {
     /// The stage's input: the embedding output on the first stage, what the previous
@@ -135,19 +154,47 @@ fn stage_output<'a, Buf>(checkpoints: &'a [Buf], blocks: &'a [BlockActivations<B
     checkpoints.last().or(blocks.last().map(|b| &b.res_mlp)).unwrap_or(encoded)
 }
 
-/// The part of the model one pipeline stage runs: a run of blocks, plus the embeddings on
-/// the first stage and the final LayerNorm, LM head and loss on the last.
+/// The part of the model one pipeline stage runs: a run of blocks (interleaved: v chunks
+/// of them), plus the embeddings on the first stage and the final LayerNorm, LM head and
+/// loss on the last.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stage {
-    pub blocks: Range<usize>,
+    /// Its chunks of consecutive blocks, in model order (one but for interleaved).
+    pub chunks: Vec<Range<usize>>,
+    /// Holds the embeddings: its first chunk starts the model.
     pub first: bool,
+    /// Holds the final LayerNorm, LM head and loss: its last chunk ends the model.
     pub last: bool,
+    /// Every block of the model in parameter-buffer order (0..L but for interleaved,
+    /// where each stage's chunks sit side by side: `ParamLayout::with_block_order`).
+    pub block_order: Vec<usize>,
 }
 
 impl Stage {
     /// The whole model (no pipeline parallelism).
     pub fn whole(layers: usize) -> Stage {
-        Stage { blocks: 0..layers, first: true, last: true }
+        #[allow(clippy::single_range_in_vec_init)] // one chunk of blocks 0..layers
+        let chunks = vec![0..layers];
+        Stage { chunks, first: true, last: true, block_order: (0..layers).collect() }
+    }
+
+    /// Its blocks, chunk after chunk.
+    pub fn blocks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.chunks.iter().flat_map(Range::clone)
+    }
+
+    pub fn block_count(&self) -> usize {
+        self.chunks.iter().map(Range::len).sum()
+    }
+
+    /// Whether chunk `chunk` starts from the tokens (the embeddings run before it).
+    pub fn starts_model(&self, chunk: usize) -> bool {
+        self.first && chunk == 0
+    }
+
+    /// Whether chunk `chunk` ends in the head and the loss.
+    pub fn ends_model(&self, chunk: usize) -> bool {
+        self.last && chunk + 1 == self.chunks.len()
     }
 
     /// The contiguous run of the parameter buffer this stage's units cover.
@@ -165,7 +212,7 @@ impl Stage {
         if self.first {
             units.push(Unit::Embeddings);
         }
-        units.extend(self.blocks.clone().map(Unit::Block));
+        units.extend(self.blocks().map(Unit::Block));
         if self.last {
             units.push(Unit::Head);
         }
@@ -182,11 +229,19 @@ pub struct Saved {
     pub attention: Attention,
     /// Sequence parallelism: the LayerNorm and residual regions keep this rank's tokens only.
     pub sequence_parallel: bool,
+    /// ZB-H1: backward runs as B (`backward_stage`), which keeps each matmul's output
+    /// gradient, and W (`weights_stage`), which turns them into weight gradients.
+    pub split_backward: bool,
 }
 
 impl Default for Saved {
     fn default() -> Self {
-        Saved { checkpointing: Checkpointing::None, attention: Attention::Naive, sequence_parallel: false }
+        Saved {
+            checkpointing: Checkpointing::None,
+            attention: Attention::Naive,
+            sequence_parallel: false,
+            split_backward: false,
+        }
     }
 }
 
@@ -384,12 +439,15 @@ impl ActivationShape {
     }
 }
 
-/// One micro-batch in flight on this stage: its activations, booked in the ledger until
-/// its backward is done.
+/// One micro-batch in flight through one of this stage's chunks: its activations, booked
+/// in the ledger until its backward is done (ZB-H1: until its W, with what the B left).
 struct InFlight<Buf> {
+    chunk: usize,
     micro: usize,
     acts: Activations<Buf>,
     _booked: Receipt,
+    /// ZB-H1, between the B and the W: one stash per block of the chunk, booked.
+    stash: Option<(Vec<WeightStash<Buf>>, Receipt)>,
 }
 
 /// A GPT (or the stage of it this rank runs) on backend `B`: its layout and the
@@ -403,13 +461,19 @@ pub struct Gpt<B: Backend> {
     pub stage: Stage,
     /// The micro-batches between their forward and the end of their backward.
     in_flight: Vec<InFlight<B::Buf>>,
-    /// Sets whose backward is done, kept for the next forward instead of being freed and
-    /// allocated again (what a caching allocator does: no longer booked in the ledger,
-    /// still on the heap, so between steps they show as "untracked").
-    spare: Vec<Activations<B::Buf>>,
-    shape: ActivationShape,
-    /// Floats of one micro-batch's activations (what its forward books).
-    set_floats: usize,
+    /// Sets whose backward is done (with the chunk they fit), kept for the next forward
+    /// instead of being freed and allocated again (what a caching allocator does: no
+    /// longer booked in the ledger, still on the heap, so between steps they show as
+    /// "untracked").
+    spare: Vec<(usize, Activations<B::Buf>)>,
+    /// ZB-H1: stashes whose W is done, kept for the next B like `spare`.
+    spare_stashes: Vec<Vec<WeightStash<B::Buf>>>,
+    /// ZB-H1: backward runs as B and W (see [`Saved::split_backward`]).
+    split_backward: bool,
+    /// The sizes of one micro-batch's activations through each chunk.
+    shapes: Vec<ActivationShape>,
+    /// Floats of one micro-batch's activations through each chunk (what its forward books).
+    set_floats: Vec<usize>,
     memory: Arc<MemoryTracker>,
     /// Activation checkpointing: blocks per segment (None: keep every activation).
     segment: Option<usize>,
@@ -443,18 +507,16 @@ impl<B: Backend> Gpt<B> {
         tp: Option<Box<dyn TensorParallelGroup<B>>>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
-        let segment = saved.segment(stage.blocks.len());
+        // (an interleaved stage's chunks are alike)
+        let chunk_blocks = stage.chunks.iter().map(Range::len).max().unwrap_or(0);
+        let segment = saved.segment(chunk_blocks);
         let mut tp = tp;
         if let Some(group) = tp.as_mut() {
             group.attach_memory(memory);
         }
         let place = tp.as_ref().map_or(TpPlace::ALONE, |g| g.place());
-        let layout = ParamLayout::for_tp(spec, place);
+        let layout = ParamLayout::with_block_order(spec, place, &stage.block_order);
         let n = place.size;
-        let (kept_blocks, checkpoints) = match segment {
-            None => (stage.blocks.len(), 0),
-            Some(k) => (0, stage.blocks.len().div_ceil(k)),
-        };
         let sequence_parallel = saved.sequence_parallel && n > 1;
         let rows = batch * spec.seq_len;
         assert!(
@@ -471,11 +533,21 @@ impl<B: Backend> Gpt<B> {
             heads: spec.heads / n,
             hidden: 4 * spec.d_model / n,
             vocab: spec.vocab,
-            kept_blocks,
-            checkpoints,
-            last: stage.last,
+            kept_blocks: 0,
+            checkpoints: 0,
+            last: false,
             attention: saved.attention,
         };
+        let shapes: Vec<ActivationShape> = (0..stage.chunks.len())
+            .map(|chunk| {
+                let blocks = stage.chunks[chunk].len();
+                let (kept_blocks, checkpoints) = match segment {
+                    None => (blocks, 0),
+                    Some(k) => (0, blocks.div_ceil(k)),
+                };
+                ActivationShape { kept_blocks, checkpoints, last: stage.ends_model(chunk), ..shape }
+            })
+            .collect();
         let (rows, c, cl, hidden) = (shape.rows, shape.c, shape.cl, shape.hidden);
         let mut floats = 0usize;
         let mut receipts = Vec::new();
@@ -500,10 +572,10 @@ impl<B: Backend> Gpt<B> {
             ln_grads: alloc(Category::ActivationGrads, 4 * c),
             lnf_grads: stage.last.then(|| alloc(Category::ActivationGrads, 2 * c)),
         });
-        let set_floats = shape.set_floats();
+        let set_floats: Vec<usize> = shapes.iter().map(ActivationShape::set_floats).collect();
         if stage == Stage::whole(spec.layers) && segment.is_none() {
             let expected = Self::activation_floats_for(spec, batch, n, saved.attention, sequence_parallel);
-            debug_assert_eq!(floats + set_floats, expected);
+            debug_assert_eq!(floats + set_floats[0], expected);
         }
         Self {
             spec: spec.clone(),
@@ -512,7 +584,9 @@ impl<B: Backend> Gpt<B> {
             stage,
             in_flight: Vec::new(),
             spare: Vec::new(),
-            shape,
+            spare_stashes: Vec::new(),
+            split_backward: saved.split_backward,
+            shapes,
             set_floats,
             memory: memory.clone(),
             segment,
@@ -524,26 +598,59 @@ impl<B: Backend> Gpt<B> {
         }
     }
 
-    /// Micro-batch `micro`'s forward starts: its activations are allocated and booked (a
-    /// forward run again before its backward, as a finite-difference check does, reuses them).
-    fn take_activations(&mut self, be: &B, micro: usize) {
-        if let Some(i) = self.in_flight.iter().position(|f| f.micro == micro) {
+    /// Micro-batch `micro`'s forward through chunk `chunk` starts: its activations are
+    /// allocated and booked (a forward run again before its backward, as a
+    /// finite-difference check does, reuses them).
+    fn take_activations(&mut self, be: &B, chunk: usize, micro: usize) {
+        if let Some(i) = self.in_flight.iter().position(|f| (f.chunk, f.micro) == (chunk, micro)) {
             let last = self.in_flight.len() - 1;
             self.in_flight.swap(i, last);
             return;
         }
-        let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, self.set_floats);
-        let shape = self.shape;
-        let acts = self.spare.pop().unwrap_or_else(|| shape.set(&mut |len| be.alloc(len)));
-        self.in_flight.push(InFlight { micro, acts, _booked: booked });
+        let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, self.set_floats[chunk]);
+        let shape = self.shapes[chunk];
+        let acts = match self.spare.iter().position(|(c, _)| *c == chunk) {
+            Some(i) => self.spare.swap_remove(i).1,
+            None => shape.set(&mut |len| be.alloc(len)),
+        };
+        self.in_flight.push(InFlight { chunk, micro, acts, _booked: booked, stash: None });
     }
 
-    /// Where micro-batch `micro`'s activations are (its forward ran, its backward has not).
-    fn activations_of(&self, micro: usize) -> usize {
-        self.in_flight
-            .iter()
-            .position(|f| f.micro == micro)
-            .unwrap_or_else(|| panic!("micro-batch {micro} has no activations: backward before forward"))
+    /// ZB-H1: the stashes a B of `blocks` blocks fills (one per block), booked as
+    /// activations until its W.
+    fn take_stash(&mut self, be: &B, blocks: usize) -> (Vec<WeightStash<B::Buf>>, Receipt) {
+        let ActivationShape { rows, c, cl, hidden, .. } = self.shapes[0];
+        let floats = rows * (2 * c + 3 * cl + hidden);
+        let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, blocks * floats);
+        let mut stash = self.spare_stashes.pop().unwrap_or_default();
+        stash.truncate(blocks);
+        while stash.len() < blocks {
+            stash.push(WeightStash {
+                dmlp_out: be.alloc(rows * c),
+                dfch: be.alloc(rows * hidden),
+                dattn_out: be.alloc(rows * c),
+                dqkv: be.alloc(rows * 3 * cl),
+            });
+        }
+        (stash, booked)
+    }
+
+    /// ZB-H1's W of `index` is over: its activations and stash are released from the
+    /// ledger and kept for the next forward and B.
+    fn release(&mut self, index: usize) {
+        let done = self.in_flight.swap_remove(index);
+        self.spare.push((done.chunk, done.acts));
+        if let Some((stash, _booked)) = done.stash {
+            self.spare_stashes.push(stash);
+        }
+    }
+
+    /// Where the activations of micro-batch `micro` through chunk `chunk` are (its forward
+    /// ran, its backward has not).
+    fn activations_of(&self, chunk: usize, micro: usize) -> usize {
+        self.in_flight.iter().position(|f| (f.chunk, f.micro) == (chunk, micro)).unwrap_or_else(|| {
+            panic!("micro-batch {micro} has no activations in chunk {chunk}: backward before forward")
+        })
     }
 
     /// Micro-batches whose activations this stage holds now.
@@ -571,6 +678,9 @@ impl<B: Backend> Gpt<B> {
             }
             bufs.extend(a.blocks.iter().flat_map(block));
             bufs.extend(a.checkpoints.iter());
+        }
+        for (stash, _) in self.in_flight.iter().filter_map(|f| f.stash.as_ref()) {
+            bufs.extend(stash.iter().flat_map(WeightStash::buffers));
         }
         bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64).sum()
     }
@@ -635,24 +745,26 @@ impl<B: Backend> Gpt<B> {
         inputs: &[u32],
         targets: &[u32],
     ) -> Result<f64, CommError> {
-        self.forward_stage(be, state, 0, StageInput::Tokens(inputs), targets)
+        self.forward_stage(be, state, 0, 0, StageInput::Tokens(inputs), targets)
     }
 
-    /// Runs this stage on micro-batch `micro`, keeping what backward needs in activations
-    /// allocated for it. On the last stage returns the SUM of the per-token losses
-    /// (`targets`); elsewhere 0, and the output for the next stage is `output(micro)`.
+    /// Runs this stage's chunk `chunk` on micro-batch `micro`, keeping what backward needs
+    /// in activations allocated for it. Where the chunk ends the model returns the SUM of
+    /// the per-token losses (`targets`); elsewhere 0, and the output for the next chunk is
+    /// `output(chunk, micro)`.
     pub fn forward_stage(
         &mut self,
         be: &B,
         state: &mut dyn ModelState<B>,
+        chunk: usize,
         micro: usize,
         input: StageInput<'_, B::Elem>,
         targets: &[u32],
     ) -> Result<f64, CommError> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
         let dims = self.dims();
-        self.take_activations(be, micro);
-        let mut upcoming = Upcoming::new(self.forward_opens());
+        self.take_activations(be, chunk, micro);
+        let mut upcoming = Upcoming::new(self.forward_opens(chunk));
         let lay = &self.layout;
         let acts = &mut self.in_flight.last_mut().expect("taken above").acts;
 
@@ -682,8 +794,8 @@ impl<B: Backend> Gpt<B> {
             }
             StageInput::Activation(x) => be.upload(&mut acts.encoded, x),
         }
-        let blocks = self.stage.blocks.len();
-        for (i, l) in self.stage.blocks.clone().enumerate() {
+        let blocks = self.stage.chunks[chunk].len();
+        for (i, l) in self.stage.chunks[chunk].clone().enumerate() {
             upcoming.before_open(state, Unit::Block(l), Pass::Forward);
             let (p, at) = state.open(be, Unit::Block(l), Pass::Forward)?.params.expect("forward has parameters");
             let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
@@ -742,14 +854,14 @@ impl<B: Backend> Gpt<B> {
         Ok(be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab))
     }
 
-    /// The units one micro-batch's forward on this stage opens, in order.
-    fn forward_opens(&self) -> Vec<(Unit, Pass)> {
+    /// The units one micro-batch's forward through chunk `chunk` opens, in order.
+    fn forward_opens(&self, chunk: usize) -> Vec<(Unit, Pass)> {
         let mut opens = Vec::new();
-        if self.stage.first {
+        if self.stage.starts_model(chunk) {
             opens.push((Unit::Embeddings, Pass::Forward));
         }
-        opens.extend(self.stage.blocks.clone().map(|l| (Unit::Block(l), Pass::Forward)));
-        if self.stage.last {
+        opens.extend(self.stage.chunks[chunk].clone().map(|l| (Unit::Block(l), Pass::Forward)));
+        if self.stage.ends_model(chunk) {
             opens.push((Unit::Head, Pass::Forward));
         }
         opens
@@ -758,13 +870,13 @@ impl<B: Backend> Gpt<B> {
     /// The units one micro-batch's backward opens, in order: the head, the segments of
     /// blocks last first (with checkpointing, each segment's blocks but its last
     /// recomputed first, then every block's backward in reverse), the embeddings.
-    fn backward_opens(&self) -> Vec<(Unit, Pass)> {
-        let with_params = Pass::Backward { params: true };
+    fn backward_opens(&self, chunk: usize) -> Vec<(Unit, Pass)> {
+        let with_params = self.backward_pass();
         let mut opens = Vec::new();
-        if self.stage.last {
+        if self.stage.ends_model(chunk) {
             opens.push((Unit::Head, with_params));
         }
-        let (first_block, blocks) = (self.stage.blocks.start, self.stage.blocks.len());
+        let (first_block, blocks) = (self.stage.chunks[chunk].start, self.stage.chunks[chunk].len());
         let k = self.segment.unwrap_or(blocks.max(1));
         for start in (0..blocks).step_by(k).rev() {
             let end = (start + k).min(blocks);
@@ -773,17 +885,34 @@ impl<B: Backend> Gpt<B> {
             }
             opens.extend((start..end).rev().map(|i| (Unit::Block(first_block + i), with_params)));
         }
-        if self.stage.first {
+        if self.stage.starts_model(chunk) {
             opens.push((Unit::Embeddings, Pass::Backward { params: false }));
         }
         opens
+    }
+
+    /// The units ZB-H1's W opens, in order: the head, the blocks last first.
+    fn weights_opens(&self, chunk: usize) -> Vec<(Unit, Pass)> {
+        let head = self.stage.ends_model(chunk).then_some((Unit::Head, Pass::Weights));
+        let blocks = self.stage.chunks[chunk].clone().rev().map(|l| (Unit::Block(l), Pass::Weights));
+        head.into_iter().chain(blocks).collect()
+    }
+
+    /// How backward opens the head and the blocks: for the whole backward, or (ZB-H1)
+    /// its input's half.
+    fn backward_pass(&self) -> Pass {
+        if self.split_backward {
+            Pass::BackwardInput
+        } else {
+            Pass::Backward { params: true }
+        }
     }
 
     /// This rank's widths (its heads and its part of the MLP under tensor parallelism).
     fn dims(&self) -> Dims {
         let TpPlace { rank, size: n } = self.layout.tp;
         let ModelSpec { seq_len, d_model, heads, .. } = self.spec;
-        let own = self.shape.res_rows;
+        let own = self.shapes[0].res_rows;
         Dims {
             t: seq_len,
             c: d_model,
@@ -791,7 +920,7 @@ impl<B: Backend> Gpt<B> {
             heads: heads / n,
             hidden: 4 * d_model / n,
             lead: rank == 0,
-            attention: self.shape.attention,
+            attention: self.shapes[0].attention,
             mine: self.exchange.is_some().then_some(Tokens { start: rank * own, len: own }),
         }
     }
@@ -799,12 +928,13 @@ impl<B: Backend> Gpt<B> {
     /// Elements of what a stage hands to the next one (and gets the gradient of): a
     /// micro-batch's residual stream, this rank's tokens' with sequence parallelism.
     pub fn stage_output_len(&self) -> usize {
-        self.shape.res_rows * self.shape.c
+        self.shapes[0].res_rows * self.shapes[0].c
     }
 
-    /// What this stage's forward of `micro` hands to the next stage: its last block's output.
-    pub fn output(&self, micro: usize) -> &B::Buf {
-        self.in_flight[self.activations_of(micro)].acts.output()
+    /// What the forward of `micro` through chunk `chunk` hands to the next chunk: its last
+    /// block's output.
+    pub fn output(&self, chunk: usize, micro: usize) -> &B::Buf {
+        self.in_flight[self.activations_of(chunk, micro)].acts.output()
     }
 
     /// After `backward_stage` on a stage that is not the first: the gradient of the stage's
@@ -827,13 +957,14 @@ impl<B: Backend> Gpt<B> {
         targets: &[u32],
         dloss: f64,
     ) -> Result<(), CommError> {
-        self.backward_stage(be, state, 0, inputs, targets, None, dloss)
+        self.backward_stage(be, state, 0, 0, inputs, targets, None, dloss)
     }
 
-    /// Backpropagates this stage's forward of `micro`, then frees its activations. The last stage starts from the loss
-    /// (`targets`, `dloss`); the others from `grad_output`, the gradient of their output
-    /// that the next stage sent. The first stage ends in the embeddings (`inputs`); the
-    /// others leave the gradient of their input in `input_grad()`. With checkpointing,
+    /// Backpropagates the forward of `micro` through chunk `chunk`, then frees its
+    /// activations. The model's last chunk starts from the loss (`targets`, `dloss`); the
+    /// others from `grad_output`, the gradient of their output that the next chunk sent.
+    /// The model's first chunk ends in the embeddings (`inputs`); the others leave the
+    /// gradient of their input in `input_grad()`. With checkpointing,
     /// each segment's forward runs again (from the saved input of the segment) just before
     /// the segment's backward.
     #[allow(clippy::too_many_arguments)]
@@ -841,6 +972,7 @@ impl<B: Backend> Gpt<B> {
         &mut self,
         be: &B,
         state: &mut dyn ModelState<B>,
+        chunk: usize,
         micro: usize,
         inputs: &[u32],
         targets: &[u32],
@@ -849,11 +981,13 @@ impl<B: Backend> Gpt<B> {
     ) -> Result<(), CommError> {
         let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
         let dims = self.dims();
+        // ZB-H1: each block's B keeps its matmuls' output gradients here for the W.
+        let mut stash = self.split_backward.then(|| self.take_stash(be, self.stage.chunks[chunk].len()));
         let lay = &self.layout;
-        let index = self.activations_of(micro);
-        let mut upcoming = Upcoming::new(self.backward_opens());
+        let index = self.activations_of(chunk, micro);
+        let mut upcoming = Upcoming::new(self.backward_opens(chunk));
+        let with_params = self.backward_pass();
         let s = &mut self.scratch;
-        let with_params = Pass::Backward { params: true };
         let acts = &mut self.in_flight[index].acts;
 
         if let Some(head) = acts.head.as_mut() {
@@ -881,16 +1015,22 @@ impl<B: Backend> Gpt<B> {
                 }
                 None => g_lnf.each_mut().map(|v| be.reborrow(v)),
             };
-            be.matmul_backward(
-                Some(be.all_mut(&mut s.dln)),
-                g_lm_head,
-                None,
-                be.all(&head.logits),
-                be.all(&head.lnf),
-                be.view(p, shift(&lay.lm_head, at)),
-                c,
-                vocab,
-            );
+            // (ZB-H1: the LM head's weight gradient waits for the W, from the logits'
+            // gradient and lnf, which the micro-batch keeps until then)
+            let (dlogits, lm_head) = (be.all(&head.logits), be.view(p, shift(&lay.lm_head, at)));
+            match stash {
+                Some(_) => be.matmul_backward_input(be.all_mut(&mut s.dln), dlogits, lm_head, c, vocab),
+                None => be.matmul_backward(
+                    Some(be.all_mut(&mut s.dln)),
+                    g_lm_head,
+                    None,
+                    dlogits,
+                    be.all(&head.lnf),
+                    lm_head,
+                    c,
+                    vocab,
+                ),
+            }
             be.fill(be.all_mut(&mut s.dres), 0.0);
             let last = acts.output();
             // Every TP rank has the whole gradient of lnf's output; each takes its tokens'.
@@ -920,8 +1060,8 @@ impl<B: Backend> Gpt<B> {
 
         // Segments of blocks, last first: without checkpointing one segment of them all,
         // with its activations saved; with it, `k` blocks at a time, recomputed first.
-        let first_block = self.stage.blocks.start;
-        let blocks = self.stage.blocks.len();
+        let first_block = self.stage.chunks[chunk].start;
+        let blocks = self.stage.chunks[chunk].len();
         let k = self.segment.unwrap_or(blocks.max(1));
         for start in (0..blocks).step_by(k).rev() {
             let end = (start + k).min(blocks);
@@ -965,16 +1105,23 @@ impl<B: Backend> Gpt<B> {
                             (x, &self.recompute[j])
                         }
                     };
-                    block_backward(be, &w, gw, x, a, s, dims, &mut self.tp, &mut self.exchange, l)?;
+                    let keep = stash.as_mut().map(|(kept, _)| &mut kept[i]);
+                    block_backward(be, &w, gw, x, a, s, dims, &mut self.tp, &mut self.exchange, l, keep)?;
                 }
                 state.close(be, Unit::Block(l), with_params)?;
             }
         }
         // Every activation of this micro-batch is consumed (the embeddings' backward needs
-        // only the token ids): released from the ledger, kept for the next forward.
-        let done = self.in_flight.swap_remove(index);
-        self.spare.push(done.acts);
-        if !self.stage.first {
+        // only the token ids): released from the ledger, kept for the next forward. ZB-H1
+        // keeps them, and the stash, for the W.
+        match stash {
+            Some(kept) => self.in_flight[index].stash = Some(kept),
+            None => {
+                let done = self.in_flight.swap_remove(index);
+                self.spare.push((chunk, done.acts));
+            }
+        }
+        if !self.stage.starts_model(chunk) {
             return Ok(());
         }
         let without_params = Pass::Backward { params: false };
@@ -997,6 +1144,51 @@ impl<B: Backend> Gpt<B> {
             be.encoder_backward(g_wte, g_wpe, be.all(whole), inputs, t, c);
         }
         state.close(be, Unit::Embeddings, without_params)
+    }
+}
+
+impl<B: Backend> Gpt<B> {
+    /// ZB-H1's W of micro-batch `micro` through chunk `chunk`, after its B: every matmul's
+    /// weight (and bias) gradient, `dW += inpᵀ · dout`, from the output gradients the B
+    /// kept and the inputs forward saved; then the micro-batch's activations are released.
+    pub fn weights_stage(
+        &mut self,
+        be: &B,
+        state: &mut dyn ModelState<B>,
+        chunk: usize,
+        micro: usize,
+    ) -> Result<(), CommError> {
+        let ModelSpec { d_model: c, vocab, .. } = self.spec;
+        let dims = self.dims();
+        let index = self.activations_of(chunk, micro);
+        let mut upcoming = Upcoming::new(self.weights_opens(chunk));
+        let lay = &self.layout;
+        let InFlight { acts, stash, .. } = &self.in_flight[index];
+        let Some((stash, _)) = stash else {
+            panic!("the W of micro-batch {micro} in chunk {chunk} before its B");
+        };
+        if let Some(head) = &acts.head {
+            upcoming.before_open(state, Unit::Head, Pass::Weights);
+            {
+                let (g, g_at) = state.open(be, Unit::Head, Pass::Weights)?.grads.expect("the W has gradients");
+                let g_lm_head = be.view_mut(g, shift(&lay.lm_head, g_at));
+                be.matmul_backward_weights(g_lm_head, None, be.all(&head.logits), be.all(&head.lnf), c, vocab);
+            }
+            state.close(be, Unit::Head, Pass::Weights)?;
+        }
+        let first_block = self.stage.chunks[chunk].start;
+        for (i, kept) in stash.iter().enumerate().rev() {
+            let l = first_block + i;
+            upcoming.before_open(state, Unit::Block(l), Pass::Weights);
+            {
+                let (g, g_at) = state.open(be, Unit::Block(l), Pass::Weights)?.grads.expect("the W has gradients");
+                let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
+                block_weights(be, gw, &acts.blocks[i], kept, dims);
+            }
+            state.close(be, Unit::Block(l), Pass::Weights)?;
+        }
+        self.release(index);
+        Ok(())
     }
 }
 
@@ -1169,6 +1361,7 @@ fn block_backward<B: Backend>(
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
     layer: usize,
+    mut keep: Option<&mut WeightStash<B::Buf>>,
 ) -> Result<(), CommError> {
     let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
     let at = Some(layer);
@@ -1202,19 +1395,31 @@ fn block_backward<B: Backend>(
     };
     // MLP half (dres holds d res_mlp, and becomes d res_attn)
     let dout = gather_tokens(be, &s.dres, full.as_deref_mut(), mine, c, tp, TpPoint::MlpOutputGrad, at)?;
-    be.matmul_backward(
-        Some(be.all_mut(&mut s.dfch)),
-        fc_proj_w,
-        Some(fc_proj_b),
+    let kept = keep.as_deref_mut().map(|k| &mut k.dmlp_out);
+    let weights = (fc_proj_w, Some(fc_proj_b));
+    linear_backward(
+        be,
+        be.all_mut(&mut s.dfch),
+        weights,
         be.all(dout),
         be.all(&a.fch_gelu),
         w.fc_proj_w,
-        hidden,
-        c,
+        (hidden, c),
+        kept,
     );
     be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
     let ln2 = gather_tokens(be, &a.ln2, gathered.as_deref_mut(), mine, c, tp, TpPoint::Ln2Output, at)?;
-    be.matmul_backward(Some(be.all_mut(&mut s.dln)), fc_w, Some(fc_b), be.all(&s.dfch), be.all(ln2), w.fc_w, c, hidden);
+    let kept = keep.as_deref_mut().map(|k| &mut k.dfch);
+    linear_backward(
+        be,
+        be.all_mut(&mut s.dln),
+        (fc_w, Some(fc_b)),
+        be.all(&s.dfch),
+        be.all(ln2),
+        w.fc_w,
+        (c, hidden),
+        kept,
+    );
     // f's backward: ln2's output fed every rank's hidden units
     let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?;
     be.layernorm_backward(
@@ -1230,16 +1435,9 @@ fn block_backward<B: Backend>(
     );
     // attention half (dres becomes d x)
     let dout = gather_tokens(be, &s.dres, full, mine, c, tp, TpPoint::AttentionOutputGrad, at)?;
-    be.matmul_backward(
-        Some(be.all_mut(&mut s.datty)),
-        attn_proj_w,
-        Some(attn_proj_b),
-        be.all(dout),
-        be.all(&a.atty),
-        w.attn_proj_w,
-        cl,
-        c,
-    );
+    let kept = keep.as_deref_mut().map(|k| &mut k.dattn_out);
+    let weights = (attn_proj_w, Some(attn_proj_b));
+    linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), be.all(&a.atty), w.attn_proj_w, (cl, c), kept);
     match attention {
         Attention::Naive => be.attention_backward(
             be.all_mut(&mut s.dqkv),
@@ -1264,15 +1462,16 @@ fn block_backward<B: Backend>(
         ),
     }
     let ln1 = gather_tokens(be, &a.ln1, gathered, mine, c, tp, TpPoint::Ln1Output, at)?;
-    be.matmul_backward(
-        Some(be.all_mut(&mut s.dln)),
-        qkv_w,
-        Some(qkv_b),
+    let kept = keep.map(|k| &mut k.dqkv);
+    linear_backward(
+        be,
+        be.all_mut(&mut s.dln),
+        (qkv_w, Some(qkv_b)),
         be.all(&s.dqkv),
         be.all(ln1),
         w.qkv_w,
-        c,
-        3 * cl,
+        (c, 3 * cl),
+        kept,
     );
     let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln1OutputGrad, layer)?;
     be.layernorm_backward(
@@ -1291,6 +1490,48 @@ fn block_backward<B: Backend>(
         add_pieces(be, g_ln, buf, c);
     }
     Ok(())
+}
+
+/// One matmul's backward inside a block: `dinp = dout · Wᵀ` and the weight gradients
+/// (`dW += inpᵀ · dout`, `db += Σ dout`), or (ZB-H1's B, `keep`) `dinp` only, with `dout`
+/// copied into `keep` for the W.
+#[allow(clippy::too_many_arguments)]
+fn linear_backward<B: Backend>(
+    be: &B,
+    dinp: B::ViewMut<'_>,
+    (dweight, dbias): (B::ViewMut<'_>, Option<B::ViewMut<'_>>),
+    dout: B::View<'_>,
+    inp: B::View<'_>,
+    weight: B::View<'_>,
+    (c_in, c_out): (usize, usize),
+    keep: Option<&mut B::Buf>,
+) {
+    match keep {
+        Some(kept) => {
+            be.copy(be.all_mut(kept), dout);
+            be.matmul_backward_input(dinp, dout, weight, c_in, c_out);
+        }
+        None => be.matmul_backward(Some(dinp), dweight, dbias, dout, inp, weight, c_in, c_out),
+    }
+}
+
+/// ZB-H1's W of one block: the four matmuls' weight and bias gradients from the output
+/// gradients its B kept (`k`) and the inputs its forward saved (`a`).
+fn block_weights<B: Backend>(
+    be: &B,
+    gw: BlockTensors<B::ViewMut<'_>>,
+    a: &BlockActivations<B::Buf>,
+    k: &WeightStash<B::Buf>,
+    d: Dims,
+) {
+    let Dims { c, cl, hidden, .. } = d;
+    let weights = |dw, db, dout: &B::Buf, inp: &B::Buf, c_in, c_out| {
+        be.matmul_backward_weights(dw, Some(db), be.all(dout), be.all(inp), c_in, c_out);
+    };
+    weights(gw.fc_proj_w, gw.fc_proj_b, &k.dmlp_out, &a.fch_gelu, hidden, c);
+    weights(gw.fc_w, gw.fc_b, &k.dfch, &a.ln2, c, hidden);
+    weights(gw.attn_proj_w, gw.attn_proj_b, &k.dattn_out, &a.atty, cl, c);
+    weights(gw.qkv_w, gw.qkv_b, &k.dqkv, &a.ln1, c, 3 * cl);
 }
 
 /// A global range of the parameter buffer, in a buffer whose first element is global `at`.

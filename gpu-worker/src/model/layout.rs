@@ -35,6 +35,9 @@ use crate::rng::Rng;
 pub const INIT_STD: f64 = 0.02;
 const INIT_STREAM: u64 = 0x494e_4954_0000_0001;
 
+/// Tensors in one transformer block.
+const TENSORS_PER_BLOCK: usize = 12;
+
 /// The tensors of one transformer block, in their order in the parameter buffer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockTensors<T> {
@@ -130,6 +133,9 @@ pub struct ParamLayout {
     pub tensors: Vec<TensorInfo>,
     /// Parameters on this rank (= `ModelSpec::param_count()` without tensor parallelism).
     pub total: usize,
+    /// For each of `tensors`, its index in the model's own order (embeddings, blocks
+    /// 0..L, head): the same unless the blocks are laid out in another order.
+    canonical: Vec<usize>,
     pub model: ModelSpec,
     pub tp: TpPlace,
 }
@@ -159,6 +165,13 @@ impl ParamLayout {
     /// The part of the model tensor-parallel rank `tp.rank` of `tp.size` holds (`tp.size`
     /// must divide `heads`, which divides `d_model`: the spec's validation checks both).
     pub fn for_tp(m: &ModelSpec, tp: TpPlace) -> Self {
+        Self::with_block_order(m, tp, &(0..m.layers).collect::<Vec<_>>())
+    }
+
+    /// [`Self::for_tp`] with the blocks laid out in `order` (a permutation of 0..layers):
+    /// an interleaved pipeline puts each stage's chunks side by side, so that every stage's
+    /// parameters are one run of the buffer. Each tensor keeps its initial values.
+    pub fn with_block_order(m: &ModelSpec, tp: TpPlace, order: &[usize]) -> Self {
         let (v, t, c, l) = (m.vocab, m.seq_len, m.d_model, m.layers);
         let n = tp.size.max(1);
         let normal = Init::Normal { std: INIT_STD };
@@ -168,30 +181,38 @@ impl ParamLayout {
         let mut b = LayoutBuilder { tensors: Vec::new(), next: 0 };
         let wte = b.push("wte".into(), &[v, c], normal, whole);
         let wpe = b.push("wpe".into(), &[t, c], normal, whole);
-        let blocks = (0..l)
-            .map(|i| {
-                let mut push =
-                    |name: &str, shape: &[usize], init, split| b.push(format!("blocks.{i}.{name}"), shape, init, split);
-                BlockTensors {
-                    ln1_g: push("ln1_g", &[c], Init::Ones, whole),
-                    ln1_b: push("ln1_b", &[c], Init::Zeros, whole),
-                    qkv_w: push("qkv_w", &[c, 3 * c / n], normal, qkv),
-                    qkv_b: push("qkv_b", &[3 * c / n], Init::Zeros, qkv),
-                    attn_proj_w: push("attn_proj_w", &[c / n, c], residual, rows),
-                    attn_proj_b: push("attn_proj_b", &[c], Init::Zeros, whole),
-                    ln2_g: push("ln2_g", &[c], Init::Ones, whole),
-                    ln2_b: push("ln2_b", &[c], Init::Zeros, whole),
-                    fc_w: push("fc_w", &[c, 4 * c / n], normal, columns),
-                    fc_b: push("fc_b", &[4 * c / n], Init::Zeros, columns),
-                    fc_proj_w: push("fc_proj_w", &[4 * c / n, c], residual, rows),
-                    fc_proj_b: push("fc_proj_b", &[c], Init::Zeros, whole),
-                }
-            })
-            .collect();
+        let mut blocks: Vec<Option<BlockTensors<Range<usize>>>> = vec![None; l];
+        for &i in order {
+            let mut push =
+                |name: &str, shape: &[usize], init, split| b.push(format!("blocks.{i}.{name}"), shape, init, split);
+            let block = BlockTensors {
+                ln1_g: push("ln1_g", &[c], Init::Ones, whole),
+                ln1_b: push("ln1_b", &[c], Init::Zeros, whole),
+                qkv_w: push("qkv_w", &[c, 3 * c / n], normal, qkv),
+                qkv_b: push("qkv_b", &[3 * c / n], Init::Zeros, qkv),
+                attn_proj_w: push("attn_proj_w", &[c / n, c], residual, rows),
+                attn_proj_b: push("attn_proj_b", &[c], Init::Zeros, whole),
+                ln2_g: push("ln2_g", &[c], Init::Ones, whole),
+                ln2_b: push("ln2_b", &[c], Init::Zeros, whole),
+                fc_w: push("fc_w", &[c, 4 * c / n], normal, columns),
+                fc_b: push("fc_b", &[4 * c / n], Init::Zeros, columns),
+                fc_proj_w: push("fc_proj_w", &[4 * c / n, c], residual, rows),
+                fc_proj_b: push("fc_proj_b", &[c], Init::Zeros, whole),
+            };
+            blocks[i] = Some(block);
+        }
+        let blocks: Vec<_> = blocks.into_iter().map(|b| b.expect("the block order names every block once")).collect();
         let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones, whole);
         let lnf_b = b.push("lnf_b".into(), &[c], Init::Zeros, whole);
         let lm_head = b.push("lm_head".into(), &[c, v], normal, whole);
-        Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors: b.tensors, total: b.next, model: m.clone(), tp }
+        // Tensor k of block i is the model's tensor 2 + 12i + k.
+        let per_block = TENSORS_PER_BLOCK;
+        let canonical = (0..2)
+            .chain(order.iter().flat_map(|&i| (0..per_block).map(move |k| 2 + per_block * i + k)))
+            .chain((0..3).map(|k| 2 + per_block * l + k))
+            .collect();
+        let (tensors, total) = (b.tensors, b.next);
+        Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors, total, canonical, model: m.clone(), tp }
     }
 
     /// Parameters of one block (they are contiguous).
@@ -236,13 +257,15 @@ impl ParamLayout {
     pub fn init_params_range<F: Stored>(&self, seed: u64, range: Range<usize>) -> Vec<F> {
         let whole = ParamLayout::new(&self.model);
         let mut out = Vec::with_capacity(range.len());
-        for (i, (mine, all)) in self.tensors.iter().zip(&whole.tensors).enumerate() {
+        for (mine, &i) in self.tensors.iter().zip(&self.canonical) {
+            let all = &whole.tensors[i];
             let (lo, hi) = (mine.range.start.max(range.start), mine.range.end.min(range.end));
             if lo >= hi {
                 continue;
             }
             if self.tp.size <= 1 {
-                out.extend(whole.init_values::<F>(seed, i, lo..hi));
+                let at = |x: usize| x - mine.range.start + all.range.start;
+                out.extend(whole.init_values::<F>(seed, i, at(lo)..at(hi)));
             } else {
                 let values = whole.init_values::<F>(seed, i, all.range.clone());
                 let part = self.cut(mine, all, &values);
@@ -274,10 +297,11 @@ impl ParamLayout {
     }
 
     /// This rank's part of `values`, a buffer laid out by `whole` (the same model, no
-    /// tensor parallelism).
+    /// tensor parallelism, blocks in order), in this layout's order.
     pub fn part_of<F: Stored>(&self, whole: &ParamLayout, values: &[F]) -> Vec<F> {
         let mut out = Vec::with_capacity(self.total);
-        for (mine, all) in self.tensors.iter().zip(&whole.tensors) {
+        for (mine, &i) in self.tensors.iter().zip(&self.canonical) {
+            let all = &whole.tensors[i];
             out.extend(self.cut(mine, all, &values[all.range.clone()]));
         }
         debug_assert_eq!(out.len(), self.total);
@@ -332,6 +356,30 @@ impl ParamLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An interleaved pipeline's block order moves tensors in the buffer, never their
+    /// values: each tensor starts as it does in the model's own order, whole or cut for tp.
+    #[test]
+    fn blocks_in_another_order_keep_their_initial_values() {
+        let m = ModelSpec { layers: 4, d_model: 8, heads: 2, seq_len: 3, vocab: 5 };
+        let order = [0, 2, 1, 3];
+        for tp in [TpPlace::ALONE, TpPlace { rank: 1, size: 2 }] {
+            let plain = ParamLayout::for_tp(&m, tp);
+            let moved = ParamLayout::with_block_order(&m, tp, &order);
+            let (a, b) = (plain.init_params::<f32>(7), moved.init_params::<f32>(7));
+            assert_eq!(moved.total, plain.total);
+            for t in &moved.tensors {
+                let same = plain.tensors.iter().find(|p| p.name == t.name).unwrap();
+                assert_eq!(a[same.range.clone()], b[t.range.clone()], "{} (tp {tp:?})", t.name);
+            }
+            // Block 2 sits right after block 0, and any cut of the buffer starts the same.
+            assert_eq!(moved.blocks[2].ln1_g.start, plain.blocks[1].ln1_g.start);
+            let piece = moved.blocks[2].qkv_w.start + 3..moved.blocks[1].fc_w.end;
+            assert_eq!(moved.init_params_range::<f32>(7, piece.clone()), b[piece]);
+            let whole = ParamLayout::new(&m);
+            assert_eq!(moved.part_of(&whole, &whole.init_params::<f32>(7)), b);
+        }
+    }
 
     #[test]
     fn layout_matches_the_planner_param_count_and_is_contiguous() {

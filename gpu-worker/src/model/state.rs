@@ -59,12 +59,27 @@ pub enum Pass {
     Backward {
         params: bool,
     },
+    /// ZB-H1's B: the input's gradient (the LayerNorms' parameter gradients too); the
+    /// matmuls' weight gradients wait for the W.
+    BackwardInput,
+    /// ZB-H1's W: the matmuls' weight and bias gradients, which complete the unit's.
+    Weights,
 }
 
 impl Pass {
     /// Whether the unit's parameters must be at hand (FSDP gathers them).
     pub fn needs_params(self) -> bool {
-        matches!(self, Pass::Forward | Pass::Recompute | Pass::Backward { params: true })
+        matches!(self, Pass::Forward | Pass::Recompute | Pass::Backward { params: true } | Pass::BackwardInput)
+    }
+
+    /// Whether the model adds into the unit's gradient.
+    pub fn writes_grads(self) -> bool {
+        matches!(self, Pass::Backward { .. } | Pass::BackwardInput | Pass::Weights)
+    }
+
+    /// Whether the unit's gradient is complete for this micro-batch when the pass closes it.
+    pub fn completes_grads(self) -> bool {
+        matches!(self, Pass::Backward { .. } | Pass::Weights)
     }
 }
 
@@ -118,7 +133,7 @@ impl<B: Backend> FlatState<B> {
 
 impl<B: Backend> ModelState<B> for FlatState<B> {
     fn open(&mut self, _be: &B, _unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
-        let grads = matches!(pass, Pass::Backward { .. }).then_some((&mut self.grads, self.at));
+        let grads = pass.writes_grads().then_some((&mut self.grads, self.at));
         Ok(OpenUnit { params: Some((&self.params, self.at)), grads })
     }
 

@@ -179,7 +179,7 @@ impl<B: TrainBackend> ModelState<B> for Replicated<B> {
     fn announce_next(&mut self, _next: Option<(Unit, Pass)>) {}
 
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
-        if let (true, Some(dp), Pass::Backward { .. }) = (self.syncing, &mut self.dp, pass) {
+        if let (true, Some(dp), true) = (self.syncing, &mut self.dp, pass.completes_grads()) {
             let position = self.units.iter().position(|&u| u == unit).expect("a unit of this stage");
             let ready = self.units.len() - 1 - position;
             match &mut dp.grads {
@@ -313,6 +313,7 @@ pub fn blocking_comm_span(name: &str, step: u64, start_us: u64, bytes_sent: u64)
         bucket: None,
         bytes: Some(bytes_sent),
         micro: None,
+        chunk: None,
     }
 }
 
@@ -394,6 +395,7 @@ fn bucket_span(how: &str, bucket: usize, len: usize, step: u64, start_us: u64, b
         bucket: Some(bucket as u32),
         bytes: Some(bytes_sent),
         micro: None,
+        chunk: None,
     }
 }
 

@@ -1,11 +1,14 @@
 //! Pipeline parallelism: the model's blocks are cut into P contiguous stages (embeddings
 //! on the first, final LayerNorm + LM head + loss on the last), one per rank of the
 //! pipeline group; a step's micro-batches flow through them in the order a schedule
-//! (`distlab_common::schedule`: GPipe or 1F1B) gives. Between neighbours only activations go forward
-//! and their gradients go back, point to point.
+//! (`distlab_common::schedule`: GPipe, 1F1B or interleaved) gives. Between neighbours only
+//! activations go forward and their gradients go back, point to point.
 //!
 //! Stages get equal numbers of blocks (`chunk_range`, as the planner assumes); the
-//! embeddings and the head are small next to a block at the sizes this lab runs.
+//! embeddings and the head are small next to a block at the sizes this lab runs. The
+//! interleaved schedule cuts the blocks into P*v chunks instead and gives stage s chunks
+//! s, s+P, ...: a micro-batch goes round the stages v times, and the last stage's chunk
+//! hands on to the first stage's next one.
 //!
 //! [`run_step`] is one stage's step: the schedule's actions in order, each forward's input
 //! received from the previous stage and its output sent to the next, each backward's output
@@ -23,17 +26,20 @@ use std::thread::JoinHandle;
 
 use distlab_common::trace::{Span, SpanKind};
 
-use super::schedule::Action;
+use super::schedule::{Action, Pipeline};
 use super::TrainBackend;
 use crate::backend::Stored;
-use crate::comm::{chunk_range, CommError, Communicator};
+use crate::comm::{CommError, Communicator};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::Stage;
 use crate::trace::now_us;
 
-/// Which blocks stage `stage` of `stages` runs.
-pub fn stage_of(layers: usize, stages: usize, stage: usize) -> Stage {
-    Stage { blocks: chunk_range(layers, stages, stage), first: stage == 0, last: stage + 1 == stages }
+/// Which blocks stage `stage` of `pipe` runs (of a model of `layers` blocks), and where
+/// every block sits in the parameter buffer: stage after stage, each stage's chunks side
+/// by side.
+pub fn stage_of(pipe: &Pipeline, layers: usize, stage: usize) -> Stage {
+    let block_order = (0..pipe.stages).flat_map(|s| pipe.blocks_of(layers, s)).flatten().collect();
+    Stage { chunks: pipe.blocks_of(layers, stage), first: stage == 0, last: stage + 1 == pipe.stages, block_order }
 }
 
 /// This rank's place in its pipeline group: two communicators over the same ranks, one
@@ -62,9 +68,9 @@ enum Job {
 pub struct PipelineLinks<S> {
     pub stage: usize,
     pub stages: usize,
-    /// The input activation (all but the first stage).
+    /// The input activation (all but the first stage; interleaved: every stage).
     activation: Vec<S>,
-    /// The gradient of the stage's output (all but the last).
+    /// The gradient of the stage's output (all but the last; interleaved: every stage).
     output_grad: Vec<S>,
     _received: Vec<Receipt>,
     recv: Box<dyn Communicator>,
@@ -74,8 +80,9 @@ pub struct PipelineLinks<S> {
 }
 
 impl<S: Stored<Acc = f32>> PipelineLinks<S> {
-    /// Links for `group`, receiving activations of `activation` elements.
-    pub fn new(group: PipelineGroup, activation: usize, memory: &Arc<MemoryTracker>) -> Self {
+    /// Links for `group`, receiving activations of `activation` elements (and their
+    /// gradients) as `pipe`'s chunks on this stage need them.
+    pub fn new(group: PipelineGroup, pipe: &Pipeline, activation: usize, memory: &Arc<MemoryTracker>) -> Self {
         let (jobs, inbox) = mpsc::channel::<Job>();
         let mut comm = group.send;
         let sender = std::thread::Builder::new()
@@ -100,8 +107,9 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
                 }
             })
             .expect("spawn the pipeline sender thread");
-        let (first, last) = (group.stage == 0, group.stage + 1 == group.stages);
-        let (input, output_grad) = (if first { 0 } else { activation }, if last { 0 } else { activation });
+        let (gets_activations, gets_gradients) = pipe.receives(group.stage);
+        let input = if gets_activations { activation } else { 0 };
+        let output_grad = if gets_gradients { activation } else { 0 };
         let received = [input, output_grad]
             .iter()
             .filter(|&&n| n > 0)
@@ -131,10 +139,10 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
         }
     }
 
-    /// Receives what stage `from` sent next: the input activation from the previous
-    /// stage, the output's gradient from the next.
-    fn recv(&mut self, from: usize) -> Result<&[S], CommError> {
-        let buf = if from < self.stage { &mut self.activation } else { &mut self.output_grad };
+    /// Receives what stage `from` sent next: an input activation (`forward`) or the
+    /// gradient of an output.
+    fn recv(&mut self, from: usize, forward: bool) -> Result<&[S], CommError> {
+        let buf = if forward { &mut self.activation } else { &mut self.output_grad };
         let comm = &mut self.recv;
         super::collective_f32(&self.memory, buf, |b| comm.recv(b, from))?;
         Ok(buf)
@@ -173,57 +181,80 @@ impl<S> Drop for PipelineLinks<S> {
 }
 
 /// What one stage computes for a micro-batch (the trainer implements it with its model,
-/// strategy and data).
+/// strategy and data). `chunk` is which of the stage's chunks runs (0 but interleaved).
 pub trait StageWork<B: TrainBackend> {
     type Error: From<CommError>;
-    /// Forward of micro-batch `micro`: from its tokens on the first stage, from `input`
-    /// (the previous stage's output) on the others. Returns the sum of its tokens' losses
-    /// on the last stage, 0 elsewhere.
-    fn forward(&mut self, be: &B, micro: usize, input: Option<&[B::Elem]>) -> Result<f64, Self::Error>;
-    /// Backward of micro-batch `micro`: from its loss on the last stage, from `output_grad`
-    /// (the next stage's input gradient) on the others. `last`: the step's last backward.
+    /// Forward of micro-batch `micro` through `chunk`: from its tokens where the chunk
+    /// starts the model, from `input` (the previous chunk's output) elsewhere. Returns the
+    /// sum of its tokens' losses where the chunk ends the model, 0 elsewhere.
+    fn forward(&mut self, be: &B, chunk: usize, micro: usize, input: Option<&[B::Elem]>) -> Result<f64, Self::Error>;
+    /// Backward of micro-batch `micro` through `chunk`: from its loss where the chunk ends
+    /// the model, from `output_grad` (the next chunk's input gradient) elsewhere. `last`:
+    /// the chunk's last backward of the step (its gradients are complete after it).
     fn backward(
         &mut self,
         be: &B,
+        chunk: usize,
         micro: usize,
         output_grad: Option<&[B::Elem]>,
         last: bool,
     ) -> Result<(), Self::Error>;
-    /// What forward of `micro` produced (the stage's output), read on the host.
-    fn read_output(&self, be: &B, micro: usize, f: &mut dyn FnMut(&[B::Elem]));
-    /// What the last backward produced for the previous stage (its input's gradient).
+    /// ZB-H1's W of micro-batch `micro` through `chunk` (after its B). `last`: the chunk's
+    /// last W of the step.
+    fn weights(&mut self, be: &B, chunk: usize, micro: usize, last: bool) -> Result<(), Self::Error>;
+    /// What the forward of `micro` through `chunk` produced, read on the host.
+    fn read_output(&self, be: &B, chunk: usize, micro: usize, f: &mut dyn FnMut(&[B::Elem]));
+    /// What the last backward produced for the previous chunk (its input's gradient).
     fn read_input_grad(&self, be: &B, f: &mut dyn FnMut(&[B::Elem]));
     /// This stage waited from `start_us` to `end_us` for stage `neighbour` (the bubble).
     fn waited(&mut self, neighbour: usize, start_us: u64, end_us: u64);
 }
 
-/// One step of one stage: `actions` (the schedule's order) run by `work`, with the
-/// activations and their gradients passed over `links` (None: the only stage). With
+/// One step of one stage: `actions` (its order in `pipe`'s schedule) run by `work`, with
+/// the activations and their gradients passed over `links` (None: the only stage). With
 /// `record`, the device is synchronised before each wait so that a wait is a wait.
 /// Returns the sum of the losses this stage computed.
 pub fn run_step<B: TrainBackend, W: StageWork<B>>(
     be: &B,
     mut links: Option<&mut PipelineLinks<B::Elem>>,
+    pipe: &Pipeline,
     actions: &[Action],
     work: &mut W,
     record: bool,
 ) -> Result<f64, W::Error> {
-    let (stage, stages) = links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
-    let last_backward = actions.iter().rposition(|a| matches!(a, Action::Backward { .. }));
+    let stage = links.as_ref().map_or(0, |l| l.stage);
+    let last_chunk = pipe.model_chunks() - 1;
+    // Where each chunk's gradients are complete: its last backward of the step (ZB-H1: its
+    // last B for the embeddings, its last W for the rest).
+    let last_of = |chunk: usize, weights: bool| {
+        let kind = |a: &Action| {
+            if weights {
+                matches!(a, Action::Weights { .. })
+            } else {
+                matches!(a, Action::Backward { .. })
+            }
+        };
+        actions.iter().rposition(|a| kind(a) && a.chunk() == chunk)
+    };
     let mut loss_sum = 0.0;
     for (index, &action) in actions.iter().enumerate() {
         if record {
             be.synchronize();
         }
+        let (chunk, micro) = (action.chunk(), action.micro());
+        let g = pipe.model_chunk(stage, chunk);
+        // The stages holding the chunks before and after this one.
+        let before = (g > 0).then(|| pipe.place_of(g - 1).0);
+        let after = (g < last_chunk).then(|| pipe.place_of(g + 1).0);
         // What this action needs from a neighbour (the wait is the pipeline's bubble).
         let neighbour = match action {
-            Action::Forward { .. } if stage > 0 => Some(stage - 1),
-            Action::Backward { .. } if stage + 1 < stages => Some(stage + 1),
-            _ => None,
+            Action::Forward { .. } => before,
+            Action::Backward { .. } => after,
+            Action::Weights { .. } => None,
         };
         let wait_start = now_us();
         let received = match (neighbour, links.as_deref_mut()) {
-            (Some(from), Some(links)) => Some(links.recv(from)?),
+            (Some(from), Some(links)) => Some(links.recv(from, action.is_forward())?),
             _ => None,
         };
         let waited_until = now_us();
@@ -231,32 +262,30 @@ pub fn run_step<B: TrainBackend, W: StageWork<B>>(
             work.waited(neighbour.unwrap_or(stage), wait_start, waited_until);
         }
         match action {
-            Action::Forward { micro } => {
-                loss_sum += work.forward(be, micro, received)?;
-                if let (Some(links), true) = (links.as_deref_mut(), stage + 1 < stages) {
-                    work.read_output(be, micro, &mut |out| links.send(out, stage + 1));
+            Action::Forward { .. } => {
+                loss_sum += work.forward(be, chunk, micro, received)?;
+                if let (Some(links), Some(to)) = (links.as_deref_mut(), after) {
+                    work.read_output(be, chunk, micro, &mut |out| links.send(out, to));
                 }
             }
-            Action::Backward { micro } => {
-                work.backward(be, micro, received, Some(index) == last_backward)?;
-                if let (Some(links), true) = (links.as_deref_mut(), stage > 0) {
-                    work.read_input_grad(be, &mut |grad| links.send(grad, stage - 1));
+            Action::Backward { .. } => {
+                work.backward(be, chunk, micro, received, Some(index) == last_of(chunk, false))?;
+                if let (Some(links), Some(to)) = (links.as_deref_mut(), before) {
+                    work.read_input_grad(be, &mut |grad| links.send(grad, to));
                 }
             }
+            Action::Weights { .. } => work.weights(be, chunk, micro, Some(index) == last_of(chunk, true))?,
         }
     }
     Ok(loss_sum)
 }
 
-/// A span of the compute lane for a pass of micro-batch `micro`, from `start_us` to now.
-pub fn pass_span(kind: SpanKind, micro: usize, step: u64, start_us: u64) -> Span {
-    let name = match kind {
-        SpanKind::Forward => format!("forward {micro}"),
-        _ => format!("backward {micro}"),
-    };
+/// A span of the compute lane for a pass of micro-batch `micro` (through `chunk` where a
+/// stage has several), from `start_us` to now.
+pub fn pass_span(kind: SpanKind, micro: usize, chunk: Option<usize>, step: u64, start_us: u64) -> Span {
     Span {
         kind,
-        name,
+        name: distlab_common::pipeline::pass_name(kind, micro, chunk),
         step,
         lane: "compute".into(),
         start_us,
@@ -265,5 +294,6 @@ pub fn pass_span(kind: SpanKind, micro: usize, step: u64, start_us: u64) -> Span
         bucket: None,
         bytes: None,
         micro: Some(micro as u32),
+        chunk: chunk.map(|c| c as u32),
     }
 }

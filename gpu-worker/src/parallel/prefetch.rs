@@ -117,6 +117,7 @@ impl Prefetcher {
                 bucket: None,
                 bytes: None,
                 micro: None,
+                chunk: None,
             });
         }
         self.ready = Some((unit, Prefetched { values: gathered.values, booked: receipts }));
@@ -170,6 +171,7 @@ fn communication_thread(
             bucket: None,
             bytes: Some(comm.bytes_sent() - sent_before),
             micro: None,
+            chunk: None,
         });
         if done.send(result.map(|()| Gathered { unit, values, span })).is_err() || failed {
             return;

@@ -217,7 +217,7 @@ impl<B: TrainBackend> Sharded<B> {
 impl<B: TrainBackend> ModelState<B> for Sharded<B> {
     fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
         let want_params = pass.needs_params();
-        let backward = matches!(pass, Pass::Backward { .. });
+        let backward = pass.writes_grads();
         let global = self.shard.unit(unit).global.clone();
         if self.fsdp && want_params {
             self.gather(be, unit)?;
@@ -247,7 +247,7 @@ impl<B: TrainBackend> ModelState<B> for Sharded<B> {
 
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
         self.gathered = None;
-        if let Pass::Backward { .. } = pass {
+        if pass.completes_grads() {
             self.reduce_scatter(be, unit)?;
         }
         Ok(())

@@ -149,6 +149,7 @@ impl<B: TrainBackend> TensorParallelGroup<B> for TensorParallel {
                 bucket: None,
                 bytes: Some(self.comm.bytes_sent() - sent_before),
                 micro: None,
+                chunk: None,
             });
         }
         Ok(())

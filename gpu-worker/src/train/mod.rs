@@ -382,7 +382,7 @@ pub(crate) fn run<B: TrainBackend>(
         report_checkpoints(on_event, writer.finish(), trainer.place(), t.checkpoint_write);
     }
     if let Some((calls, payload, sent)) = trainer.model.tensor_parallel().map(|tp| tp.totals()) {
-        let layers = trainer.model.stage.blocks.len();
+        let layers = trainer.model.stage.block_count();
         let steps_run = (t.steps - first_step) as f64;
         let per_layer = payload as f64 / (steps_run * (t.micro_batches * t.grad_accum * layers) as f64);
         log(

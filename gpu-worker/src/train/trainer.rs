@@ -20,7 +20,7 @@ use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::offload::OffloadTo;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
-use crate::parallel::schedule;
+use crate::parallel::schedule::Pipeline;
 use crate::parallel::tensor::TensorParallel;
 use crate::parallel::{self, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::trace::now_us;
@@ -75,7 +75,19 @@ pub struct Trainer<B: TrainBackend> {
 pub const SPAN_STEPS: u64 = 3;
 
 fn span(kind: SpanKind, name: String, step: u64, lane: &str, start_us: u64, end_us: u64, layer: Option<u32>) -> Span {
-    Span { kind, name, step, lane: lane.into(), start_us, end_us, layer, bucket: None, bytes: None, micro: None }
+    Span {
+        kind,
+        name,
+        step,
+        lane: lane.into(),
+        start_us,
+        end_us,
+        layer,
+        bucket: None,
+        bytes: None,
+        micro: None,
+        chunk: None,
+    }
 }
 
 /// The trainer on the CPU backend with buffers of `S`.
@@ -117,12 +129,14 @@ impl<B: TrainBackend> Trainer<B> {
         let transport = memory.alloc(Category::Transport, (groups.staging_bytes(spec.parallel.sharding) / 4) as usize);
         memory.set_pipe_bytes(groups.pipe_bytes);
         let t = &spec.train;
-        let (stage_index, stages) = groups.pp.as_ref().map_or((0, 1), |g| (g.stage, g.stages));
-        let stage = pipeline::stage_of(spec.model.layers, stages, stage_index);
+        let stage_index = groups.pp.as_ref().map_or(0, |g| g.stage);
+        let pipe = Pipeline::of(spec);
+        let stage = pipeline::stage_of(&pipe, spec.model.layers, stage_index);
         let tp_rank = groups.tp.as_ref().map_or(0, |g| g.place().rank);
         let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<B>>);
         let sequence_parallel = spec.parallel.splits_sequence();
-        let saved = Saved { checkpointing: t.checkpointing, attention: t.attention, sequence_parallel };
+        let split_backward = pipe.splits_backward();
+        let saved = Saved { checkpointing: t.checkpointing, attention: t.attention, sequence_parallel, split_backward };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let offload = match spec.parallel.offload {
@@ -131,7 +145,7 @@ impl<B: TrainBackend> Trainer<B> {
             Offload::Disk => OffloadTo::Disk(groups.offload_dir.unwrap_or_else(default_offload_dir)),
         };
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp, &offload)?;
-        let links = groups.pp.map(|g| PipelineLinks::new(g, model.stage_output_len(), &memory));
+        let links = groups.pp.map(|g| PipelineLinks::new(g, &pipe, model.stage_output_len(), &memory));
         let tokens = spec.train.micro_batch * spec.model.seq_len;
         memory.mark_start_up();
         Ok(Self {
@@ -209,8 +223,9 @@ impl<B: TrainBackend> Trainer<B> {
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let record = step - self.first_step.min(step) < SPAN_STEPS;
         self.memory.sample_step(record.then_some(step));
-        let (stage, stages) = self.links.as_ref().map_or((0, 1), |l| (l.stage, l.stages));
-        let actions = schedule::schedule(self.spec.parallel.pp_schedule, stages, stage, micro_steps);
+        let stage = self.links.as_ref().map_or(0, |l| l.stage);
+        let pipe = Pipeline::of(&self.spec);
+        let actions = pipe.actions(stage);
 
         self.strategy.begin_step(be, step, record);
         if let Some(tp) = self.model.tensor_parallel() {
@@ -226,13 +241,14 @@ impl<B: TrainBackend> Trainer<B> {
             spans: &mut self.spans,
             step,
             record,
-            pipelined: stages > 1,
+            pipelined: pipe.stages > 1,
+            chunked: pipe.chunks > 1,
             first_sequence: dp_rank * per_rank,
             micro_batch: t.micro_batch,
             seq_len,
             dloss: dloss * scale,
         };
-        let mut loss_sum = pipeline::run_step(be, self.links.as_mut(), &actions, &mut work, record)?;
+        let mut loss_sum = pipeline::run_step(be, self.links.as_mut(), &pipe, &actions, &mut work, record)?;
         let wait_start = now_us();
         let mut grad_norm_squared = self.strategy.reduce_gradients(be)?;
         if let Some(links) = &mut self.links {
@@ -443,6 +459,8 @@ struct StageStep<'a, B: TrainBackend> {
     record: bool,
     /// Several stages: passes are recorded whole (one stage: per layer).
     pipelined: bool,
+    /// Several chunks per stage (interleaved): passes are named by their chunk too.
+    chunked: bool,
     /// This rank's first sequence of the global batch.
     first_sequence: usize,
     micro_batch: usize,
@@ -476,15 +494,16 @@ impl<B: TrainBackend> StageStep<'_, B> {
 impl<B: TrainBackend> pipeline::StageWork<B> for StageStep<'_, B> {
     type Error = TrainError;
 
-    fn forward(&mut self, be: &B, micro: usize, input: Option<&[B::Elem]>) -> Result<f64, TrainError> {
+    fn forward(&mut self, be: &B, chunk: usize, micro: usize, input: Option<&[B::Elem]>) -> Result<f64, TrainError> {
         self.fill(micro);
         let start = now_us();
         let (mut state, model, inputs, targets) = self.observed(false);
         let input = input.map_or(StageInput::Tokens(inputs), StageInput::Activation);
-        let loss = model.forward_stage(be, &mut state, micro, input, targets)?;
+        let loss = model.forward_stage(be, &mut state, chunk, micro, input, targets)?;
         if self.record {
             be.synchronize();
-            self.spans.push(pipeline::pass_span(SpanKind::Forward, micro, self.step, start));
+            let chunk = self.chunked.then_some(chunk);
+            self.spans.push(pipeline::pass_span(SpanKind::Forward, micro, chunk, self.step, start));
         }
         Ok(loss)
     }
@@ -492,6 +511,7 @@ impl<B: TrainBackend> pipeline::StageWork<B> for StageStep<'_, B> {
     fn backward(
         &mut self,
         be: &B,
+        chunk: usize,
         micro: usize,
         output_grad: Option<&[B::Elem]>,
         last: bool,
@@ -500,16 +520,29 @@ impl<B: TrainBackend> pipeline::StageWork<B> for StageStep<'_, B> {
         let start = now_us();
         let dloss = self.dloss;
         let (mut state, model, inputs, targets) = self.observed(last);
-        model.backward_stage(be, &mut state, micro, inputs, targets, output_grad, dloss)?;
+        model.backward_stage(be, &mut state, chunk, micro, inputs, targets, output_grad, dloss)?;
         if self.record && self.pipelined {
             be.synchronize();
-            self.spans.push(pipeline::pass_span(SpanKind::Backward, micro, self.step, start));
+            let chunk = self.chunked.then_some(chunk);
+            self.spans.push(pipeline::pass_span(SpanKind::Backward, micro, chunk, self.step, start));
         }
         Ok(())
     }
 
-    fn read_output(&self, be: &B, micro: usize, f: &mut dyn FnMut(&[B::Elem])) {
-        be.read_host(be.all(self.model.output(micro)), f);
+    fn weights(&mut self, be: &B, chunk: usize, micro: usize, last: bool) -> Result<(), TrainError> {
+        let start = now_us();
+        let (mut state, model, _, _) = self.observed(last);
+        model.weights_stage(be, &mut state, chunk, micro)?;
+        if self.record {
+            be.synchronize();
+            let chunk = self.chunked.then_some(chunk);
+            self.spans.push(pipeline::pass_span(SpanKind::Weights, micro, chunk, self.step, start));
+        }
+        Ok(())
+    }
+
+    fn read_output(&self, be: &B, chunk: usize, micro: usize, f: &mut dyn FnMut(&[B::Elem])) {
+        be.read_host(be.all(self.model.output(chunk, micro)), f);
     }
 
     fn read_input_grad(&self, be: &B, f: &mut dyn FnMut(&[B::Elem])) {
@@ -557,6 +590,8 @@ impl<B: TrainBackend> ModelState<B> for Observed<'_, B> {
             (Pass::Backward { .. }, Unit::Embeddings) => {
                 Some((SpanKind::Backward, "backward embeddings".to_string(), None))
             }
+            // (ZB-H1 runs on several stages, whose passes are recorded whole)
+            (Pass::BackwardInput | Pass::Weights, _) => None,
         };
         if let (true, Some((kind, name, layer))) = (self.record, recorded) {
             be.synchronize();
@@ -574,6 +609,7 @@ fn pass_name(pass: Pass) -> &'static str {
     match pass {
         Pass::Forward => "forward",
         Pass::Recompute => "recompute",
-        Pass::Backward { .. } => "backward",
+        Pass::Backward { .. } | Pass::BackwardInput => "backward",
+        Pass::Weights => "weights",
     }
 }
