@@ -242,21 +242,13 @@ impl ExperimentSpec {
         in_range(&mut err, "parallel.ranks_per_node", p.ranks_per_node, 1, limits.max_world_size, "ranks_per_node");
         match (&self.demo, p.allreduce) {
             (None, _) | (Some(_), AllReduce::Ring) => {}
-            (Some(demo), AllReduce::Naive | AllReduce::Tree) if demo.op == DemoOp::AllReduce => {}
-            (Some(demo), AllReduce::Naive | AllReduce::Tree) => err(
+            (Some(demo), _) if demo.op == DemoOp::AllReduce => {}
+            (Some(demo), _) => err(
                 "parallel.allreduce",
                 format!(
                     "allreduce={} is an all-reduce: a demo of {} runs on the ring",
                     p.allreduce.as_str(),
                     demo.op.as_str()
-                ),
-            ),
-            (Some(_), other) => err(
-                "parallel.allreduce",
-                format!(
-                    "the collective demos replay the ring, the naive and the tree all-reduce; allreduce={} (rings \
-                     inside nodes, then across them) runs in training (DDP's gradients)",
-                    other.as_str()
                 ),
             ),
         }

@@ -1,7 +1,8 @@
 //! The ring replay, computed: every rank's buffer after every recorded step of one
-//! ring collective (all-reduce, reduce-scatter, all-gather), or of an all-reduce that
+//! ring collective (all-reduce, reduce-scatter, all-gather), of an all-reduce that
 //! moves whole buffers between any two ranks (`parallel.allreduce` naive or tree: partial
-//! sums towards rank 0, then the result back out).
+//! sums towards rank 0, then the result back out), or of the hierarchical all-reduce
+//! (rings inside nodes, a ring across their leaders, the result back into each node).
 //!
 //! Nothing here is re-derived from the textbook schedule. The replay starts from
 //! the `input` each rank recorded, then applies the `RingStep`s the ranks recorded
@@ -20,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use distlab_common::all_reduce::elements_sent;
+use distlab_common::all_reduce::{elements_sent, Nodes};
 use distlab_common::trace::{chunk_range, CollectiveOp, CollectiveRecord, ExperimentTrace, RingPhase, RingStep};
 use distlab_common::AllReduce;
 
@@ -57,6 +58,9 @@ pub enum Schedule {
     /// Whole buffers between any two ranks: partial sums up to rank 0 (reduce), the result
     /// back out (broadcast). The naive and tree all-reduces.
     WholeBuffers,
+    /// Rings inside each node of consecutive ranks, a ring across the nodes' first ranks
+    /// (the leaders), then each leader's whole buffer to the rest of its node.
+    Hierarchical,
 }
 
 impl Schedule {
@@ -65,8 +69,24 @@ impl Schedule {
         match self {
             Schedule::Ring => matches!(phase, RingPhase::ReduceScatter | RingPhase::AllGather),
             Schedule::WholeBuffers => matches!(phase, RingPhase::Reduce | RingPhase::Broadcast),
+            Schedule::Hierarchical => {
+                matches!(phase, RingPhase::ReduceScatter | RingPhase::AllGather | RingPhase::Broadcast)
+            }
         }
     }
+}
+
+/// Which ring a step of the hierarchical all-reduce went round (`Whole` for the others).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// The collective's own schedule (ring, naive, tree).
+    Whole,
+    /// The ring inside each node.
+    InsideNodes,
+    /// The ring across the nodes' leaders.
+    AcrossLeaders,
+    /// Each leader's result to the rest of its node.
+    ToNodes,
 }
 
 /// A collective the trace holds in detail, that the replay can draw.
@@ -98,7 +118,11 @@ impl CollectiveInfo {
             self.ranks.len(),
             self.key.group,
             if self.has_values { " · with numbers" } else { "" }
-        ) + if self.schedule == Schedule::WholeBuffers { " · whole buffers, not a ring" } else { "" }
+        ) + match self.schedule {
+            Schedule::Ring => "",
+            Schedule::WholeBuffers => " · whole buffers, not a ring",
+            Schedule::Hierarchical => " · hierarchical: rings inside nodes, then across them",
+        }
     }
 }
 
@@ -124,7 +148,7 @@ fn steps_of<'a>(
             && schedule.has(s.phase)
             && match schedule {
                 Schedule::Ring => Some(s.to) == next,
-                Schedule::WholeBuffers => record.ranks.contains(&s.to),
+                Schedule::WholeBuffers | Schedule::Hierarchical => record.ranks.contains(&s.to),
             }
     })
 }
@@ -137,55 +161,56 @@ fn of_record(rank: u32, record: &CollectiveRecord, step: &RingStep) -> bool {
         && step.start_us <= record.end_us
 }
 
-/// The schedule of every step `rank` recorded of `record`, if one schedule has them all
-/// (the hierarchical all-reduce mixes rings inside nodes with whole buffers: the replay
-/// does not draw it).
-fn schedule_of(rank: u32, record: &CollectiveRecord, steps: &[RingStep]) -> Option<Schedule> {
+/// Whether `schedule` takes every step `rank` recorded of `record`.
+fn fits(schedule: Schedule, rank: u32, record: &CollectiveRecord, steps: &[RingStep]) -> bool {
     let all = steps.iter().filter(|s| of_record(rank, record, s)).count();
-    [Schedule::Ring, Schedule::WholeBuffers]
-        .into_iter()
-        .filter(|&schedule| schedule == Schedule::Ring || record.op == CollectiveOp::AllReduce)
-        .find(|&schedule| steps_of(rank, record, steps, schedule).count() == all)
+    (schedule == Schedule::Ring || record.op == CollectiveOp::AllReduce)
+        && steps_of(rank, record, steps, schedule).count() == all
 }
 
-/// Every ring collective of the trace recorded in detail, ordered by group and id.
+/// Every ring collective of the trace recorded in detail, ordered by group and id. Its
+/// schedule is the first of ring, whole buffers, hierarchical that takes every step of
+/// every rank (a rank of a hierarchical all-reduce's node only ever sends round its node's
+/// ring; a plain ring is also a hierarchical all-reduce of one node).
 pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
-    let mut found: BTreeMap<CollectiveKey, CollectiveInfo> = BTreeMap::new();
-    let mut not_ring = Vec::new();
+    // Each collective's records, with their rank's steps.
+    type Recorded<'a> = Vec<(u32, &'a CollectiveRecord, &'a [RingStep])>;
+    let mut recorded: BTreeMap<CollectiveKey, Recorded<'_>> = BTreeMap::new();
     for rank in &trace.ranks {
-        for record in &rank.comm.collectives {
-            if !replayable(record.op) || record.ranks.len() < 2 {
-                continue;
-            }
+        for record in rank.comm.collectives.iter().filter(|r| replayable(r.op) && r.ranks.len() >= 2) {
             let key = CollectiveKey { group: record.group.clone(), id: record.id };
-            let Some(schedule) = schedule_of(rank.rank, record, &rank.comm.steps) else {
-                not_ring.push(key);
-                continue;
-            };
-            let steps: Vec<&RingStep> = steps_of(rank.rank, record, &rank.comm.steps, schedule).collect();
-            let info = found.entry(key.clone()).or_insert_with(|| CollectiveInfo {
-                key: key.clone(),
-                op: record.op,
-                schedule,
-                ranks: record.ranks.clone(),
-                elements: record.elements,
-                recorded_by: 0,
-                steps: 0,
-                has_values: true,
-            });
-            if info.schedule != schedule {
-                not_ring.push(key);
-                continue;
-            }
-            info.recorded_by += 1;
-            info.steps += steps.len();
-            info.has_values &= steps.iter().all(|s| s.values.is_some());
+            recorded.entry(key).or_default().push((rank.rank, record, &rank.comm.steps));
         }
     }
-    for key in not_ring {
-        found.remove(&key);
+    let mut found = Vec::new();
+    for (key, records) in recorded {
+        let every_rank = |schedule| records.iter().all(|&(rank, record, steps)| fits(schedule, rank, record, steps));
+        let Some(schedule) =
+            [Schedule::Ring, Schedule::WholeBuffers, Schedule::Hierarchical].into_iter().find(|&s| every_rank(s))
+        else {
+            continue;
+        };
+        let (_, first, _) = records[0];
+        let mut info = CollectiveInfo {
+            key,
+            op: first.op,
+            schedule,
+            ranks: first.ranks.clone(),
+            elements: first.elements,
+            recorded_by: records.len(),
+            steps: 0,
+            has_values: true,
+        };
+        for &(rank, record, steps) in &records {
+            let taken: Vec<&RingStep> = steps_of(rank, record, steps, schedule).collect();
+            info.steps += taken.len();
+            info.has_values &= taken.iter().all(|s| s.values.is_some());
+        }
+        if info.steps > 0 {
+            found.push(info);
+        }
     }
-    found.into_values().filter(|c| c.steps > 0).collect()
+    found
 }
 
 /// What a chunk of a rank's buffer holds, for its colour.
@@ -257,7 +282,11 @@ pub struct Transfer {
     /// Ring positions.
     pub from: usize,
     pub to: usize,
+    /// The chunk, numbered in the ring it went round (0 for a whole buffer).
     pub chunk: usize,
+    /// The replay's chunks it covers (one but for the hierarchical all-reduce, whose two
+    /// rings cut the buffer differently: its chunks are the pieces both cuts make).
+    pub covers: Range<usize>,
     pub bytes: u64,
     /// The numbers it carried, as recorded by the sender.
     pub values: Option<Vec<f32>>,
@@ -274,6 +303,8 @@ pub struct Transfer {
 pub struct Frame {
     /// The step shown: None for the initial state.
     pub phase: Option<RingPhase>,
+    /// Which ring it went round (hierarchical); `Whole` otherwise.
+    pub level: Level,
     /// 0-based within its phase.
     pub step: u32,
     /// The transfers of this step, in ring order of the sender.
@@ -282,6 +313,16 @@ pub struct Frame {
     pub buffers: Vec<Vec<ChunkState>>,
     /// Bytes each position has sent so far.
     pub bytes_sent: Vec<u64>,
+}
+
+impl Transfer {
+    /// "chunk 2", or "chunks 2-3" for a transfer covering several of the replay's chunks.
+    pub fn chunks_label(&self) -> String {
+        match self.covers.len() {
+            0 | 1 => format!("chunk {}", self.covers.start),
+            _ => format!("chunks {}-{}", self.covers.start, self.covers.end - 1),
+        }
+    }
 }
 
 impl Frame {
@@ -310,8 +351,10 @@ pub struct Replay {
     /// All-gather steps (W-1); for whole buffers, the broadcast steps recorded.
     pub ag_steps: u32,
     /// Whole buffers: the all-reduce algorithm the steps follow (naive: every transfer to
-    /// or from rank 0; tree otherwise).
+    /// or from rank 0; tree otherwise); hierarchical.
     pub algorithm: AllReduce,
+    /// Hierarchical: ranks per node, as the broadcasts back into the nodes show (1 else).
+    pub ranks_per_node: usize,
     /// Things a learner should know about this replay (missing ranks, local changes).
     pub notes: Vec<String>,
 }
@@ -336,8 +379,53 @@ fn all_close(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| close(*x, *y))
 }
 
+/// Where a hierarchical step ran, for a label.
+pub fn level_name(level: Level) -> &'static str {
+    match level {
+        Level::Whole => "",
+        Level::InsideNodes => "inside the nodes",
+        Level::AcrossLeaders => "across the leaders",
+        Level::ToNodes => "back into the nodes",
+    }
+}
+
 fn numbers(values: &[f32]) -> String {
     values.iter().map(|&v| format::value(v)).collect::<Vec<_>>().join(", ")
+}
+
+/// The hierarchical all-reduce's node size, from its last steps: each leader sends the
+/// result to the other ranks of its node (one node of all `w` when none were recorded).
+fn node_size(steps: &[(usize, &RingStep)], w: usize) -> usize {
+    let mut sent_to: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+    for (p, s) in steps.iter().filter(|(_, s)| s.phase == RingPhase::Broadcast) {
+        let targets = sent_to.entry(*p).or_default();
+        if !targets.contains(&s.to) {
+            targets.push(s.to);
+        }
+    }
+    sent_to.values().map(|t| t.len() + 1).max().unwrap_or(w)
+}
+
+/// The pieces of a buffer of `n` elements that the cuts of every node's ring and of the
+/// leaders' ring make together (each ring cuts it into one chunk per member).
+fn pieces(n: usize, nodes: &Nodes) -> Vec<Range<usize>> {
+    let mut cuts = vec![0, n];
+    let rings = nodes.leaders().into_iter().map(|leader| nodes.members(leader).len()).chain([nodes.count]);
+    for size in rings.filter(|&size| size > 0) {
+        cuts.extend((0..size).map(|c| chunk_range(n, size, c).start));
+    }
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts.windows(2).map(|c| c[0]..c[1]).collect()
+}
+
+/// The numbers of consecutive chunks end to end, when every one is known.
+fn joined(chunks: &[ChunkState]) -> Option<Vec<f32>> {
+    let mut out = Vec::new();
+    for c in chunks {
+        out.extend_from_slice(c.values.as_ref()?);
+    }
+    Some(out)
 }
 
 impl Replay {
@@ -347,12 +435,6 @@ impl Replay {
         let w = info.ranks.len();
         let position = |rank: u32| info.ranks.iter().position(|&r| r == rank);
         let elements = info.elements as usize;
-        // A ring cuts the buffer into one chunk per rank; whole buffers are one chunk.
-        let chunks: Vec<Range<usize>> = match info.schedule {
-            Schedule::Ring => (0..w).map(|c| chunk_range(elements, w, c)).collect(),
-            Schedule::WholeBuffers => std::iter::once(0..elements).collect(),
-        };
-        let n_chunks = chunks.len();
         let mut notes = Vec::new();
 
         // Each member's record and steps.
@@ -370,6 +452,22 @@ impl Replay {
             outputs[p] = record.output.clone();
             steps.extend(steps_of(rank.rank, record, &rank.comm.steps, info.schedule).map(|s| (p, s)));
         }
+        // A ring cuts the buffer into one chunk per rank; whole buffers are one chunk; the
+        // hierarchical all-reduce's rings cut it by their sizes, into these pieces.
+        let ranks_per_node = if info.schedule == Schedule::Hierarchical { node_size(&steps, w) } else { 1 };
+        let nodes = Nodes::new(w, ranks_per_node);
+        let chunks: Vec<Range<usize>> = match info.schedule {
+            Schedule::Ring => (0..w).map(|c| chunk_range(elements, w, c)).collect(),
+            Schedule::WholeBuffers => std::iter::once(0..elements).collect(),
+            Schedule::Hierarchical => pieces(elements, &nodes),
+        };
+        let n_chunks = chunks.len();
+        // The replay's chunks inside `range` of the buffer.
+        let covering = |range: Range<usize>| {
+            let first = chunks.iter().position(|c| c.start >= range.start).unwrap_or(n_chunks);
+            let end = chunks.iter().position(|c| c.end > range.end).unwrap_or(n_chunks);
+            first..end.max(first)
+        };
         let missing: Vec<String> =
             (0..w).filter(|&p| !recorded[p]).map(|p| format!("rank {}", info.ranks[p])).collect();
         if !missing.is_empty() {
@@ -412,6 +510,7 @@ impl Replay {
         let mut bytes_sent = vec![0u64; w];
         let mut frames = vec![Frame {
             phase: None,
+            level: Level::Whole,
             step: 0,
             transfers: Vec::new(),
             buffers: buffers.clone(),
@@ -422,12 +521,27 @@ impl Replay {
         // ranks send at once); whole buffers one transfer at a time, reduce first, in the
         // order they were taken (a send ends when its receiver has it; a rank forwards a sum
         // only after it arrived).
+        // Hierarchical: inside the nodes (reduce-scatter, all-gather), across the leaders
+        // (the same), then back into the nodes, each ring step by step.
+        let level_of = |p: usize, s: &RingStep| match (s.phase, position(s.to)) {
+            (RingPhase::Broadcast, _) => Level::ToNodes,
+            (_, Some(to)) if nodes.members(p).contains(&to) => Level::InsideNodes,
+            _ => Level::AcrossLeaders,
+        };
         let mut by_step: BTreeMap<StepKey, Vec<(usize, &RingStep)>> = BTreeMap::new();
         for (p, s) in steps {
             let order = u8::from(!matches!(s.phase, RingPhase::ReduceScatter | RingPhase::Reduce));
             let key = match info.schedule {
                 Schedule::Ring => (order, 0, s.step),
                 Schedule::WholeBuffers => (order, s.end_us, s.from),
+                Schedule::Hierarchical => {
+                    let stage = match level_of(p, s) {
+                        Level::AcrossLeaders => 2 + order,
+                        Level::ToNodes => 4,
+                        _ => order,
+                    };
+                    (stage, 0, s.step)
+                }
             };
             by_step.entry(key).or_default().push((p, s));
         }
@@ -435,7 +549,11 @@ impl Replay {
         let mut phase_counts = [0u32; 2];
         for ((order, _, ring_step), mut sends) in by_step {
             sends.sort_by_key(|(p, _)| *p);
-            let reduce = order == 0;
+            let level = match info.schedule {
+                Schedule::Hierarchical => sends.first().map_or(Level::Whole, |&(p, s)| level_of(p, s)),
+                _ => Level::Whole,
+            };
+            let reduce = order % 2 == 0 && level != Level::ToNodes;
             let (phase, step) = match info.schedule {
                 Schedule::Ring => (if reduce { RingPhase::ReduceScatter } else { RingPhase::AllGather }, ring_step),
                 Schedule::WholeBuffers => {
@@ -445,6 +563,11 @@ impl Replay {
                         phase_counts[usize::from(order)] - 1,
                     )
                 }
+                Schedule::Hierarchical => match (level, reduce) {
+                    (Level::ToNodes, _) => (RingPhase::Broadcast, ring_step),
+                    (_, true) => (RingPhase::ReduceScatter, ring_step),
+                    _ => (RingPhase::AllGather, ring_step),
+                },
             };
             for chunk in buffers.iter_mut().flatten() {
                 chunk.received = false;
@@ -454,13 +577,22 @@ impl Replay {
             let mut transfers = Vec::new();
             for (from, s) in sends {
                 let Some(to) = position(s.to) else { continue };
-                let c = if info.schedule == Schedule::WholeBuffers { 0 } else { s.chunk as usize };
-                if c >= n_chunks {
-                    notes.push(format!("rank {} recorded a step with chunk {c} of {n_chunks}: skipped", s.from));
+                // The elements the step carried: a chunk of the ring it went round (of the
+                // node's ring or the leaders' for the hierarchical all-reduce), or all.
+                let c = s.chunk as usize;
+                let ring = match (info.schedule, level_of(from, s)) {
+                    (Schedule::Ring, _) => w,
+                    (Schedule::WholeBuffers, _) | (_, Level::ToNodes) => 1,
+                    (_, Level::InsideNodes) => nodes.members(from).len(),
+                    _ => nodes.count,
+                };
+                if c >= ring {
+                    notes.push(format!("rank {} recorded a step with chunk {c} of {ring}: skipped", s.from));
                     continue;
                 }
-                let sender = &mut buffers[from][c];
-                if let (Some(held), Some(sent)) = (&sender.values, &s.values) {
+                let covers = covering(chunk_range(elements, ring, c));
+                let held = joined(&buffers[from][covers.clone()]);
+                if let (Some(held), Some(sent)) = (&held, &s.values) {
                     if !all_close(held, sent) {
                         changed_locally.push(format!(
                             "rank {} sent chunk {c} as [{}] where the replay had [{}]",
@@ -471,26 +603,39 @@ impl Replay {
                     }
                 }
                 // What went over the wire is what the sender held: trust the recording.
-                if s.values.is_some() {
-                    sender.values = s.values.clone();
+                let mut at = 0;
+                for c in covers.clone() {
+                    let (len, piece) = (chunks[c].len(), &mut buffers[from][c]);
+                    if let Some(sent) = &s.values {
+                        piece.values = sent.get(at..at + len).map(<[f32]>::to_vec);
+                    }
+                    piece.sent = true;
+                    at += len;
                 }
-                sender.sent = true;
+                let carried = buffers[from][covers.start].count();
                 transfers.push(Transfer {
                     from,
                     to,
                     chunk: c,
+                    covers,
                     bytes: s.bytes,
                     values: s.values.clone(),
                     reduce,
-                    carried: sender.count(),
+                    carried,
                     start_us: s.start_us,
                     end_us: s.end_us,
                 });
             }
-            let deliveries: Vec<Delivery> = transfers
-                .iter()
-                .map(|t| (t.to, t.chunk, buffers[t.from][t.chunk].holds.clone(), t.values.clone()))
-                .collect();
+            let mut deliveries: Vec<Delivery> = Vec::new();
+            for t in &transfers {
+                let mut at = 0;
+                for c in t.covers.clone() {
+                    let len = chunks[c].len();
+                    let values = t.values.as_ref().and_then(|v| v.get(at..at + len)).map(<[f32]>::to_vec);
+                    deliveries.push((t.to, c, buffers[t.from][c].holds.clone(), values));
+                    at += len;
+                }
+            }
             for (to, c, holds, values) in deliveries {
                 let chunk = &mut buffers[to][c];
                 if reduce {
@@ -516,6 +661,7 @@ impl Replay {
             }
             frames.push(Frame {
                 phase: Some(phase),
+                level,
                 step,
                 transfers,
                 buffers: buffers.clone(),
@@ -542,6 +688,12 @@ impl Replay {
                 // Every rank but the root sends its sum up once, and gets the result once.
                 (phase_counts[0], phase_counts[1], algorithm)
             }
+            // Each ring's reduce-scatter and all-gather, then the steps back into the nodes.
+            Schedule::Hierarchical => {
+                let ring = |size: usize| (size as u32).saturating_sub(1);
+                let (inside, across) = (ring(nodes.members(0).len()), ring(nodes.count));
+                (inside + across, inside + across + ring(nodes.members(0).len()), AllReduce::Hierarchical)
+            }
         };
         if frames.len() - 1 < (rs_steps + ag_steps) as usize && missing.is_empty() {
             notes.push(format!(
@@ -550,7 +702,7 @@ impl Replay {
                 rs_steps + ag_steps
             ));
         }
-        Some(Replay { info, chunks, frames, inputs, outputs, rs_steps, ag_steps, algorithm, notes })
+        Some(Replay { info, chunks, frames, inputs, outputs, rs_steps, ag_steps, algorithm, ranks_per_node, notes })
     }
 
     pub fn world(&self) -> usize {
@@ -581,9 +733,9 @@ impl Replay {
     pub fn formula_bytes_of(&self, p: usize) -> f64 {
         match self.info.schedule {
             Schedule::Ring => self.formula_bytes(),
-            Schedule::WholeBuffers => {
+            Schedule::WholeBuffers | Schedule::Hierarchical => {
                 let (n, w) = (self.info.elements as usize, self.world());
-                (elements_sent(self.algorithm, n, w, 1, p) * ELEMENT_BYTES as usize) as f64
+                (elements_sent(self.algorithm, n, w, self.ranks_per_node, p) * ELEMENT_BYTES as usize) as f64
             }
         }
     }
@@ -606,6 +758,14 @@ impl Replay {
             .map(|p| format!("r{} {} B", self.info.ranks[p], format::value(self.formula_bytes_of(p) as f32)))
             .collect();
         let how = match self.algorithm {
+            AllReduce::Hierarchical => {
+                let nodes = Nodes::new(w, self.ranks_per_node);
+                format!(
+                    "hierarchical: 2(L-1)/L × D inside each node of L = {} ranks, 2(N-1)/N × D across the N = {} \
+                     leaders, and (L-1) × D from each leader into its node",
+                    nodes.size, nodes.count
+                )
+            }
             AllReduce::Naive if w > 3 => {
                 format!("naive: (W-1) × D = {} × {d} B through rank 0, D from every other rank", w - 1)
             }
@@ -620,6 +780,11 @@ impl Replay {
     /// "reduce-scatter step 2 of 3", or "start" for frame 0.
     pub fn phase_label(&self, k: usize) -> String {
         let Some(frame) = self.frames.get(k) else { return String::new() };
+        if frame.level != Level::Whole {
+            let of = self.frames.iter().filter(|f| f.level == frame.level && f.phase == frame.phase).count();
+            let (ring, phase) = (level_name(frame.level), self.phase_name(frame));
+            return format!("{ring}: {phase} step {} of {of}", frame.step + 1);
+        }
         match frame.phase {
             None => "start: every rank holds its own input".into(),
             Some(RingPhase::ReduceScatter) => {
@@ -722,9 +887,69 @@ impl Replay {
         Verification { ranks }
     }
 
+    /// "reduce-scatter", "all-gather", "broadcast" for `frame`'s phase.
+    fn phase_name(&self, frame: &Frame) -> &'static str {
+        match frame.phase {
+            Some(RingPhase::ReduceScatter) => "reduce-scatter",
+            Some(RingPhase::AllGather) => "all-gather",
+            Some(RingPhase::Reduce) => "reduce",
+            Some(RingPhase::Broadcast) => "broadcast",
+            _ => "",
+        }
+    }
+
+    /// [`explain`](Self::explain) for a step of the hierarchical all-reduce.
+    fn explain_hierarchical(&self, frame: &Frame) -> String {
+        let (w, nodes) = (self.world(), Nodes::new(self.world(), self.ranks_per_node));
+        let r = |p: usize| self.info.ranks.get(p).copied().unwrap_or(p as u32);
+        let Some(t) = frame.transfers.first() else { return String::new() };
+        let numbers = t.values.as_ref().map(|v| format!(" [{}]", numbers(v))).unwrap_or_default();
+        let held = frame.buffers[t.to][t.covers.start].count();
+        let last = frame.step as usize + 1
+            == self.frames.iter().filter(|f| f.level == frame.level && f.phase == frame.phase).count();
+        let mut text = match (frame.level, frame.phase) {
+            (Level::InsideNodes, Some(RingPhase::ReduceScatter)) => format!(
+                "Inside each node of {} ranks a ring runs on the fast links: rank {} sent its node ring's chunk {} ({}){numbers} to rank {}, which adds it to its own: {held}/{w} of the ranks' contributions.",
+                nodes.size, r(t.from), t.chunk, t.chunks_label(), r(t.to)
+            ),
+            (Level::InsideNodes, _) => format!(
+                "The node's sums go round its ring and are copied: rank {} sent {}{numbers} to rank {}. Every rank of a node ends with the node's sum, {} of the {w} contributions.",
+                r(t.from), t.chunks_label(), r(t.to), nodes.size
+            ),
+            (Level::AcrossLeaders, Some(RingPhase::ReduceScatter)) => format!(
+                "Only the {} leaders (each node's first rank) now talk across nodes, on the slow links, in a ring of their own that cuts the buffer in {}: rank {} sent its chunk {} ({}){numbers} to rank {}, which adds its node's sum: {held}/{w}.",
+                nodes.count, nodes.count, r(t.from), t.chunk, t.chunks_label(), r(t.to)
+            ),
+            (Level::AcrossLeaders, _) => format!(
+                "The leaders pass the finished chunks round their ring: rank {} copied {}{numbers} to rank {}.",
+                r(t.from), t.chunks_label(), r(t.to)
+            ),
+            _ => format!(
+                "Each leader sends the whole result to the other ranks of its node: rank {} to rank {}, who copies it over its buffer.",
+                r(t.from), r(t.to)
+            ),
+        };
+        if last && frame.level == Level::ToNodes {
+            text.push_str(&format!(" That was the last step: every rank holds the sum. {}.", self.formula_text()));
+        } else if last && frame.level == Level::AcrossLeaders && frame.phase == Some(RingPhase::AllGather) {
+            text.push_str(" Every leader now holds the sum over all ranks.");
+        }
+        text
+    }
+
     /// A paragraph for a learner: what happens at frame k, with this run's numbers.
     pub fn explain(&self, k: usize) -> String {
         let Some(frame) = self.frames.get(k) else { return String::new() };
+        if frame.level != Level::Whole {
+            return self.explain_hierarchical(frame);
+        }
+        if self.info.schedule == Schedule::Hierarchical && frame.phase.is_none() {
+            let (w, nodes) = (self.world(), Nodes::new(self.world(), self.ranks_per_node));
+            return format!(
+                "Each of the {w} ranks starts with its own {} numbers. The ranks form {} nodes of {} consecutive ranks (think: GPUs in one machine, on fast links). First a ring inside every node, then a ring across the nodes' first ranks, the leaders, alone on the slow links between machines, then each leader sends the result into its node. The two rings cut the buffer into different chunks: each rank's buffer is drawn in the {} pieces both cuts make. Press step (or play) to watch it happen.",
+                self.info.elements, nodes.count, nodes.size, self.chunks.len()
+            );
+        }
         let w = self.world();
         let n = self.info.elements;
         let base = n / w as u64;
@@ -911,6 +1136,7 @@ mod tests {
             "ddp-2ranks" => include_str!("../tests/fixtures/ddp-2ranks-3steps.trace.json"),
             "naive-4x6" => include_str!("../tests/fixtures/naive-allreduce-4x6.trace.json"),
             "tree-5x6" => include_str!("../tests/fixtures/tree-allreduce-5x6.trace.json"),
+            "hierarchical-6x6" => include_str!("../tests/fixtures/hierarchical-allreduce-6x6.trace.json"),
             other => panic!("no fixture {other}"),
         };
         serde_json::from_str(text).expect("fixture parses as ExperimentTrace")
@@ -962,6 +1188,58 @@ mod tests {
             assert!(replay.explain(1).contains("sends its whole buffer"), "{name}");
             assert!(replay.formula_text().contains("against the ring's"), "{name}");
         }
+    }
+
+    /// The hierarchical all-reduce demo (6 ranks, nodes of 3, 6 numbers): the node rings
+    /// cut the buffer in 3, the leaders' ring in 2, so the replay draws the 4 pieces both
+    /// cuts make; each ring's steps in turn, then the leaders' results into their nodes;
+    /// every rank ends with the sum, having sent its share of the formula.
+    #[test]
+    fn the_hierarchical_all_reduce_replays_ring_by_ring_to_the_sum() {
+        let trace = fixture("hierarchical-6x6");
+        let info = ring_collectives(&trace).into_iter().next().expect("the demo's all-reduce");
+        assert_eq!(info.schedule, Schedule::Hierarchical);
+        assert!(info.label().contains("hierarchical"));
+        let replay = Replay::build(&trace, &dp0()).unwrap();
+        assert_eq!((replay.algorithm, replay.ranks_per_node), (AllReduce::Hierarchical, 3));
+        assert_eq!(replay.chunks, vec![0..2, 2..3, 3..4, 4..6]);
+        let levels: Vec<(Level, Option<RingPhase>)> = replay.frames.iter().map(|f| (f.level, f.phase)).collect();
+        use Level::*;
+        use RingPhase::{AllGather as Ag, Broadcast as Bc, ReduceScatter as Rs};
+        #[rustfmt::skip]
+        let want = vec![
+            (Whole, None),
+            (InsideNodes, Some(Rs)), (InsideNodes, Some(Rs)), (InsideNodes, Some(Ag)), (InsideNodes, Some(Ag)),
+            (AcrossLeaders, Some(Rs)), (AcrossLeaders, Some(Ag)),
+            (ToNodes, Some(Bc)), (ToNodes, Some(Bc)),
+        ];
+        assert_eq!(levels, want);
+        // Inside the nodes 3 ranks send at once in each node; across, the 2 leaders.
+        assert_eq!(replay.frames[1].transfers.len(), 6);
+        assert_eq!(replay.frames[5].transfers.len(), 2);
+        assert!(replay.frames[5].transfers.iter().all(|t| [0, 3].contains(&t.from)));
+        // After the node rings every chunk holds its node's 3 contributions; after the
+        // leaders' reduce-scatter a leader holds one chunk of the leaders' ring complete.
+        assert!(replay.frames[4].buffers.iter().flatten().all(|c| c.count() == 3));
+        assert!(replay.frames[5].buffers[0][..2].iter().all(|c| c.kind == ChunkKind::Complete));
+        assert!(replay.frames[5].buffers[3][2..].iter().all(|c| c.kind == ChunkKind::Complete));
+        assert!(replay.frames[5].buffers[0][2..].iter().all(|c| c.kind == ChunkKind::Gathered));
+        let end = replay.frames.len() - 1;
+        for p in 0..6 {
+            assert_eq!(replay.result(end, p), Some(demo_sum(6, 6)), "rank {p}");
+            assert_eq!(replay.frames[end].bytes_sent[p] as f64, replay.formula_bytes_of(p), "rank {p}");
+        }
+        // A leader sends the most: 2(L-1)/L x 6 in its node, 2(N-1)/N x 6 across, and the
+        // result to its 2 others; the others only their node ring's share.
+        assert_eq!(replay.formula_bytes_of(0), (8 + 6 + 2 * 6) as f64 * 4.0);
+        assert_eq!(replay.formula_bytes_of(1), 8.0 * 4.0);
+        let v = replay.verify();
+        assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{v:?}");
+        assert_eq!(replay.phase_label(1), "inside the nodes: reduce-scatter step 1 of 2");
+        assert!(replay.explain(0).contains("4 pieces"));
+        assert!(replay.explain(5).contains("leaders"));
+        assert!(replay.explain(end).contains("every rank holds the sum"));
+        assert!(replay.formula_text().contains("hierarchical"));
     }
 
     #[test]

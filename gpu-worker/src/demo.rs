@@ -29,7 +29,7 @@ pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, spec: &Experim
     let tracer = Arc::new(CommTracer::new(rank, 16));
     let mut comm =
         RingCommunicator::new(&mesh, "dp", (0..world).collect(), Duration::from_secs(30), Some(tracer.clone()))?;
-    // An all-reduce demo runs the spec's algorithm (ring, naive, tree).
+    // An all-reduce demo runs the spec's algorithm (ring, naive, tree, hierarchical).
     comm.set_all_reduce(spec.parallel.allreduce, spec.parallel.ranks_per_node);
     let n = demo.elements;
     let mut full: Vec<f32> = (0..n).map(|i| CollectiveDemo::initial_value(rank, i)).collect();
@@ -77,7 +77,12 @@ pub enum RankOutput {
 
 /// Checks every rank's result against a sequential computation and the byte formula (of
 /// `algorithm`, for an all-reduce).
-pub fn check(demo: &CollectiveDemo, algorithm: AllReduce, world: usize, results: &[DemoRankResult]) -> CollectiveCheck {
+pub fn check(
+    demo: &CollectiveDemo,
+    (algorithm, ranks_per_node): (AllReduce, usize),
+    world: usize,
+    results: &[DemoRankResult],
+) -> CollectiveCheck {
     let n = demo.elements;
     let sum: Vec<f32> = (0..n).map(|i| (0..world).map(|r| CollectiveDemo::initial_value(r, i)).sum()).collect();
     let mut max_abs_error = 0.0f64;
@@ -111,7 +116,7 @@ pub fn check(demo: &CollectiveDemo, algorithm: AllReduce, world: usize, results:
     let algorithm = if demo.op == DemoOp::AllReduce { algorithm } else { AllReduce::Ring };
     let rank_formula_bytes = match algorithm {
         AllReduce::Ring => Vec::new(),
-        other => (0..world).map(|r| elements_sent(other, n, world, 1, r) as u64 * 4).collect(),
+        other => (0..world).map(|r| elements_sent(other, n, world, ranks_per_node, r) as u64 * 4).collect(),
     };
     CollectiveCheck {
         op: demo.op,

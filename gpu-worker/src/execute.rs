@@ -189,7 +189,7 @@ fn run_demo(
     if results.len() != world {
         return Err(ExecError::Other(format!("{} of {world} ranks reported a result", results.len())));
     }
-    let check = demo::check(demo, spec.parallel.allreduce, world, &results);
+    let check = demo::check(demo, (spec.parallel.allreduce, spec.parallel.ranks_per_node), world, &results);
     on_event(RunEvent::Log(LogLine {
         level: LogLevel::Info,
         message: format!(

@@ -1304,6 +1304,53 @@ async fn naive_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(attr(c, "#ring-verdict", "data-ok").await?.as_deref() == Some("true"));
     ensure!(text(c, "#ring-formula").await?.contains("against the ring's"));
     save_full_page(c, "naive-replay-end.png").await?;
+    hierarchical_replay_scenario(c, lab).await
+}
+
+/// The hierarchical all-reduce demo (6 ranks, nodes of 3): its replay goes ring by ring,
+/// inside the nodes, across the two leaders, back into the nodes, and the leaders send
+/// the most.
+async fn hierarchical_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut spec = quick_spec("hierarchical all-reduce demo", 1);
+    spec.parallel.dp = 6;
+    (spec.parallel.allreduce, spec.parallel.ranks_per_node) = (distlab_common::AllReduce::Hierarchical, 3);
+    spec.demo = Some(distlab_common::CollectiveDemo { op: distlab_common::DemoOp::AllReduce, elements: 6 });
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(90));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the hierarchical demo did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
+    wait_for(c, "the replay", Duration::from_secs(15), || exists(c, "#ring-step")).await?;
+    ensure!(exists(c, "#ring-hierarchical").await?, "the page says how the hierarchical all-reduce goes");
+    ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("8"), "2 + 2 + 1 + 1 + 2 steps");
+    let phases = ["inside the nodes", "inside the nodes", "inside the nodes", "inside the nodes", "across the leaders"];
+    for (click, level) in (1..=5).zip(phases) {
+        c.find(Locator::Css("#ring-step")).await?.click().await?;
+        let want = click.to_string();
+        wait_for(c, "the next step", Duration::from_secs(5), || async {
+            Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some(want.as_str()))
+        })
+        .await?;
+        ensure!(text(c, "#ring-phase").await?.starts_with(level), "step {click}: {level}");
+    }
+    ensure!(c.find_all(Locator::Css("#ring .transfer")).await?.len() == 2, "only the two leaders talk across");
+    save_full_page(c, "hierarchical-replay.png").await?;
+    for _ in 6..=8 {
+        c.find(Locator::Css("#ring-step")).await?.click().await?;
+    }
+    wait_for(c, "the last step", Duration::from_secs(5), || async {
+        Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some("8"))
+    })
+    .await?;
+    ensure!(text(c, "#ring-phase").await?.starts_with("back into the nodes"));
+    let sent = c
+        .execute(
+            "return [...document.querySelectorAll('#ring .card-bytes')].map(e => e.getAttribute('data-sent'));",
+            vec![],
+        )
+        .await?;
+    ensure!(sent == json!(["104", "32", "32", "104", "32", "32"]), "leaders 26 numbers, the others 8: {sent}");
+    wait_for(c, "the verdict", Duration::from_secs(5), || exists(c, "#ring-verdict")).await?;
+    ensure!(attr(c, "#ring-verdict", "data-ok").await?.as_deref() == Some("true"));
     Ok(())
 }
 

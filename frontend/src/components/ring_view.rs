@@ -12,7 +12,7 @@ use distlab_common::trace::RingPhase;
 use leptos::prelude::*;
 
 use crate::format;
-use crate::ring_replay::{ChunkKind, ChunkState, Frame, Replay, Schedule, Transfer};
+use crate::ring_replay::{level_name, ChunkKind, ChunkState, Frame, Level, Replay, Schedule, Transfer};
 
 const MARGIN: f64 = 16.0;
 const PAD: f64 = 8.0;
@@ -183,10 +183,16 @@ impl RingLayout {
     }
 
     /// A straight arrow from card `from` to card `to`, from where it leaves one card to
-    /// where it meets the other (whole buffers go between any two ranks).
+    /// where it meets the other (whole buffers go between any two ranks). It keeps a little
+    /// to its right, its label before the middle, so that two ranks sending to each other
+    /// in one step (the hierarchical all-reduce's leaders) show two arrows.
     pub fn chord(&self, from: usize, to: usize) -> ArrowGeom {
         let centre = |p: usize| (self.cards[p].0 + self.card_w / 2.0, self.cards[p].1 + self.card_h / 2.0);
         let (a, b) = (centre(from), centre(to));
+        let (dx, dy) = (b.0 - a.0, b.1 - a.1);
+        let length = dx.hypot(dy).max(1.0);
+        let right = (-dy / length * CHORD_SIDE, dx / length * CHORD_SIDE);
+        let (a, b) = ((a.0 + right.0, a.1 + right.1), (b.0 + right.0, b.1 + right.1));
         let samples = 400;
         let at = |i: usize| {
             let t = i as f64 / samples as f64;
@@ -199,7 +205,7 @@ impl RingLayout {
             .find(|&i| !inside(at(i), self.cards[to], self.card_w, self.card_h, 12.0))
             .unwrap_or(samples);
         let (start, end) = (at(leave), at(arrive.max(leave)));
-        let label = ((start.0 + end.0) / 2.0, (start.1 + end.1) / 2.0);
+        let label = (start.0 + (end.0 - start.0) * 0.35, start.1 + (end.1 - start.1) * 0.35);
         let path = format!("M{:.1} {:.1} L{:.1} {:.1}", start.0, start.1, end.0, end.1);
         ArrowGeom { from, to, path, start, end, label }
     }
@@ -212,6 +218,9 @@ impl RingLayout {
         (left + c as f64 * (self.chunk_w + GAP), y + HEADER_H + BAR_H + 6.0)
     }
 }
+
+/// How far a straight arrow keeps to its right (px).
+const CHORD_SIDE: f64 = 12.0;
 
 /// Fill of a partial sum: paler with few contributions, deeper as they add up
 /// (from #fff0c2 towards #f08c00; a complete sum is green).
@@ -240,7 +249,7 @@ fn transfer_label(t: &Transfer, ranks: &[u32], whole: bool) -> (String, Option<S
     let head = if whole {
         format!("buffer → r{} · {what}", rank(t.to))
     } else {
-        format!("chunk {} → r{} · {what}", t.chunk, rank(t.to))
+        format!("{} → r{} · {what}", t.chunks_label(), rank(t.to))
     };
     (head, t.values.as_ref().map(|v| format!("[{}]", numbers(v))))
 }
@@ -294,6 +303,11 @@ fn draw(replay: &Replay, l: &RingLayout, k: usize) -> AnyView {
     let (cx, cy) = l.center;
     let (phase, step) = match f.phase {
         None => ("before the first step".to_string(), "every rank holds its own input".to_string()),
+        Some(_) if f.level != Level::Whole => {
+            let label = replay.phase_label(k);
+            let step = label.split_once(": ").map_or(label.clone(), |(_, step)| step.to_string());
+            (level_name(f.level).to_string(), step)
+        }
         Some(RingPhase::ReduceScatter) => {
             ("reduce-scatter".into(), format!("step {} of {}", f.step + 1, replay.rs_steps))
         }
@@ -305,6 +319,7 @@ fn draw(replay: &Replay, l: &RingLayout, k: usize) -> AnyView {
     let direction = match replay.info.schedule {
         Schedule::Ring => ["every rank sends to its", "right neighbour (clockwise)"],
         Schedule::WholeBuffers => ["whole buffers between", "two ranks at a time"],
+        Schedule::Hierarchical => ["rings inside nodes, a ring", "across their first ranks"],
     };
     let ring_circle = view! {
         <circle class="ring-track" cx=format!("{cx:.1}") cy=format!("{cy:.1}") r=format!("{:.1}", l.radius)></circle>
@@ -313,18 +328,19 @@ fn draw(replay: &Replay, l: &RingLayout, k: usize) -> AnyView {
         <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 40.0) text-anchor="middle">{direction[0]}</text>
         <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 55.0) text-anchor="middle">{direction[1]}</text>
     };
-    let arrows = draw_arrows(f, l, ranks, replay.info.schedule == Schedule::WholeBuffers);
+    let whole = |t: &Transfer| t.covers.len() == replay.chunks.len() && replay.info.schedule != Schedule::Ring;
+    let arrows = draw_arrows(f, l, ranks, &whole);
     let cards = (0..w).map(|p| draw_card(replay, f, l, p, replay.formula_bytes_of(p))).collect_view();
     view! { <g>{ring_circle}</g> <g class="cards">{cards}</g> <g class="arrows">{arrows}</g> }.into_any()
 }
 
-fn draw_arrows(f: &Frame, l: &RingLayout, ranks: &[u32], whole: bool) -> impl IntoView {
+fn draw_arrows(f: &Frame, l: &RingLayout, ranks: &[u32], whole: &dyn Fn(&Transfer) -> bool) -> impl IntoView {
     f.transfers
         .iter()
         .map(|t| {
             let a = l.arrows.iter().find(|a| a.from == t.from && a.to == t.to).cloned().unwrap_or_else(|| l.chord(t.from, t.to));
             let (class, marker) = if t.reduce { ("ring-arrow rs", "url(#arrow-rs)") } else { ("ring-arrow ag", "url(#arrow-ag)") };
-            let (head, values) = transfer_label(t, ranks, whole);
+            let (head, values) = transfer_label(t, ranks, whole(t));
             let chars = head.chars().count().max(values.as_ref().map(|v| v.chars().count()).unwrap_or(0));
             let lw = (chars as f64 * 7.0 + 16.0).max(90.0);
             let lh = if values.is_some() { LABEL_H } else { 20.0 };

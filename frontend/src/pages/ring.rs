@@ -229,6 +229,13 @@ fn ReplayPlayer(replay: Replay, #[prop(into)] demo_op: Signal<Option<DemoOp>>) -
                     "compare what each rank sent with the ring's 2(W-1)/W × D."
                 </p>
             })}
+            {(info.schedule == Schedule::Hierarchical).then(|| view! {
+                <p class="note" id="ring-hierarchical">
+                    "Hierarchical (" <code>"parallel.allreduce"</code> " hierarchical, " <code>"ranks_per_node"</code>
+                    "): a ring inside every node, a ring across the nodes' first ranks, then each of them sends the result into its node. "
+                    "Only the leaders' ring crosses nodes, so the slow links carry 2(N-1)/N × D from N ranks instead of every rank's share."
+                </p>
+            })}
             <h2 class="ring-phase" id="ring-phase">{phase}</h2>
             <p class="ring-explain" id="ring-explain">{explain}</p>
             <div class="chart-wrap ring-wrap">
