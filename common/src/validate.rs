@@ -466,7 +466,7 @@ impl ExperimentSpec {
     }
 
     /// `parallel.grad_compression` and its settings: DDP's gradient all-reduce on the ring
-    /// is what a compressor replaces, and its error-feedback residual is not checkpointed.
+    /// is what a compressor replaces.
     fn check_compression(&self, err: &mut impl FnMut(&str, String)) {
         let p = &self.parallel;
         let ratio = p.compression_ratio;
@@ -508,14 +508,6 @@ impl ExperimentSpec {
             refuse(
                 "parallel.comm_dtype",
                 "the compressed messages cross the wire as they are: use comm_dtype=fp32".into(),
-            );
-        }
-        if self.train.checkpoint_every > 0 {
-            refuse(
-                "train.checkpoint_every",
-                "the error-feedback residual is not saved in checkpoints yet, so a resumed run would not continue \
-                 the same training: use checkpoint_every=0"
-                    .into(),
             );
         }
         if self.train.loss_scaling == LossScaling::Dynamic {
@@ -662,10 +654,6 @@ mod tests {
             (
                 json!({"train": {"steps": 10, "resume_from": {"experiment": 3, "step": 10}}}),
                 vec![("train.resume_from", "between 1 and steps-1 = 9 (it is 10)")],
-            ),
-            (
-                json!({"parallel": {"dp": 2, "grad_compression": "int8"}, "train": {"checkpoint_every": 5}}),
-                vec![("train.checkpoint_every", "error-feedback residual is not saved")],
             ),
             (
                 json!({"parallel": {"sequence_parallel": true}}),

@@ -27,6 +27,7 @@ use distlab_common::{ExperimentSpec, ResumeFrom, Sharding};
 
 use crate::checkpoint::{self, CheckpointDir, CheckpointError, RankCheckpoint, RankPlace};
 use crate::model::{ParamLayout, Stage, TpPlace};
+use crate::parallel::ddp::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use crate::parallel::pipeline::stage_of;
 use crate::parallel::shard::ShardLayout;
 
@@ -39,11 +40,15 @@ enum Held {
     Sharded,
     /// The same in every rank's file.
     Everywhere,
+    /// Each rank's own (gradient compression's residual): not carried to other ranks, whose
+    /// residual starts at zero.
+    Own,
 }
 
 fn held(section: &str, sharding: Sharding) -> Held {
     match section {
         "loss_scale" => Held::Everywhere,
+        COMPRESSION_RESIDUAL | COMPRESSION_Q => Held::Own,
         "params" if sharding == Sharding::Fsdp => Held::Sharded,
         "params" => Held::Whole,
         _ if sharding == Sharding::None => Held::Whole,
@@ -156,6 +161,7 @@ impl StageCut<'_> {
         let mut whole = Vec::new();
         for (name, values) in &files[0].sections {
             let section = match held(name, sharding) {
+                Held::Own => continue,
                 Held::Whole | Held::Everywhere => values.clone(),
                 Held::Sharded => {
                     let mut out = vec![0.0; stage_len];
@@ -200,6 +206,7 @@ impl StageCut<'_> {
             .filter_map(|(name, values)| match held(name, sharding) {
                 Held::Everywhere => Some((name.clone(), values.clone())),
                 Held::Whole => (rank == 0).then(|| (name.clone(), values.clone())),
+                Held::Own => None,
                 Held::Sharded => {
                     let mine = shards.units.iter().flat_map(|u| {
                         let at = shards.in_buffer(u).start + u.mine.start;
@@ -271,5 +278,12 @@ mod tests {
         let mut files = saved(&cut, &whole, Sharding::Fsdp, 2);
         files[1].sections[0].1.pop();
         assert!(cut.assemble(&files, Sharding::Fsdp).unwrap_err().contains("DP rank 1's params"));
+        // Each rank's compression residual is its own: not carried to the new ranks.
+        let mut files = saved(&cut, &whole, Sharding::None, 2);
+        for file in &mut files {
+            file.sections.push((COMPRESSION_RESIDUAL.into(), vec![1.0; len]));
+        }
+        let assembled = cut.assemble(&files, Sharding::None).unwrap();
+        assert_eq!(assembled, whole, "the residual is left out");
     }
 }

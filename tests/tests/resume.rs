@@ -79,6 +79,18 @@ fn zero1_with_its_state_on_disk_resumes_bit_identically() {
     resumes_with_identical_losses(spec);
 }
 
+/// Gradient compression with error feedback: each rank's residual (and PowerSGD's Q) is
+/// in its checkpoint, so the resumed run sends what the uninterrupted one sent.
+#[test]
+fn compressed_ddp_resumes_bit_identically_with_each_rank_s_residual() {
+    for method in [GradCompression::Topk, GradCompression::Powersgd] {
+        let mut spec = spec(&format!("resume-{}", method.as_str()), Sharding::None);
+        spec.parallel.grad_compression = method;
+        spec.parallel.compression_ratio = 0.05;
+        resumes_with_identical_losses(spec);
+    }
+}
+
 /// The copy of the state a checkpoint is written from is booked in the ledger (measured
 /// only): DDP's DP rank 0 copies the parameters and the optimizer state every rank holds
 /// alike, rank 1 nothing; with ZeRO-1 rank 1 copies the optimizer shard it owns.

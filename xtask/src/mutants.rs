@@ -247,6 +247,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "grad_compression", "compressed_ddp_learns_within_a_margin_of_ddp"],
     },
     Mutant {
+        name: "A resumed compressed run starts its error-feedback residual at zero",
+        file: "gpu-worker/src/parallel/ddp.rs",
+        find: "sync.load_compression_state(residual, section(COMPRESSION_Q).unwrap_or_default())?;",
+        replace: "let _ = (sync, residual);",
+        tests: &["-p", "distlab-tests", "--test", "resume", "compressed_ddp_resumes"],
+    },
+    Mutant {
         name: "Elastic resume hands every new rank the first rank's shard",
         file: "gpu-worker/src/elastic.rs",
         find: "        let shards = self.shards(rank, world);\n        let sections = whole",

@@ -113,6 +113,31 @@ impl Compressor {
         &self.residual[bucket]
     }
 
+    /// What a checkpoint keeps of it: every bucket's residual end to end, and PowerSGD's
+    /// Qs end to end (empty for the other methods).
+    pub fn state(&self) -> (Vec<f32>, Vec<f32>) {
+        (self.residual.concat(), self.warm_q.concat())
+    }
+
+    /// Puts back [`Self::state`] of the same rank of the same run.
+    pub fn load(&mut self, residual: &[f32], q: &[f32]) -> Result<(), String> {
+        fn fill(pieces: &mut [Vec<f32>], saved: &[f32], what: &str) -> Result<(), String> {
+            let held: usize = pieces.iter().map(Vec::len).sum();
+            if held != saved.len() {
+                return Err(format!("the checkpoint's {what} holds {} values, the compressor {held}", saved.len()));
+            }
+            let mut rest = saved;
+            for piece in pieces {
+                let (mine, after) = rest.split_at(piece.len());
+                piece.copy_from_slice(mine);
+                rest = after;
+            }
+            Ok(())
+        }
+        fill(&mut self.residual, residual, "compression residual")?;
+        fill(&mut self.warm_q, q, "PowerSGD Q")
+    }
+
     /// Replaces `grads`, this rank's gradient of bucket `bucket`, with the sum over the
     /// group of what every rank sent of its gradient plus residual; keeps the rest.
     pub fn exchange(&mut self, comm: &mut dyn Communicator, bucket: usize, grads: &mut [f32]) -> Result<(), CommError> {

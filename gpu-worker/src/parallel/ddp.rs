@@ -19,7 +19,7 @@
 //! the updated parameters unit by unit.
 
 use std::ops::Range;
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
 use distlab_common::compression::Compressor as Settings;
@@ -284,16 +284,38 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
 
     fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) -> Result<(), OffloadError> {
         let optimizer_replicated = self.zero1.is_none();
+        // Gradient compression: what each rank has not sent yet is its own.
+        let local = match &self.dp {
+            Some(Synced { grads: GradientSum::Thread(sync), .. }) => sync.compression_state(),
+            _ => None,
+        };
+        let local: Vec<(&'static str, Vec<f32>)> =
+            local.map(|(residual, q)| vec![(COMPRESSION_RESIDUAL, residual), (COMPRESSION_Q, q)]).unwrap_or_default();
         be.read_host(be.all(&self.state.params), |params| {
             self.optimizer.read(be, |optimizer, optimizer_steps| {
                 let params = params_f32(params);
-                f(StateView { params, optimizer, optimizer_steps, params_replicated: true, optimizer_replicated })
+                let local = local.clone();
+                f(StateView {
+                    params,
+                    optimizer,
+                    optimizer_steps,
+                    params_replicated: true,
+                    optimizer_replicated,
+                    local,
+                })
             })
         })
     }
 
     fn load(&mut self, be: &B, state: SavedState) -> Result<(), String> {
         be.on_host(be.all_mut(&mut self.state.params), |params| load_params(params, state.params))?;
+        // A checkpoint re-cut for other ranks has no residual: it starts at zero.
+        let section = |name: &str| state.local.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+        if let (Some(Synced { grads: GradientSum::Thread(sync), .. }), Some(residual)) =
+            (&mut self.dp, section(COMPRESSION_RESIDUAL))
+        {
+            sync.load_compression_state(residual, section(COMPRESSION_Q).unwrap_or_default())?;
+        }
         self.optimizer.load_state(be, state.optimizer)
     }
 }
@@ -446,6 +468,10 @@ impl InPlaceSync {
     }
 }
 
+/// Checkpoint sections of gradient compression's state (see [`GradSync::compression_state`]).
+pub const COMPRESSION_RESIDUAL: &str = "compression_residual";
+pub const COMPRESSION_Q: &str = "compression_q";
+
 /// One bucket on its way to the communication thread and back.
 struct InFlight {
     bucket: usize,
@@ -469,6 +495,9 @@ pub struct GradSync {
     to_comm: Option<mpsc::Sender<InFlight>>,
     from_comm: mpsc::Receiver<Reduced>,
     comm_thread: Option<JoinHandle<()>>,
+    /// Gradient compression: the compressor, used by the communication thread while
+    /// buckets are in flight and read or set between steps (checkpoints).
+    compressor: Option<Arc<Mutex<Compressor>>>,
     in_flight: usize,
     step: u64,
     /// Comm spans of the steps recorded so far.
@@ -494,8 +523,9 @@ impl GradSync {
         let buckets = &plan.buckets;
         let compressor = compression.map(|(settings, tensors)| {
             let ranges: Vec<Range<usize>> = buckets.iter().map(|b| b.range.clone()).collect();
-            Compressor::new(settings, BucketTensor::per_bucket(&tensors, &ranges), memory)
+            Arc::new(Mutex::new(Compressor::new(settings, BucketTensor::per_bucket(&tensors, &ranges), memory)))
         });
+        let on_thread = compressor.clone();
         let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;
         let receipts = buckets.iter().map(|b| memory.alloc_shared(Category::CommBuffers, b.range.len())).collect();
         let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
@@ -503,7 +533,7 @@ impl GradSync {
         let sizes: Vec<usize> = buckets.iter().map(|b| b.range.len()).collect();
         let comm_thread = std::thread::Builder::new()
             .name("ddp-comm".into())
-            .spawn(move || communication_thread(comm, compressor, comm_rx, comm_tx, sizes))
+            .spawn(move || communication_thread(comm, on_thread, comm_rx, comm_tx, sizes))
             .expect("spawn the DDP communication thread");
         Ok(Self {
             plan,
@@ -512,6 +542,7 @@ impl GradSync {
             to_comm: Some(to_comm),
             from_comm,
             comm_thread: Some(comm_thread),
+            compressor,
             in_flight: 0,
             step: 0,
             spans: Vec::new(),
@@ -521,6 +552,20 @@ impl GradSync {
 
     pub fn buckets(&self) -> &[Bucket] {
         &self.plan.buckets
+    }
+
+    /// Gradient compression's state for a checkpoint (between steps): the residual and
+    /// PowerSGD's Q (see [`Compressor::state`]); None without compression.
+    pub fn compression_state(&self) -> Option<(Vec<f32>, Vec<f32>)> {
+        self.compressor.as_ref().map(|c| lock(c).state())
+    }
+
+    /// Puts back [`Self::compression_state`] of the same rank of the same run.
+    pub fn load_compression_state(&mut self, residual: &[f32], q: &[f32]) -> Result<(), String> {
+        match &self.compressor {
+            Some(c) => lock(c).load(residual, q),
+            None => Ok(()),
+        }
     }
 
     /// Call before the backward pass whose gradients are to be synchronised.
@@ -605,17 +650,25 @@ impl Drop for GradSync {
     }
 }
 
+/// The compressor, whether or not a thread holding it panicked (its buffers stay valid).
+fn lock(c: &Mutex<Compressor>) -> std::sync::MutexGuard<'_, Compressor> {
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn communication_thread(
     mut comm: Box<dyn Communicator>,
-    mut compressor: Option<Compressor>,
+    compressor: Option<Arc<Mutex<Compressor>>>,
     rx: mpsc::Receiver<InFlight>,
     tx: mpsc::Sender<Reduced>,
     sizes: Vec<usize>,
 ) {
     for InFlight { bucket, mut data } in rx {
         let (start_us, sent_before) = (now_us(), comm.bytes_sent());
-        let (result, how) = match &mut compressor {
-            Some(c) => (c.exchange(comm.as_mut(), bucket, &mut data), c.name()),
+        let (result, how) = match &compressor {
+            Some(c) => {
+                let mut c = lock(c);
+                (c.exchange(comm.as_mut(), bucket, &mut data), c.name())
+            }
             None => (comm.all_reduce(&mut data, ReduceOp::Sum), "all_reduce"),
         };
         let span = bucket_span(how, bucket, sizes[bucket], 0, start_us, comm.bytes_sent() - sent_before);

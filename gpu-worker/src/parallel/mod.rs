@@ -87,6 +87,9 @@ pub struct StateView<'a> {
     pub params_replicated: bool,
     /// Every rank of the group holds the same optimizer state (DDP without ZeRO).
     pub optimizer_replicated: bool,
+    /// State of this rank alone, by section name: gradient compression's residual and
+    /// PowerSGD's Q (every rank writes its own).
+    pub local: Vec<(&'static str, Vec<f32>)>,
 }
 
 /// A checkpoint's state for [`Strategy::load`].
@@ -94,6 +97,8 @@ pub struct StateView<'a> {
 pub struct SavedState {
     pub params: Vec<f32>,
     pub optimizer: OptimizerState,
+    /// This rank's own sections of [`StateView::local`] (absent ones start afresh).
+    pub local: Vec<(String, Vec<f32>)>,
 }
 
 /// `params` as f32: the buffer itself for an fp32 model, a widened copy otherwise.

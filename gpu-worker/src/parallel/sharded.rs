@@ -332,7 +332,15 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
         be.read_host(be.all(&self.params), |params| {
             self.optimizer.read(be, |optimizer, optimizer_steps| {
                 let params = params_f32(params);
-                f(StateView { params, optimizer, optimizer_steps, params_replicated, optimizer_replicated: false })
+                let local = Vec::new();
+                f(StateView {
+                    params,
+                    optimizer,
+                    optimizer_steps,
+                    params_replicated,
+                    optimizer_replicated: false,
+                    local,
+                })
             })
         })
     }

@@ -19,6 +19,7 @@ use crate::model::gpt::TensorParallelGroup;
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::offload::OffloadTo;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
+use crate::parallel::ddp::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::Pipeline;
 use crate::parallel::tensor::TensorParallel;
@@ -348,6 +349,8 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(scaler) = &scaler {
             wanted.push(("loss_scale", scaler));
         }
+        // Every rank writes its own (gradient compression's residual).
+        wanted.extend(view.local.iter().map(|(name, values)| (*name, values.as_slice())));
         // The copy is booked from here until the next checkpoint reuses it (the writer keeps it).
         let RankCheckpoint { sections: mut spare, booked, .. } = reuse;
         drop(booked);
@@ -383,9 +386,17 @@ impl<B: TrainBackend> Trainer<B> {
             };
             *scaler = LossScaler::from_state((scale as f64, good_steps as u64, skipped as u64));
         }
+        // This rank's own sections (never another rank's).
+        let local = own
+            .sections
+            .iter()
+            .filter(|(name, _)| [COMPRESSION_RESIDUAL, COMPRESSION_Q].contains(&name.as_str()))
+            .cloned()
+            .collect();
         let state = SavedState {
             params: find("params")?,
             optimizer: OptimizerState { steps_taken: own.optimizer_steps, m, v, master },
+            local,
         };
         self.strategy.load(&self.backend, state)?;
         self.first_step = own.step;
