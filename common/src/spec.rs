@@ -38,6 +38,9 @@ pub enum DemoOp {
     AllReduce,
     ReduceScatter,
     AllGather,
+    /// Every rank sends chunk j of its vector to rank j (how Mixture-of-Experts sends
+    /// tokens to the ranks holding their experts).
+    AllToAll,
 }
 
 impl Default for CollectiveDemo {
@@ -52,6 +55,7 @@ impl DemoOp {
             DemoOp::AllReduce => "all_reduce",
             DemoOp::ReduceScatter => "reduce_scatter",
             DemoOp::AllGather => "all_gather",
+            DemoOp::AllToAll => "all_to_all",
         }
     }
 }

@@ -26,6 +26,8 @@ pub enum CollectiveOp {
     AllReduce,
     ReduceScatter,
     AllGather,
+    /// Every rank sends chunk j of its buffer to rank j (Mixture-of-Experts' dispatch).
+    AllToAll,
     Broadcast,
     Send,
     Recv,
@@ -38,6 +40,7 @@ impl CollectiveOp {
             CollectiveOp::AllReduce => "all_reduce",
             CollectiveOp::ReduceScatter => "reduce_scatter",
             CollectiveOp::AllGather => "all_gather",
+            CollectiveOp::AllToAll => "all_to_all",
             CollectiveOp::Broadcast => "broadcast",
             CollectiveOp::Send => "send",
             CollectiveOp::Recv => "recv",
@@ -61,6 +64,9 @@ pub enum RingPhase {
     Reduce,
     /// A single send between two ranks.
     PointToPoint,
+    /// All-to-all, written out pairwise: at step s every rank sends the chunk meant for the
+    /// rank s places after it and receives from the rank s places before.
+    Exchange,
 }
 
 /// One step of a collective as the sending rank saw it: chunk `chunk` went from `from` to `to`.

@@ -246,7 +246,7 @@ impl ExperimentSpec {
             (Some(demo), _) => err(
                 "parallel.allreduce",
                 format!(
-                    "allreduce={} is an all-reduce: a demo of {} runs on the ring",
+                    "allreduce={} is an all-reduce's algorithm: a demo of {} runs its own",
                     p.allreduce.as_str(),
                     demo.op.as_str()
                 ),
@@ -341,6 +341,16 @@ impl ExperimentSpec {
             );
         }
         if let Some(demo) = &self.demo {
+            if demo.op == DemoOp::AllToAll && p.dp >= 1 && demo.elements % p.dp != 0 {
+                err(
+                    "demo.elements",
+                    format!(
+                        "all_to_all cuts each vector into dp = {} equal chunks, one per rank: {} elements do not \
+                         divide",
+                        p.dp, demo.elements
+                    ),
+                );
+            }
             if demo.elements < 1 || demo.elements > 4096 {
                 err(
                     "demo.elements",

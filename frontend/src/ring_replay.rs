@@ -61,6 +61,9 @@ pub enum Schedule {
     /// Rings inside each node of consecutive ranks, a ring across the nodes' first ranks
     /// (the leaders), then each leader's whole buffer to the rest of its node.
     Hierarchical,
+    /// All-to-all, pairwise: at step s every rank sends the chunk meant for the rank s
+    /// places on, into that rank's chunk for the sender.
+    Exchange,
 }
 
 impl Schedule {
@@ -72,6 +75,18 @@ impl Schedule {
             Schedule::Hierarchical => {
                 matches!(phase, RingPhase::ReduceScatter | RingPhase::AllGather | RingPhase::Broadcast)
             }
+            Schedule::Exchange => phase == RingPhase::Exchange,
+        }
+    }
+
+    /// Whether this schedule can run `op`.
+    fn runs(self, op: CollectiveOp) -> bool {
+        match self {
+            Schedule::Ring => {
+                matches!(op, CollectiveOp::AllReduce | CollectiveOp::ReduceScatter | CollectiveOp::AllGather)
+            }
+            Schedule::WholeBuffers | Schedule::Hierarchical => op == CollectiveOp::AllReduce,
+            Schedule::Exchange => op == CollectiveOp::AllToAll,
         }
     }
 }
@@ -122,13 +137,17 @@ impl CollectiveInfo {
             Schedule::Ring => "",
             Schedule::WholeBuffers => " · whole buffers, not a ring",
             Schedule::Hierarchical => " · hierarchical: rings inside nodes, then across them",
+            Schedule::Exchange => " · every rank to every other, pairwise",
         }
     }
 }
 
-/// Whether the replay can draw this operation (the ring schedules with chunks).
+/// Whether the replay can draw this operation (the schedules with chunks).
 pub fn replayable(op: CollectiveOp) -> bool {
-    matches!(op, CollectiveOp::AllReduce | CollectiveOp::ReduceScatter | CollectiveOp::AllGather)
+    matches!(
+        op,
+        CollectiveOp::AllReduce | CollectiveOp::ReduceScatter | CollectiveOp::AllGather | CollectiveOp::AllToAll
+    )
 }
 
 /// The steps of `record` among `steps` (recorded by `rank`) that belong to `schedule`:
@@ -148,7 +167,7 @@ fn steps_of<'a>(
             && schedule.has(s.phase)
             && match schedule {
                 Schedule::Ring => Some(s.to) == next,
-                Schedule::WholeBuffers | Schedule::Hierarchical => record.ranks.contains(&s.to),
+                Schedule::WholeBuffers | Schedule::Hierarchical | Schedule::Exchange => record.ranks.contains(&s.to),
             }
     })
 }
@@ -164,8 +183,7 @@ fn of_record(rank: u32, record: &CollectiveRecord, step: &RingStep) -> bool {
 /// Whether `schedule` takes every step `rank` recorded of `record`.
 fn fits(schedule: Schedule, rank: u32, record: &CollectiveRecord, steps: &[RingStep]) -> bool {
     let all = steps.iter().filter(|s| of_record(rank, record, s)).count();
-    (schedule == Schedule::Ring || record.op == CollectiveOp::AllReduce)
-        && steps_of(rank, record, steps, schedule).count() == all
+    schedule.runs(record.op) && steps_of(rank, record, steps, schedule).count() == all
 }
 
 /// Every ring collective of the trace recorded in detail, ordered by group and id. Its
@@ -185,9 +203,8 @@ pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
     let mut found = Vec::new();
     for (key, records) in recorded {
         let every_rank = |schedule| records.iter().all(|&(rank, record, steps)| fits(schedule, rank, record, steps));
-        let Some(schedule) =
-            [Schedule::Ring, Schedule::WholeBuffers, Schedule::Hierarchical].into_iter().find(|&s| every_rank(s))
-        else {
+        let schedules = [Schedule::Ring, Schedule::WholeBuffers, Schedule::Hierarchical, Schedule::Exchange];
+        let Some(schedule) = schedules.into_iter().find(|&s| every_rank(s)) else {
             continue;
         };
         let (_, first, _) = records[0];
@@ -457,7 +474,7 @@ impl Replay {
         let ranks_per_node = if info.schedule == Schedule::Hierarchical { node_size(&steps, w) } else { 1 };
         let nodes = Nodes::new(w, ranks_per_node);
         let chunks: Vec<Range<usize>> = match info.schedule {
-            Schedule::Ring => (0..w).map(|c| chunk_range(elements, w, c)).collect(),
+            Schedule::Ring | Schedule::Exchange => (0..w).map(|c| chunk_range(elements, w, c)).collect(),
             Schedule::WholeBuffers => std::iter::once(0..elements).collect(),
             Schedule::Hierarchical => pieces(elements, &nodes),
         };
@@ -534,6 +551,7 @@ impl Replay {
             let key = match info.schedule {
                 Schedule::Ring => (order, 0, s.step),
                 Schedule::WholeBuffers => (order, s.end_us, s.from),
+                Schedule::Exchange => (0, 0, s.step),
                 Schedule::Hierarchical => {
                     let stage = match level_of(p, s) {
                         Level::AcrossLeaders => 2 + order,
@@ -554,8 +572,10 @@ impl Replay {
                 _ => Level::Whole,
             };
             let reduce = order % 2 == 0 && level != Level::ToNodes;
+            let reduce = reduce && info.schedule != Schedule::Exchange;
             let (phase, step) = match info.schedule {
                 Schedule::Ring => (if reduce { RingPhase::ReduceScatter } else { RingPhase::AllGather }, ring_step),
+                Schedule::Exchange => (RingPhase::Exchange, ring_step),
                 Schedule::WholeBuffers => {
                     phase_counts[usize::from(order)] += 1;
                     (
@@ -581,13 +601,30 @@ impl Replay {
                 // node's ring or the leaders' for the hierarchical all-reduce), or all.
                 let c = s.chunk as usize;
                 let ring = match (info.schedule, level_of(from, s)) {
-                    (Schedule::Ring, _) => w,
+                    (Schedule::Ring | Schedule::Exchange, _) => w,
                     (Schedule::WholeBuffers, _) | (_, Level::ToNodes) => 1,
                     (_, Level::InsideNodes) => nodes.members(from).len(),
                     _ => nodes.count,
                 };
                 if c >= ring {
                     notes.push(format!("rank {} recorded a step with chunk {c} of {ring}: skipped", s.from));
+                    continue;
+                }
+                if info.schedule == Schedule::Exchange {
+                    // The sender's input is not its output: it sends chunk c of its vector
+                    // (its own numbers) into the receiver's chunk for the sender.
+                    transfers.push(Transfer {
+                        from,
+                        to,
+                        chunk: c,
+                        covers: from..from + 1,
+                        bytes: s.bytes,
+                        values: s.values.clone(),
+                        reduce: false,
+                        carried: 1,
+                        start_us: s.start_us,
+                        end_us: s.end_us,
+                    });
                     continue;
                 }
                 let covers = covering(chunk_range(elements, ring, c));
@@ -632,7 +669,11 @@ impl Replay {
                 for c in t.covers.clone() {
                     let len = chunks[c].len();
                     let values = t.values.as_ref().and_then(|v| v.get(at..at + len)).map(<[f32]>::to_vec);
-                    deliveries.push((t.to, c, buffers[t.from][c].holds.clone(), values));
+                    let holds = match info.schedule {
+                        Schedule::Exchange => (0..w).map(|p| p == t.from).collect(),
+                        _ => buffers[t.from][c].holds.clone(),
+                    };
+                    deliveries.push((t.to, c, holds, values));
                     at += len;
                 }
             }
@@ -688,6 +729,8 @@ impl Replay {
                 // Every rank but the root sends its sum up once, and gets the result once.
                 (phase_counts[0], phase_counts[1], algorithm)
             }
+            // W-1 exchange steps (counted with the copies).
+            Schedule::Exchange => (0, phase_steps, AllReduce::Ring),
             // Each ring's reduce-scatter and all-gather, then the steps back into the nodes.
             Schedule::Hierarchical => {
                 let ring = |size: usize| (size as u32).saturating_sub(1);
@@ -732,7 +775,7 @@ impl Replay {
     /// whole buffers, D per buffer it sends (`all_reduce::elements_sent`).
     pub fn formula_bytes_of(&self, p: usize) -> f64 {
         match self.info.schedule {
-            Schedule::Ring => self.formula_bytes(),
+            Schedule::Ring | Schedule::Exchange => self.formula_bytes(),
             Schedule::WholeBuffers | Schedule::Hierarchical => {
                 let (n, w) = (self.info.elements as usize, self.world());
                 (elements_sent(self.algorithm, n, w, self.ranks_per_node, p) * ELEMENT_BYTES as usize) as f64
@@ -750,7 +793,7 @@ impl Replay {
             self.buffer_bytes(),
             format::value(self.formula_bytes() as f32)
         );
-        if self.info.schedule == Schedule::Ring {
+        if matches!(self.info.schedule, Schedule::Ring | Schedule::Exchange) {
             return ring;
         }
         let d = self.buffer_bytes();
@@ -800,6 +843,9 @@ impl Replay {
                 format!("broadcast step {} of {}", frame.step + 1, self.ag_steps.max(frame.step + 1))
             }
             Some(RingPhase::PointToPoint) => format!("step {}", frame.step + 1),
+            Some(RingPhase::Exchange) => {
+                format!("exchange step {} of {}", frame.step + 1, self.ag_steps.max(frame.step + 1))
+            }
         }
     }
 
@@ -824,6 +870,15 @@ impl Replay {
         let w = self.world();
         let n = self.info.elements as usize;
         match self.info.op {
+            // Chunk i: chunk p of rank i's vector.
+            CollectiveOp::AllToAll => {
+                let mut out = Vec::with_capacity(n);
+                for input in &self.inputs {
+                    let input = input.as_ref()?;
+                    out.extend_from_slice(input.get(self.chunks.get(p)?.clone())?);
+                }
+                Some(out)
+            }
             CollectiveOp::AllGather => {
                 let mut out = Vec::with_capacity(n);
                 for c in 0..w {
@@ -874,6 +929,7 @@ impl Replay {
                 let structure = match self.info.op {
                     CollectiveOp::AllReduce => buffer.iter().all(|c| c.count() == w),
                     CollectiveOp::ReduceScatter => buffer.get(p).is_some_and(|c| c.count() == w),
+                    CollectiveOp::AllToAll => buffer.iter().enumerate().all(|(i, c)| c.holds[i] && c.count() == 1),
                     _ => buffer.iter().all(|c| c.kind != ChunkKind::Empty),
                 };
                 RankCheck {
@@ -961,6 +1017,10 @@ impl Replay {
         match frame.phase {
             None => {
                 let what = match self.info.op {
+                    CollectiveOp::AllToAll => format!(
+                        "Each of the {w} ranks starts with its own vector of {n} numbers, cut into {w} chunks of {per_chunk}: chunk j is meant for rank j. In {} steps every rank sends each of the others its chunk, one peer per step (the rank 1, 2, ... places after it), and receives theirs in its place.",
+                        w - 1
+                    ),
                     CollectiveOp::AllGather => format!(
                         "Each of the {w} ranks starts with one chunk of {per_chunk} numbers, its own shard; the other {} chunks of its {n}-element buffer are still empty. In the all-gather every rank will pass chunks to its right neighbour {} times until every rank holds every shard.",
                         w - 1,
@@ -1041,6 +1101,30 @@ impl Replay {
                 text
             }
             Some(phase @ (RingPhase::Reduce | RingPhase::Broadcast)) => self.explain_whole_buffers(frame, phase),
+            Some(RingPhase::Exchange) => {
+                let s = frame.step as usize + 1;
+                let mut text = format!(
+                    "Every rank sends, at the same time, the chunk of its vector meant for the rank {s} place{} after it; the receiver puts it in its chunk for the sender. Each step uses other links than the last.",
+                    if s == 1 { "" } else { "s" }
+                );
+                if let Some(t) = example {
+                    text.push_str(&format!(
+                        " Here rank {} sent its chunk {}{} to rank {}, into that rank's chunk {}.",
+                        r(t.from),
+                        t.chunk,
+                        example_numbers(t),
+                        r(t.to),
+                        t.covers.start
+                    ));
+                }
+                if s as u32 == self.ag_steps {
+                    text.push_str(&format!(
+                        " That was the last step: chunk i of every rank's vector is what rank i meant for it (its own chunk never moved). {}.",
+                        self.formula_text()
+                    ));
+                }
+                text
+            }
             Some(RingPhase::PointToPoint) => String::new(),
         }
     }
@@ -1137,6 +1221,7 @@ mod tests {
             "naive-4x6" => include_str!("../tests/fixtures/naive-allreduce-4x6.trace.json"),
             "tree-5x6" => include_str!("../tests/fixtures/tree-allreduce-5x6.trace.json"),
             "hierarchical-6x6" => include_str!("../tests/fixtures/hierarchical-allreduce-6x6.trace.json"),
+            "all-to-all-4x8" => include_str!("../tests/fixtures/all-to-all-4x8.trace.json"),
             other => panic!("no fixture {other}"),
         };
         serde_json::from_str(text).expect("fixture parses as ExperimentTrace")
@@ -1240,6 +1325,46 @@ mod tests {
         assert!(replay.explain(5).contains("leaders"));
         assert!(replay.explain(end).contains("every rank holds the sum"));
         assert!(replay.formula_text().contains("hierarchical"));
+    }
+
+    /// The all-to-all demo (4 ranks, 8 numbers): 3 steps of 4 transfers, each to the rank
+    /// 1, 2, 3 places on; at the end chunk i of every rank came from rank i (its own never
+    /// moved), the numbers are the inputs' chunks, and every rank sent (W-1)/W x D.
+    #[test]
+    fn the_all_to_all_replays_pairwise_to_everyone_s_chunk() {
+        let trace = fixture("all-to-all-4x8");
+        let info = ring_collectives(&trace).into_iter().next().expect("the demo's all-to-all");
+        assert_eq!((info.schedule, info.op), (Schedule::Exchange, CollectiveOp::AllToAll));
+        let replay = Replay::build(&trace, &dp0()).unwrap();
+        assert_eq!(replay.steps(), 3);
+        for (k, frame) in replay.frames.iter().enumerate().skip(1) {
+            assert_eq!(frame.phase, Some(RingPhase::Exchange));
+            assert_eq!(frame.transfers.len(), 4);
+            assert!(frame.transfers.iter().all(|t| t.to == (t.from + k) % 4 && t.chunk == t.to), "frame {k}");
+            assert!(frame.transfers.iter().all(|t| t.covers == (t.from..t.from + 1)), "into the chunk for the sender");
+        }
+        let end = replay.frames.len() - 1;
+        for p in 0..4 {
+            let slots = &replay.frames[end].buffers[p];
+            for (i, slot) in slots.iter().enumerate() {
+                assert_eq!(slot.kind, if i == p { ChunkKind::Own } else { ChunkKind::Gathered }, "rank {p} chunk {i}");
+                assert_eq!(
+                    slot.badge(&replay.info.ranks),
+                    if i == p { "own".to_string() } else { format!("from r{i}") }
+                );
+            }
+            let want: Vec<f32> =
+                (0..4).flat_map(|i| (2 * p..2 * p + 2).map(move |e| CollectiveDemo::initial_value(i, e))).collect();
+            assert_eq!(replay.result(end, p), Some(want.clone()), "rank {p}");
+            assert_eq!(replay.expected(p), Some(want));
+            assert_eq!(replay.frames[end].bytes_sent[p], 24);
+        }
+        assert_eq!(replay.formula_bytes(), 24.0);
+        let v = replay.verify();
+        assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{v:?}");
+        assert_eq!(replay.phase_label(1), "exchange step 1 of 3");
+        assert!(replay.explain(0).contains("chunk j is meant for rank j"));
+        assert!(replay.explain(3).contains("its own chunk never moved"));
     }
 
     #[test]

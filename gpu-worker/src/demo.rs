@@ -49,6 +49,11 @@ pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, spec: &Experim
             comm.all_gather(&full[mine], &mut gathered)?;
             gathered
         }
+        DemoOp::AllToAll => {
+            let mut exchanged = vec![0.0; n];
+            comm.all_to_all(&full, &mut exchanged)?;
+            exchanged
+        }
     };
     let channel = LauncherChannel;
     let trace = RankTrace {
@@ -96,6 +101,15 @@ pub fn check(
                     CollectiveDemo::initial_value(owner, i)
                 })
                 .collect(),
+            // Chunk i: what rank i meant for this rank (chunk `rank` of rank i's vector).
+            DemoOp::AllToAll => {
+                let chunk = n / world.max(1);
+                (0..world)
+                    .flat_map(|i| {
+                        (r.rank * chunk..(r.rank + 1) * chunk).map(move |e| CollectiveDemo::initial_value(i, e))
+                    })
+                    .collect()
+            }
         };
         if expected.len() != r.output.len() {
             max_abs_error = f64::INFINITY;

@@ -105,6 +105,63 @@ fn reduce_scatter_and_all_gather_move_w_minus_1_over_w_d() {
     }
 }
 
+/// All-to-all: chunk i of rank j's output is chunk j of rank i's input, every rank sends
+/// (W-1)/W x D, one chunk per step to a different peer, and the trace has every step; a
+/// length that W does not divide is refused with the reason.
+#[test]
+fn all_to_all_hands_every_rank_its_chunk_of_every_other() {
+    for world in 1..=8 {
+        for chunk in [0, 1, 3, 1000, 20_011] {
+            let len = chunk * world;
+            let results = on_ranks(world, move |rank, comm| {
+                let input: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                let mut output = vec![f32::NAN; len];
+                comm.all_to_all(&input, &mut output).unwrap();
+                (output, comm.bytes_sent())
+            });
+            for (j, (output, sent)) in results.iter().enumerate() {
+                for i in 0..world {
+                    let theirs: Vec<f32> = (j * chunk..(j + 1) * chunk).map(|e| value(i, e)).collect();
+                    assert_eq!(
+                        output[i * chunk..(i + 1) * chunk],
+                        theirs,
+                        "W={world} chunk {chunk}: rank {j} from {i}"
+                    );
+                }
+                assert_eq!(*sent, (4 * (world - 1) * chunk) as u64, "W={world} chunk {chunk} rank {j}");
+            }
+        }
+    }
+    let tracers: Vec<Arc<CommTracer>> = (0..4).map(|r| Arc::new(CommTracer::new(r, 10))).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = (0..4)
+        .map(|rank| {
+            let (path, tracer) = (dir.path().to_path_buf(), tracers[rank].clone());
+            std::thread::spawn(move || {
+                let mesh = Mesh::connect(&path, rank, 4, Duration::from_secs(10)).unwrap();
+                let members = vec![0, 1, 2, 3];
+                let mut comm =
+                    RingCommunicator::new(&mesh, "ep", members, Duration::from_secs(10), Some(tracer)).unwrap();
+                let input: Vec<f32> = (0..8).map(|i| value(rank, i)).collect();
+                let mut output = vec![0.0; 8];
+                comm.all_to_all(&input, &mut output).unwrap();
+                let mut wrong = vec![0.0; 7];
+                comm.all_to_all(&input[..7], &mut wrong).unwrap_err().to_string()
+            })
+        })
+        .collect();
+    let refusals: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (rank, tracer) in tracers.iter().enumerate() {
+        let trace = tracer.snapshot();
+        assert_eq!(trace.collectives[0].op, CollectiveOp::AllToAll);
+        // Step s goes to the rank s places on, with the chunk meant for it.
+        let sent: Vec<(u32, u32)> = trace.steps.iter().map(|s| (s.to, s.chunk)).collect();
+        let want: Vec<(u32, u32)> = (1..4).map(|s| (((rank + s) % 4) as u32, ((rank + s) % 4) as u32)).collect();
+        assert_eq!(sent, want, "rank {rank}");
+        assert!(refusals[rank].contains("a multiple of the 4 ranks"), "{}", refusals[rank]);
+    }
+}
+
 #[test]
 fn broadcast_send_recv_and_barrier() {
     for world in 1..=5 {

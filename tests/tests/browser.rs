@@ -1227,12 +1227,7 @@ async fn ring_scenario(c: &Client, lab: &Lab) -> Result<()> {
     assert_eq!(text(c, "#ring-phase").await?, "all-gather step 3 of 3");
     // Every rank ends with the sum over the 4 ranks: sum_r (r+1)*100 + i = 1000 + 4i.
     assert_eq!(rows().await?, numbers(&|_, i| 1000 + 4 * i));
-    let sent = c
-        .execute(
-            "return [...document.querySelectorAll('#ring .card-bytes')].map(e => e.getAttribute('data-sent'));",
-            vec![],
-        )
-        .await?;
+    let sent = bytes_sent_per_card(c).await?;
     assert_eq!(sent, json!(["96", "96", "96", "96"]));
     wait_for(c, "the verdict", Duration::from_secs(5), || exists(c, "#ring-verdict")).await?;
     assert_eq!(attr(c, "#ring-verdict", "data-ok").await?.as_deref(), Some("true"));
@@ -1280,12 +1275,7 @@ async fn naive_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(exists(c, "#ring-not-a-ring").await?, "the page says it is not a ring");
     ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("6"), "3 reduces + 3 broadcasts");
     for click in 1..=6 {
-        c.find(Locator::Css("#ring-step")).await?.click().await?;
-        let want = click.to_string();
-        wait_for(c, "the next transfer", Duration::from_secs(5), || async {
-            Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some(want.as_str()))
-        })
-        .await?;
+        step_to(c, click).await?;
         ensure!(c.find_all(Locator::Css("#ring .transfer")).await?.len() == 1, "one transfer at frame {click}");
         if click == 3 {
             ensure!(text(c, "#ring-phase").await? == "reduce step 3 of 3");
@@ -1293,18 +1283,29 @@ async fn naive_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
         }
     }
     ensure!(text(c, "#ring-phase").await? == "broadcast step 3 of 3");
-    let sent = c
-        .execute(
-            "return [...document.querySelectorAll('#ring .card-bytes')].map(e => e.getAttribute('data-sent'));",
-            vec![],
-        )
-        .await?;
+    let sent = bytes_sent_per_card(c).await?;
     ensure!(sent == json!(["72", "24", "24", "24"]), "rank 0 sent 3·D = 72 B, the others D: {sent}");
     wait_for(c, "the verdict", Duration::from_secs(5), || exists(c, "#ring-verdict")).await?;
     ensure!(attr(c, "#ring-verdict", "data-ok").await?.as_deref() == Some("true"));
     ensure!(text(c, "#ring-formula").await?.contains("against the ring's"));
     save_full_page(c, "naive-replay-end.png").await?;
     hierarchical_replay_scenario(c, lab).await
+}
+
+/// Clicks "step" on the replay and waits until it shows frame `k`.
+async fn step_to(c: &Client, k: usize) -> Result<()> {
+    c.find(Locator::Css("#ring-step")).await?.click().await?;
+    let want = k.to_string();
+    wait_for(c, "the next step", Duration::from_secs(5), || async {
+        Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some(want.as_str()))
+    })
+    .await
+}
+
+/// The bytes each rank's card says it sent so far.
+async fn bytes_sent_per_card(c: &Client) -> Result<Value> {
+    let script = "return [...document.querySelectorAll('#ring .card-bytes')].map(e => e.getAttribute('data-sent'));";
+    Ok(c.execute(script, vec![]).await?)
 }
 
 /// The hierarchical all-reduce demo (6 ranks, nodes of 3): its replay goes ring by ring,
@@ -1324,31 +1325,44 @@ async fn hierarchical_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("8"), "2 + 2 + 1 + 1 + 2 steps");
     let phases = ["inside the nodes", "inside the nodes", "inside the nodes", "inside the nodes", "across the leaders"];
     for (click, level) in (1..=5).zip(phases) {
-        c.find(Locator::Css("#ring-step")).await?.click().await?;
-        let want = click.to_string();
-        wait_for(c, "the next step", Duration::from_secs(5), || async {
-            Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some(want.as_str()))
-        })
-        .await?;
+        step_to(c, click).await?;
         ensure!(text(c, "#ring-phase").await?.starts_with(level), "step {click}: {level}");
     }
     ensure!(c.find_all(Locator::Css("#ring .transfer")).await?.len() == 2, "only the two leaders talk across");
     save_full_page(c, "hierarchical-replay.png").await?;
-    for _ in 6..=8 {
-        c.find(Locator::Css("#ring-step")).await?.click().await?;
+    for click in 6..=8 {
+        step_to(c, click).await?;
     }
-    wait_for(c, "the last step", Duration::from_secs(5), || async {
-        Ok(attr(c, "#ring-position", "data-frame").await?.as_deref() == Some("8"))
-    })
-    .await?;
     ensure!(text(c, "#ring-phase").await?.starts_with("back into the nodes"));
-    let sent = c
-        .execute(
-            "return [...document.querySelectorAll('#ring .card-bytes')].map(e => e.getAttribute('data-sent'));",
-            vec![],
-        )
-        .await?;
+    let sent = bytes_sent_per_card(c).await?;
     ensure!(sent == json!(["104", "32", "32", "104", "32", "32"]), "leaders 26 numbers, the others 8: {sent}");
+    wait_for(c, "the verdict", Duration::from_secs(5), || exists(c, "#ring-verdict")).await?;
+    ensure!(attr(c, "#ring-verdict", "data-ok").await?.as_deref() == Some("true"));
+    all_to_all_replay_scenario(c, lab).await
+}
+
+/// The all-to-all demo (4 ranks, 8 numbers): 3 exchange steps of 4 arrows, each rank's
+/// chunks from every other at the end, (W-1)/W x D = 24 B sent by each.
+async fn all_to_all_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut spec = quick_spec("all-to-all demo", 1);
+    spec.parallel.dp = 4;
+    spec.demo = Some(distlab_common::CollectiveDemo { op: distlab_common::DemoOp::AllToAll, elements: 8 });
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(90));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the all-to-all demo did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
+    wait_for(c, "the replay", Duration::from_secs(15), || exists(c, "#ring-step")).await?;
+    ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("3"), "W-1 exchange steps");
+    for click in 1..=3 {
+        step_to(c, click).await?;
+        ensure!(c.find_all(Locator::Css("#ring .transfer")).await?.len() == 4, "every rank sends at step {click}");
+        if click == 2 {
+            save_full_page(c, "all-to-all-replay.png").await?;
+        }
+    }
+    ensure!(text(c, "#ring-phase").await? == "exchange step 3 of 3");
+    let sent = bytes_sent_per_card(c).await?;
+    ensure!(sent == json!(["24", "24", "24", "24"]), "(W-1)/W x D from every rank: {sent}");
     wait_for(c, "the verdict", Duration::from_secs(5), || exists(c, "#ring-verdict")).await?;
     ensure!(attr(c, "#ring-verdict", "data-ok").await?.as_deref() == Some("true"));
     Ok(())

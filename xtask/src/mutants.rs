@@ -247,6 +247,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "grad_compression", "compressed_ddp_learns_within_a_margin_of_ddp"],
     },
     Mutant {
+        name: "All-to-all puts what a rank received into the chunk of the rank it sent to",
+        file: "gpu-worker/src/comm/ring/all_to_all.rs",
+        find: "&mut output[piece(from)], false, s, to)?;",
+        replace: "&mut output[piece(to)], false, s, to)?;",
+        tests: &["-p", "distlab-worker", "--test", "collectives", "all_to_all"],
+    },
+    Mutant {
         name: "A resumed compressed run starts its error-feedback residual at zero",
         file: "gpu-worker/src/parallel/ddp.rs",
         find: "sync.load_compression_state(residual, section(COMPRESSION_Q).unwrap_or_default())?;",

@@ -238,18 +238,28 @@ fn numbers(values: &[f32]) -> String {
     values.iter().map(|&v| format::value(v)).collect::<Vec<_>>().join(" ")
 }
 
-/// The text on an arrow: what it carried (`whole`: a whole buffer, not a chunk) and its numbers.
-fn transfer_label(t: &Transfer, ranks: &[u32], whole: bool) -> (String, Option<String>) {
+/// What an arrow carried.
+enum Carried {
+    /// A whole buffer (naive, tree, the hierarchical all-reduce's last steps).
+    Buffer,
+    /// The replay's chunk(s) it covers.
+    Chunk,
+    /// All-to-all: the sender's chunk for the receiver, into the receiver's chunk for it.
+    ItsChunk,
+}
+
+/// The text on an arrow: what it carried and its numbers.
+fn transfer_label(t: &Transfer, ranks: &[u32], carried: Carried) -> (String, Option<String>) {
     let rank = |p: usize| ranks.get(p).copied().unwrap_or(p as u32);
     let what = match (t.reduce, t.carried) {
         (true, 1) => format!("own data, 1/{}", ranks.len()),
         (true, n) => format!("{n}/{} partial sum", ranks.len()),
         (false, _) => "copy".into(),
     };
-    let head = if whole {
-        format!("buffer → r{} · {what}", rank(t.to))
-    } else {
-        format!("{} → r{} · {what}", t.chunks_label(), rank(t.to))
+    let head = match carried {
+        Carried::Buffer => format!("buffer → r{} · {what}", rank(t.to)),
+        Carried::ItsChunk => format!("chunk {} → r{}'s chunk {}", t.chunk, rank(t.to), t.covers.start),
+        Carried::Chunk => format!("{} → r{} · {what}", t.chunks_label(), rank(t.to)),
     };
     (head, t.values.as_ref().map(|v| format!("[{}]", numbers(v))))
 }
@@ -315,11 +325,13 @@ fn draw(replay: &Replay, l: &RingLayout, k: usize) -> AnyView {
         Some(RingPhase::Reduce) => ("reduce".into(), format!("step {} of {}", f.step + 1, replay.rs_steps)),
         Some(RingPhase::Broadcast) => ("broadcast".into(), format!("step {} of {}", f.step + 1, replay.ag_steps)),
         Some(RingPhase::PointToPoint) => (String::new(), String::new()),
+        Some(RingPhase::Exchange) => ("all-to-all".into(), format!("step {} of {}", f.step + 1, replay.ag_steps)),
     };
     let direction = match replay.info.schedule {
         Schedule::Ring => ["every rank sends to its", "right neighbour (clockwise)"],
         Schedule::WholeBuffers => ["whole buffers between", "two ranks at a time"],
         Schedule::Hierarchical => ["rings inside nodes, a ring", "across their first ranks"],
+        Schedule::Exchange => ["every rank sends to the rank", "k places on, k = 1 .. W-1"],
     };
     let ring_circle = view! {
         <circle class="ring-track" cx=format!("{cx:.1}") cy=format!("{cy:.1}") r=format!("{:.1}", l.radius)></circle>
@@ -328,19 +340,24 @@ fn draw(replay: &Replay, l: &RingLayout, k: usize) -> AnyView {
         <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 40.0) text-anchor="middle">{direction[0]}</text>
         <text class="ring-direction" x=format!("{cx:.1}") y=format!("{:.1}", cy + 55.0) text-anchor="middle">{direction[1]}</text>
     };
-    let whole = |t: &Transfer| t.covers.len() == replay.chunks.len() && replay.info.schedule != Schedule::Ring;
-    let arrows = draw_arrows(f, l, ranks, &whole);
+    let arrows = draw_arrows(f, l, ranks, replay.info.schedule, replay.chunks.len());
     let cards = (0..w).map(|p| draw_card(replay, f, l, p, replay.formula_bytes_of(p))).collect_view();
     view! { <g>{ring_circle}</g> <g class="cards">{cards}</g> <g class="arrows">{arrows}</g> }.into_any()
 }
 
-fn draw_arrows(f: &Frame, l: &RingLayout, ranks: &[u32], whole: &dyn Fn(&Transfer) -> bool) -> impl IntoView {
+fn draw_arrows(f: &Frame, l: &RingLayout, ranks: &[u32], schedule: Schedule, chunks: usize) -> impl IntoView {
     f.transfers
         .iter()
         .map(|t| {
             let a = l.arrows.iter().find(|a| a.from == t.from && a.to == t.to).cloned().unwrap_or_else(|| l.chord(t.from, t.to));
             let (class, marker) = if t.reduce { ("ring-arrow rs", "url(#arrow-rs)") } else { ("ring-arrow ag", "url(#arrow-ag)") };
-            let (head, values) = transfer_label(t, ranks, whole(t));
+            let what = match schedule {
+                Schedule::Ring => Carried::Chunk,
+                Schedule::Exchange => Carried::ItsChunk,
+                _ if t.covers.len() == chunks => Carried::Buffer,
+                _ => Carried::Chunk,
+            };
+            let (head, values) = transfer_label(t, ranks, what);
             let chars = head.chars().count().max(values.as_ref().map(|v| v.chars().count()).unwrap_or(0));
             let lw = (chars as f64 * 7.0 + 16.0).max(90.0);
             let lh = if values.is_some() { LABEL_H } else { 20.0 };

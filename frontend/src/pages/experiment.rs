@@ -529,6 +529,9 @@ fn DemoOverview(spec: ExperimentSpec, op: DemoOp, elements: usize) -> impl IntoV
         DemoOp::AllGather => {
             "all-gather: rank r contributes chunk r of its vector; afterwards every rank holds all the chunks"
         }
+        DemoOp::AllToAll => {
+            "all-to-all: every rank cuts its vector into one chunk per rank and sends chunk j to rank j; afterwards chunk i of rank j's vector is what rank i meant for it"
+        }
     };
     view! {
         <div class="demo-overview" id="demo-overview">

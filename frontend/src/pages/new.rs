@@ -77,7 +77,7 @@ const SECTIONS: &[SectionDef] = &[
         fields: &[
             f(
                 "demo.op",
-                Kind::Choice(&["all_reduce", "reduce_scatter", "all_gather"]),
+                Kind::Choice(&["all_reduce", "reduce_scatter", "all_gather", "all_to_all"]),
                 "the collective the dp ranks run, once",
             ),
             f(

@@ -359,6 +359,7 @@ fn Verdict(replay: StoredValue<Replay>, #[prop(into)] demo_op: Signal<Option<Dem
     let (v, op, w, n) = replay.with_value(|r| (r.verify(), r.info.op, r.world(), r.info.elements));
     let reference = match op {
         CollectiveOp::AllGather => "every rank's input chunk, gathered in order",
+        CollectiveOp::AllToAll => "chunk r of every rank's input, rank after rank",
         CollectiveOp::ReduceScatter => "its chunk of the element-wise sum of every rank's input",
         _ => "the element-wise sum of every rank's input",
     };
@@ -383,7 +384,9 @@ fn Verdict(replay: StoredValue<Replay>, #[prop(into)] demo_op: Signal<Option<Dem
         )
     })
     };
-    let headline = if ok_output && ok_inputs {
+    let headline = if ok_output && ok_inputs && op == CollectiveOp::AllToAll {
+        "The replay ends where the ranks ended: every rank's replayed buffer equals the output it recorded, and every rank's chunk of the inputs.".to_string()
+    } else if ok_output && ok_inputs {
         "The replay ends where the ranks ended: every rank's replayed buffer equals the output it recorded, and the sum of the inputs.".to_string()
     } else if ok_output {
         "Every rank's replayed buffer equals the output it recorded.".to_string()

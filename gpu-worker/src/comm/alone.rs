@@ -32,6 +32,14 @@ impl Communicator for Alone {
     fn broadcast(&mut self, _buf: &mut [f32], _root: usize) -> Result<(), CommError> {
         Ok(())
     }
+    fn all_to_all(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        if input.len() != output.len() {
+            let detail = format!("input has {} elements, output {}", input.len(), output.len());
+            return Err(CommError::BadBuffer { collective: "all_to_all".into(), detail });
+        }
+        output.copy_from_slice(input);
+        Ok(())
+    }
     fn send(&mut self, _buf: &[f32], _to: usize) -> Result<(), CommError> {
         Err(CommError::BadBuffer { collective: "send".into(), detail: "a group of one rank has no peer".into() })
     }

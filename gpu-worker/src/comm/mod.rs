@@ -97,6 +97,11 @@ pub trait Communicator: Send {
     /// Every rank ends with `root`'s `buf`.
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
 
+    /// Every rank's `input` is cut into `size` equal chunks: chunk j goes to rank j, and
+    /// what rank i sent this rank lands in chunk i of `output` (as long as `input`, a
+    /// multiple of `size`). Mixture-of-Experts sends each expert its tokens with it.
+    fn all_to_all(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError>;
+
     /// Point to point (pipeline parallelism): the receiver knows the length.
     fn send(&mut self, buf: &[f32], to: usize) -> Result<(), CommError>;
     fn recv(&mut self, buf: &mut [f32], from: usize) -> Result<(), CommError>;

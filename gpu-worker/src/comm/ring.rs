@@ -36,6 +36,7 @@
 //! `ring/all_reduce.rs`, built from the same steps.
 
 mod all_reduce;
+mod all_to_all;
 
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -708,6 +709,28 @@ impl Communicator for RingCommunicator {
         }
         let after = self.small_copy(buf);
         self.finish(CollectiveOp::AllGather, id, buf.len(), sent_before, start, (before, after));
+        Ok(())
+    }
+
+    /// Pairwise, W-1 steps (`ring/all_to_all.rs`).
+    fn all_to_all(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        let w = self.members.len();
+        let id = self.begin();
+        if input.len() != output.len() || !input.len().is_multiple_of(w) {
+            self.steps = None;
+            return Err(CommError::BadBuffer {
+                collective: format!("all_to_all #{id} in group {}", self.name),
+                detail: format!(
+                    "input has {} elements and output {}: both must be as long, a multiple of the {w} ranks",
+                    input.len(),
+                    output.len()
+                ),
+            });
+        }
+        let (start, sent_before, before) = (now_us(), self.bytes_sent, self.small_copy(input));
+        self.all_to_all_steps(input, output, id)?;
+        let after = self.small_copy(output);
+        self.finish(CollectiveOp::AllToAll, id, input.len(), sent_before, start, (before, after));
         Ok(())
     }
 
