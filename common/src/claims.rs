@@ -210,7 +210,8 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
                 )),
                 ..m(
                     format!(
-                        "(P-1)/(M+P-1) = {:.1}% (P={}, M={})",
+                        "{} = {:.1}% (P={}, M={})",
+                        Pipeline::of(spec).formula_name(),
                         100.0 * formula,
                         spec.parallel.pp,
                         spec.pipeline_micro_batches()

@@ -554,9 +554,10 @@ fn notes(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster, e: &Estimate) ->
         say(
             NoteLevel::Warning,
             format!(
-                "The pipeline idles {:.0}% of the step (bubble (P-1)/(M+P-1) with P={} stages, M={} \
-                 micro-batches x accumulation): use many more micro-batches than stages.",
+                "The pipeline idles {:.0}% of the step (bubble {} with P={} stages, M={} micro-batches x \
+                 accumulation): use many more micro-batches than stages.",
                 100.0 * plan.bubble_fraction,
+                crate::schedule::Pipeline::of(spec).formula_name(),
                 p.pp,
                 spec.pipeline_micro_batches()
             ),

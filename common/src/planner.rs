@@ -53,8 +53,9 @@ use crate::validate::FieldError;
 
 /// The planner models models up to this many parameters (a thousand times GPT-3).
 pub const MAX_PLANNED_PARAMS: f64 = 1e15;
-/// An interleaved stage's activation peak is found by following its schedule.
-const MAX_INTERLEAVED_MICRO_BATCHES: usize = 1 << 16;
+/// An interleaved or ZB-H1 stage's activation peak is found by following its schedule:
+/// at most this many passes over all stages.
+const MAX_FOLLOWED_PASSES: usize = 1 << 22;
 
 /// The plan lists every pipeline stage, so `pp` is bounded.
 pub const MAX_PLANNED_STAGES: usize = 1024;
@@ -406,13 +407,15 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
         );
     } else {
         spec.check_pipeline_schedule(&mut err);
-        let micro = spec.pipeline_micro_batches();
-        if p.pp_schedule == PpSchedule::Interleaved && micro > MAX_INTERLEAVED_MICRO_BATCHES {
+        // Interleaved and ZB-H1 peaks are found by following every stage's passes.
+        let passes = spec.pipeline_micro_batches().saturating_mul(p.virtual_stages.max(1)).saturating_mul(p.pp);
+        if matches!(p.pp_schedule, PpSchedule::Interleaved | PpSchedule::ZbH1) && passes > MAX_FOLLOWED_PASSES {
             err(
                 "train.micro_batches",
                 format!(
-                    "micro_batches * grad_accum = {micro}: the planner follows an interleaved schedule pass by \
-                     pass and handles at most {MAX_INTERLEAVED_MICRO_BATCHES}"
+                    "pp x virtual_stages x micro_batches x grad_accum = {passes}: the planner follows an {} \
+                     schedule pass by pass and handles at most {MAX_FOLLOWED_PASSES}",
+                    p.pp_schedule.as_str()
                 ),
             );
         }
@@ -658,7 +661,6 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         stages.iter().enumerate().max_by_key(|(i, st)| (st.memory.total, usize::MAX - i)).map_or(0, |x| x.0);
 
     let world_size = dp.saturating_mul(tp).saturating_mul(pp);
-    let (pf, mf) = (pp as f64, micro_steps as f64);
     let flops = step_flops(spec, world_size);
     Ok(Plan {
         param_count,
@@ -668,7 +670,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         stages,
         peak_stage,
         bubble_fraction: pipe.formula_bubble(),
-        bubble_over_compute: (pf - 1.0) / (mf * pipe.chunks as f64),
+        // idle / busy = bubble / (1 - bubble): (P-1)/M, (P-1)/(vM), (P-1)/(3M).
+        bubble_over_compute: pipe.formula_bubble() / (1.0 - pipe.formula_bubble()),
         flops,
     })
 }
@@ -1210,6 +1213,14 @@ mod tests {
         spec.parallel.virtual_stages = 3;
         let refused = plan(&spec).unwrap_err();
         assert!(refused.iter().any(|e| e.message.contains("multiple of 12")), "{refused:?}");
+        // ZB-H1: a third of 1F1B's idle time against its compute, (P-1)/(3M).
+        (spec.parallel.pp_schedule, spec.parallel.virtual_stages) = (PpSchedule::ZbH1, 1);
+        let zb = plan(&spec).unwrap();
+        assert!((zb.bubble_over_compute - 3.0 / 48.0).abs() < 1e-12);
+        // Schedules the planner follows pass by pass have a bound, not a hang.
+        spec.train.micro_batches = usize::MAX;
+        let refused = plan(&spec).unwrap_err();
+        assert!(refused.iter().any(|e| e.message.contains("pass by pass")), "{refused:?}");
     }
 
     /// Sequence parallelism splits the LayerNorm/residual regions: the activations per rank

@@ -63,10 +63,20 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
             (p.pp_schedule, p.virtual_stages) = (crate::PpSchedule::OneFOneB, 1);
         } else {
             // pp * v chunks of one block each, micro-batches in whole groups of pp.
-            p.virtual_stages = p.virtual_stages.clamp(2, 4);
-            small.model.layers = p.pp * p.virtual_stages;
-            let groups = (small.train.micro_batches / p.pp).max(1);
-            small.train.micro_batches = groups * p.pp;
+            let v = p.virtual_stages.clamp(2, 4);
+            if v != p.virtual_stages {
+                changes.push(format!("virtual_stages={} became {v}", p.virtual_stages));
+                p.virtual_stages = v;
+            }
+            small.model.layers = p.pp * v;
+            let m = (small.train.micro_batches / p.pp).max(1) * p.pp;
+            if m != small.train.micro_batches {
+                changes.push(format!(
+                    "micro_batches={} became {m}: interleaving takes them in groups of pp={}",
+                    small.train.micro_batches, p.pp
+                ));
+                small.train.micro_batches = m;
+            }
         }
     }
     small.train.micro_batch = 4;

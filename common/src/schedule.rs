@@ -21,7 +21,6 @@
 //!   stage 0:  Fa0 Fa1 Fb0 Fb1 | Fa2 Bb0 Fa3 Bb1 Fb2 Ba0 Fb3 Ba1 | Bb2 Bb3 Ba2 Ba3
 //!   stage 1:  Fa0 Fa1         | Fb0 Bb0 Fb1 Bb1 Fa2 Ba0 Fa3 Ba1 Fb2 Bb2 Fb3 Bb3 | Ba2 Ba3
 //!
-//!
 //! ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"), P = 3, M = 4: the backward
 //! is cut into B (the input's gradient, which the previous stage waits for) and W (the
 //! weights' gradients, which nobody waits for). It runs 1F1B with B in place of the whole
@@ -100,10 +99,10 @@ impl Pipeline {
     /// The pipeline of a run: its micro-batches are every micro-step of the optimizer step.
     pub fn of(spec: &ExperimentSpec) -> Self {
         let p = &spec.parallel;
-        let chunks = if p.pp_schedule == PpSchedule::Interleaved { p.virtual_stages.max(1) } else { 1 };
         // One stage runs forward, backward, forward, ... whatever the schedule (GPipe's
         // order would only hold every micro-batch's activations for nothing).
         let kind = if p.pp > 1 { p.pp_schedule } else { PpSchedule::OneFOneB };
+        let chunks = if kind == PpSchedule::Interleaved { p.virtual_stages.max(1) } else { 1 };
         Pipeline { kind, stages: p.pp.max(1), chunks, micro_batches: spec.pipeline_micro_batches() }
     }
 
@@ -208,13 +207,23 @@ impl Pipeline {
     }
 
     /// The bubble on equal stages, with free transfers: (P-1)/(M+P-1), or (P-1)/(v*M+P-1)
-    /// interleaved (each stage's ramp is P-1 chunk passes, each 1/v of a stage's pass).
+    /// interleaved (each stage's ramp is P-1 chunk passes, each 1/v of a stage's pass), or
+    /// (P-1)/(3M+P-1) for ZB-H1 with F = B = W.
     pub fn formula_bubble(&self) -> f64 {
         let (p, v, m) = (self.stages.max(1) as f64, self.chunks.max(1) as f64, self.micro_batches.max(1) as f64);
         match self.kind {
             // (P-1)(F+B-W) idle against M(F+B+W) busy, F = B = W.
             PpSchedule::ZbH1 => (p - 1.0) / (3.0 * m + p - 1.0),
             _ => (p - 1.0) / (v * m + p - 1.0),
+        }
+    }
+
+    /// [`Self::formula_bubble`] in symbols.
+    pub fn formula_name(&self) -> &'static str {
+        match self.kind {
+            PpSchedule::Interleaved => "(P-1)/(vM+P-1)",
+            PpSchedule::ZbH1 => "(P-1)/(3M+P-1) (ZB-H1, F = B = W)",
+            _ => "(P-1)/(M+P-1)",
         }
     }
 }

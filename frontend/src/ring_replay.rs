@@ -649,7 +649,8 @@ impl Replay {
                     piece.sent = true;
                     at += len;
                 }
-                let carried = buffers[from][covers.start].count();
+                // (a ring's chunk is empty where the buffer is shorter than the ring)
+                let carried = buffers[from].get(covers.start).map_or(0, ChunkState::count);
                 transfers.push(Transfer {
                     from,
                     to,
@@ -960,7 +961,7 @@ impl Replay {
         let r = |p: usize| self.info.ranks.get(p).copied().unwrap_or(p as u32);
         let Some(t) = frame.transfers.first() else { return String::new() };
         let numbers = t.values.as_ref().map(|v| format!(" [{}]", numbers(v))).unwrap_or_default();
-        let held = frame.buffers[t.to][t.covers.start].count();
+        let held = frame.buffers[t.to].get(t.covers.start).map_or(0, ChunkState::count);
         let last = frame.step as usize + 1
             == self.frames.iter().filter(|f| f.level == frame.level && f.phase == frame.phase).count();
         let mut text = match (frame.level, frame.phase) {
@@ -1222,6 +1223,7 @@ mod tests {
             "tree-5x6" => include_str!("../tests/fixtures/tree-allreduce-5x6.trace.json"),
             "hierarchical-6x6" => include_str!("../tests/fixtures/hierarchical-allreduce-6x6.trace.json"),
             "all-to-all-4x8" => include_str!("../tests/fixtures/all-to-all-4x8.trace.json"),
+            "hierarchical-4x1" => include_str!("../tests/fixtures/hierarchical-allreduce-4x1.trace.json"),
             other => panic!("no fixture {other}"),
         };
         serde_json::from_str(text).expect("fixture parses as ExperimentTrace")
@@ -1325,6 +1327,19 @@ mod tests {
         assert!(replay.explain(5).contains("leaders"));
         assert!(replay.explain(end).contains("every rank holds the sum"));
         assert!(replay.formula_text().contains("hierarchical"));
+
+        // One number on 4 ranks in nodes of 2: every ring has an empty chunk (a zero-length
+        // step), which moves nothing and breaks nothing.
+        let tiny = Replay::build(&fixture("hierarchical-4x1"), &dp0()).unwrap();
+        assert_eq!(tiny.chunks, vec![0..1]);
+        let end = tiny.frames.len() - 1;
+        for p in 0..4 {
+            assert_eq!(tiny.result(end, p), Some(demo_sum(4, 1)), "rank {p}");
+            assert_eq!(tiny.frames[end].bytes_sent[p] as f64, tiny.formula_bytes_of(p));
+            let _ = (tiny.explain(p + 1), tiny.phase_label(p + 1));
+        }
+        let v = tiny.verify();
+        assert!(v.all_match_output() && v.all_match_inputs() && v.all_complete(), "{v:?}");
     }
 
     /// The all-to-all demo (4 ranks, 8 numbers): 3 steps of 4 transfers, each to the rank

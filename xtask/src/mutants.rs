@@ -32,9 +32,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "A pipeline stage never marks the step's last backward (its data-parallel gradients stay local)",
         file: "gpu-worker/src/parallel/pipeline.rs",
-        find: "work.backward(be, chunk, micro, received, Some(index) == last_of(chunk, false))?;",
-        replace:
-            "work.backward(be, chunk, micro, received, Some(index) == last_of(chunk, false) && pipe.stages == 1)?;",
+        find: "work.backward(be, chunk, micro, received, Some(index) == last_backward[chunk])?;",
+        replace: "work.backward(be, chunk, micro, received, Some(index) == last_backward[chunk] && pipe.stages == 1)?;",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "pipelines_compose_with_data_parallelism"],
     },
     Mutant {

@@ -9,6 +9,7 @@
 //! planner's field errors instead.
 
 use distlab_common::planner::{self, CommVolume, Plan};
+use distlab_common::schedule::Pipeline as PipelineShape;
 use distlab_common::{ExperimentSpec, FieldError};
 use leptos::prelude::*;
 
@@ -116,7 +117,7 @@ pub fn PlanPanel(#[prop(into)] state: Signal<PlanState>) -> impl IntoView {
 fn PlanView(plan: Plan, spec: ExperimentSpec, stale: bool) -> impl IntoView {
     let peak = plan.stages.get(plan.peak_stage).cloned();
     let Some(peak) = peak else { return ().into_any() };
-    let (p, t) = (&spec.parallel, &spec.train);
+    let p = &spec.parallel;
     let memory = peak.memory.total;
     let comm = peak.comm.clone();
     let rows = comm_rows(&comm);
@@ -130,7 +131,7 @@ fn PlanView(plan: Plan, spec: ExperimentSpec, stale: bool) -> impl IntoView {
             <div>
                 <span class="k">"pipeline bubble"</span>
                 <span class="v" id="planner-bubble">{format::percent(plan.bubble_fraction)}</span>
-                <span class="small muted">{format!("(P−1)/(M+P−1), P={} M={}", p.pp, t.micro_batches)}</span>
+                <span class="small muted">{format!("{}, P={} M={}", PipelineShape::of(&spec).formula_name(), p.pp, spec.pipeline_micro_batches())}</span>
             </div>
         }
     });

@@ -1,7 +1,7 @@
 //! Pipeline parallelism: the model's blocks are cut into P contiguous stages (embeddings
 //! on the first, final LayerNorm + LM head + loss on the last), one per rank of the
 //! pipeline group; a step's micro-batches flow through them in the order a schedule
-//! (`distlab_common::schedule`: GPipe, 1F1B or interleaved) gives. Between neighbours only
+//! (`distlab_common::schedule`: GPipe, 1F1B, interleaved or ZB-H1) gives. Between neighbours only
 //! activations go forward and their gradients go back, point to point.
 //!
 //! Stages get equal numbers of blocks (`chunk_range`, as the planner assumes); the
@@ -128,7 +128,8 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
         }
     }
 
-    /// Queues `data` for stage `to` (a neighbour) and returns at once. Activations travel
+    /// Queues `data` for stage `to` (the next or previous stage; interleaved, the last
+    /// stage's next is the first) and returns at once. Activations travel
     /// as f32 (bf16/fp16 ones widened exactly, and rounded back on arrival).
     pub fn send(&mut self, data: &[S], to: usize) {
         let data: Vec<f32> = data.iter().map(|x| x.load()).collect();
@@ -226,16 +227,14 @@ pub fn run_step<B: TrainBackend, W: StageWork<B>>(
     let last_chunk = pipe.model_chunks() - 1;
     // Where each chunk's gradients are complete: its last backward of the step (ZB-H1: its
     // last B for the embeddings, its last W for the rest).
-    let last_of = |chunk: usize, weights: bool| {
-        let kind = |a: &Action| {
-            if weights {
-                matches!(a, Action::Weights { .. })
-            } else {
-                matches!(a, Action::Backward { .. })
-            }
-        };
-        actions.iter().rposition(|a| kind(a) && a.chunk() == chunk)
-    };
+    let (mut last_backward, mut last_weights) = (vec![None; pipe.chunks], vec![None; pipe.chunks]);
+    for (index, action) in actions.iter().enumerate() {
+        match action {
+            Action::Backward { chunk, .. } => last_backward[*chunk] = Some(index),
+            Action::Weights { chunk, .. } => last_weights[*chunk] = Some(index),
+            Action::Forward { .. } => {}
+        }
+    }
     let mut loss_sum = 0.0;
     for (index, &action) in actions.iter().enumerate() {
         if record {
@@ -269,12 +268,12 @@ pub fn run_step<B: TrainBackend, W: StageWork<B>>(
                 }
             }
             Action::Backward { .. } => {
-                work.backward(be, chunk, micro, received, Some(index) == last_of(chunk, false))?;
+                work.backward(be, chunk, micro, received, Some(index) == last_backward[chunk])?;
                 if let (Some(links), Some(to)) = (links.as_deref_mut(), before) {
                     work.read_input_grad(be, &mut |grad| links.send(grad, to));
                 }
             }
-            Action::Weights { .. } => work.weights(be, chunk, micro, Some(index) == last_of(chunk, true))?,
+            Action::Weights { .. } => work.weights(be, chunk, micro, Some(index) == last_weights[chunk])?,
         }
     }
     Ok(loss_sum)
