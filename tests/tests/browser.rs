@@ -1267,11 +1267,7 @@ async fn naive_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
     spec.parallel.dp = 4;
     spec.parallel.allreduce = distlab_common::AllReduce::Naive;
     spec.demo = Some(distlab_common::CollectiveDemo { op: distlab_common::DemoOp::AllReduce, elements: 6 });
-    let id = lab.submit(&spec);
-    let exp = lab.wait_finished(id, Duration::from_secs(90));
-    ensure!(exp.status == ExperimentStatus::Succeeded, "the naive demo did not succeed: {exp:?}");
-    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
-    wait_for(c, "the replay", Duration::from_secs(15), || exists(c, "#ring-step")).await?;
+    run_demo_and_open_its_replay(c, lab, &spec).await?;
     ensure!(exists(c, "#ring-not-a-ring").await?, "the page says it is not a ring");
     ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("6"), "3 reduces + 3 broadcasts");
     for click in 1..=6 {
@@ -1290,6 +1286,15 @@ async fn naive_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(text(c, "#ring-formula").await?.contains("against the ring's"));
     save_full_page(c, "naive-replay-end.png").await?;
     hierarchical_replay_scenario(c, lab).await
+}
+
+/// Runs the collective demo `spec` and opens its replay.
+async fn run_demo_and_open_its_replay(c: &Client, lab: &Lab, spec: &ExperimentSpec) -> Result<()> {
+    let id = lab.submit(spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(90));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "{} did not succeed: {exp:?}", spec.name);
+    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
+    wait_for(c, "the replay", Duration::from_secs(15), || exists(c, "#ring-step")).await
 }
 
 /// Clicks "step" on the replay and waits until it shows frame `k`.
@@ -1316,11 +1321,7 @@ async fn hierarchical_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
     spec.parallel.dp = 6;
     (spec.parallel.allreduce, spec.parallel.ranks_per_node) = (distlab_common::AllReduce::Hierarchical, 3);
     spec.demo = Some(distlab_common::CollectiveDemo { op: distlab_common::DemoOp::AllReduce, elements: 6 });
-    let id = lab.submit(&spec);
-    let exp = lab.wait_finished(id, Duration::from_secs(90));
-    ensure!(exp.status == ExperimentStatus::Succeeded, "the hierarchical demo did not succeed: {exp:?}");
-    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
-    wait_for(c, "the replay", Duration::from_secs(15), || exists(c, "#ring-step")).await?;
+    run_demo_and_open_its_replay(c, lab, &spec).await?;
     ensure!(exists(c, "#ring-hierarchical").await?, "the page says how the hierarchical all-reduce goes");
     ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("8"), "2 + 2 + 1 + 1 + 2 steps");
     let phases = ["inside the nodes", "inside the nodes", "inside the nodes", "inside the nodes", "across the leaders"];
@@ -1347,11 +1348,7 @@ async fn all_to_all_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let mut spec = quick_spec("all-to-all demo", 1);
     spec.parallel.dp = 4;
     spec.demo = Some(distlab_common::CollectiveDemo { op: distlab_common::DemoOp::AllToAll, elements: 8 });
-    let id = lab.submit(&spec);
-    let exp = lab.wait_finished(id, Duration::from_secs(90));
-    ensure!(exp.status == ExperimentStatus::Succeeded, "the all-to-all demo did not succeed: {exp:?}");
-    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
-    wait_for(c, "the replay", Duration::from_secs(15), || exists(c, "#ring-step")).await?;
+    run_demo_and_open_its_replay(c, lab, &spec).await?;
     ensure!(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("3"), "W-1 exchange steps");
     for click in 1..=3 {
         step_to(c, click).await?;
