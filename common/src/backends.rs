@@ -2,7 +2,7 @@
 //! (which refuses it at submission) and the browser (which says so while the form is
 //! filled in).
 
-use crate::spec::{AllReduce, Attention, BackendKind, ExperimentSpec, GradCompression, Offload, Precision};
+use crate::spec::{AllReduce, Attention, BackendKind, ExperimentSpec, Offload, Precision};
 use crate::validate::FieldError;
 
 /// The settings of a valid `spec` its backend cannot run yet, one error per field.
@@ -34,8 +34,9 @@ pub const CUDA_FLASH_MAX_HEAD: usize = 1024;
 /// checkpoint. What it leaves to the CPU: the collective demos, which show the ring's
 /// steps between rank processes and have no model to put on a GPU; flash attention with
 /// heads wider than its kernels hold; 2-byte communication, which the ranks' ring does
-/// (NCCL would carry it in its own bf16/fp16 types, not used yet); other all-reduce
-/// algorithms and gradient compression, written on the CPU ranks' communication thread.
+/// (NCCL would carry it in its own bf16/fp16 types, not used yet); the other all-reduce
+/// algorithms, written step by step on the ranks' ring. (Gradient compression and expert
+/// parallelism run there: their collectives go through host memory, over NCCL.)
 fn unsupported_on_cuda(spec: &ExperimentSpec) -> Vec<FieldError> {
     let mut out = Vec::new();
     if spec.demo.is_some() {
@@ -46,13 +47,6 @@ fn unsupported_on_cuda(spec: &ExperimentSpec) -> Vec<FieldError> {
             "parallel.allreduce",
             "on cuda NCCL all-reduces the gradients with its own algorithms; naive, tree and hierarchical run on \
              the cpu backend's ranks",
-        ));
-    }
-    if spec.parallel.grad_compression != GradCompression::None {
-        out.push(FieldError::new(
-            "parallel.grad_compression",
-            "on cuda NCCL sums the gradients where they are, on the GPU; the compressors run on the cpu backend's \
-             communication thread",
         ));
     }
     if spec.parallel.comm_dtype != Precision::Fp32 {
@@ -106,5 +100,14 @@ mod tests {
         assert_eq!(fields, ["parallel.offload"]);
         spec.parallel.offload = Offload::Disk;
         assert!(unsupported_on_backend(&spec).is_empty(), "the cpu backend offloads to disk");
+        // Compressed gradients and experts spread over ranks go through host memory on cuda.
+        spec = ExperimentSpec { backend: BackendKind::Cuda, ..ExperimentSpec::default() };
+        spec.parallel.dp = 2;
+        spec.parallel.grad_compression = crate::spec::GradCompression::Topk;
+        assert!(unsupported_on_backend(&spec).is_empty());
+        spec.parallel.grad_compression = crate::spec::GradCompression::None;
+        (spec.model.experts, spec.parallel.ep) = (4, 2);
+        assert!(unsupported_on_backend(&spec).is_empty());
+        assert_eq!(spec.validate(&crate::validate::Limits::default()), Ok(()));
     }
 }

@@ -110,20 +110,13 @@ pub fn stage_shapes(m: &ModelSpec, tp: usize, layers: usize, first: bool, last: 
         shapes.extend([(v, c), (t, c)]);
     }
     for _ in 0..layers {
-        shapes.extend([
-            (1, c),
-            (1, c),
-            (c, 3 * c / n),
-            (1, 3 * c / n),
-            (c / n, c),
-            (1, c),
-            (1, c),
-            (1, c),
-            (c, 4 * c / n),
-            (1, 4 * c / n),
-            (4 * c / n, c),
-            (1, c),
-        ]);
+        shapes.extend([(1, c), (1, c), (c, 3 * c / n), (1, 3 * c / n), (c / n, c), (1, c), (1, c), (1, c)]);
+        // the MLP; with experts (tp = 1) the router and E of them, each tensor seen as
+        // (E x its rows, its columns)
+        shapes.extend(match m.experts {
+            0 => vec![(c, 4 * c / n), (1, 4 * c / n), (4 * c / n, c), (1, c)],
+            e => vec![(c, e), (e * c, 4 * c), (e, 4 * c), (e * 4 * c, c), (e, c)],
+        });
     }
     if last {
         shapes.extend([(1, c), (1, c), (c, v)]);
@@ -166,7 +159,7 @@ mod tests {
 
     #[test]
     fn stage_shapes_add_up_to_the_model() {
-        let m = ModelSpec { layers: 3, d_model: 64, heads: 4, seq_len: 32, vocab: 80 };
+        let m = ModelSpec::dense(3, 64, 4, 32, 80);
         let count = |shapes: Vec<(usize, usize)>| shapes.iter().map(|&(r, c)| (r * c) as u64).sum::<u64>();
         assert_eq!(count(stage_shapes(&m, 1, 3, true, true)), m.param_count());
         let split = count(stage_shapes(&m, 1, 1, true, false))

@@ -76,7 +76,7 @@ pub fn model_presets() -> Vec<ModelPreset> {
         original_ties_head: tied,
         model,
     };
-    let m = |layers, d_model, heads, seq_len, vocab| ModelSpec { layers, d_model, heads, seq_len, vocab };
+    let m = ModelSpec::dense;
     vec![
         preset("gpt2-124m", "GPT-2 124M", 124_000_000, true, m(12, 768, 12, 1024, 50257)),
         preset("gpt3-xl-1.3b", "GPT-3 XL 1.3B", 1_300_000_000, true, m(24, 2048, 16, 2048, 50257)),
@@ -368,10 +368,15 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
     };
     let dp_axis = slowest_stage(axis(tp.saturating_mul(pp), dp), &|st| {
         let c = &st.comm;
-        let bytes = [c.dp_all_reduce, c.dp_reduce_scatter, c.dp_all_gather, c.dp_compressed]
+        // (expert parallelism's all-to-alls run inside the data-parallel group too: W-1
+        // messages each, four per block and micro-batch, six recomputing)
+        let bytes = [c.dp_all_reduce, c.dp_reduce_scatter, c.dp_all_gather, c.dp_compressed, c.ep_all_to_all]
             .into_iter()
             .fold(0u64, u64::saturating_add);
-        (bytes, dp_messages(spec, st, micro_steps))
+        let per_block: u64 = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+        let ep = (spec.parallel.ep as u64).saturating_sub(1);
+        let all_to_all = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps).saturating_mul(ep);
+        (bytes, dp_messages(spec, st, micro_steps).saturating_add(all_to_all))
     });
     let tp_axis = slowest_stage(axis(1, tp), &|st| {
         // Ring all-reduce: 2(T-1) steps; 4 per block and micro-batch (6 when the forward is
@@ -759,7 +764,7 @@ mod tests {
         // The deck's quick math: 3B with Adam in mixed precision is 3B x 16 = 48 GB of
         // state, which leaves 32 GB of an 80 GB A100 for activations: fine with
         // checkpointing at a moderate batch. A GPT of ~3.0B: 36 blocks of width 2560.
-        let model = ModelSpec { layers: 36, d_model: 2560, heads: 32, seq_len: 2048, vocab: 32000 };
+        let model = ModelSpec::dense(36, 2560, 32, 2048, 32000);
         let params = model.param_count();
         assert!((params as f64 / 3e9 - 1.0).abs() < 0.02, "{params}");
         let mut spec = megatron_spec(model, 1, 1, 1, 1);

@@ -21,6 +21,29 @@ pub struct MetricPoint {
     /// Dynamic loss scaling: steps skipped so far (their gradients overflowed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skipped_steps: Option<u64>,
+    /// Mixture of Experts: what the routers did in this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertMetrics>,
+}
+
+/// A Mixture-of-Experts step's routing, over every block, micro-batch and rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExpertMetrics {
+    /// The mean of the routers' load-balancing losses (Switch's E x sum_e f_e P_e): 1 when
+    /// the assignments and the probabilities are spread evenly, up to E when one expert
+    /// takes everything.
+    pub balance: f64,
+    /// Token-to-expert assignments the routers made (tokens x top_k per block).
+    pub assignments: u64,
+    /// Those an expert had no room for (its capacity was full): the token skipped it.
+    pub dropped: u64,
+}
+
+impl ExpertMetrics {
+    /// The share of assignments dropped.
+    pub fn dropped_share(&self) -> f64 {
+        self.dropped as f64 / self.assignments.max(1) as f64
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -175,6 +175,10 @@ pub struct CommVolume {
     /// top-k's and int8's all-gathers, PowerSGD's all-reduces of P and Q.
     #[serde(default)]
     pub dp_compressed: u64,
+    /// Expert parallelism's all-to-alls: each block's slots to the experts' ranks and back,
+    /// and their gradients.
+    #[serde(default)]
+    pub ep_all_to_all: u64,
     pub total: u64,
 }
 
@@ -358,6 +362,40 @@ pub fn activation_grad_elements(
     whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp, attention))
 }
 
+/// A Mixture-of-Experts block (tp = 1) on one of `ep` expert-parallel ranks, for one
+/// micro-batch of `rows` tokens: the activations it keeps and the backward scratch, from a
+/// dense block's (`dense_layer`, `dense_grads`), as the engine allocates them
+/// (model/experts.rs): the MLP's hidden layers (4d before and after GELU) now for each of
+/// the E x C slots instead of each token; the router's probabilities (rows x E), each
+/// slot's gate, the slots' inputs and outputs (slots x d each, twice with ep > 1: before and
+/// after each all-to-all). Scratch: the hidden gradient for max(rows, slots) rows, the
+/// slots' gradients (slots x d, twice with ep > 1), the router logits' gradient (rows x E)
+/// and its share of the LayerNorm output gradient (rows x d).
+pub fn expert_block_elements(m: &ModelSpec, rows: u64, ep: u64, dense_layer: u64, dense_grads: u64) -> (u64, u64) {
+    let (d, e) = (m.d_model as u64, m.experts as u64);
+    let slots = e.saturating_mul(m.expert_capacity(rows as usize) as u64);
+    let exchanged = if ep > 1 { 2 } else { 1 };
+    let hidden = d.saturating_mul(4);
+    let slot_rows = |n: u64| slots.saturating_mul(n);
+    let layer = [
+        rows.saturating_mul(e),
+        slots,
+        slot_rows(d).saturating_mul(2 * exchanged),
+        slot_rows(hidden).saturating_mul(2),
+    ]
+    .into_iter()
+    .fold(dense_layer.saturating_sub(rows.saturating_mul(hidden).saturating_mul(2)), u64::saturating_add);
+    let grads = [
+        rows.max(slots).saturating_mul(hidden),
+        slot_rows(d).saturating_mul(exchanged),
+        rows.saturating_mul(e),
+        rows.saturating_mul(d),
+    ]
+    .into_iter()
+    .fold(dense_grads.saturating_sub(rows.saturating_mul(hidden)), u64::saturating_add);
+    (layer, grads)
+}
+
 /// Checks that `spec` describes a model and a mesh that can exist at all: positive
 /// sizes, whole heads per TP rank, at least one block per pipeline stage. Run limits
 /// (world size, parameters, steps) are NOT checked: see [`ExperimentSpec::validate`].
@@ -407,6 +445,7 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
         );
     } else {
         spec.check_pipeline_schedule(&mut err);
+        spec.check_experts(&mut err);
         // Interleaved and ZB-H1 peaks are found by following every stage's passes.
         let passes = spec.pipeline_micro_batches().saturating_mul(p.virtual_stages.max(1)).saturating_mul(p.pp);
         if matches!(p.pp_schedule, PpSchedule::Interleaved | PpSchedule::ZbH1) && passes > MAX_FOLLOWED_PASSES {
@@ -476,9 +515,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     // The model's parts as the engine lays them out (ParamLayout): they add up to param_count.
     let embedding = (vocab + seq) * d;
     let head = 2 * d + d * vocab;
-    let block = m.block_params();
+    let ep = u(p.ep.max(1));
+    // With experts (tp = 1) a rank of an expert-parallel group holds E/ep of each block's.
+    let experts_per_block = u(m.experts) / ep * m.mlp_params();
+    let block = m.block_params() - (u(m.experts) - u(m.experts) / ep) * m.mlp_params();
     // Split by TP: QKV (3d^2 + 3d), attention projection weight (d^2), MLP (4d^2 + 4d, 4d^2).
-    let block_split = 12 * d * d + 7 * d;
+    let block_split = if m.is_moe() { 0 } else { 12 * d * d + 7 * d };
     let block_per_tp_rank = block_split / tp + (block - block_split);
 
     let rows = batch.saturating_mul(seq);
@@ -486,6 +528,10 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let sp = p.splits_sequence();
     let layer_acts = layer_activation_elements(batch, seq, d, heads, tp, t.attention, sp);
     let grad_acts = activation_grad_elements(batch, seq, d, heads, tp, t.attention, sp);
+    let (layer_acts, grad_acts) = match m.is_moe() {
+        true => expert_block_elements(m, rows, ep, layer_acts, grad_acts),
+        false => (layer_acts, grad_acts),
+    };
     // ZB-H1 (no sequence parallelism): the gradients of a block's four matmul outputs
     // (attention projection, MLP out: b*s*d; QKV: 3d/t; MLP hidden: 4d/t wide).
     let weight_stash_elements = rows.saturating_mul(d.saturating_mul(2) + (3 * d + 4 * d) / tp);
@@ -525,8 +571,10 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // gradient, when there is a group to reduce with; the buckets are fp32 in every
         // precision, as gradients are summed across ranks in fp32); ZeRO-2 and FSDP hold one
         // unit's gradient until it is reduce-scattered.
+        // (with expert parallelism the experts' gradients are summed apart, in place)
+        let experts_here = if ep > 1 { layers.saturating_mul(experts_per_block) } else { 0 };
         let comm_buffers = match p.sharding {
-            Sharding::None | Sharding::Zero1 if dp > 1 => params_per_rank.saturating_mul(4),
+            Sharding::None | Sharding::Zero1 if dp > 1 => (params_per_rank - experts_here).saturating_mul(4),
             Sharding::None | Sharding::Zero1 => 0,
             Sharding::Zero2 | Sharding::Fsdp => largest_unit.saturating_mul(per_param.gradients),
         };
@@ -644,6 +692,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             allreduce: p.allreduce,
             ranks_per_node: p.ranks_per_node,
             compressed: compressing.then(|| compressor.bytes_sent(&shapes, p.dp)),
+            experts: (ep > 1).then(|| ExpertComm {
+                params: experts_here,
+                ep,
+                slots_d: u(m.experts).saturating_mul(u(m.expert_capacity(rows as usize))).saturating_mul(d),
+            }),
         });
         stages.push(StagePlan {
             stage: s,
@@ -776,6 +829,18 @@ struct StageCommInput {
     ranks_per_node: usize,
     /// With gradient compression: the bytes its messages take, in place of the all-reduce.
     compressed: Option<u64>,
+    /// Expert parallelism.
+    experts: Option<ExpertComm>,
+}
+
+/// What expert parallelism moves on one rank of a stage.
+struct ExpertComm {
+    /// The stage's expert parameters on this rank (summed over its dp/ep replicas only).
+    params: u64,
+    ep: u64,
+    /// Elements of a micro-batch's slots in one block, E x C x d: what each all-to-all
+    /// exchanges.
+    slots_d: u64,
 }
 
 /// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
@@ -818,6 +883,32 @@ struct StageCommInput {
 /// Not counted: the engine's one-float all-reduces of the step's loss (and, when sharded,
 /// of the squared gradient norm).
 fn stage_comm(c: StageCommInput) -> CommVolume {
+    let mut v = match &c.experts {
+        None => dp_and_tp_comm(&c),
+        Some(e) => {
+            // The shared tensors over the data-parallel group, the experts over their replicas.
+            let shared = StageCommInput { params_per_rank: c.params_per_rank - e.params, experts: None, ..c };
+            let mut v = dp_and_tp_comm(&shared);
+            let replicas = c.dp / e.ep;
+            v.dp_all_reduce =
+                v.dp_all_reduce.saturating_add(ring_all_reduce_bytes(e.params, replicas, c.dp_wire_bytes));
+            // Four all-to-alls per block and micro-batch (the slots there and back, their
+            // gradients there and back), two more for a recomputed forward.
+            let per_block = if c.recomputing { 6 } else { 4 };
+            let one = ring_reduce_scatter_bytes(e.slots_d, e.ep, WIRE_BYTES);
+            v.ep_all_to_all = one.saturating_mul(per_block).saturating_mul(c.layers).saturating_mul(c.micro_steps);
+            v
+        }
+    };
+    v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send, v.dp_compressed]
+        .into_iter()
+        .chain([v.ep_all_to_all])
+        .fold(0u64, u64::saturating_add);
+    v
+}
+
+/// [`stage_comm`] without expert parallelism.
+fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
     let (g, w) = (c.dp_wire_bytes, c.dp_wire_bytes);
     let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
     let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, w);
@@ -868,9 +959,6 @@ fn stage_comm(c: StageCommInput) -> CommVolume {
     // back but the model's first.
     let sends = (c.chunks - u64::from(c.last)) + (c.chunks - u64::from(c.first));
     v.pp_send = c.res_d.saturating_mul(WIRE_BYTES).saturating_mul(sends).saturating_mul(c.micro_steps);
-    v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send, v.dp_compressed]
-        .into_iter()
-        .fold(0u64, u64::saturating_add);
     v
 }
 
@@ -1047,7 +1135,7 @@ mod tests {
         // keeps DDP's all-reduce and adds the all-gather: 3D. FSDP: two gathers and a
         // reduce-scatter, 3D, less the embeddings' backward gather (no parameters needed).
         let spec_with = |sharding| {
-            let mut spec = with_model(ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 });
+            let mut spec = with_model(ModelSpec::dense(4, 64, 4, 32, 64));
             spec.parallel.dp = 4;
             spec.parallel.sharding = sharding;
             spec
@@ -1149,7 +1237,7 @@ mod tests {
 
     #[test]
     fn stages_and_tp_ranks_add_up_to_the_whole_model() {
-        let mut spec = with_model(ModelSpec { layers: 7, d_model: 96, heads: 6, seq_len: 16, vocab: 50 });
+        let mut spec = with_model(ModelSpec::dense(7, 96, 6, 16, 50));
         spec.parallel.pp = 3;
         let p = plan(&spec).unwrap();
         let layers: Vec<(usize, usize)> = p.stages.iter().map(|s| (s.first_layer, s.layers)).collect();
@@ -1314,7 +1402,7 @@ mod tests {
             );
         }
         // Zero everything: every problem at once, and no panic.
-        let mut spec = with_model(ModelSpec { layers: 0, d_model: 0, heads: 0, seq_len: 0, vocab: 0 });
+        let mut spec = with_model(ModelSpec::dense(0, 0, 0, 0, 0));
         spec.parallel.dp = 0;
         assert!(plan(&spec).unwrap_err().len() >= 6);
     }
@@ -1332,7 +1420,7 @@ mod tests {
     #[test]
     fn gpt3_on_3d_parallel_does_not_overflow() {
         // 175B-class: 96 layers, d=12288, 96 heads, seq 2048, on dp=1024 x tp=8 x pp=16.
-        let mut spec = with_model(ModelSpec { layers: 96, d_model: 12288, heads: 96, seq_len: 2048, vocab: 50257 });
+        let mut spec = with_model(ModelSpec::dense(96, 12288, 96, 2048, 50257));
         spec.parallel = ParallelSpec { dp: 1024, tp: 8, pp: 16, sharding: Sharding::Zero1, ..ParallelSpec::default() };
         spec.train.precision = Precision::Bf16;
         spec.train.micro_batch = 1;

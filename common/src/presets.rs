@@ -13,14 +13,14 @@ pub fn presets() -> Vec<Preset> {
     let tiny = ExperimentSpec::default();
 
     let mut reference = ExperimentSpec { name: "reference-gpt".into(), ..ExperimentSpec::default() };
-    reference.model = ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 };
+    reference.model = ModelSpec::dense(4, 256, 4, 128, 256);
     reference.train.micro_batch = 16;
     reference.train.steps = 30;
     reference.train.lr = 1e-3;
 
     let mut text = ExperimentSpec { name: "shakespeare-bytes".into(), ..ExperimentSpec::default() };
     text.data.dataset = Dataset::Text;
-    text.model = ModelSpec { layers: 2, d_model: 128, heads: 4, seq_len: 64, vocab: 256 };
+    text.model = ModelSpec::dense(2, 128, 4, 64, 256);
     text.train.steps = 200;
     text.train.micro_batch = 16;
 
@@ -33,7 +33,7 @@ pub fn presets() -> Vec<Preset> {
     ring.demo = Some(CollectiveDemo { op: DemoOp::AllReduce, elements: 16 });
 
     let mut pipeline = ExperimentSpec { name: "pipeline-1f1b".into(), ..ExperimentSpec::default() };
-    pipeline.model = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    pipeline.model = ModelSpec::dense(4, 64, 4, 32, 64);
     pipeline.parallel.pp = 4;
     pipeline.parallel.pp_schedule = PpSchedule::OneFOneB;
     pipeline.train.micro_batch = 2;
@@ -42,13 +42,13 @@ pub fn presets() -> Vec<Preset> {
     pipeline.train.warmup_steps = 2;
 
     let mut megatron = ExperimentSpec { name: "megatron-tp2".into(), ..ExperimentSpec::default() };
-    megatron.model = ModelSpec { layers: 2, d_model: 128, heads: 4, seq_len: 64, vocab: 64 };
+    megatron.model = ModelSpec::dense(2, 128, 4, 64, 64);
     megatron.parallel.tp = 2;
     megatron.train.micro_batch = 8;
     megatron.train.steps = 20;
 
     let mut three_d = ExperimentSpec { name: "3d-dp2-tp2-pp2".into(), ..ExperimentSpec::default() };
-    three_d.model = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    three_d.model = ModelSpec::dense(4, 64, 4, 32, 64);
     three_d.parallel = ParallelSpec { dp: 2, tp: 2, pp: 2, ..ParallelSpec::default() };
     three_d.train.micro_batch = 2;
     three_d.train.micro_batches = 4;
@@ -62,7 +62,7 @@ pub fn presets() -> Vec<Preset> {
     fsdp.train.micro_batch = 2;
 
     let mut recompute = ExperimentSpec { name: "checkpointing-every".into(), ..ExperimentSpec::default() };
-    recompute.model = ModelSpec { layers: 4, d_model: 128, heads: 4, seq_len: 128, vocab: 64 };
+    recompute.model = ModelSpec::dense(4, 128, 4, 128, 64);
     recompute.train.micro_batch = 8;
     recompute.train.steps = 20;
     recompute.train.checkpointing = Checkpointing::Every;
@@ -72,7 +72,7 @@ pub fn presets() -> Vec<Preset> {
     // logit gradient of an unlikely token, p / 32768 ~ 1e-8, is below fp16's smallest
     // subnormal (6e-8): without loss scaling most of those gradients are stored as 0.
     let mut fp16_plain = ExperimentSpec { name: "fp16-no-loss-scaling".into(), ..ExperimentSpec::default() };
-    fp16_plain.model = ModelSpec { layers: 1, d_model: 32, heads: 2, seq_len: 64, vocab: 4096 };
+    fp16_plain.model = ModelSpec::dense(1, 32, 2, 64, 4096);
     fp16_plain.train.micro_batch = 64;
     fp16_plain.train.grad_accum = 8;
     fp16_plain.train.steps = 20;
@@ -85,6 +85,14 @@ pub fn presets() -> Vec<Preset> {
     let mut bf16 = fp16_plain.clone();
     bf16.name = "bf16".into();
     bf16.train.precision = Precision::Bf16;
+
+    let mut experts = ExperimentSpec { name: "moe-4-experts-ep2".into(), ..ExperimentSpec::default() };
+    experts.model =
+        ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.25, ..ModelSpec::dense(2, 64, 4, 32, 64) };
+    experts.parallel.dp = 2;
+    experts.parallel.ep = 2;
+    experts.train.micro_batch = 4;
+    experts.train.steps = 50;
 
     vec![
         Preset {
@@ -164,6 +172,12 @@ pub fn presets() -> Vec<Preset> {
             title: "bf16 (no loss scaling needed)",
             description: "The same run in bf16: 8 exponent bits, the range of fp32, so the tiny gradients survive without scaling; 7 mantissa bits, so each value is rounded more coarsely than in fp16.",
             spec: bf16,
+        },
+        Preset {
+            key: "experts",
+            title: "Mixture of Experts, experts over 2 ranks (ep=2)",
+            description: "Each block's MLP becomes 4 experts and a router that sends every token to 2 of them; an expert takes at most 1.25 times its even share of a micro-batch's tokens and the rest of its assignments are dropped (counted on the page, step by step). The 2 data-parallel ranks hold 2 experts each: tokens cross to their experts and back by all-to-all, four per block and micro-batch (the timeline's EP lane). Resubmit it with ep 1 and compare: the same losses, more parameters per rank, no all-to-all.",
+            spec: experts,
         },
     ]
 }

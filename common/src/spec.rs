@@ -76,6 +76,18 @@ pub struct ModelSpec {
     pub heads: usize,
     pub seq_len: usize,
     pub vocab: usize,
+    /// Mixture of Experts: each block's MLP replaced by `experts` MLPs of the same shape
+    /// and a router choosing `expert_top_k` of them per token (0: the dense model).
+    pub experts: usize,
+    pub expert_top_k: usize,
+    /// Each expert takes at most capacity = ceil(capacity_factor x tokens x top_k /
+    /// experts) of a micro-batch's tokens; the assignments beyond it are dropped (the
+    /// token goes on through the residual alone).
+    pub capacity_factor: f64,
+    /// Weight of the router's load-balancing loss (Switch Transformer's alpha): experts x
+    /// sum over experts of (share of assignments) x (mean router probability), 1 when
+    /// balanced.
+    pub aux_loss_coef: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -133,6 +145,10 @@ pub struct ParallelSpec {
     pub compression_ratio: f64,
     /// `grad_compression: powersgd`: the rank of each matrix's approximation.
     pub compression_rank: usize,
+    /// Expert parallelism: the experts of every block spread over `ep` consecutive ranks
+    /// of the data-parallel group (E/ep each), tokens sent to their experts and back by
+    /// all-to-all.
+    pub ep: usize,
 }
 
 /// How DDP's gradients are compressed on the wire; what each loses is kept on the rank
@@ -376,7 +392,7 @@ impl Default for ExperimentSpec {
 
 impl Default for ModelSpec {
     fn default() -> Self {
-        Self { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 }
+        Self::dense(2, 64, 4, 32, 64)
     }
 }
 
@@ -413,6 +429,7 @@ impl Default for ParallelSpec {
             grad_compression: GradCompression::None,
             compression_ratio: 0.01,
             compression_rank: 4,
+            ep: 1,
         }
     }
 }
@@ -443,6 +460,44 @@ impl Default for TrainSpec {
 }
 
 impl ModelSpec {
+    /// A dense model (no experts) of this shape.
+    pub const fn dense(layers: usize, d_model: usize, heads: usize, seq_len: usize, vocab: usize) -> Self {
+        Self {
+            layers,
+            d_model,
+            heads,
+            seq_len,
+            vocab,
+            experts: 0,
+            expert_top_k: 1,
+            capacity_factor: 1.25,
+            aux_loss_coef: 0.01,
+        }
+    }
+
+    /// Whether the blocks' MLPs are experts.
+    pub fn is_moe(&self) -> bool {
+        self.experts > 0
+    }
+
+    /// Parameters of one MLP (an expert): d x 4d + 4d, 4d x d + d.
+    pub fn mlp_params(&self) -> u64 {
+        let (d, ff) = (self.d_model as u64, self.d_ff() as u64);
+        (d * ff + ff) + (ff * d + d)
+    }
+
+    /// Rows each expert takes from a micro-batch of `tokens` tokens: ceil(capacity_factor x
+    /// tokens x top_k / experts), at least 1 and at most `tokens` (a token picks an expert
+    /// once); 0 for a dense model.
+    pub fn expert_capacity(&self, tokens: usize) -> usize {
+        if !self.is_moe() {
+            return 0;
+        }
+        let wanted = self.capacity_factor * tokens as f64 * self.expert_top_k as f64 / self.experts as f64;
+        let wanted = if wanted.is_finite() { wanted.ceil().max(1.0) } else { 1.0 };
+        (wanted.min(tokens as f64) as usize).max(1)
+    }
+
     /// Width of the MLP's hidden layer (GPT-2: 4 x d_model; saturating, for a d_model far
     /// beyond any limit that validation is about to refuse).
     pub fn d_ff(&self) -> usize {
@@ -450,11 +505,22 @@ impl ModelSpec {
     }
 
     /// Parameters of one transformer block: two LayerNorms (gain + bias),
-    /// QKV (d x 3d + 3d), attention output (d x d + d), MLP (d x 4d + 4d, 4d x d + d).
+    /// QKV (d x 3d + 3d), attention output (d x d + d), MLP (d x 4d + 4d, 4d x d + d);
+    /// with experts, the router (d x E) and E MLPs.
     pub fn block_params(&self) -> u64 {
         let d = self.d_model as u64;
-        let ff = self.d_ff() as u64;
-        2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)
+        let attention = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d);
+        match self.is_moe() {
+            false => attention + self.mlp_params(),
+            true => attention + d * self.experts as u64 + self.experts as u64 * self.mlp_params(),
+        }
+    }
+
+    /// Parameters one token's forward uses: all of them, less the experts it does not
+    /// visit (E - top_k per block).
+    pub fn active_param_count(&self) -> u64 {
+        let idle = self.experts.saturating_sub(self.expert_top_k) as u64;
+        self.param_count() - self.layers as u64 * idle * self.mlp_params()
     }
 
     /// All parameters: token and position embeddings, the blocks, the final LayerNorm
@@ -466,11 +532,11 @@ impl ModelSpec {
         v * d + t * d + self.layers as u64 * self.block_params() + 2 * d + d * v
     }
 
-    /// Training FLOPs per token: 6 x params for the matmuls (forward 2, backward 4)
+    /// Training FLOPs per token: 6 x (active) params for the matmuls (forward 2, backward 4)
     /// plus causal attention scores and weighted sum (12 x layers x seq_len x d_model,
     /// counting the full square as PyTorch's FLOP counters and the seed texts do).
     pub fn train_flops_per_token(&self) -> f64 {
-        6.0 * self.param_count() as f64 + 12.0 * self.layers as f64 * self.seq_len as f64 * self.d_model as f64
+        6.0 * self.active_param_count() as f64 + 12.0 * self.layers as f64 * self.seq_len as f64 * self.d_model as f64
     }
 }
 
@@ -604,7 +670,7 @@ mod tests {
     #[test]
     fn param_count_matches_gpt2_small() {
         // GPT-2 small (untied head, 1024 positions) = 124.4M + 38.6M head.
-        let m = ModelSpec { layers: 12, d_model: 768, heads: 12, seq_len: 1024, vocab: 50257 };
+        let m = ModelSpec::dense(12, 768, 12, 1024, 50257);
         let tied = m.param_count() - (m.d_model * m.vocab) as u64;
         assert_eq!(tied, 124_439_808);
     }

@@ -163,12 +163,14 @@ pub mod lane {
     pub const DP_BLOCKING: &str = "dp-blocking";
     /// Tensor parallelism's all-reduces, between a block's matmuls (waited for too).
     pub const TP: &str = "tp";
+    /// Expert parallelism's all-to-alls: tokens to their experts and back (waited for too).
+    pub const EP: &str = "ep";
 }
 
 impl Span {
     /// A collective the compute thread stopped for: it can never be hidden under compute.
     pub fn blocks_compute(&self) -> bool {
-        self.kind == SpanKind::Comm && (self.lane == lane::DP_BLOCKING || self.lane == lane::TP)
+        self.kind == SpanKind::Comm && [lane::DP_BLOCKING, lane::TP, lane::EP].contains(&self.lane.as_str())
     }
 }
 

@@ -275,6 +275,7 @@ impl ExperimentSpec {
         }
         self.check_compression(&mut err);
         self.check_pipeline_schedule(&mut err);
+        self.check_experts(&mut err);
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",
@@ -475,6 +476,80 @@ impl ExperimentSpec {
         }
     }
 
+    /// Mixture of Experts (`model.experts` and its settings) and expert parallelism
+    /// (`parallel.ep`, the experts spread over ranks of the data-parallel group).
+    pub(crate) fn check_experts(&self, err: &mut impl FnMut(&str, String)) {
+        let (m, p) = (&self.model, &self.parallel);
+        if m.experts > MAX_EXPERTS {
+            err(
+                "model.experts",
+                format!("experts must be at most {MAX_EXPERTS} (0: a dense MLP); it is {}", m.experts),
+            );
+        }
+        if m.is_moe() {
+            in_range(err, "model.expert_top_k", m.expert_top_k, 1, m.experts.min(MAX_EXPERTS), "expert_top_k");
+            let cf = m.capacity_factor;
+            if !(cf > 0.0 && cf <= 64.0) {
+                err(
+                    "model.capacity_factor",
+                    format!(
+                        "capacity_factor scales each expert's share of the tokens: above 0, at most 64 (it is {cf})"
+                    ),
+                );
+            }
+            let alpha = m.aux_loss_coef;
+            if !(0.0..=10.0).contains(&alpha) {
+                err("model.aux_loss_coef", format!("aux_loss_coef must be from 0 to 10 (it is {alpha})"));
+            }
+            let mut refuse = |field: &str, why: String| err(field, format!("experts={}: {why}", m.experts));
+            if p.tp > 1 {
+                refuse("parallel.tp", "the experts are not split across tensor-parallel ranks: use tp=1".into());
+            }
+            if p.pp_schedule == PpSchedule::ZbH1 {
+                refuse(
+                    "parallel.pp_schedule",
+                    "zb-h1's W is not written for the experts' weights: use 1f1b or interleaved".into(),
+                );
+            }
+        }
+        in_range(err, "parallel.ep", p.ep, 1, MAX_EXPERTS, "ep");
+        if p.ep <= 1 {
+            return;
+        }
+        let mut refuse = |field: &str, why: String| err(field, format!("ep={}: {why}", p.ep));
+        if !m.is_moe() {
+            refuse("parallel.ep", "expert parallelism spreads the experts; a dense model (experts=0) has none".into());
+        } else if m.experts % p.ep != 0 {
+            refuse("parallel.ep", format!("every rank takes experts/ep experts: ep must divide experts={}", m.experts));
+        }
+        if p.dp % p.ep != 0 {
+            refuse(
+                "parallel.ep",
+                format!("the experts are spread over ep ranks of the data-parallel group: ep must divide dp={}", p.dp),
+            );
+        }
+        if p.sharding != Sharding::None {
+            refuse(
+                "parallel.sharding",
+                format!(
+                    "sharding={} cuts every unit across the data-parallel group, whose ranks now hold different \
+                     experts: use sharding=none",
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        if p.grad_compression != GradCompression::None {
+            refuse("parallel.grad_compression", "compress a dense model's gradients (ep=1)".into());
+        }
+        if self.train.checkpoint_every > 0 || self.train.resume_from.is_some() {
+            refuse(
+                "train.checkpoint_every",
+                "checkpoints of an expert-parallel run (each rank its own experts) are not written yet: use ep=1"
+                    .into(),
+            );
+        }
+    }
+
     /// `parallel.grad_compression` and its settings: DDP's gradient all-reduce on the ring
     /// is what a compressor replaces.
     fn check_compression(&self, err: &mut impl FnMut(&str, String)) {
@@ -532,6 +607,9 @@ impl ExperimentSpec {
         }
     }
 }
+
+/// The most experts a block may have.
+pub const MAX_EXPERTS: usize = 64;
 
 fn world_tokens(spec: &ExperimentSpec) -> u128 {
     [spec.parallel.dp, spec.train.micro_batch, spec.train.micro_batches, spec.train.grad_accum, spec.model.seq_len]
@@ -609,6 +687,42 @@ mod tests {
                     ("parallel.pp_schedule", "zb-h1: fills a pipeline's bubbles; it needs pp >= 2"),
                     ("parallel.sharding", "sharding=fsdp reduce-scatters"),
                     ("train.checkpointing", "use checkpointing=none"),
+                ],
+            ),
+            (
+                json!({"model": {"experts": 65, "expert_top_k": 0}}),
+                vec![("model.experts", "experts must be at most 64"), ("model.expert_top_k", "between 1 and 64")],
+            ),
+            (
+                json!({"model": {"experts": 4, "expert_top_k": 5, "capacity_factor": 0.0, "aux_loss_coef": -1.0}}),
+                vec![
+                    ("model.expert_top_k", "expert_top_k must be between 1 and 4 (it is 5)"),
+                    ("model.capacity_factor", "above 0, at most 64 (it is 0)"),
+                    ("model.aux_loss_coef", "from 0 to 10 (it is -1)"),
+                ],
+            ),
+            (
+                json!({"model": {"experts": 4}, "parallel": {"tp": 2, "pp": 2, "pp_schedule": "zb-h1"}}),
+                vec![
+                    ("parallel.tp", "experts=4: the experts are not split across tensor-parallel ranks"),
+                    ("parallel.pp_schedule", "experts=4: zb-h1's W is not written for the experts"),
+                ],
+            ),
+            (
+                json!({"parallel": {"dp": 2, "ep": 2}}),
+                vec![("parallel.ep", "ep=2: expert parallelism spreads the experts; a dense model")],
+            ),
+            (
+                json!({"model": {"experts": 6}, "parallel": {"dp": 2, "ep": 4, "sharding": "zero1"},
+                       "train": {"checkpoint_every": 5}}),
+                vec![
+                    ("parallel.ep", "ep=4: every rank takes experts/ep experts: ep must divide experts=6"),
+                    (
+                        "parallel.ep",
+                        "ep=4: the experts are spread over ep ranks of the data-parallel group: ep must divide dp=2",
+                    ),
+                    ("parallel.sharding", "ep=4: sharding=zero1 cuts every unit"),
+                    ("train.checkpoint_every", "ep=4: checkpoints of an expert-parallel run"),
                 ],
             ),
             (

@@ -96,7 +96,7 @@ fn reference_spec(args: &Args) -> ExperimentSpec {
     let defaults = ExperimentSpec::default();
     let mut spec = ExperimentSpec {
         name: "bench-train-step".into(),
-        model: ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: args.seq_len, vocab: 256 },
+        model: ModelSpec::dense(4, 256, 4, args.seq_len, 256),
         train: TrainSpec {
             micro_batch: args.batch,
             steps,

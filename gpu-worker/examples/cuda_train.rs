@@ -53,13 +53,7 @@ fn main() {
     let args = Args::parse();
     let mut spec = ExperimentSpec {
         name: "cuda-train".into(),
-        model: ModelSpec {
-            layers: args.layers,
-            d_model: args.d_model,
-            heads: args.heads,
-            seq_len: args.seq_len,
-            vocab: args.vocab,
-        },
+        model: ModelSpec::dense(args.layers, args.d_model, args.heads, args.seq_len, args.vocab),
         ..ExperimentSpec::default()
     };
     spec.train.micro_batch = args.micro_batch;

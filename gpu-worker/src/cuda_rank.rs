@@ -84,6 +84,14 @@ fn train_as<S: DeviceElem>(
         };
         log(on_event, format!("tensor parallel: {} ranks; activation sums travel over {via}", place.size));
     }
+    if let Some(ep) = groups.ep.as_mut() {
+        let (rank, size) = (ep.comm_mut().rank(), ep.comm_mut().size());
+        let via = match nccl_group(ep.comm_mut().as_mut(), rank, size, ordinal, own_gpus, "ep")? {
+            Ok(nccl) => swap_in(ep.comm_mut(), nccl),
+            Err(why) => why,
+        };
+        log(on_event, format!("expert parallel: {size} ranks; tokens cross to their experts by all-to-all over {via}"));
+    }
     if groups.pp.is_some() {
         log(
             on_event,

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use distlab_common::trace::RankTrace;
 use distlab_common::*;
-use distlab_worker::comm::RingCommunicator;
+use distlab_worker::comm::{Communicator, RingCommunicator};
+use distlab_worker::parallel::expert::ExpertParallel;
 use distlab_worker::parallel::mesh::Topology;
 use distlab_worker::parallel::pipeline::PipelineGroup;
 use distlab_worker::parallel::tensor::TensorParallel;
@@ -55,15 +56,26 @@ pub fn run(
     let ring = |name: &str, members: Vec<usize>, traced: bool| {
         RingCommunicator::new(&mesh, name, members, collective_timeout, traced.then(|| tracer.clone()))
     };
+    // Expert parallelism: consecutive DP ranks share the experts (the all-to-all group,
+    // traced); the ranks at the same place of each such group hold the same experts.
+    let dp_members = topology.dp_group(rank);
+    let ep_size = p.ep.max(1);
+    let ep_group = &dp_members[coords.dp / ep_size * ep_size..][..ep_size];
+    let ep = if ep_size > 1 { Some(ExpertParallel::new(Box::new(ring("ep", ep_group.to_vec(), true)?))) } else { None };
+    let replicas: Vec<usize> = dp_members.iter().copied().skip(coords.dp % ep_size).step_by(ep_size).collect();
     let dp = if p.dp > 1 {
-        let members = topology.dp_group(rank);
+        let members = dp_members.clone();
         let mut grads = ring("dp", members.clone(), true)?;
         // The gradients' all-reduce runs the spec's algorithm (the loop's scalars the ring's).
         grads.set_all_reduce(p.allreduce, p.ranks_per_node);
         // ZeRO and FSDP run their parameter collectives on the training thread, on this
         // one: trace it too.
         let scalars = ring("dp-main", members, p.sharding != Sharding::None)?;
-        Some(DpGroup { rank: coords.dp, world: p.dp, grads: Box::new(grads), scalars: Box::new(scalars) })
+        let experts = match ep_size > 1 && replicas.len() > 1 {
+            true => Some(Box::new(ring("ep-replicas", replicas, true)?) as Box<dyn Communicator>),
+            false => None,
+        };
+        Some(DpGroup { rank: coords.dp, world: p.dp, grads: Box::new(grads), scalars: Box::new(scalars), experts })
     } else {
         None
     };
@@ -99,7 +111,7 @@ pub fn run(
     let run = train_rank(
         spec,
         opts,
-        Groups { rank, dp, pp, tp, pipe_bytes: mesh.pipe_bytes(), offload_dir: opts.offload_dir.clone() },
+        Groups { rank, dp, pp, tp, ep, pipe_bytes: mesh.pipe_bytes(), offload_dir: opts.offload_dir.clone() },
         &mut on_event,
         &AtomicBool::new(false),
     )?;

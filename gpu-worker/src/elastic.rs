@@ -239,7 +239,7 @@ mod tests {
 
     #[test]
     fn any_dp_and_sharding_re_cut_to_any_other_gives_back_the_same_numbers() {
-        let model = ModelSpec { layers: 3, d_model: 8, heads: 2, seq_len: 5, vocab: 11 };
+        let model = ModelSpec::dense(3, 8, 2, 5, 11);
         let layout = ParamLayout::for_tp(&model, TpPlace { rank: 1, size: 2 });
         let pipe = Pipeline { kind: PpSchedule::OneFOneB, stages: 2, chunks: 1, micro_batches: 2 };
         let stage = stage_of(&pipe, model.layers, 1);

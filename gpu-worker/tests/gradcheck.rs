@@ -255,7 +255,7 @@ fn crossentropy_backward_matches_finite_differences() {
 }
 
 fn tiny_model() -> ModelSpec {
-    ModelSpec { layers: 2, d_model: 8, heads: 2, seq_len: 5, vocab: 11 }
+    ModelSpec::dense(2, 8, 2, 5, 11)
 }
 
 fn tiny_batch(spec: &ModelSpec, batch: usize) -> (Vec<u32>, Vec<u32>) {
@@ -266,6 +266,22 @@ fn tiny_batch(spec: &ModelSpec, batch: usize) -> (Vec<u32>, Vec<u32>) {
     (inputs, targets)
 }
 
+/// The model, its state with larger-than-GPT-2 weights (so that every path carries a
+/// visible gradient), zeroed gradients, and those weights.
+fn model_with_visible_weights(
+    be: &CpuBackend<f64>,
+    spec: &ModelSpec,
+    batch: usize,
+) -> (Gpt<CpuBackend<f64>>, FlatState<CpuBackend<f64>>, Vec<f64>) {
+    let model = Gpt::new(be, spec, batch, &MemoryTracker::new());
+    let mut state = FlatState::new(be, &model.layout, 3);
+    assert_eq!(model.layout.total as u64, spec.param_count());
+    let params: Vec<f64> = state.params.iter().enumerate().map(|(i, p)| p * 10.0 + 0.01 * (i as f64).sin()).collect();
+    state.params.copy_from_slice(&params);
+    state.zero_grads(be);
+    (model, state, params)
+}
+
 #[test]
 fn whole_model_gradient_matches_finite_differences() {
     let spec = tiny_model();
@@ -273,14 +289,7 @@ fn whole_model_gradient_matches_finite_differences() {
     let (inputs, targets) = tiny_batch(&spec, batch);
     let dloss = 1.0 / (batch * spec.seq_len) as f64;
     with_backends(|be| {
-        let mut model = Gpt::new(be, &spec, batch, &MemoryTracker::new());
-        let mut state = FlatState::new(be, &model.layout, 3);
-        assert_eq!(model.layout.total as u64, spec.param_count());
-        // Larger-than-GPT-2 weights so that every path carries a visible gradient.
-        let params: Vec<f64> =
-            state.params.iter().enumerate().map(|(i, p)| p * 10.0 + 0.01 * (i as f64).sin()).collect();
-        state.params.copy_from_slice(&params);
-        state.zero_grads(be);
+        let (mut model, mut state, params) = model_with_visible_weights(be, &spec, batch);
         model.forward(be, &mut state, &inputs, &targets).unwrap();
         model.backward(be, &mut state, &inputs, &targets, dloss).unwrap();
         let analytic = state.grads.clone();
@@ -356,7 +365,7 @@ fn fp16_gradients_underflow_without_loss_scaling_and_survive_with_it() {
     // vocabulary an unlikely token's logit gradient, p / 32768 ~ 1.5e-8, is below fp16's
     // smallest subnormal (2^-24 ~ 6e-8): stored in fp16 it is 0. Scaling the loss by 2^16
     // lifts every gradient into range; dividing by 2^16 afterwards (in f32) gives it back.
-    let spec = ModelSpec { layers: 1, d_model: 16, heads: 2, seq_len: 8, vocab: 2048 };
+    let spec = ModelSpec::dense(1, 16, 2, 8, 2048);
     let (inputs, targets) = tiny_batch(&spec, 2);
     let dloss = 1.0 / 32768.0;
     let scale = 65536.0;
@@ -399,4 +408,39 @@ fn backward_accumulates_across_micro_batches() {
     for (a, b) in state.grads.iter().zip(&once) {
         assert!((a - 2.0 * b).abs() <= 1e-12 * (1.0 + b.abs()));
     }
+}
+
+/// A Mixture-of-Experts model: 4 experts, top-2, capacity for 60% of the assignments (so
+/// some are dropped), a visible balance loss.
+fn tiny_moe() -> ModelSpec {
+    ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 0.6, aux_loss_coef: 0.1, ..tiny_model() }
+}
+
+#[test]
+fn mixture_of_experts_gradient_matches_finite_differences() {
+    let spec = tiny_moe();
+    let batch = 2;
+    let (inputs, targets) = tiny_batch(&spec, batch);
+    let rows = batch * spec.seq_len;
+    let dloss = 1.0 / rows as f64;
+    with_backends(|be| {
+        let (mut model, mut state, params) = model_with_visible_weights(be, &spec, batch);
+        model.forward(be, &mut state, &inputs, &targets).unwrap();
+        let stats = model.take_expert_stats();
+        assert_eq!(stats.routings, 2, "one routing per block");
+        assert_eq!(stats.assignments, (2 * rows * 2) as u64);
+        assert!(stats.dropped > 0, "capacity 0.6 drops some assignments");
+        model.backward(be, &mut state, &inputs, &targets, dloss).unwrap();
+        let analytic = state.grads.clone();
+        assert!(analytic.iter().all(|g| g.is_finite()));
+        // The objective: the mean loss plus aux_loss_coef x each routing's balance loss,
+        // weighted as its micro-batch's tokens are.
+        let mut objective_at = |x: &[f64]| {
+            state.params.copy_from_slice(x);
+            let loss = model.forward(be, &mut state, &inputs, &targets).unwrap();
+            let balance = model.take_expert_stats().balance_sum;
+            (loss + spec.aux_loss_coef * rows as f64 * balance) * dloss
+        };
+        check("moe gpt (all parameters)", &params, &analytic, &mut objective_at);
+    });
 }

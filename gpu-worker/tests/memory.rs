@@ -15,10 +15,11 @@ fn valid(spec: ExperimentSpec) -> ValidSpec {
 }
 
 fn spec(sharding: Sharding, optimizer: Optimizer) -> ExperimentSpec {
-    let mut spec = ExperimentSpec {
-        model: ModelSpec { layers: 2, d_model: 32, heads: 4, seq_len: 16, vocab: 64 },
-        ..ExperimentSpec::default()
-    };
+    spec_of(ModelSpec::dense(2, 32, 4, 16, 64), sharding, optimizer)
+}
+
+fn spec_of(model: ModelSpec, sharding: Sharding, optimizer: Optimizer) -> ExperimentSpec {
+    let mut spec = ExperimentSpec { model, ..ExperimentSpec::default() };
     spec.train.micro_batch = 3;
     spec.train.steps = 3;
     spec.parallel.sharding = sharding;
@@ -31,10 +32,18 @@ const ALL: [Sharding; 4] = [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sh
 /// Runs `check` on a trainer of every sharding and optimizer, for every precision (the
 /// trainer's buffers stored as f32, bf16 or fp16).
 fn for_every_config(check: impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) -> (RankMemoryReport, u64))) {
+    for_every_config_of(ModelSpec::dense(2, 32, 4, 16, 64), check)
+}
+
+/// [`for_every_config`] for `model`.
+fn for_every_config_of(
+    model: ModelSpec,
+    check: impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) -> (RankMemoryReport, u64)),
+) {
     for sharding in ALL {
         for optimizer in [Optimizer::Adamw, Optimizer::Sgd] {
             for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-                let mut spec = spec(sharding, optimizer);
+                let mut spec = spec_of(model.clone(), sharding, optimizer);
                 spec.train.precision = precision;
                 let what = format!("{sharding:?} {optimizer:?} {}", precision.as_str());
                 let spec = valid(spec);
@@ -84,7 +93,29 @@ fn the_ledger_equals_the_bytes_of_the_buffers_held() {
 fn one_rank_measures_what_the_planner_predicts() {
     // bf16/fp16: 2 bytes for parameters, gradients and activations, 12 (master, m, v)
     // for AdamW's state, 4 (the master copy) for SGD's.
-    for_every_config(|spec, what, advance| {
+    for_every_config(planner_agrees);
+}
+
+/// A Mixture-of-Experts model: its router's and slots' buffers, its E MLPs.
+fn experts() -> ModelSpec {
+    ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.5, ..ModelSpec::dense(2, 32, 4, 16, 64) }
+}
+
+#[test]
+fn a_mixture_of_experts_rank_measures_what_the_planner_predicts() {
+    for_every_config_of(experts(), planner_agrees);
+}
+
+#[test]
+fn a_mixture_of_experts_ledger_equals_the_bytes_of_the_buffers_held() {
+    for_every_config_of(experts(), |_, what, advance| {
+        let (report, held) = advance(2);
+        assert_eq!(report.current.total, held, "{what} after steps");
+    });
+}
+
+fn planner_agrees(spec: &ExperimentSpec, what: &str, advance: &mut dyn FnMut(u64) -> (RankMemoryReport, u64)) {
+    {
         let predicted = plan(spec).unwrap().stages[0].memory.clone();
         let measured = advance(1).0.peak;
         assert_eq!(measured.parameters, predicted.parameters, "{what}");
@@ -95,7 +126,7 @@ fn one_rank_measures_what_the_planner_predicts() {
         // The planner's activation formula is derived from what the engine stores.
         assert_eq!(measured.activations, predicted.activations, "{what}");
         assert_eq!(measured.activation_grads, predicted.activation_grads, "{what}");
-    });
+    }
 }
 
 #[test]

@@ -91,9 +91,15 @@ fn collectives_of_a_group_of_one_on_the_gpu() {
     // A wrong-sized output is refused, not sent to NCCL.
     let mut short = vec![0.0; 10];
     assert!(comm.reduce_scatter(&mut input, &mut short, ReduceOp::Sum).is_err());
+    // All-to-all over one rank: its own chunk, copied on the device.
+    let mut exchanged = vec![0.0; 1000];
+    comm.all_to_all(&values[..1000], &mut exchanged).unwrap();
+    assert_eq!(exchanged, values[..1000]);
+    assert!(comm.all_to_all(&values, &mut short).is_err(), "an output of another length is refused");
 }
 
-/// Two ranks, each its own thread, on GPUs `rank % GPUs`. With one GPU both ranks are on it
+/// Two ranks, each its own thread, on GPUs `rank % GPUs`: an all-reduce and an all-to-all
+/// (grouped sends and receives). With one GPU both ranks are on it
 /// and NCCL refuses them (two ranks of one group on one device): then this says so and passes.
 #[test]
 #[ignore = "needs a GPU: cargo xtask test --gpu"]
@@ -109,7 +115,15 @@ fn two_ranks_sum_through_nccl() {
                 };
                 let mut buf: Vec<f32> = (0..1000).map(|i| (i + rank * 1000) as f32).collect();
                 comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
-                Ok((buf, comm.bytes_sent()))
+                let sent = comm.bytes_sent();
+                // All-to-all: chunk r (500 floats) of each rank goes to rank r.
+                let mine: Vec<f32> = (0..1000).map(|i| (i + rank * 1000) as f32).collect();
+                let mut got = vec![0.0; 1000];
+                comm.all_to_all(&mine, &mut got).unwrap();
+                let want: Vec<f32> = (0..1000).map(|i| ((i / 500) * 1000 + rank * 500 + i % 500) as f32).collect();
+                assert_eq!(got, want, "rank {rank}: chunk r from rank r");
+                assert_eq!(comm.bytes_sent() - sent, 2000, "(W-1)/W x 4000 bytes");
+                Ok((buf, sent))
             })
         })
         .collect();

@@ -360,7 +360,7 @@ fn crossentropy<B: Backend>(be: &B) {
 /// The whole GPT: loss and every parameter gradient of one forward + backward, and the
 /// same bits when it runs again (the backends are deterministic).
 fn gpt<B: Backend>(be: &B) {
-    let spec = ModelSpec { vocab: 50, seq_len: 16, d_model: 32, heads: 4, layers: 2 };
+    let spec = ModelSpec::dense(2, 32, 4, 16, 50);
     let batch = 3;
     let tokens: Vec<u32> =
         (0..(batch * spec.seq_len + 1) as u32).map(|i| (i * 13 + i / 3) % spec.vocab as u32).collect();

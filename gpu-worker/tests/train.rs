@@ -277,10 +277,8 @@ fn invalid_specs_are_refused_with_field_errors() {
 fn a_run_too_big_for_memory_is_refused_before_allocating() {
     // Valid under the default limits (38M parameters, 128 x 1024 tokens per step),
     // but about 64 GiB of activations.
-    let mut spec = ExperimentSpec {
-        model: distlab_common::ModelSpec { layers: 3, d_model: 1024, heads: 16, seq_len: 1024, vocab: 256 },
-        ..ExperimentSpec::default()
-    };
+    let mut spec =
+        ExperimentSpec { model: distlab_common::ModelSpec::dense(3, 1024, 16, 1024, 256), ..ExperimentSpec::default() };
     spec.train.micro_batch = 128;
     assert!(distlab_worker::train::memory_bytes(&spec) > 40 << 30);
     match run(&spec, 1) {

@@ -6,7 +6,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use distlab_common::{
     AttemptView, Attempts, BackendKind, Created, ExperimentList, ExperimentSpec, ExperimentStatus, ExperimentView,
-    FieldError, LogLevel, LogLine, MetricPoint, Metrics, RunSummary, StatusChange,
+    ExpertMetrics, FieldError, LogLevel, LogLine, MetricPoint, Metrics, RunSummary, StatusChange,
 };
 use serde::Deserialize;
 
@@ -106,12 +106,16 @@ struct MetricRow {
     step_ms: f64,
     loss_scale: Option<f64>,
     skipped_steps: Option<i64>,
+    expert_balance: Option<f64>,
+    expert_assignments: Option<i64>,
+    expert_dropped: Option<i64>,
 }
 
 /// Every stored metric point of an experiment, ordered by step.
 pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpError> {
     let rows = sqlx::query_as::<_, MetricRow>(
-        "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps FROM metrics \
+        "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, expert_balance, \
+         expert_assignments, expert_dropped FROM metrics \
          WHERE experiment_id = ?1 ORDER BY step",
     )
     .bind(id)
@@ -128,6 +132,11 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpErro
             step_ms: r.step_ms,
             loss_scale: r.loss_scale,
             skipped_steps: r.skipped_steps.and_then(|n| u64::try_from(n).ok()),
+            experts: r.expert_balance.map(|balance| ExpertMetrics {
+                balance,
+                assignments: r.expert_assignments.and_then(|n| u64::try_from(n).ok()).unwrap_or(0),
+                dropped: r.expert_dropped.and_then(|n| u64::try_from(n).ok()).unwrap_or(0),
+            }),
         })
         .collect())
 }

@@ -279,11 +279,14 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     // ON CONFLICT ... DO UPDATE is the portable spelling of INSERT OR REPLACE (SQLite and Postgres).
     sqlx::query(
         "INSERT INTO metrics \
-           (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
+           (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, \
+            expert_balance, expert_assignments, expert_dropped) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12) \
          ON CONFLICT (experiment_id, step) DO UPDATE SET loss = excluded.loss, lr = excluded.lr, \
            grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms, \
-           loss_scale = excluded.loss_scale, skipped_steps = excluded.skipped_steps",
+           loss_scale = excluded.loss_scale, skipped_steps = excluded.skipped_steps, \
+           expert_balance = excluded.expert_balance, expert_assignments = excluded.expert_assignments, \
+           expert_dropped = excluded.expert_dropped",
     )
     .bind(id)
     .bind(i64::try_from(m.step).unwrap_or(i64::MAX))
@@ -294,6 +297,9 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     .bind(m.step_ms)
     .bind(m.loss_scale)
     .bind(m.skipped_steps.map(|n| i64::try_from(n).unwrap_or(i64::MAX)))
+    .bind(m.experts.map(|e| e.balance))
+    .bind(m.experts.map(|e| i64::try_from(e.assignments).unwrap_or(i64::MAX)))
+    .bind(m.experts.map(|e| i64::try_from(e.dropped).unwrap_or(i64::MAX)))
     .execute(tx)
     .await?;
     Ok(())

@@ -328,10 +328,16 @@ pub fn run_losses(spec: &ExperimentSpec) -> Vec<f64> {
 
 /// Runs `distlab-worker run --out DIR` on a spec: the per-step losses and every rank's trace.
 pub fn run_with_trace(spec: &ExperimentSpec) -> (Vec<f64>, distlab_common::trace::ExperimentTrace) {
+    let (steps, trace) = run_points_with_trace(spec);
+    (steps.iter().map(|m| m.loss).collect(), trace)
+}
+
+/// [`run_with_trace`] with every step's metric point.
+pub fn run_points_with_trace(spec: &ExperimentSpec) -> (Vec<MetricPoint>, distlab_common::trace::ExperimentTrace) {
     let out = tempfile::tempdir().expect("temp dir");
     let steps = worker_run(spec, Some(out.path()));
     let trace = std::fs::read_to_string(out.path().join("trace.json")).expect("trace.json");
-    (steps.iter().map(|m| m.loss).collect(), serde_json::from_str(&trace).expect("trace JSON"))
+    (steps, serde_json::from_str(&trace).expect("trace JSON"))
 }
 
 /// `run_with_trace`, saving the spec's checkpoints (`train.checkpoint_every`) as it goes.

@@ -9,7 +9,7 @@ use distlab_tests::*;
 
 fn spec(algorithm: AllReduce) -> ExperimentSpec {
     let mut spec = quick_spec(&format!("ddp {}", algorithm.as_str()), 6);
-    spec.model = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.model = ModelSpec::dense(2, 64, 4, 32, 64);
     spec.train.micro_batch = 2;
     spec.parallel.dp = 4;
     spec.parallel.allreduce = algorithm;

@@ -204,6 +204,9 @@ async fn pipeline_schedule_and_tensor_parallel_timeline() -> Result<()> {
     if result.is_ok() {
         result = mixed_precision_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = experts_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-pipeline.png").await;
     }
@@ -621,7 +624,7 @@ async fn flashcards_scenario(c: &Client, lab: &Lab) -> Result<()> {
 /// second resumed and the four steps it ran again.
 async fn attempts_scenario(c: &Client, lab: &mut Lab) -> Result<()> {
     let mut spec = quick_spec("resumed-after-a-kill", 30);
-    spec.model = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.model = ModelSpec::dense(2, 64, 4, 32, 64);
     spec.parallel.dp = 2;
     spec.train.checkpoint_every = 10;
     let (id, exp) = tokio::task::block_in_place(|| kill_and_resume(lab, &spec, 14));
@@ -658,6 +661,41 @@ async fn mixed_precision_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(text(c, "#skipped-steps").await? == "0 skipped");
     ensure!(text(c, "#grad-norm").await? != "overflow");
     save_element(c, "#stats", "loss-scale.png").await?;
+    Ok(())
+}
+
+/// The Mixture-of-Experts preset (4 experts, top-2, ep=2): the experiment page shows the
+/// last step's dropped assignments (the metric the routers reported) and the whole run's,
+/// the timeline an EP comm lane per rank (the all-to-alls), and both ranks hold what the
+/// planner predicted for their two experts per block.
+async fn experts_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "experts").context("preset")?;
+    let mut spec = preset.spec.clone();
+    spec.train.steps = 6;
+    spec.train.warmup_steps = 1;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the MoE run did not succeed: {exp:?}");
+    let memory: distlab_common::memory::MemoryView = lab.get_as(&format!("/api/experiments/{id}/memory"));
+    ensure!(memory.ranks.len() == 2, "{memory:?}");
+    for r in &memory.ranks {
+        ensure!(r.differences.is_empty(), "rank {}: measured differs from the planner: {:?}", r.rank, r.differences);
+    }
+    let metrics: distlab_common::Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
+    let last = metrics.steps.last().and_then(|p| p.experts).context("the routers' metrics are stored")?;
+    ensure!(last.assignments == (2 * 4 * 32 * 2 * 2) as u64, "2 blocks x 2 ranks x 4 x 32 tokens x top-2: {last:?}");
+
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the dropped assignments", Duration::from_secs(30), || exists(c, "#dropped")).await?;
+    let dropped = text(c, "#dropped").await?;
+    ensure!(dropped.starts_with(&format!("{} / {} (", last.dropped, last.assignments)), "{dropped}");
+    ensure!(text(c, "#run-dropped").await?.contains(" / 6144 ("), "six steps of 1024 assignments");
+    let balance = text(c, "#balance").await?;
+    ensure!(balance == format!("balance loss {:.3}", last.balance), "{balance} vs {last:?}");
+    save_element(c, "#stats", "experts-stats.png").await?;
+    let lanes = timeline_lanes(c, "EP comm").await?;
+    ensure!(lanes == 2, "an EP comm lane per rank, not {lanes}");
+    save_element(c, "#timeline", "experts-timeline.png").await?;
     Ok(())
 }
 
@@ -994,7 +1032,7 @@ async fn offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
     ensure!(value_of(c, "parallel.offload").await? == "none", "the form offers parallel.offload");
     let mut spec = distlab_tests::quick_spec("ddp with its optimizer state on disk", 6);
-    spec.model = distlab_common::ModelSpec { layers: 2, d_model: 128, heads: 4, seq_len: 32, vocab: 256 };
+    spec.model = distlab_common::ModelSpec::dense(2, 128, 4, 32, 256);
     spec.parallel.dp = 2;
     spec.parallel.offload = distlab_common::Offload::Disk;
     let planned = distlab_common::planner::plan(&spec).map_err(|e| anyhow!("{e:?}"))?.stages[0].memory.offloaded;

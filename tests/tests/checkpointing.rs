@@ -10,7 +10,7 @@ use distlab_tests::*;
 /// Five blocks: sqrt checkpointing cuts them into segments of 3 and 2.
 fn spec(name: &str, checkpointing: Checkpointing) -> ExperimentSpec {
     let mut spec = quick_spec(name, 5);
-    spec.model = ModelSpec { layers: 5, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.model = ModelSpec::dense(5, 64, 4, 32, 64);
     spec.train.micro_batch = 2;
     spec.train.micro_batches = 2;
     spec.train.checkpointing = checkpointing;

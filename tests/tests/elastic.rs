@@ -10,7 +10,7 @@ use distlab_tests::*;
 /// 8 steps of 16 sequences: dp 4 x micro_batch 4, or dp 2 x micro_batch 4 x grad_accum 2.
 fn spec(name: &str, dp: usize, sharding: Sharding) -> ExperimentSpec {
     let mut spec = quick_spec(name, 8);
-    spec.model = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.model = ModelSpec::dense(2, 64, 4, 32, 64);
     (spec.parallel.dp, spec.parallel.sharding) = (dp, sharding);
     (spec.train.micro_batch, spec.train.grad_accum) = (4, 4 / dp);
     spec

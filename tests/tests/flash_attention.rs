@@ -9,7 +9,7 @@ use distlab_tests::*;
 /// 128 positions: two query tiles and two key tiles of flash attention's 64.
 fn spec(name: &str, attention: Attention) -> ExperimentSpec {
     let mut spec = quick_spec(name, 20);
-    spec.model = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 128, vocab: 64 };
+    spec.model = ModelSpec::dense(2, 64, 4, 128, 64);
     spec.train.micro_batch = 2;
     spec.train.attention = attention;
     spec

@@ -10,7 +10,7 @@ use distlab_tests::*;
 /// About 0.46 M parameters: more than one piece on a DDP rank, less on a ZeRO shard.
 fn spec(name: &str, offload: Offload) -> ExperimentSpec {
     let mut spec = quick_spec(name, 4);
-    spec.model = ModelSpec { layers: 2, d_model: 128, heads: 4, seq_len: 32, vocab: 256 };
+    spec.model = ModelSpec::dense(2, 128, 4, 32, 256);
     spec.train.micro_batch = 2;
     spec.parallel.dp = 2;
     spec.parallel.offload = offload;

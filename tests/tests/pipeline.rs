@@ -10,7 +10,7 @@ use distlab_tests::*;
 
 fn spec(name: &str, pp: usize, schedule: PpSchedule, micro_batches: usize) -> ExperimentSpec {
     let mut spec = quick_spec(name, 12);
-    spec.model = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.model = ModelSpec::dense(4, 64, 4, 32, 64);
     spec.parallel.pp = pp;
     spec.parallel.pp_schedule = schedule;
     spec.train.micro_batch = 2;
@@ -256,7 +256,7 @@ fn every_stage_runs_the_schedules_order_and_the_bubble_is_reported() {
     for (pp, m) in [(2, 4), (4, 8)] {
         for schedule in [PpSchedule::Gpipe, PpSchedule::OneFOneB, PpSchedule::Interleaved, PpSchedule::ZbH1] {
             let mut s = spec("bubble", pp, schedule, m);
-            s.model = ModelSpec { layers: 8, d_model: 256, heads: 4, seq_len: 64, vocab: 64 };
+            s.model = ModelSpec::dense(8, 256, 4, 64, 64);
             if schedule == PpSchedule::Interleaved {
                 s.parallel.virtual_stages = 2;
             }

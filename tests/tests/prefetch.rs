@@ -10,7 +10,7 @@ use distlab_tests::*;
 
 fn fsdp(name: &str, prefetch: bool) -> ExperimentSpec {
     let mut spec = quick_spec(name, 6);
-    spec.model = ModelSpec { layers: 5, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.model = ModelSpec::dense(5, 64, 4, 32, 64);
     spec.train.micro_batch = 2;
     spec.parallel.dp = 2;
     spec.parallel.sharding = Sharding::Fsdp;

@@ -8,7 +8,7 @@ use distlab_tests::*;
 /// 40 steps on two data-parallel ranks, a checkpoint every 10.
 fn spec(name: &str, sharding: Sharding) -> ExperimentSpec {
     let mut spec = quick_spec(name, 40);
-    spec.model = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+    spec.model = ModelSpec::dense(2, 64, 4, 32, 64);
     spec.train.micro_batch = 4;
     spec.parallel.dp = 2;
     spec.parallel.sharding = sharding;

@@ -98,7 +98,7 @@ fn bytes_sent_per_step_match_the_planner() {
 #[test]
 fn fsdp_ranks_never_hold_the_whole_model() {
     let mut s = spec("fsdp-init", 4, Sharding::Fsdp);
-    s.model = ModelSpec { layers: 4, d_model: 128, heads: 4, seq_len: 8, vocab: 64 };
+    s.model = ModelSpec::dense(4, 128, 4, 8, 64);
     s.train.micro_batch = 1;
     s.train.steps = 1;
     s.train.warmup_steps = 1;

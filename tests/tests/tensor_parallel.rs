@@ -7,7 +7,7 @@ use distlab_common::trace::SpanKind;
 use distlab_common::*;
 use distlab_tests::*;
 
-const MODEL: ModelSpec = ModelSpec { layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 64 };
+const MODEL: ModelSpec = ModelSpec::dense(4, 64, 4, 32, 64);
 
 fn spec(name: &str, dp: usize, tp: usize, pp: usize) -> ExperimentSpec {
     let mut spec = quick_spec(name, 8);

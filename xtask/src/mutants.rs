@@ -67,8 +67,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "tensor parallel skips the all-reduce of the MLP's input gradient",
         file: "gpu-worker/src/model/gpt.rs",
-        find: "let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?;",
-        replace: "let dln = 0..be.buf_len(&s.dln);",
+        find: "sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?",
+        replace: "0..be.buf_len(&s.dln)",
         tests: &["-p", "distlab-tests", "--test", "tensor_parallel", "tensor_parallel_trains_like_one_rank"],
     },
     Mutant {
@@ -164,8 +164,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "DDP's shared-memory buckets are booked as heap",
         file: "gpu-worker/src/parallel/ddp.rs",
-        find: "memory.alloc_shared(Category::CommBuffers, b.range.len())",
-        replace: "memory.alloc(Category::CommBuffers, b.range.len())",
+        find: "memory.alloc_shared(Category::CommBuffers, b.len)",
+        replace: "memory.alloc(Category::CommBuffers, b.len)",
         tests: &["-p", "distlab-tests", "--test", "sharding", "ddp_buckets_are_booked_in_shared_memory"],
     },
     Mutant {
@@ -265,6 +265,28 @@ pub const MUTANTS: &[Mutant] = &[
         find: "        let shards = self.shards(rank, world);\n        let sections = whole",
         replace: "        let shards = self.shards(0, world);\n        let sections = whole",
         tests: &["-p", "distlab-tests", "--test", "elastic", "a_dp4_zero2_checkpoint_continues_at_dp2"],
+    },
+    Mutant {
+        name:
+            "Expert parallelism sums the experts' gradients over the data-parallel group (ranks holding other experts)",
+        file: "gpu-worker/src/parallel/ddp.rs",
+        find: "let experts_apart = layout.ep.size > 1;",
+        replace: "let experts_apart = false;",
+        tests: &["-p", "distlab-tests", "--test", "experts", "expert_parallelism_trains_like"],
+    },
+    Mutant {
+        name: "The router's load-balancing loss has no gradient",
+        file: "gpu-worker/src/model/experts.rs",
+        find: "let dlogits = route_backward(&a.routing, &probs, &dgates, balance_weight);",
+        replace: "let dlogits = route_backward(&a.routing, &probs, &dgates, 0.0);",
+        tests: &["-p", "distlab-worker", "--test", "gradcheck", "mixture_of_experts"],
+    },
+    Mutant {
+        name: "The routers' dropped assignments are not counted",
+        file: "gpu-worker/src/model/gpt.rs",
+        find: "self.dropped += r.dropped as u64;",
+        replace: "self.dropped += 0;",
+        tests: &["-p", "distlab-worker", "--test", "gradcheck", "mixture_of_experts"],
     },
 ];
 

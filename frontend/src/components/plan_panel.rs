@@ -61,6 +61,7 @@ pub fn comm_rows(c: &CommVolume) -> Vec<(&'static str, &'static str, u64)> {
         ("dp all-gather", "parameters (ZeRO after the update, FSDP before forward and backward)", c.dp_all_gather),
         ("tp all-reduce", "activations and their gradients", c.tp_all_reduce),
         ("pp send", "activations forward, their gradients backward", c.pp_send),
+        ("ep all-to-all", "tokens to their experts and back, and their gradients", c.ep_all_to_all),
     ]
     .into_iter()
     .filter(|r| r.2 > 0)

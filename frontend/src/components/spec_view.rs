@@ -33,6 +33,12 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
         label(&spec.data.dataset),
         format!("dp{} tp{} pp{}", p.dp, p.tp, p.pp),
     ];
+    if m.is_moe() {
+        parts.insert(1, format!("{} experts top-{}", m.experts, m.expert_top_k));
+    }
+    if p.ep > 1 {
+        parts.push(format!("ep{}", p.ep));
+    }
     if p.sharding != distlab_common::Sharding::None {
         parts.push(label(&p.sharding));
     }
@@ -47,18 +53,30 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
 pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
     let (m, d, p, t) = (&spec.model, &spec.data, &spec.parallel, &spec.train);
     let model = format!(
-        "{} layers · d_model {} · {} heads · seq_len {} · vocab {} — {} parameters",
+        "{} layers · d_model {} · {} heads · seq_len {} · vocab {}{} — {} parameters",
         m.layers,
         m.d_model,
         m.heads,
         m.seq_len,
         m.vocab,
+        match m.is_moe() {
+            false => String::new(),
+            true => format!(
+                " · {} experts per block, top-{}, capacity factor {}, balance loss × {} ({} parameters active per token)",
+                m.experts,
+                m.expert_top_k,
+                format::num(m.capacity_factor),
+                format::num(m.aux_loss_coef),
+                format::si(m.active_param_count() as f64)
+            ),
+        },
         format::si(m.param_count() as f64)
     );
     let data = format!("{} · seed {}", label(&d.dataset), d.seed);
     let parallel = format!(
-        "dp {} × tp {}{} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire{}",
+        "dp {}{} × tp {}{} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire{}",
         p.dp,
+        if p.ep > 1 { format!(" (experts over ep = {} of them)", p.ep) } else { String::new() },
         p.tp,
         if p.sequence_parallel { " (sequence parallel)" } else { "" },
         p.pp,

@@ -108,8 +108,13 @@ fn is_dp_comm(span: &Span) -> bool {
 
 /// A rank row's lanes, top to bottom: (the spans' `lane`, its label). Compute is always
 /// drawn; the others when some span of the chosen steps is on them.
-const LANES: [(&str, &str); 4] =
-    [(lane::COMPUTE, ""), (lane::COMM, "comm"), (lane::DP_BLOCKING, "DP blocking"), (lane::TP, "TP comm")];
+const LANES: [(&str, &str); 5] = [
+    (lane::COMPUTE, ""),
+    (lane::COMM, "comm"),
+    (lane::DP_BLOCKING, "DP blocking"),
+    (lane::TP, "TP comm"),
+    (lane::EP, "EP comm"),
+];
 
 fn lane_index(span: &Span) -> usize {
     LANES.iter().position(|(lane, _)| *lane == span.lane).unwrap_or(0)

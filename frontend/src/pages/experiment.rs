@@ -12,8 +12,8 @@ use distlab_common::elastic::latest_checkpoint;
 use distlab_common::memory::MemoryView;
 use distlab_common::trace::ExperimentTrace;
 use distlab_common::{
-    AttemptView, CollectiveCheck, DemoOp, ExperimentSpec, ExperimentStatus, ExperimentView, LogLevel, LogLine,
-    MetricPoint, RunSummary, StreamEvent,
+    AttemptView, CollectiveCheck, DemoOp, ExperimentSpec, ExperimentStatus, ExperimentView, ExpertMetrics, LogLevel,
+    LogLine, MetricPoint, RunSummary, StreamEvent,
 };
 use leptos::prelude::*;
 use leptos_router::components::A;
@@ -388,6 +388,19 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                                         <span class="k" id="skipped-steps">{format!("{skipped} skipped")}</span>
                                     </div>
                                 })}
+                                {move || latest().and_then(|p| p.experts).map(|e| view! {
+                                    <div class="stat" id="experts" title="Mixture of Experts, this step over every block, micro-batch and rank: the token-to-expert assignments the routers made, those an expert had no room for (its capacity was full: the token went on through the residual alone), and the routers' load-balancing loss (1 when even)">
+                                        <span class="k">"dropped assignments"</span>
+                                        <span class="v" id="dropped">{dropped_text(&e)}</span>
+                                        <span class="k" id="balance">{format!("balance loss {:.3}", e.balance)}</span>
+                                    </div>
+                                })}
+                                {move || points.with(|p| run_dropped(p)).map(|text| view! {
+                                    <div class="stat" id="run-dropped" title="every step's dropped assignments so far, over every step's assignments">
+                                        <span class="k">"dropped, whole run"</span>
+                                        <span class="v">{text}</span>
+                                    </div>
+                                })}
                                 <div class="stat">
                                     <span class="k">"step time"</span>
                                     <span class="v" id="step-ms">{move || latest().map(|p| format!("{:.1} ms", p.step_ms)).unwrap_or("–".into())}</span>
@@ -667,6 +680,23 @@ fn grad_norm_text(norm: f64) -> String {
     }
 }
 
+/// A step's dropped assignments: "67 / 1024 (6.5%)".
+fn dropped_text(e: &ExpertMetrics) -> String {
+    format!("{} / {} ({:.1}%)", e.dropped, e.assignments, 100.0 * e.dropped_share())
+}
+
+/// The dropped assignments of every step so far (None for a dense model).
+fn run_dropped(points: &[MetricPoint]) -> Option<String> {
+    let steps: Vec<ExpertMetrics> = points.iter().filter_map(|p| p.experts).collect();
+    let first = steps.first()?;
+    let sum = steps.iter().skip(1).fold(*first, |a, e| ExpertMetrics {
+        balance: 0.0,
+        assignments: a.assignments + e.assignments,
+        dropped: a.dropped + e.dropped,
+    });
+    Some(dropped_text(&sum))
+}
+
 /// The exponent of a loss scale that is a power of two (it starts at 2^16, then halves
 /// and doubles), shown as 2 to that power.
 fn power_of_two(scale: f64) -> Option<i32> {
@@ -677,6 +707,17 @@ fn power_of_two(scale: f64) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dropped_assignments_read_as_a_share() {
+        let step = |dropped, assignments| MetricPoint {
+            experts: Some(ExpertMetrics { balance: 1.2, assignments, dropped }),
+            ..MetricPoint::default()
+        };
+        assert_eq!(dropped_text(&step(67, 1024).experts.unwrap()), "67 / 1024 (6.5%)");
+        assert_eq!(run_dropped(&[step(67, 1024), step(33, 1024)]), Some("100 / 2048 (4.9%)".into()));
+        assert_eq!(run_dropped(&[MetricPoint::default()]), None, "a dense model routes nothing");
+    }
 
     #[test]
     fn an_overflowed_gradient_and_the_loss_scale_read_plainly() {

@@ -96,6 +96,14 @@ const SECTIONS: &[SectionDef] = &[
             f("model.heads", Kind::Int, "attention heads; must divide d_model"),
             f("model.seq_len", Kind::Int, "tokens per sequence (context length)"),
             f("model.vocab", Kind::Int, "number of distinct tokens"),
+            f("model.experts", Kind::Int, "Mixture of Experts: MLPs per block, a router picks for each token (0 = dense)"),
+            f("model.expert_top_k", Kind::Int, "experts each token visits"),
+            f(
+                "model.capacity_factor",
+                Kind::Float,
+                "each expert takes at most capacity_factor × tokens × top_k / experts of a micro-batch; the rest is dropped",
+            ),
+            f("model.aux_loss_coef", Kind::Float, "weight of the router's load-balancing loss"),
         ],
     },
     SectionDef {
@@ -117,6 +125,7 @@ const SECTIONS: &[SectionDef] = &[
             f("parallel.dp", Kind::Int, "data-parallel replicas"),
             f("parallel.tp", Kind::Int, "tensor-parallel ranks (split heads and MLP)"),
             f("parallel.pp", Kind::Int, "pipeline stages (split layers)"),
+            f("parallel.ep", Kind::Int, "expert parallelism: the experts spread over ep of the dp ranks (all-to-all)"),
             f(
                 "parallel.sequence_parallel",
                 Kind::Bool,
@@ -225,6 +234,7 @@ fn training_only(path: &str) -> bool {
             path,
             "parallel.tp"
                 | "parallel.pp"
+                | "parallel.ep"
                 | "parallel.sharding"
                 | "parallel.pp_schedule"
                 | "parallel.virtual_stages"

@@ -109,12 +109,15 @@ pub fn PlannerPage() -> impl IntoView {
                     {number(spec, "heads", |s| s.model.heads, |s, v| s.model.heads = v)}
                     {number(spec, "seq_len", |s| s.model.seq_len, |s, v| s.model.seq_len = v)}
                     {number(spec, "vocab", |s| s.model.vocab, |s, v| s.model.vocab = v)}
+                    {number(spec, "experts", |s| s.model.experts, |s, v| s.model.experts = v)}
+                    {number(spec, "expert_top_k", |s| s.model.expert_top_k, |s, v| s.model.expert_top_k = v)}
                 </fieldset>
                 <fieldset>
                     <legend>"Parallelism"</legend>
                     {number(spec, "dp", |s| s.parallel.dp, |s, v| s.parallel.dp = v)}
                     {number(spec, "tp", |s| s.parallel.tp, |s, v| s.parallel.tp = v)}
                     {number(spec, "pp", |s| s.parallel.pp, |s, v| s.parallel.pp = v)}
+                    {number(spec, "ep", |s| s.parallel.ep, |s, v| s.parallel.ep = v)}
                     {choice(spec, "sharding", &["none", "zero1", "zero2", "fsdp"], |s| s.parallel.sharding.as_str().to_string(),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.sharding = x })}
                     {choice(spec, "pp_schedule", &["1f1b", "gpipe", "interleaved", "zb-h1"], |s| json_str(&s.parallel.pp_schedule),

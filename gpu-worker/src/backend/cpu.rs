@@ -123,6 +123,10 @@ impl<S: Stored> Backend for CpuBackend<S> {
         &mut buf[range]
     }
 
+    fn subview<'a>(&self, view: Self::View<'a>, range: Range<usize>) -> Self::View<'a> {
+        &view[range]
+    }
+
     fn split_mut<'a>(&self, view: Self::ViewMut<'a>, mid: usize) -> (Self::ViewMut<'a>, Self::ViewMut<'a>) {
         view.split_at_mut(mid)
     }

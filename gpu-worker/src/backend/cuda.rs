@@ -604,6 +604,12 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
         DeviceViewMut { ptr, len: range.len(), _borrow: PhantomData }
     }
 
+    fn subview<'a>(&self, view: Self::View<'a>, range: Range<usize>) -> Self::View<'a> {
+        assert!(range.start <= range.end && range.end <= view.len, "subview {range:?} of a view of {}", view.len);
+        let ptr = view.ptr + (range.start * size_of::<S>()) as u64;
+        DeviceView { ptr, len: range.len(), _borrow: PhantomData }
+    }
+
     fn split_mut<'a>(&self, view: Self::ViewMut<'a>, mid: usize) -> (Self::ViewMut<'a>, Self::ViewMut<'a>) {
         assert!(mid <= view.len, "split at {mid} of a view of {}", view.len);
         let tail = view.ptr + (mid * size_of::<S>()) as u64;

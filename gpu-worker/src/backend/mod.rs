@@ -71,6 +71,8 @@ pub trait Backend: Send + Sync + 'static {
     fn download(&self, src: &Self::Buf, dst: &mut [Self::Elem]);
     fn view<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Self::View<'a>;
     fn view_mut<'a>(&self, buf: &'a mut Self::Buf, range: Range<usize>) -> Self::ViewMut<'a>;
+    /// Part `range` of a read-only view (one expert's weights inside a tensor of them).
+    fn subview<'a>(&self, view: Self::View<'a>, range: Range<usize>) -> Self::View<'a>;
     /// Splits a writable view at `mid` (so that several parameter gradients can be
     /// written at once).
     fn split_mut<'a>(&self, view: Self::ViewMut<'a>, mid: usize) -> (Self::ViewMut<'a>, Self::ViewMut<'a>);

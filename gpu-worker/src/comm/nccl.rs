@@ -438,12 +438,44 @@ impl Communicator for NcclCommunicator {
         self.all_gather(&mine, buf)
     }
 
-    /// Not written for NCCL yet (grouped sends and receives): nothing on cuda asks for it.
-    fn all_to_all(&mut self, _input: &[f32], _output: &mut [f32]) -> Result<(), CommError> {
-        Err(CommError::Device {
-            collective: "all_to_all".into(),
-            detail: "all-to-all over NCCL is not written yet; it runs on the cpu backend's ring communicator".into(),
-        })
+    /// NCCL has no all-to-all of its own: every peer's chunk goes by `ncclSend` and comes
+    /// by `ncclRecv`, all of them inside one group so that NCCL runs them together (one
+    /// after another they would deadlock, each rank waiting in its first send). This rank's
+    /// own chunk is copied on the device. (W-1)/W x D sent, as the ring's.
+    fn all_to_all(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        let (start, n, kind) = (now_us(), input.len(), CollectiveOp::AllToAll);
+        let w = self.members.len();
+        if output.len() != n || !n.is_multiple_of(w) {
+            return Err(CommError::BadBuffer {
+                collective: format!("{} all_to_all", self.name),
+                detail: format!(
+                    "input and output must be as long and cut into {w} equal chunks: {n} and {} floats",
+                    output.len()
+                ),
+            });
+        }
+        self.reserve(kind, n, n)?;
+        self.upload(kind, input, 0)?;
+        let chunk = n / w;
+        let (sent, received) = (self.base(false), self.base(true));
+        let at = |base: u64, rank: usize| base + (rank * chunk * 4) as u64;
+        cudarc::nccl::group_start().map_err(|e| self.nccl_error(kind, e))?;
+        let mut queued = Ok(());
+        for peer in (0..w).filter(|&p| p != self.me) {
+            let to = Raw { ptr: at(sent, peer), len: chunk, stream: &self.stream };
+            let mut from = Raw { ptr: at(received, peer), len: chunk, stream: &self.stream };
+            queued = self.comm.send(&to, peer as i32).and_then(|()| self.comm.recv(&mut from, peer as i32).map(|_| ()));
+            if queued.is_err() {
+                break;
+            }
+        }
+        // (the group is closed whatever happened inside it)
+        let ended = cudarc::nccl::group_end();
+        queued.and(ended).map_err(|e| self.nccl_error(kind, e))?;
+        self.device_copy(kind, at(received, self.me), at(sent, self.me), chunk)?;
+        self.download(kind, true, 0, output)?;
+        self.record(kind, n, self.ring_half_bytes(n), start);
+        Ok(())
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {

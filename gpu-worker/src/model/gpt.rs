@@ -51,7 +51,11 @@ use distlab_common::{Attention, Checkpointing, ModelSpec};
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::memory::{Category, MemoryTracker, Receipt};
-use crate::model::layout::{BlockTensors, ParamLayout, TpPlace};
+use crate::model::experts::{
+    expert_activation_floats, expert_scratch_floats, experts_backward, experts_forward, ExpertActivations, ExpertGrads,
+    ExpertGroup, ExpertScratch, ExpertShape, Hidden,
+};
+use crate::model::layout::{BlockTensors, ExpertPlace, ParamLayout, TpPlace};
 use crate::model::sequence_parallel::{
     add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, Tokens,
 };
@@ -73,16 +77,18 @@ struct BlockActivations<Buf> {
     ln2: Buf,
     ln2_mean: Buf,
     ln2_rstd: Buf,
-    /// MLP hidden layer before and after GELU.
+    /// MLP hidden layer before and after GELU (with experts: of every slot).
     fch: Buf,
     fch_gelu: Buf,
     /// Residual stream after the MLP half: the block's output.
     res_mlp: Buf,
+    /// Mixture of Experts: the router's and the slots' buffers, the routing.
+    moe: Option<ExpertActivations<Buf>>,
 }
 
 impl<Buf> BlockActivations<Buf> {
-    fn buffers(&self) -> [&Buf; 13] {
-        [
+    fn buffers(&self) -> Vec<&Buf> {
+        let mut bufs = vec![
             &self.ln1,
             &self.ln1_mean,
             &self.ln1_rstd,
@@ -96,7 +102,9 @@ impl<Buf> BlockActivations<Buf> {
             &self.fch,
             &self.fch_gelu,
             &self.res_mlp,
-        ]
+        ];
+        bufs.extend(self.moe.iter().flat_map(ExpertActivations::buffers));
+        bufs
     }
 }
 
@@ -360,7 +368,10 @@ struct GradScratch<Buf> {
     /// The probabilities' gradient (batch, heads, T, T); with flash attention the
     /// per-row rowsum(dO ∘ O), (batch, heads, T, 2).
     datt: Buf,
+    /// The MLP hidden layer's gradient (with experts: of every slot).
     dfch: Buf,
+    /// Mixture of Experts: the slots' and the router's gradients.
+    experts: Option<ExpertScratch<Buf>>,
 }
 
 /// The sizes of one micro-batch's [`Activations`] on this rank.
@@ -384,9 +395,16 @@ struct ActivationShape {
     checkpoints: usize,
     last: bool,
     attention: Attention,
+    /// Mixture of Experts (None: dense blocks).
+    experts: Option<ExpertShape>,
 }
 
 impl ActivationShape {
+    /// Rows of the MLP's hidden layer: the tokens, or with experts every slot.
+    fn mlp_rows(&self) -> usize {
+        self.experts.map_or(self.rows, |e| e.slots())
+    }
+
     /// Elements of the attention's saved tensor (and of its gradient scratch).
     fn attention_floats(&self) -> usize {
         attention_floats(self.batch, self.heads, self.t, self.attention)
@@ -406,9 +424,10 @@ impl ActivationShape {
             ln2: alloc(own * c),
             ln2_mean: alloc(own),
             ln2_rstd: alloc(own),
-            fch: alloc(rows * hidden),
-            fch_gelu: alloc(rows * hidden),
+            fch: alloc(self.mlp_rows() * hidden),
+            fch_gelu: alloc(self.mlp_rows() * hidden),
             res_mlp: alloc(own * c),
+            moe: self.experts.map(|e| ExpertActivations::new(&e, rows, c, alloc)),
         }
     }
 
@@ -487,12 +506,56 @@ pub struct Gpt<B: Backend> {
     tp: Option<Box<dyn TensorParallelGroup<B>>>,
     /// Sequence parallelism's buffers (None without it).
     exchange: Option<Exchange<B::Buf>>,
+    /// Expert parallelism (None: every expert on this rank, or a dense model).
+    ep: ExpertGroup<B>,
+    /// The routing of the forwards since the last [`Gpt::take_expert_stats`].
+    expert_stats: ExpertStats,
+}
+
+/// The groups of ranks the model itself runs collectives in (the strategies have theirs).
+pub struct ModelGroups<B: Backend> {
+    /// Tensor parallelism (None: this rank holds every block whole).
+    pub tp: Option<Box<dyn TensorParallelGroup<B>>>,
+    /// Expert parallelism (None: every expert on this rank, or a dense model).
+    pub ep: ExpertGroup<B>,
+}
+
+impl<B: Backend> ModelGroups<B> {
+    /// One rank holding the whole model.
+    pub fn alone() -> Self {
+        ModelGroups { tp: None, ep: None }
+    }
+}
+
+/// What the routers did: summed over blocks and micro-batches (and, in a step's metrics,
+/// over the ranks).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertStats {
+    /// The sum of every routing's balance loss (1: balanced).
+    pub balance_sum: f64,
+    /// Routings (blocks x micro-batches).
+    pub routings: u64,
+    /// Token-to-expert assignments the routers made, and those dropped for capacity.
+    pub assignments: u64,
+    pub dropped: u64,
+}
+
+impl ExpertStats {
+    /// Counts one block's routing of one micro-batch (nothing for a dense block).
+    fn add<Buf>(&mut self, moe: Option<&ExpertActivations<Buf>>) {
+        if let Some(r) = moe.map(|m| &m.routing) {
+            self.balance_sum += r.balance;
+            self.routings += 1;
+            self.assignments += r.chosen.iter().map(|&n| u64::from(n)).sum::<u64>();
+            self.dropped += r.dropped as u64;
+        }
+    }
 }
 
 impl<B: Backend> Gpt<B> {
     /// The whole model, activations for one micro-batch at a time.
     pub fn new(be: &B, spec: &ModelSpec, batch: usize, memory: &Arc<MemoryTracker>) -> Self {
-        Self::new_stage(be, spec, batch, Stage::whole(spec.layers), Saved::default(), None, memory)
+        Self::new_stage(be, spec, batch, Stage::whole(spec.layers), Saved::default(), ModelGroups::alone(), memory)
     }
 
     /// `stage` of the model (this rank's slice of it with `tp`), saving activations as
@@ -504,9 +567,10 @@ impl<B: Backend> Gpt<B> {
         batch: usize,
         stage: Stage,
         saved: Saved,
-        tp: Option<Box<dyn TensorParallelGroup<B>>>,
+        groups: ModelGroups<B>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
+        let ModelGroups { tp, ep } = groups;
         // (an interleaved stage's chunks are alike)
         let chunk_blocks = stage.chunks.iter().map(Range::len).max().unwrap_or(0);
         let segment = saved.segment(chunk_blocks);
@@ -515,7 +579,15 @@ impl<B: Backend> Gpt<B> {
             group.attach_memory(memory);
         }
         let place = tp.as_ref().map_or(TpPlace::ALONE, |g| g.place());
-        let layout = ParamLayout::with_block_order(spec, place, &stage.block_order);
+        let mut ep = ep;
+        if let Some(group) = ep.as_mut() {
+            group.attach_memory(memory);
+        }
+        let experts = ep.as_ref().map_or(ExpertPlace::ALONE, |g| g.place());
+        let layout = match spec.is_moe() {
+            true => ParamLayout::for_experts(spec, experts, &stage.block_order),
+            false => ParamLayout::with_block_order(spec, place, &stage.block_order),
+        };
         let n = place.size;
         let sequence_parallel = saved.sequence_parallel && n > 1;
         let rows = batch * spec.seq_len;
@@ -537,6 +609,14 @@ impl<B: Backend> Gpt<B> {
             checkpoints: 0,
             last: false,
             attention: saved.attention,
+            experts: spec.is_moe().then(|| ExpertShape {
+                experts: spec.experts,
+                local: spec.experts / experts.size,
+                ranks: experts.size,
+                top_k: spec.expert_top_k,
+                capacity: spec.expert_capacity(rows),
+                aux_loss_coef: spec.aux_loss_coef,
+            }),
         };
         let shapes: Vec<ActivationShape> = (0..stage.chunks.len())
             .map(|chunk| {
@@ -549,6 +629,7 @@ impl<B: Backend> Gpt<B> {
             })
             .collect();
         let (rows, c, cl, hidden) = (shape.rows, shape.c, shape.cl, shape.hidden);
+        let mlp_rows = rows.max(shape.mlp_rows());
         let mut floats = 0usize;
         let mut receipts = Vec::new();
         let mut alloc = |category: Category, len: usize| {
@@ -564,7 +645,10 @@ impl<B: Backend> Gpt<B> {
             datty: alloc(Category::ActivationGrads, rows * cl),
             dqkv: alloc(Category::ActivationGrads, rows * 3 * cl),
             datt: alloc(Category::ActivationGrads, shape.attention_floats()),
-            dfch: alloc(Category::ActivationGrads, rows * hidden),
+            dfch: alloc(Category::ActivationGrads, mlp_rows * hidden),
+            experts: shape
+                .experts
+                .map(|e| ExpertScratch::new(&e, rows, c, &mut |len| alloc(Category::ActivationGrads, len))),
         };
         let exchange = sequence_parallel.then(|| Exchange {
             gathered: alloc(Category::Activations, rows * c),
@@ -574,7 +658,8 @@ impl<B: Backend> Gpt<B> {
         });
         let set_floats: Vec<usize> = shapes.iter().map(ActivationShape::set_floats).collect();
         if stage == Stage::whole(spec.layers) && segment.is_none() {
-            let expected = Self::activation_floats_for(spec, batch, n, saved.attention, sequence_parallel);
+            let expected =
+                Self::activation_floats_for(spec, batch, (n, experts.size), saved.attention, sequence_parallel);
             debug_assert_eq!(floats + set_floats[0], expected);
         }
         Self {
@@ -595,6 +680,8 @@ impl<B: Backend> Gpt<B> {
             receipts,
             tp,
             exchange,
+            ep,
+            expert_stats: ExpertStats::default(),
         }
     }
 
@@ -666,6 +753,7 @@ impl<B: Backend> Gpt<B> {
         let mut bufs = Vec::new();
         bufs.extend(self.recompute.iter().flat_map(block));
         bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
+        bufs.extend(s.experts.iter().flat_map(ExpertScratch::buffers));
         if let Some(e) = &self.exchange {
             bufs.extend([&e.gathered, &e.full, &e.ln_grads]);
             bufs.extend(e.lnf_grads.iter());
@@ -687,12 +775,12 @@ impl<B: Backend> Gpt<B> {
 
     /// What [`Gpt::new`] will allocate for activations and their gradients on one of `tp`
     /// tensor-parallel ranks (with `sequence_parallel`, its share of the LayerNorm and
-    /// residual regions), without allocating (saturating, so absurd specs give a huge
-    /// number, not an overflow).
+    /// residual regions) and one of `ep` expert-parallel ranks, without allocating
+    /// (saturating, so absurd specs give a huge number, not an overflow).
     pub fn activation_floats_for(
         spec: &ModelSpec,
         batch: usize,
-        tp: usize,
+        (tp, ep): (usize, usize),
         attention: Attention,
         sequence_parallel: bool,
     ) -> usize {
@@ -723,7 +811,44 @@ impl<B: Backend> Gpt<B> {
         // rows x c) and LayerNorm gradient scratch (4c + 2c)
         let scratch = own_c.saturating_add(rc).saturating_add(split.saturating_mul(1 + 3 + 4)).saturating_add(att);
         let exchange = if own < rows { rc.saturating_mul(2).saturating_add(6 * c) } else { 0 };
+        // Mixture of Experts (tp = 1): the hidden layers of every slot in place of every
+        // token's, the router's and the slots' buffers, and their gradients.
+        let (block, scratch) = match spec.is_moe() {
+            false => (block, scratch),
+            true => {
+                let ep = ep.max(1);
+                let e = ExpertShape {
+                    experts: spec.experts,
+                    local: spec.experts / ep,
+                    ranks: ep,
+                    top_k: spec.expert_top_k,
+                    capacity: spec.expert_capacity(rows),
+                    aux_loss_coef: spec.aux_loss_coef,
+                };
+                let dense_hidden = rows.saturating_mul(4 * c);
+                let block = block - 2 * dense_hidden + expert_activation_floats(&e, rows, c);
+                let dfch = rows.max(e.slots()).saturating_mul(4 * c);
+                (block, scratch - dense_hidden + dfch + expert_scratch_floats(&e, rows, c))
+            }
+        };
         block.saturating_mul(l).saturating_add(top).saturating_add(scratch).saturating_add(exchange)
+    }
+
+    /// The routing of every forward since the last call (not the recomputed ones), and
+    /// starts counting again.
+    pub fn take_expert_stats(&mut self) -> ExpertStats {
+        std::mem::take(&mut self.expert_stats)
+    }
+
+    /// The expert-parallel group, if any (the trainer starts its steps, sums the gradient
+    /// norm's expert part over it and reads its spans).
+    pub fn expert_parallel(&mut self) -> Option<&mut (dyn crate::model::experts::ExpertParallelGroup<B> + 'static)> {
+        self.ep.as_deref_mut()
+    }
+
+    /// The all-to-alls the expert-parallel group recorded (None without one).
+    pub fn ep_spans(&self) -> Option<Vec<Span>> {
+        self.ep.as_ref().map(|g| g.spans())
     }
 
     /// The collectives the tensor-parallel group recorded (None without one).
@@ -804,13 +929,16 @@ impl<B: Backend> Gpt<B> {
                 None => {
                     let (done, rest) = acts.blocks.split_at_mut(i);
                     let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
-                    block_forward(be, &w, x, &mut rest[0], dims, &mut self.tp, &mut self.exchange, l)?;
+                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
+                    block_forward(be, &w, x, &mut rest[0], dims, tp, exchange, ep, l)?;
+                    self.expert_stats.add(rest[0].moe.as_ref());
                 }
                 // Checkpointing: run the block in the shared segment buffers and keep only
                 // the output of each segment's last block.
                 Some(k) => {
-                    let (tp, exchange) = (&mut self.tp, &mut self.exchange);
-                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, l)?;
+                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, ep, l)?;
+                    self.expert_stats.add(self.recompute[i % k].moe.as_ref());
                     if i % k == k - 1 || i == blocks - 1 {
                         be.copy(be.all_mut(&mut acts.checkpoints[i / k]), be.all(&self.recompute[i % k].res_mlp));
                     }
@@ -922,6 +1050,8 @@ impl<B: Backend> Gpt<B> {
             lead: rank == 0,
             attention: self.shapes[0].attention,
             mine: self.exchange.is_some().then_some(Tokens { start: rank * own, len: own }),
+            experts: self.shapes[0].experts,
+            balance_weight: 0.0,
         }
     }
 
@@ -979,8 +1109,10 @@ impl<B: Backend> Gpt<B> {
         grad_output: Option<&[B::Elem]>,
         dloss: f64,
     ) -> Result<(), CommError> {
-        let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
-        let dims = self.dims();
+        let ModelSpec { seq_len: t, d_model: c, vocab, aux_loss_coef, .. } = self.spec;
+        // The balance loss of each routing is weighted as the micro-batch's tokens are.
+        let balance_weight = aux_loss_coef * (self.batch * t) as f64 * dloss;
+        let dims = Dims { balance_weight, ..self.dims() };
         // ZB-H1: each block's B keeps its matmuls' output gradients here for the W.
         let mut stash = self.split_backward.then(|| self.take_stash(be, self.stage.chunks[chunk].len()));
         let lay = &self.layout;
@@ -1074,8 +1206,8 @@ impl<B: Backend> Gpt<B> {
                     let (p, at) =
                         state.open(be, Unit::Block(l), Pass::Recompute)?.params.expect("recompute has parameters");
                     let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-                    let (tp, exchange) = (&mut self.tp, &mut self.exchange);
-                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, l)?;
+                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, ep, l)?;
                     state.close(be, Unit::Block(l), Pass::Recompute)?;
                 }
             }
@@ -1093,8 +1225,9 @@ impl<B: Backend> Gpt<B> {
                         None => (if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp }, &acts.blocks[i]),
                         Some(_) => {
                             if i == end - 1 {
-                                let (tp, exchange) = (&mut self.tp, &mut self.exchange);
-                                segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, l)?;
+                                let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
+                                let recompute = &mut self.recompute;
+                                segment_block_forward(be, &w, acts, recompute, i, k, dims, tp, exchange, ep, l)?;
                             }
                             let j = i - start;
                             let x = match (j, i) {
@@ -1106,7 +1239,8 @@ impl<B: Backend> Gpt<B> {
                         }
                     };
                     let keep = stash.as_mut().map(|(kept, _)| &mut kept[i]);
-                    block_backward(be, &w, gw, x, a, s, dims, &mut self.tp, &mut self.exchange, l, keep)?;
+                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
+                    block_backward(be, &w, gw, x, a, s, dims, tp, exchange, ep, l, keep)?;
                 }
                 state.close(be, Unit::Block(l), with_params)?;
             }
@@ -1226,6 +1360,11 @@ struct Dims {
     attention: Attention,
     /// Sequence parallelism: the tokens whose LayerNorm and residual regions this rank keeps.
     mine: Option<Tokens>,
+    /// Mixture of Experts (None: dense blocks).
+    experts: Option<ExpertShape>,
+    /// Backward: the balance loss's weight in the objective (aux_loss_coef x tokens x
+    /// d(objective)/d(a token's loss)).
+    balance_weight: f64,
 }
 
 /// Elements attention keeps per micro-batch of `batch` sequences for `heads` heads: the
@@ -1259,6 +1398,7 @@ fn block_forward<B: Backend>(
     d: Dims,
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
+    ep: &mut ExpertGroup<B>,
     layer: usize,
 ) -> Result<(), CommError> {
     let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
@@ -1306,6 +1446,12 @@ fn block_forward<B: Backend>(
         w.ln2_b,
         c,
     );
+    if let (Some(shape), Some(moe)) = (d.experts, a.moe.as_mut()) {
+        // Mixture of Experts (tp = 1: ln2 and the residual are whole here)
+        let hidden = Hidden { fch: &mut a.fch, fch_gelu: &mut a.fch_gelu };
+        let bufs = (&a.ln2, &a.res_attn, &mut a.res_mlp);
+        return experts_forward(be, w, bufs, moe, hidden, &shape, c, ep, layer);
+    }
     let ln2 = gather_tokens(be, &a.ln2, gathered(exchange), mine, c, tp, TpPoint::Ln2Output, at)?;
     be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
     be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
@@ -1328,6 +1474,7 @@ fn segment_block_forward<B: Backend>(
     d: Dims,
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
+    ep: &mut ExpertGroup<B>,
     layer: usize,
 ) -> Result<(), CommError> {
     let j = i % k;
@@ -1337,7 +1484,7 @@ fn segment_block_forward<B: Backend>(
         (0, _) => &acts.checkpoints[i / k - 1],
         _ => &before[j - 1].res_mlp,
     };
-    block_forward(be, w, x, &mut rest[0], d, tp, exchange, layer)
+    block_forward(be, w, x, &mut rest[0], d, tp, exchange, ep, layer)
 }
 
 /// One transformer block backward: `s.dres` holds the gradient of the block's output and
@@ -1360,6 +1507,7 @@ fn block_backward<B: Backend>(
     d: Dims,
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
+    ep: &mut ExpertGroup<B>,
     layer: usize,
     mut keep: Option<&mut WeightStash<B::Buf>>,
 ) -> Result<(), CommError> {
@@ -1374,6 +1522,7 @@ fn block_backward<B: Backend>(
         attn_proj_b,
         ln2_g,
         ln2_b,
+        router_w,
         fc_w,
         fc_b,
         fc_proj_w,
@@ -1394,34 +1543,46 @@ fn block_backward<B: Backend>(
         None => g_ln.each_mut().map(|v| be.reborrow(v)),
     };
     // MLP half (dres holds d res_mlp, and becomes d res_attn)
-    let dout = gather_tokens(be, &s.dres, full.as_deref_mut(), mine, c, tp, TpPoint::MlpOutputGrad, at)?;
-    let kept = keep.as_deref_mut().map(|k| &mut k.dmlp_out);
-    let weights = (fc_proj_w, Some(fc_proj_b));
-    linear_backward(
-        be,
-        be.all_mut(&mut s.dfch),
-        weights,
-        be.all(dout),
-        be.all(&a.fch_gelu),
-        w.fc_proj_w,
-        (hidden, c),
-        kept,
-    );
-    be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
-    let ln2 = gather_tokens(be, &a.ln2, gathered.as_deref_mut(), mine, c, tp, TpPoint::Ln2Output, at)?;
-    let kept = keep.as_deref_mut().map(|k| &mut k.dfch);
-    linear_backward(
-        be,
-        be.all_mut(&mut s.dln),
-        (fc_w, Some(fc_b)),
-        be.all(&s.dfch),
-        be.all(ln2),
-        w.fc_w,
-        (c, hidden),
-        kept,
-    );
-    // f's backward: ln2's output fed every rank's hidden units
-    let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?;
+    let experts = match (d.experts, a.moe.as_ref(), s.experts.as_mut()) {
+        (Some(shape), Some(moe), Some(scratch)) => Some((shape, moe, scratch)),
+        _ => None,
+    };
+    let dln = if let Some((shape, moe, scratch)) = experts {
+        // Mixture of Experts (tp = 1)
+        let grads = ExpertGrads { router_w, fc_w, fc_b, fc_proj_w, fc_proj_b };
+        let (bufs, hidden) = ((&s.dres, &a.ln2, &mut s.dln), (&a.fch, &a.fch_gelu, &mut s.dfch));
+        experts_backward(be, w, grads, bufs, moe, hidden, scratch, &shape, c, ep, layer, d.balance_weight)?;
+        0..be.buf_len(&s.dln)
+    } else {
+        let dout = gather_tokens(be, &s.dres, full.as_deref_mut(), mine, c, tp, TpPoint::MlpOutputGrad, at)?;
+        let kept = keep.as_deref_mut().map(|k| &mut k.dmlp_out);
+        let weights = (fc_proj_w, Some(fc_proj_b));
+        linear_backward(
+            be,
+            be.all_mut(&mut s.dfch),
+            weights,
+            be.all(dout),
+            be.all(&a.fch_gelu),
+            w.fc_proj_w,
+            (hidden, c),
+            kept,
+        );
+        be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
+        let ln2 = gather_tokens(be, &a.ln2, gathered.as_deref_mut(), mine, c, tp, TpPoint::Ln2Output, at)?;
+        let kept = keep.as_deref_mut().map(|k| &mut k.dfch);
+        linear_backward(
+            be,
+            be.all_mut(&mut s.dln),
+            (fc_w, Some(fc_b)),
+            be.all(&s.dfch),
+            be.all(ln2),
+            w.fc_w,
+            (c, hidden),
+            kept,
+        );
+        // f's backward: ln2's output fed every rank's hidden units
+        sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?
+    };
     be.layernorm_backward(
         be.all_mut(&mut s.dres),
         d_ln2_g,
@@ -1524,6 +1685,7 @@ fn block_weights<B: Backend>(
     k: &WeightStash<B::Buf>,
     d: Dims,
 ) {
+    debug_assert!(d.experts.is_none(), "validation keeps ZB-H1 to dense blocks");
     let Dims { c, cl, hidden, .. } = d;
     let weights = |dw, db, dout: &B::Buf, inp: &B::Buf, c_in, c_out| {
         be.matmul_backward_weights(dw, Some(db), be.all(dout), be.all(inp), c_in, c_out);
@@ -1561,6 +1723,7 @@ fn split_block<'a, B: Backend>(
         attn_proj_b: take(lay.attn_proj_b.len()),
         ln2_g: take(lay.ln2_g.len()),
         ln2_b: take(lay.ln2_b.len()),
+        router_w: take(lay.router_w.len()),
         fc_w: take(lay.fc_w.len()),
         fc_b: take(lay.fc_b.len()),
         fc_proj_w: take(lay.fc_proj_w.len()),

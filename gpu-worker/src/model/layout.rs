@@ -35,7 +35,7 @@ use crate::rng::Rng;
 pub const INIT_STD: f64 = 0.02;
 const INIT_STREAM: u64 = 0x494e_4954_0000_0001;
 
-/// Tensors in one transformer block.
+/// Tensors in one transformer block (a Mixture-of-Experts block adds its router).
 const TENSORS_PER_BLOCK: usize = 12;
 
 /// The tensors of one transformer block, in their order in the parameter buffer.
@@ -49,6 +49,10 @@ pub struct BlockTensors<T> {
     pub attn_proj_b: T,
     pub ln2_g: T,
     pub ln2_b: T,
+    /// Mixture of Experts: the router, (d, E); empty in a dense block.
+    pub router_w: T,
+    /// The MLP's four tensors; with experts each has a leading expert dimension (this
+    /// rank's E/ep experts, one after another).
     pub fc_w: T,
     pub fc_b: T,
     pub fc_proj_w: T,
@@ -66,6 +70,7 @@ impl<T> BlockTensors<T> {
             attn_proj_b: f(&self.attn_proj_b),
             ln2_g: f(&self.ln2_g),
             ln2_b: f(&self.ln2_b),
+            router_w: f(&self.router_w),
             fc_w: f(&self.fc_w),
             fc_b: f(&self.fc_b),
             fc_proj_w: f(&self.fc_proj_w),
@@ -92,6 +97,9 @@ pub enum Split {
     Columns { groups: usize },
     /// Row-parallel: each rank takes 1/tp of the rows, in order.
     Rows,
+    /// Expert-parallel: each of the ep ranks takes E/ep whole experts (the leading
+    /// dimension), in order.
+    Experts,
 }
 
 /// One named tensor of the parameter buffer.
@@ -120,6 +128,19 @@ impl TpPlace {
     pub const ALONE: TpPlace = TpPlace { rank: 0, size: 1 };
 }
 
+/// This rank's place in its expert-parallel group: it holds experts
+/// `rank * E/size .. (rank + 1) * E/size` of every block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertPlace {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl ExpertPlace {
+    /// No expert parallelism: every expert on every rank.
+    pub const ALONE: ExpertPlace = ExpertPlace { rank: 0, size: 1 };
+}
+
 /// Where every tensor sits in the flat parameter (and gradient) buffer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamLayout {
@@ -138,7 +159,11 @@ pub struct ParamLayout {
     canonical: Vec<usize>,
     pub model: ModelSpec,
     pub tp: TpPlace,
+    pub ep: ExpertPlace,
 }
+
+/// Adds a tensor (name, shape, init, split) to a block and says where it went.
+type PushTensor<'a> = dyn FnMut(&str, &[usize], Init, Split) -> Range<usize> + 'a;
 
 struct LayoutBuilder {
     tensors: Vec<TensorInfo>,
@@ -150,7 +175,9 @@ impl LayoutBuilder {
         let len: usize = shape.iter().product();
         let range = self.next..self.next + len;
         self.next += len;
-        let decay = shape.len() >= 2;
+        // Matrices and embeddings (the normal-initialised tensors) decay; biases and
+        // LayerNorms do not.
+        let decay = matches!(init, Init::Normal { .. });
         self.tensors.push(TensorInfo { name, range: range.clone(), shape: shape.to_vec(), init, decay, split });
         range
     }
@@ -168,10 +195,20 @@ impl ParamLayout {
         Self::with_block_order(m, tp, &(0..m.layers).collect::<Vec<_>>())
     }
 
+    /// The part of a Mixture-of-Experts model expert-parallel rank `ep.rank` of `ep.size`
+    /// holds: every tensor, but only its E/ep experts of each block.
+    pub fn for_experts(m: &ModelSpec, ep: ExpertPlace, order: &[usize]) -> Self {
+        Self::build(m, TpPlace::ALONE, ep, order)
+    }
+
     /// [`Self::for_tp`] with the blocks laid out in `order` (a permutation of 0..layers):
     /// an interleaved pipeline puts each stage's chunks side by side, so that every stage's
     /// parameters are one run of the buffer. Each tensor keeps its initial values.
     pub fn with_block_order(m: &ModelSpec, tp: TpPlace, order: &[usize]) -> Self {
+        Self::build(m, tp, ExpertPlace::ALONE, order)
+    }
+
+    fn build(m: &ModelSpec, tp: TpPlace, ep: ExpertPlace, order: &[usize]) -> Self {
         let (v, t, c, l) = (m.vocab, m.seq_len, m.d_model, m.layers);
         let n = tp.size.max(1);
         let normal = Init::Normal { std: INIT_STD };
@@ -179,10 +216,17 @@ impl ParamLayout {
         let (whole, qkv, columns, rows) =
             (Split::Replicated, Split::Columns { groups: 3 }, Split::Columns { groups: 1 }, Split::Rows);
         let mut b = LayoutBuilder { tensors: Vec::new(), next: 0 };
+        // With experts the MLP's tensors get a leading expert dimension: this rank's E/ep.
+        let (experts, local_experts) = (m.experts, m.experts / ep.size.max(1));
+        let mlp = |push: &mut PushTensor<'_>, name: &str, shape: &[usize], init, split| match experts {
+            0 => push(name, shape, init, split),
+            _ => push(name, &[&[local_experts], shape].concat(), init, Split::Experts),
+        };
         let wte = b.push("wte".into(), &[v, c], normal, whole);
         let wpe = b.push("wpe".into(), &[t, c], normal, whole);
         let mut blocks: Vec<Option<BlockTensors<Range<usize>>>> = vec![None; l];
         for &i in order {
+            let at = b.next;
             let mut push =
                 |name: &str, shape: &[usize], init, split| b.push(format!("blocks.{i}.{name}"), shape, init, split);
             let block = BlockTensors {
@@ -194,10 +238,14 @@ impl ParamLayout {
                 attn_proj_b: push("attn_proj_b", &[c], Init::Zeros, whole),
                 ln2_g: push("ln2_g", &[c], Init::Ones, whole),
                 ln2_b: push("ln2_b", &[c], Init::Zeros, whole),
-                fc_w: push("fc_w", &[c, 4 * c / n], normal, columns),
-                fc_b: push("fc_b", &[4 * c / n], Init::Zeros, columns),
-                fc_proj_w: push("fc_proj_w", &[4 * c / n, c], residual, rows),
-                fc_proj_b: push("fc_proj_b", &[c], Init::Zeros, whole),
+                router_w: match experts {
+                    0 => at..at,
+                    e => push("router_w", &[c, e], normal, whole),
+                },
+                fc_w: mlp(&mut push, "fc_w", &[c, 4 * c / n], normal, columns),
+                fc_b: mlp(&mut push, "fc_b", &[4 * c / n], Init::Zeros, columns),
+                fc_proj_w: mlp(&mut push, "fc_proj_w", &[4 * c / n, c], residual, rows),
+                fc_proj_b: mlp(&mut push, "fc_proj_b", &[c], Init::Zeros, whole),
             };
             blocks[i] = Some(block);
         }
@@ -205,14 +253,14 @@ impl ParamLayout {
         let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones, whole);
         let lnf_b = b.push("lnf_b".into(), &[c], Init::Zeros, whole);
         let lm_head = b.push("lm_head".into(), &[c, v], normal, whole);
-        // Tensor k of block i is the model's tensor 2 + 12i + k.
-        let per_block = TENSORS_PER_BLOCK;
+        // Tensor k of block i is the model's tensor 2 + 12i + k (13i with a router).
+        let per_block = TENSORS_PER_BLOCK + usize::from(m.is_moe());
         let canonical = (0..2)
             .chain(order.iter().flat_map(|&i| (0..per_block).map(move |k| 2 + per_block * i + k)))
             .chain((0..3).map(|k| 2 + per_block * l + k))
             .collect();
         let (tensors, total) = (b.tensors, b.next);
-        Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors, total, canonical, model: m.clone(), tp }
+        Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors, total, canonical, model: m.clone(), tp, ep }
     }
 
     /// Parameters of one block (they are contiguous).
@@ -264,7 +312,9 @@ impl ParamLayout {
                 continue;
             }
             if self.tp.size <= 1 {
-                let at = |x: usize| x - mine.range.start + all.range.start;
+                // (an expert-parallel rank's experts are one run of the whole tensor)
+                let skip = if mine.split == Split::Experts { self.ep.rank * mine.range.len() } else { 0 };
+                let at = |x: usize| x - mine.range.start + all.range.start + skip;
                 out.extend(whole.init_values::<F>(seed, i, at(lo)..at(hi)));
             } else {
                 let values = whole.init_values::<F>(seed, i, all.range.clone());
@@ -317,6 +367,10 @@ impl ParamLayout {
                 let part = src.len() / n;
                 src[rank * part..(rank + 1) * part].to_vec()
             }
+            Split::Experts => {
+                let (rank, part) = (self.ep.rank, mine.range.len());
+                src[rank * part..(rank + 1) * part].to_vec()
+            }
             Split::Columns { groups } => {
                 let cols = *all.shape.last().expect("a tensor has a shape");
                 let (group, width) = (cols / groups, cols / groups / n);
@@ -335,19 +389,24 @@ impl ParamLayout {
     /// The sum of squares of elements `range` of `grads`, where element `range.start` is
     /// parameter `at` of this layout, for the global gradient norm (summed by the backend,
     /// where the gradients are): a tensor every tensor-parallel rank holds whole counts
-    /// 1/tp on each, so summing over the group counts it once.
+    /// 1/tp on each, so summing over the group counts it once; so does every tensor but the
+    /// experts over an expert-parallel group (1/ep).
     pub fn grad_squares<B: Backend>(&self, be: &B, grads: &B::Buf, range: Range<usize>, at: usize) -> f64 {
-        if self.tp.size <= 1 {
+        if self.tp.size <= 1 && self.ep.size <= 1 {
             return be.sum_squares(be.view(grads, range));
         }
         let end = at + range.len();
-        let share = 1.0 / self.tp.size as f64;
+        let share = |split: Split| {
+            let tp = if split == Split::Replicated { 1.0 / self.tp.size as f64 } else { 1.0 };
+            let ep = if split == Split::Experts { 1.0 } else { 1.0 / self.ep.size as f64 };
+            tp * ep
+        };
         self.tensors
             .iter()
             .filter(|t| t.range.start < end && t.range.end > at)
             .map(|t| {
                 let piece = t.range.start.max(at) - at + range.start..t.range.end.min(end) - at + range.start;
-                be.sum_squares(be.view(grads, piece)) * if t.split == Split::Replicated { share } else { 1.0 }
+                be.sum_squares(be.view(grads, piece)) * share(t.split)
             })
             .sum()
     }
@@ -361,7 +420,7 @@ mod tests {
     /// values: each tensor starts as it does in the model's own order, whole or cut for tp.
     #[test]
     fn blocks_in_another_order_keep_their_initial_values() {
-        let m = ModelSpec { layers: 4, d_model: 8, heads: 2, seq_len: 3, vocab: 5 };
+        let m = ModelSpec::dense(4, 8, 2, 3, 5);
         let order = [0, 2, 1, 3];
         for tp in [TpPlace::ALONE, TpPlace { rank: 1, size: 2 }] {
             let plain = ParamLayout::for_tp(&m, tp);
@@ -383,11 +442,7 @@ mod tests {
 
     #[test]
     fn layout_matches_the_planner_param_count_and_is_contiguous() {
-        for m in [
-            ModelSpec::default(),
-            ModelSpec { layers: 4, d_model: 256, heads: 4, seq_len: 128, vocab: 256 },
-            ModelSpec { layers: 1, d_model: 8, heads: 2, seq_len: 3, vocab: 5 },
-        ] {
+        for m in [ModelSpec::default(), ModelSpec::dense(4, 256, 4, 128, 256), ModelSpec::dense(1, 8, 2, 3, 5)] {
             let lay = ParamLayout::new(&m);
             assert_eq!(lay.total as u64, m.param_count());
             let mut next = 0;
@@ -423,7 +478,7 @@ mod tests {
 
     #[test]
     fn any_range_initialises_to_the_whole_models_values() {
-        let m = ModelSpec { layers: 2, d_model: 16, heads: 4, seq_len: 8, vocab: 24 };
+        let m = ModelSpec::dense(2, 16, 4, 8, 24);
         for tp in [1, 2, 4] {
             for rank in 0..tp {
                 let lay = ParamLayout::for_tp(&m, TpPlace { rank, size: tp });
@@ -441,7 +496,7 @@ mod tests {
 
     #[test]
     fn init_is_deterministic_and_scaled() {
-        let m = ModelSpec { layers: 2, d_model: 64, heads: 4, seq_len: 16, vocab: 32 };
+        let m = ModelSpec::dense(2, 64, 4, 16, 32);
         let lay = ParamLayout::new(&m);
         let a = lay.init_params::<f32>(7);
         assert_eq!(a, lay.init_params::<f32>(7));
@@ -459,7 +514,7 @@ mod tests {
 
     #[test]
     fn tensor_parallel_parts_tile_every_tensor_once() {
-        let m = ModelSpec { layers: 2, d_model: 16, heads: 4, seq_len: 5, vocab: 7 };
+        let m = ModelSpec::dense(2, 16, 4, 5, 7);
         let whole = ParamLayout::new(&m);
         // Values that name their own position, so every part says where it came from.
         let ids: Vec<f32> = (0..whole.total).map(|i| i as f32).collect();
@@ -487,7 +542,7 @@ mod tests {
 
     #[test]
     fn replicated_gradients_count_once_over_the_tensor_parallel_group() {
-        let m = ModelSpec { layers: 1, d_model: 8, heads: 2, seq_len: 3, vocab: 5 };
+        let m = ModelSpec::dense(1, 8, 2, 3, 5);
         let whole = ParamLayout::new(&m);
         let be = crate::backend::CpuBackend::<f32>::new(1);
         let grads: Vec<f32> = (0..whole.total).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();

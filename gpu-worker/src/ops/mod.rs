@@ -16,4 +16,5 @@ pub mod layernorm;
 pub mod linear;
 pub mod loss;
 pub mod mlp;
+pub mod router;
 pub mod simd;

@@ -72,6 +72,16 @@ pub struct Replicated<B: TrainBackend> {
 struct Synced {
     grads: GradientSum,
     scalars: Box<dyn Communicator>,
+    /// Expert parallelism with dp > ep: the experts' gradients, summed over the ranks
+    /// holding the same experts after backward.
+    experts: Option<ExpertSync>,
+}
+
+/// The experts' gradients' sum over their replicas: the communicator and the experts'
+/// ranges of the stage's buffer.
+struct ExpertSync {
+    comm: Box<dyn Communicator>,
+    ranges: Vec<Range<usize>>,
 }
 
 /// How the data-parallel group sums the gradients.
@@ -127,12 +137,31 @@ impl<B: TrainBackend> Replicated<B> {
             }
         };
         // Readiness units in the order backward finishes them, within the stage's buffer.
-        let backward_units: Vec<Range<usize>> =
-            units.iter().rev().map(|u| u.range(layout)).map(|r| r.start - range.start..r.end - range.start).collect();
+        // With expert parallelism a block's experts (the end of its range) are not summed
+        // over the data-parallel group: the ranks hold different ones.
+        let local = |r: Range<usize>| r.start - range.start..r.end - range.start;
+        let experts_apart = layout.ep.size > 1;
+        let summed_part = |u: &Unit| match u {
+            Unit::Block(l) if experts_apart => layout.blocks[*l].ln1_g.start..layout.blocks[*l].fc_w.start,
+            u => u.range(layout),
+        };
+        let backward_units: Vec<Range<usize>> = units.iter().rev().map(summed_part).map(local).collect();
+        let expert_ranges: Vec<Range<usize>> = units
+            .iter()
+            .filter_map(|u| match u {
+                Unit::Block(l) if experts_apart => Some(layout.blocks[*l].fc_w.start..layout.blocks[*l].fc_proj_b.end),
+                _ => None,
+            })
+            .map(local)
+            .collect();
         let bucket_bytes = spec.parallel.bucket_bytes;
+        // NCCL sums the buckets in place on the GPU when every bucket is one plain range of
+        // the gradient buffer; compressed buckets, and buckets that skip the experts, go
+        // through host memory on the communication thread (over NCCL too).
+        let in_place = spec.parallel.grad_compression == GradCompression::None && !experts_apart;
         let dp = match dp {
             Some(mut g) => Some(Synced {
-                grads: if be.reaches(g.grads.as_mut()) {
+                grads: if in_place && be.reaches(g.grads.as_mut()) {
                     GradientSum::InPlace(InPlaceSync::new(g.grads, &backward_units, bucket_bytes))
                 } else {
                     let wire = spec.parallel.comm_dtype;
@@ -148,6 +177,7 @@ impl<B: TrainBackend> Replicated<B> {
                     GradientSum::Thread(sync)
                 },
                 scalars: g.scalars,
+                experts: g.experts.map(|comm| ExpertSync { comm, ranges: expert_ranges }),
             }),
             None => None,
         };
@@ -224,6 +254,21 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
                     }
                 })
             })?;
+        }
+        if let Some(Synced { experts: Some(ExpertSync { comm, ranges }), .. }) = &mut self.dp {
+            if self.record {
+                be.synchronize();
+            }
+            let (start, sent_before) = (now_us(), comm.bytes_sent());
+            for range in ranges.iter() {
+                let op = InPlace::AllReduce(ReduceOp::Sum);
+                collective(be, &self.memory, comm.as_mut(), &mut self.state.grads, range.clone(), op, self.wire)?;
+            }
+            if self.record {
+                be.synchronize();
+                let sent = comm.bytes_sent() - sent_before;
+                self.spans.push(blocking_comm_span("all_reduce experts' gradients (replicas)", self.step, start, sent));
+            }
         }
         let grads = &self.state.grads;
         Ok(self.layout.grad_squares(be, grads, 0..be.buf_len(grads), self.base))
@@ -339,28 +384,34 @@ pub fn blocking_comm_span(name: &str, step: u64, start_us: u64, bytes_sent: u64)
     }
 }
 
-/// A contiguous range of the flat gradient buffer, all-reduced as one message.
+/// Readiness units of the flat gradient buffer, all-reduced as one message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
+    /// From its first unit's start to its last one's end: one contiguous range of the
+    /// buffer, unless the units skip parts that are not summed here (expert parallelism's
+    /// experts).
     pub range: Range<usize>,
+    /// Its units' floats, one after another in buffer order: what crosses the wire.
+    pub len: usize,
     /// Indices of the readiness units (see `plan_buckets`) it is made of.
     pub units: Range<usize>,
 }
 
 /// Groups readiness units into buckets of at least `bucket_bytes` (the last one may be
 /// smaller). `units` are the ranges of the gradient buffer in the order backward makes
-/// them final; each must sit right before the previous one in the buffer (reverse layer
-/// order), so that every bucket is one contiguous range.
+/// them final; each must sit before the previous one in the buffer (reverse layer order):
+/// right before it, for every bucket to be one contiguous range.
 pub fn plan_buckets(units: &[Range<usize>], bucket_bytes: u64) -> Vec<Bucket> {
     let target = (bucket_bytes / 4).max(1) as usize;
     let mut buckets: Vec<Bucket> = Vec::new();
     let mut open: Option<Bucket> = None;
     for (i, unit) in units.iter().enumerate() {
-        let b = open.get_or_insert(Bucket { range: unit.clone(), units: i..i });
-        debug_assert!(b.units.is_empty() || unit.end == b.range.start, "units must be adjacent, in reverse order");
+        let b = open.get_or_insert(Bucket { range: unit.clone(), len: 0, units: i..i });
+        debug_assert!(b.units.is_empty() || unit.end <= b.range.start, "units must come in reverse order");
         b.range.start = unit.start;
+        b.len += unit.len();
         b.units.end = i + 1;
-        if b.range.len() >= target {
+        if b.len >= target {
             buckets.extend(open.take());
         }
     }
@@ -371,9 +422,11 @@ pub fn plan_buckets(units: &[Range<usize>], bucket_bytes: u64) -> Vec<Bucket> {
 /// Which bucket each readiness unit belongs to, and which buckets backward has finished.
 struct BucketPlan {
     buckets: Vec<Bucket>,
-    /// Per readiness unit: its range of the gradient buffer and its bucket.
+    /// Per readiness unit: its range of the gradient buffer, its bucket, and where it sits
+    /// in the bucket's buffer.
     units: Vec<Range<usize>>,
     unit_bucket: Vec<usize>,
+    offsets: Vec<usize>,
     /// Per bucket: how many of its units are final this step.
     ready_units: Vec<usize>,
 }
@@ -381,14 +434,16 @@ struct BucketPlan {
 impl BucketPlan {
     fn new(units: &[Range<usize>], bucket_bytes: u64) -> Self {
         let buckets = plan_buckets(units, bucket_bytes);
-        let mut unit_bucket = vec![0; units.len()];
+        let (mut unit_bucket, mut offsets) = (vec![0; units.len()], vec![0; units.len()]);
         for (b, bucket) in buckets.iter().enumerate() {
-            for u in bucket.units.clone() {
-                unit_bucket[u] = b;
+            let mut at = 0;
+            for u in bucket.units.clone().rev() {
+                (unit_bucket[u], offsets[u]) = (b, at);
+                at += units[u].len();
             }
         }
         let ready_units = vec![0; buckets.len()];
-        BucketPlan { buckets, units: units.to_vec(), unit_bucket, ready_units }
+        BucketPlan { buckets, units: units.to_vec(), unit_bucket, offsets, ready_units }
     }
 
     fn begin_step(&mut self) {
@@ -434,7 +489,9 @@ pub struct InPlaceSync {
 
 impl InPlaceSync {
     fn new(comm: Box<dyn Communicator>, units: &[Range<usize>], bucket_bytes: u64) -> Self {
-        InPlaceSync { comm, plan: BucketPlan::new(units, bucket_bytes), step: 0, record: false, spans: Vec::new() }
+        let plan = BucketPlan::new(units, bucket_bytes);
+        debug_assert!(plan.buckets.iter().all(|b| b.len == b.range.len()), "in place, a bucket is one range");
+        InPlaceSync { comm, plan, step: 0, record: false, spans: Vec::new() }
     }
 
     fn begin_step(&mut self, step: u64, record: bool) {
@@ -522,15 +579,16 @@ impl GradSync {
         let plan = BucketPlan::new(units, bucket_bytes);
         let buckets = &plan.buckets;
         let compressor = compression.map(|(settings, tensors)| {
+            debug_assert!(buckets.iter().all(|b| b.len == b.range.len()), "compressed buckets are one range each");
             let ranges: Vec<Range<usize>> = buckets.iter().map(|b| b.range.clone()).collect();
             Arc::new(Mutex::new(Compressor::new(settings, BucketTensor::per_bucket(&tensors, &ranges), memory)))
         });
         let on_thread = compressor.clone();
-        let buffers = buckets.iter().map(|b| comm.alloc_shared(b.range.len()).map(Some)).collect::<Result<_, _>>()?;
-        let receipts = buckets.iter().map(|b| memory.alloc_shared(Category::CommBuffers, b.range.len())).collect();
+        let buffers = buckets.iter().map(|b| comm.alloc_shared(b.len).map(Some)).collect::<Result<_, _>>()?;
+        let receipts = buckets.iter().map(|b| memory.alloc_shared(Category::CommBuffers, b.len)).collect();
         let (to_comm, comm_rx) = mpsc::channel::<InFlight>();
         let (comm_tx, from_comm) = mpsc::channel::<Reduced>();
-        let sizes: Vec<usize> = buckets.iter().map(|b| b.range.len()).collect();
+        let sizes: Vec<usize> = buckets.iter().map(|b| b.len).collect();
         let comm_thread = std::thread::Builder::new()
             .name("ddp-comm".into())
             .spawn(move || communication_thread(comm, on_thread, comm_rx, comm_tx, sizes))
@@ -577,7 +635,7 @@ impl GradSync {
 
     /// Bytes of the bucket buffers (all of them, whether here or in flight).
     pub fn held_bytes(&self) -> u64 {
-        self.plan.buckets.iter().map(|b| (b.range.len() * 4) as u64).sum()
+        self.plan.buckets.iter().map(|b| (b.len * 4) as u64).sum()
     }
 
     /// Where readiness unit `unit` lies in the flat gradient buffer.
@@ -589,8 +647,7 @@ impl GradSync {
     /// flat gradient buffer): copy them into its bucket, and send the bucket once all its
     /// units are in.
     pub fn unit_ready<S: Stored<Acc = f32>>(&mut self, unit: usize, grads: &[S]) {
-        let b = self.plan.unit_bucket[unit];
-        let at = self.plan.units[unit].start - self.plan.buckets[b].range.start;
+        let (b, at) = (self.plan.unit_bucket[unit], self.plan.offsets[unit]);
         let buffer = self.buffers[b].as_mut().expect("a bucket is sent once per step");
         for (b, g) in buffer[at..at + grads.len()].iter_mut().zip(grads) {
             *b = g.load();
@@ -605,18 +662,20 @@ impl GradSync {
         }
     }
 
-    /// Waits for every bucket of this step and hands each one's sums to `store`, with the
-    /// bucket's range of the flat gradient buffer (where they belong). Returns the time
-    /// spent waiting, in microseconds.
+    /// Waits for every bucket of this step and hands each unit's sums to `store`, with the
+    /// unit's range of the flat gradient buffer (where they belong). Returns the time spent
+    /// waiting, in microseconds.
     pub fn finish(&mut self, mut store: impl FnMut(Range<usize>, &[f32])) -> Result<u64, CommError> {
         let wait_start = now_us();
         let mut first_error = None;
         while self.in_flight > 0 {
             let Ok(done) = self.from_comm.recv() else { break };
             self.in_flight -= 1;
-            let range = self.plan.buckets[done.bucket].range.clone();
             if done.result.is_ok() {
-                store(range, &done.data);
+                for u in self.plan.buckets[done.bucket].units.clone() {
+                    let (range, at) = (self.plan.units[u].clone(), self.plan.offsets[u]);
+                    store(range.clone(), &done.data[at..at + range.len()]);
+                }
             }
             if self.record_spans {
                 let mut span = done.span;
@@ -688,9 +747,23 @@ mod tests {
         // Buffer: [0,10) [10,30) [30,60) [60,100); backward finishes them last to first.
         let units = vec![60..100, 30..60, 10..30, 0..10];
         let buckets = plan_buckets(&units, 4 * 50); // at least 50 floats each
-        assert_eq!(buckets, vec![Bucket { range: 30..100, units: 0..2 }, Bucket { range: 0..30, units: 2..4 }]);
+        let bucket = |range: Range<usize>, units| Bucket { len: range.len(), range, units };
+        assert_eq!(buckets, vec![bucket(30..100, 0..2), bucket(0..30, 2..4)]);
         // A huge bucket size gives one bucket; a tiny one, one bucket per unit.
         assert_eq!(plan_buckets(&units, 1 << 30).len(), 1);
         assert_eq!(plan_buckets(&units, 4).len(), 4);
+    }
+
+    #[test]
+    fn units_with_gaps_between_them_pack_into_their_bucket() {
+        // Expert parallelism: [90,100) [50,60) [0,20) are summed here, the rest is not.
+        let units = vec![90..100, 50..60, 0..20];
+        let plan = BucketPlan::new(&units, 4 * 15);
+        assert_eq!(
+            plan.buckets,
+            vec![Bucket { range: 50..100, len: 20, units: 0..2 }, Bucket { range: 0..20, len: 20, units: 2..3 }]
+        );
+        // buffer order inside a bucket: [50,60) then [90,100)
+        assert_eq!(plan.offsets, vec![10, 0, 0]);
     }
 }

@@ -12,11 +12,14 @@
 //! * `shard.rs`: which piece of every unit a rank owns.
 //! * `pipeline.rs`: pipeline stages; their GPipe / 1F1B schedules are plain functions in
 //!   `distlab_common::schedule`, which the pipeline page replays too.
+//! * `expert.rs`: expert parallelism, Mixture-of-Experts blocks' experts spread over
+//!   ranks of the data-parallel group (the model runs it; this is its group).
 //! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
 //! * `mesh.rs`: the dp x tp x pp topology that hands every rank its groups.
 
 pub mod compression;
 pub mod ddp;
+pub mod expert;
 pub mod mesh;
 pub mod pipeline;
 pub mod prefetch;
@@ -166,6 +169,9 @@ pub struct DpGroup {
     pub world: usize,
     pub grads: Box<dyn Communicator>,
     pub scalars: Box<dyn Communicator>,
+    /// Expert parallelism with dp > ep: the ranks holding this rank's experts (None: every
+    /// expert's gradient is summed with the rest, or ep = dp and none is anywhere else).
+    pub experts: Option<Box<dyn Communicator>>,
 }
 
 /// The strategy `spec.parallel.sharding` asks for, for the parameters of `stage` (one

@@ -115,7 +115,7 @@ mod tests {
 
     #[test]
     fn the_ranks_shards_cover_every_parameter_once() {
-        let spec = ModelSpec { layers: 2, d_model: 12, heads: 2, seq_len: 5, vocab: 7 };
+        let spec = ModelSpec::dense(2, 12, 2, 5, 7);
         let layout = ParamLayout::new(&spec);
         for world in [1, 2, 3, 4] {
             let mut owner = vec![0u32; layout.total];

@@ -84,9 +84,9 @@ impl<B: TrainBackend> Sharded<B> {
     ) -> Result<Self, TrainError> {
         let fsdp = spec.parallel.sharding == Sharding::Fsdp;
         // One rank alone is a group of one: it owns every shard.
-        let DpGroup { rank, world, scalars: comm, grads: second } = match dp {
+        let DpGroup { rank, world, scalars: comm, grads: second, .. } = match dp {
             Some(g) => g,
-            None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone) },
+            None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone), experts: None },
         };
         let wire = spec.parallel.comm_dtype;
         let prefetch = (fsdp && spec.parallel.prefetch).then(|| Prefetcher::new(second, wire));

@@ -127,7 +127,7 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
     let activations = Gpt::<CpuBackend<f32>>::activation_floats_for(
         &spec.model,
         spec.train.micro_batch,
-        spec.parallel.tp,
+        (spec.parallel.tp, spec.parallel.ep),
         spec.train.attention,
         spec.parallel.sequence_parallel,
     ) as u64;

@@ -1,6 +1,7 @@
 //! What a run reports: a metric point per step, the run's summary, a log line per
 //! checkpoint write, and what one rank's training leaves behind.
 
+use distlab_common::events::ExpertMetrics;
 use distlab_common::memory::RankMemoryReport;
 use distlab_common::trace::Span;
 use distlab_common::{CheckpointWrite, ExperimentSpec, LogLevel, LogLine, MetricPoint, RunEvent, RunSummary};
@@ -121,6 +122,11 @@ impl StepTally {
             step_ms: seconds * 1e3,
             loss_scale: stats.loss_scale.map(|(scale, _)| scale),
             skipped_steps: stats.loss_scale.map(|(_, skipped)| skipped),
+            experts: stats.experts.map(|e| ExpertMetrics {
+                balance: e.balance_sum / e.routings.max(1) as f64,
+                assignments: e.assignments,
+                dropped: e.dropped,
+            }),
         }));
         self.final_loss = stats.loss;
         self.min_loss = self.min_loss.min(stats.loss);

@@ -15,11 +15,13 @@ use crate::comm::CommError;
 use crate::data::Data;
 use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
-use crate::model::gpt::TensorParallelGroup;
+use crate::model::experts::ExpertParallelGroup;
+use crate::model::gpt::{ExpertStats, ModelGroups, TensorParallelGroup};
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::offload::OffloadTo;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::ddp::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
+use crate::parallel::expert::ExpertParallel;
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::Pipeline;
 use crate::parallel::tensor::TensorParallel;
@@ -41,6 +43,8 @@ pub struct StepStats {
     /// Dynamic loss scaling (fp16): the scale this step's loss was multiplied by, and
     /// the steps skipped so far (this one included when it was not updated).
     pub loss_scale: Option<(f64, u64)>,
+    /// Mixture of Experts: what every router of the step did, summed over the ranks.
+    pub experts: Option<ExpertStats>,
 }
 
 /// A model, its strategy (parameters, gradients, optimizer state) and its data on the CPU
@@ -138,7 +142,9 @@ impl<B: TrainBackend> Trainer<B> {
         let sequence_parallel = spec.parallel.splits_sequence();
         let split_backward = pipe.splits_backward();
         let saved = Saved { checkpointing: t.checkpointing, attention: t.attention, sequence_parallel, split_backward };
-        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, tp, &memory);
+        let ep = groups.ep.map(|g| Box::new(g) as Box<dyn ExpertParallelGroup<B>>);
+        let groups_here = ModelGroups { tp, ep };
+        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, groups_here, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let offload = match spec.parallel.offload {
             Offload::None => OffloadTo::None,
@@ -232,6 +238,9 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(tp) = self.model.tensor_parallel() {
             tp.begin_step(step, record);
         }
+        if let Some(ep) = self.model.expert_parallel() {
+            ep.begin_step(step, record);
+        }
         let mut work = StageStep {
             model: &mut self.model,
             strategy: self.strategy.as_mut(),
@@ -263,6 +272,13 @@ impl<B: TrainBackend> Trainer<B> {
             // 1/tp each); every TP rank computed the same loss.
             grad_norm_squared = tp.sum_scalar(grad_norm_squared)?;
         }
+        let ep = self.spec.parallel.ep;
+        if ep > 1 {
+            // Each rank holds its experts' gradients (the shared tensors count 1/ep each):
+            // over the data-parallel group every part is counted dp/ep times.
+            grad_norm_squared = self.strategy.sum_scalar(grad_norm_squared)? / (dp_world / ep) as f64;
+        }
+        let experts = self.spec.model.is_moe().then(|| self.model.take_expert_stats());
         // (A NaN gradient must stay NaN here: `max(0.0)` would turn it into 0.)
         let grad_norm = grad_norm_squared.sqrt() / scale;
         if dp_world > 1 {
@@ -279,6 +295,10 @@ impl<B: TrainBackend> Trainer<B> {
             }
             loss_sum = self.strategy.sum_scalar(loss_sum)?;
         }
+        let experts = match experts {
+            Some(mine) => Some(sum_expert_stats(mine, self.links.as_mut(), self.dp.1, self.strategy.as_mut())?),
+            None => None,
+        };
         if record {
             be.synchronize();
         }
@@ -312,7 +332,7 @@ impl<B: TrainBackend> Trainer<B> {
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
         let loss_scale = self.scaler.as_ref().map(|s| (scale, s.skipped()));
-        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale })
+        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale, experts })
     }
 
     /// This rank's checkpoint before step `step`: a copy of the state its strategy owns
@@ -418,9 +438,34 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(tp) = &self.model.tp_spans() {
             spans.extend(tp.iter().cloned());
         }
+        if let Some(ep) = &self.model.ep_spans() {
+            spans.extend(ep.iter().cloned());
+        }
         spans.sort_by_key(|s| s.start_us);
         spans
     }
+}
+
+/// A rank's routing statistics summed over every stage (`links`) and replica (the
+/// strategy's data-parallel group of `dp_world` ranks).
+fn sum_expert_stats<B: TrainBackend>(
+    mine: ExpertStats,
+    mut links: Option<&mut PipelineLinks<B::Elem>>,
+    dp_world: usize,
+    strategy: &mut dyn Strategy<B>,
+) -> Result<ExpertStats, CommError> {
+    let mut values = [mine.balance_sum, mine.routings as f64, mine.assignments as f64, mine.dropped as f64];
+    for v in &mut values {
+        if let Some(links) = links.as_deref_mut() {
+            *v = links.sum_scalar(*v)?;
+        }
+        if dp_world > 1 {
+            *v = strategy.sum_scalar(*v)?;
+        }
+    }
+    let [balance_sum, routings, assignments, dropped] = values;
+    let count = |x: f64| x.round() as u64;
+    Ok(ExpertStats { balance_sum, routings: count(routings), assignments: count(assignments), dropped: count(dropped) })
 }
 
 /// The groups of ranks one rank belongs to (None: it is alone in that dimension).
@@ -431,6 +476,9 @@ pub struct Groups {
     pub dp: Option<DpGroup>,
     pub pp: Option<PipelineGroup>,
     pub tp: Option<TensorParallel>,
+    /// Expert parallelism's group (its all-to-alls) and the gradient sum of the experts
+    /// over their replicas (None: every rank of the data-parallel group holds them all).
+    pub ep: Option<ExpertParallel>,
     /// Bytes of the shared-memory pipes to the other rank processes this rank maps.
     pub pipe_bytes: u64,
     /// Where this rank's optimizer state goes with `parallel.offload=disk` (None: the
@@ -449,10 +497,12 @@ impl Groups {
     fn staging_bytes(&self, sharding: Sharding) -> u64 {
         let dp = self.dp.as_ref().map_or(0, |g| {
             let grads = matches!(sharding, Sharding::None | Sharding::Zero1).then(|| g.grads.staging_bytes());
-            grads.unwrap_or(0) + g.scalars.staging_bytes()
+            let experts = g.experts.as_ref().map_or(0, |c| c.staging_bytes());
+            grads.unwrap_or(0) + g.scalars.staging_bytes() + experts
         });
         let pp = self.pp.as_ref().map_or(0, |g| g.send.staging_bytes() + g.recv.staging_bytes());
-        dp + pp + self.tp.as_ref().map_or(0, TensorParallel::staging_bytes)
+        let ep = self.ep.as_ref().map_or(0, ExpertParallel::staging_bytes);
+        dp + pp + self.tp.as_ref().map_or(0, TensorParallel::staging_bytes) + ep
     }
 }
 
