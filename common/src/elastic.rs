@@ -47,6 +47,16 @@ pub fn fit_to_source(spec: &mut ExperimentSpec, source: &ExperimentSpec) -> Resu
     if src.demo.is_some() {
         errors.push(FieldError::new("train.resume_from", format!("experiment {experiment} is a collective demo")));
     }
+    if src.parallel.ep > 1 {
+        errors.push(FieldError::new(
+            "train.resume_from",
+            format!(
+                "experiment {experiment} spread its experts over ep={} ranks, each holding its own: an elastic resume \
+                 re-cuts checkpoints whose ranks hold the same model",
+                src.parallel.ep
+            ),
+        ));
+    }
     let (ours, theirs) = (spec.global_batch(), source.global_batch());
     let mut note = None;
     if errors.is_empty() && ours != theirs {

@@ -977,7 +977,7 @@ fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
     let (l, s, d) = (m.layers as f64, m.seq_len as f64, m.d_model as f64);
     let recompute = match t.checkpointing {
         Checkpointing::None => 0.0,
-        Checkpointing::Every | Checkpointing::Sqrt => (2.0 * l * m.block_params() as f64 + 4.0 * l * s * d) * tf,
+        Checkpointing::Every | Checkpointing::Sqrt => (2.0 * l * m.active_block_params() as f64 + 4.0 * l * s * d) * tf,
     };
     let total = training + recompute;
     Flops {

@@ -512,15 +512,20 @@ impl ModelSpec {
         let attention = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d);
         match self.is_moe() {
             false => attention + self.mlp_params(),
-            true => attention + d * self.experts as u64 + self.experts as u64 * self.mlp_params(),
+            true => attention + d * self.experts as u64 + (self.experts as u64).saturating_mul(self.mlp_params()),
         }
+    }
+
+    /// Parameters of one block that one token's forward uses (its top_k experts').
+    pub fn active_block_params(&self) -> u64 {
+        let idle = self.experts.saturating_sub(self.expert_top_k) as u64;
+        self.block_params() - idle * self.mlp_params()
     }
 
     /// Parameters one token's forward uses: all of them, less the experts it does not
     /// visit (E - top_k per block).
     pub fn active_param_count(&self) -> u64 {
-        let idle = self.experts.saturating_sub(self.expert_top_k) as u64;
-        self.param_count() - self.layers as u64 * idle * self.mlp_params()
+        self.param_count() - self.layers as u64 * (self.block_params() - self.active_block_params())
     }
 
     /// All parameters: token and position embeddings, the blocks, the final LayerNorm

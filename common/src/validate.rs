@@ -140,6 +140,7 @@ impl ExperimentSpec {
             && within(m.d_model, limits.max_d_model)
             && within(m.vocab, limits.max_vocab)
             && within(m.seq_len, limits.max_seq_len)
+            && m.experts <= MAX_EXPERTS
         {
             let params = m.param_count();
             if params > limits.max_params {
@@ -541,10 +542,11 @@ impl ExperimentSpec {
         if p.grad_compression != GradCompression::None {
             refuse("parallel.grad_compression", "compress a dense model's gradients (ep=1)".into());
         }
-        if self.train.checkpoint_every > 0 || self.train.resume_from.is_some() {
+        if self.train.resume_from.is_some() {
             refuse(
-                "train.checkpoint_every",
-                "checkpoints of an expert-parallel run (each rank its own experts) are not written yet: use ep=1"
+                "train.resume_from",
+                "an elastic resume re-cuts a checkpoint whose ranks all hold the same model; here each holds its own \
+                 experts: start from scratch, or resume with ep=1"
                     .into(),
             );
         }
@@ -714,7 +716,7 @@ mod tests {
             ),
             (
                 json!({"model": {"experts": 6}, "parallel": {"dp": 2, "ep": 4, "sharding": "zero1"},
-                       "train": {"checkpoint_every": 5}}),
+                       "train": {"resume_from": {"experiment": 1, "step": 5}}}),
                 vec![
                     ("parallel.ep", "ep=4: every rank takes experts/ep experts: ep must divide experts=6"),
                     (
@@ -722,7 +724,7 @@ mod tests {
                         "ep=4: the experts are spread over ep ranks of the data-parallel group: ep must divide dp=2",
                     ),
                     ("parallel.sharding", "ep=4: sharding=zero1 cuts every unit"),
-                    ("train.checkpoint_every", "ep=4: checkpoints of an expert-parallel run"),
+                    ("train.resume_from", "ep=4: an elastic resume re-cuts a checkpoint"),
                 ],
             ),
             (

@@ -132,9 +132,10 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpErro
             step_ms: r.step_ms,
             loss_scale: r.loss_scale,
             skipped_steps: r.skipped_steps.and_then(|n| u64::try_from(n).ok()),
-            experts: r.expert_balance.map(|balance| ExpertMetrics {
-                balance,
-                assignments: r.expert_assignments.and_then(|n| u64::try_from(n).ok()).unwrap_or(0),
+            // (keyed on the count: SQLite keeps a diverged step's NaN balance as NULL)
+            experts: r.expert_assignments.and_then(|n| u64::try_from(n).ok()).map(|assignments| ExpertMetrics {
+                balance: r.expert_balance.unwrap_or(f64::NAN),
+                assignments,
                 dropped: r.expert_dropped.and_then(|n| u64::try_from(n).ok()).unwrap_or(0),
             }),
         })

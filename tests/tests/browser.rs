@@ -696,6 +696,31 @@ async fn experts_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let lanes = timeline_lanes(c, "EP comm").await?;
     ensure!(lanes == 2, "an EP comm lane per rank, not {lanes}");
     save_element(c, "#timeline", "experts-timeline.png").await?;
+
+    // One of the run's own all-to-alls on the replay page: one exchange step between the two
+    // ranks, each sending the other's half of its slots, as the planner counts them (four
+    // all-to-alls per block and micro-batch).
+    c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
+    wait_for(c, "the collective picker", Duration::from_secs(15), || exists(c, "#ring-collective")).await?;
+    let picked = c
+        .execute(
+            "const s = document.querySelector('#ring-collective'); \
+             const o = [...s.options].find(o => o.textContent.includes('all_to_all')); \
+             s.value = o.value; s.dispatchEvent(new Event('change', {bubbles: true})); return o.textContent;",
+            vec![],
+        )
+        .await?;
+    ensure!(picked.as_str().is_some_and(|l| l.contains("(ep)")), "an all-to-all of the ep group: {picked}");
+    wait_for(c, "the all-to-all's replay", Duration::from_secs(15), || async {
+        Ok(attr(c, "#ring-position", "data-last").await?.as_deref() == Some("1"))
+    })
+    .await?;
+    step_to(c, 1).await?;
+    let per_all_to_all = distlab_common::planner::plan(&spec).unwrap().stages[0].comm.ep_all_to_all / (4 * 2);
+    let sent = bytes_sent_per_card(c).await?;
+    let want = per_all_to_all.to_string();
+    ensure!(sent == json!([want, want]), "(W-1)/W of the slots from each rank: {sent}, planned {want}");
+    save_full_page(c, "experts-all-to-all-replay.png").await?;
     Ok(())
 }
 

@@ -16,6 +16,9 @@ fn spec(dp: usize, ep: usize) -> ExperimentSpec {
     spec.train.warmup_steps = 1;
     spec.parallel.dp = dp;
     spec.parallel.ep = ep;
+    // Buckets of a few KiB: DDP would send the first ones while backward's all-to-alls
+    // still run on the same links, unless it holds them back.
+    spec.parallel.bucket_bytes = 4096;
     spec
 }
 

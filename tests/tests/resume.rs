@@ -91,6 +91,16 @@ fn compressed_ddp_resumes_bit_identically_with_each_rank_s_residual() {
     }
 }
 
+/// Expert parallelism: each rank holds its own experts, so every rank writes its own
+/// parameters and optimizer state, and each reloads its own.
+#[test]
+fn expert_parallel_ddp_resumes_bit_identically_from_each_rank_s_experts() {
+    let mut spec = spec("resume-experts-ep2", Sharding::None);
+    spec.model = ModelSpec { experts: 4, expert_top_k: 2, ..spec.model };
+    spec.parallel.ep = 2;
+    resumes_with_identical_losses(spec);
+}
+
 /// The copy of the state a checkpoint is written from is booked in the ledger (measured
 /// only): DDP's DP rank 0 copies the parameters and the optimizer state every rank holds
 /// alike, rank 1 nothing; with ZeRO-1 rank 1 copies the optimizer shard it owns.

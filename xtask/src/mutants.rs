@@ -275,6 +275,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "experts", "expert_parallelism_trains_like"],
     },
     Mutant {
+        name: "An expert-parallel checkpoint keeps DP rank 0's experts alone (every rank reloads them)",
+        file: "gpu-worker/src/parallel/ddp.rs",
+        find: "let replicated = self.layout.ep.size <= 1;",
+        replace: "let replicated = true;",
+        tests: &["-p", "distlab-tests", "--test", "resume", "expert_parallel_ddp_resumes"],
+    },
+    Mutant {
+        name: "Expert parallelism's DDP sends buckets while backward's all-to-alls share the links",
+        file: "gpu-worker/src/parallel/ddp.rs",
+        find: "let shares_links = experts_apart || be.reaches(g.grads.as_mut());",
+        replace: "let shares_links = be.reaches(g.grads.as_mut());",
+        tests: &["-p", "distlab-tests", "--test", "experts", "expert_parallelism_trains_like"],
+    },
+    Mutant {
         name: "The router's load-balancing loss has no gradient",
         file: "gpu-worker/src/model/experts.rs",
         find: "let dlogits = route_backward(&a.routing, &probs, &dgates, balance_weight);",

@@ -47,7 +47,7 @@ impl ExpertShape {
     /// Slots of one micro-batch: E x C (as many arrive at a rank's experts, C from each
     /// source rank for each of its E/ep experts).
     pub fn slots(&self) -> usize {
-        self.experts * self.capacity
+        self.experts.saturating_mul(self.capacity)
     }
 }
 
@@ -105,9 +105,9 @@ impl<Buf> ExpertActivations<Buf> {
 
 /// Floats of one [`ExpertActivations`] plus the two hidden layers, for the planner's check.
 pub fn expert_activation_floats(shape: &ExpertShape, rows: usize, c: usize) -> usize {
-    let mut floats = 0;
-    ExpertActivations::<()>::new(shape, rows, c, &mut |len| floats += len);
-    floats + 2 * shape.slots() * 4 * c
+    let mut floats = 0usize;
+    ExpertActivations::<()>::new(shape, rows, c, &mut |len| floats = floats.saturating_add(len));
+    floats.saturating_add(shape.slots().saturating_mul(8 * c))
 }
 
 /// Backward's scratch for a Mixture-of-Experts block (one set, reused by every block).
@@ -141,8 +141,8 @@ impl<Buf> ExpertScratch<Buf> {
 
 /// Floats of one [`ExpertScratch`].
 pub fn expert_scratch_floats(shape: &ExpertShape, rows: usize, c: usize) -> usize {
-    let mut floats = 0;
-    ExpertScratch::<()>::new(shape, rows, c, &mut |len| floats += len);
+    let mut floats = 0usize;
+    ExpertScratch::<()>::new(shape, rows, c, &mut |len| floats = floats.saturating_add(len));
     floats
 }
 

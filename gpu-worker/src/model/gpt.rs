@@ -826,9 +826,11 @@ impl<B: Backend> Gpt<B> {
                     aux_loss_coef: spec.aux_loss_coef,
                 };
                 let dense_hidden = rows.saturating_mul(4 * c);
-                let block = block - 2 * dense_hidden + expert_activation_floats(&e, rows, c);
+                let block =
+                    block.saturating_sub(2 * dense_hidden).saturating_add(expert_activation_floats(&e, rows, c));
                 let dfch = rows.max(e.slots()).saturating_mul(4 * c);
-                (block, scratch - dense_hidden + dfch + expert_scratch_floats(&e, rows, c))
+                let scratch = scratch.saturating_sub(dense_hidden).saturating_add(dfch);
+                (block, scratch.saturating_add(expert_scratch_floats(&e, rows, c)))
             }
         };
         block.saturating_mul(l).saturating_add(top).saturating_add(scratch).saturating_add(exchange)

@@ -164,6 +164,13 @@ impl<B: TrainBackend> Replicated<B> {
                 grads: if in_place && be.reaches(g.grads.as_mut()) {
                     GradientSum::InPlace(InPlaceSync::new(g.grads, &backward_units, bucket_bytes))
                 } else {
+                    // A bucket on the wire must not meet the compute thread's own collectives
+                    // where they share links (expert parallelism's all-to-alls go between
+                    // ranks of this group: one pair of pipes each) or a GPU's NCCL (whose
+                    // communicators must be called in the same order on every rank): there
+                    // the whole gradient is one bucket, sent when backward is over.
+                    let shares_links = experts_apart || be.reaches(g.grads.as_mut());
+                    let bucket_bytes = if shares_links { u64::MAX } else { bucket_bytes };
                     let wire = spec.parallel.comm_dtype;
                     let compression = match spec.parallel.grad_compression {
                         GradCompression::None => None,
@@ -328,7 +335,9 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
     }
 
     fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) -> Result<(), OffloadError> {
-        let optimizer_replicated = self.zero1.is_none();
+        // With expert parallelism every rank holds its own experts: each writes its own state.
+        let replicated = self.layout.ep.size <= 1;
+        let optimizer_replicated = self.zero1.is_none() && replicated;
         // Gradient compression: what each rank has not sent yet is its own.
         let local = match &self.dp {
             Some(Synced { grads: GradientSum::Thread(sync), .. }) => sync.compression_state(),
@@ -344,7 +353,7 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
                     params,
                     optimizer,
                     optimizer_steps,
-                    params_replicated: true,
+                    params_replicated: replicated,
                     optimizer_replicated,
                     local,
                 })
