@@ -69,6 +69,12 @@ pub enum ClaimCheck {
     BytesPerParam,
     /// Activation checkpointing: activations fall, compute rises by about a third.
     ActivationCheckpointingMemory,
+    /// 1F1B against GPipe: each stage's activation peak, measured on both runs.
+    PipelineActivationPeaks,
+    /// ZeRO-2's bytes per rank and step: a reduce-scatter and an all-gather, 2(W-1)/W x D.
+    Zero2Traffic,
+    /// FSDP's bytes per rank and step: a reduce-scatter and two all-gathers, 3(W-1)/W x D.
+    FsdpTraffic,
     /// Model-state bytes per rank for each ZeRO stage.
     ZeroMemory,
     /// Four tensor-parallel all-reduces per block per micro-batch.

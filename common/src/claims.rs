@@ -71,10 +71,11 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
     match check {
         ClaimCheck::AllreduceBytes | ClaimCheck::RingPhaseBytes => "allreduce",
         ClaimCheck::DdpEqualsOneRank => "ddp2",
-        ClaimCheck::BubbleFraction => "pipeline",
+        ClaimCheck::BubbleFraction | ClaimCheck::PipelineActivationPeaks => "pipeline",
         ClaimCheck::BytesPerParam => "reference",
         ClaimCheck::ActivationCheckpointingMemory => "checkpointing",
-        ClaimCheck::ZeroMemory => "fsdp",
+        ClaimCheck::ZeroMemory | ClaimCheck::FsdpTraffic => "fsdp",
+        ClaimCheck::Zero2Traffic => "zero2",
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
@@ -83,8 +84,8 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 
 /// Whether `candidate` is the run a check sets `run` against, for the checks that compare
 /// two measured runs: any one-rank run of the same training (equal losses), the same
-/// config with dynamic loss scaling (underflow), in fp32 (bf16), or without activation
-/// checkpointing (its memory). None: the check needs no partner.
+/// config with dynamic loss scaling (underflow), in fp32 (bf16), without activation
+/// checkpointing (its memory), or with the GPipe schedule (activation peaks per stage). None: the check needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     let mut twin = run.clone();
     match check {
@@ -97,6 +98,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
             twin.train.loss_scaling = crate::LossScaling::None;
         }
         ClaimCheck::ActivationCheckpointingMemory => twin.train.checkpointing = Checkpointing::None,
+        ClaimCheck::PipelineActivationPeaks => twin.parallel.pp_schedule = crate::PpSchedule::Gpipe,
         _ => return None,
     }
     Some(twin.same_up_to_name(candidate))
@@ -195,6 +197,45 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
                 spec.train.checkpointing != Checkpointing::None && (ratio - planned_ratio).abs() <= 0.05,
             ))
         }
+        ClaimCheck::PipelineActivationPeaks => {
+            // Each stage's activation peak under this schedule and under GPipe, both measured
+            // (the ledger of every rank of the stage), as a share of GPipe's.
+            let gpipe = partner.ok_or(
+                "no finished run of the same config with pp_schedule gpipe yet (resubmit the preset with gpipe)",
+            )?;
+            let (ours, theirs) = (stage_activation_peaks(run)?, stage_activation_peaks(gpipe)?);
+            let gpipe_plan = planner::plan(&gpipe.view.spec).map_err(|_| "the planner cannot plan the GPipe run")?;
+            let share = |a: u64, b: u64| a as f64 / b.max(1) as f64;
+            let planned: Vec<f64> = plan
+                .stages
+                .iter()
+                .zip(&gpipe_plan.stages)
+                .map(|(a, b)| share(a.memory.activations, b.memory.activations))
+                .collect();
+            let measured: Vec<f64> = ours.iter().zip(&theirs).map(|(&a, &b)| share(a, b)).collect();
+            let held: Vec<String> = plan.stages.iter().map(|s| s.in_flight_micro_batches.to_string()).collect();
+            let percents = |v: &[f64]| v.iter().map(|x| format!("{:.0}%", 100.0 * x)).collect::<Vec<_>>().join(", ");
+            let agrees = measured.len() == planned.len()
+                && measured.iter().zip(&planned).all(|(m, p)| (m - p).abs() <= 0.05)
+                && measured.first().is_some_and(|&first| first < 1.0);
+            Ok(m(
+                format!(
+                    "stages 0-{} hold {} of GPipe's M = {} micro-batches: {} of its activations (planner)",
+                    planned.len().saturating_sub(1),
+                    held.join(", "),
+                    spec.pipeline_micro_batches(),
+                    percents(&planned)
+                ),
+                format!(
+                    "{}: {} against GPipe's {} (run {})",
+                    percents(&measured),
+                    ours.iter().map(|&b| bytes_text(b)).collect::<Vec<_>>().join(", "),
+                    theirs.iter().map(|&b| bytes_text(b)).collect::<Vec<_>>().join(", "),
+                    gpipe.view.id
+                ),
+                agrees,
+            ))
+        }
         ClaimCheck::BubbleFraction => {
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
             let bubble =
@@ -220,6 +261,43 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
                     (bubble.overall - formula).abs() <= 0.1,
                 )
             })
+        }
+        ClaimCheck::Zero2Traffic | ClaimCheck::FsdpTraffic => {
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let (rs, ag) = (CollectiveOp::ReduceScatter, CollectiveOp::AllGather);
+            let sent: u64 = op_counters(rank, rs).chain(op_counters(rank, ag)).map(|c| c.bytes_sent).sum();
+            let per_step = sent / traced_steps;
+            let stage = &plan.stages[spec.stage_of(0)];
+            let planned = stage.comm.dp_reduce_scatter + stage.comm.dp_all_gather;
+            // D: the gradient (or the parameters) as they cross the wire.
+            let d = stage.params_per_rank.saturating_mul(planner::wire_bytes(spec.parallel.comm_dtype)).max(1);
+            let w = spec.parallel.dp as f64;
+            let (passes, what) = match check {
+                ClaimCheck::Zero2Traffic => (2.0, "a reduce-scatter of the gradients, an all-gather of the parameters"),
+                _ => (3.0, "a reduce-scatter of the gradients, all-gathers of the parameters for forward and backward"),
+            };
+            let multiple = passes * (w - 1.0) / w * spec.pipeline_micro_batches() as f64;
+            let measured = per_step as f64 / d as f64;
+            let mut got = m(
+                format!("{passes}(W-1)/W x D = {multiple:.2} x D per rank per step (W={}): {what}", spec.parallel.dp),
+                format!(
+                    "{measured:.3} x D: {} on rank 0 (D = {}; the planner's count: {})",
+                    bytes_text(per_step),
+                    bytes_text(d),
+                    bytes_text(planned)
+                ),
+                spec.parallel.sharding != crate::Sharding::None
+                    && per_step == planned
+                    && (measured - multiple).abs() <= 0.05 * multiple,
+            );
+            if check == ClaimCheck::FsdpTraffic {
+                got.note = Some(
+                    "Backward gathers every unit but the embeddings (their backward needs only the token ids), \
+                     so FSDP sends a little less than 3(W-1)/W x D."
+                        .into(),
+                );
+            }
+            Ok(got)
         }
         ClaimCheck::TpAllreduces => {
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
@@ -331,6 +409,22 @@ fn measured_activations(run: &RunEvidence) -> Result<u64, String> {
     peaks.max().ok_or_else(|| format!("run {} recorded no memory", run.view.id))
 }
 
+/// Each pipeline stage's activation peak: the most any of its ranks booked (ledger).
+fn stage_activation_peaks(run: &RunEvidence) -> Result<Vec<u64>, String> {
+    let spec = &run.view.spec;
+    let mut peaks = vec![None; spec.parallel.pp.max(1)];
+    for r in run.ranks {
+        let (Some(memory), Some(peak)) = (r.memory.as_ref(), peaks.get_mut(spec.stage_of(r.rank as usize))) else {
+            continue;
+        };
+        *peak = Some(peak.unwrap_or(0).max(memory.peak.activations));
+    }
+    peaks
+        .into_iter()
+        .collect::<Option<Vec<u64>>>()
+        .ok_or_else(|| format!("run {} recorded no memory for a stage", run.view.id))
+}
+
 fn op_counters(rank: &RankTrace, op: CollectiveOp) -> impl Iterator<Item = &crate::trace::CollectiveCounter> {
     rank.comm.counters.iter().filter(move |c| c.op == op)
 }
@@ -380,7 +474,10 @@ mod tests {
             ClaimCheck::BubbleFraction,
             ClaimCheck::BytesPerParam,
             ClaimCheck::ActivationCheckpointingMemory,
+            ClaimCheck::PipelineActivationPeaks,
             ClaimCheck::ZeroMemory,
+            ClaimCheck::Zero2Traffic,
+            ClaimCheck::FsdpTraffic,
             ClaimCheck::TpAllreduces,
             ClaimCheck::LossScalingUnderflow,
             ClaimCheck::Bf16NoScaling,
@@ -539,6 +636,89 @@ mod tests {
         let lagging = losses(8.3226, 8.0);
         assert!(!measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &lagging), Some(&run(&fp32, &l_fp32))).unwrap().agrees);
         assert!(measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &l_bf16), None).unwrap_err().contains("fp32"));
+    }
+
+    #[test]
+    fn one_f_one_b_peaks_are_set_against_a_measured_gpipe_run_stage_by_stage() {
+        let spec = presets().into_iter().find(|p| p.key == "pipeline").map(|p| p.spec).unwrap_or_default();
+        let mut gpipe_spec = spec.clone();
+        gpipe_spec.parallel.pp_schedule = crate::PpSchedule::Gpipe;
+        assert_eq!(is_partner(ClaimCheck::PipelineActivationPeaks, &spec, &gpipe_spec), Some(true));
+        // One rank per stage, each booking `peak(stage)`.
+        let ranks = |peak: &dyn Fn(usize) -> u64| -> Vec<RankTrace> {
+            (0..spec.parallel.pp)
+                .map(|stage| RankTrace {
+                    rank: stage as u32,
+                    memory: Some(crate::memory::RankMemoryReport {
+                        peak: planner::RankMemory { activations: peak(stage), ..Default::default() },
+                        ..Default::default()
+                    }),
+                    ..RankTrace::default()
+                })
+                .collect()
+        };
+        let planned = |s: &ExperimentSpec| {
+            planner::plan(s).unwrap().stages.iter().map(|st| st.memory.activations).collect::<Vec<_>>()
+        };
+        let (p_1f1b, p_gpipe) = (planned(&spec), planned(&gpipe_spec));
+        let (ours, theirs) = (view(1, spec.clone(), None), view(2, gpipe_spec.clone(), None));
+        let (r_1f1b, r_gpipe) = (ranks(&|s| p_1f1b[s]), ranks(&|s| p_gpipe[s]));
+        let run = |v, r| RunEvidence { view: v, metrics: &[], ranks: r, traced_steps: 1 };
+        let got =
+            measure(ClaimCheck::PipelineActivationPeaks, &run(&ours, &r_1f1b), Some(&run(&theirs, &r_gpipe))).unwrap();
+        assert!(got.agrees, "{got:?}");
+        assert!(got.predicted.contains("hold 4, 3, 2, 1 of GPipe's M = 8"), "{}", got.predicted);
+        // A 1F1B that keeps every micro-batch (GPipe's memory) does not agree.
+        let like_gpipe = ranks(&|s| p_gpipe[s]);
+        let got = measure(ClaimCheck::PipelineActivationPeaks, &run(&ours, &like_gpipe), Some(&run(&theirs, &r_gpipe)))
+            .unwrap();
+        assert!(!got.agrees, "{got:?}");
+        assert!(measure(ClaimCheck::PipelineActivationPeaks, &run(&ours, &r_1f1b), None)
+            .unwrap_err()
+            .contains("gpipe"));
+    }
+
+    #[test]
+    fn sharded_traffic_is_measured_in_multiples_of_d() {
+        for (key, check) in [("zero2", ClaimCheck::Zero2Traffic), ("fsdp", ClaimCheck::FsdpTraffic)] {
+            let spec = presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
+            assert_eq!(canonical_preset(check), key);
+            let comm = planner::plan(&spec).unwrap().stages[0].comm.clone();
+            let counter = |op, bytes_sent| crate::trace::CollectiveCounter {
+                op,
+                calls: 1,
+                elements: 0,
+                bytes_sent,
+                bytes_from_formula: false,
+                total_us: 0,
+            };
+            // Three steps of the planned reduce-scatter and all-gather bytes, and a few scalars.
+            let ranks = |rs: u64, ag: u64| {
+                vec![RankTrace {
+                    comm: crate::trace::RankCommTrace {
+                        counters: vec![
+                            counter(CollectiveOp::ReduceScatter, 3 * rs),
+                            counter(CollectiveOp::AllGather, 3 * ag),
+                            counter(CollectiveOp::AllReduce, 24),
+                        ],
+                        ..Default::default()
+                    },
+                    ..RankTrace::default()
+                }]
+            };
+            let v = view(1, spec.clone(), None);
+            let good = ranks(comm.dp_reduce_scatter, comm.dp_all_gather);
+            let got =
+                measure(check, &RunEvidence { view: &v, metrics: &[], ranks: &good, traced_steps: 3 }, None).unwrap();
+            assert!(got.agrees, "{key}: {got:?}");
+            let want = if key == "zero2" { "1.50 x D" } else { "2.25 x D" };
+            assert!(got.predicted.contains(want), "{key}: {}", got.predicted);
+            // Without the parameters' all-gather (a broken ZeRO) the bytes fall short.
+            let broken = ranks(comm.dp_reduce_scatter, 0);
+            let got =
+                measure(check, &RunEvidence { view: &v, metrics: &[], ranks: &broken, traced_steps: 3 }, None).unwrap();
+            assert!(!got.agrees, "{key}: {got:?}");
+        }
     }
 
     #[test]

@@ -790,7 +790,7 @@ fn ceil_sqrt(n: u64) -> u64 {
 /// ones `parallel.comm_dtype` (2 bytes for bf16/fp16).
 const WIRE_BYTES: u64 = 4;
 
-fn wire_bytes(format: Precision) -> u64 {
+pub fn wire_bytes(format: Precision) -> u64 {
     match format {
         Precision::Fp32 => 4,
         Precision::Bf16 | Precision::Fp16 => 2,

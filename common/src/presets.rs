@@ -61,6 +61,10 @@ pub fn presets() -> Vec<Preset> {
     fsdp.parallel.sharding = Sharding::Fsdp;
     fsdp.train.micro_batch = 2;
 
+    let mut zero2 = fsdp.clone();
+    zero2.name = "zero2-4-ranks".into();
+    zero2.parallel.sharding = Sharding::Zero2;
+
     let mut recompute = ExperimentSpec { name: "checkpointing-every".into(), ..ExperimentSpec::default() };
     recompute.model = ModelSpec::dense(4, 128, 4, 128, 64);
     recompute.train.micro_batch = 8;
@@ -142,6 +146,12 @@ pub fn presets() -> Vec<Preset> {
             title: "FSDP on 4 ranks",
             description: "Fully sharded data parallel (ZeRO-3): parameters, gradients and Adam state are split over 4 ranks, each unit gathered for its forward and backward and freed. Each rank holds 16N/4 bytes of model state; the memory page shows the gather and free pulses.",
             spec: fsdp,
+        },
+        Preset {
+            key: "zero2",
+            title: "ZeRO-2 on 4 ranks",
+            description: "Gradients and Adam state sharded over 4 ranks, the parameters whole on each: every unit's gradient is reduce-scattered as backward finishes it, each rank updates its quarter of the parameters and the ranks all-gather them. Per step a rank sends 2(W-1)/W x D, as much as DDP's all-reduce, in two halves; compare with the fsdp preset's 3(W-1)/W x D.",
+            spec: zero2,
         },
         Preset {
             key: "3d",

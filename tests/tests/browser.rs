@@ -724,6 +724,35 @@ async fn experts_scenario(c: &Client, lab: &Lab) -> Result<()> {
     Ok(())
 }
 
+/// Card 57's claim (1F1B holds fewer activations than GPipe), checked by the two pipeline
+/// runs' memory ledgers stage by stage, as the deck's browse list shows it.
+async fn one_f_one_b_claim_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let checks: distlab_common::claims::ClaimChecks = lab.get_as("/api/cards/checks");
+    let peaks = checks
+        .checks
+        .iter()
+        .find(|s| s.check == distlab_common::cards::ClaimCheck::PipelineActivationPeaks)
+        .context("the 1F1B card's check")?;
+    let m = peaks.measurement.as_ref().with_context(|| format!("measured by the two runs: {}", peaks.how))?;
+    ensure!(m.agrees, "{m:?}");
+    ensure!(m.predicted.contains("hold 4, 3, 2, 1 of GPipe's M = 8"), "{}", m.predicted);
+
+    c.goto(&lab.url("/cards")).await?;
+    wait_for(c, "the profile form", Duration::from_secs(30), || exists(c, "#no-profile")).await?;
+    c.find(Locator::Css("#new-profile-name")).await?.send_keys("pp").await?;
+    c.find(Locator::Css("#create-profile")).await?.click().await?;
+    wait_for(c, "the deck", Duration::from_secs(30), || exists(c, "#browse summary")).await?;
+    c.find(Locator::Css("#browse summary")).await?.click().await?;
+    let line = "#browse li[data-card='1f1b-activation-memory']";
+    wait_for(c, "the measured 1F1B claim", Duration::from_secs(15), || {
+        exists(c, "#browse li[data-card='1f1b-activation-memory'] .check.agrees")
+    })
+    .await?;
+    ensure!(text(c, line).await?.contains("measured"), "the claim line shows the measurement");
+    save_element(c, line, "claim-1f1b-activation-peaks.png").await?;
+    Ok(())
+}
+
 /// The pipeline preset (pp=4, 1F1B, M=8) and a GPipe copy, then the 1F1B run's pipeline
 /// page: 4 stage rows of 2M numbered boxes, the measured bubble next to the formula, the
 /// step replayed with a device per stage, and the GPipe run drawn below it for comparison.
@@ -739,6 +768,7 @@ async fn pipeline_scenario(c: &Client, lab: &Lab) -> Result<()> {
         ensure!(exp.status == ExperimentStatus::Succeeded, "the pipeline run did not succeed: {exp:?}");
     }
     let m = preset.spec.train.micro_batches;
+    one_f_one_b_claim_scenario(c, lab).await?;
 
     c.goto(&lab.url(&format!("/experiments/{one_f_one_b}"))).await?;
     wait_for(c, "the pipeline link", Duration::from_secs(30), || exists(c, "a[href$='/pipeline']")).await?;
