@@ -75,6 +75,8 @@ pub enum ClaimCheck {
     Zero2Traffic,
     /// FSDP's bytes per rank and step: a reduce-scatter and two all-gathers, 3(W-1)/W x D.
     FsdpTraffic,
+    /// FSDP's weights on a rank: its shard kept, one unit gathered at a time.
+    FsdpGatheredPeak,
     /// Model-state bytes per rank for each ZeRO stage.
     ZeroMemory,
     /// Four tensor-parallel all-reduces per block per micro-batch.

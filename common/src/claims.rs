@@ -74,7 +74,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::BubbleFraction | ClaimCheck::PipelineActivationPeaks => "pipeline",
         ClaimCheck::BytesPerParam => "reference",
         ClaimCheck::ActivationCheckpointingMemory => "checkpointing",
-        ClaimCheck::ZeroMemory | ClaimCheck::FsdpTraffic => "fsdp",
+        ClaimCheck::ZeroMemory | ClaimCheck::FsdpTraffic | ClaimCheck::FsdpGatheredPeak => "fsdp",
         ClaimCheck::Zero2Traffic => "zero2",
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
@@ -261,6 +261,31 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
                     (bubble.overall - formula).abs() <= 0.1,
                 )
             })
+        }
+        ClaimCheck::FsdpGatheredPeak => {
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let peak = &rank.memory.as_ref().ok_or("the run recorded no memory")?.peak;
+            let stage = &plan.stages[spec.stage_of(0)];
+            let whole = stage.params_per_rank.saturating_mul(plan.bytes_per_param.parameters);
+            let (shard, gathered) = (stage.memory.parameters, stage.memory.gathered_parameters);
+            Ok(m(
+                format!(
+                    "the weights' shard kept ({}) plus one unit gathered at a time ({}), against the whole model's {}",
+                    bytes_text(shard),
+                    bytes_text(gathered),
+                    bytes_text(whole)
+                ),
+                format!(
+                    "{} kept and at most {} gathered at once on rank 0",
+                    bytes_text(peak.parameters),
+                    bytes_text(peak.gathered_parameters)
+                ),
+                spec.parallel.sharding == crate::Sharding::Fsdp
+                    && peak.parameters == shard
+                    && peak.gathered_parameters == gathered
+                    && gathered > 0
+                    && gathered < whole,
+            ))
         }
         ClaimCheck::Zero2Traffic | ClaimCheck::FsdpTraffic => {
             let rank = rank0.ok_or("the run recorded no trace")?;
@@ -478,6 +503,7 @@ mod tests {
             ClaimCheck::ZeroMemory,
             ClaimCheck::Zero2Traffic,
             ClaimCheck::FsdpTraffic,
+            ClaimCheck::FsdpGatheredPeak,
             ClaimCheck::TpAllreduces,
             ClaimCheck::LossScalingUnderflow,
             ClaimCheck::Bf16NoScaling,
@@ -676,6 +702,35 @@ mod tests {
         assert!(measure(ClaimCheck::PipelineActivationPeaks, &run(&ours, &r_1f1b), None)
             .unwrap_err()
             .contains("gpipe"));
+    }
+
+    #[test]
+    fn fsdp_keeps_a_shard_and_gathers_one_unit_at_a_time() {
+        let spec = presets().into_iter().find(|p| p.key == "fsdp").map(|p| p.spec).unwrap_or_default();
+        let planned = planner::plan(&spec).unwrap().stages[0].memory.clone();
+        let ranks = |parameters, gathered_parameters| {
+            vec![RankTrace {
+                memory: Some(crate::memory::RankMemoryReport {
+                    peak: planner::RankMemory { parameters, gathered_parameters, ..Default::default() },
+                    ..Default::default()
+                }),
+                ..RankTrace::default()
+            }]
+        };
+        let v = view(1, spec.clone(), None);
+        let check = |r: &[RankTrace]| {
+            measure(
+                ClaimCheck::FsdpGatheredPeak,
+                &RunEvidence { view: &v, metrics: &[], ranks: r, traced_steps: 1 },
+                None,
+            )
+            .unwrap()
+        };
+        let got = check(&ranks(planned.parameters, planned.gathered_parameters));
+        assert!(got.agrees, "{got:?}");
+        // A rank that gathers the whole model at once (every unit kept) does not agree.
+        let whole = planner::plan(&spec).unwrap().stages[0].params_per_rank * 4;
+        assert!(!check(&ranks(planned.parameters, whole)).agrees);
     }
 
     #[test]
