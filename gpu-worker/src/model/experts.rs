@@ -44,6 +44,20 @@ pub struct ExpertShape {
 }
 
 impl ExpertShape {
+    /// The shape for micro-batches of `rows` tokens on one of `ep` expert-parallel ranks
+    /// (None: a dense model).
+    pub fn of(spec: &distlab_common::ModelSpec, rows: usize, ep: usize) -> Option<Self> {
+        let ep = ep.max(1);
+        spec.is_moe().then(|| ExpertShape {
+            experts: spec.experts,
+            local: spec.experts / ep,
+            ranks: ep,
+            top_k: spec.expert_top_k,
+            capacity: spec.expert_capacity(rows),
+            aux_loss_coef: spec.aux_loss_coef,
+        })
+    }
+
     /// Slots of one micro-batch: E x C (as many arrive at a rank's experts, C from each
     /// source rank for each of its E/ep experts).
     pub fn slots(&self) -> usize {
@@ -321,14 +335,13 @@ pub fn experts_backward<B: Backend>(
         let x = run % local;
         let rows = run * cap..(run + 1) * cap;
         let (r_c, r_h) = (rows.start * c..rows.end * c, rows.start * hidden..rows.end * hidden);
-        let (_, _, proj_w, _) = expert_weights::<B>(be, w, x, c);
+        let (fc_w, _, proj_w, _) = expert_weights::<B>(be, w, x, c);
         let (dfc_w, dfc_b, dproj_w, dproj_b) = expert_grads::<B>(be, &mut gw, x, c);
         // fc_proj, then GELU, then fc; the slots' input gradient overwrites their output's
         let dy = be.view(at_experts, r_c.clone());
         let (dh, h) = (be.view_mut(dfch, r_h.clone()), be.view(fch_gelu, r_h.clone()));
         be.matmul_backward(Some(dh), dproj_w, Some(dproj_b), dy, h, proj_w, hidden, c);
         be.gelu_backward(be.view_mut(dfch, r_h.clone()), be.view(fch, r_h.clone()));
-        let (fc_w, ..) = expert_weights::<B>(be, w, x, c);
         let dx = be.view_mut(at_experts, r_c.clone());
         be.matmul_backward(Some(dx), dfc_w, Some(dfc_b), be.view(dfch, r_h), be.view(input, r_c), fc_w, c, hidden);
     }

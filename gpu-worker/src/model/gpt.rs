@@ -609,14 +609,7 @@ impl<B: Backend> Gpt<B> {
             checkpoints: 0,
             last: false,
             attention: saved.attention,
-            experts: spec.is_moe().then(|| ExpertShape {
-                experts: spec.experts,
-                local: spec.experts / experts.size,
-                ranks: experts.size,
-                top_k: spec.expert_top_k,
-                capacity: spec.expert_capacity(rows),
-                aux_loss_coef: spec.aux_loss_coef,
-            }),
+            experts: ExpertShape::of(spec, rows, experts.size),
         };
         let shapes: Vec<ActivationShape> = (0..stage.chunks.len())
             .map(|chunk| {
@@ -813,18 +806,9 @@ impl<B: Backend> Gpt<B> {
         let exchange = if own < rows { rc.saturating_mul(2).saturating_add(6 * c) } else { 0 };
         // Mixture of Experts (tp = 1): the hidden layers of every slot in place of every
         // token's, the router's and the slots' buffers, and their gradients.
-        let (block, scratch) = match spec.is_moe() {
-            false => (block, scratch),
-            true => {
-                let ep = ep.max(1);
-                let e = ExpertShape {
-                    experts: spec.experts,
-                    local: spec.experts / ep,
-                    ranks: ep,
-                    top_k: spec.expert_top_k,
-                    capacity: spec.expert_capacity(rows),
-                    aux_loss_coef: spec.aux_loss_coef,
-                };
+        let (block, scratch) = match ExpertShape::of(spec, rows, ep) {
+            None => (block, scratch),
+            Some(e) => {
                 let dense_hidden = rows.saturating_mul(4 * c);
                 let block =
                     block.saturating_sub(2 * dense_hidden).saturating_add(expert_activation_floats(&e, rows, c));
