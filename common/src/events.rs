@@ -24,6 +24,11 @@ pub struct MetricPoint {
     /// Mixture of Experts: what the routers did in this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts: Option<ExpertMetrics>,
+    /// The share of the logit gradients stored as exactly 0 in the step's first backward
+    /// (its first 64 tokens, on a rank with the LM head): in fp16 without loss scaling,
+    /// the ones that underflowed. None from a rank without the head.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit_grad_zero_share: Option<f64>,
 }
 
 /// A Mixture-of-Experts step's routing, over every block, micro-batch and rank.

@@ -61,8 +61,14 @@ pub fn presets() -> Vec<Preset> {
     fsdp.parallel.sharding = Sharding::Fsdp;
     fsdp.train.micro_batch = 2;
 
-    let mut zero2 = fsdp.clone();
-    zero2.name = "zero2-4-ranks".into();
+    // ZeRO-1 and ZeRO-2 in bf16: the fp32 master copy is where the texts' two ways of
+    // counting their model state differ (sharded with the moments, or kept whole).
+    let mut zero1 = fsdp.clone();
+    zero1.name = "zero1-4-ranks-bf16".into();
+    zero1.parallel.sharding = Sharding::Zero1;
+    zero1.train.precision = Precision::Bf16;
+    let mut zero2 = zero1.clone();
+    zero2.name = "zero2-4-ranks-bf16".into();
     zero2.parallel.sharding = Sharding::Zero2;
 
     let mut recompute = ExperimentSpec { name: "checkpointing-every".into(), ..ExperimentSpec::default() };
@@ -148,9 +154,15 @@ pub fn presets() -> Vec<Preset> {
             spec: fsdp,
         },
         Preset {
+            key: "zero1",
+            title: "ZeRO-1 on 4 ranks (bf16)",
+            description: "Adam's state and the fp32 master weights sharded over 4 ranks, the bf16 parameters and gradients whole on each: the gradient is all-reduced as in DDP, each rank updates its quarter and the ranks all-gather the updated parameters. The memory page shows 4N + 12N/4 bytes of model state per rank; the texts also count ZeRO-1 as 8N + 8N/K, with the master copy kept whole.",
+            spec: zero1,
+        },
+        Preset {
             key: "zero2",
-            title: "ZeRO-2 on 4 ranks",
-            description: "Gradients and Adam state sharded over 4 ranks, the parameters whole on each: every unit's gradient is reduce-scattered as backward finishes it, each rank updates its quarter of the parameters and the ranks all-gather them. Per step a rank sends 2(W-1)/W x D, as much as DDP's all-reduce, in two halves; compare with the fsdp preset's 3(W-1)/W x D.",
+            title: "ZeRO-2 on 4 ranks (bf16)",
+            description: "Gradients, Adam's state and the fp32 master weights sharded over 4 ranks, the bf16 parameters whole on each (2N + 14N/4 bytes of model state per rank): every unit's gradient is reduce-scattered as backward finishes it, each rank updates its quarter of the parameters and the ranks all-gather them. Per step a rank sends 2(W-1)/W x D, as much as DDP's all-reduce, in two halves; compare with the fsdp preset's 3(W-1)/W x D.",
             spec: zero2,
         },
         Preset {

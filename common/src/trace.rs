@@ -203,6 +203,20 @@ pub struct Span {
     pub chunk: Option<u32>,
 }
 
+/// The name a recomputed block's forward span starts with (activation checkpointing).
+pub const RECOMPUTE: &str = "recompute";
+
+impl Span {
+    pub fn duration_us(&self) -> u64 {
+        self.end_us.saturating_sub(self.start_us)
+    }
+
+    /// A block's forward run again before its backward (activation checkpointing).
+    pub fn is_recompute(&self) -> bool {
+        self.kind == SpanKind::Forward && self.name.starts_with(RECOMPUTE)
+    }
+}
+
 /// Everything one rank recorded: its timeline (the first `span_steps` steps) and its
 /// communication.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

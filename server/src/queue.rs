@@ -280,13 +280,13 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     sqlx::query(
         "INSERT INTO metrics \
            (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, \
-            expert_balance, expert_assignments, expert_dropped) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12) \
+            expert_balance, expert_assignments, expert_dropped, logit_grad_zero_share) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13) \
          ON CONFLICT (experiment_id, step) DO UPDATE SET loss = excluded.loss, lr = excluded.lr, \
            grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms, \
            loss_scale = excluded.loss_scale, skipped_steps = excluded.skipped_steps, \
            expert_balance = excluded.expert_balance, expert_assignments = excluded.expert_assignments, \
-           expert_dropped = excluded.expert_dropped",
+           expert_dropped = excluded.expert_dropped, logit_grad_zero_share = excluded.logit_grad_zero_share",
     )
     .bind(id)
     .bind(i64::try_from(m.step).unwrap_or(i64::MAX))
@@ -300,6 +300,7 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     .bind(m.experts.map(|e| e.balance))
     .bind(m.experts.map(|e| i64::try_from(e.assignments).unwrap_or(i64::MAX)))
     .bind(m.experts.map(|e| i64::try_from(e.dropped).unwrap_or(i64::MAX)))
+    .bind(m.logit_grad_zero_share.filter(|s| (0.0..=1.0).contains(s)))
     .execute(tx)
     .await?;
     Ok(())

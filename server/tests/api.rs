@@ -1451,7 +1451,7 @@ async fn card_claims_are_checked_by_the_latest_run_of_their_preset() {
     let measured = allreduce(&after).measurement.expect("measured now");
     assert_eq!(measured.experiment_id, id);
     assert!(measured.agrees, "{measured:?}");
-    assert_eq!(measured.predicted, "96 bytes per rank");
+    assert_eq!(measured.predicted, "96 bytes per rank, in 2(W-1) = 6 steps");
 }
 
 /// A submission retried with the same `Idempotency-Key` (its first answer lost, say) gets the

@@ -660,6 +660,10 @@ async fn mixed_precision_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(scale.as_deref() == Some("65536"), "{scale:?}");
     ensure!(text(c, "#skipped-steps").await? == "0 skipped");
     ensure!(text(c, "#grad-norm").await? != "overflow");
+    // The share of the logit gradients stored as 0, as the run counted it (scaled: few).
+    let metrics: distlab_common::Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
+    let share = metrics.steps.last().and_then(|p| p.logit_grad_zero_share).context("the zeros are stored")?;
+    ensure!(text(c, "#logit-zeros").await? == format!("{:.1}%", 100.0 * share), "{share}");
     save_element(c, "#stats", "loss-scale.png").await?;
     Ok(())
 }
@@ -750,6 +754,21 @@ async fn one_f_one_b_claim_scenario(c: &Client, lab: &Lab) -> Result<()> {
     .await?;
     ensure!(text(c, line).await?.contains("measured"), "the claim line shows the measurement");
     save_element(c, line, "claim-1f1b-activation-peaks.png").await?;
+
+    // The bubble card, where the texts disagree: both formulas side by side, and the
+    // measurement (the step replayed with a core per stage) says which one the run matches.
+    let line = "#browse li[data-card='pipeline-bubble-formula']";
+    wait_for(c, "the measured bubble claim", Duration::from_secs(15), || {
+        exists(c, "#browse li[data-card='pipeline-bubble-formula'] .check:not(.unchecked)")
+    })
+    .await?;
+    let readings = js(c, "return document.querySelectorAll(arguments[0]).length;", &format!("{line} .reading")).await?;
+    ensure!(readings == json!(2), "the chapter's and the deck's formulas, not {readings}");
+    let shown = text(c, line).await?;
+    ensure!(shown.contains("the chapter says") && shown.contains("(P-1)/(M+P-1)"), "{shown}");
+    ensure!(shown.contains("replayed with a core per stage, closer to"), "{shown}");
+    ensure!(shown.contains("the stages' forward+backward: "), "{shown}");
+    save_element(c, line, "claim-bubble-two-formulas.png").await?;
     Ok(())
 }
 

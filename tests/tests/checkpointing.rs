@@ -76,13 +76,25 @@ fn activations_held_match_the_plan_and_recomputes_show_on_the_timeline() {
                     .iter()
                     .filter(|x| x.step == 1 && x.kind == SpanKind::Forward && x.name.starts_with("recompute layer"))
                     .count();
-                // every: each block recomputes inside its backward (no span of its own);
-                // sqrt: segments [0 1 2] [3 4], all but a segment's last block on its own.
+                // Every block's forward runs again once per micro-batch, each a span of its
+                // own: every: inside its backward; sqrt: segments [0 1 2] [3 4], a segment's
+                // last block inside its backward, the others on their own.
                 let expected = match mode {
-                    Checkpointing::Sqrt => 3 * s.train.micro_batches,
-                    _ => 0,
+                    Checkpointing::None => 0,
+                    _ => s.model.layers * s.train.micro_batches,
                 };
                 assert_eq!(recomputed, expected, "{mode:?}: recompute spans");
+                // A recompute is drawn apart from its block's backward: they never overlap.
+                let spans = &trace.ranks[0].spans;
+                for r in spans.iter().filter(|x| x.is_recompute()) {
+                    let overlaps = |b: &&trace::Span| {
+                        b.kind == SpanKind::Backward
+                            && b.layer == r.layer
+                            && b.start_us < r.end_us
+                            && r.start_us < b.end_us
+                    };
+                    assert!(!spans.iter().any(|b| overlaps(&b)), "{mode:?}: {} overlaps its backward", r.name);
+                }
             }
         }
         assert!(peaks[1] < peaks[0] && peaks[2] < peaks[0], "pp={pp}: none, every, sqrt peaks {peaks:?}");

@@ -350,9 +350,19 @@ fn claim_line(card: &Card, checks: Option<&[ClaimStatus]>) -> Option<impl IntoVi
     };
     let claim_text = claim.text.clone();
     let note = status.and_then(|s| s.measurement.as_ref()).and_then(|m| m.note.clone());
+    // Where the texts disagree, what each says, side by side above the measurement.
+    let readings = (!claim.readings.is_empty()).then(|| {
+        let columns = claim
+            .readings
+            .iter()
+            .map(|r| view! { <div class="reading"><span class="source">{r.source.clone()}</span>" says: "{r.says.clone()}</div> })
+            .collect_view();
+        view! { <div class="readings" title="the study texts disagree here; the measurement below says which one this lab's run matches">{columns}</div> }
+    });
     Some(view! {
         <div class="claim">
             <div>{claim_text}</div>
+            {readings}
             <div class=class data-check=serde_json::to_value(claim.check).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()>
                 {text}
             </div>

@@ -13,7 +13,7 @@ use distlab_common::memory::MemoryView;
 use distlab_common::trace::ExperimentTrace;
 use distlab_common::{
     AttemptView, CollectiveCheck, DemoOp, ExperimentSpec, ExperimentStatus, ExperimentView, ExpertMetrics, LogLevel,
-    LogLine, MetricPoint, RunSummary, StreamEvent,
+    LogLine, MetricPoint, Precision, RunSummary, StreamEvent,
 };
 use leptos::prelude::*;
 use leptos_router::components::A;
@@ -260,6 +260,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
             let memory_spec = spec.clone();
             let total = spec.train.steps;
             let vocab = spec.model.vocab.max(1) as f64;
+            let mixed = spec.train.precision != Precision::Fp32;
             let name = view.name.clone();
             let started = view.started_at.clone();
             let finished = view.finished_at.clone();
@@ -386,6 +387,12 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                                             }}
                                         </span>
                                         <span class="k" id="skipped-steps">{format!("{skipped} skipped")}</span>
+                                    </div>
+                                })}
+                                {move || latest().and_then(|p| p.logit_grad_zero_share).filter(|_| mixed).map(|share| view! {
+                                    <div class="stat" title="measured: of this step's logit gradients (its first 64 tokens), the share stored as exactly 0. None is 0 in exact arithmetic, so in fp16 these are the ones that underflowed; loss scaling lifts them back">
+                                        <span class="k">"logit grads stored as 0"</span>
+                                        <span class="v" id="logit-zeros">{format!("{:.1}%", 100.0 * share)}</span>
                                     </div>
                                 })}
                                 {move || latest().and_then(|p| p.experts).map(|e| view! {

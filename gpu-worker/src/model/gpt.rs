@@ -60,6 +60,7 @@ use crate::model::sequence_parallel::{
     add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, Tokens,
 };
 use crate::model::state::{ModelState, Pass, Unit};
+use crate::trace::now_us;
 
 /// What one block keeps from forward for backward (one micro-batch).
 struct BlockActivations<Buf> {
@@ -510,7 +511,32 @@ pub struct Gpt<B: Backend> {
     ep: ExpertGroup<B>,
     /// The routing of the forwards since the last [`Gpt::take_expert_stats`].
     expert_stats: ExpertStats,
+    /// The first backward since the last [`Gpt::take_logit_grad_zeros`]: of the logit
+    /// gradients sampled, how many were stored as 0.
+    logit_grad_zeros: Option<LogitGradZeros>,
+    /// When timing (see [`Gpt::time_recomputes`]): the forwards a backward ran again
+    /// inside a block's own backward (each checkpointed segment's last block).
+    recomputes_timed: Option<Vec<RecomputeTime>>,
 }
+
+/// A block's forward run again inside its backward, timed apart from the backward.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RecomputeTime {
+    pub layer: usize,
+    pub start_us: u64,
+    pub end_us: u64,
+}
+
+/// Logit gradients stored as exactly 0: in exact arithmetic none is (every softmax
+/// probability is above 0), so in fp16 these are the ones that underflowed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LogitGradZeros {
+    pub zeros: u64,
+    pub sampled: u64,
+}
+
+/// The logit gradient's first rows (tokens) are counted, enough to see the share.
+const LOGIT_SAMPLE_ROWS: usize = 64;
 
 /// The groups of ranks the model itself runs collectives in (the strategies have theirs).
 pub struct ModelGroups<B: Backend> {
@@ -675,6 +701,8 @@ impl<B: Backend> Gpt<B> {
             exchange,
             ep,
             expert_stats: ExpertStats::default(),
+            logit_grad_zeros: None,
+            recomputes_timed: None,
         }
     }
 
@@ -824,6 +852,23 @@ impl<B: Backend> Gpt<B> {
     /// starts counting again.
     pub fn take_expert_stats(&mut self) -> ExpertStats {
         std::mem::take(&mut self.expert_stats)
+    }
+
+    /// Times the next backwards' in-backward recomputes (or stops timing them); the
+    /// trainer reads them with [`Gpt::take_recompute_times`] to draw them apart from the
+    /// backward spans around them.
+    pub fn time_recomputes(&mut self, on: bool) {
+        self.recomputes_timed = on.then(Vec::new);
+    }
+
+    pub fn take_recompute_times(&mut self) -> Vec<RecomputeTime> {
+        self.recomputes_timed.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The logit gradients stored as 0 in the first backward since the last call (None on
+    /// a rank without the LM head), and starts counting again.
+    pub fn take_logit_grad_zeros(&mut self) -> Option<LogitGradZeros> {
+        self.logit_grad_zeros.take()
     }
 
     /// The expert-parallel group, if any (the trainer starts its steps, sums the gradient
@@ -1111,6 +1156,13 @@ impl<B: Backend> Gpt<B> {
         if let Some(head) = acts.head.as_mut() {
             // loss and LM head
             be.crossentropy_backward(be.all_mut(&mut head.logits), targets, vocab, dloss);
+            if self.logit_grad_zeros.is_none() {
+                let sampled = targets.len().min(LOGIT_SAMPLE_ROWS) * vocab;
+                let zeros = be.read_host(be.view(&head.logits, 0..sampled), |g| {
+                    g.iter().filter(|v| crate::ops::float::Stored::to_f64(**v) == 0.0).count() as u64
+                });
+                self.logit_grad_zeros = Some(LogitGradZeros { zeros, sampled: sampled as u64 });
+            }
         }
         let acts = &*acts;
         if let Some(head) = &acts.head {
@@ -1213,7 +1265,12 @@ impl<B: Backend> Gpt<B> {
                             if i == end - 1 {
                                 let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
                                 let recompute = &mut self.recompute;
+                                let start = self.recomputes_timed.is_some().then(now_us);
                                 segment_block_forward(be, &w, acts, recompute, i, k, dims, tp, exchange, ep, l)?;
+                                if let (Some(start), Some(timed)) = (start, self.recomputes_timed.as_mut()) {
+                                    be.synchronize();
+                                    timed.push(RecomputeTime { layer: l, start_us: start, end_us: now_us() });
+                                }
                             }
                             let j = i - start;
                             let x = match (j, i) {

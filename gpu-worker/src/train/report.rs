@@ -127,6 +127,7 @@ impl StepTally {
                 assignments: e.assignments,
                 dropped: e.dropped,
             }),
+            logit_grad_zero_share: stats.logit_grad_zero_share,
         }));
         self.final_loss = stats.loss;
         self.min_loss = self.min_loss.min(stats.loss);

@@ -45,6 +45,9 @@ pub struct StepStats {
     pub loss_scale: Option<(f64, u64)>,
     /// Mixture of Experts: what every router of the step did, summed over the ranks.
     pub experts: Option<ExpertStats>,
+    /// The share of the logit gradients stored as 0 in the step's first backward (on a
+    /// rank with the LM head): underflow, in fp16 without loss scaling.
+    pub logit_grad_zero_share: Option<f64>,
 }
 
 /// A model, its strategy (parameters, gradients, optimizer state) and its data on the CPU
@@ -279,6 +282,8 @@ impl<B: TrainBackend> Trainer<B> {
             grad_norm_squared = self.strategy.sum_scalar(grad_norm_squared)? / (dp_world / ep) as f64;
         }
         let experts = self.spec.model.is_moe().then(|| self.model.take_expert_stats());
+        let logit_grad_zero_share =
+            self.model.take_logit_grad_zeros().map(|z| z.zeros as f64 / z.sampled.max(1) as f64);
         // (A NaN gradient must stay NaN here: `max(0.0)` would turn it into 0.)
         let grad_norm = grad_norm_squared.sqrt() / scale;
         if dp_world > 1 {
@@ -332,7 +337,7 @@ impl<B: TrainBackend> Trainer<B> {
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
         let loss_scale = self.scaler.as_ref().map(|s| (scale, s.skipped()));
-        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale, experts })
+        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale, experts, logit_grad_zero_share })
     }
 
     /// This rank's checkpoint before step `step`: a copy of the state its strategy owns
@@ -580,8 +585,20 @@ impl<B: TrainBackend> pipeline::StageWork<B> for StageStep<'_, B> {
         self.fill(micro);
         let start = now_us();
         let dloss = self.dloss;
+        let per_unit = self.record && !self.pipelined;
         let (mut state, model, inputs, targets) = self.observed(last);
+        model.time_recomputes(per_unit);
         model.backward_stage(be, &mut state, chunk, micro, inputs, targets, output_grad, dloss)?;
+        // A segment's last block ran its forward again inside its backward span: split it off.
+        for r in self.model.take_recompute_times() {
+            let layer = Some(r.layer as u32);
+            let around = self.spans.iter_mut().rev().find(|s| s.kind == SpanKind::Backward && s.layer == layer);
+            if let Some(backward) = around.filter(|s| s.start_us <= r.start_us) {
+                backward.start_us = r.end_us;
+            }
+            let name = format!("{} layer {}", distlab_common::trace::RECOMPUTE, r.layer);
+            self.spans.push(span(SpanKind::Forward, name, self.step, "compute", r.start_us, r.end_us, layer));
+        }
         if self.record && self.pipelined {
             be.synchronize();
             let chunk = self.chunked.then_some(chunk);
@@ -642,7 +659,9 @@ impl<B: TrainBackend> ModelState<B> for Observed<'_, B> {
     fn close(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<(), CommError> {
         let recorded = match (pass, unit) {
             (Pass::Forward, _) => None,
-            (Pass::Recompute, Unit::Block(l)) => Some((SpanKind::Forward, format!("recompute layer {l}"), Some(l))),
+            (Pass::Recompute, Unit::Block(l)) => {
+                Some((SpanKind::Forward, format!("{} layer {l}", distlab_common::trace::RECOMPUTE), Some(l)))
+            }
             (Pass::Recompute, _) => None,
             (Pass::Backward { .. }, Unit::Head) => Some((SpanKind::Backward, "backward head".to_string(), None)),
             (Pass::Backward { .. }, Unit::Block(l)) => {

@@ -1,0 +1,96 @@
+//! The cards' claim checks on real runs of their presets: each measures the quantity its
+//! card states, and agrees. (The unit tests in `common/src/claims.rs` show each check
+//! disagreeing with a broken engine's numbers; these show the engine's own numbers agree.)
+
+use distlab_common::cards::ClaimCheck;
+use distlab_common::claims::{is_partner, measure, Measurement, RunEvidence};
+use distlab_common::presets::presets;
+use distlab_common::*;
+use distlab_tests::*;
+
+fn preset(key: &str) -> ExperimentSpec {
+    presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_else(|| panic!("no preset {key}"))
+}
+
+fn view(id: i64, spec: &ExperimentSpec) -> ExperimentView {
+    ExperimentView {
+        id,
+        name: spec.name.clone(),
+        owner: "local".into(),
+        status: ExperimentStatus::Succeeded,
+        spec: spec.clone(),
+        created_at: String::new(),
+        started_at: None,
+        finished_at: None,
+        error: None,
+        summary: None,
+        attempt: 1,
+        steps_done: spec.train.steps,
+    }
+}
+
+/// Runs `spec` (and `partner`, the run the check sets it against) and measures `check`.
+fn check(check: ClaimCheck, spec: &ExperimentSpec, partner: Option<&ExperimentSpec>) -> Measurement {
+    let (points, trace) = run_points_with_trace(spec);
+    let v = view(1, spec);
+    let run = RunEvidence { view: &v, metrics: &points, ranks: &trace.ranks, traced_steps: spec.train.steps };
+    let partner_run = partner.map(|p| {
+        assert_eq!(is_partner(check, spec, p), Some(true), "{check:?}: the partner");
+        let (points, trace) = run_points_with_trace(p);
+        (view(2, p), points, trace)
+    });
+    let partner_evidence = partner_run.as_ref().map(|(v, points, trace)| RunEvidence {
+        view: v,
+        metrics: points,
+        ranks: &trace.ranks,
+        traced_steps: v.spec.train.steps,
+    });
+    let got = measure(check, &run, partner_evidence.as_ref()).unwrap_or_else(|e| panic!("{check:?}: {e}"));
+    println!("{check:?} on {}:\n  predicted: {}\n  measured:  {}", spec.name, got.predicted, got.measured);
+    got
+}
+
+#[test]
+fn zero1_and_zero2_presets_measure_the_sharded_master_count() {
+    for key in ["zero1", "zero2"] {
+        let mut spec = preset(key);
+        (spec.train.steps, spec.train.warmup_steps) = (2, 1);
+        let got = check(ClaimCheck::ZeroMemory, &spec, None);
+        assert!(got.agrees, "{key}: {got:?}");
+        assert!(got.measured.contains("the chapter, the ZeRO paper"), "{key}: {}", got.measured);
+    }
+}
+
+#[test]
+fn checkpointing_costs_about_one_more_forward() {
+    let got = check(ClaimCheck::CheckpointingRecomputeTime, &preset("checkpointing"), None);
+    assert!(got.agrees, "{got:?}");
+}
+
+#[test]
+fn fp16_without_scaling_stores_most_logit_gradients_as_zero() {
+    let plain = preset("fp16-plain");
+    let got = check(ClaimCheck::LossScalingUnderflow, &plain, Some(&preset("fp16-scaled")));
+    assert!(got.agrees, "{got:?}");
+    // bf16 keeps them: its share of zeros is far below fp16's.
+    let (points, _) = run_points_with_trace(&preset("bf16"));
+    let share = points.iter().filter_map(|p| p.logit_grad_zero_share).sum::<f64>() / points.len() as f64;
+    println!("bf16: {:.2}% of the logit gradients stored as 0", 100.0 * share);
+    assert!(share < 0.05, "bf16 stores {share} of them as 0");
+}
+
+#[test]
+fn the_pipeline_presets_bubble_replayed_matches_the_decks_formula_not_the_chapters() {
+    let got = check(ClaimCheck::BubbleFraction, &preset("pipeline"), None);
+    assert!(got.agrees && got.measured.contains("closer to (P-1)/(M+P-1)"), "{got:?}");
+}
+
+#[test]
+fn the_zero2_and_fsdp_presets_send_their_multiples_of_d() {
+    for (key, check_) in [("zero2", ClaimCheck::Zero2Traffic), ("fsdp", ClaimCheck::FsdpTraffic)] {
+        let mut spec = preset(key);
+        (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+        let got = check(check_, &spec, None);
+        assert!(got.agrees, "{key}: {got:?}");
+    }
+}
