@@ -330,8 +330,8 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
             let rows = stage_rows(run.ranks, step);
             let bubble = measured_bubble(&rows).ok_or("the timeline has no forward or backward")?;
             // The passes replayed with a core per stage, as the formulas assume: each stage's
-            // median forward and backward over every recorded step after the first (the
-            // warm-up), so that one step's passes slowed by the other ranks weigh less.
+            // forward and backward with a core to themselves (`stage_durations`) over every
+            // recorded step after the first (the warm-up).
             let mut pooled = rows.clone();
             pooled.iter_mut().for_each(|r| r.spans.clear());
             for &s in steps.iter().filter(|&&s| s > 0 || steps.len() == 1) {
@@ -364,8 +364,8 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
                     "The formulas assume every stage has a processor of its own and equal work. Here {} rank \
                      processes run at once on the worker's machine: with more of them than cores a stage also \
                      waits for a core, which the whole step's bubble counts. The replay runs the step's own \
-                     passes (each stage's median forward and backward over the recorded steps) with a core per \
-                     stage; it is what the formulas describe. (P-1)/M (the chapter, N = P) leaves out that the last micro-batch's \
+                     passes (each stage's forward and backward as they take with a core, over the recorded steps) \
+                     with a core per stage; it is what the formulas describe. (P-1)/M (the chapter, N = P) leaves out that the last micro-batch's \
                      backward also has to drain through the P-1 stages: the step is M+P-1 pass-times long, not M.",
                     spec.world_size()
                 )),

@@ -126,6 +126,10 @@ impl Default for Cluster {
     }
 }
 
+/// What one GPU moves over PCIe 4.0 x16 per second, each way: 31.5 GB/s raw, about 25 GB/s
+/// in practice.
+pub const PCIE4_BYTES_PER_S: f64 = 25e9;
+
 /// Per-message latency of every preset: a round figure for one NCCL ring step or send
 /// (link latency is 1-2 us; kernel launch and protocol overhead add a few more).
 const LATENCY_S: f64 = 5e-6;
@@ -177,6 +181,25 @@ impl Cluster {
         }
     }
 
+    /// A workstation with 2 x GeForce RTX 3090 (24 GB each) on PCIe 4.0, no NVLink bridge.
+    /// GA102 (Ampere): 71 TFLOP/s dense fp16/bf16 on the tensor cores with fp32
+    /// accumulation (GeForce runs it at half the fp16-accumulate rate of 142), 35.6 TFLOP/s
+    /// fp32; the GPUs talk over PCIe, about 25 GB/s each way in practice; one machine, so
+    /// no network. Memory: 24e9 of the 24 GiB.
+    pub fn rtx3090_pair() -> Self {
+        Cluster {
+            gpus: 2,
+            gpus_per_node: 2,
+            gpu_memory_bytes: 24_000_000_000,
+            peak_flops_bf16: 71e12,
+            peak_flops_fp16: 71e12,
+            peak_flops_fp32: 35.6e12,
+            intra_node_bytes_per_s: PCIE4_BYTES_PER_S,
+            inter_node_bytes_per_s: PCIE4_BYTES_PER_S,
+            latency_s: LATENCY_S,
+        }
+    }
+
     /// The same hardware with `gpus` GPUs in all.
     pub fn with_gpus(self, gpus: u64) -> Self {
         Cluster { gpus, ..self }
@@ -221,6 +244,7 @@ pub fn cluster_presets() -> Vec<ClusterPreset> {
         preset("a100-80gb", "A100 80GB SXM (DGX A100, 200 Gb/s IB per GPU)", Cluster::a100_80gb_sxm()),
         preset("a100-40gb", "A100 40GB SXM (DGX A100, 200 Gb/s IB per GPU)", Cluster::a100_40gb_sxm()),
         preset("h100-80gb", "H100 80GB SXM (DGX H100, 400 Gb/s IB per GPU)", Cluster::h100_80gb_sxm()),
+        preset("rtx3090", "2 x RTX 3090 24GB (one PCIe workstation)", Cluster::rtx3090_pair()),
     ]
 }
 

@@ -16,6 +16,8 @@ pub mod memory;
 pub mod pipeline;
 pub mod planner;
 pub mod presets;
+pub mod quiz;
+pub mod recipes;
 pub mod review;
 pub mod scale_down;
 pub mod schedule;

@@ -89,14 +89,15 @@ pub struct StageDurations {
     pub weights: u64,
 }
 
-/// Every stage's median forward and median backward in `rows` (over all its ranks, its dp
-/// and tp replicas, and all micro-batches: a pass that lost its core to another rank for a
-/// while is an outlier the median leaves out); None when a stage recorded no forward or no
-/// backward.
+/// Every stage's forward and backward as they take with a core to themselves: the lower
+/// quartile over all its ranks (its dp and tp replicas) and micro-batches. Waiting for a
+/// core only ever adds to a pass, so the faster passes are the ones that had it; a median
+/// would still move when more than half of them wait (4 rank processes on 2 cores). None
+/// when a stage recorded no forward or no backward.
 pub fn stage_durations(rows: &[StageRow], stage_of: &[usize], stages: usize) -> Option<Vec<StageDurations>> {
     (0..stages)
         .map(|stage| {
-            let median = |kind: SpanKind| {
+            let quartile = |kind: SpanKind| {
                 let mut took: Vec<u64> = rows
                     .iter()
                     .zip(stage_of)
@@ -105,12 +106,12 @@ pub fn stage_durations(rows: &[StageRow], stage_of: &[usize], stages: usize) -> 
                     .map(|s| s.end_us.saturating_sub(s.start_us))
                     .collect();
                 took.sort_unstable();
-                took.get(took.len() / 2).copied()
+                took.get(took.len() / 4).copied()
             };
             Some(StageDurations {
-                forward: median(SpanKind::Forward)?,
-                backward: median(SpanKind::Backward)?,
-                weights: median(SpanKind::Weights).unwrap_or(0),
+                forward: quartile(SpanKind::Forward)?,
+                backward: quartile(SpanKind::Backward)?,
+                weights: quartile(SpanKind::Weights).unwrap_or(0),
             })
         })
         .collect()
@@ -354,15 +355,15 @@ mod tests {
     }
 
     #[test]
-    fn a_stage_s_duration_is_the_median_over_its_ranks_and_micro_batches() {
+    fn a_stage_s_duration_is_the_lower_quartile_over_its_ranks_and_micro_batches() {
         let f = |micro, start, end| span(SpanKind::Forward, 1, micro, start, end);
         let rows = vec![
             StageRow { rank: 0, spans: vec![f(0, 0, 10), f(1, 10, 19), span(SpanKind::Backward, 1, 0, 19, 39)] },
-            // A pass that lost its core for a while does not move the median.
+            // A pass that lost its core for a while does not move the quartile.
             StageRow { rank: 1, spans: vec![f(0, 0, 11), f(1, 11, 500), span(SpanKind::Backward, 1, 0, 500, 520)] },
         ];
         let d = stage_durations(&rows, &[0, 0], 1).unwrap();
-        assert_eq!(d, vec![StageDurations { forward: 11, backward: 20, weights: 0 }]);
+        assert_eq!(d, vec![StageDurations { forward: 10, backward: 20, weights: 0 }]);
         assert!(stage_durations(&rows, &[0, 0], 2).is_none(), "stage 1 recorded nothing");
     }
 

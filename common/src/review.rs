@@ -17,6 +17,9 @@
 //! POST /api/profiles/{id}/reviews     ReviewRequest -> ReviewResult
 //! GET  /api/profiles/{id}/export      -> ReviewExport
 //! POST /api/profiles/{id}/import      ReviewExport -> ImportResult
+//! GET  /api/profiles/{id}/settings    -> ReviewSettings
+//! PUT  /api/profiles/{id}/settings    NewReviewSettings -> ReviewSettings
+//! POST /api/profiles/{id}/fit         -> ParameterFit (409 below MIN_REPEAT_REVIEWS)
 //! ```
 
 use std::collections::BTreeMap;
@@ -30,8 +33,16 @@ pub const EXPORT_FORMAT: &str = "distlab-review/1";
 /// New cards a profile is shown per day (UTC day): today's queue holds every due card and
 /// `NEW_PER_DAY` minus the new cards first reviewed today.
 pub const NEW_PER_DAY: usize = 10;
-/// The probability of recall at which FSRS schedules the next review.
+/// The probability of recall at which FSRS schedules the next review, unless a profile
+/// chooses another (within `RETENTION_RANGE`).
 pub const DESIRED_RETENTION: f32 = 0.9;
+/// The desired retentions a profile may choose: below, reviews come so late that most are
+/// forgotten; above, so often that the work grows steeply for little gain.
+pub const RETENTION_RANGE: std::ops::RangeInclusive<f32> = 0.70..=0.97;
+/// FSRS's parameters can be fitted to a profile's log (on request) once it holds this many
+/// repeat reviews (reviews of a card at least a day after the one before: each is one
+/// recall the fit can be scored on).
+pub const MIN_REPEAT_REVIEWS: usize = 64;
 /// The longest profile name, in characters (after trimming).
 pub const MAX_PROFILE_NAME: usize = 64;
 /// Profiles one owner may have.
@@ -316,6 +327,69 @@ pub struct ImportResult {
     pub skipped_card_ids: Vec<String>,
     pub skipped_cards: usize,
     pub skipped_log: usize,
+}
+
+/// `GET /api/profiles/{id}/settings`: how the profile's reviews are scheduled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReviewSettings {
+    pub desired_retention: f32,
+    /// The FSRS parameters in use (the defaults until the profile's log has been fitted).
+    pub parameters: Vec<f32>,
+    /// The parameters are the profile's own, fitted to its log.
+    pub fitted: bool,
+    /// Repeat reviews (a day or more after the card's review before) in the profile's log,
+    /// and how many a fit needs.
+    pub repeat_reviews: usize,
+    pub repeat_reviews_needed: usize,
+    /// The latest fit, with the scores before and after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fit: Option<ParameterFit>,
+}
+
+/// `PUT /api/profiles/{id}/settings`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewReviewSettings {
+    pub desired_retention: f32,
+    /// Back to the default parameters (the fit is forgotten).
+    #[serde(default)]
+    pub default_parameters: bool,
+}
+
+/// `POST /api/profiles/{id}/fit`: FSRS's parameters fitted to the profile's log (the fsrs
+/// crate's `compute_parameters`), each set scored on that log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParameterFit {
+    pub fitted_at: String,
+    pub repeat_reviews: usize,
+    pub before: FitScore,
+    pub after: FitScore,
+}
+
+/// A parameter set and how well it predicted the log's recalls: log loss (lower is
+/// better) and the RMSE between predicted and observed recall rates over bins.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FitScore {
+    pub parameters: Vec<f32>,
+    pub log_loss: f32,
+    pub rmse_bins: f32,
+}
+
+/// The desired retention, if it is one a profile may choose.
+pub fn validate_retention(r: f32) -> Result<f32, FieldError> {
+    if RETENTION_RANGE.contains(&r) {
+        Ok(r)
+    } else {
+        Err(FieldError::new(
+            "desired_retention",
+            format!(
+                "desired_retention must be from {} to {} (the probability of recalling a card when it comes \
+                 back), got {r}",
+                RETENTION_RANGE.start(),
+                RETENTION_RANGE.end()
+            ),
+        ))
+    }
 }
 
 #[cfg(test)]

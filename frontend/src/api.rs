@@ -132,6 +132,39 @@ pub async fn review_card(profile: i64, card_id: &str, rating: i64) -> ApiResult<
         .await
 }
 
+pub async fn review_settings(profile: i64) -> ApiResult<distlab_common::review::ReviewSettings> {
+    get_json(&format!("/api/profiles/{profile}/settings")).await
+}
+
+pub async fn set_review_settings(
+    profile: i64,
+    settings: &distlab_common::review::NewReviewSettings,
+) -> ApiResult<distlab_common::review::ReviewSettings> {
+    let request = Request::put(&format!("/api/profiles/{profile}/settings"))
+        .json(settings)
+        .map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    read_json(request.send().await).await
+}
+
+/// Fits FSRS's parameters to the profile's review log.
+pub async fn fit_parameters(profile: i64) -> ApiResult<distlab_common::review::ParameterFit> {
+    post_json(&format!("/api/profiles/{profile}/fit"), &serde_json::json!({})).await
+}
+
+pub async fn get_quiz() -> ApiResult<Vec<distlab_common::quiz::Question>> {
+    get_json("/api/quiz").await
+}
+
+/// A typed number (a numeric question) or one's own verdict after the reveal.
+pub async fn answer_quiz(answer: &distlab_common::quiz::QuizAnswer) -> ApiResult<distlab_common::quiz::QuizVerdict> {
+    let body = serde_json::to_value(answer).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    post_json("/api/quiz/answers", &body).await
+}
+
+pub async fn quiz_results() -> ApiResult<distlab_common::quiz::QuizResults> {
+    get_json("/api/quiz/results").await
+}
+
 /// Replaces the profile's progress with an exported document (sent as it was read).
 pub async fn import_progress(profile: i64, document: &str) -> ApiResult<distlab_common::review::ImportResult> {
     let request = Request::post(&format!("/api/profiles/{profile}/import"))

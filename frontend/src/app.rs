@@ -11,7 +11,7 @@ use crate::api;
 use crate::pages::sign_in::{ask_who, sign_in_again_when_refused, AccountBadge, Session, SignInPage};
 use crate::pages::{
     accounts::AccountsPage, cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList,
-    new::NewExperiment, pipeline::PipelinePage, planner::PlannerPage, ring::RingReplayPage,
+    new::NewExperiment, pipeline::PipelinePage, planner::PlannerPage, quiz::QuizPage, ring::RingReplayPage,
 };
 
 #[component]
@@ -33,6 +33,7 @@ pub fn App() -> impl IntoView {
                     <A href="/compare">"Compare"</A>
                     <A href="/planner">"Planner"</A>
                     <A href="/cards">"Flashcards"</A>
+                    <A href="/quiz">"Quiz"</A>
                     {move || session.get().is_teacher().then(|| view! { <A href="/accounts" attr:id="nav-accounts">"Accounts"</A> })}
                 </nav>
                 <HealthBadge/>
@@ -49,6 +50,7 @@ pub fn App() -> impl IntoView {
                             <Route path=path!("/compare") view=ComparePage/>
                             <Route path=path!("/planner") view=PlannerPage/>
                             <Route path=path!("/cards") view=CardsPage/>
+                            <Route path=path!("/quiz") view=QuizPage/>
                             <Route path=path!("/accounts") view=AccountsPage/>
                             <Route path=path!("/experiments/:id") view=ExperimentPage/>
                             <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>

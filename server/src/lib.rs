@@ -19,7 +19,9 @@ pub mod local_workers;
 pub mod memory;
 pub mod plan;
 pub mod queue;
+pub mod quiz;
 pub mod review;
+pub mod review_settings;
 pub mod session;
 pub mod static_files;
 pub mod stream;
@@ -262,9 +264,14 @@ pub fn app(state: AppState) -> Router {
         .route("/profiles", get(review::list_profiles).post(review::create_profile))
         .route("/profiles/{id}/review", get(review::review_view))
         .route("/profiles/{id}/reviews", post(review::review))
+        .route("/profiles/{id}/settings", get(review_settings::settings).put(review_settings::update))
+        .route("/profiles/{id}/fit", post(review_settings::fit_parameters))
         .route("/profiles/{id}/export", get(review::export))
         .route("/profiles/{id}/import", post(review::import).layer(Extension(BodyLimit(review::MAX_IMPORT_BYTES))))
         .route("/compare", get(compare::compare))
+        .route("/quiz", get(quiz::list))
+        .route("/quiz/answers", post(quiz::answer))
+        .route("/quiz/results", get(quiz::results))
         .route_layer(identify.clone());
 
     let api = Router::new()
@@ -328,6 +335,7 @@ pub fn local_url(addr: SocketAddr) -> String {
 pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     config.validate()?;
     cards::deck().map_err(ServeError::Config)?;
+    quiz::quiz().map_err(ServeError::Config)?;
     let state = AppState::new(config.clone()).await?;
     if config.auth == AuthMode::Accounts && accounts::list(&state.db).await.is_ok_and(|users| users.is_empty()) {
         tracing::warn!(

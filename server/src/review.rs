@@ -20,8 +20,9 @@
 //! Scheduling: the rating maps onto an FSRS grade (`Grade::from_rating`: 1, 2 -> again,
 //! 3 -> hard, 4 -> good, 5 -> easy). FSRS gets the card's memory state (none for a new card)
 //! and the whole days since its last review, and gives the next memory state and interval
-//! for desired retention 0.9; the interval is kept fractional (again on a new card is about
-//! 5 hours), and `due` = now + interval. A lapse is a failure (rating 1 or 2) of a card that
+//! for the profile's desired retention (0.9 unless it chose another, `review_settings.rs`,
+//! with the parameters fitted to its log if it asked for a fit); the interval is kept
+//! fractional (again on a new card is about 5 hours), and `due` = now + interval. A lapse is a failure (rating 1 or 2) of a card that
 //! had been reviewed before.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -51,7 +52,40 @@ const MAX_PROBLEMS: usize = 50;
 const MAX_DAYS: f32 = 36_500.0;
 const DAY_SECS: f64 = 86_400.0;
 
-static SCHEDULER: LazyLock<fsrs::FSRS> = LazyLock::new(fsrs::FSRS::default);
+/// How one profile's reviews are scheduled: FSRS with its parameters (the defaults or the
+/// profile's fitted ones) and its desired retention.
+pub struct Scheduler {
+    fsrs: fsrs::FSRS,
+    desired_retention: f32,
+    /// The forgetting curve's decay (parameter 20).
+    decay: f32,
+}
+
+static DEFAULT_FSRS: LazyLock<fsrs::FSRS> = LazyLock::new(fsrs::FSRS::default);
+
+impl Scheduler {
+    /// `parameters` None: FSRS's defaults.
+    pub fn new(parameters: Option<&[f32]>, desired_retention: f32) -> Result<Scheduler, String> {
+        let parameters = parameters.unwrap_or(&fsrs::DEFAULT_PARAMETERS);
+        let fsrs = fsrs::FSRS::new(parameters).map_err(|e| format!("FSRS parameters: {e}"))?;
+        let decay = parameters.get(20).copied().unwrap_or(fsrs::DEFAULT_PARAMETERS[20]);
+        Ok(Scheduler { fsrs, desired_retention, decay })
+    }
+
+    pub fn decay(&self) -> f32 {
+        self.decay
+    }
+}
+
+impl Default for Scheduler {
+    fn default() -> Self {
+        Scheduler {
+            fsrs: DEFAULT_FSRS.clone(),
+            desired_retention: DESIRED_RETENTION,
+            decay: fsrs::DEFAULT_PARAMETERS[20],
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------
 // Scheduling (pure)
@@ -62,6 +96,11 @@ static SCHEDULER: LazyLock<fsrs::FSRS> = LazyLock::new(fsrs::FSRS::default);
 pub fn parse_time(text: &str) -> Option<SystemTime> {
     let t = OffsetDateTime::parse(text, &Rfc3339).ok()?;
     (1970..3000).contains(&t.year()).then(|| SystemTime::from(t))
+}
+
+/// Whole days from `from` to `to` (0 when `to` is earlier), as FSRS counts elapsed time.
+pub(crate) fn whole_days_between(from: SystemTime, to: SystemTime) -> u32 {
+    days_between(from, to).floor().min(f64::from(u32::MAX)) as u32
 }
 
 /// Days from `from` to `to` (0 when `to` is earlier).
@@ -76,10 +115,10 @@ pub fn utc_day_start(now: SystemTime) -> SystemTime {
 }
 
 /// The probability of recalling a card `days` after its last review (FSRS-6 forgetting curve
-/// with the default decay).
-pub fn retrievability(stability: f32, days: f64) -> f32 {
+/// with the scheduler's decay).
+pub fn retrievability(stability: f32, days: f64, decay: f32) -> f32 {
     let memory = fsrs::MemoryState { stability, difficulty: 1.0 };
-    let r = fsrs::current_retrievability(memory, days as f32, fsrs::DEFAULT_PARAMETERS[20]);
+    let r = fsrs::current_retrievability(memory, days as f32, decay);
     if r.is_finite() {
         r.clamp(0.0, 1.0)
     } else {
@@ -94,19 +133,27 @@ fn whole_ms(t: SystemTime) -> SystemTime {
 }
 
 /// A card's state after one review at `now` (and the interval until it is due).
-pub fn schedule(prev: Option<&CardState>, rating: u8, now: SystemTime) -> Result<(CardState, f32), String> {
+pub fn schedule(
+    prev: Option<&CardState>,
+    rating: u8,
+    now: SystemTime,
+    scheduler: &Scheduler,
+) -> Result<(CardState, f32), String> {
     let now = whole_ms(now);
     let grade = Grade::from_rating(i64::from(rating)).map_err(|e| e.message)?;
     let (memory, days_elapsed) = match prev {
         Some(p) => {
             let last =
                 parse_time(&p.last_review).ok_or_else(|| format!("unreadable last_review {:?}", p.last_review))?;
-            let days = days_between(last, now).floor().min(f64::from(u32::MAX)) as u32;
+            let days = whole_days_between(last, now);
             (Some(fsrs::MemoryState { stability: p.stability, difficulty: p.difficulty }), days)
         }
         None => (None, 0),
     };
-    let next = SCHEDULER.next_states(memory, DESIRED_RETENTION, days_elapsed).map_err(|e| format!("FSRS: {e}"))?;
+    let next = scheduler
+        .fsrs
+        .next_states(memory, scheduler.desired_retention, days_elapsed)
+        .map_err(|e| format!("FSRS: {e}"))?;
     let item = match grade {
         Grade::Again => next.again,
         Grade::Hard => next.hard,
@@ -131,9 +178,9 @@ pub fn schedule(prev: Option<&CardState>, rating: u8, now: SystemTime) -> Result
 }
 
 /// A stored card as the review view shows it at `now`.
-fn card_view(state: CardState, now: SystemTime, now_text: &str) -> CardView {
+fn card_view(state: CardState, now: SystemTime, now_text: &str, decay: f32) -> CardView {
     let days = parse_time(&state.last_review).map_or(0.0, |last| days_between(last, now));
-    let retrievability = retrievability(state.stability, days);
+    let retrievability = retrievability(state.stability, days, decay);
     let is_due = state.due.as_str() <= now_text;
     CardView { state, retrievability, is_due }
 }
@@ -146,6 +193,7 @@ pub fn build_view(
     mut states: HashMap<String, CardState>,
     first_reviewed_today: &HashSet<String>,
     now: SystemTime,
+    decay: f32,
 ) -> ReviewView {
     let now_text = clock::rfc3339(now);
     let mut due: Vec<(String, usize, String)> = Vec::new();
@@ -164,7 +212,7 @@ pub fn build_view(
         match states.remove(&card.id) {
             None => new.push(card.id.clone()),
             Some(state) => {
-                let view = card_view(state, now, &now_text);
+                let view = card_view(state, now, &now_text, decay);
                 topic.reviewed += 1;
                 *r_sum += view.retrievability;
                 if view.is_due {
@@ -257,8 +305,15 @@ fn profile_not_found(raw: &str) -> HttpError {
     HttpError::not_found(format!("no profile with id '{}'", truncate(raw, 40)))
 }
 
+/// The profile's scheduler: its fitted parameters (if any) and its desired retention.
+pub async fn load_scheduler(state: &AppState, profile_id: i64) -> Result<Scheduler, HttpError> {
+    let row = crate::review_settings::load(state, profile_id).await?;
+    Scheduler::new(row.parameters.as_deref(), row.desired_retention)
+        .map_err(|e| HttpError::internal("a profile's parameters", e))
+}
+
 /// The owner's profile with the id in the path, else 404 (also when someone else owns it).
-async fn load_profile(state: &AppState, owner: &Account, raw_id: &str) -> Result<Profile, HttpError> {
+pub(crate) async fn load_profile(state: &AppState, owner: &Account, raw_id: &str) -> Result<Profile, HttpError> {
     let id = match raw_id.parse::<i64>() {
         Ok(id) if id > 0 => id,
         _ => {
@@ -286,7 +341,7 @@ fn deck() -> Result<&'static [Card], HttpError> {
     cards::deck().map_err(|e| HttpError::internal("flashcards", e))
 }
 
-fn unprocessable(problem: FieldError) -> HttpError {
+pub(crate) fn unprocessable(problem: FieldError) -> HttpError {
     HttpError::with_fields(StatusCode::UNPROCESSABLE_ENTITY, problem.message.clone(), vec![problem])
 }
 
@@ -357,7 +412,8 @@ pub async fn review_view(
     .fetch_all(&state.db)
     .await?;
     let first_today: HashSet<String> = first_today.into_iter().collect();
-    Ok(Json(build_view(profile, deck, states, &first_today, now)))
+    let scheduler = load_scheduler(&state, profile.id).await?;
+    Ok(Json(build_view(profile, deck, states, &first_today, now, scheduler.decay())))
 }
 
 /// `POST /api/profiles/{id}/reviews {"card_id", "rating": 1..5}`: the card's new state.
@@ -386,8 +442,9 @@ pub async fn review(
         .await?
         .map(|row| row.into_state().1);
     let now = whole_ms(clock::now());
+    let scheduler = load_scheduler(&state, profile.id).await?;
     let (next, interval) =
-        schedule(prev.as_ref(), rating, now).map_err(|e| HttpError::internal("scheduling a review", e))?;
+        schedule(prev.as_ref(), rating, now, &scheduler).map_err(|e| HttpError::internal("scheduling a review", e))?;
 
     let mut tx = state.db.begin().await?;
     // The write is conditional on the state read above, so that two reviews of the same
@@ -444,7 +501,7 @@ pub async fn review(
         grade,
         reviewed_at: now_text.clone(),
         interval_days: interval,
-        state: card_view(next, now, &now_text),
+        state: card_view(next, now, &now_text, scheduler.decay()),
     }))
 }
 
@@ -708,38 +765,49 @@ mod tests {
 
     #[test]
     fn a_new_card_is_scheduled_by_its_grade() {
+        let d = Scheduler::default();
         let now = t("2025-01-01T00:00:00.000Z");
-        let intervals: Vec<f32> = (1..=5).map(|r| schedule(None, r, now).unwrap().1).collect();
+        let intervals: Vec<f32> = (1..=5).map(|r| schedule(None, r, now, &d).unwrap().1).collect();
         // FSRS-6 default initial stabilities: again 0.212, hard 1.2931, good 2.3065, easy 8.2956.
         assert_eq!(intervals[0], intervals[1], "1 and 2 are both again");
         assert!(intervals[0] < 1.0 && intervals[1] < intervals[2] && intervals[2] < intervals[3]);
         assert!(intervals[3] < intervals[4]);
-        let (good, interval) = schedule(None, 4, now).unwrap();
+        let (good, interval) = schedule(None, 4, now, &d).unwrap();
         assert!((interval - 2.3065).abs() < 1e-4, "{interval}");
         assert_eq!(good.reps, 1);
         assert_eq!(good.lapses, 0, "forgetting a new card is not a lapse");
         assert_eq!(good.last_review, "2025-01-01T00:00:00.000Z");
         assert_eq!(good.due, clock::rfc3339(now + Duration::from_secs_f64(f64::from(interval) * DAY_SECS)));
-        assert!(schedule(None, 0, now).is_err() && schedule(None, 6, now).is_err());
+        assert!(schedule(None, 0, now, &d).is_err() && schedule(None, 6, now, &d).is_err());
     }
 
     #[test]
     fn remembering_after_the_interval_lengthens_it_and_forgetting_is_a_lapse() {
+        let d = Scheduler::default();
         let start = t("2025-01-01T00:00:00.000Z");
-        let (first, i1) = schedule(None, 4, start).unwrap();
+        let (first, i1) = schedule(None, 4, start, &d).unwrap();
         let later = parse_time(&first.due).unwrap();
-        let (second, i2) = schedule(Some(&first), 4, later).unwrap();
+        let (second, i2) = schedule(Some(&first), 4, later, &d).unwrap();
         assert!(i2 > 2.0 * i1, "{i1} -> {i2}");
         assert_eq!((second.reps, second.lapses), (2, 0));
-        let (forgot, i3) = schedule(Some(&second), 1, parse_time(&second.due).unwrap()).unwrap();
+        let (forgot, i3) = schedule(Some(&second), 1, parse_time(&second.due).unwrap(), &d).unwrap();
         assert!(i3 < i2);
         assert_eq!((forgot.reps, forgot.lapses, forgot.last_rating), (3, 1, 1));
     }
 
     #[test]
+    fn a_lower_desired_retention_spaces_reviews_further_apart() {
+        let now = t("2025-01-01T00:00:00.000Z");
+        let at = |r| schedule(None, 4, now, &Scheduler::new(None, r).unwrap()).unwrap().1;
+        assert!(at(0.8) > at(0.9) && at(0.9) > at(0.95), "{} {} {}", at(0.8), at(0.9), at(0.95));
+        assert!(Scheduler::new(Some(&[1.0, 2.0]), 0.9).is_err(), "too few parameters");
+    }
+
+    #[test]
     fn retrievability_falls_from_one_to_ninety_percent_at_the_stability() {
-        assert!((retrievability(3.0, 0.0) - 1.0).abs() < 1e-6);
-        assert!((retrievability(3.0, 3.0) - 0.9).abs() < 1e-3);
-        assert!(retrievability(3.0, 30.0) < 0.9);
+        let decay = Scheduler::default().decay();
+        assert!((retrievability(3.0, 0.0, decay) - 1.0).abs() < 1e-6);
+        assert!((retrievability(3.0, 3.0, decay) - 0.9).abs() < 1e-3);
+        assert!(retrievability(3.0, 30.0, decay) < 0.9);
     }
 }

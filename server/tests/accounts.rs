@@ -372,3 +372,68 @@ async fn the_lease_takes_the_person_running_least() {
     let (status, _) = c.worker(credential, "lease", json!({"worker_id": worker})).await;
     assert_eq!(status, StatusCode::NO_CONTENT, "ada already runs one, her limit");
 }
+
+/// The quiz's results are each account's own: ada's right answer and bob's wrong one are
+/// kept apart, a question is graded by the number typed or by the learner, and a wrong
+/// kind of answer or an unknown question is refused without being counted.
+#[tokio::test]
+async fn quiz_results_are_each_accounts_own() {
+    let class = Class::new(|_| {}).await;
+    assert_eq!(class.status(Anonymous, Method::GET, "/api/quiz/results", None).await, StatusCode::UNAUTHORIZED);
+    let (status, _, quiz) = class.send(As("ada"), Method::GET, "/api/quiz", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let quiz: Vec<distlab_common::quiz::Question> = serde_json::from_value(quiz).expect("questions");
+    let numeric = quiz.iter().find(|q| q.expect.is_some()).expect("a numeric question");
+    let spoken = quiz.iter().find(|q| q.expect.is_none()).expect("a question answered in one's head");
+    let value = numeric.expect.as_ref().unwrap().value;
+    let answer = |caller, body: Value| class.send(caller, Method::POST, "/api/quiz/answers", Some(body));
+
+    let (status, _, verdict) = answer(As("ada"), json!({"question_id": numeric.id, "given": value})).await;
+    assert_eq!(status, StatusCode::OK, "{verdict}");
+    assert_eq!((verdict["correct"].as_bool(), verdict["expected"].as_f64()), (Some(true), Some(value)));
+    let (_, _, verdict) = answer(As("bob"), json!({"question_id": numeric.id, "given": value * 3.0 + 1.0})).await;
+    assert_eq!(verdict["correct"], json!(false));
+    let (_, _, verdict) = answer(As("bob"), json!({"question_id": spoken.id, "knew": true})).await;
+    assert_eq!(verdict["correct"], json!(true));
+
+    // Refused, and not counted: the wrong kind of answer, an unknown question, a stranger's
+    // page.
+    for body in [
+        json!({"question_id": numeric.id, "knew": true}),
+        json!({"question_id": numeric.id}),
+        json!({"question_id": spoken.id, "given": 3.0}),
+        json!({"question_id": spoken.id}),
+    ] {
+        assert_eq!(answer(As("ada"), body.clone()).await.0, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    }
+    assert_eq!(
+        answer(As("ada"), json!({"question_id": "no-such-question", "knew": true})).await.0,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(answer(As("ada"), json!({"question_id": spoken.id, "knew": "yes"})).await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        answer(CrossOrigin("ada"), json!({"question_id": spoken.id, "knew": true})).await.0,
+        StatusCode::FORBIDDEN
+    );
+
+    let class = &class;
+    let results = |who| async move {
+        let (status, _, body) = class.send(As(who), Method::GET, "/api/quiz/results", None).await;
+        assert_eq!(status, StatusCode::OK);
+        serde_json::from_value::<distlab_common::quiz::QuizResults>(body).expect("results")
+    };
+    let ada = results("ada").await;
+    assert_eq!(ada.results.len(), 1, "{ada:?}");
+    let r = &ada.results[0];
+    assert_eq!((r.question_id.as_str(), r.attempts, r.correct, r.last_correct), (numeric.id.as_str(), 1, 1, true));
+    assert_eq!(r.last_given, Some(value));
+    let bob = results("bob").await;
+    assert_eq!(bob.results.len(), 2);
+    assert_eq!(bob.latest_right_count(), 1, "{bob:?}");
+    // Answered again, right this time: two attempts, one right, the latest right.
+    answer(As("bob"), json!({"question_id": numeric.id, "given": value})).await;
+    let bob = results("bob").await;
+    let r = bob.results.iter().find(|r| r.question_id == numeric.id).unwrap();
+    assert_eq!((r.attempts, r.correct, r.last_correct), (2, 1, true));
+    assert_eq!(results("teach").await.results.len(), 0);
+}

@@ -509,3 +509,110 @@ async fn malformed_imports_are_refused_and_lose_nothing() {
     assert_eq!(after.cards, before.cards[1..]);
     assert_eq!(after.log, before.log[1..]);
 }
+
+/// Desired retention and fitted parameters: a profile starts on FSRS's defaults at 0.9; a
+/// lower retention spaces a new card's first interval further; a fit needs enough repeat
+/// reviews (409 before), then fits the log better than the defaults did, and the reviews
+/// that follow are scheduled with the fitted parameters until the profile asks for the
+/// defaults back.
+#[tokio::test]
+async fn a_profile_chooses_its_retention_and_fits_its_parameters_to_its_log() {
+    let t = setup().await;
+    let p = t.profile("fit").await;
+    let settings_uri = format!("/api/profiles/{}/settings", p.id);
+    let fit_uri = format!("/api/profiles/{}/fit", p.id);
+    let settings = |a: Answer| -> ReviewSettings {
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        serde_json::from_value(a.body).expect("ReviewSettings")
+    };
+    let s = settings(t.get(&settings_uri).await);
+    assert_eq!((s.desired_retention, s.fitted, s.repeat_reviews), (0.9, false, 0));
+    assert_eq!(s.parameters.len(), 21);
+    let deck: Vec<String> = t.deck().await.into_iter().map(|(id, _)| id).collect();
+
+    // Retention: out of range is refused, a lower one gives a longer first interval.
+    for bad in [0.5, 0.99, 1.0] {
+        let a = t.call(Method::PUT, &settings_uri, Some(json!({"desired_retention": bad}).to_string())).await;
+        api_error(&a, StatusCode::UNPROCESSABLE_ENTITY);
+    }
+    let at_default = t.rate(p.id, &deck[0], 4).await.interval_days;
+    let a = t.call(Method::PUT, &settings_uri, Some(json!({"desired_retention": 0.8}).to_string())).await;
+    assert_eq!(settings(a).desired_retention, 0.8);
+    let at_lower = t.rate(p.id, &deck[1], 4).await.interval_days;
+    assert!(at_lower > at_default, "{at_default} -> {at_lower}");
+    for edge in [0.7, 0.97] {
+        let a = t.call(Method::PUT, &settings_uri, Some(json!({"desired_retention": edge}).to_string())).await;
+        assert_eq!(settings(a).desired_retention, edge);
+    }
+    t.call(Method::PUT, &settings_uri, Some(json!({"desired_retention": 0.9}).to_string())).await;
+
+    // Too few repeat reviews to fit.
+    api_error(&t.post(&fit_uri, json!({})).await, StatusCode::CONFLICT);
+
+    // A learner who remembers most cards but forgets some, over 60 cards of 4 reviews
+    // each, spaced further each time: 180 repeat reviews.
+    let mut log = Vec::new();
+    let start = time("2025-01-01T08:00:00.000Z");
+    for (i, card) in deck.iter().take(60).enumerate() {
+        let mut at = start + Duration::from_secs(60 * i as u64);
+        for (k, gap_days) in [0u64, 2, 6, 15].into_iter().enumerate() {
+            at += Duration::from_secs(gap_days * 86_400);
+            let rating = if (i + k) % 7 == 0 {
+                1
+            } else if (i * k) % 5 == 1 {
+                3
+            } else {
+                4
+            };
+            log.push(LogEntry {
+                card_id: card.clone(),
+                rating,
+                reviewed_at: distlab_server::clock::rfc3339(at),
+                interval_days: 1.0,
+            });
+        }
+    }
+    log.sort_by(|a, b| a.reviewed_at.cmp(&b.reviewed_at));
+    let document = ReviewExport {
+        format: EXPORT_FORMAT.into(),
+        profile: p.name.clone(),
+        exported_at: "2025-03-01T00:00:00.000Z".into(),
+        cards: vec![],
+        log,
+    };
+    let a = t.post(&format!("/api/profiles/{}/import", p.id), serde_json::to_value(&document).unwrap()).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(settings(t.get(&settings_uri).await).repeat_reviews, 180);
+
+    let a = t.post(&fit_uri, json!({})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let fit: ParameterFit = serde_json::from_value(a.body).expect("ParameterFit");
+    assert_eq!(fit.repeat_reviews, 180);
+    assert_eq!(fit.before.parameters, fsrs_defaults(&t).await);
+    assert_ne!(fit.after.parameters, fit.before.parameters, "the fit moved the parameters");
+    assert!(fit.after.log_loss < fit.before.log_loss, "{} -> {}", fit.before.log_loss, fit.after.log_loss);
+    let s = settings(t.get(&settings_uri).await);
+    assert!(s.fitted && s.parameters == fit.after.parameters && s.fit.as_ref() == Some(&fit));
+
+    // New cards are now scheduled with the fitted parameters, and again with the defaults
+    // once the profile asks for them back.
+    let fitted = t.rate(p.id, &deck[100], 4).await.interval_days;
+    assert!((fitted - at_default).abs() > 1e-3, "fitted {fitted} vs default {at_default}");
+    let a = t
+        .call(
+            Method::PUT,
+            &settings_uri,
+            Some(json!({"desired_retention": 0.9, "default_parameters": true}).to_string()),
+        )
+        .await;
+    let s = settings(a);
+    assert!(!s.fitted && s.fit.is_none());
+    assert!((t.rate(p.id, &deck[101], 4).await.interval_days - at_default).abs() < 1e-4);
+}
+
+/// The parameters a profile without a fit is scheduled with (a fresh profile's).
+async fn fsrs_defaults(t: &TestApp) -> Vec<f32> {
+    let fresh = t.profile("defaults").await;
+    let a = t.get(&format!("/api/profiles/{}/settings", fresh.id)).await;
+    serde_json::from_value::<ReviewSettings>(a.body).expect("ReviewSettings").parameters
+}

@@ -250,6 +250,12 @@ async fn compare_runs_plan_a_model_and_study_cards() -> Result<()> {
     if result.is_ok() {
         result = flashcards_scenario(&client, &lab).await;
     }
+    if result.is_ok() {
+        result = scheduling_scenario(&client, &lab).await;
+    }
+    if result.is_ok() {
+        result = quiz_scenario(&client, &lab).await;
+    }
     if result.is_err() {
         let _ = save_screenshot(&client, "failure-compare.png").await;
     }
@@ -485,6 +491,27 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     save_element(c, "#estimate", "planner.png").await?;
     save_full_page(c, "planner-page.png").await?;
 
+    // The chapter's 70B recipe: the form takes its layout and cluster, and the verdict marks
+    // the stated 2-3 tokens/s per GPU as far from the planner's arithmetic.
+    c.execute(
+        "const e = document.querySelector('#recipe'); e.value = 'recipe-70b-64xh100'; \
+         e.dispatchEvent(new Event('change', {bubbles: true}));",
+        vec![],
+    )
+    .await?;
+    wait_for(c, "the recipe's verdict", Duration::from_secs(10), || exists(c, "#recipe-verdict #recipe-figures"))
+        .await?;
+    ensure!(value_of(c, "tp").await? == "8" && value_of(c, "dp").await? == "8");
+    ensure!(attr(c, "#recipe-fits", "data-fits").await?.as_deref() == Some("false"), "64 sequences per micro-step");
+    let fits = text(c, "#recipe-fits").await?;
+    ensure!(fits.contains("accumulation steps (the same global batch) fit"), "{fits}");
+    let row = "#recipe-figures tr[data-far-off='true']";
+    ensure!(text(c, row).await?.contains("2.00-3.00 tokens/s per GPU"), "{}", text(c, row).await?);
+    ensure!(!exists(c, "#recipe-edited").await?, "the form is the recipe as written");
+    save_element(c, "#recipe-verdict", "planner-recipe-70b.png").await?;
+    set_field(c, "grad_accum", "8").await?;
+    wait_for(c, "the edited note", Duration::from_secs(10), || exists(c, "#recipe-edited")).await?;
+
     c.execute(
         "const e = document.querySelector('#model-preset'); e.value = 'llama-7b'; \
          e.dispatchEvent(new Event('change', {bubbles: true}));",
@@ -511,6 +538,137 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let exp = lab.wait_finished(id, Duration::from_secs(120));
     ensure!(exp.status == ExperimentStatus::Succeeded, "the small run did not succeed: {exp:?}");
     ensure!((exp.spec.parallel.dp, exp.spec.parallel.tp) == (2, 2), "the layout is kept: {:?}", exp.spec.parallel);
+    Ok(())
+}
+
+/// A profile's scheduling: the desired retention chosen on the page is the one stored; with
+/// too few reviews the fit waits; after a log of 180 repeat reviews is imported, the fit
+/// runs and shows its scores before and after.
+async fn scheduling_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let profiles: distlab_common::review::ProfileList = lab.get_as("/api/profiles");
+    let profile = profiles.profiles.first().context("the flashcards made a profile")?.clone();
+    c.goto(&lab.url("/cards")).await?;
+    wait_for(c, "the scheduling panel", Duration::from_secs(30), || exists(c, "#scheduling #desired-retention"))
+        .await?;
+    ensure!(disabled(c, "#fit-parameters").await?, "too few reviews to fit");
+    c.execute(
+        "const e = document.querySelector('#desired-retention'); e.value = '0.8'; \
+         e.dispatchEvent(new Event('change', {bubbles: true}));",
+        vec![],
+    )
+    .await?;
+    let settings_path = format!("/api/profiles/{}/settings", profile.id);
+    wait_for(c, "the retention stored", Duration::from_secs(10), || async {
+        let s: distlab_common::review::ReviewSettings = lab.get_as(&settings_path);
+        Ok(s.desired_retention == 0.8)
+    })
+    .await?;
+
+    // A learner's history: 60 cards reviewed 4 times each over 3 weeks, some forgotten.
+    let cards: Vec<distlab_common::cards::Card> = lab.get_as("/api/cards");
+    let start = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_718_400); // 2025-01-01
+    let mut log = Vec::new();
+    for (i, card) in cards.iter().take(60).enumerate() {
+        let mut at = start + Duration::from_secs(60 * i as u64);
+        for (k, gap_days) in [0u64, 2, 6, 15].into_iter().enumerate() {
+            at += Duration::from_secs(gap_days * 86_400);
+            let rating = if (i + k) % 7 == 0 {
+                1
+            } else if (i * k) % 5 == 1 {
+                3
+            } else {
+                4
+            };
+            let secs = at.duration_since(std::time::SystemTime::UNIX_EPOCH)?.as_secs();
+            let when = time_text(secs);
+            log.push(json!({"card_id": card.id, "rating": rating, "reviewed_at": when, "interval_days": 1.0}));
+        }
+    }
+    log.sort_by(|a, b| a["reviewed_at"].as_str().cmp(&b["reviewed_at"].as_str()));
+    let document = json!({"format": "distlab-review/1", "profile": profile.name, "exported_at": "2025-03-01T00:00:00.000Z", "cards": [], "log": log});
+    let (status, body) = lab.post(&format!("/api/profiles/{}/import", profile.id), &document);
+    ensure!(status == 200, "import: {status} {body}");
+    c.refresh().await?;
+    wait_for(c, "the fit button", Duration::from_secs(30), || async {
+        Ok(exists(c, "#fit-parameters").await? && !disabled(c, "#fit-parameters").await?)
+    })
+    .await?;
+    c.find(Locator::Css("#fit-parameters")).await?.click().await?;
+    wait_for(c, "the fit's scores", Duration::from_secs(60), || exists(c, "#fit-scores tr[data-row='after']")).await?;
+    ensure!(attr(c, "#parameters-state", "data-fitted").await?.as_deref() == Some("true"));
+    let s: distlab_common::review::ReviewSettings = lab.get_as(&settings_path);
+    let fit = s.fit.context("the fit is kept")?;
+    ensure!(fit.after.log_loss < fit.before.log_loss, "{fit:?}");
+    let after = text(c, "#fit-scores tr[data-row='after']").await?;
+    ensure!(after.contains(&format!("{:.4}", fit.after.log_loss)), "{after}");
+    save_element(c, "#scheduling", "flashcards-scheduling.png").await?;
+    Ok(())
+}
+
+/// `secs` since the epoch in RFC 3339 (UTC).
+fn time_text(secs: u64) -> String {
+    let at = time::OffsetDateTime::from_unix_timestamp(secs as i64).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    at.format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+}
+
+/// The quiz: a numeric question answered wrong then right (the server grades the typed
+/// number), a question answered in one's head, revealed and self-graded; the answer links
+/// to its demo; the results survive a reload and colour the question bar.
+async fn quiz_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let quiz: Vec<distlab_common::quiz::Question> = lab.get_as("/api/quiz");
+    let first = &quiz[0];
+    let expect = first.expect.as_ref().context("question 1 asks for a number")?;
+    c.goto(&lab.url("/quiz")).await?;
+    wait_for(c, "the first question", Duration::from_secs(30), || exists(c, "#quiz-question #quiz-given")).await?;
+    ensure!(attr(c, "#quiz-question", "data-id").await?.as_deref() == Some(first.id.as_str()));
+    type_into(c, "#quiz-given", &format!("{}", expect.value * 2.0)).await?;
+    c.find(Locator::Css("#quiz-check")).await?.click().await?;
+    wait_for(c, "the verdict", Duration::from_secs(10), || exists(c, "#quiz-verdict.wrong")).await?;
+    ensure!(exists(c, "#quiz-answer #quiz-demo").await?, "the answer links to its demo");
+    ensure!(disabled(c, "#quiz-check").await?, "one answer per visit: the form closes with the verdict");
+    // Away and back: a new try.
+    c.find(Locator::Css("#quiz-nav button[data-question='2']")).await?.click().await?;
+    c.find(Locator::Css("#quiz-nav button[data-question='1']")).await?.click().await?;
+    wait_for(c, "question 1 again", Duration::from_secs(10), || async {
+        Ok(exists(c, "#quiz-check").await? && !disabled(c, "#quiz-check").await?)
+    })
+    .await?;
+    type_into(c, "#quiz-given", &format!("{}", expect.value)).await?;
+    c.find(Locator::Css("#quiz-check")).await?.click().await?;
+    wait_for(c, "the right verdict", Duration::from_secs(10), || exists(c, "#quiz-verdict.right")).await?;
+    ensure!(text(c, "#quiz-history").await? == "answered 2 times, 1 right", "{}", text(c, "#quiz-history").await?);
+    save_element(c, "#quiz-question", "quiz-numeric.png").await?;
+
+    // A question answered in one's head.
+    let spoken = quiz.iter().find(|q| q.expect.is_none()).context("a spoken question")?;
+    c.find(Locator::Css(&format!("#quiz-nav button[data-question='{}']", spoken.number))).await?.click().await?;
+    wait_for(c, "the spoken question", Duration::from_secs(10), || exists(c, "#quiz-reveal")).await?;
+    ensure!(!exists(c, "#quiz-answer").await?, "the answer waits for the reveal");
+    c.find(Locator::Css("#quiz-reveal")).await?.click().await?;
+    wait_for(c, "the answer", Duration::from_secs(10), || exists(c, "#quiz-knew")).await?;
+    let opening: String = spoken.answer.chars().take(40).collect();
+    ensure!(text(c, "#quiz-answer").await?.contains(&opening), "the answer is shown");
+    c.find(Locator::Css("#quiz-knew")).await?.click().await?;
+    wait_for(c, "the self-graded verdict", Duration::from_secs(10), || exists(c, "#quiz-verdict.right")).await?;
+
+    c.refresh().await?;
+    wait_for(c, "the kept results", Duration::from_secs(30), || async {
+        Ok(exists(c, "#quiz-nav .quiz-dot").await? && text(c, "#quiz-score").await? == "right now: 2 of 2 answered")
+    })
+    .await?;
+    let right = js(c, "return document.querySelectorAll(arguments[0]).length;", "#quiz-nav .quiz-dot.right").await?;
+    ensure!(right == json!(2), "two questions marked right, not {right}");
+    // Next and previous step through the questions; the last has no next.
+    ensure!(text(c, "#quiz-next").await? == "next →" && disabled(c, "#quiz-previous").await?);
+    c.find(Locator::Css("#quiz-next")).await?.click().await?;
+    wait_for(c, "question 2", Duration::from_secs(10), || async {
+        Ok(attr(c, "#quiz-question", "data-id").await?.as_deref() == Some(quiz[1].id.as_str()))
+    })
+    .await?;
+    c.find(Locator::Css(&format!("#quiz-nav button[data-question='{}']", quiz.len()))).await?.click().await?;
+    wait_for(c, "the last question", Duration::from_secs(10), || disabled(c, "#quiz-next")).await?;
+    c.find(Locator::Css("#quiz-nav button[data-question='1']")).await?.click().await?;
+    save_full_page(c, "quiz.png").await?;
     Ok(())
 }
 

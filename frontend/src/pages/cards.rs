@@ -14,6 +14,7 @@ use leptos_router::components::A;
 use wasm_bindgen::JsCast;
 
 use crate::api;
+use crate::pages::scheduling::Scheduling;
 
 /// The browser remembers the chosen profile under this key.
 const PROFILE_KEY: &str = "distlab-profile";
@@ -249,6 +250,7 @@ fn Review(deck: Deck, checks: RwSignal<Option<Vec<ClaimStatus>>>, profile: i64) 
                     </div>
                     <p class="muted small">"Each square is a topic; its bar fills as you review its cards (hover for recall)."</p>
                 </section>
+                <Scheduling profile=profile/>
                 <section class="card" id="browse">
                     <details>
                         <summary>"Browse the whole deck, with every claim's measurement"</summary>

@@ -1,5 +1,6 @@
 //! The screens: the list of experiments, the form for a new one, one experiment live,
-//! the ring replay of its collectives, signing in and the teacher's accounts page.
+//! the ring replay of its collectives, the flashcards and the quiz, signing in and the
+//! teacher's accounts page.
 
 pub mod accounts;
 pub mod cards;
@@ -9,5 +10,7 @@ pub mod list;
 pub mod new;
 pub mod pipeline;
 pub mod planner;
+pub mod quiz;
 pub mod ring;
+pub mod scheduling;
 pub mod sign_in;

@@ -196,7 +196,7 @@ fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> 
         });
         // The same passes replayed with a device per stage (durations as measured here).
         let durations = stage_durations(&rows, &stages, p);
-        // ZB-H1's formula with this step's passes (their means over the stages' medians).
+        // ZB-H1's formula with this step's passes (their means over the stages' durations).
         let zero_bubble = durations.as_ref().filter(|_| pipe.splits_backward()).map(|d| {
             let mean =
                 |pass: fn(&StageDurations) -> u64| d.iter().map(pass).sum::<u64>() as f64 / d.len().max(1) as f64;
@@ -219,8 +219,8 @@ fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> 
             view! {
                 <h4>"Projected: every stage on a device of its own"</h4>
                 <p class="muted small">
-                    "Not a measurement: the schedule replayed from this step's measured passes (each stage's median forward "
-                    "and median backward over its ranks and micro-batches), every stage starting a pass as soon as its input is there, "
+                    "Not a measurement: the schedule replayed from this step's measured passes (each stage's forward and "
+                    "backward as they take with a core to themselves: the lower quartile over its ranks and micro-batches), every stage starting a pass as soon as its input is there, "
                     "with free transfers and no other work on its device. It removes what the machine adds (ranks sharing "
                     "its cores, the operating system's scheduling) and keeps what the schedule and unequal stages cost."
                 </p>

@@ -8,6 +8,7 @@
 
 use distlab_common::estimate::{cluster_presets, estimate, model_presets, AxisComm, Cluster, Estimate, NoteLevel};
 use distlab_common::planner::{self, Plan};
+use distlab_common::recipes::{self, recipes, Recipe};
 use distlab_common::scale_down::run_it_small;
 use distlab_common::{ExperimentSpec, Limits};
 use leptos::prelude::*;
@@ -72,6 +73,7 @@ pub fn PlannerPage() -> impl IntoView {
     let (first, link_error) = initial_spec(query.read_untracked().get("spec"));
     let spec = RwSignal::new(first);
     let cluster = RwSignal::new(Cluster::default());
+    let recipe = RwSignal::new(None::<Recipe>);
     let plan = Memo::new(move |_| spec.with(planner::plan));
     let plan_state = Signal::derive(move || match plan.get() {
         Ok(p) => PlanState::Ready { plan: Box::new(p), spec: Box::new(spec.get()), stale: false },
@@ -88,6 +90,21 @@ pub fn PlannerPage() -> impl IntoView {
                 "The planner is the one the lab's runs are checked against; the time model adds peak FLOP/s and an alpha–beta network (latency per message + bytes / bandwidth)."
             </p>
             {link_error.map(|e| view! { <p class="alert error" id="link-error">{e}</p> })}
+            <label class="recipe-pick">"a recipe from the study chapter "
+                <select id="recipe" on:change=move |ev| {
+                    let key = event_target_value(&ev);
+                    let found = recipes().into_iter().find(|r| r.key == key);
+                    if let Some(r) = &found {
+                        spec.set(r.spec.clone());
+                        cluster.set(r.cluster.clone());
+                    }
+                    recipe.set(found);
+                }>
+                    <option value="">"(none)"</option>
+                    {recipes().into_iter().map(|r| view! { <option value=r.key.clone()>{r.label.clone()}</option> }).collect_view()}
+                </select>
+            </label>
+            {move || recipe.get().map(|r| recipe_view(r, spec, cluster))}
             <div class="planner-form">
                 <fieldset>
                     <legend>"Model"</legend>
@@ -311,6 +328,60 @@ fn estimate_view(e: Estimate, cluster: Cluster) -> impl IntoView {
                 <li class=if n.level == NoteLevel::Warning { "note warn" } else { "note" }>{n.text}</li>
             }).collect_view()}
         </ul>
+    }
+}
+
+/// A recipe's setup and the planner's verdict on what the recipe states: each stated
+/// figure next to the planner's, the arithmetic under each, the ones more than 2x apart
+/// marked. The verdict is for the recipe as written (the form may since have changed).
+fn recipe_view(r: Recipe, spec: RwSignal<ExperimentSpec>, cluster: RwSignal<Cluster>) -> impl IntoView {
+    let verdict = recipes::verdict(&r);
+    let (as_written_spec, as_written_cluster) = (r.spec.clone(), r.cluster.clone());
+    let edited = move || !(spec.with(|s| *s == as_written_spec) && cluster.with(|c| *c == as_written_cluster));
+    let body = match verdict {
+        Err(e) => view! { <p class="alert error">{e}</p> }.into_any(),
+        Ok(v) => {
+            let fits = if v.fits {
+                format!("fits: {} of {} per GPU", gb(v.memory_per_gpu_bytes as f64), gb(v.gpu_memory_bytes as f64))
+            } else {
+                let smaller = v
+                    .fits_with
+                    .map(|(m, a)| {
+                        format!("; {m} sequences per micro-step and {a} accumulation steps (the same global batch) fit")
+                    })
+                    .unwrap_or_default();
+                format!(
+                    "does not fit as written: {} per GPU, the GPU has {}{smaller}",
+                    gb(v.memory_per_gpu_bytes as f64),
+                    gb(v.gpu_memory_bytes as f64)
+                )
+            };
+            let rows = v.figures.into_iter().map(|f| view! {
+                <tr class=if f.far_off { "far-off" } else { "" } data-far-off=f.far_off.to_string()>
+                    <td>{f.what}</td>
+                    <td class="num">{f.stated}</td>
+                    <td class="num">{f.planner}</td>
+                    <td class="num">{if f.far_off { format!("{:.2}x: more than 2x apart", f.ratio) } else { format!("{:.2}x", f.ratio) }}</td>
+                    <td class="small">{f.arithmetic}</td>
+                </tr>
+            }).collect_view();
+            view! {
+                <p id="recipe-fits" data-fits=v.fits.to_string()><strong>{fits}</strong>
+                    {format!(" · step {} at {} MFU", seconds(v.step_seconds), format::percent(v.mfu))}</p>
+                <table class="data" id="recipe-figures">
+                    <thead><tr><th>"the recipe says"</th><th>"stated"</th><th>"planner"</th><th>"planner / stated"</th><th>"how the planner gets it"</th></tr></thead>
+                    <tbody>{rows}</tbody>
+                </table>
+            }.into_any()
+        }
+    };
+    view! {
+        <div class="recipe" id="recipe-verdict" data-recipe=r.key.clone()>
+            <p><strong>{r.label.clone()}</strong>": "{r.setup.clone()}</p>
+            {body}
+            <ul class="notes">{r.caveats.into_iter().map(|c| view! { <li class="note">{c}</li> }).collect_view()}</ul>
+            <Show when=edited><p class="muted small" id="recipe-edited">"The form has changed since: the verdict above is for the recipe as written."</p></Show>
+        </div>
     }
 }
 

@@ -1,0 +1,267 @@
+//! The quiz (`/quiz`): one question at a time. A question that asks for a number takes it
+//! typed and the server grades it; any other is answered in one's head, revealed, and
+//! graded by the learner. The answer comes with a link to the run or planner view that
+//! shows it; the account's results are kept on the server and colour the question bar.
+
+use distlab_common::quiz::{Question, QuizAnswer, QuizResults, QuizVerdict};
+use distlab_common::ExperimentView;
+use leptos::prelude::*;
+
+use crate::api;
+use crate::pages::cards::demo_link;
+
+/// What the page reads once: the questions and the finished runs their demos link to.
+#[derive(Clone)]
+struct Quiz {
+    questions: Vec<Question>,
+    finished: Vec<ExperimentView>,
+}
+
+async fn load_quiz() -> Result<Quiz, String> {
+    let questions = api::get_quiz().await.map_err(|e| e.message)?;
+    let finished = api::list_succeeded(200).await.map(|l| l.experiments).unwrap_or_default();
+    Ok(Quiz { questions, finished })
+}
+
+/// "right" or "wrong" for a question's latest answer, "" when it has none.
+fn result_class(results: &QuizResults, id: &str) -> &'static str {
+    match results.results.iter().find(|r| r.question_id == id) {
+        Some(r) if r.last_correct => "right",
+        Some(_) => "wrong",
+        None => "",
+    }
+}
+
+#[component]
+pub fn QuizPage() -> impl IntoView {
+    let quiz = RwSignal::new(None::<Result<Quiz, String>>);
+    let results = RwSignal::new(QuizResults::default());
+    let error = RwSignal::new(None::<String>);
+    leptos::task::spawn_local(async move {
+        quiz.try_set(Some(load_quiz().await));
+        match api::quiz_results().await {
+            Ok(r) => {
+                results.try_set(r);
+            }
+            Err(e) => {
+                error.try_set(Some(e.message));
+            }
+        }
+    });
+    let current = RwSignal::new(0usize);
+    view! {
+        <section class="card" id="quiz-page">
+            <div class="card-head">
+                <h1>"Quiz"</h1>
+                <span class="muted" id="quiz-score">{move || {
+                    let r = results.get();
+                    format!("right now: {} of {} answered", r.latest_right_count(), r.results.len())
+                }}</span>
+            </div>
+            <p class="muted">"The study quiz, question by question. Type the number a question asks for, or answer in your head and reveal; every answer links to the run or the planner view that shows it. Your results are kept on the server under your account."</p>
+            {move || error.get().map(|e| view! { <p class="alert error" id="quiz-error">{e}</p> })}
+        </section>
+        {move || match quiz.get() {
+            None => view! { <section class="card"><p class="muted">"loading…"</p></section> }.into_any(),
+            Some(Err(e)) => view! { <section class="card"><p class="alert error">{e}</p></section> }.into_any(),
+            Some(Ok(quiz)) => view! { <QuizBoard quiz=quiz results=results current=current error=error/> }.into_any(),
+        }}
+    }
+}
+
+#[component]
+fn QuizBoard(
+    quiz: Quiz,
+    results: RwSignal<QuizResults>,
+    current: RwSignal<usize>,
+    error: RwSignal<Option<String>>,
+) -> impl IntoView {
+    let quiz = StoredValue::new(quiz);
+    let count = quiz.with_value(|q| q.questions.len());
+    let at_end = move || current.get() + 1 >= count;
+    let nav = move || {
+        quiz.with_value(|q| {
+            q.questions
+                .iter()
+                .enumerate()
+                .map(|(i, question)| {
+                    let id = question.id.clone();
+                    let class = move || {
+                        let mut c = format!("quiz-dot {}", result_class(&results.get(), &id));
+                        if current.get() == i {
+                            c.push_str(" current");
+                        }
+                        c
+                    };
+                    view! {
+                        <button class=class data-question=question.number.to_string() title=question.question.clone()
+                            on:click=move |_| current.set(i)>{question.number}</button>
+                    }
+                })
+                .collect_view()
+        })
+    };
+    view! {
+        <section class="card">
+            <div class="quiz-nav" id="quiz-nav">{nav}</div>
+            {move || {
+                let i = current.get().min(count.saturating_sub(1));
+                quiz.with_value(|q| q.questions.get(i).cloned()).map(|question| {
+                    let finished = quiz.with_value(|q| q.finished.clone());
+                    view! { <QuestionView question=question finished=finished results=results error=error/> }
+                })
+            }}
+            <div class="quiz-steps">
+                <button class="button small" id="quiz-previous" disabled=move || current.get() == 0
+                    on:click=move |_| current.update(|i| *i = i.saturating_sub(1))>"← previous"</button>
+                <button class="button small" id="quiz-next" disabled=at_end
+                    on:click=move |_| current.update(|i| *i = (*i + 1).min(count.saturating_sub(1)))>"next →"</button>
+            </div>
+        </section>
+    }
+}
+
+#[component]
+fn QuestionView(
+    question: Question,
+    finished: Vec<ExperimentView>,
+    results: RwSignal<QuizResults>,
+    error: RwSignal<Option<String>>,
+) -> impl IntoView {
+    let revealed = RwSignal::new(false);
+    let verdict = RwSignal::new(None::<QuizVerdict>);
+    let given = RwSignal::new(String::new());
+    let id = question.id.clone();
+    // Sends an answer, then shows the verdict and the answer and refreshes the results.
+    let send = move |answer: QuizAnswer| {
+        leptos::task::spawn_local(async move {
+            match api::answer_quiz(&answer).await {
+                Ok(v) => {
+                    verdict.try_set(Some(v));
+                    revealed.try_set(true);
+                    error.try_set(None);
+                    if let Ok(r) = api::quiz_results().await {
+                        results.try_set(r);
+                    }
+                }
+                Err(e) => {
+                    error.try_set(Some(e.message));
+                }
+            }
+        });
+    };
+    let (href, label) = demo_link(&question.demo, &finished);
+    // One answer per visit: once the verdict (and the answer) is shown, a second try would
+    // only copy it. Coming back to the question starts a new one.
+    let answered = move || verdict.get().is_some();
+    let answer_form = match question.expect.clone() {
+        Some(expect) => {
+            let id = id.clone();
+            let check = move |ev: leptos::ev::SubmitEvent| {
+                ev.prevent_default();
+                if verdict.get_untracked().is_some() {
+                    return;
+                }
+                match given.get_untracked().trim().parse::<f64>() {
+                    Ok(number) => send(QuizAnswer { question_id: id.clone(), given: Some(number), knew: None }),
+                    Err(_) => error.set(Some("type a number (like 1.75 or 3e9)".into())),
+                }
+            };
+            view! {
+                <form class="quiz-number" on:submit=check>
+                    <input id="quiz-given" inputmode="decimal" placeholder="your answer" disabled=answered
+                        prop:value=move || given.get() on:input=move |ev| given.set(event_target_value(&ev))/>
+                    <span class="muted">{expect.unit.clone()}</span>
+                    <button class="button small" id="quiz-check" type="submit" disabled=answered>"check"</button>
+                </form>
+            }
+            .into_any()
+        }
+        None => {
+            let (knew_id, missed_id) = (id.clone(), id.clone());
+            view! {
+                <div class="quiz-self">
+                    <button class="button small" id="quiz-reveal" on:click=move |_| revealed.set(true)>"reveal the answer"</button>
+                    <Show when=move || revealed.get() && verdict.get().is_none()>
+                        <span class="muted">" did you know it? "</span>
+                        <button class="button small" id="quiz-knew"
+                            on:click={let id = knew_id.clone(); move |_| send(QuizAnswer { question_id: id.clone(), given: None, knew: Some(true) })}>"I knew it"</button>
+                        <button class="button small secondary" id="quiz-missed"
+                            on:click={let id = missed_id.clone(); move |_| send(QuizAnswer { question_id: id.clone(), given: None, knew: Some(false) })}>"I did not"</button>
+                    </Show>
+                </div>
+            }
+            .into_any()
+        }
+    };
+    let unit = question.expect.as_ref().map(|e| e.unit.clone()).unwrap_or_default();
+    let answer = question.answer.clone();
+    let last =
+        move || results.with(|r| r.results.iter().find(|x| x.question_id == id).map(|x| (x.attempts, x.correct)));
+    view! {
+        <div class="quiz-question" id="quiz-question" data-id=question.id.clone()>
+            <h2>{format!("Question {}", question.number)}</h2>
+            <p class="quiz-text">{question.question.clone()}</p>
+            {answer_form}
+            {move || verdict.get().map(|v| {
+                let text = match (v.correct, v.expected) {
+                    (true, Some(e)) => format!("right: {} {unit}", format_number(e)),
+                    (false, Some(e)) => format!("not quite: the answer is {} {unit}", format_number(e)),
+                    (true, None) => "you knew it".to_string(),
+                    (false, None) => "one to come back to".to_string(),
+                };
+                view! { <p id="quiz-verdict" class=if v.correct { "quiz-verdict right" } else { "quiz-verdict wrong" }>{text}</p> }
+            })}
+            <Show when=move || revealed.get()>
+                <div class="quiz-answer" id="quiz-answer">
+                    <p>{answer.clone()}</p>
+                    <p><a id="quiz-demo" href=href.clone()>{label.clone()}</a></p>
+                </div>
+            </Show>
+            {move || last().map(|(attempts, correct)| view! {
+                <p class="muted small" id="quiz-history">{format!("answered {attempts} times, {correct} right")}</p>
+            })}
+        </div>
+    }
+}
+
+/// A number as a person writes it: up to 4 decimals without trailing zeros, exponent form
+/// for the very large and very small.
+fn format_number(x: f64) -> String {
+    if x != 0.0 && !(1e-3..1e6).contains(&x.abs()) {
+        format!("{x:.3e}")
+    } else {
+        let s = format!("{x:.4}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distlab_common::quiz::QuestionResult;
+
+    #[test]
+    fn numbers_read_plainly() {
+        assert_eq!(format_number(1.75), "1.75");
+        assert_eq!(format_number(96.0), "96");
+        assert_eq!(format_number(0.2727), "0.2727");
+        assert_eq!(format_number(4.2e11), "4.200e11");
+        assert_eq!(format_number(0.0), "0");
+    }
+
+    #[test]
+    fn the_bar_shows_each_questions_latest_answer() {
+        let result = |id: &str, last_correct| QuestionResult {
+            question_id: id.into(),
+            attempts: 2,
+            correct: 1,
+            last_correct,
+            last_given: None,
+            answered_at: String::new(),
+        };
+        let r = QuizResults { results: vec![result("a", true), result("b", false)] };
+        assert_eq!((result_class(&r, "a"), result_class(&r, "b"), result_class(&r, "c")), ("right", "wrong", ""));
+        assert_eq!(r.latest_right_count(), 1);
+    }
+}

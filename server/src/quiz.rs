@@ -1,0 +1,142 @@
+//! The quiz, and each account's results.
+//!
+//! - `GET  /api/quiz`: the questions (`cards/quiz.json`, built in and checked when the server
+//!   starts, against the deck too), answers included: the quiz is practice, not an exam.
+//! - `POST /api/quiz/answers {"question_id", "given"? | "knew"?}`: a numeric question is
+//!   graded from the number typed (`given`, within its tolerance); any other from the
+//!   learner's own verdict after the reveal (`knew`). Answers the verdict and keeps it.
+//! - `GET  /api/quiz/results`: the asking account's results, one per question answered.
+
+use std::sync::LazyLock;
+
+use axum::extract::State;
+use axum::{Extension, Json};
+use distlab_common::quiz::{load_quiz, Question, QuestionResult, QuizAnswer, QuizResults, QuizVerdict};
+use distlab_common::FieldError;
+
+use crate::accounts::Account;
+use crate::db::Db;
+use crate::error::HttpError;
+use crate::extract::{truncate, JsonBody};
+use crate::review::unprocessable;
+use crate::{cards, clock, AppState};
+
+const QUIZ_JSON: &str = include_str!("../../cards/quiz.json");
+
+static QUIZ: LazyLock<Result<Vec<Question>, String>> = LazyLock::new(|| {
+    let deck = cards::deck()?;
+    load_quiz(QUIZ_JSON, deck).map_err(|problems| format!("the quiz is broken: {}", problems.join("; ")))
+});
+
+/// The quiz, or every problem found in it.
+pub fn quiz() -> Result<&'static [Question], String> {
+    QUIZ.as_deref().map_err(Clone::clone)
+}
+
+fn questions() -> Result<&'static [Question], HttpError> {
+    quiz().map_err(|e| HttpError::internal("quiz", e))
+}
+
+/// `GET /api/quiz`.
+pub async fn list() -> Result<Json<&'static [Question]>, HttpError> {
+    questions().map(Json)
+}
+
+/// `POST /api/quiz/answers`: 404 for a question that does not exist, 422 for an answer of
+/// the wrong kind (no number for a numeric question, a number for another, or neither).
+pub async fn answer(
+    State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
+    JsonBody(body): JsonBody<QuizAnswer>,
+) -> Result<Json<QuizVerdict>, HttpError> {
+    let question = questions()?
+        .iter()
+        .find(|q| q.id == body.question_id)
+        .ok_or_else(|| HttpError::not_found(format!("no quiz question '{}'", truncate(&body.question_id, 80))))?;
+    let correct = match (&question.expect, body.given, body.knew) {
+        (Some(expect), Some(given), None) if given.is_finite() => expect.accepts(given),
+        (Some(expect), _, _) => {
+            return Err(unprocessable(FieldError::new(
+                "given",
+                format!("question {} asks for a number (in {})", question.number, expect.unit),
+            )))
+        }
+        (None, None, Some(knew)) => knew,
+        (None, _, _) => {
+            return Err(unprocessable(FieldError::new(
+                "knew",
+                format!("question {} is graded by you: say whether you knew it (knew: true or false)", question.number),
+            )))
+        }
+    };
+    let given = body.given.filter(|_| question.expect.is_some());
+    record(&state.db, &owner.name, &question.id, correct, given).await?;
+    Ok(Json(QuizVerdict {
+        question_id: question.id.clone(),
+        correct,
+        expected: question.expect.as_ref().map(|e| e.value),
+    }))
+}
+
+/// `GET /api/quiz/results`: the asking account's, in the quiz's order.
+pub async fn results(
+    State(state): State<AppState>,
+    Extension(owner): Extension<Account>,
+) -> Result<Json<QuizResults>, HttpError> {
+    let mut results = load_results(&state.db, &owner.name).await?;
+    let order = |id: &str| questions().ok().and_then(|qs| qs.iter().position(|q| q.id == id)).unwrap_or(usize::MAX);
+    results.sort_by_key(|r| order(&r.question_id));
+    Ok(Json(QuizResults { results }))
+}
+
+// ---------------------------------------------------------------------------------------
+// Storage
+
+async fn record(db: &Db, owner: &str, question_id: &str, correct: bool, given: Option<f64>) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO quiz_results (owner, question_id, attempts, correct, last_correct, last_given, answered_at) \
+         VALUES (?1, ?2, 1, ?3, ?3, ?4, ?5) \
+         ON CONFLICT (owner, question_id) DO UPDATE SET attempts = quiz_results.attempts + 1, \
+           correct = quiz_results.correct + excluded.correct, last_correct = excluded.last_correct, \
+           last_given = excluded.last_given, answered_at = excluded.answered_at",
+    )
+    .bind(owner)
+    .bind(question_id)
+    .bind(i64::from(correct))
+    .bind(given)
+    .bind(clock::rfc3339(clock::now()))
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+#[derive(sqlx::FromRow)]
+struct ResultRow {
+    question_id: String,
+    attempts: i64,
+    correct: i64,
+    last_correct: i64,
+    last_given: Option<f64>,
+    answered_at: String,
+}
+
+async fn load_results(db: &Db, owner: &str) -> Result<Vec<QuestionResult>, sqlx::Error> {
+    let rows = sqlx::query_as::<_, ResultRow>(
+        "SELECT question_id, attempts, correct, last_correct, last_given, answered_at FROM quiz_results \
+         WHERE owner = ?1",
+    )
+    .bind(owner)
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| QuestionResult {
+            question_id: r.question_id,
+            attempts: u64::try_from(r.attempts).unwrap_or(0),
+            correct: u64::try_from(r.correct).unwrap_or(0),
+            last_correct: r.last_correct != 0,
+            last_given: r.last_given,
+            answered_at: r.answered_at,
+        })
+        .collect())
+}
