@@ -139,6 +139,20 @@ pub enum ClaimCheck {
     Zero2Traffic,
     /// FSDP's bytes per rank and step: a reduce-scatter and two all-gathers, 3(W-1)/W x D.
     FsdpTraffic,
+    /// ZeRO-1's bytes per rank and step: DDP's all-reduce and an all-gather of the updated
+    /// parameters, 3(W-1)/W x D.
+    Zero1Traffic,
+    /// Expert parallelism's all-to-alls: four per block and micro-batch, each (ep-1)/ep of
+    /// a rank's expert slots.
+    ExpertAllToAll,
+    /// A Mixture-of-Experts rank's parameters, with the experts spread over ep ranks.
+    ExpertParameters,
+    /// FlashAttention's activations against the naive attention's (no T x T scores kept).
+    FlashAttentionMemory,
+    /// FSDP's gathered weights with prefetch (two units at once) against without (one).
+    PrefetchGatheredPeak,
+    /// Tensor parallelism's activations with sequence parallelism against without.
+    SequenceParallelActivations,
     /// FSDP's weights on a rank: its shard kept, one unit gathered at a time.
     FsdpGatheredPeak,
     /// Model-state bytes per rank for each ZeRO stage.

@@ -84,6 +84,11 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::ActivationCheckpointingMemory | ClaimCheck::CheckpointingRecomputeTime => "checkpointing",
         ClaimCheck::ZeroMemory | ClaimCheck::FsdpTraffic | ClaimCheck::FsdpGatheredPeak => "fsdp",
         ClaimCheck::Zero2Traffic => "zero2",
+        ClaimCheck::Zero1Traffic => "zero1",
+        ClaimCheck::ExpertAllToAll | ClaimCheck::ExpertParameters => "experts",
+        ClaimCheck::FlashAttentionMemory => "flash",
+        ClaimCheck::PrefetchGatheredPeak => "fsdp",
+        ClaimCheck::SequenceParallelActivations => "megatron",
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
@@ -93,7 +98,9 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 /// Whether `candidate` is the run a check sets `run` against, for the checks that compare
 /// two measured runs: any one-rank run of the same training (equal losses), the same
 /// config with dynamic loss scaling (underflow), in fp32 (bf16), without activation
-/// checkpointing (its memory), or with the GPipe schedule (activation peaks per stage). None: the check needs no partner.
+/// checkpointing (its memory), with the GPipe schedule (activation peaks per stage), with
+/// naive attention, with FSDP's prefetch, or with sequence parallelism. None: the check
+/// needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     let mut twin = run.clone();
     match check {
@@ -107,6 +114,9 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         }
         ClaimCheck::ActivationCheckpointingMemory => twin.train.checkpointing = Checkpointing::None,
         ClaimCheck::PipelineActivationPeaks => twin.parallel.pp_schedule = crate::PpSchedule::Gpipe,
+        ClaimCheck::FlashAttentionMemory => twin.train.attention = crate::Attention::Naive,
+        ClaimCheck::PrefetchGatheredPeak => twin.parallel.prefetch = true,
+        ClaimCheck::SequenceParallelActivations => twin.parallel.sequence_parallel = true,
         _ => return None,
     }
     Some(twin.same_up_to_name(candidate))
@@ -456,6 +466,87 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
             }
             Ok(got)
         }
+        ClaimCheck::Zero1Traffic => {
+            // DDP's all-reduce and ZeRO's all-gather of the updated parameters. The
+            // all-reduce counter also holds the step's one-float all-reduces (the loss, the
+            // gradient norm): at most a few hundred bytes.
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let sent_in = |op| op_counters(rank, op).map(|c| c.bytes_sent).sum::<u64>() / traced_steps;
+            let (ar, ag) = (sent_in(CollectiveOp::AllReduce), sent_in(CollectiveOp::AllGather));
+            let stage = &plan.stages[spec.stage_of(0)];
+            let planned = stage.comm.dp_all_reduce + stage.comm.dp_all_gather;
+            let d = stage.params_per_rank.saturating_mul(planner::wire_bytes(spec.parallel.comm_dtype)).max(1);
+            let w = spec.parallel.dp as f64;
+            let multiple = 3.0 * (w - 1.0) / w * spec.pipeline_micro_batches() as f64;
+            let measured = (ar + ag) as f64 / d as f64;
+            Ok(m(
+                format!(
+                    "3(W-1)/W x D = {multiple:.2} x D per rank per step (W={}): DDP's all-reduce, 2(W-1)/W x D, \
+                     and the updated parameters' all-gather, (W-1)/W x D",
+                    spec.parallel.dp
+                ),
+                format!(
+                    "{measured:.3} x D: {:.3} x D all-reduced and {:.3} x D all-gathered on rank 0 (D = {}; the \
+                     planner's count: {})",
+                    ar as f64 / d as f64,
+                    ag as f64 / d as f64,
+                    bytes_text(d),
+                    bytes_text(planned)
+                ),
+                spec.parallel.sharding == crate::Sharding::Zero1
+                    && (planned..=planned + SCALAR_BYTES).contains(&(ar + ag))
+                    && (measured - multiple).abs() <= 0.05 * multiple,
+            ))
+        }
+        ClaimCheck::ExpertAllToAll => {
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let counters: Vec<_> = op_counters(rank, CollectiveOp::AllToAll).collect();
+            let bytes = counters.iter().map(|c| c.bytes_sent).sum::<u64>() / traced_steps;
+            let calls = counters.iter().map(|c| c.calls).sum::<u64>() / traced_steps;
+            let stage = &plan.stages[spec.stage_of(0)];
+            let per_block: u64 = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+            let expected_calls = per_block * stage.layers as u64 * spec.pipeline_micro_batches() as u64;
+            let ep = spec.parallel.ep;
+            Ok(m(
+                format!(
+                    "{per_block} all-to-alls per block and micro-batch: {expected_calls} per step, each (ep-1)/ep = \
+                     {}/{ep} of the rank's expert slots: {} per rank and step",
+                    ep.saturating_sub(1),
+                    bytes_text(stage.comm.ep_all_to_all)
+                ),
+                format!("{calls} all-to-alls sending {} on rank 0", bytes_text(bytes)),
+                ep > 1 && calls == expected_calls && bytes == stage.comm.ep_all_to_all,
+            ))
+        }
+        ClaimCheck::ExpertParameters => {
+            let rank = rank0.ok_or("the run recorded no trace")?;
+            let got = rank.memory.as_ref().ok_or("the run recorded no memory")?.peak.parameters;
+            let planned = plan.stages[spec.stage_of(0)].memory.parameters;
+            // The same model with every expert on each rank, and the dense model.
+            let parameters_of = |edit: &dyn Fn(&mut ExperimentSpec)| {
+                let mut other = spec.clone();
+                edit(&mut other);
+                planner::plan(&other).ok().map(|p| p.stages[other.stage_of(0)].memory.parameters)
+            };
+            let all_experts = parameters_of(&|s| s.parallel.ep = 1).unwrap_or(0);
+            let dense = parameters_of(&|s| (s.model.experts, s.parallel.ep) = (0, 1)).unwrap_or(0);
+            Ok(m(
+                format!(
+                    "{} per rank with E = {} experts over ep = {} ranks (planner), against {} with every expert on \
+                     each rank and {} for the dense model",
+                    bytes_text(planned),
+                    spec.model.experts,
+                    spec.parallel.ep,
+                    bytes_text(all_experts),
+                    bytes_text(dense)
+                ),
+                format!("{} of parameters on rank 0", bytes_text(got)),
+                spec.model.is_moe() && got == planned && (spec.parallel.ep == 1 || got < all_experts),
+            ))
+        }
+        ClaimCheck::FlashAttentionMemory
+        | ClaimCheck::PrefetchGatheredPeak
+        | ClaimCheck::SequenceParallelActivations => two_runs_memory(check, run, partner),
         ClaimCheck::TpAllreduces => {
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
             let rank = rank0.ok_or("the run recorded no trace")?;
@@ -564,6 +655,55 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
     }
 }
 
+/// A memory category measured on two runs that differ in one setting, each against the
+/// planner: FlashAttention (this run) against naive attention (the partner), FSDP without
+/// prefetch (this run) against with it, TP without sequence parallelism against with it.
+fn two_runs_memory(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidence>) -> Result<Measurement, String> {
+    let (category, setting, ours_smaller): (&str, &str, bool) = match check {
+        ClaimCheck::FlashAttentionMemory => ("activations", "attention naive", true),
+        ClaimCheck::PrefetchGatheredPeak => ("gathered weights", "prefetch on", true),
+        _ => ("activations", "sequence_parallel on", false),
+    };
+    let other = partner.ok_or_else(|| {
+        format!("no finished run of the same config with {setting} yet (resubmit the preset with it)")
+    })?;
+    let value = |m: &planner::RankMemory| match check {
+        ClaimCheck::PrefetchGatheredPeak => m.gathered_parameters,
+        _ => m.activations,
+    };
+    // Rank 0's peak, measured and planned.
+    let peak = |r: &RunEvidence| -> Result<(u64, u64), String> {
+        let rank =
+            r.ranks.iter().find(|x| x.rank == 0).ok_or_else(|| format!("run {} recorded no trace", r.view.id))?;
+        let measured =
+            value(&rank.memory.as_ref().ok_or_else(|| format!("run {} recorded no memory", r.view.id))?.peak);
+        let plan = planner::plan(&r.view.spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
+        Ok((measured, value(&plan.stages[r.view.spec.stage_of(0)].memory)))
+    };
+    let ((ours, ours_planned), (theirs, theirs_planned)) = (peak(run)?, peak(other)?);
+    let smaller_as_said = if ours_smaller { ours < theirs } else { theirs < ours };
+    Ok(Measurement {
+        experiment_id: run.view.id,
+        predicted: format!(
+            "{category} on rank 0: {} here, {} with {setting} (planner)",
+            bytes_text(ours_planned),
+            bytes_text(theirs_planned)
+        ),
+        measured: format!(
+            "{} here, {} with {setting} (run {}): {:.2}x",
+            bytes_text(ours),
+            bytes_text(theirs),
+            other.view.id,
+            ours as f64 / theirs.max(1) as f64
+        ),
+        agrees: ours == ours_planned && theirs == theirs_planned && smaller_as_said,
+        note: None,
+    })
+}
+
+/// The one-float all-reduces of a step (the loss, the gradient norm) that the planner's
+/// all-reduce bytes leave out, at most.
+const SCALAR_BYTES: u64 = 1024;
 /// Without loss scaling fp16 must fall less than this share of the scaled run's descent.
 const SLOWER: f64 = 0.9;
 /// "Most" logit gradients: more than this share stored as 0.
@@ -727,6 +867,12 @@ mod tests {
             ClaimCheck::Zero2Traffic,
             ClaimCheck::FsdpTraffic,
             ClaimCheck::FsdpGatheredPeak,
+            ClaimCheck::Zero1Traffic,
+            ClaimCheck::ExpertAllToAll,
+            ClaimCheck::ExpertParameters,
+            ClaimCheck::FlashAttentionMemory,
+            ClaimCheck::PrefetchGatheredPeak,
+            ClaimCheck::SequenceParallelActivations,
             ClaimCheck::TpAllreduces,
             ClaimCheck::LossScalingUnderflow,
             ClaimCheck::Bf16NoScaling,
@@ -1017,6 +1163,110 @@ mod tests {
             // Gradients not sharded under ZeRO-2 (or sharded under ZeRO-1) disagree too.
             let grads = if key == "zero2" { n * 2 } else { shard * 2 };
             assert!(!check(planner::RankMemory { gradients: grads, ..stage.memory.clone() }).agrees, "{key}");
+        }
+    }
+
+    fn counter(op: CollectiveOp, calls: u64, bytes_sent: u64) -> crate::trace::CollectiveCounter {
+        crate::trace::CollectiveCounter { op, calls, elements: 0, bytes_sent, bytes_from_formula: false, total_us: 0 }
+    }
+
+    fn traced(counters: Vec<crate::trace::CollectiveCounter>, parameters: u64) -> Vec<RankTrace> {
+        vec![RankTrace {
+            comm: crate::trace::RankCommTrace { counters, ..Default::default() },
+            memory: Some(crate::memory::RankMemoryReport {
+                peak: planner::RankMemory { parameters, ..Default::default() },
+                ..Default::default()
+            }),
+            ..RankTrace::default()
+        }]
+    }
+
+    #[test]
+    fn zero1_sends_ddps_all_reduce_and_an_all_gather() {
+        let spec = presets().into_iter().find(|p| p.key == "zero1").map(|p| p.spec).unwrap_or_default();
+        let comm = planner::plan(&spec).unwrap().stages[0].comm.clone();
+        let v = view(1, spec, None);
+        let check = |ranks: &[RankTrace]| {
+            measure(ClaimCheck::Zero1Traffic, &RunEvidence { view: &v, metrics: &[], ranks, traced_steps: 2 }, None)
+                .unwrap()
+        };
+        // Two steps, with the loss's and the gradient norm's floats in the all-reduce.
+        let ok = traced(
+            vec![
+                counter(CollectiveOp::AllReduce, 4, 2 * comm.dp_all_reduce + 32),
+                counter(CollectiveOp::AllGather, 2, 2 * comm.dp_all_gather),
+            ],
+            0,
+        );
+        let got = check(&ok);
+        assert!(got.agrees && got.predicted.contains("2.25 x D"), "{got:?}");
+        // The ZeRO paper's count (a reduce-scatter in place of the all-reduce) is not this run.
+        let paper = traced(
+            vec![
+                counter(CollectiveOp::AllReduce, 2, 32),
+                counter(CollectiveOp::ReduceScatter, 2, comm.dp_all_reduce),
+                counter(CollectiveOp::AllGather, 2, 2 * comm.dp_all_gather),
+            ],
+            0,
+        );
+        assert!(!check(&paper).agrees);
+    }
+
+    #[test]
+    fn expert_all_to_alls_and_parameters_are_measured_against_the_planner() {
+        let spec = presets().into_iter().find(|p| p.key == "experts").map(|p| p.spec).unwrap_or_default();
+        let stage = planner::plan(&spec).unwrap().stages[0].clone();
+        let calls = 4 * stage.layers as u64 * spec.pipeline_micro_batches() as u64;
+        let v = view(1, spec.clone(), None);
+        let check = |check, ranks: &[RankTrace]| {
+            measure(check, &RunEvidence { view: &v, metrics: &[], ranks, traced_steps: 1 }, None).unwrap()
+        };
+        let good =
+            traced(vec![counter(CollectiveOp::AllToAll, calls, stage.comm.ep_all_to_all)], stage.memory.parameters);
+        assert!(check(ClaimCheck::ExpertAllToAll, &good).agrees);
+        assert!(check(ClaimCheck::ExpertParameters, &good).agrees);
+        // Two all-to-alls per block (a backward that sends nothing back) disagree; so does
+        // a rank holding every expert.
+        let half = traced(vec![counter(CollectiveOp::AllToAll, calls / 2, stage.comm.ep_all_to_all / 2)], 0);
+        assert!(!check(ClaimCheck::ExpertAllToAll, &half).agrees);
+        let mut all = spec.clone();
+        all.parallel.ep = 1;
+        let every_expert = planner::plan(&all).unwrap().stages[0].memory.parameters;
+        assert!(every_expert > stage.memory.parameters);
+        assert!(!check(ClaimCheck::ExpertParameters, &traced(vec![], every_expert)).agrees);
+    }
+
+    #[test]
+    fn one_setting_apart_each_run_is_held_to_the_planner_and_the_difference_to_the_card() {
+        let find = |key: &str| presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
+        type Edit = fn(&mut ExperimentSpec);
+        let cases: [(ClaimCheck, &str, Edit); 3] = [
+            (ClaimCheck::FlashAttentionMemory, "flash", |s| s.train.attention = crate::Attention::Naive),
+            (ClaimCheck::PrefetchGatheredPeak, "fsdp", |s| s.parallel.prefetch = true),
+            (ClaimCheck::SequenceParallelActivations, "megatron", |s| s.parallel.sequence_parallel = true),
+        ];
+        for (check, key, edit) in cases {
+            assert_eq!(canonical_preset(check), key);
+            let spec = find(key);
+            let mut other = spec.clone();
+            edit(&mut other);
+            assert_eq!(is_partner(check, &spec, &other), Some(true), "{key}");
+            let planned = |s: &ExperimentSpec| planner::plan(s).unwrap().stages[0].memory.clone();
+            let ranks = |m: planner::RankMemory| {
+                vec![RankTrace {
+                    memory: Some(crate::memory::RankMemoryReport { peak: m, ..Default::default() }),
+                    ..RankTrace::default()
+                }]
+            };
+            let (ours, theirs) = (view(1, spec.clone(), None), view(2, other.clone(), None));
+            let (r_ours, r_theirs) = (ranks(planned(&spec)), ranks(planned(&other)));
+            let run = |v, r| RunEvidence { view: v, metrics: &[], ranks: r, traced_steps: 1 };
+            let got = measure(check, &run(&ours, &r_ours), Some(&run(&theirs, &r_theirs))).unwrap();
+            assert!(got.agrees, "{key}: {got:?}");
+            // An engine where the setting changes nothing (both runs measure the same) disagrees.
+            let same = ranks(planned(&spec));
+            assert!(!measure(check, &run(&ours, &r_ours), Some(&run(&theirs, &same))).unwrap().agrees, "{key}");
+            assert!(measure(check, &run(&ours, &r_ours), None).is_err());
         }
     }
 

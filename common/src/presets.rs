@@ -96,6 +96,13 @@ pub fn presets() -> Vec<Preset> {
     bf16.name = "bf16".into();
     bf16.train.precision = Precision::Bf16;
 
+    // Long sequences for a small model: the T x T attention scores outweigh the rest.
+    let mut flash = ExperimentSpec { name: "flash-attention".into(), ..ExperimentSpec::default() };
+    flash.model = ModelSpec::dense(2, 64, 4, 512, 64);
+    flash.train.micro_batch = 2;
+    flash.train.steps = 10;
+    flash.train.attention = Attention::Flash;
+
     let mut experts = ExperimentSpec { name: "moe-4-experts-ep2".into(), ..ExperimentSpec::default() };
     experts.model =
         ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.25, ..ModelSpec::dense(2, 64, 4, 32, 64) };
@@ -194,6 +201,12 @@ pub fn presets() -> Vec<Preset> {
             title: "bf16 (no loss scaling needed)",
             description: "The same run in bf16: 8 exponent bits, the range of fp32, so the tiny gradients survive without scaling; 7 mantissa bits, so each value is rounded more coarsely than in fp16.",
             spec: bf16,
+        },
+        Preset {
+            key: "flash",
+            title: "FlashAttention on long sequences (T = 512)",
+            description: "A small model on sequences of 512 tokens with FlashAttention: the attention scores are computed tile by tile and never stored, so backward recomputes them. Resubmit it with attention \"naive\" and compare the memory cards: the naive run keeps every head's T x T probabilities for backward, most of its activations here; the losses are the same.",
+            spec: flash,
         },
         Preset {
             key: "experts",

@@ -116,3 +116,53 @@ fn the_zero2_and_fsdp_presets_send_their_multiples_of_d() {
         assert!(got.agrees, "{key}: {got:?}");
     }
 }
+
+#[test]
+fn the_zero1_preset_sends_ddps_all_reduce_and_an_all_gather() {
+    let _serial = one_at_a_time();
+    let mut spec = preset("zero1");
+    (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+    let got = check(ClaimCheck::Zero1Traffic, &spec, None);
+    assert!(got.agrees, "{got:?}");
+}
+
+#[test]
+fn the_experts_preset_sends_four_all_to_alls_per_block_and_holds_half_the_experts() {
+    let _serial = one_at_a_time();
+    let mut spec = preset("experts");
+    (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+    for claim in [ClaimCheck::ExpertAllToAll, ClaimCheck::ExpertParameters] {
+        let got = check(claim, &spec, None);
+        assert!(got.agrees, "{got:?}");
+    }
+    let got = check(ClaimCheck::ExpertParameters, &spec, None);
+    assert!(got.predicted.ends_with("and 431.0 KiB (441344 B) for the dense model"), "{}", got.predicted);
+}
+
+/// Three checks measured on two runs that differ in one setting: FlashAttention against
+/// naive attention, FSDP without prefetch against with it, TP without sequence
+/// parallelism against with it.
+#[test]
+fn flash_prefetch_and_sequence_parallel_are_measured_against_their_partners() {
+    let _serial = one_at_a_time();
+    let short = |key: &str| {
+        let mut spec = preset(key);
+        (spec.train.steps, spec.train.warmup_steps) = (2, 1);
+        spec
+    };
+    let (flash, fsdp, megatron) = (short("flash"), short("fsdp"), short("megatron"));
+    let mut naive = flash.clone();
+    naive.train.attention = Attention::Naive;
+    let mut prefetch = fsdp.clone();
+    prefetch.parallel.prefetch = true;
+    let mut sp = megatron.clone();
+    sp.parallel.sequence_parallel = true;
+    for (claim, spec, partner) in [
+        (ClaimCheck::FlashAttentionMemory, &flash, &naive),
+        (ClaimCheck::PrefetchGatheredPeak, &fsdp, &prefetch),
+        (ClaimCheck::SequenceParallelActivations, &megatron, &sp),
+    ] {
+        let got = check(claim, spec, Some(partner));
+        assert!(got.agrees, "{got:?}");
+    }
+}
