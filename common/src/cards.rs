@@ -153,6 +153,8 @@ pub enum ClaimCheck {
     PrefetchGatheredPeak,
     /// Tensor parallelism's activations with sequence parallelism against without.
     SequenceParallelActivations,
+    /// Data-parallel bytes with a 2-byte wire (`comm_dtype`) against fp32's: half.
+    TwoByteWire,
     /// FSDP's weights on a rank: its shard kept, one unit gathered at a time.
     FsdpGatheredPeak,
     /// Model-state bytes per rank for each ZeRO stage.

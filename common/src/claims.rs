@@ -89,6 +89,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::FlashAttentionMemory => "flash",
         ClaimCheck::PrefetchGatheredPeak => "fsdp",
         ClaimCheck::SequenceParallelActivations => "megatron",
+        ClaimCheck::TwoByteWire => "zero2",
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
@@ -117,6 +118,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         ClaimCheck::FlashAttentionMemory => twin.train.attention = crate::Attention::Naive,
         ClaimCheck::PrefetchGatheredPeak => twin.parallel.prefetch = true,
         ClaimCheck::SequenceParallelActivations => twin.parallel.sequence_parallel = true,
+        ClaimCheck::TwoByteWire => twin.parallel.comm_dtype = run.train.precision,
         _ => return None,
     }
     Some(twin.same_up_to_name(candidate))
@@ -547,6 +549,45 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::FlashAttentionMemory
         | ClaimCheck::PrefetchGatheredPeak
         | ClaimCheck::SequenceParallelActivations => two_runs_memory(check, run, partner),
+        ClaimCheck::TwoByteWire => {
+            // The data-parallel collectives' bytes per step on rank 0, on both runs (the
+            // all-reduce counter also holds the step's few scalar floats).
+            let two = partner.ok_or(
+                "no finished run of the same config with comm_dtype set to its precision yet (resubmit the preset \
+                 with it)",
+            )?;
+            let dp_bytes = |r: &RunEvidence| -> Result<(u64, u64), String> {
+                let rank = r
+                    .ranks
+                    .iter()
+                    .find(|x| x.rank == 0)
+                    .ok_or_else(|| format!("run {} recorded no trace", r.view.id))?;
+                let ops = [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather];
+                let sent: u64 = ops.into_iter().flat_map(|op| op_counters(rank, op)).map(|c| c.bytes_sent).sum();
+                let plan =
+                    planner::plan(&r.view.spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
+                let c = &plan.stages[r.view.spec.stage_of(0)].comm;
+                Ok((sent / r.traced_steps.max(1), c.dp_all_reduce + c.dp_reduce_scatter + c.dp_all_gather))
+            };
+            let ((wide, wide_planned), (narrow, narrow_planned)) = (dp_bytes(run)?, dp_bytes(two)?);
+            let within = |got: u64, planned: u64| (planned..=planned + SCALAR_BYTES).contains(&got);
+            let ratio = narrow as f64 / wide.max(1) as f64;
+            Ok(m(
+                format!(
+                    "the data-parallel collectives carry {} per rank and step on an fp32 wire, {} on a {} wire: half \
+                     (planner)",
+                    bytes_text(wide_planned),
+                    bytes_text(narrow_planned),
+                    two.view.spec.parallel.comm_dtype.as_str()
+                ),
+                format!("{} and {} on rank 0 (run {}): {ratio:.3}x", bytes_text(wide), bytes_text(narrow), two.view.id),
+                spec.parallel.comm_dtype == crate::Precision::Fp32
+                    && two.view.spec.parallel.comm_dtype != crate::Precision::Fp32
+                    && within(wide, wide_planned)
+                    && within(narrow, narrow_planned)
+                    && (ratio - 0.5).abs() <= 0.01,
+            ))
+        }
         ClaimCheck::TpAllreduces => {
             let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
             let rank = rank0.ok_or("the run recorded no trace")?;
@@ -873,6 +914,7 @@ mod tests {
             ClaimCheck::FlashAttentionMemory,
             ClaimCheck::PrefetchGatheredPeak,
             ClaimCheck::SequenceParallelActivations,
+            ClaimCheck::TwoByteWire,
             ClaimCheck::TpAllreduces,
             ClaimCheck::LossScalingUnderflow,
             ClaimCheck::Bf16NoScaling,
@@ -1268,6 +1310,33 @@ mod tests {
             assert!(!measure(check, &run(&ours, &r_ours), Some(&run(&theirs, &same))).unwrap().agrees, "{key}");
             assert!(measure(check, &run(&ours, &r_ours), None).is_err());
         }
+    }
+
+    #[test]
+    fn a_two_byte_wire_halves_the_data_parallel_bytes() {
+        let spec = presets().into_iter().find(|p| p.key == "zero2").map(|p| p.spec).unwrap_or_default();
+        let mut narrow = spec.clone();
+        narrow.parallel.comm_dtype = crate::Precision::Bf16;
+        assert_eq!(is_partner(ClaimCheck::TwoByteWire, &spec, &narrow), Some(true));
+        let comm = |s: &ExperimentSpec| planner::plan(s).unwrap().stages[0].comm.clone();
+        let ranks = |c: planner::CommVolume| {
+            traced(
+                vec![
+                    counter(CollectiveOp::AllReduce, 1, 24),
+                    counter(CollectiveOp::ReduceScatter, 1, c.dp_reduce_scatter),
+                    counter(CollectiveOp::AllGather, 1, c.dp_all_gather),
+                ],
+                0,
+            )
+        };
+        let (v_wide, v_narrow) = (view(1, spec.clone(), None), view(2, narrow.clone(), None));
+        let (r_wide, r_narrow) = (ranks(comm(&spec)), ranks(comm(&narrow)));
+        let run = |v, r| RunEvidence { view: v, metrics: &[], ranks: r, traced_steps: 1 };
+        let got = measure(ClaimCheck::TwoByteWire, &run(&v_wide, &r_wide), Some(&run(&v_narrow, &r_narrow))).unwrap();
+        assert!(got.agrees && got.measured.ends_with("0.500x"), "{got:?}");
+        // A wire that still sends 4 bytes per element disagrees.
+        let got = measure(ClaimCheck::TwoByteWire, &run(&v_wide, &r_wide), Some(&run(&v_narrow, &r_wide))).unwrap();
+        assert!(!got.agrees, "{got:?}");
     }
 
     #[test]

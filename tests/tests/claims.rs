@@ -139,11 +139,11 @@ fn the_experts_preset_sends_four_all_to_alls_per_block_and_holds_half_the_expert
     assert!(got.predicted.ends_with("and 431.0 KiB (441344 B) for the dense model"), "{}", got.predicted);
 }
 
-/// Three checks measured on two runs that differ in one setting: FlashAttention against
-/// naive attention, FSDP without prefetch against with it, TP without sequence
-/// parallelism against with it.
+/// Checks measured on two runs that differ in one setting: FlashAttention against naive
+/// attention, FSDP without prefetch against with it, TP without sequence parallelism
+/// against with it, an fp32 wire against a 2-byte one.
 #[test]
-fn flash_prefetch_and_sequence_parallel_are_measured_against_their_partners() {
+fn one_setting_apart_each_pair_of_runs_agrees_with_its_card() {
     let _serial = one_at_a_time();
     let short = |key: &str| {
         let mut spec = preset(key);
@@ -157,10 +157,14 @@ fn flash_prefetch_and_sequence_parallel_are_measured_against_their_partners() {
     prefetch.parallel.prefetch = true;
     let mut sp = megatron.clone();
     sp.parallel.sequence_parallel = true;
+    let zero2 = short("zero2");
+    let mut two_byte = zero2.clone();
+    two_byte.parallel.comm_dtype = Precision::Bf16;
     for (claim, spec, partner) in [
         (ClaimCheck::FlashAttentionMemory, &flash, &naive),
         (ClaimCheck::PrefetchGatheredPeak, &fsdp, &prefetch),
         (ClaimCheck::SequenceParallelActivations, &megatron, &sp),
+        (ClaimCheck::TwoByteWire, &zero2, &two_byte),
     ] {
         let got = check(claim, spec, Some(partner));
         assert!(got.agrees, "{got:?}");
