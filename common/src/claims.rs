@@ -9,7 +9,7 @@ use crate::cards::{Card, ClaimCheck, Demo};
 use crate::compare;
 use crate::events::MetricPoint;
 use crate::pipeline::{default_step, measured_bubble, project, recorded_steps, stage_durations, stage_rows};
-use crate::planner::{self, Plan};
+use crate::planner;
 use crate::schedule::Pipeline;
 use crate::trace::{CollectiveOp, RankTrace, RingPhase};
 use crate::{Checkpointing, ExperimentSpec, ExperimentView};
@@ -226,14 +226,14 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
             let ratio = with as f64 / without.max(1) as f64;
             let mut plain_spec = spec.clone();
             plain_spec.train.checkpointing = Checkpointing::None;
-            let planned = planner::plan(&plain_spec).map(|p| peak_activations(&p)).unwrap_or(0);
-            let planned_ratio = peak_activations(&plan) as f64 / planned.max(1) as f64;
+            let planned = planner::plan(&plain_spec).map(|p| p.peak_activations()).unwrap_or(0);
+            let planned_ratio = plan.peak_activations() as f64 / planned.max(1) as f64;
             Ok(m(
                 format!(
                     "checkpointing {} keeps {:.0}% of the activations (planner: {} of {})",
                     checkpointing_name(spec.train.checkpointing),
                     100.0 * planned_ratio,
-                    bytes_text(peak_activations(&plan)),
+                    bytes_text(plan.peak_activations()),
                     bytes_text(planned)
                 ),
                 format!(
@@ -853,10 +853,6 @@ fn op_counters(rank: &RankTrace, op: CollectiveOp) -> impl Iterator<Item = &crat
     rank.comm.counters.iter().filter(move |c| c.op == op)
 }
 
-fn peak_activations(plan: &Plan) -> u64 {
-    plan.stages.iter().map(|s| s.memory.activations).max().unwrap_or(0)
-}
-
 fn final_loss(run: &RunEvidence) -> Result<f64, String> {
     run.view
         .summary
@@ -1464,7 +1460,7 @@ mod tests {
         let mut plain_spec = spec.clone();
         plain_spec.train.checkpointing = Checkpointing::None;
         assert_eq!(is_partner(ClaimCheck::ActivationCheckpointingMemory, &spec, &plain_spec), Some(true));
-        let planned = |s: &ExperimentSpec| peak_activations(&planner::plan(s).unwrap());
+        let planned = |s: &ExperimentSpec| planner::plan(s).unwrap().peak_activations();
         let ranks = |activations: u64| {
             vec![RankTrace {
                 memory: Some(crate::memory::RankMemoryReport {

@@ -473,6 +473,11 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
 }
 
 impl Plan {
+    /// The most activation bytes any one rank holds (the stage with the most).
+    pub fn peak_activations(&self) -> u64 {
+        self.stages.iter().map(|s| s.memory.activations).max().unwrap_or(0)
+    }
+
     /// Bytes every rank of the run holds together at its peak: each stage's rank times
     /// the dp x tp ranks of that stage.
     pub fn memory_of_all_ranks(&self) -> u64 {

@@ -221,10 +221,6 @@ pub fn offload_seconds(spec: &ExperimentSpec, plan: &Plan, est: &Estimate) -> f6
     }
 }
 
-fn peak_activations(plan: &Plan) -> u64 {
-    plan.stages.iter().map(|s| s.memory.activations).max().unwrap_or(0)
-}
-
 fn figure(stated: &Stated, recipe: &Recipe, plan: &Plan, est: &Estimate) -> Result<Figure, String> {
     let spec = &recipe.spec;
     let (value, arithmetic) = match stated.quantity {
@@ -262,7 +258,7 @@ fn figure(stated: &Stated, recipe: &Recipe, plan: &Plan, est: &Estimate) -> Resu
             let mut without = spec.clone();
             without.train.checkpointing = Checkpointing::None;
             let (plain, _) = plan_and_estimate(&without, &recipe.cluster)?;
-            let (a, b) = (peak_activations(&plain), peak_activations(plan));
+            let (a, b) = (plain.peak_activations(), plan.peak_activations());
             (
                 a.saturating_sub(b) as f64 / 1e9,
                 format!(
@@ -278,7 +274,7 @@ fn figure(stated: &Stated, recipe: &Recipe, plan: &Plan, est: &Estimate) -> Resu
             let mut naive = spec.clone();
             naive.train.attention = Attention::Naive;
             let (plain, _) = plan_and_estimate(&naive, &recipe.cluster)?;
-            let (a, b) = (peak_activations(&plain), peak_activations(plan));
+            let (a, b) = (plain.peak_activations(), plan.peak_activations());
             (
                 a as f64 / b.max(1) as f64,
                 format!(

@@ -7,8 +7,8 @@ use distlab_common::quiz::{Question, QuizAnswer, QuizResults, QuizVerdict};
 use distlab_common::ExperimentView;
 use leptos::prelude::*;
 
-use crate::api;
 use crate::pages::cards::demo_link;
+use crate::{api, format};
 
 /// What the page reads once: the questions and the finished runs their demos link to.
 #[derive(Clone)]
@@ -205,8 +205,8 @@ fn QuestionView(
             {answer_form}
             {move || verdict.get().map(|v| {
                 let text = match (v.correct, v.expected) {
-                    (true, Some(e)) => format!("right: {} {unit}", format_number(e)),
-                    (false, Some(e)) => format!("not quite: the answer is {} {unit}", format_number(e)),
+                    (true, Some(e)) => format!("right: {} {unit}", format::value(e as f32)),
+                    (false, Some(e)) => format!("not quite: the answer is {} {unit}", format::value(e as f32)),
                     (true, None) => "you knew it".to_string(),
                     (false, None) => "one to come back to".to_string(),
                 };
@@ -225,30 +225,10 @@ fn QuestionView(
     }
 }
 
-/// A number as a person writes it: up to 4 decimals without trailing zeros, exponent form
-/// for the very large and very small.
-fn format_number(x: f64) -> String {
-    if x != 0.0 && !(1e-3..1e6).contains(&x.abs()) {
-        format!("{x:.3e}")
-    } else {
-        let s = format!("{x:.4}");
-        s.trim_end_matches('0').trim_end_matches('.').to_string()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use distlab_common::quiz::QuestionResult;
-
-    #[test]
-    fn numbers_read_plainly() {
-        assert_eq!(format_number(1.75), "1.75");
-        assert_eq!(format_number(96.0), "96");
-        assert_eq!(format_number(0.2727), "0.2727");
-        assert_eq!(format_number(4.2e11), "4.200e11");
-        assert_eq!(format_number(0.0), "0");
-    }
 
     #[test]
     fn the_bar_shows_each_questions_latest_answer() {
