@@ -155,6 +155,18 @@ pub enum ClaimCheck {
     SequenceParallelActivations,
     /// Data-parallel bytes with a 2-byte wire (`comm_dtype`) against fp32's: half.
     TwoByteWire,
+    /// A tree all-reduce: rank 0 sends ceil(log2 W) whole buffers, in 2 ceil(log2 W) steps.
+    TreeAllreduce,
+    /// A hierarchical all-reduce: only the nodes' leaders send between nodes, 2(n-1) steps.
+    HierarchicalAllreduce,
+    /// Compressed gradients: the bytes a rank sends per step against the all-reduce's.
+    CompressedGradients,
+    /// Gradient accumulation: one gradient all-reduce per step, however many micro-batches.
+    AccumulationAllreduces,
+    /// Expert capacity: assignments beyond C are dropped; with room for every token, none.
+    ExpertCapacity,
+    /// The optimizer's state offloaded to disk: one piece of it in memory at a time.
+    DiskOffloadMemory,
     /// FSDP's weights on a rank: its shard kept, one unit gathered at a time.
     FsdpGatheredPeak,
     /// Model-state bytes per rank for each ZeRO stage.

@@ -5,6 +5,10 @@
 
 use serde::{Deserialize, Serialize};
 
+mod all_reduce;
+mod data_parallel;
+mod experts;
+
 use crate::cards::{Card, ClaimCheck, Demo};
 use crate::compare;
 use crate::events::MetricPoint;
@@ -90,6 +94,12 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::PrefetchGatheredPeak => "fsdp",
         ClaimCheck::SequenceParallelActivations => "megatron",
         ClaimCheck::TwoByteWire => "zero2",
+        ClaimCheck::TreeAllreduce => "allreduce-tree",
+        ClaimCheck::HierarchicalAllreduce => "allreduce-hierarchical",
+        ClaimCheck::CompressedGradients => "topk",
+        ClaimCheck::AccumulationAllreduces => "ddp2",
+        ClaimCheck::ExpertCapacity => "experts",
+        ClaimCheck::DiskOffloadMemory => "offload-disk",
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
@@ -100,8 +110,9 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 /// two measured runs: any one-rank run of the same training (equal losses), the same
 /// config with dynamic loss scaling (underflow), in fp32 (bf16), without activation
 /// checkpointing (its memory), with the GPipe schedule (activation peaks per stage), with
-/// naive attention, with FSDP's prefetch, or with sequence parallelism. None: the check
-/// needs no partner.
+/// naive attention, with FSDP's prefetch, with sequence parallelism, with a 2-byte wire,
+/// with more accumulation steps, with room for every token in each expert, or with the
+/// optimizer's state in memory. None: the check needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     let mut twin = run.clone();
     match check {
@@ -119,6 +130,14 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         ClaimCheck::PrefetchGatheredPeak => twin.parallel.prefetch = true,
         ClaimCheck::SequenceParallelActivations => twin.parallel.sequence_parallel = true,
         ClaimCheck::TwoByteWire => twin.parallel.comm_dtype = run.train.precision,
+        ClaimCheck::AccumulationAllreduces => {
+            twin.train.grad_accum = candidate.train.grad_accum.max(run.train.grad_accum + 1)
+        }
+        ClaimCheck::ExpertCapacity => {
+            let every_token = run.model.experts as f64 / run.model.expert_top_k.max(1) as f64;
+            twin.model.capacity_factor = candidate.model.capacity_factor.max(every_token)
+        }
+        ClaimCheck::DiskOffloadMemory => twin.parallel.offload = crate::Offload::None,
         _ => return None,
     }
     Some(twin.same_up_to_name(candidate))
@@ -548,7 +567,13 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         }
         ClaimCheck::FlashAttentionMemory
         | ClaimCheck::PrefetchGatheredPeak
-        | ClaimCheck::SequenceParallelActivations => two_runs_memory(check, run, partner),
+        | ClaimCheck::SequenceParallelActivations
+        | ClaimCheck::DiskOffloadMemory => two_runs_memory(check, run, partner),
+        ClaimCheck::TreeAllreduce => all_reduce::tree(run),
+        ClaimCheck::HierarchicalAllreduce => all_reduce::hierarchical(run),
+        ClaimCheck::CompressedGradients => data_parallel::compressed(run),
+        ClaimCheck::AccumulationAllreduces => data_parallel::accumulation(run, partner),
+        ClaimCheck::ExpertCapacity => experts::capacity(run, partner),
         ClaimCheck::TwoByteWire => {
             // The data-parallel collectives' bytes per step on rank 0, on both runs (the
             // all-reduce counter also holds the step's few scalar floats).
@@ -698,11 +723,13 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
 
 /// A memory category measured on two runs that differ in one setting, each against the
 /// planner: FlashAttention (this run) against naive attention (the partner), FSDP without
-/// prefetch (this run) against with it, TP without sequence parallelism against with it.
+/// prefetch (this run) against with it, TP without sequence parallelism against with it,
+/// the optimizer's state on disk against in memory (with the price: the steps' times).
 fn two_runs_memory(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidence>) -> Result<Measurement, String> {
     let (category, setting, ours_smaller): (&str, &str, bool) = match check {
         ClaimCheck::FlashAttentionMemory => ("activations", "attention naive", true),
         ClaimCheck::PrefetchGatheredPeak => ("gathered weights", "prefetch on", true),
+        ClaimCheck::DiskOffloadMemory => ("optimizer state", "offload none", true),
         _ => ("activations", "sequence_parallel on", false),
     };
     let other = partner.ok_or_else(|| {
@@ -710,6 +737,7 @@ fn two_runs_memory(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvi
     })?;
     let value = |m: &planner::RankMemory| match check {
         ClaimCheck::PrefetchGatheredPeak => m.gathered_parameters,
+        ClaimCheck::DiskOffloadMemory => m.optimizer_state,
         _ => m.activations,
     };
     // Rank 0's peak, measured and planned.
@@ -738,8 +766,22 @@ fn two_runs_memory(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvi
             ours as f64 / theirs.max(1) as f64
         ),
         agrees: ours == ours_planned && theirs == theirs_planned && smaller_as_said,
-        note: None,
+        note: (check == ClaimCheck::DiskOffloadMemory).then(|| {
+            format!(
+                "The price of reading and writing the state each step: a median step of {} ms here against {} ms \
+                 with it in memory (the page cache may hold the file; a cold disk would cost more).",
+                ms((median_step_ms(run) * 1000.0) as u64),
+                ms((median_step_ms(other) * 1000.0) as u64)
+            )
+        }),
     })
+}
+
+/// The median of a run's step times, in milliseconds (0 without metrics).
+fn median_step_ms(run: &RunEvidence) -> f64 {
+    let mut times: Vec<f64> = run.metrics.iter().map(|p| p.step_ms).collect();
+    times.sort_by(f64::total_cmp);
+    times.get(times.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// The one-float all-reduces of a step (the loss, the gradient norm) that the planner's
@@ -914,6 +956,12 @@ mod tests {
             ClaimCheck::TpAllreduces,
             ClaimCheck::LossScalingUnderflow,
             ClaimCheck::Bf16NoScaling,
+            ClaimCheck::TreeAllreduce,
+            ClaimCheck::HierarchicalAllreduce,
+            ClaimCheck::CompressedGradients,
+            ClaimCheck::AccumulationAllreduces,
+            ClaimCheck::ExpertCapacity,
+            ClaimCheck::DiskOffloadMemory,
         ] {
             assert!(keys.contains(&canonical_preset(check)), "{check:?}");
         }
@@ -1278,10 +1326,11 @@ mod tests {
     fn one_setting_apart_each_run_is_held_to_the_planner_and_the_difference_to_the_card() {
         let find = |key: &str| presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
         type Edit = fn(&mut ExperimentSpec);
-        let cases: [(ClaimCheck, &str, Edit); 3] = [
+        let cases: [(ClaimCheck, &str, Edit); 4] = [
             (ClaimCheck::FlashAttentionMemory, "flash", |s| s.train.attention = crate::Attention::Naive),
             (ClaimCheck::PrefetchGatheredPeak, "fsdp", |s| s.parallel.prefetch = true),
             (ClaimCheck::SequenceParallelActivations, "megatron", |s| s.parallel.sequence_parallel = true),
+            (ClaimCheck::DiskOffloadMemory, "offload-disk", |s| s.parallel.offload = crate::Offload::None),
         ];
         for (check, key, edit) in cases {
             assert_eq!(canonical_preset(check), key);

@@ -32,6 +32,22 @@ pub fn presets() -> Vec<Preset> {
     ring.parallel.dp = 4;
     ring.demo = Some(CollectiveDemo { op: DemoOp::AllReduce, elements: 16 });
 
+    // The same 16 numbers over 8 ranks by a binary tree, and by rings inside and across
+    // two "nodes" of 4 ranks.
+    let mut tree = ring.clone();
+    tree.name = "tree-all-reduce-demo".into();
+    tree.parallel.dp = 8;
+    tree.parallel.allreduce = AllReduce::Tree;
+    let mut hierarchical = tree.clone();
+    hierarchical.name = "hierarchical-all-reduce-demo".into();
+    hierarchical.parallel.allreduce = AllReduce::Hierarchical;
+    hierarchical.parallel.ranks_per_node = 4;
+
+    let mut topk = ddp.clone();
+    topk.name = "ddp-2-ranks-top-k-1pct".into();
+    topk.parallel.grad_compression = GradCompression::Topk;
+    topk.parallel.compression_ratio = 0.01;
+
     let mut pipeline = ExperimentSpec { name: "pipeline-1f1b".into(), ..ExperimentSpec::default() };
     pipeline.model = ModelSpec::dense(4, 64, 4, 32, 64);
     pipeline.parallel.pp = 4;
@@ -70,6 +86,10 @@ pub fn presets() -> Vec<Preset> {
     let mut zero2 = zero1.clone();
     zero2.name = "zero2-4-ranks-bf16".into();
     zero2.parallel.sharding = Sharding::Zero2;
+
+    let mut offload = reference.clone();
+    offload.name = "reference-optimizer-on-disk".into();
+    offload.parallel.offload = Offload::Disk;
 
     let mut recompute = ExperimentSpec { name: "checkpointing-every".into(), ..ExperimentSpec::default() };
     recompute.model = ModelSpec::dense(4, 128, 4, 128, 64);
@@ -143,10 +163,28 @@ pub fn presets() -> Vec<Preset> {
             spec: ring,
         },
         Preset {
+            key: "allreduce-tree",
+            title: "Tree all-reduce demo (8 ranks, 16 numbers)",
+            description: "The all-reduce demo's numbers over 8 ranks by a binary tree rooted at rank 0: partial sums climb it in log2 8 = 3 steps and the result comes down in 3 more, where a ring takes 2(W-1) = 14; but whole buffers travel each edge, so rank 0 sends 3 x D where a ring rank sends 2(W-1)/W x D.",
+            spec: tree,
+        },
+        Preset {
+            key: "allreduce-hierarchical",
+            title: "Hierarchical all-reduce demo (2 nodes of 4 ranks)",
+            description: "The same numbers over 8 ranks counted as 2 nodes of 4: a ring inside each node, a ring across the 2 nodes' first ranks (the only traffic between nodes), then each leader sends the result to its node. The replay marks the steps that cross between nodes.",
+            spec: hierarchical,
+        },
+        Preset {
             key: "pipeline",
             title: "GPipe vs 1F1B (4 stages, 8 micro-batches)",
             description: "4 layers cut into 4 pipeline stages, one rank each, 8 micro-batches per step, 1F1B schedule. Resubmit it with pp_schedule \"gpipe\" and compare the two on the pipeline page: same bubble formula (P-1)/(M+P-1), different activation memory.",
             spec: pipeline,
+        },
+        Preset {
+            key: "topk",
+            title: "DDP with top-k gradient compression (1%)",
+            description: "The ddp2 preset with each gradient tensor cut to its 1% largest values and their indices, all-gathered instead of all-reduced; what each rank leaves out is added to its next step's gradient (error feedback). Compare the bytes per step and the loss curve with the ddp2 preset.",
+            spec: topk,
         },
         Preset {
             key: "megatron",
@@ -183,6 +221,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Activation checkpointing (every block)",
             description: "Forward keeps only each block's output; backward runs each block's forward again just before its backward. Resubmit it with checkpointing \"none\" and compare the memory cards (activations fall to about a third) and the step times (about one more forward per step); the losses are identical.",
             spec: recompute,
+        },
+        Preset {
+            key: "offload-disk",
+            title: "Optimizer state offloaded to disk (reference model)",
+            description: "The reference model with AdamW's moments in a file, streamed through one piece of 262,144 parameters at a time as the optimizer updates them (ZeRO-Infinity's NVMe tier): the memory page's optimizer state falls to one piece, and each step pays for reading and writing the rest. Its partner for the comparison is the reference preset itself: compare the two runs' memory cards and step times.",
+            spec: offload,
         },
         Preset {
             key: "fp16-plain",

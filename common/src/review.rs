@@ -311,6 +311,23 @@ pub struct ReviewExport {
     pub cards: Vec<ExportedCard>,
     /// Every review, oldest first.
     pub log: Vec<LogEntry>,
+    /// The profile's desired retention and fitted FSRS parameters (absent in exports made
+    /// before they were kept: an import of such a document leaves the target's settings).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduling: Option<ExportedScheduling>,
+}
+
+/// A profile's scheduling settings in an export.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportedScheduling {
+    pub desired_retention: f32,
+    /// FSRS's parameters fitted to the profile's log; None: the defaults.
+    #[serde(default)]
+    pub parameters: Option<Vec<f32>>,
+    /// The fit that produced them (its before/after scores).
+    #[serde(default)]
+    pub fit: Option<ParameterFit>,
 }
 
 /// The answer to an import: what was stored, and what was skipped because its card is not

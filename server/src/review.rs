@@ -530,12 +530,18 @@ pub async fn export(
         interval_days: r.interval_days as f32,
     })
     .collect();
+    let settings = crate::review_settings::load(&state, profile.id).await?;
     Ok(Json(ReviewExport {
         format: EXPORT_FORMAT.to_string(),
         profile: profile.name,
         exported_at: clock::rfc3339(clock::now()),
         cards,
         log,
+        scheduling: Some(ExportedScheduling {
+            desired_retention: settings.desired_retention,
+            parameters: settings.parameters,
+            fit: settings.fit,
+        }),
     }))
 }
 
@@ -547,6 +553,8 @@ pub struct CheckedImport {
     pub skipped_card_ids: BTreeSet<String>,
     pub skipped_cards: usize,
     pub skipped_log: usize,
+    /// The document's scheduling settings, checked (None: it has none).
+    pub scheduling: Option<ExportedScheduling>,
 }
 
 /// Reads an import body: 400 when it is not an export document's shape, 422 for an unknown
@@ -667,6 +675,17 @@ pub fn check_import(body: serde_json::Value, deck: &[Card]) -> Result<CheckedImp
             out.log.push(LogEntry { reviewed_at, ..e });
         }
     }
+    if let Some(scheduling) = doc.scheduling {
+        if let Err(e) = validate_retention(scheduling.desired_retention) {
+            problems.push(FieldError::new("scheduling.desired_retention", e.message));
+        }
+        if let Some(parameters) = &scheduling.parameters {
+            if let Err(why) = crate::review_settings::check_parameters(parameters) {
+                problems.push(FieldError::new("scheduling.parameters", why));
+            }
+        }
+        out.scheduling = Some(scheduling);
+    }
     if !problems.is_empty() {
         let error = match problems.len() {
             1 => format!("the export cannot be imported: {}", problems[0]),
@@ -723,6 +742,9 @@ pub async fn import(
         .bind(f64::from(e.interval_days))
         .execute(&mut *tx)
         .await?;
+    }
+    if let Some(scheduling) = &checked.scheduling {
+        crate::review_settings::store(&mut tx, profile.id, scheduling).await?;
     }
     tx.commit().await?;
     tracing::info!(

@@ -76,6 +76,46 @@ pub fn fit(before: &[f32], items: Vec<fsrs::FSRSItem>) -> Result<(FitScore, FitS
     Ok((before, score(&fitted, &items)?))
 }
 
+/// The range of each of FSRS's 21 parameters that its training keeps them in (the fsrs
+/// crate's parameter clipper): an imported set outside them is refused, since the
+/// schedule it would give is not one FSRS can produce.
+const PARAMETER_RANGES: [(f32, f32); 21] = [
+    (0.001, 100.0),
+    (0.001, 100.0),
+    (0.001, 100.0),
+    (0.001, 100.0),
+    (1.0, 10.0),
+    (0.001, 4.0),
+    (0.001, 4.0),
+    (0.001, 0.75),
+    (0.0, 4.5),
+    (0.0, 0.8),
+    (0.001, 3.5),
+    (0.001, 5.0),
+    (0.001, 0.25),
+    (0.001, 0.9),
+    (0.0, 4.0),
+    (0.0, 1.0),
+    (1.0, 6.0),
+    (0.0, 2.0),
+    (0.0, 2.0),
+    (0.0, 0.8),
+    (0.1, 0.8),
+];
+
+/// Whether `parameters` is a set FSRS could have fitted: 21 values, each in its range.
+pub fn check_parameters(parameters: &[f32]) -> Result<(), String> {
+    if parameters.len() != PARAMETER_RANGES.len() {
+        return Err(format!("FSRS has {} parameters, got {}", PARAMETER_RANGES.len(), parameters.len()));
+    }
+    for (i, (&w, (low, high))) in parameters.iter().zip(PARAMETER_RANGES).enumerate() {
+        if !(low..=high).contains(&w) {
+            return Err(format!("parameter {i} must be from {low} to {high}, got {w}"));
+        }
+    }
+    Ok(())
+}
+
 /// One fit at a time: each is CPU work for a while.
 static FITTING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
@@ -101,6 +141,29 @@ pub(crate) async fn load(state: &AppState, profile_id: i64) -> Result<ProfileSet
         parameters: parameters.map(|t| serde_json::from_str(&t)).transpose().map_err(corrupt)?,
         fit: fit.map(|t| serde_json::from_str(&t)).transpose().map_err(corrupt)?,
     })
+}
+
+/// An import's scheduling settings, in the import's transaction (parameters without a
+/// fit are kept; a fit without parameters is not).
+pub(crate) async fn store(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    profile_id: i64,
+    settings: &ExportedScheduling,
+) -> Result<(), HttpError> {
+    let corrupt = |e: serde_json::Error| HttpError::internal("imported settings", e);
+    let parameters = settings.parameters.as_ref().map(serde_json::to_string).transpose().map_err(corrupt)?;
+    let fit = match &parameters {
+        Some(_) => settings.fit.as_ref().map(serde_json::to_string).transpose().map_err(corrupt)?,
+        None => None,
+    };
+    sqlx::query("UPDATE profiles SET desired_retention = ?2, parameters = ?3, fit = ?4 WHERE id = ?1")
+        .bind(profile_id)
+        .bind(stored_retention(settings.desired_retention))
+        .bind(parameters)
+        .bind(fit)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }
 
 /// The profile's latest `MAX_FIT_LOG` reviews, oldest first.

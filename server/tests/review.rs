@@ -579,6 +579,7 @@ async fn a_profile_chooses_its_retention_and_fits_its_parameters_to_its_log() {
         exported_at: "2025-03-01T00:00:00.000Z".into(),
         cards: vec![],
         log,
+        scheduling: None,
     };
     let a = t.post(&format!("/api/profiles/{}/import", p.id), serde_json::to_value(&document).unwrap()).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
@@ -593,6 +594,26 @@ async fn a_profile_chooses_its_retention_and_fits_its_parameters_to_its_log() {
     assert!(fit.after.log_loss < fit.before.log_loss, "{} -> {}", fit.before.log_loss, fit.after.log_loss);
     let s = settings(t.get(&settings_uri).await);
     assert!(s.fitted && s.parameters == fit.after.parameters && s.fit.as_ref() == Some(&fit));
+
+    // An export carries the retention and the fitted parameters to another profile; an
+    // import whose parameters FSRS could not have fitted is refused and changes nothing.
+    t.call(Method::PUT, &settings_uri, Some(json!({"desired_retention": 0.85}).to_string())).await;
+    let export = t.export(p.id).await;
+    let moved = t.profile("moved").await;
+    let moved_settings = format!("/api/profiles/{}/settings", moved.id);
+    let import_uri = format!("/api/profiles/{}/import", moved.id);
+    let mut bad = serde_json::to_value(&export).unwrap();
+    bad["scheduling"]["parameters"][4] = json!(50.0);
+    let e = api_error(&t.post(&import_uri, bad).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(format!("{e:?}").contains("parameter 4 must be from 1 to 10"), "{e:?}");
+    let untouched = settings(t.get(&moved_settings).await);
+    assert!(!untouched.fitted && untouched.desired_retention == 0.9 && untouched.repeat_reviews == 0);
+    let a = t.post(&import_uri, serde_json::to_value(&export).unwrap()).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let carried = settings(t.get(&moved_settings).await);
+    assert_eq!((carried.desired_retention, carried.fitted), (0.85, true));
+    assert_eq!((carried.parameters, carried.fit), (fit.after.parameters.clone(), Some(fit.clone())));
+    t.call(Method::PUT, &settings_uri, Some(json!({"desired_retention": 0.9}).to_string())).await;
 
     // New cards are now scheduled with the fitted parameters, and again with the defaults
     // once the profile asks for them back.

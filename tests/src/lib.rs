@@ -340,6 +340,26 @@ pub fn run_points_with_trace(spec: &ExperimentSpec) -> (Vec<MetricPoint>, distla
     (steps, serde_json::from_str(&trace).expect("trace JSON"))
 }
 
+/// Runs a collective demo (`spec.demo`) with `distlab-worker run --out DIR`: its summary
+/// (the demo's byte counts) and every rank's trace.
+pub fn run_demo(spec: &ExperimentSpec) -> (distlab_common::RunSummary, distlab_common::trace::ExperimentTrace) {
+    assert!(spec.demo.is_some(), "not a collective demo");
+    let (dir, out) = (tempfile::tempdir().expect("temp dir"), tempfile::tempdir().expect("temp dir"));
+    let path = dir.path().join("spec.json");
+    std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
+    let run = Command::new(bin_path("distlab-worker")).arg("run").arg(&path).arg("--out").arg(out.path()).output();
+    let run = run.expect("run distlab-worker");
+    assert!(run.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&run.stderr));
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let summary = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find_map(|v| v.get("summary").cloned())
+        .unwrap_or_else(|| panic!("no summary line in the output:\n{stdout}"));
+    let trace = std::fs::read_to_string(out.path().join("trace.json")).expect("trace.json");
+    (serde_json::from_value(summary).expect("a run summary"), serde_json::from_str(&trace).expect("trace JSON"))
+}
+
 /// `run_with_trace`, saving the spec's checkpoints (`train.checkpoint_every`) as it goes.
 pub fn run_with_checkpoints(spec: &ExperimentSpec) -> distlab_common::trace::ExperimentTrace {
     let (out, checkpoints) = (tempfile::tempdir().expect("temp dir"), tempfile::tempdir().expect("temp dir"));

@@ -170,3 +170,49 @@ fn one_setting_apart_each_pair_of_runs_agrees_with_its_card() {
         assert!(got.agrees, "{got:?}");
     }
 }
+
+/// The tree and hierarchical all-reduce demos, measured on their replays.
+#[test]
+fn the_tree_and_hierarchical_demos_send_what_their_cards_say() {
+    let _serial = one_at_a_time();
+    for (key, claim) in
+        [("allreduce-tree", ClaimCheck::TreeAllreduce), ("allreduce-hierarchical", ClaimCheck::HierarchicalAllreduce)]
+    {
+        let spec = preset(key);
+        let (summary, trace) = run_demo(&spec);
+        let v = ExperimentView { summary: Some(summary), ..view(1, &spec) };
+        let run = RunEvidence { view: &v, metrics: &[], ranks: &trace.ranks, traced_steps: 1 };
+        let got = measure(claim, &run, None).unwrap_or_else(|e| panic!("{claim:?}: {e}"));
+        println!("{claim:?} on {key}:\n  predicted: {}\n  measured:  {}", got.predicted, got.measured);
+        assert!(got.agrees, "{key}: {got:?}");
+    }
+}
+
+/// Top-k compression's bytes, one all-reduce per step with accumulation, expert
+/// capacity's drops and the optimizer's state on disk, each on its preset.
+#[test]
+fn compression_accumulation_capacity_and_offload_agree_with_their_cards() {
+    let _serial = one_at_a_time();
+    let got = check(ClaimCheck::CompressedGradients, &preset("topk"), None);
+    assert!(got.agrees, "{got:?}");
+
+    let ddp = preset("ddp2");
+    let mut accumulating = ddp.clone();
+    accumulating.train.grad_accum = 4;
+    let got = check(ClaimCheck::AccumulationAllreduces, &ddp, Some(&accumulating));
+    assert!(got.agrees, "{got:?}");
+
+    let experts = preset("experts");
+    let mut roomy = experts.clone();
+    roomy.model.capacity_factor = 2.0;
+    let got = check(ClaimCheck::ExpertCapacity, &experts, Some(&roomy));
+    assert!(got.agrees, "{got:?}");
+
+    let mut offload = preset("offload-disk");
+    offload.train.steps = 5;
+    let mut in_memory = offload.clone();
+    in_memory.parallel.offload = Offload::None;
+    let got = check(ClaimCheck::DiskOffloadMemory, &offload, Some(&in_memory));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}", got.note.unwrap_or_default());
+}
