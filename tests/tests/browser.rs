@@ -927,6 +927,17 @@ async fn one_f_one_b_claim_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(shown.contains("replayed with a core per stage, closer to"), "{shown}");
     ensure!(shown.contains("the stages' forward+backward: "), "{shown}");
     save_element(c, line, "claim-bubble-two-formulas.png").await?;
+
+    // The tree all-reduce's card, checked on the tree demo's replay: rank 0's bytes and the
+    // steps one after another.
+    let line = "#browse li[data-card='allreduce-tree-and-latency']";
+    wait_for(c, "the measured tree claim", Duration::from_secs(15), || {
+        exists(c, "#browse li[data-card='allreduce-tree-and-latency'] .check.agrees")
+    })
+    .await?;
+    let shown = text(c, line).await?;
+    ensure!(shown.contains("rank 0 sent 192 bytes") && shown.contains("took 6 steps"), "{shown}");
+    save_element(c, line, "claim-tree-all-reduce.png").await?;
     Ok(())
 }
 
@@ -940,9 +951,12 @@ async fn pipeline_scenario(c: &Client, lab: &Lab) -> Result<()> {
     gpipe_spec.name = "pp-gpipe".into();
     gpipe_spec.parallel.pp_schedule = distlab_common::PpSchedule::Gpipe;
     let gpipe = lab.submit(&gpipe_spec);
-    for id in [one_f_one_b, gpipe] {
+    // The tree all-reduce demo, whose replay checks card 92's claim.
+    let tree = distlab_common::presets::presets().into_iter().find(|p| p.key == "allreduce-tree").context("preset")?;
+    let tree = lab.submit(&tree.spec);
+    for id in [one_f_one_b, gpipe, tree] {
         let exp = lab.wait_finished(id, Duration::from_secs(120));
-        ensure!(exp.status == ExperimentStatus::Succeeded, "the pipeline run did not succeed: {exp:?}");
+        ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
     }
     let m = preset.spec.train.micro_batches;
     one_f_one_b_claim_scenario(c, lab).await?;
