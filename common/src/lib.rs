@@ -12,6 +12,7 @@ pub mod compression;
 pub mod elastic;
 pub mod estimate;
 pub mod events;
+pub mod export;
 pub mod memory;
 pub mod pipeline;
 pub mod planner;

@@ -143,6 +143,34 @@ pub fn recut(
     Ok(())
 }
 
+/// A stage's sections, each whole: (name, the stage's flat buffer of it).
+pub type Sections = Vec<(String, Vec<f32>)>;
+
+/// Every section of one stage of one TP rank, whole (the stage's flat buffer), put
+/// back together from the files its data-parallel ranks wrote for `step` in `dir` (saved
+/// by a run of `spec`). The model's export reads the parameters this way.
+pub fn stage_sections(
+    dir: &CheckpointDir,
+    spec: &ExperimentSpec,
+    step: u64,
+    tp_rank: usize,
+    stage: usize,
+) -> Result<(ParamLayout, Stage, Sections), CheckpointError> {
+    let stage_blocks = stage_of(&Pipeline::of(spec), spec.model.layers, stage);
+    let layout = ParamLayout::with_block_order(
+        &spec.model,
+        TpPlace { rank: tp_rank, size: spec.parallel.tp },
+        &stage_blocks.block_order,
+    );
+    let place = |dp| RankPlace { dp, tp: tp_rank, pp: stage };
+    let files: Vec<RankCheckpoint> =
+        (0..spec.parallel.dp).map(|dp| checkpoint::read(&dir.file(step, place(dp)))).collect::<Result<_, _>>()?;
+    let whole = StageCut { layout: &layout, stage: &stage_blocks }
+        .assemble(&files, spec.parallel.sharding)
+        .map_err(|why| CheckpointError::Mismatch { path: dir.file(step, place(0)), why })?;
+    Ok((layout, stage_blocks, whole))
+}
+
 /// One stage of one TP rank: how its sections are cut.
 struct StageCut<'a> {
     layout: &'a ParamLayout,

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
+use distlab_common::export;
 use distlab_common::*;
 use distlab_worker::checkpoint::CheckpointDir;
 use distlab_worker::elastic;
@@ -38,13 +39,17 @@ impl ExecError {
 
 /// Runs `spec`. With `checkpoints` (the experiment's own directory) and a spec that asks
 /// for them, checkpoints are saved there and the run resumes from the latest complete one.
-/// `offload_dir`: where `parallel.offload=disk` keeps the optimizer's state.
+/// `offload_dir`: where `parallel.offload=disk` keeps the optimizer's state. `model_out`:
+/// where the trained model goes when the run succeeds (`model.safetensors` and
+/// `config.json`, GPT-2's format; a model that cannot be exported is logged, not an error).
+#[allow(clippy::too_many_arguments)]
 pub fn execute(
     spec: &ValidSpec,
     threads: usize,
     collective_timeout: Duration,
     checkpoints: Option<&Path>,
     offload_dir: Option<&Path>,
+    model_out: Option<&Path>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
@@ -83,12 +88,34 @@ pub fn execute(
         lines.into_iter().for_each(|line| on_event(RunEvent::Log(line)));
         options
     });
-    let opts = TrainOptions { threads, checkpoints, offload_dir: offload_dir.map(Path::to_path_buf) };
-    match &spec.demo {
+    // Each rank's final parameters go to a directory of their own, put together after.
+    let exported = model_out.filter(|_| export::not_exportable(spec).is_none());
+    let ranks_dir = exported.map(|out| out.join("final-weights"));
+    let opts = TrainOptions {
+        threads,
+        checkpoints,
+        offload_dir: offload_dir.map(Path::to_path_buf),
+        final_weights: ranks_dir.clone(),
+    };
+    let summary = match &spec.demo {
         Some(demo) => run_demo(spec, demo, on_event, cancel),
         None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, on_event, cancel),
         None => Ok(train(spec, &opts, on_event, cancel)?),
+    };
+    if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_dir) {
+        let message = match distlab_worker::export::write_gpt2(spec, ranks, spec.train.steps, out) {
+            Ok(bytes) => LogLine {
+                level: LogLevel::Info,
+                message: format!("the trained model: {} ({bytes} bytes, GPT-2's format)", export::WEIGHTS_FILE),
+            },
+            Err(e) => LogLine { level: LogLevel::Warn, message: format!("the model was not exported: {e}") },
+        };
+        on_event(RunEvent::Log(message));
     }
+    if let Some(ranks) = &ranks_dir {
+        let _ = std::fs::remove_dir_all(ranks);
+    }
+    summary
 }
 
 /// A multi-rank run: one process per rank, each with its share of the machine's threads.
@@ -115,6 +142,9 @@ fn run_ranks(
     ];
     if let Some(dir) = &opts.offload_dir {
         args.extend(["--offload-dir".into(), dir.display().to_string()]);
+    }
+    if let Some(dir) = &opts.final_weights {
+        args.extend(["--final-weights".into(), dir.display().to_string()]);
     }
     if let Some(c) = &opts.checkpoints {
         args.extend(["--checkpoint-dir".into(), c.dir.display().to_string()]);

@@ -14,6 +14,7 @@ pub mod comm;
 pub mod cuda_rank;
 pub mod data;
 pub mod elastic;
+pub mod export;
 pub mod heap;
 pub mod loss_scale;
 pub mod memory;

@@ -117,6 +117,9 @@ enum RankTask {
         /// Where parallel.offload=disk keeps this rank's optimizer state.
         #[arg(long)]
         offload_dir: Option<PathBuf>,
+        /// Where this rank writes its final parameters when the run succeeds.
+        #[arg(long)]
+        final_weights: Option<PathBuf>,
     },
     /// The collective demo (see demo.rs).
     Demo {
@@ -187,10 +190,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 RankTask::BenchComm { min_bytes, max_bytes } => {
                     bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes)
                 }
-                RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir } => {
-                    read_spec(&spec).and_then(|spec| {
+                RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights } => read_spec(&spec)
+                    .and_then(|spec| {
                         let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
-                        let opts = TrainOptions { threads: cli.threads, checkpoints, offload_dir };
+                        let opts = TrainOptions { threads: cli.threads, checkpoints, offload_dir, final_weights };
                         ddp_rank::run(
                             &dir,
                             rank,
@@ -199,8 +202,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                             &opts,
                             collective_timeout(cli.collective_timeout_seconds),
                         )
-                    })
-                }
+                    }),
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
                     Some(_) => demo::run_rank(&dir, rank, world, &spec),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),

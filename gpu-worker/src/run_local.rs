@@ -1,6 +1,7 @@
 //! `distlab-worker run SPEC.json [--out DIR]`: train one spec with no server.
 //! stdout: one JSON line per optimizer step, then `{"summary": {...}}`. With `--out DIR`:
-//! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory).
+//! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory),
+//! and the trained model in GPT-2's format (model.safetensors and config.json).
 //! With `--checkpoint-dir DIR` a spec with `checkpoint_every` > 0 saves its checkpoints
 //! there, a second run of the same spec resumes from the latest complete one (after a
 //! crash or a kill), and a run that succeeds keeps only the latest, for another spec to
@@ -57,7 +58,16 @@ pub fn run_spec_file(
         RunEvent::Trace(trace) => traces.push(trace),
     };
     let cancel = AtomicBool::new(false);
-    let result = execute(&spec, threads, collective_timeout, checkpoint_dir.as_deref(), None, &mut on_event, &cancel);
+    let result = execute(
+        &spec,
+        threads,
+        collective_timeout,
+        checkpoint_dir.as_deref(),
+        None,
+        out.as_deref(),
+        &mut on_event,
+        &cancel,
+    );
     if let Some(e) = write_error {
         return Err(e).context("cannot write the metrics");
     }

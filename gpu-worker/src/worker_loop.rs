@@ -160,7 +160,16 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
             };
             // The spec came over the network: checked here, as it enters the worker.
             let spec = spec.validated(&Limits::default()).map_err(TrainError::Invalid)?;
-            execute(&spec, threads, collective_timeout, Some(&checkpoints), Some(&offload_dir), &mut on_event, &cancel)
+            execute(
+                &spec,
+                threads,
+                collective_timeout,
+                Some(&checkpoints),
+                Some(&offload_dir),
+                None,
+                &mut on_event,
+                &cancel,
+            )
         })
     };
     let training = match training {

@@ -240,8 +240,11 @@ fn a_run_resumed_from_its_checkpoint_continues_with_the_same_losses() {
         let dir = CheckpointDir::new(root.path().join("run"), 1);
         assert_eq!(dir.prepare(&spec).unwrap().step, None);
         let checkpoints = |resume_from| CheckpointOptions { dir: dir.root.clone(), resume_from };
-        let opts =
-            |resume_from| TrainOptions { threads: 1, checkpoints: Some(checkpoints(resume_from)), offload_dir: None };
+        let opts = |resume_from| TrainOptions {
+            threads: 1,
+            checkpoints: Some(checkpoints(resume_from)),
+            ..TrainOptions::default()
+        };
         let whole = run_with(&spec, &opts(None)).unwrap();
         let saves = whole.logs.iter().filter(|l| l.starts_with("checkpoint of step")).count();
         assert_eq!(saves, 2, "steps 3 and 6: {:?}", whole.logs);

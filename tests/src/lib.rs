@@ -340,6 +340,12 @@ pub fn run_points_with_trace(spec: &ExperimentSpec) -> (Vec<MetricPoint>, distla
     (steps, serde_json::from_str(&trace).expect("trace JSON"))
 }
 
+/// Runs `distlab-worker run --out DIR` on a spec, keeping what it writes in `dir` (the
+/// trained model among it): one metric point per step.
+pub fn run_into(spec: &ExperimentSpec, dir: &Path) -> Vec<MetricPoint> {
+    worker_run(spec, Some(dir))
+}
+
 /// Runs a collective demo (`spec.demo`) with `distlab-worker run --out DIR`: its summary
 /// (the demo's byte counts) and every rank's trace.
 pub fn run_demo(spec: &ExperimentSpec) -> (distlab_common::RunSummary, distlab_common::trace::ExperimentTrace) {

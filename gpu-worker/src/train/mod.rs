@@ -46,6 +46,9 @@ pub struct TrainOptions {
     /// Where `parallel.offload=disk` keeps the optimizer's state (None: the system's
     /// temporary directory).
     pub offload_dir: Option<PathBuf>,
+    /// Where each rank writes its final parameters when the run succeeds (`export.rs`
+    /// puts them together; None: not written).
+    pub final_weights: Option<PathBuf>,
 }
 
 /// The run's checkpoint directory and the step to resume from.
@@ -399,7 +402,13 @@ pub(crate) fn run<B: TrainBackend>(
         );
     }
     let summary = tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), threads);
-    Ok(RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() })
+    // The ledger is read before the final weights' copy is booked in it.
+    let run = RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() };
+    if let Some(dir) = &opts.final_weights {
+        let weights = crate::export::final_weights(trainer.checkpoint(t.steps, tally.min_loss, Default::default())?);
+        crate::checkpoint::write(&CheckpointDir::new(dir, world).file(t.steps, trainer.place()), &weights)?;
+    }
+    Ok(run)
 }
 
 #[cfg(test)]
