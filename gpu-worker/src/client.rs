@@ -82,6 +82,31 @@ impl ServerClient {
         self.post::<_, serde_json::Value>("/api/workers/fail", body).map(drop)
     }
 
+    /// Hands the server a finished run's trained model (model.safetensors), before the
+    /// run is reported complete. The timeout grows with the size (at least 1 MB/s).
+    pub fn upload_model(&self, experiment_id: i64, safetensors: &[u8]) -> Result<(), ClientError> {
+        let path = format!("/api/workers/experiments/{experiment_id}/model");
+        let url = format!("{}{}", self.base, path);
+        let seconds = 30 + safetensors.len() as u64 / 1_000_000;
+        let mut resp = self
+            .agent
+            .put(&url)
+            .config()
+            .timeout_global(Some(Duration::from_secs(seconds)))
+            .build()
+            .header("Authorization", &format!("Bearer {}", self.secret))
+            .header("Content-Type", "application/octet-stream")
+            .send(safetensors)
+            .map_err(|source| ClientError::Transport { url: url.clone(), source })?;
+        let status = resp.status().as_u16();
+        if !(200..300).contains(&status) {
+            let text = resp.body_mut().read_to_string().unwrap_or_default();
+            let message = serde_json::from_str::<ApiError>(&text).map(|e| e.error).unwrap_or(text);
+            return Err(ClientError::Status { path, status, message });
+        }
+        Ok(())
+    }
+
     /// POSTs JSON; Ok(None) for an empty answer (204), the decoded body otherwise.
     fn post<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> Result<Option<T>, ClientError> {
         let url = format!("{}{}", self.base, path);

@@ -124,6 +124,16 @@ fn retry_while_unreachable<T>(
     }
 }
 
+/// Sends the run's model to the server, if the run wrote one. A model the server refuses
+/// (too large) is logged; the run still succeeded.
+fn upload_model(cfg: &WorkerConfig, client: &ServerClient, experiment_id: i64, path: &std::path::Path) {
+    let Ok(bytes) = std::fs::read(path) else { return };
+    match retry_while_unreachable(cfg, "the model", || client.upload_model(experiment_id, &bytes)) {
+        Ok(()) => tracing::info!(experiment = experiment_id, bytes = bytes.len(), "model uploaded"),
+        Err(e) => tracing::warn!(experiment = experiment_id, "the model was not uploaded: {e}"),
+    }
+}
+
 /// `wait` times a factor in [0.5, 1.5), so that workers failed by one server hiccup do not
 /// all come back at the same instant.
 fn jitter(wait: Duration) -> Duration {
@@ -149,11 +159,14 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     let experiment_id = lease.experiment_id;
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel::<RunEvent>();
+    // The trained model lands here and goes to the server when the run succeeds.
+    let model_dir = tempfile::tempdir().ok();
     let training = {
         let cancel = cancel.clone();
         let spec = lease.spec.clone();
         let checkpoints = checkpoints.clone();
         let offload_dir = cfg.offload_dir.clone();
+        let model_out = model_dir.as_ref().map(|d| d.path().to_path_buf());
         thread::Builder::new().name(format!("train-{experiment_id}")).spawn(move || {
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
@@ -166,7 +179,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
                 collective_timeout,
                 Some(&checkpoints),
                 Some(&offload_dir),
-                None,
+                model_out.as_deref(),
                 &mut on_event,
                 &cancel,
             )
@@ -244,6 +257,9 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     let reported = match result {
         Ok(Ok(summary)) => {
             tracing::info!(experiment = experiment_id, final_loss = summary.final_loss, "succeeded");
+            if let Some(dir) = &model_dir {
+                upload_model(cfg, client, experiment_id, &dir.path().join(distlab_common::export::WEIGHTS_FILE));
+            }
             let complete = Complete { worker_id, experiment_id, summary };
             retry_while_unreachable(cfg, "completion", || client.complete(&complete)).map_err(|e| e.to_string())
         }

@@ -326,6 +326,7 @@ pub async fn delete(
             tracing::warn!(experiment = id, "could not remove {}: {e}", checkpoints.display());
         }
     }
+    crate::models::remove(&state, id);
     tracing::info!(experiment = id, by = %caller.name, "experiment deleted");
     Ok(StatusCode::NO_CONTENT)
 }

@@ -17,6 +17,7 @@ pub mod extract;
 pub mod health;
 pub mod local_workers;
 pub mod memory;
+pub mod models;
 pub mod plan;
 pub mod queue;
 pub mod quiz;
@@ -82,6 +83,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Body limit of worker event batches.
     pub max_event_batch_bytes: usize,
+    /// The largest trained model a worker may hand over (model.safetensors).
+    pub max_model_bytes: usize,
     /// Requests (other than SSE streams) taking longer are answered 408.
     pub request_timeout: Duration,
     /// What one experiment may ask for.
@@ -112,6 +115,7 @@ impl Default for ServerConfig {
             max_sse_per_client: 32,
             max_body_bytes: 1 << 20,
             max_event_batch_bytes: 16 << 20,
+            max_model_bytes: 256 << 20,
             request_timeout: Duration::from_secs(30),
             limits: Limits::default(),
             max_run: None,
@@ -238,6 +242,7 @@ pub fn app(state: AppState) -> Router {
         .route("/events", post(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
         .route("/complete", post(workers::complete))
         .route("/fail", post(workers::fail))
+        .route("/experiments/{id}/model", put(models::upload))
         .route_layer(middleware::from_fn_with_state(state.clone(), workers::require_credential))
         .route(
             "/register",
@@ -258,6 +263,8 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/trace", get(traces::trace))
         .route("/experiments/{id}/memory", get(memory::memory))
         .route("/experiments/{id}/cancel", post(experiments::cancel))
+        .route("/experiments/{id}/model", get(models::download))
+        .route("/experiments/{id}/model/config", get(models::config))
         .route("/plan", post(plan::plan))
         .route("/cards", get(cards::cards))
         .route("/cards/checks", get(claims::checks))
@@ -284,7 +291,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/stream", get(stream::stream).route_layer(identify))
         .fallback(error::api_not_found);
 
-    let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes);
+    let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes).max(config.max_model_bytes);
     Router::new()
         .nest("/api", api)
         .merge(static_files::router(&config.static_dir))

@@ -1571,3 +1571,76 @@ async fn a_cuda_spec_too_big_for_every_gpu_is_refused_at_submission() {
     assert_eq!(t.worker("register", register(2, own_gpus + (1 << 20))).await.status, StatusCode::OK);
     assert_eq!(t.post("/api/experiments", big).await.status, StatusCode::CREATED);
 }
+
+/// The worker that ran an experiment hands over its trained model (safetensors) before it
+/// reports the run complete; anyone fetches it and its config.json; it goes with the
+/// experiment. Another worker, a file that is not safetensors, or one over the limit is
+/// refused, and an experiment without a model says why.
+#[tokio::test]
+async fn a_worker_hands_over_the_trained_model_and_it_is_served_and_removed() {
+    let t = setup_with(|c| c.max_model_bytes = 4096).await;
+    let worker = t.register(&["cpu"]).await;
+    let other = t.register(&["cpu"]).await;
+    let id = t.create("model").await;
+    assert_eq!(t.lease(worker).await.experiment_id, id);
+    let app = &t;
+    let upload = |by: i64, bytes: Vec<u8>| {
+        let req = Request::builder()
+            .method(Method::PUT)
+            .uri(format!("/api/workers/experiments/{id}/model"))
+            .header(header::AUTHORIZATION, format!("Bearer {}", app.credential(by)))
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .body(Body::from(bytes))
+            .expect("request");
+        async move { answer(app.send(req).await).await }
+    };
+    let values: Vec<f32> = (0..16).map(|i| i as f32).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 4], bytemuck_bytes(&values))
+        .expect("view");
+    let file = safetensors::serialize([("lm_head.weight", view)], None).expect("serialize");
+
+    let e = assert_api_error(&t.get(&format!("/api/experiments/{id}/model")).await, StatusCode::CONFLICT);
+    assert!(e.error.contains("it is running"), "{}", e.error);
+    assert_api_error(&upload(other, file.clone()).await, StatusCode::CONFLICT);
+    let e = assert_api_error(&upload(worker, b"not a model".to_vec()).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(e.error.contains("not a safetensors file"), "{}", e.error);
+    assert_api_error(&upload(worker, vec![0; 8192]).await, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(upload(worker, file.clone()).await.status, StatusCode::NO_CONTENT);
+    let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+
+    let resp = t.send(Request::get(format!("/api/experiments/{id}/model")).body(Body::empty()).unwrap()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/octet-stream");
+    assert_eq!(resp.into_body().collect().await.expect("body").to_bytes().to_vec(), file);
+    let config = t.get(&format!("/api/experiments/{id}/model/config")).await;
+    assert_eq!(config.status, StatusCode::OK, "{}", config.body);
+    assert_eq!(config.body["n_layer"], ExperimentSpec::default().model.layers);
+    assert_eq!(config.body["tie_word_embeddings"], false);
+
+    let stored = t.state.config.data_dir.join("models").join(format!("experiment-{id}.safetensors"));
+    assert!(stored.exists());
+    assert_eq!(
+        t.call(Method::DELETE, &format!("/api/experiments/{id}"), None, None).await.status,
+        StatusCode::NO_CONTENT
+    );
+    assert!(!stored.exists(), "the model goes with its experiment");
+    assert_api_error(&t.get(&format!("/api/experiments/{id}/model")).await, StatusCode::NOT_FOUND);
+
+    // A model with experts has none to give, and says so.
+    let a = t
+        .post(
+            "/api/experiments",
+            json!({"name": "moe", "model": {"experts": 2, "expert_top_k": 1}, "train": {"steps": 10}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let moe = a.body["id"].as_i64().expect("id");
+    let e = assert_api_error(&t.get(&format!("/api/experiments/{moe}/model/config")).await, StatusCode::CONFLICT);
+    assert!(e.error.contains("Mixture-of-Experts"), "{}", e.error);
+}
+
+fn bytemuck_bytes(values: &[f32]) -> &[u8] {
+    // f32s as the little-endian bytes safetensors stores (this machine's order).
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}

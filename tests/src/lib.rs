@@ -190,6 +190,14 @@ impl Lab {
         read(resp)
     }
 
+    /// GET `path` as bytes (a download): the status and the body.
+    pub fn get_bytes(&self, path: &str) -> (u16, Vec<u8>) {
+        let mut resp = self.agent.get(&self.url(path)).call().unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let status = resp.status().as_u16();
+        let body = resp.body_mut().with_config().limit(1 << 30).read_to_vec().expect("the body");
+        (status, body)
+    }
+
     /// DELETE `path`: the status.
     pub fn delete(&self, path: &str) -> u16 {
         read(self.agent.delete(&self.url(path)).call()).0

@@ -36,6 +36,15 @@ fn submitted_experiment_trains_and_its_metrics_are_stored() {
     assert_eq!(list.experiments[0].id, id);
     let health: Health = lab.get_as("/api/health");
     assert!(health.workers >= 1, "the local worker is counted: {health:?}");
+
+    // The trained model, handed over by the worker: GPT-2's tensors and config.
+    let (status, bytes) = lab.get_bytes(&format!("/api/experiments/{id}/model"));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let model = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+    assert_eq!(model.tensors().len(), 2 + 12 * spec.model.layers + 3);
+    assert_eq!(model.tensor("lm_head.weight").expect("the head").shape(), [spec.model.vocab, spec.model.d_model]);
+    let config: serde_json::Value = lab.get_as(&format!("/api/experiments/{id}/model/config"));
+    assert_eq!(config["n_embd"], spec.model.d_model);
 }
 
 #[test]
