@@ -239,3 +239,48 @@ pub struct Fail {
     #[serde(default)]
     pub cancelled: bool,
 }
+
+/// The longest prompt `POST /api/experiments/{id}/generate` takes, in tokens (bytes of a
+/// text prompt).
+pub const MAX_PROMPT_TOKENS: usize = 4096;
+/// The most tokens one request generates.
+pub const MAX_NEW_TOKENS: usize = 256;
+
+/// `POST /api/experiments/{id}/generate`: continue a prompt with the run's trained model.
+/// The prompt is text (one token per byte, for models trained on text) or token ids.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateRequest {
+    #[serde(default)]
+    pub prompt: Option<String>,
+    #[serde(default)]
+    pub prompt_tokens: Option<Vec<u32>>,
+    #[serde(default = "default_new_tokens")]
+    pub max_new_tokens: usize,
+    /// 0: greedy (the likeliest token, the first on ties).
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
+    /// Draw from the k likeliest tokens only (0: all).
+    #[serde(default)]
+    pub top_k: usize,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_new_tokens() -> usize {
+    64
+}
+
+fn default_temperature() -> f64 {
+    1.0
+}
+
+/// The answer: the new tokens, and as text (each token a byte, decoded as UTF-8 with
+/// replacement characters where the bytes are not; empty for a vocabulary beyond bytes),
+/// and how long the sampling took.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Generated {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub ms: f64,
+}

@@ -84,6 +84,20 @@ pub fn hf_gpt2_config(m: &ModelSpec) -> Value {
     })
 }
 
+/// The model a GPT2Config describes, for the sizes distlab's GPT has (the inverse of
+/// [`hf_gpt2_config`]).
+pub fn model_of_hf_gpt2_config(config: &Value) -> Result<ModelSpec, String> {
+    let size = |key: &str| {
+        config[key].as_u64().map(|v| v as usize).ok_or_else(|| format!("config.json has no whole number {key}"))
+    };
+    let model =
+        ModelSpec::dense(size("n_layer")?, size("n_embd")?, size("n_head")?, size("n_positions")?, size("vocab_size")?);
+    if config.get("n_inner").and_then(Value::as_u64).is_some_and(|n| n as usize != 4 * model.d_model) {
+        return Err("distlab's MLP is 4 x n_embd wide; this config's n_inner differs".into());
+    }
+    Ok(model)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,7 +116,10 @@ mod tests {
         assert_eq!(hf_gpt2_name("lm_head"), Some(("lm_head.weight".into(), true)));
         assert_eq!(hf_gpt2_name("blocks.0.router_w"), None);
         assert_eq!(hf_gpt2_name("blocks.x.qkv_w"), None);
-        let config = hf_gpt2_config(&ModelSpec::dense(2, 64, 4, 32, 256));
+        let model = ModelSpec::dense(2, 64, 4, 32, 256);
+        let config = hf_gpt2_config(&model);
         assert_eq!((config["n_layer"].as_u64(), config["tie_word_embeddings"].as_bool()), (Some(2), Some(false)));
+        assert_eq!(model_of_hf_gpt2_config(&config), Ok(model));
+        assert!(model_of_hf_gpt2_config(&serde_json::json!({"n_layer": 2})).is_err());
     }
 }

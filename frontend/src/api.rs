@@ -179,6 +179,15 @@ async fn post_json<T: DeserializeOwned>(url: &str, body: &serde_json::Value) -> 
     read_json(request.send().await).await
 }
 
+/// Continues a prompt with a succeeded run's model (sampled on the server).
+pub async fn generate(
+    id: i64,
+    request: &distlab_common::api::GenerateRequest,
+) -> ApiResult<distlab_common::api::Generated> {
+    let body = serde_json::to_value(request).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    post_json(&format!("/api/experiments/{id}/generate"), &body).await
+}
+
 pub async fn get_experiment(id: i64) -> ApiResult<ExperimentView> {
     get_json(&format!("/api/experiments/{id}")).await
 }

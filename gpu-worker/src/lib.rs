@@ -15,6 +15,7 @@ pub mod cuda_rank;
 pub mod data;
 pub mod elastic;
 pub mod export;
+pub mod generate;
 pub mod heap;
 pub mod loss_scale;
 pub mod memory;

@@ -77,6 +77,14 @@ enum Command {
         #[arg(long)]
         checkpoint_dir: Option<PathBuf>,
     },
+    /// An exported model's next-token probabilities (DIR holds model.safetensors and
+    /// config.json, as `run --out` writes them) after each of TOKENS: one JSON row per token,
+    /// to check the export against another implementation (`xtask/reference/check_export.py`).
+    Probabilities {
+        dir: PathBuf,
+        #[arg(required = true)]
+        tokens: Vec<u32>,
+    },
     /// Bus bandwidth of all-reduce, reduce-scatter and all-gather between W rank processes
     /// (JSON lines, nccl-tests definitions).
     BenchComm {
@@ -152,6 +160,19 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
+        Some(Command::Probabilities { dir, tokens }) => {
+            let config = std::fs::read_to_string(dir.join("config.json"))?;
+            let model = distlab_common::export::model_of_hf_gpt2_config(&serde_json::from_str(&config)?)
+                .map_err(anyhow::Error::msg)?;
+            let file = std::fs::read(dir.join(distlab_common::export::WEIGHTS_FILE))?;
+            let params = distlab_worker::generate::load_gpt2(&model, &file).map_err(anyhow::Error::msg)?;
+            let mut predictor =
+                distlab_worker::generate::Predictor::new(&model, &params).map_err(anyhow::Error::msg)?;
+            let rows = predictor.probabilities(&tokens).map_err(anyhow::Error::msg)?;
+            let rows: Vec<&[f32]> = rows.chunks(model.vocab).collect();
+            println!("{}", serde_json::to_string(&rows)?);
+            Ok(0)
+        }
         Some(Command::Run { spec, out, checkpoint_dir }) => run_local::run_spec_file(
             &spec,
             out,

@@ -265,6 +265,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/cancel", post(experiments::cancel))
         .route("/experiments/{id}/model", get(models::download))
         .route("/experiments/{id}/model/config", get(models::config))
+        .route("/experiments/{id}/generate", post(models::generate))
         .route("/plan", post(plan::plan))
         .route("/cards", get(cards::cards))
         .route("/cards/checks", get(claims::checks))

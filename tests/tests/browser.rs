@@ -1745,7 +1745,38 @@ async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
     assert_eq!(attr(c, &row, "data-status").await?.as_deref(), Some("succeeded"));
     save_full_page(c, "list.png").await?;
 
+    try_the_model_scenario(c, lab).await?;
     watch_a_long_run_live_and_cancel_it(c, lab).await
+}
+
+/// A run trained on the Shakespeare text: its page samples from the model (greedy, so the
+/// server gives the same text again) and links the files to take away.
+async fn try_the_model_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let mut spec = distlab_common::presets::presets().into_iter().find(|p| p.key == "text").context("preset")?.spec;
+    spec.train.steps = 80;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(180));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the text run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the try-the-model box", Duration::from_secs(30), || exists(c, "#try-model #generate")).await?;
+    type_into(c, "#prompt", "ROMEO:").await?;
+    type_into(c, "#temperature", "0").await?;
+    type_into(c, "#max-new-tokens", "48").await?;
+    c.find(Locator::Css("#generate")).await?.click().await?;
+    wait_for(c, "the sampled text", Duration::from_secs(30), || exists(c, "#generated")).await?;
+    let shown = text(c, "#generated").await?;
+    let (status, body) = lab.post(
+        &format!("/api/experiments/{id}/generate"),
+        &json!({"prompt": "ROMEO:", "max_new_tokens": 48, "temperature": 0}),
+    );
+    ensure!(status == 200, "{body}");
+    let again = body["text"].as_str().context("text")?;
+    ensure!(shown.starts_with("ROMEO:") && shown.ends_with(again.trim_end()), "page {shown:?}, server {again:?}");
+    ensure!(text(c, "#generated-stats").await?.starts_with("48 tokens in"), "the count of tokens");
+    let href = attr(c, "#download-model", "href").await?.unwrap_or_default();
+    ensure!(href.ends_with(&format!("/api/experiments/{id}/model")), "{href}");
+    save_element(c, "#try-model", "try-the-model.png").await?;
+    Ok(())
 }
 
 /// Points reach the chart while the run is going (server-sent events), and the

@@ -45,6 +45,34 @@ fn submitted_experiment_trains_and_its_metrics_are_stored() {
     assert_eq!(model.tensor("lm_head.weight").expect("the head").shape(), [spec.model.vocab, spec.model.d_model]);
     let config: serde_json::Value = lab.get_as(&format!("/api/experiments/{id}/model/config"));
     assert_eq!(config["n_embd"], spec.model.d_model);
+
+    // Sampling from it: greedy is the same every time, a seed repeats its draw, and a text
+    // prompt outside this Markov-chain model's 64 tokens is refused with the reason.
+    let generate = |body: serde_json::Value| lab.post(&format!("/api/experiments/{id}/generate"), &body);
+    let greedy = serde_json::json!({"prompt_tokens": [1, 2, 3], "max_new_tokens": 20, "temperature": 0});
+    let (status, first) = generate(greedy.clone());
+    assert_eq!(status, 200, "{first}");
+    let first: Generated = serde_json::from_value(first).expect("Generated");
+    assert_eq!(first.tokens.len(), 20);
+    assert!(first.tokens.iter().all(|&t| (t as usize) < spec.model.vocab));
+    assert_eq!(serde_json::from_value::<Generated>(generate(greedy).1).unwrap().tokens, first.tokens);
+    let drawn =
+        serde_json::json!({"prompt_tokens": [5], "max_new_tokens": 30, "temperature": 1.0, "top_k": 8, "seed": 7});
+    let (a, b) = (generate(drawn.clone()).1, generate(drawn).1);
+    assert_eq!(a["tokens"], b["tokens"], "the same seed draws the same tokens");
+    let (status, e) = generate(serde_json::json!({"prompt": "hello"}));
+    assert_eq!(status, 422, "{e}");
+    assert!(e["error"].as_str().unwrap_or("").contains("vocabulary has 64 tokens"), "{e}");
+    let (status, e) = generate(serde_json::json!({"prompt_tokens": [1], "max_new_tokens": 0}));
+    assert_eq!(status, 422, "{e}");
+    // A model GPT-2's format cannot hold has nothing to sample from, and says why.
+    let mut moe = quick_spec("experts", 10);
+    moe.model = ModelSpec { experts: 2, expert_top_k: 1, ..moe.model };
+    let moe = lab.submit(&moe);
+    assert_eq!(lab.wait_finished(moe, Duration::from_secs(120)).status, ExperimentStatus::Succeeded);
+    let (status, e) = lab.post(&format!("/api/experiments/{moe}/generate"), &serde_json::json!({"prompt_tokens": [1]}));
+    assert_eq!(status, 409, "{e}");
+    assert!(e["error"].as_str().unwrap_or("").contains("Mixture-of-Experts"), "{e}");
 }
 
 #[test]

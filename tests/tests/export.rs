@@ -78,6 +78,31 @@ fn a_run_writes_gpt2s_tensors_and_config() {
     assert_eq!(config["vocab_size"], 64);
     assert_eq!(config["tie_word_embeddings"], false);
 
+    // The export's own predictions, read back by the engine (what check_export.py sets
+    // against transformers'): one row per token, each a distribution.
+    let dir = tempfile::tempdir().expect("temp dir");
+    run_into(&spec, dir.path());
+    let out = std::process::Command::new(bin_path("distlab-worker"))
+        .arg("probabilities")
+        .arg(dir.path())
+        .args(["1", "2", "3", "63"])
+        .output()
+        .expect("distlab-worker probabilities");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Vec<f64>> = serde_json::from_slice(&out.stdout).expect("JSON rows");
+    assert_eq!(rows.len(), 4);
+    for row in &rows {
+        assert_eq!(row.len(), 64);
+        assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-4, "{row:?}");
+    }
+    let out = std::process::Command::new(bin_path("distlab-worker"))
+        .arg("probabilities")
+        .arg(dir.path())
+        .arg("64")
+        .output()
+        .expect("distlab-worker probabilities");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("outside the model's vocabulary"));
+
     // A model GPT-2 cannot hold (experts) trains but writes no model.
     let mut moe = spec.clone();
     moe.model = ModelSpec { experts: 2, expert_top_k: 1, ..moe.model };

@@ -12,3 +12,4 @@ pub mod ring_view;
 pub mod spec_view;
 pub mod status_badge;
 pub mod timeline;
+pub mod try_model;

@@ -26,6 +26,7 @@ use crate::components::progress::ProgressBar;
 use crate::components::spec_view::{one_line, SpecView};
 use crate::components::status_badge::StatusBadge;
 use crate::components::timeline::{RankSpans, Timeline};
+use crate::components::try_model::TryModel;
 use crate::format;
 use crate::ring_replay::ring_collectives;
 
@@ -481,6 +482,11 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                         </p>
                     })}
                 </section>
+
+                {distlab_common::export::not_exportable(&spec).is_none().then(|| {
+                    let (text, vocab) = (spec.data.dataset == distlab_common::Dataset::Text, spec.model.vocab);
+                    move || (status_now.get() == ExperimentStatus::Succeeded).then(|| view! { <TryModel id=id text=text vocab=vocab/> })
+                })}
 
                 {move || {
                     let ranks: Vec<RankSpans> = trace.with(|t| {

@@ -761,6 +761,14 @@ impl<B: Backend> Gpt<B> {
         })
     }
 
+    /// After a forward of the whole model on micro-batch 0 (and before its backward): the
+    /// next-token probabilities at every position, (batch * seq_len, vocab) — the loss
+    /// turns the logits into them in place.
+    pub fn probabilities(&self) -> Option<&B::Buf> {
+        let f = self.in_flight.iter().find(|f| (f.chunk, f.micro) == (0, 0))?;
+        f.acts.head.as_ref().map(|head| &head.logits)
+    }
+
     /// Micro-batches whose activations this stage holds now.
     pub fn micro_batches_in_flight(&self) -> usize {
         self.in_flight.len()
