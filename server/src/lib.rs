@@ -17,6 +17,7 @@ pub mod extract;
 pub mod health;
 pub mod local_workers;
 pub mod memory;
+pub mod metrics;
 pub mod models;
 pub mod plan;
 pub mod queue;
@@ -208,6 +209,8 @@ pub struct AppState {
     pub db: Db,
     pub config: Arc<ServerConfig>,
     pub hub: Arc<Hub>,
+    /// What `GET /metrics` reports (request counts and latencies accumulate here).
+    pub metrics: Arc<metrics::ServerMetrics>,
 }
 
 impl AppState {
@@ -219,7 +222,7 @@ impl AppState {
 
     pub fn with_db(db: Db, config: ServerConfig) -> Self {
         let hub = Arc::new(Hub::new(config.max_sse_connections, config.max_sse_per_client));
-        Self { db, config: Arc::new(config), hub }
+        Self { db, config: Arc::new(config), hub, metrics: Arc::new(metrics::ServerMetrics::default()) }
     }
 
     /// Re-queues (or fails) running experiments whose lease ended before `now`, and fails
@@ -232,7 +235,8 @@ impl AppState {
     }
 }
 
-/// The whole HTTP app: /api (JSON), /api/experiments/{id}/stream (SSE), and the frontend.
+/// The whole HTTP app: /api (JSON), /api/experiments/{id}/stream (SSE), /metrics
+/// (Prometheus), and the frontend.
 pub fn app(state: AppState) -> Router {
     let config = state.config.clone();
 
@@ -295,7 +299,10 @@ pub fn app(state: AppState) -> Router {
     let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes).max(config.max_model_bytes);
     Router::new()
         .nest("/api", api)
+        .route("/metrics", get(metrics::metrics))
         .merge(static_files::router(&config.static_dir))
+        // Counted with the route each request matched (set by the routing, inside).
+        .layer(middleware::from_fn_with_state(state.clone(), metrics::record))
         .layer(RequestBodyLimitLayer::new(largest_body))
         .layer(middleware::from_fn(error::same_origin))
         .layer(middleware::from_fn(error::json_errors))

@@ -1644,3 +1644,53 @@ fn bytemuck_bytes(values: &[f32]) -> &[u8] {
     // f32s as the little-endian bytes safetensors stores (this machine's order).
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
 }
+
+/// `GET /metrics`: Prometheus' text format with the queue, the leases, the workers'
+/// heartbeats and every request by route template, each moving as the server works.
+#[tokio::test]
+async fn metrics_report_the_queue_the_workers_and_every_route() {
+    let t = setup().await;
+    let scrape = |t: &TestApp| {
+        let app = t.app.clone();
+        async move {
+            let resp = app.oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.expect("infallible");
+            assert_eq!(resp.status(), StatusCode::OK);
+            let ct = resp.headers()[header::CONTENT_TYPE].to_str().unwrap().to_string();
+            assert!(ct.starts_with("application/openmetrics-text"), "{ct}");
+            String::from_utf8(resp.into_body().collect().await.expect("body").to_bytes().to_vec()).expect("text")
+        }
+    };
+    let line = |text: &str, prefix: &str| -> Option<f64> {
+        text.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok())
+    };
+    let before = scrape(&t).await;
+    assert_eq!(line(&before, "distlab_queue_depth "), Some(0.0), "{before}");
+    assert_eq!(line(&before, "distlab_workers_alive "), Some(0.0));
+    assert!(before.trim_end().ends_with("# EOF"));
+
+    let first = t.create("one").await;
+    t.create("two").await;
+    let worker = t.register(&["cpu"]).await;
+    assert_eq!(t.lease(worker).await.experiment_id, first);
+    t.get(&format!("/api/experiments/{first}")).await;
+    t.get("/api/experiments/999999").await;
+
+    let after = scrape(&t).await;
+    assert_eq!(line(&after, "distlab_queue_depth "), Some(1.0), "{after}");
+    assert_eq!(line(&after, "distlab_leases "), Some(1.0));
+    assert_eq!(line(&after, "distlab_workers_alive "), Some(1.0));
+    assert_eq!(line(&after, "distlab_experiments{status=\"running\"} "), Some(1.0));
+    assert_eq!(line(&after, "distlab_experiments{status=\"queued\"} "), Some(1.0));
+    let age = line(&after, &format!("distlab_worker_heartbeat_age_seconds{{worker=\"w #{worker}\"}} "));
+    assert!(age.is_some_and(|a| (0.0..5.0).contains(&a)), "{after}");
+    let created = "distlab_http_requests_total{method=\"POST\",route=\"/api/experiments\",status=\"201\"} ";
+    assert_eq!(line(&after, created), Some(2.0), "{after}");
+    // One series per route template, however many ids: the found one and the missing one.
+    let one = "distlab_http_requests_total{method=\"GET\",route=\"/api/experiments/{id}\",status=\"200\"} ";
+    let missing = "distlab_http_requests_total{method=\"GET\",route=\"/api/experiments/{id}\",status=\"404\"} ";
+    assert_eq!((line(&after, one), line(&after, missing)), (Some(1.0), Some(1.0)), "{after}");
+    let timed = "distlab_http_request_duration_seconds_count{method=\"POST\",route=\"/api/workers/lease\"} ";
+    assert_eq!(line(&after, timed), Some(1.0), "{after}");
+    let buckets = after.lines().filter(|l| l.starts_with("distlab_http_request_duration_seconds_bucket{")).count();
+    assert!(buckets >= 16, "a histogram's buckets per route: {after}");
+}

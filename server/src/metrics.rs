@@ -1,0 +1,105 @@
+//! `GET /metrics`: the server in Prometheus' text format (OpenMetrics), for whoever runs
+//! it for a class or a department: the queue, the runs, the leases, the workers'
+//! heartbeats, and every request's count and latency by route.
+//!
+//! Requests are counted by a middleware as they pass (route template, not the path, so
+//! `/api/experiments/{id}` is one series however many experiments there are); the queue's
+//! numbers are read from the database when Prometheus scrapes.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::error::HttpError;
+use crate::{clock, queue, AppState};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// What the server counts, registered once.
+pub struct ServerMetrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    latency: Family<Labels, Histogram>,
+    experiments: Family<Labels, Gauge>,
+    queue_depth: Gauge,
+    leases: Gauge,
+    workers_alive: Gauge,
+    heartbeat_age: Family<Labels, Gauge<f64, AtomicU64>>,
+}
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("distlab");
+        let requests = Family::<Labels, Counter>::default();
+        // 1 ms to about 16 s.
+        let latency =
+            Family::<Labels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 15)));
+        let experiments = Family::<Labels, Gauge>::default();
+        let (queue_depth, leases, workers_alive) = (Gauge::default(), Gauge::default(), Gauge::default());
+        let heartbeat_age = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+        registry.register("http_requests", "HTTP requests answered, by method, route and status", requests.clone());
+        registry.register(
+            "http_request_duration_seconds",
+            "Time to answer an HTTP request, by method and route (live streams: until the stream opens)",
+            latency.clone(),
+        );
+        registry.register("experiments", "Experiments by status", experiments.clone());
+        registry.register("queue_depth", "Experiments waiting for a worker", queue_depth.clone());
+        registry.register("leases", "Running experiments whose worker's lease has not expired", leases.clone());
+        registry.register("workers_alive", "Workers seen within the alive window", workers_alive.clone());
+        registry.register(
+            "worker_heartbeat_age_seconds",
+            "Seconds since each registered worker was last heard from",
+            heartbeat_age.clone(),
+        );
+        Self { registry, requests, latency, experiments, queue_depth, leases, workers_alive, heartbeat_age }
+    }
+}
+
+/// Middleware: counts every request and times it, by its route's template.
+pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
+    let method = req.method().as_str().to_string();
+    let started = Instant::now();
+    let response = next.run(req).await;
+    let m = &state.metrics;
+    let labels = vec![("method", method), ("route", route)];
+    m.latency.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+    let mut with_status = labels;
+    with_status.push(("status", response.status().as_u16().to_string()));
+    m.requests.get_or_create(&with_status).inc();
+    response
+}
+
+/// `GET /metrics`
+pub async fn metrics(State(state): State<AppState>) -> Result<Response, HttpError> {
+    let now = clock::now();
+    let alive_since = clock::before(now, state.config.worker_alive_window());
+    let q = queue::gauges(&state.db, &clock::rfc3339(now), &alive_since).await?;
+    let m = &state.metrics;
+    for (status, count) in &q.by_status {
+        m.experiments.get_or_create(&vec![("status", status.clone())]).set(*count);
+    }
+    m.queue_depth.set(q.queued);
+    m.leases.set(q.leases);
+    m.workers_alive.set(q.workers_alive);
+    m.heartbeat_age.clear();
+    for (worker, last_seen) in &q.last_seen {
+        let Some(seen) = crate::review::parse_time(last_seen) else { continue };
+        let age = now.duration_since(seen).map_or(0.0, |d| d.as_secs_f64());
+        m.heartbeat_age.get_or_create(&vec![("worker", worker.clone())]).set(age);
+    }
+    let mut text = String::new();
+    encode(&mut text, &m.registry).map_err(|e| HttpError::internal("encoding the metrics", e))?;
+    Ok(([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response())
+}
