@@ -925,6 +925,25 @@ fn bytes_text(b: u64) -> String {
     }
 }
 
+/// A succeeded run of `spec` as the server would show it (for the checks' unit tests).
+#[cfg(test)]
+fn succeeded_view(id: i64, spec: ExperimentSpec, summary: Option<crate::RunSummary>) -> ExperimentView {
+    ExperimentView {
+        id,
+        name: spec.name.clone(),
+        owner: "local".into(),
+        status: crate::ExperimentStatus::Succeeded,
+        spec,
+        created_at: String::new(),
+        started_at: None,
+        finished_at: None,
+        error: None,
+        summary,
+        attempt: 1,
+        steps_done: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1023,20 +1042,7 @@ mod tests {
     }
 
     fn view(id: i64, spec: ExperimentSpec, summary: Option<crate::RunSummary>) -> ExperimentView {
-        ExperimentView {
-            id,
-            name: spec.name.clone(),
-            owner: "local".into(),
-            status: crate::ExperimentStatus::Succeeded,
-            spec,
-            created_at: String::new(),
-            started_at: None,
-            finished_at: None,
-            error: None,
-            summary,
-            attempt: 1,
-            steps_done: 0,
-        }
+        succeeded_view(id, spec, summary)
     }
 
     fn losses(first: f64, last: f64) -> Vec<MetricPoint> {

@@ -166,20 +166,8 @@ mod tests {
                 .collect(),
             ..Default::default()
         };
-        let view = ExperimentView {
-            id: 1,
-            name: spec.name.clone(),
-            owner: "local".into(),
-            status: crate::ExperimentStatus::Succeeded,
-            spec,
-            created_at: String::new(),
-            started_at: None,
-            finished_at: None,
-            error: None,
-            summary: Some(RunSummary { collective: Some(collective), ..Default::default() }),
-            attempt: 1,
-            steps_done: 0,
-        };
+        let summary = RunSummary { collective: Some(collective), ..Default::default() };
+        let view = super::super::succeeded_view(1, spec, Some(summary));
         (view, ranks)
     }
 

@@ -99,20 +99,7 @@ mod tests {
     }
 
     fn view(id: i64, spec: ExperimentSpec) -> ExperimentView {
-        ExperimentView {
-            id,
-            name: spec.name.clone(),
-            owner: "local".into(),
-            status: crate::ExperimentStatus::Succeeded,
-            spec,
-            created_at: String::new(),
-            started_at: None,
-            finished_at: None,
-            error: None,
-            summary: None,
-            attempt: 1,
-            steps_done: 0,
-        }
+        super::super::succeeded_view(id, spec, None)
     }
 
     /// Rank 0 sending `bytes` in `calls` calls of `op` per step, over two steps.

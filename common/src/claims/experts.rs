@@ -57,20 +57,7 @@ mod tests {
     use crate::{ExperimentSpec, ExperimentView};
 
     fn view(id: i64, spec: ExperimentSpec) -> ExperimentView {
-        ExperimentView {
-            id,
-            name: spec.name.clone(),
-            owner: "local".into(),
-            status: crate::ExperimentStatus::Succeeded,
-            spec,
-            created_at: String::new(),
-            started_at: None,
-            finished_at: None,
-            error: None,
-            summary: None,
-            attempt: 1,
-            steps_done: 0,
-        }
+        super::super::succeeded_view(id, spec, None)
     }
 
     fn routing(dropped: u64) -> Vec<MetricPoint> {
