@@ -283,4 +283,7 @@ pub struct Generated {
     pub text: String,
     pub tokens: Vec<u32>,
     pub ms: f64,
+    /// The server's time budget for one request ran out before `max_new_tokens`.
+    #[serde(default)]
+    pub stopped_early: bool,
 }

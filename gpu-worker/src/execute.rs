@@ -88,21 +88,23 @@ pub fn execute(
         lines.into_iter().for_each(|line| on_event(RunEvent::Log(line)));
         options
     });
-    // Each rank's final parameters go to a directory of their own, put together after.
+    // Each rank's final parameters go to a directory of their own (removed when dropped),
+    // put together after.
     let exported = model_out.filter(|_| export::not_exportable(spec).is_none());
-    let ranks_dir = exported.map(|out| out.join("final-weights"));
+    let ranks_dir = exported.and_then(|out| tempfile::Builder::new().prefix(".final-weights-").tempdir_in(out).ok());
+    let ranks_path = ranks_dir.as_ref().map(|d| d.path().to_path_buf());
     let opts = TrainOptions {
         threads,
         checkpoints,
         offload_dir: offload_dir.map(Path::to_path_buf),
-        final_weights: ranks_dir.clone(),
+        final_weights: ranks_path.clone(),
     };
     let summary = match &spec.demo {
         Some(demo) => run_demo(spec, demo, on_event, cancel),
         None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, on_event, cancel),
         None => Ok(train(spec, &opts, on_event, cancel)?),
     };
-    if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_dir) {
+    if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_path) {
         let message = match distlab_worker::export::write_gpt2(spec, ranks, spec.train.steps, out) {
             Ok(bytes) => LogLine {
                 level: LogLevel::Info,
@@ -111,9 +113,6 @@ pub fn execute(
             Err(e) => LogLine { level: LogLevel::Warn, message: format!("the model was not exported: {e}") },
         };
         on_event(RunEvent::Log(message));
-    }
-    if let Some(ranks) = &ranks_dir {
-        let _ = std::fs::remove_dir_all(ranks);
     }
     summary
 }

@@ -21,7 +21,7 @@ use distlab_common::ExperimentSpec;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
-use crate::checkpoint::{CheckpointDir, CheckpointError, RankCheckpoint};
+use crate::checkpoint::{CheckpointDir, CheckpointError};
 use crate::elastic;
 use crate::model::{ParamLayout, Split};
 
@@ -41,13 +41,6 @@ pub struct NamedTensor {
     pub name: String,
     pub shape: Vec<usize>,
     pub values: Vec<f32>,
-}
-
-/// What a rank writes at the end of a run: the parameter sections of its checkpoint, the
-/// fp32 master copy where a 2-byte run keeps one ("master"), else the parameters.
-pub fn final_weights(mut ckpt: RankCheckpoint) -> RankCheckpoint {
-    ckpt.sections.retain(|(name, _)| name == "params" || name == "master");
-    ckpt
 }
 
 /// The whole model's tensors (distlab's names, model order) from the rank files of `step`

@@ -101,13 +101,14 @@ impl Predictor {
 }
 
 /// Continues `prompt` by up to `s.max_new_tokens` tokens, calling `on_token` with each as
-/// it is chosen; returns the new tokens.
+/// it is chosen (it answers whether to go on: a caller's time budget); returns the new
+/// tokens.
 pub fn generate(
     model: &ModelSpec,
     params: &[f32],
     prompt: &[u32],
     s: &Sampling,
-    mut on_token: impl FnMut(u32),
+    mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<Vec<u32>, String> {
     if prompt.is_empty() {
         return Err("the prompt is empty".into());
@@ -120,9 +121,11 @@ pub fn generate(
         let window = &context[context.len().saturating_sub(model.seq_len)..];
         let rows = predictor.probabilities(window)?;
         let next = choose(&rows[rows.len() - model.vocab..], s, &mut rng);
-        on_token(next);
         made.push(next);
         context.push(next);
+        if !on_token(next) {
+            break;
+        }
     }
     Ok(made)
 }
@@ -139,7 +142,10 @@ fn choose(p: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
     if s.top_k > 0 {
         order.truncate(s.top_k);
     }
-    let weights: Vec<f64> = order.iter().map(|&j| f64::from(p[j]).powf(1.0 / s.temperature)).collect();
+    // (p / p_max)^(1/T): the same distribution as p^(1/T), without underflowing to 0 at a
+    // low temperature.
+    let top = f64::from(p[order[0]]).max(f64::MIN_POSITIVE);
+    let weights: Vec<f64> = order.iter().map(|&j| (f64::from(p[j]) / top).powf(1.0 / s.temperature)).collect();
     let total: f64 = weights.iter().sum();
     let mut u = rng.uniform() * total;
     for (&j, w) in order.iter().zip(&weights) {
@@ -201,9 +207,13 @@ mod round_trip {
 
         let greedy = Sampling { max_new_tokens: 5, temperature: 0.0, top_k: 0, seed: 0 };
         let mut seen = Vec::new();
-        let made = generate(&model, &params, &[3, 1, 4], &greedy, |t| seen.push(t)).unwrap();
+        let made = generate(&model, &params, &[3, 1, 4], &greedy, |t| {
+            seen.push(t);
+            true
+        })
+        .unwrap();
         assert_eq!(made, seen);
-        assert_eq!(made, generate(&model, &params, &[3, 1, 4], &greedy, |_| {}).unwrap());
+        assert_eq!(made, generate(&model, &params, &[3, 1, 4], &greedy, |_| true).unwrap());
         // The first token is the argmax of one forward's last row.
         let be = CpuBackend::<f32>::new(1);
         let mut gpt = Gpt::new(&be, &model, 1, &MemoryTracker::new());
@@ -216,9 +226,16 @@ mod round_trip {
         let row = &probs[2 * 11..3 * 11];
         let best = (0..11).fold(0, |b, j| if row[j] > row[b] { j } else { b });
         assert_eq!(made[0], best as u32);
-        assert!(generate(&model, &params, &[11], &greedy, |_| {}).unwrap_err().contains("outside"));
+        assert!(generate(&model, &params, &[11], &greedy, |_| true).unwrap_err().contains("outside"));
         // Past seq_len the model sees the last 8 tokens.
         let long = Sampling { max_new_tokens: 12, ..greedy };
-        assert_eq!(generate(&model, &params, &[3, 1, 4], &long, |_| {}).unwrap().len(), 12);
+        assert_eq!(generate(&model, &params, &[3, 1, 4], &long, |_| true).unwrap().len(), 12);
+        // A caller that says stop gets what was made so far.
+        let mut left = 3;
+        let stopped = generate(&model, &params, &[3], &long, |_| {
+            left -= 1;
+            left > 0
+        });
+        assert_eq!(stopped.unwrap().len(), 3);
     }
 }

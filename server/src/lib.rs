@@ -24,6 +24,7 @@ pub mod queue;
 pub mod quiz;
 pub mod review;
 pub mod review_settings;
+pub mod sampling;
 pub mod session;
 pub mod static_files;
 pub mod stream;
@@ -43,6 +44,7 @@ use axum::{middleware, Extension, Router};
 use distlab_common::{AuthMode, Limits};
 use rand::Rng;
 use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::compression::predicate::{DefaultPredicate, NotForContentType, Predicate};
 use tower_http::compression::CompressionLayer;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
@@ -246,7 +248,6 @@ pub fn app(state: AppState) -> Router {
         .route("/events", post(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
         .route("/complete", post(workers::complete))
         .route("/fail", post(workers::fail))
-        .route("/experiments/{id}/model", put(models::upload))
         .route_layer(middleware::from_fn_with_state(state.clone(), workers::require_credential))
         .route(
             "/register",
@@ -269,7 +270,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/cancel", post(experiments::cancel))
         .route("/experiments/{id}/model", get(models::download))
         .route("/experiments/{id}/model/config", get(models::config))
-        .route("/experiments/{id}/generate", post(models::generate))
+        .route("/experiments/{id}/generate", post(sampling::generate))
         .route("/plan", post(plan::plan))
         .route("/cards", get(cards::cards))
         .route("/cards/checks", get(claims::checks))
@@ -292,8 +293,13 @@ pub fn app(state: AppState) -> Router {
         .merge(user_api)
         .nest("/workers", worker_api)
         .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
-        // Added after the timeout layer, so that long-lived streams are not cut.
+        // Added after the timeout layer, so that long-lived streams and large model uploads
+        // are not cut.
         .route("/experiments/{id}/stream", get(stream::stream).route_layer(identify))
+        .route(
+            "/workers/experiments/{id}/model",
+            put(models::upload).route_layer(middleware::from_fn_with_state(state.clone(), workers::require_credential)),
+        )
         .fallback(error::api_not_found);
 
     let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes).max(config.max_model_bytes);
@@ -309,8 +315,12 @@ pub fn app(state: AppState) -> Router {
         // A panic in a handler is a bug; the client still gets the JSON 500 and the
         // connection stays up.
         .layer(CatchPanicLayer::custom(error::panic_response))
-        // Skips SSE (text/event-stream), images and tiny bodies.
-        .layer(CompressionLayer::new())
+        // Skips SSE (text/event-stream), images, tiny bodies and model downloads (binary
+        // floats barely compress, and the file is streamed as it is read).
+        .layer(
+            CompressionLayer::new()
+                .compress_when(DefaultPredicate::new().and(NotForContentType::const_new("application/octet-stream"))),
+        )
         .layer(TraceLayer::new_for_http().make_span_with(request_span).on_request(()).on_response(log_response))
         .with_state(state)
 }

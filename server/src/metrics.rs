@@ -25,6 +25,15 @@ use crate::{clock, queue, AppState};
 
 type Labels = Vec<(&'static str, String)>;
 
+/// How long after its last heartbeat a worker is still listed.
+const WORKER_SHOWN_FOR_S: f64 = 3600.0;
+
+/// A label value Prometheus' text format can carry whatever a worker named itself: the
+/// encoder does not escape quotes, backslashes or line breaks.
+fn label_value(text: &str) -> String {
+    text.chars().map(|c| if c == '"' || c == '\\' || c.is_control() { '_' } else { c }).take(80).collect()
+}
+
 /// What the server counts, registered once.
 pub struct ServerMetrics {
     registry: Registry,
@@ -69,7 +78,12 @@ impl Default for ServerMetrics {
 /// Middleware: counts every request and times it, by its route's template.
 pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let route = req.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
-    let method = req.method().as_str().to_string();
+    // A client may send any method: the label takes the standard ones (bounded series).
+    let method = match req.method().as_str() {
+        m @ ("GET" | "POST" | "PUT" | "DELETE" | "PATCH" | "HEAD" | "OPTIONS") => m,
+        _ => "other",
+    }
+    .to_string();
     let started = Instant::now();
     let response = next.run(req).await;
     let m = &state.metrics;
@@ -93,13 +107,28 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, HttpErro
     m.queue_depth.set(q.queued);
     m.leases.set(q.leases);
     m.workers_alive.set(q.workers_alive);
+    // Workers heard from within the last hour (a worker gone for good drops out).
     m.heartbeat_age.clear();
     for (worker, last_seen) in &q.last_seen {
         let Some(seen) = crate::review::parse_time(last_seen) else { continue };
         let age = now.duration_since(seen).map_or(0.0, |d| d.as_secs_f64());
-        m.heartbeat_age.get_or_create(&vec![("worker", worker.clone())]).set(age);
+        if age <= WORKER_SHOWN_FOR_S {
+            m.heartbeat_age.get_or_create(&vec![("worker", label_value(worker))]).set(age);
+        }
     }
     let mut text = String::new();
     encode(&mut text, &m.registry).map_err(|e| HttpError::internal("encoding the metrics", e))?;
     Ok(([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_workers_name_cannot_break_the_text_format() {
+        assert_eq!(label_value("gpu-box #3"), "gpu-box #3");
+        assert_eq!(label_value("a\"b\\c\nd"), "a_b_c_d");
+        assert_eq!(label_value(&"x".repeat(200)).len(), 80);
+    }
 }

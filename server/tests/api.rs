@@ -1578,7 +1578,8 @@ async fn a_cuda_spec_too_big_for_every_gpu_is_refused_at_submission() {
 /// refused, and an experiment without a model says why.
 #[tokio::test]
 async fn a_worker_hands_over_the_trained_model_and_it_is_served_and_removed() {
-    let t = setup_with(|c| c.max_model_bytes = 4096).await;
+    let model_bytes = 1 << 20;
+    let t = setup_with(|c| c.max_model_bytes = model_bytes).await;
     let worker = t.register(&["cpu"]).await;
     let other = t.register(&["cpu"]).await;
     let id = t.create("model").await;
@@ -1594,18 +1595,35 @@ async fn a_worker_hands_over_the_trained_model_and_it_is_served_and_removed() {
             .expect("request");
         async move { answer(app.send(req).await).await }
     };
+    // The experiment's model (the default spec's), every value its index.
+    let layout = distlab_worker::model::ParamLayout::new(&ExperimentSpec::default().model);
+    let tensors: Vec<_> = layout
+        .tensors
+        .iter()
+        .map(|t| distlab_worker::export::NamedTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            values: t.range.clone().map(|i| i as f32).collect(),
+        })
+        .collect();
+    let file = distlab_worker::export::gpt2_safetensors(&tensors).expect("a model file");
     let values: Vec<f32> = (0..16).map(|i| i as f32).collect();
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 4], bytemuck_bytes(&values))
         .expect("view");
-    let file = safetensors::serialize([("lm_head.weight", view)], None).expect("serialize");
+    let not_this_model = safetensors::serialize([("lm_head.weight", view)], None).expect("serialize");
 
     let e = assert_api_error(&t.get(&format!("/api/experiments/{id}/model")).await, StatusCode::CONFLICT);
     assert!(e.error.contains("it is running"), "{}", e.error);
     assert_api_error(&upload(other, file.clone()).await, StatusCode::CONFLICT);
     let e = assert_api_error(&upload(worker, b"not a model".to_vec()).await, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(e.error.contains("not a safetensors file"), "{}", e.error);
-    assert_api_error(&upload(worker, vec![0; 8192]).await, StatusCode::PAYLOAD_TOO_LARGE);
+    let e = assert_api_error(&upload(worker, not_this_model).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(e.error.contains("the file has no transformer.wte.weight"), "{}", e.error);
+    assert!(file.len() < model_bytes);
+    assert_api_error(&upload(worker, vec![0; model_bytes + 1]).await, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(upload(worker, file.clone()).await.status, StatusCode::NO_CONTENT);
+    // Not served before the run has succeeded.
+    assert_api_error(&t.get(&format!("/api/experiments/{id}/model")).await, StatusCode::CONFLICT);
     let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
 

@@ -70,10 +70,10 @@ pub(super) fn accumulation(run: &RunEvidence, partner: Option<&RunEvidence>) -> 
         experiment_id: run.view.id,
         predicted: format!(
             "{} per rank and step at grad_accum {} and at {k} (planner): one all-reduce of the gradients per step, \
-             {}x the tokens per step",
+             {:.1} times the tokens per step",
             bytes_text(planned),
             spec.train.grad_accum,
-            k / spec.train.grad_accum.max(1)
+            k as f64 / spec.train.grad_accum.max(1) as f64
         ),
         measured: format!(
             "{} in {calls} all-reduce call(s) here, {} in {calls_k} at grad_accum {k} (run {}): {:.2}x",

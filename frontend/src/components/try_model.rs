@@ -23,12 +23,16 @@ pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
     let temperature = RwSignal::new("0.8".to_string());
     let top_k = RwSignal::new("0".to_string());
     let seed = RwSignal::new("0".to_string());
-    let result = RwSignal::new(None::<Generated>);
+    // The answer, with the prompt it continues (as sent, whatever the box holds now).
+    let result = RwSignal::new(None::<(String, Generated)>);
     let error = RwSignal::new(None::<String>);
     let busy = RwSignal::new(false);
     let run = move |_| {
         let number = |s: RwSignal<String>, what: &str| {
             s.get().trim().parse::<f64>().map_err(|_| format!("{what}: '{}' is not a number", s.get()))
+        };
+        let whole = |s: RwSignal<String>, what: &str| {
+            s.get().trim().parse::<u64>().map_err(|_| format!("{what}: '{}' is not a whole number", s.get()))
         };
         let request = (|| -> Result<GenerateRequest, String> {
             let (prompt_text, prompt_tokens) =
@@ -36,10 +40,10 @@ pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
             Ok(GenerateRequest {
                 prompt: prompt_text,
                 prompt_tokens,
-                max_new_tokens: number(max_new, "new tokens")? as usize,
+                max_new_tokens: whole(max_new, "new tokens")? as usize,
                 temperature: number(temperature, "temperature")?,
-                top_k: number(top_k, "top-k")? as usize,
-                seed: number(seed, "seed")? as u64,
+                top_k: whole(top_k, "top-k")? as usize,
+                seed: whole(seed, "seed")?,
             })
         })();
         match request {
@@ -47,9 +51,10 @@ pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
             Ok(request) => {
                 busy.set(true);
                 error.set(None);
+                let sent = request.prompt.clone().unwrap_or_default();
                 leptos::task::spawn_local(async move {
                     match api::generate(id, &request).await {
-                        Ok(g) => result.set(Some(g)),
+                        Ok(g) => result.set(Some((sent, g))),
                         Err(e) => error.set(Some(e.to_string())),
                     }
                     busy.set(false);
@@ -87,12 +92,15 @@ pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
                 </button>
             </div>
             {move || error.get().map(|e| view! { <p class="alert error" id="generate-error">{e}</p> })}
-            {move || result.get().map(|g| view! {
+            {move || result.get().map(|(sent, g)| view! {
                 <pre class="generated" id="generated">
-                    {if text { prompt.get() } else { String::new() }}
+                    {sent}
                     <b>{if text { g.text.clone() } else { g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(" ") }}</b>
                 </pre>
-                <p class="muted small" id="generated-stats">{format!("{} tokens in {:.0} ms (measured on the server)", g.tokens.len(), g.ms)}</p>
+                <p class="muted small" id="generated-stats">
+                    {format!("{} tokens in {:.0} ms (measured on the server)", g.tokens.len(), g.ms)}
+                    {g.stopped_early.then_some("; stopped at the server's time budget for one request")}
+                </p>
             })}
         </section>
     }

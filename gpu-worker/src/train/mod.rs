@@ -404,9 +404,18 @@ pub(crate) fn run<B: TrainBackend>(
     let summary = tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), threads);
     // The ledger is read before the final weights' copy is booked in it.
     let run = RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() };
+    // The trained model is a by-product: a run whose weights cannot be written still
+    // succeeded (the launcher then finds a rank's file missing and says the model was not
+    // exported).
     if let Some(dir) = &opts.final_weights {
-        let weights = crate::export::final_weights(trainer.checkpoint(t.steps, tally.min_loss, Default::default())?);
-        crate::checkpoint::write(&CheckpointDir::new(dir, world).file(t.steps, trainer.place()), &weights)?;
+        let written = trainer.final_weights(t.steps).map_err(|e| e.to_string()).and_then(|weights| {
+            let path = CheckpointDir::new(dir, world).file(t.steps, trainer.place());
+            crate::checkpoint::write(&path, &weights).map_err(|e| e.to_string())
+        });
+        if let Err(e) = written {
+            let message = format!("this rank's final weights were not written: {e}");
+            on_event(RunEvent::Log(distlab_common::LogLine { level: distlab_common::LogLevel::Warn, message }));
+        }
     }
     Ok(run)
 }

@@ -344,16 +344,39 @@ impl<B: TrainBackend> Trainer<B> {
     /// (state every DP rank holds alike is written by DP rank 0 alone; see `checkpoint.rs`).
     /// The copy goes into `reuse`'s buffers, already paged in by an earlier checkpoint.
     pub fn checkpoint(&self, step: u64, min_loss: f64, reuse: RankCheckpoint) -> Result<RankCheckpoint, TrainError> {
+        self.copy_state(step, min_loss, reuse, &|_| true)
+    }
+
+    /// This rank's final weights (`export.rs`): the checkpoint's parameter sections only,
+    /// the fp32 master copy where a 2-byte run keeps one ("master"), else "params".
+    pub fn final_weights(&self, step: u64) -> Result<RankCheckpoint, TrainError> {
+        self.copy_state(step, 0.0, RankCheckpoint::default(), &|name| name == "params" || name == "master")
+    }
+
+    fn copy_state(
+        &self,
+        step: u64,
+        min_loss: f64,
+        reuse: RankCheckpoint,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<RankCheckpoint, TrainError> {
         let mut reuse = Some(reuse);
         let mut made = None;
         self.strategy.view_state(&self.backend, &mut |view| {
             let reuse = reuse.take().unwrap_or_default();
-            made = Some(self.checkpoint_of(view, step, min_loss, reuse));
+            made = Some(self.checkpoint_of(view, step, min_loss, reuse, keep));
         })?;
         Ok(made.expect("a strategy shows its state"))
     }
 
-    fn checkpoint_of(&self, view: StateView<'_>, step: u64, min_loss: f64, reuse: RankCheckpoint) -> RankCheckpoint {
+    fn checkpoint_of(
+        &self,
+        view: StateView<'_>,
+        step: u64,
+        min_loss: f64,
+        reuse: RankCheckpoint,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> RankCheckpoint {
         let writes_replicated = self.place.dp == 0;
         let mut wanted: Vec<(&str, &[f32])> = Vec::new();
         if writes_replicated || !view.params_replicated {
@@ -376,6 +399,7 @@ impl<B: TrainBackend> Trainer<B> {
         }
         // Every rank writes its own (gradient compression's residual).
         wanted.extend(view.local.iter().map(|(name, values)| (*name, values.as_slice())));
+        wanted.retain(|(name, _)| keep(name));
         // The copy is booked from here until the next checkpoint reuses it (the writer keeps it).
         let RankCheckpoint { sections: mut spare, booked, .. } = reuse;
         drop(booked);
