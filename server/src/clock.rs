@@ -29,6 +29,14 @@ pub fn rfc3339(t: SystemTime) -> String {
     )
 }
 
+/// A timestamp in any RFC3339 form between 1970 and 2999 (a review later than that is
+/// nonsense, and dates after it can overflow the scheduling arithmetic); stored and
+/// answered in [`rfc3339`]'s fixed form.
+pub fn parse_time(text: &str) -> Option<SystemTime> {
+    let t = OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()?;
+    (1970..3000).contains(&t.year()).then(|| SystemTime::from(t))
+}
+
 pub fn now() -> SystemTime {
     SystemTime::now()
 }

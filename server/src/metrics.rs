@@ -110,7 +110,7 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, HttpErro
     // Workers heard from within the last hour (a worker gone for good drops out).
     m.heartbeat_age.clear();
     for (worker, last_seen) in &q.last_seen {
-        let Some(seen) = crate::review::parse_time(last_seen) else { continue };
+        let Some(seen) = clock::parse_time(last_seen) else { continue };
         let age = now.duration_since(seen).map_or(0.0, |d| d.as_secs_f64());
         if age <= WORKER_SHOWN_FOR_S {
             m.heartbeat_age.get_or_create(&vec![("worker", label_value(worker))]).set(age);

@@ -36,7 +36,6 @@ use axum::{Extension, Json};
 use distlab_common::cards::Card;
 use distlab_common::review::*;
 use distlab_common::FieldError;
-use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
 use crate::accounts::Account;
@@ -90,13 +89,7 @@ impl Default for Scheduler {
 // ---------------------------------------------------------------------------------------
 // Scheduling (pure)
 
-/// A timestamp in any RFC3339 form between 1970 and 2999 (a review later than that is
-/// nonsense, and dates after it can overflow the scheduling arithmetic); stored and
-/// answered in `clock::rfc3339`'s fixed form.
-pub fn parse_time(text: &str) -> Option<SystemTime> {
-    let t = OffsetDateTime::parse(text, &Rfc3339).ok()?;
-    (1970..3000).contains(&t.year()).then(|| SystemTime::from(t))
-}
+pub use crate::clock::parse_time;
 
 /// Whole days from `from` to `to` (0 when `to` is earlier), as FSRS counts elapsed time.
 pub(crate) fn whole_days_between(from: SystemTime, to: SystemTime) -> u32 {

@@ -358,20 +358,13 @@ pub fn run_into(spec: &ExperimentSpec, dir: &Path) -> Vec<MetricPoint> {
 /// (the demo's byte counts) and every rank's trace.
 pub fn run_demo(spec: &ExperimentSpec) -> (distlab_common::RunSummary, distlab_common::trace::ExperimentTrace) {
     assert!(spec.demo.is_some(), "not a collective demo");
-    let (dir, out) = (tempfile::tempdir().expect("temp dir"), tempfile::tempdir().expect("temp dir"));
-    let path = dir.path().join("spec.json");
-    std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
-    let run = Command::new(bin_path("distlab-worker")).arg("run").arg(&path).arg("--out").arg(out.path()).output();
-    let run = run.expect("run distlab-worker");
-    assert!(run.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&run.stderr));
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let summary = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find_map(|v| v.get("summary").cloned())
-        .unwrap_or_else(|| panic!("no summary line in the output:\n{stdout}"));
-    let trace = std::fs::read_to_string(out.path().join("trace.json")).expect("trace.json");
-    (serde_json::from_value(summary).expect("a run summary"), serde_json::from_str(&trace).expect("trace JSON"))
+    let out = tempfile::tempdir().expect("temp dir");
+    run_worker(spec, Some(out.path()), None);
+    let read = |name: &str| std::fs::read_to_string(out.path().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    (
+        serde_json::from_str(&read("summary.json")).expect("a run summary"),
+        serde_json::from_str(&read("trace.json")).expect("trace JSON"),
+    )
 }
 
 /// `run_with_trace`, saving the spec's checkpoints (`train.checkpoint_every`) as it goes.
@@ -387,6 +380,14 @@ fn worker_run(spec: &ExperimentSpec, out_dir: Option<&Path>) -> Vec<MetricPoint>
 }
 
 fn worker_run_with(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir: Option<&Path>) -> Vec<MetricPoint> {
+    let stdout = run_worker(spec, out_dir, checkpoint_dir);
+    // A run resumed from another experiment's checkpoint starts at its step.
+    let first = spec.train.resume_from.map_or(0, |from| from.step);
+    parse_run_output_from(&stdout, first, spec.train.steps)
+}
+
+/// `distlab-worker run SPEC [--out DIR] [--checkpoint-dir DIR]`, which must succeed: its stdout.
+fn run_worker(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir: Option<&Path>) -> String {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("spec.json");
     std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
@@ -400,9 +401,7 @@ fn worker_run_with(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir
     }
     let out = cmd.output().expect("run distlab-worker");
     assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
-    // A run resumed from another experiment's checkpoint starts at its step.
-    let first = spec.train.resume_from.map_or(0, |from| from.step);
-    parse_run_output_from(&String::from_utf8_lossy(&out.stdout), first, spec.train.steps)
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Runs `distlab-worker run --checkpoint-dir DIR`: the spec's checkpoints are saved in DIR
