@@ -43,6 +43,16 @@ pub struct NamedTensor {
     pub values: Vec<f32>,
 }
 
+/// The tensors of one rank's flat parameter buffer `params`, laid out as `layout` says.
+pub fn tensors_of(layout: &ParamLayout, params: &[f32]) -> Vec<NamedTensor> {
+    let tensor = |t: &crate::model::TensorInfo| NamedTensor {
+        name: t.name.clone(),
+        shape: t.shape.clone(),
+        values: params[t.range.clone()].to_vec(),
+    };
+    layout.tensors.iter().map(tensor).collect()
+}
+
 /// The whole model's tensors (distlab's names, model order) from the rank files of `step`
 /// in `dir`, saved by a run of `spec`.
 pub fn whole_model(spec: &ExperimentSpec, dir: &CheckpointDir, step: u64) -> Result<Vec<NamedTensor>, ExportError> {

@@ -181,7 +181,7 @@ mod tests {
 #[cfg(test)]
 mod round_trip {
     use super::*;
-    use crate::export::{gpt2_safetensors, NamedTensor};
+    use crate::export::{gpt2_safetensors, tensors_of};
 
     /// A model's parameters through GPT-2's file and back, bit for bit; greedy sampling
     /// follows the forward's own argmax and is the same every time.
@@ -191,16 +191,7 @@ mod round_trip {
         let layout = ParamLayout::new(&model);
         let mut rng = Rng::new(5);
         let params: Vec<f32> = (0..layout.total).map(|_| rng.normal() as f32).collect();
-        let tensors: Vec<NamedTensor> = layout
-            .tensors
-            .iter()
-            .map(|t| NamedTensor {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                values: params[t.range.clone()].to_vec(),
-            })
-            .collect();
-        let file = gpt2_safetensors(&tensors).unwrap();
+        let file = gpt2_safetensors(&tensors_of(&layout, &params)).unwrap();
         assert_eq!(load_gpt2(&model, &file).unwrap(), params);
         let wrong = ModelSpec::dense(2, 16, 2, 8, 12);
         assert!(load_gpt2(&wrong, &file).unwrap_err().contains("the model needs F32"));
@@ -215,14 +206,8 @@ mod round_trip {
         assert_eq!(made, seen);
         assert_eq!(made, generate(&model, &params, &[3, 1, 4], &greedy, |_| true).unwrap());
         // The first token is the argmax of one forward's last row.
-        let be = CpuBackend::<f32>::new(1);
-        let mut gpt = Gpt::new(&be, &model, 1, &MemoryTracker::new());
-        let mut state = FlatState::new(&be, &gpt.layout, 0);
-        be.upload(&mut state.params, &params);
-        let inputs = [3, 1, 4, 0, 0, 0, 0, 0];
-        gpt.forward(&be, &mut state, &inputs, &[0; 8]).unwrap();
-        let mut probs = vec![0.0f32; 8 * 11];
-        be.download(gpt.probabilities().unwrap(), &mut probs);
+        let mut predictor = Predictor::new(&model, &params).unwrap();
+        let probs = predictor.probabilities(&[3, 1, 4]).unwrap();
         let row = &probs[2 * 11..3 * 11];
         let best = (0..11).fold(0, |b, j| if row[j] > row[b] { j } else { b });
         assert_eq!(made[0], best as u32);

@@ -1597,15 +1597,8 @@ async fn a_worker_hands_over_the_trained_model_and_it_is_served_and_removed() {
     };
     // The experiment's model (the default spec's), every value its index.
     let layout = distlab_worker::model::ParamLayout::new(&ExperimentSpec::default().model);
-    let tensors: Vec<_> = layout
-        .tensors
-        .iter()
-        .map(|t| distlab_worker::export::NamedTensor {
-            name: t.name.clone(),
-            shape: t.shape.clone(),
-            values: t.range.clone().map(|i| i as f32).collect(),
-        })
-        .collect();
+    let params: Vec<f32> = (0..layout.total).map(|i| i as f32).collect();
+    let tensors = distlab_worker::export::tensors_of(&layout, &params);
     let file = distlab_worker::export::gpt2_safetensors(&tensors).expect("a model file");
     let values: Vec<f32> = (0..16).map(|i| i as f32).collect();
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 4], bytemuck_bytes(&values))

@@ -23,7 +23,12 @@ fn spec(name: &str, micro_batch: usize, micro_batches: usize) -> ExperimentSpec 
 fn exported(spec: &ExperimentSpec) -> (Tensors, Value) {
     let dir = tempfile::tempdir().expect("temp dir");
     run_into(spec, dir.path());
-    let bytes = std::fs::read(dir.path().join(export::WEIGHTS_FILE)).expect("model.safetensors");
+    read_export(dir.path())
+}
+
+/// The model and config.json a run wrote into `dir`.
+fn read_export(dir: &std::path::Path) -> (Tensors, Value) {
+    let bytes = std::fs::read(dir.join(export::WEIGHTS_FILE)).expect("model.safetensors");
     let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
     let tensors = file
         .tensors()
@@ -34,8 +39,12 @@ fn exported(spec: &ExperimentSpec) -> (Tensors, Value) {
             (name, (view.shape().to_vec(), values))
         })
         .collect();
-    let config = std::fs::read_to_string(dir.path().join("config.json")).expect("config.json");
-    assert!(!dir.path().join("final-weights").exists(), "the ranks' files are removed");
+    let config = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
+    let left: Vec<_> = std::fs::read_dir(dir).expect("the run's directory").flatten().map(|e| e.file_name()).collect();
+    assert!(
+        !left.iter().any(|name| name.to_string_lossy().contains("final-weights")),
+        "the ranks' files are removed: {left:?}"
+    );
     (tensors, serde_json::from_str(&config).expect("config JSON"))
 }
 
@@ -57,7 +66,9 @@ fn largest_difference(a: &Tensors, b: &Tensors, what: &str) -> f32 {
 fn a_run_writes_gpt2s_tensors_and_config() {
     let _serial = one_at_a_time();
     let spec = spec("export", 2, 4);
-    let (tensors, config) = exported(&spec);
+    let dir = tempfile::tempdir().expect("temp dir");
+    run_into(&spec, dir.path());
+    let (tensors, config) = read_export(dir.path());
     let (v, t, d, layers) = (64, 32, 64, 4);
     assert_eq!(tensors.len(), 2 + 12 * layers + 3, "{:?}", tensors.keys());
     let shape = |name: &str| tensors.get(name).map(|(s, _)| s.clone()).unwrap_or_else(|| panic!("no {name}"));
@@ -80,8 +91,6 @@ fn a_run_writes_gpt2s_tensors_and_config() {
 
     // The export's own predictions, read back by the engine (what check_export.py sets
     // against transformers'): one row per token, each a distribution.
-    let dir = tempfile::tempdir().expect("temp dir");
-    run_into(&spec, dir.path());
     let out = std::process::Command::new(bin_path("distlab-worker"))
         .arg("probabilities")
         .arg(dir.path())
