@@ -29,66 +29,59 @@ const GB: f64 = 1e9;
 // Model presets
 // ---------------------------------------------------------------------------------------
 
-/// A well-known model shape, in distlab's GPT (GPT-2 blocks: LayerNorm, 4d GELU MLP,
-/// learned positions, a separate LM head).
+/// A well-known model and the parameter count its authors publish.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelPreset {
     pub key: String,
     pub label: String,
-    /// The size the model is known by, in parameters.
-    pub nominal_params: u64,
-    /// The original ties its LM head to the token embedding (GPT-2, GPT-3), so its
-    /// published size leaves out the vocab x d_model head that distlab keeps separate.
-    pub original_ties_head: bool,
+    /// Parameters as published (a test holds [`ModelSpec::param_count`] within 1% of it).
+    pub published_params: u64,
     pub model: ModelSpec,
 }
 
-impl ModelPreset {
-    /// Parameters counted as the original's authors count them: distlab's
-    /// [`ModelSpec::param_count`], less the separate LM head where the original ties it.
-    pub fn comparable_param_count(&self) -> u64 {
-        let head = (self.model.vocab as u64).saturating_mul(self.model.d_model as u64);
-        let count = self.model.param_count();
-        if self.original_ties_head {
-            count.saturating_sub(head)
-        } else {
-            count
-        }
-    }
-}
-
-/// Model shapes for the planner page, smallest first. Their parameter counts (checked by
-/// a test) land within 10% of the names:
+/// Model shapes for the planner page, by family and size:
 ///
-/// | preset          | layers | d_model | heads | seq  | vocab | distlab count        |
-/// |-----------------|-------:|--------:|------:|-----:|------:|----------------------|
-/// | GPT-2 124M      | 12     | 768     | 12    | 1024 | 50257 | 124.4M (+38.6M head) |
-/// | GPT-3 XL 1.3B   | 24     | 2048    | 16    | 2048 | 50257 | 1.32B (+0.10B head)  |
-/// | LLaMA-like 7B   | 32     | 4096    | 32    | 4096 | 32000 | 6.72B                |
-/// | LLaMA-like 13B  | 40     | 5120    | 40    | 4096 | 32000 | 12.9B                |
-/// | LLaMA-like 70B  | 80     | 8448    | 64    | 4096 | 32000 | 69.1B                |
-/// | GPT-3 175B      | 96     | 12288   | 96    | 2048 | 50257 | 174.6B (+0.6B head)  |
+/// | preset         | family | layers | d_model | heads (kv) | MLP             | vocab  | published       |
+/// |----------------|--------|-------:|--------:|-----------:|-----------------|-------:|-----------------|
+/// | GPT-2 124M     | gpt2   | 12     | 768     | 12         | 3072, tied head | 50257  | 124,439,808     |
+/// | Llama-2 7B     | llama  | 32     | 4096    | 32         | 11008           | 32000  | 6,738,415,616   |
+/// | Llama-2 13B    | llama  | 40     | 5120    | 40         | 13824           | 32000  | 13,015,864,320  |
+/// | Llama-3 8B     | llama  | 32     | 4096    | 32 (8)     | 14336           | 128256 | 8,030,261,248   |
+/// | Mixtral 8x7B   | llama  | 32     | 4096    | 32 (8)     | 8 x 14336, top-2| 32000  | 46,702,792,704  |
+/// | Llama-2 70B    | llama  | 80     | 8192    | 64 (8)     | 28672           | 32000  | 68,976,648,192  |
+/// | Llama-3 70B    | llama  | 80     | 8192    | 64 (8)     | 28672           | 128256 | 70,553,706,496  |
+/// | Megatron 145B  | gpt2   | 80     | 12288   | 96         | 49152, tied     | 51200  | 145.6B          |
+/// | GPT-3 175B     | gpt2   | 96     | 12288   | 96         | 49152, tied     | 50257  | 175.0B          |
+/// | Megatron 310B  | gpt2   | 96     | 16384   | 128        | 65536, tied     | 51200  | 310.1B          |
+/// | Llama-3 405B   | llama  | 126    | 16384   | 128 (8)    | 53248           | 128256 | 405,853,388,800 |
+/// | Megatron 1T    | gpt2   | 128    | 25600   | 160        | 102400, tied    | 51200  | 1008.0B         |
+///
+/// Exact counts are the released checkpoints'; the Megatron models are Narayanan et al.
+/// 2021's Table 1 (sequence 2048); GPT-3's are the paper's.
 pub fn model_presets() -> Vec<ModelPreset> {
-    let preset = |key: &str, label: &str, nominal: u64, tied: bool, model: ModelSpec| ModelPreset {
+    let preset = |key: &str, label: &str, published_params: u64, model: ModelSpec| ModelPreset {
         key: key.into(),
         label: label.into(),
-        nominal_params: nominal,
-        original_ties_head: tied,
+        published_params,
         model,
     };
-    let m = ModelSpec::dense;
+    let tied = |model: ModelSpec| ModelSpec { tie_embeddings: true, ..model };
+    let gpt = |layers, d, heads, seq, vocab| tied(ModelSpec::dense(layers, d, heads, seq, vocab));
+    let llama = ModelSpec::llama;
+    let mixtral = ModelSpec { experts: 8, expert_top_k: 2, ..llama(32, 4096, 32, 8, 14336, 32768, 32000) };
     vec![
-        preset("gpt2-124m", "GPT-2 124M", 124_000_000, true, m(12, 768, 12, 1024, 50257)),
-        preset("gpt3-xl-1.3b", "GPT-3 XL 1.3B", 1_300_000_000, true, m(24, 2048, 16, 2048, 50257)),
-        // LLaMA-2 7B and 13B shapes. LLaMA's SwiGLU MLP (3 matrices of d x 2.7d) has about
-        // as many weights as the 4d GELU MLP here (2 of d x 4d), so the counts agree.
-        preset("llama-7b", "7B (LLaMA-like)", 7_000_000_000, false, m(32, 4096, 32, 4096, 32000)),
-        preset("llama-13b", "13B (LLaMA-like)", 13_000_000_000, false, m(40, 5120, 40, 4096, 32000)),
-        // LLaMA-2 70B is 80 x 8192 with a 3.5d SwiGLU MLP and grouped-query attention;
-        // GPT blocks of width 8192 would give only 64.9B, so the width is 8448 (64 heads of
-        // 132): 69.1B parameters with the original's depth.
-        preset("llama-70b", "70B (LLaMA-like)", 70_000_000_000, false, m(80, 8448, 64, 4096, 32000)),
-        preset("gpt3-175b", "GPT-3 175B", 175_000_000_000, true, m(96, 12288, 96, 2048, 50257)),
+        preset("gpt2-124m", "GPT-2 124M", 124_439_808, gpt(12, 768, 12, 1024, 50257)),
+        preset("llama-7b", "Llama-2 7B", 6_738_415_616, llama(32, 4096, 32, 32, 11008, 4096, 32000)),
+        preset("llama-13b", "Llama-2 13B", 13_015_864_320, llama(40, 5120, 40, 40, 13824, 4096, 32000)),
+        preset("llama3-8b", "Llama-3 8B", 8_030_261_248, llama(32, 4096, 32, 8, 14336, 8192, 128256)),
+        preset("mixtral-8x7b", "Mixtral 8x7B", 46_702_792_704, mixtral),
+        preset("llama-70b", "Llama-2 70B", 68_976_648_192, llama(80, 8192, 64, 8, 28672, 4096, 32000)),
+        preset("llama3-70b", "Llama-3 70B", 70_553_706_496, llama(80, 8192, 64, 8, 28672, 8192, 128256)),
+        preset("megatron-145b", "Megatron GPT 145B", 145_600_000_000, gpt(80, 12288, 96, 2048, 51200)),
+        preset("gpt3-175b", "GPT-3 175B", 175_000_000_000, gpt(96, 12288, 96, 2048, 50257)),
+        preset("megatron-310b", "Megatron GPT 310B", 310_100_000_000, gpt(96, 16384, 128, 2048, 51200)),
+        preset("llama3-405b", "Llama-3 405B", 405_853_388_800, llama(126, 16384, 128, 8, 53248, 8192, 128256)),
+        preset("megatron-1t", "Megatron GPT 1T", 1_008_000_000_000, gpt(128, 25600, 160, 2048, 51200)),
     ]
 }
 
@@ -688,21 +681,35 @@ mod tests {
     }
 
     #[test]
-    fn model_presets_are_near_their_nominal_size() {
+    fn model_presets_count_their_published_parameters() {
         let presets = model_presets();
-        assert_eq!(presets.len(), 6);
         for p in &presets {
-            let count = p.comparable_param_count();
-            let off = count as f64 / p.nominal_params as f64 - 1.0;
-            println!("{}: {} parameters ({:+.1}%), {} in distlab", p.key, count, 100.0 * off, p.model.param_count());
-            assert!(off.abs() < 0.10, "{}: {count} is {:+.1}% off", p.key, 100.0 * off);
-            // Every preset is a plannable model, with whole heads on up to 4 TP ranks.
+            let count = p.model.param_count();
+            let off = count as f64 / p.published_params as f64 - 1.0;
+            println!("{}: {count} parameters, published {} ({:+.3}%)", p.key, p.published_params, 100.0 * off);
+            assert!(off.abs() < 0.01, "{}: {count} is {:+.2}% off", p.key, 100.0 * off);
+            // Every preset is a plannable model, with whole K/V heads on up to 4 TP ranks.
             let spec = ExperimentSpec { model: p.model.clone(), ..ExperimentSpec::default() };
-            assert_eq!(plan(&spec).expect("plan").param_count, p.model.param_count());
-            assert_eq!(p.model.heads % 4, 0, "{}", p.key);
+            assert_eq!(plan(&spec).expect("plan").param_count, count);
+            assert_eq!(p.model.key_value_heads() % 4, 0, "{}", p.key);
         }
-        // GPT-2 small: the published 124M leaves out the tied head (exactly 124,439,808).
-        assert_eq!(presets[0].comparable_param_count(), 124_439_808);
+        // The released checkpoints' exact counts.
+        for (key, exact) in [
+            ("gpt2-124m", 124_439_808),
+            ("llama-7b", 6_738_415_616),
+            ("llama3-8b", 8_030_261_248),
+            ("mixtral-8x7b", 46_702_792_704),
+            ("llama3-70b", 70_553_706_496),
+            ("llama3-405b", 405_853_388_800),
+        ] {
+            assert_eq!(preset(key).param_count(), exact, "{key}");
+        }
+        // Untying GPT-2's head adds vocab x d_model (the engine's layout: 163M).
+        let untied = ModelSpec { tie_embeddings: false, ..preset("gpt2-124m") };
+        assert_eq!(untied.param_count(), 124_439_808 + 50257 * 768);
+        // Mixtral's token sees 2 of 8 experts: 12.9B active parameters (published 12.9B).
+        let active = preset("mixtral-8x7b").active_param_count();
+        assert!((active as f64 / 12.9e9 - 1.0).abs() < 0.01, "{active}");
         // The keys are unique.
         let mut keys: Vec<&str> = presets.iter().map(|p| p.key.as_str()).collect();
         keys.sort_unstable();
@@ -842,7 +849,11 @@ mod tests {
         for model in model_presets() {
             for cluster in cluster_presets() {
                 for (dp, tp, pp) in layouts {
-                    if model.model.layers < pp || model.model.heads % tp != 0 {
+                    // (experts are not split over tensor-parallel ranks)
+                    if model.model.layers < pp
+                        || model.model.key_value_heads() % tp != 0
+                        || (model.model.is_moe() && tp > 1)
+                    {
                         continue;
                     }
                     let spec = megatron_spec(model.model.clone(), dp, tp, pp, 4 * pp);
@@ -885,7 +896,7 @@ mod tests {
         // tp=16 on nodes of 8 crosses as well.
         let wide = megatron_spec(preset("llama-13b"), 1, 8, 1, 1);
         let mut wider = wide.clone();
-        wider.model.heads = 16 * 4; // 80-wide heads, so that tp=16 divides them
+        (wider.model.heads, wider.model.kv_heads) = (16 * 4, 16 * 4); // 80-wide heads, so that tp=16 divides them
         wider.parallel.tp = 16;
         let (_, e) = run(&wider, Cluster::a100_80gb_sxm());
         assert!(e.tp.crosses_nodes);

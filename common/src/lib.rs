@@ -13,6 +13,7 @@ pub mod elastic;
 pub mod estimate;
 pub mod events;
 pub mod export;
+pub mod layout_search;
 pub mod memory;
 pub mod pipeline;
 pub mod planner;

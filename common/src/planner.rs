@@ -309,20 +309,16 @@ pub fn ring_all_reduce_bytes(n: u64, w: u64, bytes: u64) -> u64 {
 /// s*b*d*(34 + 5*h*s/d), which also keeps dropout masks and the pre-softmax scores
 /// (the engine has no dropout and overwrites the scores). This is THE per-layer term:
 /// adjust it here when the engine's measured activations say otherwise.
-pub fn layer_activation_elements(
-    batch: u64,
-    seq: u64,
-    d: u64,
-    heads: u64,
-    tp: u64,
-    attention: Attention,
-    sp: bool,
-) -> u64 {
+///
+/// Other shapes ([`ModelSpec::tp_split_activation_width`]): grouped-query attention keeps
+/// narrower K and V, a wider or SwiGLU MLP more hidden values, RMSNorm one statistic.
+pub fn layer_activation_elements(m: &ModelSpec, batch: u64, tp: u64, attention: Attention, sp: bool) -> u64 {
+    let (seq, d, heads) = (m.seq_len as u64, m.d_model as u64, m.heads as u64);
     let tp = tp.max(1);
     let rows = batch.saturating_mul(seq);
-    let whole = rows.saturating_mul(d.saturating_mul(4).saturating_add(4));
+    let whole = rows.saturating_mul(d.saturating_mul(4).saturating_add(m.norm_statistics()));
     let whole = if sp { whole / tp } else { whole };
-    let split = rows.saturating_mul(d.saturating_mul(12) / tp);
+    let split = rows.saturating_mul(m.tp_split_activation_width() / tp);
     whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp, attention))
 }
 
@@ -343,18 +339,11 @@ pub fn attention_elements(batch: u64, seq: u64, heads: u64, attention: Attention
 /// With sequence parallelism (`sp`) the residual's gradient is this rank's b*s/t tokens
 /// only, and the LayerNorm parameters' gradients of a block (4d) are made in scratch
 /// before they are summed over the group.
-pub fn activation_grad_elements(
-    batch: u64,
-    seq: u64,
-    d: u64,
-    heads: u64,
-    tp: u64,
-    attention: Attention,
-    sp: bool,
-) -> u64 {
+pub fn activation_grad_elements(m: &ModelSpec, batch: u64, tp: u64, attention: Attention, sp: bool) -> u64 {
+    let (seq, d, heads) = (m.seq_len as u64, m.d_model as u64, m.heads as u64);
     let tp = tp.max(1);
     let rows = batch.saturating_mul(seq);
-    let split = rows.saturating_mul(d.saturating_mul(8) / tp);
+    let split = rows.saturating_mul(m.tp_split_gradient_width() / tp);
     let whole = match sp {
         false => rows.saturating_mul(d.saturating_mul(2)),
         true => (rows.saturating_mul(d) / tp).saturating_add(rows.saturating_mul(d)).saturating_add(4 * d),
@@ -375,24 +364,19 @@ pub fn expert_block_elements(m: &ModelSpec, rows: u64, ep: u64, dense_layer: u64
     let (d, e) = (m.d_model as u64, m.experts as u64);
     let slots = e.saturating_mul(m.expert_capacity(rows as usize) as u64);
     let exchanged = if ep > 1 { 2 } else { 1 };
-    let hidden = d.saturating_mul(4);
+    let (kept, made) = m.mlp_activation_widths();
     let slot_rows = |n: u64| slots.saturating_mul(n);
-    let layer = [
-        rows.saturating_mul(e),
-        slots,
-        slot_rows(d).saturating_mul(2 * exchanged),
-        slot_rows(hidden).saturating_mul(2),
-    ]
-    .into_iter()
-    .fold(dense_layer.saturating_sub(rows.saturating_mul(hidden).saturating_mul(2)), u64::saturating_add);
+    let layer = [rows.saturating_mul(e), slots, slot_rows(d).saturating_mul(2 * exchanged), slot_rows(kept)]
+        .into_iter()
+        .fold(dense_layer.saturating_sub(rows.saturating_mul(kept)), u64::saturating_add);
     let grads = [
-        rows.max(slots).saturating_mul(hidden),
+        rows.max(slots).saturating_mul(made),
         slot_rows(d).saturating_mul(exchanged),
         rows.saturating_mul(e),
         rows.saturating_mul(d),
     ]
     .into_iter()
-    .fold(dense_grads.saturating_sub(rows.saturating_mul(hidden)), u64::saturating_add);
+    .fold(dense_grads.saturating_sub(rows.saturating_mul(made)), u64::saturating_add);
     (layer, grads)
 }
 
@@ -433,6 +417,24 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
             format!("tp={} does not divide heads={}: each tensor-parallel rank takes whole heads", p.tp, m.heads),
         );
     }
+    let kv_heads = m.key_value_heads();
+    if m.heads >= 1 && (kv_heads > m.heads || m.heads % kv_heads != 0) {
+        err(
+            "model.kv_heads",
+            format!(
+                "kv_heads={kv_heads} does not divide heads={}: each K/V head serves a whole group of query heads",
+                m.heads
+            ),
+        );
+    } else if p.tp >= 1 && m.heads >= 1 && m.heads % p.tp == 0 && kv_heads % p.tp != 0 {
+        err(
+            "parallel.tp",
+            format!("tp={} does not divide kv_heads={kv_heads}: each tensor-parallel rank takes whole K/V heads", p.tp),
+        );
+    }
+    if p.tp >= 1 && m.d_ff() % p.tp != 0 {
+        err("parallel.tp", format!("tp={} does not divide the MLP width {}", p.tp, m.d_ff()));
+    }
     if p.pp >= 1 && m.layers >= 1 && p.pp > m.layers {
         err(
             "parallel.pp",
@@ -461,7 +463,8 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
     }
     // Estimated in f64 first, so that param_count (u64) is only called when it cannot overflow.
     let (v, s, d, l) = (m.vocab as f64, m.seq_len as f64, m.d_model as f64, m.layers as f64);
-    let estimate = 2.0 * v * d + s * d + l * (12.0 * d * d + 13.0 * d) + 2.0 * d;
+    let (ff, copies) = (m.d_ff() as f64, m.experts.max(1) as f64);
+    let estimate = 2.0 * v * d + s * d + l * (4.0 * d * d + 13.0 * d + copies * (3.0 * d * ff + ff)) + 2.0 * d;
     if estimate > MAX_PLANNED_PARAMS {
         err("model", format!("this model has about {estimate:.3e} parameters; the planner handles at most 1e15"));
     }
@@ -508,7 +511,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     check_structure(spec)?;
     let (m, p, t) = (&spec.model, &spec.parallel, &spec.train);
     let u = |x: usize| x as u64;
-    let (d, heads, seq, vocab) = (u(m.d_model), u(m.heads), u(m.seq_len), u(m.vocab));
+    let (d, seq, vocab) = (u(m.d_model), u(m.seq_len), u(m.vocab));
     let (dp, tp, pp) = (u(p.dp), u(p.tp), u(p.pp));
     let (batch, micro_batches) = (u(t.micro_batch), u(t.micro_batches));
     let micro_steps = micro_batches.saturating_mul(u(t.grad_accum));
@@ -518,28 +521,30 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let act_bytes = activation_bytes(t.precision);
 
     // The model's parts as the engine lays them out (ParamLayout): they add up to param_count.
-    let embedding = (vocab + seq) * d;
-    let head = 2 * d + d * vocab;
+    // A tied LM head split from its embedding by a pipeline is a second copy on the last
+    // stage (Megatron's: the two copies' gradients are summed between the stages).
+    let embedding = m.embedding_params();
+    let head = m.head_params() + if m.tie_embeddings && pp > 1 { d * vocab } else { 0 };
     let ep = u(p.ep.max(1));
     // With experts (tp = 1) a rank of an expert-parallel group holds E/ep of each block's.
     let experts_per_block = u(m.experts) / ep * m.mlp_params();
     let block = m.block_params() - (u(m.experts) - u(m.experts) / ep) * m.mlp_params();
-    // Split by TP: QKV (3d^2 + 3d), attention projection weight (d^2), MLP (4d^2 + 4d, 4d^2).
-    let block_split = if m.is_moe() { 0 } else { 12 * d * d + 7 * d };
+    // Split by TP: GPT-2's QKV (3d^2 + 3d), attention projection weight (d^2), MLP (4d^2 + 4d, 4d^2).
+    let block_split = m.tp_split_block_params();
     let block_per_tp_rank = block_split / tp + (block - block_split);
 
     let rows = batch.saturating_mul(seq);
     let rows_d = rows.saturating_mul(d);
     let sp = p.splits_sequence();
-    let layer_acts = layer_activation_elements(batch, seq, d, heads, tp, t.attention, sp);
-    let grad_acts = activation_grad_elements(batch, seq, d, heads, tp, t.attention, sp);
+    let layer_acts = layer_activation_elements(m, batch, tp, t.attention, sp);
+    let grad_acts = activation_grad_elements(m, batch, tp, t.attention, sp);
     let (layer_acts, grad_acts) = match m.is_moe() {
         true => expert_block_elements(m, rows, ep, layer_acts, grad_acts),
         false => (layer_acts, grad_acts),
     };
     // ZB-H1 (no sequence parallelism): the gradients of a block's four matmul outputs
     // (attention projection, MLP out: b*s*d; QKV: 3d/t; MLP hidden: 4d/t wide).
-    let weight_stash_elements = rows.saturating_mul(d.saturating_mul(2) + (3 * d + 4 * d) / tp);
+    let weight_stash_elements = rows.saturating_mul(d.saturating_mul(2) + (m.qkv_width() + u(m.d_ff())) / tp);
     // The residual stream between blocks (a stage's input and output, checkpointed segment
     // outputs): whole on every TP rank, or with sequence parallelism this rank's tokens.
     let res_d = if sp { rows_d / tp } else { rows_d };
@@ -1198,11 +1203,12 @@ mod tests {
     fn flash_attention_has_no_quadratic_term() {
         let (b, d, h) = (2, 64, 4);
         for s in [128u64, 1024] {
-            let naive = layer_activation_elements(b, s, d, h, 1, Attention::Naive, false);
-            let flash = layer_activation_elements(b, s, d, h, 1, Attention::Flash, false);
+            let m = ModelSpec::dense(2, d as usize, h as usize, s as usize, 64);
+            let naive = layer_activation_elements(&m, b, 1, Attention::Naive, false);
+            let flash = layer_activation_elements(&m, b, 1, Attention::Flash, false);
             assert_eq!(naive - flash, b * h * (s * s - 2 * s), "s={s}");
             assert_eq!(flash, b * s * (16 * d + 4) + b * h * s * 2, "s={s}");
-            let grads = activation_grad_elements(b, s, d, h, 2, Attention::Flash, false);
+            let grads = activation_grad_elements(&m, b, 2, Attention::Flash, false);
             assert_eq!(grads, b * s * (2 * d + 4 * d) + b * (h / 2) * s * 2, "s={s}, tp=2");
         }
     }
@@ -1446,6 +1452,50 @@ mod tests {
         // The plan round-trips through JSON (the browser renders it).
         let again: Plan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
         assert_eq!(again, p);
+    }
+
+    /// A Llama-style model: RMSNorm, SwiGLU and grouped-query attention, each in the
+    /// places a learner would look: parameters per stage and TP rank, the activations kept.
+    #[test]
+    fn llama_blocks_are_planned_by_their_own_shapes() {
+        // 4 blocks of d = 256, 8 heads of 32 sharing 2 K/V heads, SwiGLU of 688, vocab 1000.
+        let m = ModelSpec::llama(4, 256, 8, 2, 688, 64, 1000);
+        let (d, f, v) = (256u64, 688u64, 1000u64);
+        let kv = 2 * 32; // two K/V heads of 32
+        let block = 2 * d + (d * (d + 2 * kv) + d * d) + 3 * d * f;
+        assert_eq!(m.block_params(), block);
+        assert_eq!(m.param_count(), v * d + 4 * block + d + d * v, "no position table, one RMSNorm gain");
+        let mut spec = ExperimentSpec { model: m.clone(), ..ExperimentSpec::default() };
+        (spec.parallel.tp, spec.parallel.pp) = (2, 2);
+        let p = plan(&spec).unwrap();
+        // Each TP rank holds half of every matrix and both norms whole.
+        assert_eq!(p.stages[0].params_per_rank, v * d + 2 * ((block - 2 * d) / 2 + 2 * d));
+        assert_eq!(p.stages[1].params_per_rank, 2 * ((block - 2 * d) / 2 + 2 * d) + d + d * v);
+        // Tied: the head leaves the count, but a pipeline's last stage keeps its copy.
+        spec.model.tie_embeddings = true;
+        let tied = plan(&spec).unwrap();
+        assert_eq!(tied.param_count, p.param_count - d * v);
+        assert_eq!(tied.stages[1].params_per_rank, p.stages[1].params_per_rank);
+        spec.parallel.pp = 1;
+        spec.model.layers = 2;
+        let one_stage = plan(&spec).unwrap();
+        assert_eq!(one_stage.stages[0].params_per_rank, v * d + 2 * ((block - 2 * d) / 2 + 2 * d) + d);
+        // Fewer K/V heads keep narrower K and V: (8 - 2) x 32 x 2 fewer values per token.
+        let full = ModelSpec { kv_heads: 8, ..m.clone() };
+        let (b, t) = (2u64, 64u64);
+        let saved = layer_activation_elements(&full, b, 1, Attention::Flash, false)
+            - layer_activation_elements(&m, b, 1, Attention::Flash, false);
+        assert_eq!(saved, b * t * 2 * (8 - 2) * 32);
+        // Whole K/V heads per TP rank, and an MLP width TP divides.
+        spec.parallel.tp = 4;
+        let errors = plan(&spec).unwrap_err();
+        assert!(errors.iter().any(|e| e.field == "parallel.tp" && e.message.contains("kv_heads=2")), "{errors:?}");
+        spec.parallel.tp = 2;
+        spec.model.kv_heads = 3;
+        let errors = plan(&spec).unwrap_err();
+        assert!(errors.iter().any(|e| e.field == "model.kv_heads"), "{errors:?}");
+        // Llama's default MLP width: 8/3 d rounded up to 256 (Llama-2 7B: 11008).
+        assert_eq!(ModelSpec { ffn_hidden: 0, ..ModelSpec::llama(1, 4096, 32, 32, 0, 8, 8) }.d_ff(), 11008);
     }
 
     #[test]

@@ -351,6 +351,7 @@ mod tests {
         assert!(micro < 64);
         // 2-3 tokens/s per GPU is hundreds of times below what the FLOPs allow.
         let t = &v.figures[0];
+        println!("70B recipe: {} vs {} ({:.0}x); fits with {:?}", t.planner, t.stated, t.ratio, v.fits_with);
         assert!(t.far_off && t.ratio > 100.0, "{t:?}");
         assert!(t.arithmetic.contains("tokens per step /"), "{}", t.arithmetic);
     }

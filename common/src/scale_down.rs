@@ -47,6 +47,16 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
         p.sharding = crate::Sharding::None;
     }
     let heads = HEADS_PER_TP_RANK * p.tp;
+    let blocks = |m: &crate::ModelSpec| (m.family, m.kv_heads, m.ffn_hidden, m.tie_embeddings);
+    let gpt2 = blocks(&crate::ModelSpec::default());
+    if blocks(&small.model) != gpt2 {
+        changes.push(
+            "the engine trains GPT-2 blocks (LayerNorm, a GELU MLP of 4 x d_model, a K and V per head, an untied \
+             LM head), so the small model has them"
+                .to_string(),
+        );
+        (small.model.family, small.model.kv_heads, small.model.ffn_hidden, small.model.tie_embeddings) = gpt2;
+    }
     small.model.heads = heads;
     small.model.d_model = heads * HEAD_DIM;
     small.model.layers = p.pp.max(2);

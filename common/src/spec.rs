@@ -67,10 +67,15 @@ impl CollectiveDemo {
     }
 }
 
-/// A GPT-2-style decoder: embeddings, `layers` pre-LN blocks, final LayerNorm, LM head.
+/// A decoder-only transformer: embeddings, `layers` pre-norm blocks, a final norm and the
+/// LM head. The engine trains the GPT-2 family with untied embeddings, full multi-head
+/// attention and a 4 x d_model MLP; the planner also sizes Llama-style models.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSpec {
+    /// The block's design (the planner's business; the engine trains `gpt2`).
+    #[serde(skip_serializing_if = "ModelFamily::is_gpt2")]
+    pub family: ModelFamily,
     pub layers: usize,
     pub d_model: usize,
     pub heads: usize,
@@ -88,6 +93,40 @@ pub struct ModelSpec {
     /// sum over experts of (share of assignments) x (mean router probability), 1 when
     /// balanced.
     pub aux_loss_coef: f64,
+    /// Key/value heads: fewer than `heads` is grouped-query attention (each K/V head
+    /// serves heads / kv_heads query heads); 0 means as many as `heads`.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_heads: usize,
+    /// Width of the MLP's hidden layer; 0 means the family's: 4 x d_model for GPT-2,
+    /// 8/3 x d_model rounded up to a multiple of 256 for Llama.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ffn_hidden: usize,
+    /// The LM head reuses the token embedding matrix (GPT-2's original, Llama-3 8B's is not).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tie_embeddings: bool,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// What a transformer block is made of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFamily {
+    /// LayerNorm (gain and bias), biased projections, a GELU MLP of two matrices, learned
+    /// position embeddings.
+    #[default]
+    Gpt2,
+    /// RMSNorm (gain only), projections without bias, a SwiGLU MLP of three matrices
+    /// (gate, up, down), rotary positions (no position embedding table).
+    Llama,
+}
+
+impl ModelFamily {
+    pub fn is_gpt2(&self) -> bool {
+        *self == ModelFamily::Gpt2
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -463,6 +502,7 @@ impl ModelSpec {
     /// A dense model (no experts) of this shape.
     pub const fn dense(layers: usize, d_model: usize, heads: usize, seq_len: usize, vocab: usize) -> Self {
         Self {
+            family: ModelFamily::Gpt2,
             layers,
             d_model,
             heads,
@@ -472,7 +512,28 @@ impl ModelSpec {
             expert_top_k: 1,
             capacity_factor: 1.25,
             aux_loss_coef: 0.01,
+            kv_heads: 0,
+            ffn_hidden: 0,
+            tie_embeddings: false,
         }
+    }
+
+    /// A Llama-style model: RMSNorm, SwiGLU of width `ffn_hidden`, `kv_heads` key/value
+    /// heads, rotary positions, untied embeddings.
+    pub const fn llama(
+        layers: usize,
+        d_model: usize,
+        heads: usize,
+        kv_heads: usize,
+        ffn_hidden: usize,
+        seq_len: usize,
+        vocab: usize,
+    ) -> Self {
+        let mut m = Self::dense(layers, d_model, heads, seq_len, vocab);
+        m.family = ModelFamily::Llama;
+        m.kv_heads = kv_heads;
+        m.ffn_hidden = ffn_hidden;
+        m
     }
 
     /// Whether the blocks' MLPs are experts.
@@ -480,10 +541,98 @@ impl ModelSpec {
         self.experts > 0
     }
 
-    /// Parameters of one MLP (an expert): d x 4d + 4d, 4d x d + d.
+    /// Parameters of one MLP (an expert), f = d_ff: GPT-2 d x f + f, f x d + d; Llama's
+    /// SwiGLU three matrices without bias, gate and up d x f, down f x d.
     pub fn mlp_params(&self) -> u64 {
         let (d, ff) = (self.d_model as u64, self.d_ff() as u64);
-        (d * ff + ff) + (ff * d + d)
+        match self.family {
+            ModelFamily::Gpt2 => (d * ff + ff) + (ff * d + d),
+            ModelFamily::Llama => 3 * d * ff,
+        }
+    }
+
+    /// Key/value heads in effect: `kv_heads`, or `heads` when it is 0.
+    pub fn key_value_heads(&self) -> usize {
+        if self.kv_heads == 0 {
+            self.heads
+        } else {
+            self.kv_heads
+        }
+    }
+
+    /// Width of Q, K and V together: d_model for the queries and 2 x kv_heads x head width
+    /// for keys and values (3 x d_model without grouped-query attention).
+    pub fn qkv_width(&self) -> u64 {
+        let head_width = (self.d_model / self.heads.max(1)) as u64;
+        self.d_model as u64 + 2 * self.key_value_heads() as u64 * head_width
+    }
+
+    /// Parameters of one norm: LayerNorm's gain and bias (2d), RMSNorm's gain (d).
+    pub fn norm_params(&self) -> u64 {
+        let d = self.d_model as u64;
+        match self.family {
+            ModelFamily::Gpt2 => 2 * d,
+            ModelFamily::Llama => d,
+        }
+    }
+
+    /// Parameters of a block's attention: QKV (d x qkv_width) and the output projection
+    /// (d x d), each with a bias in GPT-2.
+    pub fn attention_params(&self) -> u64 {
+        let (d, qkv) = (self.d_model as u64, self.qkv_width());
+        match self.family {
+            ModelFamily::Gpt2 => (d * qkv + qkv) + (d * d + d),
+            ModelFamily::Llama => d * qkv + d * d,
+        }
+    }
+
+    /// Parameters of a dense block that tensor parallelism splits (Megatron): QKV (with
+    /// its bias), the output projection's weight, the MLP's matrices and its first bias.
+    /// The norms and the row-parallel layers' biases stay whole on every rank. (0 with
+    /// experts: the engine does not combine them with tensor parallelism.)
+    pub fn tp_split_block_params(&self) -> u64 {
+        let d = self.d_model as u64;
+        let whole = match self.family {
+            ModelFamily::Gpt2 => 2 * self.norm_params() + 2 * d,
+            ModelFamily::Llama => 2 * self.norm_params(),
+        };
+        if self.is_moe() {
+            0
+        } else {
+            self.block_params() - whole
+        }
+    }
+
+    /// What an MLP keeps for backward per token (GPT-2 its hidden layer before and after
+    /// GELU, 2f; Llama gate, up and their SwiGLU product, 3f), and the hidden gradients
+    /// backward makes (GPT-2 f; Llama gate and up, 2f).
+    pub fn mlp_activation_widths(&self) -> (u64, u64) {
+        let ff = self.d_ff() as u64;
+        match self.family {
+            ModelFamily::Gpt2 => (2 * ff, ff),
+            ModelFamily::Llama => (3 * ff, 2 * ff),
+        }
+    }
+
+    /// Activations of one block that tensor parallelism splits, per token: Q, K, V, the
+    /// attention output before its projection and the MLP's hidden values.
+    pub fn tp_split_activation_width(&self) -> u64 {
+        self.qkv_width() + self.d_model as u64 + self.mlp_activation_widths().0
+    }
+
+    /// Backward's split activation gradients per token: the attention output, QKV and the
+    /// MLP's hidden gradients.
+    pub fn tp_split_gradient_width(&self) -> u64 {
+        self.qkv_width() + self.d_model as u64 + self.mlp_activation_widths().1
+    }
+
+    /// Statistics a block's two norms keep per token: LayerNorm's mean and 1/std (4),
+    /// RMSNorm's 1/rms (2).
+    pub fn norm_statistics(&self) -> u64 {
+        match self.family {
+            ModelFamily::Gpt2 => 4,
+            ModelFamily::Llama => 2,
+        }
     }
 
     /// Rows each expert takes from a micro-batch of `tokens` tokens: ceil(capacity_factor x
@@ -498,18 +647,22 @@ impl ModelSpec {
         (wanted.min(tokens as f64) as usize).max(1)
     }
 
-    /// Width of the MLP's hidden layer (GPT-2: 4 x d_model; saturating, for a d_model far
-    /// beyond any limit that validation is about to refuse).
+    /// Width of the MLP's hidden layer: `ffn_hidden`, or the family's (GPT-2 4 x d_model;
+    /// Llama 2/3 of that rounded up to a multiple of 256, as Meta's code sizes it).
+    /// Saturating, for a d_model far beyond any limit that validation is about to refuse.
     pub fn d_ff(&self) -> usize {
-        self.d_model.saturating_mul(4)
+        match (self.ffn_hidden, self.family) {
+            (0, ModelFamily::Gpt2) => self.d_model.saturating_mul(4),
+            (0, ModelFamily::Llama) => (self.d_model.saturating_mul(8) / 3).div_ceil(256).saturating_mul(256),
+            (width, _) => width,
+        }
     }
 
-    /// Parameters of one transformer block: two LayerNorms (gain + bias),
-    /// QKV (d x 3d + 3d), attention output (d x d + d), MLP (d x 4d + 4d, 4d x d + d);
-    /// with experts, the router (d x E) and E MLPs.
+    /// Parameters of one transformer block: two norms, the attention, the MLP; with
+    /// experts, the router (d x E) and E MLPs.
     pub fn block_params(&self) -> u64 {
         let d = self.d_model as u64;
-        let attention = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d);
+        let attention = 2 * self.norm_params() + self.attention_params();
         match self.is_moe() {
             false => attention + self.mlp_params(),
             true => attention + d * self.experts as u64 + (self.experts as u64).saturating_mul(self.mlp_params()),
@@ -528,13 +681,27 @@ impl ModelSpec {
         self.param_count() - self.layers as u64 * (self.block_params() - self.active_block_params())
     }
 
-    /// All parameters: token and position embeddings, the blocks, the final LayerNorm
-    /// and the LM head (not tied to the token embedding).
+    /// The first stage's own parameters: the token embedding (vocab x d) and, for GPT-2,
+    /// the learned positions (seq_len x d).
+    pub fn embedding_params(&self) -> u64 {
+        let (d, v, t) = (self.d_model as u64, self.vocab as u64, self.seq_len as u64);
+        match self.family {
+            ModelFamily::Gpt2 => v * d + t * d,
+            ModelFamily::Llama => v * d,
+        }
+    }
+
+    /// The last stage's own parameters: the final norm and the LM head (d x vocab), the
+    /// head left out when it is tied to the token embedding.
+    pub fn head_params(&self) -> u64 {
+        let matrix = if self.tie_embeddings { 0 } else { self.d_model as u64 * self.vocab as u64 };
+        self.norm_params() + matrix
+    }
+
+    /// All parameters, each counted once: embeddings, the blocks, the final norm and the
+    /// LM head (when not tied).
     pub fn param_count(&self) -> u64 {
-        let d = self.d_model as u64;
-        let v = self.vocab as u64;
-        let t = self.seq_len as u64;
-        v * d + t * d + self.layers as u64 * self.block_params() + 2 * d + d * v
+        self.embedding_params() + self.layers as u64 * self.block_params() + self.head_params()
     }
 
     /// Training FLOPs per token: 6 x (active) params for the matmuls (forward 2, backward 4)
@@ -608,6 +775,16 @@ impl Sharding {
             Sharding::Zero1 => "zero1",
             Sharding::Zero2 => "zero2",
             Sharding::Fsdp => "fsdp",
+        }
+    }
+}
+
+impl Checkpointing {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Checkpointing::None => "none",
+            Checkpointing::Every => "every",
+            Checkpointing::Sqrt => "sqrt",
         }
     }
 }

@@ -128,6 +128,43 @@ impl ExperimentSpec {
                 format!("heads={} does not divide d_model={}: every head needs the same width", m.heads, m.d_model),
             );
         }
+        // The planner sizes Llama-style models; the engine trains GPT-2 blocks as they are.
+        if m.family != ModelFamily::Gpt2 {
+            err(
+                "model.family",
+                "the training engine runs GPT-2 blocks only: family=llama is for the planner (sizes, memory, \
+                 layouts), not for a run"
+                    .into(),
+            );
+        }
+        if m.kv_heads != 0 && m.kv_heads != m.heads {
+            err(
+                "model.kv_heads",
+                format!(
+                    "the training engine runs full multi-head attention: kv_heads={} must be 0 or heads={} \
+                     (grouped-query attention is for the planner)",
+                    m.kv_heads, m.heads
+                ),
+            );
+        }
+        if m.ffn_hidden != 0 && m.ffn_hidden != m.d_model.saturating_mul(4) {
+            err(
+                "model.ffn_hidden",
+                format!(
+                    "the training engine's MLP is 4 x d_model wide: ffn_hidden={} must be 0 or {}",
+                    m.ffn_hidden,
+                    m.d_model.saturating_mul(4)
+                ),
+            );
+        }
+        if m.tie_embeddings {
+            err(
+                "model.tie_embeddings",
+                "the training engine keeps the LM head apart from the token embedding: tie_embeddings must be \
+                 false (tied heads are for the planner)"
+                    .into(),
+            );
+        }
         if self.data.dataset == Dataset::Text && m.vocab < 256 && m.vocab >= 2 {
             err(
                 "model.vocab",
@@ -683,6 +720,15 @@ mod tests {
                 ],
             ),
             (json!({"parallel": {"pp": 3}}), vec![("parallel.pp", "pp=3 is more than layers=2")]),
+            (
+                json!({"model": {"family": "llama", "kv_heads": 2, "ffn_hidden": 172, "tie_embeddings": true}}),
+                vec![
+                    ("model.family", "family=llama is for the planner"),
+                    ("model.kv_heads", "kv_heads=2 must be 0 or heads=4"),
+                    ("model.ffn_hidden", "ffn_hidden=172 must be 0 or 256"),
+                    ("model.tie_embeddings", "tie_embeddings must be false"),
+                ],
+            ),
             (
                 json!({"train": {"checkpointing": "every"}, "parallel": {"dp": 2, "pp_schedule": "zb-h1", "sharding": "fsdp"}}),
                 vec![

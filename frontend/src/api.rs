@@ -179,6 +179,14 @@ async fn post_json<T: DeserializeOwned>(url: &str, body: &serde_json::Value) -> 
     read_json(request.send().await).await
 }
 
+/// The layout search for a model, a cluster and a global batch (run on the server).
+pub async fn search_layouts(
+    request: &distlab_common::layout_search::SearchRequest,
+) -> ApiResult<distlab_common::layout_search::SearchResult> {
+    let body = serde_json::to_value(request).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    post_json("/api/plan/layouts", &body).await
+}
+
 /// Continues a prompt with a succeeded run's model (sampled on the server).
 pub async fn generate(
     id: i64,

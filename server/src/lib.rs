@@ -272,6 +272,7 @@ pub fn app(state: AppState) -> Router {
         .route("/experiments/{id}/model/config", get(models::config))
         .route("/experiments/{id}/generate", post(sampling::generate))
         .route("/plan", post(plan::plan))
+        .route("/plan/layouts", post(plan::layouts))
         .route("/cards", get(cards::cards))
         .route("/cards/checks", get(claims::checks))
         .route("/profiles", get(review::list_profiles).post(review::create_profile))

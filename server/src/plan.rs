@@ -1,4 +1,4 @@
-//! `POST /api/plan`: the analytic planner's prediction for a spec of any size (a 70B model
+//! `POST /api/plan` and `POST /api/plan/layouts`: the analytic planner's prediction for a spec of any size (a 70B model
 //! on 1024 GPUs is fine): memory per rank by category, communication per collective,
 //! pipeline bubble and FLOPs. Nothing is stored or run.
 //!
@@ -8,6 +8,7 @@
 //! stages than layers, ...) are 422.
 
 use axum::Json;
+use distlab_common::layout_search::{self, SearchRequest, SearchResult};
 use distlab_common::planner::{self, Plan};
 use distlab_common::ExperimentSpec;
 
@@ -19,4 +20,18 @@ pub async fn plan(JsonBody(body): JsonBody<serde_json::Value>) -> Result<Json<Pl
     let plan = planner::plan(&spec).map_err(HttpError::invalid_spec)?;
     tracing::debug!(name = %spec.name, world_size = plan.world_size, params = plan.param_count, "planned");
     Ok(Json(plan))
+}
+
+/// `POST /api/plan/layouts`: the layout search ([`layout_search::search`]) for a model, a
+/// cluster of `cluster.gpus` GPUs and a global batch: the ten fastest layouts that fit,
+/// why each is slower than the first, and the layouts that could not run, by reason.
+/// 422 names the fields of a request that cannot be searched.
+pub async fn layouts(JsonBody(request): JsonBody<SearchRequest>) -> Result<Json<SearchResult>, HttpError> {
+    // Thousands of plans: a blocking thread's work, not the async runtime's.
+    let result = tokio::task::spawn_blocking(move || layout_search::search(&request))
+        .await
+        .map_err(|e| HttpError::internal("the layout search", e))?
+        .map_err(HttpError::invalid_spec)?;
+    tracing::debug!(examined = result.examined, fitting = result.fitting, "layouts searched");
+    Ok(Json(result))
 }

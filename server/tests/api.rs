@@ -521,6 +521,39 @@ async fn plan_rejects_malformed_bodies_and_impossible_specs() {
 }
 
 #[tokio::test]
+async fn layout_search_lists_the_fastest_layouts_that_fit_and_why_the_others_lose() {
+    let t = setup().await;
+    let llama3_70b = serde_json::to_value(
+        distlab_common::estimate::model_presets().into_iter().find(|p| p.key == "llama3-70b").expect("preset").model,
+    )
+    .expect("json");
+    let cluster = json!({"gpus": 64, "gpus_per_node": 8, "gpu_memory_bytes": 80_000_000_000u64});
+    let body = json!({"model": llama3_70b, "cluster": cluster, "global_batch": 512});
+    let a = t.post("/api/plan/layouts", body.clone()).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let result: distlab_common::layout_search::SearchResult = serde_json::from_value(a.body).expect("SearchResult");
+    assert_eq!(result.best.len(), distlab_common::layout_search::TOP);
+    assert!(result.best.iter().all(|c| c.memory_per_gpu_bytes <= 80_000_000_000));
+    assert!(result.best[0].loses_by.is_none() && result.best[1..].iter().all(|c| c.loses_by.is_some()));
+    assert!(result.rejected.iter().any(|r| r.count > 0 && r.reason.contains("80 GB")), "{:?}", result.rejected);
+    // Each layout is a spec the planner takes as it is.
+    let planned = t.post("/api/plan", serde_json::to_value(&result.best[0].spec).expect("json")).await;
+    assert_eq!(planned.status, StatusCode::OK, "{}", planned.body);
+
+    // What cannot be searched is named field by field.
+    let mut bad = body.clone();
+    bad["cluster"]["gpus"] = json!(0);
+    bad["global_batch"] = json!(0);
+    bad["model"]["kv_heads"] = json!(3);
+    let e = assert_api_error(&t.post("/api/plan/layouts", bad).await, StatusCode::UNPROCESSABLE_ENTITY);
+    let fields: HashSet<&str> = e.fields.iter().map(|f| f.field.as_str()).collect();
+    assert_eq!(fields, HashSet::from(["cluster.gpus", "global_batch", "model.kv_heads"]), "{e:?}");
+    let mut unknown = body;
+    unknown["gpus"] = json!(8);
+    assert_api_error(&t.post("/api/plan/layouts", unknown).await, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
 async fn too_large_bodies_get_413_in_the_json_shape() {
     let t = setup().await;
     let big = format!(r#"{{"name": "{}"}}"#, "x".repeat(2 << 20));

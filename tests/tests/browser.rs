@@ -512,6 +512,33 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     set_field(c, "grad_accum", "8").await?;
     wait_for(c, "the edited note", Duration::from_secs(10), || exists(c, "#recipe-edited")).await?;
 
+    // Llama-3 70B on the recipe's 64 H100s: the layout search lists ten layouts that fit,
+    // the first "the fastest", the others with how much slower they are and why; "Use"
+    // loads one into the form.
+    c.execute(
+        "const e = document.querySelector('#model-preset'); e.value = 'llama3-70b'; \
+         e.dispatchEvent(new Event('change', {bubbles: true}));",
+        vec![],
+    )
+    .await?;
+    ensure!(value_of(c, "kv_heads").await? == "8" && value_of(c, "family").await? == "llama");
+    set_field(c, "search-gpus", "64").await?;
+    set_field(c, "search-batch", "512").await?;
+    c.find(Locator::Css("#search-layouts")).await?.click().await?;
+    wait_for(c, "the layouts", Duration::from_secs(30), || exists(c, "#search-results tr[data-rank='9']")).await?;
+    let first = text(c, "#search-results tr[data-rank='0']").await?;
+    ensure!(first.contains("the fastest"), "{first}");
+    let second = text(c, "#search-results tr[data-rank='1']").await?;
+    ensure!(second.contains("slower per step") || second.contains("as fast"), "{second}");
+    ensure!(text(c, "#search-rejected").await?.contains("more than its 80 GB"), "the replicated layouts do not fit");
+    save_element(c, "#layout-search", "planner-layout-search.png").await?;
+    c.find(Locator::Css("#search-results tr[data-rank='0'] button")).await?.click().await?;
+    wait_for(c, "the layout in the form", Duration::from_secs(10), || async {
+        let (dp, tp, pp) = (value_of(c, "dp").await?, value_of(c, "tp").await?, value_of(c, "pp").await?);
+        Ok(first.contains(&format!("dp={dp} tp={tp} pp={pp}")))
+    })
+    .await?;
+
     c.execute(
         "const e = document.querySelector('#model-preset'); e.value = 'llama-7b'; \
          e.dispatchEvent(new Event('change', {bubbles: true}));",

@@ -16,11 +16,13 @@ use leptos_router::hooks::{use_navigate, use_query_map};
 use serde_json::json;
 
 use crate::api;
+use crate::components::layout_search::LayoutSearch;
 use crate::components::plan_panel::{PlanPanel, PlanState};
 use crate::format;
 
-/// The largest value a whole-number field takes (the planner's products stay far inside u64).
-const MAX_FIELD: usize = 100_000;
+/// The largest value a whole-number field takes (the planner's products stay far inside u64;
+/// Llama-3's vocabulary is 128,256).
+const MAX_FIELD: usize = 1_000_000;
 
 /// The page's starting point: GPT-2 124M, data parallel on one 8-GPU node, bf16.
 fn default_spec() -> ExperimentSpec {
@@ -126,6 +128,12 @@ pub fn PlannerPage() -> impl IntoView {
                     {number(spec, "heads", |s| s.model.heads, |s, v| s.model.heads = v)}
                     {number(spec, "seq_len", |s| s.model.seq_len, |s, v| s.model.seq_len = v)}
                     {number(spec, "vocab", |s| s.model.vocab, |s, v| s.model.vocab = v)}
+                    {choice(spec, "family", &["gpt2", "llama"], |s| json_str(&s.model.family),
+                        |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.model.family = x })}
+                    {number(spec, "kv_heads", |s| s.model.kv_heads, |s, v| s.model.kv_heads = v)}
+                    {number(spec, "ffn_hidden", |s| s.model.ffn_hidden, |s, v| s.model.ffn_hidden = v)}
+                    {choice(spec, "head", &["untied", "tied"], |s| if s.model.tie_embeddings { "tied" } else { "untied" }.to_string(),
+                        |s, v| s.model.tie_embeddings = v == "tied")}
                     {number(spec, "experts", |s| s.model.experts, |s, v| s.model.experts = v)}
                     {number(spec, "expert_top_k", |s| s.model.expert_top_k, |s, v| s.model.expert_top_k = v)}
                 </fieldset>
@@ -162,6 +170,7 @@ pub fn PlannerPage() -> impl IntoView {
                 None => view! { <p class="muted">"No estimate: the planner cannot plan this spec (below)."</p> }.into_any(),
             }}
         </section>
+        <LayoutSearch spec=spec cluster=cluster/>
         <section class="card"><PlanPanel state=plan_state/></section>
         <RunItSmall spec=spec/>
     }
