@@ -1677,6 +1677,7 @@ async fn all_to_all_replay_scenario(c: &Client, lab: &Lab) -> Result<()> {
 }
 
 async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
+    first_paint(c, lab).await?;
     // The form, from the tiny preset.
     c.goto(&lab.url("/new")).await?;
     wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
@@ -1853,6 +1854,40 @@ where
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The first page a newcomer opens, in a browser with an empty cache: when it first showed
+/// content (the app mounts into an empty body, so that is the wasm's first render) and when
+/// the experiment list was on screen, with what the wasm cost on the wire. Reported (in the
+/// test's output and target/screenshots/first-paint.json), not asserted: a timing depends on
+/// the machine.
+async fn first_paint(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/")).await?;
+    wait_for(c, "the experiment list", Duration::from_secs(30), || async {
+        Ok(exists(c, "#experiments").await? || exists(c, "#no-experiments").await?)
+    })
+    .await?;
+    let listed_ms = js(c, "return performance.now();", "").await?;
+    let timing = js(
+        c,
+        "const paint = performance.getEntriesByName('first-contentful-paint')[0]; \
+         const nav = performance.getEntriesByType('navigation')[0]; \
+         const wasm = performance.getEntriesByType('resource').find(r => r.name.includes('.wasm')); \
+         return { first_contentful_paint_ms: paint ? paint.startTime : null, \
+                  dom_content_loaded_ms: nav ? nav.domContentLoadedEventEnd : null, \
+                  wasm_transfer_bytes: wasm ? wasm.transferSize : null, \
+                  wasm_decoded_bytes: wasm ? wasm.decodedBodySize : null, \
+                  wasm_fetch_ms: wasm ? wasm.duration : null };",
+        "",
+    )
+    .await?;
+    let mut report = timing.clone();
+    report["listed_by_ms"] = listed_ms;
+    println!("first paint (cold cache): {report}");
+    std::fs::create_dir_all(screenshot_dir())?;
+    std::fs::write(screenshot_dir().join("first-paint.json"), serde_json::to_string_pretty(&report)?)?;
+    ensure!(timing["first_contentful_paint_ms"].is_number(), "the browser reports a first paint: {timing}");
+    Ok(())
 }
 
 async fn js(c: &Client, script: &str, selector: &str) -> Result<Value> {
