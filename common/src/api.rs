@@ -8,6 +8,7 @@ use crate::validate::FieldError;
 
 /// Every error response: `{"error": "...", "fields": [{"field", "message"}]}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
     pub error: String,
     #[serde(default)]
@@ -16,6 +17,7 @@ pub struct ApiError {
 
 /// `GET /api/health`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Health {
     pub status: String,
     pub version: String,
@@ -28,6 +30,7 @@ pub struct Health {
 
 /// How a server knows who is asking.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum AuthMode {
     /// One user, no sign-in (only on a loopback address).
@@ -39,6 +42,7 @@ pub enum AuthMode {
 
 /// `POST /api/session`
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SignIn {
     pub name: String,
     pub password: String,
@@ -46,6 +50,7 @@ pub struct SignIn {
 
 /// `GET /api/me`, and the answer to a sign-in.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Me {
     pub name: String,
     pub admin: bool,
@@ -54,6 +59,7 @@ pub struct Me {
 
 /// `POST /api/users` (admins)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NewAccount {
     pub name: String,
     pub password: String,
@@ -63,12 +69,14 @@ pub struct NewAccount {
 
 /// `PUT /api/users/{name}/password` (admins)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NewPassword {
     pub password: String,
 }
 
 /// One account, as `GET /api/users` lists it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AccountView {
     pub name: String,
     pub admin: bool,
@@ -76,12 +84,14 @@ pub struct AccountView {
 
 /// `GET /api/users`
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AccountList {
     pub users: Vec<AccountView>,
 }
 
 /// `POST /api/experiments` -> 201
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Created {
     pub id: i64,
     pub status: ExperimentStatus,
@@ -89,6 +99,7 @@ pub struct Created {
 
 /// `GET /api/experiments/{id}` and the items of the list.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ExperimentView {
     pub id: i64,
     pub name: String,
@@ -112,6 +123,7 @@ pub struct ExperimentView {
 
 /// `GET /api/experiments?status=&limit=&offset=`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ExperimentList {
     pub experiments: Vec<ExperimentView>,
     /// All experiments matching the filter (for paging).
@@ -120,6 +132,7 @@ pub struct ExperimentList {
 
 /// One lease of an experiment by a worker (`GET /api/experiments/{id}/attempts`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AttemptView {
     /// 1 for the first lease.
     pub attempt: i64,
@@ -135,12 +148,14 @@ pub struct AttemptView {
 
 /// `GET /api/experiments/{id}/attempts`, oldest first.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Attempts {
     pub attempts: Vec<AttemptView>,
 }
 
 /// `GET /api/experiments/{id}/metrics`
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Metrics {
     pub steps: Vec<MetricPoint>,
 }
@@ -151,6 +166,7 @@ pub struct Metrics {
 
 /// `POST /api/workers/register`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RegisterWorker {
     pub name: String,
     pub backends: Vec<BackendKind>,
@@ -165,6 +181,7 @@ pub struct RegisterWorker {
 
 /// A worker's machine, as it reports it when it registers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct WorkerCapacity {
     /// Physical memory (Linux `MemTotal`).
     pub memory_bytes: u64,
@@ -176,6 +193,7 @@ pub struct WorkerCapacity {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Registered {
     pub worker_id: i64,
     /// This worker's own secret: every later request carries it as
@@ -187,11 +205,13 @@ pub struct Registered {
 
 /// `POST /api/workers/lease` -> 200 `Lease` or 204 when the queue is empty.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LeaseRequest {
     pub worker_id: i64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Lease {
     pub experiment_id: i64,
     pub spec: ExperimentSpec,
@@ -202,6 +222,7 @@ pub struct Lease {
 
 /// `POST /api/workers/heartbeat`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Heartbeat {
     pub worker_id: i64,
     pub experiment_id: Option<i64>,
@@ -209,12 +230,14 @@ pub struct Heartbeat {
 
 /// Answer to heartbeats and event batches: `cancel` tells the worker to stop the run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct WorkerAck {
     pub cancel: bool,
 }
 
 /// `POST /api/workers/events`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EventBatch {
     pub worker_id: i64,
     pub experiment_id: i64,
@@ -223,6 +246,7 @@ pub struct EventBatch {
 
 /// `POST /api/workers/complete`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Complete {
     pub worker_id: i64,
     pub experiment_id: i64,
@@ -231,6 +255,7 @@ pub struct Complete {
 
 /// `POST /api/workers/fail`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Fail {
     pub worker_id: i64,
     pub experiment_id: i64,
@@ -249,6 +274,7 @@ pub const MAX_NEW_TOKENS: usize = 256;
 /// `POST /api/experiments/{id}/generate`: continue a prompt with the run's trained model.
 /// The prompt is text (one token per byte, for models trained on text) or token ids.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GenerateRequest {
     #[serde(default)]
@@ -279,6 +305,7 @@ fn default_temperature() -> f64 {
 /// replacement characters where the bytes are not; empty for a vocabulary beyond bytes),
 /// and how long the sampling took.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Generated {
     pub text: String,
     pub tokens: Vec<u32>,

@@ -21,6 +21,7 @@ pub const DECK_TOPICS: u32 = 89;
 pub type Coverage = std::collections::BTreeMap<String, Vec<CoveredSection>>;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CoveredSection {
     pub heading: String,
@@ -60,6 +61,7 @@ pub fn check_coverage(coverage: &Coverage, deck: &[Card]) -> Vec<String> {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Card {
     /// Stable across edits of the text (review progress is kept by id).
@@ -77,6 +79,7 @@ pub struct Card {
 
 /// The live demo a card opens.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Demo {
     /// Submit a preset experiment (a key of `presets()`).
@@ -95,6 +98,7 @@ pub enum Demo {
 
 /// A checkable number on a card, and the kind of measurement that checks it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Claim {
     pub text: String,
@@ -107,6 +111,7 @@ pub struct Claim {
 
 /// What one study text says.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Reading {
     /// "the chapter", "the notes", "the quiz", "the flashcard deck".
@@ -115,6 +120,7 @@ pub struct Reading {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ClaimCheck {
     /// A ring all-reduce sends 2(W-1)/W x D bytes per rank.

@@ -20,11 +20,13 @@ use crate::{Checkpointing, ExperimentSpec, ExperimentView};
 
 /// `GET /api/cards/checks`: one entry per (check, preset) the deck uses.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ClaimChecks {
     pub checks: Vec<ClaimStatus>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ClaimStatus {
     pub check: ClaimCheck,
     /// The preset whose run checks it.
@@ -36,6 +38,7 @@ pub struct ClaimStatus {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Measurement {
     /// The run measured (the latest finished run of the preset).
     pub experiment_id: i64,

@@ -20,6 +20,7 @@ pub const MAX_RUNS: usize = 6;
 
 /// `GET /api/compare?ids=...`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CompareView {
     /// In the order the ids were given; the first is the baseline of the verdicts.
     pub runs: Vec<ComparedRun>,
@@ -32,6 +33,7 @@ pub struct CompareView {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ComparedRun {
     pub experiment: ExperimentView,
     pub metrics: Vec<MetricPoint>,
@@ -40,6 +42,7 @@ pub struct ComparedRun {
 
 /// A run's row of the summary table. Measured values are None until the run reports them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunStats {
     pub final_loss: Option<f64>,
     pub tokens_per_s: Option<f64>,
@@ -63,6 +66,7 @@ pub struct RunStats {
 
 /// Mean milliseconds per recorded step and rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TimeSplit {
     /// Forward, backward and optimizer on the compute thread, less the tensor-parallel
     /// all-reduces the compute thread waits for inside them.
@@ -78,6 +82,7 @@ pub struct TimeSplit {
 
 /// One row of the config diff.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConfigRow {
     /// A dotted spec path ("parallel.dp") or, for derived rows, a name ("world size").
     pub field: String,
@@ -91,6 +96,7 @@ pub struct ConfigRow {
 /// Is `other` the same training as `baseline`? The engine promises equal losses for equal
 /// model, data, global batch, optimizer and precision, whatever the parallel layout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Equivalence {
     pub baseline: i64,
     pub other: i64,
@@ -109,12 +115,14 @@ pub struct Equivalence {
 
 /// Mean, min and max loss over runs of one spec with different seeds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SeedBand {
     pub ids: Vec<i64>,
     pub points: Vec<BandPoint>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BandPoint {
     pub step: u64,
     pub mean: f64,

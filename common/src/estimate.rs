@@ -31,6 +31,7 @@ const GB: f64 = 1e9;
 
 /// A well-known model and the parameter count its authors publish.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ModelPreset {
     pub key: String,
     pub label: String,
@@ -91,6 +92,7 @@ pub fn model_presets() -> Vec<ModelPreset> {
 
 /// The hardware an experiment would run on. Rates are per GPU and per direction.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct Cluster {
     /// GPUs in all; [`Cluster::for_spec`] sets it to the spec's world size.
@@ -223,6 +225,7 @@ impl Cluster {
 
 /// A named cluster for the planner page's picker.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ClusterPreset {
     pub key: String,
     pub label: String,
@@ -247,6 +250,7 @@ pub fn cluster_presets() -> Vec<ClusterPreset> {
 
 /// What one step of the spec would cost on the cluster.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Estimate {
     /// GPUs the spec uses: dp x tp x pp (the plan's world size).
     pub world_size: u64,
@@ -286,6 +290,7 @@ pub struct Estimate {
 
 /// Communication of one parallelism axis, for the stage that spends longest on it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AxisComm {
     /// Ranks in one group of this axis (1: nothing to communicate).
     pub group_size: u64,
@@ -307,12 +312,14 @@ pub struct AxisComm {
 
 /// A remark on the estimate for the page, in words a learner understands.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Note {
     pub level: NoteLevel,
     pub text: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum NoteLevel {
     /// Worth knowing; nothing wrong.

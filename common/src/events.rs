@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 /// One optimizer step.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MetricPoint {
     pub step: u64,
     /// Mean cross-entropy over the step's global batch (nats per token).
@@ -33,6 +34,7 @@ pub struct MetricPoint {
 
 /// A Mixture-of-Experts step's routing, over every block, micro-batch and rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ExpertMetrics {
     /// The mean of the routers' load-balancing losses (Switch's E x sum_e f_e P_e): 1 when
     /// the assignments and the probabilities are spread evenly, up to E when one expert
@@ -52,6 +54,7 @@ impl ExpertMetrics {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum LogLevel {
     Info,
@@ -61,6 +64,7 @@ pub enum LogLevel {
 
 /// A line of text for the experiment's log.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LogLine {
     pub level: LogLevel,
     pub message: String,
@@ -69,6 +73,7 @@ pub struct LogLine {
 /// What a worker reports about a running experiment. (A trace is much bigger than a
 /// metric point, but there is one per rank per run: not worth a Box in every match.)
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 #[allow(clippy::large_enum_variant)]
 pub enum RunEvent {
@@ -86,6 +91,7 @@ pub enum RunEvent {
 
 /// What the end of a successful run reports.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunSummary {
     pub steps: u64,
     pub final_loss: f64,
@@ -110,6 +116,7 @@ pub struct RunSummary {
 
 /// The outcome of a collective demo, checked against a sequential computation.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CollectiveCheck {
     pub op: crate::spec::DemoOp,
     pub world: usize,
@@ -131,6 +138,7 @@ pub struct CollectiveCheck {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum ExperimentStatus {
     Queued,
@@ -171,6 +179,7 @@ impl ExperimentStatus {
 
 /// A status change, as streamed to browsers.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StatusChange {
     pub status: ExperimentStatus,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -182,6 +191,7 @@ pub struct StatusChange {
 /// One message on `GET /api/experiments/{id}/stream`. The SSE event name is the
 /// `type` field (`status`, `start`, `metric`, `log`, `trace`); the data is this JSON.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum StreamEvent {
     Status(StatusChange),

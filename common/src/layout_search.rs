@@ -28,6 +28,7 @@ pub const MAX_GLOBAL_BATCH: usize = 1 << 20;
 
 /// What to lay out.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SearchRequest {
     pub model: ModelSpec,
@@ -53,6 +54,7 @@ fn flash() -> Attention {
 
 /// One layout and what the estimate makes of it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Candidate {
     /// The layout as a spec (the model, the batch and the precision of the request).
     pub spec: ExperimentSpec,
@@ -76,6 +78,7 @@ pub struct Candidate {
 
 /// Layouts that could not run, by reason.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Rejected {
     pub reason: String,
     pub count: usize,
@@ -84,6 +87,7 @@ pub struct Rejected {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SearchResult {
     /// Layouts planned and estimated.
     pub examined: usize,

@@ -128,6 +128,7 @@ impl MemoryCategory {
 
 /// One point of a rank's memory timeline, taken at an op boundary of the first steps.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MemorySample {
     /// Microseconds since the Unix epoch (the clock of the rank's spans).
     pub t_us: u64,
@@ -152,6 +153,7 @@ fn is_zero(x: &u64) -> bool {
 /// allocation (a counting global allocator) and the kernel's peak resident set. Each is
 /// None where it was not measured.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ProcessMemory {
     /// Heap bytes live when training ended.
     #[serde(default)]
@@ -175,6 +177,7 @@ pub struct ProcessMemory {
 /// heap, once the model and its state are built. Their difference is what initialisation held beside
 /// the booked buffers (a whole-model copy on a rank that keeps a shard would show here).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StartUpMemory {
     pub heap_peak: u64,
     pub ledger_peak: u64,
@@ -190,6 +193,7 @@ impl ProcessMemory {
 
 /// A rank's measured memory: the engine's own allocations, by category.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RankMemoryReport {
     pub rank: u32,
     /// Each category at its own highest point during the run; `total` is the highest the
@@ -227,6 +231,7 @@ impl RankMemoryReport {
 
 /// `GET /api/experiments/{id}/memory`: every rank's measured memory next to the planner.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MemoryView {
     pub ranks: Vec<RankMemoryView>,
     /// The planner's output for the experiment's spec.
@@ -234,6 +239,7 @@ pub struct MemoryView {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RankMemoryView {
     pub rank: u32,
     /// The rank's pipeline stage (an index into `plan.stages`).

@@ -62,6 +62,7 @@ pub const MAX_PLANNED_STAGES: usize = 1024;
 
 /// What the planner predicts for one spec. Byte counts are exact integers (JSON numbers).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Plan {
     /// All parameters of the model ([`ModelSpec::param_count`]).
     pub param_count: u64,
@@ -86,6 +87,7 @@ pub struct Plan {
 
 /// Bytes each parameter costs, per category of model state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BytesPerParam {
     pub parameters: u64,
     pub gradients: u64,
@@ -95,6 +97,7 @@ pub struct BytesPerParam {
 
 /// One pipeline stage, as seen by any one of its dp x tp ranks.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StagePlan {
     pub stage: usize,
     /// Index of the stage's first transformer block (interleaved: of its first chunk).
@@ -116,6 +119,7 @@ pub struct StagePlan {
 
 /// Bytes one rank holds, by category (at the peak of a step).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RankMemory {
     pub parameters: u64,
     pub gradients: u64,
@@ -158,6 +162,7 @@ pub struct RankMemory {
 
 /// Bytes one rank SENDS per optimizer step, by collective (it receives as much).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CommVolume {
     /// DDP gradient all-reduce over the data-parallel group.
     pub dp_all_reduce: u64,
@@ -184,6 +189,7 @@ pub struct CommVolume {
 
 /// Floating-point operations of one optimizer step, over all ranks.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Flops {
     /// dp * micro_batch * micro_batches * grad_accum * seq_len.
     pub tokens_per_step: u64,
@@ -260,6 +266,7 @@ pub fn model_state_with_shard(
 
 /// Parameters, gradients and optimizer state of one rank, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ModelState {
     pub parameters: u64,
     pub gradients: u64,

@@ -17,6 +17,7 @@ use crate::presets::presets;
 pub const QUESTIONS: u32 = 20;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Question {
     /// Stable across edits of the text (results are kept by id).
@@ -36,6 +37,7 @@ pub struct Question {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Expected {
     pub value: f64,
@@ -54,6 +56,7 @@ impl Expected {
 /// `POST /api/quiz/answers`: a typed number for a numeric question, the learner's own
 /// verdict for any other.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct QuizAnswer {
     pub question_id: String,
@@ -65,6 +68,7 @@ pub struct QuizAnswer {
 
 /// The server's verdict on one answer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QuizVerdict {
     pub question_id: String,
     pub correct: bool,
@@ -76,11 +80,13 @@ pub struct QuizVerdict {
 /// `GET /api/quiz/results`: the asking account's results, one entry per question it has
 /// answered.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QuizResults {
     pub results: Vec<QuestionResult>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct QuestionResult {
     pub question_id: String,
     pub attempts: u64,

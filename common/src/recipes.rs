@@ -13,6 +13,7 @@ use crate::planner::{self, Plan};
 use crate::spec::*;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Recipe {
     pub key: String,
     pub label: String,
@@ -27,6 +28,7 @@ pub struct Recipe {
 
 /// A figure the recipe states: a value or a range.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Stated {
     pub what: String,
     pub low: f64,
@@ -37,6 +39,7 @@ pub struct Stated {
 
 /// What the planner computes to set against a stated figure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Quantity {
     /// Tokens per second per GPU: the time model's step, plus the PCIe transfers of host
@@ -52,6 +55,7 @@ pub enum Quantity {
 
 /// The planner's verdict on a recipe.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Verdict {
     pub fits: bool,
     pub memory_per_gpu_bytes: u64,
@@ -68,6 +72,7 @@ pub struct Verdict {
 
 /// A stated figure next to the planner's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Figure {
     pub what: String,
     pub stated: String,

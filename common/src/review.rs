@@ -53,6 +53,7 @@ pub const RATING_MAX: i64 = 5;
 
 /// The four answers FSRS knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Grade {
     Again,
@@ -125,6 +126,7 @@ pub fn validate_profile_name(name: &str) -> Result<String, FieldError> {
 
 /// A person's review progress (`GET /api/profiles` items, `POST /api/profiles` -> 201).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Profile {
     pub id: i64,
     pub name: String,
@@ -133,6 +135,7 @@ pub struct Profile {
 
 /// `POST /api/profiles`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct NewProfile {
     /// 1..=64 characters once trimmed; unique per owner.
@@ -141,6 +144,7 @@ pub struct NewProfile {
 
 /// `GET /api/profiles`: the owner's profiles, oldest first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ProfileList {
     pub profiles: Vec<Profile>,
 }
@@ -148,6 +152,7 @@ pub struct ProfileList {
 /// What is stored for a card a profile has reviewed at least once (FSRS memory state and
 /// counters).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CardState {
     /// FSRS stability in days: the interval after which recall has dropped to 90%.
@@ -167,6 +172,7 @@ pub struct CardState {
 
 /// A reviewed card as `GET /api/profiles/{id}/review` shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CardView {
     #[serde(flatten)]
     pub state: CardState,
@@ -178,6 +184,7 @@ pub struct CardView {
 
 /// `GET /api/profiles/{id}/review`: the queue and the progress of one profile.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReviewView {
     pub profile: Profile,
     /// The server's time the view was computed at.
@@ -198,6 +205,7 @@ pub struct ReviewView {
 
 /// `due + new + learned == total` (cards of the current deck only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReviewCounts {
     /// Reviewed cards due now.
     pub due: usize,
@@ -213,6 +221,7 @@ pub struct ReviewCounts {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TopicProgress {
     pub topic: u32,
     /// Cards of the topic.
@@ -228,6 +237,7 @@ pub struct TopicProgress {
 
 /// `POST /api/profiles/{id}/reviews`
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReviewRequest {
     pub card_id: String,
@@ -237,6 +247,7 @@ pub struct ReviewRequest {
 
 /// The answer to a review: the card's new state.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReviewResult {
     pub card_id: String,
     pub rating: u8,
@@ -249,6 +260,7 @@ pub struct ReviewResult {
 
 /// One review as logged (and exported): enough to replay a profile's history.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LogEntry {
     pub card_id: String,
@@ -259,6 +271,7 @@ pub struct LogEntry {
 
 /// A card's state in an export document.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExportedCard {
     pub card_id: String,
@@ -300,6 +313,7 @@ impl ExportedCard {
 
 /// `GET /api/profiles/{id}/export`, and the body of `POST /api/profiles/{id}/import`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReviewExport {
     /// Always [`EXPORT_FORMAT`].
@@ -319,6 +333,7 @@ pub struct ReviewExport {
 
 /// A profile's scheduling settings in an export.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExportedScheduling {
     pub desired_retention: f32,
@@ -333,6 +348,7 @@ pub struct ExportedScheduling {
 /// The answer to an import: what was stored, and what was skipped because its card is not
 /// in the deck (any more).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ImportResult {
     pub profile: Profile,
     /// Card states stored.
@@ -348,6 +364,7 @@ pub struct ImportResult {
 
 /// `GET /api/profiles/{id}/settings`: how the profile's reviews are scheduled.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReviewSettings {
     pub desired_retention: f32,
     /// The FSRS parameters in use (the defaults until the profile's log has been fitted).
@@ -365,6 +382,7 @@ pub struct ReviewSettings {
 
 /// `PUT /api/profiles/{id}/settings`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct NewReviewSettings {
     pub desired_retention: f32,
@@ -376,6 +394,7 @@ pub struct NewReviewSettings {
 /// `POST /api/profiles/{id}/fit`: FSRS's parameters fitted to the profile's log (the fsrs
 /// crate's `compute_parameters`), each set scored on that log.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ParameterFit {
     pub fitted_at: String,
     pub repeat_reviews: usize,
@@ -386,6 +405,7 @@ pub struct ParameterFit {
 /// A parameter set and how well it predicted the log's recalls: log loss (lower is
 /// better) and the RMSE between predicted and observed recall rates over bins.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FitScore {
     pub parameters: Vec<f32>,
     pub log_loss: f32,

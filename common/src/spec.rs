@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::validate::FieldError;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct ExperimentSpec {
     pub name: String,
@@ -25,6 +26,7 @@ pub struct ExperimentSpec {
 /// A collective run on its own: rank r starts with the vector `(r+1)*100 + i` for
 /// i in 0..elements, so every number in the replay can be checked by hand.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct CollectiveDemo {
     pub op: DemoOp,
@@ -32,6 +34,7 @@ pub struct CollectiveDemo {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DemoOp {
     #[default]
@@ -71,6 +74,7 @@ impl CollectiveDemo {
 /// LM head. The engine trains the GPT-2 family with untied embeddings, full multi-head
 /// attention and a 4 x d_model MLP; the planner also sizes Llama-style models.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSpec {
     /// The block's design (the planner's business; the engine trains `gpt2`).
@@ -112,6 +116,7 @@ fn is_zero(n: &usize) -> bool {
 
 /// What a transformer block is made of.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum ModelFamily {
     /// LayerNorm (gain and bias), biased projections, a GELU MLP of two matrices, learned
@@ -130,6 +135,7 @@ impl ModelFamily {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSpec {
     pub dataset: Dataset,
@@ -137,6 +143,7 @@ pub struct DataSpec {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Dataset {
     /// A random Markov chain over the vocabulary, fixed by the data seed:
@@ -147,6 +154,7 @@ pub enum Dataset {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelSpec {
     pub dp: usize,
@@ -193,6 +201,7 @@ pub struct ParallelSpec {
 /// How DDP's gradients are compressed on the wire; what each loses is kept on the rank
 /// (error feedback) and added to the next step's gradient.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum GradCompression {
     /// fp32 values, all-reduced round the ring.
@@ -221,6 +230,7 @@ impl GradCompression {
 
 /// An all-reduce algorithm (`comm/all_reduce.rs`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum AllReduce {
     /// Reduce-scatter then all-gather round a ring: 2(W-1)/W x D sent by every rank.
@@ -250,6 +260,7 @@ impl AllReduce {
 
 /// Where the optimizer's state (AdamW's moments, the master weights) lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Offload {
     /// Beside the model, on its device.
@@ -273,6 +284,7 @@ impl Offload {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Sharding {
     None,
@@ -282,6 +294,7 @@ pub enum Sharding {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum PpSchedule {
     #[serde(rename = "gpipe")]
     Gpipe,
@@ -309,6 +322,7 @@ impl PpSchedule {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainSpec {
     pub steps: u64,
@@ -341,6 +355,7 @@ pub struct TrainSpec {
 
 /// A checkpoint of another experiment: the state before its optimizer step `step`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ResumeFrom {
     pub experiment: i64,
@@ -348,6 +363,7 @@ pub struct ResumeFrom {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum LrSchedule {
     Cosine,
@@ -355,6 +371,7 @@ pub enum LrSchedule {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
     Adamw,
@@ -362,6 +379,7 @@ pub enum Optimizer {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     Fp32,
@@ -370,6 +388,7 @@ pub enum Precision {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum LossScaling {
     None,
@@ -377,6 +396,7 @@ pub enum LossScaling {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Checkpointing {
     None,
@@ -385,6 +405,7 @@ pub enum Checkpointing {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Attention {
     Naive,
@@ -392,6 +413,7 @@ pub enum Attention {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum CheckpointWrite {
     Async,
@@ -399,6 +421,7 @@ pub enum CheckpointWrite {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
     Cpu,

@@ -21,6 +21,7 @@ pub fn chunk_range(len: usize, parts: usize, index: usize) -> Range<usize> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum CollectiveOp {
     AllReduce,
@@ -51,6 +52,7 @@ impl CollectiveOp {
 
 /// Which half of a ring algorithm a step belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RingPhase {
     /// Partial sums travel round the ring; each step adds one more rank's contribution.
@@ -71,6 +73,7 @@ pub enum RingPhase {
 
 /// One step of a collective as the sending rank saw it: chunk `chunk` went from `from` to `to`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RingStep {
     pub collective: u64,
     pub phase: RingPhase,
@@ -90,6 +93,7 @@ pub struct RingStep {
 
 /// One collective call on one rank.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CollectiveRecord {
     /// Sequence number within the group (the same on every rank of the group).
     pub id: u64,
@@ -114,6 +118,7 @@ pub struct CollectiveRecord {
 
 /// Totals per operation over the whole run, detailed or not.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CollectiveCounter {
     pub op: CollectiveOp,
     pub calls: u64,
@@ -127,6 +132,7 @@ pub struct CollectiveCounter {
 
 /// Everything one rank recorded about its communication.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RankCommTrace {
     pub rank: u32,
     /// Collectives recorded in full detail (the first ones); later ones only in `counters`.
@@ -138,6 +144,7 @@ pub struct RankCommTrace {
 
 /// What a span of a rank's timeline was spent on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum SpanKind {
     Forward,
@@ -176,6 +183,7 @@ impl Span {
 
 /// One interval of a rank's timeline.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Span {
     pub kind: SpanKind,
     /// e.g. "forward", "backward layer 3", "all_reduce bucket 2 (1.0 MiB)", "optimizer".
@@ -220,6 +228,7 @@ impl Span {
 /// Everything one rank recorded: its timeline (the first `span_steps` steps) and its
 /// communication.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RankTrace {
     pub rank: u32,
     pub world: u32,
@@ -234,6 +243,7 @@ pub struct RankTrace {
 
 /// `GET /api/experiments/{id}/trace`: every rank's trace, in rank order.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ExperimentTrace {
     pub ranks: Vec<RankTrace>,
 }

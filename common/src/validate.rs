@@ -7,6 +7,7 @@ use crate::spec::*;
 
 /// One problem with one field of a spec, e.g. `parallel.tp`: "tp=3 does not divide heads=4".
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FieldError {
     pub field: String,
     pub message: String,
@@ -31,6 +32,7 @@ impl std::fmt::Display for FieldError {
 /// What one experiment may ask of the worker pool: a server setting, so that one
 /// person cannot tie up a shared machine.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(default)]
 pub struct Limits {
     pub max_world_size: usize,
@@ -71,6 +73,7 @@ impl Default for Limits {
 /// a spec is checked once, where it enters (the browser's form, the server's API, the
 /// worker's lease or spec file, a rank process's start), and nowhere inside.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(transparent)]
 pub struct ValidSpec(ExperimentSpec);
 

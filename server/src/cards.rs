@@ -21,6 +21,12 @@ pub fn deck() -> Result<&'static [Card], String> {
     DECK.as_deref().map_err(|problems| format!("the flashcard deck is broken: {}", problems.join("; ")))
 }
 
+#[utoipa::path(
+    get, path = "/cards", operation_id = "list_cards", tag = "flashcards",
+    responses(
+        (status = 200, body = Vec<distlab_common::cards::Card>),
+    ),
+)]
 pub async fn cards() -> Result<Json<&'static [Card]>, HttpError> {
     deck().map(Json).map_err(|e| HttpError::internal("flashcards", e))
 }

@@ -19,6 +19,12 @@ use crate::{cards, compare, experiments, AppState};
 /// endpoint gives the browser, so a card's demo link and its check find the same run).
 const RECENT_RUNS: i64 = experiments::MAX_PAGE;
 
+#[utoipa::path(
+    get, path = "/cards/checks", operation_id = "claim_checks", tag = "flashcards",
+    responses(
+        (status = 200, body = distlab_common::claims::ClaimChecks),
+    ),
+)]
 pub async fn checks(State(state): State<AppState>) -> Result<Json<ClaimChecks>, HttpError> {
     let deck = cards::deck().map_err(|e| HttpError::internal("flashcards", e))?;
     let mut wanted: Vec<(ClaimCheck, &str)> = Vec::new();

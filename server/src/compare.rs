@@ -22,6 +22,15 @@ pub struct CompareQuery {
     table: Option<String>,
 }
 
+#[utoipa::path(
+    get, path = "/compare", operation_id = "compare_experiments", tag = "experiments",
+    params(("ids" = String, Query, description = "experiment ids, comma-separated"), ("format" = Option<String>, Query, description = "json (default) or csv"), ("table" = Option<String>, Query, description = "with format=csv: which table")),
+    responses(
+        (status = 200, body = distlab_common::compare::CompareView),
+        (status = 400, body = distlab_common::ApiError),
+        (status = 404, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn compare(State(state): State<AppState>, Query(q): Query<CompareQuery>) -> Result<Response, HttpError> {
     let ids = compare::parse_ids(q.ids.as_deref().unwrap_or("")).map_err(|e| HttpError::bad_field("ids", e))?;
     let export = Export::parse(q.format.as_deref(), q.table.as_deref())?;

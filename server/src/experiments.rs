@@ -185,6 +185,16 @@ const MAX_IDEMPOTENCY_KEY: usize = 200;
 /// `POST /api/experiments`: validates and queues a spec (201). With an `Idempotency-Key`
 /// header, a retry of the same submission gets the first one's experiment (201 again, the
 /// same id); the same key with another spec is refused (409).
+#[utoipa::path(
+    post, path = "/experiments", operation_id = "create_experiment", tag = "experiments",
+    request_body = distlab_common::ExperimentSpec,
+    responses(
+        (status = 201, description = "queued", body = distlab_common::Created),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+        (status = 429, description = "over this account's quota", body = distlab_common::ApiError),
+        (status = 503, description = "no worker can run it", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn create(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -306,6 +316,16 @@ fn may_change(caller: &Account, experiment: &ExperimentView, what: &str) -> Resu
 /// `DELETE /api/experiments/{id}` (its owner or an admin): removes a finished experiment with
 /// its metrics, logs, traces and checkpoints (204); a queued or running one is cancelled
 /// first (409 says so).
+#[utoipa::path(
+    delete, path = "/experiments/{id}", operation_id = "delete_experiment", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 204, description = "deleted with its model, traces and logs"),
+        (status = 403, body = distlab_common::ApiError),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+        (status = 409, description = "still running", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn delete(
     State(state): State<AppState>,
     Extension(caller): Extension<Account>,
@@ -365,6 +385,14 @@ fn parse_count(field: &str, raw: Option<&str>, default: i64) -> Result<i64, Http
 }
 
 /// `GET /api/experiments?status=&limit=&offset=`: newest first, at most MAX_PAGE per page.
+#[utoipa::path(
+    get, path = "/experiments", operation_id = "list_experiments", tag = "experiments",
+    params(("status" = Option<String>, Query, description = "queued, running, succeeded, failed or cancelled"), ("limit" = Option<i64>, Query), ("offset" = Option<i64>, Query)),
+    responses(
+        (status = 200, body = distlab_common::ExperimentList),
+        (status = 400, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn list(
     State(state): State<AppState>,
     Query(q): Query<ListQuery>,
@@ -396,6 +424,14 @@ pub async fn list(
 }
 
 /// `GET /api/experiments/{id}`
+#[utoipa::path(
+    get, path = "/experiments/{id}", operation_id = "get_experiment", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, body = distlab_common::ExperimentView),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn get_one(
     State(state): State<AppState>,
     Path(raw_id): Path<String>,
@@ -405,6 +441,14 @@ pub async fn get_one(
 }
 
 /// `GET /api/experiments/{id}/metrics`
+#[utoipa::path(
+    get, path = "/experiments/{id}/metrics", operation_id = "experiment_metrics", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, body = distlab_common::Metrics),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn metrics(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Metrics>, HttpError> {
     let id = parse_id(&raw_id)?;
     let exists: Option<i64> =
@@ -426,6 +470,14 @@ struct AttemptRow {
 
 /// `GET /api/experiments/{id}/attempts`: every lease of the experiment, where each began
 /// and the work it had to do again.
+#[utoipa::path(
+    get, path = "/experiments/{id}/attempts", operation_id = "experiment_attempts", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, body = distlab_common::Attempts),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn attempts(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Attempts>, HttpError> {
     let id = parse_id(&raw_id)?;
     let exists: Option<i64> =
@@ -455,6 +507,15 @@ pub async fn attempts(State(state): State<AppState>, Path(raw_id): Path<String>)
 
 /// `POST /api/experiments/{id}/cancel`: a queued or running experiment becomes cancelled at once;
 /// the worker running it learns it from the answer to its next heartbeat or event batch.
+#[utoipa::path(
+    post, path = "/experiments/{id}/cancel", operation_id = "cancel_experiment", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, body = distlab_common::ExperimentView),
+        (status = 403, body = distlab_common::ApiError),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn cancel(
     State(state): State<AppState>,
     Extension(caller): Extension<Account>,

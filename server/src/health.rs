@@ -8,6 +8,12 @@ use crate::clock;
 use crate::error::HttpError;
 use crate::AppState;
 
+#[utoipa::path(
+    get, path = "/health", tag = "operations",
+    responses(
+        (status = 200, body = distlab_common::Health),
+    ),
+)]
 pub async fn health(State(state): State<AppState>) -> Result<Json<Health>, HttpError> {
     let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
     let workers: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM workers WHERE last_seen >= ?1")

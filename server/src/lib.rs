@@ -19,6 +19,7 @@ pub mod local_workers;
 pub mod memory;
 pub mod metrics;
 pub mod models;
+pub mod openapi;
 pub mod plan;
 pub mod queue;
 pub mod quiz;
@@ -39,7 +40,6 @@ use std::time::{Duration, SystemTime};
 
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode};
-use axum::routing::{get, post, put};
 use axum::{middleware, Extension, Router};
 use distlab_common::{AuthMode, Limits};
 use rand::Rng;
@@ -50,6 +50,9 @@ use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 use tracing::{Level, Span};
+use utoipa::OpenApi;
+use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouterExt};
+use utoipa_axum::routes;
 
 use crate::db::Db;
 use crate::extract::BodyLimit;
@@ -238,75 +241,15 @@ impl AppState {
 }
 
 /// The whole HTTP app: /api (JSON), /api/experiments/{id}/stream (SSE), /metrics
-/// (Prometheus), and the frontend.
+/// (Prometheus), /api/openapi.json (every route of the first three), and the frontend.
 pub fn app(state: AppState) -> Router {
     let config = state.config.clone();
-
-    let worker_api = Router::new()
-        .route("/lease", post(workers::lease))
-        .route("/heartbeat", post(workers::heartbeat))
-        .route("/events", post(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
-        .route("/complete", post(workers::complete))
-        .route("/fail", post(workers::fail))
-        .route_layer(middleware::from_fn_with_state(state.clone(), workers::require_credential))
-        .route(
-            "/register",
-            post(workers::register).route_layer(middleware::from_fn_with_state(state.clone(), workers::require_token)),
-        );
-
-    // Everything a person does: `identify` puts the caller on the request (401 without a
-    // session when the server has accounts).
-    let identify = middleware::from_fn_with_state(state.clone(), session::identify);
-    let user_api = Router::new()
-        .route("/me", get(session::who))
-        .route("/users", get(session::list_users).post(session::create_user))
-        .route("/users/{name}/password", put(session::reset_password))
-        .route("/experiments", get(experiments::list).post(experiments::create))
-        .route("/experiments/{id}", get(experiments::get_one).delete(experiments::delete))
-        .route("/experiments/{id}/metrics", get(experiments::metrics))
-        .route("/experiments/{id}/attempts", get(experiments::attempts))
-        .route("/experiments/{id}/trace", get(traces::trace))
-        .route("/experiments/{id}/memory", get(memory::memory))
-        .route("/experiments/{id}/cancel", post(experiments::cancel))
-        .route("/experiments/{id}/model", get(models::download))
-        .route("/experiments/{id}/model/config", get(models::config))
-        .route("/experiments/{id}/generate", post(sampling::generate))
-        .route("/plan", post(plan::plan))
-        .route("/plan/layouts", post(plan::layouts))
-        .route("/cards", get(cards::cards))
-        .route("/cards/checks", get(claims::checks))
-        .route("/profiles", get(review::list_profiles).post(review::create_profile))
-        .route("/profiles/{id}/review", get(review::review_view))
-        .route("/profiles/{id}/reviews", post(review::review))
-        .route("/profiles/{id}/settings", get(review_settings::settings).put(review_settings::update))
-        .route("/profiles/{id}/fit", post(review_settings::fit_parameters))
-        .route("/profiles/{id}/export", get(review::export))
-        .route("/profiles/{id}/import", post(review::import).layer(Extension(BodyLimit(review::MAX_IMPORT_BYTES))))
-        .route("/compare", get(compare::compare))
-        .route("/quiz", get(quiz::list))
-        .route("/quiz/answers", post(quiz::answer))
-        .route("/quiz/results", get(quiz::results))
-        .route_layer(identify.clone());
-
-    let api = Router::new()
-        .route("/health", get(health::health))
-        .route("/session", post(session::sign_in).delete(session::sign_out))
-        .merge(user_api)
-        .nest("/workers", worker_api)
-        .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
-        // Added after the timeout layer, so that long-lived streams and large model uploads
-        // are not cut.
-        .route("/experiments/{id}/stream", get(stream::stream).route_layer(identify))
-        .route(
-            "/workers/experiments/{id}/model",
-            put(models::upload).route_layer(middleware::from_fn_with_state(state.clone(), workers::require_credential)),
-        )
-        .fallback(error::api_not_found);
+    let (routes, doc) = api_routes(&state).split_for_parts();
+    let doc = openapi::Document(Arc::new(serde_json::to_string(&doc).expect("the OpenAPI document is JSON")));
+    let routes = routes.layer(Extension(doc));
 
     let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes).max(config.max_model_bytes);
-    Router::new()
-        .nest("/api", api)
-        .route("/metrics", get(metrics::metrics))
+    routes
         .merge(static_files::router(&config.static_dir))
         // Counted with the route each request matched (set by the routing, inside).
         .layer(middleware::from_fn_with_state(state.clone(), metrics::record))
@@ -324,6 +267,71 @@ pub fn app(state: AppState) -> Router {
         )
         .layer(TraceLayer::new_for_http().make_span_with(request_span).on_request(()).on_response(log_response))
         .with_state(state)
+}
+
+/// Every route but the frontend's files, each registered with its OpenAPI entry.
+fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
+    let config = &state.config;
+    let worker_credential = || middleware::from_fn_with_state(state.clone(), workers::require_credential);
+    let worker_api = OpenApiRouter::new()
+        .routes(routes!(workers::lease))
+        .routes(routes!(workers::heartbeat))
+        .routes(routes!(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
+        .routes(routes!(workers::complete))
+        .routes(routes!(workers::fail))
+        .route_layer(worker_credential())
+        .routes(
+            routes!(workers::register).layer(middleware::from_fn_with_state(state.clone(), workers::require_token)),
+        );
+
+    // Everything a person does: `identify` puts the caller on the request (401 without a
+    // session when the server has accounts).
+    let identify = || middleware::from_fn_with_state(state.clone(), session::identify);
+    let user_api = OpenApiRouter::new()
+        .routes(routes!(session::who))
+        .routes(routes!(session::list_users, session::create_user))
+        .routes(routes!(session::reset_password))
+        .routes(routes!(experiments::list, experiments::create))
+        .routes(routes!(experiments::get_one, experiments::delete))
+        .routes(routes!(experiments::metrics))
+        .routes(routes!(experiments::attempts))
+        .routes(routes!(traces::trace))
+        .routes(routes!(memory::memory))
+        .routes(routes!(experiments::cancel))
+        .routes(routes!(models::download))
+        .routes(routes!(models::config))
+        .routes(routes!(sampling::generate))
+        .routes(routes!(plan::plan))
+        .routes(routes!(plan::layouts))
+        .routes(routes!(cards::cards))
+        .routes(routes!(claims::checks))
+        .routes(routes!(review::list_profiles, review::create_profile))
+        .routes(routes!(review::review_view))
+        .routes(routes!(review::review))
+        .routes(routes!(review_settings::settings, review_settings::update))
+        .routes(routes!(review_settings::fit_parameters))
+        .routes(routes!(review::export))
+        .routes(routes!(review::import).layer(Extension(BodyLimit(review::MAX_IMPORT_BYTES))))
+        .routes(routes!(compare::compare))
+        .routes(routes!(quiz::list))
+        .routes(routes!(quiz::answer))
+        .routes(routes!(quiz::results))
+        .route_layer(identify());
+
+    let api = OpenApiRouter::new()
+        .routes(routes!(health::health))
+        .routes(routes!(session::sign_in, session::sign_out))
+        .routes(routes!(openapi::document))
+        .merge(user_api)
+        .nest("/workers", worker_api)
+        .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, config.request_timeout))
+        // Added after the timeout layer, so that long-lived streams and large model uploads
+        // are not cut.
+        .routes(routes!(stream::stream).layer(identify()))
+        .routes(routes!(models::upload).layer(worker_credential()))
+        .fallback(error::api_not_found);
+
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi()).nest("/api", api).routes(routes!(metrics::metrics))
 }
 
 /// Worker polling is frequent: its requests are logged at debug, everything else at info.

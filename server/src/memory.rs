@@ -28,6 +28,14 @@ struct MemoryOnly {
 }
 
 /// `GET /api/experiments/{id}/memory`: `MemoryView`, one entry per rank 0..world_size.
+#[utoipa::path(
+    get, path = "/experiments/{id}/memory", operation_id = "experiment_memory", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, body = distlab_common::memory::MemoryView),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn memory(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<MemoryView>, HttpError> {
     let id = parse_id(&raw_id)?;
     let spec_json: Option<String> =

@@ -96,6 +96,12 @@ pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> 
 }
 
 /// `GET /metrics`
+#[utoipa::path(
+    get, path = "/metrics", operation_id = "prometheus_metrics", tag = "operations",
+    responses(
+        (status = 200, description = "Prometheus text format (OpenMetrics): queue, experiments, leases, workers, requests", content_type = "application/openmetrics-text"),
+    ),
+)]
 pub async fn metrics(State(state): State<AppState>) -> Result<Response, HttpError> {
     let now = clock::now();
     let alive_since = clock::before(now, state.config.worker_alive_window());

@@ -55,6 +55,18 @@ fn check_model(spec: &ExperimentSpec, bytes: &[u8]) -> Result<(), String> {
 }
 
 /// `PUT /api/workers/experiments/{id}/model`
+#[utoipa::path(
+    put, path = "/workers/experiments/{id}/model", operation_id = "upload_model", tag = "workers",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "the run's safetensors"),
+    responses(
+        (status = 204, description = "stored"),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+        (status = 409, description = "the caller does not hold the lease", body = distlab_common::ApiError),
+        (status = 413, body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn upload(
     State(state): State<AppState>,
     Extension(caller): Extension<CallingWorker>,
@@ -124,6 +136,15 @@ pub(crate) async fn stored_model(
 }
 
 /// `GET /api/experiments/{id}/model`: streamed from the file (`ServeFile`), not read whole.
+#[utoipa::path(
+    get, path = "/experiments/{id}/model", operation_id = "download_model", tag = "models",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, description = "the trained weights as safetensors (Hugging Face GPT-2 names)", content_type = "application/octet-stream"),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+        (status = 409, description = "the run has no model (not succeeded, or MoE)", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn download(
     State(state): State<AppState>,
     Path(raw_id): Path<String>,
@@ -140,6 +161,15 @@ pub async fn download(
 }
 
 /// `GET /api/experiments/{id}/model/config`
+#[utoipa::path(
+    get, path = "/experiments/{id}/model/config", operation_id = "model_config", tag = "models",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, description = "config.json for GPT2LMHeadModel", body = Object),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+        (status = 409, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn config(
     State(state): State<AppState>,
     Path(raw_id): Path<String>,

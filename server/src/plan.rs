@@ -15,6 +15,15 @@ use distlab_common::ExperimentSpec;
 use crate::error::HttpError;
 use crate::extract::JsonBody;
 
+#[utoipa::path(
+    post, path = "/plan", operation_id = "plan", tag = "planner",
+    request_body = distlab_common::ExperimentSpec,
+    responses(
+        (status = 200, body = distlab_common::planner::Plan),
+        (status = 400, body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn plan(JsonBody(body): JsonBody<serde_json::Value>) -> Result<Json<Plan>, HttpError> {
     let spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
     let plan = planner::plan(&spec).map_err(HttpError::invalid_spec)?;
@@ -26,6 +35,15 @@ pub async fn plan(JsonBody(body): JsonBody<serde_json::Value>) -> Result<Json<Pl
 /// cluster of `cluster.gpus` GPUs and a global batch: the ten fastest layouts that fit,
 /// why each is slower than the first, and the layouts that could not run, by reason.
 /// 422 names the fields of a request that cannot be searched.
+#[utoipa::path(
+    post, path = "/plan/layouts", operation_id = "search_layouts", tag = "planner",
+    request_body = distlab_common::layout_search::SearchRequest,
+    responses(
+        (status = 200, body = distlab_common::layout_search::SearchResult),
+        (status = 400, body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn layouts(JsonBody(request): JsonBody<SearchRequest>) -> Result<Json<SearchResult>, HttpError> {
     // Thousands of plans: a blocking thread's work, not the async runtime's.
     let result = tokio::task::spawn_blocking(move || layout_search::search(&request))

@@ -38,12 +38,26 @@ fn questions() -> Result<&'static [Question], HttpError> {
 }
 
 /// `GET /api/quiz`.
+#[utoipa::path(
+    get, path = "/quiz", operation_id = "list_quiz_questions", tag = "flashcards",
+    responses(
+        (status = 200, body = Vec<distlab_common::quiz::Question>),
+    ),
+)]
 pub async fn list() -> Result<Json<&'static [Question]>, HttpError> {
     questions().map(Json)
 }
 
 /// `POST /api/quiz/answers`: 404 for a question that does not exist, 422 for an answer of
 /// the wrong kind (no number for a numeric question, a number for another, or neither).
+#[utoipa::path(
+    post, path = "/quiz/answers", operation_id = "answer_quiz", tag = "flashcards",
+    request_body = distlab_common::quiz::QuizAnswer,
+    responses(
+        (status = 200, body = distlab_common::quiz::QuizVerdict),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn answer(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -79,6 +93,12 @@ pub async fn answer(
 }
 
 /// `GET /api/quiz/results`: the asking account's, in the quiz's order.
+#[utoipa::path(
+    get, path = "/quiz/results", operation_id = "quiz_results", tag = "flashcards",
+    responses(
+        (status = 200, body = distlab_common::quiz::QuizResults),
+    ),
+)]
 pub async fn results(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,

@@ -342,6 +342,12 @@ pub(crate) fn unprocessable(problem: FieldError) -> HttpError {
 // Handlers
 
 /// `GET /api/profiles`: the owner's profiles, oldest first.
+#[utoipa::path(
+    get, path = "/profiles", tag = "flashcards",
+    responses(
+        (status = 200, body = distlab_common::review::ProfileList),
+    ),
+)]
 pub async fn list_profiles(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -356,6 +362,14 @@ pub async fn list_profiles(
 
 /// `POST /api/profiles {"name"}` -> 201: the name trimmed, 1..=64 characters (422 otherwise),
 /// unique per owner (409; names compare exactly, case included).
+#[utoipa::path(
+    post, path = "/profiles", tag = "flashcards",
+    request_body = distlab_common::review::NewProfile,
+    responses(
+        (status = 201, body = distlab_common::review::Profile),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn create_profile(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -388,6 +402,14 @@ pub async fn create_profile(
 }
 
 /// `GET /api/profiles/{id}/review`
+#[utoipa::path(
+    get, path = "/profiles/{id}/review", tag = "flashcards",
+    params(("id" = i64, Path, description = "the profile's id")),
+    responses(
+        (status = 200, body = distlab_common::review::ReviewView),
+        (status = 404, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn review_view(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -412,6 +434,17 @@ pub async fn review_view(
 /// `POST /api/profiles/{id}/reviews {"card_id", "rating": 1..5}`: the card's new state.
 /// 422 for a rating outside 1..=5 or a card id the deck does not have; 409 when the same
 /// card was reviewed by another request at the same moment (nothing is changed: retry).
+#[utoipa::path(
+    post, path = "/profiles/{id}/reviews", operation_id = "review_card", tag = "flashcards",
+    params(("id" = i64, Path, description = "the profile's id")),
+    request_body = distlab_common::review::ReviewRequest,
+    responses(
+        (status = 200, body = distlab_common::review::ReviewResult),
+        (status = 404, body = distlab_common::ApiError),
+        (status = 409, body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn review(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -500,6 +533,14 @@ pub async fn review(
 
 /// `GET /api/profiles/{id}/export`: every stored card state (card id order) and the whole
 /// log (oldest first), including cards the deck no longer has.
+#[utoipa::path(
+    get, path = "/profiles/{id}/export", operation_id = "export_profile", tag = "flashcards",
+    params(("id" = i64, Path, description = "the profile's id")),
+    responses(
+        (status = 200, body = distlab_common::review::ReviewExport),
+        (status = 404, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn export(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -693,6 +734,16 @@ pub fn check_import(body: serde_json::Value, deck: &[Card]) -> Result<CheckedImp
 /// `POST /api/profiles/{id}/import`: replaces the profile's card states and log with the
 /// document's (in one transaction, after checking all of it; a refused import changes
 /// nothing). The profile keeps its own name.
+#[utoipa::path(
+    post, path = "/profiles/{id}/import", operation_id = "import_profile", tag = "flashcards",
+    params(("id" = i64, Path, description = "the profile's id")),
+    request_body = distlab_common::review::ReviewExport,
+    responses(
+        (status = 200, body = distlab_common::review::ImportResult),
+        (status = 404, body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn import(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,

@@ -203,6 +203,14 @@ async fn settings_view(state: &AppState, profile_id: i64) -> Result<ReviewSettin
 // Handlers
 
 /// `GET /api/profiles/{id}/settings`
+#[utoipa::path(
+    get, path = "/profiles/{id}/settings", operation_id = "review_settings", tag = "flashcards",
+    params(("id" = i64, Path, description = "the profile's id")),
+    responses(
+        (status = 200, body = distlab_common::review::ReviewSettings),
+        (status = 404, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn settings(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -213,6 +221,16 @@ pub async fn settings(
 }
 
 /// `PUT /api/profiles/{id}/settings`
+#[utoipa::path(
+    put, path = "/profiles/{id}/settings", operation_id = "update_review_settings", tag = "flashcards",
+    params(("id" = i64, Path, description = "the profile's id")),
+    request_body = distlab_common::review::NewReviewSettings,
+    responses(
+        (status = 200, body = distlab_common::review::ReviewSettings),
+        (status = 404, body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn update(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,
@@ -231,6 +249,15 @@ pub async fn update(
 }
 
 /// `POST /api/profiles/{id}/fit`
+#[utoipa::path(
+    post, path = "/profiles/{id}/fit", tag = "flashcards",
+    params(("id" = i64, Path, description = "the profile's id")),
+    responses(
+        (status = 200, body = distlab_common::review::ParameterFit),
+        (status = 404, body = distlab_common::ApiError),
+        (status = 409, description = "too few reviews to fit", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn fit_parameters(
     State(state): State<AppState>,
     Extension(owner): Extension<Account>,

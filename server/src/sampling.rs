@@ -71,6 +71,18 @@ fn check_request(r: &GenerateRequest, vocab: usize) -> Result<(Vec<u32>, Samplin
 }
 
 /// `POST /api/experiments/{id}/generate`
+#[utoipa::path(
+    post, path = "/experiments/{id}/generate", operation_id = "generate_text", tag = "models",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    request_body = distlab_common::GenerateRequest,
+    responses(
+        (status = 200, body = distlab_common::Generated),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+        (status = 409, description = "the run has no model", body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+        (status = 429, description = "the sampler is busy", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn generate(
     State(state): State<AppState>,
     Path(raw_id): Path<String>,

@@ -63,6 +63,13 @@ fn me(account: &Account, auth: AuthMode) -> Me {
 }
 
 /// `GET /api/me`: who is signed in.
+#[utoipa::path(
+    get, path = "/me", tag = "accounts",
+    responses(
+        (status = 200, body = distlab_common::Me),
+        (status = 401, description = "not signed in (a server with accounts)", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn who(State(state): State<AppState>, Extension(caller): Extension<Account>) -> Json<Me> {
     Json(me(&caller, state.config.auth))
 }
@@ -74,6 +81,15 @@ fn cookie(value: &str, max_age_s: u64) -> HeaderValue {
 
 /// `POST /api/session {"name", "password"}`: signs in (a session cookie, HttpOnly and
 /// SameSite=Strict); 401 for a wrong name or password (without saying which).
+#[utoipa::path(
+    post, path = "/session", tag = "accounts",
+    request_body = distlab_common::SignIn,
+    responses(
+        (status = 200, description = "signed in: a session cookie", body = distlab_common::Me),
+        (status = 401, body = distlab_common::ApiError),
+        (status = 409, description = "the server runs without accounts", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn sign_in(State(state): State<AppState>, JsonBody(body): JsonBody<SignIn>) -> Result<Response, HttpError> {
     if state.config.auth == AuthMode::None {
         return Err(HttpError::conflict(
@@ -95,6 +111,12 @@ pub async fn sign_in(State(state): State<AppState>, JsonBody(body): JsonBody<Sig
 }
 
 /// `DELETE /api/session`: signs out (the session ends on the server, the cookie is cleared).
+#[utoipa::path(
+    delete, path = "/session", tag = "accounts",
+    responses(
+        (status = 204, description = "the session ended"),
+    ),
+)]
 pub async fn sign_out(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, HttpError> {
     if let Some(token) = session_token(&headers) {
         accounts::close_session(&state.db, token).await?;
@@ -127,6 +149,13 @@ fn account_error(e: AccountError) -> HttpError {
 }
 
 /// `GET /api/users` (admins): every account.
+#[utoipa::path(
+    get, path = "/users", tag = "accounts",
+    responses(
+        (status = 200, body = distlab_common::AccountList),
+        (status = 403, description = "admins only", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn list_users(
     State(state): State<AppState>,
     Extension(caller): Extension<Account>,
@@ -137,6 +166,16 @@ pub async fn list_users(
 }
 
 /// `POST /api/users {"name", "password", "admin"}` (admins): a new account (201).
+#[utoipa::path(
+    post, path = "/users", tag = "accounts",
+    request_body = distlab_common::NewAccount,
+    responses(
+        (status = 201, body = distlab_common::AccountView),
+        (status = 403, body = distlab_common::ApiError),
+        (status = 409, description = "the name is taken", body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn create_user(
     State(state): State<AppState>,
     Extension(caller): Extension<Account>,
@@ -150,6 +189,16 @@ pub async fn create_user(
 
 /// `PUT /api/users/{name}/password {"password"}` (admins): a new password; the account's
 /// sessions end (204).
+#[utoipa::path(
+    put, path = "/users/{name}/password", tag = "accounts",
+    params(("name" = String, Path)),
+    request_body = distlab_common::NewPassword,
+    responses(
+        (status = 204, description = "set; the account's sessions end"),
+        (status = 403, body = distlab_common::ApiError),
+        (status = 404, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn reset_password(
     State(state): State<AppState>,
     Extension(caller): Extension<Account>,

@@ -189,6 +189,15 @@ impl Drop for Subscription {
 }
 
 /// `GET /api/experiments/{id}/stream`
+#[utoipa::path(
+    get, path = "/experiments/{id}/stream", operation_id = "experiment_stream", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, description = "server-sent events: status, metrics, logs, traces as they arrive", content_type = "text/event-stream"),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+        (status = 429, description = "too many streams open", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn stream(
     State(state): State<AppState>,
     Path(raw_id): Path<String>,

@@ -73,6 +73,14 @@ pub async fn upsert(tx: &mut sqlx::SqliteConnection, id: i64, trace: &RankTrace,
 }
 
 /// `GET /api/experiments/{id}/trace`: `ExperimentTrace`, ranks in rank order (none yet: `{"ranks":[]}`).
+#[utoipa::path(
+    get, path = "/experiments/{id}/trace", operation_id = "experiment_trace", tag = "experiments",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, body = distlab_common::trace::ExperimentTrace),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn trace(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Response, HttpError> {
     let id = parse_id(&raw_id)?;
     let exists: Option<i64> =

@@ -164,6 +164,15 @@ async fn touch(
 }
 
 /// `POST /api/workers/register`
+#[utoipa::path(
+    post, path = "/register", operation_id = "register_worker", tag = "workers",
+    request_body = distlab_common::RegisterWorker,
+    responses(
+        (status = 200, body = distlab_common::Registered),
+        (status = 401, description = "no or a wrong worker token", body = distlab_common::ApiError),
+        (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn register(
     State(state): State<AppState>,
     JsonBody(body): JsonBody<RegisterWorker>,
@@ -205,6 +214,15 @@ pub async fn register(
 }
 
 /// `POST /api/workers/lease`: 200 `Lease`, or 204 when nothing this worker can run is queued.
+#[utoipa::path(
+    post, path = "/lease", operation_id = "worker_lease", tag = "workers",
+    request_body = distlab_common::LeaseRequest,
+    responses(
+        (status = 200, description = "an experiment to run", body = distlab_common::Lease),
+        (status = 204, description = "nothing to run"),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn lease(
     State(state): State<AppState>,
     Extension(caller): Extension<CallingWorker>,
@@ -240,6 +258,14 @@ fn ack(ownership: Ownership, worker_id: i64, experiment_id: i64) -> Result<Json<
 }
 
 /// `POST /api/workers/heartbeat`: renews the lease of the experiment the worker runs.
+#[utoipa::path(
+    post, path = "/heartbeat", operation_id = "worker_heartbeat", tag = "workers",
+    request_body = distlab_common::Heartbeat,
+    responses(
+        (status = 200, body = distlab_common::WorkerAck),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn heartbeat(
     State(state): State<AppState>,
     Extension(caller): Extension<CallingWorker>,
@@ -257,6 +283,15 @@ pub async fn heartbeat(
 /// `POST /api/workers/events`: stores metric points, log lines and rank traces, renews the
 /// lease, and forwards the events to the experiment's live streams. A trace whose rank is
 /// outside the experiment's world is 422, and then nothing of the batch is stored.
+#[utoipa::path(
+    post, path = "/events", operation_id = "worker_events", tag = "workers",
+    request_body = distlab_common::EventBatch,
+    responses(
+        (status = 200, body = distlab_common::WorkerAck),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+        (status = 409, description = "the lease was lost", body = distlab_common::ApiError),
+    ),
+)]
 pub async fn events(
     State(state): State<AppState>,
     Extension(caller): Extension<CallingWorker>,
@@ -305,6 +340,15 @@ pub async fn events(
 }
 
 /// `POST /api/workers/complete`: the run succeeded.
+#[utoipa::path(
+    post, path = "/complete", operation_id = "worker_complete", tag = "workers",
+    request_body = distlab_common::Complete,
+    responses(
+        (status = 200, body = distlab_common::WorkerAck),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+        (status = 409, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn complete(
     State(state): State<AppState>,
     Extension(caller): Extension<CallingWorker>,
@@ -324,6 +368,15 @@ pub async fn complete(
 
 /// `POST /api/workers/fail`: the run failed, or stopped after a cancel (`cancelled: true`;
 /// harmless when the experiment is already cancelled).
+#[utoipa::path(
+    post, path = "/fail", operation_id = "worker_fail", tag = "workers",
+    request_body = distlab_common::Fail,
+    responses(
+        (status = 200, body = distlab_common::WorkerAck),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+        (status = 409, body = distlab_common::ApiError),
+    ),
+)]
 pub async fn fail(
     State(state): State<AppState>,
     Extension(caller): Extension<CallingWorker>,

@@ -553,6 +553,93 @@ async fn layout_search_lists_the_fastest_layouts_that_fit_and_why_the_others_los
     assert_api_error(&t.post("/api/plan/layouts", unknown).await, StatusCode::BAD_REQUEST);
 }
 
+/// `/api/openapi.json` describes every route, and every entry in it is a route: each is
+/// answered by its own handler (an unknown route gets the API's "no API endpoint" 404).
+#[tokio::test]
+async fn the_openapi_document_has_every_route_and_nothing_else() {
+    let t = setup().await;
+    let a = t.get("/api/openapi.json").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert!(a.body["openapi"].as_str().is_some_and(|v| v.starts_with("3.1")), "{}", a.body["openapi"]);
+    let mut documented = std::collections::BTreeSet::new();
+    let mut operation_ids = HashSet::new();
+    for (path, item) in a.body["paths"].as_object().expect("paths") {
+        for method in ["get", "post", "put", "delete", "patch"] {
+            if let Some(operation) = item.get(method) {
+                assert!(!operation["responses"].as_object().expect("responses").is_empty(), "{method} {path}");
+                let id = operation["operationId"].as_str().unwrap_or_default().to_string();
+                assert!(operation_ids.insert(id.clone()), "{method} {path}: operationId {id} is used twice");
+                documented.insert((method.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    let every_route = [
+        "GET /api/health",
+        "POST /api/session",
+        "DELETE /api/session",
+        "GET /api/openapi.json",
+        "GET /metrics",
+        "GET /api/me",
+        "GET /api/users",
+        "POST /api/users",
+        "PUT /api/users/{name}/password",
+        "GET /api/experiments",
+        "POST /api/experiments",
+        "GET /api/experiments/{id}",
+        "DELETE /api/experiments/{id}",
+        "GET /api/experiments/{id}/metrics",
+        "GET /api/experiments/{id}/attempts",
+        "GET /api/experiments/{id}/trace",
+        "GET /api/experiments/{id}/memory",
+        "POST /api/experiments/{id}/cancel",
+        "GET /api/experiments/{id}/stream",
+        "GET /api/experiments/{id}/model",
+        "GET /api/experiments/{id}/model/config",
+        "POST /api/experiments/{id}/generate",
+        "GET /api/compare",
+        "POST /api/plan",
+        "POST /api/plan/layouts",
+        "GET /api/cards",
+        "GET /api/cards/checks",
+        "GET /api/profiles",
+        "POST /api/profiles",
+        "GET /api/profiles/{id}/review",
+        "POST /api/profiles/{id}/reviews",
+        "GET /api/profiles/{id}/settings",
+        "PUT /api/profiles/{id}/settings",
+        "POST /api/profiles/{id}/fit",
+        "GET /api/profiles/{id}/export",
+        "POST /api/profiles/{id}/import",
+        "GET /api/quiz",
+        "POST /api/quiz/answers",
+        "GET /api/quiz/results",
+        "POST /api/workers/register",
+        "POST /api/workers/lease",
+        "POST /api/workers/heartbeat",
+        "POST /api/workers/events",
+        "POST /api/workers/complete",
+        "POST /api/workers/fail",
+        "PUT /api/workers/experiments/{id}/model",
+    ];
+    let expected: std::collections::BTreeSet<(String, String)> = every_route
+        .iter()
+        .map(|r| r.split_once(' ').map(|(m, p)| (m.to_string(), p.to_string())).expect("METHOD /path"))
+        .collect();
+    assert_eq!(documented, expected);
+    for (method, path) in &documented {
+        let uri = path.replace("{id}", "999999").replace("{name}", "nobody");
+        let request = Request::builder().method(method.as_str()).uri(&uri).body(Body::empty()).expect("request");
+        let reply = answer(t.send(request).await).await;
+        let unrouted = reply.status == StatusCode::METHOD_NOT_ALLOWED
+            || reply.body["error"].as_str().is_some_and(|e| e.starts_with("no API endpoint"));
+        assert!(!unrouted, "{method} {path}: {} {}", reply.status, reply.body);
+    }
+    // Nothing is routed around the document: the app registers its routes through
+    // utoipa_axum's `routes!` (with their #[utoipa::path]) and never with a bare `.route(`.
+    let source = include_str!("../src/lib.rs");
+    assert!(!source.contains(".route("), "server/src/lib.rs registers a route outside the OpenAPI document");
+}
+
 #[tokio::test]
 async fn too_large_bodies_get_413_in_the_json_shape() {
     let t = setup().await;
