@@ -30,6 +30,10 @@ pub struct MetricPoint {
     /// the ones that underflowed. None from a rank without the head.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logit_grad_zero_share: Option<f64>,
+    /// Mean loss on the held-out validation data after this step's update (steps that
+    /// `train.eval_every` names, and the last).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
 }
 
 /// A Mixture-of-Experts step's routing, over every block, micro-batch and rank.

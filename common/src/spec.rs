@@ -343,6 +343,10 @@ pub struct TrainSpec {
     /// recomputed in backward).
     pub attention: Attention,
     pub checkpoint_every: u64,
+    /// Validation loss after every `eval_every` steps and after the last (0: never): the
+    /// mean loss on held-out data (the text's last tenth; Markov sequences drawn apart
+    /// from the training ones), one micro-batch per data-parallel rank, forward only.
+    pub eval_every: u64,
     /// Who writes a checkpoint: a writer thread while training goes on, or the training
     /// loop itself.
     pub checkpoint_write: CheckpointWrite,
@@ -513,6 +517,7 @@ impl Default for TrainSpec {
             loss_scaling: LossScaling::None,
             checkpointing: Checkpointing::None,
             checkpoint_every: 0,
+            eval_every: 10,
             checkpoint_write: CheckpointWrite::Async,
             attention: Attention::Naive,
             seed: 42,

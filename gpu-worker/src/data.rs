@@ -1,4 +1,6 @@
-//! Training data: the `markov` and `text` datasets, and the global batch of a step.
+//! Training data: the `markov` and `text` datasets, the global batch of a step, and the
+//! held-out sequences of the validation loss (the text's last tenth; for the chain, a
+//! random stream of its own).
 //!
 //! The global batch of optimizer step t is a pure function of (data seed, t):
 //! sequence i of it depends on (seed, t, i) alone. A caller asks for sequences
@@ -6,6 +8,8 @@
 //! micro-batch) takes its own disjoint slice and every strategy sees the same data.
 //! Each sequence has seq_len + 1 tokens; inputs are the first seq_len, targets the
 //! last seq_len (the same tokens shifted by one).
+
+use std::sync::Arc;
 
 use distlab_common::{DataSpec, Dataset, ModelSpec};
 
@@ -24,6 +28,7 @@ pub const MARKOV_UNIFORM_MIX: f64 = 0.05;
 const CHAIN_STREAM: u64 = 0x4348_4149_4e00_0001;
 const SEQUENCE_STREAM: u64 = 0x5345_5155_454e_4345;
 const EPOCH_STREAM: u64 = 0x4550_4f43_4800_0001;
+const VALIDATION_STREAM: u64 = 0x5641_4c49_4441_5445;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum DataError {
@@ -157,8 +162,16 @@ fn stationary_distribution(vocab: usize, k: usize, successors: &[u32], weights: 
 #[derive(Clone, Debug)]
 enum Source {
     Markov(MarkovChain),
-    Text(&'static [u8]),
+    /// Bytes as tokens: training windows from `bytes[..split]`, validation windows from
+    /// the rest.
+    Text {
+        bytes: Arc<[u8]>,
+        split: usize,
+    },
 }
+
+/// The share of a text held out for validation (its end).
+pub const VALIDATION_SHARE: f64 = 0.1;
 
 /// A dataset with its seed: hands out any slice of any step's global batch.
 #[derive(Clone, Debug)]
@@ -173,24 +186,39 @@ impl Data {
     pub fn new(data: &DataSpec, model: &ModelSpec, global_batch: usize) -> Result<Self, DataError> {
         let source = match data.dataset {
             Dataset::Markov => Source::Markov(MarkovChain::new(model.vocab, data.seed)),
-            Dataset::Text => {
-                if model.vocab < 256 {
-                    return Err(DataError::VocabTooSmallForText(model.vocab));
-                }
-                if SHAKESPEARE.len() < model.seq_len + 1 {
-                    return Err(DataError::TextTooShort { seq_len: model.seq_len, len: SHAKESPEARE.len() });
-                }
-                Source::Text(SHAKESPEARE)
-            }
+            Dataset::Text => Self::text(SHAKESPEARE.into(), model)?,
         };
         Ok(Self { seed: data.seed, source, global_batch })
+    }
+
+    /// Bytes as a dataset: the last [`VALIDATION_SHARE`] held out (at least one window of
+    /// seq_len + 1 bytes on each side).
+    fn text(bytes: Arc<[u8]>, model: &ModelSpec) -> Result<Source, DataError> {
+        if model.vocab < 256 {
+            return Err(DataError::VocabTooSmallForText(model.vocab));
+        }
+        let window = model.seq_len + 1;
+        let held_out = ((bytes.len() as f64 * VALIDATION_SHARE) as usize).max(window);
+        if bytes.len() < held_out + window {
+            return Err(DataError::TextTooShort { seq_len: model.seq_len, len: bytes.len() });
+        }
+        Ok(Source::Text { split: bytes.len() - held_out, bytes })
+    }
+
+    /// A text's split: (bytes trained on, bytes held out); None for the Markov chain
+    /// (its validation sequences come from a stream of their own).
+    pub fn split(&self) -> Option<(usize, usize)> {
+        match &self.source {
+            Source::Markov(_) => None,
+            Source::Text { bytes, split } => Some((*split, bytes.len() - split)),
+        }
     }
 
     /// The best achievable loss, when known (the Markov chain's entropy rate).
     pub fn loss_floor(&self) -> Option<f64> {
         match &self.source {
             Source::Markov(chain) => Some(chain.entropy_rate()),
-            Source::Text(_) => None,
+            Source::Text { .. } => None,
         }
     }
 
@@ -206,9 +234,13 @@ impl Data {
                 chain.entropy_rate(),
                 (chain.vocab as f64).ln()
             ),
-            Source::Text(text) => {
-                format!("data: Shakespeare text, {} bytes, one token per byte (seed {})", text.len(), self.seed)
-            }
+            Source::Text { bytes, split } => format!(
+                "data: Shakespeare text, {} bytes, one token per byte (seed {}): {split} for training, the last {} \
+                 held out for the validation loss",
+                bytes.len(),
+                self.seed,
+                bytes.len() - split
+            ),
         }
     }
 
@@ -246,7 +278,8 @@ impl Data {
                         current = next;
                     }
                 }
-                Source::Text(text) => {
+                Source::Text { bytes, split } => {
+                    let text = &bytes[..*split];
                     let windows = ((text.len() - 1) / seq_len) as u64;
                     let global = step * self.global_batch as u64 + index;
                     let (epoch, position) = (global / windows, global % windows);
@@ -259,6 +292,40 @@ impl Data {
                     for (j, (x, y)) in inp.iter_mut().zip(tgt.iter_mut()).enumerate() {
                         *x = window[j] as u32;
                         *y = window[j + 1] as u32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Data {
+    /// Writes validation sequences `[start, start + count)` (the same ones at every
+    /// evaluation, so that the losses compare): Markov, sequence i sampled from the chain
+    /// with a generator of its own (seed, i); text, the held-out part cut into windows,
+    /// sequence i the (i mod windows)-th.
+    pub fn fill_validation(&self, start: usize, count: usize, seq_len: usize, inputs: &mut [u32], targets: &mut [u32]) {
+        let inputs = &mut inputs[..count * seq_len];
+        let targets = &mut targets[..count * seq_len];
+        for (i, (inp, tgt)) in inputs.chunks_exact_mut(seq_len).zip(targets.chunks_exact_mut(seq_len)).enumerate() {
+            let index = start + i;
+            match &self.source {
+                Source::Markov(chain) => {
+                    let mut rng = Rng::from_parts(&[self.seed, VALIDATION_STREAM, index as u64]);
+                    let mut current = chain.first_token(&mut rng);
+                    for (x, y) in inp.iter_mut().zip(tgt.iter_mut()) {
+                        let next = chain.next_token(current, &mut rng);
+                        (*x, *y) = (current, next);
+                        current = next;
+                    }
+                }
+                Source::Text { bytes, split } => {
+                    let held_out = &bytes[*split..];
+                    let windows = (held_out.len() - 1) / seq_len;
+                    let offset = (index % windows) * seq_len;
+                    let window = &held_out[offset..offset + seq_len + 1];
+                    for (j, (x, y)) in inp.iter_mut().zip(tgt.iter_mut()).enumerate() {
+                        (*x, *y) = (window[j] as u32, window[j + 1] as u32);
                     }
                 }
             }
@@ -280,6 +347,57 @@ fn shuffled(n: usize, seed: u64, epoch: u64) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The text's last tenth is held out: no training window, over many epochs' worth of
+    /// steps, is one of the held-out windows, and every validation window is.
+    #[test]
+    fn the_held_out_text_is_never_trained_on() {
+        let (data_spec, model) = spec(Dataset::Text, 256, 64);
+        let data = Data::new(&data_spec, &model, 64).unwrap();
+        let (trained, held_out) = data.split().unwrap();
+        assert_eq!(trained + held_out, SHAKESPEARE.len());
+        assert_eq!(held_out, SHAKESPEARE.len() / 10);
+        let seq = model.seq_len;
+        let held: std::collections::HashSet<&[u8]> = SHAKESPEARE[trained..].windows(seq).collect();
+        let (mut inputs, mut targets) = (vec![0u32; 64 * seq], vec![0u32; 64 * seq]);
+        let bytes = |tokens: &[u32]| tokens.iter().map(|&t| t as u8).collect::<Vec<u8>>();
+        // 64 windows per step, 4,000-odd training windows: 200 steps are three epochs.
+        for step in 0..200 {
+            data.fill_batch(step, 0, 64, seq, &mut inputs, &mut targets);
+            for window in inputs.chunks(seq) {
+                assert!(!held.contains(bytes(window).as_slice()), "step {step} trains on held-out text");
+            }
+        }
+        data.fill_validation(0, 64, seq, &mut inputs, &mut targets);
+        for (window, target) in inputs.chunks(seq).zip(targets.chunks(seq)) {
+            assert!(held.contains(bytes(window).as_slice()));
+            assert_eq!(&target[..seq - 1], &window[1..], "targets are the next tokens");
+        }
+        // The same sequences at every evaluation.
+        let again = {
+            let (mut i, mut t) = (vec![0u32; 64 * seq], vec![0u32; 64 * seq]);
+            data.fill_validation(0, 64, seq, &mut i, &mut t);
+            i
+        };
+        assert_eq!(again, inputs);
+    }
+
+    /// Markov validation sequences come from the chain but never repeat a training one.
+    #[test]
+    fn markov_validation_sequences_are_drawn_apart() {
+        let (data_spec, model) = spec(Dataset::Markov, 64, 32);
+        let data = Data::new(&data_spec, &model, 8).unwrap();
+        assert_eq!(data.split(), None);
+        let seq = model.seq_len;
+        let (mut train, mut val, mut t) = (vec![0u32; 8 * seq], vec![0u32; 8 * seq], vec![0u32; 8 * seq]);
+        data.fill_validation(0, 8, seq, &mut val, &mut t);
+        for step in 0..50 {
+            data.fill_batch(step, 0, 8, seq, &mut train, &mut t);
+            for (a, b) in train.chunks(seq).zip(val.chunks(seq)) {
+                assert_ne!(a, b);
+            }
+        }
+    }
 
     fn spec(dataset: Dataset, vocab: usize, seq_len: usize) -> (DataSpec, ModelSpec) {
         (DataSpec { dataset, seed: 3 }, ModelSpec { vocab, seq_len, ..ModelSpec::default() })
@@ -376,7 +494,8 @@ mod tests {
     fn text_epochs_visit_every_window_once_in_a_seeded_order() {
         let (d, m) = spec(Dataset::Text, 256, 64);
         let data = Data::new(&d, &m, 16).unwrap();
-        let windows = (SHAKESPEARE.len() - 1) / 64;
+        let (trained, _) = data.split().unwrap();
+        let windows = (trained - 1) / 64;
         let steps = windows / 16;
         let mut seen = std::collections::HashSet::new();
         let (mut x, mut y) = (vec![0u32; 16 * 64], vec![0u32; 16 * 64]);

@@ -110,13 +110,14 @@ struct MetricRow {
     expert_assignments: Option<i64>,
     expert_dropped: Option<i64>,
     logit_grad_zero_share: Option<f64>,
+    val_loss: Option<f64>,
 }
 
 /// Every stored metric point of an experiment, ordered by step.
 pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpError> {
     let rows = sqlx::query_as::<_, MetricRow>(
         "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, expert_balance, \
-         expert_assignments, expert_dropped, logit_grad_zero_share FROM metrics \
+         expert_assignments, expert_dropped, logit_grad_zero_share, val_loss FROM metrics \
          WHERE experiment_id = ?1 ORDER BY step",
     )
     .bind(id)
@@ -140,6 +141,7 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpErro
                 dropped: r.expert_dropped.and_then(|n| u64::try_from(n).ok()).unwrap_or(0),
             }),
             logit_grad_zero_share: r.logit_grad_zero_share,
+            val_loss: r.val_loss,
         })
         .collect())
 }

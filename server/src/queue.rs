@@ -280,13 +280,14 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     sqlx::query(
         "INSERT INTO metrics \
            (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, \
-            expert_balance, expert_assignments, expert_dropped, logit_grad_zero_share) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13) \
+            expert_balance, expert_assignments, expert_dropped, logit_grad_zero_share, val_loss) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) \
          ON CONFLICT (experiment_id, step) DO UPDATE SET loss = excluded.loss, lr = excluded.lr, \
            grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms, \
            loss_scale = excluded.loss_scale, skipped_steps = excluded.skipped_steps, \
            expert_balance = excluded.expert_balance, expert_assignments = excluded.expert_assignments, \
-           expert_dropped = excluded.expert_dropped, logit_grad_zero_share = excluded.logit_grad_zero_share",
+           expert_dropped = excluded.expert_dropped, logit_grad_zero_share = excluded.logit_grad_zero_share, \
+           val_loss = excluded.val_loss",
     )
     .bind(id)
     .bind(i64::try_from(m.step).unwrap_or(i64::MAX))
@@ -301,6 +302,7 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     .bind(m.experts.map(|e| i64::try_from(e.assignments).unwrap_or(i64::MAX)))
     .bind(m.experts.map(|e| i64::try_from(e.dropped).unwrap_or(i64::MAX)))
     .bind(m.logit_grad_zero_share.filter(|s| (0.0..=1.0).contains(s)))
+    .bind(m.val_loss.filter(|v| v.is_finite()))
     .execute(tx)
     .await?;
     Ok(())

@@ -1753,8 +1753,12 @@ async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
     assert!(dots >= 10, "the chart shows {dots} points");
     assert!(exists(c, "#loss-chart path.loss-line").await?);
     assert!(exists(c, "#loss-chart line.ref-uniform").await?, "the ln(vocab) reference line is drawn");
+    // 60 steps, a validation loss after every 10th (the default eval_every).
+    let validation = c.find_all(Locator::Css("#loss-chart rect.val-point")).await?.len();
+    assert_eq!(validation, 6, "the chart shows {validation} validation points");
     let chart = text(c, "#loss-chart").await?;
-    for needle in ["step", "loss (nats/token)", "uniform guess: ln(64)", "training loss"] {
+    for needle in ["step", "loss (nats/token)", "uniform guess: ln(64)", "training loss", "validation (held-out data)"]
+    {
         assert!(chart.contains(needle), "the chart says {needle:?}: {chart}");
     }
     assert_eq!(text(c, "#step").await?, "60 / 60");

@@ -45,6 +45,9 @@ pub struct ChartModel {
     pub dot_r: f64,
     pub refs: Vec<(f64, Reference)>,
     pub points: usize,
+    /// The validation losses (steps with one): their line and a marker each.
+    pub val_path: String,
+    pub val_dots: Vec<(f64, f64, String)>,
 }
 
 impl ChartModel {
@@ -59,7 +62,10 @@ impl ChartModel {
         let x_step = nice_step(x_max / 6.0).max(1.0);
         let x_axis_max = (x_max / x_step).ceil() * x_step;
 
-        let finite: Vec<f64> = points.iter().map(|p| p.loss).filter(|l| l.is_finite()).collect();
+        let validation: Vec<(u64, f64)> =
+            points.iter().filter_map(|p| p.val_loss.filter(|v| v.is_finite()).map(|v| (p.step, v))).collect();
+        let finite: Vec<f64> =
+            points.iter().map(|p| p.loss).filter(|l| l.is_finite()).chain(validation.iter().map(|v| v.1)).collect();
         let mut lo = finite.iter().copied().chain(refs.iter().map(|r| r.value)).fold(f64::INFINITY, f64::min);
         let mut hi = finite.iter().copied().chain(refs.iter().map(|r| r.value)).fold(f64::NEG_INFINITY, f64::max);
         if !lo.is_finite() || !hi.is_finite() {
@@ -110,7 +116,27 @@ impl ChartModel {
         let spacing = plot_w / x_axis_max * stride as f64;
         let dot_r = (spacing * 0.3).clamp(1.1, 2.6);
         let refs = refs.iter().filter(|r| r.value.is_finite()).map(|r| (sy(r.value), r.clone())).collect();
-        ChartModel { x_ticks, y_ticks, path: path.trim_end().to_string(), dots, dot_r, refs, points: points.len() }
+        let val_path = validation
+            .iter()
+            .enumerate()
+            .map(|(i, &(step, v))| format!("{}{:.1} {:.1}", if i == 0 { 'M' } else { 'L' }, sx(step as f64), sy(v)))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let val_dots = validation
+            .iter()
+            .map(|&(step, v)| (sx(step as f64), sy(v), format!("step {step}: validation loss {v:.4}")))
+            .collect();
+        ChartModel {
+            x_ticks,
+            y_ticks,
+            path: path.trim_end().to_string(),
+            dots,
+            dot_r,
+            refs,
+            points: points.len(),
+            val_path,
+            val_dots,
+        }
     }
 }
 
@@ -239,6 +265,35 @@ pub fn LossChart(
                         .collect_view()
                 }}
             </g>
+            <path class="val-line" d=move || model.with(|m| m.val_path.clone()) fill="none"></path>
+            <g class="val-points" data-points=move || model.with(|m| m.val_dots.len().to_string())>
+                {move || {
+                    model
+                        .with(|m| m.val_dots.clone())
+                        .into_iter()
+                        .map(|(x, y, tip)| {
+                            view! {
+                                <rect class="val-point" x=format!("{:.1}", x - 3.5) y=format!("{:.1}", y - 3.5)
+                                    width="7" height="7"><title>{tip}</title></rect>
+                            }
+                        })
+                        .collect_view()
+                }}
+            </g>
+            {move || {
+                (!model.with(|m| m.val_dots.is_empty())).then(|| {
+                    view! {
+                        <g class="legend">
+                            <line class="loss-line" x1=(LEFT + 14.0).to_string() x2=(LEFT + 38.0).to_string()
+                                y1=(TOP + 12.0).to_string() y2=(TOP + 12.0).to_string()></line>
+                            <text class="legend-label" x=(LEFT + 44.0).to_string() y=(TOP + 16.0).to_string()>"training (this step's batch)"</text>
+                            <line class="val-line" x1=(LEFT + 14.0).to_string() x2=(LEFT + 38.0).to_string()
+                                y1=(TOP + 30.0).to_string() y2=(TOP + 30.0).to_string()></line>
+                            <text class="legend-label" x=(LEFT + 44.0).to_string() y=(TOP + 34.0).to_string()>"validation (held-out data)"</text>
+                        </g>
+                    }
+                })
+            }}
             {move || {
                 (model.with(|m| m.points) == 0)
                     .then(|| {
@@ -287,6 +342,21 @@ mod tests {
         // Without points it spans the run.
         let m = ChartModel::new(&[], 100, &refs);
         assert_eq!(m.x_ticks.last().map(|t| t.label.as_str()), Some("100"));
+    }
+
+    #[test]
+    fn validation_losses_get_their_own_line_inside_the_plot() {
+        let mut points: Vec<_> = (0..20).map(|s| point(s, 4.0 - s as f64 * 0.1)).collect();
+        points[9].val_loss = Some(3.5);
+        points[19].val_loss = Some(6.0); // above every training loss: the y axis makes room
+        let m = ChartModel::new(&points, 20, &[]);
+        assert_eq!(m.val_dots.len(), 2);
+        assert!(m.val_path.starts_with('M') && m.val_path.matches('L').count() == 1);
+        for (x, y, _) in &m.val_dots {
+            assert!((LEFT..=WIDTH - RIGHT).contains(x) && (TOP..=HEIGHT - BOTTOM).contains(y), "{x} {y}");
+        }
+        assert!(m.val_dots[1].2.contains("validation loss 6.0000"));
+        assert!(ChartModel::new(&points[..5], 20, &[]).val_dots.is_empty());
     }
 
     #[test]

@@ -135,11 +135,12 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         t.seed
     );
     let numerics = format!(
-        "{} · loss scaling {} · activation checkpointing {} · {} attention{}",
+        "{} · loss scaling {} · activation checkpointing {} · {} attention{}{}",
         label(&t.precision),
         label(&t.loss_scaling),
         label(&t.checkpointing),
         label(&t.attention),
+        if t.eval_every > 0 { format!(" · validation every {} steps", t.eval_every) } else { String::new() },
         if t.checkpoint_every > 0 {
             format!(" · checkpoint every {} steps ({})", t.checkpoint_every, label(&t.checkpoint_write))
         } else {

@@ -195,6 +195,11 @@ const SECTIONS: &[SectionDef] = &[
                 Kind::Choice(&["naive", "flash"]),
                 "flash: tiled, keeps one log-sum-exp per row instead of the T×T probabilities",
             ),
+            f(
+                "train.eval_every",
+                Kind::Int,
+                "validation loss on held-out data every N steps and after the last; 0 = never",
+            ),
             f("train.checkpoint_every", Kind::Int, "save a resumable checkpoint every N steps; 0 = never"),
             f(
                 "train.checkpoint_write",

@@ -753,6 +753,14 @@ impl<B: Backend> Gpt<B> {
         }
     }
 
+    /// Forgets every micro-batch's activations (an evaluation's forward, which no backward
+    /// follows): released from the ledger and kept for the next forward.
+    pub fn drop_activations(&mut self) {
+        while !self.in_flight.is_empty() {
+            self.release(self.in_flight.len() - 1);
+        }
+    }
+
     /// Where the activations of micro-batch `micro` through chunk `chunk` are (its forward
     /// ran, its backward has not).
     fn activations_of(&self, chunk: usize, micro: usize) -> usize {

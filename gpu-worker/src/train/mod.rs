@@ -364,13 +364,29 @@ pub(crate) fn run<B: TrainBackend>(
         }
     }
     let mut tally = StepTally::new(spec, first_step, min_loss);
+    // Tensor-parallel all-reduces (calls, payload bytes) the evaluations made.
+    let mut eval_tp = (0u64, 0u64);
     for step in first_step..t.steps {
         if cancel.load(Ordering::Relaxed) {
             return Err(TrainError::Cancelled);
         }
         let step_start = Instant::now();
         let stats = pool.install(|| trainer.step(step))?;
-        tally.record(on_event, t.steps, step, &stats, step_start.elapsed().as_secs_f64())?;
+        let seconds = step_start.elapsed().as_secs_f64();
+        let evaluates = t.eval_every > 0 && ((step + 1) % t.eval_every == 0 || step + 1 == t.steps);
+        let val_loss = if evaluates && stats.loss.is_finite() {
+            let tp_before = trainer.model.tensor_parallel().map(|tp| tp.totals());
+            let loss = pool.install(|| trainer.evaluate(step))?;
+            // (the TP traffic reported at the end is training's)
+            if let (Some((calls, payload, _)), Some(tp)) = (tp_before, trainer.model.tensor_parallel()) {
+                let (after_calls, after_payload, _) = tp.totals();
+                eval_tp = (eval_tp.0 + after_calls - calls, eval_tp.1 + after_payload - payload);
+            }
+            Some(loss)
+        } else {
+            None
+        };
+        tally.record(on_event, t.steps, step, &stats, seconds, val_loss)?;
         if let Some(writer) = &mut writer {
             let next = step + 1;
             if next % t.checkpoint_every == 0 && next < t.steps {
@@ -385,6 +401,7 @@ pub(crate) fn run<B: TrainBackend>(
         report_checkpoints(on_event, writer.finish(), trainer.place(), t.checkpoint_write);
     }
     if let Some((calls, payload, sent)) = trainer.model.tensor_parallel().map(|tp| tp.totals()) {
+        let (calls, payload) = (calls - eval_tp.0, payload - eval_tp.1);
         let layers = trainer.model.stage.block_count();
         let steps_run = (t.steps - first_step) as f64;
         let per_layer = payload as f64 / (steps_run * (t.micro_batches * t.grad_accum * layers) as f64);

@@ -94,6 +94,7 @@ impl StepTally {
         step: u64,
         stats: &StepStats,
         seconds: f64,
+        val_loss: Option<f64>,
     ) -> Result<(), TrainError> {
         // A step loss scaling skipped (its gradient overflowed) is not divergence, unless the
         // scale could not go lower.
@@ -128,6 +129,7 @@ impl StepTally {
                 dropped: e.dropped,
             }),
             logit_grad_zero_share: stats.logit_grad_zero_share,
+            val_loss,
         }));
         self.final_loss = stats.loss;
         self.min_loss = self.min_loss.min(stats.loss);

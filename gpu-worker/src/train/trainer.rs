@@ -23,7 +23,7 @@ use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::ddp::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use crate::parallel::expert::ExpertParallel;
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
-use crate::parallel::schedule::Pipeline;
+use crate::parallel::schedule::{Action, Pipeline};
 use crate::parallel::tensor::TensorParallel;
 use crate::parallel::{self, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::trace::now_us;
@@ -260,6 +260,7 @@ impl<B: TrainBackend> Trainer<B> {
             micro_batch: t.micro_batch,
             seq_len,
             dloss: dloss * scale,
+            validation: false,
         };
         let mut loss_sum = pipeline::run_step(be, self.links.as_mut(), &pipe, &actions, &mut work, record)?;
         let wait_start = now_us();
@@ -338,6 +339,63 @@ impl<B: TrainBackend> Trainer<B> {
         self.memory.sample_step(None);
         let loss_scale = self.scaler.as_ref().map(|s| (scale, s.skipped()));
         Ok(StepStats { loss, lr, grad_norm, updated, loss_scale, experts, logit_grad_zero_share })
+    }
+
+    /// The validation loss after step `step`: as many held-out sequences as a step's
+    /// global batch, each rank taking the slice it trains on (so every layout of the same
+    /// global batch evaluates the same sequences), forward only, one micro-batch at a time
+    /// through every stage and chunk (its activations dropped before the next: never more
+    /// memory than training), the token losses summed over the pipeline and the replicas.
+    /// Nothing the next step uses changes: no gradient is made, the routers' statistics are
+    /// discarded, no span is recorded.
+    pub fn evaluate(&mut self, step: u64) -> Result<f64, TrainError> {
+        let be = &self.backend;
+        let (micro_batch, seq_len) = (self.spec.train.micro_batch, self.spec.model.seq_len);
+        let micro_steps = self.spec.pipeline_micro_batches();
+        let (dp_rank, dp_world) = self.dp;
+        self.strategy.begin_step(be, step, false);
+        if let Some(tp) = self.model.tensor_parallel() {
+            tp.begin_step(step, false);
+        }
+        if let Some(ep) = self.model.expert_parallel() {
+            ep.begin_step(step, false);
+        }
+        let pipe = Pipeline::of(&self.spec);
+        let mut work = StageStep {
+            model: &mut self.model,
+            strategy: self.strategy.as_mut(),
+            data: &self.data,
+            inputs: &mut self.inputs,
+            targets: &mut self.targets,
+            memory: &self.memory,
+            spans: &mut self.spans,
+            step,
+            record: false,
+            pipelined: pipe.stages > 1,
+            chunked: pipe.chunks > 1,
+            first_sequence: dp_rank * micro_steps * micro_batch,
+            micro_batch,
+            seq_len,
+            dloss: 0.0,
+            validation: true,
+        };
+        let mut loss_sum = 0.0;
+        for micro in 0..micro_steps {
+            let forwards: Vec<Action> = (0..pipe.chunks).map(|chunk| Action::Forward { micro, chunk }).collect();
+            loss_sum += pipeline::run_step(be, self.links.as_mut(), &pipe, &forwards, &mut work, false)?;
+            work.model.drop_activations();
+        }
+        if let Some(links) = &mut self.links {
+            links.flush()?;
+            loss_sum = links.sum_scalar(loss_sum)?;
+        }
+        if dp_world > 1 {
+            loss_sum = self.strategy.sum_scalar(loss_sum)?;
+        }
+        if self.spec.model.is_moe() {
+            self.model.take_expert_stats();
+        }
+        Ok(loss_sum / (dp_world * micro_steps * micro_batch * seq_len) as f64)
     }
 
     /// This rank's checkpoint before step `step`: a copy of the state its strategy owns
@@ -557,13 +615,19 @@ struct StageStep<'a, B: TrainBackend> {
     seq_len: usize,
     /// d(objective)/d(each token's loss), times the loss scale.
     dloss: f64,
+    /// The held-out sequences instead of the step's (an evaluation).
+    validation: bool,
 }
 
 impl<B: TrainBackend> StageStep<'_, B> {
     /// Micro-batch `micro`'s tokens and targets.
     fn fill(&mut self, micro: usize) {
         let first = self.first_sequence + micro * self.micro_batch;
-        self.data.fill_batch(self.step, first, self.micro_batch, self.seq_len, self.inputs, self.targets);
+        if self.validation {
+            self.data.fill_validation(first, self.micro_batch, self.seq_len, self.inputs, self.targets);
+        } else {
+            self.data.fill_batch(self.step, first, self.micro_batch, self.seq_len, self.inputs, self.targets);
+        }
     }
 
     /// The strategy's state, with the trainer watching (`last`: the step's last micro-batch):
