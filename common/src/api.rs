@@ -97,6 +97,30 @@ pub struct Created {
     pub status: ExperimentStatus,
 }
 
+/// The largest text `POST /api/datasets` takes by default (a server setting).
+pub const MAX_DATASET_BYTES: usize = 16 << 20;
+
+/// An uploaded text (`POST /api/datasets` -> 201, and the items of `GET /api/datasets`):
+/// what a spec names with `data.dataset: "upload"` and `data.upload_id`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DatasetView {
+    pub id: i64,
+    pub name: String,
+    pub owner: String,
+    pub bytes: u64,
+    /// The longest sequence it can train with: a window of seq_len + 1 bytes on each side
+    /// of its split (`text_split`).
+    pub max_seq_len: u64,
+    pub created_at: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DatasetList {
+    pub datasets: Vec<DatasetView>,
+}
+
 /// `GET /api/experiments/{id}` and the items of the list.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -140,6 +140,9 @@ impl ModelFamily {
 pub struct DataSpec {
     pub dataset: Dataset,
     pub seed: u64,
+    /// `dataset: upload`: which uploaded text (`POST /api/datasets` answers its id).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upload_id: Option<i64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,6 +154,24 @@ pub enum Dataset {
     Markov,
     /// A small public-domain English text, one token per byte.
     Text,
+    /// A UTF-8 text someone uploaded (`data.upload_id`), one token per byte like `text`.
+    Upload,
+}
+
+impl Dataset {
+    /// Whether its tokens are a text's bytes (the vocabulary needs all 256 of them).
+    pub fn is_text(self) -> bool {
+        matches!(self, Dataset::Text | Dataset::Upload)
+    }
+}
+
+/// How a text of `len` bytes is split for sequences of `seq_len` tokens: the bytes trained
+/// on (the rest, the last tenth but at least one window of seq_len + 1 bytes, is held out
+/// for the validation loss), or None when the text cannot hold a window on each side.
+pub fn text_split(len: usize, seq_len: usize) -> Option<usize> {
+    let window = seq_len.saturating_add(1);
+    let held_out = (len / 10).max(window);
+    len.checked_sub(held_out).filter(|&trained| trained >= window)
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -464,7 +485,7 @@ impl Default for ModelSpec {
 
 impl Default for DataSpec {
     fn default() -> Self {
-        Self { dataset: Dataset::Markov, seed: 1 }
+        Self { dataset: Dataset::Markov, seed: 1, upload_id: None }
     }
 }
 

@@ -139,7 +139,11 @@ pub struct RankCommTrace {
     pub detail_limit: u64,
     pub collectives: Vec<CollectiveRecord>,
     pub steps: Vec<RingStep>,
+    /// Training's calls: what the optimizer steps sent.
     pub counters: Vec<CollectiveCounter>,
+    /// The validation loss's calls (`train.eval_every`), apart from training's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evaluation: Vec<CollectiveCounter>,
 }
 
 /// What a span of a rank's timeline was spent on.

@@ -168,11 +168,21 @@ impl ExperimentSpec {
                     .into(),
             );
         }
-        if self.data.dataset == Dataset::Text && m.vocab < 256 && m.vocab >= 2 {
+        if self.data.dataset.is_text() && m.vocab < 256 && m.vocab >= 2 {
             err(
                 "model.vocab",
                 format!("the text dataset has one token per byte, so vocab must be at least 256 (it is {})", m.vocab),
             );
+        }
+        match (self.data.dataset, self.data.upload_id) {
+            (Dataset::Upload, None) => {
+                err("data.upload_id", "dataset=upload needs the id of an uploaded text (POST /api/datasets)".into())
+            }
+            (Dataset::Upload, Some(id)) if id < 1 => err("data.upload_id", format!("{id} is not a dataset id")),
+            (Dataset::Markov | Dataset::Text, Some(_)) => {
+                err("data.upload_id", "upload_id is for dataset=upload; leave it out for the built-in datasets".into())
+            }
+            _ => {}
         }
         // Counted only within the limits above, where the count cannot overflow.
         let within = |value: usize, max: usize| (1..=max).contains(&value);

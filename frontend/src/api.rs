@@ -174,6 +174,22 @@ pub async fn import_progress(profile: i64, document: &str) -> ApiResult<distlab_
     read_json(request.send().await).await
 }
 
+/// Every uploaded text, newest first.
+pub async fn list_datasets() -> ApiResult<distlab_common::DatasetList> {
+    get_json("/api/datasets").await
+}
+
+/// Uploads `file` (a text) as a dataset called `name`: its bytes go as they are, so the
+/// server judges the encoding.
+pub async fn upload_dataset(name: &str, file: web_sys::File) -> ApiResult<distlab_common::DatasetView> {
+    let url = format!("/api/datasets?name={}", js_sys::encode_uri_component(name));
+    let request = Request::post(&url)
+        .header("Content-Type", "text/plain")
+        .body(file)
+        .map_err(|e| RequestError::new(format!("could not send the file: {e}")))?;
+    read_json(request.send().await).await
+}
+
 async fn post_json<T: DeserializeOwned>(url: &str, body: &serde_json::Value) -> ApiResult<T> {
     let request = Request::post(url).json(body).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
     read_json(request.send().await).await

@@ -1585,6 +1585,7 @@ mod tests {
                             output: values.then(|| out.clone()),
                         }],
                         steps: vec![rs, ag],
+                        evaluation: vec![],
                         counters: vec![],
                     },
                 }

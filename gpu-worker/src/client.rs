@@ -107,6 +107,31 @@ impl ServerClient {
         Ok(())
     }
 
+    /// An uploaded dataset's text (`data.dataset: upload`), for a run this worker holds.
+    pub fn download_dataset(&self, id: i64) -> Result<Vec<u8>, ClientError> {
+        let path = format!("/api/workers/datasets/{id}");
+        let url = format!("{}{}", self.base, path);
+        let mut resp = self
+            .agent
+            .get(&url)
+            .header("Authorization", &format!("Bearer {}", self.secret))
+            .call()
+            .map_err(|source| ClientError::Transport { url: url.clone(), source })?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .body_mut()
+            .with_config()
+            .limit(MAX_DATASET_BYTES as u64)
+            .read_to_vec()
+            .map_err(|e| ClientError::Decode { path: path.clone(), message: e.to_string() })?;
+        if !(200..300).contains(&status) {
+            let text = String::from_utf8_lossy(&body).into_owned();
+            let message = serde_json::from_str::<ApiError>(&text).map(|e| e.error).unwrap_or(text);
+            return Err(ClientError::Status { path, status, message });
+        }
+        Ok(body)
+    }
+
     /// POSTs JSON; Ok(None) for an empty answer (204), the decoded body otherwise.
     fn post<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> Result<Option<T>, ClientError> {
         let url = format!("{}{}", self.base, path);

@@ -34,8 +34,16 @@ const VALIDATION_STREAM: u64 = 0x5641_4c49_4441_5445;
 pub enum DataError {
     #[error("the text dataset has one token per byte, so vocab must be at least 256 (it is {0})")]
     VocabTooSmallForText(usize),
-    #[error("seq_len={seq_len} needs sequences of {} tokens but the text has only {len} bytes", seq_len + 1)]
+    #[error(
+        "seq_len={seq_len} needs a window of {} bytes to train on and one held out, but the text has only {len} \
+         bytes",
+        seq_len + 1
+    )]
     TextTooShort { seq_len: usize, len: usize },
+    #[error("dataset=upload: this run was given no file for uploaded dataset {0}")]
+    NoUploadedFile(i64),
+    #[error("the uploaded dataset's file {path}: {message}")]
+    UploadUnreadable { path: String, message: String },
 }
 
 /// A random Markov chain over the vocabulary, fixed by the data seed:
@@ -170,9 +178,6 @@ enum Source {
     },
 }
 
-/// The share of a text held out for validation (its end).
-pub const VALIDATION_SHARE: f64 = 0.1;
-
 /// A dataset with its seed: hands out any slice of any step's global batch.
 #[derive(Clone, Debug)]
 pub struct Data {
@@ -180,29 +185,48 @@ pub struct Data {
     source: Source,
     /// Sequences per optimizer step (all ranks): numbers the text's samples across steps.
     global_batch: usize,
+    /// The uploaded dataset's id (for the log).
+    uploaded: Option<i64>,
 }
 
 impl Data {
+    /// A built-in dataset (an uploaded one needs its file: [`Data::open`]).
     pub fn new(data: &DataSpec, model: &ModelSpec, global_batch: usize) -> Result<Self, DataError> {
+        Self::open(data, model, global_batch, None)
+    }
+
+    /// The spec's dataset; `uploaded` is the file of `dataset: upload`'s text (the worker
+    /// fetched it from the server).
+    pub fn open(
+        data: &DataSpec,
+        model: &ModelSpec,
+        global_batch: usize,
+        uploaded: Option<&std::path::Path>,
+    ) -> Result<Self, DataError> {
         let source = match data.dataset {
             Dataset::Markov => Source::Markov(MarkovChain::new(model.vocab, data.seed)),
             Dataset::Text => Self::text(SHAKESPEARE.into(), model)?,
+            Dataset::Upload => {
+                let path = uploaded.ok_or(DataError::NoUploadedFile(data.upload_id.unwrap_or(0)))?;
+                let bytes = std::fs::read(path).map_err(|e| DataError::UploadUnreadable {
+                    path: path.display().to_string(),
+                    message: e.to_string(),
+                })?;
+                Self::text(bytes.into(), model)?
+            }
         };
-        Ok(Self { seed: data.seed, source, global_batch })
+        Ok(Self { seed: data.seed, source, global_batch, uploaded: data.upload_id })
     }
 
-    /// Bytes as a dataset: the last [`VALIDATION_SHARE`] held out (at least one window of
-    /// seq_len + 1 bytes on each side).
+    /// Bytes as a dataset, split by [`distlab_common::text_split`]: the last tenth held out
+    /// (at least one window of seq_len + 1 bytes on each side).
     fn text(bytes: Arc<[u8]>, model: &ModelSpec) -> Result<Source, DataError> {
         if model.vocab < 256 {
             return Err(DataError::VocabTooSmallForText(model.vocab));
         }
-        let window = model.seq_len + 1;
-        let held_out = ((bytes.len() as f64 * VALIDATION_SHARE) as usize).max(window);
-        if bytes.len() < held_out + window {
-            return Err(DataError::TextTooShort { seq_len: model.seq_len, len: bytes.len() });
-        }
-        Ok(Source::Text { split: bytes.len() - held_out, bytes })
+        let split = distlab_common::text_split(bytes.len(), model.seq_len)
+            .ok_or(DataError::TextTooShort { seq_len: model.seq_len, len: bytes.len() })?;
+        Ok(Source::Text { split, bytes })
     }
 
     /// A text's split: (bytes trained on, bytes held out); None for the Markov chain
@@ -235,8 +259,9 @@ impl Data {
                 (chain.vocab as f64).ln()
             ),
             Source::Text { bytes, split } => format!(
-                "data: Shakespeare text, {} bytes, one token per byte (seed {}): {split} for training, the last {} \
-                 held out for the validation loss",
+                "data: {}, {} bytes, one token per byte (seed {}): {split} for training, the last {} held out for \
+                 the validation loss",
+                self.uploaded.map_or("Shakespeare text".to_string(), |id| format!("uploaded text {id}")),
                 bytes.len(),
                 self.seed,
                 bytes.len() - split
@@ -382,6 +407,29 @@ mod tests {
         assert_eq!(again, inputs);
     }
 
+    /// An uploaded text is read from the file the worker was given and split like the
+    /// built-in one; without the file, or with too few bytes, the error says so.
+    #[test]
+    fn an_uploaded_text_comes_from_its_file() {
+        let (mut data_spec, model) = spec(Dataset::Upload, 256, 16);
+        data_spec.upload_id = Some(7);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("dataset-7.txt");
+        std::fs::write(&file, "abcdefghij".repeat(20)).unwrap();
+        let data = Data::open(&data_spec, &model, 4, Some(&file)).unwrap();
+        assert_eq!(data.split(), Some((180, 20)));
+        assert!(data.describe().starts_with("data: uploaded text 7, 200 bytes"), "{}", data.describe());
+        let (mut inputs, mut targets) = (vec![0u32; 4 * 16], vec![0u32; 4 * 16]);
+        data.fill_validation(0, 1, 16, &mut inputs, &mut targets);
+        assert_eq!(inputs[..3], [b'a' as u32, b'b' as u32, b'c' as u32], "the held-out part starts at byte 180");
+        assert_eq!(Data::open(&data_spec, &model, 4, None).unwrap_err(), DataError::NoUploadedFile(7));
+        std::fs::write(&file, "short").unwrap();
+        assert_eq!(
+            Data::open(&data_spec, &model, 4, Some(&file)).unwrap_err(),
+            DataError::TextTooShort { seq_len: 16, len: 5 }
+        );
+    }
+
     /// Markov validation sequences come from the chain but never repeat a training one.
     #[test]
     fn markov_validation_sequences_are_drawn_apart() {
@@ -400,7 +448,7 @@ mod tests {
     }
 
     fn spec(dataset: Dataset, vocab: usize, seq_len: usize) -> (DataSpec, ModelSpec) {
-        (DataSpec { dataset, seed: 3 }, ModelSpec { vocab, seq_len, ..ModelSpec::default() })
+        (DataSpec { dataset, seed: 3, upload_id: None }, ModelSpec { vocab, seq_len, ..ModelSpec::default() })
     }
 
     #[test]

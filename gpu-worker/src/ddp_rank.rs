@@ -111,7 +111,17 @@ pub fn run(
     let run = train_rank(
         spec,
         opts,
-        Groups { rank, dp, pp, tp, ep, pipe_bytes: mesh.pipe_bytes(), offload_dir: opts.offload_dir.clone() },
+        Groups {
+            rank,
+            dp,
+            pp,
+            tp,
+            ep,
+            pipe_bytes: mesh.pipe_bytes(),
+            offload_dir: opts.offload_dir.clone(),
+            dataset: opts.dataset.clone(),
+            tracer: Some(tracer.clone()),
+        },
         &mut on_event,
         &AtomicBool::new(false),
     )?;

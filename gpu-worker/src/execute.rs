@@ -37,22 +37,32 @@ impl ExecError {
     }
 }
 
-/// Runs `spec`. With `checkpoints` (the experiment's own directory) and a spec that asks
-/// for them, checkpoints are saved there and the run resumes from the latest complete one.
-/// `offload_dir`: where `parallel.offload=disk` keeps the optimizer's state. `model_out`:
-/// where the trained model goes when the run succeeds (`model.safetensors` and
-/// `config.json`, GPT-2's format; a model that cannot be exported is logged, not an error).
-#[allow(clippy::too_many_arguments)]
+/// Where a run's files are (each optional).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunPaths<'a> {
+    /// The experiment's own checkpoint directory: with a spec that asks for them,
+    /// checkpoints are saved there and the run resumes from the latest complete one.
+    pub checkpoints: Option<&'a Path>,
+    /// Where `parallel.offload=disk` keeps the optimizer's state.
+    pub offload_dir: Option<&'a Path>,
+    /// Where the trained model goes when the run succeeds (`model.safetensors` and
+    /// `config.json`, GPT-2's format; a model that cannot be exported is logged, not an
+    /// error).
+    pub model_out: Option<&'a Path>,
+    /// The text of `data.dataset: upload`.
+    pub dataset: Option<&'a Path>,
+}
+
+/// Runs `spec` with its files where `paths` says.
 pub fn execute(
     spec: &ValidSpec,
     threads: usize,
     collective_timeout: Duration,
-    checkpoints: Option<&Path>,
-    offload_dir: Option<&Path>,
-    model_out: Option<&Path>,
+    paths: RunPaths<'_>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
+    let RunPaths { checkpoints, offload_dir, model_out, dataset } = paths;
     // What this worker cannot run (a demo on cuda, cuda without the feature) is refused
     // before anything starts, whichever way the spec runs.
     let unsupported = unsupported_features(spec);
@@ -98,6 +108,7 @@ pub fn execute(
         checkpoints,
         offload_dir: offload_dir.map(Path::to_path_buf),
         final_weights: ranks_path.clone(),
+        dataset: dataset.map(Path::to_path_buf),
     };
     let summary = match &spec.demo {
         Some(demo) => run_demo(spec, demo, on_event, cancel),
@@ -144,6 +155,9 @@ fn run_ranks(
     }
     if let Some(dir) = &opts.final_weights {
         args.extend(["--final-weights".into(), dir.display().to_string()]);
+    }
+    if let Some(file) = &opts.dataset {
+        args.extend(["--dataset".into(), file.display().to_string()]);
     }
     if let Some(c) = &opts.checkpoints {
         args.extend(["--checkpoint-dir".into(), c.dir.display().to_string()]);

@@ -76,6 +76,9 @@ enum Command {
         /// next to this directory) and a second run of it starts afresh.
         #[arg(long)]
         checkpoint_dir: Option<PathBuf>,
+        /// The text a spec with `data.dataset: upload` trains on (a UTF-8 file).
+        #[arg(long)]
+        dataset: Option<PathBuf>,
     },
     /// An exported model's next-token probabilities (DIR holds model.safetensors and
     /// config.json, as `run --out` writes them) after each of TOKENS: one JSON row per token,
@@ -128,6 +131,9 @@ enum RankTask {
         /// Where this rank writes its final parameters when the run succeeds.
         #[arg(long)]
         final_weights: Option<PathBuf>,
+        /// The text of `data.dataset: upload`.
+        #[arg(long)]
+        dataset: Option<PathBuf>,
     },
     /// The collective demo (see demo.rs).
     Demo {
@@ -173,10 +179,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             println!("{}", serde_json::to_string(&rows)?);
             Ok(0)
         }
-        Some(Command::Run { spec, out, checkpoint_dir }) => run_local::run_spec_file(
+        Some(Command::Run { spec, out, checkpoint_dir, dataset }) => run_local::run_spec_file(
             &spec,
             out,
             checkpoint_dir,
+            dataset,
             cli.threads,
             collective_timeout(cli.collective_timeout_seconds),
         ),
@@ -211,10 +218,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 RankTask::BenchComm { min_bytes, max_bytes } => {
                     bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes)
                 }
-                RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights } => read_spec(&spec)
-                    .and_then(|spec| {
+                RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights, dataset } => {
+                    read_spec(&spec).and_then(|spec| {
                         let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
-                        let opts = TrainOptions { threads: cli.threads, checkpoints, offload_dir, final_weights };
+                        let opts =
+                            TrainOptions { threads: cli.threads, checkpoints, offload_dir, final_weights, dataset };
                         ddp_rank::run(
                             &dir,
                             rank,
@@ -223,7 +231,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                             &opts,
                             collective_timeout(cli.collective_timeout_seconds),
                         )
-                    }),
+                    })
+                }
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
                     Some(_) => demo::run_rank(&dir, rank, world, &spec),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),

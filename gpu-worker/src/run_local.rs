@@ -1,4 +1,5 @@
-//! `distlab-worker run SPEC.json [--out DIR]`: train one spec with no server.
+//! `distlab-worker run SPEC.json [--out DIR] [--dataset FILE]`: train one spec with no
+//! server (`--dataset`: the text of a spec with `data.dataset: upload`).
 //! stdout: one JSON line per optimizer step, then `{"summary": {...}}`. With `--out DIR`:
 //! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory),
 //! and the trained model in GPT-2's format (model.safetensors and config.json).
@@ -15,13 +16,14 @@ use std::sync::atomic::AtomicBool;
 use anyhow::Context;
 use distlab_common::*;
 
-use crate::execute::execute;
+use crate::execute::{execute, RunPaths};
 
 /// Exit codes: 0 done, 1 the run failed, 2 the spec is invalid or unsupported.
 pub fn run_spec_file(
     spec_path: &Path,
     out: Option<PathBuf>,
     checkpoint_dir: Option<PathBuf>,
+    dataset: Option<PathBuf>,
     threads: usize,
     collective_timeout: std::time::Duration,
 ) -> anyhow::Result<i32> {
@@ -58,16 +60,13 @@ pub fn run_spec_file(
         RunEvent::Trace(trace) => traces.push(trace),
     };
     let cancel = AtomicBool::new(false);
-    let result = execute(
-        &spec,
-        threads,
-        collective_timeout,
-        checkpoint_dir.as_deref(),
-        None,
-        out.as_deref(),
-        &mut on_event,
-        &cancel,
-    );
+    let paths = RunPaths {
+        checkpoints: checkpoint_dir.as_deref(),
+        model_out: out.as_deref(),
+        dataset: dataset.as_deref(),
+        ..RunPaths::default()
+    };
+    let result = execute(&spec, threads, collective_timeout, paths, &mut on_event, &cancel);
     if let Some(e) = write_error {
         return Err(e).context("cannot write the metrics");
     }

@@ -1,6 +1,7 @@
 //! What a rank records while it trains: collective calls and their ring steps
 //! (full detail for the first ones, counters for all), read by the ring replay page.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -17,12 +18,20 @@ pub fn now_us() -> u64 {
 /// One rank's communication record, shared by the rank's communicators (one per group).
 pub struct CommTracer {
     trace: Mutex<RankCommTrace>,
+    /// Set while the rank evaluates (`Trainer::evaluate`): its calls go to the evaluation's
+    /// counters, so that the training's stay what the steps sent.
+    evaluating: AtomicBool,
 }
 
 impl CommTracer {
     pub fn new(rank: usize, detail_limit: u64) -> Self {
         let trace = RankCommTrace { rank: rank as u32, detail_limit, ..RankCommTrace::default() };
-        Self { trace: Mutex::new(trace) }
+        Self { trace: Mutex::new(trace), evaluating: AtomicBool::new(false) }
+    }
+
+    /// From now on the calls are an evaluation's (true) or training's (false).
+    pub fn set_evaluating(&self, evaluating: bool) {
+        self.evaluating.store(evaluating, Ordering::Relaxed);
     }
 
     /// Whether the next collective should be recorded step by step.
@@ -34,8 +43,12 @@ impl CommTracer {
     /// Adds one finished collective: always to the counters, in detail while under the limit.
     pub fn record(&self, record: CollectiveRecord, steps: Vec<RingStep>) {
         let duration = record.end_us.saturating_sub(record.start_us);
+        let call = (record.elements, record.bytes_sent, duration);
+        if self.evaluating.load(Ordering::Relaxed) {
+            return add_to_counters(&mut self.lock().evaluation, record.op, record.bytes_from_formula, call);
+        }
         let mut t = self.lock();
-        add_to_counters(&mut t, record.op, record.bytes_from_formula, (record.elements, record.bytes_sent, duration));
+        add_to_counters(&mut t.counters, record.op, record.bytes_from_formula, call);
         if (t.collectives.len() as u64) < t.detail_limit {
             t.collectives.push(record);
             t.steps.extend(steps);
@@ -45,7 +58,9 @@ impl CommTracer {
     /// Counts one call that is never recorded in detail (a pipeline's point-to-point send:
     /// many per step, each one message to one peer).
     pub fn count(&self, op: CollectiveOp, elements: u64, bytes_sent: u64, duration_us: u64) {
-        add_to_counters(&mut self.lock(), op, false, (elements, bytes_sent, duration_us));
+        let mut t = self.lock();
+        let counters = if self.evaluating.load(Ordering::Relaxed) { &mut t.evaluation } else { &mut t.counters };
+        add_to_counters(counters, op, false, (elements, bytes_sent, duration_us));
     }
 
     pub fn snapshot(&self) -> RankCommTrace {
@@ -59,16 +74,21 @@ impl CommTracer {
     }
 }
 
-/// Adds one call of `op` (elements, bytes sent, µs) to `t`'s counters.
-fn add_to_counters(t: &mut RankCommTrace, op: CollectiveOp, bytes_from_formula: bool, call: (u64, u64, u64)) {
+/// Adds one call of `op` (elements, bytes sent, µs) to `counters`.
+fn add_to_counters(
+    counters: &mut Vec<CollectiveCounter>,
+    op: CollectiveOp,
+    bytes_from_formula: bool,
+    call: (u64, u64, u64),
+) {
     let (elements, bytes_sent, total_us) = call;
-    match t.counters.iter_mut().find(|c| c.op == op && c.bytes_from_formula == bytes_from_formula) {
+    match counters.iter_mut().find(|c| c.op == op && c.bytes_from_formula == bytes_from_formula) {
         Some(c) => {
             c.calls += 1;
             c.elements += elements;
             c.bytes_sent += bytes_sent;
             c.total_us += total_us;
         }
-        None => t.counters.push(CollectiveCounter { op, calls: 1, elements, bytes_sent, bytes_from_formula, total_us }),
+        None => counters.push(CollectiveCounter { op, calls: 1, elements, bytes_sent, bytes_from_formula, total_us }),
     }
 }

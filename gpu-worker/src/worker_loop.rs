@@ -2,7 +2,7 @@
 //! register, then, with the credential the server answers, lease experiments one at a
 //! time, train them, stream their events back in batches, and report how they ended.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use distlab_common::*;
 
 use crate::client::{ClientError, ServerClient};
-use crate::execute::execute;
+use crate::execute::{execute, RunPaths};
 use distlab_worker::checkpoint::CheckpointDir;
 use distlab_worker::train::TrainError;
 
@@ -157,6 +157,16 @@ struct Leased {
 fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Leased) {
     let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
+    // An uploaded dataset comes from the server, once, next to the run's checkpoints.
+    let dataset = match fetch_dataset(client, &lease.spec, &checkpoints) {
+        Ok(path) => path,
+        Err(error) => {
+            if let Err(e) = report_failure(cfg, client, worker_id, experiment_id, error, false) {
+                tracing::warn!(experiment = experiment_id, "could not report {e}");
+            }
+            return;
+        }
+    };
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel::<RunEvent>();
     // The trained model lands here and goes to the server when the run succeeds.
@@ -167,22 +177,20 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         let checkpoints = checkpoints.clone();
         let offload_dir = cfg.offload_dir.clone();
         let model_out = model_dir.as_ref().map(|d| d.path().to_path_buf());
+        let dataset = dataset.clone();
         thread::Builder::new().name(format!("train-{experiment_id}")).spawn(move || {
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
             };
             // The spec came over the network: checked here, as it enters the worker.
             let spec = spec.validated(&Limits::default()).map_err(TrainError::Invalid)?;
-            execute(
-                &spec,
-                threads,
-                collective_timeout,
-                Some(&checkpoints),
-                Some(&offload_dir),
-                model_out.as_deref(),
-                &mut on_event,
-                &cancel,
-            )
+            let paths = RunPaths {
+                checkpoints: Some(&checkpoints),
+                offload_dir: Some(&offload_dir),
+                model_out: model_out.as_deref(),
+                dataset: dataset.as_deref(),
+            };
+            execute(&spec, threads, collective_timeout, paths, &mut on_event, &cancel)
         })
     };
     let training = match training {
@@ -291,6 +299,25 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     if let Err(e) = reported {
         tracing::warn!(experiment = experiment_id, "could not report {e}");
     }
+}
+
+/// The file of `spec`'s uploaded dataset in `dir` (fetched from the server unless an
+/// earlier attempt did), or None for a built-in dataset; the error is the run's failure.
+fn fetch_dataset(client: &ServerClient, spec: &ExperimentSpec, dir: &Path) -> Result<Option<PathBuf>, String> {
+    let (Dataset::Upload, Some(id)) = (spec.data.dataset, spec.data.upload_id) else { return Ok(None) };
+    let path = dir.join(format!("dataset-{id}.txt"));
+    if path.exists() {
+        return Ok(Some(path));
+    }
+    let bytes = client.download_dataset(id).map_err(|e| format!("could not fetch uploaded dataset {id}: {e}"))?;
+    std::fs::create_dir_all(dir)
+        .and_then(|()| {
+            // Written aside and renamed: a file at `path` is always whole.
+            let aside = dir.join(format!(".dataset-{id}.part"));
+            std::fs::write(&aside, &bytes).and_then(|()| std::fs::rename(&aside, &path))
+        })
+        .map_err(|e| format!("could not keep uploaded dataset {id} in {}: {e}", dir.display()))?;
+    Ok(Some(path))
 }
 
 /// Tells the server the run failed (or stopped after a cancel), retrying until it answers.

@@ -207,6 +207,7 @@ pub async fn create(
     let mut spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
     let mut problems = resume_source_problems(&state.db, &mut spec).await?;
     problems.extend(spec.validate(&state.config.limits).err().unwrap_or_default());
+    problems.extend(crate::datasets::check_spec(&state.db, &spec).await?);
     if spec.backend == BackendKind::Cuda && !workers::backend_offered(&state, BackendKind::Cuda).await? {
         problems.push(FieldError::new("backend", "no registered worker offers the cuda backend"));
     }

@@ -10,6 +10,7 @@ pub mod cards;
 pub mod claims;
 pub mod clock;
 pub mod compare;
+pub mod datasets;
 pub mod db;
 pub mod error;
 pub mod experiments;
@@ -91,6 +92,8 @@ pub struct ServerConfig {
     pub max_event_batch_bytes: usize,
     /// The largest trained model a worker may hand over (model.safetensors).
     pub max_model_bytes: usize,
+    /// The largest text `POST /api/datasets` takes.
+    pub max_dataset_bytes: usize,
     /// Requests (other than SSE streams) taking longer are answered 408.
     pub request_timeout: Duration,
     /// What one experiment may ask for.
@@ -122,6 +125,7 @@ impl Default for ServerConfig {
             max_body_bytes: 1 << 20,
             max_event_batch_bytes: 16 << 20,
             max_model_bytes: 256 << 20,
+            max_dataset_bytes: distlab_common::MAX_DATASET_BYTES,
             request_timeout: Duration::from_secs(30),
             limits: Limits::default(),
             max_run: None,
@@ -248,7 +252,11 @@ pub fn app(state: AppState) -> Router {
     let doc = openapi::Document(Arc::new(serde_json::to_string(&doc).expect("the OpenAPI document is JSON")));
     let routes = routes.layer(Extension(doc));
 
-    let largest_body = config.max_body_bytes.max(config.max_event_batch_bytes).max(config.max_model_bytes);
+    let largest_body =
+        [config.max_body_bytes, config.max_event_batch_bytes, config.max_model_bytes, config.max_dataset_bytes]
+            .into_iter()
+            .max()
+            .unwrap_or(config.max_body_bytes);
     routes
         .merge(static_files::router(&config.static_dir))
         // Counted with the route each request matched (set by the routing, inside).
@@ -279,6 +287,7 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
         .routes(routes!(workers::complete))
         .routes(routes!(workers::fail))
+        .routes(routes!(datasets::text))
         .route_layer(worker_credential())
         .routes(
             routes!(workers::register).layer(middleware::from_fn_with_state(state.clone(), workers::require_token)),
@@ -316,6 +325,8 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(quiz::list))
         .routes(routes!(quiz::answer))
         .routes(routes!(quiz::results))
+        .routes(routes!(datasets::list, datasets::upload))
+        .routes(routes!(datasets::delete))
         .route_layer(identify());
 
     let api = OpenApiRouter::new()

@@ -24,6 +24,7 @@ use utoipa::OpenApi;
     tags(
         (name = "experiments", description = "Submit, list, watch and compare training runs"),
         (name = "models", description = "A finished run's trained model: download, sample"),
+        (name = "datasets", description = "Uploaded texts to train on"),
         (name = "planner", description = "The analytic planner and the layout search (nothing runs)"),
         (name = "flashcards", description = "The deck, its claim checks, spaced repetition, the quiz"),
         (name = "accounts", description = "Sessions and accounts"),

@@ -223,6 +223,7 @@ fn rank_trace(rank: u32, world: u32, ring_steps: u32) -> trace::RankTrace {
                 output: Some(vec![3.0, 6.0]),
             }],
             steps,
+            evaluation: vec![],
             counters: vec![CollectiveCounter {
                 op: CollectiveOp::AllReduce,
                 calls: 1,
@@ -620,6 +621,10 @@ async fn the_openapi_document_has_every_route_and_nothing_else() {
         "POST /api/workers/complete",
         "POST /api/workers/fail",
         "PUT /api/workers/experiments/{id}/model",
+        "GET /api/datasets",
+        "POST /api/datasets",
+        "DELETE /api/datasets/{id}",
+        "GET /api/workers/datasets/{id}",
     ];
     let expected: std::collections::BTreeSet<(String, String)> = every_route
         .iter()
@@ -638,6 +643,103 @@ async fn the_openapi_document_has_every_route_and_nothing_else() {
     // utoipa_axum's `routes!` (with their #[utoipa::path]) and never with a bare `.route(`.
     let source = include_str!("../src/lib.rs");
     assert!(!source.contains(".route("), "server/src/lib.rs registers a route outside the OpenAPI document");
+}
+
+/// `POST /api/datasets` with a text body: listed, named in a spec, fetched by the worker
+/// that runs it, and every bad upload refused with the field that is wrong.
+#[tokio::test]
+async fn uploaded_datasets_are_kept_listed_checked_and_served_to_workers() {
+    let t = setup_with(|c| c.max_dataset_bytes = 4096).await;
+    let upload = |name: &str, content_type: &str, body: Vec<u8>| {
+        Request::post(format!("/api/datasets?name={name}"))
+            .header(header::CONTENT_TYPE, content_type)
+            .body(Body::from(body))
+            .expect("request")
+    };
+    let text = "To be, or not to be, that is the question.\n".repeat(40); // 1,720 bytes
+    let a = answer(t.send(upload("hamlet", "text/plain; charset=utf-8", text.clone().into_bytes())).await).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let dataset: DatasetView = serde_json::from_value(a.body).expect("DatasetView");
+    assert_eq!((dataset.name.as_str(), dataset.bytes, dataset.owner.as_str()), ("hamlet", 1720, "local"));
+    // 1,720 bytes hold at most two windows of 859 + 1: one to train on, one held out.
+    assert_eq!(dataset.max_seq_len, 859);
+    let listed: DatasetList = serde_json::from_value(t.get("/api/datasets").await.body).expect("DatasetList");
+    assert_eq!(listed.datasets, vec![dataset.clone()]);
+
+    // Bad uploads: each says what is wrong, and nothing is kept.
+    let e = assert_api_error(
+        &answer(t.send(upload("latin1", "text/plain", b"caf\xe9 au lait".to_vec())).await).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    );
+    assert!(e.fields[0].message.contains("not UTF-8"), "{e:?}");
+    let e = assert_api_error(
+        &answer(t.send(upload("", "text/plain", b"some text".to_vec())).await).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    );
+    assert_eq!(e.fields[0].field, "name");
+    assert_api_error(
+        &answer(t.send(upload("big", "text/plain", vec![b'a'; 5000])).await).await,
+        StatusCode::PAYLOAD_TOO_LARGE,
+    );
+    assert_api_error(
+        &answer(t.send(upload("json", "application/json", b"{}".to_vec())).await).await,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+    );
+    let e = assert_api_error(
+        &answer(t.send(upload("tiny", "text/plain", b"ab".to_vec())).await).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    );
+    assert!(e.fields[0].message.contains("too few"), "{e:?}");
+    let listed: DatasetList = serde_json::from_value(t.get("/api/datasets").await.body).expect("DatasetList");
+    assert_eq!(listed.datasets.len(), 1);
+
+    // A spec names it; a missing one, or one too short for seq_len, is refused at submission.
+    let spec = |id: i64, seq_len: usize| {
+        json!({"name": "own text", "data": {"dataset": "upload", "upload_id": id},
+               "model": {"vocab": 256, "seq_len": seq_len}, "train": {"steps": 5}})
+    };
+    let e = assert_api_error(&t.post("/api/experiments", spec(99, 32)).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(e.fields.iter().any(|f| f.field == "data.upload_id" && f.message.contains("no dataset 99")), "{e:?}");
+    let e =
+        assert_api_error(&t.post("/api/experiments", spec(dataset.id, 1000)).await, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(e.fields.iter().any(|f| f.field == "model.seq_len" && f.message.contains("up to 859")), "{e:?}");
+    let e = assert_api_error(
+        &t.post("/api/experiments", json!({"name": "x", "data": {"dataset": "upload"}, "model": {"vocab": 256}})).await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+    );
+    assert_eq!(e.fields[0].field, "data.upload_id");
+    let a = t.post("/api/experiments", spec(dataset.id, 32)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let experiment = a.body["id"].as_i64().expect("id");
+
+    // The worker that leases it fetches the text, byte for byte; without a credential, 401.
+    let worker = t.register(&["cpu"]).await;
+    let lease = t.worker("lease", json!({"worker_id": worker})).await;
+    assert_eq!(lease.body["experiment_id"].as_i64(), Some(experiment), "{}", lease.body);
+    let path = format!("/api/workers/datasets/{}", dataset.id);
+    let fetch = |bearer: String| {
+        Request::get(path.clone())
+            .header(header::AUTHORIZATION, format!("Bearer {bearer}"))
+            .body(Body::empty())
+            .expect("request")
+    };
+    let resp = t.send(fetch(t.credential(worker))).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!(bytes, text.as_bytes());
+    assert_eq!(t.send(fetch("wrong".into())).await.status(), StatusCode::UNAUTHORIZED);
+
+    // It cannot be deleted while an experiment trains on it; after, it can, and is gone.
+    let delete = |id: i64| Request::delete(format!("/api/datasets/{id}")).body(Body::empty()).expect("request");
+    let e = assert_api_error(&answer(t.send(delete(dataset.id)).await).await, StatusCode::CONFLICT);
+    assert!(e.error.contains(&format!("experiment(s) {experiment}")), "{e:?}");
+    let done = t
+        .worker("complete", json!({"worker_id": worker, "experiment_id": experiment, "summary": RunSummary::default()}))
+        .await;
+    assert_eq!(done.status, StatusCode::OK, "{}", done.body);
+    assert_eq!(t.send(delete(dataset.id)).await.status(), StatusCode::NO_CONTENT);
+    assert_eq!(t.send(fetch(t.credential(worker))).await.status(), StatusCode::NOT_FOUND);
+    assert_api_error(&answer(t.send(delete(dataset.id)).await).await, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]

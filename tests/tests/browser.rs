@@ -1778,11 +1778,56 @@ async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
     save_full_page(c, "list.png").await?;
 
     try_the_model_scenario(c, lab).await?;
+    own_text_scenario(c, lab).await?;
     watch_a_long_run_live_and_cancel_it(c, lab).await
 }
 
 /// A run trained on the Shakespeare text: its page samples from the model (greedy, so the
 /// server gives the same text again) and links the files to take away.
+/// Bring your own text: a file that is not UTF-8 is refused with the reason; a text file
+/// uploads, the form switches to it, and the run trains on it with a validation loss.
+async fn own_text_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let latin1 = dir.path().join("latin1.txt");
+    std::fs::write(&latin1, b"na\xefve caf\xe9\n".repeat(50))?;
+    let poem = dir.path().join("poem.txt");
+    std::fs::write(&poem, "The woods are lovely, dark and deep, but I have promises to keep.\n".repeat(100))?;
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form", Duration::from_secs(30), || exists(c, "#dataset-file")).await?;
+    c.find(Locator::Css("#preset-tiny")).await?.click().await?;
+    let upload = |path: std::path::PathBuf| async move {
+        c.find(Locator::Css("#dataset-file")).await?.send_keys(&path.display().to_string()).await
+    };
+    upload(latin1).await?;
+    wait_for(c, "the refusal", Duration::from_secs(10), || exists(c, "#dataset-message.error")).await?;
+    ensure!(text(c, "#dataset-message").await?.contains("not UTF-8"), "{}", text(c, "#dataset-message").await?);
+    upload(poem).await?;
+    wait_for(c, "the upload", Duration::from_secs(10), || async {
+        Ok(text(c, "#dataset-message").await.unwrap_or_default().starts_with("uploaded \"poem\""))
+    })
+    .await?;
+    ensure!(value_of(c, "data.dataset").await? == "upload");
+    let id = value_of(c, "data.upload_id").await?;
+    ensure!(exists(c, &format!("#datasets li.chosen[data-dataset='{id}']")).await?, "the list marks it");
+    set_field(c, "model.vocab", "256").await?;
+    set_field(c, "train.steps", "20").await?;
+    save_element(c, "[data-section='data']", "new-own-text.png").await?;
+    c.find(Locator::Css("#submit")).await?.click().await?;
+    wait_for(c, "the experiment page", Duration::from_secs(30), || async {
+        Ok(c.current_url().await?.path().starts_with("/experiments/"))
+    })
+    .await?;
+    let experiment: i64 = c.current_url().await?.path().trim_start_matches("/experiments/").parse()?;
+    let exp = lab.wait_finished(experiment, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the run on the uploaded text: {exp:?}");
+    ensure!(exp.spec.data.upload_id.map(|u| u.to_string()) == Some(id), "it names the upload");
+    wait_for(c, "the validation points", Duration::from_secs(20), || async {
+        Ok(c.find_all(Locator::Css("#loss-chart rect.val-point")).await?.len() == 2)
+    })
+    .await?;
+    Ok(())
+}
+
 async fn try_the_model_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let mut spec = distlab_common::presets::presets().into_iter().find(|p| p.key == "text").context("preset")?.spec;
     spec.train.steps = 80;

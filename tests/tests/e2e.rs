@@ -75,6 +75,41 @@ fn submitted_experiment_trains_and_its_metrics_are_stored() {
     assert!(e["error"].as_str().unwrap_or("").contains("Mixture-of-Experts"), "{e}");
 }
 
+/// A text of one's own: uploaded, trained on by two rank processes the worker hands it
+/// to, with a validation loss on its held-out end, and a model that continues it.
+#[test]
+fn an_uploaded_text_trains_a_model() {
+    let lab = Lab::start();
+    let text = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n".repeat(200);
+    let mut resp = http_agent()
+        .post(lab.url("/api/datasets?name=sonnet"))
+        .header("Content-Type", "text/plain; charset=utf-8")
+        .send(text.as_bytes())
+        .expect("upload");
+    assert_eq!(resp.status().as_u16(), 201);
+    let dataset: DatasetView = serde_json::from_str(&resp.body_mut().read_to_string().expect("body")).expect("view");
+    assert_eq!(dataset.bytes, text.len() as u64);
+
+    let mut spec = quick_spec("own text", 30);
+    spec.data = DataSpec { dataset: Dataset::Upload, upload_id: Some(dataset.id), ..DataSpec::default() };
+    (spec.model.vocab, spec.model.seq_len, spec.parallel.dp) = (256, 32, 2);
+    (spec.train.eval_every, spec.train.lr) = (10, 1e-2);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{:?}", exp.error);
+    let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
+    let val: Vec<f64> = metrics.steps.iter().filter_map(|p| p.val_loss).collect();
+    assert_eq!(val.len(), 3, "after steps 10, 20 and 30");
+    assert!(val[2] < val[0] && val[0] < (256f64).ln(), "{val:?}");
+    // The model continues the text in its own words.
+    let (status, made) = lab.post(
+        &format!("/api/experiments/{id}/generate"),
+        &serde_json::json!({"prompt": "Shall I", "max_new_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{made}");
+    assert_eq!(made["tokens"].as_array().map(Vec::len), Some(16));
+}
+
 #[test]
 fn invalid_spec_is_rejected_with_every_field_error() {
     let lab = Lab::start_with(LabOptions { local_workers: 0, ..LabOptions::default() });

@@ -283,13 +283,16 @@ pub fn LossChart(
             {move || {
                 (!model.with(|m| m.val_dots.is_empty())).then(|| {
                     view! {
+                        // Bottom left: the curves start high and fall to the right.
                         <g class="legend">
-                            <line class="loss-line" x1=(LEFT + 14.0).to_string() x2=(LEFT + 38.0).to_string()
-                                y1=(TOP + 12.0).to_string() y2=(TOP + 12.0).to_string()></line>
-                            <text class="legend-label" x=(LEFT + 44.0).to_string() y=(TOP + 16.0).to_string()>"training (this step's batch)"</text>
-                            <line class="val-line" x1=(LEFT + 14.0).to_string() x2=(LEFT + 38.0).to_string()
-                                y1=(TOP + 30.0).to_string() y2=(TOP + 30.0).to_string()></line>
-                            <text class="legend-label" x=(LEFT + 44.0).to_string() y=(TOP + 34.0).to_string()>"validation (held-out data)"</text>
+                            <rect class="legend-bg" x=(LEFT + 8.0).to_string() y=(plot_bottom - 52.0).to_string()
+                                width="210" height="42" rx="4"></rect>
+                            <line class="loss-line" x1=(LEFT + 16.0).to_string() x2=(LEFT + 40.0).to_string()
+                                y1=(plot_bottom - 38.0).to_string() y2=(plot_bottom - 38.0).to_string()></line>
+                            <text class="legend-label" x=(LEFT + 46.0).to_string() y=(plot_bottom - 34.0).to_string()>"training (this step's batch)"</text>
+                            <line class="val-line" x1=(LEFT + 16.0).to_string() x2=(LEFT + 40.0).to_string()
+                                y1=(plot_bottom - 20.0).to_string() y2=(plot_bottom - 20.0).to_string()></line>
+                            <text class="legend-label" x=(LEFT + 46.0).to_string() y=(plot_bottom - 16.0).to_string()>"validation (held-out data)"</text>
                         </g>
                     }
                 })

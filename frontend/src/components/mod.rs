@@ -1,5 +1,6 @@
 //! Pieces the pages share.
 
+pub mod dataset_upload;
 pub mod layout_search;
 pub mod loss_chart;
 pub mod memory_bars;

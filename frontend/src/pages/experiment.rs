@@ -484,7 +484,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                 </section>
 
                 {distlab_common::export::not_exportable(&spec).is_none().then(|| {
-                    let (text, vocab) = (spec.data.dataset == distlab_common::Dataset::Text, spec.model.vocab);
+                    let (text, vocab) = (spec.data.dataset.is_text(), spec.model.vocab);
                     move || (status_now.get() == ExperimentStatus::Succeeded).then(|| view! { <TryModel id=id text=text vocab=vocab/> })
                 })}
 

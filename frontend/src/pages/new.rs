@@ -18,6 +18,7 @@ use leptos_router::hooks::{use_navigate, use_query_map};
 use serde_json::{Map, Value};
 
 use crate::api::{self, RequestError};
+use crate::components::dataset_upload::DatasetUpload;
 use crate::components::plan_panel::{next_state, PlanPanel, PlanState};
 use crate::format;
 
@@ -112,9 +113,10 @@ const SECTIONS: &[SectionDef] = &[
         fields: &[
             f(
                 "data.dataset",
-                Kind::Choice(&["markov", "text"]),
-                "markov: random chain with a known loss floor; text: bytes of English",
+                Kind::Choice(&["markov", "text", "upload"]),
+                "markov: random chain with a known loss floor; text: bytes of English; upload: your own text",
             ),
+            f("data.upload_id", Kind::OptionalInt, "dataset=upload: which uploaded text (upload or pick one below)"),
             f("data.seed", Kind::Int, "fixes the chain and the batches"),
         ],
     },
@@ -530,6 +532,13 @@ pub fn NewExperiment() -> impl IntoView {
                 .into_any();
             }
             let all_training_only = section.fields.iter().all(|d| training_only(d.path));
+            let value_of = |path: &str| fields.with_value(|fs| fs.iter().find(|f| f.def.path == path).map(|f| f.value));
+            let upload = match (key, value_of("data.dataset"), value_of("data.upload_id")) {
+                ("data", Some(dataset), Some(upload_id)) => {
+                    Some(view! { <DatasetUpload dataset=dataset upload_id=upload_id on_edit=on_edit/> })
+                }
+                _ => None,
+            };
             view! {
                 <fieldset class="section" class:unused=move || all_training_only && demo_on.get() data-section=key>
                     <legend>
@@ -538,6 +547,7 @@ pub fn NewExperiment() -> impl IntoView {
                     </legend>
                     <ErrorList messages=Signal::derive(move || errors_for(key)) field=key/>
                     <div class="fields">{inputs}</div>
+                    {upload}
                 </fieldset>
             }
             .into_any()

@@ -49,6 +49,8 @@ pub struct TrainOptions {
     /// Where each rank writes its final parameters when the run succeeds (`export.rs`
     /// puts them together; None: not written).
     pub final_weights: Option<PathBuf>,
+    /// The text of `data.dataset: upload` (None for the built-in datasets).
+    pub dataset: Option<PathBuf>,
 }
 
 /// The run's checkpoint directory and the step to resume from.
@@ -194,7 +196,7 @@ pub fn train(
             p.dp, p.tp, p.pp
         )));
     }
-    let groups = Groups { offload_dir: opts.offload_dir.clone(), ..Groups::default() };
+    let groups = Groups { offload_dir: opts.offload_dir.clone(), dataset: opts.dataset.clone(), ..Groups::default() };
     let run = train_rank(spec, opts, groups, on_event, cancel)?;
     on_event(RunEvent::Trace(RankTrace {
         rank: 0,

@@ -26,7 +26,7 @@ use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::{Action, Pipeline};
 use crate::parallel::tensor::TensorParallel;
 use crate::parallel::{self, DpGroup, SavedState, StateView, Strategy, TrainBackend};
-use crate::trace::now_us;
+use crate::trace::{now_us, CommTracer};
 
 use super::TrainError;
 
@@ -77,6 +77,8 @@ pub struct Trainer<B: TrainBackend> {
     /// Timeline spans of the first `SPAN_STEPS` steps (compute lane; comm spans come
     /// from the strategy).
     pub spans: Vec<Span>,
+    /// The rank's communication record (None: nothing records it).
+    tracer: Option<Arc<CommTracer>>,
 }
 
 /// Steps whose timeline is recorded span by span (and whose memory is sampled).
@@ -131,7 +133,8 @@ impl<B: TrainBackend> Trainer<B> {
                 spec.train.precision.as_str(),
             )));
         }
-        let data = Data::new(&spec.data, &spec.model, spec.global_batch())?;
+        let data = Data::open(&spec.data, &spec.model, spec.global_batch(), groups.dataset.as_deref())?;
+        let groups_tracer = groups.tracer.clone();
         // The channels to the other ranks: the rings' staging pieces (heap) are booked; the
         // pipes (shared memory, mostly never touched) are reported beside the ledger.
         let transport = memory.alloc(Category::Transport, (groups.staging_bytes(spec.parallel.sharding) / 4) as usize);
@@ -174,6 +177,7 @@ impl<B: TrainBackend> Trainer<B> {
             memory,
             _transport: transport,
             spans: Vec::new(),
+            tracer: groups_tracer,
         })
     }
 
@@ -360,6 +364,8 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(ep) = self.model.expert_parallel() {
             ep.begin_step(step, false);
         }
+        // The evaluation's collectives are counted apart from training's.
+        let _evaluating = self.tracer.clone().map(Evaluating::begin);
         let pipe = Pipeline::of(&self.spec);
         let mut work = StageStep {
             model: &mut self.model,
@@ -555,6 +561,22 @@ fn sum_expert_stats<B: TrainBackend>(
     Ok(ExpertStats { balance_sum, routings: count(routings), assignments: count(assignments), dropped: count(dropped) })
 }
 
+/// While alive, the tracer counts calls as an evaluation's.
+struct Evaluating(Arc<CommTracer>);
+
+impl Evaluating {
+    fn begin(tracer: Arc<CommTracer>) -> Self {
+        tracer.set_evaluating(true);
+        Self(tracer)
+    }
+}
+
+impl Drop for Evaluating {
+    fn drop(&mut self) {
+        self.0.set_evaluating(false);
+    }
+}
+
 /// The groups of ranks one rank belongs to (None: it is alone in that dimension).
 #[derive(Default)]
 pub struct Groups {
@@ -571,6 +593,10 @@ pub struct Groups {
     /// Where this rank's optimizer state goes with `parallel.offload=disk` (None: the
     /// system's temporary directory).
     pub offload_dir: Option<PathBuf>,
+    /// The text of `data.dataset: upload`.
+    pub dataset: Option<PathBuf>,
+    /// What records this rank's communication (an evaluation's calls are counted apart).
+    pub tracer: Option<Arc<CommTracer>>,
 }
 
 /// Disk offload's directory when the worker names none.
