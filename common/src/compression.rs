@@ -105,21 +105,39 @@ impl Compressor {
 /// stage's blocks, the final LayerNorm and the LM head on the last.
 pub fn stage_shapes(m: &ModelSpec, tp: usize, layers: usize, first: bool, last: bool) -> Vec<(usize, usize)> {
     let (v, t, c, n) = (m.vocab, m.seq_len, m.d_model, tp.max(1));
+    let (qkv, f) = (usize::try_from(m.qkv_width()).unwrap_or(usize::MAX), m.d_ff());
+    let gpt2 = m.family.is_gpt2();
+    // A norm: LayerNorm's gain and bias, RMSNorm's gain.
+    let norm: &[(usize, usize)] = if gpt2 { &[(1, c), (1, c)] } else { &[(1, c)] };
     let mut shapes = Vec::new();
     if first {
-        shapes.extend([(v, c), (t, c)]);
+        shapes.push((v, c));
+        if gpt2 {
+            shapes.push((t, c));
+        }
     }
     for _ in 0..layers {
-        shapes.extend([(1, c), (1, c), (c, 3 * c / n), (1, 3 * c / n), (c / n, c), (1, c), (1, c), (1, c)]);
+        shapes.extend_from_slice(norm);
+        shapes.extend(match gpt2 {
+            true => vec![(c, qkv / n), (1, qkv / n), (c / n, c), (1, c)],
+            false => vec![(c, qkv / n), (c / n, c)],
+        });
+        shapes.extend_from_slice(norm);
         // the MLP; with experts (tp = 1) the router and E of them, each tensor seen as
         // (E x its rows, its columns)
-        shapes.extend(match m.experts {
-            0 => vec![(c, 4 * c / n), (1, 4 * c / n), (4 * c / n, c), (1, c)],
-            e => vec![(c, e), (e * c, 4 * c), (e, 4 * c), (e * 4 * c, c), (e, c)],
+        shapes.extend(match (m.experts, gpt2) {
+            (0, true) => vec![(c, f / n), (1, f / n), (f / n, c), (1, c)],
+            (0, false) => vec![(c, f / n), (c, f / n), (f / n, c)],
+            (e, true) => vec![(c, e), (e * c, f), (e, f), (e * f, c), (e, c)],
+            (e, false) => vec![(c, e), (e * c, f), (e * c, f), (e * f, c)],
         });
     }
     if last {
-        shapes.extend([(1, c), (1, c), (c, v)]);
+        shapes.extend_from_slice(norm);
+        // A tied head is the embedding's matrix: a stage of its own keeps a copy.
+        if !m.tie_embeddings || !first {
+            shapes.push((c, v));
+        }
     }
     shapes
 }
@@ -166,5 +184,13 @@ mod tests {
             + count(stage_shapes(&m, 1, 1, false, false))
             + count(stage_shapes(&m, 1, 1, false, true));
         assert_eq!(split, m.param_count());
+        // Llama blocks with grouped-query attention and a tied head: one stage holds every
+        // parameter once; split, the last stage keeps its own copy of the head.
+        let llama = ModelSpec { tie_embeddings: true, ..ModelSpec::llama(3, 64, 4, 2, 176, 32, 80) };
+        assert_eq!(count(stage_shapes(&llama, 1, 3, true, true)), llama.param_count());
+        let split = count(stage_shapes(&llama, 1, 1, true, false)) + count(stage_shapes(&llama, 1, 2, false, true));
+        assert_eq!(split, llama.param_count() + 64 * 80);
+        let moe = ModelSpec { experts: 4, ..llama };
+        assert_eq!(count(stage_shapes(&moe, 1, 3, true, true)), moe.param_count());
     }
 }

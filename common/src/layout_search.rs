@@ -23,6 +23,14 @@ const MICRO_BATCHES: [usize; 4] = [1, 2, 4, 8];
 const VIRTUAL_STAGES: usize = 2;
 /// The search takes at most this many GPUs (each layout is planned stage by stage).
 pub const MAX_SEARCH_GPUS: u64 = 1 << 16;
+/// At most this many pipeline stages planned over all the layouts of one search (its
+/// work): a request beyond it is refused before anything is planned.
+pub const MAX_PLANNED_STAGES_PER_SEARCH: usize = 4_000_000;
+/// At most this many layouts in one search.
+pub const MAX_LAYOUTS: usize = 100_000;
+/// Interleaved and ZB-H1 layouts are planned pass by pass: at most this many passes each
+/// (more are counted as refused, with the reason).
+const MAX_FOLLOWED_PASSES: usize = 1 << 16;
 /// And at most this many sequences per step.
 pub const MAX_GLOBAL_BATCH: usize = 1 << 20;
 
@@ -124,12 +132,40 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, Vec<FieldError>> 
     if !errors.is_empty() {
         return Err(errors);
     }
+    let Some(layouts) = layouts(request) else {
+        return Err(vec![FieldError::new(
+            "cluster.gpus",
+            format!("more than {MAX_LAYOUTS} layouts to try: more than one search plans; use fewer GPUs"),
+        )]);
+    };
+    let stages: usize = layouts.iter().map(|s| s.parallel.pp).sum();
+    if stages > MAX_PLANNED_STAGES_PER_SEARCH {
+        return Err(vec![FieldError::new(
+            "cluster.gpus",
+            format!(
+                "{} layouts of {stages} pipeline stages in all are more than one search plans \
+                 ({MAX_PLANNED_STAGES_PER_SEARCH} stages): use fewer GPUs",
+                layouts.len()
+            ),
+        )]);
+    }
 
     let mut fitting = Vec::new();
     let mut too_big = Vec::new();
     let mut refused: Vec<Rejected> = Vec::new();
     let mut examined = 0;
-    for spec in layouts(request) {
+    for spec in layouts {
+        let p = &spec.parallel;
+        let passes = spec.pipeline_micro_batches().saturating_mul(p.virtual_stages).saturating_mul(p.pp);
+        if matches!(p.pp_schedule, PpSchedule::Interleaved | PpSchedule::ZbH1) && passes > MAX_FOLLOWED_PASSES {
+            let reason = format!(
+                "{} over {} passes: more than the search follows pass by pass ({MAX_FOLLOWED_PASSES})",
+                p.pp_schedule.as_str(),
+                passes
+            );
+            tally(&mut refused, reason, &spec);
+            continue;
+        }
         let plan = match planner::plan(&spec) {
             Ok(plan) => plan,
             Err(errors) => {
@@ -184,8 +220,8 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, Vec<FieldError>> 
 /// Every layout of the request's GPUs: tp a power of two dividing the K/V heads (and 1 with
 /// experts), pp dividing the layers into equal stages, dp the rest; each micro-batch size
 /// that divides the batch evenly over the replicas; each schedule, sharding and
-/// checkpointing.
-fn layouts(request: &SearchRequest) -> Vec<ExperimentSpec> {
+/// checkpointing. None when there are more than [`MAX_LAYOUTS`].
+fn layouts(request: &SearchRequest) -> Option<Vec<ExperimentSpec>> {
     let m = &request.model;
     let gpus = request.cluster.gpus as usize;
     let batch = request.global_batch;
@@ -223,6 +259,9 @@ fn layouts(request: &SearchRequest) -> Vec<ExperimentSpec> {
                             spec.train.micro_batches = micro_batches;
                             spec.train.checkpointing = checkpointing;
                             spec.train.attention = request.attention;
+                            if out.len() == MAX_LAYOUTS {
+                                return None;
+                            }
                             out.push(spec);
                         }
                     }
@@ -230,7 +269,7 @@ fn layouts(request: &SearchRequest) -> Vec<ExperimentSpec> {
             }
         }
     }
-    out
+    Some(out)
 }
 
 /// The schedules worth trying for `pp` stages: none to choose without a pipeline; 1F1B

@@ -193,7 +193,8 @@ pub struct CommVolume {
 pub struct Flops {
     /// dp * micro_batch * micro_batches * grad_accum * seq_len.
     pub tokens_per_step: u64,
-    /// The 6 * params * tokens rule: forward 2, backward 4 per parameter and token.
+    /// The 6 * params * tokens rule: forward 2, backward 4 per parameter a token uses (with
+    /// experts, only its top_k experts').
     pub six_params_tokens: f64,
     /// Attention scores and weighted sums: 12 * layers * seq_len * d_model per token.
     pub attention: f64,
@@ -471,7 +472,8 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
     // Estimated in f64 first, so that param_count (u64) is only called when it cannot overflow.
     let (v, s, d, l) = (m.vocab as f64, m.seq_len as f64, m.d_model as f64, m.layers as f64);
     let (ff, copies) = (m.d_ff() as f64, m.experts.max(1) as f64);
-    let estimate = 2.0 * v * d + s * d + l * (4.0 * d * d + 13.0 * d + copies * (3.0 * d * ff + ff)) + 2.0 * d;
+    let matrices = if m.family.is_gpt2() { 2.0 } else { 3.0 };
+    let estimate = 2.0 * v * d + s * d + l * (4.0 * d * d + 13.0 * d + copies * (matrices * d * ff + ff)) + 2.0 * d;
     if estimate > MAX_PLANNED_PARAMS {
         err("model", format!("this model has about {estimate:.3e} parameters; the planner handles at most 1e15"));
     }
@@ -549,9 +551,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         true => expert_block_elements(m, rows, ep, layer_acts, grad_acts),
         false => (layer_acts, grad_acts),
     };
-    // ZB-H1 (no sequence parallelism): the gradients of a block's four matmul outputs
-    // (attention projection, MLP out: b*s*d; QKV: 3d/t; MLP hidden: 4d/t wide).
-    let weight_stash_elements = rows.saturating_mul(d.saturating_mul(2) + (m.qkv_width() + u(m.d_ff())) / tp);
+    // ZB-H1 (no sequence parallelism): the gradients of a block's matmul outputs (attention
+    // projection, MLP out: b*s*d each; QKV and the MLP's hidden gradients, split over TP:
+    // GPT-2 3d + 4d, Llama's gate and up 2f).
+    let weight_stash_elements =
+        rows.saturating_mul(d.saturating_mul(2) + (m.qkv_width() + m.mlp_activation_widths().1) / tp);
     // The residual stream between blocks (a stage's input and output, checkpointed segment
     // outputs): whole on every TP rank, or with sequence parallelism this rank's tokens.
     let res_d = if sp { rows_d / tp } else { rows_d };
@@ -980,7 +984,7 @@ fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
 }
 
 /// FLOPs of one optimizer step over all ranks, T = tokens per step:
-/// 6 * params * T (matmuls: forward 2, backward 4) + 12 * layers * seq_len * d_model * T
+/// 6 * (active) params * T (matmuls: forward 2, backward 4) + 12 * layers * seq_len * d_model * T
 /// (attention, [`ModelSpec::train_flops_per_token`]) + with checkpointing one more
 /// forward of every block: (2 * layers * block_params + 4 * layers * seq_len * d_model) * T.
 fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
@@ -989,7 +993,8 @@ fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
         .into_iter()
         .fold(1u64, |acc, x| acc.saturating_mul(x as u64));
     let tf = tokens as f64;
-    let six_params_tokens = 6.0 * m.param_count() as f64 * tf;
+    // (a token's forward uses only its experts' parameters: 6 x the active ones)
+    let six_params_tokens = 6.0 * m.active_param_count() as f64 * tf;
     let training = m.train_flops_per_token() * tf;
     let (l, s, d) = (m.layers as f64, m.seq_len as f64, m.d_model as f64);
     let recompute = match t.checkpointing {

@@ -95,6 +95,7 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
     small.train.warmup_steps = 2;
     small.train.checkpoint_every = 0;
     small.data.dataset = Dataset::Markov;
+    small.data.upload_id = None;
     if small.backend != BackendKind::Cpu {
         small.backend = BackendKind::Cpu;
         changes.push("the backend is the CPU".to_string());

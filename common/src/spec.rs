@@ -366,7 +366,7 @@ pub struct TrainSpec {
     pub checkpoint_every: u64,
     /// Validation loss after every `eval_every` steps and after the last (0: never): the
     /// mean loss on held-out data (the text's last tenth; Markov sequences drawn apart
-    /// from the training ones), one micro-batch per data-parallel rank, forward only.
+    /// from the training ones), as many sequences as a step's global batch, forward only.
     pub eval_every: u64,
     /// Who writes a checkpoint: a writer thread while training goes on, or the training
     /// loop itself.

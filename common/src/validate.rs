@@ -191,6 +191,9 @@ impl ExperimentSpec {
             && within(m.vocab, limits.max_vocab)
             && within(m.seq_len, limits.max_seq_len)
             && m.experts <= MAX_EXPERTS
+            // (other widths are refused above; these keep the count inside u64)
+            && (m.ffn_hidden == 0 || m.ffn_hidden == m.d_model.saturating_mul(4))
+            && (m.kv_heads == 0 || m.kv_heads == m.heads)
         {
             let params = m.param_count();
             if params > limits.max_params {

@@ -42,6 +42,9 @@ pub struct ServerClient {
     secret: String,
 }
 
+/// The most a worker reads of one uploaded dataset.
+pub const DATASET_READ_LIMIT: u64 = 1 << 30;
+
 impl ServerClient {
     pub fn new(base: &str, token: &str) -> Self {
         let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -107,7 +110,8 @@ impl ServerClient {
         Ok(())
     }
 
-    /// An uploaded dataset's text (`data.dataset: upload`), for a run this worker holds.
+    /// An uploaded dataset's text (`data.dataset: upload`), for a run this worker holds (at
+    /// most [`DATASET_READ_LIMIT`]: the server's own limit decides, this only bounds memory).
     pub fn download_dataset(&self, id: i64) -> Result<Vec<u8>, ClientError> {
         let path = format!("/api/workers/datasets/{id}");
         let url = format!("{}{}", self.base, path);
@@ -121,7 +125,7 @@ impl ServerClient {
         let body = resp
             .body_mut()
             .with_config()
-            .limit(MAX_DATASET_BYTES as u64)
+            .limit(DATASET_READ_LIMIT)
             .read_to_vec()
             .map_err(|e| ClientError::Decode { path: path.clone(), message: e.to_string() })?;
         if !(200..300).contains(&status) {

@@ -157,9 +157,14 @@ struct Leased {
 fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Leased) {
     let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
-    // An uploaded dataset comes from the server, once, next to the run's checkpoints.
-    let dataset = match fetch_dataset(client, &lease.spec, &checkpoints) {
-        Ok(path) => path,
+    // An uploaded dataset comes from the server for this attempt, into a directory of its
+    // own that goes when the attempt ends.
+    let dataset_dir = tempfile::Builder::new().prefix("distlab-dataset-").tempdir();
+    let fetched = dataset_dir
+        .map_err(|e| format!("no directory for the uploaded dataset: {e}"))
+        .and_then(|dir| Ok((fetch_dataset(cfg, client, &lease.spec, dir.path())?, dir)));
+    let (dataset, _dataset_dir) = match fetched {
+        Ok(kept) => kept,
         Err(error) => {
             if let Err(e) = report_failure(cfg, client, worker_id, experiment_id, error, false) {
                 tracing::warn!(experiment = experiment_id, "could not report {e}");
@@ -301,22 +306,20 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     }
 }
 
-/// The file of `spec`'s uploaded dataset in `dir` (fetched from the server unless an
-/// earlier attempt did), or None for a built-in dataset; the error is the run's failure.
-fn fetch_dataset(client: &ServerClient, spec: &ExperimentSpec, dir: &Path) -> Result<Option<PathBuf>, String> {
+/// `spec`'s uploaded dataset fetched into `dir` (retried while the server is unreachable),
+/// or None for a built-in dataset; the error is the run's failure.
+fn fetch_dataset(
+    cfg: &WorkerConfig,
+    client: &ServerClient,
+    spec: &ExperimentSpec,
+    dir: &Path,
+) -> Result<Option<PathBuf>, String> {
     let (Dataset::Upload, Some(id)) = (spec.data.dataset, spec.data.upload_id) else { return Ok(None) };
+    let what = format!("uploaded dataset {id}");
+    let bytes = retry_while_unreachable(cfg, &what, || client.download_dataset(id))
+        .map_err(|e| format!("could not fetch {what}: {e}"))?;
     let path = dir.join(format!("dataset-{id}.txt"));
-    if path.exists() {
-        return Ok(Some(path));
-    }
-    let bytes = client.download_dataset(id).map_err(|e| format!("could not fetch uploaded dataset {id}: {e}"))?;
-    std::fs::create_dir_all(dir)
-        .and_then(|()| {
-            // Written aside and renamed: a file at `path` is always whole.
-            let aside = dir.join(format!(".dataset-{id}.part"));
-            std::fs::write(&aside, &bytes).and_then(|()| std::fs::rename(&aside, &path))
-        })
-        .map_err(|e| format!("could not keep uploaded dataset {id} in {}: {e}", dir.display()))?;
+    std::fs::write(&path, &bytes).map_err(|e| format!("could not keep {what} in {}: {e}", dir.display()))?;
     Ok(Some(path))
 }
 

@@ -5,10 +5,12 @@
 //!   text/plain`, UTF-8, at most `ServerConfig::max_dataset_bytes`) -> 201 DatasetView.
 //! - `GET /api/datasets`: every uploaded text, newest first (a class shares them).
 //! - `DELETE /api/datasets/{id}`: its owner or an admin, unless a queued or running
-//!   experiment trains on it (409).
-//! - `GET /api/workers/datasets/{id}`: the text, for the worker that runs an experiment.
+//!   experiment trains on it (409). The id is never used again.
+//! - `GET /api/workers/datasets/{id}`: the text, for any registered worker (the one that
+//!   runs an experiment on it fetches it).
 //!
-//! The rows are in the `datasets` table, the texts under DATA_DIR/datasets.
+//! The rows are in the `datasets` table, the texts under DATA_DIR/datasets. One person
+//! keeps at most `MAX_DATASETS_PER_OWNER` texts (429 beyond).
 
 use std::path::PathBuf;
 
@@ -29,6 +31,8 @@ use crate::{clock, AppState};
 
 /// Longest name of a dataset, in characters.
 const MAX_NAME_CHARS: usize = 100;
+/// Texts one person may keep at once.
+pub const MAX_DATASETS_PER_OWNER: i64 = 20;
 
 /// Where dataset `id`'s text is kept.
 fn text_path(state: &AppState, id: i64) -> PathBuf {
@@ -58,16 +62,10 @@ impl DatasetRow {
     }
 }
 
-/// The longest seq_len a text of `bytes` bytes can train with ([`text_split`] holds a
-/// window on each side): 0 when none.
+/// The longest seq_len a text of `bytes` bytes can train with: [`text_split`] needs a
+/// window of seq_len + 1 bytes on each side (the tenth held out is never more than half).
 fn max_seq_len(bytes: u64) -> u64 {
-    // A window on each side: 2 (seq_len + 1) <= bytes, and the tenth held out is at least one.
-    let n = usize::try_from(bytes).unwrap_or(usize::MAX);
-    let mut seq_len = (n / 2).saturating_sub(1);
-    while seq_len > 0 && text_split(n, seq_len).is_none() {
-        seq_len -= 1;
-    }
-    seq_len as u64
+    (bytes / 2).saturating_sub(1)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -76,18 +74,21 @@ fn max_seq_len(bytes: u64) -> u64 {
 
 /// Dataset `id`, if there is one.
 pub async fn find(db: &Db, id: i64) -> Result<Option<DatasetView>, sqlx::Error> {
-    let row = sqlx::query_as::<_, DatasetRow>("SELECT id, name, owner, bytes, created_at FROM datasets WHERE id = ?1")
-        .bind(id)
-        .fetch_optional(db)
-        .await?;
+    let row = sqlx::query_as::<_, DatasetRow>(
+        "SELECT id, name, owner, bytes, created_at FROM datasets WHERE id = ?1 AND deleted_at IS NULL",
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await?;
     Ok(row.map(DatasetRow::into_view))
 }
 
 async fn all(db: &Db) -> Result<Vec<DatasetView>, sqlx::Error> {
-    let rows =
-        sqlx::query_as::<_, DatasetRow>("SELECT id, name, owner, bytes, created_at FROM datasets ORDER BY id DESC")
-            .fetch_all(db)
-            .await?;
+    let rows = sqlx::query_as::<_, DatasetRow>(
+        "SELECT id, name, owner, bytes, created_at FROM datasets WHERE deleted_at IS NULL ORDER BY id DESC",
+    )
+    .fetch_all(db)
+    .await?;
     Ok(rows.into_iter().map(DatasetRow::into_view).collect())
 }
 
@@ -184,26 +185,41 @@ pub async fn upload(
             problems,
         ));
     }
-    let view = insert(&state.db, &name, &owner.name, bytes.len() as u64).await?;
-    let path = text_path(&state, view.id);
-    let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-        let dir = path.parent().unwrap_or(std::path::Path::new("."));
-        std::fs::create_dir_all(dir)?;
-        let aside = dir.join(format!(".upload-{:016x}", rand::random::<u64>()));
-        std::fs::write(&aside, &bytes).and_then(|()| std::fs::rename(&aside, &path)).inspect_err(|_| {
-            let _ = std::fs::remove_file(&aside);
-        })
+    let bytes_len = bytes.len() as u64;
+    let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM datasets WHERE owner = ?1 AND deleted_at IS NULL")
+        .bind(&owner.name)
+        .fetch_one(&state.db)
+        .await?;
+    if kept >= MAX_DATASETS_PER_OWNER {
+        return Err(HttpError::too_many_requests(format!(
+            "{} keeps {kept} datasets, the most one person may: delete one first",
+            owner.name
+        )));
+    }
+    // The text is written aside first, the row made, then the file renamed into place: a
+    // listed dataset always has its text, a failed upload leaves neither.
+    let dir = state.config.data_dir.join("datasets");
+    let aside = dir.join(format!(".upload-{:016x}", rand::random::<u64>()));
+    let written = tokio::task::spawn_blocking({
+        let (dir, aside) = (dir.clone(), aside.clone());
+        move || std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&aside, &bytes))
     })
     .await
     .map_err(|e| HttpError::internal("storing a dataset", e))?;
-    if let Err(e) = written {
-        // Nothing half-made stays: the row goes with the file that could not be written.
-        let _ = sqlx::query("DELETE FROM datasets WHERE id = ?1").bind(view.id).execute(&state.db).await;
-        return Err(HttpError::internal("storing a dataset", e));
-    }
+    let placed = match written {
+        Ok(()) => match insert(&state.db, &name, &owner.name, bytes_len).await {
+            Ok(view) => std::fs::rename(&aside, text_path(&state, view.id))
+                .map(|()| view)
+                .map_err(|e| HttpError::internal("storing a dataset", e)),
+            Err(e) => Err(HttpError::from(e)),
+        },
+        Err(e) => Err(HttpError::internal("storing a dataset", e)),
+    };
+    let view = placed.inspect_err(|_| {
+        let _ = std::fs::remove_file(&aside);
+    })?;
     tracing::info!(dataset = view.id, bytes = view.bytes, owner = %owner.name, "dataset uploaded");
-    let location = format!("/api/datasets/{}", view.id);
-    Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(view)).into_response())
+    Ok((StatusCode::CREATED, Json(view)).into_response())
 }
 
 /// `GET /api/datasets`
@@ -249,7 +265,11 @@ pub async fn delete(
             ids.join(", ")
         )));
     }
-    sqlx::query("DELETE FROM datasets WHERE id = ?1").bind(id).execute(&state.db).await?;
+    sqlx::query("UPDATE datasets SET deleted_at = ?2 WHERE id = ?1")
+        .bind(id)
+        .bind(clock::rfc3339(clock::now()))
+        .execute(&state.db)
+        .await?;
     if let Err(e) = std::fs::remove_file(text_path(&state, id)) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(dataset = id, "could not remove the text: {e}");
@@ -285,7 +305,8 @@ fn not_found(id: i64) -> HttpError {
 /// The problems with `spec`'s uploaded dataset, if it names one: it must exist and hold a
 /// window of seq_len + 1 bytes on each side of its split.
 pub async fn check_spec(db: &Db, spec: &ExperimentSpec) -> Result<Vec<FieldError>, HttpError> {
-    let (Dataset::Upload, Some(id)) = (spec.data.dataset, spec.data.upload_id) else { return Ok(Vec::new()) };
+    // (an id below 1 is the spec's own error already)
+    let (Dataset::Upload, Some(id @ 1..)) = (spec.data.dataset, spec.data.upload_id) else { return Ok(Vec::new()) };
     Ok(match find(db, id).await? {
         None => {
             vec![FieldError::new("data.upload_id", format!("there is no dataset {id} (GET /api/datasets lists them)"))]
@@ -299,4 +320,20 @@ pub async fn check_spec(db: &Db, spec: &ExperimentSpec) -> Result<Vec<FieldError
         )],
         Some(_) => Vec::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The longest seq_len the API reports is the longest the split takes.
+    #[test]
+    fn max_seq_len_is_the_split_s_limit() {
+        for n in (0..5000u64).chain([16 << 20, (16 << 20) + 1]) {
+            let max = max_seq_len(n);
+            let split = |seq_len: u64| text_split(n as usize, seq_len as usize);
+            assert!(max == 0 || split(max).is_some(), "{n} bytes, seq_len {max}");
+            assert!(split(max + 1).is_none(), "{n} bytes, seq_len {}", max + 1);
+        }
+    }
 }

@@ -740,6 +740,20 @@ async fn uploaded_datasets_are_kept_listed_checked_and_served_to_workers() {
     assert_eq!(t.send(delete(dataset.id)).await.status(), StatusCode::NO_CONTENT);
     assert_eq!(t.send(fetch(t.credential(worker))).await.status(), StatusCode::NOT_FOUND);
     assert_api_error(&answer(t.send(delete(dataset.id)).await).await, StatusCode::NOT_FOUND);
+    // Its id is never handed out again (the finished run's spec still names that text).
+    let a = answer(t.send(upload("again", "text/plain", text.clone().into_bytes())).await).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    assert!(a.body["id"].as_i64() > Some(dataset.id), "{}", a.body);
+    // One person keeps at most 20.
+    for i in 1..20 {
+        let a = answer(t.send(upload(&format!("n{i}"), "text/plain", b"some text".to_vec())).await).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    }
+    let e = assert_api_error(
+        &answer(t.send(upload("one%20too%20many", "text/plain", b"some text".to_vec())).await).await,
+        StatusCode::TOO_MANY_REQUESTS,
+    );
+    assert!(e.error.contains("delete one first"), "{e:?}");
 }
 
 #[tokio::test]

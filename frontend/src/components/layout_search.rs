@@ -22,7 +22,7 @@ pub fn LayoutSearch(spec: RwSignal<ExperimentSpec>, cluster: RwSignal<Cluster>) 
         let whole = |s: RwSignal<String>, what: &str| {
             s.get()
                 .trim()
-                .parse::<u64>()
+                .parse::<u32>()
                 .ok()
                 .filter(|&n| n >= 1)
                 .ok_or(format!("{what}: '{}' is not a whole number of at least 1", s.get()))
@@ -31,7 +31,7 @@ pub fn LayoutSearch(spec: RwSignal<ExperimentSpec>, cluster: RwSignal<Cluster>) 
             let s = spec.get();
             Ok(SearchRequest {
                 model: s.model.clone(),
-                cluster: cluster.get().with_gpus(whole(gpus, "GPUs")?),
+                cluster: cluster.get().with_gpus(u64::from(whole(gpus, "GPUs")?)),
                 global_batch: whole(batch, "global batch")? as usize,
                 precision: s.train.precision,
                 attention: s.train.attention,
@@ -78,12 +78,17 @@ pub fn LayoutSearch(spec: RwSignal<ExperimentSpec>, cluster: RwSignal<Cluster>) 
 fn results_view(r: SearchResult, spec: RwSignal<ExperimentSpec>) -> impl IntoView {
     let summary = format!("{} layouts planned, {} fit; the fastest {}:", r.examined, r.fitting, r.best.len());
     let row = move |(rank, c): (usize, Candidate)| {
+        // "Use" takes the layout only: the mesh and its settings, the micro-batching, the
+        // checkpointing; the form's optimizer, steps, data and precision stay.
         let chosen = c.spec.clone();
         let use_it = move |_| {
-            let chosen = chosen.clone();
+            let (p, t) = (&chosen.parallel, &chosen.train);
             spec.update(|s| {
-                let name = std::mem::take(&mut s.name);
-                *s = ExperimentSpec { name, ..chosen };
+                (s.parallel.dp, s.parallel.tp, s.parallel.pp) = (p.dp, p.tp, p.pp);
+                (s.parallel.sharding, s.parallel.pp_schedule, s.parallel.virtual_stages) =
+                    (p.sharding, p.pp_schedule, p.virtual_stages);
+                (s.train.micro_batch, s.train.micro_batches, s.train.grad_accum) = (t.micro_batch, t.micro_batches, 1);
+                s.train.checkpointing = t.checkpointing;
             });
         };
         view! {

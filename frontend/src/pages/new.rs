@@ -295,8 +295,13 @@ struct Checked {
 fn check(texts: &[(&'static FieldDef, String)], demo: bool) -> Checked {
     let mut errors = Vec::new();
     let mut root = Map::new();
+    let dataset = texts.iter().find(|(def, _)| def.path == "data.dataset").map(|(_, text)| text.as_str());
     for (def, text) in texts {
         if is_demo_field(def.path) && !demo {
+            continue;
+        }
+        // An upload picked earlier stays in its field, but only dataset=upload names it.
+        if def.path == "data.upload_id" && dataset != Some("upload") {
             continue;
         }
         let parsed = match def.kind {

@@ -366,8 +366,8 @@ pub(crate) fn run<B: TrainBackend>(
         }
     }
     let mut tally = StepTally::new(spec, first_step, min_loss);
-    // Tensor-parallel all-reduces (calls, payload bytes) the evaluations made.
-    let mut eval_tp = (0u64, 0u64);
+    // Tensor-parallel all-reduces the evaluations made: (calls, payload bytes, bytes sent).
+    let mut eval_tp = (0u64, 0u64, 0u64);
     for step in first_step..t.steps {
         if cancel.load(Ordering::Relaxed) {
             return Err(TrainError::Cancelled);
@@ -380,9 +380,10 @@ pub(crate) fn run<B: TrainBackend>(
             let tp_before = trainer.model.tensor_parallel().map(|tp| tp.totals());
             let loss = pool.install(|| trainer.evaluate(step))?;
             // (the TP traffic reported at the end is training's)
-            if let (Some((calls, payload, _)), Some(tp)) = (tp_before, trainer.model.tensor_parallel()) {
-                let (after_calls, after_payload, _) = tp.totals();
-                eval_tp = (eval_tp.0 + after_calls - calls, eval_tp.1 + after_payload - payload);
+            if let (Some(before), Some(tp)) = (tp_before, trainer.model.tensor_parallel()) {
+                let after = tp.totals();
+                eval_tp =
+                    (eval_tp.0 + after.0 - before.0, eval_tp.1 + after.1 - before.1, eval_tp.2 + after.2 - before.2);
             }
             Some(loss)
         } else {
@@ -403,7 +404,7 @@ pub(crate) fn run<B: TrainBackend>(
         report_checkpoints(on_event, writer.finish(), trainer.place(), t.checkpoint_write);
     }
     if let Some((calls, payload, sent)) = trainer.model.tensor_parallel().map(|tp| tp.totals()) {
-        let (calls, payload) = (calls - eval_tp.0, payload - eval_tp.1);
+        let (calls, payload, sent) = (calls - eval_tp.0, payload - eval_tp.1, sent - eval_tp.2);
         let layers = trainer.model.stage.block_count();
         let steps_run = (t.steps - first_step) as f64;
         let per_layer = payload as f64 / (steps_run * (t.micro_batches * t.grad_accum * layers) as f64);
