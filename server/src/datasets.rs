@@ -251,12 +251,7 @@ pub async fn delete(
 ) -> Result<StatusCode, HttpError> {
     let id = parse_id(&raw_id)?;
     let dataset = find(&state.db, id).await?.ok_or_else(|| not_found(id))?;
-    if !(caller.admin || caller.name == dataset.owner) {
-        return Err(HttpError::forbidden(format!(
-            "dataset {id} is {}'s: only its owner or an admin may delete it",
-            dataset.owner
-        )));
-    }
+    crate::session::may_change(&caller, &format!("dataset {id}"), &dataset.owner, "delete")?;
     let users = experiments_using(&state.db, id).await?;
     if !users.is_empty() {
         let ids: Vec<String> = users.iter().map(i64::to_string).collect();

@@ -306,14 +306,7 @@ async fn too_big_for_every_worker(state: &AppState, spec: &ExperimentSpec) -> Re
 
 /// Whether `caller` may cancel or delete `experiment`: its owner or an admin (403 otherwise).
 fn may_change(caller: &Account, experiment: &ExperimentView, what: &str) -> Result<(), HttpError> {
-    if caller.admin || caller.name == experiment.owner {
-        Ok(())
-    } else {
-        Err(HttpError::forbidden(format!(
-            "experiment {} is {}'s: only its owner or an admin may {what} it",
-            experiment.id, experiment.owner
-        )))
-    }
+    crate::session::may_change(caller, &format!("experiment {}", experiment.id), &experiment.owner, what)
 }
 
 /// `DELETE /api/experiments/{id}` (its owner or an admin): removes a finished experiment with

@@ -126,6 +126,16 @@ pub async fn sign_out(State(state): State<AppState>, headers: HeaderMap) -> Resu
     Ok(resp)
 }
 
+/// Whether `caller` may `verb` `thing` (e.g. "experiment 5"), which `owner` owns: its
+/// owner or an admin; 403 naming both otherwise.
+pub fn may_change(caller: &Account, thing: &str, owner: &str, verb: &str) -> Result<(), HttpError> {
+    if caller.admin || caller.name == owner {
+        Ok(())
+    } else {
+        Err(HttpError::forbidden(format!("{thing} is {owner}'s: only its owner or an admin may {verb} it")))
+    }
+}
+
 fn require_admin(caller: &Account) -> Result<(), HttpError> {
     if caller.admin {
         Ok(())
