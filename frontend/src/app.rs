@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use leptos::prelude::*;
 use leptos_router::components::{Route, Router, Routes, A};
-use leptos_router::path;
+use leptos_router::{lazy_route, path, Lazy, LazyRoute};
 
 use crate::api;
 use crate::pages::sign_in::{ask_who, sign_in_again_when_refused, AccountBadge, Session, SignInPage};
@@ -14,12 +14,67 @@ use crate::pages::{
     new::NewExperiment, pipeline::PipelinePage, planner::PlannerPage, quiz::QuizPage, ring::RingReplayPage,
 };
 
+/// A page loaded on first visit: `#[lazy_route]` makes its view a split point, so
+/// `cargo xtask build-frontend` (wasm-split) moves the page's code, and everything only it
+/// uses, into a wasm chunk of its own that the browser fetches when the route first opens.
+/// The first page (the experiment list) and the layout stay in the main module.
+macro_rules! lazy_page {
+    ($route:ident, $page:ident) => {
+        struct $route;
+
+        #[lazy_route]
+        impl LazyRoute for $route {
+            fn data() -> Self {
+                $route
+            }
+
+            fn view(_this: Self) -> AnyView {
+                $page().into_any()
+            }
+        }
+    };
+}
+
+lazy_page!(NewRoute, NewExperiment);
+lazy_page!(CompareRoute, ComparePage);
+lazy_page!(PlannerRoute, PlannerPage);
+lazy_page!(CardsRoute, CardsPage);
+lazy_page!(QuizRoute, QuizPage);
+lazy_page!(AccountsRoute, AccountsPage);
+lazy_page!(ExperimentRoute, ExperimentPage);
+lazy_page!(RingRoute, RingReplayPage);
+lazy_page!(PipelineRoute, PipelinePage);
+
+/// A second after the app has started (its first page is on screen by then), fetch every
+/// page's chunks in the background, one page after another, the likeliest next page
+/// first: the first paint waits for the main module only, and a later click finds its
+/// page already loaded.
+fn preload_pages_soon() {
+    set_timeout(
+        || {
+            leptos::task::spawn_local(async {
+                ExperimentRoute::preload().await;
+                NewRoute::preload().await;
+                CompareRoute::preload().await;
+                RingRoute::preload().await;
+                PipelineRoute::preload().await;
+                PlannerRoute::preload().await;
+                CardsRoute::preload().await;
+                QuizRoute::preload().await;
+                AccountsRoute::preload().await;
+            })
+        },
+        Duration::from_secs(1),
+    );
+}
+
 #[component]
 pub fn App() -> impl IntoView {
     // On a server with accounts, the pages wait for a signed-in session.
     let session = RwSignal::new(Session::Asking);
     ask_who(session);
     sign_in_again_when_refused(session);
+    preload_pages_soon();
     view! {
         <Router>
             <header class="topbar">
@@ -46,15 +101,15 @@ pub fn App() -> impl IntoView {
                     _ => view! {
                         <Routes fallback=|| view! { <NotFound/> }>
                             <Route path=path!("/") view=ExperimentList/>
-                            <Route path=path!("/new") view=NewExperiment/>
-                            <Route path=path!("/compare") view=ComparePage/>
-                            <Route path=path!("/planner") view=PlannerPage/>
-                            <Route path=path!("/cards") view=CardsPage/>
-                            <Route path=path!("/quiz") view=QuizPage/>
-                            <Route path=path!("/accounts") view=AccountsPage/>
-                            <Route path=path!("/experiments/:id") view=ExperimentPage/>
-                            <Route path=path!("/experiments/:id/ring") view=RingReplayPage/>
-                            <Route path=path!("/experiments/:id/pipeline") view=PipelinePage/>
+                            <Route path=path!("/new") view={Lazy::<NewRoute>::new()}/>
+                            <Route path=path!("/compare") view={Lazy::<CompareRoute>::new()}/>
+                            <Route path=path!("/planner") view={Lazy::<PlannerRoute>::new()}/>
+                            <Route path=path!("/cards") view={Lazy::<CardsRoute>::new()}/>
+                            <Route path=path!("/quiz") view={Lazy::<QuizRoute>::new()}/>
+                            <Route path=path!("/accounts") view={Lazy::<AccountsRoute>::new()}/>
+                            <Route path=path!("/experiments/:id") view={Lazy::<ExperimentRoute>::new()}/>
+                            <Route path=path!("/experiments/:id/ring") view={Lazy::<RingRoute>::new()}/>
+                            <Route path=path!("/experiments/:id/pipeline") view={Lazy::<PipelineRoute>::new()}/>
                         </Routes>
                     }.into_any(),
                 }}

@@ -1,27 +1,23 @@
 //! `cargo xtask`: build orchestration for distlab.
 //!
-//! - `build-frontend`: wasm32 build of the Leptos app, wasm-bindgen (as a library, so
-//!   the glue matches the wasm-bindgen in Cargo.lock), index.html + style.css into target/site/
+//! - `build-frontend`: the Leptos app for wasm32, split into a main module and one chunk per
+//!   lazily loaded page, with its JS glue, index.html and style.css in target/site/ (`frontend.rs`)
 //! - `run`: build everything (release) and start the server with one local worker
 //! - `test`: install what a fresh machine lacks, build, `cargo test --workspace` (with the
 //!   worker's `cuda` feature, so the CUDA backend compiles and its tests run or skip)
 //! - `bench`: the engine's training-step benchmark, next to PyTorch's when torch is installed
 //! - `mutants`: break the engine on purpose (`mutants.rs`) and check the tests notice
 
+mod frontend;
 mod load;
 mod mutants;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-
-const WASM_TARGET: &str = "wasm32-unknown-unknown";
-const WASM_PROFILE: &str = "wasm-release";
-const SITE_DIR: &str = "target/site";
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "Build, run, test and benchmark distlab")]
@@ -76,7 +72,7 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Cmd::BuildFrontend => build_frontend(),
+        Cmd::BuildFrontend => frontend::build(),
         Cmd::Run { server_args } => run(&server_args),
         Cmd::Test { gpu, test_args } => test(gpu, &test_args),
         Cmd::Bench => bench(),
@@ -116,72 +112,15 @@ fn status(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-fn ensure_wasm_target() -> Result<()> {
-    let out = Command::new("rustup").args(["target", "list", "--installed"]).output();
-    match out {
-        Ok(out) if String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == WASM_TARGET) => Ok(()),
-        Ok(_) => {
-            println!("xtask: installing the {WASM_TARGET} target");
-            status(Command::new("rustup").args(["target", "add", WASM_TARGET]))
-        }
-        // No rustup: let cargo report a missing target if there is one.
-        Err(_) => Ok(()),
-    }
-}
-
-fn build_frontend() -> Result<ExitCode> {
-    ensure_wasm_target()?;
-    let root = root();
-    status(cargo().args(["build", "-p", "distlab-frontend", "--target", WASM_TARGET, "--profile", WASM_PROFILE]))?;
-
-    let input = root.join("target").join(WASM_TARGET).join(WASM_PROFILE).join("distlab-frontend.wasm");
-    let site = root.join(SITE_DIR);
-    std::fs::create_dir_all(&site)?;
-    wasm_bindgen_cli_support::Bindgen::new()
-        .input_path(&input)
-        .out_name("distlab_frontend")
-        .web(true)?
-        // The library's default (true) leaves out the wasm URL: the page would stay blank.
-        .omit_default_module_path(false)
-        .typescript(false)
-        .remove_name_section(true)
-        .remove_producers_section(true)
-        .generate(&site)
-        .with_context(|| format!("wasm-bindgen on {}", input.display()))?;
-
-    let wasm = std::fs::read(site.join("distlab_frontend_bg.wasm"))?;
-    let frontend = root.join("frontend");
-    let css = std::fs::read(frontend.join("style.css"))?;
-    // A content hash in the URLs, so that a browser never mixes an old bundle with a new page.
-    let version = format!("{:016x}", fnv1a(&[wasm.as_slice(), css.as_slice()].concat()));
-    let index = std::fs::read_to_string(frontend.join("index.html"))?.replace("{version}", &version);
-    std::fs::write(site.join("index.html"), index)?;
-    std::fs::write(site.join("style.css"), css)?;
-
-    println!(
-        "xtask: frontend in {}: distlab_frontend_bg.wasm {} KB raw, {} KB gzip",
-        site.display(),
-        wasm.len() / 1024,
-        gzip_len(&wasm)? / 1024
-    );
-    Ok(ExitCode::SUCCESS)
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf29ce484222325, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
-}
-
-fn gzip_len(bytes: &[u8]) -> Result<usize> {
-    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
-    gz.write_all(bytes)?;
-    Ok(gz.finish()?.len())
-}
-
 fn run(extra: &[String]) -> Result<ExitCode> {
-    build_frontend()?;
+    frontend::build()?;
     status(cargo().args(["build", "--release", "-p", "distlab-server", "-p", "distlab-worker"]))?;
-    let defaults =
-        [("--addr", "127.0.0.1:8080"), ("--data-dir", "./data"), ("--local-workers", "1"), ("--static-dir", SITE_DIR)];
+    let defaults = [
+        ("--addr", "127.0.0.1:8080"),
+        ("--data-dir", "./data"),
+        ("--local-workers", "1"),
+        ("--static-dir", frontend::SITE_DIR),
+    ];
     let mut args: Vec<String> = Vec::new();
     for (flag, value) in defaults {
         // A flag given on the command line replaces the default.
@@ -219,9 +158,9 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
     } else {
         println!("xtask: the GPU tests (CUDA kernels, NCCL) are not run: cargo test reports them as ignored; `--gpu` runs them");
     }
-    ensure_wasm_target()?;
+    frontend::ensure_wasm_target()?;
     ensure_browser();
-    build_frontend()?;
+    frontend::build()?;
     // The end-to-end tests start target/debug/distlab-server and distlab-worker: `cargo
     // test` builds both (their packages have integration tests) before it runs any test,
     // with the same features as everything else, so nothing is compiled twice.
