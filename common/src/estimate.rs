@@ -353,7 +353,10 @@ pub fn group_inside_node(stride: u64, size: u64, gpus_per_node: u64, world_size:
 /// The step, for P pipeline stages and M micro-batches:
 ///
 /// ```text
-///   compute  = flops.per_rank / peak                 (every rank at peak FLOP/s)
+///   compute  = flops.per_rank / peak * imbalance     (every rank at peak FLOP/s; imbalance =
+///                                                     the busiest stage's blocks over the
+///                                                     average, > 1 when pp does not divide
+///                                                     the layers: every slot waits for it)
 ///   busy     = compute + tp + pp                     (each micro-batch's TP all-reduces and
 ///                                                     PP sends sit between its layers)
 ///   pipeline = busy / (1 - bubble) = busy * (M+P-1)/M (interleaved (vM+P-1)/vM; the fill and drain slots carry the
@@ -419,7 +422,10 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
 
     // Time.
     let peak_flops = cluster.peak_flops(spec.train.precision);
-    let compute_seconds = ratio(plan.flops.per_rank, peak_flops);
+    let busiest_stage_layers = plan.stages.iter().map(|st| st.layers).max().unwrap_or(0);
+    let average_stage_layers = ratio(spec.model.layers as f64, plan.stages.len() as f64);
+    let imbalance = ratio(busiest_stage_layers as f64, average_stage_layers).max(1.0);
+    let compute_seconds = ratio(plan.flops.per_rank, peak_flops) * imbalance;
     let busy = compute_seconds + tp_axis.seconds + pp_axis.seconds;
     // 1 - bubble = M / (M + P - 1) (interleaved vM / (vM + P - 1)): positive for M >= 1; a
     // broken plan counts no bubble.
@@ -959,6 +965,16 @@ mod tests {
         let busy = e.compute_seconds + e.pp.seconds;
         assert!((e.step_seconds - 1.5 * busy).abs() < 1e-15);
         assert!((e.bubble_seconds - 0.5 * busy).abs() < 1e-15);
+
+        // 5 layers on 2 stages split 3 + 2: every slot waits for the 3-layer stage, so the
+        // compute is 3 / 2.5 = 1.2 times the average rank's.
+        let mut uneven = pipe.clone();
+        uneven.model.layers = 5;
+        let p = plan(&uneven).unwrap();
+        assert_eq!(p.stages.iter().map(|st| st.layers).collect::<Vec<_>>(), [3, 2]);
+        let e = estimate(&uneven, &p, &cluster);
+        let average = p.flops.per_rank / 19.5e12;
+        assert!((e.compute_seconds - 1.2 * average).abs() < 1e-15 * average.max(1.0), "{}", e.compute_seconds);
     }
 
     #[test]
