@@ -354,9 +354,9 @@ pub fn group_inside_node(stride: u64, size: u64, gpus_per_node: u64, world_size:
 ///
 /// ```text
 ///   compute  = flops.per_rank / peak * imbalance     (every rank at peak FLOP/s; imbalance =
-///                                                     the busiest stage's blocks over the
-///                                                     average, > 1 when pp does not divide
-///                                                     the layers: every slot waits for it)
+///                                                     the busiest stage's work over the
+///                                                     average stage's, `stage_imbalance`:
+///                                                     every pipeline slot waits for it)
 ///   busy     = compute + tp + pp                     (each micro-batch's TP all-reduces and
 ///                                                     PP sends sit between its layers)
 ///   pipeline = busy / (1 - bubble) = busy * (M+P-1)/M (interleaved (vM+P-1)/vM; the fill and drain slots carry the
@@ -422,10 +422,7 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
 
     // Time.
     let peak_flops = cluster.peak_flops(spec.train.precision);
-    let busiest_stage_layers = plan.stages.iter().map(|st| st.layers).max().unwrap_or(0);
-    let average_stage_layers = ratio(spec.model.layers as f64, plan.stages.len() as f64);
-    let imbalance = ratio(busiest_stage_layers as f64, average_stage_layers).max(1.0);
-    let compute_seconds = ratio(plan.flops.per_rank, peak_flops) * imbalance;
+    let compute_seconds = ratio(plan.flops.per_rank, peak_flops) * stage_imbalance(spec, plan);
     let busy = compute_seconds + tp_axis.seconds + pp_axis.seconds;
     // 1 - bubble = M / (M + P - 1) (interleaved vM / (vM + P - 1)): positive for M >= 1; a
     // broken plan counts no bubble.
@@ -464,6 +461,30 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
     };
     e.notes = notes(spec, plan, cluster, &e);
     e
+}
+
+/// How much longer the busiest pipeline stage computes per micro-batch than the average
+/// one (1 without a pipeline). A stage's training FLOPs per token:
+///
+/// ```text
+///   per block it holds   6 * block_params + 12 * seq_len * d_model
+///                        (with checkpointing also 2 * block_params + 4 * seq_len * d_model)
+///   the LM head (last)   6 * d_model * vocab
+/// ```
+///
+/// So the last stage is the busiest when the layers split evenly, and the first ones when
+/// pp does not divide the layers (they hold one block more). Interleaved stages always
+/// split evenly: validation asks pp * virtual_stages to divide the layers.
+fn stage_imbalance(spec: &ExperimentSpec, plan: &Plan) -> f64 {
+    let m = &spec.model;
+    let (params, s, d) = (m.active_block_params() as f64, m.seq_len as f64, m.d_model as f64);
+    let recompute = if spec.train.checkpointing == Checkpointing::None { 0.0 } else { 2.0 * params + 4.0 * s * d };
+    let block = 6.0 * params + 12.0 * s * d + recompute;
+    let head = 6.0 * d * m.vocab as f64;
+    let work: Vec<f64> =
+        plan.stages.iter().map(|st| st.layers as f64 * block + if st.head { head } else { 0.0 }).collect();
+    let mean = ratio(work.iter().sum(), work.len() as f64);
+    ratio(work.iter().copied().fold(0.0, f64::max), mean).max(1.0)
 }
 
 /// a / b, or 0 when b is zero, negative or not finite (no inf or NaN reaches the JSON).
@@ -966,15 +987,22 @@ mod tests {
         assert!((e.step_seconds - 1.5 * busy).abs() < 1e-15);
         assert!((e.bubble_seconds - 0.5 * busy).abs() < 1e-15);
 
-        // 5 layers on 2 stages split 3 + 2: every slot waits for the 3-layer stage, so the
-        // compute is 3 / 2.5 = 1.2 times the average rank's.
+        // Every pipeline slot waits for the busiest stage. Per token, a block of this model
+        // (d 64, seq 32) computes 6 x 49,984 + 12 x 32 x 64 = 324,480 FLOPs and the head on
+        // the last stage 6 x 64 x 64 = 24,576. One layer a stage: the last is busiest,
+        // 349,056 against a mean of 336,768. 3 + 2 layers (5 on 2 stages): the first is,
+        // 973,440 against 823,488.
+        assert_eq!(pipe.model.active_block_params(), 49_984);
+        let average = |p: &Plan| p.flops.per_rank / 19.5e12;
+        let p = plan(&pipe).unwrap();
+        let even = estimate(&pipe, &p, &cluster).compute_seconds / average(&p);
+        assert!((even - 349_056.0 / 336_768.0).abs() < 1e-12, "{even}");
         let mut uneven = pipe.clone();
         uneven.model.layers = 5;
         let p = plan(&uneven).unwrap();
-        assert_eq!(p.stages.iter().map(|st| st.layers).collect::<Vec<_>>(), [3, 2]);
-        let e = estimate(&uneven, &p, &cluster);
-        let average = p.flops.per_rank / 19.5e12;
-        assert!((e.compute_seconds - 1.2 * average).abs() < 1e-15 * average.max(1.0), "{}", e.compute_seconds);
+        assert_eq!(p.stages.iter().map(|st| (st.layers, st.head)).collect::<Vec<_>>(), [(3, false), (2, true)]);
+        let imbalance = estimate(&uneven, &p, &cluster).compute_seconds / average(&p);
+        assert!((imbalance - 973_440.0 / 823_488.0).abs() < 1e-12, "{imbalance}");
     }
 
     #[test]

@@ -307,11 +307,7 @@ fn candidate(spec: ExperimentSpec, e: &Estimate) -> Candidate {
 /// The layout in one line.
 pub fn describe(spec: &ExperimentSpec) -> String {
     let (p, t) = (&spec.parallel, &spec.train);
-    let schedule = match (p.pp, p.pp_schedule) {
-        (1, _) => String::new(),
-        (_, PpSchedule::Interleaved) => format!(", interleaved x{}", p.virtual_stages),
-        (_, s) => format!(", {}", s.as_str()),
-    };
+    let schedule = if p.pp == 1 { String::new() } else { format!(", {}", schedule(spec)) };
     format!(
         "dp={} tp={} pp={}{schedule}, sharding {}, micro-batch {} x {}, checkpointing {}",
         p.dp,
@@ -322,6 +318,14 @@ pub fn describe(spec: &ExperimentSpec) -> String {
         t.micro_batches,
         t.checkpointing.as_str()
     )
+}
+
+/// The pipeline schedule by name: "1f1b", "interleaved x2", ...
+fn schedule(spec: &ExperimentSpec) -> String {
+    match spec.parallel.pp_schedule {
+        PpSchedule::Interleaved => format!("interleaved x{}", spec.parallel.virtual_stages),
+        s => s.as_str().to_string(),
+    }
 }
 
 /// What costs `loser` the most time against `winner`: the part of the step (compute,
@@ -352,10 +356,12 @@ fn loses_by(loser: &Candidate, winner: &Candidate) -> String {
         ),
         "compute" => "more compute per GPU".to_string(),
         "bubble" => format!(
-            "a larger pipeline bubble: pp={} with {} micro-batches against pp={} with {}",
+            "a larger pipeline bubble: pp={} {} with {} micro-batches against pp={} {} with {}",
             l.parallel.pp,
+            schedule(l),
             l.pipeline_micro_batches(),
             w.parallel.pp,
+            schedule(w),
             w.pipeline_micro_batches()
         ),
         "dp" => format!(

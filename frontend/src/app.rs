@@ -16,8 +16,9 @@ use crate::pages::{
 
 /// A page loaded on first visit: `#[lazy_route]` makes its view a split point, so
 /// `cargo xtask build-frontend` (wasm-split) moves the page's code, and everything only it
-/// uses, into a wasm chunk of its own that the browser fetches when the route first opens.
-/// The first page (the experiment list) and the layout stay in the main module.
+/// uses, into a wasm chunk of its own that the browser fetches when the route first opens
+/// (index.html prefetches them all once the first page runs). The first page (the
+/// experiment list) and the layout stay in the main module.
 macro_rules! lazy_page {
     ($route:ident, $page:ident) => {
         struct $route;
@@ -45,36 +46,12 @@ lazy_page!(ExperimentRoute, ExperimentPage);
 lazy_page!(RingRoute, RingReplayPage);
 lazy_page!(PipelineRoute, PipelinePage);
 
-/// A second after the app has started (its first page is on screen by then), fetch every
-/// page's chunks in the background, one page after another, the likeliest next page
-/// first: the first paint waits for the main module only, and a later click finds its
-/// page already loaded.
-fn preload_pages_soon() {
-    set_timeout(
-        || {
-            leptos::task::spawn_local(async {
-                ExperimentRoute::preload().await;
-                NewRoute::preload().await;
-                CompareRoute::preload().await;
-                RingRoute::preload().await;
-                PipelineRoute::preload().await;
-                PlannerRoute::preload().await;
-                CardsRoute::preload().await;
-                QuizRoute::preload().await;
-                AccountsRoute::preload().await;
-            })
-        },
-        Duration::from_secs(1),
-    );
-}
-
 #[component]
 pub fn App() -> impl IntoView {
     // On a server with accounts, the pages wait for a signed-in session.
     let session = RwSignal::new(Session::Asking);
     ask_who(session);
     sign_in_again_when_refused(session);
-    preload_pages_soon();
     view! {
         <Router>
             <header class="topbar">

@@ -1,6 +1,7 @@
-//! The browser app: files from the static directory (index.html, js, wasm), and
-//! index.html for every other path that has no file, so that client-side routes such as
-//! /experiments/3 or /new load the app. Without a built frontend, a page says how to build it.
+//! The browser app: files from the static directory (index.html, and the versioned build
+//! under assets/VERSION/: js, wasm, css), and index.html for every other path that has no
+//! file, so that client-side routes such as /experiments/3 or /new load the app. Without a
+//! built frontend, a page says how to build it.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use axum::handler::Handler;
 use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Router;
-use tower::Layer;
+use tower::{Layer, ServiceBuilder};
 use tower_http::services::ServeDir;
 use tower_http::set_header::SetResponseHeaderLayer;
 
@@ -18,11 +19,24 @@ use tower_http::set_header::SetResponseHeaderLayer;
 pub fn router<S: Clone + Send + Sync + 'static>(static_dir: &Path) -> Router<S> {
     let dir = Arc::new(static_dir.to_path_buf());
     let files = ServeDir::new(static_dir).append_index_html_on_directories(true).fallback(spa_fallback.with_state(dir));
-    // Revalidate on every load so that a rebuilt frontend is picked up at once (304s are cheap).
+    // index.html is revalidated on every load so that a rebuilt frontend is picked up at
+    // once (304s are cheap); it names the build's files by their version.
     let files = SetResponseHeaderLayer::if_not_present(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"))
         .layer(files);
-    Router::new().fallback_service(files)
+    // A file under assets/VERSION/ never changes: browsers keep it (a missing one, 404, is
+    // not kept).
+    let assets = ServiceBuilder::new()
+        .map_response(|mut response: Response<_>| {
+            if response.status().is_success() {
+                response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static(IMMUTABLE));
+            }
+            response
+        })
+        .service(ServeDir::new(static_dir.join("assets")));
+    Router::new().nest_service("/assets", assets).fallback_service(files)
 }
+
+const IMMUTABLE: &str = "public, max-age=31536000, immutable";
 
 /// Paths without a file: index.html (client-side route), or 404 for a missing asset
 /// (a last path segment with a dot, e.g. /app.js), or the "not built" page.

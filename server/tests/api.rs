@@ -1571,6 +1571,20 @@ async fn frontend_files_and_client_side_routes() {
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.contains("javascript")));
     assert_eq!(t.get("/missing.js").await.status, StatusCode::NOT_FOUND);
+    let cache = |a: &Answer| a.headers.get(header::CACHE_CONTROL).and_then(|v| v.to_str().ok()).map(str::to_string);
+    assert_eq!(cache(&t.get("/").await).as_deref(), Some("no-cache"), "index.html is revalidated");
+
+    // A versioned build's files are kept by browsers for good; a missing one is not.
+    let assets = site.join("assets").join("0123456789abcdef");
+    std::fs::create_dir_all(&assets).expect("assets dir");
+    std::fs::write(assets.join("chunk_1.wasm"), b"\0asm\x01\0\0\0").expect("chunk");
+    let a = t.get("/assets/0123456789abcdef/chunk_1.wasm").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()), Some("application/wasm"));
+    assert_eq!(cache(&a).as_deref(), Some("public, max-age=31536000, immutable"));
+    let gone = t.get("/assets/fedcba9876543210/chunk_1.wasm").await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND);
+    assert!(!cache(&gone).is_some_and(|c| c.contains("immutable")), "{:?}", cache(&gone));
     // The API is not shadowed by the frontend.
     assert_eq!(t.get("/api/health").await.status, StatusCode::OK);
 }

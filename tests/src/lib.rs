@@ -50,11 +50,20 @@ pub struct LabOptions {
     pub env: Vec<(String, String)>,
     /// Extra command-line flags for the server.
     pub args: Vec<String>,
+    /// The built frontend the server serves (default: the repository's target/site).
+    pub static_dir: Option<PathBuf>,
 }
 
 impl Default for LabOptions {
     fn default() -> Self {
-        Self { local_workers: 1, lease_seconds: 30.0, heartbeat_seconds: 1.0, env: Vec::new(), args: Vec::new() }
+        Self {
+            local_workers: 1,
+            lease_seconds: 30.0,
+            heartbeat_seconds: 1.0,
+            env: Vec::new(),
+            args: Vec::new(),
+            static_dir: None,
+        }
     }
 }
 
@@ -86,7 +95,7 @@ fn start_server(data_dir: &Path, opts: &LabOptions) -> (Child, String) {
         .arg("--data-dir")
         .arg(data_dir)
         .arg("--static-dir")
-        .arg(repo_root().join("target/site"))
+        .arg(opts.static_dir.clone().unwrap_or_else(|| repo_root().join("target/site")))
         .args(["--local-workers", &opts.local_workers.to_string()])
         .args(["--lease-seconds", &opts.lease_seconds.to_string()])
         .args(["--heartbeat-seconds", &opts.heartbeat_seconds.to_string()])

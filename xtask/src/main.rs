@@ -28,7 +28,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Build the browser app into target/site/ (wasm + JS glue + index.html + style.css).
+    /// Build the browser app into target/site/ (index.html; wasm, its chunks, JS glue and
+    /// style.css under assets/VERSION/).
     BuildFrontend,
     /// Build everything (release) and run the server with one local worker on 127.0.0.1:8080.
     /// Extra arguments go to distlab-server, e.g. `cargo xtask run -- --addr 127.0.0.1:9000`.

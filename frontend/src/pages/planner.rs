@@ -320,7 +320,7 @@ fn estimate_view(e: Estimate, cluster: Cluster) -> impl IntoView {
             <div><span class="k">"tokens / s"</span><span class="v">{format::si(e.tokens_per_second)}</span></div>
             <div><span class="k">"MFU"</span><span class="v" id="mfu">{format::percent(e.mfu)}</span></div>
             <div><span class="k">"HFU (with recompute)"</span><span class="v">{format::percent(e.hfu)}</span></div>
-            <div><span class="k">"compute at peak"</span><span class="v">{seconds(e.compute_seconds)}</span></div>
+            <div><span class="k">"compute at peak (busiest stage)"</span><span class="v">{seconds(e.compute_seconds)}</span></div>
             <div><span class="k">"pipeline bubble"</span><span class="v">{seconds(e.bubble_seconds)}</span></div>
             <div><span class="k">"exposed comm"</span><span class="v">{seconds(e.exposed_comm_seconds)}</span></div>
         </div>
