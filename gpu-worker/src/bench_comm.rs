@@ -14,7 +14,7 @@ use distlab_common::trace::CollectiveOp;
 use distlab_common::AllReduce;
 use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator};
 
-use crate::rank::{connect, LauncherChannel};
+use crate::rank::{connect, LauncherChannel, Place};
 
 #[derive(Serialize)]
 pub struct BandwidthPoint {
@@ -24,6 +24,8 @@ pub struct BandwidthPoint {
     /// memory (peers copy it out with process_vm_readv, or it goes through the pipe).
     pub memory: &'static str,
     pub world: usize,
+    /// Hosts the ranks span (`--simulated-hosts`): between hosts the bytes go over TCP.
+    pub hosts: usize,
     pub bytes: usize,
     pub iters: usize,
     pub time_us: f64,
@@ -50,6 +52,7 @@ pub fn memcpy_point(bytes: usize) -> BandwidthPoint {
         op: "memcpy",
         memory: "private",
         world: 1,
+        hosts: 1,
         bytes,
         iters,
         time_us: best * 1e6,
@@ -82,14 +85,10 @@ pub fn sizes(min_bytes: usize, max_bytes: usize) -> Vec<usize> {
 }
 
 /// Runs on every rank; rank 0 reports one point per (op, size).
-pub fn run_rank(
-    dir: &std::path::Path,
-    rank: usize,
-    world: usize,
-    min_bytes: usize,
-    max_bytes: usize,
-) -> anyhow::Result<()> {
-    let mesh = connect(dir, rank, world)?;
+pub fn run_rank(place: &Place, min_bytes: usize, max_bytes: usize) -> anyhow::Result<()> {
+    let (rank, world) = (place.rank, place.world);
+    let hosts = place.hosts.iter().collect::<std::collections::BTreeSet<_>>().len().max(1);
+    let mesh = connect(place)?;
     let mut comm = RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(60), None)?;
     let channel = LauncherChannel;
     let max_elems = max_bytes / 4;
@@ -133,6 +132,7 @@ pub fn run_rank(
                         op: op.as_str(),
                         memory,
                         world,
+                        hosts,
                         bytes,
                         iters,
                         time_us,

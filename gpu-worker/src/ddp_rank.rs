@@ -18,7 +18,7 @@ use distlab_worker::trace::CommTracer;
 use distlab_worker::train::{train_rank, Groups, TrainOptions, CHECKPOINT_LOG, SPAN_STEPS};
 
 use crate::demo::RankOutput;
-use crate::rank::{connect, LauncherChannel};
+use crate::rank::{connect, LauncherChannel, Place};
 
 /// Collectives recorded step by step per rank (the first ones); counters cover the rest.
 const DETAILED_COLLECTIVES: u64 = 64;
@@ -40,15 +40,9 @@ fn fault_from_env() -> Option<Fault> {
     Some(Fault { rank, step, kind })
 }
 
-pub fn run(
-    dir: &std::path::Path,
-    rank: usize,
-    world: usize,
-    spec: &ValidSpec,
-    opts: &TrainOptions,
-    collective_timeout: Duration,
-) -> anyhow::Result<()> {
-    let mesh = connect(dir, rank, world)?;
+pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_timeout: Duration) -> anyhow::Result<()> {
+    let (rank, world) = (place.rank, place.world);
+    let mesh = connect(place)?;
     let p = &spec.parallel;
     let topology = Topology::new(p.dp, p.tp, p.pp);
     let coords = topology.coords(rank);

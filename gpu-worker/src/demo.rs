@@ -12,7 +12,7 @@ use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator
 use distlab_worker::trace::CommTracer;
 use serde::{Deserialize, Serialize};
 
-use crate::rank::{connect, LauncherChannel};
+use crate::rank::{connect, LauncherChannel, Place};
 
 /// What each rank reports back to the launcher.
 #[derive(Serialize, Deserialize)]
@@ -23,9 +23,10 @@ pub struct DemoRankResult {
 }
 
 /// Runs on every rank: the collective, then its trace and result to the launcher.
-pub fn run_rank(dir: &std::path::Path, rank: usize, world: usize, spec: &ExperimentSpec) -> anyhow::Result<()> {
+pub fn run_rank(place: &Place, spec: &ExperimentSpec) -> anyhow::Result<()> {
+    let (rank, world) = (place.rank, place.world);
     let demo = spec.demo.as_ref().context("a collective demo spec")?;
-    let mesh = connect(dir, rank, world)?;
+    let mesh = connect(place)?;
     let tracer = Arc::new(CommTracer::new(rank, 16));
     let mut comm =
         RingCommunicator::new(&mesh, "dp", (0..world).collect(), Duration::from_secs(30), Some(tracer.clone()))?;

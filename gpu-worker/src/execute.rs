@@ -53,11 +53,13 @@ pub struct RunPaths<'a> {
     pub dataset: Option<&'a Path>,
 }
 
-/// Runs `spec` with its files where `paths` says.
+/// Runs `spec` with its files where `paths` says, its ranks spread over `simulated_hosts`
+/// hosts of this machine (1: one host, shared memory between all ranks).
 pub fn execute(
     spec: &ValidSpec,
     threads: usize,
     collective_timeout: Duration,
+    simulated_hosts: usize,
     paths: RunPaths<'_>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
@@ -111,8 +113,8 @@ pub fn execute(
         dataset: dataset.map(Path::to_path_buf),
     };
     let summary = match &spec.demo {
-        Some(demo) => run_demo(spec, demo, on_event, cancel),
-        None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, on_event, cancel),
+        Some(demo) => run_demo(spec, demo, simulated_hosts, on_event, cancel),
+        None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, simulated_hosts, on_event, cancel),
         None => Ok(train(spec, &opts, on_event, cancel)?),
     };
     if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_path) {
@@ -133,6 +135,7 @@ fn run_ranks(
     spec: &ValidSpec,
     opts: &TrainOptions,
     collective_timeout: Duration,
+    simulated_hosts: usize,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
@@ -169,6 +172,7 @@ fn run_ranks(
         spec,
         "train",
         args,
+        simulated_hosts,
         &mut |output| match output {
             RankOutput::Event(e) => on_event(*e),
             RankOutput::Summary(s) => summary = Some(s),
@@ -179,12 +183,13 @@ fn run_ranks(
     summary.ok_or_else(|| ExecError::Other("rank 0 finished without a summary".into()))
 }
 
-/// Launches `world_size` rank processes running `task` on `spec`, passing each rank's
-/// outputs to `on_output`.
+/// Launches `world_size` rank processes running `task` on `spec` (over `simulated_hosts`
+/// hosts), passing each rank's outputs to `on_output`.
 fn launch_ranks(
     spec: &ExperimentSpec,
     task: &str,
     task_args: Vec<String>,
+    simulated_hosts: usize,
     on_output: &mut dyn FnMut(RankOutput),
     cancel: &AtomicBool,
 ) -> Result<(), ExecError> {
@@ -195,7 +200,9 @@ fn launch_ranks(
     let exe = std::env::current_exe().map_err(|e| ExecError::Other(e.to_string()))?;
     let mut args = vec![task.to_string(), "--spec".into(), spec_path.display().to_string()];
     args.extend(task_args);
-    let launch = LaunchSpec { exe: &exe, world: spec.world_size(), args, run_dir: &run_dir, env: vec![] };
+    let world = spec.world_size();
+    let hosts = launch::simulated_hosts(world, simulated_hosts);
+    let launch = LaunchSpec { exe: &exe, world, hosts, args, run_dir: &run_dir, env: vec![] };
     let outcome = launch::launch(
         &launch,
         &mut |_, payload| {
@@ -212,6 +219,7 @@ fn launch_ranks(
 fn run_demo(
     spec: &ExperimentSpec,
     demo: &CollectiveDemo,
+    simulated_hosts: usize,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<RunSummary, ExecError> {
@@ -222,6 +230,7 @@ fn run_demo(
         spec,
         "demo",
         vec![],
+        simulated_hosts,
         &mut |output| match output {
             RankOutput::Event(e) => on_event(*e),
             RankOutput::Demo(r) => results.push(r),

@@ -49,7 +49,10 @@ pub enum LaunchError {
 pub struct LaunchSpec<'a> {
     pub exe: &'a Path,
     pub world: usize,
-    /// Arguments after `rank --rank R --world W --dir DIR`.
+    /// Every rank's host (empty: all on one). Ranks of different hosts talk over TCP, so a
+    /// machine can play several hosts (`--simulated-hosts`).
+    pub hosts: Vec<usize>,
+    /// Arguments after `rank --rank R --world W --dir DIR [--hosts ...]`.
     pub args: Vec<String>,
     /// Sockets live here (created if missing).
     pub run_dir: &'a Path,
@@ -98,6 +101,7 @@ pub fn launch(
             .args(["--rank", &rank.to_string(), "--world", &spec.world.to_string()])
             .arg("--dir")
             .arg(spec.run_dir)
+            .args(hosts_args(&spec.hosts))
             .args(&spec.args)
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -174,6 +178,26 @@ pub fn launch(
     }
 }
 
+/// `--hosts H0,H1,...` when the ranks span hosts.
+fn hosts_args(hosts: &[usize]) -> Vec<String> {
+    if hosts.is_empty() {
+        return Vec::new();
+    }
+    vec!["--hosts".into(), hosts.iter().map(usize::to_string).collect::<Vec<_>>().join(",")]
+}
+
+/// The ranks of a world spread over `hosts` simulated hosts in contiguous blocks (rank r on
+/// host r * hosts / world): tensor-parallel groups, then pipeline stages, stay inside a
+/// host as long as the block holds them (ranks count tp fastest, then pp, then dp). Empty
+/// for one host.
+pub fn simulated_hosts(world: usize, hosts: usize) -> Vec<usize> {
+    if hosts <= 1 || world <= 1 {
+        return Vec::new();
+    }
+    let hosts = hosts.min(world);
+    (0..world).map(|r| r * hosts / world).collect()
+}
+
 /// On Linux: the rank gets SIGKILL when the thread that started it ends (with the process
 /// when it is killed; `launch` reaps its ranks before it returns).
 fn die_with_launcher(command: &mut Command) {
@@ -224,5 +248,23 @@ fn describe_status(s: ExitStatus) -> String {
         (Some(code), _) => format!("exited with code {code}"),
         (None, Some(sig)) => format!("was killed by signal {sig}"),
         _ => "ended abnormally".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn simulated_hosts_take_contiguous_blocks_of_ranks() {
+        assert!(simulated_hosts(4, 1).is_empty() && simulated_hosts(1, 2).is_empty());
+        assert_eq!(simulated_hosts(4, 2), [0, 0, 1, 1]);
+        // tp=2 x pp=2 x dp=2: each host holds a whole replica (its TP pairs and stages).
+        assert_eq!(simulated_hosts(8, 2), [0, 0, 0, 0, 1, 1, 1, 1]);
+        assert_eq!(simulated_hosts(4, 4), [0, 1, 2, 3]);
+        // More hosts than ranks: one rank each.
+        assert_eq!(simulated_hosts(2, 5), [0, 1]);
+        assert_eq!(simulated_hosts(6, 4), [0, 0, 1, 2, 2, 3]);
+        assert_eq!(hosts_args(&[0, 0, 1, 1]), ["--hosts", "0,0,1,1"]);
     }
 }

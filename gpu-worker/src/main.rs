@@ -47,6 +47,11 @@ struct Cli {
     /// the collective and the peer (a hung or dead rank).
     #[arg(long, env = "DISTLAB_COLLECTIVE_TIMEOUT_SECONDS", default_value_t = 60.0, global = true)]
     collective_timeout_seconds: f64,
+    /// Spread each run's ranks over this many simulated hosts on this machine: ranks of
+    /// different simulated hosts talk over TCP (loopback) instead of shared memory, as ranks
+    /// of different machines would.
+    #[arg(long, env = "DISTLAB_SIMULATED_HOSTS", default_value_t = 1, global = true)]
+    simulated_hosts: usize,
     /// Where experiments' checkpoints go, one directory each. Workers that should resume
     /// each other's runs must share it (the server's local workers use DATA_DIR/checkpoints).
     #[arg(long, env = "DISTLAB_CHECKPOINT_DIR", default_value = "./data/checkpoints")]
@@ -105,9 +110,16 @@ enum Command {
         rank: usize,
         #[arg(long)]
         world: usize,
-        /// The rendezvous directory shared by all ranks of the run.
+        /// The rendezvous directory shared by the ranks of this host.
         #[arg(long)]
         dir: PathBuf,
+        /// Every rank's host (H0,H1,...), when the ranks span hosts: ranks of one host
+        /// share memory, the others talk over TCP.
+        #[arg(long, value_delimiter = ',')]
+        hosts: Vec<usize>,
+        /// The address of this rank's host that the other hosts reach it on.
+        #[arg(long, default_value = "127.0.0.1")]
+        host_ip: std::net::IpAddr,
         #[command(subcommand)]
         task: RankTask,
     },
@@ -186,6 +198,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             dataset,
             cli.threads,
             collective_timeout(cli.collective_timeout_seconds),
+            cli.simulated_hosts,
         ),
         Some(Command::BenchComm { world, min_bytes, max_bytes }) => {
             println!("{}", serde_json::to_string(&bench_comm::memcpy_point(64 << 20))?);
@@ -194,6 +207,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             let spec = launch::LaunchSpec {
                 exe: &exe,
                 world,
+                hosts: launch::simulated_hosts(world, cli.simulated_hosts),
                 args: vec![
                     "bench-comm".into(),
                     "--min-bytes".into(),
@@ -213,28 +227,20 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             result?;
             Ok(0)
         }
-        Some(Command::Rank { rank, world, dir, task }) => {
+        Some(Command::Rank { rank, world, dir, hosts, host_ip, task }) => {
+            let place = rank::Place { rank, world, dir, hosts, host_ip };
             let result = match task {
-                RankTask::BenchComm { min_bytes, max_bytes } => {
-                    bench_comm::run_rank(&dir, rank, world, min_bytes, max_bytes)
-                }
+                RankTask::BenchComm { min_bytes, max_bytes } => bench_comm::run_rank(&place, min_bytes, max_bytes),
                 RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights, dataset } => {
                     read_spec(&spec).and_then(|spec| {
                         let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
                         let opts =
                             TrainOptions { threads: cli.threads, checkpoints, offload_dir, final_weights, dataset };
-                        ddp_rank::run(
-                            &dir,
-                            rank,
-                            world,
-                            &spec,
-                            &opts,
-                            collective_timeout(cli.collective_timeout_seconds),
-                        )
+                        ddp_rank::run(&place, &spec, &opts, collective_timeout(cli.collective_timeout_seconds))
                     })
                 }
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
-                    Some(_) => demo::run_rank(&dir, rank, world, &spec),
+                    Some(_) => demo::run_rank(&place, &spec),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),
                 }),
             };
@@ -258,6 +264,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 name,
                 threads: cli.threads,
                 collective_timeout: collective_timeout(cli.collective_timeout_seconds),
+                simulated_hosts: cli.simulated_hosts,
                 poll_interval: Duration::from_secs_f64(cli.poll_seconds.clamp(0.05, 60.0)),
                 give_up_after: Duration::from_secs_f64(cli.give_up_seconds.max(0.0)),
                 checkpoint_dir: cli.checkpoint_dir,

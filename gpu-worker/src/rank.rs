@@ -1,14 +1,16 @@
-//! The rank side of the launcher: `distlab-worker rank --rank R --world W --dir DIR TASK`.
-//! Connects to the other ranks, runs the task, and reports on stdout (see launch.rs).
+//! The rank side of the launcher: `distlab-worker rank --rank R --world W --dir DIR TASK`
+//! (and `--hosts H0,H1,... --host-ip IP` when the ranks span hosts). Connects to the other
+//! ranks, runs the task, and reports on stdout (see launch.rs).
 
 use std::io::Write;
-use std::path::Path;
+use std::net::IpAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
 
 use crate::launch::RankMessage;
-use distlab_worker::comm::{CommError, Mesh};
+use distlab_worker::comm::{AddressFiles, CommError, Hosts, Mesh};
 use distlab_worker::train::TrainError;
 
 /// How long a rank waits for the others to show up at the rendezvous.
@@ -58,6 +60,27 @@ fn blamed_peer(e: &CommError) -> Option<usize> {
     }
 }
 
-pub fn connect(dir: &Path, rank: usize, world: usize) -> anyhow::Result<Mesh> {
-    Ok(Mesh::connect(dir, rank, world, RENDEZVOUS_TIMEOUT)?)
+/// Where a rank stands in its run.
+pub struct Place {
+    pub rank: usize,
+    pub world: usize,
+    /// The rendezvous directory this host's ranks share.
+    pub dir: PathBuf,
+    /// Every rank's host, when the ranks span hosts (empty: all on this one).
+    pub hosts: Vec<usize>,
+    /// The address of this rank's host that ranks of other hosts reach it on.
+    pub host_ip: IpAddr,
+}
+
+/// Connects this rank to every other: shared memory inside its host, TCP to the others
+/// (their addresses are published in the rendezvous directory, which the hosts of one
+/// machine share).
+pub fn connect(place: &Place) -> anyhow::Result<Mesh> {
+    let (rank, world) = (place.rank, place.world);
+    if place.hosts.is_empty() {
+        return Ok(Mesh::connect(&place.dir, rank, world, RENDEZVOUS_TIMEOUT)?);
+    }
+    let book = AddressFiles { dir: place.dir.clone() };
+    let hosts = Hosts { of: place.hosts.clone(), ip: place.host_ip, book: &book };
+    Ok(Mesh::connect_hosts(&place.dir, rank, world, Some(&hosts), RENDEZVOUS_TIMEOUT)?)
 }

@@ -26,6 +26,7 @@ pub fn run_spec_file(
     dataset: Option<PathBuf>,
     threads: usize,
     collective_timeout: std::time::Duration,
+    simulated_hosts: usize,
 ) -> anyhow::Result<i32> {
     let text = std::fs::read_to_string(spec_path).with_context(|| format!("cannot read {}", spec_path.display()))?;
     let spec = match ExperimentSpec::from_json_str(&text).and_then(|spec| spec.validated(&Limits::default())) {
@@ -66,7 +67,7 @@ pub fn run_spec_file(
         dataset: dataset.as_deref(),
         ..RunPaths::default()
     };
-    let result = execute(&spec, threads, collective_timeout, paths, &mut on_event, &cancel);
+    let result = execute(&spec, threads, collective_timeout, simulated_hosts, paths, &mut on_event, &cancel);
     if let Some(e) = write_error {
         return Err(e).context("cannot write the metrics");
     }

@@ -21,6 +21,8 @@ pub struct WorkerConfig {
     pub name: String,
     pub threads: usize,
     pub collective_timeout: Duration,
+    /// Hosts this machine plays for each run's ranks (1: one; see `launch::simulated_hosts`).
+    pub simulated_hosts: usize,
     /// How long to wait between lease requests when the queue is empty.
     pub poll_interval: Duration,
     /// Exit when the server has been unreachable this long (a local worker whose server died).
@@ -157,6 +159,7 @@ struct Leased {
 fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Leased) {
     let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
+    let simulated_hosts = cfg.simulated_hosts;
     // An uploaded dataset comes from the server for this attempt, into a directory of its
     // own that goes when the attempt ends.
     let dataset_dir = tempfile::Builder::new().prefix("distlab-dataset-").tempdir();
@@ -195,7 +198,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
                 model_out: model_out.as_deref(),
                 dataset: dataset.as_deref(),
             };
-            execute(&spec, threads, collective_timeout, paths, &mut on_event, &cancel)
+            execute(&spec, threads, collective_timeout, simulated_hosts, paths, &mut on_event, &cancel)
         })
     };
     let training = match training {
@@ -352,6 +355,7 @@ mod tests {
             name: "w".into(),
             threads: 1,
             collective_timeout: Duration::from_secs(1),
+            simulated_hosts: 1,
             poll_interval: Duration::from_millis(10),
             give_up_after,
             checkpoint_dir: PathBuf::from("unused"),

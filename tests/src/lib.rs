@@ -395,8 +395,24 @@ fn worker_run_with(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir
     parse_run_output_from(&stdout, first, spec.train.steps)
 }
 
+/// [`run_steps`] with the ranks spread over `hosts` simulated hosts (`--simulated-hosts`):
+/// ranks of different hosts talk over TCP on 127.0.0.1.
+pub fn run_steps_on_hosts(spec: &ExperimentSpec, hosts: usize) -> Vec<MetricPoint> {
+    let stdout = run_worker_with_args(spec, None, None, &["--simulated-hosts", &hosts.to_string()]);
+    parse_run_output_from(&stdout, 0, spec.train.steps)
+}
+
 /// `distlab-worker run SPEC [--out DIR] [--checkpoint-dir DIR]`, which must succeed: its stdout.
 fn run_worker(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir: Option<&Path>) -> String {
+    run_worker_with_args(spec, out_dir, checkpoint_dir, &[])
+}
+
+fn run_worker_with_args(
+    spec: &ExperimentSpec,
+    out_dir: Option<&Path>,
+    checkpoint_dir: Option<&Path>,
+    extra: &[&str],
+) -> String {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("spec.json");
     std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
@@ -408,6 +424,7 @@ fn run_worker(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir: Opt
     if let Some(dir) = checkpoint_dir {
         cmd.arg("--checkpoint-dir").arg(dir);
     }
+    cmd.args(extra);
     let out = cmd.output().expect("run distlab-worker");
     assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()

@@ -2,8 +2,9 @@
 //!
 //! `Communicator` is the small interface the parallel strategies use (DDP, ZeRO, FSDP,
 //! tensor and pipeline parallel). `ring.rs` implements it with the ring algorithms written
-//! out step by step; `transport.rs` connects the rank processes (a Unix domain socket per
-//! pair for rendezvous and liveness, shared-memory pipes from `shm.rs` for the data).
+//! out step by step; `transport.rs` connects the rank processes (inside a host a Unix domain
+//! socket per pair for rendezvous and liveness and shared-memory pipes from `shm.rs` for the
+//! data; between hosts a TCP connection per pair, `tcp.rs`).
 //! With the `cuda` feature, `nccl.rs` implements it with NCCL on GPUs.
 //!
 //! Buffers are split into W chunks for the ring; when W does not divide the length the
@@ -15,12 +16,14 @@ pub mod cma;
 pub mod nccl;
 pub mod ring;
 pub mod shm;
+pub mod tcp;
 pub mod transport;
 
 pub use alone::Alone;
 pub use ring::RingCommunicator;
 pub use shm::SharedBuffer;
-pub use transport::{Mesh, RendezvousError};
+pub use tcp::{AddressBook, AddressFiles};
+pub use transport::{Hosts, Mesh, RendezvousError};
 
 use distlab_common::Precision;
 

@@ -38,8 +38,6 @@
 mod all_reduce;
 mod all_to_all;
 
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,8 +45,8 @@ use distlab_common::trace::*;
 use distlab_common::{AllReduce, Precision};
 
 use super::cma;
-use super::shm::{self, Patience, PipeReader, PipeWriter, SharedBuffer};
-use super::transport::{post_frame, recv_fd, send_fd, send_frame, Frame, Mesh, Payload};
+use super::shm::{Patience, SharedBuffer};
+use super::transport::{post_frame, recv_fd, send_fd, send_frame, Frame, LinkSocket, Mesh, Payload, Receiver, Sender};
 use super::{chunk_range, CommError, Communicator, ReduceOp};
 use crate::trace::{now_us, CommTracer, VALUE_RECORD_LIMIT};
 
@@ -57,9 +55,6 @@ use crate::trace::{now_us, CommTracer, VALUE_RECORD_LIMIT};
 const PIECE: usize = 64 * 1024;
 /// Ring steps of at least this many bytes are posted rather than copied through the pipe.
 const POST_BYTES: usize = 64 * 1024;
-/// Messages up to this size are written before receiving, without a helper thread:
-/// they fit in the pipe, so the write cannot wait on the neighbour.
-const INLINE_SEND_BYTES: usize = shm::CAPACITY / 2;
 /// Tags of point-to-point messages (collectives use the group's sequence number).
 const P2P_TAG: u64 = 1 << 63;
 
@@ -68,11 +63,12 @@ pub struct RingCommunicator {
     /// Global ranks of the group in ring order; `me` is this rank's position.
     members: Vec<usize>,
     me: usize,
-    /// Per position: the pipes to and from that member, and the socket that tells whether
-    /// it is alive (None for self).
-    tx: Vec<Option<PipeWriter>>,
-    rx: Vec<Option<PipeReader>>,
-    sockets: Vec<Option<UnixStream>>,
+    /// Per position: what carries messages to and from that member (shared-memory pipes on
+    /// this host, TCP to another), and the socket that tells whether it is alive (None for
+    /// self).
+    tx: Vec<Option<Sender>>,
+    rx: Vec<Option<Receiver>>,
+    sockets: Vec<Option<LinkSocket>>,
     /// Per position: that member's process id, and whether it can read our memory.
     pids: Vec<i32>,
     may_post: Vec<bool>,
@@ -277,22 +273,23 @@ impl RingCommunicator {
         let from = Source { pid: self.pids[prev], position: prev, scratch: &mut self.scratch, shared: &self.shared };
         let in_shared =
             |out: &[f32]| self.shared.iter().enumerate().find_map(|(i, set)| Some((i, set.mine.offset_of(out)?)));
+        // Only a rank of this host can take a payload from where it lies.
         let posted = match (wire == Precision::Fp32).then(|| in_shared(out)).flatten() {
-            _ if payload.len() < POST_BYTES => None,
+            _ if payload.len() < POST_BYTES || !matches!(tx, Sender::Pipe(_)) => None,
             Some((buffer, offset)) => Some(Payload::Shared { buffer: buffer as u32, offset: offset as u64 }),
             None if self.may_post[next] => Some(Payload::Posted { address: payload.as_ptr() as u64 }),
             None => None,
         };
-        let (sent, received) = if let Some(posted) = posted {
+        let (sent, received) = if let (Some(posted), Sender::Pipe(pipe)) = (posted, &mut *tx) {
             // Post, take our own chunk from the left, then wait until the right has taken ours.
-            match post_frame(tx, tag, payload.len(), posted, &to_next) {
+            match post_frame(pipe, tag, payload.len(), posted, &to_next) {
                 Ok(ticket) => {
                     let received = receive(rx, inp, reduce, wire, tag, &from_prev, from);
-                    (tx.wait_taken(ticket, &to_next), received)
+                    (pipe.wait_taken(ticket, &to_next), received)
                 }
                 Err(e) => (Err(e), Ok(())),
             }
-        } else if payload.len() <= INLINE_SEND_BYTES {
+        } else if payload.len() <= tx.inline_bytes() {
             let sent = send_frame(tx, tag, payload, &to_next);
             (sent, receive(rx, inp, reduce, wire, tag, &from_prev, from))
         } else {
@@ -415,8 +412,13 @@ impl From<std::io::Error> for ReceiveError {
     }
 }
 
+/// The Unix socket to a member of this host (None for self and for other hosts' members).
+fn unix(socket: &Option<LinkSocket>) -> Option<&std::os::unix::net::UnixStream> {
+    socket.as_ref().and_then(LinkSocket::unix)
+}
+
 /// How long to wait on the member at `pos`, and its socket to tell whether it is alive.
-fn patience(sockets: &[Option<UnixStream>], pos: usize, timeout: Duration) -> Patience<'_> {
+fn patience(sockets: &[Option<LinkSocket>], pos: usize, timeout: Duration) -> Patience<'_> {
     Patience { timeout, peer: sockets[pos].as_ref().expect("a peer is another rank").as_fd() }
 }
 
@@ -436,9 +438,10 @@ struct SharedSet {
 }
 
 /// Receives one framed message into `inp`: adds it (`reduce`) or copies it, piece by piece
-/// straight out of the shared-memory pipe, or out of the sender's memory if it was posted.
+/// as it arrives (straight out of the shared-memory pipe, or off the TCP connection), or out
+/// of the sender's memory if it was posted.
 fn receive(
-    rx: &mut PipeReader,
+    rx: &mut Receiver,
     inp: &mut [f32],
     reduce: bool,
     wire: Precision,
@@ -453,37 +456,47 @@ fn receive(
     if wire != Precision::Fp32 {
         return receive_two_bytes(rx, inp, reduce, wire, frame, patience, from);
     }
-    if let Payload::Shared { buffer, offset } = frame.payload {
-        let theirs = from.shared.get(buffer as usize).and_then(|set| set.members[from.position].as_ref());
-        let incoming = theirs
-            .and_then(|b| b.range(offset as usize, inp.len()))
-            .ok_or(ReceiveError::Mismatch { tag, bytes: frame.bytes })?;
-        if reduce {
-            for (acc, x) in inp.iter_mut().zip(incoming) {
-                *acc += *x;
-            }
-        } else {
-            inp.copy_from_slice(incoming);
-        }
-        rx.mark_taken();
-        return Ok(());
-    }
-    if let Payload::Posted { address } = frame.payload {
-        if reduce {
-            let step = from.scratch.len();
-            for (i, piece) in inp.chunks_mut(step).enumerate() {
-                let incoming = &mut from.scratch[..piece.len()];
-                let offset = (i * step * 4) as u64;
-                cma::read(from.pid, address + offset, bytemuck::cast_slice_mut(incoming))?;
-                for (acc, x) in piece.iter_mut().zip(incoming.iter()) {
+    // A payload left in the sender's memory (its shared buffer, or posted): only a rank of
+    // this host sends one, over the pipe. Over TCP every payload follows its header.
+    let pipe = match (frame.payload, rx.pipe()) {
+        (Payload::Inline, _) => None,
+        (_, Some(pipe)) => Some(pipe),
+        (_, None) => return Err(ReceiveError::Mismatch { tag: frame.tag, bytes: frame.bytes }),
+    };
+    match (frame.payload, pipe) {
+        (Payload::Shared { buffer, offset }, Some(pipe)) => {
+            let theirs = from.shared.get(buffer as usize).and_then(|set| set.members[from.position].as_ref());
+            let incoming = theirs
+                .and_then(|b| b.range(offset as usize, inp.len()))
+                .ok_or(ReceiveError::Mismatch { tag, bytes: frame.bytes })?;
+            if reduce {
+                for (acc, x) in inp.iter_mut().zip(incoming) {
                     *acc += *x;
                 }
+            } else {
+                inp.copy_from_slice(incoming);
             }
-        } else {
-            cma::read(from.pid, address, bytemuck::cast_slice_mut(inp))?;
+            pipe.mark_taken();
+            return Ok(());
         }
-        rx.mark_taken();
-        return Ok(());
+        (Payload::Posted { address }, Some(pipe)) => {
+            if reduce {
+                let step = from.scratch.len();
+                for (i, piece) in inp.chunks_mut(step).enumerate() {
+                    let incoming = &mut from.scratch[..piece.len()];
+                    let offset = (i * step * 4) as u64;
+                    cma::read(from.pid, address + offset, bytemuck::cast_slice_mut(incoming))?;
+                    for (acc, x) in piece.iter_mut().zip(incoming.iter()) {
+                        *acc += *x;
+                    }
+                }
+            } else {
+                cma::read(from.pid, address, bytemuck::cast_slice_mut(inp))?;
+            }
+            pipe.mark_taken();
+            return Ok(());
+        }
+        _ => {}
     }
     let mut at = 0;
     rx.read_with(inp.len() * 4, patience, |piece| {
@@ -539,9 +552,9 @@ fn take_two_bytes(target: &mut [f32], incoming: &[u16], reduce: bool, wire: Prec
 }
 
 /// [`receive`] of a 2-byte payload: copied out of the sender's memory in pieces when it was
-/// posted, else read from the pipe (padding included) piece by piece.
+/// posted (same host), else read as it arrives (padding included) piece by piece.
 fn receive_two_bytes(
-    rx: &mut PipeReader,
+    rx: &mut Receiver,
     inp: &mut [f32],
     reduce: bool,
     wire: Precision,
@@ -552,6 +565,9 @@ fn receive_two_bytes(
     match frame.payload {
         Payload::Shared { .. } => Err(ReceiveError::Mismatch { tag: frame.tag, bytes: frame.bytes }),
         Payload::Posted { address } => {
+            let Some(pipe) = rx.pipe() else {
+                return Err(ReceiveError::Mismatch { tag: frame.tag, bytes: frame.bytes });
+            };
             let scratch: &mut [u16] = bytemuck::cast_slice_mut(from.scratch);
             let step = scratch.len();
             for (i, piece) in inp.chunks_mut(step).enumerate() {
@@ -559,7 +575,7 @@ fn receive_two_bytes(
                 cma::read(from.pid, address + (2 * i * step) as u64, bytemuck::cast_slice_mut(incoming))?;
                 take_two_bytes(piece, incoming, reduce, wire);
             }
-            rx.mark_taken();
+            pipe.mark_taken();
             Ok(())
         }
         Payload::Inline => {
@@ -847,14 +863,15 @@ impl Communicator for RingCommunicator {
         let broken = |peer: usize, cause: std::io::Error| CommError::Disconnected { collective: what(), peer, cause };
         let (mine, fd) = SharedBuffer::create(len).map_err(|e| broken(self.members[self.me], e))?;
         let hello = [(number as u64).to_le_bytes(), (len as u64).to_le_bytes()].concat();
+        // Members on other hosts cannot map it: they get its chunks over TCP as usual.
         for (pos, socket) in self.sockets.iter().enumerate() {
-            if let Some(socket) = socket {
+            if let Some(socket) = unix(socket) {
                 send_fd(socket, &fd, &hello).map_err(|e| broken(self.members[pos], e))?;
             }
         }
         let mut members = Vec::new();
         for (pos, socket) in self.sockets.iter().enumerate() {
-            let Some(socket) = socket else {
+            let Some(socket) = unix(socket) else {
                 members.push(None);
                 continue;
             };

@@ -1,0 +1,153 @@
+//! Ring collectives between ranks of different hosts: here threads of one process that
+//! play two or three hosts, so that the ranks of one "host" share memory and the others
+//! reach each other over TCP on 127.0.0.1 (addresses published in a shared directory). A
+//! collective gives the same bits whichever way its bytes travel.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distlab_common::Precision;
+use distlab_worker::comm::*;
+use distlab_worker::trace::CommTracer;
+
+/// Runs `f(rank, communicator)` on one thread per rank, rank r on host `hosts[r]` (None:
+/// all on one host, no TCP at all).
+fn on_hosts<T: Send + 'static>(
+    hosts: Option<Vec<usize>>,
+    world: usize,
+    f: impl Fn(usize, &mut RingCommunicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let dir = tempfile::tempdir().unwrap();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let path = dir.path().to_path_buf();
+            let (f, hosts) = (f.clone(), hosts.clone());
+            std::thread::spawn(move || {
+                let book = AddressFiles { dir: path.clone() };
+                let hosts = hosts.map(|of| Hosts { of, ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book });
+                let mesh = Mesh::connect_hosts(&path, rank, world, hosts.as_ref(), Duration::from_secs(10)).unwrap();
+                let tracer = Arc::new(CommTracer::new(rank, 1000));
+                let mut comm =
+                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), Some(tracer))
+                        .unwrap();
+                f(rank, &mut comm)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Values whose sums depend on the order they are added in (so equal bits mean the same
+/// order, not just exact arithmetic).
+fn value(rank: usize, i: usize) -> f32 {
+    ((rank * 31 + i * 7) % 17) as f32 * 0.1 + (i as f32).sin() * 1e-3
+}
+
+/// Every collective the strategies use, on both wire formats, large enough that the shared
+/// memory path posts its chunks and shares its buffers.
+fn every_collective(rank: usize, comm: &mut RingCommunicator) -> Vec<Vec<f32>> {
+    let world = comm.size();
+    let len = 300_007;
+    let mut out = Vec::new();
+    for wire in [Precision::Fp32, Precision::Bf16] {
+        comm.set_wire(wire);
+        let mut buf: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+        comm.all_reduce(&mut buf, ReduceOp::Avg).unwrap();
+        out.push(buf);
+    }
+    comm.set_wire(Precision::Fp32);
+    let mut shared = comm.alloc_shared(len).unwrap();
+    shared.iter_mut().enumerate().for_each(|(i, x)| *x = value(rank + 1, i));
+    comm.reduce_scatter_in_place(&mut shared, ReduceOp::Sum).unwrap();
+    comm.all_gather_in_place(&mut shared).unwrap();
+    out.push(shared.to_vec());
+    let mut input: Vec<f32> = (0..len).map(|i| value(rank + 2, i)).collect();
+    let mut shard = vec![0.0; chunk_range(len, world, rank).len()];
+    comm.reduce_scatter(&mut input, &mut shard, ReduceOp::Sum).unwrap();
+    let mut gathered = vec![0.0; len];
+    comm.all_gather(&shard, &mut gathered).unwrap();
+    out.push(gathered);
+    let mut root = if rank == 1 { (0..len).map(|i| value(9, i)).collect() } else { vec![0.0; len] };
+    comm.broadcast(&mut root, 1).unwrap();
+    out.push(root);
+    let sent: Vec<f32> = (0..4 * world).map(|i| value(rank, i)).collect();
+    let mut received = vec![0.0; 4 * world];
+    comm.all_to_all(&sent, &mut received).unwrap();
+    out.push(received);
+    // Point to point round the ring, as a pipeline's stages send activations.
+    let next = (rank + 1) % world;
+    let prev = (rank + world - 1) % world;
+    let mine: Vec<f32> = (0..1000).map(|i| value(rank, i)).collect();
+    let mut theirs = vec![0.0; 1000];
+    if rank.is_multiple_of(2) {
+        comm.send(&mine, next).unwrap();
+        comm.recv(&mut theirs, prev).unwrap();
+    } else {
+        comm.recv(&mut theirs, prev).unwrap();
+        comm.send(&mine, next).unwrap();
+    }
+    out.push(theirs);
+    out.push(vec![comm.bytes_sent() as f32]);
+    out
+}
+
+#[test]
+fn collectives_give_the_same_bits_across_hosts_as_inside_one() {
+    for hosts in [vec![0, 0, 1, 1], vec![0, 1, 0, 1], vec![0, 0, 0, 1], vec![0, 1, 2, 2]] {
+        let one_host = on_hosts(None, 4, every_collective);
+        let across = on_hosts(Some(hosts.clone()), 4, every_collective);
+        assert_eq!(across, one_host, "hosts {hosts:?}");
+    }
+}
+
+#[test]
+fn ranks_of_one_host_still_share_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = (0..4)
+        .map(|rank| {
+            let path = dir.path().to_path_buf();
+            std::thread::spawn(move || {
+                let book = AddressFiles { dir: path.clone() };
+                let hosts = Hosts { of: vec![0, 0, 1, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book };
+                let mesh = Mesh::connect_hosts(&path, rank, 4, Some(&hosts), Duration::from_secs(10)).unwrap();
+                (0..4).map(|peer| mesh.same_host(peer)).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let seen: Vec<Vec<bool>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(seen[0], [true, true, false, false]);
+    assert_eq!(seen[3], [false, false, true, true]);
+}
+
+/// A rank of another host that goes away mid-collective: its peers fail at once (the
+/// connection closes), naming it, well before the collective timeout.
+#[test]
+fn a_rank_of_another_host_that_exits_is_named_at_once() {
+    let started = Instant::now();
+    let results = on_hosts(Some(vec![0, 1]), 2, |rank, comm| {
+        if rank == 1 {
+            return Ok(());
+        }
+        let mut buf = vec![1.0; 1 << 20];
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+    });
+    match &results[0] {
+        Err(CommError::Disconnected { peer: 1, .. }) => {}
+        other => panic!("rank 0 should blame rank 1's exit: {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+}
+
+#[test]
+fn a_host_that_never_comes_times_the_rendezvous_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let book = AddressFiles { dir: dir.path().to_path_buf() };
+    let hosts = Hosts { of: vec![0, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book };
+    match Mesh::connect_hosts(dir.path(), 0, 2, Some(&hosts), Duration::from_millis(300)) {
+        Err(RendezvousError::Timeout { rank: 0, peer: 1, .. }) => {}
+        Err(e) => panic!("expected a timeout waiting for rank 1: {e}"),
+        Ok(_) => panic!("expected a timeout waiting for rank 1"),
+    }
+}
