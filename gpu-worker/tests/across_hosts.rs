@@ -3,41 +3,14 @@
 //! reach each other over TCP on 127.0.0.1 (addresses published in a shared directory). A
 //! collective gives the same bits whichever way its bytes travel.
 
+mod ranks;
+
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distlab_common::Precision;
 use distlab_worker::comm::*;
-use distlab_worker::trace::CommTracer;
-
-/// Runs `f(rank, communicator)` on one thread per rank, rank r on host `hosts[r]` (None:
-/// all on one host, no TCP at all).
-fn on_hosts<T: Send + 'static>(
-    hosts: Option<Vec<usize>>,
-    world: usize,
-    f: impl Fn(usize, &mut RingCommunicator) -> T + Send + Sync + 'static,
-) -> Vec<T> {
-    let dir = tempfile::tempdir().unwrap();
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..world)
-        .map(|rank| {
-            let path = dir.path().to_path_buf();
-            let (f, hosts) = (f.clone(), hosts.clone());
-            std::thread::spawn(move || {
-                let book = AddressFiles { dir: path.clone() };
-                let hosts = hosts.map(|of| Hosts { of, ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book });
-                let mesh = Mesh::connect_hosts(&path, rank, world, hosts.as_ref(), Duration::from_secs(10)).unwrap();
-                let tracer = Arc::new(CommTracer::new(rank, 1000));
-                let mut comm =
-                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), Some(tracer))
-                        .unwrap();
-                f(rank, &mut comm)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
+use ranks::on_hosts;
 
 /// Values whose sums depend on the order they are added in (so equal bits mean the same
 /// order, not just exact arithmetic).

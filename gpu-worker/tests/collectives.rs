@@ -2,36 +2,15 @@
 //! here; the launcher tests run them as processes). Values are small integers, so float
 //! sums are exact and results must equal a sequential reduction bit for bit.
 
+mod ranks;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use distlab_common::trace::CollectiveOp;
 use distlab_worker::comm::*;
 use distlab_worker::trace::CommTracer;
-
-/// Runs `f(rank, communicator)` on `world` ranks (threads) joined by a socket mesh.
-fn on_ranks<T: Send + 'static>(
-    world: usize,
-    f: impl Fn(usize, &mut RingCommunicator) -> T + Send + Sync + 'static,
-) -> Vec<T> {
-    let dir = tempfile::tempdir().unwrap();
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..world)
-        .map(|rank| {
-            let path = dir.path().to_path_buf();
-            let f = f.clone();
-            std::thread::spawn(move || {
-                let mesh = Mesh::connect(&path, rank, world, Duration::from_secs(10)).unwrap();
-                let tracer = Arc::new(CommTracer::new(rank, 1000));
-                let mut comm =
-                    RingCommunicator::new(&mesh, "world", (0..world).collect(), Duration::from_secs(20), Some(tracer))
-                        .unwrap();
-                f(rank, &mut comm)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
+use ranks::on_ranks;
 
 fn value(rank: usize, i: usize) -> f32 {
     ((rank * 31 + i * 7) % 17) as f32 - 8.0
