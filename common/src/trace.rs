@@ -243,6 +243,56 @@ pub struct RankTrace {
     /// What the engine allocated, by category (absent in traces from before it was measured).
     #[serde(default)]
     pub memory: Option<crate::memory::RankMemoryReport>,
+    /// The host the rank ran on, when the run's ranks spanned hosts (None: all on one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<u32>,
+}
+
+/// What the recorded ring steps sent over one link, from one rank to another.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinkUse {
+    pub from: u32,
+    pub to: u32,
+    /// The two ranks ran on different hosts: the bytes went over the network (TCP), not
+    /// through shared memory.
+    pub crosses_hosts: bool,
+    pub steps: u32,
+    pub bytes: u64,
+    /// The steps' time as the sender measured each (sending its chunk while receiving the
+    /// next): bytes / busy time is what the link delivered under the ring's load.
+    pub busy_us: u64,
+}
+
+impl LinkUse {
+    /// Bytes per second delivered, in GB/s (0 without a measured time).
+    pub fn gbps(&self) -> f64 {
+        if self.busy_us == 0 {
+            0.0
+        } else {
+            self.bytes as f64 / (self.busy_us as f64 * 1e3)
+        }
+    }
+}
+
+/// Every link the recorded ring steps used, in (from, to) order, each with whether it
+/// crossed hosts (`RankTrace::host`).
+pub fn link_uses(trace: &ExperimentTrace) -> Vec<LinkUse> {
+    let host = |rank: u32| trace.ranks.iter().find(|r| r.rank == rank).and_then(|r| r.host);
+    let mut links: std::collections::BTreeMap<(u32, u32), LinkUse> = std::collections::BTreeMap::new();
+    for step in trace.ranks.iter().flat_map(|r| &r.comm.steps) {
+        let link = links.entry((step.from, step.to)).or_insert_with(|| LinkUse {
+            from: step.from,
+            to: step.to,
+            crosses_hosts: matches!((host(step.from), host(step.to)), (Some(a), Some(b)) if a != b),
+            steps: 0,
+            bytes: 0,
+            busy_us: 0,
+        });
+        link.steps += 1;
+        link.bytes += step.bytes;
+        link.busy_us += step.end_us.saturating_sub(step.start_us);
+    }
+    links.into_values().collect()
 }
 
 /// `GET /api/experiments/{id}/trace`: every rank's trace, in rank order.
@@ -255,6 +305,46 @@ pub struct ExperimentTrace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_add_up_their_steps_and_know_which_cross_hosts() {
+        let step = |from, to, bytes, start_us, end_us| RingStep {
+            collective: 0,
+            phase: RingPhase::ReduceScatter,
+            step: 0,
+            chunk: 0,
+            from,
+            to,
+            bytes,
+            start_us,
+            end_us,
+            values: None,
+        };
+        let rank = |rank: u32, host: Option<u32>, steps: Vec<RingStep>| RankTrace {
+            rank,
+            world: 3,
+            host,
+            comm: RankCommTrace { rank, steps, ..RankCommTrace::default() },
+            ..RankTrace::default()
+        };
+        let trace = ExperimentTrace {
+            ranks: vec![
+                rank(0, Some(0), vec![step(0, 1, 1000, 10, 11), step(0, 1, 3000, 20, 22)]),
+                rank(1, Some(0), vec![step(1, 2, 4_000_000, 0, 2000)]),
+                rank(2, Some(1), vec![step(2, 0, 500, 5, 5)]),
+            ],
+        };
+        let links = link_uses(&trace);
+        let summary: Vec<_> =
+            links.iter().map(|l| (l.from, l.to, l.crosses_hosts, l.steps, l.bytes, l.busy_us)).collect();
+        assert_eq!(summary, [(0, 1, false, 2, 4000, 3), (1, 2, true, 1, 4_000_000, 2000), (2, 0, true, 1, 500, 0)]);
+        assert!((links[1].gbps() - 2.0).abs() < 1e-12);
+        assert_eq!(links[2].gbps(), 0.0);
+        // One host (no hosts recorded): nothing crosses.
+        let one: ExperimentTrace =
+            ExperimentTrace { ranks: trace.ranks.iter().cloned().map(|r| RankTrace { host: None, ..r }).collect() };
+        assert!(link_uses(&one).iter().all(|l| !l.crosses_hosts));
+    }
 
     #[test]
     fn chunks_cover_the_buffer_in_order() {

@@ -1566,6 +1566,7 @@ mod tests {
                     rank: r,
                     world: 2,
                     memory: None,
+                    host: None,
                     span_steps: 0,
                     spans: vec![],
                     comm: RankCommTrace {

@@ -126,6 +126,7 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
         spans: run.spans,
         comm: tracer.snapshot(),
         memory: Some(run.memory),
+        host: place.host(),
     };
     channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
     if rank == 0 {

@@ -64,6 +64,7 @@ pub fn run_rank(place: &Place, spec: &ExperimentSpec) -> anyhow::Result<()> {
         spans: vec![],
         comm: tracer.snapshot(),
         memory: None,
+        host: place.host(),
     };
     channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
     channel.output(&RankOutput::Demo(DemoRankResult { rank, bytes_sent: comm.bytes_sent(), output }));

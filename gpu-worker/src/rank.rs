@@ -72,6 +72,13 @@ pub struct Place {
     pub host_ip: IpAddr,
 }
 
+impl Place {
+    /// This rank's host, when the ranks span hosts.
+    pub fn host(&self) -> Option<u32> {
+        self.hosts.get(self.rank).map(|&h| h as u32)
+    }
+}
+
 /// Connects this rank to every other: shared memory inside its host, TCP to the others
 /// (their addresses are published in the rendezvous directory, which the hosts of one
 /// machine share).

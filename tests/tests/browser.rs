@@ -180,6 +180,46 @@ async fn a_page_that_cannot_load_says_to_reload() -> Result<()> {
     result
 }
 
+/// A dp=4 run on a machine playing two hosts (`DISTLAB_SIMULATED_HOSTS=2`, which the
+/// server's local worker inherits): the ring page lists the links its steps used, the
+/// ones between the hosts marked TCP, with what each delivered per second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ring_page_marks_the_links_between_hosts() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let env = vec![("DISTLAB_SIMULATED_HOSTS".to_string(), "2".to_string())];
+    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
+    let mut spec = quick_spec("dp4 on two hosts", 4);
+    (spec.parallel.dp, spec.train.micro_batch) = (4, 2);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
+    let driver = ChromeDriver::start()?;
+    let c = driver.connect().await?;
+    let result = async {
+        c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
+        wait_for(&c, "the links", Duration::from_secs(30), || exists(&c, "#links tbody tr")).await?;
+        let crossing =
+            js(&c, "return document.querySelectorAll(\"#links tr[data-crosses='true']\").length;", "").await?;
+        let inside =
+            js(&c, "return document.querySelectorAll(\"#links tr[data-crosses='false']\").length;", "").await?;
+        // Hosts {0, 1} and {2, 3}: the ring 0 → 1 → 2 → 3 → 0 crosses at 1 → 2 and 3 → 0.
+        ensure!(
+            (crossing.clone(), inside.clone()) == (json!(2), json!(2)),
+            "links: {crossing} crossing, {inside} inside"
+        );
+        let across = attr(&c, "#links-summary", "data-across").await?.context("a figure between hosts")?;
+        ensure!(across.parse::<f64>()? > 0.0, "{across}");
+        ensure!(attr(&c, "#links-summary", "data-inside").await?.is_some(), "a figure inside a host");
+        save_element(&c, "#links", "links-across-hosts.png").await?;
+        Ok(())
+    }
+    .await;
+    let _ = c.close().await;
+    result
+}
+
 fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     std::fs::create_dir_all(to)?;
     for entry in std::fs::read_dir(from)? {

@@ -2,6 +2,7 @@
 
 pub mod dataset_upload;
 pub mod layout_search;
+pub mod link_table;
 pub mod loss_chart;
 pub mod memory_bars;
 pub mod memory_section;

@@ -13,6 +13,7 @@ use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
 
 use crate::api;
+use crate::components::link_table::LinkTable;
 use crate::components::ring_view::{partial_fill, RingView};
 use crate::format;
 use crate::ring_replay::{ring_collectives, Check, ChunkKind, CollectiveInfo, CollectiveKey, Replay, Schedule};
@@ -100,6 +101,7 @@ fn RingReplay(id: i64) -> impl IntoView {
             let replay = trace.with(|t| t.as_ref().and_then(|t| t.as_ref().ok()).and_then(|t| Replay::build(t, &key)))?;
             Some(view! { <ReplayPlayer replay=replay demo_op=demo_op/> })
         }}
+        {move || trace.with(|t| t.as_ref().and_then(|t| t.as_ref().ok()).cloned()).map(|t| view! { <LinkTable trace=t/> })}
     }
 }
 

@@ -205,6 +205,7 @@ pub fn train(
         spans: run.spans,
         comm: Default::default(),
         memory: Some(run.memory),
+        host: None,
     }));
     Ok(run.summary)
 }
