@@ -93,6 +93,12 @@ pub fn launch(
         .map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?;
     let (tx, rx) = mpsc::channel::<(usize, RankMessage)>();
     let mut ranks = Ranks(Vec::with_capacity(spec.world));
+    // Ranks of different hosts prove to each other that they belong to this run.
+    let mut env = spec.env.clone();
+    if !spec.hosts.is_empty() {
+        let secret = run_secret().map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?;
+        env.push((crate::rank::SECRET_VAR.to_string(), secret));
+    }
     for rank in 0..spec.world {
         let mut command = Command::new(spec.exe);
         die_with_launcher(&mut command);
@@ -103,7 +109,7 @@ pub fn launch(
             .arg(spec.run_dir)
             .args(hosts_args(&spec.hosts))
             .args(&spec.args)
-            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -178,6 +184,14 @@ pub fn launch(
     }
 }
 
+/// 16 random bytes from the kernel, as hex.
+fn run_secret() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// `--hosts H0,H1,...` when the ranks span hosts.
 fn hosts_args(hosts: &[usize]) -> Vec<String> {
     if hosts.is_empty() {
@@ -187,9 +201,9 @@ fn hosts_args(hosts: &[usize]) -> Vec<String> {
 }
 
 /// The ranks of a world spread over `hosts` simulated hosts in contiguous blocks (rank r on
-/// host r * hosts / world): tensor-parallel groups, then pipeline stages, stay inside a
-/// host as long as the block holds them (ranks count tp fastest, then pp, then dp). Empty
-/// for one host.
+/// host r * hosts / world): when `hosts` divides the world and a block holds them,
+/// tensor-parallel groups, then pipeline stages, stay inside a host (ranks count tp
+/// fastest, then pp, then dp); uneven blocks may cut a group. Empty for one host.
 pub fn simulated_hosts(world: usize, hosts: usize) -> Vec<usize> {
     if hosts <= 1 || world <= 1 {
         return Vec::new();
@@ -266,5 +280,9 @@ mod tests {
         assert_eq!(simulated_hosts(2, 5), [0, 1]);
         assert_eq!(simulated_hosts(6, 4), [0, 0, 1, 2, 2, 3]);
         assert_eq!(hosts_args(&[0, 0, 1, 1]), ["--hosts", "0,0,1,1"]);
+        let secret = run_secret().unwrap();
+        assert_eq!(crate::rank::parse_secret(&secret).map(|b| b.len()), Some(16));
+        assert_ne!(run_secret().unwrap(), secret);
+        assert_eq!(crate::rank::parse_secret("zz"), None);
     }
 }

@@ -60,6 +60,23 @@ fn blamed_peer(e: &CommError) -> Option<usize> {
     }
 }
 
+/// The environment variable the launcher hands each rank the run's secret in (hex): every
+/// TCP connection between hosts proves it. (Not an argument: `ps` shows those to everyone.)
+pub const SECRET_VAR: &str = "DISTLAB_RENDEZVOUS_SECRET";
+
+/// 32 hex digits as 16 bytes.
+pub fn parse_secret(hex: &str) -> Option<[u8; 16]> {
+    let hex = hex.trim();
+    if hex.len() != 32 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
 /// Where a rank stands in its run.
 pub struct Place {
     pub rank: usize,
@@ -87,7 +104,10 @@ pub fn connect(place: &Place) -> anyhow::Result<Mesh> {
     if place.hosts.is_empty() {
         return Ok(Mesh::connect(&place.dir, rank, world, RENDEZVOUS_TIMEOUT)?);
     }
+    let secret = std::env::var(SECRET_VAR).ok().and_then(|hex| parse_secret(&hex)).ok_or_else(|| {
+        anyhow::anyhow!("ranks on several hosts need the run's secret in {SECRET_VAR} (32 hex digits)")
+    })?;
     let book = AddressFiles { dir: place.dir.clone() };
-    let hosts = Hosts { of: place.hosts.clone(), ip: place.host_ip, book: &book };
+    let hosts = Hosts { of: place.hosts.clone(), ip: place.host_ip, book: &book, secret };
     Ok(Mesh::connect_hosts(&place.dir, rank, world, Some(&hosts), RENDEZVOUS_TIMEOUT)?)
 }

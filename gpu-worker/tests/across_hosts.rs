@@ -8,9 +8,9 @@ mod ranks;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
-use distlab_common::Precision;
+use distlab_common::{AllReduce, Precision};
 use distlab_worker::comm::*;
-use ranks::on_hosts;
+use ranks::{on_hosts, SECRET};
 
 /// Values whose sums depend on the order they are added in (so equal bits mean the same
 /// order, not just exact arithmetic).
@@ -31,6 +31,14 @@ fn every_collective(rank: usize, comm: &mut RingCommunicator) -> Vec<Vec<f32>> {
         out.push(buf);
     }
     comm.set_wire(Precision::Fp32);
+    // The all-reduces that send whole buffers ahead of a receive (star, tree, two rings).
+    for (algorithm, per_node) in [(AllReduce::Naive, 1), (AllReduce::Tree, 1), (AllReduce::Hierarchical, 2)] {
+        comm.set_all_reduce(algorithm, per_node);
+        let mut buf: Vec<f32> = (0..len).map(|i| value(rank + 3, i)).collect();
+        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        out.push(buf);
+    }
+    comm.set_all_reduce(AllReduce::Ring, 1);
     let mut shared = comm.alloc_shared(len).unwrap();
     shared.iter_mut().enumerate().for_each(|(i, x)| *x = value(rank + 1, i));
     comm.reduce_scatter_in_place(&mut shared, ReduceOp::Sum).unwrap();
@@ -49,11 +57,12 @@ fn every_collective(rank: usize, comm: &mut RingCommunicator) -> Vec<Vec<f32>> {
     let mut received = vec![0.0; 4 * world];
     comm.all_to_all(&sent, &mut received).unwrap();
     out.push(received);
-    // Point to point round the ring, as a pipeline's stages send activations.
+    // Point to point round the ring, as a pipeline's stages send activations (larger than
+    // any socket buffer).
     let next = (rank + 1) % world;
     let prev = (rank + world - 1) % world;
-    let mine: Vec<f32> = (0..1000).map(|i| value(rank, i)).collect();
-    let mut theirs = vec![0.0; 1000];
+    let mine: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+    let mut theirs = vec![0.0; len];
     if rank.is_multiple_of(2) {
         comm.send(&mine, next).unwrap();
         comm.recv(&mut theirs, prev).unwrap();
@@ -83,7 +92,8 @@ fn ranks_of_one_host_still_share_memory() {
             let path = dir.path().to_path_buf();
             std::thread::spawn(move || {
                 let book = AddressFiles { dir: path.clone() };
-                let hosts = Hosts { of: vec![0, 0, 1, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book };
+                let hosts =
+                    Hosts { of: vec![0, 0, 1, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book, secret: SECRET };
                 let mesh = Mesh::connect_hosts(&path, rank, 4, Some(&hosts), Duration::from_secs(10)).unwrap();
                 (0..4).map(|peer| mesh.same_host(peer)).collect::<Vec<_>>()
             })
@@ -113,11 +123,48 @@ fn a_rank_of_another_host_that_exits_is_named_at_once() {
     assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
 }
 
+/// Connections that are not the run's ranks (a port scanner, a client of another run)
+/// are dropped: the rendezvous goes on and the ranks meet.
+#[test]
+fn strangers_on_the_rendezvous_port_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, book_dir) = (dir.path().to_path_buf(), dir.path().to_path_buf());
+    let rank0 = std::thread::spawn(move || {
+        let book = AddressFiles { dir: book_dir.clone() };
+        let hosts = Hosts { of: vec![0, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book, secret: SECRET };
+        Mesh::connect_hosts(&book_dir, 0, 2, Some(&hosts), Duration::from_secs(10)).map(|m| m.same_host(1))
+    });
+    let book = AddressFiles { dir: path.clone() };
+    let address = loop {
+        if let Some(address) = book.lookup(0).unwrap() {
+            break address;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // One sends nothing and hangs up, one sends garbage, one claims rank 1 with a wrong secret.
+    drop(std::net::TcpStream::connect(address).unwrap());
+    let mut garbage = std::net::TcpStream::connect(address).unwrap();
+    std::io::Write::write_all(&mut garbage, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut impostor = std::net::TcpStream::connect(address).unwrap();
+    let mut hello = [1u8, 0, 0, 0, 2, 0, 0, 0].to_vec();
+    hello.extend_from_slice(b"another secret!!");
+    std::io::Write::write_all(&mut impostor, &hello).unwrap();
+    // The real rank 1.
+    let hosts = Hosts { of: vec![0, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book, secret: SECRET };
+    let mesh = Mesh::connect_hosts(&path, 1, 2, Some(&hosts), Duration::from_secs(10)).unwrap();
+    assert!(!mesh.same_host(0));
+    assert!(!rank0.join().unwrap().unwrap(), "rank 0 sees rank 1 on another host");
+    // The impostor got no answer: rank 0 hung up on it.
+    impostor.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = [0u8; 24];
+    assert!(std::io::Read::read_exact(&mut impostor, &mut answer).is_err());
+}
+
 #[test]
 fn a_host_that_never_comes_times_the_rendezvous_out() {
     let dir = tempfile::tempdir().unwrap();
     let book = AddressFiles { dir: dir.path().to_path_buf() };
-    let hosts = Hosts { of: vec![0, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book };
+    let hosts = Hosts { of: vec![0, 1], ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book, secret: SECRET };
     match Mesh::connect_hosts(dir.path(), 0, 2, Some(&hosts), Duration::from_millis(300)) {
         Err(RendezvousError::Timeout { rank: 0, peer: 1, .. }) => {}
         Err(e) => panic!("expected a timeout waiting for rank 1: {e}"),

@@ -395,11 +395,13 @@ fn worker_run_with(spec: &ExperimentSpec, out_dir: Option<&Path>, checkpoint_dir
     parse_run_output_from(&stdout, first, spec.train.steps)
 }
 
-/// [`run_steps`] with the ranks spread over `hosts` simulated hosts (`--simulated-hosts`):
-/// ranks of different hosts talk over TCP on 127.0.0.1.
-pub fn run_steps_on_hosts(spec: &ExperimentSpec, hosts: usize) -> Vec<MetricPoint> {
-    let stdout = run_worker_with_args(spec, None, None, &["--simulated-hosts", &hosts.to_string()]);
-    parse_run_output_from(&stdout, 0, spec.train.steps)
+/// [`run_points_with_trace`] with the ranks spread over `hosts` simulated hosts
+/// (`--simulated-hosts`): ranks of different hosts talk over TCP on 127.0.0.1.
+pub fn run_on_hosts(spec: &ExperimentSpec, hosts: usize) -> (Vec<MetricPoint>, distlab_common::trace::ExperimentTrace) {
+    let out = tempfile::tempdir().expect("temp dir");
+    let stdout = run_worker_with_args(spec, Some(out.path()), None, &["--simulated-hosts", &hosts.to_string()]);
+    let trace = std::fs::read_to_string(out.path().join("trace.json")).expect("trace.json");
+    (parse_run_output_from(&stdout, 0, spec.train.steps), serde_json::from_str(&trace).expect("trace JSON"))
 }
 
 /// `distlab-worker run SPEC [--out DIR] [--checkpoint-dir DIR]`, which must succeed: its stdout.

@@ -41,10 +41,7 @@ fn the_kubernetes_manifest_parses_and_sets_only_real_settings() {
     let text = std::fs::read_to_string(repo_root().join("deploy/kubernetes/distlab.yaml")).unwrap();
     let docs = YamlLoader::load_from_str(&text).expect("the manifest is YAML");
     let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().expect("every document has a kind")).collect();
-    assert_eq!(
-        kinds,
-        ["PersistentVolumeClaim", "PersistentVolumeClaim", "Deployment", "Service", "Deployment", "Deployment"]
-    );
+    assert_eq!(kinds, ["PersistentVolumeClaim", "Deployment", "Service", "Deployment", "Deployment"]);
     for doc in &docs {
         assert!(doc["apiVersion"].as_str().is_some() && doc["metadata"]["name"].as_str().is_some(), "{doc:?}");
         assert_eq!(doc["metadata"]["namespace"].as_str(), Some("distlab"));
@@ -63,6 +60,10 @@ fn the_kubernetes_manifest_parses_and_sets_only_real_settings() {
         }
     }
     assert!(gpu_requested, "a worker asks for a GPU");
+    // The GPU workers run the image with CUDA's libraries.
+    let gpu = docs.iter().find(|d| d["metadata"]["name"].as_str() == Some("distlab-gpu-worker")).unwrap();
+    let image = gpu["spec"]["template"]["spec"]["containers"][0]["image"].as_str().unwrap();
+    assert!(image.contains("gpu-worker"), "{image}");
     // The server's flags exist, and the workers reach the Service by its name.
     let server_flags = flags("distlab-server");
     let server = docs.iter().find(|d| d["metadata"]["name"].as_str() == Some("distlab-server")).unwrap();
@@ -90,7 +91,7 @@ fn the_container_build_pins_its_bases_and_copies_what_it_builds() {
         assert_eq!(words.get(2).map(|w| w.to_ascii_uppercase()), Some("AS".into()), "{line}: name the stage");
         stages.push(words[3].to_string());
     }
-    assert_eq!(stages, ["build", "server", "worker"]);
+    assert_eq!(stages, ["build", "server", "worker", "gpu-worker"]);
     for line in lines.iter().filter(|l| l.starts_with("COPY --from=")) {
         let from = line["COPY --from=".len()..].split_whitespace().next().unwrap();
         assert!(stages.contains(&from.to_string()), "{line}: no stage {from}");
@@ -101,6 +102,11 @@ fn the_container_build_pins_its_bases_and_copies_what_it_builds() {
     }
     assert!(text.contains("cargo build --release -p distlab-server -p distlab-worker"));
     assert!(text.contains("cargo xtask build-frontend"), "the server image serves the built frontend");
+    assert!(text.contains("--features distlab-worker/cuda"), "the workers can drive GPUs");
+    assert!(
+        text.contains("FROM docker.io/nvidia/cuda:13."),
+        "the GPU worker has CUDA 13's libraries (cudarc's cuda-13000)"
+    );
     assert!(!lines.iter().any(|l| l.starts_with("ADD ")), "COPY, not ADD");
     // The runtime stages run as a user, through an entry point that exists.
     for stage in text.split("\nFROM ").skip(1).filter(|s| !s.starts_with(|c: char| c.is_whitespace())) {

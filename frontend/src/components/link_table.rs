@@ -48,14 +48,15 @@ pub fn LinkTable(trace: ExperimentTrace) -> impl IntoView {
             <h2>"Links"</h2>
             <p class="muted small">
                 "What each rank sent to each peer in the recorded steps, and the steps' time as the sender measured it "
-                "(sending its chunk while it received the next): bytes ÷ time is what the link delivered under the ring's load. "
-                "Ranks of one host share memory; between hosts the bytes go over TCP."
+                "(sending its chunk while it received the next): bytes ÷ step time is what the link delivered under the ring's load. "
+                "A step also waits for its incoming chunk, so one slow hop slows every step of the ring; collectives that send "
+                "whole buffers (a broadcast, a tree) count as one step. Ranks of one host share memory; between hosts the bytes go over TCP."
             </p>
             <p id="links-summary" data-across=across.map(|g| format!("{g:.3}")) data-inside=inside.map(|g| format!("{g:.3}"))>
                 <strong>{summary}</strong>
             </p>
             <table class="data">
-                <thead><tr><th>"link"</th><th>"over"</th><th>"steps"</th><th>"bytes"</th><th>"time"</th><th>"GB/s"</th></tr></thead>
+                <thead><tr><th>"link"</th><th>"over"</th><th>"steps"</th><th>"bytes"</th><th>"step time"</th><th>"GB/s"</th></tr></thead>
                 <tbody>{rows}</tbody>
             </table>
         </section>

@@ -8,10 +8,11 @@
 //! messages a pipe does, each side writing its half of the stream; a peer that exits closes
 //! it, which the reader sees as end of file.
 //!
-//! Reads hand the payload over in pieces of whole 4-byte words (a ring step adds them into
-//! its buffer as they arrive); a write blocks while the peer's receive window is full, so a
-//! ring step sends from a helper thread whenever its message could exceed what the kernel's
-//! buffers hold (`INLINE_BYTES`).
+//! Each side says who it is (rank, world, the run's secret) and the other checks it; a
+//! connection that does not is dropped. Reads hand the payload over in pieces of whole
+//! 4-byte words (a ring step adds them into its buffer as they arrive); a write blocks while
+//! the peer's receive window is full, so a ring step sends from a helper thread whenever its
+//! message could exceed what the kernel's buffers surely hold (`INLINE_BYTES`).
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -21,9 +22,10 @@ use std::time::{Duration, Instant};
 
 use super::shm::Patience;
 
-/// Messages up to this size are written before the step receives (they fit in the
-/// kernel's socket buffers on both sides, so the write cannot wait on the peer).
-pub const INLINE_BYTES: usize = 32 << 10;
+/// Messages up to this size are written before the step receives: they fit in the
+/// smallest send buffer Linux gives a socket (4,608 bytes), so the write cannot wait on a
+/// peer that is itself writing. Longer ones go from a helper thread.
+pub const INLINE_BYTES: usize = 4 << 10;
 /// Bytes read from the socket at a time.
 const PIECE_BYTES: usize = 256 << 10;
 
@@ -60,6 +62,39 @@ impl AddressBook for AddressFiles {
     }
 }
 
+/// How a rank introduces itself to a rank of another host, and how that one answers: its
+/// rank, the world, and the run's secret (which only the run's ranks know: a connection
+/// from anything else is dropped, and a rank never talks to another run's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub rank: u32,
+    pub world: u32,
+    pub secret: [u8; 16],
+}
+
+impl Hello {
+    const BYTES: usize = 24;
+
+    fn to_bytes(self) -> [u8; Self::BYTES] {
+        let mut out = [0u8; Self::BYTES];
+        out[..4].copy_from_slice(&self.rank.to_le_bytes());
+        out[4..8].copy_from_slice(&self.world.to_le_bytes());
+        out[8..].copy_from_slice(&self.secret);
+        out
+    }
+
+    fn read(stream: &TcpStream, wait: Duration) -> std::io::Result<Hello> {
+        stream.set_read_timeout(Some(wait.max(Duration::from_millis(1))))?;
+        let mut bytes = [0u8; Self::BYTES];
+        (&*stream).read_exact(&mut bytes)?;
+        let word = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        Ok(Hello { rank: word(0), world: word(4), secret: bytes[8..].try_into().expect("16 bytes") })
+    }
+}
+
+/// How long a connection may take to say who it is before it is dropped.
+const HELLO_WAIT: Duration = Duration::from_secs(2);
+
 /// The listening side of this rank, bound before any peer looks it up.
 pub struct Listening {
     listener: TcpListener,
@@ -74,34 +109,54 @@ impl Listening {
         Ok(Listening { listener })
     }
 
-    /// The next peer's connection and the hello it sent (its rank and world), or None when
-    /// nobody has connected yet.
-    pub fn accept(&self, timeout: Duration) -> std::io::Result<Option<(TcpStream, [u8; 8])>> {
-        match self.listener.accept() {
-            Ok((stream, _)) => {
-                stream.set_nonblocking(false)?;
-                stream.set_read_timeout(Some(timeout))?;
-                let mut hello = [0u8; 8];
-                (&stream).read_exact(&mut hello)?;
-                Ok(Some((stream, hello)))
+    /// The next peer's connection, once it has said who it is and `expected` takes its
+    /// hello (which is then answered with `mine`); None when nobody (acceptable) has
+    /// connected. A connection with a wrong or missing hello is dropped: a stray client
+    /// cannot take a rank's place nor end the rendezvous.
+    pub fn accept(
+        &self,
+        mine: Hello,
+        expected: impl Fn(&Hello) -> bool,
+    ) -> std::io::Result<Option<(TcpStream, Hello)>> {
+        let stream = match self.listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        stream.set_nonblocking(false)?;
+        match Hello::read(&stream, HELLO_WAIT) {
+            Ok(theirs) if theirs.secret == mine.secret && expected(&theirs) => {
+                (&stream).write_all(&mine.to_bytes())?;
+                Ok(Some((stream, theirs)))
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
-            Err(e) => Err(e),
+            _ => Ok(None),
         }
     }
 }
 
-/// Connects to `peer` once it has published its address (by `deadline`), saying `hello`.
+/// Connects to `peer` once it has published its address (by `deadline`), saying `mine`;
+/// the peer must answer as rank `peer` of this run.
 pub fn connect(
     book: &dyn AddressBook,
     peer: usize,
-    hello: [u8; 8],
+    mine: Hello,
     deadline: Instant,
 ) -> std::io::Result<Option<TcpStream>> {
     loop {
         if let Some(address) = book.lookup(peer)? {
             if let Ok(mut stream) = TcpStream::connect_timeout(&address, Duration::from_secs(1)) {
-                stream.write_all(&hello)?;
+                stream.write_all(&mine.to_bytes())?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                let theirs = Hello::read(&stream, left.max(HELLO_WAIT))?;
+                if theirs != (Hello { rank: peer as u32, ..mine }) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!(
+                            "rank {peer}'s address answered as another rank or run ({} of {})",
+                            theirs.rank, theirs.world
+                        ),
+                    ));
+                }
                 return Ok(Some(stream));
             }
         }

@@ -52,6 +52,8 @@ pub struct Hosts<'a> {
     /// The address of this rank's host that the other hosts reach it on.
     pub ip: IpAddr,
     pub book: &'a dyn AddressBook,
+    /// Known only to the run's ranks: every TCP connection proves it.
+    pub secret: [u8; 16],
 }
 
 /// The connections of one rank to every other rank of the world.
@@ -220,9 +222,9 @@ impl Mesh {
         self.links[peer].as_ref().is_none_or(|l| matches!(l.tx, Sender::Pipe(_)))
     }
 
-    /// Bytes of the shared-memory pipes this rank maps: one each way per peer.
+    /// Bytes of the shared-memory pipes this rank maps: one each way per peer of its host.
     pub fn pipe_bytes(&self) -> u64 {
-        (self.links.iter().flatten().count() * 2 * shm::MAP_BYTES) as u64
+        (self.links.iter().flatten().filter(|l| matches!(l.tx, Sender::Pipe(_))).count() * 2 * shm::MAP_BYTES) as u64
     }
 
     /// Handles to the given peers for a group's own use (the pipes are shared: two groups
@@ -256,18 +258,23 @@ fn connect_other_hosts(
     timeout: Duration,
 ) -> Result<Vec<(usize, TcpStream)>, RendezvousError> {
     let elsewhere = |p: usize| hosts.of[p] != hosts.of[rank];
-    let hello = [(rank as u32).to_le_bytes(), (world as u32).to_le_bytes()].concat();
-    let hello: [u8; 8] = hello.try_into().expect("8 bytes");
+    let mine = tcp::Hello { rank: rank as u32, world: world as u32, secret: hosts.secret };
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     for peer in (0..rank).filter(|&p| elsewhere(p)) {
         let io = |source| RendezvousError::Io { rank, peer, source };
-        let stream = tcp::connect(hosts.book, peer, hello, deadline).map_err(io)?;
+        let stream = tcp::connect(hosts.book, peer, mine, deadline).map_err(io)?;
         let stream = stream.ok_or(RendezvousError::Timeout { rank, peer, waited_s: timeout.as_secs_f64() })?;
         streams[peer] = Some(stream);
     }
     let mut missing = (rank + 1..world).filter(|&p| elsewhere(p)).count();
     while missing > 0 {
-        let accepted = listening.accept(timeout).map_err(|source| RendezvousError::Io { rank, peer: rank, source })?;
+        // A higher rank of another host, not yet connected.
+        let expected = |h: &tcp::Hello| {
+            let peer = h.rank as usize;
+            h.world as usize == world && peer > rank && peer < world && elsewhere(peer) && streams[peer].is_none()
+        };
+        let accepted =
+            listening.accept(mine, expected).map_err(|source| RendezvousError::Io { rank, peer: rank, source })?;
         let Some((stream, theirs)) = accepted else {
             if Instant::now() >= deadline {
                 let peer = (rank + 1..world).find(|&p| elsewhere(p) && streams[p].is_none()).unwrap_or(rank);
@@ -276,14 +283,7 @@ fn connect_other_hosts(
             std::thread::sleep(Duration::from_millis(2));
             continue;
         };
-        let claimed = u32::from_le_bytes(theirs[..4].try_into().expect("4 bytes"));
-        let their_world = u32::from_le_bytes(theirs[4..].try_into().expect("4 bytes"));
-        let peer = claimed as usize;
-        if their_world as usize != world || peer <= rank || peer >= world || !elsewhere(peer) || streams[peer].is_some()
-        {
-            return Err(RendezvousError::BadHello { rank, claimed, world: their_world });
-        }
-        streams[peer] = Some(stream);
+        streams[theirs.rank as usize] = Some(stream);
         missing -= 1;
     }
     let mut out = Vec::new();

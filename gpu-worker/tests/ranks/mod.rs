@@ -7,6 +7,9 @@ use std::time::Duration;
 use distlab_worker::comm::*;
 use distlab_worker::trace::CommTracer;
 
+/// The run's secret the test ranks prove to each other.
+pub const SECRET: [u8; 16] = *b"test-run-secret!";
+
 /// Runs `f(rank, communicator)` on one thread per rank, rank r on host `hosts[r]` (None:
 /// all on one host, no TCP at all).
 pub fn on_hosts<T: Send + 'static>(
@@ -22,7 +25,8 @@ pub fn on_hosts<T: Send + 'static>(
             let (f, hosts) = (f.clone(), hosts.clone());
             std::thread::spawn(move || {
                 let book = AddressFiles { dir: path.clone() };
-                let hosts = hosts.map(|of| Hosts { of, ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book });
+                let hosts =
+                    hosts.map(|of| Hosts { of, ip: IpAddr::V4(Ipv4Addr::LOCALHOST), book: &book, secret: SECRET });
                 let mesh = Mesh::connect_hosts(&path, rank, world, hosts.as_ref(), Duration::from_secs(10)).unwrap();
                 let tracer = Arc::new(CommTracer::new(rank, 1000));
                 let mut comm =
