@@ -201,6 +201,10 @@ pub struct RegisterWorker {
     /// refuses a spec whose ranks need more memory than the largest live worker has.
     #[serde(default)]
     pub capacity: Option<WorkerCapacity>,
+    /// The most ranks it runs at once (`distlab-worker --ranks`; None: as many as a run
+    /// has). A run with more ranks than any one worker hosts is placed on several.
+    #[serde(default)]
+    pub ranks: Option<u32>,
 }
 
 /// A worker's machine, as it reports it when it registers.
@@ -232,6 +236,10 @@ pub struct Registered {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LeaseRequest {
     pub worker_id: i64,
+    /// How often this worker asks while it has nothing to run: it counts as idle, and can
+    /// be given part of a run across workers, for a few of these intervals after asking.
+    #[serde(default)]
+    pub poll_interval_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -242,6 +250,76 @@ pub struct Lease {
     pub attempt: i64,
     /// The lease ends this many seconds from now unless a heartbeat renews it.
     pub lease_s: f64,
+    /// Set when the run spans several workers: which of its ranks this worker runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Placement>,
+}
+
+/// A run placed on several workers (hosts): each runs a block of consecutive ranks, host 0
+/// from rank 0. Host 0's worker reports the run's metrics and how it ended; every host
+/// sends its ranks' traces and logs, and heartbeats until the run has ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Placement {
+    /// This worker's host.
+    pub host: usize,
+    /// How many ranks each host runs, host 0 first; they add up to the world size.
+    pub ranks_per_host: Vec<usize>,
+    /// The secret every connection between the run's ranks proves (32 hex digits).
+    pub secret: String,
+}
+
+impl Placement {
+    /// Every rank's host.
+    pub fn host_of_each_rank(&self) -> Vec<usize> {
+        self.ranks_per_host.iter().enumerate().flat_map(|(host, &n)| std::iter::repeat_n(host, n)).collect()
+    }
+
+    /// The ranks this worker runs.
+    pub fn ranks(&self) -> std::ops::Range<usize> {
+        let first: usize = self.ranks_per_host.iter().take(self.host).sum();
+        first..first + self.ranks_per_host.get(self.host).copied().unwrap_or(0)
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.ranks_per_host.iter().sum()
+    }
+}
+
+/// `POST /api/workers/rendezvous`: what the hosts of a run tell each other while it starts
+/// (like torchrun's store): this worker publishes its entries (its ranks' addresses, ...)
+/// and is answered every entry of the attempt so far. Only the attempt's hosts may ask.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RendezvousRequest {
+    pub worker_id: i64,
+    pub experiment_id: i64,
+    pub attempt: i64,
+    #[serde(default)]
+    pub publish: Vec<RendezvousEntry>,
+}
+
+/// One name and its value in a run's rendezvous (names and values are short text).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RendezvousEntry {
+    pub name: String,
+    pub value: String,
+}
+
+/// The longest rendezvous name and value, and the most entries one attempt keeps.
+pub const MAX_RENDEZVOUS_NAME: usize = 64;
+pub const MAX_RENDEZVOUS_VALUE: usize = 1024;
+pub const MAX_RENDEZVOUS_ENTRIES: usize = 4096;
+
+/// Answer to `POST /api/workers/rendezvous`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RendezvousState {
+    pub entries: Vec<RendezvousEntry>,
+    /// The run's hosts, and how many of their workers have taken their part so far.
+    pub hosts: usize,
+    pub joined: usize,
 }
 
 /// `POST /api/workers/heartbeat`
@@ -287,6 +365,11 @@ pub struct Fail {
     /// True when the worker stopped because the experiment was cancelled.
     #[serde(default)]
     pub cancelled: bool,
+    /// True when this worker's ranks failed because another host of the run went away (its
+    /// ranks hung up or stopped answering): the run goes back to the queue, as when a
+    /// worker's lease expires, unless that host reports an error of its own.
+    #[serde(default)]
+    pub lost_host: bool,
 }
 
 /// The longest prompt `POST /api/experiments/{id}/generate` takes, in tokens (bytes of a

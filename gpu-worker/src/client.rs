@@ -35,6 +35,7 @@ impl ClientError {
     }
 }
 
+#[derive(Clone)]
 pub struct ServerClient {
     agent: ureq::Agent,
     base: String,
@@ -64,9 +65,16 @@ impl ServerClient {
         self.post("/api/workers/register", body)?.ok_or_else(|| no_body("/api/workers/register"))
     }
 
-    /// The next queued experiment for this worker, or None when the queue is empty.
-    pub fn lease(&self, worker_id: i64) -> Result<Option<Lease>, ClientError> {
-        self.post("/api/workers/lease", &LeaseRequest { worker_id })
+    /// The next queued experiment for this worker (or its part of a run across workers),
+    /// or None when there is nothing for it. `poll_interval` says how often it asks.
+    pub fn lease(&self, worker_id: i64, poll_interval: Duration) -> Result<Option<Lease>, ClientError> {
+        let request = LeaseRequest { worker_id, poll_interval_s: Some(poll_interval.as_secs_f64()) };
+        self.post("/api/workers/lease", &request)
+    }
+
+    /// Publishes in a run's rendezvous and reads it (see `rendezvous.rs`).
+    pub fn rendezvous(&self, body: &RendezvousRequest) -> Result<RendezvousState, ClientError> {
+        self.post("/api/workers/rendezvous", body)?.ok_or_else(|| no_body("/api/workers/rendezvous"))
     }
 
     pub fn heartbeat(&self, worker_id: i64, experiment_id: Option<i64>) -> Result<WorkerAck, ClientError> {

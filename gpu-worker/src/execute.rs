@@ -1,8 +1,12 @@
 //! Runs one experiment spec, whatever its shape: a single-rank run trains in this
-//! process; a multi-rank run (or a collective demo) is launched as one process per rank.
+//! process; a multi-rank run (or a collective demo) is launched as one process per rank;
+//! a run across workers launches this worker's block of ranks, which meet the other
+//! hosts' through the server's rendezvous.
 
+use std::net::IpAddr;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use distlab_common::export;
@@ -15,6 +19,7 @@ use distlab_worker::train::{
 
 use crate::demo::{self, DemoRankResult, RankOutput};
 use crate::launch::{self, LaunchError, LaunchSpec};
+use crate::rendezvous::{self, Rendezvous};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -29,6 +34,11 @@ pub enum ExecError {
 impl ExecError {
     pub fn is_cancelled(&self) -> bool {
         matches!(self, ExecError::Train(TrainError::Cancelled) | ExecError::Launch(LaunchError::Cancelled))
+    }
+
+    /// This host's ranks failed because another host of the run went away.
+    pub fn is_host_lost(&self) -> bool {
+        matches!(self, ExecError::Launch(LaunchError::HostLost(_)))
     }
 
     /// The spec cannot run here (invalid, or asks for something not built yet).
@@ -53,18 +63,59 @@ pub struct RunPaths<'a> {
     pub dataset: Option<&'a Path>,
 }
 
-/// Runs `spec` with its files where `paths` says, its ranks spread over `simulated_hosts`
-/// hosts of this machine (1: one host, shared memory between all ranks).
+/// Where a run's ranks are.
+#[derive(Clone, Copy)]
+pub enum Hosts<'a> {
+    /// All on this machine, spread over this many simulated hosts (1: one host, shared
+    /// memory between all ranks; see `launch::simulated_hosts`).
+    Here { simulated: usize },
+    /// This worker's part of a run across workers.
+    Gang(Gang<'a>),
+}
+
+/// This worker's part of a run placed on several workers.
+#[derive(Clone, Copy)]
+pub struct Gang<'a> {
+    pub placement: &'a Placement,
+    /// The address the other hosts' ranks reach this host's ranks at.
+    pub ip: IpAddr,
+    pub rendezvous: &'a dyn Rendezvous,
+}
+
+impl Gang<'_> {
+    fn is_host_0(&self) -> bool {
+        self.placement.host == 0
+    }
+}
+
+/// How long the hosts of a run wait for each other (to take their parts, to say where to
+/// resume): the server gives up on a placement after its gang timeout (30 s by default).
+const GANG_WAIT: Duration = Duration::from_secs(120);
+
+/// Runs `spec` (its ranks where `hosts` says) with its files where `paths` says. Answers
+/// the run's summary, or None for a host other than host 0 of a run across workers (host 0
+/// reports the run; this host's part of it ended well).
 pub fn execute(
     spec: &ValidSpec,
     threads: usize,
     collective_timeout: Duration,
-    simulated_hosts: usize,
+    hosts: Hosts<'_>,
     paths: RunPaths<'_>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
-) -> Result<RunSummary, ExecError> {
+) -> Result<Option<RunSummary>, ExecError> {
     let RunPaths { checkpoints, offload_dir, model_out, dataset } = paths;
+    let gang = match hosts {
+        Hosts::Gang(gang) => Some(gang),
+        Hosts::Here { .. } => None,
+    };
+    if let Some(gang) = gang {
+        rendezvous::wait_for_hosts(gang.rendezvous, GANG_WAIT, cancel).map_err(ExecError::Other)?;
+    }
+    // Only host 0 of a run across workers touches the checkpoint directory before the run
+    // (the hosts share it, or the others hold no checkpoint of the run); it tells the
+    // others where to resume.
+    let host_0 = gang.is_none_or(|g| g.is_host_0());
     // What this worker cannot run (a demo on cuda, cuda without the feature) is refused
     // before anything starts, whichever way the spec runs.
     let unsupported = unsupported_features(spec);
@@ -73,6 +124,11 @@ pub fn execute(
     }
     let resume_from = spec.train.resume_from;
     let checkpoints = match checkpoints {
+        Some(dir) if !host_0 && spec.demo.is_none() && (spec.train.checkpoint_every > 0 || resume_from.is_some()) => {
+            let rendezvous = gang.map(|g| g.rendezvous).ok_or_else(|| ExecError::Other("no rendezvous".into()))?;
+            let step = rendezvous::resume_step(rendezvous, None, GANG_WAIT).map_err(ExecError::Other)?;
+            Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: step }, Vec::new()))
+        }
         Some(dir) if spec.demo.is_none() && (spec.train.checkpoint_every > 0 || resume_from.is_some()) => {
             let resume = CheckpointDir::new(dir, spec.world_size()).prepare(spec).map_err(TrainError::from)?;
             let warn = |message| LogLine { level: LogLevel::Warn, message };
@@ -84,6 +140,9 @@ pub fn execute(
                 let note = elastic::recut_into(dir, spec, from).map_err(TrainError::from)?;
                 lines.extend(note.map(|message| LogLine { level: LogLevel::Info, message }));
                 step = Some(from.step);
+            }
+            if let Some(gang) = gang {
+                rendezvous::resume_step(gang.rendezvous, Some(step), GANG_WAIT).map_err(ExecError::Other)?;
             }
             Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: step }, lines))
         }
@@ -101,8 +160,13 @@ pub fn execute(
         options
     });
     // Each rank's final parameters go to a directory of their own (removed when dropped),
-    // put together after.
-    let exported = model_out.filter(|_| export::not_exportable(spec).is_none());
+    // put together after. (A run across workers leaves each host's ranks' weights on that
+    // host: it is not exported.)
+    if gang.is_some_and(|g| g.is_host_0()) && model_out.is_some() {
+        let message = "the trained model is not exported: its ranks' weights are on several hosts".to_string();
+        on_event(RunEvent::Log(LogLine { level: LogLevel::Info, message }));
+    }
+    let exported = model_out.filter(|_| gang.is_none() && export::not_exportable(spec).is_none());
     let ranks_dir = exported.and_then(|out| tempfile::Builder::new().prefix(".final-weights-").tempdir_in(out).ok());
     let ranks_path = ranks_dir.as_ref().map(|d| d.path().to_path_buf());
     let opts = TrainOptions {
@@ -113,9 +177,9 @@ pub fn execute(
         dataset: dataset.map(Path::to_path_buf),
     };
     let summary = match &spec.demo {
-        Some(demo) => run_demo(spec, demo, simulated_hosts, on_event, cancel),
-        None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, simulated_hosts, on_event, cancel),
-        None => Ok(train(spec, &opts, on_event, cancel)?),
+        Some(demo) => run_demo(spec, demo, hosts, on_event, cancel),
+        None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, hosts, on_event, cancel),
+        None => Ok(Some(train(spec, &opts, on_event, cancel)?)),
     };
     if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_path) {
         let message = match distlab_worker::export::write_gpt2(spec, ranks, spec.train.steps, out) {
@@ -130,22 +194,23 @@ pub fn execute(
     summary
 }
 
-/// A multi-rank run: one process per rank, each with its share of the machine's threads.
+/// A multi-rank run: one process per rank of this machine, each with its share of the
+/// machine's threads. The summary comes from rank 0 (None on another host of the run).
 fn run_ranks(
     spec: &ValidSpec,
     opts: &TrainOptions,
     collective_timeout: Duration,
-    simulated_hosts: usize,
+    hosts: Hosts<'_>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
-) -> Result<RunSummary, ExecError> {
-    let world = spec.world_size();
-    if let (Some(available), BackendKind::Cpu) = (available_memory_bytes(), spec.backend) {
+) -> Result<Option<RunSummary>, ExecError> {
+    let here = local_ranks(spec.world_size(), hosts).len();
+    if let (Some(available), BackendKind::Cpu, Hosts::Here { .. }) = (available_memory_bytes(), spec.backend, hosts) {
         ranks_fit(spec, available)?;
     }
     let threads = opts.threads;
     let total = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-    let per_rank = (total / world).max(1);
+    let per_rank = (total / here).max(1);
     let mut summary = None;
     let mut args = vec![
         "--threads".into(),
@@ -168,11 +233,12 @@ fn run_ranks(
             args.extend(["--resume-from".into(), step.to_string()]);
         }
     }
+    let runs_rank_0 = local_ranks(spec.world_size(), hosts).contains(&0);
     launch_ranks(
         spec,
         "train",
         args,
-        simulated_hosts,
+        hosts,
         &mut |output| match output {
             RankOutput::Event(e) => on_event(*e),
             RankOutput::Summary(s) => summary = Some(s),
@@ -180,16 +246,28 @@ fn run_ranks(
         },
         cancel,
     )?;
-    summary.ok_or_else(|| ExecError::Other("rank 0 finished without a summary".into()))
+    match (summary, runs_rank_0) {
+        (None, true) => Err(ExecError::Other("rank 0 finished without a summary".into())),
+        (summary, _) => Ok(summary),
+    }
 }
 
-/// Launches `world_size` rank processes running `task` on `spec` (over `simulated_hosts`
-/// hosts), passing each rank's outputs to `on_output`.
+/// The ranks of a `world` this machine runs.
+fn local_ranks(world: usize, hosts: Hosts<'_>) -> Range<usize> {
+    match hosts {
+        Hosts::Here { .. } => 0..world,
+        Hosts::Gang(gang) => gang.placement.ranks(),
+    }
+}
+
+/// Launches this machine's rank processes of `spec` running `task` (all of them, over
+/// simulated hosts, or this host's part of a run across workers, whose ranks find the
+/// others' through the rendezvous), passing each rank's outputs to `on_output`.
 fn launch_ranks(
     spec: &ExperimentSpec,
     task: &str,
     task_args: Vec<String>,
-    simulated_hosts: usize,
+    hosts: Hosts<'_>,
     on_output: &mut dyn FnMut(RankOutput),
     cancel: &AtomicBool,
 ) -> Result<(), ExecError> {
@@ -201,17 +279,55 @@ fn launch_ranks(
     let mut args = vec![task.to_string(), "--spec".into(), spec_path.display().to_string()];
     args.extend(task_args);
     let world = spec.world_size();
-    let hosts = launch::simulated_hosts(world, simulated_hosts);
-    let launch = LaunchSpec { exe: &exe, world, hosts, args, run_dir: &run_dir, env: vec![] };
-    let outcome = launch::launch(
-        &launch,
-        &mut |_, payload| {
-            if let Ok(output) = serde_json::from_value::<RankOutput>(payload) {
-                on_output(output);
-            }
+    let launch = match hosts {
+        Hosts::Here { simulated } => LaunchSpec {
+            exe: &exe,
+            world,
+            local: 0..world,
+            hosts: launch::simulated_hosts(world, simulated),
+            host_ip: None,
+            secret: None,
+            args,
+            run_dir: &run_dir,
+            env: vec![],
         },
-        cancel,
-    );
+        Hosts::Gang(gang) => LaunchSpec {
+            exe: &exe,
+            world,
+            local: gang.placement.ranks(),
+            hosts: gang.placement.host_of_each_rank(),
+            host_ip: Some(gang.ip),
+            secret: Some(gang.placement.secret.clone()),
+            args,
+            run_dir: &run_dir,
+            env: vec![],
+        },
+    };
+    let mut forward = |_, payload| {
+        if let Ok(output) = serde_json::from_value::<RankOutput>(payload) {
+            on_output(output);
+        }
+    };
+    let outcome = match hosts {
+        Hosts::Here { .. } => launch::launch(&launch, &mut forward, cancel),
+        // The relay passes addresses between this host's run directory and the rendezvous
+        // while the ranks connect.
+        Hosts::Gang(gang) => {
+            let relayed = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                let relay = s.spawn(|| {
+                    let local = gang.placement.ranks();
+                    rendezvous::relay(gang.rendezvous, &run_dir, local, world, &relayed)
+                });
+                let outcome = launch::launch(&launch, &mut forward, cancel);
+                relayed.store(true, Ordering::Relaxed);
+                if let Ok(Err(e)) = relay.join() {
+                    tracing::warn!("{e}");
+                }
+                outcome
+            })
+        }
+    };
     let _ = std::fs::remove_dir_all(&run_dir);
     Ok(outcome?)
 }
@@ -219,10 +335,13 @@ fn launch_ranks(
 fn run_demo(
     spec: &ExperimentSpec,
     demo: &CollectiveDemo,
-    simulated_hosts: usize,
+    hosts: Hosts<'_>,
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
-) -> Result<RunSummary, ExecError> {
+) -> Result<Option<RunSummary>, ExecError> {
+    if let Hosts::Gang(_) = hosts {
+        return Err(ExecError::Other("a collective demo runs on one worker".into()));
+    }
     let world = spec.parallel.dp;
     let started = Instant::now();
     let mut results: Vec<DemoRankResult> = Vec::new();
@@ -230,7 +349,7 @@ fn run_demo(
         spec,
         "demo",
         vec![],
-        simulated_hosts,
+        hosts,
         &mut |output| match output {
             RankOutput::Event(e) => on_event(*e),
             RankOutput::Demo(r) => results.push(r),
@@ -254,13 +373,13 @@ fn run_demo(
             check.max_abs_error
         ),
     }));
-    Ok(RunSummary {
+    Ok(Some(RunSummary {
         world_size: world,
         threads: 1,
         wall_s: started.elapsed().as_secs_f64(),
         collective: Some(check),
         ..RunSummary::default()
-    })
+    }))
 }
 
 /// A fresh private directory for one run's rendezvous sockets and files.

@@ -11,6 +11,8 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
+use std::net::IpAddr;
+use std::ops::Range;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -42,6 +44,9 @@ pub enum LaunchError {
     RunDir { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     RankFailed(String),
+    /// This host's ranks failed because ranks of another host went away.
+    #[error("{0}")]
+    HostLost(String),
     #[error("cancelled")]
     Cancelled,
 }
@@ -49,9 +54,16 @@ pub enum LaunchError {
 pub struct LaunchSpec<'a> {
     pub exe: &'a Path,
     pub world: usize,
+    /// The ranks started here: all of them, or this host's block of a run across workers.
+    pub local: Range<usize>,
     /// Every rank's host (empty: all on one). Ranks of different hosts talk over TCP, so a
     /// machine can play several hosts (`--simulated-hosts`).
     pub hosts: Vec<usize>,
+    /// The address ranks of other hosts reach this host's ranks at (None: 127.0.0.1).
+    pub host_ip: Option<IpAddr>,
+    /// The secret the connections between hosts prove (hex): the run's, when it spans
+    /// workers; None: a fresh one (simulated hosts).
+    pub secret: Option<String>,
     /// Arguments after `rank --rank R --world W --dir DIR [--hosts ...]`.
     pub args: Vec<String>,
     /// Sockets live here (created if missing).
@@ -92,14 +104,21 @@ pub fn launch(
     std::fs::create_dir_all(spec.run_dir)
         .map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?;
     let (tx, rx) = mpsc::channel::<(usize, RankMessage)>();
-    let mut ranks = Ranks(Vec::with_capacity(spec.world));
+    let mut ranks = Ranks(Vec::with_capacity(spec.local.len()));
     // Ranks of different hosts prove to each other that they belong to this run.
     let mut env = spec.env.clone();
     if !spec.hosts.is_empty() {
-        let secret = run_secret().map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?;
+        let secret = match &spec.secret {
+            Some(secret) => secret.clone(),
+            None => run_secret().map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?,
+        };
         env.push((crate::rank::SECRET_VAR.to_string(), secret));
     }
-    for rank in 0..spec.world {
+    let mut place_args = hosts_args(&spec.hosts);
+    if let Some(ip) = spec.host_ip {
+        place_args.extend(["--host-ip".to_string(), ip.to_string()]);
+    }
+    for rank in spec.local.clone() {
         let mut command = Command::new(spec.exe);
         die_with_launcher(&mut command);
         let mut child = command
@@ -107,7 +126,7 @@ pub fn launch(
             .args(["--rank", &rank.to_string(), "--world", &spec.world.to_string()])
             .arg("--dir")
             .arg(spec.run_dir)
-            .args(hosts_args(&spec.hosts))
+            .args(&place_args)
             .args(&spec.args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -150,7 +169,11 @@ pub fn launch(
         while let Ok((rank, msg)) = rx.recv_timeout(Duration::from_millis(20)) {
             match msg {
                 RankMessage::Output { payload } => on_output(rank, payload),
-                RankMessage::Error { message, peer } => ranks.0[rank].error = Some((message, peer)),
+                RankMessage::Error { message, peer } => {
+                    if let Some(p) = ranks.0.iter_mut().find(|p| p.rank == rank) {
+                        p.error = Some((message, peer));
+                    }
+                }
             }
         }
         if cancel.load(Ordering::Relaxed) {
@@ -178,7 +201,8 @@ pub fn launch(
         // After a failure, give the other ranks a moment to report what they saw, then blame.
         if let Some(t) = first_failure {
             if t.elapsed() > Duration::from_millis(300) {
-                return Err(LaunchError::RankFailed(blame(&ranks.0)));
+                let (message, elsewhere) = blame(&ranks.0, &spec.local);
+                return Err(if elsewhere { LaunchError::HostLost(message) } else { LaunchError::RankFailed(message) });
             }
         }
     }
@@ -239,11 +263,15 @@ fn die_with_launcher(command: &mut Command) {
 }
 
 /// Describes the failure that started it all: a rank that failed on its own (not because
-/// a peer went away), else the one its peers blame, else the first failed rank.
-fn blame(ranks: &[RankProcess]) -> String {
+/// a peer went away), else the one its peers blame, else the first failed rank. True as well
+/// when no rank here failed on its own and one blames a rank of another host (outside
+/// `local`): that host went away.
+fn blame(ranks: &[RankProcess], local: &Range<usize>) -> (String, bool) {
     let failed: Vec<&RankProcess> = ranks.iter().filter(|p| p.status.is_some_and(|s| !s.success())).collect();
-    let root = failed.iter().find(|p| !matches!(p.error, Some((_, Some(_))))).or_else(|| failed.first()).copied();
-    let Some(p) = root else { return "a rank failed".into() };
+    let on_its_own = failed.iter().find(|p| !matches!(p.error, Some((_, Some(_))))).copied();
+    let elsewhere = on_its_own.is_none()
+        && failed.iter().any(|p| matches!(p.error, Some((_, Some(peer))) if !local.contains(&peer)));
+    let Some(p) = on_its_own.or_else(|| failed.first().copied()) else { return ("a rank failed".into(), false) };
     let status = p.status.map(describe_status).unwrap_or_default();
     let tail = p.stderr_tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>().join("\n")).unwrap_or_default();
     let mut msg = match &p.error {
@@ -253,7 +281,7 @@ fn blame(ranks: &[RankProcess]) -> String {
     if !tail.trim().is_empty() {
         msg.push_str(&format!("\n--- rank {} stderr (last lines) ---\n{tail}", p.rank));
     }
-    msg
+    (msg, elsewhere)
 }
 
 fn describe_status(s: ExitStatus) -> String {

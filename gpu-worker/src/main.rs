@@ -8,6 +8,7 @@ mod demo;
 mod execute;
 mod launch;
 mod rank;
+mod rendezvous;
 mod run_local;
 mod worker_loop;
 
@@ -60,6 +61,14 @@ struct Cli {
     /// name, gone when the run's processes end (the server's local workers use DATA_DIR/offload).
     #[arg(long, env = "DISTLAB_OFFLOAD_DIR", default_value = "./data/offload")]
     offload_dir: PathBuf,
+    /// The most ranks this worker runs at once (its GPUs, say, or its cores); a run with
+    /// more is placed on several workers by the server. Unset: any number.
+    #[arg(long, env = "DISTLAB_WORKER_RANKS", value_parser = clap::value_parser!(u32).range(1..))]
+    ranks: Option<u32>,
+    /// The address other workers' ranks reach this worker's ranks at, in a run across
+    /// workers. Unset: the address this machine reaches the server from.
+    #[arg(long, env = "DISTLAB_ADVERTISE_IP")]
+    advertise_ip: Option<std::net::IpAddr>,
     /// Exit after the server has been unreachable this many seconds.
     #[arg(long, env = "DISTLAB_GIVE_UP_SECONDS", default_value_t = 60.0)]
     give_up_seconds: f64,
@@ -207,7 +216,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             let spec = launch::LaunchSpec {
                 exe: &exe,
                 world,
+                local: 0..world,
                 hosts: launch::simulated_hosts(world, cli.simulated_hosts),
+                host_ip: None,
+                secret: None,
                 args: vec![
                     "bench-comm".into(),
                     "--min-bytes".into(),
@@ -265,6 +277,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 threads: cli.threads,
                 collective_timeout: collective_timeout(cli.collective_timeout_seconds),
                 simulated_hosts: cli.simulated_hosts,
+                ranks: cli.ranks,
+                advertise_ip: cli.advertise_ip,
                 poll_interval: Duration::from_secs_f64(cli.poll_seconds.clamp(0.05, 60.0)),
                 give_up_after: Duration::from_secs_f64(cli.give_up_seconds.max(0.0)),
                 checkpoint_dir: cli.checkpoint_dir,

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicBool;
 use anyhow::Context;
 use distlab_common::*;
 
-use crate::execute::{execute, RunPaths};
+use crate::execute::{execute, ExecError, Hosts, RunPaths};
 
 /// Exit codes: 0 done, 1 the run failed, 2 the spec is invalid or unsupported.
 pub fn run_spec_file(
@@ -67,7 +67,9 @@ pub fn run_spec_file(
         dataset: dataset.as_deref(),
         ..RunPaths::default()
     };
-    let result = execute(&spec, threads, collective_timeout, simulated_hosts, paths, &mut on_event, &cancel);
+    let hosts = Hosts::Here { simulated: simulated_hosts };
+    let result = execute(&spec, threads, collective_timeout, hosts, paths, &mut on_event, &cancel)
+        .and_then(|summary| summary.ok_or_else(|| ExecError::Other("the run ended without a summary".into())));
     if let Some(e) = write_error {
         return Err(e).context("cannot write the metrics");
     }

@@ -2,6 +2,7 @@
 //! register, then, with the credential the server answers, lease experiments one at a
 //! time, train them, stream their events back in batches, and report how they ended.
 
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -11,7 +12,8 @@ use std::time::{Duration, Instant};
 use distlab_common::*;
 
 use crate::client::{ClientError, ServerClient};
-use crate::execute::{execute, RunPaths};
+use crate::execute::{execute, Gang, Hosts, RunPaths};
+use crate::rendezvous::{self, ServerRendezvous};
 use distlab_worker::checkpoint::CheckpointDir;
 use distlab_worker::train::TrainError;
 
@@ -23,6 +25,12 @@ pub struct WorkerConfig {
     pub collective_timeout: Duration,
     /// Hosts this machine plays for each run's ranks (1: one; see `launch::simulated_hosts`).
     pub simulated_hosts: usize,
+    /// The most ranks this worker runs at once (None: any number); a wider run is placed on
+    /// several workers.
+    pub ranks: Option<u32>,
+    /// The address other hosts reach this one's ranks at, in a run across workers (None:
+    /// the address this machine reaches the server from).
+    pub advertise_ip: Option<IpAddr>,
     /// How long to wait between lease requests when the queue is empty.
     pub poll_interval: Duration,
     /// Exit when the server has been unreachable this long (a local worker whose server died).
@@ -32,6 +40,9 @@ pub struct WorkerConfig {
     /// Where `parallel.offload=disk` keeps optimizer state (nameless files, gone with the run).
     pub offload_dir: PathBuf,
 }
+
+/// How long host 0 of a run across workers waits for the other hosts' last reports.
+const HOSTS_DONE: Duration = Duration::from_secs(60);
 
 /// Events are sent when this many are pending, or when the oldest has waited `FLUSH_EVERY`.
 const BATCH_EVENTS: usize = 256;
@@ -71,8 +82,14 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
     let client = ServerClient::new(&cfg.server, &cfg.token);
     let threads = if cfg.threads == 0 { thread::available_parallelism().map_or(1, |n| n.get()) } else { cfg.threads };
     let (backends, devices, capacity) = offered(threads);
-    let registration =
-        RegisterWorker { name: cfg.name.clone(), backends, devices, version: VERSION.to_string(), capacity };
+    let registration = RegisterWorker {
+        name: cfg.name.clone(),
+        backends,
+        devices,
+        version: VERSION.to_string(),
+        capacity,
+        ranks: cfg.ranks,
+    };
     let registered = retry_while_unreachable(&cfg, "register", || client.register(&registration))?;
     // From here on the worker speaks with its own credential.
     let client = client.as_worker(&registered.credential);
@@ -80,11 +97,21 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
     tracing::info!(worker_id = registered.worker_id, server = %cfg.server, "registered");
 
     loop {
-        let lease = retry_while_unreachable(&cfg, "lease", || client.lease(registered.worker_id))?;
+        let lease = retry_while_unreachable(&cfg, "lease", || client.lease(registered.worker_id, cfg.poll_interval))?;
         match lease {
             None => thread::sleep(cfg.poll_interval),
             Some(lease) => {
-                tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased");
+                match &lease.placement {
+                    None => tracing::info!(experiment = lease.experiment_id, attempt = lease.attempt, "leased"),
+                    Some(p) => tracing::info!(
+                        experiment = lease.experiment_id,
+                        attempt = lease.attempt,
+                        host = p.host,
+                        hosts = p.ranks_per_host.len(),
+                        ranks = ?p.ranks(),
+                        "leased a part of a run across workers"
+                    ),
+                }
                 let checkpoints =
                     cfg.checkpoint_dir.join(distlab_common::elastic::checkpoint_dir_name(lease.experiment_id));
                 let run = Leased { lease, threads, collective_timeout: cfg.collective_timeout, heartbeat, checkpoints };
@@ -179,6 +206,18 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     let (tx, rx) = mpsc::channel::<RunEvent>();
     // The trained model lands here and goes to the server when the run succeeds.
     let model_dir = tempfile::tempdir().ok();
+    let gang_ip = match &lease.placement {
+        Some(_) => match cfg.advertise_ip.map_or_else(|| address_towards(&cfg.server), Ok) {
+            Ok(ip) => Some(ip),
+            Err(error) => {
+                if let Err(e) = report_failure(cfg, client, worker_id, experiment_id, error, false) {
+                    tracing::warn!(experiment = experiment_id, "could not report {e}");
+                }
+                return;
+            }
+        },
+        None => None,
+    };
     let training = {
         let cancel = cancel.clone();
         let spec = lease.spec.clone();
@@ -186,6 +225,9 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         let offload_dir = cfg.offload_dir.clone();
         let model_out = model_dir.as_ref().map(|d| d.path().to_path_buf());
         let dataset = dataset.clone();
+        let placement = lease.placement.clone();
+        let attempt = lease.attempt;
+        let client = client.clone();
         thread::Builder::new().name(format!("train-{experiment_id}")).spawn(move || {
             let mut on_event = |e: RunEvent| {
                 let _ = tx.send(e);
@@ -198,7 +240,12 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
                 model_out: model_out.as_deref(),
                 dataset: dataset.as_deref(),
             };
-            execute(&spec, threads, collective_timeout, simulated_hosts, paths, &mut on_event, &cancel)
+            let rendezvous = ServerRendezvous { client: &client, worker_id, experiment_id, attempt };
+            let hosts = match (&placement, gang_ip) {
+                (Some(placement), Some(ip)) => Hosts::Gang(Gang { placement, ip, rendezvous: &rendezvous }),
+                _ => Hosts::Here { simulated: simulated_hosts },
+            };
+            execute(&spec, threads, collective_timeout, hosts, paths, &mut on_event, &cancel)
         })
     };
     let training = match training {
@@ -263,6 +310,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     }
 
     let result = training.join();
+    let gang_rendezvous = ServerRendezvous { client, worker_id, experiment_id, attempt: lease.attempt };
     if lease_lost {
         tracing::info!(
             experiment = experiment_id,
@@ -271,8 +319,25 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         return;
     }
     let reported = match result {
-        Ok(Ok(summary)) => {
+        // Another host's part ended well: host 0 reports the run. This host stays out of
+        // other work (heartbeating its part) until the run has ended.
+        Ok(Ok(None)) => {
+            tracing::info!(experiment = experiment_id, "this host's ranks finished; waiting for the run to end");
+            if let Some(p) = &lease.placement {
+                if let Err(e) = rendezvous::host_done(&gang_rendezvous, p.host) {
+                    tracing::warn!(experiment = experiment_id, "{e}");
+                }
+            }
+            wait_for_the_end(cfg, client, worker_id, experiment_id, heartbeat);
+            return;
+        }
+        Ok(Ok(Some(summary))) => {
             tracing::info!(experiment = experiment_id, final_loss = summary.final_loss, "succeeded");
+            if let Some(p) = lease.placement.as_ref().filter(|p| p.ranks_per_host.len() > 1) {
+                if let Err(e) = rendezvous::wait_for_hosts_done(&gang_rendezvous, p.ranks_per_host.len(), HOSTS_DONE) {
+                    tracing::warn!(experiment = experiment_id, "completing the run all the same: {e}");
+                }
+            }
             if let Some(dir) = &model_dir {
                 upload_model(cfg, client, experiment_id, &dir.path().join(distlab_common::export::WEIGHTS_FILE));
             }
@@ -282,6 +347,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         Ok(Err(e)) if e.is_cancelled() => {
             report_failure(cfg, client, worker_id, experiment_id, "cancelled".into(), true)
         }
+        Ok(Err(e)) if e.is_host_lost() => report_lost_host(cfg, client, worker_id, experiment_id, e.to_string()),
         Ok(Err(e)) => report_failure(cfg, client, worker_id, experiment_id, e.to_string(), false),
         Err(panic) => {
             let what = panic
@@ -292,6 +358,13 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
             report_failure(cfg, client, worker_id, experiment_id, format!("the engine crashed: {what}"), false)
         }
     };
+    if lease.placement.as_ref().is_some_and(|p| p.host != 0) {
+        // (host 0 looks after the run's checkpoints)
+        if let Err(e) = reported {
+            tracing::warn!(experiment = experiment_id, "could not report {e}");
+        }
+        return;
+    }
     // The latest complete checkpoint stays when the run has ended: another experiment can
     // start from it (`train.resume_from`), and if the report is lost the lease expires and
     // the next attempt resumes from it. It goes with the experiment where the server can
@@ -326,6 +399,61 @@ fn fetch_dataset(
     Ok(Some(path))
 }
 
+/// Heartbeats this host's part of a run across workers until the server says the run has
+/// ended (or that this worker no longer holds it).
+fn wait_for_the_end(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, experiment_id: i64, every: Duration) {
+    loop {
+        match client.heartbeat(worker_id, Some(experiment_id)) {
+            Ok(ack) if !ack.cancel => thread::sleep(every),
+            Ok(_) => return,
+            Err(e) if e.is_transient() => {
+                if retry_while_unreachable(cfg, "heartbeat", || client.heartbeat(worker_id, Some(experiment_id)))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+/// The address of this machine that reaches `server` (the one the other hosts of a run are
+/// most likely to reach it at too): where the kernel would route a packet to the server.
+fn address_towards(server: &str) -> Result<IpAddr, String> {
+    let authority = server.split("://").nth(1).unwrap_or(server).split('/').next().unwrap_or_default();
+    let with_port = if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+        authority.to_string()
+    } else {
+        format!("{authority}:80")
+    };
+    let cannot = |e: std::io::Error| {
+        format!("cannot tell which address of this machine reaches {server}: {e} (set --advertise-ip)")
+    };
+    let target = std::net::ToSocketAddrs::to_socket_addrs(&with_port)
+        .map_err(cannot)?
+        .next()
+        .ok_or_else(|| format!("{server} resolves to no address (set --advertise-ip)"))?;
+    let local = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+    let socket = std::net::UdpSocket::bind(local).map_err(cannot)?;
+    socket.connect(target).map_err(cannot)?;
+    Ok(socket.local_addr().map_err(cannot)?.ip())
+}
+
+/// Tells the server this host's ranks failed because another host of the run went away:
+/// the run goes back to the queue (unless that host reports an error of its own).
+fn report_lost_host(
+    cfg: &WorkerConfig,
+    client: &ServerClient,
+    worker_id: i64,
+    experiment_id: i64,
+    error: String,
+) -> Result<(), String> {
+    tracing::warn!(experiment = experiment_id, "another host of the run went away: {error}");
+    let fail = Fail { worker_id, experiment_id, error, cancelled: false, lost_host: true };
+    retry_while_unreachable(cfg, "the failure", || client.fail(&fail)).map(drop).map_err(|e| e.to_string())
+}
+
 /// Tells the server the run failed (or stopped after a cancel), retrying until it answers.
 fn report_failure(
     cfg: &WorkerConfig,
@@ -340,7 +468,7 @@ fn report_failure(
     } else {
         tracing::warn!(experiment = experiment_id, "failed: {error}");
     }
-    let fail = Fail { worker_id, experiment_id, error, cancelled };
+    let fail = Fail { worker_id, experiment_id, error, cancelled, lost_host: false };
     retry_while_unreachable(cfg, "the failure", || client.fail(&fail)).map(drop).map_err(|e| e.to_string())
 }
 
@@ -356,6 +484,8 @@ mod tests {
             threads: 1,
             collective_timeout: Duration::from_secs(1),
             simulated_hosts: 1,
+            ranks: None,
+            advertise_ip: None,
             poll_interval: Duration::from_millis(10),
             give_up_after,
             checkpoint_dir: PathBuf::from("unused"),

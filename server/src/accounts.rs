@@ -93,7 +93,7 @@ pub async fn create(db: &Db, name: &str, password: &str, admin: bool) -> Result<
     check_password(password)?;
     let hash = hash(password).await?;
     let done = sqlx::query(
-        "INSERT INTO users (name, password_hash, admin, created_at) VALUES (?1, ?2, ?3, ?4) ON CONFLICT DO NOTHING",
+        "INSERT INTO users (name, password_hash, admin, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
     )
     .bind(name)
     .bind(&hash)
@@ -112,27 +112,31 @@ pub async fn set_password(db: &Db, name: &str, password: &str) -> Result<(), Acc
     check_password(password)?;
     let hash = hash(password).await?;
     let changed =
-        sqlx::query("UPDATE users SET password_hash = ?1 WHERE name = ?2").bind(&hash).bind(name).execute(db).await?;
+        sqlx::query("UPDATE users SET password_hash = $1 WHERE name = $2").bind(&hash).bind(name).execute(db).await?;
     if changed.rows_affected() == 0 {
         return Err(AccountError::NoSuchAccount(name.to_string()));
     }
-    sqlx::query("DELETE FROM sessions WHERE user_name = ?1").bind(name).execute(db).await?;
+    sqlx::query("DELETE FROM sessions WHERE user_name = $1").bind(name).execute(db).await?;
     Ok(())
 }
 
 /// Every account, by name.
 pub async fn list(db: &Db) -> Result<Vec<Account>, sqlx::Error> {
-    let rows: Vec<(String, bool)> = sqlx::query_as("SELECT name, admin FROM users ORDER BY name").fetch_all(db).await?;
-    Ok(rows.into_iter().map(|(name, admin)| Account { name, admin }).collect())
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT name, CAST(admin AS INTEGER) FROM users ORDER BY name").fetch_all(db).await?;
+    Ok(rows.into_iter().map(|(name, admin)| Account { name, admin: admin != 0 }).collect())
 }
 
 /// The account if `password` is its password. The hash is checked even for a name that
 /// does not exist (against a fixed hash), so that the time taken does not tell.
 pub async fn verify(db: &Db, name: &str, password: &str) -> Result<Option<Account>, sqlx::Error> {
-    let row: Option<(String, bool)> =
-        sqlx::query_as("SELECT password_hash, admin FROM users WHERE name = ?1").bind(name).fetch_optional(db).await?;
+    let row: Option<(String, i64)> =
+        sqlx::query_as("SELECT password_hash, CAST(admin AS INTEGER) FROM users WHERE name = $1")
+            .bind(name)
+            .fetch_optional(db)
+            .await?;
     let (hash, admin, exists) = match row {
-        Some((hash, admin)) => (hash, admin, true),
+        Some((hash, admin)) => (hash, admin != 0, true),
         None => (UNKNOWN_NAME_HASH.clone(), false, false),
     };
     let password = password.to_string();
@@ -157,7 +161,7 @@ pub fn token_digest(token: &str) -> String {
 /// A new session for `account`: the token to hand the browser.
 pub async fn open_session(db: &Db, account: &Account, now: SystemTime) -> Result<String, sqlx::Error> {
     let token = crate::random_token() + &crate::random_token();
-    sqlx::query("INSERT INTO sessions (token_sha256, user_name, created_at, expires_at) VALUES (?1, ?2, ?3, ?4)")
+    sqlx::query("INSERT INTO sessions (token_sha256, user_name, created_at, expires_at) VALUES ($1, $2, $3, $4)")
         .bind(token_digest(&token))
         .bind(&account.name)
         .bind(clock::rfc3339(now))
@@ -169,20 +173,20 @@ pub async fn open_session(db: &Db, account: &Account, now: SystemTime) -> Result
 
 /// Who holds session `token` at `now`, if anyone.
 pub async fn session(db: &Db, token: &str, now: SystemTime) -> Result<Option<Account>, sqlx::Error> {
-    let row: Option<(String, bool)> = sqlx::query_as(
-        "SELECT u.name, u.admin FROM sessions s JOIN users u ON u.name = s.user_name \
-         WHERE s.token_sha256 = ?1 AND s.expires_at > ?2",
+    let row: Option<(String, i64)> = sqlx::query_as(
+        "SELECT u.name, CAST(u.admin AS INTEGER) FROM sessions s JOIN users u ON u.name = s.user_name \
+         WHERE s.token_sha256 = $1 AND s.expires_at > $2",
     )
     .bind(token_digest(token))
     .bind(clock::rfc3339(now))
     .fetch_optional(db)
     .await?;
-    Ok(row.map(|(name, admin)| Account { name, admin }))
+    Ok(row.map(|(name, admin)| Account { name, admin: admin != 0 }))
 }
 
 /// Ends session `token`.
 pub async fn close_session(db: &Db, token: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("DELETE FROM sessions WHERE token_sha256 = ?1").bind(token_digest(token)).execute(db).await?;
+    sqlx::query("DELETE FROM sessions WHERE token_sha256 = $1").bind(token_digest(token)).execute(db).await?;
     Ok(())
 }
 

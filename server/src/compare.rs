@@ -104,7 +104,7 @@ async fn build(state: &AppState, ids: &[i64]) -> Result<CompareView, HttpError> 
 /// with them) at the checkpoint the last attempt began from.
 pub async fn traced_steps(state: &AppState, experiment: &ExperimentView) -> Result<u64, HttpError> {
     let from: Option<Option<i64>> =
-        sqlx::query_scalar("SELECT from_step FROM attempts WHERE experiment_id = ?1 ORDER BY attempt DESC LIMIT 1")
+        sqlx::query_scalar("SELECT from_step FROM attempts WHERE experiment_id = $1 ORDER BY attempt DESC LIMIT 1")
             .bind(experiment.id)
             .fetch_optional(&state.db)
             .await?;
@@ -116,7 +116,7 @@ pub async fn traced_steps(state: &AppState, experiment: &ExperimentView) -> Resu
 /// Every stored rank trace of an experiment, in rank order.
 pub async fn load_traces(state: &AppState, id: i64) -> Result<Vec<RankTrace>, HttpError> {
     let rows: Vec<(i64, String)> =
-        sqlx::query_as("SELECT rank, trace FROM traces WHERE experiment_id = ?1 ORDER BY rank")
+        sqlx::query_as("SELECT rank, trace FROM traces WHERE experiment_id = $1 ORDER BY rank")
             .bind(id)
             .fetch_all(&state.db)
             .await?;

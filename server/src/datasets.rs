@@ -75,7 +75,7 @@ fn max_seq_len(bytes: u64) -> u64 {
 /// Dataset `id`, if there is one.
 pub async fn find(db: &Db, id: i64) -> Result<Option<DatasetView>, sqlx::Error> {
     let row = sqlx::query_as::<_, DatasetRow>(
-        "SELECT id, name, owner, bytes, created_at FROM datasets WHERE id = ?1 AND deleted_at IS NULL",
+        "SELECT id, name, owner, bytes, created_at FROM datasets WHERE id = $1 AND deleted_at IS NULL",
     )
     .bind(id)
     .fetch_optional(db)
@@ -95,7 +95,7 @@ async fn all(db: &Db) -> Result<Vec<DatasetView>, sqlx::Error> {
 async fn insert(db: &Db, name: &str, owner: &str, bytes: u64) -> Result<DatasetView, sqlx::Error> {
     let created_at = clock::rfc3339(clock::now());
     let id: i64 = sqlx::query_scalar(
-        "INSERT INTO datasets (name, owner, bytes, created_at) VALUES (?1, ?2, ?3, ?4) RETURNING id",
+        "INSERT INTO datasets (name, owner, bytes, created_at) VALUES ($1, $2, $3, $4) RETURNING id",
     )
     .bind(name)
     .bind(owner)
@@ -186,7 +186,7 @@ pub async fn upload(
         ));
     }
     let bytes_len = bytes.len() as u64;
-    let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM datasets WHERE owner = ?1 AND deleted_at IS NULL")
+    let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM datasets WHERE owner = $1 AND deleted_at IS NULL")
         .bind(&owner.name)
         .fetch_one(&state.db)
         .await?;
@@ -260,7 +260,7 @@ pub async fn delete(
             ids.join(", ")
         )));
     }
-    sqlx::query("UPDATE datasets SET deleted_at = ?2 WHERE id = ?1")
+    sqlx::query("UPDATE datasets SET deleted_at = $2 WHERE id = $1")
         .bind(id)
         .bind(clock::rfc3339(clock::now()))
         .execute(&state.db)

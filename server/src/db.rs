@@ -1,12 +1,24 @@
-//! The SQLite database in the data directory: WAL, foreign keys on, a busy timeout so that
-//! concurrent writers wait for each other, and the migrations applied at start.
+//! The database: SQLite in the data directory (the embedded default: WAL, foreign keys on,
+//! a busy timeout so that concurrent writers wait for each other), or PostgreSQL
+//! (`--database-url postgres://...`) for a department that runs several servers on one
+//! database. Both are reached through sqlx's `Any` driver, so every query is written once:
+//! `$1`-style parameters (SQLite reads them too), portable SQL, integers and text rather
+//! than booleans in what a query returns (sqlx cannot hand SQLite's booleans over `Any`).
+//!
+//! The migrations in `migrations/` are written for SQLite and kept portable; on Postgres
+//! an `INTEGER PRIMARY KEY` (SQLite's row id) becomes an identity column, the one
+//! difference ([`postgres_sql`]).
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
+use sqlx::migrate::{Migration, Migrator};
+use sqlx::sqlite::SqliteConnectOptions;
+use sqlx::{Any, AnyPool, ConnectOptions, Executor, Transaction};
 
-pub type Db = SqlitePool;
+pub type Db = AnyPool;
 
 pub const DB_FILE: &str = "distlab.db";
 
@@ -14,29 +26,140 @@ pub const DB_FILE: &str = "distlab.db";
 pub enum DbError {
     #[error("cannot create the data directory {path}: {source}")]
     DataDir { path: PathBuf, source: std::io::Error },
-    #[error("cannot open the database {path}: {source}")]
-    Open { path: PathBuf, source: sqlx::Error },
-    #[error("cannot apply the database migrations to {path}: {source}")]
-    Migrate { path: PathBuf, source: sqlx::migrate::MigrateError },
+    #[error("cannot open the database {place}: {source}")]
+    Open { place: String, source: sqlx::Error },
+    #[error("cannot apply the database migrations to {place}: {source}")]
+    Migrate { place: String, source: sqlx::migrate::MigrateError },
+    #[error("--database-url must start with postgres:// or postgresql:// (SQLite needs none: it lives in --data-dir)")]
+    Url,
 }
 
-/// Opens (creating if needed) DATA_DIR/distlab.db and brings its schema up to date.
-pub async fn open(data_dir: &Path) -> Result<Db, DbError> {
-    std::fs::create_dir_all(data_dir).map_err(|source| DbError::DataDir { path: data_dir.to_path_buf(), source })?;
-    let path = data_dir.join(DB_FILE);
-    let options = SqliteConnectOptions::new()
-        .filename(&path)
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Normal)
-        .foreign_keys(true)
-        .busy_timeout(Duration::from_secs(10));
-    let pool = SqlitePoolOptions::new()
-        .max_connections(8)
+/// Where the server keeps its data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Location<'a> {
+    /// DATA_DIR/distlab.db, created if needed.
+    DataDir(&'a Path),
+    /// A PostgreSQL database (it must exist; the migrations create the tables).
+    Postgres(&'a str),
+}
+
+/// Opens the database and brings its schema up to date.
+pub async fn open(location: Location<'_>) -> Result<Db, DbError> {
+    sqlx::any::install_default_drivers();
+    let (url, place) = match location {
+        Location::DataDir(data_dir) => {
+            std::fs::create_dir_all(data_dir)
+                .map_err(|source| DbError::DataDir { path: data_dir.to_path_buf(), source })?;
+            let path = data_dir.join(DB_FILE);
+            let url = SqliteConnectOptions::new().filename(&path).create_if_missing(true).to_url_lossy();
+            (url.to_string(), path.display().to_string())
+        }
+        Location::Postgres(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            (url.to_string(), without_password(url))
+        }
+        Location::Postgres(_) => return Err(DbError::Url),
+    };
+    let options: AnyConnectOptions = url.parse().map_err(|source| DbError::Open { place: place.clone(), source })?;
+    let pool = AnyPoolOptions::new()
+        .max_connections(if matches!(location, Location::DataDir(_)) { 8 } else { 16 })
         .acquire_timeout(Duration::from_secs(30))
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                if conn.backend_name() == "SQLite" {
+                    // The busy timeout first: switching to WAL may wait for another writer.
+                    let pragmas = "PRAGMA busy_timeout = 10000; PRAGMA journal_mode = WAL; \
+                                   PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;";
+                    conn.execute(pragmas).await?;
+                }
+                Ok(())
+            })
+        })
         .connect_with(options)
         .await
-        .map_err(|source| DbError::Open { path: path.clone(), source })?;
-    sqlx::migrate!("../migrations").run(&pool).await.map_err(|source| DbError::Migrate { path, source })?;
+        .map_err(|source| DbError::Open { place: place.clone(), source })?;
+    migrator(is_postgres(&pool)).run(&pool).await.map_err(|source| DbError::Migrate { place, source })?;
     Ok(pool)
+}
+
+/// Whether `db` is PostgreSQL (else SQLite).
+pub fn is_postgres(db: &Db) -> bool {
+    db.connect_options().database_url.scheme().starts_with("postgres")
+}
+
+/// The migrations, as each database reads them.
+fn migrator(postgres: bool) -> Migrator {
+    let mut migrator = sqlx::migrate!("../migrations");
+    if postgres {
+        // (`migrations` is sqlx's own field: `migrate!` fills it the same way.)
+        migrator.migrations = migrator
+            .migrations
+            .iter()
+            .map(|m| {
+                let sql = Cow::Owned(postgres_sql(&m.sql));
+                Migration::new(m.version, m.description.clone(), m.migration_type, sql, m.no_tx)
+            })
+            .collect::<Vec<_>>()
+            .into();
+    }
+    migrator
+}
+
+/// A migration written for SQLite, for PostgreSQL: row ids become identity columns.
+pub fn postgres_sql(sqlite: &str) -> String {
+    sqlite.replace("INTEGER PRIMARY KEY", "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY")
+}
+
+/// A transaction that holds the database's write lock from its first statement, for a
+/// decision read and then written (a lease): `BEGIN IMMEDIATE` on SQLite (a deferred
+/// BEGIN could read, then fail to write after another writer), on Postgres a transaction
+/// lock that every such transaction takes, so that they run one at a time.
+pub async fn begin_write(db: &Db) -> Result<Transaction<'static, Any>, sqlx::Error> {
+    if is_postgres(db) {
+        let mut tx = db.begin().await?;
+        sqlx::query("SELECT CAST(1 AS BIGINT) FROM pg_advisory_xact_lock($1)")
+            .bind(WRITE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    } else {
+        db.begin_with("BEGIN IMMEDIATE").await
+    }
+}
+
+/// The key of the advisory lock [`begin_write`] takes on Postgres ("distlab" in ASCII).
+const WRITE_LOCK: i64 = 0x0064_6973_746c_6162;
+
+/// A database URL fit for a log line: the password replaced.
+pub fn without_password(url: &str) -> String {
+    match url.parse::<url::Url>() {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        Ok(parsed) => parsed.to_string(),
+        Err(_) => "(an unreadable URL)".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn postgres_reads_row_ids_as_identity_columns_and_nothing_else_changes() {
+        let sql = "CREATE TABLE t (\n    id INTEGER PRIMARY KEY,\n    n BIGINT NOT NULL\n);";
+        assert_eq!(
+            postgres_sql(sql),
+            "CREATE TABLE t (\n    id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,\n    n BIGINT NOT NULL\n);"
+        );
+        for m in sqlx::migrate!("../migrations").iter() {
+            assert!(!m.sql.contains("AUTOINCREMENT") && !m.sql.contains("WITHOUT ROWID"), "{}", m.description);
+        }
+    }
+
+    #[test]
+    fn passwords_stay_out_of_logs() {
+        assert_eq!(without_password("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(without_password("postgres://u@h/db"), "postgres://u@h/db");
+    }
 }

@@ -84,14 +84,14 @@ pub fn not_found(id: i64) -> HttpError {
 
 /// One experiment, or None when there is no such id.
 pub async fn load(db: &Db, id: i64) -> Result<Option<ExperimentView>, HttpError> {
-    let sql = format!("{SELECT_VIEW} WHERE e.id = ?1");
+    let sql = format!("{SELECT_VIEW} WHERE e.id = $1");
     let row = sqlx::query_as::<_, ExperimentRow>(&sql).bind(id).fetch_optional(db).await?;
     row.map(ExperimentRow::into_view).transpose()
 }
 
 /// The newest `limit` succeeded experiments (of everyone: results are shared), newest first.
 pub async fn recent_succeeded(db: &Db, limit: i64) -> Result<Vec<ExperimentView>, HttpError> {
-    let sql = format!("{SELECT_VIEW} WHERE e.status = 'succeeded' ORDER BY e.id DESC LIMIT ?1");
+    let sql = format!("{SELECT_VIEW} WHERE e.status = 'succeeded' ORDER BY e.id DESC LIMIT $1");
     let rows = sqlx::query_as::<_, ExperimentRow>(&sql).bind(limit).fetch_all(db).await?;
     rows.into_iter().map(ExperimentRow::into_view).collect()
 }
@@ -118,7 +118,7 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, HttpErro
     let rows = sqlx::query_as::<_, MetricRow>(
         "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, expert_balance, \
          expert_assignments, expert_dropped, logit_grad_zero_share, val_loss FROM metrics \
-         WHERE experiment_id = ?1 ORDER BY step",
+         WHERE experiment_id = $1 ORDER BY step",
     )
     .bind(id)
     .fetch_all(db)
@@ -164,7 +164,7 @@ pub struct StoredLog {
 pub async fn load_recent_logs(db: &Db, id: i64, limit: i64) -> Result<Vec<StoredLog>, HttpError> {
     let rows = sqlx::query_as::<_, LogRow>(
         "SELECT id, level, message FROM \
-           (SELECT id, level, message FROM logs WHERE experiment_id = ?1 ORDER BY id DESC LIMIT ?2) \
+           (SELECT id, level, message FROM logs WHERE experiment_id = $1 ORDER BY id DESC LIMIT $2) AS recent \
          ORDER BY id",
     )
     .bind(id)
@@ -212,6 +212,9 @@ pub async fn create(
         problems.push(FieldError::new("backend", "no registered worker offers the cuda backend"));
     }
     problems.extend(distlab_common::backends::unsupported_on_backend(&spec));
+    if problems.is_empty() {
+        problems.extend(too_wide_for_the_workers(&state, &spec).await?);
+    }
     if problems.is_empty() {
         problems.extend(too_big_for_every_worker(&state, &spec).await?);
     }
@@ -263,6 +266,30 @@ async fn resume_source_problems(db: &Db, spec: &mut ExperimentSpec) -> Result<Ve
     Ok(problems)
 }
 
+/// Refuses a spec with more ranks than the live workers offering its backend can run:
+/// than any one of them (`--ranks`) when the server keeps every run on one worker, than
+/// all of them together otherwise. Workers without a limit take any run.
+async fn too_wide_for_the_workers(state: &AppState, spec: &ExperimentSpec) -> Result<Option<FieldError>, HttpError> {
+    let ranks = workers::live_ranks(state, spec.backend).await?;
+    let world = spec.world_size();
+    if ranks.is_empty() || ranks.iter().any(|r| r.is_none_or(|r| r >= world)) {
+        return Ok(None);
+    }
+    let largest = ranks.iter().flatten().max().copied().unwrap_or(0);
+    let together: usize = ranks.iter().flatten().sum();
+    let refusal = if !state.config.allow_multi_host {
+        format!(
+            "its {world} ranks do not fit one worker (the largest runs {largest}), and this server runs every \
+             experiment on one worker (--allow-multi-host false)"
+        )
+    } else if together < world {
+        format!("its {world} ranks need more than the live workers run together ({together})")
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(FieldError::new("parallel", format!("{refusal}; use fewer ranks (dp x tp x pp)"))))
+}
+
 /// Admission control: a spec whose ranks need more memory (as the planner counts it) than
 /// any live worker offering its backend has would only be killed there. On the CPU the
 /// ranks of a run share the machine's memory; on CUDA they take the GPUs in turn, and the
@@ -273,18 +300,23 @@ async fn too_big_for_every_worker(state: &AppState, spec: &ExperimentSpec) -> Re
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let world = spec.world_size();
     let refusal = if spec.backend == BackendKind::Cpu {
-        let Some(largest) = capacities.iter().map(|c| c.memory_bytes).max() else { return Ok(None) };
-        let needed = plan.memory_of_all_ranks();
-        if needed <= largest {
+        // A worker that runs fewer ranks than the world holds only its share of them.
+        let share = |w: &workers::LiveWorker| w.ranks.unwrap_or(world).min(world);
+        let needed = |w: &workers::LiveWorker| plan.memory_of_all_ranks() / world as u64 * share(w) as u64;
+        let Some(largest) = capacities.iter().max_by_key(|w| w.capacity.memory_bytes) else { return Ok(None) };
+        if capacities.iter().any(|w| needed(w) <= w.capacity.memory_bytes) {
             return Ok(None);
         }
+        let ranks = share(largest);
+        let which =
+            if ranks == world { format!("its {world} ranks") } else { format!("its {ranks} ranks on one worker") };
         format!(
-            "its {world} ranks need {:.2} GiB together (the planner's count), more than the largest worker has \
-             ({:.2} GiB)",
-            gib(needed),
-            gib(largest)
+            "{which} need {:.2} GiB together (the planner's count), more than the largest worker has ({:.2} GiB)",
+            gib(needed(largest)),
+            gib(largest.capacity.memory_bytes)
         )
     } else {
+        let capacities: Vec<&distlab_common::WorkerCapacity> = capacities.iter().map(|w| &w.capacity).collect();
         let gpu_workers = || capacities.iter().filter(|c| c.gpus > 0 && c.gpu_memory_bytes > 0);
         let Some(best) = gpu_workers().max_by_key(|c| (c.gpus, c.gpu_memory_bytes)) else { return Ok(None) };
         if gpu_workers().any(|c| plan.memory_per_gpu(c.gpus.into()) <= c.gpu_memory_bytes) {
@@ -408,10 +440,10 @@ pub async fn list(
     let status_str = status.map(ExperimentStatus::as_str);
 
     // Everyone reads every experiment: sharing results is the point of a class's server.
-    let sql = format!("{SELECT_VIEW} WHERE (?1 IS NULL OR e.status = ?1) ORDER BY e.id DESC LIMIT ?2 OFFSET ?3");
+    let sql = format!("{SELECT_VIEW} WHERE ($1 IS NULL OR e.status = $1) ORDER BY e.id DESC LIMIT $2 OFFSET $3");
     let rows =
         sqlx::query_as::<_, ExperimentRow>(&sql).bind(status_str).bind(limit).bind(offset).fetch_all(&state.db).await?;
-    let total: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE ?1 IS NULL OR status = ?1")
+    let total: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE $1 IS NULL OR status = $1")
         .bind(status_str)
         .fetch_one(&state.db)
         .await?;
@@ -448,7 +480,7 @@ pub async fn get_one(
 pub async fn metrics(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Metrics>, HttpError> {
     let id = parse_id(&raw_id)?;
     let exists: Option<i64> =
-        sqlx::query_scalar("SELECT id FROM experiments WHERE id = ?1").bind(id).fetch_optional(&state.db).await?;
+        sqlx::query_scalar("SELECT id FROM experiments WHERE id = $1").bind(id).fetch_optional(&state.db).await?;
     if exists.is_none() {
         return Err(not_found(id));
     }
@@ -477,13 +509,13 @@ struct AttemptRow {
 pub async fn attempts(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Attempts>, HttpError> {
     let id = parse_id(&raw_id)?;
     let exists: Option<i64> =
-        sqlx::query_scalar("SELECT id FROM experiments WHERE id = ?1").bind(id).fetch_optional(&state.db).await?;
+        sqlx::query_scalar("SELECT id FROM experiments WHERE id = $1").bind(id).fetch_optional(&state.db).await?;
     if exists.is_none() {
         return Err(not_found(id));
     }
     let rows = sqlx::query_as::<_, AttemptRow>(
         "SELECT a.attempt, w.name AS worker, a.started_at, a.from_step, a.lost_steps \
-         FROM attempts a LEFT JOIN workers w ON w.id = a.worker_id WHERE a.experiment_id = ?1 ORDER BY a.attempt",
+         FROM attempts a LEFT JOIN workers w ON w.id = a.worker_id WHERE a.experiment_id = $1 ORDER BY a.attempt",
     )
     .bind(id)
     .fetch_all(&state.db)
@@ -521,8 +553,8 @@ pub async fn cancel(
     let before = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
     may_change(&caller, &before, "cancel")?;
     let cancelled: Option<Option<i64>> = sqlx::query_scalar(
-        "UPDATE experiments SET status = 'cancelled', cancel_requested = TRUE, finished_at = ?1, lease_until = NULL \
-         WHERE id = ?2 AND status IN ('queued', 'running') RETURNING worker_id",
+        "UPDATE experiments SET status = 'cancelled', cancel_requested = TRUE, finished_at = $1, lease_until = NULL \
+         WHERE id = $2 AND status IN ('queued', 'running') RETURNING worker_id",
     )
     .bind(clock::rfc3339(clock::now()))
     .bind(id)

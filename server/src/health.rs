@@ -16,7 +16,7 @@ use crate::AppState;
 )]
 pub async fn health(State(state): State<AppState>) -> Result<Json<Health>, HttpError> {
     let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
-    let workers: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM workers WHERE last_seen >= ?1")
+    let workers: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM workers WHERE last_seen >= $1")
         .bind(cutoff)
         .fetch_one(&state.db)
         .await?;

@@ -15,12 +15,15 @@ pub mod db;
 pub mod error;
 pub mod experiments;
 pub mod extract;
+pub mod fanout;
 pub mod health;
 pub mod local_workers;
 pub mod memory;
 pub mod metrics;
 pub mod models;
 pub mod openapi;
+pub mod parts;
+pub mod placement;
 pub mod plan;
 pub mod queue;
 pub mod quiz;
@@ -65,8 +68,12 @@ use crate::stream::Hub;
 pub struct ServerConfig {
     /// Where to listen; port 0 picks a free port (the ready line shows it).
     pub addr: SocketAddr,
-    /// Holds distlab.db.
+    /// Holds distlab.db (unless `database_url` names another database), uploaded datasets
+    /// and trained models.
     pub data_dir: PathBuf,
+    /// A PostgreSQL database instead of DATA_DIR/distlab.db (`postgres://...`): several
+    /// servers can share it.
+    pub database_url: Option<String>,
     /// The built frontend (index.html, js, wasm).
     pub static_dir: PathBuf,
     /// Worker processes to start next to the server.
@@ -106,6 +113,12 @@ pub struct ServerConfig {
     pub max_queued_per_user: usize,
     /// Experiments of one person that run at once (None: no limit); the rest wait.
     pub max_running_per_user: Option<usize>,
+    /// Whether a run with more ranks than the worker that asks for work may be placed on
+    /// it and idle workers together (each announces the ranks it runs: `--ranks`).
+    pub allow_multi_host: bool,
+    /// How long the workers of a run placed on several have to take their parts; after
+    /// that the run goes back to the queue and they are free again.
+    pub gang_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -113,6 +126,7 @@ impl Default for ServerConfig {
         Self {
             addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 8080)),
             data_dir: PathBuf::from("./data"),
+            database_url: None,
             static_dir: PathBuf::from("target/site"),
             local_workers: 1,
             worker_bin: None,
@@ -132,11 +146,21 @@ impl Default for ServerConfig {
             auth: AuthMode::None,
             max_queued_per_user: 20,
             max_running_per_user: None,
+            allow_multi_host: true,
+            gang_timeout: Duration::from_secs(30),
         }
     }
 }
 
 impl ServerConfig {
+    /// Where the database is.
+    pub fn database(&self) -> db::Location<'_> {
+        match &self.database_url {
+            Some(url) => db::Location::Postgres(url),
+            None => db::Location::DataDir(&self.data_dir),
+        }
+    }
+
     pub fn lease_duration(&self) -> Duration {
         Duration::from_secs_f64(self.lease_seconds)
     }
@@ -193,6 +217,12 @@ pub fn secret_from(var: &str, file: Option<&std::path::Path>) -> std::io::Result
     Ok(text.lines().next().map(str::trim).filter(|t| !t.is_empty()).map(str::to_string))
 }
 
+/// `bytes` random bytes as hex.
+pub fn random_hex(bytes: usize) -> String {
+    let mut rng = rand::rng();
+    (0..bytes).map(|_| format!("{:02x}", rng.random::<u8>())).collect()
+}
+
 /// A random 32-character token (for local workers when none is configured).
 pub fn random_token() -> String {
     const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
@@ -223,10 +253,18 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Opens the database in `config.data_dir` (applying migrations).
+    /// Opens the database (`config.database_url`, else the one in `config.data_dir`),
+    /// applying the migrations.
     pub async fn new(config: ServerConfig) -> Result<Self, ServeError> {
-        let db = db::open(&config.data_dir).await?;
-        Ok(Self::with_db(db, config))
+        let db = db::open(config.database()).await?;
+        let state = Self::with_db(db, config);
+        // Servers sharing a Postgres database share their live events.
+        if let Some(url) = state.config.database_url.clone() {
+            fanout::start(&state, &url)
+                .await
+                .map_err(|source| db::DbError::Open { place: db::without_password(&url), source })?;
+        }
+        Ok(state)
     }
 
     pub fn with_db(db: Db, config: ServerConfig) -> Self {
@@ -240,6 +278,7 @@ impl AppState {
         if let Some(max) = self.config.max_run {
             queue::end_overdue(&self.db, &self.hub, max, now).await?;
         }
+        parts::release_unformed(&self.db, &self.hub, self.config.gang_timeout, now).await?;
         queue::reap_expired(&self.db, &self.hub, now).await
     }
 }
@@ -287,6 +326,7 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(workers::events).layer(Extension(BodyLimit(config.max_event_batch_bytes))))
         .routes(routes!(workers::complete))
         .routes(routes!(workers::fail))
+        .routes(routes!(workers::rendezvous))
         .routes(routes!(datasets::text))
         .route_layer(worker_credential())
         .routes(

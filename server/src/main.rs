@@ -18,9 +18,16 @@ struct Cli {
     #[arg(long, env = "DISTLAB_ADDR", default_value = "127.0.0.1:8080")]
     addr: SocketAddr,
 
-    /// Directory for the database (distlab.db); created if missing.
+    /// Directory for the database (distlab.db, unless --database-url names another),
+    /// uploaded datasets and trained models; created if missing.
     #[arg(long, env = "DISTLAB_DATA_DIR", default_value = "./data", global = true)]
     data_dir: PathBuf,
+
+    /// Run on PostgreSQL instead of DATA_DIR/distlab.db: postgres://USER:PASSWORD@HOST/DB
+    /// (the database must exist). Several servers may share one. Prefer the environment
+    /// variable: `ps` shows a flag's password to everyone.
+    #[arg(long, env = "DISTLAB_DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
 
     /// The built frontend (index.html, js, wasm).
     #[arg(long, env = "DISTLAB_STATIC_DIR", default_value = "target/site")]
@@ -77,6 +84,16 @@ struct Cli {
     #[arg(long, env = "DISTLAB_MAX_RUNNING_PER_USER", default_value_t = 0)]
     max_running_per_user: usize,
 
+    /// Place a run with more ranks than one worker runs (`distlab-worker --ranks`) on
+    /// several idle workers at once; `--allow-multi-host false` keeps every run on one.
+    #[arg(long, env = "DISTLAB_ALLOW_MULTI_HOST", default_value_t = true, action = clap::ArgAction::Set)]
+    allow_multi_host: bool,
+
+    /// Seconds the workers of a run placed on several have to take their parts before it
+    /// goes back to the queue.
+    #[arg(long, env = "DISTLAB_GANG_TIMEOUT_SECONDS", default_value_t = 30)]
+    gang_timeout_seconds: u64,
+
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -121,7 +138,11 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(Command::User { action: UserAction::Add { name, admin } }) = &cli.command {
-        return add_user(&cli.data_dir, name, *admin);
+        let location = match &cli.database_url {
+            Some(url) => distlab_server::db::Location::Postgres(url),
+            None => distlab_server::db::Location::DataDir(&cli.data_dir),
+        };
+        return add_user(location, name, *admin);
     }
     let token = distlab_server::secret_from("DISTLAB_WORKER_TOKEN", cli.worker_token_file.as_deref())?;
     let generated = token.is_none();
@@ -129,6 +150,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let config = ServerConfig {
         addr: cli.addr,
         data_dir: cli.data_dir,
+        database_url: cli.database_url,
         static_dir: cli.static_dir,
         local_workers: cli.local_workers,
         worker_bin: cli.worker_bin,
@@ -145,6 +167,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         },
         max_queued_per_user: cli.max_queued_per_user,
         max_running_per_user: (cli.max_running_per_user > 0).then_some(cli.max_running_per_user),
+        allow_multi_host: cli.allow_multi_host,
+        gang_timeout: Duration::from_secs(cli.gang_timeout_seconds.max(1)),
         ..defaults
     };
     if generated {
@@ -158,7 +182,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// `distlab-server user add NAME [--admin]`, the password read from standard input.
-fn add_user(data_dir: &std::path::Path, name: &str, admin: bool) -> anyhow::Result<()> {
+fn add_user(location: distlab_server::db::Location<'_>, name: &str, admin: bool) -> anyhow::Result<()> {
     if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
         eprint!("password for {name}: ");
     }
@@ -167,7 +191,7 @@ fn add_user(data_dir: &std::path::Path, name: &str, admin: bool) -> anyhow::Resu
     let password = password.trim_end_matches(['\r', '\n']);
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     let account = runtime.block_on(async {
-        let db = distlab_server::db::open(data_dir).await?;
+        let db = distlab_server::db::open(location).await?;
         anyhow::Ok(distlab_server::accounts::create(&db, name, password, admin).await?)
     })?;
     println!("created {}account {}", if account.admin { "admin " } else { "" }, account.name);

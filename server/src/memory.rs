@@ -39,7 +39,7 @@ struct MemoryOnly {
 pub async fn memory(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<MemoryView>, HttpError> {
     let id = parse_id(&raw_id)?;
     let spec_json: Option<String> =
-        sqlx::query_scalar("SELECT spec FROM experiments WHERE id = ?1").bind(id).fetch_optional(&state.db).await?;
+        sqlx::query_scalar("SELECT spec FROM experiments WHERE id = $1").bind(id).fetch_optional(&state.db).await?;
     let spec_json = spec_json.ok_or_else(|| experiments::not_found(id))?;
     let spec: ExperimentSpec = serde_json::from_str(&spec_json).map_err(|e| {
         HttpError::internal("stored experiment", format!("experiment {id} has an unreadable spec: {e}"))
@@ -50,7 +50,7 @@ pub async fn memory(State(state): State<AppState>, Path(raw_id): Path<String>) -
     })?;
 
     let rows: Vec<(i64, String)> =
-        sqlx::query_as("SELECT rank, trace FROM traces WHERE experiment_id = ?1 ORDER BY rank")
+        sqlx::query_as("SELECT rank, trace FROM traces WHERE experiment_id = $1 ORDER BY rank")
             .bind(id)
             .fetch_all(&state.db)
             .await?;

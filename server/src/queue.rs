@@ -8,15 +8,15 @@
 use std::time::{Duration, SystemTime};
 
 use distlab_common::{
-    BackendKind, ExperimentSpec, ExperimentStatus, FieldError, LogLevel, MetricPoint, RunEvent, RunSummary,
+    BackendKind, ExperimentSpec, ExperimentStatus, FieldError, LogLevel, MetricPoint, Placement, RunEvent, RunSummary,
     StatusChange,
 };
 
-use crate::clock;
-use crate::db::Db;
+use crate::db::{self, Db};
 use crate::extract::truncate;
 use crate::stream::Hub;
 use crate::traces;
+use crate::{clock, parts, placement};
 
 /// Leases an experiment may have before an expired lease fails it.
 pub const MAX_ATTEMPTS: i64 = 3;
@@ -36,91 +36,171 @@ pub fn backend_name(b: BackendKind) -> &'static str {
 }
 
 /// What a lease hands to a worker.
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 pub struct Leased {
     pub id: i64,
     pub spec: String,
     pub attempt: i64,
+    /// Set when the run spans several workers.
+    pub placement: Option<Placement>,
 }
 
-/// Gives a queued experiment whose backend is in `backends` to `worker_id`: fair share
-/// first (the owner with the fewest experiments running now), then the oldest; an owner
-/// already running `max_running` waits.
+/// Who asks for work, and what it can take.
+#[derive(Clone, Copy, Debug)]
+pub struct Asking<'a> {
+    pub worker_id: i64,
+    pub backends: &'a [BackendKind],
+    /// The most ranks it runs at once (None: any number).
+    pub ranks: Option<usize>,
+}
+
+/// How the server hands out work.
+#[derive(Clone, Copy, Debug)]
+pub struct LeasePolicy {
+    /// Experiments of one owner that run at once (None: no limit).
+    pub max_running: Option<usize>,
+    pub lease: Duration,
+    /// Whether a run wider than the asking worker may be placed on it and idle workers.
+    pub multi_host: bool,
+}
+
+/// Queued experiments looked at per lease, in the order they would be given out.
+const CANDIDATES: i64 = 32;
+
+/// Gives `asking` work: first its part of a run across workers that was placed on it, else
+/// a queued experiment whose backend it offers, fair share first (the owner with the
+/// fewest experiments running now), then the oldest; an owner already running
+/// `max_running` waits. A run wider than `asking` starts only when idle workers make up the
+/// rest (`placement::place`): they get their parts at their next lease.
 ///
-/// One UPDATE with the choice in a subquery: SQLite runs it under the database's write
-/// lock, so two concurrent leases can never get the same experiment.
+/// The decision holds the database's write lock (`db::begin_write`), so two leases never
+/// give out the same experiment or the same idle worker; on Postgres the queued rows are
+/// also read `FOR UPDATE SKIP LOCKED`.
 pub async fn lease(
     db: &Db,
-    worker_id: i64,
-    backends: &[BackendKind],
-    max_running: Option<usize>,
-    lease: Duration,
+    asking: Asking<'_>,
+    policy: LeasePolicy,
     now: SystemTime,
 ) -> Result<Option<Leased>, sqlx::Error> {
-    if backends.is_empty() {
+    let mut tx = db::begin_write(db).await?;
+    if let Some(joined) = parts::join(&mut tx, asking.worker_id, policy.lease, now).await? {
+        tx.commit().await?;
+        return Ok(Some(joined));
+    }
+    if asking.backends.is_empty() {
         return Ok(None);
     }
-    let placeholders: Vec<String> = (0..backends.len()).map(|i| format!("?{}", i + 5)).collect();
+    let mut idle: Option<Vec<parts::IdleWorker>> = None;
+    for (id, spec_json) in queued(&mut tx, asking.backends, policy.max_running, db::is_postgres(db)).await? {
+        let Ok(spec) = serde_json::from_str::<ExperimentSpec>(&spec_json) else { continue };
+        let shape = placement::Shape::of(&spec);
+        let me = placement::Candidate { worker_id: asking.worker_id, ranks: asking.ranks };
+        let fits_alone = asking.ranks.is_none_or(|r| r >= shape.world);
+        let others: Vec<placement::Candidate> = if fits_alone || !policy.multi_host {
+            Vec::new()
+        } else {
+            if idle.is_none() {
+                idle = Some(parts::idle_workers(&mut tx, asking.worker_id, now).await?);
+            }
+            idle.iter().flatten().filter(|w| w.backends.contains(&spec.backend)).map(|w| w.candidate).collect()
+        };
+        let Some(shares) = placement::place(shape, me, &others, policy.multi_host) else { continue };
+        if let Some(leased) = start(&mut tx, id, spec_json, &shares, policy.lease, now).await? {
+            tx.commit().await?;
+            return Ok(Some(leased));
+        }
+    }
+    tx.commit().await?;
+    Ok(None)
+}
+
+/// The first queued experiments `backends` can run, in the order they are given out.
+async fn queued(
+    tx: &mut sqlx::AnyConnection,
+    backends: &[BackendKind],
+    max_running: Option<usize>,
+    postgres: bool,
+) -> Result<Vec<(i64, String)>, sqlx::Error> {
+    let placeholders: Vec<String> = (0..backends.len()).map(|i| format!("${}", i + 3)).collect();
     let sql = format!(
-        "UPDATE experiments \
-         SET status = 'running', worker_id = ?1, attempt = attempt + 1, lease_until = ?2, started_at = ?3, \
-             cancel_requested = FALSE \
-         WHERE id = ( \
-             SELECT q.id FROM experiments q \
-             LEFT JOIN (SELECT owner, COUNT(*) AS n FROM experiments WHERE status = 'running' GROUP BY owner) r \
-               ON r.owner = q.owner \
-             WHERE q.status = 'queued' AND q.backend IN ({}) AND COALESCE(r.n, 0) < ?4 \
-             ORDER BY COALESCE(r.n, 0), q.id LIMIT 1) \
-           AND status = 'queued' \
-         RETURNING id, spec, attempt",
-        placeholders.join(", ")
+        "SELECT q.id, q.spec FROM experiments q \
+         LEFT JOIN (SELECT owner, COUNT(*) AS n FROM experiments WHERE status = 'running' GROUP BY owner) r \
+           ON r.owner = q.owner \
+         WHERE q.status = 'queued' AND q.backend IN ({}) AND COALESCE(r.n, 0) < $1 \
+         ORDER BY COALESCE(r.n, 0), q.id LIMIT $2{}",
+        placeholders.join(", "),
+        if postgres { " FOR UPDATE OF q SKIP LOCKED" } else { "" }
     );
-    let started_at = clock::rfc3339(now);
     let max_running = max_running.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
-    let mut query = sqlx::query_as::<_, Leased>(&sql)
-        .bind(worker_id)
-        .bind(clock::after(now, lease))
-        .bind(&started_at)
-        .bind(max_running);
+    let mut query = sqlx::query_as::<_, (i64, String)>(&sql).bind(max_running).bind(CANDIDATES);
     for b in backends {
         query = query.bind(backend_name(*b));
     }
-    let mut tx = db.begin().await?;
-    let leased = query.fetch_optional(&mut *tx).await?;
-    if let Some(l) = &leased {
-        sqlx::query("INSERT INTO attempts (experiment_id, attempt, worker_id, started_at) VALUES (?1, ?2, ?3, ?4)")
-            .bind(l.id)
-            .bind(l.attempt)
-            .bind(worker_id)
-            .bind(&started_at)
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
-    Ok(leased)
+    query.fetch_all(&mut *tx).await
+}
+
+/// Starts the next attempt of queued experiment `id` on `shares` (host 0's worker leases
+/// it; with several hosts each gets a part); None when it is no longer queued.
+async fn start(
+    tx: &mut sqlx::AnyConnection,
+    id: i64,
+    spec: String,
+    shares: &[placement::Share],
+    lease: Duration,
+    now: SystemTime,
+) -> Result<Option<Leased>, sqlx::Error> {
+    let Some(first) = shares.first() else { return Ok(None) };
+    let started_at = clock::rfc3339(now);
+    let attempt: Option<i64> = sqlx::query_scalar(
+        "UPDATE experiments \
+         SET status = 'running', worker_id = $1, attempt = attempt + 1, lease_until = $2, started_at = $3, \
+             cancel_requested = FALSE \
+         WHERE id = $4 AND status = 'queued' RETURNING attempt",
+    )
+    .bind(first.worker_id)
+    .bind(clock::after(now, lease))
+    .bind(&started_at)
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(attempt) = attempt else { return Ok(None) };
+    sqlx::query("INSERT INTO attempts (experiment_id, attempt, worker_id, started_at) VALUES ($1, $2, $3, $4)")
+        .bind(id)
+        .bind(attempt)
+        .bind(first.worker_id)
+        .bind(&started_at)
+        .execute(&mut *tx)
+        .await?;
+    let placement = if shares.len() > 1 {
+        Some(parts::place(tx, id, attempt, shares, now).await?)
+    } else {
+        parts::not_idle(tx, first.worker_id).await?;
+        None
+    };
+    Ok(Some(Leased { id, spec, attempt, placement }))
 }
 
 /// An attempt of experiment `id` starts at `from_step`: the metrics an earlier attempt
 /// reported from there on are deleted (this attempt reports them again) and counted as
 /// lost work. Only the first report counts: a batch the worker sends again (its answer was
 /// lost) must not delete the metrics this attempt has reported since.
-async fn start_attempt(tx: &mut sqlx::SqliteConnection, id: i64, from_step: u64) -> Result<(), sqlx::Error> {
+async fn start_attempt(tx: &mut sqlx::AnyConnection, id: i64, from_step: u64) -> Result<(), sqlx::Error> {
     let attempt: Option<i64> = sqlx::query_scalar(
         "SELECT a.attempt FROM attempts a JOIN experiments e ON e.id = a.experiment_id AND e.attempt = a.attempt \
-         WHERE a.experiment_id = ?1 AND a.from_step IS NULL",
+         WHERE a.experiment_id = $1 AND a.from_step IS NULL",
     )
     .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(attempt) = attempt else { return Ok(()) };
     let from_step = i64::try_from(from_step).unwrap_or(i64::MAX);
-    let lost = sqlx::query("DELETE FROM metrics WHERE experiment_id = ?1 AND step >= ?2")
+    let lost = sqlx::query("DELETE FROM metrics WHERE experiment_id = $1 AND step >= $2")
         .bind(id)
         .bind(from_step)
         .execute(&mut *tx)
         .await?
         .rows_affected();
-    sqlx::query("UPDATE attempts SET from_step = ?1, lost_steps = ?2 WHERE experiment_id = ?3 AND attempt = ?4")
+    sqlx::query("UPDATE attempts SET from_step = $1, lost_steps = $2 WHERE experiment_id = $3 AND attempt = $4")
         .bind(from_step)
         .bind(i64::try_from(lost).unwrap_or(i64::MAX))
         .bind(id)
@@ -150,6 +230,8 @@ pub enum Ownership {
 struct OwnerRow {
     status: String,
     worker_id: Option<i64>,
+    /// 1 when the worker holds a part of the current attempt (a run across workers).
+    member: i64,
 }
 
 /// Why a guarded update of experiment `id` by `worker_id` did not apply.
@@ -159,20 +241,22 @@ pub async fn ownership(db: &Db, worker_id: i64, id: i64) -> Result<Ownership, sq
 
 /// [`ownership`], where `worker_id` is reporting that the experiment ended as `reported`:
 /// when it did end so in that worker's hands, the report is a retry (`AlreadyReported`).
+/// The worker of host 0 holds the experiment, the other hosts' workers their parts.
 async fn ownership_after(
     db: &Db,
     worker_id: i64,
     id: i64,
     reported: Option<ExperimentStatus>,
 ) -> Result<Ownership, sqlx::Error> {
-    let row = sqlx::query_as::<_, OwnerRow>("SELECT status, worker_id FROM experiments WHERE id = ?1")
-        .bind(id)
-        .fetch_optional(db)
-        .await?;
+    let sql = format!(
+        "SELECT status, worker_id, CASE WHEN {} THEN 1 ELSE 0 END AS member FROM experiments WHERE id = $1",
+        parts::holds_part(2)
+    );
+    let row = sqlx::query_as::<_, OwnerRow>(&sql).bind(id).bind(worker_id).fetch_optional(db).await?;
     Ok(match row {
         None => Ownership::NotFound,
         Some(r) => {
-            let mine = r.worker_id == Some(worker_id);
+            let mine = r.worker_id == Some(worker_id) || r.member != 0;
             let status = ExperimentStatus::parse(&r.status).unwrap_or(ExperimentStatus::Failed);
             match status {
                 ExperimentStatus::Running if mine => Ownership::Held,
@@ -184,7 +268,8 @@ async fn ownership_after(
     })
 }
 
-/// Extends the lease of a running experiment held by `worker_id`.
+/// Extends the lease of a running experiment held by `worker_id` (host 0), or of the part
+/// it runs.
 pub async fn renew(
     db: &Db,
     worker_id: i64,
@@ -192,18 +277,37 @@ pub async fn renew(
     lease: Duration,
     now: SystemTime,
 ) -> Result<Ownership, sqlx::Error> {
-    let renewed: Option<i64> = sqlx::query_scalar(
-        "UPDATE experiments SET lease_until = ?1 WHERE id = ?2 AND worker_id = ?3 AND status = 'running' RETURNING id",
+    let mut tx = db.begin().await?;
+    let renewed = renew_held(&mut tx, worker_id, id, lease, now).await?.is_some();
+    tx.commit().await?;
+    match renewed {
+        true => Ok(Ownership::Held),
+        false => ownership(db, worker_id, id).await,
+    }
+}
+
+/// Renews `worker_id`'s lease of running experiment `id` (or its part of it) and answers
+/// the experiment's spec; None when it holds neither.
+async fn renew_held(
+    tx: &mut sqlx::AnyConnection,
+    worker_id: i64,
+    id: i64,
+    lease: Duration,
+    now: SystemTime,
+) -> Result<Option<String>, sqlx::Error> {
+    let renewed: Option<String> = sqlx::query_scalar(
+        "UPDATE experiments SET lease_until = $1 WHERE id = $2 AND worker_id = $3 AND status = 'running' \
+         RETURNING spec",
     )
     .bind(clock::after(now, lease))
     .bind(id)
     .bind(worker_id)
-    .fetch_optional(db)
+    .fetch_optional(&mut *tx)
     .await?;
-    match renewed {
-        Some(_) => Ok(Ownership::Held),
-        None => ownership(db, worker_id, id).await,
+    if renewed.is_some() || !parts::renew(tx, worker_id, id, lease, now).await? {
+        return Ok(renewed);
     }
+    sqlx::query_scalar("SELECT spec FROM experiments WHERE id = $1").bind(id).fetch_optional(&mut *tx).await
 }
 
 /// What became of an event batch.
@@ -229,16 +333,7 @@ pub async fn store_events(
     now: SystemTime,
 ) -> Result<Stored, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let renewed: Option<String> = sqlx::query_scalar(
-        "UPDATE experiments SET lease_until = ?1 WHERE id = ?2 AND worker_id = ?3 AND status = 'running' \
-         RETURNING spec",
-    )
-    .bind(clock::after(now, lease))
-    .bind(id)
-    .bind(worker_id)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(spec) = renewed else {
+    let Some(spec) = renew_held(&mut tx, worker_id, id, lease, now).await? else {
         tx.rollback().await?;
         return Ok(Stored::NotHeld(ownership(db, worker_id, id).await?));
     };
@@ -256,18 +351,7 @@ pub async fn store_events(
         match event {
             RunEvent::Start { from_step } => start_attempt(&mut tx, id, *from_step).await?,
             RunEvent::Metric(m) => insert_metric(&mut tx, id, m).await?,
-            RunEvent::Log(line) => {
-                let log_id: i64 = sqlx::query_scalar(
-                    "INSERT INTO logs (experiment_id, created_at, level, message) VALUES (?1, ?2, ?3, ?4) RETURNING id",
-                )
-                .bind(id)
-                .bind(&at)
-                .bind(level_name(line.level))
-                .bind(truncate(&line.message, MAX_TEXT_CHARS))
-                .fetch_one(&mut *tx)
-                .await?;
-                log_ids.push(log_id);
-            }
+            RunEvent::Log(line) => log_ids.push(insert_log(&mut tx, id, line.level, &line.message, &at).await?),
             RunEvent::Trace(trace) => traces::upsert(&mut tx, id, trace, &at).await?,
         }
     }
@@ -275,13 +359,13 @@ pub async fn store_events(
     Ok(Stored::Held { log_ids })
 }
 
-async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint) -> Result<(), sqlx::Error> {
+async fn insert_metric(tx: &mut sqlx::AnyConnection, id: i64, m: &MetricPoint) -> Result<(), sqlx::Error> {
     // ON CONFLICT ... DO UPDATE is the portable spelling of INSERT OR REPLACE (SQLite and Postgres).
     sqlx::query(
         "INSERT INTO metrics \
            (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, \
             expert_balance, expert_assignments, expert_dropped, logit_grad_zero_share, val_loss) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
          ON CONFLICT (experiment_id, step) DO UPDATE SET loss = excluded.loss, lr = excluded.lr, \
            grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms, \
            loss_scale = excluded.loss_scale, skipped_steps = excluded.skipped_steps, \
@@ -306,6 +390,25 @@ async fn insert_metric(tx: &mut sqlx::SqliteConnection, id: i64, m: &MetricPoint
     .execute(tx)
     .await?;
     Ok(())
+}
+
+/// Stores a log line of experiment `id` (cut to `MAX_TEXT_CHARS`) and answers its id.
+pub async fn insert_log(
+    tx: &mut sqlx::AnyConnection,
+    id: i64,
+    level: LogLevel,
+    message: &str,
+    at: &str,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "INSERT INTO logs (experiment_id, created_at, level, message) VALUES ($1, $2, $3, $4) RETURNING id",
+    )
+    .bind(id)
+    .bind(at)
+    .bind(level_name(level))
+    .bind(truncate(message, MAX_TEXT_CHARS))
+    .fetch_one(&mut *tx)
+    .await
 }
 
 fn level_name(level: LogLevel) -> &'static str {
@@ -336,8 +439,8 @@ pub async fn complete(
 ) -> Result<Ownership, sqlx::Error> {
     let summary = serde_json::to_string(summary).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     let done: Option<i64> = sqlx::query_scalar(
-        "UPDATE experiments SET status = 'succeeded', summary = ?1, error = NULL, finished_at = ?2, lease_until = NULL \
-         WHERE id = ?3 AND worker_id = ?4 AND status = 'running' RETURNING id",
+        "UPDATE experiments SET status = 'succeeded', summary = $1, error = NULL, finished_at = $2, lease_until = NULL \
+         WHERE id = $3 AND worker_id = $4 AND status = 'running' RETURNING id",
     )
     .bind(summary)
     .bind(clock::rfc3339(now))
@@ -351,34 +454,82 @@ pub async fn complete(
     }
 }
 
-/// A running experiment held by `worker_id` ended with an error (or stopped on its own
-/// after a cancel: `cancelled`).
+/// How a worker says its run ended early.
+#[derive(Clone, Copy, Debug)]
+pub struct Failure<'a> {
+    pub error: &'a str,
+    /// It stopped after a person cancelled the experiment.
+    pub cancelled: bool,
+    /// Its ranks failed because another host of the run went away.
+    pub lost_host: bool,
+}
+
+/// A running experiment held by `worker_id` (or a part of it) ended early; answers the
+/// status it is in now, or why the report did not apply.
+///
+/// A cancel ends it as cancelled, an error as failed. A lost host sends it back to the
+/// queue, like a lease that expires (failed after MAX_ATTEMPTS): the next attempt resumes
+/// from the latest checkpoint. Because the host that went away may have failed for a
+/// reason of its own, an error from any host of that attempt still fails the experiment
+/// while it waits in the queue.
 pub async fn fail(
     db: &Db,
     worker_id: i64,
     id: i64,
-    error: &str,
-    cancelled: bool,
+    failure: Failure<'_>,
     now: SystemTime,
-) -> Result<Ownership, sqlx::Error> {
-    let (status, error) =
-        if cancelled { ("cancelled", None) } else { ("failed", Some(truncate(error, MAX_TEXT_CHARS))) };
-    let done: Option<i64> = sqlx::query_scalar(
-        "UPDATE experiments SET status = ?1, error = ?2, finished_at = ?3, lease_until = NULL \
-         WHERE id = ?4 AND worker_id = ?5 AND status = 'running' RETURNING id",
-    )
-    .bind(status)
-    .bind(error)
-    .bind(clock::rfc3339(now))
-    .bind(id)
-    .bind(worker_id)
-    .fetch_optional(db)
-    .await?;
-    match done {
-        Some(_) => Ok(Ownership::Held),
-        None if cancelled => ownership(db, worker_id, id).await,
-        None => ownership_after(db, worker_id, id, Some(ExperimentStatus::Failed)).await,
+) -> Result<Result<ExperimentStatus, Ownership>, sqlx::Error> {
+    let held = format!("(worker_id = $1 OR {})", parts::holds_part(1));
+    let at = clock::rfc3339(now);
+    let error = truncate(failure.error, MAX_TEXT_CHARS);
+    let mut tx = db.begin().await?;
+    let ended: Option<String> = if failure.cancelled {
+        let sql = format!(
+            "UPDATE experiments SET status = 'cancelled', error = NULL, finished_at = $2, lease_until = NULL \
+             WHERE id = $3 AND status = 'running' AND {held} RETURNING status"
+        );
+        sqlx::query_scalar(&sql).bind(worker_id).bind(&at).bind(id).fetch_optional(&mut *tx).await?
+    } else if failure.lost_host {
+        let sql = format!(
+            "UPDATE experiments SET \
+               status = CASE WHEN attempt < $2 THEN 'queued' ELSE 'failed' END, \
+               error = CASE WHEN attempt < $2 THEN error ELSE $3 END, \
+               finished_at = CASE WHEN attempt < $2 THEN NULL ELSE $4 END, \
+               worker_id = CASE WHEN attempt < $2 THEN NULL ELSE worker_id END, \
+               lease_until = NULL \
+             WHERE id = $5 AND status = 'running' AND {held} RETURNING status"
+        );
+        let gave_up = format!("{error} (a host of the run went away {MAX_ATTEMPTS} times; giving up)");
+        let ended: Option<String> = sqlx::query_scalar(&sql)
+            .bind(worker_id)
+            .bind(MAX_ATTEMPTS)
+            .bind(truncate(&gave_up, MAX_TEXT_CHARS))
+            .bind(&at)
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if ended.as_deref() == Some("queued") {
+            let message = format!(
+                "a host of the run went away, so the attempt ended: back in the queue, to resume from the latest \
+                 checkpoint (worker {worker_id}: {error})"
+            );
+            insert_log(&mut tx, id, LogLevel::Warn, &message, &at).await?;
+        }
+        ended
+    } else {
+        let sql = format!(
+            "UPDATE experiments SET status = 'failed', error = $2, finished_at = $3, lease_until = NULL \
+             WHERE id = $4 AND ((status = 'running' AND {held}) OR (status = 'queued' AND {})) RETURNING status",
+            parts::holds_part(1)
+        );
+        sqlx::query_scalar(&sql).bind(worker_id).bind(&error).bind(&at).bind(id).fetch_optional(&mut *tx).await?
+    };
+    tx.commit().await?;
+    if let Some(status) = ended.as_deref().and_then(ExperimentStatus::parse) {
+        return Ok(Ok(status));
     }
+    let reported = if failure.cancelled { None } else { Some(ExperimentStatus::Failed) };
+    Ok(Err(ownership_after(db, worker_id, id, reported).await?))
 }
 
 /// What a submission did.
@@ -403,7 +554,7 @@ pub async fn submit(
 ) -> Result<Submitted, sqlx::Error> {
     let inserted: Option<i64> = sqlx::query_scalar(
         "INSERT INTO experiments (owner, name, spec, backend, status, attempt, created_at, idempotency_key) \
-         VALUES (?1, ?2, ?3, ?4, 'queued', 0, ?5, ?6) ON CONFLICT DO NOTHING RETURNING id",
+         VALUES ($1, $2, $3, $4, 'queued', 0, $5, $6) ON CONFLICT DO NOTHING RETURNING id",
     )
     .bind(owner)
     .bind(&spec.name)
@@ -417,7 +568,7 @@ pub async fn submit(
         return Ok(Submitted::New(id));
     }
     let (id, earlier): (i64, String) =
-        sqlx::query_as("SELECT id, spec FROM experiments WHERE owner = ?1 AND idempotency_key = ?2")
+        sqlx::query_as("SELECT id, spec FROM experiments WHERE owner = $1 AND idempotency_key = $2")
             .bind(owner)
             .bind(key)
             .fetch_one(db)
@@ -427,7 +578,7 @@ pub async fn submit(
 
 /// How many experiments `owner` has queued.
 pub async fn queued_by(db: &Db, owner: &str) -> Result<usize, sqlx::Error> {
-    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = ?1 AND status = 'queued'")
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = $1 AND status = 'queued'")
         .bind(owner)
         .fetch_one(db)
         .await?;
@@ -437,7 +588,7 @@ pub async fn queued_by(db: &Db, owner: &str) -> Result<usize, sqlx::Error> {
 /// Whether `owner` already submitted something with idempotency key `key`.
 pub async fn submitted_with(db: &Db, owner: &str, key: Option<&str>) -> Result<bool, sqlx::Error> {
     let Some(key) = key else { return Ok(false) };
-    let found: Option<i64> = sqlx::query_scalar("SELECT id FROM experiments WHERE owner = ?1 AND idempotency_key = ?2")
+    let found: Option<i64> = sqlx::query_scalar("SELECT id FROM experiments WHERE owner = $1 AND idempotency_key = $2")
         .bind(owner)
         .bind(key)
         .fetch_optional(db)
@@ -448,7 +599,7 @@ pub async fn submitted_with(db: &Db, owner: &str, key: Option<&str>) -> Result<b
 /// Deletes finished experiment `id` with everything stored of it (metrics, logs, traces,
 /// attempts); false when it is not finished (or not there).
 pub async fn delete_finished(db: &Db, id: i64) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query("DELETE FROM experiments WHERE id = ?1 AND status IN ('succeeded', 'failed', 'cancelled')")
+    let done = sqlx::query("DELETE FROM experiments WHERE id = $1 AND status IN ('succeeded', 'failed', 'cancelled')")
         .bind(id)
         .execute(db)
         .await?;
@@ -464,8 +615,8 @@ pub async fn end_overdue(db: &Db, hub: &Hub, max: Duration, now: SystemTime) -> 
         max.as_secs()
     );
     let ended: Vec<i64> = sqlx::query_scalar(
-        "UPDATE experiments SET status = 'failed', error = ?1, finished_at = ?2, lease_until = NULL \
-         WHERE status = 'running' AND started_at < ?3 RETURNING id",
+        "UPDATE experiments SET status = 'failed', error = $1, finished_at = $2, lease_until = NULL \
+         WHERE status = 'running' AND started_at < $3 RETURNING id",
     )
     .bind(&error)
     .bind(clock::rfc3339(now))
@@ -489,18 +640,21 @@ pub struct Reaped {
     pub error: Option<String>,
 }
 
-/// Running experiments whose lease ended before `now` go back to the queue, or fail once
-/// they have been leased MAX_ATTEMPTS times. Each change is logged and streamed.
+/// Running experiments whose lease ended before `now` (host 0's, or any other host's part
+/// of a run across workers) go back to the queue, or fail once they have been leased
+/// MAX_ATTEMPTS times. Each change is logged and streamed.
 pub async fn reap_expired(db: &Db, hub: &Hub, now: SystemTime) -> Result<Vec<Reaped>, sqlx::Error> {
     let now_text = clock::rfc3339(now);
     let reaped = sqlx::query_as::<_, Reaped>(
         "UPDATE experiments SET \
-           status = CASE WHEN attempt < ?1 THEN 'queued' ELSE 'failed' END, \
-           error = CASE WHEN attempt < ?1 THEN error ELSE ?2 END, \
-           finished_at = CASE WHEN attempt < ?1 THEN NULL ELSE ?3 END, \
-           worker_id = CASE WHEN attempt < ?1 THEN NULL ELSE worker_id END, \
+           status = CASE WHEN attempt < $1 THEN 'queued' ELSE 'failed' END, \
+           error = CASE WHEN attempt < $1 THEN error ELSE $2 END, \
+           finished_at = CASE WHEN attempt < $1 THEN NULL ELSE $3 END, \
+           worker_id = CASE WHEN attempt < $1 THEN NULL ELSE worker_id END, \
            lease_until = NULL \
-         WHERE status = 'running' AND lease_until < ?3 \
+         WHERE status = 'running' AND (lease_until < $3 OR EXISTS ( \
+           SELECT 1 FROM parts p WHERE p.experiment_id = experiments.id AND p.attempt = experiments.attempt \
+             AND p.lease_until < $3)) \
          RETURNING id, status, attempt, error",
     )
     .bind(MAX_ATTEMPTS)
@@ -542,7 +696,7 @@ pub async fn gauges(db: &Db, now: &str, alive_since: &str) -> Result<QueueGauges
     let by_status: Vec<(String, i64)> =
         ExperimentStatus::ALL.iter().map(|s| (s.as_str().to_string(), count_of(s.as_str()))).collect();
     let leases: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE status = 'running' AND lease_until > ?1")
+        sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE status = 'running' AND lease_until > $1")
             .bind(now)
             .fetch_one(db)
             .await?;

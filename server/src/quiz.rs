@@ -115,7 +115,7 @@ pub async fn results(
 async fn record(db: &Db, owner: &str, question_id: &str, correct: bool, given: Option<f64>) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO quiz_results (owner, question_id, attempts, correct, last_correct, last_given, answered_at) \
-         VALUES (?1, ?2, 1, ?3, ?3, ?4, ?5) \
+         VALUES ($1, $2, 1, $3, $3, $4, $5) \
          ON CONFLICT (owner, question_id) DO UPDATE SET attempts = quiz_results.attempts + 1, \
            correct = quiz_results.correct + excluded.correct, last_correct = excluded.last_correct, \
            last_given = excluded.last_given, answered_at = excluded.answered_at",
@@ -143,7 +143,7 @@ struct ResultRow {
 async fn load_results(db: &Db, owner: &str) -> Result<Vec<QuestionResult>, sqlx::Error> {
     let rows = sqlx::query_as::<_, ResultRow>(
         "SELECT question_id, attempts, correct, last_correct, last_given, answered_at FROM quiz_results \
-         WHERE owner = ?1",
+         WHERE owner = $1",
     )
     .bind(owner)
     .fetch_all(db)

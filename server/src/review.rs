@@ -316,7 +316,7 @@ pub(crate) async fn load_profile(state: &AppState, owner: &Account, raw_id: &str
             )))
         }
     };
-    let row = sqlx::query_as::<_, ProfileRow>("SELECT id, name, created_at FROM profiles WHERE id = ?1 AND owner = ?2")
+    let row = sqlx::query_as::<_, ProfileRow>("SELECT id, name, created_at FROM profiles WHERE id = $1 AND owner = $2")
         .bind(id)
         .bind(&owner.name)
         .fetch_optional(&state.db)
@@ -325,7 +325,7 @@ pub(crate) async fn load_profile(state: &AppState, owner: &Account, raw_id: &str
 }
 
 async fn load_states(state: &AppState, profile_id: i64) -> Result<Vec<(String, CardState)>, HttpError> {
-    let sql = format!("{SELECT_STATE} WHERE profile_id = ?1 ORDER BY card_id");
+    let sql = format!("{SELECT_STATE} WHERE profile_id = $1 ORDER BY card_id");
     let rows = sqlx::query_as::<_, StateRow>(&sql).bind(profile_id).fetch_all(&state.db).await?;
     Ok(rows.into_iter().map(StateRow::into_state).collect())
 }
@@ -353,7 +353,7 @@ pub async fn list_profiles(
     Extension(owner): Extension<Account>,
 ) -> Result<Json<ProfileList>, HttpError> {
     let rows =
-        sqlx::query_as::<_, ProfileRow>("SELECT id, name, created_at FROM profiles WHERE owner = ?1 ORDER BY id")
+        sqlx::query_as::<_, ProfileRow>("SELECT id, name, created_at FROM profiles WHERE owner = $1 ORDER BY id")
             .bind(&owner.name)
             .fetch_all(&state.db)
             .await?;
@@ -376,7 +376,7 @@ pub async fn create_profile(
     JsonBody(body): JsonBody<NewProfile>,
 ) -> Result<Response, HttpError> {
     let name = validate_profile_name(&body.name).map_err(unprocessable)?;
-    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM profiles WHERE owner = ?1")
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM profiles WHERE owner = $1")
         .bind(&owner.name)
         .fetch_one(&state.db)
         .await?;
@@ -385,7 +385,7 @@ pub async fn create_profile(
     }
     let created_at = clock::rfc3339(clock::now());
     let id: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO profiles (owner, name, created_at) VALUES (?1, ?2, ?3) \
+        "INSERT INTO profiles (owner, name, created_at) VALUES ($1, $2, $3) \
          ON CONFLICT (owner, name) DO NOTHING RETURNING id",
     )
     .bind(&owner.name)
@@ -420,7 +420,7 @@ pub async fn review_view(
     let now = clock::now();
     let states: HashMap<String, CardState> = load_states(&state, profile.id).await?.into_iter().collect();
     let first_today: Vec<String> = sqlx::query_scalar(
-        "SELECT card_id FROM review_log WHERE profile_id = ?1 GROUP BY card_id HAVING MIN(reviewed_at) >= ?2",
+        "SELECT card_id FROM review_log WHERE profile_id = $1 GROUP BY card_id HAVING MIN(reviewed_at) >= $2",
     )
     .bind(profile.id)
     .bind(clock::rfc3339(utc_day_start(now)))
@@ -460,7 +460,7 @@ pub async fn review(
             format!("the deck has no card with id '{}' (see GET /api/cards)", truncate(&body.card_id, 80)),
         )));
     }
-    let sql = format!("{SELECT_STATE} WHERE profile_id = ?1 AND card_id = ?2");
+    let sql = format!("{SELECT_STATE} WHERE profile_id = $1 AND card_id = $2");
     let prev = sqlx::query_as::<_, StateRow>(&sql)
         .bind(profile.id)
         .bind(&body.card_id)
@@ -479,12 +479,12 @@ pub async fn review(
         None => sqlx::query(
             "INSERT INTO card_reviews \
                (profile_id, card_id, stability, difficulty, due, last_review, reps, lapses, last_rating) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT (profile_id, card_id) DO NOTHING",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (profile_id, card_id) DO NOTHING",
         ),
         Some(_) => sqlx::query(
-            "UPDATE card_reviews SET stability = ?3, difficulty = ?4, due = ?5, last_review = ?6, reps = ?7, \
-               lapses = ?8, last_rating = ?9 \
-             WHERE profile_id = ?1 AND card_id = ?2 AND reps = ?10 AND last_review = ?11",
+            "UPDATE card_reviews SET stability = $3, difficulty = $4, due = $5, last_review = $6, reps = $7, \
+               lapses = $8, last_rating = $9 \
+             WHERE profile_id = $1 AND card_id = $2 AND reps = $10 AND last_review = $11",
         ),
     }
     .bind(profile.id)
@@ -508,7 +508,7 @@ pub async fn review(
         )));
     }
     sqlx::query(
-        "INSERT INTO review_log (profile_id, card_id, rating, reviewed_at, interval_days) VALUES (?1, ?2, ?3, ?4, ?5)",
+        "INSERT INTO review_log (profile_id, card_id, rating, reviewed_at, interval_days) VALUES ($1, $2, $3, $4, $5)",
     )
     .bind(profile.id)
     .bind(&body.card_id)
@@ -550,7 +550,7 @@ pub async fn export(
     let cards =
         load_states(&state, profile.id).await?.into_iter().map(|(card_id, s)| ExportedCard::new(card_id, s)).collect();
     let log = sqlx::query_as::<_, LogRow>(
-        "SELECT card_id, rating, reviewed_at, interval_days FROM review_log WHERE profile_id = ?1 \
+        "SELECT card_id, rating, reviewed_at, interval_days FROM review_log WHERE profile_id = $1 \
          ORDER BY reviewed_at, id",
     )
     .bind(profile.id)
@@ -754,13 +754,13 @@ pub async fn import(
     let checked = check_import(body, deck()?)?;
 
     let mut tx = state.db.begin().await?;
-    sqlx::query("DELETE FROM card_reviews WHERE profile_id = ?1").bind(profile.id).execute(&mut *tx).await?;
-    sqlx::query("DELETE FROM review_log WHERE profile_id = ?1").bind(profile.id).execute(&mut *tx).await?;
+    sqlx::query("DELETE FROM card_reviews WHERE profile_id = $1").bind(profile.id).execute(&mut *tx).await?;
+    sqlx::query("DELETE FROM review_log WHERE profile_id = $1").bind(profile.id).execute(&mut *tx).await?;
     for (card_id, s) in &checked.cards {
         sqlx::query(
             "INSERT INTO card_reviews \
                (profile_id, card_id, stability, difficulty, due, last_review, reps, lapses, last_rating) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(profile.id)
         .bind(card_id)
@@ -777,7 +777,7 @@ pub async fn import(
     for e in &checked.log {
         sqlx::query(
             "INSERT INTO review_log (profile_id, card_id, rating, reviewed_at, interval_days) \
-             VALUES (?1, ?2, ?3, ?4, ?5)",
+             VALUES ($1, $2, $3, $4, $5)",
         )
         .bind(profile.id)
         .bind(&e.card_id)

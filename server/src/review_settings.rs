@@ -131,7 +131,7 @@ pub(crate) struct ProfileSettingsRow {
 
 pub(crate) async fn load(state: &AppState, profile_id: i64) -> Result<ProfileSettingsRow, HttpError> {
     let (retention, parameters, fit): (f64, Option<String>, Option<String>) =
-        sqlx::query_as("SELECT desired_retention, parameters, fit FROM profiles WHERE id = ?1")
+        sqlx::query_as("SELECT desired_retention, parameters, fit FROM profiles WHERE id = $1")
             .bind(profile_id)
             .fetch_one(&state.db)
             .await?;
@@ -146,7 +146,7 @@ pub(crate) async fn load(state: &AppState, profile_id: i64) -> Result<ProfileSet
 /// An import's scheduling settings, in the import's transaction (parameters without a
 /// fit are kept; a fit without parameters is not).
 pub(crate) async fn store(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     profile_id: i64,
     settings: &ExportedScheduling,
 ) -> Result<(), HttpError> {
@@ -156,7 +156,7 @@ pub(crate) async fn store(
         Some(_) => settings.fit.as_ref().map(serde_json::to_string).transpose().map_err(corrupt)?,
         None => None,
     };
-    sqlx::query("UPDATE profiles SET desired_retention = ?2, parameters = ?3, fit = ?4 WHERE id = ?1")
+    sqlx::query("UPDATE profiles SET desired_retention = $2, parameters = $3, fit = $4 WHERE id = $1")
         .bind(profile_id)
         .bind(stored_retention(settings.desired_retention))
         .bind(parameters)
@@ -169,8 +169,8 @@ pub(crate) async fn store(
 /// The profile's latest `MAX_FIT_LOG` reviews, oldest first.
 async fn load_log(state: &AppState, profile_id: i64) -> Result<Vec<(String, i64, String)>, HttpError> {
     let mut log: Vec<(String, i64, String)> = sqlx::query_as(
-        "SELECT card_id, rating, reviewed_at FROM review_log WHERE profile_id = ?1 \
-         ORDER BY reviewed_at DESC, id DESC LIMIT ?2",
+        "SELECT card_id, rating, reviewed_at FROM review_log WHERE profile_id = $1 \
+         ORDER BY reviewed_at DESC, id DESC LIMIT $2",
     )
     .bind(profile_id)
     .bind(MAX_FIT_LOG as i64)
@@ -240,9 +240,9 @@ pub async fn update(
     let profile = load_profile(&state, &owner, &raw_id).await?;
     let retention = validate_retention(body.desired_retention).map_err(unprocessable)?;
     let sql = if body.default_parameters {
-        "UPDATE profiles SET desired_retention = ?2, parameters = NULL, fit = NULL WHERE id = ?1"
+        "UPDATE profiles SET desired_retention = $2, parameters = NULL, fit = NULL WHERE id = $1"
     } else {
-        "UPDATE profiles SET desired_retention = ?2 WHERE id = ?1"
+        "UPDATE profiles SET desired_retention = $2 WHERE id = $1"
     };
     sqlx::query(sql).bind(profile.id).bind(stored_retention(retention)).execute(&state.db).await?;
     Ok(Json(settings_view(&state, profile.id).await?))
@@ -283,7 +283,7 @@ pub async fn fit_parameters(
     let result = ParameterFit { fitted_at: clock::rfc3339(clock::now()), repeat_reviews, before, after };
     let parameters = serde_json::to_string(&result.after.parameters).map_err(|e| HttpError::internal("fit", e))?;
     let fit_json = serde_json::to_string(&result).map_err(|e| HttpError::internal("fit", e))?;
-    sqlx::query("UPDATE profiles SET parameters = ?2, fit = ?3 WHERE id = ?1")
+    sqlx::query("UPDATE profiles SET parameters = $2, fit = $3 WHERE id = $1")
         .bind(profile.id)
         .bind(parameters)
         .bind(fit_json)

@@ -38,10 +38,10 @@ pub const LOG_REPLAY: i64 = 200;
 
 /// What goes through a topic: the event, and for a stored log line its id (to skip lines
 /// that a stream already replayed from the database).
-#[derive(Clone, Debug)]
-struct Published {
-    event: StreamEvent,
-    log_id: Option<i64>,
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Published {
+    pub(crate) event: StreamEvent,
+    pub(crate) log_id: Option<i64>,
 }
 
 /// Per-experiment broadcast topics, created while someone listens.
@@ -53,6 +53,9 @@ pub struct Hub {
     per_client: ClientStreams,
     max_per_client: usize,
     shutdown: watch::Sender<bool>,
+    /// Where what is published also goes, for the other servers of a shared database
+    /// (`fanout.rs`); unset on SQLite.
+    fanout: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<(i64, Published)>>,
 }
 
 /// How many streams each client address holds open.
@@ -96,6 +99,7 @@ impl Hub {
             per_client: Arc::new(Mutex::new(HashMap::new())),
             max_per_client,
             shutdown: watch::Sender::new(false),
+            fanout: std::sync::OnceLock::new(),
         }
     }
 
@@ -110,6 +114,19 @@ impl Hub {
     }
 
     fn send(&self, id: i64, published: Published) {
+        if let Some(fanout) = self.fanout.get() {
+            let _ = fanout.send((id, published.clone()));
+        }
+        self.deliver(id, published);
+    }
+
+    /// From now on, everything published here is also sent to `fanout` (the other servers).
+    pub(crate) fn fan_out_to(&self, fanout: tokio::sync::mpsc::UnboundedSender<(i64, Published)>) {
+        let _ = self.fanout.set(fanout);
+    }
+
+    /// Hands `published` to this server's watchers of experiment `id` only.
+    pub(crate) fn deliver(&self, id: i64, published: Published) {
         let topics = self.topics.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(tx) = topics.get(&id) {
             // An error only means that every receiver is gone; their guards remove the topic.

@@ -57,10 +57,10 @@ pub fn invalid_batch(problems: Vec<FieldError>) -> HttpError {
 }
 
 /// Stores `trace` as its rank's trace of experiment `id`, replacing an earlier one.
-pub async fn upsert(tx: &mut sqlx::SqliteConnection, id: i64, trace: &RankTrace, at: &str) -> Result<(), sqlx::Error> {
+pub async fn upsert(tx: &mut sqlx::AnyConnection, id: i64, trace: &RankTrace, at: &str) -> Result<(), sqlx::Error> {
     let json = serde_json::to_string(trace).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     sqlx::query(
-        "INSERT INTO traces (experiment_id, rank, trace, updated_at) VALUES (?1, ?2, ?3, ?4) \
+        "INSERT INTO traces (experiment_id, rank, trace, updated_at) VALUES ($1, $2, $3, $4) \
          ON CONFLICT (experiment_id, rank) DO UPDATE SET trace = excluded.trace, updated_at = excluded.updated_at",
     )
     .bind(id)
@@ -84,11 +84,11 @@ pub async fn upsert(tx: &mut sqlx::SqliteConnection, id: i64, trace: &RankTrace,
 pub async fn trace(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Response, HttpError> {
     let id = parse_id(&raw_id)?;
     let exists: Option<i64> =
-        sqlx::query_scalar("SELECT id FROM experiments WHERE id = ?1").bind(id).fetch_optional(&state.db).await?;
+        sqlx::query_scalar("SELECT id FROM experiments WHERE id = $1").bind(id).fetch_optional(&state.db).await?;
     if exists.is_none() {
         return Err(experiments::not_found(id));
     }
-    let rows: Vec<String> = sqlx::query_scalar("SELECT trace FROM traces WHERE experiment_id = ?1 ORDER BY rank")
+    let rows: Vec<String> = sqlx::query_scalar("SELECT trace FROM traces WHERE experiment_id = $1 ORDER BY rank")
         .bind(id)
         .fetch_all(&state.db)
         .await?;

@@ -1,4 +1,4 @@
-//! The worker protocol: `POST /api/workers/{register,lease,heartbeat,events,complete,fail}`.
+//! The worker protocol: `POST /api/workers/{register,lease,heartbeat,events,complete,fail,rendezvous}`.
 //!
 //! `register` is behind `Authorization: Bearer <worker token>`, the secret the server's
 //! workers share, and answers the worker's own credential; every later request carries that
@@ -18,12 +18,14 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use distlab_common::{
     BackendKind, Complete, EventBatch, ExperimentSpec, ExperimentStatus, Fail, Heartbeat, Lease, LeaseRequest, LogLine,
-    RegisterWorker, Registered, RunEvent, StatusChange, StreamEvent, WorkerAck, WorkerCapacity, VERSION,
+    RegisterWorker, Registered, RendezvousRequest, RendezvousState, RunEvent, StatusChange, StreamEvent, WorkerAck,
+    WorkerCapacity, MAX_RENDEZVOUS_ENTRIES, MAX_RENDEZVOUS_NAME, MAX_RENDEZVOUS_VALUE, VERSION,
 };
 use subtle::ConstantTimeEq;
 
 use crate::error::HttpError;
 use crate::extract::{truncate, JsonBody};
+use crate::parts;
 use crate::queue::{self, Ownership, Stored};
 use crate::traces;
 use crate::AppState;
@@ -86,7 +88,7 @@ pub async fn require_credential(
             "the worker API needs the header Authorization: Bearer <the credential /api/workers/register answered>",
         ));
     };
-    let worker: Option<i64> = sqlx::query_scalar("SELECT id FROM workers WHERE credential_sha256 = ?1")
+    let worker: Option<i64> = sqlx::query_scalar("SELECT id FROM workers WHERE credential_sha256 = $1")
         .bind(accounts::token_digest(credential))
         .fetch_optional(&state.db)
         .await?;
@@ -101,11 +103,26 @@ pub async fn require_credential(
 /// Whether a worker seen recently (see `ServerConfig::worker_alive_window`) offers `backend`.
 pub async fn backend_offered(state: &AppState, backend: BackendKind) -> Result<bool, HttpError> {
     let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
-    let rows: Vec<String> = sqlx::query_scalar("SELECT backends FROM workers WHERE last_seen >= ?1")
+    let rows: Vec<String> = sqlx::query_scalar("SELECT backends FROM workers WHERE last_seen >= $1")
         .bind(cutoff)
         .fetch_all(&state.db)
         .await?;
     Ok(rows.iter().any(|json| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend))))
+}
+
+/// How many ranks each live worker offering `backend` runs at once (None: no limit).
+pub async fn live_ranks(state: &AppState, backend: BackendKind) -> Result<Vec<Option<usize>>, HttpError> {
+    let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
+    let rows: Vec<(String, Option<i64>)> = sqlx::query_as("SELECT backends, ranks FROM workers WHERE last_seen >= $1")
+        .bind(cutoff)
+        .fetch_all(&state.db)
+        .await?;
+    let offers = |json: &str| serde_json::from_str::<Vec<BackendKind>>(json).is_ok_and(|list| list.contains(&backend));
+    Ok(rows
+        .into_iter()
+        .filter(|(backends, _)| offers(backends))
+        .map(|(_, ranks)| ranks.and_then(|r| usize::try_from(r).ok()))
+        .collect())
 }
 
 /// A worker's row as admission control reads it.
@@ -116,14 +133,22 @@ struct WorkerMachine {
     cores: Option<i64>,
     gpus: Option<i64>,
     gpu_memory_bytes: Option<i64>,
+    ranks: Option<i64>,
 }
 
-/// What the live workers offering `backend` report about their machines (those that say).
-pub async fn live_capacities(state: &AppState, backend: BackendKind) -> Result<Vec<WorkerCapacity>, HttpError> {
+/// A live worker's machine and the most ranks it runs at once (None: no limit).
+pub struct LiveWorker {
+    pub capacity: WorkerCapacity,
+    pub ranks: Option<usize>,
+}
+
+/// The live workers offering `backend`, with what they report about their machines (those
+/// that say).
+pub async fn live_capacities(state: &AppState, backend: BackendKind) -> Result<Vec<LiveWorker>, HttpError> {
     let cutoff = clock::before(clock::now(), state.config.worker_alive_window());
     let rows: Vec<WorkerMachine> = sqlx::query_as(
-        "SELECT backends, memory_bytes, cores, gpus, gpu_memory_bytes FROM workers \
-         WHERE last_seen >= ?1 AND memory_bytes IS NOT NULL",
+        "SELECT backends, memory_bytes, cores, gpus, gpu_memory_bytes, ranks FROM workers \
+         WHERE last_seen >= $1 AND memory_bytes IS NOT NULL",
     )
     .bind(cutoff)
     .fetch_all(&state.db)
@@ -133,34 +158,40 @@ pub async fn live_capacities(state: &AppState, backend: BackendKind) -> Result<V
     Ok(rows
         .iter()
         .filter(|w| offers(&w.backends))
-        .map(|w| WorkerCapacity {
-            memory_bytes: unsigned(Some(w.memory_bytes)),
-            cores: u32::try_from(unsigned(w.cores)).unwrap_or(u32::MAX),
-            gpus: u32::try_from(unsigned(w.gpus)).unwrap_or(u32::MAX),
-            gpu_memory_bytes: unsigned(w.gpu_memory_bytes),
+        .map(|w| LiveWorker {
+            capacity: WorkerCapacity {
+                memory_bytes: unsigned(Some(w.memory_bytes)),
+                cores: u32::try_from(unsigned(w.cores)).unwrap_or(u32::MAX),
+                gpus: u32::try_from(unsigned(w.gpus)).unwrap_or(u32::MAX),
+                gpu_memory_bytes: unsigned(w.gpu_memory_bytes),
+            },
+            ranks: w.ranks.and_then(|r| usize::try_from(r).ok()),
         })
         .collect())
 }
 
-/// Marks the calling worker as alive and returns its backends; 403 when the body names
+/// What a worker told the server when it registered.
+struct Offer {
+    backends: Vec<BackendKind>,
+    /// The most ranks it runs at once (None: any number).
+    ranks: Option<usize>,
+}
+
+/// Marks the calling worker as alive and returns what it offers; 403 when the body names
 /// another worker.
-async fn touch(
-    state: &AppState,
-    caller: CallingWorker,
-    worker_id: i64,
-    now: SystemTime,
-) -> Result<Vec<BackendKind>, HttpError> {
+async fn touch(state: &AppState, caller: CallingWorker, worker_id: i64, now: SystemTime) -> Result<Offer, HttpError> {
     caller.speaks_for(worker_id)?;
-    let backends: Option<String> =
-        sqlx::query_scalar("UPDATE workers SET last_seen = ?1 WHERE id = ?2 RETURNING backends")
+    let row: Option<(String, Option<i64>)> =
+        sqlx::query_as("UPDATE workers SET last_seen = $1 WHERE id = $2 RETURNING backends, ranks")
             .bind(clock::rfc3339(now))
             .bind(worker_id)
             .fetch_optional(&state.db)
             .await?;
-    let backends =
-        backends.ok_or_else(|| HttpError::not_found(format!("no worker with id {worker_id}; register first")))?;
-    serde_json::from_str(&backends)
-        .map_err(|e| HttpError::internal("stored worker", format!("worker {worker_id} backends: {e}")))
+    let (backends, ranks) =
+        row.ok_or_else(|| HttpError::not_found(format!("no worker with id {worker_id}; register first")))?;
+    let backends = serde_json::from_str(&backends)
+        .map_err(|e| HttpError::internal("stored worker", format!("worker {worker_id} backends: {e}")))?;
+    Ok(Offer { backends, ranks: ranks.and_then(|r| usize::try_from(r).ok()) })
 }
 
 /// `POST /api/workers/register`
@@ -189,10 +220,14 @@ pub async fn register(
     let capacity = body.capacity;
     // SQLite integers are i64: a (nonsense) memory size beyond that is stored as the largest.
     let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    if body.ranks == Some(0) {
+        return Err(HttpError::bad_field("ranks", "a worker runs at least 1 rank (leave it out for no limit)"));
+    }
     let credential = crate::random_token() + &crate::random_token();
     let worker_id: i64 = sqlx::query_scalar(
         "INSERT INTO workers (name, backends, devices, version, registered_at, last_seen, memory_bytes, cores, gpus, \
-         gpu_memory_bytes, credential_sha256) VALUES (?1, ?2, ?3, ?4, ?5, ?5, ?6, ?7, ?8, ?9, ?10) RETURNING id",
+         gpu_memory_bytes, credential_sha256, ranks) VALUES ($1, $2, $3, $4, $5, $5, $6, $7, $8, $9, $10, $11) \
+         RETURNING id",
     )
     .bind(&name)
     .bind(&backends)
@@ -204,12 +239,13 @@ pub async fn register(
     .bind(capacity.map(|c| i64::from(c.gpus)))
     .bind(capacity.map(|c| as_i64(c.gpu_memory_bytes)))
     .bind(accounts::token_digest(&credential))
+    .bind(body.ranks.map(i64::from))
     .fetch_one(&state.db)
     .await?;
     if version != VERSION {
         tracing::warn!(worker_id, %name, %version, server_version = VERSION, "worker version differs from the server's");
     }
-    tracing::info!(worker_id, %name, %backends, %devices, "worker registered");
+    tracing::info!(worker_id, %name, %backends, %devices, ranks = ?body.ranks, "worker registered");
     Ok(Json(Registered { worker_id, credential, heartbeat_interval_s: state.config.heartbeat_seconds }))
 }
 
@@ -229,19 +265,59 @@ pub async fn lease(
     JsonBody(body): JsonBody<LeaseRequest>,
 ) -> Result<Response, HttpError> {
     let now = clock::now();
-    let backends = touch(&state, caller, body.worker_id, now).await?;
+    let offer = touch(&state, caller, body.worker_id, now).await?;
+    let idle_for = idle_window(body.poll_interval_s);
+    parts::mark_idle(&state.db, body.worker_id, now, idle_for).await?;
     let lease_for = state.config.lease_duration();
-    let max_running = state.config.max_running_per_user;
-    let Some(leased) = queue::lease(&state.db, body.worker_id, &backends, max_running, lease_for, now).await? else {
+    let asking = queue::Asking { worker_id: body.worker_id, backends: &offer.backends, ranks: offer.ranks };
+    let policy = queue::LeasePolicy {
+        max_running: state.config.max_running_per_user,
+        lease: lease_for,
+        multi_host: state.config.allow_multi_host,
+    };
+    let Some(leased) = queue::lease(&state.db, asking, policy, now).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let spec: ExperimentSpec = serde_json::from_str(&leased.spec).map_err(|e| {
         HttpError::internal("stored experiment", format!("experiment {} has an unreadable spec: {e}", leased.id))
     })?;
-    tracing::info!(experiment = leased.id, worker_id = body.worker_id, attempt = leased.attempt, "experiment leased");
-    state.hub.status_changed(leased.id, StatusChange { status: ExperimentStatus::Running, error: None, summary: None });
-    let lease = Lease { experiment_id: leased.id, spec, attempt: leased.attempt, lease_s: lease_for.as_secs_f64() };
+    match &leased.placement {
+        None => tracing::info!(
+            experiment = leased.id,
+            worker_id = body.worker_id,
+            attempt = leased.attempt,
+            "experiment leased"
+        ),
+        Some(p) => tracing::info!(
+            experiment = leased.id,
+            worker_id = body.worker_id,
+            attempt = leased.attempt,
+            host = p.host,
+            ranks = ?p.ranks(),
+            hosts = p.ranks_per_host.len(),
+            "part of a run across workers leased"
+        ),
+    }
+    if leased.placement.as_ref().is_none_or(|p| p.host == 0) {
+        state
+            .hub
+            .status_changed(leased.id, StatusChange { status: ExperimentStatus::Running, error: None, summary: None });
+    }
+    let lease = Lease {
+        experiment_id: leased.id,
+        spec,
+        attempt: leased.attempt,
+        lease_s: lease_for.as_secs_f64(),
+        placement: leased.placement,
+    };
     Ok(Json(lease).into_response())
+}
+
+/// How long after asking for work a worker polling every `poll_s` seconds counts as idle:
+/// three of its intervals, between 2 and 60 s (2 s when it does not say).
+fn idle_window(poll_s: Option<f64>) -> std::time::Duration {
+    let seconds = poll_s.filter(|s| s.is_finite() && *s > 0.0).map_or(2.0, |s| (3.0 * s).clamp(2.0, 60.0));
+    std::time::Duration::from_secs_f64(seconds)
 }
 
 /// Answer for a report about an experiment, by who holds it now.
@@ -384,19 +460,59 @@ pub async fn fail(
 ) -> Result<Json<WorkerAck>, HttpError> {
     let now = clock::now();
     touch(&state, caller, body.worker_id, now).await?;
-    let ownership =
-        queue::fail(&state.db, body.worker_id, body.experiment_id, &body.error, body.cancelled, now).await?;
-    if ownership == Ownership::Held {
-        let change = if body.cancelled {
-            StatusChange { status: ExperimentStatus::Cancelled, error: None, summary: None }
-        } else {
-            StatusChange {
-                status: ExperimentStatus::Failed,
-                error: Some(truncate(&body.error, queue::MAX_TEXT_CHARS)),
-                summary: None,
-            }
-        };
-        state.hub.status_changed(body.experiment_id, change);
+    let failure = queue::Failure { error: &body.error, cancelled: body.cancelled, lost_host: body.lost_host };
+    let ended = queue::fail(&state.db, body.worker_id, body.experiment_id, failure, now).await?;
+    let status = match ended {
+        Ok(status) => status,
+        Err(ownership) => return ack(ownership, body.worker_id, body.experiment_id),
+    };
+    let error = (status == ExperimentStatus::Failed).then(|| truncate(&body.error, queue::MAX_TEXT_CHARS));
+    state.hub.status_changed(body.experiment_id, StatusChange { status, error, summary: None });
+    ack(Ownership::Held, body.worker_id, body.experiment_id)
+}
+
+/// `POST /api/workers/rendezvous`: a host of a run across workers publishes what its
+/// ranks need the others to know (their addresses) and reads what the others published;
+/// 409 once the attempt is over. Names and values are short text.
+#[utoipa::path(
+    post, path = "/rendezvous", operation_id = "worker_rendezvous", tag = "workers",
+    request_body = distlab_common::RendezvousRequest,
+    responses(
+        (status = 200, body = distlab_common::RendezvousState),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+        (status = 409, description = "not a host of this attempt (any more)", body = distlab_common::ApiError),
+        (status = 400, description = "a name or value too long or empty", body = distlab_common::ApiError),
+    ),
+)]
+pub async fn rendezvous(
+    State(state): State<AppState>,
+    Extension(caller): Extension<CallingWorker>,
+    JsonBody(body): JsonBody<RendezvousRequest>,
+) -> Result<Json<RendezvousState>, HttpError> {
+    let now = clock::now();
+    touch(&state, caller, body.worker_id, now).await?;
+    if body.publish.len() > MAX_RENDEZVOUS_ENTRIES {
+        return Err(HttpError::bad_field("publish", format!("at most {MAX_RENDEZVOUS_ENTRIES} entries at a time")));
     }
-    ack(ownership, body.worker_id, body.experiment_id)
+    for (i, entry) in body.publish.iter().enumerate() {
+        if entry.name.is_empty() || entry.name.len() > MAX_RENDEZVOUS_NAME {
+            return Err(HttpError::bad_field(
+                &format!("publish[{i}].name"),
+                format!("a name has 1 to {MAX_RENDEZVOUS_NAME} bytes"),
+            ));
+        }
+        if entry.value.len() > MAX_RENDEZVOUS_VALUE {
+            return Err(HttpError::bad_field(
+                &format!("publish[{i}].value"),
+                format!("a value has at most {MAX_RENDEZVOUS_VALUE} bytes"),
+            ));
+        }
+    }
+    let exchanged = parts::exchange(&state.db, body.worker_id, body.experiment_id, body.attempt, &body.publish).await?;
+    exchanged.map(Json).ok_or_else(|| {
+        HttpError::conflict(format!(
+            "worker {} holds no part of attempt {} of experiment {} (it ended, or never was this worker's)",
+            body.worker_id, body.attempt, body.experiment_id
+        ))
+    })
 }

@@ -1,6 +1,8 @@
 //! A class shares one server (`--auth accounts`): sign-in, who may do what (an authorization
 //! matrix over every kind of route), per-person quotas and fair-share leasing.
 
+mod store;
+
 use std::collections::BTreeMap;
 
 use axum::body::Body;
@@ -44,6 +46,7 @@ impl Class {
             auth: AuthMode::Accounts,
             ..ServerConfig::default()
         };
+        config.database_url = store::database_url().await;
         edit(&mut config);
         let state = AppState::new(config).await.expect("state");
         let mut class = Class { app: app(state.clone()), state, cookies: BTreeMap::new(), _dir: dir };

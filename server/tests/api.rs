@@ -1,5 +1,7 @@
 //! The HTTP API, driven through `app()` with `oneshot` on a temporary SQLite database.
 
+mod store;
+
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
@@ -31,6 +33,7 @@ async fn setup_with(edit: impl FnOnce(&mut ServerConfig)) -> TestApp {
         worker_token: TOKEN.into(),
         ..ServerConfig::default()
     };
+    config.database_url = store::database_url().await;
     edit(&mut config);
     let state = AppState::new(config).await.expect("state");
     TestApp { app: app(state.clone()), state, dir, credentials: Default::default() }
@@ -101,6 +104,20 @@ impl TestApp {
             .await;
         assert_eq!(a.status, StatusCode::OK, "{}", a.body);
         a.body["worker_id"].as_i64().expect("worker_id")
+    }
+
+    /// A worker that runs at most `ranks` ranks at once.
+    async fn register_ranks(&self, ranks: u32) -> i64 {
+        let body = json!({"name": "w", "backends": ["cpu"], "devices": [], "version": VERSION, "ranks": ranks});
+        let a = self.worker("register", body).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+        a.body["worker_id"].as_i64().expect("worker_id")
+    }
+
+    async fn create_with(&self, spec: Value) -> i64 {
+        let a = self.post("/api/experiments", spec).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        a.body["id"].as_i64().expect("id")
     }
 
     async fn create(&self, name: &str) -> i64 {
@@ -258,7 +275,7 @@ async fn get_trace(t: &TestApp, id: i64) -> trace::ExperimentTrace {
 }
 
 async fn log_count(t: &TestApp, id: i64) -> i64 {
-    sqlx::query_scalar("SELECT COUNT(*) FROM logs WHERE experiment_id = ?1")
+    sqlx::query_scalar("SELECT COUNT(*) FROM logs WHERE experiment_id = $1")
         .bind(id)
         .fetch_one(&t.state.db)
         .await
@@ -621,6 +638,7 @@ async fn the_openapi_document_has_every_route_and_nothing_else() {
         "POST /api/workers/events",
         "POST /api/workers/complete",
         "POST /api/workers/fail",
+        "POST /api/workers/rendezvous",
         "PUT /api/workers/experiments/{id}/model",
         "GET /api/datasets",
         "POST /api/datasets",
@@ -956,7 +974,7 @@ async fn events_are_stored_and_visible_in_metrics() {
     let m: Metrics =
         serde_json::from_value(t.get(&format!("/api/experiments/{id}/metrics")).await.body).expect("metrics");
     assert_eq!(m.steps[3].loss.to_bits(), measured.to_bits(), "{} stored as {}", measured, m.steps[3].loss);
-    let logs: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM logs WHERE experiment_id = ?1")
+    let logs: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM logs WHERE experiment_id = $1")
         .bind(id)
         .fetch_one(&t.state.db)
         .await
@@ -1167,7 +1185,7 @@ async fn uploaded_traces_are_served_in_rank_order() {
         t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [trace_event(&newer)]})).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
     assert_eq!(get_trace(&t, id).await.ranks, vec![newer, r1, r3]);
-    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM traces WHERE experiment_id = ?1")
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM traces WHERE experiment_id = $1")
         .bind(id)
         .fetch_one(&t.state.db)
         .await
@@ -1435,6 +1453,50 @@ async fn stream_sends_live_events_then_ends_on_finish() {
     assert_eq!(events[0].1["status"], "running");
     assert_eq!((events[1].1["step"].clone(), events[2].1["step"].clone()), (json!(0), json!(1)));
     assert_eq!(events[4].1, json!({"type": "status", "status": "failed", "error": "rank 0 crashed"}));
+}
+
+/// Two servers on one Postgres database: a browser watching on one sees what a worker
+/// reports to the other (LISTEN/NOTIFY), a long log line included. Only on Postgres.
+#[tokio::test]
+async fn a_stream_on_another_server_of_the_database_follows_the_run() {
+    let t = setup().await;
+    let Some(url) = t.state.config.database_url.clone() else {
+        eprintln!("skipped: the servers share live events only on Postgres (DISTLAB_TEST_POSTGRES_URL is not set)");
+        return;
+    };
+    let other_config = ServerConfig { database_url: Some(url), ..(*t.state.config).clone() };
+    let other = AppState::new(other_config).await.expect("a second server on the same database");
+    let other_app = app(other);
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("watched elsewhere").await;
+    t.lease(worker).await;
+
+    let resp = other_app
+        .clone()
+        .oneshot(Request::get(format!("/api/experiments/{id}/stream")).body(Body::empty()).expect("req"))
+        .await
+        .expect("infallible");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let reader = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect()).await.map(|b| b.map(|c| c.to_bytes()))
+    });
+    // The other server's listener is up once its stream answered; give the stream a moment
+    // to subscribe, then report to the first server.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let long = json!({"type": "log", "level": "warn", "message": "x".repeat(9_000)});
+    t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [metric(0, 4.0), long]})).await;
+    t.worker("fail", json!({"worker_id": worker, "experiment_id": id, "error": "rank 1 crashed"})).await;
+
+    let bytes = reader.await.expect("task").expect("the stream ends").expect("body");
+    let mut events = parse_sse(&String::from_utf8_lossy(&bytes));
+    // (the lease's "running" may arrive from the first server after the replay's)
+    events.dedup();
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, vec!["status", "metric", "log", "status"]);
+    assert_eq!(events[1].1["loss"], json!(4.0));
+    let line = events[2].1["message"].as_str().unwrap_or_default();
+    assert!(line.len() > 8_000 && line.ends_with('…'), "the line read back as stored (cut to 8192 characters)");
+    assert_eq!(events[3].1["error"], "rank 1 crashed");
 }
 
 /// The whole body of a stream that ends by itself.
@@ -1745,7 +1807,7 @@ async fn an_experiment_running_past_the_limit_is_stopped() {
     assert_eq!(t.view(id).await.status, ExperimentStatus::Running, "within the limit (and the lease)");
     // 11 minutes on, with the lease kept alive by heartbeats.
     let later = SystemTime::now() + Duration::from_secs(660);
-    sqlx::query("UPDATE experiments SET lease_until = '9000-01-01T00:00:00.000Z' WHERE id = ?1")
+    sqlx::query("UPDATE experiments SET lease_until = '9000-01-01T00:00:00.000Z' WHERE id = $1")
         .bind(id)
         .execute(&t.state.db)
         .await
@@ -1955,4 +2017,218 @@ async fn metrics_report_the_queue_the_workers_and_every_route() {
     assert_eq!(line(&after, timed), Some(1.0), "{after}");
     let buckets = after.lines().filter(|l| l.starts_with("distlab_http_request_duration_seconds_bucket{")).count();
     assert!(buckets >= 16, "a histogram's buckets per route: {after}");
+}
+
+// ---- runs across several workers ----
+
+fn dp4() -> Value {
+    json!({"name": "wide", "parallel": {"dp": 4}, "train": {"steps": 10}})
+}
+
+/// A dp=4 run on workers of 2 ranks waits for a second idle worker, then is placed on both:
+/// host 0 (the worker that asked) leases it, the other takes its part at its next lease;
+/// both get the same secret, and the rendezvous passes what each publishes to the other.
+#[tokio::test]
+async fn a_run_wider_than_a_worker_is_placed_on_two_and_they_meet_at_the_rendezvous() {
+    let t = setup().await;
+    let a = t.register_ranks(2).await;
+    let b = t.register_ranks(2).await;
+    let id = t.create_with(dp4()).await;
+    let nothing = t.worker("lease", json!({"worker_id": a})).await;
+    assert_eq!(nothing.status, StatusCode::NO_CONTENT, "no other worker is idle (b has not asked yet): it waits");
+    // b asks while a (which asked a moment ago) is idle: b leases it as host 0, a is placed
+    // as host 1.
+    let (a, b) = (b, a);
+    let first = t.lease(a).await;
+    let p0 = first.placement.clone().expect("placed on several workers");
+    assert_eq!((first.experiment_id, p0.host, p0.ranks_per_host.clone(), p0.ranks()), (id, 0, vec![2, 2], 0..2));
+    assert_eq!(p0.secret.len(), 32);
+    let second = t.lease(b).await;
+    let p1 = second.placement.clone().expect("b's part");
+    assert_eq!((second.experiment_id, second.attempt, p1.host, p1.ranks()), (id, first.attempt, 1, 2..4));
+    assert_eq!(p1.secret, p0.secret);
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Running);
+
+    let meet = |worker: i64, publish: Value| {
+        let body = json!({"worker_id": worker, "experiment_id": id, "attempt": first.attempt, "publish": publish});
+        t.worker("rendezvous", body)
+    };
+    let seen = meet(a, json!([{"name": "rank-0.addr", "value": "10.0.0.1:4000"}])).await;
+    assert_eq!(seen.status, StatusCode::OK, "{}", seen.body);
+    assert_eq!((seen.body["hosts"].clone(), seen.body["joined"].clone()), (json!(2), json!(2)));
+    let seen =
+        meet(b, json!([{"name": "rank-2.addr", "value": "10.0.0.2:4000"}, {"name": "rank-0.addr", "value": "x"}]))
+            .await;
+    let entries: Vec<(String, String)> = seen.body["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap().to_string(), e["value"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(
+        entries,
+        [("rank-0.addr".into(), "10.0.0.1:4000".into()), ("rank-2.addr".into(), "10.0.0.2:4000".into())],
+        "each name keeps its first value"
+    );
+    // Nobody else reads it, nothing oversized goes in.
+    let c = t.register_ranks(2).await;
+    assert_eq!(meet(c, json!([])).await.status, StatusCode::CONFLICT);
+    let long = meet(a, json!([{"name": "n", "value": "v".repeat(2000)}])).await;
+    assert_eq!(
+        (long.status, long.body["fields"][0]["field"].clone()),
+        (StatusCode::BAD_REQUEST, json!("publish[0].value"))
+    );
+
+    // Both hosts report; host 0 completes the run; the other host's next heartbeat learns it ended.
+    for worker in [a, b] {
+        let hb = t.worker("heartbeat", json!({"worker_id": worker, "experiment_id": id})).await;
+        assert_eq!((hb.status, hb.body["cancel"].clone()), (StatusCode::OK, json!(false)));
+    }
+    let logged = t.worker("events", json!({"worker_id": b, "experiment_id": id, "events": [{"type": "log", "level": "info", "message": "host 1 up"}]})).await;
+    assert_eq!(logged.status, StatusCode::OK, "{}", logged.body);
+    let done = t.worker("complete", json!({"worker_id": a, "experiment_id": id, "summary": summary()})).await;
+    assert_eq!(done.status, StatusCode::OK, "{}", done.body);
+    let late = t.worker("heartbeat", json!({"worker_id": b, "experiment_id": id})).await;
+    assert_eq!(late.status, StatusCode::CONFLICT, "the run is over: host 1 stops");
+    assert_eq!(meet(a, json!([])).await.status, StatusCode::CONFLICT, "the rendezvous closes with the attempt");
+}
+
+/// Both hosts' heartbeats keep a run across workers alive past the lease's length (host 0
+/// renews the experiment's lease, the other host its part's).
+#[tokio::test]
+async fn heartbeats_of_both_hosts_keep_the_run_alive() {
+    let t = setup_with(|c| (c.lease_seconds, c.heartbeat_seconds) = (1.0, 0.2)).await;
+    let a = t.register_ranks(2).await;
+    let b = t.register_ranks(2).await;
+    let id = t.create_with(dp4()).await;
+    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
+    t.lease(a).await;
+    t.lease(b).await;
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        for worker in [a, b] {
+            assert_eq!(
+                t.worker("heartbeat", json!({"worker_id": worker, "experiment_id": id})).await.status,
+                StatusCode::OK
+            );
+        }
+        t.state.reap_expired(SystemTime::now()).await.expect("reap");
+    }
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Running, "1.8 s into a run with 1 s leases");
+}
+
+/// Placement keeps tensor-parallel groups whole: workers of 1 rank cannot take a tp=2 run,
+/// and a server with --allow-multi-host false refuses what no single worker runs.
+#[tokio::test]
+async fn tensor_parallel_groups_are_never_cut_and_multi_host_can_be_switched_off() {
+    let t = setup().await;
+    let a = t.register_ranks(1).await;
+    let b = t.register_ranks(1).await;
+    let c = t.register_ranks(1).await;
+    let id =
+        t.create_with(json!({"name": "tp", "model": {"heads": 4}, "parallel": {"tp": 2}, "train": {"steps": 5}})).await;
+    for w in [b, c, a] {
+        assert_eq!(t.worker("lease", json!({"worker_id": w})).await.status, StatusCode::NO_CONTENT);
+    }
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Queued);
+
+    let t = setup_with(|c| c.allow_multi_host = false).await;
+    t.register_ranks(2).await;
+    t.register_ranks(2).await;
+    let refused = t.post("/api/experiments", dp4()).await;
+    assert_eq!(refused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        refused.body["fields"][0]["message"].as_str().unwrap_or("").contains("--allow-multi-host false"),
+        "{}",
+        refused.body
+    );
+    // With it on, more ranks than all live workers together are refused too.
+    let t = setup().await;
+    t.register_ranks(2).await;
+    t.register_ranks(1).await;
+    let refused = t.post("/api/experiments", dp4()).await;
+    assert!(
+        refused.body["fields"][0]["message"].as_str().unwrap_or("").contains("run together (3)"),
+        "{}",
+        refused.body
+    );
+}
+
+/// A placement whose second worker never takes its part is released after the gang
+/// timeout: the run is queued again as if never leased, host 0 learns it (409), and the
+/// worker is free to be placed again.
+#[tokio::test]
+async fn a_placement_whose_workers_do_not_all_come_is_released() {
+    let t = setup().await;
+    let a = t.register_ranks(2).await;
+    let b = t.register_ranks(2).await;
+    let id = t.create_with(dp4()).await;
+    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
+    let first = t.lease(a).await;
+    assert_eq!(first.attempt, 1);
+    // b never comes back for its part.
+    t.state.reap_expired(SystemTime::now() + Duration::from_secs(10)).await.expect("reap");
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Running, "within the gang timeout it waits");
+    t.state.reap_expired(SystemTime::now() + Duration::from_secs(31)).await.expect("reap");
+    let view = t.view(id).await;
+    assert_eq!(
+        (view.status, view.attempt),
+        (ExperimentStatus::Queued, 0),
+        "back in the queue, the attempt not counted"
+    );
+    let hb = t.worker("heartbeat", json!({"worker_id": a, "experiment_id": id})).await;
+    assert_eq!(hb.status, StatusCode::CONFLICT);
+    let logs: Vec<String> = sqlx::query_scalar("SELECT message FROM logs WHERE experiment_id = $1")
+        .bind(id)
+        .fetch_all(&t.state.db)
+        .await
+        .expect("logs");
+    assert!(logs.iter().any(|l| l.contains(&format!("worker {b} did not take its part"))), "{logs:?}");
+    // Both ask again: the run is placed anew, as attempt 1.
+    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
+    let again = t.lease(a).await;
+    assert_eq!((again.experiment_id, again.attempt), (id, 1));
+    assert_eq!(t.lease(b).await.placement.map(|p| p.host), Some(1));
+}
+
+/// When a host of the run goes away, the others' ranks fail with a lost peer: the run goes
+/// back to the queue to resume. If the host that went away failed for a reason of its own,
+/// its report still fails the run; a host whose part's lease expires re-queues it too.
+#[tokio::test]
+async fn a_lost_host_requeues_the_run_and_a_real_error_still_fails_it() {
+    let t = setup().await;
+    let a = t.register_ranks(2).await;
+    let b = t.register_ranks(2).await;
+    let id = t.create_with(dp4()).await;
+    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
+    t.lease(a).await;
+    t.lease(b).await;
+    let lost = json!({"worker_id": a, "experiment_id": id, "error": "rank 1: rank 2 hung up", "lost_host": true});
+    let answer = t.worker("fail", lost).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
+    let view = t.view(id).await;
+    assert_eq!((view.status, view.attempt), (ExperimentStatus::Queued, 1));
+    let real = json!({"worker_id": b, "experiment_id": id, "error": "rank 2 panicked: out of memory"});
+    assert_eq!(t.worker("fail", real).await.status, StatusCode::OK);
+    let view = t.view(id).await;
+    assert_eq!(
+        (view.status, view.error.as_deref()),
+        (ExperimentStatus::Failed, Some("rank 2 panicked: out of memory"))
+    );
+
+    // A member whose heartbeats stop: its part's lease expires and the run is re-queued.
+    let id = t.create_with(dp4()).await;
+    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
+    t.lease(a).await;
+    t.lease(b).await;
+    t.state.reap_expired(SystemTime::now() + Duration::from_secs(25)).await.expect("reap");
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Running, "both leases last 30 s");
+    // Only host 1's part has expired (host 0's lease is pushed far out): re-queued all the same.
+    sqlx::query("UPDATE experiments SET lease_until = '9000-01-01T00:00:00.000Z' WHERE id = $1")
+        .bind(id)
+        .execute(&t.state.db)
+        .await
+        .expect("host 0 keeps its lease");
+    t.state.reap_expired(SystemTime::now() + Duration::from_secs(31)).await.expect("reap");
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Queued);
 }

@@ -6,6 +6,8 @@
 //! DISTLAB_FUZZ_CASES (per document kind) for a longer run by hand. Each run prints how
 //! many answers fell in each status class.
 
+mod store;
+
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -39,6 +41,7 @@ impl Lab {
             worker_token: TOKEN.into(),
             // Every valid spec is queued: the quota is not what is fuzzed here.
             max_queued_per_user: usize::MAX,
+            database_url: runtime.block_on(store::database_url()),
             ..ServerConfig::default()
         };
         let state = runtime.block_on(AppState::new(config)).expect("state");

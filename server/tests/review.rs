@@ -1,6 +1,8 @@
 //! Flashcard review with FSRS (`/api/profiles/...`), driven through `app()` with `oneshot` on a
 //! temporary SQLite database. Time passes by moving a profile's stored timestamps back.
 
+mod store;
+
 use std::time::{Duration, SystemTime};
 
 use axum::body::Body;
@@ -27,6 +29,7 @@ async fn setup() -> TestApp {
         static_dir: dir.path().join("site"),
         local_workers: 0,
         worker_token: "test-worker-token".into(),
+        database_url: store::database_url().await,
         ..ServerConfig::default()
     };
     let state = AppState::new(config).await.expect("state");
@@ -104,29 +107,44 @@ impl TestApp {
     /// Moves every stored time of `profile` (due dates, last reviews, the log) `days` into the
     /// past: as if that much time had passed.
     async fn time_passes(&self, profile: i64, days: f64) {
-        let shift = format!("-{days} days");
-        let f = "'%Y-%m-%dT%H:%M:%fZ'";
-        sqlx::query(&format!(
-            "UPDATE card_reviews SET due = strftime({f}, due, ?2), last_review = strftime({f}, last_review, ?2) \
-             WHERE profile_id = ?1"
-        ))
-        .bind(profile)
-        .bind(&shift)
-        .execute(&self.state.db)
-        .await
-        .expect("shift states");
-        sqlx::query(&format!(
-            "UPDATE review_log SET reviewed_at = strftime({f}, reviewed_at, ?2) WHERE profile_id = ?1"
-        ))
-        .bind(profile)
-        .bind(&shift)
-        .execute(&self.state.db)
-        .await
-        .expect("shift log");
+        let back = |text: String| {
+            let t = distlab_server::clock::parse_time(&text).expect("a stored time");
+            distlab_server::clock::rfc3339(t - std::time::Duration::from_secs_f64(days * 86_400.0))
+        };
+        let db = &self.state.db;
+        let states: Vec<(String, String, String)> =
+            sqlx::query_as("SELECT card_id, due, last_review FROM card_reviews WHERE profile_id = $1")
+                .bind(profile)
+                .fetch_all(db)
+                .await
+                .expect("states");
+        for (card, due, last) in states {
+            sqlx::query("UPDATE card_reviews SET due = $1, last_review = $2 WHERE profile_id = $3 AND card_id = $4")
+                .bind(back(due))
+                .bind(back(last))
+                .bind(profile)
+                .bind(card)
+                .execute(db)
+                .await
+                .expect("shift states");
+        }
+        let log: Vec<(i64, String)> = sqlx::query_as("SELECT id, reviewed_at FROM review_log WHERE profile_id = $1")
+            .bind(profile)
+            .fetch_all(db)
+            .await
+            .expect("log");
+        for (id, at) in log {
+            sqlx::query("UPDATE review_log SET reviewed_at = $1 WHERE id = $2")
+                .bind(back(at))
+                .bind(id)
+                .execute(db)
+                .await
+                .expect("shift log");
+        }
     }
 
     async fn log_rows(&self, profile: i64) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM review_log WHERE profile_id = ?1")
+        sqlx::query_scalar("SELECT COUNT(*) FROM review_log WHERE profile_id = $1")
             .bind(profile)
             .fetch_one(&self.state.db)
             .await

@@ -4,6 +4,8 @@
 //! The binaries must be built first (`cargo xtask test` does it):
 //! `cargo build -p distlab-server -p distlab-worker`.
 
+pub mod netns;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

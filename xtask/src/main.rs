@@ -4,13 +4,15 @@
 //!   lazily loaded page, with its JS glue, index.html and style.css in target/site/ (`frontend.rs`)
 //! - `run`: build everything (release) and start the server with one local worker
 //! - `test`: install what a fresh machine lacks, build, `cargo test --workspace` (with the
-//!   worker's `cuda` feature, so the CUDA backend compiles and its tests run or skip)
+//!   worker's `cuda` feature, so the CUDA backend compiles and its tests run or skip), then
+//!   the server's tests again on a throwaway PostgreSQL cluster
 //! - `bench`: the engine's training-step benchmark, next to PyTorch's when torch is installed
 //! - `mutants`: break the engine on purpose (`mutants.rs`) and check the tests notice
 
 mod frontend;
 mod load;
 mod mutants;
+mod postgres;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -177,6 +179,30 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
         cmd.arg("--include-ignored");
     }
     let status = cmd.status().context("cannot start cargo test")?;
+    if !status.success() {
+        return Ok(exit_code(status));
+    }
+    store_tests_on_postgres()
+}
+
+/// The server's tests again, on a throwaway PostgreSQL cluster (`postgres.rs`): every query
+/// the store makes, on the other database it supports. Where no cluster can be started
+/// here, says why and passes.
+fn store_tests_on_postgres() -> Result<ExitCode> {
+    let cluster = match postgres::start() {
+        Ok(cluster) => cluster,
+        Err(e) => {
+            println!("xtask: the store tests on Postgres are skipped: no PostgreSQL cluster could be started ({e:#})");
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    println!("xtask: the server's tests on PostgreSQL ({})", cluster.url);
+    // (with the features of the whole run above, so that nothing is built again)
+    let status = cargo()
+        .args(["test", "-p", "distlab-server", "--features", "distlab-worker/cuda"])
+        .env("DISTLAB_TEST_POSTGRES_URL", &cluster.url)
+        .status()
+        .context("cannot start cargo test")?;
     Ok(exit_code(status))
 }
 

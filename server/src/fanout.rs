@@ -1,0 +1,165 @@
+//! Live events shared by the servers of one PostgreSQL database: whatever a server's hub
+//! publishes also goes out with NOTIFY, and each server LISTENs and hands what the others
+//! sent to its own streams. A browser's stream then follows a run whichever server its
+//! worker reports to.
+//!
+//! A notification carries at most 8,000 bytes: an event whose JSON is longer (a long log
+//! line, a final status with its summary) goes as a reference, which the receiving server
+//! reads back from the database (where it was stored before it was published).
+
+use std::time::Duration;
+
+use distlab_common::{LogLevel, LogLine, StatusChange, StreamEvent};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgListener;
+use tokio::sync::mpsc;
+
+use crate::stream::Published;
+use crate::{experiments, queue, AppState};
+
+const CHANNEL: &str = "distlab_events";
+/// The longest payload sent as it is (PostgreSQL's limit is 8,000 bytes).
+const INLINE_BYTES: usize = 7_000;
+
+/// One notification.
+#[derive(Debug, Serialize, Deserialize)]
+struct Notice {
+    /// The server that sent it (it skips its own).
+    origin: String,
+    /// The experiment.
+    id: i64,
+    what: What,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum What {
+    Event(Published),
+    /// The experiment's status changed: read it from the database.
+    Status,
+    /// Log line `log_id` was stored: read it from the database.
+    Log {
+        log_id: i64,
+    },
+}
+
+/// Sends what `state`'s hub publishes to the other servers of its database, and delivers
+/// what they send to the hub's streams. Runs until the runtime stops.
+pub async fn start(state: &AppState, url: &str) -> Result<(), sqlx::Error> {
+    let origin = crate::random_hex(8);
+    let mut listener = PgListener::connect(url).await?;
+    listener.listen(CHANNEL).await?;
+    let (tx, mut rx) = mpsc::unbounded_channel::<(i64, Published)>();
+    state.hub.fan_out_to(tx);
+
+    let sending = state.clone();
+    let me = origin.clone();
+    tokio::spawn(async move {
+        while let Some((id, published)) = rx.recv().await {
+            let payload = payload(&me, id, published);
+            let sent = sqlx::query("SELECT CAST(1 AS BIGINT) FROM pg_notify($1, $2)")
+                .bind(CHANNEL)
+                .bind(&payload)
+                .execute(&sending.db)
+                .await;
+            if let Err(e) = sent {
+                tracing::warn!(experiment = id, "could not tell the other servers about an event: {e}");
+            }
+        }
+    });
+
+    let receiving = state.clone();
+    tokio::spawn(async move {
+        loop {
+            match listener.recv().await {
+                Ok(notification) => match serde_json::from_str::<Notice>(notification.payload()) {
+                    Ok(notice) if notice.origin != origin => deliver(&receiving, notice).await,
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("an unreadable notification on {CHANNEL}: {e}"),
+                },
+                Err(e) => {
+                    // PgListener reconnects on the next call; what was sent meanwhile is lost.
+                    tracing::warn!("listening for the other servers' events: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// The notification for `published`: the event itself when it fits, else a reference.
+fn payload(origin: &str, id: i64, published: Published) -> String {
+    let reference = match (&published.event, published.log_id) {
+        (StreamEvent::Status(_), _) => What::Status,
+        (StreamEvent::Log(_), Some(log_id)) => What::Log { log_id },
+        _ => What::Event(published.clone()),
+    };
+    let notice = Notice { origin: origin.to_string(), id, what: What::Event(published) };
+    match serde_json::to_string(&notice) {
+        Ok(json) if json.len() <= INLINE_BYTES => json,
+        _ => serde_json::to_string(&Notice { what: reference, ..notice }).unwrap_or_default(),
+    }
+}
+
+/// Hands a notice from another server to this one's streams.
+async fn deliver(state: &AppState, notice: Notice) {
+    let id = notice.id;
+    let published = match notice.what {
+        What::Event(published) => Some(published),
+        What::Status => match experiments::load(&state.db, id).await {
+            Ok(Some(view)) => Some(Published {
+                event: StreamEvent::Status(StatusChange {
+                    status: view.status,
+                    error: view.error,
+                    summary: view.summary,
+                }),
+                log_id: None,
+            }),
+            _ => None,
+        },
+        What::Log { log_id } => {
+            let row: Result<Option<(String, String)>, _> =
+                sqlx::query_as("SELECT level, message FROM logs WHERE id = $1")
+                    .bind(log_id)
+                    .fetch_optional(&state.db)
+                    .await;
+            row.ok().flatten().map(|(level, message)| Published {
+                event: StreamEvent::Log(LogLine {
+                    level: queue::level_from_name(&level).unwrap_or(LogLevel::Info),
+                    message,
+                }),
+                log_id: Some(log_id),
+            })
+        }
+    };
+    if let Some(published) = published {
+        state.hub.deliver(id, published);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distlab_common::ExperimentStatus;
+
+    #[test]
+    fn long_events_go_as_references_short_ones_whole() {
+        let short = Published {
+            event: StreamEvent::Log(LogLine { level: LogLevel::Info, message: "hi".into() }),
+            log_id: Some(3),
+        };
+        let notice: Notice = serde_json::from_str(&payload("a", 7, short)).unwrap();
+        assert!(matches!(notice.what, What::Event(Published { log_id: Some(3), .. })));
+        let long = LogLine { level: LogLevel::Warn, message: "x".repeat(8_000) };
+        let notice: Notice =
+            serde_json::from_str(&payload("a", 7, Published { event: StreamEvent::Log(long), log_id: Some(4) }))
+                .unwrap();
+        assert!(matches!(notice.what, What::Log { log_id: 4 }));
+        let error = Some("e".repeat(8_000));
+        let status = StreamEvent::Status(StatusChange { status: ExperimentStatus::Failed, error, summary: None });
+        let notice: Notice = serde_json::from_str(&payload("a", 7, Published { event: status, log_id: None })).unwrap();
+        assert!(matches!(notice.what, What::Status));
+        assert_eq!((notice.origin.as_str(), notice.id), ("a", 7));
+    }
+}
