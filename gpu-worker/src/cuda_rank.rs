@@ -1,11 +1,14 @@
 //! A training rank on a GPU (cargo feature `cuda`): the same trainer, strategies and step
 //! loop as on the CPU (`train/`), on the CUDA backend. What is particular to a GPU lives
-//! here: which GPU a rank takes (rank mod GPUs: ranks share GPUs when there are more of
-//! them), whether the run fits in its memory, and how the data- and tensor-parallel
-//! groups talk: NCCL on the GPUs' memory when every rank has a GPU of its own and every
-//! rank of the group has NCCL, the ranks' ring through host memory otherwise (NCCL refuses
-//! two ranks of one group on one GPU). Pipeline stages always pass their activations over
-//! the ring (host-staged): one point-to-point message per micro-batch.
+//! here: which GPU a rank takes (its index among the ranks of its machine, mod the
+//! machine's GPUs: ranks share GPUs when there are more of them), whether the run fits in
+//! its memory, and how the data- and tensor-parallel groups talk: NCCL on the GPUs' memory
+//! when every rank of the group has a GPU of its own and NCCL, the ranks' ring through host
+//! memory otherwise (NCCL refuses two ranks of one group on one GPU). In a run across
+//! workers the group's NCCL spans their machines: its unique id travels over the group's
+//! ring, which the hosts set up through the server's rendezvous, and NCCL connects the
+//! machines itself. Pipeline stages always pass their activations over the ring
+//! (host-staged): one point-to-point message per micro-batch.
 
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -54,20 +57,18 @@ fn train_as<S: DeviceElem>(
     cancel: &AtomicBool,
 ) -> Result<RankRun, TrainError> {
     let started = Instant::now();
-    let world = spec.world_size();
     let gpus = cuda::device_count().map_err(unavailable)?.max(1);
-    let ordinal = groups.rank % gpus;
+    let (ordinal, sharing, own_gpus) = gpu_of(groups.rank, &groups.machine, gpus);
     let backend = CudaBackend::<S>::new(ordinal).map_err(unavailable)?;
     // What the run allocates on the GPU, checked before anything is (a valid spec can still
     // be far too big for this GPU). Ranks sharing a GPU each need their share.
-    let sharing = world.div_ceil(gpus) as u64;
+    let sharing = sharing as u64;
     let free = backend.free_memory().map_err(unavailable)? as u64 / sharing;
     let needed = memory_bytes(spec);
     if needed > free / 10 * 9 {
         return Err(TrainError::OutOfMemory { needed_mib: needed >> 20, available_mib: free >> 20 });
     }
     log(on_event, format!("device: {} (CUDA backend: cuBLAS GEMMs, NVRTC kernels)", backend.device()));
-    let own_gpus = gpus >= world;
     if let Some(dp) = groups.dp.as_mut() {
         let via = match nccl_group(dp.scalars.as_mut(), dp.rank, dp.world, ordinal, own_gpus, "dp")? {
             Ok(nccl) => swap_in(&mut dp.grads, nccl),
@@ -103,10 +104,18 @@ fn train_as<S: DeviceElem>(
     run(spec, opts, trainer, &pool, threads, started, on_event, cancel)
 }
 
+/// The GPU rank `rank` takes among a machine's `gpus`, when the machine runs the ranks
+/// `machine`: its index there mod `gpus`; how many of the machine's ranks share that GPU
+/// at most; and whether each has a GPU of its own.
+pub fn gpu_of(rank: usize, machine: &std::ops::Range<usize>, gpus: usize) -> (usize, usize, bool) {
+    let (here, gpus) = (machine.len().max(1), gpus.max(1));
+    (rank.saturating_sub(machine.start) % gpus, here.div_ceil(gpus), gpus >= here)
+}
+
 /// An NCCL communicator for a group of `size` ranks (this one `rank`) when every rank of
-/// the run has a GPU of its own (`own_gpus`) and every rank of the group has NCCL, or why
-/// the group stays on the ranks' ring. `rendezvous` (a ring over the same ranks) carries
-/// the votes and NCCL's id. A collective: every rank of the group calls it.
+/// the group has a GPU of its own on its machine (`own_gpus` here) and NCCL, or why the
+/// group stays on the ranks' ring. `rendezvous` (a ring over the same ranks) carries the
+/// votes and NCCL's id. A collective: every rank of the group calls it.
 fn nccl_group(
     rendezvous: &mut dyn Communicator,
     rank: usize,
@@ -115,11 +124,13 @@ fn nccl_group(
     own_gpus: bool,
     name: &str,
 ) -> Result<Result<NcclCommunicator, &'static str>, TrainError> {
-    // Every rank says whether it has NCCL: NCCL only if all do (a rank without it would
-    // leave the others waiting in NCCL's init, where no timeout reaches).
+    // Every rank says whether it has NCCL and a GPU of its own: NCCL only if all do (a rank
+    // without it would leave the others waiting in NCCL's init, where no timeout reaches;
+    // the ranks of a group may be on machines with different GPU counts).
     let has_nccl = nccl::libraries_present().is_ok();
     let votes = sum_scalar(rendezvous, if has_nccl { 1.0 } else { 0.0 })?;
-    if !own_gpus {
+    let alone = sum_scalar(rendezvous, if own_gpus { 1.0 } else { 0.0 })?;
+    if alone as usize != size {
         return Ok(Err("the ranks' ring through host memory (ranks share a GPU)"));
     }
     if votes as usize != size {
@@ -137,4 +148,20 @@ fn nccl_group(
 fn swap_in(comm: &mut Box<dyn Communicator>, nccl: NcclCommunicator) -> &'static str {
     *comm = Box::new(nccl);
     "NCCL on the GPUs' memory"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_of;
+
+    #[test]
+    fn ranks_take_their_machines_gpus_in_turn() {
+        // Two hosts of 2 ranks with 2 GPUs each: ranks 2 and 3 take GPUs 0 and 1 of theirs.
+        assert_eq!(gpu_of(2, &(2..4), 2), (0, 1, true));
+        assert_eq!(gpu_of(3, &(2..4), 2), (1, 1, true));
+        // 4 ranks on one machine with 2 GPUs: two to a GPU, no NCCL.
+        assert_eq!(gpu_of(3, &(0..4), 2), (1, 2, false));
+        // One rank alone (no machine given) takes GPU 0.
+        assert_eq!(gpu_of(0, &(0..0), 8), (0, 1, true));
+    }
 }

@@ -107,6 +107,7 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
         opts,
         Groups {
             rank,
+            machine: place.local.clone(),
             dp,
             pp,
             tp,

@@ -118,6 +118,7 @@ pub fn launch(
     if let Some(ip) = spec.host_ip {
         place_args.extend(["--host-ip".to_string(), ip.to_string()]);
     }
+    place_args.extend(["--local-ranks".to_string(), format!("{}..{}", spec.local.start, spec.local.end)]);
     for rank in spec.local.clone() {
         let mut command = Command::new(spec.exe);
         die_with_launcher(&mut command);

@@ -111,6 +111,21 @@ enum Command {
         min_bytes: usize,
         #[arg(long, default_value_t = 256 << 20)]
         max_bytes: usize,
+        /// Across real hosts: every rank's host (H0,H1,...); this run starts only the ranks
+        /// of `--host`, the same command on each host starts the others. Their addresses
+        /// meet in `--run-dir`, which the hosts must share, and they prove the secret in
+        /// DISTLAB_RENDEZVOUS_SECRET (32 hex digits, the same everywhere).
+        #[arg(long, value_delimiter = ',', requires_all = ["host", "run_dir", "host_ip"])]
+        hosts: Vec<usize>,
+        /// This host, with --hosts.
+        #[arg(long)]
+        host: Option<usize>,
+        /// The address the other hosts reach this one's ranks at, with --hosts.
+        #[arg(long)]
+        host_ip: Option<std::net::IpAddr>,
+        /// The directory the hosts' ranks publish their addresses in, with --hosts.
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
     },
     /// One rank of a multi-process run (started by the launcher, not by hand).
     #[command(hide = true)]
@@ -129,6 +144,10 @@ enum Command {
         /// The address of this rank's host that the other hosts reach it on.
         #[arg(long, default_value = "127.0.0.1")]
         host_ip: std::net::IpAddr,
+        /// The ranks started on this machine, START..END (default: all): a GPU rank takes
+        /// the machine's GPU (its index among them) mod GPUs.
+        #[arg(long, value_parser = parse_range)]
+        local_ranks: Option<std::ops::Range<usize>>,
         #[command(subcommand)]
         task: RankTask,
     },
@@ -209,17 +228,31 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             collective_timeout(cli.collective_timeout_seconds),
             cli.simulated_hosts,
         ),
-        Some(Command::BenchComm { world, min_bytes, max_bytes }) => {
+        Some(Command::BenchComm { world, min_bytes, max_bytes, hosts, host, host_ip, run_dir: shared }) => {
             println!("{}", serde_json::to_string(&bench_comm::memcpy_point(64 << 20))?);
-            let run_dir = execute::run_dir("bench-comm")?;
+            let run_dir = match &shared {
+                Some(dir) => dir.clone(),
+                None => execute::run_dir("bench-comm")?,
+            };
             let exe = std::env::current_exe()?;
+            let (local, hosts, secret) = match host {
+                Some(host) => {
+                    anyhow::ensure!(hosts.len() == world, "--hosts names {} hosts for a world of {world}", hosts.len());
+                    let first = hosts.iter().position(|&h| h == host).unwrap_or(world);
+                    let here = hosts.iter().filter(|&&h| h == host).count();
+                    let secret = std::env::var(rank::SECRET_VAR)
+                        .map_err(|_| anyhow::anyhow!("across hosts, set {} on every host", rank::SECRET_VAR))?;
+                    (first..first + here, hosts, Some(secret))
+                }
+                None => (0..world, launch::simulated_hosts(world, cli.simulated_hosts), None),
+            };
             let spec = launch::LaunchSpec {
                 exe: &exe,
                 world,
-                local: 0..world,
-                hosts: launch::simulated_hosts(world, cli.simulated_hosts),
-                host_ip: None,
-                secret: None,
+                local,
+                hosts,
+                host_ip,
+                secret,
                 args: vec![
                     "bench-comm".into(),
                     "--min-bytes".into(),
@@ -235,12 +268,15 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 &mut |_, payload| println!("{payload}"),
                 &std::sync::atomic::AtomicBool::new(false),
             );
-            let _ = std::fs::remove_dir_all(&run_dir);
+            if shared.is_none() {
+                let _ = std::fs::remove_dir_all(&run_dir);
+            }
             result?;
             Ok(0)
         }
-        Some(Command::Rank { rank, world, dir, hosts, host_ip, task }) => {
-            let place = rank::Place { rank, world, dir, hosts, host_ip };
+        Some(Command::Rank { rank, world, dir, hosts, host_ip, local_ranks, task }) => {
+            let local = local_ranks.unwrap_or(0..world);
+            let place = rank::Place { rank, world, dir, hosts, host_ip, local };
             let result = match task {
                 RankTask::BenchComm { min_bytes, max_bytes } => bench_comm::run_rank(&place, min_bytes, max_bytes),
                 RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights, dataset } => {
@@ -298,6 +334,17 @@ fn worker_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>
     let text =
         std::fs::read_to_string(file).with_context(|| format!("cannot read the token file {}", file.display()))?;
     Ok(text.lines().next().map(str::trim).filter(|t| !t.is_empty()).map(str::to_string))
+}
+
+/// `START..END` as a range.
+fn parse_range(text: &str) -> Result<std::ops::Range<usize>, String> {
+    let (start, end) = text.split_once("..").ok_or_else(|| format!("{text:?} is not START..END"))?;
+    let number = |n: &str| n.trim().parse::<usize>().map_err(|e| format!("{n:?}: {e}"));
+    let (start, end) = (number(start)?, number(end)?);
+    if start >= end {
+        return Err(format!("{text:?} holds no rank"));
+    }
+    Ok(start..end)
 }
 
 fn collective_timeout(seconds: f64) -> Duration {

@@ -87,6 +87,8 @@ pub struct Place {
     pub hosts: Vec<usize>,
     /// The address of this rank's host that ranks of other hosts reach it on.
     pub host_ip: IpAddr,
+    /// The ranks started on this machine (all of them, unless the run spans workers).
+    pub local: std::ops::Range<usize>,
 }
 
 impl Place {

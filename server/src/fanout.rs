@@ -4,8 +4,8 @@
 //! worker reports to.
 //!
 //! A notification carries at most 8,000 bytes: an event whose JSON is longer (a long log
-//! line, a final status with its summary) goes as a reference, which the receiving server
-//! reads back from the database (where it was stored before it was published).
+//! line) goes as a reference, which the receiving server reads back from the database
+//! (where it was stored before it was published); so does every status change.
 
 use std::time::Duration;
 
@@ -88,10 +88,15 @@ pub async fn start(state: &AppState, url: &str) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
-/// The notification for `published`: the event itself when it fits, else a reference.
+/// The notification for `published`: the event itself when it fits, else a reference. A
+/// status change is always a reference: notifications arrive a moment late, and the
+/// receiving server then reads the status as it is, never an older one.
 fn payload(origin: &str, id: i64, published: Published) -> String {
     let reference = match (&published.event, published.log_id) {
-        (StreamEvent::Status(_), _) => What::Status,
+        (StreamEvent::Status(_), _) => {
+            return serde_json::to_string(&Notice { origin: origin.to_string(), id, what: What::Status })
+                .unwrap_or_default()
+        }
         (StreamEvent::Log(_), Some(log_id)) => What::Log { log_id },
         _ => What::Event(published.clone()),
     };
@@ -144,7 +149,7 @@ mod tests {
     use distlab_common::ExperimentStatus;
 
     #[test]
-    fn long_events_go_as_references_short_ones_whole() {
+    fn long_events_and_status_changes_go_as_references_short_ones_whole() {
         let short = Published {
             event: StreamEvent::Log(LogLine { level: LogLevel::Info, message: "hi".into() }),
             log_id: Some(3),
@@ -156,8 +161,7 @@ mod tests {
             serde_json::from_str(&payload("a", 7, Published { event: StreamEvent::Log(long), log_id: Some(4) }))
                 .unwrap();
         assert!(matches!(notice.what, What::Log { log_id: 4 }));
-        let error = Some("e".repeat(8_000));
-        let status = StreamEvent::Status(StatusChange { status: ExperimentStatus::Failed, error, summary: None });
+        let status = StreamEvent::Status(StatusChange { status: ExperimentStatus::Failed, error: None, summary: None });
         let notice: Notice = serde_json::from_str(&payload("a", 7, Published { event: status, log_id: None })).unwrap();
         assert!(matches!(notice.what, What::Status));
         assert_eq!((notice.origin.as_str(), notice.id), ("a", 7));

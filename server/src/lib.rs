@@ -250,6 +250,9 @@ pub struct AppState {
     pub hub: Arc<Hub>,
     /// What `GET /metrics` reports (request counts and latencies accumulate here).
     pub metrics: Arc<metrics::ServerMetrics>,
+    /// Held while this server decides a lease: its leases queue here rather than on the
+    /// database's write lock (SQLite's busy waits sleep up to 100 ms at a time).
+    pub leasing: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl AppState {
@@ -269,7 +272,13 @@ impl AppState {
 
     pub fn with_db(db: Db, config: ServerConfig) -> Self {
         let hub = Arc::new(Hub::new(config.max_sse_connections, config.max_sse_per_client));
-        Self { db, config: Arc::new(config), hub, metrics: Arc::new(metrics::ServerMetrics::default()) }
+        Self {
+            db,
+            config: Arc::new(config),
+            hub,
+            metrics: Arc::new(metrics::ServerMetrics::default()),
+            leasing: Arc::new(tokio::sync::Mutex::new(())),
+        }
     }
 
     /// Re-queues (or fails) running experiments whose lease ended before `now`, and fails

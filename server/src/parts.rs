@@ -28,12 +28,17 @@ pub struct IdleWorker {
     pub backends: Vec<BackendKind>,
 }
 
-/// `worker_id` asked for work at `now`: it counts as idle for `window`.
-pub async fn mark_idle(db: &Db, worker_id: i64, now: SystemTime, window: Duration) -> Result<(), sqlx::Error> {
+/// `worker_id` asked for work at `now`: it counts as idle for `window` (unless it gets some).
+pub async fn mark_idle(
+    tx: &mut AnyConnection,
+    worker_id: i64,
+    now: SystemTime,
+    window: Duration,
+) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE workers SET idle_until = $1 WHERE id = $2")
         .bind(clock::after(now, window))
         .bind(worker_id)
-        .execute(db)
+        .execute(&mut *tx)
         .await?;
     Ok(())
 }

@@ -62,10 +62,13 @@ pub struct LeasePolicy {
     pub lease: Duration,
     /// Whether a run wider than the asking worker may be placed on it and idle workers.
     pub multi_host: bool,
+    /// How long the asking worker counts as idle unless it gets work now.
+    pub idle_for: Duration,
 }
 
-/// Queued experiments looked at per lease, in the order they would be given out.
-const CANDIDATES: i64 = 32;
+/// Queued experiments looked at per lease, in the order they would be given out (a run
+/// waiting for idle workers lets up to this many behind it start first).
+const CANDIDATES: i64 = 8;
 
 /// Gives `asking` work: first its part of a run across workers that was placed on it, else
 /// a queued experiment whose backend it offers, fair share first (the owner with the
@@ -83,6 +86,7 @@ pub async fn lease(
     now: SystemTime,
 ) -> Result<Option<Leased>, sqlx::Error> {
     let mut tx = db::begin_write(db).await?;
+    parts::mark_idle(&mut tx, asking.worker_id, now, policy.idle_for).await?;
     if let Some(joined) = parts::join(&mut tx, asking.worker_id, policy.lease, now).await? {
         tx.commit().await?;
         return Ok(Some(joined));
@@ -91,7 +95,9 @@ pub async fn lease(
         return Ok(None);
     }
     let mut idle: Option<Vec<parts::IdleWorker>> = None;
-    for (id, spec_json) in queued(&mut tx, asking.backends, policy.max_running, db::is_postgres(db)).await? {
+    for id in queued(&mut tx, asking.backends, policy.max_running, db::is_postgres(db)).await? {
+        let spec_json: String =
+            sqlx::query_scalar("SELECT spec FROM experiments WHERE id = $1").bind(id).fetch_one(&mut *tx).await?;
         let Ok(spec) = serde_json::from_str::<ExperimentSpec>(&spec_json) else { continue };
         let shape = placement::Shape::of(&spec);
         let me = placement::Candidate { worker_id: asking.worker_id, ranks: asking.ranks };
@@ -115,15 +121,16 @@ pub async fn lease(
 }
 
 /// The first queued experiments `backends` can run, in the order they are given out.
+/// (Only their ids: the sort stays narrow.)
 async fn queued(
     tx: &mut sqlx::AnyConnection,
     backends: &[BackendKind],
     max_running: Option<usize>,
     postgres: bool,
-) -> Result<Vec<(i64, String)>, sqlx::Error> {
+) -> Result<Vec<i64>, sqlx::Error> {
     let placeholders: Vec<String> = (0..backends.len()).map(|i| format!("${}", i + 3)).collect();
     let sql = format!(
-        "SELECT q.id, q.spec FROM experiments q \
+        "SELECT q.id FROM experiments q \
          LEFT JOIN (SELECT owner, COUNT(*) AS n FROM experiments WHERE status = 'running' GROUP BY owner) r \
            ON r.owner = q.owner \
          WHERE q.status = 'queued' AND q.backend IN ({}) AND COALESCE(r.n, 0) < $1 \
@@ -132,7 +139,7 @@ async fn queued(
         if postgres { " FOR UPDATE OF q SKIP LOCKED" } else { "" }
     );
     let max_running = max_running.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
-    let mut query = sqlx::query_as::<_, (i64, String)>(&sql).bind(max_running).bind(CANDIDATES);
+    let mut query = sqlx::query_scalar::<_, i64>(&sql).bind(max_running).bind(CANDIDATES);
     for b in backends {
         query = query.bind(backend_name(*b));
     }

@@ -266,16 +266,19 @@ pub async fn lease(
 ) -> Result<Response, HttpError> {
     let now = clock::now();
     let offer = touch(&state, caller, body.worker_id, now).await?;
-    let idle_for = idle_window(body.poll_interval_s);
-    parts::mark_idle(&state.db, body.worker_id, now, idle_for).await?;
     let lease_for = state.config.lease_duration();
     let asking = queue::Asking { worker_id: body.worker_id, backends: &offer.backends, ranks: offer.ranks };
     let policy = queue::LeasePolicy {
         max_running: state.config.max_running_per_user,
         lease: lease_for,
         multi_host: state.config.allow_multi_host,
+        idle_for: idle_window(body.poll_interval_s),
     };
-    let Some(leased) = queue::lease(&state.db, asking, policy, now).await? else {
+    let leased = {
+        let _one_at_a_time = state.leasing.lock().await;
+        queue::lease(&state.db, asking, policy, now).await?
+    };
+    let Some(leased) = leased else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     let spec: ExperimentSpec = serde_json::from_str(&leased.spec).map_err(|e| {

@@ -1489,7 +1489,8 @@ async fn a_stream_on_another_server_of_the_database_follows_the_run() {
 
     let bytes = reader.await.expect("task").expect("the stream ends").expect("body");
     let mut events = parse_sse(&String::from_utf8_lossy(&bytes));
-    // (the lease's "running" may arrive from the first server after the replay's)
+    // (the submission's and the lease's changes may arrive after the replay: each is read
+    // as the status is then, "running" again)
     events.dedup();
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, vec!["status", "metric", "log", "status"]);

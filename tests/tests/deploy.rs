@@ -16,7 +16,8 @@ fn settings() -> BTreeSet<String> {
     for bin in ["distlab-server", "distlab-worker"] {
         let help = Command::new(bin_path(bin)).arg("--help").output().expect("--help");
         let help = String::from_utf8_lossy(&help.stdout).into_owned();
-        names.extend(help.split("[env: ").skip(1).filter_map(|s| s.split('=').next()).map(str::to_string));
+        // ("[env: NAME=value]", or "[env: NAME]" for a setting whose value stays hidden)
+        names.extend(help.split("[env: ").skip(1).filter_map(|s| s.split(['=', ']']).next()).map(str::to_string));
     }
     assert!(names.contains("DISTLAB_SERVER") && names.contains("DISTLAB_DATA_DIR"), "{names:?}");
     names
@@ -41,7 +42,19 @@ fn the_kubernetes_manifest_parses_and_sets_only_real_settings() {
     let text = std::fs::read_to_string(repo_root().join("deploy/kubernetes/distlab.yaml")).unwrap();
     let docs = YamlLoader::load_from_str(&text).expect("the manifest is YAML");
     let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().expect("every document has a kind")).collect();
-    assert_eq!(kinds, ["PersistentVolumeClaim", "Deployment", "Service", "Deployment", "Deployment"]);
+    assert_eq!(
+        kinds,
+        [
+            "PersistentVolumeClaim", // PostgreSQL's data
+            "Deployment",
+            "Service",
+            "PersistentVolumeClaim", // the server's files
+            "Deployment",
+            "Service",
+            "Deployment",
+            "Deployment"
+        ]
+    );
     for doc in &docs {
         assert!(doc["apiVersion"].as_str().is_some() && doc["metadata"]["name"].as_str().is_some(), "{doc:?}");
         assert_eq!(doc["metadata"]["namespace"].as_str(), Some("distlab"));
@@ -51,7 +64,9 @@ fn the_kubernetes_manifest_parses_and_sets_only_real_settings() {
     for deployment in docs.iter().filter(|d| d["kind"].as_str() == Some("Deployment")) {
         let spec = &deployment["spec"];
         assert_eq!(spec["selector"]["matchLabels"], spec["template"]["metadata"]["labels"], "the selector selects");
-        for container in spec["template"]["spec"]["containers"].as_vec().expect("containers") {
+        let containers = spec["template"]["spec"]["containers"].as_vec().expect("containers");
+        // (PostgreSQL's container has settings of its own)
+        for container in containers.iter().filter(|c| c["image"].as_str().is_some_and(|i| i.contains("distlab"))) {
             for env in container["env"].as_vec().into_iter().flatten() {
                 let name = env["name"].as_str().expect("an env name");
                 assert!(known.contains(name), "{name} is not a setting distlab reads");
@@ -72,7 +87,24 @@ fn the_kubernetes_manifest_parses_and_sets_only_real_settings() {
             assert!(server_flags.contains(flag), "distlab-server has no {flag}");
         }
     }
-    let service = docs.iter().find(|d| d["kind"].as_str() == Some("Service")).unwrap();
+    // The server stores in the PostgreSQL the manifest runs, its URL a Secret; the workers
+    // say how many ranks they run and where their pods are reached.
+    let server_env = server["spec"]["template"]["spec"]["containers"][0]["env"].as_vec().unwrap();
+    let database = server_env.iter().find(|e| e["name"].as_str() == Some("DISTLAB_DATABASE_URL")).expect("a database");
+    assert!(
+        database["valueFrom"]["secretKeyRef"]["name"].as_str().is_some(),
+        "the URL (with its password) is a Secret"
+    );
+    assert!(docs.iter().any(|d| d["metadata"]["name"].as_str() == Some("distlab-postgres")
+        && d["spec"]["template"]["spec"]["containers"][0]["image"].as_str().is_some_and(|i| i.contains("postgres"))));
+    for name in ["distlab-worker", "distlab-gpu-worker"] {
+        let worker = docs.iter().find(|d| d["metadata"]["name"].as_str() == Some(name)).unwrap();
+        let env = worker["spec"]["template"]["spec"]["containers"][0]["env"].as_vec().unwrap();
+        for setting in ["DISTLAB_WORKER_RANKS", "DISTLAB_ADVERTISE_IP"] {
+            assert!(env.iter().any(|e| e["name"].as_str() == Some(setting)), "{name} sets {setting}");
+        }
+    }
+    let service = docs.iter().find(|d| d["metadata"]["name"].as_str() == Some("distlab")).unwrap();
     let service_name = service["metadata"]["name"].as_str().unwrap();
     assert!(text.contains(&format!("http://{service_name}.distlab.svc")));
     assert!(matches!(&service["spec"]["ports"][0]["port"], Yaml::Integer(80)));

@@ -7,6 +7,9 @@
 //! be, every one of them receiving the event that ends it. Each loop is bounded in time
 //! and in count. The generator shares the machine with the server: the figures are the
 //! two together.
+//!
+//! `--stores`: submissions and worker leases on the embedded SQLite, then on a throwaway
+//! PostgreSQL cluster (`postgres.rs`), the same phases one after the other in one run.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
@@ -21,6 +24,8 @@ pub struct LoadOptions {
     pub seconds: f64,
     pub connections: usize,
     pub streams: usize,
+    /// Instead: submissions and leases on SQLite, then on a throwaway PostgreSQL cluster.
+    pub stores: bool,
 }
 
 /// Each connection makes at most this many requests per phase, whatever the time left.
@@ -33,12 +38,127 @@ pub fn run(opts: &LoadOptions) -> Result<()> {
         bail!("--connections and --streams must be at least 1, --seconds above 0 and at most 600");
     }
     crate::status(crate::cargo().args(["build", "--release", "-p", "distlab-server"]))?;
+    if opts.stores {
+        return stores(opts);
+    }
     let data = std::env::temp_dir().join(format!("distlab-load-{}", std::process::id()));
-    let server = Server::start(&data)?;
+    let server = Server::start(&data, None)?;
     let result = drive(&server, opts);
     drop(server);
     let _ = std::fs::remove_dir_all(&data);
     result
+}
+
+/// Workers leasing at once in the lease phase, and the queue they lease from.
+const LEASING_WORKERS: usize = 8;
+const QUEUED_FOR_LEASES: usize = 600;
+
+/// Submissions and leases, on the embedded SQLite and on PostgreSQL, in one run.
+fn stores(opts: &LoadOptions) -> Result<()> {
+    let cluster = crate::postgres::start().context("a PostgreSQL cluster for the comparison")?;
+    println!(
+        "xtask load --stores: {} connections submitting, {LEASING_WORKERS} workers leasing, {:.0} s per phase ({} cores \
+         here, shared with the generator and the database)",
+        opts.connections,
+        opts.seconds,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!("(leases from a queue of {QUEUED_FOR_LEASES} experiments on a fresh store, until it is empty)");
+    println!(
+        "{:<10} {:<24} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "store", "", "requests", "per s", "p50 ms", "p99 ms", "failed"
+    );
+    for (store, url) in [("sqlite", None), ("postgres", Some(cluster.url.as_str()))] {
+        let data = std::env::temp_dir().join(format!("distlab-load-{}-{store}", std::process::id()));
+        let server = Server::start(&data, url)?;
+        let spec = json!({"name": "load", "train": {"steps": 10}});
+        let submitted = hammer(&server.base, &Request::Post("/api/experiments".into(), spec.clone()), opts)?;
+        drop(server);
+        let _ = std::fs::remove_dir_all(&data);
+        // Leases from a class's full queue (30 people x 20 experiments), on a fresh store.
+        if let Some(url) = url {
+            crate::postgres::recreate(url)?;
+        }
+        let server = Server::start(&data, url)?;
+        for _ in 0..QUEUED_FOR_LEASES {
+            submit(&server.base, &spec)?;
+        }
+        let leased = leases(&server.base, opts)?;
+        for (what, m) in [("POST /api/experiments", &submitted), ("POST /api/workers/lease", &leased)] {
+            println!(
+                "{store:<10} {what:<24} {:>9} {:>9.0} {:>9.2} {:>9.2} {:>7}",
+                m.latencies.len(),
+                m.per_second(),
+                m.percentile_ms(0.50),
+                m.percentile_ms(0.99),
+                m.failed
+            );
+        }
+        drop(server);
+        let _ = std::fs::remove_dir_all(&data);
+    }
+    Ok(())
+}
+
+/// LEASING_WORKERS registered workers lease back to back for `opts.seconds`, or until the
+/// queue is empty: each answer that hands over an experiment is timed (a worker may hold
+/// many here: the run is never started).
+fn leases(base: &str, opts: &LoadOptions) -> Result<Measured> {
+    let duration = Duration::from_secs_f64(opts.seconds);
+    let credentials: Vec<(i64, String)> = (0..LEASING_WORKERS)
+        .map(|i| {
+            let body = json!({"name": format!("load-{i}"), "backends": ["cpu"], "devices": [], "version": "load"});
+            let mut resp = agent()
+                .post(format!("{base}/api/workers/register"))
+                .header("Authorization", "Bearer load-test-token")
+                .send_json(&body)?;
+            let answer: Value = serde_json::from_str(&resp.body_mut().read_to_string()?)?;
+            match (answer["worker_id"].as_i64(), answer["credential"].as_str()) {
+                (Some(id), Some(credential)) => Ok((id, credential.to_string())),
+                _ => bail!("registering a worker: {answer}"),
+            }
+        })
+        .collect::<Result<_>>()?;
+    let start = Arc::new(Barrier::new(LEASING_WORKERS + 1));
+    let (elapsed, results) = std::thread::scope(|scope| {
+        let workers: Vec<_> = credentials
+            .iter()
+            .map(|(id, credential)| {
+                let start = start.clone();
+                scope.spawn(move || {
+                    let agent = agent();
+                    let (mut latencies, mut failed) = (Vec::new(), 0);
+                    start.wait();
+                    let until = Instant::now() + duration;
+                    while Instant::now() < until && latencies.len() + failed < MAX_REQUESTS_PER_CONNECTION {
+                        let sent = Instant::now();
+                        let answer = agent
+                            .post(format!("{base}/api/workers/lease"))
+                            .header("Authorization", &format!("Bearer {credential}"))
+                            .send_json(json!({"worker_id": id}));
+                        match answer.map(|r| r.status().as_u16()) {
+                            Ok(200) => latencies.push(sent.elapsed()),
+                            Ok(204) => break, // the queue is empty
+                            _ => failed += 1,
+                        }
+                    }
+                    (latencies, failed)
+                })
+            })
+            .collect();
+        start.wait();
+        let began = Instant::now();
+        let results: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
+        (began.elapsed(), results)
+    });
+    let mut measured = Measured { latencies: Vec::new(), failed: 0, elapsed };
+    for result in results {
+        let (latencies, failed) = result.map_err(|_| anyhow::anyhow!("a lease thread panicked"))?;
+        measured.latencies.extend(latencies);
+        measured.failed += failed;
+    }
+    measured.latencies.sort();
+    Ok(measured)
 }
 
 fn drive(server: &Server, opts: &LoadOptions) -> Result<()> {
@@ -282,12 +402,14 @@ struct Server {
 }
 
 impl Server {
-    fn start(data: &std::path::Path) -> Result<Self> {
+    /// On SQLite in `data`, or on the Postgres database `database_url`.
+    fn start(data: &std::path::Path, database_url: Option<&str>) -> Result<Self> {
         let bin = crate::root().join("target/release/distlab-server");
         let mut process = Command::new(&bin)
             .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--max-queued-per-user", "10000000"])
             .arg("--data-dir")
             .arg(data)
+            .envs(database_url.map(|url| ("DISTLAB_DATABASE_URL", url)))
             .env("DISTLAB_WORKER_TOKEN", "load-test-token")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())

@@ -69,6 +69,10 @@ enum Cmd {
         /// Live streams (SSE) held at once.
         #[arg(long, default_value_t = 500)]
         streams: usize,
+        /// Only submissions and worker leases, on SQLite and then on a throwaway PostgreSQL
+        /// cluster (Debian's postgresql, installed when missing).
+        #[arg(long)]
+        stores: bool,
     },
 }
 
@@ -82,8 +86,8 @@ fn main() -> ExitCode {
         Cmd::Mutants { filter } => {
             mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
-        Cmd::Load { seconds, connections, streams } => {
-            load::run(&load::LoadOptions { seconds, connections, streams }).map(|()| ExitCode::SUCCESS)
+        Cmd::Load { seconds, connections, streams, stores } => {
+            load::run(&load::LoadOptions { seconds, connections, streams, stores }).map(|()| ExitCode::SUCCESS)
         }
     };
     match result {
@@ -197,9 +201,11 @@ fn store_tests_on_postgres() -> Result<ExitCode> {
         }
     };
     println!("xtask: the server's tests on PostgreSQL ({})", cluster.url);
-    // (with the features of the whole run above, so that nothing is built again)
+    // The server's test targets that open a store (server/tests/store), selected in the
+    // whole workspace with the run above's features, so that nothing is built again.
     let status = cargo()
-        .args(["test", "-p", "distlab-server", "--features", "distlab-worker/cuda"])
+        .args(["test", "--workspace", "--features", "distlab-worker/cuda"])
+        .args(["--test", "api", "--test", "accounts", "--test", "review", "--test", "fuzz"])
         .env("DISTLAB_TEST_POSTGRES_URL", &cluster.url)
         .status()
         .context("cannot start cargo test")?;

@@ -45,7 +45,8 @@ pub fn start() -> Result<Cluster> {
     let mut initdb = cluster.command(&bin.join("initdb"));
     initdb.args(["--auth=trust", "--username=postgres", "--encoding=UTF8", "--no-sync", "-D"]).arg(&data);
     run(initdb.stdout(std::process::Stdio::null()))?;
-    let options = format!("-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200", dir.display());
+    let options =
+        format!("-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200", dir.display());
     let mut start = cluster.command(&cluster.pg_ctl);
     start.args(["-D"]).arg(&data).args(["-l"]).arg(dir.join("log")).args(["-o", &options, "-w", "start"]);
     run(start.stdout(std::process::Stdio::null()))?;
@@ -72,6 +73,13 @@ impl Drop for Cluster {
         let _ = stop.stdout(std::process::Stdio::null()).status();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Empties the database of `url` (a cluster of ours): its tables and migrations dropped.
+pub fn recreate(url: &str) -> Result<()> {
+    let sql = "DROP SCHEMA public CASCADE; CREATE SCHEMA public;";
+    run(Command::new("psql").args(["-q", "-d", url, "-c", sql]).stdout(std::process::Stdio::null()))
+        .context("psql (postgresql-client) empties the database")
 }
 
 /// The newest `/usr/lib/postgresql/N/bin` with an initdb.

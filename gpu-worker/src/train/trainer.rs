@@ -580,8 +580,11 @@ impl Drop for Evaluating {
 /// The groups of ranks one rank belongs to (None: it is alone in that dimension).
 #[derive(Default)]
 pub struct Groups {
-    /// This rank's place in the whole run (0..world): which GPU it takes.
+    /// This rank's place in the whole run (0..world).
     pub rank: usize,
+    /// The ranks running on this rank's machine (all of them, unless the run spans
+    /// workers): a GPU rank takes the machine's GPU `rank - machine.start` mod GPUs.
+    pub machine: std::ops::Range<usize>,
     pub dp: Option<DpGroup>,
     pub pp: Option<PipelineGroup>,
     pub tp: Option<TensorParallel>,
