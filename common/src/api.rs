@@ -361,6 +361,10 @@ pub struct Complete {
 pub struct Fail {
     pub worker_id: i64,
     pub experiment_id: i64,
+    /// The attempt this report is about (None from a worker that does not say): a report
+    /// about an attempt that has already ended changes nothing.
+    #[serde(default)]
+    pub attempt: Option<i64>,
     pub error: String,
     /// True when the worker stopped because the experiment was cancelled.
     #[serde(default)]

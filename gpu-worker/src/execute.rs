@@ -19,7 +19,7 @@ use distlab_worker::train::{
 
 use crate::demo::{self, DemoRankResult, RankOutput};
 use crate::launch::{self, LaunchError, LaunchSpec};
-use crate::rendezvous::{self, Rendezvous};
+use crate::rendezvous::{self, Rendezvous, Unmet};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -27,11 +27,19 @@ pub enum ExecError {
     Train(#[from] TrainError),
     #[error(transparent)]
     Launch(#[from] LaunchError),
+    /// The hosts of a run across workers did not meet (or the server ended the attempt).
+    #[error(transparent)]
+    Unmet(#[from] Unmet),
     #[error("{0}")]
     Other(String),
 }
 
 impl ExecError {
+    /// The server ended this attempt of a run across workers: nothing to report.
+    pub fn is_attempt_over(&self) -> bool {
+        matches!(self, ExecError::Unmet(Unmet::AttemptOver))
+    }
+
     pub fn is_cancelled(&self) -> bool {
         matches!(self, ExecError::Train(TrainError::Cancelled) | ExecError::Launch(LaunchError::Cancelled))
     }
@@ -88,9 +96,10 @@ impl Gang<'_> {
     }
 }
 
-/// How long the hosts of a run wait for each other (to take their parts, to say where to
-/// resume): the server gives up on a placement after its gang timeout (30 s by default).
-const GANG_WAIT: Duration = Duration::from_secs(120);
+/// The longest the hosts of a run wait for each other (to take their parts, to say where to
+/// resume): the server ends an unformed placement after its gang timeout (30 s by default,
+/// at most 600 s), and a host then stops at once; this only bounds a server that never does.
+const GANG_WAIT: Duration = Duration::from_secs(900);
 
 /// Runs `spec` (its ranks where `hosts` says) with its files where `paths` says. Answers
 /// the run's summary, or None for a host other than host 0 of a run across workers (host 0
@@ -110,7 +119,7 @@ pub fn execute(
         Hosts::Here { .. } => None,
     };
     if let Some(gang) = gang {
-        rendezvous::wait_for_hosts(gang.rendezvous, GANG_WAIT, cancel).map_err(ExecError::Other)?;
+        rendezvous::wait_for_hosts(gang.rendezvous, GANG_WAIT, cancel)?;
     }
     // Only host 0 of a run across workers touches the checkpoint directory before the run
     // (the hosts share it, or the others hold no checkpoint of the run); it tells the
@@ -126,7 +135,7 @@ pub fn execute(
     let checkpoints = match checkpoints {
         Some(dir) if !host_0 && spec.demo.is_none() && (spec.train.checkpoint_every > 0 || resume_from.is_some()) => {
             let rendezvous = gang.map(|g| g.rendezvous).ok_or_else(|| ExecError::Other("no rendezvous".into()))?;
-            let step = rendezvous::resume_step(rendezvous, None, GANG_WAIT).map_err(ExecError::Other)?;
+            let step = rendezvous::resume_step(rendezvous, None, GANG_WAIT)?;
             Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: step }, Vec::new()))
         }
         Some(dir) if spec.demo.is_none() && (spec.train.checkpoint_every > 0 || resume_from.is_some()) => {
@@ -142,7 +151,7 @@ pub fn execute(
                 step = Some(from.step);
             }
             if let Some(gang) = gang {
-                rendezvous::resume_step(gang.rendezvous, Some(step), GANG_WAIT).map_err(ExecError::Other)?;
+                rendezvous::resume_step(gang.rendezvous, Some(step), GANG_WAIT)?;
             }
             Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: step }, lines))
         }

@@ -238,6 +238,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             let (local, hosts, secret) = match host {
                 Some(host) => {
                     anyhow::ensure!(hosts.len() == world, "--hosts names {} hosts for a world of {world}", hosts.len());
+                    anyhow::ensure!(
+                        hosts.windows(2).all(|w| w[1] == w[0] || w[1] == w[0] + 1) && hosts.first() == Some(&0),
+                        "--hosts gives each host a block of consecutive ranks, from host 0: 0,0,1,1, not {hosts:?}"
+                    );
                     let first = hosts.iter().position(|&h| h == host).unwrap_or(world);
                     let here = hosts.iter().filter(|&&h| h == host).count();
                     let secret = std::env::var(rank::SECRET_VAR)

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::launch::RankMessage;
-use distlab_worker::comm::{AddressFiles, CommError, Hosts, Mesh};
+use distlab_worker::comm::{AddressFiles, CommError, Hosts, Mesh, RendezvousError};
 use distlab_worker::train::TrainError;
 
 /// How long a rank waits for the others to show up at the rendezvous.
@@ -43,6 +43,12 @@ pub fn blamed_peer_of(e: &anyhow::Error) -> Option<usize> {
     e.chain().find_map(|cause| {
         if let Some(c) = cause.downcast_ref::<CommError>() {
             return blamed_peer(c);
+        }
+        // A peer that never showed up, or whose connection failed while the ranks met.
+        if let Some(RendezvousError::Timeout { rank, peer, .. } | RendezvousError::Io { rank, peer, .. }) =
+            cause.downcast_ref::<RendezvousError>()
+        {
+            return (peer != rank).then_some(*peer);
         }
         match cause.downcast_ref::<TrainError>() {
             Some(TrainError::Comm(c)) => blamed_peer(c),

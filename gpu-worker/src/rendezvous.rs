@@ -18,9 +18,19 @@ use crate::client::ServerClient;
 
 /// A run's rendezvous, as one host sees it.
 pub trait Rendezvous: Sync {
-    /// Publishes `entries` and answers everything published for the attempt so far; an
-    /// error when the attempt is over or the server cannot be reached.
-    fn exchange(&self, publish: &[RendezvousEntry]) -> Result<RendezvousState, String>;
+    /// Publishes `entries` and answers everything published for the attempt so far.
+    fn exchange(&self, publish: &[RendezvousEntry]) -> Result<RendezvousState, Unmet>;
+}
+
+/// Why the hosts of a run did not meet.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unmet {
+    /// The server ended the attempt (it released an unformed placement, re-queued the run
+    /// after a host went away, or the run ended): this host just stops.
+    #[error("the attempt is over")]
+    AttemptOver,
+    #[error("{0}")]
+    Failed(String),
 }
 
 /// The rendezvous of one attempt, kept by the server.
@@ -37,7 +47,7 @@ const UNREACHABLE: Duration = Duration::from_secs(30);
 const POLL: Duration = Duration::from_millis(50);
 
 impl Rendezvous for ServerRendezvous<'_> {
-    fn exchange(&self, publish: &[RendezvousEntry]) -> Result<RendezvousState, String> {
+    fn exchange(&self, publish: &[RendezvousEntry]) -> Result<RendezvousState, Unmet> {
         let request = RendezvousRequest {
             worker_id: self.worker_id,
             experiment_id: self.experiment_id,
@@ -48,8 +58,9 @@ impl Rendezvous for ServerRendezvous<'_> {
         loop {
             match self.client.rendezvous(&request) {
                 Ok(state) => return Ok(state),
+                Err(e) if e.is_conflict() => return Err(Unmet::AttemptOver),
                 Err(e) if e.is_transient() && started.elapsed() < UNREACHABLE => std::thread::sleep(POLL * 4),
-                Err(e) => return Err(format!("the rendezvous: {e}")),
+                Err(e) => return Err(Unmet::Failed(format!("the rendezvous: {e}"))),
             }
         }
     }
@@ -61,8 +72,10 @@ fn address_name(rank: usize) -> String {
 }
 
 /// Waits until every host's worker has taken its part (the ranks start only then, so that
-/// none waits out its own rendezvous timeout for a host that is still being placed).
-pub fn wait_for_hosts(rendezvous: &dyn Rendezvous, within: Duration, cancel: &AtomicBool) -> Result<(), String> {
+/// none waits out its own rendezvous timeout for a host that is still being placed). The
+/// server decides how long: it ends an attempt whose hosts do not all come
+/// (`--gang-timeout-seconds`); `within` only bounds a server that never does.
+pub fn wait_for_hosts(rendezvous: &dyn Rendezvous, within: Duration, cancel: &AtomicBool) -> Result<(), Unmet> {
     let started = Instant::now();
     loop {
         let state = rendezvous.exchange(&[])?;
@@ -70,15 +83,11 @@ pub fn wait_for_hosts(rendezvous: &dyn Rendezvous, within: Duration, cancel: &At
             return Ok(());
         }
         if cancel.load(Ordering::Relaxed) {
-            return Err("cancelled while waiting for the run's other hosts".into());
+            return Err(Unmet::Failed("cancelled while waiting for the run's other hosts".into()));
         }
         if started.elapsed() > within {
-            return Err(format!(
-                "only {} of the run's {} hosts took their part within {} s",
-                state.joined,
-                state.hosts,
-                within.as_secs()
-            ));
+            let (joined, hosts) = (state.joined, state.hosts);
+            return Err(Unmet::Failed(format!("only {joined} of the run's {hosts} hosts took their part")));
         }
         std::thread::sleep(POLL * 2);
     }
@@ -92,7 +101,7 @@ pub fn resume_step(
     rendezvous: &dyn Rendezvous,
     decided: Option<Option<u64>>,
     within: Duration,
-) -> Result<Option<u64>, String> {
+) -> Result<Option<u64>, Unmet> {
     if let Some(step) = decided {
         let value = step.map_or_else(|| "none".to_string(), |s| s.to_string());
         rendezvous.exchange(&[RendezvousEntry { name: RESUME_STEP.into(), value }])?;
@@ -104,11 +113,17 @@ pub fn resume_step(
         if let Some(entry) = state.entries.iter().find(|e| e.name == RESUME_STEP) {
             return match entry.value.as_str() {
                 "none" => Ok(None),
-                step => step.parse().map(Some).map_err(|_| format!("host 0 published the resume step {step:?}")),
+                step => step
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| Unmet::Failed(format!("host 0 published the resume step {step:?}"))),
             };
         }
         if started.elapsed() > within {
-            return Err(format!("host 0 did not say which checkpoint to resume from within {} s", within.as_secs()));
+            return Err(Unmet::Failed(format!(
+                "host 0 did not say which checkpoint to resume from within {} s",
+                within.as_secs()
+            )));
         }
         std::thread::sleep(POLL);
     }
@@ -121,14 +136,14 @@ fn done_name(host: usize) -> String {
 }
 
 /// Says that this host's part of the run is over (its ranks finished, their events sent).
-pub fn host_done(rendezvous: &dyn Rendezvous, host: usize) -> Result<(), String> {
+pub fn host_done(rendezvous: &dyn Rendezvous, host: usize) -> Result<(), Unmet> {
     rendezvous.exchange(&[RendezvousEntry { name: done_name(host), value: "ok".into() }]).map(drop)
 }
 
 /// Waits (at most `within`) until every host but host 0 has said its part is over: host 0
 /// reports the run complete only then, so that no host's last events (its ranks' traces)
 /// arrive after the run has ended.
-pub fn wait_for_hosts_done(rendezvous: &dyn Rendezvous, hosts: usize, within: Duration) -> Result<(), String> {
+pub fn wait_for_hosts_done(rendezvous: &dyn Rendezvous, hosts: usize, within: Duration) -> Result<(), Unmet> {
     let started = Instant::now();
     loop {
         let state = rendezvous.exchange(&[])?;
@@ -138,7 +153,8 @@ pub fn wait_for_hosts_done(rendezvous: &dyn Rendezvous, hosts: usize, within: Du
             return Ok(());
         }
         if started.elapsed() > within {
-            return Err(format!("hosts {missing:?} did not say they were done within {} s", within.as_secs()));
+            let within = within.as_secs();
+            return Err(Unmet::Failed(format!("hosts {missing:?} did not say they were done within {within} s")));
         }
         std::thread::sleep(POLL);
     }
@@ -153,34 +169,29 @@ pub fn relay(
     local: Range<usize>,
     world: usize,
     stop: &AtomicBool,
-) -> Result<(), String> {
+) -> Result<(), Unmet> {
     let book = AddressFiles { dir: dir.to_path_buf() };
     let local = local.start.min(world)..local.end.min(world);
-    let mut published = vec![false; world];
+    // A rank of this host is known once published, another host's once written here.
     let mut known = vec![false; world];
     loop {
         let mut publish = Vec::new();
-        for rank in local.clone() {
-            if published[rank] {
-                continue;
-            }
+        for (rank, known) in known.iter_mut().enumerate().filter(|(r, k)| local.contains(r) && !**k) {
             if let Ok(Some(address)) = book.lookup(rank) {
                 publish.push(RendezvousEntry { name: address_name(rank), value: address.to_string() });
-                published[rank] = true;
-                known[rank] = true;
+                *known = true;
             }
         }
         let state = rendezvous.exchange(&publish)?;
-        for rank in 0..world {
-            if local.contains(&rank) || known[rank] {
-                continue;
-            }
+        for (rank, known) in known.iter_mut().enumerate().filter(|(r, k)| !local.contains(r) && !**k) {
             let Some(entry) = state.entries.iter().find(|e| e.name == address_name(rank)) else { continue };
-            let address =
-                entry.value.parse().map_err(|e| format!("rank {rank}'s published address {:?}: {e}", entry.value))?;
+            let address = entry
+                .value
+                .parse()
+                .map_err(|e| Unmet::Failed(format!("rank {rank}'s published address {:?}: {e}", entry.value)))?;
             book.publish(rank, address)
-                .map_err(|e| format!("cannot write rank {rank}'s address in {}: {e}", dir.display()))?;
-            known[rank] = true;
+                .map_err(|e| Unmet::Failed(format!("cannot write rank {rank}'s address in {}: {e}", dir.display())))?;
+            *known = true;
         }
         if known.iter().all(|k| *k) || stop.load(Ordering::Relaxed) {
             return Ok(());
@@ -202,7 +213,7 @@ mod tests {
     }
 
     impl Rendezvous for InMemory {
-        fn exchange(&self, publish: &[RendezvousEntry]) -> Result<RendezvousState, String> {
+        fn exchange(&self, publish: &[RendezvousEntry]) -> Result<RendezvousState, Unmet> {
             let mut entries = self.entries.lock().unwrap();
             for e in publish {
                 if !entries.iter().any(|have| have.name == e.name) {
@@ -256,6 +267,6 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let e = relay(&rendezvous, dir.path(), 0..1, 2, &AtomicBool::new(false)).unwrap_err();
-        assert!(e.contains("rank 1's published address"), "{e}");
+        assert!(e.to_string().contains("rank 1's published address"), "{e}");
     }
 }

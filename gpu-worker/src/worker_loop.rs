@@ -186,6 +186,7 @@ struct Leased {
 fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Leased) {
     let Leased { lease, threads, collective_timeout, heartbeat, checkpoints } = run;
     let experiment_id = lease.experiment_id;
+    let report = Report { cfg, client, worker_id, experiment_id, attempt: lease.attempt };
     let simulated_hosts = cfg.simulated_hosts;
     // An uploaded dataset comes from the server for this attempt, into a directory of its
     // own that goes when the attempt ends.
@@ -196,7 +197,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
     let (dataset, _dataset_dir) = match fetched {
         Ok(kept) => kept,
         Err(error) => {
-            if let Err(e) = report_failure(cfg, client, worker_id, experiment_id, error, false) {
+            if let Err(e) = report.failure(error, false) {
                 tracing::warn!(experiment = experiment_id, "could not report {e}");
             }
             return;
@@ -210,7 +211,9 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         Some(_) => match cfg.advertise_ip.map_or_else(|| address_towards(&cfg.server), Ok) {
             Ok(ip) => Some(ip),
             Err(error) => {
-                if let Err(e) = report_failure(cfg, client, worker_id, experiment_id, error, false) {
+                // This worker cannot take part: the run goes back to the queue (a fault of
+                // this machine, not of the run).
+                if let Err(e) = report.lost_host(error) {
                     tracing::warn!(experiment = experiment_id, "could not report {e}");
                 }
                 return;
@@ -252,7 +255,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         Ok(handle) => handle,
         Err(e) => {
             let error = format!("could not start the training thread: {e}");
-            if let Err(e) = report_failure(cfg, client, worker_id, experiment_id, error, false) {
+            if let Err(e) = report.failure(error, false) {
                 tracing::warn!(experiment = experiment_id, "could not report {e}");
             }
             return;
@@ -329,7 +332,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
                 }
             }
             wait_for_the_end(cfg, client, worker_id, experiment_id, heartbeat);
-            return;
+            Ok(())
         }
         Ok(Ok(Some(summary))) => {
             tracing::info!(experiment = experiment_id, final_loss = summary.final_loss, "succeeded");
@@ -344,41 +347,48 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
             let complete = Complete { worker_id, experiment_id, summary };
             retry_while_unreachable(cfg, "completion", || client.complete(&complete)).map_err(|e| e.to_string())
         }
-        Ok(Err(e)) if e.is_cancelled() => {
-            report_failure(cfg, client, worker_id, experiment_id, "cancelled".into(), true)
+        Ok(Err(e)) if e.is_cancelled() => report.failure("cancelled".into(), true),
+        Ok(Err(e)) if e.is_attempt_over() => {
+            tracing::info!(experiment = experiment_id, "stopped: the server ended this attempt");
+            return;
         }
-        Ok(Err(e)) if e.is_host_lost() => report_lost_host(cfg, client, worker_id, experiment_id, e.to_string()),
-        Ok(Err(e)) => report_failure(cfg, client, worker_id, experiment_id, e.to_string(), false),
+        Ok(Err(e)) if e.is_host_lost() => report.lost_host(e.to_string()),
+        Ok(Err(e)) => report.failure(e.to_string(), false),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<String>()
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
-            report_failure(cfg, client, worker_id, experiment_id, format!("the engine crashed: {what}"), false)
+            report.failure(format!("the engine crashed: {what}"), false)
         }
     };
+    if let Err(e) = &reported {
+        tracing::warn!(experiment = experiment_id, "could not report {e}");
+    }
+    keep_latest_checkpoint(&lease, &checkpoints);
+}
+
+/// After a run: the latest complete checkpoint stays (another experiment can start from
+/// it, `train.resume_from`, and if the report was lost the lease expires and the next
+/// attempt resumes from it). It goes with the experiment where the server can reach it
+/// (DATA_DIR/checkpoints/experiment-<id>, its local workers'); a remote worker keeps it
+/// until its directory is cleaned. Host 0 of a run across workers decides: another host
+/// leaves a directory it shares with host 0 (host 0 wrote the spec there) alone, and
+/// removes one of its own (its ranks' files, which no run can resume from alone).
+fn keep_latest_checkpoint(lease: &Lease, checkpoints: &Path) {
+    let dir = CheckpointDir::new(checkpoints, lease.spec.world_size());
     if lease.placement.as_ref().is_some_and(|p| p.host != 0) {
-        // (host 0 looks after the run's checkpoints)
-        if let Err(e) = reported {
-            tracing::warn!(experiment = experiment_id, "could not report {e}");
+        if !checkpoints.join("spec.json").exists() {
+            dir.remove();
         }
         return;
     }
-    // The latest complete checkpoint stays when the run has ended: another experiment can
-    // start from it (`train.resume_from`), and if the report is lost the lease expires and
-    // the next attempt resumes from it. It goes with the experiment where the server can
-    // reach it (DATA_DIR/checkpoints/experiment-<id>, its local workers'); a remote
-    // worker keeps it until its directory is cleaned.
-    let dir = CheckpointDir::new(&checkpoints, lease.spec.world_size());
     if lease.spec.train.checkpoint_every == 0 {
         // (a run resumed from another experiment's checkpoint saves none of its own)
         dir.remove();
     } else {
         dir.prune();
-    }
-    if let Err(e) = reported {
-        tracing::warn!(experiment = experiment_id, "could not report {e}");
     }
 }
 
@@ -440,36 +450,50 @@ fn address_towards(server: &str) -> Result<IpAddr, String> {
     Ok(socket.local_addr().map_err(cannot)?.ip())
 }
 
-/// Tells the server this host's ranks failed because another host of the run went away:
-/// the run goes back to the queue (unless that host reports an error of its own).
-fn report_lost_host(
-    cfg: &WorkerConfig,
-    client: &ServerClient,
+/// What this worker reports about the attempt of an experiment it holds (its part of it).
+struct Report<'a> {
+    cfg: &'a WorkerConfig,
+    client: &'a ServerClient,
     worker_id: i64,
     experiment_id: i64,
-    error: String,
-) -> Result<(), String> {
-    tracing::warn!(experiment = experiment_id, "another host of the run went away: {error}");
-    let fail = Fail { worker_id, experiment_id, error, cancelled: false, lost_host: true };
-    retry_while_unreachable(cfg, "the failure", || client.fail(&fail)).map(drop).map_err(|e| e.to_string())
+    attempt: i64,
 }
 
-/// Tells the server the run failed (or stopped after a cancel), retrying until it answers.
-fn report_failure(
-    cfg: &WorkerConfig,
-    client: &ServerClient,
-    worker_id: i64,
-    experiment_id: i64,
-    error: String,
-    cancelled: bool,
-) -> Result<(), String> {
-    if cancelled {
-        tracing::info!(experiment = experiment_id, "cancelled");
-    } else {
-        tracing::warn!(experiment = experiment_id, "failed: {error}");
+impl Report<'_> {
+    /// The run failed (or stopped after a cancel).
+    fn failure(&self, error: String, cancelled: bool) -> Result<(), String> {
+        if cancelled {
+            tracing::info!(experiment = self.experiment_id, "cancelled");
+        } else {
+            tracing::warn!(experiment = self.experiment_id, "failed: {error}");
+        }
+        self.send(Fail { error, cancelled, ..self.fail() })
     }
-    let fail = Fail { worker_id, experiment_id, error, cancelled, lost_host: false };
-    retry_while_unreachable(cfg, "the failure", || client.fail(&fail)).map(drop).map_err(|e| e.to_string())
+
+    /// This host's ranks failed because another host of the run went away: the run goes
+    /// back to the queue (unless that host reports an error of its own).
+    fn lost_host(&self, error: String) -> Result<(), String> {
+        tracing::warn!(experiment = self.experiment_id, "another host of the run went away: {error}");
+        self.send(Fail { error, lost_host: true, ..self.fail() })
+    }
+
+    fn fail(&self) -> Fail {
+        Fail {
+            worker_id: self.worker_id,
+            experiment_id: self.experiment_id,
+            attempt: Some(self.attempt),
+            error: String::new(),
+            cancelled: false,
+            lost_host: false,
+        }
+    }
+
+    /// Retried until the server answers.
+    fn send(&self, fail: Fail) -> Result<(), String> {
+        retry_while_unreachable(self.cfg, "the failure", || self.client.fail(&fail))
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
 }
 
 #[cfg(test)]

@@ -129,16 +129,24 @@ pub async fn begin_write(db: &Db) -> Result<Transaction<'static, Any>, sqlx::Err
 /// The key of the advisory lock [`begin_write`] takes on Postgres ("distlab" in ASCII).
 const WRITE_LOCK: i64 = 0x0064_6973_746c_6162;
 
-/// A database URL fit for a log line: the password replaced.
+/// A database URL fit for a log line: its password (in the authority or as a `password`
+/// query parameter) replaced.
 pub fn without_password(url: &str) -> String {
-    match url.parse::<url::Url>() {
-        Ok(mut parsed) if parsed.password().is_some() => {
-            let _ = parsed.set_password(Some("***"));
-            parsed.to_string()
-        }
-        Ok(parsed) => parsed.to_string(),
-        Err(_) => "(an unreadable URL)".into(),
+    let Ok(mut parsed) = url.parse::<url::Url>() else { return "(an unreadable URL)".into() };
+    if parsed.password().is_some() {
+        let _ = parsed.set_password(Some("***"));
     }
+    if parsed.query_pairs().any(|(k, _)| k == "password") {
+        let pairs: Vec<(String, String)> = parsed
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if k == "password" { "***".to_string() } else { v.into_owned() };
+                (k.into_owned(), v)
+            })
+            .collect();
+        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    parsed.to_string()
 }
 
 #[cfg(test)]
@@ -161,5 +169,9 @@ mod tests {
     fn passwords_stay_out_of_logs() {
         assert_eq!(without_password("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
         assert_eq!(without_password("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(
+            without_password("postgres://u@h/db?password=x&sslmode=require"),
+            "postgres://u@h/db?password=***&sslmode=require"
+        );
     }
 }

@@ -277,7 +277,9 @@ async fn too_wide_for_the_workers(state: &AppState, spec: &ExperimentSpec) -> Re
     }
     let largest = ranks.iter().flatten().max().copied().unwrap_or(0);
     let together: usize = ranks.iter().flatten().sum();
-    let refusal = if !state.config.allow_multi_host {
+    let refusal = if spec.demo.is_some() {
+        format!("its {world} ranks do not fit one worker (the largest runs {largest}), and a demo runs on one")
+    } else if !state.config.allow_multi_host {
         format!(
             "its {world} ranks do not fit one worker (the largest runs {largest}), and this server runs every \
              experiment on one worker (--allow-multi-host false)"

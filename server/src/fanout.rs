@@ -20,6 +20,9 @@ use crate::{experiments, queue, AppState};
 const CHANNEL: &str = "distlab_events";
 /// The longest payload sent as it is (PostgreSQL's limit is 8,000 bytes).
 const INLINE_BYTES: usize = 7_000;
+/// Events waiting to go out; more are dropped (the other servers' streams miss them, this
+/// server's do not), so that a database that falls behind never holds this one up.
+pub const QUEUED_NOTICES: usize = 4096;
 
 /// One notification.
 #[derive(Debug, Serialize, Deserialize)]
@@ -34,7 +37,7 @@ struct Notice {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum What {
-    Event(Published),
+    Event(Box<Published>),
     /// The experiment's status changed: read it from the database.
     Status,
     /// Log line `log_id` was stored: read it from the database.
@@ -49,14 +52,17 @@ pub async fn start(state: &AppState, url: &str) -> Result<(), sqlx::Error> {
     let origin = crate::random_hex(8);
     let mut listener = PgListener::connect(url).await?;
     listener.listen(CHANNEL).await?;
-    let (tx, mut rx) = mpsc::unbounded_channel::<(i64, Published)>();
+    let (tx, mut rx) = mpsc::channel::<(i64, Published)>(QUEUED_NOTICES);
     state.hub.fan_out_to(tx);
 
     let sending = state.clone();
     let me = origin.clone();
     tokio::spawn(async move {
         while let Some((id, published)) = rx.recv().await {
-            let payload = payload(&me, id, published);
+            let Some(payload) = payload(&me, id, published) else {
+                tracing::debug!(experiment = id, "an event too long to tell the other servers");
+                continue;
+            };
             let sent = sqlx::query("SELECT CAST(1 AS BIGINT) FROM pg_notify($1, $2)")
                 .bind(CHANNEL)
                 .bind(&payload)
@@ -88,22 +94,21 @@ pub async fn start(state: &AppState, url: &str) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
-/// The notification for `published`: the event itself when it fits, else a reference. A
-/// status change is always a reference: notifications arrive a moment late, and the
-/// receiving server then reads the status as it is, never an older one.
-fn payload(origin: &str, id: i64, published: Published) -> String {
+/// The notification for `published`: the event itself when it fits, else a reference to
+/// where it is stored (None for an event that is neither: not sent). A status change is
+/// always a reference: notifications arrive a moment late, and the receiving server then
+/// reads the status as it is, never an older one.
+fn payload(origin: &str, id: i64, published: Published) -> Option<String> {
+    let origin = origin.to_string();
     let reference = match (&published.event, published.log_id) {
-        (StreamEvent::Status(_), _) => {
-            return serde_json::to_string(&Notice { origin: origin.to_string(), id, what: What::Status })
-                .unwrap_or_default()
-        }
-        (StreamEvent::Log(_), Some(log_id)) => What::Log { log_id },
-        _ => What::Event(published.clone()),
+        (StreamEvent::Status(_), _) => return serde_json::to_string(&Notice { origin, id, what: What::Status }).ok(),
+        (StreamEvent::Log(_), Some(log_id)) => Some(What::Log { log_id }),
+        _ => None,
     };
-    let notice = Notice { origin: origin.to_string(), id, what: What::Event(published) };
+    let notice = Notice { origin, id, what: What::Event(Box::new(published)) };
     match serde_json::to_string(&notice) {
-        Ok(json) if json.len() <= INLINE_BYTES => json,
-        _ => serde_json::to_string(&Notice { what: reference, ..notice }).unwrap_or_default(),
+        Ok(json) if json.len() <= INLINE_BYTES => Some(json),
+        _ => serde_json::to_string(&Notice { what: reference?, ..notice }).ok(),
     }
 }
 
@@ -111,7 +116,7 @@ fn payload(origin: &str, id: i64, published: Published) -> String {
 async fn deliver(state: &AppState, notice: Notice) {
     let id = notice.id;
     let published = match notice.what {
-        What::Event(published) => Some(published),
+        What::Event(published) => Some(*published),
         What::Status => match experiments::load(&state.db, id).await {
             Ok(Some(view)) => Some(Published {
                 event: StreamEvent::Status(StatusChange {
@@ -154,15 +159,17 @@ mod tests {
             event: StreamEvent::Log(LogLine { level: LogLevel::Info, message: "hi".into() }),
             log_id: Some(3),
         };
-        let notice: Notice = serde_json::from_str(&payload("a", 7, short)).unwrap();
-        assert!(matches!(notice.what, What::Event(Published { log_id: Some(3), .. })));
+        let notice: Notice = serde_json::from_str(&payload("a", 7, short).unwrap()).unwrap();
+        assert!(matches!(notice.what, What::Event(p) if p.log_id == Some(3)));
         let long = LogLine { level: LogLevel::Warn, message: "x".repeat(8_000) };
-        let notice: Notice =
-            serde_json::from_str(&payload("a", 7, Published { event: StreamEvent::Log(long), log_id: Some(4) }))
-                .unwrap();
+        let stored = Published { event: StreamEvent::Log(long.clone()), log_id: Some(4) };
+        let notice: Notice = serde_json::from_str(&payload("a", 7, stored).unwrap()).unwrap();
         assert!(matches!(notice.what, What::Log { log_id: 4 }));
+        // A long line that was never stored has nothing to refer to: not sent.
+        assert_eq!(payload("a", 7, Published { event: StreamEvent::Log(long), log_id: None }), None);
         let status = StreamEvent::Status(StatusChange { status: ExperimentStatus::Failed, error: None, summary: None });
-        let notice: Notice = serde_json::from_str(&payload("a", 7, Published { event: status, log_id: None })).unwrap();
+        let notice: Notice =
+            serde_json::from_str(&payload("a", 7, Published { event: status, log_id: None }).unwrap()).unwrap();
         assert!(matches!(notice.what, What::Status));
         assert_eq!((notice.origin.as_str(), notice.id), ("a", 7));
     }

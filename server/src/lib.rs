@@ -198,6 +198,12 @@ impl ServerConfig {
         if self.max_queued_per_user == 0 || self.max_running_per_user == Some(0) {
             return bad("the per-person limits must be at least 1".into());
         }
+        if self.gang_timeout.is_zero() || self.gang_timeout > Duration::from_secs(600) {
+            return bad(format!(
+                "--gang-timeout-seconds must be between 1 and 600 (it is {})",
+                self.gang_timeout.as_secs()
+            ));
+        }
         if self.max_sse_connections == 0 || self.max_sse_per_client == 0 {
             return bad("the live-stream limits must be at least 1".into());
         }

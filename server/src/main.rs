@@ -89,8 +89,8 @@ struct Cli {
     #[arg(long, env = "DISTLAB_ALLOW_MULTI_HOST", default_value_t = true, action = clap::ArgAction::Set)]
     allow_multi_host: bool,
 
-    /// Seconds the workers of a run placed on several have to take their parts before it
-    /// goes back to the queue.
+    /// Seconds (1 to 600) the workers of a run placed on several have to take their parts
+    /// before it goes back to the queue.
     #[arg(long, env = "DISTLAB_GANG_TIMEOUT_SECONDS", default_value_t = 30)]
     gang_timeout_seconds: u64,
 
@@ -168,7 +168,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         max_queued_per_user: cli.max_queued_per_user,
         max_running_per_user: (cli.max_running_per_user > 0).then_some(cli.max_running_per_user),
         allow_multi_host: cli.allow_multi_host,
-        gang_timeout: Duration::from_secs(cli.gang_timeout_seconds.max(1)),
+        gang_timeout: Duration::from_secs(cli.gang_timeout_seconds),
         ..defaults
     };
     if generated {

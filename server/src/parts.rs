@@ -143,16 +143,20 @@ pub async fn join(
     .fetch_optional(&mut *tx)
     .await?;
     let Some(part) = waiting else { return Ok(None) };
-    sqlx::query(
-        "UPDATE parts SET joined_at = $1, lease_until = $2 WHERE experiment_id = $3 AND attempt = $4 AND host = $5",
+    let taken: Option<i64> = sqlx::query_scalar(
+        "UPDATE parts SET joined_at = $1, lease_until = $2 \
+         WHERE experiment_id = $3 AND attempt = $4 AND host = $5 AND joined_at IS NULL RETURNING host",
     )
     .bind(clock::rfc3339(now))
     .bind(clock::after(now, lease))
     .bind(part.experiment_id)
     .bind(part.attempt)
     .bind(part.host)
-    .execute(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await?;
+    if taken.is_none() {
+        return Ok(None); // (released meanwhile)
+    }
     not_idle(tx, worker_id).await?;
     let ranks: Vec<i64> =
         sqlx::query_scalar("SELECT ranks FROM parts WHERE experiment_id = $1 AND attempt = $2 ORDER BY host")
@@ -199,17 +203,27 @@ pub async fn renew(
     Ok(renewed.is_some())
 }
 
-/// Publishes `publish` in the rendezvous of attempt `attempt` of experiment `id` and
-/// answers all of it; None unless `worker_id` has taken a part of that attempt and it is
-/// running. A name already there keeps its first value; names and values are checked by
-/// the caller. At most `MAX_RENDEZVOUS_ENTRIES` entries are kept per attempt.
+/// What a host publishes in the rendezvous of one attempt.
+#[derive(Clone, Copy, Debug)]
+pub struct Exchange<'a> {
+    pub worker_id: i64,
+    pub experiment_id: i64,
+    pub attempt: i64,
+    pub publish: &'a [RendezvousEntry],
+}
+
+/// Publishes in the rendezvous of an attempt and answers all of it; None unless the worker
+/// has taken a part of that attempt and it is running. Renews the worker's lease (its
+/// part's, or host 0's of the experiment): hosts that wait for each other here heartbeat
+/// nothing else. A name already there keeps its first value; names and values are checked
+/// by the caller. At most `MAX_RENDEZVOUS_ENTRIES` entries are kept per attempt.
 pub async fn exchange(
     db: &Db,
-    worker_id: i64,
-    id: i64,
-    attempt: i64,
-    publish: &[RendezvousEntry],
+    request: Exchange<'_>,
+    lease: Duration,
+    now: SystemTime,
 ) -> Result<Option<RendezvousState>, sqlx::Error> {
+    let Exchange { worker_id, experiment_id: id, attempt, publish } = request;
     let mut tx = db.begin().await?;
     let held: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM parts p JOIN experiments e ON e.id = p.experiment_id AND e.attempt = p.attempt \
@@ -225,6 +239,7 @@ pub async fn exchange(
         tx.rollback().await?;
         return Ok(None);
     }
+    queue::renew_held(&mut tx, worker_id, id, lease, now).await?;
     let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM rendezvous WHERE experiment_id = $1 AND attempt = $2")
         .bind(id)
         .bind(attempt)
@@ -276,7 +291,8 @@ pub async fn release_unformed(db: &Db, hub: &Hub, wait: Duration, now: SystemTim
     .await?;
     let mut released = Vec::new();
     for (id, attempt) in unformed {
-        let mut tx = db.begin().await?;
+        // (under the write lock, like a lease taking a part)
+        let mut tx = crate::db::begin_write(db).await?;
         let missing: Vec<i64> = sqlx::query_scalar(
             "SELECT worker_id FROM parts WHERE experiment_id = $1 AND attempt = $2 AND joined_at IS NULL ORDER BY host",
         )

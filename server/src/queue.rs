@@ -66,9 +66,9 @@ pub struct LeasePolicy {
     pub idle_for: Duration,
 }
 
-/// Queued experiments looked at per lease, in the order they would be given out (a run
-/// waiting for idle workers lets up to this many behind it start first).
-const CANDIDATES: i64 = 8;
+/// Queued experiments looked at per lease, in the order they would be given out: a run
+/// that cannot be placed now (waiting for idle workers) lets those behind it start.
+const CANDIDATES: i64 = 32;
 
 /// Gives `asking` work: first its part of a run across workers that was placed on it, else
 /// a queued experiment whose backend it offers, fair share first (the owner with the
@@ -102,7 +102,9 @@ pub async fn lease(
         let shape = placement::Shape::of(&spec);
         let me = placement::Candidate { worker_id: asking.worker_id, ranks: asking.ranks };
         let fits_alone = asking.ranks.is_none_or(|r| r >= shape.world);
-        let others: Vec<placement::Candidate> = if fits_alone || !policy.multi_host {
+        // (a collective demo runs its ranks on one machine)
+        let multi_host = policy.multi_host && spec.demo.is_none();
+        let others: Vec<placement::Candidate> = if fits_alone || !multi_host {
             Vec::new()
         } else {
             if idle.is_none() {
@@ -110,7 +112,7 @@ pub async fn lease(
             }
             idle.iter().flatten().filter(|w| w.backends.contains(&spec.backend)).map(|w| w.candidate).collect()
         };
-        let Some(shares) = placement::place(shape, me, &others, policy.multi_host) else { continue };
+        let Some(shares) = placement::place(shape, me, &others, multi_host) else { continue };
         if let Some(leased) = start(&mut tx, id, spec_json, &shares, policy.lease, now).await? {
             tx.commit().await?;
             return Ok(Some(leased));
@@ -295,7 +297,7 @@ pub async fn renew(
 
 /// Renews `worker_id`'s lease of running experiment `id` (or its part of it) and answers
 /// the experiment's spec; None when it holds neither.
-async fn renew_held(
+pub(crate) async fn renew_held(
     tx: &mut sqlx::AnyConnection,
     worker_id: i64,
     id: i64,
@@ -469,6 +471,8 @@ pub struct Failure<'a> {
     pub cancelled: bool,
     /// Its ranks failed because another host of the run went away.
     pub lost_host: bool,
+    /// The attempt it reports about (None: the current one).
+    pub attempt: Option<i64>,
 }
 
 /// A running experiment held by `worker_id` (or a part of it) ended early; answers the
@@ -486,25 +490,25 @@ pub async fn fail(
     failure: Failure<'_>,
     now: SystemTime,
 ) -> Result<Result<ExperimentStatus, Ownership>, sqlx::Error> {
-    let held = format!("(worker_id = $1 OR {})", parts::holds_part(1));
+    // The worker holds the experiment (host 0) or a part of it, in the attempt reported on
+    // (parameter `$k`).
+    let held = |k: usize| format!("(worker_id = $1 OR {}) AND attempt = COALESCE(${k}, attempt)", parts::holds_part(1));
     let at = clock::rfc3339(now);
     let error = truncate(failure.error, MAX_TEXT_CHARS);
     let mut tx = db.begin().await?;
     let ended: Option<String> = if failure.cancelled {
         let sql = format!(
             "UPDATE experiments SET status = 'cancelled', error = NULL, finished_at = $2, lease_until = NULL \
-             WHERE id = $3 AND status = 'running' AND {held} RETURNING status"
+             WHERE id = $3 AND status = 'running' AND {} RETURNING status",
+            held(4)
         );
-        sqlx::query_scalar(&sql).bind(worker_id).bind(&at).bind(id).fetch_optional(&mut *tx).await?
+        let query = sqlx::query_scalar(&sql).bind(worker_id).bind(&at).bind(id).bind(failure.attempt);
+        query.fetch_optional(&mut *tx).await?
     } else if failure.lost_host {
         let sql = format!(
-            "UPDATE experiments SET \
-               status = CASE WHEN attempt < $2 THEN 'queued' ELSE 'failed' END, \
-               error = CASE WHEN attempt < $2 THEN error ELSE $3 END, \
-               finished_at = CASE WHEN attempt < $2 THEN NULL ELSE $4 END, \
-               worker_id = CASE WHEN attempt < $2 THEN NULL ELSE worker_id END, \
-               lease_until = NULL \
-             WHERE id = $5 AND status = 'running' AND {held} RETURNING status"
+            "UPDATE experiments SET {} WHERE id = $5 AND status = 'running' AND {} RETURNING status",
+            requeued_or_failed(2, 3, 4),
+            held(6)
         );
         let gave_up = format!("{error} (a host of the run went away {MAX_ATTEMPTS} times; giving up)");
         let ended: Option<String> = sqlx::query_scalar(&sql)
@@ -513,6 +517,7 @@ pub async fn fail(
             .bind(truncate(&gave_up, MAX_TEXT_CHARS))
             .bind(&at)
             .bind(id)
+            .bind(failure.attempt)
             .fetch_optional(&mut *tx)
             .await?;
         if ended.as_deref() == Some("queued") {
@@ -526,10 +531,13 @@ pub async fn fail(
     } else {
         let sql = format!(
             "UPDATE experiments SET status = 'failed', error = $2, finished_at = $3, lease_until = NULL \
-             WHERE id = $4 AND ((status = 'running' AND {held}) OR (status = 'queued' AND {})) RETURNING status",
+             WHERE id = $4 AND ((status = 'running' AND {}) OR (status = 'queued' AND {} AND attempt = $5)) \
+             RETURNING status",
+            held(5),
             parts::holds_part(1)
         );
-        sqlx::query_scalar(&sql).bind(worker_id).bind(&error).bind(&at).bind(id).fetch_optional(&mut *tx).await?
+        let query = sqlx::query_scalar(&sql).bind(worker_id).bind(&error).bind(&at).bind(id).bind(failure.attempt);
+        query.fetch_optional(&mut *tx).await?
     };
     tx.commit().await?;
     if let Some(status) = ended.as_deref().and_then(ExperimentStatus::parse) {
@@ -638,6 +646,19 @@ pub async fn end_overdue(db: &Db, hub: &Hub, max: Duration, now: SystemTime) -> 
     Ok(ended)
 }
 
+/// The `SET` of an attempt that ended early without ending its run: back in the queue (its
+/// worker forgotten), or, once it has had the most attempts (parameter `$max`), failed with
+/// the error in `$error` at the time in `$at`.
+fn requeued_or_failed(max: usize, error: usize, at: usize) -> String {
+    format!(
+        "status = CASE WHEN attempt < ${max} THEN 'queued' ELSE 'failed' END, \
+         error = CASE WHEN attempt < ${max} THEN error ELSE ${error} END, \
+         finished_at = CASE WHEN attempt < ${max} THEN NULL ELSE ${at} END, \
+         worker_id = CASE WHEN attempt < ${max} THEN NULL ELSE worker_id END, \
+         lease_until = NULL"
+    )
+}
+
 /// An experiment the reaper took back from a silent worker.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct Reaped {
@@ -652,23 +673,20 @@ pub struct Reaped {
 /// MAX_ATTEMPTS times. Each change is logged and streamed.
 pub async fn reap_expired(db: &Db, hub: &Hub, now: SystemTime) -> Result<Vec<Reaped>, sqlx::Error> {
     let now_text = clock::rfc3339(now);
-    let reaped = sqlx::query_as::<_, Reaped>(
-        "UPDATE experiments SET \
-           status = CASE WHEN attempt < $1 THEN 'queued' ELSE 'failed' END, \
-           error = CASE WHEN attempt < $1 THEN error ELSE $2 END, \
-           finished_at = CASE WHEN attempt < $1 THEN NULL ELSE $3 END, \
-           worker_id = CASE WHEN attempt < $1 THEN NULL ELSE worker_id END, \
-           lease_until = NULL \
+    let sql = format!(
+        "UPDATE experiments SET {} \
          WHERE status = 'running' AND (lease_until < $3 OR EXISTS ( \
            SELECT 1 FROM parts p WHERE p.experiment_id = experiments.id AND p.attempt = experiments.attempt \
              AND p.lease_until < $3)) \
          RETURNING id, status, attempt, error",
-    )
-    .bind(MAX_ATTEMPTS)
-    .bind(gave_up_message())
-    .bind(&now_text)
-    .fetch_all(db)
-    .await?;
+        requeued_or_failed(1, 2, 3)
+    );
+    let reaped = sqlx::query_as::<_, Reaped>(&sql)
+        .bind(MAX_ATTEMPTS)
+        .bind(gave_up_message())
+        .bind(&now_text)
+        .fetch_all(db)
+        .await?;
     for r in &reaped {
         let status = ExperimentStatus::parse(&r.status).unwrap_or(ExperimentStatus::Failed);
         tracing::warn!(

@@ -55,7 +55,7 @@ pub struct Hub {
     shutdown: watch::Sender<bool>,
     /// Where what is published also goes, for the other servers of a shared database
     /// (`fanout.rs`); unset on SQLite.
-    fanout: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<(i64, Published)>>,
+    fanout: std::sync::OnceLock<tokio::sync::mpsc::Sender<(i64, Published)>>,
 }
 
 /// How many streams each client address holds open.
@@ -115,13 +115,14 @@ impl Hub {
 
     fn send(&self, id: i64, published: Published) {
         if let Some(fanout) = self.fanout.get() {
-            let _ = fanout.send((id, published.clone()));
+            // (full: the other servers miss this event rather than this one waiting)
+            let _ = fanout.try_send((id, published.clone()));
         }
         self.deliver(id, published);
     }
 
     /// From now on, everything published here is also sent to `fanout` (the other servers).
-    pub(crate) fn fan_out_to(&self, fanout: tokio::sync::mpsc::UnboundedSender<(i64, Published)>) {
+    pub(crate) fn fan_out_to(&self, fanout: tokio::sync::mpsc::Sender<(i64, Published)>) {
         let _ = self.fanout.set(fanout);
     }
 

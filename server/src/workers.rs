@@ -463,7 +463,12 @@ pub async fn fail(
 ) -> Result<Json<WorkerAck>, HttpError> {
     let now = clock::now();
     touch(&state, caller, body.worker_id, now).await?;
-    let failure = queue::Failure { error: &body.error, cancelled: body.cancelled, lost_host: body.lost_host };
+    let failure = queue::Failure {
+        error: &body.error,
+        cancelled: body.cancelled,
+        lost_host: body.lost_host,
+        attempt: body.attempt,
+    };
     let ended = queue::fail(&state.db, body.worker_id, body.experiment_id, failure, now).await?;
     let status = match ended {
         Ok(status) => status,
@@ -511,7 +516,13 @@ pub async fn rendezvous(
             ));
         }
     }
-    let exchanged = parts::exchange(&state.db, body.worker_id, body.experiment_id, body.attempt, &body.publish).await?;
+    let request = parts::Exchange {
+        worker_id: body.worker_id,
+        experiment_id: body.experiment_id,
+        attempt: body.attempt,
+        publish: &body.publish,
+    };
+    let exchanged = parts::exchange(&state.db, request, state.config.lease_duration(), now).await?;
     exchanged.map(Json).ok_or_else(|| {
         HttpError::conflict(format!(
             "worker {} holds no part of attempt {} of experiment {} (it ended, or never was this worker's)",

@@ -2026,6 +2026,21 @@ fn dp4() -> Value {
     json!({"name": "wide", "parallel": {"dp": 4}, "train": {"steps": 10}})
 }
 
+impl TestApp {
+    /// Two workers of 2 ranks and a dp=4 run: b asks first (and waits), then a leases the
+    /// run as host 0 with b idle. Answers (a, b, the run's id, a's lease); b has yet to
+    /// take its part.
+    async fn dp4_placed_on_two(&self) -> (i64, i64, i64, Lease) {
+        let a = self.register_ranks(2).await;
+        let b = self.register_ranks(2).await;
+        let id = self.create_with(dp4()).await;
+        assert_eq!(self.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
+        let first = self.lease(a).await;
+        assert_eq!((first.experiment_id, first.placement.as_ref().map(|p| p.host)), (id, Some(0)));
+        (a, b, id, first)
+    }
+}
+
 /// A dp=4 run on workers of 2 ranks waits for a second idle worker, then is placed on both:
 /// host 0 (the worker that asked) leases it, the other takes its part at its next lease;
 /// both get the same secret, and the rendezvous passes what each publishes to the other.
@@ -2099,11 +2114,7 @@ async fn a_run_wider_than_a_worker_is_placed_on_two_and_they_meet_at_the_rendezv
 #[tokio::test]
 async fn heartbeats_of_both_hosts_keep_the_run_alive() {
     let t = setup_with(|c| (c.lease_seconds, c.heartbeat_seconds) = (1.0, 0.2)).await;
-    let a = t.register_ranks(2).await;
-    let b = t.register_ranks(2).await;
-    let id = t.create_with(dp4()).await;
-    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
-    t.lease(a).await;
+    let (a, b, id, _) = t.dp4_placed_on_two().await;
     t.lease(b).await;
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(600)).await;
@@ -2161,11 +2172,7 @@ async fn tensor_parallel_groups_are_never_cut_and_multi_host_can_be_switched_off
 #[tokio::test]
 async fn a_placement_whose_workers_do_not_all_come_is_released() {
     let t = setup().await;
-    let a = t.register_ranks(2).await;
-    let b = t.register_ranks(2).await;
-    let id = t.create_with(dp4()).await;
-    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
-    let first = t.lease(a).await;
+    let (a, b, id, first) = t.dp4_placed_on_two().await;
     assert_eq!(first.attempt, 1);
     // b never comes back for its part.
     t.state.reap_expired(SystemTime::now() + Duration::from_secs(10)).await.expect("reap");
@@ -2179,6 +2186,10 @@ async fn a_placement_whose_workers_do_not_all_come_is_released() {
     );
     let hb = t.worker("heartbeat", json!({"worker_id": a, "experiment_id": id})).await;
     assert_eq!(hb.status, StatusCode::CONFLICT);
+    // Host 0 then says its wait for the others failed: about an attempt that is over.
+    let late = json!({"worker_id": a, "experiment_id": id, "attempt": 1, "error": "only 1 of the run's 2 hosts took their part"});
+    assert_eq!(t.worker("fail", late).await.status, StatusCode::CONFLICT);
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Queued);
     let logs: Vec<String> = sqlx::query_scalar("SELECT message FROM logs WHERE experiment_id = $1")
         .bind(id)
         .fetch_all(&t.state.db)
@@ -2198,18 +2209,18 @@ async fn a_placement_whose_workers_do_not_all_come_is_released() {
 #[tokio::test]
 async fn a_lost_host_requeues_the_run_and_a_real_error_still_fails_it() {
     let t = setup().await;
-    let a = t.register_ranks(2).await;
-    let b = t.register_ranks(2).await;
-    let id = t.create_with(dp4()).await;
-    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
-    t.lease(a).await;
+    let (a, b, id, _) = t.dp4_placed_on_two().await;
     t.lease(b).await;
     let lost = json!({"worker_id": a, "experiment_id": id, "error": "rank 1: rank 2 hung up", "lost_host": true});
     let answer = t.worker("fail", lost).await;
     assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
     let view = t.view(id).await;
     assert_eq!((view.status, view.attempt), (ExperimentStatus::Queued, 1));
-    let real = json!({"worker_id": b, "experiment_id": id, "error": "rank 2 panicked: out of memory"});
+    // A report about another attempt changes nothing; b's own error, of this attempt, fails it.
+    let stale = json!({"worker_id": b, "experiment_id": id, "attempt": 7, "error": "old news"});
+    assert_eq!(t.worker("fail", stale).await.status, StatusCode::CONFLICT);
+    assert_eq!(t.view(id).await.status, ExperimentStatus::Queued);
+    let real = json!({"worker_id": b, "experiment_id": id, "attempt": 1, "error": "rank 2 panicked: out of memory"});
     assert_eq!(t.worker("fail", real).await.status, StatusCode::OK);
     let view = t.view(id).await;
     assert_eq!(
@@ -2218,9 +2229,8 @@ async fn a_lost_host_requeues_the_run_and_a_real_error_still_fails_it() {
     );
 
     // A member whose heartbeats stop: its part's lease expires and the run is re-queued.
-    let id = t.create_with(dp4()).await;
-    assert_eq!(t.worker("lease", json!({"worker_id": b})).await.status, StatusCode::NO_CONTENT);
-    t.lease(a).await;
+    let t = setup().await;
+    let (_, b, id, _) = t.dp4_placed_on_two().await;
     t.lease(b).await;
     t.state.reap_expired(SystemTime::now() + Duration::from_secs(25)).await.expect("reap");
     assert_eq!(t.view(id).await.status, ExperimentStatus::Running, "both leases last 30 s");

@@ -104,7 +104,6 @@ fn stores(opts: &LoadOptions) -> Result<()> {
 /// queue is empty: each answer that hands over an experiment is timed (a worker may hold
 /// many here: the run is never started).
 fn leases(base: &str, opts: &LoadOptions) -> Result<Measured> {
-    let duration = Duration::from_secs_f64(opts.seconds);
     let credentials: Vec<(i64, String)> = (0..LEASING_WORKERS)
         .map(|i| {
             let body = json!({"name": format!("load-{i}"), "backends": ["cpu"], "devices": [], "version": "load"});
@@ -119,11 +118,41 @@ fn leases(base: &str, opts: &LoadOptions) -> Result<Measured> {
             }
         })
         .collect::<Result<_>>()?;
-    let start = Arc::new(Barrier::new(LEASING_WORKERS + 1));
+    timed(LEASING_WORKERS, Duration::from_secs_f64(opts.seconds), |worker, agent| {
+        let (id, credential) = &credentials[worker];
+        let answer = agent
+            .post(format!("{base}/api/workers/lease"))
+            .header("Authorization", &format!("Bearer {credential}"))
+            .send_json(json!({"worker_id": id}));
+        match answer.map(|r| r.status().as_u16()) {
+            Ok(200) => Answer::Done,
+            Ok(204) => Answer::Stop, // the queue is empty
+            _ => Answer::Failed,
+        }
+    })
+}
+
+/// What one timed request came to.
+enum Answer {
+    Done,
+    Failed,
+    /// Failed, and this connection stops.
+    Stop,
+}
+
+/// `connections` threads, each with its own kept-alive connection, call `request(i, agent)`
+/// back to back for `duration` (at most MAX_REQUESTS_PER_CONNECTION times each); the
+/// latency of every request that was done.
+fn timed(
+    connections: usize,
+    duration: Duration,
+    request: impl Fn(usize, &ureq::Agent) -> Answer + Sync,
+) -> Result<Measured> {
+    let start = Arc::new(Barrier::new(connections + 1));
+    let request = &request;
     let (elapsed, results) = std::thread::scope(|scope| {
-        let workers: Vec<_> = credentials
-            .iter()
-            .map(|(id, credential)| {
+        let workers: Vec<_> = (0..connections)
+            .map(|i| {
                 let start = start.clone();
                 scope.spawn(move || {
                     let agent = agent();
@@ -132,14 +161,10 @@ fn leases(base: &str, opts: &LoadOptions) -> Result<Measured> {
                     let until = Instant::now() + duration;
                     while Instant::now() < until && latencies.len() + failed < MAX_REQUESTS_PER_CONNECTION {
                         let sent = Instant::now();
-                        let answer = agent
-                            .post(format!("{base}/api/workers/lease"))
-                            .header("Authorization", &format!("Bearer {credential}"))
-                            .send_json(json!({"worker_id": id}));
-                        match answer.map(|r| r.status().as_u16()) {
-                            Ok(200) => latencies.push(sent.elapsed()),
-                            Ok(204) => break, // the queue is empty
-                            _ => failed += 1,
+                        match request(i, &agent) {
+                            Answer::Done => latencies.push(sent.elapsed()),
+                            Answer::Failed => failed += 1,
+                            Answer::Stop => break,
                         }
                     }
                     (latencies, failed)
@@ -153,7 +178,7 @@ fn leases(base: &str, opts: &LoadOptions) -> Result<Measured> {
     });
     let mut measured = Measured { latencies: Vec::new(), failed: 0, elapsed };
     for result in results {
-        let (latencies, failed) = result.map_err(|_| anyhow::anyhow!("a lease thread panicked"))?;
+        let (latencies, failed) = result.map_err(|_| anyhow::anyhow!("a load thread panicked"))?;
         measured.latencies.extend(latencies);
         measured.failed += failed;
     }
@@ -223,52 +248,21 @@ impl Measured {
     }
 }
 
-/// `opts.connections` threads, each with its own kept-alive connection, make `request`
-/// back to back for `opts.seconds`.
+/// `opts.connections` connections make `request` back to back for `opts.seconds`.
 fn hammer(base: &str, request: &Request, opts: &LoadOptions) -> Result<Measured> {
-    let duration = Duration::from_secs_f64(opts.seconds);
-    let start = Arc::new(Barrier::new(opts.connections + 1));
-    let began = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..opts.connections)
-            .map(|_| {
-                let start = start.clone();
-                scope.spawn(move || {
-                    let agent = agent();
-                    let (mut latencies, mut failed) = (Vec::new(), 0);
-                    start.wait();
-                    let until = Instant::now() + duration;
-                    while Instant::now() < until && latencies.len() + failed < MAX_REQUESTS_PER_CONNECTION {
-                        let sent = Instant::now();
-                        let answer = match request {
-                            Request::Get(path) => agent.get(format!("{base}{path}")).call(),
-                            Request::Post(path, body) => agent.post(format!("{base}{path}")).send_json(body),
-                        };
-                        match answer {
-                            Ok(mut resp) if resp.status().is_success() => {
-                                let _ = resp.body_mut().read_to_vec();
-                                latencies.push(sent.elapsed());
-                            }
-                            _ => failed += 1,
-                        }
-                    }
-                    (latencies, failed)
-                })
-            })
-            .collect();
-        start.wait();
-        let began = Instant::now();
-        let results: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
-        (began.elapsed(), results)
-    });
-    let (elapsed, results) = began;
-    let mut measured = Measured { latencies: Vec::new(), failed: 0, elapsed };
-    for result in results {
-        let (latencies, failed) = result.map_err(|_| anyhow::anyhow!("a load thread panicked"))?;
-        measured.latencies.extend(latencies);
-        measured.failed += failed;
-    }
-    measured.latencies.sort();
-    Ok(measured)
+    timed(opts.connections, Duration::from_secs_f64(opts.seconds), |_, agent| {
+        let answer = match request {
+            Request::Get(path) => agent.get(format!("{base}{path}")).call(),
+            Request::Post(path, body) => agent.post(format!("{base}{path}")).send_json(body),
+        };
+        match answer {
+            Ok(mut resp) if resp.status().is_success() => {
+                let _ = resp.body_mut().read_to_vec();
+                Answer::Done
+            }
+            _ => Answer::Failed,
+        }
+    })
 }
 
 /// Opens `count` live streams of a queued experiment (STREAMS_PER_SOURCE per loopback

@@ -200,7 +200,7 @@ fn store_tests_on_postgres() -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
     };
-    println!("xtask: the server's tests on PostgreSQL ({})", cluster.url);
+    println!("xtask: the server's tests again, on a throwaway PostgreSQL cluster");
     // The server's test targets that open a store (server/tests/store), selected in the
     // whole workspace with the run above's features, so that nothing is built again.
     let status = cargo()

@@ -1,7 +1,8 @@
 //! A throwaway PostgreSQL cluster for the store tests: Debian's `postgresql` (installed
 //! when missing), `initdb` into a temporary directory, a server on 127.0.0.1 and a free
-//! port with trust authentication, stopped and deleted when dropped. Root cannot run
-//! PostgreSQL, so as root the cluster belongs to the `postgres` user the package creates.
+//! port whose one user has a random password, stopped and deleted when dropped. Root
+//! cannot run PostgreSQL, so as root the cluster belongs to the `postgres` user the
+//! package creates.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -13,8 +14,8 @@ pub struct Cluster {
     dir: PathBuf,
     pg_ctl: PathBuf,
     as_postgres: bool,
-    /// `postgres://postgres@127.0.0.1:PORT/postgres`: the cluster's first database, where
-    /// a test creates its own.
+    /// `postgres://postgres:PASSWORD@127.0.0.1:PORT/postgres`: the cluster's first
+    /// database, where a test creates its own.
     pub url: String,
 }
 
@@ -35,15 +36,22 @@ pub fn start() -> Result<Cluster> {
         run(Command::new("chown").args(["postgres:postgres"]).arg(&dir))?;
     }
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let password = random_hex()?;
+    let pwfile = dir.join("password");
+    std::fs::write(&pwfile, &password)?;
+    if as_postgres {
+        run(Command::new("chown").args(["postgres:postgres"]).arg(&pwfile))?;
+    }
     let cluster = Cluster {
         dir: dir.clone(),
         pg_ctl: bin.join("pg_ctl"),
         as_postgres,
-        url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+        url: format!("postgres://postgres:{password}@127.0.0.1:{port}/postgres"),
     };
     let data = dir.join("data");
     let mut initdb = cluster.command(&bin.join("initdb"));
-    initdb.args(["--auth=trust", "--username=postgres", "--encoding=UTF8", "--no-sync", "-D"]).arg(&data);
+    initdb.args(["--auth=scram-sha-256", "--username=postgres", "--encoding=UTF8", "--no-sync", "--pwfile"]);
+    initdb.arg(&pwfile).arg("-D").arg(&data);
     run(initdb.stdout(std::process::Stdio::null()))?;
     let options =
         format!("-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200", dir.display());
@@ -98,6 +106,14 @@ fn install() -> Result<()> {
     println!("xtask: installing postgresql with apt-get (for the store tests on Postgres)");
     let script = "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql";
     run(Command::new("sh").args(["-c", script])).context("apt-get could not install postgresql")
+}
+
+/// 16 random bytes as hex.
+fn random_hex() -> Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn is_root() -> bool {
