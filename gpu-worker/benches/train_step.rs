@@ -10,13 +10,16 @@
 //!  --precision fp32|bf16|fp16 --checkpointing none|every|sqrt --attention naive|flash
 //!  --seq-len 128 --batch 16]`
 //!
-//! Each line also carries the rank's peak memory by category (MiB, from the ledger).
+//! Each line also carries the rank's peak memory by category (MiB, from the ledger), and
+//! its FLOP rate as a share of the machine's FMA peak on as many threads, measured first
+//! and printed as its own line: {"bench":"fma_peak","threads":1,"isa":"avx512","gflops_per_s":...}
 
 use std::sync::atomic::AtomicBool;
 
 use distlab_common::{
     Attention, Checkpointing, ExperimentSpec, Limits, LossScaling, ModelSpec, Precision, RunEvent, TrainSpec,
 };
+use distlab_worker::machine_limits::{bf16_dot_peak, fma_peak};
 use distlab_worker::{train, TrainOptions};
 
 struct Args {
@@ -124,7 +127,14 @@ fn main() {
     });
     let tokens_per_step = spec.tokens_per_step() as f64;
     let flops_per_token = spec.model.train_flops_per_token();
-    for &threads in &args.threads {
+    // The yardsticks first, while nothing else runs.
+    let peaks: Vec<_> = args.threads.iter().map(|&threads| fma_peak(threads)).collect();
+    let bf16_peaks: Vec<_> = args.threads.iter().filter_map(|&threads| bf16_dot_peak(threads)).collect();
+    for (name, peak) in peaks.iter().map(|p| ("fma_peak", p)).chain(bf16_peaks.iter().map(|p| ("bf16_dot_peak", p))) {
+        println!("{}", serde_json::json!({"bench": name, "threads": peak.threads, "isa": peak.isa,
+                                          "gflops_per_s": (peak.gflops_per_s * 10.0).round() / 10.0}));
+    }
+    for (&threads, fma) in args.threads.iter().zip(&peaks) {
         let mut step_ms = Vec::new();
         let mut peak = None;
         let cancel = AtomicBool::new(false);
@@ -151,6 +161,7 @@ fn main() {
         sorted.sort_by(f64::total_cmp);
         let median_ms = sorted[sorted.len() / 2];
         let tokens_per_s = tokens_per_step / (mean_ms / 1e3);
+        let gflops_per_s = flops_per_token * tokens_per_s / 1e9;
         let line = serde_json::json!({
             "bench": "train_step",
             "threads": summary.threads,
@@ -160,7 +171,8 @@ fn main() {
             "step_ms_min": (sorted[0] * 100.0).round() / 100.0,
             "params": summary.params,
             "flops_per_token": flops_per_token,
-            "gflops_per_s": (flops_per_token * tokens_per_s / 1e7).round() / 100.0,
+            "gflops_per_s": (gflops_per_s * 100.0).round() / 100.0,
+            "share_of_fma_peak": (gflops_per_s / fma.gflops_per_s * 1000.0).round() / 1000.0,
             "steps": timed.len(),
             "warmup": args.warmup,
             "final_loss": (summary.final_loss * 1e4).round() / 1e4,

@@ -34,19 +34,10 @@ pub struct BandwidthPoint {
 }
 
 /// The yardstick for the collectives: one thread copying `bytes` between two buffers
-/// (best of several runs, pages touched first), reported as bytes copied per second.
+/// (machine_limits.rs), reported as bytes copied per second.
 pub fn memcpy_point(bytes: usize) -> BandwidthPoint {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
     let iters = 10;
-    let mut best = f64::INFINITY;
-    for _ in 0..iters {
-        let start = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        best = best.min(start.elapsed().as_secs_f64());
-        std::hint::black_box(&mut dst);
-    }
-    let gbps = bytes as f64 / best / 1e9;
+    let gbps = distlab_worker::machine_limits::memcpy_gbps(bytes);
     BandwidthPoint {
         bench: "memcpy",
         op: "memcpy",
@@ -55,7 +46,7 @@ pub fn memcpy_point(bytes: usize) -> BandwidthPoint {
         hosts: 1,
         bytes,
         iters,
-        time_us: best * 1e6,
+        time_us: bytes as f64 / gbps / 1e3,
         algbw_gbps: gbps,
         busbw_gbps: gbps,
     }

@@ -18,6 +18,7 @@ pub mod export;
 pub mod generate;
 pub mod heap;
 pub mod loss_scale;
+pub mod machine_limits;
 pub mod memory;
 pub mod model;
 pub mod offload;

@@ -6,17 +6,18 @@
 //! - `test`: install what a fresh machine lacks, build, `cargo test --workspace` (with the
 //!   worker's `cuda` feature, so the CUDA backend compiles and its tests run or skip), then
 //!   the server's tests again on a throwaway PostgreSQL cluster
-//! - `bench`: the engine's training-step benchmark, next to PyTorch's when torch is installed
+//! - `bench`: the training step and the ring as shares of the machine's FMA peak and memcpy
+//!   bandwidth, next to PyTorch when torch is installed (`bench.rs`)
 //! - `mutants`: break the engine on purpose (`mutants.rs`) and check the tests notice
 
+mod bench;
 mod frontend;
 mod load;
 mod mutants;
 mod postgres;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -49,7 +50,9 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         test_args: Vec<String>,
     },
-    /// Time training steps of the engine, and of PyTorch on the same shape when torch is installed.
+    /// The training step (fp32/bf16/fp16, 1 and 2 threads) as a share of this machine's FMA
+    /// peak and all_reduce as a share of its memcpy bandwidth; PyTorch on the same shape
+    /// in the same run when torch is installed.
     Bench,
     /// Break the engine on purpose, one hand-written mutant at a time, and run the tests
     /// that should notice; prints caught / missed (fails if any is missed).
@@ -82,7 +85,7 @@ fn main() -> ExitCode {
         Cmd::BuildFrontend => frontend::build(),
         Cmd::Run { server_args } => run(&server_args),
         Cmd::Test { gpu, test_args } => test(gpu, &test_args),
-        Cmd::Bench => bench(),
+        Cmd::Bench => bench::run().map(|()| ExitCode::SUCCESS),
         Cmd::Mutants { filter } => {
             mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
@@ -246,80 +249,3 @@ fn ensure_browser() {
     }
 }
 
-fn bench() -> Result<ExitCode> {
-    println!("xtask: cargo bench -p distlab-worker --bench train_step");
-    let out = cargo()
-        .args(["bench", "-p", "distlab-worker", "--bench", "train_step"])
-        .stderr(Stdio::inherit())
-        .output()
-        .context("cannot start cargo bench")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    print!("{text}");
-    if !out.status.success() {
-        bail!("the train_step benchmark failed ({})", out.status);
-    }
-    let ours = tokens_per_s_by_threads(&text);
-
-    let python = std::env::var("DISTLAB_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_torch = Command::new(&python)
-        .args(["-c", "import torch"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_torch {
-        println!(
-            "xtask: PyTorch is not available ({python} cannot `import torch`): no reference numbers. \
-             Set DISTLAB_TORCH_PYTHON to a Python with torch installed to compare."
-        );
-        return Ok(ExitCode::SUCCESS);
-    }
-    let script = root().join("xtask/reference/gpt_step.py");
-    if !script.exists() {
-        println!("xtask: {} not found: no reference numbers", script.display());
-        return Ok(ExitCode::SUCCESS);
-    }
-    let mut theirs = BTreeMap::new();
-    for threads in [1, 2] {
-        let out = Command::new(&python)
-            .arg(&script)
-            .args(["--threads", &threads.to_string()])
-            .stderr(Stdio::inherit())
-            .output()
-            .with_context(|| format!("cannot run {}", script.display()))?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        print!("{text}");
-        if !out.status.success() {
-            println!("xtask: the PyTorch reference with {threads} thread(s) failed ({})", out.status);
-        }
-        theirs.extend(tokens_per_s_by_threads(&text));
-    }
-
-    let mut ratios = serde_json::Map::new();
-    for (threads, ours) in &ours {
-        if let Some(theirs) = theirs.get(threads) {
-            ratios.insert(
-                format!("threads_{threads}"),
-                serde_json::json!({
-                    "distlab_tokens_per_s": ours,
-                    "pytorch_tokens_per_s": theirs,
-                    "ratio": (ours / theirs * 1000.0).round() / 1000.0,
-                }),
-            );
-        }
-    }
-    if ratios.is_empty() {
-        println!("xtask: no thread count has numbers from both distlab and PyTorch: no ratio");
-    } else {
-        println!("{}", serde_json::json!({"bench": "train_step_vs_pytorch", "ratios": ratios}));
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `tokens_per_s` of every JSON line that also says its `threads` (the last line wins).
-fn tokens_per_s_by_threads(text: &str) -> BTreeMap<u64, f64> {
-    text.lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line.trim()).ok())
-        .filter_map(|v| Some((v.get("threads")?.as_u64()?, v.get("tokens_per_s")?.as_f64()?)))
-        .collect()
-}

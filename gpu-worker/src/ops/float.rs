@@ -203,9 +203,15 @@ impl Stored for half::bf16 {
     fn load(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
+    /// Round to nearest even on the 16 dropped bits (a carry into the exponent rounds up to
+    /// the next power of two, or to inf past the largest finite); NaN stays a quiet NaN.
+    /// The same as `half::bf16::from_f32`, written without a branch so that it vectorises.
     #[inline(always)]
     fn store(x: f32) -> half::bf16 {
-        half::bf16::from_f32(x)
+        let bits = x.to_bits();
+        let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+        let quiet_nan = (bits >> 16) | 0x0040;
+        half::bf16::from_bits(if x.is_nan() { quiet_nan } else { rounded } as u16)
     }
     fn as_acc(_: &[Self]) -> Option<&[f32]> {
         None
@@ -219,13 +225,47 @@ impl Stored for half::bf16 {
 impl Stored for half::f16 {
     type Acc = f32;
     const NAME: &'static str = "fp16";
+    /// Exponent and mantissa moved into f32's places and scaled by 2^112 (the difference of
+    /// the two exponent biases, 127 - 15), which also makes fp16's subnormals normal f32s;
+    /// inf and NaN (exponent all ones) keep all ones, NaN made quiet. The same as
+    /// `half::f16::to_f32`, without a branch or a call, so that it vectorises.
     #[inline(always)]
     fn load(self) -> f32 {
-        self.to_f32()
+        let h = self.to_bits() as u32;
+        let sign = (h & 0x8000) << 16;
+        let magnitude = (h & 0x7fff) << 13;
+        let finite = (f32::from_bits(magnitude) * f32::from_bits(0x7780_0000)).to_bits();
+        let mantissa = magnitude & 0x007f_ffff;
+        let special = 0x7f80_0000 | mantissa | if mantissa != 0 { 0x0040_0000 } else { 0 };
+        f32::from_bits(sign | if magnitude >= 0x0f80_0000 { special } else { finite })
     }
+    /// Round to nearest even, as `half::f16::from_f32`, in three branch-free cases (F. Giesen's
+    /// `float_to_half_fast3_rtne`): from 65536 up, inf (NaN stays a quiet NaN with its top
+    /// payload bits); below 2^-14, the fp16 subnormals, by one f32 addition that shifts the
+    /// mantissa into place and rounds it; otherwise the exponent rebiased and the 13 dropped
+    /// mantissa bits rounded with the carry.
     #[inline(always)]
     fn store(x: f32) -> half::f16 {
-        half::f16::from_f32(x)
+        const ABOVE_HALF: u32 = (127 + 16) << 23;
+        const SUBNORMAL_MAGIC: u32 = ((127 - 15) + (23 - 10) + 1) << 23;
+        let bits = x.to_bits();
+        let sign = (bits & 0x8000_0000) >> 16;
+        let a = bits & 0x7fff_ffff;
+        let special = if a > 0x7f80_0000 { 0x7e00 | ((a & 0x007f_ffff) >> 13) } else { 0x7c00 };
+        let subnormal =
+            (f32::from_bits(a) + f32::from_bits(SUBNORMAL_MAGIC)).to_bits().wrapping_sub(SUBNORMAL_MAGIC);
+        // Exponent bias 127 -> 15, plus just under half of the last kept bit; the odd bit
+        // below makes a tie round to even.
+        const REBIAS_ROUND: u32 = ((-112i32 << 23) as u32).wrapping_add(0xfff);
+        let normal = (a.wrapping_add(REBIAS_ROUND) + ((a >> 13) & 1)) >> 13;
+        let h = if a >= ABOVE_HALF {
+            special
+        } else if a < (113 << 23) {
+            subnormal
+        } else {
+            normal
+        };
+        half::f16::from_bits((h | sign) as u16)
     }
     fn as_acc(_: &[Self]) -> Option<&[f32]> {
         None
@@ -375,6 +415,45 @@ pub fn lane_max<F: Float>(n: usize, mut f: impl FnMut(usize) -> F) -> F {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_store_rounds_as_half_does() {
+        let edge = [0.0f32, -0.0, 1.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, 1e-45, f32::INFINITY, f32::NEG_INFINITY];
+        let spread = (0..u32::MAX / 4099).map(|i| f32::from_bits(i.wrapping_mul(4099).wrapping_add(i >> 3)));
+        // Ties of both parities, and the values just either side of them.
+        let ties = (0..1000u32).flat_map(|i| {
+            let t = 0x3f80_8000 + (i << 16);
+            [t - 1, t, t + 1].map(f32::from_bits)
+        });
+        for x in edge.into_iter().chain(spread).chain(ties).chain([f32::NAN, -f32::NAN]) {
+            let (ours, theirs) = (<half::bf16 as Stored>::store(x), half::bf16::from_f32(x));
+            assert_eq!(ours.to_bits(), theirs.to_bits(), "{x:e} ({:#x})", x.to_bits());
+        }
+    }
+
+    #[test]
+    fn fp16_store_rounds_as_half_does() {
+        let edge = [0.0f32, -0.0, 1.0, 65504.0, 65519.0, 65520.0, 65536.0, f32::MAX, 6.1e-5, 6.0e-8, 2.9e-8, 3.0e-8];
+        let spread = (0..u32::MAX / 4099).map(|i| f32::from_bits(i.wrapping_mul(4099).wrapping_add(i >> 3)));
+        // Ties of both parities around 1 and among the subnormals, and either side of them.
+        let ties = (0..1000u32).flat_map(|i| {
+            let (t, sub) = (0x3f80_1000 + (i << 13), f32::to_bits(2f32.powi(-24) * (i as f32 + 0.5)));
+            [t - 1, t, t + 1, sub - 1, sub, sub + 1].map(f32::from_bits)
+        });
+        let special = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001)];
+        for x in edge.into_iter().chain(spread).chain(ties).chain(special) {
+            let (ours, theirs) = (<half::f16 as Stored>::store(x), half::f16::from_f32(x));
+            assert_eq!(ours.to_bits(), theirs.to_bits(), "{x:e} ({:#x})", x.to_bits());
+        }
+    }
+
+    #[test]
+    fn fp16_load_widens_every_value_as_half_does() {
+        for bits in 0..=u16::MAX {
+            let h = half::f16::from_bits(bits);
+            assert_eq!(h.load().to_bits(), h.to_f32().to_bits(), "{bits:#06x}");
+        }
+    }
 
     #[test]
     fn exp_f32_is_accurate() {

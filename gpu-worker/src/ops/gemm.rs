@@ -9,10 +9,13 @@
 //! operands are widened to f32, the product is accumulated in f32, and the result is
 //! rounded once as it is stored (here through dense f32 copies of the views).
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use crate::memory::kernel_scratch;
 use crate::ops::float::{Float, Stored};
+use crate::ops::simd::simd_kernel;
 pub use gemm::Parallelism;
 
 /// A read-only strided matrix view.
@@ -85,15 +88,67 @@ impl<'a, F> MatMut<'a, F> {
     }
 }
 
-/// Rows per task when widening or narrowing a matrix on several threads.
-const CONVERT_ROWS: usize = 64;
+/// Elements per task when widening or narrowing on several threads.
+const CONVERT_CHUNK: usize = 1 << 15;
+
+simd_kernel! {
+    /// `dst[i] = src[i]` in the compute format (vectorised: a bf16 load is a shift).
+    fn widen_into<F: Float, S: Stored<Acc = F>>(src: &[S], dst: &mut [MaybeUninit<F>]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            d.write(s.load());
+        }
+    }
+}
+
+simd_kernel! {
+    /// `dst[i] = src[i]` rounded once to the stored format.
+    fn narrow_into<F: Float, S: Stored<Acc = F>>(src: &[F], dst: &mut [S]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = S::store(s);
+        }
+    }
+}
+
+/// `src` widened, in chunks over the threads when `par` has several.
+fn widened_slice<S: Stored>(src: &[S], par: Parallelism) -> Vec<S::Acc> {
+    let mut out = Vec::with_capacity(src.len());
+    let spare = &mut out.spare_capacity_mut()[..src.len()];
+    match par {
+        Parallelism::Rayon(n) if n > 1 && src.len() > CONVERT_CHUNK => spare
+            .par_chunks_mut(CONVERT_CHUNK)
+            .zip(src.par_chunks(CONVERT_CHUNK))
+            .for_each(|(d, s)| widen_into(s, d)),
+        _ => widen_into(src, spare),
+    }
+    // SAFETY: widen_into wrote every one of the first src.len() elements.
+    unsafe { out.set_len(src.len()) };
+    out
+}
+
+/// `src` rounded into `dst` (equal lengths), in chunks over the threads when `par` has several.
+fn narrow_slice<S: Stored>(src: &[S::Acc], dst: &mut [S], par: Parallelism) {
+    match par {
+        Parallelism::Rayon(n) if n > 1 && src.len() > CONVERT_CHUNK => dst
+            .par_chunks_mut(CONVERT_CHUNK)
+            .zip(src.par_chunks(CONVERT_CHUNK))
+            .for_each(|(d, s)| narrow_into(s, d)),
+        _ => narrow_into(src, dst),
+    }
+}
 
 impl<F: Stored> Mat<'_, F> {
-    /// The view as a dense row-major matrix in the compute format (rows split over the
-    /// threads when `par` has several).
-    fn widened(&self, par: Parallelism) -> Vec<F::Acc> {
-        let mut out = vec![F::Acc::ZERO; self.rows * self.cols];
-        let widen_row = |i: usize, row: &mut [F::Acc]| {
+    /// The view in the compute format, with its strides: a dense matrix (row- or
+    /// column-major, as a weight and its transpose are) is widened as one slice and keeps
+    /// its strides; any other view is gathered row by row into a dense row-major one.
+    fn widened(&self, par: Parallelism) -> (Vec<F::Acc>, usize, usize) {
+        let len = self.rows * self.cols;
+        let dense = (self.row_stride, self.col_stride) == (self.cols, 1)
+            || (self.row_stride, self.col_stride) == (1, self.rows);
+        if dense {
+            return (widened_slice(&self.data[..len], par), self.row_stride, self.col_stride);
+        }
+        let mut out = vec![F::Acc::ZERO; len];
+        for (i, row) in out.chunks_exact_mut(self.cols).enumerate() {
             let start = i * self.row_stride;
             if self.col_stride == 1 {
                 F::widen_slice(&self.data[start..start + self.cols], row);
@@ -102,18 +157,8 @@ impl<F: Stored> Mat<'_, F> {
                     *x = self.data[start + j * self.col_stride].load();
                 }
             }
-        };
-        match par {
-            Parallelism::Rayon(n) if n > 1 && self.rows > CONVERT_ROWS => {
-                out.par_chunks_mut(self.cols * CONVERT_ROWS).enumerate().for_each(|(b, block)| {
-                    for (k, row) in block.chunks_exact_mut(self.cols).enumerate() {
-                        widen_row(b * CONVERT_ROWS + k, row);
-                    }
-                });
-            }
-            _ => out.chunks_exact_mut(self.cols).enumerate().for_each(|(i, row)| widen_row(i, row)),
         }
-        out
+        (out, self.cols, 1)
     }
 }
 
@@ -165,31 +210,26 @@ pub fn matmul<S: Stored>(
         return gemm_in_place(d, accumulate, l, r, scale, par);
     }
     let (l, r) = (lhs.widened(par), rhs.widened(par));
-    let mut out: Vec<S::Acc> = if accumulate {
-        Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 }.widened(par)
+    let dst_view = Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 };
+    let (mut out, out_strides) = if accumulate {
+        let (out, row_stride, col_stride) = dst_view.widened(par);
+        (out, (row_stride, col_stride))
     } else {
-        vec![S::Acc::ZERO; rows * cols]
+        (vec![S::Acc::ZERO; rows * cols], (cols, 1))
     };
     // The three compute-format copies live for this call: transient scratch.
-    let _scratch = kernel_scratch::<S::Acc>(l.len() + r.len() + out.len());
+    let _scratch = kernel_scratch::<S::Acc>(l.0.len() + r.0.len() + out.len());
     gemm_in_place(
-        MatMut::row_major(&mut out, rows, cols),
+        MatMut::new(&mut out, rows, cols, out_strides.0, out_strides.1),
         accumulate,
-        Mat::row_major(&l, rows, inner),
-        Mat::row_major(&r, inner, cols),
+        Mat::new(&l.0, rows, inner, l.1, l.2),
+        Mat::new(&r.0, inner, cols, r.1, r.2),
         scale,
         par,
     );
-    if dst_strides == (cols, 1) {
-        // Dense row-major: the rows are contiguous chunks of both buffers.
-        let dense = &mut dst.data[..rows * cols];
-        match par {
-            Parallelism::Rayon(n) if n > 1 && rows > CONVERT_ROWS => dense
-                .par_chunks_mut(cols * CONVERT_ROWS)
-                .zip(out.par_chunks(cols * CONVERT_ROWS))
-                .for_each(|(d, o)| S::narrow_slice(o, d)),
-            _ => S::narrow_slice(&out, dense),
-        }
+    if dst_strides == out_strides {
+        // Laid out alike (both dense): one slice onto the other.
+        narrow_slice(&out, &mut dst.data[..rows * cols], par);
         return;
     }
     for (i, row) in out.chunks_exact(cols).enumerate() {
