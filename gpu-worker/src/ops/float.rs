@@ -209,7 +209,7 @@ impl Stored for half::bf16 {
     #[inline(always)]
     fn store(x: f32) -> half::bf16 {
         let bits = x.to_bits();
-        let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+        let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
         let quiet_nan = (bits >> 16) | 0x0040;
         half::bf16::from_bits(if x.is_nan() { quiet_nan } else { rounded } as u16)
     }
@@ -257,7 +257,7 @@ impl Stored for half::f16 {
         // Exponent bias 127 -> 15, plus just under half of the last kept bit; the odd bit
         // below makes a tie round to even.
         const REBIAS_ROUND: u32 = ((-112i32 << 23) as u32).wrapping_add(0xfff);
-        let normal = (a.wrapping_add(REBIAS_ROUND) + ((a >> 13) & 1)) >> 13;
+        let normal = a.wrapping_add(REBIAS_ROUND).wrapping_add((a >> 13) & 1) >> 13;
         let h = if a >= ABOVE_HALF {
             special
         } else if a < (113 << 23) {
