@@ -199,7 +199,7 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "a 2-byte matrix product's f32 copies go unbooked",
         file: "gpu-worker/src/ops/gemm.rs",
-        find: "kernel_scratch::<S::Acc>(l.len() + r.len() + out.len())",
+        find: "kernel_scratch::<S::Acc>(l.0.len() + r.0.len() + out.len())",
         replace: "kernel_scratch::<S::Acc>(0)",
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
     },
