@@ -204,6 +204,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
     },
     Mutant {
+        name: "a thread's block of output rows multiplies the first rows of the left operand",
+        file: "gpu-worker/src/ops/gemm.rs",
+        find: "lhs: (lhs.0.wrapping_add(range.start * lhs.1), lhs.1, lhs.2),",
+        replace: "lhs: (lhs.0, lhs.1, lhs.2),",
+        tests: &["-p", "distlab-worker", "--lib", "thread_blocks_give_the_single_threaded_bits"],
+    },
+    Mutant {
         name: "the copy a checkpoint is written from goes unbooked",
         file: "gpu-worker/src/train/trainer.rs",
         find: "let booked = Some(self.memory.alloc(Category::Checkpoint, floats));",

@@ -5,9 +5,10 @@
 //! Work splitting never changes results: row-wise kernels compute each row alone;
 //! reductions over rows (bias, LayerNorm and embedding gradients) are split by
 //! column or vocabulary ranges so every sum runs in row order; `sum` and
-//! `sum_squares` add fixed-size chunks in order; the gemm crate splits only the
-//! output among threads. So losses are bit-identical run to run and for any
-//! thread count (tests/train.rs checks 1, 2 and 3 threads).
+//! `sum_squares` add fixed-size chunks in order; a matrix product gives each thread
+//! a block of whole output rows or columns (`ops/gemm.rs`). So losses are
+//! bit-identical run to run and for any thread count (tests/train.rs checks 1, 2
+//! and 3 threads).
 
 use std::marker::PhantomData;
 use std::ops::Range;

@@ -260,7 +260,19 @@ pub fn matmul_widened<F: Float>(
     }
 }
 
+/// Output rows or columns per thread's block, at least: a block this long still takes the
+/// gemm crate's cache-blocked path, whose depth chunks (which fix the order in which each
+/// element's sum is added up) depend on the inner dimension alone.
+const MIN_BLOCK: usize = 128;
+
 /// The gemm crate's product on f32 or f64 views (shapes already checked).
+///
+/// On several threads the output is cut into one block of whole rows or whole columns
+/// (its longer side) per thread, and each block is a single-threaded product: each
+/// element is then computed exactly as on one thread, so results do not depend on the
+/// thread count, and the threads meet once per product rather than once per depth chunk
+/// as under the crate's own threading (which spends its time packing and waiting on the
+/// weight gradients' long, thin products).
 fn gemm_in_place<F: Float>(
     dst: MatMut<'_, F>,
     accumulate: bool,
@@ -269,31 +281,112 @@ fn gemm_in_place<F: Float>(
     scale: F,
     par: Parallelism,
 ) {
-    // SAFETY: the constructors checked that every index the strides reach is inside
-    // its slice; `dst` is borrowed mutably, so it cannot alias `lhs` or `rhs`; F is
-    // f32 or f64, which the gemm crate dispatches on.
-    unsafe {
-        gemm::gemm(
-            dst.rows,
-            dst.cols,
-            lhs.cols,
-            dst.data.as_mut_ptr(),
-            dst.col_stride as isize,
-            dst.row_stride as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            F::ONE,
-            scale,
-            false,
-            false,
-            false,
-            par,
-        );
+    let product = RawProduct {
+        rows: dst.rows,
+        cols: dst.cols,
+        inner: lhs.cols,
+        dst: (dst.data.as_mut_ptr(), dst.row_stride, dst.col_stride),
+        lhs: (lhs.data.as_ptr(), lhs.row_stride, lhs.col_stride),
+        rhs: (rhs.data.as_ptr(), rhs.row_stride, rhs.col_stride),
+        accumulate,
+        scale,
+    };
+    let threads = match par {
+        Parallelism::None => 1,
+        Parallelism::Rayon(0) => rayon::current_num_threads(),
+        Parallelism::Rayon(n) => n,
+    };
+    let by_rows = dst.rows >= dst.cols;
+    let long = dst.rows.max(dst.cols);
+    let blocks = threads.min(long / MIN_BLOCK);
+    // Blocks are disjoint only where no two elements of the output share an address.
+    let one_to_one = (dst.col_stride == 1 && dst.row_stride >= dst.cols)
+        || (dst.row_stride == 1 && dst.col_stride >= dst.rows);
+    if blocks < 2 || !one_to_one {
+        // SAFETY: the views' constructors checked every index the strides reach, `dst` is
+        // borrowed mutably (so it aliases neither operand).
+        return unsafe { product.run(par) };
+    }
+    let step = long.div_ceil(blocks).next_multiple_of(16);
+    (0..long.div_ceil(step)).into_par_iter().for_each(|b| {
+        let range = b * step..((b + 1) * step).min(long);
+        let block = if by_rows { product.rows_of(range) } else { product.cols_of(range) };
+        // SAFETY: as above; the blocks write disjoint elements of `dst` (one-to-one strides).
+        unsafe { block.run(Parallelism::None) }
+    });
+}
+
+/// A product `dst = (accumulate ? dst : 0) + scale * lhs · rhs` as the gemm crate takes
+/// it: pointers with (row stride, column stride).
+#[derive(Clone, Copy)]
+struct RawProduct<F> {
+    rows: usize,
+    cols: usize,
+    inner: usize,
+    dst: (*mut F, usize, usize),
+    lhs: (*const F, usize, usize),
+    rhs: (*const F, usize, usize),
+    accumulate: bool,
+    scale: F,
+}
+
+// SAFETY: a product is shared among the pool's threads only as blocks that write
+// disjoint parts of its output (`gemm_in_place`).
+unsafe impl<F: Send> Send for RawProduct<F> {}
+unsafe impl<F: Sync> Sync for RawProduct<F> {}
+
+impl<F: Float> RawProduct<F> {
+    /// Output rows `range` (and the same rows of `lhs`).
+    fn rows_of(self, range: std::ops::Range<usize>) -> Self {
+        let (dst, lhs) = (self.dst, self.lhs);
+        Self {
+            rows: range.len(),
+            dst: (dst.0.wrapping_add(range.start * dst.1), dst.1, dst.2),
+            lhs: (lhs.0.wrapping_add(range.start * lhs.1), lhs.1, lhs.2),
+            ..self
+        }
+    }
+
+    /// Output columns `range` (and the same columns of `rhs`).
+    fn cols_of(self, range: std::ops::Range<usize>) -> Self {
+        let (dst, rhs) = (self.dst, self.rhs);
+        Self {
+            cols: range.len(),
+            dst: (dst.0.wrapping_add(range.start * dst.2), dst.1, dst.2),
+            rhs: (rhs.0.wrapping_add(range.start * rhs.2), rhs.1, rhs.2),
+            ..self
+        }
+    }
+
+    /// # Safety
+    /// Every index the strides reach is inside its allocation, and `dst` aliases neither
+    /// operand nor memory another thread touches meanwhile.
+    unsafe fn run(self, par: Parallelism) {
+        let (dst, lhs, rhs) = (self.dst, self.lhs, self.rhs);
+        // SAFETY: the caller's; F is f32 or f64, which the gemm crate dispatches on.
+        unsafe {
+            gemm::gemm(
+                self.rows,
+                self.cols,
+                self.inner,
+                dst.0,
+                dst.2 as isize,
+                dst.1 as isize,
+                self.accumulate,
+                lhs.0,
+                lhs.2 as isize,
+                lhs.1 as isize,
+                rhs.0,
+                rhs.2 as isize,
+                rhs.1 as isize,
+                F::ONE,
+                self.scale,
+                false,
+                false,
+                false,
+                par,
+            );
+        }
     }
 }
 
@@ -412,5 +505,52 @@ mod tests {
     fn out_of_bounds_view_panics() {
         let a = [0.0f32; 6];
         let _ = Mat::row_major(&a, 3, 3);
+    }
+
+    /// Blocks per thread compute every element as one thread does: the same bits on 1, 2
+    /// and 3 threads, split by rows or by columns, on transposed views and accumulating.
+    #[test]
+    fn thread_blocks_give_the_single_threaded_bits() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
+        // (rows, inner, cols): split by rows, by columns, too small to split.
+        for (m, k, n) in [(700, 600, 130), (130, 1100, 520), (100, 40, 100)] {
+            let a: Vec<f32> = (0..m * k).map(|i| ((i as f32) * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| ((i as f32) * 0.91).cos()).collect();
+            let start: Vec<f32> = (0..m * n).map(|i| ((i as f32) * 0.13).sin()).collect();
+            // dst = start + aᵀᵀ·b with `a` read through a transposed view of its transpose,
+            // and the same into a column-major destination.
+            let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+            let product = |par: Parallelism, column_major: bool| {
+                let mut c = start.clone();
+                let dst = if column_major {
+                    MatMut::new(&mut c, m, n, 1, m)
+                } else {
+                    MatMut::row_major(&mut c, m, n)
+                };
+                matmul(dst, true, Mat::row_major(&at, k, m).t(), Mat::row_major(&b, k, n), 0.5, par);
+                c
+            };
+            for column_major in [false, true] {
+                let one = product(Parallelism::None, column_major);
+                for threads in [2, 3] {
+                    let many = pool.install(|| product(Parallelism::Rayon(threads), column_major));
+                    let same = one.iter().zip(&many).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{m}x{k}x{n} on {threads} threads (column-major {column_major})");
+                }
+                let want = naive(
+                    &a.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+                    &b.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+                    m,
+                    k,
+                    n,
+                );
+                for i in [0, m * n / 2, m * n - 1] {
+                    let (r, c) = (i / n, i % n);
+                    let got = one[if column_major { c * m + r } else { i }] as f64;
+                    let expect = start[if column_major { c * m + r } else { i }] as f64 + 0.5 * want[i];
+                    assert!((got - expect).abs() < 1e-3 * (1.0 + expect.abs()), "{got} vs {expect}");
+                }
+            }
+        }
     }
 }
