@@ -139,7 +139,9 @@ fn narrow_slice<S: Stored>(src: &[S::Acc], dst: &mut [S], par: Parallelism) {
 impl<F: Stored> Mat<'_, F> {
     /// The view in the compute format, with its strides: a dense matrix (row- or
     /// column-major, as a weight and its transpose are) is widened as one slice and keeps
-    /// its strides; any other view is gathered row by row into a dense row-major one.
+    /// its strides; a view whose rows (or columns) are contiguous but apart, as a head's
+    /// columns of the fused QKV activation are, is widened row by row (column by column)
+    /// into a dense one; any other view is gathered element by element.
     fn widened(&self, par: Parallelism) -> (Vec<F::Acc>, usize, usize) {
         let len = self.rows * self.cols;
         let dense = (self.row_stride, self.col_stride) == (self.cols, 1)
@@ -147,18 +149,26 @@ impl<F: Stored> Mat<'_, F> {
         if dense {
             return (widened_slice(&self.data[..len], par), self.row_stride, self.col_stride);
         }
-        let mut out = vec![F::Acc::ZERO; len];
-        for (i, row) in out.chunks_exact_mut(self.cols).enumerate() {
-            let start = i * self.row_stride;
-            if self.col_stride == 1 {
-                F::widen_slice(&self.data[start..start + self.cols], row);
-            } else {
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x = self.data[start + j * self.col_stride].load();
-                }
-            }
+        // Contiguous lines of `line` elements, `lines` of them, `stride` apart.
+        let (lines, line, stride, strides) = if self.col_stride == 1 {
+            (self.rows, self.cols, self.row_stride, (self.cols, 1))
+        } else if self.row_stride == 1 {
+            (self.cols, self.rows, self.col_stride, (1, self.rows))
+        } else {
+            let out = (0..self.rows)
+                .flat_map(|i| (0..self.cols).map(move |j| (i, j)))
+                .map(|(i, j)| self.data[i * self.row_stride + j * self.col_stride].load())
+                .collect();
+            return (out, self.cols, 1);
+        };
+        let mut out = Vec::with_capacity(len);
+        for (l, dst) in out.spare_capacity_mut()[..len].chunks_exact_mut(line).enumerate() {
+            widen_into(&self.data[l * stride..l * stride + line], dst);
         }
-        (out, self.cols, 1)
+        debug_assert_eq!(lines * line, len);
+        // SAFETY: the lines cover the first `len` elements and widen_into wrote each.
+        unsafe { out.set_len(len) };
+        (out, strides.0, strides.1)
     }
 }
 
@@ -505,6 +515,42 @@ mod tests {
     fn out_of_bounds_view_panics() {
         let a = [0.0f32; 6];
         let _ = Mat::row_major(&a, 3, 3);
+    }
+
+    /// A 2-byte product on views inside a bigger matrix (rows contiguous but apart, columns
+    /// contiguous but apart, neither) gives the f32 product of the same values, rounded once.
+    #[test]
+    fn strided_2_byte_views_widen_to_their_own_values() {
+        use half::bf16;
+        // A 9 x 12 parent; the views are 4 x 5 blocks of it starting at (2, 3).
+        let parent: Vec<bf16> = (0..9 * 12).map(|i| bf16::from_f64((i as f64 * 0.29).sin())).collect();
+        let wide: Vec<f32> = parent.iter().map(|x| x.to_f32()).collect();
+        let rhs: Vec<bf16> = (0..5 * 3).map(|i| bf16::from_f64((i as f64 * 0.71).cos())).collect();
+        let rhs_wide: Vec<f32> = rhs.iter().map(|x| x.to_f32()).collect();
+        // (row stride, column stride) of a 4 x 5 view at offset 2 * 12 + 3.
+        for (row_stride, col_stride) in [(12, 1), (1, 12), (24, 2)] {
+            let at = 2 * 12 + 3;
+            let mut got = vec![bf16::ZERO; 4 * 3];
+            matmul(
+                MatMut::row_major(&mut got, 4, 3),
+                false,
+                Mat::new(&parent[at..], 4, 5, row_stride, col_stride),
+                Mat::row_major(&rhs, 5, 3),
+                1.0,
+                Parallelism::None,
+            );
+            let mut want = vec![0f32; 4 * 3];
+            matmul(
+                MatMut::row_major(&mut want, 4, 3),
+                false,
+                Mat::new(&wide[at..], 4, 5, row_stride, col_stride),
+                Mat::row_major(&rhs_wide, 5, 3),
+                1.0,
+                Parallelism::None,
+            );
+            let want: Vec<bf16> = want.iter().map(|&x| bf16::from_f32(x)).collect();
+            assert_eq!(got, want, "strides ({row_stride}, {col_stride})");
+        }
     }
 
     /// Blocks per thread compute every element as one thread does: the same bits on 1, 2
