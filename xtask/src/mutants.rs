@@ -211,6 +211,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--lib", "thread_blocks_give_the_single_threaded_bits"],
     },
     Mutant {
+        name: "the streaming copy out of a peer's buffer drops the tail after the last whole store",
+        file: "gpu-worker/src/comm/stream_copy.rs",
+        find: "    dst[body..].copy_from_slice(&src[body..]);",
+        replace: "",
+        tests: &["-p", "distlab-worker", "--lib", "stream_copy"],
+    },
+    Mutant {
         name: "the copy a checkpoint is written from goes unbooked",
         file: "gpu-worker/src/train/trainer.rs",
         find: "let booked = Some(self.memory.alloc(Category::Checkpoint, floats));",

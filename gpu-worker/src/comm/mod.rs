@@ -16,6 +16,7 @@ pub mod cma;
 pub mod nccl;
 pub mod ring;
 pub mod shm;
+pub mod stream_copy;
 pub mod tcp;
 pub mod transport;
 

@@ -114,10 +114,9 @@ fn widened_slice<S: Stored>(src: &[S], par: Parallelism) -> Vec<S::Acc> {
     let mut out = Vec::with_capacity(src.len());
     let spare = &mut out.spare_capacity_mut()[..src.len()];
     match par {
-        Parallelism::Rayon(n) if n > 1 && src.len() > CONVERT_CHUNK => spare
-            .par_chunks_mut(CONVERT_CHUNK)
-            .zip(src.par_chunks(CONVERT_CHUNK))
-            .for_each(|(d, s)| widen_into(s, d)),
+        Parallelism::Rayon(n) if n > 1 && src.len() > CONVERT_CHUNK => {
+            spare.par_chunks_mut(CONVERT_CHUNK).zip(src.par_chunks(CONVERT_CHUNK)).for_each(|(d, s)| widen_into(s, d))
+        }
         _ => widen_into(src, spare),
     }
     // SAFETY: widen_into wrote every one of the first src.len() elements.
@@ -128,10 +127,9 @@ fn widened_slice<S: Stored>(src: &[S], par: Parallelism) -> Vec<S::Acc> {
 /// `src` rounded into `dst` (equal lengths), in chunks over the threads when `par` has several.
 fn narrow_slice<S: Stored>(src: &[S::Acc], dst: &mut [S], par: Parallelism) {
     match par {
-        Parallelism::Rayon(n) if n > 1 && src.len() > CONVERT_CHUNK => dst
-            .par_chunks_mut(CONVERT_CHUNK)
-            .zip(src.par_chunks(CONVERT_CHUNK))
-            .for_each(|(d, s)| narrow_into(s, d)),
+        Parallelism::Rayon(n) if n > 1 && src.len() > CONVERT_CHUNK => {
+            dst.par_chunks_mut(CONVERT_CHUNK).zip(src.par_chunks(CONVERT_CHUNK)).for_each(|(d, s)| narrow_into(s, d))
+        }
         _ => narrow_into(src, dst),
     }
 }
@@ -310,8 +308,8 @@ fn gemm_in_place<F: Float>(
     let long = dst.rows.max(dst.cols);
     let blocks = threads.min(long / MIN_BLOCK);
     // Blocks are disjoint only where no two elements of the output share an address.
-    let one_to_one = (dst.col_stride == 1 && dst.row_stride >= dst.cols)
-        || (dst.row_stride == 1 && dst.col_stride >= dst.rows);
+    let one_to_one =
+        (dst.col_stride == 1 && dst.row_stride >= dst.cols) || (dst.row_stride == 1 && dst.col_stride >= dst.rows);
     if blocks < 2 || !one_to_one {
         // SAFETY: the views' constructors checked every index the strides reach, `dst` is
         // borrowed mutably (so it aliases neither operand).
@@ -568,11 +566,7 @@ mod tests {
             let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
             let product = |par: Parallelism, column_major: bool| {
                 let mut c = start.clone();
-                let dst = if column_major {
-                    MatMut::new(&mut c, m, n, 1, m)
-                } else {
-                    MatMut::row_major(&mut c, m, n)
-                };
+                let dst = if column_major { MatMut::new(&mut c, m, n, 1, m) } else { MatMut::row_major(&mut c, m, n) };
                 matmul(dst, true, Mat::row_major(&at, k, m).t(), Mat::row_major(&b, k, n), 0.5, par);
                 c
             };
