@@ -89,6 +89,18 @@ fn main() {
                 2.0 * attention_flops,
                 time(reps, || be.attention_backward(&mut dqkv, &mut datt, &dy, &qkv, &att, T, C, HEADS)),
             );
+            let (mut lse, mut delta) = (vec![0.0; 16 * HEADS * T * 2], vec![0.0; 16 * HEADS * T * 2]);
+            record(
+                "flash attention forward",
+                attention_flops,
+                time(reps, || be.flash_attention_forward(&mut y, &mut lse, &qkv, T, C, HEADS)),
+            );
+            // Its backward recomputes the probabilities: one more Q Kᵀ.
+            record(
+                "flash attention backward",
+                2.5 * attention_flops,
+                time(reps, || be.flash_attention_backward(&mut dqkv, &mut delta, &dy, &qkv, &y, &lse, T, C, HEADS)),
+            );
             let x = filled(ROWS * C, 7);
             let (gamma, beta) = (filled(C, 8), filled(C, 9));
             let (mut ln, mut mean, mut rstd) = (vec![0.0; ROWS * C], vec![0.0; ROWS], vec![0.0; ROWS]);
