@@ -323,7 +323,7 @@ where
 
 #[test]
 fn f32_gradient_agrees_with_f64() {
-    // The f32 kernels (fast exp / tanh) give the same gradient as the f64 reference.
+    // The f32 kernels (fast exp) give the same gradient as the f64 reference.
     let spec = tiny_model();
     let (inputs, targets) = tiny_batch(&spec, 2);
     let dloss = 1.0 / (2 * spec.seq_len) as f64;

@@ -3,9 +3,9 @@
 //! f64). [`Float`] is what the kernels compute in: f32 (for f32, bf16 and fp16 buffers)
 //! or f64.
 //!
-//! `f32` uses branch-free `exp` / `tanh` approximations (about 1-2 ulp) that the
-//! compiler vectorises; libm's scalar `expf` / `tanhf` would cost more than the
-//! GEMMs in GELU and softmax. `f64` uses the standard library.
+//! `f32` uses a branch-free `exp` approximation (about 1-2 ulp) that the compiler
+//! vectorises; libm's scalar `expf` would cost more than the GEMMs in GELU and
+//! softmax. `f64` uses the standard library.
 
 use std::fmt::Debug;
 use std::iter::Sum;
@@ -37,7 +37,6 @@ pub trait Float:
     fn from_f64(x: f64) -> Self;
     fn to_f64(self) -> f64;
     fn exp(self) -> Self;
-    fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
     fn ln(self) -> Self;
     fn max(self, other: Self) -> Self;
@@ -59,10 +58,6 @@ impl Float for f64 {
     #[inline(always)]
     fn exp(self) -> f64 {
         f64::exp(self)
-    }
-    #[inline(always)]
-    fn tanh(self) -> f64 {
-        f64::tanh(self)
     }
     #[inline(always)]
     fn sqrt(self) -> f64 {
@@ -101,10 +96,6 @@ impl Float for f32 {
     #[inline(always)]
     fn exp(self) -> f32 {
         exp_f32(self)
-    }
-    #[inline(always)]
-    fn tanh(self) -> f32 {
-        tanh_f32(self)
     }
     #[inline(always)]
     fn sqrt(self) -> f32 {
@@ -354,21 +345,6 @@ pub fn exp_f32(x: f32) -> f32 {
     er * two_n
 }
 
-/// tanh(x) for f32: 1 - 2 / (e^{2|x|} + 1) with the sign of x; an odd Taylor
-/// polynomial near 0 where that form would cancel. Absolute error ~1e-7.
-#[inline(always)]
-pub fn tanh_f32(x: f32) -> f32 {
-    let a = f32::from_bits(x.to_bits() & 0x7fff_ffff);
-    let a_clamped = if a > 10.0 { 10.0 } else { a };
-    let e = exp_f32(2.0 * a_clamped);
-    let big = 1.0 - 2.0 / (e + 1.0);
-    let a2 = a * a;
-    // tanh a = a - a^3/3 + 2a^5/15 - 17a^7/315 (error < 1e-9 for a < 0.0625)
-    let small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))));
-    let t = if a < 0.0625 { small } else { big };
-    f32::from_bits(t.to_bits() | (x.to_bits() & 0x8000_0000))
-}
-
 /// `sum_{i<n} f(i)` with 8 independent partial sums, so that the compiler can
 /// vectorise it; the order is fixed by `n` alone, so results are deterministic.
 #[inline(always)]
@@ -469,24 +445,6 @@ mod tests {
         assert_eq!(exp_f32(0.0), 1.0);
         assert!(exp_f32(-1000.0) < 1e-37);
         assert!(exp_f32(1000.0).is_finite());
-    }
-
-    #[test]
-    fn tanh_f32_is_accurate() {
-        let mut worst = 0.0f64;
-        let mut x = -12.0f32;
-        while x < 12.0 {
-            let want = (x as f64).tanh();
-            let got = tanh_f32(x) as f64;
-            worst = worst.max((got - want).abs());
-            x += 0.00173;
-        }
-        assert!(worst < 2e-7, "worst absolute error {worst}");
-        assert_eq!(tanh_f32(0.0), 0.0);
-        assert_eq!(tanh_f32(100.0), 1.0);
-        assert_eq!(tanh_f32(-100.0), -1.0);
-        let tiny = 1e-3f32;
-        assert!(((tanh_f32(tiny) as f64 - (tiny as f64).tanh()) / tiny as f64).abs() < 1e-6);
     }
 
     #[test]

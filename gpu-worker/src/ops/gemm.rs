@@ -147,11 +147,11 @@ impl<F: Stored> Mat<'_, F> {
         if dense {
             return (widened_slice(&self.data[..len], par), self.row_stride, self.col_stride);
         }
-        // Contiguous lines of `line` elements, `lines` of them, `stride` apart.
-        let (lines, line, stride, strides) = if self.col_stride == 1 {
-            (self.rows, self.cols, self.row_stride, (self.cols, 1))
+        // Contiguous lines of `line` elements, `stride` apart (rows, or columns).
+        let (line, stride, strides) = if self.col_stride == 1 {
+            (self.cols, self.row_stride, (self.cols, 1))
         } else if self.row_stride == 1 {
-            (self.cols, self.rows, self.col_stride, (1, self.rows))
+            (self.rows, self.col_stride, (1, self.rows))
         } else {
             let out = (0..self.rows)
                 .flat_map(|i| (0..self.cols).map(move |j| (i, j)))
@@ -163,7 +163,6 @@ impl<F: Stored> Mat<'_, F> {
         for (l, dst) in out.spare_capacity_mut()[..len].chunks_exact_mut(line).enumerate() {
             widen_into(&self.data[l * stride..l * stride + line], dst);
         }
-        debug_assert_eq!(lines * line, len);
         // SAFETY: the lines cover the first `len` elements and widen_into wrote each.
         unsafe { out.set_len(len) };
         (out, strides.0, strides.1)
