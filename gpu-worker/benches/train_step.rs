@@ -131,8 +131,11 @@ fn main() {
     let peaks: Vec<_> = args.threads.iter().map(|&threads| fma_peak(threads)).collect();
     let bf16_peaks: Vec<_> = args.threads.iter().filter_map(|&threads| bf16_dot_peak(threads)).collect();
     for (name, peak) in peaks.iter().map(|p| ("fma_peak", p)).chain(bf16_peaks.iter().map(|p| ("bf16_dot_peak", p))) {
-        println!("{}", serde_json::json!({"bench": name, "threads": peak.threads, "isa": peak.isa,
-                                          "gflops_per_s": (peak.gflops_per_s * 10.0).round() / 10.0}));
+        println!(
+            "{}",
+            serde_json::json!({"bench": name, "threads": peak.threads, "isa": peak.isa,
+                                          "gflops_per_s": (peak.gflops_per_s * 10.0).round() / 10.0})
+        );
     }
     for (&threads, fma) in args.threads.iter().zip(&peaks) {
         let mut step_ms = Vec::new();

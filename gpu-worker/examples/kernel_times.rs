@@ -16,7 +16,9 @@ const HEADS: usize = 4;
 const VOCAB: usize = 256;
 
 fn filled(len: usize, seed: u32) -> Vec<f32> {
-    (0..len).map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32 / 16_777_216.0 - 0.5).collect()
+    (0..len)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32 / 16_777_216.0 - 0.5)
+        .collect()
 }
 
 /// Median ms of `reps` calls of `f` (after one warm-up).
@@ -34,11 +36,7 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    let reps = std::env::args()
-        .skip_while(|a| a != "--reps")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+    let reps = std::env::args().skip_while(|a| a != "--reps").nth(1).and_then(|v| v.parse().ok()).unwrap_or(20);
     let mut table: Vec<(String, f64, Vec<f64>)> = Vec::new();
     for threads in [1usize, 2] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
@@ -79,11 +77,19 @@ fn main() {
             }
             let qkv = filled(ROWS * 3 * C, 5);
             let dy = filled(ROWS * C, 6);
-            let (mut y, mut att, mut dqkv, mut datt) =
-                (vec![0.0; ROWS * C], vec![0.0; 16 * HEADS * T * T], vec![0.0; ROWS * 3 * C], vec![0.0; 16 * HEADS * T * T]);
+            let (mut y, mut att, mut dqkv, mut datt) = (
+                vec![0.0; ROWS * C],
+                vec![0.0; 16 * HEADS * T * T],
+                vec![0.0; ROWS * 3 * C],
+                vec![0.0; 16 * HEADS * T * T],
+            );
             // Q Kᵀ and P V over the causal blocks (3/4 of T x T at T = 128).
             let attention_flops = 2.0 * 2.0 * (16 * HEADS * T * T * (C / HEADS)) as f64 * 0.75;
-            record("attention forward", attention_flops, time(reps, || be.attention_forward(&mut y, &mut att, &qkv, T, C, HEADS)));
+            record(
+                "attention forward",
+                attention_flops,
+                time(reps, || be.attention_forward(&mut y, &mut att, &qkv, T, C, HEADS)),
+            );
             record(
                 "attention backward",
                 2.0 * attention_flops,
@@ -104,7 +110,11 @@ fn main() {
             let x = filled(ROWS * C, 7);
             let (gamma, beta) = (filled(C, 8), filled(C, 9));
             let (mut ln, mut mean, mut rstd) = (vec![0.0; ROWS * C], vec![0.0; ROWS], vec![0.0; ROWS]);
-            record("layernorm forward", 0.0, time(reps, || be.layernorm_forward(&mut ln, &mut mean, &mut rstd, &x, &gamma, &beta, C)));
+            record(
+                "layernorm forward",
+                0.0,
+                time(reps, || be.layernorm_forward(&mut ln, &mut mean, &mut rstd, &x, &gamma, &beta, C)),
+            );
             let (mut dx, mut dg, mut dbeta) = (vec![0.0; ROWS * C], vec![0.0; C], vec![0.0; C]);
             record(
                 "layernorm backward",

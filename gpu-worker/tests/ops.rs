@@ -5,7 +5,7 @@
 //! (rounded to the tested format first). The whole-GPT check composes the kernels, so it is
 //! held to the engine's own kernels run in f64.
 //!
-//! Backends: the CPU in fp32 and bf16 always; with `--features cuda`, CUDA in fp32, bf16
+//! Backends: the CPU in fp32, bf16 and fp16 always; with `--features cuda`, CUDA in fp32, bf16
 //! and fp16. The CUDA tests need a GPU and are opt-in: plain `cargo test` reports them as
 //! ignored; `cargo xtask test --gpu` runs them, and fails on a machine without a GPU.
 //!
@@ -404,6 +404,10 @@ macro_rules! test_device {
             #[test]
             fn cpu_bf16() {
                 super::$check(&super::CpuBackend::<half::bf16>::new(2));
+            }
+            #[test]
+            fn cpu_fp16() {
+                super::$check(&super::CpuBackend::<half::f16>::new(2));
             }
             #[cfg(feature = "cuda")]
             #[test]

@@ -157,8 +157,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "LayerNorm's backward drops the x̂·mean(dx̂·x̂) term",
         file: "gpu-worker/src/ops/layernorm.rs",
-        find: "r * (dy.load() * g.load() - mean_g - xhat * mean_gx)",
-        replace: "r * (dy.load() * g.load() - mean_g)",
+        find: "*dx += r * (dy * g - mean_g - xhat * mean_gx);",
+        replace: "*dx += r * (dy * g - mean_g);",
         tests: &["-p", "distlab-worker", "--test", "ops", "layernorm"],
     },
     Mutant {

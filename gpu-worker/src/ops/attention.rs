@@ -12,7 +12,7 @@
 //! The four products per head are GEMMs on strided views of qkv (no copies),
 //! in row blocks that skip the blocks above the diagonal.
 
-use crate::ops::float::{lane_max, lane_sum};
+use crate::ops::float::{lane_max, lane_sum, AccRow};
 use crate::ops::float::{Float, Stored};
 use crate::ops::gemm::{matmul, Mat, MatMut, Parallelism};
 use crate::ops::simd::simd_kernel;
@@ -40,7 +40,7 @@ simd_kernel! {
         let hs = c / heads;
         let c3 = 3 * c;
         let scale = F::from_f64(1.0 / (hs as f64).sqrt());
-        let mut exps = vec![F::ZERO; t];
+        let mut row_acc = AccRow::new();
         for (h, p) in att.chunks_exact_mut(t * t).enumerate().take(heads) {
             let (q, k, v) = (h * hs, c + h * hs, 2 * c + h * hs);
             // S = Q Kᵀ / sqrt(hs), only the blocks on or below the diagonal
@@ -51,7 +51,7 @@ simd_kernel! {
                 matmul(s, false, q_rows, k_rows.t(), scale, Parallelism::None);
             }
             for (i, row) in p.chunks_exact_mut(t).enumerate() {
-                causal_softmax_row(row, i, &mut exps);
+                causal_softmax_row(row, i, &mut row_acc);
             }
             // Y = P V
             for (r0, r1) in row_blocks(t) {
@@ -79,6 +79,7 @@ simd_kernel! {
         let hs = c / heads;
         let c3 = 3 * c;
         let scale = F::from_f64(1.0 / (hs as f64).sqrt());
+        let (mut p_acc, mut dp_acc) = (AccRow::new(), AccRow::new());
         for (h, (dp, p)) in datt.chunks_exact_mut(t * t).zip(att.chunks_exact(t * t)).enumerate().take(heads) {
             let (q, k, v) = (h * hs, c + h * hs, 2 * c + h * hs);
             let dy = h * hs;
@@ -96,7 +97,7 @@ simd_kernel! {
             }
             // dS, in place over dP
             for (i, (dp_row, p_row)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-                causal_softmax_backward_row(dp_row, p_row, i, scale);
+                causal_softmax_backward_row(dp_row, p_row, i, scale, &mut p_acc, &mut dp_acc);
             }
             for (r0, r1) in row_blocks(t) {
                 // dQ = dS K
@@ -114,32 +115,41 @@ simd_kernel! {
     }
 }
 
-/// Row i of the score matrix: softmax over columns 0..=i, zeros after. `exps` (at least
-/// i + 1 long) holds the exponentials in F until the one rounding store.
+/// Row i of the score matrix: softmax over columns 0..=i, zeros after, computed in the
+/// compute format (`row_acc`) and rounded once as it is stored.
 #[inline(always)]
-fn causal_softmax_row<F: Float, S: Stored<Acc = F>>(row: &mut [S], i: usize, exps: &mut [F]) {
+fn causal_softmax_row<F: Float, S: Stored<Acc = F>>(row: &mut [S], i: usize, row_acc: &mut AccRow<F>) {
     let (live, masked) = row.split_at_mut(i + 1);
-    let exps = &mut exps[..i + 1];
-    let m = lane_max(live.len(), |j| live[j].load());
-    for (e, v) in exps.iter_mut().zip(live.iter()) {
-        *e = (v.load() - m).exp();
-    }
-    let sum = lane_sum(exps.len(), |j| exps[j]);
-    let inv = F::ONE / sum;
-    for (v, &e) in live.iter_mut().zip(exps.iter()) {
-        *v = S::store(e * inv);
-    }
+    row_acc.write(live, true, |v| {
+        let m = lane_max(v.len(), |j| v[j]);
+        for v in v.iter_mut() {
+            *v = (*v - m).exp();
+        }
+        let inv = F::ONE / lane_sum(v.len(), |j| v[j]);
+        for v in v.iter_mut() {
+            *v *= inv;
+        }
+    });
     masked.fill(S::default());
 }
 
 /// Row i: `dp` (holding dP) becomes dS = P (dP - <P, dP>) * scale over 0..=i, zeros after.
 #[inline(always)]
-fn causal_softmax_backward_row<F: Float, S: Stored<Acc = F>>(dp: &mut [S], p: &[S], i: usize, scale: F) {
+fn causal_softmax_backward_row<F: Float, S: Stored<Acc = F>>(
+    dp: &mut [S],
+    p: &[S],
+    i: usize,
+    scale: F,
+    p_acc: &mut AccRow<F>,
+    dp_acc: &mut AccRow<F>,
+) {
     let (live, masked) = dp.split_at_mut(i + 1);
-    let p = &p[..i + 1];
-    let dot = lane_sum(i + 1, |j| p[j].load() * live[j].load());
-    for (d, &pj) in live.iter_mut().zip(p) {
-        *d = S::store(pj.load() * (d.load() - dot) * scale);
-    }
+    let p = p_acc.load(&p[..i + 1]);
+    dp_acc.write(live, true, |d| {
+        let dot = lane_sum(i + 1, |j| p[j] * d[j]);
+        for (d, &pj) in d.iter_mut().zip(p) {
+            *d = pj * (*d - dot) * scale;
+        }
+    });
     masked.fill(S::default());
 }

@@ -9,6 +9,7 @@
 
 use std::fmt::Debug;
 use std::iter::Sum;
+use std::mem::MaybeUninit;
 use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
 
 pub trait Float:
@@ -133,16 +134,23 @@ pub trait Stored: Copy + Send + Sync + Default + Debug + PartialEq + 'static {
     fn store(x: Self::Acc) -> Self;
     /// This slice as the compute format, when the two are the same (f32, f64).
     fn as_acc(x: &[Self]) -> Option<&[Self::Acc]>;
-    /// `dst[i] = src[i].load()` over equal lengths (fp16 overrides it with half's F16C
-    /// slice conversion, several times faster than element by element).
-    #[inline]
-    fn widen_slice(src: &[Self], dst: &mut [Self::Acc]) {
+    /// `dst[i] = src[i].load()` over equal lengths, into memory not yet initialised (fp16
+    /// overrides it with the CPU's conversion instructions, several times faster than
+    /// its `load`; inlined elsewhere, so that a `simd_kernel!` caller vectorises it).
+    #[inline(always)]
+    fn widen_uninit(src: &[Self], dst: &mut [MaybeUninit<Self::Acc>]) {
         for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.load();
+            d.write(s.load());
         }
     }
-    /// `dst[i] = store(src[i])` over equal lengths.
-    #[inline]
+    /// `dst[i] = src[i].load()` over equal lengths.
+    #[inline(always)]
+    fn widen_slice(src: &[Self], dst: &mut [Self::Acc]) {
+        // SAFETY: the same layout, and widen_uninit writes only initialised values.
+        Self::widen_uninit(src, unsafe { &mut *(dst as *mut [Self::Acc] as *mut [MaybeUninit<Self::Acc>]) })
+    }
+    /// `dst[i] = store(src[i])` over equal lengths (fp16 overrides it, as `widen_uninit`).
+    #[inline(always)]
     fn narrow_slice(src: &[Self::Acc], dst: &mut [Self]) {
         for (d, &s) in dst.iter_mut().zip(src) {
             *d = Self::store(s);
@@ -243,8 +251,7 @@ impl Stored for half::f16 {
         let sign = (bits & 0x8000_0000) >> 16;
         let a = bits & 0x7fff_ffff;
         let special = if a > 0x7f80_0000 { 0x7e00 | ((a & 0x007f_ffff) >> 13) } else { 0x7c00 };
-        let subnormal =
-            (f32::from_bits(a) + f32::from_bits(SUBNORMAL_MAGIC)).to_bits().wrapping_sub(SUBNORMAL_MAGIC);
+        let subnormal = (f32::from_bits(a) + f32::from_bits(SUBNORMAL_MAGIC)).to_bits().wrapping_sub(SUBNORMAL_MAGIC);
         // Exponent bias 127 -> 15, plus just under half of the last kept bit; the odd bit
         // below makes a tie round to even.
         const REBIAS_ROUND: u32 = ((-112i32 << 23) as u32).wrapping_add(0xfff);
@@ -261,16 +268,77 @@ impl Stored for half::f16 {
     fn as_acc(_: &[Self]) -> Option<&[f32]> {
         None
     }
-    fn widen_slice(src: &[Self], dst: &mut [f32]) {
-        use half::slice::HalfFloatSliceExt;
-        src.convert_to_f32_slice(dst);
+    fn widen_uninit(src: &[Self], dst: &mut [MaybeUninit<f32>]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::ops::simd::x86::level() >= crate::ops::simd::x86::V3 {
+            // SAFETY: level V3 is only reported on a CPU with F16C and AVX.
+            return unsafe { f16c::widen(src, dst) };
+        }
+        for (d, s) in dst.iter_mut().zip(src) {
+            d.write(s.load());
+        }
     }
     fn narrow_slice(src: &[f32], dst: &mut [Self]) {
-        use half::slice::HalfFloatSliceExt;
-        dst.convert_from_f32_slice(src);
+        #[cfg(target_arch = "x86_64")]
+        if crate::ops::simd::x86::level() >= crate::ops::simd::x86::V3 {
+            // SAFETY: as above.
+            return unsafe { f16c::narrow(src, dst) };
+        }
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::store(s);
+        }
     }
     fn as_acc_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
+    }
+}
+
+/// fp16 slices converted by the CPU (x86 F16C), 8 values per instruction: `vcvtph2ps`
+/// widens exactly, `vcvtps2ph` rounds to nearest even; both as `load` and `store` do,
+/// NaNs made quiet with their top payload bits.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    use super::Stored;
+
+    /// # Safety
+    /// The CPU has F16C and AVX.
+    #[target_feature(enable = "avx,f16c")]
+    pub unsafe fn widen(src: &[half::f16], dst: &mut [MaybeUninit<f32>]) {
+        let n = src.len().min(dst.len());
+        let (src, dst) = (&src[..n], &mut dst[..n]);
+        let full = n / 8 * 8;
+        for (s, d) in src[..full].chunks_exact(8).zip(dst[..full].chunks_exact_mut(8)) {
+            // SAFETY: 8 values of 2 bytes read, 8 of 4 written, inside the chunks.
+            unsafe {
+                let h = _mm_loadu_si128(s.as_ptr().cast());
+                _mm256_storeu_ps(d.as_mut_ptr().cast(), _mm256_cvtph_ps(h));
+            }
+        }
+        for (d, s) in dst[full..].iter_mut().zip(&src[full..]) {
+            d.write(s.load());
+        }
+    }
+
+    /// # Safety
+    /// The CPU has F16C and AVX.
+    #[target_feature(enable = "avx,f16c")]
+    pub unsafe fn narrow(src: &[f32], dst: &mut [half::f16]) {
+        let n = src.len().min(dst.len());
+        let (src, dst) = (&src[..n], &mut dst[..n]);
+        let full = n / 8 * 8;
+        for (s, d) in src[..full].chunks_exact(8).zip(dst[..full].chunks_exact_mut(8)) {
+            // SAFETY: 8 values of 4 bytes read, 8 of 2 written, inside the chunks.
+            unsafe {
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.as_ptr()));
+                _mm_storeu_si128(d.as_mut_ptr().cast(), h);
+            }
+        }
+        for (d, &s) in dst[full..].iter_mut().zip(&src[full..]) {
+            *d = <half::f16 as Stored>::store(s);
+        }
     }
 }
 
@@ -283,12 +351,58 @@ pub fn in_acc<S: Stored, R>(buf: &mut [S], f: impl FnOnce(&mut [S::Acc]) -> R) -
     if let Some(acc) = S::as_acc_mut(buf) {
         return f(acc);
     }
-    let mut wide: Vec<S::Acc> = buf.iter().map(|x| x.load()).collect();
+    let mut wide = Vec::with_capacity(buf.len());
+    S::widen_uninit(buf, &mut wide.spare_capacity_mut()[..buf.len()]);
+    // SAFETY: widen_uninit wrote the first buf.len() elements.
+    unsafe { wide.set_len(buf.len()) };
     let result = f(&mut wide);
-    for (x, w) in buf.iter_mut().zip(wide) {
-        *x = S::store(w);
-    }
+    S::narrow_slice(&wide, buf);
     result
+}
+
+/// A buffer that shows rows of a stored slice in the compute format: the row itself when
+/// the formats are the same (f32, f64: no copy), else the row widened into the buffer
+/// (bf16, fp16: one slice conversion per row, where element-by-element loads would
+/// convert each value as often as a kernel reads it). Kept between rows, so that a kernel
+/// allocates once per call.
+pub struct AccRow<A>(Vec<A>);
+
+impl<A: Float> AccRow<A> {
+    pub fn new() -> Self {
+        Self(Vec::new())
+    }
+
+    /// `src` in the compute format.
+    #[inline(always)]
+    pub fn load<'a, S: Stored<Acc = A>>(&'a mut self, src: &'a [S]) -> &'a [A] {
+        if let Some(same) = S::as_acc(src) {
+            return same;
+        }
+        self.0.resize(src.len(), A::ZERO);
+        S::widen_slice(src, &mut self.0);
+        &self.0
+    }
+
+    /// Runs `f` on `dst` in the compute format, what it held read first (`keep`) or not:
+    /// in place when the formats are the same, else on the buffer, rounded into `dst` after.
+    #[inline(always)]
+    pub fn write<S: Stored<Acc = A>>(&mut self, dst: &mut [S], keep: bool, f: impl FnOnce(&mut [A])) {
+        if let Some(same) = S::as_acc_mut(dst) {
+            return f(same);
+        }
+        self.0.resize(dst.len(), A::ZERO);
+        if keep {
+            S::widen_slice(dst, &mut self.0);
+        }
+        f(&mut self.0);
+        S::narrow_slice(&self.0, dst);
+    }
+}
+
+impl<A: Float> Default for AccRow<A> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Elements per block when a 2-byte buffer is widened for an elementwise kernel (two
@@ -417,10 +531,19 @@ mod tests {
             [t - 1, t, t + 1, sub - 1, sub, sub + 1].map(f32::from_bits)
         });
         let special = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001)];
-        for x in edge.into_iter().chain(spread).chain(ties).chain(special) {
+        let all: Vec<f32> = edge.into_iter().chain(spread).chain(ties).chain(special).collect();
+        for &x in &all {
             let (ours, theirs) = (<half::f16 as Stored>::store(x), half::f16::from_f32(x));
             assert_eq!(ours.to_bits(), theirs.to_bits(), "{x:e} ({:#x})", x.to_bits());
         }
+        // The slice conversion (the CPU's instructions where present) rounds alike, the
+        // last few values (past the 8-wide blocks) included.
+        let mut narrowed = vec![half::f16::ZERO; all.len() + 3];
+        <half::f16 as Stored>::narrow_slice(&all, &mut narrowed[..all.len()]);
+        for (&x, h) in all.iter().zip(&narrowed) {
+            assert_eq!(h.to_bits(), half::f16::from_f32(x).to_bits(), "{x:e} ({:#x})", x.to_bits());
+        }
+        assert_ne!(all.len() % 8, 0, "the test covers a tail");
     }
 
     #[test]
@@ -428,6 +551,13 @@ mod tests {
         for bits in 0..=u16::MAX {
             let h = half::f16::from_bits(bits);
             assert_eq!(h.load().to_bits(), h.to_f32().to_bits(), "{bits:#06x}");
+        }
+        // The slice conversion too, on a length with a tail past the 8-wide blocks.
+        let every: Vec<half::f16> = (0..=u16::MAX).chain(0..5).map(half::f16::from_bits).collect();
+        let mut widened = vec![0.0f32; every.len()];
+        <half::f16 as Stored>::widen_slice(&every, &mut widened);
+        for (h, w) in every.iter().zip(&widened) {
+            assert_eq!(w.to_bits(), h.to_f32().to_bits(), "{:#06x}", h.to_bits());
         }
     }
 

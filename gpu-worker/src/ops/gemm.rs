@@ -92,20 +92,17 @@ impl<'a, F> MatMut<'a, F> {
 const CONVERT_CHUNK: usize = 1 << 15;
 
 simd_kernel! {
-    /// `dst[i] = src[i]` in the compute format (vectorised: a bf16 load is a shift).
+    /// `dst[i] = src[i]` in the compute format (vectorised: a bf16 load is a shift, fp16
+    /// has the CPU's own conversion).
     fn widen_into<F: Float, S: Stored<Acc = F>>(src: &[S], dst: &mut [MaybeUninit<F>]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            d.write(s.load());
-        }
+        S::widen_uninit(src, dst)
     }
 }
 
 simd_kernel! {
     /// `dst[i] = src[i]` rounded once to the stored format.
     fn narrow_into<F: Float, S: Stored<Acc = F>>(src: &[F], dst: &mut [S]) {
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = S::store(s);
-        }
+        S::narrow_slice(src, dst)
     }
 }
 
@@ -242,7 +239,7 @@ pub fn matmul<S: Stored>(
     for (i, row) in out.chunks_exact(cols).enumerate() {
         let start = i * dst_strides.0;
         if dst_strides.1 == 1 {
-            S::narrow_slice(row, &mut dst.data[start..start + cols]);
+            narrow_into(row, &mut dst.data[start..start + cols]);
         } else {
             for (j, &x) in row.iter().enumerate() {
                 dst.data[start + j * dst_strides.1] = S::store(x);
@@ -554,15 +551,22 @@ mod tests {
     /// and 3 threads, split by rows or by columns, on transposed views and accumulating.
     #[test]
     fn thread_blocks_give_the_single_threaded_bits() {
+        thread_blocks_match_one_thread::<f32>(1e-3);
+        // 2-byte products: widened, multiplied on the same blocks, rounded once.
+        thread_blocks_match_one_thread::<half::bf16>(2e-2);
+        thread_blocks_match_one_thread::<half::f16>(2e-3);
+    }
+
+    fn thread_blocks_match_one_thread<S: Stored<Acc = f32>>(tolerance: f64) {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
         // (rows, inner, cols): split by rows, by columns, too small to split.
         for (m, k, n) in [(700, 600, 130), (130, 1100, 520), (100, 40, 100)] {
-            let a: Vec<f32> = (0..m * k).map(|i| ((i as f32) * 0.37).sin()).collect();
-            let b: Vec<f32> = (0..k * n).map(|i| ((i as f32) * 0.91).cos()).collect();
-            let start: Vec<f32> = (0..m * n).map(|i| ((i as f32) * 0.13).sin()).collect();
+            let a: Vec<S> = (0..m * k).map(|i| S::from_f64(((i as f64) * 0.37).sin())).collect();
+            let b: Vec<S> = (0..k * n).map(|i| S::from_f64(((i as f64) * 0.91).cos())).collect();
+            let start: Vec<S> = (0..m * n).map(|i| S::from_f64(((i as f64) * 0.13).sin())).collect();
             // dst = start + aᵀᵀ·b with `a` read through a transposed view of its transpose,
             // and the same into a column-major destination.
-            let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+            let at: Vec<S> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
             let product = |par: Parallelism, column_major: bool| {
                 let mut c = start.clone();
                 let dst = if column_major { MatMut::new(&mut c, m, n, 1, m) } else { MatMut::row_major(&mut c, m, n) };
@@ -573,21 +577,20 @@ mod tests {
                 let one = product(Parallelism::None, column_major);
                 for threads in [2, 3] {
                     let many = pool.install(|| product(Parallelism::Rayon(threads), column_major));
-                    let same = one.iter().zip(&many).all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{m}x{k}x{n} on {threads} threads (column-major {column_major})");
+                    let bits = |x: &[S]| x.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                    assert!(
+                        bits(&one) == bits(&many),
+                        "{} {m}x{k}x{n} on {threads} threads (column-major {column_major})",
+                        S::NAME
+                    );
                 }
-                let want = naive(
-                    &a.iter().map(|&x| x as f64).collect::<Vec<_>>(),
-                    &b.iter().map(|&x| x as f64).collect::<Vec<_>>(),
-                    m,
-                    k,
-                    n,
-                );
-                for i in [0, m * n / 2, m * n - 1] {
+                let wide = |x: &[S]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
+                let want = naive(&wide(&a), &wide(&b), m, k, n);
+                for (i, &w) in want.iter().enumerate() {
                     let (r, c) = (i / n, i % n);
-                    let got = one[if column_major { c * m + r } else { i }] as f64;
-                    let expect = start[if column_major { c * m + r } else { i }] as f64 + 0.5 * want[i];
-                    assert!((got - expect).abs() < 1e-3 * (1.0 + expect.abs()), "{got} vs {expect}");
+                    let at = if column_major { c * m + r } else { i };
+                    let (got, expect) = (one[at].to_f64(), start[at].to_f64() + 0.5 * w);
+                    assert!((got - expect).abs() < tolerance * (1.0 + expect.abs()), "{} {got} vs {expect}", S::NAME);
                 }
             }
         }

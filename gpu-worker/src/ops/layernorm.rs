@@ -10,7 +10,7 @@
 //! gradients are sums over rows, split over column ranges instead so that each
 //! column is summed in row order whatever the thread count.
 
-use crate::ops::float::{in_acc, lane_sum};
+use crate::ops::float::{in_acc, lane_sum, AccRow};
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;
 
@@ -29,17 +29,21 @@ simd_kernel! {
     ) {
         let inv_c = F::from_f64(1.0 / c as f64);
         let eps = F::from_f64(LAYERNORM_EPS);
-        let (gamma, beta) = (&gamma[..c], &beta[..c]);
+        let (mut gamma_acc, mut beta_acc, mut x_acc, mut y_acc) = (AccRow::new(), AccRow::new(), AccRow::new(), AccRow::new());
+        let (gamma, beta) = (gamma_acc.load(&gamma[..c]), beta_acc.load(&beta[..c]));
         for (((y, x), m), s) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).zip(mean.iter_mut()).zip(rstd.iter_mut()) {
-            let mu = lane_sum(c, |j| x[j].load()) * inv_c;
+            let x = x_acc.load(x);
+            let mu = lane_sum(c, |j| x[j]) * inv_c;
             let var = lane_sum(c, |j| {
-                let d = x[j].load() - mu;
+                let d = x[j] - mu;
                 d * d
             }) * inv_c;
             let r = F::ONE / (var + eps).sqrt();
-            for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
-                *y = S::store((x.load() - mu) * r * g.load() + b.load());
-            }
+            y_acc.write(y, false, |y| {
+                for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
+                    *y = (x - mu) * r * g + b;
+                }
+            });
             *m = S::store(mu);
             *s = S::store(r);
         }
@@ -58,17 +62,20 @@ simd_kernel! {
         c: usize,
     ) {
         let inv_c = F::from_f64(1.0 / c as f64);
-        let gamma = &gamma[..c];
+        let (mut gamma_acc, mut dy_acc, mut x_acc, mut dx_acc) = (AccRow::new(), AccRow::new(), AccRow::new(), AccRow::new());
+        let gamma = gamma_acc.load(&gamma[..c]);
         for ((((dx, dy), x), &mu), &r) in
             dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c)).zip(mean).zip(rstd)
         {
-            let (dy, x, mu, r) = (&dy[..c], &x[..c], mu.load(), r.load());
-            let mean_g = lane_sum(c, |j| dy[j].load() * gamma[j].load()) * inv_c;
-            let mean_gx = lane_sum(c, |j| dy[j].load() * gamma[j].load() * (x[j].load() - mu) * r) * inv_c;
-            for (((dx, &dy), &x), &g) in dx.iter_mut().zip(dy).zip(x).zip(gamma) {
-                let xhat = (x.load() - mu) * r;
-                *dx = S::store(dx.load() + r * (dy.load() * g.load() - mean_g - xhat * mean_gx));
-            }
+            let (dy, x, mu, r) = (dy_acc.load(&dy[..c]), x_acc.load(&x[..c]), mu.load(), r.load());
+            let mean_g = lane_sum(c, |j| dy[j] * gamma[j]) * inv_c;
+            let mean_gx = lane_sum(c, |j| dy[j] * gamma[j] * (x[j] - mu) * r) * inv_c;
+            dx_acc.write(dx, true, |dx| {
+                for (((dx, &dy), &x), &g) in dx.iter_mut().zip(dy).zip(x).zip(gamma) {
+                    let xhat = (x - mu) * r;
+                    *dx += r * (dy * g - mean_g - xhat * mean_gx);
+                }
+            });
         }
     }
 }
@@ -86,13 +93,15 @@ simd_kernel! {
         c: usize,
     ) {
         let w = dgamma.len();
+        let (mut dy_acc, mut x_acc) = (AccRow::new(), AccRow::new());
         in_acc(dgamma, |dgamma| {
             in_acc(&mut dbeta[..w], |dbeta| {
                 for (((dy, x), &mu), &r) in dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(mean).zip(rstd) {
-                    let (dy, x, mu, r) = (&dy[col0..col0 + w], &x[col0..col0 + w], mu.load(), r.load());
+                    let (dy, x) = (dy_acc.load(&dy[col0..col0 + w]), x_acc.load(&x[col0..col0 + w]));
+                    let (mu, r) = (mu.load(), r.load());
                     for (((dg, db), &dy), &x) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(dy).zip(x) {
-                        *dg += dy.load() * (x.load() - mu) * r;
-                        *db += dy.load();
+                        *dg += dy * (x - mu) * r;
+                        *db += dy;
                     }
                 }
             })

@@ -8,7 +8,7 @@
 //! views, not copies); bias and residual are written first and the product is
 //! accumulated on top, so the output is written once and read once.
 
-use crate::ops::float::in_acc;
+use crate::ops::float::{in_acc, AccRow};
 use crate::ops::float::{Float, Stored};
 use crate::ops::gemm::{matmul, Mat, MatMut, Parallelism};
 use crate::ops::simd::simd_kernel;
@@ -18,10 +18,15 @@ simd_kernel! {
     pub fn fill_bias_residual<F: Float, S: Stored<Acc = F>>(out: &mut [S], bias: Option<&[S]>, residual: Option<&[S]>, c_out: usize) {
         match (bias, residual) {
             (Some(b), Some(r)) => {
+                let (mut b_acc, mut r_acc, mut y_acc) = (AccRow::new(), AccRow::new(), AccRow::new());
+                let b = b_acc.load(&b[..c_out]);
                 for (y, r) in out.chunks_exact_mut(c_out).zip(r.chunks_exact(c_out)) {
-                    for ((y, &r), &b) in y.iter_mut().zip(r).zip(b) {
-                        *y = S::store(r.load() + b.load());
-                    }
+                    let r = r_acc.load(r);
+                    y_acc.write(y, false, |y| {
+                        for ((y, &r), &b) in y.iter_mut().zip(r).zip(b) {
+                            *y = r + b;
+                        }
+                    });
                 }
             }
             (Some(b), None) => {
@@ -100,10 +105,11 @@ simd_kernel! {
     /// Columns `col0..col0 + dbias.len()`: `dbias += sum over rows of dout`.
     pub fn bias_backward<F: Float, S: Stored<Acc = F>>(dbias: &mut [S], col0: usize, dout: &[S], c_out: usize) {
         let w = dbias.len();
+        let mut dy_acc = AccRow::new();
         in_acc(dbias, |dbias| {
             for dy in dout.chunks_exact(c_out) {
-                for (db, &g) in dbias.iter_mut().zip(&dy[col0..col0 + w]) {
-                    *db += g.load();
+                for (db, &g) in dbias.iter_mut().zip(dy_acc.load(&dy[col0..col0 + w])) {
+                    *db += g;
                 }
             }
         });
