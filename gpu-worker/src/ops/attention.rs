@@ -120,16 +120,16 @@ simd_kernel! {
 #[inline(always)]
 fn causal_softmax_row<F: Float, S: Stored<Acc = F>>(row: &mut [S], i: usize, row_acc: &mut AccRow<F>) {
     let (live, masked) = row.split_at_mut(i + 1);
-    row_acc.write(live, true, |v| {
-        let m = lane_max(v.len(), |j| v[j]);
-        for v in v.iter_mut() {
-            *v = (*v - m).exp();
-        }
-        let inv = F::ONE / lane_sum(v.len(), |j| v[j]);
-        for v in v.iter_mut() {
-            *v *= inv;
-        }
-    });
+    let v = row_acc.open(live, true);
+    let m = lane_max(v.len(), |j| v[j]);
+    for v in v.iter_mut() {
+        *v = (*v - m).exp();
+    }
+    let inv = F::ONE / lane_sum(v.len(), |j| v[j]);
+    for v in v.iter_mut() {
+        *v *= inv;
+    }
+    row_acc.store(live);
     masked.fill(S::default());
 }
 
@@ -145,11 +145,11 @@ fn causal_softmax_backward_row<F: Float, S: Stored<Acc = F>>(
 ) {
     let (live, masked) = dp.split_at_mut(i + 1);
     let p = p_acc.load(&p[..i + 1]);
-    dp_acc.write(live, true, |d| {
-        let dot = lane_sum(i + 1, |j| p[j] * d[j]);
-        for (d, &pj) in d.iter_mut().zip(p) {
-            *d = pj * (*d - dot) * scale;
-        }
-    });
+    let d = dp_acc.open(live, true);
+    let dot = lane_sum(i + 1, |j| p[j] * d[j]);
+    for (d, &pj) in d.iter_mut().zip(p) {
+        *d = pj * (*d - dot) * scale;
+    }
+    dp_acc.store(live);
     masked.fill(S::default());
 }

@@ -383,19 +383,28 @@ impl<A: Float> AccRow<A> {
         &self.0
     }
 
-    /// Runs `f` on `dst` in the compute format, what it held read first (`keep`) or not:
-    /// in place when the formats are the same, else on the buffer, rounded into `dst` after.
+    /// `dst` in the compute format, to compute into: `dst` itself when the formats are the
+    /// same, else the buffer, holding `dst` widened when `keep`; [`AccRow::store`] rounds
+    /// it into `dst` after. (Not a closure: a closure here would be compiled once for
+    /// every SIMD width of a `simd_kernel!` and left out of line, at the baseline's.)
     #[inline(always)]
-    pub fn write<S: Stored<Acc = A>>(&mut self, dst: &mut [S], keep: bool, f: impl FnOnce(&mut [A])) {
-        if let Some(same) = S::as_acc_mut(dst) {
-            return f(same);
+    pub fn open<'a, S: Stored<Acc = A>>(&'a mut self, dst: &'a mut [S], keep: bool) -> &'a mut [A] {
+        if S::as_acc(dst).is_none() {
+            self.0.resize(dst.len(), A::ZERO);
+            if keep {
+                S::widen_slice(dst, &mut self.0);
+            }
+            return &mut self.0;
         }
-        self.0.resize(dst.len(), A::ZERO);
-        if keep {
-            S::widen_slice(dst, &mut self.0);
+        S::as_acc_mut(dst).expect("as_acc and as_acc_mut agree on the format")
+    }
+
+    /// Rounds what [`AccRow::open`] gave for `dst` into it (nothing to do when it was `dst`).
+    #[inline(always)]
+    pub fn store<S: Stored<Acc = A>>(&self, dst: &mut [S]) {
+        if S::as_acc(dst).is_none() {
+            S::narrow_slice(&self.0[..dst.len()], dst);
         }
-        f(&mut self.0);
-        S::narrow_slice(&self.0, dst);
     }
 }
 

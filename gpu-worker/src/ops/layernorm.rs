@@ -10,7 +10,7 @@
 //! gradients are sums over rows, split over column ranges instead so that each
 //! column is summed in row order whatever the thread count.
 
-use crate::ops::float::{in_acc, lane_sum, AccRow};
+use crate::ops::float::{lane_sum, AccRow};
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;
 
@@ -39,11 +39,10 @@ simd_kernel! {
                 d * d
             }) * inv_c;
             let r = F::ONE / (var + eps).sqrt();
-            y_acc.write(y, false, |y| {
-                for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
-                    *y = (x - mu) * r * g + b;
-                }
-            });
+            for (((y, &x), &g), &b) in y_acc.open(y, false).iter_mut().zip(x).zip(gamma).zip(beta) {
+                *y = (x - mu) * r * g + b;
+            }
+            y_acc.store(y);
             *m = S::store(mu);
             *s = S::store(r);
         }
@@ -70,12 +69,11 @@ simd_kernel! {
             let (dy, x, mu, r) = (dy_acc.load(&dy[..c]), x_acc.load(&x[..c]), mu.load(), r.load());
             let mean_g = lane_sum(c, |j| dy[j] * gamma[j]) * inv_c;
             let mean_gx = lane_sum(c, |j| dy[j] * gamma[j] * (x[j] - mu) * r) * inv_c;
-            dx_acc.write(dx, true, |dx| {
-                for (((dx, &dy), &x), &g) in dx.iter_mut().zip(dy).zip(x).zip(gamma) {
-                    let xhat = (x - mu) * r;
-                    *dx += r * (dy * g - mean_g - xhat * mean_gx);
-                }
-            });
+            for (((dx, &dy), &x), &g) in dx_acc.open(dx, true).iter_mut().zip(dy).zip(x).zip(gamma) {
+                let xhat = (x - mu) * r;
+                *dx += r * (dy * g - mean_g - xhat * mean_gx);
+            }
+            dx_acc.store(dx);
         }
     }
 }
@@ -93,18 +91,18 @@ simd_kernel! {
         c: usize,
     ) {
         let w = dgamma.len();
-        let (mut dy_acc, mut x_acc) = (AccRow::new(), AccRow::new());
-        in_acc(dgamma, |dgamma| {
-            in_acc(&mut dbeta[..w], |dbeta| {
-                for (((dy, x), &mu), &r) in dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(mean).zip(rstd) {
-                    let (dy, x) = (dy_acc.load(&dy[col0..col0 + w]), x_acc.load(&x[col0..col0 + w]));
-                    let (mu, r) = (mu.load(), r.load());
-                    for (((dg, db), &dy), &x) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(dy).zip(x) {
-                        *dg += dy * (x - mu) * r;
-                        *db += dy;
-                    }
-                }
-            })
-        });
+        let dbeta = &mut dbeta[..w];
+        let (mut dy_acc, mut x_acc, mut dgamma_acc, mut dbeta_acc) = (AccRow::new(), AccRow::new(), AccRow::new(), AccRow::new());
+        let (dgamma_sum, dbeta_sum) = (dgamma_acc.open(dgamma, true), dbeta_acc.open(dbeta, true));
+        for (((dy, x), &mu), &r) in dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(mean).zip(rstd) {
+            let (dy, x) = (dy_acc.load(&dy[col0..col0 + w]), x_acc.load(&x[col0..col0 + w]));
+            let (mu, r) = (mu.load(), r.load());
+            for (((dg, db), &dy), &x) in dgamma_sum.iter_mut().zip(dbeta_sum.iter_mut()).zip(dy).zip(x) {
+                *dg += dy * (x - mu) * r;
+                *db += dy;
+            }
+        }
+        dgamma_acc.store(dgamma);
+        dbeta_acc.store(dbeta);
     }
 }

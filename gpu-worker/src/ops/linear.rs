@@ -8,7 +8,7 @@
 //! views, not copies); bias and residual are written first and the product is
 //! accumulated on top, so the output is written once and read once.
 
-use crate::ops::float::{in_acc, AccRow};
+use crate::ops::float::AccRow;
 use crate::ops::float::{Float, Stored};
 use crate::ops::gemm::{matmul, Mat, MatMut, Parallelism};
 use crate::ops::simd::simd_kernel;
@@ -21,12 +21,10 @@ simd_kernel! {
                 let (mut b_acc, mut r_acc, mut y_acc) = (AccRow::new(), AccRow::new(), AccRow::new());
                 let b = b_acc.load(&b[..c_out]);
                 for (y, r) in out.chunks_exact_mut(c_out).zip(r.chunks_exact(c_out)) {
-                    let r = r_acc.load(r);
-                    y_acc.write(y, false, |y| {
-                        for ((y, &r), &b) in y.iter_mut().zip(r).zip(b) {
-                            *y = r + b;
-                        }
-                    });
+                    for ((y, &r), &b) in y_acc.open(y, false).iter_mut().zip(r_acc.load(r)).zip(b) {
+                        *y = r + b;
+                    }
+                    y_acc.store(y);
                 }
             }
             (Some(b), None) => {
@@ -105,13 +103,13 @@ simd_kernel! {
     /// Columns `col0..col0 + dbias.len()`: `dbias += sum over rows of dout`.
     pub fn bias_backward<F: Float, S: Stored<Acc = F>>(dbias: &mut [S], col0: usize, dout: &[S], c_out: usize) {
         let w = dbias.len();
-        let mut dy_acc = AccRow::new();
-        in_acc(dbias, |dbias| {
-            for dy in dout.chunks_exact(c_out) {
-                for (db, &g) in dbias.iter_mut().zip(dy_acc.load(&dy[col0..col0 + w])) {
-                    *db += g;
-                }
+        let (mut dy_acc, mut dbias_acc) = (AccRow::new(), AccRow::new());
+        let sum = dbias_acc.open(dbias, true);
+        for dy in dout.chunks_exact(c_out) {
+            for (db, &g) in sum.iter_mut().zip(dy_acc.load(&dy[col0..col0 + w])) {
+                *db += g;
             }
-        });
+        }
+        dbias_acc.store(dbias);
     }
 }
