@@ -9,6 +9,11 @@
 //! 3. all_reduce of 64 MiB between W = 2, 4, 8 rank processes (`distlab-worker bench-comm`),
 //!    bus bandwidth as a share of one thread's memcpy.
 //!
+//! Steps 1 and 2 run in `rounds` rounds, ours and PyTorch's for a format one after the other
+//! in each, and the table shows each one's median over the rounds of its median step: this
+//! machine's speed drifts by tens of percent within minutes, and a figure taken minutes away
+//! from the one it is compared with would compare the drift.
+//!
 //! Then one table of all of it. Nothing is compared with a figure from another run.
 
 use std::collections::BTreeMap;
@@ -21,76 +26,81 @@ use crate::{cargo, root};
 
 const THREADS: [u64; 2] = [1, 2];
 const PRECISIONS: [&str; 3] = ["fp32", "bf16", "fp16"];
+/// The formats the PyTorch reference runs (fp16 autocast on a CPU is not what it is used for).
+const TORCH_PRECISIONS: [&str; 2] = ["fp32", "bf16"];
 const RING_BYTES: usize = 64 << 20;
 const RING_WORLDS: [usize; 3] = [2, 4, 8];
 
-/// One training-step result: whose, in which format, on how many threads.
-#[derive(Default)]
-struct Step {
-    tokens_per_s: f64,
-    gflops_per_s: f64,
-}
+/// Tokens per second of each round, by (format, threads).
+type Samples = BTreeMap<(&'static str, u64), Vec<f64>>;
 
-pub fn run() -> Result<()> {
+pub fn run(rounds: usize) -> Result<()> {
+    if rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let python = torch_python();
     let mut peaks: BTreeMap<u64, f64> = BTreeMap::new();
-    let mut ours: BTreeMap<(&str, u64), Step> = BTreeMap::new();
+    let (mut ours, mut theirs) = (Samples::new(), Samples::new());
     let mut flops_per_token = None;
-    for precision in PRECISIONS {
-        let text = run_printing(
-            cargo().args(["bench", "-p", "distlab-worker", "--bench", "train_step", "--", "--precision", precision]),
-        )
-        .with_context(|| format!("the {precision} train_step benchmark"))?;
-        for line in json_lines(&text) {
-            let threads = line["threads"].as_u64().unwrap_or(0);
-            match line["bench"].as_str() {
-                // Each run measures the peak again; the best of them is the machine's.
-                Some("fma_peak") => {
-                    let peak = peaks.entry(threads).or_default();
-                    *peak = peak.max(line["gflops_per_s"].as_f64().unwrap_or(0.0));
+    for round in 1..=rounds {
+        for precision in PRECISIONS {
+            println!("xtask: round {round} of {rounds}, {precision}");
+            let text = run_printing(
+                cargo().args(["bench", "-p", "distlab-worker", "--bench", "train_step", "--", "--precision", precision]),
+            )
+            .with_context(|| format!("the {precision} train_step benchmark"))?;
+            for line in json_lines(&text) {
+                let threads = line["threads"].as_u64().unwrap_or(0);
+                match line["bench"].as_str() {
+                    // Each run measures the peak again; the best of them is the machine's.
+                    Some("fma_peak") => {
+                        let peak = peaks.entry(threads).or_default();
+                        *peak = peak.max(line["gflops_per_s"].as_f64().unwrap_or(0.0));
+                    }
+                    Some("train_step") => {
+                        flops_per_token = line["flops_per_token"].as_f64();
+                        if let Some(tps) = median_tokens_per_s(&line) {
+                            ours.entry((precision, threads)).or_default().push(tps);
+                        }
+                    }
+                    _ => {}
                 }
-                Some("train_step") => {
-                    flops_per_token = line["flops_per_token"].as_f64();
-                    ours.insert(
-                        (precision, threads),
-                        Step {
-                            tokens_per_s: line["tokens_per_s"].as_f64().unwrap_or(0.0),
-                            gflops_per_s: line["gflops_per_s"].as_f64().unwrap_or(0.0),
-                        },
-                    );
-                }
-                _ => {}
+            }
+            if let (Some(python), true) = (&python, TORCH_PRECISIONS.contains(&precision)) {
+                pytorch_steps(python, precision, &mut theirs);
             }
         }
     }
     let flops_per_token = flops_per_token.context("the train_step benchmark printed no step")?;
-
-    let theirs = pytorch_steps(flops_per_token)?;
     let ring = ring_shares()?;
 
     println!("\n## Training step (4 layers, d_model 256, seq 128, batch 16, AdamW; {flops_per_token} FLOP/token)\n");
     for (threads, peak) in &peaks {
         println!("FMA peak on {threads} thread(s): {peak:.1} GFLOP/s");
     }
+    println!("\nTokens per second from the median step, median of {rounds} round(s) (each round's in brackets).");
     println!(
         "\n| format | threads | distlab tok/s | GFLOP/s | % of FMA peak | PyTorch tok/s | PyTorch % of peak | distlab / PyTorch |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    let gflops = |tps: f64| tps * flops_per_token / 1e9;
     for (precision, threads) in PRECISIONS.iter().flat_map(|p| THREADS.map(|t| (*p, t))) {
-        let Some(step) = ours.get(&(precision, threads)) else { continue };
+        let Some(mine) = ours.get(&(precision, threads)) else { continue };
+        let tps = median(mine);
         let peak = peaks.get(&threads).copied().unwrap_or(f64::NAN);
         let (torch_tps, torch_share, ratio) = match theirs.get(&(precision, threads)) {
             Some(t) => (
-                format!("{:.0}", t.tokens_per_s),
-                format!("{:.1}%", t.gflops_per_s / peak * 100.0),
-                format!("{:.2}", step.tokens_per_s / t.tokens_per_s),
+                format!("{:.0} {}", median(t), rounds_of(t)),
+                format!("{:.1}%", gflops(median(t)) / peak * 100.0),
+                format!("{:.2}", tps / median(t)),
             ),
             None => ("-".into(), "-".into(), "-".into()),
         };
         println!(
-            "| {precision} | {threads} | {:.0} | {:.1} | {:.1}% | {torch_tps} | {torch_share} | {ratio} |",
-            step.tokens_per_s,
-            step.gflops_per_s,
-            step.gflops_per_s / peak * 100.0
+            "| {precision} | {threads} | {tps:.0} {} | {:.1} | {:.1}% | {torch_tps} | {torch_share} | {ratio} |",
+            rounds_of(mine),
+            gflops(tps),
+            gflops(tps) / peak * 100.0
         );
     }
     if let Some((memcpy, rows)) = ring {
@@ -104,9 +114,31 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-/// PyTorch's steps by (format, threads), or none when there is no torch.
-fn pytorch_steps(flops_per_token: f64) -> Result<BTreeMap<(&'static str, u64), Step>> {
-    let mut theirs = BTreeMap::new();
+/// Tokens per second at the median step of a step line (ours and PyTorch's alike).
+fn median_tokens_per_s(line: &Value) -> Option<f64> {
+    let tokens = line["config"]["batch"].as_f64()? * line["config"]["seq_len"].as_f64()?;
+    let step_ms = line["step_ms_median"].as_f64().filter(|ms| *ms > 0.0)?;
+    Some(tokens / (step_ms / 1e3))
+}
+
+fn median(samples: &[f64]) -> f64 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// "[4012, 4230, 4101]": each round's figure, for a table cell.
+fn rounds_of(samples: &[f64]) -> String {
+    let each: Vec<String> = samples.iter().map(|s| format!("{s:.0}")).collect();
+    format!("[{}]", each.join(", "))
+}
+
+/// A Python that imports torch (`DISTLAB_TORCH_PYTHON`, else python3), or none.
+fn torch_python() -> Option<String> {
     let python = std::env::var("DISTLAB_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
     let has_torch = Command::new(&python)
         .args(["-c", "import torch"])
@@ -119,25 +151,25 @@ fn pytorch_steps(flops_per_token: f64) -> Result<BTreeMap<(&'static str, u64), S
             "xtask: PyTorch is not available ({python} cannot `import torch`): no reference numbers. \
              Set DISTLAB_TORCH_PYTHON to a Python with torch installed to compare."
         );
-        return Ok(theirs);
     }
+    has_torch.then_some(python)
+}
+
+/// PyTorch's step in `precision` on each thread count, added to `theirs`.
+fn pytorch_steps(python: &str, precision: &'static str, theirs: &mut Samples) {
     let script = root().join("xtask/reference/gpt_step.py");
-    for dtype in ["fp32", "bf16"] {
-        for threads in THREADS {
-            let mut cmd = Command::new(&python);
-            cmd.arg(&script).args(["--untied", "--dtype", dtype, "--threads", &threads.to_string()]);
-            let Ok(text) = run_printing(&mut cmd) else {
-                println!("xtask: the PyTorch reference ({dtype}, {threads} thread(s)) failed");
-                continue;
-            };
-            if let Some(line) = json_lines(&text).into_iter().find(|l| l["tokens_per_s"].is_number()) {
-                let tokens_per_s = line["tokens_per_s"].as_f64().unwrap_or(0.0);
-                // The same model as ours, so the same FLOPs per token.
-                theirs.insert((dtype, threads), Step { tokens_per_s, gflops_per_s: tokens_per_s * flops_per_token / 1e9 });
-            }
+    for threads in THREADS {
+        let mut cmd = Command::new(python);
+        cmd.arg(&script).args(["--untied", "--dtype", precision, "--threads", &threads.to_string()]);
+        let Ok(text) = run_printing(&mut cmd) else {
+            println!("xtask: the PyTorch reference ({precision}, {threads} thread(s)) failed");
+            continue;
+        };
+        // The same model as ours, so the same FLOPs per token.
+        if let Some(tps) = json_lines(&text).iter().find_map(median_tokens_per_s) {
+            theirs.entry((precision, threads)).or_default().push(tps);
         }
     }
-    Ok(theirs)
 }
 
 /// One all_reduce at RING_BYTES: ranks, "shared" or "private" buffers, bus bandwidth GB/s.
@@ -182,4 +214,26 @@ fn run_printing(cmd: &mut Command) -> Result<String> {
 
 fn json_lines(text: &str) -> Vec<Value> {
     text.lines().filter_map(|line| serde_json::from_str::<Value>(line.trim()).ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_takes_medians() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&[]).is_nan());
+        // 16 x 128 tokens in a 400 ms median step (the mean is not what is read).
+        let line: Value = serde_json::from_str(
+            r#"{"step_ms": 500.0, "step_ms_median": 400.0, "config": {"batch": 16, "seq_len": 128}}"#,
+        )
+        .expect("json");
+        assert_eq!(median_tokens_per_s(&line), Some(5120.0));
+        let broken: Value = serde_json::from_str(r#"{"step_ms_median": 0.0, "config": {"batch": 16, "seq_len": 128}}"#)
+            .expect("json");
+        assert_eq!(median_tokens_per_s(&broken), None);
+        assert_eq!(rounds_of(&[4012.4, 4230.6]), "[4012, 4231]");
+    }
 }

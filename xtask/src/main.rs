@@ -53,7 +53,12 @@ enum Cmd {
     /// The training step (fp32/bf16/fp16, 1 and 2 threads) as a share of this machine's FMA
     /// peak and all_reduce as a share of its memcpy bandwidth; PyTorch on the same shape
     /// in the same run when torch is installed.
-    Bench,
+    Bench {
+        /// Rounds of the step benchmarks (ours and PyTorch's side by side in each); the
+        /// table shows the median.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Break the engine on purpose, one hand-written mutant at a time, and run the tests
     /// that should notice; prints caught / missed (fails if any is missed).
     Mutants {
@@ -85,7 +90,7 @@ fn main() -> ExitCode {
         Cmd::BuildFrontend => frontend::build(),
         Cmd::Run { server_args } => run(&server_args),
         Cmd::Test { gpu, test_args } => test(gpu, &test_args),
-        Cmd::Bench => bench::run().map(|()| ExitCode::SUCCESS),
+        Cmd::Bench { rounds } => bench::run(rounds).map(|()| ExitCode::SUCCESS),
         Cmd::Mutants { filter } => {
             mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
