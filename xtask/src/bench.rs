@@ -45,9 +45,16 @@ pub fn run(rounds: usize) -> Result<()> {
     for round in 1..=rounds {
         for precision in PRECISIONS {
             println!("xtask: round {round} of {rounds}, {precision}");
-            let text = run_printing(
-                cargo().args(["bench", "-p", "distlab-worker", "--bench", "train_step", "--", "--precision", precision]),
-            )
+            let text = run_printing(cargo().args([
+                "bench",
+                "-p",
+                "distlab-worker",
+                "--bench",
+                "train_step",
+                "--",
+                "--precision",
+                precision,
+            ]))
             .with_context(|| format!("the {precision} train_step benchmark"))?;
             for line in json_lines(&text) {
                 let threads = line["threads"].as_u64().unwrap_or(0);
@@ -231,8 +238,8 @@ mod tests {
         )
         .expect("json");
         assert_eq!(median_tokens_per_s(&line), Some(5120.0));
-        let broken: Value = serde_json::from_str(r#"{"step_ms_median": 0.0, "config": {"batch": 16, "seq_len": 128}}"#)
-            .expect("json");
+        let broken: Value =
+            serde_json::from_str(r#"{"step_ms_median": 0.0, "config": {"batch": 16, "seq_len": 128}}"#).expect("json");
         assert_eq!(median_tokens_per_s(&broken), None);
         assert_eq!(rounds_of(&[4012.4, 4230.6]), "[4012, 4231]");
     }

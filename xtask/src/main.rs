@@ -253,4 +253,3 @@ fn ensure_browser() {
         Err(e) => eprintln!("xtask: cannot run apt-get ({e}); install chromium and chromium-driver by hand."),
     }
 }
-
