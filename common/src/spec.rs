@@ -610,10 +610,11 @@ impl ModelSpec {
     }
 
     /// Width of Q, K and V together: d_model for the queries and 2 x kv_heads x head width
-    /// for keys and values (3 x d_model without grouped-query attention).
+    /// for keys and values (3 x d_model without grouped-query attention). Saturating, for
+    /// head counts far beyond any that validation is about to refuse.
     pub fn qkv_width(&self) -> u64 {
         let head_width = (self.d_model / self.heads.max(1)) as u64;
-        self.d_model as u64 + 2 * self.key_value_heads() as u64 * head_width
+        (self.key_value_heads() as u64).saturating_mul(2).saturating_mul(head_width).saturating_add(self.d_model as u64)
     }
 
     /// Parameters of one norm: LayerNorm's gain and bias (2d), RMSNorm's gain (d).

@@ -190,6 +190,7 @@ impl ExperimentSpec {
             && within(m.d_model, limits.max_d_model)
             && within(m.vocab, limits.max_vocab)
             && within(m.seq_len, limits.max_seq_len)
+            && within(m.heads, m.d_model)
             && m.experts <= MAX_EXPERTS
             // (other widths are refused above; these keep the count inside u64)
             && (m.ffn_hidden == 0 || m.ffn_hidden == m.d_model.saturating_mul(4))
@@ -724,6 +725,14 @@ mod tests {
         let table: Vec<(serde_json::Value, Vec<(&str, &str)>)> = vec![
             (json!({"name": "  "}), vec![("name", "give the experiment a name")]),
             (json!({"model": {"heads": 3}}), vec![("model.heads", "heads=3 does not divide d_model=64")]),
+            // A head count near u64's limit is refused, not multiplied into the parameter count.
+            (
+                json!({"model": {"heads": 13151339464960996582u64}}),
+                vec![
+                    ("model.heads", "heads must be between 1 and 64 (it is 13151339464960996582)"),
+                    ("model.heads", "heads=13151339464960996582 does not divide d_model=64"),
+                ],
+            ),
             (json!({"model": {"layers": 0}}), vec![("model.layers", "layers must be between 1 and 32 (it is 0)")]),
             (json!({"model": {"vocab": 1}}), vec![("model.vocab", "vocab must be between 2 and 65536 (it is 1)")]),
             (json!({"model": {"seq_len": 5000}}), vec![("model.seq_len", "seq_len must be between 1 and 1024")]),

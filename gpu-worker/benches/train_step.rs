@@ -4,7 +4,9 @@
 //! optimizer step, through the public `train()` entry point.
 //!
 //! Prints one JSON line per thread count:
-//!   {"bench":"train_step","threads":1,"tokens_per_s":...,"step_ms":...,"params":...,"gflops_per_s":...}
+//!   {"bench":"train_step","threads":1,"tokens_per_s":...,"tokens_per_step":...,"step_ms":...,
+//!    "step_ms_median":...,"step_ms_min":...,"params":...,"gflops_per_s":...,"config":{...}}
+//! (`tokens_per_s` from the mean step; `cargo xtask bench` reads the median step instead).
 //!
 //! `cargo bench -p distlab-worker --bench train_step [-- --threads 1,2 --steps 20 --warmup 3
 //!  --precision fp32|bf16|fp16 --checkpointing none|every|sqrt --attention naive|flash
@@ -162,13 +164,17 @@ fn main() {
         let mean_ms = timed.iter().sum::<f64>() / timed.len() as f64;
         let mut sorted = timed.to_vec();
         sorted.sort_by(f64::total_cmp);
-        let median_ms = sorted[sorted.len() / 2];
+        // The middle step, or the mean of the two middle ones (as Python's statistics.median).
+        let middle = sorted.len() / 2;
+        let median_ms =
+            if sorted.len() % 2 == 1 { sorted[middle] } else { (sorted[middle - 1] + sorted[middle]) / 2.0 };
         let tokens_per_s = tokens_per_step / (mean_ms / 1e3);
         let gflops_per_s = flops_per_token * tokens_per_s / 1e9;
         let line = serde_json::json!({
             "bench": "train_step",
             "threads": summary.threads,
             "tokens_per_s": (tokens_per_s * 10.0).round() / 10.0,
+            "tokens_per_step": tokens_per_step,
             "step_ms": (mean_ms * 100.0).round() / 100.0,
             "step_ms_median": (median_ms * 100.0).round() / 100.0,
             "step_ms_min": (sorted[0] * 100.0).round() / 100.0,

@@ -31,8 +31,8 @@ const TORCH_PRECISIONS: [&str; 2] = ["fp32", "bf16"];
 const RING_BYTES: usize = 64 << 20;
 const RING_WORLDS: [usize; 3] = [2, 4, 8];
 
-/// Tokens per second of each round, by (format, threads).
-type Samples = BTreeMap<(&'static str, u64), Vec<f64>>;
+/// Tokens per second by (format, threads), then by round.
+type Samples = BTreeMap<(&'static str, u64), BTreeMap<usize, f64>>;
 
 pub fn run(rounds: usize) -> Result<()> {
     if rounds == 0 {
@@ -67,14 +67,14 @@ pub fn run(rounds: usize) -> Result<()> {
                     Some("train_step") => {
                         flops_per_token = line["flops_per_token"].as_f64();
                         if let Some(tps) = median_tokens_per_s(&line) {
-                            ours.entry((precision, threads)).or_default().push(tps);
+                            ours.entry((precision, threads)).or_default().insert(round, tps);
                         }
                     }
                     _ => {}
                 }
             }
             if let (Some(python), true) = (&python, TORCH_PRECISIONS.contains(&precision)) {
-                pytorch_steps(python, precision, &mut theirs);
+                pytorch_steps(python, precision, round, &mut theirs);
             }
         }
     }
@@ -83,9 +83,12 @@ pub fn run(rounds: usize) -> Result<()> {
 
     println!("\n## Training step (4 layers, d_model 256, seq 128, batch 16, AdamW; {flops_per_token} FLOP/token)\n");
     for (threads, peak) in &peaks {
-        println!("FMA peak on {threads} thread(s): {peak:.1} GFLOP/s");
+        println!("FMA peak on {threads} thread(s): {peak:.1} GFLOP/s (the best of every run's)");
     }
-    println!("\nTokens per second from the median step, median of {rounds} round(s) (each round's in brackets).");
+    println!(
+        "\nTokens per second from the median step, median of {rounds} round(s) (each round's in brackets); \
+         the ratio is the median of each round's ratio."
+    );
     println!(
         "\n| format | threads | distlab tok/s | GFLOP/s | % of FMA peak | PyTorch tok/s | PyTorch % of peak | distlab / PyTorch |"
     );
@@ -93,13 +96,13 @@ pub fn run(rounds: usize) -> Result<()> {
     let gflops = |tps: f64| tps * flops_per_token / 1e9;
     for (precision, threads) in PRECISIONS.iter().flat_map(|p| THREADS.map(|t| (*p, t))) {
         let Some(mine) = ours.get(&(precision, threads)) else { continue };
-        let tps = median(mine);
+        let tps = median(mine.values());
         let peak = peaks.get(&threads).copied().unwrap_or(f64::NAN);
         let (torch_tps, torch_share, ratio) = match theirs.get(&(precision, threads)) {
             Some(t) => (
-                format!("{:.0} {}", median(t), rounds_of(t)),
-                format!("{:.1}%", gflops(median(t)) / peak * 100.0),
-                format!("{:.2}", tps / median(t)),
+                format!("{:.0} {}", median(t.values()), rounds_of(t)),
+                format!("{:.1}%", gflops(median(t.values())) / peak * 100.0),
+                format!("{:.2}", paired_ratio(mine, t)),
             ),
             None => ("-".into(), "-".into(), "-".into()),
         };
@@ -123,13 +126,13 @@ pub fn run(rounds: usize) -> Result<()> {
 
 /// Tokens per second at the median step of a step line (ours and PyTorch's alike).
 fn median_tokens_per_s(line: &Value) -> Option<f64> {
-    let tokens = line["config"]["batch"].as_f64()? * line["config"]["seq_len"].as_f64()?;
+    let tokens = line["tokens_per_step"].as_f64()?;
     let step_ms = line["step_ms_median"].as_f64().filter(|ms| *ms > 0.0)?;
     Some(tokens / (step_ms / 1e3))
 }
 
-fn median(samples: &[f64]) -> f64 {
-    let mut sorted = samples.to_vec();
+fn median<'a>(samples: impl Iterator<Item = &'a f64>) -> f64 {
+    let mut sorted: Vec<f64> = samples.copied().collect();
     sorted.sort_by(f64::total_cmp);
     match sorted.len() {
         0 => f64::NAN,
@@ -138,9 +141,15 @@ fn median(samples: &[f64]) -> f64 {
     }
 }
 
+/// The median over the rounds both ran of ours / theirs (a round one of them lost is left out).
+fn paired_ratio(ours: &BTreeMap<usize, f64>, theirs: &BTreeMap<usize, f64>) -> f64 {
+    let ratios: Vec<f64> = theirs.iter().filter_map(|(round, t)| Some(ours.get(round)? / t)).collect();
+    median(ratios.iter())
+}
+
 /// "[4012, 4230, 4101]": each round's figure, for a table cell.
-fn rounds_of(samples: &[f64]) -> String {
-    let each: Vec<String> = samples.iter().map(|s| format!("{s:.0}")).collect();
+fn rounds_of(samples: &BTreeMap<usize, f64>) -> String {
+    let each: Vec<String> = samples.values().map(|s| format!("{s:.0}")).collect();
     format!("[{}]", each.join(", "))
 }
 
@@ -163,7 +172,7 @@ fn torch_python() -> Option<String> {
 }
 
 /// PyTorch's step in `precision` on each thread count, added to `theirs`.
-fn pytorch_steps(python: &str, precision: &'static str, theirs: &mut Samples) {
+fn pytorch_steps(python: &str, precision: &'static str, round: usize, theirs: &mut Samples) {
     let script = root().join("xtask/reference/gpt_step.py");
     for threads in THREADS {
         let mut cmd = Command::new(python);
@@ -174,7 +183,7 @@ fn pytorch_steps(python: &str, precision: &'static str, theirs: &mut Samples) {
         };
         // The same model as ours, so the same FLOPs per token.
         if let Some(tps) = json_lines(&text).iter().find_map(median_tokens_per_s) {
-            theirs.entry((precision, threads)).or_default().push(tps);
+            theirs.entry((precision, threads)).or_default().insert(round, tps);
         }
     }
 }
@@ -229,18 +238,20 @@ mod tests {
 
     #[test]
     fn the_table_takes_medians() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
-        assert!(median(&[]).is_nan());
-        // 16 x 128 tokens in a 400 ms median step (the mean is not what is read).
-        let line: Value = serde_json::from_str(
-            r#"{"step_ms": 500.0, "step_ms_median": 400.0, "config": {"batch": 16, "seq_len": 128}}"#,
-        )
-        .expect("json");
+        assert_eq!(median([3.0, 1.0, 2.0].iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].iter()), 2.5);
+        assert!(median([].iter()).is_nan());
+        // 2048 tokens in a 400 ms median step (the mean is not what is read).
+        let line: Value =
+            serde_json::from_str(r#"{"step_ms": 500.0, "step_ms_median": 400.0, "tokens_per_step": 2048}"#)
+                .expect("json");
         assert_eq!(median_tokens_per_s(&line), Some(5120.0));
-        let broken: Value =
-            serde_json::from_str(r#"{"step_ms_median": 0.0, "config": {"batch": 16, "seq_len": 128}}"#).expect("json");
+        let broken: Value = serde_json::from_str(r#"{"step_ms_median": 0.0, "tokens_per_step": 2048}"#).expect("json");
         assert_eq!(median_tokens_per_s(&broken), None);
-        assert_eq!(rounds_of(&[4012.4, 4230.6]), "[4012, 4231]");
+        assert_eq!(rounds_of(&BTreeMap::from([(1, 4012.4), (2, 4230.6)])), "[4012, 4231]");
+        // Each round against its own: round 2 (fast for both) does not pair with round 1.
+        let ours = BTreeMap::from([(1, 100.0), (2, 300.0), (3, 110.0)]);
+        let theirs = BTreeMap::from([(1, 50.0), (2, 150.0)]);
+        assert_eq!(paired_ratio(&ours, &theirs), 2.0);
     }
 }

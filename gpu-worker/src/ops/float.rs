@@ -124,7 +124,10 @@ impl Float for f32 {
 /// arithmetic runs in), computed on there, and rounded once when a kernel stores its
 /// result, as a GPU kernel does with bf16/fp16 tensors (load, compute in f32, round on
 /// the store). f32 and f64 load and store themselves unchanged.
-pub trait Stored: Copy + Send + Sync + Default + Debug + PartialEq + 'static {
+///
+/// Sealed (implemented here for f32, f64, bf16 and fp16 only): unsafe code relies on the
+/// slice conversions writing every element they are given.
+pub trait Stored: sealed::Sealed + Copy + Send + Sync + Default + Debug + PartialEq + 'static {
     /// The format kernels compute in.
     type Acc: Float;
     /// Short name for logs ("bf16").
@@ -165,6 +168,14 @@ pub trait Stored: Copy + Send + Sync + Default + Debug + PartialEq + 'static {
     fn to_f64(self) -> f64 {
         self.load().to_f64()
     }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
 }
 
 macro_rules! stored_as_itself {
@@ -271,7 +282,7 @@ impl Stored for half::f16 {
     fn widen_uninit(src: &[Self], dst: &mut [MaybeUninit<f32>]) {
         #[cfg(target_arch = "x86_64")]
         if crate::ops::simd::x86::level() >= crate::ops::simd::x86::V3 {
-            // SAFETY: level V3 is only reported on a CPU with F16C and AVX.
+            // SAFETY: level V3 is only reported where F16C and AVX2 (so AVX) were detected.
             return unsafe { f16c::widen(src, dst) };
         }
         for (d, s) in dst.iter_mut().zip(src) {
@@ -384,8 +395,8 @@ impl<A: Float> AccRow<A> {
     }
 
     /// `dst` in the compute format, to compute into: `dst` itself when the formats are the
-    /// same, else the buffer, holding `dst` widened when `keep`; [`AccRow::store`] rounds
-    /// it into `dst` after. (Not a closure: a closure here would be compiled once for
+    /// same, else the buffer, holding `dst` widened when `keep` (and anything when not: write
+    /// every element); [`AccRow::store`] rounds it into the same `dst` after. (Not a closure: a closure here would be compiled once for
     /// every SIMD width of a `simd_kernel!` and left out of line, at the baseline's.)
     #[inline(always)]
     pub fn open<'a, S: Stored<Acc = A>>(&'a mut self, dst: &'a mut [S], keep: bool) -> &'a mut [A] {
@@ -403,6 +414,7 @@ impl<A: Float> AccRow<A> {
     #[inline(always)]
     pub fn store<S: Stored<Acc = A>>(&self, dst: &mut [S]) {
         if S::as_acc(dst).is_none() {
+            debug_assert_eq!(self.0.len(), dst.len(), "store takes the slice open was given");
             S::narrow_slice(&self.0[..dst.len()], dst);
         }
     }
@@ -547,11 +559,13 @@ mod tests {
         }
         // The slice conversion (the CPU's instructions where present) rounds alike, the
         // last few values (past the 8-wide blocks) included.
-        let mut narrowed = vec![half::f16::ZERO; all.len() + 3];
-        <half::f16 as Stored>::narrow_slice(&all, &mut narrowed[..all.len()]);
+        // A longer destination keeps what lies past the source.
+        let mut narrowed = vec![half::f16::ONE; all.len() + 3];
+        <half::f16 as Stored>::narrow_slice(&all, &mut narrowed);
         for (&x, h) in all.iter().zip(&narrowed) {
             assert_eq!(h.to_bits(), half::f16::from_f32(x).to_bits(), "{x:e} ({:#x})", x.to_bits());
         }
+        assert_eq!(narrowed[all.len()..], [half::f16::ONE; 3]);
         assert_ne!(all.len() % 8, 0, "the test covers a tail");
     }
 
