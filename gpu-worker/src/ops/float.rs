@@ -359,15 +359,9 @@ mod f16c {
 /// and for collectives, which carry f32.
 #[inline(always)]
 pub fn in_acc<S: Stored, R>(buf: &mut [S], f: impl FnOnce(&mut [S::Acc]) -> R) -> R {
-    if let Some(acc) = S::as_acc_mut(buf) {
-        return f(acc);
-    }
-    let mut wide = Vec::with_capacity(buf.len());
-    S::widen_uninit(buf, &mut wide.spare_capacity_mut()[..buf.len()]);
-    // SAFETY: widen_uninit wrote the first buf.len() elements.
-    unsafe { wide.set_len(buf.len()) };
-    let result = f(&mut wide);
-    S::narrow_slice(&wide, buf);
+    let mut wide = AccRow::new();
+    let result = f(wide.open(buf, true));
+    wide.store(buf);
     result
 }
 
@@ -386,28 +380,38 @@ impl<A: Float> AccRow<A> {
     /// `src` in the compute format.
     #[inline(always)]
     pub fn load<'a, S: Stored<Acc = A>>(&'a mut self, src: &'a [S]) -> &'a [A] {
-        if let Some(same) = S::as_acc(src) {
-            return same;
+        match S::as_acc(src) {
+            Some(same) => same,
+            None => self.widened(src),
         }
-        self.0.resize(src.len(), A::ZERO);
-        S::widen_slice(src, &mut self.0);
-        &self.0
     }
 
     /// `dst` in the compute format, to compute into: `dst` itself when the formats are the
-    /// same, else the buffer, holding `dst` widened when `keep` (and anything when not: write
-    /// every element); [`AccRow::store`] rounds it into the same `dst` after. (Not a closure: a closure here would be compiled once for
-    /// every SIMD width of a `simd_kernel!` and left out of line, at the baseline's.)
+    /// same, else the buffer, holding `dst` widened when `keep` (and anything when not:
+    /// write every element); [`AccRow::store`] rounds it into the same `dst` after. (Not a
+    /// closure: a closure here would be compiled once for every SIMD width of a
+    /// `simd_kernel!` and left out of line, at the baseline's.)
     #[inline(always)]
     pub fn open<'a, S: Stored<Acc = A>>(&'a mut self, dst: &'a mut [S], keep: bool) -> &'a mut [A] {
         if S::as_acc(dst).is_none() {
-            self.0.resize(dst.len(), A::ZERO);
             if keep {
-                S::widen_slice(dst, &mut self.0);
+                return self.widened(dst);
             }
+            self.0.resize(dst.len(), A::ZERO);
             return &mut self.0;
         }
         S::as_acc_mut(dst).expect("as_acc and as_acc_mut agree on the format")
+    }
+
+    /// The buffer holding `src` widened (written straight into its spare capacity).
+    #[inline(always)]
+    fn widened<S: Stored<Acc = A>>(&mut self, src: &[S]) -> &mut [A] {
+        self.0.clear();
+        self.0.reserve(src.len());
+        S::widen_uninit(src, &mut self.0.spare_capacity_mut()[..src.len()]);
+        // SAFETY: widen_uninit wrote the first src.len() elements (Stored is sealed).
+        unsafe { self.0.set_len(src.len()) };
+        &mut self.0
     }
 
     /// Rounds what [`AccRow::open`] gave for `dst` into it (nothing to do when it was `dst`).
