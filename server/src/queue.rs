@@ -370,7 +370,7 @@ pub async fn store_events(
 
 async fn insert_metric(tx: &mut sqlx::AnyConnection, id: i64, m: &MetricPoint) -> Result<(), sqlx::Error> {
     // ON CONFLICT ... DO UPDATE is the portable spelling of INSERT OR REPLACE (SQLite and Postgres).
-    sqlx::query(
+    db::query_with_nullable_floats(
         "INSERT INTO metrics \
            (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, \
             expert_balance, expert_assignments, expert_dropped, logit_grad_zero_share, val_loss) \

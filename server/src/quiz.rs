@@ -15,7 +15,7 @@ use distlab_common::quiz::{load_quiz, Question, QuestionResult, QuizAnswer, Quiz
 use distlab_common::FieldError;
 
 use crate::accounts::Account;
-use crate::db::Db;
+use crate::db::{self, Db};
 use crate::error::HttpError;
 use crate::extract::{truncate, JsonBody};
 use crate::review::unprocessable;
@@ -113,7 +113,7 @@ pub async fn results(
 // Storage
 
 async fn record(db: &Db, owner: &str, question_id: &str, correct: bool, given: Option<f64>) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    db::query_with_nullable_floats(
         "INSERT INTO quiz_results (owner, question_id, attempts, correct, last_correct, last_given, answered_at) \
          VALUES ($1, $2, 1, $3, $3, $4, $5) \
          ON CONFLICT (owner, question_id) DO UPDATE SET attempts = quiz_results.attempts + 1, \

@@ -981,6 +981,24 @@ async fn events_are_stored_and_visible_in_metrics() {
         .expect("logs");
     assert_eq!(logs, 1);
     assert_eq!(t.view(id).await.steps_done, 4);
+    // Steps with the optional measurements (a validation loss, fp16's loss scale), one batch
+    // at a time after steps without them: more batches than the pool has connections, so
+    // that on Postgres some connection stores a NULL first and a number after it.
+    for step in 4..24 {
+        let mut point = metric(step, 3.0);
+        point["val_loss"] = json!(2.5);
+        point["loss_scale"] = json!(1024.0);
+        point["logit_grad_zero_share"] = json!(0.25);
+        point["experts"] = json!({"balance": 1.5, "assignments": 8, "dropped": 1});
+        let a = t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": [point]})).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    }
+    let m: Metrics =
+        serde_json::from_value(t.get(&format!("/api/experiments/{id}/metrics")).await.body).expect("metrics");
+    let last = m.steps.last().expect("steps");
+    assert_eq!((last.step, last.val_loss, last.loss_scale), (23, Some(2.5), Some(1024.0)));
+    assert_eq!((last.logit_grad_zero_share, last.experts.map(|e| e.balance)), (Some(0.25), Some(1.5)));
+    assert_eq!(m.steps[3].val_loss, None);
 
     // Complete: succeeded with the summary; later reports are refused with 409.
     let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary()})).await;
