@@ -1,13 +1,15 @@
 //! Where the reference training step's time goes, kernel by kernel: every CPU kernel of
 //! one block (and the head) on the bench's shapes (batch 16 x seq 128 rows, d_model 256,
 //! 4 heads, vocab 256), timed alone on 1 and on 2 threads, with its FLOP rate where it is
-//! a product. For profiling; speeds are reported by `cargo xtask bench`.
+//! a product and that rate's share of the FMA peak on as many threads. For profiling;
+//! speeds are reported by `cargo xtask bench`.
 //!
 //! `cargo run --release -p distlab-worker --example kernel_times [-- --reps 20]`
 
 use std::time::Instant;
 
 use distlab_worker::backend::{Backend, CpuBackend};
+use distlab_worker::machine_limits::fma_peak;
 
 const ROWS: usize = 16 * 128;
 const T: usize = 128;
@@ -38,6 +40,7 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 fn main() {
     let reps = std::env::args().skip_while(|a| a != "--reps").nth(1).and_then(|v| v.parse().ok()).unwrap_or(20);
     let mut table: Vec<(String, f64, Vec<f64>)> = Vec::new();
+    let peaks = [fma_peak(1).gflops_per_s, fma_peak(2).gflops_per_s];
     for threads in [1usize, 2] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
         let be = CpuBackend::<f32>::new(threads);
@@ -127,11 +130,16 @@ fn main() {
             record("gelu backward", 0.0, time(reps, || be.gelu_backward(&mut g, &h)));
         });
     }
-    println!("| kernel | 1 thread ms | GFLOP/s | 2 threads ms | GFLOP/s | speed-up |");
+    println!("FMA peak: {:.1} GFLOP/s on 1 thread, {:.1} on 2", peaks[0], peaks[1]);
+    println!("| kernel | 1 thread ms | GFLOP/s (% of peak) | 2 threads ms | GFLOP/s (% of peak) | speed-up |");
     println!("| --- | --- | --- | --- | --- | --- |");
     for (name, flops, ms) in &table {
-        let rate = |ms: f64| if *flops > 0.0 { format!("{:.1}", flops / ms / 1e6) } else { "-".into() };
-        println!("| {name} | {:.3} | {} | {:.3} | {} | {:.2} |", ms[0], rate(ms[0]), ms[1], rate(ms[1]), ms[0] / ms[1]);
+        let rate = |ms: f64, peak: f64| match flops / ms / 1e6 {
+            gflops if *flops > 0.0 => format!("{gflops:.1} ({:.0}%)", gflops / peak * 100.0),
+            _ => "-".into(),
+        };
+        let (one, two) = (rate(ms[0], peaks[0]), rate(ms[1], peaks[1]));
+        println!("| {name} | {:.3} | {one} | {:.3} | {two} | {:.2} |", ms[0], ms[1], ms[0] / ms[1]);
     }
     let (one, two): (f64, f64) = table.iter().fold((0.0, 0.0), |(a, b), (_, _, ms)| (a + ms[0], b + ms[1]));
     println!("| sum | {one:.2} | | {two:.2} | | {:.2} |", one / two);

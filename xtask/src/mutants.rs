@@ -211,6 +211,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--lib", "thread_blocks_give_the_single_threaded_bits"],
     },
     Mutant {
+        name: "each depth chunk of a deep product (a weight gradient) overwrites the chunks before it",
+        file: "gpu-worker/src/ops/gemm.rs",
+        find: "self.accumulate || start > 0,",
+        replace: "self.accumulate,",
+        tests: &["-p", "distlab-worker", "--lib", "thread_blocks_give_the_single_threaded_bits"],
+    },
+    Mutant {
         name: "the streaming copy out of a peer's buffer drops the tail after the last whole store",
         file: "gpu-worker/src/comm/stream_copy.rs",
         find: "    dst[body..].copy_from_slice(&src[body..]);",
