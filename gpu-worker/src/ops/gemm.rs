@@ -270,8 +270,8 @@ pub fn matmul_widened<F: Float>(
 const MIN_BLOCK: usize = 128;
 
 /// Depth of the chunks a product much deeper than it is wide is summed in (a weight
-/// gradient `Xᵀ dY`, whose inner dimension is the tokens): the gemm crate would sum it
-/// 512 deep at a time, and its packed operands then outgrow the caches. Measured on the
+/// gradient `Xᵀ dY`, whose inner dimension is the tokens): the gemm crate would sum it at
+/// least 512 deep at a time, and its packed operands then outgrow the caches. Measured on the
 /// reference model's weight gradients (2048 deep, 256 x 1024 and 1024 x 256 outputs, one
 /// thread): 4 to 6 points of the FMA peak more than the crate's own depth, and 4 to 5
 /// fewer on the wide products, which are therefore left to it.
@@ -570,7 +570,7 @@ mod tests {
 
     /// Blocks per thread compute every element as one thread does: the same bits on 1, 2
     /// and 3 threads, split by rows or by columns, on transposed views, accumulating or
-    /// not, and summed in depth chunks (the second shape is deep).
+    /// not, and summed in depth chunks (the second and third shapes are deep).
     #[test]
     fn thread_blocks_give_the_single_threaded_bits() {
         thread_blocks_match_one_thread::<f32>(1e-3);
@@ -581,8 +581,9 @@ mod tests {
 
     fn thread_blocks_match_one_thread<S: Stored<Acc = f32>>(tolerance: f64) {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
-        // (rows, inner, cols): split by rows, by columns, too small to split.
-        for (m, k, n) in [(700, 600, 130), (130, 1100, 520), (100, 40, 100)] {
+        // (rows, inner, cols): split by rows, by columns, deep by columns and by rows, too
+        // small to split.
+        for (m, k, n) in [(700, 600, 130), (130, 1100, 520), (520, 1100, 130), (100, 40, 100)] {
             let a: Vec<S> = (0..m * k).map(|i| S::from_f64(((i as f64) * 0.37).sin())).collect();
             let b: Vec<S> = (0..k * n).map(|i| S::from_f64(((i as f64) * 0.91).cos())).collect();
             let start: Vec<S> = (0..m * n).map(|i| S::from_f64(((i as f64) * 0.13).sin())).collect();
