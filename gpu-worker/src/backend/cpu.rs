@@ -77,6 +77,12 @@ impl<S: Stored> CpuBackend<S> {
             cols.div_ceil(self.threads).next_multiple_of(16).max(1)
         }
     }
+
+    /// `dbias += Σ_rows dout`, a block of columns per thread.
+    fn bias_backward(&self, dbias: &mut [S], dout: &[S], c_out: usize) {
+        let w = self.cols_per_task(c_out);
+        dbias.par_chunks_mut(w).enumerate().for_each(|(i, db)| linear::bias_backward(db, i * w, dout, c_out));
+    }
 }
 
 /// Sum of `f(x)` over `x`, in f64: each chunk with 8 running sums (`lane_sum`: one sum
@@ -298,19 +304,30 @@ impl<S: Stored> Backend for CpuBackend<S> {
         c_out: usize,
     ) {
         let rows = inp.len() / c_in;
-        let out = &mut out[..rows * c_out];
-        let prefilled = bias.is_some() || residual.is_some();
-        if prefilled {
-            let k = self.rows_per_task(rows);
-            out.par_chunks_mut(k * c_out).enumerate().for_each(|(i, chunk)| {
-                let res = residual.map(|r| &r[i * k * c_out..i * k * c_out + chunk.len()]);
-                linear::fill_bias_residual(chunk, bias, res, c_out);
-            });
-        }
+        let (k, par) = (self.rows_per_task(rows), self.gemm_parallelism());
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            linear::matmul_forward(out, inp, weight, (bias, residual), c_in, c_out, k, par)
+        });
+    }
+
+    fn matmul_backward(
+        &self,
+        dinp: Option<&mut [S]>,
+        dweight: &mut [S],
+        dbias: Option<&mut [S]>,
+        dout: &[S],
+        inp: &[S],
+        weight: &[S],
+        c_in: usize,
+        c_out: usize,
+    ) {
         let par = self.gemm_parallelism();
         with_kernel_ledger(self.ledger.as_ref(), || {
-            linear::matmul_forward(out, inp, weight, c_in, c_out, prefilled, par)
+            linear::matmul_backward(dinp, dweight, dout, inp, weight, c_in, c_out, par);
         });
+        if let Some(dbias) = dbias {
+            self.bias_backward(dbias, dout, c_out);
+        }
     }
 
     fn matmul_backward_input(&self, dinp: &mut [S], dout: &[S], weight: &[S], c_in: usize, c_out: usize) {
@@ -334,8 +351,7 @@ impl<S: Stored> Backend for CpuBackend<S> {
             linear::matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
         });
         if let Some(dbias) = dbias {
-            let w = self.cols_per_task(c_out);
-            dbias.par_chunks_mut(w).enumerate().for_each(|(i, db)| linear::bias_backward(db, i * w, dout, c_out));
+            self.bias_backward(dbias, dout, c_out);
         }
     }
 

@@ -10,11 +10,13 @@
 //!                         dQ = dS K,   dK = dSᵀ Q
 //!
 //! The four products per head are GEMMs on strided views of qkv (no copies),
-//! in row blocks that skip the blocks above the diagonal.
+//! in row blocks that skip the blocks above the diagonal. A 2-byte format widens each
+//! operand once, for all the products that read it: qkv and dY once per sequence, P
+//! and dS once per head.
 
 use crate::ops::float::{lane_max, lane_sum, AccRow};
 use crate::ops::float::{Float, Stored};
-use crate::ops::gemm::{matmul, Mat, MatMut, Parallelism};
+use crate::ops::gemm::{matmul_wide, Mat, MatMut, Parallelism};
 use crate::ops::simd::simd_kernel;
 
 /// Row-block size for skipping the masked (upper-right) blocks of the T x T products.
@@ -41,6 +43,9 @@ simd_kernel! {
         let c3 = 3 * c;
         let scale = F::from_f64(1.0 / (hs as f64).sqrt());
         let mut row_acc = AccRow::new();
+        // A dense row-major view keeps its layout when widened.
+        let qkv = Mat::row_major(qkv, t, c3).widen(Parallelism::None);
+        let qkv = qkv.data();
         for (h, p) in att.chunks_exact_mut(t * t).enumerate().take(heads) {
             let (q, k, v) = (h * hs, c + h * hs, 2 * c + h * hs);
             // S = Q Kᵀ / sqrt(hs), only the blocks on or below the diagonal
@@ -48,17 +53,18 @@ simd_kernel! {
                 let s = MatMut::new(&mut p[r0 * t..], r1 - r0, r1, t, 1);
                 let q_rows = Mat::new(&qkv[r0 * c3 + q..], r1 - r0, hs, c3, 1);
                 let k_rows = Mat::new(&qkv[k..], r1, hs, c3, 1);
-                matmul(s, false, q_rows, k_rows.t(), scale, Parallelism::None);
+                matmul_wide(s, false, q_rows, k_rows.t(), scale, Parallelism::None);
             }
             for (i, row) in p.chunks_exact_mut(t).enumerate() {
                 causal_softmax_row(row, i, &mut row_acc);
             }
             // Y = P V
+            let p = Mat::row_major(&*p, t, t).widen(Parallelism::None);
             for (r0, r1) in row_blocks(t) {
                 let y = MatMut::new(&mut out[r0 * c + h * hs..], r1 - r0, hs, c, 1);
-                let p_rows = Mat::new(&p[r0 * t..], r1 - r0, r1, t, 1);
+                let p_rows = Mat::new(&p.data()[r0 * t..], r1 - r0, r1, t, 1);
                 let v_rows = Mat::new(&qkv[v..], r1, hs, c3, 1);
-                matmul(y, false, p_rows, v_rows, F::ONE, Parallelism::None);
+                matmul_wide(y, false, p_rows, v_rows, F::ONE, Parallelism::None);
             }
         }
     }
@@ -80,36 +86,43 @@ simd_kernel! {
         let c3 = 3 * c;
         let scale = F::from_f64(1.0 / (hs as f64).sqrt());
         let (mut p_acc, mut dp_acc) = (AccRow::new(), AccRow::new());
+        // Dense row-major views keep their layout when widened.
+        let qkv = Mat::row_major(qkv, t, c3).widen(Parallelism::None);
+        let qkv = qkv.data();
+        let dout = Mat::row_major(dout, t, c).widen(Parallelism::None);
+        let dout = dout.data();
         for (h, (dp, p)) in datt.chunks_exact_mut(t * t).zip(att.chunks_exact(t * t)).enumerate().take(heads) {
             let (q, k, v) = (h * hs, c + h * hs, 2 * c + h * hs);
             let dy = h * hs;
+            let p_wide = Mat::row_major(p, t, t).widen(Parallelism::None);
             for (r0, r1) in row_blocks(t) {
                 // dP = dY Vᵀ (rows r0..r1, columns 0..r1)
                 let dp_rows = MatMut::new(&mut dp[r0 * t..], r1 - r0, r1, t, 1);
                 let dy_rows = Mat::new(&dout[r0 * c + dy..], r1 - r0, hs, c, 1);
                 let v_rows = Mat::new(&qkv[v..], r1, hs, c3, 1);
-                matmul(dp_rows, false, dy_rows, v_rows.t(), F::ONE, Parallelism::None);
+                matmul_wide(dp_rows, false, dy_rows, v_rows.t(), F::ONE, Parallelism::None);
                 // dV = Pᵀ dY (rows r0..r1 of dV get gradient from query rows r0..t)
                 let dv = MatMut::new(&mut dqkv[r0 * c3 + v..], r1 - r0, hs, c3, 1);
-                let p_cols = Mat::new(&p[r0 * t + r0..], t - r0, r1 - r0, t, 1);
+                let p_cols = Mat::new(&p_wide.data()[r0 * t + r0..], t - r0, r1 - r0, t, 1);
                 let dy_below = Mat::new(&dout[r0 * c + dy..], t - r0, hs, c, 1);
-                matmul(dv, false, p_cols.t(), dy_below, F::ONE, Parallelism::None);
+                matmul_wide(dv, false, p_cols.t(), dy_below, F::ONE, Parallelism::None);
             }
             // dS, in place over dP
             for (i, (dp_row, p_row)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
                 causal_softmax_backward_row(dp_row, p_row, i, scale, &mut p_acc, &mut dp_acc);
             }
+            let ds = Mat::row_major(&*dp, t, t).widen(Parallelism::None);
             for (r0, r1) in row_blocks(t) {
                 // dQ = dS K
                 let dq = MatMut::new(&mut dqkv[r0 * c3 + q..], r1 - r0, hs, c3, 1);
-                let ds_rows = Mat::new(&dp[r0 * t..], r1 - r0, r1, t, 1);
+                let ds_rows = Mat::new(&ds.data()[r0 * t..], r1 - r0, r1, t, 1);
                 let k_rows = Mat::new(&qkv[k..], r1, hs, c3, 1);
-                matmul(dq, false, ds_rows, k_rows, F::ONE, Parallelism::None);
+                matmul_wide(dq, false, ds_rows, k_rows, F::ONE, Parallelism::None);
                 // dK = dSᵀ Q
                 let dk = MatMut::new(&mut dqkv[r0 * c3 + k..], r1 - r0, hs, c3, 1);
-                let ds_cols = Mat::new(&dp[r0 * t + r0..], t - r0, r1 - r0, t, 1);
+                let ds_cols = Mat::new(&ds.data()[r0 * t + r0..], t - r0, r1 - r0, t, 1);
                 let q_below = Mat::new(&qkv[r0 * c3 + q..], t - r0, hs, c3, 1);
-                matmul(dk, false, ds_cols.t(), q_below, F::ONE, Parallelism::None);
+                matmul_wide(dk, false, ds_cols.t(), q_below, F::ONE, Parallelism::None);
             }
         }
     }

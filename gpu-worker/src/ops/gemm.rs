@@ -9,11 +9,12 @@
 //! operands are widened to f32, the product is accumulated in f32, and the result is
 //! rounded once as it is stored (here through dense f32 copies of the views).
 
+use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use crate::memory::kernel_scratch;
+use crate::memory::{kernel_scratch, Receipt};
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;
 pub use gemm::Parallelism;
@@ -122,7 +123,7 @@ fn widened_slice<S: Stored>(src: &[S], par: Parallelism) -> Vec<S::Acc> {
 }
 
 /// `src` rounded into `dst` (equal lengths), in chunks over the threads when `par` has several.
-fn narrow_slice<S: Stored>(src: &[S::Acc], dst: &mut [S], par: Parallelism) {
+pub fn narrow_slice<S: Stored>(src: &[S::Acc], dst: &mut [S], par: Parallelism) {
     match par {
         Parallelism::Rayon(n) if n > 1 && src.len() > CONVERT_CHUNK => {
             dst.par_chunks_mut(CONVERT_CHUNK).zip(src.par_chunks(CONVERT_CHUNK)).for_each(|(d, s)| narrow_into(s, d))
@@ -191,46 +192,100 @@ fn trivial<A, B: Default>(dst: &mut MatMut<'_, B>, accumulate: bool, lhs: &Mat<'
 
 /// `dst = (accumulate ? dst : 0) + scale * lhs · rhs`.
 pub fn matmul<S: Stored>(
-    mut dst: MatMut<'_, S>,
+    dst: MatMut<'_, S>,
     accumulate: bool,
     lhs: Mat<'_, S>,
     rhs: Mat<'_, S>,
     scale: S::Acc,
     par: Parallelism,
 ) {
+    let (lhs, rhs) = (lhs.widen(par), rhs.widen(par));
+    matmul_wide(dst, accumulate, lhs.view(), rhs.view(), scale, par);
+}
+
+/// A matrix in the compute format: the stored view itself when it already is one (f32,
+/// f64), else a widened copy, booked as kernel scratch while it lives. An operand used by
+/// two products (a layer's output gradient, by its input and its weight gradients) is
+/// widened once for both.
+pub struct Wide<'a, F: Clone> {
+    data: Cow<'a, [F]>,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+    _booked: Option<Receipt>,
+}
+
+impl<F: Clone> Wide<'_, F> {
+    /// The matrix, as a view to multiply (or to take sub-views of, through [`Self::data`]).
+    pub fn view(&self) -> Mat<'_, F> {
+        Mat {
+            data: &self.data,
+            rows: self.rows,
+            cols: self.cols,
+            row_stride: self.row_stride,
+            col_stride: self.col_stride,
+        }
+    }
+
+    /// Its elements, laid out by the view's strides: the stored slice's own layout when
+    /// borrowed, dense (rows or columns as the view's contiguous side) when widened.
+    pub fn data(&self) -> &[F] {
+        &self.data
+    }
+}
+
+impl<'a, S: Stored> Mat<'a, S> {
+    /// The view in the compute format (see [`Wide`]).
+    pub fn widen(self, par: Parallelism) -> Wide<'a, S::Acc> {
+        let (rows, cols) = (self.rows, self.cols);
+        if let Some(data) = S::as_acc(self.data) {
+            let (row_stride, col_stride) = (self.row_stride, self.col_stride);
+            return Wide { data: Cow::Borrowed(data), rows, cols, row_stride, col_stride, _booked: None };
+        }
+        let (data, row_stride, col_stride) = self.widened(par);
+        let _booked = kernel_scratch::<S::Acc>(data.len());
+        Wide { data: Cow::Owned(data), rows, cols, row_stride, col_stride, _booked }
+    }
+}
+
+/// `dst = (accumulate ? dst : 0) + scale * lhs · rhs` with the operands already in the
+/// compute format ([`Mat::widen`]); a 2-byte `dst` is computed in an f32 copy (of itself
+/// when accumulating, uninitialised otherwise) and rounded once as it is stored.
+pub fn matmul_wide<S: Stored>(
+    mut dst: MatMut<'_, S>,
+    accumulate: bool,
+    lhs: Mat<'_, S::Acc>,
+    rhs: Mat<'_, S::Acc>,
+    scale: S::Acc,
+    par: Parallelism,
+) {
     if trivial(&mut dst, accumulate, &lhs, &rhs) {
         return;
     }
-    let (rows, cols, inner) = (dst.rows, dst.cols, lhs.cols);
-    let (dst_strides, lhs_strides, rhs_strides) =
-        ((dst.row_stride, dst.col_stride), (lhs.row_stride, lhs.col_stride), (rhs.row_stride, rhs.col_stride));
-    if let (Some(l), Some(r)) = (S::as_acc(lhs.data), S::as_acc(rhs.data)) {
-        let d = S::as_acc_mut(dst.data).expect("every slice has the same format");
-        let (d, l, r) = (
-            MatMut { data: d, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 },
-            Mat { data: l, rows, cols: inner, row_stride: lhs_strides.0, col_stride: lhs_strides.1 },
-            Mat { data: r, rows: inner, cols, row_stride: rhs_strides.0, col_stride: rhs_strides.1 },
-        );
-        return gemm_in_place(d, accumulate, l, r, scale, par);
+    let (rows, cols) = (dst.rows, dst.cols);
+    let dst_strides = (dst.row_stride, dst.col_stride);
+    if let Some(d) = S::as_acc_mut(dst.data) {
+        let d = MatMut { data: d, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 };
+        return gemm_in_place(d, accumulate, lhs, rhs, scale, par);
     }
-    let (l, r) = (lhs.widened(par), rhs.widened(par));
-    let dst_view = Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 };
     let (mut out, out_strides) = if accumulate {
+        let dst_view = Mat { data: &*dst.data, rows, cols, row_stride: dst_strides.0, col_stride: dst_strides.1 };
         let (out, row_stride, col_stride) = dst_view.widened(par);
         (out, (row_stride, col_stride))
     } else {
-        (vec![S::Acc::ZERO; rows * cols], (cols, 1))
+        (Vec::with_capacity(rows * cols), (cols, 1))
     };
-    // The three compute-format copies live for this call: transient scratch.
-    let _scratch = kernel_scratch::<S::Acc>(l.0.len() + r.0.len() + out.len());
-    gemm_in_place(
-        MatMut::new(&mut out, rows, cols, out_strides.0, out_strides.1),
-        accumulate,
-        Mat::new(&l.0, rows, inner, l.1, l.2),
-        Mat::new(&r.0, inner, cols, r.1, r.2),
-        scale,
-        par,
-    );
+    let _booked = kernel_scratch::<S::Acc>(rows * cols);
+    let product = RawProduct::new((out.as_mut_ptr(), rows, cols, out_strides), accumulate, lhs, rhs, scale);
+    // SAFETY: `out` holds (or has the capacity for) the rows * cols elements its strides
+    // reach, and nothing else sees it; the operands' views checked their indices. A product
+    // that does not accumulate writes every element of its output and reads none (the test
+    // `an_overwriting_product_reads_nothing_of_its_output`), so `out` is initialised after.
+    unsafe {
+        run_on_threads(product, par);
+        out.set_len(rows * cols);
+    }
     if dst_strides == out_strides {
         // Laid out alike (both dense): one slice onto the other.
         narrow_slice(&out, &mut dst.data[..rows * cols], par);
@@ -293,42 +348,38 @@ fn gemm_in_place<F: Float>(
     scale: F,
     par: Parallelism,
 ) {
-    let inner = lhs.cols;
-    // Decided on the whole product, so that each element's sum is added up the same way
-    // whatever the thread count.
-    let deep = inner > DEPTH_CHUNK && inner >= 2 * dst.rows.max(dst.cols);
-    let product = RawProduct {
-        rows: dst.rows,
-        cols: dst.cols,
-        inner,
-        depth_chunk: if deep { DEPTH_CHUNK } else { inner },
-        dst: (dst.data.as_mut_ptr(), dst.row_stride, dst.col_stride),
-        lhs: (lhs.data.as_ptr(), lhs.row_stride, lhs.col_stride),
-        rhs: (rhs.data.as_ptr(), rhs.row_stride, rhs.col_stride),
-        accumulate,
-        scale,
-    };
+    let raw_dst = (dst.data.as_mut_ptr(), dst.rows, dst.cols, (dst.row_stride, dst.col_stride));
+    // SAFETY: the views' constructors checked every index the strides reach, `dst` is
+    // borrowed mutably (so it aliases neither operand).
+    unsafe { run_on_threads(RawProduct::new(raw_dst, accumulate, lhs, rhs, scale), par) }
+}
+
+/// Runs `product`, on several threads as blocks of whole output rows or columns (see
+/// [`gemm_in_place`]).
+///
+/// # Safety
+/// As [`RawProduct::run`].
+unsafe fn run_on_threads<F: Float>(product: RawProduct<F>, par: Parallelism) {
     let threads = match par {
         Parallelism::None => 1,
         Parallelism::Rayon(0) => rayon::current_num_threads(),
         Parallelism::Rayon(n) => n,
     };
-    let by_rows = dst.rows >= dst.cols;
-    let long = dst.rows.max(dst.cols);
+    let (rows, cols, (row_stride, col_stride)) = (product.rows, product.cols, (product.dst.1, product.dst.2));
+    let by_rows = rows >= cols;
+    let long = rows.max(cols);
     let blocks = threads.min(long / MIN_BLOCK);
     // Blocks are disjoint only where no two elements of the output share an address.
-    let one_to_one =
-        (dst.col_stride == 1 && dst.row_stride >= dst.cols) || (dst.row_stride == 1 && dst.col_stride >= dst.rows);
+    let one_to_one = (col_stride == 1 && row_stride >= cols) || (row_stride == 1 && col_stride >= rows);
     if blocks < 2 || !one_to_one {
-        // SAFETY: the views' constructors checked every index the strides reach, `dst` is
-        // borrowed mutably (so it aliases neither operand).
+        // SAFETY: the caller's.
         return unsafe { product.run(par) };
     }
     let step = long.div_ceil(blocks).next_multiple_of(16);
     (0..long.div_ceil(step)).into_par_iter().for_each(|b| {
         let range = b * step..((b + 1) * step).min(long);
         let block = if by_rows { product.rows_of(range) } else { product.cols_of(range) };
-        // SAFETY: as above; the blocks write disjoint elements of `dst` (one-to-one strides).
+        // SAFETY: the caller's; the blocks write disjoint elements (one-to-one strides).
         unsafe { block.run(Parallelism::None) }
     });
 }
@@ -356,6 +407,32 @@ unsafe impl<F: Send> Send for RawProduct<F> {}
 unsafe impl<F: Sync> Sync for RawProduct<F> {}
 
 impl<F: Float> RawProduct<F> {
+    /// The product into `dst` = (pointer, rows, columns, (row stride, column stride)).
+    fn new(
+        dst: (*mut F, usize, usize, (usize, usize)),
+        accumulate: bool,
+        lhs: Mat<'_, F>,
+        rhs: Mat<'_, F>,
+        scale: F,
+    ) -> Self {
+        let (ptr, rows, cols, (row_stride, col_stride)) = dst;
+        let inner = lhs.cols;
+        // Decided on the whole product, so that each element's sum is added up the same way
+        // whatever the thread count.
+        let deep = inner > DEPTH_CHUNK && inner >= 2 * rows.max(cols);
+        Self {
+            rows,
+            cols,
+            inner,
+            depth_chunk: if deep { DEPTH_CHUNK } else { inner },
+            dst: (ptr, row_stride, col_stride),
+            lhs: (lhs.data.as_ptr(), lhs.row_stride, lhs.col_stride),
+            rhs: (rhs.data.as_ptr(), rhs.row_stride, rhs.col_stride),
+            accumulate,
+            scale,
+        }
+    }
+
     /// Output rows `range` (and the same rows of `lhs`).
     fn rows_of(self, range: std::ops::Range<usize>) -> Self {
         let (dst, lhs) = (self.dst, self.lhs);
@@ -523,6 +600,38 @@ mod tests {
             Parallelism::None,
         );
         assert!(out[0].is_infinite());
+    }
+
+    /// A 2-byte product that does not accumulate computes into uninitialised memory: that
+    /// is sound only because the gemm crate then writes every element and reads none, on
+    /// each of its paths (vector-matrix, small, packed, depth-chunked, thread blocks). A
+    /// destination full of NaN would poison any element read.
+    #[test]
+    fn an_overwriting_product_reads_nothing_of_its_output() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+        for (m, k, n) in [(1, 9, 7), (7, 9, 1), (4, 8, 4), (70, 33, 90), (130, 1100, 520), (300, 64, 300)] {
+            let a: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
+            let b: Vec<f64> = (0..k * n).map(|i| (i as f64 * 0.91).cos()).collect();
+            let want = naive(&a, &b, m, k, n);
+            let (a32, b32): (Vec<f32>, Vec<f32>) =
+                (a.iter().map(|&x| x as f32).collect(), b.iter().map(|&x| x as f32).collect());
+            for par in [Parallelism::None, Parallelism::Rayon(2)] {
+                let mut c = vec![f32::NAN; m * n];
+                pool.install(|| {
+                    matmul(
+                        MatMut::row_major(&mut c, m, n),
+                        false,
+                        Mat::row_major(&a32, m, k),
+                        Mat::row_major(&b32, k, n),
+                        1.0,
+                        par,
+                    )
+                });
+                for (got, want) in c.iter().zip(&want) {
+                    assert!((*got as f64 - want).abs() < 1e-3 * (1.0 + want.abs()), "{m}x{k}x{n}: {got} vs {want}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -8,55 +8,117 @@
 //! views, not copies); bias and residual are written first and the product is
 //! accumulated on top, so the output is written once and read once.
 
+use std::mem::MaybeUninit;
+
+use rayon::prelude::*;
+
+use crate::memory::kernel_scratch;
 use crate::ops::float::AccRow;
 use crate::ops::float::{Float, Stored};
-use crate::ops::gemm::{matmul, Mat, MatMut, Parallelism};
+use crate::ops::gemm::{matmul, matmul_wide, matmul_widened, narrow_slice, Mat, MatMut, Parallelism};
 use crate::ops::simd::simd_kernel;
 
 simd_kernel! {
-    /// A chunk of output rows: `out = residual + bias` (either may be absent).
-    pub fn fill_bias_residual<F: Float, S: Stored<Acc = F>>(out: &mut [S], bias: Option<&[S]>, residual: Option<&[S]>, c_out: usize) {
+    /// A chunk of output rows, in the compute format: `out = residual + bias` (either may
+    /// be absent; zeros when both are). Writes every element of `out`.
+    pub fn fill_bias_residual<F: Float, S: Stored<Acc = F>>(
+        out: &mut [MaybeUninit<F>],
+        bias: Option<&[S]>,
+        residual: Option<&[S]>,
+        c_out: usize,
+    ) {
+        let (mut b_acc, mut r_acc) = (AccRow::new(), AccRow::new());
         match (bias, residual) {
             (Some(b), Some(r)) => {
-                let (mut b_acc, mut r_acc, mut y_acc) = (AccRow::new(), AccRow::new(), AccRow::new());
                 let b = b_acc.load(&b[..c_out]);
                 for (y, r) in out.chunks_exact_mut(c_out).zip(r.chunks_exact(c_out)) {
-                    for ((y, &r), &b) in y_acc.open(y, false).iter_mut().zip(r_acc.load(r)).zip(b) {
-                        *y = r + b;
+                    for ((y, &r), &b) in y.iter_mut().zip(r_acc.load(r)).zip(b) {
+                        y.write(r + b);
                     }
-                    y_acc.store(y);
                 }
             }
             (Some(b), None) => {
+                let b = b_acc.load(&b[..c_out]);
                 for y in out.chunks_exact_mut(c_out) {
-                    y.copy_from_slice(&b[..c_out]);
+                    for (y, &b) in y.iter_mut().zip(b) {
+                        y.write(b);
+                    }
                 }
             }
-            (None, Some(r)) => out.copy_from_slice(&r[..out.len()]),
-            (None, None) => {}
+            (None, Some(r)) => S::widen_uninit(&r[..out.len()], out),
+            (None, None) => out.fill(MaybeUninit::new(F::ZERO)),
         }
     }
 }
 
-/// `out (+)= inp · W`: accumulates onto `out` when it already holds bias/residual.
+/// `out = [residual +] inp · W [+ bias]`. With a bias or a residual the output starts from
+/// them, written in the compute format, and the product is accumulated on top, so that the
+/// output is written once and read once; a 2-byte output starts in an f32 copy (never
+/// written in 2 bytes first) and is rounded once at the end. The start is written
+/// `rows_per_task` rows at a time, in parallel.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_forward<S: Stored>(
     out: &mut [S],
     inp: &[S],
     weight: &[S],
+    (bias, residual): (Option<&[S]>, Option<&[S]>),
     c_in: usize,
     c_out: usize,
-    accumulate: bool,
+    rows_per_task: usize,
     par: Parallelism,
 ) {
     let rows = inp.len() / c_in;
-    matmul(
-        MatMut::row_major(out, rows, c_out),
-        accumulate,
-        Mat::row_major(inp, rows, c_in),
-        Mat::row_major(weight, c_in, c_out),
-        S::Acc::ONE,
-        par,
-    );
+    let (x, w) = (Mat::row_major(inp, rows, c_in), Mat::row_major(weight, c_in, c_out));
+    if bias.is_none() && residual.is_none() {
+        return matmul(MatMut::row_major(out, rows, c_out), false, x, w, S::Acc::ONE, par);
+    }
+    let (x, w) = (x.widen(par), w.widen(par));
+    let task = rows_per_task.max(1) * c_out;
+    let start = |acc: &mut [MaybeUninit<S::Acc>]| {
+        acc.par_chunks_mut(task).enumerate().for_each(|(i, chunk)| {
+            let residual = residual.map(|r| &r[i * task..i * task + chunk.len()]);
+            fill_bias_residual(chunk, bias, residual, c_out);
+        })
+    };
+    let product = |acc: &mut [S::Acc]| {
+        matmul_widened(MatMut::row_major(acc, rows, c_out), true, x.view(), w.view(), S::Acc::ONE, par)
+    };
+    if let Some(acc) = S::as_acc_mut(&mut out[..rows * c_out]) {
+        // SAFETY: the same elements seen as possibly uninitialised; `start` writes only
+        // initialised values into them.
+        start(unsafe { &mut *(acc as *mut [S::Acc] as *mut [MaybeUninit<S::Acc>]) });
+        return product(acc);
+    }
+    let mut acc = Vec::with_capacity(rows * c_out);
+    start(&mut acc.spare_capacity_mut()[..rows * c_out]);
+    // SAFETY: fill_bias_residual wrote every element of each chunk.
+    unsafe { acc.set_len(rows * c_out) };
+    let _booked = kernel_scratch::<S::Acc>(acc.len());
+    product(&mut acc);
+    narrow_slice(&acc, &mut out[..rows * c_out], par);
+}
+
+/// Both halves of the backward below (`dinp = dout · Wᵀ` when asked, `dW += inpᵀ · dout`),
+/// with `dout` widened once for the two products when it is stored in 2 bytes.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward<S: Stored>(
+    dinp: Option<&mut [S]>,
+    dweight: &mut [S],
+    dout: &[S],
+    inp: &[S],
+    weight: &[S],
+    c_in: usize,
+    c_out: usize,
+    par: Parallelism,
+) {
+    let rows = dout.len() / c_out;
+    let dout = Mat::row_major(dout, rows, c_out).widen(par);
+    if let Some(dinp) = dinp {
+        let weight_t = Mat::row_major(weight, c_in, c_out).t().widen(par);
+        matmul_wide(MatMut::row_major(dinp, rows, c_in), false, dout.view(), weight_t.view(), S::Acc::ONE, par);
+    }
+    let inp_t = Mat::row_major(inp, rows, c_in).t().widen(par);
+    matmul_wide(MatMut::row_major(dweight, c_in, c_out), true, inp_t.view(), dout.view(), S::Acc::ONE, par);
 }
 
 /// `dinp = dout · Wᵀ` (overwritten).
@@ -111,5 +173,80 @@ simd_kernel! {
             }
         }
         dbias_acc.store(dbias);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `out = residual + inp · W + bias` in each format, with either start absent, its rows
+    /// filled in uneven tasks on two threads: the exact value of the stored operands,
+    /// rounded once, and the same bits as on one thread.
+    #[test]
+    fn the_forward_starts_from_bias_and_residual() {
+        fn check<S: Stored>(tolerance: f64) {
+            let (rows, c_in, c_out) = (37, 24, 20);
+            let make = |n: usize, f: f64| (0..n).map(|i| S::from_f64((i as f64 * f).sin())).collect::<Vec<S>>();
+            let (inp, weight) = (make(rows * c_in, 0.37), make(c_in * c_out, 0.13));
+            let (bias, residual) = (make(c_out, 0.7), make(rows * c_out, 0.29));
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+            for start in [(Some(&bias[..]), Some(&residual[..])), (Some(&bias[..]), None), (None, Some(&residual[..]))]
+            {
+                let run = |par, rows_per_task| {
+                    let mut out = make(rows * c_out, 0.5);
+                    pool.install(|| matmul_forward(&mut out, &inp, &weight, start, c_in, c_out, rows_per_task, par));
+                    out
+                };
+                let one = run(Parallelism::None, rows);
+                assert_eq!(one, run(Parallelism::Rayon(2), 5), "{} on two threads", S::NAME);
+                for (i, got) in one.iter().enumerate() {
+                    let (r, c) = (i / c_out, i % c_out);
+                    let product: f64 =
+                        (0..c_in).map(|k| inp[r * c_in + k].to_f64() * weight[k * c_out + c].to_f64()).sum();
+                    let want =
+                        start.0.map_or(0.0, |b| b[c].to_f64()) + start.1.map_or(0.0, |x| x[i].to_f64()) + product;
+                    assert!(
+                        (got.to_f64() - want).abs() <= tolerance * (1.0 + want.abs()),
+                        "{} {got:?} vs {want}",
+                        S::NAME
+                    );
+                }
+            }
+        }
+        check::<f32>(1e-5);
+        check::<half::bf16>(2f64.powi(-8));
+        check::<half::f16>(2f64.powi(-10));
+    }
+
+    /// The backward that widens `dout` once gives the bits of its two halves run apart (as
+    /// ZB-H1's B and W run them), in every format.
+    #[test]
+    fn the_shared_backward_gives_the_bits_of_its_halves() {
+        fn check<S: Stored>() {
+            let (rows, c_in, c_out) = (300, 24, 56);
+            let make = |n: usize, f: f64| (0..n).map(|i| S::from_f64((i as f64 * f).sin())).collect::<Vec<S>>();
+            let (dout, inp, weight) = (make(rows * c_out, 0.37), make(rows * c_in, 0.91), make(c_in * c_out, 0.13));
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+            for par in [Parallelism::None, Parallelism::Rayon(2)] {
+                let (mut dinp, mut dweight) = (vec![S::default(); rows * c_in], make(c_in * c_out, 0.5));
+                let (mut dinp_apart, mut dweight_apart) = (dinp.clone(), dweight.clone());
+                pool.install(|| {
+                    matmul_backward(Some(&mut dinp), &mut dweight, &dout, &inp, &weight, c_in, c_out, par);
+                    matmul_backward_input(&mut dinp_apart, &dout, &weight, c_in, c_out, par);
+                    matmul_backward_weight(&mut dweight_apart, &dout, &inp, c_in, c_out, par);
+                });
+                assert_eq!(dinp, dinp_apart, "{}", S::NAME);
+                assert_eq!(dweight, dweight_apart, "{}", S::NAME);
+                assert!(dinp.iter().any(|x| *x != S::default()));
+                // Without dinp, the weights' half alone.
+                let mut dweight_only = make(c_in * c_out, 0.5);
+                pool.install(|| matmul_backward(None, &mut dweight_only, &dout, &inp, &weight, c_in, c_out, par));
+                assert_eq!(dweight_only, dweight);
+            }
+        }
+        check::<f32>();
+        check::<half::bf16>();
+        check::<half::f16>();
     }
 }
