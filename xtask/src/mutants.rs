@@ -197,10 +197,10 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "ddp", "ddp_trains_like_one_rank"],
     },
     Mutant {
-        name: "a 2-byte matrix product's f32 copies go unbooked",
+        name: "a 2-byte matrix product's f32 operand copies go unbooked",
         file: "gpu-worker/src/ops/gemm.rs",
-        find: "kernel_scratch::<S::Acc>(l.0.len() + r.0.len() + out.len())",
-        replace: "kernel_scratch::<S::Acc>(0)",
+        find: "let _booked = kernel_scratch::<S::Acc>(data.len());",
+        replace: "let _booked = kernel_scratch::<S::Acc>(0);",
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
     },
     Mutant {
