@@ -140,6 +140,10 @@ impl<F: Stored> Mat<'_, F> {
     /// into a dense one; any other view is gathered element by element.
     fn widened(&self, par: Parallelism) -> (Vec<F::Acc>, usize, usize) {
         let len = self.rows * self.cols;
+        if len == 0 {
+            // An empty view (an empty product's operand) has no lines to widen.
+            return (Vec::new(), self.cols, 1);
+        }
         let dense = (self.row_stride, self.col_stride) == (self.cols, 1)
             || (self.row_stride, self.col_stride) == (1, self.rows);
         if dense {
@@ -402,7 +406,7 @@ struct RawProduct<F> {
 }
 
 // SAFETY: a product is shared among the pool's threads only as blocks that write
-// disjoint parts of its output (`gemm_in_place`).
+// disjoint parts of its output (`run_on_threads`).
 unsafe impl<F: Send> Send for RawProduct<F> {}
 unsafe impl<F: Sync> Sync for RawProduct<F> {}
 
@@ -609,7 +613,9 @@ mod tests {
     #[test]
     fn an_overwriting_product_reads_nothing_of_its_output() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
-        for (m, k, n) in [(1, 9, 7), (7, 9, 1), (4, 8, 4), (70, 33, 90), (130, 1100, 520), (300, 64, 300)] {
+        for (m, k, n) in
+            [(1, 9, 7), (7, 9, 1), (300, 9, 1), (5, 2, 6), (4, 8, 4), (70, 33, 90), (130, 1100, 520), (300, 64, 300)]
+        {
             let a: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
             let b: Vec<f64> = (0..k * n).map(|i| (i as f64 * 0.91).cos()).collect();
             let want = naive(&a, &b, m, k, n);

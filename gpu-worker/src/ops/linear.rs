@@ -27,10 +27,12 @@ simd_kernel! {
         residual: Option<&[S]>,
         c_out: usize,
     ) {
+        assert_eq!(out.len() % c_out, 0, "whole rows");
         let (mut b_acc, mut r_acc) = (AccRow::new(), AccRow::new());
         match (bias, residual) {
             (Some(b), Some(r)) => {
                 let b = b_acc.load(&b[..c_out]);
+                let r = &r[..out.len()];
                 for (y, r) in out.chunks_exact_mut(c_out).zip(r.chunks_exact(c_out)) {
                     for ((y, &r), &b) in y.iter_mut().zip(r_acc.load(r)).zip(b) {
                         y.write(r + b);
@@ -229,7 +231,8 @@ mod tests {
             let (dout, inp, weight) = (make(rows * c_out, 0.37), make(rows * c_in, 0.91), make(c_in * c_out, 0.13));
             let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
             for par in [Parallelism::None, Parallelism::Rayon(2)] {
-                let (mut dinp, mut dweight) = (vec![S::default(); rows * c_in], make(c_in * c_out, 0.5));
+                // dinp starts non-zero: it is overwritten, never accumulated onto.
+                let (mut dinp, mut dweight) = (make(rows * c_in, 0.7), make(c_in * c_out, 0.5));
                 let (mut dinp_apart, mut dweight_apart) = (dinp.clone(), dweight.clone());
                 pool.install(|| {
                     matmul_backward(Some(&mut dinp), &mut dweight, &dout, &inp, &weight, c_in, c_out, par);
