@@ -2,7 +2,10 @@
 //! processes, with the nccl-tests definitions (as torch's gloo is measured in
 //! xtask/reference/allreduce.py):
 //!   algbw = bytes / time;  busbw = algbw * 2(W-1)/W (all-reduce), * (W-1)/W (reduce-scatter,
-//!   all-gather), where bytes is the full buffer.
+//!   all-gather), where bytes is the full buffer. Reduce-scatter and all-gather run both in
+//!   place (as ZeRO and FSDP call them: the rank's shard is a slice of the full buffer) and
+//!   out of place (a separate shard buffer, as the demos and the compressors call them: one
+//!   more copy of the shard).
 //! Then the all-reduce algorithms side by side (`AlgorithmPoint`): each one's time, and the
 //! bytes rank 0 (the busiest in every one: the root, the first leader) sent per call.
 
@@ -20,6 +23,8 @@ use crate::rank::{connect, LauncherChannel, Place};
 pub struct BandwidthPoint {
     pub bench: &'static str,
     pub op: &'static str,
+    /// Whether the shard is a slice of the full buffer (always, for all-reduce).
+    pub in_place: bool,
     /// "shared": buffers from `alloc_shared` (peers read them directly); "private": ordinary
     /// memory (peers copy it out with process_vm_readv, or it goes through the pipe).
     pub memory: &'static str,
@@ -41,6 +46,7 @@ pub fn memcpy_point(bytes: usize) -> BandwidthPoint {
     BandwidthPoint {
         bench: "memcpy",
         op: "memcpy",
+        in_place: false,
         memory: "private",
         world: 1,
         hosts: 1,
@@ -89,19 +95,29 @@ pub fn run_rank(place: &Place, min_bytes: usize, max_bytes: usize) -> anyhow::Re
         let (buf, out): (&mut [f32], &mut [f32]) =
             if memory == "shared" { (&mut shared.0, &mut shared.1) } else { (&mut private.0, &mut private.1) };
         buf.fill(1.0);
-        for op in [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather] {
+        for (op, in_place) in [
+            (CollectiveOp::AllReduce, true),
+            (CollectiveOp::ReduceScatter, true),
+            (CollectiveOp::ReduceScatter, false),
+            (CollectiveOp::AllGather, true),
+            (CollectiveOp::AllGather, false),
+        ] {
             for bytes in sizes(min_bytes, max_bytes) {
                 let n = bytes / 4;
                 // Enough iterations for ~0.2 s of traffic, at least 3.
                 let iters = ((200 << 20) / bytes).clamp(3, 200);
                 let mut run = |comm: &mut RingCommunicator| -> anyhow::Result<()> {
                     let shard = chunk_range(n, world, rank);
-                    match op {
-                        CollectiveOp::AllReduce => comm.all_reduce(&mut buf[..n], ReduceOp::Sum)?,
-                        CollectiveOp::ReduceScatter => {
+                    match (op, in_place) {
+                        (CollectiveOp::AllReduce, _) => comm.all_reduce(&mut buf[..n], ReduceOp::Sum)?,
+                        (CollectiveOp::ReduceScatter, true) => {
+                            comm.reduce_scatter_in_place(&mut buf[..n], ReduceOp::Sum)?
+                        }
+                        (CollectiveOp::ReduceScatter, false) => {
                             comm.reduce_scatter(&mut buf[..n], &mut out[..shard.len()], ReduceOp::Sum)?
                         }
-                        _ => comm.all_gather(&buf[..shard.len()], &mut out[..n])?,
+                        (_, true) => comm.all_gather_in_place(&mut buf[..n])?,
+                        (_, false) => comm.all_gather(&buf[..shard.len()], &mut out[..n])?,
                     }
                     Ok(())
                 };
@@ -121,6 +137,7 @@ pub fn run_rank(place: &Place, min_bytes: usize, max_bytes: usize) -> anyhow::Re
                     channel.output(&BandwidthPoint {
                         bench: "collective",
                         op: op.as_str(),
+                        in_place,
                         memory,
                         world,
                         hosts,

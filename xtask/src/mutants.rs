@@ -204,6 +204,14 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "mixed_precision", "every_rank_measures_the_bf16_memory"],
     },
     Mutant {
+        name: "a 2-byte linear layer rounds its bias and residual to 2 bytes before the product",
+        file: "gpu-worker/src/ops/linear.rs",
+        find: "    unsafe { acc.set_len(rows * c_out) };\n",
+        replace:
+            "    unsafe { acc.set_len(rows * c_out) };\n    acc.iter_mut().for_each(|x| *x = S::store(*x).load());\n",
+        tests: &["-p", "distlab-worker", "--lib", "the_forward_starts_from_bias_and_residual"],
+    },
+    Mutant {
         name: "a thread's block of output rows multiplies the first rows of the left operand",
         file: "gpu-worker/src/ops/gemm.rs",
         find: "lhs: (lhs.0.wrapping_add(range.start * lhs.1), lhs.1, lhs.2),",
