@@ -21,8 +21,9 @@
 //! of x relative even in bf16 (exact in f32).
 
 use crate::memory::kernel_scratch;
-use crate::ops::float::{Float, Stored};
+use crate::ops::float::{lane_max, lane_sum, Float, Stored};
 use crate::ops::gemm::{matmul_widened, Mat, MatMut, Parallelism};
+use crate::ops::simd::simd_kernel;
 
 /// Rows of a query tile and of a key tile.
 const TILE: usize = 64;
@@ -85,137 +86,143 @@ fn rows_of_mut<F>(m: &mut [F], r0: usize, r1: usize, hs: usize) -> MatMut<'_, F>
     MatMut::new(&mut m[r0 * hs..], r1 - r0, hs, hs, 1)
 }
 
-/// One sequence: `out` (T, C); `lse` (heads, T, PAIR) keeps L for the backward pass.
-pub fn flash_attention_forward<S: Stored>(out: &mut [S], lse: &mut [S], qkv: &[S], t: usize, c: usize, heads: usize) {
-    let (hs, c3) = (c / heads, 3 * c);
-    let scale = S::Acc::from_f64(1.0 / (hs as f64).sqrt());
-    let _scratch = kernel_scratch::<S::Acc>(4 * t * hs + TILE * TILE + 2 * TILE);
-    let (mut q, mut k, mut v, mut o) = (
-        vec![S::Acc::ZERO; t * hs],
-        vec![S::Acc::ZERO; t * hs],
-        vec![S::Acc::ZERO; t * hs],
-        vec![S::Acc::ZERO; t * hs],
-    );
-    let mut s = vec![S::Acc::ZERO; TILE * TILE];
-    let (mut m, mut l) = (vec![S::Acc::ZERO; TILE], vec![S::Acc::ZERO; TILE]);
-    for (h, lse) in lse.chunks_exact_mut(t * PAIR).enumerate().take(heads) {
-        widen_head(&mut q, qkv, t, hs, c3, h * hs);
-        widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
-        widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
-        o.fill(S::Acc::ZERO);
-        for (r0, r1) in tiles(t) {
-            let rows = r1 - r0;
-            m[..rows].fill(S::Acc::from_f64(f64::NEG_INFINITY));
-            l[..rows].fill(S::Acc::ZERO);
-            for (c0, c1) in tiles(r1) {
-                let cols = c1 - c0;
-                // S = Qi Kjᵀ / sqrt(hs)
-                let (qi, kj) = (rows_of(&q, r0, r1, hs), rows_of(&k, c0, c1, hs));
-                matmul_widened(tile_mut(&mut s, rows, cols), false, qi, kj.t(), scale, Parallelism::None);
-                for i in 0..rows {
-                    let row = &mut s[i * TILE..i * TILE + cols];
-                    let live = live_columns(r0, i, c0, cols);
-                    let m_new = row[..live].iter().fold(m[i], |a, &x| a.max(x));
-                    let correction = (m[i] - m_new).exp();
-                    let mut sum = S::Acc::ZERO;
-                    for x in &mut row[..live] {
-                        *x = (*x - m_new).exp();
-                        sum += *x;
+simd_kernel! {
+    /// One sequence: `out` (T, C); `lse` (heads, T, PAIR) keeps L for the backward pass.
+    pub fn flash_attention_forward<F: Float, S: Stored<Acc = F>>(
+        out: &mut [S],
+        lse: &mut [S],
+        qkv: &[S],
+        t: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (hs, c3) = (c / heads, 3 * c);
+        let scale = F::from_f64(1.0 / (hs as f64).sqrt());
+        let _scratch = kernel_scratch::<F>(4 * t * hs + TILE * TILE + 2 * TILE);
+        let (mut q, mut k, mut v, mut o) = (
+            vec![F::ZERO; t * hs],
+            vec![F::ZERO; t * hs],
+            vec![F::ZERO; t * hs],
+            vec![F::ZERO; t * hs],
+        );
+        let mut s = vec![F::ZERO; TILE * TILE];
+        let (mut m, mut l) = (vec![F::ZERO; TILE], vec![F::ZERO; TILE]);
+        for (h, lse) in lse.chunks_exact_mut(t * PAIR).enumerate().take(heads) {
+            widen_head(&mut q, qkv, t, hs, c3, h * hs);
+            widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
+            widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
+            o.fill(F::ZERO);
+            for (r0, r1) in tiles(t) {
+                let rows = r1 - r0;
+                m[..rows].fill(F::from_f64(f64::NEG_INFINITY));
+                l[..rows].fill(F::ZERO);
+                for (c0, c1) in tiles(r1) {
+                    let cols = c1 - c0;
+                    // S = Qi Kjᵀ / sqrt(hs)
+                    let (qi, kj) = (rows_of(&q, r0, r1, hs), rows_of(&k, c0, c1, hs));
+                    matmul_widened(tile_mut(&mut s, rows, cols), false, qi, kj.t(), scale, Parallelism::None);
+                    for i in 0..rows {
+                        let row = &mut s[i * TILE..i * TILE + cols];
+                        let live = live_columns(r0, i, c0, cols);
+                        let m_new = lane_max(live, |j| row[j]).max(m[i]);
+                        let correction = (m[i] - m_new).exp();
+                        row[..live].iter_mut().for_each(|x| *x = (*x - m_new).exp());
+                        row[live..].fill(F::ZERO);
+                        (l[i], m[i]) = (l[i] * correction + lane_sum(live, |j| row[j]), m_new);
+                        o[(r0 + i) * hs..(r0 + i + 1) * hs].iter_mut().for_each(|x| *x *= correction);
                     }
-                    row[live..].fill(S::Acc::ZERO);
-                    (l[i], m[i]) = (l[i] * correction + sum, m_new);
-                    o[(r0 + i) * hs..(r0 + i + 1) * hs].iter_mut().for_each(|x| *x *= correction);
+                    // O += P Vj
+                    let (p, vj) = (tile(&s, rows, cols), rows_of(&v, c0, c1, hs));
+                    matmul_widened(rows_of_mut(&mut o, r0, r1, hs), true, p, vj, F::ONE, Parallelism::None);
                 }
-                // O += P Vj
-                let (p, vj) = (tile(&s, rows, cols), rows_of(&v, c0, c1, hs));
-                matmul_widened(rows_of_mut(&mut o, r0, r1, hs), true, p, vj, S::Acc::ONE, Parallelism::None);
+                for i in 0..rows {
+                    let inv = F::ONE / l[i];
+                    o[(r0 + i) * hs..(r0 + i + 1) * hs].iter_mut().for_each(|x| *x *= inv);
+                    store_pair(&mut lse[(r0 + i) * PAIR..], m[i] + l[i].ln());
+                }
             }
-            for i in 0..rows {
-                let inv = S::Acc::ONE / l[i];
-                o[(r0 + i) * hs..(r0 + i + 1) * hs].iter_mut().for_each(|x| *x *= inv);
-                store_pair(&mut lse[(r0 + i) * PAIR..], m[i] + l[i].ln());
-            }
+            narrow_head(out, &o, t, hs, c, h * hs);
         }
-        narrow_head(out, &o, t, hs, c, h * hs);
     }
 }
 
-/// One sequence: overwrites `dqkv` (T, 3C); `delta` (heads, T, PAIR) is scratch for D.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attention_backward<S: Stored>(
-    dqkv: &mut [S],
-    delta: &mut [S],
-    dout: &[S],
-    qkv: &[S],
-    out: &[S],
-    lse: &[S],
-    t: usize,
-    c: usize,
-    heads: usize,
-) {
-    let (hs, c3) = (c / heads, 3 * c);
-    let scale = S::Acc::from_f64(1.0 / (hs as f64).sqrt());
-    let zeros = || vec![S::Acc::ZERO; t * hs];
-    let _scratch = kernel_scratch::<S::Acc>(8 * t * hs + 2 * TILE * TILE);
-    let (mut q, mut k, mut v, mut dy) = (zeros(), zeros(), zeros(), zeros());
-    let (mut dq, mut dk, mut dv) = (zeros(), zeros(), zeros());
-    let mut y = zeros();
-    let (mut p, mut ds) = (vec![S::Acc::ZERO; TILE * TILE], vec![S::Acc::ZERO; TILE * TILE]);
-    for (h, (delta, lse)) in delta.chunks_exact_mut(t * PAIR).zip(lse.chunks_exact(t * PAIR)).enumerate().take(heads) {
-        widen_head(&mut q, qkv, t, hs, c3, h * hs);
-        widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
-        widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
-        widen_head(&mut y, out, t, hs, c, h * hs);
-        widen_head(&mut dy, dout, t, hs, c, h * hs);
-        // D = rowsum(dO ∘ O)
-        for (i, (dyi, yi)) in dy.chunks_exact(hs).zip(y.chunks_exact(hs)).enumerate() {
-            let d = dyi.iter().zip(yi).fold(S::Acc::ZERO, |a, (&g, &x)| a + g * x);
-            store_pair(&mut delta[i * PAIR..], d);
-        }
-        for buf in [&mut dq, &mut dk, &mut dv] {
-            buf.fill(S::Acc::ZERO);
-        }
-        for (c0, c1) in tiles(t) {
-            let cols = c1 - c0;
-            for (r0, r1) in tiles(t).filter(|&(_, r1)| r1 > c0) {
-                let rows = r1 - r0;
-                // P = exp(Qi Kjᵀ / sqrt(hs) - L)
-                let (qi, kj) = (rows_of(&q, r0, r1, hs), rows_of(&k, c0, c1, hs));
-                matmul_widened(tile_mut(&mut p, rows, cols), false, qi, kj.t(), scale, Parallelism::None);
-                for i in 0..rows {
-                    let lse_i = load_pair(&lse[(r0 + i) * PAIR..]);
-                    let row = &mut p[i * TILE..i * TILE + cols];
-                    let live = live_columns(r0, i, c0, cols);
-                    row[..live].iter_mut().for_each(|x| *x = (*x - lse_i).exp());
-                    row[live..].fill(S::Acc::ZERO);
-                }
-                // dVj += Pᵀ dOi
-                let dyi = rows_of(&dy, r0, r1, hs);
-                matmul_widened(
-                    rows_of_mut(&mut dv, c0, c1, hs),
-                    true,
-                    tile(&p, rows, cols).t(),
-                    dyi,
-                    S::Acc::ONE,
-                    Parallelism::None,
-                );
-                // dP = dOi Vjᵀ, then dS = P ∘ (dP - D) / sqrt(hs) in place
-                let vj = rows_of(&v, c0, c1, hs);
-                matmul_widened(tile_mut(&mut ds, rows, cols), false, dyi, vj.t(), S::Acc::ONE, Parallelism::None);
-                for i in 0..rows {
-                    let d = load_pair(&delta[(r0 + i) * PAIR..]);
-                    let (dsi, pi) = (&mut ds[i * TILE..i * TILE + cols], &p[i * TILE..i * TILE + cols]);
-                    dsi.iter_mut().zip(pi).for_each(|(x, &pij)| *x = pij * (*x - d) * scale);
-                }
-                // dQi += dS Kj,  dKj += dSᵀ Qi
-                let dsij = tile(&ds, rows, cols);
-                matmul_widened(rows_of_mut(&mut dq, r0, r1, hs), true, dsij, kj, S::Acc::ONE, Parallelism::None);
-                matmul_widened(rows_of_mut(&mut dk, c0, c1, hs), true, dsij.t(), qi, S::Acc::ONE, Parallelism::None);
+simd_kernel! {
+    /// One sequence: overwrites `dqkv` (T, 3C); `delta` (heads, T, PAIR) is scratch for D.
+    pub fn flash_attention_backward<F: Float, S: Stored<Acc = F>>(
+        dqkv: &mut [S],
+        delta: &mut [S],
+        dout: &[S],
+        qkv: &[S],
+        out: &[S],
+        lse: &[S],
+        t: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (hs, c3) = (c / heads, 3 * c);
+        let scale = F::from_f64(1.0 / (hs as f64).sqrt());
+        let zeros = || vec![F::ZERO; t * hs];
+        let _scratch = kernel_scratch::<F>(8 * t * hs + 2 * TILE * TILE);
+        let (mut q, mut k, mut v, mut dy) = (zeros(), zeros(), zeros(), zeros());
+        let (mut dq, mut dk, mut dv) = (zeros(), zeros(), zeros());
+        let mut y = zeros();
+        let (mut p, mut ds) = (vec![F::ZERO; TILE * TILE], vec![F::ZERO; TILE * TILE]);
+        for (h, (delta, lse)) in delta.chunks_exact_mut(t * PAIR).zip(lse.chunks_exact(t * PAIR)).enumerate().take(heads) {
+            widen_head(&mut q, qkv, t, hs, c3, h * hs);
+            widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
+            widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
+            widen_head(&mut y, out, t, hs, c, h * hs);
+            widen_head(&mut dy, dout, t, hs, c, h * hs);
+            // D = rowsum(dO ∘ O)
+            for (i, (dyi, yi)) in dy.chunks_exact(hs).zip(y.chunks_exact(hs)).enumerate() {
+                let d = lane_sum(hs, |j| dyi[j] * yi[j]);
+                store_pair(&mut delta[i * PAIR..], d);
             }
+            for buf in [&mut dq, &mut dk, &mut dv] {
+                buf.fill(F::ZERO);
+            }
+            for (c0, c1) in tiles(t) {
+                let cols = c1 - c0;
+                for (r0, r1) in tiles(t).filter(|&(_, r1)| r1 > c0) {
+                    let rows = r1 - r0;
+                    // P = exp(Qi Kjᵀ / sqrt(hs) - L)
+                    let (qi, kj) = (rows_of(&q, r0, r1, hs), rows_of(&k, c0, c1, hs));
+                    matmul_widened(tile_mut(&mut p, rows, cols), false, qi, kj.t(), scale, Parallelism::None);
+                    for i in 0..rows {
+                        let lse_i = load_pair(&lse[(r0 + i) * PAIR..]);
+                        let row = &mut p[i * TILE..i * TILE + cols];
+                        let live = live_columns(r0, i, c0, cols);
+                        row[..live].iter_mut().for_each(|x| *x = (*x - lse_i).exp());
+                        row[live..].fill(F::ZERO);
+                    }
+                    // dVj += Pᵀ dOi
+                    let dyi = rows_of(&dy, r0, r1, hs);
+                    matmul_widened(
+                        rows_of_mut(&mut dv, c0, c1, hs),
+                        true,
+                        tile(&p, rows, cols).t(),
+                        dyi,
+                        F::ONE,
+                        Parallelism::None,
+                    );
+                    // dP = dOi Vjᵀ, then dS = P ∘ (dP - D) / sqrt(hs) in place
+                    let vj = rows_of(&v, c0, c1, hs);
+                    matmul_widened(tile_mut(&mut ds, rows, cols), false, dyi, vj.t(), F::ONE, Parallelism::None);
+                    for i in 0..rows {
+                        let d = load_pair(&delta[(r0 + i) * PAIR..]);
+                        let (dsi, pi) = (&mut ds[i * TILE..i * TILE + cols], &p[i * TILE..i * TILE + cols]);
+                        dsi.iter_mut().zip(pi).for_each(|(x, &pij)| *x = pij * (*x - d) * scale);
+                    }
+                    // dQi += dS Kj,  dKj += dSᵀ Qi
+                    let dsij = tile(&ds, rows, cols);
+                    matmul_widened(rows_of_mut(&mut dq, r0, r1, hs), true, dsij, kj, F::ONE, Parallelism::None);
+                    matmul_widened(rows_of_mut(&mut dk, c0, c1, hs), true, dsij.t(), qi, F::ONE, Parallelism::None);
+                }
+            }
+            narrow_head(dqkv, &dq, t, hs, c3, h * hs);
+            narrow_head(dqkv, &dk, t, hs, c3, c + h * hs);
+            narrow_head(dqkv, &dv, t, hs, c3, 2 * c + h * hs);
         }
-        narrow_head(dqkv, &dq, t, hs, c3, h * hs);
-        narrow_head(dqkv, &dk, t, hs, c3, c + h * hs);
-        narrow_head(dqkv, &dv, t, hs, c3, 2 * c + h * hs);
     }
 }
 
