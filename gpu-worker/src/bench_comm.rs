@@ -94,7 +94,9 @@ pub fn run_rank(place: &Place, min_bytes: usize, max_bytes: usize) -> anyhow::Re
     for memory in ["shared", "private"] {
         let (buf, out): (&mut [f32], &mut [f32]) =
             if memory == "shared" { (&mut shared.0, &mut shared.1) } else { (&mut private.0, &mut private.1) };
-        buf.fill(1.0);
+        // Zeros: a sum of zeros stays zero however many times it runs (ones would double
+        // on every all-reduce at W=2 and reach infinity); the bytes moved are the same.
+        buf.fill(0.0);
         for (op, in_place) in [
             (CollectiveOp::AllReduce, true),
             (CollectiveOp::ReduceScatter, true),
@@ -148,8 +150,6 @@ pub fn run_rank(place: &Place, min_bytes: usize, max_bytes: usize) -> anyhow::Re
                         busbw_gbps: algbw * factor,
                     });
                 }
-                // Reset values so sums stay finite over many iterations.
-                buf[..n].fill(1.0);
             }
         }
     }

@@ -188,14 +188,15 @@ mod tests {
     /// f32 may add), and the same bits as on one thread.
     #[test]
     fn the_forward_starts_from_bias_and_residual() {
-        /// `mantissa`: the format's stored fraction bits.
-        fn check<S: Stored>(mantissa: i32) {
+        /// `mantissa`: the format's stored fraction bits; `min_exp`: its smallest normal
+        /// exponent (below it, and at zero, the spacing stays that of 2^min_exp).
+        fn check<S: Stored>(mantissa: i32, min_exp: i32) {
             let (rows, c_in, c_out) = (37, 24, 20);
             let make = |n: usize, f: f64| (0..n).map(|i| S::from_f64((i as f64 * f).sin())).collect::<Vec<S>>();
             let (inp, weight) = (make(rows * c_in, 0.37), make(c_in * c_out, 0.13));
             let (bias, residual) = (make(c_out, 0.7), make(rows * c_out, 0.29));
             let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
-            let half_ulp = |x: f64| 2f64.powi(x.abs().log2().floor() as i32 - mantissa - 1);
+            let half_ulp = |x: f64| 2f64.powi((x.abs().log2().floor() as i32).max(min_exp) - mantissa - 1);
             for start in [(Some(&bias[..]), Some(&residual[..])), (Some(&bias[..]), None), (None, Some(&residual[..]))]
             {
                 let run = |par, rows_per_task| {
@@ -223,9 +224,9 @@ mod tests {
                 }
             }
         }
-        check::<f32>(23);
-        check::<half::bf16>(7);
-        check::<half::f16>(10);
+        check::<f32>(23, -126);
+        check::<half::bf16>(7, -126);
+        check::<half::f16>(10, -14);
     }
 
     /// The backward that widens `dout` once gives the bits of its two halves run apart (as
