@@ -253,6 +253,15 @@ pub struct Lease {
     /// Set when the run spans several workers: which of its ranks this worker runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
+    /// The server has the metric points of steps 0 up to (not including) this one: the
+    /// attempt resumes from a checkpoint no later, so that no step is left without its point.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_steps: Option<u64>,
+    /// The server database's own id: the experiment's checkpoint directory carries it
+    /// (`elastic::checkpoint_dir_name`), so that another database's experiment of the same
+    /// number never resumes from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 /// A run placed on several workers (hosts): each runs a block of consecutive ranks, host 0

@@ -544,12 +544,17 @@ pub fn summary_csv(view: &CompareView) -> String {
     out
 }
 
-/// A CSV field, quoted when it holds a comma, quote or line break (RFC 4180).
+/// A CSV field, quoted when it holds a comma, quote or line break (RFC 4180). A field a
+/// spreadsheet would run as a formula (it starts with `=`, `+`, `-`, `@`, a tab or a
+/// carriage return) gets a leading `'` and is quoted, as OWASP advises for CSV injection:
+/// the teacher opening the export sees the text, and nothing runs.
 fn csv_field(text: &str) -> String {
-    if text.contains([',', '"', '\n', '\r']) {
+    let formula = text.starts_with(['=', '+', '-', '@', '\t', '\r']);
+    let text = if formula { format!("'{text}") } else { text.to_string() };
+    if formula || text.contains([',', '"', '\n', '\r']) {
         format!("\"{}\"", text.replace('"', "\"\""))
     } else {
-        text.to_string()
+        text
     }
 }
 
@@ -750,5 +755,21 @@ mod tests {
     fn csv_quotes_names() {
         assert_eq!(csv_field("a,b \"c\""), "\"a,b \"\"c\"\"\"");
         assert_eq!(csv_field("plain"), "plain");
+    }
+
+    #[test]
+    fn csv_cells_that_a_spreadsheet_would_run_are_escaped() {
+        assert_eq!(csv_field("=HYPERLINK(\"http://x\",\"y\")"), "\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\"");
+        for (name, cell) in [
+            ("@SUM(A1)", "\"'@SUM(A1)\""),
+            ("+1+1", "\"'+1+1\""),
+            ("-2", "\"'-2\""),
+            ("\tx", "\"'\tx\""),
+            ("\rx", "\"'\rx\""),
+        ] {
+            assert_eq!(csv_field(name), cell, "{name:?}");
+        }
+        // Only the first character decides: a name with = inside stays as it is.
+        assert_eq!(csv_field("a=b"), "a=b");
     }
 }

@@ -14,9 +14,21 @@ use crate::validate::FieldError;
 
 /// The directory of experiment `id`'s checkpoints under a worker's `--checkpoint-dir` (the
 /// server's local workers: DATA_DIR/checkpoints), where `resume_from` finds them next to a
-/// run's own and the server deletes them with the experiment.
-pub fn checkpoint_dir_name(id: i64) -> String {
-    format!("experiment-{id}")
+/// run's own and the server deletes them with the experiment: `experiment-<id>-<store>`,
+/// `store` being the server database's own id (`Lease::store`), so that the experiments of
+/// another database never share a directory; `experiment-<id>` without one.
+pub fn checkpoint_dir_name(store: Option<&str>, id: i64) -> String {
+    match store {
+        Some(store) => format!("experiment-{id}-{store}"),
+        None => format!("experiment-{id}"),
+    }
+}
+
+/// The name of experiment `other`'s directory beside the directory named `own` (the same
+/// database's).
+pub fn sibling_dir_name(own: &str, other: i64) -> String {
+    let store = own.strip_prefix("experiment-").and_then(|rest| rest.split_once('-')).map(|(_, store)| store);
+    checkpoint_dir_name(store, other)
 }
 
 /// Checks that `spec` (whose `train.resume_from` names `source`) can continue a checkpoint
@@ -125,6 +137,15 @@ pub fn check_resume_step(from: ResumeFrom, source: &ExperimentSpec, done: u64, f
 mod tests {
     use super::*;
     use crate::spec::{Precision, Sharding};
+
+    #[test]
+    fn directories_carry_their_database_and_find_their_siblings() {
+        assert_eq!(checkpoint_dir_name(Some("00ff"), 7), "experiment-7-00ff");
+        assert_eq!(checkpoint_dir_name(None, 7), "experiment-7");
+        assert_eq!(sibling_dir_name("experiment-7-00ff", 3), "experiment-3-00ff");
+        assert_eq!(sibling_dir_name("experiment-7", 3), "experiment-3");
+        assert_eq!(sibling_dir_name("my-run", 3), "experiment-3");
+    }
 
     fn source() -> ExperimentSpec {
         let mut s = ExperimentSpec::default();

@@ -245,10 +245,26 @@ impl CheckpointDir {
         self.steps().into_iter().rev().find(|s| s.1 == self.world).map(|s| s.0)
     }
 
-    /// Deletes every step older than the latest complete one (no rank writes those any more).
+    /// After a run: deletes every step older than the latest complete one (no rank writes
+    /// those any more).
     pub fn prune(&self) {
-        let Some(latest) = self.latest_complete() else { return };
-        for (_, _, path) in self.steps().into_iter().filter(|s| s.0 < latest) {
+        self.prune_keeping(1);
+    }
+
+    /// While a run goes on: deletes every step older than the two latest complete ones. The
+    /// one before the latest stays because the server may not have the metric points of the
+    /// steps since it yet (a worker sends them every half second): a run resumes only from
+    /// a checkpoint whose steps' points are stored (`prepare`).
+    pub fn prune_while_running(&self) {
+        self.prune_keeping(2);
+    }
+
+    fn prune_keeping(&self, complete: usize) {
+        let steps = self.steps();
+        let Some(oldest_kept) = steps.iter().rev().filter(|s| s.1 == self.world).nth(complete - 1).map(|s| s.0) else {
+            return;
+        };
+        for (_, _, path) in steps.into_iter().filter(|s| s.0 < oldest_kept) {
             let _ = fs::remove_dir_all(path);
         }
     }
@@ -260,11 +276,13 @@ impl CheckpointDir {
         let _ = fs::write(self.root.join(FINISHED), b"");
     }
 
-    /// Before a run: creates the directory for `spec` and returns the step to resume from.
-    /// Checkpoints of another spec (a reused experiment id) or of a finished run are deleted
-    /// first, and so are steps after the one resumed from (incomplete, or unreadable: a
-    /// warning says which).
-    pub fn prepare(&self, spec: &ExperimentSpec) -> Result<Resume, CheckpointError> {
+    /// Before a run: creates the directory for `spec` and returns the step to resume from:
+    /// the latest complete checkpoint, and at most `at_most` (the server has the metric
+    /// points of the steps before it: resuming later would leave the steps between without
+    /// theirs). Checkpoints of another spec (a reused experiment id) or of a finished run are
+    /// deleted first, and so are steps after the one resumed from (incomplete, unreadable,
+    /// or past `at_most`: a warning says which).
+    pub fn prepare(&self, spec: &ExperimentSpec, at_most: Option<u64>) -> Result<Resume, CheckpointError> {
         let spec_path = self.root.join("spec.json");
         let written = fs::read_to_string(&spec_path).ok().and_then(|s| serde_json::from_str::<ExperimentSpec>(&s).ok());
         if written.as_ref() != Some(spec) || self.root.join(FINISHED).exists() {
@@ -276,7 +294,14 @@ impl CheckpointDir {
         }
         let mut resume = Resume::default();
         for (step, files, path) in self.steps().into_iter().rev() {
-            if resume.step.is_none() && files == self.world {
+            if let Some(stored) =
+                at_most.filter(|&stored| resume.step.is_none() && files == self.world && step > stored)
+            {
+                resume.warnings.push(format!(
+                    "not resuming from step {step}: the server has the metrics of the steps before {stored} only (the \
+                     rest were not delivered), so the run goes back to an earlier checkpoint"
+                ));
+            } else if resume.step.is_none() && files == self.world {
                 match self.check_step(&path) {
                     Ok(()) => {
                         resume.step = Some(step);
@@ -455,7 +480,7 @@ fn write_step(
     let bytes = write(&dir.file(ckpt.step, place), ckpt)?;
     let write_ms = start.elapsed().as_secs_f64() * 1e3;
     if prunes {
-        dir.prune();
+        dir.prune_while_running();
     }
     Ok(Written { step: ckpt.step, bytes, write_ms, waited_ms })
 }
@@ -521,12 +546,12 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = CheckpointDir::new(root.path().join("experiment-1"), 1);
         let spec = ExperimentSpec::default();
-        assert_eq!(dir.prepare(&spec).unwrap().step, None);
+        assert_eq!(dir.prepare(&spec, None).unwrap().step, None);
         write(&dir.file(5, RankPlace { dp: 0, tp: 0, pp: 0 }), &sample(5)).unwrap();
-        assert_eq!(dir.prepare(&spec).unwrap().step, Some(5));
+        assert_eq!(dir.prepare(&spec, None).unwrap().step, Some(5));
         let mut other = spec.clone();
         other.train.seed += 1;
-        assert_eq!(dir.prepare(&other).unwrap().step, None);
+        assert_eq!(dir.prepare(&other, None).unwrap().step, None);
         assert_eq!(dir.latest_complete(), None);
     }
 
@@ -535,13 +560,13 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = CheckpointDir::new(root.path().join("experiment-2"), 1);
         let spec = ExperimentSpec::default();
-        dir.prepare(&spec).unwrap();
+        dir.prepare(&spec, None).unwrap();
         let place = RankPlace { dp: 0, tp: 0, pp: 0 };
         for step in [5, 10, 15] {
             write(&dir.file(step, place), &sample(step)).unwrap();
         }
         fs::write(dir.file(15, place), b"{}\n").unwrap();
-        let resume = dir.prepare(&spec).unwrap();
+        let resume = dir.prepare(&spec, None).unwrap();
         assert_eq!(resume.step, Some(10));
         assert!(resume.warnings[0].contains("not resuming from step 15"), "{:?}", resume.warnings);
         assert!(!dir.file(15, place).exists(), "the unreadable step is deleted");
@@ -549,17 +574,41 @@ mod tests {
     }
 
     #[test]
+    fn a_run_resumes_no_later_than_the_steps_the_server_has() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = CheckpointDir::new(root.path().join("experiment-3"), 1);
+        let spec = ExperimentSpec::default();
+        dir.prepare(&spec, None).unwrap();
+        let place = RankPlace { dp: 0, tp: 0, pp: 0 };
+        for step in [10, 20, 30] {
+            write(&dir.file(step, place), &sample(step)).unwrap();
+            dir.prune_while_running();
+        }
+        assert!(!dir.file(10, place).exists() && dir.file(20, place).exists(), "the two latest stay");
+        // The points of steps 25..30 never reached the server: step 30's checkpoint would
+        // leave them missing for good, so the run goes back to step 20.
+        let resume = dir.prepare(&spec, Some(25)).unwrap();
+        assert_eq!(resume.step, Some(20));
+        assert!(resume.warnings[0].contains("not resuming from step 30"), "{:?}", resume.warnings);
+        assert!(!dir.file(30, place).exists());
+        // A checkpoint at exactly the first missing step is fine.
+        assert_eq!(dir.prepare(&spec, Some(20)).unwrap().step, Some(20));
+        // None older: from the start.
+        assert_eq!(dir.prepare(&spec, Some(5)).unwrap().step, None);
+    }
+
+    #[test]
     fn removing_keeps_files_distlab_did_not_write() {
         let root = tempfile::tempdir().unwrap();
         let dir = CheckpointDir::new(root.path(), 1);
-        dir.prepare(&ExperimentSpec::default()).unwrap();
+        dir.prepare(&ExperimentSpec::default(), None).unwrap();
         write(&dir.file(5, RankPlace { dp: 0, tp: 0, pp: 0 }), &sample(5)).unwrap();
         fs::write(root.path().join("notes.txt"), b"mine").unwrap();
         dir.remove();
         let left: Vec<_> = fs::read_dir(root.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left, vec![std::ffi::OsString::from("notes.txt")]);
         let empty = CheckpointDir::new(root.path().join("only-ours"), 1);
-        empty.prepare(&ExperimentSpec::default()).unwrap();
+        empty.prepare(&ExperimentSpec::default(), None).unwrap();
         empty.remove();
         assert!(!empty.root.exists(), "a directory holding only checkpoints goes");
     }
@@ -572,10 +621,12 @@ mod tests {
         let mut writer = CheckpointWriter::new(dir.clone(), place, true);
         writer.save(sample(4), 0.5);
         writer.save(sample(8), 0.5);
+        writer.save(sample(12), 0.5);
         let written: Vec<Written> = writer.finish().into_iter().map(|w| w.unwrap()).collect();
-        assert_eq!(written.iter().map(|w| w.step).collect::<Vec<_>>(), vec![4, 8]);
+        assert_eq!(written.iter().map(|w| w.step).collect::<Vec<_>>(), vec![4, 8, 12]);
         assert!(written.iter().all(|w| w.waited_ms == 0.5 && w.bytes > 12));
-        assert_eq!(read(&dir.file(8, place)).unwrap(), sample(8));
-        assert!(!dir.file(4, place).exists(), "rank 0 prunes the older step");
+        assert_eq!(read(&dir.file(12, place)).unwrap(), sample(12));
+        assert!(dir.file(8, place).exists(), "the one before the latest stays while the run goes on");
+        assert!(!dir.file(4, place).exists(), "rank 0 prunes older steps");
     }
 }

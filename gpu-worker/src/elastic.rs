@@ -21,7 +21,7 @@
 
 use std::path::{Path, PathBuf};
 
-use distlab_common::elastic::{checkpoint_dir_name, fit_to_source};
+use distlab_common::elastic::{fit_to_source, sibling_dir_name};
 use distlab_common::schedule::Pipeline;
 use distlab_common::{ExperimentSpec, ResumeFrom, Sharding};
 
@@ -57,9 +57,11 @@ fn held(section: &str, sharding: Sharding) -> Held {
 }
 
 /// The checkpoint directory of experiment `experiment`, a sibling of `own` (every
-/// experiment's directory is `experiment-<id>` under the worker's `--checkpoint-dir`).
+/// experiment's directory is `experiment-<id>-<store>` under the worker's
+/// `--checkpoint-dir`, `store` the server database's id).
 pub fn experiment_dir(own: &Path, experiment: i64) -> PathBuf {
-    own.parent().unwrap_or(Path::new(".")).join(checkpoint_dir_name(experiment))
+    let own_name = own.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    own.parent().unwrap_or(Path::new(".")).join(sibling_dir_name(&own_name, experiment))
 }
 
 /// Writes `from`'s checkpoint re-cut for `spec` into `own` (this run's directory, made

@@ -1,7 +1,8 @@
-//! Runs one experiment spec, whatever its shape: a single-rank run trains in this
-//! process; a multi-rank run (or a collective demo) is launched as one process per rank;
-//! a run across workers launches this worker's block of ranks, which meet the other
-//! hosts' through the server's rendezvous.
+//! Runs one experiment spec, whatever its shape: every run (a single rank too) and every
+//! collective demo is launched as one process per rank, so that a cancel or the server's
+//! time limit stops it at once, inside a step (its processes are killed), not at the next
+//! step's end; a run across workers launches this worker's block of ranks, which meet the
+//! other hosts' through the server's rendezvous.
 
 use std::net::IpAddr;
 use std::ops::Range;
@@ -14,7 +15,7 @@ use distlab_common::*;
 use distlab_worker::checkpoint::CheckpointDir;
 use distlab_worker::elastic;
 use distlab_worker::train::{
-    available_memory_bytes, ranks_fit, train, unsupported_features, CheckpointOptions, TrainError, TrainOptions,
+    available_memory_bytes, ranks_fit, unsupported_features, CheckpointOptions, TrainError, TrainOptions,
 };
 
 use crate::demo::{self, DemoRankResult, RankOutput};
@@ -69,6 +70,9 @@ pub struct RunPaths<'a> {
     pub model_out: Option<&'a Path>,
     /// The text of `data.dataset: upload`.
     pub dataset: Option<&'a Path>,
+    /// A resumed run starts from a checkpoint no later than this step (the server has the
+    /// metric points of the steps before it: `Lease::stored_steps`); None: the latest.
+    pub resume_at_most: Option<u64>,
 }
 
 /// Where a run's ranks are.
@@ -113,7 +117,7 @@ pub fn execute(
     on_event: &mut dyn FnMut(RunEvent),
     cancel: &AtomicBool,
 ) -> Result<Option<RunSummary>, ExecError> {
-    let RunPaths { checkpoints, offload_dir, model_out, dataset } = paths;
+    let RunPaths { checkpoints, offload_dir, model_out, dataset, resume_at_most } = paths;
     let gang = match hosts {
         Hosts::Gang(gang) => Some(gang),
         Hosts::Here { .. } => None,
@@ -139,7 +143,8 @@ pub fn execute(
             Some((CheckpointOptions { dir: dir.to_path_buf(), resume_from: step }, Vec::new()))
         }
         Some(dir) if spec.demo.is_none() && (spec.train.checkpoint_every > 0 || resume_from.is_some()) => {
-            let resume = CheckpointDir::new(dir, spec.world_size()).prepare(spec).map_err(TrainError::from)?;
+            let resume =
+                CheckpointDir::new(dir, spec.world_size()).prepare(spec, resume_at_most).map_err(TrainError::from)?;
             let warn = |message| LogLine { level: LogLevel::Warn, message };
             let mut lines: Vec<LogLine> = resume.warnings.into_iter().map(warn).collect();
             let mut step = resume.step;
@@ -187,8 +192,7 @@ pub fn execute(
     };
     let summary = match &spec.demo {
         Some(demo) => run_demo(spec, demo, hosts, on_event, cancel),
-        None if spec.world_size() > 1 => run_ranks(spec, &opts, collective_timeout, hosts, on_event, cancel),
-        None => Ok(Some(train(spec, &opts, on_event, cancel)?)),
+        None => run_ranks(spec, &opts, collective_timeout, hosts, on_event, cancel),
     };
     if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_path) {
         let message = match distlab_worker::export::write_gpt2(spec, ranks, spec.train.steps, out) {
@@ -203,8 +207,8 @@ pub fn execute(
     summary
 }
 
-/// A multi-rank run: one process per rank of this machine, each with its share of the
-/// machine's threads. The summary comes from rank 0 (None on another host of the run).
+/// A run: one process per rank of this machine, each with its share of the machine's
+/// threads. The summary comes from rank 0 (None on another host of the run).
 fn run_ranks(
     spec: &ValidSpec,
     opts: &TrainOptions,

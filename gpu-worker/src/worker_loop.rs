@@ -44,6 +44,11 @@ pub struct WorkerConfig {
 /// How long host 0 of a run across workers waits for the other hosts' last reports.
 const HOSTS_DONE: Duration = Duration::from_secs(60);
 
+/// While a run is in progress the worker asks the server at least this often whether it
+/// still holds it (a heartbeat answers that), so that a cancel, or the server's time limit,
+/// kills the run's ranks within about a second.
+const CANCEL_POLL: Duration = Duration::from_secs(1);
+
 /// Events are sent when this many are pending, or when the oldest has waited `FLUSH_EVERY`.
 const BATCH_EVENTS: usize = 256;
 const FLUSH_EVERY: Duration = Duration::from_millis(500);
@@ -112,8 +117,8 @@ pub fn run_worker(cfg: WorkerConfig) -> anyhow::Result<()> {
                         "leased a part of a run across workers"
                     ),
                 }
-                let checkpoints =
-                    cfg.checkpoint_dir.join(distlab_common::elastic::checkpoint_dir_name(lease.experiment_id));
+                let name = distlab_common::elastic::checkpoint_dir_name(lease.store.as_deref(), lease.experiment_id);
+                let checkpoints = cfg.checkpoint_dir.join(name);
                 let run = Leased { lease, threads, collective_timeout: cfg.collective_timeout, heartbeat, checkpoints };
                 run_leased(&cfg, &client, registered.worker_id, run);
             }
@@ -230,6 +235,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         let dataset = dataset.clone();
         let placement = lease.placement.clone();
         let attempt = lease.attempt;
+        let stored_steps = lease.stored_steps;
         let client = client.clone();
         thread::Builder::new().name(format!("train-{experiment_id}")).spawn(move || {
             let mut on_event = |e: RunEvent| {
@@ -242,6 +248,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
                 offload_dir: Some(&offload_dir),
                 model_out: model_out.as_deref(),
                 dataset: dataset.as_deref(),
+                resume_at_most: stored_steps,
             };
             let rendezvous = ServerRendezvous { client: &client, worker_id, experiment_id, attempt };
             let hosts = match (&placement, gang_ip) {
@@ -276,8 +283,10 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         }
         Err(e) => tracing::warn!(experiment = experiment_id, "{e}"),
     };
+    let withheld_from = metrics_withheld_from();
     loop {
         let done = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(RunEvent::Metric(m)) if withheld_from.is_some_and(|from| m.step >= from) => false,
             Ok(event) => {
                 pending.push(event);
                 false
@@ -306,7 +315,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         if done {
             break;
         }
-        if last_heartbeat.elapsed() >= heartbeat && !lease_lost {
+        if last_heartbeat.elapsed() >= heartbeat.min(CANCEL_POLL) && !lease_lost {
             on_ack(client.heartbeat(worker_id, Some(experiment_id)), &mut lease_lost);
             last_heartbeat = Instant::now();
         }
@@ -367,6 +376,13 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
         tracing::warn!(experiment = experiment_id, "could not report {e}");
     }
     keep_latest_checkpoint(&lease, &checkpoints);
+}
+
+/// For the fault tests: `DISTLAB_FAULT_WITHHOLD_METRICS_FROM=S` makes this worker keep
+/// every metric point from step S on to itself, as points still buffered when a worker is
+/// killed are.
+fn metrics_withheld_from() -> Option<u64> {
+    std::env::var("DISTLAB_FAULT_WITHHOLD_METRICS_FROM").ok()?.parse().ok()
 }
 
 /// After a run: the latest complete checkpoint stays (another experiment can start from

@@ -238,7 +238,7 @@ fn a_run_resumed_from_its_checkpoint_continues_with_the_same_losses() {
         spec.train.checkpoint_write = write;
         let root = tempfile::tempdir().unwrap();
         let dir = CheckpointDir::new(root.path().join("run"), 1);
-        assert_eq!(dir.prepare(&spec).unwrap().step, None);
+        assert_eq!(dir.prepare(&spec, None).unwrap().step, None);
         let checkpoints = |resume_from| CheckpointOptions { dir: dir.root.clone(), resume_from };
         let opts = |resume_from| TrainOptions {
             threads: 1,
@@ -249,7 +249,7 @@ fn a_run_resumed_from_its_checkpoint_continues_with_the_same_losses() {
         let saves = whole.logs.iter().filter(|l| l.starts_with("checkpoint of step")).count();
         assert_eq!(saves, 2, "steps 3 and 6: {:?}", whole.logs);
         // Rank 0 keeps only the latest complete checkpoint.
-        assert_eq!(dir.prepare(&spec).unwrap().step, Some(6));
+        assert_eq!(dir.prepare(&spec, None).unwrap().step, Some(6));
         assert!(!dir.file(3, RankPlace { dp: 0, tp: 0, pp: 0 }).exists());
 
         let resumed = run_with(&spec, &opts(Some(6))).unwrap();

@@ -66,10 +66,32 @@ fn check_password(password: &str) -> Result<(), AccountError> {
     Ok(())
 }
 
+/// Password hashes computed at once, at most: each holds argon2id's 19 MiB and a core for
+/// tens of milliseconds. Others wait their turn (in order); `sign_in_guard` bounds how many
+/// may wait.
+pub const HASHING_AT_ONCE: usize = 2;
+static HASHING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(HASHING_AT_ONCE);
+
 /// Argon2 takes tens of milliseconds on purpose: it runs on tokio's blocking threads, so
-/// that a class signing in at once does not stall every other request.
+/// that a class signing in at once does not stall every other request, and at most
+/// [`HASHING_AT_ONCE`] at a time, so that a flood of sign-ins cannot take every thread and
+/// the memory with them. The turn is held by the blocking work itself: a request that gives
+/// up does not free it while its hash still runs.
 async fn off_the_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, AccountError> {
-    tokio::task::spawn_blocking(work).await.map_err(|e| AccountError::Hash(e.to_string()))
+    let turn = HASHING.acquire().await.map_err(|e| AccountError::Hash(e.to_string()))?;
+    turn.forget();
+    let done = tokio::task::spawn_blocking(move || {
+        struct Release;
+        impl Drop for Release {
+            fn drop(&mut self) {
+                HASHING.add_permits(1);
+            }
+        }
+        let _release = Release;
+        work()
+    })
+    .await;
+    done.map_err(|e| AccountError::Hash(e.to_string()))
 }
 
 /// [`hash_password`] off the runtime.

@@ -92,7 +92,24 @@ async fn all(db: &Db) -> Result<Vec<DatasetView>, sqlx::Error> {
     Ok(rows.into_iter().map(DatasetRow::into_view).collect())
 }
 
-async fn insert(db: &Db, name: &str, owner: &str, bytes: u64) -> Result<DatasetView, sqlx::Error> {
+/// Records a dataset of `owner`'s, unless `owner` keeps `MAX_DATASETS_PER_OWNER` already
+/// (then `Err(kept)`). The count and the insert are one transaction under the write lock,
+/// so concurrent uploads cannot pass the limit together.
+async fn insert_within_quota(
+    db: &Db,
+    name: &str,
+    owner: &str,
+    bytes: u64,
+) -> Result<Result<DatasetView, i64>, sqlx::Error> {
+    let (mut tx, _turn) = crate::db::begin_write(db).await?;
+    let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM datasets WHERE owner = $1 AND deleted_at IS NULL")
+        .bind(owner)
+        .fetch_one(&mut *tx)
+        .await?;
+    if kept >= MAX_DATASETS_PER_OWNER {
+        tx.commit().await?;
+        return Ok(Err(kept));
+    }
     let created_at = clock::rfc3339(clock::now());
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO datasets (name, owner, bytes, created_at) VALUES ($1, $2, $3, $4) RETURNING id",
@@ -101,10 +118,30 @@ async fn insert(db: &Db, name: &str, owner: &str, bytes: u64) -> Result<DatasetV
     .bind(owner)
     .bind(i64::try_from(bytes).unwrap_or(i64::MAX))
     .bind(&created_at)
-    .fetch_one(db)
+    .fetch_one(&mut *tx)
     .await?;
-    Ok(DatasetView { id, name: name.into(), owner: owner.into(), bytes, max_seq_len: max_seq_len(bytes), created_at })
+    tx.commit().await?;
+    let view =
+        DatasetView { id, name: name.into(), owner: owner.into(), bytes, max_seq_len: max_seq_len(bytes), created_at };
+    Ok(Ok(view))
 }
+
+/// Files an upload left half-written (its server killed between writing the text aside
+/// and renaming it into place) are removed when the server starts.
+pub fn remove_half_written(data_dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(data_dir.join("datasets")) else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(UPLOAD_PREFIX) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(file = %entry.path().display(), "removed a half-written upload"),
+                Err(e) => tracing::warn!(file = %entry.path().display(), "cannot remove a half-written upload: {e}"),
+            }
+        }
+    }
+}
+
+/// The name an upload's text has while it is being written.
+const UPLOAD_PREFIX: &str = ".upload-";
 
 /// Queued or running experiments that train on dataset `id`.
 async fn experiments_using(db: &Db, id: i64) -> Result<Vec<i64>, sqlx::Error> {
@@ -186,20 +223,11 @@ pub async fn upload(
         ));
     }
     let bytes_len = bytes.len() as u64;
-    let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM datasets WHERE owner = $1 AND deleted_at IS NULL")
-        .bind(&owner.name)
-        .fetch_one(&state.db)
-        .await?;
-    if kept >= MAX_DATASETS_PER_OWNER {
-        return Err(HttpError::too_many_requests(format!(
-            "{} keeps {kept} datasets, the most one person may: delete one first",
-            owner.name
-        )));
-    }
     // The text is written aside first, the row made, then the file renamed into place: a
-    // listed dataset always has its text, a failed upload leaves neither.
+    // listed dataset always has its text, a failed upload leaves neither (and one cut short
+    // by a kill is removed at the next start, `remove_half_written`).
     let dir = state.config.data_dir.join("datasets");
-    let aside = dir.join(format!(".upload-{:016x}", rand::random::<u64>()));
+    let aside = dir.join(format!("{UPLOAD_PREFIX}{:016x}", rand::random::<u64>()));
     let written = tokio::task::spawn_blocking({
         let (dir, aside) = (dir.clone(), aside.clone());
         move || std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&aside, &bytes))
@@ -207,10 +235,14 @@ pub async fn upload(
     .await
     .map_err(|e| HttpError::internal("storing a dataset", e))?;
     let placed = match written {
-        Ok(()) => match insert(&state.db, &name, &owner.name, bytes_len).await {
-            Ok(view) => std::fs::rename(&aside, text_path(&state, view.id))
+        Ok(()) => match insert_within_quota(&state.db, &name, &owner.name, bytes_len).await {
+            Ok(Ok(view)) => std::fs::rename(&aside, text_path(&state, view.id))
                 .map(|()| view)
                 .map_err(|e| HttpError::internal("storing a dataset", e)),
+            Ok(Err(kept)) => Err(HttpError::too_many_requests(format!(
+                "{} keeps {kept} datasets, the most one person may: delete one first",
+                owner.name
+            ))),
             Err(e) => Err(HttpError::from(e)),
         },
         Err(e) => Err(HttpError::internal("storing a dataset", e)),

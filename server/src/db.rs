@@ -81,6 +81,16 @@ pub async fn open(location: Location<'_>) -> Result<Db, DbError> {
     Ok(pool)
 }
 
+/// This database's own random id (made when it is first opened; several servers of one
+/// Postgres database agree on it): 16 hex digits.
+pub async fn store_id(db: &Db) -> Result<String, sqlx::Error> {
+    sqlx::query("INSERT INTO store_identity (name, value) VALUES ('id', $1) ON CONFLICT DO NOTHING")
+        .bind(crate::random_hex(8))
+        .execute(db)
+        .await?;
+    sqlx::query_scalar("SELECT value FROM store_identity WHERE name = 'id'").fetch_one(db).await
+}
+
 /// Whether `db` is PostgreSQL (else SQLite).
 pub fn is_postgres(db: &Db) -> bool {
     db.connect_options().database_url.scheme().starts_with("postgres")
@@ -122,18 +132,33 @@ pub fn query_with_nullable_floats(sql: &str) -> sqlx::query::Query<'_, Any, sqlx
 /// A transaction that holds the database's write lock from its first statement, for a
 /// decision read and then written (a lease): `BEGIN IMMEDIATE` on SQLite (a deferred
 /// BEGIN could read, then fail to write after another writer), on Postgres a transaction
-/// lock that every such transaction takes, so that they run one at a time.
-pub async fn begin_write(db: &Db) -> Result<Transaction<'static, Any>, sqlx::Error> {
-    if is_postgres(db) {
+/// lock that every such transaction takes, so that they run one at a time. It comes with
+/// this server's [`WriteTurn`], held until the transaction ends.
+pub async fn begin_write(db: &Db) -> Result<(Transaction<'static, Any>, WriteTurn), sqlx::Error> {
+    let turn = write_turn().await;
+    let tx = if is_postgres(db) {
         let mut tx = db.begin().await?;
         sqlx::query("SELECT CAST(1 AS BIGINT) FROM pg_advisory_xact_lock($1)")
             .bind(WRITE_LOCK)
             .execute(&mut *tx)
             .await?;
-        Ok(tx)
+        tx
     } else {
-        db.begin_with("BEGIN IMMEDIATE").await
-    }
+        db.begin_with("BEGIN IMMEDIATE").await?
+    };
+    Ok((tx, turn))
+}
+
+/// This server's turn to write: its writers (leases, submissions, each transaction of a
+/// worker's event batch) take turns in the order they asked. SQLite's own wait for its
+/// write lock is no queue (a waiter sleeps up to 100 ms between tries, and one busy writer
+/// can take the lock again and again before it looks): behind a large batch a submission
+/// would wait for all of it.
+pub type WriteTurn = tokio::sync::MutexGuard<'static, ()>;
+
+pub async fn write_turn() -> WriteTurn {
+    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    TURN.lock().await
 }
 
 /// The key of the advisory lock [`begin_write`] takes on Postgres ("distlab" in ASCII).

@@ -187,6 +187,44 @@ pub async fn same_origin(req: Request, next: Next) -> Response {
     }
 }
 
+/// Middleware for a server without accounts (`--auth none`, which listens on loopback only):
+/// a request whose `Host` names anything but this machine gets 403. Without it DNS
+/// rebinding lets any web page drive the lab: the page's own name, re-pointed at 127.0.0.1,
+/// is same-origin with itself, so [`same_origin`] lets it through. (With the host checked,
+/// `same_origin` holds a state change's `Origin` to a loopback name too.) A request without
+/// `Host` is not from a browser.
+pub async fn loopback_names_only(req: Request, next: Next) -> Response {
+    match req.headers().get(header::HOST).map(|v| v.to_str().unwrap_or("")) {
+        Some(host) if !is_loopback_name(host) => HttpError::forbidden(format!(
+            "this lab runs without accounts and answers only to this machine's own names (localhost, 127.0.0.1, \
+             [::1]), not '{}'; to serve other machines, start it with --auth accounts",
+            host.chars().take(100).collect::<String>()
+        ))
+        .into_response(),
+        _ => next.run(req).await,
+    }
+}
+
+/// Whether `host[:port]` names this machine: `localhost` (and `*.localhost`, which browsers
+/// resolve to it themselves), 127.0.0.0/8 or `[::1]`.
+fn is_loopback_name(host_port: &str) -> bool {
+    let host = if let Some(rest) = host_port.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((ip, port)) if port.is_empty() || port.starts_with(':') => ip,
+            _ => return false,
+        }
+    } else {
+        match host_port.split_once(':') {
+            Some((host, _port)) => host,
+            None => host_port,
+        }
+    };
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    host == "localhost"
+        || host.ends_with(".localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
 /// `host[:port]` of an origin or URL (`http://host:port/path` -> `host:port`); None for
 /// `null` and anything that is not http(s).
 fn origin_host(url: &str) -> Option<&str> {
@@ -246,6 +284,20 @@ mod tests {
         let error: ApiError = serde_json::from_slice(&body).unwrap();
         assert!(error.error.contains("a handler panicked"), "{}", error.error);
         assert!(!error.error.contains("index out of bounds"), "the details stay in the log");
+    }
+
+    #[test]
+    fn loopback_names_are_this_machine_and_nothing_else() {
+        for ok in
+            ["localhost", "localhost:8080", "LOCALHOST.", "lab.localhost:1", "127.0.0.1:8080", "127.3.2.1", "[::1]:9"]
+        {
+            assert!(is_loopback_name(ok), "{ok}");
+        }
+        for bad in
+            ["rebind.evil.example:8080", "localhost.evil.example", "0.0.0.0:80", "10.0.0.1", "[::2]:1", "[::1]x", ""]
+        {
+            assert!(!is_loopback_name(bad), "{bad}");
+        }
     }
 
     #[test]

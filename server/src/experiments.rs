@@ -223,15 +223,8 @@ pub async fn create(
     }
     let spec_json = serde_json::to_string(&spec).map_err(|e| HttpError::internal("encoding the spec", e))?;
     let max_queued = state.config.max_queued_per_user;
-    let queued = queue::queued_by(&state.db, &owner.name).await?;
-    // A retry of a submission already taken is answered whatever the quota.
-    if queued >= max_queued && !queue::submitted_with(&state.db, &owner.name, key.as_deref()).await? {
-        return Err(HttpError::too_many_requests(format!(
-            "you have {queued} experiments queued, the most this server takes from one person \
-             (--max-queued-per-user={max_queued}); wait for some to run, or cancel some"
-        )));
-    }
-    let submitted = queue::submit(&state.db, &owner.name, &spec, &spec_json, key.as_deref(), clock::now()).await?;
+    let submitted =
+        queue::submit(&state.db, &owner.name, &spec, &spec_json, key.as_deref(), max_queued, clock::now()).await?;
     let (id, status) = match submitted {
         queue::Submitted::New(id) => {
             let backend = spec.backend.as_str();
@@ -246,6 +239,12 @@ pub async fn create(
         queue::Submitted::Existing { id, same_spec: false } => {
             return Err(HttpError::conflict(format!(
                 "this Idempotency-Key was already used for experiment {id}, with another spec; use a new key"
+            )))
+        }
+        queue::Submitted::OverQuota { queued } => {
+            return Err(HttpError::too_many_requests(format!(
+                "you have {queued} experiments queued, the most this server takes from one person \
+                 (--max-queued-per-user={max_queued}); wait for some to run, or cancel some"
             )))
         }
     };
@@ -370,7 +369,7 @@ pub async fn delete(
             experiment.status.as_str()
         )));
     }
-    let checkpoints = state.config.data_dir.join("checkpoints").join(distlab_common::elastic::checkpoint_dir_name(id));
+    let checkpoints = state.checkpoint_dir(id);
     if let Err(e) = std::fs::remove_dir_all(&checkpoints) {
         if e.kind() != std::io::ErrorKind::NotFound {
             tracing::warn!(experiment = id, "could not remove {}: {e}", checkpoints.display());

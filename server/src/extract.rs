@@ -53,6 +53,19 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
     }
 }
 
+/// The address of the client that made the request: the connection's peer (None where
+/// there is none, as in tests that call the router directly).
+pub struct ClientAddress(pub Option<std::net::IpAddr>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for ClientAddress {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let peer = parts.extensions.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
+        Ok(ClientAddress(peer))
+    }
+}
+
 /// Parses JSON bytes into `T`; the 400 message says what is wrong and where.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, HttpError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {

@@ -17,6 +17,7 @@ pub mod experiments;
 pub mod extract;
 pub mod fanout;
 pub mod health;
+pub mod listen;
 pub mod local_workers;
 pub mod memory;
 pub mod metrics;
@@ -31,6 +32,7 @@ pub mod review;
 pub mod review_settings;
 pub mod sampling;
 pub mod session;
+pub mod sign_in_guard;
 pub mod static_files;
 pub mod stream;
 pub mod traces;
@@ -91,8 +93,8 @@ pub struct ServerConfig {
     pub reap_interval: Duration,
     /// Open SSE streams at most; more get 503.
     pub max_sse_connections: usize,
-    /// Open SSE streams one client address may hold; more get 429.
-    pub max_sse_per_client: usize,
+    /// Open SSE streams one account may hold; more get 429.
+    pub max_sse_per_account: usize,
     /// Body limit of user requests and most worker requests.
     pub max_body_bytes: usize,
     /// Body limit of worker event batches.
@@ -103,12 +105,17 @@ pub struct ServerConfig {
     pub max_dataset_bytes: usize,
     /// Requests (other than SSE streams) taking longer are answered 408.
     pub request_timeout: Duration,
+    /// How long a connection has to send a request's headers, and may stay idle between
+    /// requests, before it is closed.
+    pub header_timeout: Duration,
     /// What one experiment may ask for.
     pub limits: Limits,
     /// An attempt running longer than this is stopped and failed (None: no limit).
     pub max_run: Option<Duration>,
     /// How the server knows who is asking (one local user, or accounts with sign-in).
     pub auth: AuthMode,
+    /// How failed sign-ins are throttled.
+    pub sign_in: sign_in_guard::SignInPolicy,
     /// Queued experiments one person may have; more get 429.
     pub max_queued_per_user: usize,
     /// Experiments of one person that run at once (None: no limit); the rest wait.
@@ -135,15 +142,17 @@ impl Default for ServerConfig {
             heartbeat_seconds: 5.0,
             reap_interval: Duration::from_secs(1),
             max_sse_connections: 1024,
-            max_sse_per_client: 32,
+            max_sse_per_account: 32,
             max_body_bytes: 1 << 20,
             max_event_batch_bytes: 16 << 20,
             max_model_bytes: 256 << 20,
             max_dataset_bytes: distlab_common::MAX_DATASET_BYTES,
             request_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(10),
             limits: Limits::default(),
             max_run: None,
             auth: AuthMode::None,
+            sign_in: sign_in_guard::SignInPolicy::default(),
             max_queued_per_user: 20,
             max_running_per_user: None,
             allow_multi_host: true,
@@ -204,7 +213,7 @@ impl ServerConfig {
                 self.gang_timeout.as_secs()
             ));
         }
-        if self.max_sse_connections == 0 || self.max_sse_per_client == 0 {
+        if self.max_sse_connections == 0 || self.max_sse_per_account == 0 {
             return bad("the live-stream limits must be at least 1".into());
         }
         Ok(())
@@ -259,14 +268,22 @@ pub struct AppState {
     /// Held while this server decides a lease: its leases queue here rather than on the
     /// database's write lock (SQLite's busy waits sleep up to 100 ms at a time).
     pub leasing: Arc<tokio::sync::Mutex<()>>,
+    /// Sign-in's queue and its failed-attempt counts.
+    pub sign_in: Arc<sign_in_guard::SignInGuard>,
+    /// The database's own id (`db::store_id`): checkpoint directories carry it.
+    pub store_id: Arc<str>,
 }
 
 impl AppState {
     /// Opens the database (`config.database_url`, else the one in `config.data_dir`),
-    /// applying the migrations.
+    /// applying the migrations, and removes what a killed server left half-written.
     pub async fn new(config: ServerConfig) -> Result<Self, ServeError> {
         let db = db::open(config.database()).await?;
-        let state = Self::with_db(db, config);
+        datasets::remove_half_written(&config.data_dir);
+        let store_id = db::store_id(&db)
+            .await
+            .map_err(|source| db::DbError::Open { place: "the database's id".into(), source })?;
+        let state = Self::with_db(db, config, &store_id);
         // Servers sharing a Postgres database share their live events.
         if let Some(url) = state.config.database_url.clone() {
             fanout::start(&state, &url)
@@ -276,15 +293,24 @@ impl AppState {
         Ok(state)
     }
 
-    pub fn with_db(db: Db, config: ServerConfig) -> Self {
-        let hub = Arc::new(Hub::new(config.max_sse_connections, config.max_sse_per_client));
+    pub fn with_db(db: Db, config: ServerConfig, store_id: &str) -> Self {
+        let hub = Arc::new(Hub::new(config.max_sse_connections, config.max_sse_per_account));
+        let sign_in = Arc::new(sign_in_guard::SignInGuard::new(config.sign_in));
         Self {
             db,
             config: Arc::new(config),
             hub,
             metrics: Arc::new(metrics::ServerMetrics::default()),
             leasing: Arc::new(tokio::sync::Mutex::new(())),
+            sign_in,
+            store_id: Arc::from(store_id),
         }
+    }
+
+    /// Where the server's local workers keep experiment `id`'s checkpoints.
+    pub fn checkpoint_dir(&self, id: i64) -> PathBuf {
+        let name = distlab_common::elastic::checkpoint_dir_name(Some(&self.store_id), id);
+        self.config.data_dir.join("checkpoints").join(name)
     }
 
     /// Re-queues (or fails) running experiments whose lease ended before `now`, and fails
@@ -311,7 +337,7 @@ pub fn app(state: AppState) -> Router {
             .into_iter()
             .max()
             .unwrap_or(config.max_body_bytes);
-    routes
+    let routes = routes
         .merge(static_files::router(&config.static_dir))
         // Counted with the route each request matched (set by the routing, inside).
         .layer(middleware::from_fn_with_state(state.clone(), metrics::record))
@@ -327,8 +353,12 @@ pub fn app(state: AppState) -> Router {
             CompressionLayer::new()
                 .compress_when(DefaultPredicate::new().and(NotForContentType::const_new("application/octet-stream"))),
         )
-        .layer(TraceLayer::new_for_http().make_span_with(request_span).on_request(()).on_response(log_response))
-        .with_state(state)
+        .layer(TraceLayer::new_for_http().make_span_with(request_span).on_request(()).on_response(log_response));
+    let routes = match config.auth {
+        AuthMode::None => routes.layer(middleware::from_fn(error::loopback_names_only)),
+        AuthMode::Accounts => routes,
+    };
+    routes.with_state(state)
 }
 
 /// Every route but the frontend's files, each registered with its OpenAPI entry.
@@ -355,6 +385,7 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(session::who))
         .routes(routes!(session::list_users, session::create_user))
         .routes(routes!(session::reset_password))
+        .routes(routes!(session::unlock))
         .routes(routes!(experiments::list, experiments::create))
         .routes(routes!(experiments::get_one, experiments::delete))
         .routes(routes!(experiments::metrics))
@@ -443,6 +474,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
              (same --data-dir)"
         );
     }
+    let descriptors = listen::raise_descriptor_limit();
+    let limits = listen::ConnectionLimits::for_descriptors(descriptors, config.header_timeout);
+    tracing::info!(descriptors, max_connections = limits.max_connections, "connection limits");
     let listener = tokio::net::TcpListener::bind(config.addr)
         .await
         .map_err(|source| ServeError::Bind { addr: config.addr, source })?;
@@ -474,8 +508,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
 
     let (stopping_tx, mut stopping_rx) = tokio::sync::watch::channel(false);
     let hub = state.hub.clone();
-    let service = app(state).into_make_service_with_connect_info::<SocketAddr>();
-    let server = axum::serve(listener, service).with_graceful_shutdown(async move {
+    let server = listen::serve(listener, app(state), limits, async move {
         shutdown_signal().await;
         tracing::info!("shutting down");
         hub.shut_down();
@@ -486,16 +519,13 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         let _ = stopping_rx.wait_for(|s| *s).await;
         tokio::time::sleep(Duration::from_secs(5)).await;
     };
-    let result = tokio::select! {
-        r = server => r.map_err(ServeError::Io),
-        _ = deadline => {
-            tracing::warn!("requests still open after 5 s; stopping anyway");
-            Ok(())
-        }
+    tokio::select! {
+        () = server => {}
+        _ = deadline => tracing::warn!("requests still open after 5 s; stopping anyway"),
     };
     reaper.abort();
     workers.stop().await;
-    result
+    Ok(())
 }
 
 async fn reap_forever(state: AppState) {

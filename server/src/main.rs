@@ -59,9 +59,9 @@ struct Cli {
     #[arg(long, env = "DISTLAB_MAX_STREAMS", default_value_t = 1024)]
     max_streams: usize,
 
-    /// Live streams one client address may hold at once.
-    #[arg(long, env = "DISTLAB_MAX_STREAMS_PER_CLIENT", default_value_t = 32)]
-    max_streams_per_client: usize,
+    /// Live streams one account may hold at once (with --auth none: the one user).
+    #[arg(long, env = "DISTLAB_MAX_STREAMS_PER_ACCOUNT", default_value_t = 32)]
+    max_streams_per_account: usize,
 
     /// Seconds an experiment may run (each attempt) before it is stopped and failed; 0: no limit.
     #[arg(long, env = "DISTLAB_MAX_RUN_SECONDS", default_value_t = 0)]
@@ -70,6 +70,11 @@ struct Cli {
     /// Seconds before a request (other than a live stream) is cut off.
     #[arg(long, env = "DISTLAB_REQUEST_TIMEOUT_SECONDS", default_value_t = 30)]
     request_timeout_seconds: u64,
+
+    /// Seconds a connection has to send a request's headers, and may stay idle between
+    /// requests, before it is closed.
+    #[arg(long, env = "DISTLAB_HEADER_TIMEOUT_SECONDS", default_value_t = 10)]
+    header_timeout_seconds: u64,
 
     /// `none`: one user, no sign-in (only on a loopback address). `accounts`: everyone signs
     /// in; experiments and flashcard profiles belong to accounts (`distlab-server user add`).
@@ -158,8 +163,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         lease_seconds: cli.lease_seconds,
         heartbeat_seconds: cli.heartbeat_seconds,
         max_sse_connections: cli.max_streams,
-        max_sse_per_client: cli.max_streams_per_client,
+        max_sse_per_account: cli.max_streams_per_account,
         request_timeout: Duration::from_secs(cli.request_timeout_seconds.max(1)),
+        header_timeout: Duration::from_secs(cli.header_timeout_seconds.max(1)),
         max_run: (cli.max_run_seconds > 0).then(|| Duration::from_secs(cli.max_run_seconds)),
         auth: match cli.auth {
             Auth::None => AuthMode::None,

@@ -292,7 +292,7 @@ pub async fn release_unformed(db: &Db, hub: &Hub, wait: Duration, now: SystemTim
     let mut released = Vec::new();
     for (id, attempt) in unformed {
         // (under the write lock, like a lease taking a part)
-        let mut tx = crate::db::begin_write(db).await?;
+        let (mut tx, _turn) = crate::db::begin_write(db).await?;
         let missing: Vec<i64> = sqlx::query_scalar(
             "SELECT worker_id FROM parts WHERE experiment_id = $1 AND attempt = $2 AND joined_at IS NULL ORDER BY host",
         )

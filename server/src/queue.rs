@@ -85,7 +85,7 @@ pub async fn lease(
     policy: LeasePolicy,
     now: SystemTime,
 ) -> Result<Option<Leased>, sqlx::Error> {
-    let mut tx = db::begin_write(db).await?;
+    let (mut tx, _turn) = db::begin_write(db).await?;
     parts::mark_idle(&mut tx, asking.worker_id, now, policy.idle_for).await?;
     if let Some(joined) = parts::join(&mut tx, asking.worker_id, policy.lease, now).await? {
         tx.commit().await?;
@@ -187,6 +187,17 @@ async fn start(
         None
     };
     Ok(Some(Leased { id, spec, attempt, placement }))
+}
+
+/// How many of experiment `id`'s steps, from step 0 on, have their metric point stored: the
+/// first step without one. A new attempt resumes no later (`Lease::stored_steps`).
+pub async fn stored_steps(db: &Db, id: i64) -> Result<u64, sqlx::Error> {
+    let steps: Vec<i64> = sqlx::query_scalar("SELECT step FROM metrics WHERE experiment_id = $1 ORDER BY step")
+        .bind(id)
+        .fetch_all(db)
+        .await?;
+    let contiguous = steps.iter().zip(0i64..).take_while(|(step, expected)| **step == *expected).count();
+    Ok(contiguous as u64)
 }
 
 /// An attempt of experiment `id` starts at `from_step`: the metrics an earlier attempt
@@ -330,9 +341,17 @@ pub enum Stored {
     Invalid(Vec<FieldError>),
 }
 
+/// Events stored in one transaction at most: a worker's batch may hold 100,000 points
+/// (16 MiB), and one transaction for all of them would hold SQLite's write lock for
+/// seconds, with every submission and lease waiting behind it. A trace (one row, but up to
+/// megabytes) counts as this many on its own.
+pub const EVENTS_PER_TRANSACTION: usize = 500;
+
 /// Stores a batch of events (metrics overwrite the same step of an earlier attempt, traces
-/// the same rank's earlier trace) and renews the lease, in one transaction; nothing is
-/// stored unless the worker holds the lease and every trace fits the experiment's world.
+/// the same rank's earlier trace) and renews the lease, in transactions of at most
+/// [`EVENTS_PER_TRANSACTION`] events, in order; nothing is stored unless the worker holds
+/// the lease and every trace fits the experiment's world. (A lease that ends between two
+/// transactions keeps what the earlier ones stored: the points of steps the run did.)
 pub async fn store_events(
     db: &Db,
     worker_id: i64,
@@ -341,30 +360,48 @@ pub async fn store_events(
     lease: Duration,
     now: SystemTime,
 ) -> Result<Stored, sqlx::Error> {
-    let mut tx = db.begin().await?;
-    let Some(spec) = renew_held(&mut tx, worker_id, id, lease, now).await? else {
-        tx.rollback().await?;
-        return Ok(Stored::NotHeld(ownership(db, worker_id, id).await?));
-    };
-    if events.iter().any(|e| matches!(e, RunEvent::Trace(_))) {
-        let spec: ExperimentSpec = serde_json::from_str(&spec).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
-        let problems = traces::check(events, &spec);
-        if !problems.is_empty() {
-            tx.rollback().await?;
-            return Ok(Stored::Invalid(problems));
-        }
-    }
     let at = clock::rfc3339(now);
     let mut log_ids = Vec::new();
-    for event in events {
-        match event {
-            RunEvent::Start { from_step } => start_attempt(&mut tx, id, *from_step).await?,
-            RunEvent::Metric(m) => insert_metric(&mut tx, id, m).await?,
-            RunEvent::Log(line) => log_ids.push(insert_log(&mut tx, id, line.level, &line.message, &at).await?),
-            RunEvent::Trace(trace) => traces::upsert(&mut tx, id, trace, &at).await?,
+    let mut rest = events;
+    let mut first = true;
+    while first || !rest.is_empty() {
+        let mut weight = 0;
+        let take = rest
+            .iter()
+            .take_while(|e| {
+                weight += if matches!(e, RunEvent::Trace(_)) { EVENTS_PER_TRANSACTION } else { 1 };
+                weight <= EVENTS_PER_TRANSACTION
+            })
+            .count()
+            .max(rest.len().min(1));
+        let (chunk, later) = rest.split_at(take);
+        // (a turn per transaction: other writers get theirs between two)
+        let _turn = db::write_turn().await;
+        let mut tx = db.begin().await?;
+        let Some(spec) = renew_held(&mut tx, worker_id, id, lease, now).await? else {
+            tx.rollback().await?;
+            return Ok(Stored::NotHeld(ownership(db, worker_id, id).await?));
+        };
+        if first && events.iter().any(|e| matches!(e, RunEvent::Trace(_))) {
+            let spec: ExperimentSpec = serde_json::from_str(&spec).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+            let problems = traces::check(events, &spec);
+            if !problems.is_empty() {
+                tx.rollback().await?;
+                return Ok(Stored::Invalid(problems));
+            }
         }
+        for event in chunk {
+            match event {
+                RunEvent::Start { from_step } => start_attempt(&mut tx, id, *from_step).await?,
+                RunEvent::Metric(m) => insert_metric(&mut tx, id, m).await?,
+                RunEvent::Log(line) => log_ids.push(insert_log(&mut tx, id, line.level, &line.message, &at).await?),
+                RunEvent::Trace(trace) => traces::upsert(&mut tx, id, trace, &at).await?,
+            }
+        }
+        tx.commit().await?;
+        rest = later;
+        first = false;
     }
-    tx.commit().await?;
     Ok(Stored::Held { log_ids })
 }
 
@@ -555,21 +592,48 @@ pub enum Submitted {
     /// The experiment an earlier submission with the same idempotency key made, for the
     /// same spec (`same_spec`) or another.
     Existing { id: i64, same_spec: bool },
+    /// Nothing queued: `owner` already has this many queued, the most allowed.
+    OverQuota { queued: usize },
 }
 
-/// Queues `spec` (its JSON `spec_json`) for `owner`; with `key`, a second submission with the
-/// same key gets the first one's experiment instead of a new one.
+/// Queues `spec` (its JSON `spec_json`) for `owner`, unless `owner` has `max_queued` queued
+/// already; with `key`, a second submission with the same key gets the first one's
+/// experiment instead of a new one (whatever the quota). The count and the insert are one
+/// transaction under the write lock, so concurrent submissions cannot pass the quota together.
 pub async fn submit(
     db: &Db,
     owner: &str,
     spec: &ExperimentSpec,
     spec_json: &str,
     key: Option<&str>,
+    max_queued: usize,
     now: SystemTime,
 ) -> Result<Submitted, sqlx::Error> {
-    let inserted: Option<i64> = sqlx::query_scalar(
+    let (mut tx, _turn) = db::begin_write(db).await?;
+    if let Some(key) = key {
+        let earlier: Option<(i64, String)> =
+            sqlx::query_as("SELECT id, spec FROM experiments WHERE owner = $1 AND idempotency_key = $2")
+                .bind(owner)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some((id, earlier)) = earlier {
+            tx.commit().await?;
+            return Ok(Submitted::Existing { id, same_spec: earlier == spec_json });
+        }
+    }
+    let queued: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = $1 AND status = 'queued'")
+        .bind(owner)
+        .fetch_one(&mut *tx)
+        .await?;
+    let queued = usize::try_from(queued).unwrap_or(0);
+    if queued >= max_queued {
+        tx.commit().await?;
+        return Ok(Submitted::OverQuota { queued });
+    }
+    let id: i64 = sqlx::query_scalar(
         "INSERT INTO experiments (owner, name, spec, backend, status, attempt, created_at, idempotency_key) \
-         VALUES ($1, $2, $3, $4, 'queued', 0, $5, $6) ON CONFLICT DO NOTHING RETURNING id",
+         VALUES ($1, $2, $3, $4, 'queued', 0, $5, $6) RETURNING id",
     )
     .bind(owner)
     .bind(&spec.name)
@@ -577,38 +641,10 @@ pub async fn submit(
     .bind(spec.backend.as_str())
     .bind(clock::rfc3339(now))
     .bind(key)
-    .fetch_optional(db)
+    .fetch_one(&mut *tx)
     .await?;
-    if let Some(id) = inserted {
-        return Ok(Submitted::New(id));
-    }
-    let (id, earlier): (i64, String) =
-        sqlx::query_as("SELECT id, spec FROM experiments WHERE owner = $1 AND idempotency_key = $2")
-            .bind(owner)
-            .bind(key)
-            .fetch_one(db)
-            .await?;
-    Ok(Submitted::Existing { id, same_spec: earlier == spec_json })
-}
-
-/// How many experiments `owner` has queued.
-pub async fn queued_by(db: &Db, owner: &str) -> Result<usize, sqlx::Error> {
-    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = $1 AND status = 'queued'")
-        .bind(owner)
-        .fetch_one(db)
-        .await?;
-    Ok(usize::try_from(n).unwrap_or(0))
-}
-
-/// Whether `owner` already submitted something with idempotency key `key`.
-pub async fn submitted_with(db: &Db, owner: &str, key: Option<&str>) -> Result<bool, sqlx::Error> {
-    let Some(key) = key else { return Ok(false) };
-    let found: Option<i64> = sqlx::query_scalar("SELECT id FROM experiments WHERE owner = $1 AND idempotency_key = $2")
-        .bind(owner)
-        .bind(key)
-        .fetch_optional(db)
-        .await?;
-    Ok(found.is_some())
+    tx.commit().await?;
+    Ok(Submitted::New(id))
 }
 
 /// Deletes finished experiment `id` with everything stored of it (metrics, logs, traces,

@@ -15,7 +15,8 @@ use crate::accounts::{self, Account, AccountError};
 use crate::clock;
 use crate::error::HttpError;
 use crate::experiments::LOCAL_OWNER;
-use crate::extract::JsonBody;
+use crate::extract::{ClientAddress, JsonBody};
+use crate::sign_in_guard::Refused;
 use crate::AppState;
 
 /// The session cookie's name.
@@ -88,26 +89,75 @@ fn cookie(value: &str, max_age_s: u64) -> HeaderValue {
         (status = 200, description = "signed in: a session cookie", body = distlab_common::Me),
         (status = 401, body = distlab_common::ApiError),
         (status = 409, description = "the server runs without accounts", body = distlab_common::ApiError),
+        (status = 429, description = "too many failed sign-ins for this account or address: wait Retry-After seconds", body = distlab_common::ApiError),
+        (status = 503, description = "too many sign-ins at once: try again after Retry-After seconds", body = distlab_common::ApiError),
     ),
 )]
-pub async fn sign_in(State(state): State<AppState>, JsonBody(body): JsonBody<SignIn>) -> Result<Response, HttpError> {
+pub async fn sign_in(
+    State(state): State<AppState>,
+    ClientAddress(address): ClientAddress,
+    JsonBody(body): JsonBody<SignIn>,
+) -> Result<Response, Response> {
     if state.config.auth == AuthMode::None {
         return Err(HttpError::conflict(
             "this server runs without accounts (--auth none): there is nothing to sign in to",
-        ));
+        )
+        .into_response());
     }
-    let too_long =
-        body.name.len() > 4 * accounts::MAX_NAME_CHARS || body.password.len() > 4 * accounts::MAX_PASSWORD_CHARS;
-    let account = if too_long { None } else { accounts::verify(&state.db, &body.name, &body.password).await? };
-    let Some(account) = account else {
-        tracing::info!(name = %body.name.chars().take(64).collect::<String>(), "sign-in refused");
-        return Err(HttpError::unauthorized("wrong name or password"));
+    let name: String = body.name.chars().take(4 * accounts::MAX_NAME_CHARS).collect();
+    let too_long = body.name.len() > name.len() || body.password.len() > 4 * accounts::MAX_PASSWORD_CHARS;
+    let admitted = state.sign_in.admit(&name, address, std::time::Instant::now()).map_err(refused)?;
+    let account = if too_long {
+        None
+    } else {
+        accounts::verify(&state.db, &name, &body.password).await.map_err(|e| HttpError::from(e).into_response())?
     };
-    let token = accounts::open_session(&state.db, &account, clock::now()).await?;
+    drop(admitted);
+    let Some(account) = account else {
+        state.sign_in.failed(&name, address, std::time::Instant::now());
+        tracing::info!(name = %name.chars().take(64).collect::<String>(), ?address, "sign-in refused");
+        return Err(HttpError::unauthorized("wrong name or password").into_response());
+    };
+    state.sign_in.succeeded(&account.name);
+    let token = accounts::open_session(&state.db, &account, clock::now())
+        .await
+        .map_err(|e| HttpError::from(e).into_response())?;
     tracing::info!(name = %account.name, "signed in");
     let mut resp = Json(me(&account, state.config.auth)).into_response();
     resp.headers_mut().insert(header::SET_COOKIE, cookie(&token, accounts::SESSION_LIFETIME.as_secs()));
     Ok(resp)
+}
+
+/// The answer to a sign-in that is not tried: 503 when too many wait, 429 while throttled
+/// or locked, each with `Retry-After`.
+fn refused(why: Refused) -> Response {
+    let (error, retry_after) = match why {
+        Refused::Busy => (
+            HttpError::unavailable("too many sign-ins at once; try again in a few seconds"),
+            std::time::Duration::from_secs(2),
+        ),
+        Refused::TooSoon(wait) => (
+            HttpError::too_many_requests(format!(
+                "too many failed sign-ins: wait {} s before the next try",
+                wait.as_secs_f64().ceil()
+            )),
+            wait,
+        ),
+        Refused::Locked { account, for_at_most } => (
+            HttpError::too_many_requests(format!(
+                "too many failed sign-ins {}: locked for up to {} minutes, or until a teacher unlocks it",
+                if account { "for this account" } else { "from this address" },
+                (for_at_most.as_secs_f64() / 60.0).ceil()
+            )),
+            for_at_most,
+        ),
+    };
+    let mut resp = error.into_response();
+    let seconds = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+    if let Ok(value) = HeaderValue::from_str(&seconds.to_string()) {
+        resp.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    resp
 }
 
 /// `DELETE /api/session`: signs out (the session ends on the server, the cookie is cleared).
@@ -217,7 +267,34 @@ pub async fn reset_password(
 ) -> Result<StatusCode, HttpError> {
     require_admin(&caller)?;
     accounts::set_password(&state.db, &name, &body.password).await.map_err(account_error)?;
+    state.sign_in.unlock(&name);
+    state.hub.end_streams_of(&name);
     tracing::info!(%name, by = %caller.name, "password reset");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `DELETE /api/users/{name}/lock` (admins): forgets the account's failed sign-ins, so that
+/// it may sign in again at once (204; 404 when no such account).
+#[utoipa::path(
+    delete, path = "/users/{name}/lock", tag = "accounts",
+    params(("name" = String, Path)),
+    responses(
+        (status = 204, description = "unlocked"),
+        (status = 403, body = distlab_common::ApiError),
+        (status = 404, body = distlab_common::ApiError),
+    ),
+)]
+pub async fn unlock(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, HttpError> {
+    require_admin(&caller)?;
+    if !accounts::list(&state.db).await?.iter().any(|a| a.name == name) {
+        return Err(account_error(AccountError::NoSuchAccount(name)));
+    }
+    let had_failures = state.sign_in.unlock(&name);
+    tracing::info!(%name, by = %caller.name, had_failures, "sign-in unlocked");
     Ok(StatusCode::NO_CONTENT)
 }
 

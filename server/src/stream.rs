@@ -11,18 +11,19 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::{ConnectInfo, Path, State};
+use axum::extract::{Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use distlab_common::{LogLevel, LogLine, MetricPoint, StatusChange, StreamEvent};
 use futures::stream::{self, Stream, StreamExt};
 use tokio::sync::{broadcast, watch, OwnedSemaphorePermit, Semaphore};
 
+use crate::accounts::Account;
 use crate::error::HttpError;
 use crate::experiments;
 use crate::extract::parse_id;
@@ -49,33 +50,52 @@ pub struct Hub {
     topics: Mutex<HashMap<i64, broadcast::Sender<Published>>>,
     connections: Arc<Semaphore>,
     max_connections: usize,
-    /// Open streams per client address, and the most one client may hold.
-    per_client: ClientStreams,
-    max_per_client: usize,
+    /// Open streams per account, and the most one account may hold.
+    per_account: AccountStreams,
+    max_per_account: usize,
     shutdown: watch::Sender<bool>,
     /// Where what is published also goes, for the other servers of a shared database
     /// (`fanout.rs`); unset on SQLite.
     fanout: std::sync::OnceLock<tokio::sync::mpsc::Sender<(i64, Published)>>,
 }
 
-/// How many streams each client address holds open.
-type ClientStreams = Arc<Mutex<HashMap<IpAddr, usize>>>;
+/// The streams each account holds open. Counted by account, not by address: a class
+/// behind one NAT or proxy shares an address, and one person can use many.
+type AccountStreams = Arc<Mutex<HashMap<String, OpenStreams>>>;
 
-/// One open stream's place: freed (in the total and in its client's count) when dropped.
+/// One account's open streams.
+struct OpenStreams {
+    count: usize,
+    /// Sent when the account's sessions end (a new password): its open streams end with them.
+    ended: watch::Sender<()>,
+}
+
+/// One open stream's place: freed (in the total and in its account's count) when dropped.
 pub struct StreamSlot {
     _total: OwnedSemaphorePermit,
-    client: Option<(IpAddr, ClientStreams)>,
+    account: String,
+    counts: AccountStreams,
+    /// Changes when the account's sessions end.
+    ended: watch::Receiver<()>,
+}
+
+impl StreamSlot {
+    /// Resolves when the account's sessions end (its password changed or was reset).
+    fn sessions_ended(&self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        let mut ended = self.ended.clone();
+        Box::pin(async move {
+            let _ = ended.changed().await;
+        })
+    }
 }
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
-        if let Some((ip, counts)) = &self.client {
-            let mut counts = counts.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(n) = counts.get_mut(ip) {
-                *n -= 1;
-                if *n == 0 {
-                    counts.remove(ip);
-                }
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(open) = counts.get_mut(&self.account) {
+            open.count -= 1;
+            if open.count == 0 {
+                counts.remove(&self.account);
             }
         }
     }
@@ -86,18 +106,18 @@ impl Drop for StreamSlot {
 pub enum StreamRefused {
     /// The server's total is reached.
     Full(usize),
-    /// This client already holds its share.
-    ClientFull(usize),
+    /// This account already holds its share.
+    AccountFull(usize),
 }
 
 impl Hub {
-    pub fn new(max_connections: usize, max_per_client: usize) -> Self {
+    pub fn new(max_connections: usize, max_per_account: usize) -> Self {
         Self {
             topics: Mutex::new(HashMap::new()),
             connections: Arc::new(Semaphore::new(max_connections)),
             max_connections,
-            per_client: Arc::new(Mutex::new(HashMap::new())),
-            max_per_client,
+            per_account: Arc::new(Mutex::new(HashMap::new())),
+            max_per_account,
             shutdown: watch::Sender::new(false),
             fanout: std::sync::OnceLock::new(),
         }
@@ -152,19 +172,37 @@ impl Hub {
         Subscription { hub: self.clone(), id, rx }
     }
 
-    /// A slot for one more open stream for `client` (None: address unknown, counted in
-    /// the total only), unless the server's total or the client's share is reached.
-    pub fn try_connect(&self, client: Option<IpAddr>) -> Result<StreamSlot, StreamRefused> {
-        let total =
-            self.connections.clone().try_acquire_owned().map_err(|_| StreamRefused::Full(self.max_connections))?;
-        let Some(ip) = client else { return Ok(StreamSlot { _total: total, client: None }) };
-        let mut counts = self.per_client.lock().unwrap_or_else(|e| e.into_inner());
-        let open = counts.entry(ip).or_insert(0);
-        if *open >= self.max_per_client {
-            return Err(StreamRefused::ClientFull(self.max_per_client));
+    /// A slot for one more open stream of `account`, unless the account's share or the
+    /// server's total is reached.
+    pub fn try_connect(&self, account: &str) -> Result<StreamSlot, StreamRefused> {
+        let mut counts = self.per_account.lock().unwrap_or_else(|e| e.into_inner());
+        let open = counts
+            .entry(account.to_string())
+            .or_insert_with(|| OpenStreams { count: 0, ended: watch::Sender::new(()) });
+        if open.count >= self.max_per_account {
+            return Err(StreamRefused::AccountFull(self.max_per_account));
         }
-        *open += 1;
-        Ok(StreamSlot { _total: total, client: Some((ip, self.per_client.clone())) })
+        let total = self.connections.clone().try_acquire_owned().map_err(|_| StreamRefused::Full(self.max_connections));
+        let total = match total {
+            Ok(total) => total,
+            Err(refused) => {
+                if open.count == 0 {
+                    counts.remove(account);
+                }
+                return Err(refused);
+            }
+        };
+        open.count += 1;
+        let ended = open.ended.subscribe();
+        Ok(StreamSlot { _total: total, account: account.to_string(), counts: self.per_account.clone(), ended })
+    }
+
+    /// Ends every open stream of `account` (its sessions have ended).
+    pub fn end_streams_of(&self, account: &str) {
+        let counts = self.per_account.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(open) = counts.get(account) {
+            open.ended.send_replace(());
+        }
     }
 
     pub fn open_streams(&self) -> usize {
@@ -218,19 +256,19 @@ impl Drop for Subscription {
 )]
 pub async fn stream(
     State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
     Path(raw_id): Path<String>,
-    request: axum::http::request::Parts,
 ) -> Result<Response, HttpError> {
     let id = parse_id(&raw_id)?;
-    let client = request.extensions.get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-    let permit = state.hub.try_connect(client).map_err(|refused| match refused {
+    let permit = state.hub.try_connect(&caller.name).map_err(|refused| match refused {
         StreamRefused::Full(max) => HttpError::unavailable(format!(
             "too many live streams are open (this server allows {max}); close some tabs or try again later"
         )),
-        StreamRefused::ClientFull(max) => HttpError::too_many_requests(format!(
-            "you have {max} live streams open, the most one client may; close some tabs"
+        StreamRefused::AccountFull(max) => HttpError::too_many_requests(format!(
+            "you have {max} live streams open, the most one person may; close some tabs"
         )),
     })?;
+    let sessions_ended = permit.sessions_ended();
     // Subscribe before reading the database, so that nothing falls between the two.
     let subscription = state.hub.subscribe(id);
     let view = experiments::load(&state.db, id).await?.ok_or_else(|| experiments::not_found(id))?;
@@ -255,10 +293,13 @@ pub async fn stream(
     } else {
         live_events(subscription, replayed).boxed()
     };
-    let events = stream::iter(replay).chain(live).take_until(state.hub.shutdown_signal()).map(move |event| {
-        let _slot = &permit; // the connection slot is freed when the stream is dropped
-        Ok::<_, Infallible>(sse_event(&event))
-    });
+    let events =
+        stream::iter(replay).chain(live).take_until(state.hub.shutdown_signal()).take_until(sessions_ended).map(
+            move |event| {
+                let _slot = &permit; // the connection slot is freed when the stream is dropped
+                Ok::<_, Infallible>(sse_event(&event))
+            },
+        );
     Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response())
 }
 
@@ -387,17 +428,28 @@ mod tests {
     }
 
     #[test]
-    fn connection_slots_are_bounded_in_total_and_per_client() {
+    fn connection_slots_are_bounded_in_total_and_per_account() {
         let hub = Hub::new(3, 2);
-        let (ada, bob) = (Some(IpAddr::from([10, 0, 0, 1])), Some(IpAddr::from([10, 0, 0, 2])));
-        let a1 = hub.try_connect(ada).unwrap();
-        let _a2 = hub.try_connect(ada).unwrap();
-        assert_eq!(hub.try_connect(ada).err(), Some(StreamRefused::ClientFull(2)), "ada's share is used");
-        let _b1 = hub.try_connect(bob).unwrap();
-        assert_eq!(hub.try_connect(bob).err(), Some(StreamRefused::Full(3)), "the server's total is used");
+        let a1 = hub.try_connect("ada").unwrap();
+        let _a2 = hub.try_connect("ada").unwrap();
+        assert_eq!(hub.try_connect("ada").err(), Some(StreamRefused::AccountFull(2)), "ada's share is used");
+        let _b1 = hub.try_connect("bob").unwrap();
+        assert_eq!(hub.try_connect("bob").err(), Some(StreamRefused::Full(3)), "the server's total is used");
         assert_eq!(hub.open_streams(), 3);
         drop(a1);
-        let _a3 = hub.try_connect(ada).expect("a closed stream frees its client's place and the total's");
+        let _a3 = hub.try_connect("ada").expect("a closed stream frees its account's place and the total's");
         assert_eq!(hub.open_streams(), 3);
+    }
+
+    #[tokio::test]
+    async fn an_account_s_streams_end_with_its_sessions() {
+        let hub = Hub::new(8, 8);
+        let ada = hub.try_connect("ada").unwrap();
+        let bob = hub.try_connect("bob").unwrap();
+        let (ada_ended, bob_ended) = (ada.sessions_ended(), bob.sessions_ended());
+        hub.end_streams_of("ada");
+        tokio::time::timeout(Duration::from_secs(1), ada_ended).await.expect("ada's stream ends");
+        let still = tokio::time::timeout(Duration::from_millis(50), bob_ended).await;
+        assert!(still.is_err(), "bob's stream goes on");
     }
 }

@@ -306,12 +306,15 @@ pub async fn lease(
             .hub
             .status_changed(leased.id, StatusChange { status: ExperimentStatus::Running, error: None, summary: None });
     }
+    let stored_steps = Some(queue::stored_steps(&state.db, leased.id).await?);
     let lease = Lease {
         experiment_id: leased.id,
         spec,
         attempt: leased.attempt,
         lease_s: lease_for.as_secs_f64(),
         placement: leased.placement,
+        stored_steps,
+        store: Some(state.store_id.to_string()),
     };
     Ok(Json(lease).into_response())
 }

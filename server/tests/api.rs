@@ -471,6 +471,36 @@ async fn state_changes_from_another_origin_are_refused() {
     assert_eq!(answer(t.send(read.expect("request")).await).await.status, StatusCode::OK);
 }
 
+/// DNS rebinding: a page at rebind.evil.example whose name is re-pointed at 127.0.0.1 is
+/// same-origin with itself. A server without accounts answers only to loopback names, so
+/// neither its POST nor its reads reach the lab; this machine's own names still do.
+#[tokio::test]
+async fn a_lab_without_accounts_answers_only_to_loopback_names() {
+    let t = setup().await;
+    let page = "rebind.evil.example:8080";
+    let post = Request::post("/api/experiments")
+        .header(header::HOST, page)
+        .header(header::ORIGIN, format!("http://{page}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(json!({"name": "rebound"}).to_string()))
+        .expect("request");
+    let e = assert_api_error(&answer(t.send(post).await).await, StatusCode::FORBIDDEN);
+    assert!(e.error.contains("rebind.evil.example"), "{}", e.error);
+    let read = Request::get("/api/experiments").header(header::HOST, page).body(Body::empty()).expect("request");
+    assert_api_error(&answer(t.send(read).await).await, StatusCode::FORBIDDEN);
+    assert_eq!(t.get("/api/experiments").await.body["total"], 0, "nothing was queued");
+    for host in ["localhost:8080", "127.0.0.1:8080", "[::1]:8080"] {
+        let post = Request::post("/api/experiments")
+            .header(header::HOST, host)
+            .header(header::ORIGIN, format!("http://{host}"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(json!({"name": "local"}).to_string()))
+            .expect("request");
+        let a = answer(t.send(post).await).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{host}: {}", a.body);
+    }
+}
+
 #[tokio::test]
 async fn plan_of_a_tiny_spec_runs_nothing() {
     let t = setup().await;
@@ -602,6 +632,7 @@ async fn the_openapi_document_has_every_route_and_nothing_else() {
         "GET /api/users",
         "POST /api/users",
         "PUT /api/users/{name}/password",
+        "DELETE /api/users/{name}/lock",
         "GET /api/experiments",
         "POST /api/experiments",
         "GET /api/experiments/{id}",
@@ -775,6 +806,54 @@ async fn uploaded_datasets_are_kept_listed_checked_and_served_to_workers() {
     assert!(e.error.contains("delete one first"), "{e:?}");
 }
 
+/// Quotas hold under concurrency: the count and the insert are one transaction, so 40
+/// uploads at once keep 20 datasets and 60 submissions at once queue 20 (before, 25 and 21).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_hold_when_requests_arrive_together() {
+    let t = std::sync::Arc::new(setup().await);
+    let uploads = (0..40).map(|i| {
+        let t = t.clone();
+        async move {
+            let req = Request::post(format!("/api/datasets?name=d{i}"))
+                .header(header::CONTENT_TYPE, "text/plain")
+                .body(Body::from("some text to train on"))
+                .expect("request");
+            t.send(req).await.status()
+        }
+    });
+    let statuses = futures::future::join_all(uploads.map(tokio::spawn)).await;
+    let created = statuses.iter().filter(|s| matches!(s, Ok(StatusCode::CREATED))).count();
+    let refused = statuses.iter().filter(|s| matches!(s, Ok(StatusCode::TOO_MANY_REQUESTS))).count();
+    assert_eq!((created, refused), (20, 20), "{statuses:?}");
+    let listed: DatasetList = serde_json::from_value(t.get("/api/datasets").await.body).expect("DatasetList");
+    assert_eq!(listed.datasets.len(), 20);
+
+    let submissions = (0..60).map(|i| {
+        let t = t.clone();
+        async move { t.post("/api/experiments", json!({"name": format!("e{i}")})).await.status }
+    });
+    let statuses = futures::future::join_all(submissions.map(tokio::spawn)).await;
+    let created = statuses.iter().filter(|s| matches!(s, Ok(StatusCode::CREATED))).count();
+    assert_eq!(created, 20, "{statuses:?}");
+    assert_eq!(t.get("/api/experiments?status=queued").await.body["total"], 20);
+}
+
+/// An upload cut short by a kill (its text still under its temporary name) is removed when
+/// the server starts again; finished uploads stay.
+#[tokio::test]
+async fn half_written_uploads_are_removed_at_start() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let datasets = dir.path().join("data").join("datasets");
+    std::fs::create_dir_all(&datasets).expect("datasets dir");
+    std::fs::write(datasets.join(".upload-00000000deadbeef"), "half a text").expect("write");
+    std::fs::write(datasets.join("dataset-1.txt"), "a whole text").expect("write");
+    let data_dir = dir.path().join("data");
+    let _t = setup_with(move |c| c.data_dir = data_dir).await;
+    let left: Vec<String> =
+        std::fs::read_dir(&datasets).expect("dir").flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
+    assert_eq!(left, vec!["dataset-1.txt".to_string()]);
+}
+
 #[tokio::test]
 async fn too_large_bodies_get_413_in_the_json_shape() {
     let t = setup().await;
@@ -946,6 +1025,51 @@ async fn concurrent_leases_give_each_experiment_to_exactly_one_worker() {
     assert_eq!(won.len(), 3, "{won:?}");
     assert_eq!(distinct, queued);
     assert_eq!(empty, 7);
+}
+
+/// A large batch is stored in bounded transactions: a submission made while the batch is
+/// being stored is answered between two of them, before the batch is done (one
+/// transaction for it all held SQLite's write lock for seconds: a student's submission
+/// got 503). Every point is stored, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_event_batch_lets_other_writers_in() {
+    let t = std::sync::Arc::new(setup().await);
+    let worker = t.register(&["cpu"]).await;
+    let id = t.create("run").await;
+    t.lease(worker).await;
+    const POINTS: u64 = 40 * queue_chunk();
+    let events: Vec<Value> = (0..POINTS).map(|step| metric(step, 1.0 + step as f64 * 1e-6)).collect();
+    let batch = {
+        let t = t.clone();
+        tokio::spawn(async move {
+            t.worker("events", json!({"worker_id": worker, "experiment_id": id, "events": events})).await.status
+        })
+    };
+    let stored = |t: std::sync::Arc<TestApp>| async move {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM metrics WHERE experiment_id = $1")
+            .bind(id)
+            .fetch_one(&t.state.db)
+            .await
+            .expect("count")
+    };
+    // Once the first transactions are in...
+    let started = std::time::Instant::now();
+    while stored(t.clone()).await == 0 {
+        assert!(started.elapsed() < Duration::from_secs(120), "no point stored");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // ... a submission gets its turn before the batch is done.
+    let a = t.post("/api/experiments", json!({"name": "meanwhile"})).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    let when_submitted = stored(t.clone()).await;
+    assert!(when_submitted < POINTS as i64, "the submission waited for the whole batch ({when_submitted} stored)");
+    assert_eq!(batch.await.expect("batch"), StatusCode::OK);
+    assert_eq!(stored(t.clone()).await, POINTS as i64);
+    assert_eq!(t.view(id).await.steps_done, POINTS);
+}
+
+const fn queue_chunk() -> u64 {
+    distlab_server::queue::EVENTS_PER_TRANSACTION as u64
 }
 
 #[tokio::test]

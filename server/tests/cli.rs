@@ -142,3 +142,83 @@ fn accounts_are_added_from_the_command_line_and_sign_in() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.to_ascii_lowercase().contains("set-cookie: distlab_session="), "{answer}");
 }
+
+/// The soft limit of open descriptors of this process, raised to its hard limit.
+fn raise_own_descriptor_limit() -> u64 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: the calls read and write only the struct they are given.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+    }
+    limit.rlim_cur
+}
+
+/// 1,100 clients that send a request line and never finish their headers (started, as
+/// servers often are, with the common soft limit of 1,024 descriptors) do not lock anyone
+/// out: a normal request is answered at once, and each slow connection is closed after the
+/// header timeout. (Before: `accept error: Too many open files`, and no answer for 88 s.)
+#[test]
+fn slow_clients_do_not_lock_out_a_normal_request() {
+    const SLOW: usize = 1100;
+    let own = raise_own_descriptor_limit();
+    if own < 2 * SLOW as u64 + 256 {
+        panic!("this test needs {} open descriptors; the hard limit here is {own}", 2 * SLOW + 256);
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut command = Command::new(BIN);
+    command
+        .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--header-timeout-seconds", "2"])
+        .env("DISTLAB_WORKER_TOKEN", "t")
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .arg("--static-dir")
+        .arg(dir.path().join("site"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    // SAFETY: setrlimit is async-signal-safe; the child starts with a soft limit of 1,024.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        command.pre_exec(|| {
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+            limit.rlim_cur = limit.rlim_max.min(1024);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+            Ok(())
+        });
+    }
+    let mut child = Running(command.spawn().expect("start the server"));
+    let stdout = child.0.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("ready line");
+    let addr = line.trim().trim_start_matches("distlab is ready at http://").trim_end_matches('/').to_string();
+
+    let slow: Vec<TcpStream> = (0..SLOW)
+        .map(|_| {
+            let mut s = TcpStream::connect(&addr).expect("connect");
+            s.write_all(b"GET /api/health HTTP/1.1\r\nHost: x\r\n").expect("a request line");
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let health = http_get(&addr, "/api/health");
+    let took = started.elapsed();
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(took < Duration::from_secs(1), "a normal request took {took:?} behind {SLOW} slow clients");
+
+    // The header timeout closes every slow connection.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    for mut s in slow {
+        let left = deadline.saturating_duration_since(std::time::Instant::now()).max(Duration::from_millis(1));
+        s.set_read_timeout(Some(left)).expect("timeout");
+        let mut rest = Vec::new();
+        let closed = s.read_to_end(&mut rest);
+        let still_open = closed
+            .as_ref()
+            .is_err_and(|e| matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut));
+        assert!(!still_open, "a slow connection was still open after 20 s: {closed:?}");
+    }
+}

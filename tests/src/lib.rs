@@ -154,6 +154,29 @@ impl Lab {
         self.data_dir.path().join("checkpoints")
     }
 
+    /// Experiment `id`'s checkpoint directory under the local workers' (its name carries
+    /// the database's id: `experiment-<id>-<store>`), once a worker has made it.
+    pub fn experiment_checkpoints(&self, id: i64) -> Option<PathBuf> {
+        let prefix = format!("experiment-{id}-");
+        std::fs::read_dir(self.checkpoint_dir())
+            .ok()?
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .map(|e| e.path())
+    }
+
+    /// SIGKILLs the server and starts it on the same data directory with a new, empty
+    /// database (the old one's files deleted; checkpoints and datasets stay).
+    pub fn kill_server_and_start_afresh(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        for file in ["distlab.db", "distlab.db-wal", "distlab.db-shm"] {
+            let _ = std::fs::remove_file(self.data_dir.path().join(file));
+        }
+        let (server, base) = start_server(self.data_dir.path(), &self.opts);
+        (self.server, self.base) = (server, base);
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }

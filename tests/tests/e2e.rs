@@ -1,6 +1,6 @@
 //! End to end: the real server and worker binaries on 127.0.0.1, over HTTP.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use distlab_common::*;
 use distlab_tests::*;
@@ -184,6 +184,44 @@ fn cancel_stops_a_running_experiment_and_frees_the_worker() {
     // Cancelling a finished experiment is a state conflict.
     let (status, body) = lab.post(&format!("/api/experiments/{long}/cancel"), &serde_json::json!({}));
     assert_eq!(status, 409, "{body}");
+}
+
+/// One optimizer step of this run takes minutes (64 micro-batches of 16 x 128 tokens):
+/// a cancel made during its first step must still stop it within seconds. The worker asks
+/// the server every second whether it still holds the run, and the run's rank process is
+/// killed; before, cancel was seen between steps only and the next run waited for the step.
+#[test]
+fn cancel_inside_a_long_step_frees_the_worker_within_seconds() {
+    let marker = format!("long-step-{}", std::process::id());
+    let env = vec![("DISTLAB_TEST_MARKER".to_string(), marker.clone())];
+    let lab = Lab::start_with(LabOptions { local_workers: 1, heartbeat_seconds: 5.0, env, ..LabOptions::default() });
+    let mut spec = quick_spec("one-long-step", 2);
+    spec.model = ModelSpec::dense(4, 128, 4, 128, 256);
+    (spec.train.micro_batch, spec.train.grad_accum) = (16, 64);
+    let long = lab.submit(&spec);
+    lab.wait_for(long, Duration::from_secs(60), |e| e.status == ExperimentStatus::Running);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ranks = loop {
+        let ranks = processes_with(&marker, "rank");
+        if !ranks.is_empty() {
+            break ranks;
+        }
+        assert!(Instant::now() < deadline, "the run's rank process did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(lab.experiment(long).steps_done, 0, "still inside its first step");
+    let cancelled = Instant::now();
+    let (status, body) = lab.post(&format!("/api/experiments/{long}/cancel"), &serde_json::json!({}));
+    assert_eq!(status, 200, "{body}");
+    let next = lab.submit(&quick_spec("after-a-long-step", 2));
+    lab.wait_for(next, Duration::from_secs(60), |e| e.status != ExperimentStatus::Queued);
+    let freed = cancelled.elapsed();
+    assert!(freed < Duration::from_secs(5), "the worker took {freed:?} to leave the cancelled run");
+    let alive: Vec<u32> =
+        ranks.into_iter().filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()).collect();
+    assert!(alive.is_empty(), "the cancelled run's rank processes {alive:?} are still there");
+    assert_eq!(lab.wait_finished(next, Duration::from_secs(60)).status, ExperimentStatus::Succeeded);
 }
 
 /// A local worker that dies is started again by the server, and trains what is submitted

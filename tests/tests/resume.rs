@@ -48,7 +48,7 @@ fn resumes_with_identical_losses(spec: ExperimentSpec) {
     assert_eq!(summary, vec![(1, Some(0), 0), (2, Some(20), 4)], "attempt 2 redid steps 20-23");
     assert_eq!(attempts.attempts[1].worker.as_deref(), Some("second"));
     // The latest checkpoint stays for another run to start from, until the experiment goes.
-    let experiment_dir = lab.checkpoint_dir().join(format!("experiment-{id}"));
+    let experiment_dir = lab.experiment_checkpoints(id).expect("the experiment's checkpoint directory");
     let steps: Vec<String> = std::fs::read_dir(&experiment_dir)
         .unwrap()
         .flatten()
@@ -58,6 +58,88 @@ fn resumes_with_identical_losses(spec: ExperimentSpec) {
     assert_eq!(steps, ["step-000030"], "a finished run keeps its latest checkpoint");
     assert_eq!(lab.delete(&format!("/api/experiments/{id}")), 204);
     assert!(!experiment_dir.exists(), "a deleted experiment's checkpoints are deleted");
+}
+
+/// The points of the steps since the last checkpoint may still be on their way when a
+/// worker dies (it sends them every half second). A resumed attempt starts no later than
+/// the first step the server lacks, so the run still ends with every step's point, bit
+/// for bit those of a run never interrupted, and the lost work is counted.
+#[test]
+fn a_worker_killed_before_its_points_arrive_leaves_no_step_without_one() {
+    let _one = one_at_a_time();
+    let spec = spec("resume-undelivered", Sharding::None);
+    let straight = run_losses(&spec);
+    let mut lab = Lab::start_with(LabOptions {
+        local_workers: 0,
+        lease_seconds: 2.0,
+        heartbeat_seconds: 0.5,
+        ..LabOptions::default()
+    });
+    // The first worker delivers the points of steps 0-14 only; its rank 0 stops after step
+    // 24, so the checkpoints of steps 10 and 20 are written.
+    let marker = format!("undelivered-{}", std::process::id());
+    let first = lab.spawn_worker_with_env(
+        "first",
+        &[
+            ("DISTLAB_FAULT", "0:24:hang"),
+            ("DISTLAB_FAULT_WITHHOLD_METRICS_FROM", "15"),
+            ("DISTLAB_TEST_MARKER", &marker),
+        ],
+    );
+    let id = lab.submit(&spec);
+    lab.wait_for(id, std::time::Duration::from_secs(120), |e| e.steps_done >= 15);
+    let step_20 = std::time::Instant::now();
+    while !lab.experiment_checkpoints(id).is_some_and(|dir| {
+        std::fs::read_dir(dir.join("step-000020"))
+            .is_ok_and(|d| d.flatten().filter(|f| f.file_name().to_string_lossy().ends_with(".ckpt")).count() == 2)
+    }) {
+        assert!(step_20.elapsed() < std::time::Duration::from_secs(120), "no checkpoint of step 20");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    lab.kill_worker(first);
+    lab.wait_for(id, std::time::Duration::from_secs(20), |e| e.status == ExperimentStatus::Queued);
+    lab.spawn_worker("second");
+    let exp = lab.wait_finished(id, std::time::Duration::from_secs(120));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
+
+    let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
+    assert_eq!(metrics.steps.iter().map(|m| m.step).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
+    for (step, (a, m)) in straight.iter().zip(&metrics.steps).enumerate() {
+        assert_eq!(a.to_bits(), m.loss.to_bits(), "step {step}: straight {a} vs resumed {}", m.loss);
+    }
+    let attempts: Attempts = lab.get_as(&format!("/api/experiments/{id}/attempts"));
+    let summary: Vec<(i64, Option<u64>, u64)> =
+        attempts.attempts.iter().map(|a| (a.attempt, a.from_step, a.lost_steps)).collect();
+    assert_eq!(summary, vec![(1, Some(0), 0), (2, Some(10), 5)], "step 20's checkpoint skipped; 10-14 redone");
+}
+
+/// A database started afresh in the same data directory numbers its experiments from 1
+/// again: its experiment 1 must not "resume" from the old experiment 1's checkpoints,
+/// even with the same spec.
+#[test]
+fn a_fresh_database_does_not_inherit_old_checkpoints() {
+    let _one = one_at_a_time();
+    let spec = spec("fresh-database", Sharding::None);
+    let mut lab = Lab::start_with(LabOptions { lease_seconds: 2.0, heartbeat_seconds: 0.5, ..LabOptions::default() });
+    let id = lab.submit(&spec);
+    lab.wait_for(id, std::time::Duration::from_secs(120), |e| e.steps_done >= 12);
+    let old = lab.experiment_checkpoints(id).expect("the first database's checkpoints");
+    lab.kill_server_and_start_afresh();
+    let again = lab.submit(&spec);
+    assert_eq!(again, id, "the new database numbers from 1 again");
+    let exp = lab.wait_finished(again, std::time::Duration::from_secs(120));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
+    let attempts: Attempts = lab.get_as(&format!("/api/experiments/{again}/attempts"));
+    assert_eq!(attempts.attempts[0].from_step, Some(0), "started afresh");
+    assert_eq!(lab.get_as::<Metrics>(&format!("/api/experiments/{again}/metrics")).steps.len(), 40);
+    assert!(old.exists(), "the old database's checkpoints are left alone");
+    let prefix = format!("experiment-{again}-");
+    let dirs = std::fs::read_dir(lab.checkpoint_dir())
+        .expect("checkpoints")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .count();
+    assert_eq!(dirs, 2, "each database's experiment 1 has a directory of its own");
 }
 
 #[test]

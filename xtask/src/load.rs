@@ -30,7 +30,8 @@ pub struct LoadOptions {
 
 /// Each connection makes at most this many requests per phase, whatever the time left.
 const MAX_REQUESTS_PER_CONNECTION: usize = 100_000;
-/// Streams opened from one source address (the server allows 32 per client by default).
+/// Streams opened from one source address (a class's machines; the server counts streams
+/// by account, and the load's one user is allowed as many as it opens).
 const STREAMS_PER_SOURCE: usize = 25;
 
 pub fn run(opts: &LoadOptions) -> Result<()> {
@@ -401,6 +402,7 @@ impl Server {
         let bin = crate::root().join("target/release/distlab-server");
         let mut process = Command::new(&bin)
             .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--max-queued-per-user", "10000000"])
+            .args(["--max-streams-per-account", "1000000"])
             .arg("--data-dir")
             .arg(data)
             .envs(database_url.map(|url| ("DISTLAB_DATABASE_URL", url)))
