@@ -67,6 +67,15 @@ pub struct NewAccount {
     pub admin: bool,
 }
 
+/// `PUT /api/me/password`: a person changes their own password.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ChangePassword {
+    /// The password now (asked again: a session left open is not enough).
+    pub current: String,
+    pub new: String,
+}
+
 /// `PUT /api/users/{name}/password` (admins)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

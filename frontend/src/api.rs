@@ -81,6 +81,17 @@ pub async fn create_account(account: &distlab_common::NewAccount) -> ApiResult<d
     post_json("/api/users", &body).await
 }
 
+/// A new password for the signed-in person (the current one asked again); every session of
+/// the account ends but this browser's, which the server renews.
+pub async fn change_password(current: &str, new: &str) -> ApiResult<distlab_common::Me> {
+    let body = serde_json::to_value(distlab_common::ChangePassword { current: current.into(), new: new.into() })
+        .map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    let request = Request::put("/api/me/password")
+        .json(&body)
+        .map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    read_json(request.send().await).await
+}
+
 /// A new password for `name` (admins); that account's sessions end.
 pub async fn reset_password(name: &str, password: &str) -> ApiResult<()> {
     let url = format!("/api/users/{}/password", js_sys::encode_uri_component(name));

@@ -8,7 +8,7 @@ use leptos_router::components::{Route, Router, Routes, A};
 use leptos_router::{lazy_route, path, Lazy, LazyRoute};
 
 use crate::api;
-use crate::pages::sign_in::{ask_who, sign_in_again_when_refused, AccountBadge, Session, SignInPage};
+use crate::pages::sign_in::{ask_who, sign_in_again_when_refused, AccountBadge, PasswordPage, Session, SignInPage};
 use crate::pages::{
     accounts::AccountsPage, cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList,
     new::NewExperiment, pipeline::PipelinePage, planner::PlannerPage, quiz::QuizPage, ring::RingReplayPage,
@@ -84,6 +84,7 @@ pub fn App() -> impl IntoView {
                             <Route path=path!("/cards") view={Lazy::<CardsRoute>::new()}/>
                             <Route path=path!("/quiz") view={Lazy::<QuizRoute>::new()}/>
                             <Route path=path!("/accounts") view={Lazy::<AccountsRoute>::new()}/>
+                            <Route path=path!("/password") view=move || view! { <PasswordPage session=session/> }/>
                             <Route path=path!("/experiments/:id") view={Lazy::<ExperimentRoute>::new()}/>
                             <Route path=path!("/experiments/:id/ring") view={Lazy::<RingRoute>::new()}/>
                             <Route path=path!("/experiments/:id/pipeline") view={Lazy::<PipelineRoute>::new()}/>

@@ -116,6 +116,12 @@ pub struct ServerConfig {
     pub auth: AuthMode,
     /// How failed sign-ins are throttled.
     pub sign_in: sign_in_guard::SignInPolicy,
+    /// The reverse proxy (its address) whose `X-Forwarded-For` and `X-Forwarded-Proto` are
+    /// believed: the client's address for throttling, and HTTPS for `Secure` cookies.
+    pub trusted_proxy: Option<IpAddr>,
+    /// A worker credential not used for this long no longer works (the worker registers
+    /// again, and gets a new one).
+    pub worker_credential_idle: Duration,
     /// Queued experiments one person may have; more get 429.
     pub max_queued_per_user: usize,
     /// Experiments of one person that run at once (None: no limit); the rest wait.
@@ -153,6 +159,8 @@ impl Default for ServerConfig {
             max_run: None,
             auth: AuthMode::None,
             sign_in: sign_in_guard::SignInPolicy::default(),
+            trusted_proxy: None,
+            worker_credential_idle: Duration::from_secs(24 * 3600),
             max_queued_per_user: 20,
             max_running_per_user: None,
             allow_multi_host: true,
@@ -383,6 +391,7 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
     let identify = || middleware::from_fn_with_state(state.clone(), session::identify);
     let user_api = OpenApiRouter::new()
         .routes(routes!(session::who))
+        .routes(routes!(session::change_password))
         .routes(routes!(session::list_users, session::create_user))
         .routes(routes!(session::reset_password))
         .routes(routes!(session::unlock))
@@ -428,7 +437,9 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(models::upload).layer(worker_credential()))
         .fallback(error::api_not_found);
 
-    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi()).nest("/api", api).routes(routes!(metrics::metrics))
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .nest("/api", api)
+        .routes(routes!(metrics::metrics).layer(middleware::from_fn_with_state(state.clone(), metrics::require_reader)))
 }
 
 /// Worker polling is frequent: its requests are logged at debug, everything else at info.

@@ -71,6 +71,12 @@ struct Cli {
     #[arg(long, env = "DISTLAB_REQUEST_TIMEOUT_SECONDS", default_value_t = 30)]
     request_timeout_seconds: u64,
 
+    /// The address of a reverse proxy in front of the server (TLS ends there): its
+    /// X-Forwarded-For gives each client's address, and its X-Forwarded-Proto: https makes
+    /// the session cookie Secure. Nobody else's X-Forwarded-* headers are believed.
+    #[arg(long, env = "DISTLAB_TRUSTED_PROXY")]
+    trusted_proxy: Option<std::net::IpAddr>,
+
     /// Seconds a connection has to send a request's headers, and may stay idle between
     /// requests, before it is closed.
     #[arg(long, env = "DISTLAB_HEADER_TIMEOUT_SECONDS", default_value_t = 10)]
@@ -166,6 +172,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         max_sse_per_account: cli.max_streams_per_account,
         request_timeout: Duration::from_secs(cli.request_timeout_seconds.max(1)),
         header_timeout: Duration::from_secs(cli.header_timeout_seconds.max(1)),
+        trusted_proxy: cli.trusted_proxy,
         max_run: (cli.max_run_seconds > 0).then(|| Duration::from_secs(cli.max_run_seconds)),
         auth: match cli.auth {
             Auth::None => AuthMode::None,

@@ -13,12 +13,14 @@ use axum::extract::{MatchedPath, Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use distlab_common::AuthMode;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use subtle::ConstantTimeEq;
 
 use crate::error::HttpError;
 use crate::{clock, queue, AppState};
@@ -125,6 +127,35 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, HttpErro
     let mut text = String::new();
     encode(&mut text, &m.registry).map_err(|e| HttpError::internal("encoding the metrics", e))?;
     Ok(([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response())
+}
+
+/// Middleware on `/metrics`: with `--auth accounts` only an admin's session or a request
+/// bearing the worker token (a Prometheus scraper's `bearer_token`) reads it, since it
+/// names the workers and counts everyone's experiments; without accounts it is the local
+/// user's, like everything else.
+pub async fn require_reader(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if state.config.auth == AuthMode::None {
+        return next.run(req).await;
+    }
+    let bearer = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if bearer.is_some_and(|t| bool::from(t.as_bytes().ct_eq(state.config.worker_token.as_bytes()))) {
+        return next.run(req).await;
+    }
+    let caller = crate::session::caller(&state, req.headers()).await;
+    match caller {
+        Ok(Some(account)) if account.admin => next.run(req).await,
+        Ok(Some(_)) => HttpError::forbidden("the server's metrics are for admins (teachers)").into_response(),
+        Ok(None) => HttpError::unauthorized(
+            "sign in as an admin, or send Authorization: Bearer <the worker token> (a scraper's bearer_token)",
+        )
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 #[cfg(test)]

@@ -9,13 +9,13 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use distlab_common::{AccountList, AccountView, AuthMode, Me, NewAccount, NewPassword, SignIn};
+use distlab_common::{AccountList, AccountView, AuthMode, ChangePassword, Me, NewAccount, NewPassword, SignIn};
 
 use crate::accounts::{self, Account, AccountError};
 use crate::clock;
 use crate::error::HttpError;
 use crate::experiments::LOCAL_OWNER;
-use crate::extract::{ClientAddress, JsonBody};
+use crate::extract::{Client, JsonBody};
 use crate::sign_in_guard::Refused;
 use crate::AppState;
 
@@ -39,21 +39,24 @@ fn session_token(headers: &HeaderMap) -> Option<&str> {
         .map(|(_, value)| value)
 }
 
+/// Who is asking: the local user without accounts; with accounts, the account of the
+/// session cookie, if there is one.
+pub async fn caller(state: &AppState, headers: &HeaderMap) -> Result<Option<Account>, HttpError> {
+    match state.config.auth {
+        AuthMode::None => Ok(Some(local_user())),
+        AuthMode::Accounts => match session_token(headers) {
+            Some(token) => Ok(accounts::session(&state.db, token, clock::now()).await?),
+            None => Ok(None),
+        },
+    }
+}
+
 /// Middleware: the caller's account on the request, or 401.
 pub async fn identify(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
-    let account = match state.config.auth {
-        AuthMode::None => local_user(),
-        AuthMode::Accounts => {
-            let found = match session_token(req.headers()) {
-                Some(token) => accounts::session(&state.db, token, clock::now()).await,
-                None => Ok(None),
-            };
-            match found {
-                Ok(Some(account)) => account,
-                Ok(None) => return HttpError::unauthorized("sign in first (POST /api/session)").into_response(),
-                Err(e) => return HttpError::from(e).into_response(),
-            }
-        }
+    let account = match caller(&state, req.headers()).await {
+        Ok(Some(account)) => account,
+        Ok(None) => return HttpError::unauthorized("sign in first (POST /api/session)").into_response(),
+        Err(e) => return e.into_response(),
     };
     req.extensions_mut().insert(account);
     next.run(req).await
@@ -75,8 +78,11 @@ pub async fn who(State(state): State<AppState>, Extension(caller): Extension<Acc
     Json(me(&caller, state.config.auth))
 }
 
-fn cookie(value: &str, max_age_s: u64) -> HeaderValue {
-    let text = format!("{COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age_s}");
+/// The session cookie: HttpOnly, SameSite=Strict, and Secure when the browser came over
+/// HTTPS (a trusted proxy said so), so that it is never sent over plain HTTP after.
+fn cookie(value: &str, max_age_s: u64, secure: bool) -> HeaderValue {
+    let secure = if secure { "; Secure" } else { "" };
+    let text = format!("{COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age_s}{secure}");
     HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("distlab_session=; Max-Age=0"))
 }
 
@@ -95,9 +101,10 @@ fn cookie(value: &str, max_age_s: u64) -> HeaderValue {
 )]
 pub async fn sign_in(
     State(state): State<AppState>,
-    ClientAddress(address): ClientAddress,
+    client: Client,
     JsonBody(body): JsonBody<SignIn>,
 ) -> Result<Response, Response> {
+    let address = client.address;
     if state.config.auth == AuthMode::None {
         return Err(HttpError::conflict(
             "this server runs without accounts (--auth none): there is nothing to sign in to",
@@ -119,13 +126,61 @@ pub async fn sign_in(
         return Err(HttpError::unauthorized("wrong name or password").into_response());
     };
     state.sign_in.succeeded(&account.name);
-    let token = accounts::open_session(&state.db, &account, clock::now())
-        .await
-        .map_err(|e| HttpError::from(e).into_response())?;
     tracing::info!(name = %account.name, "signed in");
-    let mut resp = Json(me(&account, state.config.auth)).into_response();
-    resp.headers_mut().insert(header::SET_COOKIE, cookie(&token, accounts::SESSION_LIFETIME.as_secs()));
+    signed_in(&state, &account, client.https).await.map_err(IntoResponse::into_response)
+}
+
+/// A new session for `account`: its `Me`, with the cookie.
+async fn signed_in(state: &AppState, account: &Account, https: bool) -> Result<Response, HttpError> {
+    let token = accounts::open_session(&state.db, account, clock::now()).await?;
+    let mut resp = Json(me(account, state.config.auth)).into_response();
+    resp.headers_mut().insert(header::SET_COOKIE, cookie(&token, accounts::SESSION_LIFETIME.as_secs(), https));
     Ok(resp)
+}
+
+/// `PUT /api/me/password {"current", "new"}`: a person changes their own password. Every
+/// session of the account ends (a browser someone else holds is signed out) and so do its
+/// live streams; this browser gets a new session. A wrong current password is 403 and
+/// counts as a failed sign-in.
+#[utoipa::path(
+    put, path = "/me/password", tag = "accounts",
+    request_body = distlab_common::ChangePassword,
+    responses(
+        (status = 200, description = "changed; this browser's new session cookie", body = distlab_common::Me),
+        (status = 403, description = "the current password is wrong", body = distlab_common::ApiError),
+        (status = 409, description = "the server runs without accounts", body = distlab_common::ApiError),
+        (status = 422, description = "the new password is too short or too long", body = distlab_common::ApiError),
+        (status = 429, description = "too many failed sign-ins", body = distlab_common::ApiError),
+    ),
+)]
+pub async fn change_password(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
+    client: Client,
+    JsonBody(body): JsonBody<ChangePassword>,
+) -> Result<Response, Response> {
+    if state.config.auth == AuthMode::None {
+        return Err(HttpError::conflict("this server runs without accounts (--auth none): there is no password")
+            .into_response());
+    }
+    let admitted = state.sign_in.admit(&caller.name, client.address, std::time::Instant::now()).map_err(refused)?;
+    let too_long = body.current.len() > 4 * accounts::MAX_PASSWORD_CHARS;
+    let verified = if too_long {
+        None
+    } else {
+        accounts::verify(&state.db, &caller.name, &body.current)
+            .await
+            .map_err(|e| HttpError::from(e).into_response())?
+    };
+    drop(admitted);
+    if verified.is_none() {
+        state.sign_in.failed(&caller.name, client.address, std::time::Instant::now());
+        return Err(HttpError::forbidden("the current password is wrong").into_response());
+    }
+    accounts::set_password(&state.db, &caller.name, &body.new).await.map_err(|e| account_error(e).into_response())?;
+    state.hub.end_streams_of(&caller.name);
+    tracing::info!(name = %caller.name, "password changed by its owner");
+    signed_in(&state, &caller, client.https).await.map_err(IntoResponse::into_response)
 }
 
 /// The answer to a sign-in that is not tried: 503 when too many wait, 429 while throttled
@@ -172,7 +227,7 @@ pub async fn sign_out(State(state): State<AppState>, headers: HeaderMap) -> Resu
         accounts::close_session(&state.db, token).await?;
     }
     let mut resp = StatusCode::NO_CONTENT.into_response();
-    resp.headers_mut().insert(header::SET_COOKIE, cookie("", 0));
+    resp.headers_mut().insert(header::SET_COOKIE, cookie("", 0, false));
     Ok(resp)
 }
 
@@ -313,8 +368,10 @@ mod tests {
 
     #[test]
     fn the_cookie_is_http_only_and_same_site_strict() {
-        let c = cookie("t0ken", 60);
+        let c = cookie("t0ken", 60, false);
         let text = c.to_str().unwrap();
         assert!(text.contains("HttpOnly") && text.contains("SameSite=Strict") && text.contains("Max-Age=60"), "{text}");
+        assert!(!text.contains("Secure"), "{text}");
+        assert!(cookie("t0ken", 60, true).to_str().unwrap().ends_with("; Secure"));
     }
 }

@@ -88,13 +88,18 @@ pub async fn require_credential(
             "the worker API needs the header Authorization: Bearer <the credential /api/workers/register answered>",
         ));
     };
-    let worker: Option<i64> = sqlx::query_scalar("SELECT id FROM workers WHERE credential_sha256 = $1")
-        .bind(accounts::token_digest(credential))
-        .fetch_optional(&state.db)
-        .await?;
+    // A credential expires once unused for `worker_credential_idle` (a live worker uses
+    // its own every few seconds): a stopped worker's credential is no key for long.
+    let used_since = clock::before(clock::now(), state.config.worker_credential_idle);
+    let worker: Option<i64> =
+        sqlx::query_scalar("SELECT id FROM workers WHERE credential_sha256 = $1 AND last_seen >= $2")
+            .bind(accounts::token_digest(credential))
+            .bind(used_since)
+            .fetch_optional(&state.db)
+            .await?;
     let Some(worker) = worker else {
-        tracing::warn!("worker request with an unknown credential");
-        return Err(HttpError::unauthorized("unknown worker credential: register again"));
+        tracing::warn!("worker request with an unknown or expired credential");
+        return Err(HttpError::unauthorized("unknown or expired worker credential: register again"));
     };
     req.extensions_mut().insert(CallingWorker(worker));
     Ok(next.run(req).await)

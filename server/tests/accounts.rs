@@ -403,6 +403,98 @@ async fn a_password_reset_ends_the_account_s_live_streams() {
     assert_eq!(class.status(As("ada"), Method::GET, "/api/me", None).await, StatusCode::UNAUTHORIZED);
 }
 
+/// A student changes their own password: the current one is asked again (wrong: 403,
+/// counted as a failed sign-in), every other session of the account ends, this browser
+/// gets a new session, and the new password signs in.
+#[tokio::test]
+async fn a_student_changes_their_own_password() {
+    let mut class = Class::new(|_| {}).await;
+    // ada is also signed in elsewhere (another browser, perhaps not hers).
+    let (_, headers, _) = class
+        .send(Anonymous, Method::POST, "/api/session", Some(json!({"name": "ada", "password": "correct horse"})))
+        .await;
+    let elsewhere = headers[header::SET_COOKIE].to_str().unwrap().split(';').next().unwrap().to_string();
+    let change = |current: &str| json!({"current": current, "new": "battery staple"});
+    let (status, _, body) = class.send(As("ada"), Method::PUT, "/api/me/password", Some(change("wrong guess"))).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let short = json!({"current": "correct horse", "new": "short"});
+    assert_eq!(
+        class.status(As("ada"), Method::PUT, "/api/me/password", Some(short)).await,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    let (status, headers, body) =
+        class.send(As("ada"), Method::PUT, "/api/me/password", Some(change("correct horse"))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["name"], "ada");
+    let renewed = headers[header::SET_COOKIE].to_str().unwrap().split(';').next().unwrap().to_string();
+    let old = std::mem::replace(class.cookies.get_mut("ada").unwrap(), renewed);
+    assert_eq!(class.status(As("ada"), Method::GET, "/api/me", None).await, StatusCode::OK, "this browser stays in");
+    class.cookies.insert("ada", elsewhere);
+    assert_eq!(class.status(As("ada"), Method::GET, "/api/me", None).await, StatusCode::UNAUTHORIZED);
+    class.cookies.insert("ada", old);
+    assert_eq!(class.status(As("ada"), Method::GET, "/api/me", None).await, StatusCode::UNAUTHORIZED);
+    let new = json!({"name": "ada", "password": "battery staple"});
+    assert_eq!(class.status(Anonymous, Method::POST, "/api/session", Some(new)).await, StatusCode::OK);
+    let again = json!({"name": "ada", "password": "correct horse"});
+    assert_eq!(class.status(Anonymous, Method::POST, "/api/session", Some(again)).await, StatusCode::UNAUTHORIZED);
+}
+
+/// `/metrics` names the workers and counts everyone's runs: with accounts, an admin or a
+/// scraper with the worker token reads it, nobody else.
+#[tokio::test]
+async fn only_admins_and_scrapers_read_the_metrics() {
+    let class = Class::new(|_| {}).await;
+    assert_eq!(class.status(Anonymous, Method::GET, "/metrics", None).await, StatusCode::UNAUTHORIZED);
+    assert_eq!(class.status(As("ada"), Method::GET, "/metrics", None).await, StatusCode::FORBIDDEN);
+    assert_eq!(class.status(As("teach"), Method::GET, "/metrics", None).await, StatusCode::OK);
+    let scrape = |token: &str| {
+        Request::get("/metrics")
+            .header(header::HOST, HOST)
+            .header(header::AUTHORIZATION, format!("Bearer {token}"))
+            .body(Body::empty())
+            .expect("request")
+    };
+    assert_eq!(class.app.clone().oneshot(scrape(TOKEN)).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(class.app.clone().oneshot(scrape("not-the-token")).await.unwrap().status(), StatusCode::UNAUTHORIZED);
+}
+
+/// Behind the reverse proxy the server was told to trust, a browser that came over HTTPS
+/// gets a Secure cookie, and the throttle counts the address the proxy saw. Another peer's
+/// X-Forwarded-* headers change nothing.
+#[tokio::test]
+async fn a_trusted_proxy_makes_cookies_secure_and_names_the_client() {
+    let proxy: std::net::SocketAddr = "127.0.0.9:40000".parse().unwrap();
+    let class = Class::new(|c| c.trusted_proxy = Some(proxy.ip())).await;
+    let sign_in = |peer: std::net::SocketAddr, from: &str, password: &str| {
+        let mut req = Request::post("/api/session")
+            .header(header::HOST, HOST)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("x-forwarded-for", from)
+            .header("x-forwarded-proto", "https")
+            .body(Body::from(json!({"name": "bob", "password": password}).to_string()))
+            .expect("request");
+        req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+        req
+    };
+    let resp = class.app.clone().oneshot(sign_in(proxy, "198.51.100.7", "correct horse")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(resp.headers()[header::SET_COOKIE].to_str().unwrap().contains("; Secure"));
+    let stranger: std::net::SocketAddr = "127.0.0.10:40000".parse().unwrap();
+    let resp = class.app.clone().oneshot(sign_in(stranger, "198.51.100.7", "correct horse")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(!resp.headers()[header::SET_COOKIE].to_str().unwrap().contains("Secure"), "not through the proxy");
+    // Failures through the proxy count against the address it saw, not the proxy's own.
+    for _ in 0..5 {
+        let resp = class.app.clone().oneshot(sign_in(proxy, "203.0.113.5", "wrong guess")).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    }
+    class.state.sign_in.unlock("bob");
+    let resp = class.app.clone().oneshot(sign_in(proxy, "203.0.113.5", "correct horse")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS, "that address must wait");
+    let resp = class.app.clone().oneshot(sign_in(proxy, "198.51.100.7", "correct horse")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK, "another student behind the proxy need not");
+}
+
 #[tokio::test]
 async fn experiments_are_shared_and_owned() {
     let c = Class::new(|_| {}).await;

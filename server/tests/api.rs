@@ -629,6 +629,7 @@ async fn the_openapi_document_has_every_route_and_nothing_else() {
         "GET /api/openapi.json",
         "GET /metrics",
         "GET /api/me",
+        "PUT /api/me/password",
         "GET /api/users",
         "POST /api/users",
         "PUT /api/users/{name}/password",
@@ -1070,6 +1071,27 @@ async fn a_large_event_batch_lets_other_writers_in() {
 
 const fn queue_chunk() -> u64 {
     distlab_server::queue::EVENTS_PER_TRANSACTION as u64
+}
+
+/// A worker credential unused for a day (its worker stopped) no longer works; the worker
+/// registers again for a new one.
+#[tokio::test]
+async fn an_idle_worker_credential_expires() {
+    let t = setup().await;
+    let worker = t.register(&["cpu"]).await;
+    assert_eq!(t.worker("heartbeat", json!({"worker_id": worker})).await.status, StatusCode::OK);
+    let long_ago = "2020-01-01T00:00:00.000Z";
+    sqlx::query("UPDATE workers SET last_seen = $1 WHERE id = $2")
+        .bind(long_ago)
+        .bind(worker)
+        .execute(&t.state.db)
+        .await
+        .expect("update");
+    let a = t.worker("heartbeat", json!({"worker_id": worker})).await;
+    let e = assert_api_error(&a, StatusCode::UNAUTHORIZED);
+    assert!(e.error.contains("expired"), "{}", e.error);
+    let again = t.register(&["cpu"]).await;
+    assert_eq!(t.worker("heartbeat", json!({"worker_id": again})).await.status, StatusCode::OK);
 }
 
 #[tokio::test]

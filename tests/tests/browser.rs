@@ -462,6 +462,29 @@ async fn sign_in_scenario(c: &Client, lab: &Lab) -> Result<()> {
     wait_for(c, "the server's refusal", Duration::from_secs(15), || exists(c, "#accounts-error")).await?;
     let refused = text(c, "#accounts-error").await?;
     ensure!(refused.contains("only an admin"), "{refused}");
+
+    // ada changes her own password: a wrong current one is refused, then it is done, and
+    // she stays signed in.
+    c.find(Locator::Css("#nav-password")).await?.click().await?;
+    wait_for(c, "the password page", Duration::from_secs(15), || exists(c, "#password-page")).await?;
+    type_into(c, "#current-password", "wrong horse").await?;
+    type_into(c, "#new-password", "correct staple").await?;
+    type_into(c, "#new-password-again", "correct staple").await?;
+    c.find(Locator::Css("#change-password")).await?.click().await?;
+    wait_for(c, "the refusal", Duration::from_secs(15), || exists(c, "#password-refused")).await?;
+    let refused = text(c, "#password-refused").await?;
+    ensure!(refused.contains("current password is wrong"), "{refused}");
+    type_into(c, "#current-password", "battery staple").await?;
+    c.find(Locator::Css("#change-password")).await?.click().await?;
+    wait_for(c, "the change", Duration::from_secs(15), || exists(c, "#password-changed")).await?;
+    save_screenshot(c, "password.png").await?;
+    c.find(Locator::Css("nav a[href='/']")).await?.click().await?;
+    wait_for(c, "ada's experiments page", Duration::from_secs(15), || exists(c, "#compare-selected")).await?;
+    ensure!(text(c, "#signed-in-as").await? == "ada", "still signed in after the change");
+    c.find(Locator::Css("#sign-out")).await?.click().await?;
+    wait_for(c, "the sign-in page", Duration::from_secs(15), || exists(c, "#sign-in-page")).await?;
+    sign_in_as(c, "ada", "correct staple").await?;
+    wait_for(c, "ada in with her new password", Duration::from_secs(15), || exists(c, "#compare-selected")).await?;
     c.find(Locator::Css("#sign-out")).await?.click().await?;
     wait_for(c, "the sign-in page again", Duration::from_secs(15), || exists(c, "#sign-in-page")).await?;
     ensure!(!exists(c, "#session-ended").await?, "signing out is not a session that ended");

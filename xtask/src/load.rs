@@ -4,8 +4,9 @@
 //! In one run: requests per second and latency percentiles at N connections for the
 //! experiment list, one experiment, the planner and submissions; then S live streams
 //! (SSE) held at once, from several loopback source addresses as a class's machines would
-//! be, every one of them receiving the event that ends it. Each loop is bounded in time
-//! and in count. The generator shares the machine with the server: the figures are the
+//! be, every one of them receiving the event that ends it; then what one stranger tries
+//! (`abuse.rs`): slow clients, and a sign-in flood against a server with accounts. Each
+//! loop is bounded in time and in count. The generator shares the machine with the server: the figures are the
 //! two together.
 //!
 //! `--stores`: submissions and worker leases on the embedded SQLite, then on a throwaway
@@ -44,8 +45,12 @@ pub fn run(opts: &LoadOptions) -> Result<()> {
     }
     let data = std::env::temp_dir().join(format!("distlab-load-{}", std::process::id()));
     let server = Server::start(&data, None)?;
-    let result = drive(&server, opts);
+    let result = drive(&server, opts).and_then(|()| crate::abuse::slow_clients(&server));
     drop(server);
+    let _ = std::fs::remove_dir_all(&data);
+    result?;
+    let data = std::env::temp_dir().join(format!("distlab-load-{}-accounts", std::process::id()));
+    let result = crate::abuse::sign_in_flood(&data);
     let _ = std::fs::remove_dir_all(&data);
     result
 }
@@ -358,7 +363,7 @@ fn follow(
 }
 
 /// A TCP connection to `to` from the loopback address `source`.
-fn connect_from(source: Ipv4Addr, to: SocketAddr) -> Result<TcpStream> {
+pub(crate) fn connect_from(source: Ipv4Addr, to: SocketAddr) -> Result<TcpStream> {
     let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
     socket.bind(&SocketAddr::V4(SocketAddrV4::new(source, 0)).into()).with_context(|| format!("bind {source}"))?;
     socket.connect(&to.into()).with_context(|| format!("connect to {to} from {source}"))?;
@@ -390,19 +395,25 @@ fn submit(base: &str, spec: &Value) -> Result<i64> {
 }
 
 /// The release server on 127.0.0.1 (a free port), stopped on drop.
-struct Server {
-    process: Child,
-    base: String,
-    addr: SocketAddr,
+pub(crate) struct Server {
+    pub(crate) process: Child,
+    pub(crate) base: String,
+    pub(crate) addr: SocketAddr,
 }
 
 impl Server {
     /// On SQLite in `data`, or on the Postgres database `database_url`.
     fn start(data: &std::path::Path, database_url: Option<&str>) -> Result<Self> {
+        Self::start_with(data, database_url, &[])
+    }
+
+    /// With more flags.
+    pub(crate) fn start_with(data: &std::path::Path, database_url: Option<&str>, flags: &[&str]) -> Result<Self> {
         let bin = crate::root().join("target/release/distlab-server");
         let mut process = Command::new(&bin)
             .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--max-queued-per-user", "10000000"])
             .args(["--max-streams-per-account", "1000000"])
+            .args(flags)
             .arg("--data-dir")
             .arg(data)
             .envs(database_url.map(|url| ("DISTLAB_DATABASE_URL", url)))

@@ -10,6 +10,7 @@
 //!   bandwidth, next to PyTorch when torch is installed (`bench.rs`)
 //! - `mutants`: break the engine on purpose (`mutants.rs`) and check the tests notice
 
+mod abuse;
 mod bench;
 mod frontend;
 mod load;

@@ -1,8 +1,10 @@
 //! Signing in, on a server started with `--auth accounts`: the page everyone sees until
-//! they have a session, and the header's "signed in as ... · sign out".
+//! they have a session, the header's "signed in as ... · password · sign out", and the page
+//! where a person changes their own password.
 
 use distlab_common::{AuthMode, Me};
 use leptos::prelude::*;
+use leptos_router::components::A;
 
 use crate::api;
 
@@ -98,7 +100,67 @@ pub fn SignInPage(session: RwSignal<Session>) -> impl IntoView {
     }
 }
 
-/// "ada · sign out" in the header, on a server with accounts.
+/// `/password`: the signed-in person changes their own password (the current one asked
+/// again, the new one twice). Every other session of the account ends; this one goes on.
+#[component]
+pub fn PasswordPage(session: RwSignal<Session>) -> impl IntoView {
+    let current = RwSignal::new(String::new());
+    let new = RwSignal::new(String::new());
+    let repeated = RwSignal::new(String::new());
+    let outcome = RwSignal::new(None::<Result<String, String>>);
+    let busy = RwSignal::new(false);
+    let submit = move |ev: leptos::ev::SubmitEvent| {
+        ev.prevent_default();
+        let (old, chosen) = (current.get_untracked(), new.get_untracked());
+        if chosen != repeated.get_untracked() {
+            outcome.set(Some(Err("the two new passwords differ".into())));
+            return;
+        }
+        busy.set(true);
+        leptos::task::spawn_local(async move {
+            match api::change_password(&old, &chosen).await {
+                Ok(me) => {
+                    for field in [current, new, repeated] {
+                        field.try_set(String::new());
+                    }
+                    outcome.try_set(Some(Ok(
+                        "Your password is changed. Every other browser signed in as you is signed out.".into(),
+                    )));
+                    session.try_set(Session::SignedIn(me));
+                }
+                Err(e) => {
+                    outcome.try_set(Some(Err(e.message)));
+                }
+            }
+            busy.try_set(false);
+        });
+    };
+    let input = |id: &'static str, autocomplete: &'static str, value: RwSignal<String>| {
+        view! {
+            <input id=id type="password" autocomplete=autocomplete
+                prop:value=move || value.get() on:input=move |ev| value.set(event_target_value(&ev))/>
+        }
+    };
+    view! {
+        <section class="card sign-in" id="password-page">
+            <h1>"Your password"</h1>
+            <p class="muted">"A new password signs out every other browser signed in as you; this one stays signed in."</p>
+            <form on:submit=submit>
+                <label>"current password" {input("current-password", "current-password", current)}</label>
+                <label>"new password (8 characters or more)" {input("new-password", "new-password", new)}</label>
+                <label>"the new password again" {input("new-password-again", "new-password", repeated)}</label>
+                <button class="button primary" id="change-password" type="submit" disabled=move || busy.get()>"Change password"</button>
+            </form>
+            {move || match outcome.get() {
+                Some(Ok(done)) => view! { <p class="alert" id="password-changed">{done}</p> }.into_any(),
+                Some(Err(e)) => view! { <p class="alert error" id="password-refused">{e}</p> }.into_any(),
+                None => ().into_any(),
+            }}
+        </section>
+    }
+}
+
+/// "ada · password · sign out" in the header, on a server with accounts.
 #[component]
 pub fn AccountBadge(session: RwSignal<Session>) -> impl IntoView {
     let sign_out = move |_| {
@@ -113,6 +175,7 @@ pub fn AccountBadge(session: RwSignal<Session>) -> impl IntoView {
             view! {
                 <div class="account" id="account">
                     <span id="signed-in-as">{who}</span>
+                    <A href="/password" attr:id="nav-password" attr:class="button small">"password"</A>
                     <button class="button small" id="sign-out" on:click=sign_out>"sign out"</button>
                 </div>
             }
