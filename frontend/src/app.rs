@@ -84,7 +84,7 @@ pub fn App() -> impl IntoView {
                             <Route path=path!("/cards") view={Lazy::<CardsRoute>::new()}/>
                             <Route path=path!("/quiz") view={Lazy::<QuizRoute>::new()}/>
                             <Route path=path!("/accounts") view={Lazy::<AccountsRoute>::new()}/>
-                            <Route path=path!("/password") view=move || view! { <PasswordPage session=session/> }/>
+                            <Route path=path!("/password") view=PasswordPage/>
                             <Route path=path!("/experiments/:id") view={Lazy::<ExperimentRoute>::new()}/>
                             <Route path=path!("/experiments/:id/ring") view={Lazy::<RingRoute>::new()}/>
                             <Route path=path!("/experiments/:id/pipeline") view={Lazy::<PipelineRoute>::new()}/>

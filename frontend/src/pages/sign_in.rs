@@ -103,7 +103,7 @@ pub fn SignInPage(session: RwSignal<Session>) -> impl IntoView {
 /// `/password`: the signed-in person changes their own password (the current one asked
 /// again, the new one twice). Every other session of the account ends; this one goes on.
 #[component]
-pub fn PasswordPage(session: RwSignal<Session>) -> impl IntoView {
+pub fn PasswordPage() -> impl IntoView {
     let current = RwSignal::new(String::new());
     let new = RwSignal::new(String::new());
     let repeated = RwSignal::new(String::new());
@@ -119,14 +119,14 @@ pub fn PasswordPage(session: RwSignal<Session>) -> impl IntoView {
         busy.set(true);
         leptos::task::spawn_local(async move {
             match api::change_password(&old, &chosen).await {
-                Ok(me) => {
+                // (the same person, with a new session cookie: nothing else here changes)
+                Ok(_) => {
                     for field in [current, new, repeated] {
                         field.try_set(String::new());
                     }
                     outcome.try_set(Some(Ok(
                         "Your password is changed. Every other browser signed in as you is signed out.".into(),
                     )));
-                    session.try_set(Session::SignedIn(me));
                 }
                 Err(e) => {
                     outcome.try_set(Some(Err(e.message)));
@@ -152,7 +152,7 @@ pub fn PasswordPage(session: RwSignal<Session>) -> impl IntoView {
                 <button class="button primary" id="change-password" type="submit" disabled=move || busy.get()>"Change password"</button>
             </form>
             {move || match outcome.get() {
-                Some(Ok(done)) => view! { <p class="alert" id="password-changed">{done}</p> }.into_any(),
+                Some(Ok(done)) => view! { <p class="alert ok" id="password-changed">{done}</p> }.into_any(),
                 Some(Err(e)) => view! { <p class="alert error" id="password-refused">{e}</p> }.into_any(),
                 None => ().into_any(),
             }}
