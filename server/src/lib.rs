@@ -361,7 +361,16 @@ pub fn app(state: AppState) -> Router {
             CompressionLayer::new()
                 .compress_when(DefaultPredicate::new().and(NotForContentType::const_new("application/octet-stream"))),
         )
-        .layer(TraceLayer::new_for_http().make_span_with(request_span).on_request(()).on_response(log_response));
+        // Every response is logged with its status (`log_response`), an internal error's cause
+        // by `HttpError::internal`: tower-http's own ERROR line for each 5xx would turn a
+        // sign-in flood's 503s into a flood of ERROR lines.
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_request(())
+                .on_response(log_response)
+                .on_failure(()),
+        );
     let routes = match config.auth {
         AuthMode::None => routes.layer(middleware::from_fn(error::loopback_names_only)),
         AuthMode::Accounts => routes,

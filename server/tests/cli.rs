@@ -88,6 +88,25 @@ fn without_accounts_the_server_listens_on_loopback_only() {
 
 /// `distlab-server user add NAME [--admin]` reads the password from standard input; the
 /// account then signs in to a server started with `--auth accounts`.
+/// The server with accounts on `data`, and the address it printed.
+fn serve_with_accounts(data: &std::path::Path, site: &std::path::Path) -> (Running, String) {
+    let child = Command::new(BIN)
+        .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--auth", "accounts"])
+        .arg("--data-dir")
+        .arg(data)
+        .arg("--static-dir")
+        .arg(site)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the server");
+    let mut child = Running(child);
+    let mut line = String::new();
+    BufReader::new(child.0.stdout.take().expect("stdout")).read_line(&mut line).expect("ready line");
+    let addr = line.trim().trim_start_matches("distlab is ready at http://").trim_end_matches('/').to_string();
+    (child, addr)
+}
+
 #[test]
 fn accounts_are_added_from_the_command_line_and_sign_in() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -112,20 +131,7 @@ fn accounts_are_added_from_the_command_line_and_sign_in() {
     assert_eq!(short.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&short.stderr).contains("a password is 8 to"));
 
-    let child = Command::new(BIN)
-        .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--auth", "accounts"])
-        .arg("--data-dir")
-        .arg(&data)
-        .arg("--static-dir")
-        .arg(dir.path().join("site"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the server");
-    let mut child = Running(child);
-    let mut line = String::new();
-    BufReader::new(child.0.stdout.take().expect("stdout")).read_line(&mut line).expect("ready line");
-    let addr = line.trim().trim_start_matches("distlab is ready at http://").trim_end_matches('/').to_string();
+    let (_child, addr) = serve_with_accounts(&data, &dir.path().join("site"));
     assert!(http_get(&addr, "/api/experiments").starts_with("HTTP/1.1 401"), "anonymous");
     let body = r#"{"name": "teach", "password": "correct horse"}"#;
     let mut s = TcpStream::connect(&addr).expect("connect");
@@ -285,21 +291,8 @@ fn a_sign_in_flood_stays_within_a_memory_bound() {
         .expect("user add");
     writeln!(add.stdin.take().expect("stdin"), "correct horse").expect("the password");
     assert!(add.wait().expect("user add").success());
-    let child = Command::new(BIN)
-        .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--auth", "accounts"])
-        .arg("--data-dir")
-        .arg(&data)
-        .arg("--static-dir")
-        .arg(dir.path().join("site"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the server");
-    let mut child = Running(child);
+    let (child, addr) = serve_with_accounts(&data, &dir.path().join("site"));
     let pid = child.0.id();
-    let mut line = String::new();
-    BufReader::new(child.0.stdout.take().expect("stdout")).read_line(&mut line).expect("ready line");
-    let addr = line.trim().trim_start_matches("distlab is ready at http://").trim_end_matches('/').to_string();
     let before = peak_resident_bytes(pid);
 
     let flooding = std::sync::atomic::AtomicBool::new(true);
