@@ -112,22 +112,40 @@ pub async fn sign_in(
         .into_response());
     }
     let name: String = body.name.chars().take(4 * accounts::MAX_NAME_CHARS).collect();
-    let too_long = body.name.len() > name.len() || body.password.len() > 4 * accounts::MAX_PASSWORD_CHARS;
-    let admitted = state.sign_in.admit(&name, address, std::time::Instant::now()).map_err(refused)?;
-    let account = if too_long {
-        None
-    } else {
-        accounts::verify(&state.db, &name, &body.password).await.map_err(|e| HttpError::from(e).into_response())?
+    let name_too_long = body.name.len() > name.len();
+    let account = match name_too_long {
+        true => None,
+        false => throttled_check(&state, &name, &body.password, address).await?,
     };
-    drop(admitted);
     let Some(account) = account else {
-        state.sign_in.failed(&name, address, std::time::Instant::now());
         tracing::info!(name = %name.chars().take(64).collect::<String>(), ?address, "sign-in refused");
         return Err(HttpError::unauthorized("wrong name or password").into_response());
     };
-    state.sign_in.succeeded(&account.name);
     tracing::info!(name = %account.name, "signed in");
     signed_in(&state, &account, client.https).await.map_err(IntoResponse::into_response)
+}
+
+/// Whether `password` is `name`'s, checked under the sign-in guard: refused (503 or 429)
+/// while the queue is full or the account or address is throttled; a wrong password counts
+/// as a failure, a right one clears the account's.
+async fn throttled_check(
+    state: &AppState,
+    name: &str,
+    password: &str,
+    address: Option<std::net::IpAddr>,
+) -> Result<Option<Account>, Response> {
+    let admitted = state.sign_in.admit(name, address, std::time::Instant::now()).map_err(refused)?;
+    let account = if password.len() > 4 * accounts::MAX_PASSWORD_CHARS {
+        None
+    } else {
+        accounts::verify(&state.db, name, password).await.map_err(|e| HttpError::from(e).into_response())?
+    };
+    drop(admitted);
+    match &account {
+        Some(account) => state.sign_in.succeeded(&account.name),
+        None => state.sign_in.failed(name, address, std::time::Instant::now()),
+    }
+    Ok(account)
 }
 
 /// A new session for `account`: its `Me`, with the cookie.
@@ -163,18 +181,7 @@ pub async fn change_password(
         return Err(HttpError::conflict("this server runs without accounts (--auth none): there is no password")
             .into_response());
     }
-    let admitted = state.sign_in.admit(&caller.name, client.address, std::time::Instant::now()).map_err(refused)?;
-    let too_long = body.current.len() > 4 * accounts::MAX_PASSWORD_CHARS;
-    let verified = if too_long {
-        None
-    } else {
-        accounts::verify(&state.db, &caller.name, &body.current)
-            .await
-            .map_err(|e| HttpError::from(e).into_response())?
-    };
-    drop(admitted);
-    if verified.is_none() {
-        state.sign_in.failed(&caller.name, client.address, std::time::Instant::now());
+    if throttled_check(&state, &caller.name, &body.current, client.address).await?.is_none() {
         return Err(HttpError::forbidden("the current password is wrong").into_response());
     }
     accounts::set_password(&state.db, &caller.name, &body.new).await.map_err(|e| account_error(e).into_response())?;
