@@ -9,6 +9,7 @@ pub mod cards;
 pub mod claims;
 pub mod compare;
 pub mod compression;
+pub mod disk;
 pub mod elastic;
 pub mod estimate;
 pub mod events;

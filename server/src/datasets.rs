@@ -10,7 +10,8 @@
 //!   runs an experiment on it fetches it).
 //!
 //! The rows are in the `datasets` table, the texts under DATA_DIR/datasets. One person
-//! keeps at most `MAX_DATASETS_PER_OWNER` texts (429 beyond).
+//! keeps at most `MAX_DATASETS_PER_OWNER` texts (429 beyond), within their share of the disk
+//! (`disk_quota`, 507 beyond).
 
 use std::path::PathBuf;
 
@@ -25,6 +26,7 @@ use std::error::Error as _;
 
 use crate::accounts::Account;
 use crate::db::Db;
+use crate::disk_quota::{self, OverDisk};
 use crate::error::HttpError;
 use crate::extract::parse_id;
 use crate::{clock, AppState};
@@ -92,15 +94,24 @@ async fn all(db: &Db) -> Result<Vec<DatasetView>, sqlx::Error> {
     Ok(rows.into_iter().map(DatasetRow::into_view).collect())
 }
 
-/// Records a dataset of `owner`'s, unless `owner` keeps `MAX_DATASETS_PER_OWNER` already
-/// (then `Err(kept)`). The count and the insert are one transaction under the write lock,
-/// so concurrent uploads cannot pass the limit together.
+/// Why an upload was not kept.
+enum Refused {
+    /// `owner` keeps this many texts, `MAX_DATASETS_PER_OWNER`.
+    TooMany(i64),
+    /// The text would not fit in `owner`'s share of the disk.
+    OverDisk(OverDisk),
+}
+
+/// Records a dataset of `owner`'s, unless `owner` keeps `MAX_DATASETS_PER_OWNER` already or
+/// its bytes overflow `owner`'s share of the disk (`max_disk`). The checks and the insert
+/// are one transaction under the write lock, so concurrent uploads cannot pass them together.
 async fn insert_within_quota(
     db: &Db,
     name: &str,
     owner: &str,
     bytes: u64,
-) -> Result<Result<DatasetView, i64>, sqlx::Error> {
+    max_disk: Option<u64>,
+) -> Result<Result<DatasetView, Refused>, sqlx::Error> {
     let (mut tx, _turn) = crate::db::begin_write(db).await?;
     let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM datasets WHERE owner = $1 AND deleted_at IS NULL")
         .bind(owner)
@@ -108,7 +119,11 @@ async fn insert_within_quota(
         .await?;
     if kept >= MAX_DATASETS_PER_OWNER {
         tx.commit().await?;
-        return Ok(Err(kept));
+        return Ok(Err(Refused::TooMany(kept)));
+    }
+    if let Some(over) = disk_quota::over(&mut tx, owner, bytes, max_disk).await? {
+        tx.commit().await?;
+        return Ok(Err(Refused::OverDisk(over)));
     }
     let created_at = clock::rfc3339(clock::now());
     let id: i64 = sqlx::query_scalar(
@@ -178,6 +193,8 @@ pub struct UploadQuery {
         (status = 413, description = "larger than the server takes", body = distlab_common::ApiError),
         (status = 415, description = "not text/plain", body = distlab_common::ApiError),
         (status = 422, description = "not UTF-8, empty, or no name", body = distlab_common::ApiError),
+        (status = 429, description = "this account keeps the most datasets it may", body = distlab_common::ApiError),
+        (status = 507, description = "the text would not fit in this account's share of the disk", body = distlab_common::ApiError),
     ),
 )]
 pub async fn upload(
@@ -223,6 +240,7 @@ pub async fn upload(
         ));
     }
     let bytes_len = bytes.len() as u64;
+    let max_disk = state.config.max_disk_per_user;
     // The text is written aside first, the row made, then the file renamed into place: a
     // listed dataset always has its text, a failed upload leaves neither (and one cut short
     // by a kill is removed at the next start, `remove_half_written`).
@@ -235,14 +253,15 @@ pub async fn upload(
     .await
     .map_err(|e| HttpError::internal("storing a dataset", e))?;
     let placed = match written {
-        Ok(()) => match insert_within_quota(&state.db, &name, &owner.name, bytes_len).await {
+        Ok(()) => match insert_within_quota(&state.db, &name, &owner.name, bytes_len, max_disk).await {
             Ok(Ok(view)) => std::fs::rename(&aside, text_path(&state, view.id))
                 .map(|()| view)
                 .map_err(|e| HttpError::internal("storing a dataset", e)),
-            Ok(Err(kept)) => Err(HttpError::too_many_requests(format!(
+            Ok(Err(Refused::TooMany(kept))) => Err(HttpError::too_many_requests(format!(
                 "{} keeps {kept} datasets, the most one person may: delete one first",
                 owner.name
             ))),
+            Ok(Err(Refused::OverDisk(over))) => Err(over.error(&owner.name, "this text")),
             Err(e) => Err(HttpError::from(e)),
         },
         Err(e) => Err(HttpError::internal("storing a dataset", e)),

@@ -195,6 +195,7 @@ const MAX_IDEMPOTENCY_KEY: usize = 200;
         (status = 422, description = "names each field that is wrong", body = distlab_common::ApiError),
         (status = 429, description = "over this account's quota", body = distlab_common::ApiError),
         (status = 503, description = "no worker can run it", body = distlab_common::ApiError),
+        (status = 507, description = "its files would not fit in this account's share of the disk", body = distlab_common::ApiError),
     ),
 )]
 pub async fn create(
@@ -223,8 +224,9 @@ pub async fn create(
     }
     let spec_json = serde_json::to_string(&spec).map_err(|e| HttpError::internal("encoding the spec", e))?;
     let max_queued = state.config.max_queued_per_user;
+    let quota = queue::Quota { max_queued, max_disk_bytes: state.config.max_disk_per_user };
     let submitted =
-        queue::submit(&state.db, &owner.name, &spec, &spec_json, key.as_deref(), max_queued, clock::now()).await?;
+        queue::submit(&state.db, &owner.name, &spec, &spec_json, key.as_deref(), quota, clock::now()).await?;
     let (id, status) = match submitted {
         queue::Submitted::New(id) => {
             let backend = spec.backend.as_str();
@@ -246,6 +248,9 @@ pub async fn create(
                 "you have {queued} experiments queued, the most this server takes from one person \
                  (--max-queued-per-user={max_queued}); wait for some to run, or cancel some"
             )))
+        }
+        queue::Submitted::OverDisk(over) => {
+            return Err(over.error(&owner.name, "this experiment's checkpoints and model"))
         }
     };
     let created = Created { id, status };

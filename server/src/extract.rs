@@ -81,45 +81,9 @@ fn client_of(parts: &axum::http::request::Parts, trusted_proxy: Option<std::net:
     }
     let header = |name: &str| parts.headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect::<Vec<_>>();
     let forwarded_for =
-        header("x-forwarded-for").iter().flat_map(|v| v.split(',')).filter_map(|a| a.trim().parse().ok()).last();
+        header("x-forwarded-for").iter().flat_map(|v| v.split(',')).filter_map(|a| a.trim().parse().ok()).next_back();
     let https = header("x-forwarded-proto").last().is_some_and(|p| p.trim().eq_ignore_ascii_case("https"));
     Client { address: forwarded_for.or(peer), https }
-}
-
-#[cfg(test)]
-mod client_tests {
-    use std::net::{IpAddr, SocketAddr};
-
-    use axum::extract::ConnectInfo;
-    use axum::http::Request;
-
-    use super::*;
-
-    fn parts(peer: &str, headers: &[(&str, &str)]) -> axum::http::request::Parts {
-        let mut req = Request::get("/").body(()).unwrap();
-        req.extensions_mut().insert(ConnectInfo(peer.parse::<SocketAddr>().unwrap()));
-        for (name, value) in headers {
-            let name = axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap();
-            req.headers_mut().append(name, value.parse().unwrap());
-        }
-        req.into_parts().0
-    }
-
-    #[test]
-    fn forwarded_headers_count_only_from_the_trusted_proxy() {
-        let proxy: IpAddr = "10.0.0.2".parse().unwrap();
-        let forwarded = [("x-forwarded-for", "203.0.113.9, 198.51.100.7"), ("x-forwarded-proto", "https")];
-        let via_proxy = client_of(&parts("10.0.0.2:5000", &forwarded), Some(proxy));
-        assert_eq!(via_proxy.address, Some("198.51.100.7".parse().unwrap()), "the address the proxy saw");
-        assert!(via_proxy.https);
-        let stranger = client_of(&parts("192.0.2.1:5000", &forwarded), Some(proxy));
-        assert_eq!(stranger.address, Some("192.0.2.1".parse().unwrap()), "anyone else's headers are ignored");
-        assert!(!stranger.https);
-        let untrusted = client_of(&parts("10.0.0.2:5000", &forwarded), None);
-        assert_eq!((untrusted.address, untrusted.https), (Some(proxy), false));
-        let no_header = client_of(&parts("10.0.0.2:5000", &[]), Some(proxy));
-        assert_eq!((no_header.address, no_header.https), (Some(proxy), false));
-    }
 }
 
 /// Parses JSON bytes into `T`; the 400 message says what is wrong and where.
@@ -168,5 +132,41 @@ pub fn truncate(s: &str, max: usize) -> String {
     match s.char_indices().nth(max) {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod client_tests {
+    use std::net::{IpAddr, SocketAddr};
+
+    use axum::extract::ConnectInfo;
+    use axum::http::Request;
+
+    use super::*;
+
+    fn parts(peer: &str, headers: &[(&str, &str)]) -> axum::http::request::Parts {
+        let mut req = Request::get("/").body(()).unwrap();
+        req.extensions_mut().insert(ConnectInfo(peer.parse::<SocketAddr>().unwrap()));
+        for (name, value) in headers {
+            let name = axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap();
+            req.headers_mut().append(name, value.parse().unwrap());
+        }
+        req.into_parts().0
+    }
+
+    #[test]
+    fn forwarded_headers_count_only_from_the_trusted_proxy() {
+        let proxy: IpAddr = "10.0.0.2".parse().unwrap();
+        let forwarded = [("x-forwarded-for", "203.0.113.9, 198.51.100.7"), ("x-forwarded-proto", "https")];
+        let via_proxy = client_of(&parts("10.0.0.2:5000", &forwarded), Some(proxy));
+        assert_eq!(via_proxy.address, Some("198.51.100.7".parse().unwrap()), "the address the proxy saw");
+        assert!(via_proxy.https);
+        let stranger = client_of(&parts("192.0.2.1:5000", &forwarded), Some(proxy));
+        assert_eq!(stranger.address, Some("192.0.2.1".parse().unwrap()), "anyone else's headers are ignored");
+        assert!(!stranger.https);
+        let untrusted = client_of(&parts("10.0.0.2:5000", &forwarded), None);
+        assert_eq!((untrusted.address, untrusted.https), (Some(proxy), false));
+        let no_header = client_of(&parts("10.0.0.2:5000", &[]), Some(proxy));
+        assert_eq!((no_header.address, no_header.https), (Some(proxy), false));
     }
 }

@@ -12,6 +12,7 @@ pub mod clock;
 pub mod compare;
 pub mod datasets;
 pub mod db;
+pub mod disk_quota;
 pub mod error;
 pub mod experiments;
 pub mod extract;
@@ -126,6 +127,9 @@ pub struct ServerConfig {
     pub max_queued_per_user: usize,
     /// Experiments of one person that run at once (None: no limit); the rest wait.
     pub max_running_per_user: Option<usize>,
+    /// Bytes of disk one person's experiments and datasets may take (None: no limit), as
+    /// `disk_quota` counts them; more get 507.
+    pub max_disk_per_user: Option<u64>,
     /// Whether a run with more ranks than the worker that asks for work may be placed on
     /// it and idle workers together (each announces the ranks it runs: `--ranks`).
     pub allow_multi_host: bool,
@@ -163,6 +167,7 @@ impl Default for ServerConfig {
             worker_credential_idle: Duration::from_secs(24 * 3600),
             max_queued_per_user: 20,
             max_running_per_user: None,
+            max_disk_per_user: None,
             allow_multi_host: true,
             gang_timeout: Duration::from_secs(30),
         }

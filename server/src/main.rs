@@ -95,6 +95,11 @@ struct Cli {
     #[arg(long, env = "DISTLAB_MAX_RUNNING_PER_USER", default_value_t = 0)]
     max_running_per_user: usize,
 
+    /// MiB of disk one person's experiments (checkpoints, models) and datasets may take;
+    /// a submission or upload beyond it is refused (507). 0: no limit.
+    #[arg(long, env = "DISTLAB_MAX_DISK_PER_USER_MB", default_value_t = 4096)]
+    max_disk_per_user_mb: u64,
+
     /// Place a run with more ranks than one worker runs (`distlab-worker --ranks`) on
     /// several idle workers at once; `--allow-multi-host false` keeps every run on one.
     #[arg(long, env = "DISTLAB_ALLOW_MULTI_HOST", default_value_t = true, action = clap::ArgAction::Set)]
@@ -180,6 +185,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         },
         max_queued_per_user: cli.max_queued_per_user,
         max_running_per_user: (cli.max_running_per_user > 0).then_some(cli.max_running_per_user),
+        max_disk_per_user: (cli.max_disk_per_user_mb > 0).then(|| cli.max_disk_per_user_mb.saturating_mul(1024 * 1024)),
         allow_multi_host: cli.allow_multi_host,
         gang_timeout: Duration::from_secs(cli.gang_timeout_seconds),
         ..defaults

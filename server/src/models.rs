@@ -97,6 +97,7 @@ pub async fn upload(
     // Still this worker's (a long upload may have outlived its lease)?
     holds(state.clone()).await?;
     let path = model_path(&state, id);
+    let stored_bytes = bytes.len() as u64;
     let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
         let dir = path.parent().unwrap_or(std::path::Path::new("."));
         std::fs::create_dir_all(dir)?;
@@ -110,6 +111,7 @@ pub async fn upload(
     .await
     .map_err(|e| HttpError::internal("storing a model", e))?;
     written.map_err(|e| HttpError::internal("storing a model", e))?;
+    queue::record_model_bytes(&state.db, id, stored_bytes).await?;
     // The upload took the lease's time: renew it, as a heartbeat would.
     queue::renew(&state.db, caller.0, id, state.config.lease_duration(), clock::now()).await?;
     tracing::info!(experiment = id, worker = caller.0, "model stored");

@@ -7,12 +7,14 @@
 
 use std::time::{Duration, SystemTime};
 
+use distlab_common::disk::DiskPlan;
 use distlab_common::{
     BackendKind, ExperimentSpec, ExperimentStatus, FieldError, LogLevel, MetricPoint, Placement, RunEvent, RunSummary,
     StatusChange,
 };
 
 use crate::db::{self, Db};
+use crate::disk_quota::{self, OverDisk};
 use crate::extract::truncate;
 use crate::stream::Hub;
 use crate::traces;
@@ -594,19 +596,29 @@ pub enum Submitted {
     Existing { id: i64, same_spec: bool },
     /// Nothing queued: `owner` already has this many queued, the most allowed.
     OverQuota { queued: usize },
+    /// Nothing queued: the run's files would not fit in `owner`'s share of the disk.
+    OverDisk(OverDisk),
 }
 
-/// Queues `spec` (its JSON `spec_json`) for `owner`, unless `owner` has `max_queued` queued
-/// already; with `key`, a second submission with the same key gets the first one's
-/// experiment instead of a new one (whatever the quota). The count and the insert are one
-/// transaction under the write lock, so concurrent submissions cannot pass the quota together.
+/// What one person may take: experiments queued at once, and disk (None: no limit).
+#[derive(Clone, Copy, Debug)]
+pub struct Quota {
+    pub max_queued: usize,
+    pub max_disk_bytes: Option<u64>,
+}
+
+/// Queues `spec` (its JSON `spec_json`) for `owner`, unless `owner` has `quota.max_queued`
+/// queued already or the run's disk plan would overflow `owner`'s share; with `key`, a
+/// second submission with the same key gets the first one's experiment instead of a new one
+/// (whatever the quota). The checks and the insert are one transaction under the write
+/// lock, so concurrent submissions cannot pass the quota together.
 pub async fn submit(
     db: &Db,
     owner: &str,
     spec: &ExperimentSpec,
     spec_json: &str,
     key: Option<&str>,
-    max_queued: usize,
+    quota: Quota,
     now: SystemTime,
 ) -> Result<Submitted, sqlx::Error> {
     let (mut tx, _turn) = db::begin_write(db).await?;
@@ -627,13 +639,19 @@ pub async fn submit(
         .fetch_one(&mut *tx)
         .await?;
     let queued = usize::try_from(queued).unwrap_or(0);
-    if queued >= max_queued {
+    if queued >= quota.max_queued {
         tx.commit().await?;
         return Ok(Submitted::OverQuota { queued });
     }
+    let disk = DiskPlan::of(spec);
+    if let Some(over) = disk_quota::over(&mut tx, owner, disk.while_running(), quota.max_disk_bytes).await? {
+        tx.commit().await?;
+        return Ok(Submitted::OverDisk(over));
+    }
     let id: i64 = sqlx::query_scalar(
-        "INSERT INTO experiments (owner, name, spec, backend, status, attempt, created_at, idempotency_key) \
-         VALUES ($1, $2, $3, $4, 'queued', 0, $5, $6) RETURNING id",
+        "INSERT INTO experiments (owner, name, spec, backend, status, attempt, created_at, idempotency_key, \
+         disk_checkpoint_bytes, disk_model_bytes) \
+         VALUES ($1, $2, $3, $4, 'queued', 0, $5, $6, $7, $8) RETURNING id",
     )
     .bind(owner)
     .bind(&spec.name)
@@ -641,10 +659,23 @@ pub async fn submit(
     .bind(spec.backend.as_str())
     .bind(clock::rfc3339(now))
     .bind(key)
+    .bind(i64::try_from(disk.checkpoint).unwrap_or(i64::MAX))
+    .bind(i64::try_from(disk.model).unwrap_or(i64::MAX))
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
     Ok(Submitted::New(id))
+}
+
+/// The size of experiment `id`'s stored model file: what its owner's share of the disk
+/// counts for it from now on, in place of the plan's.
+pub async fn record_model_bytes(db: &Db, id: i64, bytes: u64) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE experiments SET disk_model_bytes = $1 WHERE id = $2")
+        .bind(i64::try_from(bytes).unwrap_or(i64::MAX))
+        .bind(id)
+        .execute(db)
+        .await?;
+    Ok(())
 }
 
 /// Deletes finished experiment `id` with everything stored of it (metrics, logs, traces,

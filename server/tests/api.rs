@@ -2129,6 +2129,68 @@ async fn a_worker_hands_over_the_trained_model_and_it_is_served_and_removed() {
     assert!(e.error.contains("Mixture-of-Experts"), "{}", e.error);
 }
 
+/// One person's share of the disk (`--max-disk-per-user-mb`): datasets count their bytes, a
+/// queued experiment what its plan reserves (three checkpoints and the model), an ended one
+/// its kept checkpoint and stored model; beyond the share a submission or an upload is
+/// refused with 507 and loses nothing, and deleting gives the room back.
+#[tokio::test]
+async fn a_persons_share_of_the_disk_bounds_submissions_and_uploads_and_comes_back() {
+    let spec = json!({"name": "big", "train": {"steps": 10, "checkpoint_every": 1}});
+    let plan = distlab_common::disk::DiskPlan::of(&ExperimentSpec::from_json_value(spec.clone()).expect("spec"));
+    assert!(plan.checkpoint > 0 && plan.model > 0, "{plan:?}");
+    let limit = plan.while_running() + 3000;
+    let t = setup_with(|c| c.max_disk_per_user = Some(limit)).await;
+    let upload = |name: &str| {
+        Request::post(format!("/api/datasets?name={name}"))
+            .header(header::CONTENT_TYPE, "text/plain")
+            .body(Body::from("x".repeat(2000)))
+            .expect("request")
+    };
+    let used = || async {
+        let (mut tx, _turn) = distlab_server::db::begin_write(&t.state.db).await.expect("tx");
+        let used = distlab_server::disk_quota::used(&mut tx, "local").await.expect("used");
+        tx.commit().await.expect("commit");
+        used
+    };
+    assert_eq!(answer(t.send(upload("first")).await).await.status, StatusCode::CREATED);
+    assert_eq!(used().await, 2000);
+    let first = t.create_with(spec.clone()).await;
+    assert_eq!(used().await, 2000 + plan.while_running());
+    let e = assert_api_error(&answer(t.send(upload("second")).await).await, StatusCode::INSUFFICIENT_STORAGE);
+    assert!(e.error.contains("--max-disk-per-user-mb"), "{e:?}");
+    assert_eq!(t.get("/api/datasets").await.body["datasets"].as_array().map(Vec::len), Some(1));
+    let e = assert_api_error(&t.post("/api/experiments", spec.clone()).await, StatusCode::INSUFFICIENT_STORAGE);
+    assert!(e.error.contains("delete finished experiments"), "{e:?}");
+    assert_eq!(t.get("/api/experiments").await.body["total"], 1, "the refused one is not kept");
+    // Cancelled, it keeps the room of one checkpoint until it is deleted.
+    assert_eq!(t.post(&format!("/api/experiments/{first}/cancel"), json!({})).await.status, StatusCode::OK);
+    assert_eq!(used().await, 2000 + plan.checkpoint);
+    assert_api_error(&t.post("/api/experiments", spec.clone()).await, StatusCode::INSUFFICIENT_STORAGE);
+    let deleted = t.call(Method::DELETE, &format!("/api/experiments/{first}"), None, None).await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+    let second = t.create_with(spec.clone()).await;
+
+    // Succeeded, it keeps its latest checkpoint and the model file its worker handed over.
+    let worker = t.register(&["cpu"]).await;
+    assert_eq!(t.lease(worker).await.experiment_id, second);
+    let layout = distlab_worker::model::ParamLayout::new(&ExperimentSpec::default().model);
+    let params: Vec<f32> = vec![0.5; layout.total];
+    let file = distlab_worker::export::gpt2_safetensors(&distlab_worker::export::tensors_of(&layout, &params))
+        .expect("a model file");
+    let put = Request::builder()
+        .method(Method::PUT)
+        .uri(format!("/api/workers/experiments/{second}/model"))
+        .header(header::AUTHORIZATION, format!("Bearer {}", t.credential(worker)))
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .body(Body::from(file.clone()))
+        .expect("request");
+    assert_eq!(t.send(put).await.status(), StatusCode::NO_CONTENT);
+    let a = t.worker("complete", json!({"worker_id": worker, "experiment_id": second, "summary": summary()})).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(used().await, 2000 + plan.checkpoint + file.len() as u64);
+    assert!(file.len() as u64 <= plan.model, "the plan covers the model: {} > {}", file.len(), plan.model);
+}
+
 fn bytemuck_bytes(values: &[f32]) -> &[u8] {
     // f32s as the little-endian bytes safetensors stores (this machine's order).
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }

@@ -409,6 +409,11 @@ pub fn run_with_checkpoints(spec: &ExperimentSpec) -> distlab_common::trace::Exp
     serde_json::from_str(&trace).expect("trace JSON")
 }
 
+/// `run_into`, saving the spec's checkpoints in `checkpoints` (the latest stays after the run).
+pub fn run_into_with_checkpoints(spec: &ExperimentSpec, dir: &Path, checkpoints: &Path) -> Vec<MetricPoint> {
+    worker_run_with(spec, Some(dir), Some(checkpoints))
+}
+
 fn worker_run(spec: &ExperimentSpec, out_dir: Option<&Path>) -> Vec<MetricPoint> {
     worker_run_with(spec, out_dir, None)
 }

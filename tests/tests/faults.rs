@@ -16,7 +16,7 @@ fn every_submission_answered_201_survives_a_killed_server() {
     const CLIENTS: usize = 200;
     // Each client stops at its first failure (the kill), and after this many at most.
     const MAX_PER_CLIENT: usize = 50;
-    let args = vec!["--max-queued-per-user".to_string(), "100000".to_string()];
+    let args = ["--max-queued-per-user", "100000", "--max-disk-per-user-mb", "0"].map(String::from).to_vec();
     let mut lab = Lab::start_with(LabOptions { local_workers: 0, args, ..LabOptions::default() });
     let url = lab.url("/api/experiments");
     let accepted = Arc::new(Mutex::new(Vec::<(i64, String)>::new()));

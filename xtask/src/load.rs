@@ -412,7 +412,7 @@ impl Server {
         let bin = crate::root().join("target/release/distlab-server");
         let mut process = Command::new(&bin)
             .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--max-queued-per-user", "10000000"])
-            .args(["--max-streams-per-account", "1000000"])
+            .args(["--max-streams-per-account", "1000000", "--max-disk-per-user-mb", "0"])
             .args(flags)
             .arg("--data-dir")
             .arg(data)
