@@ -32,6 +32,7 @@ fn bytes_under(dir: &Path) -> u64 {
 fn assert_covers(planned: u64, measured: u64, what: &str) {
     assert!(measured > 0, "{what}: nothing on disk");
     let ratio = planned as f64 / measured as f64;
+    println!("{what}: {measured} bytes on disk, {planned} planned ({ratio:.3})");
     assert!(
         (1.0..=1.10).contains(&ratio),
         "{what}: the plan reserves {planned} bytes for {measured} on disk (ratio {ratio:.3})"
