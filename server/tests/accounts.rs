@@ -626,3 +626,58 @@ async fn quiz_results_are_each_accounts_own() {
     let teach = results("teach").await;
     assert_eq!(teach.results.iter().map(|r| (r.attempts, r.correct)).collect::<Vec<_>>(), [(16, 0)]);
 }
+
+/// Sampling is fair between students: while ada floods the sampler (eight requests at
+/// once), one of hers is in its line and the other seven are refused at once (429); bob's
+/// request, made meanwhile, waits for at most her one and is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_student_samples_while_the_first_floods_the_sampler() {
+    let c = std::sync::Arc::new(Class::new(|_| {}).await);
+    // ada's run, done by a worker that hands over its model.
+    let id = c.experiment_of("ada").await;
+    let (status, registered) =
+        c.worker(TOKEN, "register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
+    assert_eq!(status, StatusCode::OK, "{registered}");
+    let (worker, credential) =
+        (registered["worker_id"].clone(), registered["credential"].as_str().unwrap().to_string());
+    let (status, lease) = c.worker(&credential, "lease", json!({"worker_id": worker})).await;
+    assert_eq!((status, lease["experiment_id"].as_i64()), (StatusCode::OK, Some(id)), "{lease}");
+    let model = distlab_common::ExperimentSpec::default().model;
+    let layout = distlab_worker::model::ParamLayout::new(&model);
+    let params: Vec<f32> = (0..layout.total).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
+    let file = distlab_worker::export::gpt2_safetensors(&distlab_worker::export::tensors_of(&layout, &params))
+        .expect("a model file");
+    let put = Request::put(format!("/api/workers/experiments/{id}/model"))
+        .header(header::AUTHORIZATION, format!("Bearer {credential}"))
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .body(Body::from(file))
+        .expect("request");
+    assert_eq!(c.app.clone().oneshot(put).await.expect("an answer").status(), StatusCode::NO_CONTENT);
+    let summary = serde_json::to_value(distlab_common::RunSummary { steps: 5, ..Default::default() }).unwrap();
+    let (status, done) =
+        c.worker(&credential, "complete", json!({"worker_id": worker, "experiment_id": id, "summary": summary})).await;
+    assert_eq!(status, StatusCode::OK, "{done}");
+
+    let uri = format!("/api/experiments/{id}/generate");
+    let body = json!({"prompt_tokens": [1, 2, 3], "max_new_tokens": 256, "temperature": 0});
+    let ask = |who: &'static str| {
+        let (c, uri, body) = (c.clone(), uri.clone(), body.clone());
+        tokio::spawn(async move {
+            let (status, _, answer) = c.send(As(who), Method::POST, &uri, Some(body)).await;
+            (status, answer, std::time::Instant::now())
+        })
+    };
+    let flood: Vec<_> = (0..8).map(|_| ask("ada")).collect();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let bob = ask("bob").await.expect("bob's request");
+    let mut ada = Vec::new();
+    for request in flood {
+        ada.push(request.await.expect("ada's request"));
+    }
+    assert_eq!(bob.0, StatusCode::OK, "{}", bob.1);
+    assert_eq!(bob.1["tokens"].as_array().map(Vec::len), Some(256), "{}", bob.1);
+    let served: Vec<_> = ada.iter().filter(|a| a.0 == StatusCode::OK).collect();
+    let refused = ada.iter().filter(|a| a.0 == StatusCode::TOO_MANY_REQUESTS).count();
+    assert_eq!((served.len(), refused), (1, 7), "{:?}", ada.iter().map(|a| a.0).collect::<Vec<_>>());
+    assert!(served[0].2 <= bob.2, "ada's one request was ahead of bob's, and bob's waited for it only");
+}
