@@ -3,7 +3,8 @@
 //! CUDA's qualifiers and intrinsics (`cuda/shim.h`). On a machine without a GPU this is
 //! what catches a kernel that would not compile, before a GPU worker fails to start on it.
 //! It checks syntax and types, not what NVRTC alone knows (launch bounds, PTX); on a GPU
-//! the op tests (`cargo xtask test --gpu`) compile and run them for real.
+//! the op tests (`cargo xtask test --gpu`) compile and run them for real. NVIDIA's own
+//! compilers, NVRTC and ptxas, also compile them here (the last test), without a GPU.
 #![cfg(feature = "cuda")]
 
 use std::io::Write;
@@ -27,4 +28,119 @@ fn the_kernels_compile_as_cpp_for_every_storage_format() {
         let out = gxx.wait_with_output().expect("g++ runs");
         assert!(out.status.success(), "{format}: g++ rejects the kernels:\n{}", String::from_utf8_lossy(&out.stderr));
     }
+}
+
+/// Compute capabilities the kernels are compiled for here: the A100's and the H100/H200's.
+const ARCHITECTURES: [(i32, i32); 2] = [(8, 0), (9, 0)];
+
+/// Kernels allowed to spill registers to local memory, each with the reason it is worth it.
+const SPILLS_ALLOWED: [(&str, &str); 0] = [];
+
+/// What ptxas reports of one compiled kernel.
+#[derive(Debug, Default)]
+struct KernelReport {
+    name: String,
+    registers: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    stack: u32,
+    shared: u32,
+}
+
+/// The kernels' reports in `ptxas -v`'s output: "Function properties for NAME", its frame
+/// line ("N bytes stack frame, N bytes spill stores, N bytes spill loads"), then "Used N
+/// registers, ..., N bytes smem, ...".
+fn parse_ptxas(report: &str) -> Vec<KernelReport> {
+    let number_before = |line: &str, unit: &str| -> u32 {
+        line.split(',')
+            .find(|part| part.contains(unit))
+            .and_then(|part| part.split_whitespace().find_map(|w| w.parse().ok()))
+            .unwrap_or(0)
+    };
+    let mut kernels: Vec<KernelReport> = Vec::new();
+    for line in report.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            kernels.push(KernelReport { name: name.trim().to_string(), ..KernelReport::default() });
+        } else if let Some(k) = kernels.last_mut() {
+            if line.contains("bytes stack frame") {
+                k.stack = number_before(line, "stack frame");
+                k.spill_stores = number_before(line, "spill stores");
+                k.spill_loads = number_before(line, "spill loads");
+            } else if line.contains("Used") && line.contains("registers") {
+                k.registers = number_before(line, "registers");
+                k.shared = number_before(line, "smem");
+            }
+        }
+    }
+    kernels
+}
+
+/// NVIDIA's own compilers on every kernel, no GPU needed: NVRTC through the backend's own
+/// `compile_kernels`, for each storage format and architecture, every kernel the backend
+/// loads present in the PTX; then ptxas turns each PTX into machine code and reports each
+/// kernel's registers, spills and shared memory (the table is written to
+/// `target/tmp/cuda-kernels.md`). No kernel spills but those `SPILLS_ALLOWED` names.
+/// `cargo xtask test` installs NVRTC and ptxas from the Python package index.
+#[test]
+fn nvrtc_and_ptxas_compile_every_kernel_for_every_format_and_architecture() {
+    use distlab_worker::backend::cuda::{compile_kernels, KERNEL_NAMES};
+    let ptxas = std::env::var("DISTLAB_PTXAS").unwrap_or_else(|_| "ptxas".into());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut table = String::from(
+        "| format | arch | kernel | registers | spill stores (B) | spill loads (B) | stack (B) | shared (B) |\n\
+         | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |\n",
+    );
+    let mut spills = Vec::new();
+    for format in ["ELEM_F32", "ELEM_BF16", "ELEM_F16"] {
+        for (major, minor) in ARCHITECTURES {
+            let ptx = compile_kernels(format, major, minor).unwrap_or_else(|e| {
+                panic!(
+                    "{format} sm_{major}{minor}: {e} (cargo xtask test installs NVRTC; by hand, put its lib \
+                     folder on LD_LIBRARY_PATH)"
+                )
+            });
+            let source = ptx.to_src();
+            for name in KERNEL_NAMES {
+                assert!(source.contains(&format!(".entry {name}(")), "{format} sm_{major}{minor}: no kernel {name}");
+            }
+            let file = dir.path().join(format!("{format}-sm_{major}{minor}.ptx"));
+            std::fs::write(&file, &source).expect("write the PTX");
+            let out = Command::new(&ptxas)
+                .arg(format!("-arch=sm_{major}{minor}"))
+                .arg("-v")
+                .arg(&file)
+                .arg("-o")
+                .arg(file.with_extension("cubin"))
+                .output()
+                .unwrap_or_else(|e| panic!("{ptxas}: {e} (cargo xtask test installs it; or set DISTLAB_PTXAS)"));
+            let report = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{format} sm_{major}{minor}: ptxas rejects the PTX:\n{report}");
+            let kernels = parse_ptxas(&report);
+            let mut names: Vec<&str> = kernels.iter().map(|k| k.name.as_str()).collect();
+            names.sort_unstable();
+            let mut expected = KERNEL_NAMES.to_vec();
+            expected.sort_unstable();
+            assert_eq!(names, expected, "{format} sm_{major}{minor}: ptxas's kernels\n{report}");
+            for k in &kernels {
+                table.push_str(&format!(
+                    "| {} | sm_{major}{minor} | {} | {} | {} | {} | {} | {} |\n",
+                    format.trim_start_matches("ELEM_").to_lowercase(),
+                    k.name,
+                    k.registers,
+                    k.spill_stores,
+                    k.spill_loads,
+                    k.stack,
+                    k.shared
+                ));
+                let allowed = SPILLS_ALLOWED.iter().any(|(name, _)| *name == k.name);
+                if (k.spill_stores > 0 || k.spill_loads > 0) && !allowed {
+                    spills.push(format!("{format} sm_{major}{minor} {}", k.name));
+                }
+            }
+        }
+    }
+    let kept = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-kernels.md");
+    std::fs::write(&kept, &table).expect("write the table");
+    println!("{table}\n(kept in {})", kept.display());
+    assert!(spills.is_empty(), "kernels that spill registers, with no reason given in SPILLS_ALLOWED: {spills:?}");
 }

@@ -3,8 +3,9 @@
 //! - `build-frontend`: the Leptos app for wasm32, split into a main module and one chunk per
 //!   lazily loaded page, with its JS glue, index.html and style.css in target/site/ (`frontend.rs`)
 //! - `run`: build everything (release) and start the server with one local worker
-//! - `test`: install what a fresh machine lacks, build, `cargo test --workspace` (with the
-//!   worker's `cuda` feature, so the CUDA backend compiles and its tests run or skip), then
+//! - `test`: install what a fresh machine lacks (NVRTC and ptxas among it, `cuda_tools.rs`),
+//!   build, `cargo test --workspace` (with the worker's `cuda` feature, so the CUDA backend
+//!   compiles, NVIDIA's compilers compile its kernels, and its GPU tests run or skip), then
 //!   the server's tests again on a throwaway PostgreSQL cluster
 //! - `bench`: the training step and the ring as shares of the machine's FMA peak and memcpy
 //!   bandwidth, next to PyTorch when torch is installed (`bench.rs`)
@@ -12,6 +13,7 @@
 
 mod abuse;
 mod bench;
+mod cuda_tools;
 mod frontend;
 mod load;
 mod mutants;
@@ -184,6 +186,15 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
     // (on a machine without a GPU they print why they skip; cudarc loads CUDA at run time).
     let mut cmd = cargo();
     cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda"]);
+    // NVRTC and ptxas compile every kernel, GPU or not. On a GPU machine the system's NVRTC
+    // (the one matching its driver) is used where there is one.
+    let tools = cuda_tools::ensure()?;
+    cmd.env("DISTLAB_PTXAS", &tools.ptxas);
+    if !(gpu && system_has_nvrtc()) {
+        let paths = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();
+        let paths = std::iter::once(tools.lib_dir.clone()).chain(std::env::split_paths(&paths));
+        cmd.env("LD_LIBRARY_PATH", std::env::join_paths(paths).context("LD_LIBRARY_PATH")?);
+    }
     if gpu || !extra.is_empty() {
         cmd.arg("--").args(extra);
     }
@@ -219,6 +230,14 @@ fn store_tests_on_postgres() -> Result<ExitCode> {
         .status()
         .context("cannot start cargo test")?;
     Ok(exit_code(status))
+}
+
+/// Whether the dynamic loader knows an NVRTC of this machine's own.
+fn system_has_nvrtc() -> bool {
+    Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("libnvrtc.so"))
 }
 
 /// The GPUs `nvidia-smi -L` lists (none where it is missing or fails).

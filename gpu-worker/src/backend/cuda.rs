@@ -17,14 +17,14 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator, InPlace};
@@ -105,6 +105,28 @@ impl CudaUnavailable {
     }
 }
 
+/// [`KERNELS`] compiled by NVRTC into PTX for storage format `define` (a
+/// [`DeviceElem::DEFINE`]) and compute capability `major`.`minor`: what every backend of
+/// this process on such a GPU loads, compiled once (each rank, each op test, asks again).
+pub fn compile_kernels(define: &str, major: i32, minor: i32) -> Result<Ptx, CudaUnavailable> {
+    static COMPILED: Mutex<Vec<((String, i32, i32), Ptx)>> = Mutex::new(Vec::new());
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaUnavailable::NoLibrary("NVRTC (libnvrtc.so)"));
+    }
+    let key = (define.to_string(), major, minor);
+    let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, ptx)) = compiled.iter().find(|(k, _)| *k == key) {
+        return Ok(ptx.clone());
+    }
+    let options = CompileOptions {
+        options: vec![format!("-D{define}"), format!("--gpu-architecture=compute_{major}{minor}")],
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaUnavailable::Compile(e.to_string()))?;
+    compiled.push((key, ptx.clone()));
+    Ok(ptx)
+}
+
 /// How many GPUs this machine has (without making a context on any).
 pub fn device_count() -> Result<usize, CudaUnavailable> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -179,7 +201,7 @@ impl<S: DeviceElem> Clone for CudaBackend<S> {
 }
 
 /// Every kernel of [`KERNELS`] the backend calls.
-const KERNEL_NAMES: [&str; 27] = [
+pub const KERNEL_NAMES: [&str; 27] = [
     "fill",
     "add",
     "widen",
@@ -315,12 +337,7 @@ impl<S: DeviceElem> CudaBackend<S> {
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
         let stream = ctx.default_stream();
-        let options = CompileOptions {
-            options: vec![format!("-D{}", S::DEFINE), format!("--gpu-architecture=compute_{major}{minor}")],
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaUnavailable::Compile(e.to_string()))?;
-        let module = ctx.load_module(ptx)?;
+        let module = ctx.load_module(compile_kernels(S::DEFINE, major, minor)?)?;
         let mut kernels = HashMap::new();
         for name in KERNEL_NAMES {
             kernels.insert(name, module.load_function(name)?);
