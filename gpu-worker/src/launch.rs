@@ -114,6 +114,9 @@ pub fn launch(
         };
         env.push((crate::rank::SECRET_VAR.to_string(), secret));
     }
+    // NCCL installed under its real name only: the ranks find it through a link.
+    #[cfg(feature = "cuda")]
+    env.extend(distlab_worker::comm::nccl_library::rank_library_path(spec.run_dir));
     let mut place_args = hosts_args(&spec.hosts);
     if let Some(ip) = spec.host_ip {
         place_args.extend(["--host-ip".to_string(), ip.to_string()]);

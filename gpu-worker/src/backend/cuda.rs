@@ -52,8 +52,10 @@ const FLASH_MAX_HEAD: usize = distlab_common::backends::CUDA_FLASH_MAX_HEAD;
 const ROWS_PER_BLOCK: u32 = BLOCK / 32;
 /// Elements per block of `sum` / `sum_squares`.
 const SUM_CHUNK: usize = 1 << 16;
-/// Rows per block of the column sums (bias, LayerNorm parameter gradients).
+/// Rows per block of the column sums (bias, LayerNorm parameter gradients), at least.
 const COLUMN_ROWS: usize = 64;
+/// The most blocks a grid's y dimension holds.
+const MAX_GRID_Y: usize = 65_535;
 
 /// A storage format the CUDA kernels and cuBLAS handle.
 pub trait DeviceElem: Stored<Acc = f32> + DeviceRepr + ValidAsZeroBits {
@@ -119,7 +121,12 @@ pub fn compile_kernels(define: &str, major: i32, minor: i32) -> Result<Ptx, Cuda
         return Ok(ptx.clone());
     }
     let options = CompileOptions {
-        options: vec![format!("-D{define}"), format!("--gpu-architecture=compute_{major}{minor}")],
+        // No contraction of a * b + c into one rounding: the CPU's kernels round each step.
+        options: vec![
+            format!("-D{define}"),
+            format!("--gpu-architecture=compute_{major}{minor}"),
+            "--fmad=false".to_string(),
+        ],
         ..Default::default()
     };
     let ptx = compile_ptx_with_opts(KERNELS, options).map_err(|e| CudaUnavailable::Compile(e.to_string()))?;
@@ -253,6 +260,13 @@ fn blocks_for(n: usize, per_block: u32) -> u32 {
     u32::try_from(n.div_ceil(per_block as usize)).expect("a grid of fewer than 2^32 blocks").max(1)
 }
 
+/// The column sums' blocks over `rows` rows (the grid's y) and rows per block:
+/// `COLUMN_ROWS` each, more where that would take more blocks than a grid's y holds.
+fn column_blocks(rows: usize) -> (usize, usize) {
+    let per_block = COLUMN_ROWS.max(rows.div_ceil(MAX_GRID_Y));
+    (rows.div_ceil(per_block).max(1), per_block)
+}
+
 /// One thread per element.
 fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks_for(n, BLOCK), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
@@ -343,6 +357,16 @@ impl<S: DeviceElem> CudaBackend<S> {
             kernels.insert(name, module.load_function(name)?);
         }
         let blas = CudaBlas::new(stream.clone())?;
+        // Split-K partial sums stay fp32 in 2-byte GEMMs (cuBLAS's default may round them
+        // to the format), as the CPU's sums do.
+        // SAFETY: a live handle; the mode is one of cuBLAS's.
+        unsafe {
+            blas_sys::cublasSetMathMode(
+                *blas.handle(),
+                blas_sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+            )
+        }
+        .result()?;
         let gib = ctx.total_mem()? as f64 / (1u64 << 30) as f64;
         let free_at_start = ctx.mem_get_info()?.0;
         Ok(Self {
@@ -367,6 +391,13 @@ impl<S: DeviceElem> CudaBackend<S> {
 
     fn kernel(&self, name: &str) -> &CudaFunction {
         &self.kernels[name]
+    }
+
+    /// Makes this backend's context the calling thread's, as the driver's and cuBLAS's raw
+    /// calls need (cudarc's own stream methods do it themselves): a step may run on any
+    /// thread of the pool, and not every call begins with a kernel launch.
+    fn bind(&self) {
+        self.stream.context().bind_to_thread().expect("CUDA: binding the context to this thread");
     }
 
     fn base(&self, buf: &CudaSlice<S>) -> u64 {
@@ -408,6 +439,7 @@ impl<S: DeviceElem> CudaBackend<S> {
         c: Operand,
         batch: usize,
     ) {
+        self.bind();
         // SAFETY: the operands point into live device buffers that hold the matrices
         // described by the dimensions, leading dimensions and strides; alpha and beta
         // are host floats (cuBLAS's default pointer mode), as COMPUTE_32F expects.
@@ -519,7 +551,7 @@ impl<S: DeviceElem> CudaBackend<S> {
 
     /// `dst[j] += sum over rows of x[r, j]` (x is `rows x c`), in row order.
     fn add_column_sums(&self, dst: u64, x: u64, rows: usize, c: usize) {
-        let blocks = rows.div_ceil(COLUMN_ROWS).max(1);
+        let (blocks, per_block) = column_blocks(rows);
         let partial = self.scratch::<f32>(blocks * c);
         let p = self.ptr_of(&partial);
         let cfg = LaunchConfig {
@@ -527,7 +559,7 @@ impl<S: DeviceElem> CudaBackend<S> {
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(self, "column_partials", cfg, p, x, int(rows), int(c), int(COLUMN_ROWS));
+        launch!(self, "column_partials", cfg, p, x, int(rows), int(c), int(per_block));
         launch!(self, "add_column_partials", elementwise(c), dst, p, int(blocks), int(c));
     }
 
@@ -649,6 +681,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             return f(&mut []);
         }
         let mut host = vec![S::default(); view.len];
+        self.bind();
         // SAFETY: `view` is a live range of `len` elements of a device buffer, and `host`
         // is as long; the stream is synchronised before `host` is read or dropped.
         unsafe {
@@ -778,6 +811,8 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
                     hp.lr as f32,
                     hp.beta1 as f32,
                     hp.beta2 as f32,
+                    (1.0 - hp.beta1) as f32,
+                    (1.0 - hp.beta2) as f32,
                     hp.eps as f32,
                     decay,
                     m_correction,
@@ -834,6 +869,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             return f(&[]);
         }
         let mut host = vec![S::default(); view.len];
+        self.bind();
         // SAFETY: `view` is a live range of `len` elements of a device buffer, and `host`
         // is as long; the stream is synchronised before `host` is read.
         unsafe {
@@ -853,6 +889,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
     fn copy(&self, dst: DeviceViewMut<'_, S>, src: DeviceView<'_, S>) {
         assert_eq!(dst.len, src.len, "copy between views of different lengths");
         if dst.len > 0 {
+            self.bind();
             // SAFETY: both views are live ranges of `len` elements of device buffers.
             unsafe {
                 cudarc::driver::result::memcpy_dtod_async(
@@ -937,6 +974,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             let (distinct_d, starts_d, rows_d) =
                 (self.upload_u32(&distinct), self.upload_u32(&starts), self.upload_u32(&rows_of));
             // Distinct tokens on x (up to 2^31 blocks), column blocks on y (at most 65535).
+            assert!(c.div_ceil(BLOCK as usize) <= MAX_GRID_Y, "encoder_backward_wte: rows of {c} columns are too wide");
             let cfg = LaunchConfig {
                 grid_dim: (u32::try_from(distinct.len()).expect("fewer tokens than 2^32"), blocks_for(c, BLOCK), 1),
                 block_dim: (BLOCK, 1, 1),
@@ -1019,7 +1057,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             int(rows),
             int(c)
         );
-        let blocks = rows.div_ceil(COLUMN_ROWS).max(1);
+        let (blocks, per_block) = column_blocks(rows);
         let partial = self.scratch::<f32>(2 * blocks * c);
         let p = self.ptr_of(&partial);
         let cfg = LaunchConfig {
@@ -1038,7 +1076,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             rstd.ptr,
             int(rows),
             int(c),
-            int(COLUMN_ROWS)
+            int(per_block)
         );
         launch!(self, "add_column_partials", elementwise(c), dgamma.ptr, p, int(blocks), int(c));
         let dbeta_partial = p + (blocks * c * 4) as u64;
@@ -1340,6 +1378,7 @@ impl<S: DeviceElem> Backend for CudaBackend<S> {
             return 0.0;
         }
         check_tokens("crossentropy_forward", &targets[..rows], vocab);
+        assert!(losses.len >= rows, "crossentropy_forward: {} losses for {rows} rows", losses.len);
         let targets = self.upload_u32(&targets[..rows]);
         let row_loss = self.scratch::<f64>(rows);
         launch!(

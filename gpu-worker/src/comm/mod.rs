@@ -14,6 +14,8 @@ pub mod alone;
 pub mod cma;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+pub mod nccl_library;
 pub mod ring;
 pub mod shm;
 pub mod stream_copy;

@@ -34,7 +34,7 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 pub enum NcclUnavailable {
     #[error("the CUDA driver library (libcuda.so) is not installed on this machine")]
     NoDriver,
-    #[error("NCCL (libnccl.so) is not installed on this machine")]
+    #[error("NCCL (libnccl.so.2) is not installed on this machine")]
     NoLibrary,
     #[error("CUDA: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
