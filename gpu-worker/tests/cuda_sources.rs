@@ -30,6 +30,66 @@ fn the_kernels_compile_as_cpp_for_every_storage_format() {
     }
 }
 
+/// The f16 kernels' conversions (`load` / `store` in `cuda_prelude.cu`, plain C so that the
+/// emulated GPU runs the same code as a GPU) against the `half` crate the CPU backend uses:
+/// every one of the 65,536 halves to float, and floats to half (every 997th bit pattern,
+/// and the edges: the largest half, the first float that rounds to infinity, the smallest
+/// normal, the halfway points around the smallest subnormal, infinities, NaNs).
+#[test]
+fn the_f16_kernels_round_as_the_cpu_does() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let program = format!(
+        "{}\n#define ELEM_F16\n{}\n{}",
+        include_str!("cuda/shim.h"),
+        distlab_worker::backend::cuda::KERNELS.split("#define WARP").next().expect("the prelude"),
+        r#"#include <stdio.h>
+        int main() {
+            for (unsigned h = 0; h < 65536; h++) { float f = load((elem)h); fwrite(&f, 4, 1, stdout); }
+            unsigned edges[] = {0x477fe000u, 0x477fefffu, 0x477ff000u, 0x38800000u, 0x387fffffu, 0x33000000u,
+                                0x33000001u, 0x32ffffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u};
+            for (unsigned u : edges) { elem h = store(__uint_as_float(u)); fwrite(&h, 2, 1, stdout); }
+            for (unsigned long long b = 0; b < (1ull << 32); b += 997) {
+                elem h = store(__uint_as_float((unsigned)b)); fwrite(&h, 2, 1, stdout);
+            }
+        }"#
+    );
+    let source = dir.path().join("f16.cpp");
+    std::fs::write(&source, program).expect("write");
+    let binary = dir.path().join("f16");
+    let built = Command::new("g++").args(["-std=c++17", "-O2", "-o"]).arg(&binary).arg(&source).output().expect("g++");
+    assert!(built.status.success(), "g++: {}", String::from_utf8_lossy(&built.stderr));
+    let out = Command::new(&binary).output().expect("run the conversions").stdout;
+    let (loads, stores) = out.split_at(65536 * 4);
+    for (h, bytes) in loads.chunks_exact(4).enumerate() {
+        let got = f32::from_le_bytes(bytes.try_into().unwrap());
+        let want = half::f16::from_bits(h as u16).to_f32();
+        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "load({h:#06x}): {got} vs {want}");
+    }
+    let edges = [
+        0x477fe000u32,
+        0x477fefff,
+        0x477ff000,
+        0x38800000,
+        0x387fffff,
+        0x33000000,
+        0x33000001,
+        0x32ffffff,
+        0x7f800000,
+        0xff800000,
+        0x7fc00000,
+        0x7f800001,
+    ];
+    let inputs = edges.into_iter().chain((0..1u64 << 32).step_by(997).map(|b| b as u32));
+    let mut checked = 0;
+    for (bits, got) in inputs.zip(stores.chunks_exact(2)) {
+        let got = u16::from_le_bytes(got.try_into().unwrap());
+        let want = half::f16::from_f32(f32::from_bits(bits)).to_bits();
+        assert_eq!(got, want, "store({bits:#010x} = {})", f32::from_bits(bits));
+        checked += 1;
+    }
+    assert_eq!(checked, edges.len() + (1usize << 32).div_ceil(997));
+}
+
 /// Compute capabilities the kernels are compiled for here: the A100's and the H100/H200's.
 const ARCHITECTURES: [(i32, i32); 2] = [(8, 0), (9, 0)];
 

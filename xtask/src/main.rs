@@ -14,6 +14,7 @@
 mod abuse;
 mod bench;
 mod cuda_tools;
+mod emulated_gpu;
 mod frontend;
 mod load;
 mod mutants;
@@ -68,6 +69,16 @@ enum Cmd {
         /// Only the mutants whose name contains this.
         filter: Option<String>,
     },
+    /// Run a command against emulated CUDA devices (the stand-in libcuda, NVRTC and cuBLAS
+    /// of emulated-gpu/, first on its LD_LIBRARY_PATH), e.g. `cargo xtask emulated-gpu --
+    /// target/debug/distlab-worker run spec.json` with `"backend": "cuda"`.
+    EmulatedGpu {
+        /// Devices the emulated machine has (1 to 8).
+        #[arg(long, default_value_t = 1)]
+        devices: usize,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
     /// Load a release server on 127.0.0.1: req/s and latency of the list, one experiment,
     /// the planner and submissions at N connections, then S live streams held at once.
     Load {
@@ -94,6 +105,7 @@ fn main() -> ExitCode {
         Cmd::Run { server_args } => run(&server_args),
         Cmd::Test { gpu, test_args } => test(gpu, &test_args),
         Cmd::Bench { rounds } => bench::run(rounds).map(|()| ExitCode::SUCCESS),
+        Cmd::EmulatedGpu { devices, command } => emulated_gpu::run(devices, &command),
         Cmd::Mutants { filter } => {
             mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
@@ -206,7 +218,28 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
     if !status.success() {
         return Ok(exit_code(status));
     }
+    if !gpu {
+        let status = gpu_tests_on_the_emulated_device()?;
+        if !status.success() {
+            return Ok(exit_code(status));
+        }
+    }
     store_tests_on_postgres()
+}
+
+/// The GPU tests that run on the emulated device (`emulated_gpu.rs`): the CUDA backend's op
+/// tests, every kernel and GEMM against the f64 reference, built as the run above built them.
+fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
+    println!("xtask: the CUDA op tests on the emulated GPU");
+    let lib_dir = emulated_gpu::prepare()?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = emulated_gpu::command(&lib_dir, 1, &cargo)?;
+    cmd.current_dir(root()).args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "ops"]).args([
+        "--",
+        "--include-ignored",
+        "cuda_",
+    ]);
+    cmd.status().context("cannot start cargo test")
 }
 
 /// The server's tests again, on a throwaway PostgreSQL cluster (`postgres.rs`): every query

@@ -111,7 +111,9 @@ impl CudaUnavailable {
 /// [`DeviceElem::DEFINE`]) and compute capability `major`.`minor`: what every backend of
 /// this process on such a GPU loads, compiled once (each rank, each op test, asks again).
 pub fn compile_kernels(define: &str, major: i32, minor: i32) -> Result<Ptx, CudaUnavailable> {
-    static COMPILED: Mutex<Vec<((String, i32, i32), Ptx)>> = Mutex::new(Vec::new());
+    /// (format, major, minor): what a compile is for.
+    type Target = (String, i32, i32);
+    static COMPILED: Mutex<Vec<(Target, Ptx)>> = Mutex::new(Vec::new());
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaUnavailable::NoLibrary("NVRTC (libnvrtc.so)"));
     }

@@ -24,15 +24,32 @@ __device__ __forceinline__ elem store(float x) {
 }
 #elif defined(ELEM_F16)
 typedef unsigned short elem;
+// By the bits, in plain C (no PTX, so the emulated GPU compiles it too): the exponent
+// rebiased from 15 to 127; a subnormal is m x 2^-24, exact in a float.
 __device__ __forceinline__ float load(elem x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-    return f;
+    unsigned int sign = ((unsigned int)x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+    if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    if (e != 0u) return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+    float f = (float)m * 5.9604644775390625e-8f;
+    return sign ? -f : f;
 }
+// Round to nearest, ties to even (as the `half` crate and cvt.rn.f16.f32 do): from 65520 up
+// to infinity, below 2^-14 to a subnormal, below 2^-25 to zero; NaN stays a quiet NaN with
+// its top payload bits.
 __device__ __forceinline__ elem store(float x) {
-    elem h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
+    unsigned int u = __float_as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (elem)(sign | 0x7e00u | ((a & 0x7fffffu) >> 13));
+    if (a >= 0x477ff000u) return (elem)(sign | 0x7c00u);
+    if (a >= 0x38800000u) {
+        unsigned int r = a - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (elem)(sign | (r >> 13));
+    }
+    if (a < 0x33000000u) return (elem)sign;
+    unsigned int shift = 126u - (a >> 23), m = (a & 0x7fffffu) | 0x800000u;
+    unsigned int r = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (r & 1u))) r++;
+    return (elem)(sign | r);
 }
 #else
 #error "define ELEM_F32, ELEM_BF16 or ELEM_F16"
