@@ -13,6 +13,7 @@ type Status = c_uint;
 const SUCCESS: Status = 0;
 const NOT_INITIALIZED: Status = 1;
 const INVALID_VALUE: Status = 7;
+const EXECUTION_FAILED: Status = 13;
 const NOT_SUPPORTED: Status = 15;
 
 const OP_N: c_uint = 0;
@@ -208,6 +209,10 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
     if handle.is_null() {
         return NOT_INITIALIZED;
     }
+    if !crate::driver::context_bound() {
+        eprintln!("distlab emulated GPU: a cuBLAS product on a thread with no CUDA context bound");
+        return EXECUTION_FAILED;
+    }
     let gemm = match Gemm::new(
         (trans_a, trans_b),
         (m, n, k),
@@ -258,6 +263,10 @@ pub unsafe extern "C" fn cublasGemmBatchedEx(
 ) -> Status {
     if handle.is_null() {
         return NOT_INITIALIZED;
+    }
+    if !crate::driver::context_bound() {
+        eprintln!("distlab emulated GPU: a cuBLAS product on a thread with no CUDA context bound");
+        return EXECUTION_FAILED;
     }
     let gemm = match Gemm::new(
         (trans_a, trans_b),

@@ -56,6 +56,13 @@ fn current_device() -> c_int {
     device_of(CURRENT.with(Cell::get)).unwrap_or(0)
 }
 
+/// Whether the calling thread has a context bound. The driver's copies, allocations and
+/// launches (and cuBLAS's products) need one, as on a real GPU (`CUDA_ERROR_INVALID_CONTEXT`);
+/// a free does not (cudarc frees without binding).
+pub fn context_bound() -> bool {
+    !CURRENT.with(Cell::get).is_null()
+}
+
 fn valid_device(device: c_int) -> bool {
     (0..settings::devices()).contains(&device)
 }
@@ -175,6 +182,9 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, bytes: usize) -> CUresult {
+    if !context_bound() {
+        return INVALID_CONTEXT;
+    }
     match memory::alloc(bytes, current_device()) {
         Some(p) => put(ptr, p),
         None => OUT_OF_MEMORY,
@@ -202,6 +212,9 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, _stream: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD8_v2(ptr: u64, value: u8, n: usize) -> CUresult {
+    if !context_bound() {
+        return INVALID_CONTEXT;
+    }
     if n > 0 {
         std::ptr::write_bytes(ptr as *mut u8, value, n);
     }
@@ -215,6 +228,9 @@ pub unsafe extern "C" fn cuMemsetD8Async(ptr: u64, value: u8, n: usize, _stream:
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, bytes: usize) -> CUresult {
+    if !context_bound() {
+        return INVALID_CONTEXT;
+    }
     if bytes > 0 {
         std::ptr::copy(src as *const u8, dst as *mut u8, bytes);
     }
@@ -228,6 +244,9 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, byte
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, bytes: usize) -> CUresult {
+    if !context_bound() {
+        return INVALID_CONTEXT;
+    }
     if bytes > 0 {
         std::ptr::copy(src as *const u8, dst as *mut u8, bytes);
     }
@@ -241,6 +260,9 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, bytes:
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, bytes: usize) -> CUresult {
+    if !context_bound() {
+        return INVALID_CONTEXT;
+    }
     if bytes > 0 {
         std::ptr::copy(src as *const u8, dst as *mut u8, bytes);
     }
@@ -373,6 +395,9 @@ pub unsafe extern "C" fn cuLaunchKernel(
     params: *mut *mut c_void,
     _extra: *mut *mut c_void,
 ) -> CUresult {
+    if !context_bound() {
+        return INVALID_CONTEXT;
+    }
     if function.is_null() {
         return INVALID_HANDLE;
     }

@@ -53,11 +53,23 @@ extern "C" __global__ void scale(float* x, float by) {
 }
 "#;
 
+/// Binds device 0's context to the calling thread, as cudarc does before its calls.
+fn bind() {
+    unsafe {
+        let mut context = std::ptr::null_mut();
+        assert_eq!(cuDevicePrimaryCtxRetain(&mut context, 0), 0);
+        assert_eq!(cuCtxSetCurrent(context), 0);
+    }
+}
+
 /// The test kernels, compiled and loaded.
 struct Module(*mut c_void);
+// SAFETY: a module handle may be used from any thread, as CUDA's may.
+unsafe impl Sync for Module {}
 
 impl Module {
     fn load() -> Module {
+        bind();
         unsafe {
             let mut program = std::ptr::null_mut();
             let source = CString::new(KERNELS).unwrap();
@@ -168,6 +180,25 @@ fn a_warp_sums_by_shuffles_and_a_shuffle_some_lanes_never_reach_fails_the_launch
     assert_eq!(module.launch("warp_sum", 1, 32, &mut args), 0);
     assert_eq!(host(x, 32), vec![496.0; 32]);
     assert_eq!(module.launch("warp_sum_divergent", 1, 32, &mut args), 719, "CUDA_ERROR_LAUNCH_FAILED");
+}
+
+#[test]
+fn a_copy_or_a_launch_needs_a_context_bound_to_the_thread() {
+    let module = Module::load();
+    let x = device(&[1.0; 4]);
+    let mut out = [0.0f32; 4];
+    std::thread::scope(|s| {
+        s.spawn(|| unsafe {
+            // A new thread has no context (CUDA_ERROR_INVALID_CONTEXT), until it binds one.
+            assert_eq!(cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut c_void, x, 16), 201);
+            let (mut xd, mut by) = (x, 2.0f32);
+            let mut args = [&mut xd as *mut u64 as *mut c_void, &mut by as *mut f32 as *mut c_void];
+            assert_eq!(module.launch("scale", 1, 4, &mut args), 201);
+            bind();
+            assert_eq!(cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut c_void, x, 16), 0);
+        });
+    });
+    assert_eq!(out, [1.0; 4]);
 }
 
 /// In a child process (the fault ends it): a kernel writing one block past a buffer.

@@ -446,6 +446,35 @@ test_device!(
     gpt
 );
 
+/// A step runs on whichever thread of the pool takes it: the backend's own driver and cuBLAS
+/// calls (copies, reading back, products) bind its context first, so they work on a thread
+/// that has never touched CUDA (the emulated device, like a GPU, refuses them otherwise).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: cargo xtask test --gpu"]
+fn cuda_calls_work_from_a_thread_new_to_cuda() {
+    let be = cuda::<f32>();
+    let (k, n) = (8, 4);
+    let x: Vec<f32> = (0..k).map(|i| i as f32).collect();
+    let w: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 - 2.0).collect();
+    let (mut xd, mut wd, mut copy, mut out) = (be.alloc(k), be.alloc(k * n), be.alloc(k), be.alloc(n));
+    be.upload(&mut xd, &x);
+    be.upload(&mut wd, &w);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            be.copy(be.all_mut(&mut copy), be.all(&xd));
+            be.matmul_forward(be.all_mut(&mut out), be.all(&copy), be.all(&wd), None, None, k, n);
+        });
+    });
+    let copied = std::thread::scope(|s| s.spawn(|| be.read_host(be.all(&copy), |h| h.to_vec())).join().unwrap());
+    assert_eq!(copied, x);
+    let mut got = vec![0.0f32; n];
+    be.download(&out, &mut got);
+    // out[j] = sum_i x[i] W[i, j] (W is c_in x c_out); small integers, so exact in any order.
+    let want: Vec<f32> = (0..n).map(|j| (0..k).map(|i| x[i] * w[i * n + j]).sum()).collect();
+    assert_eq!(got, want);
+}
+
 /// The GPU's optimizer kernels against the CPU's (`optim.rs`), over three updates of a
 /// slice of the parameters (the rest must stay as they were): AdamW and SGD, fp32 and bf16
 /// (whose update goes to fp32 master weights and is rounded into the model).
