@@ -118,6 +118,27 @@ impl Gemm {
         })
     }
 
+    /// A product's arguments checked as cuBLAS does, its handle and the thread's context too.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn checked(
+        handle: *mut c_void,
+        trans: (c_uint, c_uint),
+        mnk: (c_int, c_int, c_int),
+        scalars: (*const c_void, *const c_void),
+        lds: (c_int, c_int, c_int),
+        types: (c_uint, c_uint, c_uint),
+        compute: c_uint,
+    ) -> Result<Gemm, Status> {
+        if handle.is_null() {
+            return Err(NOT_INITIALIZED);
+        }
+        if !crate::driver::context_bound() {
+            eprintln!("distlab emulated GPU: a cuBLAS product on a thread with no CUDA context bound");
+            return Err(EXECUTION_FAILED);
+        }
+        Gemm::new(trans, mnk, scalars, lds, types, compute)
+    }
+
     /// One matrix product of the batch.
     unsafe fn run(&self, a: *const c_void, b: *const c_void, c: *mut c_void) {
         let f = self.format;
@@ -206,14 +227,8 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
     compute: c_uint,
     _algo: c_int,
 ) -> Status {
-    if handle.is_null() {
-        return NOT_INITIALIZED;
-    }
-    if !crate::driver::context_bound() {
-        eprintln!("distlab emulated GPU: a cuBLAS product on a thread with no CUDA context bound");
-        return EXECUTION_FAILED;
-    }
-    let gemm = match Gemm::new(
+    let gemm = match Gemm::checked(
+        handle,
         (trans_a, trans_b),
         (m, n, k),
         (alpha, beta),
@@ -261,14 +276,8 @@ pub unsafe extern "C" fn cublasGemmBatchedEx(
     compute: c_uint,
     _algo: c_int,
 ) -> Status {
-    if handle.is_null() {
-        return NOT_INITIALIZED;
-    }
-    if !crate::driver::context_bound() {
-        eprintln!("distlab emulated GPU: a cuBLAS product on a thread with no CUDA context bound");
-        return EXECUTION_FAILED;
-    }
-    let gemm = match Gemm::new(
+    let gemm = match Gemm::checked(
+        handle,
         (trans_a, trans_b),
         (m, n, k),
         (alpha, beta),

@@ -226,15 +226,20 @@ pub unsafe extern "C" fn cuMemsetD8Async(ptr: u64, value: u8, n: usize, _stream:
     cuMemsetD8_v2(ptr, value, n)
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, bytes: usize) -> CUresult {
+/// Every copy, whichever way: device memory is host memory here.
+unsafe fn copy_bytes(dst: *mut u8, src: *const u8, bytes: usize) -> CUresult {
     if !context_bound() {
         return INVALID_CONTEXT;
     }
     if bytes > 0 {
-        std::ptr::copy(src as *const u8, dst as *mut u8, bytes);
+        std::ptr::copy(src, dst, bytes);
     }
     SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, bytes: usize) -> CUresult {
+    copy_bytes(dst as *mut u8, src as *const u8, bytes)
 }
 
 #[no_mangle]
@@ -244,13 +249,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, byte
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, bytes: usize) -> CUresult {
-    if !context_bound() {
-        return INVALID_CONTEXT;
-    }
-    if bytes > 0 {
-        std::ptr::copy(src as *const u8, dst as *mut u8, bytes);
-    }
-    SUCCESS
+    copy_bytes(dst as *mut u8, src as *const u8, bytes)
 }
 
 #[no_mangle]
@@ -260,13 +259,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, bytes:
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, bytes: usize) -> CUresult {
-    if !context_bound() {
-        return INVALID_CONTEXT;
-    }
-    if bytes > 0 {
-        std::ptr::copy(src as *const u8, dst as *mut u8, bytes);
-    }
-    SUCCESS
+    copy_bytes(dst as *mut u8, src as *const u8, bytes)
 }
 
 #[no_mangle]

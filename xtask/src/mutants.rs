@@ -333,6 +333,33 @@ pub const MUTANTS: &[Mutant] = &[
     },
 ];
 
+/// Mistakes in the CUDA kernels, whose guarding tests run on the emulated GPU (the CUDA op
+/// tests, `cargo xtask emulated-gpu`): a dropped barrier, an index off by one (caught by the
+/// guard page after the buffer), a wrong transpose flag.
+pub const KERNEL_MUTANTS: &[Mutant] = &[
+    Mutant {
+        name: "a block sum reads the warps' partial sums before every warp has written its own (a dropped barrier)",
+        file: "gpu-worker/src/backend/cuda_prelude.cu",
+        find: "    if (lane == 0) shared[warp] = x;\n    __syncthreads();\n    float total = 0.0f;",
+        replace: "    if (lane == 0) shared[warp] = x;\n    float total = 0.0f;",
+        tests: &["--include-ignored", "crossentropy::cuda_fp32"],
+    },
+    Mutant {
+        name: "add_bias's last thread writes one element past the output (an index off by one)",
+        file: "gpu-worker/src/ops/linear.cu",
+        find: "if (i >= (long long)rows * c) return;",
+        replace: "if (i > (long long)rows * c) return;",
+        tests: &["--include-ignored", "matmul::cuda_fp32"],
+    },
+    Mutant {
+        name: "a linear layer's forward product reads its weight transposed (a wrong transpose flag)",
+        file: "gpu-worker/src/backend/cuda.rs",
+        find: "        self.gemm(\n            (false, false),\n            (c_out, rows, c_in),",
+        replace: "        self.gemm(\n            (true, false),\n            (c_out, rows, c_in),",
+        tests: &["--include-ignored", "matmul::cuda_fp32"],
+    },
+];
+
 /// Restores a mutated file when dropped (the mutant's test may panic or be interrupted).
 struct Restore<'a> {
     path: &'a Path,
@@ -367,7 +394,17 @@ pub fn mutate(text: &str, m: &Mutant) -> Result<String> {
     }
 }
 
-fn run_one(m: &Mutant) -> Result<Outcome> {
+/// Where a mutant's guarding tests run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Engine {
+    /// `cargo test ARGS`.
+    Cpu,
+    /// The CUDA op tests on the emulated GPU: `cargo test -p distlab-worker --features cuda
+    /// --test ops -- ARGS`.
+    EmulatedGpu,
+}
+
+fn run_one(m: &Mutant, engine: Engine) -> Result<Outcome> {
     let path = root().join(m.file);
     let original = std::fs::read_to_string(&path).with_context(|| format!("read {}", m.file))?;
     let mutated = mutate(&original, m)?;
@@ -377,7 +414,7 @@ fn run_one(m: &Mutant) -> Result<Outcome> {
     if !build_worker()? {
         bail!("mutant \"{}\" does not compile: fix the mutant", m.name);
     }
-    Ok(if run_tests(m.tests)? { Outcome::Missed } else { Outcome::Caught })
+    Ok(if run_tests(m.tests, engine)? { Outcome::Missed } else { Outcome::Caught })
 }
 
 /// Builds the worker (library and the binary the end-to-end tests start).
@@ -385,14 +422,29 @@ fn build_worker() -> Result<bool> {
     Ok(cargo().args(["build", "-p", "distlab-worker"]).status().context("cannot start cargo build")?.success())
 }
 
-/// Whether `cargo test ARGS` passes.
-fn run_tests(args: &[&str]) -> Result<bool> {
-    Ok(cargo().arg("test").args(args).status().context("cannot start cargo test")?.success())
+/// Whether the tests `args` select pass on `engine`.
+fn run_tests(args: &[&str], engine: Engine) -> Result<bool> {
+    let mut cmd = match engine {
+        Engine::Cpu => {
+            let mut cmd = cargo();
+            cmd.arg("test");
+            cmd
+        }
+        Engine::EmulatedGpu => {
+            let lib_dir = crate::emulated_gpu::prepare()?;
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = crate::emulated_gpu::command(&lib_dir, 1, &cargo)?;
+            cmd.current_dir(root()).args(["test", "-p", "distlab-worker", "--features", "cuda", "--test", "ops", "--"]);
+            cmd
+        }
+    };
+    Ok(cmd.args(args).status().context("cannot start cargo test")?.success())
 }
 
 /// Runs every mutant whose name contains `filter` (all when None) and prints caught/missed.
 pub fn run(filter: Option<&str>) -> Result<bool> {
-    let chosen: Vec<&Mutant> = MUTANTS.iter().filter(|m| filter.is_none_or(|f| m.name.contains(f))).collect();
+    let all = MUTANTS.iter().map(|m| (m, Engine::Cpu)).chain(KERNEL_MUTANTS.iter().map(|m| (m, Engine::EmulatedGpu)));
+    let chosen: Vec<(&Mutant, Engine)> = all.filter(|(m, _)| filter.is_none_or(|f| m.name.contains(f))).collect();
     if chosen.is_empty() {
         bail!("no mutant's name contains {filter:?}");
     }
@@ -400,18 +452,18 @@ pub fn run(filter: Option<&str>) -> Result<bool> {
     if !build_worker()? {
         bail!("the worker does not build");
     }
-    let mut guards: Vec<&[&str]> = chosen.iter().map(|m| m.tests).collect();
+    let mut guards: Vec<(&[&str], Engine)> = chosen.iter().map(|(m, e)| (m.tests, *e)).collect();
     guards.dedup();
-    for args in guards {
-        if !run_tests(args)? {
+    for (args, engine) in guards {
+        if !run_tests(args, engine)? {
             bail!("`cargo test {}` fails without any mutant: fix that first", args.join(" "));
         }
     }
     let mut results = Vec::new();
-    for m in &chosen {
+    for (m, engine) in &chosen {
         let start = Instant::now();
         eprintln!("xtask: mutant: {}", m.name);
-        let outcome = run_one(m)?;
+        let outcome = run_one(m, *engine)?;
         eprintln!("xtask: mutant: {} -> {outcome:?} ({:.0} s)", m.name, start.elapsed().as_secs_f64());
         results.push((m.name, outcome));
     }
@@ -437,7 +489,7 @@ mod tests {
     /// nothing after the engine changes.
     #[test]
     fn every_mutant_applies_to_the_code_as_it_is() {
-        for m in MUTANTS {
+        for m in MUTANTS.iter().chain(KERNEL_MUTANTS) {
             let text = std::fs::read_to_string(root().join(m.file)).expect(m.file);
             let mutated = mutate(&text, m).unwrap_or_else(|e| panic!("{e}"));
             assert_ne!(mutated, text, "{}", m.name);
