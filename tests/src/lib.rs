@@ -311,6 +311,12 @@ pub fn kill_and_resume(lab: &mut Lab, spec: &ExperimentSpec, hang_after: u64) ->
     let marker = format!("kill-and-resume-{}-{}", std::process::id(), spec.name);
     let fault = format!("0:{hang_after}:hang");
     let first = lab.spawn_worker_with_env("first", &[("DISTLAB_FAULT", &fault), ("DISTLAB_TEST_MARKER", &marker)]);
+    // A cuda experiment is refused until a worker offering cuda has registered.
+    let registered = Instant::now() + Duration::from_secs(60);
+    while lab.get_as::<distlab_common::Health>("/api/health").workers == 0 {
+        assert!(Instant::now() < registered, "the worker did not register within a minute");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let id = lab.submit(spec);
     lab.wait_for(id, Duration::from_secs(120), |e| e.steps_done >= hang_after);
     lab.kill_worker(first);

@@ -1,6 +1,9 @@
 //! The cuda backend runs the same engine as the CPU: every strategy, mesh and precision on
 //! the GPU follows the CPU backend step by step, its memory ledger is the planner's, and a
-//! killed cuda run resumes bit-identically. They need a GPU: `cargo xtask test --gpu` runs
+//! killed cuda run resumes bit-identically. They need a GPU, real or emulated: `cargo xtask
+//! test --gpu` runs them on a real one, `cargo xtask emulated-gpu --devices 8 -- cargo test -p
+//! distlab-tests --features distlab-worker/cuda --test cuda -- --include-ignored` on the
+//! emulated one (the model is tiny for its sake); `cargo xtask test --gpu` runs
 //! them (on a machine with one GPU, the ranks of a multi-rank run share it and their
 //! collectives go over the ring, staged through the host); `cargo xtask test` reports them
 //! as ignored.
@@ -9,9 +12,10 @@ use distlab_common::planner::plan;
 use distlab_common::*;
 use distlab_tests::*;
 
-/// 20 steps of the default small model.
+/// 8 steps of a tiny model (2 blocks, d_model 64): small enough for the emulated GPU.
 fn spec(name: &str) -> ExperimentSpec {
-    let mut spec = quick_spec(name, 20);
+    let mut spec = quick_spec(name, 8);
+    spec.model = ModelSpec::dense(2, 64, 4, 32, 256);
     spec.train.micro_batch = 2;
     spec.train.micro_batches = 2;
     spec
@@ -109,15 +113,15 @@ fn a_cuda_rank_books_what_the_planner_predicts() {
     }
 }
 
-/// A cuda run whose worker is killed after step 14 resumes from the checkpoint of step 10
+/// A cuda run whose worker is killed after step 7 resumes from the checkpoint of step 5
 /// with the losses of a run never interrupted, bit for bit (fp32, FSDP on 2 ranks).
 #[test]
 #[ignore = "needs a GPU: cargo xtask test --gpu"]
 fn a_killed_cuda_run_resumes_bit_identically() {
     let mut s = on_cuda(&spec("resume-cuda"));
-    s.train.steps = 30;
+    s.train.steps = 12;
     (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Fsdp);
-    s.train.checkpoint_every = 10;
+    s.train.checkpoint_every = 5;
     let straight = run_losses(&s);
     let mut lab = Lab::start_with(LabOptions {
         local_workers: 0,
@@ -125,7 +129,7 @@ fn a_killed_cuda_run_resumes_bit_identically() {
         heartbeat_seconds: 0.5,
         ..LabOptions::default()
     });
-    let (id, exp) = kill_and_resume(&mut lab, &s, 14);
+    let (id, exp) = kill_and_resume(&mut lab, &s, 7);
     assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
     let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
     let resumed: Vec<f64> = metrics.steps.iter().map(|m| m.loss).collect();
