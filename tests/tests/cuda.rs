@@ -1,12 +1,11 @@
 //! The cuda backend runs the same engine as the CPU: every strategy, mesh and precision on
 //! the GPU follows the CPU backend step by step, its memory ledger is the planner's, and a
 //! killed cuda run resumes bit-identically. They need a GPU, real or emulated: `cargo xtask
-//! test --gpu` runs them on a real one, `cargo xtask emulated-gpu --devices 8 -- cargo test -p
-//! distlab-tests --features distlab-worker/cuda --test cuda -- --include-ignored` on the
-//! emulated one (the model is tiny for its sake); `cargo xtask test --gpu` runs
-//! them (on a machine with one GPU, the ranks of a multi-rank run share it and their
-//! collectives go over the ring, staged through the host); `cargo xtask test` reports them
-//! as ignored.
+//! test --gpu` runs them on a real one (on a machine with one GPU, the ranks of a multi-rank
+//! run share it and their collectives go over the ring, staged through the host); `cargo
+//! xtask emulated-gpu --devices 8 -- cargo test -p distlab-tests --features
+//! distlab-worker/cuda --test cuda -- --include-ignored` on the emulated one (the model is
+//! tiny for its sake); `cargo xtask test` reports them as ignored.
 
 use distlab_common::planner::plan;
 use distlab_common::*;
