@@ -18,10 +18,17 @@ struct Region {
     device: i32,
 }
 
-static REGIONS: Mutex<Option<HashMap<u64, Region>>> = Mutex::new(None);
+/// Every live allocation by its pointer, and the bytes allocated on each device.
+#[derive(Default)]
+struct Allocations {
+    regions: HashMap<u64, Region>,
+    used: [usize; 8],
+}
 
-fn regions() -> std::sync::MutexGuard<'static, Option<HashMap<u64, Region>>> {
-    REGIONS.lock().unwrap_or_else(|e| e.into_inner())
+static ALLOCATIONS: Mutex<Option<Allocations>> = Mutex::new(None);
+
+fn with<R>(f: impl FnOnce(&mut Allocations) -> R) -> R {
+    f(ALLOCATIONS.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Allocations::default))
 }
 
 /// `bytes` of zeroed device memory of `device`, or None when the device has not that much
@@ -51,13 +58,22 @@ pub fn alloc(bytes: usize, device: i32) -> Option<u64> {
     };
     let end = mapping + PAGE + data_pages * PAGE;
     let ptr = (end - bytes) / ALIGN * ALIGN;
-    regions().get_or_insert_with(HashMap::new).insert(ptr as u64, Region { mapping, mapped, bytes, device });
+    with(|a| {
+        a.used[device as usize] += bytes;
+        a.regions.insert(ptr as u64, Region { mapping, mapped, bytes, device });
+    });
     Some(ptr as u64)
 }
 
 /// Frees an allocation; false when `ptr` is not one.
 pub fn free(ptr: u64) -> bool {
-    let Some(region) = regions().get_or_insert_with(HashMap::new).remove(&ptr) else { return false };
+    let Some(region) = with(|a| {
+        let region = a.regions.remove(&ptr)?;
+        a.used[region.device as usize] -= region.bytes;
+        Some(region)
+    }) else {
+        return false;
+    };
     // SAFETY: the mapping `alloc` made for this pointer, unmapped once.
     unsafe { libc::munmap(region.mapping as *mut libc::c_void, region.mapped) };
     true
@@ -65,14 +81,14 @@ pub fn free(ptr: u64) -> bool {
 
 /// Bytes allocated on `device` now.
 pub fn used(device: i32) -> usize {
-    regions().get_or_insert_with(HashMap::new).values().filter(|r| r.device == device).map(|r| r.bytes).sum()
+    with(|a| a.used[device as usize])
 }
 
 /// The allocation `address` falls in or next to (within a page), as (start, bytes): what a
 /// fault report says of the address.
 pub fn near(address: u64) -> Option<(u64, usize)> {
-    let guard = REGIONS.try_lock().ok()?;
-    guard.as_ref()?.iter().find_map(|(&start, r)| {
+    let guard = ALLOCATIONS.try_lock().ok()?;
+    guard.as_ref()?.regions.iter().find_map(|(&start, r)| {
         let lo = (r.mapping + PAGE) as u64;
         let hi = (r.mapping + r.mapped) as u64;
         (address + PAGE as u64 >= lo && address < hi).then_some((start, r.bytes))

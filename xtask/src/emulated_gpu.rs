@@ -39,6 +39,15 @@ pub fn command(lib_dir: &std::path::Path, devices: usize, program: &str) -> Resu
     Ok(cmd)
 }
 
+/// `cargo` in the repository root against `devices` emulated devices (the stand-in built).
+pub fn cargo(devices: usize) -> Result<Command> {
+    let lib_dir = prepare()?;
+    let program = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = command(&lib_dir, devices, &program)?;
+    cmd.current_dir(crate::root());
+    Ok(cmd)
+}
+
 pub fn run(devices: usize, args: &[String]) -> Result<ExitCode> {
     let Some((program, rest)) = args.split_first() else {
         bail!("usage: cargo xtask emulated-gpu [--devices N] -- COMMAND [ARGS...]");

@@ -231,10 +231,8 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
 /// tests, every kernel and GEMM against the f64 reference, built as the run above built them.
 fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
     println!("xtask: the CUDA op tests on the emulated GPU");
-    let lib_dir = emulated_gpu::prepare()?;
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = emulated_gpu::command(&lib_dir, 1, &cargo)?;
-    cmd.current_dir(root()).args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "ops"]).args([
+    let mut cmd = emulated_gpu::cargo(1)?;
+    cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "ops"]).args([
         "--",
         "--include-ignored",
         "cuda_",

@@ -431,10 +431,8 @@ fn run_tests(args: &[&str], engine: Engine) -> Result<bool> {
             cmd
         }
         Engine::EmulatedGpu => {
-            let lib_dir = crate::emulated_gpu::prepare()?;
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut cmd = crate::emulated_gpu::command(&lib_dir, 1, &cargo)?;
-            cmd.current_dir(root()).args(["test", "-p", "distlab-worker", "--features", "cuda", "--test", "ops", "--"]);
+            let mut cmd = crate::emulated_gpu::cargo(1)?;
+            cmd.args(["test", "-p", "distlab-worker", "--features", "cuda", "--test", "ops", "--"]);
             cmd
         }
     };

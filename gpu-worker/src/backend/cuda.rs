@@ -114,13 +114,13 @@ pub fn compile_kernels(define: &str, major: i32, minor: i32) -> Result<Ptx, Cuda
     /// (format, major, minor): what a compile is for.
     type Target = (String, i32, i32);
     static COMPILED: Mutex<Vec<(Target, Ptx)>> = Mutex::new(Vec::new());
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(CudaUnavailable::NoLibrary("NVRTC (libnvrtc.so)"));
-    }
     let key = (define.to_string(), major, minor);
     let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, ptx)) = compiled.iter().find(|(k, _)| *k == key) {
         return Ok(ptx.clone());
+    }
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaUnavailable::NoLibrary("NVRTC (libnvrtc.so)"));
     }
     let options = CompileOptions {
         // No contraction of a * b + c into one rounding: the CPU's kernels round each step.
