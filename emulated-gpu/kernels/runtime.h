@@ -251,6 +251,34 @@ inline bool run_block(int order, uint64_t* seed) {
     }
 }
 
+constexpr size_t PAGE = 4096, STACK_SPAN = STACK_BYTES + PAGE;
+
+// The fibers' stacks of the launches on this host thread, each with a page that faults
+// below it (a stack overflow stops there): made for the largest block so far and kept, as
+// mapping them anew for every launch cost more than the kernels.
+struct Stacks {
+    char* base = nullptr;
+    unsigned count = 0;
+    ~Stacks() {
+        if (base) munmap(base, STACK_SPAN * count);
+    }
+};
+inline thread_local Stacks stacks_here;
+
+// Stacks for `count` fibers; null when there is no memory for them.
+inline char* stacks_for(unsigned count) {
+    if (stacks_here.count >= count) return stacks_here.base;
+    if (stacks_here.base) munmap(stacks_here.base, STACK_SPAN * stacks_here.count);
+    stacks_here = Stacks{};
+    void* p = mmap(nullptr, STACK_SPAN * count, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    char* base = static_cast<char*>(p);
+    for (unsigned i = 0; i < count; i++) mprotect(base + i * STACK_SPAN, PAGE, PROT_NONE);
+    stacks_here.base = base;
+    stacks_here.count = count;
+    return base;
+}
+
 // Runs `body` (a kernel's entry) on every thread of every block of `grid` x `block`, block
 // after block; 0 on success, else the failure in `error`.
 inline int run(const char* kernel, void (*body)(void**), void** params, dim3 grid, dim3 block, int order,
@@ -272,15 +300,15 @@ inline int run(const char* kernel, void (*body)(void**), void** params, dim3 gri
         snprintf(error, error_len, "kernel %s: %u threads per block, more than 1024", kernel, l.count);
         return 1;
     }
-    // Each fiber's stack, with a page that faults below it (a stack overflow stops there).
-    size_t page = 4096, span = STACK_BYTES + page;
-    char* stacks = static_cast<char*>(
-        mmap(nullptr, span * l.count, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
-    if (stacks == MAP_FAILED) {
+    if (launch) {  // (kernels launch no kernels here: the fibers' stacks are the thread's)
+        snprintf(error, error_len, "kernel %s: launched from inside another kernel", kernel);
+        return 1;
+    }
+    char* stacks = stacks_for(l.count);
+    if (!stacks) {
         snprintf(error, error_len, "kernel %s: no memory for %u thread stacks", kernel, l.count);
         return 1;
     }
-    for (unsigned i = 0; i < l.count; i++) mprotect(stacks + i * span, page, PROT_NONE);
     Thread* threads = new Thread[l.count];
     l.threads = threads;
     Launch* outer = launch;
@@ -294,13 +322,12 @@ inline int run(const char* kernel, void (*body)(void**), void** params, dim3 gri
                     Thread& t = threads[i];
                     t.state = State::Runnable;
                     t.index = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
-                    start_thread(t, stacks + i * span + page, STACK_BYTES, &l.scheduler);
+                    start_thread(t, stacks + i * STACK_SPAN + PAGE, STACK_BYTES, &l.scheduler);
                 }
                 ok = run_block(order, &seed);
             }
     launch = outer;
     delete[] threads;
-    munmap(stacks, span * l.count);
     return ok ? 0 : 1;
 }
 

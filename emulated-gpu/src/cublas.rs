@@ -139,17 +139,34 @@ impl Gemm {
         Gemm::new(trans, mnk, scalars, lds, types, compute)
     }
 
-    /// One matrix product of the batch.
+    /// One matrix product of the batch. op(A) is first read into rows of f32 (row i holds
+    /// op(A)[i, 0..k]) and op(B) into rows over j (row p holds op(B)[p, 0..n]); then each
+    /// row of C is summed p = 0, 1, ..., k-1 across all its columns at once, which keeps
+    /// every element's order of summation and lets the compiler use vector lanes across j.
     unsafe fn run(&self, a: *const c_void, b: *const c_void, c: *mut c_void) {
-        let f = self.format;
-        for j in 0..self.n {
-            for i in 0..self.m {
-                let mut acc = 0.0f32;
-                for p in 0..self.k {
-                    let x = if self.trans_a { f.load(a, p + i * self.lda) } else { f.load(a, i + p * self.lda) };
-                    let y = if self.trans_b { f.load(b, j + p * self.ldb) } else { f.load(b, p + j * self.ldb) };
-                    acc += x * y;
+        let (f, m, n, k) = (self.format, self.m, self.n, self.k);
+        let op_a: Vec<f32> = (0..m * k)
+            .map(|at| {
+                let (i, p) = (at / k, at % k);
+                if self.trans_a { f.load(a, p + i * self.lda) } else { f.load(a, i + p * self.lda) }
+            })
+            .collect();
+        let op_b: Vec<f32> = (0..k * n)
+            .map(|at| {
+                let (p, j) = (at / n, at % n);
+                if self.trans_b { f.load(b, j + p * self.ldb) } else { f.load(b, p + j * self.ldb) }
+            })
+            .collect();
+        let mut row = vec![0.0f32; n];
+        for i in 0..m {
+            row.fill(0.0);
+            for p in 0..k {
+                let x = op_a[i * k + p];
+                for (acc, &y) in row.iter_mut().zip(&op_b[p * n..(p + 1) * n]) {
+                    *acc += x * y;
                 }
+            }
+            for (j, &acc) in row.iter().enumerate() {
                 let at = i + j * self.ldc;
                 let value =
                     if self.beta == 0.0 { self.alpha * acc } else { self.alpha * acc + self.beta * f.load(c, at) };

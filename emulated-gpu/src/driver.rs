@@ -11,6 +11,7 @@ pub type CUresult = c_uint;
 pub const SUCCESS: CUresult = 0;
 const INVALID_VALUE: CUresult = 1;
 const OUT_OF_MEMORY: CUresult = 2;
+const NO_DEVICE: CUresult = 100;
 const INVALID_DEVICE: CUresult = 101;
 const INVALID_IMAGE: CUresult = 200;
 const INVALID_CONTEXT: CUresult = 201;
@@ -52,7 +53,7 @@ fn device_of(context: *mut c_void) -> Option<c_int> {
 }
 
 /// The device of the calling thread's current context (0 when none is bound).
-fn current_device() -> c_int {
+pub(crate) fn current_device() -> c_int {
     device_of(CURRENT.with(Cell::get)).unwrap_or(0)
 }
 
@@ -78,6 +79,9 @@ unsafe fn put<T>(out: *mut T, value: T) -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
+    if settings::devices() == 0 {
+        return NO_DEVICE;
+    }
     SUCCESS
 }
 

@@ -1,10 +1,12 @@
 //! An emulated CUDA device on the CPU: stand-ins for the CUDA driver (`driver.rs`), NVRTC
-//! (`nvrtc.rs`) and cuBLAS (`cublas.rs`), exported with their C names from one shared
-//! library. `cargo xtask emulated-gpu -- COMMAND` links it as `libcuda.so`, `libnvrtc.so`
-//! and `libcublas.so` in a folder it puts first on `LD_LIBRARY_PATH`: cudarc, which loads
-//! those libraries by name at run time, finds these, and the CUDA backend runs unchanged
-//! (it cannot tell). The dynamic loader loads one file once, whatever name it is asked
-//! for, so the three share this library's state.
+//! (`nvrtc.rs`), cuBLAS (`cublas.rs`) and NCCL (`nccl.rs`), exported with their C names
+//! from one shared library. `cargo xtask emulated-gpu -- COMMAND` links it as `libcuda.so`,
+//! `libnvrtc.so`, `libcublas.so` and `libnccl.so` in a folder it puts first on
+//! `LD_LIBRARY_PATH`: cudarc, which loads those libraries by name at run time, finds these,
+//! and the CUDA backend and NCCL communicator run unchanged (they cannot tell). The dynamic
+//! loader loads one file once, whatever name it is asked for, so the four share this
+//! library's state. NCCL's ranks are processes (one per rank, as the worker runs them);
+//! they meet in shared memory (`shared_group.rs`).
 //!
 //! What it is: device memory is host memory between guard pages (`memory.rs`), so a kernel
 //! that reads or writes out of bounds faults, and the fault is reported naming the kernel,
@@ -26,18 +28,33 @@ pub mod cublas;
 pub mod driver;
 pub mod fault;
 pub mod memory;
+pub mod nccl;
 pub mod nvrtc;
+mod shared_group;
 
 /// Settings, read from the environment once.
 pub mod settings {
     use std::sync::OnceLock;
 
-    /// Emulated devices (`DISTLAB_EMULATED_GPU_DEVICES`, 1 to 8; 1 when unset).
+    /// Devices this process sees: the machine's (`DISTLAB_EMULATED_GPU_DEVICES`, 1 to 8; 1
+    /// when unset), or as a real driver does with `CUDA_VISIBLE_DEVICES`, as many of them
+    /// as that list names before its first entry that is not one (so "0" is one device).
     pub fn devices() -> i32 {
         static N: OnceLock<i32> = OnceLock::new();
         *N.get_or_init(|| {
-            std::env::var("DISTLAB_EMULATED_GPU_DEVICES").ok().and_then(|v| v.parse().ok()).unwrap_or(1).clamp(1, 8)
+            let machine: i32 =
+                std::env::var("DISTLAB_EMULATED_GPU_DEVICES").ok().and_then(|v| v.parse().ok()).unwrap_or(1).clamp(1, 8);
+            match std::env::var("CUDA_VISIBLE_DEVICES") {
+                Ok(list) => visible(&list, machine),
+                Err(_) => machine,
+            }
         })
+    }
+
+    /// How many devices `CUDA_VISIBLE_DEVICES=list` leaves of a machine's `machine`.
+    pub fn visible(list: &str, machine: i32) -> i32 {
+        list.split(',').map_while(|entry| entry.trim().parse::<i32>().ok().filter(|d| (0..machine).contains(d))).count()
+            as i32
     }
 
     /// Bytes of memory each device has (`DISTLAB_EMULATED_GPU_MEMORY_MB`; 16 GiB when unset).

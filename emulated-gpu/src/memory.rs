@@ -84,6 +84,15 @@ pub fn used(device: i32) -> usize {
     with(|a| a.used[device as usize])
 }
 
+/// The device whose allocation holds all of `ptr..ptr + bytes`, if one does.
+pub fn owner(ptr: u64, bytes: usize) -> Option<i32> {
+    with(|a| {
+        a.regions.iter().find_map(|(&start, r)| {
+            (ptr >= start && ptr + bytes as u64 <= start + r.bytes as u64).then_some(r.device)
+        })
+    })
+}
+
 /// The allocation `address` falls in or next to (within a page), as (start, bytes): what a
 /// fault report says of the address.
 pub fn near(address: u64) -> Option<(u64, usize)> {

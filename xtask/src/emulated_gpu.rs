@@ -1,7 +1,7 @@
 //! `cargo xtask emulated-gpu [--devices N] -- COMMAND ...`: runs a command against the
 //! emulated CUDA device (`emulated-gpu/`): the stand-in library is built, linked as
-//! libcuda.so, libnvrtc.so and libcublas.so into target/emulated-gpu/lib, and that folder
-//! goes first on the command's `LD_LIBRARY_PATH`, where cudarc looks for them.
+//! libcuda.so, libnvrtc.so, libcublas.so and libnccl.so into target/emulated-gpu/lib, and
+//! that folder goes first on the command's `LD_LIBRARY_PATH`, where cudarc looks for them.
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -9,7 +9,7 @@ use std::process::{Command, ExitCode};
 use anyhow::{bail, Context, Result};
 
 /// The names cudarc loads the libraries by, each a link to the stand-in.
-const NAMES: [&str; 3] = ["libcuda.so", "libnvrtc.so", "libcublas.so"];
+const NAMES: [&str; 4] = ["libcuda.so", "libnvrtc.so", "libcublas.so", "libnccl.so"];
 
 /// Builds the stand-in and links it under the libraries' names: the folder to put first on
 /// `LD_LIBRARY_PATH`.
