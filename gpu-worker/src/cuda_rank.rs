@@ -68,12 +68,21 @@ fn train_as<S: DeviceElem>(
     if needed > free / 10 * 9 {
         return Err(TrainError::OutOfMemory { needed_mib: needed >> 20, available_mib: free >> 20 });
     }
-    log(on_event, format!("device: {} (CUDA backend: cuBLAS GEMMs, NVRTC kernels)", backend.device()));
+    log(on_event, format!("device: {} of {gpus} (CUDA backend: cuBLAS GEMMs, NVRTC kernels)", backend.device()));
     if let Some(dp) = groups.dp.as_mut() {
         let via = match nccl_group(dp.scalars.as_mut(), dp.rank, dp.world, ordinal, own_gpus, "dp")? {
             Ok(nccl) => swap_in(&mut dp.grads, nccl),
             Err(why) => why,
         };
+        // The group's other communicator gets NCCL too: ZeRO-2 and FSDP reduce-scatter and
+        // gather on it (their first one is left to FSDP's prefetch), and every strategy
+        // sums its scalars there. (Its ring carries the votes and the id, then NCCL takes
+        // its place.)
+        if dp.grads.nccl().is_some() {
+            if let Ok(nccl) = nccl_group(dp.scalars.as_mut(), dp.rank, dp.world, ordinal, own_gpus, "dp")? {
+                swap_in(&mut dp.scalars, nccl);
+            }
+        }
         log(on_event, format!("data parallel: {} ranks on {gpus} GPU(s); gradients travel over {via}", dp.world));
     }
     if let Some(tp) = groups.tp.as_mut() {

@@ -451,6 +451,23 @@ fn run_worker_with_args(
     checkpoint_dir: Option<&Path>,
     extra: &[&str],
 ) -> String {
+    run_worker_with_env(spec, out_dir, checkpoint_dir, extra, &[]).0
+}
+
+/// [`run_steps`] with `env` set for the worker and its rank processes: the metric points,
+/// and what the run logged (its standard error).
+pub fn run_steps_with_env(spec: &ExperimentSpec, env: &[(&str, &str)]) -> (Vec<MetricPoint>, String) {
+    let (stdout, log) = run_worker_with_env(spec, None, None, &[], env);
+    (parse_run_output_from(&stdout, 0, spec.train.steps), log)
+}
+
+fn run_worker_with_env(
+    spec: &ExperimentSpec,
+    out_dir: Option<&Path>,
+    checkpoint_dir: Option<&Path>,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (String, String) {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("spec.json");
     std::fs::write(&path, serde_json::to_string(spec).expect("spec JSON")).expect("write spec");
@@ -462,10 +479,10 @@ fn run_worker_with_args(
     if let Some(dir) = checkpoint_dir {
         cmd.arg("--checkpoint-dir").arg(dir);
     }
-    cmd.args(extra);
+    cmd.args(extra).envs(env.iter().copied());
     let out = cmd.output().expect("run distlab-worker");
     assert!(out.status.success(), "distlab-worker run failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// Runs `distlab-worker run --checkpoint-dir DIR`: the spec's checkpoints are saved in DIR

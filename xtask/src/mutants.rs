@@ -360,6 +360,16 @@ pub const KERNEL_MUTANTS: &[Mutant] = &[
     },
 ];
 
+/// Mistakes in the NCCL path, whose guarding tests are the cuda training tests on 8
+/// emulated GPUs (a GPU per rank, so the groups run over the emulated NCCL).
+pub const NCCL_MUTANTS: &[Mutant] = &[Mutant {
+    name: "NCCL's uneven in-place reduce-scatter leaves its result in the padded buffer (a copy back dropped)",
+    file: "gpu-worker/src/comm/nccl.rs",
+    find: "                    self.device_copy(kind, element(mine.start), self.base(true), mine.len())?;\n",
+    replace: "",
+    tests: &["--include-ignored", "every_strategy_on_cuda_follows_the_cpu_in_fp32"],
+}];
+
 /// Restores a mutated file when dropped (the mutant's test may panic or be interrupted).
 struct Restore<'a> {
     path: &'a Path,
@@ -402,6 +412,9 @@ enum Engine {
     /// The CUDA op tests on the emulated GPU: `cargo test -p distlab-worker --features cuda
     /// --test ops -- ARGS`.
     EmulatedGpu,
+    /// The cuda training tests on 8 emulated GPUs: `cargo test --workspace --features
+    /// distlab-worker/cuda --test cuda -- ARGS` (the worker binary they start built with cuda).
+    EmulatedGpus,
 }
 
 fn run_one(m: &Mutant, engine: Engine) -> Result<Outcome> {
@@ -411,15 +424,22 @@ fn run_one(m: &Mutant, engine: Engine) -> Result<Outcome> {
     let _restore = Restore { path: &path, original };
     std::fs::write(&path, mutated).with_context(|| format!("write {}", m.file))?;
     // The mutant must build: a mutant that does not compile tests nothing.
-    if !build_worker()? {
+    if !build_worker(engine)? {
         bail!("mutant \"{}\" does not compile: fix the mutant", m.name);
     }
     Ok(if run_tests(m.tests, engine)? { Outcome::Missed } else { Outcome::Caught })
 }
 
-/// Builds the worker (library and the binary the end-to-end tests start).
-fn build_worker() -> Result<bool> {
-    Ok(cargo().args(["build", "-p", "distlab-worker"]).status().context("cannot start cargo build")?.success())
+/// Builds the worker (library and the binary the end-to-end tests start); for the cuda
+/// training tests with the `cuda` feature and the features the test run builds with (a
+/// test target alone does not build the binaries it starts).
+fn build_worker(engine: Engine) -> Result<bool> {
+    let mut cmd = cargo();
+    match engine {
+        Engine::Cpu | Engine::EmulatedGpu => cmd.args(["build", "-p", "distlab-worker"]),
+        Engine::EmulatedGpus => cmd.args(["build", "--workspace", "--features", "distlab-worker/cuda", "--bins"]),
+    };
+    Ok(cmd.status().context("cannot start cargo build")?.success())
 }
 
 /// Whether the tests `args` select pass on `engine`.
@@ -435,24 +455,33 @@ fn run_tests(args: &[&str], engine: Engine) -> Result<bool> {
             cmd.args(["test", "-p", "distlab-worker", "--features", "cuda", "--test", "ops", "--"]);
             cmd
         }
+        Engine::EmulatedGpus => {
+            let mut cmd = crate::emulated_gpu::cargo(8)?;
+            cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "cuda", "--"]);
+            cmd
+        }
     };
     Ok(cmd.args(args).status().context("cannot start cargo test")?.success())
 }
 
 /// Runs every mutant whose name contains `filter` (all when None) and prints caught/missed.
 pub fn run(filter: Option<&str>) -> Result<bool> {
-    let all = MUTANTS.iter().map(|m| (m, Engine::Cpu)).chain(KERNEL_MUTANTS.iter().map(|m| (m, Engine::EmulatedGpu)));
+    let all = MUTANTS
+        .iter()
+        .map(|m| (m, Engine::Cpu))
+        .chain(KERNEL_MUTANTS.iter().map(|m| (m, Engine::EmulatedGpu)))
+        .chain(NCCL_MUTANTS.iter().map(|m| (m, Engine::EmulatedGpus)));
     let chosen: Vec<(&Mutant, Engine)> = all.filter(|(m, _)| filter.is_none_or(|f| m.name.contains(f))).collect();
     if chosen.is_empty() {
         bail!("no mutant's name contains {filter:?}");
     }
     // The unmutated engine must pass the same tests, or "caught" means nothing.
-    if !build_worker()? {
-        bail!("the worker does not build");
-    }
     let mut guards: Vec<(&[&str], Engine)> = chosen.iter().map(|(m, e)| (m.tests, *e)).collect();
     guards.dedup();
     for (args, engine) in guards {
+        if !build_worker(engine)? {
+            bail!("the worker does not build");
+        }
         if !run_tests(args, engine)? {
             bail!("`cargo test {}` fails without any mutant: fix that first", args.join(" "));
         }
@@ -465,8 +494,10 @@ pub fn run(filter: Option<&str>) -> Result<bool> {
         eprintln!("xtask: mutant: {} -> {outcome:?} ({:.0} s)", m.name, start.elapsed().as_secs_f64());
         results.push((m.name, outcome));
     }
-    // Rebuild the real engine so the binary under target/ is not a mutant's.
-    if !build_worker()? {
+    // Rebuild the real engine so the binary under target/ is not a mutant's (with cuda
+    // when a mutant's tests needed it).
+    let needs_cuda = chosen.iter().any(|(_, e)| *e == Engine::EmulatedGpus);
+    if !build_worker(if needs_cuda { Engine::EmulatedGpus } else { Engine::Cpu })? {
         bail!("the unmutated worker does not build");
     }
     let caught = results.iter().filter(|(_, o)| *o == Outcome::Caught).count();
@@ -487,7 +518,7 @@ mod tests {
     /// nothing after the engine changes.
     #[test]
     fn every_mutant_applies_to_the_code_as_it_is() {
-        for m in MUTANTS.iter().chain(KERNEL_MUTANTS) {
+        for m in MUTANTS.iter().chain(KERNEL_MUTANTS).chain(NCCL_MUTANTS) {
             let text = std::fs::read_to_string(root().join(m.file)).expect(m.file);
             let mutated = mutate(&text, m).unwrap_or_else(|e| panic!("{e}"));
             assert_ne!(mutated, text, "{}", m.name);
