@@ -186,7 +186,7 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
         }
         println!("xtask: GPU tests on {}", gpus.join("; "));
     } else {
-        println!("xtask: the GPU tests (CUDA kernels, NCCL) are not run: cargo test reports them as ignored; `--gpu` runs them");
+        println!("xtask: the GPU tests (CUDA kernels, NCCL, cuda training) run last, on the emulated GPU; `--gpu` runs them on this machine's");
     }
     frontend::ensure_wasm_target()?;
     ensure_browser();
@@ -227,8 +227,11 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
     store_tests_on_postgres()
 }
 
-/// The GPU tests that run on the emulated device (`emulated_gpu.rs`): the CUDA backend's op
-/// tests, every kernel and GEMM against the f64 reference, built as the run above built them.
+/// The GPU tests, on the emulated device (`emulated_gpu.rs`), built as the run above built
+/// them: the CUDA backend's op tests (every kernel and GEMM against the f64 reference) on
+/// one GPU; then on 8, the NCCL communicator's tests and the cuda training tests (every
+/// strategy against the CPU, with a GPU per rank over the emulated NCCL and with ranks
+/// sharing one GPU; ledgers, resume, elastic resume, export).
 fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
     println!("xtask: the CUDA op tests on the emulated GPU");
     let mut cmd = emulated_gpu::cargo(1)?;
@@ -237,6 +240,15 @@ fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
         "--include-ignored",
         "cuda_",
     ]);
+    let status = cmd.status().context("cannot start cargo test")?;
+    if !status.success() {
+        return Ok(status);
+    }
+    println!("xtask: the NCCL and cuda training tests on 8 emulated GPUs");
+    let mut cmd = emulated_gpu::cargo(8)?;
+    // (`--test nccl` also names the emulator's own NCCL test, which takes a second.)
+    cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "nccl", "--test", "cuda"])
+        .args(["--", "--include-ignored"]);
     cmd.status().context("cannot start cargo test")
 }
 
