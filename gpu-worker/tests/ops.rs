@@ -293,9 +293,11 @@ fn flash_attention<B: Backend>(be: &B) {
     flash_attention_of(be, 1, 150, 16, 2);
 }
 
-/// A sequence far longer than a tile, with wide heads (the CUDA kernels' registers).
+/// A sequence many tiles long with a ragged last one, with wide heads (the CUDA kernels'
+/// registers). (Seven tiles take a seventh of the 17 that T = 1030 took on the emulated GPU,
+/// where this test was half of the op suite's time.)
 fn flash_attention_long<B: Backend>(be: &B) {
-    flash_attention_of(be, 1, 1030, 256, 2);
+    flash_attention_of(be, 1, 400, 256, 2);
 }
 
 fn flash_attention_of<B: Backend>(be: &B, batch: usize, t: usize, c: usize, heads: usize) {

@@ -16,6 +16,7 @@ mod bench;
 mod cuda_tools;
 mod emulated_gpu;
 mod frontend;
+mod gpu_check;
 mod load;
 mod mutants;
 mod postgres;
@@ -69,9 +70,16 @@ enum Cmd {
         /// Only the mutants whose name contains this.
         filter: Option<String>,
     },
-    /// Run a command against emulated CUDA devices (the stand-in libcuda, NVRTC and cuBLAS
-    /// of emulated-gpu/, first on its LD_LIBRARY_PATH), e.g. `cargo xtask emulated-gpu --
-    /// target/debug/distlab-worker run spec.json` with `"backend": "cuda"`.
+    /// `--prepare`: build, here, the one-call check for a machine with a GPU into
+    /// target/gpu-check (stripped binaries, under 50 MiB); there, with no cargo, `bash
+    /// target/gpu-check/gpu-check.sh OUT_DIR` runs it and writes OUT_DIR/summary.md.
+    GpuCheck {
+        #[arg(long, required = true)]
+        prepare: bool,
+    },
+    /// Run a command against emulated CUDA devices (the stand-in libcuda, NVRTC, cuBLAS and
+    /// NCCL of emulated-gpu/, first on its LD_LIBRARY_PATH), e.g. `cargo xtask emulated-gpu
+    /// -- target/debug/distlab-worker run spec.json` with `"backend": "cuda"`.
     EmulatedGpu {
         /// Devices the emulated machine has (1 to 8).
         #[arg(long, default_value_t = 1)]
@@ -106,6 +114,7 @@ fn main() -> ExitCode {
         Cmd::Test { gpu, test_args } => test(gpu, &test_args),
         Cmd::Bench { rounds } => bench::run(rounds).map(|()| ExitCode::SUCCESS),
         Cmd::EmulatedGpu { devices, command } => emulated_gpu::run(devices, &command),
+        Cmd::GpuCheck { prepare: _ } => gpu_check::prepare().map(|_| ExitCode::SUCCESS),
         Cmd::Mutants { filter } => {
             mutants::run(filter.as_deref()).map(|all| if all { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
