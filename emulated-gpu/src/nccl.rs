@@ -22,7 +22,6 @@
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::sync::atomic::Ordering::{Acquire, Release};
-use std::sync::Mutex;
 
 use half::{bf16, f16};
 
@@ -56,12 +55,19 @@ pub struct Comm {
 /// What failed, and NCCL's code for it.
 type Failure = (NcclResult, String);
 
-static LAST_ERROR: Mutex<Option<CString>> = Mutex::new(None);
+thread_local! {
+    /// The last error this thread's calls met, for `ncclGetLastError`.
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
 
-/// Prints `failure` and keeps it for `ncclGetLastError`: its code.
+/// Prints `failure` and keeps it for `ncclGetLastError`: its code. Inside a group, the
+/// group fails as a whole at `ncclGroupEnd`.
 fn report((code, message): Failure) -> NcclResult {
     eprintln!("emulated NCCL: {message}");
-    *LAST_ERROR.lock().unwrap_or_else(|e| e.into_inner()) = CString::new(message).ok();
+    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(message).unwrap_or_default());
+    if GROUP_DEPTH.with(Cell::get) > 0 {
+        GROUP_FAILED.with(|f| f.set(Some(code)));
+    }
     code
 }
 
@@ -277,7 +283,14 @@ impl Comm {
     fn check(&self, call: &Call) -> Result<(), Failure> {
         let name = call.name();
         let w = self.ranks();
-        let size = |dtype| data_type(dtype).map(|t| t.1).map_err(|(c, m)| self.fail(c, name, m));
+        // The bytes of `count` elements of `dtype`, `times` over (an error if that overflows).
+        let bytes = |count: usize, dtype, times: usize| {
+            let size = data_type(dtype).map(|t| t.1).map_err(|(c, m)| self.fail(c, name, m))?;
+            count
+                .checked_mul(size)
+                .and_then(|b| b.checked_mul(times))
+                .ok_or_else(|| self.fail(INVALID_ARGUMENT, name, format!("{count} elements are more than memory holds")))
+        };
         let peer_ok = |peer: usize| {
             if peer < w {
                 Ok(())
@@ -287,31 +300,27 @@ impl Comm {
         };
         match *call {
             Call::AllReduce { send, recv, count, dtype, .. } => {
-                let bytes = count * size(dtype)?;
-                self.check_buffer(name, "sendbuff", send, bytes)?;
-                self.check_buffer(name, "recvbuff", recv, bytes)
+                self.check_buffer(name, "sendbuff", send, bytes(count, dtype, 1)?)?;
+                self.check_buffer(name, "recvbuff", recv, bytes(count, dtype, 1)?)
             }
             Call::ReduceScatter { send, recv, count, dtype, .. } => {
-                let bytes = count * size(dtype)?;
-                self.check_buffer(name, "sendbuff", send, w * bytes)?;
-                self.check_buffer(name, "recvbuff", recv, bytes)
+                self.check_buffer(name, "sendbuff", send, bytes(count, dtype, w)?)?;
+                self.check_buffer(name, "recvbuff", recv, bytes(count, dtype, 1)?)
             }
             Call::AllGather { send, recv, count, dtype } => {
-                let bytes = count * size(dtype)?;
-                self.check_buffer(name, "sendbuff", send, bytes)?;
-                self.check_buffer(name, "recvbuff", recv, w * bytes)
+                self.check_buffer(name, "sendbuff", send, bytes(count, dtype, 1)?)?;
+                self.check_buffer(name, "recvbuff", recv, bytes(count, dtype, w)?)
             }
             Call::Broadcast { send, recv, count, dtype, root } => {
-                let bytes = count * size(dtype)?;
                 peer_ok(root)?;
                 if self.me() == root {
-                    self.check_buffer(name, "sendbuff", send, bytes)?;
+                    self.check_buffer(name, "sendbuff", send, bytes(count, dtype, 1)?)?;
                 }
-                self.check_buffer(name, "recvbuff", recv, bytes)
+                self.check_buffer(name, "recvbuff", recv, bytes(count, dtype, 1)?)
             }
             Call::Send { send: ptr, count, dtype, peer } | Call::Recv { recv: ptr, count, dtype, peer } => {
                 peer_ok(peer)?;
-                self.check_buffer(name, "buffer", ptr, count * size(dtype)?)
+                self.check_buffer(name, "buffer", ptr, bytes(count, dtype, 1)?)
             }
         }
     }
@@ -484,22 +493,18 @@ fn transfer(mut transfers: Vec<Transfer>) -> Result<(), Failure> {
         // SAFETY: as in `Transfer::progress`.
         let comm = unsafe { &*first };
         let rung = comm.group.doorbell();
-        let mut moved = false;
-        for i in 0..transfers.len() {
-            let t = &transfers[i];
-            let earlier = transfers[..i]
-                .iter()
-                .any(|e| !e.finished && std::ptr::eq(e.comm, t.comm) && e.send == t.send && e.peer == t.peer);
-            if !t.finished && !earlier {
-                moved |= transfers[i].progress()?;
-            }
-        }
-        if moved {
+        if progress_all(&mut transfers)? {
             last_moved = std::time::Instant::now();
         } else {
             let waiting = transfers.iter().filter(|t| !t.finished && std::ptr::eq(t.comm, first));
             let peers: Vec<usize> = waiting.map(|t| t.peer).collect();
-            comm.group.check_peers(peers.iter().copied(), "ncclSend/ncclRecv").map_err(|e| (REMOTE_ERROR, e))?;
+            if let Err(gone) = comm.group.check_peers(peers.iter().copied(), "ncclSend/ncclRecv") {
+                // (A peer may have taken or sent the last piece, then left, since the pass.)
+                if progress_all(&mut transfers)? {
+                    continue;
+                }
+                return Err((REMOTE_ERROR, gone));
+            }
             if last_moved.elapsed() > STALL {
                 let what = format!("nothing moved for {} s between this rank and ranks {peers:?}: a deadlock (a send whose receive never comes?)", STALL.as_secs());
                 return Err(comm.fail(INTERNAL_ERROR, "ncclSend/ncclRecv", what));
@@ -507,6 +512,22 @@ fn transfer(mut transfers: Vec<Transfer>) -> Result<(), Failure> {
             comm.group.wait_for_peers(rung);
         }
     }
+}
+
+/// One pass over the transfers, each moving a piece if its channel allows (a pair's
+/// messages in the order they were called): whether any moved.
+fn progress_all(transfers: &mut [Transfer]) -> Result<bool, Failure> {
+    let mut moved = false;
+    for i in 0..transfers.len() {
+        let t = &transfers[i];
+        let earlier = transfers[..i]
+            .iter()
+            .any(|e| !e.finished && std::ptr::eq(e.comm, t.comm) && e.send == t.send && e.peer == t.peer);
+        if !t.finished && !earlier {
+            moved |= transfers[i].progress()?;
+        }
+    }
+    Ok(moved)
 }
 
 /// Runs `calls` as one group: the collectives in order, then every transfer together.
@@ -523,9 +544,11 @@ fn run(calls: Vec<(*const Comm, Call)>) -> Result<(), Failure> {
 }
 
 thread_local! {
-    /// `ncclGroupStart`s not yet ended on this thread, and the calls they hold.
+    /// `ncclGroupStart`s not yet ended on this thread, the calls they hold, and the error
+    /// of a call refused inside them (the whole group then fails, as with NCCL).
     static GROUP_DEPTH: Cell<u32> = const { Cell::new(0) };
     static GROUPED: RefCell<Vec<(*const Comm, Call)>> = const { RefCell::new(Vec::new()) };
+    static GROUP_FAILED: Cell<Option<NcclResult>> = const { Cell::new(None) };
 }
 
 /// Checks `call` and runs it, or queues it inside a group.
@@ -750,7 +773,11 @@ pub extern "C" fn ncclGroupEnd() -> NcclResult {
     if depth > 1 {
         return SUCCESS;
     }
-    done(run(GROUPED.with(|g| std::mem::take(&mut *g.borrow_mut()))))
+    let calls = GROUPED.with(|g| std::mem::take(&mut *g.borrow_mut()));
+    if let Some(code) = GROUP_FAILED.with(|f| f.take()) {
+        return code; // (a call of it was refused: nothing of it runs)
+    }
+    done(run(calls))
 }
 
 #[no_mangle]
@@ -771,9 +798,6 @@ pub extern "C" fn ncclGetErrorString(result: NcclResult) -> *const c_char {
 
 #[no_mangle]
 pub extern "C" fn ncclGetLastError(_comm: *mut Comm) -> *const c_char {
-    match &*LAST_ERROR.lock().unwrap_or_else(|e| e.into_inner()) {
-        // (The text stays until the next error replaces it, as NCCL's does.)
-        Some(text) => text.as_ptr(),
-        None => c"".as_ptr(),
-    }
+    // (The text stays until this thread's next error replaces it.)
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
 }

@@ -4,7 +4,8 @@
 //! - a header: the rank count, how many joined, a barrier (count and generation);
 //! - one entry per rank: its process id, its device, whether it left, its doorbell (a
 //!   counter its peers bump, and wake it through, when they change a channel it uses), and
-//!   the collective it is in (kind, type, count, root), which every rank compares;
+//!   the collective it is in (kind, type, count, and root or reduction), which every rank
+//!   compares;
 //! - one slot per rank (`SLOT` bytes) that collectives stage their data through;
 //! - one channel per ordered pair of ranks (`CHANNEL` bytes and two counters) that
 //!   `ncclSend` / `ncclRecv` pass their messages through, a piece at a time.
@@ -48,7 +49,7 @@ pub struct Entry {
     device: AtomicI32,
     left: AtomicU32,
     doorbell: AtomicU32,
-    /// The collective this rank is in: kind, data type, count, root (or peer).
+    /// The collective this rank is in: kind, data type, count, and root or reduction.
     pub call: [AtomicU64; 4],
 }
 
@@ -71,6 +72,8 @@ pub struct SharedGroup {
     bytes: usize,
     pub ranks: usize,
     pub me: usize,
+    /// This process holds rank `me`'s entry (a second process claiming it does not).
+    joined: bool,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics and the slots and
@@ -88,7 +91,8 @@ impl SharedGroup {
 
     /// Joins communicator `name` as rank `me` of `ranks` on `device`: maps its file
     /// (whoever comes first makes it) and waits until every rank has joined. Then the file
-    /// is unlinked (the mappings stay), so nothing is left behind in `/dev/shm`.
+    /// is unlinked (the mappings stay), so nothing is left behind in `/dev/shm`; a join that
+    /// fails unlinks it too.
     pub fn join(name: &str, ranks: usize, me: usize, device: i32) -> Result<Self, Failure> {
         if !name.starts_with(ID_PREFIX) || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
             return Err(format!("{name:?} is not an id ncclGetUniqueId made"));
@@ -105,11 +109,23 @@ impl SharedGroup {
             .truncate(false) // (every rank opens it; whoever comes first makes it)
             .mode(0o600)
             .open(&path)
-            .and_then(|f| f.set_len(bytes as u64).map(|()| f))
             .map_err(|e| format!("cannot open {path}: {e}"))?;
-        // SAFETY: a shared mapping of the whole file, unmapped in Drop.
+        let failed = |why: String| {
+            let _ = std::fs::remove_file(&path);
+            why
+        };
+        use std::os::fd::AsRawFd;
+        // The file's pages taken now (it only ever grows: a rank that says another rank count
+        // cannot shrink it under the others' mappings), so that a /dev/shm too small fails
+        // here and not as a SIGBUS inside a collective.
+        // SAFETY: fallocate on the file just opened.
+        let error = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, bytes as libc::off_t) };
+        if error != 0 {
+            let cause = std::io::Error::from_raw_os_error(error);
+            return Err(failed(format!("cannot take {} MiB of /dev/shm for the communicator: {cause}", bytes >> 20)));
+        }
+        // SAFETY: a shared mapping of the file's first `bytes`, unmapped in Drop.
         let base = unsafe {
-            use std::os::fd::AsRawFd;
             let p = libc::mmap(
                 std::ptr::null_mut(),
                 bytes,
@@ -119,28 +135,29 @@ impl SharedGroup {
                 0,
             );
             if p == libc::MAP_FAILED {
-                return Err(format!("cannot map {path}: {}", std::io::Error::last_os_error()));
+                return Err(failed(format!("cannot map {path}: {}", std::io::Error::last_os_error())));
             }
             p as *mut u8
         };
-        let group = Self { base, bytes, ranks, me };
+        let mut group = Self { base, bytes, ranks, me, joined: false };
         let header = group.header();
         if let Err(other) = header.ranks.compare_exchange(0, ranks as u32, AcqRel, Acquire) {
             if other as usize != ranks {
-                return Err(format!("rank {me} says the communicator has {ranks} ranks, another said {other}"));
+                return Err(failed(format!("rank {me} says the communicator has {ranks} ranks, another said {other}")));
             }
         }
-        let mine = group.entry(me);
         // SAFETY: getpid has no preconditions.
         let pid = unsafe { libc::getpid() };
-        if mine.pid.compare_exchange(0, pid, AcqRel, Acquire).is_err() {
-            return Err(format!("two processes joined as rank {me}"));
+        if group.entry(me).pid.compare_exchange(0, pid, AcqRel, Acquire).is_err() {
+            return Err(failed(format!("two processes joined as rank {me}")));
         }
+        group.joined = true;
+        let (header, mine) = (group.header(), group.entry(me));
         mine.device.store(device, Release);
         header.joined.fetch_add(1, AcqRel);
         futex_wake(&header.joined);
         let started = Instant::now();
-        group.wait(&header.joined, "ncclCommInitRank", |joined| joined as usize == ranks, || {
+        let everyone = group.wait(&header.joined, "ncclCommInitRank", |joined| joined as usize == ranks, || {
             (started.elapsed() > JOIN_TIMEOUT).then(|| {
                 format!(
                     "only {} of {ranks} ranks joined within {} s",
@@ -148,11 +165,10 @@ impl SharedGroup {
                     JOIN_TIMEOUT.as_secs()
                 )
             })
-        })?;
-        group.barrier("ncclCommInitRank")?;
-        if me == 0 {
-            let _ = std::fs::remove_file(&path);
-        }
+        });
+        // Every rank has mapped the file (or the join failed): nobody needs its name now.
+        let _ = std::fs::remove_file(&path);
+        everyone?;
         Ok(group)
     }
 
@@ -225,9 +241,12 @@ impl SharedGroup {
             }
             if looked.elapsed() > Duration::from_millis(50) {
                 looked = Instant::now();
-                self.check_peers(0..self.ranks, during)?;
-                if let Some(why) = give_up() {
-                    return Err(format!("rank {} in {during}: {why}", self.me));
+                let failure = self.check_peers(0..self.ranks, during).err().or_else(|| {
+                    give_up().map(|why| format!("rank {} in {during}: {why}", self.me))
+                });
+                if let Some(failure) = failure {
+                    // (The last peer may have come, and then left or exited, since `now`.)
+                    return if done(word.load(Acquire)) { Ok(()) } else { Err(failure) };
                 }
             }
             futex_wait(word, now, Duration::from_millis(10));
@@ -318,7 +337,9 @@ impl SharedGroup {
 
 impl Drop for SharedGroup {
     fn drop(&mut self) {
-        self.entry(self.me).left.store(1, Release);
+        if self.joined {
+            self.entry(self.me).left.store(1, Release);
+        }
         for r in 0..self.ranks {
             self.ring(r);
         }

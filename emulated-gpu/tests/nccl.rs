@@ -31,6 +31,7 @@ fn ranks(scenario: &str, ranks: usize, device: fn(usize) -> usize) -> Vec<(bool,
                 .args(["rank", "--exact", "--nocapture", "--test-threads=1"])
                 .env("NCCL_TEST_RANK", format!("{scenario} {r} {ranks} {} {name}", device(r)))
                 .env("DISTLAB_EMULATED_GPU_DEVICES", "4")
+                .env_remove("CUDA_VISIBLE_DEVICES")
                 .spawn_and_collect()
         })
         .collect();
@@ -94,6 +95,29 @@ fn rank() {
                 let result = ncclAllReduce(host.as_ptr() as _, host.as_ptr() as _, 16, F32, SUM, comm, null());
                 println!("result {result}");
                 let _ = ncclCommAbort(comm);
+            }
+            "length-mismatch" => {
+                // Rank 0 sends 100 floats, rank 1 receives 90: rank 1 is told, then leaves,
+                // and rank 0, whose message is never taken, is told that.
+                let buf = upload(&[1.0; 100]);
+                let result = if me == 0 {
+                    ncclSend(buf as _, 100, F32, 1, comm, null())
+                } else {
+                    ncclRecv(buf as _, 90, F32, 0, comm, null())
+                };
+                println!("result {result}");
+                let _ = ncclCommDestroy(comm);
+            }
+            "refused-in-group" => {
+                // Rank 1's group holds a send to a rank that does not exist: the whole group
+                // fails there, nothing of it runs, and rank 0, waiting for its message, is told.
+                let buf = upload(&[1.0; 10]);
+                assert_eq!(ncclGroupStart(), 0);
+                let peer = if me == 0 { 1 } else { 0 };
+                let _ = ncclRecv(buf as _, 10, F32, peer, comm, null());
+                let _ = ncclSend(buf as _, 10, F32, if me == 1 { 7 } else { peer }, comm, null());
+                println!("result {}", ncclGroupEnd());
+                let _ = ncclCommDestroy(comm);
             }
             "peer-gone" => {
                 if me == 1 {
@@ -280,4 +304,29 @@ fn a_rank_whose_peer_died_gets_an_error_instead_of_a_hang() {
     let (ok, out) = &results[0];
     assert!(*ok && out.contains(&format!("result {REMOTE_ERROR}")) && out.contains("rank 1"), "{out}");
     assert!(started.elapsed().as_secs() < 30, "{:?}", started.elapsed());
+}
+
+#[test]
+fn a_receive_of_another_length_than_its_send_fails_both_ranks() {
+    if std::env::var("NCCL_TEST_RANK").is_ok() {
+        return;
+    }
+    let results = ranks("length-mismatch", 2, |r| r);
+    let (ok1, out1) = &results[1];
+    assert!(*ok1 && out1.contains(&format!("result {INVALID_USAGE}")), "{out1}");
+    assert!(out1.contains("receives 360 bytes from rank 0, which sends 400"), "{out1}");
+    let (ok0, out0) = &results[0];
+    assert!(*ok0 && out0.contains(&format!("result {REMOTE_ERROR}")) && out0.contains("rank 1 has left"), "{out0}");
+}
+
+#[test]
+fn a_group_with_a_refused_call_fails_whole() {
+    if std::env::var("NCCL_TEST_RANK").is_ok() {
+        return;
+    }
+    let results = ranks("refused-in-group", 2, |r| r);
+    let (ok1, out1) = &results[1];
+    assert!(*ok1 && out1.contains(&format!("result {INVALID_ARGUMENT}")) && out1.contains("peer 7 of 2"), "{out1}");
+    let (ok0, out0) = &results[0];
+    assert!(*ok0 && out0.contains(&format!("result {REMOTE_ERROR}")), "{out0}");
 }

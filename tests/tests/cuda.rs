@@ -64,20 +64,31 @@ const LAYOUTS: [(&str, Layout); 18] = [
     }),
 ];
 
-/// Every visible GPU for each rank (8 on the emulated machine), or all ranks on GPU 0.
-const OWN_GPUS: [(&str, &str); 1] = [("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")];
-const ONE_GPU: [(&str, &str); 1] = [("CUDA_VISIBLE_DEVICES", "0")];
+/// The GPUs the runs may use: every GPU of the machine (8 on the emulated one), or only
+/// the first, so that every rank shares it. Where the machine's lender narrowed them
+/// (`CUDA_VISIBLE_DEVICES` already set), those, or the first of those.
+fn gpus(only_the_first: bool) -> Vec<(&'static str, String)> {
+    let all = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "0,1,2,3,4,5,6,7".into());
+    let chosen = if only_the_first { all.split(',').next().unwrap_or("0").to_string() } else { all };
+    vec![("CUDA_VISIBLE_DEVICES", chosen)]
+}
 
 /// A cuda run of `spec` with `env`, checking what its log says carried each group: NCCL
 /// when the machine has a GPU for every rank, the ranks' ring when they share.
-fn run_cuda(spec: &ExperimentSpec, env: &[(&str, &str)], what: &str) -> Vec<MetricPoint> {
-    let (points, log) = run_steps_with_env(&on_cuda(spec), env);
+fn run_cuda(spec: &ExperimentSpec, only_the_first_gpu: bool, what: &str) -> Vec<MetricPoint> {
+    let env = gpus(only_the_first_gpu);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (points, log) = run_steps_with_env(&on_cuda(spec), &env);
     let gpus: usize = log
         .lines()
         .find_map(|l| l.split(" of ").nth(1)?.split(" (CUDA backend").next()?.parse().ok())
         .unwrap_or_else(|| panic!("{what}: no device line in the log:\n{log}"));
     let own = gpus >= spec.world_size();
-    for line in log.lines().filter(|l| ["data parallel:", "tensor parallel:", "expert parallel:"].iter().any(|g| l.contains(g))) {
+    let groups = ["data parallel:", "tensor parallel:", "expert parallel:"];
+    let lines: Vec<&str> = log.lines().filter(|l| groups.iter().any(|g| l.contains(g))).collect();
+    let p = &spec.parallel;
+    assert_eq!(lines.is_empty(), p.dp == 1 && p.tp == 1, "{what}: the groups' log lines:\n{log}");
+    for line in lines {
         let carrier = if own { "NCCL on the GPUs' memory" } else { "the ranks' ring" };
         assert!(line.contains(carrier), "{what} ({gpus} GPUs for {} ranks): {line}", spec.world_size());
     }
@@ -109,10 +120,10 @@ fn every_strategy_on_cuda_follows_the_cpu_in_fp32() {
                 }
             };
             let what = format!("{name} {optimizer:?} cuda vs cpu");
-            compare(&run_cuda(&s, &OWN_GPUS, &what), &what);
+            compare(&run_cuda(&s, false, &what), &what);
             if optimizer == TestOptimizer::AdamwClipped && s.world_size() > 1 {
                 let what = format!("{name} ranks sharing one GPU vs cpu");
-                compare(&run_cuda(&s, &ONE_GPU, &what), &what);
+                compare(&run_cuda(&s, true, &what), &what);
             }
         }
     }
@@ -132,7 +143,7 @@ fn every_strategy_on_cuda_follows_the_cpu_in_bf16_and_fp16() {
                 s.train.loss_scaling = LossScaling::Dynamic;
             }
             let what = format!("{} {name}", precision.as_str());
-            let (cpu, cuda) = (run_steps(&cpu_equivalent(&s)), run_cuda(&s, &OWN_GPUS, &what));
+            let (cpu, cuda) = (run_steps(&cpu_equivalent(&s)), run_cuda(&s, false, &what));
             assert_within(&cpu, &cuda, (2e-2, 1e-1), &what);
         }
     }
@@ -151,7 +162,7 @@ fn cpu_equivalent(spec: &ExperimentSpec) -> ExperimentSpec {
 
 /// Every step's loss and gradient norm of `b` within `(loss, norm)` of `a`'s, relative.
 fn assert_within(a: &[MetricPoint], b: &[MetricPoint], (loss, norm): (f64, f64), what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: steps");
+    assert!(!a.is_empty() && a.len() == b.len(), "{what}: {} and {} steps", a.len(), b.len());
     for (x, y) in a.iter().zip(b) {
         let dl = (x.loss - y.loss).abs() / x.loss;
         let dn = (x.grad_norm - y.grad_norm).abs() / x.grad_norm;

@@ -36,6 +36,9 @@ pub fn command(lib_dir: &std::path::Path, devices: usize, program: &str) -> Resu
     let paths = std::iter::once(lib_dir.to_path_buf()).chain(std::env::split_paths(&paths));
     cmd.env("LD_LIBRARY_PATH", std::env::join_paths(paths).context("LD_LIBRARY_PATH")?);
     cmd.env("DISTLAB_EMULATED_GPU_DEVICES", devices.to_string());
+    // (The emulator narrows its devices by CUDA_VISIBLE_DEVICES as a driver does: a value
+    // set for this machine's real GPUs must not narrow the emulated ones.)
+    cmd.env_remove("CUDA_VISIBLE_DEVICES");
     Ok(cmd)
 }
 

@@ -35,7 +35,7 @@ pub fn prepare() -> Result<PathBuf> {
         std::fs::copy(from, &to).with_context(|| format!("cannot copy {}", from.display()))?;
         crate::status(Command::new("strip").arg(&to))?;
     }
-    let commit = Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(&root).output()?;
+    let commit = Command::new("git").args(["describe", "--always", "--dirty"]).current_dir(&root).output()?;
     std::fs::write(bin.join("COMMIT"), commit.stdout)?;
     crate::status(Command::new("tar").arg("-czf").arg(dir.join("bin.tar.gz")).arg("-C").arg(&dir).arg("bin"))?;
     std::fs::remove_dir_all(&bin)?;
