@@ -20,9 +20,9 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 
 /// Bytes of one rank's collective slot.
-pub const SLOT: usize = 4 << 20;
+pub const SLOT: usize = 1 << 20;
 /// Bytes of one channel between two ranks.
-pub const CHANNEL: usize = 1 << 20;
+pub const CHANNEL: usize = 256 << 10;
 /// The most ranks one emulated communicator takes.
 pub const MAX_RANKS: usize = 64;
 /// How long `ncclCommInitRank` waits for every rank to join.
