@@ -75,9 +75,8 @@ fn train_as<S: DeviceElem>(
             Err(why) => why,
         };
         // The group's other communicator gets NCCL too: ZeRO-2 and FSDP reduce-scatter and
-        // gather on it (their first one is left to FSDP's prefetch), and every strategy
-        // sums its scalars there. (Its ring carries the votes and the id, then NCCL takes
-        // its place.)
+        // gather on it (FSDP's prefetch gathers on the first), and every strategy sums its
+        // scalars there. (Its ring carries the votes and the id, then NCCL takes its place.)
         if dp.grads.nccl().is_some() {
             if let Ok(nccl) = nccl_group(dp.scalars.as_mut(), dp.rank, dp.world, ordinal, own_gpus, "dp")? {
                 swap_in(&mut dp.scalars, nccl);
