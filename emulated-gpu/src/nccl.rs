@@ -640,37 +640,30 @@ pub extern "C" fn ncclCommFinalize(_comm: *mut Comm) -> NcclResult {
     SUCCESS
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn ncclCommCount(comm: *const Comm, count: *mut c_int) -> NcclResult {
-    match (comm.as_ref(), count.is_null()) {
+/// Writes `what(comm)` to `out`: the communicator queries' common shape.
+unsafe fn answer(comm: *const Comm, out: *mut c_int, what: impl FnOnce(&Comm) -> c_int) -> NcclResult {
+    match (comm.as_ref(), out.is_null()) {
         (Some(c), false) => {
-            count.write(c.ranks() as c_int);
+            out.write(what(c));
             SUCCESS
         }
         _ => INVALID_ARGUMENT,
     }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: *const Comm, count: *mut c_int) -> NcclResult {
+    answer(comm, count, |c| c.ranks() as c_int)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: *const Comm, device: *mut c_int) -> NcclResult {
-    match (comm.as_ref(), device.is_null()) {
-        (Some(c), false) => {
-            device.write(c.device);
-            SUCCESS
-        }
-        _ => INVALID_ARGUMENT,
-    }
+    answer(comm, device, |c| c.device)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: *const Comm, rank: *mut c_int) -> NcclResult {
-    match (comm.as_ref(), rank.is_null()) {
-        (Some(c), false) => {
-            rank.write(c.me() as c_int);
-            SUCCESS
-        }
-        _ => INVALID_ARGUMENT,
-    }
+    answer(comm, rank, |c| c.me() as c_int)
 }
 
 #[no_mangle]
