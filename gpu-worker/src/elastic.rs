@@ -27,7 +27,7 @@ use distlab_common::{ExperimentSpec, ResumeFrom, Sharding};
 
 use crate::checkpoint::{self, CheckpointDir, CheckpointError, RankCheckpoint, RankPlace};
 use crate::model::{ParamLayout, Stage, TpPlace};
-use crate::parallel::ddp::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
+use crate::parallel::compression::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use crate::parallel::pipeline::stage_of;
 use crate::parallel::shard::ShardLayout;
 

@@ -10,10 +10,9 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;
-#[cfg(feature = "cuda")]
-pub mod cuda_rank;
 pub mod data;
 pub mod elastic;
+pub mod error;
 pub mod export;
 pub mod generate;
 pub mod heap;

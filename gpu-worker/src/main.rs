@@ -1,16 +1,7 @@
 //! `distlab-worker`: lease experiments from a distlab server and train them, or run one
 //! spec file locally (`distlab-worker run SPEC.json`).
 
-mod bench_comm;
-mod client;
-mod ddp_rank;
-mod demo;
-mod execute;
-mod launch;
-mod rank;
-mod rendezvous;
-mod run_local;
-mod worker_loop;
+mod worker;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -219,7 +210,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             println!("{}", serde_json::to_string(&rows)?);
             Ok(0)
         }
-        Some(Command::Run { spec, out, checkpoint_dir, dataset }) => run_local::run_spec_file(
+        Some(Command::Run { spec, out, checkpoint_dir, dataset }) => worker::run_local::run_spec_file(
             &spec,
             out,
             checkpoint_dir,
@@ -229,10 +220,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             cli.simulated_hosts,
         ),
         Some(Command::BenchComm { world, min_bytes, max_bytes, hosts, host, host_ip, run_dir: shared }) => {
-            println!("{}", serde_json::to_string(&bench_comm::memcpy_point(64 << 20))?);
+            println!("{}", serde_json::to_string(&worker::bench_comm::memcpy_point(64 << 20))?);
             let run_dir = match &shared {
                 Some(dir) => dir.clone(),
-                None => execute::run_dir("bench-comm")?,
+                None => worker::execute::run_dir("bench-comm")?,
             };
             let exe = std::env::current_exe()?;
             let (local, hosts, secret) = match host {
@@ -244,13 +235,13 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                     );
                     let first = hosts.iter().position(|&h| h == host).unwrap_or(world);
                     let here = hosts.iter().filter(|&&h| h == host).count();
-                    let secret = std::env::var(rank::SECRET_VAR)
-                        .map_err(|_| anyhow::anyhow!("across hosts, set {} on every host", rank::SECRET_VAR))?;
+                    let secret = std::env::var(worker::protocol::SECRET_VAR)
+                        .map_err(|_| anyhow::anyhow!("across hosts, set {} on every host", worker::protocol::SECRET_VAR))?;
                     (first..first + here, hosts, Some(secret))
                 }
-                None => (0..world, launch::simulated_hosts(world, cli.simulated_hosts), None),
+                None => (0..world, worker::launch::simulated_hosts(world, cli.simulated_hosts), None),
             };
-            let spec = launch::LaunchSpec {
+            let spec = worker::launch::LaunchSpec {
                 exe: &exe,
                 world,
                 local,
@@ -267,7 +258,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 run_dir: &run_dir,
                 env: vec![],
             };
-            let result = launch::launch(
+            let result = worker::launch::launch(
                 &spec,
                 &mut |_, payload| println!("{payload}"),
                 &std::sync::atomic::AtomicBool::new(false),
@@ -280,27 +271,27 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Some(Command::Rank { rank, world, dir, hosts, host_ip, local_ranks, task }) => {
             let local = local_ranks.unwrap_or(0..world);
-            let place = rank::Place { rank, world, dir, hosts, host_ip, local };
+            let place = worker::rank::Place { rank, world, dir, hosts, host_ip, local };
             let result = match task {
-                RankTask::BenchComm { min_bytes, max_bytes } => bench_comm::run_rank(&place, min_bytes, max_bytes),
+                RankTask::BenchComm { min_bytes, max_bytes } => worker::bench_comm::run_rank(&place, min_bytes, max_bytes),
                 RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights, dataset } => {
                     read_spec(&spec).and_then(|spec| {
                         let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
                         let opts =
                             TrainOptions { threads: cli.threads, checkpoints, offload_dir, final_weights, dataset };
-                        ddp_rank::run(&place, &spec, &opts, collective_timeout(cli.collective_timeout_seconds))
+                        worker::ddp_rank::run(&place, &spec, &opts, collective_timeout(cli.collective_timeout_seconds))
                     })
                 }
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
-                    Some(_) => demo::run_rank(&place, &spec),
+                    Some(_) => worker::demo::run_rank(&place, &spec),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),
                 }),
             };
             match result {
                 Ok(()) => Ok(0),
                 Err(e) => {
-                    let peer = rank::blamed_peer_of(&e);
-                    rank::LauncherChannel.error(format!("{e:#}"), peer);
+                    let peer = worker::rank::blamed_peer_of(&e);
+                    worker::rank::LauncherChannel.error(format!("{e:#}"), peer);
                     Ok(1)
                 }
             }
@@ -310,7 +301,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 anyhow::anyhow!("set DISTLAB_WORKER_TOKEN (or --token-file) to the server's worker token")
             })?;
             let name = cli.name.unwrap_or_else(|| format!("worker-{}", std::process::id()));
-            worker_loop::run_worker(worker_loop::WorkerConfig {
+            worker::worker_loop::run_worker(worker::worker_loop::WorkerConfig {
                 server: cli.server,
                 token,
                 name,

@@ -92,3 +92,21 @@ fn add_to_counters(
         None => counters.push(CollectiveCounter { op, calls: 1, elements, bytes_sent, bytes_from_formula, total_us }),
     }
 }
+
+/// A data-parallel collective the compute thread issued and waited for, from `start_us`
+/// to now, in which this rank sent `bytes_sent` bytes.
+pub fn blocking_comm_span(name: &str, step: u64, start_us: u64, bytes_sent: u64) -> Span {
+    Span {
+        kind: SpanKind::Comm,
+        name: name.into(),
+        step,
+        lane: lane::DP_BLOCKING.into(),
+        start_us,
+        end_us: now_us(),
+        layer: None,
+        bucket: None,
+        bytes: Some(bytes_sent),
+        micro: None,
+        chunk: None,
+    }
+}

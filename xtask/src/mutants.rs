@@ -66,14 +66,14 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "tensor parallel skips the all-reduce of the MLP's input gradient",
-        file: "gpu-worker/src/model/gpt.rs",
+        file: "gpu-worker/src/model/block.rs",
         find: "sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?",
         replace: "0..be.buf_len(&s.dln)",
         tests: &["-p", "distlab-tests", "--test", "tensor_parallel", "tensor_parallel_trains_like_one_rank"],
     },
     Mutant {
         name: "sequence parallelism leaves each rank's LayerNorm gradients from its own tokens only",
-        file: "gpu-worker/src/model/gpt.rs",
+        file: "gpu-worker/src/model/block.rs",
         find: "tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LayerNormGrads, at)?;",
         replace: "let _ = &tp;",
         tests: &[
@@ -128,7 +128,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "ZB-H1's B adds the weight gradients too (the W adds them again)",
-        file: "gpu-worker/src/model/gpt.rs",
+        file: "gpu-worker/src/model/block.rs",
         find: "be.matmul_backward_input(dinp, dout, weight, c_in, c_out);\n        }",
         replace: "be.matmul_backward(Some(dinp), dweight, dbias, dout, inp, weight, c_in, c_out);\n        }",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "zero_bubble_trains_like_one_rank"],
@@ -150,8 +150,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "activations are booked for the whole run, not per micro-batch in flight",
         file: "gpu-worker/src/model/gpt.rs",
-        find: "let done = self.in_flight.swap_remove(index);\n                self.spare.push((chunk, done.acts));",
-        replace: "let _ = index;",
+        find: "None => self.activations.release(index),",
+        replace: "None => {}",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "one_f_one_b_holds_fewer_activations_than_gpipe"],
     },
     Mutant {
@@ -326,7 +326,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "The routers' dropped assignments are not counted",
-        file: "gpu-worker/src/model/gpt.rs",
+        file: "gpu-worker/src/model/experts.rs",
         find: "self.dropped += r.dropped as u64;",
         replace: "self.dropped += 0;",
         tests: &["-p", "distlab-worker", "--test", "gradcheck", "mixture_of_experts"],

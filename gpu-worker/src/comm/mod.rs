@@ -144,3 +144,10 @@ pub trait Communicator: Send {
 
 /// How a buffer is cut into one chunk per rank (shared with the browser's replay).
 pub use distlab_common::trace::chunk_range;
+
+/// Sums `value` over the group (f64 carried as f32: the step loss needs ~7 digits).
+pub fn sum_scalar(comm: &mut dyn Communicator, value: f64) -> Result<f64, CommError> {
+    let mut buf = [value as f32];
+    comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+    Ok(buf[0] as f64)
+}

@@ -415,3 +415,28 @@ fn store_all<S: Stored>(dst: &mut [S], src: &[f64]) {
 fn widen<S: Stored>(values: &[S]) -> Vec<f64> {
     values.iter().map(|x| x.load().to_f64()).collect()
 }
+
+/// What the routers did: summed over blocks and micro-batches (and, in a step's metrics,
+/// over the ranks).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertStats {
+    /// The sum of every routing's balance loss (1: balanced).
+    pub balance_sum: f64,
+    /// Routings (blocks x micro-batches).
+    pub routings: u64,
+    /// Token-to-expert assignments the routers made, and those dropped for capacity.
+    pub assignments: u64,
+    pub dropped: u64,
+}
+
+impl ExpertStats {
+    /// Counts one block's routing of one micro-batch (nothing for a dense block).
+    pub(super) fn add<Buf>(&mut self, moe: Option<&ExpertActivations<Buf>>) {
+        if let Some(r) = moe.map(|m| &m.routing) {
+            self.balance_sum += r.balance;
+            self.routings += 1;
+            self.assignments += r.chosen.iter().map(|&n| u64::from(n)).sum::<u64>();
+            self.dropped += r.dropped as u64;
+        }
+    }
+}

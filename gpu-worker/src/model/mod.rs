@@ -1,14 +1,24 @@
-//! The GPT model: `gpt.rs` composes the layers through the
-//! [`Backend`](crate::backend::Backend) trait (the ops' math lives in `ops/`), `layout.rs`
-//! places every parameter in one flat buffer, `state.rs` says where they live while it
-//! runs, `sequence_parallel.rs` splits the LayerNorm regions over a tensor-parallel group.
+//! The GPT model: `gpt.rs` composes it and runs a stage's forward and backward through the
+//! [`Backend`](crate::backend::Backend) trait (the ops' math lives in `ops/`); `block.rs`
+//! is one transformer block, `activations.rs` what forward keeps for backward,
+//! `stage.rs` the part of the model a pipeline stage runs, `tensor_parallel.rs` where
+//! tensor and sequence parallelism's collectives go, `experts.rs` the Mixture-of-Experts
+//! MLP; `layout.rs` places every parameter in one flat buffer, `state.rs` says where they
+//! live while it runs.
 
+pub mod activations;
+pub mod block;
 pub mod experts;
 pub mod gpt;
 pub mod layout;
-pub mod sequence_parallel;
+pub mod stage;
 pub mod state;
+pub mod tensor_parallel;
 
-pub use gpt::{Gpt, Saved, Stage, StageInput};
+pub use activations::{activation_floats_for, Saved};
+pub use experts::ExpertStats;
+pub use gpt::{Gpt, LogitGradZeros, ModelGroups, RecomputeTime};
 pub use layout::{BlockTensors, ExpertPlace, Init, ParamLayout, Split, TensorInfo, TpPlace};
+pub use stage::{Stage, StageInput};
 pub use state::{FlatState, ModelState, OpenUnit, Pass, Unit};
+pub use tensor_parallel::{TensorParallelGroup, TpPoint};

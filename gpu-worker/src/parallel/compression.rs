@@ -405,6 +405,10 @@ fn orthonormalise_columns(p: &mut [f32], rows: usize, r: usize) {
     }
 }
 
+/// Checkpoint sections of gradient compression's state (see [`GradSync::compression_state`]).
+pub const COMPRESSION_RESIDUAL: &str = "compression_residual";
+pub const COMPRESSION_Q: &str = "compression_q";
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,24 +26,17 @@ use distlab_common::compression::Compressor as Settings;
 use distlab_common::trace::{lane, Span, SpanKind};
 use distlab_common::{ExperimentSpec, GradCompression, Precision, Sharding};
 
-use super::compression::{BucketTensor, Compressor};
+use super::compression::{BucketTensor, Compressor, COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
-use crate::comm::{CommError, Communicator, InPlace, ReduceOp, SharedBuffer};
+use crate::comm::{sum_scalar, CommError, Communicator, InPlace, ReduceOp, SharedBuffer};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::offload::{OffloadError, OffloadTo};
 use crate::optim::{Indexing, OptimGroup, Optimizer};
-use crate::trace::now_us;
-use crate::train::TrainError;
-
-/// Sums `value` over the group (f64 carried as f32: the step loss needs ~7 digits).
-pub fn sum_scalar(comm: &mut dyn Communicator, value: f64) -> Result<f64, CommError> {
-    let mut buf = [value as f32];
-    comm.all_reduce(&mut buf, ReduceOp::Sum)?;
-    Ok(buf[0] as f64)
-}
+use crate::trace::{blocking_comm_span, now_us};
+use crate::error::TrainError;
 
 /// Every parameter and gradient whole on this rank: one process alone, DDP, or ZeRO-1.
 pub struct Replicated<B: TrainBackend> {
@@ -374,25 +367,6 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
     }
 }
 
-/// A span on the communication lane of the timeline, from `start_us` to now.
-/// A data-parallel collective the compute thread issued and waited for, from `start_us`
-/// to now, in which this rank sent `bytes_sent` bytes.
-pub fn blocking_comm_span(name: &str, step: u64, start_us: u64, bytes_sent: u64) -> Span {
-    Span {
-        kind: SpanKind::Comm,
-        name: name.into(),
-        step,
-        lane: lane::DP_BLOCKING.into(),
-        start_us,
-        end_us: now_us(),
-        layer: None,
-        bucket: None,
-        bytes: Some(bytes_sent),
-        micro: None,
-        chunk: None,
-    }
-}
-
 /// Readiness units of the flat gradient buffer, all-reduced as one message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
@@ -534,9 +508,6 @@ impl InPlaceSync {
     }
 }
 
-/// Checkpoint sections of gradient compression's state (see [`GradSync::compression_state`]).
-pub const COMPRESSION_RESIDUAL: &str = "compression_residual";
-pub const COMPRESSION_Q: &str = "compression_q";
 
 /// One bucket on its way to the communication thread and back.
 struct InFlight {

@@ -49,7 +49,7 @@ impl ExpertParallel {
     }
 
     /// The group's communicator, for a faster one over the same ranks to take its place
-    /// (NCCL, see `cuda_rank.rs`).
+    /// (NCCL, see `train/cuda.rs`).
     pub fn comm_mut(&mut self) -> &mut Box<dyn Communicator> {
         &mut self.comm
     }

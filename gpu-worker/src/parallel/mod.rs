@@ -42,7 +42,7 @@ use crate::model::{ModelState, ParamLayout, Stage};
 use crate::offload::{OffloadError, OffloadTo};
 use crate::ops::float::in_acc;
 use crate::optim::{OptimizerSlices, OptimizerState};
-use crate::train::TrainError;
+use crate::error::TrainError;
 
 /// A backend the engine trains on: any `Backend` whose buffers hold a format that
 /// computes in f32 (f32 itself, or bf16/fp16 for mixed precision). The strategies are

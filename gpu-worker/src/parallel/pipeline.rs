@@ -168,7 +168,7 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
     /// has its own part of the gradient norm).
     pub fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
         self.flush()?;
-        super::ddp::sum_scalar(self.recv.as_mut(), value)
+        crate::comm::sum_scalar(self.recv.as_mut(), value)
     }
 }
 

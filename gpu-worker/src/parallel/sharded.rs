@@ -25,18 +25,17 @@ use std::sync::Arc;
 use distlab_common::trace::Span;
 use distlab_common::{ExperimentSpec, Precision, Sharding};
 
-use super::ddp::{blocking_comm_span, sum_scalar};
 use super::prefetch::{Prefetched, Prefetcher};
 use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
-use crate::comm::{Alone, CommError, Communicator, InPlace, ReduceOp::Sum};
+use crate::comm::{sum_scalar, Alone, CommError, Communicator, InPlace, ReduceOp::Sum};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::offload::{OffloadError, OffloadTo};
 use crate::optim::{Indexing, Optimizer};
-use crate::trace::now_us;
-use crate::train::TrainError;
+use crate::trace::{blocking_comm_span, now_us};
+use crate::error::TrainError;
 
 /// A buffer that exists only for a while, with its entry in the memory ledger.
 struct Temporary<Buf> {

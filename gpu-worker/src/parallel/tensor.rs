@@ -57,7 +57,7 @@ use distlab_common::Precision;
 use super::{collective, TrainBackend};
 use crate::comm::{CommError, Communicator, InPlace};
 use crate::memory::MemoryTracker;
-use crate::model::gpt::{TensorParallelGroup, TpPoint};
+use crate::model::{TensorParallelGroup, TpPoint};
 use crate::model::TpPlace;
 use crate::trace::now_us;
 
@@ -84,7 +84,7 @@ impl TensorParallel {
     }
 
     /// The group's communicator, for a faster one over the same ranks to take its place
-    /// (NCCL, see `cuda_rank.rs`).
+    /// (NCCL, see `train/cuda.rs`).
     pub fn comm_mut(&mut self) -> &mut Box<dyn Communicator> {
         &mut self.comm
     }
@@ -156,7 +156,7 @@ impl<B: TrainBackend> TensorParallelGroup<B> for TensorParallel {
     }
 
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
-        super::ddp::sum_scalar(self.comm.as_mut(), value)
+        crate::comm::sum_scalar(self.comm.as_mut(), value)
     }
 
     fn begin_step(&mut self, step: u64, record: bool) {

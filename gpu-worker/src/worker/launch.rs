@@ -20,18 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
-/// What a rank process reports to the launcher (one JSON object per stdout line).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum RankMessage {
-    /// Anything for the experiment's event stream (metrics, logs, traces, summary...).
-    Output { payload: serde_json::Value },
-    /// The rank is about to exit because of this error. `peer`: the rank it blames (it
-    /// stopped answering or hung up), when the error comes from another rank's failure.
-    Error { message: String, peer: Option<usize> },
-}
+use super::protocol::RankMessage;
 
 /// Keeps the last lines of a rank's stderr.
 const STDERR_TAIL_LINES: usize = 20;
@@ -112,7 +101,7 @@ pub fn launch(
             Some(secret) => secret.clone(),
             None => run_secret().map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?,
         };
-        env.push((crate::rank::SECRET_VAR.to_string(), secret));
+        env.push((super::protocol::SECRET_VAR.to_string(), secret));
     }
     // NCCL installed under its real name only: the ranks find it through a link.
     #[cfg(feature = "cuda")]
@@ -313,8 +302,8 @@ mod tests {
         assert_eq!(simulated_hosts(6, 4), [0, 0, 1, 2, 2, 3]);
         assert_eq!(hosts_args(&[0, 0, 1, 1]), ["--hosts", "0,0,1,1"]);
         let secret = run_secret().unwrap();
-        assert_eq!(crate::rank::parse_secret(&secret).map(|b| b.len()), Some(16));
+        assert_eq!(crate::worker::protocol::parse_secret(&secret).map(|b| b.len()), Some(16));
         assert_ne!(run_secret().unwrap(), secret);
-        assert_eq!(crate::rank::parse_secret("zz"), None);
+        assert_eq!(crate::worker::protocol::parse_secret("zz"), None);
     }
 }

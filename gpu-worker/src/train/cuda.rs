@@ -17,10 +17,14 @@ use distlab_common::{Precision, RunEvent, ValidSpec};
 
 use crate::backend::cuda::{self, CudaBackend, DeviceElem};
 use crate::comm::nccl::{self, NcclCommunicator};
-use crate::comm::Communicator;
+use crate::comm::{sum_scalar, Communicator};
 use crate::memory::MemoryTracker;
-use crate::parallel::ddp::sum_scalar;
-use crate::train::{kernel_pool, log, memory_bytes, run, Groups, RankRun, TrainError, TrainOptions, Trainer};
+use super::fits::memory_bytes;
+use super::options::TrainOptions;
+use super::report::{log, RankRun};
+use super::run::{kernel_pool, run};
+use super::trainer::{Groups, Trainer};
+use crate::error::TrainError;
 
 /// Why the GPU cannot run this: a machine without one is a spec this worker cannot run;
 /// anything else is the GPU failing.

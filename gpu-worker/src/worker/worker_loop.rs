@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use distlab_common::*;
 
-use crate::client::{ClientError, ServerClient};
-use crate::execute::{execute, Gang, Hosts, RunPaths};
-use crate::rendezvous::{self, ServerRendezvous};
+use super::client::{ClientError, ServerClient};
+use super::execute::{execute, Gang, Hosts, RunPaths};
+use super::rendezvous::{self, ServerRendezvous};
 use distlab_worker::checkpoint::CheckpointDir;
 use distlab_worker::train::TrainError;
 

@@ -1,7 +1,18 @@
-//! Megatron sequence parallelism (Korthikanti et al. 2022), the model's side: which
-//! tokens a tensor-parallel rank keeps of the LayerNorm and residual regions, the buffers
-//! their exchanges go through, and the exchanges themselves. Where a block crosses from
-//! the split region into the tensor-parallel one and back:
+//! Tensor parallelism, the model's side: where a block's collectives go (Megatron-LM's f
+//! and g), and sequence parallelism's exchanges (Megatron-SP, Korthikanti et al. 2022).
+//! `parallel/tensor.rs` holds the group that runs them and how the matrices are split;
+//! `layout.rs` which slice of each tensor a rank holds.
+//!
+//! Each rank runs the same block on its slice: its heads (d/tp wide) and its 1/tp of the
+//! MLP's hidden units (4d/tp). The two row-parallel outputs are partial sums, summed over
+//! the group in forward (g: all-reduce), and so are the two LayerNorm output gradients in
+//! backward (f: all-reduce). The row-parallel biases and the residual are added by TP
+//! rank 0 alone, so that the sum counts them once.
+//!
+//! With sequence parallelism the LayerNorms and the residual stream, whole on every TP
+//! rank above, are split along the tokens: each rank normalises and keeps its own tokens
+//! (b*s/t of them). Where a block crosses from the split region into the tensor-parallel
+//! one and back:
 //!
 //! ```text
 //!   LayerNorm (own tokens) -> gather_tokens (all-gather) -> column-parallel matmul
@@ -10,14 +21,95 @@
 //!   gathered again for the weight gradient, its gradient reduce-scattered (sum_input_grad)
 //! ```
 //!
-//! Without sequence parallelism the same functions are tensor parallelism's f and g:
-//! identity and all-reduce. `gpt.rs` calls them.
+//! The same bytes as the two all-reduces (an all-reduce is a reduce-scatter then an
+//! all-gather), minus what the regions no longer keep whole; each rank's LayerNorm
+//! parameter gradients now come from its own tokens and are summed over the group.
+//! Without sequence parallelism the same functions are f and g: identity and all-reduce.
+//! `block.rs` and `gpt.rs` call them.
 
 use std::ops::Range;
+use std::sync::Arc;
+
+use distlab_common::trace::Span;
 
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
-use crate::model::gpt::{TensorParallelGroup, TpPoint};
+use crate::memory::MemoryTracker;
+use crate::model::layout::TpPlace;
+
+/// What a tensor-parallel collective carries (the timeline names it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpPoint {
+    /// The row-parallel outputs: summed (g: all-reduce), or with sequence parallelism
+    /// reduce-scattered to the ranks that own the tokens.
+    AttentionOutput,
+    MlpOutput,
+    /// The gradients of the LayerNorm outputs, through each rank's heads or hidden units:
+    /// summed (f: all-reduce), or reduce-scattered.
+    Ln1OutputGrad,
+    Ln2OutputGrad,
+    /// Sequence parallelism: the LayerNorm outputs gathered for a column-parallel matmul
+    /// (in forward, and again in backward for its weight gradient).
+    Ln1Output,
+    Ln2Output,
+    /// Sequence parallelism: the row-parallel outputs' gradients gathered.
+    AttentionOutputGrad,
+    MlpOutputGrad,
+    /// Sequence parallelism: a block's LayerNorm parameter gradients, each rank's from its
+    /// own tokens, summed.
+    LayerNormGrads,
+    /// Sequence parallelism: the final LayerNorm's output gathered for the LM head, its
+    /// parameter gradients summed, and the embedding output's gradient gathered.
+    LnfOutput,
+    LnfGrads,
+    EmbeddingOutputGrad,
+}
+
+impl TpPoint {
+    /// What it carries, in words.
+    pub fn tensor(self) -> &'static str {
+        match self {
+            TpPoint::AttentionOutput => "attention output",
+            TpPoint::MlpOutput => "MLP output",
+            TpPoint::Ln1OutputGrad => "ln1 output gradient",
+            TpPoint::Ln2OutputGrad => "ln2 output gradient",
+            TpPoint::Ln1Output => "ln1 output",
+            TpPoint::Ln2Output => "ln2 output",
+            TpPoint::AttentionOutputGrad => "attention output gradient",
+            TpPoint::MlpOutputGrad => "MLP output gradient",
+            TpPoint::LayerNormGrads => "LayerNorm parameter gradients",
+            TpPoint::LnfOutput => "final LayerNorm output",
+            TpPoint::LnfGrads => "final LayerNorm parameter gradients",
+            TpPoint::EmbeddingOutputGrad => "embedding output gradient",
+        }
+    }
+}
+
+/// A tensor-parallel group as the model sees it (`parallel/tensor.rs` has the real one).
+pub trait TensorParallelGroup<B: Backend>: Send {
+    fn place(&self) -> TpPlace;
+    /// Runs `op` over the group on `buf`, in place (an all-gather fills every rank's chunk
+    /// from each rank's own; a reduce-scatter leaves each rank its chunk's sum). `layer`:
+    /// the block it belongs to (None: the embeddings or the head).
+    fn collective(
+        &mut self,
+        be: &B,
+        buf: &mut B::Buf,
+        op: InPlace,
+        point: TpPoint,
+        layer: Option<usize>,
+    ) -> Result<(), CommError>;
+    /// Sums a scalar over the group (the gradient norm's squares).
+    fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
+    /// Before a step: whether to record its collectives on the timeline.
+    fn begin_step(&mut self, step: u64, record: bool);
+    /// The collectives recorded so far.
+    fn spans(&self) -> Vec<Span>;
+    /// (collectives, payload bytes summed, bytes this rank sent) since the start.
+    fn totals(&self) -> (u64, u64, u64);
+    /// The rank's memory ledger, for what the group's collectives allocate.
+    fn attach_memory(&mut self, memory: &Arc<MemoryTracker>);
+}
 
 /// Sequence parallelism: this rank's share of a micro-batch's tokens (rows `start ..
 /// start + len` of every (tokens x width) tensor).

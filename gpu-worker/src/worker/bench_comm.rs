@@ -17,7 +17,7 @@ use distlab_common::trace::CollectiveOp;
 use distlab_common::AllReduce;
 use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator};
 
-use crate::rank::{connect, LauncherChannel, Place};
+use super::rank::{connect, LauncherChannel, Place};
 
 #[derive(Serialize)]
 pub struct BandwidthPoint {

@@ -17,8 +17,8 @@ use distlab_worker::parallel::DpGroup;
 use distlab_worker::trace::CommTracer;
 use distlab_worker::train::{train_rank, Groups, TrainOptions, CHECKPOINT_LOG, SPAN_STEPS};
 
-use crate::demo::RankOutput;
-use crate::rank::{connect, LauncherChannel, Place};
+use super::demo::RankOutput;
+use super::rank::{connect, LauncherChannel, Place};
 
 /// Collectives recorded step by step per rank (the first ones); counters cover the rest.
 const DETAILED_COLLECTIVES: u64 = 64;

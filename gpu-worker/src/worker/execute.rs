@@ -18,9 +18,9 @@ use distlab_worker::train::{
     available_memory_bytes, ranks_fit, unsupported_features, CheckpointOptions, TrainError, TrainOptions,
 };
 
-use crate::demo::{self, DemoRankResult, RankOutput};
-use crate::launch::{self, LaunchError, LaunchSpec};
-use crate::rendezvous::{self, Rendezvous, Unmet};
+use super::demo::{self, DemoRankResult, RankOutput};
+use super::launch::{self, LaunchError, LaunchSpec};
+use super::rendezvous::{self, Rendezvous, Unmet};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicBool;
 use anyhow::Context;
 use distlab_common::*;
 
-use crate::execute::{execute, ExecError, Hosts, RunPaths};
+use super::execute::{execute, ExecError, Hosts, RunPaths};
 
 /// Exit codes: 0 done, 1 the run failed, 2 the spec is invalid or unsupported.
 pub fn run_spec_file(

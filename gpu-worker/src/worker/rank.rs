@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::launch::RankMessage;
+use super::protocol::{parse_secret, RankMessage, SECRET_VAR};
+
 use distlab_worker::comm::{AddressFiles, CommError, Hosts, Mesh, RendezvousError};
 use distlab_worker::train::TrainError;
 
@@ -64,23 +65,6 @@ fn blamed_peer(e: &CommError) -> Option<usize> {
         }
         CommError::BadBuffer { .. } | CommError::Device { .. } => None,
     }
-}
-
-/// The environment variable the launcher hands each rank the run's secret in (hex): every
-/// TCP connection between hosts proves it. (Not an argument: `ps` shows those to everyone.)
-pub const SECRET_VAR: &str = "DISTLAB_RENDEZVOUS_SECRET";
-
-/// 32 hex digits as 16 bytes.
-pub fn parse_secret(hex: &str) -> Option<[u8; 16]> {
-    let hex = hex.trim();
-    if hex.len() != 32 || !hex.is_ascii() {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(out)
 }
 
 /// Where a rank stands in its run.

@@ -12,7 +12,7 @@ use distlab_worker::comm::{chunk_range, Communicator, ReduceOp, RingCommunicator
 use distlab_worker::trace::CommTracer;
 use serde::{Deserialize, Serialize};
 
-use crate::rank::{connect, LauncherChannel, Place};
+use super::rank::{connect, LauncherChannel, Place};
 
 /// What each rank reports back to the launcher.
 #[derive(Serialize, Deserialize)]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use distlab_common::{RendezvousEntry, RendezvousRequest, RendezvousState};
 use distlab_worker::comm::{AddressBook, AddressFiles};
 
-use crate::client::ServerClient;
+use super::client::ServerClient;
 
 /// A run's rendezvous, as one host sees it.
 pub trait Rendezvous: Sync {

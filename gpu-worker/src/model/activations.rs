@@ -1,0 +1,446 @@
+//! What forward keeps for backward, and its bookkeeping: one micro-batch's activations
+//! on a stage ([`Activations`], a [`BlockActivations`] per block), what ZB-H1's B leaves
+//! for its W ([`WeightStash`]), and [`InFlight`] sets: taken (and booked in the memory
+//! ledger) when a micro-batch's forward starts, released when its backward (or W) is
+//! done, and kept for reuse as a caching allocator would, so a stage allocates as many
+//! sets as it ever had in flight at once. [`Saved`] says what is kept (activation
+//! checkpointing, flash attention's log-sum-exp), [`activation_floats_for`] how much,
+//! without allocating.
+
+use std::sync::Arc;
+
+use distlab_common::{Attention, Checkpointing, ModelSpec};
+
+use crate::backend::Backend;
+use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::model::experts::{expert_activation_floats, expert_scratch_floats, ExpertActivations, ExpertShape};
+
+/// What one block keeps from forward for backward (one micro-batch).
+pub(super) struct BlockActivations<Buf> {
+    pub(super) ln1: Buf,
+    pub(super) ln1_mean: Buf,
+    pub(super) ln1_rstd: Buf,
+    pub(super) qkv: Buf,
+    /// Softmax probabilities, (batch, heads, T, T); with flash attention only one
+    /// log-sum-exp per row, (batch, heads, T, 2).
+    pub(super) att: Buf,
+    /// Attention output before its projection.
+    pub(super) atty: Buf,
+    /// Residual stream after the attention half.
+    pub(super) res_attn: Buf,
+    pub(super) ln2: Buf,
+    pub(super) ln2_mean: Buf,
+    pub(super) ln2_rstd: Buf,
+    /// MLP hidden layer before and after GELU (with experts: of every slot).
+    pub(super) fch: Buf,
+    pub(super) fch_gelu: Buf,
+    /// Residual stream after the MLP half: the block's output.
+    pub(super) res_mlp: Buf,
+    /// Mixture of Experts: the router's and the slots' buffers, the routing.
+    pub(super) moe: Option<ExpertActivations<Buf>>,
+}
+
+impl<Buf> BlockActivations<Buf> {
+    pub(super) fn buffers(&self) -> Vec<&Buf> {
+        let mut bufs = vec![
+            &self.ln1,
+            &self.ln1_mean,
+            &self.ln1_rstd,
+            &self.qkv,
+            &self.att,
+            &self.atty,
+            &self.res_attn,
+            &self.ln2,
+            &self.ln2_mean,
+            &self.ln2_rstd,
+            &self.fch,
+            &self.fch_gelu,
+            &self.res_mlp,
+        ];
+        bufs.extend(self.moe.iter().flat_map(ExpertActivations::buffers));
+        bufs
+    }
+}
+
+/// ZB-H1: what a block's B leaves for its W, the gradients of its four matmuls' outputs
+/// (their inputs are activations the micro-batch keeps until the W anyway).
+pub(super) struct WeightStash<Buf> {
+    /// d(MLP output), the gradient of `fc_proj`'s output (rows x c).
+    pub(super) dmlp_out: Buf,
+    /// d(MLP hidden layer before GELU), of `fc`'s output (rows x 4c/tp).
+    pub(super) dfch: Buf,
+    /// d(attention output), of `attn_proj`'s output (rows x c).
+    pub(super) dattn_out: Buf,
+    /// d(q, k, v), of `qkv`'s output (rows x 3c/tp).
+    pub(super) dqkv: Buf,
+}
+
+impl<Buf> WeightStash<Buf> {
+    pub(super) fn buffers(&self) -> [&Buf; 4] {
+        [&self.dmlp_out, &self.dfch, &self.dattn_out, &self.dqkv]
+    }
+}
+
+/// What one micro-batch leaves on this stage for its backward.
+pub(super) struct Activations<Buf> {
+    /// The stage's input: the embedding output on the first stage, what the previous
+    /// stage sent on the others.
+    pub(super) encoded: Buf,
+    /// The stage's blocks, in order (without activation checkpointing).
+    pub(super) blocks: Vec<BlockActivations<Buf>>,
+    /// With checkpointing: the output of each segment's last block (b x s x d each; with
+    /// sequence parallelism this rank's tokens, b x s/t x d).
+    pub(super) checkpoints: Vec<Buf>,
+    /// The last stage only.
+    pub(super) head: Option<HeadActivations<Buf>>,
+}
+
+pub(super) struct HeadActivations<Buf> {
+    pub(super) lnf: Buf,
+    pub(super) lnf_mean: Buf,
+    pub(super) lnf_rstd: Buf,
+    /// Logits, turned into probabilities by the loss, then into their gradient.
+    pub(super) logits: Buf,
+    pub(super) losses: Buf,
+}
+
+impl<Buf> Activations<Buf> {
+    /// The stage's output: its last block's (or, with no blocks, its input).
+    pub(super) fn output(&self) -> &Buf {
+        stage_output(&self.checkpoints, &self.blocks, &self.encoded)
+    }
+}
+
+/// [`Activations::output`] from the fields, for callers that hold `head` mutably.
+pub(super) fn stage_output<'a, Buf>(checkpoints: &'a [Buf], blocks: &'a [BlockActivations<Buf>], encoded: &'a Buf) -> &'a Buf {
+    checkpoints.last().or(blocks.last().map(|b| &b.res_mlp)).unwrap_or(encoded)
+}
+
+/// What forward saves for backward: every activation, or (activation checkpointing)
+/// only some blocks' outputs; the attention's probabilities, or (flash attention) one
+/// log-sum-exp per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Saved {
+    pub checkpointing: Checkpointing,
+    pub attention: Attention,
+    /// Sequence parallelism: the LayerNorm and residual regions keep this rank's tokens only.
+    pub sequence_parallel: bool,
+    /// ZB-H1: backward runs as B (`backward_stage`), which keeps each matmul's output
+    /// gradient, and W (`weights_stage`), which turns them into weight gradients.
+    pub split_backward: bool,
+}
+
+impl Default for Saved {
+    fn default() -> Self {
+        Saved {
+            checkpointing: Checkpointing::None,
+            attention: Attention::Naive,
+            sequence_parallel: false,
+            split_backward: false,
+        }
+    }
+}
+
+impl Saved {
+    /// Blocks per recomputed segment on a stage of `blocks` blocks: every block its own
+    /// segment, or about sqrt(blocks) of them (ceil), keeping one output per segment
+    /// (Chen et al. 2016: sqrt(L) memory for one extra forward).
+    pub fn segment(&self, blocks: usize) -> Option<usize> {
+        match self.checkpointing {
+            Checkpointing::None => None,
+            Checkpointing::Every => Some(1),
+            Checkpointing::Sqrt => Some(ceil_sqrt(blocks).max(1)),
+        }
+    }
+}
+
+fn ceil_sqrt(n: usize) -> usize {
+    let r = n.isqrt();
+    if r * r < n {
+        r + 1
+    } else {
+        r
+    }
+}
+
+/// The sizes of one micro-batch's [`Activations`] on this rank.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ActivationShape {
+    pub(super) batch: usize,
+    pub(super) rows: usize,
+    /// Rows of the LayerNorm and residual regions this rank keeps: all of them, or with
+    /// sequence parallelism its own tokens' (rows / tp).
+    pub(super) res_rows: usize,
+    pub(super) t: usize,
+    pub(super) c: usize,
+    /// This rank's width of the attention (its heads) and of the MLP's hidden layer.
+    pub(super) cl: usize,
+    pub(super) heads: usize,
+    pub(super) hidden: usize,
+    pub(super) vocab: usize,
+    /// Blocks whose activations are all kept (none with checkpointing).
+    pub(super) kept_blocks: usize,
+    /// Segment outputs kept (checkpointing).
+    pub(super) checkpoints: usize,
+    pub(super) last: bool,
+    pub(super) attention: Attention,
+    /// Mixture of Experts (None: dense blocks).
+    pub(super) experts: Option<ExpertShape>,
+}
+
+impl ActivationShape {
+    /// Rows of the MLP's hidden layer: the tokens, or with experts every slot.
+    pub(super) fn mlp_rows(&self) -> usize {
+        self.experts.map_or(self.rows, |e| e.slots())
+    }
+
+    /// Elements of the attention's saved tensor (and of its gradient scratch).
+    pub(super) fn attention_floats(&self) -> usize {
+        attention_floats(self.batch, self.heads, self.t, self.attention)
+    }
+
+    /// One block's buffers, each from `alloc(floats)`.
+    pub(super) fn block<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> BlockActivations<Buf> {
+        let (rows, own, c, cl, hidden) = (self.rows, self.res_rows, self.c, self.cl, self.hidden);
+        BlockActivations {
+            ln1: alloc(own * c),
+            ln1_mean: alloc(own),
+            ln1_rstd: alloc(own),
+            qkv: alloc(rows * 3 * cl),
+            att: alloc(self.attention_floats()),
+            atty: alloc(rows * cl),
+            res_attn: alloc(own * c),
+            ln2: alloc(own * c),
+            ln2_mean: alloc(own),
+            ln2_rstd: alloc(own),
+            fch: alloc(self.mlp_rows() * hidden),
+            fch_gelu: alloc(self.mlp_rows() * hidden),
+            res_mlp: alloc(own * c),
+            moe: self.experts.map(|e| ExpertActivations::new(&e, rows, c, alloc)),
+        }
+    }
+
+    /// Everything one micro-batch's forward leaves for its backward.
+    pub(super) fn set<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> Activations<Buf> {
+        let (rows, own, c) = (self.rows, self.res_rows, self.c);
+        Activations {
+            encoded: alloc(own * c),
+            blocks: (0..self.kept_blocks).map(|_| self.block(alloc)).collect(),
+            checkpoints: (0..self.checkpoints).map(|_| alloc(own * c)).collect(),
+            // The final LayerNorm's output is whole (gathered, with sequence parallelism)
+            // for the LM head, which every TP rank runs in full.
+            head: self.last.then(|| HeadActivations {
+                lnf: alloc(rows * c),
+                lnf_mean: alloc(own),
+                lnf_rstd: alloc(own),
+                logits: alloc(rows * self.vocab),
+                losses: alloc(rows),
+            }),
+        }
+    }
+
+    /// Floats of one [`Self::set`].
+    pub(super) fn set_floats(&self) -> usize {
+        let mut floats = 0;
+        self.set(&mut |len| floats += len);
+        floats
+    }
+}
+
+/// Elements attention keeps per micro-batch of `batch` sequences for `heads` heads: the
+/// (T, T) probabilities of each head, or (flash) a log-sum-exp pair per row.
+pub(super) fn attention_floats(batch: usize, heads: usize, t: usize, attention: Attention) -> usize {
+    let per_head = match attention {
+        Attention::Naive => t.saturating_mul(t),
+        Attention::Flash => t.saturating_mul(crate::ops::flash_attention::PAIR),
+    };
+    batch.saturating_mul(heads).saturating_mul(per_head)
+}
+
+/// One micro-batch in flight through one of this stage's chunks: its activations, booked
+/// in the ledger until its backward is done (ZB-H1: until its W, with what the B left).
+pub(super) struct InFlight<Buf> {
+    pub(super) chunk: usize,
+    pub(super) micro: usize,
+    pub(super) acts: Activations<Buf>,
+    pub(super) _booked: Receipt,
+    /// ZB-H1, between the B and the W: one stash per block of the chunk, booked.
+    pub(super) stash: Option<(Vec<WeightStash<Buf>>, Receipt)>,
+}
+
+/// The activations of the micro-batches between their forward and the end of their
+/// backward on this stage, and the spare sets kept for the next forwards.
+pub(super) struct InFlightSets<B: Backend> {
+    pub(super) in_flight: Vec<InFlight<B::Buf>>,
+    /// Sets whose backward is done (with the chunk they fit), kept for the next forward
+    /// instead of being freed and allocated again (what a caching allocator does: no
+    /// longer booked in the ledger, still on the heap, so between steps they show as
+    /// "untracked").
+    spare: Vec<(usize, Activations<B::Buf>)>,
+    /// ZB-H1: stashes whose W is done, kept for the next B like `spare`.
+    spare_stashes: Vec<Vec<WeightStash<B::Buf>>>,
+    /// The sizes of one micro-batch's activations through each chunk.
+    pub(super) shapes: Vec<ActivationShape>,
+    /// Floats of one micro-batch's activations through each chunk (what its forward books).
+    set_floats: Vec<usize>,
+    memory: Arc<MemoryTracker>,
+}
+
+impl<B: Backend> InFlightSets<B> {
+    pub(super) fn new(shapes: Vec<ActivationShape>, memory: &Arc<MemoryTracker>) -> Self {
+        let set_floats = shapes.iter().map(ActivationShape::set_floats).collect();
+        Self {
+            in_flight: Vec::new(),
+            spare: Vec::new(),
+            spare_stashes: Vec::new(),
+            shapes,
+            set_floats,
+            memory: memory.clone(),
+        }
+    }
+
+    /// Floats one micro-batch's forward through chunk `chunk` books.
+    pub(super) fn set_floats(&self, chunk: usize) -> usize {
+        self.set_floats[chunk]
+    }
+
+    /// Micro-batch `micro`'s forward through chunk `chunk` starts: its activations are
+    /// allocated and booked (a forward run again before its backward, as a
+    /// finite-difference check does, reuses them). Returns them.
+    pub(super) fn take(&mut self, be: &B, chunk: usize, micro: usize) -> &mut Activations<B::Buf> {
+        if let Some(i) = self.in_flight.iter().position(|f| (f.chunk, f.micro) == (chunk, micro)) {
+            let last = self.in_flight.len() - 1;
+            self.in_flight.swap(i, last);
+        } else {
+            let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, self.set_floats[chunk]);
+            let shape = self.shapes[chunk];
+            let acts = match self.spare.iter().position(|(c, _)| *c == chunk) {
+                Some(i) => self.spare.swap_remove(i).1,
+                None => shape.set(&mut |len| be.alloc(len)),
+            };
+            self.in_flight.push(InFlight { chunk, micro, acts, _booked: booked, stash: None });
+        }
+        &mut self.in_flight.last_mut().expect("taken above").acts
+    }
+
+    /// ZB-H1: the stashes a B of `blocks` blocks fills (one per block), booked as
+    /// activations until its W.
+    pub(super) fn take_stash(&mut self, be: &B, blocks: usize) -> (Vec<WeightStash<B::Buf>>, Receipt) {
+        let ActivationShape { rows, c, cl, hidden, .. } = self.shapes[0];
+        let floats = rows * (2 * c + 3 * cl + hidden);
+        let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, blocks * floats);
+        let mut stash = self.spare_stashes.pop().unwrap_or_default();
+        stash.truncate(blocks);
+        while stash.len() < blocks {
+            stash.push(WeightStash {
+                dmlp_out: be.alloc(rows * c),
+                dfch: be.alloc(rows * hidden),
+                dattn_out: be.alloc(rows * c),
+                dqkv: be.alloc(rows * 3 * cl),
+            });
+        }
+        (stash, booked)
+    }
+
+    /// The backward (ZB-H1: the W) of set `index` is over: its activations and stash are
+    /// released from the ledger and kept for the next forward and B.
+    pub(super) fn release(&mut self, index: usize) {
+        let done = self.in_flight.swap_remove(index);
+        self.spare.push((done.chunk, done.acts));
+        if let Some((stash, _booked)) = done.stash {
+            self.spare_stashes.push(stash);
+        }
+    }
+
+    /// Releases every set (an evaluation's forward, which no backward follows).
+    pub(super) fn release_all(&mut self) {
+        while !self.in_flight.is_empty() {
+            self.release(self.in_flight.len() - 1);
+        }
+    }
+
+    /// Where the activations of micro-batch `micro` through chunk `chunk` are (its forward
+    /// ran, its backward has not).
+    pub(super) fn index_of(&self, chunk: usize, micro: usize) -> usize {
+        self.in_flight.iter().position(|f| (f.chunk, f.micro) == (chunk, micro)).unwrap_or_else(|| {
+            panic!("micro-batch {micro} has no activations in chunk {chunk}: backward before forward")
+        })
+    }
+
+    /// The activations of micro-batch `micro` through chunk `chunk`, if its forward ran
+    /// and its backward has not.
+    pub(super) fn find(&self, chunk: usize, micro: usize) -> Option<&Activations<B::Buf>> {
+        self.in_flight.iter().find(|f| (f.chunk, f.micro) == (chunk, micro)).map(|f| &f.acts)
+    }
+
+    /// Every buffer of the sets in flight (with their stashes), spare sets aside.
+    pub(super) fn buffers(&self) -> Vec<&B::Buf> {
+        let mut bufs = Vec::new();
+        for a in self.in_flight.iter().map(|f| &f.acts) {
+            bufs.push(&a.encoded);
+            if let Some(h) = &a.head {
+                bufs.extend([&h.lnf, &h.lnf_mean, &h.lnf_rstd, &h.logits, &h.losses]);
+            }
+            bufs.extend(a.blocks.iter().flat_map(BlockActivations::buffers));
+            bufs.extend(a.checkpoints.iter());
+        }
+        for (stash, _) in self.in_flight.iter().filter_map(|f| f.stash.as_ref()) {
+            bufs.extend(stash.iter().flat_map(WeightStash::buffers));
+        }
+        bufs
+    }
+}
+
+/// What [`Gpt::new`](super::Gpt::new) will allocate for activations and their gradients on one of `tp`
+/// tensor-parallel ranks (with `sequence_parallel`, its share of the LayerNorm and
+/// residual regions) and one of `ep` expert-parallel ranks, without allocating
+/// (saturating, so absurd specs give a huge number, not an overflow).
+pub fn activation_floats_for(
+    spec: &ModelSpec,
+    batch: usize,
+    (tp, ep): (usize, usize),
+    attention: Attention,
+    sequence_parallel: bool,
+) -> usize {
+    let n = tp.max(1);
+    let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n, spec.layers);
+    let rows = batch.saturating_mul(t);
+    let own = if sequence_parallel && n > 1 { rows / n } else { rows };
+    let att = attention_floats(batch, h, t, attention);
+    let rc = rows.saturating_mul(c);
+    let own_c = own.saturating_mul(c);
+    let split = rows.saturating_mul(c / n);
+    // per block: ln1, res_attn, ln2, res_mlp (own rows x c); qkv (3c/tp), atty (c/tp),
+    // fch, fch_gelu (4c/tp); 4 row statistics (mean, rstd of two LayerNorms, own rows);
+    // attention probabilities of this rank's heads (a log-sum-exp pair per row with flash)
+    let block = own_c
+        .saturating_mul(4)
+        .saturating_add(split.saturating_mul(3 + 1 + 8))
+        .saturating_add(own.saturating_mul(4))
+        .saturating_add(att);
+    // encoded (own rows), lnf (rows x c), lnf statistics (own rows), logits, losses
+    let top = own_c
+        .saturating_add(rc)
+        .saturating_add(own.saturating_mul(2))
+        .saturating_add(rows)
+        .saturating_add(rows.saturating_mul(v));
+    // backward scratch: dres (own rows), dln (c), datty (c/tp), dqkv (3c/tp), dfch
+    // (4c/tp), datt (the size of att); sequence parallelism's exchange buffers (two
+    // rows x c) and LayerNorm gradient scratch (4c + 2c)
+    let scratch = own_c.saturating_add(rc).saturating_add(split.saturating_mul(1 + 3 + 4)).saturating_add(att);
+    let exchange = if own < rows { rc.saturating_mul(2).saturating_add(6 * c) } else { 0 };
+    // Mixture of Experts (tp = 1): the hidden layers of every slot in place of every
+    // token's, the router's and the slots' buffers, and their gradients.
+    let (block, scratch) = match ExpertShape::of(spec, rows, ep) {
+        None => (block, scratch),
+        Some(e) => {
+            let dense_hidden = rows.saturating_mul(4 * c);
+            let block =
+                block.saturating_sub(2 * dense_hidden).saturating_add(expert_activation_floats(&e, rows, c));
+            let dfch = rows.max(e.slots()).saturating_mul(4 * c);
+            let scratch = scratch.saturating_sub(dense_hidden).saturating_add(dfch);
+            (block, scratch.saturating_add(expert_scratch_floats(&e, rows, c)))
+        }
+    };
+    block.saturating_mul(l).saturating_add(top).saturating_add(scratch).saturating_add(exchange)
+}

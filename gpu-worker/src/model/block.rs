@@ -1,0 +1,419 @@
+//! One transformer block, forward and backward, on this rank's slice of it:
+//!
+//! ```text
+//!   res_attn = x + attn_proj(attention(ln1(x)))          (layernorm.rs, linear.rs,
+//!   res_mlp  = res_attn + fc_proj(gelu(fc(ln2(res_attn)))) attention.rs, mlp.rs)
+//! ```
+//!
+//! the Mixture-of-Experts MLP in its place where the model has experts (`experts.rs`),
+//! the tensor-parallel sums and sequence-parallel exchanges where `tensor_parallel.rs`
+//! puts them, and ZB-H1's split of the backward into B (input gradients) and W (weight
+//! gradients).
+
+use std::ops::Range;
+
+use distlab_common::Attention;
+
+use crate::backend::Backend;
+use crate::comm::{CommError, InPlace, ReduceOp};
+use crate::model::activations::{Activations, BlockActivations, WeightStash};
+use crate::model::experts::{experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden};
+use crate::model::layout::BlockTensors;
+use crate::model::tensor_parallel::{
+    add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, TensorParallelGroup,
+    Tokens, TpPoint,
+};
+
+/// A block's sizes on this rank: sequence length, model width, this rank's attention
+/// width and heads, its MLP hidden width, and whether it adds the row-parallel biases and
+/// the residual (tensor-parallel rank 0; the only rank without tensor parallelism), and
+/// with sequence parallelism the tokens it keeps.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Dims {
+    pub(super) t: usize,
+    pub(super) c: usize,
+    pub(super) cl: usize,
+    pub(super) heads: usize,
+    pub(super) hidden: usize,
+    pub(super) lead: bool,
+    pub(super) attention: Attention,
+    /// Sequence parallelism: the tokens whose LayerNorm and residual regions this rank keeps.
+    pub(super) mine: Option<Tokens>,
+    /// Mixture of Experts (None: dense blocks).
+    pub(super) experts: Option<ExpertShape>,
+    /// Backward: the balance loss's weight in the objective (aux_loss_coef x tokens x
+    /// d(objective)/d(a token's loss)).
+    pub(super) balance_weight: f64,
+}
+
+/// Activation gradients, shared by all blocks (backward visits one block at a time).
+pub(super) struct GradScratch<Buf> {
+    /// Gradient of the residual stream.
+    pub(super) dres: Buf,
+    /// Gradient of a LayerNorm output.
+    pub(super) dln: Buf,
+    pub(super) datty: Buf,
+    pub(super) dqkv: Buf,
+    /// The probabilities' gradient (batch, heads, T, T); with flash attention the
+    /// per-row rowsum(dO ∘ O), (batch, heads, T, 2).
+    pub(super) datt: Buf,
+    /// The MLP hidden layer's gradient (with experts: of every slot).
+    pub(super) dfch: Buf,
+    /// Mixture of Experts: the slots' and the router's gradients.
+    pub(super) experts: Option<ExpertScratch<Buf>>,
+}
+
+/// One transformer block forward, from its input `x`, keeping what backward needs in `a`:
+///
+/// ```text
+///   res_attn = x + attn_proj(attention(ln1(x)))
+///   res_mlp  = res_attn + fc_proj(gelu(fc(ln2(res_attn))))
+/// ```
+///
+/// With tensor parallelism each rank has its heads' q, k, v and its share of the hidden
+/// units, and the two row-parallel outputs are partial sums: g all-reduces them. With
+/// sequence parallelism `x`, the LayerNorms and the residuals are this rank's tokens only:
+/// the LayerNorm outputs are gathered before the column-parallel matmuls and the
+/// row-parallel outputs reduce-scattered.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn block_forward<B: Backend>(
+    be: &B,
+    w: &BlockTensors<B::View<'_>>,
+    x: &B::Buf,
+    a: &mut BlockActivations<B::Buf>,
+    d: Dims,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
+    ep: &mut ExpertGroup<B>,
+    layer: usize,
+) -> Result<(), CommError> {
+    let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
+    let at = Some(layer);
+    // attention half
+    be.layernorm_forward(
+        be.all_mut(&mut a.ln1),
+        be.all_mut(&mut a.ln1_mean),
+        be.all_mut(&mut a.ln1_rstd),
+        be.all(x),
+        w.ln1_g,
+        w.ln1_b,
+        c,
+    );
+    let ln1 = gather_tokens(be, &a.ln1, gathered(exchange), mine, c, tp, TpPoint::Ln1Output, at)?;
+    be.matmul_forward(be.all_mut(&mut a.qkv), be.all(ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
+    match attention {
+        Attention::Naive => {
+            be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
+        }
+        Attention::Flash => {
+            be.flash_attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
+        }
+    }
+    // (this rank's width, whether it adds the bias and residual, its tokens)
+    let place = (c, d.lead, mine);
+    let proj = (w.attn_proj_w, w.attn_proj_b, cl);
+    row_parallel_forward(
+        be,
+        (&mut a.res_attn, &a.atty, x),
+        proj,
+        TpPoint::AttentionOutput,
+        place,
+        tp,
+        exchange,
+        layer,
+    )?;
+    // MLP half
+    be.layernorm_forward(
+        be.all_mut(&mut a.ln2),
+        be.all_mut(&mut a.ln2_mean),
+        be.all_mut(&mut a.ln2_rstd),
+        be.all(&a.res_attn),
+        w.ln2_g,
+        w.ln2_b,
+        c,
+    );
+    if let (Some(shape), Some(moe)) = (d.experts, a.moe.as_mut()) {
+        // Mixture of Experts (tp = 1: ln2 and the residual are whole here)
+        let hidden = Hidden { fch: &mut a.fch, fch_gelu: &mut a.fch_gelu };
+        let bufs = (&a.ln2, &a.res_attn, &mut a.res_mlp);
+        return experts_forward(be, w, bufs, moe, hidden, &shape, c, ep, layer);
+    }
+    let ln2 = gather_tokens(be, &a.ln2, gathered(exchange), mine, c, tp, TpPoint::Ln2Output, at)?;
+    be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
+    be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
+    let proj = (w.fc_proj_w, w.fc_proj_b, hidden);
+    let (out, inp, residual) = (&mut a.res_mlp, &a.fch_gelu, &a.res_attn);
+    row_parallel_forward(be, (out, inp, residual), proj, TpPoint::MlpOutput, place, tp, exchange, layer)
+}
+
+/// Checkpointing: block `i` of the stage forward (the first time, or again in backward),
+/// into segment buffer `i % k`, from the segment's saved input or the previous segment
+/// buffer's output.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn segment_block_forward<B: Backend>(
+    be: &B,
+    w: &BlockTensors<B::View<'_>>,
+    acts: &Activations<B::Buf>,
+    segment: &mut [BlockActivations<B::Buf>],
+    i: usize,
+    k: usize,
+    d: Dims,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
+    ep: &mut ExpertGroup<B>,
+    layer: usize,
+) -> Result<(), CommError> {
+    let j = i % k;
+    let (before, rest) = segment.split_at_mut(j);
+    let x = match (j, i) {
+        (0, 0) => &acts.encoded,
+        (0, _) => &acts.checkpoints[i / k - 1],
+        _ => &before[j - 1].res_mlp,
+    };
+    block_forward(be, w, x, &mut rest[0], d, tp, exchange, ep, layer)
+}
+
+/// One transformer block backward: `s.dres` holds the gradient of the block's output and
+/// becomes the gradient of its input `x`; the parameter gradients are ADDED into `gw`.
+/// With tensor parallelism `dres` is whole on every rank (g's backward is the identity,
+/// so each rank computes the same gradient for the replicated biases and LayerNorms once
+/// f's backward has summed the LayerNorm output gradients over the group). With sequence
+/// parallelism `dres` is this rank's tokens': it is gathered whole for the row-parallel
+/// layers' backward, the LayerNorm outputs are gathered again for the column-parallel
+/// weight gradients, the LayerNorm output gradients reduce-scattered, and the LayerNorm
+/// parameter gradients (each rank's from its own tokens) summed over the group.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn block_backward<B: Backend>(
+    be: &B,
+    w: &BlockTensors<B::View<'_>>,
+    gw: BlockTensors<B::ViewMut<'_>>,
+    x: &B::Buf,
+    a: &BlockActivations<B::Buf>,
+    s: &mut GradScratch<B::Buf>,
+    d: Dims,
+    tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
+    exchange: &mut Option<Exchange<B::Buf>>,
+    ep: &mut ExpertGroup<B>,
+    layer: usize,
+    mut keep: Option<&mut WeightStash<B::Buf>>,
+) -> Result<(), CommError> {
+    let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
+    let at = Some(layer);
+    let BlockTensors {
+        ln1_g,
+        ln1_b,
+        qkv_w,
+        qkv_b,
+        attn_proj_w,
+        attn_proj_b,
+        ln2_g,
+        ln2_b,
+        router_w,
+        fc_w,
+        fc_b,
+        fc_proj_w,
+        fc_proj_b,
+    } = gw;
+    let (mut gathered, mut full, mut ln_scratch) = match exchange {
+        Some(e) => (Some(&mut e.gathered), Some(&mut e.full), Some(&mut e.ln_grads)),
+        None => (None, None, None),
+    };
+    // The LayerNorm parameter gradients: straight into gw, or (sequence parallelism) into
+    // scratch, summed over the group at the end and then added to gw.
+    let mut g_ln = [ln1_g, ln1_b, ln2_g, ln2_b];
+    let [d_ln1_g, d_ln1_b, d_ln2_g, d_ln2_b] = match ln_scratch.as_deref_mut() {
+        Some(buf) => {
+            be.fill(be.all_mut(buf), 0.0);
+            pieces::<B, 4>(be, buf, c)
+        }
+        None => g_ln.each_mut().map(|v| be.reborrow(v)),
+    };
+    // MLP half (dres holds d res_mlp, and becomes d res_attn)
+    let experts = match (d.experts, a.moe.as_ref(), s.experts.as_mut()) {
+        (Some(shape), Some(moe), Some(scratch)) => Some((shape, moe, scratch)),
+        _ => None,
+    };
+    let dln = if let Some((shape, moe, scratch)) = experts {
+        // Mixture of Experts (tp = 1)
+        let grads = ExpertGrads { router_w, fc_w, fc_b, fc_proj_w, fc_proj_b };
+        let (bufs, hidden) = ((&s.dres, &a.ln2, &mut s.dln), (&a.fch, &a.fch_gelu, &mut s.dfch));
+        experts_backward(be, w, grads, bufs, moe, hidden, scratch, &shape, c, ep, layer, d.balance_weight)?;
+        0..be.buf_len(&s.dln)
+    } else {
+        let dout = gather_tokens(be, &s.dres, full.as_deref_mut(), mine, c, tp, TpPoint::MlpOutputGrad, at)?;
+        let kept = keep.as_deref_mut().map(|k| &mut k.dmlp_out);
+        let weights = (fc_proj_w, Some(fc_proj_b));
+        linear_backward(
+            be,
+            be.all_mut(&mut s.dfch),
+            weights,
+            be.all(dout),
+            be.all(&a.fch_gelu),
+            w.fc_proj_w,
+            (hidden, c),
+            kept,
+        );
+        be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
+        let ln2 = gather_tokens(be, &a.ln2, gathered.as_deref_mut(), mine, c, tp, TpPoint::Ln2Output, at)?;
+        let kept = keep.as_deref_mut().map(|k| &mut k.dfch);
+        linear_backward(
+            be,
+            be.all_mut(&mut s.dln),
+            (fc_w, Some(fc_b)),
+            be.all(&s.dfch),
+            be.all(ln2),
+            w.fc_w,
+            (c, hidden),
+            kept,
+        );
+        // f's backward: ln2's output fed every rank's hidden units
+        sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?
+    };
+    be.layernorm_backward(
+        be.all_mut(&mut s.dres),
+        d_ln2_g,
+        d_ln2_b,
+        be.view(&s.dln, dln),
+        be.all(&a.res_attn),
+        w.ln2_g,
+        be.all(&a.ln2_mean),
+        be.all(&a.ln2_rstd),
+        c,
+    );
+    // attention half (dres becomes d x)
+    let dout = gather_tokens(be, &s.dres, full, mine, c, tp, TpPoint::AttentionOutputGrad, at)?;
+    let kept = keep.as_deref_mut().map(|k| &mut k.dattn_out);
+    let weights = (attn_proj_w, Some(attn_proj_b));
+    linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), be.all(&a.atty), w.attn_proj_w, (cl, c), kept);
+    match attention {
+        Attention::Naive => be.attention_backward(
+            be.all_mut(&mut s.dqkv),
+            be.all_mut(&mut s.datt),
+            be.all(&s.datty),
+            be.all(&a.qkv),
+            be.all(&a.att),
+            t,
+            cl,
+            heads,
+        ),
+        Attention::Flash => be.flash_attention_backward(
+            be.all_mut(&mut s.dqkv),
+            be.all_mut(&mut s.datt),
+            be.all(&s.datty),
+            be.all(&a.qkv),
+            be.all(&a.atty),
+            be.all(&a.att),
+            t,
+            cl,
+            heads,
+        ),
+    }
+    let ln1 = gather_tokens(be, &a.ln1, gathered, mine, c, tp, TpPoint::Ln1Output, at)?;
+    let kept = keep.map(|k| &mut k.dqkv);
+    linear_backward(
+        be,
+        be.all_mut(&mut s.dln),
+        (qkv_w, Some(qkv_b)),
+        be.all(&s.dqkv),
+        be.all(ln1),
+        w.qkv_w,
+        (c, 3 * cl),
+        kept,
+    );
+    let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln1OutputGrad, layer)?;
+    be.layernorm_backward(
+        be.all_mut(&mut s.dres),
+        d_ln1_g,
+        d_ln1_b,
+        be.view(&s.dln, dln),
+        be.all(x),
+        w.ln1_g,
+        be.all(&a.ln1_mean),
+        be.all(&a.ln1_rstd),
+        c,
+    );
+    if let (Some(buf), Some(tp)) = (ln_scratch, tp) {
+        tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LayerNormGrads, at)?;
+        add_pieces(be, g_ln, buf, c);
+    }
+    Ok(())
+}
+
+/// One matmul's backward inside a block: `dinp = dout · Wᵀ` and the weight gradients
+/// (`dW += inpᵀ · dout`, `db += Σ dout`), or (ZB-H1's B, `keep`) `dinp` only, with `dout`
+/// copied into `keep` for the W.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn linear_backward<B: Backend>(
+    be: &B,
+    dinp: B::ViewMut<'_>,
+    (dweight, dbias): (B::ViewMut<'_>, Option<B::ViewMut<'_>>),
+    dout: B::View<'_>,
+    inp: B::View<'_>,
+    weight: B::View<'_>,
+    (c_in, c_out): (usize, usize),
+    keep: Option<&mut B::Buf>,
+) {
+    match keep {
+        Some(kept) => {
+            be.copy(be.all_mut(kept), dout);
+            be.matmul_backward_input(dinp, dout, weight, c_in, c_out);
+        }
+        None => be.matmul_backward(Some(dinp), dweight, dbias, dout, inp, weight, c_in, c_out),
+    }
+}
+
+/// ZB-H1's W of one block: the four matmuls' weight and bias gradients from the output
+/// gradients its B kept (`k`) and the inputs its forward saved (`a`).
+pub(super) fn block_weights<B: Backend>(
+    be: &B,
+    gw: BlockTensors<B::ViewMut<'_>>,
+    a: &BlockActivations<B::Buf>,
+    k: &WeightStash<B::Buf>,
+    d: Dims,
+) {
+    debug_assert!(d.experts.is_none(), "validation keeps ZB-H1 to dense blocks");
+    let Dims { c, cl, hidden, .. } = d;
+    let weights = |dw, db, dout: &B::Buf, inp: &B::Buf, c_in, c_out| {
+        be.matmul_backward_weights(dw, Some(db), be.all(dout), be.all(inp), c_in, c_out);
+    };
+    weights(gw.fc_proj_w, gw.fc_proj_b, &k.dmlp_out, &a.fch_gelu, hidden, c);
+    weights(gw.fc_w, gw.fc_b, &k.dfch, &a.ln2, c, hidden);
+    weights(gw.attn_proj_w, gw.attn_proj_b, &k.dattn_out, &a.atty, cl, c);
+    weights(gw.qkv_w, gw.qkv_b, &k.dqkv, &a.ln1, c, 3 * cl);
+}
+
+/// A global range of the parameter buffer, in a buffer whose first element is global `at`.
+pub(super) fn shift(range: &Range<usize>, at: usize) -> Range<usize> {
+    range.start - at..range.end - at
+}
+
+/// Cuts one block's gradient view into its tensors (they are contiguous, in order).
+pub(super) fn split_block<'a, B: Backend>(
+    be: &B,
+    view: B::ViewMut<'a>,
+    lay: &BlockTensors<Range<usize>>,
+) -> BlockTensors<B::ViewMut<'a>> {
+    let mut rest = Some(view);
+    let mut take = |len: usize| {
+        let whole = rest.take().expect("split_block takes views one after another");
+        let (head, tail) = be.split_mut(whole, len);
+        rest = Some(tail);
+        head
+    };
+    BlockTensors {
+        ln1_g: take(lay.ln1_g.len()),
+        ln1_b: take(lay.ln1_b.len()),
+        qkv_w: take(lay.qkv_w.len()),
+        qkv_b: take(lay.qkv_b.len()),
+        attn_proj_w: take(lay.attn_proj_w.len()),
+        attn_proj_b: take(lay.attn_proj_b.len()),
+        ln2_g: take(lay.ln2_g.len()),
+        ln2_b: take(lay.ln2_b.len()),
+        router_w: take(lay.router_w.len()),
+        fc_w: take(lay.fc_w.len()),
+        fc_b: take(lay.fc_b.len()),
+        fc_proj_w: take(lay.fc_proj_w.len()),
+        fc_proj_b: take(lay.fc_proj_b.len()),
+    }
+}
+
