@@ -155,12 +155,12 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(Command::User { action: UserAction::Add { name, admin } }) = &cli.command {
         let location = match &cli.database_url {
-            Some(url) => distlab_server::db::Location::Postgres(url),
-            None => distlab_server::db::Location::DataDir(&cli.data_dir),
+            Some(url) => distlab_server::store::Location::Postgres(url),
+            None => distlab_server::store::Location::DataDir(&cli.data_dir),
         };
         return add_user(location, name, *admin);
     }
-    let token = distlab_server::secret_from("DISTLAB_WORKER_TOKEN", cli.worker_token_file.as_deref())?;
+    let token = distlab_server::tokens::secret_from("DISTLAB_WORKER_TOKEN", cli.worker_token_file.as_deref())?;
     let generated = token.is_none();
     let defaults = ServerConfig::default();
     let config = ServerConfig {
@@ -201,7 +201,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// `distlab-server user add NAME [--admin]`, the password read from standard input.
-fn add_user(location: distlab_server::db::Location<'_>, name: &str, admin: bool) -> anyhow::Result<()> {
+fn add_user(location: distlab_server::store::Location<'_>, name: &str, admin: bool) -> anyhow::Result<()> {
     if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
         eprint!("password for {name}: ");
     }
@@ -210,8 +210,8 @@ fn add_user(location: distlab_server::db::Location<'_>, name: &str, admin: bool)
     let password = password.trim_end_matches(['\r', '\n']);
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     let account = runtime.block_on(async {
-        let db = distlab_server::db::open(location).await?;
-        anyhow::Ok(distlab_server::accounts::create(&db, name, password, admin).await?)
+        let db = distlab_server::store::open(location).await?;
+        anyhow::Ok(distlab_server::store::accounts::create(&db, name, password, admin).await?)
     })?;
     println!("created {}account {}", if account.admin { "admin " } else { "" }, account.name);
     Ok(())
@@ -220,6 +220,8 @@ fn add_user(location: distlab_server::db::Location<'_>, name: &str, admin: bool)
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("DISTLAB_LOG")
         .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
+        .unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new(format!("info,{}", distlab_server::store::QUIET_DRIVER_LOGS))
+        });
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }

@@ -2,7 +2,7 @@
 //! password (`--auth accounts`).
 //!
 //! - **A bounded queue.** Each password check costs argon2id's memory (19 MiB) and tens of
-//!   milliseconds; `accounts` runs at most [`accounts::HASHING_AT_ONCE`] at a time. Sign-ins
+//!   milliseconds; `passwords` runs at most [`passwords::HASHING_AT_ONCE`] at a time. Sign-ins
 //!   beyond those and [`MAX_WAITING`] waiting ones are answered 503 at once, so a flood
 //!   needs no memory and no thread.
 //! - **Throttling.** Failed sign-ins are counted per account name and per client address.
@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::accounts;
+use crate::passwords;
 
-/// Sign-ins that may wait for a password check while [`accounts::HASHING_AT_ONCE`] run.
+/// Sign-ins that may wait for a password check while [`passwords::HASHING_AT_ONCE`] run.
 pub const MAX_WAITING: usize = 32;
 
 /// How failed sign-ins are throttled (server settings; `ServerConfig::sign_in`).
@@ -90,7 +90,7 @@ impl SignInGuard {
     pub fn new(policy: SignInPolicy) -> Self {
         Self {
             policy,
-            admitted: std::sync::Arc::new(Semaphore::new(accounts::HASHING_AT_ONCE + MAX_WAITING)),
+            admitted: std::sync::Arc::new(Semaphore::new(passwords::HASHING_AT_ONCE + MAX_WAITING)),
             failures: Mutex::new(HashMap::new()),
         }
     }
@@ -235,8 +235,9 @@ mod tests {
     fn the_queue_is_bounded() {
         let g = guard();
         let t = Instant::now();
-        let held: Vec<Admitted> =
-            (0..accounts::HASHING_AT_ONCE + MAX_WAITING).map(|i| g.admit(&format!("u{i}"), None, t).unwrap()).collect();
+        let held: Vec<Admitted> = (0..passwords::HASHING_AT_ONCE + MAX_WAITING)
+            .map(|i| g.admit(&format!("u{i}"), None, t).unwrap())
+            .collect();
         assert_eq!(g.admit("one-more", None, t).err(), Some(Refused::Busy));
         drop(held);
         assert!(g.admit("one-more", None, t).is_ok());

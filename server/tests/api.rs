@@ -1070,7 +1070,7 @@ async fn a_large_event_batch_lets_other_writers_in() {
 }
 
 const fn queue_chunk() -> u64 {
-    distlab_server::queue::EVENTS_PER_TRANSACTION as u64
+    distlab_server::store::reports::EVENTS_PER_TRANSACTION as u64
 }
 
 /// A worker credential unused for a day (its worker stopped) no longer works; the worker
@@ -2147,8 +2147,8 @@ async fn a_persons_share_of_the_disk_bounds_submissions_and_uploads_and_comes_ba
             .expect("request")
     };
     let used = || async {
-        let (mut tx, _turn) = distlab_server::db::begin_write(&t.state.db).await.expect("tx");
-        let used = distlab_server::disk_quota::used(&mut tx, "local").await.expect("used");
+        let (mut tx, _turn) = distlab_server::store::begin_write(&t.state.db).await.expect("tx");
+        let used = distlab_server::store::disk_quota::used(&mut tx, "local").await.expect("used");
         tx.commit().await.expect("commit");
         used
     };

@@ -10,7 +10,7 @@ use axum::http::{header, Method, Request, StatusCode};
 use axum::Router;
 use distlab_common::review::*;
 use distlab_common::ApiError;
-use distlab_server::review::parse_time;
+use distlab_server::clock::parse_time;
 use distlab_server::{app, AppState, ServerConfig};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};

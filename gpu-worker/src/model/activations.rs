@@ -95,6 +95,7 @@ pub(super) struct Activations<Buf> {
     pub(super) head: Option<HeadActivations<Buf>>,
 }
 
+/// What the head keeps from forward for backward (the last stage only).
 pub(super) struct HeadActivations<Buf> {
     pub(super) lnf: Buf,
     pub(super) lnf_mean: Buf,

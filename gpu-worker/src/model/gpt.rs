@@ -36,7 +36,7 @@ use distlab_common::trace::Span;
 use distlab_common::ModelSpec;
 
 use crate::backend::Backend;
-use crate::comm::{CommError, InPlace, ReduceOp};
+use crate::comm::CommError;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::activations::{
     activation_floats_for, stage_output, ActivationShape, BlockActivations, InFlight, InFlightSets, Saved,
@@ -45,10 +45,11 @@ use crate::model::block::{
     block_backward, block_forward, block_weights, segment_block_forward, shift, split_block, Dims, GradScratch,
 };
 use crate::model::experts::{ExpertGroup, ExpertScratch, ExpertShape, ExpertStats};
+use crate::model::head::{head_backward, head_forward, HeadTensors};
 use crate::model::layout::{ExpertPlace, ParamLayout, TpPlace};
 use crate::model::stage::{Stage, StageInput, Upcoming};
 use crate::model::state::{ModelState, Pass, Unit};
-use crate::model::tensor_parallel::{add_pieces, gather_tokens, pieces, Exchange, TensorParallelGroup, Tokens, TpPoint};
+use crate::model::tensor_parallel::{gather_tokens, Exchange, TensorParallelGroup, Tokens, TpPoint};
 use crate::trace::now_us;
 
 /// A GPT (or the stage of it this rank runs) on backend `B`: its layout and the
@@ -413,31 +414,12 @@ impl<B: Backend> Gpt<B> {
         {
             upcoming.before_open(state, Unit::Head, Pass::Forward);
             let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
-            // With sequence parallelism each rank normalises its own tokens, then the
-            // output is gathered whole for the LM head.
-            let whole = be.buf_len(&head.lnf);
-            let own = dims.mine.map_or(0..whole, |mine| mine.of(c));
-            be.layernorm_forward(
-                be.view_mut(&mut head.lnf, own),
-                be.all_mut(&mut head.lnf_mean),
-                be.all_mut(&mut head.lnf_rstd),
-                be.all(last),
-                be.view(p, shift(&lay.lnf_g, at)),
-                be.view(p, shift(&lay.lnf_b, at)),
-                c,
-            );
-            if let (Some(tp), Some(_)) = (&mut self.tp, dims.mine) {
-                tp.collective(be, &mut head.lnf, InPlace::AllGather, TpPoint::LnfOutput, None)?;
-            }
-            be.matmul_forward(
-                be.all_mut(&mut head.logits),
-                be.all(&head.lnf),
-                be.view(p, shift(&lay.lm_head, at)),
-                None,
-                None,
-                c,
-                vocab,
-            );
+            let w = HeadTensors {
+                lnf_g: be.view(p, shift(&lay.lnf_g, at)),
+                lnf_b: be.view(p, shift(&lay.lnf_b, at)),
+                lm_head: be.view(p, shift(&lay.lm_head, at)),
+            };
+            head_forward(be, &w, last, head, (dims, vocab), &mut self.tp)?;
         }
         state.close(be, Unit::Head, Pass::Forward)?;
         Ok(be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab))
@@ -557,55 +539,16 @@ impl<B: Backend> Gpt<B> {
             let (p, at) = open.params.expect("backward of the head has parameters");
             let (g, g_at) = open.grads.expect("backward has gradients");
             let g = be.view_mut(g, shift(&Unit::Head.range(lay), g_at));
-            let (g_lnf_g, g) = be.split_mut(g, lay.lnf_g.len());
-            let (g_lnf_b, g_lm_head) = be.split_mut(g, lay.lnf_b.len());
-            let mut g_lnf = [g_lnf_g, g_lnf_b];
-            // The final LayerNorm's parameter gradients: straight into the state's, or
-            // (sequence parallelism: from this rank's tokens only) into scratch, summed
-            // over the group and then added.
-            let mut lnf_scratch = self.exchange.as_mut().and_then(|e| e.lnf_grads.as_mut());
-            let [d_lnf_g, d_lnf_b] = match lnf_scratch.as_deref_mut() {
-                Some(buf) => {
-                    be.fill(be.all_mut(buf), 0.0);
-                    pieces::<B, 2>(be, buf, c)
-                }
-                None => g_lnf.each_mut().map(|v| be.reborrow(v)),
+            let (lnf_g, g) = be.split_mut(g, lay.lnf_g.len());
+            let (lnf_b, lm_head) = be.split_mut(g, lay.lnf_b.len());
+            let w = HeadTensors {
+                lnf_g: be.view(p, shift(&lay.lnf_g, at)),
+                lnf_b: be.view(p, shift(&lay.lnf_b, at)),
+                lm_head: be.view(p, shift(&lay.lm_head, at)),
             };
-            // (ZB-H1: the LM head's weight gradient waits for the W, from the logits'
-            // gradient and lnf, which the micro-batch keeps until then)
-            let (dlogits, lm_head) = (be.all(&head.logits), be.view(p, shift(&lay.lm_head, at)));
-            match stash {
-                Some(_) => be.matmul_backward_input(be.all_mut(&mut s.dln), dlogits, lm_head, c, vocab),
-                None => be.matmul_backward(
-                    Some(be.all_mut(&mut s.dln)),
-                    g_lm_head,
-                    None,
-                    dlogits,
-                    be.all(&head.lnf),
-                    lm_head,
-                    c,
-                    vocab,
-                ),
-            }
-            be.fill(be.all_mut(&mut s.dres), 0.0);
-            let last = acts.output();
-            // Every TP rank has the whole gradient of lnf's output; each takes its tokens'.
-            let own = dims.mine.map_or(0..be.buf_len(&s.dln), |mine| mine.of(c));
-            be.layernorm_backward(
-                be.all_mut(&mut s.dres),
-                d_lnf_g,
-                d_lnf_b,
-                be.view(&s.dln, own),
-                be.all(last),
-                be.view(p, shift(&lay.lnf_g, at)),
-                be.all(&head.lnf_mean),
-                be.all(&head.lnf_rstd),
-                c,
-            );
-            if let (Some(buf), Some(tp)) = (lnf_scratch, &mut self.tp) {
-                tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LnfGrads, None)?;
-                add_pieces(be, g_lnf, buf, c);
-            }
+            let g = HeadTensors { lnf_g, lnf_b, lm_head };
+            let (x, split) = (acts.output(), stash.is_some());
+            head_backward(be, &w, g, x, head, s, (dims, vocab, split), &mut self.tp, &mut self.exchange)?;
         } else {
             // The next stage sent the gradient of our output.
             be.upload(&mut s.dres, grad_output.expect("a stage before the last gets its output's gradient"));

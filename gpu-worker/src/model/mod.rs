@@ -1,6 +1,6 @@
 //! The GPT model: `gpt.rs` composes it and runs a stage's forward and backward through the
 //! [`Backend`](crate::backend::Backend) trait (the ops' math lives in `ops/`); `block.rs`
-//! is one transformer block, `activations.rs` what forward keeps for backward,
+//! is one transformer block, `head.rs` the final LayerNorm and LM head, `activations.rs` what forward keeps for backward,
 //! `stage.rs` the part of the model a pipeline stage runs, `tensor_parallel.rs` where
 //! tensor and sequence parallelism's collectives go, `experts.rs` the Mixture-of-Experts
 //! MLP; `layout.rs` places every parameter in one flat buffer, `state.rs` says where they
@@ -10,6 +10,7 @@ pub mod activations;
 pub mod block;
 pub mod experts;
 pub mod gpt;
+pub mod head;
 pub mod layout;
 pub mod stage;
 pub mod state;
