@@ -12,7 +12,6 @@ use distlab_common::ExperimentView;
 use serde::Deserialize;
 
 use crate::api::error::HttpError;
-use crate::api::experiments;
 use crate::text::truncate;
 use crate::{store, AppState};
 
@@ -84,7 +83,7 @@ async fn build(state: &AppState, ids: &[i64]) -> Result<CompareView, HttpError> 
     let mut runs = Vec::with_capacity(ids.len());
     let mut plans = Vec::with_capacity(ids.len());
     for &id in ids {
-        let experiment = store::experiments::load(&state.db, id).await?.ok_or_else(|| experiments::not_found(id))?;
+        let experiment = store::experiments::load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
         let metrics = store::experiments::load_metrics(&state.db, id).await?;
         let ranks = store::traces::load(&state.db, id).await?;
         let plan = planner::plan(&experiment.spec).ok();

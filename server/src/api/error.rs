@@ -58,6 +58,11 @@ impl HttpError {
         Self::new(StatusCode::NOT_FOUND, error)
     }
 
+    /// 404 for an experiment id that names none.
+    pub fn no_experiment(id: i64) -> Self {
+        Self::not_found(format!("no experiment with id {id}"))
+    }
+
     /// 409: the resource is in a state that does not allow this.
     pub fn conflict(error: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, error)

@@ -26,10 +26,6 @@ use crate::AppState;
 pub const DEFAULT_PAGE: i64 = 50;
 pub const MAX_PAGE: i64 = 200;
 
-pub fn not_found(id: i64) -> HttpError {
-    HttpError::not_found(format!("no experiment with id {id}"))
-}
-
 /// `POST /api/experiments`: validate (all problems at once, 422) and queue.
 /// The longest `Idempotency-Key` accepted.
 const MAX_IDEMPOTENCY_KEY: usize = 200;
@@ -223,7 +219,7 @@ pub async fn delete(
     Path(raw_id): Path<String>,
 ) -> Result<StatusCode, HttpError> {
     let id = parse_id(&raw_id)?;
-    let experiment = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
+    let experiment = load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
     may_change(&caller, &experiment, "delete")?;
     if !store::experiments::delete_finished(&state.db, id).await? {
         return Err(HttpError::conflict(format!(
@@ -316,7 +312,7 @@ pub async fn get_one(
     Path(raw_id): Path<String>,
 ) -> Result<Json<ExperimentView>, HttpError> {
     let id = parse_id(&raw_id)?;
-    load(&state.db, id).await?.map(Json).ok_or_else(|| not_found(id))
+    load(&state.db, id).await?.map(Json).ok_or_else(|| HttpError::no_experiment(id))
 }
 
 /// `GET /api/experiments/{id}/metrics`
@@ -331,7 +327,7 @@ pub async fn get_one(
 pub async fn metrics(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Metrics>, HttpError> {
     let id = parse_id(&raw_id)?;
     if !store::experiments::exists(&state.db, id).await? {
-        return Err(not_found(id));
+        return Err(HttpError::no_experiment(id));
     }
     Ok(Json(Metrics { steps: store::experiments::load_metrics(&state.db, id).await? }))
 }
@@ -349,7 +345,7 @@ pub async fn metrics(State(state): State<AppState>, Path(raw_id): Path<String>) 
 pub async fn attempts(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<Attempts>, HttpError> {
     let id = parse_id(&raw_id)?;
     if !store::experiments::exists(&state.db, id).await? {
-        return Err(not_found(id));
+        return Err(HttpError::no_experiment(id));
     }
     let attempts = store::experiments::attempts(&state.db, id).await?;
     Ok(Json(Attempts { attempts }))
@@ -372,10 +368,10 @@ pub async fn cancel(
     Path(raw_id): Path<String>,
 ) -> Result<Json<ExperimentView>, HttpError> {
     let id = parse_id(&raw_id)?;
-    let before = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
+    let before = load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
     may_change(&caller, &before, "cancel")?;
     let cancelled = store::experiments::cancel(&state.db, id, clock::now()).await?;
-    let view = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
+    let view = load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
     match cancelled {
         None => Err(HttpError::conflict(format!(
             "experiment {id} is already {}; only queued or running experiments can be cancelled",

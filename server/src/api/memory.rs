@@ -15,7 +15,6 @@ use distlab_common::planner::{self, Plan, RankMemory};
 use distlab_common::{Checkpointing, ExperimentSpec, Sharding};
 
 use crate::api::error::HttpError;
-use crate::api::experiments;
 use crate::api::extract::parse_id;
 use crate::{store, AppState};
 
@@ -30,7 +29,7 @@ use crate::{store, AppState};
 )]
 pub async fn memory(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Json<MemoryView>, HttpError> {
     let id = parse_id(&raw_id)?;
-    let spec = store::experiments::spec(&state.db, id).await?.ok_or_else(|| experiments::not_found(id))?;
+    let spec = store::experiments::spec(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
     let plan = planner::plan(&spec).map_err(|errors| {
         let list: Vec<String> = errors.iter().map(ToString::to_string).collect();
         HttpError::internal("planning a stored spec", format!("experiment {id}: {}", list.join("; ")))

@@ -25,11 +25,10 @@ use tower::ServiceExt;
 use tower_http::services::ServeFile;
 
 use crate::api::error::HttpError;
-use crate::api::experiments::not_found;
 use crate::api::extract::parse_id;
 use crate::api::workers::CallingWorker;
 use crate::store::experiments::{self, load};
-use crate::store::queue::{self, Ownership};
+use crate::store::leases::{self, Ownership};
 use crate::{clock, AppState};
 
 /// Where experiment `id`'s model is kept.
@@ -77,7 +76,7 @@ pub async fn upload(
     let id = parse_id(&raw_id)?;
     let limit = state.config.max_model_bytes;
     let holds = |state: AppState| async move {
-        match queue::ownership(&state.db, caller.0, id).await? {
+        match leases::ownership(&state.db, caller.0, id).await? {
             Ownership::Held => Ok(()),
             _ => Err(HttpError::conflict(format!("worker {} does not hold experiment {id}", caller.0))),
         }
@@ -87,7 +86,7 @@ pub async fn upload(
         Some(cause) if cause.is::<http_body_util::LengthLimitError>() => HttpError::too_large(limit),
         _ => HttpError::bad_request(format!("could not read the model: {e}")),
     })?;
-    let spec = load(&state.db, id).await?.ok_or_else(|| not_found(id))?.spec;
+    let spec = load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?.spec;
     let checked = tokio::task::spawn_blocking({
         let bytes = bytes.clone();
         move || check_model(&spec, &bytes)
@@ -114,7 +113,7 @@ pub async fn upload(
     written.map_err(|e| HttpError::internal("storing a model", e))?;
     experiments::record_model_bytes(&state.db, id, stored_bytes).await?;
     // The upload took the lease's time: renew it, as a heartbeat would.
-    queue::renew(&state.db, caller.0, id, state.config.lease_duration(), clock::now()).await?;
+    leases::renew(&state.db, caller.0, id, state.config.lease_duration(), clock::now()).await?;
     tracing::info!(experiment = id, worker = caller.0, "model stored");
     Ok(StatusCode::NO_CONTENT)
 }
@@ -125,7 +124,7 @@ pub(crate) async fn stored_model(
     raw_id: &str,
 ) -> Result<(i64, PathBuf, distlab_common::ExperimentSpec), HttpError> {
     let id = parse_id(raw_id)?;
-    let experiment = load(&state.db, id).await?.ok_or_else(|| not_found(id))?;
+    let experiment = load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
     let path = model_path(state, id);
     if experiment.status == ExperimentStatus::Succeeded && path.exists() {
         return Ok((id, path, experiment.spec));

@@ -21,7 +21,6 @@ use futures::stream::{self, Stream, StreamExt};
 use tokio::sync::broadcast;
 
 use crate::api::error::HttpError;
-use crate::api::experiments;
 use crate::api::extract::parse_id;
 use crate::live::hub::{Published, StreamRefused, Subscription, TOPIC_CAPACITY};
 use crate::store::accounts::Account;
@@ -60,7 +59,7 @@ pub async fn stream(
     let sessions_ended = permit.sessions_ended();
     // Subscribe before reading the database, so that nothing falls between the two.
     let subscription = state.hub.subscribe(id);
-    let view = store::experiments::load(&state.db, id).await?.ok_or_else(|| experiments::not_found(id))?;
+    let view = store::experiments::load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
     let logs = store::experiments::load_recent_logs(&state.db, id, LOG_REPLAY).await?;
     let metrics = store::experiments::load_metrics(&state.db, id).await?;
 

@@ -11,7 +11,6 @@ use axum::response::{IntoResponse, Response};
 use distlab_common::FieldError;
 
 use crate::api::error::HttpError;
-use crate::api::experiments;
 use crate::api::extract::parse_id;
 use crate::store;
 use crate::AppState;
@@ -37,7 +36,7 @@ pub fn invalid_batch(problems: Vec<FieldError>) -> HttpError {
 pub async fn trace(State(state): State<AppState>, Path(raw_id): Path<String>) -> Result<Response, HttpError> {
     let id = parse_id(&raw_id)?;
     if !store::experiments::exists(&state.db, id).await? {
-        return Err(experiments::not_found(id));
+        return Err(HttpError::no_experiment(id));
     }
     let rows = store::traces::stored_json(&state.db, id).await?;
     let mut body = String::with_capacity(rows.iter().map(|r| r.len() + 1).sum::<usize>() + 12);

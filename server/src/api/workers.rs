@@ -27,7 +27,9 @@ use crate::api::error::HttpError;
 use crate::api::extract::JsonBody;
 use crate::api::traces;
 use crate::clock;
-use crate::store::queue::{self, Ownership};
+use crate::store::leases::{self, Ownership};
+use crate::store::queue;
+use crate::store::logs;
 use crate::store::reports::{self, Stored};
 use crate::store::workers::{NewWorker, Offer};
 use crate::store::{self, parts};
@@ -266,7 +268,7 @@ pub async fn heartbeat(
     let Some(experiment_id) = body.experiment_id else {
         return Ok(Json(WorkerAck { cancel: false }));
     };
-    let ownership = queue::renew(&state.db, body.worker_id, experiment_id, state.config.lease_duration(), now).await?;
+    let ownership = leases::renew(&state.db, body.worker_id, experiment_id, state.config.lease_duration(), now).await?;
     ack(ownership, body.worker_id, experiment_id)
 }
 
@@ -316,7 +318,7 @@ pub async fn events(
         match event {
             RunEvent::Log(line) => {
                 // As stored: long messages are cut the same way.
-                let line = LogLine { level: line.level, message: truncate(&line.message, reports::MAX_TEXT_CHARS) };
+                let line = LogLine { level: line.level, message: truncate(&line.message, logs::MAX_TEXT_CHARS) };
                 state.hub.publish_log(body.experiment_id, log_ids.next(), line);
             }
             RunEvent::Trace(trace) => {
@@ -385,7 +387,7 @@ pub async fn fail(
         Ok(status) => status,
         Err(ownership) => return ack(ownership, body.worker_id, body.experiment_id),
     };
-    let error = (status == ExperimentStatus::Failed).then(|| truncate(&body.error, reports::MAX_TEXT_CHARS));
+    let error = (status == ExperimentStatus::Failed).then(|| truncate(&body.error, logs::MAX_TEXT_CHARS));
     state.hub.status_changed(body.experiment_id, StatusChange { status, error, summary: None });
     ack(Ownership::Held, body.worker_id, body.experiment_id)
 }

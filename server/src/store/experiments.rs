@@ -8,7 +8,7 @@ use distlab_common::{
 };
 
 use crate::clock;
-use crate::store::reports::level_from_name;
+use crate::store::logs::level_from_name;
 use crate::store::{corrupt, Db, StoreError};
 
 #[derive(sqlx::FromRow)]

@@ -21,6 +21,8 @@ pub mod datasets;
 pub mod disk_quota;
 pub mod experiments;
 pub mod gauges;
+pub mod leases;
+pub mod logs;
 pub mod notify;
 pub mod parts;
 pub mod queue;

@@ -14,8 +14,8 @@ use sqlx::AnyConnection;
 
 use crate::clock;
 use crate::placement::{Candidate, Share};
-use crate::store::queue::{self, Leased};
-use crate::store::reports::insert_log;
+use crate::store::leases::{renew_held, Leased};
+use crate::store::logs::insert_log;
 use crate::store::{self as db, Db, StoreError};
 
 /// A worker that could be given a part now.
@@ -165,37 +165,6 @@ pub async fn join(
     Ok(Some(Leased { id: part.experiment_id, spec: part.spec, attempt: part.attempt, placement: Some(placement) }))
 }
 
-/// The SQL condition "worker $W holds a part of the experiment's current attempt", for a
-/// query on `experiments` where `$W` is parameter `param`.
-pub fn holds_part(param: usize) -> String {
-    format!(
-        "EXISTS (SELECT 1 FROM parts p WHERE p.experiment_id = experiments.id AND p.attempt = experiments.attempt \
-         AND p.worker_id = ${param})"
-    )
-}
-
-/// Renews `worker_id`'s part of running experiment `id`; false when it holds none.
-pub async fn renew(
-    tx: &mut AnyConnection,
-    worker_id: i64,
-    id: i64,
-    lease: Duration,
-    now: SystemTime,
-) -> Result<bool, StoreError> {
-    let renewed: Option<i64> = sqlx::query_scalar(
-        "UPDATE parts SET lease_until = $1 \
-         WHERE worker_id = $2 AND experiment_id = $3 AND joined_at IS NOT NULL \
-           AND attempt = (SELECT attempt FROM experiments WHERE id = $3 AND status = 'running') \
-         RETURNING host",
-    )
-    .bind(clock::after(now, lease))
-    .bind(worker_id)
-    .bind(id)
-    .fetch_optional(&mut *tx)
-    .await?;
-    Ok(renewed.is_some())
-}
-
 /// What a host publishes in the rendezvous of one attempt.
 #[derive(Clone, Copy, Debug)]
 pub struct Exchange<'a> {
@@ -232,7 +201,7 @@ pub async fn exchange(
         tx.rollback().await?;
         return Ok(None);
     }
-    queue::renew_held(&mut tx, worker_id, id, lease, now).await?;
+    renew_held(&mut tx, worker_id, id, lease, now).await?;
     let kept: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM rendezvous WHERE experiment_id = $1 AND attempt = $2")
         .bind(id)
         .bind(attempt)

@@ -7,12 +7,12 @@ use std::time::{Duration, SystemTime};
 use distlab_common::{ExperimentSpec, ExperimentStatus, FieldError, LogLevel, MetricPoint, RunEvent, RunSummary};
 
 use crate::clock;
-use crate::store::queue::{ownership, ownership_after, renew_held, requeued_or_failed, Ownership, MAX_ATTEMPTS};
-use crate::store::{self as db, parts, traces, Db, StoreError};
+use crate::store::leases::{holds_part, ownership, ownership_after, renew_held, Ownership};
+use crate::store::logs::{insert_log, MAX_TEXT_CHARS};
+use crate::store::queue::{requeued_or_failed, MAX_ATTEMPTS};
+use crate::store::{self as db, traces, Db, StoreError};
 use crate::text::truncate;
 
-/// Longest error or log text stored, in characters.
-pub const MAX_TEXT_CHARS: usize = 8192;
 
 /// How many of experiment `id`'s steps, from step 0 on, have their metric point stored: the
 /// first step without one. A new attempt resumes no later (`Lease::stored_steps`).
@@ -163,43 +163,6 @@ async fn insert_metric(tx: &mut sqlx::AnyConnection, id: i64, m: &MetricPoint) -
     Ok(())
 }
 
-/// Stores a log line of experiment `id` (cut to `MAX_TEXT_CHARS`) and answers its id.
-pub async fn insert_log(
-    tx: &mut sqlx::AnyConnection,
-    id: i64,
-    level: LogLevel,
-    message: &str,
-    at: &str,
-) -> Result<i64, StoreError> {
-    Ok(sqlx::query_scalar(
-        "INSERT INTO logs (experiment_id, created_at, level, message) VALUES ($1, $2, $3, $4) RETURNING id",
-    )
-    .bind(id)
-    .bind(at)
-    .bind(level_name(level))
-    .bind(truncate(message, MAX_TEXT_CHARS))
-    .fetch_one(&mut *tx)
-    .await?)
-}
-
-fn level_name(level: LogLevel) -> &'static str {
-    match level {
-        LogLevel::Info => "info",
-        LogLevel::Warn => "warn",
-        LogLevel::Error => "error",
-    }
-}
-
-/// The level of a stored log line (the table's CHECK allows only the three names).
-pub fn level_from_name(name: &str) -> Option<LogLevel> {
-    match name {
-        "info" => Some(LogLevel::Info),
-        "warn" => Some(LogLevel::Warn),
-        "error" => Some(LogLevel::Error),
-        _ => None,
-    }
-}
-
 /// A running experiment held by `worker_id` succeeded.
 pub async fn complete(
     db: &Db,
@@ -254,7 +217,7 @@ pub async fn fail(
 ) -> Result<Result<ExperimentStatus, Ownership>, StoreError> {
     // The worker holds the experiment (host 0) or a part of it, in the attempt reported on
     // (parameter `$k`).
-    let held = |k: usize| format!("(worker_id = $1 OR {}) AND attempt = COALESCE(${k}, attempt)", parts::holds_part(1));
+    let held = |k: usize| format!("(worker_id = $1 OR {}) AND attempt = COALESCE(${k}, attempt)", holds_part(1));
     let at = clock::rfc3339(now);
     let error = truncate(failure.error, MAX_TEXT_CHARS);
     let mut tx = db.begin().await?;
@@ -296,7 +259,7 @@ pub async fn fail(
              WHERE id = $4 AND ((status = 'running' AND {}) OR (status = 'queued' AND {} AND attempt = $5)) \
              RETURNING status",
             held(5),
-            parts::holds_part(1)
+            holds_part(1)
         );
         let query = sqlx::query_scalar(&sql).bind(worker_id).bind(&error).bind(&at).bind(id).bind(failure.attempt);
         query.fetch_optional(&mut *tx).await?

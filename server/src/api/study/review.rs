@@ -30,8 +30,10 @@ use distlab_common::FieldError;
 
 use crate::api::error::HttpError;
 use crate::api::extract::JsonBody;
-use crate::api::study::schedule::{build_view, card_view, schedule, utc_day_start, whole_ms, Scheduler, MAX_DAYS};
-use crate::api::study::{cards, review_settings};
+use crate::api::study::schedule::{
+    build_view, card_view, check_parameters, schedule, utc_day_start, whole_ms, Scheduler, MAX_DAYS,
+};
+use crate::api::study::cards;
 use crate::clock::{self, parse_time};
 use crate::store::accounts::Account;
 use crate::text::truncate;
@@ -377,7 +379,7 @@ pub fn check_import(body: serde_json::Value, deck: &[Card]) -> Result<CheckedImp
             problems.push(FieldError::new("scheduling.desired_retention", e.message));
         }
         if let Some(parameters) = &scheduling.parameters {
-            if let Err(why) = review_settings::check_parameters(parameters) {
+            if let Err(why) = check_parameters(parameters) {
                 problems.push(FieldError::new("scheduling.parameters", why));
             }
         }

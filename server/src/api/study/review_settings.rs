@@ -78,46 +78,6 @@ pub fn fit(before: &[f32], items: Vec<fsrs::FSRSItem>) -> Result<(FitScore, FitS
     Ok((before, score(&fitted, &items)?))
 }
 
-/// The range of each of FSRS's 21 parameters that its training keeps them in (the fsrs
-/// crate's parameter clipper): an imported set outside them is refused, since the
-/// schedule it would give is not one FSRS can produce.
-const PARAMETER_RANGES: [(f32, f32); 21] = [
-    (0.001, 100.0),
-    (0.001, 100.0),
-    (0.001, 100.0),
-    (0.001, 100.0),
-    (1.0, 10.0),
-    (0.001, 4.0),
-    (0.001, 4.0),
-    (0.001, 0.75),
-    (0.0, 4.5),
-    (0.0, 0.8),
-    (0.001, 3.5),
-    (0.001, 5.0),
-    (0.001, 0.25),
-    (0.001, 0.9),
-    (0.0, 4.0),
-    (0.0, 1.0),
-    (1.0, 6.0),
-    (0.0, 2.0),
-    (0.0, 2.0),
-    (0.0, 0.8),
-    (0.1, 0.8),
-];
-
-/// Whether `parameters` is a set FSRS could have fitted: 21 values, each in its range.
-pub fn check_parameters(parameters: &[f32]) -> Result<(), String> {
-    if parameters.len() != PARAMETER_RANGES.len() {
-        return Err(format!("FSRS has {} parameters, got {}", PARAMETER_RANGES.len(), parameters.len()));
-    }
-    for (i, (&w, (low, high))) in parameters.iter().zip(PARAMETER_RANGES).enumerate() {
-        if !(low..=high).contains(&w) {
-            return Err(format!("parameter {i} must be from {low} to {high}, got {w}"));
-        }
-    }
-    Ok(())
-}
-
 /// One fit at a time: each is CPU work for a while.
 static FITTING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
