@@ -1,4 +1,4 @@
-//! Request and response bodies of the HTTP API (README.md, "API").
+//! Request and response bodies of the HTTP API (docs/api.md).
 
 use serde::{Deserialize, Serialize};
 

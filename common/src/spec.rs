@@ -1,4 +1,4 @@
-//! The experiment spec: what a person submits, as JSON (README.md shows one).
+//! The experiment spec: what a person submits, as JSON (docs/api.md shows one).
 //!
 //! Every section has defaults (the tiny config below), so `{}` is a valid spec;
 //! unknown fields are rejected so that a typo never silently runs something else.

@@ -1,4 +1,4 @@
-//! The HTTP API (README.md, "API") as seen from the browser:
+//! The HTTP API (docs/api.md) as seen from the browser:
 //! JSON requests with gloo-net and the live stream with an `EventSource`.
 
 use distlab_common::memory::MemoryView;

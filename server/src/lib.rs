@@ -1,5 +1,5 @@
 //! distlab's HTTP server: the REST API, live streams (SSE), the experiment queue that
-//! workers lease from, and the static browser app. README.md lists the API.
+//! workers lease from, and the static browser app. docs/api.md lists the API.
 //!
 //! - [`app`] builds the router for a given [`AppState`] (tests drive it with `oneshot`).
 //! - [`serve`] opens the database, binds, prints `distlab is ready at http://ADDR/`,
