@@ -117,6 +117,8 @@ pub fn build() -> Result<ExitCode> {
         .replace("{style}", &format!("/assets/{version}/style.css"))
         .replace("{chunks}", &serde_json::to_string(&urls)?);
     std::fs::write(staging.join("index.html"), index)?;
+    let style = format!("/assets/{version}/style.css");
+    let pages = crate::docs_site::render(&root.join("docs"), &root.join("README.md"), &staging.join("docs"), &style)?;
     swap_in(&staging, &site)?;
 
     println!(
@@ -130,6 +132,7 @@ pub fn build() -> Result<ExitCode> {
         chunk_raw += bytes.len();
         chunk_gzip += gzip_len(bytes)?;
     }
+    println!("xtask: {pages} documentation pages in {}", site.join("docs").display());
     println!(
         "xtask: {} chunks, prefetched once the first page runs: {} KB raw, {} KB gzip in all",
         chunks.len(),

@@ -15,6 +15,7 @@ mod abuse;
 mod bench;
 mod cuda_tools;
 mod emulated_gpu;
+mod docs_site;
 mod frontend;
 mod gpu_check;
 mod load;
