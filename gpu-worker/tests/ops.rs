@@ -479,7 +479,7 @@ fn cuda_calls_work_from_a_thread_new_to_cuda() {
     assert_eq!(got, want);
 }
 
-/// The GPU's optimizer kernels against the CPU's (`optim.rs`), over three updates of a
+/// The GPU's optimizer kernels against the CPU's (`ops/optimizer.rs`), over three updates of a
 /// slice of the parameters (the rest must stay as they were): AdamW and SGD, fp32 and bf16
 /// (whose update goes to fp32 master weights and is rounded into the model).
 #[cfg(feature = "cuda")]

@@ -3,7 +3,7 @@
 //! the suite: a learner would see a wrong engine and no test would say so.
 //!
 //! cargo-mutants would generate hundreds of mutants over `parallel/`, `comm/` and
-//! `optim.rs`, each a rebuild of the optimised worker (minutes on 2 cores); these are the
+//! `optim/`, each a rebuild of the optimised worker (minutes on 2 cores); these are the
 //! mistakes that change what a learner sees, written by hand. Each names an exact piece of
 //! code: when the code moves on and the piece is gone, the mutant fails loudly instead of
 //! silently testing nothing. The file is restored after every mutant, even on failure.

@@ -24,3 +24,35 @@ pub mod mlp;
 pub mod optimizer;
 pub mod router;
 pub mod simd;
+
+/// Every op's CUDA C (`<op>.cu`), one string in the order NVRTC compiles them, after what
+/// the kernels share (`backend/cuda/modules.rs`, `KERNELS`): a new op adds its name here,
+/// beside its `mod`.
+#[cfg(feature = "cuda")]
+macro_rules! cuda_sources {
+    () => {
+        $crate::ops::op_sources!(
+            "embedding",
+            "layernorm",
+            "linear",
+            "mlp",
+            "attention",
+            "flash_attention",
+            "loss",
+            "optimizer"
+        )
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use cuda_sources;
+
+/// The `.cu` files of the ops named, one after another (by their path from the crate's
+/// root, which `include_str!` in a macro needs: a relative one is the caller's).
+#[cfg(feature = "cuda")]
+macro_rules! op_sources {
+    ($($op:literal),+) => {
+        concat!($(include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/src/ops/", $op, ".cu"))),+)
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use op_sources;

@@ -31,7 +31,7 @@ use crate::ops::cuda::Launcher;
 pub use crate::ops::cuda::{DeviceElem, DeviceView, DeviceViewMut};
 pub use crate::ops::optimizer::cuda::DeviceOptimizerBuffers;
 use modules::load_kernels;
-pub use modules::{compile_kernels, KERNELS, KERNEL_NAMES};
+pub use modules::{compile_kernels, kernel_names, KERNELS};
 
 /// Why the CUDA backend cannot start here.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,6 @@
 //! The kernels' module: every `.cu` file as one CUDA C source ([`KERNELS`]), compiled by
-//! NVRTC for a storage format and a GPU ([`compile_kernels`], once per process), and loaded
-//! into a context by name ([`load_kernels`]).
+//! NVRTC for a storage format and a GPU ([`compile_kernels`], once per process), and every
+//! kernel in it ([`kernel_names`]) loaded into a context by name ([`load_kernels`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,49 +11,18 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use super::CudaUnavailable;
 
 /// The kernels' CUDA C: what they share, then every op's kernels from the file beside its
-/// CPU kernel, as one source for NVRTC.
-pub const KERNELS: &str = concat!(
-    include_str!("cuda_prelude.cu"),
-    include_str!("cuda_reductions.cu"),
-    include_str!("../../ops/embedding.cu"),
-    include_str!("../../ops/layernorm.cu"),
-    include_str!("../../ops/linear.cu"),
-    include_str!("../../ops/mlp.cu"),
-    include_str!("../../ops/attention.cu"),
-    include_str!("../../ops/flash_attention.cu"),
-    include_str!("../../ops/loss.cu"),
-    include_str!("../../ops/optimizer.cu"),
-);
-/// Every kernel of [`KERNELS`] the backend calls.
-pub const KERNEL_NAMES: [&str; 27] = [
-    "fill",
-    "add",
-    "widen",
-    "narrow",
-    "partial_sums",
-    "add_column_partials",
-    "column_partials",
-    "encoder_forward",
-    "encoder_backward_wte",
-    "encoder_backward_wpe",
-    "layernorm_forward",
-    "layernorm_backward_input",
-    "layernorm_param_partials",
-    "add_bias",
-    "gelu_forward",
-    "gelu_backward",
-    "causal_softmax_forward",
-    "causal_softmax_backward",
-    "flash_attention_forward",
-    "flash_attention_delta",
-    "flash_attention_backward_query",
-    "flash_attention_backward_key",
-    "crossentropy_forward",
-    "crossentropy_backward",
-    "adamw",
-    "head_pointers",
-    "sgd",
-];
+/// CPU kernel and its launch (`ops/<op>.cu`, listed in `ops/mod.rs`), as one source for NVRTC.
+pub const KERNELS: &str =
+    concat!(include_str!("cuda_prelude.cu"), include_str!("cuda_reductions.cu"), crate::ops::cuda_sources!());
+
+/// How each kernel of [`KERNELS`] is declared, its name and parameters following.
+const DECLARATION: &str = "extern \"C\" __global__ void ";
+
+/// Every kernel of [`KERNELS`], by name (each `extern "C" __global__` function), in source
+/// order: what the backend loads, so a new op's `.cu` needs no list of its own.
+pub fn kernel_names() -> Vec<&'static str> {
+    KERNELS.split(DECLARATION).skip(1).map(|rest| &rest[..rest.find('(').expect("a kernel's parameters")]).collect()
+}
 
 /// [`KERNELS`] compiled by NVRTC into PTX for storage format `define` (a
 /// [`DeviceElem::DEFINE`]) and compute capability `major`.`minor`: what every backend of
@@ -84,7 +53,7 @@ pub fn compile_kernels(define: &str, major: i32, minor: i32) -> Result<Ptx, Cuda
     Ok(ptx)
 }
 
-/// The kernels of [`KERNEL_NAMES`] compiled for format `define` (a
+/// The kernels of [`KERNELS`] compiled for format `define` (a
 /// [`DeviceElem::DEFINE`](crate::ops::cuda::DeviceElem::DEFINE)) and `ctx`'s GPU, compute
 /// capability `major`.`minor`, loaded into `ctx`.
 pub(super) fn load_kernels(
@@ -94,7 +63,7 @@ pub(super) fn load_kernels(
 ) -> Result<HashMap<&'static str, CudaFunction>, CudaUnavailable> {
     let module = ctx.load_module(compile_kernels(define, major, minor)?)?;
     let mut kernels = HashMap::new();
-    for name in KERNEL_NAMES {
+    for name in kernel_names() {
         kernels.insert(name, module.load_function(name)?);
     }
     Ok(kernels)
@@ -104,11 +73,21 @@ pub(super) fn load_kernels(
 mod tests {
     use super::*;
 
+    /// Every `__global__` function is found by its declaration, once, by a plain name.
     #[test]
-    fn every_kernel_named_here_is_in_the_source() {
-        for name in KERNEL_NAMES {
-            let declaration = format!("extern \"C\" __global__ void {name}(");
-            assert!(KERNELS.contains(&declaration), "{name} is not a kernel of the .cu files");
+    fn every_kernel_of_the_source_is_named_once() {
+        let names = kernel_names();
+        assert_eq!(names.len(), KERNELS.matches("__global__").count(), "a kernel declared otherwise: {names:?}");
+        for name in &names {
+            assert!(
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                "a kernel named {name:?}"
+            );
         }
+        let mut distinct = names.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), names.len(), "a kernel declared twice: {names:?}");
+        assert!(names.contains(&"layernorm_forward") && names.contains(&"adamw"), "{names:?}");
     }
 }
