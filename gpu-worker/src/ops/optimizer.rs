@@ -98,7 +98,7 @@ pub struct HostOptimizerBuffers<F = f32> {
 }
 
 impl<F: Float> HostOptimizerBuffers<F> {
-    /// Buffers for `len` parameters of a model stored as `S` (see `Backend::optimizer_buffers`).
+    /// Buffers for `len` parameters of a model stored as `S` (see `OptimizerKernels::optimizer_buffers`).
     pub fn new<S: Stored<Acc = F>>(len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> Self {
         let moment = || if moments { vec![F::ZERO; len] } else { Vec::new() };
         let master = needs_master::<S>().then(|| {
