@@ -1,6 +1,6 @@
 //! What every op's CUDA launch computes with (cargo feature `cuda`), as `gemm.rs` and
 //! `simd.rs` are for the CPU kernels: the storage formats the kernels and cuBLAS handle,
-//! views of device memory, the [`Launcher`] (one GPU stream, its cuBLAS handle and the
+//! views of device memory, the `Launcher` (one GPU stream, its cuBLAS handle and the
 //! compiled kernels) with the `launch!` macro, the launch shapes, the bounds checks, the
 //! cuBLAS products and the column sums two ops share. Each op's launch is in its own file
 //! (`layernorm.rs`'s `cuda` module beside `layernorm.cu`); the CUDA backend

@@ -25,7 +25,7 @@ pub fn kernel_names() -> Vec<&'static str> {
 }
 
 /// [`KERNELS`] compiled by NVRTC into PTX for storage format `define` (a
-/// [`DeviceElem::DEFINE`]) and compute capability `major`.`minor`: what every backend of
+/// [`DeviceElem::DEFINE`](crate::ops::cuda::DeviceElem::DEFINE)) and compute capability `major`.`minor`: what every backend of
 /// this process on such a GPU loads, compiled once (each rank, each op test, asks again).
 pub fn compile_kernels(define: &str, major: i32, minor: i32) -> Result<Ptx, CudaUnavailable> {
     /// (format, major, minor): what a compile is for.
