@@ -23,7 +23,10 @@ use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
 use crate::backend::{Backend, Stored};
 use crate::memory::{Category, MemoryTracker, Receipt};
-pub use crate::ops::optimizer::{needs_master, AdamWStep, OptimizerSlices, OptimizerState, Update};
+/// The optimizer's state as the strategies and the trainer name it (`crate::optim::...`); the
+/// types are the optimizer op's (`ops/optimizer.rs`), which the backends share.
+pub use crate::ops::optimizer::{needs_master, OptimizerSlices, OptimizerState};
+use crate::ops::optimizer::{AdamWStep, Update};
 use offload::{OffloadError, OffloadTo, OffloadedState};
 
 pub mod offload;
