@@ -212,7 +212,7 @@ pub fn bytes_per_param(precision: Precision, optimizer: Optimizer) -> BytesPerPa
     let (weight, master) = if mixed { (2, 4) } else { (4, 0) };
     let moments = match optimizer {
         Optimizer::Adamw => 2 * 4, // m and v, fp32
-        Optimizer::Sgd => 0,       // no momentum, as in the engine's optim.rs
+        Optimizer::Sgd => 0,       // no momentum, as in the engine's optim/
     };
     BytesPerParam { parameters: weight, gradients: weight, optimizer_state: master + moments }
 }

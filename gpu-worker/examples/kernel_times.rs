@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use distlab_worker::backend::{Backend, CpuBackend};
+use distlab_worker::backend::{CpuBackend, ModelKernels};
 use distlab_worker::machine_limits::fma_peak;
 
 const ROWS: usize = 16 * 128;

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use distlab_common::export::hf_gpt2_name;
 use distlab_common::ModelSpec;
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Buffers, CpuBackend};
 use crate::memory::MemoryTracker;
 use crate::model::{FlatState, Gpt, ParamLayout};
 use crate::rng::Rng;

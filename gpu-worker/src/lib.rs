@@ -3,7 +3,7 @@
 //!
 //! Engine layout (see docs/ARCHITECTURE.md): `backend/` (buffers + kernels: CPU, and CUDA with the `cuda` feature),
 //! `ops/` (each layer's math, CPU kernel and CUDA kernel), `model/` (the GPT),
-//! `parallel/` (the strategies), `comm/`, `optim.rs` (and `offload.rs`: its state off the device),
+//! `parallel/` (the strategies), `comm/`, `optim/` (the optimizer, and `offload.rs`: its state off the device),
 //! `data.rs`, and `train/`,
 //! whose [`train`] is the entry point the CLI and the worker loop call.
 
@@ -20,9 +20,10 @@ pub mod loss_scale;
 pub mod machine_limits;
 pub mod memory;
 pub mod model;
-pub mod offload;
 pub mod ops;
 pub mod optim;
+/// `crate::offload` as the strategies and the trainer name it (the module is `optim/offload.rs`).
+pub use optim::offload;
 pub mod parallel;
 pub mod rng;
 pub mod trace;

@@ -143,7 +143,7 @@ fn parse_ptxas(report: &str) -> Vec<KernelReport> {
 /// `cargo xtask test` installs NVRTC and ptxas from the Python package index.
 #[test]
 fn nvrtc_and_ptxas_compile_every_kernel_for_every_format_and_architecture() {
-    use distlab_worker::backend::cuda::{compile_kernels, KERNEL_NAMES};
+    use distlab_worker::backend::cuda::{compile_kernels, kernel_names};
     let ptxas = std::env::var("DISTLAB_PTXAS").unwrap_or_else(|_| "ptxas".into());
     let dir = tempfile::tempdir().expect("temp dir");
     let mut table = String::from(
@@ -160,7 +160,7 @@ fn nvrtc_and_ptxas_compile_every_kernel_for_every_format_and_architecture() {
                 )
             });
             let source = ptx.to_src();
-            for name in KERNEL_NAMES {
+            for name in kernel_names() {
                 assert!(source.contains(&format!(".entry {name}(")), "{format} sm_{major}{minor}: no kernel {name}");
             }
             let file = dir.path().join(format!("{format}-sm_{major}{minor}.ptx"));
@@ -178,7 +178,7 @@ fn nvrtc_and_ptxas_compile_every_kernel_for_every_format_and_architecture() {
             let kernels = parse_ptxas(&report);
             let mut names: Vec<&str> = kernels.iter().map(|k| k.name.as_str()).collect();
             names.sort_unstable();
-            let mut expected = KERNEL_NAMES.to_vec();
+            let mut expected = kernel_names();
             expected.sort_unstable();
             assert_eq!(names, expected, "{format} sm_{major}{minor}: ptxas's kernels\n{report}");
             for k in &kernels {

@@ -4,7 +4,7 @@
 //! 3-thread pools, so the threaded splits of the work are checked too.
 
 use distlab_common::ModelSpec;
-use distlab_worker::backend::{Backend, CpuBackend, Stored};
+use distlab_worker::backend::{Backend, CpuBackend, ModelKernels, Stored};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::model::{FlatState, Gpt};
 use distlab_worker::rng::Rng;

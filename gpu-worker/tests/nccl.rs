@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use distlab_common::trace::CollectiveOp;
 use distlab_worker::backend::cuda::{device_count, CudaBackend, DeviceElem};
-use distlab_worker::backend::{Backend, Stored};
+use distlab_worker::backend::{Buffers, DeviceCollectives, Stored};
 use distlab_worker::comm::nccl::{new_unique_id, share_unique_id, NcclCommunicator, NcclUnavailable, UNIQUE_ID_BYTES};
 use distlab_worker::comm::{chunk_range, Communicator, InPlace, Mesh, ReduceOp, RingCommunicator};
 use distlab_worker::memory::MemoryTracker;

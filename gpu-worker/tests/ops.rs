@@ -455,6 +455,8 @@ test_device!(
 #[test]
 #[ignore = "needs a GPU: cargo xtask test --gpu"]
 fn cuda_calls_work_from_a_thread_new_to_cuda() {
+    use distlab_worker::backend::{Buffers, ModelKernels};
+
     let be = cuda::<f32>();
     let (k, n) = (8, 4);
     let x: Vec<f32> = (0..k).map(|i| i as f32).collect();
@@ -477,14 +479,14 @@ fn cuda_calls_work_from_a_thread_new_to_cuda() {
     assert_eq!(got, want);
 }
 
-/// The GPU's optimizer kernels against the CPU's (`optim.rs`), over three updates of a
+/// The GPU's optimizer kernels against the CPU's (`ops/optimizer.rs`), over three updates of a
 /// slice of the parameters (the rest must stay as they were): AdamW and SGD, fp32 and bf16
 /// (whose update goes to fp32 master weights and is rounded into the model).
 #[cfg(feature = "cuda")]
 mod cuda_optimizer {
     use distlab_worker::backend::cuda::DeviceElem;
-    use distlab_worker::backend::Backend;
-    use distlab_worker::optim::{adamw_update, sgd_update, AdamWStep, Update};
+    use distlab_worker::backend::{Buffers, OptimizerKernels};
+    use distlab_worker::ops::optimizer::{adamw_update, sgd_update, AdamWStep, Update};
 
     fn check<S: DeviceElem>(adamw: bool) {
         let be = super::cuda::<S>();

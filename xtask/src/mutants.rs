@@ -3,7 +3,7 @@
 //! the suite: a learner would see a wrong engine and no test would say so.
 //!
 //! cargo-mutants would generate hundreds of mutants over `parallel/`, `comm/` and
-//! `optim.rs`, each a rebuild of the optimised worker (minutes on 2 cores); these are the
+//! `optim/`, each a rebuild of the optimised worker (minutes on 2 cores); these are the
 //! mistakes that change what a learner sees, written by hand. Each names an exact piece of
 //! code: when the code moves on and the piece is gone, the mutant fails loudly instead of
 //! silently testing nothing. The file is restored after every mutant, even on failure.
@@ -184,7 +184,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "SGD ignores weight decay",
-        file: "gpu-worker/src/optim.rs",
+        file: "gpu-worker/src/ops/optimizer.rs",
         find: "let decay = F::from_f64(1.0 - lr * weight_decay);",
         replace: "let decay = F::from_f64(1.0 - lr * weight_decay * 0.0);",
         tests: &["-p", "distlab-worker", "--lib", "optim"],
@@ -339,7 +339,7 @@ pub const MUTANTS: &[Mutant] = &[
 pub const KERNEL_MUTANTS: &[Mutant] = &[
     Mutant {
         name: "a block sum reads the warps' partial sums before every warp has written its own (a dropped barrier)",
-        file: "gpu-worker/src/backend/cuda_prelude.cu",
+        file: "gpu-worker/src/backend/cuda/cuda_prelude.cu",
         find: "    if (lane == 0) shared[warp] = x;\n    __syncthreads();\n    float total = 0.0f;",
         replace: "    if (lane == 0) shared[warp] = x;\n    float total = 0.0f;",
         tests: &["--include-ignored", "crossentropy::cuda_fp32"],
@@ -353,9 +353,9 @@ pub const KERNEL_MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "a linear layer's forward product reads its weight transposed (a wrong transpose flag)",
-        file: "gpu-worker/src/backend/cuda.rs",
-        find: "        self.gemm(\n            (false, false),\n            (c_out, rows, c_in),",
-        replace: "        self.gemm(\n            (true, false),\n            (c_out, rows, c_in),",
+        file: "gpu-worker/src/ops/linear.rs",
+        find: "        gpu.gemm(\n            (false, false),\n            (c_out, rows, c_in),",
+        replace: "        gpu.gemm(\n            (true, false),\n            (c_out, rows, c_in),",
         tests: &["--include-ignored", "matmul::cuda_fp32"],
     },
 ];

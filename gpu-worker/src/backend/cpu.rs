@@ -16,13 +16,13 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::backend::{Backend, Float, Stored};
+use crate::backend::{Buffers, DeviceCollectives, Float, ModelKernels, OptimizerKernels, Stored};
 use crate::memory::{with_kernel_ledger, MemoryTracker};
 use crate::ops::flash_attention::{self, PAIR};
 use crate::ops::float::{lane_sum, map_elements};
 use crate::ops::gemm::Parallelism;
+use crate::ops::optimizer::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
 use crate::ops::{attention, embedding, layernorm, linear, loss, mlp};
-use crate::optim::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
 
 /// Elements per chunk of the elementwise kernels and of the ordered reductions.
 const ELEMENT_CHUNK: usize = 1 << 14;
@@ -93,7 +93,7 @@ fn ordered_sum<S: Stored>(x: &[S], f: impl Fn(f64) -> f64 + Sync) -> f64 {
     partials.iter().sum()
 }
 
-impl<S: Stored> Backend for CpuBackend<S> {
+impl<S: Stored> Buffers for CpuBackend<S> {
     type Elem = S;
     type Buf = Vec<S>;
     type View<'a> = &'a [S];
@@ -166,49 +166,13 @@ impl<S: Stored> Backend for CpuBackend<S> {
         f(view)
     }
 
-    type OptimizerBuffers = HostOptimizerBuffers<S::Acc>;
-
-    fn optimizer_buffers(
-        &self,
-        len: usize,
-        moments: bool,
-        initial: impl FnOnce() -> Vec<f32>,
-    ) -> Self::OptimizerBuffers {
-        HostOptimizerBuffers::new::<S>(len, moments, initial)
-    }
-
-    fn optimizer_update(
-        &self,
-        params: &mut [S],
-        grads: &[S],
-        buffers: &mut Self::OptimizerBuffers,
-        range: Range<usize>,
-        update: &Update,
-    ) {
-        buffers.update(params, grads, range, update);
-    }
-
-    fn read_optimizer_buffers<R>(
-        &self,
-        buffers: &Self::OptimizerBuffers,
-        f: impl FnOnce(OptimizerSlices<'_, S::Acc>) -> R,
-    ) -> R {
-        f(OptimizerSlices { m: &buffers.m, v: &buffers.v, master: buffers.master.as_deref() })
-    }
-
-    fn load_optimizer_buffers(
-        &self,
-        buffers: &mut Self::OptimizerBuffers,
-        saved: &OptimizerState,
-    ) -> Result<(), String> {
-        buffers.load(saved)
-    }
-
     fn fill(&self, out: &mut [S], value: f64) {
         let v = S::from_f64(value);
         out.par_chunks_mut(ELEMENT_CHUNK).for_each(|chunk| chunk.fill(v));
     }
+}
 
+impl<S: Stored> ModelKernels for CpuBackend<S> {
     fn sum(&self, x: &[S]) -> f64 {
         ordered_sum(x, |v| v)
     }
@@ -450,3 +414,47 @@ impl<S: Stored> Backend for CpuBackend<S> {
             .for_each(|(p, t)| loss::crossentropy_backward(p, t, vocab, dloss));
     }
 }
+
+impl<S: Stored> OptimizerKernels for CpuBackend<S> {
+    type OptimizerBuffers = HostOptimizerBuffers<S::Acc>;
+
+    fn optimizer_buffers(
+        &self,
+        len: usize,
+        moments: bool,
+        initial: impl FnOnce() -> Vec<f32>,
+    ) -> Self::OptimizerBuffers {
+        HostOptimizerBuffers::new::<S>(len, moments, initial)
+    }
+
+    fn optimizer_update(
+        &self,
+        params: &mut [S],
+        grads: &[S],
+        buffers: &mut Self::OptimizerBuffers,
+        range: Range<usize>,
+        update: &Update,
+    ) {
+        buffers.update(params, grads, range, update);
+    }
+
+    fn read_optimizer_buffers<R>(
+        &self,
+        buffers: &Self::OptimizerBuffers,
+        f: impl FnOnce(OptimizerSlices<'_, S::Acc>) -> R,
+    ) -> R {
+        f(OptimizerSlices { m: &buffers.m, v: &buffers.v, master: buffers.master.as_deref() })
+    }
+
+    fn load_optimizer_buffers(
+        &self,
+        buffers: &mut Self::OptimizerBuffers,
+        saved: &OptimizerState,
+    ) -> Result<(), String> {
+        buffers.load(saved)
+    }
+}
+
+/// The CPU's buffers are host memory: every communicator reaches them, no collective runs
+/// on a device.
+impl<S: Stored> DeviceCollectives for CpuBackend<S> {}

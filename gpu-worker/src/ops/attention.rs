@@ -166,3 +166,104 @@ fn causal_softmax_backward_row<F: Float, S: Stored<Acc = F>>(
     dp_acc.store(live);
     masked.fill(S::default());
 }
+
+/// The launch of attention on the GPU: the per-(sequence, head) products through cuBLAS,
+/// the causal softmax and its backward (`attention.cu`) one warp per row.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use crate::ops::cuda::{
+        check_shape, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut, HeadOperand, Launcher,
+    };
+
+    pub(crate) fn attention_forward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        out: DeviceViewMut<'_, S>,
+        att: DeviceViewMut<'_, S>,
+        qkv: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        let batch = qkv.len / (t * 3 * c);
+        check_shape("attention_forward", &[(out.len, batch * t * c), (att.len, batch * heads * t * t)]);
+        let scale = 1.0 / (hs as f32).sqrt();
+        let e = size_of::<S>() as u64;
+        let qkv_part =
+            |part: usize| HeadOperand { ptr: qkv.ptr + (part * c) as u64 * e, ld: 3 * c, seq: t * 3 * c, head: hs };
+        let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
+        let shape = (batch, heads);
+        // S = Q Kᵀ * scale: column-major Sᵀ (keys x queries) = K · Qᵀ.
+        gpu.head_gemm((true, false), (t, t, hs), scale, qkv_part(1), qkv_part(0), 0.0, scores(att.ptr), shape);
+        launch!(
+            gpu,
+            "causal_softmax_forward",
+            warp_per_row(batch * heads * t),
+            att.ptr,
+            (batch * heads * t) as i64,
+            int(t)
+        );
+        // Y = P V: column-major Yᵀ (hs x T) = Vᵀ · Pᵀ.
+        let y = HeadOperand { ptr: out.ptr, ld: c, seq: t * c, head: hs };
+        gpu.head_gemm((false, false), (hs, t, t), 1.0, qkv_part(2), scores(att.ptr), 0.0, y, shape);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_backward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        dqkv: DeviceViewMut<'_, S>,
+        datt: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        qkv: DeviceView<'_, S>,
+        att: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        let batch = qkv.len / (t * 3 * c);
+        check_shape(
+            "attention_backward",
+            &[(dqkv.len, qkv.len), (dout.len, batch * t * c), (att.len, batch * heads * t * t), (datt.len, att.len)],
+        );
+        let scale = 1.0 / (hs as f32).sqrt();
+        let e = size_of::<S>() as u64;
+        let part = |ptr: u64, part: usize| HeadOperand {
+            ptr: ptr + (part * c) as u64 * e,
+            ld: 3 * c,
+            seq: t * 3 * c,
+            head: hs,
+        };
+        let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
+        let dy = HeadOperand { ptr: dout.ptr, ld: c, seq: t * c, head: hs };
+        let shape = (batch, heads);
+        // dP = dY Vᵀ: column-major dPᵀ = V · dYᵀ.
+        gpu.head_gemm((true, false), (t, t, hs), 1.0, part(qkv.ptr, 2), dy, 0.0, scores(datt.ptr), shape);
+        // dV = Pᵀ dY: column-major dVᵀ (hs x T) = dYᵀ · P.
+        gpu.head_gemm((false, true), (hs, t, t), 1.0, dy, scores(att.ptr), 0.0, part(dqkv.ptr, 2), shape);
+        let rows = batch * heads * t;
+        launch!(gpu, "causal_softmax_backward", warp_per_row(rows), datt.ptr, att.ptr, rows as i64, int(t), scale);
+        // dQ = dS K: column-major dQᵀ (hs x T) = Kᵀ · dSᵀ.
+        gpu.head_gemm(
+            (false, false),
+            (hs, t, t),
+            1.0,
+            part(qkv.ptr, 1),
+            scores(datt.ptr),
+            0.0,
+            part(dqkv.ptr, 0),
+            shape,
+        );
+        // dK = dSᵀ Q: column-major dKᵀ (hs x T) = Qᵀ · dS.
+        gpu.head_gemm(
+            (false, true),
+            (hs, t, t),
+            1.0,
+            part(qkv.ptr, 0),
+            scores(datt.ptr),
+            0.0,
+            part(dqkv.ptr, 1),
+            shape,
+        );
+    }
+}

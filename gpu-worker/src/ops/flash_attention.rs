@@ -226,6 +226,110 @@ simd_kernel! {
     }
 }
 
+/// The launch of flash attention's kernels (`flash_attention.cu`): one warp per query row
+/// (forward, delta, dQ) or key row (dK, dV), the head held in registers.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use crate::ops::cuda::{check_shape, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut, Launcher};
+
+    /// The widest head flash attention's kernels hold in registers (WARP * ROW_REGS).
+    const FLASH_MAX_HEAD: usize = distlab_common::backends::CUDA_FLASH_MAX_HEAD;
+
+    pub(crate) fn flash_attention_forward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        out: DeviceViewMut<'_, S>,
+        lse: DeviceViewMut<'_, S>,
+        qkv: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        assert!(hs <= FLASH_MAX_HEAD, "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)");
+        let batch = qkv.len / (t * 3 * c);
+        let rows = batch * heads * t;
+        check_shape("flash_attention_forward", &[(out.len, batch * t * c), (lse.len, rows * 2)]);
+        let scale = 1.0 / (hs as f32).sqrt();
+        launch!(
+            gpu,
+            "flash_attention_forward",
+            warp_per_row(rows),
+            out.ptr,
+            lse.ptr,
+            qkv.ptr,
+            rows as i64,
+            int(t),
+            int(c),
+            int(heads),
+            scale
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn flash_attention_backward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        dqkv: DeviceViewMut<'_, S>,
+        delta: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        qkv: DeviceView<'_, S>,
+        out: DeviceView<'_, S>,
+        lse: DeviceView<'_, S>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let (t, hs) = (seq_len, c / heads);
+        assert!(hs <= FLASH_MAX_HEAD, "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)");
+        let batch = qkv.len / (t * 3 * c);
+        let rows = batch * heads * t;
+        check_shape(
+            "flash_attention_backward",
+            &[
+                (dqkv.len, qkv.len),
+                (dout.len, batch * t * c),
+                (out.len, batch * t * c),
+                (lse.len, rows * 2),
+                (delta.len, rows * 2),
+            ],
+        );
+        let scale = 1.0 / (hs as f32).sqrt();
+        let (n, t, c, heads) = (rows as i64, int(t), int(c), int(heads));
+        launch!(gpu, "flash_attention_delta", warp_per_row(rows), delta.ptr, dout.ptr, out.ptr, n, t, c, heads);
+        let (dqkv, dout, qkv, lse, delta) = (dqkv.ptr, dout.ptr, qkv.ptr, lse.ptr, delta.ptr);
+        // dQ by query row, then dK and dV by key row: disjoint columns of dqkv.
+        launch!(
+            gpu,
+            "flash_attention_backward_query",
+            warp_per_row(rows),
+            dqkv,
+            dout,
+            qkv,
+            lse,
+            delta,
+            n,
+            t,
+            c,
+            heads,
+            scale
+        );
+        launch!(
+            gpu,
+            "flash_attention_backward_key",
+            warp_per_row(rows),
+            dqkv,
+            dout,
+            qkv,
+            lse,
+            delta,
+            n,
+            t,
+            c,
+            heads,
+            scale
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -106,3 +106,95 @@ simd_kernel! {
         dbeta_acc.store(dbeta);
     }
 }
+
+/// The launch of LayerNorm's kernels (`layernorm.cu`): one warp per row, the parameter
+/// gradients as column partial sums over blocks of rows added in order.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use cudarc::driver::LaunchConfig;
+
+    use crate::ops::cuda::{
+        blocks_for, column_blocks, elementwise, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut,
+        Launcher, BLOCK,
+    };
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn layernorm_forward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        out: DeviceViewMut<'_, S>,
+        mean: DeviceViewMut<'_, S>,
+        rstd: DeviceViewMut<'_, S>,
+        inp: DeviceView<'_, S>,
+        gamma: DeviceView<'_, S>,
+        beta: DeviceView<'_, S>,
+        c: usize,
+    ) {
+        let rows = inp.len / c;
+        launch!(
+            gpu,
+            "layernorm_forward",
+            warp_per_row(rows),
+            out.ptr,
+            mean.ptr,
+            rstd.ptr,
+            inp.ptr,
+            gamma.ptr,
+            beta.ptr,
+            int(rows),
+            int(c)
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn layernorm_backward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        dinp: DeviceViewMut<'_, S>,
+        dgamma: DeviceViewMut<'_, S>,
+        dbeta: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        inp: DeviceView<'_, S>,
+        gamma: DeviceView<'_, S>,
+        mean: DeviceView<'_, S>,
+        rstd: DeviceView<'_, S>,
+        c: usize,
+    ) {
+        let rows = inp.len / c;
+        launch!(
+            gpu,
+            "layernorm_backward_input",
+            warp_per_row(rows),
+            dinp.ptr,
+            dout.ptr,
+            inp.ptr,
+            gamma.ptr,
+            mean.ptr,
+            rstd.ptr,
+            int(rows),
+            int(c)
+        );
+        let (blocks, per_block) = column_blocks(rows);
+        let partial = gpu.scratch::<f32>(2 * blocks * c);
+        let p = gpu.ptr_of(&partial);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_for(c, BLOCK), blocks as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            gpu,
+            "layernorm_param_partials",
+            cfg,
+            p,
+            dout.ptr,
+            inp.ptr,
+            mean.ptr,
+            rstd.ptr,
+            int(rows),
+            int(c),
+            int(per_block)
+        );
+        launch!(gpu, "add_column_partials", elementwise(c), dgamma.ptr, p, int(blocks), int(c));
+        let dbeta_partial = p + (blocks * c * 4) as u64;
+        launch!(gpu, "add_column_partials", elementwise(c), dbeta.ptr, dbeta_partial, int(blocks), int(c));
+    }
+}

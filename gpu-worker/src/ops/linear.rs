@@ -178,6 +178,108 @@ simd_kernel! {
     }
 }
 
+/// The launch of the linear layer on the GPU: the products through cuBLAS (column-major, so
+/// each row-major product is written transposed), the bias (`linear.cu`) and its gradient
+/// (column sums).
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use crate::ops::cuda::{
+        check_shape, elementwise, int, launch, DeviceElem, DeviceView, DeviceViewMut, Launcher, Operand,
+    };
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul_forward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        out: DeviceViewMut<'_, S>,
+        inp: DeviceView<'_, S>,
+        weight: DeviceView<'_, S>,
+        bias: Option<DeviceView<'_, S>>,
+        residual: Option<DeviceView<'_, S>>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let rows = inp.len / c_in;
+        check_shape("matmul_forward", &[(inp.len, rows * c_in), (weight.len, c_in * c_out), (out.len, rows * c_out)]);
+        let beta = match residual {
+            Some(residual) => {
+                gpu.copy(DeviceViewMut::new(out.ptr, out.len), residual);
+                1.0
+            }
+            None => 0.0,
+        };
+        // Row-major out (rows x c_out) = inp · W is column-major outᵀ = Wᵀ · inpᵀ.
+        gpu.gemm(
+            (false, false),
+            (c_out, rows, c_in),
+            1.0,
+            Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
+            Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
+            beta,
+            Operand { ptr: out.ptr, ld: c_out, stride: 0 },
+            1,
+        );
+        if let Some(bias) = bias {
+            launch!(gpu, "add_bias", elementwise(rows * c_out), out.ptr, bias.ptr, int(rows), int(c_out));
+        }
+    }
+
+    pub(crate) fn matmul_backward_input<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        dinp: DeviceViewMut<'_, S>,
+        dout: DeviceView<'_, S>,
+        weight: DeviceView<'_, S>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let rows = dinp.len / c_in;
+        check_shape(
+            "matmul_backward_input",
+            &[(dinp.len, rows * c_in), (weight.len, c_in * c_out), (dout.len, rows * c_out)],
+        );
+        // dinp = dout · Wᵀ: column-major dinpᵀ (c_in x rows) = W · doutᵀ.
+        gpu.gemm(
+            (true, false),
+            (c_in, rows, c_out),
+            1.0,
+            Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
+            Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
+            0.0,
+            Operand { ptr: dinp.ptr, ld: c_in, stride: 0 },
+            1,
+        );
+    }
+
+    pub(crate) fn matmul_backward_weights<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        dweight: DeviceViewMut<'_, S>,
+        dbias: Option<DeviceViewMut<'_, S>>,
+        dout: DeviceView<'_, S>,
+        inp: DeviceView<'_, S>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let rows = inp.len / c_in;
+        check_shape(
+            "matmul_backward_weights",
+            &[(inp.len, rows * c_in), (dweight.len, c_in * c_out), (dout.len, rows * c_out)],
+        );
+        // dW += inpᵀ · dout: column-major dWᵀ (c_out x c_in) += doutᵀ · inp.
+        gpu.gemm(
+            (false, true),
+            (c_out, c_in, rows),
+            1.0,
+            Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
+            Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
+            1.0,
+            Operand { ptr: dweight.ptr, ld: c_out, stride: 0 },
+            1,
+        );
+        if let Some(dbias) = dbias {
+            gpu.add_column_sums(dbias.ptr, dout.ptr, rows, c_out);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -56,3 +56,62 @@ simd_kernel! {
         }
     }
 }
+
+/// The launch of the cross-entropy's kernels (`loss.cu`): one block per row; each row's loss
+/// comes back to the host in f64 and is added there in row order.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use crate::ops::cuda::{block_per_row, check_tokens, int, launch, DeviceElem, DeviceViewMut, Launcher};
+
+    pub(crate) fn crossentropy_forward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        logits: DeviceViewMut<'_, S>,
+        losses: DeviceViewMut<'_, S>,
+        targets: &[u32],
+        vocab: usize,
+    ) -> f64 {
+        let rows = logits.len / vocab;
+        if rows == 0 {
+            return 0.0;
+        }
+        check_tokens("crossentropy_forward", &targets[..rows], vocab);
+        assert!(losses.len >= rows, "crossentropy_forward: {} losses for {rows} rows", losses.len);
+        let targets = gpu.upload_u32(&targets[..rows]);
+        let row_loss = gpu.scratch::<f64>(rows);
+        launch!(
+            gpu,
+            "crossentropy_forward",
+            block_per_row(rows),
+            logits.ptr,
+            losses.ptr,
+            gpu.ptr_of(&row_loss),
+            gpu.ptr_of(&targets),
+            int(vocab)
+        );
+        gpu.download_f64(&row_loss, rows).iter().sum()
+    }
+
+    pub(crate) fn crossentropy_backward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        probs: DeviceViewMut<'_, S>,
+        targets: &[u32],
+        vocab: usize,
+        dloss: f64,
+    ) {
+        let rows = probs.len / vocab;
+        if rows == 0 {
+            return;
+        }
+        check_tokens("crossentropy_backward", &targets[..rows], vocab);
+        let targets = gpu.upload_u32(&targets[..rows]);
+        launch!(
+            gpu,
+            "crossentropy_backward",
+            block_per_row(rows),
+            probs.ptr,
+            gpu.ptr_of(&targets),
+            int(vocab),
+            dloss as f32
+        );
+    }
+}

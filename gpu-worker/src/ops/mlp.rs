@@ -49,3 +49,21 @@ simd_kernel! {
         });
     }
 }
+
+/// The launch of GELU's kernels (`mlp.cu`): one thread per element.
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use crate::ops::cuda::{elementwise, launch, DeviceElem, DeviceView, DeviceViewMut, Launcher};
+
+    pub(crate) fn gelu_forward<S: DeviceElem>(gpu: &Launcher<S>, out: DeviceViewMut<'_, S>, inp: DeviceView<'_, S>) {
+        launch!(gpu, "gelu_forward", elementwise(inp.len), out.ptr, inp.ptr, inp.len as i64);
+    }
+
+    pub(crate) fn gelu_backward<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        dinout: DeviceViewMut<'_, S>,
+        inp: DeviceView<'_, S>,
+    ) {
+        launch!(gpu, "gelu_backward", elementwise(inp.len), dinout.ptr, inp.ptr, inp.len as i64);
+    }
+}

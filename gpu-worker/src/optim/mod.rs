@@ -1,4 +1,6 @@
-//! Optimizers (AdamW, SGD), the learning-rate schedule and global-norm clipping.
+//! Optimizers (AdamW, SGD), the learning-rate schedule and global-norm clipping; the
+//! update's element kernels are an op (`ops/optimizer.rs`, beside its `.cu`), and
+//! `offload.rs` keeps the state off the device.
 //!
 //! AdamW (decoupled weight decay, as `torch.optim.AdamW`), with g = grad_scale * grad:
 //!   m = b1 m + (1 - b1) g,   v = b2 v + (1 - b2) g^2
@@ -19,83 +21,21 @@ use std::sync::Arc;
 
 use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
-use crate::ops::simd::simd_kernel;
-use rayon::prelude::*;
-
-use crate::backend::{Backend, Float, Stored};
+use crate::backend::{Backend, Stored};
 use crate::memory::{Category, MemoryTracker, Receipt};
-use crate::offload::{OffloadError, OffloadTo, OffloadedState};
+/// The optimizer's state as the strategies and the trainer name it (`crate::optim::...`); the
+/// types are the optimizer op's (`ops/optimizer.rs`), which the backends share.
+pub use crate::ops::optimizer::{needs_master, OptimizerSlices, OptimizerState};
+use crate::ops::optimizer::{AdamWStep, Update};
+use offload::{OffloadError, OffloadTo, OffloadedState};
+
+pub mod offload;
 
 pub const ADAM_BETA1: f64 = 0.9;
 pub const ADAM_BETA2: f64 = 0.95;
 pub const ADAM_EPS: f64 = 1e-8;
 /// Cosine decay ends at this fraction of the peak learning rate.
 pub const COSINE_FINAL_FRACTION: f64 = 0.1;
-
-/// The hyperparameters of one AdamW update.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AdamWStep {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    /// 1-based step count, for the bias corrections.
-    pub step: u64,
-    /// Multiplies the gradient first (the clipping factor; 1 = none).
-    pub grad_scale: f64,
-}
-
-simd_kernel! {
-    /// The AdamW update on one chunk of parameters. The weights it updates and the moments
-    /// are in the compute format F (f32): the model's own parameters in an fp32 run, the
-    /// fp32 master copy in a mixed-precision run. The gradients are in the model's format
-    /// S (bf16/fp16 there), widened as they are read.
-    pub fn adamw_update<F: Float, S: Stored<Acc = F>>(params: &mut [F], grads: &[S], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
-        let b1 = F::from_f64(hp.beta1);
-        let b2 = F::from_f64(hp.beta2);
-        let one_minus_b1 = F::from_f64(1.0 - hp.beta1);
-        let one_minus_b2 = F::from_f64(1.0 - hp.beta2);
-        let m_correction = F::from_f64(1.0 / (1.0 - hp.beta1.powf(hp.step as f64)));
-        let v_correction = F::from_f64(1.0 / (1.0 - hp.beta2.powf(hp.step as f64)));
-        let lr = F::from_f64(hp.lr);
-        let eps = F::from_f64(hp.eps);
-        let decay = F::from_f64(1.0 - hp.lr * hp.weight_decay);
-        let scale = F::from_f64(hp.grad_scale);
-        let n = params.len();
-        let (grads, m, v) = (&grads[..n], &mut m[..n], &mut v[..n]);
-        for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let g = g.load() * scale;
-            *m = b1 * *m + one_minus_b1 * g;
-            *v = b2 * *v + one_minus_b2 * g * g;
-            let m_hat = *m * m_correction;
-            let v_hat = *v * v_correction;
-            *p = *p * decay - lr * m_hat / (v_hat.sqrt() + eps);
-        }
-    }
-}
-
-simd_kernel! {
-    /// The SGD update on one chunk of parameters (F: as for AdamW).
-    pub fn sgd_update<F: Float, S: Stored<Acc = F>>(params: &mut [F], grads: &[S], lr: f64, weight_decay: f64, grad_scale: f64) {
-        let lr_g = F::from_f64(lr * grad_scale);
-        let decay = F::from_f64(1.0 - lr * weight_decay);
-        let grads = &grads[..params.len()];
-        for (p, &g) in params.iter_mut().zip(grads) {
-            *p = *p * decay - lr_g * g.load();
-        }
-    }
-}
-
-simd_kernel! {
-    /// Mixed precision, after the update: the model's parameters become the master
-    /// weights rounded to its format (what the next forward computes with).
-    pub fn round_to_model<F: Float, S: Stored<Acc = F>>(params: &mut [S], master: &[F]) {
-        for (p, &w) in params.iter_mut().zip(master) {
-            *p = S::store(w);
-        }
-    }
-}
 
 /// The learning rate of optimizer step `step` (0-based).
 pub fn lr_at(train: &TrainSpec, step: u64) -> f64 {
@@ -156,88 +96,6 @@ pub enum Indexing {
     Local,
 }
 
-/// One update's rule and numbers, as a backend applies it to a range of parameters.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Update {
-    AdamW(AdamWStep),
-    Sgd { lr: f64, weight_decay: f64, grad_scale: f64 },
-}
-
-/// The optimizer's buffers in host memory (the CPU backend's `OptimizerBuffers`), in the
-/// compute format F (f32 for training; f64 where the CPU backend checks gradients):
-/// AdamW's m and v (empty for SGD), and the master weights of a bf16/fp16 model.
-#[derive(Debug, Default)]
-pub struct HostOptimizerBuffers<F = f32> {
-    pub m: Vec<F>,
-    pub v: Vec<F>,
-    pub master: Option<Vec<F>>,
-}
-
-impl<F: Float> HostOptimizerBuffers<F> {
-    /// Buffers for `len` parameters of a model stored as `S` (see `Backend::optimizer_buffers`).
-    pub fn new<S: Stored<Acc = F>>(len: usize, moments: bool, initial: impl FnOnce() -> Vec<f32>) -> Self {
-        let moment = || if moments { vec![F::ZERO; len] } else { Vec::new() };
-        let master = needs_master::<S>().then(|| {
-            let values = initial();
-            assert_eq!(values.len(), len, "master weights for every parameter this optimizer updates");
-            values.into_iter().map(|x| F::from_f64(x as f64)).collect()
-        });
-        Self { m: moment(), v: moment(), master }
-    }
-
-    /// One update of `params` (the model's, in its format) from `grads`, whose state is
-    /// `range` of these buffers. With master weights the update goes there and `params`
-    /// get it rounded; an fp32 model's parameters are their own master copy.
-    pub fn update<S: Stored<Acc = F>>(&mut self, params: &mut [S], grads: &[S], range: Range<usize>, update: &Update) {
-        let weights: &mut [F] = match &mut self.master {
-            Some(master) => &mut master[range.clone()],
-            None => S::as_acc_mut(params).expect("an fp32 model is its own master copy"),
-        };
-        match update {
-            Update::AdamW(hp) => {
-                let (m, v) = (&mut self.m[range.clone()], &mut self.v[range.clone()]);
-                weights
-                    .par_chunks_mut(CHUNK)
-                    .zip(grads.par_chunks(CHUNK))
-                    .zip(m.par_chunks_mut(CHUNK))
-                    .zip(v.par_chunks_mut(CHUNK))
-                    .for_each(|(((p, g), m), v)| adamw_update(p, g, m, v, hp));
-            }
-            &Update::Sgd { lr, weight_decay, grad_scale } => weights
-                .par_chunks_mut(CHUNK)
-                .zip(grads.par_chunks(CHUNK))
-                .for_each(|(p, g)| sgd_update(p, g, lr, weight_decay, grad_scale)),
-        }
-        if let Some(master) = &self.master {
-            let master = &master[range];
-            params.par_chunks_mut(CHUNK).zip(master.par_chunks(CHUNK)).for_each(|(p, w)| round_to_model(p, w));
-        }
-    }
-
-    /// Puts back a checkpoint's buffers, which must be as long as these.
-    pub fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
-        let held_master = self.master.as_ref().map_or(0, Vec::len);
-        saved.check_lengths(self.m.len(), held_master)?;
-        let saved_master = saved.master.as_deref().unwrap_or_default();
-        let put =
-            |held: &mut [F], saved: &[f32]| held.iter_mut().zip(saved).for_each(|(h, &s)| *h = F::from_f64(s as f64));
-        put(&mut self.m, &saved.m);
-        put(&mut self.v, &saved.v);
-        if let Some(master) = &mut self.master {
-            put(master, saved_master);
-        }
-        Ok(())
-    }
-}
-
-/// What a checkpoint copies of an optimizer's buffers: m and v (empty for SGD), master,
-/// in the compute format F.
-pub struct OptimizerSlices<'a, F = f32> {
-    pub m: &'a [F],
-    pub v: &'a [F],
-    pub master: Option<&'a [F]>,
-}
-
 /// Optimizer state for the parameters of `groups`, on backend `B`: AdamW's m and v, and
 /// in mixed precision the fp32 master weights, all fp32 and allocated once (the backend
 /// keeps them where its buffers live). Indexed by the groups' `local` ranges (this rank's
@@ -273,11 +131,6 @@ enum Placement<B: Backend> {
     Device(B::OptimizerBuffers),
     /// Off the device (host memory or disk), updated on the host.
     Offloaded(OffloadedState),
-}
-
-/// Whether a model stored as `S` needs fp32 master weights (it does unless it is fp32).
-pub fn needs_master<S: Stored>() -> bool {
-    S::as_acc(&[S::default()]).is_none()
 }
 
 impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
@@ -404,35 +257,6 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
     }
 }
 
-/// Elements per task of the update kernels.
-const CHUNK: usize = 1 << 14;
-
-/// What a checkpoint keeps of an optimizer: its step count, AdamW's m and v (empty for
-/// SGD) and the master weights (mixed precision).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct OptimizerState {
-    pub steps_taken: u64,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
-    pub master: Option<Vec<f32>>,
-}
-
-impl OptimizerState {
-    /// An error unless it holds `moments` values each of m and v and `master` master
-    /// weights (what the optimizer it is put back into holds).
-    pub fn check_lengths(&self, moments: usize, master: usize) -> Result<(), String> {
-        let saved_master = self.master.as_deref().map_or(0, <[f32]>::len);
-        for (name, held, saved) in
-            [("m", moments, self.m.len()), ("v", moments, self.v.len()), ("master", master, saved_master)]
-        {
-            if saved != held {
-                return Err(format!("{name} has {saved} values saved, this rank's optimizer holds {held}"));
-            }
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,61 +273,6 @@ mod tests {
         assert_eq!(lr_at(&t, 99), 1.0);
         t.warmup_steps = 0;
         assert_eq!(lr_at(&t, 0), 1.0);
-    }
-
-    #[test]
-    fn adamw_first_step_moves_by_lr() {
-        // After one step m_hat = g and v_hat = g^2, so the update is lr * g / (|g| + eps).
-        let mut p = [1.0f64, -2.0];
-        let g = [0.5, -3.0];
-        let (mut m, mut v) = ([0.0; 2], [0.0; 2]);
-        let hp = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 0.0, weight_decay: 0.0, step: 1, grad_scale: 1.0 };
-        adamw_update(&mut p, &g, &mut m, &mut v, &hp);
-        assert!((p[0] - 0.9).abs() < 1e-12 && (p[1] + 1.9).abs() < 1e-12, "{p:?}");
-    }
-
-    #[test]
-    fn sgd_decays_the_weights_then_steps_against_the_unscaled_gradient() {
-        // p' = p (1 - lr wd) - lr * grad_scale * g, worked by hand for lr 0.1, wd 0.5,
-        // grad_scale 2: 1 * 0.95 - 0.1 * 2 * 0.5 = 0.85 and -2 * 0.95 + 0.1 * 2 * 3 = -1.3.
-        let mut p = [1.0f64, -2.0];
-        sgd_update(&mut p, &[0.5f64, -3.0], 0.1, 0.5, 2.0);
-        assert!((p[0] - 0.85).abs() < 1e-12 && (p[1] + 1.3).abs() < 1e-12, "{p:?}");
-    }
-
-    #[test]
-    fn adamw_decays_the_weights_apart_from_the_gradient() {
-        // Decoupled decay: p' = p (1 - lr wd) - lr * m_hat / sqrt(v_hat); after one step the
-        // second term is lr * sign(g): 1 * 0.95 - 0.1 = 0.85 for lr 0.1, wd 0.5.
-        let mut p = [1.0f64];
-        let (mut m, mut v) = ([0.0; 1], [0.0; 1]);
-        let hp = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 0.0, weight_decay: 0.5, step: 1, grad_scale: 1.0 };
-        adamw_update(&mut p, &[0.5f64], &mut m, &mut v, &hp);
-        assert!((p[0] - 0.85).abs() < 1e-12, "{p:?}");
-    }
-
-    #[test]
-    fn mixed_adamw_updates_the_f32_master_and_rounds_the_bf16_copy() {
-        use half::bf16;
-        // A step far below bf16's spacing at 1.0 (2^-7) still moves the master weight; the
-        // bf16 copy only moves once the steps add up to half of that spacing.
-        let mut master = [1.0f32];
-        let mut model = [bf16::ONE];
-        let (mut m, mut v) = ([0.0f32], [0.0f32]);
-        for step in 1..=40 {
-            let g = [bf16::from_f32(-1.0)];
-            let hp =
-                AdamWStep { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 0.0, weight_decay: 0.0, step, grad_scale: 1.0 };
-            adamw_update(&mut master, &g, &mut m, &mut v, &hp);
-            round_to_model(&mut model, &master);
-            if step == 1 {
-                assert!(master[0] > 1.0 && model[0] == bf16::ONE, "{} {}", master[0], model[0]);
-            }
-        }
-        assert!((master[0] - 1.004).abs() < 1e-5, "{}", master[0]);
-        assert_eq!(model[0], bf16::from_f32(1.0 + 1.0 / 128.0));
-        // Without the master copy, every one of these updates would round away in bf16.
-        assert_eq!(bf16::from_f32(1.0 + 1e-4), bf16::ONE);
     }
 
     #[test]

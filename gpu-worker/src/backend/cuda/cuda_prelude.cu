@@ -1,7 +1,7 @@
 // What the CUDA backend's kernels share (every kernel but the GEMMs, which go through
 // cuBLAS): the storage format and warp/block sums. NVRTC compiles this prelude, then
-// `cuda_reductions.cu`, each op's `.cu` file in `ops/` and `optim.cu`, as one source
-// (`cuda.rs`, KERNELS). Compiled when the backend starts, once per storage format: one of ELEM_F32,
+// `cuda_reductions.cu` and each op's `.cu` file in `ops/` (`optimizer.cu` among them), as one
+// source (`modules.rs`, KERNELS). Compiled when the backend starts, once per storage format: one of ELEM_F32,
 // ELEM_BF16, ELEM_F16 is defined. Each kernel loads elements as float, computes in
 // float and rounds once on the store, as the CPU kernels do (ops/*.rs holds the math
 // of each, beside its .cu file; the comments here only say how the work is split).

@@ -1,4 +1,4 @@
-// ---- the optimizer (optim.rs) ------------------------------------------------------------
+// ---- the optimizer (ops/optimizer.rs) ------------------------------------------------------------
 
 // SGD on fp32 weights (the master copy with mixed precision, rounded into `model`).
 extern "C" __global__ void sgd(float* weights, elem* model, const elem* grads, long long n, float lr_g, float decay) {

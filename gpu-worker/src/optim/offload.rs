@@ -2,7 +2,7 @@
 //! master weights of a bf16/fp16 model) leaves the device, and so does its update.
 //!
 //! * `host` (ZeRO-Offload proper): the whole state in host memory. Each update brings
-//!   the gradients down to the host, runs the optimizer's CPU kernel there (`optim.rs`)
+//!   the gradients down to the host, runs the optimizer's CPU kernel there (`ops/optimizer.rs`)
 //!   and sends the updated parameters back up: the state's 8 (fp32 AdamW) or 12 (2-byte
 //!   AdamW) bytes per parameter leave the GPU, for a gradient down and a parameter up
 //!   crossing the bus each step. On the CPU backend the host is the device, so the spec is
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use distlab_common::planner::OFFLOAD_PIECE_ELEMENTS;
 
 use crate::backend::Stored;
-use crate::optim::{needs_master, HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
+use crate::ops::optimizer::{needs_master, HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
 
 /// Where an optimizer's state goes (`parallel.offload`, with the directory for `disk`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -269,7 +269,7 @@ impl DiskState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Backend, CpuBackend};
+    use crate::backend::{Buffers, CpuBackend};
     use crate::memory::MemoryTracker;
     use crate::optim::{Indexing, OptimGroup, Optimizer};
     use distlab_common::planner::RankMemory;
