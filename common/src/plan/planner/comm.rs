@@ -39,7 +39,8 @@ pub(super) struct StageCommInput {
     pub(super) sp: bool,
     pub(super) recomputing: bool,
     /// FSDP: parameters gathered once more per micro-batch, for blocks recomputed before
-    /// their own backward opens them (see [`recomputed_before_backward`](super::activations::recomputed_before_backward)).
+    /// their own backward opens them (see
+    /// [`recomputed_before_backward`](super::activations::recomputed_before_backward)).
     pub(super) regathered: u64,
     /// Chunks of layers on the stage (v: interleaved; else 1).
     pub(super) chunks: u64,

@@ -6,8 +6,9 @@ use crate::spec::{Checkpointing, ExperimentSpec};
 
 /// FLOPs of one optimizer step over all ranks, T = tokens per step:
 /// 6 * (active) params * T (matmuls: forward 2, backward 4) + 12 * layers * seq_len * d_model * T
-/// (attention, [`ModelSpec::train_flops_per_token`](crate::spec::ModelSpec::train_flops_per_token)) + with checkpointing one more
-/// forward of every block: (2 * layers * block_params + 4 * layers * seq_len * d_model) * T.
+/// (attention, [`ModelSpec::train_flops_per_token`](crate::spec::ModelSpec::train_flops_per_token)),
+/// plus with checkpointing one more forward of every block:
+/// (2 * layers * block_params + 4 * layers * seq_len * d_model) * T.
 pub(super) fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
     let (m, t) = (&spec.model, &spec.train);
     let tokens = [spec.parallel.dp, t.micro_batch, t.micro_batches, t.grad_accum, m.seq_len]

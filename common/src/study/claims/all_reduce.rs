@@ -167,7 +167,7 @@ mod tests {
             ..Default::default()
         };
         let summary = RunSummary { collective: Some(collective), ..Default::default() };
-        let view = super::super::succeeded_view(1, spec, Some(summary));
+        let view = super::super::test_runs::succeeded_view(1, spec, Some(summary));
         (view, ranks)
     }
 

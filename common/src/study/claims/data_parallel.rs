@@ -100,7 +100,7 @@ mod tests {
     }
 
     fn view(id: i64, spec: ExperimentSpec) -> ExperimentView {
-        super::super::succeeded_view(id, spec, None)
+        super::super::test_runs::succeeded_view(id, spec, None)
     }
 
     /// Rank 0 sending `bytes` in `calls` calls of `op` per step, over two steps.

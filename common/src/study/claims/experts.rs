@@ -57,7 +57,7 @@ mod tests {
     use crate::{ExperimentSpec, ExperimentView};
 
     fn view(id: i64, spec: ExperimentSpec) -> ExperimentView {
-        super::super::succeeded_view(id, spec, None)
+        super::super::test_runs::succeeded_view(id, spec, None)
     }
 
     fn routing(dropped: u64) -> Vec<MetricPoint> {
