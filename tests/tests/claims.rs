@@ -1,5 +1,5 @@
 //! The cards' claim checks on real runs of their presets: each measures the quantity its
-//! card states, and agrees. (The unit tests in `common/src/claims.rs` show each check
+//! card states, and agrees. (The unit tests in `common/src/study/claims/` show each check
 //! disagreeing with a broken engine's numbers; these show the engine's own numbers agree.)
 
 use distlab_common::cards::ClaimCheck;
@@ -85,7 +85,7 @@ fn fp16_without_scaling_stores_most_logit_gradients_as_zero() {
 /// The replay is made of measured pass times, which other processes on this machine can
 /// stretch unevenly (a stage slower than the rest sets the pace): held here within 12
 /// points of (P-1)/(M+P-1) and below the whole step's idle share; the unit tests in
-/// `common/src/claims.rs` hold the check itself to agreeing with even stages and not
+/// `common/src/study/claims/` hold the check itself to agreeing with even stages and not
 /// with uneven ones.
 #[test]
 fn the_pipeline_presets_bubble_replayed_is_near_the_decks_formula() {

@@ -107,14 +107,14 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "1F1B fills the pipe with one forward too many (same losses, more activations)",
-        file: "common/src/schedule.rs",
+        file: "common/src/plan/schedule.rs",
         find: "PpSchedule::OneFOneB | PpSchedule::ZbH1 => last.min(m),",
         replace: "PpSchedule::OneFOneB | PpSchedule::ZbH1 => (last + 1).min(m),",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "every_stage_runs_the_schedules_order"],
     },
     Mutant {
         name: "Interleaved backwards go through a stage's chunks in forward order (waits on a gradient never sent)",
-        file: "common/src/schedule.rs",
+        file: "common/src/plan/schedule.rs",
         find: "Action::Backward { micro: micro(k), chunk: v - 1 - (k / p) % v }",
         replace: "Action::Backward { micro: micro(k), chunk: (k / p) % v }",
         tests: &["-p", "distlab-common", "schedule"],

@@ -1,0 +1,909 @@
+//! The experiment spec: what a person submits, as JSON (docs/api.md shows one).
+//!
+//! Every section has defaults (the tiny config below), so `{}` is a valid spec;
+//! unknown fields are rejected so that a typo never silently runs something else.
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::field_error::FieldError;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct ExperimentSpec {
+    pub name: String,
+    pub model: ModelSpec,
+    pub data: DataSpec,
+    pub parallel: ParallelSpec,
+    pub train: TrainSpec,
+    pub backend: BackendKind,
+    /// Instead of training, run one collective on small readable vectors across the
+    /// dp ranks and record every ring step (the all-reduce replay demo).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub demo: Option<CollectiveDemo>,
+}
+
+/// A collective run on its own: rank r starts with the vector `(r+1)*100 + i` for
+/// i in 0..elements, so every number in the replay can be checked by hand.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct CollectiveDemo {
+    pub op: DemoOp,
+    pub elements: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum DemoOp {
+    #[default]
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    /// Every rank sends chunk j of its vector to rank j (how Mixture-of-Experts sends
+    /// tokens to the ranks holding their experts).
+    AllToAll,
+}
+
+impl Default for CollectiveDemo {
+    fn default() -> Self {
+        Self { op: DemoOp::AllReduce, elements: 16 }
+    }
+}
+
+impl DemoOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DemoOp::AllReduce => "all_reduce",
+            DemoOp::ReduceScatter => "reduce_scatter",
+            DemoOp::AllGather => "all_gather",
+            DemoOp::AllToAll => "all_to_all",
+        }
+    }
+}
+
+impl CollectiveDemo {
+    /// Rank `rank`'s starting value at index `i`.
+    pub fn initial_value(rank: usize, i: usize) -> f32 {
+        ((rank + 1) * 100 + i) as f32
+    }
+}
+
+/// A decoder-only transformer: embeddings, `layers` pre-norm blocks, a final norm and the
+/// LM head. The engine trains the GPT-2 family with untied embeddings, full multi-head
+/// attention and a 4 x d_model MLP; the planner also sizes Llama-style models.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSpec {
+    /// The block's design (the planner's business; the engine trains `gpt2`).
+    #[serde(skip_serializing_if = "ModelFamily::is_gpt2")]
+    pub family: ModelFamily,
+    pub layers: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub seq_len: usize,
+    pub vocab: usize,
+    /// Mixture of Experts: each block's MLP replaced by `experts` MLPs of the same shape
+    /// and a router choosing `expert_top_k` of them per token (0: the dense model).
+    pub experts: usize,
+    pub expert_top_k: usize,
+    /// Each expert takes at most capacity = ceil(capacity_factor x tokens x top_k /
+    /// experts) of a micro-batch's tokens; the assignments beyond it are dropped (the
+    /// token goes on through the residual alone).
+    pub capacity_factor: f64,
+    /// Weight of the router's load-balancing loss (Switch Transformer's alpha): experts x
+    /// sum over experts of (share of assignments) x (mean router probability), 1 when
+    /// balanced.
+    pub aux_loss_coef: f64,
+    /// Key/value heads: fewer than `heads` is grouped-query attention (each K/V head
+    /// serves heads / kv_heads query heads); 0 means as many as `heads`.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_heads: usize,
+    /// Width of the MLP's hidden layer; 0 means the family's: 4 x d_model for GPT-2,
+    /// 8/3 x d_model rounded up to a multiple of 256 for Llama.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ffn_hidden: usize,
+    /// The LM head reuses the token embedding matrix (GPT-2's original, Llama-3 8B's is not).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub tie_embeddings: bool,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// What a transformer block is made of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFamily {
+    /// LayerNorm (gain and bias), biased projections, a GELU MLP of two matrices, learned
+    /// position embeddings.
+    #[default]
+    Gpt2,
+    /// RMSNorm (gain only), projections without bias, a SwiGLU MLP of three matrices
+    /// (gate, up, down), rotary positions (no position embedding table).
+    Llama,
+}
+
+impl ModelFamily {
+    pub fn is_gpt2(&self) -> bool {
+        *self == ModelFamily::Gpt2
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSpec {
+    pub dataset: Dataset,
+    pub seed: u64,
+    /// `dataset: upload`: which uploaded text (`POST /api/datasets` answers its id).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upload_id: Option<i64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Dataset {
+    /// A random Markov chain over the vocabulary, fixed by the data seed:
+    /// the best possible loss is its entropy rate.
+    Markov,
+    /// A small public-domain English text, one token per byte.
+    Text,
+    /// A UTF-8 text someone uploaded (`data.upload_id`), one token per byte like `text`.
+    Upload,
+}
+
+impl Dataset {
+    /// Whether its tokens are a text's bytes (the vocabulary needs all 256 of them).
+    pub fn is_text(self) -> bool {
+        matches!(self, Dataset::Text | Dataset::Upload)
+    }
+}
+
+/// How a text of `len` bytes is split for sequences of `seq_len` tokens: the bytes trained
+/// on (the rest, the last tenth but at least one window of seq_len + 1 bytes, is held out
+/// for the validation loss), or None when the text cannot hold a window on each side.
+pub fn text_split(len: usize, seq_len: usize) -> Option<usize> {
+    let window = seq_len.saturating_add(1);
+    let held_out = (len / 10).max(window);
+    len.checked_sub(held_out).filter(|&trained| trained >= window)
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelSpec {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub sharding: Sharding,
+    pub pp_schedule: PpSchedule,
+    /// `pp_schedule: interleaved`: chunks of layers per pipeline stage (v); stage s holds
+    /// chunks s, s + pp, s + 2pp, ... of the pp * v equal chunks.
+    pub virtual_stages: usize,
+    pub bucket_bytes: u64,
+    /// FSDP: gather the unit the model opens next on a communication thread while the
+    /// current one computes (forward in order, backward in reverse), at most two gathered.
+    pub prefetch: bool,
+    /// The format of the data-parallel collectives on the wire (gradients, ZeRO/FSDP's
+    /// parameters): fp32, or a 2-byte run's own format (half the bytes; sums still made
+    /// in f32 where they arrive).
+    pub comm_dtype: Precision,
+    /// ZeRO-Offload: where the optimizer's state lives and its step runs.
+    pub offload: Offload,
+    /// Megatron sequence parallelism (tp > 1): the LayerNorm and residual regions are
+    /// split along the tokens across the tensor-parallel group, with an all-gather before
+    /// each column-parallel matmul and a reduce-scatter after each row-parallel one in
+    /// place of the all-reduce.
+    pub sequence_parallel: bool,
+    /// How the data-parallel gradients are all-reduced (DDP, ZeRO-1).
+    pub allreduce: AllReduce,
+    /// `allreduce: hierarchical`: ranks per "node" (consecutive DP ranks); a ring inside
+    /// each node, one across the nodes' leaders.
+    pub ranks_per_node: usize,
+    /// DDP's gradients compressed before they cross the wire, with error feedback
+    /// (`parallel/compression.rs`).
+    pub grad_compression: GradCompression,
+    /// `grad_compression: topk`: the share of each gradient tensor's values sent (0 to 1].
+    pub compression_ratio: f64,
+    /// `grad_compression: powersgd`: the rank of each matrix's approximation.
+    pub compression_rank: usize,
+    /// Expert parallelism: the experts of every block spread over `ep` consecutive ranks
+    /// of the data-parallel group (E/ep each), tokens sent to their experts and back by
+    /// all-to-all.
+    pub ep: usize,
+}
+
+/// How DDP's gradients are compressed on the wire; what each loses is kept on the rank
+/// (error feedback) and added to the next step's gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum GradCompression {
+    /// fp32 values, all-reduced round the ring.
+    None,
+    /// Each tensor's `compression_ratio` largest values (by magnitude) and their indices,
+    /// all-gathered and added up.
+    Topk,
+    /// Each tensor as 8-bit integers with one fp32 scale, all-gathered and added up.
+    Int8,
+    /// Each matrix as a rank-`compression_rank` product P Q^T, P and Q all-reduced
+    /// (Vogels et al., 2019); vectors all-reduced whole.
+    Powersgd,
+}
+
+impl GradCompression {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GradCompression::None => "none",
+            GradCompression::Topk => "topk",
+            GradCompression::Int8 => "int8",
+            GradCompression::Powersgd => "powersgd",
+        }
+    }
+}
+
+/// An all-reduce algorithm (`comm/all_reduce.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum AllReduce {
+    /// Reduce-scatter then all-gather round a ring: 2(W-1)/W x D sent by every rank.
+    #[default]
+    Ring,
+    /// A binary tree: partial sums up to rank 0, the result back down.
+    Tree,
+    /// The parameter-server pattern: every rank sends to rank 0, which sums and sends the
+    /// result to each: (W-1) x D through rank 0 each way.
+    Naive,
+    /// A ring inside each node, a ring across the nodes' leaders, then each leader sends
+    /// the result to its node.
+    Hierarchical,
+}
+
+impl AllReduce {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AllReduce::Ring => "ring",
+            AllReduce::Tree => "tree",
+            AllReduce::Naive => "naive",
+            AllReduce::Hierarchical => "hierarchical",
+        }
+    }
+}
+
+/// Where the optimizer's state (AdamW's moments, the master weights) lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    /// Beside the model, on its device.
+    None,
+    /// In host memory, the update run there by CPU threads (a GPU run's ZeRO-Offload).
+    Host,
+    /// In a file, streamed through a small buffer piece by piece for each update
+    /// (ZeRO-Infinity's NVMe tier).
+    Disk,
+}
+
+impl Offload {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Host => "host",
+            Offload::Disk => "disk",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    None,
+    Zero1,
+    Zero2,
+    Fsdp,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum PpSchedule {
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// Megatron-LM's interleaved 1F1B: each stage holds `virtual_stages` chunks of layers.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+    /// Zero-bubble ZB-H1 (Qi et al. 2023): backward split into the input gradient (B) and
+    /// the weight gradient (W), the W passes deferred into the pipeline's bubbles.
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+}
+
+impl PpSchedule {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PpSchedule::Gpipe => "gpipe",
+            PpSchedule::OneFOneB => "1f1b",
+            PpSchedule::Interleaved => "interleaved",
+            PpSchedule::ZbH1 => "zb-h1",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSpec {
+    pub steps: u64,
+    pub micro_batch: usize,
+    pub micro_batches: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub warmup_steps: u64,
+    pub lr_schedule: LrSchedule,
+    pub optimizer: Optimizer,
+    pub weight_decay: f64,
+    pub grad_clip: f64,
+    pub precision: Precision,
+    pub loss_scaling: LossScaling,
+    pub checkpointing: Checkpointing,
+    /// How attention is computed: the whole (heads, T, T) probability matrix kept for
+    /// backward, or FlashAttention's tiles (one log-sum-exp per row kept, the rest
+    /// recomputed in backward).
+    pub attention: Attention,
+    pub checkpoint_every: u64,
+    /// Validation loss after every `eval_every` steps and after the last (0: never): the
+    /// mean loss on held-out data (the text's last tenth; Markov sequences drawn apart
+    /// from the training ones), as many sequences as a step's global batch, forward only.
+    pub eval_every: u64,
+    /// Who writes a checkpoint: a writer thread while training goes on, or the training
+    /// loop itself.
+    pub checkpoint_write: CheckpointWrite,
+    pub seed: u64,
+    /// Elastic resume: start from another experiment's checkpoint, with any dp and
+    /// sharding (`elastic.rs` says what must match).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<ResumeFrom>,
+}
+
+/// A checkpoint of another experiment: the state before its optimizer step `step`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ResumeFrom {
+    pub experiment: i64,
+    pub step: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    Cosine,
+    Constant,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    Adamw,
+    Sgd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum LossScaling {
+    None,
+    Dynamic,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Checkpointing {
+    None,
+    Every,
+    Sqrt,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Attention {
+    Naive,
+    Flash,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointWrite {
+    Async,
+    Sync,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+impl BackendKind {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+impl Default for ExperimentSpec {
+    fn default() -> Self {
+        Self {
+            name: "tiny-gpt".into(),
+            model: ModelSpec::default(),
+            data: DataSpec::default(),
+            parallel: ParallelSpec::default(),
+            train: TrainSpec::default(),
+            backend: BackendKind::Cpu,
+            demo: None,
+        }
+    }
+}
+
+impl Default for ModelSpec {
+    fn default() -> Self {
+        Self::dense(2, 64, 4, 32, 64)
+    }
+}
+
+impl Default for DataSpec {
+    fn default() -> Self {
+        Self { dataset: Dataset::Markov, seed: 1, upload_id: None }
+    }
+}
+
+impl ParallelSpec {
+    /// Whether sequence parallelism is in effect: asked for, with a tensor-parallel group
+    /// to split the tokens over.
+    pub fn splits_sequence(&self) -> bool {
+        self.sequence_parallel && self.tp > 1
+    }
+}
+
+impl Default for ParallelSpec {
+    fn default() -> Self {
+        Self {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            sharding: Sharding::None,
+            pp_schedule: PpSchedule::OneFOneB,
+            virtual_stages: 1,
+            bucket_bytes: 1 << 20,
+            prefetch: false,
+            comm_dtype: Precision::Fp32,
+            offload: Offload::None,
+            sequence_parallel: false,
+            allreduce: AllReduce::Ring,
+            ranks_per_node: 2,
+            grad_compression: GradCompression::None,
+            compression_ratio: 0.01,
+            compression_rank: 4,
+            ep: 1,
+        }
+    }
+}
+
+impl Default for TrainSpec {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            micro_batch: 8,
+            micro_batches: 1,
+            grad_accum: 1,
+            lr: 3e-3,
+            warmup_steps: 5,
+            lr_schedule: LrSchedule::Cosine,
+            optimizer: Optimizer::Adamw,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::None,
+            checkpointing: Checkpointing::None,
+            checkpoint_every: 0,
+            eval_every: 10,
+            checkpoint_write: CheckpointWrite::Async,
+            attention: Attention::Naive,
+            seed: 42,
+            resume_from: None,
+        }
+    }
+}
+
+impl ModelSpec {
+    /// A dense model (no experts) of this shape.
+    pub const fn dense(layers: usize, d_model: usize, heads: usize, seq_len: usize, vocab: usize) -> Self {
+        Self {
+            family: ModelFamily::Gpt2,
+            layers,
+            d_model,
+            heads,
+            seq_len,
+            vocab,
+            experts: 0,
+            expert_top_k: 1,
+            capacity_factor: 1.25,
+            aux_loss_coef: 0.01,
+            kv_heads: 0,
+            ffn_hidden: 0,
+            tie_embeddings: false,
+        }
+    }
+
+    /// A Llama-style model: RMSNorm, SwiGLU of width `ffn_hidden`, `kv_heads` key/value
+    /// heads, rotary positions, untied embeddings.
+    pub const fn llama(
+        layers: usize,
+        d_model: usize,
+        heads: usize,
+        kv_heads: usize,
+        ffn_hidden: usize,
+        seq_len: usize,
+        vocab: usize,
+    ) -> Self {
+        let mut m = Self::dense(layers, d_model, heads, seq_len, vocab);
+        m.family = ModelFamily::Llama;
+        m.kv_heads = kv_heads;
+        m.ffn_hidden = ffn_hidden;
+        m
+    }
+
+    /// Whether the blocks' MLPs are experts.
+    pub fn is_moe(&self) -> bool {
+        self.experts > 0
+    }
+
+    /// Parameters of one MLP (an expert), f = d_ff: GPT-2 d x f + f, f x d + d; Llama's
+    /// SwiGLU three matrices without bias, gate and up d x f, down f x d.
+    pub fn mlp_params(&self) -> u64 {
+        let (d, ff) = (self.d_model as u64, self.d_ff() as u64);
+        match self.family {
+            ModelFamily::Gpt2 => (d * ff + ff) + (ff * d + d),
+            ModelFamily::Llama => 3 * d * ff,
+        }
+    }
+
+    /// Key/value heads in effect: `kv_heads`, or `heads` when it is 0.
+    pub fn key_value_heads(&self) -> usize {
+        if self.kv_heads == 0 {
+            self.heads
+        } else {
+            self.kv_heads
+        }
+    }
+
+    /// Width of Q, K and V together: d_model for the queries and 2 x kv_heads x head width
+    /// for keys and values (3 x d_model without grouped-query attention). Saturating, for
+    /// head counts far beyond any that validation is about to refuse.
+    pub fn qkv_width(&self) -> u64 {
+        let head_width = (self.d_model / self.heads.max(1)) as u64;
+        (self.key_value_heads() as u64).saturating_mul(2).saturating_mul(head_width).saturating_add(self.d_model as u64)
+    }
+
+    /// Parameters of one norm: LayerNorm's gain and bias (2d), RMSNorm's gain (d).
+    pub fn norm_params(&self) -> u64 {
+        let d = self.d_model as u64;
+        match self.family {
+            ModelFamily::Gpt2 => 2 * d,
+            ModelFamily::Llama => d,
+        }
+    }
+
+    /// Parameters of a block's attention: QKV (d x qkv_width) and the output projection
+    /// (d x d), each with a bias in GPT-2.
+    pub fn attention_params(&self) -> u64 {
+        let (d, qkv) = (self.d_model as u64, self.qkv_width());
+        match self.family {
+            ModelFamily::Gpt2 => (d * qkv + qkv) + (d * d + d),
+            ModelFamily::Llama => d * qkv + d * d,
+        }
+    }
+
+    /// Parameters of a dense block that tensor parallelism splits (Megatron): QKV (with
+    /// its bias), the output projection's weight, the MLP's matrices and its first bias.
+    /// The norms and the row-parallel layers' biases stay whole on every rank. (0 with
+    /// experts: the engine does not combine them with tensor parallelism.)
+    pub fn tp_split_block_params(&self) -> u64 {
+        let d = self.d_model as u64;
+        let whole = match self.family {
+            ModelFamily::Gpt2 => 2 * self.norm_params() + 2 * d,
+            ModelFamily::Llama => 2 * self.norm_params(),
+        };
+        if self.is_moe() {
+            0
+        } else {
+            self.block_params() - whole
+        }
+    }
+
+    /// What an MLP keeps for backward per token (GPT-2 its hidden layer before and after
+    /// GELU, 2f; Llama gate, up and their SwiGLU product, 3f), and the hidden gradients
+    /// backward makes (GPT-2 f; Llama gate and up, 2f).
+    pub fn mlp_activation_widths(&self) -> (u64, u64) {
+        let ff = self.d_ff() as u64;
+        match self.family {
+            ModelFamily::Gpt2 => (2 * ff, ff),
+            ModelFamily::Llama => (3 * ff, 2 * ff),
+        }
+    }
+
+    /// Activations of one block that tensor parallelism splits, per token: Q, K, V, the
+    /// attention output before its projection and the MLP's hidden values.
+    pub fn tp_split_activation_width(&self) -> u64 {
+        self.qkv_width() + self.d_model as u64 + self.mlp_activation_widths().0
+    }
+
+    /// Backward's split activation gradients per token: the attention output, QKV and the
+    /// MLP's hidden gradients.
+    pub fn tp_split_gradient_width(&self) -> u64 {
+        self.qkv_width() + self.d_model as u64 + self.mlp_activation_widths().1
+    }
+
+    /// Statistics a block's two norms keep per token: LayerNorm's mean and 1/std (4),
+    /// RMSNorm's 1/rms (2).
+    pub fn norm_statistics(&self) -> u64 {
+        match self.family {
+            ModelFamily::Gpt2 => 4,
+            ModelFamily::Llama => 2,
+        }
+    }
+
+    /// Rows each expert takes from a micro-batch of `tokens` tokens: ceil(capacity_factor x
+    /// tokens x top_k / experts), at least 1 and at most `tokens` (a token picks an expert
+    /// once); 0 for a dense model.
+    pub fn expert_capacity(&self, tokens: usize) -> usize {
+        if !self.is_moe() {
+            return 0;
+        }
+        let wanted = self.capacity_factor * tokens as f64 * self.expert_top_k as f64 / self.experts as f64;
+        let wanted = if wanted.is_finite() { wanted.ceil().max(1.0) } else { 1.0 };
+        (wanted.min(tokens as f64) as usize).max(1)
+    }
+
+    /// Width of the MLP's hidden layer: `ffn_hidden`, or the family's (GPT-2 4 x d_model;
+    /// Llama 2/3 of that rounded up to a multiple of 256, as Meta's code sizes it).
+    /// Saturating, for a d_model far beyond any limit that validation is about to refuse.
+    pub fn d_ff(&self) -> usize {
+        match (self.ffn_hidden, self.family) {
+            (0, ModelFamily::Gpt2) => self.d_model.saturating_mul(4),
+            (0, ModelFamily::Llama) => (self.d_model.saturating_mul(8) / 3).div_ceil(256).saturating_mul(256),
+            (width, _) => width,
+        }
+    }
+
+    /// Parameters of one transformer block: two norms, the attention, the MLP; with
+    /// experts, the router (d x E) and E MLPs.
+    pub fn block_params(&self) -> u64 {
+        let d = self.d_model as u64;
+        let attention = 2 * self.norm_params() + self.attention_params();
+        match self.is_moe() {
+            false => attention + self.mlp_params(),
+            true => attention + d * self.experts as u64 + (self.experts as u64).saturating_mul(self.mlp_params()),
+        }
+    }
+
+    /// Parameters of one block that one token's forward uses (its top_k experts').
+    pub fn active_block_params(&self) -> u64 {
+        let idle = self.experts.saturating_sub(self.expert_top_k) as u64;
+        self.block_params() - idle * self.mlp_params()
+    }
+
+    /// Parameters one token's forward uses: all of them, less the experts it does not
+    /// visit (E - top_k per block).
+    pub fn active_param_count(&self) -> u64 {
+        self.param_count() - self.layers as u64 * (self.block_params() - self.active_block_params())
+    }
+
+    /// The first stage's own parameters: the token embedding (vocab x d) and, for GPT-2,
+    /// the learned positions (seq_len x d).
+    pub fn embedding_params(&self) -> u64 {
+        let (d, v, t) = (self.d_model as u64, self.vocab as u64, self.seq_len as u64);
+        match self.family {
+            ModelFamily::Gpt2 => v * d + t * d,
+            ModelFamily::Llama => v * d,
+        }
+    }
+
+    /// The last stage's own parameters: the final norm and the LM head (d x vocab), the
+    /// head left out when it is tied to the token embedding.
+    pub fn head_params(&self) -> u64 {
+        let matrix = if self.tie_embeddings { 0 } else { self.d_model as u64 * self.vocab as u64 };
+        self.norm_params() + matrix
+    }
+
+    /// All parameters, each counted once: embeddings, the blocks, the final norm and the
+    /// LM head (when not tied).
+    pub fn param_count(&self) -> u64 {
+        self.embedding_params() + self.layers as u64 * self.block_params() + self.head_params()
+    }
+
+    /// Training FLOPs per token: 6 x (active) params for the matmuls (forward 2, backward 4)
+    /// plus causal attention scores and weighted sum (12 x layers x seq_len x d_model,
+    /// counting the full square as PyTorch's FLOP counters and the seed texts do).
+    pub fn train_flops_per_token(&self) -> f64 {
+        6.0 * self.active_param_count() as f64 + 12.0 * self.layers as f64 * self.seq_len as f64 * self.d_model as f64
+    }
+}
+
+impl ExperimentSpec {
+    /// dp x tp x pp: the number of rank processes.
+    pub fn world_size(&self) -> usize {
+        self.parallel.dp * self.parallel.tp * self.parallel.pp
+    }
+
+    /// The pipeline stage of global rank `rank`: ranks are numbered with tensor parallelism
+    /// innermost, then pipeline stages, then data-parallel replicas.
+    pub fn stage_of(&self, rank: usize) -> usize {
+        (rank / self.parallel.tp.max(1)) % self.parallel.pp.max(1)
+    }
+
+    /// The same experiment whatever it is called.
+    pub fn same_up_to_name(&self, other: &ExperimentSpec) -> bool {
+        let mut other = other.clone();
+        other.name.clone_from(&self.name);
+        *self == other
+    }
+
+    /// M, the micro-batches of one pipeline flush: `micro_batches` x `grad_accum`. The engine
+    /// runs every micro-batch of an optimizer step, accumulated ones included, in one
+    /// schedule, so the bubble (P-1)/(M+P-1) is paid once per step with this M, and GPipe
+    /// holds the activations of all M. The one definition of M everywhere (saturating: the
+    /// planner takes any size).
+    pub fn pipeline_micro_batches(&self) -> usize {
+        self.train.micro_batches.saturating_mul(self.train.grad_accum)
+    }
+
+    /// Sequences consumed by one optimizer step.
+    pub fn global_batch(&self) -> usize {
+        self.parallel.dp * self.train.micro_batch * self.train.micro_batches * self.train.grad_accum
+    }
+
+    /// Tokens consumed by one optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.global_batch() * self.model.seq_len
+    }
+
+    /// Parses a spec from JSON, naming the field for type errors, unknown fields
+    /// and unknown enum values (`parallel.sharding: unknown variant ...`).
+    pub fn from_json_value(value: serde_json::Value) -> Result<Self, Vec<FieldError>> {
+        serde_path_to_error::deserialize::<_, ExperimentSpec>(value).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." { String::new() } else { path };
+            vec![FieldError::new(field, e.into_inner().to_string())]
+        })
+    }
+
+    /// Parses a spec from JSON text (see [`ExperimentSpec::from_json_value`]).
+    pub fn from_json_str(text: &str) -> Result<Self, Vec<FieldError>> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| vec![FieldError::new("", format!("not valid JSON: {e}"))])?;
+        Self::from_json_value(value)
+    }
+}
+
+impl Sharding {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sharding::None => "none",
+            Sharding::Zero1 => "zero1",
+            Sharding::Zero2 => "zero2",
+            Sharding::Fsdp => "fsdp",
+        }
+    }
+}
+
+impl Checkpointing {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Checkpointing::None => "none",
+            Checkpointing::Every => "every",
+            Checkpointing::Sqrt => "sqrt",
+        }
+    }
+}
+
+impl Precision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_object_is_the_default_spec() {
+        let spec = ExperimentSpec::from_json_str("{}").unwrap();
+        assert_eq!(spec, ExperimentSpec::default());
+    }
+
+    #[test]
+    fn design_md_example_parses() {
+        let text = r#"{
+          "name": "ddp-vs-single",
+          "model":    {"layers": 4, "d_model": 128, "heads": 4, "seq_len": 64, "vocab": 256},
+          "data":     {"dataset": "markov", "seed": 1},
+          "parallel": {"dp": 2, "tp": 1, "pp": 1, "sharding": "zero2",
+                       "pp_schedule": "1f1b", "bucket_bytes": 1048576},
+          "train":    {"steps": 50, "micro_batch": 8, "micro_batches": 1, "grad_accum": 1,
+                       "lr": 0.001, "warmup_steps": 5, "lr_schedule": "cosine",
+                       "optimizer": "adamw", "weight_decay": 0.0, "grad_clip": 1.0,
+                       "precision": "bf16", "loss_scaling": "none",
+                       "checkpointing": "sqrt", "checkpoint_every": 0, "seed": 42},
+          "backend":  "cpu"
+        }"#;
+        let spec = ExperimentSpec::from_json_str(text).unwrap();
+        assert_eq!(spec.parallel.sharding, Sharding::Zero2);
+        assert_eq!(spec.parallel.pp_schedule, PpSchedule::OneFOneB);
+        assert_eq!(spec.train.precision, Precision::Bf16);
+        assert_eq!(spec.world_size(), 2);
+        assert_eq!(spec.global_batch(), 16);
+        // Round trip keeps every field.
+        let again = ExperimentSpec::from_json_value(serde_json::to_value(&spec).unwrap()).unwrap();
+        assert_eq!(again, spec);
+    }
+
+    #[test]
+    fn unknown_field_names_its_path() {
+        let errs = ExperimentSpec::from_json_str(r#"{"train": {"stepz": 3}}"#).unwrap_err();
+        assert_eq!(errs[0].field, "train.stepz");
+        assert!(errs[0].message.contains("stepz"), "{}", errs[0].message);
+    }
+
+    #[test]
+    fn unknown_enum_value_names_its_path() {
+        let errs = ExperimentSpec::from_json_str(r#"{"parallel": {"sharding": "zero4"}}"#).unwrap_err();
+        assert_eq!(errs[0].field, "parallel.sharding");
+        assert!(errs[0].message.contains("zero4"), "{}", errs[0].message);
+    }
+
+    #[test]
+    fn param_count_matches_gpt2_small() {
+        // GPT-2 small (untied head, 1024 positions) = 124.4M + 38.6M head.
+        let m = ModelSpec::dense(12, 768, 12, 1024, 50257);
+        let tied = m.param_count() - (m.d_model * m.vocab) as u64;
+        assert_eq!(tied, 124_439_808);
+    }
+}

@@ -1,0 +1,275 @@
+//! Ready-made experiments for the "new experiment" form and the demos.
+
+use crate::spec::*;
+
+pub struct Preset {
+    pub key: &'static str,
+    pub title: &'static str,
+    pub description: &'static str,
+    pub spec: ExperimentSpec,
+}
+
+pub fn presets() -> Vec<Preset> {
+    let tiny = ExperimentSpec::default();
+
+    let mut reference = ExperimentSpec { name: "reference-gpt".into(), ..ExperimentSpec::default() };
+    reference.model = ModelSpec::dense(4, 256, 4, 128, 256);
+    reference.train.micro_batch = 16;
+    reference.train.steps = 30;
+    reference.train.lr = 1e-3;
+
+    let mut text = ExperimentSpec { name: "shakespeare-bytes".into(), ..ExperimentSpec::default() };
+    text.data.dataset = Dataset::Text;
+    text.model = ModelSpec::dense(2, 128, 4, 64, 256);
+    text.train.steps = 200;
+    text.train.micro_batch = 16;
+
+    let mut ddp = ExperimentSpec { name: "ddp-2-ranks".into(), ..ExperimentSpec::default() };
+    ddp.parallel.dp = 2;
+    ddp.train.micro_batch = 4;
+
+    let mut ring = ExperimentSpec { name: "all-reduce-demo".into(), ..ExperimentSpec::default() };
+    ring.parallel.dp = 4;
+    ring.demo = Some(CollectiveDemo { op: DemoOp::AllReduce, elements: 16 });
+
+    // The same 16 numbers over 8 ranks by a binary tree, and by rings inside and across
+    // two "nodes" of 4 ranks.
+    let mut tree = ring.clone();
+    tree.name = "tree-all-reduce-demo".into();
+    tree.parallel.dp = 8;
+    tree.parallel.allreduce = AllReduce::Tree;
+    let mut hierarchical = tree.clone();
+    hierarchical.name = "hierarchical-all-reduce-demo".into();
+    hierarchical.parallel.allreduce = AllReduce::Hierarchical;
+    hierarchical.parallel.ranks_per_node = 4;
+
+    let mut topk = ddp.clone();
+    topk.name = "ddp-2-ranks-top-k-1pct".into();
+    topk.parallel.grad_compression = GradCompression::Topk;
+    topk.parallel.compression_ratio = 0.01;
+
+    let mut pipeline = ExperimentSpec { name: "pipeline-1f1b".into(), ..ExperimentSpec::default() };
+    pipeline.model = ModelSpec::dense(4, 64, 4, 32, 64);
+    pipeline.parallel.pp = 4;
+    pipeline.parallel.pp_schedule = PpSchedule::OneFOneB;
+    pipeline.train.micro_batch = 2;
+    pipeline.train.micro_batches = 8;
+    pipeline.train.steps = 10;
+    pipeline.train.warmup_steps = 2;
+
+    let mut megatron = ExperimentSpec { name: "megatron-tp2".into(), ..ExperimentSpec::default() };
+    megatron.model = ModelSpec::dense(2, 128, 4, 64, 64);
+    megatron.parallel.tp = 2;
+    megatron.train.micro_batch = 8;
+    megatron.train.steps = 20;
+
+    let mut three_d = ExperimentSpec { name: "3d-dp2-tp2-pp2".into(), ..ExperimentSpec::default() };
+    three_d.model = ModelSpec::dense(4, 64, 4, 32, 64);
+    three_d.parallel = ParallelSpec { dp: 2, tp: 2, pp: 2, ..ParallelSpec::default() };
+    three_d.train.micro_batch = 2;
+    three_d.train.micro_batches = 4;
+    three_d.train.steps = 10;
+    three_d.train.warmup_steps = 2;
+
+    let mut fsdp = ddp.clone();
+    fsdp.name = "fsdp-4-ranks".into();
+    fsdp.parallel.dp = 4;
+    fsdp.parallel.sharding = Sharding::Fsdp;
+    fsdp.train.micro_batch = 2;
+
+    // ZeRO-1 and ZeRO-2 in bf16: the fp32 master copy is where the texts' two ways of
+    // counting their model state differ (sharded with the moments, or kept whole).
+    let mut zero1 = fsdp.clone();
+    zero1.name = "zero1-4-ranks-bf16".into();
+    zero1.parallel.sharding = Sharding::Zero1;
+    zero1.train.precision = Precision::Bf16;
+    let mut zero2 = zero1.clone();
+    zero2.name = "zero2-4-ranks-bf16".into();
+    zero2.parallel.sharding = Sharding::Zero2;
+
+    let mut offload = reference.clone();
+    offload.name = "reference-optimizer-on-disk".into();
+    offload.parallel.offload = Offload::Disk;
+
+    let mut recompute = ExperimentSpec { name: "checkpointing-every".into(), ..ExperimentSpec::default() };
+    recompute.model = ModelSpec::dense(4, 128, 4, 128, 64);
+    recompute.train.micro_batch = 8;
+    recompute.train.steps = 20;
+    recompute.train.checkpointing = Checkpointing::Every;
+
+    // Mixed precision: a step of 32768 tokens (64 sequences of 64, 8 accumulation steps)
+    // weights each token's loss by 1/32768, and with 4096 tokens in the vocabulary the
+    // logit gradient of an unlikely token, p / 32768 ~ 1e-8, is below fp16's smallest
+    // subnormal (6e-8): without loss scaling most of those gradients are stored as 0.
+    let mut fp16_plain = ExperimentSpec { name: "fp16-no-loss-scaling".into(), ..ExperimentSpec::default() };
+    fp16_plain.model = ModelSpec::dense(1, 32, 2, 64, 4096);
+    fp16_plain.train.micro_batch = 64;
+    fp16_plain.train.grad_accum = 8;
+    fp16_plain.train.steps = 20;
+    fp16_plain.train.warmup_steps = 0;
+    fp16_plain.train.lr = 3e-3;
+    fp16_plain.train.precision = Precision::Fp16;
+    let mut fp16_scaled = fp16_plain.clone();
+    fp16_scaled.name = "fp16-dynamic-loss-scaling".into();
+    fp16_scaled.train.loss_scaling = LossScaling::Dynamic;
+    let mut bf16 = fp16_plain.clone();
+    bf16.name = "bf16".into();
+    bf16.train.precision = Precision::Bf16;
+
+    // Long sequences for a small model: the T x T attention scores outweigh the rest.
+    let mut flash = ExperimentSpec { name: "flash-attention".into(), ..ExperimentSpec::default() };
+    flash.model = ModelSpec::dense(2, 64, 4, 512, 64);
+    flash.train.micro_batch = 2;
+    flash.train.steps = 10;
+    flash.train.attention = Attention::Flash;
+
+    let mut experts = ExperimentSpec { name: "moe-4-experts-ep2".into(), ..ExperimentSpec::default() };
+    experts.model =
+        ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.25, ..ModelSpec::dense(2, 64, 4, 32, 64) };
+    experts.parallel.dp = 2;
+    experts.parallel.ep = 2;
+    experts.train.micro_batch = 4;
+    experts.train.steps = 50;
+
+    vec![
+        Preset {
+            key: "tiny",
+            title: "Tiny GPT on a Markov chain",
+            description: "2 layers, d_model 64: trains in seconds; the loss falls from ln(vocab) towards the chain's entropy rate.",
+            spec: tiny,
+        },
+        Preset {
+            key: "reference",
+            title: "Reference config (benchmark shape)",
+            description: "4 layers, d_model 256, 4 heads, seq 128, vocab 256, batch 16: the shape the PyTorch comparison uses.",
+            spec: reference,
+        },
+        Preset {
+            key: "text",
+            title: "Shakespeare, byte level",
+            description: "A small public-domain English text, one token per byte.",
+            spec: text,
+        },
+        Preset {
+            key: "ddp2",
+            title: "DDP on 2 ranks",
+            description: "Same global batch as the tiny preset, split across two data-parallel ranks.",
+            spec: ddp,
+        },
+        Preset {
+            key: "allreduce",
+            title: "All-reduce demo (4 ranks, 16 numbers)",
+            description: "No training: 4 rank processes all-reduce a 16-element vector over the ring. Rank r starts with (r+1)*100 + i, so every chunk of the replay can be checked by hand.",
+            spec: ring,
+        },
+        Preset {
+            key: "allreduce-tree",
+            title: "Tree all-reduce demo (8 ranks, 16 numbers)",
+            description: "The all-reduce demo's numbers over 8 ranks by a binary tree rooted at rank 0: partial sums climb it in log2 8 = 3 steps and the result comes down in 3 more, where a ring takes 2(W-1) = 14; but whole buffers travel each edge, so rank 0 sends 3 x D where a ring rank sends 2(W-1)/W x D.",
+            spec: tree,
+        },
+        Preset {
+            key: "allreduce-hierarchical",
+            title: "Hierarchical all-reduce demo (2 nodes of 4 ranks)",
+            description: "The same numbers over 8 ranks counted as 2 nodes of 4: a ring inside each node, a ring across the 2 nodes' first ranks (the only traffic between nodes), then each leader sends the result to its node. The replay marks the steps that cross between nodes.",
+            spec: hierarchical,
+        },
+        Preset {
+            key: "pipeline",
+            title: "GPipe vs 1F1B (4 stages, 8 micro-batches)",
+            description: "4 layers cut into 4 pipeline stages, one rank each, 8 micro-batches per step, 1F1B schedule. Resubmit it with pp_schedule \"gpipe\" and compare the two on the pipeline page: same bubble formula (P-1)/(M+P-1), different activation memory.",
+            spec: pipeline,
+        },
+        Preset {
+            key: "topk",
+            title: "DDP with top-k gradient compression (1%)",
+            description: "The ddp2 preset with each gradient tensor cut to its 1% largest values and their indices, all-gathered instead of all-reduced; what each rank leaves out is added to its next step's gradient (error feedback). Compare the bytes per step and the loss curve with the ddp2 preset.",
+            spec: topk,
+        },
+        Preset {
+            key: "megatron",
+            title: "Megatron tensor parallel (2 ranks)",
+            description: "Every block split over 2 ranks: each computes 2 of the 4 attention heads and half of the MLP's hidden units. Per block the ranks all-reduce the activations twice going forward and twice going back (the timeline's comm lane); each holds about half of every block's parameters.",
+            spec: megatron,
+        },
+        Preset {
+            key: "fsdp",
+            title: "FSDP on 4 ranks",
+            description: "Fully sharded data parallel (ZeRO-3): parameters, gradients and Adam state are split over 4 ranks, each unit gathered for its forward and backward and freed. Each rank holds 16N/4 bytes of model state; the memory page shows the gather and free pulses.",
+            spec: fsdp,
+        },
+        Preset {
+            key: "zero1",
+            title: "ZeRO-1 on 4 ranks (bf16)",
+            description: "Adam's state and the fp32 master weights sharded over 4 ranks, the bf16 parameters and gradients whole on each: the gradient is all-reduced as in DDP, each rank updates its quarter and the ranks all-gather the updated parameters. The memory page shows 4N + 12N/4 bytes of model state per rank; the texts also count ZeRO-1 as 8N + 8N/K, with the master copy kept whole.",
+            spec: zero1,
+        },
+        Preset {
+            key: "zero2",
+            title: "ZeRO-2 on 4 ranks (bf16)",
+            description: "Gradients, Adam's state and the fp32 master weights sharded over 4 ranks, the bf16 parameters whole on each (2N + 14N/4 bytes of model state per rank): every unit's gradient is reduce-scattered as backward finishes it, each rank updates its quarter of the parameters and the ranks all-gather them. Per step a rank sends 2(W-1)/W x D, as much as DDP's all-reduce, in two halves; compare with the fsdp preset's 3(W-1)/W x D.",
+            spec: zero2,
+        },
+        Preset {
+            key: "3d",
+            title: "3D parallel on 8 ranks (dp2 x tp2 x pp2)",
+            description: "Two replicas of a two-stage pipeline whose stages are each split over two tensor-parallel ranks: TP inside, PP across, DP everywhere. The losses match one rank with the same global batch.",
+            spec: three_d,
+        },
+        Preset {
+            key: "checkpointing",
+            title: "Activation checkpointing (every block)",
+            description: "Forward keeps only each block's output; backward runs each block's forward again just before its backward. Resubmit it with checkpointing \"none\" and compare the memory cards (activations fall to about a third) and the step times (about one more forward per step); the losses are identical.",
+            spec: recompute,
+        },
+        Preset {
+            key: "offload-disk",
+            title: "Optimizer state offloaded to disk (reference model)",
+            description: "The reference model with AdamW's moments in a file, streamed through one piece of 262,144 parameters at a time as the optimizer updates them (ZeRO-Infinity's NVMe tier): the memory page's optimizer state falls to one piece, and each step pays for reading and writing the rest. Its partner for the comparison is the reference preset itself: compare the two runs' memory cards and step times.",
+            spec: offload,
+        },
+        Preset {
+            key: "fp16-plain",
+            title: "fp16 without loss scaling (gradients underflow)",
+            description: "32768 tokens per step and a 4096-token vocabulary: most logit gradients are below fp16's smallest subnormal and are stored as 0, so the loss falls more slowly than in fp32. Run the next two presets too and compare the three curves.",
+            spec: fp16_plain,
+        },
+        Preset {
+            key: "fp16-scaled",
+            title: "fp16 with dynamic loss scaling",
+            description: "The same run with the loss multiplied by 2^16 before backward: the gradients fit in fp16, are divided by the scale again in fp32, and the curve follows fp32's. The loss scale and the skipped steps are shown as the run goes.",
+            spec: fp16_scaled,
+        },
+        Preset {
+            key: "bf16",
+            title: "bf16 (no loss scaling needed)",
+            description: "The same run in bf16: 8 exponent bits, the range of fp32, so the tiny gradients survive without scaling; 7 mantissa bits, so each value is rounded more coarsely than in fp16.",
+            spec: bf16,
+        },
+        Preset {
+            key: "flash",
+            title: "FlashAttention on long sequences (T = 512)",
+            description: "A small model on sequences of 512 tokens with FlashAttention: the attention scores are computed tile by tile and never stored, so backward recomputes them. Resubmit it with attention \"naive\" and compare the memory cards: the naive run keeps every head's T x T probabilities for backward, most of its activations here; the losses are the same.",
+            spec: flash,
+        },
+        Preset {
+            key: "experts",
+            title: "Mixture of Experts, experts over 2 ranks (ep=2)",
+            description: "Each block's MLP becomes 4 experts and a router that sends every token to 2 of them; an expert takes at most 1.25 times its even share of a micro-batch's tokens and the rest of its assignments are dropped (counted on the page, step by step). The 2 data-parallel ranks hold 2 experts each: tokens cross to their experts and back by all-to-all, four per block and micro-batch (the timeline's EP lane). Resubmit it with ep 1 and compare: the same losses, more parameters per rank, no all-to-all.",
+            spec: experts,
+        },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::validate::Limits;
+
+    #[test]
+    fn every_preset_is_valid() {
+        for p in presets() {
+            assert_eq!(p.spec.validate(&Limits::default()), Ok(()), "preset {}", p.key);
+        }
+    }
+}

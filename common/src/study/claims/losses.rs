@@ -1,0 +1,168 @@
+//! Claims read from the losses: data parallelism trains like one rank, fp16 needs loss
+//! scaling where bf16 does not.
+
+use super::{Inputs, Measurement, RunEvidence};
+use crate::analysis::compare;
+
+/// Data-parallel training's losses against a one-rank run of the same global batch (the partner): equal.
+pub(super) fn ddp_equals_one_rank(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let partner = input.partner;
+    let spec = input.spec;
+    let id = input.run.view.id;
+    let one = partner.ok_or("no finished one-rank run with the same global batch yet")?;
+    let verdict = compare::equivalence((one.view.id, &one.view.spec, one.metrics), (id, spec, run.metrics));
+    let rel = verdict.max_rel_diff.map_or("–".to_string(), |r| format!("{r:.1e}"));
+    Ok(input.m(
+        format!("equal losses within {:.0e} relative per step", verdict.tolerance),
+        format!("max relative difference {rel} over {} steps (one rank: run {})", verdict.common_steps, one.view.id),
+        verdict.equivalent,
+    ))
+}
+
+/// fp16 without loss scaling against with it (the partner): the logit gradients stored as 0, and how far the loss fell.
+pub(super) fn loss_scaling_underflow(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let partner = input.partner;
+    let scaled = partner.ok_or("no finished run of the same config with dynamic loss scaling yet")?;
+    let (plain, with) = (descent(run)?, descent(scaled)?);
+    let (plain_zeros, scaled_zeros) = (zero_share(run)?, zero_share(scaled)?);
+    let overflowed = scaled.metrics.iter().filter_map(|p| p.skipped_steps).max().unwrap_or(0);
+    Ok(input.m(
+        format!(
+            "without scaling most logit gradients (over {:.0}%) are stored as 0 in fp16, with it far fewer \
+             (under half as many), and the loss falls less than {:.0}% as far",
+            100.0 * MOST,
+            100.0 * SLOWER
+        ),
+        format!(
+            "{:.0}% of the logit gradients stored as 0 without scaling, {:.1}% with it; the loss fell {:.0}% as \
+             far: down {:.4} without scaling, {:.4} with it (run {}); the plain run's loss stayed finite \
+             (underflow, not overflow), the scaled run skipped {overflowed} overflowed steps",
+            100.0 * plain_zeros,
+            100.0 * scaled_zeros,
+            100.0 * plain / with,
+            plain,
+            with,
+            scaled.view.id
+        ),
+        with > 0.0 && plain < SLOWER * with && plain_zeros > MOST && scaled_zeros < 0.5 * plain_zeros,
+    ))
+}
+
+/// bf16 without loss scaling against fp32 (the partner): the loss falls as far.
+pub(super) fn bf16_no_scaling(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let partner = input.partner;
+    let fp32 =
+        partner.ok_or("no finished run of the same config in fp32 yet (resubmit the preset with precision fp32)")?;
+    let (bf16, full) = (descent(run)?, descent(fp32)?);
+    Ok(input.m(
+        format!("without scaling bf16 falls as far as fp32 (within {:.0}%)", 100.0 * (1.0 - ALONGSIDE)),
+        format!("{:.0}%: down {bf16:.4} in bf16, {full:.4} in fp32 (run {})", 100.0 * bf16 / full, fp32.view.id),
+        full > 0.0 && bf16 >= ALONGSIDE * full,
+    ))
+}
+
+/// Without loss scaling fp16 must fall less than this share of the scaled run's descent.
+const SLOWER: f64 = 0.9;
+/// "Most" logit gradients: more than this share stored as 0.
+const MOST: f64 = 0.5;
+/// bf16 must fall at least this share of fp32's descent.
+const ALONGSIDE: f64 = 0.95;
+
+/// The mean share of the logit gradients stored as 0 over the run's steps.
+fn zero_share(run: &RunEvidence) -> Result<f64, String> {
+    let shares: Vec<f64> = run.metrics.iter().filter_map(|p| p.logit_grad_zero_share).collect();
+    if shares.is_empty() {
+        return Err(format!(
+            "run {} recorded no logit-gradient zeros (a run from before they were counted)",
+            run.view.id
+        ));
+    }
+    Ok(shares.iter().sum::<f64>() / shares.len() as f64)
+}
+
+/// How far a run's loss fell: its first step's loss minus its last (the summary's final).
+fn descent(run: &RunEvidence) -> Result<f64, String> {
+    let first = run.metrics.first().map(|p| p.loss).ok_or("the run has no loss")?;
+    let last = final_loss(run)?;
+    if !(first.is_finite() && last.is_finite()) {
+        return Err(format!("run {} has a loss that is not finite", run.view.id));
+    }
+    Ok(first - last)
+}
+
+fn final_loss(run: &RunEvidence) -> Result<f64, String> {
+    run.view
+        .summary
+        .as_ref()
+        .map(|s| s.final_loss)
+        .or(run.metrics.last().map(|p| p.loss))
+        .ok_or_else(|| "the run has no loss".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::spec::presets::presets;
+    use crate::study::cards::ClaimCheck;
+    use crate::study::claims::test_runs::{losses, succeeded_view};
+    use crate::study::claims::{is_partner, measure, RunEvidence};
+    use crate::wire::events::MetricPoint;
+
+    #[test]
+    fn mixed_precision_claims_compare_how_far_the_loss_fell_with_a_measured_partner() {
+        let find = |key: &str| presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
+        let (plain, scaled, bf16) = (
+            succeeded_view(1, find("fp16-plain"), None),
+            succeeded_view(2, find("fp16-scaled"), None),
+            succeeded_view(3, find("bf16"), None),
+        );
+        let mut fp32_spec = find("bf16");
+        fp32_spec.train.precision = crate::Precision::Fp32;
+        assert_eq!(is_partner(ClaimCheck::Bf16NoScaling, &bf16.spec, &fp32_spec), Some(true));
+        let fp32 = succeeded_view(4, fp32_spec, None);
+        let run = |v, m| RunEvidence { view: v, metrics: m, ranks: &[], traced_steps: 1 };
+        // Measured on the presets: fp32 8.3226 -> 7.6179, fp16 without scaling -> 7.7657,
+        // with scaling -> 7.6178, bf16 -> 7.6181.
+        let zeros = |mut points: Vec<MetricPoint>, share: f64| {
+            points.iter_mut().for_each(|p| p.logit_grad_zero_share = Some(share));
+            points
+        };
+        let (l_plain, l_scaled, l_bf16, l_fp32) = (
+            zeros(losses(8.3226, 7.7657), 0.9),
+            zeros(losses(8.3226, 7.6178), 0.001),
+            losses(8.3226, 7.6181),
+            losses(8.3226, 7.6179),
+        );
+        let under =
+            measure(ClaimCheck::LossScalingUnderflow, &run(&plain, &l_plain), Some(&run(&scaled, &l_scaled))).unwrap();
+        assert!(under.agrees, "{under:?}");
+        assert!(under.measured.starts_with("90% of the logit gradients stored as 0"), "{}", under.measured);
+        // A fp16 run that falls nearly as far as the scaled one does not show underflow.
+        let nearly = zeros(losses(8.3226, 7.65), 0.9);
+        assert!(
+            !measure(ClaimCheck::LossScalingUnderflow, &run(&plain, &nearly), Some(&run(&scaled, &l_scaled)))
+                .unwrap()
+                .agrees
+        );
+        // Nor one whose gradients were not stored as 0 (slower for another reason), nor one
+        // whose counts are missing.
+        let kept = zeros(losses(8.3226, 7.7657), 0.1);
+        assert!(
+            !measure(ClaimCheck::LossScalingUnderflow, &run(&plain, &kept), Some(&run(&scaled, &l_scaled)))
+                .unwrap()
+                .agrees
+        );
+        let uncounted = losses(8.3226, 7.7657);
+        assert!(measure(ClaimCheck::LossScalingUnderflow, &run(&plain, &uncounted), Some(&run(&scaled, &l_scaled)))
+            .unwrap_err()
+            .contains("zeros"));
+        let bf = measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &l_bf16), Some(&run(&fp32, &l_fp32))).unwrap();
+        assert!(bf.agrees, "{bf:?}");
+        // bf16 that learns (below ln V) but falls much less than fp32 does not agree.
+        let lagging = losses(8.3226, 8.0);
+        assert!(!measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &lagging), Some(&run(&fp32, &l_fp32))).unwrap().agrees);
+        assert!(measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &l_bf16), None).unwrap_err().contains("fp32"));
+    }
+}

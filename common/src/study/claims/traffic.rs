@@ -1,0 +1,481 @@
+//! Claims about the bytes on the wire, counted by the engine's collectives on rank 0 (or by
+//! the all-reduce demo's replay) and set against the planner: the ring all-reduce and its
+//! phases, ZeRO's and FSDP's traffic, expert parallelism's all-to-alls, a 2-byte wire and
+//! tensor parallelism's all-reduces.
+
+use super::{bytes_text, op_counters, Inputs, Measurement, RunEvidence, SCALAR_BYTES};
+use crate::analysis::pipeline::{default_step, recorded_steps};
+use crate::plan::planner;
+use crate::study::cards::ClaimCheck;
+use crate::wire::trace::{CollectiveOp, RingPhase};
+use crate::Checkpointing;
+
+/// A ring all-reduce's bytes per rank: the demo's against 2(W-1)/W x D, or rank 0's per step against the planner.
+pub(super) fn allreduce_bytes(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let spec = input.spec;
+    let plan = &input.plan;
+    let rank0 = input.rank0;
+    let traced_steps = input.traced_steps;
+    if let Some(c) = run.view.summary.as_ref().and_then(|s| s.collective.as_ref()) {
+        let most = c.bytes_sent.iter().copied().max().unwrap_or(0);
+        let least = c.bytes_sent.iter().copied().min().unwrap_or(0);
+        // The ring's steps, one after another: what its latency grows with.
+        let rank0_steps = run.ranks.iter().filter(|r| r.rank == 0).flat_map(|r| &r.comm.steps);
+        let steps = rank0_steps.filter(|s| s.from == 0).count();
+        return Ok(input.m(
+            format!("{} bytes per rank, in 2(W-1) = {} steps", c.formula_bytes, 2 * c.world.saturating_sub(1)),
+            format!(
+                "{least}–{most} bytes per rank ({} ranks), rank 0 sent in {steps} steps: the bytes per rank stay \
+                 about 2D whatever W, the steps grow with it",
+                c.world
+            ),
+            least == most && (most as f64 - c.formula_bytes).abs() < 0.5,
+        ));
+    }
+    // The data-parallel ring is the one traced (tensor and pipeline rings are not).
+    let rank = rank0.ok_or("the run recorded no trace")?;
+    let sent: u64 = op_counters(rank, CollectiveOp::AllReduce).map(|c| c.bytes_sent).sum();
+    let predicted = plan.stages[0].comm.dp_all_reduce;
+    let per_step = sent / traced_steps;
+    Ok(input.m(
+        format!("{} per rank per step (2(W-1)/W x D, W={})", bytes_text(predicted), spec.parallel.dp),
+        format!("{} on rank 0", bytes_text(per_step)),
+        per_step == predicted,
+    ))
+}
+
+/// The bytes each rank of the all-reduce demo sent in the reduce-scatter and in the all-gather: (W-1)/W x D each.
+pub(super) fn ring_phase_bytes(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let c = run
+        .view
+        .summary
+        .as_ref()
+        .and_then(|s| s.collective.as_ref())
+        .ok_or("the phases are measured on the all-reduce demo's ring replay: run the allreduce preset")?;
+    let per_phase = c.formula_bytes / 2.0;
+    let sent = |rank: u32, phase: RingPhase| -> u64 {
+        let rank_steps = run.ranks.iter().filter(|r| r.rank == rank).flat_map(|r| &r.comm.steps);
+        rank_steps.filter(|s| s.from == rank && s.phase == phase).map(|s| s.bytes).sum()
+    };
+    let phases: Vec<(u64, u64)> =
+        (0..c.world as u32).map(|r| (sent(r, RingPhase::ReduceScatter), sent(r, RingPhase::AllGather))).collect();
+    if phases.iter().all(|&(rs, ag)| rs == 0 && ag == 0) {
+        return Err("the run recorded no ring steps".into());
+    }
+    let agrees = phases.iter().all(|&(rs, ag)| rs as f64 == per_phase && ag as f64 == per_phase);
+    let (rs, ag) = phases[0];
+    Ok(input.m(
+        format!("(W-1)/W x D = {per_phase} bytes per rank in each phase (W={})", c.world),
+        format!(
+            "rank 0 sent {rs} bytes in reduce-scatter and {ag} in all-gather; {}",
+            if agrees { "every rank the same" } else { "not every rank the same" }
+        ),
+        agrees,
+    ))
+}
+
+/// ZeRO-2's bytes per step on rank 0: the gradients reduce-scattered, the parameters all-gathered, 2(W-1)/W x D.
+pub(super) fn zero2_traffic(input: &Inputs) -> Result<Measurement, String> {
+    sharded_traffic(input, ClaimCheck::Zero2Traffic)
+}
+
+/// FSDP's bytes per step on rank 0: a reduce-scatter, all-gathers for forward and backward, under 3(W-1)/W x D.
+pub(super) fn fsdp_traffic(input: &Inputs) -> Result<Measurement, String> {
+    sharded_traffic(input, ClaimCheck::FsdpTraffic)
+}
+
+/// The reduce-scatters and all-gathers rank 0 sent per step, in multiples of D, against the planner (ZeRO-2 and FSDP).
+fn sharded_traffic(input: &Inputs, check: ClaimCheck) -> Result<Measurement, String> {
+    let spec = input.spec;
+    let plan = &input.plan;
+    let rank0 = input.rank0;
+    let traced_steps = input.traced_steps;
+    let rank = rank0.ok_or("the run recorded no trace")?;
+    let (rs, ag) = (CollectiveOp::ReduceScatter, CollectiveOp::AllGather);
+    let sent_in = |op| op_counters(rank, op).map(|c| c.bytes_sent).sum::<u64>() / traced_steps;
+    let (rs_bytes, ag_bytes) = (sent_in(rs), sent_in(ag));
+    let per_step = rs_bytes + ag_bytes;
+    let stage = &plan.stages[spec.stage_of(0)];
+    let planned = stage.comm.dp_reduce_scatter + stage.comm.dp_all_gather;
+    // D: the gradient (or the parameters) as they cross the wire.
+    let d = stage.params_per_rank.saturating_mul(planner::wire_bytes(spec.parallel.comm_dtype)).max(1);
+    let w = spec.parallel.dp as f64;
+    let (passes, what) = match check {
+        ClaimCheck::Zero2Traffic => (2.0, "a reduce-scatter of the gradients, an all-gather of the parameters"),
+        _ => (3.0, "a reduce-scatter of the gradients, all-gathers of the parameters for forward and backward"),
+    };
+    let multiple = passes * (w - 1.0) / w * spec.pipeline_micro_batches() as f64;
+    let measured = per_step as f64 / d as f64;
+    let mut got = input.m(
+        format!("{passes}(W-1)/W x D = {multiple:.2} x D per rank per step (W={}): {what}", spec.parallel.dp),
+        format!(
+            "{measured:.3} x D: {} on rank 0, {:.3} x D reduce-scattered and {:.3} x D all-gathered (D = {}; \
+             the planner's count: {})",
+            bytes_text(per_step),
+            rs_bytes as f64 / d as f64,
+            ag_bytes as f64 / d as f64,
+            bytes_text(d),
+            bytes_text(planned)
+        ),
+        spec.parallel.sharding != crate::Sharding::None
+            && per_step == planned
+            && (measured - multiple).abs() <= 0.05 * multiple,
+    );
+    if check == ClaimCheck::FsdpTraffic {
+        got.note = Some(
+            "Backward gathers every unit but the embeddings (their backward needs only the token ids), \
+             so FSDP sends a little less than 3(W-1)/W x D."
+                .into(),
+        );
+    }
+    Ok(got)
+}
+
+/// ZeRO-1's bytes per step on rank 0: DDP's all-reduce and the updated parameters' all-gather, 3(W-1)/W x D.
+pub(super) fn zero1_traffic(input: &Inputs) -> Result<Measurement, String> {
+    let spec = input.spec;
+    let plan = &input.plan;
+    let rank0 = input.rank0;
+    let traced_steps = input.traced_steps;
+    // DDP's all-reduce and ZeRO's all-gather of the updated parameters. The
+    // all-reduce counter also holds the step's one-float all-reduces (the loss, the
+    // gradient norm): at most a few hundred bytes.
+    let rank = rank0.ok_or("the run recorded no trace")?;
+    let sent_in = |op| op_counters(rank, op).map(|c| c.bytes_sent).sum::<u64>() / traced_steps;
+    let (ar, ag) = (sent_in(CollectiveOp::AllReduce), sent_in(CollectiveOp::AllGather));
+    let stage = &plan.stages[spec.stage_of(0)];
+    let planned = stage.comm.dp_all_reduce + stage.comm.dp_all_gather;
+    let d = stage.params_per_rank.saturating_mul(planner::wire_bytes(spec.parallel.comm_dtype)).max(1);
+    let w = spec.parallel.dp as f64;
+    let multiple = 3.0 * (w - 1.0) / w * spec.pipeline_micro_batches() as f64;
+    let measured = (ar + ag) as f64 / d as f64;
+    Ok(input.m(
+        format!(
+            "3(W-1)/W x D = {multiple:.2} x D per rank per step (W={}): DDP's all-reduce, 2(W-1)/W x D, \
+             and the updated parameters' all-gather, (W-1)/W x D",
+            spec.parallel.dp
+        ),
+        format!(
+            "{measured:.3} x D: {:.3} x D all-reduced and {:.3} x D all-gathered on rank 0 (D = {}; the \
+             planner's count: {})",
+            ar as f64 / d as f64,
+            ag as f64 / d as f64,
+            bytes_text(d),
+            bytes_text(planned)
+        ),
+        spec.parallel.sharding == crate::Sharding::Zero1
+            && (planned..=planned + SCALAR_BYTES).contains(&(ar + ag))
+            && (measured - multiple).abs() <= 0.05 * multiple,
+    ))
+}
+
+/// Expert parallelism's all-to-alls on rank 0 per step, their count and bytes, against the planner.
+pub(super) fn expert_all_to_all(input: &Inputs) -> Result<Measurement, String> {
+    let spec = input.spec;
+    let plan = &input.plan;
+    let rank0 = input.rank0;
+    let traced_steps = input.traced_steps;
+    let rank = rank0.ok_or("the run recorded no trace")?;
+    let counters: Vec<_> = op_counters(rank, CollectiveOp::AllToAll).collect();
+    let bytes = counters.iter().map(|c| c.bytes_sent).sum::<u64>() / traced_steps;
+    let calls = counters.iter().map(|c| c.calls).sum::<u64>() / traced_steps;
+    let stage = &plan.stages[spec.stage_of(0)];
+    let per_block: u64 = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+    let expected_calls = per_block * stage.layers as u64 * spec.pipeline_micro_batches() as u64;
+    let ep = spec.parallel.ep;
+    Ok(input.m(
+        format!(
+            "{per_block} all-to-alls per block and micro-batch: {expected_calls} per step, each (ep-1)/ep = \
+             {}/{ep} of the rank's expert slots: {} per rank and step",
+            ep.saturating_sub(1),
+            bytes_text(stage.comm.ep_all_to_all)
+        ),
+        format!("{calls} all-to-alls sending {} on rank 0", bytes_text(bytes)),
+        ep > 1 && calls == expected_calls && bytes == stage.comm.ep_all_to_all,
+    ))
+}
+
+/// The data-parallel bytes per step on an fp32 wire against a 2-byte one (the partner): half.
+pub(super) fn two_byte_wire(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let partner = input.partner;
+    let spec = input.spec;
+    // The data-parallel collectives' bytes per step on rank 0, on both runs (the
+    // all-reduce counter also holds the step's few scalar floats).
+    let two = partner.ok_or(
+        "no finished run of the same config with comm_dtype set to its precision yet (resubmit the preset \
+         with it)",
+    )?;
+    let dp_bytes = |r: &RunEvidence| -> Result<(u64, u64), String> {
+        let rank =
+            r.ranks.iter().find(|x| x.rank == 0).ok_or_else(|| format!("run {} recorded no trace", r.view.id))?;
+        let ops = [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather];
+        let sent: u64 = ops.into_iter().flat_map(|op| op_counters(rank, op)).map(|c| c.bytes_sent).sum();
+        let plan = planner::plan(&r.view.spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
+        let c = &plan.stages[r.view.spec.stage_of(0)].comm;
+        Ok((sent / r.traced_steps.max(1), c.dp_all_reduce + c.dp_reduce_scatter + c.dp_all_gather))
+    };
+    let ((wide, wide_planned), (narrow, narrow_planned)) = (dp_bytes(run)?, dp_bytes(two)?);
+    let within = |got: u64, planned: u64| (planned..=planned + SCALAR_BYTES).contains(&got);
+    let ratio = narrow as f64 / wide.max(1) as f64;
+    Ok(input.m(
+        format!(
+            "the data-parallel collectives carry {} per rank and step on an fp32 wire, {} on a {} wire: half \
+             (planner)",
+            bytes_text(wide_planned),
+            bytes_text(narrow_planned),
+            two.view.spec.parallel.comm_dtype.as_str()
+        ),
+        format!("{} and {} on rank 0 (run {}): {ratio:.3}x", bytes_text(wide), bytes_text(narrow), two.view.id),
+        spec.parallel.comm_dtype == crate::Precision::Fp32
+            && two.view.spec.parallel.comm_dtype != crate::Precision::Fp32
+            && within(wide, wide_planned)
+            && within(narrow, narrow_planned)
+            && (ratio - 0.5).abs() <= 0.01,
+    ))
+}
+
+/// Tensor parallelism's all-reduces on rank 0 in one step: 4 per block and micro-batch (6 with checkpointing).
+pub(super) fn tp_allreduces(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let spec = input.spec;
+    let plan = &input.plan;
+    let rank0 = input.rank0;
+    let step = default_step(&recorded_steps(run.ranks)).ok_or("the run recorded no timeline")?;
+    let rank = rank0.ok_or("the run recorded no trace")?;
+    let calls = rank.spans.iter().filter(|s| s.step == step && s.lane == crate::wire::trace::lane::TP).count();
+    let layers = plan.stages[spec.stage_of(0)].layers;
+    // Checkpointing recomputes each block's forward, with its two all-reduces.
+    let per_block = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+    let micro_batches = spec.pipeline_micro_batches();
+    let predicted = per_block * layers * micro_batches;
+    Ok(Measurement {
+        note: Some(
+            "Texts that count one all-reduce per layer count the MLP's alone; two per layer are the \
+             attention's and the MLP's in the forward pass. Backward adds as many again, in the reverse \
+             order: the gradient of each block's input is summed over the ranks."
+                .into(),
+        ),
+        ..input.m(
+            format!("{per_block} x {layers} blocks x {micro_batches} micro-batches = {predicted} per step"),
+            format!("{calls} on rank 0 in step {step}"),
+            calls == predicted,
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::plan::planner;
+    use crate::spec::presets::presets;
+    use crate::study::cards::ClaimCheck;
+    use crate::study::claims::test_runs::{counter, succeeded_view, traced};
+    use crate::study::claims::{canonical_preset, is_partner, measure, RunEvidence};
+    use crate::wire::trace::{CollectiveOp, RankTrace, RingPhase};
+    use crate::ExperimentSpec;
+
+    #[test]
+    fn a_collective_demo_checks_its_byte_counts() {
+        let spec = presets().into_iter().find(|p| p.key == "allreduce").map(|p| p.spec).unwrap_or_default();
+        let collective = crate::CollectiveCheck {
+            world: 4,
+            elements: 16,
+            bytes_sent: vec![96; 4],
+            formula_bytes: 96.0,
+            ..Default::default()
+        };
+        let mut v =
+            succeeded_view(7, spec, Some(crate::RunSummary { collective: Some(collective), ..Default::default() }));
+        let got = measure(
+            ClaimCheck::AllreduceBytes,
+            &RunEvidence { view: &v, metrics: &[], ranks: &[], traced_steps: 1 },
+            None,
+        )
+        .unwrap();
+        assert!(got.agrees && got.measured.starts_with("96–96 bytes"), "{got:?}");
+        if let Some(c) = v.summary.as_mut().and_then(|s| s.collective.as_mut()) {
+            c.bytes_sent[2] = 112;
+        }
+        let got = measure(
+            ClaimCheck::AllreduceBytes,
+            &RunEvidence { view: &v, metrics: &[], ranks: &[], traced_steps: 1 },
+            None,
+        )
+        .unwrap();
+        assert!(!got.agrees, "{got:?}");
+        let err = measure(
+            ClaimCheck::DdpEqualsOneRank,
+            &RunEvidence { view: &v, metrics: &[], ranks: &[], traced_steps: 1 },
+            None,
+        );
+        assert!(err.unwrap_err().contains("one-rank"));
+    }
+
+    #[test]
+    fn the_ring_phases_are_checked_from_the_bytes_each_rank_sent_in_each() {
+        let spec = presets().into_iter().find(|p| p.key == "allreduce").map(|p| p.spec).unwrap_or_default();
+        let collective = crate::CollectiveCheck {
+            world: 2,
+            elements: 16,
+            bytes_sent: vec![64; 2],
+            formula_bytes: 64.0,
+            ..Default::default()
+        };
+        let v = succeeded_view(3, spec, Some(crate::RunSummary { collective: Some(collective), ..Default::default() }));
+        let step = |from: u32, phase: RingPhase, bytes: u64| crate::wire::trace::RingStep {
+            collective: 0,
+            phase,
+            step: 0,
+            chunk: from,
+            from,
+            to: 1 - from,
+            bytes,
+            start_us: 0,
+            end_us: 1,
+            values: None,
+        };
+        let rank = |r: u32, rs: u64, ag: u64| RankTrace {
+            rank: r,
+            comm: crate::wire::trace::RankCommTrace {
+                steps: vec![step(r, RingPhase::ReduceScatter, rs), step(r, RingPhase::AllGather, ag)],
+                ..Default::default()
+            },
+            ..RankTrace::default()
+        };
+        let check = |ranks: &[RankTrace]| {
+            measure(ClaimCheck::RingPhaseBytes, &RunEvidence { view: &v, metrics: &[], ranks, traced_steps: 1 }, None)
+        };
+        let right = check(&[rank(0, 32, 32), rank(1, 32, 32)]).unwrap();
+        assert!(right.agrees && right.measured.contains("32 bytes in reduce-scatter"), "{right:?}");
+        // An all-reduce that sends the right total but splits it wrongly between the phases.
+        assert!(!check(&[rank(0, 48, 16), rank(1, 48, 16)]).unwrap().agrees);
+        assert!(check(&[]).is_err());
+    }
+
+    #[test]
+    fn zero1_sends_ddps_all_reduce_and_an_all_gather() {
+        let spec = presets().into_iter().find(|p| p.key == "zero1").map(|p| p.spec).unwrap_or_default();
+        let comm = planner::plan(&spec).unwrap().stages[0].comm.clone();
+        let v = succeeded_view(1, spec, None);
+        let check = |ranks: &[RankTrace]| {
+            measure(ClaimCheck::Zero1Traffic, &RunEvidence { view: &v, metrics: &[], ranks, traced_steps: 2 }, None)
+                .unwrap()
+        };
+        // Two steps, with the loss's and the gradient norm's floats in the all-reduce.
+        let ok = traced(
+            vec![
+                counter(CollectiveOp::AllReduce, 4, 2 * comm.dp_all_reduce + 32),
+                counter(CollectiveOp::AllGather, 2, 2 * comm.dp_all_gather),
+            ],
+            0,
+        );
+        let got = check(&ok);
+        assert!(got.agrees && got.predicted.contains("2.25 x D"), "{got:?}");
+        // The ZeRO paper's count (a reduce-scatter in place of the all-reduce) is not this run.
+        let paper = traced(
+            vec![
+                counter(CollectiveOp::AllReduce, 2, 32),
+                counter(CollectiveOp::ReduceScatter, 2, comm.dp_all_reduce),
+                counter(CollectiveOp::AllGather, 2, 2 * comm.dp_all_gather),
+            ],
+            0,
+        );
+        assert!(!check(&paper).agrees);
+    }
+
+    #[test]
+    fn expert_all_to_alls_and_parameters_are_measured_against_the_planner() {
+        let spec = presets().into_iter().find(|p| p.key == "experts").map(|p| p.spec).unwrap_or_default();
+        let stage = planner::plan(&spec).unwrap().stages[0].clone();
+        let calls = 4 * stage.layers as u64 * spec.pipeline_micro_batches() as u64;
+        let v = succeeded_view(1, spec.clone(), None);
+        let check = |check, ranks: &[RankTrace]| {
+            measure(check, &RunEvidence { view: &v, metrics: &[], ranks, traced_steps: 1 }, None).unwrap()
+        };
+        let good =
+            traced(vec![counter(CollectiveOp::AllToAll, calls, stage.comm.ep_all_to_all)], stage.memory.parameters);
+        assert!(check(ClaimCheck::ExpertAllToAll, &good).agrees);
+        assert!(check(ClaimCheck::ExpertParameters, &good).agrees);
+        // Two all-to-alls per block (a backward that sends nothing back) disagree; so does
+        // a rank holding every expert.
+        let half = traced(vec![counter(CollectiveOp::AllToAll, calls / 2, stage.comm.ep_all_to_all / 2)], 0);
+        assert!(!check(ClaimCheck::ExpertAllToAll, &half).agrees);
+        let mut all = spec.clone();
+        all.parallel.ep = 1;
+        let every_expert = planner::plan(&all).unwrap().stages[0].memory.parameters;
+        assert!(every_expert > stage.memory.parameters);
+        assert!(!check(ClaimCheck::ExpertParameters, &traced(vec![], every_expert)).agrees);
+    }
+
+    #[test]
+    fn a_two_byte_wire_halves_the_data_parallel_bytes() {
+        let spec = presets().into_iter().find(|p| p.key == "zero2").map(|p| p.spec).unwrap_or_default();
+        let mut narrow = spec.clone();
+        narrow.parallel.comm_dtype = crate::Precision::Bf16;
+        assert_eq!(is_partner(ClaimCheck::TwoByteWire, &spec, &narrow), Some(true));
+        let comm = |s: &ExperimentSpec| planner::plan(s).unwrap().stages[0].comm.clone();
+        let ranks = |c: planner::CommVolume| {
+            traced(
+                vec![
+                    counter(CollectiveOp::AllReduce, 1, 24),
+                    counter(CollectiveOp::ReduceScatter, 1, c.dp_reduce_scatter),
+                    counter(CollectiveOp::AllGather, 1, c.dp_all_gather),
+                ],
+                0,
+            )
+        };
+        let (v_wide, v_narrow) = (succeeded_view(1, spec.clone(), None), succeeded_view(2, narrow.clone(), None));
+        let (r_wide, r_narrow) = (ranks(comm(&spec)), ranks(comm(&narrow)));
+        let run = |v, r| RunEvidence { view: v, metrics: &[], ranks: r, traced_steps: 1 };
+        let got = measure(ClaimCheck::TwoByteWire, &run(&v_wide, &r_wide), Some(&run(&v_narrow, &r_narrow))).unwrap();
+        assert!(got.agrees && got.measured.ends_with("0.500x"), "{got:?}");
+        // A wire that still sends 4 bytes per element disagrees.
+        let got = measure(ClaimCheck::TwoByteWire, &run(&v_wide, &r_wide), Some(&run(&v_narrow, &r_wide))).unwrap();
+        assert!(!got.agrees, "{got:?}");
+    }
+
+    #[test]
+    fn sharded_traffic_is_measured_in_multiples_of_d() {
+        for (key, check) in [("zero2", ClaimCheck::Zero2Traffic), ("fsdp", ClaimCheck::FsdpTraffic)] {
+            let spec = presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
+            assert_eq!(canonical_preset(check), key);
+            let comm = planner::plan(&spec).unwrap().stages[0].comm.clone();
+            let counter = |op, bytes_sent| crate::wire::trace::CollectiveCounter {
+                op,
+                calls: 1,
+                elements: 0,
+                bytes_sent,
+                bytes_from_formula: false,
+                total_us: 0,
+            };
+            // Three steps of the planned reduce-scatter and all-gather bytes, and a few scalars.
+            let ranks = |rs: u64, ag: u64| {
+                vec![RankTrace {
+                    comm: crate::wire::trace::RankCommTrace {
+                        counters: vec![
+                            counter(CollectiveOp::ReduceScatter, 3 * rs),
+                            counter(CollectiveOp::AllGather, 3 * ag),
+                            counter(CollectiveOp::AllReduce, 24),
+                        ],
+                        ..Default::default()
+                    },
+                    ..RankTrace::default()
+                }]
+            };
+            let v = succeeded_view(1, spec.clone(), None);
+            let good = ranks(comm.dp_reduce_scatter, comm.dp_all_gather);
+            let got =
+                measure(check, &RunEvidence { view: &v, metrics: &[], ranks: &good, traced_steps: 3 }, None).unwrap();
+            assert!(got.agrees, "{key}: {got:?}");
+            let want = if key == "zero2" { "1.50 x D" } else { "2.25 x D" };
+            assert!(got.predicted.contains(want), "{key}: {}", got.predicted);
+            // Without the parameters' all-gather (a broken ZeRO) the bytes fall short.
+            let broken = ranks(comm.dp_reduce_scatter, 0);
+            let got =
+                measure(check, &RunEvidence { view: &v, metrics: &[], ranks: &broken, traced_steps: 3 }, None).unwrap();
+            assert!(!got.agrees, "{key}: {got:?}");
+        }
+    }
+}
