@@ -21,6 +21,7 @@ use crate::api::{self, RequestError};
 use crate::components::dataset_upload::DatasetUpload;
 use crate::components::plan_panel::{next_state, PlanPanel, PlanState};
 use crate::format;
+use crate::load::load;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -429,8 +430,10 @@ pub fn NewExperiment() -> impl IntoView {
         active_preset.set(None);
     };
     if let (Some(experiment), Some(step)) = (continue_from, continue_step) {
-        leptos::task::spawn_local(async move {
-            let Ok(source) = api::get_experiment(experiment).await else { return };
+        let source = load(move || api::get_experiment(experiment));
+        // Once it is in (a source that did not load leaves the form as it is).
+        Effect::new(move || {
+            let Some(Ok(source)) = source.get() else { return };
             let mut spec = source.spec;
             spec.name = format!("{} (continued from step {step})", source.name);
             spec.train.resume_from = Some(distlab_common::ResumeFrom { experiment, step });
