@@ -94,13 +94,11 @@ pub fn CardsPage() -> impl IntoView {
     // The remembered profile if it is still there, else the first.
     Effect::new(move || {
         profiles.with(|answer| match answer {
-            Some(Ok(list)) => {
-                if profile.get_untracked().is_none_or(|id| !list.profiles.iter().any(|p| p.id == id)) {
-                    profile.set(list.profiles.first().map(|p| p.id));
-                }
+            Some(Ok(list)) if profile.get_untracked().is_none_or(|id| !list.profiles.iter().any(|p| p.id == id)) => {
+                profile.set(list.profiles.first().map(|p| p.id));
             }
             Some(Err(e)) => error.set(Some(e.message.clone())),
-            None => {}
+            _ => {}
         })
     });
     let new_name = RwSignal::new(String::new());
