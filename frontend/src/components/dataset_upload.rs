@@ -48,6 +48,13 @@ pub fn DatasetUpload(
                         ),
                     )));
                     choose(&d);
+                    // On the list at once (newest first), then the list as the server has it.
+                    datasets.try_update(|answer| {
+                        if let Some(Ok(list)) = answer {
+                            list.datasets.retain(|old| old.id != d.id);
+                            list.datasets.insert(0, d);
+                        }
+                    });
                     datasets.refetch();
                 }
                 Err(e) => {
