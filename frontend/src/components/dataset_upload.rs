@@ -7,8 +7,8 @@ use leptos::prelude::*;
 use wasm_bindgen::JsCast;
 
 use crate::api;
-use crate::load::load_keeping;
 use crate::format;
+use crate::load::load_keeping;
 
 #[component]
 pub fn DatasetUpload(

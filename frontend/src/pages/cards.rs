@@ -198,8 +198,7 @@ fn Review(deck: Deck, checks: LocalResource<Vec<ClaimStatus>>, profile: i64) -> 
     };
 
     let queue = move |r: ReviewView| {
-        let current =
-            r.queue.first().and_then(|id| deck.with_value(|d| d.cards.iter().find(|c| &c.id == id).cloned()));
+        let current = r.queue.first().and_then(|id| deck.with_value(|d| d.cards.iter().find(|c| &c.id == id).cloned()));
         let counts = r.counts;
         view! {
             <section class="card" id="review">

@@ -11,10 +11,10 @@ use leptos_router::components::A;
 use leptos_router::hooks::{use_navigate, use_query_map};
 
 use crate::api;
-use crate::load::{load_keeping, loading_card, Loaded};
 use crate::components::overlay_chart::{smooth, Band, OverlayChart, Series};
 use crate::components::status_badge::StatusBadge;
 use crate::format;
+use crate::load::{load_keeping, loading_card, Loaded};
 
 /// One color per compared run, in order (6 at most).
 pub const COLORS: [&str; compare::MAX_RUNS] = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];

@@ -12,8 +12,8 @@ use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
 
 use crate::api::{self, ApiResult};
-use crate::load::{load, Loaded};
 use crate::components::pipeline_chart::PipelineChart;
+use crate::load::{load, Loaded};
 use distlab_common::pipeline::{
     default_step, measured_bubble, project, recorded_steps, stage_durations, stage_rows, zero_bubble_formula,
     StageDurations,

@@ -7,9 +7,9 @@ use distlab_common::quiz::{Question, QuizAnswer, QuizResults, QuizVerdict};
 use distlab_common::ExperimentView;
 use leptos::prelude::*;
 
-use crate::pages::cards::demo_link;
 use crate::api::ApiResult;
 use crate::load::{error_card, load, load_keeping, loading_card, Load, Loaded};
+use crate::pages::cards::demo_link;
 use crate::{api, format};
 
 /// What the page reads once: the questions and the finished runs their demos link to.
@@ -196,8 +196,7 @@ fn QuestionView(
     };
     let unit = question.expect.as_ref().map(|e| e.unit.clone()).unwrap_or_default();
     let answer = question.answer.clone();
-    let last =
-        move || latest(results).results.iter().find(|x| x.question_id == id).map(|x| (x.attempts, x.correct));
+    let last = move || latest(results).results.iter().find(|x| x.question_id == id).map(|x| (x.attempts, x.correct));
     view! {
         <div class="quiz-question" id="quiz-question" data-id=question.id.clone()>
             <h2>{format!("Question {}", question.number)}</h2>

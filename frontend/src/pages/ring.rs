@@ -13,10 +13,10 @@ use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
 
 use crate::api;
-use crate::load::{load, Loaded};
 use crate::components::link_table::LinkTable;
 use crate::components::ring_view::{partial_fill, RingView};
 use crate::format;
+use crate::load::{load, Loaded};
 use crate::ring_replay::{ring_collectives, Check, ChunkKind, CollectiveInfo, CollectiveKey, Replay, Schedule};
 
 /// Time between two steps while playing.
@@ -57,11 +57,16 @@ fn RingReplay(id: i64) -> impl IntoView {
         }
     });
 
-    let demo_op = Memo::new(move |_| experiment.with(|e| e.as_ref().and_then(|e| e.as_ref().ok()).and_then(|e| e.spec.demo.as_ref().map(|d| d.op))));
+    let demo_op = Memo::new(move |_| {
+        experiment.with(|e| e.as_ref().and_then(|e| e.as_ref().ok()).and_then(|e| e.spec.demo.as_ref().map(|d| d.op)))
+    });
     let back = format!("/experiments/{id}");
     let title = move || {
         experiment.with(|e| {
-            e.as_ref().and_then(|e| e.as_ref().ok()).map(|e| format!("{} #{}", e.name, e.id)).unwrap_or_else(|| format!("#{id}"))
+            e.as_ref()
+                .and_then(|e| e.as_ref().ok())
+                .map(|e| format!("{} #{}", e.name, e.id))
+                .unwrap_or_else(|| format!("#{id}"))
         })
     };
     view! {
