@@ -8,6 +8,7 @@ use leptos_router::components::{Route, Router, Routes, A};
 use leptos_router::{lazy_route, path, Lazy, LazyRoute};
 
 use crate::api;
+use crate::load::{load, refresh_every, Loaded};
 use crate::pages::sign_in::{ask_who, sign_in_again_when_refused, AccountBadge, PasswordPage, Session, SignInPage};
 use crate::pages::{
     accounts::AccountsPage, cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList,
@@ -103,31 +104,20 @@ pub fn App() -> impl IntoView {
 /// Workers and queue length from `GET /api/health`, refreshed every few seconds.
 #[component]
 fn HealthBadge() -> impl IntoView {
-    let health = RwSignal::new(None::<Result<distlab_common::Health, String>>);
-    let refresh = move || {
-        leptos::task::spawn_local(async move {
-            let answer = api::health().await.map_err(|e| e.message);
-            health.try_set(Some(answer));
-        })
-    };
-    refresh();
-    if let Ok(handle) = set_interval_with_handle(refresh, Duration::from_secs(5)) {
-        on_cleanup(move || handle.clear());
-    }
+    let health = load(api::health);
+    refresh_every(health, Duration::from_secs(5));
     view! {
         <div class="health" id="health">
-            {move || match health.get() {
-                None => view! { <span class="dot"></span>"connecting…" }.into_any(),
-                Some(Ok(h)) => {
+            {Loaded::new(health)
+                .loading(|| view! { <span class="dot"></span>"connecting…" })
+                .error(|e| view! { <span class="dot bad"></span><span title=e>"server unreachable"</span> })
+                .view(|h| {
                     let workers = if h.workers == 1 { "1 worker".to_string() } else { format!("{} workers", h.workers) };
                     view! {
                         <span class="dot ok"></span>
                         {workers} " · " {h.queued} " queued"
                     }
-                        .into_any()
-                }
-                Some(Err(e)) => view! { <span class="dot bad"></span><span title=e>"server unreachable"</span> }.into_any(),
-            }}
+                })}
         </div>
     }
 }

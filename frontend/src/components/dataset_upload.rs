@@ -8,6 +8,7 @@ use wasm_bindgen::JsCast;
 
 use crate::api;
 use crate::format;
+use crate::load::load_keeping;
 
 #[component]
 pub fn DatasetUpload(
@@ -16,17 +17,10 @@ pub fn DatasetUpload(
     upload_id: RwSignal<String>,
     on_edit: impl Fn() + Copy + Send + Sync + 'static,
 ) -> impl IntoView {
-    let datasets = RwSignal::new(Vec::<DatasetView>::new());
+    // A list that fails to load or refresh leaves the last one (or none) on the form.
+    let (datasets, _) = load_keeping(api::list_datasets);
     let message = RwSignal::new(None::<(bool, String)>);
     let busy = RwSignal::new(false);
-    let refresh = move || {
-        leptos::task::spawn_local(async move {
-            if let Ok(list) = api::list_datasets().await {
-                datasets.try_set(list.datasets);
-            }
-        })
-    };
-    refresh();
     let choose = move |d: &DatasetView| {
         dataset.set("upload".into());
         upload_id.set(d.id.to_string());
@@ -54,7 +48,14 @@ pub fn DatasetUpload(
                         ),
                     )));
                     choose(&d);
-                    refresh();
+                    // On the list at once (newest first), then the list as the server has it.
+                    datasets.try_update(|answer| {
+                        if let Some(Ok(list)) = answer {
+                            list.datasets.retain(|old| old.id != d.id);
+                            list.datasets.insert(0, d);
+                        }
+                    });
+                    datasets.refetch();
                 }
                 Err(e) => {
                     let fields: Vec<String> = e.fields.iter().map(|f| f.message.clone()).collect();
@@ -76,7 +77,7 @@ pub fn DatasetUpload(
                 <p class=if ok { "note" } else { "alert error" } id="dataset-message">{text}</p>
             })}
             {move || {
-                let list = datasets.get();
+                let list = datasets.get().and_then(Result::ok).map(|l| l.datasets).unwrap_or_default();
                 (!list.is_empty()).then(|| view! {
                     <ul class="dataset-list" id="datasets">
                         {list.into_iter().map(|d| {

@@ -1,24 +1,19 @@
 //! The teacher's page (admins, on a server with accounts): every account of the class, a
 //! form that makes one, and a password reset for each (which ends that account's sessions).
 
-use distlab_common::{AccountList, AccountView, NewAccount};
+use distlab_common::{AccountView, NewAccount};
 use leptos::prelude::*;
 
 use crate::api;
+use crate::load::{load, Loaded};
 
 /// What the last action did, in words: done, or refused with the server's reason.
 type Outcome = Option<Result<String, String>>;
 
 #[component]
 pub fn AccountsPage() -> impl IntoView {
-    let accounts = RwSignal::new(None::<Result<AccountList, String>>);
+    let accounts = load(api::list_accounts);
     let outcome = RwSignal::new(None::<Result<String, String>>);
-    let reload = move || {
-        leptos::task::spawn_local(async move {
-            accounts.try_set(Some(api::list_accounts().await.map_err(|e| e.message)));
-        })
-    };
-    reload();
 
     let name = RwSignal::new(String::new());
     let password = RwSignal::new(String::new());
@@ -38,7 +33,7 @@ pub fn AccountsPage() -> impl IntoView {
                     name.try_set(String::new());
                     password.try_set(String::new());
                     admin.try_set(false);
-                    reload();
+                    accounts.refetch();
                 }
                 Err(e) => {
                     outcome.try_set(Some(Err(e.message)));
@@ -71,18 +66,16 @@ pub fn AccountsPage() -> impl IntoView {
             <OutcomeLine outcome=outcome/>
         </section>
         <section class="card">
-            {move || match accounts.get() {
-                None => view! { <p class="muted">"loading…"</p> }.into_any(),
-                Some(Err(e)) => view! { <p class="alert error" id="accounts-error">{e}</p> }.into_any(),
-                Some(Ok(list)) => view! {
+            {Loaded::new(accounts)
+                .error(|e| view! { <p class="alert error" id="accounts-error">{e}</p> })
+                .view(move |list| view! {
                     <table class="data" id="accounts">
                         <thead><tr><th>"name"</th><th>"role"</th><th>"new password"</th></tr></thead>
                         <tbody>
                             {list.users.into_iter().map(|account| view! { <AccountRow account=account outcome=outcome/> }).collect_view()}
                         </tbody>
                     </table>
-                }.into_any(),
-            }}
+                })}
         </section>
     }
 }

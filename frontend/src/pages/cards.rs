@@ -7,13 +7,14 @@
 use distlab_common::cards::{Card, Demo};
 use distlab_common::claims::{self, ClaimChecks, ClaimStatus};
 use distlab_common::presets::presets;
-use distlab_common::review::{Profile, ReviewResult, ReviewView};
+use distlab_common::review::{ReviewResult, ReviewView};
 use distlab_common::ExperimentView;
 use leptos::prelude::*;
 use leptos_router::components::A;
 use wasm_bindgen::JsCast;
 
-use crate::api;
+use crate::api::{self, ApiResult};
+use crate::load::{error_card, load, loading_card, Loaded};
 use crate::pages::scheduling::Scheduling;
 
 /// The browser remembers the chosen profile under this key.
@@ -73,37 +74,32 @@ struct Deck {
     finished: Vec<ExperimentView>,
 }
 
-async fn load_deck() -> Result<Deck, String> {
-    let cards = api::get_cards().await.map_err(|e| e.message)?;
+async fn load_deck() -> ApiResult<Deck> {
+    let cards = api::get_cards().await?;
     let finished = api::list_succeeded(200).await.map(|l| l.experiments).unwrap_or_default();
     Ok(Deck { cards, finished })
 }
 
 #[component]
 pub fn CardsPage() -> impl IntoView {
-    let deck = RwSignal::new(None::<Result<Deck, String>>);
-    // The claims' measurements arrive after the deck (the server reads the runs' traces).
-    let checks = RwSignal::new(None::<Vec<ClaimStatus>>);
-    leptos::task::spawn_local(async move {
-        let answer = api::get_claim_checks().await.map(|c: ClaimChecks| c.checks).unwrap_or_default();
-        checks.try_set(Some(answer));
+    let deck = load(load_deck);
+    // The claims' measurements arrive after the deck (the server reads the runs' traces);
+    // without them the cards show what to run.
+    let checks = LocalResource::new(|| async {
+        api::get_claim_checks().await.map(|c: ClaimChecks| c.checks).unwrap_or_default()
     });
-    let profiles = RwSignal::new(Vec::<Profile>::new());
+    let profiles = load(api::list_profiles);
     let profile = RwSignal::new(remembered_profile());
     let error = RwSignal::new(None::<String>);
-    leptos::task::spawn_local(async move {
-        deck.try_set(Some(load_deck().await));
-        match api::list_profiles().await {
-            Ok(list) => {
-                if profile.get_untracked().is_none_or(|id| !list.profiles.iter().any(|p| p.id == id)) {
-                    profile.try_set(list.profiles.first().map(|p| p.id));
-                }
-                profiles.try_set(list.profiles);
+    // The remembered profile if it is still there, else the first.
+    Effect::new(move || {
+        profiles.with(|answer| match answer {
+            Some(Ok(list)) if profile.get_untracked().is_none_or(|id| !list.profiles.iter().any(|p| p.id == id)) => {
+                profile.set(list.profiles.first().map(|p| p.id));
             }
-            Err(e) => {
-                error.try_set(Some(e.message));
-            }
-        }
+            Some(Err(e)) => error.set(Some(e.message.clone())),
+            _ => {}
+        })
     });
     let new_name = RwSignal::new(String::new());
     let create = move |ev: leptos::ev::SubmitEvent| {
@@ -114,7 +110,11 @@ pub fn CardsPage() -> impl IntoView {
                 Ok(p) => {
                     remember_profile(p.id);
                     profile.try_set(Some(p.id));
-                    profiles.try_update(|list| list.push(p));
+                    profiles.try_update(|answer| {
+                        if let Some(Ok(list)) = answer {
+                            list.profiles.push(p);
+                        }
+                    });
                     new_name.try_set(String::new());
                     error.try_set(None);
                 }
@@ -138,7 +138,7 @@ pub fn CardsPage() -> impl IntoView {
                     <label>"profile "
                         <select id="profile" prop:value=move || profile.get().map(|p| p.to_string()).unwrap_or_default()
                             on:change=choose_profile>
-                            {move || profiles.get().into_iter().map(|p| view! {
+                            {move || profiles.get().and_then(Result::ok).map(|l| l.profiles).unwrap_or_default().into_iter().map(|p| view! {
                                 <option value=p.id.to_string() selected=profile.get_untracked() == Some(p.id)>{p.name}</option>
                             }).collect_view()}
                         </select>
@@ -153,35 +153,30 @@ pub fn CardsPage() -> impl IntoView {
             <p class="muted">"One card per topic of distributed training. Answer in your head, reveal, and rate how well you knew it: the scheduler (FSRS) brings a card back just before you would forget it. Every card opens a live demo, and numbers a run can check show what the lab measured."</p>
             {move || error.get().map(|e| view! { <p class="alert error" id="cards-error">{e}</p> })}
         </section>
-        {move || match (deck.get(), profile.get()) {
-            (None, _) => view! { <section class="card"><p class="muted">"loading…"</p></section> }.into_any(),
-            (Some(Err(e)), _) => view! { <section class="card"><p class="alert error">{e}</p></section> }.into_any(),
-            (Some(Ok(_)), None) => view! {
+        {Loaded::new(deck).loading(loading_card).error(error_card).view(move |deck| match profile.get() {
+            None => view! {
                 <section class="card" id="no-profile"><p>"Create a profile above to start reviewing: your progress is kept on the server under it."</p></section>
             }.into_any(),
-            (Some(Ok(deck)), Some(id)) => view! { <Review deck=deck checks=checks profile=id/> }.into_any(),
-        }}
+            Some(id) => view! { <Review deck=deck checks=checks profile=id/> }.into_any(),
+        })}
     }
 }
 
 #[component]
-fn Review(deck: Deck, checks: RwSignal<Option<Vec<ClaimStatus>>>, profile: i64) -> impl IntoView {
+fn Review(deck: Deck, checks: LocalResource<Vec<ClaimStatus>>, profile: i64) -> impl IntoView {
     let deck = StoredValue::new(deck);
     // Kept here, so that the import's message outlives the view it refreshes.
     let import_message = RwSignal::new(None::<(bool, String)>);
-    let review = RwSignal::new(None::<Result<ReviewView, String>>);
     let revealed = RwSignal::new(false);
     let last = RwSignal::new(None::<(String, ReviewResult)>);
     let busy = RwSignal::new(false);
-    let refresh = move || {
-        leptos::task::spawn_local(async move {
-            let answer = api::get_review(profile).await.map_err(|e| e.message);
-            review.try_set(Some(answer));
-            revealed.try_set(false);
-            busy.try_set(false);
-        })
-    };
-    refresh();
+    let review = load(move || async move {
+        let answer = api::get_review(profile).await;
+        revealed.try_set(false);
+        busy.try_set(false);
+        answer
+    });
+    let refresh = move || review.refetch();
     let rate = move |card_id: String, rating: i64| {
         if busy.get_untracked() {
             return;
@@ -195,83 +190,81 @@ fn Review(deck: Deck, checks: RwSignal<Option<Vec<ClaimStatus>>>, profile: i64) 
                     refresh();
                 }
                 Err(e) => {
-                    review.try_set(Some(Err(e.message)));
+                    review.try_set(Some(Err(e)));
                     busy.try_set(false);
                 }
             }
         });
     };
 
-    move || match review.get() {
-        None => view! { <section class="card"><p class="muted">"loading your queue…"</p></section> }.into_any(),
-        Some(Err(e)) => view! { <section class="card"><p class="alert error">{e}</p></section> }.into_any(),
-        Some(Ok(r)) => {
-            let current =
-                r.queue.first().and_then(|id| deck.with_value(|d| d.cards.iter().find(|c| &c.id == id).cloned()));
-            let counts = r.counts;
-            view! {
-                <section class="card" id="review">
-                    <div class="review-counts" id="review-counts" data-due=counts.due.to_string() data-queue=r.queue.len().to_string()>
-                        <span><strong>{r.queue.len()}</strong>" in today's queue"</span>
-                        <span>{counts.due}" due"</span>
-                        <span>{format!("{} new today (of {} a day)", counts.new_today, counts.new_per_day)}</span>
-                        <span>{format!("{} of {} cards learned", counts.learned, counts.total)}</span>
-                    </div>
-                    {move || last.get().map(|(title, result)| view! {
-                        <p class="muted small" id="last-review" data-card=result.card_id.clone() data-due=result.state.state.due.clone()>
-                            {format!("“{title}” rated {}: next review {}", result.rating, next_review_text(result.interval_days))}
-                        </p>
-                    })}
-                    {match current {
-                        Some(card) => card_view(card, deck, checks, revealed, rate, busy).into_any(),
-                        None => view! {
-                            <p class="empty" id="queue-empty">"Nothing left for today. Come back when cards fall due — or browse the deck below."</p>
-                        }.into_any(),
-                    }}
-                </section>
-                <section class="card" id="progress">
-                    <div class="card-head">
-                        <h2>"Progress by topic"</h2>
-                        <ExportImport profile=profile message=import_message on_import=move || refresh()/>
-                    </div>
-                    <div class="topics" id="topics">
-                        {r.topics.iter().map(|t| {
-                            let share = if t.cards == 0 { 0.0 } else { t.reviewed as f64 / t.cards as f64 };
-                            let title = deck.with_value(|d| d.cards.iter().find(|c| c.topic == t.topic).map(|c| c.title.clone()).unwrap_or_default());
-                            let recall = t.mean_retrievability.map(|p| format!("recall {:.0}%", 100.0 * p)).unwrap_or_else(|| "new".into());
+    let queue = move |r: ReviewView| {
+        let current = r.queue.first().and_then(|id| deck.with_value(|d| d.cards.iter().find(|c| &c.id == id).cloned()));
+        let counts = r.counts;
+        view! {
+            <section class="card" id="review">
+                <div class="review-counts" id="review-counts" data-due=counts.due.to_string() data-queue=r.queue.len().to_string()>
+                    <span><strong>{r.queue.len()}</strong>" in today's queue"</span>
+                    <span>{counts.due}" due"</span>
+                    <span>{format!("{} new today (of {} a day)", counts.new_today, counts.new_per_day)}</span>
+                    <span>{format!("{} of {} cards learned", counts.learned, counts.total)}</span>
+                </div>
+                {move || last.get().map(|(title, result)| view! {
+                    <p class="muted small" id="last-review" data-card=result.card_id.clone() data-due=result.state.state.due.clone()>
+                        {format!("“{title}” rated {}: next review {}", result.rating, next_review_text(result.interval_days))}
+                    </p>
+                })}
+                {match current {
+                    Some(card) => card_view(card, deck, checks, revealed, rate, busy).into_any(),
+                    None => view! {
+                        <p class="empty" id="queue-empty">"Nothing left for today. Come back when cards fall due — or browse the deck below."</p>
+                    }.into_any(),
+                }}
+            </section>
+            <section class="card" id="progress">
+                <div class="card-head">
+                    <h2>"Progress by topic"</h2>
+                    <ExportImport profile=profile message=import_message on_import=move || refresh()/>
+                </div>
+                <div class="topics" id="topics">
+                    {r.topics.iter().map(|t| {
+                        let share = if t.cards == 0 { 0.0 } else { t.reviewed as f64 / t.cards as f64 };
+                        let title = deck.with_value(|d| d.cards.iter().find(|c| c.topic == t.topic).map(|c| c.title.clone()).unwrap_or_default());
+                        let recall = t.mean_retrievability.map(|p| format!("recall {:.0}%", 100.0 * p)).unwrap_or_else(|| "new".into());
+                        view! {
+                            <div class="topic" data-topic=t.topic.to_string() data-reviewed=t.reviewed.to_string()
+                                title=format!("topic {}: {title} — {} of {} reviewed, {} due, {recall}", t.topic, t.reviewed, t.cards, t.due)>
+                                <span class="topic-num">{t.topic}</span>
+                                <span class="topic-bar"><span style=format!("width:{:.0}%", 100.0 * share)></span></span>
+                            </div>
+                        }
+                    }).collect_view()}
+                </div>
+                <p class="muted small">"Each square is a topic; its bar fills as you review its cards (hover for recall)."</p>
+            </section>
+            <Scheduling profile=profile/>
+            <section class="card" id="browse">
+                <details>
+                    <summary>"Browse the whole deck, with every claim's measurement"</summary>
+                    <ol class="deck-list">
+                        {deck.with_value(|d| d.cards.iter().map(|c| {
+                            let (href, label) = demo_link(&c.demo, &d.finished);
+                            let card = c.clone();
                             view! {
-                                <div class="topic" data-topic=t.topic.to_string() data-reviewed=t.reviewed.to_string()
-                                    title=format!("topic {}: {title} — {} of {} reviewed, {} due, {recall}", t.topic, t.reviewed, t.cards, t.due)>
-                                    <span class="topic-num">{t.topic}</span>
-                                    <span class="topic-bar"><span style=format!("width:{:.0}%", 100.0 * share)></span></span>
-                                </div>
+                                <li data-card=c.id.clone()>
+                                    <strong>{c.title.clone()}</strong>" · "<A href=href>{label}</A>
+                                    {move || claim_line(&card, checks.get().as_deref())}
+                                </li>
                             }
-                        }).collect_view()}
-                    </div>
-                    <p class="muted small">"Each square is a topic; its bar fills as you review its cards (hover for recall)."</p>
-                </section>
-                <Scheduling profile=profile/>
-                <section class="card" id="browse">
-                    <details>
-                        <summary>"Browse the whole deck, with every claim's measurement"</summary>
-                        <ol class="deck-list">
-                            {deck.with_value(|d| d.cards.iter().map(|c| {
-                                let (href, label) = demo_link(&c.demo, &d.finished);
-                                let card = c.clone();
-                                view! {
-                                    <li data-card=c.id.clone()>
-                                        <strong>{c.title.clone()}</strong>" · "<A href=href>{label}</A>
-                                        {move || claim_line(&card, checks.get().as_deref())}
-                                    </li>
-                                }
-                            }).collect_view())}
-                        </ol>
-                    </details>
-                </section>
-            }
-            .into_any()
+                        }).collect_view())}
+                    </ol>
+                </details>
+            </section>
         }
-    }
+    };
+    Loaded::new(review)
+        .loading(|| view! { <section class="card"><p class="muted">"loading your queue…"</p></section> })
+        .error(error_card)
+        .view(queue)
 }
 
 fn next_review_text(days: f32) -> String {
@@ -290,7 +283,7 @@ fn next_review_text(days: f32) -> String {
 fn card_view(
     card: Card,
     deck: StoredValue<Deck>,
-    checks: RwSignal<Option<Vec<ClaimStatus>>>,
+    checks: LocalResource<Vec<ClaimStatus>>,
     revealed: RwSignal<bool>,
     rate: impl Fn(String, i64) + Clone + Send + Sync + 'static,
     busy: RwSignal<bool>,

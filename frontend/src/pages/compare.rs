@@ -14,6 +14,7 @@ use crate::api;
 use crate::components::overlay_chart::{smooth, Band, OverlayChart, Series};
 use crate::components::status_badge::StatusBadge;
 use crate::format;
+use crate::load::{load_keeping, loading_card, Loaded};
 
 /// One color per compared run, in order (6 at most).
 pub const COLORS: [&str; compare::MAX_RUNS] = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
@@ -43,31 +44,15 @@ enum XAxis {
 
 #[component]
 fn Compare(ids: Vec<i64>) -> impl IntoView {
-    let view_data = RwSignal::new(None::<Result<CompareView, String>>);
-    // A refresh that failed while the last good view stays on the page.
-    let refresh_error = RwSignal::new(None::<String>);
     let url = format!("/api/compare?ids={}", ids.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
-    let load = {
+    // A refresh that fails leaves the last good view on the page, saying why.
+    let (view_data, refresh_error) = load_keeping({
         let url = url.clone();
         move || {
             let url = url.clone();
-            leptos::task::spawn_local(async move {
-                match api::get_compare(&url).await {
-                    Ok(view) => {
-                        view_data.try_set(Some(Ok(view)));
-                        refresh_error.try_set(None);
-                    }
-                    Err(e) if matches!(view_data.get_untracked(), Some(Ok(_))) => {
-                        refresh_error.try_set(Some(e.message));
-                    }
-                    Err(e) => {
-                        view_data.try_set(Some(Err(e.message)));
-                    }
-                }
-            })
+            async move { api::get_compare(&url).await }
         }
-    };
-    load();
+    });
     // Refresh while a compared run is still queued or running.
     if let Ok(handle) = set_interval_with_handle(
         move || {
@@ -75,7 +60,7 @@ fn Compare(ids: Vec<i64>) -> impl IntoView {
                 |v| matches!(v, Some(Ok(v)) if v.runs.iter().any(|r| !r.experiment.status.is_finished())),
             );
             if live {
-                load();
+                view_data.refetch();
             }
         },
         Duration::from_secs(2),
@@ -88,82 +73,77 @@ fn Compare(ids: Vec<i64>) -> impl IntoView {
     let diff_only = RwSignal::new(true);
     let ids_for_rerun = StoredValue::new(ids.clone());
 
-    move || match view_data.get() {
-        None => view! { <section class="card"><p class="muted">"loading…"</p></section> }.into_any(),
-        Some(Err(e)) => view! {
-            <section class="card"><h1>"Compare runs"</h1><p class="alert error" id="compare-error">{e}</p></section>
+    let error = |e| {
+        view! { <section class="card"><h1>"Compare runs"</h1><p class="alert error" id="compare-error">{e}</p></section> }
+    };
+    Loaded::new(view_data).loading(loading_card).error(error).view(move |data| {
+        let data = StoredValue::new(data);
+        let series = Signal::derive(move || data.with_value(|d| curves(&d.runs, x_axis.get(), smoothing.get())));
+        let bands = Signal::derive(move || data.with_value(|d| seed_bands(d, x_axis.get(), smoothing.get())));
+        let x_title = Signal::derive(move || match x_axis.get() {
+            XAxis::Step => "step".to_string(),
+            XAxis::WallTime => "wall time (s, summed step times)".to_string(),
+        });
+        view! {
+            <section class="card" id="compare">
+                <div class="card-head">
+                    <h1>"Compare runs"</h1>
+                    <div class="exports" id="exports">
+                        "Export: "
+                        <a class="button small" id="export-metrics-csv" href=format!("{url}&format=csv") download="">"metrics CSV"</a>
+                        <a class="button small" id="export-summary-csv" href=format!("{url}&format=csv&table=summary") download="">"summary CSV"</a>
+                        <a class="button small" id="export-json" href=format!("{url}&format=json") download="">"JSON"</a>
+                    </div>
+                </div>
+                {move || refresh_error.get().map(|e| view! {
+                    <p class="alert small">{format!("Could not refresh ({e}); showing the last answer, trying again.")}</p>
+                })}
+                <ul class="legend" id="legend">
+                    {data.with_value(|d| d.runs.iter().enumerate().map(|(i, r)| legend_item(i, &r.experiment, ids_for_rerun)).collect_view())}
+                </ul>
+                <div class="chart-controls">
+                    <label>"x axis "
+                        <select id="x-axis" prop:value=move || if x_axis.get() == XAxis::Step { "step" } else { "time" }
+                            on:change=move |ev| x_axis.set(if event_target_value(&ev) == "time" { XAxis::WallTime } else { XAxis::Step })>
+                            <option value="step">"step"</option>
+                            <option value="time">"wall time"</option>
+                        </select>
+                    </label>
+                    <label>"smoothing "
+                        <input id="smoothing" type="range" min="0" max="0.95" step="0.05" prop:value=move || smoothing.get().to_string()
+                            on:input=move |ev| smoothing.set(event_target_value(&ev).parse().unwrap_or(0.0))/>
+                        <span class="muted">{move || format!(" {:.2}", smoothing.get())}</span>
+                    </label>
+                </div>
+                <div class="chart-wrap"><OverlayChart series=series bands=bands x_title=x_title/></div>
+                {data.with_value(|d| (!d.seed_bands.is_empty()).then(|| view! {
+                    <p class="muted small" id="seed-bands">
+                        {d.seed_bands.iter().map(|b| format!("Shaded: min–max over runs {} (same spec, different seeds). ",
+                            b.ids.iter().map(|i| format!("#{i}")).collect::<Vec<_>>().join(", "))).collect::<String>()}
+                    </p>
+                }))}
+            </section>
+            <section class="card" id="verdicts">
+                <h2>"Equivalent?"</h2>
+                {data.with_value(|d| d.equivalence.iter().map(verdict).collect_view())}
+            </section>
+            <section class="card">
+                <h2>"Summary"</h2>
+                {data.with_value(|d| summary_table(&d.runs))}
+            </section>
+            <section class="card" id="config">
+                <div class="card-head">
+                    <h2>"Configuration"</h2>
+                    <label class="toggle">
+                        <input type="checkbox" id="diff-only" prop:checked=move || diff_only.get()
+                            on:change=move |ev| diff_only.set(event_target_checked(&ev))/>
+                        " differences only"
+                    </label>
+                </div>
+                {move || data.with_value(|d| config_table(d, diff_only.get()))}
+            </section>
         }
-        .into_any(),
-        Some(Ok(data)) => {
-            let data = StoredValue::new(data);
-            let series = Signal::derive(move || data.with_value(|d| curves(&d.runs, x_axis.get(), smoothing.get())));
-            let bands = Signal::derive(move || data.with_value(|d| seed_bands(d, x_axis.get(), smoothing.get())));
-            let x_title = Signal::derive(move || match x_axis.get() {
-                XAxis::Step => "step".to_string(),
-                XAxis::WallTime => "wall time (s, summed step times)".to_string(),
-            });
-            view! {
-                <section class="card" id="compare">
-                    <div class="card-head">
-                        <h1>"Compare runs"</h1>
-                        <div class="exports" id="exports">
-                            "Export: "
-                            <a class="button small" id="export-metrics-csv" href=format!("{url}&format=csv") download="">"metrics CSV"</a>
-                            <a class="button small" id="export-summary-csv" href=format!("{url}&format=csv&table=summary") download="">"summary CSV"</a>
-                            <a class="button small" id="export-json" href=format!("{url}&format=json") download="">"JSON"</a>
-                        </div>
-                    </div>
-                    {move || refresh_error.get().map(|e| view! {
-                        <p class="alert small">{format!("Could not refresh ({e}); showing the last answer, trying again.")}</p>
-                    })}
-                    <ul class="legend" id="legend">
-                        {data.with_value(|d| d.runs.iter().enumerate().map(|(i, r)| legend_item(i, &r.experiment, ids_for_rerun)).collect_view())}
-                    </ul>
-                    <div class="chart-controls">
-                        <label>"x axis "
-                            <select id="x-axis" prop:value=move || if x_axis.get() == XAxis::Step { "step" } else { "time" }
-                                on:change=move |ev| x_axis.set(if event_target_value(&ev) == "time" { XAxis::WallTime } else { XAxis::Step })>
-                                <option value="step">"step"</option>
-                                <option value="time">"wall time"</option>
-                            </select>
-                        </label>
-                        <label>"smoothing "
-                            <input id="smoothing" type="range" min="0" max="0.95" step="0.05" prop:value=move || smoothing.get().to_string()
-                                on:input=move |ev| smoothing.set(event_target_value(&ev).parse().unwrap_or(0.0))/>
-                            <span class="muted">{move || format!(" {:.2}", smoothing.get())}</span>
-                        </label>
-                    </div>
-                    <div class="chart-wrap"><OverlayChart series=series bands=bands x_title=x_title/></div>
-                    {data.with_value(|d| (!d.seed_bands.is_empty()).then(|| view! {
-                        <p class="muted small" id="seed-bands">
-                            {d.seed_bands.iter().map(|b| format!("Shaded: min–max over runs {} (same spec, different seeds). ",
-                                b.ids.iter().map(|i| format!("#{i}")).collect::<Vec<_>>().join(", "))).collect::<String>()}
-                        </p>
-                    }))}
-                </section>
-                <section class="card" id="verdicts">
-                    <h2>"Equivalent?"</h2>
-                    {data.with_value(|d| d.equivalence.iter().map(verdict).collect_view())}
-                </section>
-                <section class="card">
-                    <h2>"Summary"</h2>
-                    {data.with_value(|d| summary_table(&d.runs))}
-                </section>
-                <section class="card" id="config">
-                    <div class="card-head">
-                        <h2>"Configuration"</h2>
-                        <label class="toggle">
-                            <input type="checkbox" id="diff-only" prop:checked=move || diff_only.get()
-                                on:change=move |ev| diff_only.set(event_target_checked(&ev))/>
-                            " differences only"
-                        </label>
-                    </div>
-                    {move || data.with_value(|d| config_table(d, diff_only.get()))}
-                </section>
-            }
-            .into_any()
-        }
-    }
+    })
 }
 
 /// The curves as drawn: x in steps or in seconds since the start, losses smoothed.

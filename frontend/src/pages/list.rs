@@ -14,25 +14,19 @@ use crate::components::progress::ProgressBar;
 use crate::components::spec_view::one_line;
 use crate::components::status_badge::StatusBadge;
 use crate::format;
+use crate::load::{load, refresh_every, Loaded};
 
 const PAGE: u32 = 100;
 
 #[component]
 pub fn ExperimentList() -> impl IntoView {
-    let list = RwSignal::new(None::<Result<(Vec<ExperimentView>, u64), String>>);
-    let refresh = move || {
-        leptos::task::spawn_local(async move {
-            let answer = api::list_experiments(PAGE).await.map(|mut l| {
-                l.experiments.sort_by_key(|e| std::cmp::Reverse(e.id));
-                (l.experiments, l.total)
-            });
-            list.try_set(Some(answer.map_err(|e| e.message)));
+    let list = load(|| async {
+        api::list_experiments(PAGE).await.map(|mut l| {
+            l.experiments.sort_by_key(|e| std::cmp::Reverse(e.id));
+            (l.experiments, l.total)
         })
-    };
-    refresh();
-    if let Ok(handle) = set_interval_with_handle(refresh, Duration::from_millis(1500)) {
-        on_cleanup(move || handle.clear());
-    }
+    });
+    refresh_every(list, Duration::from_millis(1500));
 
     // The ticked experiments, in the order they were ticked (the first is the baseline).
     let selected = RwSignal::new(Vec::<i64>::new());
@@ -58,10 +52,8 @@ pub fn ExperimentList() -> impl IntoView {
                     <A href="/new" attr:class="button primary" attr:id="new-experiment">"+ New experiment"</A>
                 </div>
             </div>
-            {move || match list.get() {
-                None => view! { <p class="muted">"loading…"</p> }.into_any(),
-                Some(Err(e)) => view! { <p class="alert error">{e}</p> }.into_any(),
-                Some(Ok((items, _))) if items.is_empty() => {
+            {Loaded::new(list).view(move |(items, total)| {
+                if items.is_empty() {
                     view! {
                         <p class="empty" id="no-experiments">
                             "No experiments yet. " <A href="/new">"Start one"</A>
@@ -69,8 +61,7 @@ pub fn ExperimentList() -> impl IntoView {
                         </p>
                     }
                         .into_any()
-                }
-                Some(Ok((items, total))) => {
+                } else {
                     let more = (total > items.len() as u64)
                         .then(|| format!("showing the newest {} of {total}", items.len()));
                     view! {
@@ -92,7 +83,7 @@ pub fn ExperimentList() -> impl IntoView {
                     }
                         .into_any()
                 }
-            }}
+            })}
         </section>
     }
 }

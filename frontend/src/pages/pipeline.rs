@@ -6,13 +6,14 @@
 
 use distlab_common::spec::PpSchedule;
 use distlab_common::trace::ExperimentTrace;
-use distlab_common::ExperimentView;
+use distlab_common::{ExperimentSpec, ExperimentView};
 use leptos::prelude::*;
 use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
 
-use crate::api;
+use crate::api::{self, ApiResult};
 use crate::components::pipeline_chart::PipelineChart;
+use crate::load::{load, Loaded};
 use distlab_common::pipeline::{
     default_step, measured_bubble, project, recorded_steps, stage_durations, stage_rows, zero_bubble_formula,
     StageDurations,
@@ -52,59 +53,54 @@ fn formula_text(pipe: &PipelineShape) -> String {
 }
 
 /// An experiment and its trace, once both arrived.
-type Loaded = (ExperimentView, ExperimentTrace);
+type Run = (ExperimentView, ExperimentTrace);
 
-async fn load(id: i64) -> Result<Loaded, String> {
-    let view = api::get_experiment(id).await.map_err(|e| e.message)?;
-    let trace = api::get_trace(id).await.map_err(|e| e.message)?;
+async fn load_run(id: i64) -> ApiResult<Run> {
+    let view = api::get_experiment(id).await?;
+    let trace = api::get_trace(id).await?;
     Ok((view, trace))
+}
+
+/// The finished runs of the same model and pp with another schedule (to compare with).
+async fn other_schedules(id: i64, spec: &ExperimentSpec) -> Vec<ExperimentView> {
+    let Ok(list) = api::list_succeeded(50).await else { return Vec::new() };
+    list.experiments
+        .into_iter()
+        .filter(|e| {
+            e.id != id
+                && e.spec.model == spec.model
+                && e.spec.parallel.pp == spec.parallel.pp
+                && (e.spec.parallel.pp_schedule, e.spec.parallel.virtual_stages)
+                    != (spec.parallel.pp_schedule, spec.parallel.virtual_stages)
+        })
+        .collect()
 }
 
 #[component]
 fn Pipeline(id: i64) -> impl IntoView {
-    let main = RwSignal::new(None::<Result<Loaded, String>>);
-    let others = RwSignal::new(Vec::<ExperimentView>::new());
-    let compare_id = RwSignal::new(None::<i64>);
-    let compare = RwSignal::new(None::<Result<Loaded, String>>);
     let step = RwSignal::new(None::<u64>);
-    leptos::task::spawn_local(async move {
-        let loaded = load(id).await;
-        if let Ok((view, trace)) = &loaded {
-            step.try_set(default_step(&recorded_steps(&trace.ranks)));
-            let spec = view.spec.clone();
-            if let Ok(list) = api::list_succeeded(50).await {
-                let same: Vec<ExperimentView> = list
-                    .experiments
-                    .into_iter()
-                    .filter(|e| {
-                        e.id != id
-                            && e.spec.model == spec.model
-                            && e.spec.parallel.pp == spec.parallel.pp
-                            && (e.spec.parallel.pp_schedule, e.spec.parallel.virtual_stages)
-                                != (spec.parallel.pp_schedule, spec.parallel.virtual_stages)
-                    })
-                    .collect();
-                others.try_set(same);
+    // The run, then the runs to compare it with: the page shows once both are in.
+    let main = load(move || async move {
+        let run = load_run(id).await?;
+        step.try_set(default_step(&recorded_steps(&run.1.ranks)));
+        let others = other_schedules(id, &run.0.spec).await;
+        Ok((run, others))
+    });
+    let others = move || main.get().and_then(Result::ok).map(|(_, others)| others).unwrap_or_default();
+    let compare_id = RwSignal::new(None::<i64>);
+    let compare = LocalResource::new(move || {
+        let other = compare_id.get();
+        async move {
+            match other {
+                Some(other) => Some(load_run(other).await),
+                None => None,
             }
         }
-        main.try_set(Some(loaded));
-    });
-    Effect::new(move |_| {
-        let Some(other) = compare_id.get() else {
-            compare.set(None);
-            return;
-        };
-        leptos::task::spawn_local(async move {
-            let loaded = load(other).await;
-            if compare_id.get_untracked() == Some(other) {
-                compare.try_set(Some(loaded));
-            }
-        });
     });
 
     let steps = move || {
         main.with(|m| {
-            m.as_ref().and_then(|r| r.as_ref().ok()).map(|(_, t)| recorded_steps(&t.ranks)).unwrap_or_default()
+            m.as_ref().and_then(|r| r.as_ref().ok()).map(|((_, t), _)| recorded_steps(&t.ranks)).unwrap_or_default()
         })
     };
     view! {
@@ -134,19 +130,15 @@ fn Pipeline(id: i64) -> impl IntoView {
                 <label for="pipeline-compare">" compare with "</label>
                 <select id="pipeline-compare" on:change=move |ev| compare_id.set(event_target_value(&ev).parse().ok())>
                     <option value="">"(none)"</option>
-                    {move || others.get().into_iter().map(|e| view! {
+                    {move || others().into_iter().map(|e| view! {
                         <option value=e.id.to_string()>{format!("#{} {} ({})", e.id, e.name, schedule_name(&e.spec))}</option>
                     }).collect_view()}
                 </select>
             </div>
-            {move || match main.get() {
-                None => view! { <p class="muted">"loading…"</p> }.into_any(),
-                Some(Err(e)) => view! { <p class="alert error">{e}</p> }.into_any(),
-                Some(Ok(loaded)) => view! { <Schedule loaded=loaded step=step.into() dom_id="pipeline-main"/> }.into_any(),
-            }}
-            {move || compare.get().map(|c| match c {
-                Err(e) => view! { <p class="alert error">{e}</p> }.into_any(),
-                Ok(loaded) => view! { <div class="pp-compare"><Schedule loaded=loaded step=step.into() dom_id="pipeline-compare-chart"/></div> }.into_any(),
+            {Loaded::new(main).view(move |(run, _)| view! { <Schedule run=run step=step.into() dom_id="pipeline-main"/> })}
+            {move || compare.get().flatten().map(|c| match c {
+                Err(e) => view! { <p class="alert error">{e.message}</p> }.into_any(),
+                Ok(run) => view! { <div class="pp-compare"><Schedule run=run step=step.into() dom_id="pipeline-compare-chart"/></div> }.into_any(),
             })}
         </section>
     }
@@ -154,8 +146,8 @@ fn Pipeline(id: i64) -> impl IntoView {
 
 /// One run's schedule for the selected step, with its bubble table.
 #[component]
-fn Schedule(loaded: Loaded, step: Signal<Option<u64>>, dom_id: &'static str) -> impl IntoView {
-    let (view, trace) = loaded;
+fn Schedule(run: Run, step: Signal<Option<u64>>, dom_id: &'static str) -> impl IntoView {
+    let (view, trace) = run;
     let spec = view.spec.clone();
     let pipe = PipelineShape::of(&spec);
     let (p, m) = (pipe.stages, pipe.micro_batches);

@@ -7,6 +7,8 @@ use distlab_common::quiz::{Question, QuizAnswer, QuizResults, QuizVerdict};
 use distlab_common::ExperimentView;
 use leptos::prelude::*;
 
+use crate::api::ApiResult;
+use crate::load::{error_card, load, load_keeping, loading_card, Load, Loaded};
 use crate::pages::cards::demo_link;
 use crate::{api, format};
 
@@ -17,10 +19,15 @@ struct Quiz {
     finished: Vec<ExperimentView>,
 }
 
-async fn load_quiz() -> Result<Quiz, String> {
-    let questions = api::get_quiz().await.map_err(|e| e.message)?;
+async fn load_quiz() -> ApiResult<Quiz> {
+    let questions = api::get_quiz().await?;
     let finished = api::list_succeeded(200).await.map(|l| l.experiments).unwrap_or_default();
     Ok(Quiz { questions, finished })
+}
+
+/// The account's results as last loaded (none until they are in).
+fn latest(results: Load<QuizResults>) -> QuizResults {
+    results.get().and_then(Result::ok).unwrap_or_default()
 }
 
 /// "right" or "wrong" for a question's latest answer, "" when it has none.
@@ -34,18 +41,14 @@ fn result_class(results: &QuizResults, id: &str) -> &'static str {
 
 #[component]
 pub fn QuizPage() -> impl IntoView {
-    let quiz = RwSignal::new(None::<Result<Quiz, String>>);
-    let results = RwSignal::new(QuizResults::default());
+    let quiz = load(load_quiz);
+    // Refetched after every answer; a refresh that fails keeps the last results.
+    let (results, _) = load_keeping(api::quiz_results);
+    // A request that failed: the results' first load, or an answer.
     let error = RwSignal::new(None::<String>);
-    leptos::task::spawn_local(async move {
-        quiz.try_set(Some(load_quiz().await));
-        match api::quiz_results().await {
-            Ok(r) => {
-                results.try_set(r);
-            }
-            Err(e) => {
-                error.try_set(Some(e.message));
-            }
+    Effect::new(move || {
+        if let Some(Err(e)) = results.get() {
+            error.set(Some(e.message));
         }
     });
     let current = RwSignal::new(0usize);
@@ -54,25 +57,24 @@ pub fn QuizPage() -> impl IntoView {
             <div class="card-head">
                 <h1>"Quiz"</h1>
                 <span class="muted" id="quiz-score">{move || {
-                    let r = results.get();
+                    let r = latest(results);
                     format!("right now: {} of {} answered", r.latest_right_count(), r.results.len())
                 }}</span>
             </div>
             <p class="muted">"The study quiz, question by question. Type the number a question asks for, or answer in your head and reveal; every answer links to the run or the planner view that shows it. Your results are kept on the server under your account."</p>
             {move || error.get().map(|e| view! { <p class="alert error" id="quiz-error">{e}</p> })}
         </section>
-        {move || match quiz.get() {
-            None => view! { <section class="card"><p class="muted">"loading…"</p></section> }.into_any(),
-            Some(Err(e)) => view! { <section class="card"><p class="alert error">{e}</p></section> }.into_any(),
-            Some(Ok(quiz)) => view! { <QuizBoard quiz=quiz results=results current=current error=error/> }.into_any(),
-        }}
+        {Loaded::new(quiz)
+            .loading(loading_card)
+            .error(error_card)
+            .view(move |quiz| view! { <QuizBoard quiz=quiz results=results current=current error=error/> })}
     }
 }
 
 #[component]
 fn QuizBoard(
     quiz: Quiz,
-    results: RwSignal<QuizResults>,
+    results: Load<QuizResults>,
     current: RwSignal<usize>,
     error: RwSignal<Option<String>>,
 ) -> impl IntoView {
@@ -87,7 +89,7 @@ fn QuizBoard(
                 .map(|(i, question)| {
                     let id = question.id.clone();
                     let class = move || {
-                        let mut c = format!("quiz-dot {}", result_class(&results.get(), &id));
+                        let mut c = format!("quiz-dot {}", result_class(&latest(results), &id));
                         if current.get() == i {
                             c.push_str(" current");
                         }
@@ -125,7 +127,7 @@ fn QuizBoard(
 fn QuestionView(
     question: Question,
     finished: Vec<ExperimentView>,
-    results: RwSignal<QuizResults>,
+    results: Load<QuizResults>,
     error: RwSignal<Option<String>>,
 ) -> impl IntoView {
     let revealed = RwSignal::new(false);
@@ -140,9 +142,7 @@ fn QuestionView(
                     verdict.try_set(Some(v));
                     revealed.try_set(true);
                     error.try_set(None);
-                    if let Ok(r) = api::quiz_results().await {
-                        results.try_set(r);
-                    }
+                    results.refetch();
                 }
                 Err(e) => {
                     error.try_set(Some(e.message));
@@ -196,8 +196,7 @@ fn QuestionView(
     };
     let unit = question.expect.as_ref().map(|e| e.unit.clone()).unwrap_or_default();
     let answer = question.answer.clone();
-    let last =
-        move || results.with(|r| r.results.iter().find(|x| x.question_id == id).map(|x| (x.attempts, x.correct)));
+    let last = move || latest(results).results.iter().find(|x| x.question_id == id).map(|x| (x.attempts, x.correct));
     view! {
         <div class="quiz-question" id="quiz-question" data-id=question.id.clone()>
             <h2>{format!("Question {}", question.number)}</h2>

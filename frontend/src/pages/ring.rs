@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use distlab_common::trace::{CollectiveOp, ExperimentTrace};
-use distlab_common::{DemoOp, ExperimentView};
+use distlab_common::trace::CollectiveOp;
+use distlab_common::DemoOp;
 use leptos::prelude::*;
 use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
@@ -16,6 +16,7 @@ use crate::api;
 use crate::components::link_table::LinkTable;
 use crate::components::ring_view::{partial_fill, RingView};
 use crate::format;
+use crate::load::{load, Loaded};
 use crate::ring_replay::{ring_collectives, Check, ChunkKind, CollectiveInfo, CollectiveKey, Replay, Schedule};
 
 /// Time between two steps while playing.
@@ -38,17 +39,8 @@ pub fn RingReplayPage() -> impl IntoView {
 
 #[component]
 fn RingReplay(id: i64) -> impl IntoView {
-    let experiment = RwSignal::new(None::<ExperimentView>);
-    let trace = RwSignal::new(None::<Result<ExperimentTrace, String>>);
-    leptos::task::spawn_local(async move {
-        if let Ok(view) = api::get_experiment(id).await {
-            experiment.try_set(Some(view));
-        }
-    });
-    leptos::task::spawn_local(async move {
-        let answer = api::get_trace(id).await.map_err(|e| e.message);
-        trace.try_set(Some(answer));
-    });
+    let experiment = load(move || api::get_experiment(id));
+    let trace = load(move || api::get_trace(id));
     let collectives = Memo::new(move |_| match trace.get() {
         Some(Ok(t)) => ring_collectives(&t),
         _ => Vec::new(),
@@ -65,10 +57,17 @@ fn RingReplay(id: i64) -> impl IntoView {
         }
     });
 
-    let demo_op = Memo::new(move |_| experiment.with(|e| e.as_ref().and_then(|e| e.spec.demo.as_ref().map(|d| d.op))));
+    let demo_op = Memo::new(move |_| {
+        experiment.with(|e| e.as_ref().and_then(|e| e.as_ref().ok()).and_then(|e| e.spec.demo.as_ref().map(|d| d.op)))
+    });
     let back = format!("/experiments/{id}");
     let title = move || {
-        experiment.with(|e| e.as_ref().map(|e| format!("{} #{}", e.name, e.id)).unwrap_or_else(|| format!("#{id}")))
+        experiment.with(|e| {
+            e.as_ref()
+                .and_then(|e| e.as_ref().ok())
+                .map(|e| format!("{} #{}", e.name, e.id))
+                .unwrap_or_else(|| format!("#{id}"))
+        })
     };
     view! {
         <section class="card">
@@ -81,19 +80,23 @@ fn RingReplay(id: i64) -> impl IntoView {
                 "A collective, step by step, as the rank processes recorded it. On a ring each rank sends only to its right "
                 "neighbour and receives only from its left one; the buffer is cut into one chunk per rank, and each step moves one chunk over every link at the same time."
             </p>
-            {move || match trace.get() {
-                None => view! { <p class="muted">"loading the trace…"</p> }.into_any(),
-                Some(Err(e)) => view! { <p class="alert error" id="ring-error">{e}</p> }.into_any(),
-                Some(Ok(_)) if collectives.with(|c| c.is_empty()) => view! {
-                    <p class="empty" id="ring-empty">
-                        "This experiment has no ring collective recorded in detail (yet): a collective demo, or a training run "
-                        "with dp > 1, records its first collectives step by step. "
-                        <A href=back.clone()>"Back to the experiment"</A>
-                    </p>
-                }
-                .into_any(),
-                Some(Ok(_)) => view! { <CollectivePicker collectives=collectives selected=selected/> }.into_any(),
-            }}
+            {Loaded::new(trace)
+                .loading(|| view! { <p class="muted">"loading the trace…"</p> })
+                .error(|e| view! { <p class="alert error" id="ring-error">{e}</p> })
+                .view(move |_| {
+                    if collectives.with(|c| c.is_empty()) {
+                        view! {
+                            <p class="empty" id="ring-empty">
+                                "This experiment has no ring collective recorded in detail (yet): a collective demo, or a training run "
+                                "with dp > 1, records its first collectives step by step. "
+                                <A href=back.clone()>"Back to the experiment"</A>
+                            </p>
+                        }
+                        .into_any()
+                    } else {
+                        view! { <CollectivePicker collectives=collectives selected=selected/> }.into_any()
+                    }
+                })}
         </section>
         {move || {
             // Rebuilt only when another collective is picked (the player keeps its step otherwise).

@@ -2,10 +2,11 @@
 //! parameters fitted to the profile's own review log, with the fit's scores before and
 //! after (log loss and binned RMSE of the predicted recalls, on that log).
 
-use distlab_common::review::{NewReviewSettings, ParameterFit, ReviewSettings, RETENTION_RANGE};
+use distlab_common::review::{NewReviewSettings, ParameterFit, RETENTION_RANGE};
 use leptos::prelude::*;
 
 use crate::api;
+use crate::load::{load, Loaded};
 
 /// The retentions offered, from `RETENTION_RANGE`.
 const RETENTIONS: [f32; 7] = [0.70, 0.75, 0.80, 0.85, 0.90, 0.95, 0.97];
@@ -22,24 +23,14 @@ fn offered(current: f32) -> Vec<f32> {
 
 #[component]
 pub fn Scheduling(profile: i64) -> impl IntoView {
-    let settings = RwSignal::new(None::<ReviewSettings>);
+    let settings = load(move || api::review_settings(profile));
     let message = RwSignal::new(None::<(bool, String)>);
     let busy = RwSignal::new(false);
-    leptos::task::spawn_local(async move {
-        match api::review_settings(profile).await {
-            Ok(s) => {
-                settings.try_set(Some(s));
-            }
-            Err(e) => {
-                message.try_set(Some((false, e.message)));
-            }
-        }
-    });
     let save = move |body: NewReviewSettings| {
         leptos::task::spawn_local(async move {
             match api::set_review_settings(profile, &body).await {
                 Ok(s) => {
-                    settings.try_set(Some(s));
+                    settings.try_set(Some(Ok(s)));
                     message.try_set(None);
                 }
                 Err(e) => {
@@ -52,9 +43,7 @@ pub fn Scheduling(profile: i64) -> impl IntoView {
         busy.set(true);
         message.set(Some((true, "fitting FSRS to your reviews…".into())));
         leptos::task::spawn_local(async move {
-            let answer = api::fit_parameters(profile).await;
-            let refreshed = api::review_settings(profile).await;
-            match answer {
+            match api::fit_parameters(profile).await {
                 Ok(_) => {
                     message.try_set(None);
                 }
@@ -62,16 +51,17 @@ pub fn Scheduling(profile: i64) -> impl IntoView {
                     message.try_set(Some((false, e.message)));
                 }
             }
-            if let Ok(s) = refreshed {
-                settings.try_set(Some(s));
-            }
+            settings.refetch();
             busy.try_set(false);
         });
     };
     view! {
         <section class="card" id="scheduling">
             <h2>"Scheduling"</h2>
-            {move || settings.get().map(|s| {
+            {Loaded::new(settings)
+                .loading(|| ())
+                .error(|e| view! { <p class="alert error" id="scheduling-message">{e}</p> })
+                .view(move |s| {
                 let retention = s.desired_retention;
                 let can_fit = s.repeat_reviews >= s.repeat_reviews_needed;
                 view! {
@@ -103,7 +93,7 @@ pub fn Scheduling(profile: i64) -> impl IntoView {
                     </p>
                     {s.fit.clone().map(fit_view)}
                 }
-            })}
+                })}
             {move || message.get().map(|(ok, text)| view! {
                 <p class=if ok { "muted small" } else { "alert error" } id="scheduling-message">{text}</p>
             })}

@@ -7,6 +7,7 @@ use leptos::prelude::*;
 use leptos_router::components::A;
 
 use crate::api;
+use crate::load::load;
 
 /// Where the browser stands with the server: still asking, signed in (or a server without
 /// accounts), not signed in on a server that wants it, or signed in until the server
@@ -44,13 +45,15 @@ pub fn sign_in_again_when_refused(session: RwSignal<Session>) {
 /// Asks the server who this browser is, into `session`. A server that cannot be reached
 /// leaves the pages to say so themselves.
 pub fn ask_who(session: RwSignal<Session>) {
-    leptos::task::spawn_local(async move {
-        let now = match api::me().await {
-            Ok(me) => Session::SignedIn(me),
-            Err(e) if e.needs_sign_in() => Session::SignedOut,
-            Err(_) => Session::SignedIn(Me { name: String::new(), admin: false, auth: AuthMode::None }),
+    let me = load(api::me);
+    Effect::new(move || {
+        let now = match me.get() {
+            None => return,
+            Some(Ok(me)) => Session::SignedIn(me),
+            Some(Err(e)) if e.needs_sign_in() => Session::SignedOut,
+            Some(Err(_)) => Session::SignedIn(Me { name: String::new(), admin: false, auth: AuthMode::None }),
         };
-        session.try_set(now);
+        session.set(now);
     });
 }
 

@@ -10,6 +10,9 @@
 //!
 //! The "collective demo" section is optional: its checkbox (ticked by the all-reduce
 //! preset) adds `demo` to the spec, and the sections only training uses are greyed out.
+//! The sections themselves are drawn by `sections`.
+
+mod sections;
 
 use distlab_common::presets::{presets, Preset};
 use distlab_common::{CollectiveDemo, DemoOp, ExperimentSpec, FieldError, Limits};
@@ -17,10 +20,11 @@ use leptos::prelude::*;
 use leptos_router::hooks::{use_navigate, use_query_map};
 use serde_json::{Map, Value};
 
+use self::sections::FormSections;
 use crate::api::{self, RequestError};
-use crate::components::dataset_upload::DatasetUpload;
 use crate::components::plan_panel::{next_state, PlanPanel, PlanState};
 use crate::format;
+use crate::load::load;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -429,8 +433,10 @@ pub fn NewExperiment() -> impl IntoView {
         active_preset.set(None);
     };
     if let (Some(experiment), Some(step)) = (continue_from, continue_step) {
-        leptos::task::spawn_local(async move {
-            let Ok(source) = api::get_experiment(experiment).await else { return };
+        let source = load(move || api::get_experiment(experiment));
+        // Once it is in (a source that did not load leaves the form as it is).
+        Effect::new(move || {
+            let Some(Ok(source)) = source.get() else { return };
             let mut spec = source.spec;
             spec.name = format!("{} (continued from step {step})", source.name);
             spec.train.resume_from = Some(distlab_common::ResumeFrom { experiment, step });
@@ -487,77 +493,7 @@ pub fn NewExperiment() -> impl IntoView {
         })
         .collect_view();
 
-    let sections = SECTIONS
-        .iter()
-        .map(|section| {
-            let inputs = section
-                .fields
-                .iter()
-                .map(|def| {
-                    let field = fields.with_value(|fs| fs.iter().find(|f| std::ptr::eq(f.def, def)).copied());
-                    let unused = Signal::derive(move || demo_on.get() && training_only(def.path));
-                    field.map(|field| view! { <FieldInput field=field errors=Signal::derive(move || errors_for(field.def.path)) on_edit=on_edit unused=unused/> })
-                })
-                .collect_view();
-            let key = section.key;
-            if key == DEMO {
-                return view! {
-                    <fieldset class="section demo-section" class:on=move || demo_on.get() data-section=key id="demo-section">
-                        <legend>
-                            <label class="toggle">
-                                <input
-                                    type="checkbox"
-                                    id="demo-enabled"
-                                    prop:checked=move || demo_on.get()
-                                    on:change=move |ev| { demo_on.set(event_target_checked(&ev)); on_edit(); }
-                                />
-                                {section.title}
-                            </label>
-                        </legend>
-                        <ErrorList messages=Signal::derive(move || errors_for(key)) field=key/>
-                        {move || if demo_on.get() {
-                            view! {
-                                <p class="muted small demo-help">
-                                    "No model is trained: dp rank processes (set dp under Parallelism: it is the ring size W) run one collective "
-                                    "on a small vector, rank r starting with (r+1)·100 + i, and record every ring step for the replay. "
-                                    "The greyed-out fields keep their values but are not used."
-                                </p>
-                            }.into_any()
-                        } else {
-                            view! {
-                                <p class="muted small demo-help">
-                                    "Tick to run one all-reduce, reduce-scatter or all-gather across the dp ranks instead of training, "
-                                    "and watch it step by step on the ring replay."
-                                </p>
-                            }.into_any()
-                        }}
-                        <div class="fields" class:hidden=move || !demo_on.get()>{inputs}</div>
-                    </fieldset>
-                }
-                .into_any();
-            }
-            let all_training_only = section.fields.iter().all(|d| training_only(d.path));
-            let value_of = |path: &str| fields.with_value(|fs| fs.iter().find(|f| f.def.path == path).map(|f| f.value));
-            let upload = match (key, value_of("data.dataset"), value_of("data.upload_id")) {
-                ("data", Some(dataset), Some(upload_id)) => {
-                    Some(view! { <DatasetUpload dataset=dataset upload_id=upload_id on_edit=on_edit/> })
-                }
-                _ => None,
-            };
-            view! {
-                <fieldset class="section" class:unused=move || all_training_only && demo_on.get() data-section=key>
-                    <legend>
-                        {section.title}
-                        {move || (all_training_only && demo_on.get()).then(|| view! { <span class="unused-tag">" — not used by a collective demo"</span> })}
-                    </legend>
-                    <ErrorList messages=Signal::derive(move || errors_for(key)) field=key/>
-                    <div class="fields">{inputs}</div>
-                    {upload}
-                </fieldset>
-            }
-            .into_any()
-        })
-        .collect_view();
+    let errors_for = Callback::new(errors_for);
 
     // Problems that belong to no field of the form (e.g. unknown fields).
     let known = |field: &str| {
@@ -593,7 +529,7 @@ pub fn NewExperiment() -> impl IntoView {
             </p>
         </section>
         <form class="card spec-form" id="new-experiment-form" on:submit=submit novalidate=true>
-            {sections}
+            <FormSections fields=fields demo_on=demo_on errors_for=errors_for on_edit=on_edit/>
             <Summary checked=checked/>
             {move || (!demo_on.get()).then(|| view! { <PlanPanel state=plan_state/> })}
             {move || {

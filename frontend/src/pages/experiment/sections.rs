@@ -1,0 +1,68 @@
+//! The cards below an experiment's run: what every rank did over time (once the traces
+//! are in), every rank's memory (predicted from the start, measured once the run has
+//! ended), and the live log.
+
+use distlab_common::{ExperimentSpec, LogLevel};
+use leptos::prelude::*;
+
+use super::Live;
+use crate::components::memory_section::{predicted_only, MemorySection};
+use crate::components::timeline::{RankSpans, Timeline};
+
+/// Every rank's timeline, once the run has stored its traces.
+#[component]
+pub(super) fn TimelineCard(live: Live) -> impl IntoView {
+    let trace = live.trace;
+    view! {
+        {move || {
+            let ranks: Vec<RankSpans> = trace.with(|t| {
+                t.as_ref()
+                    .map(|t| t.ranks.iter().filter(|r| !r.spans.is_empty()).map(|r| RankSpans { rank: r.rank, spans: r.spans.clone() }).collect())
+                    .unwrap_or_default()
+            });
+            (!ranks.is_empty()).then(|| view! {
+                <section class="card" id="timeline-card">
+                    <h2>"What every rank did, over time"</h2>
+                    <p class="muted small">
+                        "Each rank's compute thread (forward, backward, optimizer), its communication thread (DDP's buckets, FSDP's prefetched gathers) and the collectives the compute thread waits for (DP blocking: ZeRO/FSDP's gathers and reduce-scatters; TP comm), as recorded for the first steps. "
+                        "Hover a box for its name, duration and bytes."
+                    </p>
+                    <Timeline ranks=ranks/>
+                </section>
+            })
+        }}
+    }
+}
+
+/// The planner's memory per rank from the start; the measured one next to it at the end.
+#[component]
+pub(super) fn MemoryCard(spec: ExperimentSpec, live: Live) -> impl IntoView {
+    let Live { status, memory, .. } = live;
+    let predicted = predicted_only(&spec);
+    let shown = Signal::derive(move || memory.get().or_else(|| predicted.clone()));
+    // "Finished" for the card once the server's view of the ended run is here.
+    let finished = Signal::derive(move || status.get().is_finished() && memory.with(Option::is_some));
+    view! { <MemorySection view=shown finished=finished/> }
+}
+
+/// The run's log lines as they arrive (the last few hundred).
+#[component]
+pub(super) fn LogCard(live: Live) -> impl IntoView {
+    let logs = live.logs;
+    view! {
+        {move || {
+            let lines = logs.get();
+            (!lines.is_empty()).then(|| view! {
+                <section class="card">
+                    <h2>"Log"</h2>
+                    <div class="log" id="log">
+                        {lines.into_iter().map(|l| {
+                            let class = match l.level { LogLevel::Info => "info", LogLevel::Warn => "warn", LogLevel::Error => "error" };
+                            view! { <div class=format!("log-line {class}")>{l.message}</div> }
+                        }).collect_view()}
+                    </div>
+                </section>
+            })
+        }}
+    }
+}
