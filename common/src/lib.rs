@@ -3,8 +3,8 @@
 //! Compiles for native and wasm32: no I/O, no async runtime, no database.
 //!
 //! The crate is cut by domain; each folder's `mod.rs` says what it holds. A domain imports
-//! only from the domains listed before it (no module imports in a circle:
-//! `python3 common/module_graph.py` prints the graph and fails on a cycle):
+//! only from the domains listed before it (no file imports in a circle: xtask's
+//! `no_crate_has_an_import_circle` test checks every crate):
 //!
 //! - [`spec`]: the experiment spec, its validation, presets and what each backend runs;
 //! - [`plan`]: what a spec needs, predicted from it alone (memory, bytes, time, layouts),

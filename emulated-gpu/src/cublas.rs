@@ -148,13 +148,21 @@ impl Gemm {
         let op_a: Vec<f32> = (0..m * k)
             .map(|at| {
                 let (i, p) = (at / k, at % k);
-                if self.trans_a { f.load(a, p + i * self.lda) } else { f.load(a, i + p * self.lda) }
+                if self.trans_a {
+                    f.load(a, p + i * self.lda)
+                } else {
+                    f.load(a, i + p * self.lda)
+                }
             })
             .collect();
         let op_b: Vec<f32> = (0..k * n)
             .map(|at| {
                 let (p, j) = (at / n, at % n);
-                if self.trans_b { f.load(b, j + p * self.ldb) } else { f.load(b, p + j * self.ldb) }
+                if self.trans_b {
+                    f.load(b, j + p * self.ldb)
+                } else {
+                    f.load(b, p + j * self.ldb)
+                }
             })
             .collect();
         let mut row = vec![0.0f32; n];

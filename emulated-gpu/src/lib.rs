@@ -42,8 +42,11 @@ pub mod settings {
     pub fn devices() -> i32 {
         static N: OnceLock<i32> = OnceLock::new();
         *N.get_or_init(|| {
-            let machine: i32 =
-                std::env::var("DISTLAB_EMULATED_GPU_DEVICES").ok().and_then(|v| v.parse().ok()).unwrap_or(1).clamp(1, 8);
+            let machine: i32 = std::env::var("DISTLAB_EMULATED_GPU_DEVICES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1)
+                .clamp(1, 8);
             match std::env::var("CUDA_VISIBLE_DEVICES") {
                 Ok(list) => visible(&list, machine),
                 Err(_) => machine,

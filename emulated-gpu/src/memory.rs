@@ -87,9 +87,9 @@ pub fn used(device: i32) -> usize {
 /// The device whose allocation holds all of `ptr..ptr + bytes`, if one does.
 pub fn owner(ptr: u64, bytes: usize) -> Option<i32> {
     with(|a| {
-        a.regions.iter().find_map(|(&start, r)| {
-            (ptr >= start && ptr + bytes as u64 <= start + r.bytes as u64).then_some(r.device)
-        })
+        a.regions
+            .iter()
+            .find_map(|(&start, r)| (ptr >= start && ptr + bytes as u64 <= start + r.bytes as u64).then_some(r.device))
     })
 }
 

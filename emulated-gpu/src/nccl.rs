@@ -89,7 +89,10 @@ fn data_type(code: c_uint) -> Result<(&'static str, usize), Failure> {
         ("float64", 8),
         ("bfloat16", 2),
     ];
-    TYPES.get(code as usize).copied().ok_or((INVALID_ARGUMENT, format!("data type {code} is not one the emulated NCCL knows")))
+    TYPES
+        .get(code as usize)
+        .copied()
+        .ok_or((INVALID_ARGUMENT, format!("data type {code} is not one the emulated NCCL knows")))
 }
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -286,10 +289,9 @@ impl Comm {
         // The bytes of `count` elements of `dtype`, `times` over (an error if that overflows).
         let bytes = |count: usize, dtype, times: usize| {
             let size = data_type(dtype).map(|t| t.1).map_err(|(c, m)| self.fail(c, name, m))?;
-            count
-                .checked_mul(size)
-                .and_then(|b| b.checked_mul(times))
-                .ok_or_else(|| self.fail(INVALID_ARGUMENT, name, format!("{count} elements are more than memory holds")))
+            count.checked_mul(size).and_then(|b| b.checked_mul(times)).ok_or_else(|| {
+                self.fail(INVALID_ARGUMENT, name, format!("{count} elements are more than memory holds"))
+            })
         };
         let peer_ok = |peer: usize| {
             if peer < w {
@@ -593,7 +595,12 @@ pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> NcclResult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommInitRank(comm: *mut *mut Comm, nranks: c_int, id: UniqueId, rank: c_int) -> NcclResult {
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut *mut Comm,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+) -> NcclResult {
     if comm.is_null() || nranks < 1 || rank < 0 || rank >= nranks {
         return report((INVALID_ARGUMENT, format!("ncclCommInitRank: rank {rank} of {nranks}")));
     }
@@ -693,7 +700,9 @@ pub unsafe extern "C" fn ncclReduceScatter(
     _stream: *mut c_void,
 ) -> NcclResult {
     match reduce_op(op) {
-        Ok(op) => submit(comm, Call::ReduceScatter { send: send as u64, recv: recv as u64, count: recv_count, dtype, op }),
+        Ok(op) => {
+            submit(comm, Call::ReduceScatter { send: send as u64, recv: recv as u64, count: recv_count, dtype, op })
+        }
         Err(e) => report(e),
     }
 }

@@ -157,15 +157,20 @@ impl SharedGroup {
         header.joined.fetch_add(1, AcqRel);
         futex_wake(&header.joined);
         let started = Instant::now();
-        let everyone = group.wait(&header.joined, "ncclCommInitRank", |joined| joined as usize == ranks, || {
-            (started.elapsed() > JOIN_TIMEOUT).then(|| {
-                format!(
-                    "only {} of {ranks} ranks joined within {} s",
-                    header.joined.load(Acquire),
-                    JOIN_TIMEOUT.as_secs()
-                )
-            })
-        });
+        let everyone = group.wait(
+            &header.joined,
+            "ncclCommInitRank",
+            |joined| joined as usize == ranks,
+            || {
+                (started.elapsed() > JOIN_TIMEOUT).then(|| {
+                    format!(
+                        "only {} of {ranks} ranks joined within {} s",
+                        header.joined.load(Acquire),
+                        JOIN_TIMEOUT.as_secs()
+                    )
+                })
+            },
+        );
         // Every rank has mapped the file (or the join failed): nobody needs its name now.
         let _ = std::fs::remove_file(&path);
         everyone?;
@@ -217,11 +222,19 @@ impl SharedGroup {
             return Ok(());
         }
         let started = Instant::now();
-        self.wait(&header.generation, during, |g| g != generation, || {
-            (started.elapsed() > STALL).then(|| {
-                format!("the other ranks did not come within {} s: a deadlock (a collective some rank never calls?)", STALL.as_secs())
-            })
-        })
+        self.wait(
+            &header.generation,
+            during,
+            |g| g != generation,
+            || {
+                (started.elapsed() > STALL).then(|| {
+                    format!(
+                        "the other ranks did not come within {} s: a deadlock (a collective some rank never calls?)",
+                        STALL.as_secs()
+                    )
+                })
+            },
+        )
     }
 
     /// Sleeps on `word` until `done(word)`, looking at the peers (and `give_up`) between
@@ -241,9 +254,10 @@ impl SharedGroup {
             }
             if looked.elapsed() > Duration::from_millis(50) {
                 looked = Instant::now();
-                let failure = self.check_peers(0..self.ranks, during).err().or_else(|| {
-                    give_up().map(|why| format!("rank {} in {during}: {why}", self.me))
-                });
+                let failure = self
+                    .check_peers(0..self.ranks, during)
+                    .err()
+                    .or_else(|| give_up().map(|why| format!("rank {} in {during}: {why}", self.me)));
                 if let Some(failure) = failure {
                     // (The last peer may have come, and then left or exited, since `now`.)
                     return if done(word.load(Acquire)) { Ok(()) } else { Err(failure) };
@@ -316,7 +330,13 @@ impl SharedGroup {
     ///
     /// # Safety
     /// `data` is valid for writing `len` bytes.
-    pub unsafe fn try_recv(&self, from: usize, data: *mut u8, len: usize, message: usize) -> Result<Option<usize>, Failure> {
+    pub unsafe fn try_recv(
+        &self,
+        from: usize,
+        data: *mut u8,
+        len: usize,
+        message: usize,
+    ) -> Result<Option<usize>, Failure> {
         let channel = self.channel(from, self.me);
         if channel.posted.load(Acquire) == channel.taken.load(Acquire) {
             return Ok(None);
@@ -354,7 +374,9 @@ impl Drop for SharedGroup {
 fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state is the first field after the command's closing parenthesis.
-        Ok(stat) => !matches!(stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()), Some('Z' | 'X')),
+        Ok(stat) => {
+            !matches!(stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()), Some('Z' | 'X'))
+        }
         Err(_) => {
             // SAFETY: signal 0 only asks whether the process exists.
             let exists = unsafe { libc::kill(pid, 0) } == 0;

@@ -197,7 +197,10 @@ impl Rank {
         // All-gather in place: every rank ends with every rank's chunk.
         let buf = upload(&vec![0.0; w * chunk]);
         let mine = buf + (me * chunk * 4) as u64;
-        assert_eq!(cuMemcpyHtoD_v2(mine, (0..chunk).map(|i| value(me, i)).collect::<Vec<_>>().as_ptr() as _, chunk * 4), 0);
+        assert_eq!(
+            cuMemcpyHtoD_v2(mine, (0..chunk).map(|i| value(me, i)).collect::<Vec<_>>().as_ptr() as _, chunk * 4),
+            0
+        );
         assert_eq!(ncclAllGather(mine as _, buf as _, chunk, F32, comm, null()), 0);
         let got = download(buf, w * chunk);
         assert!((0..w * chunk).all(|i| got[i] == value(i / chunk, i % chunk)), "all-gather");

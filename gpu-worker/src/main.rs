@@ -235,8 +235,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                     );
                     let first = hosts.iter().position(|&h| h == host).unwrap_or(world);
                     let here = hosts.iter().filter(|&&h| h == host).count();
-                    let secret = std::env::var(worker::protocol::SECRET_VAR)
-                        .map_err(|_| anyhow::anyhow!("across hosts, set {} on every host", worker::protocol::SECRET_VAR))?;
+                    let secret = std::env::var(worker::protocol::SECRET_VAR).map_err(|_| {
+                        anyhow::anyhow!("across hosts, set {} on every host", worker::protocol::SECRET_VAR)
+                    })?;
                     (first..first + here, hosts, Some(secret))
                 }
                 None => (0..world, worker::launch::simulated_hosts(world, cli.simulated_hosts), None),
@@ -273,7 +274,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             let local = local_ranks.unwrap_or(0..world);
             let place = worker::rank::Place { rank, world, dir, hosts, host_ip, local };
             let result = match task {
-                RankTask::BenchComm { min_bytes, max_bytes } => worker::bench_comm::run_rank(&place, min_bytes, max_bytes),
+                RankTask::BenchComm { min_bytes, max_bytes } => {
+                    worker::bench_comm::run_rank(&place, min_bytes, max_bytes)
+                }
                 RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights, dataset } => {
                     read_spec(&spec).and_then(|spec| {
                         let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });

@@ -608,6 +608,9 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(exists(c, "#axis-comm tr[data-axis='tp']").await?, "the TP axis has a row");
     save_element(c, "#estimate", "planner.png").await?;
     save_full_page(c, "planner-page.png").await?;
+    docs_page_scenario(c, lab).await?;
+    c.goto(&lab.url(&format!("/planner?spec={encoded}"))).await?;
+    wait_for(c, "the estimate again", Duration::from_secs(30), || exists(c, "#fits")).await?;
 
     // The chapter's 70B recipe: the form takes its layout and cluster, and the verdict marks
     // the stated 2-3 tokens/s per GPU as far from the planner's arithmetic.
@@ -687,6 +690,27 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let exp = lab.wait_finished(id, Duration::from_secs(120));
     ensure!(exp.status == ExperimentStatus::Succeeded, "the small run did not succeed: {exp:?}");
     ensure!((exp.spec.parallel.dp, exp.spec.parallel.tp) == (2, 2), "the layout is kept: {:?}", exp.spec.parallel);
+    Ok(())
+}
+
+/// The planner's "how it works" link leads to its documentation page, rendered into the
+/// site by the frontend build: its own title, a link on to another page that loads, and
+/// the index of every page.
+async fn docs_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    let href = attr(c, "#planner-page a.doc-link", "href").await?.context("the planner links its docs page")?;
+    ensure!(href == "/docs/planner.html", "{href}");
+    c.goto(&lab.url(&href)).await?;
+    wait_for(c, "the docs page", Duration::from_secs(10), || exists(c, "main.docs h1")).await?;
+    let title = text(c, "main.docs h1").await?;
+    ensure!(title == "The planner, the recipes and the layout search", "{title}");
+    save_full_page(c, "docs-planner.png").await?;
+    c.find(Locator::Css("main.docs a[href='memory.html']")).await?.click().await?;
+    wait_for(c, "the memory page", Duration::from_secs(10), || async {
+        Ok(c.current_url().await?.path() == "/docs/memory.html" && exists(c, "main.docs h1").await?)
+    })
+    .await?;
+    c.goto(&lab.url("/docs/")).await?;
+    wait_for(c, "the index", Duration::from_secs(10), || exists(c, "main.docs a[href='planner.html']")).await?;
     Ok(())
 }
 

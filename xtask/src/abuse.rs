@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::load::{connect_from, Server};
+use crate::load_server::{connect_from, Server};
 
 const SLOW_CLIENTS: usize = 1100;
 const FLOOD_CLIENTS: u8 = 128;

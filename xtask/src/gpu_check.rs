@@ -25,10 +25,8 @@ pub fn prepare() -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&bin).with_context(|| format!("cannot make {}", bin.display()))?;
     let debug = root.join("target/debug");
-    let mut files: Vec<(PathBuf, &str)> = vec![
-        (debug.join("distlab-worker"), "distlab-worker"),
-        (debug.join("examples/cuda_train"), "cuda_train"),
-    ];
+    let mut files: Vec<(PathBuf, &str)> =
+        vec![(debug.join("distlab-worker"), "distlab-worker"), (debug.join("examples/cuda_train"), "cuda_train")];
     files.extend(tests.iter().map(|(name, path)| (path.clone(), *name)));
     for (from, name) in &files {
         let to = bin.join(name);

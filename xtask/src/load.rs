@@ -13,13 +13,14 @@
 //! PostgreSQL cluster (`postgres.rs`), the same phases one after the other in one run.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::net::{Ipv4Addr, TcpStream};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
+
+use crate::load_server::{connect_from, Server};
 
 pub struct LoadOptions {
     pub seconds: f64,
@@ -362,14 +363,6 @@ fn follow(
     }
 }
 
-/// A TCP connection to `to` from the loopback address `source`.
-pub(crate) fn connect_from(source: Ipv4Addr, to: SocketAddr) -> Result<TcpStream> {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-    socket.bind(&SocketAddr::V4(SocketAddrV4::new(source, 0)).into()).with_context(|| format!("bind {source}"))?;
-    socket.connect(&to.into()).with_context(|| format!("connect to {to} from {source}"))?;
-    Ok(socket.into())
-}
-
 fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -391,55 +384,5 @@ fn submit(base: &str, spec: &Value) -> Result<i64> {
     match (status, body["id"].as_i64()) {
         (201, Some(id)) => Ok(id),
         _ => bail!("seeding: a submission was answered {status} {body}"),
-    }
-}
-
-/// The release server on 127.0.0.1 (a free port), stopped on drop.
-pub(crate) struct Server {
-    pub(crate) process: Child,
-    pub(crate) base: String,
-    pub(crate) addr: SocketAddr,
-}
-
-impl Server {
-    /// On SQLite in `data`, or on the Postgres database `database_url`.
-    fn start(data: &std::path::Path, database_url: Option<&str>) -> Result<Self> {
-        Self::start_with(data, database_url, &[])
-    }
-
-    /// With more flags.
-    pub(crate) fn start_with(data: &std::path::Path, database_url: Option<&str>, flags: &[&str]) -> Result<Self> {
-        let bin = crate::root().join("target/release/distlab-server");
-        let mut process = Command::new(&bin)
-            .args(["--addr", "127.0.0.1:0", "--local-workers", "0", "--max-queued-per-user", "10000000"])
-            .args(["--max-streams-per-account", "1000000", "--max-disk-per-user-mb", "0"])
-            .args(flags)
-            .arg("--data-dir")
-            .arg(data)
-            .envs(database_url.map(|url| ("DISTLAB_DATABASE_URL", url)))
-            .env("DISTLAB_WORKER_TOKEN", "load-test-token")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot start {}", bin.display()))?;
-        let mut stdout = BufReader::new(process.stdout.take().context("piped stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        // Whatever else it prints is read and dropped, so that it never writes to a closed pipe.
-        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
-        let Some(url) = line.split("ready at ").nth(1) else {
-            let _ = process.kill();
-            bail!("the server did not say where it listens: {line:?}");
-        };
-        let base = url.trim().trim_end_matches('/').to_string();
-        let addr: SocketAddr = base.trim_start_matches("http://").parse().context("the server's address")?;
-        Ok(Self { process, base, addr })
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
     }
 }

@@ -14,11 +14,14 @@
 mod abuse;
 mod bench;
 mod cuda_tools;
-mod emulated_gpu;
 mod docs_site;
+mod emulated_gpu;
 mod frontend;
 mod gpu_check;
+#[cfg(test)]
+mod imports;
 mod load;
+mod load_server;
 mod mutants;
 mod postgres;
 

@@ -11,6 +11,7 @@ use distlab_common::planner;
 use distlab_common::ExperimentSpec;
 use leptos::prelude::*;
 
+use crate::components::doc_link::DocLink;
 use crate::components::memory_bars::{sum_of_categories, Bar, BarKind, MemoryBars, MemoryLegend};
 use crate::components::memory_timeline::MemoryTimeline;
 use crate::format;
@@ -158,6 +159,7 @@ pub fn MemorySection(
         Some(view! {
             <section class="card" id="memory-card">
                 <h2>"Memory of every rank"</h2>
+                <DocLink page="memory"/>
                 <p class="muted small" id="memory-provenance">{note}</p>
                 <p class="muted small">
                     {format!(

@@ -1,6 +1,7 @@
 //! Pieces the pages share.
 
 pub mod dataset_upload;
+pub mod doc_link;
 pub mod layout_search;
 pub mod link_table;
 pub mod loss_chart;

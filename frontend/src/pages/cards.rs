@@ -14,6 +14,7 @@ use leptos_router::components::A;
 use wasm_bindgen::JsCast;
 
 use crate::api::{self, ApiResult};
+use crate::components::doc_link::DocLink;
 use crate::load::{error_card, load, loading_card, Loaded};
 use crate::pages::scheduling::Scheduling;
 
@@ -134,6 +135,7 @@ pub fn CardsPage() -> impl IntoView {
         <section class="card" id="cards-page">
             <div class="card-head">
                 <h1>"Flashcards"</h1>
+                <DocLink page="cards-and-quiz"/>
                 <div class="profile-bar">
                     <label>"profile "
                         <select id="profile" prop:value=move || profile.get().map(|p| p.to_string()).unwrap_or_default()

@@ -11,6 +11,7 @@ use leptos_router::components::A;
 use leptos_router::hooks::{use_navigate, use_query_map};
 
 use crate::api;
+use crate::components::doc_link::DocLink;
 use crate::components::overlay_chart::{smooth, Band, OverlayChart, Series};
 use crate::components::status_badge::StatusBadge;
 use crate::format;
@@ -88,6 +89,7 @@ fn Compare(ids: Vec<i64>) -> impl IntoView {
             <section class="card" id="compare">
                 <div class="card-head">
                     <h1>"Compare runs"</h1>
+                    <DocLink page="compare"/>
                     <div class="exports" id="exports">
                         "Export: "
                         <a class="button small" id="export-metrics-csv" href=format!("{url}&format=csv") download="">"metrics CSV"</a>

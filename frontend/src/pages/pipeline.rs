@@ -12,6 +12,7 @@ use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
 
 use crate::api::{self, ApiResult};
+use crate::components::doc_link::DocLink;
 use crate::components::pipeline_chart::PipelineChart;
 use crate::load::{load, Loaded};
 use distlab_common::pipeline::{
@@ -107,6 +108,7 @@ fn Pipeline(id: i64) -> impl IntoView {
         <section class="card" id="pipeline-card">
             <p><A href=format!("/experiments/{id}")>"← experiment " {id}</A></p>
             <h1>"Pipeline schedule"</h1>
+            <DocLink page="pipeline-parallel"/>
             <p class="muted small">
                 "One row per pipeline stage: a box for the forward (F) and the backward (B) of every micro-batch, numbered by micro-batch "
                 "(interleaved: and lettered by the stage's chunk of layers, a, b, ..., every other chunk lighter; "

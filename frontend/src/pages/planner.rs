@@ -16,6 +16,7 @@ use leptos_router::hooks::{use_navigate, use_query_map};
 use serde_json::json;
 
 use crate::api;
+use crate::components::doc_link::DocLink;
 use crate::components::layout_search::LayoutSearch;
 use crate::components::plan_panel::{PlanPanel, PlanState};
 use crate::format;
@@ -87,6 +88,7 @@ pub fn PlannerPage() -> impl IntoView {
     view! {
         <section class="card" id="planner-page">
             <h1>"Plan a training run"</h1>
+            <DocLink page="planner"/>
             <p class="muted">
                 "Any model on any cluster: what each GPU holds, what it sends, how long a step takes and how much of the hardware does useful work. "
                 "The planner is the one the lab's runs are checked against; the time model adds peak FLOP/s and an alpha–beta network (latency per message + bytes / bandwidth)."

@@ -8,6 +8,7 @@ use distlab_common::ExperimentView;
 use leptos::prelude::*;
 
 use crate::api::ApiResult;
+use crate::components::doc_link::DocLink;
 use crate::load::{error_card, load, load_keeping, loading_card, Load, Loaded};
 use crate::pages::cards::demo_link;
 use crate::{api, format};
@@ -56,6 +57,7 @@ pub fn QuizPage() -> impl IntoView {
         <section class="card" id="quiz-page">
             <div class="card-head">
                 <h1>"Quiz"</h1>
+                <DocLink page="cards-and-quiz"/>
                 <span class="muted" id="quiz-score">{move || {
                     let r = latest(results);
                     format!("right now: {} of {} answered", r.latest_right_count(), r.results.len())

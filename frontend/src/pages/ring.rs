@@ -13,6 +13,7 @@ use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
 
 use crate::api;
+use crate::components::doc_link::DocLink;
 use crate::components::link_table::LinkTable;
 use crate::components::ring_view::{partial_fill, RingView};
 use crate::format;
@@ -73,6 +74,7 @@ fn RingReplay(id: i64) -> impl IntoView {
         <section class="card">
             <div class="card-head">
                 <h1>"Ring replay " <span class="muted id">{title}</span></h1>
+                <DocLink page="collectives"/>
                 <div class="spacer"></div>
                 <A href=back.clone() attr:class="button small" attr:id="back-to-experiment">"← experiment"</A>
             </div>

@@ -113,7 +113,11 @@ impl<Buf> Activations<Buf> {
 }
 
 /// [`Activations::output`] from the fields, for callers that hold `head` mutably.
-pub(super) fn stage_output<'a, Buf>(checkpoints: &'a [Buf], blocks: &'a [BlockActivations<Buf>], encoded: &'a Buf) -> &'a Buf {
+pub(super) fn stage_output<'a, Buf>(
+    checkpoints: &'a [Buf],
+    blocks: &'a [BlockActivations<Buf>],
+    encoded: &'a Buf,
+) -> &'a Buf {
     checkpoints.last().or(blocks.last().map(|b| &b.res_mlp)).unwrap_or(encoded)
 }
 
@@ -436,8 +440,7 @@ pub fn activation_floats_for(
         None => (block, scratch),
         Some(e) => {
             let dense_hidden = rows.saturating_mul(4 * c);
-            let block =
-                block.saturating_sub(2 * dense_hidden).saturating_add(expert_activation_floats(&e, rows, c));
+            let block = block.saturating_sub(2 * dense_hidden).saturating_add(expert_activation_floats(&e, rows, c));
             let dfch = rows.max(e.slots()).saturating_mul(4 * c);
             let scratch = scratch.saturating_sub(dense_hidden).saturating_add(dfch);
             (block, scratch.saturating_add(expert_scratch_floats(&e, rows, c)))

@@ -17,7 +17,9 @@ use distlab_common::Attention;
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::model::activations::{Activations, BlockActivations, WeightStash};
-use crate::model::experts::{experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden};
+use crate::model::experts::{
+    experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden,
+};
 use crate::model::layout::BlockTensors;
 use crate::model::tensor_parallel::{
     add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, TensorParallelGroup,
@@ -416,4 +418,3 @@ pub(super) fn split_block<'a, B: Backend>(
         fc_proj_b: take(lay.fc_proj_b.len()),
     }
 }
-

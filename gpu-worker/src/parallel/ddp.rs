@@ -31,12 +31,12 @@ use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
 use crate::comm::{sum_scalar, CommError, Communicator, InPlace, ReduceOp, SharedBuffer};
+use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::offload::{OffloadError, OffloadTo};
 use crate::optim::{Indexing, OptimGroup, Optimizer};
 use crate::trace::{blocking_comm_span, now_us};
-use crate::error::TrainError;
 
 /// Every parameter and gradient whole on this rank: one process alone, DDP, or ZeRO-1.
 pub struct Replicated<B: TrainBackend> {
@@ -507,7 +507,6 @@ impl InPlaceSync {
         Ok(())
     }
 }
-
 
 /// One bucket on its way to the communication thread and back.
 struct InFlight {

@@ -37,12 +37,12 @@ use distlab_common::{ExperimentSpec, Precision, Sharding};
 
 use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator, InPlace};
+use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker};
 use crate::model::{ModelState, ParamLayout, Stage};
 use crate::offload::{OffloadError, OffloadTo};
 use crate::ops::float::in_acc;
 use crate::optim::{OptimizerSlices, OptimizerState};
-use crate::error::TrainError;
 
 /// A backend the engine trains on: any `Backend` whose buffers hold a format that
 /// computes in f32 (f32 itself, or bf16/fp16 for mixed precision). The strategies are

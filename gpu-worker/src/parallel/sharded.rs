@@ -30,12 +30,12 @@ use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
 use crate::comm::{sum_scalar, Alone, CommError, Communicator, InPlace, ReduceOp::Sum};
+use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::offload::{OffloadError, OffloadTo};
 use crate::optim::{Indexing, Optimizer};
 use crate::trace::{blocking_comm_span, now_us};
-use crate::error::TrainError;
 
 /// A buffer that exists only for a while, with its entry in the memory ledger.
 struct Temporary<Buf> {

@@ -57,8 +57,8 @@ use distlab_common::Precision;
 use super::{collective, TrainBackend};
 use crate::comm::{CommError, Communicator, InPlace};
 use crate::memory::MemoryTracker;
-use crate::model::{TensorParallelGroup, TpPoint};
 use crate::model::TpPlace;
+use crate::model::{TensorParallelGroup, TpPoint};
 use crate::trace::now_us;
 
 /// One rank's tensor-parallel group: its communicator and the record of its collectives.

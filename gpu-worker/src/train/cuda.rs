@@ -15,16 +15,16 @@ use std::time::Instant;
 
 use distlab_common::{Precision, RunEvent, ValidSpec};
 
-use crate::backend::cuda::{self, CudaBackend, DeviceElem};
-use crate::comm::nccl::{self, NcclCommunicator};
-use crate::comm::{sum_scalar, Communicator};
-use crate::memory::MemoryTracker;
 use super::fits::memory_bytes;
 use super::options::TrainOptions;
 use super::report::{log, RankRun};
 use super::run::{kernel_pool, run};
 use super::trainer::{Groups, Trainer};
+use crate::backend::cuda::{self, CudaBackend, DeviceElem};
+use crate::comm::nccl::{self, NcclCommunicator};
+use crate::comm::{sum_scalar, Communicator};
 use crate::error::TrainError;
+use crate::memory::MemoryTracker;
 
 /// Why the GPU cannot run this: a machine without one is a spec this worker cannot run;
 /// anything else is the GPU failing.

@@ -100,4 +100,3 @@ pub fn train_rank(
         (BackendKind::Cuda, _) => Err(TrainError::Unsupported(unsupported_features(spec).join("; "))),
     }
 }
-

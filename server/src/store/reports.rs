@@ -13,7 +13,6 @@ use crate::store::queue::{requeued_or_failed, MAX_ATTEMPTS};
 use crate::store::{self as db, traces, Db, StoreError};
 use crate::text::truncate;
 
-
 /// How many of experiment `id`'s steps, from step 0 on, have their metric point stored: the
 /// first step without one. A new attempt resumes no later (`Lease::stored_steps`).
 pub async fn stored_steps(db: &Db, id: i64) -> Result<u64, StoreError> {

@@ -22,6 +22,7 @@ use serde_json::{Map, Value};
 
 use self::sections::FormSections;
 use crate::api::{self, RequestError};
+use crate::components::doc_link::DocLink;
 use crate::components::plan_panel::{next_state, PlanPanel, PlanState};
 use crate::format;
 use crate::load::load;
@@ -516,6 +517,7 @@ pub fn NewExperiment() -> impl IntoView {
         <section class="card">
             <div class="card-head">
                 <h1>"New experiment"</h1>
+                <DocLink page="index"/>
             </div>
             <p class="muted">"Start from a preset, then change anything. Every change is checked at once with the server's own rules."</p>
             <div class="presets" id="presets">{preset_buttons}</div>

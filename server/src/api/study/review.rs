@@ -30,10 +30,10 @@ use distlab_common::FieldError;
 
 use crate::api::error::HttpError;
 use crate::api::extract::JsonBody;
+use crate::api::study::cards;
 use crate::api::study::schedule::{
     build_view, card_view, check_parameters, schedule, utc_day_start, whole_ms, Scheduler, MAX_DAYS,
 };
-use crate::api::study::cards;
 use crate::clock::{self, parse_time};
 use crate::store::accounts::Account;
 use crate::text::truncate;
