@@ -8,8 +8,9 @@
 
 use std::time::Instant;
 
-use distlab_worker::backend::{CpuBackend, ModelKernels};
+use distlab_worker::backend::CpuBackend;
 use distlab_worker::machine_limits::fma_peak;
+use distlab_worker::ops::kernels::*;
 
 const ROWS: usize = 16 * 128;
 const T: usize = 128;

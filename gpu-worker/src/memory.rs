@@ -213,7 +213,8 @@ mod tests {
     /// as transient for the call; an f32 product runs in place and books nothing.
     #[test]
     fn a_two_byte_product_books_its_f32_copies_for_the_call() {
-        use crate::backend::{Buffers, CpuBackend, ModelKernels};
+        use crate::backend::{Buffers, CpuBackend};
+        use crate::ops::linear::LinearKernels;
         let (rows, c_in, c_out) = (8, 4, 6);
         let bf16 = MemoryTracker::new();
         let be = CpuBackend::<half::bf16>::new(1).booking_scratch_in(&bf16);

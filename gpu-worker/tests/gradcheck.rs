@@ -4,9 +4,10 @@
 //! 3-thread pools, so the threaded splits of the work are checked too.
 
 use distlab_common::ModelSpec;
-use distlab_worker::backend::{Backend, CpuBackend, ModelKernels, Stored};
+use distlab_worker::backend::{Backend, CpuBackend, Stored};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::model::{FlatState, Gpt};
+use distlab_worker::ops::kernels::*;
 use distlab_worker::rng::Rng;
 use half::{bf16, f16};
 

@@ -455,7 +455,8 @@ test_device!(
 #[test]
 #[ignore = "needs a GPU: cargo xtask test --gpu"]
 fn cuda_calls_work_from_a_thread_new_to_cuda() {
-    use distlab_worker::backend::{Buffers, ModelKernels};
+    use distlab_worker::backend::Buffers;
+    use distlab_worker::ops::kernels::*;
 
     let be = cuda::<f32>();
     let (k, n) = (8, 4);

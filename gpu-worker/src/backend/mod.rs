@@ -3,8 +3,9 @@
 //! A backend is four small traits by family, as candle splits its device from its storage:
 //! - [`Buffers`] (`buffers.rs`): the number format, buffers and their views, fill / copy /
 //!   add, host access;
-//! - [`ModelKernels`] (`kernels.rs`): the dozen kernels a GPT needs (llm.c's list) and
-//!   the ordered sums;
+//! - [`ModelKernels`] (`ops/mod.rs`): the dozen kernels a GPT needs (llm.c's list) and
+//!   the ordered sums, one trait per op in the op's file, implemented there for both
+//!   backends;
 //! - [`OptimizerKernels`] (`optimizer.rs`): the optimizer's state where the buffers live,
 //!   fp32 whatever the model's format, and its update (`ops/optimizer.rs`);
 //! - [`DeviceCollectives`] (`collectives.rs`): collectives on the buffers where they live.
@@ -22,26 +23,24 @@
 //! - activation gradients are overwritten, except where a kernel says it adds
 //!   into the residual stream (`layernorm_backward`).
 //!
-//! The math of each CPU kernel lives beside the model layer that uses it
-//! (`ops/layernorm.rs` holds `layernorm_forward` and `layernorm_backward`, llm.c
-//! style), with its CUDA kernel's launch; `cpu.rs` splits the work over threads and calls
-//! them, `cuda/kernels.rs` calls the launches.
+//! Each op's math, CPU kernel, thread split and CUDA launch live in one file
+//! (`ops/layernorm.rs` holds `layernorm_forward` and `layernorm_backward`, llm.c style,
+//! and `LayerNormKernels` for both backends), its CUDA C beside it (`ops/layernorm.cu`).
 
 pub mod buffers;
 pub mod collectives;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod kernels;
 pub mod optimizer;
 
 pub use buffers::Buffers;
 pub use collectives::DeviceCollectives;
 pub use cpu::CpuBackend;
-pub use kernels::ModelKernels;
 pub use optimizer::OptimizerKernels;
 
 pub use crate::ops::float::{Float, Stored};
+pub use crate::ops::ModelKernels;
 
 /// A backend: every family. Implemented for whatever implements the four.
 pub trait Backend: Buffers + ModelKernels + OptimizerKernels + DeviceCollectives {}

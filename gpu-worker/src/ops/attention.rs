@@ -14,6 +14,9 @@
 //! operand once, for all the products that read it: qkv and dY once per sequence, P
 //! and dS once per head.
 
+use rayon::prelude::*;
+
+use crate::backend::{Buffers, CpuBackend};
 use crate::ops::float::{lane_max, lane_sum, AccRow};
 use crate::ops::float::{Float, Stored};
 use crate::ops::gemm::{matmul_wide, Mat, MatMut, Parallelism};
@@ -167,103 +170,173 @@ fn causal_softmax_backward_row<F: Float, S: Stored<Acc = F>>(
     masked.fill(S::default());
 }
 
+/// Causal self-attention with its probabilities kept on a backend's views (the conventions: `backend/mod.rs`).
+pub trait AttentionKernels: Buffers {
+    /// Causal multi-head self-attention. `qkv` is `(rows, 3c)` = [Q | K | V], each
+    /// head a contiguous block of `c / heads` columns; `out` is `(rows, c)`; `att`
+    /// keeps the softmax probabilities, `(batch, heads, seq_len, seq_len)`.
+    fn attention_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        att: Self::ViewMut<'_>,
+        qkv: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+
+    /// Overwrites `dqkv`; `datt` is scratch of the size of `att`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dqkv: Self::ViewMut<'_>,
+        datt: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        qkv: Self::View<'_>,
+        att: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+}
+
+impl<S: Stored> AttentionKernels for CpuBackend<S> {
+    fn attention_forward(&self, out: &mut [S], att: &mut [S], qkv: &[S], seq_len: usize, c: usize, heads: usize) {
+        let t = seq_len;
+        out.par_chunks_mut(t * c)
+            .zip(att.par_chunks_mut(heads * t * t))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|((y, a), x)| attention_forward(y, a, x, t, c, heads));
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: &mut [S],
+        datt: &mut [S],
+        dout: &[S],
+        qkv: &[S],
+        att: &[S],
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let t = seq_len;
+        dqkv.par_chunks_mut(t * 3 * c)
+            .zip(datt.par_chunks_mut(heads * t * t))
+            .zip(dout.par_chunks(t * c))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .zip(att.par_chunks(heads * t * t))
+            .for_each(|((((dx, da), dy), x), a)| attention_backward(dx, da, dy, x, a, t, c, heads));
+    }
+}
+
 /// The launch of attention on the GPU: the per-(sequence, head) products through cuBLAS,
 /// the causal softmax and its backward (`attention.cu`) one warp per row.
 #[cfg(feature = "cuda")]
-pub mod cuda {
+mod cuda {
+    use super::AttentionKernels;
+    use crate::backend::cuda::CudaBackend;
     use crate::ops::cuda::{
-        check_shape, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut, HeadOperand, Launcher,
+        check_shape, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut, HeadOperand,
     };
 
-    pub(crate) fn attention_forward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        out: DeviceViewMut<'_, S>,
-        att: DeviceViewMut<'_, S>,
-        qkv: DeviceView<'_, S>,
-        seq_len: usize,
-        c: usize,
-        heads: usize,
-    ) {
-        let (t, hs) = (seq_len, c / heads);
-        let batch = qkv.len / (t * 3 * c);
-        check_shape("attention_forward", &[(out.len, batch * t * c), (att.len, batch * heads * t * t)]);
-        let scale = 1.0 / (hs as f32).sqrt();
-        let e = size_of::<S>() as u64;
-        let qkv_part =
-            |part: usize| HeadOperand { ptr: qkv.ptr + (part * c) as u64 * e, ld: 3 * c, seq: t * 3 * c, head: hs };
-        let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
-        let shape = (batch, heads);
-        // S = Q Kᵀ * scale: column-major Sᵀ (keys x queries) = K · Qᵀ.
-        gpu.head_gemm((true, false), (t, t, hs), scale, qkv_part(1), qkv_part(0), 0.0, scores(att.ptr), shape);
-        launch!(
-            gpu,
-            "causal_softmax_forward",
-            warp_per_row(batch * heads * t),
-            att.ptr,
-            (batch * heads * t) as i64,
-            int(t)
-        );
-        // Y = P V: column-major Yᵀ (hs x T) = Vᵀ · Pᵀ.
-        let y = HeadOperand { ptr: out.ptr, ld: c, seq: t * c, head: hs };
-        gpu.head_gemm((false, false), (hs, t, t), 1.0, qkv_part(2), scores(att.ptr), 0.0, y, shape);
-    }
+    impl<S: DeviceElem> AttentionKernels for CudaBackend<S> {
+        fn attention_forward(
+            &self,
+            out: DeviceViewMut<'_, S>,
+            att: DeviceViewMut<'_, S>,
+            qkv: DeviceView<'_, S>,
+            seq_len: usize,
+            c: usize,
+            heads: usize,
+        ) {
+            let gpu = &self.launcher;
+            let (t, hs) = (seq_len, c / heads);
+            let batch = qkv.len / (t * 3 * c);
+            check_shape("attention_forward", &[(out.len, batch * t * c), (att.len, batch * heads * t * t)]);
+            let scale = 1.0 / (hs as f32).sqrt();
+            let e = size_of::<S>() as u64;
+            let qkv_part =
+                |part: usize| HeadOperand { ptr: qkv.ptr + (part * c) as u64 * e, ld: 3 * c, seq: t * 3 * c, head: hs };
+            let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
+            let shape = (batch, heads);
+            // S = Q Kᵀ * scale: column-major Sᵀ (keys x queries) = K · Qᵀ.
+            gpu.head_gemm((true, false), (t, t, hs), scale, qkv_part(1), qkv_part(0), 0.0, scores(att.ptr), shape);
+            launch!(
+                gpu,
+                "causal_softmax_forward",
+                warp_per_row(batch * heads * t),
+                att.ptr,
+                (batch * heads * t) as i64,
+                int(t)
+            );
+            // Y = P V: column-major Yᵀ (hs x T) = Vᵀ · Pᵀ.
+            let y = HeadOperand { ptr: out.ptr, ld: c, seq: t * c, head: hs };
+            gpu.head_gemm((false, false), (hs, t, t), 1.0, qkv_part(2), scores(att.ptr), 0.0, y, shape);
+        }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn attention_backward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        dqkv: DeviceViewMut<'_, S>,
-        datt: DeviceViewMut<'_, S>,
-        dout: DeviceView<'_, S>,
-        qkv: DeviceView<'_, S>,
-        att: DeviceView<'_, S>,
-        seq_len: usize,
-        c: usize,
-        heads: usize,
-    ) {
-        let (t, hs) = (seq_len, c / heads);
-        let batch = qkv.len / (t * 3 * c);
-        check_shape(
-            "attention_backward",
-            &[(dqkv.len, qkv.len), (dout.len, batch * t * c), (att.len, batch * heads * t * t), (datt.len, att.len)],
-        );
-        let scale = 1.0 / (hs as f32).sqrt();
-        let e = size_of::<S>() as u64;
-        let part = |ptr: u64, part: usize| HeadOperand {
-            ptr: ptr + (part * c) as u64 * e,
-            ld: 3 * c,
-            seq: t * 3 * c,
-            head: hs,
-        };
-        let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
-        let dy = HeadOperand { ptr: dout.ptr, ld: c, seq: t * c, head: hs };
-        let shape = (batch, heads);
-        // dP = dY Vᵀ: column-major dPᵀ = V · dYᵀ.
-        gpu.head_gemm((true, false), (t, t, hs), 1.0, part(qkv.ptr, 2), dy, 0.0, scores(datt.ptr), shape);
-        // dV = Pᵀ dY: column-major dVᵀ (hs x T) = dYᵀ · P.
-        gpu.head_gemm((false, true), (hs, t, t), 1.0, dy, scores(att.ptr), 0.0, part(dqkv.ptr, 2), shape);
-        let rows = batch * heads * t;
-        launch!(gpu, "causal_softmax_backward", warp_per_row(rows), datt.ptr, att.ptr, rows as i64, int(t), scale);
-        // dQ = dS K: column-major dQᵀ (hs x T) = Kᵀ · dSᵀ.
-        gpu.head_gemm(
-            (false, false),
-            (hs, t, t),
-            1.0,
-            part(qkv.ptr, 1),
-            scores(datt.ptr),
-            0.0,
-            part(dqkv.ptr, 0),
-            shape,
-        );
-        // dK = dSᵀ Q: column-major dKᵀ (hs x T) = Qᵀ · dS.
-        gpu.head_gemm(
-            (false, true),
-            (hs, t, t),
-            1.0,
-            part(qkv.ptr, 0),
-            scores(datt.ptr),
-            0.0,
-            part(dqkv.ptr, 1),
-            shape,
-        );
+        fn attention_backward(
+            &self,
+            dqkv: DeviceViewMut<'_, S>,
+            datt: DeviceViewMut<'_, S>,
+            dout: DeviceView<'_, S>,
+            qkv: DeviceView<'_, S>,
+            att: DeviceView<'_, S>,
+            seq_len: usize,
+            c: usize,
+            heads: usize,
+        ) {
+            let gpu = &self.launcher;
+            let (t, hs) = (seq_len, c / heads);
+            let batch = qkv.len / (t * 3 * c);
+            check_shape(
+                "attention_backward",
+                &[
+                    (dqkv.len, qkv.len),
+                    (dout.len, batch * t * c),
+                    (att.len, batch * heads * t * t),
+                    (datt.len, att.len),
+                ],
+            );
+            let scale = 1.0 / (hs as f32).sqrt();
+            let e = size_of::<S>() as u64;
+            let part = |ptr: u64, part: usize| HeadOperand {
+                ptr: ptr + (part * c) as u64 * e,
+                ld: 3 * c,
+                seq: t * 3 * c,
+                head: hs,
+            };
+            let scores = |ptr: u64| HeadOperand { ptr, ld: t, seq: heads * t * t, head: t * t };
+            let dy = HeadOperand { ptr: dout.ptr, ld: c, seq: t * c, head: hs };
+            let shape = (batch, heads);
+            // dP = dY Vᵀ: column-major dPᵀ = V · dYᵀ.
+            gpu.head_gemm((true, false), (t, t, hs), 1.0, part(qkv.ptr, 2), dy, 0.0, scores(datt.ptr), shape);
+            // dV = Pᵀ dY: column-major dVᵀ (hs x T) = dYᵀ · P.
+            gpu.head_gemm((false, true), (hs, t, t), 1.0, dy, scores(att.ptr), 0.0, part(dqkv.ptr, 2), shape);
+            let rows = batch * heads * t;
+            launch!(gpu, "causal_softmax_backward", warp_per_row(rows), datt.ptr, att.ptr, rows as i64, int(t), scale);
+            // dQ = dS K: column-major dQᵀ (hs x T) = Kᵀ · dSᵀ.
+            gpu.head_gemm(
+                (false, false),
+                (hs, t, t),
+                1.0,
+                part(qkv.ptr, 1),
+                scores(datt.ptr),
+                0.0,
+                part(dqkv.ptr, 0),
+                shape,
+            );
+            // dK = dSᵀ Q: column-major dKᵀ (hs x T) = Qᵀ · dS.
+            gpu.head_gemm(
+                (false, true),
+                (hs, t, t),
+                1.0,
+                part(qkv.ptr, 0),
+                scores(datt.ptr),
+                0.0,
+                part(dqkv.ptr, 1),
+                shape,
+            );
+        }
     }
 }

@@ -20,6 +20,9 @@
 //! storage format, hi = round(x) and lo = round(x - hi), whose sum is within about 2^-16
 //! of x relative even in bf16 (exact in f32).
 
+use rayon::prelude::*;
+
+use crate::backend::{Buffers, CpuBackend};
 use crate::memory::kernel_scratch;
 use crate::ops::float::{lane_max, lane_sum, Float, Stored};
 use crate::ops::gemm::{matmul_widened, Mat, MatMut, Parallelism};
@@ -226,107 +229,182 @@ simd_kernel! {
     }
 }
 
+/// FlashAttention on a backend's views (the conventions: `backend/mod.rs`).
+pub trait FlashAttentionKernels: Buffers {
+    /// The same attention, FlashAttention's way (ops/flash_attention.rs): tile by tile,
+    /// keeping only `out` and, in `lse`, one log-sum-exp per row as a (hi, lo) pair of the
+    /// storage format, `(batch, heads, seq_len, 2)`.
+    fn flash_attention_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        lse: Self::ViewMut<'_>,
+        qkv: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+
+    /// Overwrites `dqkv`, recomputing the probabilities from `lse`; `delta` is scratch of
+    /// the size of `lse` (rowsum(dout ∘ out), as pairs).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        &self,
+        dqkv: Self::ViewMut<'_>,
+        delta: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        qkv: Self::View<'_>,
+        out: Self::View<'_>,
+        lse: Self::View<'_>,
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    );
+}
+
+impl<S: Stored> FlashAttentionKernels for CpuBackend<S> {
+    fn flash_attention_forward(&self, out: &mut [S], lse: &mut [S], qkv: &[S], seq_len: usize, c: usize, heads: usize) {
+        let t = seq_len;
+        out.par_chunks_mut(t * c)
+            .zip(lse.par_chunks_mut(heads * t * PAIR))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|((y, l), x)| flash_attention_forward(y, l, x, t, c, heads));
+    }
+
+    fn flash_attention_backward(
+        &self,
+        dqkv: &mut [S],
+        delta: &mut [S],
+        dout: &[S],
+        qkv: &[S],
+        out: &[S],
+        lse: &[S],
+        seq_len: usize,
+        c: usize,
+        heads: usize,
+    ) {
+        let t = seq_len;
+        dqkv.par_chunks_mut(t * 3 * c)
+            .zip(delta.par_chunks_mut(heads * t * PAIR))
+            .zip(dout.par_chunks(t * c))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .zip(out.par_chunks(t * c))
+            .zip(lse.par_chunks(heads * t * PAIR))
+            .for_each(|(((((dx, d), dy), x), y), l)| flash_attention_backward(dx, d, dy, x, y, l, t, c, heads));
+    }
+}
+
 /// The launch of flash attention's kernels (`flash_attention.cu`): one warp per query row
 /// (forward, delta, dQ) or key row (dK, dV), the head held in registers.
 #[cfg(feature = "cuda")]
-pub mod cuda {
-    use crate::ops::cuda::{check_shape, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut, Launcher};
+mod cuda {
+    use super::FlashAttentionKernels;
+    use crate::backend::cuda::CudaBackend;
+    use crate::ops::cuda::{check_shape, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut};
 
     /// The widest head flash attention's kernels hold in registers (WARP * ROW_REGS).
     const FLASH_MAX_HEAD: usize = distlab_common::backends::CUDA_FLASH_MAX_HEAD;
 
-    pub(crate) fn flash_attention_forward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        out: DeviceViewMut<'_, S>,
-        lse: DeviceViewMut<'_, S>,
-        qkv: DeviceView<'_, S>,
-        seq_len: usize,
-        c: usize,
-        heads: usize,
-    ) {
-        let (t, hs) = (seq_len, c / heads);
-        assert!(hs <= FLASH_MAX_HEAD, "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)");
-        let batch = qkv.len / (t * 3 * c);
-        let rows = batch * heads * t;
-        check_shape("flash_attention_forward", &[(out.len, batch * t * c), (lse.len, rows * 2)]);
-        let scale = 1.0 / (hs as f32).sqrt();
-        launch!(
-            gpu,
-            "flash_attention_forward",
-            warp_per_row(rows),
-            out.ptr,
-            lse.ptr,
-            qkv.ptr,
-            rows as i64,
-            int(t),
-            int(c),
-            int(heads),
-            scale
-        );
-    }
+    impl<S: DeviceElem> FlashAttentionKernels for CudaBackend<S> {
+        fn flash_attention_forward(
+            &self,
+            out: DeviceViewMut<'_, S>,
+            lse: DeviceViewMut<'_, S>,
+            qkv: DeviceView<'_, S>,
+            seq_len: usize,
+            c: usize,
+            heads: usize,
+        ) {
+            let gpu = &self.launcher;
+            let (t, hs) = (seq_len, c / heads);
+            assert!(
+                hs <= FLASH_MAX_HEAD,
+                "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)"
+            );
+            let batch = qkv.len / (t * 3 * c);
+            let rows = batch * heads * t;
+            check_shape("flash_attention_forward", &[(out.len, batch * t * c), (lse.len, rows * 2)]);
+            let scale = 1.0 / (hs as f32).sqrt();
+            launch!(
+                gpu,
+                "flash_attention_forward",
+                warp_per_row(rows),
+                out.ptr,
+                lse.ptr,
+                qkv.ptr,
+                rows as i64,
+                int(t),
+                int(c),
+                int(heads),
+                scale
+            );
+        }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn flash_attention_backward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        dqkv: DeviceViewMut<'_, S>,
-        delta: DeviceViewMut<'_, S>,
-        dout: DeviceView<'_, S>,
-        qkv: DeviceView<'_, S>,
-        out: DeviceView<'_, S>,
-        lse: DeviceView<'_, S>,
-        seq_len: usize,
-        c: usize,
-        heads: usize,
-    ) {
-        let (t, hs) = (seq_len, c / heads);
-        assert!(hs <= FLASH_MAX_HEAD, "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)");
-        let batch = qkv.len / (t * 3 * c);
-        let rows = batch * heads * t;
-        check_shape(
-            "flash_attention_backward",
-            &[
-                (dqkv.len, qkv.len),
-                (dout.len, batch * t * c),
-                (out.len, batch * t * c),
-                (lse.len, rows * 2),
-                (delta.len, rows * 2),
-            ],
-        );
-        let scale = 1.0 / (hs as f32).sqrt();
-        let (n, t, c, heads) = (rows as i64, int(t), int(c), int(heads));
-        launch!(gpu, "flash_attention_delta", warp_per_row(rows), delta.ptr, dout.ptr, out.ptr, n, t, c, heads);
-        let (dqkv, dout, qkv, lse, delta) = (dqkv.ptr, dout.ptr, qkv.ptr, lse.ptr, delta.ptr);
-        // dQ by query row, then dK and dV by key row: disjoint columns of dqkv.
-        launch!(
-            gpu,
-            "flash_attention_backward_query",
-            warp_per_row(rows),
-            dqkv,
-            dout,
-            qkv,
-            lse,
-            delta,
-            n,
-            t,
-            c,
-            heads,
-            scale
-        );
-        launch!(
-            gpu,
-            "flash_attention_backward_key",
-            warp_per_row(rows),
-            dqkv,
-            dout,
-            qkv,
-            lse,
-            delta,
-            n,
-            t,
-            c,
-            heads,
-            scale
-        );
+        fn flash_attention_backward(
+            &self,
+            dqkv: DeviceViewMut<'_, S>,
+            delta: DeviceViewMut<'_, S>,
+            dout: DeviceView<'_, S>,
+            qkv: DeviceView<'_, S>,
+            out: DeviceView<'_, S>,
+            lse: DeviceView<'_, S>,
+            seq_len: usize,
+            c: usize,
+            heads: usize,
+        ) {
+            let gpu = &self.launcher;
+            let (t, hs) = (seq_len, c / heads);
+            assert!(
+                hs <= FLASH_MAX_HEAD,
+                "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)"
+            );
+            let batch = qkv.len / (t * 3 * c);
+            let rows = batch * heads * t;
+            check_shape(
+                "flash_attention_backward",
+                &[
+                    (dqkv.len, qkv.len),
+                    (dout.len, batch * t * c),
+                    (out.len, batch * t * c),
+                    (lse.len, rows * 2),
+                    (delta.len, rows * 2),
+                ],
+            );
+            let scale = 1.0 / (hs as f32).sqrt();
+            let (n, t, c, heads) = (rows as i64, int(t), int(c), int(heads));
+            launch!(gpu, "flash_attention_delta", warp_per_row(rows), delta.ptr, dout.ptr, out.ptr, n, t, c, heads);
+            let (dqkv, dout, qkv, lse, delta) = (dqkv.ptr, dout.ptr, qkv.ptr, lse.ptr, delta.ptr);
+            // dQ by query row, then dK and dV by key row: disjoint columns of dqkv.
+            launch!(
+                gpu,
+                "flash_attention_backward_query",
+                warp_per_row(rows),
+                dqkv,
+                dout,
+                qkv,
+                lse,
+                delta,
+                n,
+                t,
+                c,
+                heads,
+                scale
+            );
+            launch!(
+                gpu,
+                "flash_attention_backward_key",
+                warp_per_row(rows),
+                dqkv,
+                dout,
+                qkv,
+                lse,
+                delta,
+                n,
+                t,
+                c,
+                heads,
+                scale
+            );
+        }
     }
 }
 

@@ -10,6 +10,9 @@
 //! gradients are sums over rows, split over column ranges instead so that each
 //! column is summed in row order whatever the thread count.
 
+use rayon::prelude::*;
+
+use crate::backend::{Buffers, CpuBackend};
 use crate::ops::float::{lane_sum, AccRow};
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;
@@ -107,94 +110,180 @@ simd_kernel! {
     }
 }
 
+/// LayerNorm on a backend's views (the conventions: `backend/mod.rs`).
+pub trait LayerNormKernels: Buffers {
+    /// LayerNorm over rows of width `c`: saves each row's mean and 1/std for backward.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        mean: Self::ViewMut<'_>,
+        rstd: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        gamma: Self::View<'_>,
+        beta: Self::View<'_>,
+        c: usize,
+    );
+
+    /// ADDS the input gradient into `dinp` (the residual stream) and accumulates
+    /// `dgamma`, `dbeta`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dgamma: Self::ViewMut<'_>,
+        dbeta: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        gamma: Self::View<'_>,
+        mean: Self::View<'_>,
+        rstd: Self::View<'_>,
+        c: usize,
+    );
+}
+
+impl<S: Stored> LayerNormKernels for CpuBackend<S> {
+    fn layernorm_forward(
+        &self,
+        out: &mut [S],
+        mean: &mut [S],
+        rstd: &mut [S],
+        inp: &[S],
+        gamma: &[S],
+        beta: &[S],
+        c: usize,
+    ) {
+        let k = self.rows_per_task(inp.len() / c);
+        out.par_chunks_mut(k * c)
+            .zip(mean.par_chunks_mut(k))
+            .zip(rstd.par_chunks_mut(k))
+            .zip(inp.par_chunks(k * c))
+            .for_each(|(((y, m), r), x)| layernorm_forward(y, m, r, x, gamma, beta, c));
+    }
+
+    fn layernorm_backward(
+        &self,
+        dinp: &mut [S],
+        dgamma: &mut [S],
+        dbeta: &mut [S],
+        dout: &[S],
+        inp: &[S],
+        gamma: &[S],
+        mean: &[S],
+        rstd: &[S],
+        c: usize,
+    ) {
+        let k = self.rows_per_task(inp.len() / c);
+        let w = self.cols_per_task(c);
+        rayon::join(
+            || {
+                dinp.par_chunks_mut(k * c)
+                    .zip(dout.par_chunks(k * c))
+                    .zip(inp.par_chunks(k * c))
+                    .zip(mean.par_chunks(k))
+                    .zip(rstd.par_chunks(k))
+                    .for_each(|((((dx, dy), x), m), r)| layernorm_backward_input(dx, dy, x, gamma, m, r, c));
+            },
+            || {
+                dgamma.par_chunks_mut(w).zip(dbeta.par_chunks_mut(w)).enumerate().for_each(|(i, (dg, db))| {
+                    layernorm_backward_params(dg, db, i * w, dout, inp, mean, rstd, c);
+                });
+            },
+        );
+    }
+}
+
 /// The launch of LayerNorm's kernels (`layernorm.cu`): one warp per row, the parameter
 /// gradients as column partial sums over blocks of rows added in order.
 #[cfg(feature = "cuda")]
-pub mod cuda {
+mod cuda {
     use cudarc::driver::LaunchConfig;
 
+    use super::LayerNormKernels;
+    use crate::backend::cuda::CudaBackend;
     use crate::ops::cuda::{
-        blocks_for, column_blocks, elementwise, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut,
-        Launcher, BLOCK,
+        blocks_for, column_blocks, elementwise, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut, BLOCK,
     };
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn layernorm_forward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        out: DeviceViewMut<'_, S>,
-        mean: DeviceViewMut<'_, S>,
-        rstd: DeviceViewMut<'_, S>,
-        inp: DeviceView<'_, S>,
-        gamma: DeviceView<'_, S>,
-        beta: DeviceView<'_, S>,
-        c: usize,
-    ) {
-        let rows = inp.len / c;
-        launch!(
-            gpu,
-            "layernorm_forward",
-            warp_per_row(rows),
-            out.ptr,
-            mean.ptr,
-            rstd.ptr,
-            inp.ptr,
-            gamma.ptr,
-            beta.ptr,
-            int(rows),
-            int(c)
-        );
-    }
+    impl<S: DeviceElem> LayerNormKernels for CudaBackend<S> {
+        fn layernorm_forward(
+            &self,
+            out: DeviceViewMut<'_, S>,
+            mean: DeviceViewMut<'_, S>,
+            rstd: DeviceViewMut<'_, S>,
+            inp: DeviceView<'_, S>,
+            gamma: DeviceView<'_, S>,
+            beta: DeviceView<'_, S>,
+            c: usize,
+        ) {
+            let gpu = &self.launcher;
+            let rows = inp.len / c;
+            launch!(
+                gpu,
+                "layernorm_forward",
+                warp_per_row(rows),
+                out.ptr,
+                mean.ptr,
+                rstd.ptr,
+                inp.ptr,
+                gamma.ptr,
+                beta.ptr,
+                int(rows),
+                int(c)
+            );
+        }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn layernorm_backward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        dinp: DeviceViewMut<'_, S>,
-        dgamma: DeviceViewMut<'_, S>,
-        dbeta: DeviceViewMut<'_, S>,
-        dout: DeviceView<'_, S>,
-        inp: DeviceView<'_, S>,
-        gamma: DeviceView<'_, S>,
-        mean: DeviceView<'_, S>,
-        rstd: DeviceView<'_, S>,
-        c: usize,
-    ) {
-        let rows = inp.len / c;
-        launch!(
-            gpu,
-            "layernorm_backward_input",
-            warp_per_row(rows),
-            dinp.ptr,
-            dout.ptr,
-            inp.ptr,
-            gamma.ptr,
-            mean.ptr,
-            rstd.ptr,
-            int(rows),
-            int(c)
-        );
-        let (blocks, per_block) = column_blocks(rows);
-        let partial = gpu.scratch::<f32>(2 * blocks * c);
-        let p = gpu.ptr_of(&partial);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks_for(c, BLOCK), blocks as u32, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(
-            gpu,
-            "layernorm_param_partials",
-            cfg,
-            p,
-            dout.ptr,
-            inp.ptr,
-            mean.ptr,
-            rstd.ptr,
-            int(rows),
-            int(c),
-            int(per_block)
-        );
-        launch!(gpu, "add_column_partials", elementwise(c), dgamma.ptr, p, int(blocks), int(c));
-        let dbeta_partial = p + (blocks * c * 4) as u64;
-        launch!(gpu, "add_column_partials", elementwise(c), dbeta.ptr, dbeta_partial, int(blocks), int(c));
+        fn layernorm_backward(
+            &self,
+            dinp: DeviceViewMut<'_, S>,
+            dgamma: DeviceViewMut<'_, S>,
+            dbeta: DeviceViewMut<'_, S>,
+            dout: DeviceView<'_, S>,
+            inp: DeviceView<'_, S>,
+            gamma: DeviceView<'_, S>,
+            mean: DeviceView<'_, S>,
+            rstd: DeviceView<'_, S>,
+            c: usize,
+        ) {
+            let gpu = &self.launcher;
+            let rows = inp.len / c;
+            launch!(
+                gpu,
+                "layernorm_backward_input",
+                warp_per_row(rows),
+                dinp.ptr,
+                dout.ptr,
+                inp.ptr,
+                gamma.ptr,
+                mean.ptr,
+                rstd.ptr,
+                int(rows),
+                int(c)
+            );
+            let (blocks, per_block) = column_blocks(rows);
+            let partial = gpu.scratch::<f32>(2 * blocks * c);
+            let p = gpu.ptr_of(&partial);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks_for(c, BLOCK), blocks as u32, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                gpu,
+                "layernorm_param_partials",
+                cfg,
+                p,
+                dout.ptr,
+                inp.ptr,
+                mean.ptr,
+                rstd.ptr,
+                int(rows),
+                int(c),
+                int(per_block)
+            );
+            launch!(gpu, "add_column_partials", elementwise(c), dgamma.ptr, p, int(blocks), int(c));
+            let dbeta_partial = p + (blocks * c * 4) as u64;
+            launch!(gpu, "add_column_partials", elementwise(c), dbeta.ptr, dbeta_partial, int(blocks), int(c));
+        }
     }
 }

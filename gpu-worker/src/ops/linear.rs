@@ -12,7 +12,8 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use crate::memory::kernel_scratch;
+use crate::backend::{Buffers, CpuBackend};
+use crate::memory::{kernel_scratch, with_kernel_ledger};
 use crate::ops::float::AccRow;
 use crate::ops::float::{Float, Stored};
 use crate::ops::gemm::{matmul, matmul_wide, matmul_widened, narrow_slice, Mat, MatMut, Parallelism};
@@ -178,104 +179,237 @@ simd_kernel! {
     }
 }
 
+/// The linear layers' matrix products on a backend's views (the conventions: `backend/mod.rs`).
+pub trait LinearKernels: Buffers {
+    /// `out = [residual +] inp · W [+ bias]`, `W` is `(c_in, c_out)`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_forward(
+        &self,
+        out: Self::ViewMut<'_>,
+        inp: Self::View<'_>,
+        weight: Self::View<'_>,
+        bias: Option<Self::View<'_>>,
+        residual: Option<Self::View<'_>>,
+        c_in: usize,
+        c_out: usize,
+    );
+
+    /// `dinp = dout · Wᵀ` (overwritten), `dW += inpᵀ · dout`, `dbias += Σ_rows dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(
+        &self,
+        dinp: Option<Self::ViewMut<'_>>,
+        dweight: Self::ViewMut<'_>,
+        dbias: Option<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        weight: Self::View<'_>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        if let Some(dinp) = dinp {
+            self.matmul_backward_input(dinp, dout, weight, c_in, c_out);
+        }
+        self.matmul_backward_weights(dweight, dbias, dout, inp, c_in, c_out);
+    }
+
+    /// The input's half of [`Self::matmul_backward`] (ZB-H1's B): `dinp = dout · Wᵀ`.
+    fn matmul_backward_input(
+        &self,
+        dinp: Self::ViewMut<'_>,
+        dout: Self::View<'_>,
+        weight: Self::View<'_>,
+        c_in: usize,
+        c_out: usize,
+    );
+
+    /// The weights' half (ZB-H1's W): `dW += inpᵀ · dout`, `dbias += Σ_rows dout`.
+    fn matmul_backward_weights(
+        &self,
+        dweight: Self::ViewMut<'_>,
+        dbias: Option<Self::ViewMut<'_>>,
+        dout: Self::View<'_>,
+        inp: Self::View<'_>,
+        c_in: usize,
+        c_out: usize,
+    );
+}
+
+/// `dbias += Σ_rows dout` on the CPU, a block of columns per thread.
+fn bias_backward_split<S: Stored>(be: &CpuBackend<S>, dbias: &mut [S], dout: &[S], c_out: usize) {
+    let w = be.cols_per_task(c_out);
+    dbias.par_chunks_mut(w).enumerate().for_each(|(i, db)| bias_backward(db, i * w, dout, c_out));
+}
+
+impl<S: Stored> LinearKernels for CpuBackend<S> {
+    fn matmul_forward(
+        &self,
+        out: &mut [S],
+        inp: &[S],
+        weight: &[S],
+        bias: Option<&[S]>,
+        residual: Option<&[S]>,
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let rows = inp.len() / c_in;
+        let (k, par) = (self.rows_per_task(rows), self.gemm_parallelism());
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            matmul_forward(out, inp, weight, (bias, residual), c_in, c_out, k, par)
+        });
+    }
+
+    fn matmul_backward(
+        &self,
+        dinp: Option<&mut [S]>,
+        dweight: &mut [S],
+        dbias: Option<&mut [S]>,
+        dout: &[S],
+        inp: &[S],
+        weight: &[S],
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let par = self.gemm_parallelism();
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            matmul_backward(dinp, dweight, dout, inp, weight, c_in, c_out, par);
+        });
+        if let Some(dbias) = dbias {
+            bias_backward_split(self, dbias, dout, c_out);
+        }
+    }
+
+    fn matmul_backward_input(&self, dinp: &mut [S], dout: &[S], weight: &[S], c_in: usize, c_out: usize) {
+        let par = self.gemm_parallelism();
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            matmul_backward_input(dinp, dout, weight, c_in, c_out, par);
+        });
+    }
+
+    fn matmul_backward_weights(
+        &self,
+        dweight: &mut [S],
+        dbias: Option<&mut [S]>,
+        dout: &[S],
+        inp: &[S],
+        c_in: usize,
+        c_out: usize,
+    ) {
+        let par = self.gemm_parallelism();
+        with_kernel_ledger(self.ledger.as_ref(), || {
+            matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
+        });
+        if let Some(dbias) = dbias {
+            bias_backward_split(self, dbias, dout, c_out);
+        }
+    }
+}
+
 /// The launch of the linear layer on the GPU: the products through cuBLAS (column-major, so
 /// each row-major product is written transposed), the bias (`linear.cu`) and its gradient
 /// (column sums).
 #[cfg(feature = "cuda")]
-pub mod cuda {
-    use crate::ops::cuda::{
-        check_shape, elementwise, int, launch, DeviceElem, DeviceView, DeviceViewMut, Launcher, Operand,
-    };
+mod cuda {
+    use super::LinearKernels;
+    use crate::backend::cuda::CudaBackend;
+    use crate::ops::cuda::{check_shape, elementwise, int, launch, DeviceElem, DeviceView, DeviceViewMut, Operand};
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn matmul_forward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        out: DeviceViewMut<'_, S>,
-        inp: DeviceView<'_, S>,
-        weight: DeviceView<'_, S>,
-        bias: Option<DeviceView<'_, S>>,
-        residual: Option<DeviceView<'_, S>>,
-        c_in: usize,
-        c_out: usize,
-    ) {
-        let rows = inp.len / c_in;
-        check_shape("matmul_forward", &[(inp.len, rows * c_in), (weight.len, c_in * c_out), (out.len, rows * c_out)]);
-        let beta = match residual {
-            Some(residual) => {
-                gpu.copy(DeviceViewMut::new(out.ptr, out.len), residual);
-                1.0
+    impl<S: DeviceElem> LinearKernels for CudaBackend<S> {
+        fn matmul_forward(
+            &self,
+            out: DeviceViewMut<'_, S>,
+            inp: DeviceView<'_, S>,
+            weight: DeviceView<'_, S>,
+            bias: Option<DeviceView<'_, S>>,
+            residual: Option<DeviceView<'_, S>>,
+            c_in: usize,
+            c_out: usize,
+        ) {
+            let gpu = &self.launcher;
+            let rows = inp.len / c_in;
+            check_shape(
+                "matmul_forward",
+                &[(inp.len, rows * c_in), (weight.len, c_in * c_out), (out.len, rows * c_out)],
+            );
+            let beta = match residual {
+                Some(residual) => {
+                    gpu.copy(DeviceViewMut::new(out.ptr, out.len), residual);
+                    1.0
+                }
+                None => 0.0,
+            };
+            // Row-major out (rows x c_out) = inp · W is column-major outᵀ = Wᵀ · inpᵀ.
+            gpu.gemm(
+                (false, false),
+                (c_out, rows, c_in),
+                1.0,
+                Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
+                Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
+                beta,
+                Operand { ptr: out.ptr, ld: c_out, stride: 0 },
+                1,
+            );
+            if let Some(bias) = bias {
+                launch!(gpu, "add_bias", elementwise(rows * c_out), out.ptr, bias.ptr, int(rows), int(c_out));
             }
-            None => 0.0,
-        };
-        // Row-major out (rows x c_out) = inp · W is column-major outᵀ = Wᵀ · inpᵀ.
-        gpu.gemm(
-            (false, false),
-            (c_out, rows, c_in),
-            1.0,
-            Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
-            Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
-            beta,
-            Operand { ptr: out.ptr, ld: c_out, stride: 0 },
-            1,
-        );
-        if let Some(bias) = bias {
-            launch!(gpu, "add_bias", elementwise(rows * c_out), out.ptr, bias.ptr, int(rows), int(c_out));
         }
-    }
 
-    pub(crate) fn matmul_backward_input<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        dinp: DeviceViewMut<'_, S>,
-        dout: DeviceView<'_, S>,
-        weight: DeviceView<'_, S>,
-        c_in: usize,
-        c_out: usize,
-    ) {
-        let rows = dinp.len / c_in;
-        check_shape(
-            "matmul_backward_input",
-            &[(dinp.len, rows * c_in), (weight.len, c_in * c_out), (dout.len, rows * c_out)],
-        );
-        // dinp = dout · Wᵀ: column-major dinpᵀ (c_in x rows) = W · doutᵀ.
-        gpu.gemm(
-            (true, false),
-            (c_in, rows, c_out),
-            1.0,
-            Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
-            Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
-            0.0,
-            Operand { ptr: dinp.ptr, ld: c_in, stride: 0 },
-            1,
-        );
-    }
+        fn matmul_backward_input(
+            &self,
+            dinp: DeviceViewMut<'_, S>,
+            dout: DeviceView<'_, S>,
+            weight: DeviceView<'_, S>,
+            c_in: usize,
+            c_out: usize,
+        ) {
+            let gpu = &self.launcher;
+            let rows = dinp.len / c_in;
+            check_shape(
+                "matmul_backward_input",
+                &[(dinp.len, rows * c_in), (weight.len, c_in * c_out), (dout.len, rows * c_out)],
+            );
+            // dinp = dout · Wᵀ: column-major dinpᵀ (c_in x rows) = W · doutᵀ.
+            gpu.gemm(
+                (true, false),
+                (c_in, rows, c_out),
+                1.0,
+                Operand { ptr: weight.ptr, ld: c_out, stride: 0 },
+                Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
+                0.0,
+                Operand { ptr: dinp.ptr, ld: c_in, stride: 0 },
+                1,
+            );
+        }
 
-    pub(crate) fn matmul_backward_weights<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        dweight: DeviceViewMut<'_, S>,
-        dbias: Option<DeviceViewMut<'_, S>>,
-        dout: DeviceView<'_, S>,
-        inp: DeviceView<'_, S>,
-        c_in: usize,
-        c_out: usize,
-    ) {
-        let rows = inp.len / c_in;
-        check_shape(
-            "matmul_backward_weights",
-            &[(inp.len, rows * c_in), (dweight.len, c_in * c_out), (dout.len, rows * c_out)],
-        );
-        // dW += inpᵀ · dout: column-major dWᵀ (c_out x c_in) += doutᵀ · inp.
-        gpu.gemm(
-            (false, true),
-            (c_out, c_in, rows),
-            1.0,
-            Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
-            Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
-            1.0,
-            Operand { ptr: dweight.ptr, ld: c_out, stride: 0 },
-            1,
-        );
-        if let Some(dbias) = dbias {
-            gpu.add_column_sums(dbias.ptr, dout.ptr, rows, c_out);
+        fn matmul_backward_weights(
+            &self,
+            dweight: DeviceViewMut<'_, S>,
+            dbias: Option<DeviceViewMut<'_, S>>,
+            dout: DeviceView<'_, S>,
+            inp: DeviceView<'_, S>,
+            c_in: usize,
+            c_out: usize,
+        ) {
+            let gpu = &self.launcher;
+            let rows = inp.len / c_in;
+            check_shape(
+                "matmul_backward_weights",
+                &[(inp.len, rows * c_in), (dweight.len, c_in * c_out), (dout.len, rows * c_out)],
+            );
+            // dW += inpᵀ · dout: column-major dWᵀ (c_out x c_in) += doutᵀ · inp.
+            gpu.gemm(
+                (false, true),
+                (c_out, c_in, rows),
+                1.0,
+                Operand { ptr: dout.ptr, ld: c_out, stride: 0 },
+                Operand { ptr: inp.ptr, ld: c_in, stride: 0 },
+                1.0,
+                Operand { ptr: dweight.ptr, ld: c_out, stride: 0 },
+                1,
+            );
+            if let Some(dbias) = dbias {
+                gpu.add_column_sums(dbias.ptr, dout.ptr, rows, c_out);
+            }
         }
     }
 }

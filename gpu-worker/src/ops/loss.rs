@@ -7,9 +7,16 @@
 //!
 //! Both work in place on one (rows, vocab) buffer: logits -> probs -> dlogits.
 
+use rayon::prelude::*;
+
+use crate::backend::{Buffers, CpuBackend};
 use crate::ops::float::{lane_max, lane_sum};
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;
+
+/// Rows per task of the CPU's forward (whose loss sums are added in task order, so the
+/// loss does not depend on the thread count).
+const LOSS_ROWS: usize = 32;
 
 simd_kernel! {
     /// A chunk of rows: logits become probabilities; `losses[r]` = that row's loss. Returns
@@ -57,61 +64,105 @@ simd_kernel! {
     }
 }
 
+/// The softmax cross-entropy on a backend's views (the conventions: `backend/mod.rs`).
+pub trait CrossEntropyKernels: Buffers {
+    /// In place: logits -> softmax probabilities (rows of width `vocab`);
+    /// `losses[r] = -ln probs[r, targets[r]]`. Returns the sum of the losses, taken before
+    /// they are rounded to the buffer's format, added in a fixed order.
+    fn crossentropy_forward(
+        &self,
+        logits: Self::ViewMut<'_>,
+        losses: Self::ViewMut<'_>,
+        targets: &[u32],
+        vocab: usize,
+    ) -> f64;
+
+    /// In place: probs -> dlogits = `dloss * (probs - onehot(targets))`, where `dloss`
+    /// is d(objective)/d(each token's loss).
+    fn crossentropy_backward(&self, probs: Self::ViewMut<'_>, targets: &[u32], vocab: usize, dloss: f64);
+}
+
+impl<S: Stored> CrossEntropyKernels for CpuBackend<S> {
+    fn crossentropy_forward(&self, logits: &mut [S], losses: &mut [S], targets: &[u32], vocab: usize) -> f64 {
+        // Tasks of a fixed number of rows, so the partial sums (and the loss) do not depend
+        // on the thread count.
+        let rows = targets.len();
+        let k = LOSS_ROWS;
+        let partials: Vec<f64> = logits[..rows * vocab]
+            .par_chunks_mut(k * vocab)
+            .zip(losses[..rows].par_chunks_mut(k))
+            .zip(targets.par_chunks(k))
+            .map(|((z, l), t)| crossentropy_forward(z, l, t, vocab))
+            .collect();
+        partials.iter().sum()
+    }
+
+    fn crossentropy_backward(&self, probs: &mut [S], targets: &[u32], vocab: usize, dloss: f64) {
+        let rows = targets.len();
+        let k = self.rows_per_task(rows);
+        let dloss = S::Acc::from_f64(dloss);
+        probs[..rows * vocab]
+            .par_chunks_mut(k * vocab)
+            .zip(targets.par_chunks(k))
+            .for_each(|(p, t)| crossentropy_backward(p, t, vocab, dloss));
+    }
+}
+
 /// The launch of the cross-entropy's kernels (`loss.cu`): one block per row; each row's loss
 /// comes back to the host in f64 and is added there in row order.
 #[cfg(feature = "cuda")]
-pub mod cuda {
-    use crate::ops::cuda::{block_per_row, check_tokens, int, launch, DeviceElem, DeviceViewMut, Launcher};
+mod cuda {
+    use super::CrossEntropyKernels;
+    use crate::backend::cuda::CudaBackend;
+    use crate::ops::cuda::{block_per_row, check_tokens, int, launch, DeviceElem, DeviceViewMut};
 
-    pub(crate) fn crossentropy_forward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        logits: DeviceViewMut<'_, S>,
-        losses: DeviceViewMut<'_, S>,
-        targets: &[u32],
-        vocab: usize,
-    ) -> f64 {
-        let rows = logits.len / vocab;
-        if rows == 0 {
-            return 0.0;
+    impl<S: DeviceElem> CrossEntropyKernels for CudaBackend<S> {
+        fn crossentropy_forward(
+            &self,
+            logits: DeviceViewMut<'_, S>,
+            losses: DeviceViewMut<'_, S>,
+            targets: &[u32],
+            vocab: usize,
+        ) -> f64 {
+            let gpu = &self.launcher;
+            let rows = logits.len / vocab;
+            if rows == 0 {
+                return 0.0;
+            }
+            check_tokens("crossentropy_forward", &targets[..rows], vocab);
+            assert!(losses.len >= rows, "crossentropy_forward: {} losses for {rows} rows", losses.len);
+            let targets = gpu.upload_u32(&targets[..rows]);
+            let row_loss = gpu.scratch::<f64>(rows);
+            launch!(
+                gpu,
+                "crossentropy_forward",
+                block_per_row(rows),
+                logits.ptr,
+                losses.ptr,
+                gpu.ptr_of(&row_loss),
+                gpu.ptr_of(&targets),
+                int(vocab)
+            );
+            gpu.download_f64(&row_loss, rows).iter().sum()
         }
-        check_tokens("crossentropy_forward", &targets[..rows], vocab);
-        assert!(losses.len >= rows, "crossentropy_forward: {} losses for {rows} rows", losses.len);
-        let targets = gpu.upload_u32(&targets[..rows]);
-        let row_loss = gpu.scratch::<f64>(rows);
-        launch!(
-            gpu,
-            "crossentropy_forward",
-            block_per_row(rows),
-            logits.ptr,
-            losses.ptr,
-            gpu.ptr_of(&row_loss),
-            gpu.ptr_of(&targets),
-            int(vocab)
-        );
-        gpu.download_f64(&row_loss, rows).iter().sum()
-    }
 
-    pub(crate) fn crossentropy_backward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        probs: DeviceViewMut<'_, S>,
-        targets: &[u32],
-        vocab: usize,
-        dloss: f64,
-    ) {
-        let rows = probs.len / vocab;
-        if rows == 0 {
-            return;
+        fn crossentropy_backward(&self, probs: DeviceViewMut<'_, S>, targets: &[u32], vocab: usize, dloss: f64) {
+            let gpu = &self.launcher;
+            let rows = probs.len / vocab;
+            if rows == 0 {
+                return;
+            }
+            check_tokens("crossentropy_backward", &targets[..rows], vocab);
+            let targets = gpu.upload_u32(&targets[..rows]);
+            launch!(
+                gpu,
+                "crossentropy_backward",
+                block_per_row(rows),
+                probs.ptr,
+                gpu.ptr_of(&targets),
+                int(vocab),
+                dloss as f32
+            );
         }
-        check_tokens("crossentropy_backward", &targets[..rows], vocab);
-        let targets = gpu.upload_u32(&targets[..rows]);
-        launch!(
-            gpu,
-            "crossentropy_backward",
-            block_per_row(rows),
-            probs.ptr,
-            gpu.ptr_of(&targets),
-            int(vocab),
-            dloss as f32
-        );
     }
 }

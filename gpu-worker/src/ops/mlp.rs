@@ -12,6 +12,10 @@
 //! one exponential and one division per element, where tanh also needs its sign and
 //! small-argument handling (a quarter less time on one core, the same function).
 
+use rayon::prelude::*;
+
+use crate::backend::cpu::ELEMENT_CHUNK;
+use crate::backend::{Buffers, CpuBackend};
 use crate::ops::float::map_elements;
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;
@@ -50,20 +54,41 @@ simd_kernel! {
     }
 }
 
-/// The launch of GELU's kernels (`mlp.cu`): one thread per element.
-#[cfg(feature = "cuda")]
-pub mod cuda {
-    use crate::ops::cuda::{elementwise, launch, DeviceElem, DeviceView, DeviceViewMut, Launcher};
+/// GELU on a backend's views (the conventions: `backend/mod.rs`).
+pub trait GeluKernels: Buffers {
+    /// GELU, tanh approximation.
+    fn gelu_forward(&self, out: Self::ViewMut<'_>, inp: Self::View<'_>);
 
-    pub(crate) fn gelu_forward<S: DeviceElem>(gpu: &Launcher<S>, out: DeviceViewMut<'_, S>, inp: DeviceView<'_, S>) {
-        launch!(gpu, "gelu_forward", elementwise(inp.len), out.ptr, inp.ptr, inp.len as i64);
+    /// In place: `dinout = dinout * gelu'(inp)`.
+    fn gelu_backward(&self, dinout: Self::ViewMut<'_>, inp: Self::View<'_>);
+}
+
+impl<S: Stored> GeluKernels for CpuBackend<S> {
+    fn gelu_forward(&self, out: &mut [S], inp: &[S]) {
+        out.par_chunks_mut(ELEMENT_CHUNK).zip(inp.par_chunks(ELEMENT_CHUNK)).for_each(|(y, x)| gelu_forward(y, x));
     }
 
-    pub(crate) fn gelu_backward<S: DeviceElem>(
-        gpu: &Launcher<S>,
-        dinout: DeviceViewMut<'_, S>,
-        inp: DeviceView<'_, S>,
-    ) {
-        launch!(gpu, "gelu_backward", elementwise(inp.len), dinout.ptr, inp.ptr, inp.len as i64);
+    fn gelu_backward(&self, dinout: &mut [S], inp: &[S]) {
+        dinout.par_chunks_mut(ELEMENT_CHUNK).zip(inp.par_chunks(ELEMENT_CHUNK)).for_each(|(d, x)| gelu_backward(d, x));
+    }
+}
+
+/// The launch of GELU's kernels (`mlp.cu`): one thread per element.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::GeluKernels;
+    use crate::backend::cuda::CudaBackend;
+    use crate::ops::cuda::{elementwise, launch, DeviceElem, DeviceView, DeviceViewMut};
+
+    impl<S: DeviceElem> GeluKernels for CudaBackend<S> {
+        fn gelu_forward(&self, out: DeviceViewMut<'_, S>, inp: DeviceView<'_, S>) {
+            let gpu = &self.launcher;
+            launch!(gpu, "gelu_forward", elementwise(inp.len), out.ptr, inp.ptr, inp.len as i64);
+        }
+
+        fn gelu_backward(&self, dinout: DeviceViewMut<'_, S>, inp: DeviceView<'_, S>) {
+            let gpu = &self.launcher;
+            launch!(gpu, "gelu_backward", elementwise(inp.len), dinout.ptr, inp.ptr, inp.len as i64);
+        }
     }
 }

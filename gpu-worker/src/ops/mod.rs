@@ -1,14 +1,18 @@
 //! The ops: one file per layer of the model with its forward and backward side by side,
 //! the math in a comment and the CPU kernel in Rust (llm.c style), next to the same op's
-//! CUDA kernel in a `.cu` file of the same name (compiled by the CUDA backend) and, in the
-//! `.rs` file's `cuda` module (feature `cuda`), that kernel's launch. Below them, what every
-//! op computes with: the number formats (`float.rs`), the matrix product on strided views
-//! (`gemm.rs`), the kernels' SIMD dispatch (`simd.rs`) and the CUDA launches' kit
-//! (`cuda.rs`). The optimizer's update is an op too (`optimizer.rs`, `optimizer.cu`).
+//! CUDA kernel in a `.cu` file of the same name (compiled by the CUDA backend). Each op's
+//! `.rs` file also says what the op is on any backend, a trait (`LayerNormKernels`, ...),
+//! and implements it twice: for the CPU backend (the work split over threads) and, in its
+//! `cuda` module (feature `cuda`), for the CUDA backend (the kernel's launch). Below them,
+//! what every op computes with: the number formats (`float.rs`), the matrix product on
+//! strided views (`gemm.rs`), the kernels' SIMD dispatch (`simd.rs`) and the CUDA launches'
+//! kit (`cuda.rs`). The optimizer's update is an op too (`optimizer.rs`, `optimizer.cu`).
 //!
-//! The ops are a leaf: the backends depend on them (`backend/cpu.rs` splits their work over
-//! threads, `backend/cuda/kernels.rs` calls their launches), the model and the optimizer
-//! (`optim/`) on the backends; no op imports a backend or the optimizer.
+//! A new op is three files: its `.rs`, its `.cu`, and three lines here (its `mod`, its
+//! `.cu` in [`cuda_sources`], its trait in [`ModelKernels`]).
+//!
+//! The ops sit on the backends' buffers (`backend/buffers.rs`, the two backends' types) and
+//! under the model; no op imports the model, a strategy or the optimizer.
 
 pub mod attention;
 #[cfg(feature = "cuda")]
@@ -22,8 +26,39 @@ pub mod linear;
 pub mod loss;
 pub mod mlp;
 pub mod optimizer;
+pub mod reductions;
 pub mod router;
 pub mod simd;
+
+use crate::backend::Buffers;
+
+/// The kernels a GPT needs (llm.c's list), one trait per op, each in its op's file.
+macro_rules! model_kernels {
+    ($($op:ident::$kernels:ident),+ $(,)?) => {
+        /// The model's kernels on a backend's views (the conventions they follow:
+        /// `backend/mod.rs`): every op's trait, implemented for whatever implements them all.
+        pub trait ModelKernels: Buffers $(+ $op::$kernels)+ {}
+
+        impl<B: Buffers $(+ $op::$kernels)+> ModelKernels for B {}
+
+        /// Every op's trait, for code that calls kernels on a backend named by its type
+        /// (`use ops::kernels::*`); code generic over a `Backend` has them all already.
+        pub mod kernels {
+            $(pub use super::$op::$kernels;)+
+        }
+    };
+}
+
+model_kernels!(
+    reductions::Reductions,
+    embedding::EmbeddingKernels,
+    layernorm::LayerNormKernels,
+    linear::LinearKernels,
+    attention::AttentionKernels,
+    flash_attention::FlashAttentionKernels,
+    mlp::GeluKernels,
+    loss::CrossEntropyKernels,
+);
 
 /// Every op's CUDA C (`<op>.cu`), one string in the order NVRTC compiles them, after what
 /// the kernels share (`backend/cuda/modules.rs`, `KERNELS`): a new op adds its name here,
@@ -39,6 +74,7 @@ macro_rules! cuda_sources {
             "attention",
             "flash_attention",
             "loss",
+            "reductions",
             "optimizer"
         )
     };

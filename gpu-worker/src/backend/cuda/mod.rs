@@ -8,9 +8,9 @@
 //! wrote; results come back to the host (`download`, `sum`, the loss) after a sync.
 //! Views are device pointers with a length, borrowed from the buffer like slices.
 //!
-//! The backend is a folder by family: `buffers.rs`, `kernels.rs` (each kernel delegates to
-//! its op's launch, `ops/<op>.rs`'s `cuda` module, with `ops/cuda.rs` what they share),
-//! `optimizer.rs`, `collectives.rs`, and `modules.rs` (the CUDA C and its compilation).
+//! The backend is a folder by family: `buffers.rs`, `optimizer.rs`, `collectives.rs`, and
+//! `modules.rs` (the CUDA C and its compilation). The model's kernels are launched from
+//! their ops' files (`ops/<op>.rs`'s `cuda` module, with `ops/cuda.rs` what they share).
 //!
 //! Like the CPU backend, results do not depend on timing: no kernel uses atomics, every
 //! sum over rows runs in a fixed order, and cuBLAS's default algorithms are deterministic
@@ -23,7 +23,6 @@ use cudarc::driver::CudaContext;
 
 mod buffers;
 mod collectives;
-mod kernels;
 mod modules;
 mod optimizer;
 
@@ -96,7 +95,7 @@ pub fn devices() -> Result<Vec<Gpu>, CudaUnavailable> {
 /// CUDA kernels on buffers of `S` on one GPU.
 pub struct CudaBackend<S: DeviceElem = f32> {
     /// The stream every kernel runs on, its cuBLAS handle and the compiled kernels.
-    launcher: Launcher<S>,
+    pub(crate) launcher: Launcher<S>,
     device: String,
     /// Free device memory when the backend was made (what the run's use is measured from).
     free_at_start: usize,
