@@ -14,6 +14,7 @@ use distlab_common::{Attention, Checkpointing, ModelSpec};
 use crate::backend::Backend;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::experts::{expert_activation_floats, expert_scratch_floats, ExpertActivations, ExpertShape};
+use crate::model::stage::Stage;
 
 /// What one block keeps from forward for backward (one micro-batch).
 pub(super) struct BlockActivations<Buf> {
@@ -194,6 +195,55 @@ pub(super) struct ActivationShape {
 }
 
 impl ActivationShape {
+    /// The sizes on one of `tp` tensor-parallel ranks (with `sequence_parallel`, its share
+    /// of the LayerNorm and residual regions) and one of `ep` expert-parallel ranks, for
+    /// micro-batches of `batch` sequences, before [`Self::for_chunks`] says what a chunk keeps.
+    pub(super) fn new(
+        spec: &ModelSpec,
+        batch: usize,
+        (tp, ep): (usize, usize),
+        attention: Attention,
+        sequence_parallel: bool,
+    ) -> Self {
+        let rows = batch * spec.seq_len;
+        assert!(
+            !sequence_parallel || rows.is_multiple_of(tp),
+            "sequence parallelism splits {rows} tokens over tp={tp}: validation lets only multiples through"
+        );
+        ActivationShape {
+            batch,
+            rows,
+            res_rows: if sequence_parallel { rows / tp } else { rows },
+            t: spec.seq_len,
+            c: spec.d_model,
+            cl: spec.d_model / tp,
+            heads: spec.heads / tp,
+            hidden: 4 * spec.d_model / tp,
+            vocab: spec.vocab,
+            kept_blocks: 0,
+            checkpoints: 0,
+            last: false,
+            attention,
+            experts: ExpertShape::of(spec, rows, ep),
+        }
+    }
+
+    /// This shape for each of `stage`'s chunks: every block's activations kept, or with
+    /// checkpointing (`segment`: blocks per segment) each segment's output; the head's on
+    /// the chunk that ends the model.
+    pub(super) fn for_chunks(&self, stage: &Stage, segment: Option<usize>) -> Vec<ActivationShape> {
+        (0..stage.chunks.len())
+            .map(|chunk| {
+                let blocks = stage.chunks[chunk].len();
+                let (kept_blocks, checkpoints) = match segment {
+                    None => (blocks, 0),
+                    Some(k) => (0, blocks.div_ceil(k)),
+                };
+                ActivationShape { kept_blocks, checkpoints, last: stage.ends_model(chunk), ..*self }
+            })
+            .collect()
+    }
+
     /// Rows of the MLP's hidden layer: the tokens, or with experts every slot.
     pub(super) fn mlp_rows(&self) -> usize {
         self.experts.map_or(self.rows, |e| e.slots())

@@ -16,7 +16,7 @@ use distlab_common::Attention;
 
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
-use crate::model::activations::{Activations, BlockActivations, WeightStash};
+use crate::model::activations::{ActivationShape, Activations, BlockActivations, WeightStash};
 use crate::model::experts::{
     experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden,
 };
@@ -63,6 +63,28 @@ pub(super) struct GradScratch<Buf> {
     pub(super) dfch: Buf,
     /// Mixture of Experts: the slots' and the router's gradients.
     pub(super) experts: Option<ExpertScratch<Buf>>,
+}
+
+impl<Buf> GradScratch<Buf> {
+    /// Sized for micro-batches of `shape`, each buffer from `alloc(floats)`.
+    pub(super) fn new(shape: &ActivationShape, alloc: &mut dyn FnMut(usize) -> Buf) -> Self {
+        let ActivationShape { rows, res_rows, c, cl, hidden, .. } = *shape;
+        GradScratch {
+            dres: alloc(res_rows * c),
+            dln: alloc(rows * c),
+            datty: alloc(rows * cl),
+            dqkv: alloc(rows * 3 * cl),
+            datt: alloc(shape.attention_floats()),
+            dfch: alloc(rows.max(shape.mlp_rows()) * hidden),
+            experts: shape.experts.map(|e| ExpertScratch::new(&e, rows, c, alloc)),
+        }
+    }
+
+    pub(super) fn buffers(&self) -> Vec<&Buf> {
+        let mut bufs = vec![&self.dres, &self.dln, &self.datty, &self.dqkv, &self.datt, &self.dfch];
+        bufs.extend(self.experts.iter().flat_map(ExpertScratch::buffers));
+        bufs
+    }
 }
 
 /// One transformer block forward, from its input `x`, keeping what backward needs in `a`:

@@ -20,14 +20,17 @@
 //! are allocated once.
 //!
 //! The pieces live beside this file: one block's forward and backward in `block.rs`, the
-//! activations and their bookkeeping in `activations.rs`, a pipeline stage in `stage.rs`,
-//! tensor and sequence parallelism's collectives in `tensor_parallel.rs`, Mixture of
-//! Experts in `experts.rs`.
+//! final LayerNorm and LM head in `head.rs`, the activations and their bookkeeping (and
+//! their sizes) in `activations.rs`, a pipeline stage in `stage.rs`, tensor and sequence
+//! parallelism's collectives in `tensor_parallel.rs`, Mixture of Experts in `experts.rs`;
+//! ZB-H1's W pass, the second half of a split backward, in `gpt/weights_pass.rs`.
 //!
 //! With activation checkpointing ([`Saved`]) forward keeps only each segment's output
 //! and runs its blocks in one shared set of segment buffers; backward runs a segment's
 //! forward again there, from the segment's saved input, just before the segment's
 //! backward (`Pass::Recompute`).
+
+mod weights_pass;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -39,13 +42,13 @@ use crate::backend::Backend;
 use crate::comm::CommError;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::activations::{
-    activation_floats_for, stage_output, ActivationShape, BlockActivations, InFlight, InFlightSets, Saved,
+    activation_floats_for, stage_output, ActivationShape, BlockActivations, InFlightSets, Saved,
 };
 use crate::model::block::{
-    block_backward, block_forward, block_weights, segment_block_forward, shift, split_block, Dims, GradScratch,
+    block_backward, block_forward, segment_block_forward, shift, split_block, Dims, GradScratch,
 };
-use crate::model::experts::{ExpertGroup, ExpertScratch, ExpertShape, ExpertStats};
-use crate::model::head::{head_backward, head_forward, HeadTensors};
+use crate::model::experts::{ExpertGroup, ExpertStats};
+use crate::model::head::{head_backward, head_forward, head_params, split_head, LogitGradZeros};
 use crate::model::layout::{ExpertPlace, ParamLayout, TpPlace};
 use crate::model::stage::{Stage, StageInput, Upcoming};
 use crate::model::state::{ModelState, Pass, Unit};
@@ -97,17 +100,6 @@ pub struct RecomputeTime {
     pub end_us: u64,
 }
 
-/// Logit gradients stored as exactly 0: in exact arithmetic none is (every softmax
-/// probability is above 0), so in fp16 these are the ones that underflowed.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct LogitGradZeros {
-    pub zeros: u64,
-    pub sampled: u64,
-}
-
-/// The logit gradient's first rows (tokens) are counted, enough to see the share.
-const LOGIT_SAMPLE_ROWS: usize = 64;
-
 /// The groups of ranks the model itself runs collectives in (the strategies have theirs).
 pub struct ModelGroups<B: Backend> {
     /// Tensor parallelism (None: this rank holds every block whole).
@@ -141,16 +133,14 @@ impl<B: Backend> Gpt<B> {
         groups: ModelGroups<B>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
-        let ModelGroups { tp, ep } = groups;
+        let ModelGroups { mut tp, mut ep } = groups;
         // (an interleaved stage's chunks are alike)
         let chunk_blocks = stage.chunks.iter().map(Range::len).max().unwrap_or(0);
         let segment = saved.segment(chunk_blocks);
-        let mut tp = tp;
         if let Some(group) = tp.as_mut() {
             group.attach_memory(memory);
         }
         let place = tp.as_ref().map_or(TpPlace::ALONE, |g| g.place());
-        let mut ep = ep;
         if let Some(group) = ep.as_mut() {
             group.attach_memory(memory);
         }
@@ -159,41 +149,9 @@ impl<B: Backend> Gpt<B> {
             true => ParamLayout::for_experts(spec, experts, &stage.block_order),
             false => ParamLayout::with_block_order(spec, place, &stage.block_order),
         };
-        let n = place.size;
-        let sequence_parallel = saved.sequence_parallel && n > 1;
-        let rows = batch * spec.seq_len;
-        assert!(
-            !sequence_parallel || rows.is_multiple_of(n),
-            "sequence parallelism splits {rows} tokens over tp={n}: validation lets only multiples through"
-        );
-        let shape = ActivationShape {
-            batch,
-            rows,
-            res_rows: if sequence_parallel { rows / n } else { rows },
-            t: spec.seq_len,
-            c: spec.d_model,
-            cl: spec.d_model / n,
-            heads: spec.heads / n,
-            hidden: 4 * spec.d_model / n,
-            vocab: spec.vocab,
-            kept_blocks: 0,
-            checkpoints: 0,
-            last: false,
-            attention: saved.attention,
-            experts: ExpertShape::of(spec, rows, experts.size),
-        };
-        let shapes: Vec<ActivationShape> = (0..stage.chunks.len())
-            .map(|chunk| {
-                let blocks = stage.chunks[chunk].len();
-                let (kept_blocks, checkpoints) = match segment {
-                    None => (blocks, 0),
-                    Some(k) => (0, blocks.div_ceil(k)),
-                };
-                ActivationShape { kept_blocks, checkpoints, last: stage.ends_model(chunk), ..shape }
-            })
-            .collect();
-        let (rows, c, cl, hidden) = (shape.rows, shape.c, shape.cl, shape.hidden);
-        let mlp_rows = rows.max(shape.mlp_rows());
+        let ranks = (place.size, experts.size);
+        let sequence_parallel = saved.sequence_parallel && place.size > 1;
+        let shape = ActivationShape::new(spec, batch, ranks, saved.attention, sequence_parallel);
         let mut floats = 0usize;
         let mut receipts = Vec::new();
         let mut alloc = |category: Category, len: usize| {
@@ -203,26 +161,11 @@ impl<B: Backend> Gpt<B> {
         };
         let recompute =
             (0..segment.unwrap_or(0)).map(|_| shape.block(&mut |len| alloc(Category::Activations, len))).collect();
-        let scratch = GradScratch {
-            dres: alloc(Category::ActivationGrads, shape.res_rows * c),
-            dln: alloc(Category::ActivationGrads, rows * c),
-            datty: alloc(Category::ActivationGrads, rows * cl),
-            dqkv: alloc(Category::ActivationGrads, rows * 3 * cl),
-            datt: alloc(Category::ActivationGrads, shape.attention_floats()),
-            dfch: alloc(Category::ActivationGrads, mlp_rows * hidden),
-            experts: shape
-                .experts
-                .map(|e| ExpertScratch::new(&e, rows, c, &mut |len| alloc(Category::ActivationGrads, len))),
-        };
-        let exchange = sequence_parallel.then(|| Exchange {
-            gathered: alloc(Category::Activations, rows * c),
-            full: alloc(Category::Activations, rows * c),
-            ln_grads: alloc(Category::ActivationGrads, 4 * c),
-            lnf_grads: stage.last.then(|| alloc(Category::ActivationGrads, 2 * c)),
-        });
-        let activations = InFlightSets::new(shapes, memory);
+        let scratch = GradScratch::new(&shape, &mut |len| alloc(Category::ActivationGrads, len));
+        let exchange = sequence_parallel.then(|| Exchange::new(shape.rows, shape.c, stage.last, &mut alloc));
+        let activations = InFlightSets::new(shape.for_chunks(&stage, segment), memory);
         if stage == Stage::whole(spec.layers) && segment.is_none() {
-            let expected = activation_floats_for(spec, batch, (n, experts.size), saved.attention, sequence_parallel);
+            let expected = activation_floats_for(spec, batch, ranks, saved.attention, sequence_parallel);
             debug_assert_eq!(floats + activations.set_floats(0), expected);
         }
         Self {
@@ -266,15 +209,9 @@ impl<B: Backend> Gpt<B> {
     /// Bytes of every buffer the model holds in use (spare activation sets aside),
     /// counted from the buffers themselves (what the memory ledger must agree with).
     pub fn held_bytes(&self, be: &B) -> u64 {
-        let s = &self.scratch;
-        let mut bufs = Vec::new();
-        bufs.extend(self.recompute.iter().flat_map(BlockActivations::buffers));
-        bufs.extend([&s.dres, &s.dln, &s.datty, &s.dqkv, &s.datt, &s.dfch]);
-        bufs.extend(s.experts.iter().flat_map(ExpertScratch::buffers));
-        if let Some(e) = &self.exchange {
-            bufs.extend([&e.gathered, &e.full, &e.ln_grads]);
-            bufs.extend(e.lnf_grads.iter());
-        }
+        let mut bufs: Vec<&B::Buf> = self.recompute.iter().flat_map(BlockActivations::buffers).collect();
+        bufs.extend(self.scratch.buffers());
+        bufs.extend(self.exchange.iter().flat_map(Exchange::buffers));
         debug_assert_eq!(bufs.len(), self.receipts.len());
         bufs.extend(self.activations.buffers());
         bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64).sum()
@@ -414,12 +351,7 @@ impl<B: Backend> Gpt<B> {
         {
             upcoming.before_open(state, Unit::Head, Pass::Forward);
             let (p, at) = state.open(be, Unit::Head, Pass::Forward)?.params.expect("forward has parameters");
-            let w = HeadTensors {
-                lnf_g: be.view(p, shift(&lay.lnf_g, at)),
-                lnf_b: be.view(p, shift(&lay.lnf_b, at)),
-                lm_head: be.view(p, shift(&lay.lm_head, at)),
-            };
-            head_forward(be, &w, last, head, (dims, vocab), &mut self.tp)?;
+            head_forward(be, &head_params(be, lay, p, at), last, head, (dims, vocab), &mut self.tp)?;
         }
         state.close(be, Unit::Head, Pass::Forward)?;
         Ok(be.crossentropy_forward(be.all_mut(&mut head.logits), be.all_mut(&mut head.losses), targets, vocab))
@@ -525,11 +457,7 @@ impl<B: Backend> Gpt<B> {
             // loss and LM head
             be.crossentropy_backward(be.all_mut(&mut head.logits), targets, vocab, dloss);
             if self.logit_grad_zeros.is_none() {
-                let sampled = targets.len().min(LOGIT_SAMPLE_ROWS) * vocab;
-                let zeros = be.read_host(be.view(&head.logits, 0..sampled), |g| {
-                    g.iter().filter(|v| crate::ops::float::Stored::to_f64(**v) == 0.0).count() as u64
-                });
-                self.logit_grad_zeros = Some(LogitGradZeros { zeros, sampled: sampled as u64 });
+                self.logit_grad_zeros = Some(LogitGradZeros::count(be, &head.logits, targets.len(), vocab));
             }
         }
         let acts = &*acts;
@@ -538,16 +466,8 @@ impl<B: Backend> Gpt<B> {
             let open = state.open(be, Unit::Head, with_params)?;
             let (p, at) = open.params.expect("backward of the head has parameters");
             let (g, g_at) = open.grads.expect("backward has gradients");
-            let g = be.view_mut(g, shift(&Unit::Head.range(lay), g_at));
-            let (lnf_g, g) = be.split_mut(g, lay.lnf_g.len());
-            let (lnf_b, lm_head) = be.split_mut(g, lay.lnf_b.len());
-            let w = HeadTensors {
-                lnf_g: be.view(p, shift(&lay.lnf_g, at)),
-                lnf_b: be.view(p, shift(&lay.lnf_b, at)),
-                lm_head: be.view(p, shift(&lay.lm_head, at)),
-            };
-            let g = HeadTensors { lnf_g, lnf_b, lm_head };
-            let (x, split) = (acts.output(), stash.is_some());
+            let g = split_head(be, be.view_mut(g, shift(&Unit::Head.range(lay), g_at)), lay);
+            let (w, x, split) = (head_params(be, lay, p, at), acts.output(), stash.is_some());
             head_backward(be, &w, g, x, head, s, (dims, vocab, split), &mut self.tp, &mut self.exchange)?;
         } else {
             // The next stage sent the gradient of our output.
@@ -647,50 +567,5 @@ impl<B: Backend> Gpt<B> {
             be.encoder_backward(g_wte, g_wpe, be.all(whole), inputs, t, c);
         }
         state.close(be, Unit::Embeddings, without_params)
-    }
-}
-
-impl<B: Backend> Gpt<B> {
-    /// ZB-H1's W of micro-batch `micro` through chunk `chunk`, after its B: every matmul's
-    /// weight (and bias) gradient, `dW += inpᵀ · dout`, from the output gradients the B
-    /// kept and the inputs forward saved; then the micro-batch's activations are released.
-    pub fn weights_stage(
-        &mut self,
-        be: &B,
-        state: &mut dyn ModelState<B>,
-        chunk: usize,
-        micro: usize,
-    ) -> Result<(), CommError> {
-        let ModelSpec { d_model: c, vocab, .. } = self.spec;
-        let dims = self.dims();
-        let index = self.activations.index_of(chunk, micro);
-        let mut upcoming = Upcoming::new(self.stage.weights_opens(chunk));
-        let lay = &self.layout;
-        let InFlight { acts, stash, .. } = &self.activations.in_flight[index];
-        let Some((stash, _)) = stash else {
-            panic!("the W of micro-batch {micro} in chunk {chunk} before its B");
-        };
-        if let Some(head) = &acts.head {
-            upcoming.before_open(state, Unit::Head, Pass::Weights);
-            {
-                let (g, g_at) = state.open(be, Unit::Head, Pass::Weights)?.grads.expect("the W has gradients");
-                let g_lm_head = be.view_mut(g, shift(&lay.lm_head, g_at));
-                be.matmul_backward_weights(g_lm_head, None, be.all(&head.logits), be.all(&head.lnf), c, vocab);
-            }
-            state.close(be, Unit::Head, Pass::Weights)?;
-        }
-        let first_block = self.stage.chunks[chunk].start;
-        for (i, kept) in stash.iter().enumerate().rev() {
-            let l = first_block + i;
-            upcoming.before_open(state, Unit::Block(l), Pass::Weights);
-            {
-                let (g, g_at) = state.open(be, Unit::Block(l), Pass::Weights)?.grads.expect("the W has gradients");
-                let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
-                block_weights(be, gw, &acts.blocks[i], kept, dims);
-            }
-            state.close(be, Unit::Block(l), Pass::Weights)?;
-        }
-        self.activations.release(index);
-        Ok(())
     }
 }

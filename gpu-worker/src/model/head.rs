@@ -1,5 +1,6 @@
 //! The last stage's end of the model: the final LayerNorm and the LM head (not tied to the
-//! embedding), forward and backward; the loss itself is `ops/loss.rs`.
+//! embedding), forward and backward; the loss itself is `ops/loss.rs`. Also the count of
+//! the logit gradients that underflowed to 0 ([`LogitGradZeros`]).
 //!
 //! ```text
 //!   logits = lnf(x) · lm_head                   forward
@@ -12,10 +13,11 @@
 //! gradient, and the final LayerNorm's parameter gradients, each rank's from its own
 //! tokens, are summed over the group.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::model::activations::HeadActivations;
-use crate::model::block::{Dims, GradScratch};
+use crate::model::block::{shift, Dims, GradScratch};
+use crate::model::layout::ParamLayout;
 use crate::model::tensor_parallel::{add_pieces, pieces, Exchange, TensorParallelGroup, TpPoint};
 
 /// The head's parameters (or views of their gradients), in buffer order.
@@ -23,6 +25,54 @@ pub(super) struct HeadTensors<V> {
     pub(super) lnf_g: V,
     pub(super) lnf_b: V,
     pub(super) lm_head: V,
+}
+
+/// The head's parameters in `p`, a buffer that holds the parameters from `at` on.
+pub(super) fn head_params<'a, B: Backend>(
+    be: &B,
+    lay: &ParamLayout,
+    p: &'a B::Buf,
+    at: usize,
+) -> HeadTensors<B::View<'a>> {
+    HeadTensors {
+        lnf_g: be.view(p, shift(&lay.lnf_g, at)),
+        lnf_b: be.view(p, shift(&lay.lnf_b, at)),
+        lm_head: be.view(p, shift(&lay.lm_head, at)),
+    }
+}
+
+/// Cuts the head's gradient view into its tensors (they are contiguous, in order).
+pub(super) fn split_head<'a, B: Backend>(
+    be: &B,
+    view: B::ViewMut<'a>,
+    lay: &ParamLayout,
+) -> HeadTensors<B::ViewMut<'a>> {
+    let (lnf_g, rest) = be.split_mut(view, lay.lnf_g.len());
+    let (lnf_b, lm_head) = be.split_mut(rest, lay.lnf_b.len());
+    HeadTensors { lnf_g, lnf_b, lm_head }
+}
+
+/// Logit gradients stored as exactly 0: in exact arithmetic none is (every softmax
+/// probability is above 0), so in fp16 these are the ones that underflowed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LogitGradZeros {
+    pub zeros: u64,
+    pub sampled: u64,
+}
+
+/// The logit gradient's first rows (tokens) are counted, enough to see the share.
+const LOGIT_SAMPLE_ROWS: usize = 64;
+
+impl LogitGradZeros {
+    /// Counts the zeros in the first rows of `dlogits`, the logits' gradient of `tokens`
+    /// tokens (rows of `vocab`).
+    pub(super) fn count<B: Backend>(be: &B, dlogits: &B::Buf, tokens: usize, vocab: usize) -> Self {
+        let sampled = tokens.min(LOGIT_SAMPLE_ROWS) * vocab;
+        let zeros = be.read_host(be.view(dlogits, 0..sampled), |g| {
+            g.iter().filter(|v| Stored::to_f64(**v) == 0.0).count() as u64
+        });
+        LogitGradZeros { zeros, sampled: sampled as u64 }
+    }
 }
 
 /// The final LayerNorm of the stage's output `x` and the logits, into `head`.

@@ -1,6 +1,7 @@
 //! The GPT model: `gpt.rs` composes it and runs a stage's forward and backward through the
-//! [`Backend`](crate::backend::Backend) trait (the ops' math lives in `ops/`); `block.rs`
-//! is one transformer block, `head.rs` the final LayerNorm and LM head, `activations.rs` what forward keeps for backward,
+//! [`Backend`](crate::backend::Backend) trait (the ops' math lives in `ops/`), with
+//! ZB-H1's W pass in `gpt/weights_pass.rs`; `block.rs` is one transformer block, `head.rs`
+//! the final LayerNorm and LM head, `activations.rs` what forward keeps for backward,
 //! `stage.rs` the part of the model a pipeline stage runs, `tensor_parallel.rs` where
 //! tensor and sequence parallelism's collectives go, `experts.rs` the Mixture-of-Experts
 //! MLP; `layout.rs` places every parameter in one flat buffer, `state.rs` says where they
@@ -18,7 +19,8 @@ pub mod tensor_parallel;
 
 pub use activations::{activation_floats_for, Saved};
 pub use experts::ExpertStats;
-pub use gpt::{Gpt, LogitGradZeros, ModelGroups, RecomputeTime};
+pub use gpt::{Gpt, ModelGroups, RecomputeTime};
+pub use head::LogitGradZeros;
 pub use layout::{BlockTensors, ExpertPlace, Init, ParamLayout, Split, TensorInfo, TpPlace};
 pub use stage::{Stage, StageInput};
 pub use state::{FlatState, ModelState, OpenUnit, Pass, Unit};

@@ -25,7 +25,7 @@
 //! all-gather), minus what the regions no longer keep whole; each rank's LayerNorm
 //! parameter gradients now come from its own tokens and are summed over the group.
 //! Without sequence parallelism the same functions are f and g: identity and all-reduce.
-//! `block.rs` and `gpt.rs` call them.
+//! `block.rs`, `head.rs` and `gpt.rs` call them.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -34,7 +34,7 @@ use distlab_common::trace::Span;
 
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
-use crate::memory::MemoryTracker;
+use crate::memory::{Category, MemoryTracker};
 use crate::model::layout::TpPlace;
 
 /// What a tensor-parallel collective carries (the timeline names it).
@@ -138,6 +138,25 @@ pub struct Exchange<Buf> {
     pub ln_grads: Buf,
     /// The final LayerNorm's (last stage only).
     pub lnf_grads: Option<Buf>,
+}
+
+impl<Buf> Exchange<Buf> {
+    /// For micro-batches of `rows` tokens `c` wide, with the final LayerNorm's scratch on
+    /// the `last` stage; each buffer from `alloc(category, floats)`.
+    pub fn new(rows: usize, c: usize, last: bool, alloc: &mut dyn FnMut(Category, usize) -> Buf) -> Self {
+        Exchange {
+            gathered: alloc(Category::Activations, rows * c),
+            full: alloc(Category::Activations, rows * c),
+            ln_grads: alloc(Category::ActivationGrads, 4 * c),
+            lnf_grads: last.then(|| alloc(Category::ActivationGrads, 2 * c)),
+        }
+    }
+
+    pub fn buffers(&self) -> Vec<&Buf> {
+        let mut bufs = vec![&self.gathered, &self.full, &self.ln_grads];
+        bufs.extend(self.lnf_grads.iter());
+        bufs
+    }
 }
 
 /// A row-parallel linear layer's `out = inp · W + b + residual`, every rank's partial
