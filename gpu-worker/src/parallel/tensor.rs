@@ -33,7 +33,7 @@
 //! same gradient on every rank (their inputs and output gradients are whole), so they stay
 //! identical without any extra communication; for the gradient norm each rank counts them
 //! 1/tp (`ParamLayout::grad_squares`). The split itself is in `model/layout.rs`, the
-//! sums in `model/gpt.rs`.
+//! sums in `model/tensor_parallel.rs` (the f/g points) and `model/block.rs` (where they sit).
 //!
 //! Sequence parallelism (`parallel.sequence_parallel`, Korthikanti et al. 2022) splits
 //! what is whole above along the tokens: each rank keeps the LayerNorms and residual

@@ -7,7 +7,7 @@ use crate::spec::{Attention, Checkpointing, ModelSpec};
 
 /// Activation elements one transformer block saves for backward, for one micro-batch of
 /// `batch` sequences of `seq` tokens (d = d_model, h = heads, t = tp), as the engine
-/// stores them (model/gpt.rs `BlockActivations`):
+/// stores them (model/activations.rs `BlockActivations`):
 ///
 /// ```text
 ///   b*s * (4d + 12d/t + 4)  +  b * (h/t) * s^2        (flash: b * (h/t) * s * 2)
@@ -51,7 +51,7 @@ pub fn attention_elements(batch: u64, seq: u64, heads: u64, attention: Attention
     batch.saturating_mul(heads).saturating_mul(per_head)
 }
 
-/// Elements of backward's activation-gradient buffers (model/gpt.rs `GradScratch`): the
+/// Elements of backward's activation-gradient buffers (model/block.rs `GradScratch`): the
 /// residual and LayerNorm gradients (2d, whole), the attention output, QKV and MLP hidden
 /// gradients (d + 3d + 4d, split over TP) and the attention probabilities' gradient:
 /// b*s*(2d + 8d/t) + b*(h/t)*s^2 (flash: a pair per row, rowsum(dO ∘ O), in place of s^2).
