@@ -230,6 +230,17 @@ pub fn ring_collectives(trace: &ExperimentTrace) -> Vec<CollectiveInfo> {
     found
 }
 
+/// The collective the replay opens on (`list` in [`ring_collectives`]' order): the first that gives every rank of its ring at
+/// least one element (a gradient bucket's all-reduce, a unit's reduce-scatter, the demo's
+/// collective), not a one-number all-reduce of the loss cut into empty chunks; where there
+/// is none, the first with recorded numbers, else the first.
+pub fn opening_collective(list: &[CollectiveInfo]) -> Option<&CollectiveInfo> {
+    list.iter()
+        .find(|c| c.elements >= c.ranks.len() as u64)
+        .or_else(|| list.iter().find(|c| c.has_values))
+        .or(list.first())
+}
+
 /// What a chunk of a rank's buffer holds, for its colour.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChunkKind {
@@ -1227,6 +1238,32 @@ mod tests {
             other => panic!("no fixture {other}"),
         };
         serde_json::from_str(text).expect("fixture parses as ExperimentTrace")
+    }
+
+    /// A training run opens on its first gradient bucket, not on the loss's one-number
+    /// all-reduce (whose numbers are recorded, the bucket's are not).
+    #[test]
+    fn the_replay_opens_on_the_first_collective_worth_watching() {
+        let mut list = ring_collectives(&fixture("ddp-2ranks"));
+        assert!(list.len() >= 3 && list.iter().all(|c| !c.has_values), "{list:?}");
+        let scalar = CollectiveInfo {
+            key: CollectiveKey { group: "dp".into(), id: 0 },
+            elements: 1,
+            has_values: true,
+            ..list[0].clone()
+        };
+        for c in &mut list {
+            c.key.id += 1;
+        }
+        list.insert(0, scalar);
+        let opened = opening_collective(&list).unwrap();
+        assert_eq!((opened.key.id, opened.elements), (1, 110336), "{opened:?}");
+        // A demo's collective is the one there is.
+        let demo = ring_collectives(&fixture("allreduce-4x16"));
+        assert_eq!(opening_collective(&demo).unwrap().key, dp0());
+        // Only scalars: the first with numbers.
+        assert_eq!(opening_collective(&list[..1]).unwrap().elements, 1);
+        assert!(opening_collective(&[]).is_none());
     }
 
     fn dp0() -> CollectiveKey {

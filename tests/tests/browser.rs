@@ -1921,6 +1921,12 @@ async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
     let exp = lab.experiment(id);
     assert_eq!(exp.status, ExperimentStatus::Succeeded);
     assert_eq!(exp.name, name);
+    // The run's MFU, from the worker's measured CPU peak, with its formula.
+    let summary = exp.summary.as_ref().context("a summary")?;
+    let mfu = summary.mfu.context("an MFU on the CPU")?;
+    assert_eq!(text(c, "#mfu").await?, format!("{:.1}%", mfu * 100.0));
+    let formula = text(c, "#mfu-formula").await?;
+    ensure!(formula.contains("MFU = model FLOP/s / peak FLOP/s") && formula.contains("FMA peak"), "{formula}");
 
     // The list shows it, newest first.
     c.goto(&lab.url("/")).await?;

@@ -216,3 +216,26 @@ fn compression_accumulation_capacity_and_offload_agree_with_their_cards() {
     assert!(got.agrees, "{got:?}");
     println!("  {}", got.note.unwrap_or_default());
 }
+
+/// MFU on a real run of two ranks: the worker measures its CPU's peak, the summary reports
+/// model FLOP/s and MFU, and the card's check recomputes them from the run's step times.
+#[test]
+fn a_runs_mfu_is_its_model_flops_over_the_measured_peak() {
+    let spec = preset("ddp2");
+    let out = tempfile::tempdir().unwrap();
+    let points = run_into(&spec, out.path());
+    let summary: RunSummary =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).unwrap()).unwrap();
+    let peak = summary.peak.clone().expect("a CPU worker knows its peak");
+    assert!(peak.basis.contains("FMA peak measured"), "{}", peak.basis);
+    let expected_flops = spec.model.train_flops_per_token() * summary.tokens_per_s;
+    assert!((summary.model_flops_per_s - expected_flops).abs() <= 1e-9 * expected_flops, "{summary:?}");
+    let mfu = summary.mfu.expect("an MFU");
+    assert!(mfu > 0.0 && mfu < 1.0, "MFU {mfu} of a CPU run");
+    let mut v = view(1, &spec);
+    v.summary = Some(summary);
+    let run = RunEvidence { view: &v, metrics: &points, ranks: &[], traced_steps: spec.train.steps };
+    let got = measure(ClaimCheck::ModelFlopUtilisation, &run, None).unwrap();
+    println!("MFU on {}:\n  predicted: {}\n  measured:  {}\n  {:?}", spec.name, got.predicted, got.measured, got.note);
+    assert!(got.agrees, "{got:?}");
+}

@@ -46,6 +46,9 @@ pub struct ComparedRun {
 pub struct RunStats {
     pub final_loss: Option<f64>,
     pub tokens_per_s: Option<f64>,
+    /// Model FLOP utilisation, from the run's summary (None without a known peak).
+    #[serde(default)]
+    pub mfu: Option<f64>,
     pub step_ms: Option<f64>,
     /// Where a step's time went, from the ranks' timelines.
     pub time_split: Option<TimeSplit>,
@@ -473,6 +476,7 @@ pub fn run_stats(
     RunStats {
         final_loss: summary.map(|s| s.final_loss).or_else(|| metrics.last().map(|p| p.loss)),
         tokens_per_s: summary.map(|s| s.tokens_per_s).or_else(|| mean(|p| p.tokens_per_s)),
+        mfu: summary.and_then(|s| s.mfu),
         step_ms: summary.map(|s| s.mean_step_ms).or_else(|| mean(|p| p.step_ms)),
         time_split: time_split(ranks),
         peak_memory: peak_memory(ranks),
@@ -509,7 +513,7 @@ pub fn metrics_csv(view: &CompareView) -> String {
 /// The summary table as CSV: one line per run.
 pub fn summary_csv(view: &CompareView) -> String {
     let mut out = String::from(
-        "experiment_id,name,status,world_size,final_loss,tokens_per_s,step_ms,compute_ms,comm_ms,idle_ms,\
+        "experiment_id,name,status,world_size,final_loss,tokens_per_s,mfu,step_ms,compute_ms,comm_ms,idle_ms,\
          peak_parameters,peak_gradients,peak_optimizer_state,peak_activations,peak_total,\
          dp_comm_bytes_per_step,predicted_dp_comm_bytes_per_step,predicted_bubble\n",
     );
@@ -520,13 +524,14 @@ pub fn summary_csv(view: &CompareView) -> String {
         let split = s.time_split;
         let peak = s.peak_memory.as_ref();
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             run.experiment.id,
             csv_field(&run.experiment.name),
             run.experiment.status.as_str(),
             run.experiment.spec.world_size(),
             opt(s.final_loss),
             opt(s.tokens_per_s),
+            opt(s.mfu),
             opt(s.step_ms),
             opt(split.map(|t| t.compute_ms)),
             opt(split.map(|t| t.comm_ms)),

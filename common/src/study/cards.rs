@@ -183,6 +183,9 @@ pub enum ClaimCheck {
     LossScalingUnderflow,
     /// bf16 trains without loss scaling.
     Bf16NoScaling,
+    /// MFU: the model's FLOPs per second (6N + attention per token x tokens/s) over the
+    /// devices' peak, recomputed from the run's step times.
+    ModelFlopUtilisation,
 }
 
 impl Demo {

@@ -116,6 +116,39 @@ pub struct RunSummary {
     /// For a collective demo (no training): what the collective did, checked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub collective: Option<CollectiveCheck>,
+    /// Model FLOPs per second the run achieved: the model's training FLOPs per token
+    /// (6 x params + attention, as the planner counts them; recompute not counted) x
+    /// `tokens_per_s`. 0 for a collective demo.
+    #[serde(default)]
+    pub model_flops_per_s: f64,
+    /// The peak FLOP/s of what the run ran on, and where that number comes from; None
+    /// where the worker does not know its device's peak.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak: Option<DevicePeak>,
+    /// Model FLOP utilisation: `model_flops_per_s / peak.flops_per_s` (None without a peak).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
+}
+
+impl RunSummary {
+    /// Fills `model_flops_per_s` from `flops_per_token` and the measured tokens/s, and the
+    /// MFU against `peak` (the whole run's: every device it used).
+    pub fn with_utilisation(mut self, flops_per_token: f64, peak: Option<DevicePeak>) -> Self {
+        self.model_flops_per_s = flops_per_token * self.tokens_per_s;
+        self.mfu = peak.as_ref().filter(|p| p.flops_per_s > 0.0).map(|p| self.model_flops_per_s / p.flops_per_s);
+        self.peak = peak;
+        self
+    }
+}
+
+/// The peak FLOP/s of the devices a run used.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DevicePeak {
+    pub flops_per_s: f64,
+    /// How it was found, e.g. "avx2 FMA peak measured when the worker started: 35.2 GFLOP/s
+    /// per thread x 2 threads".
+    pub basis: String,
 }
 
 /// The outcome of a collective demo, checked against a sequential computation.

@@ -328,6 +328,7 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
                     <td class="num">{run.experiment.spec.world_size()}</td>
                     <td class="num final-loss">{opt(s.final_loss, |l| format!("{l:.4}"))}</td>
                     <td class="num">{opt(s.tokens_per_s, format::si)}</td>
+                    <td class="num">{opt(s.mfu, format::percent)}</td>
                     <td class="num">{opt(s.step_ms, |v| format!("{v:.1}"))}</td>
                     <td class="num">{opt(split.map(|t| t.compute_ms), |v| format!("{v:.1}"))}</td>
                     <td class="num">{opt(split.map(|t| t.comm_ms), |v| format!("{v:.1}"))}</td>
@@ -348,7 +349,8 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
             <table class="data compare-summary" id="summary">
                 <thead>
                     <tr>
-                        <th>"run"</th><th>"ranks"</th><th>"final loss"</th><th>"tokens/s"</th><th>"step ms"</th>
+                        <th>"run"</th><th>"ranks"</th><th>"final loss"</th><th>"tokens/s"</th>
+                        <th title="model FLOP/s over the peak of the devices the run used">"MFU"</th><th>"step ms"</th>
                         <th title="forward, backward, optimizer">"compute ms"</th>
                         <th title="communication no compute ran under">"exposed comm ms"</th>
                         <th title="waiting: pipeline neighbours, the last bucket">"idle ms"</th>

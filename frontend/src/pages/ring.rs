@@ -18,7 +18,9 @@ use crate::components::link_table::LinkTable;
 use crate::components::ring_view::{partial_fill, RingView};
 use crate::format;
 use crate::load::{load, Loaded};
-use crate::ring_replay::{ring_collectives, Check, ChunkKind, CollectiveInfo, CollectiveKey, Replay, Schedule};
+use crate::ring_replay::{
+    opening_collective, ring_collectives, Check, ChunkKind, CollectiveInfo, CollectiveKey, Replay, Schedule,
+};
 
 /// Time between two steps while playing.
 const PLAY_EVERY: Duration = Duration::from_millis(1200);
@@ -47,12 +49,10 @@ fn RingReplay(id: i64) -> impl IntoView {
         _ => Vec::new(),
     });
     let selected = RwSignal::new(None::<CollectiveKey>);
-    // The first collective with numbers, else the first.
     Effect::new(move |_| {
         if selected.get_untracked().is_none() {
             let list = collectives.get();
-            let first = list.iter().find(|c| c.has_values).or(list.first());
-            if let Some(c) = first {
+            if let Some(c) = opening_collective(&list) {
                 selected.set(Some(c.key.clone()));
             }
         }

@@ -166,7 +166,8 @@ impl StepTally {
             wall_s,
             world_size: spec.world_size(),
             threads,
-            collective: None,
+            // The model's FLOP rate and MFU: filled by the worker, which knows the devices.
+            ..RunSummary::default()
         }
     }
 }

@@ -131,7 +131,7 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
     };
     channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
     if rank == 0 {
-        channel.output(&RankOutput::Summary(run.summary));
+        channel.output(&RankOutput::Summary(Box::new(run.summary)));
     }
     Ok(())
 }

@@ -79,7 +79,7 @@ pub enum RankOutput {
     Event(Box<RunEvent>),
     Demo(DemoRankResult),
     /// Rank 0's summary at the end of a training run.
-    Summary(RunSummary),
+    Summary(Box<RunSummary>),
 }
 
 /// Checks every rank's result against a sequential computation and the byte formula (of

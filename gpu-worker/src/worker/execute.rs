@@ -254,14 +254,19 @@ fn run_ranks(
         hosts,
         &mut |output| match output {
             RankOutput::Event(e) => on_event(*e),
-            RankOutput::Summary(s) => summary = Some(s),
+            RankOutput::Summary(s) => summary = Some(*s),
             RankOutput::Demo(_) => {}
         },
         cancel,
     )?;
+    let hosts_used = match hosts {
+        Hosts::Here { .. } => 1,
+        Hosts::Gang(gang) => gang.placement.ranks_per_host.len(),
+    };
+    let peak = || super::peak::run_peak(spec, here, per_rank, hosts_used);
     match (summary, runs_rank_0) {
         (None, true) => Err(ExecError::Other("rank 0 finished without a summary".into())),
-        (summary, _) => Ok(summary),
+        (summary, _) => Ok(summary.map(|s| s.with_utilisation(spec.model.train_flops_per_token(), peak()))),
     }
 }
 

@@ -68,6 +68,8 @@ pub fn run_spec_file(
         ..RunPaths::default()
     };
     let hosts = Hosts::Here { simulated: simulated_hosts };
+    // The CPU's peak (for the run's MFU), measured before the ranks take the cores.
+    super::peak::cpu_thread_peak();
     let result = execute(&spec, threads, collective_timeout, hosts, paths, &mut on_event, &cancel)
         .and_then(|summary| summary.ok_or_else(|| ExecError::Other("the run ended without a summary".into())));
     if let Some(e) = write_error {

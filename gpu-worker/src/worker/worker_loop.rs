@@ -56,8 +56,13 @@ const FLUSH_EVERY: Duration = Duration::from_millis(500);
 /// The backends this worker can run, its devices and its machine, as it tells the server
 /// when it registers: the CPU always; CUDA when built with it and this machine has a GPU.
 fn offered(threads: usize) -> (Vec<BackendKind>, Vec<String>, Option<WorkerCapacity>) {
+    let peak = super::peak::cpu_thread_peak();
+    let cpu = format!(
+        "cpu: {threads} threads, {} FMA peak {:.1} GFLOP/s per thread (measured at start)",
+        peak.isa, peak.gflops_per_s
+    );
     #[allow(unused_mut)]
-    let (mut backends, mut devices) = (vec![BackendKind::Cpu], vec![format!("cpu: {threads} threads")]);
+    let (mut backends, mut devices) = (vec![BackendKind::Cpu], vec![cpu]);
     let cores = thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     #[allow(unused_mut)]
     let (mut gpus, mut gpu_memory_bytes) = (0, 0);

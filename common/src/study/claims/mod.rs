@@ -7,8 +7,8 @@
 //! grouped by the evidence it reads: `traffic.rs` (bytes on the wire), `all_reduce.rs` (the
 //! other all-reduce algorithms), `data_parallel.rs` (compressed and accumulated gradients),
 //! `memory.rs` (one run's memory), `memory_pairs.rs` (two runs one setting apart),
-//! `experts.rs` (expert capacity), `timeline.rs` (the bubble, recompute time) and
-//! `losses.rs`.
+//! `experts.rs` (expert capacity), `timeline.rs` (the bubble, recompute time),
+//! `utilisation.rs` (MFU) and `losses.rs`.
 
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +22,7 @@ mod memory_pairs;
 mod test_runs;
 mod timeline;
 mod traffic;
+mod utilisation;
 
 use crate::analysis::compare;
 use crate::plan::planner::{self, Plan};
@@ -118,6 +119,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
+        ClaimCheck::ModelFlopUtilisation => "reference",
     }
 }
 
@@ -191,6 +193,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::DdpEqualsOneRank => losses::ddp_equals_one_rank(input),
         ClaimCheck::LossScalingUnderflow => losses::loss_scaling_underflow(input),
         ClaimCheck::Bf16NoScaling => losses::bf16_no_scaling(input),
+        ClaimCheck::ModelFlopUtilisation => utilisation::model_flop_utilisation(input),
     }
 }
 

@@ -141,7 +141,29 @@ pub(super) fn SummaryPanel(summary: RunSummary) -> impl IntoView {
                 <div><dt>"wall time"</dt><dd>{format::duration(s.wall_s)}</dd></div>
                 <div><dt>"ranks"</dt><dd>{s.world_size}</dd></div>
                 <div><dt>"threads"</dt><dd>{s.threads}</dd></div>
+                <div><dt>"model FLOP/s"</dt><dd id="model-flops">{format::si(s.model_flops_per_s)}</dd></div>
+                <div>
+                    <dt>"MFU"</dt>
+                    <dd id="mfu">{s.mfu.map(|m| format!("{:.1}%", m * 100.0)).unwrap_or("–".into())}</dd>
+                </div>
             </dl>
+            {utilisation_text(&s)}
         </div>
     }
+}
+
+/// How the run's MFU is made, with its numbers: the formula, then where the peak comes from.
+fn utilisation_text(s: &RunSummary) -> Option<impl IntoView> {
+    if s.model_flops_per_s <= 0.0 {
+        return None;
+    }
+    let formula = format!(
+        "MFU = model FLOP/s / peak FLOP/s, where model FLOP/s = (6 x parameters + 12 x layers x seq_len x d_model) FLOPs per token x tokens/s = {}FLOP/s (recomputed activations not counted).",
+        format::si(s.model_flops_per_s)
+    );
+    let peak = match &s.peak {
+        Some(p) => format!("Peak: {}FLOP/s, the {}.", format::si(p.flops_per_s), p.basis),
+        None => "Peak: unknown for this device, so no MFU.".to_string(),
+    };
+    Some(view! { <p class="note" id="mfu-formula">{formula} " " {peak}</p> })
 }
