@@ -606,6 +606,17 @@ async fn planner_page_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let mfu = text(c, "#mfu").await?;
     ensure!(mfu.ends_with('%') && mfu != "0.0%", "{mfu}");
     ensure!(exists(c, "#axis-comm tr[data-axis='tp']").await?, "the TP axis has a row");
+    // DDP's buckets: the frameworks' 25 MiB unless the link says otherwise, said so.
+    ensure!(value_of(c, "bucket_mib").await? == "25");
+    let note = text(c, "#bucket-note").await?;
+    ensure!(note.contains("buckets of 25 MiB (PyTorch DDP's default bucket_cap_mb"), "{note}");
+    set_field(c, "bucket_mib", "1").await?;
+    wait_for(c, "the note to follow the field", Duration::from_secs(10), || async {
+        Ok(text(c, "#bucket-note").await?.contains("buckets of 1 MiB:"))
+    })
+    .await?;
+    save_element(c, ".planner-form", "planner-buckets.png").await?;
+    set_field(c, "bucket_mib", "25").await?;
     save_element(c, "#estimate", "planner.png").await?;
     save_full_page(c, "planner-page.png").await?;
     docs_page_scenario(c, lab).await?;

@@ -1,7 +1,7 @@
 //! The layout search: for a model, a cluster and a global batch, every way to lay the run
-//! out (dp x tp x pp, pipeline schedule, sharding, micro-batch size, checkpointing) planned
-//! and estimated, the ten fastest that fit listed, and for each of the others the reason
-//! it lost to the fastest.
+//! out (dp x tp x pp, pipeline schedule, sharding, DDP's bucket size, micro-batch size,
+//! checkpointing) planned and estimated, the ten fastest that fit listed, and for each of
+//! the others the reason it lost to the fastest.
 //!
 //! Nothing here is a rule of thumb: a layout wins or loses by the planner's memory and the
 //! estimate's step time ([`crate::plan::estimate`]), so "TP inside a node" or "pipeline only
@@ -19,6 +19,10 @@ use crate::spec::*;
 pub const TOP: usize = 10;
 /// Micro-batch sizes (sequences per rank and pass) the search tries.
 const MICRO_BATCHES: [usize; 4] = [1, 2, 4, 8];
+/// DDP / ZeRO-1 gradient bucket sizes the search tries: the lab's own runs' default (1 MiB),
+/// PyTorch DDP's (25 MiB) and a large one (100 MiB). ZeRO-2 and FSDP move a unit's
+/// gradients at a time and use the middle one.
+const BUCKETS: [u64; 3] = [1 << 20, 25 << 20, 100 << 20];
 /// Chunks per stage for the interleaved schedule.
 const VIRTUAL_STAGES: usize = 2;
 /// The search takes at most this many GPUs (each layout is planned stage by stage).
@@ -188,6 +192,11 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, Vec<FieldError>> 
     };
     fitting.sort_by(by_time);
     too_big.sort_by(by_time);
+    // A layout is listed once, with its fastest bucket size.
+    for list in [&mut fitting, &mut too_big] {
+        let mut seen = std::collections::HashSet::new();
+        list.retain(|c| seen.insert(layout_of(&c.spec)));
+    }
     let fitting_count = fitting.len();
     let mut best: Vec<Candidate> = fitting.into_iter().take(TOP).collect();
     if let Some((winner, rest)) = best.split_first_mut() {
@@ -242,7 +251,13 @@ fn layouts(request: &SearchRequest) -> Option<Vec<ExperimentSpec>> {
                         if dp < 2 && sharding != Sharding::None {
                             continue;
                         }
-                        for checkpointing in [Checkpointing::None, Checkpointing::Sqrt, Checkpointing::Every] {
+                        let bucketed = dp > 1 && matches!(sharding, Sharding::None | Sharding::Zero1);
+                        let buckets = if bucketed { &BUCKETS[..] } else { &BUCKETS[1..2] };
+                        for (checkpointing, &bucket_bytes) in
+                            [Checkpointing::None, Checkpointing::Sqrt, Checkpointing::Every]
+                                .into_iter()
+                                .flat_map(|c| buckets.iter().map(move |b| (c, b)))
+                        {
                             let mut spec =
                                 ExperimentSpec { name: "layout".into(), model: m.clone(), ..ExperimentSpec::default() };
                             spec.parallel = ParallelSpec {
@@ -252,7 +267,7 @@ fn layouts(request: &SearchRequest) -> Option<Vec<ExperimentSpec>> {
                                 sharding,
                                 pp_schedule: schedule,
                                 virtual_stages,
-                                bucket_bytes: 25 << 20,
+                                bucket_bytes,
                                 ..ParallelSpec::default()
                             };
                             spec.train.precision = request.precision;
@@ -304,8 +319,18 @@ fn candidate(spec: ExperimentSpec, e: &Estimate) -> Candidate {
     }
 }
 
-/// The layout in one line.
+/// The layout in one line, with DDP's bucket size where it has buckets.
 pub fn describe(spec: &ExperimentSpec) -> String {
+    let p = &spec.parallel;
+    if p.dp > 1 && matches!(p.sharding, Sharding::None | Sharding::Zero1) {
+        format!("{}, buckets {} MiB", layout_of(spec), p.bucket_bytes >> 20)
+    } else {
+        layout_of(spec)
+    }
+}
+
+/// The layout in one line, whatever its buckets.
+fn layout_of(spec: &ExperimentSpec) -> String {
     let (p, t) = (&spec.parallel, &spec.train);
     let schedule = if p.pp == 1 { String::new() } else { format!(", {}", schedule(spec)) };
     format!(
@@ -474,6 +499,28 @@ mod tests {
         let why = loser.loses_by.as_deref().unwrap();
         let slower = loser.step_seconds - top.step_seconds;
         assert!(why.starts_with(&format!("{slower:.3} s slower")) || why.starts_with("as fast"), "{why}");
+    }
+
+    /// GPT-2 124M at dp = 8 on A100s: 1 MiB buckets mean hundreds of all-reduces a step,
+    /// each paying the ring's latency 2(W-1) times, and lose to PyTorch's 25 MiB (or
+    /// larger) buckets, which the search tries and names.
+    #[test]
+    fn the_search_tries_bucket_sizes_and_small_buckets_lose() {
+        let result = search_for("gpt2-124m", Cluster::a100_80gb_sxm(), 8, 256, Attention::Flash);
+        let ddp = |bucket: u64| {
+            result.best.iter().chain(&result.too_big).find(|c| {
+                let p = &c.spec.parallel;
+                (p.dp, p.sharding, p.bucket_bytes) == (8, Sharding::None, bucket)
+            })
+        };
+        let big = ddp(25 << 20).or(ddp(100 << 20)).expect("dp=8 DDP with large buckets among the ten");
+        assert!(big.layout.contains("buckets 25 MiB") || big.layout.contains("buckets 100 MiB"), "{}", big.layout);
+        assert!(ddp(1 << 20).is_none(), "1 MiB buckets are not among the fastest");
+        let mut one_mib = big.spec.clone();
+        one_mib.parallel.bucket_bytes = 1 << 20;
+        let cluster = Cluster::a100_80gb_sxm().with_gpus(8);
+        let slow = estimate(&one_mib, &planner::plan(&one_mib).unwrap(), &cluster.for_spec(&one_mib));
+        assert!(slow.dp.seconds > 3.0 * big.dp_seconds, "{} vs {}", slow.dp.seconds, big.dp_seconds);
     }
 
     /// Llama-3 70B on 64 H100s with the study chapter's 2048 sequences of 8192: it fits

@@ -25,13 +25,20 @@ use crate::format;
 /// Llama-3's vocabulary is 128,256).
 const MAX_FIELD: usize = 1_000_000;
 
-/// The page's starting point: GPT-2 124M, data parallel on one 8-GPU node, bf16.
+/// DDP's gradient buckets as the frameworks size them for real models: PyTorch DDP's
+/// `bucket_cap_mb` default, 25 MiB. (The lab's own runs default to 1 MiB buckets, sized
+/// for its models of a few MiB.)
+const FRAMEWORK_BUCKET_BYTES: u64 = 25 << 20;
+
+/// The page's starting point: GPT-2 124M, data parallel on one 8-GPU node, bf16, PyTorch
+/// DDP's buckets.
 fn default_spec() -> ExperimentSpec {
     let mut spec = ExperimentSpec { name: "planned".into(), ..ExperimentSpec::default() };
     if let Some(gpt2) = model_presets().into_iter().next() {
         spec.model = gpt2.model;
     }
     spec.parallel.dp = 8;
+    spec.parallel.bucket_bytes = FRAMEWORK_BUCKET_BYTES;
     spec.train.micro_batch = 8;
     spec.train.precision = distlab_common::Precision::Bf16;
     spec
@@ -150,6 +157,9 @@ pub fn PlannerPage() -> impl IntoView {
                     {choice(spec, "pp_schedule", &["1f1b", "gpipe", "interleaved", "zb-h1"], |s| json_str(&s.parallel.pp_schedule),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.pp_schedule = x })}
                     {number(spec, "virtual_stages", |s| s.parallel.virtual_stages, |s, v| s.parallel.virtual_stages = v)}
+                    {number(spec, "bucket_mib", |s| (s.parallel.bucket_bytes >> 20) as usize,
+                        |s, v| s.parallel.bucket_bytes = (v.max(1) as u64) << 20)}
+                    <p class="muted field-note" id="bucket-note">{move || bucket_note(spec.with(|s| s.parallel.bucket_bytes))}</p>
                 </fieldset>
                 <fieldset>
                     <legend>"Training"</legend>
@@ -176,6 +186,19 @@ pub fn PlannerPage() -> impl IntoView {
         <section class="card"><PlanPanel state=plan_state/></section>
         <RunItSmall spec=spec/>
     }
+}
+
+/// What the bucket size means, and where the page's default comes from.
+fn bucket_note(bytes: u64) -> String {
+    let size = if bytes % (1 << 20) == 0 { format!("{} MiB", bytes >> 20) } else { format!("{bytes} bytes") };
+    let whose = if bytes == FRAMEWORK_BUCKET_BYTES {
+        " (PyTorch DDP's default bucket_cap_mb; the lab's own small runs use 1 MiB)"
+    } else {
+        ""
+    };
+    format!(
+        "DDP and ZeRO-1 all-reduce the gradients in buckets of {size}{whose}: one ring all-reduce, 2(W-1) messages, per bucket. Smaller buckets start sooner under backward but pay the latency per message more often."
+    )
 }
 
 fn json_str<T: serde::Serialize>(x: &T) -> String {
