@@ -190,7 +190,7 @@ pub fn PlannerPage() -> impl IntoView {
 
 /// What the bucket size means, and where the page's default comes from.
 fn bucket_note(bytes: u64) -> String {
-    let size = if bytes % (1 << 20) == 0 { format!("{} MiB", bytes >> 20) } else { format!("{bytes} bytes") };
+    let size = if bytes.is_multiple_of(1 << 20) { format!("{} MiB", bytes >> 20) } else { format!("{bytes} bytes") };
     let whose = if bytes == FRAMEWORK_BUCKET_BYTES {
         " (PyTorch DDP's default bucket_cap_mb; the lab's own small runs use 1 MiB)"
     } else {
