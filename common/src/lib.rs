@@ -28,7 +28,7 @@ pub use analysis::{compare, pipeline};
 pub use artifacts::{disk, elastic, export};
 pub use plan::{all_reduce, compression, estimate, layout_search, planner, recipes, schedule};
 pub use spec::{backends, presets, scale_down};
-pub use study::{cards, claims, quiz, review};
+pub use study::{assignments, cards, claims, quiz, review};
 pub use wire::{api, events, memory, trace};
 
 pub use spec::experiment::*;

@@ -21,7 +21,7 @@ use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouterExt};
 use utoipa_axum::routes;
 
 use crate::api::extract::BodyLimit;
-use crate::api::study::{cards, claims, quiz, review, review_settings};
+use crate::api::study::{assignments, cards, claims, quiz, review, review_settings};
 use crate::api::{
     compare, datasets, error, experiments, health, memory, metrics, models, openapi, plan, sampling, session, stream,
     traces, workers,
@@ -128,6 +128,10 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(quiz::results))
         .routes(routes!(datasets::list, datasets::upload))
         .routes(routes!(datasets::delete))
+        .routes(routes!(assignments::list, assignments::create))
+        .routes(routes!(assignments::get_one))
+        .routes(routes!(assignments::submit))
+        .routes(routes!(assignments::grades))
         .route_layer(identify());
 
     let api = OpenApiRouter::new()

@@ -682,3 +682,131 @@ async fn a_second_student_samples_while_the_first_floods_the_sampler() {
     assert_eq!((served.len(), refused), (1, 7), "{:?}", ada.iter().map(|a| a.0).collect::<Vec<_>>());
     assert!(served[0].2 <= bob.2, "ada's one request was ahead of bob's, and bob's waited for it only");
 }
+
+/// A teacher's assignment, done by two students: only admins write one; a submission may
+/// change only the editable fields and must answer each question in its kind; every
+/// submission is kept; the verdicts wait for the run and then set each answer against what
+/// the run measured; a student sees their own submissions, the teacher every one and who
+/// has not submitted; the gradebook is the teacher's.
+#[tokio::test]
+async fn an_assignment_is_checked_by_each_students_own_run() {
+    let class = Class::new(|_| {}).await;
+    let assignment = json!({
+        "title": "The loss after five steps",
+        "instructions": "Run it with **two** ranks if you like.",
+        "spec": {"name": "five-steps", "train": {"steps": 5}},
+        "editable": ["parallel.dp"],
+        "due": "2999-12-31T23:59:59Z",
+        "questions": [
+            {"prompt": "The final loss?", "answer": {"kind": "number", "quantity": "final_loss", "tolerance": 0.05}},
+            {"prompt": "Nearer 2 or 4?", "answer": {"kind": "choice", "quantity": "final_loss",
+                "options": [{"label": "2", "value": 2.0}, {"label": "4", "value": 4.0}]}},
+            {"prompt": "Why?", "answer": {"kind": "text"}}
+        ]
+    });
+    for (caller, expected) in [
+        (Anonymous, StatusCode::UNAUTHORIZED),
+        (As("ada"), StatusCode::FORBIDDEN),
+        (CrossOrigin("teach"), StatusCode::FORBIDDEN),
+    ] {
+        assert_eq!(class.status(caller, Method::POST, "/api/assignments", Some(assignment.clone())).await, expected);
+    }
+    let mut bad = assignment.clone();
+    bad["title"] = json!("");
+    bad["editable"] = json!(["parallel.dpp"]);
+    bad["spec"]["train"]["steps"] = json!(0);
+    let (status, _, body) = class.send(As("teach"), Method::POST, "/api/assignments", Some(bad)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let fields: Vec<&str> = body["fields"].as_array().unwrap().iter().map(|f| f["field"].as_str().unwrap()).collect();
+    assert_eq!(fields, ["title", "editable[0]", "spec.train.steps", "spec.train.warmup_steps"], "{body}");
+    let (status, _, created) = class.send(As("teach"), Method::POST, "/api/assignments", Some(assignment)).await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["id"].as_i64().unwrap();
+    let (status, _, list) = class.send(As("ada"), Method::GET, "/api/assignments", None).await;
+    assert_eq!((status, list[0]["id"].as_i64()), (StatusCode::OK, Some(id)), "{list}");
+
+    let uri = format!("/api/assignments/{id}/submissions");
+    let submission = |dp: u64, option: u64| {
+        json!({
+            "spec": {"name": "my try", "parallel": {"dp": dp}, "train": {"steps": 5}},
+            "answers": [{"question": 0, "number": 3.0}, {"question": 1, "option": option}, {"question": 2, "text": "because"}]
+        })
+    };
+    let (status, _, first) = class.send(As("ada"), Method::POST, &uri, Some(submission(2, 0))).await;
+    assert_eq!(status, StatusCode::CREATED, "{first}");
+    assert_eq!(first["verdicts"][0]["state"], json!("pending"));
+    assert_eq!((first["late"].as_bool(), first["student"].as_str()), (Some(false), Some("ada")));
+    // The teacher sees who has not submitted.
+    let (_, _, seen) = class.send(As("teach"), Method::GET, &format!("/api/assignments/{id}"), None).await;
+    assert_eq!(seen["not_submitted"], json!(["bob"]), "{seen}");
+    // A fixed field changed, or answers of the wrong kind: refused, naming each.
+    let mut changed = submission(2, 0);
+    changed["spec"]["train"]["lr"] = json!(0.5);
+    changed["answers"][1] = json!({"question": 1, "number": 4.0});
+    let (status, _, body) = class.send(As("bob"), Method::POST, &uri, Some(changed)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let fields: Vec<&str> = body["fields"].as_array().unwrap().iter().map(|f| f["field"].as_str().unwrap()).collect();
+    assert_eq!(fields, ["spec.train.lr", "answers[1]"], "{body}");
+    assert_eq!(
+        class.status(CrossOrigin("bob"), Method::POST, &uri, Some(submission(1, 1))).await,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(class.status(Anonymous, Method::POST, &uri, Some(submission(1, 1))).await, StatusCode::UNAUTHORIZED);
+    let (status, _, bobs) = class.send(As("bob"), Method::POST, &uri, Some(submission(1, 1))).await;
+    assert_eq!(status, StatusCode::CREATED, "{bobs}");
+    // A resubmission is kept beside the first.
+    let (status, _, again) = class.send(As("ada"), Method::POST, &uri, Some(submission(1, 1))).await;
+    assert_eq!(status, StatusCode::CREATED, "{again}");
+
+    // A worker runs ada's first submission: final loss 3.1.
+    let (_, registered) =
+        class.worker(TOKEN, "register", json!({"name": "w", "backends": ["cpu"], "devices": [], "version": "0"})).await;
+    let (worker, credential) =
+        (registered["worker_id"].clone(), registered["credential"].as_str().unwrap().to_string());
+    let target = first["experiment_id"].as_i64().unwrap();
+    for _ in 0..3 {
+        let (status, lease) = class.worker(&credential, "lease", json!({"worker_id": worker})).await;
+        assert_eq!(status, StatusCode::OK, "{lease}");
+        let leased = lease["experiment_id"].as_i64().expect("a queued run");
+        let summary = distlab_common::RunSummary { steps: 5, final_loss: 3.1, ..Default::default() };
+        let done = json!({"worker_id": worker, "experiment_id": leased, "summary": summary});
+        assert_eq!(class.worker(&credential, "complete", done).await.0, StatusCode::OK);
+        if leased == target {
+            break;
+        }
+    }
+    let (status, _, mine) = class.send(As("ada"), Method::GET, &format!("/api/assignments/{id}"), None).await;
+    assert_eq!(status, StatusCode::OK, "{mine}");
+    let subs = mine["submissions"].as_array().unwrap();
+    assert_eq!(subs.len(), 2, "ada sees her own two: {mine}");
+    assert!(subs.iter().all(|s| s["student"] == json!("ada")) && mine.get("not_submitted").is_none());
+    let judged = subs.iter().find(|s| s["experiment_id"].as_i64() == Some(target)).unwrap();
+    assert_eq!(judged["status"], json!("succeeded"));
+    let v = &judged["verdicts"];
+    // 3.0 against 3.1 is within 5%; option 0 (2) is not the nearest to 3.1 (option 1, 4 is).
+    assert_eq!((v[0]["state"].as_str(), v[0]["measured"].as_f64()), (Some("right"), Some(3.1)), "{v}");
+    assert_eq!((v[1]["state"].as_str(), v[1]["right_option"].as_u64()), (Some("wrong"), Some(1)), "{v}");
+    assert_eq!(v[2]["state"], json!("to_grade"));
+    let (_, _, all) = class.send(As("teach"), Method::GET, &format!("/api/assignments/{id}"), None).await;
+    assert_eq!(all["submissions"].as_array().map(Vec::len), Some(3), "{all}");
+    assert!(all.get("not_submitted").is_none(), "{all}");
+
+    // The gradebook: the teacher's, one line per student (their latest submission).
+    let grades = format!("/api/assignments/{id}/grades.csv");
+    assert_eq!(class.status(As("ada"), Method::GET, &grades, None).await, StatusCode::FORBIDDEN);
+    let req = Request::get(&grades)
+        .header(header::HOST, HOST)
+        .header(header::COOKIE, &class.cookies["teach"])
+        .body(Body::empty())
+        .unwrap();
+    let resp = class.app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let csv = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines[0], "student,submitted_at,late,experiment_id,status,q1,q2,q3,right,checked", "{csv}");
+    assert_eq!(lines.len(), 3, "{csv}");
+    assert!(lines[1].starts_with("ada,") && lines[2].starts_with("bob,"), "{csv}");
+    for missing in ["/api/assignments/999", "/api/assignments/abc", "/api/assignments/999/grades.csv"] {
+        assert_eq!(class.status(As("teach"), Method::GET, missing, None).await, StatusCode::NOT_FOUND, "{missing}");
+    }
+}

@@ -309,3 +309,52 @@ fn no_event_batch_makes_the_server_fail() {
         status
     });
 }
+
+#[test]
+fn no_assignment_or_submission_makes_the_server_fail() {
+    let lab = Lab::new();
+    let base = json!({
+        "title": "fuzzed",
+        "instructions": "# Fuzz\nsome *text*",
+        "spec": {"name": "fuzzed", "train": {"steps": 5}},
+        "editable": ["parallel.dp", "train"],
+        "due": "2026-12-24T18:00:00Z",
+        "questions": [
+            {"prompt": "n", "answer": {"kind": "number", "quantity": "peak_memory_mib", "tolerance": 0.05}},
+            {"prompt": "c", "answer": {"kind": "choice", "quantity": "final_loss",
+                "options": [{"label": "a", "value": 1.0}, {"label": "b", "value": 2.0}]}},
+            {"prompt": "t", "answer": {"kind": "text"}}
+        ]
+    });
+    let (status, created) = lab.post_json("/api/assignments", &base, None);
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    fuzz("assignments", 200, mutations_of(base), |doc| {
+        let (status, body) = lab.post_json("/api/assignments", doc, None);
+        error_shape(status, &body).unwrap();
+        assert!(
+            [StatusCode::CREATED, StatusCode::BAD_REQUEST, StatusCode::UNPROCESSABLE_ENTITY].contains(&status),
+            "{status} for {doc}"
+        );
+        status
+    });
+    let uri = format!("/api/assignments/{}/submissions", created["id"]);
+    let submission = json!({
+        "spec": {"name": "fuzzed", "parallel": {"dp": 2}, "train": {"steps": 5}},
+        "answers": [{"question": 0, "number": 3.0}, {"question": 1, "option": 1}, {"question": 2, "text": "t"}]
+    });
+    fuzz("submissions", 200, mutations_of(submission), |doc| {
+        let (status, body) = lab.post_json(&uri, doc, None);
+        error_shape(status, &body).unwrap();
+        assert!(
+            [
+                StatusCode::CREATED,
+                StatusCode::BAD_REQUEST,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                StatusCode::TOO_MANY_REQUESTS
+            ]
+            .contains(&status),
+            "{status} for {doc}"
+        );
+        status
+    });
+}

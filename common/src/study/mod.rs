@@ -1,5 +1,6 @@
 //! The study side of the lab:
 //!
+//! - `assignments.rs`: a teacher's exercises, whose answers the students' own runs check;
 //! - `cards.rs`: the flashcard deck (`cards/deck.json`): what a card says, which live demo
 //!   it opens and which claim a small run can check;
 //! - `claims/`: a card's claim checked by a finished run, predicted next to measured;
@@ -9,6 +10,7 @@
 //!
 //! Imports [`crate::spec`], [`crate::plan`], [`crate::wire`] and [`crate::analysis`].
 
+pub mod assignments;
 pub mod cards;
 pub mod claims;
 pub mod quiz;

@@ -51,21 +51,35 @@ pub async fn create(
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> Result<Response, HttpError> {
     let key = idempotency_key(&headers)?;
-    let mut spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
+    let spec = ExperimentSpec::from_json_value(body).map_err(HttpError::invalid_spec)?;
+    let created = submit(&state, &owner, spec, key.as_deref()).await?;
+    let id = created.id;
+    Ok((StatusCode::CREATED, [(header::LOCATION, format!("/api/experiments/{id}"))], Json(created)).into_response())
+}
+
+/// Checks `spec` as every experiment is checked (the spec's rules, its resume source and
+/// dataset, what the workers offer and hold) and queues it for `owner` within their
+/// quotas: the experiment's id and status. `key`: the request's Idempotency-Key.
+pub async fn submit(
+    state: &AppState,
+    owner: &Account,
+    mut spec: ExperimentSpec,
+    key: Option<&str>,
+) -> Result<Created, HttpError> {
     let mut problems = resume_source_problems(&state.db, &mut spec).await?;
     problems.extend(spec.validate(&state.config.limits).err().unwrap_or_default());
     problems.extend(datasets::check_spec(&state.db, &spec).await?);
     if spec.backend == BackendKind::Cuda
-        && !store::workers::backend_offered(&state.db, BackendKind::Cuda, &alive_since(&state)).await?
+        && !store::workers::backend_offered(&state.db, BackendKind::Cuda, &alive_since(state)).await?
     {
         problems.push(FieldError::new("backend", "no registered worker offers the cuda backend"));
     }
     problems.extend(distlab_common::backends::unsupported_on_backend(&spec));
     if problems.is_empty() {
-        problems.extend(too_wide_for_the_workers(&state, &spec).await?);
+        problems.extend(too_wide_for_the_workers(state, &spec).await?);
     }
     if problems.is_empty() {
-        problems.extend(too_big_for_every_worker(&state, &spec).await?);
+        problems.extend(too_big_for_every_worker(state, &spec).await?);
     }
     if !problems.is_empty() {
         return Err(HttpError::invalid_spec(problems));
@@ -73,8 +87,7 @@ pub async fn create(
     let spec_json = serde_json::to_string(&spec).map_err(|e| HttpError::internal("encoding the spec", e))?;
     let max_queued = state.config.max_queued_per_user;
     let quota = queue::Quota { max_queued, max_disk_bytes: state.config.max_disk_per_user };
-    let submitted =
-        queue::submit(&state.db, &owner.name, &spec, &spec_json, key.as_deref(), quota, clock::now()).await?;
+    let submitted = queue::submit(&state.db, &owner.name, &spec, &spec_json, key, quota, clock::now()).await?;
     let (id, status) = match submitted {
         queue::Submitted::New(id) => {
             let backend = spec.backend.as_str();
@@ -101,8 +114,7 @@ pub async fn create(
             return Err(over.error(&owner.name, "this experiment's checkpoints and model"))
         }
     };
-    let created = Created { id, status };
-    Ok((StatusCode::CREATED, [(header::LOCATION, format!("/api/experiments/{id}"))], Json(created)).into_response())
+    Ok(Created { id, status })
 }
 
 /// Elastic resume: the experiment `train.resume_from` names must exist and its checkpoint

@@ -27,6 +27,7 @@ use utoipa::OpenApi;
         (name = "datasets", description = "Uploaded texts to train on"),
         (name = "planner", description = "The analytic planner and the layout search (nothing runs)"),
         (name = "flashcards", description = "The deck, its claim checks, spaced repetition, the quiz"),
+        (name = "assignments", description = "A teacher's exercises, checked by the students' own runs"),
         (name = "accounts", description = "Sessions and accounts"),
         (name = "workers", description = "The API the worker processes use"),
         (name = "operations", description = "Health, metrics and this document")

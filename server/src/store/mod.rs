@@ -11,12 +11,13 @@
 //! difference ([`postgres_sql`]).
 //!
 //! This file opens the database and holds what every part of the store shares (the write
-//! lock, [`StoreError`]); each other file stores one domain: accounts, experiments, the
+//! lock, [`StoreError`]); each other file stores one domain: accounts, assignments, experiments, the
 //! queue and its runs across workers, datasets, traces, flashcard reviews, quiz results,
 //! workers, and the notifications between servers. The store answers typed values and
 //! never an HTTP answer; it knows nothing of the API or the live streams.
 
 pub mod accounts;
+pub mod assignments;
 pub mod datasets;
 pub mod disk_quota;
 pub mod experiments;
