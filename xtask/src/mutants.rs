@@ -475,6 +475,11 @@ pub fn run(filter: Option<&str>) -> Result<bool> {
     if chosen.is_empty() {
         bail!("no mutant's name contains {filter:?}");
     }
+    // The end-to-end tests start the server too: built once, unmutated (a mutant that only
+    // a mutated server would show is missed, never falsely caught).
+    if !cargo().args(["build", "-p", "distlab-server"]).status().context("cannot start cargo build")?.success() {
+        bail!("the server does not build");
+    }
     // The unmutated engine must pass the same tests, or "caught" means nothing.
     let mut guards: Vec<(&[&str], Engine)> = chosen.iter().map(|(m, e)| (m.tests, *e)).collect();
     guards.dedup();
