@@ -8,7 +8,7 @@
 //! The layers, each importing only those before it:
 //!
 //! - leaves: `clock`, `text`, `tokens`, `passwords`, `placement`, `sign_in_guard`,
-//!   `metrics_registry`, `listen`, `local_workers`, `static_files`;
+//!   `metrics_registry`, `listen`, `local_workers`, `static_files`, `markdown`;
 //! - `store/`: every query, over SQLite or PostgreSQL, answering typed values;
 //! - `live/`: the hub of live events, and its relay between servers of one database;
 //! - `config.rs` ([`ServerConfig`]) and `state.rs` ([`AppState`], the reaper's step);
@@ -21,6 +21,7 @@ pub mod config;
 pub mod listen;
 pub mod live;
 pub mod local_workers;
+pub mod markdown;
 pub mod metrics_registry;
 pub mod passwords;
 pub mod placement;

@@ -739,6 +739,7 @@ async fn an_assignment_is_checked_by_each_students_own_run() {
     // The teacher sees who has not submitted.
     let (_, _, seen) = class.send(As("teach"), Method::GET, &format!("/api/assignments/{id}"), None).await;
     assert_eq!(seen["not_submitted"], json!(["bob"]), "{seen}");
+    assert_eq!(seen["instructions_html"], json!("<p>Run it with <strong>two</strong> ranks if you like.</p>\n"));
     // A fixed field changed, or answers of the wrong kind: refused, naming each.
     let mut changed = submission(2, 0);
     changed["spec"]["train"]["lr"] = json!(0.5);

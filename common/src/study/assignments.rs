@@ -215,6 +215,10 @@ pub struct Submission {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AssignmentView {
     pub assignment: Assignment,
+    /// The instructions as HTML: the Markdown rendered without any raw HTML of the
+    /// writer's or script URLs (the server renders it).
+    #[serde(default)]
+    pub instructions_html: String,
     pub submissions: Vec<Submission>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_submitted: Vec<String>,

@@ -3,8 +3,9 @@
 //!
 //! - `POST /api/assignments` (admins): a new assignment; 201 with it.
 //! - `GET  /api/assignments`: every assignment, newest first.
-//! - `GET  /api/assignments/{id}`: one, with the submissions the caller may see (their own;
-//!   an admin every one, and the students who have none), each answer with its verdict.
+//! - `GET  /api/assignments/{id}`: one, its instructions as safe HTML (`markdown.rs`), with
+//!   the submissions the caller may see (their own; an admin every one, and the students who
+//!   have none), each answer with its verdict.
 //! - `POST /api/assignments/{id}/submissions`: a run of the assignment's spec (only its
 //!   editable fields changed) and the answers; the run is queued as the caller's experiment
 //!   under the same checks and quotas as any other. Every submission is kept.
@@ -27,7 +28,7 @@ use crate::api::extract::JsonBody;
 use crate::store::accounts::Account;
 use crate::store::assignments::StoredSubmission;
 use crate::text::truncate;
-use crate::{clock, store, AppState};
+use crate::{clock, markdown, store, AppState};
 
 fn require_teacher(caller: &Account, what: &str) -> Result<(), HttpError> {
     if caller.admin {
@@ -125,7 +126,8 @@ pub async fn get_one(
         submissions.push(judge(&state, &assignment, s).await?);
     }
     let not_submitted = if caller.admin { not_submitted(&state, &submissions).await? } else { Vec::new() };
-    Ok(Json(AssignmentView { assignment, submissions, not_submitted }))
+    let instructions_html = markdown::to_safe_html(&assignment.content.instructions);
+    Ok(Json(AssignmentView { assignment, instructions_html, submissions, not_submitted }))
 }
 
 /// The accounts that are not admins and have submitted nothing.
