@@ -354,8 +354,8 @@ pub const KERNEL_MUTANTS: &[Mutant] = &[
     Mutant {
         name: "a linear layer's forward product reads its weight transposed (a wrong transpose flag)",
         file: "gpu-worker/src/ops/linear.rs",
-        find: "        gpu.gemm(\n            (false, false),\n            (c_out, rows, c_in),",
-        replace: "        gpu.gemm(\n            (true, false),\n            (c_out, rows, c_in),",
+        find: "            gpu.gemm(\n                (false, false),\n                (c_out, rows, c_in),",
+        replace: "            gpu.gemm(\n                (true, false),\n                (c_out, rows, c_in),",
         tests: &["--include-ignored", "matmul::cuda_fp32"],
     },
 ];

@@ -16,7 +16,8 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{Buffers, CpuBackend};
+use crate::backend::buffers::Buffers;
+use crate::backend::cpu::CpuBackend;
 use crate::ops::float::{lane_max, lane_sum, AccRow};
 use crate::ops::float::{Float, Stored};
 use crate::ops::gemm::{matmul_wide, Mat, MatMut, Parallelism};

@@ -22,7 +22,8 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{Buffers, CpuBackend};
+use crate::backend::buffers::Buffers;
+use crate::backend::cpu::CpuBackend;
 use crate::memory::kernel_scratch;
 use crate::ops::float::{lane_max, lane_sum, Float, Stored};
 use crate::ops::gemm::{matmul_widened, Mat, MatMut, Parallelism};

@@ -12,7 +12,8 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use crate::backend::{Buffers, CpuBackend};
+use crate::backend::buffers::Buffers;
+use crate::backend::cpu::CpuBackend;
 use crate::memory::{kernel_scratch, with_kernel_ledger};
 use crate::ops::float::AccRow;
 use crate::ops::float::{Float, Stored};

@@ -9,7 +9,8 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{Buffers, CpuBackend};
+use crate::backend::buffers::Buffers;
+use crate::backend::cpu::CpuBackend;
 use crate::ops::float::{lane_max, lane_sum};
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;

@@ -14,8 +14,9 @@
 
 use rayon::prelude::*;
 
+use crate::backend::buffers::Buffers;
+use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::ELEMENT_CHUNK;
-use crate::backend::{Buffers, CpuBackend};
 use crate::ops::float::map_elements;
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;

@@ -30,7 +30,7 @@ pub mod reductions;
 pub mod router;
 pub mod simd;
 
-use crate::backend::Buffers;
+use crate::backend::buffers::Buffers;
 
 /// The kernels a GPT needs (llm.c's list), one trait per op, each in its op's file.
 macro_rules! model_kernels {

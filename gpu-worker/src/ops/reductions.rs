@@ -8,8 +8,9 @@
 
 use rayon::prelude::*;
 
+use crate::backend::buffers::Buffers;
+use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::ELEMENT_CHUNK;
-use crate::backend::{Buffers, CpuBackend};
 use crate::ops::float::{lane_sum, Stored};
 
 /// The ordered sums on a backend's views (the conventions: `backend/mod.rs`).
