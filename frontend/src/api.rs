@@ -185,6 +185,45 @@ pub async fn import_progress(profile: i64, document: &str) -> ApiResult<distlab_
     read_json(request.send().await).await
 }
 
+/// Every assignment, newest first.
+pub async fn list_assignments() -> ApiResult<Vec<distlab_common::assignments::Assignment>> {
+    get_json("/api/assignments").await
+}
+
+/// One assignment, its instructions as HTML and the submissions the caller may see.
+pub async fn get_assignment(id: i64) -> ApiResult<distlab_common::assignments::AssignmentView> {
+    get_json(&format!("/api/assignments/{id}")).await
+}
+
+/// A new assignment (admins); a 422 names each field that is wrong.
+pub async fn create_assignment(
+    assignment: &distlab_common::assignments::NewAssignment,
+) -> ApiResult<distlab_common::assignments::Assignment> {
+    let body = serde_json::to_value(assignment).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    post_json("/api/assignments", &body).await
+}
+
+/// A run of the assignment and its answers; the run is queued as the caller's experiment.
+pub async fn submit_assignment(
+    id: i64,
+    submission: &distlab_common::assignments::NewSubmission,
+) -> ApiResult<distlab_common::assignments::Submission> {
+    let body = serde_json::to_value(submission).map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    post_json(&format!("/api/assignments/{id}/submissions"), &body).await
+}
+
+/// The teacher's verdict on a text answer (admins); the submission as judged now.
+pub async fn grade_answer(
+    assignment: i64,
+    submission: i64,
+    grade: distlab_common::assignments::TextGrade,
+) -> ApiResult<distlab_common::assignments::Submission> {
+    let request = Request::put(&format!("/api/assignments/{assignment}/submissions/{submission}/grade"))
+        .json(&grade)
+        .map_err(|e| RequestError::new(format!("could not encode: {e}")))?;
+    read_json(request.send().await).await
+}
+
 /// Every uploaded text, newest first.
 pub async fn list_datasets() -> ApiResult<distlab_common::DatasetList> {
     get_json("/api/datasets").await

@@ -11,8 +11,17 @@ use crate::api;
 use crate::load::{load, refresh_every, Loaded};
 use crate::pages::sign_in::{ask_who, sign_in_again_when_refused, AccountBadge, PasswordPage, Session, SignInPage};
 use crate::pages::{
-    accounts::AccountsPage, cards::CardsPage, compare::ComparePage, experiment::ExperimentPage, list::ExperimentList,
-    new::NewExperiment, pipeline::PipelinePage, planner::PlannerPage, quiz::QuizPage, ring::RingReplayPage,
+    accounts::AccountsPage,
+    assignments::{AssignmentPage, AssignmentsPage},
+    cards::CardsPage,
+    compare::ComparePage,
+    experiment::ExperimentPage,
+    list::ExperimentList,
+    new::NewExperiment,
+    pipeline::PipelinePage,
+    planner::PlannerPage,
+    quiz::QuizPage,
+    ring::RingReplayPage,
 };
 
 /// A page loaded on first visit: `#[lazy_route]` makes its view a split point, so
@@ -46,12 +55,16 @@ lazy_page!(AccountsRoute, AccountsPage);
 lazy_page!(ExperimentRoute, ExperimentPage);
 lazy_page!(RingRoute, RingReplayPage);
 lazy_page!(PipelineRoute, PipelinePage);
+lazy_page!(AssignmentsRoute, AssignmentsPage);
+lazy_page!(AssignmentRoute, AssignmentPage);
 
 #[component]
 pub fn App() -> impl IntoView {
     // On a server with accounts, the pages wait for a signed-in session.
     let session = RwSignal::new(Session::Asking);
     ask_who(session);
+    // The pages that differ for a teacher (assignments) read it.
+    provide_context(session);
     sign_in_again_when_refused(session);
     view! {
         <Router>
@@ -67,6 +80,7 @@ pub fn App() -> impl IntoView {
                     <A href="/planner">"Planner"</A>
                     <A href="/cards">"Flashcards"</A>
                     <A href="/quiz">"Quiz"</A>
+                    <A href="/assignments" attr:id="nav-assignments">"Assignments"</A>
                     {move || session.get().is_teacher().then(|| view! { <A href="/accounts" attr:id="nav-accounts">"Accounts"</A> })}
                 </nav>
                 <HealthBadge/>
@@ -85,6 +99,8 @@ pub fn App() -> impl IntoView {
                             <Route path=path!("/cards") view={Lazy::<CardsRoute>::new()}/>
                             <Route path=path!("/quiz") view={Lazy::<QuizRoute>::new()}/>
                             <Route path=path!("/accounts") view={Lazy::<AccountsRoute>::new()}/>
+                            <Route path=path!("/assignments") view={Lazy::<AssignmentsRoute>::new()}/>
+                            <Route path=path!("/assignments/:id") view={Lazy::<AssignmentRoute>::new()}/>
                             <Route path=path!("/password") view=PasswordPage/>
                             <Route path=path!("/experiments/:id") view={Lazy::<ExperimentRoute>::new()}/>
                             <Route path=path!("/experiments/:id/ring") view={Lazy::<RingRoute>::new()}/>

@@ -131,6 +131,7 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(assignments::list, assignments::create))
         .routes(routes!(assignments::get_one))
         .routes(routes!(assignments::submit))
+        .routes(routes!(assignments::grade))
         .routes(routes!(assignments::grades))
         .route_layer(identify());
 

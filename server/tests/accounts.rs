@@ -792,6 +792,32 @@ async fn an_assignment_is_checked_by_each_students_own_run() {
     assert_eq!(all["submissions"].as_array().map(Vec::len), Some(3), "{all}");
     assert!(all.get("not_submitted").is_none(), "{all}");
 
+    // The teacher grades the text answer; a student may not, nor may anyone grade an answer
+    // the run checks.
+    let grade = format!("/api/assignments/{id}/submissions/{}/grade", judged["id"]);
+    let text_right = json!({"question": 2, "right": true});
+    assert_eq!(class.status(As("ada"), Method::PUT, &grade, Some(text_right.clone())).await, StatusCode::FORBIDDEN);
+    assert_eq!(
+        class.status(CrossOrigin("teach"), Method::PUT, &grade, Some(text_right.clone())).await,
+        StatusCode::FORBIDDEN
+    );
+    let (status, _, body) =
+        class.send(As("teach"), Method::PUT, &grade, Some(json!({"question": 0, "right": true}))).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    let elsewhere = format!("/api/assignments/{id}/submissions/999/grade");
+    assert_eq!(
+        class.status(As("teach"), Method::PUT, &elsewhere, Some(text_right.clone())).await,
+        StatusCode::NOT_FOUND
+    );
+    let (status, _, graded) =
+        class.send(As("teach"), Method::PUT, &grade, Some(json!({"question": 2, "right": false}))).await;
+    assert_eq!((status, graded["verdicts"][2]["state"].as_str()), (StatusCode::OK, Some("wrong")), "{graded}");
+    let (status, _, graded) = class.send(As("teach"), Method::PUT, &grade, Some(text_right)).await;
+    assert_eq!((status, graded["verdicts"][2]["state"].as_str()), (StatusCode::OK, Some("right")), "{graded}");
+    let (_, _, mine) = class.send(As("ada"), Method::GET, &format!("/api/assignments/{id}"), None).await;
+    let seen = mine["submissions"].as_array().unwrap().iter().find(|s| s["id"] == judged["id"]).unwrap().clone();
+    assert_eq!(seen["verdicts"][2]["state"], json!("right"), "ada sees the grade: {seen}");
+
     // The gradebook: the teacher's, one line per student (their latest submission).
     let grades = format!("/api/assignments/{id}/grades.csv");
     assert_eq!(class.status(As("ada"), Method::GET, &grades, None).await, StatusCode::FORBIDDEN);

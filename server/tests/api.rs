@@ -668,6 +668,7 @@ async fn the_openapi_document_has_every_route_and_nothing_else() {
         "POST /api/assignments",
         "GET /api/assignments/{id}",
         "POST /api/assignments/{id}/submissions",
+        "PUT /api/assignments/{id}/submissions/{submission}/grade",
         "GET /api/assignments/{id}/grades.csv",
         "POST /api/workers/register",
         "POST /api/workers/lease",

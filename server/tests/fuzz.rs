@@ -51,7 +51,15 @@ impl Lab {
     /// POSTs `body` to `uri` (as a worker when `bearer` is its token or credential); the
     /// status and the JSON answer.
     fn post(&self, uri: &str, body: Vec<u8>, bearer: Option<&str>) -> (StatusCode, Value) {
-        let mut req = Request::post(uri).header(header::CONTENT_TYPE, "application/json");
+        self.send(Request::post(uri), body, bearer)
+    }
+
+    fn put_json(&self, uri: &str, body: &Value) -> (StatusCode, Value) {
+        self.send(Request::put(uri), body.to_string().into_bytes(), None)
+    }
+
+    fn send(&self, req: axum::http::request::Builder, body: Vec<u8>, bearer: Option<&str>) -> (StatusCode, Value) {
+        let mut req = req.header(header::CONTENT_TYPE, "application/json");
         if let Some(secret) = bearer {
             req = req.header(header::AUTHORIZATION, format!("Bearer {secret}"));
         }
@@ -341,6 +349,18 @@ fn no_assignment_or_submission_makes_the_server_fail() {
     let submission = json!({
         "spec": {"name": "fuzzed", "parallel": {"dp": 2}, "train": {"steps": 5}},
         "answers": [{"question": 0, "number": 3.0}, {"question": 1, "option": 1}, {"question": 2, "text": "t"}]
+    });
+    let (status, submitted) = lab.post_json(&uri, &submission, None);
+    assert_eq!(status, StatusCode::CREATED, "{submitted}");
+    let grade_uri = format!("{uri}/{}/grade", submitted["id"]);
+    fuzz("grades", 100, mutations_of(json!({"question": 2, "right": true})), |doc| {
+        let (status, body) = lab.put_json(&grade_uri, doc);
+        error_shape(status, &body).unwrap();
+        assert!(
+            [StatusCode::OK, StatusCode::BAD_REQUEST, StatusCode::UNPROCESSABLE_ENTITY].contains(&status),
+            "{status} for {doc}"
+        );
+        status
     });
     fuzz("submissions", 200, mutations_of(submission), |doc| {
         let (status, body) = lab.post_json(&uri, doc, None);

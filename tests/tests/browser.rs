@@ -368,15 +368,7 @@ async fn a_teacher_makes_an_account_and_an_ended_session_signs_in_again() -> Res
     }
     let env = vec![("DISTLAB_AUTH".to_string(), "accounts".to_string())];
     let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
-    let mut add = Command::new(distlab_tests::bin_path("distlab-server"))
-        .args(["user", "add", "teacher", "--admin"])
-        .arg("--data-dir")
-        .arg(lab.data_dir.path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()?;
-    std::io::Write::write_all(&mut add.stdin.take().context("stdin")?, b"correct horse\n")?;
-    ensure!(add.wait()?.success(), "distlab-server user add failed");
+    add_user(&lab, "teacher", "correct horse", true)?;
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
     let result = sign_in_scenario(&client, &lab).await;
@@ -385,6 +377,190 @@ async fn a_teacher_makes_an_account_and_an_ended_session_signs_in_again() -> Res
     }
     let _ = client.close().await;
     result
+}
+
+/// A class with a teacher and two students: the teacher hands out the ready-made compression
+/// assignment, a student completes it (see `assignment_scenario`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_teacher_hands_out_an_assignment_and_a_student_completes_it() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let env = vec![("DISTLAB_AUTH".to_string(), "accounts".to_string())];
+    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
+    add_user(&lab, "teacher", "correct horse", true)?;
+    add_user(&lab, "ada", "battery staple", false)?;
+    add_user(&lab, "bob", "stapled battery", false)?;
+    let driver = ChromeDriver::start()?;
+    let client = driver.connect().await?;
+    let result = assignment_scenario(&client, &lab).await;
+    if result.is_err() {
+        let _ = save_screenshot(&client, "failure-assignment.png").await;
+    }
+    let _ = client.close().await;
+    result
+}
+
+/// Waits until the header says `who` is signed in (the page shown is the one the browser was
+/// on before).
+async fn signed_in(c: &Client, who: &str) -> Result<()> {
+    wait_for(c, &format!("{who} signed in"), Duration::from_secs(15), || async {
+        Ok(exists(c, "#signed-in-as").await? && text(c, "#signed-in-as").await? == who)
+    })
+    .await
+}
+
+/// `distlab-server user add NAME [--admin]` on the lab's data, the password on stdin.
+fn add_user(lab: &Lab, name: &str, password: &str, admin: bool) -> Result<()> {
+    let mut add = Command::new(distlab_tests::bin_path("distlab-server"));
+    add.args(["user", "add", name]);
+    if admin {
+        add.arg("--admin");
+    }
+    let mut add = add.arg("--data-dir").arg(lab.data_dir.path()).stdin(Stdio::piped()).stdout(Stdio::null()).spawn()?;
+    std::io::Write::write_all(&mut add.stdin.take().context("stdin")?, format!("{password}\n").as_bytes())?;
+    ensure!(add.wait()?.success(), "distlab-server user add {name} failed");
+    Ok(())
+}
+
+/// The teacher writes an assignment from the ready-made compression one (a wrong field
+/// first: the server names it). ada opens it: the instructions' Markdown is rendered, only
+/// the open fields are editable; an answer that is not a number is refused in the page; she
+/// submits with a wrong prediction and sees it judged wrong with the measured number once
+/// the run has finished, then submits again with that number and it is right (both kept).
+/// The teacher's class page shows ada's runs, her latest run's loss and measured bytes,
+/// bob as not submitted; the teacher grades her text answer, and the gradebook says so.
+async fn assignment_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/")).await?;
+    wait_for(c, "the sign-in page", Duration::from_secs(30), || exists(c, "#sign-in-page")).await?;
+    sign_in_as(c, "teacher", "correct horse").await?;
+    wait_for(c, "the experiments page", Duration::from_secs(15), || exists(c, "#compare-selected")).await?;
+    c.find(Locator::Css("#nav-assignments")).await?.click().await?;
+    wait_for(c, "the assignment writer", Duration::from_secs(15), || exists(c, "#new-assignment")).await?;
+    ensure!(exists(c, "#no-assignments").await?, "a new class has no assignment");
+    c.execute(
+        "const e = document.querySelector('#ready-made'); e.value = '2'; \
+         e.dispatchEvent(new Event('change', {bubbles: true}));",
+        vec![],
+    )
+    .await?;
+    wait_for(c, "the ready-made compression assignment", Duration::from_secs(5), || async {
+        Ok(c.find(Locator::Css("#assignment-title-input"))
+            .await?
+            .prop("value")
+            .await?
+            .unwrap_or_default()
+            .contains("Compress"))
+    })
+    .await?;
+    type_into(c, "#assignment-editable", "parallel.compression_ratio, parallel.no_such_field").await?;
+    c.find(Locator::Css("#create-assignment")).await?.click().await?;
+    wait_for(c, "the server's refusal", Duration::from_secs(15), || exists(c, "#assignment-create-refused")).await?;
+    let refused = text(c, "#assignment-create-refused").await?;
+    ensure!(refused.contains("editable[1]") && refused.contains("no_such_field"), "{refused}");
+    type_into(c, "#assignment-editable", "parallel.grad_compression, parallel.compression_ratio").await?;
+    c.find(Locator::Css("#create-assignment")).await?.click().await?;
+    wait_for(c, "the assignment handed out", Duration::from_secs(15), || exists(c, "#assignment-created a")).await?;
+    wait_for(c, "the assignment listed", Duration::from_secs(15), || exists(c, "#assignments tr")).await?;
+    save_full_page(c, "assignment-writer.png").await?;
+    c.find(Locator::Css("#sign-out")).await?.click().await?;
+
+    // ada completes it.
+    wait_for(c, "the sign-in page", Duration::from_secs(15), || exists(c, "#sign-in-page")).await?;
+    sign_in_as(c, "ada", "battery staple").await?;
+    signed_in(c, "ada").await?;
+    c.find(Locator::Css("#nav-assignments")).await?.click().await?;
+    wait_for(c, "the list", Duration::from_secs(15), || exists(c, "#assignments tr a")).await?;
+    ensure!(!exists(c, "#new-assignment").await?, "a student has no assignment writer");
+    c.find(Locator::Css("#assignments tr a")).await?.click().await?;
+    wait_for(c, "the assignment", Duration::from_secs(15), || exists(c, "#assignment-form")).await?;
+    ensure!(exists(c, "#assignment-instructions strong").await?, "the instructions' Markdown is rendered");
+    ensure!(!exists(c, "#class-view").await?, "a student does not see the class");
+    let paths =
+        js(c, "return [...document.querySelectorAll('.assignment-field')].map(e => e.dataset.path);", "").await?;
+    ensure!(paths == json!(["parallel.compression_ratio", "parallel.grad_compression"]), "editable fields: {paths}");
+    type_into(c, ".assignment-field[data-path='parallel.compression_ratio']", "0.05").await?;
+    type_into(c, ".question[data-question='0'] .answer-number", "a lot").await?;
+    c.find(Locator::Css("#submit-assignment")).await?.click().await?;
+    wait_for(c, "the page's refusal", Duration::from_secs(5), || exists(c, "#assignment-refused")).await?;
+    ensure!(
+        text(c, "#assignment-refused").await?.contains("is not a number"),
+        "{}",
+        text(c, "#assignment-refused").await?
+    );
+    type_into(c, ".question[data-question='0'] .answer-number", "1").await?;
+    c.find(Locator::Css(".question[data-question='1'] .answer-option[value='0']")).await?.click().await?;
+    type_into(c, ".question[data-question='2'] .answer-text", "Error feedback keeps what was not sent.").await?;
+    c.find(Locator::Css("#submit-assignment")).await?.click().await?;
+    wait_for(c, "the submission", Duration::from_secs(15), || exists(c, "#assignment-submitted")).await?;
+    let judged = "#my-submissions tr.submission td.verdict[data-question='0']:not(.verdict-pending)";
+    wait_for(c, "the verdicts", Duration::from_secs(240), || exists(c, judged)).await?;
+    let first = attr(c, judged, "class").await?.unwrap_or_default();
+    ensure!(first.contains("verdict-wrong"), "a prediction of 1 byte is wrong: {first}");
+    let measured: f64 = attr(c, judged, "data-measured").await?.context("the measured bytes")?.parse()?;
+    ensure!(measured > 1000.0, "the run measured {measured} bytes per step");
+    let choice = attr(c, "#my-submissions td.verdict[data-question='1']", "class").await?.unwrap_or_default();
+    ensure!(
+        choice.contains("verdict-right") || choice.contains("verdict-wrong"),
+        "the loss question is judged: {choice}"
+    );
+    ensure!(
+        attr(c, "#my-submissions td.verdict[data-question='2']", "class")
+            .await?
+            .unwrap_or_default()
+            .contains("verdict-to_grade"),
+        "the text answer waits for the teacher"
+    );
+    save_full_page(c, "assignment-verdict.png").await?;
+    // Again, with the number the run measured: right, and the first submission stays.
+    type_into(c, ".question[data-question='0'] .answer-number", &format!("{measured}")).await?;
+    c.find(Locator::Css("#submit-assignment")).await?.click().await?;
+    wait_for(c, "both submissions judged", Duration::from_secs(240), || async {
+        let rows = js(c, "return document.querySelectorAll('#my-submissions tr.submission td.verdict-right[data-question=\"0\"]').length + '/' + document.querySelectorAll('#my-submissions tr.submission').length;", "").await?;
+        Ok(rows == json!("1/2"))
+    })
+    .await?;
+    c.find(Locator::Css("#sign-out")).await?.click().await?;
+
+    // The teacher sees the class.
+    wait_for(c, "the sign-in page", Duration::from_secs(15), || exists(c, "#sign-in-page")).await?;
+    sign_in_as(c, "teacher", "correct horse").await?;
+    signed_in(c, "teacher (admin)").await?;
+    c.find(Locator::Css("#nav-assignments")).await?.click().await?;
+    wait_for(c, "the list", Duration::from_secs(15), || exists(c, "#assignments tr a")).await?;
+    c.find(Locator::Css("#assignments tr a")).await?.click().await?;
+    wait_for(c, "the class", Duration::from_secs(15), || exists(c, "#class-view #class-summary")).await?;
+    wait_for(c, "ada's loss curve", Duration::from_secs(15), || async {
+        Ok(attr(c, "#class-loss #overlay-chart", "data-lines").await?.as_deref() == Some("1"))
+    })
+    .await?;
+    ensure!(text(c, "#not-submitted").await?.contains("bob"), "bob has not submitted");
+    ensure!(!text(c, "#not-submitted").await?.contains("ada"), "ada has");
+    let rows = js(c, "return document.querySelectorAll('#class-view tr.submission[data-student=\"ada\"]').length;", "")
+        .await?;
+    ensure!(rows == json!(2), "the class table keeps both of ada's submissions: {rows}");
+    let bar = text(c, ".quantity-bars[data-question='0'] .quantity-row[data-student='ada'] .num").await?;
+    ensure!(!bar.contains("not measured"), "ada's bytes are drawn: {bar}");
+    // The teacher grades ada's latest text answer.
+    let latest_text = "#class-view tr.submission[data-student='ada'] td.verdict[data-question='2']";
+    c.find(Locator::Css(&format!("{latest_text} .grade-right"))).await?.click().await?;
+    wait_for(c, "the graded answer", Duration::from_secs(15), || async {
+        Ok(attr(c, latest_text, "class").await?.unwrap_or_default().contains("verdict-right"))
+    })
+    .await?;
+    let csv = c
+        .execute_async(
+            "const done = arguments[arguments.length - 1]; \
+             fetch(document.querySelector('#grades-csv').href).then(r => r.text()).then(done);",
+            vec![],
+        )
+        .await?;
+    let csv = csv.as_str().context("csv text")?;
+    let ada = csv.lines().find(|l| l.starts_with("ada,")).context("ada's line in the gradebook")?;
+    ensure!(ada.contains(",right,"), "ada's latest answer is right in the gradebook: {ada}");
+    ensure!(csv.lines().any(|l| l.starts_with("bob,")), "bob has an empty line: {csv}");
+    save_full_page(c, "assignment-class.png").await?;
+    Ok(())
 }
 
 async fn type_into(c: &Client, selector: &str, value: &str) -> Result<()> {

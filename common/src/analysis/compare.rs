@@ -65,6 +65,11 @@ pub struct RunStats {
     pub predicted_dp_comm_bytes_per_step: Option<u64>,
     /// The planner's pipeline bubble: (P-1)/(M+P-1), 0 without pipeline parallelism.
     pub predicted_bubble: Option<f64>,
+    /// The pipeline bubble measured: the run's step replayed from its stages' passes with a
+    /// core per stage, as the formulas count it (`pipeline::replayed_bubble`); None without
+    /// pipeline parallelism.
+    #[serde(default)]
+    pub bubble: Option<f64>,
 }
 
 /// Mean milliseconds per recorded step and rank.
@@ -484,6 +489,7 @@ pub fn run_stats(
         dp_comm_bytes_from_formula: ranks.iter().flat_map(|r| &r.comm.counters).any(|c| c.bytes_from_formula),
         predicted_dp_comm_bytes_per_step: plan.map(busiest_dp_comm),
         predicted_bubble: plan.map(|p| p.bubble_fraction),
+        bubble: crate::analysis::pipeline::replayed_bubble(&view.spec, ranks),
     }
 }
 
@@ -515,7 +521,7 @@ pub fn summary_csv(view: &CompareView) -> String {
     let mut out = String::from(
         "experiment_id,name,status,world_size,final_loss,tokens_per_s,mfu,step_ms,compute_ms,comm_ms,idle_ms,\
          peak_parameters,peak_gradients,peak_optimizer_state,peak_activations,peak_total,\
-         dp_comm_bytes_per_step,predicted_dp_comm_bytes_per_step,predicted_bubble\n",
+         dp_comm_bytes_per_step,predicted_dp_comm_bytes_per_step,bubble,predicted_bubble\n",
     );
     let opt = |x: Option<f64>| x.map(|v| v.to_string()).unwrap_or_default();
     let opt_u = |x: Option<u64>| x.map(|v| v.to_string()).unwrap_or_default();
@@ -524,7 +530,7 @@ pub fn summary_csv(view: &CompareView) -> String {
         let split = s.time_split;
         let peak = s.peak_memory.as_ref();
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             run.experiment.id,
             csv_field(&run.experiment.name),
             run.experiment.status.as_str(),
@@ -543,6 +549,7 @@ pub fn summary_csv(view: &CompareView) -> String {
             opt_u(peak.map(|m| m.total)),
             opt(s.dp_comm_bytes_per_step),
             opt_u(s.predicted_dp_comm_bytes_per_step),
+            opt(s.bubble),
             opt(s.predicted_bubble),
         ));
     }

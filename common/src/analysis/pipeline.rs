@@ -5,6 +5,7 @@
 
 use crate::plan::schedule::{Action, Pipeline};
 use crate::wire::trace::{lane, RankTrace, Span, SpanKind};
+use crate::ExperimentSpec;
 
 /// True for the spans a pipeline timeline draws: forwards, backwards (B and W) and waits
 /// on the compute lane.
@@ -115,6 +116,42 @@ pub fn stage_durations(rows: &[StageRow], stage_of: &[usize], stages: usize) -> 
             })
         })
         .collect()
+}
+
+/// `step` of a run replayed with a core per stage, as the schedules' formulas assume: each
+/// stage's passes as they take with a core to themselves ([`stage_durations`], pooled over
+/// every recorded step after the first, the warm-up) laid out by the schedule
+/// ([`project`]). The stages' durations and the replay's bubble; None without a pipeline
+/// trace in which every stage has a forward and a backward.
+pub fn replay_with_a_core_per_stage(
+    spec: &ExperimentSpec,
+    ranks: &[RankTrace],
+    step: u64,
+) -> Option<(Vec<StageDurations>, Bubble)> {
+    let steps = recorded_steps(ranks);
+    let mut pooled = stage_rows(ranks, step);
+    pooled.iter_mut().for_each(|r| r.spans.clear());
+    for &s in steps.iter().filter(|&&s| s > 0 || steps.len() == 1) {
+        for (row, more) in pooled.iter_mut().zip(stage_rows(ranks, s)) {
+            row.spans.extend(more.spans);
+        }
+    }
+    let pipe = Pipeline::of(spec);
+    let stages: Vec<usize> = pooled.iter().map(|r| spec.stage_of(r.rank as usize)).collect();
+    let durations = stage_durations(&pooled, &stages, pipe.stages)?;
+    let bubble = measured_bubble(&project(pipe, &durations, step)?)?;
+    Some((durations, bubble))
+}
+
+/// A pipelined run's bubble as the schedules' formulas count it: its default step replayed
+/// with a core per stage ([`replay_with_a_core_per_stage`]); None without pipeline
+/// parallelism or its trace.
+pub fn replayed_bubble(spec: &ExperimentSpec, ranks: &[RankTrace]) -> Option<f64> {
+    if spec.parallel.pp < 2 {
+        return None;
+    }
+    let step = default_step(&recorded_steps(ranks))?;
+    replay_with_a_core_per_stage(spec, ranks, step).map(|(_, bubble)| bubble.overall)
 }
 
 /// ZB-H1's bubble with passes of `f`, `b` and `w` µs on P stages and M micro-batches

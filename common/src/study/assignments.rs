@@ -16,6 +16,8 @@ use crate::spec::field_error::FieldError;
 use crate::wire::events::ExperimentStatus;
 use crate::ExperimentSpec;
 
+pub mod ready_made;
+
 pub const MAX_TITLE: usize = 200;
 pub const MAX_INSTRUCTIONS: usize = 20_000;
 pub const MAX_QUESTIONS: usize = 20;
@@ -43,6 +45,9 @@ pub enum Quantity {
     DpBytesPerStep,
     /// Mean step time in milliseconds.
     StepMs,
+    /// The pipeline bubble in percent: the step replayed from its stages' measured passes
+    /// with a core per stage, as the schedules' formulas count it.
+    BubblePercent,
 }
 
 impl Quantity {
@@ -56,6 +61,7 @@ impl Quantity {
             Quantity::PeakMemoryMib => "the busiest rank's peak memory (MiB)",
             Quantity::DpBytesPerStep => "data-parallel bytes per step, busiest rank",
             Quantity::StepMs => "mean step time (ms)",
+            Quantity::BubblePercent => "the pipeline bubble (%)",
         }
     }
 
@@ -70,6 +76,7 @@ impl Quantity {
             Quantity::PeakMemoryMib => stats.peak_memory.as_ref().map(|m| m.total as f64 / (1u64 << 20) as f64),
             Quantity::DpBytesPerStep => stats.dp_comm_bytes_per_step,
             Quantity::StepMs => stats.step_ms,
+            Quantity::BubblePercent => stats.bubble.map(|b| b * 100.0),
         }
     }
 }
@@ -162,6 +169,16 @@ pub struct NewSubmission {
     pub answers: Vec<GivenAnswer>,
 }
 
+/// `PUT /api/assignments/{id}/submissions/{submission}/grade` (admins): the teacher's verdict
+/// on a text answer; grading the same answer again replaces it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TextGrade {
+    pub question: usize,
+    pub right: bool,
+}
+
 /// Where an answer stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -175,8 +192,22 @@ pub enum VerdictState {
     Missing,
     /// The run did not measure the quantity (it failed, or measures no such thing).
     NotMeasured,
-    /// Text, for the teacher to grade.
+    /// Text the teacher has not graded yet (graded, it is right or wrong).
     ToGrade,
+}
+
+impl VerdictState {
+    /// As the API and the gradebook write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VerdictState::Pending => "pending",
+            VerdictState::Right => "right",
+            VerdictState::Wrong => "wrong",
+            VerdictState::Missing => "missing",
+            VerdictState::NotMeasured => "not_measured",
+            VerdictState::ToGrade => "to_grade",
+        }
+    }
 }
 
 /// An answer's verdict, with the number the run measured.
@@ -305,6 +336,65 @@ fn is_rfc3339(s: &str) -> bool {
         && (s.ends_with('Z') || s.ends_with('z') || s[16..].contains('+') || s[16..].contains('-'))
 }
 
+/// The spec's fields a student may change, `(path, value)` in the order of their paths: every
+/// field `editable` names, or lies under one it names.
+pub fn editable_fields(spec: &ExperimentSpec, editable: &[String]) -> Vec<(String, String)> {
+    let mut fields: Vec<(String, String)> = flatten(spec)
+        .into_iter()
+        .filter(|(path, _)| path != "name" && editable.iter().any(|e| path == e || path.starts_with(&format!("{e}."))))
+        .collect();
+    // A field a spec may leave out (null) is still the student's to fill in.
+    for e in editable {
+        if OPTIONAL_FIELDS.contains(&e.as_str()) && fields.iter().all(|(p, _)| p != e) {
+            fields.push((e.clone(), String::new()));
+        }
+    }
+    fields
+}
+
+/// `spec` with the field at `path` ("parallel.dp") set to `raw`, read as the kind of value
+/// the field holds (a number, true/false, a name); an empty `raw` clears a field the spec
+/// may leave out. The error says what is wrong in words.
+pub fn with_field(spec: &ExperimentSpec, path: &str, raw: &str) -> Result<ExperimentSpec, String> {
+    use serde_json::Value;
+    let mut value = serde_json::to_value(spec).map_err(|e| e.to_string())?;
+    let mut slot = &mut value;
+    for key in path.split('.') {
+        slot = slot
+            .as_object_mut()
+            .and_then(|fields| {
+                if !fields.contains_key(key) && OPTIONAL_FIELDS.contains(&path) {
+                    fields.insert(key.to_string(), Value::Null);
+                }
+                fields.get_mut(key)
+            })
+            .ok_or_else(|| format!("the spec has no field '{}'", clip(path)))?;
+    }
+    let raw = raw.trim();
+    *slot = match &*slot {
+        Value::Number(_) => {
+            let number: f64 = raw.parse().map_err(|_| format!("{path}: '{}' is not a number", clip(raw)))?;
+            serde_json::from_str(raw)
+                .ok()
+                .filter(Value::is_number)
+                .or_else(|| serde_json::Number::from_f64(number).map(Value::Number))
+                .ok_or_else(|| format!("{path}: '{}' is not a finite number", clip(raw)))?
+        }
+        Value::Bool(_) => match raw {
+            "true" => Value::Bool(true),
+            "false" => Value::Bool(false),
+            _ => return Err(format!("{path}: true or false, not '{}'", clip(raw))),
+        },
+        Value::String(_) => Value::String(raw.to_string()),
+        Value::Null if raw.is_empty() => Value::Null,
+        Value::Null => serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string())),
+        Value::Object(_) | Value::Array(_) => {
+            serde_json::from_str(raw).map_err(|e| format!("{path}: not JSON ({e})"))?
+        }
+    };
+    serde_json::from_value(value).map_err(|e| format!("{path}: {e}"))
+}
+
 /// The fields `submitted` changes from the assignment's `start`, each refused unless
 /// `editable` names it (or a field above it); the run's name is always the student's.
 pub fn disallowed_changes(start: &ExperimentSpec, submitted: &ExperimentSpec, editable: &[String]) -> Vec<FieldError> {
@@ -362,11 +452,26 @@ pub fn answer_problems(questions: &[Question], answers: &[GivenAnswer]) -> Vec<F
     out
 }
 
+/// Every problem with grading `grade` on a submission's `answers`: the question must ask for
+/// text, and have been answered.
+pub fn grade_problems(questions: &[Question], answers: &[GivenAnswer], grade: &TextGrade) -> Vec<FieldError> {
+    let problem = match questions.get(grade.question) {
+        None => format!("no question {} (there are {})", grade.question, questions.len()),
+        Some(Question { answer: QuestionKind::Text, .. }) if answers.iter().any(|a| a.question == grade.question) => {
+            return Vec::new()
+        }
+        Some(Question { answer: QuestionKind::Text, .. }) => format!("question {} was not answered", grade.question),
+        Some(_) => format!("question {} is checked by the run, not graded", grade.question),
+    };
+    vec![FieldError::new("question", problem)]
+}
+
 /// Each question's verdict on `answers`, once the run is `status`; `measure` gives a
-/// quantity as the run measured it.
+/// quantity as the run measured it, `grades` are the teacher's on the text answers.
 pub fn verdicts(
     questions: &[Question],
     answers: &[GivenAnswer],
+    grades: &[TextGrade],
     status: ExperimentStatus,
     measure: impl Fn(Quantity) -> Option<f64>,
 ) -> Vec<Verdict> {
@@ -379,7 +484,12 @@ pub fn verdicts(
             let quantity = match &q.answer {
                 QuestionKind::Number { quantity, .. } | QuestionKind::Choice { quantity, .. } => *quantity,
                 QuestionKind::Text => {
-                    let state = if given.is_some() { VerdictState::ToGrade } else { VerdictState::Missing };
+                    let state = match (given, grades.iter().find(|g| g.question == i)) {
+                        (None, _) => VerdictState::Missing,
+                        (Some(_), None) => VerdictState::ToGrade,
+                        (Some(_), Some(g)) if g.right => VerdictState::Right,
+                        (Some(_), Some(_)) => VerdictState::Wrong,
+                    };
                     return verdict(state, None, None);
                 }
             };
@@ -512,15 +622,55 @@ mod tests {
             Quantity::FinalLoss => Some(2.3),
             _ => None,
         };
-        let v = verdicts(&q, &answers, ExperimentStatus::Succeeded, measure);
+        let v = verdicts(&q, &answers, &[], ExperimentStatus::Succeeded, measure);
         let states: Vec<VerdictState> = v.iter().map(|v| v.state).collect();
         assert_eq!(states, [VerdictState::Right, VerdictState::Wrong, VerdictState::ToGrade]);
         assert_eq!((v[0].measured, v[1].measured, v[1].right_option), (Some(10.0), Some(2.3), Some(0)));
         // 6% off is wrong at 5%; a run still going is pending; a quantity not measured says so.
         let off = vec![GivenAnswer { question: 0, number: Some(10.6), option: None, text: None }];
-        assert_eq!(verdicts(&q, &off, ExperimentStatus::Succeeded, measure)[0].state, VerdictState::Wrong);
-        assert_eq!(verdicts(&q, &off, ExperimentStatus::Running, measure)[0].state, VerdictState::Pending);
-        assert_eq!(verdicts(&q, &off, ExperimentStatus::Failed, |_| None)[0].state, VerdictState::NotMeasured);
-        assert_eq!(verdicts(&q, &[], ExperimentStatus::Succeeded, measure)[1].state, VerdictState::Missing);
+        assert_eq!(verdicts(&q, &off, &[], ExperimentStatus::Succeeded, measure)[0].state, VerdictState::Wrong);
+        assert_eq!(verdicts(&q, &off, &[], ExperimentStatus::Running, measure)[0].state, VerdictState::Pending);
+        assert_eq!(verdicts(&q, &off, &[], ExperimentStatus::Failed, |_| None)[0].state, VerdictState::NotMeasured);
+        assert_eq!(verdicts(&q, &[], &[], ExperimentStatus::Succeeded, measure)[1].state, VerdictState::Missing);
+    }
+
+    #[test]
+    fn the_teacher_grades_text_answers_only() {
+        let q = assignment().questions;
+        let answered = vec![GivenAnswer { question: 2, number: None, option: None, text: Some("because".into()) }];
+        let graded = |right| [TextGrade { question: 2, right }];
+        let state =
+            |grades: &[TextGrade]| verdicts(&q, &answered, grades, ExperimentStatus::Running, |_| None)[2].state;
+        assert_eq!(state(&[]), VerdictState::ToGrade);
+        assert_eq!(state(&graded(true)), VerdictState::Right);
+        assert_eq!(state(&graded(false)), VerdictState::Wrong);
+        assert!(grade_problems(&q, &answered, &graded(true)[0]).is_empty());
+        let problem = |question| grade_problems(&q, &answered, &TextGrade { question, right: true })[0].message.clone();
+        assert!(problem(0).contains("checked by the run"), "{}", problem(0));
+        assert!(problem(7).contains("no question 7"), "{}", problem(7));
+        assert!(grade_problems(&q, &[], &graded(true)[0])[0].message.contains("not answered"));
+    }
+
+    #[test]
+    fn a_student_edits_only_the_open_fields_each_read_as_its_kind() {
+        let a = assignment();
+        let fields = editable_fields(&a.spec, &a.editable);
+        assert_eq!(fields, [("parallel.dp".to_string(), "2".to_string())]);
+        let spec = with_field(&a.spec, "parallel.dp", " 4 ").unwrap();
+        assert_eq!(spec.parallel.dp, 4);
+        assert!(disallowed_changes(&a.spec, &spec, &a.editable).is_empty());
+        assert!(with_field(&a.spec, "parallel.dp", "four").unwrap_err().contains("not a number"));
+        assert!(with_field(&a.spec, "parallel.dp", "-1").is_err(), "a dp is not negative");
+        assert!(with_field(&a.spec, "parallel.nothing", "1").unwrap_err().contains("no field"));
+        let spec = with_field(&a.spec, "parallel.sharding", "zero2").unwrap();
+        assert_eq!(spec.parallel.sharding, crate::Sharding::Zero2);
+        assert!(with_field(&a.spec, "parallel.sharding", "zero9").is_err());
+        let spec = with_field(&a.spec, "train.lr", "1e-3").unwrap();
+        assert_eq!(spec.train.lr, 1e-3);
+        // A field the spec may leave out is offered empty, and an empty value leaves it out.
+        let open = editable_fields(&a.spec, &["data.upload_id".to_string()]);
+        assert_eq!(open, [("data.upload_id".to_string(), String::new())]);
+        assert_eq!(with_field(&a.spec, "data.upload_id", "").unwrap().data.upload_id, None);
+        assert_eq!(with_field(&a.spec, "data.upload_id", "7").unwrap().data.upload_id, Some(7));
     }
 }

@@ -339,7 +339,7 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
                     <td class="num">{mem(|m| m.activations)}</td>
                     <td class="num">{mem(|m| m.total)}</td>
                     <td class="num">{dp_bytes(s, run.experiment.spec.world_size())}" / "{opt(s.predicted_dp_comm_bytes_per_step.map(|b| b as f64), format::bytes)}</td>
-                    <td class="num">{opt(s.predicted_bubble, format::percent)}</td>
+                    <td class="num">{opt(s.bubble, format::percent)}" / "{opt(s.predicted_bubble, format::percent)}</td>
                 </tr>
             }
         })
@@ -356,7 +356,7 @@ fn summary_table(runs: &[ComparedRun]) -> impl IntoView {
                         <th title="waiting: pipeline neighbours, the last bucket">"idle ms"</th>
                         <th>"params"</th><th>"grads"</th><th>"optimizer"</th><th>"activations"</th><th>"peak total"</th>
                         <th title="data-parallel bytes the busiest rank sent per step: measured / planner">"DP comm per step (measured / planned)"</th>
-                        <th title="the planner's (P-1)/(M+P-1)">"bubble"</th>
+                        <th title="measured (the step replayed from its stages' passes with a core per stage) / the planner's (P-1)/(M+P-1)">"bubble"</th>
                     </tr>
                 </thead>
                 <tbody>{rows}</tbody>

@@ -1,8 +1,9 @@
 //! The screens: the list of experiments, the form for a new one, one experiment live,
 //! the ring replay of its collectives, the flashcards and the quiz, signing in and the
-//! teacher's accounts page.
+//! teacher's accounts page, and the assignments a teacher hands out.
 
 pub mod accounts;
+pub mod assignments;
 pub mod cards;
 pub mod compare;
 pub mod experiment;

@@ -26,6 +26,20 @@ impl Session {
         matches!(self, Session::SignedOut | Session::Ended)
     }
 
+    /// Whether the signed-in person is an admin: a teacher on a server with accounts, whoever
+    /// runs it on one without.
+    pub fn is_admin(&self) -> bool {
+        matches!(self, Session::SignedIn(me) if me.admin)
+    }
+
+    /// The signed-in person's name.
+    pub fn name(&self) -> Option<String> {
+        match self {
+            Session::SignedIn(me) => Some(me.name.clone()),
+            _ => None,
+        }
+    }
+
     /// Whether the signed-in person manages the class's accounts.
     pub fn is_teacher(&self) -> bool {
         matches!(self, Session::SignedIn(me) if me.admin && me.auth == AuthMode::Accounts)

@@ -1,9 +1,10 @@
 //! Assignments and their submissions: the `assignments` table (each assignment's content as
-//! JSON) and `assignment_submissions` (a student's run and answers; every one kept).
+//! JSON), `assignment_submissions` (a student's run and answers; every one kept) and
+//! `assignment_grades` (the teacher's verdicts on text answers).
 
 use std::time::SystemTime;
 
-use distlab_common::assignments::{Assignment, GivenAnswer, NewAssignment};
+use distlab_common::assignments::{Assignment, GivenAnswer, NewAssignment, TextGrade};
 
 use crate::clock;
 use crate::store::{corrupt, Db, StoreError};
@@ -65,6 +66,8 @@ pub struct StoredSubmission {
     pub answers: Vec<GivenAnswer>,
     pub late: bool,
     pub submitted_at: String,
+    /// The teacher's grades of its text answers.
+    pub grades: Vec<TextGrade>,
 }
 
 /// Keeps `student`'s submission to assignment `assignment_id`: run `experiment_id` and
@@ -99,6 +102,7 @@ pub async fn submit(
         answers: answers.to_vec(),
         late,
         submitted_at,
+        grades: Vec::new(),
     })
 }
 
@@ -118,18 +122,45 @@ pub async fn submissions(
     assignment_id: i64,
     student: Option<&str>,
 ) -> Result<Vec<StoredSubmission>, StoreError> {
+    select(db, assignment_id, student.unwrap_or(""), 0).await
+}
+
+/// Submission `id` of assignment `assignment_id`, if it is one of its.
+pub async fn submission(db: &Db, assignment_id: i64, id: i64) -> Result<Option<StoredSubmission>, StoreError> {
+    Ok(select(db, assignment_id, "", id).await?.pop())
+}
+
+/// The submissions of `assignment_id` by `student` ("": anyone) with id `id` (0: any), each
+/// with its grades.
+async fn select(db: &Db, assignment_id: i64, student: &str, id: i64) -> Result<Vec<StoredSubmission>, StoreError> {
     let rows: Vec<SubmissionRow> = sqlx::query_as(
         "SELECT id, student, experiment_id, answers, late, submitted_at FROM assignment_submissions \
-         WHERE assignment_id = $1 AND ($2 = '' OR student = $2) ORDER BY id DESC",
+         WHERE assignment_id = $1 AND ($2 = '' OR student = $2) AND ($3 = 0 OR id = $3) ORDER BY id DESC",
     )
     .bind(assignment_id)
-    .bind(student.unwrap_or(""))
+    .bind(student)
+    .bind(id)
+    .fetch_all(db)
+    .await?;
+    let grades: Vec<(i64, i64, i64)> = sqlx::query_as(
+        "SELECT g.submission_id, g.question, g.is_right FROM assignment_grades g \
+         JOIN assignment_submissions s ON s.id = g.submission_id \
+         WHERE s.assignment_id = $1 AND ($2 = '' OR s.student = $2) AND ($3 = 0 OR s.id = $3)",
+    )
+    .bind(assignment_id)
+    .bind(student)
+    .bind(id)
     .fetch_all(db)
     .await?;
     rows.into_iter()
         .map(|r| {
             let answers = serde_json::from_str(&r.answers)
                 .map_err(|e| corrupt("stored submission", format!("submission {}: {e}", r.id)))?;
+            let grades = grades
+                .iter()
+                .filter(|g| g.0 == r.id)
+                .map(|&(_, question, right)| TextGrade { question: question.max(0) as usize, right: right != 0 })
+                .collect();
             Ok(StoredSubmission {
                 id: r.id,
                 student: r.student,
@@ -137,7 +168,32 @@ pub async fn submissions(
                 answers,
                 late: r.late != 0,
                 submitted_at: r.submitted_at,
+                grades,
             })
         })
         .collect()
+}
+
+/// Keeps `teacher`'s grade of submission `submission_id`'s text answer, replacing an earlier
+/// one of the same answer.
+pub async fn grade(
+    db: &Db,
+    submission_id: i64,
+    grade: TextGrade,
+    teacher: &str,
+    now: SystemTime,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO assignment_grades (submission_id, question, is_right, graded_by, graded_at) \
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (submission_id, question) \
+         DO UPDATE SET is_right = excluded.is_right, graded_by = excluded.graded_by, graded_at = excluded.graded_at",
+    )
+    .bind(submission_id)
+    .bind(grade.question as i64)
+    .bind(i64::from(grade.right))
+    .bind(teacher)
+    .bind(clock::rfc3339(now))
+    .execute(db)
+    .await?;
+    Ok(())
 }

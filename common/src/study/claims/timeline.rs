@@ -2,7 +2,9 @@
 //! with a core per stage) and the time activation checkpointing's recompute takes.
 
 use super::{checkpointing_name, ms, Inputs, Measurement};
-use crate::analysis::pipeline::{default_step, measured_bubble, project, recorded_steps, stage_durations, stage_rows};
+use crate::analysis::pipeline::{
+    default_step, measured_bubble, recorded_steps, replay_with_a_core_per_stage, stage_rows,
+};
 use crate::plan::schedule::Pipeline;
 use crate::Checkpointing;
 
@@ -14,28 +16,15 @@ pub(super) fn bubble_fraction(input: &Inputs) -> Result<Measurement, String> {
     let step = default_step(&steps).ok_or("the run recorded no timeline")?;
     let rows = stage_rows(run.ranks, step);
     let bubble = measured_bubble(&rows).ok_or("the timeline has no forward or backward")?;
-    // The passes replayed with a core per stage, as the formulas assume: each stage's
-    // forward and backward with a core to themselves (`stage_durations`) over every
-    // recorded step after the first (the warm-up).
-    let mut pooled = rows.clone();
-    pooled.iter_mut().for_each(|r| r.spans.clear());
-    for &s in steps.iter().filter(|&&s| s > 0 || steps.len() == 1) {
-        for (row, more) in pooled.iter_mut().zip(stage_rows(run.ranks, s)) {
-            row.spans.extend(more.spans);
-        }
-    }
-    let pipe = Pipeline::of(spec);
-    let stages: Vec<usize> = rows.iter().map(|r| spec.stage_of(r.rank as usize)).collect();
-    let durations = stage_durations(&pooled, &stages, pipe.stages)
+    // The passes replayed with a core per stage, as the formulas assume.
+    let (durations, projected) = replay_with_a_core_per_stage(spec, run.ranks, step)
         .ok_or("the timeline has a stage without a forward or a backward")?;
+    let pipe = Pipeline::of(spec);
     let passes = durations
         .iter()
         .map(|d| format!("{}+{}", ms(d.forward), ms(d.backward + d.weights)))
         .collect::<Vec<_>>()
         .join(", ");
-    let projected = project(pipe, &durations, step)
-        .and_then(|rows| measured_bubble(&rows))
-        .ok_or("the timeline has a stage without a forward or a backward")?;
     let (p, m_) = (spec.parallel.pp as f64, spec.pipeline_micro_batches() as f64);
     let formula = pipe.formula_bubble();
     // The chapter's simpler count, (N-1)/M with N the stages, for the plain schedules.

@@ -9,6 +9,8 @@
 //! - `POST /api/assignments/{id}/submissions`: a run of the assignment's spec (only its
 //!   editable fields changed) and the answers; the run is queued as the caller's experiment
 //!   under the same checks and quotas as any other. Every submission is kept.
+//! - `PUT  /api/assignments/{id}/submissions/{submission}/grade` (admins): the teacher's
+//!   verdict on a text answer.
 //! - `GET  /api/assignments/{id}/grades.csv` (admins): the gradebook, one line per student.
 
 use axum::extract::{Path, State};
@@ -16,8 +18,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use distlab_common::assignments::{
-    answer_problems, disallowed_changes, verdicts, Assignment, AssignmentView, NewAssignment, NewSubmission, Quantity,
-    QuestionKind, Submission, VerdictState,
+    answer_problems, disallowed_changes, grade_problems, verdicts, Assignment, AssignmentView, NewAssignment,
+    NewSubmission, Quantity, QuestionKind, Submission, TextGrade, VerdictState,
 };
 use distlab_common::{compare, planner, ExperimentStatus, FieldError};
 
@@ -146,9 +148,12 @@ async fn judge(state: &AppState, assignment: &Assignment, s: StoredSubmission) -
     let questions = &assignment.content.questions;
     let (status, verdicts) = match &experiment {
         // The run was deleted: nothing left to measure.
-        None => (ExperimentStatus::Cancelled, verdicts(questions, &s.answers, ExperimentStatus::Cancelled, |_| None)),
+        None => (
+            ExperimentStatus::Cancelled,
+            verdicts(questions, &s.answers, &s.grades, ExperimentStatus::Cancelled, |_| None),
+        ),
         Some(view) if !view.status.is_finished() => {
-            (view.status, verdicts(questions, &s.answers, view.status, |_| None))
+            (view.status, verdicts(questions, &s.answers, &s.grades, view.status, |_| None))
         }
         Some(view) => {
             let metrics = store::experiments::load_metrics(&state.db, view.id).await?;
@@ -158,7 +163,7 @@ async fn judge(state: &AppState, assignment: &Assignment, s: StoredSubmission) -
             let stats = compare::run_stats(view, &metrics, &ranks, traced, plan.as_ref());
             let val_loss = metrics.iter().rev().find_map(|p| p.val_loss);
             let measure = |q: Quantity| q.of(&stats, val_loss);
-            (view.status, verdicts(questions, &s.answers, view.status, measure))
+            (view.status, verdicts(questions, &s.answers, &s.grades, view.status, measure))
         }
     };
     Ok(Submission {
@@ -212,9 +217,55 @@ pub async fn submit(
     Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(submission)).into_response())
 }
 
+/// `PUT /api/assignments/{id}/submissions/{submission}/grade` (admins): 200 with the
+/// submission as judged now; 422 for a question a run checks or one not answered.
+#[utoipa::path(
+    put, path = "/assignments/{id}/submissions/{submission}/grade", operation_id = "grade_answer", tag = "assignments",
+    params(
+        ("id" = i64, Path, description = "the assignment's id"),
+        ("submission" = i64, Path, description = "the submission's id"),
+    ),
+    request_body = distlab_common::assignments::TextGrade,
+    responses(
+        (status = 200, body = distlab_common::assignments::Submission),
+        (status = 403, description = "not an admin", body = distlab_common::ApiError),
+        (status = 404, body = distlab_common::ApiError),
+        (status = 422, description = "not a text answer", body = distlab_common::ApiError),
+    ),
+)]
+pub async fn grade(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Account>,
+    Path((raw_id, raw_submission)): Path<(String, String)>,
+    JsonBody(body): JsonBody<TextGrade>,
+) -> Result<Json<Submission>, HttpError> {
+    require_teacher(&caller, "grade an answer")?;
+    let assignment = load(&state, &raw_id).await?;
+    let not_found = || {
+        HttpError::not_found(format!(
+            "assignment {} has no submission '{}'",
+            assignment.id,
+            truncate(&raw_submission, 40)
+        ))
+    };
+    let submission_id = raw_submission.parse::<i64>().ok().filter(|id| *id > 0).ok_or_else(not_found)?;
+    let stored =
+        store::assignments::submission(&state.db, assignment.id, submission_id).await?.ok_or_else(not_found)?;
+    let problems = grade_problems(&assignment.content.questions, &stored.answers, &body);
+    if !problems.is_empty() {
+        return Err(unprocessable(problems));
+    }
+    store::assignments::grade(&state.db, submission_id, body, &caller.name, clock::now()).await?;
+    tracing::info!(assignment = assignment.id, submission = submission_id, by = %caller.name, "answer graded");
+    let stored =
+        store::assignments::submission(&state.db, assignment.id, submission_id).await?.ok_or_else(not_found)?;
+    Ok(Json(judge(&state, &assignment, stored).await?))
+}
+
 /// `GET /api/assignments/{id}/grades.csv` (admins): per student, their latest submission's
 /// run, status and each answer's verdict (right, wrong, pending, missing, not_measured,
-/// to_grade), the automatic score (right over questions checked by a run), and a line
+/// to_grade), the score (answers right, over the questions a run checks and the text
+/// answers the teacher has graded), and a line
 /// with empty cells for each student without a submission.
 #[utoipa::path(
     get, path = "/assignments/{id}/grades.csv", operation_id = "assignment_grades", tag = "assignments",
@@ -251,17 +302,6 @@ pub async fn grades(
         .into_response())
 }
 
-fn state_name(state: VerdictState) -> &'static str {
-    match state {
-        VerdictState::Pending => "pending",
-        VerdictState::Right => "right",
-        VerdictState::Wrong => "wrong",
-        VerdictState::Missing => "missing",
-        VerdictState::NotMeasured => "not_measured",
-        VerdictState::ToGrade => "to_grade",
-    }
-}
-
 /// A CSV field: quoted when it holds a comma, a quote or a line break; a leading `=`, `+`,
 /// `-` or `@` is prefixed with a quote so that a spreadsheet does not run it as a formula.
 fn csv_field(text: &str) -> String {
@@ -292,10 +332,13 @@ fn grades_csv(assignment: &Assignment, latest: &[Submission], missing: &[String]
         ));
         for v in &s.verdicts {
             out.push(',');
-            out.push_str(state_name(v.state));
+            out.push_str(v.state.as_str());
         }
         let right = s.verdicts.iter().filter(|v| v.state == VerdictState::Right).count();
-        out.push_str(&format!(",{right},{checked}\n"));
+        let graded = s.verdicts.iter().zip(&assignment.content.questions).filter(|(v, q)| {
+            matches!(q.answer, QuestionKind::Text) && matches!(v.state, VerdictState::Right | VerdictState::Wrong)
+        });
+        out.push_str(&format!(",{right},{}\n", checked + graded.count()));
     }
     for name in missing {
         out.push_str(&csv_field(name));
