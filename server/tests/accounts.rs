@@ -138,6 +138,17 @@ async fn who_may_do_what() {
     let running = c.experiment_of("ada").await;
     // (A live stream of a finished experiment ends after its replay.)
     let done = c.finished_experiment_of("ada").await;
+    let assignment_body = json!({
+        "title": "Why?", "spec": {"name": "why", "train": {"steps": 5}},
+        "questions": [{"prompt": "Why?", "answer": {"kind": "text"}}]
+    });
+    let (_, _, assignment) = c.send(As("teach"), Method::POST, "/api/assignments", Some(assignment_body.clone())).await;
+    let assignment = assignment["id"].as_i64().expect("an assignment");
+    let answer =
+        json!({"spec": {"name": "mine", "train": {"steps": 5}}, "answers": [{"question": 0, "text": "because"}]});
+    let submissions = format!("/api/assignments/{assignment}/submissions");
+    let (_, _, submission) = c.send(As("ada"), Method::POST, &submissions, Some(answer.clone())).await;
+    let submission = submission["id"].as_i64().expect("ada's submission");
 
     use StatusCode as S;
     let callers = [Anonymous, As("ada"), As("bob"), As("teach"), CrossOrigin("ada")];
@@ -256,6 +267,42 @@ async fn who_may_do_what() {
             expect: [S::UNAUTHORIZED, S::FORBIDDEN, S::FORBIDDEN, S::CREATED, S::FORBIDDEN],
         },
         Row {
+            method: Method::GET,
+            route: "/api/assignments",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/assignments/{assignment}",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::OK, S::OK, S::OK, S::OK],
+        },
+        Row {
+            method: Method::POST,
+            route: "/api/assignments",
+            body: Some(assignment_body),
+            expect: [S::UNAUTHORIZED, S::FORBIDDEN, S::FORBIDDEN, S::CREATED, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::POST,
+            route: "/api/assignments/{assignment}/submissions",
+            body: Some(answer),
+            expect: [S::UNAUTHORIZED, S::CREATED, S::CREATED, S::CREATED, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::PUT,
+            route: "/api/assignments/{assignment}/submissions/{submission}/grade",
+            body: Some(json!({"question": 0, "right": true})),
+            expect: [S::UNAUTHORIZED, S::FORBIDDEN, S::FORBIDDEN, S::OK, S::FORBIDDEN],
+        },
+        Row {
+            method: Method::GET,
+            route: "/api/assignments/{assignment}/grades.csv",
+            body: None,
+            expect: [S::UNAUTHORIZED, S::FORBIDDEN, S::FORBIDDEN, S::OK, S::FORBIDDEN],
+        },
+        Row {
             method: Method::PUT,
             route: "/api/users/bob/password",
             body: Some(json!({"password": "a new one!"})),
@@ -270,7 +317,9 @@ async fn who_may_do_what() {
                 .route
                 .replace("{running}", &running.to_string())
                 .replace("{done}", &done.to_string())
-                .replace("{profile}", &profile.to_string());
+                .replace("{profile}", &profile.to_string())
+                .replace("{assignment}", &assignment.to_string())
+                .replace("{submission}", &submission.to_string());
             if route.contains("{fresh}") {
                 route = route.replace("{fresh}", &c.experiment_of("ada").await.to_string());
             }

@@ -1378,6 +1378,12 @@ async fn run_and_open_pipeline_page(c: &Client, lab: &Lab, spec: &ExperimentSpec
     let id = lab.submit(spec);
     let exp = lab.wait_finished(id, Duration::from_secs(120));
     ensure!(exp.status == ExperimentStatus::Succeeded, "{} did not succeed: {exp:?}", spec.name);
+    // The run's page gives each stage's MFU.
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the MFU by stage", Duration::from_secs(30), || exists(c, "#stage-mfu")).await?;
+    let stages = text(c, "#stage-mfu").await?;
+    ensure!(stages.split(" · ").count() == spec.parallel.pp && stages.ends_with('%'), "MFU by stage: {stages}");
+    save_element(c, ".summary-grid", &format!("{}-mfu.png", spec.name)).await?;
     c.goto(&lab.url(&format!("/experiments/{id}/pipeline"))).await?;
     wait_for(c, "the schedule", Duration::from_secs(30), || exists(c, "#pipeline-main-svg g.pp-row[data-stage='3']"))
         .await?;

@@ -239,3 +239,25 @@ fn a_runs_mfu_is_its_model_flops_over_the_measured_peak() {
     println!("MFU on {}:\n  predicted: {}\n  measured:  {}\n  {:?}", spec.name, got.predicted, got.measured, got.note);
     assert!(got.agrees, "{got:?}");
 }
+
+/// A pipelined run reports each stage's MFU: the stages' parts of the model's FLOPs per token
+/// at the run's pace, their mean the run's MFU; the first stage, holding the embeddings,
+/// computes more of the model than a middle one.
+#[test]
+fn a_pipelined_run_reports_each_stages_mfu() {
+    let spec = preset("pipeline");
+    let out = tempfile::tempdir().unwrap();
+    run_into(&spec, out.path());
+    let summary: RunSummary =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).unwrap()).unwrap();
+    let mfu = summary.mfu.expect("an MFU");
+    let stages = &summary.stage_mfu;
+    assert_eq!(stages.len(), spec.parallel.pp, "{summary:?}");
+    let mean = stages.iter().sum::<f64>() / stages.len() as f64;
+    assert!((mean - mfu).abs() <= 1e-9 * mfu, "{stages:?} against {mfu}");
+    assert!(stages[0] > stages[1], "{stages:?}");
+    let plan = distlab_common::planner::plan(&spec).unwrap();
+    let flops = plan.stage_flops_per_token(&spec);
+    let expected = mfu * flops.len() as f64 * flops[2] / flops.iter().sum::<f64>();
+    assert!((stages[2] - expected).abs() <= 1e-9 * expected, "{stages:?}");
+}

@@ -128,6 +128,12 @@ pub struct RunSummary {
     /// Model FLOP utilisation: `model_flops_per_s / peak.flops_per_s` (None without a peak).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
+    /// With pipeline parallelism, the MFU of each stage's ranks: all stages run at the
+    /// pipeline's one pace, so a stage's ranks compute its part of the model's FLOPs per
+    /// token (`Plan::stage_flops_per_token`) at the run's tokens/s; their mean is `mfu`.
+    /// Empty without pipeline parallelism (every rank's is `mfu`) or a peak.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_mfu: Vec<f64>,
 }
 
 impl RunSummary {
@@ -137,6 +143,20 @@ impl RunSummary {
         self.model_flops_per_s = flops_per_token * self.tokens_per_s;
         self.mfu = peak.as_ref().filter(|p| p.flops_per_s > 0.0).map(|p| self.model_flops_per_s / p.flops_per_s);
         self.peak = peak;
+        self
+    }
+
+    /// Fills `stage_mfu` from each stage's FLOPs per token (two stages or more): stage s's
+    /// ranks reach `mfu` x stages x its share of the model's FLOPs.
+    pub fn with_stage_utilisation(mut self, stage_flops_per_token: &[f64]) -> Self {
+        let total: f64 = stage_flops_per_token.iter().sum();
+        self.stage_mfu = match self.mfu {
+            Some(mfu) if stage_flops_per_token.len() > 1 && total > 0.0 => {
+                let stages = stage_flops_per_token.len() as f64;
+                stage_flops_per_token.iter().map(|f| mfu * stages * f / total).collect()
+            }
+            _ => Vec::new(),
+        };
         self
     }
 }
@@ -265,5 +285,26 @@ impl From<RunEvent> for StreamEvent {
             RunEvent::Log(l) => StreamEvent::Log(l),
             RunEvent::Trace(t) => StreamEvent::Trace { rank: t.rank },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_stage_computes_its_part_of_the_model_at_the_pipelines_pace() {
+        let peak = DevicePeak { flops_per_s: 100.0, basis: "test".into() };
+        let run = RunSummary { tokens_per_s: 2.0, ..RunSummary::default() }.with_utilisation(10.0, Some(peak));
+        assert_eq!(run.mfu, Some(0.2));
+        // Three stages doing 5, 3 and 2 of the 10 FLOPs per token.
+        let staged = run.clone().with_stage_utilisation(&[5.0, 3.0, 2.0]);
+        let expect = [0.3, 0.18, 0.12];
+        assert!(staged.stage_mfu.iter().zip(expect).all(|(a, b)| (a - b).abs() < 1e-12), "{:?}", staged.stage_mfu);
+        let mean = staged.stage_mfu.iter().sum::<f64>() / 3.0;
+        assert!((mean - 0.2).abs() < 1e-12);
+        assert!(run.clone().with_stage_utilisation(&[10.0]).stage_mfu.is_empty(), "one stage: the run's MFU");
+        let no_peak = RunSummary { tokens_per_s: 2.0, ..RunSummary::default() }.with_utilisation(10.0, None);
+        assert!(no_peak.with_stage_utilisation(&[5.0, 5.0]).stage_mfu.is_empty());
     }
 }

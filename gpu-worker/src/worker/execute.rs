@@ -264,9 +264,12 @@ fn run_ranks(
         Hosts::Gang(gang) => gang.placement.ranks_per_host.len(),
     };
     let peak = || super::peak::run_peak(spec, here, per_rank, hosts_used);
+    let stage_flops = || distlab_common::planner::plan(spec).map(|p| p.stage_flops_per_token(spec)).unwrap_or_default();
     match (summary, runs_rank_0) {
         (None, true) => Err(ExecError::Other("rank 0 finished without a summary".into())),
-        (summary, _) => Ok(summary.map(|s| s.with_utilisation(spec.model.train_flops_per_token(), peak()))),
+        (summary, _) => Ok(summary.map(|s| {
+            s.with_utilisation(spec.model.train_flops_per_token(), peak()).with_stage_utilisation(&stage_flops())
+        })),
     }
 }
 

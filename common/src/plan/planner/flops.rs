@@ -1,7 +1,7 @@
 //! The training FLOPs of one optimizer step: the 6 x parameters x tokens rule, attention's
 //! share, and the forward passes activation checkpointing runs again.
 
-use super::Flops;
+use super::{Flops, StagePlan};
 use crate::spec::{Checkpointing, ExperimentSpec};
 
 /// FLOPs of one optimizer step over all ranks, T = tokens per step:
@@ -32,4 +32,23 @@ pub(super) fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
         total,
         per_rank: total / world_size.max(1) as f64,
     }
+}
+
+/// Each pipeline stage's part of the model's training FLOPs per token: 6 x the (active)
+/// parameters it holds, each counted once on the stage that holds it (the embeddings on the
+/// first, the final norm and an untied head on the last; a tied head's matmul is counted with
+/// the embedding, as the 6N rule does), plus attention for its blocks. They add up to
+/// [`ModelSpec::train_flops_per_token`](crate::spec::ModelSpec::train_flops_per_token).
+pub(super) fn stage_flops_per_token(spec: &ExperimentSpec, stages: &[StagePlan]) -> Vec<f64> {
+    let m = &spec.model;
+    let attention_per_layer = 12.0 * m.seq_len as f64 * m.d_model as f64;
+    stages
+        .iter()
+        .map(|stage| {
+            let held = stage.layers as u64 * m.active_block_params()
+                + if stage.embedding { m.embedding_params() } else { 0 }
+                + if stage.head { m.head_params() } else { 0 };
+            6.0 * held as f64 + attention_per_layer * stage.layers as f64
+        })
+        .collect()
 }

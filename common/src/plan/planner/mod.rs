@@ -214,6 +214,12 @@ pub struct Flops {
 }
 
 impl Plan {
+    /// Each stage's part of the model's training FLOPs per token
+    /// ([`flops::stage_flops_per_token`]); one number without pipeline parallelism.
+    pub fn stage_flops_per_token(&self, spec: &crate::spec::ExperimentSpec) -> Vec<f64> {
+        flops::stage_flops_per_token(spec, &self.stages)
+    }
+
     /// The most activation bytes any one rank holds (the stage with the most).
     pub fn peak_activations(&self) -> u64 {
         self.stages.iter().map(|s| s.memory.activations).max().unwrap_or(0)

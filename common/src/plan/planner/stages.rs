@@ -265,7 +265,28 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 mod tests {
     use super::*;
     use crate::plan::planner::CommVolume;
-    use crate::spec::{Attention, ModelSpec, ParallelSpec, Precision};
+    use crate::spec::{Attention, ModelSpec, ParallelSpec, PpSchedule, Precision};
+
+    #[test]
+    fn the_stages_flops_add_up_to_the_models() {
+        let mut spec = ExperimentSpec::default();
+        spec.model = ModelSpec::dense(4, 64, 4, 32, 64);
+        for (pp, chunks) in [(1, 1), (2, 1), (4, 1), (2, 2)] {
+            spec.parallel.pp = pp;
+            spec.parallel.virtual_stages = chunks;
+            spec.parallel.pp_schedule = if chunks > 1 { PpSchedule::Interleaved } else { PpSchedule::OneFOneB };
+            spec.train.micro_batches = 4;
+            let per_stage = plan(&spec).unwrap().stage_flops_per_token(&spec);
+            assert_eq!(per_stage.len(), pp);
+            let sum: f64 = per_stage.iter().sum();
+            let whole = spec.model.train_flops_per_token();
+            assert!((sum - whole).abs() <= 1e-9 * whole, "pp {pp} x {chunks}: {per_stage:?} vs {whole}");
+            if pp == 4 {
+                // The first stage holds the embeddings, the middle ones a block each.
+                assert!(per_stage[0] > per_stage[1] && per_stage[1] == per_stage[2], "{per_stage:?}");
+            }
+        }
+    }
 
     #[test]
     fn tiny_spec_matches_the_engine_accounting() {

@@ -146,6 +146,14 @@ pub(super) fn SummaryPanel(summary: RunSummary) -> impl IntoView {
                     <dt>"MFU"</dt>
                     <dd id="mfu">{s.mfu.map(|m| format!("{:.1}%", m * 100.0)).unwrap_or("–".into())}</dd>
                 </div>
+                {(!s.stage_mfu.is_empty()).then(|| view! {
+                    <div>
+                        <dt>"MFU by pipeline stage"</dt>
+                        <dd id="stage-mfu">
+                            {s.stage_mfu.iter().map(|m| format!("{:.1}%", m * 100.0)).collect::<Vec<_>>().join(" · ")}
+                        </dd>
+                    </div>
+                })}
             </dl>
             {utilisation_text(&s)}
         </div>
@@ -165,5 +173,8 @@ fn utilisation_text(s: &RunSummary) -> Option<impl IntoView> {
         Some(p) => format!("Peak: {}FLOP/s, the {}.", format::si(p.flops_per_s), p.basis),
         None => "Peak: unknown for this device, so no MFU.".to_string(),
     };
-    Some(view! { <p class="note" id="mfu-formula">{formula} " " {peak}</p> })
+    let stages = (!s.stage_mfu.is_empty()).then_some(
+        " By stage: every stage runs at the pipeline's one pace, so a stage's ranks compute its part of the model's FLOPs per token (its blocks' 6 x parameters and attention, the embeddings on the first stage, the final norm and head on the last) x tokens/s; the stages' mean is the run's MFU.",
+    );
+    Some(view! { <p class="note" id="mfu-formula">{formula} " " {peak} {stages}</p> })
 }
