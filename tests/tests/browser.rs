@@ -1658,7 +1658,13 @@ async fn offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
     let offloaded = "#memory-card .memory-rank[data-rank='1'] .memory-offloaded";
     wait_for(c, "the memory card", Duration::from_secs(30), || exists(c, offloaded)).await?;
-    let line = text(c, ".memory-rank[data-rank='0'] .memory-offloaded").await?;
+    // (each rank's measurement arrives with its trace: the page asks until it has both)
+    let rank0 = ".memory-rank[data-rank='0'] .memory-offloaded";
+    wait_for(c, "rank 0's measured offload", Duration::from_secs(30), || async {
+        Ok(!text(c, rank0).await?.contains("not measured yet"))
+    })
+    .await?;
+    let line = text(c, rank0).await?;
     let between = |from: &str, to: &str| line.split(from).nth(1).and_then(|rest| rest.split(to).next()).map(str::trim);
     let (measured, predicted) = (between("measured ", "·"), between("planner ", ". On"));
     ensure!(measured.is_some() && measured == predicted, "offloaded, measured and planned alike: {line}");

@@ -42,6 +42,9 @@ use crate::load::{load_keeping, loading_card, Loaded};
 /// Log lines kept on the page.
 const MAX_LOG: usize = 300;
 
+/// Requests for a finished run's traces at most, the first included.
+const MAX_TRACE_ASKS: u32 = 10;
+
 #[component]
 pub fn ExperimentPage() -> impl IntoView {
     let params = use_params_map();
@@ -162,6 +165,22 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
         }
         finished
     });
+    // A finished run whose memory still lacks a rank's measurement (that rank's trace landed
+    // after the page asked, and no stream told it): asked again every 2 s, 10 times at most.
+    let lacks_a_rank = move || {
+        traces
+            .get_untracked()
+            .is_some_and(|t| t.memory.as_ref().is_some_and(|m| m.ranks.iter().any(|r| r.measured.is_none())))
+    };
+    let ask_again = move || {
+        let finished = status.get_untracked().is_some_and(|s| s.is_finished());
+        if finished && trace_asks.get_untracked() < MAX_TRACE_ASKS && lacks_a_rank() {
+            ask_traces();
+        }
+    };
+    if let Ok(handle) = set_interval_with_handle(ask_again, Duration::from_secs(2)) {
+        on_cleanup(move || handle.clear());
+    }
 
     let on_event = move |event: StreamEvent| {
         stream_state.try_set("live");
