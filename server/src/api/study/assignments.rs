@@ -249,7 +249,7 @@ pub async fn grade(
         ))
     };
     let submission_id = raw_submission.parse::<i64>().ok().filter(|id| *id > 0).ok_or_else(not_found)?;
-    let stored =
+    let mut stored =
         store::assignments::submission(&state.db, assignment.id, submission_id).await?.ok_or_else(not_found)?;
     let problems = grade_problems(&assignment.content.questions, &stored.answers, &body);
     if !problems.is_empty() {
@@ -257,8 +257,9 @@ pub async fn grade(
     }
     store::assignments::grade(&state.db, submission_id, body, &caller.name, clock::now()).await?;
     tracing::info!(assignment = assignment.id, submission = submission_id, by = %caller.name, "answer graded");
-    let stored =
-        store::assignments::submission(&state.db, assignment.id, submission_id).await?.ok_or_else(not_found)?;
+    // As stored now: this grade replaces an earlier one of the same answer.
+    stored.grades.retain(|g| g.question != body.question);
+    stored.grades.push(body);
     Ok(Json(judge(&state, &assignment, stored).await?))
 }
 
