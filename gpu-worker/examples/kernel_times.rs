@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use distlab_worker::backend::CpuBackend;
 use distlab_worker::machine_limits::fma_peak;
+use distlab_worker::ops::attention::AttentionShape;
 use distlab_worker::ops::kernels::*;
 
 const ROWS: usize = 16 * 128;
@@ -92,24 +93,45 @@ fn main() {
             record(
                 "attention forward",
                 attention_flops,
-                time(reps, || be.attention_forward(&mut y, &mut att, &qkv, T, C, HEADS)),
+                time(reps, || be.attention_forward(&mut y, &mut att, &qkv, AttentionShape::multi_head(T, C, HEADS))),
             );
             record(
                 "attention backward",
                 2.0 * attention_flops,
-                time(reps, || be.attention_backward(&mut dqkv, &mut datt, &dy, &qkv, &att, T, C, HEADS)),
+                time(reps, || {
+                    be.attention_backward(
+                        &mut dqkv,
+                        &mut datt,
+                        &dy,
+                        &qkv,
+                        &att,
+                        AttentionShape::multi_head(T, C, HEADS),
+                    )
+                }),
             );
             let (mut lse, mut delta) = (vec![0.0; 16 * HEADS * T * 2], vec![0.0; 16 * HEADS * T * 2]);
             record(
                 "flash attention forward",
                 attention_flops,
-                time(reps, || be.flash_attention_forward(&mut y, &mut lse, &qkv, T, C, HEADS)),
+                time(reps, || {
+                    be.flash_attention_forward(&mut y, &mut lse, &qkv, AttentionShape::multi_head(T, C, HEADS))
+                }),
             );
             // Its backward recomputes the probabilities: one more Q Kᵀ.
             record(
                 "flash attention backward",
                 2.5 * attention_flops,
-                time(reps, || be.flash_attention_backward(&mut dqkv, &mut delta, &dy, &qkv, &y, &lse, T, C, HEADS)),
+                time(reps, || {
+                    be.flash_attention_backward(
+                        &mut dqkv,
+                        &mut delta,
+                        &dy,
+                        &qkv,
+                        &y,
+                        &lse,
+                        AttentionShape::multi_head(T, C, HEADS),
+                    )
+                }),
             );
             let x = filled(ROWS * C, 7);
             let (gamma, beta) = (filled(C, 8), filled(C, 9));

@@ -2,13 +2,15 @@
 //! a run (a checkpoint file holding only them); the launcher puts them back together —
 //! across the data-parallel shards (`elastic::stage_sections`), the pipeline stages and
 //! the tensor-parallel cuts — into the whole model's tensors, and writes them under
-//! GPT-2's names as safetensors (`distlab_common::export` has the names and config.json).
+//! Hugging Face's names (GPT-2's or Llama's) as safetensors (`distlab_common::export` has
+//! the names and config.json).
 //!
 //! Tensor parallelism cut each matrix by columns or by rows (`model/layout.rs`); putting
 //! it back:
 //!
 //! ```text
-//!   Columns { groups }  out[r, g*C + k*c + j] = part_k[r, g*c + j]   (C = cols/groups, c = C/tp)
+//!   Columns { groups }  out[r, G_g + k*c_g + j] = part_k[r, P_g + j]   (group g: G_g where it
+//!                       starts, C_g wide, c_g = C_g/tp; P_g = sum of c_h for h < g)
 //!   Rows                out = part_0 rows, then part_1 rows, ...
 //!   Replicated          out = part_0 (every rank holds the same)
 //! ```
@@ -16,13 +18,14 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use distlab_common::export::hf_gpt2_name;
-use distlab_common::ExperimentSpec;
+use distlab_common::export::{hf_config, hf_pieces};
+use distlab_common::{ExperimentSpec, ModelSpec};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 use crate::checkpoint::{CheckpointDir, CheckpointError};
 use crate::elastic;
+use crate::model::layout::column_groups;
 use crate::model::{ParamLayout, Split};
 
 #[derive(Debug, thiserror::Error)]
@@ -101,13 +104,15 @@ fn merge(split: Split, shape: &[usize], parts: Vec<Vec<f32>>) -> Result<Vec<f32>
         Split::Replicated | Split::Experts => parts.into_iter().next().unwrap_or_default(),
         Split::Rows => parts.concat(),
         Split::Columns { groups } => {
-            let (group, mine) = (cols / groups, cols / groups / tp);
             let mut out = vec![0.0; len];
             for (k, part) in parts.iter().enumerate() {
-                for (r, row) in part.chunks(groups * mine).enumerate() {
-                    for g in 0..groups {
-                        let to = r * cols + g * group + k * mine;
-                        out[to..to + mine].copy_from_slice(&row[g * mine..(g + 1) * mine]);
+                for (r, row) in part.chunks(cols / tp).enumerate() {
+                    let mut from = 0;
+                    for (start, width) in column_groups(&groups) {
+                        let mine = width / tp;
+                        let to = r * cols + start + k * mine;
+                        out[to..to + mine].copy_from_slice(&row[from..from + mine]);
+                        from += mine;
                     }
                 }
             }
@@ -116,26 +121,31 @@ fn merge(split: Split, shape: &[usize], parts: Vec<Vec<f32>>) -> Result<Vec<f32>
     })
 }
 
-/// The model's tensors under GPT-2's names (the LM head transposed to (vocab, d)), as a
-/// safetensors file `transformers` loads (`"format": "pt"` in its metadata).
-pub fn gpt2_safetensors(tensors: &[NamedTensor]) -> Result<Vec<u8>, ExportError> {
+/// The model's tensors under Hugging Face's names for `model`'s family (each matrix cut
+/// into its pieces and transposed as [`hf_pieces`] says), as a safetensors file
+/// `transformers` loads (`"format": "pt"` in its metadata).
+pub fn hf_safetensors(model: &ModelSpec, tensors: &[NamedTensor]) -> Result<Vec<u8>, ExportError> {
     let mut named = Vec::new();
     for t in tensors.iter().filter(|t| !t.values.is_empty()) {
-        let (name, transposed) =
-            hf_gpt2_name(&t.name).ok_or_else(|| ExportError::Write(format!("GPT-2 has no tensor for {}", t.name)))?;
-        let (shape, values) = match (transposed, &t.shape[..]) {
-            (true, &[rows, cols]) => {
-                let mut out = vec![0.0; rows * cols];
-                for (i, row) in t.values.chunks(cols).enumerate() {
-                    for (j, &v) in row.iter().enumerate() {
-                        out[j * rows + i] = v;
-                    }
+        let no_place = || ExportError::Write(format!("{:?} has no tensor for {}", model.family, t.name));
+        for piece in hf_pieces(model, &t.name, &t.shape).ok_or_else(no_place)? {
+            let cols = t.shape.last().copied().unwrap_or(1);
+            let rows = t.values.len() / cols;
+            let width = piece.columns.len();
+            // The piece's columns, row by row ((rows, width)), or transposed ((width, rows)).
+            let mut values = vec![0.0; rows * width];
+            for (i, row) in t.values.chunks(cols).enumerate() {
+                for (j, &v) in row[piece.columns.clone()].iter().enumerate() {
+                    values[if piece.transposed { j * rows + i } else { i * width + j }] = v;
                 }
-                (vec![cols, rows], out)
             }
-            _ => (t.shape.clone(), t.values.clone()),
-        };
-        named.push((name, shape, values));
+            let shape = match (t.shape.len(), piece.transposed) {
+                (1, _) => vec![width],
+                (_, true) => vec![width, rows],
+                (_, false) => vec![rows, width],
+            };
+            named.push((piece.name, shape, values));
+        }
     }
     let views = named
         .iter()
@@ -151,11 +161,10 @@ pub fn gpt2_safetensors(tensors: &[NamedTensor]) -> Result<Vec<u8>, ExportError>
 
 /// Writes `model.safetensors` and `config.json` for `spec`'s run into `out`, from the rank
 /// files of `step` in `ranks`.
-pub fn write_gpt2(spec: &ExperimentSpec, ranks: &Path, step: u64, out: &Path) -> Result<u64, ExportError> {
+pub fn write_hf(spec: &ExperimentSpec, ranks: &Path, step: u64, out: &Path) -> Result<u64, ExportError> {
     let tensors = whole_model(spec, &CheckpointDir::new(ranks, spec.world_size()), step)?;
-    let bytes = gpt2_safetensors(&tensors)?;
-    let config = serde_json::to_vec_pretty(&distlab_common::export::hf_gpt2_config(&spec.model))
-        .map_err(|e| ExportError::Write(e.to_string()))?;
+    let bytes = hf_safetensors(&spec.model, &tensors)?;
+    let config = serde_json::to_vec_pretty(&hf_config(&spec.model)).map_err(|e| ExportError::Write(e.to_string()))?;
     let write = |name: &str, data: &[u8]| {
         std::fs::write(out.join(name), data)
             .map_err(|e| ExportError::Write(format!("{}: {e}", out.join(name).display())))
@@ -176,7 +185,7 @@ mod tests {
         let part = |k: usize| -> Vec<f32> {
             (0..2).flat_map(|r| (0..3).flat_map(move |g| (0..1).map(move |j| (r * 6 + g * 2 + k + j) as f32))).collect()
         };
-        assert_eq!(merge(Split::Columns { groups: 3 }, &[2, 6], vec![part(0), part(1)]).unwrap(), whole);
+        assert_eq!(merge(Split::Columns { groups: [2, 2, 2] }, &[2, 6], vec![part(0), part(1)]).unwrap(), whole);
         assert_eq!(merge(Split::Rows, &[4], vec![vec![0.0, 1.0], vec![2.0, 3.0]]).unwrap(), vec![0.0, 1.0, 2.0, 3.0]);
         assert!(merge(Split::Rows, &[4], vec![vec![0.0], vec![2.0, 3.0]]).is_err());
     }
@@ -187,7 +196,7 @@ mod tests {
             NamedTensor { name: "lm_head".into(), shape: vec![2, 3], values: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0] },
             NamedTensor { name: "blocks.0.qkv_b".into(), shape: vec![3], values: vec![7.0, 8.0, 9.0] },
         ];
-        let bytes = gpt2_safetensors(&tensors).unwrap();
+        let bytes = hf_safetensors(&ModelSpec::default(), &tensors).unwrap();
         let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let head = file.tensor("lm_head.weight").unwrap();
         assert_eq!(head.shape(), &[3, 2]);

@@ -1,5 +1,6 @@
-//! Sampling from a trained model: its exported weights (GPT-2's safetensors, see
-//! `export.rs`) loaded back into the engine's model on the CPU, one token at a time.
+//! Sampling from a trained model: its exported weights (Hugging Face's safetensors, GPT-2's
+//! or Llama's, see `export.rs`) loaded back into the engine's model on the CPU, one token
+//! at a time.
 //!
 //! ```text
 //!   each new token:  run the model on the last seq_len tokens (padded after them: the
@@ -12,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use distlab_common::export::hf_gpt2_name;
+use distlab_common::export::hf_pieces;
 use distlab_common::ModelSpec;
 
 use crate::backend::{Buffers, CpuBackend};
@@ -31,31 +32,37 @@ pub struct Sampling {
     pub seed: u64,
 }
 
-/// The model's flat parameters (`ParamLayout::new` order) from a GPT-2 safetensors file
-/// made for `model`: every tensor present with its shape, the LM head transposed back.
-pub fn load_gpt2(model: &ModelSpec, safetensors: &[u8]) -> Result<Vec<f32>, String> {
+/// The model's flat parameters (`ParamLayout::new` order) from a Hugging Face safetensors
+/// file made for `model`: every piece of every tensor present with its shape, put back
+/// into its columns (transposed back where it was transposed).
+pub fn load_hf(model: &ModelSpec, safetensors: &[u8]) -> Result<Vec<f32>, String> {
     let file =
         safetensors::SafeTensors::deserialize(safetensors).map_err(|e| format!("not a safetensors file: {e}"))?;
     let stored: HashMap<String, safetensors::tensor::TensorView<'_>> = file.tensors().into_iter().collect();
     let layout = ParamLayout::new(model);
     let mut params = vec![0.0f32; layout.total];
     for t in layout.tensors.iter().filter(|t| !t.range.is_empty()) {
-        let (name, transposed) = hf_gpt2_name(&t.name).ok_or_else(|| format!("GPT-2 has no tensor for {}", t.name))?;
-        let view = stored.get(&name).ok_or_else(|| format!("the file has no {name}"))?;
-        let want: Vec<usize> = if transposed { t.shape.iter().rev().copied().collect() } else { t.shape.clone() };
-        if view.dtype() != safetensors::Dtype::F32 || view.shape() != want {
-            return Err(format!("{name} is {:?} {:?}, the model needs F32 {want:?}", view.dtype(), view.shape()));
-        }
-        let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let no_place = || format!("{:?} has no tensor for {}", model.family, t.name);
+        let cols = t.shape.last().copied().unwrap_or(1);
+        let rows = t.range.len() / cols;
         let out = &mut params[t.range.clone()];
-        if transposed {
-            // Stored (vocab, d); the engine's head is (d, vocab).
-            let (rows, cols) = (t.shape[0], t.shape[1]);
-            for (k, v) in values.enumerate() {
-                out[(k % rows) * cols + k / rows] = v;
+        for piece in hf_pieces(model, &t.name, &t.shape).ok_or_else(no_place)? {
+            let name = &piece.name;
+            let view = stored.get(name).ok_or_else(|| format!("the file has no {name}"))?;
+            let width = piece.columns.len();
+            let want = match (t.shape.len(), piece.transposed) {
+                (1, _) => vec![width],
+                (_, true) => vec![width, rows],
+                (_, false) => vec![rows, width],
+            };
+            if view.dtype() != safetensors::Dtype::F32 || view.shape() != want {
+                return Err(format!("{name} is {:?} {:?}, the model needs F32 {want:?}", view.dtype(), view.shape()));
             }
-        } else {
-            out.iter_mut().zip(values).for_each(|(o, v)| *o = v);
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            for (k, v) in values.enumerate() {
+                let (i, j) = if piece.transposed { (k % rows, k / rows) } else { (k / width, k % width) };
+                out[i * cols + piece.columns.start + j] = v;
+            }
         }
     }
     Ok(params)
@@ -181,7 +188,25 @@ mod tests {
 #[cfg(test)]
 mod round_trip {
     use super::*;
-    use crate::export::{gpt2_safetensors, tensors_of};
+    use crate::export::{hf_safetensors, tensors_of};
+
+    /// A Llama's parameters through Hugging Face's Llama file (q, k, v and gate, up cut
+    /// apart, every matrix transposed) and back, bit for bit.
+    #[test]
+    fn parameters_survive_the_llama_file() {
+        let model = ModelSpec::llama(2, 16, 4, 2, 24, 8, 11);
+        let layout = ParamLayout::new(&model);
+        let mut rng = Rng::new(6);
+        let params: Vec<f32> = (0..layout.total).map(|_| rng.normal() as f32).collect();
+        let file = hf_safetensors(&model, &tensors_of(&layout, &params)).unwrap();
+        assert_eq!(load_hf(&model, &file).unwrap(), params);
+        let stored = safetensors::SafeTensors::deserialize(&file).unwrap();
+        assert_eq!(stored.tensor("model.layers.1.self_attn.k_proj.weight").unwrap().shape(), &[8, 16]);
+        assert_eq!(stored.tensor("model.layers.0.mlp.down_proj.weight").unwrap().shape(), &[16, 24]);
+        assert_eq!(stored.len(), 1 + 2 * 9 + 2);
+        let gpt2 = ModelSpec::dense(2, 16, 4, 8, 11);
+        assert!(load_hf(&gpt2, &file).unwrap_err().contains("the file has no transformer.wte.weight"));
+    }
 
     /// A model's parameters through GPT-2's file and back, bit for bit; greedy sampling
     /// follows the forward's own argmax and is the same every time.
@@ -191,10 +216,10 @@ mod round_trip {
         let layout = ParamLayout::new(&model);
         let mut rng = Rng::new(5);
         let params: Vec<f32> = (0..layout.total).map(|_| rng.normal() as f32).collect();
-        let file = gpt2_safetensors(&tensors_of(&layout, &params)).unwrap();
-        assert_eq!(load_gpt2(&model, &file).unwrap(), params);
+        let file = hf_safetensors(&model, &tensors_of(&layout, &params)).unwrap();
+        assert_eq!(load_hf(&model, &file).unwrap(), params);
         let wrong = ModelSpec::dense(2, 16, 2, 8, 12);
-        assert!(load_gpt2(&wrong, &file).unwrap_err().contains("the model needs F32"));
+        assert!(load_hf(&wrong, &file).unwrap_err().contains("the model needs F32"));
 
         let greedy = Sampling { max_new_tokens: 5, temperature: 0.0, top_k: 0, seed: 0 };
         let mut seen = Vec::new();

@@ -199,10 +199,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Some(Command::Probabilities { dir, tokens }) => {
             let config = std::fs::read_to_string(dir.join("config.json"))?;
-            let model = distlab_common::export::model_of_hf_gpt2_config(&serde_json::from_str(&config)?)
+            let model = distlab_common::export::model_of_hf_config(&serde_json::from_str(&config)?)
                 .map_err(anyhow::Error::msg)?;
             let file = std::fs::read(dir.join(distlab_common::export::WEIGHTS_FILE))?;
-            let params = distlab_worker::generate::load_gpt2(&model, &file).map_err(anyhow::Error::msg)?;
+            let params = distlab_worker::generate::load_hf(&model, &file).map_err(anyhow::Error::msg)?;
             let mut predictor =
                 distlab_worker::generate::Predictor::new(&model, &params).map_err(anyhow::Error::msg)?;
             let rows = predictor.probabilities(&tokens).map_err(anyhow::Error::msg)?;

@@ -7,11 +7,15 @@ use distlab_common::ModelSpec;
 use distlab_worker::backend::{Backend, CpuBackend, Stored};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::model::{FlatState, Gpt};
+use distlab_worker::ops::attention::AttentionShape;
 use distlab_worker::ops::kernels::*;
 use distlab_worker::rng::Rng;
 use half::{bf16, f16};
 
-const EPS: f64 = 1e-5;
+/// Central differences: truncation error grows as EPS² times the third derivative (the
+/// Llama model's SwiGLU at ten times its initial weights needs EPS below 1e-5), rounding
+/// error as 1e-16 / EPS.
+const EPS: f64 = 3e-6;
 
 fn random(n: usize, seed: u64, scale: f64) -> Vec<f64> {
     let mut rng = Rng::new(seed);
@@ -154,7 +158,7 @@ fn check_attention(b: usize, t: usize, c: usize, heads: usize) {
     with_backends(|be| {
         let forward = |qkv: &[f64]| {
             let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * heads * t * t]);
-            be.attention_forward(&mut out, &mut att, qkv, t, c, heads);
+            be.attention_forward(&mut out, &mut att, qkv, AttentionShape::multi_head(t, c, heads));
             (dot(&out, &r), out, att)
         };
         let (_, out, att) = forward(&qkv);
@@ -173,7 +177,7 @@ fn check_attention(b: usize, t: usize, c: usize, heads: usize) {
         }
         let mut dqkv = vec![3.0; b * t * 3 * c];
         let mut datt = vec![0.0; b * heads * t * t];
-        be.attention_backward(&mut dqkv, &mut datt, &r, &qkv, &att, t, c, heads);
+        be.attention_backward(&mut dqkv, &mut datt, &r, &qkv, &att, AttentionShape::multi_head(t, c, heads));
         check("attention dqkv", &qkv, &dqkv, |x| forward(x).0);
     });
 }
@@ -189,7 +193,7 @@ fn flash_attention_backward_matches_finite_differences() {
         with_backends(|be| {
             let forward = |qkv: &[f64]| {
                 let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * heads * t * 2]);
-                be.flash_attention_forward(&mut out, &mut lse, qkv, t, c, heads);
+                be.flash_attention_forward(&mut out, &mut lse, qkv, AttentionShape::multi_head(t, c, heads));
                 (dot(&out, &r), out, lse)
             };
             let (_, out, lse) = forward(&qkv);
@@ -207,10 +211,106 @@ fn flash_attention_backward_matches_finite_differences() {
             }
             let mut dqkv = vec![3.0; b * t * 3 * c];
             let mut delta = vec![0.0; b * heads * t * 2];
-            be.flash_attention_backward(&mut dqkv, &mut delta, &r, &qkv, &out, &lse, t, c, heads);
+            let shape = AttentionShape::multi_head(t, c, heads);
+            be.flash_attention_backward(&mut dqkv, &mut delta, &r, &qkv, &out, &lse, shape);
             check("flash attention dqkv", &qkv, &dqkv, |x| forward(x).0);
         });
     }
+}
+
+/// Grouped-query attention, plain and flash: a K/V head's gradient sums over the query
+/// heads of its group (6 query heads on 2 K/V heads; 70 positions cross two blocks).
+#[test]
+fn grouped_query_attention_backward_matches_finite_differences() {
+    for (b, t) in [(2, 5), (1, 70)] {
+        let shape = AttentionShape { seq_len: t, heads: 6, kv_heads: 2, head_size: 2 };
+        let (c, width) = (shape.q_width(), shape.qkv_width());
+        let qkv = random(b * t * width, 20, 1.0);
+        let r = random(b * t * c, 21, 1.0);
+        with_backends(|be| {
+            let plain = |qkv: &[f64]| {
+                let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * 6 * t * t]);
+                be.attention_forward(&mut out, &mut att, qkv, shape);
+                (dot(&out, &r), out, att)
+            };
+            let (_, out, att) = plain(&qkv);
+            let mut dqkv = vec![3.0; b * t * width];
+            be.attention_backward(&mut dqkv, &mut vec![0.0; att.len()], &r, &qkv, &att, shape);
+            check("grouped attention dqkv", &qkv, &dqkv, |x| plain(x).0);
+            let flash = |qkv: &[f64]| {
+                let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * 6 * t * 2]);
+                be.flash_attention_forward(&mut out, &mut lse, qkv, shape);
+                (dot(&out, &r), out, lse)
+            };
+            let (_, flash_out, lse) = flash(&qkv);
+            assert!(flash_out.iter().zip(&out).all(|(a, b)| (a - b).abs() < 1e-12), "flash and plain outputs");
+            let mut dqkv = vec![3.0; b * t * width];
+            be.flash_attention_backward(&mut dqkv, &mut vec![0.0; lse.len()], &r, &qkv, &flash_out, &lse, shape);
+            check("grouped flash attention dqkv", &qkv, &dqkv, |x| flash(x).0);
+        });
+    }
+}
+
+#[test]
+fn rmsnorm_backward_matches_finite_differences() {
+    let (rows, c) = (9, 40);
+    let inp = random(rows * c, 22, 2.0);
+    let gamma: Vec<f64> = random(c, 23, 0.3).iter().map(|g| 1.0 + g).collect();
+    let r = random(rows * c, 24, 1.0);
+    with_backends(|be| {
+        let forward = |inp: &[f64], gamma: &[f64]| {
+            let (mut out, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
+            be.rmsnorm_forward(&mut out, &mut rstd, inp, gamma, c);
+            (dot(&out, &r), rstd)
+        };
+        let (_, rstd) = forward(&inp, &gamma);
+        // the input gradient is ADDED to dinp: start from a known value
+        let base = random(rows * c, 25, 1.0);
+        let mut dinp = base.clone();
+        let mut dgamma = vec![0.0; c];
+        be.rmsnorm_backward(&mut dinp, &mut dgamma, &r, &inp, &gamma, &rstd, c);
+        let dinp: Vec<f64> = dinp.iter().zip(&base).map(|(d, b)| d - b).collect();
+        check("rmsnorm dinp", &inp, &dinp, |x| forward(x, &gamma).0);
+        check("rmsnorm dgamma", &gamma, &dgamma, |x| forward(&inp, x).0);
+    });
+}
+
+/// RoPE's backward is the transpose of its rotation: the gradient of r · rope(x).
+#[test]
+fn rope_backward_matches_finite_differences() {
+    let shape = AttentionShape { seq_len: 7, heads: 4, kv_heads: 2, head_size: 6 };
+    let n = 2 * shape.seq_len * shape.qkv_width();
+    let (x, r) = (random(n, 26, 1.0), random(n, 27, 1.0));
+    with_backends(|be| {
+        let forward = |x: &[f64]| {
+            let mut y = x.to_vec();
+            be.rope_forward(&mut y, shape, 500_000.0);
+            dot(&y, &r)
+        };
+        let mut dx = r.clone();
+        be.rope_backward(&mut dx, shape, 500_000.0);
+        check("rope dx", &x, &dx, forward);
+        // V is not turned: its gradient passes through
+        let v = shape.q_width() + shape.kv_width();
+        assert_eq!(dx[v..shape.qkv_width()], r[v..shape.qkv_width()]);
+    });
+}
+
+#[test]
+fn swiglu_backward_matches_finite_differences() {
+    let (rows, f) = (5, 9);
+    let inp = random(rows * 2 * f, 28, 2.0);
+    let r = random(rows * f, 29, 1.0);
+    with_backends(|be| {
+        let forward = |x: &[f64]| {
+            let mut out = vec![0.0; rows * f];
+            be.swiglu_forward(&mut out, x, f);
+            dot(&out, &r)
+        };
+        let mut d = vec![3.0; rows * 2 * f];
+        be.swiglu_backward(&mut d, &r, &inp, f);
+        check("swiglu", &inp, &d, forward);
+    });
 }
 
 #[test]
@@ -285,7 +385,16 @@ fn model_with_visible_weights(
 
 #[test]
 fn whole_model_gradient_matches_finite_differences() {
-    let spec = tiny_model();
+    whole_model_gradient_check(tiny_model());
+}
+
+/// The same for a tiny Llama: RMSNorm, rotary positions, 2 query heads on 1 K/V head, SwiGLU.
+#[test]
+fn whole_llama_gradient_matches_finite_differences() {
+    whole_model_gradient_check(ModelSpec::llama(2, 8, 2, 1, 12, 5, 11));
+}
+
+fn whole_model_gradient_check(spec: ModelSpec) {
     let batch = 2;
     let (inputs, targets) = tiny_batch(&spec, batch);
     let dloss = 1.0 / (batch * spec.seq_len) as f64;
@@ -299,7 +408,7 @@ fn whole_model_gradient_matches_finite_differences() {
             state.params.copy_from_slice(x);
             model.forward(be, &mut state, &inputs, &targets).unwrap() * dloss
         };
-        check("gpt (all parameters)", &params, &analytic, &mut loss_at);
+        check(&format!("{:?} (all parameters)", spec.family), &params, &analytic, &mut loss_at);
     });
 }
 

@@ -18,6 +18,7 @@ use distlab_common::ModelSpec;
 use distlab_worker::backend::{Backend, CpuBackend, Stored};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::model::{FlatState, Gpt};
+use distlab_worker::ops::attention::AttentionShape;
 use distlab_worker::rng::Rng;
 
 mod reference;
@@ -77,7 +78,12 @@ fn assert_close(name: &str, got: &[f64], want: &[f64], b: Bound) {
             (worst, at) = (if ratio.is_nan() { f64::INFINITY } else { ratio }, i);
         }
     }
-    eprintln!("{name}: {} values, worst element at {worst:.2} of its bound ({b:?})", got.len());
+    let largest = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0f64, f64::max);
+    eprintln!(
+        "{name}: {} values, largest error {largest:.2e} (the largest value {scale:.2e}), worst element at {worst:.2} \
+         of its bound ({b:?})",
+        got.len()
+    );
     assert!(worst <= 1.0, "{name}[{at}]: got {} want {} ({worst:.2} times its bound {b:?})", got[at], want[at]);
 }
 
@@ -132,11 +138,20 @@ fn memory_ops<B: Backend>(be: &B) {
 }
 
 fn encoder<B: Backend>(be: &B) {
+    encoder_of(be, true);
+}
+
+/// Llama's embedding: the token table alone (its positions are rotary).
+fn encoder_without_positions<B: Backend>(be: &B) {
+    encoder_of(be, false);
+}
+
+fn encoder_of<B: Backend>(be: &B, positions: bool) {
     let (batch, t, c, v) = (3, 17, 24, 11);
     let rows = batch * t;
     // repeated tokens, so rows add into the same embedding row
     let tokens: Vec<u32> = (0..rows as u32).map(|i| (i * 7 + i / 5) % v as u32).collect();
-    let bufs = [
+    let mut bufs = [
         vec![0.0; rows * c],           // 0 out
         random::<B>(v * c, 2, 1.0),    // 1 wte
         random::<B>(t * c, 3, 1.0),    // 2 wpe
@@ -144,6 +159,9 @@ fn encoder<B: Backend>(be: &B) {
         random::<B>(v * c, 5, 0.1),    // 4 dwte (accumulated into)
         random::<B>(t * c, 6, 0.1),    // 5 dwpe
     ];
+    if !positions {
+        (bufs[2], bufs[5]) = (Vec::new(), Vec::new());
+    }
     fn run<X: Backend>(be: &X, b: &mut [X::Buf], tokens: &[u32], t: usize, c: usize) {
         let (out, wte, wpe, rest) = three(b);
         be.encoder_forward(be.all_mut(out), tokens, be.all(wte), be.all(wpe), t, c);
@@ -151,7 +169,8 @@ fn encoder<B: Backend>(be: &B) {
         be.encoder_backward(be.all_mut(dwte), be.all_mut(dwpe), be.all(dout), tokens, t, c);
     }
     let plain = |b: &mut [Vec<f64>]| reference::encoder(b, &tokens, t, c);
-    compare(be, "encoder", &bufs, |be, b| run(be, b, &tokens, t, c), plain, &[0, 4, 5]);
+    let name = if positions { "encoder" } else { "encoder without positions" };
+    compare(be, name, &bufs, |be, b| run(be, b, &tokens, t, c), plain, &[0, 4, 5]);
 }
 
 fn layernorm<B: Backend>(be: &B) {
@@ -257,65 +276,82 @@ fn matmul<B: Backend>(be: &B) {
 }
 
 fn attention<B: Backend>(be: &B) {
-    attention_of(be, 2, 19, 32, 4);
+    attention_of(be, 2, AttentionShape::multi_head(19, 32, 4));
 }
 
 /// A sequence longer than a warp keeps in registers (the CUDA kernels' other path).
 fn attention_long<B: Backend>(be: &B) {
-    attention_of(be, 1, 1030, 8, 2);
+    attention_of(be, 1, AttentionShape::multi_head(1030, 8, 2));
 }
 
-fn attention_of<B: Backend>(be: &B, batch: usize, t: usize, c: usize, heads: usize) {
-    let rows = batch * t;
+/// Grouped-query attention: 6 query heads on 2 K/V heads (groups of 3), and multi-query
+/// (every query head on one K/V head).
+fn attention_grouped<B: Backend>(be: &B) {
+    attention_of(be, 2, AttentionShape { seq_len: 19, heads: 6, kv_heads: 2, head_size: 8 });
+    attention_of(be, 1, AttentionShape { seq_len: 70, heads: 4, kv_heads: 1, head_size: 6 });
+}
+
+fn attention_of<B: Backend>(be: &B, batch: usize, shape: AttentionShape) {
+    let (rows, t, heads) = (batch * shape.seq_len, shape.seq_len, shape.heads);
+    let (c, width) = (shape.q_width(), shape.qkv_width());
     let bufs = [
-        random::<B>(rows * 3 * c, 21, 1.0), // 0 qkv
+        random::<B>(rows * width, 21, 1.0), // 0 qkv
         vec![0.0; rows * c],                // 1 out
         vec![0.0; batch * heads * t * t],   // 2 att
         random::<B>(rows * c, 22, 1.0),     // 3 dout
-        vec![0.0; rows * 3 * c],            // 4 dqkv
+        vec![0.0; rows * width],            // 4 dqkv
         vec![0.0; batch * heads * t * t],   // 5 datt (scratch)
     ];
-    fn run<X: Backend>(be: &X, b: &mut [X::Buf], t: usize, c: usize, heads: usize) {
+    fn run<X: Backend>(be: &X, b: &mut [X::Buf], shape: AttentionShape) {
         let (qkv, out, att, rest) = three(b);
-        be.attention_forward(be.all_mut(out), be.all_mut(att), be.all(qkv), t, c, heads);
+        be.attention_forward(be.all_mut(out), be.all_mut(att), be.all(qkv), shape);
         let (dout, dqkv, datt, _) = three(rest);
-        be.attention_backward(be.all_mut(dqkv), be.all_mut(datt), be.all(dout), be.all(qkv), be.all(att), t, c, heads);
+        be.attention_backward(be.all_mut(dqkv), be.all_mut(datt), be.all(dout), be.all(qkv), be.all(att), shape);
     }
-    let plain = |b: &mut [Vec<f64>]| reference::attention(b, t, c, heads);
-    compare(be, "attention", &bufs, |be, b| run(be, b, t, c, heads), plain, &[1, 2, 4]);
+    let plain = |b: &mut [Vec<f64>]| reference::attention(b, t, heads, shape.kv_heads, shape.head_size);
+    let name = format!("attention {heads} heads on {} K/V heads", shape.kv_heads);
+    compare(be, &name, &bufs, |be, b| run(be, b, shape), plain, &[1, 2, 4]);
 }
 
 /// Flash attention against the same plain attention: the output and the gradients (what
 /// it keeps instead of the probabilities, one log-sum-exp per row, is its own business).
 /// 19 positions fit one tile; 150 cross three query and key tiles, with a ragged last one.
 fn flash_attention<B: Backend>(be: &B) {
-    flash_attention_of(be, 2, 19, 32, 4);
-    flash_attention_of(be, 1, 150, 16, 2);
+    flash_attention_of(be, 2, AttentionShape::multi_head(19, 32, 4));
+    flash_attention_of(be, 1, AttentionShape::multi_head(150, 16, 2));
+}
+
+/// Grouped-query and multi-query flash attention (no K/V repeated per query head): the
+/// same groups as [`attention_grouped`], one across three tiles.
+fn flash_attention_grouped<B: Backend>(be: &B) {
+    flash_attention_of(be, 2, AttentionShape { seq_len: 19, heads: 6, kv_heads: 2, head_size: 8 });
+    flash_attention_of(be, 1, AttentionShape { seq_len: 150, heads: 4, kv_heads: 1, head_size: 6 });
 }
 
 /// A sequence many tiles long with a ragged last one, with wide heads (the CUDA kernels'
 /// registers). (Seven tiles take a seventh of the 17 that T = 1030 took on the emulated GPU,
 /// where this test was half of the op suite's time.)
 fn flash_attention_long<B: Backend>(be: &B) {
-    flash_attention_of(be, 1, 400, 256, 2);
+    flash_attention_of(be, 1, AttentionShape::multi_head(400, 256, 2));
 }
 
-fn flash_attention_of<B: Backend>(be: &B, batch: usize, t: usize, c: usize, heads: usize) {
-    let rows = batch * t;
+fn flash_attention_of<B: Backend>(be: &B, batch: usize, shape: AttentionShape) {
+    let (rows, t, heads) = (batch * shape.seq_len, shape.seq_len, shape.heads);
+    let (c, width) = (shape.q_width(), shape.qkv_width());
     let bufs = [
-        random::<B>(rows * 3 * c, 41, 1.0), // 0 qkv
+        random::<B>(rows * width, 41, 1.0), // 0 qkv
         vec![0.0; rows * c],                // 1 out
         vec![0.0; batch * heads * t * 2],   // 2 lse (pairs)
         random::<B>(rows * c, 42, 1.0),     // 3 dout
-        vec![0.0; rows * 3 * c],            // 4 dqkv
+        vec![0.0; rows * width],            // 4 dqkv
         vec![0.0; batch * heads * t * 2],   // 5 delta (scratch)
     ];
-    fn run<X: Backend>(be: &X, b: &mut [X::Buf], t: usize, c: usize, heads: usize) {
+    fn run<X: Backend>(be: &X, b: &mut [X::Buf], shape: AttentionShape) {
         let (qkv, out, lse, rest) = three(b);
-        be.flash_attention_forward(be.all_mut(out), be.all_mut(lse), be.all(qkv), t, c, heads);
+        be.flash_attention_forward(be.all_mut(out), be.all_mut(lse), be.all(qkv), shape);
         let (dout, dqkv, delta, _) = three(rest);
         let (dqkv, delta) = (be.all_mut(dqkv), be.all_mut(delta));
-        be.flash_attention_backward(dqkv, delta, be.all(dout), be.all(qkv), be.all(out), be.all(lse), t, c, heads);
+        be.flash_attention_backward(dqkv, delta, be.all(dout), be.all(qkv), be.all(out), be.all(lse), shape);
     }
     let plain = |b: &mut [Vec<f64>]| {
         let mut naive = vec![
@@ -323,13 +359,14 @@ fn flash_attention_of<B: Backend>(be: &B, batch: usize, t: usize, c: usize, head
             vec![0.0; rows * c],
             vec![0.0; batch * heads * t * t],
             b[3].clone(),
-            vec![0.0; rows * 3 * c],
+            vec![0.0; rows * width],
             Vec::new(),
         ];
-        reference::attention(&mut naive, t, c, heads);
+        reference::attention(&mut naive, t, heads, shape.kv_heads, shape.head_size);
         (b[1], b[4]) = (naive[1].clone(), naive[4].clone());
     };
-    compare(be, &format!("flash attention T={t}"), &bufs, |be, b| run(be, b, t, c, heads), plain, &[1, 4]);
+    let name = format!("flash attention T={t}, {heads} heads on {} K/V heads", shape.kv_heads);
+    compare(be, &name, &bufs, |be, b| run(be, b, shape), plain, &[1, 4]);
 }
 
 fn gelu<B: Backend>(be: &B) {
@@ -341,6 +378,64 @@ fn gelu<B: Backend>(be: &B) {
         be.gelu_backward(be.all_mut(dinout), be.all(inp));
     }
     compare(be, "gelu", &bufs, run, reference::gelu, &[1, 2]);
+}
+
+/// RMSNorm, on rows narrower and wider than a warp keeps in registers.
+fn rmsnorm<B: Backend>(be: &B) {
+    for (rows, c) in [(131, 96), (5, 1100)] {
+        let bufs = [
+            random::<B>(rows * c, 61, 2.0), // 0 inp
+            random::<B>(c, 62, 1.0),        // 1 gamma
+            vec![0.0; rows * c],            // 2 out
+            vec![0.0; rows],                // 3 rstd
+            random::<B>(rows * c, 63, 1.0), // 4 dout
+            random::<B>(rows * c, 64, 1.0), // 5 dinp (added into)
+            random::<B>(c, 65, 1.0),        // 6 dgamma (added into)
+        ];
+        fn run<X: Backend>(be: &X, b: &mut [X::Buf], c: usize) {
+            let (inp, gamma, out, rest) = three(b);
+            let (rstd, dout, dinp, rest) = three(rest);
+            be.rmsnorm_forward(be.all_mut(out), be.all_mut(rstd), be.all(inp), be.all(gamma), c);
+            let dgamma = &mut rest[0];
+            let (dinp, dgamma) = (be.all_mut(dinp), be.all_mut(dgamma));
+            be.rmsnorm_backward(dinp, dgamma, be.all(dout), be.all(inp), be.all(gamma), be.all(rstd), c);
+        }
+        let plain = |b: &mut [Vec<f64>]| reference::rmsnorm(b, c);
+        compare(be, &format!("rmsnorm c={c}"), &bufs, |be, b| run(be, b, c), plain, &[2, 3, 5, 6]);
+    }
+}
+
+/// Rotary positions on the Q and K heads of a grouped-query qkv (V untouched), forward and
+/// back, at positions far enough that the angles wrap many times.
+fn rope<B: Backend>(be: &B) {
+    let (batch, theta) = (2, 10_000.0);
+    let shape = AttentionShape { seq_len: 37, heads: 4, kv_heads: 2, head_size: 10 };
+    let n = batch * shape.seq_len * shape.qkv_width();
+    let bufs = [random::<B>(n, 66, 1.0), random::<B>(n, 67, 1.0)];
+    let run = |be: &B, b: &mut [B::Buf]| {
+        let (x, dx) = b.split_first_mut().unwrap();
+        be.rope_forward(be.all_mut(x), shape, theta);
+        be.rope_backward(be.all_mut(&mut dx[0]), shape, theta);
+    };
+    let (width, rotated) = (shape.qkv_width(), shape.heads + shape.kv_heads);
+    let plain = |b: &mut [Vec<f64>]| reference::rope(b, shape.seq_len, rotated, shape.head_size, width, theta);
+    compare(be, "rope", &bufs, run, plain, &[0, 1]);
+}
+
+fn swiglu<B: Backend>(be: &B) {
+    let (rows, f) = (37, 70);
+    let bufs = [
+        random::<B>(rows * 2 * f, 68, 2.0), // 0 inp [gate | up]
+        vec![0.0; rows * f],                // 1 out
+        random::<B>(rows * f, 69, 1.0),     // 2 dout
+        vec![0.0; rows * 2 * f],            // 3 dinp
+    ];
+    let run = |be: &B, b: &mut [B::Buf]| {
+        let (inp, out, dout, rest) = three(b);
+        be.swiglu_forward(be.all_mut(out), be.all(inp), f);
+        be.swiglu_backward(be.all_mut(&mut rest[0]), be.all(dout), be.all(inp), f);
+    };
+    compare(be, "swiglu", &bufs, run, |b| reference::swiglu(b, f), &[1, 3]);
 }
 
 fn crossentropy<B: Backend>(be: &B) {
@@ -362,7 +457,16 @@ fn crossentropy<B: Backend>(be: &B) {
 /// The whole GPT: loss and every parameter gradient of one forward + backward, and the
 /// same bits when it runs again (the backends are deterministic).
 fn gpt<B: Backend>(be: &B) {
-    let spec = ModelSpec::dense(2, 32, 4, 16, 50);
+    model_check(be, ModelSpec::dense(2, 32, 4, 16, 50));
+}
+
+/// The same for a Llama: RMSNorm, rotary positions, grouped-query attention (4 query heads
+/// on 2 K/V heads), SwiGLU.
+fn llama<B: Backend>(be: &B) {
+    model_check(be, ModelSpec::llama(2, 32, 4, 2, 48, 16, 50));
+}
+
+fn model_check<B: Backend>(be: &B, spec: ModelSpec) {
     let batch = 3;
     let tokens: Vec<u32> =
         (0..(batch * spec.seq_len + 1) as u32).map(|i| (i * 13 + i / 3) % spec.vocab as u32).collect();
@@ -380,10 +484,11 @@ fn gpt<B: Backend>(be: &B) {
     assert!(again.0 == loss && again.1 == grads, "the same step twice gives different bits");
     let (want_loss, want_grads) = run(&Reference::new(1), &spec, batch, inputs, targets);
     let b = bound::<B>();
-    eprintln!("gpt loss {loss} vs {want_loss}");
+    eprintln!("{:?} loss {loss} vs {want_loss}", spec.family);
     assert!((loss - want_loss).abs() <= b.rtol * want_loss, "loss {loss} vs {want_loss}");
     // Every kernel's rounding compounds through two blocks: twice the per-kernel bound.
-    assert_close("gpt gradients", &grads, &want_grads, Bound { rtol: 2.0 * b.rtol, atol: 2.0 * b.atol });
+    let name = format!("{:?} gradients", spec.family);
+    assert_close(&name, &grads, &want_grads, Bound { rtol: 2.0 * b.rtol, atol: 2.0 * b.atol });
 }
 
 // ---- one test per (check, backend) --------------------------------------------------------
@@ -436,16 +541,23 @@ macro_rules! test_device {
 test_device!(
     memory_ops,
     encoder,
+    encoder_without_positions,
     layernorm,
     layernorm_wide,
+    rmsnorm,
+    rope,
     matmul,
     attention,
     attention_long,
+    attention_grouped,
     flash_attention,
     flash_attention_long,
+    flash_attention_grouped,
     gelu,
+    swiglu,
     crossentropy,
-    gpt
+    gpt,
+    llama
 );
 
 /// A step runs on whichever thread of the pool takes it: the backend's own driver and cuBLAS

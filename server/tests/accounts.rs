@@ -695,8 +695,9 @@ async fn a_second_student_samples_while_the_first_floods_the_sampler() {
     let model = distlab_common::ExperimentSpec::default().model;
     let layout = distlab_worker::model::ParamLayout::new(&model);
     let params: Vec<f32> = (0..layout.total).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
-    let file = distlab_worker::export::gpt2_safetensors(&distlab_worker::export::tensors_of(&layout, &params))
-        .expect("a model file");
+    let file =
+        distlab_worker::export::hf_safetensors(&layout.model, &distlab_worker::export::tensors_of(&layout, &params))
+            .expect("a model file");
     let put = Request::put(format!("/api/workers/experiments/{id}/model"))
         .header(header::AUTHORIZATION, format!("Bearer {credential}"))
         .header(header::CONTENT_TYPE, "application/octet-stream")

@@ -2083,7 +2083,7 @@ async fn a_worker_hands_over_the_trained_model_and_it_is_served_and_removed() {
     let layout = distlab_worker::model::ParamLayout::new(&ExperimentSpec::default().model);
     let params: Vec<f32> = (0..layout.total).map(|i| i as f32).collect();
     let tensors = distlab_worker::export::tensors_of(&layout, &params);
-    let file = distlab_worker::export::gpt2_safetensors(&tensors).expect("a model file");
+    let file = distlab_worker::export::hf_safetensors(&layout.model, &tensors).expect("a model file");
     let values: Vec<f32> = (0..16).map(|i| i as f32).collect();
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 4], bytemuck_bytes(&values))
         .expect("view");
@@ -2181,8 +2181,9 @@ async fn a_persons_share_of_the_disk_bounds_submissions_and_uploads_and_comes_ba
     assert_eq!(t.lease(worker).await.experiment_id, second);
     let layout = distlab_worker::model::ParamLayout::new(&ExperimentSpec::default().model);
     let params: Vec<f32> = vec![0.5; layout.total];
-    let file = distlab_worker::export::gpt2_safetensors(&distlab_worker::export::tensors_of(&layout, &params))
-        .expect("a model file");
+    let file =
+        distlab_worker::export::hf_safetensors(&layout.model, &distlab_worker::export::tensors_of(&layout, &params))
+            .expect("a model file");
     let put = Request::builder()
         .method(Method::PUT)
         .uri(format!("/api/workers/experiments/{second}/model"))

@@ -2135,8 +2135,60 @@ async fn scenario(c: &Client, lab: &Lab) -> Result<()> {
     save_full_page(c, "list.png").await?;
 
     try_the_model_scenario(c, lab).await?;
+    llama_scenario(c, lab).await?;
     own_text_scenario(c, lab).await?;
     watch_a_long_run_live_and_cancel_it(c, lab).await
+}
+
+/// The Llama preset through the form: its fields (family, K/V heads, SwiGLU width, rotary
+/// base) filled in, a changed K/V head count refused at once with the reason, the run
+/// trained, its page saying what its blocks are, and the model it trained continuing a
+/// prompt.
+async fn llama_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#preset-llama")).await?;
+    c.find(Locator::Css("#preset-llama")).await?.click().await?;
+    let fields = [("model.family", "llama"), ("model.kv_heads", "2"), ("model.ffn_hidden", "344")];
+    for (field, want) in fields {
+        ensure!(value_of(c, field).await? == want, "{field}: {}", value_of(c, field).await?);
+    }
+    ensure!(value_of(c, "model.rope_theta").await?.starts_with("10000"), "the rotary base");
+    set_field(c, "model.kv_heads", "3").await?;
+    let kv_error = ".field-error[data-field='model.kv_heads']";
+    wait_for(c, "the instant error for model.kv_heads", Duration::from_secs(5), || async {
+        Ok(text(c, kv_error).await?.contains("kv_heads=3 does not divide heads=4"))
+    })
+    .await?;
+    set_field(c, "model.kv_heads", "2").await?;
+    set_field(c, "train.steps", "60").await?;
+    wait_for(c, "submit to be enabled", Duration::from_secs(5), || async { Ok(!disabled(c, "#submit").await?) })
+        .await?;
+    c.find(Locator::Css("#submit")).await?.click().await?;
+    wait_for(c, "the experiment page", Duration::from_secs(15), || async {
+        Ok(c.current_url().await?.path().starts_with("/experiments/"))
+    })
+    .await?;
+    let url = c.current_url().await?;
+    let id: i64 = url.path().trim_start_matches("/experiments/").parse().with_context(|| format!("id in {url}"))?;
+    let exp = lab.wait_finished(id, Duration::from_secs(300));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the llama run did not succeed: {exp:?}");
+    ensure!(exp.spec.model.family == distlab_common::ModelFamily::Llama, "{:?}", exp.spec.model);
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the try-the-model box", Duration::from_secs(30), || exists(c, "#try-model #generate")).await?;
+    let spec = text(c, "#spec").await?;
+    ensure!(
+        spec.contains("Llama blocks (RMSNorm, rotary positions with base 10000, 2 K/V heads, SwiGLU 344 wide"),
+        "{spec}"
+    );
+    type_into(c, "#prompt", "ROMEO:").await?;
+    type_into(c, "#temperature", "0").await?;
+    type_into(c, "#max-new-tokens", "32").await?;
+    c.find(Locator::Css("#generate")).await?.click().await?;
+    wait_for(c, "the sampled text", Duration::from_secs(30), || exists(c, "#generated")).await?;
+    ensure!(text(c, "#generated").await?.starts_with("ROMEO:"), "the prompt continued");
+    ensure!(text(c, "#generated-stats").await?.starts_with("32 tokens in"), "the count of tokens");
+    save_full_page(c, "llama-experiment.png").await?;
+    Ok(())
 }
 
 /// A run trained on the Shakespeare text: its page samples from the model (greedy, so the

@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 18] = [
+const LAYOUTS: [(&str, Layout); 21] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -61,6 +61,17 @@ const LAYOUTS: [(&str, Layout); 18] = [
     ("ddp int8 compression", |s| (s.parallel.dp, s.parallel.grad_compression) = (2, GradCompression::Int8)),
     ("zero1 host offload", |s| {
         (s.parallel.dp, s.parallel.sharding, s.parallel.offload) = (2, Sharding::Zero1, Offload::Host)
+    }),
+    // Llama blocks: RMSNorm, rotary positions, 4 query heads on 2 K/V heads, SwiGLU.
+    ("llama", |s| s.model = ModelSpec::llama(2, 64, 4, 2, 176, 32, 256)),
+    ("llama tp2 sequence parallel", |s| {
+        s.model = ModelSpec::llama(2, 64, 4, 2, 176, 32, 256);
+        (s.parallel.tp, s.parallel.sequence_parallel) = (2, true);
+    }),
+    ("llama fsdp pp2 flash attention", |s| {
+        s.model = ModelSpec::llama(2, 64, 4, 2, 176, 32, 256);
+        (s.parallel.dp, s.parallel.pp, s.parallel.sharding, s.train.attention) =
+            (2, 2, Sharding::Fsdp, Attention::Flash);
     }),
 ];
 

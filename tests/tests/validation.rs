@@ -92,7 +92,7 @@ fn the_last_validation_loss_is_the_trained_model_s_loss_on_held_out_data() {
     let &(step, reported) = val_losses(&points).last().expect("a validation loss");
     assert_eq!(step, 11);
     let bytes = std::fs::read(dir.path().join("model.safetensors")).expect("the exported model");
-    let params = distlab_worker::generate::load_gpt2(&layout.model, &bytes).expect("GPT-2 weights");
+    let params = distlab_worker::generate::load_hf(&layout.model, &bytes).expect("GPT-2 weights");
     let mut model = distlab_worker::generate::Predictor::new(&layout.model, &params).expect("a model");
     let data = distlab_worker::data::Data::new(&layout.data, &layout.model, layout.global_batch()).expect("data");
     let (sequences, seq, vocab) = (layout.global_batch(), layout.model.seq_len, layout.model.vocab);

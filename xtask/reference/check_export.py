@@ -4,14 +4,16 @@ what distlab predicts.
 
 DIR is a run's output directory holding model.safetensors and config.json (as
 `distlab-worker run SPEC.json --out DIR` writes them, or the two files downloaded from
-GET /api/experiments/{id}/model and /model/config). The script loads DIR with
-GPT2LMHeadModel.from_pretrained, runs it on a few tokens, asks distlab's own forward for the
-same next-token probabilities (`distlab-worker probabilities DIR TOKENS...`) and prints the
-largest difference of the probabilities and of the log-probabilities (= logits up to a
-constant per row). Exit code 1 when the log-probabilities differ by more than 1e-3.
+GET /api/experiments/{id}/model and /model/config): GPT-2 blocks load as GPT2LMHeadModel,
+Llama blocks as LlamaForCausalLM (AutoModelForCausalLM picks by config.json). The script
+runs it on a few tokens, asks distlab's own forward for the same next-token probabilities
+(`distlab-worker probabilities DIR TOKENS...`) and prints the largest difference of the
+probabilities and of the log-probabilities (= logits up to a constant per row); then
+continues the tokens greedily on both sides and says whether the continuations are equal.
+Exit code 1 when the log-probabilities differ by more than 1e-4 or the continuations differ.
 
 Run by hand (needs torch and transformers; not part of CI):
-  python3 xtask/reference/check_export.py DIR [--worker target/debug/distlab-worker] [--tokens 20]
+  python3 xtask/reference/check_export.py DIR [--worker target/debug/distlab-worker] [--tokens 20] [--continue 8]
 """
 import argparse
 import json
@@ -19,40 +21,60 @@ import subprocess
 import sys
 
 import torch
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
+
+
+def distlab_probabilities(worker, directory, tokens):
+    out = subprocess.run([worker, "probabilities", directory, *map(str, tokens)],
+                         check=True, capture_output=True, text=True).stdout
+    return torch.tensor(json.loads(out), dtype=torch.float64)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir")
     ap.add_argument("--worker", default="target/debug/distlab-worker")
-    ap.add_argument("--tokens", type=int, default=20, help="how many tokens to predict after (at most n_positions)")
+    ap.add_argument("--tokens", type=int, default=20, help="how many tokens to predict after (at most the context)")
+    ap.add_argument("--continue", dest="more", type=int, default=8, help="greedy tokens to compare after them")
     args = ap.parse_args()
 
-    model = GPT2LMHeadModel.from_pretrained(args.dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32).eval()
+    # distlab's tokens carry no end-of-text meaning: continue for --continue tokens whatever comes.
+    model.generation_config.eos_token_id = None
     cfg = model.config
-    n = min(args.tokens, cfg.n_positions)
+    context = getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
+    n = min(args.tokens, context - args.more)
     tokens = [(7 * i + 3) % cfg.vocab_size for i in range(n)]
 
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0].double()
     theirs = torch.log_softmax(logits, dim=-1)
-
-    out = subprocess.run([args.worker, "probabilities", args.dir, *map(str, tokens)],
-                         check=True, capture_output=True, text=True).stdout
-    ours = torch.tensor(json.loads(out), dtype=torch.float64)
+    ours = distlab_probabilities(args.worker, args.dir, tokens)
     ours_log = torch.log(ours.clamp_min(1e-30))
 
     prob_diff = (ours - theirs.exp()).abs().max().item()
     # Compare log-probabilities where they are not vanishingly small (log(0) is -inf).
     mask = theirs.exp() > 1e-6
     log_diff = (ours_log - theirs)[mask].abs().max().item()
+
+    # Greedy continuations: transformers' generate against distlab's argmax, token by token.
+    with torch.no_grad():
+        theirs_more = model.generate(torch.tensor([tokens]), max_new_tokens=args.more, do_sample=False,
+                                     pad_token_id=0)[0, n:].tolist()
+    ours_more, seen = [], list(tokens)
+    for _ in range(args.more):
+        nxt = int(distlab_probabilities(args.worker, args.dir, seen)[-1].argmax())
+        ours_more.append(nxt)
+        seen.append(nxt)
+
     print(json.dumps({
-        "dir": args.dir, "tokens": n, "vocab": cfg.vocab_size, "layers": cfg.n_layer,
+        "dir": args.dir, "architecture": cfg.architectures, "tokens": n, "vocab": cfg.vocab_size,
+        "layers": cfg.num_hidden_layers,
         "max_abs_prob_diff": prob_diff, "max_abs_logprob_diff": log_diff,
         "same_argmax": bool((ours.argmax(-1) == theirs.argmax(-1)).all()),
+        "greedy_transformers": theirs_more, "greedy_distlab": ours_more,
     }))
-    return 0 if log_diff <= 1e-3 else 1
+    return 0 if log_diff <= 1e-4 and theirs_more == ours_more else 1
 
 
 if __name__ == "__main__":

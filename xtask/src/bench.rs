@@ -6,7 +6,9 @@
 //!    every step its share of it.
 //! 2. PyTorch on the same shape (`xtask/reference/gpt_step.py --untied`, SDPA attention),
 //!    fp32 and bf16 autocast, on 1 and 2 threads.
-//! 3. all_reduce of 64 MiB between W = 2, 4, 8 rank processes (`distlab-worker bench-comm`),
+//! 3. The same step in Llama blocks of about the same size (`train_step --family llama`,
+//!    `gpt_step.py --llama`), fp32, on 1 and 2 threads, ours and PyTorch's.
+//! 4. all_reduce of 64 MiB between W = 2, 4, 8 rank processes (`distlab-worker bench-comm`),
 //!    bus bandwidth as a share of one thread's memcpy.
 //!
 //! Steps 1 and 2 run in `rounds` rounds, ours and PyTorch's for a format one after the other
@@ -28,6 +30,10 @@ const THREADS: [u64; 2] = [1, 2];
 const PRECISIONS: [&str; 3] = ["fp32", "bf16", "fp16"];
 /// The formats the PyTorch reference runs (fp16 autocast on a CPU is not what it is used for).
 const TORCH_PRECISIONS: [&str; 2] = ["fp32", "bf16"];
+/// The Llama of `train_step --family llama`, for the PyTorch reference.
+const TORCH_LLAMA: [&str; 5] = ["--llama", "--kv-heads", "2", "--ffn-hidden", "784"];
+/// The Samples key of the Llama rows (fp32).
+const LLAMA: &str = "llama fp32";
 const RING_BYTES: usize = 64 << 20;
 const RING_WORLDS: [usize; 3] = [2, 4, 8];
 
@@ -42,20 +48,19 @@ pub fn run(rounds: usize) -> Result<()> {
     let mut peaks: BTreeMap<u64, f64> = BTreeMap::new();
     let (mut ours, mut theirs) = (Samples::new(), Samples::new());
     let mut flops_per_token = None;
+    let mut llama_flops_per_token = None;
     for round in 1..=rounds {
-        for precision in PRECISIONS {
-            println!("xtask: round {round} of {rounds}, {precision}");
-            let text = run_printing(cargo().args([
-                "bench",
-                "-p",
-                "distlab-worker",
-                "--bench",
-                "train_step",
-                "--",
-                "--precision",
-                precision,
-            ]))
-            .with_context(|| format!("the {precision} train_step benchmark"))?;
+        for (key, precision, family) in PRECISIONS.map(|p| (p, p, "gpt2")).into_iter().chain([(LLAMA, "fp32", "llama")])
+        {
+            println!("xtask: round {round} of {rounds}, {key}");
+            let text =
+                run_printing(cargo().args(["bench", "-p", "distlab-worker", "--bench", "train_step", "--"]).args([
+                    "--precision",
+                    precision,
+                    "--family",
+                    family,
+                ]))
+                .with_context(|| format!("the {key} train_step benchmark"))?;
             for line in json_lines(&text) {
                 let threads = line["threads"].as_u64().unwrap_or(0);
                 match line["bench"].as_str() {
@@ -65,20 +70,28 @@ pub fn run(rounds: usize) -> Result<()> {
                         *peak = peak.max(line["gflops_per_s"].as_f64().unwrap_or(0.0));
                     }
                     Some("train_step") => {
-                        flops_per_token = line["flops_per_token"].as_f64();
+                        match family {
+                            "llama" => llama_flops_per_token = line["flops_per_token"].as_f64(),
+                            _ => flops_per_token = line["flops_per_token"].as_f64(),
+                        }
                         if let Some(tps) = median_tokens_per_s(&line) {
-                            ours.entry((precision, threads)).or_default().insert(round, tps);
+                            ours.entry((key, threads)).or_default().insert(round, tps);
                         }
                     }
                     _ => {}
                 }
             }
-            if let (Some(python), true) = (&python, TORCH_PRECISIONS.contains(&precision)) {
-                pytorch_steps(python, precision, round, &mut theirs);
+            match (&python, family) {
+                (Some(python), "llama") => pytorch_steps(python, (key, precision), &TORCH_LLAMA, round, &mut theirs),
+                (Some(python), _) if TORCH_PRECISIONS.contains(&precision) => {
+                    pytorch_steps(python, (key, precision), &[], round, &mut theirs)
+                }
+                _ => {}
             }
         }
     }
     let flops_per_token = flops_per_token.context("the train_step benchmark printed no step")?;
+    let llama_flops_per_token = llama_flops_per_token.context("the llama train_step benchmark printed no step")?;
     let ring = ring_shares()?;
 
     println!("\n## Training step (4 layers, d_model 256, seq 128, batch 16, AdamW; {flops_per_token} FLOP/token)\n");
@@ -111,6 +124,29 @@ pub fn run(rounds: usize) -> Result<()> {
             rounds_of(mine),
             gflops(tps),
             gflops(tps) / peak * 100.0
+        );
+    }
+    println!(
+        "\n## The same step in Llama blocks of about the same size (4 query heads on 2 K/V heads, SwiGLU 784, \
+         fp32; {llama_flops_per_token} FLOP/token)\n"
+    );
+    println!("| threads | distlab Llama tok/s | % of FMA peak | Llama / GPT-2 (distlab) | PyTorch Llama tok/s | distlab / PyTorch |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for threads in THREADS {
+        let (Some(llama), Some(gpt2)) = (ours.get(&(LLAMA, threads)), ours.get(&("fp32", threads))) else { continue };
+        let peak = peaks.get(&threads).copied().unwrap_or(f64::NAN);
+        let tps = median(llama.values());
+        let (torch_tps, ratio) = match theirs.get(&(LLAMA, threads)) {
+            Some(t) => {
+                (format!("{:.0} {}", median(t.values()), rounds_of(t)), format!("{:.2}", paired_ratio(llama, t)))
+            }
+            None => ("-".into(), "-".into()),
+        };
+        println!(
+            "| {threads} | {tps:.0} {} | {:.1}% | {:.2} | {torch_tps} | {ratio} |",
+            rounds_of(llama),
+            tps * llama_flops_per_token / 1e9 / peak * 100.0,
+            paired_ratio(llama, gpt2)
         );
     }
     if let Some((memcpy, rows)) = ring {
@@ -171,19 +207,26 @@ fn torch_python() -> Option<String> {
     has_torch.then_some(python)
 }
 
-/// PyTorch's step in `precision` on each thread count, added to `theirs`.
-fn pytorch_steps(python: &str, precision: &'static str, round: usize, theirs: &mut Samples) {
+/// PyTorch's step in `precision` (with `model` arguments for another model than GPT-2) on
+/// each thread count, added to `theirs` under `key`.
+fn pytorch_steps(
+    python: &str,
+    (key, precision): (&'static str, &'static str),
+    model: &[&str],
+    round: usize,
+    theirs: &mut Samples,
+) {
     let script = root().join("xtask/reference/gpt_step.py");
     for threads in THREADS {
         let mut cmd = Command::new(python);
-        cmd.arg(&script).args(["--untied", "--dtype", precision, "--threads", &threads.to_string()]);
+        cmd.arg(&script).args(["--untied", "--dtype", precision, "--threads", &threads.to_string()]).args(model);
         let Ok(text) = run_printing(&mut cmd) else {
-            println!("xtask: the PyTorch reference ({precision}, {threads} thread(s)) failed");
+            println!("xtask: the PyTorch reference ({key}, {threads} thread(s)) failed");
             continue;
         };
         // The same model as ours, so the same FLOPs per token.
         if let Some(tps) = json_lines(&text).iter().find_map(median_tokens_per_s) {
-            theirs.entry((precision, threads)).or_default().insert(round, tps);
+            theirs.entry((key, threads)).or_default().insert(round, tps);
         }
     }
 }

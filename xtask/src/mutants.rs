@@ -331,6 +331,41 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "self.dropped += 0;",
         tests: &["-p", "distlab-worker", "--test", "gradcheck", "mixture_of_experts"],
     },
+    Mutant {
+        name: "Llama: RoPE's backward turns the gradient forward again instead of back",
+        file: "gpu-worker/src/ops/rope.rs",
+        find: "self.rope(dqkv, shape, theta, -1.0);",
+        replace: "self.rope(dqkv, shape, theta, 1.0);",
+        tests: &["-p", "distlab-worker", "--test", "gradcheck", "rope"],
+    },
+    Mutant {
+        name: "Llama: the blocks' backward leaves q and k's gradients turned (rope_backward dropped)",
+        file: "gpu-worker/src/model/block.rs",
+        find: "be.rope_backward(be.all_mut(&mut s.dqkv), d.heads, d.rope_theta);",
+        replace: "let _ = d.rope_theta;",
+        tests: &["-p", "distlab-worker", "--test", "gradcheck", "whole_llama"],
+    },
+    Mutant {
+        name: "Llama: grouped-query attention keeps each query head's K/V gradient instead of the group's sum",
+        file: "gpu-worker/src/ops/attention.rs",
+        find: "let add = h % shape.group() != 0;",
+        replace: "let add = false;",
+        tests: &["-p", "distlab-worker", "--test", "ops", "attention_grouped::cpu_fp32"],
+    },
+    Mutant {
+        name: "Llama: SwiGLU's gate gradient drops the sigmoid's derivative",
+        file: "gpu-worker/src/ops/swiglu.rs",
+        find: "*dg = dh * u * sig * (F::ONE + g * (F::ONE - sig));",
+        replace: "*dg = dh * u * sig;",
+        tests: &["-p", "distlab-worker", "--test", "ops", "swiglu::cpu_fp32"],
+    },
+    Mutant {
+        name: "Llama: RMSNorm's input gradient forgets the normalisation's own term",
+        file: "gpu-worker/src/ops/rmsnorm.rs",
+        find: "*dx += r * (dy * g - x * r * mean_gx);",
+        replace: "*dx += r * dy * g;",
+        tests: &["-p", "distlab-worker", "--test", "ops", "rmsnorm::cpu_fp32"],
+    },
 ];
 
 /// Mistakes in the CUDA kernels, whose guarding tests run on the emulated GPU (the CUDA op
@@ -357,6 +392,13 @@ pub const KERNEL_MUTANTS: &[Mutant] = &[
         find: "            gpu.gemm(\n                (false, false),\n                (c_out, rows, c_in),",
         replace: "            gpu.gemm(\n                (true, false),\n                (c_out, rows, c_in),",
         tests: &["--include-ignored", "matmul::cuda_fp32"],
+    },
+    Mutant {
+        name: "Llama: flash attention's key kernel sums a K/V head's gradients over the group's first query head only",
+        file: "gpu-worker/src/ops/flash_attention.cu",
+        find: "for (int h = r.head * group; h < (r.head + 1) * group; h++) {",
+        replace: "for (int h = r.head * group; h < r.head * group + 1; h++) {",
+        tests: &["--include-ignored", "flash_attention_grouped::cuda_fp32"],
     },
 ];
 

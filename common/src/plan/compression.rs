@@ -127,9 +127,10 @@ pub fn stage_shapes(m: &ModelSpec, tp: usize, layers: usize, first: bool, last: 
         // (E x its rows, its columns)
         shapes.extend(match (m.experts, gpt2) {
             (0, true) => vec![(c, f / n), (1, f / n), (f / n, c), (1, c)],
-            (0, false) => vec![(c, f / n), (c, f / n), (f / n, c)],
+            // (Llama's gate and up are one tensor of the engine's, side by side)
+            (0, false) => vec![(c, 2 * f / n), (f / n, c)],
             (e, true) => vec![(c, e), (e * c, f), (e, f), (e * f, c), (e, c)],
-            (e, false) => vec![(c, e), (e * c, f), (e * c, f), (e * f, c)],
+            (e, false) => vec![(c, e), (e * c, 2 * f), (e * f, c)],
         });
     }
     if last {

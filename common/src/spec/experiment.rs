@@ -71,13 +71,12 @@ impl CollectiveDemo {
 }
 
 /// A decoder-only transformer: embeddings, `layers` pre-norm blocks, a final norm and the
-/// LM head. The engine trains the GPT-2 family with untied embeddings, full multi-head
-/// attention and a 4 x d_model MLP; the planner also sizes Llama-style models.
+/// LM head, with GPT-2's blocks or Llama's (the engine trains both, with untied embeddings).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSpec {
-    /// The block's design (the planner's business; the engine trains `gpt2`).
+    /// The block's design: GPT-2's or Llama's.
     #[serde(skip_serializing_if = "ModelFamily::is_gpt2")]
     pub family: ModelFamily,
     pub layers: usize,
@@ -108,10 +107,22 @@ pub struct ModelSpec {
     /// The LM head reuses the token embedding matrix (GPT-2's original, Llama-3 8B's is not).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub tie_embeddings: bool,
+    /// Llama's rotary position embeddings: dimension pair i of a head hs wide turns by
+    /// position x rope_theta^(-2i/hs) (Llama 2: 10,000; Llama 3: 500,000). GPT-2 learns
+    /// its positions instead.
+    #[serde(skip_serializing_if = "is_default_rope_theta")]
+    pub rope_theta: f64,
 }
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+/// Llama 2's (and the original RoPE paper's) base.
+pub const DEFAULT_ROPE_THETA: f64 = 10_000.0;
+
+fn is_default_rope_theta(theta: &f64) -> bool {
+    *theta == DEFAULT_ROPE_THETA
 }
 
 /// What a transformer block is made of.
@@ -564,6 +575,7 @@ impl ModelSpec {
             kv_heads: 0,
             ffn_hidden: 0,
             tie_embeddings: false,
+            rope_theta: DEFAULT_ROPE_THETA,
         }
     }
 
@@ -655,12 +667,23 @@ impl ModelSpec {
 
     /// What an MLP keeps for backward per token (GPT-2 its hidden layer before and after
     /// GELU, 2f; Llama gate, up and their SwiGLU product, 3f), and the hidden gradients
-    /// backward makes (GPT-2 f; Llama gate and up, 2f).
+    /// backward makes (GPT-2 f, GELU's backward in place; Llama the product's f and, beside
+    /// it, the gate's and up's 2f).
     pub fn mlp_activation_widths(&self) -> (u64, u64) {
         let ff = self.d_ff() as u64;
         match self.family {
             ModelFamily::Gpt2 => (2 * ff, ff),
-            ModelFamily::Llama => (3 * ff, 2 * ff),
+            ModelFamily::Llama => (3 * ff, 3 * ff),
+        }
+    }
+
+    /// Width of the MLP's first matmul's output, per token: GPT-2's hidden layer f, Llama's
+    /// gate and up projections side by side, 2f.
+    pub fn mlp_input_width(&self) -> u64 {
+        let ff = self.d_ff() as u64;
+        match self.family {
+            ModelFamily::Gpt2 => ff,
+            ModelFamily::Llama => 2 * ff,
         }
     }
 

@@ -24,6 +24,11 @@ pub fn presets() -> Vec<Preset> {
     text.train.steps = 200;
     text.train.micro_batch = 16;
 
+    // The Shakespeare preset's size in Llama blocks: 4 query heads on 2 K/V heads, a SwiGLU
+    // of 8/3 x d_model (344, a multiple of 8), rotary positions.
+    let mut llama = ExperimentSpec { name: "shakespeare-llama".into(), ..text.clone() };
+    llama.model = ModelSpec::llama(2, 128, 4, 2, 344, 64, 256);
+
     let mut ddp = ExperimentSpec { name: "ddp-2-ranks".into(), ..ExperimentSpec::default() };
     ddp.parallel.dp = 2;
     ddp.train.micro_batch = 4;
@@ -149,6 +154,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Shakespeare, byte level",
             description: "A small public-domain English text, one token per byte.",
             spec: text,
+        },
+        Preset {
+            key: "llama",
+            title: "A small Llama on Shakespeare",
+            description: "The Shakespeare preset in Llama blocks: RMSNorm, rotary position embeddings instead of a learned table, 4 query heads sharing 2 key/value heads (grouped-query attention), a SwiGLU MLP and no biases. Resubmit it with family gpt2 and compare the two: parameters, memory by category, loss per step.",
+            spec: llama,
         },
         Preset {
             key: "ddp2",

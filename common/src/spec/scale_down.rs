@@ -6,7 +6,7 @@
 //! be set against the planner's prediction for the same small spec.
 
 use crate::spec::validate::Limits;
-use crate::{BackendKind, Dataset, ExperimentSpec};
+use crate::{BackendKind, Dataset, ExperimentSpec, ModelFamily, DEFAULT_ROPE_THETA};
 
 /// Attention heads per tensor-parallel rank, and the width of one head, in the small model.
 const HEADS_PER_TP_RANK: usize = 2;
@@ -47,15 +47,27 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
         p.sharding = crate::Sharding::None;
     }
     let heads = HEADS_PER_TP_RANK * p.tp;
-    let blocks = |m: &crate::ModelSpec| (m.family, m.kv_heads, m.ffn_hidden, m.tie_embeddings);
-    let gpt2 = blocks(&crate::ModelSpec::default());
-    if blocks(&small.model) != gpt2 {
-        changes.push(
-            "the engine trains GPT-2 blocks (LayerNorm, a GELU MLP of 4 x d_model, a K and V per head, an untied \
-             LM head), so the small model has them"
-                .to_string(),
-        );
-        (small.model.family, small.model.kv_heads, small.model.ffn_hidden, small.model.tie_embeddings) = gpt2;
+    let m = &mut small.model;
+    if m.tie_embeddings {
+        changes
+            .push("the engine keeps the LM head apart from the token embedding, so the small model's is untied".into());
+        m.tie_embeddings = false;
+    }
+    if m.is_moe() && m.family == ModelFamily::Llama {
+        changes.push("the engine's experts are GPT-2 MLPs, so the small model has GPT-2 blocks".into());
+        m.family = ModelFamily::Gpt2;
+    }
+    match m.family {
+        ModelFamily::Gpt2 => (m.kv_heads, m.ffn_hidden, m.rope_theta) = (0, 0, DEFAULT_ROPE_THETA),
+        ModelFamily::Llama => {
+            // The same grouping of query heads on K/V heads where the small model's heads
+            // allow it (Llama-3's 4 per K/V head needs 4 heads: one K/V head for its 2),
+            // at least a K/V head per tensor-parallel rank, and SwiGLU's 8/3 x d_model,
+            // rounded up to a multiple of 8 x tp (each rank's share a multiple of 8).
+            let group = (m.heads / m.key_value_heads().max(1)).clamp(1, heads);
+            m.kv_heads = (heads / group).max(p.tp);
+            m.ffn_hidden = (heads * HEAD_DIM * 8 / 3).div_ceil(8 * p.tp) * 8 * p.tp;
+        }
     }
     small.model.heads = heads;
     small.model.d_model = heads * HEAD_DIM;
@@ -137,10 +149,49 @@ mod tests {
         assert_eq!(small.name, "small: gpt3");
     }
 
+    /// Llama-3 8B's blocks stay Llama blocks (grouped-query attention, SwiGLU, rotary base),
+    /// with a K/V head for every tensor-parallel rank.
+    #[test]
+    fn a_llama_stays_a_llama_where_the_engine_runs_it() {
+        let limits = Limits::default();
+        let mut big = ExperimentSpec::default();
+        big.model =
+            crate::ModelSpec { rope_theta: 500_000.0, ..crate::ModelSpec::llama(32, 4096, 32, 8, 14336, 8192, 128256) };
+        (big.parallel.dp, big.parallel.pp, big.parallel.sharding) = (64, 4, Sharding::Fsdp);
+        let (small, changes) = run_it_small(&big, &limits);
+        assert_eq!(small.validate(&limits), Ok(()), "{changes:?}");
+        let m = &small.model;
+        assert_eq!(
+            (m.family, m.heads, m.kv_heads, m.ffn_hidden, m.rope_theta),
+            (ModelFamily::Llama, 2, 1, 88, 500_000.0)
+        );
+        assert!(!changes.iter().any(|c| c.contains("GPT-2 blocks")), "{changes:?}");
+        big.parallel.tp = 8;
+        let (small, changes) = run_it_small(&big, &limits);
+        assert_eq!(small.validate(&limits), Ok(()), "{changes:?}");
+        let m = &small.model;
+        assert_eq!((m.family, m.heads, m.kv_heads), (ModelFamily::Llama, 4, 2), "tp 8 became 2 (the world limit)");
+        big.model.experts = 8;
+        let (small, changes) = run_it_small(&big, &limits);
+        assert_eq!(small.model.family, ModelFamily::Gpt2);
+        assert!(changes.iter().any(|c| c.contains("experts are GPT-2 MLPs")), "{changes:?}");
+    }
+
     #[test]
     fn every_small_layout_validates() {
         let limits = Limits::default();
-        for (dp, tp, pp) in [(1, 1, 1), (2, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 1), (1, 1, 4), (4, 8, 1), (64, 8, 4)] {
+        for (dp, tp, pp) in [
+            (1, 1, 1),
+            (2, 1, 1),
+            (8, 1, 1),
+            (2, 2, 2),
+            (1, 4, 1),
+            (1, 1, 4),
+            (4, 8, 1),
+            (64, 8, 4),
+            (2, 6, 1),
+            (1, 3, 1),
+        ] {
             for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {
                 let mut spec = ExperimentSpec::default();
                 (spec.parallel.dp, spec.parallel.tp, spec.parallel.pp) = (dp, tp, pp);
@@ -157,6 +208,10 @@ mod tests {
             (spec.model.layers, spec.train.micro_batches) = (96, 6);
             let (small, _) = run_it_small(&spec, &limits);
             assert_eq!(small.validate(&limits), Ok(()), "interleaved dp={dp} tp={tp} pp={pp}");
+            // Llama-3 8B's blocks (32 query heads on 8 K/V heads) on the same layout.
+            spec.model = crate::ModelSpec::llama(32, 4096, 32, 8, 14336, 8192, 128256);
+            let (small, _) = run_it_small(&spec, &limits);
+            assert_eq!(small.validate(&limits), Ok(()), "llama dp={dp} tp={tp} pp={pp}");
         }
     }
 }

@@ -108,43 +108,7 @@ impl ExperimentSpec {
                 format!("heads={} does not divide d_model={}: every head needs the same width", m.heads, m.d_model),
             );
         }
-        // The planner sizes Llama-style models; the engine trains GPT-2 blocks as they are.
-        if m.family != ModelFamily::Gpt2 {
-            err(
-                "model.family",
-                "the training engine runs GPT-2 blocks only: family=llama is for the planner (sizes, memory, \
-                 layouts), not for a run"
-                    .into(),
-            );
-        }
-        if m.kv_heads != 0 && m.kv_heads != m.heads {
-            err(
-                "model.kv_heads",
-                format!(
-                    "the training engine runs full multi-head attention: kv_heads={} must be 0 or heads={} \
-                     (grouped-query attention is for the planner)",
-                    m.kv_heads, m.heads
-                ),
-            );
-        }
-        if m.ffn_hidden != 0 && m.ffn_hidden != m.d_model.saturating_mul(4) {
-            err(
-                "model.ffn_hidden",
-                format!(
-                    "the training engine's MLP is 4 x d_model wide: ffn_hidden={} must be 0 or {}",
-                    m.ffn_hidden,
-                    m.d_model.saturating_mul(4)
-                ),
-            );
-        }
-        if m.tie_embeddings {
-            err(
-                "model.tie_embeddings",
-                "the training engine keeps the LM head apart from the token embedding: tie_embeddings must be \
-                 false (tied heads are for the planner)"
-                    .into(),
-            );
-        }
+        self.check_family(&mut err);
         if self.data.dataset.is_text() && m.vocab < 256 && m.vocab >= 2 {
             err(
                 "model.vocab",
@@ -170,8 +134,8 @@ impl ExperimentSpec {
             && within(m.heads, m.d_model)
             && m.experts <= MAX_EXPERTS
             // (other widths are refused above; these keep the count inside u64)
-            && (m.ffn_hidden == 0 || m.ffn_hidden == m.d_model.saturating_mul(4))
-            && (m.kv_heads == 0 || m.kv_heads == m.heads)
+            && m.ffn_hidden <= m.d_model.saturating_mul(MAX_FFN_RATIO)
+            && m.kv_heads <= m.heads
         {
             let params = m.param_count();
             if params > limits.max_params {
@@ -204,7 +168,7 @@ impl ExperimentSpec {
             );
         }
         if p.tp > 1 && m.d_ff() % p.tp != 0 {
-            err("parallel.tp", format!("tp={} does not divide the MLP width 4*d_model={}", p.tp, m.d_ff()));
+            err("parallel.tp", format!("tp={} does not divide the MLP width d_ff={}", p.tp, m.d_ff()));
         }
         if p.pp > 1 && m.layers >= 1 && p.pp > m.layers {
             err(
@@ -415,6 +379,104 @@ impl ExperimentSpec {
 }
 
 impl ExperimentSpec {
+    /// The block's design: GPT-2 blocks as GPT-2 has them (multi-head attention, a 4 x
+    /// d_model MLP, learned positions); Llama blocks with grouped-query attention, their
+    /// own MLP width and rotary positions. Neither ties its LM head to the embedding yet.
+    fn check_family(&self, err: &mut impl FnMut(&str, String)) {
+        let (m, p) = (&self.model, &self.parallel);
+        let kv_heads = m.key_value_heads();
+        match m.family {
+            ModelFamily::Gpt2 => {
+                if kv_heads != m.heads {
+                    err(
+                        "model.kv_heads",
+                        format!(
+                            "GPT-2 blocks use multi-head attention: kv_heads={} must be 0 or heads={} \
+                             (grouped-query attention is family=llama)",
+                            m.kv_heads, m.heads
+                        ),
+                    );
+                }
+                if m.ffn_hidden != 0 && m.ffn_hidden != m.d_model.saturating_mul(4) {
+                    err(
+                        "model.ffn_hidden",
+                        format!(
+                            "a GPT-2 MLP is 4 x d_model wide: ffn_hidden={} must be 0 or {} (family=llama \
+                             chooses its own)",
+                            m.ffn_hidden,
+                            m.d_model.saturating_mul(4)
+                        ),
+                    );
+                }
+                if m.rope_theta != DEFAULT_ROPE_THETA {
+                    err("model.rope_theta", "GPT-2 learns its positions: rope_theta is for family=llama".into());
+                }
+            }
+            ModelFamily::Llama => {
+                if m.heads >= 1 && (kv_heads > m.heads || m.heads % kv_heads != 0) {
+                    err(
+                        "model.kv_heads",
+                        format!(
+                            "kv_heads={} does not divide heads={}: each key/value head serves a whole group of \
+                             query heads",
+                            m.kv_heads, m.heads
+                        ),
+                    );
+                }
+                if m.heads >= 1 && m.d_model % m.heads == 0 && (m.d_model / m.heads) % 2 != 0 {
+                    err(
+                        "model.heads",
+                        format!(
+                            "rotary positions turn pairs of a head's dimensions: the head width d_model/heads = {} \
+                             must be even",
+                            m.d_model / m.heads
+                        ),
+                    );
+                }
+                if m.ffn_hidden > m.d_model.saturating_mul(MAX_FFN_RATIO) {
+                    err(
+                        "model.ffn_hidden",
+                        format!(
+                            "ffn_hidden={} is more than {MAX_FFN_RATIO} x d_model = {}",
+                            m.ffn_hidden,
+                            m.d_model.saturating_mul(MAX_FFN_RATIO)
+                        ),
+                    );
+                }
+                if !(m.rope_theta.is_finite() && m.rope_theta > 1.0 && m.rope_theta <= 1e9) {
+                    err(
+                        "model.rope_theta",
+                        format!("rope_theta must be above 1, at most 1e9 (it is {})", m.rope_theta),
+                    );
+                }
+                if p.tp > 1 && m.heads % p.tp == 0 && kv_heads % p.tp != 0 {
+                    err(
+                        "parallel.tp",
+                        format!(
+                            "tp={} does not divide kv_heads={kv_heads}: each tensor-parallel rank takes whole K/V \
+                             heads (Megatron-LM would copy them to every rank instead; distlab keeps each on one)",
+                            p.tp
+                        ),
+                    );
+                }
+                if m.is_moe() {
+                    err(
+                        "model.experts",
+                        "family=llama: the engine's experts are GPT-2 MLPs; SwiGLU experts are not written yet".into(),
+                    );
+                }
+            }
+        }
+        if m.tie_embeddings {
+            err(
+                "model.tie_embeddings",
+                "the training engine keeps the LM head apart from the token embedding: tie_embeddings must be \
+                 false (tied heads are for the planner)"
+                    .into(),
+            );
+        }
+    }
+
     /// `parallel.pp_schedule` and `parallel.virtual_stages`: interleaving cuts the layers
     /// into pp * v equal chunks and takes micro-batches through them in groups of pp.
     pub(crate) fn check_pipeline_schedule(&self, err: &mut impl FnMut(&str, String)) {
@@ -644,6 +706,9 @@ impl ExperimentSpec {
 /// The most experts a block may have.
 pub const MAX_EXPERTS: usize = 64;
 
+/// The widest MLP a Llama spec may ask for, in multiples of d_model.
+pub const MAX_FFN_RATIO: usize = 16;
+
 fn world_tokens(spec: &ExperimentSpec) -> u128 {
     [spec.parallel.dp, spec.train.micro_batch, spec.train.micro_batches, spec.train.grad_accum, spec.model.seq_len]
         .iter()
@@ -718,18 +783,37 @@ mod tests {
                 json!({"parallel": {"tp": 3}}),
                 vec![
                     ("parallel.tp", "tp=3 does not divide heads=4"),
-                    ("parallel.tp", "tp=3 does not divide the MLP width 4*d_model=256"),
+                    ("parallel.tp", "tp=3 does not divide the MLP width d_ff=256"),
                 ],
             ),
             (json!({"parallel": {"pp": 3}}), vec![("parallel.pp", "pp=3 is more than layers=2")]),
             (
-                json!({"model": {"family": "llama", "kv_heads": 2, "ffn_hidden": 172, "tie_embeddings": true}}),
+                json!({"model": {"kv_heads": 2, "ffn_hidden": 172, "tie_embeddings": true, "rope_theta": 5e5}}),
                 vec![
-                    ("model.family", "family=llama is for the planner"),
                     ("model.kv_heads", "kv_heads=2 must be 0 or heads=4"),
                     ("model.ffn_hidden", "ffn_hidden=172 must be 0 or 256"),
+                    ("model.rope_theta", "rope_theta is for family=llama"),
                     ("model.tie_embeddings", "tie_embeddings must be false"),
                 ],
+            ),
+            (
+                json!({"model": {"family": "llama", "kv_heads": 3, "ffn_hidden": 5000, "rope_theta": 0.5}}),
+                vec![
+                    ("model.kv_heads", "kv_heads=3 does not divide heads=4"),
+                    ("model.ffn_hidden", "ffn_hidden=5000 is more than 16 x d_model = 1024"),
+                    ("model.rope_theta", "rope_theta must be above 1"),
+                ],
+            ),
+            (
+                json!({"model": {"family": "llama", "heads": 64, "experts": 2}}),
+                vec![
+                    ("model.heads", "the head width d_model/heads = 1 must be even"),
+                    ("model.experts", "SwiGLU experts are not written yet"),
+                ],
+            ),
+            (
+                json!({"model": {"family": "llama", "kv_heads": 1}, "parallel": {"tp": 2}}),
+                vec![("parallel.tp", "tp=2 does not divide kv_heads=1: each tensor-parallel rank takes whole K/V")],
             ),
             (
                 json!({"train": {"checkpointing": "every"}, "parallel": {"dp": 2, "pp_schedule": "zb-h1", "sharding": "fsdp"}}),

@@ -36,6 +36,9 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
     if m.is_moe() {
         parts.insert(1, format!("{} experts top-{}", m.experts, m.expert_top_k));
     }
+    if !m.family.is_gpt2() {
+        parts.insert(0, format!("Llama ({} K/V heads, SwiGLU {})", m.key_value_heads(), m.d_ff()));
+    }
     if p.ep > 1 {
         parts.push(format!("ep{}", p.ep));
     }
@@ -53,7 +56,16 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
 pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
     let (m, d, p, t) = (&spec.model, &spec.data, &spec.parallel, &spec.train);
     let model = format!(
-        "{} layers · d_model {} · {} heads · seq_len {} · vocab {}{} — {} parameters",
+        "{}{} layers · d_model {} · {} heads · seq_len {} · vocab {}{} — {} parameters",
+        match m.family.is_gpt2() {
+            true => String::new(),
+            false => format!(
+                "Llama blocks (RMSNorm, rotary positions with base {}, {} K/V heads, SwiGLU {} wide, no biases) · ",
+                m.rope_theta,
+                m.key_value_heads(),
+                m.d_ff()
+            ),
+        },
         m.layers,
         m.d_model,
         m.heads,

@@ -79,7 +79,7 @@ pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
                 <a href=format!("/api/experiments/{id}/model") id="download-model">"model.safetensors"</a>
                 " and "
                 <a href=format!("/api/experiments/{id}/model/config") id="download-config">"config.json"</a>
-                " in one directory load with transformers' GPT2LMHeadModel.from_pretrained."
+                " in one directory load with transformers' AutoModelForCausalLM.from_pretrained (GPT-2 or Llama, as trained)."
             </p>
             <textarea id="prompt" rows="3" prop:value=move || prompt.get() on:input=move |ev| prompt.set(event_target_value(&ev))></textarea>
             <div class="row">

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use distlab_common::{Attention, Checkpointing, ModelSpec};
+use distlab_common::{Attention, Checkpointing, ModelFamily, ModelSpec};
 
 use crate::backend::Backend;
 use crate::memory::{Category, MemoryTracker, Receipt};
@@ -19,6 +19,8 @@ use crate::model::stage::Stage;
 /// What one block keeps from forward for backward (one micro-batch).
 pub(super) struct BlockActivations<Buf> {
     pub(super) ln1: Buf,
+    /// The norms' row statistics: LayerNorm's mean and 1/std; RMSNorm's 1/rms only (its
+    /// mean buffers are empty).
     pub(super) ln1_mean: Buf,
     pub(super) ln1_rstd: Buf,
     pub(super) qkv: Buf,
@@ -32,9 +34,11 @@ pub(super) struct BlockActivations<Buf> {
     pub(super) ln2: Buf,
     pub(super) ln2_mean: Buf,
     pub(super) ln2_rstd: Buf,
-    /// MLP hidden layer before and after GELU (with experts: of every slot).
+    /// The MLP's first matmul's output (GPT-2: the hidden layer; Llama: the gate and the
+    /// up projection side by side, twice as wide) and the hidden layer after the
+    /// nonlinearity, GELU or SwiGLU (with experts: of every slot).
     pub(super) fch: Buf,
-    pub(super) fch_gelu: Buf,
+    pub(super) fch_act: Buf,
     /// Residual stream after the MLP half: the block's output.
     pub(super) res_mlp: Buf,
     /// Mixture of Experts: the router's and the slots' buffers, the routing.
@@ -55,7 +59,7 @@ impl<Buf> BlockActivations<Buf> {
             &self.ln2_mean,
             &self.ln2_rstd,
             &self.fch,
-            &self.fch_gelu,
+            &self.fch_act,
             &self.res_mlp,
         ];
         bufs.extend(self.moe.iter().flat_map(ExpertActivations::buffers));
@@ -68,11 +72,11 @@ impl<Buf> BlockActivations<Buf> {
 pub(super) struct WeightStash<Buf> {
     /// d(MLP output), the gradient of `fc_proj`'s output (rows x c).
     pub(super) dmlp_out: Buf,
-    /// d(MLP hidden layer before GELU), of `fc`'s output (rows x 4c/tp).
+    /// d(MLP hidden layer before its nonlinearity), of `fc`'s output (rows x its width).
     pub(super) dfch: Buf,
     /// d(attention output), of `attn_proj`'s output (rows x c).
     pub(super) dattn_out: Buf,
-    /// d(q, k, v), of `qkv`'s output (rows x 3c/tp).
+    /// d(q, k, v), of `qkv`'s output (rows x its width).
     pub(super) dqkv: Buf,
 }
 
@@ -179,10 +183,14 @@ pub(super) struct ActivationShape {
     pub(super) res_rows: usize,
     pub(super) t: usize,
     pub(super) c: usize,
-    /// This rank's width of the attention (its heads) and of the MLP's hidden layer.
+    /// This rank's width of the attention (its query heads), of q, k and v together, and of
+    /// the MLP's hidden layer.
     pub(super) cl: usize,
+    pub(super) qkv: usize,
     pub(super) heads: usize,
     pub(super) hidden: usize,
+    /// GPT-2's blocks or Llama's (RMSNorm's one statistic, SwiGLU's gate and up).
+    pub(super) family: ModelFamily,
     pub(super) vocab: usize,
     /// Blocks whose activations are all kept (none with checkpointing).
     pub(super) kept_blocks: usize,
@@ -217,8 +225,10 @@ impl ActivationShape {
             t: spec.seq_len,
             c: spec.d_model,
             cl: spec.d_model / tp,
+            qkv: spec.qkv_width() as usize / tp,
             heads: spec.heads / tp,
-            hidden: 4 * spec.d_model / tp,
+            hidden: spec.d_ff() / tp,
+            family: spec.family,
             vocab: spec.vocab,
             kept_blocks: 0,
             checkpoints: 0,
@@ -249,6 +259,16 @@ impl ActivationShape {
         self.experts.map_or(self.rows, |e| e.slots())
     }
 
+    /// Width of the MLP's first matmul's output: the hidden layer, or Llama's gate and up.
+    pub(super) fn mlp_in(&self) -> usize {
+        mlp_in(self.family, self.hidden)
+    }
+
+    /// Rows a norm keeps statistics for, per statistic: (mean, 1/std or 1/rms).
+    pub(super) fn norm_stat_rows(&self) -> (usize, usize) {
+        norm_stat_rows(self.family, self.res_rows)
+    }
+
     /// Elements of the attention's saved tensor (and of its gradient scratch).
     pub(super) fn attention_floats(&self) -> usize {
         attention_floats(self.batch, self.heads, self.t, self.attention)
@@ -257,19 +277,20 @@ impl ActivationShape {
     /// One block's buffers, each from `alloc(floats)`.
     pub(super) fn block<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> BlockActivations<Buf> {
         let (rows, own, c, cl, hidden) = (self.rows, self.res_rows, self.c, self.cl, self.hidden);
+        let (mean, rstd) = self.norm_stat_rows();
         BlockActivations {
             ln1: alloc(own * c),
-            ln1_mean: alloc(own),
-            ln1_rstd: alloc(own),
-            qkv: alloc(rows * 3 * cl),
+            ln1_mean: alloc(mean),
+            ln1_rstd: alloc(rstd),
+            qkv: alloc(rows * self.qkv),
             att: alloc(self.attention_floats()),
             atty: alloc(rows * cl),
             res_attn: alloc(own * c),
             ln2: alloc(own * c),
-            ln2_mean: alloc(own),
-            ln2_rstd: alloc(own),
-            fch: alloc(self.mlp_rows() * hidden),
-            fch_gelu: alloc(self.mlp_rows() * hidden),
+            ln2_mean: alloc(mean),
+            ln2_rstd: alloc(rstd),
+            fch: alloc(self.mlp_rows() * self.mlp_in()),
+            fch_act: alloc(self.mlp_rows() * hidden),
             res_mlp: alloc(own * c),
             moe: self.experts.map(|e| ExpertActivations::new(&e, rows, c, alloc)),
         }
@@ -278,6 +299,7 @@ impl ActivationShape {
     /// Everything one micro-batch's forward leaves for its backward.
     pub(super) fn set<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> Activations<Buf> {
         let (rows, own, c) = (self.rows, self.res_rows, self.c);
+        let (mean, rstd) = self.norm_stat_rows();
         Activations {
             encoded: alloc(own * c),
             blocks: (0..self.kept_blocks).map(|_| self.block(alloc)).collect(),
@@ -286,8 +308,8 @@ impl ActivationShape {
             // for the LM head, which every TP rank runs in full.
             head: self.last.then(|| HeadActivations {
                 lnf: alloc(rows * c),
-                lnf_mean: alloc(own),
-                lnf_rstd: alloc(own),
+                lnf_mean: alloc(mean),
+                lnf_rstd: alloc(rstd),
                 logits: alloc(rows * self.vocab),
                 losses: alloc(rows),
             }),
@@ -299,6 +321,24 @@ impl ActivationShape {
         let mut floats = 0;
         self.set(&mut |len| floats += len);
         floats
+    }
+}
+
+/// Width of the MLP's first matmul's output for `hidden` units: GPT-2's hidden layer, or
+/// Llama's gate and up projection side by side.
+pub(super) fn mlp_in(family: ModelFamily, hidden: usize) -> usize {
+    match family {
+        ModelFamily::Gpt2 => hidden,
+        ModelFamily::Llama => 2 * hidden,
+    }
+}
+
+/// Rows of a norm's statistics over `rows` rows: LayerNorm's mean and 1/std, RMSNorm's
+/// 1/rms alone.
+fn norm_stat_rows(family: ModelFamily, rows: usize) -> (usize, usize) {
+    match family {
+        ModelFamily::Gpt2 => (rows, rows),
+        ModelFamily::Llama => (0, rows),
     }
 }
 
@@ -381,17 +421,18 @@ impl<B: Backend> InFlightSets<B> {
     /// ZB-H1: the stashes a B of `blocks` blocks fills (one per block), booked as
     /// activations until its W.
     pub(super) fn take_stash(&mut self, be: &B, blocks: usize) -> (Vec<WeightStash<B::Buf>>, Receipt) {
-        let ActivationShape { rows, c, cl, hidden, .. } = self.shapes[0];
-        let floats = rows * (2 * c + 3 * cl + hidden);
+        let shape = self.shapes[0];
+        let (rows, c) = (shape.rows, shape.c);
+        let floats = rows * (2 * c + shape.qkv + shape.mlp_in());
         let booked = self.memory.alloc_of::<B::Elem>(Category::Activations, blocks * floats);
         let mut stash = self.spare_stashes.pop().unwrap_or_default();
         stash.truncate(blocks);
         while stash.len() < blocks {
             stash.push(WeightStash {
                 dmlp_out: be.alloc(rows * c),
-                dfch: be.alloc(rows * hidden),
+                dfch: be.alloc(rows * shape.mlp_in()),
                 dattn_out: be.alloc(rows * c),
-                dqkv: be.alloc(rows * 3 * cl),
+                dqkv: be.alloc(rows * shape.qkv),
             });
         }
         (stash, booked)
@@ -464,28 +505,40 @@ pub fn activation_floats_for(
     let att = attention_floats(batch, h, t, attention);
     let rc = rows.saturating_mul(c);
     let own_c = own.saturating_mul(c);
-    let split = rows.saturating_mul(c / n);
-    // per block: ln1, res_attn, ln2, res_mlp (own rows x c); qkv (3c/tp), atty (c/tp),
-    // fch, fch_gelu (4c/tp); 4 row statistics (mean, rstd of two LayerNorms, own rows);
-    // attention probabilities of this rank's heads (a log-sum-exp pair per row with flash)
+    let (qkv, hidden) = (rows.saturating_mul(spec.qkv_width() as usize / n), rows.saturating_mul(spec.d_ff() / n));
+    let (mean, rstd) = norm_stat_rows(spec.family, own);
+    let (stats, llama) = (mean.saturating_add(rstd), spec.family == ModelFamily::Llama);
+    // The MLP's saved values (GPT-2: the hidden layer before and after GELU; Llama: gate
+    // and up, and their product) and backward's (GPT-2: one hidden gradient, GELU's
+    // backward in place; Llama: the product's, then the gate's and up's).
+    let mlp = hidden.saturating_mul(if llama { 3 } else { 2 });
+    let dmlp = hidden.saturating_mul(if llama { 3 } else { 1 });
+    // per block: ln1, res_attn, ln2, res_mlp (own rows x c); qkv, atty (c/tp), the MLP's;
+    // the two norms' statistics; attention probabilities of this rank's heads (a
+    // log-sum-exp pair per row with flash)
     let block = own_c
         .saturating_mul(4)
-        .saturating_add(split.saturating_mul(3 + 1 + 8))
-        .saturating_add(own.saturating_mul(4))
+        .saturating_add(qkv)
+        .saturating_add(rows.saturating_mul(c / n))
+        .saturating_add(mlp)
+        .saturating_add(stats.saturating_mul(2))
         .saturating_add(att);
     // encoded (own rows), lnf (rows x c), lnf statistics (own rows), logits, losses
-    let top = own_c
+    let top =
+        own_c.saturating_add(rc).saturating_add(stats).saturating_add(rows).saturating_add(rows.saturating_mul(v));
+    // backward scratch: dres (own rows), dln (c), datty (c/tp), dqkv, the MLP's, datt (the
+    // size of att); sequence parallelism's exchange buffers (two rows x c) and the norms'
+    // parameter gradient scratch (a block's two, the final one)
+    let scratch = own_c
         .saturating_add(rc)
-        .saturating_add(own.saturating_mul(2))
-        .saturating_add(rows)
-        .saturating_add(rows.saturating_mul(v));
-    // backward scratch: dres (own rows), dln (c), datty (c/tp), dqkv (3c/tp), dfch
-    // (4c/tp), datt (the size of att); sequence parallelism's exchange buffers (two
-    // rows x c) and LayerNorm gradient scratch (4c + 2c)
-    let scratch = own_c.saturating_add(rc).saturating_add(split.saturating_mul(1 + 3 + 4)).saturating_add(att);
-    let exchange = if own < rows { rc.saturating_mul(2).saturating_add(6 * c) } else { 0 };
-    // Mixture of Experts (tp = 1): the hidden layers of every slot in place of every
-    // token's, the router's and the slots' buffers, and their gradients.
+        .saturating_add(rows.saturating_mul(c / n))
+        .saturating_add(qkv)
+        .saturating_add(dmlp)
+        .saturating_add(att);
+    let norm = spec.norm_params() as usize;
+    let exchange = if own < rows { rc.saturating_mul(2).saturating_add(3 * norm) } else { 0 };
+    // Mixture of Experts (tp = 1, GPT-2 MLPs): the hidden layers of every slot in place of
+    // every token's, the router's and the slots' buffers, and their gradients.
     let (block, scratch) = match ExpertShape::of(spec, rows, ep) {
         None => (block, scratch),
         Some(e) => {

@@ -1,8 +1,17 @@
-//! One transformer block, forward and backward, on this rank's slice of it:
+//! One transformer block, forward and backward, on this rank's slice of it, GPT-2's:
 //!
 //! ```text
 //!   res_attn = x + attn_proj(attention(ln1(x)))          (layernorm.rs, linear.rs,
 //!   res_mlp  = res_attn + fc_proj(gelu(fc(ln2(res_attn)))) attention.rs, mlp.rs)
+//! ```
+//!
+//! or Llama's: RMSNorm for the LayerNorms (rmsnorm.rs), no biases, rotary positions
+//! turning q and k after the qkv matmul (rope.rs), grouped-query attention, and SwiGLU
+//! (swiglu.rs) on fc's gate and up columns in place of GELU:
+//!
+//! ```text
+//!   res_attn = x + attn_proj(attention(rope(qkv(rms1(x)))))
+//!   res_mlp  = res_attn + fc_proj(swiglu(fc(rms2(res_attn))))
 //! ```
 //!
 //! the Mixture-of-Experts MLP in its place where the model has experts (`experts.rs`),
@@ -12,11 +21,11 @@
 
 use std::ops::Range;
 
-use distlab_common::Attention;
+use distlab_common::{Attention, ModelFamily};
 
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
-use crate::model::activations::{ActivationShape, Activations, BlockActivations, WeightStash};
+use crate::model::activations::{mlp_in, ActivationShape, Activations, BlockActivations, WeightStash};
 use crate::model::experts::{
     experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden,
 };
@@ -25,6 +34,7 @@ use crate::model::tensor_parallel::{
     add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, TensorParallelGroup,
     Tokens, TpPoint,
 };
+use crate::ops::attention::AttentionShape;
 
 /// A block's sizes on this rank: sequence length, model width, this rank's attention
 /// width and heads, its MLP hidden width, and whether it adds the row-parallel biases and
@@ -32,11 +42,15 @@ use crate::model::tensor_parallel::{
 /// with sequence parallelism the tokens it keeps.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Dims {
-    pub(super) t: usize,
     pub(super) c: usize,
     pub(super) cl: usize,
-    pub(super) heads: usize,
+    /// This rank's query and key/value heads (and the sequence length).
+    pub(super) heads: AttentionShape,
     pub(super) hidden: usize,
+    /// GPT-2's blocks or Llama's.
+    pub(super) family: ModelFamily,
+    /// Llama: the rotary positions' base.
+    pub(super) rope_theta: f64,
     pub(super) lead: bool,
     pub(super) attention: Attention,
     /// Sequence parallelism: the tokens whose LayerNorm and residual regions this rank keeps.
@@ -59,29 +73,102 @@ pub(super) struct GradScratch<Buf> {
     /// The probabilities' gradient (batch, heads, T, T); with flash attention the
     /// per-row rowsum(dO ∘ O), (batch, heads, T, 2).
     pub(super) datt: Buf,
-    /// The MLP hidden layer's gradient (with experts: of every slot).
+    /// The MLP hidden layer's gradient (with experts: of every slot); GPT-2's GELU turns it
+    /// into fc's output gradient in place.
     pub(super) dfch: Buf,
+    /// Llama: fc's output gradient, the gate's and up's (SwiGLU's backward makes it beside
+    /// the hidden layer's); empty for GPT-2.
+    pub(super) dgate_up: Buf,
     /// Mixture of Experts: the slots' and the router's gradients.
     pub(super) experts: Option<ExpertScratch<Buf>>,
+}
+
+impl Dims {
+    /// Whether the block's matmuls have biases (GPT-2's do, Llama's do not).
+    fn biased(&self) -> bool {
+        self.family == ModelFamily::Gpt2
+    }
+
+    /// A bias tensor as a matmul takes it: None where the family has none.
+    fn bias<V>(&self, view: V) -> Option<V> {
+        self.biased().then_some(view)
+    }
+
+    /// Width of q, k and v together on this rank.
+    fn qkv(&self) -> usize {
+        self.heads.qkv_width()
+    }
+}
+
+/// A norm's parameters: GPT-2's LayerNorm its gain and bias, `c` each; Llama's RMSNorm its
+/// gain alone.
+pub(super) fn norm_widths(family: ModelFamily, c: usize) -> [usize; 2] {
+    match family {
+        ModelFamily::Gpt2 => [c, c],
+        ModelFamily::Llama => [c, 0],
+    }
+}
+
+/// A norm forward (GPT-2: LayerNorm, keeping each row's mean and 1/std; Llama: RMSNorm,
+/// keeping its 1/rms, with no bias).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn norm_forward<B: Backend>(
+    be: &B,
+    family: ModelFamily,
+    out: B::ViewMut<'_>,
+    (mean, rstd): (B::ViewMut<'_>, B::ViewMut<'_>),
+    x: B::View<'_>,
+    (gain, bias): (B::View<'_>, B::View<'_>),
+    c: usize,
+) {
+    match family {
+        ModelFamily::Gpt2 => be.layernorm_forward(out, mean, rstd, x, gain, bias, c),
+        ModelFamily::Llama => be.rmsnorm_forward(out, rstd, x, gain, c),
+    }
+}
+
+/// A norm backward: ADDS the input gradient into `dinp` and the parameter gradients into
+/// `dgain` (and GPT-2's `dbias`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn norm_backward<B: Backend>(
+    be: &B,
+    family: ModelFamily,
+    dinp: B::ViewMut<'_>,
+    (dgain, dbias): (B::ViewMut<'_>, B::ViewMut<'_>),
+    dout: B::View<'_>,
+    x: B::View<'_>,
+    gain: B::View<'_>,
+    (mean, rstd): (B::View<'_>, B::View<'_>),
+    c: usize,
+) {
+    match family {
+        ModelFamily::Gpt2 => be.layernorm_backward(dinp, dgain, dbias, dout, x, gain, mean, rstd, c),
+        ModelFamily::Llama => be.rmsnorm_backward(dinp, dgain, dout, x, gain, rstd, c),
+    }
 }
 
 impl<Buf> GradScratch<Buf> {
     /// Sized for micro-batches of `shape`, each buffer from `alloc(floats)`.
     pub(super) fn new(shape: &ActivationShape, alloc: &mut dyn FnMut(usize) -> Buf) -> Self {
         let ActivationShape { rows, res_rows, c, cl, hidden, .. } = *shape;
+        let gate_up = match shape.family {
+            ModelFamily::Gpt2 => 0,
+            ModelFamily::Llama => rows * shape.mlp_in(),
+        };
         GradScratch {
             dres: alloc(res_rows * c),
             dln: alloc(rows * c),
             datty: alloc(rows * cl),
-            dqkv: alloc(rows * 3 * cl),
+            dqkv: alloc(rows * shape.qkv),
             datt: alloc(shape.attention_floats()),
             dfch: alloc(rows.max(shape.mlp_rows()) * hidden),
+            dgate_up: alloc(gate_up),
             experts: shape.experts.map(|e| ExpertScratch::new(&e, rows, c, alloc)),
         }
     }
 
     pub(super) fn buffers(&self) -> Vec<&Buf> {
-        let mut bufs = vec![&self.dres, &self.dln, &self.datty, &self.dqkv, &self.datt, &self.dfch];
+        let mut bufs = vec![&self.dres, &self.dln, &self.datty, &self.dqkv, &self.datt, &self.dfch, &self.dgate_up];
         bufs.extend(self.experts.iter().flat_map(ExpertScratch::buffers));
         bufs
     }
@@ -111,31 +198,24 @@ pub(super) fn block_forward<B: Backend>(
     ep: &mut ExpertGroup<B>,
     layer: usize,
 ) -> Result<(), CommError> {
-    let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
+    let Dims { c, cl, hidden, attention, mine, family, .. } = d;
     let at = Some(layer);
     // attention half
-    be.layernorm_forward(
-        be.all_mut(&mut a.ln1),
-        be.all_mut(&mut a.ln1_mean),
-        be.all_mut(&mut a.ln1_rstd),
-        be.all(x),
-        w.ln1_g,
-        w.ln1_b,
-        c,
-    );
+    let stats = (be.all_mut(&mut a.ln1_mean), be.all_mut(&mut a.ln1_rstd));
+    norm_forward(be, family, be.all_mut(&mut a.ln1), stats, be.all(x), (w.ln1_g, w.ln1_b), c);
     let ln1 = gather_tokens(be, &a.ln1, gathered(exchange), mine, c, tp, TpPoint::Ln1Output, at)?;
-    be.matmul_forward(be.all_mut(&mut a.qkv), be.all(ln1), w.qkv_w, Some(w.qkv_b), None, c, 3 * cl);
+    be.matmul_forward(be.all_mut(&mut a.qkv), be.all(ln1), w.qkv_w, d.bias(w.qkv_b), None, c, d.qkv());
+    if family == ModelFamily::Llama {
+        be.rope_forward(be.all_mut(&mut a.qkv), d.heads, d.rope_theta);
+    }
+    let (out, saved, qkv) = (be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv));
     match attention {
-        Attention::Naive => {
-            be.attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
-        }
-        Attention::Flash => {
-            be.flash_attention_forward(be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv), t, cl, heads)
-        }
+        Attention::Naive => be.attention_forward(out, saved, qkv, d.heads),
+        Attention::Flash => be.flash_attention_forward(out, saved, qkv, d.heads),
     }
     // (this rank's width, whether it adds the bias and residual, its tokens)
     let place = (c, d.lead, mine);
-    let proj = (w.attn_proj_w, w.attn_proj_b, cl);
+    let proj = (w.attn_proj_w, d.bias(w.attn_proj_b), cl);
     row_parallel_forward(
         be,
         (&mut a.res_attn, &a.atty, x),
@@ -147,26 +227,23 @@ pub(super) fn block_forward<B: Backend>(
         layer,
     )?;
     // MLP half
-    be.layernorm_forward(
-        be.all_mut(&mut a.ln2),
-        be.all_mut(&mut a.ln2_mean),
-        be.all_mut(&mut a.ln2_rstd),
-        be.all(&a.res_attn),
-        w.ln2_g,
-        w.ln2_b,
-        c,
-    );
+    let stats = (be.all_mut(&mut a.ln2_mean), be.all_mut(&mut a.ln2_rstd));
+    norm_forward(be, family, be.all_mut(&mut a.ln2), stats, be.all(&a.res_attn), (w.ln2_g, w.ln2_b), c);
     if let (Some(shape), Some(moe)) = (d.experts, a.moe.as_mut()) {
         // Mixture of Experts (tp = 1: ln2 and the residual are whole here)
-        let hidden = Hidden { fch: &mut a.fch, fch_gelu: &mut a.fch_gelu };
+        let hidden = Hidden { fch: &mut a.fch, fch_gelu: &mut a.fch_act };
         let bufs = (&a.ln2, &a.res_attn, &mut a.res_mlp);
         return experts_forward(be, w, bufs, moe, hidden, &shape, c, ep, layer);
     }
     let ln2 = gather_tokens(be, &a.ln2, gathered(exchange), mine, c, tp, TpPoint::Ln2Output, at)?;
-    be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, Some(w.fc_b), None, c, hidden);
-    be.gelu_forward(be.all_mut(&mut a.fch_gelu), be.all(&a.fch));
-    let proj = (w.fc_proj_w, w.fc_proj_b, hidden);
-    let (out, inp, residual) = (&mut a.res_mlp, &a.fch_gelu, &a.res_attn);
+    let fc_out = mlp_in(family, hidden);
+    be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, d.bias(w.fc_b), None, c, fc_out);
+    match family {
+        ModelFamily::Gpt2 => be.gelu_forward(be.all_mut(&mut a.fch_act), be.all(&a.fch)),
+        ModelFamily::Llama => be.swiglu_forward(be.all_mut(&mut a.fch_act), be.all(&a.fch), hidden),
+    }
+    let proj = (w.fc_proj_w, d.bias(w.fc_proj_b), hidden);
+    let (out, inp, residual) = (&mut a.res_mlp, &a.fch_act, &a.res_attn);
     row_parallel_forward(be, (out, inp, residual), proj, TpPoint::MlpOutput, place, tp, exchange, layer)
 }
 
@@ -221,7 +298,7 @@ pub(super) fn block_backward<B: Backend>(
     layer: usize,
     mut keep: Option<&mut WeightStash<B::Buf>>,
 ) -> Result<(), CommError> {
-    let Dims { t, c, cl, heads, hidden, attention, mine, .. } = d;
+    let Dims { c, cl, hidden, attention, mine, family, .. } = d;
     let at = Some(layer);
     let BlockTensors {
         ln1_g,
@@ -245,10 +322,12 @@ pub(super) fn block_backward<B: Backend>(
     // The LayerNorm parameter gradients: straight into gw, or (sequence parallelism) into
     // scratch, summed over the group at the end and then added to gw.
     let mut g_ln = [ln1_g, ln1_b, ln2_g, ln2_b];
+    let [gain, bias] = norm_widths(family, c);
+    let widths = [gain, bias, gain, bias];
     let [d_ln1_g, d_ln1_b, d_ln2_g, d_ln2_b] = match ln_scratch.as_deref_mut() {
         Some(buf) => {
             be.fill(be.all_mut(buf), 0.0);
-            pieces::<B, 4>(be, buf, c)
+            pieces(be, buf, widths)
         }
         None => g_ln.each_mut().map(|v| be.reborrow(v)),
     };
@@ -260,112 +339,110 @@ pub(super) fn block_backward<B: Backend>(
     let dln = if let Some((shape, moe, scratch)) = experts {
         // Mixture of Experts (tp = 1)
         let grads = ExpertGrads { router_w, fc_w, fc_b, fc_proj_w, fc_proj_b };
-        let (bufs, hidden) = ((&s.dres, &a.ln2, &mut s.dln), (&a.fch, &a.fch_gelu, &mut s.dfch));
+        let (bufs, hidden) = ((&s.dres, &a.ln2, &mut s.dln), (&a.fch, &a.fch_act, &mut s.dfch));
         experts_backward(be, w, grads, bufs, moe, hidden, scratch, &shape, c, ep, layer, d.balance_weight)?;
         0..be.buf_len(&s.dln)
     } else {
         let dout = gather_tokens(be, &s.dres, full.as_deref_mut(), mine, c, tp, TpPoint::MlpOutputGrad, at)?;
         let kept = keep.as_deref_mut().map(|k| &mut k.dmlp_out);
-        let weights = (fc_proj_w, Some(fc_proj_b));
+        let weights = (fc_proj_w, d.bias(fc_proj_b));
         linear_backward(
             be,
             be.all_mut(&mut s.dfch),
             weights,
             be.all(dout),
-            be.all(&a.fch_gelu),
+            be.all(&a.fch_act),
             w.fc_proj_w,
             (hidden, c),
             kept,
         );
-        be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
+        // fc's output gradient: GELU's backward in place, SwiGLU's beside it
+        let dfc_out = match family {
+            ModelFamily::Gpt2 => {
+                be.gelu_backward(be.all_mut(&mut s.dfch), be.all(&a.fch));
+                &s.dfch
+            }
+            ModelFamily::Llama => {
+                be.swiglu_backward(be.all_mut(&mut s.dgate_up), be.all(&s.dfch), be.all(&a.fch), hidden);
+                &s.dgate_up
+            }
+        };
         let ln2 = gather_tokens(be, &a.ln2, gathered.as_deref_mut(), mine, c, tp, TpPoint::Ln2Output, at)?;
         let kept = keep.as_deref_mut().map(|k| &mut k.dfch);
         linear_backward(
             be,
             be.all_mut(&mut s.dln),
-            (fc_w, Some(fc_b)),
-            be.all(&s.dfch),
+            (fc_w, d.bias(fc_b)),
+            be.all(dfc_out),
             be.all(ln2),
             w.fc_w,
-            (c, hidden),
+            (c, mlp_in(family, hidden)),
             kept,
         );
         // f's backward: ln2's output fed every rank's hidden units
         sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?
     };
-    be.layernorm_backward(
+    norm_backward(
+        be,
+        family,
         be.all_mut(&mut s.dres),
-        d_ln2_g,
-        d_ln2_b,
+        (d_ln2_g, d_ln2_b),
         be.view(&s.dln, dln),
         be.all(&a.res_attn),
         w.ln2_g,
-        be.all(&a.ln2_mean),
-        be.all(&a.ln2_rstd),
+        (be.all(&a.ln2_mean), be.all(&a.ln2_rstd)),
         c,
     );
     // attention half (dres becomes d x)
     let dout = gather_tokens(be, &s.dres, full, mine, c, tp, TpPoint::AttentionOutputGrad, at)?;
     let kept = keep.as_deref_mut().map(|k| &mut k.dattn_out);
-    let weights = (attn_proj_w, Some(attn_proj_b));
+    let weights = (attn_proj_w, d.bias(attn_proj_b));
     linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), be.all(&a.atty), w.attn_proj_w, (cl, c), kept);
+    let (dqkv, scratch, dy, qkv) = (be.all_mut(&mut s.dqkv), be.all_mut(&mut s.datt), be.all(&s.datty), be.all(&a.qkv));
     match attention {
-        Attention::Naive => be.attention_backward(
-            be.all_mut(&mut s.dqkv),
-            be.all_mut(&mut s.datt),
-            be.all(&s.datty),
-            be.all(&a.qkv),
-            be.all(&a.att),
-            t,
-            cl,
-            heads,
-        ),
-        Attention::Flash => be.flash_attention_backward(
-            be.all_mut(&mut s.dqkv),
-            be.all_mut(&mut s.datt),
-            be.all(&s.datty),
-            be.all(&a.qkv),
-            be.all(&a.atty),
-            be.all(&a.att),
-            t,
-            cl,
-            heads,
-        ),
+        Attention::Naive => be.attention_backward(dqkv, scratch, dy, qkv, be.all(&a.att), d.heads),
+        Attention::Flash => {
+            be.flash_attention_backward(dqkv, scratch, dy, qkv, be.all(&a.atty), be.all(&a.att), d.heads)
+        }
+    }
+    if family == ModelFamily::Llama {
+        // the rotated q and k's gradients, turned back: the unrotated ones
+        be.rope_backward(be.all_mut(&mut s.dqkv), d.heads, d.rope_theta);
     }
     let ln1 = gather_tokens(be, &a.ln1, gathered, mine, c, tp, TpPoint::Ln1Output, at)?;
     let kept = keep.map(|k| &mut k.dqkv);
     linear_backward(
         be,
         be.all_mut(&mut s.dln),
-        (qkv_w, Some(qkv_b)),
+        (qkv_w, d.bias(qkv_b)),
         be.all(&s.dqkv),
         be.all(ln1),
         w.qkv_w,
-        (c, 3 * cl),
+        (c, d.qkv()),
         kept,
     );
     let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln1OutputGrad, layer)?;
-    be.layernorm_backward(
+    norm_backward(
+        be,
+        family,
         be.all_mut(&mut s.dres),
-        d_ln1_g,
-        d_ln1_b,
+        (d_ln1_g, d_ln1_b),
         be.view(&s.dln, dln),
         be.all(x),
         w.ln1_g,
-        be.all(&a.ln1_mean),
-        be.all(&a.ln1_rstd),
+        (be.all(&a.ln1_mean), be.all(&a.ln1_rstd)),
         c,
     );
     if let (Some(buf), Some(tp)) = (ln_scratch, tp) {
         tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LayerNormGrads, at)?;
-        add_pieces(be, g_ln, buf, c);
+        add_pieces(be, g_ln, buf, widths);
     }
     Ok(())
 }
 
 /// One matmul's backward inside a block: `dinp = dout · Wᵀ` and the weight gradients
-/// (`dW += inpᵀ · dout`, `db += Σ dout`), or (ZB-H1's B, `keep`) `dinp` only, with `dout`
-/// copied into `keep` for the W.
+/// (`dW += inpᵀ · dout`, `db += Σ dout` where it has a bias), or (ZB-H1's B, `keep`) `dinp`
+/// only, with `dout` copied into `keep` for the W.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn linear_backward<B: Backend>(
     be: &B,
@@ -398,12 +475,12 @@ pub(super) fn block_weights<B: Backend>(
     debug_assert!(d.experts.is_none(), "validation keeps ZB-H1 to dense blocks");
     let Dims { c, cl, hidden, .. } = d;
     let weights = |dw, db, dout: &B::Buf, inp: &B::Buf, c_in, c_out| {
-        be.matmul_backward_weights(dw, Some(db), be.all(dout), be.all(inp), c_in, c_out);
+        be.matmul_backward_weights(dw, d.bias(db), be.all(dout), be.all(inp), c_in, c_out);
     };
-    weights(gw.fc_proj_w, gw.fc_proj_b, &k.dmlp_out, &a.fch_gelu, hidden, c);
-    weights(gw.fc_w, gw.fc_b, &k.dfch, &a.ln2, c, hidden);
+    weights(gw.fc_proj_w, gw.fc_proj_b, &k.dmlp_out, &a.fch_act, hidden, c);
+    weights(gw.fc_w, gw.fc_b, &k.dfch, &a.ln2, c, mlp_in(d.family, hidden));
     weights(gw.attn_proj_w, gw.attn_proj_b, &k.dattn_out, &a.atty, cl, c);
-    weights(gw.qkv_w, gw.qkv_b, &k.dqkv, &a.ln1, c, 3 * cl);
+    weights(gw.qkv_w, gw.qkv_b, &k.dqkv, &a.ln1, c, d.qkv());
 }
 
 /// A global range of the parameter buffer, in a buffer whose first element is global `at`.

@@ -53,6 +53,7 @@ use crate::model::layout::{ExpertPlace, ParamLayout, TpPlace};
 use crate::model::stage::{Stage, StageInput, Upcoming};
 use crate::model::state::{ModelState, Pass, Unit};
 use crate::model::tensor_parallel::{gather_tokens, Exchange, TensorParallelGroup, Tokens, TpPoint};
+use crate::ops::attention::AttentionShape;
 use crate::trace::now_us;
 
 /// A GPT (or the stage of it this rank runs) on backend `B`: its layout and the
@@ -162,7 +163,8 @@ impl<B: Backend> Gpt<B> {
         let recompute =
             (0..segment.unwrap_or(0)).map(|_| shape.block(&mut |len| alloc(Category::Activations, len))).collect();
         let scratch = GradScratch::new(&shape, &mut |len| alloc(Category::ActivationGrads, len));
-        let exchange = sequence_parallel.then(|| Exchange::new(shape.rows, shape.c, stage.last, &mut alloc));
+        let norm = spec.norm_params() as usize;
+        let exchange = sequence_parallel.then(|| Exchange::new(shape.rows, shape.c, norm, stage.last, &mut alloc));
         let activations = InFlightSets::new(shape.for_chunks(&stage, segment), memory);
         if stage == Stage::whole(spec.layers) && segment.is_none() {
             let expected = activation_floats_for(spec, batch, ranks, saved.attention, sequence_parallel);
@@ -372,12 +374,14 @@ impl<B: Backend> Gpt<B> {
         let TpPlace { rank, size: n } = self.layout.tp;
         let ModelSpec { seq_len, d_model, heads, .. } = self.spec;
         let own = self.activations.shapes[0].res_rows;
+        let kv_heads = self.spec.key_value_heads();
         Dims {
-            t: seq_len,
             c: d_model,
             cl: d_model / n,
-            heads: heads / n,
-            hidden: 4 * d_model / n,
+            heads: AttentionShape { seq_len, heads: heads / n, kv_heads: kv_heads / n, head_size: d_model / heads },
+            hidden: self.spec.d_ff() / n,
+            family: self.spec.family,
+            rope_theta: self.spec.rope_theta,
             lead: rank == 0,
             attention: self.activations.shapes[0].attention,
             mine: self.exchange.is_some().then_some(Tokens { start: rank * own, len: own }),

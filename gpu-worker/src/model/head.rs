@@ -1,5 +1,5 @@
-//! The last stage's end of the model: the final LayerNorm and the LM head (not tied to the
-//! embedding), forward and backward; the loss itself is `ops/loss.rs`. Also the count of
+//! The last stage's end of the model: the final LayerNorm (Llama: RMSNorm) and the LM head
+//! (not tied to the embedding), forward and backward; the loss itself is `ops/loss.rs`. Also the count of
 //! the logit gradients that underflowed to 0 ([`LogitGradZeros`]).
 //!
 //! ```text
@@ -16,7 +16,7 @@
 use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::model::activations::HeadActivations;
-use crate::model::block::{shift, Dims, GradScratch};
+use crate::model::block::{norm_backward, norm_forward, norm_widths, shift, Dims, GradScratch};
 use crate::model::layout::ParamLayout;
 use crate::model::tensor_parallel::{add_pieces, pieces, Exchange, TensorParallelGroup, TpPoint};
 
@@ -87,15 +87,8 @@ pub(super) fn head_forward<B: Backend>(
     let c = d.c;
     let whole = be.buf_len(&head.lnf);
     let own = d.mine.map_or(0..whole, |mine| mine.of(c));
-    be.layernorm_forward(
-        be.view_mut(&mut head.lnf, own),
-        be.all_mut(&mut head.lnf_mean),
-        be.all_mut(&mut head.lnf_rstd),
-        be.all(x),
-        w.lnf_g,
-        w.lnf_b,
-        c,
-    );
+    let stats = (be.all_mut(&mut head.lnf_mean), be.all_mut(&mut head.lnf_rstd));
+    norm_forward(be, d.family, be.view_mut(&mut head.lnf, own), stats, be.all(x), (w.lnf_g, w.lnf_b), c);
     if let (Some(tp), Some(_)) = (tp, d.mine) {
         tp.collective(be, &mut head.lnf, InPlace::AllGather, TpPoint::LnfOutput, None)?;
     }
@@ -126,10 +119,11 @@ pub(super) fn head_backward<B: Backend>(
     // then added.
     let mut g_lnf = [lnf_g, lnf_b];
     let mut lnf_scratch = exchange.as_mut().and_then(|e| e.lnf_grads.as_mut());
+    let widths = norm_widths(d.family, c);
     let [d_lnf_g, d_lnf_b] = match lnf_scratch.as_deref_mut() {
         Some(buf) => {
             be.fill(be.all_mut(buf), 0.0);
-            pieces::<B, 2>(be, buf, c)
+            pieces(be, buf, widths)
         }
         None => g_lnf.each_mut().map(|v| be.reborrow(v)),
     };
@@ -150,20 +144,20 @@ pub(super) fn head_backward<B: Backend>(
     be.fill(be.all_mut(&mut s.dres), 0.0);
     // Every TP rank has the whole gradient of lnf's output; each takes its tokens'.
     let own = d.mine.map_or(0..be.buf_len(&s.dln), |mine| mine.of(c));
-    be.layernorm_backward(
+    norm_backward(
+        be,
+        d.family,
         be.all_mut(&mut s.dres),
-        d_lnf_g,
-        d_lnf_b,
+        (d_lnf_g, d_lnf_b),
         be.view(&s.dln, own),
         be.all(x),
         w.lnf_g,
-        be.all(&head.lnf_mean),
-        be.all(&head.lnf_rstd),
+        (be.all(&head.lnf_mean), be.all(&head.lnf_rstd)),
         c,
     );
     if let (Some(buf), Some(tp)) = (lnf_scratch, tp) {
         tp.collective(be, buf, InPlace::AllReduce(ReduceOp::Sum), TpPoint::LnfGrads, None)?;
-        add_pieces(be, g_lnf, buf, c);
+        add_pieces(be, g_lnf, buf, widths);
     }
     Ok(())
 }

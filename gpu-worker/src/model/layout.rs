@@ -5,6 +5,11 @@
 //! (embeddings, block 0..L, final LayerNorm, LM head), and gradients the same way, so a
 //! flat range of either is a well-defined shard.
 //!
+//! A Llama model has the same tensors less those it does not have (no position table, no
+//! biases, RMSNorm's gain only: their ranges are empty): qkv_w is [d, (heads + 2 kv_heads)
+//! hs] with grouped-query attention, fc_w [d, 2f] holds the gate's f columns then the up
+//! projection's, fc_proj_w [f, d] is the down projection.
+//!
 //! With tensor parallelism over `tp` ranks (Megatron-LM; the why is in
 //! `parallel/tensor.rs`) every rank has the same layout with narrower matrices:
 //!
@@ -24,7 +29,7 @@
 
 use std::ops::Range;
 
-use distlab_common::ModelSpec;
+use distlab_common::{ModelFamily, ModelSpec};
 
 use crate::backend::{Backend, Stored};
 use crate::optim::ParamGroup;
@@ -34,9 +39,6 @@ use crate::rng::Rng;
 /// projections scaled by 1/sqrt(2 * layers), zero biases, LayerNorm gain 1.
 pub const INIT_STD: f64 = 0.02;
 const INIT_STREAM: u64 = 0x494e_4954_0000_0001;
-
-/// Tensors in one transformer block (a Mixture-of-Experts block adds its router).
-const TENSORS_PER_BLOCK: usize = 12;
 
 /// The tensors of one transformer block, in their order in the parameter buffer.
 #[derive(Clone, Debug, PartialEq)]
@@ -92,14 +94,27 @@ pub enum Init {
 pub enum Split {
     /// Whole on every tensor-parallel rank.
     Replicated,
-    /// Column-parallel: the columns fall into `groups` equal groups (q, k and v: 3), and
+    /// Column-parallel: the columns fall into groups of these widths in the whole tensor (q,
+    /// k and v: three; GPT-2's fc: one; Llama's fc, gate and up: two; a 0 is no group), and
     /// each rank takes its 1/tp of every group.
-    Columns { groups: usize },
+    Columns { groups: [usize; 3] },
     /// Row-parallel: each rank takes 1/tp of the rows, in order.
     Rows,
     /// Expert-parallel: each of the ep ranks takes E/ep whole experts (the leading
     /// dimension), in order.
     Experts,
+}
+
+/// Where each group of a column-parallel tensor starts, and its width (in the whole tensor).
+pub fn column_groups(groups: &[usize; 3]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    groups
+        .iter()
+        .scan(0, |start, &width| {
+            let at = *start;
+            *start += width;
+            Some((at, width))
+        })
+        .filter(|&(_, width)| width > 0)
 }
 
 /// One named tensor of the parameter buffer.
@@ -181,6 +196,11 @@ impl LayoutBuilder {
         self.tensors.push(TensorInfo { name, range: range.clone(), shape: shape.to_vec(), init, decay, split });
         range
     }
+
+    /// An empty range where a tensor the model does not have would go.
+    fn nothing(&self) -> Range<usize> {
+        self.next..self.next
+    }
 }
 
 impl ParamLayout {
@@ -213,8 +233,14 @@ impl ParamLayout {
         let n = tp.size.max(1);
         let normal = Init::Normal { std: INIT_STD };
         let residual = Init::Normal { std: INIT_STD / (2.0 * l.max(1) as f64).sqrt() };
-        let (whole, qkv, columns, rows) =
-            (Split::Replicated, Split::Columns { groups: 3 }, Split::Columns { groups: 1 }, Split::Rows);
+        let (qkv_width, ff) = (m.qkv_width() as usize, m.d_ff());
+        let kv_width = (qkv_width - c) / 2;
+        let (whole, qkv, columns, rows) = (
+            Split::Replicated,
+            Split::Columns { groups: [c, kv_width, kv_width] },
+            Split::Columns { groups: [ff, 0, 0] },
+            Split::Rows,
+        );
         let mut b = LayoutBuilder { tensors: Vec::new(), next: 0 };
         // With experts the MLP's tensors get a leading expert dimension: this rank's E/ep.
         let (experts, local_experts) = (m.experts, m.experts / ep.size.max(1));
@@ -222,42 +248,54 @@ impl ParamLayout {
             0 => push(name, shape, init, split),
             _ => push(name, &[&[local_experts], shape].concat(), init, Split::Experts),
         };
+        let llama = m.family == ModelFamily::Llama;
+        // Llama has no position table and no biases: those tensors are empty ranges.
         let wte = b.push("wte".into(), &[v, c], normal, whole);
-        let wpe = b.push("wpe".into(), &[t, c], normal, whole);
+        let wpe = if llama { b.nothing() } else { b.push("wpe".into(), &[t, c], normal, whole) };
+        let first_block = b.tensors.len();
         let mut blocks: Vec<Option<BlockTensors<Range<usize>>>> = vec![None; l];
         for &i in order {
             let at = b.next;
-            let mut push =
-                |name: &str, shape: &[usize], init, split| b.push(format!("blocks.{i}.{name}"), shape, init, split);
+            let mut push = |name: &str, shape: &[usize], init, split| match shape.iter().product::<usize>() {
+                0 => b.next..b.next,
+                _ => b.push(format!("blocks.{i}.{name}"), shape, init, split),
+            };
+            // (a shape with a 0 is a tensor this family does not have)
+            let bias = usize::from(!llama);
             let block = BlockTensors {
                 ln1_g: push("ln1_g", &[c], Init::Ones, whole),
-                ln1_b: push("ln1_b", &[c], Init::Zeros, whole),
-                qkv_w: push("qkv_w", &[c, 3 * c / n], normal, qkv),
-                qkv_b: push("qkv_b", &[3 * c / n], Init::Zeros, qkv),
+                ln1_b: push("ln1_b", &[c * bias], Init::Zeros, whole),
+                qkv_w: push("qkv_w", &[c, qkv_width / n], normal, qkv),
+                qkv_b: push("qkv_b", &[qkv_width / n * bias], Init::Zeros, qkv),
                 attn_proj_w: push("attn_proj_w", &[c / n, c], residual, rows),
-                attn_proj_b: push("attn_proj_b", &[c], Init::Zeros, whole),
+                attn_proj_b: push("attn_proj_b", &[c * bias], Init::Zeros, whole),
                 ln2_g: push("ln2_g", &[c], Init::Ones, whole),
-                ln2_b: push("ln2_b", &[c], Init::Zeros, whole),
+                ln2_b: push("ln2_b", &[c * bias], Init::Zeros, whole),
                 router_w: match experts {
                     0 => at..at,
                     e => push("router_w", &[c, e], normal, whole),
                 },
-                fc_w: mlp(&mut push, "fc_w", &[c, 4 * c / n], normal, columns),
-                fc_b: mlp(&mut push, "fc_b", &[4 * c / n], Init::Zeros, columns),
-                fc_proj_w: mlp(&mut push, "fc_proj_w", &[4 * c / n, c], residual, rows),
-                fc_proj_b: mlp(&mut push, "fc_proj_b", &[c], Init::Zeros, whole),
+                // Llama: the gate's and the up projection's columns side by side (f each).
+                fc_w: match llama {
+                    false => mlp(&mut push, "fc_w", &[c, ff / n], normal, columns),
+                    true => push("fc_w", &[c, 2 * ff / n], normal, Split::Columns { groups: [ff, ff, 0] }),
+                },
+                fc_b: mlp(&mut push, "fc_b", &[ff / n * bias], Init::Zeros, columns),
+                fc_proj_w: mlp(&mut push, "fc_proj_w", &[ff / n, c], residual, rows),
+                fc_proj_b: mlp(&mut push, "fc_proj_b", &[c * bias], Init::Zeros, whole),
             };
             blocks[i] = Some(block);
         }
         let blocks: Vec<_> = blocks.into_iter().map(|b| b.expect("the block order names every block once")).collect();
+        let per_block = (b.tensors.len() - first_block) / l.max(1);
         let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones, whole);
-        let lnf_b = b.push("lnf_b".into(), &[c], Init::Zeros, whole);
+        let lnf_b = if llama { b.nothing() } else { b.push("lnf_b".into(), &[c], Init::Zeros, whole) };
         let lm_head = b.push("lm_head".into(), &[c, v], normal, whole);
-        // Tensor k of block i is the model's tensor 2 + 12i + k (13i with a router).
-        let per_block = TENSORS_PER_BLOCK + usize::from(m.is_moe());
-        let canonical = (0..2)
-            .chain(order.iter().flat_map(|&i| (0..per_block).map(move |k| 2 + per_block * i + k)))
-            .chain((0..3).map(|k| 2 + per_block * l + k))
+        // Tensor k of block i is the model's tensor first_block + per_block * i + k.
+        let head_tensors = b.tensors.len() - first_block - per_block * l;
+        let canonical = (0..first_block)
+            .chain(order.iter().flat_map(|&i| (0..per_block).map(move |k| first_block + per_block * i + k)))
+            .chain((0..head_tensors).map(|k| first_block + per_block * l + k))
             .collect();
         let (tensors, total) = (b.tensors, b.next);
         Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors, total, canonical, model: m.clone(), tp, ep }
@@ -373,11 +411,10 @@ impl ParamLayout {
             }
             Split::Columns { groups } => {
                 let cols = *all.shape.last().expect("a tensor has a shape");
-                let (group, width) = (cols / groups, cols / groups / n);
                 let mut out = Vec::with_capacity(mine.range.len());
                 for row in src.chunks(cols) {
-                    for g in 0..groups {
-                        let at = g * group + rank * width;
+                    for (start, group) in column_groups(&groups) {
+                        let (at, width) = (start + rank * group / n, group / n);
                         out.extend_from_slice(&row[at..at + width]);
                     }
                 }
@@ -442,7 +479,8 @@ mod tests {
 
     #[test]
     fn layout_matches_the_planner_param_count_and_is_contiguous() {
-        for m in [ModelSpec::default(), ModelSpec::dense(4, 256, 4, 128, 256), ModelSpec::dense(1, 8, 2, 3, 5)] {
+        let llama = ModelSpec::llama(3, 64, 8, 2, 176, 32, 80);
+        for m in [ModelSpec::default(), ModelSpec::dense(4, 256, 4, 128, 256), ModelSpec::dense(1, 8, 2, 3, 5), llama] {
             let lay = ParamLayout::new(&m);
             assert_eq!(lay.total as u64, m.param_count());
             let mut next = 0;

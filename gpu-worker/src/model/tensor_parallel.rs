@@ -134,21 +134,22 @@ pub struct Exchange<Buf> {
     /// rank keeps its tokens'; in backward an output gradient (or the embedding output's)
     /// gathered whole (b*s x d).
     pub full: Buf,
-    /// A block's LayerNorm parameter gradients from this rank's tokens (ln1 g, b, ln2 g, b).
+    /// A block's norm parameter gradients from this rank's tokens (ln1's, then ln2's: gain
+    /// and bias for LayerNorm, gain for RMSNorm).
     pub ln_grads: Buf,
-    /// The final LayerNorm's (last stage only).
+    /// The final norm's (last stage only).
     pub lnf_grads: Option<Buf>,
 }
 
 impl<Buf> Exchange<Buf> {
-    /// For micro-batches of `rows` tokens `c` wide, with the final LayerNorm's scratch on
-    /// the `last` stage; each buffer from `alloc(category, floats)`.
-    pub fn new(rows: usize, c: usize, last: bool, alloc: &mut dyn FnMut(Category, usize) -> Buf) -> Self {
+    /// For micro-batches of `rows` tokens `c` wide and norms of `norm` parameters, with the
+    /// final norm's scratch on the `last` stage; each buffer from `alloc(category, floats)`.
+    pub fn new(rows: usize, c: usize, norm: usize, last: bool, alloc: &mut dyn FnMut(Category, usize) -> Buf) -> Self {
         Exchange {
             gathered: alloc(Category::Activations, rows * c),
             full: alloc(Category::Activations, rows * c),
-            ln_grads: alloc(Category::ActivationGrads, 4 * c),
-            lnf_grads: last.then(|| alloc(Category::ActivationGrads, 2 * c)),
+            ln_grads: alloc(Category::ActivationGrads, 2 * norm),
+            lnf_grads: last.then(|| alloc(Category::ActivationGrads, norm)),
         }
     }
 
@@ -168,14 +169,14 @@ impl<Buf> Exchange<Buf> {
 pub fn row_parallel_forward<B: Backend>(
     be: &B,
     (out, inp, residual): (&mut B::Buf, &B::Buf, &B::Buf),
-    (weight, bias, c_in): (B::View<'_>, B::View<'_>, usize),
+    (weight, bias, c_in): (B::View<'_>, Option<B::View<'_>>, usize),
     point: TpPoint,
     (c, lead, mine): (usize, bool, Option<Tokens>),
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
     layer: usize,
 ) -> Result<(), CommError> {
-    let bias = lead.then_some(bias);
+    let bias = bias.filter(|_| lead);
     match (exchange, mine, tp) {
         (Some(e), Some(mine), Some(tp)) => {
             be.matmul_forward(be.all_mut(&mut e.full), be.all(inp), weight, bias, None, c_in, c);
@@ -246,19 +247,23 @@ pub fn sum_input_grad<B: Backend>(
     }
 }
 
-/// `buf`, `N` pieces of `width` one after another, as N views.
-pub fn pieces<'a, B: Backend, const N: usize>(be: &B, buf: &'a mut B::Buf, width: usize) -> [B::ViewMut<'a>; N] {
+/// `buf`, `N` pieces of `widths` one after another, as N views (a width may be 0).
+pub fn pieces<'a, B: Backend, const N: usize>(be: &B, buf: &'a mut B::Buf, widths: [usize; N]) -> [B::ViewMut<'a>; N] {
     let mut rest = Some(be.all_mut(buf));
-    std::array::from_fn(|_| {
+    widths.map(|width| {
         let (piece, tail) = be.split_mut(rest.take().expect("one piece at a time"), width);
         rest = Some(tail);
         piece
     })
 }
 
-/// Adds piece i of `buf` (pieces of `width`) into `targets[i]`.
-pub fn add_pieces<B: Backend, const N: usize>(be: &B, targets: [B::ViewMut<'_>; N], buf: &B::Buf, width: usize) {
-    for (i, target) in targets.into_iter().enumerate() {
-        be.add(target, be.view(buf, i * width..(i + 1) * width));
+/// Adds piece i of `buf` (pieces of `widths`) into `targets[i]` (as wide).
+pub fn add_pieces<B: Backend, const N: usize>(be: &B, targets: [B::ViewMut<'_>; N], buf: &B::Buf, widths: [usize; N]) {
+    let mut at = 0;
+    for (target, width) in targets.into_iter().zip(widths) {
+        if width > 0 {
+            be.add(target, be.view(buf, at..at + width));
+        }
+        at += width;
     }
 }

@@ -213,7 +213,8 @@ impl<S: DeviceElem> Launcher<S> {
         self.stream.context().bind_to_thread().expect("CUDA: binding the context to this thread");
     }
 
-    pub(crate) fn upload_u32(&self, host: &[u32]) -> CudaSlice<u32> {
+    /// A host slice (token ids, a table) copied into a new device buffer.
+    pub(crate) fn upload<T: DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
         self.stream.clone_htod(host).expect("CUDA upload")
     }
 

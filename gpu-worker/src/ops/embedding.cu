@@ -1,12 +1,14 @@
 // ---- embeddings (embedding.rs) ---------------------------------------------------
 
+// `positions` 0: no position table (Llama's positions are rotary), the token embedding alone.
 extern "C" __global__ void encoder_forward(elem* out, const unsigned int* tokens, const elem* wte, const elem* wpe,
-                                           int rows, int seq_len, int c) {
+                                           int positions, int rows, int seq_len, int c) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * c) return;
     int row = (int)(i / c), j = (int)(i % c);
     int t = row % seq_len;
-    out[i] = store(load(wte[(long long)tokens[row] * c + j]) + load(wpe[(long long)t * c + j]));
+    elem token = wte[(long long)tokens[row] * c + j];
+    out[i] = positions ? store(load(token) + load(wpe[(long long)t * c + j])) : token;
 }
 
 // One thread per (distinct token u, column j): adds dout over the rows holding that token

@@ -3,6 +3,9 @@
 //!   forward:  x[b,t,:] = wte[tok[b,t],:] + wpe[t,:]
 //!   backward: dwte[tok[b,t],:] += dx[b,t,:]      dwpe[t,:] += sum_b dx[b,t,:]
 //!
+//! With no position table (an empty `wpe`: Llama, whose positions are rotary, `rope.rs`)
+//! the token embedding alone.
+//!
 //! The CPU backend calls these on chunks: forward over rows, the wpe gradient over
 //! position rows, the wte gradient over vocabulary rows (each task scans all tokens
 //! and adds those in its range), so every sum runs in a fixed order.
@@ -31,6 +34,10 @@ simd_kernel! {
             let tok = tokens[row] as usize;
             let t = row % seq_len;
             let te = &wte[tok * c..(tok + 1) * c];
+            if wpe.is_empty() {
+                x.copy_from_slice(te);
+                continue;
+            }
             let pe = &wpe[t * c..(t + 1) * c];
             for ((x, &a), &b) in x.iter_mut().zip(te).zip(pe) {
                 *x = S::store(a.load() + b.load());
@@ -78,7 +85,8 @@ simd_kernel! {
 
 /// The token and position embeddings on a backend's views (the conventions: `backend/mod.rs`).
 pub trait EmbeddingKernels: Buffers {
-    /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`; tokens has `rows` ids, `seq_len` per sequence.
+    /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]` (no `wpe` term when it is empty); tokens
+    /// has `rows` ids, `seq_len` per sequence.
     fn encoder_forward(
         &self,
         out: Self::ViewMut<'_>,
@@ -89,7 +97,8 @@ pub trait EmbeddingKernels: Buffers {
         c: usize,
     );
 
-    /// `dwte[tokens[b,t],:] += dout[b,t,:]`, `dwpe[t,:] += sum_b dout[b,t,:]`.
+    /// `dwte[tokens[b,t],:] += dout[b,t,:]`, `dwpe[t,:] += sum_b dout[b,t,:]` (when `dwpe`
+    /// is not empty).
     fn encoder_backward(
         &self,
         dwte: Self::ViewMut<'_>,
@@ -115,6 +124,7 @@ impl<S: Stored> EmbeddingKernels for CpuBackend<S> {
         let vocab = dwte.len() / c;
         let kv = self.rows_per_task(vocab);
         let kt = self.rows_per_task(seq_len);
+        let positions = if dwpe.is_empty() { 0 } else { seq_len * c };
         rayon::join(
             || {
                 dwte.par_chunks_mut(kv * c).enumerate().for_each(|(i, chunk)| {
@@ -122,7 +132,7 @@ impl<S: Stored> EmbeddingKernels for CpuBackend<S> {
                 })
             },
             || {
-                dwpe[..seq_len * c].par_chunks_mut(kt * c).enumerate().for_each(|(i, chunk)| {
+                dwpe[..positions].par_chunks_mut(kt * c).enumerate().for_each(|(i, chunk)| {
                     encoder_backward_wpe(chunk, i * kt, dout, seq_len, c);
                 })
             },
@@ -156,8 +166,12 @@ mod cuda {
             let gpu = &self.launcher;
             let rows = out.len / c;
             check_tokens("encoder_forward", &tokens[..rows], wte.len / c);
-            assert!(wpe.len >= seq_len.min(rows) * c, "encoder_forward: fewer positions than the sequence");
-            let tokens = gpu.upload_u32(&tokens[..rows]);
+            let positions = wpe.len > 0;
+            assert!(
+                !positions || wpe.len >= seq_len.min(rows) * c,
+                "encoder_forward: fewer positions than the sequence"
+            );
+            let tokens = gpu.upload(&tokens[..rows]);
             launch!(
                 gpu,
                 "encoder_forward",
@@ -166,6 +180,7 @@ mod cuda {
                 gpu.ptr_of(&tokens),
                 wte.ptr,
                 wpe.ptr,
+                int(usize::from(positions)),
                 int(rows),
                 int(seq_len),
                 int(c)
@@ -199,8 +214,7 @@ mod cuda {
             }
             starts.push(rows as u32);
             if !distinct.is_empty() {
-                let (distinct_d, starts_d, rows_d) =
-                    (gpu.upload_u32(&distinct), gpu.upload_u32(&starts), gpu.upload_u32(&rows_of));
+                let (distinct_d, starts_d, rows_d) = (gpu.upload(&distinct), gpu.upload(&starts), gpu.upload(&rows_of));
                 // Distinct tokens on x (up to 2^31 blocks), column blocks on y (at most 65535).
                 assert!(
                     c.div_ceil(BLOCK as usize) <= MAX_GRID_Y,
@@ -222,6 +236,9 @@ mod cuda {
                     gpu.ptr_of(&rows_d),
                     int(c)
                 );
+            }
+            if dwpe.len == 0 {
+                return;
             }
             let sequences = rows / seq_len;
             launch!(

@@ -1,6 +1,7 @@
 //! FlashAttention (Dao et al. 2022; the backward in FlashAttention-2's order): the causal
-//! multi-head self-attention of attention.rs, computed tile by tile for one sequence at a
-//! time. The result is the same; what is kept differs: no (heads, T, T) matrix of
+//! self-attention of attention.rs (multi-head or grouped-query: query head h reads K/V head
+//! g = h / group, no K/V copied per query head), computed tile by tile for one sequence at
+//! a time. The result is the same; what is kept differs: no (heads, T, T) matrix of
 //! probabilities, only the output and one log-sum-exp L per row.
 //!
 //!   forward (per head; query tile i, key tiles j <= i; m = -inf, l = 0, O = 0 at first):
@@ -12,6 +13,7 @@
 //!     P  = exp(Qi Kjᵀ / sqrt(hs) - L)                 (recomputed, tile by tile)
 //!     dVj += Pᵀ dOi,   dP = dOi Vjᵀ,   dS = P ∘ (dP - D) / sqrt(hs)
 //!     dQi += dS Kj,    dKj += dSᵀ Qi
+//!   (with grouped-query attention dK and dV of K/V head g sum over its group's query heads)
 //!
 //! Each head's Q, K, V (and O, dO) are widened to the compute format once and its
 //! gradients summed there, stored once at the end: the tiles are what a GPU keeps in
@@ -25,6 +27,7 @@ use rayon::prelude::*;
 use crate::backend::buffers::Buffers;
 use crate::backend::cpu::CpuBackend;
 use crate::memory::kernel_scratch;
+use crate::ops::attention::AttentionShape;
 use crate::ops::float::{lane_max, lane_sum, Float, Stored};
 use crate::ops::gemm::{matmul_widened, Mat, MatMut, Parallelism};
 use crate::ops::simd::simd_kernel;
@@ -91,16 +94,15 @@ fn rows_of_mut<F>(m: &mut [F], r0: usize, r1: usize, hs: usize) -> MatMut<'_, F>
 }
 
 simd_kernel! {
-    /// One sequence: `out` (T, C); `lse` (heads, T, PAIR) keeps L for the backward pass.
+    /// One sequence: `out` (T, heads hs); `lse` (heads, T, PAIR) keeps L for the backward pass.
     pub fn flash_attention_forward<F: Float, S: Stored<Acc = F>>(
         out: &mut [S],
         lse: &mut [S],
         qkv: &[S],
-        t: usize,
-        c: usize,
-        heads: usize,
+        shape: AttentionShape,
     ) {
-        let (hs, c3) = (c / heads, 3 * c);
+        let AttentionShape { seq_len: t, heads, head_size: hs, .. } = shape;
+        let (c, c3) = (shape.q_width(), shape.qkv_width());
         let scale = F::from_f64(1.0 / (hs as f64).sqrt());
         let _scratch = kernel_scratch::<F>(4 * t * hs + TILE * TILE + 2 * TILE);
         let (mut q, mut k, mut v, mut o) = (
@@ -112,9 +114,12 @@ simd_kernel! {
         let mut s = vec![F::ZERO; TILE * TILE];
         let (mut m, mut l) = (vec![F::ZERO; TILE], vec![F::ZERO; TILE]);
         for (h, lse) in lse.chunks_exact_mut(t * PAIR).enumerate().take(heads) {
-            widen_head(&mut q, qkv, t, hs, c3, h * hs);
-            widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
-            widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
+            let (q_col, k_col, v_col) = shape.columns(h);
+            widen_head(&mut q, qkv, t, hs, c3, q_col);
+            if h % shape.group() == 0 {
+                widen_head(&mut k, qkv, t, hs, c3, k_col);
+                widen_head(&mut v, qkv, t, hs, c3, v_col);
+            }
             o.fill(F::ZERO);
             for (r0, r1) in tiles(t) {
                 let rows = r1 - r0;
@@ -151,7 +156,7 @@ simd_kernel! {
 }
 
 simd_kernel! {
-    /// One sequence: overwrites `dqkv` (T, 3C); `delta` (heads, T, PAIR) is scratch for D.
+    /// One sequence: overwrites `dqkv` (T, qkv width); `delta` (heads, T, PAIR) is scratch for D.
     pub fn flash_attention_backward<F: Float, S: Stored<Acc = F>>(
         dqkv: &mut [S],
         delta: &mut [S],
@@ -159,11 +164,10 @@ simd_kernel! {
         qkv: &[S],
         out: &[S],
         lse: &[S],
-        t: usize,
-        c: usize,
-        heads: usize,
+        shape: AttentionShape,
     ) {
-        let (hs, c3) = (c / heads, 3 * c);
+        let AttentionShape { seq_len: t, heads, head_size: hs, .. } = shape;
+        let (c, c3) = (shape.q_width(), shape.qkv_width());
         let scale = F::from_f64(1.0 / (hs as f64).sqrt());
         let zeros = || vec![F::ZERO; t * hs];
         let _scratch = kernel_scratch::<F>(8 * t * hs + 2 * TILE * TILE);
@@ -172,9 +176,16 @@ simd_kernel! {
         let mut y = zeros();
         let (mut p, mut ds) = (vec![F::ZERO; TILE * TILE], vec![F::ZERO; TILE * TILE]);
         for (h, (delta, lse)) in delta.chunks_exact_mut(t * PAIR).zip(lse.chunks_exact(t * PAIR)).enumerate().take(heads) {
-            widen_head(&mut q, qkv, t, hs, c3, h * hs);
-            widen_head(&mut k, qkv, t, hs, c3, c + h * hs);
-            widen_head(&mut v, qkv, t, hs, c3, 2 * c + h * hs);
+            let (q_col, k_col, v_col) = shape.columns(h);
+            // A group's first query head loads its K/V head and zeroes their gradients.
+            let (first, last) = (h % shape.group() == 0, h % shape.group() == shape.group() - 1);
+            widen_head(&mut q, qkv, t, hs, c3, q_col);
+            if first {
+                widen_head(&mut k, qkv, t, hs, c3, k_col);
+                widen_head(&mut v, qkv, t, hs, c3, v_col);
+                dk.fill(F::ZERO);
+                dv.fill(F::ZERO);
+            }
             widen_head(&mut y, out, t, hs, c, h * hs);
             widen_head(&mut dy, dout, t, hs, c, h * hs);
             // D = rowsum(dO ∘ O)
@@ -182,9 +193,7 @@ simd_kernel! {
                 let d = lane_sum(hs, |j| dyi[j] * yi[j]);
                 store_pair(&mut delta[i * PAIR..], d);
             }
-            for buf in [&mut dq, &mut dk, &mut dv] {
-                buf.fill(F::ZERO);
-            }
+            dq.fill(F::ZERO);
             for (c0, c1) in tiles(t) {
                 let cols = c1 - c0;
                 for (r0, r1) in tiles(t).filter(|&(_, r1)| r1 > c0) {
@@ -223,9 +232,11 @@ simd_kernel! {
                     matmul_widened(rows_of_mut(&mut dk, c0, c1, hs), true, dsij.t(), qi, F::ONE, Parallelism::None);
                 }
             }
-            narrow_head(dqkv, &dq, t, hs, c3, h * hs);
-            narrow_head(dqkv, &dk, t, hs, c3, c + h * hs);
-            narrow_head(dqkv, &dv, t, hs, c3, 2 * c + h * hs);
+            narrow_head(dqkv, &dq, t, hs, c3, q_col);
+            if last {
+                narrow_head(dqkv, &dk, t, hs, c3, k_col);
+                narrow_head(dqkv, &dv, t, hs, c3, v_col);
+            }
         }
     }
 }
@@ -240,9 +251,7 @@ pub trait FlashAttentionKernels: Buffers {
         out: Self::ViewMut<'_>,
         lse: Self::ViewMut<'_>,
         qkv: Self::View<'_>,
-        seq_len: usize,
-        c: usize,
-        heads: usize,
+        shape: AttentionShape,
     );
 
     /// Overwrites `dqkv`, recomputing the probabilities from `lse`; `delta` is scratch of
@@ -256,19 +265,17 @@ pub trait FlashAttentionKernels: Buffers {
         qkv: Self::View<'_>,
         out: Self::View<'_>,
         lse: Self::View<'_>,
-        seq_len: usize,
-        c: usize,
-        heads: usize,
+        shape: AttentionShape,
     );
 }
 
 impl<S: Stored> FlashAttentionKernels for CpuBackend<S> {
-    fn flash_attention_forward(&self, out: &mut [S], lse: &mut [S], qkv: &[S], seq_len: usize, c: usize, heads: usize) {
-        let t = seq_len;
-        out.par_chunks_mut(t * c)
+    fn flash_attention_forward(&self, out: &mut [S], lse: &mut [S], qkv: &[S], shape: AttentionShape) {
+        let AttentionShape { seq_len: t, heads, .. } = shape;
+        out.par_chunks_mut(t * shape.q_width())
             .zip(lse.par_chunks_mut(heads * t * PAIR))
-            .zip(qkv.par_chunks(t * 3 * c))
-            .for_each(|((y, l), x)| flash_attention_forward(y, l, x, t, c, heads));
+            .zip(qkv.par_chunks(t * shape.qkv_width()))
+            .for_each(|((y, l), x)| flash_attention_forward(y, l, x, shape));
     }
 
     fn flash_attention_backward(
@@ -279,27 +286,28 @@ impl<S: Stored> FlashAttentionKernels for CpuBackend<S> {
         qkv: &[S],
         out: &[S],
         lse: &[S],
-        seq_len: usize,
-        c: usize,
-        heads: usize,
+        shape: AttentionShape,
     ) {
-        let t = seq_len;
-        dqkv.par_chunks_mut(t * 3 * c)
+        let AttentionShape { seq_len: t, heads, .. } = shape;
+        let (c, c3) = (shape.q_width(), shape.qkv_width());
+        dqkv.par_chunks_mut(t * c3)
             .zip(delta.par_chunks_mut(heads * t * PAIR))
             .zip(dout.par_chunks(t * c))
-            .zip(qkv.par_chunks(t * 3 * c))
+            .zip(qkv.par_chunks(t * c3))
             .zip(out.par_chunks(t * c))
             .zip(lse.par_chunks(heads * t * PAIR))
-            .for_each(|(((((dx, d), dy), x), y), l)| flash_attention_backward(dx, d, dy, x, y, l, t, c, heads));
+            .for_each(|(((((dx, d), dy), x), y), l)| flash_attention_backward(dx, d, dy, x, y, l, shape));
     }
 }
 
 /// The launch of flash attention's kernels (`flash_attention.cu`): one warp per query row
-/// (forward, delta, dQ) or key row (dK, dV), the head held in registers.
+/// (forward, delta, dQ) or key row of a K/V head (dK, dV, summed over its group's query
+/// heads), the head held in registers.
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::FlashAttentionKernels;
     use crate::backend::cuda::CudaBackend;
+    use crate::ops::attention::AttentionShape;
     use crate::ops::cuda::{check_shape, int, launch, warp_per_row, DeviceElem, DeviceView, DeviceViewMut};
 
     /// The widest head flash attention's kernels hold in registers (WARP * ROW_REGS).
@@ -311,19 +319,17 @@ mod cuda {
             out: DeviceViewMut<'_, S>,
             lse: DeviceViewMut<'_, S>,
             qkv: DeviceView<'_, S>,
-            seq_len: usize,
-            c: usize,
-            heads: usize,
+            shape: AttentionShape,
         ) {
             let gpu = &self.launcher;
-            let (t, hs) = (seq_len, c / heads);
+            let AttentionShape { seq_len: t, heads, kv_heads, head_size: hs } = shape;
             assert!(
                 hs <= FLASH_MAX_HEAD,
                 "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)"
             );
-            let batch = qkv.len / (t * 3 * c);
+            let batch = qkv.len / (t * shape.qkv_width());
             let rows = batch * heads * t;
-            check_shape("flash_attention_forward", &[(out.len, batch * t * c), (lse.len, rows * 2)]);
+            check_shape("flash_attention_forward", &[(out.len, batch * t * shape.q_width()), (lse.len, rows * 2)]);
             let scale = 1.0 / (hs as f32).sqrt();
             launch!(
                 gpu,
@@ -334,8 +340,9 @@ mod cuda {
                 qkv.ptr,
                 rows as i64,
                 int(t),
-                int(c),
                 int(heads),
+                int(kv_heads),
+                int(hs),
                 scale
             );
         }
@@ -348,18 +355,17 @@ mod cuda {
             qkv: DeviceView<'_, S>,
             out: DeviceView<'_, S>,
             lse: DeviceView<'_, S>,
-            seq_len: usize,
-            c: usize,
-            heads: usize,
+            shape: AttentionShape,
         ) {
             let gpu = &self.launcher;
-            let (t, hs) = (seq_len, c / heads);
+            let AttentionShape { seq_len: t, heads, kv_heads, head_size: hs } = shape;
             assert!(
                 hs <= FLASH_MAX_HEAD,
                 "flash attention: head size {hs} above {FLASH_MAX_HEAD} (checked by the spec)"
             );
-            let batch = qkv.len / (t * 3 * c);
+            let batch = qkv.len / (t * shape.qkv_width());
             let rows = batch * heads * t;
+            let c = shape.q_width();
             check_shape(
                 "flash_attention_backward",
                 &[
@@ -371,8 +377,9 @@ mod cuda {
                 ],
             );
             let scale = 1.0 / (hs as f32).sqrt();
-            let (n, t, c, heads) = (rows as i64, int(t), int(c), int(heads));
-            launch!(gpu, "flash_attention_delta", warp_per_row(rows), delta.ptr, dout.ptr, out.ptr, n, t, c, heads);
+            let key_rows = batch * kv_heads * t;
+            let (n, t, heads, kv_heads, hs) = (rows as i64, int(t), int(heads), int(kv_heads), int(hs));
+            launch!(gpu, "flash_attention_delta", warp_per_row(rows), delta.ptr, dout.ptr, out.ptr, n, t, heads, hs);
             let (dqkv, dout, qkv, lse, delta) = (dqkv.ptr, dout.ptr, qkv.ptr, lse.ptr, delta.ptr);
             // dQ by query row, then dK and dV by key row: disjoint columns of dqkv.
             launch!(
@@ -386,23 +393,25 @@ mod cuda {
                 delta,
                 n,
                 t,
-                c,
                 heads,
+                kv_heads,
+                hs,
                 scale
             );
             launch!(
                 gpu,
                 "flash_attention_backward_key",
-                warp_per_row(rows),
+                warp_per_row(key_rows),
                 dqkv,
                 dout,
                 qkv,
                 lse,
                 delta,
-                n,
+                key_rows as i64,
                 t,
-                c,
                 heads,
+                kv_heads,
+                hs,
                 scale
             );
         }

@@ -132,7 +132,7 @@ mod cuda {
             }
             check_tokens("crossentropy_forward", &targets[..rows], vocab);
             assert!(losses.len >= rows, "crossentropy_forward: {} losses for {rows} rows", losses.len);
-            let targets = gpu.upload_u32(&targets[..rows]);
+            let targets = gpu.upload(&targets[..rows]);
             let row_loss = gpu.scratch::<f64>(rows);
             launch!(
                 gpu,
@@ -154,7 +154,7 @@ mod cuda {
                 return;
             }
             check_tokens("crossentropy_backward", &targets[..rows], vocab);
-            let targets = gpu.upload_u32(&targets[..rows]);
+            let targets = gpu.upload(&targets[..rows]);
             launch!(
                 gpu,
                 "crossentropy_backward",

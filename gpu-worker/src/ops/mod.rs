@@ -27,12 +27,15 @@ pub mod loss;
 pub mod mlp;
 pub mod optimizer;
 pub mod reductions;
+pub mod rmsnorm;
+pub mod rope;
 pub mod router;
 pub mod simd;
+pub mod swiglu;
 
 use crate::backend::buffers::Buffers;
 
-/// The kernels a GPT needs (llm.c's list), one trait per op, each in its op's file.
+/// The kernels a GPT or Llama needs (llm.c's list and Llama's three), one trait per op, each in its op's file.
 macro_rules! model_kernels {
     ($($op:ident::$kernels:ident),+ $(,)?) => {
         /// The model's kernels on a backend's views (the conventions they follow:
@@ -53,10 +56,13 @@ model_kernels!(
     reductions::Reductions,
     embedding::EmbeddingKernels,
     layernorm::LayerNormKernels,
+    rmsnorm::RmsNormKernels,
+    rope::RopeKernels,
     linear::LinearKernels,
     attention::AttentionKernels,
     flash_attention::FlashAttentionKernels,
     mlp::GeluKernels,
+    swiglu::SwiGluKernels,
     loss::CrossEntropyKernels,
 );
 
@@ -69,8 +75,11 @@ macro_rules! cuda_sources {
         $crate::ops::op_sources!(
             "embedding",
             "layernorm",
+            "rmsnorm",
+            "rope",
             "linear",
             "mlp",
+            "swiglu",
             "attention",
             "flash_attention",
             "loss",

@@ -65,7 +65,7 @@ pub struct RunPaths<'a> {
     /// Where `parallel.offload=disk` keeps the optimizer's state.
     pub offload_dir: Option<&'a Path>,
     /// Where the trained model goes when the run succeeds (`model.safetensors` and
-    /// `config.json`, GPT-2's format; a model that cannot be exported is logged, not an
+    /// `config.json`, Hugging Face's format (GPT-2's or Llama's); a model that cannot be exported is logged, not an
     /// error).
     pub model_out: Option<&'a Path>,
     /// The text of `data.dataset: upload`.
@@ -195,10 +195,17 @@ pub fn execute(
         None => run_ranks(spec, &opts, collective_timeout, hosts, on_event, cancel),
     };
     if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_path) {
-        let message = match distlab_worker::export::write_gpt2(spec, ranks, spec.train.steps, out) {
+        let message = match distlab_worker::export::write_hf(spec, ranks, spec.train.steps, out) {
             Ok(bytes) => LogLine {
                 level: LogLevel::Info,
-                message: format!("the trained model: {} ({bytes} bytes, GPT-2's format)", export::WEIGHTS_FILE),
+                message: format!(
+                    "the trained model: {} ({bytes} bytes, Hugging Face's {} format)",
+                    export::WEIGHTS_FILE,
+                    match spec.model.family {
+                        distlab_common::ModelFamily::Gpt2 => "GPT-2",
+                        distlab_common::ModelFamily::Llama => "Llama",
+                    }
+                ),
             },
             Err(e) => LogLine { level: LogLevel::Warn, message: format!("the model was not exported: {e}") },
         };

@@ -2,7 +2,7 @@
 //! server (`--dataset`: the text of a spec with `data.dataset: upload`).
 //! stdout: one JSON line per optimizer step, then `{"summary": {...}}`. With `--out DIR`:
 //! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory),
-//! and the trained model in GPT-2's format (model.safetensors and config.json).
+//! and the trained model in Hugging Face's format (model.safetensors and config.json).
 //! With `--checkpoint-dir DIR` a spec with `checkpoint_every` > 0 saves its checkpoints
 //! there, a second run of the same spec resumes from the latest complete one (after a
 //! crash or a kill), and a run that succeeds keeps only the latest, for another spec to

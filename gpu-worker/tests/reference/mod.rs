@@ -3,16 +3,19 @@
 //! op test's buffers (same order and meaning as the check that uses it) and fills the
 //! outputs the way the kernel's contract says (overwrite or accumulate).
 
-/// `out[r] = wte[tokens[r]] + wpe[r % t]`; `dwte[tokens[r]] += dout[r]`, `dwpe[r % t] += dout[r]`.
-/// Buffers: out, wte, wpe, dout, dwte, dwpe.
+/// `out[r] = wte[tokens[r]] + wpe[r % t]`; `dwte[tokens[r]] += dout[r]`, `dwpe[r % t] += dout[r]`
+/// (no position terms when wpe is empty). Buffers: out, wte, wpe, dout, dwte, dwpe.
 pub fn encoder(b: &mut [Vec<f64>], tokens: &[u32], t: usize, c: usize) {
+    let positions = !b[2].is_empty();
     for (r, &tok) in tokens.iter().enumerate() {
         let (tok, pos) = (tok as usize, r % t);
         for i in 0..c {
-            b[0][r * c + i] = b[1][tok * c + i] + b[2][pos * c + i];
+            b[0][r * c + i] = b[1][tok * c + i] + if positions { b[2][pos * c + i] } else { 0.0 };
             let d = b[3][r * c + i];
             b[4][tok * c + i] += d;
-            b[5][pos * c + i] += d;
+            if positions {
+                b[5][pos * c + i] += d;
+            }
         }
     }
 }
@@ -84,28 +87,32 @@ pub fn matmul(
     }
 }
 
-/// Causal self-attention per (sequence, head), head size hs = c / heads, q, k, v the
-/// head's columns of the [Q | K | V] blocks:
+/// Causal self-attention per (sequence, query head h), head size hs, `kv_heads` key/value
+/// heads (query head h reads K/V head g = h / (heads / kv_heads)); a row of qkv is
+/// [Q (heads x hs) | K (kv_heads x hs) | V (kv_heads x hs)]:
 ///   s_ij = q_i·k_j / √hs (j ≤ i), a_i = softmax_j(s_ij), out_i = Σ_j a_ij v_j
 ///   da_ij = dout_i·v_j, dv_j += a_ij dout_i, ds_ij = a_ij (da_ij - Σ_k a_ik da_ik),
 ///   dq_i += Σ_j ds_ij k_j / √hs, dk_j += ds_ij q_i / √hs
 /// Buffers: qkv, out, att (batch, heads, t, t; zero above the diagonal), dout, dqkv
 /// (overwritten), datt (scratch, not compared).
-pub fn attention(b: &mut [Vec<f64>], t: usize, c: usize, heads: usize) {
-    let hs = c / heads;
-    let batch = b[0].len() / (t * 3 * c);
+pub fn attention(b: &mut [Vec<f64>], t: usize, heads: usize, kv_heads: usize, hs: usize) {
+    let (c, kv) = (heads * hs, kv_heads * hs);
+    let width = c + 2 * kv;
+    let batch = b[0].len() / (t * width);
     let scale = 1.0 / (hs as f64).sqrt();
     b[4].iter_mut().for_each(|v| *v = 0.0);
-    let col = |row: usize, part: usize, h: usize, d: usize| row * 3 * c + part * c + h * hs + d;
+    let group = heads / kv_heads;
     for n in 0..batch {
         for h in 0..heads {
+            let g = h / group;
+            let q = |row: usize, d: usize| row * width + h * hs + d;
+            let k = |row: usize, d: usize| row * width + c + g * hs + d;
+            let v = |row: usize, d: usize| row * width + c + kv + g * hs + d;
             let at = |i: usize, j: usize| ((n * heads + h) * t + i) * t + j;
             for i in 0..t {
                 let qi = n * t + i;
                 let scores: Vec<f64> = (0..=i)
-                    .map(|j| {
-                        (0..hs).map(|d| b[0][col(qi, 0, h, d)] * b[0][col(n * t + j, 1, h, d)]).sum::<f64>() * scale
-                    })
+                    .map(|j| (0..hs).map(|d| b[0][q(qi, d)] * b[0][k(n * t + j, d)]).sum::<f64>() * scale)
                     .collect();
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -114,24 +121,83 @@ pub fn attention(b: &mut [Vec<f64>], t: usize, c: usize, heads: usize) {
                     b[2][at(i, j)] = if j <= i { exps[j] / total } else { 0.0 };
                 }
                 for d in 0..hs {
-                    b[1][qi * c + h * hs + d] = (0..=i).map(|j| b[2][at(i, j)] * b[0][col(n * t + j, 2, h, d)]).sum();
+                    b[1][qi * c + h * hs + d] = (0..=i).map(|j| b[2][at(i, j)] * b[0][v(n * t + j, d)]).sum();
                 }
                 // backward of row i
                 let dout: Vec<f64> = (0..hs).map(|d| b[3][qi * c + h * hs + d]).collect();
-                let datt: Vec<f64> =
-                    (0..=i).map(|j| (0..hs).map(|d| dout[d] * b[0][col(n * t + j, 2, h, d)]).sum()).collect();
+                let datt: Vec<f64> = (0..=i).map(|j| (0..hs).map(|d| dout[d] * b[0][v(n * t + j, d)]).sum()).collect();
                 let weighted: f64 = (0..=i).map(|j| b[2][at(i, j)] * datt[j]).sum();
                 for j in 0..=i {
                     let a = b[2][at(i, j)];
                     let ds = a * (datt[j] - weighted);
                     let kj = n * t + j;
                     for d in 0..hs {
-                        b[4][col(kj, 2, h, d)] += a * dout[d];
-                        b[4][col(qi, 0, h, d)] += ds * b[0][col(kj, 1, h, d)] * scale;
-                        b[4][col(kj, 1, h, d)] += ds * b[0][col(qi, 0, h, d)] * scale;
+                        b[4][v(kj, d)] += a * dout[d];
+                        b[4][q(qi, d)] += ds * b[0][k(kj, d)] * scale;
+                        b[4][k(kj, d)] += ds * b[0][q(qi, d)] * scale;
                     }
                 }
             }
+        }
+    }
+}
+
+/// RMSNorm over rows of width `c`, eps 1e-5:
+///   forward:  rstd = 1/√(Σx²/c + eps), x̂ = x·rstd, out = x̂·γ
+///   backward: dγ += dout·x̂, dx += rstd·(dx̂ - x̂·mean(dx̂·x̂)), dx̂ = dout·γ
+/// Buffers: inp, gamma, out, rstd, dout, dinp (+=), dgamma (+=).
+pub fn rmsnorm(b: &mut [Vec<f64>], c: usize) {
+    let rows = b[0].len() / c;
+    for r in 0..rows {
+        let x = &b[0][r * c..(r + 1) * c];
+        let rstd = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / c as f64 + 1e-5).sqrt();
+        let xhat: Vec<f64> = x.iter().map(|v| v * rstd).collect();
+        let dout: Vec<f64> = b[4][r * c..(r + 1) * c].to_vec();
+        let dxhat: Vec<f64> = (0..c).map(|i| dout[i] * b[1][i]).collect();
+        let mean_dxhat_xhat = (0..c).map(|i| dxhat[i] * xhat[i]).sum::<f64>() / c as f64;
+        for i in 0..c {
+            b[2][r * c + i] = xhat[i] * b[1][i];
+            b[5][r * c + i] += rstd * (dxhat[i] - xhat[i] * mean_dxhat_xhat);
+            b[6][i] += dout[i] * xhat[i];
+        }
+        b[3][r] = rstd;
+    }
+}
+
+/// Rotary position embeddings, Hugging Face Llama's "rotate half": in each of the first
+/// `rotated` heads (hs wide) of a row (`width` wide) at position p = row mod t, dimensions
+/// i and i + hs/2 turn by p·θ^(-2i/hs); backward turns the gradient back. Buffers: x
+/// (turned in place), dx (turned back in place).
+pub fn rope(b: &mut [Vec<f64>], t: usize, rotated: usize, hs: usize, width: usize, theta: f64) {
+    let half = hs / 2;
+    for (buf, sign) in [(0, 1.0), (1, -1.0)] {
+        for row in 0..b[buf].len() / width {
+            let p = (row % t) as f64;
+            for head in 0..rotated {
+                for i in 0..half {
+                    let angle = sign * p * theta.powf(-2.0 * i as f64 / hs as f64);
+                    let (lo, hi) = (row * width + head * hs + i, row * width + head * hs + i + half);
+                    let (x, y) = (b[buf][lo], b[buf][hi]);
+                    b[buf][lo] = x * angle.cos() - y * angle.sin();
+                    b[buf][hi] = y * angle.cos() + x * angle.sin();
+                }
+            }
+        }
+    }
+}
+
+/// SwiGLU on rows [g | u] (f each): out = g·σ(g)·u; du = dout·g·σ(g),
+/// dg = dout·u·σ(g)(1 + g(1 - σ(g))). Buffers: inp (rows, 2f), out (rows, f), dout, dinp
+/// (overwritten).
+pub fn swiglu(b: &mut [Vec<f64>], f: usize) {
+    for r in 0..b[1].len() / f {
+        for j in 0..f {
+            let (g, u) = (b[0][r * 2 * f + j], b[0][r * 2 * f + f + j]);
+            let sig = 1.0 / (1.0 + (-g).exp());
+            let dh = b[2][r * f + j];
+            b[1][r * f + j] = g * sig * u;
+            b[3][r * 2 * f + j] = dh * u * sig * (1.0 + g * (1.0 - sig));
+            b[3][r * 2 * f + f + j] = dh * g * sig;
         }
     }
 }

@@ -1,11 +1,12 @@
-//! A run's trained model, in GPT-2's format (`distlab_common::export`): handed over by the
+//! A run's trained model, in Hugging Face's format (GPT-2's or Llama's, by the run's
+//! `model.family`: `distlab_common::export`): handed over by the
 //! worker that ran it before it reports the run complete, kept under the data directory,
 //! fetched by anyone who can see the experiment, removed with it.
 //!
 //! - `PUT /api/workers/experiments/{id}/model`: the worker holding the experiment's lease
 //!   (checked again once the body is in; the upload renews the lease); the body is
 //!   model.safetensors (at most `ServerConfig::max_model_bytes`, and the run's model in
-//!   GPT-2's layout, or 422).
+//!   its family's layout, or 422).
 //! - `GET /api/experiments/{id}/model`: the file, streamed, once the run has succeeded (409
 //!   otherwise, saying why).
 //! - `GET /api/experiments/{id}/model/config`: the `config.json` that goes with it.
@@ -20,7 +21,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use distlab_common::{export, ExperimentSpec, ExperimentStatus};
-use distlab_worker::generate::load_gpt2;
+use distlab_worker::generate::load_hf;
 use tower::ServiceExt;
 use tower_http::services::ServeFile;
 
@@ -45,13 +46,13 @@ pub fn remove(state: &AppState, id: i64) {
     }
 }
 
-/// Whether `bytes` is `spec`'s model in GPT-2's layout (every tensor there, f32, the
-/// model's shapes): what a worker may store.
+/// Whether `bytes` is `spec`'s model in its family's Hugging Face layout (every tensor
+/// there, f32, the model's shapes): what a worker may store.
 fn check_model(spec: &ExperimentSpec, bytes: &[u8]) -> Result<(), String> {
     if let Some(why) = export::not_exportable(spec) {
         return Err(why);
     }
-    load_gpt2(&spec.model, bytes).map(drop)
+    load_hf(&spec.model, bytes).map(drop)
 }
 
 /// `PUT /api/workers/experiments/{id}/model`
@@ -142,7 +143,7 @@ pub(crate) async fn stored_model(
     get, path = "/experiments/{id}/model", operation_id = "download_model", tag = "models",
     params(("id" = i64, Path, description = "the experiment's id")),
     responses(
-        (status = 200, description = "the trained weights as safetensors (Hugging Face GPT-2 names)", content_type = "application/octet-stream"),
+        (status = 200, description = "the trained weights as safetensors (Hugging Face GPT-2 or Llama names)", content_type = "application/octet-stream"),
         (status = 404, description = "no such experiment", body = distlab_common::ApiError),
         (status = 409, description = "the run has no model (not succeeded, or MoE)", body = distlab_common::ApiError),
     ),
@@ -167,7 +168,7 @@ pub async fn download(
     get, path = "/experiments/{id}/model/config", operation_id = "model_config", tag = "models",
     params(("id" = i64, Path, description = "the experiment's id")),
     responses(
-        (status = 200, description = "config.json for GPT2LMHeadModel", body = Object),
+        (status = 200, description = "config.json for GPT2LMHeadModel or LlamaForCausalLM", body = Object),
         (status = 404, description = "no such experiment", body = distlab_common::ApiError),
         (status = 409, body = distlab_common::ApiError),
     ),
@@ -177,5 +178,5 @@ pub async fn config(
     Path(raw_id): Path<String>,
 ) -> Result<Json<serde_json::Value>, HttpError> {
     let (_, _, spec) = stored_model(&state, &raw_id).await?;
-    Ok(Json(export::hf_gpt2_config(&spec.model)))
+    Ok(Json(export::hf_config(&spec.model)))
 }

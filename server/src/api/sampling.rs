@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use distlab_common::api::{GenerateRequest, Generated, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS};
 use distlab_common::FieldError;
-use distlab_worker::generate::{generate as sample, load_gpt2, Sampling};
+use distlab_worker::generate::{generate as sample, load_hf, Sampling};
 use tokio::sync::Semaphore;
 
 use crate::api::error::HttpError;
@@ -194,7 +194,7 @@ async fn sample_in_line(
     let model = spec.model.clone();
     let tokens = tokio::task::spawn_blocking(move || {
         let _held = (turn, in_line);
-        let params = load_gpt2(&model, &file)?;
+        let params = load_hf(&model, &file)?;
         sample(&model, &params, &prompt, &sampling, |_| started.elapsed() < budget)
     })
     .await

@@ -56,8 +56,8 @@ pub fn attention_elements(batch: u64, seq: u64, heads: u64, attention: Attention
 /// gradients (d + 3d + 4d, split over TP) and the attention probabilities' gradient:
 /// b*s*(2d + 8d/t) + b*(h/t)*s^2 (flash: a pair per row, rowsum(dO ∘ O), in place of s^2).
 /// With sequence parallelism (`sp`) the residual's gradient is this rank's b*s/t tokens
-/// only, and the LayerNorm parameters' gradients of a block (4d) are made in scratch
-/// before they are summed over the group.
+/// only, and the norm parameters' gradients of a block (GPT-2's two LayerNorms 4d,
+/// Llama's two RMSNorms 2d) are made in scratch before they are summed over the group.
 pub fn activation_grad_elements(m: &ModelSpec, batch: u64, tp: u64, attention: Attention, sp: bool) -> u64 {
     let (seq, d, heads) = (m.seq_len as u64, m.d_model as u64, m.heads as u64);
     let tp = tp.max(1);
@@ -65,7 +65,9 @@ pub fn activation_grad_elements(m: &ModelSpec, batch: u64, tp: u64, attention: A
     let split = rows.saturating_mul(m.tp_split_gradient_width() / tp);
     let whole = match sp {
         false => rows.saturating_mul(d.saturating_mul(2)),
-        true => (rows.saturating_mul(d) / tp).saturating_add(rows.saturating_mul(d)).saturating_add(4 * d),
+        true => {
+            (rows.saturating_mul(d) / tp).saturating_add(rows.saturating_mul(d)).saturating_add(2 * m.norm_params())
+        }
     };
     whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp, attention))
 }

@@ -34,7 +34,9 @@ pub(super) struct StageCommInput {
     pub(super) rows_d: u64,
     /// Of it, what a TP rank holds of the residual stream (rows_d / tp with sequence parallelism).
     pub(super) res_d: u64,
-    pub(super) d: u64,
+    /// Parameters of one norm (LayerNorm 2d, RMSNorm d): sequence parallelism sums their
+    /// gradients over the group.
+    pub(super) norm: u64,
     /// Sequence parallelism.
     pub(super) sp: bool,
     pub(super) recomputing: bool,
@@ -90,8 +92,8 @@ pub(super) struct ExpertComm {
 ///   row-parallel outputs reduce-scattered), 6 backward (the output gradients gathered, the
 ///   LayerNorm outputs gathered again for the weight gradients, the LayerNorm output
 ///   gradients reduce-scattered), 4 more when checkpointing recomputes the forward, and an
-///   all-reduce of the block's LayerNorm parameter gradients (4d); the last stage gathers
-///   the final LayerNorm's output (and all-reduces its 2d parameter gradients), the first
+///   all-reduce of the block's norm parameter gradients (4d, Llama's RMSNorm gains 2d); the
+///   last stage gathers the final norm's output (and all-reduces its parameter gradients), the first
 ///   gathers the embedding output's gradient;
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
 ///   back to the previous one (all but the first); with sequence parallelism A / T.
@@ -168,8 +170,8 @@ fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
     let per_micro_batch = if c.sp {
         let halves_per_block = if c.recomputing { 14 } else { 10 };
         let block =
-            half.saturating_mul(halves_per_block).saturating_add(ring_all_reduce_bytes(4 * c.d, c.tp, WIRE_BYTES));
-        let head = if c.last { half.saturating_add(ring_all_reduce_bytes(2 * c.d, c.tp, WIRE_BYTES)) } else { 0 };
+            half.saturating_mul(halves_per_block).saturating_add(ring_all_reduce_bytes(2 * c.norm, c.tp, WIRE_BYTES));
+        let head = if c.last { half.saturating_add(ring_all_reduce_bytes(c.norm, c.tp, WIRE_BYTES)) } else { 0 };
         let embeddings = if c.first { half } else { 0 };
         block.saturating_mul(c.layers).saturating_add(head).saturating_add(embeddings)
     } else {

@@ -63,10 +63,9 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         false => (layer_acts, grad_acts),
     };
     // ZB-H1 (no sequence parallelism): the gradients of a block's matmul outputs (attention
-    // projection, MLP out: b*s*d each; QKV and the MLP's hidden gradients, split over TP:
-    // GPT-2 3d + 4d, Llama's gate and up 2f).
-    let weight_stash_elements =
-        rows.saturating_mul(d.saturating_mul(2) + (m.qkv_width() + m.mlp_activation_widths().1) / tp);
+    // projection, MLP out: b*s*d each; QKV and the MLP's first matmul's output, split over
+    // TP: GPT-2 3d + 4d, Llama's q, k, v and gate and up 2f).
+    let weight_stash_elements = rows.saturating_mul(d.saturating_mul(2) + (m.qkv_width() + m.mlp_input_width()) / tp);
     // The residual stream between blocks (a stage's input and output, checkpointed segment
     // outputs): whole on every TP rank, or with sequence parallelism this rank's tokens.
     let res_d = if sp { rows_d / tp } else { rows_d };
@@ -120,13 +119,15 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 
         // Activations (elements). Every stage keeps its input per micro-batch (the first
         // stage: the embedding output; the others: what the previous stage sent); the last
-        // stage also the final LayerNorm output and statistics, logits and token losses.
+        // stage also the final norm's output and statistics, logits and token losses.
         // With sequence parallelism the final LayerNorm's statistics are this rank's tokens
         // only, its output gathered whole for the LM head.
         // Each of the stage's chunks keeps its own (interleaved: one set per chunk and
         // micro-batch, the head's only on the model's last chunk); the peak is the most
         // the schedule's order holds at once.
-        let lnf_stats = if sp { rows.saturating_mul(2) / tp } else { rows.saturating_mul(2) };
+        // (a block's two norms keep norm_statistics() per token: LayerNorm 2 each, RMSNorm 1)
+        let per_norm = m.norm_statistics() / 2;
+        let lnf_stats = if sp { rows.saturating_mul(per_norm) / tp } else { rows.saturating_mul(per_norm) };
         let head_acts =
             rows_d.saturating_add(lnf_stats).saturating_add(rows).saturating_add(rows.saturating_mul(vocab));
         let per_chunk: Vec<u64> = (0..chunks.len())
@@ -176,8 +177,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             optimizer_state,
             gathered_parameters: gathered,
             activations: activations.saturating_mul(act_bytes),
-            // (with sequence parallelism the last stage's final LayerNorm gradients too, 2d)
-            activation_grads: grad_acts.saturating_add(if sp && last { 2 * d } else { 0 }).saturating_mul(act_bytes),
+            // (with sequence parallelism the last stage's final norm's parameter gradients too:
+            // LayerNorm 2d, RMSNorm d)
+            activation_grads: grad_acts
+                .saturating_add(if sp && last { m.norm_params() } else { 0 })
+                .saturating_mul(act_bytes),
             comm_buffers,
             transient: 0,
             transport: 0,
@@ -211,7 +215,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             micro_steps,
             rows_d,
             res_d,
-            d,
+            norm: m.norm_params(),
             sp,
             recomputing,
             regathered: chunks

@@ -97,9 +97,22 @@ const SECTIONS: &[SectionDef] = &[
         key: "model",
         title: "Model (GPT decoder)",
         fields: &[
+            f(
+                "model.family",
+                Kind::Choice(&["gpt2", "llama"]),
+                "gpt2: LayerNorm, learned positions, GELU MLP, biases; llama: RMSNorm, rotary positions, \
+                 grouped-query attention, SwiGLU, no biases",
+            ),
             f("model.layers", Kind::Int, "transformer blocks"),
             f("model.d_model", Kind::Int, "width of the residual stream"),
             f("model.heads", Kind::Int, "attention heads; must divide d_model"),
+            f(
+                "model.kv_heads",
+                Kind::Int,
+                "llama: key/value heads, each serving heads / kv_heads query heads (0 = heads: multi-head)",
+            ),
+            f("model.ffn_hidden", Kind::Int, "llama: the SwiGLU's width (0 = 8/3 × d_model rounded up to 256)"),
+            f("model.rope_theta", Kind::Float, "llama: the rotary positions' base (Llama 2: 10000; Llama 3: 500000)"),
             f("model.seq_len", Kind::Int, "tokens per sequence (context length)"),
             f("model.vocab", Kind::Int, "number of distinct tokens"),
             f("model.experts", Kind::Int, "Mixture of Experts: MLPs per block, a router picks for each token (0 = dense)"),
@@ -266,6 +279,14 @@ fn training_only(path: &str) -> bool {
 /// defaults, ready for when the checkbox is ticked.
 fn field_texts(spec: &ExperimentSpec) -> Vec<String> {
     let mut value = serde_json::to_value(spec).unwrap_or(Value::Null);
+    // The model fields a GPT-2 spec leaves out of its JSON show their values all the same.
+    if let Some(model) = value.get_mut("model").and_then(Value::as_object_mut) {
+        let m = &spec.model;
+        model.entry("family").or_insert(Value::from(if m.family.is_gpt2() { "gpt2" } else { "llama" }));
+        model.entry("kv_heads").or_insert(Value::from(m.kv_heads));
+        model.entry("ffn_hidden").or_insert(Value::from(m.ffn_hidden));
+        model.entry("rope_theta").or_insert(Value::from(m.rope_theta));
+    }
     if spec.demo.is_none() {
         if let Value::Object(map) = &mut value {
             map.insert(DEMO.into(), serde_json::to_value(CollectiveDemo::default()).unwrap_or(Value::Null));
