@@ -9,6 +9,16 @@ use distlab_common::MetricPoint;
 use leptos::prelude::*;
 
 const WIDTH: f64 = 860.0;
+
+/// About how wide a character of the subtitle is (12.5 px text, style.css).
+const SUBTITLE_CHAR_PX: f64 = 6.8;
+
+/// The width to squeeze a subtitle into when it would run past the chart's edges (SVG text
+/// does not wrap), or None when it fits.
+fn squeezed(text: &str) -> Option<String> {
+    let room = WIDTH - 24.0;
+    (text.chars().count() as f64 * SUBTITLE_CHAR_PX > room).then(|| room.to_string())
+}
 const HEIGHT: f64 = 440.0;
 const LEFT: f64 = 78.0;
 const RIGHT: f64 = 28.0;
@@ -192,7 +202,14 @@ pub fn LossChart(
             <text class="chart-title" x=(WIDTH / 2.0).to_string() y="24" text-anchor="middle">
                 {move || title.get()}
             </text>
-            <text class="chart-subtitle" x=(WIDTH / 2.0).to_string() y="44" text-anchor="middle">
+            <text
+                class="chart-subtitle"
+                x=(WIDTH / 2.0).to_string()
+                y="44"
+                text-anchor="middle"
+                textLength=move || squeezed(&subtitle.get())
+                lengthAdjust="spacingAndGlyphs"
+            >
                 {move || subtitle.get()}
             </text>
             <g class="grid">

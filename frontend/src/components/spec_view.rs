@@ -28,8 +28,12 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
             label(&spec.backend)
         );
     }
+    let heads = match m.family.is_gpt2() {
+        true => format!("{} heads", m.heads),
+        false => format!("{} heads ({} K/V), SwiGLU {}", m.heads, m.key_value_heads(), m.d_ff()),
+    };
     let mut parts = vec![
-        format!("{} layers, d_model {}, {} heads, seq {}, vocab {}", m.layers, m.d_model, m.heads, m.seq_len, m.vocab),
+        format!("{} layers, d_model {}, {heads}, seq {}, vocab {}", m.layers, m.d_model, m.seq_len, m.vocab),
         label(&spec.data.dataset),
         format!("dp{} tp{} pp{}", p.dp, p.tp, p.pp),
     ];
@@ -37,7 +41,7 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
         parts.insert(1, format!("{} experts top-{}", m.experts, m.expert_top_k));
     }
     if !m.family.is_gpt2() {
-        parts.insert(0, format!("Llama ({} K/V heads, SwiGLU {})", m.key_value_heads(), m.d_ff()));
+        parts[0] = format!("Llama {}", parts[0]);
     }
     if p.ep > 1 {
         parts.push(format!("ep{}", p.ep));

@@ -62,11 +62,20 @@ pub(crate) fn run<B: TrainBackend>(
     log(
         on_event,
         format!(
-            "model: GPT with {params} parameters ({:.2} MiB in {}): {} layers, d_model {}, {} heads, seq_len {}, \
+            "model: GPT with {params} parameters ({:.2} MiB in {}): {} layers{}, d_model {}, {} heads, seq_len {}, \
              vocab {}, LM head not tied to the embedding",
             mib_bytes((params * size_of::<B::Elem>()) as u64),
             stored,
             m.layers,
+            match m.family {
+                distlab_common::ModelFamily::Gpt2 => String::new(),
+                distlab_common::ModelFamily::Llama => format!(
+                    " of Llama blocks ({} K/V heads, SwiGLU {}, rotary base {})",
+                    m.key_value_heads(),
+                    m.d_ff(),
+                    m.rope_theta
+                ),
+            },
             m.d_model,
             m.heads,
             m.seq_len,
