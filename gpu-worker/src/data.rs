@@ -1,6 +1,8 @@
 //! Training data: the `markov` and `text` datasets, the global batch of a step, and the
 //! held-out sequences of the validation loss (the text's last tenth; for the chain, a
-//! random stream of its own).
+//! random stream of its own). A text becomes tokens by the run's tokenizer
+//! (`tokenizer.rs`): its bytes, or a BPE learned from the training part only, so that the
+//! held-out text is new to the tokenizer as it is to the model.
 //!
 //! The global batch of optimizer step t is a pure function of (data seed, t):
 //! sequence i of it depends on (seed, t, i) alone. A caller asks for sequences
@@ -11,9 +13,10 @@
 
 use std::sync::Arc;
 
-use distlab_common::{DataSpec, Dataset, ModelSpec};
+use distlab_common::{DataSpec, Dataset, ModelSpec, TokenizerKind};
 
 use crate::rng::Rng;
+use crate::tokenizer::{TextTokenizer, TokenizerError};
 
 /// The text dataset: ~256 KiB of Shakespeare, one token per byte.
 pub static SHAKESPEARE: &[u8] = include_bytes!("../data/shakespeare.txt");
@@ -44,6 +47,19 @@ pub enum DataError {
     NoUploadedFile(i64),
     #[error("the uploaded dataset's file {path}: {message}")]
     UploadUnreadable { path: String, message: String },
+    #[error(
+        "seq_len={seq_len} needs windows of {} tokens, but the {part} text is only {tokens} tokens after BPE",
+        seq_len + 1
+    )]
+    TooFewTokens { seq_len: usize, part: &'static str, tokens: usize },
+    #[error("{0}")]
+    Tokenizer(String),
+}
+
+impl From<TokenizerError> for DataError {
+    fn from(e: TokenizerError) -> Self {
+        DataError::Tokenizer(e.to_string())
+    }
 }
 
 /// A random Markov chain over the vocabulary, fixed by the data seed:
@@ -167,15 +183,55 @@ fn stationary_distribution(vocab: usize, k: usize, successors: &[u32], weights: 
     pi
 }
 
+/// A text's tokens: its bytes as they are, or a tokenizer's ids.
+#[derive(Clone, Debug)]
+enum Tokens {
+    Bytes(Arc<[u8]>),
+    Ids(Arc<[u32]>),
+}
+
+impl Tokens {
+    fn len(&self) -> usize {
+        match self {
+            Tokens::Bytes(b) => b.len(),
+            Tokens::Ids(ids) => ids.len(),
+        }
+    }
+
+    /// Tokens `[offset, offset + n)` into `inputs` and the ones after each into `targets`
+    /// (n = their length).
+    fn window(&self, offset: usize, inputs: &mut [u32], targets: &mut [u32]) {
+        let n = inputs.len();
+        match self {
+            Tokens::Bytes(b) => {
+                let w = &b[offset..offset + n + 1];
+                inputs.iter_mut().zip(w).for_each(|(x, &t)| *x = u32::from(t));
+                targets.iter_mut().zip(&w[1..]).for_each(|(y, &t)| *y = u32::from(t));
+            }
+            Tokens::Ids(ids) => {
+                inputs.copy_from_slice(&ids[offset..offset + n]);
+                targets.copy_from_slice(&ids[offset + 1..offset + n + 1]);
+            }
+        }
+    }
+}
+
+/// A text cut into tokens: training windows from `trained`, validation windows from
+/// `held_out`.
+#[derive(Clone, Debug)]
+struct Text {
+    trained: Tokens,
+    held_out: Tokens,
+    /// The bytes each part came from.
+    trained_bytes: usize,
+    held_out_bytes: usize,
+    tokenizer: TextTokenizer,
+}
+
 #[derive(Clone, Debug)]
 enum Source {
     Markov(MarkovChain),
-    /// Bytes as tokens: training windows from `bytes[..split]`, validation windows from
-    /// the rest.
-    Text {
-        bytes: Arc<[u8]>,
-        split: usize,
-    },
+    Text(Text),
 }
 
 /// A dataset with its seed: hands out any slice of any step's global batch.
@@ -205,28 +261,60 @@ impl Data {
     ) -> Result<Self, DataError> {
         let source = match data.dataset {
             Dataset::Markov => Source::Markov(MarkovChain::new(model.vocab, data.seed)),
-            Dataset::Text => Self::text(SHAKESPEARE.into(), model)?,
+            Dataset::Text => Self::text(SHAKESPEARE, data, model)?,
             Dataset::Upload => {
                 let path = uploaded.ok_or(DataError::NoUploadedFile(data.upload_id.unwrap_or(0)))?;
                 let bytes = std::fs::read(path).map_err(|e| DataError::UploadUnreadable {
                     path: path.display().to_string(),
                     message: e.to_string(),
                 })?;
-                Self::text(bytes.into(), model)?
+                Self::text(&bytes, data, model)?
             }
         };
         Ok(Self { seed: data.seed, source, global_batch, uploaded: data.upload_id })
     }
 
-    /// Bytes as a dataset, split by [`distlab_common::text_split`]: the last tenth held out
-    /// (at least one window of seq_len + 1 bytes on each side).
-    fn text(bytes: Arc<[u8]>, model: &ModelSpec) -> Result<Source, DataError> {
+    /// A text as a dataset, split by [`distlab_common::text_split`]: the last tenth held out
+    /// (at least one window of seq_len + 1 bytes on each side; with BPE, the split moved to
+    /// the next character's start, and each part cut into tokens on its own).
+    fn text(bytes: &[u8], data: &DataSpec, model: &ModelSpec) -> Result<Source, DataError> {
         if model.vocab < 256 {
             return Err(DataError::VocabTooSmallForText(model.vocab));
         }
-        let split = distlab_common::text_split(bytes.len(), model.seq_len)
+        let mut split = distlab_common::text_split(bytes.len(), model.seq_len)
             .ok_or(DataError::TextTooShort { seq_len: model.seq_len, len: bytes.len() })?;
-        Ok(Source::Text { split, bytes })
+        let (trained, held_out) = match data.tokenizer {
+            TokenizerKind::Bytes => (Tokens::Bytes(bytes[..split].into()), Tokens::Bytes(bytes[split..].into())),
+            TokenizerKind::Bpe => {
+                // A UTF-8 continuation byte is 0b10xx_xxxx.
+                while split < bytes.len() && bytes[split] & 0xC0 == 0x80 {
+                    split += 1;
+                }
+                let tokenizer = TextTokenizer::learn(TokenizerKind::Bpe, &bytes[..split], model.vocab)?;
+                let ids = |part: &[u8], name| {
+                    let ids = tokenizer.encode(part)?;
+                    if ids.len() <= model.seq_len {
+                        return Err(DataError::TooFewTokens { seq_len: model.seq_len, part: name, tokens: ids.len() });
+                    }
+                    Ok(Tokens::Ids(ids.into()))
+                };
+                let parts = (ids(&bytes[..split], "training")?, ids(&bytes[split..], "held-out")?);
+                return Ok(Source::Text(Text {
+                    trained: parts.0,
+                    held_out: parts.1,
+                    trained_bytes: split,
+                    held_out_bytes: bytes.len() - split,
+                    tokenizer,
+                }));
+            }
+        };
+        Ok(Source::Text(Text {
+            trained,
+            held_out,
+            trained_bytes: split,
+            held_out_bytes: bytes.len() - split,
+            tokenizer: TextTokenizer::Bytes,
+        }))
     }
 
     /// A text's split: (bytes trained on, bytes held out); None for the Markov chain
@@ -234,7 +322,24 @@ impl Data {
     pub fn split(&self) -> Option<(usize, usize)> {
         match &self.source {
             Source::Markov(_) => None,
-            Source::Text { bytes, split } => Some((*split, bytes.len() - split)),
+            Source::Text(text) => Some((text.trained_bytes, text.held_out_bytes)),
+        }
+    }
+
+    /// A text's tokenizer (None for the Markov chain, whose tokens are ids already).
+    pub fn tokenizer(&self) -> Option<&TextTokenizer> {
+        match &self.source {
+            Source::Markov(_) => None,
+            Source::Text(text) => Some(&text.tokenizer),
+        }
+    }
+
+    /// The held-out text's bytes per token (1 for bytes): a validation loss per token over
+    /// this is the loss per byte, which compares across tokenizers.
+    pub fn held_out_bytes_per_token(&self) -> Option<f64> {
+        match &self.source {
+            Source::Markov(_) => None,
+            Source::Text(text) => Some(text.held_out_bytes as f64 / text.held_out.len() as f64),
         }
     }
 
@@ -242,7 +347,7 @@ impl Data {
     pub fn loss_floor(&self) -> Option<f64> {
         match &self.source {
             Source::Markov(chain) => Some(chain.entropy_rate()),
-            Source::Text { .. } => None,
+            Source::Text(_) => None,
         }
     }
 
@@ -258,14 +363,28 @@ impl Data {
                 chain.entropy_rate(),
                 (chain.vocab as f64).ln()
             ),
-            Source::Text { bytes, split } => format!(
-                "data: {}, {} bytes, one token per byte (seed {}): {split} for training, the last {} held out for \
-                 the validation loss",
-                self.uploaded.map_or("Shakespeare text".to_string(), |id| format!("uploaded text {id}")),
-                bytes.len(),
-                self.seed,
-                bytes.len() - split
-            ),
+            Source::Text(text) => {
+                let tokens = match &text.tokenizer {
+                    TextTokenizer::Bytes => "one token per byte".to_string(),
+                    TextTokenizer::Bpe(_) => format!(
+                        "a byte-level BPE of {} tokens learned from the training part ({} training and {} held-out \
+                         tokens, {:.3} bytes per token held out)",
+                        text.tokenizer.vocab_size(),
+                        text.trained.len(),
+                        text.held_out.len(),
+                        self.held_out_bytes_per_token().unwrap_or(1.0)
+                    ),
+                };
+                format!(
+                    "data: {}, {} bytes, {tokens} (seed {}): {} bytes for training, the last {} held out for the \
+                     validation loss",
+                    self.uploaded.map_or("Shakespeare text".to_string(), |id| format!("uploaded text {id}")),
+                    text.trained_bytes + text.held_out_bytes,
+                    self.seed,
+                    text.trained_bytes,
+                    text.held_out_bytes
+                )
+            }
         }
     }
 
@@ -303,21 +422,15 @@ impl Data {
                         current = next;
                     }
                 }
-                Source::Text { bytes, split } => {
-                    let text = &bytes[..*split];
-                    let windows = ((text.len() - 1) / seq_len) as u64;
+                Source::Text(text) => {
+                    let windows = ((text.trained.len() - 1) / seq_len) as u64;
                     let global = step * self.global_batch as u64 + index;
                     let (epoch, position) = (global / windows, global % windows);
                     let order = match &epoch_order {
                         Some((e, order)) if *e == epoch => order,
                         _ => &epoch_order.insert((epoch, shuffled(windows as usize, self.seed, epoch))).1,
                     };
-                    let offset = order[position as usize] as usize * seq_len;
-                    let window = &text[offset..offset + seq_len + 1];
-                    for (j, (x, y)) in inp.iter_mut().zip(tgt.iter_mut()).enumerate() {
-                        *x = window[j] as u32;
-                        *y = window[j + 1] as u32;
-                    }
+                    text.trained.window(order[position as usize] as usize * seq_len, inp, tgt);
                 }
             }
         }
@@ -344,14 +457,9 @@ impl Data {
                         current = next;
                     }
                 }
-                Source::Text { bytes, split } => {
-                    let held_out = &bytes[*split..];
-                    let windows = (held_out.len() - 1) / seq_len;
-                    let offset = (index % windows) * seq_len;
-                    let window = &held_out[offset..offset + seq_len + 1];
-                    for (j, (x, y)) in inp.iter_mut().zip(tgt.iter_mut()).enumerate() {
-                        (*x, *y) = (window[j] as u32, window[j + 1] as u32);
-                    }
+                Source::Text(text) => {
+                    let windows = (text.held_out.len() - 1) / seq_len;
+                    text.held_out.window((index % windows) * seq_len, inp, tgt);
                 }
             }
         }
@@ -430,6 +538,46 @@ mod tests {
         );
     }
 
+    /// With BPE, the tokenizer is learned from the training part: every window decodes to
+    /// text of its part (training windows to the training text, validation windows to the
+    /// held-out text), Shakespeare takes about two bytes per token at 512 tokens, and a text
+    /// too short in tokens says so.
+    #[test]
+    fn bpe_windows_are_the_texts_own_pieces() {
+        let (mut data_spec, mut model) = spec(Dataset::Text, 512, 64);
+        data_spec.tokenizer = TokenizerKind::Bpe;
+        let data = Data::new(&data_spec, &model, 8).unwrap();
+        let tokenizer = data.tokenizer().unwrap().clone();
+        assert_eq!(tokenizer.vocab_size(), 512);
+        let per_token = data.held_out_bytes_per_token().unwrap();
+        assert!((1.8..2.4).contains(&per_token), "{per_token} bytes per token");
+        assert!(data.describe().contains("a byte-level BPE of 512 tokens"), "{}", data.describe());
+        let (trained, _) = data.split().unwrap();
+        let (training_text, held_out_text) = (
+            String::from_utf8_lossy(&SHAKESPEARE[..trained]),
+            String::from_utf8_lossy(&SHAKESPEARE[trained..]),
+        );
+        let (mut x, mut y) = (vec![0u32; 8 * 64], vec![0u32; 8 * 64]);
+        data.fill_batch(3, 0, 8, 64, &mut x, &mut y);
+        for (inputs, targets) in x.chunks(64).zip(y.chunks(64)) {
+            assert!(training_text.contains(&tokenizer.decode(inputs).unwrap()));
+            assert_eq!(&inputs[1..], &targets[..63]);
+        }
+        data.fill_validation(0, 8, 64, &mut x, &mut y);
+        for window in x.chunks(64) {
+            assert!(held_out_text.contains(&tokenizer.decode(window).unwrap()));
+        }
+        // 300 bytes hold a byte window of 64 on each side, but not one of BPE tokens.
+        model.seq_len = 24;
+        data_spec.dataset = Dataset::Upload;
+        data_spec.upload_id = Some(1);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("short.txt");
+        std::fs::write(&file, "the cat sat on the mat. ".repeat(13)).unwrap();
+        let err = Data::open(&data_spec, &model, 4, Some(&file)).unwrap_err();
+        assert!(matches!(err, DataError::TooFewTokens { part: "held-out", .. }), "{err}");
+    }
+
     /// Markov validation sequences come from the chain but never repeat a training one.
     #[test]
     fn markov_validation_sequences_are_drawn_apart() {
@@ -448,7 +596,7 @@ mod tests {
     }
 
     fn spec(dataset: Dataset, vocab: usize, seq_len: usize) -> (DataSpec, ModelSpec) {
-        (DataSpec { dataset, seed: 3, upload_id: None }, ModelSpec { vocab, seq_len, ..ModelSpec::default() })
+        (DataSpec { dataset, seed: 3, ..DataSpec::default() }, ModelSpec { vocab, seq_len, ..ModelSpec::default() })
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub mod optim;
 pub use optim::offload;
 pub mod parallel;
 pub mod rng;
+pub mod tokenizer;
 pub mod trace;
 pub mod train;
 

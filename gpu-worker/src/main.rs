@@ -93,6 +93,9 @@ enum Command {
         #[arg(required = true)]
         tokens: Vec<u32>,
     },
+    /// TEXT cut into tokens by an exported BPE run's tokenizer (DIR holds tokenizer.json):
+    /// a JSON list of ids, to check the export against transformers' AutoTokenizer.
+    Tokenize { dir: PathBuf, text: String },
     /// Bus bandwidth of all-reduce, reduce-scatter and all-gather between W rank processes
     /// (JSON lines, nccl-tests definitions).
     BenchComm {
@@ -208,6 +211,12 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             let rows = predictor.probabilities(&tokens).map_err(anyhow::Error::msg)?;
             let rows: Vec<&[f32]> = rows.chunks(model.vocab).collect();
             println!("{}", serde_json::to_string(&rows)?);
+            Ok(0)
+        }
+        Some(Command::Tokenize { dir, text }) => {
+            let json = std::fs::read_to_string(dir.join(distlab_worker::tokenizer::TOKENIZER_FILE))?;
+            let tokenizer = distlab_worker::tokenizer::TextTokenizer::from_json(&json)?;
+            println!("{}", serde_json::to_string(&tokenizer.encode(text.as_bytes())?)?);
             Ok(0)
         }
         Some(Command::Run { spec, out, checkpoint_dir, dataset }) => worker::run_local::run_spec_file(

@@ -110,6 +110,7 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         .routes(routes!(experiments::cancel))
         .routes(routes!(models::download))
         .routes(routes!(models::config))
+        .routes(routes!(models::download_tokenizer))
         .routes(routes!(sampling::generate))
         .routes(routes!(plan::plan))
         .routes(routes!(plan::layouts))
@@ -146,6 +147,7 @@ fn api_routes(state: &AppState) -> OpenApiRouter<AppState> {
         // are not cut.
         .routes(routes!(stream::stream).layer(identify()))
         .routes(routes!(models::upload).layer(worker_credential()))
+        .routes(routes!(models::upload_tokenizer).layer(worker_credential()))
         .fallback(error::api_not_found);
 
     OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())

@@ -2148,7 +2148,13 @@ async fn llama_scenario(c: &Client, lab: &Lab) -> Result<()> {
     c.goto(&lab.url("/new")).await?;
     wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#preset-llama")).await?;
     c.find(Locator::Css("#preset-llama")).await?.click().await?;
-    let fields = [("model.family", "llama"), ("model.kv_heads", "2"), ("model.ffn_hidden", "344")];
+    let fields = [
+        ("model.family", "llama"),
+        ("model.kv_heads", "2"),
+        ("model.ffn_hidden", "344"),
+        ("model.vocab", "512"),
+        ("data.tokenizer", "bpe"),
+    ];
     for (field, want) in fields {
         ensure!(value_of(c, field).await? == want, "{field}: {}", value_of(c, field).await?);
     }
@@ -2177,9 +2183,15 @@ async fn llama_scenario(c: &Client, lab: &Lab) -> Result<()> {
     wait_for(c, "the try-the-model box", Duration::from_secs(30), || exists(c, "#try-model #generate")).await?;
     let spec = text(c, "#spec").await?;
     ensure!(
-        spec.contains("Llama blocks (RMSNorm, rotary positions with base 10000, 2 K/V heads, SwiGLU 344 wide"),
+        spec.contains("Llama blocks (RMSNorm, rotary positions with base 10000, 2 K/V heads, SwiGLU 344 wide")
+            && spec.contains("byte-level BPE of 512 tokens learned from it"),
         "{spec}"
     );
+    // The result gives the loss per byte, the BPE's bytes per token measured on the
+    // held-out text; the tokenizer is there to take away with the model.
+    let per_byte = text(c, "#loss-per-byte").await?;
+    ensure!(per_byte.contains("bytes per token") && per_byte.contains("nats per byte"), "{per_byte}");
+    ensure!(exists(c, "#download-tokenizer").await?, "a link to tokenizer.json");
     type_into(c, "#prompt", "ROMEO:").await?;
     type_into(c, "#temperature", "0").await?;
     type_into(c, "#max-new-tokens", "32").await?;

@@ -45,6 +45,9 @@ fn submitted_experiment_trains_and_its_metrics_are_stored() {
     assert_eq!(model.tensor("lm_head.weight").expect("the head").shape(), [spec.model.vocab, spec.model.d_model]);
     let config: serde_json::Value = lab.get_as(&format!("/api/experiments/{id}/model/config"));
     assert_eq!(config["n_embd"], spec.model.d_model);
+    let (status, body) = lab.get_bytes(&format!("/api/experiments/{id}/model/tokenizer"));
+    assert_eq!(status, 409, "a run without BPE has no tokenizer.json");
+    assert!(String::from_utf8_lossy(&body).contains("data.tokenizer=bytes"));
 
     // Sampling from it: greedy is the same every time, a seed repeats its draw, and a text
     // prompt outside this Markov-chain model's 64 tokens is refused with the reason.
@@ -108,6 +111,41 @@ fn an_uploaded_text_trains_a_model() {
     );
     assert_eq!(status, 200, "{made}");
     assert_eq!(made["tokens"].as_array().map(Vec::len), Some(16));
+}
+
+/// A byte-level BPE run (Llama blocks on Shakespeare, two ranks): every rank cuts the text
+/// with the BPE learned from its training part, the server keeps that tokenizer.json with
+/// the model, "Try the model" takes and gives text through it, and the summary gives the
+/// held-out text's bytes per token for the loss per byte.
+#[test]
+fn a_bpe_run_keeps_its_tokenizer_and_samples_text() {
+    let lab = Lab::start();
+    let mut spec = quick_spec("bpe", 20);
+    spec.data = DataSpec { dataset: Dataset::Text, tokenizer: TokenizerKind::Bpe, ..DataSpec::default() };
+    spec.model = ModelSpec::llama(1, 32, 2, 1, 64, 32, 320);
+    (spec.parallel.dp, spec.train.eval_every, spec.train.lr) = (2, 10, 1e-2);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(180));
+    assert_eq!(exp.status, ExperimentStatus::Succeeded, "{:?}", exp.error);
+    let summary = exp.summary.expect("a summary");
+    let per_token = summary.held_out_bytes_per_token.expect("a text run's bytes per token");
+    assert!((1.4..2.5).contains(&per_token), "{per_token} bytes per token at 320 tokens");
+    assert!(summary.final_val_loss.is_some_and(|v| v < (320f64).ln()), "{summary:?}");
+
+    let learned = distlab_worker::data::Data::new(&spec.data, &spec.model, spec.global_batch()).expect("data");
+    let tokenizer = learned.tokenizer().expect("a text's tokenizer");
+    let (status, json) = lab.get_bytes(&format!("/api/experiments/{id}/model/tokenizer"));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&json));
+    assert_eq!(Some(String::from_utf8(json).expect("JSON")), tokenizer.to_json(), "the one the ranks learned");
+
+    let (status, made) = lab.post(
+        &format!("/api/experiments/{id}/generate"),
+        &serde_json::json!({"prompt": "ROMEO:", "max_new_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{made}");
+    let made: Generated = serde_json::from_value(made).expect("Generated");
+    assert_eq!(made.tokens.len(), 12);
+    assert_eq!(Some(made.text), tokenizer.decode(&made.tokens), "the text is the BPE tokens' text");
 }
 
 #[test]

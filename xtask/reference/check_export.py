@@ -12,16 +12,22 @@ probabilities and of the log-probabilities (= logits up to a constant per row); 
 continues the tokens greedily on both sides and says whether the continuations are equal.
 Exit code 1 when the log-probabilities differ by more than 1e-4 or the continuations differ.
 
+A BPE run's directory also holds tokenizer.json: then transformers' AutoTokenizer must load
+it unchanged and cut a text into the same ids as distlab (`distlab-worker tokenize DIR TEXT`),
+decode them back to the text, and the tokens predicted on are that text's; the greedy
+continuations are compared as text too.
+
 Run by hand (needs torch and transformers; not part of CI):
   python3 xtask/reference/check_export.py DIR [--worker target/debug/distlab-worker] [--tokens 20] [--continue 8]
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def distlab_probabilities(worker, directory, tokens):
@@ -36,6 +42,8 @@ def main():
     ap.add_argument("--worker", default="target/debug/distlab-worker")
     ap.add_argument("--tokens", type=int, default=20, help="how many tokens to predict after (at most the context)")
     ap.add_argument("--continue", dest="more", type=int, default=8, help="greedy tokens to compare after them")
+    ap.add_argument("--text", default="ROMEO: But soft, what light through yonder window breaks?",
+                    help="with tokenizer.json: the text whose tokens are predicted on")
     args = ap.parse_args()
 
     model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32).eval()
@@ -45,6 +53,17 @@ def main():
     context = getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
     n = min(args.tokens, context - args.more)
     tokens = [(7 * i + 3) % cfg.vocab_size for i in range(n)]
+    tokenizer_check = {}
+    if os.path.exists(os.path.join(args.dir, "tokenizer.json")):
+        tokenizer = AutoTokenizer.from_pretrained(args.dir)
+        theirs_ids = tokenizer(args.text)["input_ids"]
+        ours_ids = json.loads(subprocess.run([args.worker, "tokenize", args.dir, args.text],
+                                             check=True, capture_output=True, text=True).stdout)
+        tokenizer_check = {"tokenizer_class": type(tokenizer).__name__, "text_tokens": len(ours_ids),
+                           "same_ids": theirs_ids == ours_ids,
+                           "decodes_back": tokenizer.decode(theirs_ids) == args.text}
+        n = min(len(ours_ids), context - args.more)
+        tokens = ours_ids[:n]
 
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0].double()
@@ -67,14 +86,18 @@ def main():
         ours_more.append(nxt)
         seen.append(nxt)
 
-    print(json.dumps({
+    if tokenizer_check:
+        tokenizer_check["greedy_text_equal"] = tokenizer.decode(theirs_more) == tokenizer.decode(ours_more)
+        tokenizer_check["greedy_text"] = tokenizer.decode(ours_more)
+    print(json.dumps({**tokenizer_check,
         "dir": args.dir, "architecture": cfg.architectures, "tokens": n, "vocab": cfg.vocab_size,
         "layers": cfg.num_hidden_layers,
         "max_abs_prob_diff": prob_diff, "max_abs_logprob_diff": log_diff,
         "same_argmax": bool((ours.argmax(-1) == theirs.argmax(-1)).all()),
         "greedy_transformers": theirs_more, "greedy_distlab": ours_more,
     }))
-    return 0 if log_diff <= 1e-4 and theirs_more == ours_more else 1
+    tokenizer_ok = all(tokenizer_check.get(k, True) for k in ("same_ids", "decodes_back", "greedy_text_equal"))
+    return 0 if log_diff <= 1e-4 and theirs_more == ours_more and tokenizer_ok else 1
 
 
 if __name__ == "__main__":

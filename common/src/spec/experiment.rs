@@ -154,7 +154,33 @@ pub struct DataSpec {
     /// `dataset: upload`: which uploaded text (`POST /api/datasets` answers its id).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upload_id: Option<i64>,
+    /// How a text becomes tokens: one per byte, or a byte-level BPE of `model.vocab`
+    /// tokens trained on the run's own training text.
+    #[serde(skip_serializing_if = "TokenizerKind::is_bytes")]
+    pub tokenizer: TokenizerKind,
 }
+
+/// How a text dataset is cut into tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// Token i is byte i: 256 tokens, every text has as many tokens as bytes.
+    #[default]
+    Bytes,
+    /// Byte-level BPE (GPT-2's scheme): the 256 bytes, then the most frequent adjacent
+    /// pairs merged until the vocabulary is full, learned from the run's training text.
+    Bpe,
+}
+
+impl TokenizerKind {
+    pub fn is_bytes(&self) -> bool {
+        *self == TokenizerKind::Bytes
+    }
+}
+
+/// A byte-level BPE starts from the 256 bytes: it needs room for at least one merge.
+pub const MIN_BPE_VOCAB: usize = 257;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -496,7 +522,7 @@ impl Default for ModelSpec {
 
 impl Default for DataSpec {
     fn default() -> Self {
-        Self { dataset: Dataset::Markov, seed: 1, upload_id: None }
+        Self { dataset: Dataset::Markov, seed: 1, upload_id: None, tokenizer: TokenizerKind::Bytes }
     }
 }
 

@@ -25,9 +25,11 @@ pub fn presets() -> Vec<Preset> {
     text.train.micro_batch = 16;
 
     // The Shakespeare preset's size in Llama blocks: 4 query heads on 2 K/V heads, a SwiGLU
-    // of 8/3 x d_model (344, a multiple of 8), rotary positions.
+    // of 8/3 x d_model (344, a multiple of 8), rotary positions; its text cut by a BPE of
+    // 512 tokens (about 2 bytes each).
     let mut llama = ExperimentSpec { name: "shakespeare-llama".into(), ..text.clone() };
-    llama.model = ModelSpec::llama(2, 128, 4, 2, 344, 64, 256);
+    llama.model = ModelSpec::llama(2, 128, 4, 2, 344, 64, 512);
+    llama.data.tokenizer = TokenizerKind::Bpe;
 
     let mut ddp = ExperimentSpec { name: "ddp-2-ranks".into(), ..ExperimentSpec::default() };
     ddp.parallel.dp = 2;
@@ -158,7 +160,7 @@ pub fn presets() -> Vec<Preset> {
         Preset {
             key: "llama",
             title: "A small Llama on Shakespeare",
-            description: "The Shakespeare preset in Llama blocks: RMSNorm, rotary position embeddings instead of a learned table, 4 query heads sharing 2 key/value heads (grouped-query attention), a SwiGLU MLP and no biases. Resubmit it with family gpt2 and compare the two: parameters, memory by category, loss per step.",
+            description: "The Shakespeare preset in Llama blocks: RMSNorm, rotary position embeddings instead of a learned table, 4 query heads sharing 2 key/value heads (grouped-query attention), a SwiGLU MLP and no biases; the text cut by a byte-level BPE of 512 tokens learned from it (about 2 bytes a token, so the 64 tokens of a sequence hold twice the text). Compare it with the byte-level preset by the validation loss per byte the result shows; resubmit it with family gpt2 to compare the blocks.",
             spec: llama,
         },
         Preset {

@@ -109,11 +109,26 @@ impl ExperimentSpec {
             );
         }
         self.check_family(&mut err);
-        if self.data.dataset.is_text() && m.vocab < 256 && m.vocab >= 2 {
-            err(
+        match self.data.tokenizer {
+            TokenizerKind::Bytes if self.data.dataset.is_text() && m.vocab < 256 && m.vocab >= 2 => err(
                 "model.vocab",
                 format!("the text dataset has one token per byte, so vocab must be at least 256 (it is {})", m.vocab),
-            );
+            ),
+            TokenizerKind::Bpe if !self.data.dataset.is_text() => err(
+                "data.tokenizer",
+                "bpe cuts a text into tokens: it needs dataset=text or upload (the Markov chain's tokens are \
+                 already ids)"
+                    .into(),
+            ),
+            TokenizerKind::Bpe if m.vocab < MIN_BPE_VOCAB && m.vocab >= 2 => err(
+                "model.vocab",
+                format!(
+                    "a byte-level BPE starts from the 256 bytes and merges pairs into new tokens: vocab must be at \
+                     least {MIN_BPE_VOCAB} (it is {})",
+                    m.vocab
+                ),
+            ),
+            _ => {}
         }
         match (self.data.dataset, self.data.upload_id) {
             (Dataset::Upload, None) => {
@@ -779,6 +794,11 @@ mod tests {
             (json!({"model": {"vocab": 1}}), vec![("model.vocab", "vocab must be between 2 and 65536 (it is 1)")]),
             (json!({"model": {"seq_len": 5000}}), vec![("model.seq_len", "seq_len must be between 1 and 1024")]),
             (json!({"data": {"dataset": "text"}}), vec![("model.vocab", "at least 256")]),
+            (json!({"data": {"tokenizer": "bpe"}}), vec![("data.tokenizer", "it needs dataset=text or upload")]),
+            (
+                json!({"data": {"dataset": "text", "tokenizer": "bpe"}, "model": {"vocab": 256}}),
+                vec![("model.vocab", "vocab must be at least 257 (it is 256)")],
+            ),
             (
                 json!({"parallel": {"tp": 3}}),
                 vec![

@@ -401,7 +401,8 @@ pub const MAX_PROMPT_TOKENS: usize = 4096;
 pub const MAX_NEW_TOKENS: usize = 256;
 
 /// `POST /api/experiments/{id}/generate`: continue a prompt with the run's trained model.
-/// The prompt is text (one token per byte, for models trained on text) or token ids.
+/// The prompt is text (for models trained on text: cut into tokens as the run cut its
+/// text, one per byte or by its BPE) or token ids.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
@@ -430,9 +431,9 @@ fn default_temperature() -> f64 {
     1.0
 }
 
-/// The answer: the new tokens, and as text (each token a byte, decoded as UTF-8 with
-/// replacement characters where the bytes are not; empty for a vocabulary beyond bytes),
-/// and how long the sampling took.
+/// The answer: the new tokens, and as text (decoded by the run's tokenizer, as UTF-8 with
+/// replacement characters where the bytes are not; empty for a Markov chain's vocabulary
+/// beyond bytes), and how long the sampling took.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Generated {

@@ -99,12 +99,20 @@ pub enum RunEvent {
 pub struct RunSummary {
     pub steps: u64,
     pub final_loss: f64,
+    /// The last validation loss (None when the run never evaluated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_val_loss: Option<f64>,
     pub min_loss: f64,
     /// Loss of a model that guesses uniformly: ln(vocab).
     pub uniform_loss: f64,
     /// Best possible loss on the dataset, when it is known (the Markov chain's entropy rate).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_floor: Option<f64>,
+    /// A text's held-out part: bytes per token (1 one token per byte, about 2 for a BPE of
+    /// 512 tokens on English). A validation loss per token over this is the loss per byte,
+    /// which compares runs whatever their tokenizers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_out_bytes_per_token: Option<f64>,
     pub params: u64,
     pub tokens: u64,
     /// Mean over the run, excluding the first (warm-up) step when there are more.

@@ -34,7 +34,10 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
     };
     let mut parts = vec![
         format!("{} layers, d_model {}, {heads}, seq {}, vocab {}", m.layers, m.d_model, m.seq_len, m.vocab),
-        label(&spec.data.dataset),
+        match spec.data.tokenizer {
+            distlab_common::TokenizerKind::Bpe => format!("{} BPE", label(&spec.data.dataset)),
+            distlab_common::TokenizerKind::Bytes => label(&spec.data.dataset),
+        },
         format!("dp{} tp{} pp{}", p.dp, p.tp, p.pp),
     ];
     if m.is_moe() {
@@ -88,7 +91,12 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         },
         format::si(m.param_count() as f64)
     );
-    let data = format!("{} · seed {}", label(&d.dataset), d.seed);
+    let data = match d.tokenizer {
+        distlab_common::TokenizerKind::Bpe => {
+            format!("{} · byte-level BPE of {} tokens learned from it · seed {}", label(&d.dataset), m.vocab, d.seed)
+        }
+        distlab_common::TokenizerKind::Bytes => format!("{} · seed {}", label(&d.dataset), d.seed),
+    };
     let parallel = format!(
         "dp {}{} × tp {}{} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire{}",
         p.dp,

@@ -1,7 +1,8 @@
 //! "Try the model": a succeeded run's trained model, sampled on the server
 //! (`POST /api/experiments/{id}/generate`), and its files to take away (GPT-2's
-//! safetensors and config.json). A model trained on text takes a text prompt (one token
-//! per byte); the Markov-chain models take token ids.
+//! safetensors and config.json, and a BPE run's tokenizer.json). A model trained on text
+//! takes a text prompt (cut into tokens on the server as the run cut its text); the
+//! Markov-chain models take token ids.
 
 use distlab_common::api::{GenerateRequest, Generated, MAX_NEW_TOKENS};
 use leptos::prelude::*;
@@ -17,7 +18,7 @@ fn parse_tokens(text: &str) -> Result<Vec<u32>, String> {
 }
 
 #[component]
-pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
+pub fn TryModel(id: i64, text: bool, bpe: bool, vocab: usize) -> impl IntoView {
     let prompt = RwSignal::new(if text { "ROMEO:".to_string() } else { "1 2 3".to_string() });
     let max_new = RwSignal::new("64".to_string());
     let temperature = RwSignal::new("0.8".to_string());
@@ -62,7 +63,9 @@ pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
             }
         }
     };
-    let hint = if text {
+    let hint = if bpe {
+        format!("Text in, text out: cut into tokens by the run's byte-level BPE of {vocab} tokens, as the model was trained.")
+    } else if text {
         "Text in, text out: one token per byte, as the model was trained.".to_string()
     } else {
         format!(
@@ -79,7 +82,11 @@ pub fn TryModel(id: i64, text: bool, vocab: usize) -> impl IntoView {
                 <a href=format!("/api/experiments/{id}/model") id="download-model">"model.safetensors"</a>
                 " and "
                 <a href=format!("/api/experiments/{id}/model/config") id="download-config">"config.json"</a>
-                " in one directory load with transformers' AutoModelForCausalLM.from_pretrained (GPT-2 or Llama, as trained)."
+                {bpe.then(|| view! {
+                    ", " <a href=format!("/api/experiments/{id}/model/tokenizer") id="download-tokenizer">"tokenizer.json"</a>
+                })}
+                " in one directory load with transformers' AutoModelForCausalLM.from_pretrained (GPT-2 or Llama, as trained)"
+                {bpe.then_some(", the tokenizer with AutoTokenizer")} "."
             </p>
             <textarea id="prompt" rows="3" prop:value=move || prompt.get() on:input=move |ev| prompt.set(event_target_value(&ev))></textarea>
             <div class="row">

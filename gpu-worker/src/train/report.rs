@@ -73,6 +73,8 @@ pub(crate) struct StepTally {
     first_step: u64,
     tokens_per_step: usize,
     final_loss: f64,
+    /// The latest validation loss.
+    final_val_loss: Option<f64>,
     /// The lowest step loss so far (a resumed run starts from its checkpoint's).
     pub min_loss: f64,
     timed_seconds: f64,
@@ -82,7 +84,15 @@ pub(crate) struct StepTally {
 impl StepTally {
     pub fn new(spec: &ExperimentSpec, first_step: u64, min_loss: f64) -> Self {
         let tokens_per_step = spec.tokens_per_step();
-        Self { first_step, tokens_per_step, final_loss: f64::NAN, min_loss, timed_seconds: 0.0, timed_steps: 0 }
+        Self {
+            first_step,
+            tokens_per_step,
+            final_loss: f64::NAN,
+            final_val_loss: None,
+            min_loss,
+            timed_seconds: 0.0,
+            timed_steps: 0,
+        }
     }
 
     /// Reports step `step`, which took `seconds`: its metric point, and a log line when loss
@@ -132,6 +142,7 @@ impl StepTally {
             val_loss,
         }));
         self.final_loss = stats.loss;
+        self.final_val_loss = val_loss.or(self.final_val_loss);
         self.min_loss = self.min_loss.min(stats.loss);
         // The first step pays for warm-up (page faults, caches, cuBLAS heuristics): leave it
         // out when there are more.
@@ -156,6 +167,7 @@ impl StepTally {
         RunSummary {
             steps,
             final_loss: self.final_loss,
+            final_val_loss: self.final_val_loss,
             min_loss: self.min_loss,
             uniform_loss: (spec.model.vocab as f64).ln(),
             loss_floor,

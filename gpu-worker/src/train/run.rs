@@ -192,7 +192,9 @@ pub(crate) fn run<B: TrainBackend>(
             ),
         );
     }
-    let summary = tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), threads);
+    let mut summary =
+        tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), threads);
+    summary.held_out_bytes_per_token = trainer.data().held_out_bytes_per_token();
     // The ledger is read before the final weights' copy is booked in it.
     let run = RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() };
     // The trained model is a by-product: a run whose weights cannot be written still

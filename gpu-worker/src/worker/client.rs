@@ -94,11 +94,20 @@ impl ServerClient {
     }
 
     /// Hands the server a finished run's trained model (model.safetensors), before the
-    /// run is reported complete. The timeout grows with the size (at least 1 MB/s).
+    /// run is reported complete.
     pub fn upload_model(&self, experiment_id: i64, safetensors: &[u8]) -> Result<(), ClientError> {
-        let path = format!("/api/workers/experiments/{experiment_id}/model");
+        self.put_bytes(&format!("/api/workers/experiments/{experiment_id}/model"), "application/octet-stream", safetensors)
+    }
+
+    /// Hands the server a BPE run's tokenizer.json, before its model.
+    pub fn upload_tokenizer(&self, experiment_id: i64, json: &[u8]) -> Result<(), ClientError> {
+        self.put_bytes(&format!("/api/workers/experiments/{experiment_id}/tokenizer"), "application/json", json)
+    }
+
+    /// PUTs `body` to `path`. The timeout grows with the size (at least 1 MB/s).
+    fn put_bytes(&self, path: &str, content_type: &str, body: &[u8]) -> Result<(), ClientError> {
         let url = format!("{}{}", self.base, path);
-        let seconds = 30 + safetensors.len() as u64 / 1_000_000;
+        let seconds = 30 + body.len() as u64 / 1_000_000;
         let mut resp = self
             .agent
             .put(&url)
@@ -106,14 +115,14 @@ impl ServerClient {
             .timeout_global(Some(Duration::from_secs(seconds)))
             .build()
             .header("Authorization", &format!("Bearer {}", self.secret))
-            .header("Content-Type", "application/octet-stream")
-            .send(safetensors)
+            .header("Content-Type", content_type)
+            .send(body)
             .map_err(|source| ClientError::Transport { url: url.clone(), source })?;
         let status = resp.status().as_u16();
         if !(200..300).contains(&status) {
             let text = resp.body_mut().read_to_string().unwrap_or_default();
             let message = serde_json::from_str::<ApiError>(&text).map(|e| e.error).unwrap_or(text);
-            return Err(ClientError::Status { path, status, message });
+            return Err(ClientError::Status { path: path.to_string(), status, message });
         }
         Ok(())
     }

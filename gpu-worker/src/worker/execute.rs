@@ -195,7 +195,7 @@ pub fn execute(
         None => run_ranks(spec, &opts, collective_timeout, hosts, on_event, cancel),
     };
     if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_path) {
-        let message = match distlab_worker::export::write_hf(spec, ranks, spec.train.steps, out) {
+        let message = match distlab_worker::export::write_hf(spec, ranks, spec.train.steps, dataset, out) {
             Ok(bytes) => LogLine {
                 level: LogLevel::Info,
                 message: format!(

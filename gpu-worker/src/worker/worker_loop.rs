@@ -163,10 +163,17 @@ fn retry_while_unreachable<T>(
     }
 }
 
-/// Sends the run's model to the server, if the run wrote one. A model the server refuses
-/// (too large) is logged; the run still succeeded.
-fn upload_model(cfg: &WorkerConfig, client: &ServerClient, experiment_id: i64, path: &std::path::Path) {
-    let Ok(bytes) = std::fs::read(path) else { return };
+/// Sends the run's model to the server, if the run wrote one: its tokenizer.json first
+/// (a BPE run), then the weights. A file the server refuses (too large) is logged; the run
+/// still succeeded.
+fn upload_model(cfg: &WorkerConfig, client: &ServerClient, experiment_id: i64, dir: &std::path::Path) {
+    if let Ok(json) = std::fs::read(dir.join(distlab_worker::tokenizer::TOKENIZER_FILE)) {
+        match retry_while_unreachable(cfg, "the tokenizer", || client.upload_tokenizer(experiment_id, &json)) {
+            Ok(()) => tracing::info!(experiment = experiment_id, bytes = json.len(), "tokenizer uploaded"),
+            Err(e) => tracing::warn!(experiment = experiment_id, "the tokenizer was not uploaded: {e}"),
+        }
+    }
+    let Ok(bytes) = std::fs::read(dir.join(distlab_common::export::WEIGHTS_FILE)) else { return };
     match retry_while_unreachable(cfg, "the model", || client.upload_model(experiment_id, &bytes)) {
         Ok(()) => tracing::info!(experiment = experiment_id, bytes = bytes.len(), "model uploaded"),
         Err(e) => tracing::warn!(experiment = experiment_id, "the model was not uploaded: {e}"),
@@ -356,7 +363,7 @@ fn run_leased(cfg: &WorkerConfig, client: &ServerClient, worker_id: i64, run: Le
                 }
             }
             if let Some(dir) = &model_dir {
-                upload_model(cfg, client, experiment_id, &dir.path().join(distlab_common::export::WEIGHTS_FILE));
+                upload_model(cfg, client, experiment_id, dir.path());
             }
             let complete = Complete { worker_id, experiment_id, summary };
             retry_while_unreachable(cfg, "completion", || client.complete(&complete)).map_err(|e| e.to_string())

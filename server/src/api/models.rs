@@ -10,6 +10,9 @@
 //! - `GET /api/experiments/{id}/model`: the file, streamed, once the run has succeeded (409
 //!   otherwise, saying why).
 //! - `GET /api/experiments/{id}/model/config`: the `config.json` that goes with it.
+//! - `PUT /api/workers/experiments/{id}/tokenizer` (a `data.tokenizer: bpe` run, before its
+//!   model): the run's tokenizer.json, checked as the model is; `GET
+//!   /api/experiments/{id}/model/tokenizer` serves it with the model.
 
 use std::path::PathBuf;
 
@@ -22,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use distlab_common::{export, ExperimentSpec, ExperimentStatus};
 use distlab_worker::generate::load_hf;
+use distlab_worker::tokenizer::TextTokenizer;
 use tower::ServiceExt;
 use tower_http::services::ServeFile;
 
@@ -37,22 +41,73 @@ pub fn model_path(state: &AppState, id: i64) -> PathBuf {
     state.config.data_dir.join("models").join(format!("experiment-{id}.safetensors"))
 }
 
-/// Removes experiment `id`'s model, if it has one (a deleted experiment).
+/// Where experiment `id`'s tokenizer.json is kept (a BPE run).
+pub fn tokenizer_path(state: &AppState, id: i64) -> PathBuf {
+    state.config.data_dir.join("models").join(format!("experiment-{id}.tokenizer.json"))
+}
+
+/// Removes experiment `id`'s model and tokenizer, if it has them (a deleted experiment).
 pub fn remove(state: &AppState, id: i64) {
-    if let Err(e) = std::fs::remove_file(model_path(state, id)) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!(experiment = id, "could not remove the model: {e}");
+    for path in [model_path(state, id), tokenizer_path(state, id)] {
+        if let Err(e) = std::fs::remove_file(&path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(experiment = id, "could not remove {}: {e}", path.display());
+            }
         }
     }
 }
 
-/// Whether `bytes` is `spec`'s model in its family's Hugging Face layout (every tensor
-/// there, f32, the model's shapes): what a worker may store.
-fn check_model(spec: &ExperimentSpec, bytes: &[u8]) -> Result<(), String> {
-    if let Some(why) = export::not_exportable(spec) {
-        return Err(why);
+/// A file a worker hands over with a finished run.
+#[derive(Clone, Copy, Debug)]
+enum Handed {
+    Model,
+    Tokenizer,
+}
+
+impl Handed {
+    fn name(self) -> &'static str {
+        match self {
+            Handed::Model => "model",
+            Handed::Tokenizer => "tokenizer",
+        }
     }
-    load_hf(&spec.model, bytes).map(drop)
+
+    fn path(self, state: &AppState, id: i64) -> PathBuf {
+        match self {
+            Handed::Model => model_path(state, id),
+            Handed::Tokenizer => tokenizer_path(state, id),
+        }
+    }
+
+    /// Whether `bytes` is what a worker may store for `spec`'s run: its model in its
+    /// family's Hugging Face layout (every tensor there, f32, the model's shapes), or its
+    /// BPE's tokenizer.json (no more tokens than the model's vocabulary).
+    fn check(self, spec: &ExperimentSpec, bytes: &[u8]) -> Result<(), String> {
+        if let Some(why) = export::not_exportable(spec) {
+            return Err(why);
+        }
+        match self {
+            Handed::Model => load_hf(&spec.model, bytes).map(drop),
+            Handed::Tokenizer => read_tokenizer(spec, bytes).map(drop),
+        }
+    }
+}
+
+/// `spec`'s run's tokenizer from its tokenizer.json.
+pub(crate) fn read_tokenizer(spec: &ExperimentSpec, json: &[u8]) -> Result<TextTokenizer, String> {
+    if spec.data.tokenizer.is_bytes() {
+        return Err("this run's tokens are its text's bytes: it has no tokenizer to keep".into());
+    }
+    let json = std::str::from_utf8(json).map_err(|e| format!("tokenizer.json is not UTF-8: {e}"))?;
+    let tokenizer = TextTokenizer::from_json(json).map_err(|e| e.to_string())?;
+    if tokenizer.vocab_size() > spec.model.vocab {
+        return Err(format!(
+            "the tokenizer makes {} tokens, the model's vocabulary has {}",
+            tokenizer.vocab_size(),
+            spec.model.vocab
+        ));
+    }
+    Ok(tokenizer)
 }
 
 /// `PUT /api/workers/experiments/{id}/model`
@@ -74,7 +129,46 @@ pub async fn upload(
     Path(raw_id): Path<String>,
     body: Body,
 ) -> Result<StatusCode, HttpError> {
-    let id = parse_id(&raw_id)?;
+    let (id, stored_bytes) = receive(&state, caller, &raw_id, body, Handed::Model).await?;
+    experiments::record_model_bytes(&state.db, id, stored_bytes).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /api/workers/experiments/{id}/tokenizer`
+#[utoipa::path(
+    put, path = "/workers/experiments/{id}/tokenizer", operation_id = "upload_tokenizer", tag = "workers",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    request_body(content = Object, content_type = "application/json", description = "the run's tokenizer.json"),
+    responses(
+        (status = 204, description = "stored"),
+        (status = 401, description = "no or a wrong worker credential", body = distlab_common::ApiError),
+        (status = 409, description = "the caller does not hold the lease", body = distlab_common::ApiError),
+        (status = 413, body = distlab_common::ApiError),
+        (status = 422, description = "not this run's tokenizer", body = distlab_common::ApiError),
+    ),
+)]
+pub async fn upload_tokenizer(
+    State(state): State<AppState>,
+    Extension(caller): Extension<CallingWorker>,
+    Path(raw_id): Path<String>,
+    body: Body,
+) -> Result<StatusCode, HttpError> {
+    receive(&state, caller, &raw_id, body, Handed::Tokenizer).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Takes `what` for experiment `raw_id` from the worker holding its lease (checked again
+/// once the body is in; the upload renews the lease): at most
+/// `ServerConfig::max_model_bytes`, checked (422), then stored whole. Answers the id and
+/// the bytes stored.
+async fn receive(
+    state: &AppState,
+    caller: CallingWorker,
+    raw_id: &str,
+    body: Body,
+    what: Handed,
+) -> Result<(i64, u64), HttpError> {
+    let id = parse_id(raw_id)?;
     let limit = state.config.max_model_bytes;
     let holds = |state: AppState| async move {
         match leases::ownership(&state.db, caller.0, id).await? {
@@ -85,19 +179,19 @@ pub async fn upload(
     holds(state.clone()).await?;
     let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|e| match e.source() {
         Some(cause) if cause.is::<http_body_util::LengthLimitError>() => HttpError::too_large(limit),
-        _ => HttpError::bad_request(format!("could not read the model: {e}")),
+        _ => HttpError::bad_request(format!("could not read the {}: {e}", what.name())),
     })?;
     let spec = load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?.spec;
     let checked = tokio::task::spawn_blocking({
         let bytes = bytes.clone();
-        move || check_model(&spec, &bytes)
+        move || what.check(&spec, &bytes)
     })
     .await
-    .map_err(|e| HttpError::internal("checking a model", e))?;
-    checked.map_err(|why| HttpError::new(StatusCode::UNPROCESSABLE_ENTITY, format!("the model: {why}")))?;
+    .map_err(|e| HttpError::internal("checking an upload", e))?;
+    checked.map_err(|why| HttpError::new(StatusCode::UNPROCESSABLE_ENTITY, format!("the {}: {why}", what.name())))?;
     // Still this worker's (a long upload may have outlived its lease)?
     holds(state.clone()).await?;
-    let path = model_path(&state, id);
+    let path = what.path(state, id);
     let stored_bytes = bytes.len() as u64;
     let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
         let dir = path.parent().unwrap_or(std::path::Path::new("."));
@@ -110,13 +204,12 @@ pub async fn upload(
         })
     })
     .await
-    .map_err(|e| HttpError::internal("storing a model", e))?;
-    written.map_err(|e| HttpError::internal("storing a model", e))?;
-    experiments::record_model_bytes(&state.db, id, stored_bytes).await?;
+    .map_err(|e| HttpError::internal("storing an upload", e))?;
+    written.map_err(|e| HttpError::internal("storing an upload", e))?;
     // The upload took the lease's time: renew it, as a heartbeat would.
     leases::renew(&state.db, caller.0, id, state.config.lease_duration(), clock::now()).await?;
-    tracing::info!(experiment = id, worker = caller.0, "model stored");
-    Ok(StatusCode::NO_CONTENT)
+    tracing::info!(experiment = id, worker = caller.0, bytes = stored_bytes, "{} stored", what.name());
+    Ok((id, stored_bytes))
 }
 
 /// Experiment `id`'s model file, or why it has none (404 no such experiment, 409 no model).
@@ -127,11 +220,15 @@ pub(crate) async fn stored_model(
     let id = parse_id(raw_id)?;
     let experiment = load(&state.db, id).await?.ok_or_else(|| HttpError::no_experiment(id))?;
     let path = model_path(state, id);
-    if experiment.status == ExperimentStatus::Succeeded && path.exists() {
+    let tokenizer_kept = experiment.spec.data.tokenizer.is_bytes() || tokenizer_path(state, id).exists();
+    if experiment.status == ExperimentStatus::Succeeded && path.exists() && tokenizer_kept {
         return Ok((id, path, experiment.spec));
     }
     let why = match (experiment.status, export::not_exportable(&experiment.spec)) {
         (_, Some(why)) => why,
+        (ExperimentStatus::Succeeded, None) if !tokenizer_kept => {
+            "its worker did not hand over its tokenizer.json (see the run's log)".into()
+        }
         (ExperimentStatus::Succeeded, None) => "its worker did not hand over a model (see the run's log)".into(),
         (status, None) => format!("it is {}: a model is kept when a run succeeds", status.as_str()),
     };
@@ -154,10 +251,39 @@ pub async fn download(
     req: Request,
 ) -> Result<Response, HttpError> {
     let (id, path, _) = stored_model(&state, &raw_id).await?;
-    let served = ServeFile::new(&path).oneshot(req).await.map_err(|e| HttpError::internal("reading a model", e))?;
-    let disposition = format!("attachment; filename=\"distlab-experiment-{id}.safetensors\"");
+    serve_attachment(&path, &format!("distlab-experiment-{id}.safetensors"), req).await
+}
+
+/// `GET /api/experiments/{id}/model/tokenizer`
+#[utoipa::path(
+    get, path = "/experiments/{id}/model/tokenizer", operation_id = "download_tokenizer", tag = "models",
+    params(("id" = i64, Path, description = "the experiment's id")),
+    responses(
+        (status = 200, description = "the run's byte-level BPE as tokenizer.json (Hugging Face tokenizers)", body = Object),
+        (status = 404, description = "no such experiment", body = distlab_common::ApiError),
+        (status = 409, description = "the run has no model, or its tokens are bytes", body = distlab_common::ApiError),
+    ),
+)]
+pub async fn download_tokenizer(
+    State(state): State<AppState>,
+    Path(raw_id): Path<String>,
+    req: Request,
+) -> Result<Response, HttpError> {
+    let (id, _, spec) = stored_model(&state, &raw_id).await?;
+    if spec.data.tokenizer.is_bytes() {
+        return Err(HttpError::conflict(format!(
+            "experiment {id} has no tokenizer.json: it ran with data.tokenizer=bytes (a text's token i is its byte \
+             i; a Markov chain's tokens are ids)"
+        )));
+    }
+    serve_attachment(&tokenizer_path(&state, id), "tokenizer.json", req).await
+}
+
+/// The file at `path`, streamed (`ServeFile`, not read whole), to be saved as `filename`.
+async fn serve_attachment(path: &std::path::Path, filename: &str, req: Request) -> Result<Response, HttpError> {
+    let served = ServeFile::new(path).oneshot(req).await.map_err(|e| HttpError::internal("reading a file", e))?;
     let mut response = served.map(Body::new).into_response();
-    if let Ok(value) = header::HeaderValue::from_str(&disposition) {
+    if let Ok(value) = header::HeaderValue::from_str(&format!("attachment; filename=\"{filename}\"")) {
         response.headers_mut().insert(header::CONTENT_DISPOSITION, value);
     }
     Ok(response)
@@ -179,4 +305,30 @@ pub async fn config(
 ) -> Result<Json<serde_json::Value>, HttpError> {
     let (_, _, spec) = stored_model(&state, &raw_id).await?;
     Ok(Json(export::hf_config(&spec.model)))
+}
+
+#[cfg(test)]
+mod tests {
+    use distlab_common::{DataSpec, Dataset, ModelSpec, TokenizerKind};
+
+    use super::*;
+
+    /// A worker may store a BPE run's own tokenizer only: not for a byte run, not one that
+    /// makes more tokens than the model knows, not something that is not a tokenizer.json.
+    #[test]
+    fn only_the_runs_own_kind_of_tokenizer_is_kept() {
+        let mut spec = ExperimentSpec {
+            data: DataSpec { dataset: Dataset::Text, tokenizer: TokenizerKind::Bpe, ..DataSpec::default() },
+            model: ModelSpec { vocab: 300, ..ModelSpec::default() },
+            ..ExperimentSpec::default()
+        };
+        let text = &distlab_worker::data::SHAKESPEARE[..20_000];
+        let json = |vocab| TextTokenizer::learn(TokenizerKind::Bpe, text, vocab).unwrap().to_json().unwrap();
+        assert!(Handed::Tokenizer.check(&spec, json(280).as_bytes()).is_ok());
+        let too_many = Handed::Tokenizer.check(&spec, json(320).as_bytes()).unwrap_err();
+        assert!(too_many.contains("the model's vocabulary has 300"), "{too_many}");
+        assert!(Handed::Tokenizer.check(&spec, b"{\"model\": 1}").unwrap_err().contains("not a tokenizer.json"));
+        spec.data.tokenizer = TokenizerKind::Bytes;
+        assert!(Handed::Tokenizer.check(&spec, json(280).as_bytes()).unwrap_err().contains("has no tokenizer"));
+    }
 }

@@ -14,11 +14,12 @@ use axum::{Extension, Json};
 use distlab_common::api::{GenerateRequest, Generated, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS};
 use distlab_common::FieldError;
 use distlab_worker::generate::{generate as sample, load_hf, Sampling};
+use distlab_worker::tokenizer::TextTokenizer;
 use tokio::sync::Semaphore;
 
 use crate::api::error::HttpError;
 use crate::api::extract::JsonBody;
-use crate::api::models::stored_model;
+use crate::api::models::{read_tokenizer, stored_model, tokenizer_path};
 use crate::store::accounts::Account;
 use crate::AppState;
 
@@ -84,11 +85,19 @@ fn longest_line(request_timeout: std::time::Duration, budget: std::time::Duratio
     (fits.floor() as usize).max(1)
 }
 
-/// The prompt's tokens and the sampling settings, or every problem with them.
-fn check_request(r: &GenerateRequest, vocab: usize) -> Result<(Vec<u32>, Sampling), Vec<FieldError>> {
+/// The prompt's tokens (a text prompt cut by the run's tokenizer) and the sampling
+/// settings, or every problem with them.
+fn check_request(
+    r: &GenerateRequest,
+    vocab: usize,
+    tokenizer: &TextTokenizer,
+) -> Result<(Vec<u32>, Sampling), Vec<FieldError>> {
     let mut problems = Vec::new();
     let tokens = match (&r.prompt, &r.prompt_tokens) {
-        (Some(text), None) => text.bytes().map(u32::from).collect(),
+        (Some(text), None) => tokenizer.encode(text.as_bytes()).unwrap_or_else(|e| {
+            problems.push(FieldError::new("prompt", e.to_string()));
+            Vec::new()
+        }),
         (None, Some(tokens)) => tokens.clone(),
         _ => {
             problems.push(FieldError::new("prompt", "give either prompt (text) or prompt_tokens (token ids)"));
@@ -161,7 +170,15 @@ async fn sample_in_line(
     body: GenerateRequest,
 ) -> Result<Generated, Response> {
     let (id, path, spec) = stored_model(state, raw_id).await.map_err(IntoResponse::into_response)?;
-    let (prompt, sampling) = check_request(&body, spec.model.vocab).map_err(|problems| {
+    let tokenizer = if spec.data.tokenizer.is_bytes() {
+        TextTokenizer::Bytes
+    } else {
+        let json = tokio::fs::read(tokenizer_path(state, id))
+            .await
+            .map_err(|e| HttpError::internal("reading a tokenizer", e).into_response())?;
+        read_tokenizer(&spec, &json).map_err(|e| HttpError::internal("reading a tokenizer", e).into_response())?
+    };
+    let (prompt, sampling) = check_request(&body, spec.model.vocab, &tokenizer).map_err(|problems| {
         let error = format!("cannot sample: {}", problems[0]);
         HttpError::with_fields(StatusCode::UNPROCESSABLE_ENTITY, error, problems).into_response()
     })?;
@@ -200,8 +217,7 @@ async fn sample_in_line(
     .await
     .map_err(|e| internal(&e))?
     .map_err(|e| internal(&e))?;
-    let bytes: Option<Vec<u8>> = tokens.iter().map(|&t| u8::try_from(t).ok()).collect();
-    let text = bytes.map_or_else(String::new, |b| String::from_utf8_lossy(&b).into_owned());
+    let text = tokenizer.decode(&tokens).unwrap_or_default();
     let ms = started.elapsed().as_secs_f64() * 1e3;
     let stopped_early = tokens.len() < body.max_new_tokens;
     tracing::info!(experiment = id, tokens = tokens.len(), ms, stopped_early, "sampled");

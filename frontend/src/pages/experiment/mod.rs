@@ -283,8 +283,12 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                 .into_any(),
             };
             let try_model = distlab_common::export::not_exportable(&spec).is_none().then(|| {
-                let (text, vocab) = (spec.data.dataset.is_text(), spec.model.vocab);
-                move || (status.get() == ExperimentStatus::Succeeded).then(|| view! { <TryModel id=id text=text vocab=vocab/> })
+                let (text, vocab, bpe) =
+                    (spec.data.dataset.is_text(), spec.model.vocab, !spec.data.tokenizer.is_bytes());
+                move || {
+                    (status.get() == ExperimentStatus::Succeeded)
+                        .then(|| view! { <TryModel id=id text=text bpe=bpe vocab=vocab/> })
+                }
             });
             view! {
                 <section class="card">

@@ -132,6 +132,7 @@ pub(super) fn SummaryPanel(summary: RunSummary) -> impl IntoView {
                 " for a uniform guess ln(vocab): the model learned " {format!("{learned:.3}")} " nats/token."
             </p>
             {floor_text.map(|t| view! { <p>{t}</p> })}
+            {per_byte_text(&s).map(|t| view! { <p id="loss-per-byte">{t}</p> })}
             <dl class="summary-grid">
                 <div><dt>"steps"</dt><dd>{s.steps}</dd></div>
                 <div><dt>"parameters"</dt><dd>{format::si(s.params as f64)}</dd></div>
@@ -158,6 +159,20 @@ pub(super) fn SummaryPanel(summary: RunSummary) -> impl IntoView {
             {utilisation_text(&s)}
         </div>
     }
+}
+
+/// A text run's validation loss per byte, which compares with a run of another tokenizer
+/// (a BPE token is a couple of bytes: its loss per token is not a byte's).
+fn per_byte_text(s: &RunSummary) -> Option<String> {
+    let (loss, bytes) = (s.final_val_loss?, s.held_out_bytes_per_token?);
+    let per_byte = loss / bytes;
+    Some(if bytes == 1.0 {
+        format!("Validation loss {loss:.4} nats per token, one token per byte: {per_byte:.4} nats per byte.")
+    } else {
+        format!(
+            "Validation loss {loss:.4} nats per token; the held-out text is {bytes:.3} bytes per token (its bytes / its BPE tokens), so {per_byte:.4} nats per byte: the number to compare with a byte model's validation loss."
+        )
+    })
 }
 
 /// How the run's MFU is made, with its numbers: the formula, then where the peak comes from.

@@ -135,6 +135,11 @@ const SECTIONS: &[SectionDef] = &[
                 "markov: random chain with a known loss floor; text: bytes of English; upload: your own text",
             ),
             f("data.upload_id", Kind::OptionalInt, "dataset=upload: which uploaded text (upload or pick one below)"),
+            f(
+                "data.tokenizer",
+                Kind::Choice(&["bytes", "bpe"]),
+                "text: one token per byte, or a byte-level BPE of model.vocab tokens learned from the training text",
+            ),
             f("data.seed", Kind::Int, "fixes the chain and the batches"),
         ],
     },
@@ -286,6 +291,9 @@ fn field_texts(spec: &ExperimentSpec) -> Vec<String> {
         model.entry("kv_heads").or_insert(Value::from(m.kv_heads));
         model.entry("ffn_hidden").or_insert(Value::from(m.ffn_hidden));
         model.entry("rope_theta").or_insert(Value::from(m.rope_theta));
+    }
+    if let Some(data) = value.get_mut("data").and_then(Value::as_object_mut) {
+        data.entry("tokenizer").or_insert(Value::from("bytes"));
     }
     if spec.demo.is_none() {
         if let Value::Object(map) = &mut value {
