@@ -553,10 +553,8 @@ mod tests {
         assert!((1.8..2.4).contains(&per_token), "{per_token} bytes per token");
         assert!(data.describe().contains("a byte-level BPE of 512 tokens"), "{}", data.describe());
         let (trained, _) = data.split().unwrap();
-        let (training_text, held_out_text) = (
-            String::from_utf8_lossy(&SHAKESPEARE[..trained]),
-            String::from_utf8_lossy(&SHAKESPEARE[trained..]),
-        );
+        let (training_text, held_out_text) =
+            (String::from_utf8_lossy(&SHAKESPEARE[..trained]), String::from_utf8_lossy(&SHAKESPEARE[trained..]));
         let (mut x, mut y) = (vec![0u32; 8 * 64], vec![0u32; 8 * 64]);
         data.fill_batch(3, 0, 8, 64, &mut x, &mut y);
         for (inputs, targets) in x.chunks(64).zip(y.chunks(64)) {

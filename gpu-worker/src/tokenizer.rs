@@ -125,12 +125,13 @@ fn learn_bpe(text: &str, vocab: usize) -> Result<TextTokenizer, TokenizerError> 
         .show_progress(false)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build();
-    let mut tokenizer = TokenizerBuilder::<BPE, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper>::new()
-        .with_model(BPE::default())
-        .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false).into()))
-        .with_decoder(Some(ByteLevelDecoder::default().into()))
-        .build()
-        .map_err(|e| failed(&e))?;
+    let mut tokenizer =
+        TokenizerBuilder::<BPE, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper>::new()
+            .with_model(BPE::default())
+            .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false).into()))
+            .with_decoder(Some(ByteLevelDecoder::default().into()))
+            .build()
+            .map_err(|e| failed(&e))?;
     tokenizer.train(&mut trainer, std::iter::once(text.to_string())).map_err(|e| failed(&e))?;
     // What a run uses is what it keeps: the learned tokenizer goes through its JSON.
     let json = tokenizer.to_string(false).map_err(|e| failed(&e))?;

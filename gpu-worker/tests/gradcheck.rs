@@ -523,12 +523,25 @@ fn backward_accumulates_across_micro_batches() {
 /// A Mixture-of-Experts model: 4 experts, top-2, capacity for 60% of the assignments (so
 /// some are dropped), a visible balance loss.
 fn tiny_moe() -> ModelSpec {
-    ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 0.6, aux_loss_coef: 0.1, ..tiny_model() }
+    tiny_moe_of(tiny_model())
+}
+
+fn tiny_moe_of(dense: ModelSpec) -> ModelSpec {
+    ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 0.6, aux_loss_coef: 0.1, ..dense }
 }
 
 #[test]
 fn mixture_of_experts_gradient_matches_finite_differences() {
-    let spec = tiny_moe();
+    mixture_of_experts_gradient_check(tiny_moe());
+}
+
+/// The same with SwiGLU experts (a tiny Llama's blocks: no biases, gate and up).
+#[test]
+fn swiglu_experts_gradient_matches_finite_differences() {
+    mixture_of_experts_gradient_check(tiny_moe_of(ModelSpec::llama(2, 8, 2, 1, 12, 5, 11)));
+}
+
+fn mixture_of_experts_gradient_check(spec: ModelSpec) {
     let batch = 2;
     let (inputs, targets) = tiny_batch(&spec, batch);
     let rows = batch * spec.seq_len;
@@ -551,6 +564,6 @@ fn mixture_of_experts_gradient_matches_finite_differences() {
             let balance = model.take_expert_stats().balance_sum;
             (loss + spec.aux_loss_coef * rows as f64 * balance) * dloss
         };
-        check("moe gpt (all parameters)", &params, &analytic, &mut objective_at);
+        check(&format!("moe {:?} (all parameters)", spec.family), &params, &analytic, &mut objective_at);
     });
 }

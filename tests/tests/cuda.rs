@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 21] = [
+const LAYOUTS: [(&str, Layout); 22] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -72,6 +72,15 @@ const LAYOUTS: [(&str, Layout); 21] = [
         s.model = ModelSpec::llama(2, 64, 4, 2, 176, 32, 256);
         (s.parallel.dp, s.parallel.pp, s.parallel.sharding, s.train.attention) =
             (2, 2, Sharding::Fsdp, Attention::Flash);
+    }),
+    ("llama swiglu experts ep2", |s| {
+        s.model = ModelSpec {
+            experts: 4,
+            expert_top_k: 2,
+            capacity_factor: 1.0,
+            ..ModelSpec::llama(2, 64, 4, 2, 176, 32, 256)
+        };
+        (s.parallel.dp, s.parallel.ep) = (2, 2);
     }),
 ];
 

@@ -205,3 +205,46 @@ fn a_dp4_llama_checkpoint_continues_at_dp2_like_an_uninterrupted_run() {
     assert_eq!(second_half.first().map(|p| p.step), Some(4));
     assert_same_losses(&straight[4..], &losses, "llama dp2 fsdp from dp4 zero2's step 4");
 }
+
+/// SwiGLU experts: a Llama whose blocks route each token to 2 of 4 SwiGLU MLPs (no biases).
+/// Spread over ep = 2 ranks of the data-parallel group it trains as every rank holding them
+/// all, with the same drops; two data-parallel ranks train as one accumulating their two
+/// micro-batches (the capacity is a micro-batch's, so the micro-batches match); a
+/// pipeline of them as one stage; and every rank measures the planner's memory and
+/// all-to-all bytes.
+#[test]
+fn swiglu_experts_train_like_every_expert_on_one_rank() {
+    let _serial = one_at_a_time();
+    let moe = |name: &str, dp: usize, ep: usize| {
+        let mut s = llama(name, 6);
+        s.model = ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.0, ..s.model };
+        // Capacity is per micro-batch: 2 sequences each, 2 per step on one rank.
+        (s.parallel.dp, s.parallel.ep, s.train.micro_batch, s.train.micro_batches) = (dp, ep, 2, 2 / dp);
+        s
+    };
+    let single = run_steps(&moe("one rank", 1, 1));
+    assert!(single.iter().any(|p| p.experts.is_some_and(|e| e.dropped > 0)), "capacity 1.0 drops some");
+    assert_same_training(&single, &run_steps(&moe("dp2", 2, 1)), "llama experts dp=2");
+    let spread = moe("dp2 ep2", 2, 2);
+    let (points, trace) = run_points_with_trace(&spread);
+    assert_same_training(&single, &points, "llama experts dp=2 ep=2");
+    for (a, b) in single.iter().zip(&points) {
+        let (a, b) = (a.experts.expect("routing"), b.experts.expect("routing"));
+        assert_eq!((a.assignments, a.dropped), (b.assignments, b.dropped), "the same routing");
+    }
+    let planned = plan(&spread).unwrap();
+    let stage = &planned.stages[0];
+    let sent = sent_per_step(&trace, distlab_common::trace::CollectiveOp::AllToAll, spread.train.steps);
+    assert_eq!(sent, stage.comm.ep_all_to_all, "all-to-all bytes");
+    for rank in &trace.ranks {
+        let got = &rank.memory.as_ref().expect("ranks report their memory").peak;
+        let what = format!("llama experts ep=2 rank {}", rank.rank);
+        assert_eq!(got.parameters, stage.memory.parameters, "{what}: parameters");
+        assert_eq!(got.optimizer_state, stage.memory.optimizer_state, "{what}: optimizer state");
+        assert_eq!(got.activations, stage.memory.activations, "{what}: activations");
+        assert_eq!(got.activation_grads, stage.memory.activation_grads, "{what}: activation gradients");
+    }
+    let mut piped = moe("pp2", 1, 1);
+    piped.parallel.pp = 2;
+    assert_same_training(&single, &run_steps(&piped), "llama experts pp=2");
+}

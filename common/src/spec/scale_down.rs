@@ -53,10 +53,6 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
             .push("the engine keeps the LM head apart from the token embedding, so the small model's is untied".into());
         m.tie_embeddings = false;
     }
-    if m.is_moe() && m.family == ModelFamily::Llama {
-        changes.push("the engine's experts are GPT-2 MLPs, so the small model has GPT-2 blocks".into());
-        m.family = ModelFamily::Gpt2;
-    }
     match m.family {
         ModelFamily::Gpt2 => (m.kv_heads, m.ffn_hidden, m.rope_theta) = (0, 0, DEFAULT_ROPE_THETA),
         ModelFamily::Llama => {
@@ -171,10 +167,11 @@ mod tests {
         assert_eq!(small.validate(&limits), Ok(()), "{changes:?}");
         let m = &small.model;
         assert_eq!((m.family, m.heads, m.kv_heads), (ModelFamily::Llama, 4, 2), "tp 8 became 2 (the world limit)");
-        big.model.experts = 8;
+        // (the planner, like the engine, refuses experts with tp > 1)
+        (big.model.experts, big.parallel.tp) = (8, 1);
         let (small, changes) = run_it_small(&big, &limits);
-        assert_eq!(small.model.family, ModelFamily::Gpt2);
-        assert!(changes.iter().any(|c| c.contains("experts are GPT-2 MLPs")), "{changes:?}");
+        assert_eq!(small.validate(&limits), Ok(()), "{changes:?}");
+        assert_eq!((small.model.family, small.model.experts), (ModelFamily::Llama, 8), "SwiGLU experts stay");
     }
 
     #[test]

@@ -537,15 +537,14 @@ pub fn activation_floats_for(
         .saturating_add(att);
     let norm = spec.norm_params() as usize;
     let exchange = if own < rows { rc.saturating_mul(2).saturating_add(3 * norm) } else { 0 };
-    // Mixture of Experts (tp = 1, GPT-2 MLPs): the hidden layers of every slot in place of
-    // every token's, the router's and the slots' buffers, and their gradients.
+    // Mixture of Experts (tp = 1): the hidden layers of every slot in place of every
+    // token's, the router's and the slots' buffers, and their gradients.
     let (block, scratch) = match ExpertShape::of(spec, rows, ep) {
         None => (block, scratch),
         Some(e) => {
-            let dense_hidden = rows.saturating_mul(4 * c);
-            let block = block.saturating_sub(2 * dense_hidden).saturating_add(expert_activation_floats(&e, rows, c));
-            let dfch = rows.max(e.slots()).saturating_mul(4 * c);
-            let scratch = scratch.saturating_sub(dense_hidden).saturating_add(dfch);
+            let block = block.saturating_sub(mlp).saturating_add(expert_activation_floats(&e, rows, c));
+            let dmlp_slots = rows.max(e.slots()).saturating_mul(e.grad_width());
+            let scratch = scratch.saturating_sub(dmlp).saturating_add(dmlp_slots);
             (block, scratch.saturating_add(expert_scratch_floats(&e, rows, c)))
         }
     };

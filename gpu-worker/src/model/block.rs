@@ -27,7 +27,7 @@ use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::model::activations::{mlp_in, ActivationShape, Activations, BlockActivations, WeightStash};
 use crate::model::experts::{
-    experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden,
+    experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden, HiddenGrads,
 };
 use crate::model::layout::BlockTensors;
 use crate::model::tensor_parallel::{
@@ -153,7 +153,7 @@ impl<Buf> GradScratch<Buf> {
         let ActivationShape { rows, res_rows, c, cl, hidden, .. } = *shape;
         let gate_up = match shape.family {
             ModelFamily::Gpt2 => 0,
-            ModelFamily::Llama => rows * shape.mlp_in(),
+            ModelFamily::Llama => rows.max(shape.mlp_rows()) * shape.mlp_in(),
         };
         GradScratch {
             dres: alloc(res_rows * c),
@@ -231,7 +231,7 @@ pub(super) fn block_forward<B: Backend>(
     norm_forward(be, family, be.all_mut(&mut a.ln2), stats, be.all(&a.res_attn), (w.ln2_g, w.ln2_b), c);
     if let (Some(shape), Some(moe)) = (d.experts, a.moe.as_mut()) {
         // Mixture of Experts (tp = 1: ln2 and the residual are whole here)
-        let hidden = Hidden { fch: &mut a.fch, fch_gelu: &mut a.fch_act };
+        let hidden = Hidden { fch: &mut a.fch, fch_act: &mut a.fch_act };
         let bufs = (&a.ln2, &a.res_attn, &mut a.res_mlp);
         return experts_forward(be, w, bufs, moe, hidden, &shape, c, ep, layer);
     }
@@ -339,7 +339,8 @@ pub(super) fn block_backward<B: Backend>(
     let dln = if let Some((shape, moe, scratch)) = experts {
         // Mixture of Experts (tp = 1)
         let grads = ExpertGrads { router_w, fc_w, fc_b, fc_proj_w, fc_proj_b };
-        let (bufs, hidden) = ((&s.dres, &a.ln2, &mut s.dln), (&a.fch, &a.fch_act, &mut s.dfch));
+        let bufs = (&s.dres, &a.ln2, &mut s.dln);
+        let hidden = HiddenGrads { fch: &a.fch, fch_act: &a.fch_act, dfch: &mut s.dfch, dgate_up: &mut s.dgate_up };
         experts_backward(be, w, grads, bufs, moe, hidden, scratch, &shape, c, ep, layer, d.balance_weight)?;
         0..be.buf_len(&s.dln)
     } else {

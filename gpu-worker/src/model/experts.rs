@@ -6,7 +6,9 @@
 //! forward:   logits   = ln2 · W_router                      (N x E)
 //!            routing  = route(logits)                        slots: C per expert, gates
 //!            X[slot]  = ln2[token of slot]                   (E*C x d, zeros where empty)
-//!            Y        = expert_e(X[slots of e]) = fc_proj(gelu(fc(X)))   for every e
+//!            Y        = expert_e(X[slots of e]) = fc_proj(act(fc(X)))   for every e
+//!                       (act: GPT-2's GELU, or Llama's SwiGLU on fc's gate and up; the
+//!                       experts are the family's MLP, with or without biases)
 //!            out[t]   = res_attn[t] + sum over t's slots of gate x Y[slot]
 //! backward:  dY[slot] = gate x dout[token],  dgate[slot] = dout[token] · Y[slot]
 //!            dX       = each expert's MLP backward (its weight gradients accumulate)
@@ -21,8 +23,11 @@
 //! back. Backward does the same with the gradients. Each rank routes its own tokens, so
 //! capacity and drops are per source rank, the same whatever ep is.
 
+use distlab_common::ModelFamily;
+
 use crate::backend::{Backend, Stored};
 use crate::comm::CommError;
+use crate::model::activations::mlp_in;
 use crate::model::layout::BlockTensors;
 use crate::ops::float::Float;
 use crate::ops::router::{route, route_backward, Routing, EMPTY};
@@ -41,6 +46,10 @@ pub struct ExpertShape {
     pub capacity: usize,
     /// Weight of the balance loss in the objective.
     pub aux_loss_coef: f64,
+    /// An expert's MLP: the family's (GELU with biases, or SwiGLU without) and its hidden
+    /// width f.
+    pub family: ModelFamily,
+    pub hidden: usize,
 }
 
 impl ExpertShape {
@@ -55,7 +64,33 @@ impl ExpertShape {
             top_k: spec.expert_top_k,
             capacity: spec.expert_capacity(rows),
             aux_loss_coef: spec.aux_loss_coef,
+            family: spec.family,
+            hidden: spec.d_ff(),
         })
+    }
+
+    /// Width of an expert's first matmul's output: f, or Llama's gate and up, 2f.
+    pub fn mlp_in(&self) -> usize {
+        mlp_in(self.family, self.hidden)
+    }
+
+    /// What a slot keeps of its expert's MLP: fc's output and the activation's (GPT-2 2f,
+    /// Llama 3f).
+    pub fn kept_width(&self) -> usize {
+        self.mlp_in() + self.hidden
+    }
+
+    /// Backward's MLP scratch per row: the hidden gradient, and Llama's gate's and up's
+    /// beside it (GPT-2 f, GELU's backward in place; Llama 3f).
+    pub fn grad_width(&self) -> usize {
+        match self.family {
+            ModelFamily::Gpt2 => self.hidden,
+            ModelFamily::Llama => 3 * self.hidden,
+        }
+    }
+
+    fn biased(&self) -> bool {
+        self.family == ModelFamily::Gpt2
     }
 
     /// Slots of one micro-batch: E x C (as many arrive at a rank's experts, C from each
@@ -66,7 +101,8 @@ impl ExpertShape {
 }
 
 /// What a Mixture-of-Experts block keeps from forward for backward, besides the hidden
-/// layers before and after GELU (`fch`, `fch_gelu`: slots x 4d, in `BlockActivations`).
+/// layers before and after the activation (`fch`, `fch_act`: slots x its widths, in
+/// `BlockActivations`).
 pub struct ExpertActivations<Buf> {
     /// Router probabilities (N x E).
     pub probs: Buf,
@@ -121,7 +157,7 @@ impl<Buf> ExpertActivations<Buf> {
 pub fn expert_activation_floats(shape: &ExpertShape, rows: usize, c: usize) -> usize {
     let mut floats = 0usize;
     ExpertActivations::<()>::new(shape, rows, c, &mut |len| floats = floats.saturating_add(len));
-    floats.saturating_add(shape.slots().saturating_mul(8 * c))
+    floats.saturating_add(shape.slots().saturating_mul(shape.kept_width()))
 }
 
 /// Backward's scratch for a Mixture-of-Experts block (one set, reused by every block).
@@ -190,10 +226,20 @@ pub trait ExpertParallelGroup<B: Backend>: Send {
 
 pub type ExpertGroup<B> = Option<Box<dyn ExpertParallelGroup<B>>>;
 
-/// The hidden layers of the experts (slots x 4d), kept in the block's activations.
+/// The hidden layers of the experts (fc's output and the activation's, for every slot),
+/// kept in the block's activations.
 pub struct Hidden<'a, Buf> {
     pub fch: &'a mut Buf,
-    pub fch_gelu: &'a mut Buf,
+    pub fch_act: &'a mut Buf,
+}
+
+/// The experts' backward buffers: their saved hidden layers, and the scratch for the
+/// hidden gradient and (Llama) the gate's and up's.
+pub struct HiddenGrads<'a, Buf> {
+    pub fch: &'a Buf,
+    pub fch_act: &'a Buf,
+    pub dfch: &'a mut Buf,
+    pub dgate_up: &'a mut Buf,
 }
 
 /// The expert half forward: `out = res_attn + experts(ln2)`, keeping what backward needs.
@@ -234,26 +280,22 @@ pub fn experts_forward<B: Backend>(
         g.all_to_all(be, &a.dispatched, arrived, "dispatch", layer)?;
     }
     // every expert of this rank on its C rows from each source rank
-    let hidden = 4 * c;
+    let (f, f_in) = (shape.hidden, shape.mlp_in());
     let (cap, local) = (shape.capacity, shape.local);
     let input = a.arrived.as_ref().unwrap_or(&a.dispatched);
     for run in 0..shape.ranks * local {
         let x = run % local;
         let rows = run * cap..(run + 1) * cap;
-        let (r_c, r_h) = (rows.start * c..rows.end * c, rows.start * hidden..rows.end * hidden);
-        let (fc_w, fc_b, proj_w, proj_b) = expert_weights::<B>(be, w, x, c);
-        be.matmul_forward(
-            be.view_mut(h.fch, r_h.clone()),
-            be.view(input, r_c.clone()),
-            fc_w,
-            Some(fc_b),
-            None,
-            c,
-            hidden,
-        );
-        be.gelu_forward(be.view_mut(h.fch_gelu, r_h.clone()), be.view(h.fch, r_h.clone()));
+        let (r_c, r_h, r_in) =
+            (rows.start * c..rows.end * c, rows.start * f..rows.end * f, rows.start * f_in..rows.end * f_in);
+        let (fc_w, fc_b, proj_w, proj_b) = expert_weights::<B>(be, w, x, c, shape);
+        be.matmul_forward(be.view_mut(h.fch, r_in.clone()), be.view(input, r_c.clone()), fc_w, fc_b, None, c, f_in);
+        match shape.family {
+            ModelFamily::Gpt2 => be.gelu_forward(be.view_mut(h.fch_act, r_h.clone()), be.view(h.fch, r_h.clone())),
+            ModelFamily::Llama => be.swiglu_forward(be.view_mut(h.fch_act, r_h.clone()), be.view(h.fch, r_in), f),
+        }
         let y = be.view_mut(&mut a.expert_out, r_c);
-        be.matmul_forward(y, be.view(h.fch_gelu, r_h), proj_w, Some(proj_b), None, hidden, c);
+        be.matmul_forward(y, be.view(h.fch_act, r_h), proj_w, proj_b, None, f, c);
     }
     if let (Some(g), Some(returned)) = (group.as_mut(), a.returned.as_mut()) {
         g.all_to_all(be, &a.expert_out, returned, "return", layer)?;
@@ -291,7 +333,7 @@ pub fn experts_backward<B: Backend>(
     mut gw: ExpertGrads<B::ViewMut<'_>>,
     (dout, ln2, dln): (&B::Buf, &B::Buf, &mut B::Buf),
     a: &ExpertActivations<B::Buf>,
-    (fch, fch_gelu, dfch): (&B::Buf, &B::Buf, &mut B::Buf),
+    h: HiddenGrads<'_, B::Buf>,
     s: &mut ExpertScratch<B::Buf>,
     shape: &ExpertShape,
     c: usize,
@@ -328,22 +370,35 @@ pub fn experts_backward<B: Backend>(
         g.all_to_all(be, &s.dslots, exchanged, "dispatch gradient", layer)?;
     }
     let at_experts = s.dslots_exchanged.as_mut().unwrap_or(&mut s.dslots);
-    let hidden = 4 * c;
+    let (f, f_in) = (shape.hidden, shape.mlp_in());
     let (cap, local) = (shape.capacity, shape.local);
     let input = a.at_experts();
+    let HiddenGrads { fch, fch_act, dfch, dgate_up } = h;
     for run in 0..shape.ranks * local {
         let x = run % local;
         let rows = run * cap..(run + 1) * cap;
-        let (r_c, r_h) = (rows.start * c..rows.end * c, rows.start * hidden..rows.end * hidden);
-        let (fc_w, _, proj_w, _) = expert_weights::<B>(be, w, x, c);
-        let (dfc_w, dfc_b, dproj_w, dproj_b) = expert_grads::<B>(be, &mut gw, x, c);
-        // fc_proj, then GELU, then fc; the slots' input gradient overwrites their output's
+        let (r_c, r_h, r_in) =
+            (rows.start * c..rows.end * c, rows.start * f..rows.end * f, rows.start * f_in..rows.end * f_in);
+        let (fc_w, _, proj_w, _) = expert_weights::<B>(be, w, x, c, shape);
+        let (dfc_w, dfc_b, dproj_w, dproj_b) = expert_grads::<B>(be, &mut gw, x, c, shape);
+        // fc_proj, then the activation, then fc; the slots' input gradient overwrites their
+        // output's
         let dy = be.view(at_experts, r_c.clone());
-        let (dh, h) = (be.view_mut(dfch, r_h.clone()), be.view(fch_gelu, r_h.clone()));
-        be.matmul_backward(Some(dh), dproj_w, Some(dproj_b), dy, h, proj_w, hidden, c);
-        be.gelu_backward(be.view_mut(dfch, r_h.clone()), be.view(fch, r_h.clone()));
+        let (dh, act) = (be.view_mut(dfch, r_h.clone()), be.view(fch_act, r_h.clone()));
+        be.matmul_backward(Some(dh), dproj_w, dproj_b, dy, act, proj_w, f, c);
+        let dfc_out = match shape.family {
+            ModelFamily::Gpt2 => {
+                be.gelu_backward(be.view_mut(dfch, r_h.clone()), be.view(fch, r_h.clone()));
+                be.view(dfch, r_h)
+            }
+            ModelFamily::Llama => {
+                let (dgu, fc_out) = (be.view_mut(dgate_up, r_in.clone()), be.view(fch, r_in.clone()));
+                be.swiglu_backward(dgu, be.view(dfch, r_h), fc_out, f);
+                be.view(dgate_up, r_in)
+            }
+        };
         let dx = be.view_mut(at_experts, r_c.clone());
-        be.matmul_backward(Some(dx), dfc_w, Some(dfc_b), be.view(dfch, r_h), be.view(input, r_c), fc_w, c, hidden);
+        be.matmul_backward(Some(dx), dfc_w, dfc_b, dfc_out, be.view(input, r_c), fc_w, c, f_in);
     }
     // (ep > 1) the input gradients back to the tokens' ranks
     if let (Some(g), Some(exchanged)) = (group.as_mut(), s.dslots_exchanged.as_ref()) {
@@ -372,36 +427,45 @@ pub fn experts_backward<B: Backend>(
     Ok(())
 }
 
-/// Expert `x`'s (of this rank) fc_w, fc_b, fc_proj_w, fc_proj_b.
+/// Expert `x`'s (of this rank) fc_w, fc_b, fc_proj_w, fc_proj_b (no biases for Llama).
+#[allow(clippy::type_complexity)]
 fn expert_weights<'a, B: Backend>(
     be: &B,
     w: &BlockTensors<B::View<'a>>,
     x: usize,
     c: usize,
-) -> (B::View<'a>, B::View<'a>, B::View<'a>, B::View<'a>) {
-    let h = 4 * c;
+    shape: &ExpertShape,
+) -> (B::View<'a>, Option<B::View<'a>>, B::View<'a>, Option<B::View<'a>>) {
+    let (f, f_in) = (shape.hidden, shape.mlp_in());
     (
-        be.subview(w.fc_w, x * c * h..(x + 1) * c * h),
-        be.subview(w.fc_b, x * h..(x + 1) * h),
-        be.subview(w.fc_proj_w, x * h * c..(x + 1) * h * c),
-        be.subview(w.fc_proj_b, x * c..(x + 1) * c),
+        be.subview(w.fc_w, x * c * f_in..(x + 1) * c * f_in),
+        shape.biased().then(|| be.subview(w.fc_b, x * f_in..(x + 1) * f_in)),
+        be.subview(w.fc_proj_w, x * f * c..(x + 1) * f * c),
+        shape.biased().then(|| be.subview(w.fc_proj_b, x * c..(x + 1) * c)),
     )
 }
 
-/// Expert `x`'s four gradients.
+/// Expert `x`'s four gradients (no biases for Llama).
+#[allow(clippy::type_complexity)]
 fn expert_grads<'b, B: Backend>(
     be: &B,
     gw: &'b mut ExpertGrads<B::ViewMut<'_>>,
     x: usize,
     c: usize,
-) -> (B::ViewMut<'b>, B::ViewMut<'b>, B::ViewMut<'b>, B::ViewMut<'b>) {
-    let h = 4 * c;
+    shape: &ExpertShape,
+) -> (B::ViewMut<'b>, Option<B::ViewMut<'b>>, B::ViewMut<'b>, Option<B::ViewMut<'b>>) {
+    let (f, f_in, biased) = (shape.hidden, shape.mlp_in(), shape.biased());
     let piece = |view: &'b mut B::ViewMut<'_>, len: usize| {
         let whole = be.reborrow(view);
         let (_, rest) = be.split_mut(whole, x * len);
         be.split_mut(rest, len).0
     };
-    (piece(&mut gw.fc_w, c * h), piece(&mut gw.fc_b, h), piece(&mut gw.fc_proj_w, h * c), piece(&mut gw.fc_proj_b, c))
+    (
+        piece(&mut gw.fc_w, c * f_in),
+        biased.then(|| piece(&mut gw.fc_b, f_in)),
+        piece(&mut gw.fc_proj_w, f * c),
+        biased.then(|| piece(&mut gw.fc_proj_b, c)),
+    )
 }
 
 /// `dst[i] = src[i]` rounded to the storage format.

@@ -278,7 +278,7 @@ impl ParamLayout {
                 // Llama: the gate's and the up projection's columns side by side (f each).
                 fc_w: match llama {
                     false => mlp(&mut push, "fc_w", &[c, ff / n], normal, columns),
-                    true => push("fc_w", &[c, 2 * ff / n], normal, Split::Columns { groups: [ff, ff, 0] }),
+                    true => mlp(&mut push, "fc_w", &[c, 2 * ff / n], normal, Split::Columns { groups: [ff, ff, 0] }),
                 },
                 fc_b: mlp(&mut push, "fc_b", &[ff / n * bias], Init::Zeros, columns),
                 fc_proj_w: mlp(&mut push, "fc_proj_w", &[ff / n, c], residual, rows),

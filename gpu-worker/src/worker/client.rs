@@ -96,7 +96,11 @@ impl ServerClient {
     /// Hands the server a finished run's trained model (model.safetensors), before the
     /// run is reported complete.
     pub fn upload_model(&self, experiment_id: i64, safetensors: &[u8]) -> Result<(), ClientError> {
-        self.put_bytes(&format!("/api/workers/experiments/{experiment_id}/model"), "application/octet-stream", safetensors)
+        self.put_bytes(
+            &format!("/api/workers/experiments/{experiment_id}/model"),
+            "application/octet-stream",
+            safetensors,
+        )
     }
 
     /// Hands the server a BPE run's tokenizer.json, before its model.
