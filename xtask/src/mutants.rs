@@ -366,6 +366,27 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "*dx += r * dy * g;",
         tests: &["-p", "distlab-worker", "--test", "ops", "rmsnorm::cpu_fp32"],
     },
+    Mutant {
+        name: "SwiGLU experts: an expert's backward skips SwiGLU's backward (fc gets a stale gate and up gradient)",
+        file: "gpu-worker/src/model/experts.rs",
+        find: "                be.swiglu_backward(dgu, be.view(dfch, r_h), fc_out, f);\n                be.view(dgate_up, r_in)",
+        replace: "                let _ = (dgu, fc_out, r_h);\n                be.view(dgate_up, r_in)",
+        tests: &["-p", "distlab-worker", "--test", "gradcheck", "swiglu_experts"],
+    },
+    Mutant {
+        name: "BPE: the validation windows are cut from the training text's tokens",
+        file: "gpu-worker/src/data.rs",
+        find: "text.held_out.window((index % windows) * seq_len, inp, tgt);",
+        replace: "text.trained.window((index % windows) * seq_len, inp, tgt);",
+        tests: &["-p", "distlab-worker", "--lib", "data::"],
+    },
+    Mutant {
+        name: "BPE: Try the model decodes a BPE run's tokens as bytes",
+        file: "server/src/api/sampling.rs",
+        find: "let text = tokenizer.decode(&tokens).unwrap_or_default();",
+        replace: "let text = TextTokenizer::Bytes.decode(&tokens).unwrap_or_default();",
+        tests: &["-p", "distlab-tests", "--test", "e2e", "a_bpe_run"],
+    },
 ];
 
 /// Mistakes in the CUDA kernels, whose guarding tests run on the emulated GPU (the CUDA op
@@ -465,8 +486,9 @@ fn run_one(m: &Mutant, engine: Engine) -> Result<Outcome> {
     let mutated = mutate(&original, m)?;
     let _restore = Restore { path: &path, original };
     std::fs::write(&path, mutated).with_context(|| format!("write {}", m.file))?;
-    // The mutant must build: a mutant that does not compile tests nothing.
-    if !build_worker(engine)? {
+    // The mutant must build: a mutant that does not compile tests nothing. A mutant of the
+    // server's code is in the server binary the end-to-end tests start.
+    if !build_worker(engine)? || (m.file.starts_with("server/") && !build_server()?) {
         bail!("mutant \"{}\" does not compile: fix the mutant", m.name);
     }
     Ok(if run_tests(m.tests, engine)? { Outcome::Missed } else { Outcome::Caught })
@@ -482,6 +504,11 @@ fn build_worker(engine: Engine) -> Result<bool> {
         Engine::EmulatedGpus => cmd.args(["build", "--workspace", "--features", "distlab-worker/cuda", "--bins"]),
     };
     Ok(cmd.status().context("cannot start cargo build")?.success())
+}
+
+/// Builds the server binary the end-to-end tests start.
+fn build_server() -> Result<bool> {
+    Ok(cargo().args(["build", "-p", "distlab-server"]).status().context("cannot start cargo build")?.success())
 }
 
 /// Whether the tests `args` select pass on `engine`.
@@ -517,9 +544,9 @@ pub fn run(filter: Option<&str>) -> Result<bool> {
     if chosen.is_empty() {
         bail!("no mutant's name contains {filter:?}");
     }
-    // The end-to-end tests start the server too: built once, unmutated (a mutant that only
-    // a mutated server would show is missed, never falsely caught).
-    if !cargo().args(["build", "-p", "distlab-server"]).status().context("cannot start cargo build")?.success() {
+    // The end-to-end tests start the server too: built unmutated here, and again with a
+    // mutant of the server's own code (`run_one`).
+    if !build_server()? {
         bail!("the server does not build");
     }
     // The unmutated engine must pass the same tests, or "caught" means nothing.
@@ -544,8 +571,8 @@ pub fn run(filter: Option<&str>) -> Result<bool> {
     // Rebuild the real engine so the binary under target/ is not a mutant's (with cuda
     // when a mutant's tests needed it).
     let needs_cuda = chosen.iter().any(|(_, e)| *e == Engine::EmulatedGpus);
-    if !build_worker(if needs_cuda { Engine::EmulatedGpus } else { Engine::Cpu })? {
-        bail!("the unmutated worker does not build");
+    if !build_worker(if needs_cuda { Engine::EmulatedGpus } else { Engine::Cpu })? || !build_server()? {
+        bail!("the unmutated worker or server does not build");
     }
     let caught = results.iter().filter(|(_, o)| *o == Outcome::Caught).count();
     println!("\nmutant | outcome");
