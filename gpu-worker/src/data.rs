@@ -283,8 +283,10 @@ impl Data {
         }
         let mut split = distlab_common::text_split(bytes.len(), model.seq_len)
             .ok_or(DataError::TextTooShort { seq_len: model.seq_len, len: bytes.len() })?;
-        let (trained, held_out) = match data.tokenizer {
-            TokenizerKind::Bytes => (Tokens::Bytes(bytes[..split].into()), Tokens::Bytes(bytes[split..].into())),
+        let (trained, held_out, tokenizer) = match data.tokenizer {
+            TokenizerKind::Bytes => {
+                (Tokens::Bytes(bytes[..split].into()), Tokens::Bytes(bytes[split..].into()), TextTokenizer::Bytes)
+            }
             TokenizerKind::Bpe => {
                 // A UTF-8 continuation byte is 0b10xx_xxxx.
                 while split < bytes.len() && bytes[split] & 0xC0 == 0x80 {
@@ -298,23 +300,11 @@ impl Data {
                     }
                     Ok(Tokens::Ids(ids.into()))
                 };
-                let parts = (ids(&bytes[..split], "training")?, ids(&bytes[split..], "held-out")?);
-                return Ok(Source::Text(Text {
-                    trained: parts.0,
-                    held_out: parts.1,
-                    trained_bytes: split,
-                    held_out_bytes: bytes.len() - split,
-                    tokenizer,
-                }));
+                (ids(&bytes[..split], "training")?, ids(&bytes[split..], "held-out")?, tokenizer)
             }
         };
-        Ok(Source::Text(Text {
-            trained,
-            held_out,
-            trained_bytes: split,
-            held_out_bytes: bytes.len() - split,
-            tokenizer: TextTokenizer::Bytes,
-        }))
+        let (trained_bytes, held_out_bytes) = (split, bytes.len() - split);
+        Ok(Source::Text(Text { trained, held_out, trained_bytes, held_out_bytes, tokenizer }))
     }
 
     /// A text's split: (bytes trained on, bytes held out); None for the Markov chain
