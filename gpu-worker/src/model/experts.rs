@@ -27,7 +27,6 @@ use distlab_common::ModelFamily;
 
 use crate::backend::{Backend, Stored};
 use crate::comm::CommError;
-use crate::model::activations::mlp_in;
 use crate::model::layout::BlockTensors;
 use crate::ops::float::Float;
 use crate::ops::router::{route, route_backward, Routing, EMPTY};
@@ -69,9 +68,13 @@ impl ExpertShape {
         })
     }
 
-    /// Width of an expert's first matmul's output: f, or Llama's gate and up, 2f.
+    /// Width of an expert's first matmul's output: f, or Llama's gate and up, 2f (as the
+    /// dense block's, `activations::mlp_in`, which imports this module).
     pub fn mlp_in(&self) -> usize {
-        mlp_in(self.family, self.hidden)
+        match self.family {
+            ModelFamily::Gpt2 => self.hidden,
+            ModelFamily::Llama => 2 * self.hidden,
+        }
     }
 
     /// What a slot keeps of its expert's MLP: fc's output and the activation's (GPT-2 2f,
