@@ -9,7 +9,7 @@
 //! (`tokens_per_s` from the mean step; `cargo xtask bench` reads the median step instead).
 //!
 //! `cargo bench -p distlab-worker --bench train_step [-- --threads 1,2 --steps 20 --warmup 3
-//!  --precision fp32|bf16|fp16 --checkpointing none|every|sqrt --attention naive|flash
+//!  --precision fp32|bf16|fp16 --checkpointing none|selective|every|sqrt --attention naive|flash
 //!  --seq-len 128 --batch 16 --family gpt2|llama]`
 //!
 //! `--family llama`: the reference shape in Llama blocks of about the same parameter count
@@ -88,7 +88,7 @@ fn parse_args() -> Args {
             }
             "--checkpointing" => {
                 args.checkpointing =
-                    choice(&value).unwrap_or_else(|_| panic!("--checkpointing none|every|sqrt, not {value}"));
+                    choice(&value).unwrap_or_else(|_| panic!("--checkpointing none|selective|every|sqrt, not {value}"));
                 i += 1;
             }
             "--attention" => {

@@ -269,6 +269,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
         result = offload_scenario(&client, &lab).await;
     }
     if result.is_ok() {
+        result = selective_recompute_scenario(&client, &lab).await;
+    }
+    if result.is_ok() {
         result = sequence_parallel_scenario(&client, &lab).await;
     }
     if result.is_ok() {
@@ -1671,6 +1674,43 @@ async fn offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(planned > 2 << 20 && measured.is_some_and(|m| m.ends_with("MiB")), "{planned} B planned: {line}");
     ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
     save_element(c, "#memory-card", "offload-memory.png").await?;
+    Ok(())
+}
+
+/// Selective recompute: the form offers it; the selective preset's page says so in the
+/// spec, its memory card measures what the planner predicts (no block's probabilities
+/// kept), and its timeline draws a recompute span before each block's backward.
+async fn selective_recompute_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    choose(c, "train.checkpointing", "selective").await?;
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "selective").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the selective run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the memory card", Duration::from_secs(30), || exists(c, "#memory-card .memory-rank[data-rank='0']"))
+        .await?;
+    let spec_text = text(c, "#spec").await?;
+    ensure!(spec_text.contains("activation checkpointing selective"), "{spec_text}");
+    wait_for(c, "rank 0's measurement", Duration::from_secs(30), || {
+        exists(c, ".memory-rank[data-rank='0'] .memory-bar[data-kind='measured']")
+    })
+    .await?;
+    ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
+    save_element(c, "#memory-card", "selective-recompute-memory.png").await?;
+    wait_for(c, "the timeline", Duration::from_secs(30), || exists(c, ".timeline-chart .spans")).await?;
+    let recomputes = c
+        .execute(
+            "return Array.from(document.querySelectorAll('.timeline-chart title'))\
+             .filter(t => t.textContent.includes('recompute layer')).length;",
+            vec![],
+        )
+        .await?;
+    ensure!(recomputes.as_u64().unwrap_or(0) >= spec.model.layers as u64, "recompute spans drawn: {recomputes}");
+    save_element(c, "#timeline-card", "selective-recompute-timeline.png").await?;
     Ok(())
 }
 

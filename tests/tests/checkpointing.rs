@@ -1,6 +1,7 @@
-//! Activation checkpointing: recomputing a block gives bit-for-bit the activations forward
-//! made, so the losses are exactly those without it, alone and under TP, PP and FSDP; the
-//! activations held fall to what the planner predicts; FSDP gathers what it recomputes.
+//! Activation checkpointing: recomputing a block (or, selective, its attention
+//! probabilities) gives bit-for-bit the activations forward made, so the losses are exactly
+//! those without it, alone and under TP, PP and FSDP; the activations held fall to what the
+//! planner predicts; FSDP gathers what it recomputes.
 
 use distlab_common::planner::plan;
 use distlab_common::trace::{self, SpanKind};
@@ -17,7 +18,7 @@ fn spec(name: &str, checkpointing: Checkpointing) -> ExperimentSpec {
     spec
 }
 
-const MODES: [Checkpointing; 2] = [Checkpointing::Every, Checkpointing::Sqrt];
+const MODES: [Checkpointing; 3] = [Checkpointing::Every, Checkpointing::Sqrt, Checkpointing::Selective];
 
 #[test]
 fn recomputing_gives_exactly_the_training_without_it() {
@@ -50,13 +51,15 @@ fn recomputing_gives_exactly_the_training_without_it() {
 /// below those without checkpointing. Here "every" holds less than "sqrt": a block's
 /// activations are ~16x its output, so 5 outputs + 1 block beat 2 outputs + 3 blocks (sqrt
 /// pays off where a segment's internals are small next to what it saves). Backward shows
-/// a "recompute layer" span for each block recomputed ahead of its own backward.
+/// a "recompute layer" span for each block recomputed ahead of its own backward. Selective
+/// recompute keeps all but the blocks' attention probabilities (one block's held instead),
+/// and recomputes them in a span of their own before each block's backward.
 #[test]
 fn activations_held_match_the_plan_and_recomputes_show_on_the_timeline() {
     let _serial = one_at_a_time();
     for pp in [1, 2] {
         let mut peaks = Vec::new();
-        for mode in [Checkpointing::None, Checkpointing::Every, Checkpointing::Sqrt] {
+        for mode in [Checkpointing::None, Checkpointing::Every, Checkpointing::Sqrt, Checkpointing::Selective] {
             let mut s = spec("memory", mode);
             s.parallel.pp = pp;
             s.train.steps = 2;
@@ -99,6 +102,28 @@ fn activations_held_match_the_plan_and_recomputes_show_on_the_timeline() {
         }
         assert!(peaks[1] < peaks[0] && peaks[2] < peaks[0], "pp={pp}: none, every, sqrt peaks {peaks:?}");
         assert!(peaks[1] < peaks[2], "pp={pp}: every below sqrt here: {peaks:?}");
+        assert!(peaks[2] < peaks[3] && peaks[3] < peaks[0], "pp={pp}: selective between sqrt and none: {peaks:?}");
+    }
+}
+
+/// Selective recompute drops nothing ZB-H1's W needs (the probabilities' gradient is the
+/// B's): the same bits as ZB-H1 without it, and each stage's activations the planner's.
+#[test]
+fn selective_recompute_composes_with_zero_bubble() {
+    let _serial = one_at_a_time();
+    let mut plain = spec("zb-h1", Checkpointing::None);
+    (plain.parallel.pp, plain.parallel.pp_schedule, plain.train.micro_batches) = (2, PpSchedule::ZbH1, 4);
+    (plain.train.steps, plain.train.warmup_steps) = (3, 1);
+    let mut selective = plain.clone();
+    selective.train.checkpointing = Checkpointing::Selective;
+    let bits = |m: &[MetricPoint]| m.iter().map(|p| (p.loss.to_bits(), p.grad_norm.to_bits())).collect::<Vec<_>>();
+    let (points, trace) = run_points_with_trace(&selective);
+    assert_eq!(bits(&points), bits(&run_steps(&plain)), "zb-h1 with selective recompute");
+    let predicted = plan(&selective).unwrap();
+    for r in &trace.ranks {
+        let measured = &r.memory.as_ref().unwrap().peak;
+        let stage = &predicted.stages[selective.stage_of(r.rank as usize)].memory;
+        assert_eq!(measured.activations, stage.activations, "rank {}", r.rank);
     }
 }
 

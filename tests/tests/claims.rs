@@ -70,6 +70,16 @@ fn checkpointing_costs_about_one_more_forward() {
 }
 
 #[test]
+fn selective_recompute_drops_the_probabilities_for_a_small_share_of_the_step() {
+    let _serial = one_at_a_time();
+    let spec = preset("selective");
+    let mut plain = spec.clone();
+    plain.train.checkpointing = Checkpointing::None;
+    let got = check(ClaimCheck::SelectiveRecompute, &spec, Some(&plain));
+    assert!(got.agrees, "{got:?}");
+}
+
+#[test]
 fn fp16_without_scaling_stores_most_logit_gradients_as_zero() {
     let _serial = one_at_a_time();
     let plain = preset("fp16-plain");

@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 22] = [
+const LAYOUTS: [(&str, Layout); 23] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -53,6 +53,9 @@ const LAYOUTS: [(&str, Layout); 22] = [
         (s.parallel.dp, s.parallel.tp, s.parallel.pp, s.parallel.sharding) = (2, 2, 2, Sharding::Fsdp)
     }),
     ("ddp checkpointing", |s| (s.parallel.dp, s.train.checkpointing) = (2, Checkpointing::Every)),
+    ("pp2 zb-h1 selective recompute", |s| {
+        (s.parallel.pp, s.parallel.pp_schedule, s.train.checkpointing) = (2, PpSchedule::ZbH1, Checkpointing::Selective)
+    }),
     ("ddp flash attention", |s| (s.parallel.dp, s.train.attention) = (2, Attention::Flash)),
     ("moe ep2", |s| {
         s.model = ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.0, ..s.model.clone() };

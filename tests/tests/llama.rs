@@ -97,13 +97,14 @@ fn tensor_parallel_llamas_train_like_one_rank() {
     assert_same_training(&run_steps(&one), &run_steps(&mesh), "llama dp2 x tp2 x pp2 fsdp");
 }
 
-/// Recomputing every block in backward gives the same bits; flash attention (grouped, no
+/// Recomputing every block (or, selective, its grouped attention's probabilities) in
+/// backward gives the same bits; flash attention (grouped, no
 /// K/V repeated per query head) follows plain attention to float rounding; bf16 and fp16
 /// follow fp32 to their precision.
 #[test]
 fn checkpointed_flash_and_two_byte_llamas_train_like_the_plain_run() {
     let plain = run_steps(&llama("plain", 10));
-    for checkpointing in [Checkpointing::Every, Checkpointing::Sqrt] {
+    for checkpointing in [Checkpointing::Every, Checkpointing::Sqrt, Checkpointing::Selective] {
         let mut s = llama("checkpointed", 10);
         s.train.checkpointing = checkpointing;
         let recomputed = run_steps(&s);

@@ -374,6 +374,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--test", "gradcheck", "swiglu_experts"],
     },
     Mutant {
+        name: "Selective recompute: backward never recomputes the probabilities (each block reads the last forward's)",
+        file: "gpu-worker/src/model/gpt.rs",
+        find: "timed(be, &mut self.recomputes_timed, l, || recompute_probabilities(be, a, s, dims));",
+        replace: "let _ = (a, &s);",
+        tests: &["-p", "distlab-tests", "--test", "checkpointing", "recomputing_gives_exactly_the_training_without_it"],
+    },
+    Mutant {
         name: "BPE: the validation windows are cut from the training text's tokens",
         file: "gpu-worker/src/data.rs",
         find: "text.held_out.window((index % windows) * seq_len, inp, tgt);",

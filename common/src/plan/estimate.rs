@@ -400,7 +400,7 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
         let bytes = [c.dp_all_reduce, c.dp_reduce_scatter, c.dp_all_gather, c.dp_compressed, c.ep_all_to_all]
             .into_iter()
             .fold(0u64, u64::saturating_add);
-        let per_block: u64 = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+        let per_block: u64 = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
         let ep = (spec.parallel.ep as u64).saturating_sub(1);
         let all_to_all = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps).saturating_mul(ep);
         (bytes, dp_messages(spec, st, micro_steps).saturating_add(all_to_all))
@@ -408,7 +408,7 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
     let tp_axis = slowest_stage(axis(1, tp), &|st| {
         // Ring all-reduce: 2(T-1) steps; 4 per block and micro-batch (6 when the forward is
         // recomputed), as the planner counts them.
-        let per_block: u64 = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+        let per_block: u64 = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
         let all_reduces = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps);
         (st.comm.tp_all_reduce, all_reduces.saturating_mul(tp.saturating_sub(1).saturating_mul(2)))
     });
@@ -478,7 +478,11 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
 fn stage_imbalance(spec: &ExperimentSpec, plan: &Plan) -> f64 {
     let m = &spec.model;
     let (params, s, d) = (m.active_block_params() as f64, m.seq_len as f64, m.d_model as f64);
-    let recompute = if spec.train.checkpointing == Checkpointing::None { 0.0 } else { 2.0 * params + 4.0 * s * d };
+    let recompute = match spec.train.checkpointing {
+        Checkpointing::None => 0.0,
+        Checkpointing::Selective => 4.0 * s * d,
+        Checkpointing::Every | Checkpointing::Sqrt => 2.0 * params + 4.0 * s * d,
+    };
     let block = 6.0 * params + 12.0 * s * d + recompute;
     let head = 6.0 * d * m.vocab as f64;
     let work: Vec<f64> =
@@ -563,7 +567,7 @@ fn notes(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster, e: &Estimate) ->
             gb(e.memory_per_gpu_bytes.saturating_sub(e.gpu_memory_bytes)),
             gb(e.gpu_memory_bytes)
         );
-        if t.checkpointing == Checkpointing::None {
+        if !t.checkpointing.recomputes_blocks() {
             text.push_str(" Activation checkpointing would keep one tensor per block instead of all of them.");
         }
         if p.dp > 1 && p.sharding != Sharding::Fsdp {

@@ -254,9 +254,7 @@ fn layouts(request: &SearchRequest) -> Option<Vec<ExperimentSpec>> {
                         let bucketed = dp > 1 && matches!(sharding, Sharding::None | Sharding::Zero1);
                         let buckets = if bucketed { &BUCKETS[..] } else { &BUCKETS[1..2] };
                         for (checkpointing, &bucket_bytes) in
-                            [Checkpointing::None, Checkpointing::Sqrt, Checkpointing::Every]
-                                .into_iter()
-                                .flat_map(|c| buckets.iter().map(move |b| (c, b)))
+                            checkpointing_modes(request.attention).flat_map(|c| buckets.iter().map(move |b| (c, b)))
                         {
                             let mut spec =
                                 ExperimentSpec { name: "layout".into(), model: m.clone(), ..ExperimentSpec::default() };
@@ -286,6 +284,13 @@ fn layouts(request: &SearchRequest) -> Option<Vec<ExperimentSpec>> {
         }
     }
     Some(out)
+}
+
+/// The checkpointing modes worth trying: selective recompute only where attention keeps
+/// its probabilities (flash attention keeps none to drop).
+fn checkpointing_modes(attention: Attention) -> impl Iterator<Item = Checkpointing> {
+    let selective = (attention == Attention::Naive).then_some(Checkpointing::Selective);
+    [Checkpointing::None].into_iter().chain(selective).chain([Checkpointing::Sqrt, Checkpointing::Every])
 }
 
 /// The schedules worth trying for `pp` stages: none to choose without a pipeline; 1F1B

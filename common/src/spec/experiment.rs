@@ -462,8 +462,13 @@ pub enum LossScaling {
 #[serde(rename_all = "lowercase")]
 pub enum Checkpointing {
     None,
+    /// Every block's output kept, each block run again before its backward.
     Every,
+    /// About sqrt(L) segment outputs kept, a segment run again before its backward.
     Sqrt,
+    /// Everything kept but attention's (T, T) probabilities, which each block's backward
+    /// computes again from its q and k (Korthikanti et al.'s selective recompute).
+    Selective,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -884,7 +889,15 @@ impl Checkpointing {
             Checkpointing::None => "none",
             Checkpointing::Every => "every",
             Checkpointing::Sqrt => "sqrt",
+            Checkpointing::Selective => "selective",
         }
+    }
+
+    /// Whether backward runs whole blocks' forward again (every, sqrt), opening their
+    /// parameters and repeating their tensor-parallel sums; selective recompute only
+    /// recomputes attention's probabilities inside each block's backward.
+    pub fn recomputes_blocks(self) -> bool {
+        matches!(self, Checkpointing::Every | Checkpointing::Sqrt)
     }
 }
 

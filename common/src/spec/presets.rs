@@ -130,6 +130,15 @@ pub fn presets() -> Vec<Preset> {
     flash.train.steps = 10;
     flash.train.attention = Attention::Flash;
 
+    // The flash preset's shape, 6 blocks deep, with naive attention: selective recompute
+    // drops the T x T probabilities every block keeps and makes them again in its backward
+    // (one block's held at a time).
+    let mut selective = ExperimentSpec { name: "selective-recompute".into(), ..ExperimentSpec::default() };
+    selective.model = ModelSpec::dense(6, 64, 4, 512, 64);
+    selective.train.micro_batch = 2;
+    selective.train.steps = 10;
+    selective.train.checkpointing = Checkpointing::Selective;
+
     let mut experts = ExperimentSpec { name: "moe-4-experts-ep2".into(), ..ExperimentSpec::default() };
     experts.model =
         ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.25, ..ModelSpec::dense(2, 64, 4, 32, 64) };
@@ -264,6 +273,12 @@ pub fn presets() -> Vec<Preset> {
             title: "FlashAttention on long sequences (T = 512)",
             description: "A small model on sequences of 512 tokens with FlashAttention: the attention scores are computed tile by tile and never stored, so backward recomputes them. Resubmit it with attention \"naive\" and compare the memory cards: the naive run keeps every head's T x T probabilities for backward, most of its activations here; the losses are the same.",
             spec: flash,
+        },
+        Preset {
+            key: "selective",
+            title: "Selective recompute on long sequences (T = 512)",
+            description: "A small model (6 blocks, d_model 64) on sequences of 512 tokens with naive attention and selective recompute: each block keeps everything but its heads' T x T attention probabilities, which its backward computes again from the q and k it kept (one block's at a time). Resubmit it with checkpointing \"none\" and compare the memory cards (most of the activations here are those probabilities) and the timeline's recompute spans (the softmax and the two products around it, a small part of the step); the losses are identical.",
+            spec: selective,
         },
         Preset {
             key: "experts",

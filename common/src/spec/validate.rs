@@ -321,6 +321,15 @@ impl ExperimentSpec {
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
             err("train.grad_clip", "grad_clip must be 0 (off) or a positive number".into());
         }
+        if t.checkpointing == Checkpointing::Selective && t.attention == Attention::Flash {
+            err(
+                "train.checkpointing",
+                "selective recompute drops attention's (T, T) probabilities and computes them again in backward, \
+                 which flash attention already does (it keeps one log-sum-exp per row): use attention=naive, or \
+                 checkpointing=none"
+                    .into(),
+            );
+        }
         if t.loss_scaling == LossScaling::Dynamic && t.precision != Precision::Fp16 {
             err(
                 "train.loss_scaling",
@@ -569,11 +578,11 @@ impl ExperimentSpec {
                     .into(),
             );
         }
-        if self.train.checkpointing != Checkpointing::None {
+        if self.train.checkpointing.recomputes_blocks() {
             refuse(
                 "train.checkpointing",
                 "the W needs the activations the B used, which checkpointing recomputes into buffers the next \
-                 block reuses: use checkpointing=none"
+                 block reuses: use checkpointing=none or selective"
                     .into(),
             );
         }
@@ -944,6 +953,10 @@ mod tests {
             ),
             (json!({"train": {"warmup_steps": 500}}), vec![("train.warmup_steps", "longer than the run")]),
             (json!({"train": {"loss_scaling": "dynamic"}}), vec![("train.loss_scaling", "for fp16")]),
+            (
+                json!({"train": {"checkpointing": "selective", "attention": "flash"}}),
+                vec![("train.checkpointing", "which flash attention already does")],
+            ),
             (json!({"train": {"grad_clip": -1.0}}), vec![("train.grad_clip", "positive")]),
             (json!({"demo": {"elements": 0}}), vec![("demo.elements", "between 1 and 4096")]),
             (json!({"demo": {"op": "all_reduce"}, "parallel": {"tp": 2}}), vec![("demo", "tp=1 and pp=1")]),

@@ -168,7 +168,7 @@ pub fn PlannerPage() -> impl IntoView {
                     {number(spec, "grad_accum", |s| s.train.grad_accum, |s, v| s.train.grad_accum = v)}
                     {choice(spec, "precision", &["fp32", "bf16", "fp16"], |s| json_str(&s.train.precision),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.precision = x })}
-                    {choice(spec, "checkpointing", &["none", "every", "sqrt"], |s| json_str(&s.train.checkpointing),
+                    {choice(spec, "checkpointing", &["none", "selective", "every", "sqrt"], |s| json_str(&s.train.checkpointing),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.checkpointing = x })}
                     {choice(spec, "optimizer", &["adamw", "sgd"], |s| json_str(&s.train.optimizer),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.optimizer = x })}

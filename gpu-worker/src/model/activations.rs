@@ -25,7 +25,8 @@ pub(super) struct BlockActivations<Buf> {
     pub(super) ln1_rstd: Buf,
     pub(super) qkv: Buf,
     /// Softmax probabilities, (batch, heads, T, T); with flash attention only one
-    /// log-sum-exp per row, (batch, heads, T, 2).
+    /// log-sum-exp per row, (batch, heads, T, 2); with selective recompute nothing (the
+    /// stage's one `GradScratch::probs` holds them, made again by the block's backward).
     pub(super) att: Buf,
     /// Attention output before its projection.
     pub(super) atty: Buf,
@@ -157,7 +158,7 @@ impl Saved {
     /// (Chen et al. 2016: sqrt(L) memory for one extra forward).
     pub fn segment(&self, blocks: usize) -> Option<usize> {
         match self.checkpointing {
-            Checkpointing::None => None,
+            Checkpointing::None | Checkpointing::Selective => None,
             Checkpointing::Every => Some(1),
             Checkpointing::Sqrt => Some(ceil_sqrt(blocks).max(1)),
         }
@@ -198,6 +199,9 @@ pub(super) struct ActivationShape {
     pub(super) checkpoints: usize,
     pub(super) last: bool,
     pub(super) attention: Attention,
+    /// Selective recompute: blocks keep no attention probabilities; the stage holds one
+    /// block's, for the forward that makes them and the backward that makes them again.
+    pub(super) recompute_probabilities: bool,
     /// Mixture of Experts (None: dense blocks).
     pub(super) experts: Option<ExpertShape>,
 }
@@ -234,6 +238,7 @@ impl ActivationShape {
             checkpoints: 0,
             last: false,
             attention,
+            recompute_probabilities: false,
             experts: ExpertShape::of(spec, rows, ep),
         }
     }
@@ -283,7 +288,7 @@ impl ActivationShape {
             ln1_mean: alloc(mean),
             ln1_rstd: alloc(rstd),
             qkv: alloc(rows * self.qkv),
-            att: alloc(self.attention_floats()),
+            att: alloc(if self.recompute_probabilities { 0 } else { self.attention_floats() }),
             atty: alloc(rows * cl),
             res_attn: alloc(own * c),
             ln2: alloc(own * c),
@@ -488,16 +493,13 @@ impl<B: Backend> InFlightSets<B> {
 }
 
 /// What [`Gpt::new`](super::Gpt::new) will allocate for activations and their gradients on one of `tp`
-/// tensor-parallel ranks (with `sequence_parallel`, its share of the LayerNorm and
+/// tensor-parallel ranks (with sequence parallelism, its share of the LayerNorm and
 /// residual regions) and one of `ep` expert-parallel ranks, without allocating
-/// (saturating, so absurd specs give a huge number, not an overflow).
-pub fn activation_floats_for(
-    spec: &ModelSpec,
-    batch: usize,
-    (tp, ep): (usize, usize),
-    attention: Attention,
-    sequence_parallel: bool,
-) -> usize {
+/// (saturating, so absurd specs give a huge number, not an overflow), keeping every
+/// block's activations (selective recompute: but their attention probabilities, one
+/// block's held instead).
+pub fn activation_floats_for(spec: &ModelSpec, batch: usize, (tp, ep): (usize, usize), saved: Saved) -> usize {
+    let Saved { attention, sequence_parallel, .. } = saved;
     let n = tp.max(1);
     let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n, spec.layers);
     let rows = batch.saturating_mul(t);
@@ -515,14 +517,18 @@ pub fn activation_floats_for(
     let dmlp = hidden.saturating_mul(if llama { 3 } else { 1 });
     // per block: ln1, res_attn, ln2, res_mlp (own rows x c); qkv, atty (c/tp), the MLP's;
     // the two norms' statistics; attention probabilities of this rank's heads (a
-    // log-sum-exp pair per row with flash)
+    // log-sum-exp pair per row with flash; with selective recompute the stage's one set)
+    let (kept_att, probs) = match saved.checkpointing {
+        Checkpointing::Selective => (0, att),
+        _ => (att, 0),
+    };
     let block = own_c
         .saturating_mul(4)
         .saturating_add(qkv)
         .saturating_add(rows.saturating_mul(c / n))
         .saturating_add(mlp)
         .saturating_add(stats.saturating_mul(2))
-        .saturating_add(att);
+        .saturating_add(kept_att);
     // encoded (own rows), lnf (rows x c), lnf statistics (own rows), logits, losses
     let top =
         own_c.saturating_add(rc).saturating_add(stats).saturating_add(rows).saturating_add(rows.saturating_mul(v));
@@ -548,5 +554,5 @@ pub fn activation_floats_for(
             (block, scratch.saturating_add(expert_scratch_floats(&e, rows, c)))
         }
     };
-    block.saturating_mul(l).saturating_add(top).saturating_add(scratch).saturating_add(exchange)
+    block.saturating_mul(l).saturating_add(top).saturating_add(scratch).saturating_add(exchange).saturating_add(probs)
 }

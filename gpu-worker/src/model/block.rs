@@ -25,6 +25,7 @@ use distlab_common::{Attention, ModelFamily};
 
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
+use crate::memory::Category;
 use crate::model::activations::{mlp_in, ActivationShape, Activations, BlockActivations, WeightStash};
 use crate::model::experts::{
     experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden, HiddenGrads,
@@ -55,6 +56,9 @@ pub(super) struct Dims {
     pub(super) attention: Attention,
     /// Sequence parallelism: the tokens whose LayerNorm and residual regions this rank keeps.
     pub(super) mine: Option<Tokens>,
+    /// Selective recompute: attention's probabilities are in the scratch's `probs`, made
+    /// by the forward and again before the block's backward ([`recompute_probabilities`]).
+    pub(super) recompute_probabilities: bool,
     /// Mixture of Experts (None: dense blocks).
     pub(super) experts: Option<ExpertShape>,
     /// Backward: the balance loss's weight in the objective (aux_loss_coef x tokens x
@@ -62,7 +66,8 @@ pub(super) struct Dims {
     pub(super) balance_weight: f64,
 }
 
-/// Activation gradients, shared by all blocks (backward visits one block at a time).
+/// Activation gradients, shared by all blocks (backward visits one block at a time), and
+/// selective recompute's attention probabilities.
 pub(super) struct GradScratch<Buf> {
     /// Gradient of the residual stream.
     pub(super) dres: Buf,
@@ -81,6 +86,9 @@ pub(super) struct GradScratch<Buf> {
     pub(super) dgate_up: Buf,
     /// Mixture of Experts: the slots' and the router's gradients.
     pub(super) experts: Option<ExpertScratch<Buf>>,
+    /// Selective recompute: the probabilities (batch, heads, T, T) of the block whose
+    /// forward or backward runs, booked as activations (empty otherwise).
+    pub(super) probs: Buf,
 }
 
 impl Dims {
@@ -148,8 +156,11 @@ pub(super) fn norm_backward<B: Backend>(
 }
 
 impl<Buf> GradScratch<Buf> {
-    /// Sized for micro-batches of `shape`, each buffer from `alloc(floats)`.
-    pub(super) fn new(shape: &ActivationShape, alloc: &mut dyn FnMut(usize) -> Buf) -> Self {
+    /// Sized for micro-batches of `shape`, each buffer from `alloc(category, floats)`.
+    pub(super) fn new(shape: &ActivationShape, alloc: &mut dyn FnMut(Category, usize) -> Buf) -> Self {
+        let probs = if shape.recompute_probabilities { shape.attention_floats() } else { 0 };
+        let probs = alloc(Category::Activations, probs);
+        let alloc = &mut |len| alloc(Category::ActivationGrads, len);
         let ActivationShape { rows, res_rows, c, cl, hidden, .. } = *shape;
         let gate_up = match shape.family {
             ModelFamily::Gpt2 => 0,
@@ -164,11 +175,13 @@ impl<Buf> GradScratch<Buf> {
             dfch: alloc(rows.max(shape.mlp_rows()) * hidden),
             dgate_up: alloc(gate_up),
             experts: shape.experts.map(|e| ExpertScratch::new(&e, rows, c, alloc)),
+            probs,
         }
     }
 
     pub(super) fn buffers(&self) -> Vec<&Buf> {
-        let mut bufs = vec![&self.dres, &self.dln, &self.datty, &self.dqkv, &self.datt, &self.dfch, &self.dgate_up];
+        let mut bufs =
+            vec![&self.dres, &self.dln, &self.datty, &self.dqkv, &self.datt, &self.dfch, &self.dgate_up, &self.probs];
         bufs.extend(self.experts.iter().flat_map(ExpertScratch::buffers));
         bufs
     }
@@ -185,13 +198,15 @@ impl<Buf> GradScratch<Buf> {
 /// units, and the two row-parallel outputs are partial sums: g all-reduces them. With
 /// sequence parallelism `x`, the LayerNorms and the residuals are this rank's tokens only:
 /// the LayerNorm outputs are gathered before the column-parallel matmuls and the
-/// row-parallel outputs reduce-scattered.
+/// row-parallel outputs reduce-scattered. With selective recompute attention's
+/// probabilities go to `probs` (the stage's one buffer), not to `a`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn block_forward<B: Backend>(
     be: &B,
     w: &BlockTensors<B::View<'_>>,
     x: &B::Buf,
     a: &mut BlockActivations<B::Buf>,
+    probs: Option<&mut B::Buf>,
     d: Dims,
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
@@ -208,7 +223,11 @@ pub(super) fn block_forward<B: Backend>(
     if family == ModelFamily::Llama {
         be.rope_forward(be.all_mut(&mut a.qkv), d.heads, d.rope_theta);
     }
-    let (out, saved, qkv) = (be.all_mut(&mut a.atty), be.all_mut(&mut a.att), be.all(&a.qkv));
+    let saved = match probs {
+        Some(probs) => be.all_mut(probs),
+        None => be.all_mut(&mut a.att),
+    };
+    let (out, qkv) = (be.all_mut(&mut a.atty), be.all(&a.qkv));
     match attention {
         Attention::Naive => be.attention_forward(out, saved, qkv, d.heads),
         Attention::Flash => be.flash_attention_forward(out, saved, qkv, d.heads),
@@ -271,7 +290,21 @@ pub(super) fn segment_block_forward<B: Backend>(
         (0, _) => &acts.checkpoints[i / k - 1],
         _ => &before[j - 1].res_mlp,
     };
-    block_forward(be, w, x, &mut rest[0], d, tp, exchange, ep, layer)
+    block_forward(be, w, x, &mut rest[0], None, d, tp, exchange, ep, layer)
+}
+
+/// Selective recompute, before a block's backward: attention's probabilities again from
+/// the q and k its forward kept, into `s.probs` (Korthikanti et al.: the softmax and the
+/// two products around it are cheap to redo and the largest thing a block would keep).
+/// The output it makes on the way, equal to the kept `atty`, lands in `s.datty`, which the
+/// backward overwrites before reading it.
+pub(super) fn recompute_probabilities<B: Backend>(
+    be: &B,
+    a: &BlockActivations<B::Buf>,
+    s: &mut GradScratch<B::Buf>,
+    d: Dims,
+) {
+    be.attention_forward(be.all_mut(&mut s.datty), be.all_mut(&mut s.probs), be.all(&a.qkv), d.heads);
 }
 
 /// One transformer block backward: `s.dres` holds the gradient of the block's output and
@@ -401,7 +434,10 @@ pub(super) fn block_backward<B: Backend>(
     linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), be.all(&a.atty), w.attn_proj_w, (cl, c), kept);
     let (dqkv, scratch, dy, qkv) = (be.all_mut(&mut s.dqkv), be.all_mut(&mut s.datt), be.all(&s.datty), be.all(&a.qkv));
     match attention {
-        Attention::Naive => be.attention_backward(dqkv, scratch, dy, qkv, be.all(&a.att), d.heads),
+        Attention::Naive => {
+            let probs = if d.recompute_probabilities { &s.probs } else { &a.att };
+            be.attention_backward(dqkv, scratch, dy, qkv, be.all(probs), d.heads)
+        }
         Attention::Flash => {
             be.flash_attention_backward(dqkv, scratch, dy, qkv, be.all(&a.atty), be.all(&a.att), d.heads)
         }

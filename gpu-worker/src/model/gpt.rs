@@ -36,7 +36,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::ModelSpec;
+use distlab_common::{Checkpointing, ModelSpec};
 
 use crate::backend::Backend;
 use crate::comm::CommError;
@@ -45,7 +45,8 @@ use crate::model::activations::{
     activation_floats_for, stage_output, ActivationShape, BlockActivations, InFlightSets, Saved,
 };
 use crate::model::block::{
-    block_backward, block_forward, segment_block_forward, shift, split_block, Dims, GradScratch,
+    block_backward, block_forward, recompute_probabilities, segment_block_forward, shift, split_block, Dims,
+    GradScratch,
 };
 use crate::model::experts::{ExpertGroup, ExpertStats};
 use crate::model::head::{head_backward, head_forward, head_params, split_head, LogitGradZeros};
@@ -152,7 +153,10 @@ impl<B: Backend> Gpt<B> {
         };
         let ranks = (place.size, experts.size);
         let sequence_parallel = saved.sequence_parallel && place.size > 1;
-        let shape = ActivationShape::new(spec, batch, ranks, saved.attention, sequence_parallel);
+        let shape = ActivationShape {
+            recompute_probabilities: saved.checkpointing == Checkpointing::Selective,
+            ..ActivationShape::new(spec, batch, ranks, saved.attention, sequence_parallel)
+        };
         let mut floats = 0usize;
         let mut receipts = Vec::new();
         let mut alloc = |category: Category, len: usize| {
@@ -162,12 +166,12 @@ impl<B: Backend> Gpt<B> {
         };
         let recompute =
             (0..segment.unwrap_or(0)).map(|_| shape.block(&mut |len| alloc(Category::Activations, len))).collect();
-        let scratch = GradScratch::new(&shape, &mut |len| alloc(Category::ActivationGrads, len));
+        let scratch = GradScratch::new(&shape, &mut alloc);
         let norm = spec.norm_params() as usize;
         let exchange = sequence_parallel.then(|| Exchange::new(shape.rows, shape.c, norm, stage.last, &mut alloc));
         let activations = InFlightSets::new(shape.for_chunks(&stage, segment), memory);
         if stage == Stage::whole(spec.layers) && segment.is_none() {
-            let expected = activation_floats_for(spec, batch, ranks, saved.attention, sequence_parallel);
+            let expected = activation_floats_for(spec, batch, ranks, saved);
             debug_assert_eq!(floats + activations.set_floats(0), expected);
         }
         Self {
@@ -331,7 +335,8 @@ impl<B: Backend> Gpt<B> {
                     let (done, rest) = acts.blocks.split_at_mut(i);
                     let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
                     let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
-                    block_forward(be, &w, x, &mut rest[0], dims, tp, exchange, ep, l)?;
+                    let probs = dims.recompute_probabilities.then_some(&mut self.scratch.probs);
+                    block_forward(be, &w, x, &mut rest[0], probs, dims, tp, exchange, ep, l)?;
                     self.expert_stats.add(rest[0].moe.as_ref());
                 }
                 // Checkpointing: run the block in the shared segment buffers and keep only
@@ -385,6 +390,7 @@ impl<B: Backend> Gpt<B> {
             lead: rank == 0,
             attention: self.activations.shapes[0].attention,
             mine: self.exchange.is_some().then_some(Tokens { start: rank * own, len: own }),
+            recompute_probabilities: self.activations.shapes[0].recompute_probabilities,
             experts: self.activations.shapes[0].experts,
             balance_weight: 0.0,
         }
@@ -513,17 +519,20 @@ impl<B: Backend> Gpt<B> {
                     let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
                     let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
                     let (x, a) = match self.segment {
-                        None => (if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp }, &acts.blocks[i]),
+                        None => {
+                            let a = &acts.blocks[i];
+                            if dims.recompute_probabilities {
+                                timed(be, &mut self.recomputes_timed, l, || recompute_probabilities(be, a, s, dims));
+                            }
+                            (if i == 0 { &acts.encoded } else { &acts.blocks[i - 1].res_mlp }, a)
+                        }
                         Some(_) => {
                             if i == end - 1 {
                                 let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
                                 let recompute = &mut self.recompute;
-                                let start = self.recomputes_timed.is_some().then(now_us);
-                                segment_block_forward(be, &w, acts, recompute, i, k, dims, tp, exchange, ep, l)?;
-                                if let (Some(start), Some(timed)) = (start, self.recomputes_timed.as_mut()) {
-                                    be.synchronize();
-                                    timed.push(RecomputeTime { layer: l, start_us: start, end_us: now_us() });
-                                }
+                                timed(be, &mut self.recomputes_timed, l, || {
+                                    segment_block_forward(be, &w, acts, recompute, i, k, dims, tp, exchange, ep, l)
+                                })?;
                             }
                             let j = i - start;
                             let x = match (j, i) {
@@ -572,4 +581,21 @@ impl<B: Backend> Gpt<B> {
         }
         state.close(be, Unit::Embeddings, without_params)
     }
+}
+
+/// Runs `recompute`, a forward run again inside block `layer`'s backward, timed into
+/// `times` when they are being kept ([`Gpt::time_recomputes`]).
+fn timed<B: Backend, R>(
+    be: &B,
+    times: &mut Option<Vec<RecomputeTime>>,
+    layer: usize,
+    recompute: impl FnOnce() -> R,
+) -> R {
+    let start = times.is_some().then(now_us);
+    let out = recompute();
+    if let (Some(start_us), Some(times)) = (start, times.as_mut()) {
+        be.synchronize();
+        times.push(RecomputeTime { layer, start_us, end_us: now_us() });
+    }
+    out
 }

@@ -23,8 +23,12 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
         &spec.model,
         spec.train.micro_batch,
         (spec.parallel.tp, spec.parallel.ep),
-        spec.train.attention,
-        spec.parallel.sequence_parallel,
+        crate::model::Saved {
+            checkpointing: spec.train.checkpointing,
+            attention: spec.train.attention,
+            sequence_parallel: spec.parallel.sequence_parallel,
+            split_backward: false,
+        },
     ) as u64;
     // ZeRO-Offload: the state leaves the device (a disk state's piece stays in host memory,
     // which is the CPU backend's device).

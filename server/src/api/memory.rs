@@ -116,10 +116,14 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
         Category::Activations => {
             let base = "the planner estimates the tensors each block saves for backward (its per-layer formula), \
                         plus each stage's input and, on the last stage, the logits, for every micro-batch in flight";
-            let recompute = if spec.train.checkpointing == Checkpointing::None {
-                ""
-            } else {
-                " and, with activation checkpointing, one recomputed segment"
+            let recompute = match spec.train.checkpointing {
+                Checkpointing::None => "",
+                Checkpointing::Selective => {
+                    " (with selective recompute, without attention's probabilities) and one block's probabilities"
+                }
+                Checkpointing::Every | Checkpointing::Sqrt => {
+                    " and, with activation checkpointing, one recomputed segment"
+                }
             };
             if more {
                 format!("{base}{recompute}; the engine also keeps buffers that formula leaves out")

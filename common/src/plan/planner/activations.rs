@@ -104,14 +104,22 @@ pub fn expert_block_elements(m: &ModelSpec, rows: u64, ep: u64, dense_layer: u64
 /// With activation checkpointing, forward keeps only some blocks' outputs (b*s*d each)
 /// and backward recomputes one segment at a time, holding that segment's full
 /// activations (for one micro-batch). Returns (elements kept per micro-batch, peak of
-/// the segment being recomputed) for a stage of `layers` blocks:
+/// what is recomputed) for a stage of `layers` blocks whose activations are `layer_acts`
+/// each, `att` of them attention's probabilities:
 ///
-/// - none:  every block's activations,               no recompute;
-/// - every: each block's output,                     one block recomputed at a time;
-/// - sqrt:  every k-th output with k = ceil(sqrt(L)), k blocks recomputed at a time.
-pub(super) fn checkpointed(layers: u64, checkpointing: Checkpointing, rows_d: u64, layer_acts: u64) -> (u64, u64) {
+/// - none:      every block's activations,               no recompute;
+/// - selective: every block's but the probabilities,     one block's probabilities at a time;
+/// - every:     each block's output,                     one block recomputed at a time;
+/// - sqrt:      every k-th output with k = ceil(sqrt(L)), k blocks recomputed at a time.
+pub(super) fn checkpointed(
+    layers: u64,
+    checkpointing: Checkpointing,
+    rows_d: u64,
+    (layer_acts, att): (u64, u64),
+) -> (u64, u64) {
     match checkpointing {
         Checkpointing::None => (layers.saturating_mul(layer_acts), 0),
+        Checkpointing::Selective => (layers.saturating_mul(layer_acts.saturating_sub(att)), att),
         Checkpointing::Every => (layers.saturating_mul(rows_d), layer_acts),
         Checkpointing::Sqrt => {
             let k = ceil_sqrt(layers).max(1);
@@ -144,7 +152,7 @@ pub(super) fn peak_held(actions: &[Action], per_chunk: &[u64], stash: u64) -> u6
 /// inside its backward). With FSDP each costs one more all-gather per micro-batch.
 pub(super) fn recomputed_before_backward(layers: u64, checkpointing: Checkpointing) -> u64 {
     match checkpointing {
-        Checkpointing::None | Checkpointing::Every => 0,
+        Checkpointing::None | Checkpointing::Selective | Checkpointing::Every => 0,
         Checkpointing::Sqrt => layers - layers.div_ceil(ceil_sqrt(layers).max(1)),
     }
 }

@@ -8,7 +8,8 @@ use crate::spec::{Checkpointing, ExperimentSpec};
 /// 6 * (active) params * T (matmuls: forward 2, backward 4) + 12 * layers * seq_len * d_model * T
 /// (attention, [`ModelSpec::train_flops_per_token`](crate::spec::ModelSpec::train_flops_per_token)),
 /// plus with checkpointing one more forward of every block:
-/// (2 * layers * block_params + 4 * layers * seq_len * d_model) * T.
+/// (2 * layers * block_params + 4 * layers * seq_len * d_model) * T, or with selective
+/// recompute one more of attention's two products (Q Kᵀ and P V): 4 * layers * seq_len * d_model * T.
 pub(super) fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
     let (m, t) = (&spec.model, &spec.train);
     let tokens = [spec.parallel.dp, t.micro_batch, t.micro_batches, t.grad_accum, m.seq_len]
@@ -21,6 +22,7 @@ pub(super) fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
     let (l, s, d) = (m.layers as f64, m.seq_len as f64, m.d_model as f64);
     let recompute = match t.checkpointing {
         Checkpointing::None => 0.0,
+        Checkpointing::Selective => 4.0 * l * s * d * tf,
         Checkpointing::Every | Checkpointing::Sqrt => (2.0 * l * m.active_block_params() as f64 + 4.0 * l * s * d) * tf,
     };
     let total = training + recompute;

@@ -4,8 +4,8 @@
 //! offloaded optimizer state and compression state; then its bytes by collective.
 
 use super::activations::{
-    activation_grad_elements, checkpointed, expert_block_elements, layer_activation_elements, peak_held,
-    recomputed_before_backward,
+    activation_grad_elements, attention_elements, checkpointed, expert_block_elements, layer_activation_elements,
+    peak_held, recomputed_before_backward,
 };
 use super::comm::{stage_comm, wire_bytes, ExpertComm, StageCommInput};
 use super::flops::step_flops;
@@ -15,7 +15,7 @@ use super::{Plan, RankMemory, StagePlan};
 use crate::plan::compression::{self, Compressor};
 use crate::plan::schedule::Pipeline;
 use crate::spec::field_error::FieldError;
-use crate::spec::{BackendKind, Checkpointing, ExperimentSpec, GradCompression, Offload, PpSchedule, Sharding};
+use crate::spec::{BackendKind, ExperimentSpec, GradCompression, Offload, PpSchedule, Sharding};
 
 /// The most parameters two units opened one after the other hold: a block and the
 /// embeddings, two blocks, or a block and the head (`units`: (block size, blocks),
@@ -69,7 +69,9 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     // The residual stream between blocks (a stage's input and output, checkpointed segment
     // outputs): whole on every TP rank, or with sequence parallelism this rank's tokens.
     let res_d = if sp { rows_d / tp } else { rows_d };
-    let recomputing = t.checkpointing != Checkpointing::None;
+    let recomputing = t.checkpointing.recomputes_blocks();
+    // (selective recompute drops attention's probabilities from what a block keeps)
+    let layer = (layer_acts, attention_elements(batch, seq, u(m.heads) / tp.max(1), t.attention));
 
     // M is every micro-batch of the step (accumulated ones too): one schedule runs them.
     let pipe = Pipeline::of(spec);
@@ -132,13 +134,13 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             rows_d.saturating_add(lnf_stats).saturating_add(rows).saturating_add(rows.saturating_mul(vocab));
         let per_chunk: Vec<u64> = (0..chunks.len())
             .map(|c| {
-                let (kept_layers, _) = checkpointed(u(chunks[c].len()), t.checkpointing, res_d, layer_acts);
+                let (kept_layers, _) = checkpointed(u(chunks[c].len()), t.checkpointing, res_d, layer);
                 let is_head = pipe.model_chunk(s, c) + 1 == pipe.model_chunks();
                 res_d.saturating_add(kept_layers).saturating_add(if is_head { head_acts } else { 0 })
             })
             .collect();
         let recompute_peak =
-            chunks.iter().map(|c| checkpointed(u(c.len()), t.checkpointing, res_d, layer_acts).1).max().unwrap_or(0);
+            chunks.iter().map(|c| checkpointed(u(c.len()), t.checkpointing, res_d, layer).1).max().unwrap_or(0);
         // ZB-H1's B leaves each block's four output gradients for the W (the weight
         // gradients' other operands are activations the W keeps anyway).
         let stash = if pipe.splits_backward() { layers.saturating_mul(weight_stash_elements) } else { 0 };
@@ -269,7 +271,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 mod tests {
     use super::*;
     use crate::plan::planner::CommVolume;
-    use crate::spec::{Attention, ModelSpec, ParallelSpec, PpSchedule, Precision};
+    use crate::spec::{Attention, Checkpointing, ModelSpec, ParallelSpec, PpSchedule, Precision};
 
     #[test]
     fn the_stages_flops_add_up_to_the_models() {

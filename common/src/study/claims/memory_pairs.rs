@@ -1,7 +1,9 @@
 //! Claims about memory that set two measured runs one setting apart against each other
 //! and against the planner: checkpointing on and off, 1F1B against GPipe stage by stage,
-//! FlashAttention, FSDP's prefetch, sequence parallelism, the optimizer's state on disk.
+//! FlashAttention, selective recompute, FSDP's prefetch, sequence parallelism, the
+//! optimizer's state on disk.
 
+use super::timeline::{recompute_share, RecomputeShare};
 use super::{bytes_text, checkpointing_name, ms, Inputs, Measurement, RunEvidence};
 use crate::plan::planner;
 use crate::study::cards::ClaimCheck;
@@ -108,6 +110,38 @@ pub(super) fn disk_offload_memory(input: &Inputs) -> Result<Measurement, String>
     two_runs_memory(ClaimCheck::DiskOffloadMemory, input.run, input.partner)
 }
 
+/// Selective recompute (this run) against none (the partner): the activations of each,
+/// against the planner, and the price: rank 0's time recomputing the probabilities as a
+/// share of its forward's time, against the recompute's FLOPs as a share of the forward's
+/// (a third of the step's, backward costing two forwards), within 10 points. (Against the
+/// whole step the FLOPs would undercount it: the softmax's exponentials, most of the time
+/// of naive attention on a CPU, are in the forward and the recompute, not in the backward.)
+pub(super) fn selective_recompute(input: &Inputs) -> Result<Measurement, String> {
+    let memory = two_runs_memory(ClaimCheck::SelectiveRecompute, input.run, input.partner)?;
+    let RecomputeShare { recompute, forward, backward, .. } = recompute_share(input)?;
+    let flops = &input.plan.flops;
+    let planned = flops.recompute / ((flops.total - flops.recompute) / 3.0).max(1.0);
+    let measured = recompute as f64 / forward as f64;
+    let selective = input.spec.train.checkpointing == Checkpointing::Selective;
+    Ok(Measurement {
+        predicted: format!(
+            "{}; recomputing attention's probabilities costs {:.0}% of a forward's FLOPs",
+            memory.predicted,
+            100.0 * planned
+        ),
+        measured: format!(
+            "{}; {:.0}% of the forward's time: recompute {} ms against forward {} ms (backward {} ms) on rank 0",
+            memory.measured,
+            100.0 * measured,
+            ms(recompute),
+            ms(forward),
+            ms(backward)
+        ),
+        agrees: memory.agrees && selective && recompute > 0 && (measured - planned).abs() <= 0.10,
+        ..memory
+    })
+}
+
 /// A memory category measured on two runs that differ in one setting, each against the
 /// planner: FlashAttention (this run) against naive attention (the partner), FSDP without
 /// prefetch (this run) against with it, TP without sequence parallelism against with it,
@@ -115,6 +149,7 @@ pub(super) fn disk_offload_memory(input: &Inputs) -> Result<Measurement, String>
 fn two_runs_memory(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidence>) -> Result<Measurement, String> {
     let (category, setting, ours_smaller): (&str, &str, bool) = match check {
         ClaimCheck::FlashAttentionMemory => ("activations", "attention naive", true),
+        ClaimCheck::SelectiveRecompute => ("activations", "checkpointing none", true),
         ClaimCheck::PrefetchGatheredPeak => ("gathered weights", "prefetch on", true),
         ClaimCheck::DiskOffloadMemory => ("optimizer state", "offload none", true),
         _ => ("activations", "sequence_parallel on", false),
@@ -276,6 +311,54 @@ mod tests {
             assert!(!measure(check, &run(&ours, &r_ours), Some(&run(&theirs, &same))).unwrap().agrees, "{key}");
             assert!(measure(check, &run(&ours, &r_ours), None).is_err());
         }
+    }
+
+    #[test]
+    fn selective_recompute_is_held_to_the_planners_memory_and_flops() {
+        use crate::wire::trace::SpanKind;
+        let spec = presets().into_iter().find(|p| p.key == "selective").map(|p| p.spec).unwrap_or_default();
+        assert_eq!(canonical_preset(ClaimCheck::SelectiveRecompute), "selective");
+        let mut plain_spec = spec.clone();
+        plain_spec.train.checkpointing = Checkpointing::None;
+        assert_eq!(is_partner(ClaimCheck::SelectiveRecompute, &spec, &plain_spec), Some(true));
+        let flops = planner::plan(&spec).unwrap().flops;
+        let planned_share = flops.recompute / ((flops.total - flops.recompute) / 3.0);
+        let span = crate::study::claims::test_runs::compute_span;
+        // Rank 0's activations, and a forward of 1000 µs, a backward of 2000 µs and recomputes
+        // of `recompute` µs.
+        let ranks = |activations: u64, recompute: u64| {
+            vec![RankTrace {
+                memory: Some(crate::wire::memory::RankMemoryReport {
+                    peak: planner::RankMemory { activations, ..Default::default() },
+                    ..Default::default()
+                }),
+                spans: vec![
+                    span(SpanKind::Forward, "forward", 0, 1000),
+                    span(SpanKind::Forward, "recompute layer 0", 1000, 1000 + recompute),
+                    span(SpanKind::Backward, "backward layer 0", 0, 2000),
+                ],
+                ..RankTrace::default()
+            }]
+        };
+        let planned = |s: &ExperimentSpec| planner::plan(s).unwrap().stages[0].memory.activations;
+        let (with, without) = (succeeded_view(1, spec.clone(), None), succeeded_view(2, plain_spec.clone(), None));
+        let on_time = (planned_share * 1000.0) as u64;
+        let r_without = ranks(planned(&plain_spec), 0);
+        fn run<'a>(view: &'a crate::ExperimentView, ranks: &'a [RankTrace]) -> RunEvidence<'a> {
+            RunEvidence { view, metrics: &[], ranks, traced_steps: 1 }
+        }
+        let check = |r_with: &[RankTrace]| {
+            measure(ClaimCheck::SelectiveRecompute, &run(&with, r_with), Some(&run(&without, &r_without))).unwrap()
+        };
+        let got = check(&ranks(planned(&spec), on_time));
+        assert!(got.agrees, "{got:?}");
+        assert!(planned(&spec) * 2 < planned(&plain_spec), "the preset's probabilities are most of its activations");
+        // Probabilities kept after all, none recomputed, or a whole forward run again: disagrees.
+        assert!(planned_share < 0.8, "{planned_share}");
+        assert!(!check(&ranks(planned(&plain_spec), on_time)).agrees);
+        assert!(!check(&ranks(planned(&spec), 0)).agrees);
+        assert!(!check(&ranks(planned(&spec), 1000)).agrees);
+        assert!(measure(ClaimCheck::SelectiveRecompute, &run(&with, &ranks(planned(&spec), on_time)), None).is_err());
     }
 
     #[test]

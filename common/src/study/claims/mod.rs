@@ -107,6 +107,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::Zero1Traffic => "zero1",
         ClaimCheck::ExpertAllToAll | ClaimCheck::ExpertParameters => "experts",
         ClaimCheck::FlashAttentionMemory => "flash",
+        ClaimCheck::SelectiveRecompute => "selective",
         ClaimCheck::PrefetchGatheredPeak => "fsdp",
         ClaimCheck::SequenceParallelActivations => "megatron",
         ClaimCheck::TwoByteWire => "zero2",
@@ -141,7 +142,9 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
             twin.train.precision = crate::Precision::Fp32;
             twin.train.loss_scaling = crate::LossScaling::None;
         }
-        ClaimCheck::ActivationCheckpointingMemory => twin.train.checkpointing = Checkpointing::None,
+        ClaimCheck::ActivationCheckpointingMemory | ClaimCheck::SelectiveRecompute => {
+            twin.train.checkpointing = Checkpointing::None
+        }
         ClaimCheck::PipelineActivationPeaks => twin.parallel.pp_schedule = crate::PpSchedule::Gpipe,
         ClaimCheck::FlashAttentionMemory => twin.train.attention = crate::Attention::Naive,
         ClaimCheck::PrefetchGatheredPeak => twin.parallel.prefetch = true,
@@ -184,6 +187,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::ActivationCheckpointingMemory => memory_pairs::activation_checkpointing_memory(input),
         ClaimCheck::PipelineActivationPeaks => memory_pairs::pipeline_activation_peaks(input),
         ClaimCheck::FlashAttentionMemory => memory_pairs::flash_attention_memory(input),
+        ClaimCheck::SelectiveRecompute => memory_pairs::selective_recompute(input),
         ClaimCheck::PrefetchGatheredPeak => memory_pairs::prefetch_gathered_peak(input),
         ClaimCheck::SequenceParallelActivations => memory_pairs::sequence_parallel_activations(input),
         ClaimCheck::DiskOffloadMemory => memory_pairs::disk_offload_memory(input),
@@ -278,6 +282,7 @@ mod tests {
             ClaimCheck::ExpertAllToAll,
             ClaimCheck::ExpertParameters,
             ClaimCheck::FlashAttentionMemory,
+            ClaimCheck::SelectiveRecompute,
             ClaimCheck::PrefetchGatheredPeak,
             ClaimCheck::SequenceParallelActivations,
             ClaimCheck::TwoByteWire,

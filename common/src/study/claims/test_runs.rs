@@ -44,3 +44,25 @@ pub(super) fn traced(counters: Vec<crate::wire::trace::CollectiveCounter>, param
         ..RankTrace::default()
     }]
 }
+
+/// A span of step 0 on the compute lane.
+pub(super) fn compute_span(
+    kind: crate::wire::trace::SpanKind,
+    name: &str,
+    start_us: u64,
+    end_us: u64,
+) -> crate::wire::trace::Span {
+    crate::wire::trace::Span {
+        kind,
+        name: name.into(),
+        step: 0,
+        lane: crate::wire::trace::lane::COMPUTE.into(),
+        start_us,
+        end_us,
+        layer: None,
+        bucket: None,
+        bytes: None,
+        micro: None,
+        chunk: None,
+    }
+}

@@ -6,7 +6,6 @@ use crate::analysis::pipeline::{
     default_step, measured_bubble, recorded_steps, replay_with_a_core_per_stage, stage_rows,
 };
 use crate::plan::schedule::Pipeline;
-use crate::Checkpointing;
 
 /// The pipeline bubble replayed from the stages' measured passes with a core per stage, against the schedule's formula.
 pub(super) fn bubble_fraction(input: &Inputs) -> Result<Measurement, String> {
@@ -68,28 +67,8 @@ pub(super) fn bubble_fraction(input: &Inputs) -> Result<Measurement, String> {
 /// Rank 0's time recomputing forwards against its forward and backward, set against the planner's FLOPs.
 pub(super) fn checkpointing_recompute_time(input: &Inputs) -> Result<Measurement, String> {
     let spec = input.spec;
-    let plan = &input.plan;
-    let rank0 = input.rank0;
     let traced_steps = input.traced_steps;
-    // Rank 0's traced steps: whole forward passes, the blocks' recomputed forwards and
-    // the units' backwards are spans of their own, end to end on the compute lane.
-    let rank = rank0.ok_or("the run recorded no trace")?;
-    let total = |keep: &dyn Fn(&crate::wire::trace::Span) -> bool| -> u64 {
-        rank.spans
-            .iter()
-            .filter(|s| s.lane == crate::wire::trace::lane::COMPUTE && keep(s))
-            .map(|s| s.duration_us())
-            .sum()
-    };
-    let recompute = total(&|s| s.is_recompute());
-    let forward = total(&|s| s.kind == crate::wire::trace::SpanKind::Forward && !s.is_recompute());
-    let backward =
-        total(&|s| matches!(s.kind, crate::wire::trace::SpanKind::Backward | crate::wire::trace::SpanKind::Weights));
-    if forward == 0 || backward == 0 {
-        return Err("the run recorded no forward or backward spans (a pipelined run times whole passes only)".into());
-    }
-    let rise = recompute as f64 / (forward + backward) as f64;
-    let planned = plan.flops.recompute / (plan.flops.total - plan.flops.recompute).max(1.0);
+    let RecomputeShare { recompute, forward, backward, rise, planned } = recompute_share(input)?;
     Ok(Measurement {
         note: Some(
             "The texts price checkpointing three ways: about a third more compute (one more forward, the \
@@ -115,8 +94,47 @@ pub(super) fn checkpointing_recompute_time(input: &Inputs) -> Result<Measurement
                 traced_steps,
                 recompute as f64 / forward as f64
             ),
-            spec.train.checkpointing != Checkpointing::None && recompute > 0 && (rise - planned).abs() <= 0.12,
+            spec.train.checkpointing.recomputes_blocks() && recompute > 0 && (rise - planned).abs() <= 0.12,
         )
+    })
+}
+
+/// Rank 0's traced time recomputing (checkpointing's forwards, or selective recompute's
+/// attention probabilities) next to its forward and backward, in µs, and as a share of the
+/// two (`rise`), with the planner's recompute FLOPs as a share of the rest (`planned`).
+pub(super) struct RecomputeShare {
+    pub(super) recompute: u64,
+    pub(super) forward: u64,
+    pub(super) backward: u64,
+    pub(super) rise: f64,
+    pub(super) planned: f64,
+}
+
+pub(super) fn recompute_share(input: &Inputs) -> Result<RecomputeShare, String> {
+    let plan = &input.plan;
+    // Rank 0's traced steps: whole forward passes, the recomputes and the units' backwards
+    // are spans of their own, end to end on the compute lane.
+    let rank = input.rank0.ok_or("the run recorded no trace")?;
+    let total = |keep: &dyn Fn(&crate::wire::trace::Span) -> bool| -> u64 {
+        rank.spans
+            .iter()
+            .filter(|s| s.lane == crate::wire::trace::lane::COMPUTE && keep(s))
+            .map(|s| s.duration_us())
+            .sum()
+    };
+    let recompute = total(&|s| s.is_recompute());
+    let forward = total(&|s| s.kind == crate::wire::trace::SpanKind::Forward && !s.is_recompute());
+    let backward =
+        total(&|s| matches!(s.kind, crate::wire::trace::SpanKind::Backward | crate::wire::trace::SpanKind::Weights));
+    if forward == 0 || backward == 0 {
+        return Err("the run recorded no forward or backward spans (a pipelined run times whole passes only)".into());
+    }
+    Ok(RecomputeShare {
+        recompute,
+        forward,
+        backward,
+        rise: recompute as f64 / (forward + backward) as f64,
+        planned: plan.flops.recompute / (plan.flops.total - plan.flops.recompute).max(1.0),
     })
 }
 
@@ -161,24 +179,12 @@ mod tests {
 
     #[test]
     fn recompute_time_is_measured_against_the_steps_forward_and_backward() {
-        use crate::wire::trace::{Span, SpanKind};
+        use crate::wire::trace::SpanKind;
         let spec = presets().into_iter().find(|p| p.key == "checkpointing").map(|p| p.spec).unwrap_or_default();
         let flops = planner::plan(&spec).unwrap().flops;
         let planned = flops.recompute / (flops.total - flops.recompute);
         let v = succeeded_view(1, spec.clone(), None);
-        let span = |kind, name: &str, start_us, end_us| Span {
-            kind,
-            name: name.into(),
-            step: 0,
-            lane: crate::wire::trace::lane::COMPUTE.into(),
-            start_us,
-            end_us,
-            layer: None,
-            bucket: None,
-            bytes: None,
-            micro: None,
-            chunk: None,
-        };
+        let span = crate::study::claims::test_runs::compute_span;
         // A forward of 1000 µs, backwards of 2000 µs and recomputes of `recompute` µs.
         let check = |recompute: u64| {
             let spans = vec![

@@ -8,7 +8,6 @@ use crate::analysis::pipeline::{default_step, recorded_steps};
 use crate::plan::planner;
 use crate::study::cards::ClaimCheck;
 use crate::wire::trace::{CollectiveOp, RingPhase};
-use crate::Checkpointing;
 
 /// A ring all-reduce's bytes per rank: the demo's against 2(W-1)/W x D, or rank 0's per step against the planner.
 pub(super) fn allreduce_bytes(input: &Inputs) -> Result<Measurement, String> {
@@ -182,7 +181,7 @@ pub(super) fn expert_all_to_all(input: &Inputs) -> Result<Measurement, String> {
     let bytes = counters.iter().map(|c| c.bytes_sent).sum::<u64>() / traced_steps;
     let calls = counters.iter().map(|c| c.calls).sum::<u64>() / traced_steps;
     let stage = &plan.stages[spec.stage_of(0)];
-    let per_block: u64 = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+    let per_block: u64 = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
     let expected_calls = per_block * stage.layers as u64 * spec.pipeline_micro_batches() as u64;
     let ep = spec.parallel.ep;
     Ok(input.m(
@@ -248,7 +247,7 @@ pub(super) fn tp_allreduces(input: &Inputs) -> Result<Measurement, String> {
     let calls = rank.spans.iter().filter(|s| s.step == step && s.lane == crate::wire::trace::lane::TP).count();
     let layers = plan.stages[spec.stage_of(0)].layers;
     // Checkpointing recomputes each block's forward, with its two all-reduces.
-    let per_block = if spec.train.checkpointing == Checkpointing::None { 4 } else { 6 };
+    let per_block = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
     let micro_batches = spec.pipeline_micro_batches();
     let predicted = per_block * layers * micro_batches;
     Ok(Measurement {

@@ -214,7 +214,7 @@ const SECTIONS: &[SectionDef] = &[
             f("train.grad_clip", Kind::Float, "max gradient norm; 0 = off"),
             f("train.precision", Kind::Choice(&["fp32", "bf16", "fp16"]), "storage type of weights and activations"),
             f("train.loss_scaling", Kind::Choice(&["none", "dynamic"]), "dynamic: for fp16"),
-            f("train.checkpointing", Kind::Choice(&["none", "every", "sqrt"]), "activation recomputation"),
+            f("train.checkpointing", Kind::Choice(&["none", "selective", "every", "sqrt"]), "activation recomputation"),
             f(
                 "train.attention",
                 Kind::Choice(&["naive", "flash"]),
