@@ -422,6 +422,42 @@ fn rope<B: Backend>(be: &B) {
     compare(be, "rope", &bufs, run, plain, &[0, 1]);
 }
 
+/// The FP8 cast of a tensor spanning many magnitudes (some saturate at the scale, some are
+/// flushed), into E4M3 and E5M2 at power-of-two scales: every value NVIDIA's conversion
+/// (the float8 crate) of the stored input times the scale, over the scale, bit for bit;
+/// the amax and the counts the same.
+fn fp8_cast<B: Backend>(be: &B) {
+    use distlab_worker::ops::fp8::{Fp8Cast, Fp8Format};
+    let n = 70_001;
+    let mut rng = Rng::new(68);
+    // magnitudes 2^-30 .. 2^12, either sign
+    let x: Vec<f64> = (0..n)
+        .map(|_| B::Elem::from_f64(rng.normal().signum() * 2f64.powf(rng.uniform() * 42.0 - 30.0)).to_f64())
+        .collect();
+    for (format, scale) in [(Fp8Format::E4M3, 0.25f32), (Fp8Format::E5M2, 32.0f32)] {
+        let (xd, mut qd) = (put(be, &x), be.alloc(n));
+        let seen = be.fp8_cast(be.all_mut(&mut qd), be.all(&xd), scale, format);
+        let nvidia = |v: f32| match format {
+            Fp8Format::E4M3 => float8::F8E4M3::from_f32(v).to_f32(),
+            Fp8Format::E5M2 => float8::F8E5M2::from_f32(v).to_f32(),
+        };
+        let mut want = Fp8Cast::default();
+        for &v in &x {
+            let (v, scaled) = (v as f32, v as f32 * scale);
+            want.amax = want.amax.max(v.abs());
+            want.saturated += u64::from(scaled.abs() > format.max());
+            want.flushed += u64::from(nvidia(scaled) == 0.0 && v != 0.0);
+        }
+        let got = get(be, &qd);
+        for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
+            assert_eq!(g as f32, nvidia(v as f32 * scale) / scale, "{format:?}: element {i} ({v:e})");
+        }
+        eprintln!("fp8_cast {format:?} x {scale}: {seen:?}");
+        assert_eq!(seen, want, "{format:?}");
+        assert!(seen.saturated > 1000 && seen.flushed > 1000, "{format:?}: the test reaches both edges: {seen:?}");
+    }
+}
+
 fn swiglu<B: Backend>(be: &B) {
     let (rows, f) = (37, 70);
     let bufs = [
@@ -555,6 +591,7 @@ test_device!(
     flash_attention_grouped,
     gelu,
     swiglu,
+    fp8_cast,
     crossentropy,
     gpt,
     llama

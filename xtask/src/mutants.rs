@@ -381,6 +381,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "checkpointing", "recomputing_gives_exactly_the_training_without_it"],
     },
     Mutant {
+        name: "FP8: the cast rounds ties away from zero instead of to even",
+        file: "gpu-worker/src/ops/fp8.rs",
+        find: "((a / quantum).round_ties_even() * quantum)",
+        replace: "((a / quantum).round() * quantum)",
+        tests: &["-p", "distlab-worker", "--lib", "fp8::tests::rounding_matches_nvidias_conversion"],
+    },
+    Mutant {
         name: "BPE: the validation windows are cut from the training text's tokens",
         file: "gpu-worker/src/data.rs",
         find: "text.held_out.window((index % windows) * seq_len, inp, tgt);",
@@ -427,6 +434,13 @@ pub const KERNEL_MUTANTS: &[Mutant] = &[
         find: "for (int h = r.head * group; h < (r.head + 1) * group; h++) {",
         replace: "for (int h = r.head * group; h < r.head * group + 1; h++) {",
         tests: &["--include-ignored", "flash_attention_grouped::cuda_fp32"],
+    },
+    Mutant {
+        name: "FP8: the GPU's cast truncates to the FP8 grid instead of rounding to nearest even",
+        file: "gpu-worker/src/ops/fp8.cu",
+        find: "float r = fminf(rintf(__uint_as_float(a) / quantum) * quantum, largest);",
+        replace: "float r = fminf(truncf(__uint_as_float(a) / quantum) * quantum, largest);",
+        tests: &["--include-ignored", "fp8_cast::cuda_fp32"],
     },
 ];
 

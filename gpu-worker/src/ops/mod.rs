@@ -20,6 +20,7 @@ pub mod cuda;
 pub mod embedding;
 pub mod flash_attention;
 pub mod float;
+pub mod fp8;
 pub mod gemm;
 pub mod layernorm;
 pub mod linear;
@@ -64,6 +65,7 @@ model_kernels!(
     mlp::GeluKernels,
     swiglu::SwiGluKernels,
     loss::CrossEntropyKernels,
+    fp8::Fp8Kernels,
 );
 
 /// Every op's CUDA C (`<op>.cu`), one string in the order NVRTC compiles them, after what
@@ -83,6 +85,7 @@ macro_rules! cuda_sources {
             "attention",
             "flash_attention",
             "loss",
+            "fp8",
             "reductions",
             "optimizer"
         )
