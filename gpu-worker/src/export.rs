@@ -24,11 +24,10 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 use crate::checkpoint::{CheckpointDir, CheckpointError};
-use crate::data::Data;
 use crate::elastic;
 use crate::model::layout::column_groups;
 use crate::model::{ParamLayout, Split};
-use crate::tokenizer::{TextTokenizer, TOKENIZER_FILE};
+use crate::tokenizer::TOKENIZER_FILE;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -162,14 +161,14 @@ pub fn hf_safetensors(model: &ModelSpec, tensors: &[NamedTensor]) -> Result<Vec<
 }
 
 /// Writes `model.safetensors` and `config.json` for `spec`'s run into `out`, from the rank
-/// files of `step` in `ranks`; with a BPE, `tokenizer.json` and `tokenizer_config.json`
-/// too (`dataset`: the text of `data.dataset: upload`). The tokenizer goes first: a
+/// files of `step` in `ranks`; with a BPE's `tokenizer` (the tokenizer.json the run was
+/// cut with), `tokenizer.json` and `tokenizer_config.json` too. The tokenizer goes first: a
 /// directory with the weights has everything.
 pub fn write_hf(
     spec: &ExperimentSpec,
     ranks: &Path,
     step: u64,
-    dataset: Option<&Path>,
+    tokenizer: Option<&Path>,
     out: &Path,
 ) -> Result<u64, ExportError> {
     let tensors = whole_model(spec, &CheckpointDir::new(ranks, spec.world_size()), step)?;
@@ -179,8 +178,9 @@ pub fn write_hf(
         std::fs::write(out.join(name), data)
             .map_err(|e| ExportError::Write(format!("{}: {e}", out.join(name).display())))
     };
-    if let Some(tokenizer) = learned_tokenizer(spec, dataset)? {
-        write(TOKENIZER_FILE, tokenizer.as_bytes())?;
+    if let Some(file) = tokenizer {
+        let json = std::fs::read(file).map_err(|e| ExportError::Write(format!("{}: {e}", file.display())))?;
+        write(TOKENIZER_FILE, &json)?;
         write("tokenizer_config.json", TOKENIZER_CONFIG.as_bytes())?;
     }
     write(distlab_common::export::WEIGHTS_FILE, &bytes)?;
@@ -191,16 +191,6 @@ pub fn write_hf(
 /// tokenizer_config.json: tells `AutoTokenizer` to take tokenizer.json as it is (not to
 /// rebuild the model family's own tokenizer around its vocabulary).
 pub const TOKENIZER_CONFIG: &str = "{\"tokenizer_class\": \"PreTrainedTokenizerFast\"}\n";
-
-/// A BPE run's tokenizer.json, learned again from the run's text as every rank learned it
-/// (the same text and vocab give the same merges); None for bytes and the Markov chain.
-fn learned_tokenizer(spec: &ExperimentSpec, dataset: Option<&Path>) -> Result<Option<String>, ExportError> {
-    if spec.data.tokenizer.is_bytes() {
-        return Ok(None);
-    }
-    let data = Data::open(&spec.data, &spec.model, 1, dataset).map_err(|e| ExportError::Write(e.to_string()))?;
-    Ok(data.tokenizer().and_then(TextTokenizer::to_json))
-}
 
 #[cfg(test)]
 mod tests {

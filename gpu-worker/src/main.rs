@@ -168,6 +168,9 @@ enum RankTask {
         /// The text of `data.dataset: upload`.
         #[arg(long)]
         dataset: Option<PathBuf>,
+        /// A BPE run's text, cut into tokens once by the launcher for every rank.
+        #[arg(long)]
+        cut_text: Option<PathBuf>,
     },
     /// The collective demo (see demo.rs).
     Demo {
@@ -286,14 +289,20 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 RankTask::BenchComm { min_bytes, max_bytes } => {
                     worker::bench_comm::run_rank(&place, min_bytes, max_bytes)
                 }
-                RankTask::Train { spec, checkpoint_dir, resume_from, offload_dir, final_weights, dataset } => {
-                    read_spec(&spec).and_then(|spec| {
-                        let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
-                        let opts =
-                            TrainOptions { threads: cli.threads, checkpoints, offload_dir, final_weights, dataset };
-                        worker::ddp_rank::run(&place, &spec, &opts, collective_timeout(cli.collective_timeout_seconds))
-                    })
-                }
+                RankTask::Train {
+                    spec,
+                    checkpoint_dir,
+                    resume_from,
+                    offload_dir,
+                    final_weights,
+                    dataset,
+                    cut_text,
+                } => read_spec(&spec).and_then(|spec| {
+                    let checkpoints = checkpoint_dir.map(|dir| CheckpointOptions { dir, resume_from });
+                    let threads = cli.threads;
+                    let opts = TrainOptions { threads, checkpoints, offload_dir, final_weights, dataset, cut_text };
+                    worker::ddp_rank::run(&place, &spec, &opts, collective_timeout(cli.collective_timeout_seconds))
+                }),
                 RankTask::Demo { spec } => read_spec(&spec).and_then(|spec| match &spec.demo {
                     Some(_) => worker::demo::run_rank(&place, &spec),
                     None => Err(anyhow::anyhow!("the spec has no demo section")),

@@ -159,3 +159,23 @@ fn every_strategy_exports_the_model_one_rank_trains() {
     println!("dp2 x tp2 x pp2 fsdp: largest difference from one rank {worst:.1e}");
     assert!(worst < 1e-4, "3d: {worst}");
 }
+
+/// A BPE run learns its tokenizer and cuts the text once for both of its ranks (the log
+/// says so once, and the ranks train on what it cut), and exports that tokenizer beside
+/// the model.
+#[test]
+fn a_bpe_run_cuts_its_text_once_and_exports_that_tokenizer() {
+    let mut spec = quick_spec("bpe export", 3);
+    spec.data = DataSpec { dataset: Dataset::Text, tokenizer: TokenizerKind::Bpe, ..DataSpec::default() };
+    spec.model = ModelSpec::llama(1, 32, 2, 1, 64, 32, 320);
+    spec.parallel.dp = 2;
+    let (points, log) = run_steps_with_env(&spec, &[]);
+    assert_eq!(log.matches("the text cut into tokens once for every rank").count(), 1, "{log}");
+    assert_eq!(points.len(), 3);
+    let dir = tempfile::tempdir().expect("temp dir");
+    run_into(&spec, dir.path());
+    let exported = std::fs::read_to_string(dir.path().join("tokenizer.json")).expect("tokenizer.json");
+    let learned = distlab_worker::data::Data::new(&spec.data, &spec.model, spec.global_batch()).expect("data");
+    assert_eq!(Some(exported), learned.tokenizer().and_then(|t| t.to_json()));
+    assert!(dir.path().join("tokenizer_config.json").exists());
+}

@@ -395,6 +395,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--lib", "data::"],
     },
     Mutant {
+        name: "BPE: a rank reads the text cut once with its parts swapped (trains on the held-out ids)",
+        file: "gpu-worker/src/data.rs",
+        find: "let (trained, held_out) = (ids(CUT_TRAINED, \"training\")?, ids(CUT_HELD_OUT, \"held-out\")?);",
+        replace: "let (trained, held_out) = (ids(CUT_HELD_OUT, \"training\")?, ids(CUT_TRAINED, \"held-out\")?);",
+        tests: &["-p", "distlab-worker", "--lib", "data::"],
+    },
+    Mutant {
         name: "BPE: Try the model decodes a BPE run's tokens as bytes",
         file: "server/src/api/sampling.rs",
         find: "let text = tokenizer.decode(&tokens).unwrap_or_default();",

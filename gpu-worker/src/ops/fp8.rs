@@ -300,7 +300,12 @@ mod tests {
             for p in probes {
                 for x in [p, f32::from_bits(p.to_bits().saturating_sub(1)), f32::from_bits(p.to_bits() + 1)] {
                     for x in [x, -x] {
-                        assert!(agrees(format, x), "{format:?} {x:e}: ours {} NVIDIA's {}", format.round(x), nvidia(format, x));
+                        assert!(
+                            agrees(format, x),
+                            "{format:?} {x:e}: ours {} NVIDIA's {}",
+                            format.round(x),
+                            nvidia(format, x)
+                        );
                     }
                 }
             }

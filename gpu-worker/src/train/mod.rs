@@ -67,7 +67,12 @@ pub fn train(
             p.dp, p.tp, p.pp
         )));
     }
-    let groups = Groups { offload_dir: opts.offload_dir.clone(), dataset: opts.dataset.clone(), ..Groups::default() };
+    let groups = Groups {
+        offload_dir: opts.offload_dir.clone(),
+        dataset: opts.dataset.clone(),
+        cut_text: opts.cut_text.clone(),
+        ..Groups::default()
+    };
     let run = train_rank(spec, opts, groups, on_event, cancel)?;
     on_event(RunEvent::Trace(RankTrace {
         rank: 0,

@@ -18,6 +18,9 @@ pub struct TrainOptions {
     pub final_weights: Option<PathBuf>,
     /// The text of `data.dataset: upload` (None for the built-in datasets).
     pub dataset: Option<PathBuf>,
+    /// A BPE run's text, cut into tokens once for all the ranks (`Data::write_cut`; None:
+    /// each rank cuts it itself).
+    pub cut_text: Option<PathBuf>,
 }
 
 /// The run's checkpoint directory and the step to resume from.

@@ -133,7 +133,10 @@ impl<B: TrainBackend> Trainer<B> {
                 spec.train.precision.as_str(),
             )));
         }
-        let data = Data::open(&spec.data, &spec.model, spec.global_batch(), groups.dataset.as_deref())?;
+        let data = match &groups.cut_text {
+            Some(dir) => Data::open_cut(&spec.data, &spec.model, spec.global_batch(), dir)?,
+            None => Data::open(&spec.data, &spec.model, spec.global_batch(), groups.dataset.as_deref())?,
+        };
         let groups_tracer = groups.tracer.clone();
         // The channels to the other ranks: the rings' staging pieces (heap) are booked; the
         // pipes (shared memory, mostly never touched) are reported beside the ledger.
@@ -598,6 +601,8 @@ pub struct Groups {
     pub offload_dir: Option<PathBuf>,
     /// The text of `data.dataset: upload`.
     pub dataset: Option<PathBuf>,
+    /// The text cut into tokens once for all the ranks (see `TrainOptions::cut_text`).
+    pub cut_text: Option<PathBuf>,
     /// What records this rank's communication (an evaluation's calls are counted apart).
     pub tracer: Option<Arc<CommTracer>>,
 }

@@ -115,6 +115,7 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
             pipe_bytes: mesh.pipe_bytes(),
             offload_dir: opts.offload_dir.clone(),
             dataset: opts.dataset.clone(),
+            cut_text: opts.cut_text.clone(),
             tracer: Some(tracer.clone()),
         },
         &mut on_event,

@@ -180,6 +180,10 @@ pub fn execute(
         let message = "the trained model is not exported: its ranks' weights are on several hosts".to_string();
         on_event(RunEvent::Log(LogLine { level: LogLevel::Info, message }));
     }
+    let cut_text = match spec.demo {
+        Some(_) => None,
+        None => cut_text_once(spec, dataset, on_event)?,
+    };
     let exported = model_out.filter(|_| gang.is_none() && export::not_exportable(spec).is_none());
     let ranks_dir = exported.and_then(|out| tempfile::Builder::new().prefix(".final-weights-").tempdir_in(out).ok());
     let ranks_path = ranks_dir.as_ref().map(|d| d.path().to_path_buf());
@@ -189,13 +193,15 @@ pub fn execute(
         offload_dir: offload_dir.map(Path::to_path_buf),
         final_weights: ranks_path.clone(),
         dataset: dataset.map(Path::to_path_buf),
+        cut_text: cut_text.as_ref().map(|dir| dir.path().to_path_buf()),
     };
     let summary = match &spec.demo {
         Some(demo) => run_demo(spec, demo, hosts, on_event, cancel),
         None => run_ranks(spec, &opts, collective_timeout, hosts, on_event, cancel),
     };
     if let (Ok(_), Some(out), Some(ranks)) = (&summary, exported, &ranks_path) {
-        let message = match distlab_worker::export::write_hf(spec, ranks, spec.train.steps, dataset, out) {
+        let tokenizer = cut_text.as_ref().map(|dir| dir.path().join(distlab_worker::tokenizer::TOKENIZER_FILE));
+        let message = match distlab_worker::export::write_hf(spec, ranks, spec.train.steps, tokenizer.as_deref(), out) {
             Ok(bytes) => LogLine {
                 level: LogLevel::Info,
                 message: format!(
@@ -212,6 +218,33 @@ pub fn execute(
         on_event(RunEvent::Log(message));
     }
     summary
+}
+
+/// A BPE run's text, learned and cut into tokens once here for every rank of this machine
+/// (`Data::write_cut`) in a directory removed when the run is over; None for bytes and the
+/// Markov chain, which cost nothing to open.
+fn cut_text_once(
+    spec: &ValidSpec,
+    dataset: Option<&Path>,
+    on_event: &mut dyn FnMut(RunEvent),
+) -> Result<Option<tempfile::TempDir>, ExecError> {
+    if spec.data.tokenizer.is_bytes() {
+        return Ok(None);
+    }
+    let start = std::time::Instant::now();
+    let data = distlab_worker::data::Data::open(&spec.data, &spec.model, spec.global_batch(), dataset)
+        .map_err(TrainError::from)?;
+    let dir = tempfile::Builder::new()
+        .prefix("distlab-cut-text-")
+        .tempdir()
+        .map_err(|e| ExecError::Other(format!("no directory for the text cut into tokens: {e}")))?;
+    data.write_cut(dir.path()).map_err(TrainError::from)?;
+    let message = format!(
+        "the BPE learned and the text cut into tokens once for every rank, in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    on_event(RunEvent::Log(LogLine { level: LogLevel::Info, message }));
+    Ok(Some(dir))
 }
 
 /// A run: one process per rank of this machine, each with its share of the machine's
@@ -246,6 +279,9 @@ fn run_ranks(
     }
     if let Some(file) = &opts.dataset {
         args.extend(["--dataset".into(), file.display().to_string()]);
+    }
+    if let Some(dir) = &opts.cut_text {
+        args.extend(["--cut-text".into(), dir.display().to_string()]);
     }
     if let Some(c) = &opts.checkpoints {
         args.extend(["--checkpoint-dir".into(), c.dir.display().to_string()]);
