@@ -182,7 +182,7 @@ pub fn execute(
     }
     let cut_text = match spec.demo {
         Some(_) => None,
-        None => cut_text_once(spec, dataset, on_event)?,
+        None => cut_text_once(spec, dataset, on_event, cancel)?,
     };
     let exported = model_out.filter(|_| gang.is_none() && export::not_exportable(spec).is_none());
     let ranks_dir = exported.and_then(|out| tempfile::Builder::new().prefix(".final-weights-").tempdir_in(out).ok());
@@ -222,23 +222,46 @@ pub fn execute(
 
 /// A BPE run's text, learned and cut into tokens once here for every rank of this machine
 /// (`Data::write_cut`) in a directory removed when the run is over; None for bytes and the
-/// Markov chain, which cost nothing to open.
+/// Markov chain, which cost nothing to open. The cut runs on a thread of its own so that a
+/// cancel is answered at once (learning a BPE cannot be interrupted: the thread finishes
+/// into a directory already gone).
 fn cut_text_once(
     spec: &ValidSpec,
     dataset: Option<&Path>,
     on_event: &mut dyn FnMut(RunEvent),
+    cancel: &AtomicBool,
 ) -> Result<Option<tempfile::TempDir>, ExecError> {
     if spec.data.tokenizer.is_bytes() {
         return Ok(None);
     }
-    let start = std::time::Instant::now();
-    let data = distlab_worker::data::Data::open(&spec.data, &spec.model, spec.global_batch(), dataset)
-        .map_err(TrainError::from)?;
+    let start = Instant::now();
     let dir = tempfile::Builder::new()
         .prefix("distlab-cut-text-")
         .tempdir()
         .map_err(|e| ExecError::Other(format!("no directory for the text cut into tokens: {e}")))?;
-    data.write_cut(dir.path()).map_err(TrainError::from)?;
+    let (data, model, global_batch) = (spec.data.clone(), spec.model.clone(), spec.global_batch());
+    let (file, into) = (dataset.map(Path::to_path_buf), dir.path().to_path_buf());
+    let (done, cut) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = distlab_worker::data::Data::open(&data, &model, global_batch, file.as_deref())
+            .and_then(|text| text.write_cut(&into));
+        let _ = done.send(result);
+    });
+    loop {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(TrainError::Cancelled.into());
+        }
+        match cut.recv_timeout(Duration::from_millis(50)) {
+            Ok(result) => {
+                result.map_err(TrainError::from)?;
+                break;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(ExecError::Other("cutting the text into tokens failed (its thread ended)".into()))
+            }
+        };
+    }
     let message = format!(
         "the BPE learned and the text cut into tokens once for every rank, in {:.1} s",
         start.elapsed().as_secs_f64()
