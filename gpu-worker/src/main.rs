@@ -84,6 +84,10 @@ enum Command {
         /// The text a spec with `data.dataset: upload` trains on (a UTF-8 file).
         #[arg(long)]
         dataset: Option<PathBuf>,
+        /// The limits the spec is held to, a JSON object of the server's `limits` fields
+        /// (those left out keep the defaults: max_seq_len 1024, max_world_size 8, ...).
+        #[arg(long)]
+        limits: Option<PathBuf>,
     },
     /// An exported model's next-token probabilities (DIR holds model.safetensors and
     /// config.json, as `run --out` writes them) after each of TOKENS: one JSON row per token,
@@ -222,11 +226,12 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             println!("{}", serde_json::to_string(&tokenizer.encode(text.as_bytes())?)?);
             Ok(0)
         }
-        Some(Command::Run { spec, out, checkpoint_dir, dataset }) => worker::run_local::run_spec_file(
+        Some(Command::Run { spec, out, checkpoint_dir, dataset, limits }) => worker::run_local::run_spec_file(
             &spec,
             out,
             checkpoint_dir,
             dataset,
+            limits,
             cli.threads,
             collective_timeout(cli.collective_timeout_seconds),
             cli.simulated_hosts,
@@ -367,12 +372,13 @@ fn collective_timeout(seconds: f64) -> Duration {
     Duration::from_secs_f64(if seconds.is_finite() { seconds.clamp(0.1, 3600.0) } else { 60.0 })
 }
 
-/// The spec a rank process is started with, checked as it enters the process.
+/// The spec a rank process is started with, checked as it enters the process (against the
+/// rules; its launcher applied the run's limits).
 fn read_spec(path: &std::path::Path) -> anyhow::Result<distlab_common::ValidSpec> {
     let text = std::fs::read_to_string(path)?;
     let joined = |errors: Vec<distlab_common::FieldError>| {
         anyhow::anyhow!("{}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
     };
     let spec = distlab_common::ExperimentSpec::from_json_str(&text).map_err(joined)?;
-    spec.validated(&distlab_common::Limits::default()).map_err(joined)
+    spec.validated(&distlab_common::Limits::none()).map_err(joined)
 }

@@ -272,6 +272,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
         result = selective_recompute_scenario(&client, &lab).await;
     }
     if result.is_ok() {
+        result = ulysses_scenario(&client, &lab).await;
+    }
+    if result.is_ok() {
         result = sequence_parallel_scenario(&client, &lab).await;
     }
     if result.is_ok() {
@@ -1711,6 +1714,48 @@ async fn selective_recompute_scenario(c: &Client, lab: &Lab) -> Result<()> {
         .await?;
     ensure!(recomputes.as_u64().unwrap_or(0) >= spec.model.layers as u64, "recompute spans drawn: {recomputes}");
     save_element(c, "#timeline-card", "selective-recompute-timeline.png").await?;
+    Ok(())
+}
+
+/// Ulysses context parallelism: the form offers cp; the preset's page says how the
+/// sequences are split, each rank's memory card equals the planner, and the timeline draws
+/// the CP lane with four all-to-alls per block.
+async fn ulysses_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    ensure!(value_of(c, "parallel.cp").await? == "1", "the form offers parallel.cp");
+    ensure!(value_of(c, "parallel.cp_kind").await? == "ulysses", "the form offers parallel.cp_kind");
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "ulysses").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the ulysses run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "rank 1's measurement", Duration::from_secs(30), || {
+        exists(c, ".memory-rank[data-rank='1'] .memory-bar[data-kind='measured']")
+    })
+    .await?;
+    let spec_text = text(c, "#spec").await?;
+    ensure!(spec_text.contains("sequences split over cp = 2 of them, ulysses"), "{spec_text}");
+    for rank in 0..2 {
+        let equal = text(c, &format!(".memory-rank[data-rank='{rank}'] .memory-equal")).await?;
+        ensure!(equal.contains("measured equals the planner"), "rank {rank}: {equal}");
+    }
+    save_element(c, "#memory-card", "ulysses-memory.png").await?;
+    wait_for(c, "the timeline", Duration::from_secs(30), || exists(c, "#timeline .lane-label")).await?;
+    let labels = text(c, "#timeline").await?;
+    ensure!(labels.contains("CP comm"), "the CP lane: {labels:.400}");
+    let exchanges = js(
+        c,
+        "return Array.from(document.querySelectorAll('#timeline .span title'))\
+         .filter(t => t.textContent.includes('all_to_all cp')).length;",
+        "0",
+    )
+    .await?;
+    let drawn = exchanges.as_u64().unwrap_or(0);
+    ensure!(drawn >= 4 * spec.model.layers as u64, "cp all-to-alls drawn: {drawn}");
+    save_element(c, "#timeline-card", "ulysses-timeline.png").await?;
     Ok(())
 }
 

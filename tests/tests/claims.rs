@@ -80,6 +80,16 @@ fn selective_recompute_drops_the_probabilities_for_a_small_share_of_the_step() {
 }
 
 #[test]
+fn ulysses_halves_each_ranks_activations_for_the_planners_all_to_alls() {
+    let _serial = one_at_a_time();
+    let spec = preset("ulysses");
+    let mut whole = spec.clone();
+    (whole.parallel.dp, whole.parallel.cp) = (1, 1);
+    let got = check(ClaimCheck::ContextParallel, &spec, Some(&whole));
+    assert!(got.agrees, "{got:?}");
+}
+
+#[test]
 fn fp16_without_scaling_stores_most_logit_gradients_as_zero() {
     let _serial = one_at_a_time();
     let plain = preset("fp16-plain");

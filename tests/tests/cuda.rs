@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 23] = [
+const LAYOUTS: [(&str, Layout); 25] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -57,6 +57,12 @@ const LAYOUTS: [(&str, Layout); 23] = [
         (s.parallel.pp, s.parallel.pp_schedule, s.train.checkpointing) = (2, PpSchedule::ZbH1, Checkpointing::Selective)
     }),
     ("ddp flash attention", |s| (s.parallel.dp, s.train.attention) = (2, Attention::Flash)),
+    ("cp2 ulysses", |s| (s.parallel.dp, s.parallel.cp) = (2, 2)),
+    // (8 query heads on 4 K/V heads: heads/(tp cp) of each)
+    ("llama cp2 x tp2 ulysses flash attention", |s| {
+        s.model = ModelSpec::llama(2, 64, 8, 4, 176, 32, 256);
+        (s.parallel.dp, s.parallel.cp, s.parallel.tp, s.train.attention) = (2, 2, 2, Attention::Flash);
+    }),
     ("moe ep2", |s| {
         s.model = ModelSpec { experts: 4, expert_top_k: 2, capacity_factor: 1.0, ..s.model.clone() };
         (s.parallel.dp, s.parallel.ep) = (2, 2);

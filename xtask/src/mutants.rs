@@ -341,8 +341,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "Llama: the blocks' backward leaves q and k's gradients turned (rope_backward dropped)",
         file: "gpu-worker/src/model/block.rs",
-        find: "be.rope_backward(be.all_mut(&mut s.dqkv), d.heads, d.rope_theta);",
-        replace: "let _ = d.rope_theta;",
+        find: "be.rope_backward(be.all_mut(dqkv), d.heads, d.rope_theta);",
+        replace: "let _ = (dqkv, d.rope_theta);",
         tests: &["-p", "distlab-worker", "--test", "gradcheck", "whole_llama"],
     },
     Mutant {
@@ -379,6 +379,13 @@ pub const MUTANTS: &[Mutant] = &[
         find: "timed(be, &mut self.recomputes_timed, l, || recompute_probabilities(be, a, s, dims));",
         replace: "let _ = (a, &s);",
         tests: &["-p", "distlab-tests", "--test", "checkpointing", "recomputing_gives_exactly_the_training_without_it"],
+    },
+    Mutant {
+        name: "Ulysses: q, k and v leave as they are, not re-arranged by heads (a missing transpose)",
+        file: "gpu-worker/src/parallel/context.rs",
+        find: "let pack = |mine: &[f32]| heads_blocks(mine, &shape, cp);",
+        replace: "let pack = |mine: &[f32]| mine.to_vec();",
+        tests: &["-p", "distlab-tests", "--test", "context_parallel", "context_parallelism_trains_like_whole_sequences"],
     },
     Mutant {
         name: "FP8: the cast rounds ties away from zero instead of to even",

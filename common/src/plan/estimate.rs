@@ -395,14 +395,15 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
     };
     let dp_axis = slowest_stage(axis(tp.saturating_mul(pp), dp), &|st| {
         let c = &st.comm;
-        // (expert parallelism's all-to-alls run inside the data-parallel group too: W-1
-        // messages each, four per block and micro-batch, six recomputing)
+        // (expert and context parallelism's all-to-alls run inside the data-parallel group
+        // too: W-1 messages each, four per block and micro-batch, six recomputing)
         let bytes = [c.dp_all_reduce, c.dp_reduce_scatter, c.dp_all_gather, c.dp_compressed, c.ep_all_to_all]
             .into_iter()
+            .chain([c.cp_all_to_all])
             .fold(0u64, u64::saturating_add);
         let per_block: u64 = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
-        let ep = (spec.parallel.ep as u64).saturating_sub(1);
-        let all_to_all = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps).saturating_mul(ep);
+        let peers = (spec.parallel.ep as u64).saturating_sub(1) + (spec.parallel.cp as u64).saturating_sub(1);
+        let all_to_all = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps).saturating_mul(peers);
         (bytes, dp_messages(spec, st, micro_steps).saturating_add(all_to_all))
     });
     let tp_axis = slowest_stage(axis(1, tp), &|st| {

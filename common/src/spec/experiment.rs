@@ -254,6 +254,34 @@ pub struct ParallelSpec {
     /// of the data-parallel group (E/ep each), tokens sent to their experts and back by
     /// all-to-all.
     pub ep: usize,
+    /// Context parallelism: every sequence split along its tokens over `cp` consecutive
+    /// ranks of the data-parallel group (T/cp each), which read the same sequences; their
+    /// gradients are summed with the rest of the group's. `dp/cp` replicas of the data.
+    pub cp: usize,
+    /// How the context-parallel ranks meet in attention.
+    pub cp_kind: ContextParallel,
+}
+
+/// How context-parallel ranks, each holding T/cp tokens of every sequence, run attention.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum ContextParallel {
+    /// DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns q, k and v from
+    /// sequence-split (T/cp tokens, every head) into head-split (every token, heads/cp),
+    /// attention runs unchanged on whole sequences, a second all-to-all turns its output
+    /// back; backward the same in reverse. The heads (and key/value heads) must divide by cp.
+    #[default]
+    Ulysses,
+}
+
+impl ContextParallel {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContextParallel::Ulysses => "ulysses",
+        }
+    }
 }
 
 /// How DDP's gradients are compressed on the wire; what each loses is kept on the rank
@@ -537,6 +565,12 @@ impl ParallelSpec {
     pub fn splits_sequence(&self) -> bool {
         self.sequence_parallel && self.tp > 1
     }
+
+    /// Replicas of the data: the data-parallel ranks over the context-parallel ones that
+    /// share each sequence.
+    pub fn data_replicas(&self) -> usize {
+        self.dp / self.cp.max(1)
+    }
 }
 
 impl Default for ParallelSpec {
@@ -559,6 +593,8 @@ impl Default for ParallelSpec {
             compression_ratio: 0.01,
             compression_rank: 4,
             ep: 1,
+            cp: 1,
+            cp_kind: ContextParallel::Ulysses,
         }
     }
 }
@@ -844,9 +880,9 @@ impl ExperimentSpec {
         self.train.micro_batches.saturating_mul(self.train.grad_accum)
     }
 
-    /// Sequences consumed by one optimizer step.
+    /// Sequences consumed by one optimizer step (context-parallel ranks share theirs).
     pub fn global_batch(&self) -> usize {
-        self.parallel.dp * self.train.micro_batch * self.train.micro_batches * self.train.grad_accum
+        self.parallel.data_replicas() * self.train.micro_batch * self.train.micro_batches * self.train.grad_accum
     }
 
     /// Tokens consumed by one optimizer step.

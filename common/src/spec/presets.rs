@@ -133,6 +133,13 @@ pub fn presets() -> Vec<Preset> {
     // The flash preset's shape, 6 blocks deep, with naive attention: selective recompute
     // drops the T x T probabilities every block keeps and makes them again in its backward
     // (one block's held at a time).
+    // Long sequences (T = 512) split over cp = 2 ranks by Ulysses' all-to-alls: each rank
+    // keeps half the tokens and, in attention, half the heads' T x T probabilities.
+    let mut ulysses = ExperimentSpec { name: "ulysses-context-parallel".into(), ..ExperimentSpec::default() };
+    ulysses.model = ModelSpec::dense(4, 64, 4, 512, 64);
+    (ulysses.parallel.dp, ulysses.parallel.cp) = (2, 2);
+    ulysses.train.micro_batch = 2;
+    ulysses.train.steps = 10;
     let mut selective = ExperimentSpec { name: "selective-recompute".into(), ..ExperimentSpec::default() };
     selective.model = ModelSpec::dense(6, 64, 4, 512, 64);
     selective.train.micro_batch = 2;
@@ -279,6 +286,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Selective recompute on long sequences (T = 512)",
             description: "A small model (6 blocks, d_model 64) on sequences of 512 tokens with naive attention and selective recompute: each block keeps everything but its heads' T x T attention probabilities, which its backward computes again from the q and k it kept (one block's at a time). Resubmit it with checkpointing \"none\" and compare the memory cards (most of the activations here are those probabilities) and the timeline's recompute spans (the softmax and the two products around it, a small part of the step); the losses are identical.",
             spec: selective,
+        },
+        Preset {
+            key: "ulysses",
+            title: "Context parallelism, Ulysses (cp=2, T = 512)",
+            description: "Sequences of 512 tokens split over 2 ranks (cp = 2 of the 2 data-parallel ranks, which read the same sequences): each keeps 256 tokens of every sequence through the embeddings, norms, MLPs and loss, and around attention two all-to-alls turn q, k and v into whole sequences of half the heads and attention's output back (the timeline's CP lane; four per block and micro-batch). Resubmit it with dp 1 and cp 1 (whole sequences, one rank) and compare: the same losses, about half the activations per rank.",
+            spec: ulysses,
         },
         Preset {
             key: "experts",

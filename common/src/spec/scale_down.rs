@@ -42,11 +42,18 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
             p.dp * p.tp * p.pp
         ));
     }
+    // The context-parallel ranks are consecutive ranks of the data-parallel group.
+    let cp = gcd(p.cp.max(1), p.dp);
+    if cp != p.cp {
+        changes.push(format!("cp={} became cp={cp}, which divides the small run's dp={}", p.cp, p.dp));
+        p.cp = cp;
+    }
     if p.dp < 2 && p.sharding != crate::Sharding::None {
         changes.push(format!("sharding={} needs dp >= 2, so the small run shards nothing", p.sharding.as_str()));
         p.sharding = crate::Sharding::None;
     }
-    let heads = HEADS_PER_TP_RANK * p.tp;
+    // (Ulysses gives each context-parallel rank heads/cp of a tensor-parallel rank's heads)
+    let heads = HEADS_PER_TP_RANK * cp / gcd(HEADS_PER_TP_RANK, cp) * p.tp;
     let m = &mut small.model;
     if m.tie_embeddings {
         changes
@@ -61,7 +68,10 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
             // at least a K/V head per tensor-parallel rank, and SwiGLU's 8/3 x d_model,
             // rounded up to a multiple of 8 x tp (each rank's share a multiple of 8).
             let group = (m.heads / m.key_value_heads().max(1)).clamp(1, heads);
-            m.kv_heads = (heads / group).max(p.tp);
+            m.kv_heads = (heads / group).max(p.tp * cp);
+            if heads % m.kv_heads != 0 || (m.kv_heads / p.tp) % cp != 0 {
+                m.kv_heads = heads;
+            }
             m.ffn_hidden = (heads * HEAD_DIM * 8 / 3).div_ceil(8 * p.tp) * 8 * p.tp;
         }
     }
@@ -111,6 +121,14 @@ pub fn run_it_small(spec: &ExperimentSpec, limits: &Limits) -> (ExperimentSpec, 
     small.demo = None;
     small.name = format!("small: {}", spec.name).chars().take(limits.max_name_len.max(8)).collect();
     (small, changes)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 #[cfg(test)]

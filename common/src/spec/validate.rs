@@ -46,6 +46,27 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// No limit at all: for a rank process, whose launcher applied the run's limits (a
+    /// server's, or `distlab-worker run --limits`) before starting it; the rules still apply.
+    pub fn none() -> Self {
+        Limits {
+            max_world_size: usize::MAX,
+            max_params: u64::MAX,
+            max_steps: u64::MAX,
+            max_layers: usize::MAX,
+            max_d_model: usize::MAX,
+            max_seq_len: usize::MAX,
+            max_vocab: usize::MAX,
+            max_micro_batch: usize::MAX,
+            max_micro_batches: usize::MAX,
+            max_grad_accum: usize::MAX,
+            max_name_len: usize::MAX,
+            max_tokens_per_step: usize::MAX,
+        }
+    }
+}
+
 /// A spec that passed [`ExperimentSpec::validate`]: what the training engine takes, so that
 /// a spec is checked once, where it enters (the browser's form, the server's API, the
 /// worker's lease or spec file, a rank process's start), and nowhere inside.
@@ -287,6 +308,7 @@ impl ExperimentSpec {
         self.check_compression(&mut err);
         self.check_pipeline_schedule(&mut err);
         self.check_experts(&mut err);
+        self.check_context_parallel(&mut err);
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",
@@ -663,6 +685,58 @@ impl ExperimentSpec {
         }
     }
 
+    /// Context parallelism (`parallel.cp`): the sequences split along their tokens over cp
+    /// ranks of the data-parallel group, Ulysses' all-to-alls around attention.
+    fn check_context_parallel(&self, err: &mut impl FnMut(&str, String)) {
+        let (m, p) = (&self.model, &self.parallel);
+        in_range(err, "parallel.cp", p.cp, 1, 64, "cp");
+        if p.cp <= 1 {
+            return;
+        }
+        let mut refuse = |field: &str, why: String| err(field, format!("cp={}: {why}", p.cp));
+        if p.dp % p.cp != 0 {
+            refuse(
+                "parallel.cp",
+                format!(
+                    "the ranks that share a sequence are cp consecutive ranks of the data-parallel group: cp must \
+                     divide dp={}",
+                    p.dp
+                ),
+            );
+        }
+        if m.seq_len % p.cp != 0 {
+            refuse("parallel.cp", format!("each rank holds seq_len/cp tokens: cp must divide seq_len={}", m.seq_len));
+        }
+        let tp = p.tp.max(1);
+        let (heads, kv_heads) = (m.heads / tp, m.key_value_heads() / tp);
+        if heads % p.cp != 0 || kv_heads % p.cp != 0 {
+            refuse(
+                "parallel.cp",
+                format!(
+                    "ulysses gives each rank heads/cp of its {heads} query and {kv_heads} key/value heads (per \
+                     tensor-parallel rank) for the whole sequence: cp must divide both"
+                ),
+            );
+        }
+        if m.is_moe() {
+            refuse(
+                "model.experts",
+                "the experts' all-to-alls run over the data-parallel group the context-parallel ranks share: \
+                 use a dense model (experts=0)"
+                    .into(),
+            );
+        }
+        if self.train.resume_from.is_some() {
+            refuse(
+                "train.resume_from",
+                "an elastic resume re-cuts the data-parallel group by sequences; start from scratch".into(),
+            );
+        }
+        if self.demo.is_some() {
+            refuse("demo", "the collective demos run no model: use cp=1".into());
+        }
+    }
+
     /// `parallel.grad_compression` and its settings: DDP's gradient all-reduce on the ring
     /// is what a compressor replaces.
     fn check_compression(&self, err: &mut impl FnMut(&str, String)) {
@@ -728,9 +802,15 @@ pub const MAX_EXPERTS: usize = 64;
 pub const MAX_FFN_RATIO: usize = 16;
 
 fn world_tokens(spec: &ExperimentSpec) -> u128 {
-    [spec.parallel.dp, spec.train.micro_batch, spec.train.micro_batches, spec.train.grad_accum, spec.model.seq_len]
-        .iter()
-        .fold(1u128, |product, &x| product.saturating_mul(x as u128))
+    [
+        spec.parallel.data_replicas(),
+        spec.train.micro_batch,
+        spec.train.micro_batches,
+        spec.train.grad_accum,
+        spec.model.seq_len,
+    ]
+    .iter()
+    .fold(1u128, |product, &x| product.saturating_mul(x as u128))
 }
 
 fn in_range(err: &mut impl FnMut(&str, String), field: &str, value: usize, min: usize, max: usize, name: &str) {
@@ -866,6 +946,23 @@ mod tests {
                 json!({"parallel": {"dp": 2, "ep": 2}}),
                 vec![("parallel.ep", "ep=2: expert parallelism spreads the experts; a dense model")],
             ),
+            (
+                json!({"parallel": {"dp": 2, "cp": 3}}),
+                vec![
+                    ("parallel.cp", "cp=3: the ranks that share a sequence are cp consecutive ranks of the data-parallel group: cp must divide dp=2"),
+                    ("parallel.cp", "cp=3: each rank holds seq_len/cp tokens: cp must divide seq_len=32"),
+                    ("parallel.cp", "cp=3: ulysses gives each rank heads/cp of its 4 query and 4 key/value heads"),
+                ],
+            ),
+            (
+                json!({"model": {"experts": 4}, "parallel": {"dp": 2, "cp": 2},
+                       "train": {"resume_from": {"experiment": 1, "step": 5}}}),
+                vec![
+                    ("model.experts", "cp=2: the experts' all-to-alls run over the data-parallel group"),
+                    ("train.resume_from", "cp=2: an elastic resume re-cuts the data-parallel group"),
+                ],
+            ),
+            (json!({"parallel": {"cp": 0}}), vec![("parallel.cp", "cp must be between 1 and 64 (it is 0)")]),
             (
                 json!({"model": {"experts": 6}, "parallel": {"dp": 2, "ep": 4, "sharding": "zero1"},
                        "train": {"resume_from": {"experiment": 1, "step": 5}}}),

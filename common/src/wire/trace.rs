@@ -164,12 +164,15 @@ pub mod lane {
     pub const TP: &str = "tp";
     /// Expert parallelism's all-to-alls: tokens to their experts and back (waited for too).
     pub const EP: &str = "ep";
+    /// Context parallelism's all-to-alls (Ulysses): q, k, v to whole sequences and
+    /// attention's output back, and their gradients (waited for too).
+    pub const CP: &str = "cp";
 }
 
 impl Span {
     /// A collective the compute thread stopped for: it can never be hidden under compute.
     pub fn blocks_compute(&self) -> bool {
-        self.kind == SpanKind::Comm && [lane::DP_BLOCKING, lane::TP, lane::EP].contains(&self.lane.as_str())
+        self.kind == SpanKind::Comm && [lane::DP_BLOCKING, lane::TP, lane::EP, lane::CP].contains(&self.lane.as_str())
     }
 }
 

@@ -62,6 +62,11 @@ pub fn comm_rows(c: &CommVolume) -> Vec<(&'static str, &'static str, u64)> {
         ("tp all-reduce", "activations and their gradients", c.tp_all_reduce),
         ("pp send", "activations forward, their gradients backward", c.pp_send),
         ("ep all-to-all", "tokens to their experts and back, and their gradients", c.ep_all_to_all),
+        (
+            "cp all-to-all",
+            "q, k, v to whole sequences and attention's output back, and their gradients",
+            c.cp_all_to_all,
+        ),
     ]
     .into_iter()
     .filter(|r| r.2 > 0)

@@ -49,6 +49,9 @@ pub fn one_line(spec: &ExperimentSpec) -> String {
     if p.ep > 1 {
         parts.push(format!("ep{}", p.ep));
     }
+    if p.cp > 1 {
+        parts.push(format!("cp{} {}", p.cp, p.cp_kind.as_str()));
+    }
     if p.sharding != distlab_common::Sharding::None {
         parts.push(label(&p.sharding));
     }
@@ -100,7 +103,16 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
     let parallel = format!(
         "dp {}{} × tp {}{} × pp {} = {} rank{} · sharding {}{} · schedule {} · bucket {} bytes · {} on the wire{}",
         p.dp,
-        if p.ep > 1 { format!(" (experts over ep = {} of them)", p.ep) } else { String::new() },
+        match (p.ep > 1, p.cp > 1) {
+            (true, _) => format!(" (experts over ep = {} of them)", p.ep),
+            (_, true) => format!(
+                " (sequences split over cp = {} of them, {}: {} replicas of the data)",
+                p.cp,
+                p.cp_kind.as_str(),
+                p.data_replicas()
+            ),
+            _ => String::new(),
+        },
         p.tp,
         if p.sequence_parallel { " (sequence parallel)" } else { "" },
         p.pp,

@@ -152,6 +152,7 @@ pub fn PlannerPage() -> impl IntoView {
                     {number(spec, "tp", |s| s.parallel.tp, |s, v| s.parallel.tp = v)}
                     {number(spec, "pp", |s| s.parallel.pp, |s, v| s.parallel.pp = v)}
                     {number(spec, "ep", |s| s.parallel.ep, |s, v| s.parallel.ep = v)}
+                    {number(spec, "cp", |s| s.parallel.cp, |s, v| s.parallel.cp = v)}
                     {choice(spec, "sharding", &["none", "zero1", "zero2", "fsdp"], |s| s.parallel.sharding.as_str().to_string(),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.sharding = x })}
                     {choice(spec, "pp_schedule", &["1f1b", "gpipe", "interleaved", "zb-h1"], |s| json_str(&s.parallel.pp_schedule),

@@ -30,6 +30,9 @@ pub(super) struct BlockActivations<Buf> {
     pub(super) att: Buf,
     /// Attention output before its projection.
     pub(super) atty: Buf,
+    /// Context parallelism with flash attention: the output as attention made it, every
+    /// token of this rank's heads, for flash's backward (empty otherwise).
+    pub(super) atty_heads: Buf,
     /// Residual stream after the attention half.
     pub(super) res_attn: Buf,
     pub(super) ln2: Buf,
@@ -55,6 +58,7 @@ impl<Buf> BlockActivations<Buf> {
             &self.qkv,
             &self.att,
             &self.atty,
+            &self.atty_heads,
             &self.res_attn,
             &self.ln2,
             &self.ln2_mean,
@@ -182,7 +186,12 @@ pub(super) struct ActivationShape {
     /// Rows of the LayerNorm and residual regions this rank keeps: all of them, or with
     /// sequence parallelism its own tokens' (rows / tp).
     pub(super) res_rows: usize,
+    /// Tokens of each sequence on this rank (with context parallelism T/cp), and the
+    /// whole sequence's, which attention sees.
     pub(super) t: usize,
+    pub(super) seq: usize,
+    /// Context parallelism: ranks sharing each sequence (1 without it)
+    pub(super) cp: usize,
     pub(super) c: usize,
     /// This rank's width of the attention (its query heads), of q, k and v together, and of
     /// the MLP's hidden layer.
@@ -208,16 +217,18 @@ pub(super) struct ActivationShape {
 
 impl ActivationShape {
     /// The sizes on one of `tp` tensor-parallel ranks (with `sequence_parallel`, its share
-    /// of the LayerNorm and residual regions) and one of `ep` expert-parallel ranks, for
+    /// of the LayerNorm and residual regions), one of `ep` expert-parallel ranks and one of
+    /// `cp` context-parallel ranks (its T/cp tokens, attention's heads/cp), for
     /// micro-batches of `batch` sequences, before [`Self::for_chunks`] says what a chunk keeps.
     pub(super) fn new(
         spec: &ModelSpec,
         batch: usize,
-        (tp, ep): (usize, usize),
+        (tp, ep, cp): (usize, usize, usize),
         attention: Attention,
         sequence_parallel: bool,
     ) -> Self {
-        let rows = batch * spec.seq_len;
+        let t = spec.seq_len / cp;
+        let rows = batch * t;
         assert!(
             !sequence_parallel || rows.is_multiple_of(tp),
             "sequence parallelism splits {rows} tokens over tp={tp}: validation lets only multiples through"
@@ -226,7 +237,9 @@ impl ActivationShape {
             batch,
             rows,
             res_rows: if sequence_parallel { rows / tp } else { rows },
-            t: spec.seq_len,
+            t,
+            seq: spec.seq_len,
+            cp,
             c: spec.d_model,
             cl: spec.d_model / tp,
             qkv: spec.qkv_width() as usize / tp,
@@ -276,7 +289,13 @@ impl ActivationShape {
 
     /// Elements of the attention's saved tensor (and of its gradient scratch).
     pub(super) fn attention_floats(&self) -> usize {
-        attention_floats(self.batch, self.heads, self.t, self.attention)
+        attention_floats(self.batch, self.heads / self.cp, self.seq, self.attention)
+    }
+
+    /// Context parallelism: its exchange buffers' widths (q, k and v; the attention
+    /// output), or None without it.
+    pub(super) fn context_widths(&self) -> Option<(usize, usize)> {
+        (self.cp > 1).then_some((self.qkv, self.cl))
     }
 
     /// One block's buffers, each from `alloc(floats)`.
@@ -290,6 +309,7 @@ impl ActivationShape {
             qkv: alloc(rows * self.qkv),
             att: alloc(if self.recompute_probabilities { 0 } else { self.attention_floats() }),
             atty: alloc(rows * cl),
+            atty_heads: alloc(if self.cp > 1 && self.attention == Attention::Flash { rows * cl } else { 0 }),
             res_attn: alloc(own * c),
             ln2: alloc(own * c),
             ln2_mean: alloc(mean),
@@ -494,17 +514,23 @@ impl<B: Backend> InFlightSets<B> {
 
 /// What [`Gpt::new`](super::Gpt::new) will allocate for activations and their gradients on one of `tp`
 /// tensor-parallel ranks (with sequence parallelism, its share of the LayerNorm and
-/// residual regions) and one of `ep` expert-parallel ranks, without allocating
+/// residual regions), one of `ep` expert-parallel ranks and one of `cp` context-parallel
+/// ranks, without allocating
 /// (saturating, so absurd specs give a huge number, not an overflow), keeping every
 /// block's activations (selective recompute: but their attention probabilities, one
 /// block's held instead).
-pub fn activation_floats_for(spec: &ModelSpec, batch: usize, (tp, ep): (usize, usize), saved: Saved) -> usize {
+pub fn activation_floats_for(
+    spec: &ModelSpec,
+    batch: usize,
+    (tp, ep, cp): (usize, usize, usize),
+    saved: Saved,
+) -> usize {
     let Saved { attention, sequence_parallel, .. } = saved;
-    let n = tp.max(1);
+    let (n, cp) = (tp.max(1), cp.max(1));
     let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n, spec.layers);
-    let rows = batch.saturating_mul(t);
+    let rows = batch.saturating_mul(t) / cp;
     let own = if sequence_parallel && n > 1 { rows / n } else { rows };
-    let att = attention_floats(batch, h, t, attention);
+    let att = attention_floats(batch, h / cp, t, attention);
     let rc = rows.saturating_mul(c);
     let own_c = own.saturating_mul(c);
     let (qkv, hidden) = (rows.saturating_mul(spec.qkv_width() as usize / n), rows.saturating_mul(spec.d_ff() / n));
@@ -528,7 +554,8 @@ pub fn activation_floats_for(spec: &ModelSpec, batch: usize, (tp, ep): (usize, u
         .saturating_add(rows.saturating_mul(c / n))
         .saturating_add(mlp)
         .saturating_add(stats.saturating_mul(2))
-        .saturating_add(kept_att);
+        .saturating_add(kept_att)
+        .saturating_add(if cp > 1 && attention == Attention::Flash { rows.saturating_mul(c / n) } else { 0 });
     // encoded (own rows), lnf (rows x c), lnf statistics (own rows), logits, losses
     let top =
         own_c.saturating_add(rc).saturating_add(stats).saturating_add(rows).saturating_add(rows.saturating_mul(v));
@@ -543,6 +570,8 @@ pub fn activation_floats_for(spec: &ModelSpec, batch: usize, (tp, ep): (usize, u
         .saturating_add(att);
     let norm = spec.norm_params() as usize;
     let exchange = if own < rows { rc.saturating_mul(2).saturating_add(3 * norm) } else { 0 };
+    // context parallelism's exchange buffers: q, k, v and the attention output
+    let exchange = exchange + if cp > 1 { qkv.saturating_add(rows.saturating_mul(c / n)) } else { 0 };
     // Mixture of Experts (tp = 1): the hidden layers of every slot in place of every
     // token's, the router's and the slots' buffers, and their gradients.
     let (block, scratch) = match ExpertShape::of(spec, rows, ep) {

@@ -16,7 +16,8 @@
 //!
 //! the Mixture-of-Experts MLP in its place where the model has experts (`experts.rs`),
 //! the tensor-parallel sums and sequence-parallel exchanges where `tensor_parallel.rs`
-//! puts them, and ZB-H1's split of the backward into B (input gradients) and W (weight
+//! puts them, context parallelism's all-to-alls around attention
+//! (`context_parallel.rs`), and ZB-H1's split of the backward into B (input gradients) and W (weight
 //! gradients).
 
 use std::ops::Range;
@@ -27,6 +28,7 @@ use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::memory::Category;
 use crate::model::activations::{mlp_in, ActivationShape, Activations, BlockActivations, WeightStash};
+use crate::model::context_parallel::{ContextSplit, ExchangeShape};
 use crate::model::experts::{
     experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden, HiddenGrads,
 };
@@ -45,8 +47,14 @@ use crate::ops::attention::AttentionShape;
 pub(super) struct Dims {
     pub(super) c: usize,
     pub(super) cl: usize,
-    /// This rank's query and key/value heads (and the sequence length).
+    /// The query and key/value heads this rank's attention runs (and the sequence length).
     pub(super) heads: AttentionShape,
+    /// Width of q, k and v together as this rank's qkv matmul makes them (with context
+    /// parallelism, for every head of this tensor-parallel rank; attention has 1/cp of them).
+    pub(super) qkv: usize,
+    /// Context parallelism: the shapes of q, k and v and of attention's output as they are
+    /// exchanged (None without it).
+    pub(super) context: Option<(ExchangeShape, ExchangeShape)>,
     pub(super) hidden: usize,
     /// GPT-2's blocks or Llama's.
     pub(super) family: ModelFamily,
@@ -104,7 +112,7 @@ impl Dims {
 
     /// Width of q, k and v together on this rank.
     fn qkv(&self) -> usize {
-        self.heads.qkv_width()
+        self.qkv
     }
 }
 
@@ -211,6 +219,7 @@ pub(super) fn block_forward<B: Backend>(
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
     ep: &mut ExpertGroup<B>,
+    cx: &mut Option<ContextSplit<B>>,
     layer: usize,
 ) -> Result<(), CommError> {
     let Dims { c, cl, hidden, attention, mine, family, .. } = d;
@@ -219,7 +228,16 @@ pub(super) fn block_forward<B: Backend>(
     let stats = (be.all_mut(&mut a.ln1_mean), be.all_mut(&mut a.ln1_rstd));
     norm_forward(be, family, be.all_mut(&mut a.ln1), stats, be.all(x), (w.ln1_g, w.ln1_b), c);
     let ln1 = gather_tokens(be, &a.ln1, gathered(exchange), mine, c, tp, TpPoint::Ln1Output, at)?;
-    be.matmul_forward(be.all_mut(&mut a.qkv), be.all(ln1), w.qkv_w, d.bias(w.qkv_b), None, c, d.qkv());
+    // (context parallelism: this rank's tokens' q, k and v leave for their heads' ranks,
+    // and every token of this rank's heads arrives in `a.qkv`)
+    let made = match cx.as_mut() {
+        Some(x) => &mut x.exchange.qkv,
+        None => &mut a.qkv,
+    };
+    be.matmul_forward(be.all_mut(made), be.all(ln1), w.qkv_w, d.bias(w.qkv_b), None, c, d.qkv());
+    if let (Some(ContextSplit { group, exchange }), Some((shape, _))) = (cx.as_mut(), d.context) {
+        group.to_heads(be, &exchange.qkv, &mut a.qkv, shape, "qkv", layer)?;
+    }
     if family == ModelFamily::Llama {
         be.rope_forward(be.all_mut(&mut a.qkv), d.heads, d.rope_theta);
     }
@@ -227,10 +245,19 @@ pub(super) fn block_forward<B: Backend>(
         Some(probs) => be.all_mut(probs),
         None => be.all_mut(&mut a.att),
     };
-    let (out, qkv) = (be.all_mut(&mut a.atty), be.all(&a.qkv));
+    let out = match (cx.as_mut(), attention) {
+        (None, _) => &mut a.atty,
+        (Some(x), Attention::Naive) => &mut x.exchange.heads_out,
+        (Some(_), Attention::Flash) => &mut a.atty_heads,
+    };
+    let (out, qkv) = (be.all_mut(out), be.all(&a.qkv));
     match attention {
         Attention::Naive => be.attention_forward(out, saved, qkv, d.heads),
         Attention::Flash => be.flash_attention_forward(out, saved, qkv, d.heads),
+    }
+    if let (Some(ContextSplit { group, exchange }), Some((_, shape))) = (cx.as_mut(), d.context) {
+        let made = if attention == Attention::Flash { &a.atty_heads } else { &exchange.heads_out };
+        group.to_tokens(be, made, &mut a.atty, shape, "attention output", layer)?;
     }
     // (this rank's width, whether it adds the bias and residual, its tokens)
     let place = (c, d.lead, mine);
@@ -281,6 +308,7 @@ pub(super) fn segment_block_forward<B: Backend>(
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
     ep: &mut ExpertGroup<B>,
+    cx: &mut Option<ContextSplit<B>>,
     layer: usize,
 ) -> Result<(), CommError> {
     let j = i % k;
@@ -290,7 +318,7 @@ pub(super) fn segment_block_forward<B: Backend>(
         (0, _) => &acts.checkpoints[i / k - 1],
         _ => &before[j - 1].res_mlp,
     };
-    block_forward(be, w, x, &mut rest[0], None, d, tp, exchange, ep, layer)
+    block_forward(be, w, x, &mut rest[0], None, d, tp, exchange, ep, cx, layer)
 }
 
 /// Selective recompute, before a block's backward: attention's probabilities again from
@@ -328,6 +356,7 @@ pub(super) fn block_backward<B: Backend>(
     tp: &mut Option<Box<dyn TensorParallelGroup<B>>>,
     exchange: &mut Option<Exchange<B::Buf>>,
     ep: &mut ExpertGroup<B>,
+    cx: &mut Option<ContextSplit<B>>,
     layer: usize,
     mut keep: Option<&mut WeightStash<B::Buf>>,
 ) -> Result<(), CommError> {
@@ -432,19 +461,38 @@ pub(super) fn block_backward<B: Backend>(
     let kept = keep.as_deref_mut().map(|k| &mut k.dattn_out);
     let weights = (attn_proj_w, d.bias(attn_proj_b));
     linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), be.all(&a.atty), w.attn_proj_w, (cl, c), kept);
-    let (dqkv, scratch, dy, qkv) = (be.all_mut(&mut s.dqkv), be.all_mut(&mut s.datt), be.all(&s.datty), be.all(&a.qkv));
+    // (context parallelism: the output gradient goes to every token of this rank's heads,
+    // and q, k and v's gradients come back home below)
+    let (dy, dqkv) = match (cx.as_mut(), d.context) {
+        (Some(ContextSplit { group, exchange }), Some((_, shape))) => {
+            group.to_heads(be, &s.datty, &mut exchange.heads_out, shape, "attention output gradient", layer)?;
+            (&exchange.heads_out, &mut exchange.qkv)
+        }
+        _ => (&s.datty, &mut s.dqkv),
+    };
+    let out = if d.context.is_some() && attention == Attention::Flash { &a.atty_heads } else { &a.atty };
+    let (scratch, qkv) = (be.all_mut(&mut s.datt), be.all(&a.qkv));
     match attention {
         Attention::Naive => {
             let probs = if d.recompute_probabilities { &s.probs } else { &a.att };
-            be.attention_backward(dqkv, scratch, dy, qkv, be.all(probs), d.heads)
+            be.attention_backward(be.all_mut(dqkv), scratch, be.all(dy), qkv, be.all(probs), d.heads)
         }
-        Attention::Flash => {
-            be.flash_attention_backward(dqkv, scratch, dy, qkv, be.all(&a.atty), be.all(&a.att), d.heads)
-        }
+        Attention::Flash => be.flash_attention_backward(
+            be.all_mut(dqkv),
+            scratch,
+            be.all(dy),
+            qkv,
+            be.all(out),
+            be.all(&a.att),
+            d.heads,
+        ),
     }
     if family == ModelFamily::Llama {
         // the rotated q and k's gradients, turned back: the unrotated ones
-        be.rope_backward(be.all_mut(&mut s.dqkv), d.heads, d.rope_theta);
+        be.rope_backward(be.all_mut(dqkv), d.heads, d.rope_theta);
+    }
+    if let (Some(ContextSplit { group, exchange }), Some((shape, _))) = (cx.as_mut(), d.context) {
+        group.to_tokens(be, &exchange.qkv, &mut s.dqkv, shape, "qkv gradient", layer)?;
     }
     let ln1 = gather_tokens(be, &a.ln1, gathered, mine, c, tp, TpPoint::Ln1Output, at)?;
     let kept = keep.map(|k| &mut k.dqkv);

@@ -48,6 +48,9 @@ use crate::model::block::{
     block_backward, block_forward, recompute_probabilities, segment_block_forward, shift, split_block, Dims,
     GradScratch,
 };
+use crate::model::context_parallel::{
+    ContextExchange, ContextParallelGroup, ContextPlace, ContextSplit, ExchangeShape,
+};
 use crate::model::experts::{ExpertGroup, ExpertStats};
 use crate::model::head::{head_backward, head_forward, head_params, split_head, LogitGradZeros};
 use crate::model::layout::{ExpertPlace, ParamLayout, TpPlace};
@@ -84,6 +87,8 @@ pub struct Gpt<B: Backend> {
     exchange: Option<Exchange<B::Buf>>,
     /// Expert parallelism (None: every expert on this rank, or a dense model).
     ep: ExpertGroup<B>,
+    /// Context parallelism (None: this rank holds whole sequences).
+    cx: Option<ContextSplit<B>>,
     /// The routing of the forwards since the last [`Gpt::take_expert_stats`].
     expert_stats: ExpertStats,
     /// The first backward since the last [`Gpt::take_logit_grad_zeros`]: of the logit
@@ -108,12 +113,14 @@ pub struct ModelGroups<B: Backend> {
     pub tp: Option<Box<dyn TensorParallelGroup<B>>>,
     /// Expert parallelism (None: every expert on this rank, or a dense model).
     pub ep: ExpertGroup<B>,
+    /// Context parallelism (None: this rank holds whole sequences).
+    pub cp: Option<Box<dyn ContextParallelGroup<B>>>,
 }
 
 impl<B: Backend> ModelGroups<B> {
     /// One rank holding the whole model.
     pub fn alone() -> Self {
-        ModelGroups { tp: None, ep: None }
+        ModelGroups { tp: None, ep: None, cp: None }
     }
 }
 
@@ -135,7 +142,7 @@ impl<B: Backend> Gpt<B> {
         groups: ModelGroups<B>,
         memory: &Arc<MemoryTracker>,
     ) -> Self {
-        let ModelGroups { mut tp, mut ep } = groups;
+        let ModelGroups { mut tp, mut ep, cp } = groups;
         // (an interleaved stage's chunks are alike)
         let chunk_blocks = stage.chunks.iter().map(Range::len).max().unwrap_or(0);
         let segment = saved.segment(chunk_blocks);
@@ -147,11 +154,12 @@ impl<B: Backend> Gpt<B> {
             group.attach_memory(memory);
         }
         let experts = ep.as_ref().map_or(ExpertPlace::ALONE, |g| g.place());
+        let context = cp.as_ref().map_or(ContextPlace::ALONE, |g| g.place());
         let layout = match spec.is_moe() {
             true => ParamLayout::for_experts(spec, experts, &stage.block_order),
             false => ParamLayout::with_block_order(spec, place, &stage.block_order),
         };
-        let ranks = (place.size, experts.size);
+        let ranks = (place.size, experts.size, context.size);
         let sequence_parallel = saved.sequence_parallel && place.size > 1;
         let shape = ActivationShape {
             recompute_probabilities: saved.checkpointing == Checkpointing::Selective,
@@ -169,6 +177,13 @@ impl<B: Backend> Gpt<B> {
         let scratch = GradScratch::new(&shape, &mut alloc);
         let norm = spec.norm_params() as usize;
         let exchange = sequence_parallel.then(|| Exchange::new(shape.rows, shape.c, norm, stage.last, &mut alloc));
+        let cx = match (cp, shape.context_widths()) {
+            (Some(mut group), Some(widths)) => {
+                group.attach_memory(memory);
+                Some(ContextSplit { group, exchange: ContextExchange::new(shape.rows, widths, &mut alloc) })
+            }
+            _ => None,
+        };
         let activations = InFlightSets::new(shape.for_chunks(&stage, segment), memory);
         if stage == Stage::whole(spec.layers) && segment.is_none() {
             let expected = activation_floats_for(spec, batch, ranks, saved);
@@ -188,6 +203,7 @@ impl<B: Backend> Gpt<B> {
             tp,
             exchange,
             ep,
+            cx,
             expert_stats: ExpertStats::default(),
             logit_grad_zeros: None,
             recomputes_timed: None,
@@ -218,6 +234,7 @@ impl<B: Backend> Gpt<B> {
         let mut bufs: Vec<&B::Buf> = self.recompute.iter().flat_map(BlockActivations::buffers).collect();
         bufs.extend(self.scratch.buffers());
         bufs.extend(self.exchange.iter().flat_map(Exchange::buffers));
+        bufs.extend(self.cx.iter().flat_map(|x| x.exchange.buffers()));
         debug_assert_eq!(bufs.len(), self.receipts.len());
         bufs.extend(self.activations.buffers());
         bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64).sum()
@@ -257,6 +274,39 @@ impl<B: Backend> Gpt<B> {
         self.ep.as_ref().map(|g| g.spans())
     }
 
+    /// The context-parallel group, if any (the trainer starts its steps).
+    pub fn context_parallel(&mut self) -> Option<&mut (dyn ContextParallelGroup<B> + 'static)> {
+        self.cx.as_mut().map(|x| x.group.as_mut())
+    }
+
+    /// The all-to-alls the context-parallel group recorded (None without one).
+    pub fn cp_spans(&self) -> Option<Vec<Span>> {
+        self.cx.as_ref().map(|x| x.group.spans())
+    }
+
+    /// Tokens of each sequence this rank holds: seq_len, or with context parallelism its
+    /// T/cp, tokens `position..position + T/cp` of every sequence.
+    pub fn tokens_per_sequence(&self) -> usize {
+        self.activations.shapes[0].t
+    }
+
+    /// This rank's first position in each sequence (context parallelism; else 0).
+    fn first_position(&self) -> usize {
+        self.cx.as_ref().map_or(0, |x| x.group.place().rank * self.tokens_per_sequence())
+    }
+
+    /// The position table's rows of this rank's positions, as a range of the parameter
+    /// buffer (empty for a model without one).
+    fn positions(&self) -> Range<usize> {
+        let wpe = &self.layout.wpe;
+        if wpe.is_empty() {
+            return wpe.clone();
+        }
+        let c = self.spec.d_model;
+        let start = wpe.start + self.first_position() * c;
+        start..start + self.tokens_per_sequence() * c
+    }
+
     /// The collectives the tensor-parallel group recorded (None without one).
     pub fn tp_spans(&self) -> Option<Vec<Span>> {
         self.tp.as_ref().map(|g| g.spans())
@@ -292,7 +342,8 @@ impl<B: Backend> Gpt<B> {
         input: StageInput<'_, B::Elem>,
         targets: &[u32],
     ) -> Result<f64, CommError> {
-        let ModelSpec { seq_len: t, d_model: c, vocab, .. } = self.spec;
+        let ModelSpec { d_model: c, vocab, .. } = self.spec;
+        let (t, positions) = (self.tokens_per_sequence(), self.positions());
         let dims = self.dims();
         let mut upcoming = Upcoming::new(self.stage.forward_opens(chunk));
         let lay = &self.layout;
@@ -300,7 +351,7 @@ impl<B: Backend> Gpt<B> {
 
         match input {
             StageInput::Tokens(inputs) => {
-                assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens");
+                assert_eq!(inputs.len(), self.batch * t, "inputs must hold batch * seq_len tokens (this rank's)");
                 upcoming.before_open(state, Unit::Embeddings, Pass::Forward);
                 let (p, at) = state.open(be, Unit::Embeddings, Pass::Forward)?.params.expect("forward has parameters");
                 // With sequence parallelism every rank embeds every token (the embeddings
@@ -313,7 +364,7 @@ impl<B: Backend> Gpt<B> {
                     be.all_mut(out),
                     inputs,
                     be.view(p, shift(&lay.wte, at)),
-                    be.view(p, shift(&lay.wpe, at)),
+                    be.view(p, shift(&positions, at)),
                     t,
                     c,
                 );
@@ -334,16 +385,16 @@ impl<B: Backend> Gpt<B> {
                 None => {
                     let (done, rest) = acts.blocks.split_at_mut(i);
                     let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
-                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
+                    let (tp, exchange, ep, cx) = (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
                     let probs = dims.recompute_probabilities.then_some(&mut self.scratch.probs);
-                    block_forward(be, &w, x, &mut rest[0], probs, dims, tp, exchange, ep, l)?;
+                    block_forward(be, &w, x, &mut rest[0], probs, dims, tp, exchange, ep, cx, l)?;
                     self.expert_stats.add(rest[0].moe.as_ref());
                 }
                 // Checkpointing: run the block in the shared segment buffers and keep only
                 // the output of each segment's last block.
                 Some(k) => {
-                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
-                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, ep, l)?;
+                    let (tp, exchange, ep, cx) = (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, ep, cx, l)?;
                     self.expert_stats.add(self.recompute[i % k].moe.as_ref());
                     if i % k == k - 1 || i == blocks - 1 {
                         be.copy(be.all_mut(&mut acts.checkpoints[i / k]), be.all(&self.recompute[i % k].res_mlp));
@@ -380,10 +431,22 @@ impl<B: Backend> Gpt<B> {
         let ModelSpec { seq_len, d_model, heads, .. } = self.spec;
         let own = self.activations.shapes[0].res_rows;
         let kv_heads = self.spec.key_value_heads();
+        let here = AttentionShape { seq_len, heads: heads / n, kv_heads: kv_heads / n, head_size: d_model / heads };
+        // (context parallelism: attention runs heads/cp of them, on whole sequences)
+        let cp = self.cx.as_ref().map_or(1, |x| x.group.place().size);
+        let attended = AttentionShape { heads: here.heads / cp, kv_heads: here.kv_heads / cp, ..here };
+        let (batch, tokens) = (self.batch, self.tokens_per_sequence());
+        let context = (cp > 1).then(|| {
+            let qkv = [here.q_width(), here.kv_width(), here.kv_width()];
+            let out = [here.q_width(), 0, 0];
+            (ExchangeShape { batch, tokens, groups: qkv }, ExchangeShape { batch, tokens, groups: out })
+        });
         Dims {
             c: d_model,
             cl: d_model / n,
-            heads: AttentionShape { seq_len, heads: heads / n, kv_heads: kv_heads / n, head_size: d_model / heads },
+            heads: attended,
+            qkv: here.qkv_width(),
+            context,
             hidden: self.spec.d_ff() / n,
             family: self.spec.family,
             rope_theta: self.spec.rope_theta,
@@ -450,7 +513,8 @@ impl<B: Backend> Gpt<B> {
         grad_output: Option<&[B::Elem]>,
         dloss: f64,
     ) -> Result<(), CommError> {
-        let ModelSpec { seq_len: t, d_model: c, vocab, aux_loss_coef, .. } = self.spec;
+        let ModelSpec { d_model: c, vocab, aux_loss_coef, .. } = self.spec;
+        let (t, positions) = (self.tokens_per_sequence(), self.positions());
         // The balance loss of each routing is weighted as the micro-batch's tokens are.
         let balance_weight = aux_loss_coef * (self.batch * t) as f64 * dloss;
         let dims = Dims { balance_weight, ..self.dims() };
@@ -503,8 +567,8 @@ impl<B: Backend> Gpt<B> {
                     let (p, at) =
                         state.open(be, Unit::Block(l), Pass::Recompute)?.params.expect("recompute has parameters");
                     let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
-                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
-                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, ep, l)?;
+                    let (tp, exchange, ep, cx) = (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
+                    segment_block_forward(be, &w, acts, &mut self.recompute, i, k, dims, tp, exchange, ep, cx, l)?;
                     state.close(be, Unit::Block(l), Pass::Recompute)?;
                 }
             }
@@ -528,10 +592,11 @@ impl<B: Backend> Gpt<B> {
                         }
                         Some(_) => {
                             if i == end - 1 {
-                                let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
+                                let (tp, exchange, ep, cx) =
+                                    (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
                                 let recompute = &mut self.recompute;
                                 timed(be, &mut self.recomputes_timed, l, || {
-                                    segment_block_forward(be, &w, acts, recompute, i, k, dims, tp, exchange, ep, l)
+                                    segment_block_forward(be, &w, acts, recompute, i, k, dims, tp, exchange, ep, cx, l)
                                 })?;
                             }
                             let j = i - start;
@@ -544,8 +609,8 @@ impl<B: Backend> Gpt<B> {
                         }
                     };
                     let keep = stash.as_mut().map(|(kept, _)| &mut kept[i]);
-                    let (tp, exchange, ep) = (&mut self.tp, &mut self.exchange, &mut self.ep);
-                    block_backward(be, &w, gw, x, a, s, dims, tp, exchange, ep, l, keep)?;
+                    let (tp, exchange, ep, cx) = (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
+                    block_backward(be, &w, gw, x, a, s, dims, tp, exchange, ep, cx, l, keep)?;
                 }
                 state.close(be, Unit::Block(l), with_params)?;
             }
@@ -566,6 +631,9 @@ impl<B: Backend> Gpt<B> {
             let (g, g_at) = state.open(be, Unit::Embeddings, without_params)?.grads.expect("backward has gradients");
             let g = be.view_mut(g, shift(&Unit::Embeddings.range(lay), g_at));
             let (g_wte, g_wpe) = be.split_mut(g, lay.wte.len());
+            // (context parallelism: the rows of this rank's positions)
+            let (_, g_wpe) = be.split_mut(g_wpe, positions.start - lay.wpe.start);
+            let (g_wpe, _) = be.split_mut(g_wpe, positions.len());
             // With sequence parallelism the replicated embeddings need every token's gradient.
             let whole = gather_tokens(
                 be,

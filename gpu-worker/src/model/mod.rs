@@ -9,6 +9,7 @@
 
 pub mod activations;
 pub mod block;
+pub mod context_parallel;
 pub mod experts;
 pub mod gpt;
 pub mod head;
@@ -18,6 +19,7 @@ pub mod state;
 pub mod tensor_parallel;
 
 pub use activations::{activation_floats_for, Saved};
+pub use context_parallel::{ContextParallelGroup, ContextPlace, ExchangeShape};
 pub use experts::ExpertStats;
 pub use gpt::{Gpt, ModelGroups, RecomputeTime};
 pub use head::LogitGradZeros;

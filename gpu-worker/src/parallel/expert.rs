@@ -24,45 +24,39 @@
 
 use std::sync::Arc;
 
-use distlab_common::trace::{lane, Span, SpanKind};
+use distlab_common::trace::{lane, Span};
 
+use super::all_to_all::RecordedAllToAll;
 use super::TrainBackend;
-use crate::backend::Stored;
 use crate::comm::{CommError, Communicator};
-use crate::memory::{Category, MemoryTracker};
+use crate::memory::MemoryTracker;
 use crate::model::experts::ExpertParallelGroup;
 use crate::model::ExpertPlace;
-use crate::trace::now_us;
 
 /// One rank's expert-parallel group: its communicator and the record of its all-to-alls.
-pub struct ExpertParallel {
-    comm: Box<dyn Communicator>,
-    step: u64,
-    record: bool,
-    spans: Vec<Span>,
-    memory: Arc<MemoryTracker>,
-}
+pub struct ExpertParallel(RecordedAllToAll);
 
 impl ExpertParallel {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
-        ExpertParallel { comm, step: 0, record: false, spans: Vec::new(), memory: MemoryTracker::new() }
+        ExpertParallel(RecordedAllToAll::new(comm, lane::EP))
     }
 
     /// The group's communicator, for a faster one over the same ranks to take its place
     /// (NCCL, see `train/cuda.rs`).
     pub fn comm_mut(&mut self) -> &mut Box<dyn Communicator> {
-        &mut self.comm
+        self.0.comm_mut()
     }
 
     /// What the group's communicator keeps for staging (see `Communicator::staging_bytes`).
     pub fn staging_bytes(&self) -> u64 {
-        self.comm.staging_bytes()
+        self.0.staging_bytes()
     }
 }
 
 impl<B: TrainBackend> ExpertParallelGroup<B> for ExpertParallel {
     fn place(&self) -> ExpertPlace {
-        ExpertPlace { rank: self.comm.rank(), size: self.comm.size() }
+        let (rank, size) = self.0.place();
+        ExpertPlace { rank, size }
     }
 
     fn all_to_all(
@@ -73,50 +67,19 @@ impl<B: TrainBackend> ExpertParallelGroup<B> for ExpertParallel {
         what: &'static str,
         layer: usize,
     ) -> Result<(), CommError> {
-        if self.record {
-            be.synchronize();
-        }
-        let (start, sent_before) = (now_us(), self.comm.bytes_sent());
-        // The communicators carry f32 between host slices: the slots cross as copies.
-        let len = be.buf_len(send);
-        let _copies = self.memory.alloc(Category::Transient, 2 * len);
-        let input: Vec<f32> = be.read_host(be.all(send), |x| x.iter().map(|v| v.load()).collect());
-        let mut output = vec![0.0f32; len];
-        self.comm.all_to_all(&input, &mut output)?;
-        be.on_host(be.all_mut(recv), |r| {
-            for (r, &o) in r.iter_mut().zip(&output) {
-                *r = B::Elem::store(o);
-            }
-        });
-        if self.record {
-            be.synchronize();
-            self.spans.push(Span {
-                kind: SpanKind::Comm,
-                name: format!("all_to_all ep: layer {layer} {what}"),
-                step: self.step,
-                lane: lane::EP.into(),
-                start_us: start,
-                end_us: now_us(),
-                layer: Some(layer as u32),
-                bucket: None,
-                bytes: Some(self.comm.bytes_sent() - sent_before),
-                micro: None,
-                chunk: None,
-            });
-        }
-        Ok(())
+        // (the slots are laid out by destination already: they cross as they are)
+        self.0.exchange(be, (send, recv), None, format!("all_to_all ep: layer {layer} {what}"), layer)
     }
 
     fn begin_step(&mut self, step: u64, record: bool) {
-        self.step = step;
-        self.record = record;
+        self.0.begin_step(step, record);
     }
 
     fn spans(&self) -> Vec<Span> {
-        self.spans.clone()
+        self.0.spans()
     }
 
     fn attach_memory(&mut self, memory: &Arc<MemoryTracker>) {
-        self.memory = memory.clone();
+        self.0.attach_memory(memory);
     }
 }

@@ -14,10 +14,15 @@
 //!   `distlab_common::schedule`, which the pipeline page replays too.
 //! * `expert.rs`: expert parallelism, Mixture-of-Experts blocks' experts spread over
 //!   ranks of the data-parallel group (the model runs it; this is its group).
+//! * `context.rs`: context parallelism, Ulysses' all-to-alls turning tokens into heads
+//!   around attention (the model runs it; this is its group and the exchange).
+//! * `all_to_all.rs`: the recorded all-to-all, through host memory, both of them use.
 //! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
 //! * `mesh.rs`: the dp x tp x pp topology that hands every rank its groups.
 
+pub mod all_to_all;
 pub mod compression;
+pub mod context;
 pub mod ddp;
 pub mod expert;
 pub mod mesh;

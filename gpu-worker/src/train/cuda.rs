@@ -105,6 +105,14 @@ fn train_as<S: DeviceElem>(
         };
         log(on_event, format!("expert parallel: {size} ranks; tokens cross to their experts by all-to-all over {via}"));
     }
+    if let Some(cp) = groups.cp.as_mut() {
+        let (rank, size) = (cp.comm_mut().rank(), cp.comm_mut().size());
+        let via = match nccl_group(cp.comm_mut().as_mut(), rank, size, ordinal, own_gpus, "cp")? {
+            Ok(nccl) => swap_in(cp.comm_mut(), nccl),
+            Err(why) => why,
+        };
+        log(on_event, format!("context parallel (ulysses): {size} ranks; q, k, v and attention's output cross by all-to-all over {via}"));
+    }
     if groups.pp.is_some() {
         log(
             on_event,

@@ -22,7 +22,7 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
     let activations = crate::model::activation_floats_for(
         &spec.model,
         spec.train.micro_batch,
-        (spec.parallel.tp, spec.parallel.ep),
+        (spec.parallel.tp, spec.parallel.ep, spec.parallel.cp),
         crate::model::Saved {
             checkpointing: spec.train.checkpointing,
             attention: spec.train.attention,

@@ -16,11 +16,12 @@ use crate::data::Data;
 use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::experts::ExpertParallelGroup;
-use crate::model::{ExpertStats, ModelGroups, TensorParallelGroup};
+use crate::model::{ContextParallelGroup, ContextPlace, ExpertStats, ModelGroups, TensorParallelGroup};
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::offload::OffloadTo;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::compression::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
+use crate::parallel::context::ContextParallel;
 use crate::parallel::expert::ExpertParallel;
 use crate::parallel::pipeline::{self, PipelineGroup, PipelineLinks};
 use crate::parallel::schedule::{Action, Pipeline};
@@ -63,6 +64,8 @@ pub struct Trainer<B: TrainBackend> {
     targets: Vec<u32>,
     /// This rank's place in data parallelism: (rank, world).
     dp: (usize, usize),
+    /// Its place in its context-parallel group (consecutive data-parallel ranks).
+    context: ContextPlace,
     /// Its place in the whole mesh (its checkpoint file).
     place: RankPlace,
     /// The first step this process runs (after a resume, the checkpoint's).
@@ -152,7 +155,9 @@ impl<B: TrainBackend> Trainer<B> {
         let split_backward = pipe.splits_backward();
         let saved = Saved { checkpointing: t.checkpointing, attention: t.attention, sequence_parallel, split_backward };
         let ep = groups.ep.map(|g| Box::new(g) as Box<dyn ExpertParallelGroup<B>>);
-        let groups_here = ModelGroups { tp, ep };
+        let cp = groups.cp.map(|g| Box::new(g) as Box<dyn ContextParallelGroup<B>>);
+        let context = cp.as_ref().map_or(ContextPlace::ALONE, |g| g.place());
+        let groups_here = ModelGroups { tp, ep, cp };
         let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, groups_here, &memory);
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let offload = match spec.parallel.offload {
@@ -162,6 +167,7 @@ impl<B: TrainBackend> Trainer<B> {
         };
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp, &offload)?;
         let links = groups.pp.map(|g| PipelineLinks::new(g, &pipe, model.stage_output_len(), &memory));
+        // (whole sequences: context-parallel ranks read them and keep their tokens)
         let tokens = spec.train.micro_batch * spec.model.seq_len;
         memory.mark_start_up();
         Ok(Self {
@@ -173,6 +179,7 @@ impl<B: TrainBackend> Trainer<B> {
             inputs: vec![0; tokens],
             targets: vec![0; tokens],
             dp: place,
+            context,
             place: RankPlace { dp: place.0, tp: tp_rank, pp: stage_index },
             first_step: 0,
             links,
@@ -232,9 +239,10 @@ impl<B: TrainBackend> Trainer<B> {
         let seq_len = self.spec.model.seq_len;
         let micro_steps = t.micro_batches * t.grad_accum;
         let (dp_rank, dp_world) = self.dp;
-        // Rank r takes sequences [r * per_rank, (r+1) * per_rank) of the global batch.
+        // Replica r takes sequences [r * per_rank, (r+1) * per_rank) of the global batch
+        // (its context-parallel ranks each T/cp tokens of them).
         let per_rank = micro_steps * t.micro_batch;
-        let step_tokens = dp_world * per_rank * seq_len;
+        let step_tokens = dp_world * per_rank * (seq_len / self.context.size);
         let dloss = 1.0 / step_tokens as f64;
         // Dynamic loss scaling multiplies the loss, so every gradient, by the scale.
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
@@ -251,6 +259,9 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(ep) = self.model.expert_parallel() {
             ep.begin_step(step, record);
         }
+        if let Some(cp) = self.model.context_parallel() {
+            cp.begin_step(step, record);
+        }
         let mut work = StageStep {
             model: &mut self.model,
             strategy: self.strategy.as_mut(),
@@ -263,9 +274,10 @@ impl<B: TrainBackend> Trainer<B> {
             record,
             pipelined: pipe.stages > 1,
             chunked: pipe.chunks > 1,
-            first_sequence: dp_rank * per_rank,
+            first_sequence: dp_rank / self.context.size * per_rank,
             micro_batch: t.micro_batch,
             seq_len,
+            context: self.context,
             dloss: dloss * scale,
             validation: false,
         };
@@ -367,6 +379,9 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(ep) = self.model.expert_parallel() {
             ep.begin_step(step, false);
         }
+        if let Some(cp) = self.model.context_parallel() {
+            cp.begin_step(step, false);
+        }
         // The evaluation's collectives are counted apart from training's.
         let _evaluating = self.tracer.clone().map(Evaluating::begin);
         let pipe = Pipeline::of(&self.spec);
@@ -382,9 +397,10 @@ impl<B: TrainBackend> Trainer<B> {
             record: false,
             pipelined: pipe.stages > 1,
             chunked: pipe.chunks > 1,
-            first_sequence: dp_rank * micro_steps * micro_batch,
+            first_sequence: dp_rank / self.context.size * micro_steps * micro_batch,
             micro_batch,
             seq_len,
+            context: self.context,
             dloss: 0.0,
             validation: true,
         };
@@ -404,7 +420,7 @@ impl<B: TrainBackend> Trainer<B> {
         if self.spec.model.is_moe() {
             self.model.take_expert_stats();
         }
-        Ok(loss_sum / (dp_world * micro_steps * micro_batch * seq_len) as f64)
+        Ok(loss_sum / (dp_world * micro_steps * micro_batch * (seq_len / self.context.size)) as f64)
     }
 
     /// This rank's checkpoint before step `step`: a copy of the state its strategy owns
@@ -537,6 +553,9 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(ep) = &self.model.ep_spans() {
             spans.extend(ep.iter().cloned());
         }
+        if let Some(cp) = &self.model.cp_spans() {
+            spans.extend(cp.iter().cloned());
+        }
         spans.sort_by_key(|s| s.start_us);
         spans
     }
@@ -594,6 +613,8 @@ pub struct Groups {
     /// Expert parallelism's group (its all-to-alls) and the gradient sum of the experts
     /// over their replicas (None: every rank of the data-parallel group holds them all).
     pub ep: Option<ExpertParallel>,
+    /// Context parallelism's group (its all-to-alls; None: this rank holds whole sequences).
+    pub cp: Option<ContextParallel>,
     /// Bytes of the shared-memory pipes to the other rank processes this rank maps.
     pub pipe_bytes: u64,
     /// Where this rank's optimizer state goes with `parallel.offload=disk` (None: the
@@ -623,7 +644,8 @@ impl Groups {
         });
         let pp = self.pp.as_ref().map_or(0, |g| g.send.staging_bytes() + g.recv.staging_bytes());
         let ep = self.ep.as_ref().map_or(0, ExpertParallel::staging_bytes);
-        dp + pp + self.tp.as_ref().map_or(0, TensorParallel::staging_bytes) + ep
+        let cp = self.cp.as_ref().map_or(0, ContextParallel::staging_bytes);
+        dp + pp + self.tp.as_ref().map_or(0, TensorParallel::staging_bytes) + ep + cp
     }
 }
 
@@ -646,7 +668,10 @@ struct StageStep<'a, B: TrainBackend> {
     /// This rank's first sequence of the global batch.
     first_sequence: usize,
     micro_batch: usize,
+    /// Tokens of a whole sequence (what the data hands out).
     seq_len: usize,
+    /// Context parallelism: this rank keeps tokens `rank * T/size..` of each sequence.
+    context: ContextPlace,
     /// d(objective)/d(each token's loss), times the loss scale.
     dloss: f64,
     /// The held-out sequences instead of the step's (an evaluation).
@@ -657,10 +682,24 @@ impl<B: TrainBackend> StageStep<'_, B> {
     /// Micro-batch `micro`'s tokens and targets.
     fn fill(&mut self, micro: usize) {
         let first = self.first_sequence + micro * self.micro_batch;
+        let (batch, seq) = (self.micro_batch, self.seq_len);
+        self.inputs.resize(batch * seq, 0);
+        self.targets.resize(batch * seq, 0);
         if self.validation {
-            self.data.fill_validation(first, self.micro_batch, self.seq_len, self.inputs, self.targets);
+            self.data.fill_validation(first, batch, seq, self.inputs, self.targets);
         } else {
-            self.data.fill_batch(self.step, first, self.micro_batch, self.seq_len, self.inputs, self.targets);
+            self.data.fill_batch(self.step, first, batch, seq, self.inputs, self.targets);
+        }
+        let ContextPlace { rank, size } = self.context;
+        if size > 1 {
+            // (each sequence's tokens rank * T/cp.., moved to the front in order)
+            let mine = seq / size;
+            for tokens in [&mut *self.inputs, &mut *self.targets] {
+                for b in 0..batch {
+                    tokens.copy_within(b * seq + rank * mine..b * seq + (rank + 1) * mine, b * mine);
+                }
+                tokens.truncate(batch * mine);
+            }
         }
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use distlab_common::trace::RankTrace;
 use distlab_common::*;
 use distlab_worker::comm::{Communicator, RingCommunicator};
+use distlab_worker::parallel::context::ContextParallel;
 use distlab_worker::parallel::expert::ExpertParallel;
 use distlab_worker::parallel::mesh::Topology;
 use distlab_worker::parallel::pipeline::PipelineGroup;
@@ -56,6 +57,12 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
     let ep_size = p.ep.max(1);
     let ep_group = &dp_members[coords.dp / ep_size * ep_size..][..ep_size];
     let ep = if ep_size > 1 { Some(ExpertParallel::new(Box::new(ring("ep", ep_group.to_vec(), true)?))) } else { None };
+    // Context parallelism: consecutive DP ranks share each sequence (the all-to-all group,
+    // traced); they belong to the data-parallel group as before.
+    let cp_size = p.cp.max(1);
+    let cp_group = &dp_members[coords.dp / cp_size * cp_size..][..cp_size];
+    let cp =
+        if cp_size > 1 { Some(ContextParallel::new(Box::new(ring("cp", cp_group.to_vec(), true)?))) } else { None };
     let replicas: Vec<usize> = dp_members.iter().copied().skip(coords.dp % ep_size).step_by(ep_size).collect();
     let dp = if p.dp > 1 {
         let members = dp_members.clone();
@@ -112,6 +119,7 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
             pp,
             tp,
             ep,
+            cp,
             pipe_bytes: mesh.pipe_bytes(),
             offload_dir: opts.offload_dir.clone(),
             dataset: opts.dataset.clone(),

@@ -1,5 +1,6 @@
-//! `distlab-worker run SPEC.json [--out DIR] [--dataset FILE]`: train one spec with no
-//! server (`--dataset`: the text of a spec with `data.dataset: upload`).
+//! `distlab-worker run SPEC.json [--out DIR] [--dataset FILE] [--limits FILE]`: train one
+//! spec with no server (`--dataset`: the text of a spec with `data.dataset: upload`;
+//! `--limits`: the limits it is held to, the server's defaults otherwise).
 //! stdout: one JSON line per optimizer step, then `{"summary": {...}}`. With `--out DIR`:
 //! spec.json, metrics.jsonl, summary.json and trace.json (timeline, collectives, memory),
 //! and the trained model in Hugging Face's format (model.safetensors and config.json).
@@ -19,17 +20,26 @@ use distlab_common::*;
 use super::execute::{execute, ExecError, Hosts, RunPaths};
 
 /// Exit codes: 0 done, 1 the run failed, 2 the spec is invalid or unsupported.
+#[allow(clippy::too_many_arguments)]
 pub fn run_spec_file(
     spec_path: &Path,
     out: Option<PathBuf>,
     checkpoint_dir: Option<PathBuf>,
     dataset: Option<PathBuf>,
+    limits: Option<PathBuf>,
     threads: usize,
     collective_timeout: std::time::Duration,
     simulated_hosts: usize,
 ) -> anyhow::Result<i32> {
     let text = std::fs::read_to_string(spec_path).with_context(|| format!("cannot read {}", spec_path.display()))?;
-    let spec = match ExperimentSpec::from_json_str(&text).and_then(|spec| spec.validated(&Limits::default())) {
+    let limits: Limits = match limits {
+        Some(path) => {
+            let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("{} is not a limits object", path.display()))?
+        }
+        None => Limits::default(),
+    };
+    let spec = match ExperimentSpec::from_json_str(&text).and_then(|spec| spec.validated(&limits)) {
         Ok(spec) => spec,
         Err(errors) => return Ok(invalid(spec_path, &errors)),
     };

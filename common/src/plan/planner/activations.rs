@@ -31,14 +31,31 @@ use crate::spec::{Attention, Checkpointing, ModelSpec};
 ///
 /// Other shapes ([`ModelSpec::tp_split_activation_width`]): grouped-query attention keeps
 /// narrower K and V, a wider or SwiGLU MLP more hidden values, RMSNorm one statistic.
-pub fn layer_activation_elements(m: &ModelSpec, batch: u64, tp: u64, attention: Attention, sp: bool) -> u64 {
+///
+/// With context parallelism over `cp` ranks (Ulysses) every token-wise term is this rank's
+/// s/cp tokens', q, k and v kept for the whole sequence and heads/cp heads (as many
+/// values), and the probabilities heads/(t cp) x s^2; flash attention's output also kept
+/// head-split for its backward (b*s/cp x d/t more).
+pub fn layer_activation_elements(
+    m: &ModelSpec,
+    batch: u64,
+    (tp, cp): (u64, u64),
+    attention: Attention,
+    sp: bool,
+) -> u64 {
     let (seq, d, heads) = (m.seq_len as u64, m.d_model as u64, m.heads as u64);
-    let tp = tp.max(1);
-    let rows = batch.saturating_mul(seq);
+    let (tp, cp) = (tp.max(1), cp.max(1));
+    let rows = batch.saturating_mul(seq) / cp;
     let whole = rows.saturating_mul(d.saturating_mul(4).saturating_add(m.norm_statistics()));
     let whole = if sp { whole / tp } else { whole };
     let split = rows.saturating_mul(m.tp_split_activation_width() / tp);
-    whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp, attention))
+    let flash_heads_out = if cp > 1 && attention == Attention::Flash { rows.saturating_mul(d / tp) } else { 0 };
+    whole.saturating_add(split).saturating_add(flash_heads_out).saturating_add(attention_elements(
+        batch,
+        seq,
+        heads / tp / cp,
+        attention,
+    ))
 }
 
 /// What attention keeps for one micro-batch (and the size of its gradient scratch): the
@@ -58,10 +75,18 @@ pub fn attention_elements(batch: u64, seq: u64, heads: u64, attention: Attention
 /// With sequence parallelism (`sp`) the residual's gradient is this rank's b*s/t tokens
 /// only, and the norm parameters' gradients of a block (GPT-2's two LayerNorms 4d,
 /// Llama's two RMSNorms 2d) are made in scratch before they are summed over the group.
-pub fn activation_grad_elements(m: &ModelSpec, batch: u64, tp: u64, attention: Attention, sp: bool) -> u64 {
+/// With context parallelism the token-wise terms are this rank's s/cp tokens' and the
+/// probabilities' gradient heads/(t cp) x s^2.
+pub fn activation_grad_elements(
+    m: &ModelSpec,
+    batch: u64,
+    (tp, cp): (u64, u64),
+    attention: Attention,
+    sp: bool,
+) -> u64 {
     let (seq, d, heads) = (m.seq_len as u64, m.d_model as u64, m.heads as u64);
-    let tp = tp.max(1);
-    let rows = batch.saturating_mul(seq);
+    let (tp, cp) = (tp.max(1), cp.max(1));
+    let rows = batch.saturating_mul(seq) / cp;
     let split = rows.saturating_mul(m.tp_split_gradient_width() / tp);
     let whole = match sp {
         false => rows.saturating_mul(d.saturating_mul(2)),
@@ -69,7 +94,16 @@ pub fn activation_grad_elements(m: &ModelSpec, batch: u64, tp: u64, attention: A
             (rows.saturating_mul(d) / tp).saturating_add(rows.saturating_mul(d)).saturating_add(2 * m.norm_params())
         }
     };
-    whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp, attention))
+    whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp / cp, attention))
+}
+
+/// Ulysses' two exchange buffers on a stage (shared by its blocks), per micro-batch of
+/// `rows` of this rank's tokens: q, k and v before the all-to-all that splits them by
+/// heads (in backward their gradients after it), and attention's output before the one
+/// that splits it by tokens again (in backward the output gradient after it).
+pub fn context_exchange_elements(m: &ModelSpec, rows: u64, tp: u64) -> u64 {
+    let tp = tp.max(1);
+    rows.saturating_mul(m.qkv_width() / tp + m.d_model as u64 / tp)
 }
 
 /// A Mixture-of-Experts block (tp = 1) on one of `ep` expert-parallel ranks, for one
@@ -178,11 +212,11 @@ mod tests {
         let (b, d, h) = (2, 64, 4);
         for s in [128u64, 1024] {
             let m = ModelSpec::dense(2, d as usize, h as usize, s as usize, 64);
-            let naive = layer_activation_elements(&m, b, 1, Attention::Naive, false);
-            let flash = layer_activation_elements(&m, b, 1, Attention::Flash, false);
+            let naive = layer_activation_elements(&m, b, (1, 1), Attention::Naive, false);
+            let flash = layer_activation_elements(&m, b, (1, 1), Attention::Flash, false);
             assert_eq!(naive - flash, b * h * (s * s - 2 * s), "s={s}");
             assert_eq!(flash, b * s * (16 * d + 4) + b * h * s * 2, "s={s}");
-            let grads = activation_grad_elements(&m, b, 2, Attention::Flash, false);
+            let grads = activation_grad_elements(&m, b, (2, 1), Attention::Flash, false);
             assert_eq!(grads, b * s * (2 * d + 4 * d) + b * (h / 2) * s * 2, "s={s}, tp=2");
         }
     }

@@ -55,6 +55,18 @@ pub(super) struct StageCommInput {
     pub(super) compressed: Option<u64>,
     /// Expert parallelism.
     pub(super) experts: Option<ExpertComm>,
+    /// Context parallelism (Ulysses).
+    pub(super) context: Option<ContextComm>,
+}
+
+/// What Ulysses moves on one rank of a stage.
+#[derive(Clone, Copy)]
+pub(super) struct ContextComm {
+    pub(super) cp: u64,
+    /// Elements of one block's q, k and v and of its attention output on this rank, for a
+    /// micro-batch (this rank's tokens): what the all-to-alls exchange.
+    pub(super) qkv: u64,
+    pub(super) out: u64,
 }
 
 /// What expert parallelism moves on one rank of a stage.
@@ -95,6 +107,9 @@ pub(super) struct ExpertComm {
 ///   all-reduce of the block's norm parameter gradients (4d, Llama's RMSNorm gains 2d); the
 ///   last stage gathers the final norm's output (and all-reduces its parameter gradients), the first
 ///   gathers the embedding output's gradient;
+/// - CP (Ulysses, C ranks): per block and micro-batch an all-to-all of q, k and v and one
+///   of attention's output forward, of their gradients backward (two more when
+///   checkpointing recomputes the forward), (C-1)/C of each;
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
 ///   back to the previous one (all but the first); with sequence parallelism A / T.
 ///
@@ -124,9 +139,16 @@ pub(super) fn stage_comm(c: StageCommInput) -> CommVolume {
             v
         }
     };
+    if let Some(x) = &c.context {
+        let (forward, backward) = (if c.recomputing { 2 } else { 1 }, 1);
+        let both = ring_reduce_scatter_bytes(x.qkv, x.cp, WIRE_BYTES)
+            .saturating_add(ring_reduce_scatter_bytes(x.out, x.cp, WIRE_BYTES));
+        v.cp_all_to_all =
+            both.saturating_mul(forward + backward).saturating_mul(c.layers).saturating_mul(c.micro_steps);
+    }
     v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send, v.dp_compressed]
         .into_iter()
-        .chain([v.ep_all_to_all])
+        .chain([v.ep_all_to_all, v.cp_all_to_all])
         .fold(0u64, u64::saturating_add);
     v
 }

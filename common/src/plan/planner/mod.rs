@@ -60,7 +60,10 @@ mod model_state;
 mod stages;
 mod structure;
 
-pub use activations::{activation_grad_elements, attention_elements, expert_block_elements, layer_activation_elements};
+pub use activations::{
+    activation_grad_elements, attention_elements, context_exchange_elements, expert_block_elements,
+    layer_activation_elements,
+};
 pub use comm::wire_bytes;
 pub use model_state::{
     activation_bytes, bytes_per_param, model_state, model_state_with_shard, ModelState, OFFLOAD_PIECE_ELEMENTS,
@@ -192,6 +195,10 @@ pub struct CommVolume {
     /// and their gradients.
     #[serde(default)]
     pub ep_all_to_all: u64,
+    /// Context parallelism's (Ulysses) all-to-alls: each block's q, k and v to head-split
+    /// and its attention output back to token-split, and their gradients.
+    #[serde(default)]
+    pub cp_all_to_all: u64,
     pub total: u64,
 }
 

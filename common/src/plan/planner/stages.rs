@@ -4,10 +4,10 @@
 //! offloaded optimizer state and compression state; then its bytes by collective.
 
 use super::activations::{
-    activation_grad_elements, attention_elements, checkpointed, expert_block_elements, layer_activation_elements,
-    peak_held, recomputed_before_backward,
+    activation_grad_elements, attention_elements, checkpointed, context_exchange_elements, expert_block_elements,
+    layer_activation_elements, peak_held, recomputed_before_backward,
 };
-use super::comm::{stage_comm, wire_bytes, ExpertComm, StageCommInput};
+use super::comm::{stage_comm, wire_bytes, ContextComm, ExpertComm, StageCommInput};
 use super::flops::step_flops;
 use super::model_state::{activation_bytes, bytes_per_param, model_state_with_shard, OFFLOAD_PIECE_ELEMENTS};
 use super::structure::check_structure;
@@ -53,11 +53,13 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let block_split = m.tp_split_block_params();
     let block_per_tp_rank = block_split / tp + (block - block_split);
 
-    let rows = batch.saturating_mul(seq);
+    // (with context parallelism a rank holds seq/cp tokens of each sequence)
+    let cp = u(p.cp.max(1));
+    let rows = batch.saturating_mul(seq) / cp;
     let rows_d = rows.saturating_mul(d);
     let sp = p.splits_sequence();
-    let layer_acts = layer_activation_elements(m, batch, tp, t.attention, sp);
-    let grad_acts = activation_grad_elements(m, batch, tp, t.attention, sp);
+    let layer_acts = layer_activation_elements(m, batch, (tp, cp), t.attention, sp);
+    let grad_acts = activation_grad_elements(m, batch, (tp, cp), t.attention, sp);
     let (layer_acts, grad_acts) = match m.is_moe() {
         true => expert_block_elements(m, rows, ep, layer_acts, grad_acts),
         false => (layer_acts, grad_acts),
@@ -71,7 +73,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let res_d = if sp { rows_d / tp } else { rows_d };
     let recomputing = t.checkpointing.recomputes_blocks();
     // (selective recompute drops attention's probabilities from what a block keeps)
-    let layer = (layer_acts, attention_elements(batch, seq, u(m.heads) / tp.max(1), t.attention));
+    let layer = (layer_acts, attention_elements(batch, seq, u(m.heads) / tp.max(1) / cp, t.attention));
 
     // M is every micro-batch of the step (accumulated ones too): one schedule runs them.
     let pipe = Pipeline::of(spec);
@@ -152,6 +154,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // Sequence parallelism's two exchange buffers (b*s*d each, shared by every block):
         // a LayerNorm output gathered whole, a row-parallel output before its reduce-scatter.
         let exchange = if sp { rows_d.saturating_mul(2) } else { 0 };
+        // Ulysses' two exchange buffers, shared by the stage's blocks.
+        let exchange = exchange + if cp > 1 && layers > 0 { context_exchange_elements(m, rows, tp) } else { 0 };
         let activations = held_at_peak.saturating_add(recompute_peak).saturating_add(exchange);
 
         // ZeRO-Offload: the optimizer's state leaves the device. Streamed from disk, one
@@ -234,6 +238,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
                 params: experts_here,
                 ep,
                 slots_d: u(m.experts).saturating_mul(u(m.expert_capacity(rows as usize))).saturating_mul(d),
+            }),
+            context: (cp > 1).then(|| ContextComm {
+                cp,
+                qkv: rows.saturating_mul(m.qkv_width() / tp),
+                out: rows.saturating_mul(d / tp),
             }),
         });
         stages.push(StagePlan {
@@ -459,8 +468,8 @@ mod tests {
         // Fewer K/V heads keep narrower K and V: (8 - 2) x 32 x 2 fewer values per token.
         let full = ModelSpec { kv_heads: 8, ..m.clone() };
         let (b, t) = (2u64, 64u64);
-        let saved = layer_activation_elements(&full, b, 1, Attention::Flash, false)
-            - layer_activation_elements(&m, b, 1, Attention::Flash, false);
+        let saved = layer_activation_elements(&full, b, (1, 1), Attention::Flash, false)
+            - layer_activation_elements(&m, b, (1, 1), Attention::Flash, false);
         assert_eq!(saved, b * t * 2 * (8 - 2) * 32);
         // Whole K/V heads per TP rank, and an MLP width TP divides.
         spec.parallel.tp = 4;

@@ -146,10 +146,15 @@ pub(super) fn selective_recompute(input: &Inputs) -> Result<Measurement, String>
 /// planner: FlashAttention (this run) against naive attention (the partner), FSDP without
 /// prefetch (this run) against with it, TP without sequence parallelism against with it,
 /// the optimizer's state on disk against in memory (with the price: the steps' times).
-fn two_runs_memory(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidence>) -> Result<Measurement, String> {
+pub(super) fn two_runs_memory(
+    check: ClaimCheck,
+    run: &RunEvidence,
+    partner: Option<&RunEvidence>,
+) -> Result<Measurement, String> {
     let (category, setting, ours_smaller): (&str, &str, bool) = match check {
         ClaimCheck::FlashAttentionMemory => ("activations", "attention naive", true),
         ClaimCheck::SelectiveRecompute => ("activations", "checkpointing none", true),
+        ClaimCheck::ContextParallel => ("activations", "whole sequences (cp 1)", true),
         ClaimCheck::PrefetchGatheredPeak => ("gathered weights", "prefetch on", true),
         ClaimCheck::DiskOffloadMemory => ("optimizer state", "offload none", true),
         _ => ("activations", "sequence_parallel on", false),

@@ -108,6 +108,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::ExpertAllToAll | ClaimCheck::ExpertParameters => "experts",
         ClaimCheck::FlashAttentionMemory => "flash",
         ClaimCheck::SelectiveRecompute => "selective",
+        ClaimCheck::ContextParallel => "ulysses",
         ClaimCheck::PrefetchGatheredPeak => "fsdp",
         ClaimCheck::SequenceParallelActivations => "megatron",
         ClaimCheck::TwoByteWire => "zero2",
@@ -158,6 +159,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
             twin.model.capacity_factor = candidate.model.capacity_factor.max(every_token)
         }
         ClaimCheck::DiskOffloadMemory => twin.parallel.offload = crate::Offload::None,
+        ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
         _ => return None,
     }
     Some(twin.same_up_to_name(candidate))
@@ -188,6 +190,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::PipelineActivationPeaks => memory_pairs::pipeline_activation_peaks(input),
         ClaimCheck::FlashAttentionMemory => memory_pairs::flash_attention_memory(input),
         ClaimCheck::SelectiveRecompute => memory_pairs::selective_recompute(input),
+        ClaimCheck::ContextParallel => traffic::context_parallel(input),
         ClaimCheck::PrefetchGatheredPeak => memory_pairs::prefetch_gathered_peak(input),
         ClaimCheck::SequenceParallelActivations => memory_pairs::sequence_parallel_activations(input),
         ClaimCheck::DiskOffloadMemory => memory_pairs::disk_offload_memory(input),
@@ -283,6 +286,7 @@ mod tests {
             ClaimCheck::ExpertParameters,
             ClaimCheck::FlashAttentionMemory,
             ClaimCheck::SelectiveRecompute,
+            ClaimCheck::ContextParallel,
             ClaimCheck::PrefetchGatheredPeak,
             ClaimCheck::SequenceParallelActivations,
             ClaimCheck::TwoByteWire,

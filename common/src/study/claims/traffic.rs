@@ -196,6 +196,34 @@ pub(super) fn expert_all_to_all(input: &Inputs) -> Result<Measurement, String> {
     ))
 }
 
+/// Ulysses (this run) against the same training on whole sequences (the partner): rank 0's
+/// activations on both, each the planner's and fewer here; and rank 0's all-to-alls per
+/// step, their count and bytes, the planner's.
+pub(super) fn context_parallel(input: &Inputs) -> Result<Measurement, String> {
+    let memory = super::memory_pairs::two_runs_memory(ClaimCheck::ContextParallel, input.run, input.partner)?;
+    let spec = input.spec;
+    let rank = input.rank0.ok_or("the run recorded no trace")?;
+    let counters: Vec<_> = op_counters(rank, CollectiveOp::AllToAll).collect();
+    let bytes = counters.iter().map(|c| c.bytes_sent).sum::<u64>() / input.traced_steps;
+    let calls = counters.iter().map(|c| c.calls).sum::<u64>() / input.traced_steps;
+    let stage = &input.plan.stages[spec.stage_of(0)];
+    let per_block: u64 = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
+    let expected_calls = per_block * stage.layers as u64 * spec.pipeline_micro_batches() as u64;
+    let cp = spec.parallel.cp;
+    Ok(Measurement {
+        predicted: format!(
+            "{}; {per_block} all-to-alls per block and micro-batch ({expected_calls} a step), each (cp-1)/cp = \
+             {}/{cp} of q, k, v or attention's output: {} per rank and step",
+            memory.predicted,
+            cp.saturating_sub(1),
+            bytes_text(stage.comm.cp_all_to_all)
+        ),
+        measured: format!("{}; {calls} all-to-alls sending {} on rank 0", memory.measured, bytes_text(bytes)),
+        agrees: memory.agrees && cp > 1 && calls == expected_calls && bytes == stage.comm.cp_all_to_all,
+        ..memory
+    })
+}
+
 /// The data-parallel bytes per step on an fp32 wire against a 2-byte one (the partner): half.
 pub(super) fn two_byte_wire(input: &Inputs) -> Result<Measurement, String> {
     let run = input.run;
@@ -406,6 +434,38 @@ mod tests {
         let every_expert = planner::plan(&all).unwrap().stages[0].memory.parameters;
         assert!(every_expert > stage.memory.parameters);
         assert!(!check(ClaimCheck::ExpertParameters, &traced(vec![], every_expert)).agrees);
+    }
+
+    #[test]
+    fn ulysses_is_held_to_the_planners_activations_and_all_to_alls() {
+        let spec = presets().into_iter().find(|p| p.key == "ulysses").map(|p| p.spec).unwrap_or_default();
+        assert_eq!(canonical_preset(ClaimCheck::ContextParallel), "ulysses");
+        let mut whole = spec.clone();
+        (whole.parallel.dp, whole.parallel.cp) = (1, 1);
+        assert_eq!(is_partner(ClaimCheck::ContextParallel, &spec, &whole), Some(true));
+        let stage = |s: &ExperimentSpec| planner::plan(s).unwrap().stages[0].clone();
+        let (ours, theirs) = (stage(&spec), stage(&whole));
+        assert!(2 * ours.memory.activations < theirs.memory.activations * 21 / 20, "about half, or less");
+        let calls = 4 * ours.layers as u64 * spec.pipeline_micro_batches() as u64;
+        let ranks = |calls: u64, bytes: u64, activations: u64| {
+            let mut ranks = traced(vec![counter(CollectiveOp::AllToAll, calls, bytes)], 0);
+            ranks[0].memory.as_mut().unwrap().peak.activations = activations;
+            ranks
+        };
+        let (v, w) = (succeeded_view(1, spec.clone(), None), succeeded_view(2, whole.clone(), None));
+        let r_whole = ranks(0, 0, theirs.memory.activations);
+        let check = |r: &[RankTrace]| {
+            let run = RunEvidence { view: &v, metrics: &[], ranks: r, traced_steps: 1 };
+            let partner = RunEvidence { view: &w, metrics: &[], ranks: &r_whole, traced_steps: 1 };
+            measure(ClaimCheck::ContextParallel, &run, Some(&partner)).unwrap()
+        };
+        let good = check(&ranks(calls, ours.comm.cp_all_to_all, ours.memory.activations));
+        assert!(good.agrees, "{good:?}");
+        // Whole sequences kept after all, the all-to-alls of the backward missing, or every
+        // rank sending everything (no 1/cp kept home): disagrees.
+        assert!(!check(&ranks(calls, ours.comm.cp_all_to_all, theirs.memory.activations)).agrees);
+        assert!(!check(&ranks(calls / 2, ours.comm.cp_all_to_all / 2, ours.memory.activations)).agrees);
+        assert!(!check(&ranks(calls, 2 * ours.comm.cp_all_to_all, ours.memory.activations)).agrees);
     }
 
     #[test]

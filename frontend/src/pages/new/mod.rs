@@ -152,6 +152,12 @@ const SECTIONS: &[SectionDef] = &[
             f("parallel.pp", Kind::Int, "pipeline stages (split layers)"),
             f("parallel.ep", Kind::Int, "expert parallelism: the experts spread over ep of the dp ranks (all-to-all)"),
             f(
+                "parallel.cp",
+                Kind::Int,
+                "context parallelism: each sequence split along its tokens over cp of the dp ranks (all-to-all around attention)",
+            ),
+            f("parallel.cp_kind", Kind::Choice(&["ulysses"]), "cp > 1: how the ranks meet in attention (Ulysses: heads/cp each)"),
+            f(
                 "parallel.sequence_parallel",
                 Kind::Bool,
                 "tp > 1: LayerNorms and residuals split along the tokens (Megatron-SP)",
@@ -265,6 +271,8 @@ fn training_only(path: &str) -> bool {
             "parallel.tp"
                 | "parallel.pp"
                 | "parallel.ep"
+                | "parallel.cp"
+                | "parallel.cp_kind"
                 | "parallel.sharding"
                 | "parallel.pp_schedule"
                 | "parallel.virtual_stages"
