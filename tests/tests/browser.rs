@@ -1725,6 +1725,15 @@ async fn ulysses_scenario(c: &Client, lab: &Lab) -> Result<()> {
     wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
     ensure!(value_of(c, "parallel.cp").await? == "1", "the form offers parallel.cp");
     ensure!(value_of(c, "parallel.cp_kind").await? == "ulysses", "the form offers parallel.cp_kind");
+    // A cp that does not divide dp: the rule's reason next to the field at once.
+    set_field(c, "parallel.cp", "2").await?;
+    let cp_error = ".field-error[data-field='parallel.cp']";
+    wait_for(c, "the instant error for parallel.cp", Duration::from_secs(5), || async {
+        Ok(text(c, cp_error).await.unwrap_or_default().contains("cp must divide dp=1"))
+    })
+    .await?;
+    set_field(c, "parallel.dp", "2").await?;
+    wait_for(c, "the error to go away", Duration::from_secs(5), || async { Ok(!exists(c, cp_error).await?) }).await?;
     let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "ulysses").context("preset")?;
     let mut spec = preset.spec.clone();
     (spec.train.steps, spec.train.warmup_steps) = (3, 1);

@@ -221,6 +221,31 @@ mod tests {
         }
     }
 
+    /// Ulysses divides every token-wise term and attention's heads by cp: a block's
+    /// activations exactly by cp; a step's tokens too (the cp ranks share their sequences);
+    /// the all-to-alls send (cp-1)/cp of q, k, v and the output, twice each per block.
+    #[test]
+    fn context_parallelism_divides_tokens_and_heads() {
+        let m = ModelSpec::dense(2, 64, 4, 256, 64);
+        let whole = layer_activation_elements(&m, 2, (1, 1), Attention::Naive, false);
+        for cp in [2u64, 4] {
+            assert_eq!(layer_activation_elements(&m, 2, (1, cp), Attention::Naive, false) * cp, whole, "cp={cp}");
+            let grads = activation_grad_elements(&m, 2, (1, cp), Attention::Naive, false);
+            assert_eq!(grads * cp, activation_grad_elements(&m, 2, (1, 1), Attention::Naive, false), "cp={cp}");
+        }
+        let mut spec = ExperimentSpec { model: m.clone(), ..ExperimentSpec::default() };
+        (spec.parallel.dp, spec.train.micro_batch) = (4, 2);
+        let replicated = plan(&spec).unwrap();
+        spec.parallel.cp = 2;
+        let split = plan(&spec).unwrap();
+        assert_eq!(split.flops.tokens_per_step * 2, replicated.flops.tokens_per_step);
+        assert_eq!(replicated.stages[0].comm.cp_all_to_all, 0);
+        let rows = 2 * 256 / 2;
+        let per_block = (rows * (3 * 64) / 2 + rows * 64 / 2) * 4 * 2;
+        assert_eq!(split.stages[0].comm.cp_all_to_all, per_block * 2);
+        assert!(split.stages[0].memory.activations < replicated.stages[0].memory.activations);
+    }
+
     #[test]
     fn checkpointing_trades_activations_for_recompute() {
         let mut spec = ExperimentSpec::default();

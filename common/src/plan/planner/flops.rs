@@ -12,7 +12,7 @@ use crate::spec::{Checkpointing, ExperimentSpec};
 /// recompute one more of attention's two products (Q Kᵀ and P V): 4 * layers * seq_len * d_model * T.
 pub(super) fn step_flops(spec: &ExperimentSpec, world_size: u64) -> Flops {
     let (m, t) = (&spec.model, &spec.train);
-    let tokens = [spec.parallel.dp, t.micro_batch, t.micro_batches, t.grad_accum, m.seq_len]
+    let tokens = [spec.parallel.data_replicas(), t.micro_batch, t.micro_batches, t.grad_accum, m.seq_len]
         .into_iter()
         .fold(1u64, |acc, x| acc.saturating_mul(x as u64));
     let tf = tokens as f64;

@@ -206,7 +206,7 @@ pub struct CommVolume {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Flops {
-    /// dp * micro_batch * micro_batches * grad_accum * seq_len.
+    /// dp/cp * micro_batch * micro_batches * grad_accum * seq_len (cp: context-parallel ranks share their sequences).
     pub tokens_per_step: u64,
     /// The 6 * params * tokens rule: forward 2, backward 4 per parameter a token uses (with
     /// experts, only its top_k experts').
