@@ -7,7 +7,7 @@ use distlab_common::ModelSpec;
 use distlab_worker::backend::{Backend, CpuBackend, Stored};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::model::{FlatState, Gpt};
-use distlab_worker::ops::attention::AttentionShape;
+use distlab_worker::ops::attention::{AttentionShape, Positions};
 use distlab_worker::ops::kernels::*;
 use distlab_worker::rng::Rng;
 use half::{bf16, f16};
@@ -284,11 +284,11 @@ fn rope_backward_matches_finite_differences() {
     with_backends(|be| {
         let forward = |x: &[f64]| {
             let mut y = x.to_vec();
-            be.rope_forward(&mut y, shape, 500_000.0);
+            be.rope_forward(&mut y, shape, 500_000.0, Positions::run(0, shape.seq_len));
             dot(&y, &r)
         };
         let mut dx = r.clone();
-        be.rope_backward(&mut dx, shape, 500_000.0);
+        be.rope_backward(&mut dx, shape, 500_000.0, Positions::run(0, shape.seq_len));
         check("rope dx", &x, &dx, forward);
         // V is not turned: its gradient passes through
         let v = shape.q_width() + shape.kv_width();

@@ -18,7 +18,8 @@ use distlab_common::ModelSpec;
 use distlab_worker::backend::{Backend, CpuBackend, Stored};
 use distlab_worker::memory::MemoryTracker;
 use distlab_worker::model::{FlatState, Gpt};
-use distlab_worker::ops::attention::AttentionShape;
+use distlab_worker::ops::attention::{AttentionShape, Positions};
+use distlab_worker::ops::ring_attention::RingShape;
 use distlab_worker::rng::Rng;
 
 mod reference;
@@ -414,12 +415,81 @@ fn rope<B: Backend>(be: &B) {
     let bufs = [random::<B>(n, 66, 1.0), random::<B>(n, 67, 1.0)];
     let run = |be: &B, b: &mut [B::Buf]| {
         let (x, dx) = b.split_first_mut().unwrap();
-        be.rope_forward(be.all_mut(x), shape, theta);
-        be.rope_backward(be.all_mut(&mut dx[0]), shape, theta);
+        be.rope_forward(be.all_mut(x), shape, theta, Positions::run(0, shape.seq_len));
+        be.rope_backward(be.all_mut(&mut dx[0]), shape, theta, Positions::run(0, shape.seq_len));
     };
     let (width, rotated) = (shape.qkv_width(), shape.heads + shape.kv_heads);
     let plain = |b: &mut [Vec<f64>]| reference::rope(b, shape.seq_len, rotated, shape.head_size, width, theta);
     compare(be, "rope", &bufs, run, plain, &[0, 1]);
+}
+
+/// Ring attention's block, a ring of cp ranks simulated on one device (balanced and
+/// contiguous splits, grouped-query heads, two sequences): every rank's output after
+/// merging every block, its query gradients and each block's key and value gradients summed
+/// over the ring are the whole sequence's plain attention at the rank's tokens.
+#[allow(clippy::needless_range_loop)]
+fn ring_attention<B: Backend>(be: &B) {
+    let (batch, heads, kv_heads, hs) = (2, 4, 2, 8);
+    let shape_of = |t| AttentionShape { seq_len: t, heads, kv_heads, head_size: hs };
+    for (cp, balanced) in [(2, true), (3, false)] {
+        let t = 2 * cp * 5;
+        let whole = shape_of(t);
+        let (c, width, kv_w) = (whole.q_width(), whole.qkv_width(), 2 * whole.kv_width());
+        let mut plain = vec![
+            random::<B>(batch * t * width, 31, 1.0),
+            vec![0.0; batch * t * c],
+            vec![0.0; batch * heads * t * t],
+            random::<B>(batch * t * c, 32, 1.0),
+            vec![0.0; batch * t * width],
+            vec![0.0; batch * heads * t * t],
+        ];
+        reference::attention(&mut plain, t, heads, kv_heads, hs);
+        let place = |r: usize| Positions::of_rank(r, cp, t, balanced);
+        let tl = t / cp;
+        // rank r's rows of a (batch, t, w) tensor, columns `cols`
+        let rows = |r: usize, x: &[f64], w: usize, cols: std::ops::Range<usize>| -> Vec<f64> {
+            let p = place(r);
+            (0..batch)
+                .flat_map(|b| (0..tl).map(move |i| (b, p.at(i))))
+                .flat_map(|(b, at)| x[(b * t + at) * w..][cols.clone()].to_vec())
+                .collect()
+        };
+        let q: Vec<B::Buf> = (0..cp).map(|r| put(be, &rows(r, &plain[0], width, 0..width))).collect();
+        let kv: Vec<B::Buf> = (0..cp).map(|r| put(be, &rows(r, &plain[0], width, c..width))).collect();
+        let mut dkv: Vec<B::Buf> = (0..cp).map(|_| put(be, &vec![0.0; batch * tl * kv_w])).collect();
+        for r in 0..cp {
+            let (mut out, mut lse) = (be.alloc(batch * tl * c), be.alloc(batch * heads * tl * 2));
+            let dout = put(be, &rows(r, &plain[3], c, 0..c));
+            let mut dq = put(be, &vec![0.0; batch * tl * width]);
+            let shape = |s: usize| RingShape { heads, kv_heads, head_size: hs, q: place(r), k: place(s), own: s == r };
+            let block = |s: usize| if s == r { &q[r] } else { &kv[s] };
+            for step in 0..cp {
+                let s = (r + cp - step) % cp;
+                let first = step == 0;
+                be.ring_attention_forward(
+                    be.all_mut(&mut out),
+                    be.all_mut(&mut lse),
+                    be.all(&q[r]),
+                    be.all(block(s)),
+                    shape(s),
+                    first,
+                );
+            }
+            for (s, dkv_s) in dkv.iter_mut().enumerate() {
+                let (dq, dkv_s, dout, qr, y, l) =
+                    (be.all_mut(&mut dq), be.all_mut(dkv_s), be.all(&dout), be.all(&q[r]), be.all(&out), be.all(&lse));
+                be.ring_attention_backward(dq, dkv_s, dout, qr, be.all(block(s)), y, l, shape(s));
+            }
+            let what = format!("ring attention cp={cp} balanced={balanced} rank {r}");
+            assert_close(&format!("{what} output"), &get(be, &out), &rows(r, &plain[1], c, 0..c), bound::<B>());
+            let dq_got: Vec<f64> = get(be, &dq).chunks(width).flat_map(|x| x[..c].to_vec()).collect();
+            assert_close(&format!("{what} dq"), &dq_got, &rows(r, &plain[4], width, 0..c), bound::<B>());
+        }
+        for (s, got) in dkv.iter().enumerate() {
+            let what = format!("ring attention cp={cp} balanced={balanced} block {s} dk, dv");
+            assert_close(&what, &get(be, got), &rows(s, &plain[4], width, c..width), bound::<B>());
+        }
+    }
 }
 
 /// The FP8 cast of a tensor spanning many magnitudes (some saturate at the scale, some are
@@ -589,6 +659,7 @@ test_device!(
     flash_attention,
     flash_attention_long,
     flash_attention_grouped,
+    ring_attention,
     gelu,
     swiglu,
     fp8_cast,

@@ -1765,6 +1765,37 @@ async fn ulysses_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let drawn = exchanges.as_u64().unwrap_or(0);
     ensure!(drawn >= 4 * spec.model.layers as u64, "cp all-to-alls drawn: {drawn}");
     save_element(c, "#timeline-card", "ulysses-timeline.png").await?;
+
+    // The ring: its passes on the CP lane (one forward, three back per block at cp = 2),
+    // every rank's memory the planner's.
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "ring").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the ring run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "rank 1's measurement", Duration::from_secs(30), || {
+        exists(c, ".memory-rank[data-rank='1'] .memory-bar[data-kind='measured']")
+    })
+    .await?;
+    let spec_text = text(c, "#spec").await?;
+    ensure!(spec_text.contains("sequences split over cp = 2 of them, ring"), "{spec_text}");
+    for rank in 0..2 {
+        let equal = text(c, &format!(".memory-rank[data-rank='{rank}'] .memory-equal")).await?;
+        ensure!(equal.contains("measured equals the planner"), "ring rank {rank}: {equal}");
+    }
+    wait_for(c, "the timeline", Duration::from_secs(30), || exists(c, "#timeline .lane-label")).await?;
+    let passes = js(
+        c,
+        "return Array.from(document.querySelectorAll('#timeline .span title'))\
+         .filter(t => t.textContent.includes('ring cp')).length;",
+        "0",
+    )
+    .await?;
+    let drawn = passes.as_u64().unwrap_or(0);
+    ensure!(drawn >= 4 * spec.model.layers as u64, "ring passes drawn: {drawn}");
+    save_element(c, "#timeline-card", "ring-timeline.png").await?;
     Ok(())
 }
 

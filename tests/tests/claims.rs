@@ -90,6 +90,16 @@ fn ulysses_halves_each_ranks_activations_for_the_planners_all_to_alls() {
 }
 
 #[test]
+fn the_ring_halves_each_ranks_activations_for_the_planners_passes() {
+    let _serial = one_at_a_time();
+    let spec = preset("ring");
+    let mut whole = spec.clone();
+    (whole.parallel.dp, whole.parallel.cp) = (1, 1);
+    let got = check(ClaimCheck::ContextParallel, &spec, Some(&whole));
+    assert!(got.agrees, "{got:?}");
+}
+
+#[test]
 fn fp16_without_scaling_stores_most_logit_gradients_as_zero() {
     let _serial = one_at_a_time();
     let plain = preset("fp16-plain");

@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 25] = [
+const LAYOUTS: [(&str, Layout); 27] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -58,6 +58,15 @@ const LAYOUTS: [(&str, Layout); 25] = [
     }),
     ("ddp flash attention", |s| (s.parallel.dp, s.train.attention) = (2, Attention::Flash)),
     ("cp2 ulysses", |s| (s.parallel.dp, s.parallel.cp) = (2, 2)),
+    ("cp2 ring", |s| {
+        (s.parallel.dp, s.parallel.cp, s.parallel.cp_kind, s.train.attention) =
+            (2, 2, ContextParallel::Ring, Attention::Flash)
+    }),
+    ("llama cp4 ring-unbalanced", |s| {
+        s.model = ModelSpec::llama(2, 64, 4, 2, 176, 32, 256);
+        (s.parallel.dp, s.parallel.cp, s.parallel.cp_kind, s.train.attention) =
+            (4, 4, ContextParallel::RingUnbalanced, Attention::Flash)
+    }),
     // (8 query heads on 4 K/V heads: heads/(tp cp) of each)
     ("llama cp2 x tp2 ulysses flash attention", |s| {
         s.model = ModelSpec::llama(2, 64, 8, 4, 176, 32, 256);

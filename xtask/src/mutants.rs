@@ -313,8 +313,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "Expert parallelism's DDP sends buckets while backward's all-to-alls share the links",
         file: "gpu-worker/src/parallel/ddp.rs",
-        find: "let shares_links = experts_apart || be.reaches(g.grads.as_mut());",
-        replace: "let shares_links = be.reaches(g.grads.as_mut());",
+        find: "let shares_links = experts_apart || context_parallel || be.reaches(g.grads.as_mut());",
+        replace: "let shares_links = context_parallel || be.reaches(g.grads.as_mut());",
         tests: &["-p", "distlab-tests", "--test", "experts", "expert_parallelism_trains_like"],
     },
     Mutant {
@@ -334,15 +334,15 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "Llama: RoPE's backward turns the gradient forward again instead of back",
         file: "gpu-worker/src/ops/rope.rs",
-        find: "self.rope(dqkv, shape, theta, -1.0);",
-        replace: "self.rope(dqkv, shape, theta, 1.0);",
+        find: "self.rope(dqkv, shape, (theta, positions), -1.0);",
+        replace: "self.rope(dqkv, shape, (theta, positions), 1.0);",
         tests: &["-p", "distlab-worker", "--test", "gradcheck", "rope"],
     },
     Mutant {
         name: "Llama: the blocks' backward leaves q and k's gradients turned (rope_backward dropped)",
-        file: "gpu-worker/src/model/block.rs",
-        find: "be.rope_backward(be.all_mut(dqkv), d.heads, d.rope_theta);",
-        replace: "let _ = (dqkv, d.rope_theta);",
+        file: "gpu-worker/src/model/attend.rs",
+        find: "be.rope_backward(be.all_mut(dqkv), d.heads, d.rope_theta, d.positions);",
+        replace: "let _ = (&dqkv, d.rope_theta);",
         tests: &["-p", "distlab-worker", "--test", "gradcheck", "whole_llama"],
     },
     Mutant {
@@ -385,6 +385,20 @@ pub const MUTANTS: &[Mutant] = &[
         file: "gpu-worker/src/parallel/context.rs",
         find: "let pack = |mine: &[f32]| heads_blocks(mine, &shape, cp);",
         replace: "let pack = |mine: &[f32]| mine.to_vec();",
+        tests: &["-p", "distlab-tests", "--test", "context_parallel", "context_parallelism_trains_like_whole_sequences"],
+    },
+    Mutant {
+        name: "Context parallelism: DDP's buckets go on the wire during backward, over the links the exchanges use",
+        file: "gpu-worker/src/parallel/ddp.rs",
+        find: "let context_parallel = spec.parallel.cp > 1;",
+        replace: "let context_parallel = spec.parallel.cp > 64;",
+        tests: &["-p", "distlab-tests", "--test", "context_parallel", "context_parallelism_trains_like_whole_sequences"],
+    },
+    Mutant {
+        name: "Ring attention: each block's attention replaces the output instead of merging by log-sum-exp",
+        file: "gpu-worker/src/ops/ring_attention.rs",
+        find: "            if first {\n                for (y, &x) in row.iter_mut().zip(&o) {",
+        replace: "            if first || tq > 0 {\n                for (y, &x) in row.iter_mut().zip(&o) {",
         tests: &["-p", "distlab-tests", "--test", "context_parallel", "context_parallelism_trains_like_whole_sequences"],
     },
     Mutant {

@@ -402,8 +402,15 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
             .chain([c.cp_all_to_all])
             .fold(0u64, u64::saturating_add);
         let per_block: u64 = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
-        let peers = (spec.parallel.ep as u64).saturating_sub(1) + (spec.parallel.cp as u64).saturating_sub(1);
-        let all_to_all = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps).saturating_mul(peers);
+        let ep = per_block.saturating_mul((spec.parallel.ep as u64).saturating_sub(1));
+        // (the ring: one message per pass, C-1 forward, (C-1) + C backward, C-1 more recomputing)
+        let cp = spec.parallel.cp as u64;
+        let cp = match (cp > 1, spec.parallel.cp_kind.is_ring()) {
+            (false, _) => 0,
+            (true, false) => per_block.saturating_mul(cp - 1),
+            (true, true) => (3 * cp - 2) + if per_block == 6 { cp - 1 } else { 0 },
+        };
+        let all_to_all = (ep + cp).saturating_mul(st.layers as u64).saturating_mul(micro_steps);
         (bytes, dp_messages(spec, st, micro_steps).saturating_add(all_to_all))
     });
     let tp_axis = slowest_stage(axis(1, tp), &|st| {

@@ -30,6 +30,10 @@ fn unsupported_on_cpu(spec: &ExperimentSpec) -> Vec<FieldError> {
 /// 32 values each, in registers).
 pub const CUDA_FLASH_MAX_HEAD: usize = 1024;
 
+/// The widest attention head the CUDA ring-attention kernels hold (one thread per row, its
+/// running output in registers).
+pub const CUDA_RING_MAX_HEAD: usize = 256;
+
 /// The CUDA backend runs the same engine as the CPU: every strategy, mesh, precision and
 /// checkpoint. What it leaves to the CPU: the collective demos, which show the ring's
 /// steps between rank processes and have no model to put on a GPU; flash attention with
@@ -60,6 +64,12 @@ fn unsupported_on_cuda(spec: &ExperimentSpec) -> Vec<FieldError> {
         out.push(FieldError::new(
             "train.attention",
             format!("flash attention on cuda holds heads of up to {CUDA_FLASH_MAX_HEAD} values (this one: {head})"),
+        ));
+    }
+    if spec.parallel.cp > 1 && spec.parallel.cp_kind.is_ring() && head > CUDA_RING_MAX_HEAD {
+        out.push(FieldError::new(
+            "parallel.cp_kind",
+            format!("ring attention on cuda holds heads of up to {CUDA_RING_MAX_HEAD} values (this one: {head})"),
         ));
     }
     out

@@ -265,7 +265,7 @@ pub struct ParallelSpec {
 /// How context-parallel ranks, each holding T/cp tokens of every sequence, run attention.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum ContextParallel {
     /// DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns q, k and v from
     /// sequence-split (T/cp tokens, every head) into head-split (every token, heads/cp),
@@ -273,6 +273,15 @@ pub enum ContextParallel {
     /// back; backward the same in reverse. The heads (and key/value heads) must divide by cp.
     #[default]
     Ulysses,
+    /// Ring attention (Liu et al. 2023): each rank keeps its queries, and the blocks of
+    /// keys and values travel round the ranks; each block's attention is merged into the
+    /// output by its log-sum-exp, FlashAttention's way; backward sends the blocks round
+    /// again with their gradients. Causally load-balanced: with 2cp chunks of the sequence,
+    /// rank r holds chunks r and 2cp-1-r (Megatron's and torchtitan's split).
+    Ring,
+    /// The ring with each rank holding one contiguous run of T/cp tokens: the last rank's
+    /// queries see every block, the first rank's only its own (to compare with `ring`).
+    RingUnbalanced,
 }
 
 impl ContextParallel {
@@ -280,7 +289,14 @@ impl ContextParallel {
     pub fn as_str(self) -> &'static str {
         match self {
             ContextParallel::Ulysses => "ulysses",
+            ContextParallel::Ring => "ring",
+            ContextParallel::RingUnbalanced => "ring-unbalanced",
         }
+    }
+
+    /// Whether the blocks of keys and values travel round the ranks.
+    pub fn is_ring(self) -> bool {
+        matches!(self, ContextParallel::Ring | ContextParallel::RingUnbalanced)
     }
 }
 

@@ -140,6 +140,10 @@ pub fn presets() -> Vec<Preset> {
     (ulysses.parallel.dp, ulysses.parallel.cp) = (2, 2);
     ulysses.train.micro_batch = 2;
     ulysses.train.steps = 10;
+    // The same on the ring: keys and values passed round, each rank's queries on their
+    // positions (two balanced chunks of 128 each), flash attention's log-sum-exps.
+    let mut ring_attention = ExperimentSpec { name: "ring-attention".into(), ..ulysses.clone() };
+    (ring_attention.parallel.cp_kind, ring_attention.train.attention) = (ContextParallel::Ring, Attention::Flash);
     let mut selective = ExperimentSpec { name: "selective-recompute".into(), ..ExperimentSpec::default() };
     selective.model = ModelSpec::dense(6, 64, 4, 512, 64);
     selective.train.micro_batch = 2;
@@ -292,6 +296,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Context parallelism, Ulysses (cp=2, T = 512)",
             description: "Sequences of 512 tokens split over 2 ranks (cp = 2 of the 2 data-parallel ranks, which read the same sequences): each keeps 256 tokens of every sequence through the embeddings, norms, MLPs and loss, and around attention two all-to-alls turn q, k and v into whole sequences of half the heads and attention's output back (the timeline's CP lane; four per block and micro-batch). Resubmit it with dp 1 and cp 1 (whole sequences, one rank) and compare: the same losses, about half the activations per rank.",
             spec: ulysses,
+        },
+        Preset {
+            key: "ring",
+            title: "Ring attention, causally balanced (cp=2, T = 512)",
+            description: "The ulysses preset's sequences on the ring: each rank keeps the queries of 256 tokens, chunks 0 and 3 of 4 on rank 0 and 1 and 2 on rank 1 so both have as much of the causal triangle, and the blocks of keys and values travel round the ranks, each block's attention merged into the output by its log-sum-exp, FlashAttention's way (the timeline's CP lane: one pass forward and three back per block). Resubmit it with dp 1 and cp 1 for whole sequences on one rank, or with cp_kind ring-unbalanced to see the unbalanced split.",
+            spec: ring_attention,
         },
         Preset {
             key: "experts",

@@ -709,12 +709,32 @@ impl ExperimentSpec {
         }
         let tp = p.tp.max(1);
         let (heads, kv_heads) = (m.heads / tp, m.key_value_heads() / tp);
-        if heads % p.cp != 0 || kv_heads % p.cp != 0 {
-            refuse(
+        match p.cp_kind {
+            ContextParallel::Ulysses if heads % p.cp != 0 || kv_heads % p.cp != 0 => refuse(
                 "parallel.cp",
                 format!(
                     "ulysses gives each rank heads/cp of its {heads} query and {kv_heads} key/value heads (per \
-                     tensor-parallel rank) for the whole sequence: cp must divide both"
+                     tensor-parallel rank) for the whole sequence: cp must divide both (the ring has no such limit)"
+                ),
+            ),
+            ContextParallel::Ring if m.seq_len % (2 * p.cp) != 0 => refuse(
+                "parallel.cp_kind",
+                format!(
+                    "ring splits each sequence in 2cp = {} chunks, two per rank, for causal balance: 2cp must divide \
+                     seq_len={} (or use ring-unbalanced)",
+                    2 * p.cp,
+                    m.seq_len
+                ),
+            ),
+            _ => {}
+        }
+        if p.cp_kind.is_ring() && self.train.attention != Attention::Flash {
+            refuse(
+                "train.attention",
+                format!(
+                    "{} attends block by block and keeps one log-sum-exp per row, FlashAttention's way: set \
+                     attention flash",
+                    p.cp_kind.as_str()
                 ),
             );
         }
@@ -723,6 +743,14 @@ impl ExperimentSpec {
                 "model.experts",
                 "the experts' all-to-alls run over the data-parallel group the context-parallel ranks share: \
                  use a dense model (experts=0)"
+                    .into(),
+            );
+        }
+        if p.prefetch {
+            refuse(
+                "parallel.prefetch",
+                "FSDP's prefetch gathers on a thread of its own over the links the context-parallel exchanges \
+                 use at the same time: turn prefetch off"
                     .into(),
             );
         }
@@ -963,6 +991,15 @@ mod tests {
                 ],
             ),
             (json!({"parallel": {"cp": 0}}), vec![("parallel.cp", "cp must be between 1 and 64 (it is 0)")]),
+            (
+                json!({"model": {"seq_len": 20},
+                       "parallel": {"dp": 4, "cp": 4, "cp_kind": "ring", "sharding": "fsdp", "prefetch": true}}),
+                vec![
+                    ("parallel.prefetch", "cp=4: FSDP's prefetch gathers on a thread of its own"),
+                    ("parallel.cp_kind", "cp=4: ring splits each sequence in 2cp = 8 chunks"),
+                    ("train.attention", "cp=4: ring attends block by block and keeps one log-sum-exp per row"),
+                ],
+            ),
             (
                 json!({"model": {"experts": 6}, "parallel": {"dp": 2, "ep": 4, "sharding": "zero1"},
                        "train": {"resume_from": {"experiment": 1, "step": 5}}}),

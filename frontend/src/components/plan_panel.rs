@@ -63,8 +63,9 @@ pub fn comm_rows(c: &CommVolume) -> Vec<(&'static str, &'static str, u64)> {
         ("pp send", "activations forward, their gradients backward", c.pp_send),
         ("ep all-to-all", "tokens to their experts and back, and their gradients", c.ep_all_to_all),
         (
-            "cp all-to-all",
-            "q, k, v to whole sequences and attention's output back, and their gradients",
+            "cp exchange",
+            "Ulysses: q, k, v to whole sequences and attention's output back (all-to-all); the ring: k and v \
+             passed round; and their gradients",
             c.cp_all_to_all,
         ),
     ]

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use distlab_common::{Attention, Checkpointing, ModelFamily, ModelSpec};
+use distlab_common::{Attention, Checkpointing, ContextParallel, ModelFamily, ModelSpec};
 
 use crate::backend::Backend;
 use crate::memory::{Category, MemoryTracker, Receipt};
@@ -143,6 +143,9 @@ pub struct Saved {
     /// ZB-H1: backward runs as B (`backward_stage`), which keeps each matmul's output
     /// gradient, and W (`weights_stage`), which turns them into weight gradients.
     pub split_backward: bool,
+    /// Context parallelism's kind (with cp > 1): Ulysses keeps head-split q, k, v, the ring
+    /// its own tokens' and a log-sum-exp per row.
+    pub cp_kind: ContextParallel,
 }
 
 impl Default for Saved {
@@ -152,6 +155,7 @@ impl Default for Saved {
             attention: Attention::Naive,
             sequence_parallel: false,
             split_backward: false,
+            cp_kind: ContextParallel::Ulysses,
         }
     }
 }
@@ -190,8 +194,9 @@ pub(super) struct ActivationShape {
     /// whole sequence's, which attention sees.
     pub(super) t: usize,
     pub(super) seq: usize,
-    /// Context parallelism: ranks sharing each sequence (1 without it)
+    /// Context parallelism: ranks sharing each sequence (1 without it), and how.
     pub(super) cp: usize,
+    pub(super) cp_kind: ContextParallel,
     pub(super) c: usize,
     /// This rank's width of the attention (its query heads), of q, k and v together, and of
     /// the MLP's hidden layer.
@@ -224,9 +229,10 @@ impl ActivationShape {
         spec: &ModelSpec,
         batch: usize,
         (tp, ep, cp): (usize, usize, usize),
-        attention: Attention,
+        saved: Saved,
         sequence_parallel: bool,
     ) -> Self {
+        let attention = saved.attention;
         let t = spec.seq_len / cp;
         let rows = batch * t;
         assert!(
@@ -240,6 +246,7 @@ impl ActivationShape {
             t,
             seq: spec.seq_len,
             cp,
+            cp_kind: saved.cp_kind,
             c: spec.d_model,
             cl: spec.d_model / tp,
             qkv: spec.qkv_width() as usize / tp,
@@ -289,7 +296,15 @@ impl ActivationShape {
 
     /// Elements of the attention's saved tensor (and of its gradient scratch).
     pub(super) fn attention_floats(&self) -> usize {
-        attention_floats(self.batch, self.heads / self.cp, self.seq, self.attention)
+        match self.ring() {
+            true => attention_floats(self.batch, self.heads, self.t, Attention::Flash),
+            false => attention_floats(self.batch, self.heads / self.cp, self.seq, self.attention),
+        }
+    }
+
+    /// Whether the ring runs attention (cp > 1).
+    pub(super) fn ring(&self) -> bool {
+        self.cp > 1 && self.cp_kind.is_ring()
     }
 
     /// Context parallelism: its exchange buffers' widths (q, k and v; the attention
@@ -309,7 +324,10 @@ impl ActivationShape {
             qkv: alloc(rows * self.qkv),
             att: alloc(if self.recompute_probabilities { 0 } else { self.attention_floats() }),
             atty: alloc(rows * cl),
-            atty_heads: alloc(if self.cp > 1 && self.attention == Attention::Flash { rows * cl } else { 0 }),
+            atty_heads: alloc(match self.cp > 1 && !self.ring() && self.attention == Attention::Flash {
+                true => rows * cl,
+                false => 0,
+            }),
             res_attn: alloc(own * c),
             ln2: alloc(own * c),
             ln2_mean: alloc(mean),
@@ -527,10 +545,14 @@ pub fn activation_floats_for(
 ) -> usize {
     let Saved { attention, sequence_parallel, .. } = saved;
     let (n, cp) = (tp.max(1), cp.max(1));
+    let ring = cp > 1 && saved.cp_kind.is_ring();
     let (t, c, v, h, l) = (spec.seq_len, spec.d_model, spec.vocab, spec.heads / n, spec.layers);
     let rows = batch.saturating_mul(t) / cp;
     let own = if sequence_parallel && n > 1 { rows / n } else { rows };
-    let att = attention_floats(batch, h / cp, t, attention);
+    let att = match ring {
+        true => attention_floats(batch, h, t / cp, Attention::Flash),
+        false => attention_floats(batch, h / cp, t, attention),
+    };
     let rc = rows.saturating_mul(c);
     let own_c = own.saturating_mul(c);
     let (qkv, hidden) = (rows.saturating_mul(spec.qkv_width() as usize / n), rows.saturating_mul(spec.d_ff() / n));
@@ -555,7 +577,7 @@ pub fn activation_floats_for(
         .saturating_add(mlp)
         .saturating_add(stats.saturating_mul(2))
         .saturating_add(kept_att)
-        .saturating_add(if cp > 1 && attention == Attention::Flash { rows.saturating_mul(c / n) } else { 0 });
+        .saturating_add(if cp > 1 && !ring && attention == Attention::Flash { rows.saturating_mul(c / n) } else { 0 });
     // encoded (own rows), lnf (rows x c), lnf statistics (own rows), logits, losses
     let top =
         own_c.saturating_add(rc).saturating_add(stats).saturating_add(rows).saturating_add(rows.saturating_mul(v));
@@ -570,8 +592,15 @@ pub fn activation_floats_for(
         .saturating_add(att);
     let norm = spec.norm_params() as usize;
     let exchange = if own < rows { rc.saturating_mul(2).saturating_add(3 * norm) } else { 0 };
-    // context parallelism's exchange buffers: q, k, v and the attention output
-    let exchange = exchange + if cp > 1 { qkv.saturating_add(rows.saturating_mul(c / n)) } else { 0 };
+    // context parallelism's exchange buffers: Ulysses' q, k, v and attention output, the
+    // ring's two blocks of k and v and two of their gradients
+    let kv = qkv.saturating_sub(rows.saturating_mul(c / n));
+    let exchange = exchange
+        + match (cp > 1, ring) {
+            (false, _) => 0,
+            (true, false) => qkv.saturating_add(rows.saturating_mul(c / n)),
+            (true, true) => kv.saturating_mul(4),
+        };
     // Mixture of Experts (tp = 1): the hidden layers of every slot in place of every
     // token's, the router's and the slots' buffers, and their gradients.
     let (block, scratch) = match ExpertShape::of(spec, rows, ep) {

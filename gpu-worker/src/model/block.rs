@@ -28,7 +28,10 @@ use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
 use crate::memory::Category;
 use crate::model::activations::{mlp_in, ActivationShape, Activations, BlockActivations, WeightStash};
-use crate::model::context_parallel::{ContextSplit, ExchangeShape};
+use crate::model::attend::{attend, attend_backward, AttendDims};
+use crate::model::context_parallel::{
+    context_attention_backward, context_attention_forward, ContextDims, ContextExchange, ContextSplit,
+};
 use crate::model::experts::{
     experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden, HiddenGrads,
 };
@@ -37,7 +40,7 @@ use crate::model::tensor_parallel::{
     add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, TensorParallelGroup,
     Tokens, TpPoint,
 };
-use crate::ops::attention::AttentionShape;
+use crate::ops::attention::{AttentionShape, Positions};
 
 /// A block's sizes on this rank: sequence length, model width, this rank's attention
 /// width and heads, its MLP hidden width, and whether it adds the row-parallel biases and
@@ -52,9 +55,11 @@ pub(super) struct Dims {
     /// Width of q, k and v together as this rank's qkv matmul makes them (with context
     /// parallelism, for every head of this tensor-parallel rank; attention has 1/cp of them).
     pub(super) qkv: usize,
-    /// Context parallelism: the shapes of q, k and v and of attention's output as they are
-    /// exchanged (None without it).
-    pub(super) context: Option<(ExchangeShape, ExchangeShape)>,
+    /// Where the rows attention sees sit in their sequences (every token in order, or the
+    /// ring's rank's tokens).
+    pub(super) positions: Positions,
+    /// Context parallelism: how the rank's tokens meet in attention (None without it).
+    pub(super) context: Option<ContextDims>,
     pub(super) hidden: usize,
     /// GPT-2's blocks or Llama's.
     pub(super) family: ModelFamily,
@@ -113,6 +118,17 @@ impl Dims {
     /// Width of q, k and v together on this rank.
     fn qkv(&self) -> usize {
         self.qkv
+    }
+
+    /// What attention needs to know of the block.
+    pub(super) fn attend(&self) -> AttendDims {
+        AttendDims {
+            heads: self.heads,
+            positions: self.positions,
+            family: self.family,
+            rope_theta: self.rope_theta,
+            attention: self.attention,
+        }
     }
 }
 
@@ -222,42 +238,22 @@ pub(super) fn block_forward<B: Backend>(
     cx: &mut Option<ContextSplit<B>>,
     layer: usize,
 ) -> Result<(), CommError> {
-    let Dims { c, cl, hidden, attention, mine, family, .. } = d;
+    let Dims { c, cl, hidden, mine, family, .. } = d;
     let at = Some(layer);
     // attention half
     let stats = (be.all_mut(&mut a.ln1_mean), be.all_mut(&mut a.ln1_rstd));
     norm_forward(be, family, be.all_mut(&mut a.ln1), stats, be.all(x), (w.ln1_g, w.ln1_b), c);
     let ln1 = gather_tokens(be, &a.ln1, gathered(exchange), mine, c, tp, TpPoint::Ln1Output, at)?;
-    // (context parallelism: this rank's tokens' q, k and v leave for their heads' ranks,
-    // and every token of this rank's heads arrives in `a.qkv`)
+    // (Ulysses: this rank's tokens' q, k and v are made in the exchange buffer, to leave for
+    // their heads' ranks)
     let made = match cx.as_mut() {
-        Some(x) => &mut x.exchange.qkv,
-        None => &mut a.qkv,
+        Some(ContextSplit { exchange: ContextExchange::Ulysses { qkv, .. }, .. }) => qkv,
+        _ => &mut a.qkv,
     };
     be.matmul_forward(be.all_mut(made), be.all(ln1), w.qkv_w, d.bias(w.qkv_b), None, c, d.qkv());
-    if let (Some(ContextSplit { group, exchange }), Some((shape, _))) = (cx.as_mut(), d.context) {
-        group.to_heads(be, &exchange.qkv, &mut a.qkv, shape, "qkv", layer)?;
-    }
-    if family == ModelFamily::Llama {
-        be.rope_forward(be.all_mut(&mut a.qkv), d.heads, d.rope_theta);
-    }
-    let saved = match probs {
-        Some(probs) => be.all_mut(probs),
-        None => be.all_mut(&mut a.att),
-    };
-    let out = match (cx.as_mut(), attention) {
-        (None, _) => &mut a.atty,
-        (Some(x), Attention::Naive) => &mut x.exchange.heads_out,
-        (Some(_), Attention::Flash) => &mut a.atty_heads,
-    };
-    let (out, qkv) = (be.all_mut(out), be.all(&a.qkv));
-    match attention {
-        Attention::Naive => be.attention_forward(out, saved, qkv, d.heads),
-        Attention::Flash => be.flash_attention_forward(out, saved, qkv, d.heads),
-    }
-    if let (Some(ContextSplit { group, exchange }), Some((_, shape))) = (cx.as_mut(), d.context) {
-        let made = if attention == Attention::Flash { &a.atty_heads } else { &exchange.heads_out };
-        group.to_tokens(be, made, &mut a.atty, shape, "attention output", layer)?;
+    match (cx.as_mut(), d.context) {
+        (Some(cx), Some(context)) => context_attention_forward(be, cx, context, a, probs, d.attend(), layer)?,
+        _ => attend(be, (&mut a.atty, probs, &mut a.att), &mut a.qkv, d.attend()),
     }
     // (this rank's width, whether it adds the bias and residual, its tokens)
     let place = (c, d.lead, mine);
@@ -360,7 +356,7 @@ pub(super) fn block_backward<B: Backend>(
     layer: usize,
     mut keep: Option<&mut WeightStash<B::Buf>>,
 ) -> Result<(), CommError> {
-    let Dims { c, cl, hidden, attention, mine, family, .. } = d;
+    let Dims { c, cl, hidden, mine, family, .. } = d;
     let at = Some(layer);
     let BlockTensors {
         ln1_g,
@@ -461,38 +457,11 @@ pub(super) fn block_backward<B: Backend>(
     let kept = keep.as_deref_mut().map(|k| &mut k.dattn_out);
     let weights = (attn_proj_w, d.bias(attn_proj_b));
     linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), be.all(&a.atty), w.attn_proj_w, (cl, c), kept);
-    // (context parallelism: the output gradient goes to every token of this rank's heads,
-    // and q, k and v's gradients come back home below)
-    let (dy, dqkv) = match (cx.as_mut(), d.context) {
-        (Some(ContextSplit { group, exchange }), Some((_, shape))) => {
-            group.to_heads(be, &s.datty, &mut exchange.heads_out, shape, "attention output gradient", layer)?;
-            (&exchange.heads_out, &mut exchange.qkv)
-        }
-        _ => (&s.datty, &mut s.dqkv),
-    };
-    let out = if d.context.is_some() && attention == Attention::Flash { &a.atty_heads } else { &a.atty };
-    let (scratch, qkv) = (be.all_mut(&mut s.datt), be.all(&a.qkv));
-    match attention {
-        Attention::Naive => {
-            let probs = if d.recompute_probabilities { &s.probs } else { &a.att };
-            be.attention_backward(be.all_mut(dqkv), scratch, be.all(dy), qkv, be.all(probs), d.heads)
-        }
-        Attention::Flash => be.flash_attention_backward(
-            be.all_mut(dqkv),
-            scratch,
-            be.all(dy),
-            qkv,
-            be.all(out),
-            be.all(&a.att),
-            d.heads,
-        ),
-    }
-    if family == ModelFamily::Llama {
-        // the rotated q and k's gradients, turned back: the unrotated ones
-        be.rope_backward(be.all_mut(dqkv), d.heads, d.rope_theta);
-    }
-    if let (Some(ContextSplit { group, exchange }), Some((shape, _))) = (cx.as_mut(), d.context) {
-        group.to_tokens(be, &exchange.qkv, &mut s.dqkv, shape, "qkv gradient", layer)?;
+    let probs = if d.recompute_probabilities { &s.probs } else { &a.att };
+    let scratch = (&s.datty, &mut s.datt, &mut s.dqkv, probs);
+    match (cx.as_mut(), d.context) {
+        (Some(cx), Some(context)) => context_attention_backward(be, cx, context, a, scratch, d.attend(), layer)?,
+        _ => attend_backward(be, scratch, (&a.qkv, &a.atty), d.attend()),
     }
     let ln1 = gather_tokens(be, &a.ln1, gathered, mine, c, tp, TpPoint::Ln1Output, at)?;
     let kept = keep.map(|k| &mut k.dqkv);

@@ -36,7 +36,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::{Checkpointing, ModelSpec};
+use distlab_common::{Checkpointing, ContextParallel, ModelSpec};
 
 use crate::backend::Backend;
 use crate::comm::CommError;
@@ -49,7 +49,7 @@ use crate::model::block::{
     GradScratch,
 };
 use crate::model::context_parallel::{
-    ContextExchange, ContextParallelGroup, ContextPlace, ContextSplit, ExchangeShape,
+    ContextDims, ContextExchange, ContextParallelGroup, ContextPlace, ContextSplit, ExchangeShape,
 };
 use crate::model::experts::{ExpertGroup, ExpertStats};
 use crate::model::head::{head_backward, head_forward, head_params, split_head, LogitGradZeros};
@@ -57,7 +57,7 @@ use crate::model::layout::{ExpertPlace, ParamLayout, TpPlace};
 use crate::model::stage::{Stage, StageInput, Upcoming};
 use crate::model::state::{ModelState, Pass, Unit};
 use crate::model::tensor_parallel::{gather_tokens, Exchange, TensorParallelGroup, Tokens, TpPoint};
-use crate::ops::attention::AttentionShape;
+use crate::ops::attention::{AttentionShape, Positions};
 use crate::trace::now_us;
 
 /// A GPT (or the stage of it this rank runs) on backend `B`: its layout and the
@@ -163,7 +163,7 @@ impl<B: Backend> Gpt<B> {
         let sequence_parallel = saved.sequence_parallel && place.size > 1;
         let shape = ActivationShape {
             recompute_probabilities: saved.checkpointing == Checkpointing::Selective,
-            ..ActivationShape::new(spec, batch, ranks, saved.attention, sequence_parallel)
+            ..ActivationShape::new(spec, batch, ranks, saved, sequence_parallel)
         };
         let mut floats = 0usize;
         let mut receipts = Vec::new();
@@ -180,7 +180,8 @@ impl<B: Backend> Gpt<B> {
         let cx = match (cp, shape.context_widths()) {
             (Some(mut group), Some(widths)) => {
                 group.attach_memory(memory);
-                Some(ContextSplit { group, exchange: ContextExchange::new(shape.rows, widths, &mut alloc) })
+                let exchange = ContextExchange::new(shape.rows, widths, shape.ring(), &mut alloc);
+                Some(ContextSplit { group, exchange })
             }
             _ => None,
         };
@@ -290,21 +291,39 @@ impl<B: Backend> Gpt<B> {
         self.activations.shapes[0].t
     }
 
-    /// This rank's first position in each sequence (context parallelism; else 0).
-    fn first_position(&self) -> usize {
-        self.cx.as_ref().map_or(0, |x| x.group.place().rank * self.tokens_per_sequence())
+    /// Where this rank's tokens of each sequence sit in it: all of them, or with context
+    /// parallelism its T/cp (the balanced ring's in two runs).
+    fn token_positions(&self) -> Positions {
+        let shape = &self.activations.shapes[0];
+        match self.cx.as_ref().map(|x| x.group.place()) {
+            Some(place) => {
+                Positions::of_rank(place.rank, place.size, shape.seq, shape.cp_kind == ContextParallel::Ring)
+            }
+            None => Positions::run(0, shape.seq),
+        }
     }
 
-    /// The position table's rows of this rank's positions, as a range of the parameter
-    /// buffer (empty for a model without one).
-    fn positions(&self) -> Range<usize> {
+    /// The embeddings' pieces of a micro-batch: its rows, the tokens of a sequence in them,
+    /// and the position table's rows they read (a range of the parameter buffer; empty
+    /// for a model without one). One piece, or with the balanced ring one per sequence and
+    /// run of positions.
+    fn embedding_pieces(&self) -> Vec<(Range<usize>, usize, Range<usize>)> {
+        let (pos, c, tokens) = (self.token_positions(), self.spec.d_model, self.tokens_per_sequence());
         let wpe = &self.layout.wpe;
-        if wpe.is_empty() {
-            return wpe.clone();
+        let table = |start: usize, len: usize| match wpe.is_empty() {
+            true => wpe.clone(),
+            false => wpe.start + start * c..wpe.start + (start + len) * c,
+        };
+        if pos.parts == 1 || wpe.is_empty() {
+            return vec![(0..self.batch * tokens, tokens, table(pos.starts[0], tokens))];
         }
-        let c = self.spec.d_model;
-        let start = wpe.start + self.first_position() * c;
-        start..start + self.tokens_per_sequence() * c
+        (0..self.batch)
+            .flat_map(|b| (0..pos.parts).map(move |r| (b, r)))
+            .map(|(b, r)| {
+                let rows = b * tokens + r * pos.part..b * tokens + (r + 1) * pos.part;
+                (rows, pos.part, table(pos.starts[r], pos.part))
+            })
+            .collect()
     }
 
     /// The collectives the tensor-parallel group recorded (None without one).
@@ -343,7 +362,7 @@ impl<B: Backend> Gpt<B> {
         targets: &[u32],
     ) -> Result<f64, CommError> {
         let ModelSpec { d_model: c, vocab, .. } = self.spec;
-        let (t, positions) = (self.tokens_per_sequence(), self.positions());
+        let (t, pieces) = (self.tokens_per_sequence(), self.embedding_pieces());
         let dims = self.dims();
         let mut upcoming = Upcoming::new(self.stage.forward_opens(chunk));
         let lay = &self.layout;
@@ -360,14 +379,16 @@ impl<B: Backend> Gpt<B> {
                     Some(e) => &mut e.full,
                     None => &mut acts.encoded,
                 };
-                be.encoder_forward(
-                    be.all_mut(out),
-                    inputs,
-                    be.view(p, shift(&lay.wte, at)),
-                    be.view(p, shift(&positions, at)),
-                    t,
-                    c,
-                );
+                for (rows, t, table) in pieces {
+                    be.encoder_forward(
+                        be.view_mut(out, rows.start * c..rows.end * c),
+                        &inputs[rows],
+                        be.view(p, shift(&lay.wte, at)),
+                        be.view(p, shift(&table, at)),
+                        t,
+                        c,
+                    );
+                }
                 if let (Some(e), Some(mine)) = (&self.exchange, dims.mine) {
                     be.copy(be.all_mut(&mut acts.encoded), be.view(&e.full, mine.of(c)));
                 }
@@ -432,20 +453,35 @@ impl<B: Backend> Gpt<B> {
         let own = self.activations.shapes[0].res_rows;
         let kv_heads = self.spec.key_value_heads();
         let here = AttentionShape { seq_len, heads: heads / n, kv_heads: kv_heads / n, head_size: d_model / heads };
-        // (context parallelism: attention runs heads/cp of them, on whole sequences)
-        let cp = self.cx.as_ref().map_or(1, |x| x.group.place().size);
-        let attended = AttentionShape { heads: here.heads / cp, kv_heads: here.kv_heads / cp, ..here };
+        let place = self.cx.as_ref().map(|x| x.group.place());
         let (batch, tokens) = (self.batch, self.tokens_per_sequence());
-        let context = (cp > 1).then(|| {
-            let qkv = [here.q_width(), here.kv_width(), here.kv_width()];
-            let out = [here.q_width(), 0, 0];
-            (ExchangeShape { batch, tokens, groups: qkv }, ExchangeShape { batch, tokens, groups: out })
-        });
+        let shape = &self.activations.shapes[0];
+        // Context parallelism: Ulysses' attention runs heads/cp of them on whole sequences;
+        // the ring's every head on this rank's tokens, at their positions.
+        let (attended, positions, context) = match place {
+            Some(place) if shape.ring() => {
+                let balanced = shape.cp_kind == ContextParallel::Ring;
+                let ring = ContextDims::Ring { place, seq: seq_len, balanced };
+                (AttentionShape { seq_len: tokens, ..here }, self.token_positions(), Some(ring))
+            }
+            Some(place) if place.size > 1 => {
+                let qkv = [here.q_width(), here.kv_width(), here.kv_width()];
+                let out = [here.q_width(), 0, 0];
+                let ulysses = ContextDims::Ulysses {
+                    qkv: ExchangeShape { batch, tokens, groups: qkv },
+                    out: ExchangeShape { batch, tokens, groups: out },
+                };
+                let (heads, kv_heads) = (here.heads / place.size, here.kv_heads / place.size);
+                (AttentionShape { heads, kv_heads, ..here }, Positions::run(0, seq_len), Some(ulysses))
+            }
+            _ => (here, Positions::run(0, seq_len), None),
+        };
         Dims {
             c: d_model,
             cl: d_model / n,
             heads: attended,
             qkv: here.qkv_width(),
+            positions,
             context,
             hidden: self.spec.d_ff() / n,
             family: self.spec.family,
@@ -514,7 +550,7 @@ impl<B: Backend> Gpt<B> {
         dloss: f64,
     ) -> Result<(), CommError> {
         let ModelSpec { d_model: c, vocab, aux_loss_coef, .. } = self.spec;
-        let (t, positions) = (self.tokens_per_sequence(), self.positions());
+        let (t, pieces) = (self.tokens_per_sequence(), self.embedding_pieces());
         // The balance loss of each routing is weighted as the micro-batch's tokens are.
         let balance_weight = aux_loss_coef * (self.batch * t) as f64 * dloss;
         let dims = Dims { balance_weight, ..self.dims() };
@@ -630,10 +666,7 @@ impl<B: Backend> Gpt<B> {
             upcoming.before_open(state, Unit::Embeddings, without_params);
             let (g, g_at) = state.open(be, Unit::Embeddings, without_params)?.grads.expect("backward has gradients");
             let g = be.view_mut(g, shift(&Unit::Embeddings.range(lay), g_at));
-            let (g_wte, g_wpe) = be.split_mut(g, lay.wte.len());
-            // (context parallelism: the rows of this rank's positions)
-            let (_, g_wpe) = be.split_mut(g_wpe, positions.start - lay.wpe.start);
-            let (g_wpe, _) = be.split_mut(g_wpe, positions.len());
+            let (mut g_wte, mut g_wpe) = be.split_mut(g, lay.wte.len());
             // With sequence parallelism the replicated embeddings need every token's gradient.
             let whole = gather_tokens(
                 be,
@@ -645,7 +678,13 @@ impl<B: Backend> Gpt<B> {
                 TpPoint::EmbeddingOutputGrad,
                 None,
             )?;
-            be.encoder_backward(g_wte, g_wpe, be.all(whole), inputs, t, c);
+            // (context parallelism: the rows of this rank's positions, in one or more pieces)
+            for (rows, t, table) in pieces {
+                let (_, g_table) = be.split_mut(be.reborrow(&mut g_wpe), table.start - lay.wpe.start);
+                let (g_table, _) = be.split_mut(g_table, table.len());
+                let dout = be.view(whole, rows.start * c..rows.end * c);
+                be.encoder_backward(be.reborrow(&mut g_wte), g_table, dout, &inputs[rows], t, c);
+            }
         }
         state.close(be, Unit::Embeddings, without_params)
     }

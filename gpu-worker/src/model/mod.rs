@@ -8,6 +8,7 @@
 //! live while it runs.
 
 pub mod activations;
+mod attend;
 pub mod block;
 pub mod context_parallel;
 pub mod experts;
@@ -19,7 +20,7 @@ pub mod state;
 pub mod tensor_parallel;
 
 pub use activations::{activation_floats_for, Saved};
-pub use context_parallel::{ContextParallelGroup, ContextPlace, ExchangeShape};
+pub use context_parallel::{Columns, ContextParallelGroup, ContextPlace, ExchangeShape};
 pub use experts::ExpertStats;
 pub use gpt::{Gpt, ModelGroups, RecomputeTime};
 pub use head::LogitGradZeros;

@@ -70,6 +70,43 @@ impl AttentionShape {
     }
 }
 
+/// Where a rank's tokens of a sequence sit in it (context parallelism; else one run from
+/// 0): `parts` runs (1 or 2) of `part` tokens, run r from position `starts[r]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Positions {
+    pub starts: [usize; 2],
+    pub parts: usize,
+    pub part: usize,
+}
+
+impl Positions {
+    /// One run of `len` tokens from `start`.
+    pub fn run(start: usize, len: usize) -> Self {
+        Positions { starts: [start, start], parts: 1, part: len }
+    }
+
+    /// Rank `rank` of `cp`'s tokens of a sequence of `seq` tokens: its one run, or
+    /// (`balanced`) chunks rank and 2cp-1-rank of 2cp.
+    pub fn of_rank(rank: usize, cp: usize, seq: usize, balanced: bool) -> Self {
+        match balanced {
+            false => Positions::run(rank * seq / cp, seq / cp),
+            true => {
+                let chunk = seq / (2 * cp);
+                Positions { starts: [rank * chunk, (2 * cp - 1 - rank) * chunk], parts: 2, part: chunk }
+            }
+        }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.parts * self.part
+    }
+
+    /// The position of the block's token `i`.
+    pub fn at(&self, i: usize) -> usize {
+        self.starts[i / self.part] + i % self.part
+    }
+}
+
 /// Row-block size for skipping the masked (upper-right) blocks of the T x T products.
 const BLOCK: usize = 64;
 

@@ -28,6 +28,7 @@ pub mod loss;
 pub mod mlp;
 pub mod optimizer;
 pub mod reductions;
+pub mod ring_attention;
 pub mod rmsnorm;
 pub mod rope;
 pub mod router;
@@ -62,6 +63,7 @@ model_kernels!(
     linear::LinearKernels,
     attention::AttentionKernels,
     flash_attention::FlashAttentionKernels,
+    ring_attention::RingAttentionKernels,
     mlp::GeluKernels,
     swiglu::SwiGluKernels,
     loss::CrossEntropyKernels,
@@ -84,6 +86,7 @@ macro_rules! cuda_sources {
             "swiglu",
             "attention",
             "flash_attention",
+            "ring_attention",
             "loss",
             "fp8",
             "reductions",

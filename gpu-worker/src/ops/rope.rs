@@ -11,16 +11,18 @@
 //! so q_p · k_s depends on p - s only. In place on the Q and K heads of qkv (the first
 //! heads + kv_heads heads of each row; V is not rotated): the matmul that made qkv needs
 //! only its input for its backward, so the rotated values take the unrotated ones' place,
-//! and backward rotates dqkv back before that matmul's backward. Row r of qkv is position
-//! r mod seq_len. The angles' cosines and sines are computed in f64 on the host, once per
-//! call, into (seq_len, hs/2) tables of the compute format (f32 on the GPU), so that every
-//! backend turns by the same factors.
+//! and backward rotates dqkv back before that matmul's backward. Row r of qkv is token
+//! r mod seq_len of its sequence, at the position `positions` gives it (its index, or with
+//! context parallelism where the rank's tokens sit). The angles' cosines and sines are
+//! computed in f64 on the host, once per call, into (seq_len, hs/2) tables of the compute
+//! format (f32 on the GPU), one row per token, so that every backend turns by the same
+//! factors.
 
 use rayon::prelude::*;
 
 use crate::backend::buffers::Buffers;
 use crate::backend::cpu::CpuBackend;
-use crate::ops::attention::AttentionShape;
+use crate::ops::attention::{AttentionShape, Positions};
 use crate::ops::float::{Float, Stored};
 use crate::ops::simd::simd_kernel;
 
@@ -60,23 +62,25 @@ simd_kernel! {
 
 /// RoPE on a backend's views (the conventions: `backend/mod.rs`).
 pub trait RopeKernels: Buffers {
-    /// Rotates the query and key heads of `qkv` (rows of `shape.qkv_width()`) in place.
-    fn rope_forward(&self, qkv: Self::ViewMut<'_>, shape: AttentionShape, theta: f64);
+    /// Rotates the query and key heads of `qkv` (rows of `shape.qkv_width()`, `shape.seq_len`
+    /// tokens of each sequence, at `positions`) in place.
+    fn rope_forward(&self, qkv: Self::ViewMut<'_>, shape: AttentionShape, theta: f64, positions: Positions);
 
     /// Rotates the query and key gradients of `dqkv` back in place.
-    fn rope_backward(&self, dqkv: Self::ViewMut<'_>, shape: AttentionShape, theta: f64);
+    fn rope_backward(&self, dqkv: Self::ViewMut<'_>, shape: AttentionShape, theta: f64, positions: Positions);
 }
 
-/// `f` (cos or sin) of every position's angles, (seq_len, hs/2), in the compute format.
-pub fn rope_table<F: Float>(shape: AttentionShape, theta: f64, f: fn(f64) -> f64) -> Vec<F> {
+/// `f` (cos or sin) of every token's angles, (seq_len, hs/2), in the compute format.
+pub fn rope_table<F: Float>(shape: AttentionShape, theta: f64, positions: Positions, f: fn(f64) -> f64) -> Vec<F> {
     let (hs, half) = (shape.head_size, shape.head_size / 2);
-    (0..shape.seq_len * half).map(|j| F::from_f64(f(rope_angle(j / half, j % half, hs, theta)))).collect()
+    debug_assert_eq!(positions.tokens(), shape.seq_len);
+    (0..shape.seq_len * half).map(|j| F::from_f64(f(rope_angle(positions.at(j / half), j % half, hs, theta)))).collect()
 }
 
 impl<S: Stored> CpuBackend<S> {
-    fn rope(&self, qkv: &mut [S], shape: AttentionShape, theta: f64, sign: f64) {
-        let cos = rope_table::<S::Acc>(shape, theta, f64::cos);
-        let sin = rope_table::<S::Acc>(shape, theta, f64::sin);
+    fn rope(&self, qkv: &mut [S], shape: AttentionShape, (theta, positions): (f64, Positions), sign: f64) {
+        let cos = rope_table::<S::Acc>(shape, theta, positions, f64::cos);
+        let sin = rope_table::<S::Acc>(shape, theta, positions, f64::sin);
         let width = shape.qkv_width();
         let k = self.rows_per_task(qkv.len() / width);
         let sign = S::Acc::from_f64(sign);
@@ -87,12 +91,12 @@ impl<S: Stored> CpuBackend<S> {
 }
 
 impl<S: Stored> RopeKernels for CpuBackend<S> {
-    fn rope_forward(&self, qkv: &mut [S], shape: AttentionShape, theta: f64) {
-        self.rope(qkv, shape, theta, 1.0);
+    fn rope_forward(&self, qkv: &mut [S], shape: AttentionShape, theta: f64, positions: Positions) {
+        self.rope(qkv, shape, (theta, positions), 1.0);
     }
 
-    fn rope_backward(&self, dqkv: &mut [S], shape: AttentionShape, theta: f64) {
-        self.rope(dqkv, shape, theta, -1.0);
+    fn rope_backward(&self, dqkv: &mut [S], shape: AttentionShape, theta: f64, positions: Positions) {
+        self.rope(dqkv, shape, (theta, positions), -1.0);
     }
 }
 
@@ -102,21 +106,21 @@ impl<S: Stored> RopeKernels for CpuBackend<S> {
 mod cuda {
     use super::{rope_table, RopeKernels};
     use crate::backend::cuda::CudaBackend;
-    use crate::ops::attention::AttentionShape;
+    use crate::ops::attention::{AttentionShape, Positions};
     use crate::ops::cuda::{elementwise, int, launch, DeviceElem, DeviceViewMut};
 
     fn rope<S: DeviceElem>(
         be: &CudaBackend<S>,
         qkv: DeviceViewMut<'_, S>,
         shape: AttentionShape,
-        theta: f64,
+        (theta, positions): (f64, Positions),
         sign: f32,
     ) {
         let gpu = &be.launcher;
         let rows = qkv.len / shape.qkv_width();
         let pairs = rows * (shape.heads + shape.kv_heads) * (shape.head_size / 2);
-        let cos = gpu.upload(&rope_table::<f32>(shape, theta, f64::cos));
-        let sin = gpu.upload(&rope_table::<f32>(shape, theta, f64::sin));
+        let cos = gpu.upload(&rope_table::<f32>(shape, theta, positions, f64::cos));
+        let sin = gpu.upload(&rope_table::<f32>(shape, theta, positions, f64::sin));
         launch!(
             gpu,
             "rope_rotate",
@@ -134,12 +138,12 @@ mod cuda {
     }
 
     impl<S: DeviceElem> RopeKernels for CudaBackend<S> {
-        fn rope_forward(&self, qkv: DeviceViewMut<'_, S>, shape: AttentionShape, theta: f64) {
-            rope(self, qkv, shape, theta, 1.0);
+        fn rope_forward(&self, qkv: DeviceViewMut<'_, S>, shape: AttentionShape, theta: f64, positions: Positions) {
+            rope(self, qkv, shape, (theta, positions), 1.0);
         }
 
-        fn rope_backward(&self, dqkv: DeviceViewMut<'_, S>, shape: AttentionShape, theta: f64) {
-            rope(self, dqkv, shape, theta, -1.0);
+        fn rope_backward(&self, dqkv: DeviceViewMut<'_, S>, shape: AttentionShape, theta: f64, positions: Positions) {
+            rope(self, dqkv, shape, (theta, positions), -1.0);
         }
     }
 }

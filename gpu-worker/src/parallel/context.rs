@@ -26,26 +26,35 @@
 //! of the data-parallel group's, which the context-parallel ranks belong to, as the loss is
 //! (each rank's mean over its tokens counts for its share of the step's tokens).
 //!
+//! Ring attention (Liu et al. 2023) is the other way: the queries stay, the blocks of keys
+//! and values travel round the ranks (`RecordedExchange::pass_on`), each block's attention
+//! merged by its log-sum-exp (`ops/ring_attention.rs`). Per block and micro-batch a rank
+//! sends a block of k and v cp-1 times forward and again backward, with the block's
+//! gradient cp times: (3cp-2) blocks, each 1/cp of the sequence's k and v. No head limit,
+//! and each pass could hide under the attention of the block before (not done here: the
+//! passes and the blocks' attention take turns). With 2cp chunks, rank r holds chunks r and
+//! 2cp-1-r, so every rank has as much of the causal triangle.
+//!
 //! The model's half of this is `model/context_parallel.rs`. As expert parallelism's
-//! all-to-alls, the exchange goes through host memory (`all_to_all.rs`); the re-arranging
+//! all-to-alls, the exchange goes through host memory (`exchange.rs`); the re-arranging
 //! of rows and columns is done there, on the way.
 
 use std::sync::Arc;
 
 use distlab_common::trace::{lane, Span};
 
-use super::all_to_all::{Arrangement, RecordedAllToAll};
+use super::exchange::{Arrangement, Columns, RecordedExchange};
 use super::TrainBackend;
 use crate::comm::{CommError, Communicator};
 use crate::memory::MemoryTracker;
 use crate::model::{ContextParallelGroup, ContextPlace, ExchangeShape};
 
 /// One rank's context-parallel group: its communicator and the record of its all-to-alls.
-pub struct ContextParallel(RecordedAllToAll);
+pub struct ContextParallel(RecordedExchange);
 
 impl ContextParallel {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
-        ContextParallel(RecordedAllToAll::new(comm, lane::CP))
+        ContextParallel(RecordedExchange::new(comm, lane::CP))
     }
 
     /// The group's communicator, for a faster one over the same ranks to take its place
@@ -79,7 +88,7 @@ impl<B: TrainBackend> ContextParallelGroup<B> for ContextParallel {
         let pack = |mine: &[f32]| heads_blocks(mine, &shape, cp);
         let unpack = |received: &[f32], out: &mut [f32]| whole_sequences(received, out, &shape, cp);
         let arrangement = Some(Arrangement { pack: &pack, unpack: &unpack });
-        self.0.exchange(be, (from, to), arrangement, format!("all_to_all cp: layer {layer} {what}"), layer)
+        self.0.all_to_all(be, (from, to), arrangement, format!("all_to_all cp: layer {layer} {what}"), layer)
     }
 
     fn to_tokens(
@@ -95,7 +104,19 @@ impl<B: TrainBackend> ContextParallelGroup<B> for ContextParallel {
         let pack = |mine: &[f32]| token_blocks(mine, &shape, cp);
         let unpack = |received: &[f32], out: &mut [f32]| every_head(received, out, &shape, cp);
         let arrangement = Some(Arrangement { pack: &pack, unpack: &unpack });
-        self.0.exchange(be, (from, to), arrangement, format!("all_to_all cp: layer {layer} {what}"), layer)
+        self.0.all_to_all(be, (from, to), arrangement, format!("all_to_all cp: layer {layer} {what}"), layer)
+    }
+
+    fn pass_on(
+        &mut self,
+        be: &B,
+        send: (&B::Buf, Columns),
+        recv: (&mut B::Buf, Columns),
+        what: &'static str,
+        step: usize,
+        layer: usize,
+    ) -> Result<(), CommError> {
+        self.0.pass_on(be, send, recv, format!("ring cp: layer {layer} {what}, pass {step}"), layer)
     }
 
     fn begin_step(&mut self, step: u64, record: bool) {

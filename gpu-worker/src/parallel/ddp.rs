@@ -158,11 +158,13 @@ impl<B: TrainBackend> Replicated<B> {
                     GradientSum::InPlace(InPlaceSync::new(g.grads, &backward_units, bucket_bytes))
                 } else {
                     // A bucket on the wire must not meet the compute thread's own collectives
-                    // where they share links (expert parallelism's all-to-alls go between
-                    // ranks of this group: one pair of pipes each) or a GPU's NCCL (whose
-                    // communicators must be called in the same order on every rank): there
-                    // the whole gradient is one bucket, sent when backward is over.
-                    let shares_links = experts_apart || be.reaches(g.grads.as_mut());
+                    // where they share links (expert parallelism's all-to-alls and context
+                    // parallelism's exchanges go between ranks of this group: one pair of
+                    // pipes each) or a GPU's NCCL (whose communicators must be called in the
+                    // same order on every rank): there the whole gradient is one bucket, sent
+                    // when backward is over.
+                    let context_parallel = spec.parallel.cp > 1;
+                    let shares_links = experts_apart || context_parallel || be.reaches(g.grads.as_mut());
                     let bucket_bytes = if shares_links { u64::MAX } else { bucket_bytes };
                     let wire = spec.parallel.comm_dtype;
                     let compression = match spec.parallel.grad_compression {

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use distlab_common::trace::{lane, Span};
 
-use super::all_to_all::RecordedAllToAll;
+use super::exchange::RecordedExchange;
 use super::TrainBackend;
 use crate::comm::{CommError, Communicator};
 use crate::memory::MemoryTracker;
@@ -34,11 +34,11 @@ use crate::model::experts::ExpertParallelGroup;
 use crate::model::ExpertPlace;
 
 /// One rank's expert-parallel group: its communicator and the record of its all-to-alls.
-pub struct ExpertParallel(RecordedAllToAll);
+pub struct ExpertParallel(RecordedExchange);
 
 impl ExpertParallel {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
-        ExpertParallel(RecordedAllToAll::new(comm, lane::EP))
+        ExpertParallel(RecordedExchange::new(comm, lane::EP))
     }
 
     /// The group's communicator, for a faster one over the same ranks to take its place
@@ -68,7 +68,7 @@ impl<B: TrainBackend> ExpertParallelGroup<B> for ExpertParallel {
         layer: usize,
     ) -> Result<(), CommError> {
         // (the slots are laid out by destination already: they cross as they are)
-        self.0.exchange(be, (send, recv), None, format!("all_to_all ep: layer {layer} {what}"), layer)
+        self.0.all_to_all(be, (send, recv), None, format!("all_to_all ep: layer {layer} {what}"), layer)
     }
 
     fn begin_step(&mut self, step: u64, record: bool) {

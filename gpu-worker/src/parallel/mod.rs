@@ -15,15 +15,16 @@
 //! * `expert.rs`: expert parallelism, Mixture-of-Experts blocks' experts spread over
 //!   ranks of the data-parallel group (the model runs it; this is its group).
 //! * `context.rs`: context parallelism, Ulysses' all-to-alls turning tokens into heads
-//!   around attention (the model runs it; this is its group and the exchange).
-//! * `all_to_all.rs`: the recorded all-to-all, through host memory, both of them use.
+//!   around attention, or ring attention's passes (the model runs it; this is its group
+//!   and the exchanges).
+//! * `exchange.rs`: the recorded all-to-all and ring pass, through host memory, both use.
 //! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
 //! * `mesh.rs`: the dp x tp x pp topology that hands every rank its groups.
 
-pub mod all_to_all;
 pub mod compression;
 pub mod context;
 pub mod ddp;
+pub mod exchange;
 pub mod expert;
 pub mod mesh;
 pub mod pipeline;

@@ -28,6 +28,7 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
             attention: spec.train.attention,
             sequence_parallel: spec.parallel.sequence_parallel,
             split_backward: false,
+            cp_kind: spec.parallel.cp_kind,
         },
     ) as u64;
     // ZeRO-Offload: the state leaves the device (a disk state's piece stays in host memory,

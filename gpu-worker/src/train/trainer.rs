@@ -19,6 +19,7 @@ use crate::model::experts::ExpertParallelGroup;
 use crate::model::{ContextParallelGroup, ContextPlace, ExpertStats, ModelGroups, TensorParallelGroup};
 use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::offload::OffloadTo;
+use crate::ops::attention::Positions;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
 use crate::parallel::compression::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use crate::parallel::context::ContextParallel;
@@ -153,7 +154,14 @@ impl<B: TrainBackend> Trainer<B> {
         let tp = groups.tp.map(|g| Box::new(g) as Box<dyn TensorParallelGroup<B>>);
         let sequence_parallel = spec.parallel.splits_sequence();
         let split_backward = pipe.splits_backward();
-        let saved = Saved { checkpointing: t.checkpointing, attention: t.attention, sequence_parallel, split_backward };
+        let cp_kind = spec.parallel.cp_kind;
+        let saved = Saved {
+            checkpointing: t.checkpointing,
+            attention: t.attention,
+            sequence_parallel,
+            split_backward,
+            cp_kind,
+        };
         let ep = groups.ep.map(|g| Box::new(g) as Box<dyn ExpertParallelGroup<B>>);
         let cp = groups.cp.map(|g| Box::new(g) as Box<dyn ContextParallelGroup<B>>);
         let context = cp.as_ref().map_or(ContextPlace::ALONE, |g| g.place());
@@ -262,6 +270,7 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(cp) = self.model.context_parallel() {
             cp.begin_step(step, record);
         }
+        let positions = self.token_positions();
         let mut work = StageStep {
             model: &mut self.model,
             strategy: self.strategy.as_mut(),
@@ -277,7 +286,7 @@ impl<B: TrainBackend> Trainer<B> {
             first_sequence: dp_rank / self.context.size * per_rank,
             micro_batch: t.micro_batch,
             seq_len,
-            context: self.context,
+            positions,
             dloss: dloss * scale,
             validation: false,
         };
@@ -385,6 +394,7 @@ impl<B: TrainBackend> Trainer<B> {
         // The evaluation's collectives are counted apart from training's.
         let _evaluating = self.tracer.clone().map(Evaluating::begin);
         let pipe = Pipeline::of(&self.spec);
+        let positions = self.token_positions();
         let mut work = StageStep {
             model: &mut self.model,
             strategy: self.strategy.as_mut(),
@@ -400,7 +410,7 @@ impl<B: TrainBackend> Trainer<B> {
             first_sequence: dp_rank / self.context.size * micro_steps * micro_batch,
             micro_batch,
             seq_len,
-            context: self.context,
+            positions,
             dloss: 0.0,
             validation: true,
         };
@@ -543,6 +553,18 @@ impl<B: TrainBackend> Trainer<B> {
         self.place
     }
 
+    /// Where this rank's tokens of each sequence sit: all of them, or its context-parallel
+    /// share (the balanced ring's in two runs).
+    fn token_positions(&self) -> Positions {
+        let (ContextPlace { rank, size }, seq) = (self.context, self.spec.model.seq_len);
+        match size > 1 {
+            true => {
+                Positions::of_rank(rank, size, seq, self.spec.parallel.cp_kind == distlab_common::ContextParallel::Ring)
+            }
+            false => Positions::run(0, seq),
+        }
+    }
+
     /// This rank's timeline so far: compute spans and the strategy's communication spans.
     pub fn timeline(&self) -> Vec<Span> {
         let mut spans = self.spans.clone();
@@ -670,8 +692,8 @@ struct StageStep<'a, B: TrainBackend> {
     micro_batch: usize,
     /// Tokens of a whole sequence (what the data hands out).
     seq_len: usize,
-    /// Context parallelism: this rank keeps tokens `rank * T/size..` of each sequence.
-    context: ContextPlace,
+    /// Where this rank's tokens of each sequence sit (context parallelism: its T/cp).
+    positions: Positions,
     /// d(objective)/d(each token's loss), times the loss scale.
     dloss: f64,
     /// The held-out sequences instead of the step's (an evaluation).
@@ -690,13 +712,16 @@ impl<B: TrainBackend> StageStep<'_, B> {
         } else {
             self.data.fill_batch(self.step, first, batch, seq, self.inputs, self.targets);
         }
-        let ContextPlace { rank, size } = self.context;
-        if size > 1 {
-            // (each sequence's tokens rank * T/cp.., moved to the front in order)
-            let mine = seq / size;
+        let positions = self.positions;
+        let mine = positions.tokens();
+        if mine < seq {
+            // (each sequence's runs of this rank's tokens, moved to the front in order)
             for tokens in [&mut *self.inputs, &mut *self.targets] {
                 for b in 0..batch {
-                    tokens.copy_within(b * seq + rank * mine..b * seq + (rank + 1) * mine, b * mine);
+                    for (r, &start) in positions.starts[..positions.parts].iter().enumerate() {
+                        let from = b * seq + start;
+                        tokens.copy_within(from..from + positions.part, b * mine + r * positions.part);
+                    }
                 }
                 tokens.truncate(batch * mine);
             }

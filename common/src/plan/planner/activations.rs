@@ -32,30 +32,51 @@ use crate::spec::{Attention, Checkpointing, ModelSpec};
 /// Other shapes ([`ModelSpec::tp_split_activation_width`]): grouped-query attention keeps
 /// narrower K and V, a wider or SwiGLU MLP more hidden values, RMSNorm one statistic.
 ///
-/// With context parallelism over `cp` ranks (Ulysses) every token-wise term is this rank's
-/// s/cp tokens', q, k and v kept for the whole sequence and heads/cp heads (as many
-/// values), and the probabilities heads/(t cp) x s^2; flash attention's output also kept
-/// head-split for its backward (b*s/cp x d/t more).
-pub fn layer_activation_elements(
-    m: &ModelSpec,
-    batch: u64,
-    (tp, cp): (u64, u64),
-    attention: Attention,
-    sp: bool,
-) -> u64 {
-    let (seq, d, heads) = (m.seq_len as u64, m.d_model as u64, m.heads as u64);
-    let (tp, cp) = (tp.max(1), cp.max(1));
+/// With context parallelism over `cp` ranks every token-wise term is this rank's s/cp
+/// tokens'. Ulysses keeps q, k and v for the whole sequence and heads/cp heads (as many
+/// values), and the probabilities heads/(t cp) x s^2; flash attention's output also
+/// head-split for its backward (b*s/cp x d/t more). The ring keeps its own tokens' q, k, v
+/// and output, and one log-sum-exp pair per row (flash's b * (h/t) * (s/cp) * 2).
+pub fn layer_activation_elements(m: &ModelSpec, batch: u64, cut: Cut, attention: Attention, sp: bool) -> u64 {
+    let (seq, d) = (m.seq_len as u64, m.d_model as u64);
+    let (tp, cp) = (cut.tp.max(1), cut.cp.max(1));
     let rows = batch.saturating_mul(seq) / cp;
     let whole = rows.saturating_mul(d.saturating_mul(4).saturating_add(m.norm_statistics()));
     let whole = if sp { whole / tp } else { whole };
     let split = rows.saturating_mul(m.tp_split_activation_width() / tp);
-    let flash_heads_out = if cp > 1 && attention == Attention::Flash { rows.saturating_mul(d / tp) } else { 0 };
-    whole.saturating_add(split).saturating_add(flash_heads_out).saturating_add(attention_elements(
-        batch,
-        seq,
-        heads / tp / cp,
-        attention,
-    ))
+    let ulysses_flash = cp > 1 && !cut.ring && attention == Attention::Flash;
+    let flash_heads_out = if ulysses_flash { rows.saturating_mul(d / tp) } else { 0 };
+    whole.saturating_add(split).saturating_add(flash_heads_out).saturating_add(cut.attention(m, batch, attention))
+}
+
+/// How one rank's share of a block is cut: over `tp` tensor-parallel ranks, and `cp`
+/// context-parallel ones (`ring`: by the ring, else by Ulysses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cut {
+    pub tp: u64,
+    pub cp: u64,
+    pub ring: bool,
+}
+
+impl Cut {
+    /// One rank holding whole sequences of every head.
+    pub const WHOLE: Cut = Cut { tp: 1, cp: 1, ring: false };
+
+    /// `tp` tensor-parallel ranks alone.
+    pub fn tp(tp: u64) -> Cut {
+        Cut { tp, ..Cut::WHOLE }
+    }
+
+    /// What attention keeps for one micro-batch on this rank: its heads' (s, s)
+    /// probabilities (Ulysses: heads/cp of them, whole sequences), or one log-sum-exp pair
+    /// per row (flash, and the ring's s/cp rows).
+    pub fn attention(&self, m: &ModelSpec, batch: u64, attention: Attention) -> u64 {
+        let (seq, heads, tp, cp) = (m.seq_len as u64, m.heads as u64, self.tp.max(1), self.cp.max(1));
+        match self.ring && cp > 1 {
+            true => attention_elements(batch, seq / cp, heads / tp, Attention::Flash),
+            false => attention_elements(batch, seq, heads / tp / cp, attention),
+        }
+    }
 }
 
 /// What attention keeps for one micro-batch (and the size of its gradient scratch): the
@@ -76,17 +97,11 @@ pub fn attention_elements(batch: u64, seq: u64, heads: u64, attention: Attention
 /// only, and the norm parameters' gradients of a block (GPT-2's two LayerNorms 4d,
 /// Llama's two RMSNorms 2d) are made in scratch before they are summed over the group.
 /// With context parallelism the token-wise terms are this rank's s/cp tokens' and the
-/// probabilities' gradient heads/(t cp) x s^2.
-pub fn activation_grad_elements(
-    m: &ModelSpec,
-    batch: u64,
-    (tp, cp): (u64, u64),
-    attention: Attention,
-    sp: bool,
-) -> u64 {
-    let (seq, d, heads) = (m.seq_len as u64, m.d_model as u64, m.heads as u64);
-    let (tp, cp) = (tp.max(1), cp.max(1));
-    let rows = batch.saturating_mul(seq) / cp;
+/// attention term as [`Cut::attention`] says.
+pub fn activation_grad_elements(m: &ModelSpec, batch: u64, cut: Cut, attention: Attention, sp: bool) -> u64 {
+    let d = m.d_model as u64;
+    let (tp, cp) = (cut.tp.max(1), cut.cp.max(1));
+    let rows = batch.saturating_mul(m.seq_len as u64) / cp;
     let split = rows.saturating_mul(m.tp_split_gradient_width() / tp);
     let whole = match sp {
         false => rows.saturating_mul(d.saturating_mul(2)),
@@ -94,16 +109,22 @@ pub fn activation_grad_elements(
             (rows.saturating_mul(d) / tp).saturating_add(rows.saturating_mul(d)).saturating_add(2 * m.norm_params())
         }
     };
-    whole.saturating_add(split).saturating_add(attention_elements(batch, seq, heads / tp / cp, attention))
+    whole.saturating_add(split).saturating_add(cut.attention(m, batch, attention))
 }
 
-/// Ulysses' two exchange buffers on a stage (shared by its blocks), per micro-batch of
-/// `rows` of this rank's tokens: q, k and v before the all-to-all that splits them by
-/// heads (in backward their gradients after it), and attention's output before the one
-/// that splits it by tokens again (in backward the output gradient after it).
-pub fn context_exchange_elements(m: &ModelSpec, rows: u64, tp: u64) -> u64 {
-    let tp = tp.max(1);
-    rows.saturating_mul(m.qkv_width() / tp + m.d_model as u64 / tp)
+/// Context parallelism's buffers on a stage (shared by its blocks), per micro-batch of
+/// `rows` of this rank's tokens. Ulysses: q, k and v before the all-to-all that splits them
+/// by heads (in backward their gradients after it), and attention's output before the one
+/// that splits it by tokens again (in backward the output gradient after it). The ring:
+/// two blocks of keys and values (the one attended to, the one arriving) and two of their
+/// gradients, [K | V] rows each.
+pub fn context_exchange_elements(m: &ModelSpec, rows: u64, cut: Cut) -> u64 {
+    let tp = cut.tp.max(1);
+    let kv = (m.qkv_width() - m.d_model as u64) / tp;
+    match cut.ring {
+        true => rows.saturating_mul(kv).saturating_mul(4),
+        false => rows.saturating_mul(m.qkv_width() / tp + m.d_model as u64 / tp),
+    }
 }
 
 /// A Mixture-of-Experts block (tp = 1) on one of `ep` expert-parallel ranks, for one
@@ -212,11 +233,11 @@ mod tests {
         let (b, d, h) = (2, 64, 4);
         for s in [128u64, 1024] {
             let m = ModelSpec::dense(2, d as usize, h as usize, s as usize, 64);
-            let naive = layer_activation_elements(&m, b, (1, 1), Attention::Naive, false);
-            let flash = layer_activation_elements(&m, b, (1, 1), Attention::Flash, false);
+            let naive = layer_activation_elements(&m, b, Cut::WHOLE, Attention::Naive, false);
+            let flash = layer_activation_elements(&m, b, Cut::WHOLE, Attention::Flash, false);
             assert_eq!(naive - flash, b * h * (s * s - 2 * s), "s={s}");
             assert_eq!(flash, b * s * (16 * d + 4) + b * h * s * 2, "s={s}");
-            let grads = activation_grad_elements(&m, b, (2, 1), Attention::Flash, false);
+            let grads = activation_grad_elements(&m, b, Cut::tp(2), Attention::Flash, false);
             assert_eq!(grads, b * s * (2 * d + 4 * d) + b * (h / 2) * s * 2, "s={s}, tp=2");
         }
     }
@@ -227,11 +248,15 @@ mod tests {
     #[test]
     fn context_parallelism_divides_tokens_and_heads() {
         let m = ModelSpec::dense(2, 64, 4, 256, 64);
-        let whole = layer_activation_elements(&m, 2, (1, 1), Attention::Naive, false);
+        let whole = layer_activation_elements(&m, 2, Cut::WHOLE, Attention::Naive, false);
         for cp in [2u64, 4] {
-            assert_eq!(layer_activation_elements(&m, 2, (1, cp), Attention::Naive, false) * cp, whole, "cp={cp}");
-            let grads = activation_grad_elements(&m, 2, (1, cp), Attention::Naive, false);
-            assert_eq!(grads * cp, activation_grad_elements(&m, 2, (1, 1), Attention::Naive, false), "cp={cp}");
+            assert_eq!(
+                layer_activation_elements(&m, 2, Cut { cp, ..Cut::WHOLE }, Attention::Naive, false) * cp,
+                whole,
+                "cp={cp}"
+            );
+            let grads = activation_grad_elements(&m, 2, Cut { cp, ..Cut::WHOLE }, Attention::Naive, false);
+            assert_eq!(grads * cp, activation_grad_elements(&m, 2, Cut::WHOLE, Attention::Naive, false), "cp={cp}");
         }
         let mut spec = ExperimentSpec { model: m.clone(), ..ExperimentSpec::default() };
         (spec.parallel.dp, spec.train.micro_batch) = (4, 2);

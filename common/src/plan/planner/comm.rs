@@ -59,12 +59,15 @@ pub(super) struct StageCommInput {
     pub(super) context: Option<ContextComm>,
 }
 
-/// What Ulysses moves on one rank of a stage.
+/// What context parallelism moves on one rank of a stage.
 #[derive(Clone, Copy)]
 pub(super) struct ContextComm {
     pub(super) cp: u64,
+    /// The ring (else Ulysses).
+    pub(super) ring: bool,
     /// Elements of one block's q, k and v and of its attention output on this rank, for a
-    /// micro-batch (this rank's tokens): what the all-to-alls exchange.
+    /// micro-batch (this rank's tokens): what Ulysses' all-to-alls exchange; the ring sends
+    /// the k and v of them (qkv - out).
     pub(super) qkv: u64,
     pub(super) out: u64,
 }
@@ -109,7 +112,10 @@ pub(super) struct ExpertComm {
 ///   gathers the embedding output's gradient;
 /// - CP (Ulysses, C ranks): per block and micro-batch an all-to-all of q, k and v and one
 ///   of attention's output forward, of their gradients backward (two more when
-///   checkpointing recomputes the forward), (C-1)/C of each;
+///   checkpointing recomputes the forward), (C-1)/C of each; the ring: the block of k and
+///   v (KV) passed on C-1 times forward, C-1 times backward with its gradient passed on C
+///   times (the last brings it home), (3C-2) x KV per block and micro-batch, C-1 more KV
+///   when checkpointing recomputes the forward;
 /// - PP: per micro-batch, A forward to the next stage (all but the last) and its gradient
 ///   back to the previous one (all but the first); with sequence parallelism A / T.
 ///
@@ -140,11 +146,17 @@ pub(super) fn stage_comm(c: StageCommInput) -> CommVolume {
         }
     };
     if let Some(x) = &c.context {
-        let (forward, backward) = (if c.recomputing { 2 } else { 1 }, 1);
-        let both = ring_reduce_scatter_bytes(x.qkv, x.cp, WIRE_BYTES)
-            .saturating_add(ring_reduce_scatter_bytes(x.out, x.cp, WIRE_BYTES));
-        v.cp_all_to_all =
-            both.saturating_mul(forward + backward).saturating_mul(c.layers).saturating_mul(c.micro_steps);
+        let forwards = if c.recomputing { 2 } else { 1 };
+        let per_block = match x.ring {
+            false => ring_reduce_scatter_bytes(x.qkv, x.cp, WIRE_BYTES)
+                .saturating_add(ring_reduce_scatter_bytes(x.out, x.cp, WIRE_BYTES))
+                .saturating_mul(forwards + 1),
+            true => {
+                let kv = (x.qkv - x.out).saturating_mul(WIRE_BYTES);
+                kv.saturating_mul((x.cp - 1) * forwards + (x.cp - 1) + x.cp)
+            }
+        };
+        v.cp_all_to_all = per_block.saturating_mul(c.layers).saturating_mul(c.micro_steps);
     }
     v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send, v.dp_compressed]
         .into_iter()

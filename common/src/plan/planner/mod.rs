@@ -62,7 +62,7 @@ mod structure;
 
 pub use activations::{
     activation_grad_elements, attention_elements, context_exchange_elements, expert_block_elements,
-    layer_activation_elements,
+    layer_activation_elements, Cut,
 };
 pub use comm::wire_bytes;
 pub use model_state::{
@@ -195,8 +195,9 @@ pub struct CommVolume {
     /// and their gradients.
     #[serde(default)]
     pub ep_all_to_all: u64,
-    /// Context parallelism's (Ulysses) all-to-alls: each block's q, k and v to head-split
-    /// and its attention output back to token-split, and their gradients.
+    /// Context parallelism's exchanges: Ulysses' all-to-alls (each block's q, k and v to
+    /// head-split and its attention output back to token-split, and their gradients), or
+    /// the ring's sends of each block's keys and values and their gradients.
     #[serde(default)]
     pub cp_all_to_all: u64,
     pub total: u64,

@@ -4,8 +4,8 @@
 //! offloaded optimizer state and compression state; then its bytes by collective.
 
 use super::activations::{
-    activation_grad_elements, attention_elements, checkpointed, context_exchange_elements, expert_block_elements,
-    layer_activation_elements, peak_held, recomputed_before_backward,
+    activation_grad_elements, checkpointed, context_exchange_elements, expert_block_elements,
+    layer_activation_elements, peak_held, recomputed_before_backward, Cut,
 };
 use super::comm::{stage_comm, wire_bytes, ContextComm, ExpertComm, StageCommInput};
 use super::flops::step_flops;
@@ -58,8 +58,9 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let rows = batch.saturating_mul(seq) / cp;
     let rows_d = rows.saturating_mul(d);
     let sp = p.splits_sequence();
-    let layer_acts = layer_activation_elements(m, batch, (tp, cp), t.attention, sp);
-    let grad_acts = activation_grad_elements(m, batch, (tp, cp), t.attention, sp);
+    let cut = Cut { tp, cp, ring: p.cp_kind.is_ring() };
+    let layer_acts = layer_activation_elements(m, batch, cut, t.attention, sp);
+    let grad_acts = activation_grad_elements(m, batch, cut, t.attention, sp);
     let (layer_acts, grad_acts) = match m.is_moe() {
         true => expert_block_elements(m, rows, ep, layer_acts, grad_acts),
         false => (layer_acts, grad_acts),
@@ -73,7 +74,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let res_d = if sp { rows_d / tp } else { rows_d };
     let recomputing = t.checkpointing.recomputes_blocks();
     // (selective recompute drops attention's probabilities from what a block keeps)
-    let layer = (layer_acts, attention_elements(batch, seq, u(m.heads) / tp.max(1) / cp, t.attention));
+    let layer = (layer_acts, cut.attention(m, batch, t.attention));
 
     // M is every micro-batch of the step (accumulated ones too): one schedule runs them.
     let pipe = Pipeline::of(spec);
@@ -155,7 +156,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // a LayerNorm output gathered whole, a row-parallel output before its reduce-scatter.
         let exchange = if sp { rows_d.saturating_mul(2) } else { 0 };
         // Ulysses' two exchange buffers, shared by the stage's blocks.
-        let exchange = exchange + if cp > 1 && layers > 0 { context_exchange_elements(m, rows, tp) } else { 0 };
+        let exchange = exchange + if cp > 1 && layers > 0 { context_exchange_elements(m, rows, cut) } else { 0 };
         let activations = held_at_peak.saturating_add(recompute_peak).saturating_add(exchange);
 
         // ZeRO-Offload: the optimizer's state leaves the device. Streamed from disk, one
@@ -241,6 +242,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             }),
             context: (cp > 1).then(|| ContextComm {
                 cp,
+                ring: cut.ring,
                 qkv: rows.saturating_mul(m.qkv_width() / tp),
                 out: rows.saturating_mul(d / tp),
             }),
@@ -468,8 +470,8 @@ mod tests {
         // Fewer K/V heads keep narrower K and V: (8 - 2) x 32 x 2 fewer values per token.
         let full = ModelSpec { kv_heads: 8, ..m.clone() };
         let (b, t) = (2u64, 64u64);
-        let saved = layer_activation_elements(&full, b, (1, 1), Attention::Flash, false)
-            - layer_activation_elements(&m, b, (1, 1), Attention::Flash, false);
+        let saved = layer_activation_elements(&full, b, Cut::WHOLE, Attention::Flash, false)
+            - layer_activation_elements(&m, b, Cut::WHOLE, Attention::Flash, false);
         assert_eq!(saved, b * t * 2 * (8 - 2) * 32);
         // Whole K/V heads per TP rank, and an MLP width TP divides.
         spec.parallel.tp = 4;

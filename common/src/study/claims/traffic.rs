@@ -196,29 +196,54 @@ pub(super) fn expert_all_to_all(input: &Inputs) -> Result<Measurement, String> {
     ))
 }
 
-/// Ulysses (this run) against the same training on whole sequences (the partner): rank 0's
-/// activations on both, each the planner's and fewer here; and rank 0's all-to-alls per
-/// step, their count and bytes, the planner's.
+/// Context parallelism (this run) against the same training on whole sequences (the
+/// partner): rank 0's activations on both, each the planner's and fewer here; and rank 0's
+/// exchanges per step, their count and bytes, the planner's: Ulysses' all-to-alls, or the
+/// ring's passes of keys and values (and their gradients).
 pub(super) fn context_parallel(input: &Inputs) -> Result<Measurement, String> {
     let memory = super::memory_pairs::two_runs_memory(ClaimCheck::ContextParallel, input.run, input.partner)?;
     let spec = input.spec;
     let rank = input.rank0.ok_or("the run recorded no trace")?;
-    let counters: Vec<_> = op_counters(rank, CollectiveOp::AllToAll).collect();
+    let (cp, ring, recomputing) =
+        (spec.parallel.cp as u64, spec.parallel.cp_kind.is_ring(), spec.train.checkpointing.recomputes_blocks());
+    if ring && spec.parallel.pp > 1 {
+        return Err("the ring's passes are counted with the pipeline's sends: check it on a run without pp".into());
+    }
+    let op = if ring { CollectiveOp::Send } else { CollectiveOp::AllToAll };
+    let counters: Vec<_> = op_counters(rank, op).collect();
     let bytes = counters.iter().map(|c| c.bytes_sent).sum::<u64>() / input.traced_steps;
     let calls = counters.iter().map(|c| c.calls).sum::<u64>() / input.traced_steps;
     let stage = &input.plan.stages[spec.stage_of(0)];
-    let per_block: u64 = if spec.train.checkpointing.recomputes_blocks() { 6 } else { 4 };
+    let per_block = match (ring, recomputing) {
+        (false, false) => 4,
+        (false, true) => 6,
+        (true, false) => (3 * cp).saturating_sub(2),
+        (true, true) => (4 * cp).saturating_sub(3),
+    };
     let expected_calls = per_block * stage.layers as u64 * spec.pipeline_micro_batches() as u64;
-    let cp = spec.parallel.cp;
+    let what = match ring {
+        false => format!(
+            "all-to-alls per block and micro-batch, each (cp-1)/cp = {}/{cp} of q, k, v or attention's output",
+            cp.saturating_sub(1)
+        ),
+        true => {
+            "passes per block and micro-batch (cp-1 forward, 2(cp-1)+1 back), each 1/cp of the sequence's k and v or \
+                 their gradients"
+                .to_string()
+        }
+    };
     Ok(Measurement {
         predicted: format!(
-            "{}; {per_block} all-to-alls per block and micro-batch ({expected_calls} a step), each (cp-1)/cp = \
-             {}/{cp} of q, k, v or attention's output: {} per rank and step",
+            "{}; {per_block} {what} ({expected_calls} a step): {} per rank and step",
             memory.predicted,
-            cp.saturating_sub(1),
             bytes_text(stage.comm.cp_all_to_all)
         ),
-        measured: format!("{}; {calls} all-to-alls sending {} on rank 0", memory.measured, bytes_text(bytes)),
+        measured: format!(
+            "{}; {calls} {} sending {} on rank 0",
+            memory.measured,
+            if ring { "passes" } else { "all-to-alls" },
+            bytes_text(bytes)
+        ),
         agrees: memory.agrees && cp > 1 && calls == expected_calls && bytes == stage.comm.cp_all_to_all,
         ..memory
     })
@@ -466,6 +491,39 @@ mod tests {
         assert!(!check(&ranks(calls, ours.comm.cp_all_to_all, theirs.memory.activations)).agrees);
         assert!(!check(&ranks(calls / 2, ours.comm.cp_all_to_all / 2, ours.memory.activations)).agrees);
         assert!(!check(&ranks(calls, 2 * ours.comm.cp_all_to_all, ours.memory.activations)).agrees);
+    }
+
+    #[test]
+    fn the_ring_is_held_to_the_planners_activations_and_passes() {
+        let spec = presets().into_iter().find(|p| p.key == "ring").map(|p| p.spec).unwrap_or_default();
+        let mut whole = spec.clone();
+        (whole.parallel.dp, whole.parallel.cp) = (1, 1);
+        assert_eq!(is_partner(ClaimCheck::ContextParallel, &spec, &whole), Some(true));
+        let stage = |s: &ExperimentSpec| planner::plan(s).unwrap().stages[0].clone();
+        let (ours, theirs) = (stage(&spec), stage(&whole));
+        assert!(ours.memory.activations < theirs.memory.activations);
+        // cp = 2: one pass forward, three back, per block
+        let passes = 4 * ours.layers as u64 * spec.pipeline_micro_batches() as u64;
+        let ranks = |op, calls: u64, bytes: u64, activations: u64| {
+            let mut ranks = traced(vec![counter(op, calls, bytes)], 0);
+            ranks[0].memory.as_mut().unwrap().peak.activations = activations;
+            ranks
+        };
+        let (v, w) = (succeeded_view(1, spec.clone(), None), succeeded_view(2, whole.clone(), None));
+        let r_whole = ranks(CollectiveOp::Send, 0, 0, theirs.memory.activations);
+        let check = |r: &[RankTrace]| {
+            let run = RunEvidence { view: &v, metrics: &[], ranks: r, traced_steps: 1 };
+            let partner = RunEvidence { view: &w, metrics: &[], ranks: &r_whole, traced_steps: 1 };
+            measure(ClaimCheck::ContextParallel, &run, Some(&partner)).unwrap()
+        };
+        let bytes = ours.comm.cp_all_to_all;
+        let good = check(&ranks(CollectiveOp::Send, passes, bytes, ours.memory.activations));
+        assert!(good.agrees, "{good:?}");
+        // The gradients never brought home (a pass short), or all-to-alls in place of the
+        // passes: disagrees.
+        let short = passes - ours.layers as u64;
+        assert!(!check(&ranks(CollectiveOp::Send, short, bytes * 3 / 4, ours.memory.activations)).agrees);
+        assert!(!check(&ranks(CollectiveOp::AllToAll, passes, bytes, ours.memory.activations)).agrees);
     }
 
     #[test]

@@ -156,7 +156,11 @@ const SECTIONS: &[SectionDef] = &[
                 Kind::Int,
                 "context parallelism: each sequence split along its tokens over cp of the dp ranks (all-to-all around attention)",
             ),
-            f("parallel.cp_kind", Kind::Choice(&["ulysses"]), "cp > 1: how the ranks meet in attention (Ulysses: heads/cp each)"),
+            f(
+                "parallel.cp_kind",
+                Kind::Choice(&["ulysses", "ring", "ring-unbalanced"]),
+                "cp > 1: how the ranks meet in attention (Ulysses: heads/cp each; the ring: k and v passed round, attention flash)",
+            ),
             f(
                 "parallel.sequence_parallel",
                 Kind::Bool,

@@ -1,7 +1,8 @@
-//! An all-to-all of a backend buffer between the ranks of a group, recorded on a timeline
-//! lane: expert parallelism's exchanges (`expert.rs`) and context parallelism's
-//! (`context.rs`). The communicators carry f32 between host slices, so the buffer crosses
-//! as copies (booked as transient memory), re-arranged on the way where the group needs it.
+//! A group's exchanges of backend buffers, recorded on a timeline lane: an all-to-all
+//! (expert parallelism's, `expert.rs`; Ulysses', `context.rs`) or a pass to the next rank
+//! of a ring (ring attention's, `context.rs`). The communicators carry f32 between host
+//! slices, so the buffer crosses as copies (booked as transient memory), re-arranged on the
+//! way where the group needs it.
 
 use std::sync::Arc;
 
@@ -20,8 +21,8 @@ pub struct Arrangement<'a> {
     pub unpack: &'a dyn Fn(&[f32], &mut [f32]),
 }
 
-/// A group's communicator, the lane its all-to-alls are drawn on, and their record.
-pub struct RecordedAllToAll {
+/// A group's communicator, the lane its exchanges are drawn on, and their record.
+pub struct RecordedExchange {
     comm: Box<dyn Communicator>,
     lane: &'static str,
     step: u64,
@@ -30,9 +31,9 @@ pub struct RecordedAllToAll {
     memory: Arc<MemoryTracker>,
 }
 
-impl RecordedAllToAll {
+impl RecordedExchange {
     pub fn new(comm: Box<dyn Communicator>, lane: &'static str) -> Self {
-        RecordedAllToAll { comm, lane, step: 0, record: false, spans: Vec::new(), memory: MemoryTracker::new() }
+        RecordedExchange { comm, lane, step: 0, record: false, spans: Vec::new(), memory: MemoryTracker::new() }
     }
 
     /// This rank's place in the group: (rank, size).
@@ -65,9 +66,9 @@ impl RecordedAllToAll {
         self.memory = memory.clone();
     }
 
-    /// `from` across the group into `to` (as long), as it is or (`arrangement`) re-arranged
-    /// before and after; drawn as `name` when the step is recorded.
-    pub fn exchange<B: TrainBackend>(
+    /// `from` across the group into `to` (as long) by an all-to-all, as it is or
+    /// (`arrangement`) re-arranged before and after; drawn as `name` when the step is recorded.
+    pub fn all_to_all<B: TrainBackend>(
         &mut self,
         be: &B,
         (from, to): (&B::Buf, &mut B::Buf),
@@ -101,6 +102,56 @@ impl RecordedAllToAll {
                 *o = B::Elem::store(v);
             }
         });
+        self.recorded(be, (start, sent_before), name, layer);
+        Ok(())
+    }
+
+    /// Ring attention's pass: the `from` columns of `send`'s rows go to the next rank of the
+    /// group, and the previous rank's land in the `to` columns of `recv`'s rows (the rest of
+    /// `recv` kept). Even ranks send first and odd ones receive first, so that no ring of
+    /// blocking sends waits on itself.
+    pub fn pass_on<B: TrainBackend>(
+        &mut self,
+        be: &B,
+        (send, from): (&B::Buf, Columns),
+        (recv, to): (&mut B::Buf, Columns),
+        name: String,
+        layer: usize,
+    ) -> Result<(), CommError> {
+        if self.record {
+            be.synchronize();
+        }
+        let (start, sent_before) = (now_us(), self.comm.bytes_sent());
+        let (rank, size) = self.place();
+        let rows = be.buf_len(send) / from.row;
+        let _copies = self.memory.alloc(Category::Transient, 2 * rows * from.width);
+        let mine: Vec<f32> = be.read_host(be.all(send), |x| {
+            x.chunks_exact(from.row)
+                .flat_map(|row| row[from.at..from.at + from.width].iter().map(|v| v.load()))
+                .collect()
+        });
+        let mut got = vec![0.0f32; rows * to.width];
+        let (next, previous) = ((rank + 1) % size, (rank + size - 1) % size);
+        if rank % 2 == 0 {
+            self.comm.send(&mine, next)?;
+            self.comm.recv(&mut got, previous)?;
+        } else {
+            self.comm.recv(&mut got, previous)?;
+            self.comm.send(&mine, next)?;
+        }
+        be.on_host(be.all_mut(recv), |out| {
+            for (row, values) in out.chunks_exact_mut(to.row).zip(got.chunks_exact(to.width)) {
+                for (o, &v) in row[to.at..to.at + to.width].iter_mut().zip(values) {
+                    *o = B::Elem::store(v);
+                }
+            }
+        });
+        self.recorded(be, (start, sent_before), name, layer);
+        Ok(())
+    }
+
+    /// Records an exchange that started at `start` (µs, bytes sent by then) as a span.
+    fn recorded<B: TrainBackend>(&mut self, be: &B, (start, sent_before): (u64, u64), name: String, layer: usize) {
         if self.record {
             be.synchronize();
             self.spans.push(Span {
@@ -117,6 +168,21 @@ impl RecordedAllToAll {
                 chunk: None,
             });
         }
-        Ok(())
+    }
+}
+
+/// Which columns of a buffer's rows an exchange reads or writes: rows `row` wide, `width`
+/// columns from `at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Columns {
+    pub row: usize,
+    pub at: usize,
+    pub width: usize,
+}
+
+impl Columns {
+    /// Every column of rows `width` wide.
+    pub fn all(width: usize) -> Self {
+        Columns { row: width, at: 0, width }
     }
 }
