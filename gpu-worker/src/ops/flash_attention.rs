@@ -43,13 +43,13 @@ fn tiles(t: usize) -> impl Iterator<Item = (usize, usize)> {
 /// Elements a per-row scalar takes in the storage format (a (hi, lo) pair).
 pub const PAIR: usize = 2;
 
-fn store_pair<S: Stored>(pair: &mut [S], x: S::Acc) {
+pub(crate) fn store_pair<S: Stored>(pair: &mut [S], x: S::Acc) {
     let hi = S::store(x);
     pair[0] = hi;
     pair[1] = S::store(x - hi.load());
 }
 
-fn load_pair<S: Stored>(pair: &[S]) -> S::Acc {
+pub(crate) fn load_pair<S: Stored>(pair: &[S]) -> S::Acc {
     pair[0].load() + pair[1].load()
 }
 

@@ -14,13 +14,7 @@ __device__ __forceinline__ int ring_position(int i, int start0, int start1, int 
     return (i / part == 0 ? start0 : start1) + i % part;
 }
 
-__device__ __forceinline__ float ring_load_pair(const elem* p) { return load(p[0]) + load(p[1]); }
-
-__device__ __forceinline__ void ring_store_pair(elem* p, float x) {
-    elem hi = store(x);
-    p[0] = hi;
-    p[1] = store(x - load(hi));
-}
+// (the log-sum-exps go in and out as flash_attention.cu's (hi, lo) pairs: load_pair, store_pair)
 
 // The layout of a block: q rows qkv_w wide (Q at column 0), kv rows kv_stride wide with K at
 // column k_col and V kv_w later, out rows heads * hs wide, dkv rows 2 * kv_w wide [K | V];
@@ -64,14 +58,14 @@ extern "C" __global__ void ring_attention_forward(elem* out, elem* lse, const el
     elem* pair = lse + r * 2;
     if (first) {
         for (int e = 0; e < s.hs; e++) y[e] = store(o[e] / l);
-        ring_store_pair(pair, block_lse);
+        store_pair(pair, block_lse);
         return;
     }
-    float before = ring_load_pair(pair), top = fmaxf(before, block_lse);
+    float before = load_pair(pair), top = fmaxf(before, block_lse);
     float merged = top + logf(expf(before - top) + expf(block_lse - top));
     float keep = expf(before - merged), add = expf(block_lse - merged) / l;
     for (int e = 0; e < s.hs; e++) y[e] = store(load(y[e]) * keep + o[e] * add);
-    ring_store_pair(pair, merged);
+    store_pair(pair, merged);
 }
 
 // D_i = rowsum(dO_i * O_i) of query row (n, h, i).
@@ -95,7 +89,7 @@ extern "C" __global__ void ring_attention_backward_query(elem* dq, const elem* d
     const elem* qi = q + (n * s.tq + i) * s.qkv_w + h * s.hs;
     const elem* dyi = dout + (n * s.tq + i) * (long long)s.heads * s.hs + h * s.hs;
     int pi = ring_position(i, s.q0, s.q1, s.q_part);
-    float d = ring_delta(dout, out, n, i, h, s), l = ring_load_pair(lse + r * 2), acc[RING_MAX_HEAD];
+    float d = ring_delta(dout, out, n, i, h, s), l = load_pair(lse + r * 2), acc[RING_MAX_HEAD];
     for (int e = 0; e < s.hs; e++) acc[e] = 0.0f;
     for (int j = 0; j < s.tk; j++) {
         if (ring_position(j, s.k0, s.k1, s.k_part) > pi) continue;
@@ -130,7 +124,7 @@ extern "C" __global__ void ring_attention_backward_key(elem* dkv, const elem* do
             if (ring_position(i, s.q0, s.q1, s.q_part) < pj) continue;
             const elem* qi = q + (n * s.tq + i) * s.qkv_w + h * s.hs;
             const elem* dyi = dout + (n * s.tq + i) * (long long)s.heads * s.hs + h * s.hs;
-            float l = ring_load_pair(lse + ((n * s.heads + h) * s.tq + i) * 2);
+            float l = load_pair(lse + ((n * s.heads + h) * s.tq + i) * 2);
             float x = 0.0f, dp = 0.0f;
             for (int e = 0; e < s.hs; e++) {
                 x += load(qi[e]) * load(kj[e]);

@@ -22,6 +22,7 @@ use rayon::prelude::*;
 use crate::backend::buffers::Buffers;
 use crate::backend::cpu::CpuBackend;
 use crate::ops::attention::Positions;
+use crate::ops::flash_attention::{load_pair, store_pair};
 use crate::ops::float::{Float, Stored};
 
 /// A block's shape: the query and key/value heads, their width, and where the queries and
@@ -73,16 +74,6 @@ impl RingShape {
     fn sees(&self, i: usize, j: usize) -> bool {
         self.k.at(j) <= self.q.at(i)
     }
-}
-
-fn load_pair<S: Stored>(pair: &[S]) -> S::Acc {
-    pair[0].load() + pair[1].load()
-}
-
-fn store_pair<S: Stored>(pair: &mut [S], x: S::Acc) {
-    let hi = S::store(x);
-    pair[0] = hi;
-    pair[1] = S::store(x - hi.load());
 }
 
 fn dot<F: Float, S: Stored<Acc = F>>(a: &[S], b: &[S]) -> F {
