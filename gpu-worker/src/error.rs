@@ -30,6 +30,8 @@ pub enum TrainError {
     Comm(#[from] CommError),
     #[error(transparent)]
     Offload(#[from] crate::offload::OffloadError),
+    #[error(transparent)]
+    ActivationOffload(#[from] crate::model::ActivationOffloadError),
     /// The GPU or its libraries failed (not the spec's fault).
     #[error("GPU: {0}")]
     Device(String),

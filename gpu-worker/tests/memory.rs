@@ -3,7 +3,7 @@
 
 use distlab_common::memory::RankMemoryReport;
 use distlab_common::planner::plan;
-use distlab_common::{ExperimentSpec, ModelSpec, Optimizer, Precision, Sharding, ValidSpec};
+use distlab_common::{ExperimentSpec, ModelSpec, Offload, Optimizer, Precision, Sharding, ValidSpec};
 use distlab_worker::backend::Stored;
 use distlab_worker::CpuTrainer;
 use half::{bf16, f16};
@@ -46,14 +46,23 @@ fn for_every_config_of(
                 let mut spec = spec_of(model.clone(), sharding, optimizer);
                 spec.train.precision = precision;
                 let what = format!("{sharding:?} {optimizer:?} {}", precision.as_str());
-                let spec = valid(spec);
-                match precision {
-                    Precision::Fp32 => drive(CpuTrainer::<f32>::new(&spec, 1).unwrap(), &spec, &what, &check),
-                    Precision::Bf16 => drive(CpuTrainer::<bf16>::new(&spec, 1).unwrap(), &spec, &what, &check),
-                    Precision::Fp16 => drive(CpuTrainer::<f16>::new(&spec, 1).unwrap(), &spec, &what, &check),
-                }
+                drive_in_its_precision(spec, &what, &check);
             }
         }
+    }
+}
+
+/// [`drive`] on a trainer storing the spec's precision.
+fn drive_in_its_precision(
+    spec: ExperimentSpec,
+    what: &str,
+    check: &impl Fn(&ExperimentSpec, &str, &mut dyn FnMut(u64) -> (RankMemoryReport, u64)),
+) {
+    let spec = valid(spec);
+    match spec.train.precision {
+        Precision::Fp32 => drive(CpuTrainer::<f32>::new(&spec, 1).unwrap(), &spec, what, check),
+        Precision::Bf16 => drive(CpuTrainer::<bf16>::new(&spec, 1).unwrap(), &spec, what, check),
+        Precision::Fp16 => drive(CpuTrainer::<f16>::new(&spec, 1).unwrap(), &spec, what, check),
     }
 }
 
@@ -112,6 +121,28 @@ fn a_mixture_of_experts_ledger_equals_the_bytes_of_the_buffers_held() {
         let (report, held) = advance(2);
         assert_eq!(report.current.total, held, "{what} after steps");
     });
+}
+
+/// Activation offload to disk (its thread): the peaks are the planner's, offloaded bytes
+/// included, and between steps nothing is on its way or off the device, the ledger the
+/// buffers held, in every precision and sharding.
+#[test]
+fn offloaded_activations_are_booked_as_planned_and_as_held() {
+    for sharding in [Sharding::None, Sharding::Fsdp] {
+        for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+            let mut spec = spec_of(ModelSpec::dense(4, 32, 4, 16, 64), sharding, Optimizer::Adamw);
+            (spec.train.precision, spec.train.activation_offload) = (precision, Offload::Disk);
+            let check = |spec: &ExperimentSpec, what: &str, advance: &mut dyn FnMut(u64) -> (RankMemoryReport, u64)| {
+                planner_agrees(spec, what, advance);
+                let (report, held) = advance(1);
+                assert!(report.peak.offloaded > 0, "{what}: nothing left the device");
+                assert_eq!(report.peak.offloaded, plan(spec).unwrap().stages[0].memory.offloaded, "{what}");
+                assert_eq!(report.current.total, held, "{what} after steps");
+                assert_eq!((report.current.activations, report.current.offloaded), (0, 0), "{what}");
+            };
+            drive_in_its_precision(spec, &format!("offloaded {sharding:?} {}", precision.as_str()), &check);
+        }
+    }
 }
 
 fn planner_agrees(spec: &ExperimentSpec, what: &str, advance: &mut dyn FnMut(u64) -> (RankMemoryReport, u64)) {

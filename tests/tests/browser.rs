@@ -269,6 +269,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
         result = offload_scenario(&client, &lab).await;
     }
     if result.is_ok() {
+        result = activation_offload_scenario(&client, &lab).await;
+    }
+    if result.is_ok() {
         result = selective_recompute_scenario(&client, &lab).await;
     }
     if result.is_ok() {
@@ -1677,6 +1680,61 @@ async fn offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     ensure!(planned > 2 << 20 && measured.is_some_and(|m| m.ends_with("MiB")), "{planned} B planned: {line}");
     ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
     save_element(c, "#memory-card", "offload-memory.png").await?;
+    Ok(())
+}
+
+/// Activation offload: the form offers it (the host tier flagged as not the CPU
+/// backend's); the offload-activations preset's page says so in the spec, each rank's
+/// activations and offloaded bytes are the planner's, and the timeline's offload lane
+/// draws every block going out and coming back.
+async fn activation_offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    ensure!(value_of(c, "train.activation_offload").await? == "none", "the form offers train.activation_offload");
+    choose(c, "train.activation_offload", "host").await?;
+    wait_for(c, "the backend's warning", Duration::from_secs(5), || async {
+        Ok(text(c, "#support-warning").await.unwrap_or_default().contains("activation_offload=host would move nothing"))
+    })
+    .await?;
+    choose(c, "train.activation_offload", "disk").await?;
+    wait_for(c, "the warning to go", Duration::from_secs(5), || async { Ok(!exists(c, "#support-warning").await?) })
+        .await?;
+    let preset =
+        distlab_common::presets::presets().into_iter().find(|p| p.key == "offload-activations").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the offloading run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    let rank0 = ".memory-rank[data-rank='0'] .memory-offloaded";
+    wait_for(c, "rank 0's measured offload", Duration::from_secs(30), || async {
+        Ok(text(c, rank0).await.is_ok_and(|t| !t.contains("not measured yet")))
+    })
+    .await?;
+    let spec_text = text(c, "#spec").await?;
+    ensure!(spec_text.contains("activations offloaded to disk"), "{spec_text}");
+    let line = text(c, rank0).await?;
+    let between = |from: &str, to: &str| line.split(from).nth(1).and_then(|rest| rest.split(to).next()).map(str::trim);
+    let (measured, predicted) = (between("measured ", "·"), between("planner ", ". On"));
+    ensure!(measured.is_some() && measured == predicted, "offloaded, measured and planned alike: {line}");
+    ensure!(text(c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
+    save_element(c, "#memory-card", "activation-offload-memory.png").await?;
+    wait_for(c, "the timeline", Duration::from_secs(30), || exists(c, "#timeline .lane-label")).await?;
+    let labels = text(c, "#timeline").await?;
+    ensure!(labels.contains("offload"), "the offload lane: {labels:.400}");
+    let count = |way: &'static str| {
+        js(
+            c,
+            "return Array.from(document.querySelectorAll('#timeline .span title'))\
+             .filter(t => t.textContent.includes('offload disk: layer') && t.textContent.includes(arguments[0])).length;",
+            way,
+        )
+    };
+    let (out, back) = (count(" out ").await?.as_u64().unwrap_or(0), count(" back ").await?.as_u64().unwrap_or(0));
+    let blocks = spec.model.layers as u64;
+    ensure!(out >= blocks && back == out, "blocks drawn going out {out} and coming back {back}");
+    save_element(c, "#timeline-card", "activation-offload-timeline.png").await?;
     Ok(())
 }
 

@@ -245,6 +245,14 @@ fn compression_accumulation_capacity_and_offload_agree_with_their_cards() {
     let got = check(ClaimCheck::DiskOffloadMemory, &offload, Some(&in_memory));
     assert!(got.agrees, "{got:?}");
     println!("  {}", got.note.unwrap_or_default());
+
+    let mut offloaded = preset("offload-activations");
+    (offloaded.train.steps, offloaded.train.warmup_steps) = (3, 1);
+    let mut kept = offloaded.clone();
+    kept.train.activation_offload = Offload::None;
+    let got = check(ClaimCheck::ActivationOffloadMemory, &offloaded, Some(&kept));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}", got.note.unwrap_or_default());
 }
 
 /// MFU on a real run of two ranks: the worker measures its CPU's peak, the summary reports

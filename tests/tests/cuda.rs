@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 27] = [
+const LAYOUTS: [(&str, Layout); 29] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -79,6 +79,13 @@ const LAYOUTS: [(&str, Layout); 27] = [
     ("ddp int8 compression", |s| (s.parallel.dp, s.parallel.grad_compression) = (2, GradCompression::Int8)),
     ("zero1 host offload", |s| {
         (s.parallel.dp, s.parallel.sharding, s.parallel.offload) = (2, Sharding::Zero1, Offload::Host)
+    }),
+    ("fsdp activations offloaded to the host", |s| {
+        (s.parallel.dp, s.parallel.sharding, s.train.activation_offload) = (2, Sharding::Fsdp, Offload::Host)
+    }),
+    ("pp2 1f1b activations offloaded to disk", |s| {
+        (s.parallel.pp, s.train.activation_offload) = (2, Offload::Disk);
+        s.model.layers = 4;
     }),
     // Llama blocks: RMSNorm, rotary positions, 4 query heads on 2 K/V heads, SwiGLU.
     ("llama", |s| s.model = ModelSpec::llama(2, 64, 4, 2, 176, 32, 256)),
@@ -188,12 +195,15 @@ fn every_strategy_on_cuda_follows_the_cpu_in_bf16_and_fp16() {
 }
 
 /// The spec the CPU runs to compare with `spec` on cuda: the same, but where the GPU
-/// offloads the optimizer to the host, the CPU keeps it where it is (its host is its
-/// device; the arithmetic is the same).
+/// offloads the optimizer to the host, the CPU keeps it where it is, and the activations
+/// it offloads to the host go to disk (its host is its device; the arithmetic is the same).
 fn cpu_equivalent(spec: &ExperimentSpec) -> ExperimentSpec {
     let mut s = spec.clone();
     if s.parallel.offload == Offload::Host {
         s.parallel.offload = Offload::None;
+    }
+    if s.train.activation_offload == Offload::Host {
+        s.train.activation_offload = Offload::Disk;
     }
     s
 }

@@ -402,6 +402,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "context_parallel", "context_parallelism_trains_like_whole_sequences"],
     },
     Mutant {
+        name: "Activation offload: a block's activations are never read back from disk (its backward reads zeros)",
+        file: "gpu-worker/src/model/activation_offload.rs",
+        find: "self.file.read_exact_at(bytes, at)?;",
+        replace: "let _ = &self.file;",
+        tests: &["-p", "distlab-tests", "--test", "activation_offload", "offloaded_activations_train_bit_for_bit"],
+    },
+    Mutant {
+        name: "Activation offload: the ledger books the blocks on the device but not the copies on their way to disk",
+        file: "gpu-worker/src/model/activation_offload.rs",
+        find: "self.staging_on_device.then(|| self.book(Category::Activations))",
+        replace: "None",
+        tests: &["-p", "distlab-tests", "--test", "activation_offload", "offloaded_activations_train_bit_for_bit"],
+    },
+    Mutant {
         name: "FP8: the cast rounds ties away from zero instead of to even",
         file: "gpu-worker/src/ops/fp8.rs",
         find: "((a / quantum).round_ties_even() * quantum)",

@@ -13,17 +13,25 @@ pub fn unsupported_on_backend(spec: &ExperimentSpec) -> Vec<FieldError> {
     }
 }
 
-/// The CPU backend runs every valid spec but one that offloads to the host, which is
-/// where its buffers already are.
+/// The CPU backend runs every valid spec but one that offloads the optimizer's state or
+/// the activations to the host, which is where its buffers already are.
 fn unsupported_on_cpu(spec: &ExperimentSpec) -> Vec<FieldError> {
+    let mut out = Vec::new();
     if spec.parallel.offload == Offload::Host {
-        return vec![FieldError::new(
+        out.push(FieldError::new(
             "parallel.offload",
             "on the cpu backend the host is the device: offload=host would move nothing (offload=disk moves \
              the optimizer's state to files)",
-        )];
+        ));
     }
-    Vec::new()
+    if spec.train.activation_offload == Offload::Host {
+        out.push(FieldError::new(
+            "train.activation_offload",
+            "on the cpu backend the host is the device: activation_offload=host would move nothing \
+             (activation_offload=disk moves each block's activations to a file)",
+        ));
+    }
+    out
 }
 
 /// The widest attention head the CUDA flash-attention kernels hold (a warp of 32 lanes,
@@ -110,6 +118,11 @@ mod tests {
         assert_eq!(fields, ["parallel.offload"]);
         spec.parallel.offload = Offload::Disk;
         assert!(unsupported_on_backend(&spec).is_empty(), "the cpu backend offloads to disk");
+        spec.train.activation_offload = Offload::Host;
+        let fields: Vec<_> = unsupported_on_backend(&spec).into_iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["train.activation_offload"]);
+        spec.train.activation_offload = Offload::Disk;
+        assert!(unsupported_on_backend(&spec).is_empty(), "the cpu backend offloads activations to disk");
         // Compressed gradients and experts spread over ranks go through host memory on cuda.
         spec = ExperimentSpec { backend: BackendKind::Cuda, ..ExperimentSpec::default() };
         spec.parallel.dp = 2;

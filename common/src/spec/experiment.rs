@@ -444,6 +444,11 @@ pub struct TrainSpec {
     /// backward, or FlashAttention's tiles (one log-sum-exp per row kept, the rest
     /// recomputed in backward).
     pub attention: Attention,
+    /// Activation offload: each block's saved activations (all but its output, the next
+    /// block's input) leave the device after its forward and come back before its
+    /// backward, the next one read ahead on a thread: `host` memory (a GPU run's) or a
+    /// `disk` file (the CPU backend's, whose host is its device).
+    pub activation_offload: Offload,
     pub checkpoint_every: u64,
     /// Validation loss after every `eval_every` steps and after the last (0: never): the
     /// mean loss on held-out data (the text's last tenth; Markov sequences drawn apart
@@ -635,6 +640,7 @@ impl Default for TrainSpec {
             eval_every: 10,
             checkpoint_write: CheckpointWrite::Async,
             attention: Attention::Naive,
+            activation_offload: Offload::None,
             seed: 42,
             resume_from: None,
         }

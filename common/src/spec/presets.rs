@@ -149,6 +149,13 @@ pub fn presets() -> Vec<Preset> {
     selective.train.micro_batch = 2;
     selective.train.steps = 10;
     selective.train.checkpointing = Checkpointing::Selective;
+    // Deep enough that most of the activations are blocks' (the head's and each block's
+    // output stay on the device).
+    let mut offload_activations = ExperimentSpec { name: "activations-on-disk".into(), ..ExperimentSpec::default() };
+    offload_activations.model = ModelSpec::dense(8, 64, 4, 256, 64);
+    offload_activations.train.micro_batch = 4;
+    offload_activations.train.steps = 10;
+    offload_activations.train.activation_offload = Offload::Disk;
 
     let mut experts = ExperimentSpec { name: "moe-4-experts-ep2".into(), ..ExperimentSpec::default() };
     experts.model =
@@ -290,6 +297,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Selective recompute on long sequences (T = 512)",
             description: "A small model (6 blocks, d_model 64) on sequences of 512 tokens with naive attention and selective recompute: each block keeps everything but its heads' T x T attention probabilities, which its backward computes again from the q and k it kept (one block's at a time). Resubmit it with checkpointing \"none\" and compare the memory cards (most of the activations here are those probabilities) and the timeline's recompute spans (the softmax and the two products around it, a small part of the step); the losses are identical.",
             spec: selective,
+        },
+        Preset {
+            key: "offload-activations",
+            title: "Activations offloaded to disk (8 blocks, T = 256)",
+            description: "Each block's activations but its output go to a file after its forward and come back for its backward, the next block's read on a thread while this one's backward runs: the device holds each block's output, the head's and two blocks' worth on their way (the memory page's activations), and the rest is booked as offloaded. The timeline's offload lane shows every block going out and coming back. Resubmit it with activation_offload \"none\" and compare the memory cards and the step times; the losses are identical.",
+            spec: offload_activations,
         },
         Preset {
             key: "ulysses",

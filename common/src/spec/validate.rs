@@ -352,6 +352,17 @@ impl ExperimentSpec {
                     .into(),
             );
         }
+        if t.activation_offload != Offload::None && t.checkpointing.recomputes_blocks() {
+            err(
+                "train.checkpointing",
+                format!(
+                    "activation_offload={} moves each block's activations off the device between its forward and \
+                     its backward; checkpointing={} keeps none of them (it recomputes them): use one or the other",
+                    t.activation_offload.as_str(),
+                    t.checkpointing.as_str()
+                ),
+            );
+        }
         if t.loss_scaling == LossScaling::Dynamic && t.precision != Precision::Fp16 {
             err(
                 "train.loss_scaling",
@@ -605,6 +616,14 @@ impl ExperimentSpec {
                 "train.checkpointing",
                 "the W needs the activations the B used, which checkpointing recomputes into buffers the next \
                  block reuses: use checkpointing=none or selective"
+                    .into(),
+            );
+        }
+        if self.train.activation_offload != Offload::None {
+            refuse(
+                "train.activation_offload",
+                "the W reads a block's activations again after its B, and offload brings them back once, for \
+                 the backward: use activation_offload=none or another schedule"
                     .into(),
             );
         }
@@ -1087,6 +1106,14 @@ mod tests {
             ),
             (json!({"train": {"warmup_steps": 500}}), vec![("train.warmup_steps", "longer than the run")]),
             (json!({"train": {"loss_scaling": "dynamic"}}), vec![("train.loss_scaling", "for fp16")]),
+            (
+                json!({"train": {"activation_offload": "disk", "checkpointing": "sqrt"}}),
+                vec![("train.checkpointing", "use one or the other")],
+            ),
+            (
+                json!({"train": {"activation_offload": "disk"}, "parallel": {"pp": 2, "pp_schedule": "zb-h1"}}),
+                vec![("train.activation_offload", "offload brings them back once")],
+            ),
             (
                 json!({"train": {"checkpointing": "selective", "attention": "flash"}}),
                 vec![("train.checkpointing", "which flash attention already does")],

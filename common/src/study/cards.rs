@@ -12,7 +12,7 @@ use crate::ExperimentSpec;
 /// of the flashcard deck the lab teaches from; the rest are the subjects of its chapter,
 /// notes and quiz that deck has no card for (`cards/coverage.json` maps every section of
 /// those texts to the cards that teach it).
-pub const TOPICS: u32 = 144;
+pub const TOPICS: u32 = 145;
 /// The flashcard deck's own topics.
 pub const DECK_TOPICS: u32 = 89;
 
@@ -179,6 +179,9 @@ pub enum ClaimCheck {
     ExpertCapacity,
     /// The optimizer's state offloaded to disk: one piece of it in memory at a time.
     DiskOffloadMemory,
+    /// Activation offload: the activations on the device against a run keeping them all,
+    /// each against the planner, and what is off the device.
+    ActivationOffloadMemory,
     /// FSDP's weights on a rank: its shard kept, one unit gathered at a time.
     FsdpGatheredPeak,
     /// Model-state bytes per rank for each ZeRO stage.
@@ -330,14 +333,14 @@ mod tests {
     fn a_broken_deck_lists_every_problem() {
         let deck = r#"[
             {"id": "a", "topic": 1, "title": "t", "question": "q", "answer": "a", "demo": {"kind": "preset", "preset": "nope"}},
-            {"id": "a", "topic": 145, "title": "t", "question": "q", "answer": " ", "demo": {"kind": "planner", "spec": {"parallel": {"dp": 0}}}},
+            {"id": "a", "topic": 146, "title": "t", "question": "q", "answer": " ", "demo": {"kind": "planner", "spec": {"parallel": {"dp": 0}}}},
             {"id": "b", "topic": 3, "title": "t", "question": "q", "answer": "a", "demo": {"kind": "preset", "preset": "tiny"},
              "claim": {"text": "c", "check": "allreduce_bytes", "readings": [{"source": "the chapter", "says": "x"}]}}
         ]"#;
         let problems = load_deck(deck).unwrap_err();
         let all = problems.join("\n");
         for expected in
-            ["no preset \"nope\"", "used twice", "topic 145", "empty", "planner", "topic 2 has no card", "one reading"]
+            ["no preset \"nope\"", "used twice", "topic 146", "empty", "planner", "topic 2 has no card", "one reading"]
         {
             assert!(all.contains(expected), "{expected}: {all}");
         }

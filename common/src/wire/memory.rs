@@ -33,8 +33,9 @@ pub enum MemoryCategory {
     Checkpoint,
     /// Gradient compression: the error-feedback residual and PowerSGD's Q.
     CompressionState,
-    /// ZeRO-Offload: optimizer state kept off the device (host memory, or files on disk).
-    /// Not device memory: not in [`ALL`](MemoryCategory::ALL), not in `total`.
+    /// Kept off the device (host memory, or files on disk): ZeRO-Offload's optimizer state,
+    /// activation offload's blocks. Not device memory: not in [`ALL`](MemoryCategory::ALL),
+    /// not in `total`.
     Offloaded,
 }
 

@@ -167,6 +167,9 @@ pub mod lane {
     /// Context parallelism's all-to-alls (Ulysses): q, k, v to whole sequences and
     /// attention's output back, and their gradients (waited for too).
     pub const CP: &str = "cp";
+    /// Activation offload: each block's activations leaving the device after its forward
+    /// and coming back (read ahead, one block before its backward), with their bytes.
+    pub const OFFLOAD: &str = "offload";
 }
 
 impl Span {

@@ -99,8 +99,8 @@ pub fn process_line(m: &RankMemoryReport) -> Option<String> {
     (!parts.is_empty()).then(|| parts.join(" · "))
 }
 
-/// ZeRO-Offload: the optimizer state kept off the device, measured next to the planner
-/// (None when neither has any). It is not device memory, so not in the bars.
+/// What is kept off the device (ZeRO-Offload's optimizer state, activation offload's
+/// blocks), measured next to the planner (None when neither has any). It is not device memory, so not in the bars.
 pub fn offloaded_line(r: &RankMemoryView) -> Option<String> {
     let measured = r.measured.as_ref().map_or(0, |m| m.peak.offloaded);
     if measured == 0 && r.predicted.offloaded == 0 {
@@ -111,8 +111,10 @@ pub fn offloaded_line(r: &RankMemoryView) -> Option<String> {
         None => "not measured yet".into(),
     };
     Some(format!(
-        "Optimizer state offloaded off the device (host memory, or a file on disk), not in the bars: {measured} · \
-         planner {}. On the device: what the bars' optimizer segment shows (with disk offload, the one piece being updated).",
+        "Offloaded off the device (host memory, or a file on disk: ZeRO-Offload's optimizer state, activation \
+         offload's blocks at their peak), not in the bars: {measured} · planner {}. On the device: what the bars' \
+         optimizer segment shows (with disk offload, the one piece being updated) and their activations (with \
+         activation offload, each block's output and the blocks on their way).",
         format::bytes(r.predicted.offloaded as f64)
     ))
 }

@@ -108,13 +108,14 @@ fn is_dp_comm(span: &Span) -> bool {
 
 /// A rank row's lanes, top to bottom: (the spans' `lane`, its label). Compute is always
 /// drawn; the others when some span of the chosen steps is on them.
-const LANES: [(&str, &str); 6] = [
+const LANES: [(&str, &str); 7] = [
     (lane::COMPUTE, ""),
     (lane::COMM, "comm"),
     (lane::DP_BLOCKING, "DP blocking"),
     (lane::TP, "TP comm"),
     (lane::EP, "EP comm"),
     (lane::CP, "CP comm"),
+    (lane::OFFLOAD, "offload"),
 ];
 
 fn lane_index(span: &Span) -> usize {

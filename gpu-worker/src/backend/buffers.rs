@@ -46,6 +46,20 @@ pub trait Buffers: Send + Sync + 'static {
     fn upload(&self, dst: &mut Self::Buf, src: &[Self::Elem]);
     /// Copies the start of `src` to the host.
     fn download(&self, src: &Self::Buf, dst: &mut [Self::Elem]);
+    /// The buffer's elements in host memory, the buffer given up (activation offload):
+    /// copied down and freed; the CPU backend's buffer is host memory already, moved.
+    fn move_to_host(&self, buf: Self::Buf) -> Vec<Self::Elem> {
+        let mut host = vec![Self::Elem::default(); self.buf_len(&buf)];
+        self.download(&buf, &mut host);
+        host
+    }
+    /// A buffer holding `host`'s elements: a new one filled from the host; on the CPU
+    /// backend `host` itself.
+    fn move_from_host(&self, host: Vec<Self::Elem>) -> Self::Buf {
+        let mut buf = self.alloc(host.len());
+        self.upload(&mut buf, &host);
+        buf
+    }
     fn view<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Self::View<'a>;
     fn view_mut<'a>(&self, buf: &'a mut Self::Buf, range: Range<usize>) -> Self::ViewMut<'a>;
     /// Part `range` of a read-only view (one expert's weights inside a tensor of them).

@@ -107,6 +107,14 @@ impl<S: Stored> Buffers for CpuBackend<S> {
         dst.copy_from_slice(&src[..dst.len()]);
     }
 
+    fn move_to_host(&self, buf: Vec<S>) -> Vec<S> {
+        buf
+    }
+
+    fn move_from_host(&self, host: Vec<S>) -> Vec<S> {
+        host
+    }
+
     fn view<'a>(&self, buf: &'a Vec<S>, range: Range<usize>) -> &'a [S] {
         &buf[range]
     }

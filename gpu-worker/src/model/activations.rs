@@ -70,6 +70,29 @@ impl<Buf> BlockActivations<Buf> {
         bufs.extend(self.moe.iter().flat_map(ExpertActivations::buffers));
         bufs
     }
+
+    /// What activation offload moves off the device between the block's forward and its
+    /// backward: every buffer but its output (`res_mlp`), which the next block reads as
+    /// its input in both passes (the routing of experts is host memory already).
+    pub(super) fn offloaded_mut(&mut self) -> Vec<&mut Buf> {
+        let mut bufs = vec![
+            &mut self.ln1,
+            &mut self.ln1_mean,
+            &mut self.ln1_rstd,
+            &mut self.qkv,
+            &mut self.att,
+            &mut self.atty,
+            &mut self.atty_heads,
+            &mut self.res_attn,
+            &mut self.ln2,
+            &mut self.ln2_mean,
+            &mut self.ln2_rstd,
+            &mut self.fch,
+            &mut self.fch_act,
+        ];
+        bufs.extend(self.moe.iter_mut().flat_map(ExpertActivations::buffers_mut));
+        bufs
+    }
 }
 
 /// ZB-H1: what a block's B leaves for its W, the gradients of its four matmuls' outputs
@@ -339,6 +362,14 @@ impl ActivationShape {
         }
     }
 
+    /// One block's buffers with only its output made, the rest empty (activation offload
+    /// makes them for the block's forward and brings them back for its backward).
+    pub(super) fn output_only<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> BlockActivations<Buf> {
+        let mut block = self.block(&mut |_| alloc(0));
+        block.res_mlp = alloc(self.res_rows * self.c);
+        block
+    }
+
     /// Everything one micro-batch's forward leaves for its backward.
     pub(super) fn set<Buf>(&self, alloc: &mut dyn FnMut(usize) -> Buf) -> Activations<Buf> {
         let (rows, own, c) = (self.rows, self.res_rows, self.c);
@@ -357,6 +388,11 @@ impl ActivationShape {
                 losses: alloc(rows),
             }),
         }
+    }
+
+    /// Floats of what activation offload moves off the device of one block.
+    pub(super) fn offloaded_floats(&self) -> usize {
+        self.block(&mut |len| len).offloaded_mut().into_iter().map(|len| *len).sum()
     }
 
     /// Floats of one [`Self::set`].
@@ -421,6 +457,9 @@ pub(super) struct InFlightSets<B: Backend> {
     pub(super) shapes: Vec<ActivationShape>,
     /// Floats of one micro-batch's activations through each chunk (what its forward books).
     set_floats: Vec<usize>,
+    /// Activation offload: what of each block leaves the device (booked block by block by
+    /// the offload, not with the set); 0 without it.
+    offloaded_block_floats: usize,
     memory: Arc<MemoryTracker>,
 }
 
@@ -433,8 +472,26 @@ impl<B: Backend> InFlightSets<B> {
             spare_stashes: Vec::new(),
             shapes,
             set_floats,
+            offloaded_block_floats: 0,
             memory: memory.clone(),
         }
+    }
+
+    /// Activation offload: the sets keep each block's output only, the rest of a block
+    /// is allocated for its forward and its backward by the offload, which books it.
+    /// Returns the floats of a block it moves.
+    pub(super) fn offload_blocks(&mut self) -> usize {
+        let block = self.shapes[0].offloaded_floats();
+        for (floats, shape) in self.set_floats.iter_mut().zip(&self.shapes) {
+            *floats -= shape.kept_blocks * block;
+        }
+        self.offloaded_block_floats = block;
+        block
+    }
+
+    /// The ledger the sets are booked in.
+    pub(super) fn memory(&self) -> &Arc<MemoryTracker> {
+        &self.memory
     }
 
     /// Floats one micro-batch's forward through chunk `chunk` books.
@@ -454,6 +511,13 @@ impl<B: Backend> InFlightSets<B> {
             let shape = self.shapes[chunk];
             let acts = match self.spare.iter().position(|(c, _)| *c == chunk) {
                 Some(i) => self.spare.swap_remove(i).1,
+                // (offloaded: a block's buffers but its output come with its forward)
+                None if self.offloaded_block_floats > 0 => {
+                    let mut acts = ActivationShape { kept_blocks: 0, ..shape }.set(&mut |len| be.alloc(len));
+                    let output_only = |_| shape.output_only(&mut |len| be.alloc(len));
+                    acts.blocks = (0..shape.kept_blocks).map(output_only).collect();
+                    acts
+                }
                 None => shape.set(&mut |len| be.alloc(len)),
             };
             self.in_flight.push(InFlight { chunk, micro, acts, _booked: booked, stash: None });
@@ -528,6 +592,18 @@ impl<B: Backend> InFlightSets<B> {
         }
         bufs
     }
+}
+
+/// Floats of one block's activations that activation offload moves off the device (all
+/// but its output), on a rank cut as [`activation_floats_for`] says.
+pub fn offloaded_block_floats(spec: &ModelSpec, batch: usize, ranks: (usize, usize, usize), saved: Saved) -> usize {
+    let (tp, ep, cp) = ranks;
+    let sequence_parallel = saved.sequence_parallel && tp > 1;
+    let shape = ActivationShape {
+        recompute_probabilities: saved.checkpointing == Checkpointing::Selective,
+        ..ActivationShape::new(spec, batch, (tp.max(1), ep.max(1), cp.max(1)), saved, sequence_parallel)
+    };
+    shape.offloaded_floats()
 }
 
 /// What [`Gpt::new`](super::Gpt::new) will allocate for activations and their gradients on one of `tp`

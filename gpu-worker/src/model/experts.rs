@@ -145,6 +145,13 @@ impl<Buf> ExpertActivations<Buf> {
         bufs
     }
 
+    /// [`Self::buffers`], writable, in the same order.
+    pub fn buffers_mut(&mut self) -> Vec<&mut Buf> {
+        let mut bufs = vec![&mut self.probs, &mut self.gates, &mut self.dispatched, &mut self.expert_out];
+        bufs.extend(self.arrived.iter_mut().chain(self.returned.iter_mut()));
+        bufs
+    }
+
     /// The slots this rank's experts run on.
     fn at_experts(&self) -> &Buf {
         self.arrived.as_ref().unwrap_or(&self.dispatched)

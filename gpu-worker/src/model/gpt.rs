@@ -28,7 +28,9 @@
 //! With activation checkpointing ([`Saved`]) forward keeps only each segment's output
 //! and runs its blocks in one shared set of segment buffers; backward runs a segment's
 //! forward again there, from the segment's saved input, just before the segment's
-//! backward (`Pass::Recompute`).
+//! backward (`Pass::Recompute`). With activation offload ([`Gpt::offload_activations`],
+//! `activation_offload.rs`) each block's activations but its output leave the device
+//! after its forward and come back for its backward.
 
 mod weights_pass;
 
@@ -39,8 +41,9 @@ use distlab_common::trace::Span;
 use distlab_common::{Checkpointing, ContextParallel, ModelSpec};
 
 use crate::backend::Backend;
-use crate::comm::CommError;
+use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::model::activation_offload::{ActivationOffload, ActivationOffloadError, ActivationTier, BlockKey};
 use crate::model::activations::{
     activation_floats_for, stage_output, ActivationShape, BlockActivations, InFlightSets, Saved,
 };
@@ -97,6 +100,8 @@ pub struct Gpt<B: Backend> {
     /// When timing (see [`Gpt::time_recomputes`]): the forwards a backward ran again
     /// inside a block's own backward (each checkpointed segment's last block).
     recomputes_timed: Option<Vec<RecomputeTime>>,
+    /// Activation offload (None: every block's activations stay on the device).
+    offload: Option<ActivationOffload<B>>,
 }
 
 /// A block's forward run again inside its backward, timed apart from the backward.
@@ -208,13 +213,47 @@ impl<B: Backend> Gpt<B> {
             expert_stats: ExpertStats::default(),
             logit_grad_zeros: None,
             recomputes_timed: None,
+            offload: None,
         }
+    }
+
+    /// Activation offload: from now on each block's activations but its output leave the
+    /// device for `tier` after its forward and come back for its backward. Not with
+    /// checkpointing that recomputes blocks, nor ZB-H1's W (validation refuses both).
+    pub fn offload_activations(&mut self, be: &B, tier: &ActivationTier) -> Result<(), ActivationOffloadError> {
+        assert!(
+            self.segment.is_none() && !self.split_backward,
+            "activation offload moves kept blocks once each way: not with checkpointing segments or a W"
+        );
+        let lens = self.activations.shapes[0].block(&mut |len| len).offloaded_mut().into_iter().map(|l| *l).collect();
+        let memory = self.activations.memory().clone();
+        self.offload = Some(ActivationOffload::new(be, tier, lens, &memory)?);
+        self.activations.offload_blocks();
+        Ok(())
+    }
+
+    /// Activation offload's moves are drawn on the timeline in step `step` when `record`.
+    pub fn begin_offload_step(&mut self, step: u64, record: bool) {
+        if let Some(offload) = &mut self.offload {
+            offload.begin_step(step, record);
+        }
+    }
+
+    /// Activation offload's moves recorded so far (None without it).
+    pub fn offload_spans(&self) -> Option<Vec<Span>> {
+        self.offload.as_ref().map(ActivationOffload::spans)
     }
 
     /// Forgets every micro-batch's activations (an evaluation's forward, which no backward
     /// follows): released from the ledger and kept for the next forward.
-    pub fn drop_activations(&mut self) {
+    pub fn drop_activations(&mut self) -> Result<(), TrainError> {
+        if let Some(offload) = &mut self.offload {
+            for f in &self.activations.in_flight {
+                offload.forget(f.chunk, f.micro)?;
+            }
+        }
         self.activations.release_all();
+        Ok(())
     }
 
     /// After a forward of the whole model on micro-batch 0 (and before its backward): the
@@ -238,7 +277,8 @@ impl<B: Backend> Gpt<B> {
         bufs.extend(self.cx.iter().flat_map(|x| x.exchange.buffers()));
         debug_assert_eq!(bufs.len(), self.receipts.len());
         bufs.extend(self.activations.buffers());
-        bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64).sum()
+        let staging = self.offload.as_ref().map_or(0, ActivationOffload::staging_bytes);
+        staging + bufs.iter().map(|b| (be.buf_len(b) * std::mem::size_of::<B::Elem>()) as u64).sum::<u64>()
     }
 
     /// The routing of every forward since the last call (not the recomputed ones), and
@@ -344,7 +384,7 @@ impl<B: Backend> Gpt<B> {
         state: &mut dyn ModelState<B>,
         inputs: &[u32],
         targets: &[u32],
-    ) -> Result<f64, CommError> {
+    ) -> Result<f64, TrainError> {
         self.forward_stage(be, state, 0, 0, StageInput::Tokens(inputs), targets)
     }
 
@@ -360,7 +400,7 @@ impl<B: Backend> Gpt<B> {
         micro: usize,
         input: StageInput<'_, B::Elem>,
         targets: &[u32],
-    ) -> Result<f64, CommError> {
+    ) -> Result<f64, TrainError> {
         let ModelSpec { d_model: c, vocab, .. } = self.spec;
         let (t, pieces) = (self.tokens_per_sequence(), self.embedding_pieces());
         let dims = self.dims();
@@ -404,12 +444,19 @@ impl<B: Backend> Gpt<B> {
             match self.segment {
                 // Keep everything: block i's activations live in the slot.
                 None => {
+                    let key = BlockKey { chunk, micro, block: i, layer: l };
                     let (done, rest) = acts.blocks.split_at_mut(i);
+                    if let Some(offload) = &mut self.offload {
+                        offload.make(be, key, &mut rest[0]);
+                    }
                     let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
                     let (tp, exchange, ep, cx) = (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
                     let probs = dims.recompute_probabilities.then_some(&mut self.scratch.probs);
                     block_forward(be, &w, x, &mut rest[0], probs, dims, tp, exchange, ep, cx, l)?;
                     self.expert_stats.add(rest[0].moe.as_ref());
+                    if let Some(offload) = &mut self.offload {
+                        offload.put(be, key, &mut rest[0])?;
+                    }
                 }
                 // Checkpointing: run the block in the shared segment buffers and keep only
                 // the output of each segment's last block.
@@ -526,7 +573,7 @@ impl<B: Backend> Gpt<B> {
         inputs: &[u32],
         targets: &[u32],
         dloss: f64,
-    ) -> Result<(), CommError> {
+    ) -> Result<(), TrainError> {
         self.backward_stage(be, state, 0, 0, inputs, targets, None, dloss)
     }
 
@@ -548,7 +595,7 @@ impl<B: Backend> Gpt<B> {
         targets: &[u32],
         grad_output: Option<&[B::Elem]>,
         dloss: f64,
-    ) -> Result<(), CommError> {
+    ) -> Result<(), TrainError> {
         let ModelSpec { d_model: c, vocab, aux_loss_coef, .. } = self.spec;
         let (t, pieces) = (self.tokens_per_sequence(), self.embedding_pieces());
         // The balance loss of each routing is weighted as the micro-batch's tokens are.
@@ -562,6 +609,13 @@ impl<B: Backend> Gpt<B> {
         let mut upcoming = Upcoming::new(self.stage.backward_opens(chunk, self.segment, with_params));
         let s = &mut self.scratch;
         let acts = &mut self.activations.in_flight[index].acts;
+        let first_block = self.stage.chunks[chunk].start;
+        let blocks = self.stage.chunks[chunk].len();
+        let key = |i: usize| BlockKey { chunk, micro, block: i, layer: first_block + i };
+        // (offloaded: the last block's read runs while the head's backward does)
+        if let (Some(offload), Some(last)) = (&mut self.offload, blocks.checked_sub(1)) {
+            offload.read_ahead(key(last))?;
+        }
 
         if let Some(head) = acts.head.as_mut() {
             // loss and LM head
@@ -570,7 +624,6 @@ impl<B: Backend> Gpt<B> {
                 self.logit_grad_zeros = Some(LogitGradZeros::count(be, &head.logits, targets.len(), vocab));
             }
         }
-        let acts = &*acts;
         if let Some(head) = &acts.head {
             upcoming.before_open(state, Unit::Head, with_params);
             let open = state.open(be, Unit::Head, with_params)?;
@@ -589,8 +642,6 @@ impl<B: Backend> Gpt<B> {
 
         // Segments of blocks, last first: without checkpointing one segment of them all,
         // with its activations saved; with it, `k` blocks at a time, recomputed first.
-        let first_block = self.stage.chunks[chunk].start;
-        let blocks = self.stage.chunks[chunk].len();
         let k = self.segment.unwrap_or(blocks.max(1));
         for start in (0..blocks).step_by(k).rev() {
             let end = (start + k).min(blocks);
@@ -610,6 +661,9 @@ impl<B: Backend> Gpt<B> {
             }
             for i in (start..end).rev() {
                 let l = first_block + i;
+                if let Some(offload) = &mut self.offload {
+                    offload.take_back(be, key(i), &mut acts.blocks[i], i.checked_sub(1).map(key))?;
+                }
                 // (a scope, so that the block's views end before it is closed)
                 {
                     upcoming.before_open(state, Unit::Block(l), with_params);
@@ -649,6 +703,9 @@ impl<B: Backend> Gpt<B> {
                     block_backward(be, &w, gw, x, a, s, dims, tp, exchange, ep, cx, l, keep)?;
                 }
                 state.close(be, Unit::Block(l), with_params)?;
+                if let Some(offload) = &mut self.offload {
+                    offload.free(be, key(i), &mut acts.blocks[i]);
+                }
             }
         }
         // Every activation of this micro-batch is consumed (the embeddings' backward needs
@@ -686,7 +743,7 @@ impl<B: Backend> Gpt<B> {
                 be.encoder_backward(be.reborrow(&mut g_wte), g_table, dout, &inputs[rows], t, c);
             }
         }
-        state.close(be, Unit::Embeddings, without_params)
+        Ok(state.close(be, Unit::Embeddings, without_params)?)
     }
 }
 

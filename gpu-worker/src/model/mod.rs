@@ -7,6 +7,7 @@
 //! MLP; `layout.rs` places every parameter in one flat buffer, `state.rs` says where they
 //! live while it runs.
 
+pub mod activation_offload;
 pub mod activations;
 mod attend;
 pub mod block;
@@ -19,7 +20,8 @@ pub mod stage;
 pub mod state;
 pub mod tensor_parallel;
 
-pub use activations::{activation_floats_for, Saved};
+pub use activation_offload::{ActivationOffloadError, ActivationTier};
+pub use activations::{activation_floats_for, offloaded_block_floats, Saved};
 pub use context_parallel::{Columns, ContextParallelGroup, ContextPlace, ExchangeShape};
 pub use experts::ExpertStats;
 pub use gpt::{Gpt, ModelGroups, RecomputeTime};

@@ -127,7 +127,7 @@ impl Float for f32 {
 ///
 /// Sealed (implemented here for f32, f64, bf16 and fp16 only): unsafe code relies on the
 /// slice conversions writing every element they are given.
-pub trait Stored: sealed::Sealed + Copy + Send + Sync + Default + Debug + PartialEq + 'static {
+pub trait Stored: sealed::Sealed + bytemuck::Pod + Copy + Send + Sync + Default + Debug + PartialEq + 'static {
     /// The format kernels compute in.
     type Acc: Float;
     /// Short name for logs ("bf16").

@@ -19,18 +19,24 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
         distlab_common::Optimizer::Adamw => 2 + master,
         distlab_common::Optimizer::Sgd => master,
     };
-    let activations = crate::model::activation_floats_for(
-        &spec.model,
-        spec.train.micro_batch,
-        (spec.parallel.tp, spec.parallel.ep, spec.parallel.cp),
-        crate::model::Saved {
-            checkpointing: spec.train.checkpointing,
-            attention: spec.train.attention,
-            sequence_parallel: spec.parallel.sequence_parallel,
-            split_backward: false,
-            cp_kind: spec.parallel.cp_kind,
-        },
-    ) as u64;
+    let ranks = (spec.parallel.tp, spec.parallel.ep, spec.parallel.cp);
+    let saved = crate::model::Saved {
+        checkpointing: spec.train.checkpointing,
+        attention: spec.train.attention,
+        sequence_parallel: spec.parallel.sequence_parallel,
+        split_backward: false,
+        cp_kind: spec.parallel.cp_kind,
+    };
+    let activations = crate::model::activation_floats_for(&spec.model, spec.train.micro_batch, ranks, saved) as u64;
+    // Activation offload: every block's activations but its output leave, two blocks' stay
+    // on their way (the CPU backend's host memory is its device).
+    let activations = match spec.train.activation_offload {
+        Offload::None => activations,
+        Offload::Host | Offload::Disk => {
+            let block = crate::model::offloaded_block_floats(&spec.model, spec.train.micro_batch, ranks, saved) as u64;
+            activations.saturating_sub(block.saturating_mul(spec.model.layers.saturating_sub(2) as u64))
+        }
+    };
     // ZeRO-Offload: the state leaves the device (a disk state's piece stays in host memory,
     // which is the CPU backend's device).
     let optimizer_params = match (spec.parallel.offload, spec.backend) {

@@ -16,8 +16,8 @@ use crate::data::Data;
 use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::experts::ExpertParallelGroup;
+use crate::model::{ActivationTier, Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::model::{ContextParallelGroup, ContextPlace, ExpertStats, ModelGroups, TensorParallelGroup};
-use crate::model::{Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::offload::OffloadTo;
 use crate::ops::attention::Positions;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
@@ -166,12 +166,19 @@ impl<B: TrainBackend> Trainer<B> {
         let cp = groups.cp.map(|g| Box::new(g) as Box<dyn ContextParallelGroup<B>>);
         let context = cp.as_ref().map_or(ContextPlace::ALONE, |g| g.place());
         let groups_here = ModelGroups { tp, ep, cp };
-        let model = Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, groups_here, &memory);
+        let mut model =
+            Gpt::new_stage(&backend, &spec.model, t.micro_batch, stage.clone(), saved, groups_here, &memory);
+        let offload_dir = groups.offload_dir.unwrap_or_else(default_offload_dir);
+        match t.activation_offload {
+            Offload::None => {}
+            Offload::Host => model.offload_activations(&backend, &ActivationTier::Host)?,
+            Offload::Disk => model.offload_activations(&backend, &ActivationTier::Disk(offload_dir.clone()))?,
+        }
         let place = groups.dp.as_ref().map_or((0, 1), |g| (g.rank, g.world));
         let offload = match spec.parallel.offload {
             Offload::None => OffloadTo::None,
             Offload::Host => OffloadTo::Host,
-            Offload::Disk => OffloadTo::Disk(groups.offload_dir.unwrap_or_else(default_offload_dir)),
+            Offload::Disk => OffloadTo::Disk(offload_dir),
         };
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp, &offload)?;
         let links = groups.pp.map(|g| PipelineLinks::new(g, &pipe, model.stage_output_len(), &memory));
@@ -270,6 +277,7 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(cp) = self.model.context_parallel() {
             cp.begin_step(step, record);
         }
+        self.model.begin_offload_step(step, record);
         let positions = self.token_positions();
         let mut work = StageStep {
             model: &mut self.model,
@@ -391,6 +399,7 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(cp) = self.model.context_parallel() {
             cp.begin_step(step, false);
         }
+        self.model.begin_offload_step(step, false);
         // The evaluation's collectives are counted apart from training's.
         let _evaluating = self.tracer.clone().map(Evaluating::begin);
         let pipe = Pipeline::of(&self.spec);
@@ -418,7 +427,7 @@ impl<B: TrainBackend> Trainer<B> {
         for micro in 0..micro_steps {
             let forwards: Vec<Action> = (0..pipe.chunks).map(|chunk| Action::Forward { micro, chunk }).collect();
             loss_sum += pipeline::run_step(be, self.links.as_mut(), &pipe, &forwards, &mut work, false)?;
-            work.model.drop_activations();
+            work.model.drop_activations()?;
         }
         if let Some(links) = &mut self.links {
             links.flush()?;
@@ -577,6 +586,9 @@ impl<B: TrainBackend> Trainer<B> {
         }
         if let Some(cp) = &self.model.cp_spans() {
             spans.extend(cp.iter().cloned());
+        }
+        if let Some(offload) = &self.model.offload_spans() {
+            spans.extend(offload.iter().cloned());
         }
         spans.sort_by_key(|s| s.start_us);
         spans

@@ -163,8 +163,8 @@ pub struct RankMemory {
     /// value) and PowerSGD's Q kept for the next step.
     #[serde(default)]
     pub compression_state: u64,
-    /// ZeRO-Offload: the optimizer state kept off the device (host memory or disk), not
-    /// counted in `total`.
+    /// Kept off the device (host memory or disk), not counted in `total`: ZeRO-Offload's
+    /// optimizer state, and activation offload's blocks at their peak.
     #[serde(default)]
     pub offloaded: u64,
     /// Every category but `offloaded`: the device memory the rank holds.

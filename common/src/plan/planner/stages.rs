@@ -75,6 +75,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let recomputing = t.checkpointing.recomputes_blocks();
     // (selective recompute drops attention's probabilities from what a block keeps)
     let layer = (layer_acts, cut.attention(m, batch, t.attention));
+    // Activation offload: a block keeps its output on the device (the next block's input);
+    // the rest of what it keeps leaves after its forward (see offloaded_block).
+    let offloaded_block = match t.activation_offload {
+        Offload::None => 0,
+        Offload::Host | Offload::Disk => checkpointed(1, t.checkpointing, res_d, layer).0.saturating_sub(res_d),
+    };
 
     // M is every micro-batch of the step (accumulated ones too): one schedule runs them.
     let pipe = Pipeline::of(spec);
@@ -138,26 +144,38 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let per_chunk: Vec<u64> = (0..chunks.len())
             .map(|c| {
                 let (kept_layers, _) = checkpointed(u(chunks[c].len()), t.checkpointing, res_d, layer);
+                let kept_layers = kept_layers.saturating_sub(u(chunks[c].len()).saturating_mul(offloaded_block));
                 let is_head = pipe.model_chunk(s, c) + 1 == pipe.model_chunks();
                 res_d.saturating_add(kept_layers).saturating_add(if is_head { head_acts } else { 0 })
             })
             .collect();
+        let offloaded_per_chunk: Vec<u64> = chunks.iter().map(|c| u(c.len()).saturating_mul(offloaded_block)).collect();
         let recompute_peak =
             chunks.iter().map(|c| checkpointed(u(c.len()), t.checkpointing, res_d, layer).1).max().unwrap_or(0);
         // ZB-H1's B leaves each block's four output gradients for the W (the weight
         // gradients' other operands are activations the W keeps anyway).
         let stash = if pipe.splits_backward() { layers.saturating_mul(weight_stash_elements) } else { 0 };
-        let held_at_peak = match pipe.kind {
+        let held_at_peak = |per_chunk: &[u64]| match pipe.kind {
             // (the sets are alike: no need to follow the order pass by pass)
             PpSchedule::Gpipe | PpSchedule::OneFOneB => in_flight.saturating_mul(per_chunk[0]),
-            PpSchedule::Interleaved | PpSchedule::ZbH1 => peak_held(&pipe.actions(s), &per_chunk, stash),
+            PpSchedule::Interleaved | PpSchedule::ZbH1 => peak_held(&pipe.actions(s), per_chunk, stash),
         };
+        // Offloaded blocks come back one at a time: on the device the one running and (on
+        // the CPU backend, whose host memory is the device) the copy on its way to or from
+        // the disk, beside the sets' outputs; every block of the sets in flight off it.
+        let offload_on_device = match spec.backend {
+            BackendKind::Cpu => 2,
+            BackendKind::Cuda => 1,
+        };
+        let moving = if layers > 0 { offloaded_block.saturating_mul(offload_on_device) } else { 0 };
+        let offloaded_activations = held_at_peak(&offloaded_per_chunk);
         // Sequence parallelism's two exchange buffers (b*s*d each, shared by every block):
         // a LayerNorm output gathered whole, a row-parallel output before its reduce-scatter.
         let exchange = if sp { rows_d.saturating_mul(2) } else { 0 };
         // Ulysses' two exchange buffers, shared by the stage's blocks.
         let exchange = exchange + if cp > 1 && layers > 0 { context_exchange_elements(m, rows, cut) } else { 0 };
-        let activations = held_at_peak.saturating_add(recompute_peak).saturating_add(exchange);
+        let activations =
+            held_at_peak(&per_chunk).saturating_add(moving).saturating_add(recompute_peak).saturating_add(exchange);
 
         // ZeRO-Offload: the optimizer's state leaves the device. Streamed from disk, one
         // piece of it at a time is in memory while it is updated.
@@ -194,7 +212,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             transport: 0,
             checkpoint: 0,
             compression_state,
-            offloaded,
+            offloaded: offloaded.saturating_add(offloaded_activations.saturating_mul(act_bytes)),
             total: 0,
         };
         memory.total = [

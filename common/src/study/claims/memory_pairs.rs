@@ -110,6 +110,12 @@ pub(super) fn disk_offload_memory(input: &Inputs) -> Result<Measurement, String>
     two_runs_memory(ClaimCheck::DiskOffloadMemory, input.run, input.partner)
 }
 
+/// The activations on the device with activation offload (this run) against kept (the
+/// partner), each against the planner, with what left the device and the steps' times.
+pub(super) fn activation_offload_memory(input: &Inputs) -> Result<Measurement, String> {
+    two_runs_memory(ClaimCheck::ActivationOffloadMemory, input.run, input.partner)
+}
+
 /// Selective recompute (this run) against none (the partner): the activations of each,
 /// against the planner, and the price: rank 0's time recomputing the probabilities as a
 /// share of its forward's time, against the recompute's FLOPs as a share of the forward's
@@ -157,6 +163,7 @@ pub(super) fn two_runs_memory(
         ClaimCheck::ContextParallel => ("activations", "whole sequences (cp 1)", true),
         ClaimCheck::PrefetchGatheredPeak => ("gathered weights", "prefetch on", true),
         ClaimCheck::DiskOffloadMemory => ("optimizer state", "offload none", true),
+        ClaimCheck::ActivationOffloadMemory => ("activations", "activation_offload none", true),
         _ => ("activations", "sequence_parallel on", false),
     };
     let other = partner.ok_or_else(|| {
@@ -178,6 +185,9 @@ pub(super) fn two_runs_memory(
     };
     let ((ours, ours_planned), (theirs, theirs_planned)) = (peak(run)?, peak(other)?);
     let smaller_as_said = if ours_smaller { ours < theirs } else { theirs < ours };
+    // (activation offload: what left the device, rank 0's, measured and planned)
+    let offloaded = (offloaded_peak(run), planner::plan(&run.view.spec).map_or(0, |p| p.stages[0].memory.offloaded));
+    let offloaded_as_planned = check != ClaimCheck::ActivationOffloadMemory || offloaded.0 == offloaded.1;
     Ok(Measurement {
         experiment_id: run.view.id,
         predicted: format!(
@@ -192,16 +202,32 @@ pub(super) fn two_runs_memory(
             other.view.id,
             ours as f64 / theirs.max(1) as f64
         ),
-        agrees: ours == ours_planned && theirs == theirs_planned && smaller_as_said,
-        note: (check == ClaimCheck::DiskOffloadMemory).then(|| {
-            format!(
+        agrees: ours == ours_planned && theirs == theirs_planned && smaller_as_said && offloaded_as_planned,
+        note: match check {
+            ClaimCheck::DiskOffloadMemory => Some(format!(
                 "The price of reading and writing the state each step: a median step of {} ms here against {} ms \
                  with it in memory (the page cache may hold the file; a cold disk would cost more).",
                 ms((median_step_ms(run) * 1000.0) as u64),
                 ms((median_step_ms(other) * 1000.0) as u64)
-            )
-        }),
+            )),
+            ClaimCheck::ActivationOffloadMemory => Some(format!(
+                "Off the device at the peak: {} of activations on rank 0 (planner: {}). The price of writing every \
+                 block out and reading it back each step: a median step of {} ms here against {} ms with them kept \
+                 (the page cache may hold the file).",
+                bytes_text(offloaded.0),
+                bytes_text(offloaded.1),
+                ms((median_step_ms(run) * 1000.0) as u64),
+                ms((median_step_ms(other) * 1000.0) as u64)
+            )),
+            _ => None,
+        },
     })
+}
+
+/// Rank 0's peak of bytes off the device (0 without a memory record).
+fn offloaded_peak(run: &RunEvidence) -> u64 {
+    let rank = run.ranks.iter().find(|x| x.rank == 0);
+    rank.and_then(|r| r.memory.as_ref()).map_or(0, |m| m.peak.offloaded)
 }
 
 /// The median of a run's step times, in milliseconds (0 without metrics).
@@ -287,11 +313,14 @@ mod tests {
     fn one_setting_apart_each_run_is_held_to_the_planner_and_the_difference_to_the_card() {
         let find = |key: &str| presets().into_iter().find(|p| p.key == key).map(|p| p.spec).unwrap_or_default();
         type Edit = fn(&mut ExperimentSpec);
-        let cases: [(ClaimCheck, &str, Edit); 4] = [
+        let cases: [(ClaimCheck, &str, Edit); 5] = [
             (ClaimCheck::FlashAttentionMemory, "flash", |s| s.train.attention = crate::Attention::Naive),
             (ClaimCheck::PrefetchGatheredPeak, "fsdp", |s| s.parallel.prefetch = true),
             (ClaimCheck::SequenceParallelActivations, "megatron", |s| s.parallel.sequence_parallel = true),
             (ClaimCheck::DiskOffloadMemory, "offload-disk", |s| s.parallel.offload = crate::Offload::None),
+            (ClaimCheck::ActivationOffloadMemory, "offload-activations", |s| {
+                s.train.activation_offload = crate::Offload::None
+            }),
         ];
         for (check, key, edit) in cases {
             assert_eq!(canonical_preset(check), key);

@@ -118,6 +118,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::AccumulationAllreduces => "ddp2",
         ClaimCheck::ExpertCapacity => "experts",
         ClaimCheck::DiskOffloadMemory => "offload-disk",
+        ClaimCheck::ActivationOffloadMemory => "offload-activations",
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
@@ -159,6 +160,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
             twin.model.capacity_factor = candidate.model.capacity_factor.max(every_token)
         }
         ClaimCheck::DiskOffloadMemory => twin.parallel.offload = crate::Offload::None,
+        ClaimCheck::ActivationOffloadMemory => twin.train.activation_offload = crate::Offload::None,
         ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
         _ => return None,
     }
@@ -194,6 +196,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::PrefetchGatheredPeak => memory_pairs::prefetch_gathered_peak(input),
         ClaimCheck::SequenceParallelActivations => memory_pairs::sequence_parallel_activations(input),
         ClaimCheck::DiskOffloadMemory => memory_pairs::disk_offload_memory(input),
+        ClaimCheck::ActivationOffloadMemory => memory_pairs::activation_offload_memory(input),
         ClaimCheck::ExpertCapacity => experts::capacity(run, partner),
         ClaimCheck::BubbleFraction => timeline::bubble_fraction(input),
         ClaimCheck::CheckpointingRecomputeTime => timeline::checkpointing_recompute_time(input),

@@ -24,7 +24,7 @@ pub(super) fn TimelineCard(live: Live) -> impl IntoView {
                 <section class="card" id="timeline-card">
                     <h2>"What every rank did, over time"</h2>
                     <p class="muted small">
-                        "Each rank's compute thread (forward, backward, optimizer), its communication thread (DDP's buckets, FSDP's prefetched gathers) and the collectives the compute thread waits for (DP blocking: ZeRO/FSDP's gathers and reduce-scatters; TP comm; EP and CP comm: all-to-alls, and the ring's passes), as recorded for the first steps. "
+                        "Each rank's compute thread (forward, backward, optimizer), its communication thread (DDP's buckets, FSDP's prefetched gathers) and the collectives the compute thread waits for (DP blocking: ZeRO/FSDP's gathers and reduce-scatters; TP comm; EP and CP comm: all-to-alls, and the ring's passes) and, with activation offload, each block's activations going out after its forward and coming back before its backward (offload), as recorded for the first steps. "
                         "Hover a box for its name, duration and bytes."
                     </p>
                     <Timeline ranks=ranks/>

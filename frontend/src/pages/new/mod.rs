@@ -226,6 +226,11 @@ const SECTIONS: &[SectionDef] = &[
             f("train.loss_scaling", Kind::Choice(&["none", "dynamic"]), "dynamic: for fp16"),
             f("train.checkpointing", Kind::Choice(&["none", "selective", "every", "sqrt"]), "activation recomputation"),
             f(
+                "train.activation_offload",
+                Kind::Choice(&["none", "host", "disk"]),
+                "each block's activations off the device between its forward and its backward (host: cuda only)",
+            ),
+            f(
                 "train.attention",
                 Kind::Choice(&["naive", "flash"]),
                 "flash: tiled, keeps one log-sum-exp per row instead of the T×T probabilities",
