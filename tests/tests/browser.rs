@@ -272,6 +272,9 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
         result = activation_offload_scenario(&client, &lab).await;
     }
     if result.is_ok() {
+        result = fp8_scenario(&client, &lab).await;
+    }
+    if result.is_ok() {
         result = selective_recompute_scenario(&client, &lab).await;
     }
     if result.is_ok() {
@@ -1735,6 +1738,38 @@ async fn activation_offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let blocks = spec.model.layers as u64;
     ensure!(out >= blocks && back == out, "blocks drawn going out {out} and coming back {back}");
     save_element(c, "#timeline-card", "activation-offload-timeline.png").await?;
+    Ok(())
+}
+
+/// FP8: the form offers its recipes (fp16 refused at once); the fp8 preset's page says so
+/// in the spec and shows each step's saturated and flushed elements and its scales.
+async fn fp8_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    ensure!(value_of(c, "train.fp8").await? == "none", "the form offers train.fp8");
+    choose(c, "train.fp8", "delayed").await?;
+    choose(c, "train.precision", "fp16").await?;
+    let error = ".field-error[data-field='train.precision']";
+    wait_for(c, "the instant error for fp8 with fp16", Duration::from_secs(5), || async {
+        Ok(text(c, error).await.unwrap_or_default().contains("fp16's range cannot hold"))
+    })
+    .await?;
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "fp8").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (4, 1);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the fp8 run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the fp8 stat", Duration::from_secs(30), || exists(c, "#fp8-counts")).await?;
+    let spec_text = text(c, "#spec").await?;
+    ensure!(spec_text.contains("fp8 products, delayed scaling"), "{spec_text}");
+    let counts = text(c, "#fp8-counts").await?;
+    let numbers: Vec<&str> = counts.split(|c: char| !c.is_ascii_digit()).filter(|n| !n.is_empty()).collect();
+    ensure!(counts.contains(" / ") && counts.contains(" of ") && numbers.len() >= 3, "{counts}");
+    let scales = text(c, "#fp8-scales").await?;
+    ensure!(scales.contains("scales: inputs 2^") && scales.contains("grads 2^"), "{scales}");
+    save_element(c, "#stats", "fp8-stats.png").await?;
     Ok(())
 }
 

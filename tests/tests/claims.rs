@@ -246,6 +246,12 @@ fn compression_accumulation_capacity_and_offload_agree_with_their_cards() {
     assert!(got.agrees, "{got:?}");
     println!("  {}", got.note.unwrap_or_default());
 
+    let fp8 = preset("fp8");
+    let plain = ExperimentSpec { train: TrainSpec { fp8: Fp8Recipe::None, ..fp8.train.clone() }, ..fp8.clone() };
+    let got = check(ClaimCheck::Fp8DelayedScaling, &fp8, Some(&plain));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}", got.measured);
+
     let mut offloaded = preset("offload-activations");
     (offloaded.train.steps, offloaded.train.warmup_steps) = (3, 1);
     let mut kept = offloaded.clone();

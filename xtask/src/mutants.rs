@@ -416,6 +416,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "activation_offload", "offloaded_activations_train_bit_for_bit"],
     },
     Mutant {
+        name: "FP8: delayed scaling never updates a scale (every cast at 1)",
+        file: "gpu-worker/src/model/fp8_linear.rs",
+        find: "            self.scale.record(self.seen.amax);",
+        replace: "            let _ = self.seen.amax;",
+        tests: &["-p", "distlab-tests", "--test", "fp8", "fp8_trains_within_its_margin_of_bf16"],
+    },
+    Mutant {
+        name: "FP8: backward multiplies the output gradient as it is, not cast to E5M2",
+        file: "gpu-worker/src/model/fp8_linear.rs",
+        find: "be.matmul_backward(Some(dinp), dweight, dbias, be.all(&g), be.all(&x), be.all(&w), c_in, c_out);",
+        replace: "be.matmul_backward(Some(dinp), dweight, dbias, dout, be.all(&x), be.all(&w), c_in, c_out);",
+        tests: &["-p", "distlab-worker", "--lib", "fp8_linear::tests"],
+    },
+    Mutant {
         name: "FP8: the cast rounds ties away from zero instead of to even",
         file: "gpu-worker/src/ops/fp8.rs",
         find: "((a / quantum).round_ties_even() * quantum)",

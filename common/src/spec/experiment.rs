@@ -449,6 +449,11 @@ pub struct TrainSpec {
     /// backward, the next one read ahead on a thread: `host` memory (a GPU run's) or a
     /// `disk` file (the CPU backend's, whose host is its device).
     pub activation_offload: Offload,
+    /// FP8 products: the blocks' four linear layers multiply inputs and weights cast to
+    /// E4M3 and, in backward, output gradients cast to E5M2, each tensor with its own
+    /// power-of-two scale from its amax (`delayed`: the largest of the last steps'; `current`:
+    /// the cast's own), sums in f32; the rest of the model in `precision`.
+    pub fp8: Fp8Recipe,
     pub checkpoint_every: u64,
     /// Validation loss after every `eval_every` steps and after the last (0: never): the
     /// mean loss on held-out data (the text's last tenth; Markov sequences drawn apart
@@ -526,6 +531,34 @@ pub enum Checkpointing {
 pub enum Attention {
     Naive,
     Flash,
+}
+
+/// How FP8's per-tensor scales are chosen (`train.fp8`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8Recipe {
+    /// No FP8: the products in `precision`.
+    None,
+    /// Transformer Engine's default: each tensor's scale from the largest amax of its last
+    /// [`FP8_AMAX_HISTORY`] steps, updated after each step.
+    Delayed,
+    /// From each cast's own amax (one more pass over the tensor).
+    Current,
+}
+
+/// Steps of amax history delayed scaling keeps per tensor.
+pub const FP8_AMAX_HISTORY: usize = 16;
+
+impl Fp8Recipe {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fp8Recipe::None => "none",
+            Fp8Recipe::Delayed => "delayed",
+            Fp8Recipe::Current => "current",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -641,6 +674,7 @@ impl Default for TrainSpec {
             checkpoint_write: CheckpointWrite::Async,
             attention: Attention::Naive,
             activation_offload: Offload::None,
+            fp8: Fp8Recipe::None,
             seed: 42,
             resume_from: None,
         }

@@ -149,6 +149,13 @@ pub fn presets() -> Vec<Preset> {
     selective.train.micro_batch = 2;
     selective.train.steps = 10;
     selective.train.checkpointing = Checkpointing::Selective;
+    // bf16 storage, the blocks' products in FP8 with delayed scaling.
+    let mut fp8 = ExperimentSpec { name: "fp8-delayed-scaling".into(), ..ExperimentSpec::default() };
+    fp8.model = ModelSpec::dense(2, 128, 4, 64, 256);
+    fp8.train.micro_batch = 8;
+    fp8.train.steps = 40;
+    (fp8.train.precision, fp8.train.fp8) = (Precision::Bf16, Fp8Recipe::Delayed);
+
     // Deep enough that most of the activations are blocks' (the head's and each block's
     // output stay on the device).
     let mut offload_activations = ExperimentSpec { name: "activations-on-disk".into(), ..ExperimentSpec::default() };
@@ -297,6 +304,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Selective recompute on long sequences (T = 512)",
             description: "A small model (6 blocks, d_model 64) on sequences of 512 tokens with naive attention and selective recompute: each block keeps everything but its heads' T x T attention probabilities, which its backward computes again from the q and k it kept (one block's at a time). Resubmit it with checkpointing \"none\" and compare the memory cards (most of the activations here are those probabilities) and the timeline's recompute spans (the softmax and the two products around it, a small part of the step); the losses are identical.",
             spec: selective,
+        },
+        Preset {
+            key: "fp8",
+            title: "FP8 products with delayed scaling (bf16 storage)",
+            description: "The blocks' four linear layers multiply FP8 operands: inputs and weights in E4M3, output gradients in E5M2, each tensor with its own power-of-two scale, sums in f32 (emulated exactly on the CPU: the cast values are stored in bf16). Delayed scaling starts every scale at 1, so a good share of the first step's gradients (a third here) underflow; from then on each scale comes from the largest amax of the tensor's last 16 steps. The run's stats show each step's saturated and flushed elements and the scales. Resubmit it with fp8 \"none\" and compare the loss curves.",
+            spec: fp8,
         },
         Preset {
             key: "offload-activations",

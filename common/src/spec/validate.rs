@@ -352,6 +352,9 @@ impl ExperimentSpec {
                     .into(),
             );
         }
+        if t.fp8 != Fp8Recipe::None {
+            self.check_fp8(&mut err);
+        }
         if t.activation_offload != Offload::None && t.checkpointing.recomputes_blocks() {
             err(
                 "train.checkpointing",
@@ -581,6 +584,57 @@ impl ExperimentSpec {
                      grad_accum = {micro} must be a multiple of it",
                     p.pp
                 ),
+            );
+        }
+    }
+
+    /// `train.fp8`: the blocks' four products in FP8, each tensor scaled on its own rank.
+    fn check_fp8(&self, err: &mut impl FnMut(&str, String)) {
+        let (t, p) = (&self.train, &self.parallel);
+        let recipe = t.fp8.as_str();
+        let mut refuse = |field: &str, why: String| err(field, format!("fp8={recipe}: {why}"));
+        if t.precision == Precision::Fp16 {
+            refuse(
+                "train.precision",
+                "a cast value is stored as q / scale, and fp16's range cannot hold those of small gradients \
+                 (their scales reach 2^20 and more): use fp32 or bf16"
+                    .into(),
+            );
+        }
+        if p.tp > 1 {
+            refuse(
+                "parallel.tp",
+                format!(
+                    "each tensor is scaled from its amax on its rank, and tensor parallelism's ranks hold parts of \
+                     one tensor whose amaxes would have to be agreed on first (not yet): use tp=1 (it is {})",
+                    p.tp
+                ),
+            );
+        }
+        if self.model.is_moe() {
+            refuse("model.experts", "the experts' MLPs are not cast to FP8 yet: use a dense model".into());
+        }
+        if t.checkpointing.recomputes_blocks() {
+            refuse(
+                "train.checkpointing",
+                "a block's recomputed forward would cast its products again and count them twice (not yet): use \
+                 checkpointing=none or selective"
+                    .into(),
+            );
+        }
+        if p.pp_schedule == PpSchedule::ZbH1 && p.pp > 1 {
+            refuse(
+                "parallel.pp_schedule",
+                "ZB-H1's W would multiply the gradients its B cast to E5M2, which it does not keep yet: use 1f1b"
+                    .into(),
+            );
+        }
+        if t.fp8 == Fp8Recipe::Delayed && (t.checkpoint_every > 0 || t.resume_from.is_some()) {
+            refuse(
+                "train.checkpoint_every",
+                "checkpoints do not hold the amax histories delayed scaling keeps yet, so a resumed run would \
+                 scale differently: use fp8=current (no history), or no checkpoints"
+                    .into(),
             );
         }
     }
@@ -1106,6 +1160,14 @@ mod tests {
             ),
             (json!({"train": {"warmup_steps": 500}}), vec![("train.warmup_steps", "longer than the run")]),
             (json!({"train": {"loss_scaling": "dynamic"}}), vec![("train.loss_scaling", "for fp16")]),
+            (
+                json!({"train": {"fp8": "delayed", "precision": "fp16", "checkpoint_every": 5}, "parallel": {"tp": 2}}),
+                vec![
+                    ("train.precision", "fp16's range cannot hold"),
+                    ("parallel.tp", "use tp=1 (it is 2)"),
+                    ("train.checkpoint_every", "use fp8=current"),
+                ],
+            ),
             (
                 json!({"train": {"activation_offload": "disk", "checkpointing": "sqrt"}}),
                 vec![("train.checkpointing", "use one or the other")],

@@ -192,6 +192,9 @@ pub enum ClaimCheck {
     LossScalingUnderflow,
     /// bf16 trains without loss scaling.
     Bf16NoScaling,
+    /// FP8 with delayed scaling: the first step's gradients underflow, then the scales
+    /// follow the amaxes and the loss falls as without FP8.
+    Fp8DelayedScaling,
     /// MFU: the model's FLOPs per second (6N + attention per token x tokens/s) over the
     /// devices' peak, recomputed from the run's step times.
     ModelFlopUtilisation,

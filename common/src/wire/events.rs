@@ -34,6 +34,37 @@ pub struct MetricPoint {
     /// `train.eval_every` names, and the last).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// FP8 (`train.fp8`): what this step's casts on rank 0's blocks saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<Fp8Metrics>,
+}
+
+/// One step's FP8 casts of one kind of tensor (the blocks' linear inputs, their weights, or
+/// their output gradients), over every block and micro-batch of a rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Fp8Casts {
+    /// The largest |x| any of them had, before scaling.
+    pub amax: f64,
+    /// The smallest and the largest scale they were cast with (powers of two).
+    pub min_scale: f64,
+    pub max_scale: f64,
+    /// Elements above the format's largest value after scaling (stored as ±max): overflow.
+    pub saturated: u64,
+    /// Nonzero elements stored as 0: underflow.
+    pub flushed: u64,
+    /// Elements cast.
+    pub elements: u64,
+}
+
+/// A step's FP8 casts: the linear layers' inputs and weights (E4M3) and their output
+/// gradients (E5M2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Fp8Metrics {
+    pub inputs: Fp8Casts,
+    pub weights: Fp8Casts,
+    pub grads: Fp8Casts,
 }
 
 /// A Mixture-of-Experts step's routing, over every block, micro-batch and rank.

@@ -171,13 +171,17 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         t.seed
     );
     let numerics = format!(
-        "{} · loss scaling {} · activation checkpointing {}{} · {} attention{}{}",
+        "{} · loss scaling {} · activation checkpointing {}{}{} · {} attention{}{}",
         label(&t.precision),
         label(&t.loss_scaling),
         label(&t.checkpointing),
         match t.activation_offload {
             distlab_common::Offload::None => String::new(),
             offload => format!(" · activations offloaded to {}", offload.as_str()),
+        },
+        match t.fp8 {
+            distlab_common::Fp8Recipe::None => String::new(),
+            fp8 => format!(" · fp8 products, {} scaling", fp8.as_str()),
         },
         label(&t.attention),
         if t.eval_every > 0 { format!(" · validation every {} steps", t.eval_every) } else { String::new() },

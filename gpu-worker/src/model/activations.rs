@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use distlab_common::{Attention, Checkpointing, ContextParallel, ModelFamily, ModelSpec};
+use distlab_common::{Attention, Checkpointing, ContextParallel, Fp8Recipe, ModelFamily, ModelSpec};
 
 use crate::backend::Backend;
 use crate::memory::{Category, MemoryTracker, Receipt};
@@ -169,6 +169,8 @@ pub struct Saved {
     /// Context parallelism's kind (with cp > 1): Ulysses keeps head-split q, k, v, the ring
     /// its own tokens' and a log-sum-exp per row.
     pub cp_kind: ContextParallel,
+    /// FP8 products in the blocks' linear layers (`fp8_linear.rs`): nothing more is kept.
+    pub fp8: Fp8Recipe,
 }
 
 impl Default for Saved {
@@ -179,6 +181,7 @@ impl Default for Saved {
             sequence_parallel: false,
             split_backward: false,
             cp_kind: ContextParallel::Ulysses,
+            fp8: Fp8Recipe::None,
         }
     }
 }

@@ -21,12 +21,13 @@
 //! gradients).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use distlab_common::{Attention, ModelFamily};
 
 use crate::backend::Backend;
 use crate::comm::{CommError, InPlace, ReduceOp};
-use crate::memory::Category;
+use crate::memory::{Category, MemoryTracker};
 use crate::model::activations::{mlp_in, ActivationShape, Activations, BlockActivations, WeightStash};
 use crate::model::attend::{attend, attend_backward, AttendDims};
 use crate::model::context_parallel::{
@@ -35,12 +36,16 @@ use crate::model::context_parallel::{
 use crate::model::experts::{
     experts_backward, experts_forward, ExpertGrads, ExpertGroup, ExpertScratch, ExpertShape, Hidden, HiddenGrads,
 };
+use crate::model::fp8_linear::{Fp8Block, Fp8Linear};
 use crate::model::layout::BlockTensors;
 use crate::model::tensor_parallel::{
     add_pieces, gather_tokens, gathered, pieces, row_parallel_forward, sum_input_grad, Exchange, TensorParallelGroup,
     Tokens, TpPoint,
 };
 use crate::ops::attention::{AttentionShape, Positions};
+
+/// FP8 (`train.fp8`): a block's linear layers' scales and the ledger their casts book into.
+pub(super) type Fp8Here<'a> = (&'a mut Fp8Block, &'a Arc<MemoryTracker>);
 
 /// A block's sizes on this rank: sequence length, model width, this rank's attention
 /// width and heads, its MLP hidden width, and whether it adds the row-parallel biases and
@@ -237,9 +242,11 @@ pub(super) fn block_forward<B: Backend>(
     ep: &mut ExpertGroup<B>,
     cx: &mut Option<ContextSplit<B>>,
     layer: usize,
+    mut fp8: Option<Fp8Here<'_>>,
 ) -> Result<(), CommError> {
     let Dims { c, cl, hidden, mine, family, .. } = d;
     let at = Some(layer);
+    let rows = be.buf_len(&a.qkv) / d.qkv();
     // attention half
     let stats = (be.all_mut(&mut a.ln1_mean), be.all_mut(&mut a.ln1_rstd));
     norm_forward(be, family, be.all_mut(&mut a.ln1), stats, be.all(x), (w.ln1_g, w.ln1_b), c);
@@ -250,7 +257,13 @@ pub(super) fn block_forward<B: Backend>(
         Some(ContextSplit { exchange: ContextExchange::Ulysses { qkv, .. }, .. }) => qkv,
         _ => &mut a.qkv,
     };
-    be.matmul_forward(be.all_mut(made), be.all(ln1), w.qkv_w, d.bias(w.qkv_b), None, c, d.qkv());
+    match fp8.as_mut() {
+        Some((f, memory)) => {
+            let operands = (be.all(ln1), w.qkv_w);
+            f.qkv.forward(be, memory, be.all_mut(made), operands, (d.bias(w.qkv_b), None), (rows, c, d.qkv()))
+        }
+        None => be.matmul_forward(be.all_mut(made), be.all(ln1), w.qkv_w, d.bias(w.qkv_b), None, c, d.qkv()),
+    }
     match (cx.as_mut(), d.context) {
         (Some(cx), Some(context)) => context_attention_forward(be, cx, context, a, probs, d.attend(), layer)?,
         _ => attend(be, (&mut a.atty, probs, &mut a.att), &mut a.qkv, d.attend()),
@@ -258,16 +271,23 @@ pub(super) fn block_forward<B: Backend>(
     // (this rank's width, whether it adds the bias and residual, its tokens)
     let place = (c, d.lead, mine);
     let proj = (w.attn_proj_w, d.bias(w.attn_proj_b), cl);
-    row_parallel_forward(
-        be,
-        (&mut a.res_attn, &a.atty, x),
-        proj,
-        TpPoint::AttentionOutput,
-        place,
-        tp,
-        exchange,
-        layer,
-    )?;
+    match fp8.as_mut() {
+        // (tp = 1: the whole product, with the bias and the residual)
+        Some((f, memory)) => {
+            let (out, operands) = (be.all_mut(&mut a.res_attn), (be.all(&a.atty), w.attn_proj_w));
+            f.attn_proj.forward(be, memory, out, operands, (proj.1, Some(be.all(x))), (rows, cl, c))
+        }
+        None => row_parallel_forward(
+            be,
+            (&mut a.res_attn, &a.atty, x),
+            proj,
+            TpPoint::AttentionOutput,
+            place,
+            tp,
+            exchange,
+            layer,
+        )?,
+    }
     // MLP half
     let stats = (be.all_mut(&mut a.ln2_mean), be.all_mut(&mut a.ln2_rstd));
     norm_forward(be, family, be.all_mut(&mut a.ln2), stats, be.all(&a.res_attn), (w.ln2_g, w.ln2_b), c);
@@ -279,14 +299,27 @@ pub(super) fn block_forward<B: Backend>(
     }
     let ln2 = gather_tokens(be, &a.ln2, gathered(exchange), mine, c, tp, TpPoint::Ln2Output, at)?;
     let fc_out = mlp_in(family, hidden);
-    be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, d.bias(w.fc_b), None, c, fc_out);
+    match fp8.as_mut() {
+        Some((f, memory)) => {
+            let operands = (be.all(ln2), w.fc_w);
+            f.fc.forward(be, memory, be.all_mut(&mut a.fch), operands, (d.bias(w.fc_b), None), (rows, c, fc_out))
+        }
+        None => be.matmul_forward(be.all_mut(&mut a.fch), be.all(ln2), w.fc_w, d.bias(w.fc_b), None, c, fc_out),
+    }
     match family {
         ModelFamily::Gpt2 => be.gelu_forward(be.all_mut(&mut a.fch_act), be.all(&a.fch)),
         ModelFamily::Llama => be.swiglu_forward(be.all_mut(&mut a.fch_act), be.all(&a.fch), hidden),
     }
     let proj = (w.fc_proj_w, d.bias(w.fc_proj_b), hidden);
     let (out, inp, residual) = (&mut a.res_mlp, &a.fch_act, &a.res_attn);
-    row_parallel_forward(be, (out, inp, residual), proj, TpPoint::MlpOutput, place, tp, exchange, layer)
+    match fp8 {
+        Some((f, memory)) => {
+            let extras = (proj.1, Some(be.all(residual)));
+            f.fc_proj.forward(be, memory, be.all_mut(out), (be.all(inp), proj.0), extras, (rows, hidden, c));
+            Ok(())
+        }
+        None => row_parallel_forward(be, (out, inp, residual), proj, TpPoint::MlpOutput, place, tp, exchange, layer),
+    }
 }
 
 /// Checkpointing: block `i` of the stage forward (the first time, or again in backward),
@@ -314,7 +347,7 @@ pub(super) fn segment_block_forward<B: Backend>(
         (0, _) => &acts.checkpoints[i / k - 1],
         _ => &before[j - 1].res_mlp,
     };
-    block_forward(be, w, x, &mut rest[0], None, d, tp, exchange, ep, cx, layer)
+    block_forward(be, w, x, &mut rest[0], None, d, tp, exchange, ep, cx, layer, None)
 }
 
 /// Selective recompute, before a block's backward: attention's probabilities again from
@@ -355,9 +388,12 @@ pub(super) fn block_backward<B: Backend>(
     cx: &mut Option<ContextSplit<B>>,
     layer: usize,
     mut keep: Option<&mut WeightStash<B::Buf>>,
+    mut fp8: Option<Fp8Here<'_>>,
 ) -> Result<(), CommError> {
     let Dims { c, cl, hidden, mine, family, .. } = d;
     let at = Some(layer);
+    let rows = be.buf_len(&a.qkv) / d.qkv();
+
     let BlockTensors {
         ln1_g,
         ln1_b,
@@ -414,6 +450,7 @@ pub(super) fn block_backward<B: Backend>(
             w.fc_proj_w,
             (hidden, c),
             kept,
+            fp8_layer(&mut fp8, |f| &mut f.fc_proj, rows),
         );
         // fc's output gradient: GELU's backward in place, SwiGLU's beside it
         let dfc_out = match family {
@@ -437,6 +474,7 @@ pub(super) fn block_backward<B: Backend>(
             w.fc_w,
             (c, mlp_in(family, hidden)),
             kept,
+            fp8_layer(&mut fp8, |f| &mut f.fc, rows),
         );
         // f's backward: ln2's output fed every rank's hidden units
         sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln2OutputGrad, layer)?
@@ -456,7 +494,8 @@ pub(super) fn block_backward<B: Backend>(
     let dout = gather_tokens(be, &s.dres, full, mine, c, tp, TpPoint::AttentionOutputGrad, at)?;
     let kept = keep.as_deref_mut().map(|k| &mut k.dattn_out);
     let weights = (attn_proj_w, d.bias(attn_proj_b));
-    linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), be.all(&a.atty), w.attn_proj_w, (cl, c), kept);
+    let (atty, proj) = (be.all(&a.atty), fp8_layer(&mut fp8, |f| &mut f.attn_proj, rows));
+    linear_backward(be, be.all_mut(&mut s.datty), weights, be.all(dout), atty, w.attn_proj_w, (cl, c), kept, proj);
     let probs = if d.recompute_probabilities { &s.probs } else { &a.att };
     let scratch = (&s.datty, &mut s.datt, &mut s.dqkv, probs);
     match (cx.as_mut(), d.context) {
@@ -474,6 +513,7 @@ pub(super) fn block_backward<B: Backend>(
         w.qkv_w,
         (c, d.qkv()),
         kept,
+        fp8_layer(&mut fp8, |f| &mut f.qkv, rows),
     );
     let dln = sum_input_grad(be, &mut s.dln, mine, c, tp, TpPoint::Ln1OutputGrad, layer)?;
     norm_backward(
@@ -494,9 +534,19 @@ pub(super) fn block_backward<B: Backend>(
     Ok(())
 }
 
+/// FP8: the layer `pick` chooses of the block's, with the ledger and the rows.
+fn fp8_layer<'a>(
+    fp8: &'a mut Option<Fp8Here<'_>>,
+    pick: fn(&mut Fp8Block) -> &mut Fp8Linear,
+    rows: usize,
+) -> Option<(&'a mut Fp8Linear, &'a Arc<MemoryTracker>, usize)> {
+    fp8.as_mut().map(|(f, memory)| (pick(f), &**memory, rows))
+}
+
 /// One matmul's backward inside a block: `dinp = dout · Wᵀ` and the weight gradients
 /// (`dW += inpᵀ · dout`, `db += Σ dout` where it has a bias), or (ZB-H1's B, `keep`) `dinp`
-/// only, with `dout` copied into `keep` for the W.
+/// only, with `dout` copied into `keep` for the W; with `fp8` (its layer, the ledger and
+/// the rows) on FP8 operands.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn linear_backward<B: Backend>(
     be: &B,
@@ -507,13 +557,17 @@ pub(super) fn linear_backward<B: Backend>(
     weight: B::View<'_>,
     (c_in, c_out): (usize, usize),
     keep: Option<&mut B::Buf>,
+    fp8: Option<(&mut Fp8Linear, &Arc<MemoryTracker>, usize)>,
 ) {
-    match keep {
-        Some(kept) => {
+    match (keep, fp8) {
+        (Some(kept), _) => {
             be.copy(be.all_mut(kept), dout);
             be.matmul_backward_input(dinp, dout, weight, c_in, c_out);
         }
-        None => be.matmul_backward(Some(dinp), dweight, dbias, dout, inp, weight, c_in, c_out),
+        (None, Some((f, memory, rows))) => {
+            f.backward(be, memory, dinp, (dweight, dbias), (dout, inp, weight), (rows, c_in, c_out))
+        }
+        (None, None) => be.matmul_backward(Some(dinp), dweight, dbias, dout, inp, weight, c_in, c_out),
     }
 }
 

@@ -37,8 +37,9 @@ mod weights_pass;
 use std::ops::Range;
 use std::sync::Arc;
 
+use distlab_common::events::Fp8Metrics;
 use distlab_common::trace::Span;
-use distlab_common::{Checkpointing, ContextParallel, ModelSpec};
+use distlab_common::{Checkpointing, ContextParallel, Fp8Recipe, ModelSpec};
 
 use crate::backend::Backend;
 use crate::error::TrainError;
@@ -55,6 +56,7 @@ use crate::model::context_parallel::{
     ContextDims, ContextExchange, ContextParallelGroup, ContextPlace, ContextSplit, ExchangeShape,
 };
 use crate::model::experts::{ExpertGroup, ExpertStats};
+use crate::model::fp8_linear::Fp8Blocks;
 use crate::model::head::{head_backward, head_forward, head_params, split_head, LogitGradZeros};
 use crate::model::layout::{ExpertPlace, ParamLayout, TpPlace};
 use crate::model::stage::{Stage, StageInput, Upcoming};
@@ -102,6 +104,8 @@ pub struct Gpt<B: Backend> {
     recomputes_timed: Option<Vec<RecomputeTime>>,
     /// Activation offload (None: every block's activations stay on the device).
     offload: Option<ActivationOffload<B>>,
+    /// FP8 products in the blocks' linear layers: their scales (None: `precision`'s).
+    fp8: Option<Fp8Blocks>,
 }
 
 /// A block's forward run again inside its backward, timed apart from the backward.
@@ -214,6 +218,7 @@ impl<B: Backend> Gpt<B> {
             logit_grad_zeros: None,
             recomputes_timed: None,
             offload: None,
+            fp8: (saved.fp8 != Fp8Recipe::None).then(|| Fp8Blocks::new(saved.fp8, spec.layers, memory)),
         }
     }
 
@@ -230,6 +235,19 @@ impl<B: Backend> Gpt<B> {
         self.offload = Some(ActivationOffload::new(be, tier, lens, &memory)?);
         self.activations.offload_blocks();
         Ok(())
+    }
+
+    /// FP8: the step is over; what its casts saw on this stage's blocks, and the next
+    /// step's scales (None without FP8).
+    pub fn fp8_end_step(&mut self) -> Option<Fp8Metrics> {
+        self.fp8.as_mut().map(Fp8Blocks::end_step)
+    }
+
+    /// FP8: forgets the casts since the last step (an evaluation's).
+    pub fn fp8_forget_casts(&mut self) {
+        if let Some(fp8) = &mut self.fp8 {
+            fp8.forget_casts();
+        }
     }
 
     /// Activation offload's moves are drawn on the timeline in step `step` when `record`.
@@ -452,7 +470,8 @@ impl<B: Backend> Gpt<B> {
                     let x = done.last().map_or(&acts.encoded, |prev| &prev.res_mlp);
                     let (tp, exchange, ep, cx) = (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
                     let probs = dims.recompute_probabilities.then_some(&mut self.scratch.probs);
-                    block_forward(be, &w, x, &mut rest[0], probs, dims, tp, exchange, ep, cx, l)?;
+                    let fp8 = self.fp8.as_mut().map(|f| f.of(l));
+                    block_forward(be, &w, x, &mut rest[0], probs, dims, tp, exchange, ep, cx, l, fp8)?;
                     self.expert_stats.add(rest[0].moe.as_ref());
                     if let Some(offload) = &mut self.offload {
                         offload.put(be, key, &mut rest[0])?;
@@ -700,7 +719,8 @@ impl<B: Backend> Gpt<B> {
                     };
                     let keep = stash.as_mut().map(|(kept, _)| &mut kept[i]);
                     let (tp, exchange, ep, cx) = (&mut self.tp, &mut self.exchange, &mut self.ep, &mut self.cx);
-                    block_backward(be, &w, gw, x, a, s, dims, tp, exchange, ep, cx, l, keep)?;
+                    let fp8 = self.fp8.as_mut().map(|f| f.of(l));
+                    block_backward(be, &w, gw, x, a, s, dims, tp, exchange, ep, cx, l, keep, fp8)?;
                 }
                 state.close(be, Unit::Block(l), with_params)?;
                 if let Some(offload) = &mut self.offload {

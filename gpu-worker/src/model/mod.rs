@@ -13,6 +13,7 @@ mod attend;
 pub mod block;
 pub mod context_parallel;
 pub mod experts;
+pub mod fp8_linear;
 pub mod gpt;
 pub mod head;
 pub mod layout;

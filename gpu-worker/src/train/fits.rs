@@ -26,6 +26,7 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
         sequence_parallel: spec.parallel.sequence_parallel,
         split_backward: false,
         cp_kind: spec.parallel.cp_kind,
+        fp8: spec.train.fp8,
     };
     let activations = crate::model::activation_floats_for(&spec.model, spec.train.micro_batch, ranks, saved) as u64;
     // Activation offload: every block's activations but its output leave, two blocks' stay

@@ -140,6 +140,7 @@ impl StepTally {
             }),
             logit_grad_zero_share: stats.logit_grad_zero_share,
             val_loss,
+            fp8: stats.fp8,
         }));
         self.final_loss = stats.loss;
         self.final_val_loss = val_loss.or(self.final_val_loss);

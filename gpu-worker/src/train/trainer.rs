@@ -2,6 +2,7 @@
 //! optimizer step (every micro-batch in the pipeline schedule's order, the gradient sum,
 //! the global norm, the update), checkpoints of its state, its timeline.
 
+use distlab_common::events::Fp8Metrics;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -50,6 +51,8 @@ pub struct StepStats {
     /// The share of the logit gradients stored as 0 in the step's first backward (on a
     /// rank with the LM head): underflow, in fp16 without loss scaling.
     pub logit_grad_zero_share: Option<f64>,
+    /// FP8: what this step's casts on this rank's blocks saw.
+    pub fp8: Option<Fp8Metrics>,
 }
 
 /// A model, its strategy (parameters, gradients, optimizer state) and its data on the CPU
@@ -161,6 +164,7 @@ impl<B: TrainBackend> Trainer<B> {
             sequence_parallel,
             split_backward,
             cp_kind,
+            fp8: t.fp8,
         };
         let ep = groups.ep.map(|g| Box::new(g) as Box<dyn ExpertParallelGroup<B>>);
         let cp = groups.cp.map(|g| Box::new(g) as Box<dyn ContextParallelGroup<B>>);
@@ -321,6 +325,8 @@ impl<B: TrainBackend> Trainer<B> {
         let experts = self.spec.model.is_moe().then(|| self.model.take_expert_stats());
         let logit_grad_zero_share =
             self.model.take_logit_grad_zeros().map(|z| z.zeros as f64 / z.sampled.max(1) as f64);
+        // (FP8's delayed scales for the next step: from this one's amaxes)
+        let fp8 = self.model.fp8_end_step();
         // (A NaN gradient must stay NaN here: `max(0.0)` would turn it into 0.)
         let grad_norm = grad_norm_squared.sqrt() / scale;
         if dp_world > 1 {
@@ -374,7 +380,7 @@ impl<B: TrainBackend> Trainer<B> {
         self.memory.sample(|| "optimizer step".into());
         self.memory.sample_step(None);
         let loss_scale = self.scaler.as_ref().map(|s| (scale, s.skipped()));
-        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale, experts, logit_grad_zero_share })
+        Ok(StepStats { loss, lr, grad_norm, updated, loss_scale, experts, logit_grad_zero_share, fp8 })
     }
 
     /// The validation loss after step `step`: as many held-out sequences as a step's
@@ -439,6 +445,7 @@ impl<B: TrainBackend> Trainer<B> {
         if self.spec.model.is_moe() {
             self.model.take_expert_stats();
         }
+        self.model.fp8_forget_casts();
         Ok(loss_sum / (dp_world * micro_steps * micro_batch * (seq_len / self.context.size)) as f64)
     }
 

@@ -91,13 +91,14 @@ struct MetricRow {
     expert_dropped: Option<i64>,
     logit_grad_zero_share: Option<f64>,
     val_loss: Option<f64>,
+    fp8: Option<String>,
 }
 
 /// Every stored metric point of an experiment, ordered by step.
 pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, StoreError> {
     let rows = sqlx::query_as::<_, MetricRow>(
         "SELECT step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, expert_balance, \
-         expert_assignments, expert_dropped, logit_grad_zero_share, val_loss FROM metrics \
+         expert_assignments, expert_dropped, logit_grad_zero_share, val_loss, fp8 FROM metrics \
          WHERE experiment_id = $1 ORDER BY step",
     )
     .bind(id)
@@ -122,6 +123,7 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, StoreErr
             }),
             logit_grad_zero_share: r.logit_grad_zero_share,
             val_loss: r.val_loss,
+            fp8: r.fp8.and_then(|json| serde_json::from_str(&json).ok()),
         })
         .collect())
 }

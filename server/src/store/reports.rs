@@ -134,14 +134,14 @@ async fn insert_metric(tx: &mut sqlx::AnyConnection, id: i64, m: &MetricPoint) -
     db::query_with_nullable_floats(
         "INSERT INTO metrics \
            (experiment_id, step, loss, lr, grad_norm, tokens_per_s, step_ms, loss_scale, skipped_steps, \
-            expert_balance, expert_assignments, expert_dropped, logit_grad_zero_share, val_loss) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+            expert_balance, expert_assignments, expert_dropped, logit_grad_zero_share, val_loss, fp8) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
          ON CONFLICT (experiment_id, step) DO UPDATE SET loss = excluded.loss, lr = excluded.lr, \
            grad_norm = excluded.grad_norm, tokens_per_s = excluded.tokens_per_s, step_ms = excluded.step_ms, \
            loss_scale = excluded.loss_scale, skipped_steps = excluded.skipped_steps, \
            expert_balance = excluded.expert_balance, expert_assignments = excluded.expert_assignments, \
            expert_dropped = excluded.expert_dropped, logit_grad_zero_share = excluded.logit_grad_zero_share, \
-           val_loss = excluded.val_loss",
+           val_loss = excluded.val_loss, fp8 = excluded.fp8",
     )
     .bind(id)
     .bind(i64::try_from(m.step).unwrap_or(i64::MAX))
@@ -157,6 +157,7 @@ async fn insert_metric(tx: &mut sqlx::AnyConnection, id: i64, m: &MetricPoint) -
     .bind(m.experts.map(|e| i64::try_from(e.dropped).unwrap_or(i64::MAX)))
     .bind(m.logit_grad_zero_share.filter(|s| (0.0..=1.0).contains(s)))
     .bind(m.val_loss.filter(|v| v.is_finite()))
+    .bind(m.fp8.and_then(|f| serde_json::to_string(&f).ok()))
     .execute(tx)
     .await?;
     Ok(())

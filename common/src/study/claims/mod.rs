@@ -122,6 +122,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::TpAllreduces => "megatron",
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
+        ClaimCheck::Fp8DelayedScaling => "fp8",
         ClaimCheck::ModelFlopUtilisation => "reference",
     }
 }
@@ -161,6 +162,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         }
         ClaimCheck::DiskOffloadMemory => twin.parallel.offload = crate::Offload::None,
         ClaimCheck::ActivationOffloadMemory => twin.train.activation_offload = crate::Offload::None,
+        ClaimCheck::Fp8DelayedScaling => twin.train.fp8 = crate::Fp8Recipe::None,
         ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
         _ => return None,
     }
@@ -203,6 +205,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::DdpEqualsOneRank => losses::ddp_equals_one_rank(input),
         ClaimCheck::LossScalingUnderflow => losses::loss_scaling_underflow(input),
         ClaimCheck::Bf16NoScaling => losses::bf16_no_scaling(input),
+        ClaimCheck::Fp8DelayedScaling => losses::fp8_delayed_scaling(input),
         ClaimCheck::ModelFlopUtilisation => utilisation::model_flop_utilisation(input),
     }
 }
@@ -302,6 +305,8 @@ mod tests {
             ClaimCheck::AccumulationAllreduces,
             ClaimCheck::ExpertCapacity,
             ClaimCheck::DiskOffloadMemory,
+            ClaimCheck::ActivationOffloadMemory,
+            ClaimCheck::Fp8DelayedScaling,
         ] {
             assert!(keys.contains(&canonical_preset(check)), "{check:?}");
         }

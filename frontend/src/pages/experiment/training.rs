@@ -109,6 +109,13 @@ pub(super) fn TrainingRun(
                     <span class="k" id="balance">{format!("balance loss {:.3}", e.balance)}</span>
                 </div>
             })}
+            {move || latest().and_then(|p| p.fp8).map(|f| view! {
+                <div class="stat wide" id="fp8" title="FP8, this step on rank 0's blocks (measured by the casts): elements that overflowed the format after scaling (stored as its largest value) and nonzero ones that underflowed to 0, of the linear layers' inputs and weights (E4M3) and their output gradients (E5M2); the scales each kind was cast with">
+                    <span class="k">"fp8 saturated / flushed"</span>
+                    <span class="v" id="fp8-counts">{fp8_counts(&f)}</span>
+                    <span class="k" id="fp8-scales">{fp8_scales(&f)}</span>
+                </div>
+            })}
             {move || points.with(|p| run_dropped(p)).map(|text| view! {
                 <div class="stat" id="run-dropped" title="every step's dropped assignments so far, over every step's assignments">
                     <span class="k">"dropped, whole run"</span>
@@ -196,4 +203,24 @@ mod tests {
         assert_eq!(power_of_two(0.5), Some(-1));
         assert_eq!(power_of_two(3.0), None);
     }
+}
+
+/// A step's FP8 overflow and underflow: saturated / flushed elements over all its casts.
+fn fp8_counts(f: &distlab_common::events::Fp8Metrics) -> String {
+    let kinds = [f.inputs, f.weights, f.grads];
+    let (saturated, flushed) = kinds.iter().fold((0, 0), |(s, z), k| (s + k.saturated, z + k.flushed));
+    let elements: u64 = kinds.iter().map(|k| k.elements).sum();
+    format!("{saturated} / {flushed} of {}", format::si(elements as f64))
+}
+
+/// The scales a step's FP8 casts used, by kind: inputs, weights, gradients (powers of two).
+fn fp8_scales(f: &distlab_common::events::Fp8Metrics) -> String {
+    let range = |k: &distlab_common::events::Fp8Casts| {
+        let e = |x: f64| x.log2().round() as i64;
+        match e(k.min_scale) == e(k.max_scale) {
+            true => format!("2^{}", e(k.min_scale)),
+            false => format!("2^{}..2^{}", e(k.min_scale), e(k.max_scale)),
+        }
+    };
+    format!("scales: inputs {}, weights {}, grads {}", range(&f.inputs), range(&f.weights), range(&f.grads))
 }

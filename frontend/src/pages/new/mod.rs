@@ -226,6 +226,11 @@ const SECTIONS: &[SectionDef] = &[
             f("train.loss_scaling", Kind::Choice(&["none", "dynamic"]), "dynamic: for fp16"),
             f("train.checkpointing", Kind::Choice(&["none", "selective", "every", "sqrt"]), "activation recomputation"),
             f(
+                "train.fp8",
+                Kind::Choice(&["none", "delayed", "current"]),
+                "the blocks' products on FP8 operands (E4M3; gradients E5M2), each tensor's scale from its amax",
+            ),
+            f(
                 "train.activation_offload",
                 Kind::Choice(&["none", "host", "disk"]),
                 "each block's activations off the device between its forward and its backward (host: cuda only)",
