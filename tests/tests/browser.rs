@@ -1694,6 +1694,16 @@ async fn activation_offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     c.goto(&lab.url("/new")).await?;
     wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
     ensure!(value_of(c, "train.activation_offload").await? == "none", "the form offers train.activation_offload");
+    // The live plan: 8 blocks' activations kept, then all but their outputs and two moving.
+    let planned = || async {
+        let v = attr(c, "#planner-memory", "data-bytes").await?.ok_or_else(|| anyhow!("no plan"))?;
+        v.parse::<u64>().with_context(|| format!("#planner-memory data-bytes {v:?}"))
+    };
+    wait_for(c, "the plan", Duration::from_secs(10), || exists(c, "#planner-memory")).await?;
+    let before = planned().await?;
+    set_field(c, "model.layers", "8").await?;
+    wait_for(c, "the plan for 8 blocks", Duration::from_secs(10), || async { Ok(planned().await? > before) }).await?;
+    let kept = planned().await?;
     choose(c, "train.activation_offload", "host").await?;
     wait_for(c, "the backend's warning", Duration::from_secs(5), || async {
         Ok(text(c, "#support-warning").await.unwrap_or_default().contains("activation_offload=host would move nothing"))
@@ -1702,6 +1712,10 @@ async fn activation_offload_scenario(c: &Client, lab: &Lab) -> Result<()> {
     choose(c, "train.activation_offload", "disk").await?;
     wait_for(c, "the warning to go", Duration::from_secs(5), || async { Ok(!exists(c, "#support-warning").await?) })
         .await?;
+    wait_for(c, "the plan to keep less on the device", Duration::from_secs(10), || async {
+        Ok(planned().await? < kept)
+    })
+    .await?;
     let preset =
         distlab_common::presets::presets().into_iter().find(|p| p.key == "offload-activations").context("preset")?;
     let mut spec = preset.spec.clone();
