@@ -393,9 +393,15 @@ impl ActivationShape {
         }
     }
 
+    /// The lengths of the buffers activation offload moves off the device of one block,
+    /// in [`BlockActivations::offloaded_mut`]'s order.
+    pub(super) fn offloaded_lens(&self) -> Vec<usize> {
+        self.block(&mut |len| len).offloaded_mut().into_iter().map(|len| *len).collect()
+    }
+
     /// Floats of what activation offload moves off the device of one block.
     pub(super) fn offloaded_floats(&self) -> usize {
-        self.block(&mut |len| len).offloaded_mut().into_iter().map(|len| *len).sum()
+        self.offloaded_lens().iter().sum()
     }
 
     /// Floats of one [`Self::set`].

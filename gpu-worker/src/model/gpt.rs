@@ -230,7 +230,7 @@ impl<B: Backend> Gpt<B> {
             self.segment.is_none() && !self.split_backward,
             "activation offload moves kept blocks once each way: not with checkpointing segments or a W"
         );
-        let lens = self.activations.shapes[0].block(&mut |len| len).offloaded_mut().into_iter().map(|l| *l).collect();
+        let lens = self.activations.shapes[0].offloaded_lens();
         let memory = self.activations.memory().clone();
         self.offload = Some(ActivationOffload::new(be, tier, lens, &memory)?);
         self.activations.offload_blocks();
