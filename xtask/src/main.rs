@@ -210,7 +210,8 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
     // With the worker's `cuda` feature: the CUDA backend is compiled and its op tests run
     // (on a machine without a GPU they print why they skip; cudarc loads CUDA at run time).
     let mut cmd = cargo();
-    cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda"]);
+    // --no-fail-fast: a failing test binary does not hide what the ones after it would say.
+    cmd.args(["test", "--no-fail-fast", "--workspace", "--features", "distlab-worker/cuda"]);
     // NVRTC and ptxas compile every kernel, GPU or not. On a GPU machine the system's NVRTC
     // (the one matching its driver) is used where there is one.
     let tools = cuda_tools::ensure()?;

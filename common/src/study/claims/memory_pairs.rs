@@ -119,9 +119,13 @@ pub(super) fn activation_offload_memory(input: &Inputs) -> Result<Measurement, S
 /// Selective recompute (this run) against none (the partner): the activations of each,
 /// against the planner, and the price: rank 0's time recomputing the probabilities as a
 /// share of its forward's time, against the recompute's FLOPs as a share of the forward's
-/// (a third of the step's, backward costing two forwards), within 10 points. (Against the
-/// whole step the FLOPs would undercount it: the softmax's exponentials, most of the time
-/// of naive attention on a CPU, are in the forward and the recompute, not in the backward.)
+/// (a third of the step's, backward costing two forwards): at least that share less 10
+/// points, and nearer to it than to a whole forward (what checkpointing every block pays).
+/// Only a floor from the FLOPs: the softmax's exponentials, counted one FLOP each, cost
+/// several, by how much depends on the CPU (measured 56% of the forward on an Intel with
+/// AVX-512, 64% on another machine, for 54% of its FLOPs). (Against the whole step the
+/// FLOPs would undercount it further: the exponentials are in the forward and the
+/// recompute, not in the backward.)
 pub(super) fn selective_recompute(input: &Inputs) -> Result<Measurement, String> {
     let memory = two_runs_memory(ClaimCheck::SelectiveRecompute, input.run, input.partner)?;
     let RecomputeShare { recompute, forward, backward, .. } = recompute_share(input)?;
@@ -143,7 +147,7 @@ pub(super) fn selective_recompute(input: &Inputs) -> Result<Measurement, String>
             ms(forward),
             ms(backward)
         ),
-        agrees: memory.agrees && selective && recompute > 0 && (measured - planned).abs() <= 0.10,
+        agrees: memory.agrees && selective && recompute > 0 && measured >= planned - 0.10 && measured <= (1.0 + planned) / 2.0,
         ..memory
     })
 }
@@ -392,6 +396,10 @@ mod tests {
         assert!(!check(&ranks(planned(&plain_spec), on_time)).agrees);
         assert!(!check(&ranks(planned(&spec), 0)).agrees);
         assert!(!check(&ranks(planned(&spec), 1000)).agrees);
+        // Slower than its FLOPs (exponentials dearer than a FLOP) agrees; under them does not.
+        let slow = ((planned_share + 1.0) / 2.0 * 1000.0) as u64 - 10;
+        assert!(check(&ranks(planned(&spec), slow)).agrees);
+        assert!(!check(&ranks(planned(&spec), on_time - 120)).agrees);
         assert!(measure(ClaimCheck::SelectiveRecompute, &run(&with, &ranks(planned(&spec), on_time)), None).is_err());
     }
 
