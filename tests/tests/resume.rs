@@ -186,6 +186,15 @@ fn expert_parallel_ddp_resumes_bit_identically_from_each_rank_s_experts() {
 /// The copy of the state a checkpoint is written from is booked in the ledger (measured
 /// only): DDP's DP rank 0 copies the parameters and the optimizer state every rank holds
 /// alike, rank 1 nothing; with ZeRO-1 rank 1 copies the optimizer shard it owns.
+/// Delayed scaling's next scales come from each rank's last 16 amaxes: the checkpoint
+/// keeps them, or the resumed steps would cast with other scales.
+#[test]
+fn fp8_with_delayed_scaling_resumes_bit_identically_with_its_amax_histories() {
+    let mut spec = spec("resume-fp8-delayed", Sharding::None);
+    spec.train.fp8 = Fp8Recipe::Delayed;
+    resumes_with_identical_losses(spec);
+}
+
 #[test]
 fn the_checkpoint_copy_is_booked_by_the_ranks_that_write() {
     for sharding in [Sharding::None, Sharding::Zero1] {

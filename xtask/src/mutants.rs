@@ -430,6 +430,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--lib", "fp8_linear::tests"],
     },
     Mutant {
+        name: "FP8: a resumed run forgets the checkpoint's amax histories (delayed scaling starts again at 1)",
+        file: "gpu-worker/src/train/trainer.rs",
+        find: "            self.model.fp8_restore(&find(FP8_SCALES)?)?;",
+        replace: "            let _ = find(FP8_SCALES)?;",
+        tests: &["-p", "distlab-tests", "--test", "resume", "fp8_with_delayed_scaling_resumes"],
+    },
+    Mutant {
         name: "FP8: the cast rounds ties away from zero instead of to even",
         file: "gpu-worker/src/ops/fp8.rs",
         find: "((a / quantum).round_ties_even() * quantum)",

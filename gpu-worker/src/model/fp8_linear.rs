@@ -29,6 +29,9 @@ use crate::backend::Backend;
 use crate::memory::{Category, MemoryTracker};
 use crate::ops::fp8::{Fp8Cast, Fp8Format, Fp8Scale, Fp8Scaling};
 
+/// The checkpoint section of a rank's FP8 scales and amax histories ([`Fp8Blocks::save`]).
+pub const FP8_SCALES: &str = "fp8_scales";
+
 /// One tensor's FP8 scale and what its casts saw this step.
 #[derive(Clone, Debug)]
 pub struct Fp8Tensor {
@@ -165,7 +168,11 @@ pub struct Fp8Block {
 }
 
 impl Fp8Block {
-    fn layers(&mut self) -> [&mut Fp8Linear; 4] {
+    fn layers(&self) -> [&Fp8Linear; 4] {
+        [&self.qkv, &self.attn_proj, &self.fc, &self.fc_proj]
+    }
+
+    fn layers_mut(&mut self) -> [&mut Fp8Linear; 4] {
         [&mut self.qkv, &mut self.attn_proj, &mut self.fc, &mut self.fc_proj]
     }
 }
@@ -193,10 +200,51 @@ impl Fp8Blocks {
     /// in the step's metrics nor move the scales.
     pub fn forget_casts(&mut self) {
         for block in &mut self.blocks {
-            for linear in block.layers() {
+            for linear in block.layers_mut() {
                 [&mut linear.input, &mut linear.weight, &mut linear.grad].into_iter().for_each(Fp8Tensor::forget);
             }
         }
+    }
+
+    /// Floats [`Fp8Blocks::save`] writes.
+    pub fn saved_len(&self) -> usize {
+        self.blocks.len() * 4 * 3 * Fp8Scale::saved_len(FP8_AMAX_HISTORY)
+    }
+
+    /// What the next steps' casts depend on, for a checkpoint: every tensor's scale and
+    /// amax history, block by block, layer by layer (input, weight, gradient). Between
+    /// steps: nothing of a step's casts is left to keep.
+    pub fn save(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.saved_len());
+        for block in &self.blocks {
+            for linear in block.layers() {
+                for t in [&linear.input, &linear.weight, &linear.grad] {
+                    t.scale.save(&mut out, FP8_AMAX_HISTORY);
+                }
+            }
+        }
+        out
+    }
+
+    /// Puts back what [`Fp8Blocks::save`] wrote.
+    pub fn restore(&mut self, saved: &[f32]) -> Result<(), String> {
+        if saved.len() != self.saved_len() {
+            return Err(format!(
+                "the checkpoint's FP8 scales hold {} floats, {} blocks need {}",
+                saved.len(),
+                self.blocks.len(),
+                self.saved_len()
+            ));
+        }
+        let mut chunks = saved.chunks(Fp8Scale::saved_len(FP8_AMAX_HISTORY));
+        for block in &mut self.blocks {
+            for linear in block.layers_mut() {
+                for t in [&mut linear.input, &mut linear.weight, &mut linear.grad] {
+                    t.scale.restore(chunks.next().expect("as many chunks as tensors"))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The step is over: what its casts saw, by kind of tensor, over the blocks that ran
@@ -204,7 +252,7 @@ impl Fp8Blocks {
     pub fn end_step(&mut self) -> Fp8Metrics {
         let mut metrics = Fp8Metrics::default();
         for block in &mut self.blocks {
-            for linear in block.layers() {
+            for linear in block.layers_mut() {
                 metrics.inputs = merge(metrics.inputs, linear.input.end_step());
                 metrics.weights = merge(metrics.weights, linear.weight.end_step());
                 metrics.grads = merge(metrics.grads, linear.grad.end_step());
@@ -293,6 +341,32 @@ mod tests {
         let grads = layer.grad.end_step();
         assert_eq!(grads.elements, (rows * c_out) as u64, "the backward's re-casts of x and W are not counted");
         assert_eq!(layer.input.end_step().elements, (rows * c_in) as u64);
+    }
+
+    /// A checkpoint's scales and histories put back give the same next scales; a section
+    /// of another model's size is refused.
+    #[test]
+    fn saved_scales_and_histories_come_back() {
+        let be = CpuBackend::<f32>::new(1);
+        let memory = MemoryTracker::new();
+        let mut blocks = Fp8Blocks::new(Fp8Recipe::Delayed, 2, &memory);
+        for (step, amax) in [3e-3f32, 9e-3, 1e-3].into_iter().enumerate() {
+            let grad = &mut blocks.blocks[1].fc.grad;
+            let _ = grad.cast(&be, &[amax, -amax / 2.0][..], 2, &memory, true);
+            assert_eq!(blocks.end_step().grads.elements, 2, "step {step}");
+        }
+        let saved = blocks.save();
+        let mut back = Fp8Blocks::new(Fp8Recipe::Delayed, 2, &memory);
+        back.restore(&saved).unwrap();
+        assert_eq!(back.save(), saved);
+        let scale = |b: &Fp8Blocks| b.blocks[1].fc.grad.scale.clone();
+        assert_eq!(scale(&back), scale(&blocks));
+        // 57344 / 9e-3: 2^22, from the largest of the history, not the last amax
+        assert_eq!(scale(&back).scale, 2f32.powi(22));
+        assert!(Fp8Blocks::new(Fp8Recipe::Delayed, 3, &memory).restore(&saved).is_err());
+        let mut bad = saved.clone();
+        bad[1] = 99.0;
+        assert!(back.restore(&bad).is_err(), "more amaxes than slots");
     }
 
     /// Delayed scaling: the first step casts with 1; the next with the power of two its

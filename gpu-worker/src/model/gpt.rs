@@ -243,6 +243,19 @@ impl<B: Backend> Gpt<B> {
         self.fp8.as_mut().map(Fp8Blocks::end_step)
     }
 
+    /// FP8: every tensor's scale and amax history, for a checkpoint (None without FP8).
+    pub fn fp8_save(&self) -> Option<Vec<f32>> {
+        self.fp8.as_ref().map(Fp8Blocks::save)
+    }
+
+    /// FP8: puts back what [`Gpt::fp8_save`] wrote.
+    pub fn fp8_restore(&mut self, saved: &[f32]) -> Result<(), String> {
+        match &mut self.fp8 {
+            Some(fp8) => fp8.restore(saved),
+            None => Err("the checkpoint holds FP8 scales and this run has no FP8".into()),
+        }
+    }
+
     /// FP8: forgets the casts since the last step (an evaluation's).
     pub fn fp8_forget_casts(&mut self) {
         if let Some(fp8) = &mut self.fp8 {

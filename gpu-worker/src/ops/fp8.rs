@@ -156,6 +156,33 @@ impl Fp8Scale {
         let largest = self.amaxes.iter().copied().fold(0.0f32, f32::max);
         self.scale = self.scale_for(largest);
     }
+
+    /// Floats a checkpoint keeps of a scale of `history` amaxes: the scale, how many amaxes
+    /// the history holds, and those (the rest of the slots 0).
+    pub fn saved_len(history: usize) -> usize {
+        2 + history.max(1)
+    }
+
+    /// What the next casts depend on, in [`Fp8Scale::saved_len`] floats: the scale and the
+    /// amax history (oldest first).
+    pub fn save(&self, out: &mut Vec<f32>, history: usize) {
+        out.extend([self.scale, self.amaxes.len() as f32]);
+        out.extend(self.amaxes.iter().copied().chain(std::iter::repeat(0.0)).take(history.max(1)));
+    }
+
+    /// Puts back what [`Fp8Scale::save`] wrote.
+    pub fn restore(&mut self, saved: &[f32]) -> Result<(), String> {
+        let Some((&[scale, held], amaxes)) = saved.split_first_chunk::<2>() else {
+            return Err(format!("an FP8 scale needs at least 2 floats, not {}", saved.len()));
+        };
+        let held = held as usize;
+        if !(scale > 0.0 && scale.is_finite()) || held > amaxes.len() {
+            return Err(format!("an FP8 scale of {scale} with {held} amaxes of {} slots", amaxes.len()));
+        }
+        self.scale = scale;
+        self.amaxes = amaxes[..held].iter().copied().collect();
+        Ok(())
+    }
 }
 
 /// Elements of `x` cast into `q` with `scale` (x̂ = fp8(x · scale) / scale), and what the cast saw.

@@ -22,6 +22,7 @@ use crate::model::{ContextParallelGroup, ContextPlace, ExpertStats, ModelGroups,
 use crate::offload::OffloadTo;
 use crate::ops::attention::Positions;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
+use crate::model::fp8_linear::FP8_SCALES;
 use crate::parallel::compression::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use crate::parallel::context::ContextParallel;
 use crate::parallel::expert::ExpertParallel;
@@ -506,8 +507,13 @@ impl<B: TrainBackend> Trainer<B> {
         if let Some(scaler) = &scaler {
             wanted.push(("loss_scale", scaler));
         }
-        // Every rank writes its own (gradient compression's residual).
+        // Every rank writes its own (gradient compression's residual; FP8's scales and amax
+        // histories, made from this rank's inputs and gradients).
         wanted.extend(view.local.iter().map(|(name, values)| (*name, values.as_slice())));
+        let fp8 = self.model.fp8_save();
+        if let Some(fp8) = &fp8 {
+            wanted.push((FP8_SCALES, fp8));
+        }
         wanted.retain(|(name, _)| keep(name));
         // The copy is booked from here until the next checkpoint reuses it (the writer keeps it).
         let RankCheckpoint { sections: mut spare, booked, .. } = reuse;
@@ -543,6 +549,11 @@ impl<B: TrainBackend> Trainer<B> {
                 return Err("the loss_scale section holds 3 values".into());
             };
             *scaler = LossScaler::from_state((scale as f64, good_steps as u64, skipped as u64));
+        }
+        // FP8's scales: this rank's, or where this place had no rank before (an elastic
+        // resume onto more ranks), those of its data-parallel rank 0.
+        if self.spec.train.fp8 != distlab_common::Fp8Recipe::None {
+            self.model.fp8_restore(&find(FP8_SCALES)?)?;
         }
         // This rank's own sections (never another rank's).
         let local = own
