@@ -1784,6 +1784,43 @@ async fn fp8_scenario(c: &Client, lab: &Lab) -> Result<()> {
     let scales = text(c, "#fp8-scales").await?;
     ensure!(scales.contains("scales: inputs 2^") && scales.contains("grads 2^"), "{scales}");
     save_element(c, "#stats", "fp8-stats.png").await?;
+    fp8_all_gather_scenario(c, lab).await
+}
+
+/// FSDP's gathers in FP8: the form refuses the field without FSDP at once; the preset's
+/// page says so in the spec and its timeline draws each block's gather as an FP8 one.
+async fn fp8_all_gather_scenario(c: &Client, lab: &Lab) -> Result<()> {
+    c.goto(&lab.url("/new")).await?;
+    wait_for(c, "the form to load", Duration::from_secs(30), || exists(c, "#submit")).await?;
+    choose(c, "train.precision", "bf16").await?;
+    choose(c, "train.fp8", "current").await?;
+    choose(c, "parallel.fp8_all_gather", "true").await?;
+    let error = ".field-error[data-field='parallel.sharding']";
+    wait_for(c, "the instant error for FP8 gathers without FSDP", Duration::from_secs(5), || async {
+        Ok(text(c, error).await.unwrap_or_default().contains("use sharding=fsdp"))
+    })
+    .await?;
+    let preset =
+        distlab_common::presets::presets().into_iter().find(|p| p.key == "fp8-all-gather").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (3, 1);
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the fp8-all-gather run did not succeed: {exp:?}");
+    c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+    wait_for(c, "the spec", Duration::from_secs(30), || exists(c, "#spec")).await?;
+    let spec_text = text(c, "#spec").await?;
+    ensure!(spec_text.contains("the blocks' weights gathered in FP8"), "{spec_text}");
+    wait_for(c, "the timeline", Duration::from_secs(30), || exists(c, ".timeline-chart .spans")).await?;
+    let gathers = c
+        .execute(
+            "return Array.from(document.querySelectorAll('.timeline-chart title'))\
+             .filter(t => t.textContent.includes('all_gather block 0 (fp8)')).length;",
+            vec![],
+        )
+        .await?;
+    ensure!(gathers.as_u64().unwrap_or(0) >= 1, "no FP8 gather on the timeline: {gathers}");
+    save_element(c, ".timeline-chart", "fp8-all-gather-timeline.png").await?;
     Ok(())
 }
 

@@ -252,6 +252,14 @@ fn compression_accumulation_capacity_and_offload_agree_with_their_cards() {
     assert!(got.agrees, "{got:?}");
     println!("  {}", got.measured);
 
+    let mut gathered_fp8 = preset("fp8-all-gather");
+    (gathered_fp8.train.steps, gathered_fp8.train.warmup_steps) = (4, 1);
+    let mut gathered_bf16 = gathered_fp8.clone();
+    gathered_bf16.parallel.fp8_all_gather = false;
+    let got = check(ClaimCheck::Fp8AllGather, &gathered_fp8, Some(&gathered_bf16));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}", got.measured);
+
     let mut offloaded = preset("offload-activations");
     (offloaded.train.steps, offloaded.train.warmup_steps) = (3, 1);
     let mut kept = offloaded.clone();

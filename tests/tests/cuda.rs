@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 31] = [
+const LAYOUTS: [(&str, Layout); 32] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -90,6 +90,10 @@ const LAYOUTS: [(&str, Layout); 31] = [
     ("fp8 delayed scaling", |s| s.train.fp8 = Fp8Recipe::Delayed),
     ("fsdp fp8 current scaling", |s| {
         (s.parallel.dp, s.parallel.sharding, s.train.fp8) = (2, Sharding::Fsdp, Fp8Recipe::Current)
+    }),
+    ("fsdp fp8 all-gathers, delayed scaling", |s| {
+        (s.parallel.dp, s.parallel.sharding, s.train.fp8) = (2, Sharding::Fsdp, Fp8Recipe::Delayed);
+        s.parallel.fp8_all_gather = true
     }),
     // Llama blocks: RMSNorm, rotary positions, 4 query heads on 2 K/V heads, SwiGLU.
     ("llama", |s| s.model = ModelSpec::llama(2, 64, 4, 2, 176, 32, 256)),

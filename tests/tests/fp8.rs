@@ -4,6 +4,8 @@
 //! first step) and from then on casts with what the last steps' amaxes gave; current
 //! scaling never saturates; the step's casts are reported.
 
+use distlab_common::planner::plan;
+use distlab_common::trace::CollectiveOp;
 use distlab_common::*;
 use distlab_tests::*;
 
@@ -73,5 +75,39 @@ fn fp8_trains_within_its_margin_of_bf16() {
                 }
             }
         }
+    }
+}
+
+/// FSDP with `fp8_all_gather`: each rank casts its shard of the blocks' weights to FP8
+/// before the gather, and the model takes them as they arrive. The casts are those the
+/// model makes of the gathered weights (same values, same scales: the largest of the
+/// shards' amaxes), so the run is bit for bit the run gathering bf16, with the same FP8
+/// metrics; its gathers send the planner's bytes, a bit more than half of bf16's.
+#[test]
+fn fsdp_gathers_the_weights_in_fp8_bit_for_bit_for_the_planners_bytes() {
+    let _serial = one_at_a_time();
+    for recipe in [Fp8Recipe::Delayed, Fp8Recipe::Current] {
+        let what = recipe.as_str();
+        let mut bf16 = spec(&format!("fp8-gather-{what}"), recipe);
+        bf16.train.steps = 6;
+        (bf16.parallel.dp, bf16.parallel.sharding, bf16.parallel.comm_dtype) = (2, Sharding::Fsdp, Precision::Bf16);
+        let mut fp8 = bf16.clone();
+        fp8.parallel.fp8_all_gather = true;
+        let (bf16_points, bf16_trace) = run_points_with_trace(&bf16);
+        let (fp8_points, fp8_trace) = run_points_with_trace(&fp8);
+        for (a, b) in bf16_points.iter().zip(&fp8_points) {
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what} step {}: {} vs {}", a.step, a.loss, b.loss);
+            assert_eq!(a.fp8, b.fp8, "{what} step {}: the casts saw the same", a.step);
+        }
+        let gathered = |trace| sent_per_step(trace, CollectiveOp::AllGather, fp8.train.steps);
+        let planned = |s| plan(s).unwrap().stages[0].comm.dp_all_gather;
+        assert_eq!(gathered(&bf16_trace), planned(&bf16), "{what}: bf16 gathers");
+        assert_eq!(gathered(&fp8_trace), planned(&fp8), "{what}: FP8 gathers, the planner's bytes");
+        let share = gathered(&fp8_trace) as f64 / gathered(&bf16_trace) as f64;
+        let (ours, theirs) = (gathered(&fp8_trace), gathered(&bf16_trace));
+        eprintln!("{what}: FSDP's gathers send {ours} bytes a step with FP8 weights, {theirs} in bf16: {share:.3}");
+        assert!(share < 0.6, "{what}: {share}");
+        let names: Vec<&str> = fp8_trace.ranks[0].spans.iter().map(|s| s.name.as_str()).collect();
+        assert!(names.contains(&"all_gather block 1 (fp8)"), "{what}: {names:?}");
     }
 }

@@ -425,8 +425,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "FP8: backward multiplies the output gradient as it is, not cast to E5M2",
         file: "gpu-worker/src/model/fp8_linear.rs",
-        find: "be.matmul_backward(Some(dinp), dweight, dbias, be.all(&g), be.all(&x), be.all(&w), c_in, c_out);",
-        replace: "be.matmul_backward(Some(dinp), dweight, dbias, dout, be.all(&x), be.all(&w), c_in, c_out);",
+        find: "let (g, x) = (be.all(&g), be.all(&x));",
+        replace: "let (g, x) = (dout, be.all(&x));",
         tests: &["-p", "distlab-worker", "--lib", "fp8_linear::tests"],
     },
     Mutant {
@@ -435,6 +435,20 @@ pub const MUTANTS: &[Mutant] = &[
         find: "            self.model.fp8_restore(&find(FP8_SCALES)?)?;",
         replace: "            let _ = find(FP8_SCALES)?;",
         tests: &["-p", "distlab-tests", "--test", "resume", "fp8_with_delayed_scaling_resumes"],
+    },
+    Mutant {
+        name: "FSDP's FP8 gather: current scaling scales each rank's shard by its own amax, not the weight's",
+        file: "gpu-worker/src/parallel/sharded.rs",
+        find: "                Some(Fp8Recipe::Current) => {",
+        replace: "                Some(Fp8Recipe::None) => {",
+        tests: &["-p", "distlab-tests", "--test", "fp8", "fsdp_gathers_the_weights_in_fp8"],
+    },
+    Mutant {
+        name: "FSDP's FP8 gather: the weights arrive as FP8 values, not divided by their scales",
+        file: "gpu-worker/src/parallel/fp8_gather.rs",
+        find: "F8E4M3::from_bits(message[at - 1]).to_f32() / scales[k]",
+        replace: "F8E4M3::from_bits(message[at - 1]).to_f32()",
+        tests: &["-p", "distlab-tests", "--test", "fp8", "fsdp_gathers_the_weights_in_fp8"],
     },
     Mutant {
         name: "FP8: the cast rounds ties away from zero instead of to even",

@@ -9,7 +9,7 @@
 //! - counted alike by the worker and the planner: `ring.rs` (how a ring cuts a buffer and
 //!   what a rank sends), `all_reduce.rs` (each all-reduce algorithm's bytes, rank by rank),
 //!   `compression.rs` (gradient compression's sizes), `schedule.rs` (the order a pipeline
-//!   stage runs its passes in).
+//!   stage runs its passes in), `fp8_gather.rs` (FSDP's FP8 all-gather's messages).
 //!
 //! Pure functions of the spec (the browser runs them compiled to wasm32). Imports only
 //! [`crate::spec`].
@@ -17,6 +17,7 @@
 pub mod all_reduce;
 pub mod compression;
 pub mod estimate;
+pub mod fp8_gather;
 pub mod layout_search;
 pub mod planner;
 pub mod recipes;

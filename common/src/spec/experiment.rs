@@ -231,6 +231,10 @@ pub struct ParallelSpec {
     /// parameters): fp32, or a 2-byte run's own format (half the bytes; sums still made
     /// in f32 where they arrive).
     pub comm_dtype: Precision,
+    /// FSDP with `train.fp8`: each rank casts its shard of the blocks' four linear weights
+    /// to FP8 (E4M3, the weight's own scale) before they are all-gathered, so they cross
+    /// the wire in one byte each (`plan/fp8_gather.rs`); the rest keeps `comm_dtype`.
+    pub fp8_all_gather: bool,
     /// ZeRO-Offload: where the optimizer's state lives and its step runs.
     pub offload: Offload,
     /// Megatron sequence parallelism (tp > 1): the LayerNorm and residual regions are
@@ -639,6 +643,7 @@ impl Default for ParallelSpec {
             bucket_bytes: 1 << 20,
             prefetch: false,
             comm_dtype: Precision::Fp32,
+            fp8_all_gather: false,
             offload: Offload::None,
             sequence_parallel: false,
             allreduce: AllReduce::Ring,

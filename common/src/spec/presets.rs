@@ -156,6 +156,12 @@ pub fn presets() -> Vec<Preset> {
     fp8.train.steps = 40;
     (fp8.train.precision, fp8.train.fp8) = (Precision::Bf16, Fp8Recipe::Delayed);
 
+    let mut fp8_all_gather = ExperimentSpec { name: "fsdp-fp8-all-gather".into(), ..fp8.clone() };
+    fp8_all_gather.model = ModelSpec::dense(4, 128, 4, 64, 256);
+    fp8_all_gather.train.steps = 10;
+    (fp8_all_gather.parallel.dp, fp8_all_gather.parallel.sharding) = (2, Sharding::Fsdp);
+    (fp8_all_gather.parallel.comm_dtype, fp8_all_gather.parallel.fp8_all_gather) = (Precision::Bf16, true);
+
     // Deep enough that most of the activations are blocks' (the head's and each block's
     // output stay on the device).
     let mut offload_activations = ExperimentSpec { name: "activations-on-disk".into(), ..ExperimentSpec::default() };
@@ -310,6 +316,12 @@ pub fn presets() -> Vec<Preset> {
             title: "FP8 products with delayed scaling (bf16 storage)",
             description: "The blocks' four linear layers multiply FP8 operands: inputs and weights in E4M3, output gradients in E5M2, each tensor with its own power-of-two scale, sums in f32 (emulated exactly on the CPU: the cast values are stored in bf16). Delayed scaling starts every scale at 1, so a good share of the first step's gradients (a third here) underflow; from then on each scale comes from the largest amax of the tensor's last 16 steps. The run's stats show each step's saturated and flushed elements and the scales. Resubmit it with fp8 \"none\" and compare the loss curves.",
             spec: fp8,
+        },
+        Preset {
+            key: "fp8-all-gather",
+            title: "FSDP gathering its weights in FP8 (dp=2, bf16)",
+            description: "The fp8 preset on 2 ranks with FSDP: before each block's all-gather, each rank casts its shard of the four linear weights to E4M3 with the weight's scale, so they cross the wire in one byte each instead of bf16's two; the norms, biases, embeddings and head stay bf16. The model takes the weights as they arrive: they are the casts it would have made. Resubmit it with fp8_all_gather off and compare the links (the all-gathers' bytes, each the planner's) and the loss curves (identical).",
+            spec: fp8_all_gather,
         },
         Preset {
             key: "offload-activations",

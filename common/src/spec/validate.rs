@@ -355,6 +355,9 @@ impl ExperimentSpec {
         if t.fp8 != Fp8Recipe::None {
             self.check_fp8(&mut err);
         }
+        if self.parallel.fp8_all_gather {
+            self.check_fp8_all_gather(&mut err);
+        }
         if t.activation_offload != Offload::None && t.checkpointing.recomputes_blocks() {
             err(
                 "train.checkpointing",
@@ -584,6 +587,41 @@ impl ExperimentSpec {
                      grad_accum = {micro} must be a multiple of it",
                     p.pp
                 ),
+            );
+        }
+    }
+
+    /// `parallel.fp8_all_gather`: FSDP's gathers of the blocks' linear weights in FP8.
+    fn check_fp8_all_gather(&self, err: &mut impl FnMut(&str, String)) {
+        let (t, p) = (&self.train, &self.parallel);
+        let mut refuse = |field: &str, why: String| err(field, format!("fp8_all_gather: {why}"));
+        if t.fp8 == Fp8Recipe::None {
+            refuse(
+                "train.fp8",
+                "the weights are gathered as the FP8 casts the products use; without FP8 products there are \
+                 none: set fp8=delayed or current"
+                    .into(),
+            );
+        }
+        if p.sharding != Sharding::Fsdp {
+            refuse(
+                "parallel.sharding",
+                format!(
+                    "only FSDP gathers the parameters before each forward and backward (ZeRO-2 gathers the \
+                     updated ones in full precision): use sharding=fsdp (it is {})",
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        if p.dp < 2 {
+            refuse("parallel.dp", "one rank holds every parameter and gathers nothing: use dp of 2 or more".into());
+        }
+        if p.prefetch {
+            refuse(
+                "parallel.prefetch",
+                "the prefetch thread gathers in the wire format, the FP8 gathers run on the training thread (not \
+                 yet both): turn prefetch off"
+                    .into(),
             );
         }
     }
@@ -1155,6 +1193,19 @@ mod tests {
             (
                 json!({"train": {"fp8": "delayed", "precision": "fp16", "checkpoint_every": 5}, "parallel": {"tp": 2}}),
                 vec![("train.precision", "fp16's range cannot hold"), ("parallel.tp", "use tp=1 (it is 2)")],
+            ),
+            (
+                json!({"parallel": {"fp8_all_gather": true, "dp": 1}}),
+                vec![
+                    ("train.fp8", "set fp8=delayed or current"),
+                    ("parallel.sharding", "use sharding=fsdp (it is none)"),
+                    ("parallel.dp", "gathers nothing"),
+                ],
+            ),
+            (
+                json!({"train": {"fp8": "current", "precision": "bf16"},
+                       "parallel": {"fp8_all_gather": true, "dp": 2, "sharding": "fsdp", "prefetch": true}}),
+                vec![("parallel.prefetch", "fp8_all_gather: the prefetch thread")],
             ),
             (
                 json!({"train": {"activation_offload": "disk", "checkpointing": "sqrt"}}),

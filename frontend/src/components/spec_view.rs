@@ -127,28 +127,31 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         },
         p.bucket_bytes,
         label(&p.comm_dtype),
-        match p.offload {
-            distlab_common::Offload::None => String::new(),
-            offload => format!(" · optimizer state offloaded to {}", offload.as_str()),
-        } + &match p.allreduce {
-            distlab_common::AllReduce::Ring => String::new(),
-            distlab_common::AllReduce::Hierarchical => {
-                format!(" · hierarchical all-reduce, {} ranks per node", p.ranks_per_node)
+        if p.fp8_all_gather { " (the blocks' weights gathered in FP8)" } else { "" }.to_string()
+            + &match p.offload {
+                distlab_common::Offload::None => String::new(),
+                offload => format!(" · optimizer state offloaded to {}", offload.as_str()),
             }
-            other => format!(" · {} all-reduce", other.as_str()),
-        } + &match p.grad_compression {
-            distlab_common::GradCompression::None => String::new(),
-            distlab_common::GradCompression::Topk => {
-                format!(
-                    " · top-k compression ({} of each tensor) with error feedback",
-                    format::num(p.compression_ratio)
-                )
+            + &match p.allreduce {
+                distlab_common::AllReduce::Ring => String::new(),
+                distlab_common::AllReduce::Hierarchical => {
+                    format!(" · hierarchical all-reduce, {} ranks per node", p.ranks_per_node)
+                }
+                other => format!(" · {} all-reduce", other.as_str()),
             }
-            distlab_common::GradCompression::Int8 => " · int8 compression with error feedback".into(),
-            distlab_common::GradCompression::Powersgd => {
-                format!(" · PowerSGD compression (rank {}) with error feedback", p.compression_rank)
+            + &match p.grad_compression {
+                distlab_common::GradCompression::None => String::new(),
+                distlab_common::GradCompression::Topk => {
+                    format!(
+                        " · top-k compression ({} of each tensor) with error feedback",
+                        format::num(p.compression_ratio)
+                    )
+                }
+                distlab_common::GradCompression::Int8 => " · int8 compression with error feedback".into(),
+                distlab_common::GradCompression::Powersgd => {
+                    format!(" · PowerSGD compression (rank {}) with error feedback", p.compression_rank)
+                }
             }
-        }
     );
     let batch = format!(
         "{} sequences = {} tokens per step (dp {} × micro_batch {} × micro_batches {} × grad_accum {})",

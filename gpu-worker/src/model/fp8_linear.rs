@@ -40,6 +40,8 @@ pub struct Fp8Tensor {
     seen: Fp8Cast,
     elements: u64,
     scales: Option<(f32, f32)>,
+    /// The values the next product gets were cast already (a weight FSDP gathered in FP8).
+    arrived_cast: bool,
 }
 
 impl Fp8Tensor {
@@ -48,7 +50,51 @@ impl Fp8Tensor {
             Fp8Recipe::Current => Fp8Scaling::Current,
             _ => Fp8Scaling::Delayed { history: FP8_AMAX_HISTORY },
         };
-        Fp8Tensor { scale: Fp8Scale::new(format, scaling, 0), seen: Fp8Cast::default(), elements: 0, scales: None }
+        let scale = Fp8Scale::new(format, scaling, 0);
+        Fp8Tensor { scale, seen: Fp8Cast::default(), elements: 0, scales: None, arrived_cast: false }
+    }
+
+    /// The scale a cast of this tensor uses when the tensor's amax is `amax`: the cast's
+    /// own (current scaling) or the one its history gave (delayed). FSDP's FP8 gather casts
+    /// a weight's shards, on the ranks that hold them, with it.
+    pub fn scale_for_cast(&self, amax: f32) -> f32 {
+        match self.scale.scaling {
+            Fp8Scaling::Delayed { .. } => self.scale.scale,
+            Fp8Scaling::Current => self.scale.scale_for(amax),
+        }
+    }
+
+    /// The tensor was cast elsewhere with `scale` (FSDP's FP8 gather, by shards: `seen`
+    /// their casts together, over `elements`): the next product takes the values it is
+    /// given as they are; the casts count when `record`.
+    pub fn arrived_cast(&mut self, scale: f32, seen: Fp8Cast, elements: usize, record: bool) {
+        self.arrived_cast = true;
+        if record {
+            self.note(scale, seen, elements);
+        }
+    }
+
+    fn note(&mut self, scale: f32, seen: Fp8Cast, elements: usize) {
+        self.seen = self.seen.merge(seen);
+        self.elements += elements as u64;
+        let (lo, hi) = self.scales.unwrap_or((scale, scale));
+        self.scales = Some((lo.min(scale), hi.max(scale)));
+    }
+
+    /// `x` cast for a product (booked as transient while it lives, as [`Fp8Tensor::cast`]),
+    /// or None when it arrived cast.
+    fn cast_unless_arrived<B: Backend>(
+        &mut self,
+        be: &B,
+        x: B::View<'_>,
+        len: usize,
+        memory: &Arc<MemoryTracker>,
+        record: bool,
+    ) -> Option<(B::Buf, crate::memory::Receipt)> {
+        match std::mem::take(&mut self.arrived_cast) {
+            true => None,
+            false => Some(self.cast(be, x, len, memory, record)),
+        }
     }
 
     /// Casts `x` into a new buffer (booked as transient in `memory` while it lives) with
@@ -74,10 +120,7 @@ impl Fp8Tensor {
         };
         let seen = be.fp8_cast(be.all_mut(&mut q), x, scale, format);
         if record {
-            self.seen = self.seen.merge(seen);
-            self.elements += len as u64;
-            let (lo, hi) = self.scales.unwrap_or((scale, scale));
-            self.scales = Some((lo.min(scale), hi.max(scale)));
+            self.note(scale, seen, len);
         }
         (q, booked)
     }
@@ -136,8 +179,10 @@ impl Fp8Linear {
         (rows, c_in, c_out): (usize, usize, usize),
     ) {
         let (x, _x_booked) = self.input.cast(be, inp, rows * c_in, memory, true);
-        let (w, _w_booked) = self.weight.cast(be, weight, c_in * c_out, memory, true);
-        be.matmul_forward(out, be.all(&x), be.all(&w), bias, residual, c_in, c_out);
+        match self.weight.cast_unless_arrived(be, weight, c_in * c_out, memory, true) {
+            Some((w, _w_booked)) => be.matmul_forward(out, be.all(&x), be.all(&w), bias, residual, c_in, c_out),
+            None => be.matmul_forward(out, be.all(&x), weight, bias, residual, c_in, c_out),
+        }
     }
 
     /// `dinp = ĝ · Ŵᵀ`, `dW += x̂ᵀ · ĝ`, `db += Σ ĝ` for `rows` x `c_out` output gradients.
@@ -153,8 +198,11 @@ impl Fp8Linear {
     ) {
         let (g, _g_booked) = self.grad.cast(be, dout, rows * c_out, memory, true);
         let (x, _x_booked) = self.input.cast(be, inp, rows * c_in, memory, false);
-        let (w, _w_booked) = self.weight.cast(be, weight, c_in * c_out, memory, false);
-        be.matmul_backward(Some(dinp), dweight, dbias, be.all(&g), be.all(&x), be.all(&w), c_in, c_out);
+        let (g, x) = (be.all(&g), be.all(&x));
+        match self.weight.cast_unless_arrived(be, weight, c_in * c_out, memory, false) {
+            Some((w, _w_booked)) => be.matmul_backward(Some(dinp), dweight, dbias, g, x, be.all(&w), c_in, c_out),
+            None => be.matmul_backward(Some(dinp), dweight, dbias, g, x, weight, c_in, c_out),
+        }
     }
 }
 
@@ -168,6 +216,12 @@ pub struct Fp8Block {
 }
 
 impl Fp8Block {
+    /// The four weights' tensors, in the block's buffer order (qkv, attention projection,
+    /// the MLP's two): what FSDP's FP8 gather casts.
+    pub fn weights_mut(&mut self) -> [&mut Fp8Tensor; 4] {
+        self.layers_mut().map(|linear| &mut linear.weight)
+    }
+
     fn layers(&self) -> [&Fp8Linear; 4] {
         [&self.qkv, &self.attn_proj, &self.fc, &self.fc_proj]
     }

@@ -42,6 +42,7 @@ use distlab_common::trace::Span;
 use distlab_common::{Checkpointing, ContextParallel, Fp8Recipe, ModelSpec};
 
 use crate::backend::Backend;
+use crate::comm::CommError;
 use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::activation_offload::{ActivationOffload, ActivationOffloadError, ActivationTier, BlockKey};
@@ -60,7 +61,7 @@ use crate::model::fp8_linear::Fp8Blocks;
 use crate::model::head::{head_backward, head_forward, head_params, split_head, LogitGradZeros};
 use crate::model::layout::{ExpertPlace, ParamLayout, TpPlace};
 use crate::model::stage::{Stage, StageInput, Upcoming};
-use crate::model::state::{ModelState, Pass, Unit};
+use crate::model::state::{ModelState, OpenUnit, Pass, Unit};
 use crate::model::tensor_parallel::{gather_tokens, Exchange, TensorParallelGroup, Tokens, TpPoint};
 use crate::ops::attention::{AttentionShape, Positions};
 use crate::trace::now_us;
@@ -470,7 +471,8 @@ impl<B: Backend> Gpt<B> {
         let blocks = self.stage.chunks[chunk].len();
         for (i, l) in self.stage.chunks[chunk].clone().enumerate() {
             upcoming.before_open(state, Unit::Block(l), Pass::Forward);
-            let (p, at) = state.open(be, Unit::Block(l), Pass::Forward)?.params.expect("forward has parameters");
+            let (p, at) =
+                open_block(state, be, l, Pass::Forward, &mut self.fp8)?.params.expect("forward has parameters");
             let w = lay.blocks[l].map(|r| be.view(p, shift(r, at)));
             match self.segment {
                 // Keep everything: block i's activations live in the slot.
@@ -699,7 +701,7 @@ impl<B: Backend> Gpt<B> {
                 // (a scope, so that the block's views end before it is closed)
                 {
                     upcoming.before_open(state, Unit::Block(l), with_params);
-                    let open = state.open(be, Unit::Block(l), with_params)?;
+                    let open = open_block(state, be, l, with_params, &mut self.fp8)?;
                     let (p, at) = open.params.expect("backward of a block has parameters");
                     let (g, g_at) = open.grads.expect("backward has gradients");
                     let gw = split_block(be, be.view_mut(g, shift(&Unit::Block(l).range(lay), g_at)), &lay.blocks[l]);
@@ -782,6 +784,21 @@ impl<B: Backend> Gpt<B> {
 
 /// Runs `recompute`, a forward run again inside block `layer`'s backward, timed into
 /// `times` when they are being kept ([`Gpt::time_recomputes`]).
+/// Opens block `l` for `pass`; with FP8 through [`ModelState::open_fp8`], which may hand
+/// its weights over already cast.
+fn open_block<'s, B: Backend>(
+    state: &'s mut dyn ModelState<B>,
+    be: &B,
+    l: usize,
+    pass: Pass,
+    fp8: &mut Option<Fp8Blocks>,
+) -> Result<OpenUnit<'s, B::Buf>, CommError> {
+    match fp8 {
+        Some(fp8) => state.open_fp8(be, Unit::Block(l), pass, fp8.of(l).0),
+        None => state.open(be, Unit::Block(l), pass),
+    }
+}
+
 fn timed<B: Backend, R>(
     be: &B,
     times: &mut Option<Vec<RecomputeTime>>,

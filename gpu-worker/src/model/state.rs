@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use crate::backend::Backend;
 use crate::comm::CommError;
+use crate::model::fp8_linear::Fp8Block;
 use crate::model::ParamLayout;
 
 /// One unit of the parameter buffer, in buffer order: `Embeddings`, `Block(0..L)`, `Head`.
@@ -94,6 +95,20 @@ pub struct OpenUnit<'a, Buf> {
 pub trait ModelState<B: Backend> {
     /// Makes `unit` available for `pass` (gathering it first if it is sharded).
     fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError>;
+    /// Opens block `unit` as [`ModelState::open`] does for a model whose linear layers
+    /// multiply FP8 (`fp8`: the block's scales). FSDP with `parallel.fp8_all_gather` casts
+    /// the weights' shards before it gathers them and marks them arrived cast in `fp8`;
+    /// any other state opens the unit as usual, and the model casts the weights itself.
+    fn open_fp8(
+        &mut self,
+        be: &B,
+        unit: Unit,
+        pass: Pass,
+        fp8: &mut Fp8Block,
+    ) -> Result<OpenUnit<'_, B::Buf>, CommError> {
+        let _ = fp8;
+        self.open(be, unit, pass)
+    }
     /// Said just before the model opens a unit: what it opens after that one in the same
     /// pass (None: nothing). FSDP with prefetch starts gathering it once the unit about
     /// to be opened is in place; a state that gathers nothing ignores it.

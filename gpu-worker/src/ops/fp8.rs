@@ -84,6 +84,19 @@ impl Fp8Format {
     }
 }
 
+impl Fp8Format {
+    /// One element's cast: fp8(v · scale), the FP8 value (before the division by the
+    /// scale), counted into `seen`.
+    pub fn cast_one(self, v: f32, scale: f32, seen: &mut Fp8Cast) -> f32 {
+        let scaled = v * scale;
+        let r = self.round(scaled);
+        seen.amax = seen.amax.max(v.abs());
+        seen.saturated += u64::from(scaled.abs() > self.max());
+        seen.flushed += u64::from(r == 0.0 && v != 0.0);
+        r
+    }
+}
+
 /// What one cast saw.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Fp8Cast {
@@ -189,12 +202,7 @@ impl Fp8Scale {
 fn cast_chunk<S: Stored>(q: &mut [S], x: &[S], scale: f32, format: Fp8Format) -> Fp8Cast {
     let mut seen = Fp8Cast::default();
     for (q, x) in q.iter_mut().zip(x) {
-        let v = x.load().to_f64() as f32;
-        let scaled = v * scale;
-        let r = format.round(scaled);
-        seen.amax = seen.amax.max(v.abs());
-        seen.saturated += u64::from(scaled.abs() > format.max());
-        seen.flushed += u64::from(r == 0.0 && v != 0.0);
+        let r = format.cast_one(x.load().to_f64() as f32, scale, &mut seen);
         *q = S::store(S::Acc::from_f64((r / scale) as f64));
     }
     seen

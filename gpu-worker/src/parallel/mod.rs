@@ -6,7 +6,8 @@
 //!   overlap backward. With ZeRO-1 the optimizer state is sharded (`zero1`).
 //! * `sharded.rs`: ZeRO-2 (gradients and optimizer state sharded) and FSDP / ZeRO-3
 //!   (parameters too, gathered one unit at a time); `prefetch.rs`: FSDP's next gather
-//!   on a communication thread while the current unit computes.
+//!   on a communication thread while the current unit computes; `fp8_gather.rs`: FSDP's
+//!   gathers of the blocks' linear weights as FP8 (`parallel.fp8_all_gather`).
 //! * `compression.rs`: DDP's gradients compressed on the wire (top-k, int8, PowerSGD)
 //!   with error feedback.
 //! * `shard.rs`: which piece of every unit a rank owns.
@@ -26,6 +27,7 @@ pub mod context;
 pub mod ddp;
 pub mod exchange;
 pub mod expert;
+pub mod fp8_gather;
 pub mod mesh;
 pub mod pipeline;
 pub mod prefetch;

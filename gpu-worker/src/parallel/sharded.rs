@@ -18,13 +18,18 @@
 //! appear on the timeline between the compute spans, and the compute waits for each.
 //! FSDP with `parallel.prefetch` gathers the unit the model opens next on a communication
 //! thread while the current one computes (`prefetch.rs`): two units gathered at a time,
-//! the waits mostly gone.
+//! the waits mostly gone. With FP8 products and `parallel.fp8_all_gather`, each rank casts
+//! its shard of a block's linear weights to FP8 before the gather (`fp8_gather.rs`), so
+//! they cross the wire in one byte, and the model takes them as they arrive.
 
 use std::sync::Arc;
 
+use distlab_common::plan::fp8_gather::{message_bytes, FP8_WEIGHTS};
+use distlab_common::plan::planner::wire_bytes;
 use distlab_common::trace::Span;
-use distlab_common::{ExperimentSpec, Precision, Sharding};
+use distlab_common::{ExperimentSpec, Fp8Recipe, Precision, Sharding};
 
+use super::fp8_gather::BlockRuns;
 use super::prefetch::{Prefetched, Prefetcher};
 use super::shard::ShardLayout;
 use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
@@ -32,6 +37,7 @@ use crate::backend::Stored;
 use crate::comm::{sum_scalar, Alone, CommError, Communicator, InPlace, ReduceOp::Sum};
 use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker, Receipt};
+use crate::model::fp8_linear::Fp8Block;
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::offload::{OffloadError, OffloadTo};
 use crate::optim::{Indexing, Optimizer};
@@ -60,6 +66,9 @@ pub struct Sharded<B: TrainBackend> {
     announced: Option<(Unit, Pass)>,
     /// The format of the group's collectives on the wire (`parallel.comm_dtype`).
     wire: Precision,
+    /// FSDP with `parallel.fp8_all_gather`: the FP8 recipe the blocks' weights are cast by
+    /// before they are gathered.
+    fp8_gather: Option<Fp8Recipe>,
     /// The open unit's gradient, before it is reduce-scattered.
     unit_grads: Option<Temporary<B::Buf>>,
     optimizer: Optimizer<B>,
@@ -117,6 +126,7 @@ impl<B: TrainBackend> Sharded<B> {
             prefetch,
             announced: None,
             wire,
+            fp8_gather: (fsdp && spec.parallel.fp8_all_gather).then_some(spec.train.fp8),
             unit_grads: None,
             optimizer,
             comm,
@@ -161,6 +171,59 @@ impl<B: TrainBackend> Sharded<B> {
             be.synchronize();
             let sent = self.comm.bytes_sent() - sent_before;
             self.spans.push(blocking_comm_span(&format!("all_gather {}", unit.name()), self.step, start, sent));
+        }
+        Ok(())
+    }
+
+    /// FSDP's FP8 gather of block `l` (`fp8_gather.rs`): this rank casts its shard of the
+    /// block's four weights with their scales (current scaling: from the largest of the
+    /// ranks' shard amaxes, all-gathered first), the messages are all-gathered, and the
+    /// whole block is decoded, the weights as their casts, which `fp8` is told of (and
+    /// counts when `record_casts`).
+    fn gather_fp8(&mut self, be: &B, l: usize, fp8: &mut Fp8Block, record_casts: bool) -> Result<(), CommError> {
+        if self.record {
+            be.synchronize();
+        }
+        let (start, sent_before) = (now_us(), self.comm.bytes_sent());
+        let u = self.shard.unit(Unit::Block(l)).clone();
+        let block = BlockRuns::of(&self.layout.blocks[l], u.global.start);
+        let (world, rank) = (self.comm.size(), self.comm.rank());
+        let message_len = message_bytes(&block.runs, world, wire_bytes(self.wire) as usize);
+        // The messages, four bytes to a float: the communicators move floats, bits unchanged.
+        let mut words = vec![0.0f32; world * message_len / 4];
+        let _booked = self.memory.alloc(Category::Transient, words.len());
+        let (weights, wire) = (fp8.weights_mut(), self.wire);
+        let (params, comm) = (&self.params, self.comm.as_mut());
+        let scales = be.read_host(be.view(params, u.local()), |mine| {
+            let amaxes = block.amaxes(u.mine.clone(), mine);
+            let amaxes = match self.fp8_gather {
+                Some(Fp8Recipe::Current) => {
+                    let mut all = vec![0.0f32; world * FP8_WEIGHTS];
+                    comm.all_gather(&amaxes, &mut all)?;
+                    std::array::from_fn(|k| all.iter().skip(k).step_by(FP8_WEIGHTS).fold(0.0f32, |a, &b| a.max(b)))
+                }
+                _ => amaxes,
+            };
+            let scales: [f32; FP8_WEIGHTS] = std::array::from_fn(|k| weights[k].scale_for_cast(amaxes[k]));
+            let mine_words = &mut words[rank * message_len / 4..(rank + 1) * message_len / 4];
+            block.encode(u.mine.clone(), mine, scales, wire, bytemuck::cast_slice_mut(mine_words));
+            Ok::<_, CommError>(scales)
+        })?;
+        self.comm.all_gather_in_place(&mut words)?;
+        let mut full = self.temporary(be, Category::GatheredParameters, u.global.len());
+        let bytes = bytemuck::cast_slice(&words);
+        let seen = be
+            .on_host(be.all_mut(&mut full.data), |out| block.decode(bytes, message_len, world, scales, self.wire, out));
+        let elements = block.weight_lens();
+        for (k, weight) in fp8.weights_mut().into_iter().enumerate() {
+            weight.arrived_cast(scales[k], seen[k], elements[k], record_casts);
+        }
+        self.gathered = Some(full);
+        if self.record {
+            be.synchronize();
+            let sent = self.comm.bytes_sent() - sent_before;
+            let name = format!("all_gather {} (fp8)", Unit::Block(l).name());
+            self.spans.push(blocking_comm_span(&name, self.step, start, sent));
         }
         Ok(())
     }
@@ -211,15 +274,25 @@ impl<B: TrainBackend> Sharded<B> {
         }
         Ok(())
     }
-}
 
-impl<B: TrainBackend> ModelState<B> for Sharded<B> {
-    fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
+    /// [`ModelState::open`], gathering block `unit`'s weights in FP8 where `fp8` is given.
+    fn open_with(
+        &mut self,
+        be: &B,
+        unit: Unit,
+        pass: Pass,
+        fp8: Option<&mut Fp8Block>,
+    ) -> Result<OpenUnit<'_, B::Buf>, CommError> {
         let want_params = pass.needs_params();
         let backward = pass.writes_grads();
         let global = self.shard.unit(unit).global.clone();
-        if self.fsdp && want_params {
-            self.gather(be, unit)?;
+        match (fp8, unit) {
+            (Some(fp8), Unit::Block(l)) if self.fsdp && want_params && self.fp8_gather.is_some() => {
+                // (an evaluation's casts are forgotten by the model afterwards)
+                self.gather_fp8(be, l, fp8, pass == Pass::Forward)?;
+            }
+            _ if self.fsdp && want_params => self.gather(be, unit)?,
+            _ => {}
         }
         // The unit is in place: the next one's gather can start (a unit whose pass needs
         // no parameters, the embeddings' backward, needs no gather).
@@ -236,6 +309,22 @@ impl<B: TrainBackend> ModelState<B> for Sharded<B> {
         };
         let grads = self.unit_grads.as_mut().map(|g| (&mut g.data, global.start));
         Ok(OpenUnit { params, grads })
+    }
+}
+
+impl<B: TrainBackend> ModelState<B> for Sharded<B> {
+    fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
+        self.open_with(be, unit, pass, None)
+    }
+
+    fn open_fp8(
+        &mut self,
+        be: &B,
+        unit: Unit,
+        pass: Pass,
+        fp8: &mut Fp8Block,
+    ) -> Result<OpenUnit<'_, B::Buf>, CommError> {
+        self.open_with(be, unit, pass, Some(fp8))
     }
 
     fn announce_next(&mut self, next: Option<(Unit, Pass)>) {

@@ -17,12 +17,12 @@ use crate::data::Data;
 use crate::loss_scale::{LossScaler, ScaledStep};
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::experts::ExpertParallelGroup;
+use crate::model::fp8_linear::{Fp8Block, FP8_SCALES};
 use crate::model::{ActivationTier, Gpt, ModelState, OpenUnit, Pass, Saved, StageInput, Unit};
 use crate::model::{ContextParallelGroup, ContextPlace, ExpertStats, ModelGroups, TensorParallelGroup};
 use crate::offload::OffloadTo;
 use crate::ops::attention::Positions;
 use crate::optim::{clip_scale, lr_at, needs_master, OptimizerState};
-use crate::model::fp8_linear::FP8_SCALES;
 use crate::parallel::compression::{COMPRESSION_Q, COMPRESSION_RESIDUAL};
 use crate::parallel::context::ContextParallel;
 use crate::parallel::expert::ExpertParallel;
@@ -864,6 +864,18 @@ struct Observed<'a, B: TrainBackend> {
 impl<B: TrainBackend> ModelState<B> for Observed<'_, B> {
     fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
         let open = self.inner.open(be, unit, pass)?;
+        self.memory.sample(|| format!("{} {}: open", pass_name(pass), unit.name()));
+        Ok(open)
+    }
+
+    fn open_fp8(
+        &mut self,
+        be: &B,
+        unit: Unit,
+        pass: Pass,
+        fp8: &mut Fp8Block,
+    ) -> Result<OpenUnit<'_, B::Buf>, CommError> {
+        let open = self.inner.open_fp8(be, unit, pass, fp8)?;
         self.memory.sample(|| format!("{} {}: open", pass_name(pass), unit.name()));
         Ok(open)
     }

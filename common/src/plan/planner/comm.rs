@@ -48,6 +48,11 @@ pub(super) struct StageCommInput {
     pub(super) chunks: u64,
     /// Bytes per element of the data-parallel collectives (`parallel.comm_dtype`).
     pub(super) dp_wire_bytes: u64,
+    /// FSDP with `parallel.fp8_all_gather`: what one rank sends to gather a block, its
+    /// linear weights in FP8 ([`sent_per_gather`](crate::plan::fp8_gather::sent_per_gather)).
+    pub(super) fp8_block_gather: Option<u64>,
+    /// Parameters of one block (all of them on this tensor-parallel rank: FP8 runs at tp 1).
+    pub(super) block_params: u64,
     /// The gradient all-reduce's algorithm and `hierarchical`'s node size.
     pub(super) allreduce: AllReduce,
     pub(super) ranks_per_node: usize,
@@ -98,7 +103,9 @@ pub(super) struct ExpertComm {
 ///   backward (except the embeddings, whose gradient needs no parameters) and
 ///   reduce-scatters the gradients: n * (W-1)/W * (3N - E); nothing after the update
 ///   (parameters stay sharded); sqrt checkpointing gathers the blocks it recomputes
-///   ahead of their backward once more;
+///   ahead of their backward once more; with `fp8_all_gather` each block's two gathers
+///   are FP8 messages (`fp8_gather.rs`: its weights in a byte, padded to the longest
+///   chunk) and only the embeddings and the head gather in the wire format;
 /// - TP: per block and micro-batch, 2 all-reduces of A forward (after the attention and
 ///   MLP row-parallel layers) and 2 backward (the gradients of their inputs), plus 2 more
 ///   when checkpointing recomputes the forward: 2(T-1)/T * A each;
@@ -194,10 +201,22 @@ fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
         }
         Sharding::Fsdp => {
             v.dp_reduce_scatter = c.micro_steps.saturating_mul(grads_rs);
-            let backward_ag = ring_reduce_scatter_bytes(c.params_per_rank - c.embedding, c.dp, w);
-            let recompute_ag = ring_reduce_scatter_bytes(c.regathered, c.dp, w);
-            v.dp_all_gather =
-                c.micro_steps.saturating_mul(params_ag.saturating_add(backward_ag).saturating_add(recompute_ag));
+            let per_micro_step =
+                match c.fp8_block_gather {
+                    None => {
+                        let backward_ag = ring_reduce_scatter_bytes(c.params_per_rank - c.embedding, c.dp, w);
+                        let recompute_ag = ring_reduce_scatter_bytes(c.regathered, c.dp, w);
+                        params_ag.saturating_add(backward_ag).saturating_add(recompute_ag)
+                    }
+                    // (FP8 refuses the checkpointing that regathers)
+                    Some(block) => {
+                        let rest = c.params_per_rank.saturating_sub(c.layers.saturating_mul(c.block_params));
+                        let rest_ag = ring_reduce_scatter_bytes(rest, c.dp, w)
+                            .saturating_add(ring_reduce_scatter_bytes(rest.saturating_sub(c.embedding), c.dp, w));
+                        rest_ag.saturating_add(block.saturating_mul(2).saturating_mul(c.layers))
+                    }
+                };
+            v.dp_all_gather = c.micro_steps.saturating_mul(per_micro_step);
         }
     }
     let half = ring_reduce_scatter_bytes(c.rows_d, c.tp, WIRE_BYTES);
@@ -285,6 +304,34 @@ mod tests {
             assert_eq!(2 * bf16.dp_all_gather, fp32.dp_all_gather, "{sharding:?}");
             assert_eq!(bf16.tp_all_reduce, fp32.tp_all_reduce, "{sharding:?}: tensor parallelism stays fp32");
         }
+    }
+
+    /// FP8 all-gathers: each block's two gathers per micro-batch are FP8 messages, a bit more
+    /// than half a bf16 gather's bytes (the norms and biases stay bf16, and the chunks are
+    /// padded to the longest); the embeddings and the head gather as before, the
+    /// reduce-scatters are untouched.
+    #[test]
+    fn fp8_all_gathers_send_the_blocks_weights_in_a_byte() {
+        use crate::plan::fp8_gather::{block_runs, sent_per_gather};
+        use crate::spec::Fp8Recipe;
+        let mut spec = ExperimentSpec { model: ModelSpec::dense(4, 128, 4, 64, 256), ..Default::default() };
+        (spec.parallel.dp, spec.parallel.sharding, spec.parallel.comm_dtype) = (4, Sharding::Fsdp, Precision::Bf16);
+        (spec.train.precision, spec.train.fp8, spec.train.grad_accum) = (Precision::Bf16, Fp8Recipe::Current, 2);
+        let bf16 = plan(&spec).unwrap().stages[0].comm.clone();
+        spec.parallel.fp8_all_gather = true;
+        let fp8 = plan(&spec).unwrap().stages[0].comm.clone();
+        assert_eq!(fp8.dp_reduce_scatter, bf16.dp_reduce_scatter);
+        let m = &spec.model;
+        let block = m.block_params();
+        let rest = m.param_count() - 4 * block;
+        let embedding = ((m.vocab + m.seq_len) * m.d_model) as u64;
+        let blocks_bf16 = 2 * 4 * ring_reduce_scatter_bytes(block, 4, 2);
+        let rest_bf16 = ring_reduce_scatter_bytes(rest, 4, 2) + ring_reduce_scatter_bytes(rest - embedding, 4, 2);
+        assert_eq!(bf16.dp_all_gather, 2 * (blocks_bf16 + rest_bf16));
+        let blocks_fp8 = 2 * 4 * sent_per_gather(&block_runs(m), 4, 2, true);
+        assert_eq!(fp8.dp_all_gather, 2 * (blocks_fp8 + rest_bf16));
+        let share = blocks_fp8 as f64 / blocks_bf16 as f64;
+        assert!((0.5..0.55).contains(&share), "the blocks' gathers: {share} of bf16's");
     }
 
     /// Sequence parallelism splits the LayerNorm/residual regions: the activations per rank

@@ -13,9 +13,10 @@ use super::model_state::{activation_bytes, bytes_per_param, model_state_with_sha
 use super::structure::check_structure;
 use super::{Plan, RankMemory, StagePlan};
 use crate::plan::compression::{self, Compressor};
+use crate::plan::fp8_gather;
 use crate::plan::schedule::Pipeline;
 use crate::spec::field_error::FieldError;
-use crate::spec::{BackendKind, ExperimentSpec, GradCompression, Offload, PpSchedule, Sharding};
+use crate::spec::{BackendKind, ExperimentSpec, Fp8Recipe, GradCompression, Offload, PpSchedule, Sharding};
 
 /// The most parameters two units opened one after the other hold: a block and the
 /// embeddings, two blocks, or a block and the head (`units`: (block size, blocks),
@@ -250,6 +251,12 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
                 .saturating_mul(block_per_tp_rank),
             chunks: u(pipe.chunks),
             dp_wire_bytes: wire_bytes(p.comm_dtype),
+            fp8_block_gather: (p.fp8_all_gather && p.sharding == Sharding::Fsdp).then(|| {
+                let runs = fp8_gather::block_runs(m);
+                let wire = wire_bytes(p.comm_dtype) as usize;
+                fp8_gather::sent_per_gather(&runs, p.dp, wire, t.fp8 == Fp8Recipe::Current)
+            }),
+            block_params: m.block_params(),
             allreduce: p.allreduce,
             ranks_per_node: p.ranks_per_node,
             compressed: compressing.then(|| compressor.bytes_sent(&shapes, p.dp)),

@@ -147,7 +147,11 @@ pub(super) fn selective_recompute(input: &Inputs) -> Result<Measurement, String>
             ms(forward),
             ms(backward)
         ),
-        agrees: memory.agrees && selective && recompute > 0 && measured >= planned - 0.10 && measured <= (1.0 + planned) / 2.0,
+        agrees: memory.agrees
+            && selective
+            && recompute > 0
+            && measured >= planned - 0.10
+            && measured <= (1.0 + planned) / 2.0,
         ..memory
     })
 }

@@ -123,6 +123,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::LossScalingUnderflow => "fp16-plain",
         ClaimCheck::Bf16NoScaling => "bf16",
         ClaimCheck::Fp8DelayedScaling => "fp8",
+        ClaimCheck::Fp8AllGather => "fp8-all-gather",
         ClaimCheck::ModelFlopUtilisation => "reference",
     }
 }
@@ -132,7 +133,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 /// config with dynamic loss scaling (underflow), in fp32 (bf16), without activation
 /// checkpointing (its memory), with the GPipe schedule (activation peaks per stage), with
 /// naive attention, with FSDP's prefetch, with sequence parallelism, with a 2-byte wire,
-/// with more accumulation steps, with room for every token in each expert, or with the
+/// gathering in the wire format rather than FP8, with more accumulation steps, with room for every token in each expert, or with the
 /// optimizer's state in memory. None: the check needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     let mut twin = run.clone();
@@ -163,6 +164,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         ClaimCheck::DiskOffloadMemory => twin.parallel.offload = crate::Offload::None,
         ClaimCheck::ActivationOffloadMemory => twin.train.activation_offload = crate::Offload::None,
         ClaimCheck::Fp8DelayedScaling => twin.train.fp8 = crate::Fp8Recipe::None,
+        ClaimCheck::Fp8AllGather => twin.parallel.fp8_all_gather = false,
         ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
         _ => return None,
     }
@@ -181,6 +183,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::Zero1Traffic => traffic::zero1_traffic(input),
         ClaimCheck::ExpertAllToAll => traffic::expert_all_to_all(input),
         ClaimCheck::TwoByteWire => traffic::two_byte_wire(input),
+        ClaimCheck::Fp8AllGather => traffic::fp8_all_gather(input),
         ClaimCheck::TpAllreduces => traffic::tp_allreduces(input),
         ClaimCheck::TreeAllreduce => all_reduce::tree(run),
         ClaimCheck::HierarchicalAllreduce => all_reduce::hierarchical(run),
@@ -307,6 +310,7 @@ mod tests {
             ClaimCheck::DiskOffloadMemory,
             ClaimCheck::ActivationOffloadMemory,
             ClaimCheck::Fp8DelayedScaling,
+            ClaimCheck::Fp8AllGather,
         ] {
             assert!(keys.contains(&canonical_preset(check)), "{check:?}");
         }

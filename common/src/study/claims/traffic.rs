@@ -289,6 +289,56 @@ pub(super) fn two_byte_wire(input: &Inputs) -> Result<Measurement, String> {
     ))
 }
 
+/// FSDP gathering the blocks' weights as FP8 (this run) against gathering them in the wire
+/// format (the partner): each run's all-gather bytes per step on rank 0 the planner's, the
+/// FP8 run's under 0.6 of the other's (the weights in one byte, the norms, biases,
+/// embeddings and head as before), and the same losses step by step: the gathered values
+/// are the casts the model would make of the gathered weights.
+pub(super) fn fp8_all_gather(input: &Inputs) -> Result<Measurement, String> {
+    let run = input.run;
+    let other = input
+        .partner
+        .ok_or("no finished run of the same config with fp8_all_gather off yet (resubmit the preset without it)")?;
+    let gathered = |r: &RunEvidence| -> Result<(u64, u64), String> {
+        let rank =
+            r.ranks.iter().find(|x| x.rank == 0).ok_or_else(|| format!("run {} recorded no trace", r.view.id))?;
+        let sent: u64 = op_counters(rank, CollectiveOp::AllGather).map(|c| c.bytes_sent).sum();
+        let plan = planner::plan(&r.view.spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
+        Ok((sent / r.traced_steps.max(1), plan.stages[r.view.spec.stage_of(0)].comm.dp_all_gather))
+    };
+    let ((ours, ours_planned), (theirs, theirs_planned)) = (gathered(run)?, gathered(other)?);
+    let ratio = ours as f64 / theirs.max(1) as f64;
+    let steps = run.metrics.len().min(other.metrics.len());
+    let same_losses = steps > 0
+        && run.metrics.iter().zip(other.metrics).all(|(a, b)| a.step == b.step && a.loss.to_bits() == b.loss.to_bits());
+    let wire = other.view.spec.parallel.comm_dtype.as_str();
+    Ok(input.m(
+        format!(
+            "FSDP's all-gathers carry {} per rank and step with the blocks' weights in FP8, {} in {wire} \
+             (planner): {:.3}x; the same losses",
+            bytes_text(ours_planned),
+            bytes_text(theirs_planned),
+            ours_planned as f64 / theirs_planned.max(1) as f64
+        ),
+        format!(
+            "{} and {} on rank 0 (run {}): {ratio:.3}x; {}",
+            bytes_text(ours),
+            bytes_text(theirs),
+            other.view.id,
+            match same_losses {
+                true => format!("the losses of {steps} steps equal to the last bit"),
+                false => "the losses differ".into(),
+            }
+        ),
+        input.spec.parallel.fp8_all_gather
+            && !other.view.spec.parallel.fp8_all_gather
+            && ours == ours_planned
+            && theirs == theirs_planned
+            && ratio < 0.6
+            && same_losses,
+    ))
+}
+
 /// Tensor parallelism's all-reduces on rank 0 in one step: 4 per block and micro-batch (6 with checkpointing).
 pub(super) fn tp_allreduces(input: &Inputs) -> Result<Measurement, String> {
     let run = input.run;
@@ -551,6 +601,34 @@ mod tests {
         // A wire that still sends 4 bytes per element disagrees.
         let got = measure(ClaimCheck::TwoByteWire, &run(&v_wide, &r_wide), Some(&run(&v_narrow, &r_wide))).unwrap();
         assert!(!got.agrees, "{got:?}");
+    }
+
+    #[test]
+    fn fp8_all_gathers_are_held_to_the_planners_bytes_and_the_same_losses() {
+        let spec = presets().into_iter().find(|p| p.key == "fp8-all-gather").map(|p| p.spec).unwrap_or_default();
+        assert!(spec.parallel.fp8_all_gather);
+        let mut wide = spec.clone();
+        wide.parallel.fp8_all_gather = false;
+        assert_eq!(is_partner(ClaimCheck::Fp8AllGather, &spec, &wide), Some(true));
+        let gathers = |s: &ExperimentSpec| planner::plan(s).unwrap().stages[0].comm.dp_all_gather;
+        let ranks = |bytes: u64| traced(vec![counter(CollectiveOp::AllGather, 1, bytes)], 0);
+        let points = |losses: &[f64]| -> Vec<crate::MetricPoint> {
+            let point = |(step, &loss)| crate::MetricPoint { step: step as u64, loss, ..Default::default() };
+            losses.iter().enumerate().map(point).collect()
+        };
+        let (v_fp8, v_wide) = (succeeded_view(1, spec.clone(), None), succeeded_view(2, wide.clone(), None));
+        let (r_fp8, r_wide) = (ranks(gathers(&spec)), ranks(gathers(&wide)));
+        let (same, other) = (points(&[5.5, 5.0, 4.6]), points(&[5.5, 5.0, 4.7]));
+        let check = |r_fp8: &[RankTrace], fp8_losses: &[crate::MetricPoint]| {
+            let ours = RunEvidence { view: &v_fp8, metrics: fp8_losses, ranks: r_fp8, traced_steps: 1 };
+            let theirs = RunEvidence { view: &v_wide, metrics: &same, ranks: &r_wide, traced_steps: 1 };
+            measure(ClaimCheck::Fp8AllGather, &ours, Some(&theirs)).unwrap()
+        };
+        let got = check(&r_fp8, &same);
+        assert!(got.agrees, "{got:?}");
+        // Weights still gathered in bf16, or the gathered values not the model's casts: disagrees.
+        assert!(!check(&r_wide, &same).agrees);
+        assert!(!check(&r_fp8, &other).agrees);
     }
 
     #[test]

@@ -189,6 +189,11 @@ const SECTIONS: &[SectionDef] = &[
                 "data-parallel collectives on the wire: fp32, or the run's own 2-byte format",
             ),
             f(
+                "parallel.fp8_all_gather",
+                Kind::Bool,
+                "fsdp with fp8: the blocks' weights cast to FP8 before they are gathered (1 byte each on the wire)",
+            ),
+            f(
                 "parallel.allreduce",
                 Kind::Choice(&["ring", "tree", "naive", "hierarchical"]),
                 "how DDP all-reduces the gradients",
@@ -293,6 +298,7 @@ fn training_only(path: &str) -> bool {
                 | "parallel.bucket_bytes"
                 | "parallel.prefetch"
                 | "parallel.comm_dtype"
+                | "parallel.fp8_all_gather"
                 | "parallel.offload"
                 | "parallel.sequence_parallel"
                 | "parallel.ranks_per_node"
