@@ -536,14 +536,14 @@ fn frame_bytes(wire: Precision, n: usize) -> usize {
 }
 
 /// `x` rounded (to nearest even) to a 2-byte wire format, as its bits.
-fn pack(wire: Precision, x: f32) -> u16 {
+pub(crate) fn pack(wire: Precision, x: f32) -> u16 {
     match wire {
         Precision::Fp16 => half::f16::from_f32(x).to_bits(),
         _ => half::bf16::from_f32(x).to_bits(),
     }
 }
 
-fn unpack(wire: Precision, bits: u16) -> f32 {
+pub(crate) fn unpack(wire: Precision, bits: u16) -> f32 {
     match wire {
         Precision::Fp16 => half::f16::from_bits(bits).to_f32(),
         _ => half::bf16::from_bits(bits).to_f32(),

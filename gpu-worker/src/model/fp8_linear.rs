@@ -17,8 +17,9 @@
 //! every micro-batch of a step, forward and backward, uses the same); current scaling
 //! measures each cast's own amax first. Backward casts the layer's input and weight again
 //! (the same values: the same tensor, the same scale) rather than keeping x̂ and Ŵ, and
-//! only the gradient's cast is recorded there. The cast operands live for one product,
-//! booked as transient.
+//! only the gradient's cast is recorded there. A weight FSDP gathered in FP8
+//! (`parallel.fp8_all_gather`) arrives cast and is used as it is. The cast operands live
+//! for one product, booked as transient.
 
 use std::sync::Arc;
 

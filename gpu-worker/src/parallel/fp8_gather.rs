@@ -14,9 +14,11 @@
 use std::ops::Range;
 
 use distlab_common::plan::fp8_gather::{FP8_WEIGHTS, HEADER_BYTES};
+use distlab_common::plan::planner::wire_bytes;
 use distlab_common::Precision;
 use float8::F8E4M3;
 
+use crate::comm::ring::{pack, unpack};
 use crate::model::layout::BlockTensors;
 use crate::ops::float::{Float, Stored};
 use crate::ops::fp8::{Fp8Cast, Fp8Format};
@@ -167,28 +169,21 @@ impl BlockRuns {
     }
 }
 
-/// `v` in `wire`'s format at the start of `out`; the bytes it took. (The 2-byte formats
-/// round to nearest even, as the ring's wire does.)
+/// `v` in `wire`'s format at the start of `out` (the 2-byte formats rounded as the ring's
+/// wire rounds them); the bytes it took.
 fn put_wire(v: f32, wire: Precision, out: &mut [u8]) -> usize {
     match wire {
         Precision::Fp32 => out[..4].copy_from_slice(&v.to_le_bytes()),
-        Precision::Bf16 => out[..2].copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
-        Precision::Fp16 => out[..2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+        _ => out[..2].copy_from_slice(&pack(wire, v).to_le_bytes()),
     }
-    if wire == Precision::Fp32 {
-        4
-    } else {
-        2
-    }
+    wire_bytes(wire) as usize
 }
 
 /// The value [`put_wire`] wrote at the start of `bytes`, and the bytes it took.
 fn get_wire(wire: Precision, bytes: &[u8]) -> (f32, usize) {
-    let two = || [bytes[0], bytes[1]];
     match wire {
         Precision::Fp32 => (f32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")), 4),
-        Precision::Bf16 => (half::bf16::from_le_bytes(two()).to_f32(), 2),
-        Precision::Fp16 => (half::f16::from_le_bytes(two()).to_f32(), 2),
+        _ => (unpack(wire, u16::from_le_bytes([bytes[0], bytes[1]])), 2),
     }
 }
 
