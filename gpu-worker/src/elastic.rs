@@ -127,7 +127,7 @@ pub fn recut(
         for stage in 0..pp {
             let stage_blocks = stage_of(&pipe, spec.model.layers, stage);
             let place = TpPlace { rank: tp_rank, size: tp };
-            let layout = ParamLayout::with_block_order(&spec.model, place, &stage_blocks.block_order);
+            let layout = ParamLayout::with_unit_order(&spec.model, place, &stage_blocks.unit_order);
             let place = |dp| RankPlace { dp, tp: tp_rank, pp: stage };
             let old: Vec<RankCheckpoint> = (0..source.parallel.dp)
                 .map(|dp| checkpoint::read(&from.file(step, place(dp))))
@@ -159,10 +159,10 @@ pub fn stage_sections(
     stage: usize,
 ) -> Result<(ParamLayout, Stage, Sections), CheckpointError> {
     let stage_blocks = stage_of(&Pipeline::of(spec), spec.model.layers, stage);
-    let layout = ParamLayout::with_block_order(
+    let layout = ParamLayout::with_unit_order(
         &spec.model,
         TpPlace { rank: tp_rank, size: spec.parallel.tp },
-        &stage_blocks.block_order,
+        &stage_blocks.unit_order,
     );
     let place = |dp| RankPlace { dp, tp: tp_rank, pp: stage };
     let files: Vec<RankCheckpoint> =

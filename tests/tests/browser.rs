@@ -1446,6 +1446,37 @@ async fn zero_bubble_scenario(c: &Client, lab: &Lab, pipeline: &ExperimentSpec) 
     // The same formula with the step's own F, B and W.
     ensure!(text(c, "#pipeline-main .measured-formula-bubble").await?.ends_with('%'));
     save_element(c, "#pipeline-card", "pipeline-zb-h1.png").await?;
+    zbv_scenario(c, lab, pipeline).await
+}
+
+/// The pipeline preset on 8 blocks as ZBV: every stage row has 2M forwards, B's and W's,
+/// M of each lettered a (down the V) and M b (back up), measured and projected, and the
+/// formula is (P-1)/(6M+P-1).
+async fn zbv_scenario(c: &Client, lab: &Lab, pipeline: &ExperimentSpec) -> Result<()> {
+    let mut spec = pipeline.clone();
+    spec.name = "pp-zbv".into();
+    spec.model.layers = 8;
+    spec.parallel.pp_schedule = distlab_common::PpSchedule::Zbv;
+    let m = run_and_open_pipeline_page(c, lab, &spec).await?;
+    let count = "return document.querySelectorAll(arguments[0]).length;";
+    for svg in ["pipeline-main-svg", "pipeline-main-projected-svg"] {
+        for stage in 0..4 {
+            for class in ["span-forward", "span-backward", "span-weights"] {
+                for chunk in ["a", "b"] {
+                    let selector =
+                        format!("#{svg} g.pp-row[data-stage='{stage}'] g[data-chunk='{chunk}'] rect.{class}");
+                    let boxes = js(c, count, &selector).await?;
+                    ensure!(
+                        boxes == json!(m),
+                        "{svg} stage {stage}: {boxes} {class} boxes of chunk {chunk}, not M = {m}"
+                    );
+                }
+            }
+        }
+    }
+    ensure!(text(c, "#pipeline-main .formula-bubble").await? == "5.9%", "(4-1)/(6*8+4-1)");
+    ensure!(text(c, "#pipeline-main h3").await?.contains("ZBV"));
+    save_element(c, "#pipeline-card", "pipeline-zbv.png").await?;
     Ok(())
 }
 

@@ -136,6 +136,33 @@ fn the_pipeline_presets_bubble_replayed_is_near_the_decks_formula() {
     }
 }
 
+/// ZBV against ZB-H1 on the same model: the replay idles less, and every stage's
+/// activation peak in both runs is the planner's.
+#[test]
+fn the_zbv_presets_bubble_is_under_zb_h1s_and_its_peaks_are_the_planners() {
+    let _serial = one_at_a_time();
+    let mut v = preset("zbv");
+    (v.train.steps, v.train.warmup_steps) = (4, 1);
+    let mut h1 = v.clone();
+    h1.parallel.pp_schedule = PpSchedule::ZbH1;
+    let got = check(ClaimCheck::ZbvBubble, &v, Some(&h1));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}\n  {}", got.predicted, got.measured);
+}
+
+/// DiLoCo against DDP on the same replicas: 1/H of the all-reduce bytes per step, both
+/// runs' the planner's.
+#[test]
+fn the_diloco_presets_bytes_are_ddps_over_h() {
+    let _serial = one_at_a_time();
+    let diloco = preset("diloco");
+    let mut ddp = diloco.clone();
+    ddp.parallel.sync = DataSync::EveryStep;
+    let got = check(ClaimCheck::DilocoBytes, &diloco, Some(&ddp));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}\n  {}", got.predicted, got.measured);
+}
+
 #[test]
 fn the_zero2_and_fsdp_presets_send_their_multiples_of_d() {
     let _serial = one_at_a_time();

@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 32] = [
+const LAYOUTS: [(&str, Layout); 34] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -49,6 +49,11 @@ const LAYOUTS: [(&str, Layout); 32] = [
         s.model.layers = 4;
     }),
     ("pp2 zb-h1", |s| (s.parallel.pp, s.parallel.pp_schedule) = (2, PpSchedule::ZbH1)),
+    // (a block per chunk of the V; the turn on stage 1, the head on stage 0)
+    ("pp2 zbv", |s| {
+        (s.parallel.pp, s.parallel.pp_schedule, s.train.micro_batches) = (2, PpSchedule::Zbv, 4);
+        s.model.layers = 4;
+    }),
     ("dp2 x tp2 x pp2 fsdp", |s| {
         (s.parallel.dp, s.parallel.tp, s.parallel.pp, s.parallel.sharding) = (2, 2, 2, Sharding::Fsdp)
     }),
@@ -77,6 +82,10 @@ const LAYOUTS: [(&str, Layout); 32] = [
         (s.parallel.dp, s.parallel.ep) = (2, 2);
     }),
     ("ddp int8 compression", |s| (s.parallel.dp, s.parallel.grad_compression) = (2, GradCompression::Int8)),
+    // (2 replicas meeting every 2 steps: 4 outer steps in the run)
+    ("diloco dp2 every 2 steps", |s| {
+        (s.parallel.dp, s.parallel.sync, s.parallel.outer_steps_every) = (2, DataSync::Diloco, 2)
+    }),
     ("zero1 host offload", |s| {
         (s.parallel.dp, s.parallel.sharding, s.parallel.offload) = (2, Sharding::Zero1, Offload::Host)
     }),
@@ -199,6 +208,9 @@ fn every_strategy_on_cuda_follows_the_cpu_in_bf16_and_fp16() {
             layout(&mut s);
             if precision == Precision::Fp16 && s.train.fp8 != Fp8Recipe::None {
                 continue; // (validation: fp16 cannot hold FP8's scaled-back values)
+            }
+            if s.parallel.sync == DataSync::Diloco {
+                continue; // (validation: DiLoCo's outer step runs in fp32)
             }
             if precision == Precision::Fp16 && s.parallel.grad_compression == GradCompression::None {
                 s.train.loss_scaling = LossScaling::Dynamic;

@@ -96,6 +96,39 @@ fn zero_bubble_trains_like_one_rank_with_dp_and_tp() {
     }
 }
 
+/// ZBV: 2P chunks in a V, the first stage holding the embeddings and the head, the last
+/// handing its first chunk's output to its second; the losses are one rank's, alone and
+/// with dp and tp.
+#[test]
+fn zbv_trains_like_one_rank_with_dp_and_tp() {
+    let _serial = one_at_a_time();
+    let v = |pp: usize, micro_batches: usize| {
+        let mut s = spec("zbv", pp, PpSchedule::Zbv, micro_batches);
+        s.model.layers = 8;
+        s
+    };
+    let mut one = spec("one rank", 1, PpSchedule::OneFOneB, 8);
+    one.model.layers = 8;
+    for optimizer in OPTIMIZERS {
+        let single = run_steps(&optimizer.on(one.clone()));
+        for pp in [2, 4] {
+            let piped = run_steps(&optimizer.on(v(pp, 8)));
+            assert_same_training(&single, &piped, &format!("zbv pp={pp} {optimizer:?}"));
+        }
+        let mut with_tp = v(2, 8);
+        with_tp.parallel.tp = 2;
+        assert_same_training(&single, &run_steps(&optimizer.on(with_tp)), &format!("tp2 x zbv {optimizer:?}"));
+    }
+    let mut single = one.clone();
+    single.train.micro_batch = 4;
+    single.train.micro_batches = 4;
+    let single = run_steps(&single);
+    let mut mixed = v(2, 4);
+    mixed.parallel.dp = 2;
+    mixed.parallel.sharding = Sharding::Zero1;
+    assert_same_training(&single, &run_steps(&mixed), "dp2 x zbv pp2 zero1");
+}
+
 #[test]
 fn pipelines_compose_with_data_parallelism() {
     let _serial = one_at_a_time();
@@ -155,12 +188,16 @@ fn one_f_one_b_holds_fewer_activations_than_gpipe() {
     let interleaved = peak(PpSchedule::Interleaved);
     // ZB-H1: every stage holds P micro-batches until their W, and what the B keeps for it.
     let zero_bubble = peak(PpSchedule::ZbH1);
+    // ZBV: 2P chunk passes (P micro-batches of a stage's blocks) on every stage, the head's
+    // activations on the first.
+    let v = peak(PpSchedule::Zbv);
     println!(
         "activation peaks per stage: GPipe {gpipe:?}, 1F1B {one_f_one_b:?}, interleaved v=2 {interleaved:?}, \
-         ZB-H1 {zero_bubble:?}"
+         ZB-H1 {zero_bubble:?}, ZBV {v:?}"
     );
     assert!(interleaved[0] > one_f_one_b[0] && interleaved[0] < gpipe[0], "stage 0: {interleaved:?}");
     assert!(zero_bubble[1] > one_f_one_b[1] && zero_bubble[0] < gpipe[0], "{zero_bubble:?}");
+    assert!(v[0] > v[1] && v[1] > one_f_one_b[1] && v[0] < gpipe[0], "{v:?}");
 }
 
 /// The idle share of each rank between the pipeline's first forward and last backward
@@ -254,7 +291,7 @@ fn expected_order(schedule: PpSchedule, stages: usize, stage: usize, m: usize) -
 fn every_stage_runs_the_schedules_order_and_the_bubble_is_reported() {
     let _serial = one_at_a_time();
     for (pp, m) in [(2, 4), (4, 8)] {
-        for schedule in [PpSchedule::Gpipe, PpSchedule::OneFOneB, PpSchedule::Interleaved, PpSchedule::ZbH1] {
+        for schedule in PIPELINE_SCHEDULES {
             let mut s = spec("bubble", pp, schedule, m);
             s.model = ModelSpec::dense(8, 256, 4, 64, 64);
             if schedule == PpSchedule::Interleaved {
@@ -276,7 +313,16 @@ fn every_stage_runs_the_schedules_order_and_the_bubble_is_reported() {
                         .collect();
                     let stage = s.stage_of(rank.rank as usize);
                     let what = format!("pp={pp} M={m} {schedule:?} rank {} step {step}", rank.rank);
-                    assert_eq!(order, expected_order(schedule, pp, stage, m), "{what}");
+                    let expected = match schedule {
+                        // (its order is checked against PyTorch's in schedule.rs's tests)
+                        PpSchedule::Zbv => distlab_common::schedule::Pipeline::of(&s)
+                            .actions(stage)
+                            .into_iter()
+                            .map(|a| (span_kind(a), a.micro() as u32, a.chunk() as u32))
+                            .collect(),
+                        _ => expected_order(schedule, pp, stage, m),
+                    };
+                    assert_eq!(order, expected, "{what}");
                 }
             }
             let bubbles = measured_bubbles(&trace);
@@ -284,6 +330,20 @@ fn every_stage_runs_the_schedules_order_and_the_bubble_is_reported() {
             let formula = distlab_common::schedule::Pipeline::of(&s).formula_bubble();
             println!("pp={pp} M={m} {schedule:?}: measured bubble {mean:.3} (per rank and step {bubbles:.3?}), formula {formula:.3}");
         }
+    }
+}
+
+/// Every schedule this lab runs.
+const PIPELINE_SCHEDULES: [PpSchedule; 5] =
+    [PpSchedule::Gpipe, PpSchedule::OneFOneB, PpSchedule::Interleaved, PpSchedule::ZbH1, PpSchedule::Zbv];
+
+/// The span a pass leaves on the timeline.
+fn span_kind(action: distlab_common::schedule::Action) -> SpanKind {
+    use distlab_common::schedule::Action;
+    match action {
+        Action::Forward { .. } => SpanKind::Forward,
+        Action::Backward { .. } => SpanKind::Backward,
+        Action::Weights { .. } => SpanKind::Weights,
     }
 }
 

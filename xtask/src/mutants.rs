@@ -136,9 +136,30 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "An interleaved stage holds every parameter from its first block to its last (other stages' blocks too)",
         file: "gpu-worker/src/parallel/pipeline.rs",
-        find: "let block_order = (0..pipe.stages).flat_map(|s| pipe.blocks_of(layers, s)).flatten().collect();",
-        replace: "let block_order = (0..layers).collect();",
+        find: "let unit_order = (0..pipe.stages).flat_map(|s| of(s).units()).collect();",
+        replace: "let unit_order = crate::model::state::Unit::all(layers).collect();",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "one_f_one_b_holds_fewer_activations_than_gpipe"],
+    },
+    Mutant {
+        name: "A V stage takes the first message that came early, not the one its pass waits for",
+        file: "gpu-worker/src/parallel/pipeline.rs",
+        find: "if let Some(i) = self.early.iter().position(|(m, ..)| *m == wanted) {",
+        replace: "if let Some(i) = self.early.iter().position(|_| true) {",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "zbv_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "ZBV's second chunk laid out as interleaved's (stage s holds chunk P+s, not 2P-1-s)",
+        file: "common/src/plan/schedule.rs",
+        find: "(PpSchedule::Zbv, 1) => 2 * self.stages - 1 - stage,",
+        replace: "(PpSchedule::Zbv, 1) => self.stages + stage,",
+        tests: &["-p", "distlab-common", "schedule"],
+    },
+    Mutant {
+        name: "DiLoCo's outer momentum is kept but never applied (a plain outer step)",
+        file: "gpu-worker/src/parallel/diloco.rs",
+        find: "d + mu * *u",
+        replace: "d",
+        tests: &["-p", "distlab-tests", "--test", "diloco", "diloco_with_sgd_every_step_and_no_momentum_is_ddp"],
     },
     Mutant {
         name: "FSDP ranks initialise the whole model before keeping their shard",

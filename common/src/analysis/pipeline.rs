@@ -373,6 +373,16 @@ mod tests {
                 assert!((b.overall - shape.formula_bubble()).abs() < 1e-12, "{shape:?}");
             }
         }
+        // ZBV with F = B = W per chunk pass: P-1 of them idle against 6M busy on every stage.
+        for p in 2..=5 {
+            for m in 2 * p - 1..=12 {
+                let shape = pipe(PpSchedule::Zbv, p, 2, m);
+                let equal = vec![StageDurations { forward: 10, backward: 10, weights: 10 }; p];
+                let b = measured_bubble(&project(shape, &equal, 1).unwrap()).unwrap();
+                assert_eq!(b.window, (0, (6 * m + p - 1) as u64 * 10), "{shape:?}");
+                assert!((b.overall - shape.formula_bubble()).abs() < 1e-12, "{shape:?}");
+            }
+        }
         // The last stage twice as slow: everything waits for it.
         let mut slow = vec![StageDurations { forward: 10, backward: 20, weights: 0 }; 4];
         slow[3] = StageDurations { forward: 20, backward: 40, weights: 0 };

@@ -420,11 +420,9 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
         let all_reduces = per_block.saturating_mul(st.layers as u64).saturating_mul(micro_steps);
         (st.comm.tp_all_reduce, all_reduces.saturating_mul(tp.saturating_sub(1).saturating_mul(2)))
     });
-    let chunks = crate::plan::schedule::Pipeline::of(spec).chunks as u64;
+    let pipe = crate::plan::schedule::Pipeline::of(spec);
     let pp_axis = slowest_stage(axis(tp, pp), &|st| {
-        // One send per micro-batch forward of each chunk (but the model's last) and backward
-        // (but the model's first).
-        let sends = (chunks - u64::from(st.head)) + (chunks - u64::from(st.embedding));
+        let sends = pipe.messages_per_micro_batch(st.stage) as u64;
         (st.comm.pp_send, sends.saturating_mul(micro_steps))
     });
 

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::estimate::{estimate, Cluster, Estimate};
 use crate::plan::planner::{self, MAX_PLANNED_STAGES};
+use crate::plan::schedule::Pipeline;
 use crate::spec::field_error::FieldError;
 use crate::spec::*;
 
@@ -160,8 +161,9 @@ pub fn search(request: &SearchRequest) -> Result<SearchResult, Vec<FieldError>> 
     let mut examined = 0;
     for spec in layouts {
         let p = &spec.parallel;
-        let passes = spec.pipeline_micro_batches().saturating_mul(p.virtual_stages).saturating_mul(p.pp);
-        if matches!(p.pp_schedule, PpSchedule::Interleaved | PpSchedule::ZbH1) && passes > MAX_FOLLOWED_PASSES {
+        let pipe = Pipeline::of(&spec);
+        let passes = pipe.passes();
+        if pipe.followed_pass_by_pass() && passes > MAX_FOLLOWED_PASSES {
             let reason = format!(
                 "{} over {} passes: more than the search follows pass by pass ({MAX_FOLLOWED_PASSES})",
                 p.pp_schedule.as_str(),
@@ -295,7 +297,7 @@ fn checkpointing_modes(attention: Attention) -> impl Iterator<Item = Checkpointi
 
 /// The schedules worth trying for `pp` stages: none to choose without a pipeline; 1F1B
 /// (GPipe runs as long and holds more), interleaved where the layers and micro-batches
-/// split evenly, and ZB-H1.
+/// split evenly, ZB-H1, and ZBV where the layers cut into 2P chunks and M >= 2P-1.
 fn schedules(pp: usize, layers: usize, micro_batches: usize) -> Vec<(PpSchedule, usize)> {
     if pp == 1 {
         return vec![(PpSchedule::OneFOneB, 1)];
@@ -303,6 +305,9 @@ fn schedules(pp: usize, layers: usize, micro_batches: usize) -> Vec<(PpSchedule,
     let mut out = vec![(PpSchedule::OneFOneB, 1), (PpSchedule::ZbH1, 1)];
     if layers % (pp * VIRTUAL_STAGES) == 0 && micro_batches % pp == 0 {
         out.push((PpSchedule::Interleaved, VIRTUAL_STAGES));
+    }
+    if layers % (2 * pp) == 0 && micro_batches + 1 >= 2 * pp {
+        out.push((PpSchedule::Zbv, 1));
     }
     out
 }

@@ -29,6 +29,17 @@
 //!   stage 0:  F0 F1 | F2 B0 W0 F3 B1 W1 | B2 W2 B3 W3
 //!   stage 1:  F0    | F1 B0 F2 B1 W0 F3 B2 W1 | B3 W2 W3
 //!   stage 2:        | F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 | W2 W3
+//!
+//! ZBV (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"; PyTorch's
+//! ScheduleZBVZeroBubble), P = 2, M = 4: the layers cut into 2P chunks laid out in a V,
+//! stage s holding chunk s on the way down (a) and chunk 2P-1-s on the way back (b): the
+//! first stage runs the embeddings and the head, so a micro-batch's backward starts where
+//! its forward began, and the last stage hands chunk a's output to its own chunk b. B and
+//! W split as in ZB-H1:
+//!   stage 0:  Fa0 Fa1 Fa2 Fb0 Bb0 Wb0 Fb1 Bb1 Wb1 Fa3 Ba0 Wa0 Fb2 Bb2 Wb2 Ba1 Wa1 Fb3 Bb3 Wb3
+//!             Ba2 Wa2 Ba3 Wa3
+//!   stage 1:  Fa0 Fb0 Fa1 Fb1 Bb0 Wb0 Fa2 Ba0 Wa0 Fb2 Bb1 Wb1 Fa3 Ba1 Wa1 Fb3 Bb2 Wb2 Ba2 Bb3
+//!             Ba3 Wa2 Wb3 Wa3
 //! ```
 //!
 //! GPipe and 1F1B leave the same bubble, (P-1)/(M+P-1) of the step on equal stages; 1F1B
@@ -38,6 +49,11 @@
 //! little more activation memory. ZB-H1's bubble is (P-1)(F+B-W) against 1F1B's
 //! (P-1)(F+B+W) (the paper's section 3.1), a third of it when F = B = W: (P-1)/(3M+P-1);
 //! every stage then holds P micro-batches until their W, the most 1F1B holds on any stage.
+//! ZBV's chunk passes are half a stage's, and its ramp is P-1 of them: (P-1)/(6M+P-1) with
+//! F = B = W, for M >= 2P-1; it holds at most 2P chunk activations (P micro-batches of a
+//! stage's layers), as 1F1B's first stage does. A link of the V carries activations one way
+//! and gradients the same way interleaved, in the sender's order: the receiver keeps what
+//! comes before it needs it ([`Pipeline::held_early`]).
 
 use std::ops::Range;
 
@@ -45,19 +61,19 @@ use crate::plan::ring::chunk_range;
 use crate::spec::{ExperimentSpec, PpSchedule};
 
 /// One pass of one micro-batch through one of this stage's chunks of layers (`chunk`
-/// counts this stage's chunks from 0; always 0 but in the interleaved schedule).
+/// counts this stage's chunks from 0; always 0 but in the interleaved and V schedules).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     Forward {
         micro: usize,
         chunk: usize,
     },
-    /// The backward: whole, or (ZB-H1) the input's gradient only (B).
+    /// The backward: whole, or (ZB-H1, ZBV) the input's gradient only (B).
     Backward {
         micro: usize,
         chunk: usize,
     },
-    /// ZB-H1: the weights' gradients of a micro-batch whose B ran (W).
+    /// ZB-H1, ZBV: the weights' gradients of a micro-batch whose B ran (W).
     Weights {
         micro: usize,
         chunk: usize,
@@ -82,15 +98,25 @@ impl Action {
     }
 }
 
+/// A message of the step between chunks: the activation going into model chunk `into`,
+/// or the gradient of its output coming back into it, of one micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Message {
+    Activation { into: usize, micro: usize },
+    Gradient { into: usize, micro: usize },
+}
+
 /// The shape of one step's pipeline: the schedule, P stages of v chunks each, M
 /// micro-batches. Model chunk `g` (0..P*v, in layer order) lives on stage g % P as its
 /// chunk g / P: consecutive chunks sit on consecutive stages, and the last stage's chunk
-/// hands on to the first stage's next one.
+/// hands on to the first stage's next one. In a V (ZBV, v = 2) chunk g < P lives on
+/// stage g and chunk g >= P on stage 2P-1-g ([`Pipeline::place_of`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pipeline {
     pub kind: PpSchedule,
     pub stages: usize,
-    /// Chunks of layers per stage (`parallel.virtual_stages`; 1 but for interleaved).
+    /// Chunks of layers per stage (`parallel.virtual_stages` for interleaved, 2 for ZBV,
+    /// else 1).
     pub chunks: usize,
     pub micro_batches: usize,
 }
@@ -102,7 +128,11 @@ impl Pipeline {
         // One stage runs forward, backward, forward, ... whatever the schedule (GPipe's
         // order would only hold every micro-batch's activations for nothing).
         let kind = if p.pp > 1 { p.pp_schedule } else { PpSchedule::OneFOneB };
-        let chunks = if kind == PpSchedule::Interleaved { p.virtual_stages.max(1) } else { 1 };
+        let chunks = match kind {
+            PpSchedule::Interleaved => p.virtual_stages.max(1),
+            PpSchedule::Zbv => 2,
+            _ => 1,
+        };
         Pipeline { kind, stages: p.pp.max(1), chunks, micro_batches: spec.pipeline_micro_batches() }
     }
 
@@ -125,14 +155,32 @@ impl Pipeline {
         self.stages * self.chunks
     }
 
-    /// The model chunk that is `stage`'s chunk `chunk`.
+    /// The model chunk that is `stage`'s chunk `chunk`: interleaved, stage + chunk * P; in a
+    /// V, the first chunk down the stages and the second back up, 2P - 1 - stage.
     pub fn model_chunk(&self, stage: usize, chunk: usize) -> usize {
-        chunk * self.stages + stage
+        match (self.kind, chunk) {
+            (PpSchedule::Zbv, 1) => 2 * self.stages - 1 - stage,
+            _ => chunk * self.stages + stage,
+        }
     }
 
     /// The stage holding model chunk `g`, and which of its chunks it is.
     pub fn place_of(&self, g: usize) -> (usize, usize) {
-        (g % self.stages, g / self.stages)
+        match self.kind {
+            PpSchedule::Zbv if g >= self.stages => (2 * self.stages - 1 - g, 1),
+            _ => (g % self.stages, g / self.stages),
+        }
+    }
+
+    /// Whether `stage` holds the embeddings (it runs the model's first chunk: stage 0).
+    pub fn holds_embeddings(&self, stage: usize) -> bool {
+        self.place_of(0).0 == stage
+    }
+
+    /// Whether `stage` holds the final norm, the LM head and the loss (it runs the model's
+    /// last chunk: the last stage, or in a V the first).
+    pub fn holds_head(&self, stage: usize) -> bool {
+        self.place_of(self.model_chunks() - 1).0 == stage
     }
 
     /// `stage`'s passes in the order it runs them.
@@ -177,12 +225,117 @@ impl Pipeline {
                 actions.extend((weights..m).map(|micro| Action::Weights { micro, chunk: 0 }));
                 actions
             }
+            PpSchedule::Zbv => zbv(self.stages, m, stage),
         }
     }
 
-    /// Whether the backward runs as B and W (ZB-H1).
+    /// What `stage`'s `action` waits for, and the stage it comes from (itself where the V
+    /// turns): a forward the activation out of the previous model chunk, a backward the
+    /// gradient out of the next; None for the model's first forward, its last backward
+    /// and every W.
+    pub fn needs(&self, stage: usize, action: Action) -> Option<(usize, Message)> {
+        let (g, micro) = (self.model_chunk(stage, action.chunk()), action.micro());
+        match action {
+            Action::Forward { .. } if g > 0 => Some((self.place_of(g - 1).0, Message::Activation { into: g, micro })),
+            Action::Backward { .. } if g + 1 < self.model_chunks() => {
+                Some((self.place_of(g + 1).0, Message::Gradient { into: g, micro }))
+            }
+            _ => None,
+        }
+    }
+
+    /// What `stage`'s `action` sends when it is done, and to which stage: a forward its
+    /// output to the next model chunk, a backward its input's gradient to the previous.
+    pub fn sends(&self, stage: usize, action: Action) -> Option<(usize, Message)> {
+        let (g, micro) = (self.model_chunk(stage, action.chunk()), action.micro());
+        match action {
+            Action::Forward { .. } if g + 1 < self.model_chunks() => {
+                Some((self.place_of(g + 1).0, Message::Activation { into: g + 1, micro }))
+            }
+            Action::Backward { .. } if g > 0 => {
+                Some((self.place_of(g - 1).0, Message::Gradient { into: g - 1, micro }))
+            }
+            _ => None,
+        }
+    }
+
+    /// Activations and gradients `stage` sends other stages per micro-batch: each chunk's
+    /// output but the model's last chunk's, each chunk's input gradient but the model's
+    /// first's, less what the V's turn hands over on the stage itself.
+    pub fn messages_per_micro_batch(&self, stage: usize) -> usize {
+        let passes = (0..self.chunks)
+            .flat_map(|chunk| [Action::Forward { micro: 0, chunk }, Action::Backward { micro: 0, chunk }]);
+        passes.filter_map(|a| self.sends(stage, a)).filter(|&(to, _)| to != stage).count()
+    }
+
+    /// The messages stage `from` sends stage `to` in a step, in the order it sends them.
+    pub fn messages(&self, from: usize, to: usize) -> Vec<Message> {
+        let sent = self.actions(from).into_iter().filter_map(|a| self.sends(from, a));
+        sent.filter(|&(dest, _)| dest == to).map(|(_, message)| message).collect()
+    }
+
+    /// The most messages `stage` holds before the pass that needs them: those a link brings
+    /// ahead of the one it waits for (each link delivers in its sender's order, and the
+    /// stage reads on only while it waits), and the V's turn handed from chunk to chunk on
+    /// the last stage. Depends on the orders only, not on timing: 0 for every schedule but
+    /// ZBV (the others' links deliver in the order their receivers want: not followed).
+    pub fn held_early(&self, stage: usize) -> usize {
+        match self.kind {
+            PpSchedule::Zbv => self.follow_held_early(stage),
+            _ => 0,
+        }
+    }
+
+    /// [`Self::held_early`], found by following the stage's passes whatever the schedule.
+    fn follow_held_early(&self, stage: usize) -> usize {
+        // Only the stages holding a neighbour of one of its chunks send to it (what the
+        // stage sends itself is held from the send, never read off a link).
+        let neighbours: Vec<usize> = (0..self.chunks)
+            .map(|c| self.model_chunk(stage, c))
+            .flat_map(|g| [g.checked_sub(1), Some(g + 1).filter(|&n| n < self.model_chunks())])
+            .flatten()
+            .map(|g| self.place_of(g).0)
+            .collect();
+        let mut links: Vec<std::collections::VecDeque<Message>> = vec![Default::default(); self.stages];
+        for from in (0..self.stages).filter(|&from| from != stage && neighbours.contains(&from)) {
+            links[from] = self.messages(from, stage).into();
+        }
+        let mut held: Vec<Message> = Vec::new();
+        let mut most = 0;
+        for action in self.actions(stage) {
+            if let Some((from, wanted)) = self.needs(stage, action) {
+                match held.iter().position(|&m| m == wanted) {
+                    Some(i) => _ = held.remove(i),
+                    None => {
+                        while let Some(message) = links[from].pop_front().filter(|&m| m != wanted) {
+                            held.push(message);
+                            most = most.max(held.len());
+                        }
+                    }
+                }
+            }
+            if let Some((_, message)) = self.sends(stage, action).filter(|&(to, _)| to == stage) {
+                held.push(message);
+                most = most.max(held.len());
+            }
+        }
+        most
+    }
+
+    /// Passes of all the stages in a step (W passes not counted).
+    pub fn passes(&self) -> usize {
+        self.micro_batches.saturating_mul(self.chunks).saturating_mul(self.stages)
+    }
+
+    /// Whether the planner follows the schedule pass by pass to find its peaks (the
+    /// others' are formulas).
+    pub fn followed_pass_by_pass(&self) -> bool {
+        matches!(self.kind, PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv)
+    }
+
+    /// Whether the backward runs as B and W (ZB-H1, ZBV).
     pub fn splits_backward(&self) -> bool {
-        self.kind == PpSchedule::ZbH1
+        self.kind.splits_backward()
     }
 
     /// Forwards `stage` runs before its first backward. 1F1B: P - stage - 1. Interleaved:
@@ -193,6 +346,8 @@ impl Pipeline {
         match self.kind {
             PpSchedule::Gpipe => m,
             PpSchedule::OneFOneB | PpSchedule::ZbH1 => last.min(m),
+            // (the forwards before its first B, in the order `zbv` gives)
+            PpSchedule::Zbv => self.actions(stage).iter().take_while(|a| a.is_forward()).count(),
             PpSchedule::Interleaved if m == p => m.saturating_mul(v),
             PpSchedule::Interleaved => (2 * last + (v - 1) * p).min(m.saturating_mul(v)),
         }
@@ -201,6 +356,23 @@ impl Pipeline {
     /// Chunk activations (one chunk's, of one micro-batch) `stage` holds at once: GPipe all
     /// M, the others one more than their warm-up (ZB-H1 keeps them until the W, s more).
     pub fn activations_in_flight(&self, stage: usize) -> usize {
+        if self.kind == PpSchedule::Zbv {
+            // (a forward takes a chunk's activations, its W gives them back)
+            let mut held = 0usize;
+            return self
+                .actions(stage)
+                .iter()
+                .map(|a| {
+                    match a {
+                        Action::Forward { .. } => held += 1,
+                        Action::Weights { .. } => held -= 1,
+                        Action::Backward { .. } => {}
+                    }
+                    held
+                })
+                .max()
+                .unwrap_or(0);
+        }
         let passes = self.micro_batches.saturating_mul(self.chunks);
         let held_back = if self.splits_backward() { stage } else { 0 };
         self.warmup(stage).saturating_add(1).saturating_add(held_back).min(passes)
@@ -208,12 +380,15 @@ impl Pipeline {
 
     /// The bubble on equal stages, with free transfers: (P-1)/(M+P-1), or (P-1)/(v*M+P-1)
     /// interleaved (each stage's ramp is P-1 chunk passes, each 1/v of a stage's pass), or
-    /// (P-1)/(3M+P-1) for ZB-H1 with F = B = W.
+    /// (P-1)/(3M+P-1) for ZB-H1 with F = B = W, or (P-1)/(6M+P-1) for ZBV with every chunk
+    /// pass as long (M >= 2P-1).
     pub fn formula_bubble(&self) -> f64 {
         let (p, v, m) = (self.stages.max(1) as f64, self.chunks.max(1) as f64, self.micro_batches.max(1) as f64);
         match self.kind {
             // (P-1)(F+B-W) idle against M(F+B+W) busy, F = B = W.
             PpSchedule::ZbH1 => (p - 1.0) / (3.0 * m + p - 1.0),
+            // P-1 chunk passes idle against 2 chunks x 3 passes x M busy, F = B = W.
+            PpSchedule::Zbv => (p - 1.0) / (6.0 * m + p - 1.0),
             _ => (p - 1.0) / (v * m + p - 1.0),
         }
     }
@@ -223,9 +398,61 @@ impl Pipeline {
         match self.kind {
             PpSchedule::Interleaved => "(P-1)/(vM+P-1)",
             PpSchedule::ZbH1 => "(P-1)/(3M+P-1) (ZB-H1, F = B = W)",
+            PpSchedule::Zbv => "(P-1)/(6M+P-1) (ZBV, F = B = W per chunk, M >= 2P-1)",
             _ => "(P-1)/(M+P-1)",
         }
     }
+}
+
+/// ZBV, stage `s` of `p`, `m` micro-batches; chunk 0 is the V's way down (model chunk s),
+/// chunk 1 its way back (2p-1-s). PyTorch's `ScheduleZBVZeroBubble` order: 2(p-s)-1
+/// forwards down; s pairs of forwards, back and down; p-s forwards back, each followed by
+/// its B and W; then, while forwards remain, a forward down, the B and W of the oldest
+/// micro-batch down, a forward back and the B and W of the oldest back; then the Bs owed,
+/// the Ws after. Built for max(m, 2p-1) micro-batches, the passes of those beyond m left
+/// out (their slots are idle).
+fn zbv(p: usize, m: usize, s: usize) -> Vec<Action> {
+    let n = m.max(2 * p - 1);
+    let (f, b, w) = (
+        |micro, chunk| Action::Forward { micro, chunk },
+        |micro, chunk| Action::Backward { micro, chunk },
+        |micro, chunk| Action::Weights { micro, chunk },
+    );
+    let mut out = Vec::new();
+    let (mut f0, mut f1, mut b0, mut b1) = (0, 0, 0, 0);
+    for _ in 0..2 * (p - s) - 1 {
+        out.push(f(f0, 0));
+        f0 += 1;
+    }
+    for _ in 0..s {
+        out.extend([f(f1, 1), f(f0, 0)]);
+        (f0, f1) = (f0 + 1, f1 + 1);
+    }
+    for _ in 0..p - s {
+        out.extend([f(f1, 1), b(b1, 1), w(b1, 1)]);
+        (f1, b1) = (f1 + 1, b1 + 1);
+    }
+    while f1 < f0 || f0 < n {
+        if f0 < n {
+            out.push(f(f0, 0));
+            f0 += 1;
+        }
+        out.extend([b(b0, 0), w(b0, 0), f(f1, 1), b(b1, 1), w(b1, 1)]);
+        (b0, f1, b1) = (b0 + 1, f1 + 1, b1 + 1);
+    }
+    let (mut w0, w1) = (b0, b1);
+    for _ in 0..s {
+        out.extend([b(b0, 0), b(b1, 1)]);
+        (b0, b1) = (b0 + 1, b1 + 1);
+    }
+    for _ in 0..p - s {
+        out.extend([b(b0, 0), w(w0, 0)]);
+        (b0, w0) = (b0 + 1, w0 + 1);
+    }
+    out.extend((w1..b1).map(|micro| w(micro, 1)));
+    out.extend((w0..b0).map(|micro| w(micro, 0)));
+    out.retain(|a| a.micro() < m);
+    out
 }
 
 /// `warmup` forwards, then one forward and one backward while forwards remain, then the
@@ -305,21 +532,13 @@ mod tests {
         assert!(all[..4].iter().all(|a| a.is_forward()) && all[4..].iter().all(|a| !a.is_forward()));
     }
 
-    /// A message between stages: the activation entering model chunk g, or the gradient
-    /// leaving it backwards, of one micro-batch.
-    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    enum Message {
-        Activation { into: usize, micro: usize },
-        Gradient { into: usize, micro: usize },
-    }
-
     /// Runs every stage's actions with sends that never wait and receives that do, each
     /// pair of stages joined by one first-in-first-out channel per direction (as the
     /// engine's links are): panics if a stage would take a message that is not the one its
     /// action needs, or if the step cannot finish. Returns the most chunk activations each
     /// stage held at once.
     fn run_over_fifo_channels(pipe: Pipeline) -> Vec<usize> {
-        let (p, g_last) = (pipe.stages, pipe.model_chunks() - 1);
+        let p = pipe.stages;
         let orders: Vec<Vec<Action>> = (0..p).map(|s| pipe.actions(s)).collect();
         let mut channels = vec![vec![VecDeque::<Message>::new(); p]; p];
         let mut next = vec![0; p];
@@ -328,40 +547,26 @@ mod tests {
             let mut progressed = false;
             for s in 0..p {
                 while let Some(&action) = orders[s].get(next[s]) {
-                    let (micro, g) = (action.micro(), pipe.model_chunk(s, action.chunk()));
-                    let needs = match action {
-                        Forward { .. } if g > 0 => {
-                            Some((pipe.place_of(g - 1).0, Message::Activation { into: g, micro }))
-                        }
-                        Backward { .. } if g < g_last => {
-                            Some((pipe.place_of(g + 1).0, Message::Gradient { into: g, micro }))
-                        }
-                        _ => None,
-                    };
-                    if let Some((from, wanted)) = needs {
-                        match channels[from][s].front() {
-                            None => break,
-                            Some(&m) => assert_eq!(m, wanted, "{pipe:?} stage {s}: channel from {from} out of order"),
-                        }
-                        channels[from][s].pop_front();
+                    if let Some((from, wanted)) = pipe.needs(s, action) {
+                        // (ZBV: a link carries the V's activations and gradients interleaved;
+                        // the receiver keeps what comes early, `held_early`)
+                        let Some(i) = channels[from][s].iter().position(|&m| m == wanted) else { break };
+                        assert!(
+                            i == 0 || pipe.kind == PpSchedule::Zbv,
+                            "{pipe:?} stage {s}: link from {from} out of order"
+                        );
+                        channels[from][s].remove(i);
+                    }
+                    if let Some((to, message)) = pipe.sends(s, action) {
+                        channels[s][to].push_back(message);
                     }
                     match action {
                         Forward { .. } => {
                             held[s] += 1;
                             most[s] = most[s].max(held[s]);
-                            if g < g_last {
-                                let to = pipe.place_of(g + 1).0;
-                                channels[s][to].push_back(Message::Activation { into: g + 1, micro });
-                            }
                         }
-                        Backward { .. } => {
-                            // (ZB-H1 keeps the activations for the W)
-                            held[s] -= usize::from(!pipe.splits_backward());
-                            if g > 0 {
-                                let to = pipe.place_of(g - 1).0;
-                                channels[s][to].push_back(Message::Gradient { into: g - 1, micro });
-                            }
-                        }
+                        // (ZB-H1 and ZBV keep the activations for the W)
+                        Backward { .. } => held[s] -= usize::from(!pipe.splits_backward()),
                         Weights { .. } => held[s] -= 1,
                     }
                     next[s] += 1;
@@ -386,6 +591,9 @@ mod tests {
             for v in 2..=3 {
                 shapes.extend((1..=4).map(|groups| pipe(PpSchedule::Interleaved, p, v, groups * p)));
             }
+        }
+        for p in 1..=4 {
+            shapes.extend((1..=12).map(|m| pipe(PpSchedule::Zbv, p, 2, m)));
         }
         shapes
     }
@@ -439,5 +647,58 @@ mod tests {
         assert_eq!(pipe(PpSchedule::OneFOneB, 1, 1, 8).formula_bubble(), 0.0);
         assert!((pipe(PpSchedule::OneFOneB, 4, 1, 8).formula_bubble() - 3.0 / 11.0).abs() < 1e-12);
         assert!((pipe(PpSchedule::Interleaved, 4, 2, 8).formula_bubble() - 3.0 / 19.0).abs() < 1e-12);
+    }
+
+    /// ZBV, P = 2, M = 4: PyTorch's ScheduleZBVZeroBubble order (the module's diagram).
+    #[test]
+    fn zbv_runs_pytorchs_order() {
+        let text = |s| {
+            let names: Vec<String> = pipe(PpSchedule::Zbv, 2, 2, 4)
+                .actions(s)
+                .into_iter()
+                .map(|a| {
+                    let pass = match a {
+                        Forward { .. } => 'F',
+                        Backward { .. } => 'B',
+                        Weights { .. } => 'W',
+                    };
+                    format!("{pass}{}{}", ['a', 'b'][a.chunk()], a.micro())
+                })
+                .collect();
+            names.join(" ")
+        };
+        assert_eq!(
+            text(0),
+            "Fa0 Fa1 Fa2 Fb0 Bb0 Wb0 Fb1 Bb1 Wb1 Fa3 Ba0 Wa0 Fb2 Bb2 Wb2 Ba1 Wa1 Fb3 Bb3 Wb3 Ba2 Wa2 Ba3 Wa3"
+        );
+        assert_eq!(
+            text(1),
+            "Fa0 Fb0 Fa1 Fb1 Bb0 Wb0 Fa2 Ba0 Wa0 Fb2 Bb1 Wb1 Fa3 Ba1 Wa1 Fb3 Bb2 Wb2 Ba2 Bb3 Ba3 Wa2 Wb3 Wa3"
+        );
+        // Stage 0 holds the embeddings (chunk 0) and the head (chunk 3); stage 1 turns the V.
+        let v = pipe(PpSchedule::Zbv, 2, 2, 4);
+        assert_eq!((v.model_chunk(0, 1), v.model_chunk(1, 0), v.model_chunk(1, 1)), (3, 1, 2));
+        assert!(v.holds_embeddings(0) && v.holds_head(0) && !v.holds_head(1));
+        assert_eq!((v.messages_per_micro_batch(0), v.messages_per_micro_batch(1)), (2, 2));
+    }
+
+    /// Only ZBV's links deliver messages before they are wanted (and its last stage hands
+    /// the V's turn to itself); the others' order on every link is the receiver's.
+    #[test]
+    fn only_the_v_holds_messages_that_came_early() {
+        for shape in shapes() {
+            let early: Vec<usize> = (0..shape.stages).map(|s| shape.follow_held_early(s)).collect();
+            match shape.kind {
+                PpSchedule::Zbv if shape.stages > 1 => {
+                    assert_eq!(early[0], 0, "{shape:?}: the first stage hears only from the second");
+                    assert!(early[shape.stages - 1] >= 1, "{shape:?}: the turn of the V");
+                }
+                PpSchedule::Zbv => {}
+                _ => assert!(early.iter().all(|&e| e == 0), "{shape:?}: {early:?}"),
+            }
+        }
+        let v = pipe(PpSchedule::Zbv, 4, 2, 8);
+        assert_eq!((0..4).map(|s| v.held_early(s)).collect::<Vec<_>>(), vec![0, 1, 1, 2]);
+        assert_eq!(v.messages(3, 3).len(), 2 * 8, "the turn: an activation and a gradient per micro-batch");
     }
 }

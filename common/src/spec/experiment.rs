@@ -264,6 +264,17 @@ pub struct ParallelSpec {
     pub cp: usize,
     /// How the context-parallel ranks meet in attention.
     pub cp_kind: ContextParallel,
+    /// How the data-parallel replicas stay together: a gradient sum every step, or
+    /// DiLoCo's local steps with an outer step every `outer_steps_every`.
+    pub sync: DataSync,
+    /// `sync: diloco`: the inner optimizer steps each replica takes alone between two
+    /// outer steps (H).
+    pub outer_steps_every: u64,
+    /// `sync: diloco`: the outer step's learning rate, on the replicas' mean parameter
+    /// change (1 with no momentum: the mean of the replicas' parameters).
+    pub outer_lr: f64,
+    /// `sync: diloco`: the outer step's Nesterov momentum (0: none).
+    pub outer_momentum: f64,
 }
 
 /// How context-parallel ranks, each holding T/cp tokens of every sequence, run attention.
@@ -330,6 +341,30 @@ impl GradCompression {
             GradCompression::Topk => "topk",
             GradCompression::Int8 => "int8",
             GradCompression::Powersgd => "powersgd",
+        }
+    }
+}
+
+/// How data-parallel replicas keep their parameters together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum DataSync {
+    /// The gradients summed over the replicas every step (DDP, ZeRO, FSDP).
+    #[default]
+    EveryStep,
+    /// DiLoCo (Douillard et al. 2023), local SGD with an outer optimizer: each replica
+    /// takes H inner steps alone, then the replicas average their parameter changes and
+    /// take one Nesterov step on them (`parallel/diloco.rs`).
+    Diloco,
+}
+
+impl DataSync {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataSync::EveryStep => "every_step",
+            DataSync::Diloco => "diloco",
         }
     }
 }
@@ -413,9 +448,28 @@ pub enum PpSchedule {
     /// the weight gradient (W), the W passes deferred into the pipeline's bubbles.
     #[serde(rename = "zb-h1")]
     ZbH1,
+    /// Zero-bubble V (Qi et al. 2024): two chunks per stage in a V (stage s holds chunks s
+    /// and 2P-1-s), backward split into B and W as in ZB-H1.
+    #[serde(rename = "zbv")]
+    Zbv,
 }
 
 impl PpSchedule {
+    /// Its name in the texts.
+    pub fn title(self) -> &'static str {
+        match self {
+            PpSchedule::Gpipe => "GPipe",
+            PpSchedule::OneFOneB => "1F1B",
+            PpSchedule::Interleaved => "interleaved 1F1B",
+            PpSchedule::ZbH1 => "ZB-H1",
+            PpSchedule::Zbv => "ZBV",
+        }
+    }
+    /// Whether its backward runs as B and W (ZB-H1, ZBV).
+    pub fn splits_backward(self) -> bool {
+        matches!(self, PpSchedule::ZbH1 | PpSchedule::Zbv)
+    }
+
     /// Its name in a spec's JSON.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -423,6 +477,7 @@ impl PpSchedule {
             PpSchedule::OneFOneB => "1f1b",
             PpSchedule::Interleaved => "interleaved",
             PpSchedule::ZbH1 => "zb-h1",
+            PpSchedule::Zbv => "zbv",
         }
     }
 }
@@ -654,6 +709,10 @@ impl Default for ParallelSpec {
             ep: 1,
             cp: 1,
             cp_kind: ContextParallel::Ulysses,
+            sync: DataSync::EveryStep,
+            outer_steps_every: 8,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
         }
     }
 }

@@ -50,6 +50,12 @@ pub fn presets() -> Vec<Preset> {
     hierarchical.parallel.allreduce = AllReduce::Hierarchical;
     hierarchical.parallel.ranks_per_node = 4;
 
+    // Two replicas that meet every 8 steps: 12 outer steps.
+    let mut diloco = ExperimentSpec { name: "diloco-2-replicas".into(), ..ddp.clone() };
+    diloco.train.steps = 96;
+    diloco.parallel.sync = DataSync::Diloco;
+    (diloco.parallel.outer_steps_every, diloco.parallel.outer_lr, diloco.parallel.outer_momentum) = (8, 0.7, 0.9);
+
     let mut topk = ddp.clone();
     topk.name = "ddp-2-ranks-top-k-1pct".into();
     topk.parallel.grad_compression = GradCompression::Topk;
@@ -63,6 +69,11 @@ pub fn presets() -> Vec<Preset> {
     pipeline.train.micro_batches = 8;
     pipeline.train.steps = 10;
     pipeline.train.warmup_steps = 2;
+
+    // Two blocks per stage, one in each of the V's chunks.
+    let mut zbv = ExperimentSpec { name: "pipeline-zbv".into(), ..pipeline.clone() };
+    zbv.model = ModelSpec::dense(8, 64, 4, 32, 64);
+    zbv.parallel.pp_schedule = PpSchedule::Zbv;
 
     let mut megatron = ExperimentSpec { name: "megatron-tp2".into(), ..ExperimentSpec::default() };
     megatron.model = ModelSpec::dense(2, 128, 4, 64, 64);
@@ -232,6 +243,18 @@ pub fn presets() -> Vec<Preset> {
             title: "GPipe vs 1F1B (4 stages, 8 micro-batches)",
             description: "4 layers cut into 4 pipeline stages, one rank each, 8 micro-batches per step, 1F1B schedule. Resubmit it with pp_schedule \"gpipe\" and compare the two on the pipeline page: same bubble formula (P-1)/(M+P-1), different activation memory.",
             spec: pipeline,
+        },
+        Preset {
+            key: "zbv",
+            title: "Zero-bubble V (4 stages, 8 micro-batches)",
+            description: "8 blocks cut into 8 chunks laid out in a V over 4 stages: stage s runs chunk s on the way down and chunk 7-s on the way back, so stage 0 holds the embeddings and the head and stage 3 hands its first chunk's output to its own second. Each backward is split into B and W as in ZB-H1. Resubmit it with pp_schedule \"zb-h1\" and compare the pipeline pages: the same blocks, the replayed bubble about half, the activation peaks of each stage the planner's.",
+            spec: zbv,
+        },
+        Preset {
+            key: "diloco",
+            title: "DiLoCo: 2 replicas meeting every 8 steps",
+            description: "The ddp2 preset's replicas each take 8 AdamW steps alone on their half of every batch, sending nothing; then they all-reduce how far their parameters moved, and an outer Nesterov step (lr 0.7, momentum 0.9) on the mean change sets both replicas' parameters. Resubmit it with sync \"every_step\" (DDP) and compare: the links page's all-reduce bytes per step fall 8-fold, the compare page draws the two loss curves at equal tokens.",
+            spec: diloco,
         },
         Preset {
             key: "topk",

@@ -309,6 +309,9 @@ impl ExperimentSpec {
         self.check_pipeline_schedule(&mut err);
         self.check_experts(&mut err);
         self.check_context_parallel(&mut err);
+        if p.sync == DataSync::Diloco {
+            self.check_diloco(&mut err);
+        }
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
                 "parallel.prefetch",
@@ -539,8 +542,11 @@ impl ExperimentSpec {
     pub(crate) fn check_pipeline_schedule(&self, err: &mut impl FnMut(&str, String)) {
         let p = &self.parallel;
         in_range(err, "parallel.virtual_stages", p.virtual_stages, 1, 16, "virtual_stages");
-        if p.pp_schedule == PpSchedule::ZbH1 {
+        if p.pp_schedule.splits_backward() {
             self.check_zero_bubble(err);
+        }
+        if p.pp_schedule == PpSchedule::Zbv {
+            self.check_v(err);
         }
         if p.pp_schedule != PpSchedule::Interleaved {
             if p.virtual_stages != 1 {
@@ -626,6 +632,97 @@ impl ExperimentSpec {
         }
     }
 
+    /// `parallel.sync: diloco`: replicas that each hold the whole model and their own
+    /// optimizer, and meet every H steps.
+    fn check_diloco(&self, err: &mut impl FnMut(&str, String)) {
+        let (t, p) = (&self.train, &self.parallel);
+        let mut refuse = |field: &str, why: String| err(field, format!("sync=diloco: {why}"));
+        if p.dp < 2 {
+            refuse("parallel.dp", format!("it averages the replicas' changes: use dp of 2 or more (it is {})", p.dp));
+        }
+        if p.sharding != Sharding::None {
+            refuse(
+                "parallel.sharding",
+                format!(
+                    "each replica steps alone with the whole model and its own optimizer: use sharding=none (it is \
+                     {})",
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        for (field, size) in [("parallel.ep", p.ep), ("parallel.cp", p.cp)] {
+            if size > 1 {
+                refuse(
+                    field,
+                    "expert and context parallelism split a replica over ranks of the data-parallel group: use \
+                     ep=1 and cp=1"
+                        .into(),
+                );
+            }
+        }
+        if p.grad_compression != GradCompression::None || p.allreduce != AllReduce::Ring {
+            refuse(
+                "parallel.grad_compression",
+                "no gradient is sent between replicas; the outer step's ring all-reduce of the parameter \
+                 changes is neither compressed nor another algorithm (use grad_compression=none, allreduce=ring)"
+                    .into(),
+            );
+        }
+        if p.comm_dtype != Precision::Fp32 {
+            refuse(
+                "parallel.comm_dtype",
+                format!(
+                    "the parameter changes cross the wire in fp32 (2-byte changes would round away the small \
+                     ones): use comm_dtype=fp32 (it is {})",
+                    p.comm_dtype.as_str()
+                ),
+            );
+        }
+        if p.offload != Offload::None {
+            refuse("parallel.offload", "the inner optimizer's state stays on the device: use offload=none".into());
+        }
+        if t.precision != Precision::Fp32 {
+            refuse(
+                "train.precision",
+                format!(
+                    "the outer step would have to reset the inner optimizer's fp32 master weights, which it does \
+                     not yet: use precision=fp32 (it is {})",
+                    t.precision.as_str()
+                ),
+            );
+        }
+        if t.checkpoint_every > 0 {
+            refuse(
+                "train.checkpoint_every",
+                "checkpoints do not keep the outer step's parameters and momentum yet: use checkpoint_every=0".into(),
+            );
+        }
+        if !(1..=10_000).contains(&p.outer_steps_every) {
+            refuse(
+                "parallel.outer_steps_every",
+                format!("outer_steps_every (H) must be from 1 to 10000 (it is {})", p.outer_steps_every),
+            );
+        } else if t.steps % p.outer_steps_every != 0 {
+            refuse(
+                "train.steps",
+                format!(
+                    "the run ends on an outer step, so that the replicas end as one model: steps={} must be a \
+                     multiple of outer_steps_every={}",
+                    t.steps, p.outer_steps_every
+                ),
+            );
+        }
+        if !(p.outer_lr.is_finite() && p.outer_lr > 0.0 && p.outer_lr <= 10.0) {
+            refuse("parallel.outer_lr", format!("outer_lr must be above 0 and at most 10 (it is {})", p.outer_lr));
+        }
+        if !(p.outer_momentum.is_finite() && (0.0..1.0).contains(&p.outer_momentum)) {
+            refuse(
+                "parallel.outer_momentum",
+                format!("outer_momentum must be from 0 to below 1 (it is {})", p.outer_momentum),
+            );
+        }
+    }
+
     /// `train.fp8`: the blocks' four products in FP8, each tensor scaled on its own rank.
     fn check_fp8(&self, err: &mut impl FnMut(&str, String)) {
         let (t, p) = (&self.train, &self.parallel);
@@ -660,20 +757,50 @@ impl ExperimentSpec {
                     .into(),
             );
         }
-        if p.pp_schedule == PpSchedule::ZbH1 && p.pp > 1 {
+        if p.pp_schedule.splits_backward() && p.pp > 1 {
             refuse(
                 "parallel.pp_schedule",
-                "ZB-H1's W would multiply the gradients its B cast to E5M2, which it does not keep yet: use 1f1b"
-                    .into(),
+                format!(
+                    "{}'s W would multiply the gradients its B cast to E5M2, which it does not keep yet: use 1f1b",
+                    p.pp_schedule.as_str()
+                ),
             );
         }
     }
 
-    /// `pp_schedule: zb-h1`: its W passes write each block's weight gradients after the
-    /// block's B, from what the B left and the saved activations.
+    /// `pp_schedule: zbv`: the layers cut into 2P chunks laid out in a V, and enough
+    /// micro-batches to fill it.
+    fn check_v(&self, err: &mut impl FnMut(&str, String)) {
+        let p = &self.parallel;
+        let (chunks, layers) = (p.pp.saturating_mul(2), self.model.layers);
+        if chunks >= 2 && layers % chunks != 0 {
+            err(
+                "parallel.pp_schedule",
+                format!(
+                    "pp_schedule=zbv cuts the layers into 2 * pp = {chunks} equal chunks, two per stage in a V: \
+                     layers={layers} must be a multiple of {chunks}"
+                ),
+            );
+        }
+        let micro = self.pipeline_micro_batches();
+        let fill = chunks.saturating_sub(1);
+        if micro < fill {
+            err(
+                "train.micro_batches",
+                format!(
+                    "pp_schedule=zbv fills its V with 2 * pp - 1 = {fill} micro-batches: micro_batches * \
+                     grad_accum = {micro} is fewer"
+                ),
+            );
+        }
+    }
+
+    /// `pp_schedule: zb-h1` and `zbv`: their W passes write each block's weight gradients
+    /// after the block's B, from what the B left and the saved activations.
     fn check_zero_bubble(&self, err: &mut impl FnMut(&str, String)) {
         let p = &self.parallel;
-        let mut refuse = |field: &str, why: String| err(field, format!("pp_schedule=zb-h1: {why}"));
+        let schedule = p.pp_schedule.as_str();
+        let mut refuse = |field: &str, why: String| err(field, format!("pp_schedule={schedule}: {why}"));
         if p.pp < 2 {
             refuse("parallel.pp_schedule", format!("fills a pipeline's bubbles; it needs pp >= 2 (it is {})", p.pp));
         }
@@ -742,10 +869,13 @@ impl ExperimentSpec {
             if p.tp > 1 {
                 refuse("parallel.tp", "the experts are not split across tensor-parallel ranks: use tp=1".into());
             }
-            if p.pp_schedule == PpSchedule::ZbH1 {
+            if p.pp_schedule.splits_backward() {
                 refuse(
                     "parallel.pp_schedule",
-                    "zb-h1's W is not written for the experts' weights: use 1f1b or interleaved".into(),
+                    format!(
+                        "{}'s W is not written for the experts' weights: use 1f1b or interleaved",
+                        p.pp_schedule.as_str()
+                    ),
                 );
             }
         }
@@ -1052,6 +1182,25 @@ mod tests {
                     ("parallel.pp_schedule", "zb-h1: fills a pipeline's bubbles; it needs pp >= 2"),
                     ("parallel.sharding", "sharding=fsdp reduce-scatters"),
                     ("train.checkpointing", "use checkpointing=none"),
+                ],
+            ),
+            (
+                json!({"model": {"layers": 6}, "parallel": {"dp": 2, "pp": 2, "pp_schedule": "zbv", "sharding": "zero2"}, "train": {"micro_batches": 2}}),
+                vec![
+                    ("parallel.pp_schedule", "zbv cuts the layers into 2 * pp = 4 equal chunks"),
+                    ("train.micro_batches", "zbv fills its V with 2 * pp - 1 = 3 micro-batches"),
+                    ("parallel.sharding", "pp_schedule=zbv: sharding=zero2 reduce-scatters"),
+                ],
+            ),
+            (
+                json!({"parallel": {"sync": "diloco", "sharding": "zero1", "outer_steps_every": 0, "outer_momentum": 1.0}, "train": {"precision": "bf16"}}),
+                vec![
+                    ("parallel.sharding", "sharding=zero1 splits state across data-parallel ranks"),
+                    ("parallel.dp", "sync=diloco: it averages the replicas' changes: use dp of 2 or more"),
+                    ("parallel.sharding", "sync=diloco: each replica steps alone"),
+                    ("train.precision", "sync=diloco: the outer step would have to reset"),
+                    ("parallel.outer_steps_every", "outer_steps_every (H) must be from 1 to 10000 (it is 0)"),
+                    ("parallel.outer_momentum", "outer_momentum must be from 0 to below 1 (it is 1)"),
                 ],
             ),
             (

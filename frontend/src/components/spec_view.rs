@@ -122,8 +122,7 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         if p.prefetch { " with prefetch" } else { "" },
         match p.pp_schedule {
             distlab_common::PpSchedule::Interleaved => format!("interleaved (v = {})", p.virtual_stages),
-            distlab_common::PpSchedule::ZbH1 => "ZB-H1".into(),
-            schedule => label(&schedule),
+            schedule => schedule.title().into(),
         },
         p.bucket_bytes,
         label(&p.comm_dtype),
@@ -151,6 +150,15 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
                 distlab_common::GradCompression::Powersgd => {
                     format!(" · PowerSGD compression (rank {}) with error feedback", p.compression_rank)
                 }
+            }
+            + &match p.sync {
+                distlab_common::DataSync::EveryStep => String::new(),
+                distlab_common::DataSync::Diloco => format!(
+                    " · DiLoCo: replicas step alone, an outer step every {} (lr {}, Nesterov momentum {})",
+                    p.outer_steps_every,
+                    format::num(p.outer_lr),
+                    format::num(p.outer_momentum)
+                ),
             }
     );
     let batch = format!(

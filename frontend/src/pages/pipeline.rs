@@ -35,10 +35,10 @@ pub fn PipelinePage() -> impl IntoView {
 /// The schedule of `spec`'s pipeline, as the texts name it.
 fn schedule_name(spec: &distlab_common::ExperimentSpec) -> String {
     match spec.parallel.pp_schedule {
-        PpSchedule::Gpipe => "GPipe".into(),
-        PpSchedule::OneFOneB => "1F1B".into(),
         PpSchedule::Interleaved => format!("interleaved 1F1B, v = {}", spec.parallel.virtual_stages),
         PpSchedule::ZbH1 => "ZB-H1 (backward split into B and W)".into(),
+        PpSchedule::Zbv => "ZBV (2P chunks in a V, backward split into B and W)".into(),
+        schedule => schedule.title().into(),
     }
 }
 
@@ -49,6 +49,8 @@ fn formula_text(pipe: &PipelineShape) -> String {
         PpSchedule::Interleaved => format!("(P-1)/(v·M+P-1) = ({p}-1)/({v}·{m}+{p}-1) = "),
         // Qi et al. 2023, section 3.1: (P-1)(F+B-W) idle against M(F+B+W) busy.
         PpSchedule::ZbH1 => format!("(P-1)(F+B-W)/(M(F+B+W)+(P-1)(F+B-W)), with F = B = W: ({p}-1)/(3·{m}+{p}-1) = "),
+        // P-1 chunk passes idle against 2 chunks x 3 passes x M busy.
+        PpSchedule::Zbv => format!("with F = B = W per chunk pass, (P-1)/(6M+P-1) = ({p}-1)/(6·{m}+{p}-1) = "),
         _ => format!("(P-1)/(M+P-1) = ({p}-1)/({m}+{p}-1) = "),
     }
 }
@@ -112,7 +114,8 @@ fn Pipeline(id: i64) -> impl IntoView {
             <p class="muted small">
                 "One row per pipeline stage: a box for the forward (F) and the backward (B) of every micro-batch, numbered by micro-batch "
                 "(interleaved: and lettered by the stage's chunk of layers, a, b, ..., every other chunk lighter; "
-                "ZB-H1: the backward split into B, the input's gradient, and W, the weights' gradient, which waits for a bubble); "
+                "ZB-H1 and ZBV: the backward split into B, the input's gradient, and W, the weights' gradient, which waits for a bubble; "
+                "ZBV: chunk a on the way down the V, b on the way back, stage 0 holding the embeddings and the head); "
                 "hatched boxes are waits for a neighbouring stage. The bubble is the share of the step a stage sat idle: "
                 "1 - busy / window, where the window runs from the earliest forward to the latest backward over all stages."
             </p>
@@ -126,7 +129,7 @@ fn Pipeline(id: i64) -> impl IntoView {
                 <span class="legend">
                     <span class="legend-item"><span class="swatch span-forward"></span>"forward"</span>
                     <span class="legend-item"><span class="swatch span-backward"></span>"backward"</span>
-                    <span class="legend-item"><span class="swatch span-weights"></span>"weights (ZB-H1's W)"</span>
+                    <span class="legend-item"><span class="swatch span-weights"></span>"weights (W: ZB-H1, ZBV)"</span>
                     <span class="legend-item"><span class="swatch pp-idle"></span>"wait for a neighbour"</span>
                 </span>
                 <label for="pipeline-compare">" compare with "</label>
@@ -191,7 +194,7 @@ fn Schedule(run: Run, step: Signal<Option<u64>>, dom_id: &'static str) -> impl I
         // The same passes replayed with a device per stage (durations as measured here).
         let durations = stage_durations(&rows, &stages, p);
         // ZB-H1's formula with this step's passes (their means over the stages' durations).
-        let zero_bubble = durations.as_ref().filter(|_| pipe.splits_backward()).map(|d| {
+        let zero_bubble = durations.as_ref().filter(|_| pipe.kind == PpSchedule::ZbH1).map(|d| {
             let mean =
                 |pass: fn(&StageDurations) -> u64| d.iter().map(pass).sum::<u64>() as f64 / d.len().max(1) as f64;
             let fbw = (mean(|d| d.forward), mean(|d| d.backward), mean(|d| d.weights));

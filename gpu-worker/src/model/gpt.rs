@@ -166,8 +166,8 @@ impl<B: Backend> Gpt<B> {
         let experts = ep.as_ref().map_or(ExpertPlace::ALONE, |g| g.place());
         let context = cp.as_ref().map_or(ContextPlace::ALONE, |g| g.place());
         let layout = match spec.is_moe() {
-            true => ParamLayout::for_experts(spec, experts, &stage.block_order),
-            false => ParamLayout::with_block_order(spec, place, &stage.block_order),
+            true => ParamLayout::for_experts(spec, experts, &stage.unit_order),
+            false => ParamLayout::with_unit_order(spec, place, &stage.unit_order),
         };
         let ranks = (place.size, experts.size, context.size);
         let sequence_parallel = saved.sequence_parallel && place.size > 1;

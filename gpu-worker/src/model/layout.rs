@@ -32,6 +32,7 @@ use std::ops::Range;
 use distlab_common::{ModelFamily, ModelSpec};
 
 use crate::backend::{Backend, Stored};
+use crate::model::state::Unit;
 use crate::optim::ParamGroup;
 use crate::rng::Rng;
 
@@ -183,13 +184,25 @@ type PushTensor<'a> = dyn FnMut(&str, &[usize], Init, Split) -> Range<usize> + '
 struct LayoutBuilder {
     tensors: Vec<TensorInfo>,
     next: usize,
+    /// For each of `tensors`, its unit and its place among the unit's tensors.
+    owners: Vec<(Unit, usize)>,
+    unit: Unit,
+    /// Tensors of `unit` pushed so far.
+    place: usize,
 }
 
 impl LayoutBuilder {
+    /// The tensors pushed next are `unit`'s.
+    fn begin(&mut self, unit: Unit) {
+        (self.unit, self.place) = (unit, 0);
+    }
+
     fn push(&mut self, name: String, shape: &[usize], init: Init, split: Split) -> Range<usize> {
         let len: usize = shape.iter().product();
         let range = self.next..self.next + len;
         self.next += len;
+        self.owners.push((self.unit, self.place));
+        self.place += 1;
         // Matrices and embeddings (the normal-initialised tensors) decay; biases and
         // LayerNorms do not.
         let decay = matches!(init, Init::Normal { .. });
@@ -212,23 +225,24 @@ impl ParamLayout {
     /// The part of the model tensor-parallel rank `tp.rank` of `tp.size` holds (`tp.size`
     /// must divide `heads`, which divides `d_model`: the spec's validation checks both).
     pub fn for_tp(m: &ModelSpec, tp: TpPlace) -> Self {
-        Self::with_block_order(m, tp, &(0..m.layers).collect::<Vec<_>>())
+        Self::with_unit_order(m, tp, &Unit::all(m.layers).collect::<Vec<_>>())
     }
 
     /// The part of a Mixture-of-Experts model expert-parallel rank `ep.rank` of `ep.size`
     /// holds: every tensor, but only its E/ep experts of each block.
-    pub fn for_experts(m: &ModelSpec, ep: ExpertPlace, order: &[usize]) -> Self {
+    pub fn for_experts(m: &ModelSpec, ep: ExpertPlace, order: &[Unit]) -> Self {
         Self::build(m, TpPlace::ALONE, ep, order)
     }
 
-    /// [`Self::for_tp`] with the blocks laid out in `order` (a permutation of 0..layers):
-    /// an interleaved pipeline puts each stage's chunks side by side, so that every stage's
-    /// parameters are one run of the buffer. Each tensor keeps its initial values.
-    pub fn with_block_order(m: &ModelSpec, tp: TpPlace, order: &[usize]) -> Self {
+    /// [`Self::for_tp`] with the units laid out in `order` (each of them once): an
+    /// interleaved pipeline puts each stage's chunks side by side, a V the head beside the
+    /// first stage's blocks, so that every stage's parameters are one run of the buffer.
+    /// Each tensor keeps its initial values.
+    pub fn with_unit_order(m: &ModelSpec, tp: TpPlace, order: &[Unit]) -> Self {
         Self::build(m, tp, ExpertPlace::ALONE, order)
     }
 
-    fn build(m: &ModelSpec, tp: TpPlace, ep: ExpertPlace, order: &[usize]) -> Self {
+    fn build(m: &ModelSpec, tp: TpPlace, ep: ExpertPlace, order: &[Unit]) -> Self {
         let (v, t, c, l) = (m.vocab, m.seq_len, m.d_model, m.layers);
         let n = tp.size.max(1);
         let normal = Init::Normal { std: INIT_STD };
@@ -241,7 +255,8 @@ impl ParamLayout {
             Split::Columns { groups: [ff, 0, 0] },
             Split::Rows,
         );
-        let mut b = LayoutBuilder { tensors: Vec::new(), next: 0 };
+        let mut b =
+            LayoutBuilder { tensors: Vec::new(), next: 0, owners: Vec::new(), unit: Unit::Embeddings, place: 0 };
         // With experts the MLP's tensors get a leading expert dimension: this rank's E/ep.
         let (experts, local_experts) = (m.experts, m.experts / ep.size.max(1));
         let mlp = |push: &mut PushTensor<'_>, name: &str, shape: &[usize], init, split| match experts {
@@ -249,12 +264,27 @@ impl ParamLayout {
             _ => push(name, &[&[local_experts], shape].concat(), init, Split::Experts),
         };
         let llama = m.family == ModelFamily::Llama;
-        // Llama has no position table and no biases: those tensors are empty ranges.
-        let wte = b.push("wte".into(), &[v, c], normal, whole);
-        let wpe = if llama { b.nothing() } else { b.push("wpe".into(), &[t, c], normal, whole) };
-        let first_block = b.tensors.len();
         let mut blocks: Vec<Option<BlockTensors<Range<usize>>>> = vec![None; l];
-        for &i in order {
+        let (mut embeddings, mut head) = (None, None);
+        for &unit in order {
+            b.begin(unit);
+            let i = match unit {
+                Unit::Embeddings => {
+                    // Llama has no position table and no biases: those tensors are empty ranges.
+                    let wte = b.push("wte".into(), &[v, c], normal, whole);
+                    let wpe = if llama { b.nothing() } else { b.push("wpe".into(), &[t, c], normal, whole) };
+                    embeddings = Some((wte, wpe));
+                    continue;
+                }
+                Unit::Head => {
+                    let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones, whole);
+                    let lnf_b = if llama { b.nothing() } else { b.push("lnf_b".into(), &[c], Init::Zeros, whole) };
+                    let lm_head = b.push("lm_head".into(), &[c, v], normal, whole);
+                    head = Some((lnf_g, lnf_b, lm_head));
+                    continue;
+                }
+                Unit::Block(i) => i,
+            };
             let at = b.next;
             let mut push = |name: &str, shape: &[usize], init, split| match shape.iter().product::<usize>() {
                 0 => b.next..b.next,
@@ -286,16 +316,21 @@ impl ParamLayout {
             };
             blocks[i] = Some(block);
         }
-        let blocks: Vec<_> = blocks.into_iter().map(|b| b.expect("the block order names every block once")).collect();
-        let per_block = (b.tensors.len() - first_block) / l.max(1);
-        let lnf_g = b.push("lnf_g".into(), &[c], Init::Ones, whole);
-        let lnf_b = if llama { b.nothing() } else { b.push("lnf_b".into(), &[c], Init::Zeros, whole) };
-        let lm_head = b.push("lm_head".into(), &[c, v], normal, whole);
-        // Tensor k of block i is the model's tensor first_block + per_block * i + k.
-        let head_tensors = b.tensors.len() - first_block - per_block * l;
-        let canonical = (0..first_block)
-            .chain(order.iter().flat_map(|&i| (0..per_block).map(move |k| first_block + per_block * i + k)))
-            .chain((0..head_tensors).map(|k| first_block + per_block * l + k))
+        let blocks: Vec<_> = blocks.into_iter().map(|b| b.expect("the unit order names every block once")).collect();
+        let (wte, wpe) = embeddings.expect("the unit order names the embeddings");
+        let (lnf_g, lnf_b, lm_head) = head.expect("the unit order names the head");
+        // The model's own order: the embeddings' tensors, block 0's, ..., the head's.
+        let count = |of: fn(&Unit) -> bool| b.owners.iter().filter(|(u, _)| of(u)).count();
+        let first_block = count(|u| *u == Unit::Embeddings);
+        let per_block = count(|u| matches!(u, Unit::Block(_))) / l.max(1);
+        let canonical = b
+            .owners
+            .iter()
+            .map(|&(unit, k)| match unit {
+                Unit::Embeddings => k,
+                Unit::Block(i) => first_block + per_block * i + k,
+                Unit::Head => first_block + per_block * l + k,
+            })
             .collect();
         let (tensors, total) = (b.tensors, b.next);
         Self { wte, wpe, blocks, lnf_g, lnf_b, lm_head, tensors, total, canonical, model: m.clone(), tp, ep }
@@ -453,22 +488,24 @@ impl ParamLayout {
 mod tests {
     use super::*;
 
-    /// An interleaved pipeline's block order moves tensors in the buffer, never their
+    /// An interleaved or V pipeline's unit order moves tensors in the buffer, never their
     /// values: each tensor starts as it does in the model's own order, whole or cut for tp.
     #[test]
-    fn blocks_in_another_order_keep_their_initial_values() {
+    fn units_in_another_order_keep_their_initial_values() {
         let m = ModelSpec::dense(4, 8, 2, 3, 5);
-        let order = [0, 2, 1, 3];
+        let order = [Unit::Embeddings, Unit::Block(0), Unit::Block(2), Unit::Head, Unit::Block(1), Unit::Block(3)];
         for tp in [TpPlace::ALONE, TpPlace { rank: 1, size: 2 }] {
             let plain = ParamLayout::for_tp(&m, tp);
-            let moved = ParamLayout::with_block_order(&m, tp, &order);
+            let moved = ParamLayout::with_unit_order(&m, tp, &order);
             let (a, b) = (plain.init_params::<f32>(7), moved.init_params::<f32>(7));
             assert_eq!(moved.total, plain.total);
             for t in &moved.tensors {
                 let same = plain.tensors.iter().find(|p| p.name == t.name).unwrap();
                 assert_eq!(a[same.range.clone()], b[t.range.clone()], "{} (tp {tp:?})", t.name);
             }
-            // Block 2 sits right after block 0, and any cut of the buffer starts the same.
+            // Block 2 sits right after block 0, the head after it, and any cut of the buffer
+            // starts the same.
+            assert_eq!(moved.lnf_g.start, moved.blocks[2].fc_proj_b.end);
             assert_eq!(moved.blocks[2].ln1_g.start, plain.blocks[1].ln1_g.start);
             let piece = moved.blocks[2].qkv_w.start + 3..moved.blocks[1].fc_w.end;
             assert_eq!(moved.init_params_range::<f32>(7, piece.clone()), b[piece]);

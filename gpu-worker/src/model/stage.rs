@@ -19,9 +19,10 @@ pub struct Stage {
     pub first: bool,
     /// Holds the final LayerNorm, LM head and loss: its last chunk ends the model.
     pub last: bool,
-    /// Every block of the model in parameter-buffer order (0..L but for interleaved,
-    /// where each stage's chunks sit side by side: `ParamLayout::with_block_order`).
-    pub block_order: Vec<usize>,
+    /// Every unit of the model in parameter-buffer order (`Unit::all` but for interleaved
+    /// pipelines, where each stage's chunks sit side by side, and V ones, where the head
+    /// follows the first stage's blocks: `ParamLayout::with_unit_order`).
+    pub unit_order: Vec<Unit>,
 }
 
 impl Stage {
@@ -29,7 +30,7 @@ impl Stage {
     pub fn whole(layers: usize) -> Stage {
         #[allow(clippy::single_range_in_vec_init)] // one chunk of blocks 0..layers
         let chunks = vec![0..layers];
-        Stage { chunks, first: true, last: true, block_order: (0..layers).collect() }
+        Stage { chunks, first: true, last: true, unit_order: Unit::all(layers).collect() }
     }
 
     /// Its blocks, chunk after chunk.

@@ -202,6 +202,17 @@ impl<B: TrainBackend> Replicated<B> {
     }
 }
 
+impl<B: TrainBackend> Replicated<B> {
+    /// The stage's parameters (DiLoCo's outer step reads and sets them).
+    pub(super) fn params(&self) -> &B::Buf {
+        &self.state.params
+    }
+
+    pub(super) fn params_mut(&mut self) -> &mut B::Buf {
+        &mut self.state.params
+    }
+}
+
 impl<B: TrainBackend> ModelState<B> for Replicated<B> {
     fn open(&mut self, be: &B, unit: Unit, pass: Pass) -> Result<OpenUnit<'_, B::Buf>, CommError> {
         self.state.open(be, unit, pass)

@@ -8,6 +8,8 @@
 //!   (parameters too, gathered one unit at a time); `prefetch.rs`: FSDP's next gather
 //!   on a communication thread while the current unit computes; `fp8_gather.rs`: FSDP's
 //!   gathers of the blocks' linear weights as FP8 (`parallel.fp8_all_gather`).
+//! * `diloco.rs`: DiLoCo, replicas that step alone and average their parameter changes
+//!   every H steps with an outer Nesterov step (`parallel.sync: diloco`).
 //! * `compression.rs`: DDP's gradients compressed on the wire (top-k, int8, PowerSGD)
 //!   with error feedback.
 //! * `shard.rs`: which piece of every unit a rank owns.
@@ -25,6 +27,7 @@
 pub mod compression;
 pub mod context;
 pub mod ddp;
+pub mod diloco;
 pub mod exchange;
 pub mod expert;
 pub mod fp8_gather;
@@ -41,7 +44,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::{ExperimentSpec, Precision, Sharding};
+use distlab_common::{DataSync, ExperimentSpec, Precision, Sharding};
 
 use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator, InPlace};
@@ -194,6 +197,11 @@ pub fn build<B: TrainBackend>(
     offload: &OffloadTo,
 ) -> Result<Box<dyn Strategy<B>>, TrainError> {
     Ok(match spec.parallel.sharding {
+        Sharding::None if spec.parallel.sync == DataSync::Diloco => {
+            let dp =
+                dp.ok_or_else(|| TrainError::Unsupported("sync=diloco needs a data-parallel group (dp >= 2)".into()))?;
+            Box::new(diloco::DiLoCo::new(spec, be, layout, stage, memory, dp, offload)?)
+        }
         Sharding::None | Sharding::Zero1 => {
             Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp, offload)?)
         }

@@ -1,7 +1,7 @@
 //! Pipeline parallelism: the model's blocks are cut into P contiguous stages (embeddings
 //! on the first, final LayerNorm + LM head + loss on the last), one per rank of the
 //! pipeline group; a step's micro-batches flow through them in the order a schedule
-//! (`distlab_common::schedule`: GPipe, 1F1B, interleaved or ZB-H1) gives. Between neighbours only
+//! (`distlab_common::schedule`: GPipe, 1F1B, interleaved, ZB-H1 or ZBV) gives. Between neighbours only
 //! activations go forward and their gradients go back, point to point.
 //!
 //! Stages get equal numbers of blocks (`chunk_range`, as the planner assumes); the
@@ -15,18 +15,26 @@
 //! gradient received from the next stage and its input gradient sent back. What a pass
 //! computes is the trainer's business ([`StageWork`]).
 //!
+//! ZBV lays 2P chunks out in a V: stage s holds chunk s on the way down and 2P-1-s on the
+//! way back, so the first stage holds the embeddings and the head, and the last hands its
+//! first chunk's output to its own second chunk (kept, not sent).
+//!
 //! Sends do not wait for the receiver: each is queued to a sender thread (like NCCL's
 //! asynchronous isend). A blocking send could deadlock 1F1B: stage s sending an
 //! activation to s+1 while s+1 sends a gradient back to s, both waiting for the other to
-//! receive. Receives block (the schedule needs the data to go on).
+//! receive. Receives block (the schedule needs the data to go on). A link delivers in its
+//! sender's order, which every stage knows from the schedule: in a V a link carries
+//! activations and gradients interleaved, and a stage waiting for one keeps those that
+//! come before it ([`Pipeline::held_early`] of them at most).
 
+use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use distlab_common::trace::{Span, SpanKind};
 
-use super::schedule::{Action, Pipeline};
+use super::schedule::{Action, Message, Pipeline};
 use super::TrainBackend;
 use crate::backend::Stored;
 use crate::comm::{CommError, Communicator};
@@ -35,11 +43,17 @@ use crate::model::Stage;
 use crate::trace::now_us;
 
 /// Which blocks stage `stage` of `pipe` runs (of a model of `layers` blocks), and where
-/// every block sits in the parameter buffer: stage after stage, each stage's chunks side
-/// by side.
+/// every unit sits in the parameter buffer: stage after stage, each stage's units side by
+/// side (its embeddings, its chunks' blocks, its head).
 pub fn stage_of(pipe: &Pipeline, layers: usize, stage: usize) -> Stage {
-    let block_order = (0..pipe.stages).flat_map(|s| pipe.blocks_of(layers, s)).flatten().collect();
-    Stage { chunks: pipe.blocks_of(layers, stage), first: stage == 0, last: stage + 1 == pipe.stages, block_order }
+    let of = |s: usize| Stage {
+        chunks: pipe.blocks_of(layers, s),
+        first: pipe.holds_embeddings(s),
+        last: pipe.holds_head(s),
+        unit_order: Vec::new(),
+    };
+    let unit_order = (0..pipe.stages).flat_map(|s| of(s).units()).collect();
+    Stage { unit_order, ..of(stage) }
 }
 
 /// This rank's place in its pipeline group: two communicators over the same ranks, one
@@ -73,6 +87,13 @@ pub struct PipelineLinks<S> {
     /// The gradient of the stage's output (all but the last; interleaved: every stage).
     output_grad: Vec<S>,
     _received: Vec<Receipt>,
+    /// Messages that came before the pass that needs them, and (the V's turn) those the
+    /// stage handed itself, each in a buffer of its own.
+    early: Vec<(Message, Vec<S>, Receipt)>,
+    /// For every other stage, the messages its link brings next, in its order.
+    coming: Vec<VecDeque<Message>>,
+    /// Elements of every message, activation or gradient: one stage output.
+    message_len: usize,
     recv: Box<dyn Communicator>,
     jobs: Option<mpsc::Sender<Job>>,
     sender: Option<JoinHandle<()>>,
@@ -121,6 +142,9 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
             activation: vec![S::default(); input],
             output_grad: vec![S::default(); output_grad],
             _received: received,
+            early: Vec::new(),
+            coming: vec![VecDeque::new(); group.stages],
+            message_len: activation,
             recv: group.recv,
             jobs: Some(jobs),
             sender: Some(sender),
@@ -128,10 +152,25 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
         }
     }
 
-    /// Queues `data` for stage `to` (the next or previous stage; interleaved, the last
-    /// stage's next is the first) and returns at once. Activations travel
-    /// as f32 (bf16/fp16 ones widened exactly, and rounded back on arrival).
-    pub fn send(&mut self, data: &[S], to: usize) {
+    /// Expects the step whose stages run `orders` (each stage's passes in order): each
+    /// link will bring what its stage sends this one, in that stage's order.
+    fn expect(&mut self, pipe: &Pipeline, orders: &[Vec<Action>]) {
+        for (from, order) in orders.iter().enumerate().filter(|&(from, _)| from != self.stage) {
+            let to_me = order.iter().filter_map(|&a| pipe.sends(from, a)).filter(|&(to, _)| to == self.stage);
+            self.coming[from] = to_me.map(|(_, message)| message).collect();
+        }
+    }
+
+    /// Sends `message` (`data`) to stage `to` (the next or previous stage; interleaved, the
+    /// last stage's next is the first; in a V's turn, this stage itself, which keeps it)
+    /// and returns at once. Activations travel as f32 (bf16/fp16 ones widened exactly,
+    /// and rounded back on arrival).
+    pub fn send(&mut self, data: &[S], to: usize, message: Message) {
+        if to == self.stage {
+            let receipt = self.memory.alloc_of::<S>(Category::CommBuffers, data.len());
+            self.early.push((message, data.to_vec(), receipt));
+            return;
+        }
         let data: Vec<f32> = data.iter().map(|x| x.load()).collect();
         let receipt = self.memory.alloc(Category::CommBuffers, data.len());
         let out = Outgoing { data, to, _receipt: receipt };
@@ -140,13 +179,34 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
         }
     }
 
-    /// Receives what stage `from` sent next: an input activation (`forward`) or the
-    /// gradient of an output.
-    fn recv(&mut self, from: usize, forward: bool) -> Result<&[S], CommError> {
-        let buf = if forward { &mut self.activation } else { &mut self.output_grad };
-        let comm = &mut self.recv;
-        super::collective_f32(&self.memory, buf, |b| comm.recv(b, from))?;
-        Ok(buf)
+    /// Receives `wanted` (an input activation or the gradient of an output) from stage
+    /// `from`: kept already, or read off the link, keeping what comes before it.
+    fn recv(&mut self, from: usize, wanted: Message) -> Result<&[S], CommError> {
+        let buf = match wanted {
+            Message::Activation { .. } => &mut self.activation,
+            Message::Gradient { .. } => &mut self.output_grad,
+        };
+        if let Some(i) = self.early.iter().position(|(m, ..)| *m == wanted) {
+            let (_, data, _receipt) = self.early.swap_remove(i);
+            *buf = data;
+            return Ok(buf);
+        }
+        loop {
+            let next = self.coming[from].pop_front().ok_or_else(|| CommError::BadBuffer {
+                collective: "pipeline receive".into(),
+                detail: format!("stage {from} sends nothing more this step, and {wanted:?} has not come"),
+            })?;
+            let comm = &mut self.recv;
+            if next == wanted {
+                super::collective_f32(&self.memory, buf, |b| comm.recv(b, from))?;
+                return Ok(buf);
+            }
+            let len = self.message_len;
+            let receipt = self.memory.alloc_of::<S>(Category::CommBuffers, len);
+            let mut early = vec![S::default(); len];
+            super::collective_f32(&self.memory, &mut early, |b| comm.recv(b, from))?;
+            self.early.push((next, early, receipt));
+        }
     }
 
     /// Bytes of the buffers it receives into.
@@ -200,7 +260,7 @@ pub trait StageWork<B: TrainBackend> {
         output_grad: Option<&[B::Elem]>,
         last: bool,
     ) -> Result<(), Self::Error>;
-    /// ZB-H1's W of micro-batch `micro` through `chunk` (after its B). `last`: the chunk's
+    /// The W (ZB-H1, ZBV) of micro-batch `micro` through `chunk` (after its B). `last`: the chunk's
     /// last W of the step.
     fn weights(&mut self, be: &B, chunk: usize, micro: usize, last: bool) -> Result<(), Self::Error>;
     /// What the forward of `micro` through `chunk` produced, read on the host.
@@ -211,21 +271,25 @@ pub trait StageWork<B: TrainBackend> {
     fn waited(&mut self, neighbour: usize, start_us: u64, end_us: u64);
 }
 
-/// One step of one stage: `actions` (its order in `pipe`'s schedule) run by `work`, with
-/// the activations and their gradients passed over `links` (None: the only stage). With
-/// `record`, the device is synchronised before each wait so that a wait is a wait.
-/// Returns the sum of the losses this stage computed.
+/// One step of one stage: its passes in `orders` (every stage's, in order: `pipe`'s
+/// schedule, or an evaluation's forwards) run by `work`, with the activations and their
+/// gradients passed over `links` (None: the only stage). With `record`, the device is
+/// synchronised before each wait so that a wait is a wait. Returns the sum of the losses
+/// this stage computed.
 pub fn run_step<B: TrainBackend, W: StageWork<B>>(
     be: &B,
     mut links: Option<&mut PipelineLinks<B::Elem>>,
     pipe: &Pipeline,
-    actions: &[Action],
+    orders: &[Vec<Action>],
     work: &mut W,
     record: bool,
 ) -> Result<f64, W::Error> {
     let stage = links.as_ref().map_or(0, |l| l.stage);
-    let last_chunk = pipe.model_chunks() - 1;
-    // Where each chunk's gradients are complete: its last backward of the step (ZB-H1: its
+    if let Some(links) = links.as_deref_mut() {
+        links.expect(pipe, orders);
+    }
+    let actions = &orders[stage];
+    // Where each chunk's gradients are complete: its last backward of the step (split: its
     // last B for the embeddings, its last W for the rest).
     let (mut last_backward, mut last_weights) = (vec![None; pipe.chunks], vec![None; pipe.chunks]);
     for (index, action) in actions.iter().enumerate() {
@@ -241,40 +305,41 @@ pub fn run_step<B: TrainBackend, W: StageWork<B>>(
             be.synchronize();
         }
         let (chunk, micro) = (action.chunk(), action.micro());
-        let g = pipe.model_chunk(stage, chunk);
-        // The stages holding the chunks before and after this one.
-        let before = (g > 0).then(|| pipe.place_of(g - 1).0);
-        let after = (g < last_chunk).then(|| pipe.place_of(g + 1).0);
-        // What this action needs from a neighbour (the wait is the pipeline's bubble).
-        let neighbour = match action {
-            Action::Forward { .. } => before,
-            Action::Backward { .. } => after,
-            Action::Weights { .. } => None,
-        };
+        // What this action needs from a neighbour (the wait is the pipeline's bubble), and
+        // what it hands on.
+        let (needs, sends) = (pipe.needs(stage, action), pipe.sends(stage, action));
         let wait_start = now_us();
-        let received = match (neighbour, links.as_deref_mut()) {
-            (Some(from), Some(links)) => Some(links.recv(from, action.is_forward())?),
+        let received = match (needs, links.as_deref_mut()) {
+            (Some((from, wanted)), Some(links)) => Some(links.recv(from, wanted)?),
             _ => None,
         };
         let waited_until = now_us();
-        if record && received.is_some() && waited_until > wait_start {
-            work.waited(neighbour.unwrap_or(stage), wait_start, waited_until);
+        // (the V's turn on the last stage waits for nobody)
+        let waited_for = needs.map(|(from, _)| from).filter(|&from| from != stage);
+        if let (true, Some(from)) = (record, waited_for.filter(|_| received.is_some() && waited_until > wait_start)) {
+            work.waited(from, wait_start, waited_until);
         }
         match action {
             Action::Forward { .. } => {
                 loss_sum += work.forward(be, chunk, micro, received)?;
-                if let (Some(links), Some(to)) = (links.as_deref_mut(), after) {
-                    work.read_output(be, chunk, micro, &mut |out| links.send(out, to));
+                if let (Some(links), Some((to, message))) = (links.as_deref_mut(), sends) {
+                    work.read_output(be, chunk, micro, &mut |out| links.send(out, to, message));
                 }
             }
             Action::Backward { .. } => {
                 work.backward(be, chunk, micro, received, Some(index) == last_backward[chunk])?;
-                if let (Some(links), Some(to)) = (links.as_deref_mut(), before) {
-                    work.read_input_grad(be, &mut |grad| links.send(grad, to));
+                if let (Some(links), Some((to, message))) = (links.as_deref_mut(), sends) {
+                    work.read_input_grad(be, &mut |grad| links.send(grad, to, message));
                 }
             }
             Action::Weights { .. } => work.weights(be, chunk, micro, Some(index) == last_weights[chunk])?,
         }
+    }
+    if let Some(links) = links {
+        debug_assert!(
+            links.early.is_empty() && links.coming.iter().all(VecDeque::is_empty),
+            "stage {stage}: messages left over at the end of the step"
+        );
     }
     Ok(loss_sum)
 }

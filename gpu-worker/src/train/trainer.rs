@@ -268,9 +268,8 @@ impl<B: TrainBackend> Trainer<B> {
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let record = step - self.first_step.min(step) < SPAN_STEPS;
         self.memory.sample_step(record.then_some(step));
-        let stage = self.links.as_ref().map_or(0, |l| l.stage);
         let pipe = Pipeline::of(&self.spec);
-        let actions = pipe.actions(stage);
+        let orders: Vec<Vec<Action>> = (0..pipe.stages).map(|s| pipe.actions(s)).collect();
 
         self.strategy.begin_step(be, step, record);
         if let Some(tp) = self.model.tensor_parallel() {
@@ -303,7 +302,7 @@ impl<B: TrainBackend> Trainer<B> {
             dloss: dloss * scale,
             validation: false,
         };
-        let mut loss_sum = pipeline::run_step(be, self.links.as_mut(), &pipe, &actions, &mut work, record)?;
+        let mut loss_sum = pipeline::run_step(be, self.links.as_mut(), &pipe, &orders, &mut work, record)?;
         let wait_start = now_us();
         let mut grad_norm_squared = self.strategy.reduce_gradients(be)?;
         if let Some(links) = &mut self.links {
@@ -432,8 +431,10 @@ impl<B: TrainBackend> Trainer<B> {
         };
         let mut loss_sum = 0.0;
         for micro in 0..micro_steps {
+            // (every stage: the micro-batch through its chunks in order)
             let forwards: Vec<Action> = (0..pipe.chunks).map(|chunk| Action::Forward { micro, chunk }).collect();
-            loss_sum += pipeline::run_step(be, self.links.as_mut(), &pipe, &forwards, &mut work, false)?;
+            let orders = vec![forwards; pipe.stages];
+            loss_sum += pipeline::run_step(be, self.links.as_mut(), &pipe, &orders, &mut work, false)?;
             work.model.drop_activations()?;
         }
         if let Some(links) = &mut self.links {

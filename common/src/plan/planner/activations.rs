@@ -184,13 +184,14 @@ pub(super) fn checkpointed(
 }
 
 /// The most elements a stage holds at once running `actions`, when a forward of its chunk
-/// c keeps `per_chunk[c]` until the backward of the same pass (ZB-H1: until its W) and a
-/// ZB-H1 B keeps `stash` more until its W.
-pub(super) fn peak_held(actions: &[Action], per_chunk: &[u64], stash: u64) -> u64 {
+/// c keeps `per_chunk[c]` until the backward of the same pass (split backwards: until its
+/// W) and a split B of chunk c keeps `stash_per_chunk[c]` more until its W.
+pub(super) fn peak_held(actions: &[Action], per_chunk: &[u64], stash_per_chunk: &[u64]) -> u64 {
     let split = actions.iter().any(|a| matches!(a, Action::Weights { .. }));
     let (mut held, mut peak) = (0u64, 0u64);
     for a in actions {
         let size = per_chunk.get(a.chunk()).copied().unwrap_or(0);
+        let stash = stash_per_chunk.get(a.chunk()).copied().unwrap_or(0);
         match a {
             Action::Forward { .. } => held = held.saturating_add(size),
             Action::Backward { .. } if split => held = held.saturating_add(stash),

@@ -44,8 +44,9 @@ pub(super) struct StageCommInput {
     /// their own backward opens them (see
     /// [`recomputed_before_backward`](super::activations::recomputed_before_backward)).
     pub(super) regathered: u64,
-    /// Chunks of layers on the stage (v: interleaved; else 1).
-    pub(super) chunks: u64,
+    /// Activations and gradients the stage sends other stages per micro-batch
+    /// ([`Pipeline::messages_per_micro_batch`](crate::plan::schedule::Pipeline::messages_per_micro_batch)).
+    pub(super) pp_messages: u64,
     /// Bytes per element of the data-parallel collectives (`parallel.comm_dtype`).
     pub(super) dp_wire_bytes: u64,
     /// FSDP with `parallel.fp8_all_gather`: what one rank sends to gather a block, its
@@ -58,6 +59,9 @@ pub(super) struct StageCommInput {
     pub(super) ranks_per_node: usize,
     /// With gradient compression: the bytes its messages take, in place of the all-reduce.
     pub(super) compressed: Option<u64>,
+    /// DiLoCo: the steps between two outer steps (H), whose all-reduce of the parameter
+    /// changes takes the place of the gradients' every step.
+    pub(super) outer_every: Option<u64>,
     /// Expert parallelism.
     pub(super) experts: Option<ExpertComm>,
     /// Context parallelism (Ulysses).
@@ -90,6 +94,9 @@ pub(super) struct ExpertComm {
 /// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
 /// n = micro_batches * grad_accum, A = one b*s*d activation tensor, all ring collectives):
 ///
+/// - DiLoCo (`sync: diloco`, sharding none): no gradient crosses the wire; every H steps
+///   the replicas all-reduce their fp32 parameter changes, 2(W-1)/W * N * 4: counted per
+///   step as that over H (rounded down);
 /// - none (DDP): one gradient all-reduce per step (accumulation runs without sync):
 ///   2(W-1)/W * N * grad bytes round the ring; with `allreduce` naive, tree or hierarchical
 ///   the busiest rank's bytes (`all_reduce.rs`: rank 0's (W-1) * N for naive); with
@@ -187,9 +194,11 @@ fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
         }
     };
     match c.sharding {
-        Sharding::None => match c.compressed {
-            Some(bytes) => v.dp_compressed = bytes,
-            None => v.dp_all_reduce = all_reduce,
+        Sharding::None => match (c.compressed, c.outer_every) {
+            (Some(bytes), _) => v.dp_compressed = bytes,
+            // (fp32 changes round the ring once every H steps: per step, a share of it)
+            (None, Some(h)) => v.dp_all_reduce = ring_all_reduce_bytes(c.params_per_rank, c.dp, 4) / h.max(1),
+            (None, None) => v.dp_all_reduce = all_reduce,
         },
         Sharding::Zero1 => {
             v.dp_all_reduce = all_reduce;
@@ -232,10 +241,7 @@ fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
         half.saturating_mul(2 * all_reduces_per_block).saturating_mul(c.layers)
     };
     v.tp_all_reduce = if c.tp > 1 { per_micro_batch.saturating_mul(c.micro_steps) } else { 0 };
-    // Every chunk of the stage sends on but the model's last; every chunk's backward sends
-    // back but the model's first.
-    let sends = (c.chunks - u64::from(c.last)) + (c.chunks - u64::from(c.first));
-    v.pp_send = c.res_d.saturating_mul(WIRE_BYTES).saturating_mul(sends).saturating_mul(c.micro_steps);
+    v.pp_send = c.res_d.saturating_mul(WIRE_BYTES).saturating_mul(c.pp_messages).saturating_mul(c.micro_steps);
     v
 }
 

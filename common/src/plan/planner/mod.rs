@@ -117,7 +117,7 @@ pub struct StagePlan {
     pub layers: usize,
     /// Holds the token and position embeddings (the first stage).
     pub embedding: bool,
-    /// Holds the final LayerNorm and the LM head (the last stage).
+    /// Holds the final LayerNorm and the LM head (the last stage; in a V, the first).
     pub head: bool,
     /// Parameters of this stage held by one TP rank, before any ZeRO/FSDP sharding.
     pub params_per_rank: u64,

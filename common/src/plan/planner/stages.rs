@@ -16,7 +16,7 @@ use crate::plan::compression::{self, Compressor};
 use crate::plan::fp8_gather;
 use crate::plan::schedule::Pipeline;
 use crate::spec::field_error::FieldError;
-use crate::spec::{BackendKind, ExperimentSpec, Fp8Recipe, GradCompression, Offload, PpSchedule, Sharding};
+use crate::spec::{BackendKind, DataSync, ExperimentSpec, Fp8Recipe, GradCompression, Offload, PpSchedule, Sharding};
 
 /// The most parameters two units opened one after the other hold: a block and the
 /// embeddings, two blocks, or a block and the head (`units`: (block size, blocks),
@@ -89,7 +89,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     for s in 0..p.pp {
         let chunks = pipe.blocks_of(m.layers, s);
         let layers = chunks.iter().map(|c| u(c.len())).sum::<u64>();
-        let (first, last) = (s == 0, s + 1 == p.pp);
+        let (first, last) = (pipe.holds_embeddings(s), pipe.holds_head(s));
         let params_per_rank =
             layers * block_per_tp_rank + if first { embedding } else { 0 } + if last { head } else { 0 };
         let in_flight = u(pipe.activations_in_flight(s));
@@ -117,16 +117,19 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // (with expert parallelism the experts' gradients are summed apart, in place)
         let experts_here = if ep > 1 { layers.saturating_mul(experts_per_block) } else { 0 };
         let comm_buffers = match p.sharding {
-            Sharding::None | Sharding::Zero1 if dp > 1 => (params_per_rank - experts_here).saturating_mul(4),
+            // (DiLoCo sends no gradient)
+            Sharding::None | Sharding::Zero1 if dp > 1 && p.sync == DataSync::EveryStep => {
+                (params_per_rank - experts_here).saturating_mul(4)
+            }
             Sharding::None | Sharding::Zero1 => 0,
             Sharding::Zero2 | Sharding::Fsdp => largest_unit.saturating_mul(per_param.gradients),
         };
         // A pipeline stage receives into one activation buffer (all but the first) and one
-        // output-gradient buffer (all but the last; interleaved: every stage both). Copies
-        // queued for sending come on top, as many as the schedule runs ahead of the
-        // neighbour: not predicted.
+        // output-gradient buffer (all but the last; interleaved: every stage both), and in
+        // a V keeps the messages that come before it needs them. Copies queued for sending
+        // come on top, as many as the schedule runs ahead of the neighbour: not predicted.
         let (gets_activations, gets_gradients) = pipe.receives(s);
-        let receive_buffers = u64::from(gets_activations) + u64::from(gets_gradients);
+        let receive_buffers = u64::from(gets_activations) + u64::from(gets_gradients) + u(pipe.held_early(s));
         let comm_buffers = comm_buffers.saturating_add(receive_buffers.saturating_mul(res_d).saturating_mul(act_bytes));
 
         // Activations (elements). Every stage keeps its input per micro-batch (the first
@@ -153,13 +156,18 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let offloaded_per_chunk: Vec<u64> = chunks.iter().map(|c| u(c.len()).saturating_mul(offloaded_block)).collect();
         let recompute_peak =
             chunks.iter().map(|c| checkpointed(u(c.len()), t.checkpointing, res_d, layer).1).max().unwrap_or(0);
-        // ZB-H1's B leaves each block's four output gradients for the W (the weight
-        // gradients' other operands are activations the W keeps anyway).
-        let stash = if pipe.splits_backward() { layers.saturating_mul(weight_stash_elements) } else { 0 };
+        // ZB-H1's and ZBV's B leaves each block of its chunk four output gradients for the
+        // W (the weight gradients' other operands are activations the W keeps anyway).
+        let stash: Vec<u64> = chunks
+            .iter()
+            .map(|c| if pipe.splits_backward() { u(c.len()).saturating_mul(weight_stash_elements) } else { 0 })
+            .collect();
         let held_at_peak = |per_chunk: &[u64]| match pipe.kind {
             // (the sets are alike: no need to follow the order pass by pass)
             PpSchedule::Gpipe | PpSchedule::OneFOneB => in_flight.saturating_mul(per_chunk[0]),
-            PpSchedule::Interleaved | PpSchedule::ZbH1 => peak_held(&pipe.actions(s), per_chunk, stash),
+            PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv => {
+                peak_held(&pipe.actions(s), per_chunk, &stash)
+            }
         };
         // Offloaded blocks come back one at a time: on the device the one running and (on
         // the CPU backend, whose host memory is the device) the copy on its way to or from
@@ -190,6 +198,16 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
                 optimizer_elements.min(OFFLOAD_PIECE_ELEMENTS as u64).saturating_mul(per_param.optimizer_state),
                 state.optimizer_state,
             ),
+        };
+        // DiLoCo's outer state, fp32 host memory (the device's own on the CPU backend): the
+        // parameters of the last outer step, and its momentum.
+        let outer = match p.sync {
+            DataSync::Diloco => params_per_rank.saturating_mul(4 * (1 + u64::from(p.outer_momentum > 0.0))),
+            DataSync::EveryStep => 0,
+        };
+        let (optimizer_state, offloaded) = match spec.backend {
+            BackendKind::Cpu => (optimizer_state.saturating_add(outer), offloaded),
+            BackendKind::Cuda => (optimizer_state, offloaded.saturating_add(outer)),
         };
         // Gradient compression: its residual and PowerSGD's Q, fp32 (DDP only, dp > 1).
         let compressor =
@@ -249,7 +267,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
                 .map(|c| recomputed_before_backward(u(c.len()), t.checkpointing))
                 .sum::<u64>()
                 .saturating_mul(block_per_tp_rank),
-            chunks: u(pipe.chunks),
+            pp_messages: u(pipe.messages_per_micro_batch(s)),
             dp_wire_bytes: wire_bytes(p.comm_dtype),
             fp8_block_gather: (p.fp8_all_gather && p.sharding == Sharding::Fsdp).then(|| {
                 let runs = fp8_gather::block_runs(m);
@@ -260,6 +278,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             allreduce: p.allreduce,
             ranks_per_node: p.ranks_per_node,
             compressed: compressing.then(|| compressor.bytes_sent(&shapes, p.dp)),
+            outer_every: (p.sync == DataSync::Diloco).then_some(p.outer_steps_every),
             experts: (ep > 1).then(|| ExpertComm {
                 params: experts_here,
                 ep,

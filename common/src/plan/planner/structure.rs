@@ -2,8 +2,9 @@
 //! TP rank, a block per pipeline stage, a model and a schedule of a size it can follow.
 //! The server's run limits are not checked here (see `spec/validate.rs`).
 
+use crate::plan::schedule::Pipeline;
 use crate::spec::field_error::FieldError;
-use crate::spec::{ExperimentSpec, PpSchedule};
+use crate::spec::ExperimentSpec;
 
 /// The planner models models up to this many parameters (a thousand times GPT-3).
 pub const MAX_PLANNED_PARAMS: f64 = 1e15;
@@ -82,9 +83,10 @@ pub fn check_structure(spec: &ExperimentSpec) -> Result<(), Vec<FieldError>> {
     } else {
         spec.check_pipeline_schedule(&mut err);
         spec.check_experts(&mut err);
-        // Interleaved and ZB-H1 peaks are found by following every stage's passes.
-        let passes = spec.pipeline_micro_batches().saturating_mul(p.virtual_stages.max(1)).saturating_mul(p.pp);
-        if matches!(p.pp_schedule, PpSchedule::Interleaved | PpSchedule::ZbH1) && passes > MAX_FOLLOWED_PASSES {
+        // Interleaved, ZB-H1 and ZBV peaks are found by following every stage's passes.
+        let pipe = Pipeline::of(spec);
+        let passes = pipe.passes();
+        if pipe.followed_pass_by_pass() && passes > MAX_FOLLOWED_PASSES {
             err(
                 "train.micro_batches",
                 format!(

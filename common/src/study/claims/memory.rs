@@ -1,8 +1,8 @@
 //! Claims about the memory one run's rank 0 holds, measured by its ledger and set against
 //! the planner and the texts: bytes per parameter, ZeRO's model state, FSDP's gathered
-//! unit, the experts' parameters.
+//! unit, the experts' parameters, each pipeline stage's activation peak.
 
-use super::{bytes_text, Inputs, Measurement};
+use super::{bytes_text, Inputs, Measurement, RunEvidence};
 use crate::plan::planner;
 use crate::ExperimentSpec;
 
@@ -177,6 +177,22 @@ fn zero_counts(spec: &ExperimentSpec, n: u64, planned: &planner::RankMemory) -> 
         });
     }
     counts
+}
+
+/// Each pipeline stage's activation peak: the most any of its ranks booked (ledger).
+pub(super) fn stage_activation_peaks(run: &RunEvidence) -> Result<Vec<u64>, String> {
+    let spec = &run.view.spec;
+    let mut peaks = vec![None; spec.parallel.pp.max(1)];
+    for r in run.ranks {
+        let (Some(memory), Some(peak)) = (r.memory.as_ref(), peaks.get_mut(spec.stage_of(r.rank as usize))) else {
+            continue;
+        };
+        *peak = Some(peak.unwrap_or(0).max(memory.peak.activations));
+    }
+    peaks
+        .into_iter()
+        .collect::<Option<Vec<u64>>>()
+        .ok_or_else(|| format!("run {} recorded no memory for a stage", run.view.id))
 }
 
 #[cfg(test)]

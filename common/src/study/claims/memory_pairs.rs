@@ -3,6 +3,7 @@
 //! FlashAttention, selective recompute, FSDP's prefetch, sequence parallelism, the
 //! optimizer's state on disk.
 
+use super::memory::stage_activation_peaks;
 use super::timeline::{recompute_share, RecomputeShare};
 use super::{bytes_text, checkpointing_name, ms, Inputs, Measurement, RunEvidence};
 use crate::plan::planner;
@@ -249,22 +250,6 @@ fn median_step_ms(run: &RunEvidence) -> f64 {
 fn measured_activations(run: &RunEvidence) -> Result<u64, String> {
     let peaks = run.ranks.iter().filter_map(|r| r.memory.as_ref()).map(|m| m.peak.activations);
     peaks.max().ok_or_else(|| format!("run {} recorded no memory", run.view.id))
-}
-
-/// Each pipeline stage's activation peak: the most any of its ranks booked (ledger).
-fn stage_activation_peaks(run: &RunEvidence) -> Result<Vec<u64>, String> {
-    let spec = &run.view.spec;
-    let mut peaks = vec![None; spec.parallel.pp.max(1)];
-    for r in run.ranks {
-        let (Some(memory), Some(peak)) = (r.memory.as_ref(), peaks.get_mut(spec.stage_of(r.rank as usize))) else {
-            continue;
-        };
-        *peak = Some(peak.unwrap_or(0).max(memory.peak.activations));
-    }
-    peaks
-        .into_iter()
-        .collect::<Option<Vec<u64>>>()
-        .ok_or_else(|| format!("run {} recorded no memory for a stage", run.view.id))
 }
 
 #[cfg(test)]

@@ -124,6 +124,8 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::Bf16NoScaling => "bf16",
         ClaimCheck::Fp8DelayedScaling => "fp8",
         ClaimCheck::Fp8AllGather => "fp8-all-gather",
+        ClaimCheck::ZbvBubble => "zbv",
+        ClaimCheck::DilocoBytes => "diloco",
         ClaimCheck::ModelFlopUtilisation => "reference",
     }
 }
@@ -133,7 +135,8 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 /// config with dynamic loss scaling (underflow), in fp32 (bf16), without activation
 /// checkpointing (its memory), with the GPipe schedule (activation peaks per stage), with
 /// naive attention, with FSDP's prefetch, with sequence parallelism, with a 2-byte wire,
-/// gathering in the wire format rather than FP8, with more accumulation steps, with room for every token in each expert, or with the
+/// gathering in the wire format rather than FP8, under ZB-H1 rather than ZBV, with DDP's
+/// every-step sync rather than DiLoCo's, with more accumulation steps, with room for every token in each expert, or with the
 /// optimizer's state in memory. None: the check needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     let mut twin = run.clone();
@@ -165,6 +168,13 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         ClaimCheck::ActivationOffloadMemory => twin.train.activation_offload = crate::Offload::None,
         ClaimCheck::Fp8DelayedScaling => twin.train.fp8 = crate::Fp8Recipe::None,
         ClaimCheck::Fp8AllGather => twin.parallel.fp8_all_gather = false,
+        ClaimCheck::ZbvBubble => twin.parallel.pp_schedule = crate::PpSchedule::ZbH1,
+        ClaimCheck::DilocoBytes => {
+            twin.parallel.sync = crate::DataSync::EveryStep;
+            // (the outer step's settings mean nothing to DDP)
+            (twin.parallel.outer_steps_every, twin.parallel.outer_lr, twin.parallel.outer_momentum) =
+                (candidate.parallel.outer_steps_every, candidate.parallel.outer_lr, candidate.parallel.outer_momentum);
+        }
         ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
         _ => return None,
     }
@@ -184,6 +194,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::ExpertAllToAll => traffic::expert_all_to_all(input),
         ClaimCheck::TwoByteWire => traffic::two_byte_wire(input),
         ClaimCheck::Fp8AllGather => traffic::fp8_all_gather(input),
+        ClaimCheck::DilocoBytes => traffic::diloco_bytes(input),
         ClaimCheck::TpAllreduces => traffic::tp_allreduces(input),
         ClaimCheck::TreeAllreduce => all_reduce::tree(run),
         ClaimCheck::HierarchicalAllreduce => all_reduce::hierarchical(run),
@@ -204,6 +215,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::ActivationOffloadMemory => memory_pairs::activation_offload_memory(input),
         ClaimCheck::ExpertCapacity => experts::capacity(run, partner),
         ClaimCheck::BubbleFraction => timeline::bubble_fraction(input),
+        ClaimCheck::ZbvBubble => timeline::zbv_bubble(input),
         ClaimCheck::CheckpointingRecomputeTime => timeline::checkpointing_recompute_time(input),
         ClaimCheck::DdpEqualsOneRank => losses::ddp_equals_one_rank(input),
         ClaimCheck::LossScalingUnderflow => losses::loss_scaling_underflow(input),
@@ -311,6 +323,8 @@ mod tests {
             ClaimCheck::ActivationOffloadMemory,
             ClaimCheck::Fp8DelayedScaling,
             ClaimCheck::Fp8AllGather,
+            ClaimCheck::ZbvBubble,
+            ClaimCheck::DilocoBytes,
         ] {
             assert!(keys.contains(&canonical_preset(check)), "{check:?}");
         }

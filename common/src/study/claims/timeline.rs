@@ -1,11 +1,15 @@
 //! Claims read from the timeline of a run's passes: the pipeline bubble (the step replayed
-//! with a core per stage) and the time activation checkpointing's recompute takes.
+//! with a core per stage), ZBV's against ZB-H1's, and the time activation checkpointing's
+//! recompute takes.
 
-use super::{checkpointing_name, ms, Inputs, Measurement};
+use super::memory::stage_activation_peaks;
+use super::{checkpointing_name, ms, Inputs, Measurement, RunEvidence};
 use crate::analysis::pipeline::{
     default_step, measured_bubble, recorded_steps, replay_with_a_core_per_stage, stage_rows,
 };
+use crate::plan::planner;
 use crate::plan::schedule::Pipeline;
+use crate::PpSchedule;
 
 /// The pipeline bubble replayed from the stages' measured passes with a core per stage, against the schedule's formula.
 pub(super) fn bubble_fraction(input: &Inputs) -> Result<Measurement, String> {
@@ -62,6 +66,52 @@ pub(super) fn bubble_fraction(input: &Inputs) -> Result<Measurement, String> {
             (projected.overall - formula).abs() <= 0.08,
         )
     })
+}
+
+/// ZBV's step replayed with a core per stage against the same model's under ZB-H1 (the
+/// partner), and each stage's activation peak in both runs against the planner's.
+pub(super) fn zbv_bubble(input: &Inputs) -> Result<Measurement, String> {
+    let zb_h1 = input
+        .partner
+        .ok_or("no finished run of the same config with pp_schedule zb-h1 yet (resubmit the preset with zb-h1)")?;
+    // (replayed bubble, measured and planned activation peaks per stage)
+    let read = |r: &RunEvidence| -> Result<(f64, Vec<u64>, Vec<u64>), String> {
+        let spec = &r.view.spec;
+        let step =
+            default_step(&recorded_steps(r.ranks)).ok_or_else(|| format!("run {} recorded no timeline", r.view.id))?;
+        let (_, replayed) = replay_with_a_core_per_stage(spec, r.ranks, step)
+            .ok_or_else(|| format!("run {}'s timeline has a stage without a forward or a backward", r.view.id))?;
+        let plan = planner::plan(spec).map_err(|_| format!("the planner cannot plan run {}", r.view.id))?;
+        let planned = plan.stages.iter().map(|s| s.memory.activations).collect();
+        Ok((replayed.overall, stage_activation_peaks(r)?, planned))
+    };
+    let ((ours, ours_peaks, ours_planned), (theirs, theirs_peaks, theirs_planned)) = (read(input.run)?, read(zb_h1)?);
+    let kib = |v: &[u64]| v.iter().map(|b| format!("{}", b / 1024)).collect::<Vec<_>>().join(", ");
+    let (v, h) = (Pipeline::of(input.spec), Pipeline::of(&zb_h1.view.spec));
+    Ok(input.m(
+        format!(
+            "with F = B = W, {} = {:.1}% against ZB-H1's {:.1}%; activation peaks per stage {} KiB (ZB-H1: {} KiB)",
+            v.formula_name(),
+            100.0 * v.formula_bubble(),
+            100.0 * h.formula_bubble(),
+            kib(&ours_planned),
+            kib(&theirs_planned)
+        ),
+        format!(
+            "replayed with a core per stage from the runs' own passes: {:.1}% against {:.1}% (run {}); peaks {} KiB \
+             and {} KiB",
+            100.0 * ours,
+            100.0 * theirs,
+            zb_h1.view.id,
+            kib(&ours_peaks),
+            kib(&theirs_peaks)
+        ),
+        input.spec.parallel.pp_schedule == PpSchedule::Zbv
+            && zb_h1.view.spec.parallel.pp_schedule == PpSchedule::ZbH1
+            && ours < theirs
+            && ours_peaks == ours_planned
+            && theirs_peaks == theirs_planned,
+    ))
 }
 
 /// Rank 0's time recomputing forwards against its forward and backward, set against the planner's FLOPs.

@@ -261,13 +261,9 @@ pub(super) fn two_byte_wire(input: &Inputs) -> Result<Measurement, String> {
          with it)",
     )?;
     let dp_bytes = |r: &RunEvidence| -> Result<(u64, u64), String> {
-        let rank =
-            r.ranks.iter().find(|x| x.rank == 0).ok_or_else(|| format!("run {} recorded no trace", r.view.id))?;
         let ops = [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather];
-        let sent: u64 = ops.into_iter().flat_map(|op| op_counters(rank, op)).map(|c| c.bytes_sent).sum();
-        let plan = planner::plan(&r.view.spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
-        let c = &plan.stages[r.view.spec.stage_of(0)].comm;
-        Ok((sent / r.traced_steps.max(1), c.dp_all_reduce + c.dp_reduce_scatter + c.dp_all_gather))
+        let (sent, c) = rank0_sent_and_planned(r, &ops)?;
+        Ok((sent, c.dp_all_reduce + c.dp_reduce_scatter + c.dp_all_gather))
     };
     let ((wide, wide_planned), (narrow, narrow_planned)) = (dp_bytes(run)?, dp_bytes(two)?);
     let within = |got: u64, planned: u64| (planned..=planned + SCALAR_BYTES).contains(&got);
@@ -300,11 +296,8 @@ pub(super) fn fp8_all_gather(input: &Inputs) -> Result<Measurement, String> {
         .partner
         .ok_or("no finished run of the same config with fp8_all_gather off yet (resubmit the preset without it)")?;
     let gathered = |r: &RunEvidence| -> Result<(u64, u64), String> {
-        let rank =
-            r.ranks.iter().find(|x| x.rank == 0).ok_or_else(|| format!("run {} recorded no trace", r.view.id))?;
-        let sent: u64 = op_counters(rank, CollectiveOp::AllGather).map(|c| c.bytes_sent).sum();
-        let plan = planner::plan(&r.view.spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
-        Ok((sent / r.traced_steps.max(1), plan.stages[r.view.spec.stage_of(0)].comm.dp_all_gather))
+        let (sent, c) = rank0_sent_and_planned(r, &[CollectiveOp::AllGather])?;
+        Ok((sent, c.dp_all_gather))
     };
     let ((ours, ours_planned), (theirs, theirs_planned)) = (gathered(run)?, gathered(other)?);
     let ratio = ours as f64 / theirs.max(1) as f64;
@@ -337,6 +330,54 @@ pub(super) fn fp8_all_gather(input: &Inputs) -> Result<Measurement, String> {
             && ratio < 0.6
             && same_losses,
     ))
+}
+
+/// DiLoCo's all-reduce bytes per step against DDP's (the partner), both the planner's.
+pub(super) fn diloco_bytes(input: &Inputs) -> Result<Measurement, String> {
+    let ddp = input
+        .partner
+        .ok_or("no finished run of the same config with sync every_step yet (resubmit the preset with it)")?;
+    // (all-reduce bytes per step on rank 0, the planner's, the last step's loss)
+    let read = |r: &RunEvidence| -> Result<(u64, u64, f64), String> {
+        let (sent, c) = rank0_sent_and_planned(r, &[CollectiveOp::AllReduce])?;
+        Ok((sent, c.dp_all_reduce, r.metrics.last().map_or(f64::NAN, |m| m.loss)))
+    };
+    let ((ours, ours_planned, ours_loss), (theirs, theirs_planned, theirs_loss)) = (read(input.run)?, read(ddp)?);
+    let every = input.spec.parallel.outer_steps_every;
+    let ratio = theirs as f64 / ours.max(1) as f64;
+    // (each step's one-float all-reduce of the loss rides along; DiLoCo's per step is its
+    // outer all-reduce over H, rounded down)
+    let near = |measured: u64, planned: u64| (planned..=planned + SCALAR_BYTES + every).contains(&measured);
+    Ok(input.m(
+        format!(
+            "every {every} steps 2(W-1)/W x N x 4 bytes of parameter changes: {} per rank and step against DDP's {} \
+             of gradients every step (planner), 1/{every} of it",
+            bytes_text(ours_planned),
+            bytes_text(theirs_planned)
+        ),
+        format!(
+            "{} and {} per step on rank 0 (run {}): {ratio:.2}x fewer; last loss {ours_loss:.4} against DDP's \
+             {theirs_loss:.4}",
+            bytes_text(ours),
+            bytes_text(theirs),
+            ddp.view.id
+        ),
+        input.spec.parallel.sync == crate::DataSync::Diloco
+            && ddp.view.spec.parallel.sync == crate::DataSync::EveryStep
+            && near(ours, ours_planned)
+            && near(theirs, theirs_planned)
+            && (ratio - every as f64).abs() <= 0.02 * every as f64,
+    ))
+}
+
+/// Rank 0's bytes per traced step in `ops` (its counters), and the planner's traffic for
+/// its stage.
+fn rank0_sent_and_planned(r: &RunEvidence, ops: &[CollectiveOp]) -> Result<(u64, planner::CommVolume), String> {
+    let rank = r.ranks.iter().find(|x| x.rank == 0).ok_or_else(|| format!("run {} recorded no trace", r.view.id))?;
+    let sent: u64 = ops.iter().flat_map(|&op| op_counters(rank, op)).map(|c| c.bytes_sent).sum();
+    let plan = planner::plan(&r.view.spec).map_err(|_| "the planner cannot plan the run's spec".to_string())?;
+    let stage = plan.stages.into_iter().nth(r.view.spec.stage_of(0)).ok_or("the plan has no stage for rank 0")?;
+    Ok((sent / r.traced_steps.max(1), stage.comm))
 }
 
 /// Tensor parallelism's all-reduces on rank 0 in one step: 4 per block and micro-batch (6 with checkpointing).

@@ -57,12 +57,7 @@ pub(super) fn RunLinks(id: i64, spec: ExperimentSpec, live: Live) -> impl IntoVi
         {(spec.parallel.pp > 1).then(|| view! {
             <p class="replay-line">
                 <A href=format!("/experiments/{id}/pipeline") attr:class="button" attr:id="pipeline-link">"Pipeline schedule →"</A>
-                " " {format!("{} stages, {} schedule: every forward and backward, and the bubble", spec.parallel.pp, match spec.parallel.pp_schedule {
-                    distlab_common::spec::PpSchedule::Gpipe => "GPipe",
-                    distlab_common::spec::PpSchedule::OneFOneB => "1F1B",
-                    distlab_common::spec::PpSchedule::Interleaved => "interleaved 1F1B",
-                    distlab_common::spec::PpSchedule::ZbH1 => "ZB-H1",
-                })}
+                " " {format!("{} stages, {} schedule: every forward and backward, and the bubble", spec.parallel.pp, spec.parallel.pp_schedule.title())}
             </p>
         })}
     }

@@ -173,7 +173,7 @@ const SECTIONS: &[SectionDef] = &[
             ),
             f(
                 "parallel.pp_schedule",
-                Kind::Choice(&["gpipe", "1f1b", "interleaved", "zb-h1"]),
+                Kind::Choice(&["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]),
                 "order of micro-batches in the pipeline",
             ),
             f(
@@ -211,6 +211,14 @@ const SECTIONS: &[SectionDef] = &[
                 Kind::Choice(&["none", "host", "disk"]),
                 "ZeRO-Offload: optimizer state and its update off the device (host: cuda only)",
             ),
+            f(
+                "parallel.sync",
+                Kind::Choice(&["every_step", "diloco"]),
+                "how replicas stay together: gradients summed every step, or DiLoCo's local steps and an outer step every H",
+            ),
+            f("parallel.outer_steps_every", Kind::Int, "diloco: inner steps each replica takes alone between outer steps (H)"),
+            f("parallel.outer_lr", Kind::Float, "diloco: the outer step's learning rate on the replicas' mean change"),
+            f("parallel.outer_momentum", Kind::Float, "diloco: the outer step's Nesterov momentum (0: none)"),
         ],
     },
     SectionDef {
@@ -305,6 +313,10 @@ fn training_only(path: &str) -> bool {
                 | "parallel.grad_compression"
                 | "parallel.compression_ratio"
                 | "parallel.compression_rank"
+                | "parallel.sync"
+                | "parallel.outer_steps_every"
+                | "parallel.outer_lr"
+                | "parallel.outer_momentum"
         )
 }
 
