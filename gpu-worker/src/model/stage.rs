@@ -13,7 +13,7 @@ use crate::model::state::{ModelState, Pass, Unit};
 /// loss on the last.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stage {
-    /// Its chunks of consecutive blocks, in model order (one but for interleaved).
+    /// Its chunks of consecutive blocks, in model order (one but for interleaved and ZBV).
     pub chunks: Vec<Range<usize>>,
     /// Holds the embeddings: its first chunk starts the model.
     pub first: bool,

@@ -242,7 +242,7 @@ impl<S> Drop for PipelineLinks<S> {
 }
 
 /// What one stage computes for a micro-batch (the trainer implements it with its model,
-/// strategy and data). `chunk` is which of the stage's chunks runs (0 but interleaved).
+/// strategy and data). `chunk` is which of the stage's chunks runs (0 but interleaved and ZBV).
 pub trait StageWork<B: TrainBackend> {
     type Error: From<CommError>;
     /// Forward of micro-batch `micro` through `chunk`: from its tokens where the chunk
