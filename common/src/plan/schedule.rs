@@ -268,9 +268,10 @@ impl Pipeline {
         passes.filter_map(|a| self.sends(stage, a)).filter(|&(to, _)| to != stage).count()
     }
 
-    /// The messages stage `from` sends stage `to` in a step, in the order it sends them.
-    pub fn messages(&self, from: usize, to: usize) -> Vec<Message> {
-        let sent = self.actions(from).into_iter().filter_map(|a| self.sends(from, a));
+    /// The messages stage `from`, running `order` (its schedule's, or an evaluation's
+    /// forwards), sends stage `to`, in the order it sends them.
+    pub fn messages(&self, from: usize, order: &[Action], to: usize) -> Vec<Message> {
+        let sent = order.iter().filter_map(|&a| self.sends(from, a));
         sent.filter(|&(dest, _)| dest == to).map(|(_, message)| message).collect()
     }
 
@@ -298,7 +299,7 @@ impl Pipeline {
             .collect();
         let mut links: Vec<std::collections::VecDeque<Message>> = vec![Default::default(); self.stages];
         for from in (0..self.stages).filter(|&from| from != stage && neighbours.contains(&from)) {
-            links[from] = self.messages(from, stage).into();
+            links[from] = self.messages(from, &self.actions(from), stage).into();
         }
         let mut held: Vec<Message> = Vec::new();
         let mut most = 0;
@@ -699,6 +700,10 @@ mod tests {
         }
         let v = pipe(PpSchedule::Zbv, 4, 2, 8);
         assert_eq!((0..4).map(|s| v.held_early(s)).collect::<Vec<_>>(), vec![0, 1, 1, 2]);
-        assert_eq!(v.messages(3, 3).len(), 2 * 8, "the turn: an activation and a gradient per micro-batch");
+        assert_eq!(
+            v.messages(3, &v.actions(3), 3).len(),
+            2 * 8,
+            "the turn: an activation and a gradient per micro-batch"
+        );
     }
 }

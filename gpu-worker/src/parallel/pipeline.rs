@@ -156,8 +156,7 @@ impl<S: Stored<Acc = f32>> PipelineLinks<S> {
     /// link will bring what its stage sends this one, in that stage's order.
     fn expect(&mut self, pipe: &Pipeline, orders: &[Vec<Action>]) {
         for (from, order) in orders.iter().enumerate().filter(|&(from, _)| from != self.stage) {
-            let to_me = order.iter().filter_map(|&a| pipe.sends(from, a)).filter(|&(to, _)| to == self.stage);
-            self.coming[from] = to_me.map(|(_, message)| message).collect();
+            self.coming[from] = pipe.messages(from, order, self.stage).into();
         }
     }
 
