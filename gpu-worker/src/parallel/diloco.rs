@@ -161,7 +161,7 @@ impl<B: TrainBackend> Strategy<B> for DiLoCo<B> {
 
     fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), TrainError> {
         self.inner.update(be, lr, grad_scale * self.replicas as f64)?;
-        if (self.step + 1) % self.outer_steps_every == 0 {
+        if (self.step + 1).is_multiple_of(self.outer_steps_every) {
             self.outer_step(be)?;
         }
         Ok(())
