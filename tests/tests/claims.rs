@@ -163,6 +163,20 @@ fn the_diloco_presets_bytes_are_ddps_over_h() {
     println!("  {}\n  {}", got.predicted, got.measured);
 }
 
+/// LAMB against AdamW at 8x the batch and lr: AdamW's loss climbs above its start, LAMB's
+/// does not, and LAMB ends lower (the preset's whole 96 steps: the climb is early, the end
+/// is the claim).
+#[test]
+fn the_lamb_preset_holds_the_scaled_learning_rate_where_adamw_climbs() {
+    let _serial = one_at_a_time();
+    let lamb = preset("lamb-large-batch");
+    let mut adamw = lamb.clone();
+    adamw.train.optimizer = Optimizer::Adamw;
+    let got = check(ClaimCheck::LambLargeBatch, &lamb, Some(&adamw));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}\n  {}", got.predicted, got.measured);
+}
+
 #[test]
 fn the_zero2_and_fsdp_presets_send_their_multiples_of_d() {
     let _serial = one_at_a_time();

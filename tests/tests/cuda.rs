@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 34] = [
+const LAYOUTS: [(&str, Layout); 35] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -85,6 +85,12 @@ const LAYOUTS: [(&str, Layout); 34] = [
     // (2 replicas meeting every 2 steps: 4 outer steps in the run)
     ("diloco dp2 every 2 steps", |s| {
         (s.parallel.dp, s.parallel.sync, s.parallel.outer_steps_every) = (2, DataSync::Diloco, 2)
+    }),
+    // LAMB (LARS where the optimizer is SGD), the norms of tensors cut over 3 shards summed.
+    ("zero2 dp3 layer-wise", |s| {
+        let sgd = s.train.optimizer == Optimizer::Sgd;
+        s.train.optimizer = if sgd { Optimizer::Lars } else { Optimizer::Lamb };
+        (s.parallel.dp, s.parallel.sharding, s.train.lr) = (3, Sharding::Zero2, 0.01);
     }),
     ("zero1 host offload", |s| {
         (s.parallel.dp, s.parallel.sharding, s.parallel.offload) = (2, Sharding::Zero1, Offload::Host)

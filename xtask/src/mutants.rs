@@ -162,6 +162,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "diloco", "diloco_with_sgd_every_step_and_no_momentum_is_ddp"],
     },
     Mutant {
+        name: "LAMB's and LARS's trust ratio ignored (every tensor takes AdamW's or SGD's plain step)",
+        file: "gpu-worker/src/optim/mod.rs",
+        find: "let lr = lr * ratio;",
+        replace: "let lr = lr * ratio.powi(0);",
+        tests: &["-p", "distlab-worker", "--lib", "each_tensors"],
+    },
+    Mutant {
+        name: "A layer-wise optimizer takes a sharded tensor's norms from this rank's piece alone",
+        file: "gpu-worker/src/optim/mod.rs",
+        find: "Some(comm) => sum_over(comm, &squares)?,",
+        replace: "Some(_) => squares,",
+        tests: &["-p", "distlab-tests", "--test", "layer_wise", "lamb_and_lars_train_like_one_rank"],
+    },
+    Mutant {
         name: "FSDP ranks initialise the whole model before keeping their shard",
         file: "gpu-worker/src/parallel/sharded.rs",
         find: "let seed = spec.train.seed;",

@@ -15,7 +15,7 @@
 //! - the model: every parameter once, f32, in safetensors (a JSON header before the values).
 
 use crate::plan::planner;
-use crate::{spec::GradCompression, ExperimentSpec, Optimizer, Precision};
+use crate::{spec::GradCompression, ExperimentSpec, Precision};
 
 /// Bytes allowed for one rank file's JSON header (its step, loss and section names).
 const HEADER_BYTES_PER_FILE: u64 = 4096;
@@ -43,7 +43,7 @@ impl DiskPlan {
                 Ok(plan) => plan.stages.iter().map(|s| s.params_per_rank).sum::<u64>() * spec.parallel.tp as u64,
                 Err(_) => params,
             };
-            let moments = if spec.train.optimizer == Optimizer::Adamw { 2 } else { 0 };
+            let moments = if spec.train.optimizer.keeps_moments() { 2 } else { 0 };
             let master = u64::from(spec.train.precision != Precision::Fp32);
             let residuals =
                 if spec.parallel.grad_compression == GradCompression::None { 0 } else { spec.parallel.dp as u64 };
@@ -66,6 +66,7 @@ impl DiskPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Optimizer;
 
     #[test]
     fn adamw_keeps_three_floats_a_parameter_and_a_run_three_checkpoints() {

@@ -551,6 +551,33 @@ pub enum LrSchedule {
 pub enum Optimizer {
     Adamw,
     Sgd,
+    /// AdamW's direction scaled per tensor by ‖w‖/‖direction‖ (You et al. 2019).
+    Lamb,
+    /// SGD's step scaled per tensor by ‖w‖/(‖g‖ + wd‖w‖) (You et al. 2017), without momentum
+    /// as distlab's SGD.
+    Lars,
+}
+
+impl Optimizer {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Optimizer::Adamw => "adamw",
+            Optimizer::Sgd => "sgd",
+            Optimizer::Lamb => "lamb",
+            Optimizer::Lars => "lars",
+        }
+    }
+
+    /// Whether it keeps Adam's two moments per parameter (m and v, fp32).
+    pub fn keeps_moments(self) -> bool {
+        matches!(self, Optimizer::Adamw | Optimizer::Lamb)
+    }
+
+    /// Whether every tensor's step is scaled by a trust ratio of its own norms (the
+    /// layer-wise optimizers), which needs the norms of the whole tensor at every step.
+    pub fn layer_wise(self) -> bool {
+        matches!(self, Optimizer::Lamb | Optimizer::Lars)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -56,6 +56,12 @@ pub fn presets() -> Vec<Preset> {
     diloco.parallel.sync = DataSync::Diloco;
     (diloco.parallel.outer_steps_every, diloco.parallel.outer_lr, diloco.parallel.outer_momentum) = (8, 0.7, 0.9);
 
+    // The ddp2 preset's batch 8-fold (2 x 32 sequences) and its learning rate 8-fold
+    // (the linear scaling rule: 3e-3 x 8), under LAMB.
+    let mut lamb = ExperimentSpec { name: "lamb-batch-8x".into(), ..ddp.clone() };
+    lamb.train.steps = 96;
+    (lamb.train.micro_batch, lamb.train.lr, lamb.train.optimizer) = (32, 0.024, Optimizer::Lamb);
+
     let mut topk = ddp.clone();
     topk.name = "ddp-2-ranks-top-k-1pct".into();
     topk.parallel.grad_compression = GradCompression::Topk;
@@ -255,6 +261,12 @@ pub fn presets() -> Vec<Preset> {
             title: "DiLoCo: 2 replicas meeting every 8 steps",
             description: "The ddp2 preset's replicas each take 8 AdamW steps alone on their half of every batch, sending nothing; then they all-reduce how far their parameters moved, and an outer Nesterov step (lr 0.7, momentum 0.9) on the mean change sets both replicas' parameters. Resubmit it with sync \"every_step\" (DDP) and compare: the links page's all-reduce bytes per step fall 8-fold, the compare page draws the two loss curves at equal tokens.",
             spec: diloco,
+        },
+        Preset {
+            key: "lamb-large-batch",
+            title: "LAMB at 8x the batch, lr scaled 8x",
+            description: "The ddp2 preset with 8 times the batch (32 sequences per rank) and, by the linear scaling rule, 8 times the learning rate (0.024), trained with LAMB: each tensor's Adam step is scaled by its trust ratio, the norm of its weights over the norm of its step, so every tensor moves by about lr times its own size. Resubmit it with optimizer \"adamw\" and compare: at this learning rate AdamW's loss climbs above where it started before it falls, and ends higher.",
+            spec: lamb,
         },
         Preset {
             key: "topk",

@@ -236,15 +236,16 @@ impl ExperimentSpec {
             );
         }
         if p.offload != Offload::None
-            && self.train.optimizer == Optimizer::Sgd
+            && !self.train.optimizer.keeps_moments()
             && self.train.precision == Precision::Fp32
         {
             err(
                 "parallel.offload",
                 format!(
-                    "offload={} moves the optimizer's state off the device, and SGD in fp32 keeps none (no moments, \
-                     no master weights): use adamw, or a 2-byte precision, or offload=none",
-                    p.offload.as_str()
+                    "offload={} moves the optimizer's state off the device, and {} in fp32 keeps none (no moments, \
+                     no master weights): use adamw or lamb, or a 2-byte precision, or offload=none",
+                    p.offload.as_str(),
+                    self.train.optimizer.as_str()
                 ),
             );
         }
@@ -311,6 +312,9 @@ impl ExperimentSpec {
         self.check_context_parallel(&mut err);
         if p.sync == DataSync::Diloco {
             self.check_diloco(&mut err);
+        }
+        if self.train.optimizer.layer_wise() {
+            self.check_layer_wise(&mut err);
         }
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
@@ -720,6 +724,26 @@ impl ExperimentSpec {
                 "parallel.outer_momentum",
                 format!("outer_momentum must be from 0 to below 1 (it is {})", p.outer_momentum),
             );
+        }
+    }
+
+    /// `train.optimizer: lamb | lars`: every tensor's trust ratio from its whole norms,
+    /// summed over the ranks a ZeRO/FSDP shard spreads it on; tensor and expert parallelism
+    /// would split a tensor over other groups too, which the sum does not cover yet.
+    fn check_layer_wise(&self, err: &mut impl FnMut(&str, String)) {
+        let (t, p) = (&self.train, &self.parallel);
+        for (field, size, what) in [("parallel.tp", p.tp, "tensor"), ("parallel.ep", p.ep, "expert")] {
+            if size > 1 {
+                err(
+                    field,
+                    format!(
+                        "optimizer={} scales each tensor's step by its own norms, and {what} parallelism splits \
+                         tensors over ranks whose norms it does not sum yet: use {}=1 (it is {size})",
+                        t.optimizer.as_str(),
+                        &field["parallel.".len()..]
+                    ),
+                );
+            }
         }
     }
 
@@ -1291,7 +1315,15 @@ mod tests {
             ),
             (
                 json!({"parallel": {"offload": "disk"}, "train": {"optimizer": "sgd"}}),
-                vec![("parallel.offload", "SGD in fp32 keeps none")],
+                vec![("parallel.offload", "sgd in fp32 keeps none")],
+            ),
+            (
+                json!({"parallel": {"offload": "host"}, "train": {"optimizer": "lars"}}),
+                vec![("parallel.offload", "lars in fp32 keeps none")],
+            ),
+            (
+                json!({"parallel": {"tp": 2}, "train": {"optimizer": "lamb"}}),
+                vec![("parallel.tp", "optimizer=lamb scales each tensor's step by its own norms, and tensor parallelism")],
             ),
             (
                 json!({"parallel": {"allreduce": "tree", "comm_dtype": "bf16"}, "train": {"precision": "bf16"}}),

@@ -204,6 +204,9 @@ pub enum ClaimCheck {
     /// DiLoCo's all-reduces of the parameter changes every H steps carry 1/H of DDP's
     /// gradient all-reduces per step, both the planner's; the two runs' losses side by side.
     DilocoBytes,
+    /// LAMB against AdamW at the same large batch and learning rate: AdamW's loss climbs
+    /// above its start before it falls, LAMB's does not, and LAMB ends lower.
+    LambLargeBatch,
     /// MFU: the model's FLOPs per second (6N + attention per token x tokens/s) over the
     /// devices' peak, recomputed from the run's step times.
     ModelFlopUtilisation,

@@ -173,7 +173,7 @@ pub fn PlannerPage() -> impl IntoView {
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.checkpointing = x })}
                     {choice(spec, "activation_offload", &["none", "host", "disk"], |s| json_str(&s.train.activation_offload),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.activation_offload = x })}
-                    {choice(spec, "optimizer", &["adamw", "sgd"], |s| json_str(&s.train.optimizer),
+                    {choice(spec, "optimizer", &["adamw", "sgd", "lamb", "lars"], |s| json_str(&s.train.optimizer),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.train.optimizer = x })}
                 </fieldset>
                 <ClusterFields cluster=cluster/>

@@ -22,7 +22,7 @@ use crate::backend::{Buffers, DeviceCollectives, OptimizerKernels, Stored};
 use crate::memory::MemoryTracker;
 use crate::ops::float::map_elements;
 use crate::ops::gemm::Parallelism;
-use crate::ops::optimizer::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
+use crate::ops::optimizer::{HostOptimizerBuffers, OptimizerSlices, OptimizerState, TrustPass, Update};
 
 /// Elements per task of the elementwise kernels and of the ordered sums (`ops/reductions.rs`).
 pub(crate) const ELEMENT_CHUNK: usize = 1 << 14;
@@ -185,6 +185,17 @@ impl<S: Stored> OptimizerKernels for CpuBackend<S> {
         update: &Update,
     ) {
         buffers.update(params, grads, range, update);
+    }
+
+    fn trust_squares(
+        &self,
+        params: &[S],
+        grads: &[S],
+        buffers: &Self::OptimizerBuffers,
+        range: Range<usize>,
+        pass: &TrustPass,
+    ) -> (f64, f64) {
+        buffers.trust_squares(params, grads, range, pass)
     }
 
     fn read_optimizer_buffers<R>(

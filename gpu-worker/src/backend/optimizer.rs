@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::Buffers;
 use crate::ops::float::Stored;
-use crate::ops::optimizer::{OptimizerSlices, OptimizerState, Update};
+use crate::ops::optimizer::{OptimizerSlices, OptimizerState, TrustPass, Update};
 
 /// An optimizer's state and update on a backend (the optimizer itself, `optim/`, decides
 /// what to update with what; it may also keep the state off the device, `optim/offload.rs`).
@@ -31,6 +31,17 @@ pub trait OptimizerKernels: Buffers {
         range: Range<usize>,
         update: &Update,
     );
+    /// A layer-wise update's first pass over a piece of one tensor whose state is `range`
+    /// of `buffers`: (Σw², Σu²) as [`TrustPass`] says, summed in an order that depends on
+    /// the piece alone. Reads, changes nothing.
+    fn trust_squares(
+        &self,
+        params: Self::View<'_>,
+        grads: Self::View<'_>,
+        buffers: &Self::OptimizerBuffers,
+        range: Range<usize>,
+        pass: &TrustPass,
+    ) -> (f64, f64);
     /// Runs `f` on the buffers read in host memory (for checkpoints).
     fn read_optimizer_buffers<R>(
         &self,

@@ -342,23 +342,26 @@ impl ParamLayout {
     }
 
     /// `param_groups` cut to `range` and counted from its start (a stage's own buffer).
-    pub fn param_groups_in(&self, range: &Range<usize>) -> Vec<ParamGroup> {
-        self.param_groups()
+    pub fn param_groups_in(&self, range: &Range<usize>, per_tensor: bool) -> Vec<ParamGroup> {
+        self.param_groups(per_tensor)
             .into_iter()
             .filter_map(|g| {
                 let (start, end) = (g.range.start.max(range.start), g.range.end.min(range.end));
-                (start < end).then(|| ParamGroup { range: start - range.start..end - range.start, decay: g.decay })
+                (start < end).then(|| ParamGroup { range: start - range.start..end - range.start, ..g })
             })
             .collect()
     }
 
-    /// Runs of adjacent tensors with the same weight-decay setting, for the optimizer.
-    pub fn param_groups(&self) -> Vec<ParamGroup> {
+    /// Runs of adjacent tensors with the same weight-decay setting, for the optimizer; with
+    /// `per_tensor` (a layer-wise optimizer: its trust ratio is one tensor's) a run each.
+    pub fn param_groups(&self, per_tensor: bool) -> Vec<ParamGroup> {
         let mut groups: Vec<ParamGroup> = Vec::new();
-        for t in &self.tensors {
+        for (tensor, t) in self.tensors.iter().enumerate() {
             match groups.last_mut() {
-                Some(g) if g.decay == t.decay && g.range.end == t.range.start => g.range.end = t.range.end,
-                _ => groups.push(ParamGroup { range: t.range.clone(), decay: t.decay }),
+                Some(g) if !per_tensor && g.decay == t.decay && g.range.end == t.range.start => {
+                    g.range.end = t.range.end
+                }
+                _ => groups.push(ParamGroup { range: t.range.clone(), decay: t.decay, tensor }),
             }
         }
         groups
@@ -528,8 +531,13 @@ mod tests {
             }
             assert_eq!(next, lay.total);
             assert_eq!(lay.block_len() as u64, m.block_params());
-            let groups = lay.param_groups();
-            assert_eq!(groups.iter().map(|g| g.range.len()).sum::<usize>(), lay.total);
+            for per_tensor in [false, true] {
+                let groups = lay.param_groups(per_tensor);
+                assert_eq!(groups.iter().map(|g| g.range.len()).sum::<usize>(), lay.total);
+            }
+            let tensors = lay.param_groups(true);
+            assert_eq!(tensors.len(), lay.tensors.len());
+            assert!(tensors.iter().enumerate().all(|(i, g)| g.tensor == i && g.range == lay.tensors[i].range));
         }
     }
 

@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::ops::float::{Float, Stored};
+use crate::ops::float::{lane_sum, Float, Stored};
 use crate::ops::simd::simd_kernel;
 
 /// The hyperparameters of one AdamW update.
@@ -67,6 +67,54 @@ simd_kernel! {
         for (p, &g) in params.iter_mut().zip(grads) {
             *p = *p * decay - lr_g * g.load();
         }
+    }
+}
+
+/// The first pass of a layer-wise update (LAMB, LARS) over a piece of one tensor: what the
+/// tensor's trust ratio is made of, read without changing anything. The second pass is
+/// then a plain AdamW or SGD update with lr times the ratio (see `optim/mod.rs`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum TrustPass {
+    /// LAMB: the squares of w and of r = m̂/(√v̂ + ε) + wd·w, r from the moments this
+    /// step's AdamW update will store (computed here the same way, not stored).
+    Lamb(AdamWStep),
+    /// LARS: the squares of w and of the raw gradient.
+    Lars,
+}
+
+simd_kernel! {
+    /// LAMB's first pass on one chunk: Σw² and Σr², r = m̂/(√v̂ + ε) + wd·w with m and v
+    /// as [`adamw_update`] is about to make them (the same operations, so the same bits).
+    pub fn lamb_squares<F: Float, S: Stored<Acc = F>>(params: &[F], grads: &[S], m: &[F], v: &[F], hp: &AdamWStep) -> (F, F) {
+        let b1 = F::from_f64(hp.beta1);
+        let b2 = F::from_f64(hp.beta2);
+        let one_minus_b1 = F::from_f64(1.0 - hp.beta1);
+        let one_minus_b2 = F::from_f64(1.0 - hp.beta2);
+        let m_correction = F::from_f64(1.0 / (1.0 - hp.beta1.powf(hp.step as f64)));
+        let v_correction = F::from_f64(1.0 / (1.0 - hp.beta2.powf(hp.step as f64)));
+        let eps = F::from_f64(hp.eps);
+        let decay = F::from_f64(hp.weight_decay);
+        let scale = F::from_f64(hp.grad_scale);
+        let n = params.len();
+        let (grads, m, v) = (&grads[..n], &m[..n], &v[..n]);
+        let w2 = lane_sum(n, |i| params[i] * params[i]);
+        let r2 = lane_sum(n, |i| {
+            let g = grads[i].load() * scale;
+            let m_hat = (b1 * m[i] + one_minus_b1 * g) * m_correction;
+            let v_hat = (b2 * v[i] + one_minus_b2 * g * g) * v_correction;
+            let r = m_hat / (v_hat.sqrt() + eps) + decay * params[i];
+            r * r
+        });
+        (w2, r2)
+    }
+}
+
+simd_kernel! {
+    /// LARS's first pass on one chunk: Σw² and Σg² (the gradient unscaled).
+    pub fn lars_squares<F: Float, S: Stored<Acc = F>>(params: &[F], grads: &[S]) -> (F, F) {
+        let n = params.len();
+        let grads = &grads[..n];
+        (lane_sum(n, |i| params[i] * params[i]), lane_sum(n, |i| grads[i].load() * grads[i].load()))
     }
 }
 
@@ -138,6 +186,39 @@ impl<F: Float> HostOptimizerBuffers<F> {
         }
     }
 
+    /// A layer-wise update's first pass over a piece of one tensor (`params`, `grads`,
+    /// state `range`): (Σw², Σu²), u LAMB's direction or LARS's gradient, w the master
+    /// weights where there are some. Summed chunk by chunk in order: the same on any
+    /// number of threads.
+    pub fn trust_squares<S: Stored<Acc = F>>(
+        &self,
+        params: &[S],
+        grads: &[S],
+        range: Range<usize>,
+        pass: &TrustPass,
+    ) -> (f64, f64) {
+        let weights: &[F] = match &self.master {
+            Some(master) => &master[range.clone()],
+            None => S::as_acc(params).expect("an fp32 model is its own master copy"),
+        };
+        let pieces: Vec<(F, F)> = match pass {
+            TrustPass::Lamb(hp) => {
+                let (m, v) = (&self.m[range.clone()], &self.v[range]);
+                weights
+                    .par_chunks(CHUNK)
+                    .zip(grads.par_chunks(CHUNK))
+                    .zip(m.par_chunks(CHUNK))
+                    .zip(v.par_chunks(CHUNK))
+                    .map(|(((w, g), m), v)| lamb_squares(w, g, m, v, hp))
+                    .collect()
+            }
+            TrustPass::Lars => {
+                weights.par_chunks(CHUNK).zip(grads.par_chunks(CHUNK)).map(|(w, g)| lars_squares(w, g)).collect()
+            }
+        };
+        pieces.iter().fold((0.0, 0.0), |(w2, u2), &(w, u)| (w2 + w.to_f64(), u2 + u.to_f64()))
+    }
+
     /// Puts back a checkpoint's buffers, which must be as long as these.
     pub fn load(&mut self, saved: &OptimizerState) -> Result<(), String> {
         let held_master = self.master.as_ref().map_or(0, Vec::len);
@@ -204,8 +285,13 @@ pub mod cuda {
 
     use cudarc::driver::CudaSlice;
 
-    use super::Update;
-    use crate::ops::cuda::{elementwise, launch, DeviceElem, DeviceView, DeviceViewMut, Launcher};
+    use cudarc::driver::LaunchConfig;
+
+    use super::{TrustPass, Update};
+    use crate::ops::cuda::{elementwise, launch, DeviceElem, DeviceView, DeviceViewMut, Launcher, BLOCK};
+
+    /// Elements per block of `trust_squares`.
+    const TRUST_CHUNK: usize = 1 << 14;
 
     /// The optimizer's state on the GPU (the CUDA backend's `OptimizerBuffers`).
     pub struct DeviceOptimizerBuffers {
@@ -271,6 +357,78 @@ pub mod cuda {
                 );
             }
         }
+    }
+
+    /// A layer-wise update's first pass on the GPU (the math of
+    /// [`lamb_squares`](super::lamb_squares) and [`lars_squares`](super::lars_squares), in
+    /// double): the blocks' sums come back and are added in order.
+    pub(crate) fn trust_squares<S: DeviceElem>(
+        gpu: &Launcher<S>,
+        params: DeviceView<'_, S>,
+        grads: DeviceView<'_, S>,
+        state: &DeviceOptimizerBuffers,
+        range: Range<usize>,
+        pass: &TrustPass,
+    ) -> (f64, f64) {
+        assert!(params.len == grads.len && params.len == range.len(), "a gradient and a state slot per parameter");
+        let n = range.len();
+        if n == 0 {
+            return (0.0, 0.0);
+        }
+        let at = |ptr: u64| ptr + (range.start * 4) as u64;
+        let weights = match &state.master {
+            Some(master) => at(gpu.ptr_of(master)),
+            None => params.ptr,
+        };
+        let (m, v) = match &state.moments {
+            Some((m, v)) => (at(gpu.ptr_of(m)), at(gpu.ptr_of(v))),
+            None => (0, 0),
+        };
+        let blocks = n.div_ceil(TRUST_CHUNK);
+        let out = gpu.scratch::<f64>(2 * blocks);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let (lamb, hp) = match pass {
+            TrustPass::Lamb(hp) => {
+                assert!(state.moments.is_some(), "LAMB needs its moments (state made without them)");
+                (1i32, hp.clone())
+            }
+            TrustPass::Lars => (
+                0,
+                super::AdamWStep {
+                    lr: 0.0,
+                    beta1: 0.0,
+                    beta2: 0.0,
+                    eps: 0.0,
+                    weight_decay: 0.0,
+                    step: 1,
+                    grad_scale: 1.0,
+                },
+            ),
+        };
+        launch!(
+            gpu,
+            "trust_squares",
+            cfg,
+            weights,
+            grads.ptr,
+            m,
+            v,
+            n as i64,
+            TRUST_CHUNK as i64,
+            gpu.ptr_of(&out),
+            lamb,
+            hp.beta1 as f32,
+            hp.beta2 as f32,
+            (1.0 - hp.beta1) as f32,
+            (1.0 - hp.beta2) as f32,
+            hp.eps as f32,
+            hp.weight_decay as f32,
+            (1.0 / (1.0 - hp.beta1.powf(hp.step as f64))) as f32,
+            (1.0 / (1.0 - hp.beta2.powf(hp.step as f64))) as f32,
+            hp.grad_scale as f32,
+        );
+        let sums = gpu.download_f64(&out, 2 * blocks);
+        sums.chunks(2).fold((0.0, 0.0), |(w2, u2), pair| (w2 + pair[0], u2 + pair[1]))
     }
 }
 

@@ -1,4 +1,4 @@
-//! Optimizers (AdamW, SGD), the learning-rate schedule and global-norm clipping; the
+//! Optimizers (AdamW, SGD, LAMB, LARS), the learning-rate schedule and global-norm clipping; the
 //! update's element kernels are an op (`ops/optimizer.rs`, beside its `.cu`), and
 //! `offload.rs` keeps the state off the device.
 //!
@@ -11,6 +11,19 @@
 //! SGD is plain stochastic gradient descent, no momentum (so it keeps no optimizer
 //! state; AdamW keeps two floats per parameter):  p = p - lr * (g + wd * p).
 //!
+//! The layer-wise optimizers scale each tensor's step by a trust ratio of that tensor's
+//! own norms, so that every tensor moves by about lr times its size whatever its gradient's
+//! scale (what lets a batch grow far beyond where one learning rate suits every layer):
+//!   LAMB (You et al. 2019):  r = m_hat / (sqrt(v_hat) + eps) + wd * p,
+//!                            p = p - lr * (|p| / |r|) * r      (AdamW's moments)
+//!   LARS (You et al. 2017):  p = p - lr * |p| / (|g| + wd |p|) * (g + wd * p)
+//! with |.| a whole tensor's L2 norm (a ratio of 1 where either norm is 0), the paper's
+//! trust coefficient folded into lr, and LARS without momentum as distlab's SGD. Both run
+//! in two passes: the squares of each tensor's pieces (`TrustPass`), summed over the ranks
+//! a sharded tensor is spread on, then AdamW's or SGD's own update with lr times the
+//! tensor's ratio (r = m_hat / (sqrt(v_hat) + eps) + wd p makes LAMB's step exactly
+//! AdamW's with that lr).
+//!
 //! Schedule: linear warmup from lr/warmup_steps to lr over `warmup_steps`, then
 //! `constant` or `cosine` decay to 10% of lr at the end of the run.
 //! Clipping: the gradient norm is the L2 norm over ALL parameters (reported before
@@ -22,11 +35,13 @@ use std::sync::Arc;
 use distlab_common::{LrSchedule, Optimizer as OptimizerKind, TrainSpec};
 
 use crate::backend::{Backend, Stored};
+use crate::comm::Communicator;
+use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker, Receipt};
 /// The optimizer's state as the strategies and the trainer name it (`crate::optim::...`); the
 /// types are the optimizer op's (`ops/optimizer.rs`), which the backends share.
 pub use crate::ops::optimizer::{needs_master, OptimizerSlices, OptimizerState};
-use crate::ops::optimizer::{AdamWStep, Update};
+use crate::ops::optimizer::{AdamWStep, TrustPass, Update};
 use offload::{OffloadError, OffloadTo, OffloadedState};
 
 pub mod offload;
@@ -63,11 +78,14 @@ pub fn clip_scale(grad_norm: f64, grad_clip: f64) -> f64 {
     }
 }
 
-/// A contiguous range of parameters sharing one weight-decay setting.
+/// A contiguous range of parameters sharing one weight-decay setting: one tensor for a
+/// layer-wise optimizer, else a run of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamGroup {
     pub range: Range<usize>,
     pub decay: bool,
+    /// The index of its (first) tensor in the layout's tensors.
+    pub tensor: usize,
 }
 
 /// A run of parameters this optimizer updates: where it is in the whole flat layout
@@ -78,13 +96,36 @@ pub struct OptimGroup {
     pub global: Range<usize>,
     pub local: Range<usize>,
     pub decay: bool,
+    /// The index of its (first) tensor in the layout's tensors: with a layer-wise optimizer,
+    /// the tensor whose trust ratio it takes (a sharded tensor's pieces on several ranks).
+    pub tensor: usize,
 }
 
 impl OptimGroup {
+    /// Where it is in a buffer indexed as said.
+    pub fn range(&self, indexing: Indexing) -> Range<usize> {
+        match indexing {
+            Indexing::Global => self.global.clone(),
+            Indexing::Local => self.local.clone(),
+        }
+    }
+
     /// The groups of a whole, unsharded parameter buffer.
     pub fn unsharded(groups: &[ParamGroup]) -> Vec<OptimGroup> {
-        groups.iter().map(|g| OptimGroup { global: g.range.clone(), local: g.range.clone(), decay: g.decay }).collect()
+        groups
+            .iter()
+            .map(|g| OptimGroup { global: g.range.clone(), local: g.range.clone(), decay: g.decay, tensor: g.tensor })
+            .collect()
     }
+}
+
+/// What an optimizer updates: its runs of parameters, and how many tensors the model's
+/// layout has (the length of the layer-wise norms summed over a sharded tensor's ranks,
+/// the same on every rank whatever its shard holds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OptimGroups {
+    pub runs: Vec<OptimGroup>,
+    pub tensors: usize,
 }
 
 /// How a buffer handed to `Optimizer::step` is indexed.
@@ -112,7 +153,7 @@ pub enum Indexing {
 pub struct Optimizer<B: Backend> {
     kind: OptimizerKind,
     weight_decay: f64,
-    groups: Vec<OptimGroup>,
+    groups: OptimGroups,
     state: Placement<B>,
     steps_taken: u64,
     memory: Arc<MemoryTracker>,
@@ -140,19 +181,19 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
     pub fn new(
         be: &B,
         train: &TrainSpec,
-        groups: Vec<OptimGroup>,
+        groups: OptimGroups,
         local_len: usize,
         initial: impl FnOnce() -> Vec<f32>,
         memory: &Arc<MemoryTracker>,
         offload: &OffloadTo,
     ) -> Result<Self, OffloadError> {
-        let adamw = train.optimizer == OptimizerKind::Adamw;
-        let floats = local_len * (2 * adamw as usize + needs_master::<B::Elem>() as usize);
+        let moments = train.optimizer.keeps_moments();
+        let floats = local_len * (2 * moments as usize + needs_master::<B::Elem>() as usize);
         let state = match offload {
-            OffloadTo::None => Placement::Device(be.optimizer_buffers(local_len, adamw, initial)),
-            OffloadTo::Host => Placement::Offloaded(OffloadedState::host::<B::Elem>(local_len, adamw, initial)),
+            OffloadTo::None => Placement::Device(be.optimizer_buffers(local_len, moments, initial)),
+            OffloadTo::Host => Placement::Offloaded(OffloadedState::host::<B::Elem>(local_len, moments, initial)),
             OffloadTo::Disk(dir) => {
-                Placement::Offloaded(OffloadedState::disk::<B::Elem>(dir, local_len, adamw, initial)?)
+                Placement::Offloaded(OffloadedState::disk::<B::Elem>(dir, local_len, moments, initial)?)
             }
         };
         // On the device: all of it. Offloaded: all of it off the device; what of it is in
@@ -191,6 +232,8 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
 
     /// One update of every parameter group; `params` (the model's) and `grads` are indexed
     /// as said. With master weights the update goes there and `params` get it rounded.
+    /// `shards`: the group a sharded tensor's pieces are spread over (ZeRO/FSDP), whose
+    /// ranks sum a layer-wise optimizer's norms; None where every tensor is whole here.
     pub fn step(
         &mut self,
         be: &B,
@@ -198,30 +241,35 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
         grads: (&B::Buf, Indexing),
         lr: f64,
         grad_scale: f64,
-    ) -> Result<(), OffloadError> {
+        shards: Option<&mut dyn Communicator>,
+    ) -> Result<(), TrainError> {
         self.steps_taken += 1;
         let (params, params_indexing) = params;
         let (grads, grads_indexing) = grads;
-        let range = |group: &OptimGroup, indexing| match indexing {
-            Indexing::Global => group.global.clone(),
-            Indexing::Local => group.local.clone(),
+        let squares = match self.kind {
+            OptimizerKind::Lamb | OptimizerKind::Lars => {
+                let read = (&*params, params_indexing);
+                Some(self.tensor_squares(be, read, (grads, grads_indexing), grad_scale, shards)?)
+            }
+            OptimizerKind::Adamw | OptimizerKind::Sgd => None,
         };
-        for group in &self.groups {
-            let weight_decay = if group.decay { self.weight_decay } else { 0.0 };
+        for group in &self.groups.runs {
+            let weight_decay = self.decay_of(group);
+            // LAMB's and LARS's second pass: AdamW's and SGD's update at lr times the ratio.
+            let ratio = squares.as_ref().map_or(1.0, |squares| {
+                let (w, u) = (squares[2 * group.tensor].sqrt(), squares[2 * group.tensor + 1].sqrt());
+                match self.kind {
+                    OptimizerKind::Lars => trust_ratio(w, grad_scale * u + weight_decay * w),
+                    _ => trust_ratio(w, u),
+                }
+            });
+            let lr = lr * ratio;
             let update = match self.kind {
-                OptimizerKind::Adamw => Update::AdamW(AdamWStep {
-                    lr,
-                    beta1: ADAM_BETA1,
-                    beta2: ADAM_BETA2,
-                    eps: ADAM_EPS,
-                    weight_decay,
-                    step: self.steps_taken,
-                    grad_scale,
-                }),
-                OptimizerKind::Sgd => Update::Sgd { lr, weight_decay, grad_scale },
+                OptimizerKind::Adamw | OptimizerKind::Lamb => Update::AdamW(self.adam(weight_decay, lr, grad_scale)),
+                OptimizerKind::Sgd | OptimizerKind::Lars => Update::Sgd { lr, weight_decay, grad_scale },
             };
-            let model = be.view_mut(params, range(group, params_indexing));
-            let g = be.view(grads, range(group, grads_indexing));
+            let model = be.view_mut(params, group.range(params_indexing));
+            let g = be.view(grads, group.range(grads_indexing));
             match &mut self.state {
                 Placement::Device(buffers) => be.optimizer_update(model, g, buffers, group.local.clone(), &update),
                 // Off the device: the gradients come down, the parameters go down and back up.
@@ -231,6 +279,55 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
             }
         }
         Ok(())
+    }
+
+    /// A layer-wise step's first pass: for every tensor of the layout, Σw² and Σu² (at 2t
+    /// and 2t + 1) over its pieces here, summed over `shards` where a tensor is cut.
+    fn tensor_squares(
+        &mut self,
+        be: &B,
+        (params, params_indexing): (&B::Buf, Indexing),
+        (grads, grads_indexing): (&B::Buf, Indexing),
+        grad_scale: f64,
+        shards: Option<&mut dyn Communicator>,
+    ) -> Result<Vec<f64>, TrainError> {
+        let mut squares = vec![0.0f64; 2 * self.groups.tensors];
+        for group in &self.groups.runs {
+            let pass = match self.kind {
+                // (the lr does not enter the direction)
+                OptimizerKind::Lamb => TrustPass::Lamb(self.adam(self.decay_of(group), 0.0, grad_scale)),
+                _ => TrustPass::Lars,
+            };
+            let (model, g) =
+                (be.view(params, group.range(params_indexing)), be.view(grads, group.range(grads_indexing)));
+            let (w2, u2) = match &mut self.state {
+                Placement::Device(buffers) => be.trust_squares(model, g, buffers, group.local.clone(), &pass),
+                Placement::Offloaded(state) => be.read_host(g, |g| {
+                    be.read_host(model, |model| state.trust_squares(model, g, group.local.clone(), &pass))
+                })?,
+            };
+            squares[2 * group.tensor] += w2;
+            squares[2 * group.tensor + 1] += u2;
+        }
+        Ok(match shards {
+            Some(comm) => sum_over(comm, &squares)?,
+            None => squares,
+        })
+    }
+
+    /// AdamW's numbers for this step.
+    fn adam(&self, weight_decay: f64, lr: f64, grad_scale: f64) -> AdamWStep {
+        let (beta1, beta2, eps, step) = (ADAM_BETA1, ADAM_BETA2, ADAM_EPS, self.steps_taken);
+        AdamWStep { lr, beta1, beta2, eps, weight_decay, step, grad_scale }
+    }
+
+    /// The weight decay of a group's parameters.
+    fn decay_of(&self, group: &OptimGroup) -> f64 {
+        if group.decay {
+            self.weight_decay
+        } else {
+            0.0
+        }
     }
 
     /// Shows `f` the buffers (read on the host) and the updates made so far.
@@ -257,6 +354,23 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> Optimizer<B> {
     }
 }
 
+/// A tensor's trust ratio |w| / |u| (u its step's direction, or LARS's |g| + wd |w|): 1
+/// where either is 0 (a tensor at zero, or with nothing to move, takes the plain step).
+pub fn trust_ratio(w_norm: f64, u_norm: f64) -> f64 {
+    if w_norm > 0.0 && u_norm > 0.0 {
+        w_norm / u_norm
+    } else {
+        1.0
+    }
+}
+
+/// `values` summed element-wise over `comm`'s ranks (all-reduced in fp32).
+fn sum_over(comm: &mut dyn Communicator, values: &[f64]) -> Result<Vec<f64>, crate::comm::CommError> {
+    let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    comm.all_reduce(&mut buf, crate::comm::ReduceOp::Sum)?;
+    Ok(buf.into_iter().map(f64::from).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -273,6 +387,60 @@ mod tests {
         assert_eq!(lr_at(&t, 99), 1.0);
         t.warmup_steps = 0;
         assert_eq!(lr_at(&t, 0), 1.0);
+    }
+
+    /// One step of a layer-wise optimizer on two tensors, w = [3, 4] (decayed) and
+    /// [0, 1, 0] (not), from gradients `g`, lr 0.1, weight decay `wd`, clipping factor 0.5.
+    fn lamb_or_lars(kind: OptimizerKind, g: [f32; 5], wd: f64) -> Vec<f32> {
+        use crate::backend::{Buffers, CpuBackend};
+        let be = CpuBackend::<f32>::new(1);
+        let train = TrainSpec { optimizer: kind, weight_decay: wd, ..TrainSpec::default() };
+        let runs = vec![
+            OptimGroup { global: 0..2, local: 0..2, decay: true, tensor: 0 },
+            OptimGroup { global: 2..5, local: 2..5, decay: false, tensor: 1 },
+        ];
+        let initial = || vec![3.0, 4.0, 0.0, 1.0, 0.0];
+        let memory = MemoryTracker::new();
+        let groups = OptimGroups { runs, tensors: 2 };
+        let mut optimizer = Optimizer::new(&be, &train, groups, 5, initial, &memory, &OffloadTo::None).unwrap();
+        let (mut params, mut grads) = (be.alloc(5), be.alloc(5));
+        be.upload(&mut params, &initial());
+        be.upload(&mut grads, &g);
+        optimizer.step(&be, (&mut params, Indexing::Global), (&grads, Indexing::Global), 0.1, 0.5, None).unwrap();
+        let mut out = vec![0.0; 5];
+        be.download(&params, &mut out);
+        out
+    }
+
+    fn assert_close(got: &[f32], want: &[f64]) {
+        let near = got.iter().zip(want).all(|(&a, &b)| (a as f64 - b).abs() < 1e-6);
+        assert!(near, "{got:?} against {want:?}");
+    }
+
+    /// LAMB's first step, worked by hand: m_hat = g and v_hat = g^2, so r = sign(g) (eps
+    /// aside). Tensor 0: r = [1, -1], |r| = sqrt 2, |w| = 5, each weight moves by
+    /// 0.1 * 5 / sqrt 2 against its gradient; tensor 1: |w| = 1, r = [1, 1, -1], moves
+    /// 0.1 / sqrt 3 each. AdamW would move every weight by 0.1.
+    #[test]
+    fn lamb_scales_each_tensors_adam_step_by_its_trust_ratio() {
+        let w = lamb_or_lars(OptimizerKind::Lamb, [1.0, -1.0, 2.0, 0.5, -3.0], 0.0);
+        let (a, b) = (0.1 * 5.0 / 2f64.sqrt(), 0.1 / 3f64.sqrt());
+        assert_close(&w, &[3.0 - a, 4.0 + a, -b, 1.0 - b, b]);
+        // With decay, r = sign(g) + wd w on the decayed tensor only: [1 + 1.5, -1 + 2] for wd 0.5.
+        let w = lamb_or_lars(OptimizerKind::Lamb, [1.0, -1.0, 2.0, 0.5, -3.0], 0.5);
+        let (r, norm) = ([2.5, 1.0], (2.5f64 * 2.5 + 1.0).sqrt());
+        assert_close(&w, &[3.0 - 0.1 * 5.0 / norm * r[0], 4.0 - 0.1 * 5.0 / norm * r[1], -b, 1.0 - b, b]);
+    }
+
+    /// LARS, worked by hand: each tensor's SGD step scaled by |w| / (|g_clipped| + wd |w|).
+    /// Tensor 0: g = [6, 8] clipped by 0.5 to [3, 4], |g| = 5, wd 0.2: ratio 5 / (5 + 1)
+    /// and w - 0.1 * 5/6 * (g + 0.2 w). Tensor 1 (no decay): g = [0, 2, 0] -> [0, 1, 0],
+    /// ratio 1 / 1: w - 0.1 * g.
+    #[test]
+    fn lars_scales_each_tensors_sgd_step_by_its_trust_ratio() {
+        let w = lamb_or_lars(OptimizerKind::Lars, [6.0, 8.0, 0.0, 2.0, 0.0], 0.2);
+        let step = 0.1 * 5.0 / 6.0;
+        assert_close(&w, &[3.0 - step * (3.0 + 0.6), 4.0 - step * (4.0 + 0.8), 0.0, 1.0 - 0.1, 0.0]);
     }
 
     #[test]

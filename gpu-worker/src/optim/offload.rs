@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use distlab_common::planner::OFFLOAD_PIECE_ELEMENTS;
 
 use crate::backend::Stored;
-use crate::ops::optimizer::{needs_master, HostOptimizerBuffers, OptimizerSlices, OptimizerState, Update};
+use crate::ops::optimizer::{needs_master, HostOptimizerBuffers, OptimizerSlices, OptimizerState, TrustPass, Update};
 
 /// Where an optimizer's state goes (`parallel.offload`, with the directory for `disk`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,6 +142,34 @@ impl OffloadedState {
                 Ok(())
             }
             OffloadedState::Disk(disk) => disk.update(params, grads, range, update),
+        }
+    }
+
+    /// A layer-wise update's first pass over a piece of one tensor (see
+    /// `HostOptimizerBuffers::trust_squares`); from disk, streamed through the piece.
+    pub fn trust_squares<S: Stored<Acc = f32>>(
+        &mut self,
+        params: &[S],
+        grads: &[S],
+        range: Range<usize>,
+        pass: &TrustPass,
+    ) -> Result<(f64, f64), OffloadError> {
+        match self {
+            OffloadedState::Host(buffers) => Ok(buffers.trust_squares(params, grads, range, pass)),
+            OffloadedState::Disk(disk) => {
+                let (mut w2, mut u2) = (0.0, 0.0);
+                let piece_len = disk.piece_len;
+                for ((params, grads), at) in
+                    params.chunks(piece_len).zip(grads.chunks(piece_len)).zip(range.step_by(piece_len))
+                {
+                    let n = params.len();
+                    disk.through_piece(at, n, |piece| {
+                        let (w, u) = piece.trust_squares(params, grads, 0..n, pass);
+                        (w2, u2) = (w2 + w, u2 + u);
+                    })?;
+                }
+                Ok((w2, u2))
+            }
         }
     }
 
@@ -271,7 +299,7 @@ mod tests {
     use super::*;
     use crate::backend::{Buffers, CpuBackend};
     use crate::memory::MemoryTracker;
-    use crate::optim::{Indexing, OptimGroup, Optimizer};
+    use crate::optim::{Indexing, OptimGroup, OptimGroups, Optimizer};
     use distlab_common::planner::RankMemory;
     use distlab_common::TrainSpec;
 
@@ -288,16 +316,22 @@ mod tests {
         ledger: RankMemory,
     }
 
-    /// `steps` AdamW updates of LEN parameters (two groups, one decayed) with the state
-    /// where `offload` says, from `start` (a checkpoint's state) when given.
-    fn train<S: Stored<Acc = f32>>(offload: &OffloadTo, steps: u64, start: Option<(&[S], OptimizerState)>) -> Run<S> {
+    /// `steps` updates (AdamW or LAMB) of LEN parameters (two tensors, one decayed) with
+    /// the state where `offload` says, from `start` (a checkpoint's state) when given.
+    fn train<S: Stored<Acc = f32>>(
+        offload: &OffloadTo,
+        optimizer: distlab_common::Optimizer,
+        steps: u64,
+        start: Option<(&[S], OptimizerState)>,
+    ) -> Run<S> {
         let be = CpuBackend::<S>::new(1);
         let memory = MemoryTracker::new();
-        let train = TrainSpec { weight_decay: 0.1, ..TrainSpec::default() };
-        let groups = vec![
-            OptimGroup { global: 0..LEN / 3, local: 0..LEN / 3, decay: true },
-            OptimGroup { global: LEN / 3..LEN, local: LEN / 3..LEN, decay: false },
+        let train = TrainSpec { weight_decay: 0.1, optimizer, ..TrainSpec::default() };
+        let runs = vec![
+            OptimGroup { global: 0..LEN / 3, local: 0..LEN / 3, decay: true, tensor: 0 },
+            OptimGroup { global: LEN / 3..LEN, local: LEN / 3..LEN, decay: false, tensor: 1 },
         ];
+        let groups = OptimGroups { runs, tensors: 2 };
         let mut optimizer = Optimizer::new(&be, &train, groups, LEN, initial, &memory, offload).unwrap();
         let mut params = be.alloc(LEN);
         match start {
@@ -311,7 +345,7 @@ mod tests {
         for step in 0..steps {
             let g: Vec<S> = (0..LEN).map(|i| S::store(((i as f32 + step as f32) * 0.11).cos() * 0.01)).collect();
             be.upload(&mut grads, &g);
-            optimizer.step(&be, (&mut params, Indexing::Global), (&grads, Indexing::Global), 1e-3, 0.5).unwrap();
+            optimizer.step(&be, (&mut params, Indexing::Global), (&grads, Indexing::Global), 1e-3, 0.5, None).unwrap();
         }
         let state = optimizer
             .read(&be, |s, steps_taken| OptimizerState {
@@ -324,13 +358,13 @@ mod tests {
         Run { params, state, ledger: memory.current() }
     }
 
-    fn offloaded_trains_like_on_device<S: Stored<Acc = f32>>() {
+    fn offloaded_trains_like_on_device<S: Stored<Acc = f32>>(optimizer: distlab_common::Optimizer) {
         let disk_dir = tempfile::tempdir().unwrap();
         let disk = OffloadTo::Disk(disk_dir.path().to_path_buf());
-        let device = train::<S>(&OffloadTo::None, 3, None);
+        let device = train::<S>(&OffloadTo::None, optimizer, 3, None);
         let floats_per_param = 2 + needs_master::<S>() as usize;
         for offload in [OffloadTo::Host, disk.clone()] {
-            let off = train::<S>(&offload, 3, None);
+            let off = train::<S>(&offload, optimizer, 3, None);
             let bits = |p: &[S]| p.iter().map(|x| x.load().to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&off.params), bits(&device.params), "{offload:?}: parameters");
             assert_eq!(off.state, device.state, "{offload:?}: m, v, master");
@@ -344,8 +378,8 @@ mod tests {
         }
         assert_eq!(device.ledger.offloaded, 0);
         // Resume: the disk state put back from a checkpoint goes on like the device's.
-        let further = train::<S>(&OffloadTo::None, 1, Some((&device.params, device.state.clone())));
-        let resumed = train::<S>(&disk, 1, Some((&device.params, device.state)));
+        let further = train::<S>(&OffloadTo::None, optimizer, 1, Some((&device.params, device.state.clone())));
+        let resumed = train::<S>(&disk, optimizer, 1, Some((&device.params, device.state)));
         assert_eq!(resumed.state, further.state);
         // The files have no names: nothing is left in the directory.
         assert_eq!(std::fs::read_dir(disk_dir.path()).unwrap().count(), 0);
@@ -353,8 +387,11 @@ mod tests {
 
     #[test]
     fn offloaded_state_trains_bit_for_bit_like_state_on_the_device() {
-        offloaded_trains_like_on_device::<f32>();
-        offloaded_trains_like_on_device::<half::bf16>();
+        // LAMB's first pass streams the disk state through its piece as the update does.
+        for optimizer in [distlab_common::Optimizer::Adamw, distlab_common::Optimizer::Lamb] {
+            offloaded_trains_like_on_device::<f32>(optimizer);
+            offloaded_trains_like_on_device::<half::bf16>(optimizer);
+        }
     }
 
     #[test]

@@ -35,7 +35,7 @@ use crate::error::TrainError;
 use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::{FlatState, ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::offload::{OffloadError, OffloadTo};
-use crate::optim::{Indexing, OptimGroup, Optimizer};
+use crate::optim::{Indexing, OptimGroup, OptimGroups, Optimizer};
 use crate::trace::{blocking_comm_span, now_us};
 
 /// Every parameter and gradient whole on this rank: one process alone, DDP, or ZeRO-1.
@@ -68,6 +68,17 @@ struct Synced {
     /// Expert parallelism with dp > ep: the experts' gradients, summed over the ranks
     /// holding the same experts after backward.
     experts: Option<ExpertSync>,
+}
+
+impl Synced {
+    /// The group's communicator for what follows the gradients' sum (ZeRO-1's layer-wise
+    /// norms and all-gather): the gradients' own while the compute thread has it.
+    fn after_sum(&mut self) -> &mut dyn Communicator {
+        match &mut self.grads {
+            GradientSum::InPlace(sync) => sync.comm.as_mut(),
+            GradientSum::Thread(_) => self.scalars.as_mut(),
+        }
+    }
 }
 
 /// The experts' gradients' sum over their replicas: the communicator and the experts'
@@ -110,23 +121,17 @@ impl<B: TrainBackend> Replicated<B> {
         };
         // Mixed precision: the optimizer's fp32 master weights start from the fp32 init.
         let seed = spec.train.seed;
+        let (per_tensor, tensors) = (spec.train.optimizer.layer_wise(), layout.tensors.len());
         let optimizer = match &zero1 {
             Some(shard) => {
                 let initial = || shard.init_mine(layout, seed);
-                Optimizer::new(
-                    be,
-                    &spec.train,
-                    shard.optim_groups(&layout.param_groups()),
-                    shard.len,
-                    initial,
-                    memory,
-                    offload,
-                )?
+                let groups = OptimGroups { runs: shard.optim_groups(&layout.param_groups(per_tensor)), tensors };
+                Optimizer::new(be, &spec.train, groups, shard.len, initial, memory, offload)?
             }
             None => {
-                let groups = OptimGroup::unsharded(&layout.param_groups_in(&range));
+                let runs = OptimGroup::unsharded(&layout.param_groups_in(&range, per_tensor));
                 let initial = || layout.init_params_range::<f32>(seed, range.clone());
-                Optimizer::new(be, &spec.train, groups, range.len(), initial, memory, offload)?
+                Optimizer::new(be, &spec.train, OptimGroups { runs, tensors }, range.len(), initial, memory, offload)?
             }
         };
         // Readiness units in the order backward finishes them, within the stage's buffer.
@@ -289,13 +294,14 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
 
     fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), TrainError> {
         let (params, grads) = ((&mut self.state.params, Indexing::Global), (&self.state.grads, Indexing::Global));
-        self.optimizer.step(be, params, grads, lr, grad_scale)?;
+        // Under ZeRO-1 a tensor's optimizer state is spread over the group.
+        let shards = match (&self.zero1, &mut self.dp) {
+            (Some(_), Some(dp)) => Some(dp.after_sum()),
+            _ => None,
+        };
+        self.optimizer.step(be, params, grads, lr, grad_scale, shards)?;
         if let (Some(shard), Some(dp)) = (&self.zero1, &mut self.dp) {
-            // The gradients' communicator when the compute thread still has it.
-            let comm = match &mut dp.grads {
-                GradientSum::InPlace(sync) => sync.comm.as_mut(),
-                GradientSum::Thread(_) => dp.scalars.as_mut(),
-            };
+            let comm = dp.after_sum();
             if self.record {
                 be.synchronize();
             }

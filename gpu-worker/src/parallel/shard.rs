@@ -100,7 +100,12 @@ impl ShardLayout {
                 if start < end {
                     let local = u.at + (start - piece.start);
                     let global = start - self.base..end - self.base;
-                    out.push(OptimGroup { global, local: local..local + (end - start), decay: g.decay });
+                    out.push(OptimGroup {
+                        global,
+                        local: local..local + (end - start),
+                        decay: g.decay,
+                        tensor: g.tensor,
+                    });
                 }
             }
         }
@@ -121,7 +126,7 @@ mod tests {
             let mut owner = vec![0u32; layout.total];
             for rank in 0..world {
                 let shard = ShardLayout::new(&layout, &Unit::all(spec.layers).collect::<Vec<_>>(), rank, world);
-                let groups = shard.optim_groups(&layout.param_groups());
+                let groups = shard.optim_groups(&layout.param_groups(false));
                 assert_eq!(groups.iter().map(|g| g.local.len()).sum::<usize>(), shard.len);
                 for g in &groups {
                     assert_eq!(g.global.len(), g.local.len());

@@ -40,7 +40,7 @@ use crate::memory::{Category, MemoryTracker, Receipt};
 use crate::model::fp8_linear::Fp8Block;
 use crate::model::{ModelState, OpenUnit, ParamLayout, Pass, Stage, Unit};
 use crate::offload::{OffloadError, OffloadTo};
-use crate::optim::{Indexing, Optimizer};
+use crate::optim::{Indexing, OptimGroups, Optimizer};
 use crate::trace::{blocking_comm_span, now_us};
 
 /// A buffer that exists only for a while, with its entry in the memory ledger.
@@ -113,7 +113,8 @@ impl<B: TrainBackend> Sharded<B> {
             memory.alloc_of::<B::Elem>(Category::Parameters, be.buf_len(&params)),
             memory.alloc_of::<B::Elem>(Category::Gradients, shard.len),
         ];
-        let groups = shard.optim_groups(&layout.param_groups());
+        let runs = shard.optim_groups(&layout.param_groups(spec.train.optimizer.layer_wise()));
+        let groups = OptimGroups { runs, tensors: layout.tensors.len() };
         let optimizer =
             Optimizer::new(be, &spec.train, groups, shard.len, || shard.init_mine(layout, seed), memory, offload)?;
         Ok(Sharded {
@@ -365,7 +366,7 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
     fn update(&mut self, be: &B, lr: f64, grad_scale: f64) -> Result<(), TrainError> {
         let indexing = if self.fsdp { Indexing::Local } else { Indexing::Global };
         let (params, grads) = ((&mut self.params, indexing), (&self.grad_shard, Indexing::Local));
-        self.optimizer.step(be, params, grads, lr, grad_scale)?;
+        self.optimizer.step(be, params, grads, lr, grad_scale, Some(self.comm.as_mut()))?;
         if !self.fsdp {
             if self.record {
                 be.synchronize();

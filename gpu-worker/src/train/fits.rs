@@ -15,10 +15,7 @@ pub fn memory_bytes(spec: &ExperimentSpec) -> u64 {
         Precision::Fp32 => (4u64, 0u64),
         Precision::Bf16 | Precision::Fp16 => (2, 1),
     };
-    let optimizer_states = match spec.train.optimizer {
-        distlab_common::Optimizer::Adamw => 2 + master,
-        distlab_common::Optimizer::Sgd => master,
-    };
+    let optimizer_states = if spec.train.optimizer.keeps_moments() { 2 + master } else { master };
     let ranks = (spec.parallel.tp, spec.parallel.ep, spec.parallel.cp);
     let saved = crate::model::Saved {
         checkpointing: spec.train.checkpointing,

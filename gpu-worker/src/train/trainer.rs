@@ -574,7 +574,7 @@ impl<B: TrainBackend> Trainer<B> {
     }
 
     fn has_moments(&self) -> bool {
-        self.spec.train.optimizer == distlab_common::Optimizer::Adamw
+        self.spec.train.optimizer.keeps_moments()
     }
 
     pub fn place(&self) -> RankPlace {

@@ -12,10 +12,8 @@ use crate::spec::{Optimizer, Precision, Sharding};
 pub fn bytes_per_param(precision: Precision, optimizer: Optimizer) -> BytesPerParam {
     let mixed = precision != Precision::Fp32;
     let (weight, master) = if mixed { (2, 4) } else { (4, 0) };
-    let moments = match optimizer {
-        Optimizer::Adamw => 2 * 4, // m and v, fp32
-        Optimizer::Sgd => 0,       // no momentum, as in the engine's optim/
-    };
+    // AdamW and LAMB keep m and v (fp32); SGD and LARS no momentum, as in the engine's optim/.
+    let moments = if optimizer.keeps_moments() { 2 * 4 } else { 0 };
     BytesPerParam { parameters: weight, gradients: weight, optimizer_state: master + moments }
 }
 
@@ -117,6 +115,11 @@ mod tests {
         );
         // The engine's SGD has no momentum: no state in fp32; mixed precision keeps the master copy.
         assert_eq!(bytes_per_param(Precision::Fp32, Optimizer::Sgd).optimizer_state, 0);
+        // LAMB keeps AdamW's moments, LARS (no momentum) SGD's nothing.
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            assert_eq!(bytes_per_param(precision, Optimizer::Lamb), bytes_per_param(precision, Optimizer::Adamw));
+            assert_eq!(bytes_per_param(precision, Optimizer::Lars), bytes_per_param(precision, Optimizer::Sgd));
+        }
         assert_eq!(bytes_per_param(Precision::Bf16, Optimizer::Sgd).optimizer_state, 4);
     }
 

@@ -1,5 +1,5 @@
 //! Claims read from the losses: data parallelism trains like one rank, fp16 needs loss
-//! scaling where bf16 does not.
+//! scaling where bf16 does not, LAMB holds a large batch's large steps where AdamW does not.
 
 use super::{Inputs, Measurement, RunEvidence};
 use crate::analysis::compare;
@@ -122,6 +122,43 @@ fn zero_share(run: &RunEvidence) -> Result<f64, String> {
 }
 
 /// How far a run's loss fell: its first step's loss minus its last (the summary's final).
+/// LAMB (this run) against AdamW (the partner) at the same large batch and learning rate:
+/// AdamW's loss climbs above its first step's before it falls, LAMB's never does, and LAMB
+/// ends lower.
+pub(super) fn lamb_large_batch(input: &Inputs) -> Result<Measurement, String> {
+    let adamw = input
+        .partner
+        .ok_or("no finished run of the same config with optimizer adamw yet (resubmit the preset with it)")?;
+    // (the first step's loss, the highest after it, the last)
+    let read = |r: &RunEvidence| -> Result<(f64, f64, f64), String> {
+        let first = r.metrics.first().map(|p| p.loss).ok_or("the run has no loss")?;
+        let highest = r.metrics.iter().skip(1).map(|p| p.loss).fold(f64::NEG_INFINITY, f64::max);
+        let last = final_loss(r)?;
+        if !(first.is_finite() && highest.is_finite() && last.is_finite()) {
+            return Err(format!("run {} has a loss that is not finite", r.view.id));
+        }
+        Ok((first, highest, last))
+    };
+    let ((first, highest, last), (a_first, a_highest, a_last)) = (read(input.run)?, read(adamw)?);
+    let lr = input.spec.train.lr;
+    Ok(input.m(
+        format!(
+            "at lr {lr} AdamW's loss climbs above where it started before it falls, LAMB's never does \
+             (each tensor moves by about lr x its norm), and LAMB's last loss is lower"
+        ),
+        format!(
+            "LAMB: {first:.4} at step 0, at most {highest:.4} after, {last:.4} at the end; AdamW (run {}): \
+             {a_first:.4}, at most {a_highest:.4}, {a_last:.4}",
+            adamw.view.id
+        ),
+        input.spec.train.optimizer == crate::Optimizer::Lamb
+            && adamw.view.spec.train.optimizer == crate::Optimizer::Adamw
+            && highest <= first
+            && a_highest > a_first
+            && last < a_last,
+    ))
+}
+
 fn descent(run: &RunEvidence) -> Result<f64, String> {
     let first = run.metrics.first().map(|p| p.loss).ok_or("the run has no loss")?;
     let last = final_loss(run)?;
@@ -202,5 +239,36 @@ mod tests {
         let lagging = losses(8.3226, 8.0);
         assert!(!measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &lagging), Some(&run(&fp32, &l_fp32))).unwrap().agrees);
         assert!(measure(ClaimCheck::Bf16NoScaling, &run(&bf16, &l_bf16), None).unwrap_err().contains("fp32"));
+    }
+
+    /// LAMB against AdamW on the lamb-large-batch preset (measured: LAMB 4.166, never
+    /// above it, 1.483 at the end; AdamW 4.166, up to 4.785, 1.594). A LAMB run that climbs
+    /// too (its trust ratio ignored: AdamW's step), or that ends higher, does not agree.
+    #[test]
+    fn the_lamb_claim_wants_adamw_to_climb_lamb_not_and_lamb_lower() {
+        let lamb_spec = presets().into_iter().find(|p| p.key == "lamb-large-batch").unwrap().spec;
+        let mut adamw_spec = lamb_spec.clone();
+        adamw_spec.train.optimizer = crate::Optimizer::Adamw;
+        assert_eq!(is_partner(ClaimCheck::LambLargeBatch, &lamb_spec, &adamw_spec), Some(true));
+        assert_eq!(is_partner(ClaimCheck::LambLargeBatch, &lamb_spec, &lamb_spec), Some(false));
+        let (lamb, adamw) = (succeeded_view(1, lamb_spec, None), succeeded_view(2, adamw_spec, None));
+        let path = |points: &[f64]| {
+            points
+                .iter()
+                .enumerate()
+                .map(|(i, &loss)| MetricPoint { step: i as u64, loss, ..MetricPoint::default() })
+                .collect::<Vec<_>>()
+        };
+        let climbing = path(&[4.166, 4.785, 3.0, 1.594]);
+        let adamw_run = RunEvidence { view: &adamw, metrics: &climbing, ranks: &[], traced_steps: 1 };
+        let verdict = |l: &[MetricPoint]| {
+            let lamb_run = RunEvidence { view: &lamb, metrics: l, ranks: &[], traced_steps: 1 };
+            measure(ClaimCheck::LambLargeBatch, &lamb_run, Some(&adamw_run))
+        };
+        assert!(verdict(&path(&[4.166, 4.1, 2.0, 1.483])).unwrap().agrees);
+        assert!(!verdict(&path(&[4.166, 4.785, 3.0, 1.483])).unwrap().agrees, "LAMB climbing too");
+        assert!(!verdict(&path(&[4.166, 4.1, 2.0, 1.7])).unwrap().agrees, "LAMB ending higher");
+        let alone = RunEvidence { view: &lamb, metrics: &climbing, ranks: &[], traced_steps: 1 };
+        assert!(measure(ClaimCheck::LambLargeBatch, &alone, None).unwrap_err().contains("adamw"));
     }
 }

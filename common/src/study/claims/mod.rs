@@ -126,6 +126,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::Fp8AllGather => "fp8-all-gather",
         ClaimCheck::ZbvBubble => "zbv",
         ClaimCheck::DilocoBytes => "diloco",
+        ClaimCheck::LambLargeBatch => "lamb-large-batch",
         ClaimCheck::ModelFlopUtilisation => "reference",
     }
 }
@@ -136,7 +137,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 /// checkpointing (its memory), with the GPipe schedule (activation peaks per stage), with
 /// naive attention, with FSDP's prefetch, with sequence parallelism, with a 2-byte wire,
 /// gathering in the wire format rather than FP8, under ZB-H1 rather than ZBV, with DDP's
-/// every-step sync rather than DiLoCo's, with more accumulation steps, with room for every token in each expert, or with the
+/// every-step sync rather than DiLoCo's, with AdamW rather than LAMB, with more accumulation steps, with room for every token in each expert, or with the
 /// optimizer's state in memory. None: the check needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     let mut twin = run.clone();
@@ -176,6 +177,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
                 (candidate.parallel.outer_steps_every, candidate.parallel.outer_lr, candidate.parallel.outer_momentum);
         }
         ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
+        ClaimCheck::LambLargeBatch => twin.train.optimizer = crate::Optimizer::Adamw,
         _ => return None,
     }
     Some(twin.same_up_to_name(candidate))
@@ -221,6 +223,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::LossScalingUnderflow => losses::loss_scaling_underflow(input),
         ClaimCheck::Bf16NoScaling => losses::bf16_no_scaling(input),
         ClaimCheck::Fp8DelayedScaling => losses::fp8_delayed_scaling(input),
+        ClaimCheck::LambLargeBatch => losses::lamb_large_batch(input),
         ClaimCheck::ModelFlopUtilisation => utilisation::model_flop_utilisation(input),
     }
 }
@@ -325,6 +328,7 @@ mod tests {
             ClaimCheck::Fp8AllGather,
             ClaimCheck::ZbvBubble,
             ClaimCheck::DilocoBytes,
+            ClaimCheck::LambLargeBatch,
         ] {
             assert!(keys.contains(&canonical_preset(check)), "{check:?}");
         }

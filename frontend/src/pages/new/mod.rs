@@ -232,7 +232,7 @@ const SECTIONS: &[SectionDef] = &[
             f("train.lr", Kind::Float, "peak learning rate"),
             f("train.warmup_steps", Kind::Int, "linear warm-up steps"),
             f("train.lr_schedule", Kind::Choice(&["cosine", "constant"]), "after warm-up"),
-            f("train.optimizer", Kind::Choice(&["adamw", "sgd"]), ""),
+            f("train.optimizer", Kind::Choice(&["adamw", "sgd", "lamb", "lars"]), "lamb, lars: each tensor's step scaled by its own norms"),
             f("train.weight_decay", Kind::Float, "0 to 1"),
             f("train.grad_clip", Kind::Float, "max gradient norm; 0 = off"),
             f("train.precision", Kind::Choice(&["fp32", "bf16", "fp16"]), "storage type of weights and activations"),

@@ -10,7 +10,7 @@ use super::CudaBackend;
 use crate::backend::OptimizerKernels;
 use crate::ops::cuda::{DeviceElem, DeviceView, DeviceViewMut};
 use crate::ops::optimizer::cuda::DeviceOptimizerBuffers;
-use crate::ops::optimizer::{self, needs_master, OptimizerSlices, OptimizerState, Update};
+use crate::ops::optimizer::{self, needs_master, OptimizerSlices, OptimizerState, TrustPass, Update};
 
 impl<S: DeviceElem> CudaBackend<S> {
     fn download_f32(&self, buf: &CudaSlice<f32>) -> Vec<f32> {
@@ -53,6 +53,17 @@ impl<S: DeviceElem> OptimizerKernels for CudaBackend<S> {
         update: &Update,
     ) {
         optimizer::cuda::optimizer_update(&self.launcher, params, grads, state, range, update);
+    }
+
+    fn trust_squares(
+        &self,
+        params: DeviceView<'_, S>,
+        grads: DeviceView<'_, S>,
+        state: &DeviceOptimizerBuffers,
+        range: Range<usize>,
+        pass: &TrustPass,
+    ) -> (f64, f64) {
+        optimizer::cuda::trust_squares(&self.launcher, params, grads, state, range, pass)
     }
 
     fn read_optimizer_buffers<R>(
