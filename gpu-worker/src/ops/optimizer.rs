@@ -29,31 +29,58 @@ pub struct AdamWStep {
     pub grad_scale: f64,
 }
 
+/// AdamW's numbers for one step in the compute format F, shared by the update and LAMB's
+/// first pass so that both make this step's moments with the same operations.
+struct AdamNumbers<F> {
+    beta1: F,
+    beta2: F,
+    one_minus_beta1: F,
+    one_minus_beta2: F,
+    m_correction: F,
+    v_correction: F,
+    eps: F,
+    grad_scale: F,
+}
+
+impl<F: Float> AdamNumbers<F> {
+    #[inline(always)]
+    fn new(hp: &AdamWStep) -> Self {
+        Self {
+            beta1: F::from_f64(hp.beta1),
+            beta2: F::from_f64(hp.beta2),
+            one_minus_beta1: F::from_f64(1.0 - hp.beta1),
+            one_minus_beta2: F::from_f64(1.0 - hp.beta2),
+            m_correction: F::from_f64(1.0 / (1.0 - hp.beta1.powf(hp.step as f64))),
+            v_correction: F::from_f64(1.0 / (1.0 - hp.beta2.powf(hp.step as f64))),
+            eps: F::from_f64(hp.eps),
+            grad_scale: F::from_f64(hp.grad_scale),
+        }
+    }
+
+    /// This step's m and v from the last step's and the (unscaled) gradient g.
+    #[inline(always)]
+    fn moments(&self, m: F, v: F, g: F) -> (F, F) {
+        let g = g * self.grad_scale;
+        (self.beta1 * m + self.one_minus_beta1 * g, self.beta2 * v + self.one_minus_beta2 * g * g)
+    }
+}
+
 simd_kernel! {
     /// The AdamW update on one chunk of parameters. The weights it updates and the moments
     /// are in the compute format F (f32): the model's own parameters in an fp32 run, the
     /// fp32 master copy in a mixed-precision run. The gradients are in the model's format
     /// S (bf16/fp16 there), widened as they are read.
     pub fn adamw_update<F: Float, S: Stored<Acc = F>>(params: &mut [F], grads: &[S], m: &mut [F], v: &mut [F], hp: &AdamWStep) {
-        let b1 = F::from_f64(hp.beta1);
-        let b2 = F::from_f64(hp.beta2);
-        let one_minus_b1 = F::from_f64(1.0 - hp.beta1);
-        let one_minus_b2 = F::from_f64(1.0 - hp.beta2);
-        let m_correction = F::from_f64(1.0 / (1.0 - hp.beta1.powf(hp.step as f64)));
-        let v_correction = F::from_f64(1.0 / (1.0 - hp.beta2.powf(hp.step as f64)));
+        let adam = AdamNumbers::<F>::new(hp);
         let lr = F::from_f64(hp.lr);
-        let eps = F::from_f64(hp.eps);
         let decay = F::from_f64(1.0 - hp.lr * hp.weight_decay);
-        let scale = F::from_f64(hp.grad_scale);
         let n = params.len();
         let (grads, m, v) = (&grads[..n], &mut m[..n], &mut v[..n]);
         for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let g = g.load() * scale;
-            *m = b1 * *m + one_minus_b1 * g;
-            *v = b2 * *v + one_minus_b2 * g * g;
-            let m_hat = *m * m_correction;
-            let v_hat = *v * v_correction;
-            *p = *p * decay - lr * m_hat / (v_hat.sqrt() + eps);
+            (*m, *v) = adam.moments(*m, *v, g.load());
+            let m_hat = *m * adam.m_correction;
+            let v_hat = *v * adam.v_correction;
+            *p = *p * decay - lr * m_hat / (v_hat.sqrt() + adam.eps);
         }
     }
 }
@@ -86,23 +113,14 @@ simd_kernel! {
     /// LAMB's first pass on one chunk: Σw² and Σr², r = m̂/(√v̂ + ε) + wd·w with m and v
     /// as [`adamw_update`] is about to make them (the same operations, so the same bits).
     pub fn lamb_squares<F: Float, S: Stored<Acc = F>>(params: &[F], grads: &[S], m: &[F], v: &[F], hp: &AdamWStep) -> (F, F) {
-        let b1 = F::from_f64(hp.beta1);
-        let b2 = F::from_f64(hp.beta2);
-        let one_minus_b1 = F::from_f64(1.0 - hp.beta1);
-        let one_minus_b2 = F::from_f64(1.0 - hp.beta2);
-        let m_correction = F::from_f64(1.0 / (1.0 - hp.beta1.powf(hp.step as f64)));
-        let v_correction = F::from_f64(1.0 / (1.0 - hp.beta2.powf(hp.step as f64)));
-        let eps = F::from_f64(hp.eps);
+        let adam = AdamNumbers::<F>::new(hp);
         let decay = F::from_f64(hp.weight_decay);
-        let scale = F::from_f64(hp.grad_scale);
         let n = params.len();
         let (grads, m, v) = (&grads[..n], &m[..n], &v[..n]);
         let w2 = lane_sum(n, |i| params[i] * params[i]);
         let r2 = lane_sum(n, |i| {
-            let g = grads[i].load() * scale;
-            let m_hat = (b1 * m[i] + one_minus_b1 * g) * m_correction;
-            let v_hat = (b2 * v[i] + one_minus_b2 * g * g) * v_correction;
-            let r = m_hat / (v_hat.sqrt() + eps) + decay * params[i];
+            let (m, v) = adam.moments(m[i], v[i], grads[i].load());
+            let r = m * adam.m_correction / ((v * adam.v_correction).sqrt() + adam.eps) + decay * params[i];
             r * r
         });
         (w2, r2)

@@ -140,7 +140,8 @@ pub(super) struct ExpertComm {
 /// element, half the DP bytes below; TP and PP stay fp32.
 ///
 /// Not counted: the engine's one-float all-reduces of the step's loss (and, when sharded,
-/// of the squared gradient norm).
+/// of the squared gradient norm), and with LAMB or LARS under ZeRO/FSDP the all-reduce of
+/// two floats per tensor (the squares its trust ratio is made of).
 pub(super) fn stage_comm(c: StageCommInput) -> CommVolume {
     let mut v = match &c.experts {
         None => dp_and_tp_comm(&c),
