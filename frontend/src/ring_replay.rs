@@ -1624,6 +1624,7 @@ mod tests {
                         }],
                         steps: vec![rs, ag],
                         evaluation: vec![],
+                        sent_to: vec![],
                         counters: vec![],
                     },
                 }

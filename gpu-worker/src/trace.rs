@@ -63,6 +63,19 @@ impl CommTracer {
         add_to_counters(counters, op, false, (elements, bytes_sent, duration_us));
     }
 
+    /// Counts `bytes` this rank sent to global rank `to` in training (what each link
+    /// carried, whether or not its collective is recorded step by step).
+    pub fn count_sent_to(&self, to: u32, bytes: u64) {
+        if self.evaluating.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut t = self.lock();
+        match t.sent_to.iter_mut().find(|p| p.to == to) {
+            Some(p) => p.bytes += bytes,
+            None => t.sent_to.push(PeerBytes { to, bytes }),
+        }
+    }
+
     pub fn snapshot(&self) -> RankCommTrace {
         self.lock().clone()
     }

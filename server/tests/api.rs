@@ -242,6 +242,7 @@ fn rank_trace(rank: u32, world: u32, ring_steps: u32) -> trace::RankTrace {
             }],
             steps,
             evaluation: vec![],
+            sent_to: vec![],
             counters: vec![CollectiveCounter {
                 op: CollectiveOp::AllReduce,
                 calls: 1,

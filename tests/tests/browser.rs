@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use distlab_common::{ExperimentSpec, ExperimentStatus, ModelSpec};
+use distlab_common::{ExperimentSpec, ExperimentStatus, ModelSpec, Sharding};
 use distlab_tests::{kill_and_resume, quick_spec, repo_root, Lab, LabOptions};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::{json, Value};
@@ -173,6 +173,41 @@ async fn a_page_that_cannot_load_says_to_reload() -> Result<()> {
         let banner = text(&c, "#crashed").await?;
         ensure!(banner.contains("Reload the page"), "{banner}");
         save_screenshot(&c, "crashed.png").await?;
+        Ok(())
+    }
+    .await;
+    let _ = c.close().await;
+    result
+}
+
+/// HSDP on two simulated hosts of 2 ranks, a shard group each: the links table's totals
+/// say how much every call sent inside a host and across, and across is only the shards'
+/// all-reduce, the planner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_links_table_splits_hsdps_bytes_between_and_inside_hosts() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let env = vec![("DISTLAB_SIMULATED_HOSTS".to_string(), "2".to_string())];
+    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
+    let mut spec = quick_spec("hsdp on two hosts", 3);
+    (spec.parallel.dp, spec.parallel.sharding, spec.train.micro_batch) = (4, Sharding::Hsdp, 2);
+    spec.train.warmup_steps = 1;
+    let planned = distlab_common::planner::plan(&spec).unwrap().stages[0].comm.dp_all_reduce * 4 * 3;
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
+    let driver = ChromeDriver::start()?;
+    let c = driver.connect().await?;
+    let result = async {
+        c.goto(&lab.url(&format!("/experiments/{id}/ring"))).await?;
+        wait_for(&c, "the links' totals", Duration::from_secs(30), || exists(&c, "#link-classes")).await?;
+        let across: u64 = attr(&c, "#link-classes", "data-across").await?.context("bytes across")?.parse()?;
+        let inside: u64 = attr(&c, "#link-classes", "data-inside").await?.context("bytes inside")?.parse()?;
+        // (the loop's scalars over the whole group cross too: a few bytes a step)
+        ensure!((planned..=planned + 4 * 3 * 1024).contains(&across), "across {across}, planned {planned}");
+        ensure!(inside > 2 * across, "inside {inside}, across {across}");
+        save_element(&c, "#links", "links-hsdp.png").await?;
         Ok(())
     }
     .await;

@@ -177,6 +177,20 @@ fn the_lamb_preset_holds_the_scaled_learning_rate_where_adamw_climbs() {
     println!("  {}\n  {}", got.predicted, got.measured);
 }
 
+/// HSDP against FSDP on the same 4 ranks: across the groups only the shards' all-reduce
+/// (the planner's), FSDP's ring far more.
+#[test]
+fn the_hsdp_preset_sends_only_its_shards_across_the_groups() {
+    let _serial = one_at_a_time();
+    let mut hsdp = preset("hsdp");
+    (hsdp.train.steps, hsdp.train.warmup_steps) = (3, 1);
+    let mut fsdp = hsdp.clone();
+    fsdp.parallel.sharding = Sharding::Fsdp;
+    let got = check(ClaimCheck::HsdpAcrossGroups, &hsdp, Some(&fsdp));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}\n  {}", got.predicted, got.measured);
+}
+
 #[test]
 fn the_zero2_and_fsdp_presets_send_their_multiples_of_d() {
     let _serial = one_at_a_time();

@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 35] = [
+const LAYOUTS: [(&str, Layout); 36] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -91,6 +91,10 @@ const LAYOUTS: [(&str, Layout); 35] = [
         let sgd = s.train.optimizer == Optimizer::Sgd;
         s.train.optimizer = if sgd { Optimizer::Lars } else { Optimizer::Lamb };
         (s.parallel.dp, s.parallel.sharding, s.train.lr) = (3, Sharding::Zero2, 0.01);
+    }),
+    // Hybrid sharding: FSDP in 2 groups of 2, each shard all-reduced across them.
+    ("hsdp dp4 in groups of 2", |s| {
+        (s.parallel.dp, s.parallel.sharding, s.parallel.shard_group) = (4, Sharding::Hsdp, 2);
     }),
     ("zero1 host offload", |s| {
         (s.parallel.dp, s.parallel.sharding, s.parallel.offload) = (2, Sharding::Zero1, Offload::Host)

@@ -39,6 +39,34 @@ fn zero_and_fsdp_train_like_ddp() {
     }
 }
 
+/// HSDP at dp = 4 in two groups of 2: one rank's losses; each rank holds FSDP-at-2's
+/// memory, sends FSDP-at-2's gathers and reduce-scatters and all-reduces its shard with
+/// the other group's, each the planner's.
+#[test]
+fn hsdp_trains_like_one_rank_with_fsdp_inside_a_group() {
+    let _serial = one_at_a_time();
+    let mut one = spec("one rank", 1, Sharding::None);
+    one.train.micro_batch = 8;
+    let single = run_steps(&one);
+    let mut hsdp = spec("hsdp", 4, Sharding::Hsdp);
+    (hsdp.parallel.shard_group, hsdp.train.micro_batch) = (2, 2);
+    assert_same_training(&single, &run_steps(&hsdp), "hsdp dp=4 S=2");
+    (hsdp.train.steps, hsdp.train.warmup_steps) = (3, 1);
+    let predicted = plan(&hsdp).unwrap().stages[0].clone();
+    let (_, trace) = run_with_trace(&hsdp);
+    for rank in &trace.ranks {
+        let measured = &rank.memory.as_ref().expect("ranks report their memory").peak;
+        assert_eq!(measured.parameters, predicted.memory.parameters, "rank {}", rank.rank);
+        assert_eq!(measured.optimizer_state, predicted.memory.optimizer_state, "rank {}", rank.rank);
+    }
+    use distlab_common::trace::CollectiveOp;
+    let sent = |op| sent_per_step(&trace, op, 3);
+    assert_eq!(sent(CollectiveOp::AllGather), predicted.comm.dp_all_gather);
+    assert_eq!(sent(CollectiveOp::ReduceScatter), predicted.comm.dp_reduce_scatter);
+    let all_reduce = sent(CollectiveOp::AllReduce);
+    assert!((predicted.comm.dp_all_reduce..=predicted.comm.dp_all_reduce + 1024).contains(&all_reduce), "{all_reduce}");
+}
+
 #[test]
 fn every_rank_measures_the_memory_the_planner_predicts() {
     for sharding in [Sharding::None, Sharding::Zero1, Sharding::Zero2, Sharding::Fsdp] {

@@ -16,6 +16,7 @@ mod bench;
 mod cuda_tools;
 mod docs_site;
 mod emulated_gpu;
+mod failures;
 mod frontend;
 mod gpu_check;
 #[cfg(test)]
@@ -228,7 +229,7 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
         // Only the GPU tests are #[ignore]d; this runs them with everything else.
         cmd.arg("--include-ignored");
     }
-    let status = cmd.status().context("cannot start cargo test")?;
+    let status = failures::run(&mut cmd)?;
     if !status.success() {
         return Ok(exit_code(status));
     }
@@ -254,7 +255,7 @@ fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
         "--include-ignored",
         "cuda_",
     ]);
-    let status = cmd.status().context("cannot start cargo test")?;
+    let status = failures::run(&mut cmd)?;
     if !status.success() {
         return Ok(status);
     }
@@ -263,7 +264,7 @@ fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
     // (`--test nccl` also names the emulator's own NCCL test, which takes a second.)
     cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "nccl", "--test", "cuda"])
         .args(["--", "--include-ignored"]);
-    cmd.status().context("cannot start cargo test")
+    failures::run(&mut cmd)
 }
 
 /// The server's tests again, on a throwaway PostgreSQL cluster (`postgres.rs`): every query
@@ -280,12 +281,12 @@ fn store_tests_on_postgres() -> Result<ExitCode> {
     println!("xtask: the server's tests again, on a throwaway PostgreSQL cluster");
     // The server's test targets that open a store (server/tests/store), selected in the
     // whole workspace with the run above's features, so that nothing is built again.
-    let status = cargo()
-        .args(["test", "--workspace", "--features", "distlab-worker/cuda"])
-        .args(["--test", "api", "--test", "accounts", "--test", "review", "--test", "fuzz"])
-        .env("DISTLAB_TEST_POSTGRES_URL", &cluster.url)
-        .status()
-        .context("cannot start cargo test")?;
+    let status = failures::run(
+        cargo()
+            .args(["test", "--workspace", "--features", "distlab-worker/cuda"])
+            .args(["--test", "api", "--test", "accounts", "--test", "review", "--test", "fuzz"])
+            .env("DISTLAB_TEST_POSTGRES_URL", &cluster.url),
+    )?;
     Ok(exit_code(status))
 }
 

@@ -176,6 +176,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "layer_wise", "lamb_and_lars_train_like_one_rank"],
     },
     Mutant {
+        name: "HSDP never all-reduces the gradient shards across the replicas",
+        file: "gpu-worker/src/parallel/sharded.rs",
+        find: "collective(be, &self.memory, replicas.as_mut(), &mut self.grad_shard, u.local(), op, self.wire)?;",
+        replace: "let _ = (&op, &replicas);",
+        tests: &["-p", "distlab-tests", "--test", "sharding", "hsdp_trains_like_one_rank"],
+    },
+    Mutant {
+        name: "HSDP cuts the units over the replicas and all-reduces across the shard group (the groups swapped)",
+        file: "gpu-worker/src/parallel/sharded.rs",
+        find: "Some(HybridGroups { shard, replicas }) => (shard, Some(whole), Some(replicas)),",
+        replace: "Some(HybridGroups { shard, replicas }) => (replicas, Some(whole), Some(shard)),",
+        tests: &["-p", "distlab-tests", "--test", "claims", "the_hsdp_preset_sends_only_its_shards_across_the_groups"],
+    },
+    Mutant {
         name: "FSDP ranks initialise the whole model before keeping their shard",
         file: "gpu-worker/src/parallel/sharded.rs",
         find: "let seed = spec.train.seed;",

@@ -544,6 +544,13 @@ fn dp_messages(spec: &ExperimentSpec, stage: &StagePlan, micro_steps: u64) -> u6
             let backward_gathers = units - u64::from(stage.embedding);
             micro_steps.saturating_mul(units.saturating_mul(2).saturating_add(backward_gathers))
         }
+        // FSDP's inside the shard group, and every unit's shard all-reduced across (two phases).
+        Sharding::Hsdp => {
+            let backward_gathers = units - u64::from(stage.embedding);
+            micro_steps
+                .saturating_mul(units.saturating_mul(2).saturating_add(backward_gathers))
+                .saturating_add(2 * units)
+        }
     };
     collectives_times_steps.saturating_mul(ring_step)
 }

@@ -275,6 +275,9 @@ pub struct ParallelSpec {
     pub outer_lr: f64,
     /// `sync: diloco`: the outer step's Nesterov momentum (0: none).
     pub outer_momentum: f64,
+    /// `sharding: hsdp`: data-parallel ranks per shard group (0: `ranks_per_node`, one
+    /// group per simulated host).
+    pub shard_group: usize,
 }
 
 /// How context-parallel ranks, each holding T/cp tokens of every sequence, run attention.
@@ -432,6 +435,10 @@ pub enum Sharding {
     Zero1,
     Zero2,
     Fsdp,
+    /// Hybrid sharding (FSDP2's HSDP, ZeRO++'s hierarchical partitioning): FSDP inside
+    /// groups of `shard_group` consecutive data-parallel ranks, whole replicas across them;
+    /// gradients reduce-scattered inside a group and the shard all-reduced across.
+    Hsdp,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -711,6 +718,17 @@ impl ParallelSpec {
     pub fn data_replicas(&self) -> usize {
         self.dp / self.cp.max(1)
     }
+
+    /// Over how many data-parallel ranks ZeRO/FSDP cut the model state: the shard group's
+    /// under HSDP, the whole group's otherwise (1 without sharding).
+    pub fn shard_ways(&self) -> usize {
+        match self.sharding {
+            Sharding::None => 1,
+            Sharding::Hsdp if self.shard_group == 0 => self.ranks_per_node.max(1),
+            Sharding::Hsdp => self.shard_group,
+            _ => self.dp,
+        }
+    }
 }
 
 impl Default for ParallelSpec {
@@ -740,6 +758,7 @@ impl Default for ParallelSpec {
             outer_steps_every: 8,
             outer_lr: 0.7,
             outer_momentum: 0.9,
+            shard_group: 0,
         }
     }
 }
@@ -1062,7 +1081,18 @@ impl Sharding {
             Sharding::Zero1 => "zero1",
             Sharding::Zero2 => "zero2",
             Sharding::Fsdp => "fsdp",
+            Sharding::Hsdp => "hsdp",
         }
+    }
+
+    /// Whether the parameters are sharded (gathered for every unit's forward and backward).
+    pub fn shards_params(self) -> bool {
+        matches!(self, Sharding::Fsdp | Sharding::Hsdp)
+    }
+
+    /// Whether only a shard of the gradients is kept (reduce-scattered as backward makes them).
+    pub fn shards_grads(self) -> bool {
+        matches!(self, Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp)
     }
 }
 

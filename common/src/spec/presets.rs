@@ -56,6 +56,11 @@ pub fn presets() -> Vec<Preset> {
     diloco.parallel.sync = DataSync::Diloco;
     (diloco.parallel.outer_steps_every, diloco.parallel.outer_lr, diloco.parallel.outer_momentum) = (8, 0.7, 0.9);
 
+    // FSDP in 2 groups of 2 (ranks_per_node 2: two "hosts"), replicas across them.
+    let mut hsdp = ExperimentSpec { name: "hsdp-2-groups-of-2".into(), ..ExperimentSpec::default() };
+    (hsdp.parallel.dp, hsdp.parallel.sharding, hsdp.parallel.ranks_per_node) = (4, Sharding::Hsdp, 2);
+    hsdp.train.micro_batch = 2;
+
     // The ddp2 preset's batch 8-fold (2 x 32 sequences) and its learning rate 8-fold
     // (the linear scaling rule: 3e-3 x 8), under LAMB.
     let mut lamb = ExperimentSpec { name: "lamb-batch-8x".into(), ..ddp.clone() };
@@ -261,6 +266,12 @@ pub fn presets() -> Vec<Preset> {
             title: "DiLoCo: 2 replicas meeting every 8 steps",
             description: "The ddp2 preset's replicas each take 8 AdamW steps alone on their half of every batch, sending nothing; then they all-reduce how far their parameters moved, and an outer Nesterov step (lr 0.7, momentum 0.9) on the mean change sets both replicas' parameters. Resubmit it with sync \"every_step\" (DDP) and compare: the links page's all-reduce bytes per step fall 8-fold, the compare page draws the two loss curves at equal tokens.",
             spec: diloco,
+        },
+        Preset {
+            key: "hsdp",
+            title: "Hybrid sharding: FSDP in 2 groups of 2",
+            description: "4 ranks in two groups of 2 (ranks_per_node 2, as if each group were a host): inside a group every unit is cut in two, gathered for its forward and backward and its gradient reduce-scattered, as FSDP on 2 ranks; across the groups each rank all-reduces only its gradient shard with the rank holding the same shard in the other group. Each rank holds FSDP-at-2's memory. Resubmit it with sharding \"fsdp\" and compare the links: FSDP's ring over all 4 ranks crosses between the groups on every step of every collective.",
+            spec: hsdp,
         },
         Preset {
             key: "lamb-large-batch",

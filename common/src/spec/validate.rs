@@ -285,7 +285,7 @@ impl ExperimentSpec {
                 ),
             ),
         }
-        if p.allreduce != AllReduce::Ring && matches!(p.sharding, Sharding::Zero2 | Sharding::Fsdp) {
+        if p.allreduce != AllReduce::Ring && p.sharding.shards_grads() {
             err(
                 "parallel.allreduce",
                 format!(
@@ -315,6 +315,17 @@ impl ExperimentSpec {
         }
         if self.train.optimizer.layer_wise() {
             self.check_layer_wise(&mut err);
+        }
+        if p.sharding == Sharding::Hsdp {
+            self.check_hsdp(&mut err);
+        } else if p.shard_group != 0 {
+            err(
+                "parallel.shard_group",
+                format!(
+                    "shard_group is hybrid sharding's: use sharding=hsdp, or shard_group=0 (it is {})",
+                    p.shard_group
+                ),
+            );
         }
         if p.prefetch && p.sharding != Sharding::Fsdp {
             err(
@@ -727,6 +738,36 @@ impl ExperimentSpec {
         }
     }
 
+    /// `sharding: hsdp`: FSDP inside groups of S consecutive data-parallel ranks, replicas
+    /// across them.
+    fn check_hsdp(&self, err: &mut impl FnMut(&str, String)) {
+        let p = &self.parallel;
+        let ways = p.shard_ways();
+        let mut refuse = |field: &str, why: String| err(field, format!("sharding=hsdp: {why}"));
+        if ways < 2 || ways >= p.dp || p.dp % ways != 0 {
+            refuse(
+                "parallel.shard_group",
+                format!(
+                    "the shard group (shard_group, or ranks_per_node when it is 0) must divide dp into 2 or more \
+                     groups of 2 or more ranks: it is {ways} for dp={} (one group of dp is sharding=fsdp)",
+                    p.dp
+                ),
+            );
+        }
+        if self.train.checkpoint_every > 0 {
+            refuse(
+                "train.checkpoint_every",
+                "checkpoints are written and read by data-parallel rank, and every group holds the same shards: \
+                 not yet with hybrid sharding (use checkpoint_every=0)"
+                    .into(),
+            );
+        }
+        // (prefetch, FP8 gathers and expert parallelism refuse it with their own reasons)
+        if p.cp > 1 {
+            refuse("parallel.cp", "context parallelism runs with sharding=fsdp, not yet with hybrid sharding".into());
+        }
+    }
+
     /// `train.optimizer: lamb | lars`: every tensor's trust ratio from its whole norms,
     /// summed over the ranks a ZeRO/FSDP shard spreads it on; tensor and expert parallelism
     /// would split a tensor over other groups too, which the sum does not cover yet.
@@ -828,7 +869,7 @@ impl ExperimentSpec {
         if p.pp < 2 {
             refuse("parallel.pp_schedule", format!("fills a pipeline's bubbles; it needs pp >= 2 (it is {})", p.pp));
         }
-        if matches!(p.sharding, Sharding::Zero2 | Sharding::Fsdp) {
+        if p.sharding.shards_grads() {
             refuse(
                 "parallel.sharding",
                 format!(
@@ -1306,6 +1347,18 @@ mod tests {
                 ],
             ),
             (json!({"parallel": {"dp": 0}}), vec![("parallel.dp", "dp must be between 1 and 8 (it is 0)")]),
+            (
+                json!({"parallel": {"dp": 6, "sharding": "hsdp", "shard_group": 4}}),
+                vec![("parallel.shard_group", "sharding=hsdp: the shard group (shard_group, or ranks_per_node when it is 0) must divide dp")],
+            ),
+            (
+                json!({"parallel": {"dp": 4, "sharding": "hsdp", "ranks_per_node": 4}}),
+                vec![("parallel.shard_group", "it is 4 for dp=4 (one group of dp is sharding=fsdp)")],
+            ),
+            (
+                json!({"parallel": {"dp": 4, "sharding": "fsdp", "shard_group": 2}}),
+                vec![("parallel.shard_group", "shard_group is hybrid sharding's")],
+            ),
             (json!({"parallel": {"dp": 4, "tp": 4}}), vec![("parallel", "world size dp*tp*pp = 4*4*1 = 16")]),
             (json!({"parallel": {"sharding": "zero2"}}), vec![("parallel.sharding", "needs dp >= 2")]),
             (json!({"parallel": {"bucket_bytes": 10}}), vec![("parallel.bucket_bytes", "between 1 KiB")]),

@@ -12,7 +12,7 @@ use crate::ExperimentSpec;
 /// of the flashcard deck the lab teaches from; the rest are the subjects of its chapter,
 /// notes and quiz that deck has no card for (`cards/coverage.json` maps every section of
 /// those texts to the cards that teach it).
-pub const TOPICS: u32 = 148;
+pub const TOPICS: u32 = 149;
 /// The flashcard deck's own topics.
 pub const DECK_TOPICS: u32 = 89;
 
@@ -207,6 +207,9 @@ pub enum ClaimCheck {
     /// LAMB against AdamW at the same large batch and learning rate: AdamW's loss climbs
     /// above its start before it falls, LAMB's does not, and LAMB ends lower.
     LambLargeBatch,
+    /// HSDP against FSDP on the same ranks: only the shards' all-reduce crosses between
+    /// the shard groups (the planner's), far less than FSDP's ring sends across.
+    HsdpAcrossGroups,
     /// MFU: the model's FLOPs per second (6N + attention per token x tokens/s) over the
     /// devices' peak, recomputed from the run's step times.
     ModelFlopUtilisation,
@@ -348,14 +351,14 @@ mod tests {
     fn a_broken_deck_lists_every_problem() {
         let deck = r#"[
             {"id": "a", "topic": 1, "title": "t", "question": "q", "answer": "a", "demo": {"kind": "preset", "preset": "nope"}},
-            {"id": "a", "topic": 149, "title": "t", "question": "q", "answer": " ", "demo": {"kind": "planner", "spec": {"parallel": {"dp": 0}}}},
+            {"id": "a", "topic": 150, "title": "t", "question": "q", "answer": " ", "demo": {"kind": "planner", "spec": {"parallel": {"dp": 0}}}},
             {"id": "b", "topic": 3, "title": "t", "question": "q", "answer": "a", "demo": {"kind": "preset", "preset": "tiny"},
              "claim": {"text": "c", "check": "allreduce_bytes", "readings": [{"source": "the chapter", "says": "x"}]}}
         ]"#;
         let problems = load_deck(deck).unwrap_err();
         let all = problems.join("\n");
         for expected in
-            ["no preset \"nope\"", "used twice", "topic 149", "empty", "planner", "topic 2 has no card", "one reading"]
+            ["no preset \"nope\"", "used twice", "topic 150", "empty", "planner", "topic 2 has no card", "one reading"]
         {
             assert!(all.contains(expected), "{expected}: {all}");
         }

@@ -132,6 +132,33 @@ pub struct RankCommTrace {
     /// The validation loss's calls (`train.eval_every`), apart from training's.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub evaluation: Vec<CollectiveCounter>,
+    /// Bytes training sent to each peer over the traced communicators, every call counted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sent_to: Vec<PeerBytes>,
+}
+
+/// Bytes one rank sent to one peer (a global rank).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PeerBytes {
+    pub to: u32,
+    pub bytes: u64,
+}
+
+/// Bytes every rank together sent to peers on its own host and on other hosts (a run
+/// whose ranks report no host: all inside), from the ranks' per-peer counts.
+pub fn link_class_bytes(trace: &ExperimentTrace) -> (u64, u64) {
+    let host = |rank: u32| trace.ranks.iter().find(|r| r.rank == rank).and_then(|r| r.host);
+    let mut classes = (0u64, 0u64);
+    for rank in &trace.ranks {
+        for peer in &rank.comm.sent_to {
+            match (host(rank.rank), host(peer.to)) {
+                (Some(a), Some(b)) if a != b => classes.1 += peer.bytes,
+                _ => classes.0 += peer.bytes,
+            }
+        }
+    }
+    classes
 }
 
 /// What a span of a rank's timeline was spent on.

@@ -2,7 +2,7 @@
 //! the steps' time and what that makes per second, and whether it crossed hosts (TCP)
 //! rather than staying in one host's shared memory.
 
-use distlab_common::trace::{link_uses, ExperimentTrace, LinkUse};
+use distlab_common::trace::{link_class_bytes, link_uses, ExperimentTrace, LinkUse};
 use leptos::prelude::*;
 
 use crate::format;
@@ -19,6 +19,16 @@ pub fn LinkTable(trace: ExperimentTrace) -> impl IntoView {
     if links.is_empty() {
         return None;
     }
+    // Every call's bytes by where they went (not only the steps recorded in detail).
+    let (inside_bytes, across_bytes) = link_class_bytes(&trace);
+    let classes = (across_bytes > 0).then(|| {
+        format!(
+            "Every traced collective of the run, all ranks together: {} sent inside a host, {} across hosts ({:.0}%).",
+            format::bytes(inside_bytes as f64),
+            format::bytes(across_bytes as f64),
+            100.0 * across_bytes as f64 / (inside_bytes + across_bytes).max(1) as f64
+        )
+    });
     let across = gbps_of(links.iter().filter(|l| l.crosses_hosts));
     let inside = gbps_of(links.iter().filter(|l| !l.crosses_hosts));
     let summary = match (across, inside) {
@@ -55,6 +65,9 @@ pub fn LinkTable(trace: ExperimentTrace) -> impl IntoView {
             <p id="links-summary" data-across=across.map(|g| format!("{g:.3}")) data-inside=inside.map(|g| format!("{g:.3}"))>
                 <strong>{summary}</strong>
             </p>
+            {classes.map(|text| view! {
+                <p id="link-classes" data-inside=inside_bytes.to_string() data-across=across_bytes.to_string()>{text}</p>
+            })}
             <table class="data">
                 <thead><tr><th>"link"</th><th>"over"</th><th>"steps"</th><th>"bytes"</th><th>"step time"</th><th>"GB/s"</th></tr></thead>
                 <tbody>{rows}</tbody>

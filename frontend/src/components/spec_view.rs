@@ -119,7 +119,11 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
         spec.world_size(),
         if spec.world_size() == 1 { "" } else { "s" },
         label(&p.sharding),
-        if p.prefetch { " with prefetch" } else { "" },
+        match (p.sharding == distlab_common::Sharding::Hsdp, p.prefetch) {
+            (true, _) => format!(" (groups of {} ranks, {} replicas)", p.shard_ways(), p.dp / p.shard_ways().max(1)),
+            (false, true) => " with prefetch".into(),
+            (false, false) => String::new(),
+        },
         match p.pp_schedule {
             distlab_common::PpSchedule::Interleaved => format!("interleaved (v = {})", p.virtual_stages),
             schedule => schedule.title().into(),

@@ -153,7 +153,7 @@ pub fn PlannerPage() -> impl IntoView {
                     {number(spec, "pp", |s| s.parallel.pp, |s, v| s.parallel.pp = v)}
                     {number(spec, "ep", |s| s.parallel.ep, |s, v| s.parallel.ep = v)}
                     {number(spec, "cp", |s| s.parallel.cp, |s, v| s.parallel.cp = v)}
-                    {choice(spec, "sharding", &["none", "zero1", "zero2", "fsdp"], |s| s.parallel.sharding.as_str().to_string(),
+                    {choice(spec, "sharding", &["none", "zero1", "zero2", "fsdp", "hsdp"], |s| s.parallel.sharding.as_str().to_string(),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.sharding = x })}
                     {choice(spec, "pp_schedule", &["1f1b", "gpipe", "interleaved", "zb-h1", "zbv"], |s| json_str(&s.parallel.pp_schedule),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.pp_schedule = x })}

@@ -199,6 +199,14 @@ impl RingCommunicator {
         }
     }
 
+    /// Counts `bytes` sent to the member at position `to`, for the rank and for the link.
+    fn sent(&mut self, to: usize, bytes: u64) {
+        self.bytes_sent += bytes;
+        if let Some(tracer) = &self.tracer {
+            tracer.count_sent_to(self.members[to] as u32, bytes);
+        }
+    }
+
     /// Starts a collective: its id, and whether it is recorded step by step.
     fn begin(&mut self) -> u64 {
         let id = self.seq;
@@ -306,7 +314,7 @@ impl RingCommunicator {
         self.packed = packed;
         sent.map_err(|e| self.io_error(e, &s, next))?;
         received.map_err(|e| self.receive_error(e, &s, prev, tag, frame_bytes(wire, inp.len())))?;
-        self.bytes_sent += sent_bytes as u64;
+        self.sent(next, sent_bytes as u64);
         if let Some(steps) = &mut self.steps {
             steps.push(RingStep {
                 collective: s.id,
@@ -789,7 +797,7 @@ impl Communicator for RingCommunicator {
                 let tx = self.tx[next].as_mut().expect("neighbour");
                 send_frame(tx, id, bytemuck::cast_slice(piece), &patience(&self.sockets, next, self.timeout))
                     .map_err(|e| self.io_error(e, &s, next))?;
-                self.bytes_sent += (piece.len() * 4) as u64;
+                self.sent(next, (piece.len() * 4) as u64);
             }
         }
         if let (Some(steps), true) = (&mut self.steps, position + 1 < w) {
@@ -822,7 +830,7 @@ impl Communicator for RingCommunicator {
         send_frame(tx, tag, bytemuck::cast_slice(buf), &patience(&self.sockets, to, self.timeout))
             .map_err(|e| self.io_error(e, &s, to))?;
         let bytes = (buf.len() * 4) as u64;
-        self.bytes_sent += bytes;
+        self.sent(to, bytes);
         if let Some(tracer) = &self.tracer {
             tracer.count(CollectiveOp::Send, buf.len() as u64, bytes, now_us().saturating_sub(start));
         }

@@ -183,6 +183,16 @@ pub struct DpGroup {
     /// Expert parallelism with dp > ep: the ranks holding this rank's experts (None: every
     /// expert's gradient is summed with the rest, or ep = dp and none is anywhere else).
     pub experts: Option<Box<dyn Communicator>>,
+    /// Hybrid sharding: the shard group (FSDP's gathers and reduce-scatters) and the
+    /// replicas of this rank's shard in the other groups (the shard's all-reduce).
+    pub hybrid: Option<HybridGroups>,
+}
+
+/// HSDP's two groups inside the data-parallel group: `shard`, the S consecutive ranks
+/// a unit is cut over; `replicas`, the ranks at the same place of every other group.
+pub struct HybridGroups {
+    pub shard: Box<dyn Communicator>,
+    pub replicas: Box<dyn Communicator>,
 }
 
 /// The strategy `spec.parallel.sharding` asks for, for the parameters of `stage` (one
@@ -205,7 +215,7 @@ pub fn build<B: TrainBackend>(
         Sharding::None | Sharding::Zero1 => {
             Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp, offload)?)
         }
-        Sharding::Zero2 | Sharding::Fsdp => {
+        Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp => {
             Box::new(sharded::Sharded::new(spec, be, layout, stage, memory, dp, offload)?)
         }
     })

@@ -27,12 +27,14 @@ use std::sync::Arc;
 use distlab_common::plan::fp8_gather::{message_bytes, FP8_WEIGHTS};
 use distlab_common::plan::planner::wire_bytes;
 use distlab_common::trace::Span;
-use distlab_common::{ExperimentSpec, Fp8Recipe, Precision, Sharding};
+use distlab_common::{ExperimentSpec, Fp8Recipe, Precision};
 
 use super::fp8_gather::BlockRuns;
 use super::prefetch::{Prefetched, Prefetcher};
 use super::shard::ShardLayout;
-use super::{collective, load_params, params_f32, DpGroup, SavedState, StateView, Strategy, TrainBackend};
+use super::{
+    collective, load_params, params_f32, DpGroup, HybridGroups, SavedState, StateView, Strategy, TrainBackend,
+};
 use crate::backend::Stored;
 use crate::comm::{sum_scalar, Alone, CommError, Communicator, InPlace, ReduceOp::Sum};
 use crate::error::TrainError;
@@ -72,7 +74,12 @@ pub struct Sharded<B: TrainBackend> {
     /// The open unit's gradient, before it is reduce-scattered.
     unit_grads: Option<Temporary<B::Buf>>,
     optimizer: Optimizer<B>,
+    /// The ranks a unit is cut over: the data-parallel group, or HSDP's shard group.
     comm: Box<dyn Communicator>,
+    /// HSDP: the whole data-parallel group, for the loop's scalars (None: `comm` is it).
+    scalars: Option<Box<dyn Communicator>>,
+    /// HSDP: the ranks holding this rank's shard in the other groups.
+    replicas: Option<Box<dyn Communicator>>,
     memory: Arc<MemoryTracker>,
     step: u64,
     record: bool,
@@ -90,12 +97,25 @@ impl<B: TrainBackend> Sharded<B> {
         dp: Option<DpGroup>,
         offload: &OffloadTo,
     ) -> Result<Self, TrainError> {
-        let fsdp = spec.parallel.sharding == Sharding::Fsdp;
+        let fsdp = spec.parallel.sharding.shards_params();
         // One rank alone is a group of one: it owns every shard.
-        let DpGroup { rank, world, scalars: comm, grads: second, .. } = match dp {
+        let DpGroup { scalars: whole, grads: second, hybrid, .. } = match dp {
             Some(g) => g,
-            None => DpGroup { rank: 0, world: 1, grads: Box::new(Alone), scalars: Box::new(Alone), experts: None },
+            None => DpGroup {
+                rank: 0,
+                world: 1,
+                grads: Box::new(Alone),
+                scalars: Box::new(Alone),
+                experts: None,
+                hybrid: None,
+            },
         };
+        // HSDP cuts the units over its shard group and keeps the whole group for the scalars.
+        let (comm, scalars, replicas) = match hybrid {
+            Some(HybridGroups { shard, replicas }) => (shard, Some(whole), Some(replicas)),
+            None => (whole, None, None),
+        };
+        let (rank, world) = (comm.rank(), comm.size());
         let wire = spec.parallel.comm_dtype;
         let prefetch = (fsdp && spec.parallel.prefetch).then(|| Prefetcher::new(second, wire));
         let shard = ShardLayout::new(layout, &stage.units(), rank, world);
@@ -131,6 +151,8 @@ impl<B: TrainBackend> Sharded<B> {
             unit_grads: None,
             optimizer,
             comm,
+            scalars,
+            replicas,
             memory: memory.clone(),
             step: 0,
             record: false,
@@ -356,7 +378,23 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
 
     fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
         self.settle_prefetch()?;
-        // Every element is in exactly one rank's shard: the squares add up over the group.
+        // HSDP: each unit's shard summed with its replicas' (every group's data).
+        if let Some(replicas) = self.replicas.as_mut() {
+            if self.record {
+                be.synchronize();
+            }
+            let (start, sent_before) = (now_us(), replicas.bytes_sent());
+            for u in &self.shard.units {
+                let op = InPlace::AllReduce(Sum);
+                collective(be, &self.memory, replicas.as_mut(), &mut self.grad_shard, u.local(), op, self.wire)?;
+            }
+            if self.record {
+                be.synchronize();
+                let sent = replicas.bytes_sent() - sent_before;
+                self.spans.push(blocking_comm_span("all_reduce gradient shards (replicas)", self.step, start, sent));
+            }
+        }
+        // Every element is in exactly one rank's shard of a group: the squares add up over it.
         let (shard, layout) = (&self.shard, &self.layout);
         let grads = &self.grad_shard;
         let mine = shard.units.iter().map(|u| layout.grad_squares(be, grads, u.local(), u.global_mine().start)).sum();
@@ -395,7 +433,7 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
 
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError> {
         self.settle_prefetch()?;
-        sum_scalar(self.comm.as_mut(), value)
+        sum_scalar(self.scalars.as_mut().unwrap_or(&mut self.comm).as_mut(), value)
     }
 
     fn comm_spans(&self) -> Vec<Span> {

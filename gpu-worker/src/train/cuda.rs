@@ -86,6 +86,15 @@ fn train_as<S: DeviceElem>(
                 swap_in(&mut dp.scalars, nccl);
             }
         }
+        // HSDP's shard and replica groups too (the same ranks' GPUs: NCCL wherever the group's is).
+        if let (Some(hybrid), true) = (dp.hybrid.as_mut(), dp.grads.nccl().is_some()) {
+            for (comm, name) in [(&mut hybrid.shard, "hsdp-shard"), (&mut hybrid.replicas, "hsdp-replicas")] {
+                let (rank, size) = (comm.rank(), comm.size());
+                if let Ok(nccl) = nccl_group(comm.as_mut(), rank, size, ordinal, own_gpus, name)? {
+                    swap_in(comm, nccl);
+                }
+            }
+        }
         log(on_event, format!("data parallel: {} ranks on {gpus} GPU(s); gradients travel over {via}", dp.world));
     }
     if let Some(tp) = groups.tp.as_mut() {

@@ -693,7 +693,8 @@ impl Groups {
         let dp = self.dp.as_ref().map_or(0, |g| {
             let grads = matches!(sharding, Sharding::None | Sharding::Zero1).then(|| g.grads.staging_bytes());
             let experts = g.experts.as_ref().map_or(0, |c| c.staging_bytes());
-            grads.unwrap_or(0) + g.scalars.staging_bytes() + experts
+            let hybrid = g.hybrid.as_ref().map_or(0, |h| h.shard.staging_bytes() + h.replicas.staging_bytes());
+            grads.unwrap_or(0) + g.scalars.staging_bytes() + experts + hybrid
         });
         let pp = self.pp.as_ref().map_or(0, |g| g.send.staging_bytes() + g.recv.staging_bytes());
         let ep = self.ep.as_ref().map_or(0, ExpertParallel::staging_bytes);

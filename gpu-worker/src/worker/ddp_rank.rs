@@ -14,7 +14,7 @@ use distlab_worker::parallel::expert::ExpertParallel;
 use distlab_worker::parallel::mesh::Topology;
 use distlab_worker::parallel::pipeline::PipelineGroup;
 use distlab_worker::parallel::tensor::TensorParallel;
-use distlab_worker::parallel::DpGroup;
+use distlab_worker::parallel::{DpGroup, HybridGroups};
 use distlab_worker::trace::CommTracer;
 use distlab_worker::train::{train_rank, Groups, TrainOptions, CHECKPOINT_LOG, SPAN_STEPS};
 
@@ -76,7 +76,22 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
             true => Some(Box::new(ring("ep-replicas", replicas, true)?) as Box<dyn Communicator>),
             false => None,
         };
-        Some(DpGroup { rank: coords.dp, world: p.dp, grads: Box::new(grads), scalars: Box::new(scalars), experts })
+        // Hybrid sharding: groups of S consecutive DP ranks shard, the same places of the
+        // groups replicate (both traced: their bytes are the page's link classes).
+        let hybrid = match p.sharding {
+            Sharding::Hsdp => {
+                let ways = p.shard_ways();
+                let group = &dp_members[coords.dp / ways * ways..][..ways];
+                let same_place = dp_members.iter().copied().skip(coords.dp % ways).step_by(ways).collect();
+                Some(HybridGroups {
+                    shard: Box::new(ring("hsdp-shard", group.to_vec(), true)?),
+                    replicas: Box::new(ring("hsdp-replicas", same_place, true)?),
+                })
+            }
+            _ => None,
+        };
+        let (grads, scalars) = (Box::new(grads), Box::new(scalars));
+        Some(DpGroup { rank: coords.dp, world: p.dp, grads, scalars, experts, hybrid })
     } else {
         None
     };

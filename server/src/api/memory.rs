@@ -166,7 +166,7 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
                     p.sharding.as_str(),
                     p.dp
                 ),
-                Sharding::Zero2 | Sharding::Fsdp => format!(
+                Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp => format!(
                     "with sharding={} the planner counts one unit's gradient (the largest unit) held until it is \
                      reduce-scattered; the engine {held} waiting for its collectives at once",
                     p.sharding.as_str()

@@ -27,6 +27,10 @@ pub(super) struct StageCommInput {
     pub(super) last: bool,
     pub(super) sharding: Sharding,
     pub(super) dp: u64,
+    /// Ranks each unit is cut over (dp, or HSDP's shard group).
+    pub(super) shard_ways: u64,
+    /// HSDP: the bytes of the shard's all-reduce across the replicas per step.
+    pub(super) replica_all_reduce: u64,
     pub(super) tp: u64,
     /// micro_batches * grad_accum: forward + backward passes per optimizer step.
     pub(super) micro_steps: u64,
@@ -182,9 +186,9 @@ pub(super) fn stage_comm(c: StageCommInput) -> CommVolume {
 
 /// [`stage_comm`] without expert parallelism.
 fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
-    let (g, w) = (c.dp_wire_bytes, c.dp_wire_bytes);
-    let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, g);
-    let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, c.dp, w);
+    let (g, w, ways) = (c.dp_wire_bytes, c.dp_wire_bytes, c.shard_ways);
+    let grads_rs = ring_reduce_scatter_bytes(c.params_per_rank, ways, g);
+    let params_ag = ring_reduce_scatter_bytes(c.params_per_rank, ways, w);
     let mut v = CommVolume::default();
     // The ring sends as much from every rank; the others are counted at their busiest rank.
     let all_reduce = match c.allreduce {
@@ -209,20 +213,21 @@ fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
             v.dp_reduce_scatter = c.micro_steps.saturating_mul(grads_rs);
             v.dp_all_gather = params_ag;
         }
-        Sharding::Fsdp => {
+        Sharding::Fsdp | Sharding::Hsdp => {
             v.dp_reduce_scatter = c.micro_steps.saturating_mul(grads_rs);
+            v.dp_all_reduce = c.replica_all_reduce;
             let per_micro_step =
                 match c.fp8_block_gather {
                     None => {
-                        let backward_ag = ring_reduce_scatter_bytes(c.params_per_rank - c.embedding, c.dp, w);
-                        let recompute_ag = ring_reduce_scatter_bytes(c.regathered, c.dp, w);
+                        let backward_ag = ring_reduce_scatter_bytes(c.params_per_rank - c.embedding, ways, w);
+                        let recompute_ag = ring_reduce_scatter_bytes(c.regathered, ways, w);
                         params_ag.saturating_add(backward_ag).saturating_add(recompute_ag)
                     }
                     // (FP8 refuses the checkpointing that regathers)
                     Some(block) => {
                         let rest = c.params_per_rank.saturating_sub(c.layers.saturating_mul(c.block_params));
-                        let rest_ag = ring_reduce_scatter_bytes(rest, c.dp, w)
-                            .saturating_add(ring_reduce_scatter_bytes(rest.saturating_sub(c.embedding), c.dp, w));
+                        let rest_ag = ring_reduce_scatter_bytes(rest, ways, w)
+                            .saturating_add(ring_reduce_scatter_bytes(rest.saturating_sub(c.embedding), ways, w));
                         rest_ag.saturating_add(block.saturating_mul(2).saturating_mul(c.layers))
                     }
                 };
@@ -280,6 +285,33 @@ mod tests {
         let backward_gathers = ring_reduce_scatter_bytes(params - embedding, 4, 4);
         assert_eq!(fsdp.dp_all_gather, fsdp.dp_reduce_scatter + backward_gathers);
         assert_eq!(fsdp.total, 2 * fsdp.dp_reduce_scatter + backward_gathers);
+    }
+
+    /// HSDP at dp = 8 in two groups of 4 (two simulated hosts of 4 ranks): inside a group
+    /// FSDP's gathers and reduce-scatters at 4 ranks, and its memory; across, each unit's
+    /// shard all-reduced over the 2 replicas, 2(2-1)/2 = 1 shard per step.
+    #[test]
+    fn hsdp_shards_inside_its_group_and_all_reduces_the_shard_across() {
+        let spec_with = |dp, sharding| {
+            let mut spec = ExperimentSpec { model: ModelSpec::dense(4, 64, 4, 32, 64), ..ExperimentSpec::default() };
+            (spec.parallel.dp, spec.parallel.sharding, spec.parallel.ranks_per_node) = (dp, sharding, 4);
+            spec
+        };
+        let hsdp_plan = plan(&spec_with(8, Sharding::Hsdp)).unwrap();
+        let fsdp4_plan = plan(&spec_with(4, Sharding::Fsdp)).unwrap();
+        let (hsdp, fsdp4) = (&hsdp_plan.stages[0], &fsdp4_plan.stages[0]);
+        assert_eq!(hsdp.memory, fsdp4.memory);
+        assert_eq!(
+            (hsdp.comm.dp_reduce_scatter, hsdp.comm.dp_all_gather),
+            (fsdp4.comm.dp_reduce_scatter, fsdp4.comm.dp_all_gather)
+        );
+        // The shard of each unit (embeddings, 4 blocks, head), once round a ring of 2, in fp32.
+        let m = spec_with(8, Sharding::Hsdp).model;
+        let embedding = ((m.vocab + m.seq_len) * m.d_model) as u64;
+        let head = m.param_count() - embedding - 4 * m.block_params();
+        let shard = |n: u64| ring_all_reduce_bytes(n.div_ceil(4), 2, 4);
+        assert_eq!(hsdp.comm.dp_all_reduce, shard(embedding) + 4 * shard(m.block_params()) + shard(head));
+        assert_eq!(fsdp4.comm.dp_all_reduce, 0);
     }
 
     #[test]

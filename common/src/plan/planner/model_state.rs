@@ -56,7 +56,7 @@ pub fn model_state_with_shard(
         Sharding::None => (params, params, params),
         Sharding::Zero1 => (params, params, shard),
         Sharding::Zero2 => (params, shard, shard),
-        Sharding::Fsdp => (shard, shard, shard),
+        Sharding::Fsdp | Sharding::Hsdp => (shard, shard, shard),
     };
     ModelState {
         parameters: p.saturating_mul(b.parameters),

@@ -14,6 +14,7 @@ use super::structure::check_structure;
 use super::{Plan, RankMemory, StagePlan};
 use crate::plan::compression::{self, Compressor};
 use crate::plan::fp8_gather;
+use crate::plan::ring::ring_all_reduce_bytes;
 use crate::plan::schedule::Pipeline;
 use crate::spec::field_error::FieldError;
 use crate::spec::{BackendKind, DataSync, ExperimentSpec, Fp8Recipe, GradCompression, Offload, PpSchedule, Sharding};
@@ -34,6 +35,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
     let u = |x: usize| x as u64;
     let (d, seq, vocab) = (u(m.d_model), u(m.seq_len), u(m.vocab));
     let (dp, tp, pp) = (u(p.dp), u(p.tp), u(p.pp));
+    // Over how many ranks ZeRO/FSDP cut each unit: the data-parallel group, or HSDP's shard group.
+    let ways = u(p.shard_ways().max(1));
     let (batch, micro_batches) = (u(t.micro_batch), u(t.micro_batches));
     let micro_steps = micro_batches.saturating_mul(u(t.grad_accum));
 
@@ -101,15 +104,14 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             (if last { head } else { 0 }, 1),
         ];
         let shard =
-            units.iter().map(|&(n, count)| n.div_ceil(dp).saturating_mul(count)).fold(0u64, u64::saturating_add);
+            units.iter().map(|&(n, count)| n.div_ceil(ways).saturating_mul(count)).fold(0u64, u64::saturating_add);
         let state = model_state_with_shard(params_per_rank, shard, p.sharding, t.precision, t.optimizer);
         // FSDP gathers one whole unit at a time (even alone: the gather is then a copy);
         // with prefetch the next unit's gather is under way too: two units in the order
         // they are opened (embeddings, blocks, head, and back).
         let largest_unit = units.iter().map(|&(n, _)| n).max().unwrap_or(0);
         let gathered_units = if p.prefetch { largest_adjacent_pair(&units) } else { largest_unit };
-        let gathered =
-            if p.sharding == Sharding::Fsdp { gathered_units.saturating_mul(per_param.parameters) } else { 0 };
+        let gathered = if p.sharding.shards_params() { gathered_units.saturating_mul(per_param.parameters) } else { 0 };
         // What waits for a collective: DDP and ZeRO-1 copy every gradient bucket (the whole
         // gradient, when there is a group to reduce with; the buckets are fp32 in every
         // precision, as gradients are summed across ranks in fp32); ZeRO-2 and FSDP hold one
@@ -122,7 +124,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
                 (params_per_rank - experts_here).saturating_mul(4)
             }
             Sharding::None | Sharding::Zero1 => 0,
-            Sharding::Zero2 | Sharding::Fsdp => largest_unit.saturating_mul(per_param.gradients),
+            Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp => largest_unit.saturating_mul(per_param.gradients),
         };
         // A pipeline stage receives into one activation buffer (all but the first) and one
         // output-gradient buffer (all but the last; interleaved: every stage both), and in
@@ -255,6 +257,18 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             last,
             sharding: p.sharding,
             dp,
+            shard_ways: ways,
+            // HSDP: each unit's shard all-reduced across the replicas (a ring of dp / S).
+            replica_all_reduce: match p.sharding {
+                Sharding::Hsdp => units
+                    .iter()
+                    .map(|&(n, count)| {
+                        ring_all_reduce_bytes(n.div_ceil(ways), dp / ways, wire_bytes(p.comm_dtype))
+                            .saturating_mul(count)
+                    })
+                    .fold(0u64, u64::saturating_add),
+                _ => 0,
+            },
             tp,
             micro_steps,
             rows_d,

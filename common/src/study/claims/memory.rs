@@ -156,6 +156,8 @@ fn zero_counts(spec: &ExperimentSpec, n: u64, planned: &planner::RankMemory) -> 
             (format!("{w}N + {}N/K", w + o), Some(format!("{}N + {}N/K", w + 4, (w + o).saturating_sub(4))))
         }
         crate::Sharding::Fsdp => (format!("{}N/K", w + w + o), None),
+        // (K here is the shard group, not the whole data-parallel group)
+        crate::Sharding::Hsdp => (format!("{}N/K", w + w + o), None),
     };
     let mixed = spec.train.precision != crate::Precision::Fp32;
     let mut counts = vec![ZeroCount {

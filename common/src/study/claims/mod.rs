@@ -127,6 +127,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::ZbvBubble => "zbv",
         ClaimCheck::DilocoBytes => "diloco",
         ClaimCheck::LambLargeBatch => "lamb-large-batch",
+        ClaimCheck::HsdpAcrossGroups => "hsdp",
         ClaimCheck::ModelFlopUtilisation => "reference",
     }
 }
@@ -178,6 +179,9 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         }
         ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
         ClaimCheck::LambLargeBatch => twin.train.optimizer = crate::Optimizer::Adamw,
+        ClaimCheck::HsdpAcrossGroups => {
+            (twin.parallel.sharding, twin.parallel.shard_group) = (crate::Sharding::Fsdp, 0);
+        }
         _ => return None,
     }
     Some(twin.same_up_to_name(candidate))
@@ -197,6 +201,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::TwoByteWire => traffic::two_byte_wire(input),
         ClaimCheck::Fp8AllGather => traffic::fp8_all_gather(input),
         ClaimCheck::DilocoBytes => traffic::diloco_bytes(input),
+        ClaimCheck::HsdpAcrossGroups => traffic::hsdp_across_groups(input),
         ClaimCheck::TpAllreduces => traffic::tp_allreduces(input),
         ClaimCheck::TreeAllreduce => all_reduce::tree(run),
         ClaimCheck::HierarchicalAllreduce => all_reduce::hierarchical(run),
@@ -329,6 +334,7 @@ mod tests {
             ClaimCheck::ZbvBubble,
             ClaimCheck::DilocoBytes,
             ClaimCheck::LambLargeBatch,
+            ClaimCheck::HsdpAcrossGroups,
         ] {
             assert!(keys.contains(&canonical_preset(check)), "{check:?}");
         }

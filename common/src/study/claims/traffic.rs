@@ -370,6 +370,51 @@ pub(super) fn diloco_bytes(input: &Inputs) -> Result<Measurement, String> {
     ))
 }
 
+/// HSDP (this run) against FSDP on the same ranks (the partner): the bytes every rank
+/// together sent per step to ranks outside its shard group, from the traces' per-peer
+/// counts. HSDP's are its shards' all-reduce across the groups (the planner's, with the
+/// step's scalars); FSDP's ring crosses between the groups in every collective.
+pub(super) fn hsdp_across_groups(input: &Inputs) -> Result<Measurement, String> {
+    let fsdp = input
+        .partner
+        .ok_or("no finished run of the same config with sharding fsdp yet (resubmit the preset with it)")?;
+    let spec = input.spec;
+    let ways = spec.parallel.shard_ways().max(1);
+    let ranks_per_replica = (spec.parallel.tp * spec.parallel.pp).max(1);
+    let group = |rank: u32| rank as usize / ranks_per_replica / ways;
+    // (bytes per step, all ranks together, to peers of another group)
+    let across = |r: &RunEvidence| -> Result<u64, String> {
+        if r.ranks.is_empty() || r.ranks.iter().all(|x| x.comm.sent_to.is_empty()) {
+            return Err(format!("run {} recorded no bytes per peer", r.view.id));
+        }
+        let sent = r.ranks.iter().flat_map(|x| x.comm.sent_to.iter().map(move |p| (x.rank, p)));
+        let crossing = sent.filter(|(from, p)| group(*from) != group(p.to)).map(|(_, p)| p.bytes).sum::<u64>();
+        Ok(crossing / r.traced_steps.max(1))
+    };
+    let (ours, theirs) = (across(input.run)?, across(fsdp)?);
+    let world = spec.world_size() as u64;
+    let planned = input.plan.stages.iter().map(|s| s.comm.dp_all_reduce).max().unwrap_or(0).saturating_mul(world);
+    Ok(input.m(
+        format!(
+            "only each rank's gradient shard crosses between the groups of {ways}: {} per step, all ranks together \
+             (the planner's shard all-reduce), far less than FSDP's ring over all {} ranks",
+            bytes_text(planned),
+            spec.parallel.dp
+        ),
+        format!(
+            "{} per step across the groups, FSDP (run {}) {}: {:.1}x less",
+            bytes_text(ours),
+            fsdp.view.id,
+            bytes_text(theirs),
+            theirs as f64 / ours.max(1) as f64
+        ),
+        spec.parallel.sharding == crate::Sharding::Hsdp
+            && fsdp.view.spec.parallel.sharding == crate::Sharding::Fsdp
+            && (planned..=planned + SCALAR_BYTES * world).contains(&ours)
+            && theirs > 2 * ours,
+    ))
+}
+
 /// Rank 0's bytes per traced step in `ops` (its counters), and the planner's traffic for
 /// its stage.
 fn rank0_sent_and_planned(r: &RunEvidence, ops: &[CollectiveOp]) -> Result<(u64, planner::CommVolume), String> {

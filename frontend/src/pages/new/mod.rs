@@ -168,9 +168,10 @@ const SECTIONS: &[SectionDef] = &[
             ),
             f(
                 "parallel.sharding",
-                Kind::Choice(&["none", "zero1", "zero2", "fsdp"]),
-                "shard optimizer state / gradients / parameters over dp",
+                Kind::Choice(&["none", "zero1", "zero2", "fsdp", "hsdp"]),
+                "shard optimizer state / gradients / parameters over dp (hsdp: inside groups, replicas across)",
             ),
+            f("parallel.shard_group", Kind::Int, "hsdp: ranks per shard group (0 = ranks_per_node)"),
             f(
                 "parallel.pp_schedule",
                 Kind::Choice(&["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]),
@@ -317,6 +318,7 @@ fn training_only(path: &str) -> bool {
                 | "parallel.outer_steps_every"
                 | "parallel.outer_lr"
                 | "parallel.outer_momentum"
+                | "parallel.shard_group"
         )
 }
 
