@@ -1492,7 +1492,24 @@ async fn zbv_scenario(c: &Client, lab: &Lab, pipeline: &ExperimentSpec) -> Resul
     spec.name = "pp-zbv".into();
     spec.model.layers = 8;
     spec.parallel.pp_schedule = distlab_common::PpSchedule::Zbv;
-    let m = run_and_open_pipeline_page(c, lab, &spec).await?;
+    v_scenario(c, lab, &spec, "5.9%").await?;
+    dualpipev_scenario(c, lab, &spec).await
+}
+
+/// ZBV's run as DualPipeV: the same boxes, and DeepSeek's formula with the pairs as F + B.
+async fn dualpipev_scenario(c: &Client, lab: &Lab, zbv: &ExperimentSpec) -> Result<()> {
+    let mut spec = zbv.clone();
+    spec.name = "pp-dualpipev".into();
+    spec.parallel.pp_schedule = distlab_common::PpSchedule::DualPipeV;
+    // (4-1)/(3*8+4-1)
+    v_scenario(c, lab, &spec, "11.1%").await
+}
+
+/// A V schedule's run on 4 stages: every stage row has 2M forwards, B's and W's, M of each
+/// lettered a (down the V) and M b (back up), measured and projected; the formula's share
+/// and the schedule's title on the page.
+async fn v_scenario(c: &Client, lab: &Lab, spec: &ExperimentSpec, formula: &str) -> Result<()> {
+    let m = run_and_open_pipeline_page(c, lab, spec).await?;
     let count = "return document.querySelectorAll(arguments[0]).length;";
     for svg in ["pipeline-main-svg", "pipeline-main-projected-svg"] {
         for stage in 0..4 {
@@ -1509,9 +1526,10 @@ async fn zbv_scenario(c: &Client, lab: &Lab, pipeline: &ExperimentSpec) -> Resul
             }
         }
     }
-    ensure!(text(c, "#pipeline-main .formula-bubble").await? == "5.9%", "(4-1)/(6*8+4-1)");
-    ensure!(text(c, "#pipeline-main h3").await?.contains("ZBV"));
-    save_element(c, "#pipeline-card", "pipeline-zbv.png").await?;
+    ensure!(text(c, "#pipeline-main .formula-bubble").await? == formula);
+    let schedule = spec.parallel.pp_schedule;
+    ensure!(text(c, "#pipeline-main h3").await?.contains(schedule.title()));
+    save_element(c, "#pipeline-card", &format!("pipeline-{}.png", schedule.as_str())).await?;
     Ok(())
 }
 

@@ -150,6 +150,20 @@ fn the_zbv_presets_bubble_is_under_zb_h1s_and_its_peaks_are_the_planners() {
     println!("  {}\n  {}", got.predicted, got.measured);
 }
 
+/// DualPipeV against ZBV on the same V: the replay idles less than 1F1B's formula, every
+/// stage holds more, and every peak in both runs is the planner's.
+#[test]
+fn the_dualpipev_preset_idles_under_1f1b_and_holds_more_than_zbv() {
+    let _serial = one_at_a_time();
+    let mut d = preset("dualpipev");
+    (d.train.steps, d.train.warmup_steps) = (4, 1);
+    let mut v = d.clone();
+    v.parallel.pp_schedule = PpSchedule::Zbv;
+    let got = check(ClaimCheck::DualPipeVAgainstZbv, &d, Some(&v));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}\n  {}", got.predicted, got.measured);
+}
+
 /// DiLoCo against DDP on the same replicas: 1/H of the all-reduce bytes per step, both
 /// runs' the planner's.
 #[test]

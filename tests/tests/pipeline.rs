@@ -101,23 +101,36 @@ fn zero_bubble_trains_like_one_rank_with_dp_and_tp() {
 /// with dp and tp.
 #[test]
 fn zbv_trains_like_one_rank_with_dp_and_tp() {
+    v_trains_like_one_rank_with_dp_and_tp(PpSchedule::Zbv);
+}
+
+/// DualPipeV: ZBV's V in DeepSeek's order, whole backwards (B then W) in the steady state
+/// and split ones at the ends; the losses are one rank's, alone and with dp and tp.
+#[test]
+fn dualpipev_trains_like_one_rank_with_dp_and_tp() {
+    v_trains_like_one_rank_with_dp_and_tp(PpSchedule::DualPipeV);
+}
+
+/// A V schedule at pp 2 and 4, with tp 2, and with dp 2 (ZeRO-1), against one rank.
+fn v_trains_like_one_rank_with_dp_and_tp(schedule: PpSchedule) {
     let _serial = one_at_a_time();
     let v = |pp: usize, micro_batches: usize| {
-        let mut s = spec("zbv", pp, PpSchedule::Zbv, micro_batches);
+        let mut s = spec(schedule.as_str(), pp, schedule, micro_batches);
         s.model.layers = 8;
         s
     };
     let mut one = spec("one rank", 1, PpSchedule::OneFOneB, 8);
     one.model.layers = 8;
+    let name = schedule.as_str();
     for optimizer in OPTIMIZERS {
         let single = run_steps(&optimizer.on(one.clone()));
         for pp in [2, 4] {
             let piped = run_steps(&optimizer.on(v(pp, 8)));
-            assert_same_training(&single, &piped, &format!("zbv pp={pp} {optimizer:?}"));
+            assert_same_training(&single, &piped, &format!("{name} pp={pp} {optimizer:?}"));
         }
         let mut with_tp = v(2, 8);
         with_tp.parallel.tp = 2;
-        assert_same_training(&single, &run_steps(&optimizer.on(with_tp)), &format!("tp2 x zbv {optimizer:?}"));
+        assert_same_training(&single, &run_steps(&optimizer.on(with_tp)), &format!("tp2 x {name} {optimizer:?}"));
     }
     let mut single = one.clone();
     single.train.micro_batch = 4;
@@ -126,7 +139,7 @@ fn zbv_trains_like_one_rank_with_dp_and_tp() {
     let mut mixed = v(2, 4);
     mixed.parallel.dp = 2;
     mixed.parallel.sharding = Sharding::Zero1;
-    assert_same_training(&single, &run_steps(&mixed), "dp2 x zbv pp2 zero1");
+    assert_same_training(&single, &run_steps(&mixed), &format!("dp2 x {name} pp2 zero1"));
 }
 
 #[test]
@@ -191,10 +204,13 @@ fn one_f_one_b_holds_fewer_activations_than_gpipe() {
     // ZBV: 2P chunk passes (P micro-batches of a stage's blocks) on every stage, the head's
     // activations on the first.
     let v = peak(PpSchedule::Zbv);
+    // DualPipeV: the same V, 2P+1 chunk passes on every stage.
+    let dualpipev = peak(PpSchedule::DualPipeV);
     println!(
         "activation peaks per stage: GPipe {gpipe:?}, 1F1B {one_f_one_b:?}, interleaved v=2 {interleaved:?}, \
-         ZB-H1 {zero_bubble:?}, ZBV {v:?}"
+         ZB-H1 {zero_bubble:?}, ZBV {v:?}, DualPipeV {dualpipev:?}"
     );
+    assert!(dualpipev.iter().zip(&v).all(|(d, v)| d > v), "DualPipeV {dualpipev:?} against ZBV {v:?}");
     assert!(interleaved[0] > one_f_one_b[0] && interleaved[0] < gpipe[0], "stage 0: {interleaved:?}");
     assert!(zero_bubble[1] > one_f_one_b[1] && zero_bubble[0] < gpipe[0], "{zero_bubble:?}");
     assert!(v[0] > v[1] && v[1] > one_f_one_b[1] && v[0] < gpipe[0], "{v:?}");
@@ -314,8 +330,9 @@ fn every_stage_runs_the_schedules_order_and_the_bubble_is_reported() {
                     let stage = s.stage_of(rank.rank as usize);
                     let what = format!("pp={pp} M={m} {schedule:?} rank {} step {step}", rank.rank);
                     let expected = match schedule {
-                        // (its order is checked against PyTorch's in schedule.rs's tests)
-                        PpSchedule::Zbv => distlab_common::schedule::Pipeline::of(&s)
+                        // (their orders are checked against PyTorch's and DeepSeek's in
+                        // schedule.rs's tests)
+                        PpSchedule::Zbv | PpSchedule::DualPipeV => distlab_common::schedule::Pipeline::of(&s)
                             .actions(stage)
                             .into_iter()
                             .map(|a| (span_kind(a), a.micro() as u32, a.chunk() as u32))
@@ -334,8 +351,14 @@ fn every_stage_runs_the_schedules_order_and_the_bubble_is_reported() {
 }
 
 /// Every schedule this lab runs.
-const PIPELINE_SCHEDULES: [PpSchedule; 5] =
-    [PpSchedule::Gpipe, PpSchedule::OneFOneB, PpSchedule::Interleaved, PpSchedule::ZbH1, PpSchedule::Zbv];
+const PIPELINE_SCHEDULES: [PpSchedule; 6] = [
+    PpSchedule::Gpipe,
+    PpSchedule::OneFOneB,
+    PpSchedule::Interleaved,
+    PpSchedule::ZbH1,
+    PpSchedule::Zbv,
+    PpSchedule::DualPipeV,
+];
 
 /// The span a pass leaves on the timeline.
 fn span_kind(action: distlab_common::schedule::Action) -> SpanKind {

@@ -148,11 +148,18 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "pipeline", "zbv_trains_like_one_rank"],
     },
     Mutant {
-        name: "ZBV's second chunk laid out as interleaved's (stage s holds chunk P+s, not 2P-1-s)",
+        name: "A V's second chunk laid out as interleaved's (stage s holds chunk P+s, not 2P-1-s)",
         file: "common/src/plan/schedule.rs",
-        find: "(PpSchedule::Zbv, 1) => 2 * self.stages - 1 - stage,",
-        replace: "(PpSchedule::Zbv, 1) => self.stages + stage,",
+        find: "1 if self.kind.is_v() => 2 * self.stages - 1 - stage,",
+        replace: "1 if self.kind.is_v() => self.stages + stage,",
         tests: &["-p", "distlab-common", "schedule"],
+    },
+    Mutant {
+        name: "DualPipeV runs the Ws it held back newest first, not in the order of their Bs",
+        file: "common/src/plan/schedule.rs",
+        find: "self.out.extend(self.owed.pop_front());",
+        replace: "self.out.extend(self.owed.pop_back());",
+        tests: &["-p", "distlab-common", "dualpipev"],
     },
     Mutant {
         name: "DiLoCo's outer momentum is kept but never applied (a plain outer step)",

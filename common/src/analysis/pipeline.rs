@@ -383,6 +383,18 @@ mod tests {
                 assert!((b.overall - shape.formula_bubble()).abs() < 1e-12, "{shape:?}");
             }
         }
+        // DualPipeV with F = B = W per chunk pass, its pairs one pass after the other:
+        // ZBV's P-1 of them idle against 6M busy on every stage, under DeepSeek's formula,
+        // which counts a pair as one block.
+        for p in 2..=5 {
+            for m in 2 * p..=12 {
+                let shape = pipe(PpSchedule::DualPipeV, p, 2, m);
+                let equal = vec![StageDurations { forward: 10, backward: 10, weights: 10 }; p];
+                let b = measured_bubble(&project(shape, &equal, 1).unwrap()).unwrap();
+                assert_eq!(b.window, (0, (6 * m + p - 1) as u64 * 10), "{shape:?}");
+                assert!(b.overall < shape.formula_bubble(), "{shape:?}");
+            }
+        }
         // The last stage twice as slow: everything waits for it.
         let mut slow = vec![StageDurations { forward: 10, backward: 20, weights: 0 }; 4];
         slow[3] = StageDurations { forward: 20, backward: 40, weights: 0 };

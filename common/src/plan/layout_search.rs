@@ -297,7 +297,9 @@ fn checkpointing_modes(attention: Attention) -> impl Iterator<Item = Checkpointi
 
 /// The schedules worth trying for `pp` stages: none to choose without a pipeline; 1F1B
 /// (GPipe runs as long and holds more), interleaved where the layers and micro-batches
-/// split evenly, ZB-H1, and ZBV where the layers cut into 2P chunks and M >= 2P-1.
+/// split evenly, ZB-H1, and ZBV where the layers cut into 2P chunks and M >= 2P-1
+/// (not DualPipeV: with its pairs run one pass after the other it holds more than ZBV for
+/// its formula's larger bubble).
 fn schedules(pp: usize, layers: usize, micro_batches: usize) -> Vec<(PpSchedule, usize)> {
     if pp == 1 {
         return vec![(PpSchedule::OneFOneB, 1)];

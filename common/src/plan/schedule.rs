@@ -40,6 +40,16 @@
 //!             Ba2 Wa2 Ba3 Wa3
 //!   stage 1:  Fa0 Fb0 Fa1 Fb1 Bb0 Wb0 Fa2 Ba0 Wa0 Fb2 Bb1 Wb1 Fa3 Ba1 Wa1 Fb3 Bb2 Wb2 Ba2 Bb3
 //!             Ba3 Wa2 Wb3 Wa3
+//!
+//! DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab's "cut-in-half"), P = 2, M = 4:
+//! ZBV's V, run in DualPipe's phases: forwards down to fill the V, then pairs of a forward
+//! and another micro-batch's backward (DeepSeek overlaps the two, one's compute with the
+//! other's communication), the backward whole (B then W at once) in the steady state and
+//! split, its W held back, only at the ends of the ramps:
+//!   stage 0:  Fa0 Fa1 Fa2 Fb0 Bb0 Wb0 Fb1 Fa3 Bb1 Wb1 Fb2 Ba0 Wa0 Bb2 Wb2 Fb3 Ba1 Wa1 Bb3 Wb3
+//!             Ba2 Wa2 Ba3 Wa3
+//!   stage 1:  Fa0 Fb0 Fa1 Fb1 Fa2 Bb0 Wb0 Fb2 Ba0 Wa0 Fa3 Bb1 Wb1 Fb3 Ba1 Wa1 Bb2 Wb2 Ba2 Wa2
+//!             Bb3 Ba3 Wb3 Wa3
 //! ```
 //!
 //! GPipe and 1F1B leave the same bubble, (P-1)/(M+P-1) of the step on equal stages; 1F1B
@@ -53,7 +63,14 @@
 //! F = B = W, for M >= 2P-1; it holds at most 2P chunk activations (P micro-batches of a
 //! stage's layers), as 1F1B's first stage does. A link of the V carries activations one way
 //! and gradients the same way interleaved, in the sender's order: the receiver keeps what
-//! comes before it needs it ([`Pipeline::held_early`]).
+//! comes before it needs it ([`Pipeline::held_early`]). DualPipeV's bubble is DeepSeek's
+//! (P-1)(F&B + B - 3W) with B the whole backward and F&B a pair's time: with the pair run
+//! one pass after the other (F&B = F + B) and F = B = W per chunk pass, 2(P-1) passes
+//! idle against 6M busy, (P-1)/(3M+P-1), twice ZBV's. The formula counts a pair as one
+//! block; run as two passes, the forward as soon as its input is there, the schedule
+//! replays to ZBV's P-1 idle passes (`analysis::pipeline`'s tests). The pairs pay off where
+//! one's compute hides the other's communication (F&B < F + B). Every stage holds 2P+1
+//! chunk activations at once, one more than ZBV. M >= 2P.
 
 use std::ops::Range;
 
@@ -109,13 +126,13 @@ pub enum Message {
 /// The shape of one step's pipeline: the schedule, P stages of v chunks each, M
 /// micro-batches. Model chunk `g` (0..P*v, in layer order) lives on stage g % P as its
 /// chunk g / P: consecutive chunks sit on consecutive stages, and the last stage's chunk
-/// hands on to the first stage's next one. In a V (ZBV, v = 2) chunk g < P lives on
-/// stage g and chunk g >= P on stage 2P-1-g ([`Pipeline::place_of`]).
+/// hands on to the first stage's next one. In a V (ZBV, DualPipeV, v = 2) chunk g < P
+/// lives on stage g and chunk g >= P on stage 2P-1-g ([`Pipeline::place_of`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pipeline {
     pub kind: PpSchedule,
     pub stages: usize,
-    /// Chunks of layers per stage (`parallel.virtual_stages` for interleaved, 2 for ZBV,
+    /// Chunks of layers per stage (`parallel.virtual_stages` for interleaved, 2 in a V,
     /// else 1).
     pub chunks: usize,
     pub micro_batches: usize,
@@ -130,7 +147,7 @@ impl Pipeline {
         let kind = if p.pp > 1 { p.pp_schedule } else { PpSchedule::OneFOneB };
         let chunks = match kind {
             PpSchedule::Interleaved => p.virtual_stages.max(1),
-            PpSchedule::Zbv => 2,
+            kind if kind.is_v() => 2,
             _ => 1,
         };
         Pipeline { kind, stages: p.pp.max(1), chunks, micro_batches: spec.pipeline_micro_batches() }
@@ -158,17 +175,18 @@ impl Pipeline {
     /// The model chunk that is `stage`'s chunk `chunk`: interleaved, stage + chunk * P; in a
     /// V, the first chunk down the stages and the second back up, 2P - 1 - stage.
     pub fn model_chunk(&self, stage: usize, chunk: usize) -> usize {
-        match (self.kind, chunk) {
-            (PpSchedule::Zbv, 1) => 2 * self.stages - 1 - stage,
+        match chunk {
+            1 if self.kind.is_v() => 2 * self.stages - 1 - stage,
             _ => chunk * self.stages + stage,
         }
     }
 
     /// The stage holding model chunk `g`, and which of its chunks it is.
     pub fn place_of(&self, g: usize) -> (usize, usize) {
-        match self.kind {
-            PpSchedule::Zbv if g >= self.stages => (2 * self.stages - 1 - g, 1),
-            _ => (g % self.stages, g / self.stages),
+        if self.kind.is_v() && g >= self.stages {
+            (2 * self.stages - 1 - g, 1)
+        } else {
+            (g % self.stages, g / self.stages)
         }
     }
 
@@ -226,6 +244,7 @@ impl Pipeline {
                 actions
             }
             PpSchedule::Zbv => zbv(self.stages, m, stage),
+            PpSchedule::DualPipeV => dualpipev(self.stages, m, stage),
         }
     }
 
@@ -279,11 +298,12 @@ impl Pipeline {
     /// ahead of the one it waits for (each link delivers in its sender's order, and the
     /// stage reads on only while it waits), and the V's turn handed from chunk to chunk on
     /// the last stage. Depends on the orders only, not on timing: 0 for every schedule but
-    /// ZBV (the others' links deliver in the order their receivers want: not followed).
+    /// the V's (the others' links deliver in the order their receivers want: not followed).
     pub fn held_early(&self, stage: usize) -> usize {
-        match self.kind {
-            PpSchedule::Zbv => self.follow_held_early(stage),
-            _ => 0,
+        if self.kind.is_v() {
+            self.follow_held_early(stage)
+        } else {
+            0
         }
     }
 
@@ -331,10 +351,10 @@ impl Pipeline {
     /// Whether the planner follows the schedule pass by pass to find its peaks (the
     /// others' are formulas).
     pub fn followed_pass_by_pass(&self) -> bool {
-        matches!(self.kind, PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv)
+        matches!(self.kind, PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv | PpSchedule::DualPipeV)
     }
 
-    /// Whether the backward runs as B and W (ZB-H1, ZBV).
+    /// Whether the backward runs as B and W (ZB-H1, ZBV, DualPipeV).
     pub fn splits_backward(&self) -> bool {
         self.kind.splits_backward()
     }
@@ -347,8 +367,10 @@ impl Pipeline {
         match self.kind {
             PpSchedule::Gpipe => m,
             PpSchedule::OneFOneB | PpSchedule::ZbH1 => last.min(m),
-            // (the forwards before its first B, in the order `zbv` gives)
-            PpSchedule::Zbv => self.actions(stage).iter().take_while(|a| a.is_forward()).count(),
+            // (the forwards before its first B, in the order `zbv` or `dualpipev` gives)
+            PpSchedule::Zbv | PpSchedule::DualPipeV => {
+                self.actions(stage).iter().take_while(|a| a.is_forward()).count()
+            }
             PpSchedule::Interleaved if m == p => m.saturating_mul(v),
             PpSchedule::Interleaved => (2 * last + (v - 1) * p).min(m.saturating_mul(v)),
         }
@@ -357,7 +379,7 @@ impl Pipeline {
     /// Chunk activations (one chunk's, of one micro-batch) `stage` holds at once: GPipe all
     /// M, the others one more than their warm-up (ZB-H1 keeps them until the W, s more).
     pub fn activations_in_flight(&self, stage: usize) -> usize {
-        if self.kind == PpSchedule::Zbv {
+        if self.kind.is_v() {
             // (a forward takes a chunk's activations, its W gives them back)
             let mut held = 0usize;
             return self
@@ -382,7 +404,8 @@ impl Pipeline {
     /// The bubble on equal stages, with free transfers: (P-1)/(M+P-1), or (P-1)/(v*M+P-1)
     /// interleaved (each stage's ramp is P-1 chunk passes, each 1/v of a stage's pass), or
     /// (P-1)/(3M+P-1) for ZB-H1 with F = B = W, or (P-1)/(6M+P-1) for ZBV with every chunk
-    /// pass as long (M >= 2P-1).
+    /// pass as long (M >= 2P-1), or (P-1)/(3M+P-1) for DualPipeV with its pairs run one pass
+    /// after the other (M >= 2P).
     pub fn formula_bubble(&self) -> f64 {
         let (p, v, m) = (self.stages.max(1) as f64, self.chunks.max(1) as f64, self.micro_batches.max(1) as f64);
         match self.kind {
@@ -390,6 +413,8 @@ impl Pipeline {
             PpSchedule::ZbH1 => (p - 1.0) / (3.0 * m + p - 1.0),
             // P-1 chunk passes idle against 2 chunks x 3 passes x M busy, F = B = W.
             PpSchedule::Zbv => (p - 1.0) / (6.0 * m + p - 1.0),
+            // (P-1)(F&B + B - 3W) idle with F&B = F + B and B = B + W: 2(P-1) chunk passes.
+            PpSchedule::DualPipeV => (p - 1.0) / (3.0 * m + p - 1.0),
             _ => (p - 1.0) / (v * m + p - 1.0),
         }
     }
@@ -400,6 +425,9 @@ impl Pipeline {
             PpSchedule::Interleaved => "(P-1)/(vM+P-1)",
             PpSchedule::ZbH1 => "(P-1)/(3M+P-1) (ZB-H1, F = B = W)",
             PpSchedule::Zbv => "(P-1)/(6M+P-1) (ZBV, F = B = W per chunk, M >= 2P-1)",
+            PpSchedule::DualPipeV => {
+                "(P-1)(F&B+B-3W): (P-1)/(3M+P-1) (DualPipeV, F&B = F+B, F = B = W per chunk, M >= 2P)"
+            }
             _ => "(P-1)/(M+P-1)",
         }
     }
@@ -454,6 +482,95 @@ fn zbv(p: usize, m: usize, s: usize) -> Vec<Action> {
     out.extend((w0..b0).map(|micro| w(micro, 0)));
     out.retain(|a| a.micro() < m);
     out
+}
+
+/// DualPipeV, stage `s` of `p`, `m` micro-batches; chunk 0 the V's way down, chunk 1 its
+/// way back. DeepSeek's `DualPipeV.step` in its eight phases (counts for stage s):
+/// 2(p-s-1) forwards down; s+1 pairs of forwards, down and back; p-s-1 of B back, W, a
+/// forward back; m-2p+s+1 of a forward down with a backward back and a forward back with
+/// a backward down; p-s-1 of a backward back, a forward back and a backward down; s+1 of
+/// a backward back and one down, the later half of them B only; p-s-1 of a W held back
+/// and a B down; the s+1 Ws still owed. A whole backward is its B then its W; the Ws held
+/// back run first in, first out. Built for max(m, 2p) micro-batches, the passes of those
+/// beyond m left out.
+fn dualpipev(p: usize, m: usize, s: usize) -> Vec<Action> {
+    let n = m.max(2 * p);
+    let mut run = DualPipeVStage::default();
+    for _ in 0..2 * (p - s - 1) {
+        run.forward(0);
+    }
+    for _ in 0..s + 1 {
+        run.forward(0);
+        run.forward(1);
+    }
+    for _ in 0..p - s - 1 {
+        run.backward(1, true);
+        run.weights();
+        run.forward(1);
+    }
+    for _ in 0..n + s + 1 - 2 * p {
+        run.forward(0);
+        run.backward(1, false);
+        run.forward(1);
+        run.backward(0, false);
+    }
+    for _ in 0..p - s - 1 {
+        run.backward(1, false);
+        run.forward(1);
+        run.backward(0, false);
+    }
+    // From the middle of these on the W waits (from the B back on odd stages, from the
+    // B down on even ones).
+    let pairs = s + 1;
+    let half = pairs / 2;
+    for i in 0..pairs {
+        run.backward(1, i > half || (i == half && s % 2 == 1));
+        run.backward(0, i >= half);
+    }
+    for _ in 0..p - s - 1 {
+        run.weights();
+        run.backward(0, true);
+    }
+    for _ in 0..s + 1 {
+        run.weights();
+    }
+    debug_assert!(run.owed.is_empty());
+    run.out.retain(|a| a.micro() < m);
+    run.out
+}
+
+/// What [`dualpipev`] has laid out so far: each chunk's next forward and backward, and the
+/// Ws held back in the order their Bs ran.
+#[derive(Default)]
+struct DualPipeVStage {
+    out: Vec<Action>,
+    forwards: [usize; 2],
+    backwards: [usize; 2],
+    owed: std::collections::VecDeque<Action>,
+}
+
+impl DualPipeVStage {
+    fn forward(&mut self, chunk: usize) {
+        self.out.push(Action::Forward { micro: self.forwards[chunk], chunk });
+        self.forwards[chunk] += 1;
+    }
+
+    /// A B, and its W at once unless `hold_weights`.
+    fn backward(&mut self, chunk: usize, hold_weights: bool) {
+        let micro = self.backwards[chunk];
+        self.out.push(Action::Backward { micro, chunk });
+        let w = Action::Weights { micro, chunk };
+        if hold_weights {
+            self.owed.push_back(w);
+        } else {
+            self.out.push(w);
+        }
+        self.backwards[chunk] += 1;
+    }
+
+    fn weights(&mut self) {
+        self.out.extend(self.owed.pop_front());
+    }
 }
 
 /// `warmup` forwards, then one forward and one backward while forwards remain, then the
@@ -549,13 +666,10 @@ mod tests {
             for s in 0..p {
                 while let Some(&action) = orders[s].get(next[s]) {
                     if let Some((from, wanted)) = pipe.needs(s, action) {
-                        // (ZBV: a link carries the V's activations and gradients interleaved;
+                        // (a V: a link carries its activations and gradients interleaved;
                         // the receiver keeps what comes early, `held_early`)
                         let Some(i) = channels[from][s].iter().position(|&m| m == wanted) else { break };
-                        assert!(
-                            i == 0 || pipe.kind == PpSchedule::Zbv,
-                            "{pipe:?} stage {s}: link from {from} out of order"
-                        );
+                        assert!(i == 0 || pipe.kind.is_v(), "{pipe:?} stage {s}: link from {from} out of order");
                         channels[from][s].remove(i);
                     }
                     if let Some((to, message)) = pipe.sends(s, action) {
@@ -566,7 +680,7 @@ mod tests {
                             held[s] += 1;
                             most[s] = most[s].max(held[s]);
                         }
-                        // (ZB-H1 and ZBV keep the activations for the W)
+                        // (ZB-H1 and the V's keep the activations for the W)
                         Backward { .. } => held[s] -= usize::from(!pipe.splits_backward()),
                         Weights { .. } => held[s] -= 1,
                     }
@@ -595,6 +709,7 @@ mod tests {
         }
         for p in 1..=4 {
             shapes.extend((1..=12).map(|m| pipe(PpSchedule::Zbv, p, 2, m)));
+            shapes.extend((2 * p..=12).map(|m| pipe(PpSchedule::DualPipeV, p, 2, m)));
         }
         shapes
     }
@@ -650,24 +765,27 @@ mod tests {
         assert!((pipe(PpSchedule::Interleaved, 4, 2, 8).formula_bubble() - 3.0 / 19.0).abs() < 1e-12);
     }
 
+    /// A V's passes at `stage` written as in the module's diagrams.
+    fn v_text(shape: Pipeline, stage: usize) -> String {
+        let names: Vec<String> = shape
+            .actions(stage)
+            .into_iter()
+            .map(|a| {
+                let pass = match a {
+                    Forward { .. } => 'F',
+                    Backward { .. } => 'B',
+                    Weights { .. } => 'W',
+                };
+                format!("{pass}{}{}", ['a', 'b'][a.chunk()], a.micro())
+            })
+            .collect();
+        names.join(" ")
+    }
+
     /// ZBV, P = 2, M = 4: PyTorch's ScheduleZBVZeroBubble order (the module's diagram).
     #[test]
     fn zbv_runs_pytorchs_order() {
-        let text = |s| {
-            let names: Vec<String> = pipe(PpSchedule::Zbv, 2, 2, 4)
-                .actions(s)
-                .into_iter()
-                .map(|a| {
-                    let pass = match a {
-                        Forward { .. } => 'F',
-                        Backward { .. } => 'B',
-                        Weights { .. } => 'W',
-                    };
-                    format!("{pass}{}{}", ['a', 'b'][a.chunk()], a.micro())
-                })
-                .collect();
-            names.join(" ")
-        };
+        let text = |s| v_text(pipe(PpSchedule::Zbv, 2, 2, 4), s);
         assert_eq!(
             text(0),
             "Fa0 Fa1 Fa2 Fb0 Bb0 Wb0 Fb1 Bb1 Wb1 Fa3 Ba0 Wa0 Fb2 Bb2 Wb2 Ba1 Wa1 Fb3 Bb3 Wb3 Ba2 Wa2 Ba3 Wa3"
@@ -683,6 +801,37 @@ mod tests {
         assert_eq!((v.messages_per_micro_batch(0), v.messages_per_micro_batch(1)), (2, 2));
     }
 
+    /// DualPipeV: the module's diagram (P = 2, M = 4), and stage 0 of DeepSeek's picture of
+    /// it (P = 4, M = 10: README of deepseek-ai/DualPipe), with its holdings.
+    #[test]
+    fn dualpipev_runs_deepseeks_order() {
+        let text = |s| v_text(pipe(PpSchedule::DualPipeV, 2, 2, 4), s);
+        assert_eq!(
+            text(0),
+            "Fa0 Fa1 Fa2 Fb0 Bb0 Wb0 Fb1 Fa3 Bb1 Wb1 Fb2 Ba0 Wa0 Bb2 Wb2 Fb3 Ba1 Wa1 Bb3 Wb3 Ba2 Wa2 Ba3 Wa3"
+        );
+        assert_eq!(
+            text(1),
+            "Fa0 Fb0 Fa1 Fb1 Fa2 Bb0 Wb0 Fb2 Ba0 Wa0 Fa3 Bb1 Wb1 Fb3 Ba1 Wa1 Bb2 Wb2 Ba2 Wa2 Bb3 Ba3 Wb3 Wa3"
+        );
+        let big = pipe(PpSchedule::DualPipeV, 4, 2, 10);
+        assert_eq!(
+            v_text(big, 0),
+            "Fa0 Fa1 Fa2 Fa3 Fa4 Fa5 Fa6 Fb0 Bb0 Wb0 Fb1 Bb1 Wb1 Fb2 Bb2 Wb2 Fb3 \
+             Fa7 Bb3 Wb3 Fb4 Ba0 Wa0 Fa8 Bb4 Wb4 Fb5 Ba1 Wa1 Fa9 Bb5 Wb5 Fb6 Ba2 Wa2 \
+             Bb6 Wb6 Fb7 Ba3 Wa3 Bb7 Wb7 Fb8 Ba4 Wa4 Bb8 Wb8 Fb9 Ba5 Wa5 \
+             Bb9 Wb9 Ba6 Wa6 Ba7 Wa7 Ba8 Wa8 Ba9 Wa9"
+        );
+        // The last stage turns the V with no warm-up down: F a, F b in pairs.
+        assert!(v_text(big, 3).starts_with("Fa0 Fb0 Fa1 Fb1 Fa2 Fb2 Fa3 Fb3 Fa4 Bb0 Wb0"));
+        // Every stage holds 2P+1 chunk activations at once (DeepSeek's PP+1 with PP = 2P
+        // chunk stages), one more than ZBV; the formula's bubble is ZB-H1's, twice ZBV's.
+        let zbv = pipe(PpSchedule::Zbv, 4, 2, 10);
+        assert!((0..4).all(|s| big.activations_in_flight(s) == 9 && zbv.activations_in_flight(s) == 8));
+        let m8 = pipe(PpSchedule::DualPipeV, 4, 2, 8);
+        assert!((m8.formula_bubble() - 3.0 / 27.0).abs() < 1e-12);
+    }
+
     /// Only ZBV's links deliver messages before they are wanted (and its last stage hands
     /// the V's turn to itself); the others' order on every link is the receiver's.
     #[test]
@@ -690,11 +839,11 @@ mod tests {
         for shape in shapes() {
             let early: Vec<usize> = (0..shape.stages).map(|s| shape.follow_held_early(s)).collect();
             match shape.kind {
-                PpSchedule::Zbv if shape.stages > 1 => {
+                kind if kind.is_v() && shape.stages > 1 => {
                     assert_eq!(early[0], 0, "{shape:?}: the first stage hears only from the second");
                     assert!(early[shape.stages - 1] >= 1, "{shape:?}: the turn of the V");
                 }
-                PpSchedule::Zbv => {}
+                kind if kind.is_v() => {}
                 _ => assert!(early.iter().all(|&e| e == 0), "{shape:?}: {early:?}"),
             }
         }

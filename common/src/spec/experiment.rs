@@ -459,6 +459,11 @@ pub enum PpSchedule {
     /// and 2P-1-s), backward split into B and W as in ZB-H1.
     #[serde(rename = "zbv")]
     Zbv,
+    /// DeepSeek's DualPipeV (DualPipe cut in half): the V of ZBV, run in DualPipe's order:
+    /// the forward of one micro-batch paired with the backward of another in the steady
+    /// state, the backward whole there and split into B and W at the ramps.
+    #[serde(rename = "dualpipev")]
+    DualPipeV,
 }
 
 impl PpSchedule {
@@ -470,11 +475,18 @@ impl PpSchedule {
             PpSchedule::Interleaved => "interleaved 1F1B",
             PpSchedule::ZbH1 => "ZB-H1",
             PpSchedule::Zbv => "ZBV",
+            PpSchedule::DualPipeV => "DualPipeV",
         }
     }
-    /// Whether its backward runs as B and W (ZB-H1, ZBV).
+    /// Whether its backward runs as B and W (ZB-H1, ZBV, DualPipeV).
     pub fn splits_backward(self) -> bool {
-        matches!(self, PpSchedule::ZbH1 | PpSchedule::Zbv)
+        matches!(self, PpSchedule::ZbH1 | PpSchedule::Zbv | PpSchedule::DualPipeV)
+    }
+
+    /// Whether it lays two chunks per stage out in a V (ZBV, DualPipeV): stage s holds
+    /// model chunks s and 2P-1-s.
+    pub fn is_v(self) -> bool {
+        matches!(self, PpSchedule::Zbv | PpSchedule::DualPipeV)
     }
 
     /// Its name in a spec's JSON.
@@ -485,6 +497,7 @@ impl PpSchedule {
             PpSchedule::Interleaved => "interleaved",
             PpSchedule::ZbH1 => "zb-h1",
             PpSchedule::Zbv => "zbv",
+            PpSchedule::DualPipeV => "dualpipev",
         }
     }
 }

@@ -85,6 +85,11 @@ pub fn presets() -> Vec<Preset> {
     let mut zbv = ExperimentSpec { name: "pipeline-zbv".into(), ..pipeline.clone() };
     zbv.model = ModelSpec::dense(8, 64, 4, 32, 64);
     zbv.parallel.pp_schedule = PpSchedule::Zbv;
+    let dualpipev = ExperimentSpec {
+        name: "pipeline-dualpipev".into(),
+        parallel: ParallelSpec { pp_schedule: PpSchedule::DualPipeV, ..zbv.parallel.clone() },
+        ..zbv.clone()
+    };
 
     let mut megatron = ExperimentSpec { name: "megatron-tp2".into(), ..ExperimentSpec::default() };
     megatron.model = ModelSpec::dense(2, 128, 4, 64, 64);
@@ -260,6 +265,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Zero-bubble V (4 stages, 8 micro-batches)",
             description: "8 blocks cut into 8 chunks laid out in a V over 4 stages: stage s runs chunk s on the way down and chunk 7-s on the way back, so stage 0 holds the embeddings and the head and stage 3 hands its first chunk's output to its own second. Each backward is split into B and W as in ZB-H1. Resubmit it with pp_schedule \"zb-h1\" and compare the pipeline pages: the same blocks, the replayed bubble about half, the activation peaks of each stage the planner's.",
             spec: zbv,
+        },
+        Preset {
+            key: "dualpipev",
+            title: "DualPipeV (4 stages, 8 micro-batches)",
+            description: "The zbv preset's V (8 blocks in 8 chunks over 4 stages) run in DeepSeek's DualPipeV order: forwards down to fill the V, then each forward paired with another micro-batch's backward, the backward whole in the steady state and split into B and W only at the ends. Resubmit it with pp_schedule \"zbv\" and compare the pipeline pages and memory: run one pass after the other, the pairs idle about as ZBV does, under DeepSeek's (P-1)(F&B+B-3W); every stage holds one chunk's activations more (2P+1 against 2P) but fewer Bs waiting for their W, so the stages' peaks are even where ZBV's last stage peaks highest, as the planner says.",
+            spec: dualpipev,
         },
         Preset {
             key: "diloco",

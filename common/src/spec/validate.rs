@@ -560,7 +560,7 @@ impl ExperimentSpec {
         if p.pp_schedule.splits_backward() {
             self.check_zero_bubble(err);
         }
-        if p.pp_schedule == PpSchedule::Zbv {
+        if p.pp_schedule.is_v() {
             self.check_v(err);
         }
         if p.pp_schedule != PpSchedule::Interleaved {
@@ -833,27 +833,32 @@ impl ExperimentSpec {
         }
     }
 
-    /// `pp_schedule: zbv`: the layers cut into 2P chunks laid out in a V, and enough
-    /// micro-batches to fill it.
+    /// `pp_schedule: zbv | dualpipev`: the layers cut into 2P chunks laid out in a V, and
+    /// enough micro-batches to fill it (DualPipeV's steady state pairs a forward down with
+    /// a backward back from the start: 2P).
     fn check_v(&self, err: &mut impl FnMut(&str, String)) {
         let p = &self.parallel;
+        let schedule = p.pp_schedule.as_str();
         let (chunks, layers) = (p.pp.saturating_mul(2), self.model.layers);
         if chunks >= 2 && layers % chunks != 0 {
             err(
                 "parallel.pp_schedule",
                 format!(
-                    "pp_schedule=zbv cuts the layers into 2 * pp = {chunks} equal chunks, two per stage in a V: \
-                     layers={layers} must be a multiple of {chunks}"
+                    "pp_schedule={schedule} cuts the layers into 2 * pp = {chunks} equal chunks, two per stage in \
+                     a V: layers={layers} must be a multiple of {chunks}"
                 ),
             );
         }
         let micro = self.pipeline_micro_batches();
-        let fill = chunks.saturating_sub(1);
+        let (fill, formula) = match p.pp_schedule {
+            PpSchedule::DualPipeV => (chunks, "2 * pp"),
+            _ => (chunks.saturating_sub(1), "2 * pp - 1"),
+        };
         if micro < fill {
             err(
                 "train.micro_batches",
                 format!(
-                    "pp_schedule=zbv fills its V with 2 * pp - 1 = {fill} micro-batches: micro_batches * \
+                    "pp_schedule={schedule} fills its V with {formula} = {fill} micro-batches: micro_batches * \
                      grad_accum = {micro} is fewer"
                 ),
             );
@@ -1256,6 +1261,10 @@ mod tests {
                     ("train.micro_batches", "zbv fills its V with 2 * pp - 1 = 3 micro-batches"),
                     ("parallel.sharding", "pp_schedule=zbv: sharding=zero2 reduce-scatters"),
                 ],
+            ),
+            (
+                json!({"model": {"layers": 8}, "parallel": {"pp": 2, "pp_schedule": "dualpipev"}, "train": {"micro_batches": 3}}),
+                vec![("train.micro_batches", "dualpipev fills its V with 2 * pp = 4 micro-batches: micro_batches * grad_accum = 3")],
             ),
             (
                 json!({"parallel": {"sync": "diloco", "sharding": "zero1", "outer_steps_every": 0, "outer_momentum": 1.0}, "train": {"precision": "bf16"}}),

@@ -12,7 +12,7 @@ use crate::ExperimentSpec;
 /// of the flashcard deck the lab teaches from; the rest are the subjects of its chapter,
 /// notes and quiz that deck has no card for (`cards/coverage.json` maps every section of
 /// those texts to the cards that teach it).
-pub const TOPICS: u32 = 149;
+pub const TOPICS: u32 = 150;
 /// The flashcard deck's own topics.
 pub const DECK_TOPICS: u32 = 89;
 
@@ -201,6 +201,11 @@ pub enum ClaimCheck {
     /// ZBV's step, replayed with a core per stage, idles less than ZB-H1's on the same
     /// model, and every stage's activation peak under each is the planner's.
     ZbvBubble,
+    /// DualPipeV's step, replayed with a core per stage, idles less than 1F1B's formula
+    /// says, and its highest stage holds less than ZBV's on the same V, every stage's peak
+    /// in both runs the planner's.
+    #[serde(rename = "dualpipev_against_zbv")]
+    DualPipeVAgainstZbv,
     /// DiLoCo's all-reduces of the parameter changes every H steps carry 1/H of DDP's
     /// gradient all-reduces per step, both the planner's; the two runs' losses side by side.
     DilocoBytes,
@@ -351,14 +356,14 @@ mod tests {
     fn a_broken_deck_lists_every_problem() {
         let deck = r#"[
             {"id": "a", "topic": 1, "title": "t", "question": "q", "answer": "a", "demo": {"kind": "preset", "preset": "nope"}},
-            {"id": "a", "topic": 150, "title": "t", "question": "q", "answer": " ", "demo": {"kind": "planner", "spec": {"parallel": {"dp": 0}}}},
+            {"id": "a", "topic": 999, "title": "t", "question": "q", "answer": " ", "demo": {"kind": "planner", "spec": {"parallel": {"dp": 0}}}},
             {"id": "b", "topic": 3, "title": "t", "question": "q", "answer": "a", "demo": {"kind": "preset", "preset": "tiny"},
              "claim": {"text": "c", "check": "allreduce_bytes", "readings": [{"source": "the chapter", "says": "x"}]}}
         ]"#;
         let problems = load_deck(deck).unwrap_err();
         let all = problems.join("\n");
         for expected in
-            ["no preset \"nope\"", "used twice", "topic 150", "empty", "planner", "topic 2 has no card", "one reading"]
+            ["no preset \"nope\"", "used twice", "topic 999", "empty", "planner", "topic 2 has no card", "one reading"]
         {
             assert!(all.contains(expected), "{expected}: {all}");
         }

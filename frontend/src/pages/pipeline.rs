@@ -38,6 +38,9 @@ fn schedule_name(spec: &distlab_common::ExperimentSpec) -> String {
         PpSchedule::Interleaved => format!("interleaved 1F1B, v = {}", spec.parallel.virtual_stages),
         PpSchedule::ZbH1 => "ZB-H1 (backward split into B and W)".into(),
         PpSchedule::Zbv => "ZBV (2P chunks in a V, backward split into B and W)".into(),
+        PpSchedule::DualPipeV => {
+            "DualPipeV (ZBV's V in DeepSeek's order: a forward paired with another micro-batch's backward)".into()
+        }
         schedule => schedule.title().into(),
     }
 }
@@ -51,6 +54,10 @@ fn formula_text(pipe: &PipelineShape) -> String {
         PpSchedule::ZbH1 => format!("(P-1)(F+B-W)/(M(F+B+W)+(P-1)(F+B-W)), with F = B = W: ({p}-1)/(3·{m}+{p}-1) = "),
         // P-1 chunk passes idle against 2 chunks x 3 passes x M busy.
         PpSchedule::Zbv => format!("with F = B = W per chunk pass, (P-1)/(6M+P-1) = ({p}-1)/(6·{m}+{p}-1) = "),
+        // DeepSeek's (P-1)(F&B+B-3W) idle, B a whole backward: a pair counted as one block.
+        PpSchedule::DualPipeV => {
+            format!("(P-1)(F&B+B-3W) with F&B = F+B and F = B = W per chunk pass: ({p}-1)/(3·{m}+{p}-1) = ")
+        }
         _ => format!("(P-1)/(M+P-1) = ({p}-1)/({m}+{p}-1) = "),
     }
 }
@@ -114,8 +121,9 @@ fn Pipeline(id: i64) -> impl IntoView {
             <p class="muted small">
                 "One row per pipeline stage: a box for the forward (F) and the backward (B) of every micro-batch, numbered by micro-batch "
                 "(interleaved: and lettered by the stage's chunk of layers, a, b, ..., every other chunk lighter; "
-                "ZB-H1 and ZBV: the backward split into B, the input's gradient, and W, the weights' gradient, which waits for a bubble; "
-                "ZBV: chunk a on the way down the V, b on the way back, stage 0 holding the embeddings and the head); "
+                "ZB-H1, ZBV and DualPipeV: the backward split into B, the input's gradient, and W, the weights' gradient, which waits for a bubble "
+                "(DualPipeV's only at the ends, its steady state running each W right after its B); "
+                "ZBV and DualPipeV: chunk a on the way down the V, b on the way back, stage 0 holding the embeddings and the head); "
                 "hatched boxes are waits for a neighbouring stage. The bubble is the share of the step a stage sat idle: "
                 "1 - busy / window, where the window runs from the earliest forward to the latest backward over all stages."
             </p>
@@ -129,7 +137,7 @@ fn Pipeline(id: i64) -> impl IntoView {
                 <span class="legend">
                     <span class="legend-item"><span class="swatch span-forward"></span>"forward"</span>
                     <span class="legend-item"><span class="swatch span-backward"></span>"backward"</span>
-                    <span class="legend-item"><span class="swatch span-weights"></span>"weights (W: ZB-H1, ZBV)"</span>
+                    <span class="legend-item"><span class="swatch span-weights"></span>"weights (W: ZB-H1, ZBV, DualPipeV)"</span>
                     <span class="legend-item"><span class="swatch pp-idle"></span>"wait for a neighbour"</span>
                 </span>
                 <label for="pipeline-compare">" compare with "</label>

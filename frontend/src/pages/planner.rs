@@ -155,7 +155,7 @@ pub fn PlannerPage() -> impl IntoView {
                     {number(spec, "cp", |s| s.parallel.cp, |s, v| s.parallel.cp = v)}
                     {choice(spec, "sharding", &["none", "zero1", "zero2", "fsdp", "hsdp"], |s| s.parallel.sharding.as_str().to_string(),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.sharding = x })}
-                    {choice(spec, "pp_schedule", &["1f1b", "gpipe", "interleaved", "zb-h1", "zbv"], |s| json_str(&s.parallel.pp_schedule),
+                    {choice(spec, "pp_schedule", &["1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"], |s| json_str(&s.parallel.pp_schedule),
                         |s, v| if let Ok(x) = serde_json::from_value(json!(v)) { s.parallel.pp_schedule = x })}
                     {number(spec, "virtual_stages", |s| s.parallel.virtual_stages, |s, v| s.parallel.virtual_stages = v)}
                     {number(spec, "bucket_mib", |s| (s.parallel.bucket_bytes >> 20) as usize,

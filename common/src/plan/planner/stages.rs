@@ -158,7 +158,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let offloaded_per_chunk: Vec<u64> = chunks.iter().map(|c| u(c.len()).saturating_mul(offloaded_block)).collect();
         let recompute_peak =
             chunks.iter().map(|c| checkpointed(u(c.len()), t.checkpointing, res_d, layer).1).max().unwrap_or(0);
-        // ZB-H1's and ZBV's B leaves each block of its chunk four output gradients for the
+        // ZB-H1's, ZBV's and DualPipeV's B leaves each block of its chunk four output gradients for the
         // W (the weight gradients' other operands are activations the W keeps anyway).
         let stash: Vec<u64> = chunks
             .iter()
@@ -167,7 +167,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let held_at_peak = |per_chunk: &[u64]| match pipe.kind {
             // (the sets are alike: no need to follow the order pass by pass)
             PpSchedule::Gpipe | PpSchedule::OneFOneB => in_flight.saturating_mul(per_chunk[0]),
-            PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv => {
+            PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv | PpSchedule::DualPipeV => {
                 peak_held(&pipe.actions(s), per_chunk, &stash)
             }
         };

@@ -125,6 +125,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::Fp8DelayedScaling => "fp8",
         ClaimCheck::Fp8AllGather => "fp8-all-gather",
         ClaimCheck::ZbvBubble => "zbv",
+        ClaimCheck::DualPipeVAgainstZbv => "dualpipev",
         ClaimCheck::DilocoBytes => "diloco",
         ClaimCheck::LambLargeBatch => "lamb-large-batch",
         ClaimCheck::HsdpAcrossGroups => "hsdp",
@@ -171,6 +172,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
         ClaimCheck::Fp8DelayedScaling => twin.train.fp8 = crate::Fp8Recipe::None,
         ClaimCheck::Fp8AllGather => twin.parallel.fp8_all_gather = false,
         ClaimCheck::ZbvBubble => twin.parallel.pp_schedule = crate::PpSchedule::ZbH1,
+        ClaimCheck::DualPipeVAgainstZbv => twin.parallel.pp_schedule = crate::PpSchedule::Zbv,
         ClaimCheck::DilocoBytes => {
             twin.parallel.sync = crate::DataSync::EveryStep;
             // (the outer step's settings mean nothing to DDP)
@@ -223,6 +225,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::ExpertCapacity => experts::capacity(run, partner),
         ClaimCheck::BubbleFraction => timeline::bubble_fraction(input),
         ClaimCheck::ZbvBubble => timeline::zbv_bubble(input),
+        ClaimCheck::DualPipeVAgainstZbv => timeline::dualpipev_against_zbv(input),
         ClaimCheck::CheckpointingRecomputeTime => timeline::checkpointing_recompute_time(input),
         ClaimCheck::DdpEqualsOneRank => losses::ddp_equals_one_rank(input),
         ClaimCheck::LossScalingUnderflow => losses::loss_scaling_underflow(input),
@@ -332,6 +335,7 @@ mod tests {
             ClaimCheck::Fp8DelayedScaling,
             ClaimCheck::Fp8AllGather,
             ClaimCheck::ZbvBubble,
+            ClaimCheck::DualPipeVAgainstZbv,
             ClaimCheck::DilocoBytes,
             ClaimCheck::LambLargeBatch,
             ClaimCheck::HsdpAcrossGroups,

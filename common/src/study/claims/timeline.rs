@@ -1,6 +1,6 @@
 //! Claims read from the timeline of a run's passes: the pipeline bubble (the step replayed
-//! with a core per stage), ZBV's against ZB-H1's, and the time activation checkpointing's
-//! recompute takes.
+//! with a core per stage), ZBV's against ZB-H1's, DualPipeV's against ZBV's, and the time
+//! activation checkpointing's recompute takes.
 
 use super::memory::stage_activation_peaks;
 use super::{checkpointing_name, ms, Inputs, Measurement, RunEvidence};
@@ -74,19 +74,8 @@ pub(super) fn zbv_bubble(input: &Inputs) -> Result<Measurement, String> {
     let zb_h1 = input
         .partner
         .ok_or("no finished run of the same config with pp_schedule zb-h1 yet (resubmit the preset with zb-h1)")?;
-    // (replayed bubble, measured and planned activation peaks per stage)
-    let read = |r: &RunEvidence| -> Result<(f64, Vec<u64>, Vec<u64>), String> {
-        let spec = &r.view.spec;
-        let step =
-            default_step(&recorded_steps(r.ranks)).ok_or_else(|| format!("run {} recorded no timeline", r.view.id))?;
-        let (_, replayed) = replay_with_a_core_per_stage(spec, r.ranks, step)
-            .ok_or_else(|| format!("run {}'s timeline has a stage without a forward or a backward", r.view.id))?;
-        let plan = planner::plan(spec).map_err(|_| format!("the planner cannot plan run {}", r.view.id))?;
-        let planned = plan.stages.iter().map(|s| s.memory.activations).collect();
-        Ok((replayed.overall, stage_activation_peaks(r)?, planned))
-    };
-    let ((ours, ours_peaks, ours_planned), (theirs, theirs_peaks, theirs_planned)) = (read(input.run)?, read(zb_h1)?);
-    let kib = |v: &[u64]| v.iter().map(|b| format!("{}", b / 1024)).collect::<Vec<_>>().join(", ");
+    let ((ours, ours_peaks, ours_planned), (theirs, theirs_peaks, theirs_planned)) =
+        (replayed_bubble_and_peaks(input.run)?, replayed_bubble_and_peaks(zb_h1)?);
     let (v, h) = (Pipeline::of(input.spec), Pipeline::of(&zb_h1.view.spec));
     Ok(input.m(
         format!(
@@ -112,6 +101,67 @@ pub(super) fn zbv_bubble(input: &Inputs) -> Result<Measurement, String> {
             && ours_peaks == ours_planned
             && theirs_peaks == theirs_planned,
     ))
+}
+
+/// DualPipeV's step replayed with a core per stage against the same V's under ZBV (the
+/// partner): it idles less than 1F1B's formula says; every stage holds one chunk's
+/// activations more than under ZBV but fewer backwards' outputs waiting for their W, and
+/// its highest stage holds less than ZBV's (whose last stage ends on a row of Bs); every
+/// peak the planner's.
+pub(super) fn dualpipev_against_zbv(input: &Inputs) -> Result<Measurement, String> {
+    let zbv = input
+        .partner
+        .ok_or("no finished run of the same config with pp_schedule zbv yet (resubmit the preset with zbv)")?;
+    let ((ours, ours_peaks, ours_planned), (theirs, theirs_peaks, theirs_planned)) =
+        (replayed_bubble_and_peaks(input.run)?, replayed_bubble_and_peaks(zbv)?);
+    let (d, v) = (Pipeline::of(input.spec), Pipeline::of(&zbv.view.spec));
+    let one_f_one_b = Pipeline { kind: PpSchedule::OneFOneB, chunks: 1, ..d }.formula_bubble();
+    Ok(input.m(
+        format!(
+            "DeepSeek's {} = {:.1}%, counting a pair as one block; ZBV's {:.1}%; 1F1B's {:.1}%. Every stage holds \
+             2P+1 chunk activations against ZBV's 2P, and at most s+1 Bs waiting for their W against ZBV's up \
+             to 2P-1 on its last stage: planned peaks {} KiB (ZBV: {} KiB)",
+            d.formula_name(),
+            100.0 * d.formula_bubble(),
+            100.0 * v.formula_bubble(),
+            100.0 * one_f_one_b,
+            kib(&ours_planned),
+            kib(&theirs_planned)
+        ),
+        format!(
+            "replayed with a core per stage from the runs' own passes: {:.1}% against ZBV's {:.1}% (run {}); \
+             peaks {} KiB and {} KiB",
+            100.0 * ours,
+            100.0 * theirs,
+            zbv.view.id,
+            kib(&ours_peaks),
+            kib(&theirs_peaks)
+        ),
+        input.spec.parallel.pp_schedule == PpSchedule::DualPipeV
+            && zbv.view.spec.parallel.pp_schedule == PpSchedule::Zbv
+            && ours < one_f_one_b
+            && ours_peaks == ours_planned
+            && theirs_peaks == theirs_planned
+            && ours_planned.iter().max() < theirs_planned.iter().max(),
+    ))
+}
+
+/// A pipelined run's step replayed with a core per stage, and each stage's activation peak
+/// measured and planned.
+fn replayed_bubble_and_peaks(r: &RunEvidence) -> Result<(f64, Vec<u64>, Vec<u64>), String> {
+    let spec = &r.view.spec;
+    let step =
+        default_step(&recorded_steps(r.ranks)).ok_or_else(|| format!("run {} recorded no timeline", r.view.id))?;
+    let (_, replayed) = replay_with_a_core_per_stage(spec, r.ranks, step)
+        .ok_or_else(|| format!("run {}'s timeline has a stage without a forward or a backward", r.view.id))?;
+    let plan = planner::plan(spec).map_err(|_| format!("the planner cannot plan run {}", r.view.id))?;
+    let planned = plan.stages.iter().map(|s| s.memory.activations).collect();
+    Ok((replayed.overall, stage_activation_peaks(r)?, planned))
+}
+
+/// Bytes as KiB, listed.
+fn kib(v: &[u64]) -> String {
+    v.iter().map(|b| format!("{}", b / 1024)).collect::<Vec<_>>().join(", ")
 }
 
 /// Rank 0's time recomputing forwards against its forward and backward, set against the planner's FLOPs.

@@ -174,7 +174,7 @@ const SECTIONS: &[SectionDef] = &[
             f("parallel.shard_group", Kind::Int, "hsdp: ranks per shard group (0 = ranks_per_node)"),
             f(
                 "parallel.pp_schedule",
-                Kind::Choice(&["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]),
+                Kind::Choice(&["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]),
                 "order of micro-batches in the pipeline",
             ),
             f(
