@@ -32,7 +32,7 @@ type Layout = fn(&mut ExperimentSpec);
 
 /// One rank, every strategy of the CPU's equivalence tests, and the techniques that change
 /// what runs on the GPU.
-const LAYOUTS: [(&str, Layout); 36] = [
+const LAYOUTS: [(&str, Layout); 37] = [
     ("one rank", |_| {}),
     ("ddp", |s| s.parallel.dp = 2),
     ("zero1", |s| (s.parallel.dp, s.parallel.sharding) = (2, Sharding::Zero1)),
@@ -53,6 +53,12 @@ const LAYOUTS: [(&str, Layout); 36] = [
     ("pp2 zbv", |s| {
         (s.parallel.pp, s.parallel.pp_schedule, s.train.micro_batches) = (2, PpSchedule::Zbv, 4);
         s.model.layers = 4;
+    }),
+    // (DualPipeV's whole and split backwards; each unit's gradient waiting for its W)
+    ("dp2 x pp2 dualpipev zero2", |s| {
+        (s.parallel.dp, s.parallel.pp, s.parallel.pp_schedule, s.parallel.sharding) =
+            (2, 2, PpSchedule::DualPipeV, Sharding::Zero2);
+        (s.train.micro_batches, s.model.layers) = (4, 4);
     }),
     ("dp2 x tp2 x pp2 fsdp", |s| {
         (s.parallel.dp, s.parallel.tp, s.parallel.pp, s.parallel.sharding) = (2, 2, 2, Sharding::Fsdp)

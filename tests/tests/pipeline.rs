@@ -96,6 +96,55 @@ fn zero_bubble_trains_like_one_rank_with_dp_and_tp() {
     }
 }
 
+/// ZeRO-2 and FSDP under the split backwards (ZB-H1, ZBV, DualPipeV): a unit's gradient
+/// waits from its B to its W before it is reduce-scattered. The losses are one rank's; the
+/// gradient shards and parameters every rank holds are the planner's, and so are its
+/// communication buffers (the waiting gradients among them), up to the copies queued for
+/// sending, which the planner leaves out (at most M activations each way), and in a V the
+/// messages held early, whose peak the planner adds to the waiting gradients' though the
+/// two need not meet.
+#[test]
+fn split_backwards_train_like_one_rank_with_sharded_gradients() {
+    let _serial = one_at_a_time();
+    let mut single = spec("one rank", 1, PpSchedule::OneFOneB, 4);
+    single.train.micro_batch = 4;
+    let single = run_steps(&single);
+    for schedule in [PpSchedule::ZbH1, PpSchedule::Zbv, PpSchedule::DualPipeV] {
+        for sharding in [Sharding::Zero2, Sharding::Fsdp] {
+            let what = format!("dp2 x {} pp2 {sharding:?}", schedule.as_str());
+            let mut s = spec(&what, 2, schedule, 4);
+            (s.parallel.dp, s.parallel.sharding) = (2, sharding);
+            let (points, trace) = run_points_with_trace(&s);
+            assert_same_training(&single, &points, &what);
+            let predicted = plan(&s).unwrap();
+            // (one activation message: micro-batch x seq x d_model, fp32)
+            let message = (s.train.micro_batch * s.model.seq_len * s.model.d_model * 4) as u64;
+            let queued = 2 * s.train.micro_batches as u64 * message;
+            let pipe = distlab_common::schedule::Pipeline::of(&s);
+            for r in &trace.ranks {
+                let measured = &r.memory.as_ref().unwrap().peak;
+                let stage_index = s.stage_of(r.rank as usize);
+                let stage = &predicted.stages[stage_index].memory;
+                let early = pipe.held_early(stage_index) as u64 * message;
+                println!(
+                    "{what} rank {}: communication buffers {} B, the planner's {} B",
+                    r.rank, measured.comm_buffers, stage.comm_buffers
+                );
+                assert_eq!(measured.gradients, stage.gradients, "{what} rank {}", r.rank);
+                assert_eq!(measured.parameters, stage.parameters, "{what} rank {}", r.rank);
+                assert!(
+                    (stage.comm_buffers - early..=stage.comm_buffers + queued).contains(&measured.comm_buffers),
+                    "{what} rank {}: communication buffers {} against the planner's {} (- {early} held early, + at \
+                     most {queued} queued)",
+                    r.rank,
+                    measured.comm_buffers,
+                    stage.comm_buffers
+                );
+            }
+        }
+    }
+}
+
 /// ZBV: 2P chunks in a V, the first stage holding the embeddings and the head, the last
 /// handing its first chunk's output to its second; the losses are one rank's, alone and
 /// with dp and tp.

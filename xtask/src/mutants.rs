@@ -155,6 +155,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-common", "schedule"],
     },
     Mutant {
+        name: "ZeRO-2/FSDP under a split backward drops what a unit's B wrote instead of keeping it for the W",
+        file: "gpu-worker/src/parallel/sharded.rs",
+        find: "self.waiting_for_weights.push((unit, grads));",
+        replace: "drop(grads);",
+        tests: &["-p", "distlab-tests", "--test", "pipeline", "split_backwards_train_like_one_rank"],
+    },
+    Mutant {
         name: "DualPipeV runs the Ws it held back newest first, not in the order of their Bs",
         file: "common/src/plan/schedule.rs",
         find: "self.out.extend(self.owed.pop_front());",

@@ -874,16 +874,6 @@ impl ExperimentSpec {
         if p.pp < 2 {
             refuse("parallel.pp_schedule", format!("fills a pipeline's bubbles; it needs pp >= 2 (it is {})", p.pp));
         }
-        if p.sharding.shards_grads() {
-            refuse(
-                "parallel.sharding",
-                format!(
-                    "sharding={} reduce-scatters each unit's gradient when its backward ends, before the W that \
-                     completes it: use none or zero1",
-                    p.sharding.as_str()
-                ),
-            );
-        }
         if p.splits_sequence() {
             refuse(
                 "parallel.sequence_parallel",
@@ -1250,7 +1240,6 @@ mod tests {
                 json!({"train": {"checkpointing": "every"}, "parallel": {"dp": 2, "pp_schedule": "zb-h1", "sharding": "fsdp"}}),
                 vec![
                     ("parallel.pp_schedule", "zb-h1: fills a pipeline's bubbles; it needs pp >= 2"),
-                    ("parallel.sharding", "sharding=fsdp reduce-scatters"),
                     ("train.checkpointing", "use checkpointing=none"),
                 ],
             ),
@@ -1259,7 +1248,6 @@ mod tests {
                 vec![
                     ("parallel.pp_schedule", "zbv cuts the layers into 2 * pp = 4 equal chunks"),
                     ("train.micro_batches", "zbv fills its V with 2 * pp - 1 = 3 micro-batches"),
-                    ("parallel.sharding", "pp_schedule=zbv: sharding=zero2 reduce-scatters"),
                 ],
             ),
             (

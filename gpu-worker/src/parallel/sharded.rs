@@ -14,6 +14,13 @@
 //! as in ZeRO-2. Memory: shard + one gathered unit, instead of the whole model; price: the
 //! gathers, 1.5x DDP's communication volume.
 //!
+//! Under a schedule that splits the backward (ZB-H1, ZBV, DualPipeV) a unit's gradient is
+//! complete only at its W: its B (the LayerNorms' gradients) leaves the unit's buffer
+//! waiting, the W adds the weights' and reduce-scatters it. A B of a later micro-batch
+//! that comes first adds into the waiting buffer, and that W sends both: the sum is the
+//! same. So between a chunk's B and its W the whole chunk's gradient waits, the price of
+//! sharding gradients under those schedules.
+//!
 //! Both run their collectives on the training thread, so the gathers and reduce-scatters
 //! appear on the timeline between the compute spans, and the compute waits for each.
 //! FSDP with `parallel.prefetch` gathers the unit the model opens next on a communication
@@ -73,6 +80,8 @@ pub struct Sharded<B: TrainBackend> {
     fp8_gather: Option<Fp8Recipe>,
     /// The open unit's gradient, before it is reduce-scattered.
     unit_grads: Option<Temporary<B::Buf>>,
+    /// Units whose B ran and whose W has not: their gradients so far.
+    waiting_for_weights: Vec<(Unit, Temporary<B::Buf>)>,
     optimizer: Optimizer<B>,
     /// The ranks a unit is cut over: the data-parallel group, or HSDP's shard group.
     comm: Box<dyn Communicator>,
@@ -149,6 +158,7 @@ impl<B: TrainBackend> Sharded<B> {
             wire,
             fp8_gather: (fsdp && spec.parallel.fp8_all_gather).then_some(spec.train.fp8),
             unit_grads: None,
+            waiting_for_weights: Vec::new(),
             optimizer,
             comm,
             scalars,
@@ -323,7 +333,11 @@ impl<B: TrainBackend> Sharded<B> {
             self.start_prefetch(be, next);
         }
         if backward {
-            self.unit_grads = Some(self.temporary(be, Category::CommBuffers, global.len()));
+            let waiting = self.waiting_for_weights.iter().position(|(u, _)| *u == unit);
+            self.unit_grads = Some(match waiting {
+                Some(i) => self.waiting_for_weights.swap_remove(i).1,
+                None => self.temporary(be, Category::CommBuffers, global.len()),
+            });
         }
         let params = match (want_params, &self.gathered) {
             (false, _) => None,
@@ -360,6 +374,8 @@ impl<B: TrainBackend> ModelState<B> for Sharded<B> {
         self.gathered = None;
         if pass.completes_grads() {
             self.reduce_scatter(be, unit)?;
+        } else if let Some(grads) = self.unit_grads.take().filter(|_| pass == Pass::BackwardInput) {
+            self.waiting_for_weights.push((unit, grads));
         }
         Ok(())
     }
@@ -378,6 +394,7 @@ impl<B: TrainBackend> Strategy<B> for Sharded<B> {
 
     fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
         self.settle_prefetch()?;
+        debug_assert!(self.waiting_for_weights.is_empty(), "every B's unit met its W before the step's end");
         // HSDP: each unit's shard summed with its replicas' (every group's data).
         if let Some(replicas) = self.replicas.as_mut() {
             if self.record {

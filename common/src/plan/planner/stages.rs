@@ -15,9 +15,37 @@ use super::{Plan, RankMemory, StagePlan};
 use crate::plan::compression::{self, Compressor};
 use crate::plan::fp8_gather;
 use crate::plan::ring::ring_all_reduce_bytes;
-use crate::plan::schedule::Pipeline;
+use crate::plan::schedule::{Action, Pipeline};
 use crate::spec::field_error::FieldError;
 use crate::spec::{BackendKind, DataSync, ExperimentSpec, Fp8Recipe, GradCompression, Offload, PpSchedule, Sharding};
+
+/// ZeRO-2/FSDP under a split backward: the most gradient elements waiting for their W at
+/// once on `stage` (`parallel/sharded.rs`): a chunk's units from its B to its next W, the
+/// embeddings' own buffer on top at the end of the B of the model's first chunk.
+/// `chunk_units`: the elements of each chunk's units (its blocks, and the head where it
+/// ends the model).
+fn waiting_for_weights(pipe: &Pipeline, stage: usize, chunk_units: &[u64], embeddings: u64) -> u64 {
+    let mut waiting = vec![false; pipe.chunks];
+    let mut most = 0u64;
+    for action in pipe.actions(stage) {
+        let c = action.chunk();
+        let others: u64 = (0..pipe.chunks).filter(|&o| o != c && waiting[o]).map(|o| chunk_units[o]).sum();
+        let held = match action {
+            Action::Forward { .. } => continue,
+            Action::Backward { .. } => {
+                waiting[c] = true;
+                let first = pipe.model_chunk(stage, c) == 0;
+                chunk_units[c].saturating_add(if first { embeddings } else { 0 })
+            }
+            Action::Weights { .. } => {
+                waiting[c] = false;
+                chunk_units[c]
+            }
+        };
+        most = most.max(others.saturating_add(held));
+    }
+    most
+}
 
 /// The most parameters two units opened one after the other hold: a block and the
 /// embeddings, two blocks, or a block and the head (`units`: (block size, blocks),
@@ -115,7 +143,8 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // What waits for a collective: DDP and ZeRO-1 copy every gradient bucket (the whole
         // gradient, when there is a group to reduce with; the buckets are fp32 in every
         // precision, as gradients are summed across ranks in fp32); ZeRO-2 and FSDP hold one
-        // unit's gradient until it is reduce-scattered.
+        // unit's gradient until it is reduce-scattered (under a split backward, until its W:
+        // a chunk's gradient waits from its B).
         // (with expert parallelism the experts' gradients are summed apart, in place)
         let experts_here = if ep > 1 { layers.saturating_mul(experts_per_block) } else { 0 };
         let comm_buffers = match p.sharding {
@@ -124,12 +153,30 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
                 (params_per_rank - experts_here).saturating_mul(4)
             }
             Sharding::None | Sharding::Zero1 => 0,
+            Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp if pipe.splits_backward() => {
+                let chunk_units: Vec<u64> = chunks
+                    .iter()
+                    .enumerate()
+                    .map(|(c, blocks)| {
+                        let ends_model = pipe.model_chunk(s, c) + 1 == pipe.model_chunks();
+                        u(blocks.len()).saturating_mul(block_per_tp_rank).saturating_add(if ends_model {
+                            head
+                        } else {
+                            0
+                        })
+                    })
+                    .collect();
+                let embeddings = if first { embedding } else { 0 };
+                waiting_for_weights(&pipe, s, &chunk_units, embeddings).saturating_mul(per_param.gradients)
+            }
             Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp => largest_unit.saturating_mul(per_param.gradients),
         };
         // A pipeline stage receives into one activation buffer (all but the first) and one
         // output-gradient buffer (all but the last; interleaved: every stage both), and in
         // a V keeps the messages that come before it needs them. Copies queued for sending
         // come on top, as many as the schedule runs ahead of the neighbour: not predicted.
+        // (Gradients waiting for their W and messages held early are each at their most
+        // here; in a V the two peaks need not meet, and the ledger's can be lower.)
         let (gets_activations, gets_gradients) = pipe.receives(s);
         let receive_buffers = u64::from(gets_activations) + u64::from(gets_gradients) + u(pipe.held_early(s));
         let comm_buffers = comm_buffers.saturating_add(receive_buffers.saturating_mul(res_d).saturating_mul(act_bytes));
