@@ -4,8 +4,8 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
@@ -15,37 +15,54 @@ const LINES_PER_TEST: usize = 40;
 /// Runs `cmd` (a `cargo test`), echoing its standard output line by line; when it fails,
 /// prints every failing test's report again, last.
 pub fn run(cmd: &mut Command) -> Result<ExitStatus> {
-    let mut child = cmd.stdout(Stdio::piped()).spawn().context("cannot start cargo test")?;
-    let stdout = child.stdout.take().context("cargo test's standard output")?;
-    let (sender, receiver) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut reports = FailureReports::default();
-        let mut out = std::io::stdout();
-        for line in BufReader::new(stdout).lines() {
-            // Output that is not UTF-8 is passed through as far as it reads.
-            let Ok(line) = line else { continue };
-            let _ = writeln!(out, "{line}");
-            reports.read(&line);
-        }
-        let _ = sender.send(reports);
-    });
-    let status = child.wait().context("cargo test")?;
-    // A process a test left behind may hold the pipe open: its output is not waited for.
-    let reports = receiver.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
-    if !status.success() && !reports.tests.is_empty() {
-        println!("\nxtask: {} failing test(s), their reports again:", reports.tests.len());
-        for test in &reports.tests {
-            println!("\n---- {} ----", test.name);
+    // A process a test left behind may hold the pipe open: its output is not waited for
+    // longer than this once cargo is done.
+    let (status, reports) = run_reading_reports(cmd, Duration::from_secs(10))?;
+    if !status.success() && !reports.is_empty() {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "\nxtask: {} failing test(s), their reports again:", reports.len());
+        for test in &reports {
+            let _ = writeln!(out, "\n---- {} ----", test.name);
             let skipped = test.lines.len().saturating_sub(LINES_PER_TEST);
             if skipped > 0 {
-                println!("({skipped} earlier lines left out)");
+                let _ = writeln!(out, "({skipped} earlier lines left out)");
             }
             for line in &test.lines[skipped..] {
-                println!("{line}");
+                let _ = writeln!(out, "{line}");
             }
         }
     }
     Ok(status)
+}
+
+/// Runs `cmd`, passing its standard output through as bytes, and returns its status and
+/// the failing tests' reports read by the time it ended (and `patience` after, while
+/// something else still writes into the pipe).
+fn run_reading_reports(cmd: &mut Command, patience: Duration) -> Result<(ExitStatus, Vec<FailureReport>)> {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().context("cannot start cargo test")?;
+    let stdout = child.stdout.take().context("cargo test's standard output")?;
+    let reports = Arc::new(Mutex::new(FailureReports::default()));
+    let reader = {
+        let reports = Arc::clone(&reports);
+        std::thread::spawn(move || {
+            let (mut input, mut out) = (BufReader::new(stdout), std::io::stdout());
+            let mut line = Vec::new();
+            // (read as text only to find the reports)
+            while input.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) {
+                let _ = out.write_all(&line);
+                let text = String::from_utf8_lossy(&line);
+                reports.lock().unwrap_or_else(|e| e.into_inner()).read(text.trim_end_matches(['\n', '\r']));
+                line.clear();
+            }
+        })
+    };
+    let status = child.wait().context("cargo test")?;
+    let deadline = Instant::now() + patience;
+    while !reader.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let tests = std::mem::take(&mut reports.lock().unwrap_or_else(|e| e.into_inner()).tests);
+    Ok((status, tests))
 }
 
 /// One failing test's report, as libtest prints it under `---- NAME stdout ----`.
@@ -82,6 +99,21 @@ impl FailureReports {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A failing run whose report comes through a pipe that a process left behind still
+    /// holds open: the status and the report come back after the patience, not after it.
+    #[test]
+    fn a_report_is_kept_when_a_left_behind_process_holds_the_pipe() {
+        let script = "printf 'failures:\\n\\n---- t stdout ----\\nthread panicked\\n\\nfailures:\\n    t\\n'; \
+                      (sleep 30 &); exit 101";
+        let started = Instant::now();
+        let (status, reports) =
+            run_reading_reports(Command::new("sh").args(["-c", script]), Duration::from_millis(300)).unwrap();
+        assert_eq!(status.code(), Some(101));
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+        assert_eq!(reports.len(), 1);
+        assert_eq!((reports[0].name.as_str(), reports[0].lines[0].as_str()), ("t", "thread panicked"));
+    }
 
     #[test]
     fn failing_tests_reports_are_kept_and_the_rest_is_not() {

@@ -157,8 +157,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "ZeRO-2/FSDP under a split backward drops what a unit's B wrote instead of keeping it for the W",
         file: "gpu-worker/src/parallel/sharded.rs",
-        find: "self.waiting_for_weights.push((unit, grads));",
-        replace: "drop(grads);",
+        find: "                self.waiting_for_weights.push((unit, grads));",
+        replace: "                drop(grads);",
         tests: &["-p", "distlab-tests", "--test", "pipeline", "split_backwards_train_like_one_rank"],
     },
     Mutant {

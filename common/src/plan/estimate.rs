@@ -513,7 +513,9 @@ fn ratio(a: f64, b: f64) -> f64 {
 /// - zero1: the same, plus an all-gather of each unit's parameters after the update;
 /// - zero2: a reduce-scatter of each unit every micro-batch, plus the all-gather;
 /// - fsdp: per micro-batch, a gather of each unit before forward and (but the embeddings)
-///   before backward, and a reduce-scatter of each unit.
+///   before backward, and a reduce-scatter of each unit;
+/// - hsdp: fsdp's inside its shard groups (S-1 steps each), and each unit's shard
+///   all-reduced across the groups after the last micro-batch.
 ///
 /// Units are the stage's blocks, its embeddings and its head. FSDP's extra gathers for
 /// sqrt checkpointing are in the bytes but not counted as messages.
@@ -544,12 +546,14 @@ fn dp_messages(spec: &ExperimentSpec, stage: &StagePlan, micro_steps: u64) -> u6
             let backward_gathers = units - u64::from(stage.embedding);
             micro_steps.saturating_mul(units.saturating_mul(2).saturating_add(backward_gathers))
         }
-        // FSDP's inside the shard group, and every unit's shard all-reduced across (two phases).
+        // FSDP's inside the shard group of S ranks (S-1 steps each), and every unit's shard
+        // all-reduced across the dp/S groups (two phases of dp/S - 1 steps).
         Sharding::Hsdp => {
+            let ways = (spec.parallel.shard_ways() as u64).clamp(1, w);
             let backward_gathers = units - u64::from(stage.embedding);
-            micro_steps
-                .saturating_mul(units.saturating_mul(2).saturating_add(backward_gathers))
-                .saturating_add(2 * units)
+            let inside = micro_steps.saturating_mul(units.saturating_mul(2).saturating_add(backward_gathers));
+            let across = units.saturating_mul(2).saturating_mul(w / ways - 1);
+            return inside.saturating_mul(ways - 1).saturating_add(across);
         }
     };
     collectives_times_steps.saturating_mul(ring_step)

@@ -832,7 +832,7 @@ mod tests {
         assert!((m8.formula_bubble() - 3.0 / 27.0).abs() < 1e-12);
     }
 
-    /// Only ZBV's links deliver messages before they are wanted (and its last stage hands
+    /// Only a V's links deliver messages before they are wanted (and its last stage hands
     /// the V's turn to itself); the others' order on every link is the receiver's.
     #[test]
     fn only_the_v_holds_messages_that_came_early() {

@@ -275,8 +275,8 @@ pub struct ParallelSpec {
     pub outer_lr: f64,
     /// `sync: diloco`: the outer step's Nesterov momentum (0: none).
     pub outer_momentum: f64,
-    /// `sharding: hsdp`: data-parallel ranks per shard group (0: `ranks_per_node`, one
-    /// group per simulated host).
+    /// `sharding: hsdp`: data-parallel ranks per shard group (0: `ranks_per_node`, the
+    /// consecutive data-parallel ranks the spec counts to a node).
     pub shard_group: usize,
 }
 

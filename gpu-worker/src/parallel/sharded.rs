@@ -374,8 +374,10 @@ impl<B: TrainBackend> ModelState<B> for Sharded<B> {
         self.gathered = None;
         if pass.completes_grads() {
             self.reduce_scatter(be, unit)?;
-        } else if let Some(grads) = self.unit_grads.take().filter(|_| pass == Pass::BackwardInput) {
-            self.waiting_for_weights.push((unit, grads));
+        } else if pass == Pass::BackwardInput {
+            if let Some(grads) = self.unit_grads.take() {
+                self.waiting_for_weights.push((unit, grads));
+            }
         }
         Ok(())
     }

@@ -166,6 +166,15 @@ fn reason(c: Category, more: bool, spec: &ExperimentSpec) -> String {
                     p.sharding.as_str(),
                     p.dp
                 ),
+                Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp if p.pp_schedule.splits_backward() && p.pp > 1 => {
+                    format!(
+                        "with sharding={} under {} the planner counts the units' gradients waiting from their B to \
+                         their W (a chunk's at a time, followed pass by pass) before they are reduce-scattered; the \
+                         engine {held} waiting for its collectives at once",
+                        p.sharding.as_str(),
+                        p.pp_schedule.title()
+                    )
+                }
                 Sharding::Zero2 | Sharding::Fsdp | Sharding::Hsdp => format!(
                     "with sharding={} the planner counts one unit's gradient (the largest unit) held until it is \
                      reduce-scattered; the engine {held} waiting for its collectives at once",
