@@ -180,6 +180,17 @@ async fn a_page_that_cannot_load_says_to_reload() -> Result<()> {
     result
 }
 
+/// A lab whose local worker plays two hosts (`DISTLAB_SIMULATED_HOSTS=2`, which the
+/// server's local worker inherits), and `spec` run on it to the end.
+fn run_on_two_simulated_hosts(spec: &ExperimentSpec) -> Result<(Lab, i64)> {
+    let env = vec![("DISTLAB_SIMULATED_HOSTS".to_string(), "2".to_string())];
+    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
+    let id = lab.submit(spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
+    Ok((lab, id))
+}
+
 /// HSDP on two simulated hosts of 2 ranks, a shard group each: the links table's totals
 /// say how much every call sent inside a host and across, and across is only the shards'
 /// all-reduce, the planner's.
@@ -188,15 +199,11 @@ async fn the_links_table_splits_hsdps_bytes_between_and_inside_hosts() -> Result
     if !browser_ready() {
         return Ok(());
     }
-    let env = vec![("DISTLAB_SIMULATED_HOSTS".to_string(), "2".to_string())];
-    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
     let mut spec = quick_spec("hsdp on two hosts", 3);
     (spec.parallel.dp, spec.parallel.sharding, spec.train.micro_batch) = (4, Sharding::Hsdp, 2);
     spec.train.warmup_steps = 1;
     let planned = distlab_common::planner::plan(&spec).unwrap().stages[0].comm.dp_all_reduce * 4 * 3;
-    let id = lab.submit(&spec);
-    let exp = lab.wait_finished(id, Duration::from_secs(120));
-    ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
+    let (lab, id) = run_on_two_simulated_hosts(&spec)?;
     let driver = ChromeDriver::start()?;
     let c = driver.connect().await?;
     let result = async {
@@ -223,13 +230,9 @@ async fn the_ring_page_marks_the_links_between_hosts() -> Result<()> {
     if !browser_ready() {
         return Ok(());
     }
-    let env = vec![("DISTLAB_SIMULATED_HOSTS".to_string(), "2".to_string())];
-    let lab = Lab::start_with(LabOptions { env, ..LabOptions::default() });
     let mut spec = quick_spec("dp4 on two hosts", 4);
     (spec.parallel.dp, spec.train.micro_batch) = (4, 2);
-    let id = lab.submit(&spec);
-    let exp = lab.wait_finished(id, Duration::from_secs(120));
-    ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
+    let (lab, id) = run_on_two_simulated_hosts(&spec)?;
     let driver = ChromeDriver::start()?;
     let c = driver.connect().await?;
     let result = async {
