@@ -351,7 +351,7 @@ impl Pipeline {
     /// Whether the planner follows the schedule pass by pass to find its peaks (the
     /// others' are formulas).
     pub fn followed_pass_by_pass(&self) -> bool {
-        matches!(self.kind, PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv | PpSchedule::DualPipeV)
+        matches!(self.kind, PpSchedule::Interleaved | PpSchedule::ZbH1) || self.kind.is_v()
     }
 
     /// Whether the backward runs as B and W (ZB-H1, ZBV, DualPipeV).
