@@ -131,10 +131,7 @@ async fn submit_in_the_browser_and_watch_the_loss_fall() -> Result<()> {
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
     let result = scenario(&client, &lab).await;
-    if result.is_err() {
-        // Whatever the page showed when it went wrong.
-        let _ = save_screenshot(&client, "failure.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure.png").await;
     let _ = client.close().await;
     result
 }
@@ -176,6 +173,7 @@ async fn a_page_that_cannot_load_says_to_reload() -> Result<()> {
         Ok(())
     }
     .await;
+    let result = with_the_page_on_failure(&c, result, "failure-reload.png").await;
     let _ = c.close().await;
     result
 }
@@ -218,6 +216,7 @@ async fn the_links_table_splits_hsdps_bytes_between_and_inside_hosts() -> Result
         Ok(())
     }
     .await;
+    let result = with_the_page_on_failure(&c, result, "failure-links-hsdp.png").await;
     let _ = c.close().await;
     result
 }
@@ -254,6 +253,7 @@ async fn the_ring_page_marks_the_links_between_hosts() -> Result<()> {
         Ok(())
     }
     .await;
+    let result = with_the_page_on_failure(&c, result, "failure-ring-hosts.png").await;
     let _ = c.close().await;
     result
 }
@@ -281,9 +281,7 @@ async fn replay_the_all_reduce_ring_step_by_step() -> Result<()> {
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
     let result = ring_scenario(&client, &lab).await;
-    if result.is_err() {
-        let _ = save_screenshot(&client, "failure-ring.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure-ring.png").await;
     let _ = client.close().await;
     result
 }
@@ -327,9 +325,7 @@ async fn live_planner_on_the_form_and_memory_of_every_rank() -> Result<()> {
     if result.is_ok() {
         result = elastic_scenario(&client, &lab).await;
     }
-    if result.is_err() {
-        let _ = save_screenshot(&client, "failure-memory.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure-memory.png").await;
     let _ = client.close().await;
     result
 }
@@ -352,9 +348,7 @@ async fn pipeline_schedule_and_tensor_parallel_timeline() -> Result<()> {
     if result.is_ok() {
         result = experts_scenario(&client, &lab).await;
     }
-    if result.is_err() {
-        let _ = save_screenshot(&client, "failure-pipeline.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure-pipeline.png").await;
     let _ = client.close().await;
     result
 }
@@ -373,9 +367,7 @@ async fn a_resumed_run_lists_its_attempts() -> Result<()> {
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
     let result = attempts_scenario(&client, &mut lab).await;
-    if result.is_err() {
-        let _ = save_screenshot(&client, "failure-attempts.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure-attempts.png").await;
     let _ = client.close().await;
     result
 }
@@ -401,9 +393,7 @@ async fn compare_runs_plan_a_model_and_study_cards() -> Result<()> {
     if result.is_ok() {
         result = quiz_scenario(&client, &lab).await;
     }
-    if result.is_err() {
-        let _ = save_screenshot(&client, "failure-compare.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure-compare.png").await;
     let _ = client.close().await;
     result
 }
@@ -422,9 +412,7 @@ async fn a_teacher_makes_an_account_and_an_ended_session_signs_in_again() -> Res
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
     let result = sign_in_scenario(&client, &lab).await;
-    if result.is_err() {
-        let _ = save_screenshot(&client, "failure-sign-in.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure-sign-in.png").await;
     let _ = client.close().await;
     result
 }
@@ -444,9 +432,7 @@ async fn a_teacher_hands_out_an_assignment_and_a_student_completes_it() -> Resul
     let driver = ChromeDriver::start()?;
     let client = driver.connect().await?;
     let result = assignment_scenario(&client, &lab).await;
-    if result.is_err() {
-        let _ = save_screenshot(&client, "failure-assignment.png").await;
-    }
+    let result = with_the_page_on_failure(&client, result, "failure-assignment.png").await;
     let _ = client.close().await;
     result
 }
@@ -487,7 +473,8 @@ async fn assignment_scenario(c: &Client, lab: &Lab) -> Result<()> {
     wait_for(c, "the experiments page", Duration::from_secs(15), || exists(c, "#compare-selected")).await?;
     c.find(Locator::Css("#nav-assignments")).await?.click().await?;
     wait_for(c, "the assignment writer", Duration::from_secs(15), || exists(c, "#new-assignment")).await?;
-    ensure!(exists(c, "#no-assignments").await?, "a new class has no assignment");
+    // (the writer shows before the class's list has come)
+    wait_for(c, "a new class to have no assignment", Duration::from_secs(15), || exists(c, "#no-assignments")).await?;
     c.execute(
         "const e = document.querySelector('#ready-made'); e.value = '2'; \
          e.dispatchEvent(new Event('change', {bubbles: true}));",
@@ -2804,6 +2791,19 @@ async fn choose(c: &Client, field: &str, value: &str) -> Result<()> {
         bail!("select {field} holds {now:?} after choosing {value:?}");
     }
     Ok(())
+}
+
+/// `result`, and when it is an error, a screenshot saved as `file` and the error told where
+/// the browser was and what the page said (its first lines), so that a run's log alone
+/// says what went wrong.
+async fn with_the_page_on_failure(c: &Client, result: Result<()>, file: &str) -> Result<()> {
+    let Err(error) = result else { return Ok(()) };
+    let _ = save_screenshot(c, file).await;
+    let url = c.current_url().await.map(|u| u.to_string()).unwrap_or_default();
+    let shown = c.execute("return document.body ? document.body.innerText : '';", vec![]).await;
+    let shown = shown.ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+    let lines: Vec<&str> = shown.lines().map(str::trim).filter(|l| !l.is_empty()).take(25).collect();
+    Err(anyhow!("{error:#}\n\n(the browser was on {url}, showing:\n{})", lines.join("\n")))
 }
 
 async fn save_screenshot(c: &Client, file: &str) -> Result<PathBuf> {

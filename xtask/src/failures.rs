@@ -9,47 +9,52 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-/// The lines kept of each failing test's report: its last ones, where the panic is.
-const LINES_PER_TEST: usize = 40;
+/// The lines kept of each failing test's report, backtraces left out: its first ones, where
+/// the error or the panic's message is (a test returning `Err` prints it first).
+const LINES_PER_TEST: usize = 60;
 
 /// Runs `cmd` (a `cargo test`), echoing its standard output line by line; when it fails,
 /// prints every failing test's report again, last.
 pub fn run(cmd: &mut Command) -> Result<ExitStatus> {
     // A process a test left behind may hold the pipe open: its output is not waited for
     // longer than this once cargo is done.
-    let (status, reports) = run_reading_reports(cmd, Duration::from_secs(10))?;
+    let (status, reports) = run_reading_reports(cmd, Duration::from_secs(10), std::io::stdout())?;
     if !status.success() && !reports.is_empty() {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "\nxtask: {} failing test(s), their reports again:", reports.len());
         for test in &reports {
             let _ = writeln!(out, "\n---- {} ----", test.name);
-            let skipped = test.lines.len().saturating_sub(LINES_PER_TEST);
-            if skipped > 0 {
-                let _ = writeln!(out, "({skipped} earlier lines left out)");
-            }
-            for line in &test.lines[skipped..] {
+            let lines = without_backtraces(&test.lines);
+            for line in lines.iter().take(LINES_PER_TEST) {
                 let _ = writeln!(out, "{line}");
+            }
+            if lines.len() > LINES_PER_TEST {
+                let _ = writeln!(out, "({} more lines left out)", lines.len() - LINES_PER_TEST);
             }
         }
     }
     Ok(status)
 }
 
-/// Runs `cmd`, passing its standard output through as bytes, and returns its status and
+/// Runs `cmd`, passing its standard output through as bytes into `echo`, and returns its status and
 /// the failing tests' reports read by the time it ended (and `patience` after, while
 /// something else still writes into the pipe).
-fn run_reading_reports(cmd: &mut Command, patience: Duration) -> Result<(ExitStatus, Vec<FailureReport>)> {
+fn run_reading_reports(
+    cmd: &mut Command,
+    patience: Duration,
+    mut echo: impl Write + Send + 'static,
+) -> Result<(ExitStatus, Vec<FailureReport>)> {
     let mut child = cmd.stdout(Stdio::piped()).spawn().context("cannot start cargo test")?;
     let stdout = child.stdout.take().context("cargo test's standard output")?;
     let reports = Arc::new(Mutex::new(FailureReports::default()));
     let reader = {
         let reports = Arc::clone(&reports);
         std::thread::spawn(move || {
-            let (mut input, mut out) = (BufReader::new(stdout), std::io::stdout());
+            let mut input = BufReader::new(stdout);
             let mut line = Vec::new();
             // (read as text only to find the reports)
             while input.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) {
-                let _ = out.write_all(&line);
+                let _ = echo.write_all(&line);
                 let text = String::from_utf8_lossy(&line);
                 reports.lock().unwrap_or_else(|e| e.into_inner()).read(text.trim_end_matches(['\n', '\r']));
                 line.clear();
@@ -63,6 +68,23 @@ fn run_reading_reports(cmd: &mut Command, patience: Duration) -> Result<(ExitSta
     }
     let tests = std::mem::take(&mut reports.lock().unwrap_or_else(|e| e.into_inner()).tests);
     Ok((status, tests))
+}
+
+/// `lines` without the frames of their backtraces (each the lines after `stack backtrace:`
+/// that read `  12: name` or `at file:line`), which say where, not what.
+fn without_backtraces(lines: &[String]) -> Vec<&str> {
+    let mut in_backtrace = false;
+    let mut kept = Vec::new();
+    for line in lines {
+        let trimmed = line.trim_start();
+        let frame = trimmed.starts_with("at ")
+            || trimmed.split_once(": ").is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        in_backtrace = trimmed.eq_ignore_ascii_case("stack backtrace:") || (in_backtrace && frame);
+        if !(in_backtrace && frame) {
+            kept.push(line.as_str());
+        }
+    }
+    kept
 }
 
 /// One failing test's report, as libtest prints it under `---- NAME stdout ----`.
@@ -108,11 +130,42 @@ mod tests {
                       (sleep 30 &); exit 101";
         let started = Instant::now();
         let (status, reports) =
-            run_reading_reports(Command::new("sh").args(["-c", script]), Duration::from_millis(300)).unwrap();
+            run_reading_reports(Command::new("sh").args(["-c", script]), Duration::from_millis(300), std::io::sink())
+                .unwrap();
         assert_eq!(status.code(), Some(101));
         assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
         assert_eq!(reports.len(), 1);
         assert_eq!((reports[0].name.as_str(), reports[0].lines[0].as_str()), ("t", "thread panicked"));
+    }
+
+    #[test]
+    fn backtraces_are_left_out_and_causes_kept() {
+        let report: Vec<String> = [
+            "Error: the pipeline page showed no bubbles",
+            "",
+            "Caused by:",
+            "    0: timed out",
+            "",
+            "Stack backtrace:",
+            "   0: std::backtrace::Backtrace::create",
+            "             at ./library/std/src/backtrace.rs:331:13",
+            "  41: clone3",
+            "note: some note",
+        ]
+        .map(String::from)
+        .into();
+        assert_eq!(
+            without_backtraces(&report),
+            [
+                "Error: the pipeline page showed no bubbles",
+                "",
+                "Caused by:",
+                "    0: timed out",
+                "",
+                "Stack backtrace:",
+                "note: some note"
+            ]
+        );
     }
 
     #[test]
