@@ -1604,6 +1604,7 @@ mod tests {
                     world: 2,
                     memory: None,
                     host: None,
+                    applied_gradients: Vec::new(),
                     span_steps: 0,
                     spans: vec![],
                     comm: RankCommTrace {

@@ -214,6 +214,7 @@ fn rank_trace(rank: u32, world: u32, ring_steps: u32) -> trace::RankTrace {
         world,
         memory: None,
         host: None,
+        applied_gradients: Vec::new(),
         span_steps: 1,
         spans: vec![
             span(SpanKind::Forward, "forward", "compute", t0, t0 + 100),

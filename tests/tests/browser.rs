@@ -221,6 +221,53 @@ async fn the_links_table_splits_hsdps_bytes_between_and_inside_hosts() -> Result
     result
 }
 
+/// Asynchronous SGD (the async-ps preset, shortened): the run's page draws every gradient
+/// the parameter server applied, a dot each at its staleness, and counts them by staleness;
+/// the memory card's rank 0 holds the server's state on top of a worker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_parameter_servers_updates_are_drawn_at_their_staleness() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "async-ps").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (6, 1);
+    let lab = Lab::start();
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
+    let applied = (spec.parallel.dp as u64 * spec.train.steps).to_string();
+    let driver = ChromeDriver::start()?;
+    let c = driver.connect().await?;
+    let result = async {
+        c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+        wait_for(&c, "the staleness card", Duration::from_secs(30), || exists(&c, "#staleness-chart")).await?;
+        ensure!(attr(&c, "#staleness-chart", "data-gradients").await?.as_deref() == Some(applied.as_str()));
+        let dots = js(&c, "return document.querySelectorAll(arguments[0]).length;", "#staleness-chart circle").await?;
+        ensure!(dots.as_u64().map(|n| n.to_string()) == Some(applied.clone()), "{dots} dots, {applied} gradients");
+        let counted = js(
+            &c,
+            "return Array.from(document.querySelectorAll(arguments[0])).reduce((n, td) => n + Number(td.textContent), 0);",
+            "#staleness-counts td.num",
+        )
+        .await?;
+        ensure!(counted.as_u64().map(|n| n.to_string()) == Some(applied.clone()), "counted {counted}");
+        let summary = text(&c, "#staleness-summary").await?;
+        ensure!(summary.starts_with(&format!("{applied} gradients from 4 workers")), "{summary}");
+        wait_for(&c, "rank 0's measured memory", Duration::from_secs(30), || {
+            exists(&c, ".memory-rank[data-rank='0'] .memory-equal")
+        })
+        .await?;
+        ensure!(text(&c, ".memory-rank[data-rank='0'] .memory-equal").await?.contains("measured equals the planner"));
+        save_element(&c, "#staleness-card", "staleness.png").await?;
+        Ok(())
+    }
+    .await;
+    let result = with_the_page_on_failure(&c, result, "failure-staleness.png").await;
+    let _ = c.close().await;
+    result
+}
+
 /// A dp=4 run on a machine playing two hosts (`DISTLAB_SIMULATED_HOSTS=2`, which the
 /// server's local worker inherits): the ring page lists the links its steps used, the
 /// ones between the hosts marked TCP, with what each delivered per second.

@@ -177,6 +177,20 @@ fn the_diloco_presets_bytes_are_ddps_over_h() {
     println!("  {}\n  {}", got.predicted, got.measured);
 }
 
+/// Asynchronous SGD against DDP on the same 4 ranks: the parameter server sends W/2 = 2
+/// times a ring rank's bytes per step, both runs' the planner's.
+#[test]
+fn the_async_ps_presets_server_sends_w_over_2_times_a_ring_ranks_bytes() {
+    let _serial = one_at_a_time();
+    let mut ps = preset("async-ps");
+    (ps.train.steps, ps.train.warmup_steps) = (3, 1);
+    let mut ddp = ps.clone();
+    ddp.parallel.sync = DataSync::EveryStep;
+    let got = check(ClaimCheck::ParameterServerBottleneck, &ps, Some(&ddp));
+    assert!(got.agrees, "{got:?}");
+    println!("  {}\n  {}", got.predicted, got.measured);
+}
+
 /// LAMB against AdamW at 8x the batch and lr: AdamW's loss climbs above its start, LAMB's
 /// does not, and LAMB ends lower (the preset's whole 96 steps: the climb is early, the end
 /// is the claim).

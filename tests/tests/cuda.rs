@@ -302,6 +302,35 @@ fn a_cuda_rank_books_what_the_planner_predicts() {
     }
 }
 
+/// Asynchronous SGD on GPUs (a GPU per rank; its gradients and parameters pass through
+/// host memory to the server's threads): the server applies every worker's gradient, the
+/// loss falls, and each rank books the planner's memory for it, the server's state and
+/// the host copies off the device.
+#[test]
+#[ignore = "needs a GPU: cargo xtask test runs it on the emulated one"]
+fn an_asynchronous_cuda_run_applies_every_gradient_with_the_planners_memory() {
+    let mut s = on_cuda(&spec("async-ps-cuda"));
+    (s.parallel.dp, s.parallel.sync) = (2, DataSync::AsyncPs);
+    let predicted = plan(&s).unwrap();
+    let env = gpus(false);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (points, log) = run_steps_with_env(&s, &env);
+    assert!(log.contains("the server applied 16 gradients from 2 workers"), "{log}");
+    assert!(points.last().unwrap().loss < points[0].loss, "{points:?}");
+    let (_, trace) = run_with_trace(&s);
+    assert_eq!(trace.ranks.iter().map(|r| r.applied_gradients.len()).sum::<usize>(), 16);
+    for rank in &trace.ranks {
+        let got = &rank.memory.as_ref().expect("a memory report").peak;
+        let want = predicted.rank_memory(&s, rank.rank as usize);
+        let what = format!("async rank {}", rank.rank);
+        assert_eq!(
+            (got.parameters, got.gradients, got.optimizer_state, got.offloaded),
+            (want.parameters, want.gradients, want.optimizer_state, want.offloaded),
+            "{what}"
+        );
+    }
+}
+
 /// A cuda run whose worker is killed after step 7 resumes from the checkpoint of step 5
 /// with the losses of a run never interrupted, bit for bit (fp32, FSDP on 2 ranks).
 #[test]

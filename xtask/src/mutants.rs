@@ -176,6 +176,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "diloco", "diloco_with_sgd_every_step_and_no_momentum_is_ddp"],
     },
     Mutant {
+        name: "An asynchronous worker never learns which version it pulled (every gradient looks stale since step 0)",
+        file: "gpu-worker/src/parallel/async_ps.rs",
+        find: "self.version = self.push_and_pull(push)?;",
+        replace: "self.push_and_pull(push)?;",
+        tests: &["-p", "distlab-tests", "--test", "async_ps", "the_server_applies_every_workers_gradient"],
+    },
+    Mutant {
+        name: "An asynchronous worker pulls the parameters but keeps training its old ones",
+        file: "gpu-worker/src/parallel/async_ps.rs",
+        find: "for (x, &t) in p.iter_mut().zip(incoming) {",
+        replace: "for (x, &t) in p.iter_mut().zip(incoming).take(0) {",
+        tests: &["-p", "distlab-tests", "--test", "async_ps", "the_server_applies_every_workers_gradient"],
+    },
+    Mutant {
         name: "LAMB's and LARS's trust ratio ignored (every tensor takes AdamW's or SGD's plain step)",
         file: "gpu-worker/src/optim/mod.rs",
         find: "let lr = lr * ratio;",

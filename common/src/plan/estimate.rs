@@ -374,7 +374,7 @@ pub fn estimate(spec: &ExperimentSpec, plan: &Plan, cluster: &Cluster) -> Estima
 
     // Memory: the peak stage against one GPU.
     let peak_stage = plan.peak_stage.min(plan.stages.len().saturating_sub(1));
-    let memory_per_gpu_bytes = plan.stages.get(peak_stage).map_or(0, |s| s.memory.total);
+    let memory_per_gpu_bytes = plan.peak_rank_memory().total;
     let gpu_memory_bytes = cluster.gpu_memory_bytes;
     let headroom = i128::from(gpu_memory_bytes) - i128::from(memory_per_gpu_bytes);
     let headroom_bytes = headroom.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;

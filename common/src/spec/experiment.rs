@@ -360,6 +360,10 @@ pub enum DataSync {
     /// takes H inner steps alone, then the replicas average their parameter changes and
     /// take one Nesterov step on them (`parallel/diloco.rs`).
     Diloco,
+    /// Asynchronous SGD with a parameter server (`parallel/async_ps.rs`): data-parallel
+    /// rank 0 keeps the parameters and the optimizer; every rank pushes its gradient and
+    /// pulls the parameters after each backward, without waiting for the others.
+    AsyncPs,
 }
 
 impl DataSync {
@@ -368,6 +372,7 @@ impl DataSync {
         match self {
             DataSync::EveryStep => "every_step",
             DataSync::Diloco => "diloco",
+            DataSync::AsyncPs => "async_ps",
         }
     }
 }

@@ -56,6 +56,11 @@ pub fn presets() -> Vec<Preset> {
     diloco.parallel.sync = DataSync::Diloco;
     (diloco.parallel.outer_steps_every, diloco.parallel.outer_lr, diloco.parallel.outer_momentum) = (8, 0.7, 0.9);
 
+    // Four workers pushing to a parameter server on rank 0, none waiting for another.
+    let mut async_ps = ExperimentSpec { name: "async-ps-4-workers".into(), ..ExperimentSpec::default() };
+    (async_ps.parallel.dp, async_ps.parallel.sync) = (4, DataSync::AsyncPs);
+    async_ps.train.micro_batch = 2;
+
     // FSDP in 2 groups of 2 (ranks_per_node 2: two "hosts"), replicas across them.
     let mut hsdp = ExperimentSpec { name: "hsdp-2-groups-of-2".into(), ..ExperimentSpec::default() };
     (hsdp.parallel.dp, hsdp.parallel.sharding, hsdp.parallel.ranks_per_node) = (4, Sharding::Hsdp, 2);
@@ -277,6 +282,12 @@ pub fn presets() -> Vec<Preset> {
             title: "DiLoCo: 2 replicas meeting every 8 steps",
             description: "The ddp2 preset's replicas each take 8 AdamW steps alone on their half of every batch, sending nothing; then they all-reduce how far their parameters moved, and an outer Nesterov step (lr 0.7, momentum 0.9) on the mean change sets both replicas' parameters. Resubmit it with sync \"every_step\" (DDP) and compare: the links page's all-reduce bytes per step fall 8-fold, the compare page draws the two loss curves at equal tokens.",
             spec: diloco,
+        },
+        Preset {
+            key: "async-ps",
+            title: "Asynchronous SGD: 4 workers and a parameter server",
+            description: "4 ranks each train on their own 2 sequences a step and push the gradient to a parameter server kept by rank 0, which applies each gradient as it arrives and sends the parameters back: no rank waits for another. The run's page draws every update the server applied at its staleness, how many other workers' gradients reached the parameters between a worker's pull and its push. Rank 0 sends the parameters to each of the 3 others every round, (W-1) x 4N bytes, where a ring all-reduce sends 2(W-1)/W x 4N from each rank: resubmit it with sync \"every_step\" (DDP) and compare the links and the loss.",
+            spec: async_ps,
         },
         Preset {
             key: "hsdp",

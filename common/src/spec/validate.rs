@@ -310,8 +310,10 @@ impl ExperimentSpec {
         self.check_pipeline_schedule(&mut err);
         self.check_experts(&mut err);
         self.check_context_parallel(&mut err);
-        if p.sync == DataSync::Diloco {
-            self.check_diloco(&mut err);
+        match p.sync {
+            DataSync::Diloco => self.check_diloco(&mut err),
+            DataSync::AsyncPs => self.check_async_ps(&mut err),
+            DataSync::EveryStep => {}
         }
         if self.train.optimizer.layer_wise() {
             self.check_layer_wise(&mut err);
@@ -734,6 +736,92 @@ impl ExperimentSpec {
             refuse(
                 "parallel.outer_momentum",
                 format!("outer_momentum must be from 0 to below 1 (it is {})", p.outer_momentum),
+            );
+        }
+    }
+
+    /// `sync: async_ps`: every data-parallel rank a worker of one parameter server (on
+    /// rank 0), the model whole on each.
+    fn check_async_ps(&self, err: &mut impl FnMut(&str, String)) {
+        let (t, p) = (&self.train, &self.parallel);
+        let mut refuse = |field: &str, why: String| err(field, format!("sync=async_ps: {why}"));
+        if p.dp < 2 {
+            refuse(
+                "parallel.dp",
+                format!("workers push to a parameter server on rank 0: use dp of 2 or more (it is {})", p.dp),
+            );
+        }
+        if p.sharding != Sharding::None {
+            refuse(
+                "parallel.sharding",
+                format!(
+                    "every worker holds the whole model and the server the whole optimizer: use sharding=none (it \
+                     is {})",
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        for (field, name, size) in [
+            ("parallel.tp", "tp", p.tp),
+            ("parallel.pp", "pp", p.pp),
+            ("parallel.ep", "ep", p.ep),
+            ("parallel.cp", "cp", p.cp),
+        ] {
+            if size > 1 {
+                refuse(
+                    field,
+                    format!(
+                        "one server keeps the whole model, so a worker is one rank with all of it: use {name}=1 (it \
+                         is {size})"
+                    ),
+                );
+            }
+        }
+        if p.grad_compression != GradCompression::None || p.allreduce != AllReduce::Ring {
+            refuse(
+                "parallel.grad_compression",
+                "nothing is all-reduced: each gradient goes whole to the server (use grad_compression=none, \
+                 allreduce=ring)"
+                    .into(),
+            );
+        }
+        if p.comm_dtype != Precision::Fp32 {
+            refuse(
+                "parallel.comm_dtype",
+                format!(
+                    "gradients and parameters cross the wire in fp32: use comm_dtype=fp32 (it is {})",
+                    p.comm_dtype.as_str()
+                ),
+            );
+        }
+        if p.offload != Offload::None {
+            refuse(
+                "parallel.offload",
+                "the server keeps the optimizer's state in its own memory: use offload=none".into(),
+            );
+        }
+        if t.optimizer.layer_wise() {
+            refuse(
+                "train.optimizer",
+                format!(
+                    "the server applies AdamW or SGD to each gradient as it comes: use optimizer=adamw or sgd (it \
+                     is {})",
+                    t.optimizer.as_str()
+                ),
+            );
+        }
+        if t.precision == Precision::Fp16 {
+            refuse(
+                "train.precision",
+                "each worker would scale its loss by a dynamic scale of its own, which the server's step does \
+                 not take apart yet: use precision=fp32 or bf16"
+                    .into(),
+            );
+        }
+        if t.checkpoint_every > 0 {
+            refuse(
+                "train.checkpoint_every",
+                "checkpoints do not keep the server's parameters and optimizer yet: use checkpoint_every=0".into(),
             );
         }
     }
@@ -1263,6 +1351,24 @@ mod tests {
                     ("train.precision", "sync=diloco: the outer step would have to reset"),
                     ("parallel.outer_steps_every", "outer_steps_every (H) must be from 1 to 10000 (it is 0)"),
                     ("parallel.outer_momentum", "outer_momentum must be from 0 to below 1 (it is 1)"),
+                ],
+            ),
+            (
+                json!({"parallel": {"sync": "async_ps", "dp": 2, "comm_dtype": "fp16"}, "train": {"optimizer": "lamb", "precision": "fp16", "checkpoint_every": 2}}),
+                vec![
+                    ("parallel.comm_dtype", "sync=async_ps: gradients and parameters cross the wire in fp32"),
+                    ("train.optimizer", "sync=async_ps: the server applies AdamW or SGD to each gradient as it comes"),
+                    ("train.precision", "sync=async_ps: each worker would scale its loss by a dynamic scale of its own"),
+                    ("train.checkpoint_every", "sync=async_ps: checkpoints do not keep the server's parameters"),
+                ],
+            ),
+            (
+                json!({"parallel": {"sync": "async_ps", "sharding": "zero2", "tp": 2}}),
+                vec![
+                    ("parallel.tp", "sync=async_ps: one server keeps the whole model, so a worker is one rank with all of it: use tp=1 (it is 2)"),
+                    ("parallel.sharding", "sharding=zero2 splits state across data-parallel ranks"),
+                    ("parallel.dp", "sync=async_ps: workers push to a parameter server on rank 0: use dp of 2 or more (it is 1)"),
+                    ("parallel.sharding", "sync=async_ps: every worker holds the whole model"),
                 ],
             ),
             (

@@ -12,7 +12,7 @@ use crate::ExperimentSpec;
 /// of the flashcard deck the lab teaches from; the rest are the subjects of its chapter,
 /// notes and quiz that deck has no card for (`cards/coverage.json` maps every section of
 /// those texts to the cards that teach it).
-pub const TOPICS: u32 = 150;
+pub const TOPICS: u32 = 151;
 /// The flashcard deck's own topics.
 pub const DECK_TOPICS: u32 = 89;
 
@@ -209,6 +209,10 @@ pub enum ClaimCheck {
     /// DiLoCo's all-reduces of the parameter changes every H steps carry 1/H of DDP's
     /// gradient all-reduces per step, both the planner's; the two runs' losses side by side.
     DilocoBytes,
+    /// Asynchronous SGD's parameter server sends each other worker the parameters for each
+    /// gradient it pushed: (W-1) x 4N bytes a round on rank 0, W/2 times what a ring
+    /// all-reduce sends from each rank of DDP on the same ranks, both the planner's.
+    ParameterServerBottleneck,
     /// LAMB against AdamW at the same large batch and learning rate: AdamW's loss climbs
     /// above its start before it falls, LAMB's does not, and LAMB ends lower.
     LambLargeBatch,

@@ -267,6 +267,20 @@ pub struct RankTrace {
     /// The host the rank ran on, when the run's ranks spanned hosts (None: all on one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<u32>,
+    /// Asynchronous SGD, on the parameter server's rank: every gradient it applied, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub applied_gradients: Vec<AppliedGradient>,
+}
+
+/// Asynchronous SGD: one gradient the parameter server applied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AppliedGradient {
+    /// The data-parallel rank that pushed it.
+    pub worker: u32,
+    /// How many other gradients the server applied between the pull of the parameters it
+    /// was computed on and its push.
+    pub staleness: u32,
 }
 
 /// What the recorded ring steps sent over one link, from one rank to another.

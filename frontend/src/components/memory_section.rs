@@ -27,7 +27,7 @@ pub fn predicted_only(spec: &ExperimentSpec) -> Option<MemoryView> {
                 rank: rank as u32,
                 stage,
                 measured: None,
-                predicted: plan.stages.get(stage).map(|s| s.memory.clone()).unwrap_or_default(),
+                predicted: plan.rank_memory(spec, rank),
                 differences: Vec::new(),
             }
         })

@@ -14,6 +14,7 @@ pub mod plan_panel;
 pub mod progress;
 pub mod ring_view;
 pub mod spec_view;
+pub mod staleness_chart;
 pub mod status_badge;
 pub mod timeline;
 pub mod try_model;

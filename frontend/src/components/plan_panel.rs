@@ -68,6 +68,12 @@ pub fn comm_rows(c: &CommVolume) -> Vec<(&'static str, &'static str, u64)> {
              passed round; and their gradients",
             c.cp_all_to_all,
         ),
+        (
+            "ps push",
+            "asynchronous SGD: a worker's gradient pushed to the parameter server (on the server's rank: the \
+             parameters sent back to every other worker)",
+            c.ps_push_pull,
+        ),
     ]
     .into_iter()
     .filter(|r| r.2 > 0)
@@ -85,6 +91,8 @@ pub fn stage_bars(plan: &Plan) -> Vec<Bar> {
             Bar {
                 label: if many {
                     format!("stage {}{}", s.stage, if peak { " (peak)" } else { "" })
+                } else if plan.parameter_server.is_some() {
+                    "every other rank (a worker)".into()
                 } else {
                     "per rank".into()
                 },
@@ -94,6 +102,13 @@ pub fn stage_bars(plan: &Plan) -> Vec<Bar> {
                 memory: s.memory.clone(),
             }
         })
+        .chain(plan.parameter_server.as_ref().map(|server| Bar {
+            label: "rank 0, with the parameter server".into(),
+            owner: "rank 0".into(),
+            rank: Some(0),
+            kind: BarKind::Predicted,
+            memory: server.memory.clone(),
+        }))
         .collect()
 }
 

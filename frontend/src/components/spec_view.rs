@@ -163,6 +163,11 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
                     format::num(p.outer_lr),
                     format::num(p.outer_momentum)
                 ),
+                distlab_common::DataSync::AsyncPs => {
+                    " · asynchronous SGD: every rank pushes its gradient to a parameter server on rank 0 and pulls \
+                     the parameters, without waiting for the others"
+                        .into()
+                }
             }
     );
     let batch = format!(

@@ -24,6 +24,7 @@
 //! * `tensor.rs`: Megatron tensor parallelism (the model runs it; this is its group).
 //! * `mesh.rs`: the dp x tp x pp topology that hands every rank its groups.
 
+pub mod async_ps;
 pub mod compression;
 pub mod context;
 pub mod ddp;
@@ -77,6 +78,10 @@ pub trait Strategy<B: TrainBackend>: Send {
     fn sum_scalar(&mut self, value: f64) -> Result<f64, CommError>;
     /// Communication spans recorded so far.
     fn comm_spans(&self) -> Vec<Span>;
+    /// Asynchronous SGD, on the parameter server's rank: every gradient it applied.
+    fn applied_gradients(&self) -> Vec<distlab_common::trace::AppliedGradient> {
+        Vec::new()
+    }
     /// Bytes of the buffers it holds, counted from the buffers themselves (what the
     /// memory ledger must agree with).
     fn held_bytes(&self, be: &B) -> u64;
@@ -85,6 +90,13 @@ pub trait Strategy<B: TrainBackend>: Send {
     fn view_state(&self, be: &B, f: &mut dyn FnMut(StateView<'_>)) -> Result<(), OffloadError>;
     /// Puts back a state `save` took on the same rank of the same run.
     fn load(&mut self, be: &B, state: SavedState) -> Result<(), String>;
+    /// After the last step (before the run's weights are read): what the strategy still
+    /// has to do, and a line for the run's log, if any. Only the asynchronous parameter
+    /// server has something: its workers say they are done and rank 0 waits for them.
+    fn end(&mut self, be: &B) -> Result<Option<String>, TrainError> {
+        let _ = be;
+        Ok(None)
+    }
 }
 
 /// The state a checkpoint keeps of a strategy (see `checkpoint.rs`), as it holds it.
@@ -186,6 +198,8 @@ pub struct DpGroup {
     /// Hybrid sharding: the shard group (FSDP's gathers and reduce-scatters) and the
     /// replicas of this rank's shard in the other groups (the shard's all-reduce).
     pub hybrid: Option<HybridGroups>,
+    /// Asynchronous SGD: this rank's links to the parameter server (on DP rank 0).
+    pub parameter_server: Option<async_ps::ServerLinks>,
 }
 
 /// HSDP's two groups inside the data-parallel group: `shard`, the S consecutive ranks
@@ -211,6 +225,13 @@ pub fn build<B: TrainBackend>(
             let dp =
                 dp.ok_or_else(|| TrainError::Unsupported("sync=diloco needs a data-parallel group (dp >= 2)".into()))?;
             Box::new(diloco::DiLoCo::new(spec, be, layout, stage, memory, dp, offload)?)
+        }
+        Sharding::None if spec.parallel.sync == DataSync::AsyncPs => {
+            let why = "sync=async_ps needs a data-parallel group (dp >= 2) with its links to the server";
+            let (workers, links) = dp
+                .and_then(|g| Some((g.world, g.parameter_server?)))
+                .ok_or_else(|| TrainError::Unsupported(why.into()))?;
+            Box::new(async_ps::AsyncPs::new(spec, be, layout, stage, memory, workers, links)?)
         }
         Sharding::None | Sharding::Zero1 => {
             Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp, offload)?)

@@ -117,6 +117,7 @@ impl<B: TrainBackend> Sharded<B> {
                 scalars: Box::new(Alone),
                 experts: None,
                 hybrid: None,
+                parameter_server: None,
             },
         };
         // HSDP cuts the units over its shard group and keeps the whole group for the scalars.

@@ -82,6 +82,7 @@ pub fn train(
         comm: Default::default(),
         memory: Some(run.memory),
         host: None,
+        applied_gradients: Vec::new(),
     }));
     Ok(run.summary)
 }

@@ -191,4 +191,6 @@ pub struct RankRun {
     /// Timeline spans of the first steps.
     pub spans: Vec<Span>,
     pub memory: RankMemoryReport,
+    /// Asynchronous SGD, on the parameter server's rank: every gradient it applied.
+    pub applied_gradients: Vec<distlab_common::trace::AppliedGradient>,
 }

@@ -174,6 +174,9 @@ pub(crate) fn run<B: TrainBackend>(
     if let Some(writer) = writer {
         report_checkpoints(on_event, writer.finish(), trainer.place(), t.checkpoint_write);
     }
+    if let Some(line) = trainer.end()? {
+        log(on_event, line);
+    }
     if let Some((calls, payload, sent)) = trainer.model.tensor_parallel().map(|tp| tp.totals()) {
         let (calls, payload, sent) = (calls - eval_tp.0, payload - eval_tp.1, sent - eval_tp.2);
         let layers = trainer.model.stage.block_count();
@@ -196,7 +199,12 @@ pub(crate) fn run<B: TrainBackend>(
         tally.summary(spec, params, trainer.data().loss_floor(), started.elapsed().as_secs_f64(), threads);
     summary.held_out_bytes_per_token = trainer.data().held_out_bytes_per_token();
     // The ledger is read before the final weights' copy is booked in it.
-    let run = RankRun { summary, spans: trainer.timeline(), memory: trainer.memory_report() };
+    let run = RankRun {
+        summary,
+        spans: trainer.timeline(),
+        memory: trainer.memory_report(),
+        applied_gradients: trainer.applied_gradients(),
+    };
     // The trained model is a by-product: a run whose weights cannot be written still
     // succeeded (the launcher then finds a rank's file missing and says the model was not
     // exported).

@@ -383,6 +383,17 @@ impl<B: TrainBackend> Trainer<B> {
         Ok(StepStats { loss, lr, grad_norm, updated, loss_scale, experts, logit_grad_zero_share, fp8 })
     }
 
+    /// After the last step: what the strategy still has to do, and a line for the log
+    /// (see `Strategy::end`).
+    pub fn end(&mut self) -> Result<Option<String>, TrainError> {
+        self.strategy.end(&self.backend)
+    }
+
+    /// Asynchronous SGD, on the parameter server's rank: every gradient it applied.
+    pub fn applied_gradients(&self) -> Vec<distlab_common::trace::AppliedGradient> {
+        self.strategy.applied_gradients()
+    }
+
     /// The validation loss after step `step`: as many held-out sequences as a step's
     /// global batch, each rank taking the slice it trains on (so every layout of the same
     /// global batch evaluates the same sequences), forward only, one micro-batch at a time

@@ -9,6 +9,7 @@ use std::time::Duration;
 use distlab_common::trace::RankTrace;
 use distlab_common::*;
 use distlab_worker::comm::{Communicator, RingCommunicator};
+use distlab_worker::parallel::async_ps::ServerLinks;
 use distlab_worker::parallel::context::ContextParallel;
 use distlab_worker::parallel::expert::ExpertParallel;
 use distlab_worker::parallel::mesh::Topology;
@@ -90,8 +91,21 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
             }
             _ => None,
         };
+        // Asynchronous SGD: a two-rank group between the server (DP rank 0) and each worker.
+        let parameter_server = match p.sync {
+            DataSync::AsyncPs if coords.dp == 0 => Some(ServerLinks::Server(
+                (1..p.dp)
+                    .map(|w| Ok(Box::new(ring(&format!("ps-{w}"), vec![dp_members[0], dp_members[w]], true)?) as _))
+                    .collect::<std::io::Result<Vec<Box<dyn Communicator>>>>()?,
+            )),
+            DataSync::AsyncPs => {
+                let pair = vec![dp_members[0], dp_members[coords.dp]];
+                Some(ServerLinks::Worker(Box::new(ring(&format!("ps-{}", coords.dp), pair, true)?)))
+            }
+            _ => None,
+        };
         let (grads, scalars) = (Box::new(grads), Box::new(scalars));
-        Some(DpGroup { rank: coords.dp, world: p.dp, grads, scalars, experts, hybrid })
+        Some(DpGroup { rank: coords.dp, world: p.dp, grads, scalars, experts, hybrid, parameter_server })
     } else {
         None
     };
@@ -152,6 +166,7 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
         comm: tracer.snapshot(),
         memory: Some(run.memory),
         host: place.host(),
+        applied_gradients: run.applied_gradients,
     };
     channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
     if rank == 0 {

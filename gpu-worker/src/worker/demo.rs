@@ -65,6 +65,7 @@ pub fn run_rank(place: &Place, spec: &ExperimentSpec) -> anyhow::Result<()> {
         comm: tracer.snapshot(),
         memory: None,
         host: place.host(),
+        applied_gradients: Vec::new(),
     };
     channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
     channel.output(&RankOutput::Demo(DemoRankResult { rank, bytes_sent: comm.bytes_sent(), output }));

@@ -40,12 +40,13 @@ pub async fn memory(State(state): State<AppState>, Path(raw_id): Path<String>) -
 }
 
 /// The view of every rank 0..world_size: `measured` by rank (ranks without a report are
-/// None), the prediction of the rank's stage, and their differences.
+/// None), the planner's prediction for the rank (its stage's; under asynchronous SGD rank
+/// 0's own, with the parameter server), and their differences.
 pub fn view(spec: &ExperimentSpec, plan: Plan, mut measured: BTreeMap<i64, RankMemoryReport>) -> MemoryView {
     let ranks = (0..spec.world_size())
         .map(|rank| {
             let stage = spec.stage_of(rank);
-            let predicted = plan.stages.get(stage).map(|s| s.memory.clone()).unwrap_or_default();
+            let predicted = plan.rank_memory(spec, rank);
             let measured = measured.remove(&(rank as i64));
             let differences = measured.as_ref().map(|m| differences(&m.peak, &predicted, spec)).unwrap_or_default();
             RankMemoryView { rank: rank as u32, stage, measured, predicted, differences }

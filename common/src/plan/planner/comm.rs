@@ -66,6 +66,8 @@ pub(super) struct StageCommInput {
     /// DiLoCo: the steps between two outer steps (H), whose all-reduce of the parameter
     /// changes takes the place of the gradients' every step.
     pub(super) outer_every: Option<u64>,
+    /// Asynchronous SGD: each step's gradient pushed whole to the parameter server.
+    pub(super) async_ps: bool,
     /// Expert parallelism.
     pub(super) experts: Option<ExpertComm>,
     /// Context parallelism (Ulysses).
@@ -98,6 +100,8 @@ pub(super) struct ExpertComm {
 /// Bytes one rank of a stage sends per optimizer step (N = params_per_rank, W = dp,
 /// n = micro_batches * grad_accum, A = one b*s*d activation tensor, all ring collectives):
 ///
+/// - asynchronous SGD (`sync: async_ps`): a worker pushes its fp32 gradient and a 24-byte
+///   header, 4N + 24, and gets θ back (the server's sends: `parameter_server.rs`);
 /// - DiLoCo (`sync: diloco`, sharding none): no gradient crosses the wire; every H steps
 ///   the replicas all-reduce their fp32 parameter changes, 2(W-1)/W * N * 4: counted per
 ///   step as that over H (rounded down);
@@ -179,7 +183,7 @@ pub(super) fn stage_comm(c: StageCommInput) -> CommVolume {
     }
     v.total = [v.dp_all_reduce, v.dp_reduce_scatter, v.dp_all_gather, v.tp_all_reduce, v.pp_send, v.dp_compressed]
         .into_iter()
-        .chain([v.ep_all_to_all, v.cp_all_to_all])
+        .chain([v.ep_all_to_all, v.cp_all_to_all, v.ps_push_pull])
         .fold(0u64, u64::saturating_add);
     v
 }
@@ -199,6 +203,7 @@ fn dp_and_tp_comm(c: &StageCommInput) -> CommVolume {
         }
     };
     match c.sharding {
+        Sharding::None if c.async_ps => v.ps_push_pull = super::parameter_server::worker_push_bytes(c.params_per_rank),
         Sharding::None => match (c.compressed, c.outer_every) {
             (Some(bytes), _) => v.dp_compressed = bytes,
             // (fp32 changes round the ring once every H steps: per step, a share of it)

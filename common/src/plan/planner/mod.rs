@@ -57,6 +57,7 @@ mod activations;
 mod comm;
 mod flops;
 mod model_state;
+mod parameter_server;
 mod stages;
 mod structure;
 
@@ -94,6 +95,19 @@ pub struct Plan {
     /// ratio; interleaved (P-1) / (vM)).
     pub bubble_over_compute: f64,
     pub flops: Flops,
+    /// `sync: async_ps`: rank 0, a worker that also keeps the parameter server (the
+    /// stage's plan is every other worker's).
+    #[serde(default)]
+    pub parameter_server: Option<ParameterServerPlan>,
+}
+
+/// Rank 0 under asynchronous SGD: its memory and what it sends, the server's included.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ParameterServerPlan {
+    pub memory: RankMemory,
+    /// Per round of pushes (each worker one gradient).
+    pub comm: CommVolume,
 }
 
 /// Bytes each parameter costs, per category of model state.
@@ -187,6 +201,11 @@ pub struct CommVolume {
     pub tp_all_reduce: u64,
     /// Pipeline point-to-point sends: activations forward, their gradients backward.
     pub pp_send: u64,
+    /// Asynchronous SGD: a worker's push of its gradient (with a 24-byte header) to the
+    /// parameter server; on the server's rank, θ (with its 4-byte version) sent back for
+    /// every other worker's push.
+    #[serde(default)]
+    pub ps_push_pull: u64,
     /// DDP's gradients compressed (`parallel.grad_compression`) in place of `dp_all_reduce`:
     /// top-k's and int8's all-gathers, PowerSGD's all-reduces of P and Q.
     #[serde(default)]
@@ -237,14 +256,36 @@ impl Plan {
     /// the dp x tp ranks of that stage.
     pub fn memory_of_all_ranks(&self) -> u64 {
         let per_stage = self.world_size / (self.stages.len().max(1) as u64);
-        self.stages.iter().map(|s| s.memory.total.saturating_mul(per_stage)).fold(0, u64::saturating_add)
+        let server = match (&self.parameter_server, self.stages.first()) {
+            (Some(server), Some(worker)) => server.memory.total.saturating_sub(worker.memory.total),
+            _ => 0,
+        };
+        self.stages.iter().map(|s| s.memory.total.saturating_mul(per_stage)).fold(server, u64::saturating_add)
     }
 
     /// At most the bytes one GPU holds when the ranks take `gpus` GPUs in turn (rank mod
     /// gpus, as the CUDA worker places them): the peak rank's memory times the ranks that
     /// share a GPU.
     pub fn memory_per_gpu(&self, gpus: u64) -> u64 {
-        let peak_rank = self.stages.get(self.peak_stage).map_or(0, |s| s.memory.total);
-        peak_rank.saturating_mul(self.world_size.div_ceil(gpus.max(1)))
+        self.peak_rank_memory().total.saturating_mul(self.world_size.div_ceil(gpus.max(1)))
+    }
+
+    /// The memory of the rank that needs the most: one of the peak stage's, or the
+    /// parameter server's rank when it holds more.
+    pub fn peak_rank_memory(&self) -> RankMemory {
+        let stage = self.stages.get(self.peak_stage).map(|s| s.memory.clone()).unwrap_or_default();
+        match &self.parameter_server {
+            Some(server) if server.memory.total > stage.total => server.memory.clone(),
+            _ => stage,
+        }
+    }
+
+    /// The memory the planner predicts for `rank` of `spec` (this plan's): its stage's, or
+    /// the parameter server's for data-parallel rank 0 under asynchronous SGD.
+    pub fn rank_memory(&self, spec: &crate::ExperimentSpec, rank: usize) -> RankMemory {
+        match &self.parameter_server {
+            Some(server) if rank == 0 => server.memory.clone(),
+            _ => self.stages.get(spec.stage_of(rank)).map(|s| s.memory.clone()).unwrap_or_default(),
+        }
     }
 }

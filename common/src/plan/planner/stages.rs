@@ -10,6 +10,7 @@ use super::activations::{
 use super::comm::{stage_comm, wire_bytes, ContextComm, ExpertComm, StageCommInput};
 use super::flops::step_flops;
 use super::model_state::{activation_bytes, bytes_per_param, model_state_with_shard, OFFLOAD_PIECE_ELEMENTS};
+use super::parameter_server::parameter_server;
 use super::structure::check_structure;
 use super::{Plan, RankMemory, StagePlan};
 use crate::plan::compression::{self, Compressor};
@@ -180,6 +181,14 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let (gets_activations, gets_gradients) = pipe.receives(s);
         let receive_buffers = u64::from(gets_activations) + u64::from(gets_gradients) + u(pipe.held_early(s));
         let comm_buffers = comm_buffers.saturating_add(receive_buffers.saturating_mul(res_d).saturating_mul(act_bytes));
+        // Asynchronous SGD: a worker's gradient going out and θ coming back, fp32 in host
+        // memory (the device's own on the CPU backend).
+        let async_ps = p.sync == DataSync::AsyncPs && dp > 1;
+        let worker_host = if async_ps { params_per_rank.saturating_mul(2 * 4) } else { 0 };
+        let (comm_buffers, worker_offloaded) = match spec.backend {
+            BackendKind::Cpu => (comm_buffers.saturating_add(worker_host), 0),
+            BackendKind::Cuda => (comm_buffers, worker_host),
+        };
 
         // Activations (elements). Every stage keeps its input per micro-batch (the first
         // stage: the embedding output; the others: what the previous stage sent); the last
@@ -252,8 +261,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // parameters of the last outer step, and its momentum.
         let outer = match p.sync {
             DataSync::Diloco => params_per_rank.saturating_mul(4 * (1 + u64::from(p.outer_momentum > 0.0))),
-            DataSync::EveryStep => 0,
+            DataSync::EveryStep | DataSync::AsyncPs => 0,
         };
+        // (an asynchronous worker keeps no optimizer: the server does)
+        let optimizer_state = if async_ps { 0 } else { optimizer_state };
+        let offloaded = offloaded.saturating_add(worker_offloaded);
         let (optimizer_state, offloaded) = match spec.backend {
             BackendKind::Cpu => (optimizer_state.saturating_add(outer), offloaded),
             BackendKind::Cuda => (optimizer_state, offloaded.saturating_add(outer)),
@@ -340,6 +352,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
             ranks_per_node: p.ranks_per_node,
             compressed: compressing.then(|| compressor.bytes_sent(&shapes, p.dp)),
             outer_every: (p.sync == DataSync::Diloco).then_some(p.outer_steps_every),
+            async_ps,
             experts: (ep > 1).then(|| ExpertComm {
                 params: experts_here,
                 ep,
@@ -369,6 +382,10 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
 
     let world_size = dp.saturating_mul(tp).saturating_mul(pp);
     let flops = step_flops(spec, world_size);
+    let parameter_server = match stages.first() {
+        Some(worker) if p.sync == DataSync::AsyncPs && dp > 1 => Some(parameter_server(worker, spec)),
+        _ => None,
+    };
     Ok(Plan {
         param_count,
         world_size,
@@ -380,6 +397,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // idle / busy = bubble / (1 - bubble): (P-1)/M, (P-1)/(vM), (P-1)/(3M).
         bubble_over_compute: pipe.formula_bubble() / (1.0 - pipe.formula_bubble()),
         flops,
+        parameter_server,
     })
 }
 

@@ -127,6 +127,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::ZbvBubble => "zbv",
         ClaimCheck::DualPipeVAgainstZbv => "dualpipev",
         ClaimCheck::DilocoBytes => "diloco",
+        ClaimCheck::ParameterServerBottleneck => "async-ps",
         ClaimCheck::LambLargeBatch => "lamb-large-batch",
         ClaimCheck::HsdpAcrossGroups => "hsdp",
         ClaimCheck::ModelFlopUtilisation => "reference",
@@ -139,7 +140,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
 /// checkpointing (its memory), with the GPipe schedule (activation peaks per stage), with
 /// naive attention, with FSDP's prefetch, with sequence parallelism, with a 2-byte wire,
 /// gathering in the wire format rather than FP8, under ZB-H1 rather than ZBV, with DDP's
-/// every-step sync rather than DiLoCo's, with AdamW rather than LAMB, with more accumulation steps, with room for every token in each expert, or with the
+/// every-step sync rather than DiLoCo's or a parameter server's, with AdamW rather than LAMB, with more accumulation steps, with room for every token in each expert, or with the
 /// optimizer's state in memory. None: the check needs no partner.
 pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &ExperimentSpec) -> Option<bool> {
     let mut twin = run.clone();
@@ -179,6 +180,7 @@ pub fn is_partner(check: ClaimCheck, run: &ExperimentSpec, candidate: &Experimen
             (twin.parallel.outer_steps_every, twin.parallel.outer_lr, twin.parallel.outer_momentum) =
                 (candidate.parallel.outer_steps_every, candidate.parallel.outer_lr, candidate.parallel.outer_momentum);
         }
+        ClaimCheck::ParameterServerBottleneck => twin.parallel.sync = crate::DataSync::EveryStep,
         ClaimCheck::ContextParallel => (twin.parallel.dp, twin.parallel.cp) = (run.parallel.data_replicas(), 1),
         ClaimCheck::LambLargeBatch => twin.train.optimizer = crate::Optimizer::Adamw,
         ClaimCheck::HsdpAcrossGroups => {
@@ -203,6 +205,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::TwoByteWire => traffic::two_byte_wire(input),
         ClaimCheck::Fp8AllGather => traffic::fp8_all_gather(input),
         ClaimCheck::DilocoBytes => traffic::diloco_bytes(input),
+        ClaimCheck::ParameterServerBottleneck => traffic::parameter_server_bottleneck(input),
         ClaimCheck::HsdpAcrossGroups => traffic::hsdp_across_groups(input),
         ClaimCheck::TpAllreduces => traffic::tp_allreduces(input),
         ClaimCheck::TreeAllreduce => all_reduce::tree(run),
@@ -337,6 +340,7 @@ mod tests {
             ClaimCheck::ZbvBubble,
             ClaimCheck::DualPipeVAgainstZbv,
             ClaimCheck::DilocoBytes,
+            ClaimCheck::ParameterServerBottleneck,
             ClaimCheck::LambLargeBatch,
             ClaimCheck::HsdpAcrossGroups,
         ] {

@@ -370,6 +370,41 @@ pub(super) fn diloco_bytes(input: &Inputs) -> Result<Measurement, String> {
     ))
 }
 
+/// Asynchronous SGD (this run) against DDP on the same ranks (the partner): the bytes rank
+/// 0, the parameter server, sent per step (the parameters back to every other worker for
+/// each of their gradients) against a DDP rank's ring all-reduce, both the planner's.
+pub(super) fn parameter_server_bottleneck(input: &Inputs) -> Result<Measurement, String> {
+    let ddp = input
+        .partner
+        .ok_or("no finished run of the same config with sync every_step yet (resubmit the preset with it)")?;
+    let server = input.plan.parameter_server.as_ref().ok_or("the run is not asynchronous (sync async_ps)")?;
+    let (ours, _) = rank0_sent_and_planned(input.run, &[CollectiveOp::Send])?;
+    let (theirs, ddp_planned) = rank0_sent_and_planned(ddp, &[CollectiveOp::AllReduce])?;
+    let (planned, w) = (server.comm.ps_push_pull, input.spec.parallel.dp as f64);
+    let ratio = ours as f64 / theirs.max(1) as f64;
+    Ok(input.m(
+        format!(
+            "the server sends the parameters back for each of the W-1 = {} other workers' gradients, (W-1) x 4N: {} \
+             per round, where a ring all-reduce sends 2(W-1)/W x 4N = {} from every rank: W/2 = {:.1}x as much",
+            input.spec.parallel.dp - 1,
+            bytes_text(planned),
+            bytes_text(ddp_planned.dp_all_reduce),
+            w / 2.0
+        ),
+        format!(
+            "{} per step from rank 0, DDP's rank 0 (run {}) {}: {ratio:.2}x",
+            bytes_text(ours),
+            ddp.view.id,
+            bytes_text(theirs)
+        ),
+        input.spec.parallel.sync == crate::DataSync::AsyncPs
+            && ddp.view.spec.parallel.sync == crate::DataSync::EveryStep
+            && ours == planned
+            && (ddp_planned.dp_all_reduce..=ddp_planned.dp_all_reduce + SCALAR_BYTES).contains(&theirs)
+            && (ratio - w / 2.0).abs() <= 0.05 * w / 2.0,
+    ))
+}
+
 /// HSDP (this run) against FSDP on the same ranks (the partner): the bytes every rank
 /// together sent per step to ranks outside its shard group, from the traces' per-peer
 /// counts. HSDP's are its shards' all-reduce across the groups (the planner's, with the
@@ -571,6 +606,33 @@ mod tests {
             0,
         );
         assert!(!check(&paper).agrees);
+    }
+
+    #[test]
+    fn the_parameter_server_is_held_to_its_bytes_against_a_ring_ranks() {
+        let spec = presets().into_iter().find(|p| p.key == "async-ps").map(|p| p.spec).unwrap_or_default();
+        let mut ddp = spec.clone();
+        ddp.parallel.sync = crate::DataSync::EveryStep;
+        assert_eq!(is_partner(ClaimCheck::ParameterServerBottleneck, &spec, &ddp), Some(true));
+        assert_eq!(canonical_preset(ClaimCheck::ParameterServerBottleneck), "async-ps");
+        let server = planner::plan(&spec).unwrap().parameter_server.unwrap().comm.ps_push_pull;
+        let ring = planner::plan(&ddp).unwrap().stages[0].comm.dp_all_reduce;
+        let (v, dv) = (succeeded_view(1, spec, None), succeeded_view(2, ddp, None));
+        let check = |sent: u64, ring_sent: u64| {
+            let ours = traced(vec![counter(CollectiveOp::Send, 6, 2 * sent)], 0);
+            let theirs = traced(vec![counter(CollectiveOp::AllReduce, 4, 2 * ring_sent)], 0);
+            let partner = RunEvidence { view: &dv, metrics: &[], ranks: &theirs, traced_steps: 2 };
+            let run = RunEvidence { view: &v, metrics: &[], ranks: &ours, traced_steps: 2 };
+            measure(ClaimCheck::ParameterServerBottleneck, &run, Some(&partner)).unwrap()
+        };
+        // Two steps; DDP's loss float rides along in its all-reduce.
+        let got = check(server, ring + 16);
+        assert!(got.agrees, "{got:?}");
+        assert!(got.predicted.contains("W/2 = 2.0x"), "{}", got.predicted);
+        // A server that sent the parameters to only one worker a round, or every gradient
+        // back to every worker as an all-reduce would, is not the run the card describes.
+        assert!(!check(server / 3, ring + 16).agrees);
+        assert!(!check(server, 2 * ring).agrees);
     }
 
     #[test]

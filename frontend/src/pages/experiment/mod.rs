@@ -31,7 +31,7 @@ use leptos_router::hooks::use_params_map;
 use self::header::RunHeader;
 use self::links::RunLinks;
 use self::outcome::{CollectivePanel, DemoOverview};
-use self::sections::{LogCard, MemoryCard, TimelineCard};
+use self::sections::{LogCard, MemoryCard, StalenessCard, TimelineCard};
 use self::training::TrainingRun;
 use crate::api::{self, EventStream};
 use crate::components::spec_view::SpecView;
@@ -298,6 +298,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                 </section>
                 {try_model}
                 <TimelineCard live=live/>
+                <StalenessCard live=live/>
                 {spec.demo.is_none().then(|| view! { <MemoryCard spec=spec.clone() live=live/> })}
                 <section class="card">
                     <h2>"Spec"</h2>

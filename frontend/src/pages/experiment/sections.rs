@@ -7,6 +7,7 @@ use leptos::prelude::*;
 
 use super::Live;
 use crate::components::memory_section::{predicted_only, MemorySection};
+use crate::components::staleness_chart::StalenessChart;
 use crate::components::timeline::{RankSpans, Timeline};
 
 /// Every rank's timeline, once the run has stored its traces.
@@ -28,6 +29,29 @@ pub(super) fn TimelineCard(live: Live) -> impl IntoView {
                         "Hover a box for its name, duration and bytes."
                     </p>
                     <Timeline ranks=ranks/>
+                </section>
+            })
+        }}
+    }
+}
+
+/// Asynchronous SGD: every gradient the parameter server applied and how stale it was,
+/// once the server's rank has stored its trace.
+#[component]
+pub(super) fn StalenessCard(live: Live) -> impl IntoView {
+    let trace = live.trace;
+    view! {
+        {move || {
+            let applied = trace.with(|t| {
+                t.as_ref().and_then(|t| t.ranks.iter().find(|r| !r.applied_gradients.is_empty())).map(|r| r.applied_gradients.clone())
+            });
+            applied.map(|applied| view! {
+                <section class="card" id="staleness-card">
+                    <h2>"The parameter server's updates, and how stale each gradient was"</h2>
+                    <p class="muted small">
+                        "Measured: the server's record of every gradient it applied. A gradient's staleness is how many other workers' gradients reached the parameters between the pull it was computed on and its push; synchronous data parallelism applies every gradient at staleness 0."
+                    </p>
+                    <StalenessChart applied=applied/>
                 </section>
             })
         }}

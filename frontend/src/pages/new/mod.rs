@@ -214,8 +214,9 @@ const SECTIONS: &[SectionDef] = &[
             ),
             f(
                 "parallel.sync",
-                Kind::Choice(&["every_step", "diloco"]),
-                "how replicas stay together: gradients summed every step, or DiLoCo's local steps and an outer step every H",
+                Kind::Choice(&["every_step", "diloco", "async_ps"]),
+                "how replicas stay together: gradients summed every step, DiLoCo's local steps and an outer step every H, \
+                 or asynchronous SGD through a parameter server on rank 0",
             ),
             f("parallel.outer_steps_every", Kind::Int, "diloco: inner steps each replica takes alone between outer steps (H)"),
             f("parallel.outer_lr", Kind::Float, "diloco: the outer step's learning rate on the replicas' mean change"),
