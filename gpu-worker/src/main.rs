@@ -275,6 +275,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 ],
                 run_dir: &run_dir,
                 env: vec![],
+                replicas: false,
             };
             let result = worker::launch::launch(
                 &spec,

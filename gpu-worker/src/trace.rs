@@ -15,6 +15,18 @@ pub fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
+thread_local! {
+    /// Set on a thread whose collectives are training's whatever the rank's compute thread
+    /// does (the parameter server's threads, which serve workers while rank 0 evaluates).
+    static TRAINING_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The collectives this thread runs from now on count as training's, even while the rank
+/// evaluates.
+pub fn count_this_thread_as_training() {
+    TRAINING_ONLY.with(|t| t.set(true));
+}
+
 /// One rank's communication record, shared by the rank's communicators (one per group).
 pub struct CommTracer {
     trace: Mutex<RankCommTrace>,
@@ -34,6 +46,11 @@ impl CommTracer {
         self.evaluating.store(evaluating, Ordering::Relaxed);
     }
 
+    /// Whether the call being counted is an evaluation's.
+    fn evaluating(&self) -> bool {
+        self.evaluating.load(Ordering::Relaxed) && !TRAINING_ONLY.with(|t| t.get())
+    }
+
     /// Whether the next collective should be recorded step by step.
     pub fn wants_detail(&self) -> bool {
         let t = self.lock();
@@ -44,7 +61,7 @@ impl CommTracer {
     pub fn record(&self, record: CollectiveRecord, steps: Vec<RingStep>) {
         let duration = record.end_us.saturating_sub(record.start_us);
         let call = (record.elements, record.bytes_sent, duration);
-        if self.evaluating.load(Ordering::Relaxed) {
+        if self.evaluating() {
             return add_to_counters(&mut self.lock().evaluation, record.op, record.bytes_from_formula, call);
         }
         let mut t = self.lock();
@@ -59,14 +76,14 @@ impl CommTracer {
     /// many per step, each one message to one peer).
     pub fn count(&self, op: CollectiveOp, elements: u64, bytes_sent: u64, duration_us: u64) {
         let mut t = self.lock();
-        let counters = if self.evaluating.load(Ordering::Relaxed) { &mut t.evaluation } else { &mut t.counters };
+        let counters = if self.evaluating() { &mut t.evaluation } else { &mut t.counters };
         add_to_counters(counters, op, false, (elements, bytes_sent, duration_us));
     }
 
     /// Counts `bytes` this rank sent to global rank `to` in training (what each link
     /// carried, whether or not its collective is recorded step by step).
     pub fn count_sent_to(&self, to: u32, bytes: u64) {
-        if self.evaluating.load(Ordering::Relaxed) {
+        if self.evaluating() {
             return;
         }
         let mut t = self.lock();

@@ -190,6 +190,13 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-tests", "--test", "async_ps", "the_server_applies_every_workers_gradient"],
     },
     Mutant {
+        name: "A rejoining replica takes the parameters but a fresh optimizer state (stale m, v and step count)",
+        file: "gpu-worker/src/parallel/fault_tolerant.rs",
+        find: "let optimizer = OptimizerState { steps_taken, m, v, master };",
+        replace: "let optimizer = OptimizerState { steps_taken: 0, m: vec![0.0; m.len()], v: vec![0.0; v.len()], master };",
+        tests: &["-p", "distlab-tests", "--test", "fault_tolerance", "a_killed_replica_rejoins"],
+    },
+    Mutant {
         name: "LAMB's and LARS's trust ratio ignored (every tensor takes AdamW's or SGD's plain step)",
         file: "gpu-worker/src/optim/mod.rs",
         find: "let lr = lr * ratio;",

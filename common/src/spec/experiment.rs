@@ -278,6 +278,35 @@ pub struct ParallelSpec {
     /// `sharding: hsdp`: data-parallel ranks per shard group (0: `ranks_per_node`, the
     /// consecutive data-parallel ranks the spec counts to a node).
     pub shard_group: usize,
+    /// What happens when a rank's process dies: the run fails (and is resumed from a
+    /// checkpoint), or the other data-parallel replicas go on without it and a
+    /// replacement rejoins from a live peer (`parallel/fault_tolerant.rs`).
+    pub fault_tolerance: FaultTolerance,
+}
+
+/// What a run does when one of its rank processes dies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum FaultTolerance {
+    /// The whole run stops; a worker resumes it from its latest checkpoint.
+    #[default]
+    None,
+    /// TorchFT's idea: the data-parallel replicas agree on who is alive every step (a
+    /// quorum kept by the worker); the step a replica dies in finishes without it, and a
+    /// replacement process rejoins at a later step by copying the parameters and
+    /// optimizer state of a live replica.
+    Replicas,
+}
+
+impl FaultTolerance {
+    /// Its name in a spec's JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultTolerance::None => "none",
+            FaultTolerance::Replicas => "replicas",
+        }
+    }
 }
 
 /// How context-parallel ranks, each holding T/cp tokens of every sequence, run attention.
@@ -777,6 +806,7 @@ impl Default for ParallelSpec {
             outer_lr: 0.7,
             outer_momentum: 0.9,
             shard_group: 0,
+            fault_tolerance: FaultTolerance::None,
         }
     }
 }

@@ -315,6 +315,9 @@ impl ExperimentSpec {
             DataSync::AsyncPs => self.check_async_ps(&mut err),
             DataSync::EveryStep => {}
         }
+        if p.fault_tolerance == FaultTolerance::Replicas {
+            self.check_fault_tolerance(&mut err);
+        }
         if self.train.optimizer.layer_wise() {
             self.check_layer_wise(&mut err);
         }
@@ -822,6 +825,85 @@ impl ExperimentSpec {
             refuse(
                 "train.checkpoint_every",
                 "checkpoints do not keep the server's parameters and optimizer yet: use checkpoint_every=0".into(),
+            );
+        }
+    }
+
+    /// `fault_tolerance: replicas`: data-parallel replicas of one rank each, holding the
+    /// whole model, that a quorum keeps together.
+    fn check_fault_tolerance(&self, err: &mut impl FnMut(&str, String)) {
+        let (t, p) = (&self.train, &self.parallel);
+        let mut refuse = |field: &str, why: String| err(field, format!("fault_tolerance=replicas: {why}"));
+        if p.dp < 2 {
+            refuse(
+                "parallel.dp",
+                format!("the replicas go on without the one that dies: use dp of 2 or more (it is {})", p.dp),
+            );
+        }
+        if p.sharding != Sharding::None {
+            refuse(
+                "parallel.sharding",
+                format!(
+                    "a replacement copies the whole model and optimizer from any live replica, so every replica \
+                     holds all of it: use sharding=none (it is {})",
+                    p.sharding.as_str()
+                ),
+            );
+        }
+        if p.sync != DataSync::EveryStep {
+            refuse(
+                "parallel.sync",
+                format!("the replicas sum their gradients every step: use sync=every_step (it is {})", p.sync.as_str()),
+            );
+        }
+        for (field, name, size) in [
+            ("parallel.tp", "tp", p.tp),
+            ("parallel.pp", "pp", p.pp),
+            ("parallel.ep", "ep", p.ep),
+            ("parallel.cp", "cp", p.cp),
+        ] {
+            if size > 1 {
+                refuse(
+                    field,
+                    format!(
+                        "a replica is one rank that can die alone; ranks that split a model would take their \
+                         partners with them: use {name}=1 (it is {size})"
+                    ),
+                );
+            }
+        }
+        if p.grad_compression != GradCompression::None || p.allreduce != AllReduce::Ring {
+            refuse(
+                "parallel.grad_compression",
+                "each quorum's gradients are summed by a plain ring of its members: use grad_compression=none, \
+                 allreduce=ring"
+                    .into(),
+            );
+        }
+        if p.comm_dtype != Precision::Fp32 {
+            refuse(
+                "parallel.comm_dtype",
+                format!("the gradients cross the wire in fp32: use comm_dtype=fp32 (it is {})", p.comm_dtype.as_str()),
+            );
+        }
+        if p.offload != Offload::None {
+            refuse(
+                "parallel.offload",
+                "a replacement copies the optimizer's state from a peer's memory: use offload=none".into(),
+            );
+        }
+        if t.precision == Precision::Fp16 {
+            refuse(
+                "train.precision",
+                "the dynamic loss scale is not copied to a replacement yet: use precision=fp32 or bf16".into(),
+            );
+        }
+        if t.checkpoint_every > 0 {
+            refuse(
+                "train.checkpoint_every",
+                "the live replicas are the replacement's checkpoint; checkpoints written by a rank that can die \
+                 and come back are not kept yet: use checkpoint_every=0"
+                    .into(),
             );
         }
     }
@@ -1369,6 +1451,18 @@ mod tests {
                     ("parallel.sharding", "sharding=zero2 splits state across data-parallel ranks"),
                     ("parallel.dp", "sync=async_ps: workers push to a parameter server on rank 0: use dp of 2 or more (it is 1)"),
                     ("parallel.sharding", "sync=async_ps: every worker holds the whole model"),
+                ],
+            ),
+            (
+                json!({"parallel": {"fault_tolerance": "replicas"}}),
+                vec![("parallel.dp", "fault_tolerance=replicas: the replicas go on without the one that dies: use dp of 2 or more (it is 1)")],
+            ),
+            (
+                json!({"parallel": {"fault_tolerance": "replicas", "dp": 2, "tp": 2}, "train": {"precision": "fp16", "loss_scaling": "dynamic", "checkpoint_every": 5}}),
+                vec![
+                    ("parallel.tp", "fault_tolerance=replicas: a replica is one rank that can die alone"),
+                    ("train.precision", "fault_tolerance=replicas: the dynamic loss scale is not copied"),
+                    ("train.checkpoint_every", "fault_tolerance=replicas: the live replicas are the replacement's checkpoint"),
                 ],
             ),
             (

@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 use distlab_common::trace::{AppliedGradient, Span};
 use distlab_common::{ExperimentSpec, Optimizer as OptimizerKind};
 
-use super::{load_params, params_f32, SavedState, StateView, Strategy, TrainBackend};
+use super::{host_category, load_params, params_f32, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
 use crate::comm::{CommError, Communicator};
 use crate::error::TrainError;
@@ -180,16 +180,6 @@ pub struct AsyncPs<B: TrainBackend> {
     _receipts: Vec<Receipt>,
 }
 
-/// Where host memory is booked: as `on_device` where the host is the device (the CPU
-/// backend), as offloaded beside a GPU.
-fn host_category<B: TrainBackend>(be: &B, on_device: Category) -> Category {
-    if be.buffers_on_host() {
-        on_device
-    } else {
-        Category::Offloaded
-    }
-}
-
 impl<B: TrainBackend> AsyncPs<B> {
     pub fn new(
         spec: &ExperimentSpec,
@@ -239,7 +229,10 @@ impl<B: TrainBackend> AsyncPs<B> {
                         let server = server.clone();
                         std::thread::Builder::new()
                             .name(format!("distlab-ps-{}", i + 1))
-                            .spawn(move || serve(&server, comm.as_mut(), i + 1, &mut vec![0.0; len]))
+                            .spawn(move || {
+                                crate::trace::count_this_thread_as_training();
+                                serve(&server, comm.as_mut(), i + 1, &mut vec![0.0; len])
+                            })
                             .map_err(|e| TrainError::Unsupported(format!("cannot start the server's thread: {e}")))
                     })
                     .collect::<Result<Vec<_>, _>>()?;
@@ -286,9 +279,10 @@ impl<B: TrainBackend> AsyncPs<B> {
 }
 
 impl<B: TrainBackend> Strategy<B> for AsyncPs<B> {
-    fn begin_step(&mut self, be: &B, step: u64, record: bool) {
+    fn begin_step(&mut self, be: &B, step: u64, record: bool) -> Result<(), TrainError> {
         self.state.zero_grads(be);
         (self.step, self.record) = (step, record);
+        Ok(())
     }
 
     fn state(&mut self, _last: bool) -> &mut dyn ModelState<B> {

@@ -216,6 +216,15 @@ impl<B: TrainBackend> Replicated<B> {
     pub(super) fn params_mut(&mut self) -> &mut B::Buf {
         &mut self.state.params
     }
+
+    /// The stage's gradients (fault-tolerant replicas sum them themselves).
+    pub(super) fn grads(&self) -> &B::Buf {
+        &self.state.grads
+    }
+
+    pub(super) fn grads_mut(&mut self) -> &mut B::Buf {
+        &mut self.state.grads
+    }
 }
 
 impl<B: TrainBackend> ModelState<B> for Replicated<B> {
@@ -243,7 +252,7 @@ impl<B: TrainBackend> ModelState<B> for Replicated<B> {
 }
 
 impl<B: TrainBackend> Strategy<B> for Replicated<B> {
-    fn begin_step(&mut self, be: &B, step: u64, record: bool) {
+    fn begin_step(&mut self, be: &B, step: u64, record: bool) -> Result<(), TrainError> {
         self.state.zero_grads(be);
         self.step = step;
         self.record = record;
@@ -253,6 +262,7 @@ impl<B: TrainBackend> Strategy<B> for Replicated<B> {
                 GradientSum::InPlace(sync) => sync.begin_step(step, record),
             }
         }
+        Ok(())
     }
 
     fn state(&mut self, last: bool) -> &mut dyn ModelState<B> {

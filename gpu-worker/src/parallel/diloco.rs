@@ -26,7 +26,7 @@ use distlab_common::trace::Span;
 use distlab_common::ExperimentSpec;
 
 use super::ddp::Replicated;
-use super::{DpGroup, SavedState, StateView, Strategy, TrainBackend};
+use super::{host_category, DpGroup, SavedState, StateView, Strategy, TrainBackend};
 use crate::backend::Stored;
 use crate::comm::{sum_scalar, CommError, Communicator, ReduceOp};
 use crate::error::TrainError;
@@ -72,7 +72,7 @@ impl<B: TrainBackend> DiLoCo<B> {
         let outer = be.read_host(be.all(inner.params()), |p| p.iter().map(|x| x.load()).collect::<Vec<f32>>());
         let p = &spec.parallel;
         let velocity = if p.outer_momentum > 0.0 { vec![0.0; outer.len()] } else { Vec::new() };
-        let category = outer_category(be, Category::OptimizerState);
+        let category = host_category(be, Category::OptimizerState);
         let receipts =
             [outer.len(), velocity.len()].into_iter().filter(|&n| n > 0).map(|n| memory.alloc(category, n)).collect();
         Ok(Self {
@@ -97,7 +97,7 @@ impl<B: TrainBackend> DiLoCo<B> {
     /// it, and every replica's parameters set to the result.
     fn outer_step(&mut self, be: &B) -> Result<(), CommError> {
         let params = self.inner.params_mut();
-        let _delta = self.memory.alloc(outer_category(be, Category::Transient), self.outer.len());
+        let _delta = self.memory.alloc(host_category(be, Category::Transient), self.outer.len());
         let mut delta = be
             .read_host(be.all(params), |p| self.outer.iter().zip(p).map(|(&o, x)| o - x.load()).collect::<Vec<f32>>());
         if self.record {
@@ -131,20 +131,11 @@ impl<B: TrainBackend> DiLoCo<B> {
     }
 }
 
-/// Where host memory of the outer step is booked: as `on_device` where the host is the
-/// device (the CPU backend), as offloaded beside a GPU.
-fn outer_category<B: TrainBackend>(be: &B, on_device: Category) -> Category {
-    if be.buffers_on_host() {
-        on_device
-    } else {
-        Category::Offloaded
-    }
-}
-
 impl<B: TrainBackend> Strategy<B> for DiLoCo<B> {
-    fn begin_step(&mut self, be: &B, step: u64, record: bool) {
+    fn begin_step(&mut self, be: &B, step: u64, record: bool) -> Result<(), TrainError> {
         (self.step, self.record) = (step, record);
-        self.inner.begin_step(be, step, record);
+        self.inner.begin_step(be, step, record)?;
+        Ok(())
     }
 
     fn state(&mut self, last: bool) -> &mut dyn ModelState<B> {

@@ -31,6 +31,7 @@ pub mod ddp;
 pub mod diloco;
 pub mod exchange;
 pub mod expert;
+pub mod fault_tolerant;
 pub mod fp8_gather;
 pub mod mesh;
 pub mod pipeline;
@@ -45,7 +46,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use distlab_common::trace::Span;
-use distlab_common::{DataSync, ExperimentSpec, Precision, Sharding};
+use distlab_common::{DataSync, ExperimentSpec, FaultTolerance, Precision, Sharding};
 
 use crate::backend::{Backend, Stored};
 use crate::comm::{CommError, Communicator, InPlace};
@@ -65,7 +66,8 @@ impl<B: Backend<Elem: Stored<Acc = f32>>> TrainBackend for B {}
 /// How one rank holds and updates the model, on backend `B`.
 pub trait Strategy<B: TrainBackend>: Send {
     /// Before a step's micro-batches: zero the gradients; `record` keeps its timeline.
-    fn begin_step(&mut self, be: &B, step: u64, record: bool);
+    /// (Fault-tolerant replicas agree here on who takes part in the step.)
+    fn begin_step(&mut self, be: &B, step: u64, record: bool) -> Result<(), TrainError>;
     /// The state the model runs a micro-batch on (`last`: the step's last micro-batch).
     fn state(&mut self, last: bool) -> &mut dyn ModelState<B>;
     /// After every micro-batch's backward: gradients summed over the group; returns the
@@ -96,6 +98,21 @@ pub trait Strategy<B: TrainBackend>: Send {
     fn end(&mut self, be: &B) -> Result<Option<String>, TrainError> {
         let _ = be;
         Ok(None)
+    }
+    /// A fault-tolerant replacement replica: the step it joins the others at (it runs
+    /// none before).
+    fn joins_at(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Where host memory a strategy keeps beside its buffers is booked: as `on_device` where
+/// the host is the device (the CPU backend), as offloaded beside a GPU.
+pub(crate) fn host_category<B: TrainBackend>(be: &B, on_device: Category) -> Category {
+    if be.buffers_on_host() {
+        on_device
+    } else {
+        Category::Offloaded
     }
 }
 
@@ -200,6 +217,9 @@ pub struct DpGroup {
     pub hybrid: Option<HybridGroups>,
     /// Asynchronous SGD: this rank's links to the parameter server (on DP rank 0).
     pub parameter_server: Option<async_ps::ServerLinks>,
+    /// Fault-tolerant replicas: the worker's quorum, through which this replica meets the
+    /// others (its `grads` and `scalars` are then one-rank groups, never used).
+    pub membership: Option<Box<dyn fault_tolerant::Membership>>,
 }
 
 /// HSDP's two groups inside the data-parallel group: `shard`, the S consecutive ranks
@@ -232,6 +252,13 @@ pub fn build<B: TrainBackend>(
                 .and_then(|g| Some((g.world, g.parameter_server?)))
                 .ok_or_else(|| TrainError::Unsupported(why.into()))?;
             Box::new(async_ps::AsyncPs::new(spec, be, layout, stage, memory, workers, links)?)
+        }
+        Sharding::None if spec.parallel.fault_tolerance == FaultTolerance::Replicas => {
+            let why = "fault_tolerance=replicas needs a data-parallel group (dp >= 2) with the worker's quorum";
+            let (place, membership) = dp
+                .and_then(|g| Some(((g.rank, g.world), g.membership?)))
+                .ok_or_else(|| TrainError::Unsupported(why.into()))?;
+            Box::new(fault_tolerant::FaultTolerant::new(spec, be, layout, stage, memory, place, membership, offload)?)
         }
         Sharding::None | Sharding::Zero1 => {
             Box::new(ddp::Replicated::new(spec, be, layout, stage, memory, dp, offload)?)

@@ -118,6 +118,7 @@ impl<B: TrainBackend> Sharded<B> {
                 experts: None,
                 hybrid: None,
                 parameter_server: None,
+                membership: None,
             },
         };
         // HSDP cuts the units over its shard group and keeps the whole group for the scalars.
@@ -385,10 +386,11 @@ impl<B: TrainBackend> ModelState<B> for Sharded<B> {
 }
 
 impl<B: TrainBackend> Strategy<B> for Sharded<B> {
-    fn begin_step(&mut self, be: &B, step: u64, record: bool) {
+    fn begin_step(&mut self, be: &B, step: u64, record: bool) -> Result<(), TrainError> {
         be.fill(be.all_mut(&mut self.grad_shard), 0.0);
         self.step = step;
         self.record = record;
+        Ok(())
     }
 
     fn state(&mut self, _last: bool) -> &mut dyn ModelState<B> {

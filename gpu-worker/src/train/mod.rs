@@ -24,7 +24,7 @@ mod trainer;
 pub use crate::error::TrainError;
 pub use fits::{available_memory_bytes, memory_bytes, ranks_fit, total_memory_bytes};
 pub use options::{CheckpointOptions, TrainOptions};
-pub use report::{RankRun, CHECKPOINT_LOG};
+pub use report::{RankRun, CHECKPOINT_LOG, REJOIN_LOG};
 pub use trainer::{CpuTrainer, Groups, StepStats, Trainer, SPAN_STEPS};
 
 use std::sync::atomic::AtomicBool;

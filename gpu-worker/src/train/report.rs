@@ -22,6 +22,9 @@ pub(crate) fn mib_bytes(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
+/// How a fault-tolerant replacement's line about its rejoin starts (it reports it itself).
+pub const REJOIN_LOG: &str = "this replica rejoins the others";
+
 /// How the log line of a checkpoint write begins.
 pub const CHECKPOINT_LOG: &str = "checkpoint of step";
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 use distlab_common::{CheckpointWrite, ExperimentSpec, RunEvent};
 
 use super::options::TrainOptions;
-use super::report::{log, mib, mib_bytes, report_checkpoints, RankRun, StepTally};
+use super::report::{log, mib, mib_bytes, report_checkpoints, RankRun, StepTally, REJOIN_LOG};
 use super::trainer::Trainer;
 use crate::backend::Stored;
 use crate::checkpoint::{self, CheckpointDir, CheckpointError, CheckpointWriter};
@@ -118,7 +118,12 @@ pub(crate) fn run<B: TrainBackend>(
         ),
     );
 
-    let mut first_step = 0;
+    // (a fault-tolerant replacement starts where the other replicas are)
+    let mut first_step = trainer.first_step();
+    if first_step > 0 {
+        let since = started.elapsed().as_secs_f64();
+        log(on_event, format!("{REJOIN_LOG} at step {first_step}, {since:.2} s after its process started"));
+    }
     let mut min_loss = f64::INFINITY;
     let mut writer = None;
     if let Some(c) = &opts.checkpoints {

@@ -187,6 +187,7 @@ impl<B: TrainBackend> Trainer<B> {
         };
         let strategy = parallel::build(spec, &backend, &model.layout, &stage, &memory, groups.dp, &offload)?;
         let links = groups.pp.map(|g| PipelineLinks::new(g, &pipe, model.stage_output_len(), &memory));
+        let first_step = strategy.joins_at().unwrap_or(0);
         // (whole sequences: context-parallel ranks read them and keep their tokens)
         let tokens = spec.train.micro_batch * spec.model.seq_len;
         memory.mark_start_up();
@@ -201,7 +202,7 @@ impl<B: TrainBackend> Trainer<B> {
             dp: place,
             context,
             place: RankPlace { dp: place.0, tp: tp_rank, pp: stage_index },
-            first_step: 0,
+            first_step,
             links,
             scaler: (t.loss_scaling == LossScaling::Dynamic).then(LossScaler::default),
             memory,
@@ -271,7 +272,7 @@ impl<B: TrainBackend> Trainer<B> {
         let pipe = Pipeline::of(&self.spec);
         let orders: Vec<Vec<Action>> = (0..pipe.stages).map(|s| pipe.actions(s)).collect();
 
-        self.strategy.begin_step(be, step, record);
+        self.strategy.begin_step(be, step, record)?;
         if let Some(tp) = self.model.tensor_parallel() {
             tp.begin_step(step, record);
         }
@@ -406,7 +407,7 @@ impl<B: TrainBackend> Trainer<B> {
         let (micro_batch, seq_len) = (self.spec.train.micro_batch, self.spec.model.seq_len);
         let micro_steps = self.spec.pipeline_micro_batches();
         let (dp_rank, dp_world) = self.dp;
-        self.strategy.begin_step(be, step, false);
+        self.strategy.begin_step(be, step, false)?;
         if let Some(tp) = self.model.tensor_parallel() {
             tp.begin_step(step, false);
         }
@@ -586,6 +587,12 @@ impl<B: TrainBackend> Trainer<B> {
 
     fn has_moments(&self) -> bool {
         self.spec.train.optimizer.keeps_moments()
+    }
+
+    /// The first step this rank runs: 0, a resumed checkpoint's, or the step a
+    /// fault-tolerant replacement joins the other replicas at.
+    pub fn first_step(&self) -> u64 {
+        self.first_step
     }
 
     pub fn place(&self) -> RankPlace {

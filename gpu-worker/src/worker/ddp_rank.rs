@@ -8,25 +8,28 @@ use std::time::Duration;
 
 use distlab_common::trace::RankTrace;
 use distlab_common::*;
-use distlab_worker::comm::{Communicator, RingCommunicator};
+use distlab_worker::comm::{Alone, Communicator, RingCommunicator};
 use distlab_worker::parallel::async_ps::ServerLinks;
 use distlab_worker::parallel::context::ContextParallel;
 use distlab_worker::parallel::expert::ExpertParallel;
+use distlab_worker::parallel::fault_tolerant::REPLICA_DIGEST_LOG;
 use distlab_worker::parallel::mesh::Topology;
 use distlab_worker::parallel::pipeline::PipelineGroup;
 use distlab_worker::parallel::tensor::TensorParallel;
 use distlab_worker::parallel::{DpGroup, HybridGroups};
 use distlab_worker::trace::CommTracer;
-use distlab_worker::train::{train_rank, Groups, TrainOptions, CHECKPOINT_LOG, SPAN_STEPS};
+use distlab_worker::train::{train_rank, Groups, TrainOptions, CHECKPOINT_LOG, REJOIN_LOG, SPAN_STEPS};
 
 use super::demo::RankOutput;
+use super::quorum::QuorumClient;
 use super::rank::{connect, LauncherChannel, Place};
 
 /// Collectives recorded step by step per rank (the first ones); counters cover the rest.
 const DETAILED_COLLECTIVES: u64 = 64;
 
 /// A fault to inject, for the launcher's failure tests:
-/// `DISTLAB_FAULT=rank:step:exit|hang|panic` makes that rank fail after that step.
+/// `DISTLAB_FAULT=rank:step:exit|hang|panic|kill` makes that rank fail after that step
+/// (`kill`: SIGKILL, as the kernel's OOM killer or a lost machine would).
 struct Fault {
     rank: usize,
     step: u64,
@@ -44,13 +47,17 @@ fn fault_from_env() -> Option<Fault> {
 
 pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_timeout: Duration) -> anyhow::Result<()> {
     let (rank, world) = (place.rank, place.world);
-    let mesh = connect(place)?;
     let p = &spec.parallel;
+    // Fault-tolerant replicas meet only through their quorum's rings, which a replacement
+    // can join: no mesh of the whole world.
+    let fault_tolerant = p.fault_tolerance == FaultTolerance::Replicas;
+    let mesh = if fault_tolerant { None } else { Some(connect(place)?) };
     let topology = Topology::new(p.dp, p.tp, p.pp);
     let coords = topology.coords(rank);
     let tracer = Arc::new(CommTracer::new(rank, DETAILED_COLLECTIVES));
-    let ring = |name: &str, members: Vec<usize>, traced: bool| {
-        RingCommunicator::new(&mesh, name, members, collective_timeout, traced.then(|| tracer.clone()))
+    let ring = |name: &str, members: Vec<usize>, traced: bool| match &mesh {
+        Some(mesh) => RingCommunicator::new(mesh, name, members, collective_timeout, traced.then(|| tracer.clone())),
+        None => Err(std::io::Error::other(format!("group {name}: fault-tolerant replicas have no world mesh"))),
     };
     // Expert parallelism: consecutive DP ranks share the experts (the all-to-all group,
     // traced); the ranks at the same place of each such group hold the same experts.
@@ -65,7 +72,19 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
     let cp =
         if cp_size > 1 { Some(ContextParallel::new(Box::new(ring("cp", cp_group.to_vec(), true)?))) } else { None };
     let replicas: Vec<usize> = dp_members.iter().copied().skip(coords.dp % ep_size).step_by(ep_size).collect();
-    let dp = if p.dp > 1 {
+    let dp = if fault_tolerant {
+        let membership = QuorumClient::connect(&place.dir, rank, collective_timeout)?;
+        Some(DpGroup {
+            rank: coords.dp,
+            world: p.dp,
+            grads: Box::new(Alone),
+            scalars: Box::new(Alone),
+            experts: None,
+            hybrid: None,
+            parameter_server: None,
+            membership: Some(Box::new(membership)),
+        })
+    } else if p.dp > 1 {
         let members = dp_members.clone();
         let mut grads = ring("dp", members.clone(), true)?;
         // The gradients' all-reduce runs the spec's algorithm (the loop's scalars the ring's).
@@ -105,7 +124,16 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
             _ => None,
         };
         let (grads, scalars) = (Box::new(grads), Box::new(scalars));
-        Some(DpGroup { rank: coords.dp, world: p.dp, grads, scalars, experts, hybrid, parameter_server })
+        Some(DpGroup {
+            rank: coords.dp,
+            world: p.dp,
+            grads,
+            scalars,
+            experts,
+            hybrid,
+            parameter_server,
+            membership: None,
+        })
     } else {
         None
     };
@@ -133,8 +161,11 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
             }
         }
         // Every rank computes the same global metrics; rank 0 speaks for the run. What only
-        // this rank knows (its checkpoint writes, its warnings) every rank reports.
-        if rank == 0 || is_about_this_rank(&event) {
+        // this rank knows (its checkpoint writes, its warnings) every rank reports. Every
+        // fault-tolerant replica sends its metric points: the launcher passes on each
+        // step's first (rank 0 may be gone).
+        let replica_metric = fault_tolerant && matches!(event, RunEvent::Metric(_));
+        if rank == 0 || replica_metric || is_about_this_rank(&event) {
             channel.output(&RankOutput::Event(Box::new(event)));
         }
     };
@@ -149,7 +180,7 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
             tp,
             ep,
             cp,
-            pipe_bytes: mesh.pipe_bytes(),
+            pipe_bytes: mesh.as_ref().map_or(0, |m| m.pipe_bytes()),
             offload_dir: opts.offload_dir.clone(),
             dataset: opts.dataset.clone(),
             cut_text: opts.cut_text.clone(),
@@ -169,7 +200,8 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
         applied_gradients: run.applied_gradients,
     };
     channel.output(&RankOutput::Event(Box::new(RunEvent::Trace(trace))));
-    if rank == 0 {
+    // (the launcher picks one fault-tolerant replica's)
+    if rank == 0 || fault_tolerant {
         channel.output(&RankOutput::Summary(Box::new(run.summary)));
     }
     Ok(())
@@ -177,7 +209,12 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
 
 fn is_about_this_rank(event: &RunEvent) -> bool {
     match event {
-        RunEvent::Log(line) => line.level != LogLevel::Info || line.message.starts_with(CHECKPOINT_LOG),
+        RunEvent::Log(line) => {
+            line.level != LogLevel::Info
+                || line.message.starts_with(CHECKPOINT_LOG)
+                || line.message.starts_with(REPLICA_DIGEST_LOG)
+                || line.message.starts_with(REJOIN_LOG)
+        }
         _ => false,
     }
 }
@@ -186,6 +223,10 @@ fn inject(kind: &str, rank: usize, step: u64) {
     eprintln!("injected fault: rank {rank} {kind} after step {step}");
     match kind {
         "exit" => std::process::exit(3),
+        // SAFETY: kill(2) on this process; SIGKILL cannot be caught, so nothing runs after.
+        "kill" => unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        },
         "panic" => panic!("injected panic on rank {rank} after step {step}"),
         "hang" => loop {
             std::thread::sleep(Duration::from_secs(3600));

@@ -131,7 +131,14 @@ pub fn execute(
     let host_0 = gang.is_none_or(|g| g.is_host_0());
     // What this worker cannot run (a demo on cuda, cuda without the feature) is refused
     // before anything starts, whichever way the spec runs.
-    let unsupported = unsupported_features(spec);
+    let mut unsupported = unsupported_features(spec);
+    if gang.is_some() && spec.parallel.fault_tolerance == FaultTolerance::Replicas {
+        unsupported.push(
+            "fault_tolerance=replicas: the replicas' quorum is kept by one worker, so the run must fit on one \
+             (this one holds only a block of its ranks)"
+                .into(),
+        );
+    }
     if !unsupported.is_empty() {
         return Err(TrainError::Unsupported(unsupported.join("; ")).into());
     }
@@ -377,6 +384,7 @@ fn launch_ranks(
             args,
             run_dir: &run_dir,
             env: vec![],
+            replicas: spec.parallel.fault_tolerance == FaultTolerance::Replicas,
         },
         Hosts::Gang(gang) => LaunchSpec {
             exe: &exe,
@@ -388,6 +396,7 @@ fn launch_ranks(
             args,
             run_dir: &run_dir,
             env: vec![],
+            replicas: false,
         },
     };
     let mut forward = |_, payload| {

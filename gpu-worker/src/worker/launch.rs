@@ -4,12 +4,14 @@
 //! Each rank talks back on its stdout, one JSON `RankMessage` per line; its stderr is kept
 //! (the last lines) for error reports. If any rank fails (an error, a panic, a signal),
 //! every other rank is killed and the run fails with that rank's message and stderr tail.
-//! A rank stuck in a collective is caught by its peers' collective timeout. No rank process
+//! A rank stuck in a collective is caught by its peers' collective timeout. With
+//! fault-tolerant replicas (`replicas`) a rank that dies is started again instead, and
+//! the others go on without it until it rejoins (`quorum.rs` keeps who is in). No rank process
 //! outlives `launch`: they are killed and reaped on every path out, and on Linux the kernel
 //! kills them if the launcher itself is killed (a SIGKILLed worker leaves no rank behind to
 //! write into checkpoints another worker resumes from).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
 use std::ops::Range;
@@ -20,7 +22,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use distlab_common::{LogLevel, LogLine, RunEvent};
+
+use super::demo::RankOutput;
 use super::protocol::RankMessage;
+use super::quorum::{Notice, QuorumKeeper};
 
 /// Keeps the last lines of a rank's stderr.
 const STDERR_TAIL_LINES: usize = 20;
@@ -58,7 +64,13 @@ pub struct LaunchSpec<'a> {
     /// Sockets live here (created if missing).
     pub run_dir: &'a Path,
     pub env: Vec<(String, String)>,
+    /// Fault-tolerant data-parallel replicas: keep their quorum, and start a rank that
+    /// dies again (at most `MAX_REPLACEMENTS` times each) instead of failing the run.
+    pub replicas: bool,
 }
+
+/// How many times one rank of fault-tolerant replicas is started again.
+pub const MAX_REPLACEMENTS: usize = 3;
 
 struct RankProcess {
     rank: usize,
@@ -111,56 +123,32 @@ pub fn launch(
         place_args.extend(["--host-ip".to_string(), ip.to_string()]);
     }
     place_args.extend(["--local-ranks".to_string(), format!("{}..{}", spec.local.start, spec.local.end)]);
+    // (listening before any rank asks it)
+    let keeper = match spec.replicas {
+        true => Some(
+            QuorumKeeper::start(spec.run_dir, spec.world)
+                .map_err(|source| LaunchError::RunDir { path: spec.run_dir.into(), source })?,
+        ),
+        false => None,
+    };
     for rank in spec.local.clone() {
-        let mut command = Command::new(spec.exe);
-        die_with_launcher(&mut command);
-        let mut child = command
-            .arg("rank")
-            .args(["--rank", &rank.to_string(), "--world", &spec.world.to_string()])
-            .arg("--dir")
-            .arg(spec.run_dir)
-            .args(&place_args)
-            .args(&spec.args)
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|source| LaunchError::Spawn { rank, source })?;
-        let stdout = child.stdout.take().expect("piped stdout");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let msg = serde_json::from_str::<RankMessage>(&line).unwrap_or_else(|_| RankMessage::Output {
-                    payload: serde_json::json!({"type": "log", "level": "info", "message": line}),
-                });
-                if tx.send((rank, msg)).is_err() {
-                    break;
-                }
-            }
-        });
-        let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
-        let tail = stderr_tail.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("[rank {rank}] {line}");
-                let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
-                if t.len() == STDERR_TAIL_LINES {
-                    t.pop_front();
-                }
-                t.push_back(line);
-            }
-        });
-        ranks.0.push(RankProcess { rank, child, stderr_tail, error: None, status: None });
+        ranks.0.push(spawn_rank(spec, rank, &place_args, &env, &tx)?);
     }
-    drop(tx);
+    let mut replicas = Replicas::default();
 
     let mut first_failure: Option<Instant> = None;
     loop {
-        // Messages first, so an error line is read before its rank's exit is noticed.
-        while let Ok((rank, msg)) = rx.recv_timeout(Duration::from_millis(20)) {
+        // Messages first, so an error line is read before its rank's exit is noticed: those
+        // waiting now, or the first to come within 20 ms (never more than are waiting, or a
+        // steady stream of them would keep the exits from being looked at).
+        let first = rx.recv_timeout(Duration::from_millis(20)).ok();
+        for (rank, msg) in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
             match msg {
+                RankMessage::Output { payload } if spec.replicas => {
+                    if let Some(payload) = replicas.pass(rank, payload) {
+                        on_output(rank, payload);
+                    }
+                }
                 RankMessage::Output { payload } => on_output(rank, payload),
                 RankMessage::Error { message, peer } => {
                     if let Some(p) = ranks.0.iter_mut().find(|p| p.rank == rank) {
@@ -172,11 +160,26 @@ pub fn launch(
         if cancel.load(Ordering::Relaxed) {
             return Err(LaunchError::Cancelled);
         }
-        for p in &mut ranks.0 {
+        if let Some(keeper) = &keeper {
+            while let Ok(notice) = keeper.notices.try_recv() {
+                replicas.heed(notice, &mut ranks.0, on_output)?;
+            }
+        }
+        for i in 0..ranks.0.len() {
+            let p = &mut ranks.0[i];
             if p.status.is_none() {
                 if let Ok(Some(status)) = p.child.try_wait() {
                     p.status = Some(status);
-                    if !status.success() && first_failure.is_none() {
+                    if !status.success() && spec.replicas && replicas.may_replace(p.rank) {
+                        let (rank, times) = (p.rank, replicas.replace(p.rank));
+                        let why = describe_status(status);
+                        let message = format!(
+                            "rank {rank}'s process {why}: the other replicas go on without it; a new process for \
+                             rank {rank} starts (replacement {times} of {MAX_REPLACEMENTS})"
+                        );
+                        on_output(rank, warning(message));
+                        ranks.0[i] = spawn_rank(spec, rank, &place_args, &env, &tx)?;
+                    } else if !status.success() && first_failure.is_none() {
                         first_failure = Some(Instant::now());
                     }
                 }
@@ -186,8 +189,14 @@ pub fn launch(
             // Drain what is left of the outputs.
             while let Ok((rank, msg)) = rx.recv_timeout(Duration::from_millis(50)) {
                 if let RankMessage::Output { payload } = msg {
-                    on_output(rank, payload);
+                    match spec.replicas {
+                        true => replicas.pass(rank, payload).into_iter().for_each(|p| on_output(rank, p)),
+                        false => on_output(rank, payload),
+                    }
                 }
+            }
+            if let Some((rank, summary)) = replicas.summary() {
+                on_output(rank, summary);
             }
             return Ok(());
         }
@@ -199,6 +208,155 @@ pub fn launch(
             }
         }
     }
+}
+
+/// The launcher's record of fault-tolerant replicas: how often each rank was started
+/// again, when each was lost, and the outputs every replica sends alike (each step's metric
+/// point, the summary), passed on once.
+#[derive(Default)]
+struct Replicas {
+    replaced: BTreeMap<usize, usize>,
+    lost_at: BTreeMap<usize, Instant>,
+    last_metric_step: Option<u64>,
+    summaries: BTreeMap<usize, serde_json::Value>,
+}
+
+impl Replicas {
+    fn may_replace(&self, rank: usize) -> bool {
+        self.replaced.get(&rank).copied().unwrap_or(0) < MAX_REPLACEMENTS
+    }
+
+    /// Counts a replacement of `rank`; returns how many it has had.
+    fn replace(&mut self, rank: usize) -> usize {
+        self.lost_at.entry(rank).or_insert_with(Instant::now);
+        let times = self.replaced.entry(rank).or_default();
+        *times += 1;
+        *times
+    }
+
+    /// What of a replica's output goes on: a step's metric point once (from the first
+    /// replica that sends it), and no summary yet (`summary` picks one at the end).
+    fn pass(&mut self, rank: usize, payload: serde_json::Value) -> Option<serde_json::Value> {
+        match serde_json::from_value::<RankOutput>(payload.clone()) {
+            Ok(RankOutput::Event(event)) => match *event {
+                RunEvent::Metric(m) if self.last_metric_step.is_some_and(|last| m.step <= last) => None,
+                RunEvent::Metric(m) => {
+                    self.last_metric_step = Some(m.step);
+                    Some(payload)
+                }
+                _ => Some(payload),
+            },
+            Ok(RankOutput::Summary(_)) => {
+                self.summaries.insert(rank, payload);
+                None
+            }
+            _ => Some(payload),
+        }
+    }
+
+    /// The summary of the lowest rank that ran every step (never started again), else of
+    /// the lowest rank.
+    fn summary(&mut self) -> Option<(usize, serde_json::Value)> {
+        let rank = self
+            .summaries
+            .keys()
+            .copied()
+            .find(|r| !self.replaced.contains_key(r))
+            .or_else(|| self.summaries.keys().next().copied())?;
+        self.summaries.remove(&rank).map(|s| (rank, s))
+    }
+
+    /// Acts on what the quorum's keeper says: its losses and rejoins go to the run's log.
+    fn heed(
+        &mut self,
+        notice: Notice,
+        ranks: &mut [RankProcess],
+        on_output: &mut dyn FnMut(usize, serde_json::Value),
+    ) -> Result<(), LaunchError> {
+        match notice {
+            Notice::Lost { rank, step, live } => {
+                self.lost_at.entry(rank).or_insert_with(Instant::now);
+                let message = format!(
+                    "replica rank {rank} lost at step {step}: {live} replica(s) go on, each step's batch is theirs \
+                     alone (the gradient is their mean) until it rejoins"
+                );
+                on_output(rank, warning(message));
+            }
+            Notice::Rejoined { rank, step, source } => {
+                let after = self.lost_at.remove(&rank).map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+                let message = format!(
+                    "replica rank {rank} rejoined at step {step}, {after:.2} s after it was lost, with the \
+                     parameters and optimizer state of rank {source} (no checkpoint)"
+                );
+                on_output(rank, warning(message));
+            }
+            Notice::Kill { rank } => {
+                if let Some(p) = ranks.iter_mut().find(|p| p.rank == rank && p.status.is_none()) {
+                    let _ = p.child.kill();
+                }
+            }
+            Notice::Broken(why) => return Err(LaunchError::RankFailed(format!("the replicas' quorum: {why}"))),
+        }
+        Ok(())
+    }
+}
+
+/// A warning line for the run's log, as a rank's output.
+fn warning(message: String) -> serde_json::Value {
+    let line = RunEvent::Log(LogLine { level: LogLevel::Warn, message });
+    serde_json::to_value(RankOutput::Event(Box::new(line))).unwrap_or_default()
+}
+
+/// Starts rank `rank`'s process, its stdout and stderr read on threads of their own (its
+/// messages into `tx`).
+fn spawn_rank(
+    spec: &LaunchSpec,
+    rank: usize,
+    place_args: &[String],
+    env: &[(String, String)],
+    tx: &mpsc::Sender<(usize, RankMessage)>,
+) -> Result<RankProcess, LaunchError> {
+    let mut command = Command::new(spec.exe);
+    die_with_launcher(&mut command);
+    let mut child = command
+        .arg("rank")
+        .args(["--rank", &rank.to_string(), "--world", &spec.world.to_string()])
+        .arg("--dir")
+        .arg(spec.run_dir)
+        .args(place_args)
+        .args(&spec.args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| LaunchError::Spawn { rank, source })?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let tx = tx.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let msg = serde_json::from_str::<RankMessage>(&line).unwrap_or_else(|_| RankMessage::Output {
+                payload: serde_json::json!({"type": "log", "level": "info", "message": line}),
+            });
+            if tx.send((rank, msg)).is_err() {
+                break;
+            }
+        }
+    });
+    let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+    let tail = stderr_tail.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[rank {rank}] {line}");
+            let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+            if t.len() == STDERR_TAIL_LINES {
+                t.pop_front();
+            }
+            t.push_back(line);
+        }
+    });
+    Ok(RankProcess { rank, child, stderr_tail, error: None, status: None })
 }
 
 /// 16 random bytes from the kernel, as hex.
