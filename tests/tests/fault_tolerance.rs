@@ -50,16 +50,18 @@ fn a_killed_replica_rejoins_without_a_lost_step_with_every_replicas_parameters()
     });
 }
 
-/// Through a server: the kill costs no attempt (the run is not re-queued), the metrics
-/// have every step, and the rejoined rank's trace marks the state it took, the same
-/// parameters the source marks it sent.
+/// Through a server, the spec's own drill killing rank 1 after step 2: the kill costs no
+/// attempt (the run is not re-queued), the metrics have every step, and the rejoined
+/// rank's trace marks the state it took, the same parameters the source marks it sent, in
+/// the planner's bytes.
 #[test]
-fn a_server_run_survives_a_killed_replica_in_one_attempt() {
+fn a_server_run_survives_its_drill_in_one_attempt() {
     let _serial = one_at_a_time();
-    let lab =
-        Lab::start_with(LabOptions { env: vec![("DISTLAB_FAULT".into(), "1:2:kill".into())], ..LabOptions::default() });
+    let lab = Lab::start();
     let steps = 40;
-    let id = lab.submit(&spec(steps));
+    let mut s = spec(steps);
+    s.parallel.fault_drill = Some(FaultDrill { rank: 1, after_step: 2 });
+    let id = lab.submit(&s);
     let exp = lab.wait_finished(id, Duration::from_secs(120));
     assert_eq!(exp.status, ExperimentStatus::Succeeded, "{exp:?}");
     let metrics: Metrics = lab.get_as(&format!("/api/experiments/{id}/metrics"));
@@ -78,5 +80,7 @@ fn a_server_run_survives_a_killed_replica_in_one_attempt() {
     assert_eq!(parameters(&took.name), parameters(&gave.name), "{} / {}", took.name, gave.name);
     assert_eq!(took.step, gave.step);
     assert_eq!(took.bytes, gave.bytes, "the state's bytes");
+    let planned = distlab_common::planner::plan(&s).unwrap().rejoin.expect("the planner's rejoin").state_bytes;
+    assert_eq!(took.bytes, Some(planned), "the state's bytes against the planner's 24 + 4N (1 + 2)");
     assert!(span(0, "replica lost: rank(s) [1]").is_some() || span(0, "replica lost: gradients").is_some());
 }

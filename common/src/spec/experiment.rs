@@ -282,6 +282,20 @@ pub struct ParallelSpec {
     /// checkpoint), or the other data-parallel replicas go on without it and a
     /// replacement rejoins from a live peer (`parallel/fault_tolerant.rs`).
     pub fault_tolerance: FaultTolerance,
+    /// `fault_tolerance: replicas`: a drill that kills one rank's process (SIGKILL, as a
+    /// crashed machine or the kernel's out-of-memory killer would) once, after a step, to
+    /// watch the others go on and a replacement rejoin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fault_drill: Option<FaultDrill>,
+}
+
+/// Which rank a fault drill kills, and after which step (0-based) it does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultDrill {
+    pub rank: usize,
+    pub after_step: u64,
 }
 
 /// What a run does when one of its rank processes dies.
@@ -807,6 +821,7 @@ impl Default for ParallelSpec {
             outer_momentum: 0.9,
             shard_group: 0,
             fault_tolerance: FaultTolerance::None,
+            fault_drill: None,
         }
     }
 }

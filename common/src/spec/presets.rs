@@ -61,6 +61,12 @@ pub fn presets() -> Vec<Preset> {
     (async_ps.parallel.dp, async_ps.parallel.sync) = (4, DataSync::AsyncPs);
     async_ps.train.micro_batch = 2;
 
+    // Four fault-tolerant replicas; a drill kills rank 2's process after step 5.
+    let mut lost_replica = ExperimentSpec { name: "lost-replica-drill".into(), ..ExperimentSpec::default() };
+    (lost_replica.parallel.dp, lost_replica.parallel.fault_tolerance) = (4, FaultTolerance::Replicas);
+    lost_replica.parallel.fault_drill = Some(FaultDrill { rank: 2, after_step: 5 });
+    lost_replica.train.micro_batch = 2;
+
     // FSDP in 2 groups of 2 (ranks_per_node 2: two "hosts"), replicas across them.
     let mut hsdp = ExperimentSpec { name: "hsdp-2-groups-of-2".into(), ..ExperimentSpec::default() };
     (hsdp.parallel.dp, hsdp.parallel.sharding, hsdp.parallel.ranks_per_node) = (4, Sharding::Hsdp, 2);
@@ -288,6 +294,12 @@ pub fn presets() -> Vec<Preset> {
             title: "Asynchronous SGD: 4 workers and a parameter server",
             description: "4 ranks each train on their own 2 sequences a step and push the gradient to a parameter server kept by rank 0, which applies each gradient as it arrives and sends the parameters back: no rank waits for another. The run's page draws every update the server applied at its staleness, how many other workers' gradients reached the parameters between a worker's pull and its push. Rank 0 sends the parameters to each of the 3 others every round, (W-1) x 4N bytes, where a ring all-reduce sends 2(W-1)/W x 4N from each rank: resubmit it with sync \"every_step\" (DDP) and compare the links and the loss.",
             spec: async_ps,
+        },
+        Preset {
+            key: "lost-replica",
+            title: "A replica lost and rejoined (4 fault-tolerant replicas, a drill)",
+            description: "4 data-parallel replicas that agree every step on who is alive, through a quorum the worker keeps. A drill kills rank 2's process (SIGKILL) after step 5: the step it dies in finishes with the 3 others (their mean gradient, the batch theirs alone), the worker starts a new process for rank 2, and at the next step's start rank 0 copies it the parameters and the AdamW state, 24 + 12N bytes, which the planner predicts. No checkpoint is read and the run is not queued again: one attempt, every step's point. The log says when the replica was lost and how long it took to rejoin; the timeline marks the loss and the copy; every replica ends with the same parameters, bit for bit (their digests are in the log).",
+            spec: lost_replica,
         },
         Preset {
             key: "hsdp",

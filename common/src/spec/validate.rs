@@ -318,6 +318,9 @@ impl ExperimentSpec {
         if p.fault_tolerance == FaultTolerance::Replicas {
             self.check_fault_tolerance(&mut err);
         }
+        if let Some(drill) = p.fault_drill {
+            self.check_fault_drill(drill, &mut err);
+        }
         if self.train.optimizer.layer_wise() {
             self.check_layer_wise(&mut err);
         }
@@ -908,6 +911,39 @@ impl ExperimentSpec {
         }
     }
 
+    /// `fault_drill`: one rank killed once, where the replicas can go on without it.
+    fn check_fault_drill(&self, drill: FaultDrill, err: &mut impl FnMut(&str, String)) {
+        let (t, p) = (&self.train, &self.parallel);
+        if p.fault_tolerance != FaultTolerance::Replicas {
+            err(
+                "parallel.fault_drill",
+                "a drill kills a rank's process to show the replicas going on without it; without \
+                 fault_tolerance=replicas the run would just fail: use fault_tolerance=replicas"
+                    .into(),
+            );
+        }
+        if drill.rank >= p.dp.max(1) {
+            err(
+                "parallel.fault_drill.rank",
+                format!(
+                    "the drill kills one of the dp={} replicas: rank must be below {} (it is {})",
+                    p.dp, p.dp, drill.rank
+                ),
+            );
+        }
+        if drill.after_step.saturating_add(2) > t.steps {
+            err(
+                "parallel.fault_drill.after_step",
+                format!(
+                    "the replicas need a step after the drill to go on in: after_step must be at most steps - 2 = {} \
+                     (it is {})",
+                    t.steps.saturating_sub(2),
+                    drill.after_step
+                ),
+            );
+        }
+    }
+
     /// `sharding: hsdp`: FSDP inside groups of S consecutive data-parallel ranks, replicas
     /// across them.
     fn check_hsdp(&self, err: &mut impl FnMut(&str, String)) {
@@ -1463,6 +1499,14 @@ mod tests {
                     ("parallel.tp", "fault_tolerance=replicas: a replica is one rank that can die alone"),
                     ("train.precision", "fault_tolerance=replicas: the dynamic loss scale is not copied"),
                     ("train.checkpoint_every", "fault_tolerance=replicas: the live replicas are the replacement's checkpoint"),
+                ],
+            ),
+            (
+                json!({"parallel": {"fault_drill": {"rank": 2, "after_step": 99}}}),
+                vec![
+                    ("parallel.fault_drill", "without fault_tolerance=replicas the run would just fail"),
+                    ("parallel.fault_drill.rank", "rank must be below 1 (it is 2)"),
+                    ("parallel.fault_drill.after_step", "after_step must be at most steps - 2 = 98 (it is 99)"),
                 ],
             ),
             (

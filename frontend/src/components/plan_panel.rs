@@ -157,6 +157,16 @@ fn PlanView(plan: Plan, spec: ExperimentSpec, stale: bool) -> impl IntoView {
             </div>
         }
     });
+    // A fault-tolerant replacement's copy: once per rejoin, not per step.
+    let rejoin = plan.rejoin.as_ref().map(|r| {
+        view! {
+            <div>
+                <span class="k">"a rejoin copies"</span>
+                <span class="v" id="planner-rejoin" title=format::bytes_exact(r.state_bytes)>{format::bytes(r.state_bytes as f64)}</span>
+                <span class="small muted">"parameters and optimizer state in fp32, from a live replica, once per replacement"</span>
+            </div>
+        }
+    });
     let bpp = plan.bytes_per_param;
     let comm_table = if rows.is_empty() {
         view! { <p class="muted small" id="planner-comm-table">"No communication: a single rank holds the whole model."</p> }
@@ -205,6 +215,7 @@ fn PlanView(plan: Plan, spec: ExperimentSpec, stale: bool) -> impl IntoView {
                     <span class="v" id="planner-comm" data-bytes=comm.total.to_string() title=format::bytes_exact(comm.total)>{format::bytes(comm.total as f64)}</span>
                 </div>
                 {bubble}
+                {rejoin}
                 <div><span class="k">"tokens / step"</span><span class="v" id="planner-tokens">{format::si(plan.flops.tokens_per_step as f64)}</span></div>
                 <div><span class="k">"FLOPs / step"</span><span class="v" id="planner-flops">{format::si(plan.flops.total)}</span></div>
                 <div><span class="k">"FLOPs / rank / step"</span><span class="v">{format::si(plan.flops.per_rank)}</span></div>

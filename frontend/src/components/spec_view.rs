@@ -169,6 +169,18 @@ pub fn SpecView(spec: ExperimentSpec) -> impl IntoView {
                         .into()
                 }
             }
+            + &match p.fault_tolerance {
+                distlab_common::FaultTolerance::None => String::new(),
+                distlab_common::FaultTolerance::Replicas => {
+                    " · fault-tolerant replicas: a rank that dies is dropped from the step, and a new process rejoins \
+                     with a live replica's state"
+                        .into()
+                }
+            }
+            + &match p.fault_drill {
+                Some(d) => format!(" · drill: rank {}'s process killed after step {}", d.rank, d.after_step),
+                None => String::new(),
+            }
     );
     let batch = format!(
         "{} sequences = {} tokens per step (dp {} × micro_batch {} × micro_batches {} × grad_accum {})",

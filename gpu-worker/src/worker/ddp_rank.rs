@@ -153,7 +153,9 @@ pub fn run(place: &Place, spec: &ValidSpec, opts: &TrainOptions, collective_time
         if p.tp > 1 { Some(TensorParallel::new(Box::new(ring("tp", topology.tp_group(rank), false)?))) } else { None };
 
     let channel = LauncherChannel;
-    let fault = fault_from_env().filter(|f| f.rank == rank);
+    // (a drill in the spec is a fault too: this rank's process killed after that step)
+    let drill = p.fault_drill.map(|d| Fault { rank: d.rank, step: d.after_step, kind: "kill".into() });
+    let fault = fault_from_env().or(drill).filter(|f| f.rank == rank);
     let mut on_event = |event: RunEvent| {
         if let (Some(f), RunEvent::Metric(m)) = (&fault, &event) {
             if m.step == f.step {

@@ -99,7 +99,23 @@ pub struct Plan {
     /// stage's plan is every other worker's).
     #[serde(default)]
     pub parameter_server: Option<ParameterServerPlan>,
+    /// `fault_tolerance: replicas`: what a replacement replica receives to rejoin.
+    #[serde(default)]
+    pub rejoin: Option<RejoinPlan>,
 }
+
+/// A fault-tolerant replacement's rejoin: the state a live replica copies it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RejoinPlan {
+    /// A 24-byte header (the optimizer's step count, the parts' lengths), then in fp32 the
+    /// N parameters, the optimizer's moments (AdamW: m and v, 2N) and mixed precision's
+    /// master weights (N): 24 + 4N (1 + 2 + 1) for AdamW in bf16.
+    pub state_bytes: u64,
+}
+
+/// Bytes of the header that opens a rejoin's state.
+pub const REJOIN_HEADER_BYTES: u64 = 24;
 
 /// Rank 0 under asynchronous SGD: its memory and what it sends, the server's included.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -12,13 +12,16 @@ use super::flops::step_flops;
 use super::model_state::{activation_bytes, bytes_per_param, model_state_with_shard, OFFLOAD_PIECE_ELEMENTS};
 use super::parameter_server::parameter_server;
 use super::structure::check_structure;
-use super::{Plan, RankMemory, StagePlan};
+use super::{Plan, RankMemory, RejoinPlan, StagePlan, REJOIN_HEADER_BYTES};
 use crate::plan::compression::{self, Compressor};
 use crate::plan::fp8_gather;
 use crate::plan::ring::ring_all_reduce_bytes;
 use crate::plan::schedule::{Action, Pipeline};
 use crate::spec::field_error::FieldError;
-use crate::spec::{BackendKind, DataSync, ExperimentSpec, Fp8Recipe, GradCompression, Offload, PpSchedule, Sharding};
+use crate::spec::{
+    BackendKind, DataSync, ExperimentSpec, FaultTolerance, Fp8Recipe, GradCompression, Offload, PpSchedule, Precision,
+    Sharding,
+};
 
 /// ZeRO-2/FSDP under a split backward: the most gradient elements waiting for their W at
 /// once on `stage` (`parallel/sharded.rs`): a chunk's units from its B to its next W, the
@@ -386,6 +389,16 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         Some(worker) if p.sync == DataSync::AsyncPs && dp > 1 => Some(parameter_server(worker, spec)),
         _ => None,
     };
+    let rejoin = match stages.first() {
+        Some(replica) if p.fault_tolerance == FaultTolerance::Replicas && dp > 1 => {
+            let n = replica.params_per_rank;
+            let moments = 2 * u64::from(spec.train.optimizer.keeps_moments());
+            let master = u64::from(spec.train.precision != Precision::Fp32);
+            let floats = n.saturating_mul(1 + moments + master);
+            Some(RejoinPlan { state_bytes: REJOIN_HEADER_BYTES.saturating_add(floats.saturating_mul(4)) })
+        }
+        _ => None,
+    };
     Ok(Plan {
         param_count,
         world_size,
@@ -398,6 +411,7 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         bubble_over_compute: pipe.formula_bubble() / (1.0 - pipe.formula_bubble()),
         flops,
         parameter_server,
+        rejoin,
     })
 }
 

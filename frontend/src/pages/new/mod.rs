@@ -221,6 +221,18 @@ const SECTIONS: &[SectionDef] = &[
             f("parallel.outer_steps_every", Kind::Int, "diloco: inner steps each replica takes alone between outer steps (H)"),
             f("parallel.outer_lr", Kind::Float, "diloco: the outer step's learning rate on the replicas' mean change"),
             f("parallel.outer_momentum", Kind::Float, "diloco: the outer step's Nesterov momentum (0: none)"),
+            f(
+                "parallel.fault_tolerance",
+                Kind::Choice(&["none", "replicas"]),
+                "when a rank's process dies: the run stops (and resumes from a checkpoint), or the other replicas go \
+                 on without it and a new process rejoins with a live replica's state",
+            ),
+            f(
+                "parallel.fault_drill.rank",
+                Kind::OptionalInt,
+                "replicas: a drill kills this rank's process once (SIGKILL)...",
+            ),
+            f("parallel.fault_drill.after_step", Kind::OptionalInt, "...after this step"),
         ],
     },
     SectionDef {
