@@ -221,6 +221,46 @@ async fn the_links_table_splits_hsdps_bytes_between_and_inside_hosts() -> Result
     result
 }
 
+/// Fault-tolerant replicas (the lost-replica preset, shortened): its drill kills rank 2's
+/// process after step 5; the run's page lists the loss and the rejoin, the parameters the
+/// replacement took the ones its source sent, and the log says how long the rejoin took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_replica_and_its_rejoin_are_listed_on_the_run_page() -> Result<()> {
+    if !browser_ready() {
+        return Ok(());
+    }
+    let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "lost-replica").context("preset")?;
+    let mut spec = preset.spec.clone();
+    (spec.train.steps, spec.train.warmup_steps) = (30, 2);
+    let lab = Lab::start();
+    let id = lab.submit(&spec);
+    let exp = lab.wait_finished(id, Duration::from_secs(120));
+    ensure!(exp.status == ExperimentStatus::Succeeded, "the run did not succeed: {exp:?}");
+    let driver = ChromeDriver::start()?;
+    let c = driver.connect().await?;
+    let result = async {
+        c.goto(&lab.url(&format!("/experiments/{id}"))).await?;
+        wait_for(&c, "the replicas card", Duration::from_secs(30), || exists(&c, "#replicas-card .replica-rejoined"))
+            .await?;
+        let lost = text(&c, "#replicas-card .replica-lost").await?;
+        ensure!(lost.contains("rank(s) 2 lost") && lost.contains("ranks 0, 1 and 3 finished the step"), "{lost}");
+        let rejoined = text(&c, "#replicas-card .replica-rejoined").await?;
+        ensure!(rejoined.contains("rank 2 rejoined with rank 0's state"), "{rejoined}");
+        ensure!(rejoined.contains("the ones rank 0 sent, bit for bit"), "{rejoined}");
+        wait_for(&c, "the rejoin in the log", Duration::from_secs(30), || async {
+            Ok(text(&c, "body").await?.contains("replica rank 2 rejoined at step"))
+        })
+        .await?;
+        save_element(&c, "#replicas-card", "replicas.png").await?;
+        save_element(&c, "#timeline-card", "replicas-timeline.png").await?;
+        Ok(())
+    }
+    .await;
+    let result = with_the_page_on_failure(&c, result, "failure-replicas.png").await;
+    let _ = c.close().await;
+    result
+}
+
 /// Asynchronous SGD (the async-ps preset, shortened): the run's page draws every gradient
 /// the parameter server applied, a dot each at its staleness, and counts them by staleness;
 /// the memory card's rank 0 holds the server's state on top of a worker's.

@@ -199,6 +199,20 @@ pub mod lane {
     pub const OFFLOAD: &str = "offload";
 }
 
+/// How fault-tolerant replicas name the spans of their membership's changes (the engine
+/// writes them, `analysis::replicas` reads them back): a loss, a replacement's copy of its
+/// state, and the copy sent; the last two end with the digest of the parameters copied.
+pub mod membership {
+    /// "replica lost: rank(s) [2]", or "replica lost: gradients again without rank(s) [2]".
+    pub const LOST: &str = "replica lost: ";
+    pub const LOST_RANKS: &str = "rank(s) ";
+    /// "rejoined: state copied from rank 0, parameters 3ddacd334a7b2dc4".
+    pub const REJOINED: &str = "rejoined: state copied from rank ";
+    /// "state copied to rank 2, which rejoins: parameters 3ddacd334a7b2dc4".
+    pub const COPIED: &str = "state copied to rank ";
+    pub const PARAMETERS: &str = "parameters ";
+}
+
 impl Span {
     /// A collective the compute thread stopped for: it can never be hidden under compute.
     pub fn blocks_compute(&self) -> bool {

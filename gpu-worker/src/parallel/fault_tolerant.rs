@@ -21,6 +21,7 @@
 
 use std::sync::Arc;
 
+use distlab_common::trace::membership::{COPIED, LOST, LOST_RANKS, PARAMETERS, REJOINED};
 use distlab_common::trace::{Span, SpanKind};
 use distlab_common::ExperimentSpec;
 use serde::{Deserialize, Serialize};
@@ -174,7 +175,7 @@ impl<B: TrainBackend> FaultTolerant<B> {
             let (sent, hash) = me.receive_state(be, source)?;
             me.joins_at = Some(quorum.step);
             me.spans.push(membership_span(
-                format!("rejoined: state copied from rank {source}, parameters {hash:016x}"),
+                format!("{REJOINED}{source}, {PARAMETERS}{hash:016x}"),
                 quorum.step,
                 start,
                 sent,
@@ -225,7 +226,7 @@ impl<B: TrainBackend> FaultTolerant<B> {
                 Verdict::Retry(quorum) => {
                     let lost: Vec<usize> =
                         self.quorum.members.iter().copied().filter(|r| !quorum.members.contains(r)).collect();
-                    let name = format!("replica lost: {what} again without rank(s) {lost:?}");
+                    let name = format!("{LOST}{what} again without {LOST_RANKS}{lost:?}");
                     self.spans.push(membership_span(name, self.step, start, sent));
                     self.switch(quorum);
                 }
@@ -345,7 +346,7 @@ impl<B: TrainBackend> Strategy<B> for FaultTolerant<B> {
         let source = quorum.source();
         self.switch(quorum);
         if !lost.is_empty() {
-            self.spans.push(membership_span(format!("replica lost: rank(s) {lost:?}"), step, start, 0));
+            self.spans.push(membership_span(format!("{LOST}{LOST_RANKS}{lost:?}"), step, start, 0));
         }
         if source == Some(self.rank) {
             for joiner in joiners {
@@ -353,7 +354,7 @@ impl<B: TrainBackend> Strategy<B> for FaultTolerant<B> {
                 // A joiner that fails to take its state dies: the next vote drops it.
                 match self.send_state(be, joiner) {
                     Ok((sent, hash)) => self.spans.push(membership_span(
-                        format!("state copied to rank {joiner}, which rejoins: parameters {hash:016x}"),
+                        format!("{COPIED}{joiner}, which rejoins: {PARAMETERS}{hash:016x}"),
                         step,
                         start,
                         sent,

@@ -31,7 +31,7 @@ use leptos_router::hooks::use_params_map;
 use self::header::RunHeader;
 use self::links::RunLinks;
 use self::outcome::{CollectivePanel, DemoOverview};
-use self::sections::{LogCard, MemoryCard, StalenessCard, TimelineCard};
+use self::sections::{LogCard, MemoryCard, ReplicasCard, StalenessCard, TimelineCard};
 use self::training::TrainingRun;
 use crate::api::{self, EventStream};
 use crate::components::spec_view::SpecView;
@@ -299,6 +299,7 @@ fn ExperimentDetail(id: i64) -> impl IntoView {
                 {try_model}
                 <TimelineCard live=live/>
                 <StalenessCard live=live/>
+                {(spec.parallel.fault_tolerance == distlab_common::FaultTolerance::Replicas).then(|| view! { <ReplicasCard live=live/> })}
                 {spec.demo.is_none().then(|| view! { <MemoryCard spec=spec.clone() live=live/> })}
                 <section class="card">
                     <h2>"Spec"</h2>

@@ -2,6 +2,7 @@
 //! are in), every rank's memory (predicted from the start, measured once the run has
 //! ended), and the live log.
 
+use distlab_common::analysis::replicas::{replica_events, ReplicaEvent};
 use distlab_common::{ExperimentSpec, LogLevel};
 use leptos::prelude::*;
 
@@ -9,6 +10,7 @@ use super::Live;
 use crate::components::memory_section::{predicted_only, MemorySection};
 use crate::components::staleness_chart::StalenessChart;
 use crate::components::timeline::{RankSpans, Timeline};
+use crate::format;
 
 /// Every rank's timeline, once the run has stored its traces.
 #[component]
@@ -55,6 +57,62 @@ pub(super) fn StalenessCard(live: Live) -> impl IntoView {
                 </section>
             })
         }}
+    }
+}
+
+/// Fault-tolerant replicas: every loss and rejoin the ranks recorded, once their traces
+/// are in.
+#[component]
+pub(super) fn ReplicasCard(live: Live) -> impl IntoView {
+    let trace = live.trace;
+    view! {
+        {move || {
+            let events = trace.with(|t| t.as_ref().map(|t| replica_events(&t.ranks)))?;
+            let rows = events.into_iter().map(|e| match e {
+                ReplicaEvent::Lost { step, lost, seen_by } => view! {
+                    <tr class="replica-lost" data-step=step>
+                        <td class="num">{step}</td>
+                        <td>{format!("rank(s) {} lost", list(&lost))}</td>
+                        <td class="muted">{format!("ranks {} finished the step without it: their mean gradient, their batch", list(&seen_by))}</td>
+                    </tr>
+                }.into_any(),
+                ReplicaEvent::Rejoined { step, rank, source, copy_ms, bytes, same_parameters } => view! {
+                    <tr class="replica-rejoined" data-step=step data-rank=rank>
+                        <td class="num">{step}</td>
+                        <td>{format!("rank {rank} rejoined with rank {source}'s state")}</td>
+                        <td class="muted">
+                            {format!("{} copied in {copy_ms:.1} ms; ", format::bytes(bytes as f64))}
+                            <span class="replica-check">{match same_parameters {
+                                Some(true) => "the parameters it took are the ones rank ".to_string() + &source.to_string() + " sent, bit for bit",
+                                Some(false) => "the parameters it took DIFFER from what rank ".to_string() + &source.to_string() + " sent",
+                                None => "the source's record is missing".to_string(),
+                            }}</span>
+                        </td>
+                    </tr>
+                }.into_any(),
+            }).collect_view();
+            Some(view! {
+                <section class="card" id="replicas-card">
+                    <h2>"Replicas lost and rejoined"</h2>
+                    <p class="muted small">
+                        "Measured: what each rank recorded when the replicas' quorum changed. A step a replica dies in finishes without it; its replacement waits for the next step's start and copies the parameters and optimizer state of a live replica (no checkpoint). The log says how long each took from the loss to the rejoin."
+                    </p>
+                    <table class="bytes-table" id="replica-events">
+                        <thead><tr><th>"step"</th><th>"what happened"</th><th>"measured"</th></tr></thead>
+                        <tbody>{rows}</tbody>
+                    </table>
+                </section>
+            })
+        }}
+    }
+}
+
+/// "0, 1 and 3".
+fn list(ranks: &[u32]) -> String {
+    let names: Vec<String> = ranks.iter().map(u32::to_string).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.join(""),
     }
 }
 
