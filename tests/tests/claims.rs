@@ -191,6 +191,17 @@ fn the_async_ps_presets_server_sends_w_over_2_times_a_ring_ranks_bytes() {
     println!("  {}\n  {}", got.predicted, got.measured);
 }
 
+/// The lost-replica preset (shortened, its drill after step 5 kept): no step lost, the
+/// replacement's copy the planner's bytes and its parameters the source's.
+#[test]
+fn the_lost_replica_presets_rejoin_copies_the_planners_bytes() {
+    let _serial = one_at_a_time();
+    let mut spec = preset("lost-replica");
+    (spec.train.steps, spec.train.warmup_steps) = (40, 2);
+    let got = check(ClaimCheck::ReplicaRejoin, &spec, None);
+    assert!(got.agrees, "{got:?}");
+}
+
 /// LAMB against AdamW at 8x the batch and lr: AdamW's loss climbs above its start, LAMB's
 /// does not, and LAMB ends lower (the preset's whole 96 steps: the climb is early, the end
 /// is the claim).

@@ -331,6 +331,39 @@ fn an_asynchronous_cuda_run_applies_every_gradient_with_the_planners_memory() {
     }
 }
 
+/// Fault-tolerant replicas on GPUs (their quorum's rings carry the gradients through host
+/// memory): a drill kills rank 1 after step 2, a replacement rejoins with rank 0's state,
+/// every step has its point, every replica ends with the same parameters, and each books
+/// the planner's memory, its host copies off the device.
+#[test]
+#[ignore = "needs a GPU: cargo xtask test runs it on the emulated one"]
+fn a_fault_tolerant_cuda_run_survives_a_lost_replica() {
+    let mut s = on_cuda(&spec("replicas-cuda"));
+    s.train.steps = 40;
+    (s.parallel.dp, s.parallel.fault_tolerance) = (2, FaultTolerance::Replicas);
+    s.parallel.fault_drill = Some(FaultDrill { rank: 1, after_step: 2 });
+    let env = gpus(false);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (points, log) = run_steps_with_env(&s, &env);
+    assert_eq!(points.len(), 40);
+    assert!(log.contains("replica rank 1 rejoined at step"), "{log}");
+    let ends: Vec<&str> = log.lines().filter_map(|l| l.split("ends with parameters ").nth(1)).collect();
+    assert_eq!(ends.len(), 2, "{log}");
+    assert_eq!(ends[0], ends[1], "the replicas' parameters differ");
+    let predicted = plan(&s).unwrap();
+    let (_, trace) = run_with_trace(&s);
+    for rank in &trace.ranks {
+        let got = &rank.memory.as_ref().expect("a memory report").peak;
+        let want = predicted.rank_memory(&s, rank.rank as usize);
+        assert_eq!(
+            (got.parameters, got.gradients, got.optimizer_state, got.comm_buffers, got.offloaded),
+            (want.parameters, want.gradients, want.optimizer_state, want.comm_buffers, want.offloaded),
+            "replica rank {}",
+            rank.rank
+        );
+    }
+}
+
 /// A cuda run whose worker is killed after step 7 resumes from the checkpoint of step 5
 /// with the losses of a run never interrupted, bit for bit (fp32, FSDP on 2 ranks).
 #[test]

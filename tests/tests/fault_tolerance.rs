@@ -32,7 +32,8 @@ fn a_killed_replica_rejoins_without_a_lost_step_with_every_replicas_parameters()
     // (run_steps_with_env checks one point per step, 0 to 39, in order)
     assert_eq!(points.len(), steps as usize);
     assert!(log.contains("rank 2's process was killed by signal 9"), "{log}");
-    let lost = number_after(&log, "replica rank 2 lost at step ").expect("the loss in the log");
+    let lost =
+        number_after(&log, "replica rank 2 lost (the replicas last agreed on step ").expect("the loss in the log");
     let rejoined = number_after(&log, "replica rank 2 rejoined at step ").expect("the rejoin in the log");
     assert!(lost >= 3 && rejoined > lost && rejoined < steps, "lost at {lost}, rejoined at {rejoined}: {log}");
     // Every replica, the rejoined one too, ends with the same parameters.
@@ -48,6 +49,23 @@ fn a_killed_replica_rejoins_without_a_lost_step_with_every_replicas_parameters()
         let line = log.lines().find(|l| l.contains("rejoined at step")).unwrap_or_default();
         line.to_string()
     });
+}
+
+/// With no replica lost, fault-tolerant replicas train as DDP does, bit for bit: the same
+/// ring sum (one message for the whole gradient), the mean over all W, the same update.
+#[test]
+fn with_no_loss_the_replicas_train_as_ddp_bit_for_bit() {
+    let _serial = one_at_a_time();
+    let replicas = spec(12);
+    let ddp = ExperimentSpec {
+        parallel: ParallelSpec { fault_tolerance: FaultTolerance::None, ..replicas.parallel.clone() },
+        ..replicas.clone()
+    };
+    let (a, b) = (run_steps(&replicas), run_steps(&ddp));
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}: replicas {} DDP {}", x.step, x.loss, y.loss);
+        assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits(), "step {}", x.step);
+    }
 }
 
 /// Through a server, the spec's own drill killing rank 1 after step 2: the kill costs no
@@ -80,7 +98,22 @@ fn a_server_run_survives_its_drill_in_one_attempt() {
     assert_eq!(parameters(&took.name), parameters(&gave.name), "{} / {}", took.name, gave.name);
     assert_eq!(took.step, gave.step);
     assert_eq!(took.bytes, gave.bytes, "the state's bytes");
-    let planned = distlab_common::planner::plan(&s).unwrap().rejoin.expect("the planner's rejoin").state_bytes;
-    assert_eq!(took.bytes, Some(planned), "the state's bytes against the planner's 24 + 4N (1 + 2)");
+    let rejoin = distlab_common::planner::plan(&s).unwrap().rejoin.expect("the planner's rejoin").state_bytes;
+    assert_eq!(took.bytes, Some(rejoin), "the state's bytes against the planner's 24 + 4N (1 + 2)");
     assert!(span(0, "replica lost: rank(s) [1]").is_some() || span(0, "replica lost: gradients").is_some());
+    // Every replica, the replacement too, holds the planner's memory: DDP's without its
+    // buckets, with the host copies of its own gradient and the quorum's sum.
+    let planned = distlab_common::planner::plan(&s).unwrap();
+    for rank in &trace.ranks {
+        let measured = rank.memory.clone().expect("a memory report").peak;
+        let predicted = planned.rank_memory(&s, rank.rank as usize);
+        for (what, m, p) in [
+            ("parameters", measured.parameters, predicted.parameters),
+            ("gradients", measured.gradients, predicted.gradients),
+            ("optimizer state", measured.optimizer_state, predicted.optimizer_state),
+            ("communication buffers", measured.comm_buffers, predicted.comm_buffers),
+        ] {
+            assert_eq!(m, p, "rank {}: {what}", rank.rank);
+        }
+    }
 }

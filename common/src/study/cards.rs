@@ -12,7 +12,7 @@ use crate::ExperimentSpec;
 /// of the flashcard deck the lab teaches from; the rest are the subjects of its chapter,
 /// notes and quiz that deck has no card for (`cards/coverage.json` maps every section of
 /// those texts to the cards that teach it).
-pub const TOPICS: u32 = 151;
+pub const TOPICS: u32 = 152;
 /// The flashcard deck's own topics.
 pub const DECK_TOPICS: u32 = 89;
 
@@ -213,6 +213,10 @@ pub enum ClaimCheck {
     /// gradient it pushed: (W-1) x 4N bytes a round on rank 0, W/2 times what a ring
     /// all-reduce sends from each rank of DDP on the same ranks, both the planner's.
     ParameterServerBottleneck,
+    /// A fault-tolerant replica killed mid-run costs no step: its replacement copies a live
+    /// replica's parameters and optimizer state, the planner's bytes, and takes exactly the
+    /// parameters its source sent.
+    ReplicaRejoin,
     /// LAMB against AdamW at the same large batch and learning rate: AdamW's loss climbs
     /// above its start before it falls, LAMB's does not, and LAMB ends lower.
     LambLargeBatch,

@@ -375,7 +375,7 @@ impl<B: TrainBackend> Strategy<B> for FaultTolerant<B> {
     /// for a retry to start from.
     fn reduce_gradients(&mut self, be: &B) -> Result<f64, CommError> {
         let len = be.buf_len(self.inner.grads());
-        let _copies = self.memory.alloc(host_category(be, Category::Transient), 2 * len);
+        let _copies = self.memory.alloc(host_category(be, Category::CommBuffers), 2 * len);
         let own = be.read_host(be.all(self.inner.grads()), |g| g.iter().map(|x| x.load()).collect::<Vec<f32>>());
         let (sums, members) = self.agreed_sum("gradients", &own)?;
         be.on_host(be.all_mut(self.inner.grads_mut()), |g| {

@@ -277,8 +277,8 @@ impl Replicas {
             Notice::Lost { rank, step, live } => {
                 self.lost_at.entry(rank).or_insert_with(Instant::now);
                 let message = format!(
-                    "replica rank {rank} lost at step {step}: {live} replica(s) go on, each step's batch is theirs \
-                     alone (the gradient is their mean) until it rejoins"
+                    "replica rank {rank} lost (the replicas last agreed on step {step}): {live} replica(s) go on, \
+                     each step's batch theirs alone (the gradient their mean) until it rejoins"
                 );
                 on_output(rank, warning(message));
             }

@@ -151,9 +151,10 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         // a chunk's gradient waits from its B).
         // (with expert parallelism the experts' gradients are summed apart, in place)
         let experts_here = if ep > 1 { layers.saturating_mul(experts_per_block) } else { 0 };
+        let fault_tolerant = p.fault_tolerance == FaultTolerance::Replicas && dp > 1;
         let comm_buffers = match p.sharding {
-            // (DiLoCo sends no gradient)
-            Sharding::None | Sharding::Zero1 if dp > 1 && p.sync == DataSync::EveryStep => {
+            // (DiLoCo sends no gradient; fault-tolerant replicas copy theirs below)
+            Sharding::None | Sharding::Zero1 if dp > 1 && p.sync == DataSync::EveryStep && !fault_tolerant => {
                 (params_per_rank - experts_here).saturating_mul(4)
             }
             Sharding::None | Sharding::Zero1 => 0,
@@ -184,10 +185,11 @@ pub fn plan(spec: &ExperimentSpec) -> Result<Plan, Vec<FieldError>> {
         let (gets_activations, gets_gradients) = pipe.receives(s);
         let receive_buffers = u64::from(gets_activations) + u64::from(gets_gradients) + u(pipe.held_early(s));
         let comm_buffers = comm_buffers.saturating_add(receive_buffers.saturating_mul(res_d).saturating_mul(act_bytes));
-        // Asynchronous SGD: a worker's gradient going out and θ coming back, fp32 in host
-        // memory (the device's own on the CPU backend).
+        // Asynchronous SGD: a worker's gradient going out and θ coming back; fault-tolerant
+        // replicas: the replica's own gradient (kept for a retry) and the quorum's sum. Both
+        // fp32 in host memory (the device's own on the CPU backend).
         let async_ps = p.sync == DataSync::AsyncPs && dp > 1;
-        let worker_host = if async_ps { params_per_rank.saturating_mul(2 * 4) } else { 0 };
+        let worker_host = if async_ps || fault_tolerant { params_per_rank.saturating_mul(2 * 4) } else { 0 };
         let (comm_buffers, worker_offloaded) = match spec.backend {
             BackendKind::Cpu => (comm_buffers.saturating_add(worker_host), 0),
             BackendKind::Cuda => (comm_buffers, worker_host),

@@ -128,6 +128,7 @@ pub fn canonical_preset(check: ClaimCheck) -> &'static str {
         ClaimCheck::DualPipeVAgainstZbv => "dualpipev",
         ClaimCheck::DilocoBytes => "diloco",
         ClaimCheck::ParameterServerBottleneck => "async-ps",
+        ClaimCheck::ReplicaRejoin => "lost-replica",
         ClaimCheck::LambLargeBatch => "lamb-large-batch",
         ClaimCheck::HsdpAcrossGroups => "hsdp",
         ClaimCheck::ModelFlopUtilisation => "reference",
@@ -206,6 +207,7 @@ pub fn measure(check: ClaimCheck, run: &RunEvidence, partner: Option<&RunEvidenc
         ClaimCheck::Fp8AllGather => traffic::fp8_all_gather(input),
         ClaimCheck::DilocoBytes => traffic::diloco_bytes(input),
         ClaimCheck::ParameterServerBottleneck => traffic::parameter_server_bottleneck(input),
+        ClaimCheck::ReplicaRejoin => traffic::replica_rejoin(input),
         ClaimCheck::HsdpAcrossGroups => traffic::hsdp_across_groups(input),
         ClaimCheck::TpAllreduces => traffic::tp_allreduces(input),
         ClaimCheck::TreeAllreduce => all_reduce::tree(run),
@@ -341,6 +343,7 @@ mod tests {
             ClaimCheck::DualPipeVAgainstZbv,
             ClaimCheck::DilocoBytes,
             ClaimCheck::ParameterServerBottleneck,
+            ClaimCheck::ReplicaRejoin,
             ClaimCheck::LambLargeBatch,
             ClaimCheck::HsdpAcrossGroups,
         ] {

@@ -5,6 +5,7 @@
 
 use super::{bytes_text, op_counters, Inputs, Measurement, RunEvidence, SCALAR_BYTES};
 use crate::analysis::pipeline::{default_step, recorded_steps};
+use crate::analysis::replicas::{replica_events, ReplicaEvent};
 use crate::plan::planner;
 use crate::study::cards::ClaimCheck;
 use crate::wire::trace::{CollectiveOp, RingPhase};
@@ -405,6 +406,45 @@ pub(super) fn parameter_server_bottleneck(input: &Inputs) -> Result<Measurement,
     ))
 }
 
+/// Fault-tolerant replicas (this run, whose drill or a crash killed a replica): the
+/// replacement's copy of a live replica's state, in the planner's bytes, the parameters it
+/// took the ones its source sent (their digests), and every step's point.
+pub(super) fn replica_rejoin(input: &Inputs) -> Result<Measurement, String> {
+    let planned =
+        input.plan.rejoin.as_ref().ok_or("the run has no fault-tolerant replicas (fault_tolerance replicas)")?;
+    let events = replica_events(input.run.ranks);
+    let rejoin = events.iter().find_map(|e| match e {
+        ReplicaEvent::Rejoined { step, rank, source, copy_ms, bytes, same_parameters } => {
+            Some((*step, *rank, *source, *copy_ms, *bytes, *same_parameters))
+        }
+        ReplicaEvent::Lost { .. } => None,
+    });
+    let (step, rank, source, copy_ms, bytes, same) =
+        rejoin.ok_or("no replica rejoined in this run (it needs a fault_drill, or a rank that died)")?;
+    let lost = events.iter().filter(|e| matches!(e, ReplicaEvent::Lost { .. })).count();
+    let (points, steps) = (input.run.metrics.len(), input.spec.train.steps);
+    let moments = if input.spec.train.optimizer.keeps_moments() { "m and v" } else { "no moments" };
+    Ok(input.m(
+        format!(
+            "a header and, in fp32, the parameters and the optimizer's {moments}{}: {}; no step lost ({steps} \
+             points); the parameters taken are the ones sent",
+            if input.spec.train.precision == crate::Precision::Fp32 { "" } else { " and master weights" },
+            bytes_text(planned.state_bytes)
+        ),
+        format!(
+            "{lost} loss(es); rank {rank} rejoined at step {step} with {} from rank {source} in {copy_ms:.1} ms, its \
+             parameters {} what rank {source} sent; {points} of {steps} step points",
+            bytes_text(bytes),
+            match same {
+                Some(true) => "the same as",
+                Some(false) => "NOT",
+                None => "not comparable with",
+            }
+        ),
+        bytes == planned.state_bytes && same == Some(true) && points as u64 == steps && lost > 0,
+    ))
+}
+
 /// HSDP (this run) against FSDP on the same ranks (the partner): the bytes every rank
 /// together sent per step to ranks outside its shard group, from the traces' per-peer
 /// counts. HSDP's are its shards' all-reduce across the groups (the planner's, with the
@@ -633,6 +673,58 @@ mod tests {
         // back to every worker as an all-reduce would, is not the run the card describes.
         assert!(!check(server / 3, ring + 16).agrees);
         assert!(!check(server, 2 * ring).agrees);
+    }
+
+    #[test]
+    fn a_rejoin_is_held_to_the_planners_bytes_and_its_sources_parameters() {
+        let spec = presets().into_iter().find(|p| p.key == "lost-replica").map(|p| p.spec).unwrap_or_default();
+        assert_eq!(canonical_preset(ClaimCheck::ReplicaRejoin), "lost-replica");
+        let planned = planner::plan(&spec).unwrap().rejoin.unwrap().state_bytes;
+        let n = planner::plan(&spec).unwrap().stages[0].params_per_rank;
+        assert_eq!(planned, 24 + 4 * n * 3, "fp32 AdamW: parameters, m and v");
+        let v = succeeded_view(3, spec.clone(), None);
+        let span = |name: &str, step: u64, bytes: u64| crate::wire::trace::Span {
+            kind: crate::wire::trace::SpanKind::Idle,
+            name: name.into(),
+            step,
+            lane: "dp-blocking".into(),
+            start_us: 0,
+            end_us: 2000,
+            layer: None,
+            bucket: None,
+            bytes: Some(bytes),
+            micro: None,
+            chunk: None,
+        };
+        let check = |took: &str, bytes: u64, points: u64| {
+            let ranks = vec![
+                RankTrace {
+                    rank: 0,
+                    spans: vec![
+                        span("replica lost: rank(s) [2]", 6, 0),
+                        span("state copied to rank 2, which rejoins: parameters 00aa", 8, bytes),
+                    ],
+                    ..RankTrace::default()
+                },
+                RankTrace { rank: 2, spans: vec![span(took, 8, bytes)], ..RankTrace::default() },
+            ];
+            let metrics: Vec<crate::MetricPoint> =
+                (0..points).map(|step| crate::MetricPoint { step, ..Default::default() }).collect();
+            measure(
+                ClaimCheck::ReplicaRejoin,
+                &RunEvidence { view: &v, metrics: &metrics, ranks: &ranks, traced_steps: 3 },
+                None,
+            )
+            .unwrap()
+        };
+        let steps = spec.train.steps;
+        let got = check("rejoined: state copied from rank 0, parameters 00aa", planned, steps);
+        assert!(got.agrees, "{got:?}");
+        // Other parameters than the source sent, a copy without the optimizer's moments, or
+        // a lost step: not the run the card describes.
+        assert!(!check("rejoined: state copied from rank 0, parameters 00ab", planned, steps).agrees);
+        assert!(!check("rejoined: state copied from rank 0, parameters 00aa", 24 + 4 * n, steps).agrees);
+        assert!(!check("rejoined: state copied from rank 0, parameters 00aa", planned, steps - 1).agrees);
     }
 
     #[test]
