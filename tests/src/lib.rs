@@ -631,3 +631,21 @@ mod tests {
         assert_same_training(&a, &b, "doubled");
     }
 }
+
+/// Every rank's measured model state and communication buffers (their peaks) equal the
+/// planner's for that rank.
+pub fn assert_rank_memory_is_planned(spec: &ExperimentSpec, trace: &distlab_common::trace::ExperimentTrace) {
+    let planned = distlab_common::planner::plan(spec).expect("a plan");
+    for rank in &trace.ranks {
+        let measured = rank.memory.clone().expect("a memory report").peak;
+        let predicted = planned.rank_memory(spec, rank.rank as usize);
+        for (what, m, p) in [
+            ("parameters", measured.parameters, predicted.parameters),
+            ("gradients", measured.gradients, predicted.gradients),
+            ("optimizer state", measured.optimizer_state, predicted.optimizer_state),
+            ("communication buffers", measured.comm_buffers, predicted.comm_buffers),
+        ] {
+            assert_eq!(m, p, "rank {}: {what}", rank.rank);
+        }
+    }
+}

@@ -50,17 +50,8 @@ fn the_server_applies_every_workers_gradient_with_the_planners_bytes_and_memory(
             _ => planned.stages[0].comm.ps_push_pull * steps + 24,
         };
         assert_eq!(sent, expected, "rank {}: bytes sent", rank.rank);
-        let measured = rank.memory.clone().unwrap().peak;
-        let predicted = planned.rank_memory(&s, rank.rank as usize);
-        for (what, m, p) in [
-            ("parameters", measured.parameters, predicted.parameters),
-            ("gradients", measured.gradients, predicted.gradients),
-            ("optimizer state", measured.optimizer_state, predicted.optimizer_state),
-            ("communication buffers", measured.comm_buffers, predicted.comm_buffers),
-        ] {
-            assert_eq!(m, p, "rank {}: {what}", rank.rank);
-        }
     }
+    assert_rank_memory_is_planned(&s, &trace);
     let server = &planned.parameter_server.as_ref().unwrap().comm;
     println!(
         "{dp} workers of {n} parameters, {steps} steps: a worker sends {} B a step, the server {} B a round \

@@ -103,17 +103,5 @@ fn a_server_run_survives_its_drill_in_one_attempt() {
     assert!(span(0, "replica lost: rank(s) [1]").is_some() || span(0, "replica lost: gradients").is_some());
     // Every replica, the replacement too, holds the planner's memory: DDP's without its
     // buckets, with the host copies of its own gradient and the quorum's sum.
-    let planned = distlab_common::planner::plan(&s).unwrap();
-    for rank in &trace.ranks {
-        let measured = rank.memory.clone().expect("a memory report").peak;
-        let predicted = planned.rank_memory(&s, rank.rank as usize);
-        for (what, m, p) in [
-            ("parameters", measured.parameters, predicted.parameters),
-            ("gradients", measured.gradients, predicted.gradients),
-            ("optimizer state", measured.optimizer_state, predicted.optimizer_state),
-            ("communication buffers", measured.comm_buffers, predicted.comm_buffers),
-        ] {
-            assert_eq!(m, p, "rank {}: {what}", rank.rank);
-        }
-    }
+    assert_rank_memory_is_planned(&s, &trace);
 }

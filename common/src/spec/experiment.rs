@@ -323,6 +323,20 @@ impl FaultTolerance {
     }
 }
 
+impl ParallelSpec {
+    /// The axes that split one model over several ranks, as (field, name, size): tensor,
+    /// pipeline, expert and context parallelism.
+    pub fn model_splits(&self) -> impl Iterator<Item = (&'static str, &'static str, usize)> {
+        [
+            ("parallel.tp", "tp", self.tp),
+            ("parallel.pp", "pp", self.pp),
+            ("parallel.ep", "ep", self.ep),
+            ("parallel.cp", "cp", self.cp),
+        ]
+        .into_iter()
+    }
+}
+
 /// How context-parallel ranks, each holding T/cp tokens of every sequence, run attention.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -767,21 +767,11 @@ impl ExperimentSpec {
                 ),
             );
         }
-        for (field, name, size) in [
-            ("parallel.tp", "tp", p.tp),
-            ("parallel.pp", "pp", p.pp),
-            ("parallel.ep", "ep", p.ep),
-            ("parallel.cp", "cp", p.cp),
-        ] {
-            if size > 1 {
-                refuse(
-                    field,
-                    format!(
-                        "one server keeps the whole model, so a worker is one rank with all of it: use {name}=1 (it \
-                         is {size})"
-                    ),
-                );
-            }
+        for (field, name, size) in p.model_splits().filter(|s| s.2 > 1) {
+            refuse(
+                field,
+                format!("one server keeps the whole model, so a worker is one rank with all of it: use {name}=1 (it is {size})"),
+            );
         }
         if p.grad_compression != GradCompression::None || p.allreduce != AllReduce::Ring {
             refuse(
@@ -859,21 +849,14 @@ impl ExperimentSpec {
                 format!("the replicas sum their gradients every step: use sync=every_step (it is {})", p.sync.as_str()),
             );
         }
-        for (field, name, size) in [
-            ("parallel.tp", "tp", p.tp),
-            ("parallel.pp", "pp", p.pp),
-            ("parallel.ep", "ep", p.ep),
-            ("parallel.cp", "cp", p.cp),
-        ] {
-            if size > 1 {
-                refuse(
-                    field,
-                    format!(
-                        "a replica is one rank that can die alone; ranks that split a model would take their \
-                         partners with them: use {name}=1 (it is {size})"
-                    ),
-                );
-            }
+        for (field, name, size) in p.model_splits().filter(|s| s.2 > 1) {
+            refuse(
+                field,
+                format!(
+                    "a replica is one rank that can die alone; ranks that split a model would take their partners \
+                     with them: use {name}=1 (it is {size})"
+                ),
+            );
         }
         if p.grad_compression != GradCompression::None || p.allreduce != AllReduce::Ring {
             refuse(
