@@ -231,7 +231,7 @@ async fn a_lost_replica_and_its_rejoin_are_listed_on_the_run_page() -> Result<()
     }
     let preset = distlab_common::presets::presets().into_iter().find(|p| p.key == "lost-replica").context("preset")?;
     let mut spec = preset.spec.clone();
-    (spec.train.steps, spec.train.warmup_steps) = (30, 2);
+    (spec.train.steps, spec.train.warmup_steps) = (60, 2);
     let lab = Lab::start();
     let id = lab.submit(&spec);
     let exp = lab.wait_finished(id, Duration::from_secs(120));

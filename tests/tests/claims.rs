@@ -197,7 +197,7 @@ fn the_async_ps_presets_server_sends_w_over_2_times_a_ring_ranks_bytes() {
 fn the_lost_replica_presets_rejoin_copies_the_planners_bytes() {
     let _serial = one_at_a_time();
     let mut spec = preset("lost-replica");
-    (spec.train.steps, spec.train.warmup_steps) = (40, 2);
+    (spec.train.steps, spec.train.warmup_steps) = (100, 2);
     let got = check(ClaimCheck::ReplicaRejoin, &spec, None);
     assert!(got.agrees, "{got:?}");
 }

@@ -27,9 +27,9 @@ fn number_after(log: &str, before: &str) -> Option<u64> {
 #[test]
 fn a_killed_replica_rejoins_without_a_lost_step_with_every_replicas_parameters() {
     let _serial = one_at_a_time();
-    let steps = 40;
+    let steps = 100;
     let (points, log) = run_steps_with_env(&spec(steps), &[("DISTLAB_FAULT", "2:3:kill")]);
-    // (run_steps_with_env checks one point per step, 0 to 39, in order)
+    // (run_steps_with_env checks one point per step, in order)
     assert_eq!(points.len(), steps as usize);
     assert!(log.contains("rank 2's process was killed by signal 9"), "{log}");
     let lost =
@@ -76,7 +76,7 @@ fn with_no_loss_the_replicas_train_as_ddp_bit_for_bit() {
 fn a_server_run_survives_its_drill_in_one_attempt() {
     let _serial = one_at_a_time();
     let lab = Lab::start();
-    let steps = 40;
+    let steps = 100;
     let mut s = spec(steps);
     s.parallel.fault_drill = Some(FaultDrill { rank: 1, after_step: 2 });
     let id = lab.submit(&s);

@@ -121,7 +121,8 @@ pub struct FaultTolerant<B: TrainBackend> {
     quorum: Quorum,
     /// The quorum's ring (None when it could not be made: the next vote says so).
     group: Option<Box<dyn Communicator>>,
-    /// A replacement's first step (the one after the quorum that took it in).
+    /// A replacement's first step: the one whose start the quorum that took it in was
+    /// agreed at (the run's end when none did).
     joins_at: Option<u64>,
     /// The step whose start was last agreed (`heal`).
     healed: u64,
