@@ -45,10 +45,8 @@ fn a_killed_replica_rejoins_without_a_lost_step_with_every_replicas_parameters()
     assert_eq!(ends.len(), 4, "one line per replica: {log}");
     assert!(ends.iter().all(|h| *h == ends[0]), "the replicas' parameters differ: {ends:?}");
     assert!(points.last().unwrap().loss < 0.8 * points[0].loss, "{points:?}");
-    println!("rank 2 lost at step {lost}, rejoined at step {rejoined}: {}", {
-        let line = log.lines().find(|l| l.contains("rejoined at step")).unwrap_or_default();
-        line.to_string()
-    });
+    let line = log.lines().find(|l| l.contains("rejoined at step")).unwrap_or_default();
+    println!("rank 2 lost at step {lost}, rejoined at step {rejoined}: {line}");
 }
 
 /// With no replica lost, fault-tolerant replicas train as DDP does, bit for bit: the same
