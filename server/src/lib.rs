@@ -8,7 +8,7 @@
 //! The layers, each importing only those before it:
 //!
 //! - leaves: `clock`, `text`, `tokens`, `passwords`, `placement`, `sign_in_guard`,
-//!   `metrics_registry`, `listen`, `local_workers`, `static_files`, `markdown`;
+//!   `metrics_registry`, `listen`, `local_workers`, `static_files`, `markdown`, `read_cache`;
 //! - `store/`: every query, over SQLite or PostgreSQL, answering typed values;
 //! - `live/`: the hub of live events, and its relay between servers of one database;
 //! - `config.rs` ([`ServerConfig`]) and `state.rs` ([`AppState`], the reaper's step);
@@ -25,6 +25,7 @@ pub mod markdown;
 pub mod metrics_registry;
 pub mod passwords;
 pub mod placement;
+pub mod read_cache;
 pub mod routes;
 pub mod serve;
 pub mod sign_in_guard;

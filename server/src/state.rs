@@ -1,5 +1,5 @@
 //! What every handler shares ([`AppState`]): the store, the configuration, the live hub,
-//! the metrics, the sign-in guard; and the reaper's step, which ends the runs whose workers
+//! the metrics, the sign-in guard, the frequent reads' answers (`read_cache.rs`); and the reaper's step, which ends the runs whose workers
 //! went silent and streams what changed.
 
 use std::path::PathBuf;
@@ -12,7 +12,9 @@ use crate::config::{ServeError, ServerConfig};
 use crate::live::fanout;
 use crate::live::hub::Hub;
 use crate::metrics_registry::ServerMetrics;
+use crate::read_cache::{KeptJson, ReadCache};
 use crate::sign_in_guard;
+use crate::store::accounts::Account;
 use crate::store::parts::{self, Released};
 use crate::store::queue::{self, Reaped};
 use crate::store::{self, Db, DbError, StoreError};
@@ -32,7 +34,19 @@ pub struct AppState {
     pub sign_in: Arc<sign_in_guard::SignInGuard>,
     /// The database's own id (`store::store_id`): checkpoint directories carry it.
     pub store_id: Arc<str>,
+    /// Pages of the experiment list as sent (JSON), by (status, limit, offset).
+    pub experiment_pages: Arc<ReadCache<ExperimentPage, KeptJson>>,
+    /// Who holds each session token asked about lately.
+    pub sessions: Arc<ReadCache<String, Account>>,
 }
+
+/// A page of the experiment list: (status, limit, offset).
+pub type ExperimentPage = (Option<&'static str>, i64, i64);
+
+/// Pages of the experiment list kept at once (a class polls a few).
+const KEPT_PAGES: usize = 16;
+/// Sessions kept at once (a class's browsers, many times over).
+const KEPT_SESSIONS: usize = 1024;
 
 impl AppState {
     /// Opens the database (`config.database_url`, else the one in `config.data_dir`),
@@ -63,6 +77,8 @@ impl AppState {
             leasing: Arc::new(tokio::sync::Mutex::new(())),
             sign_in,
             store_id: Arc::from(store_id),
+            experiment_pages: Arc::new(ReadCache::new(KEPT_PAGES)),
+            sessions: Arc::new(ReadCache::new(KEPT_SESSIONS)),
         }
     }
 

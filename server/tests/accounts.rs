@@ -367,6 +367,8 @@ async fn signing_in_and_out() {
     assert_eq!(status, StatusCode::OK);
     let me: Me = serde_json::from_value(me).unwrap();
     assert_eq!(me, Me { name: "teach".into(), admin: true, auth: AuthMode::Accounts });
+    // (ada's session is kept by the server now: `read_cache.rs`)
+    assert_eq!(c.status(As("ada"), Method::GET, "/api/me", None).await, StatusCode::OK);
     let (status, headers, _) = c.send(As("ada"), Method::DELETE, "/api/session", None).await;
     assert_eq!(status, StatusCode::NO_CONTENT);
     assert!(headers.get(header::SET_COOKIE).unwrap().to_str().unwrap().contains("Max-Age=0"));

@@ -346,6 +346,80 @@ async fn create_get_and_list_experiments() {
     assert!(e.error.contains("queued, running"), "{}", e.error);
 }
 
+/// The list is kept between requests (`read_cache.rs`), and every change the server makes
+/// shows at the next request: a submission, a lease, metrics, the end of a run (each way),
+/// a cancel, a run taken back by the reaper, a deletion. A change made behind the server's
+/// back shows within `read_cache::MAX_AGE`.
+#[tokio::test]
+async fn the_list_shows_every_change_at_the_next_request() {
+    let t = setup().await;
+    let list = || async {
+        let list: ExperimentList = serde_json::from_value(t.get("/api/experiments").await.body).expect("list");
+        list.experiments.into_iter().map(|e| (e.id, e.status, e.steps_done)).collect::<Vec<_>>()
+    };
+    use ExperimentStatus::*;
+    assert_eq!(list().await, vec![]);
+    let a = t.create("a").await;
+    assert_eq!(list().await, vec![(a, Queued, 0)]);
+    let worker = t.register(&["cpu"]).await;
+    assert_eq!(t.lease(worker).await.experiment_id, a);
+    assert_eq!(list().await, vec![(a, Running, 0)]);
+    let events = json!({"worker_id": worker, "experiment_id": a, "events": [metric(0, 3.5), metric(1, 3.4)]});
+    assert_eq!(t.worker("events", events).await.status, StatusCode::OK);
+    assert_eq!(list().await, vec![(a, Running, 2)]);
+    let done = t.worker("complete", json!({"worker_id": worker, "experiment_id": a, "summary": summary()})).await;
+    assert_eq!(done.status, StatusCode::OK, "{}", done.body);
+    assert_eq!(list().await, vec![(a, Succeeded, 2)]);
+
+    let b = t.create("b").await;
+    assert_eq!(t.lease(worker).await.experiment_id, b);
+    let failed = t.worker("fail", json!({"worker_id": worker, "experiment_id": b, "error": "boom"})).await;
+    assert_eq!(failed.status, StatusCode::OK, "{}", failed.body);
+    let c = t.create("c").await;
+    assert_eq!(t.post(&format!("/api/experiments/{c}/cancel"), json!({})).await.status, StatusCode::OK);
+    assert_eq!(list().await, vec![(c, Cancelled, 0), (b, Failed, 0), (a, Succeeded, 2)]);
+
+    let d = t.create("d").await;
+    assert_eq!(t.lease(worker).await.experiment_id, d);
+    assert_eq!(list().await[0], (d, Running, 0));
+    let reaped = t.state.reap_expired(in_an_hour()).await.expect("reap");
+    assert_eq!(reaped.len(), 1);
+    assert_eq!(list().await[0], (d, Queued, 0), "back in the queue");
+    assert_eq!(
+        t.call(Method::DELETE, &format!("/api/experiments/{c}"), None, None).await.status,
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(list().await, vec![(d, Queued, 0), (b, Failed, 0), (a, Succeeded, 2)]);
+
+    // A browser's request gets the same page gzipped; `q=0` refuses it.
+    let t = &t;
+    let gzipped = |accept: &'static str| async move {
+        let req = Request::get("/api/experiments").header(header::ACCEPT_ENCODING, accept).body(Body::empty());
+        let resp = t.send(req.expect("request")).await;
+        let encoding = resp.headers().get(header::CONTENT_ENCODING).map(|v| v.to_str().unwrap().to_string());
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        (encoding, bytes)
+    };
+    let plain = gzipped("identity").await;
+    assert_eq!(plain.0, None);
+    assert_eq!(gzipped("gzip;q=0, identity").await, plain);
+    let (encoding, gz) = gzipped("gzip, deflate, br").await;
+    assert_eq!(encoding.as_deref(), Some("gzip"));
+    let mut json = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut json).expect("gunzip");
+    assert_eq!(json, plain.1);
+
+    // Behind the server's back: the kept page until it is MAX_AGE old.
+    sqlx::query("UPDATE experiments SET status = 'cancelled' WHERE id = $1")
+        .bind(d)
+        .execute(&t.state.db)
+        .await
+        .expect("an update");
+    assert_eq!(list().await[0], (d, Queued, 0), "the kept page");
+    tokio::time::sleep(distlab_server::read_cache::MAX_AGE).await;
+    assert_eq!(list().await[0], (d, Cancelled, 0), "read anew");
+}
+
 #[tokio::test]
 async fn invalid_spec_lists_every_problem_with_422() {
     let t = setup().await;

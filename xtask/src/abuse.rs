@@ -11,13 +11,12 @@
 use std::io::{BufRead, Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::load_server::{connect_from, Server};
+use crate::load_server::{add_account, connect_from, Server};
 
 const SLOW_CLIENTS: usize = 1100;
 const FLOOD_CLIENTS: u8 = 128;
@@ -65,19 +64,7 @@ pub fn slow_clients(server: &Server) -> Result<()> {
 }
 
 pub fn sign_in_flood(data: &Path) -> Result<()> {
-    let bin = crate::root().join("target/release/distlab-server");
-    let mut add = Command::new(&bin)
-        .args(["user", "add", "ada"])
-        .arg("--data-dir")
-        .arg(data)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .context("distlab-server user add")?;
-    writeln!(add.stdin.take().context("stdin")?, "correct horse")?;
-    if !add.wait()?.success() {
-        bail!("could not add the account for the flood");
-    }
+    add_account(data, "ada", "correct horse")?;
     let server = Server::start_with(data, None, &["--auth", "accounts"])?;
     let pid = server.process.id();
     let before = peak_resident_bytes(pid)?;

@@ -4,7 +4,8 @@
 //! In one run: requests per second and latency percentiles at N connections for the
 //! experiment list, one experiment, the planner and submissions; then S live streams
 //! (SSE) held at once, from several loopback source addresses as a class's machines would
-//! be, every one of them receiving the event that ends it; then what one stranger tries
+//! be, every one of them receiving the event that ends it; the two reads again on a server
+//! with accounts, each request carrying a session; then what one stranger tries
 //! (`abuse.rs`): slow clients, and a sign-in flood against a server with accounts. Each
 //! loop is bounded in time and in count. The generator shares the machine with the server: the figures are the
 //! two together.
@@ -46,7 +47,13 @@ pub fn run(opts: &LoadOptions) -> Result<()> {
     }
     let data = std::env::temp_dir().join(format!("distlab-load-{}", std::process::id()));
     let server = Server::start(&data, None)?;
-    let result = drive(&server, opts).and_then(|()| crate::abuse::slow_clients(&server));
+    let result = drive(&server, opts);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&data);
+    result?;
+    signed_in_reads(opts)?;
+    let server = Server::start(&data, None)?;
+    let result = crate::abuse::slow_clients(&server);
     drop(server);
     let _ = std::fs::remove_dir_all(&data);
     result?;
@@ -79,7 +86,7 @@ fn stores(opts: &LoadOptions) -> Result<()> {
         let data = std::env::temp_dir().join(format!("distlab-load-{}-{store}", std::process::id()));
         let server = Server::start(&data, url)?;
         let spec = json!({"name": "load", "train": {"steps": 10}});
-        let submitted = hammer(&server.base, &Request::Post("/api/experiments".into(), spec.clone()), opts)?;
+        let submitted = hammer(&server, &Request::Post("/api/experiments".into(), spec.clone()), opts)?;
         drop(server);
         let _ = std::fs::remove_dir_all(&data);
         // Leases from a class's full queue (30 people x 20 experiments), on a fresh store.
@@ -88,7 +95,7 @@ fn stores(opts: &LoadOptions) -> Result<()> {
         }
         let server = Server::start(&data, url)?;
         for _ in 0..QUEUED_FOR_LEASES {
-            submit(&server.base, &spec)?;
+            submit(&server, &spec)?;
         }
         let leased = leases(&server.base, opts)?;
         for (what, m) in [("POST /api/experiments", &submitted), ("POST /api/workers/lease", &leased)] {
@@ -148,7 +155,7 @@ enum Answer {
 }
 
 /// `connections` threads, each with its own kept-alive connection, call `request(i, agent)`
-/// back to back for `duration` (at most MAX_REQUESTS_PER_CONNECTION times each); the
+/// back to back for `duration` (the leases, each worker with its own credential) (at most MAX_REQUESTS_PER_CONNECTION times each); the
 /// latency of every request that was done.
 fn timed(
     connections: usize,
@@ -195,7 +202,7 @@ fn timed(
 
 fn drive(server: &Server, opts: &LoadOptions) -> Result<()> {
     let spec = json!({"name": "load", "train": {"steps": 10}});
-    let seeded: Vec<i64> = (0..100).map(|_| submit(&server.base, &spec)).collect::<Result<_>>()?;
+    let seeded: Vec<i64> = (0..100).map(|_| submit(server, &spec)).collect::<Result<_>>()?;
     let one = format!("/api/experiments/{}", seeded[seeded.len() / 2]);
     let plan = json!({"name": "plan", "parallel": {"dp": 2, "tp": 2}, "model": {"layers": 8}});
     println!(
@@ -206,7 +213,7 @@ fn drive(server: &Server, opts: &LoadOptions) -> Result<()> {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "{:<28} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "{:<37} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
         "", "requests", "req/s", "p50 ms", "p99 ms", "max ms", "non-2xx"
     );
     let phases: [(&str, Request); 4] = [
@@ -216,18 +223,42 @@ fn drive(server: &Server, opts: &LoadOptions) -> Result<()> {
         ("POST /api/experiments", Request::Post("/api/experiments".into(), spec)),
     ];
     for (name, request) in phases {
-        let measured = hammer(&server.base, &request, opts)?;
-        println!(
-            "{name:<28} {:>9} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>7}",
-            measured.latencies.len(),
-            measured.per_second(),
-            measured.percentile_ms(0.50),
-            measured.percentile_ms(0.99),
-            measured.percentile_ms(1.0),
-            measured.failed
-        );
+        print_row(name, &hammer(server, &request, opts)?);
     }
     streams(server, seeded[0], opts.streams)
+}
+
+/// The reads again on a server with accounts, as a class's is: every request carries a
+/// session cookie, which the server looks up.
+fn signed_in_reads(opts: &LoadOptions) -> Result<()> {
+    let data = std::env::temp_dir().join(format!("distlab-load-{}-signed-in", std::process::id()));
+    let result = (|| {
+        let server = Server::start_signed_in(&data)?;
+        let spec = json!({"name": "load", "train": {"steps": 10}});
+        let seeded: Vec<i64> = (0..100).map(|_| submit(&server, &spec)).collect::<Result<_>>()?;
+        let one = format!("/api/experiments/{}", seeded[seeded.len() / 2]);
+        for (name, request) in [
+            ("GET /api/experiments", Request::Get("/api/experiments".into())),
+            ("GET /api/experiments/{id}", Request::Get(one)),
+        ] {
+            print_row(&format!("{name}, signed in"), &hammer(&server, &request, opts)?);
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&data);
+    result
+}
+
+fn print_row(name: &str, measured: &Measured) {
+    println!(
+        "{name:<37} {:>9} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>7}",
+        measured.latencies.len(),
+        measured.per_second(),
+        measured.percentile_ms(0.50),
+        measured.percentile_ms(0.99),
+        measured.percentile_ms(1.0),
+        measured.failed
+    );
 }
 
 enum Request {
@@ -255,21 +286,31 @@ impl Measured {
     }
 }
 
-/// `opts.connections` connections make `request` back to back for `opts.seconds`.
-fn hammer(base: &str, request: &Request, opts: &LoadOptions) -> Result<Measured> {
-    timed(opts.connections, Duration::from_secs_f64(opts.seconds), |_, agent| {
-        let answer = match request {
-            Request::Get(path) => agent.get(format!("{base}{path}")).call(),
-            Request::Post(path, body) => agent.post(format!("{base}{path}")).send_json(body),
-        };
-        match answer {
-            Ok(mut resp) if resp.status().is_success() => {
-                let _ = resp.body_mut().read_to_vec();
-                Answer::Done
-            }
-            _ => Answer::Failed,
+/// `opts.connections` connections make `request` back to back for `opts.seconds` (with the
+/// server's session, if it has one), all on one thread (`load_client.rs`).
+fn hammer(server: &Server, request: &Request, opts: &LoadOptions) -> Result<Measured> {
+    let cookie = server.session.as_ref().map(|c| format!("Cookie: {c}\r\n")).unwrap_or_default();
+    let host = server.addr;
+    let bytes = match request {
+        Request::Get(path) => format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{cookie}\r\n"),
+        Request::Post(path, body) => {
+            let body = body.to_string();
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: {host}\r\n{cookie}Content-Type: application/json\r\n\
+                 Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
         }
-    })
+    };
+    let duration = Duration::from_secs_f64(opts.seconds);
+    let timed = crate::load_client::run(
+        server.addr,
+        bytes.as_bytes(),
+        opts.connections,
+        duration,
+        MAX_REQUESTS_PER_CONNECTION,
+    )?;
+    Ok(Measured { latencies: timed.latencies, failed: timed.failed, elapsed: timed.elapsed })
 }
 
 /// Opens `count` live streams of a queued experiment (STREAMS_PER_SOURCE per loopback
@@ -308,7 +349,7 @@ fn streams(server: &Server, experiment: i64, count: usize) -> Result<()> {
     let sources = count.div_ceil(STREAMS_PER_SOURCE);
     std::thread::sleep(Duration::from_secs(2));
     let cancelled = Instant::now();
-    let (status, body) = post(&server.base, &format!("/api/experiments/{experiment}/cancel"), &json!({}))?;
+    let (status, body) = post(server, &format!("/api/experiments/{experiment}/cancel"), &json!({}))?;
     if status != 200 {
         bail!("cancelling the watched experiment: {status} {body}");
     }
@@ -371,16 +412,17 @@ fn agent() -> ureq::Agent {
         .into()
 }
 
-fn post(base: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
-    let mut resp = agent().post(format!("{base}{path}")).send_json(body)?;
+fn post(server: &Server, path: &str, body: &Value) -> Result<(u16, Value)> {
+    let cookie = server.session.as_deref().unwrap_or("");
+    let mut resp = agent().post(format!("{}{path}", server.base)).header("Cookie", cookie).send_json(body)?;
     let status = resp.status().as_u16();
     let mut text = String::new();
     resp.body_mut().as_reader().read_to_string(&mut text)?;
     Ok((status, serde_json::from_str(&text).unwrap_or(Value::String(text))))
 }
 
-fn submit(base: &str, spec: &Value) -> Result<i64> {
-    let (status, body) = post(base, "/api/experiments", spec)?;
+fn submit(server: &Server, spec: &Value) -> Result<i64> {
+    let (status, body) = post(server, "/api/experiments", spec)?;
     match (status, body["id"].as_i64()) {
         (201, Some(id)) => Ok(id),
         _ => bail!("seeding: a submission was answered {status} {body}"),

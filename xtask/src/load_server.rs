@@ -1,7 +1,7 @@
 //! What the load and abuse phases share: the release server they start on 127.0.0.1 (a
 //! free port, stopped on drop), and connections from a chosen loopback address.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::process::{Child, Command, Stdio};
 
@@ -15,11 +15,31 @@ pub(crate) fn connect_from(source: Ipv4Addr, to: SocketAddr) -> Result<TcpStream
     Ok(socket.into())
 }
 
+/// Adds account `name` to the store in `data` (`distlab-server user add`).
+pub(crate) fn add_account(data: &std::path::Path, name: &str, password: &str) -> Result<()> {
+    let bin = crate::root().join("target/release/distlab-server");
+    let mut add = Command::new(&bin)
+        .args(["user", "add", name])
+        .arg("--data-dir")
+        .arg(data)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .context("distlab-server user add")?;
+    writeln!(add.stdin.take().context("stdin")?, "{password}")?;
+    if !add.wait()?.success() {
+        bail!("could not add account {name}");
+    }
+    Ok(())
+}
+
 /// The release server on 127.0.0.1 (a free port), stopped on drop.
 pub(crate) struct Server {
     pub(crate) process: Child,
     pub(crate) base: String,
     pub(crate) addr: SocketAddr,
+    /// The `Cookie` header of the one account signed in, on a server with accounts.
+    pub(crate) session: Option<String>,
 }
 
 impl Server {
@@ -54,7 +74,23 @@ impl Server {
         };
         let base = url.trim().trim_end_matches('/').to_string();
         let addr: SocketAddr = base.trim_start_matches("http://").parse().context("the server's address")?;
-        Ok(Self { process, base, addr })
+        Ok(Self { process, base, addr, session: None })
+    }
+
+    /// On SQLite in `data`, with accounts (`--auth accounts`), one of them signed in.
+    pub(crate) fn start_signed_in(data: &std::path::Path) -> Result<Self> {
+        add_account(data, "load", "correct horse")?;
+        let mut server = Self::start_with(data, None, &["--auth", "accounts"])?;
+        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let resp = agent
+            .post(format!("{}/api/session", server.base))
+            .send_json(serde_json::json!({"name": "load", "password": "correct horse"}))?;
+        let cookie = resp.headers().get("set-cookie").and_then(|v| v.to_str().ok()).and_then(|v| v.split(';').next());
+        match (resp.status().as_u16(), cookie) {
+            (200, Some(cookie)) => server.session = Some(cookie.to_string()),
+            (status, _) => bail!("signing in to the load's server: {status}"),
+        }
+        Ok(server)
     }
 }
 

@@ -22,6 +22,7 @@ mod gpu_check;
 #[cfg(test)]
 mod imports;
 mod load;
+mod load_client;
 mod load_server;
 mod mutants;
 mod postgres;

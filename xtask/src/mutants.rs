@@ -562,6 +562,20 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "let text = TextTokenizer::Bytes.decode(&tokens).unwrap_or_default();",
         tests: &["-p", "distlab-tests", "--test", "e2e", "a_bpe_run"],
     },
+    Mutant {
+        name: "The server keeps serving its experiment list after a worker's metrics (their write not counted)",
+        file: "server/src/store/reports.rs",
+        find: "        let _writing = Writing::to(db, Data::Experiments);\n        let _turn = db::write_turn().await;",
+        replace: "        let _turn = db::write_turn().await;",
+        tests: &["-p", "distlab-server", "--test", "api", "the_list_shows_every_change_at_the_next_request"],
+    },
+    Mutant {
+        name: "A signed-out session stays kept by the server (the sign-out's write not counted)",
+        file: "server/src/store/accounts.rs",
+        find: "pub async fn close_session(db: &Db, token: &str) -> Result<(), StoreError> {\n    let _writing = Writing::to(db, Data::Sessions);\n",
+        replace: "pub async fn close_session(db: &Db, token: &str) -> Result<(), StoreError> {\n",
+        tests: &["-p", "distlab-server", "--test", "accounts"],
+    },
 ];
 
 /// Mistakes in the CUDA kernels, whose guarding tests run on the emulated GPU (the CUDA op

@@ -16,7 +16,9 @@ use crate::api::error::HttpError;
 use crate::api::extract::{parse_id, JsonBody};
 use crate::api::{datasets, models, session};
 use crate::clock;
+use crate::read_cache::KeptJson;
 use crate::store::accounts::Account;
+use crate::store::changes::{self, Data};
 use crate::store::experiments::load;
 use crate::store::workers::LiveWorker;
 use crate::store::{self, queue, Db};
@@ -291,8 +293,9 @@ fn parse_count(field: &str, raw: Option<&str>, default: i64) -> Result<i64, Http
 )]
 pub async fn list(
     State(state): State<AppState>,
+    headers: HeaderMap,
     Query(q): Query<ListQuery>,
-) -> Result<Json<ExperimentList>, HttpError> {
+) -> Result<Response, HttpError> {
     let status = match q.status.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(s) => Some(ExperimentStatus::parse(s).ok_or_else(|| {
@@ -305,9 +308,37 @@ pub async fn list(
     };
     let limit = parse_count("limit", q.limit.as_deref(), DEFAULT_PAGE)?.min(MAX_PAGE);
     let offset = parse_count("offset", q.offset.as_deref(), 0)?;
-    // Everyone reads every experiment: sharing results is the point of a class's server.
-    let (experiments, total) = store::experiments::page(&state.db, status, limit, offset).await?;
-    Ok(Json(ExperimentList { experiments, total: u64::try_from(total).unwrap_or(0) }))
+    // A class polls the same few pages: each is read and written out once per change
+    // (`read_cache.rs`).
+    let page = (status.map(ExperimentStatus::as_str), limit, offset);
+    let read = || async {
+        // Everyone reads every experiment: sharing results is the point of a class's server.
+        let (experiments, total) = store::experiments::page(&state.db, status, limit, offset).await?;
+        let list = ExperimentList { experiments, total: u64::try_from(total).unwrap_or(0) };
+        let json = serde_json::to_vec(&list).map_err(|e| HttpError::internal("the list's JSON", e))?;
+        KeptJson::new(json).map_err(|e| HttpError::internal("the list's gzip", e))
+    };
+    let kept =
+        state.experiment_pages.get_or_read(page, || changes::version(&state.db, Data::Experiments), read).await?;
+    let json = (header::CONTENT_TYPE, "application/json");
+    let vary = (header::VARY, "accept-encoding");
+    Ok(if accepts_gzip(&headers) {
+        ([json, vary, (header::CONTENT_ENCODING, "gzip")], kept.gzip).into_response()
+    } else {
+        ([json, vary], kept.plain).into_response()
+    })
+}
+
+/// Whether the client takes gzip (`Accept-Encoding: gzip`, or `*`, not at q=0).
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers.get_all(header::ACCEPT_ENCODING).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).any(
+        |coding| {
+            let mut parts = coding.split(';').map(str::trim);
+            let name = parts.next().unwrap_or("");
+            let refused = parts.any(|p| p.strip_prefix("q=").and_then(|q| q.parse::<f32>().ok()) == Some(0.0));
+            (name.eq_ignore_ascii_case("gzip") || name == "*") && !refused
+        },
+    )
 }
 
 /// `GET /api/experiments/{id}`

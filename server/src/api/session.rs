@@ -16,6 +16,7 @@ use crate::api::extract::{Client, JsonBody};
 use crate::clock;
 use crate::sign_in_guard::Refused;
 use crate::store::accounts::{self, Account, AccountError, LOCAL_OWNER};
+use crate::store::changes::{self, Data};
 use crate::AppState;
 
 /// The session cookie's name.
@@ -44,7 +45,18 @@ pub async fn caller(state: &AppState, headers: &HeaderMap) -> Result<Option<Acco
     match state.config.auth {
         AuthMode::None => Ok(Some(local_user())),
         AuthMode::Accounts => match session_token(headers) {
-            Some(token) => Ok(accounts::session(&state.db, token, clock::now()).await?),
+            Some(token) => {
+                // (read before the session: `read_cache.rs`)
+                let version = changes::version(&state.db, Data::Sessions);
+                if let Some(account) = state.sessions.get(&token.to_string(), version) {
+                    return Ok(Some(account));
+                }
+                let account = accounts::session(&state.db, token, clock::now()).await?;
+                if let Some(account) = &account {
+                    state.sessions.put(token.to_string(), version, account.clone());
+                }
+                Ok(account)
+            }
             None => Ok(None),
         },
     }

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use crate::store::changes::{Data, Writing};
 use crate::store::{Db, StoreError};
 use crate::tokens::{random_token, token_digest};
 use crate::{clock, passwords};
@@ -89,6 +90,7 @@ pub async fn create(db: &Db, name: &str, password: &str, admin: bool) -> Result<
 
 /// Gives `name` a new password and ends its sessions.
 pub async fn set_password(db: &Db, name: &str, password: &str) -> Result<(), AccountError> {
+    let _writing = Writing::to(db, Data::Sessions);
     check_password(password)?;
     let hash = passwords::hash(password).await.map_err(AccountError::Hash)?;
     let changed = sqlx::query("UPDATE users SET password_hash = $1 WHERE name = $2")
@@ -155,6 +157,7 @@ pub async fn session(db: &Db, token: &str, now: SystemTime) -> Result<Option<Acc
 
 /// Ends session `token`.
 pub async fn close_session(db: &Db, token: &str) -> Result<(), StoreError> {
+    let _writing = Writing::to(db, Data::Sessions);
     sqlx::query("DELETE FROM sessions WHERE token_sha256 = $1").bind(token_digest(token)).execute(db).await?;
     Ok(())
 }

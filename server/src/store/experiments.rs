@@ -8,6 +8,7 @@ use distlab_common::{
 };
 
 use crate::clock;
+use crate::store::changes::{Data, Writing};
 use crate::store::logs::level_from_name;
 use crate::store::{corrupt, Db, StoreError};
 
@@ -241,6 +242,7 @@ pub async fn attempts(db: &Db, id: i64) -> Result<Vec<AttemptView>, StoreError> 
 /// A person cancels queued or running experiment `id` at `now`: None when it is neither,
 /// else the worker that was running it (None: it was queued).
 pub async fn cancel(db: &Db, id: i64, now: std::time::SystemTime) -> Result<Option<Option<i64>>, StoreError> {
+    let _writing = Writing::to(db, Data::Experiments);
     Ok(sqlx::query_scalar(
         "UPDATE experiments SET status = 'cancelled', cancel_requested = TRUE, finished_at = $1, lease_until = NULL \
          WHERE id = $2 AND status IN ('queued', 'running') RETURNING worker_id",
@@ -265,6 +267,7 @@ pub async fn record_model_bytes(db: &Db, id: i64, bytes: u64) -> Result<(), Stor
 /// Deletes finished experiment `id` with everything stored of it (metrics, logs, traces,
 /// attempts); false when it is not finished (or not there).
 pub async fn delete_finished(db: &Db, id: i64) -> Result<bool, StoreError> {
+    let _writing = Writing::to(db, Data::Experiments);
     let done = sqlx::query("DELETE FROM experiments WHERE id = $1 AND status IN ('succeeded', 'failed', 'cancelled')")
         .bind(id)
         .execute(db)

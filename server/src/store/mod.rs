@@ -18,6 +18,7 @@
 
 pub mod accounts;
 pub mod assignments;
+pub mod changes;
 pub mod datasets;
 pub mod disk_quota;
 pub mod experiments;

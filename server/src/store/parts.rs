@@ -14,6 +14,7 @@ use sqlx::AnyConnection;
 
 use crate::clock;
 use crate::placement::{Candidate, Share};
+use crate::store::changes::{Data, Writing};
 use crate::store::leases::{renew_held, Leased};
 use crate::store::logs::insert_log;
 use crate::store::{self as db, Db, StoreError};
@@ -264,6 +265,7 @@ pub async fn release_unformed(db: &Db, wait: Duration, now: SystemTime) -> Resul
     let mut released = Vec::new();
     for (id, attempt) in unformed {
         // (under the write lock, like a lease taking a part)
+        let _writing = Writing::to(db, Data::Experiments);
         let (mut tx, _turn) = db::begin_write(db).await?;
         let missing: Vec<i64> = sqlx::query_scalar(
             "SELECT worker_id FROM parts WHERE experiment_id = $1 AND attempt = $2 AND joined_at IS NULL ORDER BY host",

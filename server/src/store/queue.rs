@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 use distlab_common::disk::DiskPlan;
 use distlab_common::{BackendKind, ExperimentSpec, ExperimentStatus, StatusChange};
 
+use crate::store::changes::{Data, Writing};
 use crate::store::disk_quota::{self, OverDisk};
 use crate::store::leases::Leased;
 use crate::store::{self as db, parts, Db, StoreError};
@@ -72,6 +73,7 @@ pub async fn lease(
     policy: LeasePolicy,
     now: SystemTime,
 ) -> Result<Option<Leased>, StoreError> {
+    let writing = Writing::to(db, Data::Experiments);
     let (mut tx, _turn) = db::begin_write(db).await?;
     parts::mark_idle(&mut tx, asking.worker_id, now, policy.idle_for).await?;
     if let Some(joined) = parts::join(&mut tx, asking.worker_id, policy.lease, now).await? {
@@ -79,6 +81,7 @@ pub async fn lease(
         return Ok(Some(joined));
     }
     if asking.backends.is_empty() {
+        writing.unchanged();
         return Ok(None);
     }
     let mut idle: Option<Vec<parts::IdleWorker>> = None;
@@ -106,6 +109,7 @@ pub async fn lease(
         }
     }
     tx.commit().await?;
+    writing.unchanged();
     Ok(None)
 }
 
@@ -211,6 +215,7 @@ pub async fn submit(
     quota: Quota,
     now: SystemTime,
 ) -> Result<Submitted, StoreError> {
+    let _writing = Writing::to(db, Data::Experiments);
     let (mut tx, _turn) = db::begin_write(db).await?;
     if let Some(key) = key {
         let earlier: Option<(i64, String)> =
@@ -262,6 +267,7 @@ pub async fn submit(
 /// and stops. Answers each failed experiment with its status change (for the caller to log
 /// and stream).
 pub async fn end_overdue(db: &Db, max: Duration, now: SystemTime) -> Result<Vec<(i64, StatusChange)>, StoreError> {
+    let _writing = Writing::to(db, Data::Experiments);
     let error = format!(
         "stopped: it ran longer than this server allows one experiment ({} s, distlab-server --max-run-seconds)",
         max.as_secs()
@@ -307,6 +313,7 @@ pub struct Reaped {
 /// of a run across workers) go back to the queue, or fail once they have been leased
 /// MAX_ATTEMPTS times. Answers each (for the caller to log and stream).
 pub async fn reap_expired(db: &Db, now: SystemTime) -> Result<Vec<Reaped>, StoreError> {
+    let _writing = Writing::to(db, Data::Experiments);
     let now_text = clock::rfc3339(now);
     let sql = format!(
         "UPDATE experiments SET {} \

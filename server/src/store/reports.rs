@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use distlab_common::{ExperimentSpec, ExperimentStatus, FieldError, LogLevel, MetricPoint, RunEvent, RunSummary};
 
 use crate::clock;
+use crate::store::changes::{Data, Writing};
 use crate::store::leases::{holds_part, ownership, ownership_after, renew_held, Ownership};
 use crate::store::logs::{insert_log, MAX_TEXT_CHARS};
 use crate::store::queue::{requeued_or_failed, MAX_ATTEMPTS};
@@ -100,6 +101,7 @@ pub async fn store_events(
             .max(rest.len().min(1));
         let (chunk, later) = rest.split_at(take);
         // (a turn per transaction: other writers get theirs between two)
+        let _writing = Writing::to(db, Data::Experiments);
         let _turn = db::write_turn().await;
         let mut tx = db.begin().await?;
         let Some(spec) = renew_held(&mut tx, worker_id, id, lease, now).await? else {
@@ -171,6 +173,7 @@ pub async fn complete(
     summary: &RunSummary,
     now: SystemTime,
 ) -> Result<Ownership, StoreError> {
+    let _writing = Writing::to(db, Data::Experiments);
     let summary = serde_json::to_string(summary).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     let done: Option<i64> = sqlx::query_scalar(
         "UPDATE experiments SET status = 'succeeded', summary = $1, error = NULL, finished_at = $2, lease_until = NULL \
@@ -220,6 +223,7 @@ pub async fn fail(
     let held = |k: usize| format!("(worker_id = $1 OR {}) AND attempt = COALESCE(${k}, attempt)", holds_part(1));
     let at = clock::rfc3339(now);
     let error = truncate(failure.error, MAX_TEXT_CHARS);
+    let _writing = Writing::to(db, Data::Experiments);
     let mut tx = db.begin().await?;
     let ended: Option<String> = if failure.cancelled {
         let sql = format!(
