@@ -310,6 +310,27 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--lib", "thread_blocks_give_the_single_threaded_bits"],
     },
     Mutant {
+        name: "the packed product never packs A's last, short panel (it multiplies stale values)",
+        file: "gpu-worker/src/ops/packed_gemm.rs",
+        find: "for (panel, out) in dst.chunks_exact_mut(MR * depth).take(rows.div_ceil(MR)).enumerate() {",
+        replace: "for (panel, out) in dst.chunks_exact_mut(MR * depth).take(rows / MR).enumerate() {",
+        tests: &["-p", "distlab-worker", "--lib", "products_match_the_f64_reference_on_every_level_start_and_layout"],
+    },
+    Mutant {
+        name: "the packed product's epilogue adds the bias and residual on every depth chunk",
+        file: "gpu-worker/src/ops/packed_gemm.rs",
+        find: "let start = if first_chunk { p.start } else { Start::Kept };",
+        replace: "let start = p.start;",
+        tests: &["-p", "distlab-worker", "--lib", "products_match_the_f64_reference_on_every_level_start_and_layout"],
+    },
+    Mutant {
+        name: "a thread's block of output columns starts its bias and residual at the first column",
+        file: "gpu-worker/src/ops/gemm.rs",
+        find: ".map(|(bias, residual)| (offset(bias, range.start), offset(residual, range.start * dst.2))),",
+        replace: ".map(|(bias, residual)| (bias, residual)),",
+        tests: &["-p", "distlab-worker", "--lib", "the_forward_starts_from_bias_and_residual"],
+    },
+    Mutant {
         name: "the streaming copy out of a peer's buffer drops the tail after the last whole store",
         file: "gpu-worker/src/comm/stream_copy.rs",
         find: "    dst[body..].copy_from_slice(&src[body..]);",

@@ -1,4 +1,6 @@
-//! A bounds-checked, strided-matrix front end to the `gemm` crate.
+//! A bounds-checked, strided-matrix front end to the matrix products: our packed f32
+//! product (`packed_gemm.rs`) where this machine runs it (see `packed_gemm::takes`), the
+//! `gemm` crate elsewhere (f64, small products, the CPUs ours has not been measured on).
 //!
 //! A [`Mat`] is a slice plus (rows, cols, row stride, column stride), so a head of
 //! the fused QKV activation or a transposed weight is a view, never a copy.
@@ -16,6 +18,7 @@ use rayon::prelude::*;
 
 use crate::memory::{kernel_scratch, Receipt};
 use crate::ops::float::{Float, Stored};
+use crate::ops::packed_gemm;
 use crate::ops::simd::simd_kernel;
 pub use gemm::Parallelism;
 
@@ -323,6 +326,51 @@ pub fn matmul_widened<F: Float>(
     }
 }
 
+/// `dst = residual + bias + lhs · rhs` (the bias one value per column, the residual laid
+/// out as `dst`) written in one pass over `dst`, where the packed product takes it (f32 on a
+/// machine it runs on); false, with nothing done, where it does not.
+pub fn matmul_onto_bias_residual<F: Float>(
+    mut dst: MatMut<'_, F>,
+    lhs: Mat<'_, F>,
+    rhs: Mat<'_, F>,
+    bias: Option<&[F]>,
+    residual: Option<&[F]>,
+    par: Parallelism,
+) -> bool {
+    if !is_f32::<F>() || !packed_gemm::takes(dst.rows, dst.cols, lhs.cols) {
+        return false;
+    }
+    // Checks the shapes (an empty product never gets here: `takes` wants some size).
+    if trivial(&mut dst, true, &lhs, &rhs) {
+        return false;
+    }
+    if let Some(bias) = bias {
+        assert!(bias.len() >= dst.cols, "a bias of {} for {} columns", bias.len(), dst.cols);
+    }
+    if let Some(residual) = residual {
+        let last = last_index(dst.rows, dst.cols, dst.row_stride, dst.col_stride);
+        assert!(
+            last < residual.len(),
+            "a residual of {} elements for a {}x{} output",
+            residual.len(),
+            dst.rows,
+            dst.cols
+        );
+    }
+    let raw_dst = (dst.data.as_mut_ptr(), dst.rows, dst.cols, (dst.row_stride, dst.col_stride));
+    let mut product = RawProduct::new(raw_dst, true, lhs, rhs, F::ONE);
+    let pointer = |x: Option<&[F]>| x.map_or(std::ptr::null(), |x| x.as_ptr());
+    product.start_rows = Some((pointer(bias), pointer(residual)));
+    // SAFETY: the views' constructors and the asserts above checked every index the
+    // strides reach; `dst` is borrowed mutably, so it aliases no input.
+    unsafe { run_on_threads(product, par) };
+    true
+}
+
+fn is_f32<F: Float>() -> bool {
+    std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>()
+}
+
 /// Output rows or columns per thread's block, at least: a block this long still takes the
 /// gemm crate's cache-blocked path, whose depth chunks (which fix the order in which each
 /// element's sum is added up) depend on the inner dimension alone.
@@ -403,6 +451,12 @@ struct RawProduct<F> {
     rhs: (*const F, usize, usize),
     accumulate: bool,
     scale: F,
+    /// Ours rather than the gemm crate's (decided on the whole product, as the depth chunk
+    /// is, so that a thread's block is computed as the whole is).
+    packed: bool,
+    /// The output starts from (bias row, residual laid out as the output), either null,
+    /// instead of zero or itself: packed products only.
+    start_rows: Option<(*const F, *const F)>,
 }
 
 // SAFETY: a product is shared among the pool's threads only as blocks that write
@@ -434,6 +488,8 @@ impl<F: Float> RawProduct<F> {
             rhs: (rhs.data.as_ptr(), rhs.row_stride, rhs.col_stride),
             accumulate,
             scale,
+            packed: is_f32::<F>() && packed_gemm::takes(rows, cols, inner),
+            start_rows: None,
         }
     }
 
@@ -442,6 +498,7 @@ impl<F: Float> RawProduct<F> {
         let (dst, lhs) = (self.dst, self.lhs);
         Self {
             rows: range.len(),
+            start_rows: self.start_rows.map(|(bias, residual)| (bias, offset(residual, range.start * dst.1))),
             dst: (dst.0.wrapping_add(range.start * dst.1), dst.1, dst.2),
             lhs: (lhs.0.wrapping_add(range.start * lhs.1), lhs.1, lhs.2),
             ..self
@@ -453,6 +510,9 @@ impl<F: Float> RawProduct<F> {
         let (dst, rhs) = (self.dst, self.rhs);
         Self {
             cols: range.len(),
+            start_rows: self
+                .start_rows
+                .map(|(bias, residual)| (offset(bias, range.start), offset(residual, range.start * dst.2))),
             dst: (dst.0.wrapping_add(range.start * dst.2), dst.1, dst.2),
             rhs: (rhs.0.wrapping_add(range.start * rhs.2), rhs.1, rhs.2),
             ..self
@@ -464,6 +524,30 @@ impl<F: Float> RawProduct<F> {
     /// operand nor memory another thread touches meanwhile.
     unsafe fn run(self, par: Parallelism) {
         let (dst, lhs, rhs) = (self.dst, self.lhs, self.rhs);
+        if self.packed {
+            let f32_view = |(ptr, rs, cs): (*const F, usize, usize)| (ptr as *const f32, rs, cs);
+            let start = match self.start_rows {
+                Some((bias, residual)) => {
+                    packed_gemm::Start::Rows { bias: bias as *const f32, residual: residual as *const f32 }
+                }
+                None if self.accumulate => packed_gemm::Start::Kept,
+                None => packed_gemm::Start::Zero,
+            };
+            let product = packed_gemm::Product {
+                rows: self.rows,
+                cols: self.cols,
+                depth: self.inner,
+                c: (dst.0 as *mut f32, dst.1, dst.2),
+                a: f32_view(lhs),
+                b: f32_view(rhs),
+                start,
+                alpha: self.scale.to_f64() as f32,
+            };
+            // SAFETY: the caller's; F is f32 (`packed` is only set then).
+            let ran = unsafe { packed_gemm::run(&product) };
+            assert!(ran, "the packed product runs wherever `packed_gemm::takes` chose it");
+            return;
+        }
         // dst = (accumulate ? dst : 0) + scale * lhs[:, chunk] · rhs[chunk, :], chunk by chunk.
         for start in (0..self.inner).step_by(self.depth_chunk) {
             let depth = self.depth_chunk.min(self.inner - start);
@@ -493,6 +577,15 @@ impl<F: Float> RawProduct<F> {
                 );
             }
         }
+    }
+}
+
+/// `ptr + by` elements, or null for null.
+fn offset<F>(ptr: *const F, by: usize) -> *const F {
+    if ptr.is_null() {
+        ptr
+    } else {
+        ptr.wrapping_add(by)
     }
 }
 
@@ -607,8 +700,9 @@ mod tests {
     }
 
     /// A 2-byte product that does not accumulate computes into uninitialised memory: that
-    /// is sound only because the gemm crate then writes every element and reads none, on
-    /// each of its paths (vector-matrix, small, packed, depth-chunked, thread blocks). A
+    /// is sound only because the product then writes every element and reads none, on
+    /// each of its paths (the gemm crate's vector-matrix, small, packed, depth-chunked; our
+    /// packed product where this machine takes it; thread blocks). A
     /// destination full of NaN would poison any element read.
     #[test]
     fn an_overwriting_product_reads_nothing_of_its_output() {
@@ -689,12 +783,14 @@ mod tests {
     #[test]
     fn thread_blocks_give_the_single_threaded_bits() {
         thread_blocks_match_one_thread::<f32>(1e-3);
+        // f64 takes the gemm crate's path (blocks and depth chunks) on every machine.
+        thread_blocks_match_one_thread::<f64>(1e-9);
         // 2-byte products: widened, multiplied on the same blocks, rounded once.
         thread_blocks_match_one_thread::<half::bf16>(2e-2);
         thread_blocks_match_one_thread::<half::f16>(2e-3);
     }
 
-    fn thread_blocks_match_one_thread<S: Stored<Acc = f32>>(tolerance: f64) {
+    fn thread_blocks_match_one_thread<S: Stored>(tolerance: f64) {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a pool");
         // (rows, inner, cols): split by rows, by columns, deep by columns and by rows, too
         // small to split.
@@ -708,7 +804,14 @@ mod tests {
             let product = |par: Parallelism, column_major: bool, accumulate: bool| {
                 let mut c = start.clone();
                 let dst = if column_major { MatMut::new(&mut c, m, n, 1, m) } else { MatMut::row_major(&mut c, m, n) };
-                matmul(dst, accumulate, Mat::row_major(&at, k, m).t(), Mat::row_major(&b, k, n), 0.5, par);
+                matmul(
+                    dst,
+                    accumulate,
+                    Mat::row_major(&at, k, m).t(),
+                    Mat::row_major(&b, k, n),
+                    S::Acc::from_f64(0.5),
+                    par,
+                );
                 c
             };
             for (column_major, accumulate) in [(false, true), (true, true), (false, false)] {

@@ -4,9 +4,10 @@
 //!   forward:  y = x·W + b            (optionally y = r + x·W + b: the residual add, fused)
 //!   backward: dx = dy·Wᵀ,   dW += xᵀ·dy,   db += sum_rows dy
 //!
-//! The products go through the `gemm` crate on strided views (the transposes are
-//! views, not copies); bias and residual are written first and the product is
-//! accumulated on top, so the output is written once and read once.
+//! The products go through `gemm.rs` on strided views (the transposes are views, not
+//! copies). Bias and residual: in f32, where the packed product runs, its epilogue adds
+//! them as it stores the output (one pass over it); elsewhere they are written first and
+//! the product is accumulated on top, so the output is written once and read once.
 
 use std::mem::MaybeUninit;
 
@@ -17,7 +18,9 @@ use crate::backend::cpu::CpuBackend;
 use crate::memory::{kernel_scratch, with_kernel_ledger};
 use crate::ops::float::AccRow;
 use crate::ops::float::{Float, Stored};
-use crate::ops::gemm::{matmul, matmul_wide, matmul_widened, narrow_slice, Mat, MatMut, Parallelism};
+use crate::ops::gemm::{
+    matmul, matmul_onto_bias_residual, matmul_wide, matmul_widened, narrow_slice, Mat, MatMut, Parallelism,
+};
 use crate::ops::simd::simd_kernel;
 
 simd_kernel! {
@@ -75,6 +78,16 @@ pub fn matmul_forward<S: Stored>(
     let (x, w) = (Mat::row_major(inp, rows, c_in), Mat::row_major(weight, c_in, c_out));
     if bias.is_none() && residual.is_none() {
         return matmul(MatMut::row_major(out, rows, c_out), false, x, w, S::Acc::ONE, par);
+    }
+    // In the compute format already (f32): bias and residual written by the product's own
+    // epilogue, where the packed product takes it.
+    if let (Some(out), Some(x), Some(w)) = (S::as_acc_mut(&mut out[..rows * c_out]), S::as_acc(inp), S::as_acc(weight))
+    {
+        let (bias, residual) = (bias.and_then(S::as_acc), residual.and_then(S::as_acc));
+        let (x, w) = (Mat::row_major(x, rows, c_in), Mat::row_major(w, c_in, c_out));
+        if matmul_onto_bias_residual(MatMut::row_major(out, rows, c_out), x, w, bias, residual, par) {
+            return;
+        }
     }
     let (x, w) = (x.widen(par), w.widen(par));
     let task = rows_per_task.max(1) * c_out;
@@ -422,13 +435,19 @@ mod tests {
     /// `out = residual + inp · W + bias` in each format, with either start absent, its rows
     /// filled in uneven tasks on two threads: the exact value of the stored operands,
     /// rounded once (within half a unit in the format's last place, plus what summing in
-    /// f32 may add), and the same bits as on one thread.
+    /// f32 may add), and the same bits as on one thread. The bigger shapes are big enough
+    /// for the packed product (whose epilogue adds bias and residual in f32), split over
+    /// the threads by rows and by columns.
     #[test]
     fn the_forward_starts_from_bias_and_residual() {
         /// `mantissa`: the format's stored fraction bits; `min_exp`: its smallest normal
         /// exponent (below it, and at zero, the spacing stays that of 2^min_exp).
         fn check<S: Stored>(mantissa: i32, min_exp: i32) {
-            let (rows, c_in, c_out) = (37, 24, 20);
+            for (rows, c_in, c_out) in [(37, 24, 20), (300, 130, 150), (150, 130, 300)] {
+                check_shape::<S>(mantissa, min_exp, rows, c_in, c_out);
+            }
+        }
+        fn check_shape<S: Stored>(mantissa: i32, min_exp: i32, rows: usize, c_in: usize, c_out: usize) {
             let make = |n: usize, f: f64| (0..n).map(|i| S::from_f64((i as f64 * f).sin())).collect::<Vec<S>>();
             let (inp, weight) = (make(rows * c_in, 0.37), make(c_in * c_out, 0.13));
             let (bias, residual) = (make(c_out, 0.7), make(rows * c_out, 0.29));

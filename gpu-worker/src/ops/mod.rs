@@ -5,7 +5,8 @@
 //! and implements it twice: for the CPU backend (the work split over threads) and, in its
 //! `cuda` module (feature `cuda`), for the CUDA backend (the kernel's launch). Below them,
 //! what every op computes with: the number formats (`float.rs`), the matrix product on
-//! strided views (`gemm.rs`), the kernels' SIMD dispatch (`simd.rs`) and the CUDA launches'
+//! strided views (`gemm.rs`, over our packed product, `packed_gemm.rs`, or the gemm
+//! crate), the kernels' SIMD dispatch (`simd.rs`) and the CUDA launches'
 //! kit (`cuda.rs`). The optimizer's update is an op too (`optimizer.rs`, `optimizer.cu`).
 //!
 //! A new op is three files: its `.rs`, its `.cu`, and three lines here (its `mod`, its
@@ -27,6 +28,7 @@ pub mod linear;
 pub mod loss;
 pub mod mlp;
 pub mod optimizer;
+pub mod packed_gemm;
 pub mod reductions;
 pub mod ring_attention;
 pub mod rmsnorm;
