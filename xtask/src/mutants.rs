@@ -310,6 +310,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--lib", "thread_blocks_give_the_single_threaded_bits"],
     },
     Mutant {
+        name: "submissions written in one transaction do not count the ones before them against the quota",
+        file: "server/src/store/queue.rs",
+        find: "queued.insert(s.owner.clone(), owners_queue + 1);",
+        replace: "queued.insert(s.owner.clone(), owners_queue);",
+        tests: &["-p", "distlab-server", "--lib", "submissions_written_together_see_each_other"],
+    },
+    Mutant {
+        name: "a transaction of submissions that fails answers its error to the first and drops the others",
+        file: "server/src/store/group_commit.rs",
+        find: "Err(e) if submissions.len() == 1 => vec![Err(e)],",
+        replace: "Err(e) => vec![Err(e)],",
+        tests: &["-p", "distlab-server", "--lib", "one_refused_submission_does_not_fail_the_others"],
+    },
+    Mutant {
         name: "the packed product never packs A's last, short panel (it multiplies stale values)",
         file: "gpu-worker/src/ops/packed_gemm.rs",
         find: "for (panel, out) in dst.chunks_exact_mut(MR * depth).take(rows.div_ceil(MR)).enumerate() {",

@@ -5,11 +5,10 @@
 //! A write this process did not make (another server of a shared PostgreSQL database, a
 //! hand-made change) is not counted: the cache's age bound covers it.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::Arc;
 
-use crate::store::Db;
+use crate::store::{ByDatabase, Db};
 
 /// What a cached read depends on.
 #[derive(Clone, Copy)]
@@ -27,14 +26,8 @@ type Counts = [AtomicU64; 2];
 /// The counts of database `db` (by its URL: the servers of one process, as the tests
 /// start them, each have their own).
 fn counts(db: &Db) -> Arc<Counts> {
-    static BY_DATABASE: LazyLock<Mutex<HashMap<String, Arc<Counts>>>> = LazyLock::new(Default::default);
-    let options = db.connect_options();
-    let url = options.database_url.as_str();
-    let mut by_database = BY_DATABASE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    match by_database.get(url) {
-        Some(counts) => counts.clone(),
-        None => by_database.entry(url.to_owned()).or_default().clone(),
-    }
+    static BY_DATABASE: ByDatabase<Counts> = ByDatabase::new();
+    BY_DATABASE.of(db)
 }
 
 /// Counts a write to `data` when dropped: made before a store function's first statement

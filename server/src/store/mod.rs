@@ -23,6 +23,7 @@ pub mod datasets;
 pub mod disk_quota;
 pub mod experiments;
 pub mod gauges;
+mod group_commit;
 pub mod leases;
 pub mod logs;
 pub mod notify;
@@ -35,7 +36,9 @@ pub mod traces;
 pub mod workers;
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
@@ -230,6 +233,27 @@ pub type WriteTurn = tokio::sync::MutexGuard<'static, ()>;
 pub async fn write_turn() -> WriteTurn {
     static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     TURN.lock().await
+}
+
+/// A value kept for each database this process opens, by its URL (the servers of one
+/// process, as the tests start them, each have their own database).
+pub(crate) struct ByDatabase<T>(LazyLock<Mutex<HashMap<String, Arc<T>>>>);
+
+impl<T: Default> ByDatabase<T> {
+    pub(crate) const fn new() -> Self {
+        Self(LazyLock::new(Default::default))
+    }
+
+    /// `db`'s value (a default one the first time).
+    pub(crate) fn of(&self, db: &Db) -> Arc<T> {
+        let options = db.connect_options();
+        let url = options.database_url.as_str();
+        let mut by_database = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match by_database.get(url) {
+            Some(value) => value.clone(),
+            None => by_database.entry(url.to_owned()).or_default().clone(),
+        }
+    }
 }
 
 /// The key of the advisory lock [`begin_write`] takes on Postgres ("distlab" in ASCII).

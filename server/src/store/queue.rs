@@ -8,10 +8,12 @@
 //! A running experiment whose lease expires goes back to queued (attempt is kept and
 //! grows with the next lease), and fails after MAX_ATTEMPTS leases.
 
+use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
 use distlab_common::disk::DiskPlan;
 use distlab_common::{BackendKind, ExperimentSpec, ExperimentStatus, StatusChange};
+use sqlx::{Any, Transaction};
 
 use crate::store::changes::{Data, Writing};
 use crate::store::disk_quota::{self, OverDisk};
@@ -204,8 +206,9 @@ pub struct Quota {
 /// Queues `spec` (its JSON `spec_json`) for `owner`, unless `owner` has `quota.max_queued`
 /// queued already or the run's disk plan would overflow `owner`'s share; with `key`, a
 /// second submission with the same key gets the first one's experiment instead of a new one
-/// (whatever the quota). The checks and the insert are one transaction under the write
-/// lock, so concurrent submissions cannot pass the quota together.
+/// (whatever the quota). Submissions that arrive together are written in one transaction
+/// under the write lock, one after the other ([`group_commit`](super::group_commit)), so
+/// concurrent submissions cannot pass the quota together.
 pub async fn submit(
     db: &Db,
     owner: &str,
@@ -215,32 +218,68 @@ pub async fn submit(
     quota: Quota,
     now: SystemTime,
 ) -> Result<Submitted, StoreError> {
-    let _writing = Writing::to(db, Data::Experiments);
-    let (mut tx, _turn) = db::begin_write(db).await?;
-    if let Some(key) = key {
+    let submission = Submission {
+        owner: owner.to_string(),
+        name: spec.name.clone(),
+        backend: spec.backend,
+        spec_json: spec_json.to_string(),
+        key: key.map(str::to_string),
+        quota,
+        disk: DiskPlan::of(spec),
+        now,
+    };
+    super::group_commit::submit(db, submission).await
+}
+
+/// One submission, as [`queue_one`] writes it.
+#[derive(Debug)]
+pub(crate) struct Submission {
+    pub owner: String,
+    pub name: String,
+    pub backend: BackendKind,
+    pub spec_json: String,
+    pub key: Option<String>,
+    pub quota: Quota,
+    pub disk: DiskPlan,
+    pub now: SystemTime,
+}
+
+/// Writes `s` in `tx` (see [`submit`]). `queued`: how many experiments each owner has
+/// queued, as counted in this transaction so far (an owner's queue is counted once per
+/// transaction, however many of their submissions it writes).
+pub(crate) async fn queue_one(
+    tx: &mut Transaction<'static, Any>,
+    s: &Submission,
+    queued: &mut HashMap<String, usize>,
+) -> Result<Submitted, StoreError> {
+    if let Some(key) = &s.key {
         let earlier: Option<(i64, String)> =
             sqlx::query_as("SELECT id, spec FROM experiments WHERE owner = $1 AND idempotency_key = $2")
-                .bind(owner)
+                .bind(&s.owner)
                 .bind(key)
-                .fetch_optional(&mut *tx)
+                .fetch_optional(&mut **tx)
                 .await?;
         if let Some((id, earlier)) = earlier {
-            tx.commit().await?;
-            return Ok(Submitted::Existing { id, same_spec: earlier == spec_json });
+            return Ok(Submitted::Existing { id, same_spec: earlier == s.spec_json });
         }
     }
-    let queued: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = $1 AND status = 'queued'")
-        .bind(owner)
-        .fetch_one(&mut *tx)
-        .await?;
-    let queued = usize::try_from(queued).unwrap_or(0);
-    if queued >= quota.max_queued {
-        tx.commit().await?;
-        return Ok(Submitted::OverQuota { queued });
+    let owners_queue = match queued.get(&s.owner) {
+        Some(&counted) => counted,
+        None => {
+            let counted: i64 =
+                sqlx::query_scalar("SELECT COUNT(*) FROM experiments WHERE owner = $1 AND status = 'queued'")
+                    .bind(&s.owner)
+                    .fetch_one(&mut **tx)
+                    .await?;
+            let counted = usize::try_from(counted).unwrap_or(0);
+            queued.insert(s.owner.clone(), counted);
+            counted
+        }
+    };
+    if owners_queue >= s.quota.max_queued {
+        return Ok(Submitted::OverQuota { queued: owners_queue });
     }
-    let disk = DiskPlan::of(spec);
-    if let Some(over) = disk_quota::over(&mut tx, owner, disk.while_running(), quota.max_disk_bytes).await? {
-        tx.commit().await?;
+    if let Some(over) = disk_quota::over(tx, &s.owner, s.disk.while_running(), s.quota.max_disk_bytes).await? {
         return Ok(Submitted::OverDisk(over));
     }
     let id: i64 = sqlx::query_scalar(
@@ -248,17 +287,17 @@ pub async fn submit(
          disk_checkpoint_bytes, disk_model_bytes) \
          VALUES ($1, $2, $3, $4, 'queued', 0, $5, $6, $7, $8) RETURNING id",
     )
-    .bind(owner)
-    .bind(&spec.name)
-    .bind(spec_json)
-    .bind(spec.backend.as_str())
-    .bind(clock::rfc3339(now))
-    .bind(key)
-    .bind(i64::try_from(disk.checkpoint).unwrap_or(i64::MAX))
-    .bind(i64::try_from(disk.model).unwrap_or(i64::MAX))
-    .fetch_one(&mut *tx)
+    .bind(&s.owner)
+    .bind(&s.name)
+    .bind(&s.spec_json)
+    .bind(s.backend.as_str())
+    .bind(clock::rfc3339(s.now))
+    .bind(&s.key)
+    .bind(i64::try_from(s.disk.checkpoint).unwrap_or(i64::MAX))
+    .bind(i64::try_from(s.disk.model).unwrap_or(i64::MAX))
+    .fetch_one(&mut **tx)
     .await?;
-    tx.commit().await?;
+    queued.insert(s.owner.clone(), owners_queue + 1);
     Ok(Submitted::New(id))
 }
 
