@@ -114,7 +114,7 @@ say "- library path: $LD_LIBRARY_PATH"
 # --- the tests ---------------------------------------------------------------------------
 say ""
 say "## Tests"
-check ops 60 "$bin/ops" --include-ignored cuda_
+check ops 60 "$bin/engine" --include-ignored cuda_
 say "- CUDA op tests against the f64 reference: $(verdict) ($took s): $(tests_line ops)"
 grep -h "^test .*FAILED\|panicked" "$work/ops.txt" | head -5 | sed 's/^/  - /' | tee -a "$summary" >/dev/null
 check nccl 30 "$bin/nccl" --include-ignored --nocapture
@@ -157,7 +157,7 @@ say ""
 say "## compute-sanitizer on the op tests (fp32)"
 if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
-        check "$tool" 50 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/ops" --include-ignored cuda_fp32
+        check "$tool" 50 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/engine" --include-ignored cuda_fp32
         say "- $tool: $(verdict) ($took s): $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$work/$tool.txt" | tail -1)"
     done
 else

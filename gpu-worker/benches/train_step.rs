@@ -26,7 +26,7 @@ use distlab_common::{
     Attention, Checkpointing, ExperimentSpec, Limits, LossScaling, ModelFamily, ModelSpec, Precision, RunEvent,
     TrainSpec,
 };
-use distlab_worker::machine_limits::{bf16_dot_peak, fma_peak};
+use distlab_worker::machine_limits::{bf16_dot_peak, fma_peak, Sampling};
 use distlab_worker::{train, TrainOptions};
 
 struct Args {
@@ -151,7 +151,7 @@ fn main() {
     let tokens_per_step = spec.tokens_per_step() as f64;
     let flops_per_token = spec.model.train_flops_per_token();
     // The yardsticks first, while nothing else runs.
-    let peaks: Vec<_> = args.threads.iter().map(|&threads| fma_peak(threads)).collect();
+    let peaks: Vec<_> = args.threads.iter().map(|&threads| fma_peak(threads, Sampling::THOROUGH)).collect();
     let bf16_peaks: Vec<_> = args.threads.iter().filter_map(|&threads| bf16_dot_peak(threads)).collect();
     for (name, peak) in peaks.iter().map(|p| ("fma_peak", p)).chain(bf16_peaks.iter().map(|p| ("bf16_dot_peak", p))) {
         println!(

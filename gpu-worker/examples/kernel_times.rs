@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use distlab_worker::backend::CpuBackend;
-use distlab_worker::machine_limits::fma_peak;
+use distlab_worker::machine_limits::{fma_peak, Sampling};
 use distlab_worker::ops::attention::AttentionShape;
 use distlab_worker::ops::kernels::*;
 
@@ -42,7 +42,7 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 fn main() {
     let reps = std::env::args().skip_while(|a| a != "--reps").nth(1).and_then(|v| v.parse().ok()).unwrap_or(20);
     let mut table: Vec<(String, f64, Vec<f64>)> = Vec::new();
-    let peaks = [fma_peak(1).gflops_per_s, fma_peak(2).gflops_per_s];
+    let peaks = [fma_peak(1, Sampling::THOROUGH).gflops_per_s, fma_peak(2, Sampling::THOROUGH).gflops_per_s];
     for threads in [1usize, 2] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
         let be = CpuBackend::<f32>::new(threads);

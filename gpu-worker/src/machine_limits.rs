@@ -26,11 +26,30 @@ pub struct FmaPeak {
 /// x86 core (4 cycles x 2 ports), so the ports never wait on a result.
 const CHAINS: usize = 12;
 
-/// Best of a few runs of about 50 ms on every thread at once.
-pub fn fma_peak(threads: usize) -> FmaPeak {
+/// How a rate is measured: the best of `rounds` runs of about `seconds` each, every thread
+/// at once. The best, not the mean: on a shared machine a run can only lose time.
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
+    pub rounds: usize,
+    pub seconds: f64,
+}
+
+impl Sampling {
+    /// The benchmarks' yardstick: five runs of 50 ms (a quarter second).
+    pub const THOROUGH: Sampling = Sampling { rounds: 5, seconds: 0.05 };
+    /// A worker's, before each run it starts (the run's MFU's denominator): five runs of 8 ms,
+    /// about 43 ms in all with the calibration against 305 ms for the thorough one, and
+    /// 0.95-1.04x of it (median 1.02) in 12 pairs measured in turn on a 2-core Zen 3, where
+    /// the thorough one itself spread over ±2% (`examples/peak_sampling.rs`).
+    pub const QUICK: Sampling = Sampling { rounds: 5, seconds: 0.008 };
+}
+
+/// The FMA peak of `threads` threads, measured as `sampling` says.
+pub fn fma_peak(threads: usize, sampling: Sampling) -> FmaPeak {
     let (isa, lanes) = widest_fma();
     let flops_per_lane = if isa == "scalar" { 1 } else { 2 };
-    FmaPeak { threads, isa, gflops_per_s: best_rate(threads, lanes * flops_per_lane, |iters| fma_chains(isa, iters)) }
+    let rate = best_rate(threads, lanes * flops_per_lane, sampling, |iters| fma_chains(isa, iters));
+    FmaPeak { threads, isa, gflops_per_s: rate }
 }
 
 /// The `vdpbf16ps` rate on `threads` threads, where the CPU has AVX-512 BF16.
@@ -38,7 +57,7 @@ pub fn bf16_dot_peak(threads: usize) -> Option<FmaPeak> {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f") {
         // SAFETY: both features were just detected.
-        let rate = best_rate(threads, 16 * 4, |iters| unsafe { x86::chains_dpbf16(iters) });
+        let rate = best_rate(threads, 16 * 4, Sampling::THOROUGH, |iters| unsafe { x86::chains_dpbf16(iters) });
         return Some(FmaPeak { threads, isa: "avx512bf16", gflops_per_s: rate });
     }
     let _ = threads;
@@ -46,23 +65,24 @@ pub fn bf16_dot_peak(threads: usize) -> Option<FmaPeak> {
 }
 
 /// GFLOP/s of `threads` threads running `chains(iters)` at once (each round: CHAINS
-/// instructions of `flops` FLOPs), best of five runs of about 50 ms.
-fn best_rate(threads: usize, flops: u64, chains: impl Fn(u64) -> f32 + Sync) -> f64 {
+/// instructions of `flops` FLOPs), the best of `sampling`'s runs.
+fn best_rate(threads: usize, flops: u64, sampling: Sampling, chains: impl Fn(u64) -> f32 + Sync) -> f64 {
     let threads = threads.max(1);
-    // Calibrate: iterations for about 50 ms on one thread.
-    let mut iters = 1u64 << 16;
+    // Calibrate on one thread: iterations for about `sampling.seconds`, from a run of at
+    // least a fifth of that.
+    let mut iters = 1u64 << 14;
     loop {
         let start = Instant::now();
         std::hint::black_box(chains(iters));
         let seconds = start.elapsed().as_secs_f64();
-        if seconds > 0.01 {
-            iters = ((iters as f64 * 0.05 / seconds) as u64).max(1);
+        if seconds > sampling.seconds / 5.0 {
+            iters = ((iters as f64 * sampling.seconds / seconds) as u64).max(1);
             break;
         }
         iters *= 4;
     }
     let mut best = 0.0f64;
-    for _ in 0..5 {
+    for _ in 0..sampling.rounds.max(1) {
         let barrier = Barrier::new(threads);
         let seconds = std::thread::scope(|s| {
             let runs: Vec<_> = (0..threads)

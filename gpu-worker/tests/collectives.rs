@@ -2,6 +2,7 @@
 //! here; the launcher tests run them as processes). Values are small integers, so float
 //! sums are exact and results must equal a sequential reduction bit for bit.
 
+#[path = "ranks/mod.rs"]
 mod ranks;
 
 use std::sync::Arc;

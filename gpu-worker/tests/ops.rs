@@ -22,6 +22,7 @@ use distlab_worker::ops::attention::{AttentionShape, Positions};
 use distlab_worker::ops::ring_attention::RingShape;
 use distlab_worker::rng::Rng;
 
+#[path = "reference/mod.rs"]
 mod reference;
 
 /// The engine's own kernels in f64 (for the whole-GPT composition check).

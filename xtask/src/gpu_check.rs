@@ -17,7 +17,7 @@ const LIMIT_BYTES: u64 = 50 << 20;
 pub fn prepare() -> Result<PathBuf> {
     let root = crate::root();
     // The features of the test run, so that the test binaries are the ones it built.
-    let features = ["--workspace", "--features", "distlab-worker/cuda"];
+    let features = crate::TEST_BUILD;
     crate::status(crate::cargo().args(["build"]).args(features).args(["--bins", "--example", "cuda_train"]))?;
     let tests = test_binaries(&features)?;
     let dir = root.join("target/gpu-check");
@@ -56,13 +56,13 @@ fn test_binaries(features: &[&str]) -> Result<Vec<(&'static str, PathBuf)>> {
     let out = crate::cargo()
         .args(["test", "--no-run", "--message-format=json"])
         .args(features)
-        .args(["--test", "ops", "--test", "nccl", "--test", "cuda"])
+        .args(["--test", "engine", "--test", "nccl", "--test", "cuda"])
         .output()
         .context("cannot start cargo test --no-run")?;
     if !out.status.success() {
         bail!("cargo test --no-run failed:\n{}", String::from_utf8_lossy(&out.stderr));
     }
-    let wanted = [("distlab-worker", "ops"), ("distlab-worker", "nccl"), ("distlab-tests", "cuda")];
+    let wanted = [("distlab-worker", "engine"), ("distlab-worker", "nccl"), ("distlab-tests", "cuda")];
     let mut found = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else { continue };

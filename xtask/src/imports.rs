@@ -177,13 +177,17 @@ mod tests {
 
     #[test]
     fn a_circle_is_found() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("store")).unwrap();
-        std::fs::write(dir.path().join("store/queue.rs"), "use crate::api::{error::HttpError, x};").unwrap();
-        std::fs::write(dir.path().join("store/mod.rs"), "pub mod queue;").unwrap();
-        std::fs::write(dir.path().join("api.rs"), "use crate::store::{self, queue::Leased};").unwrap();
-        std::fs::write(dir.path().join("lib.rs"), "mod api; mod store;").unwrap();
-        let found = cycles(dir.path()).unwrap();
+        // (Under target/, not a temporary directory: xtask's tests build with exactly the
+        // dependencies of `cargo xtask`, so that they reuse its release build.)
+        let dir = crate::root().join("target/xtask-tests/a_circle_is_found");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("store")).unwrap();
+        std::fs::write(dir.join("store/queue.rs"), "use crate::api::{error::HttpError, x};").unwrap();
+        std::fs::write(dir.join("store/mod.rs"), "pub mod queue;").unwrap();
+        std::fs::write(dir.join("api.rs"), "use crate::store::{self, queue::Leased};").unwrap();
+        std::fs::write(dir.join("lib.rs"), "mod api; mod store;").unwrap();
+        let found = cycles(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(
             found[0].iter().collect::<BTreeSet<_>>(),

@@ -142,6 +142,13 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
+/// The packages and features of every test build: the same each time, so that each reuses
+/// what the one before built (a build that selects other packages unifies other features
+/// and compiles their shared dependencies again). xtask is left out: its tests build on the
+/// release build `cargo xtask` itself runs from, rather than on a second, debug copy of its
+/// dependencies (wasm-bindgen's and the wasm tools, ~5 minutes of one core).
+pub const TEST_BUILD: [&str; 5] = ["--workspace", "--exclude", "xtask", "--features", "distlab-worker/cuda"];
+
 fn cargo() -> Command {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.current_dir(root());
@@ -219,7 +226,7 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
     // (on a machine without a GPU they print why they skip; cudarc loads CUDA at run time).
     let mut cmd = cargo();
     // --no-fail-fast: a failing test binary does not hide what the ones after it would say.
-    cmd.args(["test", "--no-fail-fast", "--workspace", "--features", "distlab-worker/cuda"]);
+    cmd.args(["test", "--no-fail-fast"]).args(TEST_BUILD);
     // NVRTC and ptxas compile every kernel, GPU or not. On a GPU machine the system's NVRTC
     // (the one matching its driver) is used where there is one.
     let tools = cuda_tools::ensure()?;
@@ -229,16 +236,26 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
         let paths = std::iter::once(tools.lib_dir.clone()).chain(std::env::split_paths(&paths));
         cmd.env("LD_LIBRARY_PATH", std::env::join_paths(paths).context("LD_LIBRARY_PATH")?);
     }
-    if gpu || !extra.is_empty() {
-        cmd.arg("--").args(extra);
-    }
+    let mut harness: Vec<&str> = extra.iter().map(String::as_str).collect();
     if gpu {
         // Only the GPU tests are #[ignore]d; this runs them with everything else.
-        cmd.arg("--include-ignored");
+        harness.push("--include-ignored");
+    }
+    if !harness.is_empty() {
+        cmd.arg("--").args(&harness);
     }
     let status = failures::run(&mut cmd)?;
-    if !status.success() {
-        return Ok(exit_code(status));
+    // xtask's own tests, built on the release build `cargo xtask` runs from (`TEST_BUILD`).
+    let mut xtask_tests = cargo();
+    xtask_tests.args(["test", "--release", "-p", "xtask"]);
+    if !harness.is_empty() {
+        xtask_tests.arg("--").args(&harness);
+    }
+    let xtask_status = failures::run(&mut xtask_tests)?;
+    for status in [status, xtask_status] {
+        if !status.success() {
+            return Ok(exit_code(status));
+        }
     }
     if !gpu {
         let status = gpu_tests_on_the_emulated_device()?;
@@ -257,11 +274,7 @@ fn test(gpu: bool, extra: &[String]) -> Result<ExitCode> {
 fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
     println!("xtask: the CUDA op tests on the emulated GPU");
     let mut cmd = emulated_gpu::cargo(1)?;
-    cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "ops"]).args([
-        "--",
-        "--include-ignored",
-        "cuda_",
-    ]);
+    cmd.arg("test").args(TEST_BUILD).args(["--test", "engine"]).args(["--", "--include-ignored", "cuda_"]);
     let status = failures::run(&mut cmd)?;
     if !status.success() {
         return Ok(status);
@@ -269,8 +282,7 @@ fn gpu_tests_on_the_emulated_device() -> Result<std::process::ExitStatus> {
     println!("xtask: the NCCL and cuda training tests on 8 emulated GPUs");
     let mut cmd = emulated_gpu::cargo(8)?;
     // (`--test nccl` also names the emulator's own NCCL test, which takes a second.)
-    cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "nccl", "--test", "cuda"])
-        .args(["--", "--include-ignored"]);
+    cmd.arg("test").args(TEST_BUILD).args(["--test", "nccl", "--test", "cuda"]).args(["--", "--include-ignored"]);
     failures::run(&mut cmd)
 }
 
@@ -290,7 +302,8 @@ fn store_tests_on_postgres() -> Result<ExitCode> {
     // whole workspace with the run above's features, so that nothing is built again.
     let status = failures::run(
         cargo()
-            .args(["test", "--workspace", "--features", "distlab-worker/cuda"])
+            .arg("test")
+            .args(TEST_BUILD)
             .args(["--test", "api", "--test", "accounts", "--test", "review", "--test", "fuzz"])
             .env("DISTLAB_TEST_POSTGRES_URL", &cluster.url),
     )?;

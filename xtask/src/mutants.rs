@@ -55,7 +55,7 @@ pub const MUTANTS: &[Mutant] = &[
         file: "gpu-worker/src/comm/ring.rs",
         find: "let send_chunk = (r + 2 * w - step - 1) % w;",
         replace: "let send_chunk = (r + 2 * w - step) % w;",
-        tests: &["-p", "distlab-worker", "--test", "collectives"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "collectives::"],
     },
     Mutant {
         name: "ZeRO/FSDP shards start one element late",
@@ -89,7 +89,7 @@ pub const MUTANTS: &[Mutant] = &[
         file: "gpu-worker/src/comm/ring/all_reduce.rs",
         find: "self.recv_step(child, buf, true, step(RingPhase::Reduce, me, child))?;",
         replace: "self.recv_step(child, buf, false, step(RingPhase::Reduce, me, child))?;",
-        tests: &["-p", "distlab-worker", "--test", "collectives", "every_all_reduce_algorithm"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "collectives::every_all_reduce_algorithm"],
     },
     Mutant {
         name: "tensor parallel leaves the gradient norm rank-local",
@@ -243,7 +243,7 @@ pub const MUTANTS: &[Mutant] = &[
         file: "gpu-worker/src/ops/layernorm.rs",
         find: "*dx += r * (dy * g - mean_g - xhat * mean_gx);",
         replace: "*dx += r * (dy * g - mean_g);",
-        tests: &["-p", "distlab-worker", "--test", "ops", "layernorm"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "layernorm"],
     },
     Mutant {
         name: "DDP's shared-memory buckets are booked as heap",
@@ -384,7 +384,7 @@ pub const MUTANTS: &[Mutant] = &[
         file: "gpu-worker/src/comm/ring.rs",
         find: "buf[mine].iter_mut().for_each(|x| *x = unpack(wire, pack(wire, *x)));",
         replace: "let _ = (&buf[mine], wire);",
-        tests: &["-p", "distlab-worker", "--test", "collectives", "a_two_byte_wire"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "collectives::a_two_byte_wire"],
     },
     Mutant {
         name: "Gradient compression forgets what it did not send (no error feedback)",
@@ -398,7 +398,7 @@ pub const MUTANTS: &[Mutant] = &[
         file: "gpu-worker/src/comm/ring/all_to_all.rs",
         find: "&mut output[piece(from)], false, s, to)?;",
         replace: "&mut output[piece(to)], false, s, to)?;",
-        tests: &["-p", "distlab-worker", "--test", "collectives", "all_to_all"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "collectives::all_to_all"],
     },
     Mutant {
         name: "A resumed compressed run starts its error-feedback residual at zero",
@@ -441,56 +441,56 @@ pub const MUTANTS: &[Mutant] = &[
         file: "gpu-worker/src/model/experts.rs",
         find: "let dlogits = route_backward(&a.routing, &probs, &dgates, balance_weight);",
         replace: "let dlogits = route_backward(&a.routing, &probs, &dgates, 0.0);",
-        tests: &["-p", "distlab-worker", "--test", "gradcheck", "mixture_of_experts"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "gradcheck::mixture_of_experts"],
     },
     Mutant {
         name: "The routers' dropped assignments are not counted",
         file: "gpu-worker/src/model/experts.rs",
         find: "self.dropped += r.dropped as u64;",
         replace: "self.dropped += 0;",
-        tests: &["-p", "distlab-worker", "--test", "gradcheck", "mixture_of_experts"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "gradcheck::mixture_of_experts"],
     },
     Mutant {
         name: "Llama: RoPE's backward turns the gradient forward again instead of back",
         file: "gpu-worker/src/ops/rope.rs",
         find: "self.rope(dqkv, shape, (theta, positions), -1.0);",
         replace: "self.rope(dqkv, shape, (theta, positions), 1.0);",
-        tests: &["-p", "distlab-worker", "--test", "gradcheck", "rope"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "gradcheck::rope"],
     },
     Mutant {
         name: "Llama: the blocks' backward leaves q and k's gradients turned (rope_backward dropped)",
         file: "gpu-worker/src/model/attend.rs",
         find: "be.rope_backward(be.all_mut(dqkv), d.heads, d.rope_theta, d.positions);",
         replace: "let _ = (&dqkv, d.rope_theta);",
-        tests: &["-p", "distlab-worker", "--test", "gradcheck", "whole_llama"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "gradcheck::whole_llama"],
     },
     Mutant {
         name: "Llama: grouped-query attention keeps each query head's K/V gradient instead of the group's sum",
         file: "gpu-worker/src/ops/attention.rs",
         find: "let add = h % shape.group() != 0;",
         replace: "let add = false;",
-        tests: &["-p", "distlab-worker", "--test", "ops", "attention_grouped::cpu_fp32"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "attention_grouped::cpu_fp32"],
     },
     Mutant {
         name: "Llama: SwiGLU's gate gradient drops the sigmoid's derivative",
         file: "gpu-worker/src/ops/swiglu.rs",
         find: "*dg = dh * u * sig * (F::ONE + g * (F::ONE - sig));",
         replace: "*dg = dh * u * sig;",
-        tests: &["-p", "distlab-worker", "--test", "ops", "swiglu::cpu_fp32"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "swiglu::cpu_fp32"],
     },
     Mutant {
         name: "Llama: RMSNorm's input gradient forgets the normalisation's own term",
         file: "gpu-worker/src/ops/rmsnorm.rs",
         find: "*dx += r * (dy * g - x * r * mean_gx);",
         replace: "*dx += r * dy * g;",
-        tests: &["-p", "distlab-worker", "--test", "ops", "rmsnorm::cpu_fp32"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "rmsnorm::cpu_fp32"],
     },
     Mutant {
         name: "SwiGLU experts: an expert's backward skips SwiGLU's backward (fc gets a stale gate and up gradient)",
         file: "gpu-worker/src/model/experts.rs",
         find: "                be.swiglu_backward(dgu, be.view(dfch, r_h), fc_out, f);\n                be.view(dgate_up, r_in)",
         replace: "                let _ = (dgu, fc_out, r_h);\n                be.view(dgate_up, r_in)",
-        tests: &["-p", "distlab-worker", "--test", "gradcheck", "swiglu_experts"],
+        tests: &["-p", "distlab-worker", "--test", "engine", "gradcheck::swiglu_experts"],
     },
     Mutant {
         name: "Selective recompute: backward never recomputes the probabilities (each block reads the last forward's)",
@@ -704,7 +704,7 @@ enum Engine {
     /// `cargo test ARGS`.
     Cpu,
     /// The CUDA op tests on the emulated GPU: `cargo test -p distlab-worker --features cuda
-    /// --test ops -- ARGS`.
+    /// --test engine -- ARGS`.
     EmulatedGpu,
     /// The cuda training tests on 8 emulated GPUs: `cargo test --workspace --features
     /// distlab-worker/cuda --test cuda -- ARGS` (the worker binary they start built with cuda).
@@ -732,7 +732,7 @@ fn build_worker(engine: Engine) -> Result<bool> {
     let mut cmd = cargo();
     match engine {
         Engine::Cpu | Engine::EmulatedGpu => cmd.args(["build", "-p", "distlab-worker"]),
-        Engine::EmulatedGpus => cmd.args(["build", "--workspace", "--features", "distlab-worker/cuda", "--bins"]),
+        Engine::EmulatedGpus => cmd.arg("build").args(crate::TEST_BUILD).arg("--bins"),
     };
     Ok(cmd.status().context("cannot start cargo build")?.success())
 }
@@ -752,12 +752,12 @@ fn run_tests(args: &[&str], engine: Engine) -> Result<bool> {
         }
         Engine::EmulatedGpu => {
             let mut cmd = crate::emulated_gpu::cargo(1)?;
-            cmd.args(["test", "-p", "distlab-worker", "--features", "cuda", "--test", "ops", "--"]);
+            cmd.args(["test", "-p", "distlab-worker", "--features", "cuda", "--test", "engine", "--"]);
             cmd
         }
         Engine::EmulatedGpus => {
             let mut cmd = crate::emulated_gpu::cargo(8)?;
-            cmd.args(["test", "--workspace", "--features", "distlab-worker/cuda", "--test", "cuda", "--"]);
+            cmd.arg("test").args(crate::TEST_BUILD).args(["--test", "cuda", "--"]);
             cmd
         }
     };

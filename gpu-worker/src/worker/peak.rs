@@ -2,7 +2,8 @@
 //! utilisation: the model's FLOPs per second over this peak).
 //!
 //! - CPU: one thread's FMA peak, measured once per worker process (`machine_limits`:
-//!   fused multiply-adds on independent registers in the widest vectors the CPU has), times
+//!   fused multiply-adds on independent registers in the widest vectors the CPU has, the
+//!   best of five runs of 8 ms: a small run's own time is not spent on its yardstick), times
 //!   the threads the run's ranks use here, at most the machine's cores.
 //! - GPU: the datasheet's dense peak of the run's precision (FP32 without tensor cores,
 //!   BF16/FP16 on them) for the GPUs named below, times the GPUs the ranks use; for
@@ -11,12 +12,12 @@
 use std::sync::OnceLock;
 
 use distlab_common::{BackendKind, DevicePeak, ExperimentSpec, Precision};
-use distlab_worker::machine_limits::{fma_peak, FmaPeak};
+use distlab_worker::machine_limits::{fma_peak, FmaPeak, Sampling};
 
-/// One thread's FMA peak on this machine, measured on first use (about a quarter second).
+/// One thread's FMA peak on this machine, measured on first use (about 45 ms).
 pub fn cpu_thread_peak() -> FmaPeak {
     static PEAK: OnceLock<FmaPeak> = OnceLock::new();
-    *PEAK.get_or_init(|| fma_peak(1))
+    *PEAK.get_or_init(|| fma_peak(1, Sampling::QUICK))
 }
 
 /// This machine's cores.

@@ -78,8 +78,11 @@ pub fn run_spec_file(
         ..RunPaths::default()
     };
     let hosts = Hosts::Here { simulated: simulated_hosts };
-    // The CPU's peak (for the run's MFU), measured before the ranks take the cores.
-    super::peak::cpu_thread_peak();
+    // The CPU's peak (a CPU run's MFU), measured before the ranks take the cores. A cuda
+    // run's peak is its GPU's datasheet figure.
+    if spec.backend == BackendKind::Cpu {
+        super::peak::cpu_thread_peak();
+    }
     let result = execute(&spec, threads, collective_timeout, hosts, paths, &mut on_event, &cancel)
         .and_then(|summary| summary.ok_or_else(|| ExecError::Other("the run ended without a summary".into())));
     if let Some(e) = write_error {
