@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use distlab_common::{BackendKind, DevicePeak, ExperimentSpec, Precision};
 use distlab_worker::machine_limits::{fma_peak, FmaPeak, Sampling};
 
-/// One thread's FMA peak on this machine, measured on first use (about 45 ms).
+/// One thread's FMA peak on this machine, measured on first use (`Sampling::QUICK`).
 pub fn cpu_thread_peak() -> FmaPeak {
     static PEAK: OnceLock<FmaPeak> = OnceLock::new();
     *PEAK.get_or_init(|| fma_peak(1, Sampling::QUICK))
