@@ -4,8 +4,6 @@
 //! queued experiments, one signed-in account. Run: `cargo run --release -p distlab-server
 //! --example list_costs`.
 
-use std::time::Instant;
-
 use axum::body::Body;
 use axum::http::{header, Request};
 use distlab_common::{AuthMode, ExperimentList, ExperimentSpec};
@@ -14,19 +12,8 @@ use distlab_server::{app, AppState, ServerConfig};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
-const ROUNDS: u32 = 2000;
-
-/// Microseconds per call of `f`, over ROUNDS calls.
-async fn per_call<F: std::future::Future<Output = ()>>(mut f: impl FnMut() -> F) -> f64 {
-    for _ in 0..ROUNDS / 10 {
-        f().await;
-    }
-    let start = Instant::now();
-    for _ in 0..ROUNDS {
-        f().await;
-    }
-    start.elapsed().as_secs_f64() * 1e6 / f64::from(ROUNDS)
-}
+mod timing;
+use timing::{per_call, ROUNDS};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {

@@ -16,21 +16,11 @@ use distlab_server::{app, clock, AppState, ServerConfig};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
-const ROUNDS: u32 = 2000;
+mod timing;
+use timing::{per_call, ROUNDS};
+
 const TOGETHER: usize = 64;
 const SPEC: &str = r#"{"name": "load", "train": {"steps": 10}}"#;
-
-/// Microseconds per call of `f`, over ROUNDS calls.
-async fn per_call<F: std::future::Future<Output = ()>>(mut f: impl FnMut() -> F) -> f64 {
-    for _ in 0..ROUNDS / 10 {
-        f().await;
-    }
-    let start = Instant::now();
-    for _ in 0..ROUNDS {
-        f().await;
-    }
-    start.elapsed().as_secs_f64() * 1e6 / f64::from(ROUNDS)
-}
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {

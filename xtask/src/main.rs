@@ -26,6 +26,8 @@ mod load_client;
 mod load_server;
 mod mutants;
 mod postgres;
+#[cfg(test)]
+mod test_targets;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
