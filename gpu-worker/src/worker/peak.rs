@@ -2,8 +2,8 @@
 //! utilisation: the model's FLOPs per second over this peak).
 //!
 //! - CPU: one thread's FMA peak, measured once per worker process (`machine_limits`:
-//!   fused multiply-adds on independent registers in the widest vectors the CPU has, the
-//!   best of five runs of 8 ms: a small run's own time is not spent on its yardstick), times
+//!   fused multiply-adds on independent registers in the widest vectors the CPU has, sampled
+//!   briefly (`Sampling::QUICK`): a small run's own time is not spent on its yardstick), times
 //!   the threads the run's ranks use here, at most the machine's cores.
 //! - GPU: the datasheet's dense peak of the run's precision (FP32 without tensor cores,
 //!   BF16/FP16 on them) for the GPUs named below, times the GPUs the ranks use; for
