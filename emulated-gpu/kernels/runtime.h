@@ -12,8 +12,14 @@
 // point per kernel (`emu_entry_<name>`: the kernel called with the arguments cuLaunchKernel
 // hands over, one pointer per argument), then compiles the whole with g++ into a shared
 // object the stand-in driver loads as the module.
+//
+// A kernel that never waits (no barrier or shuffle in it or in what it calls, as the
+// stand-in NVRTC reads its source: `waiting.rs`) runs without fibers: each thread to its
+// end in turn, on the launching thread's own stack. Should it wait after all, the launch
+// fails saying so.
 #pragma once
 #include <math.h>
+#include <setjmp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,7 +40,9 @@ namespace emu {
 
 enum class State { Runnable, AtBarrier, AtShuffle, Done };
 
-// Switching between fibers. On x86-64 a hand-written switch (the callee-saved registers
+// Switching between fibers. A fiber that stops (it waits, or has ended) switches straight
+// to the next thread of the round that can run, the last one back to the scheduler: one
+// switch per thread and turn, not two. On x86-64 a hand-written switch (the callee-saved registers
 // pushed on the fiber's own stack, then the stack pointer swapped): swapcontext would also
 // save the signal mask, a system call at every barrier and shuffle.
 #if defined(__x86_64__)
@@ -66,8 +74,11 @@ emu_switch:
 #endif
 
 struct Thread {
-    ucontext_t context;
+#ifdef EMU_FAST_SWITCH
     void* sp = nullptr;
+#else
+    ucontext_t context;
+#endif
     State state = State::Runnable;
     uint3 index;
     // A shuffle: this lane's value and lane mask going in, the value it gets coming out.
@@ -85,31 +96,59 @@ struct Launch {
     Thread* threads = nullptr;
     unsigned count = 0;
     Thread* current = nullptr;
-    ucontext_t scheduler;
+#ifdef EMU_FAST_SWITCH
     void* scheduler_sp = nullptr;
+#else
+    ucontext_t scheduler;
+#endif
+    // This round's turns (indices into `threads`) and the next one to look at.
+    unsigned* turn = nullptr;
+    unsigned next = 0;
     void (*body)(void**) = nullptr;
     void** params = nullptr;
     char* error = nullptr;
     size_t error_len = 0;
     bool failed = false;
+    // Threads run to their end without fibers (the kernel never waits); `escape` is where
+    // a failure returns to then.
+    bool direct = false;
+    jmp_buf escape;
 };
 inline thread_local Launch* launch = nullptr;
 
-inline void yield_to_scheduler() {
+// The round's next thread that can run (null once the round is over).
+inline Thread* next_in_round(Launch& l) {
+    while (l.next < l.count) {
+        Thread* t = &l.threads[l.turn[l.next++]];
+        if (t->state == State::Runnable) return t;
+    }
+    return nullptr;
+}
+
+// The current thread stops for now: the round's next thread runs, or the scheduler once
+// the round is over or the launch has failed.
+inline void pass_turn() {
+    Launch& l = *launch;
+    Thread* me = l.current;
+    Thread* next = l.failed ? nullptr : next_in_round(l);
+    l.current = next;
 #ifdef EMU_FAST_SWITCH
-    emu_switch(&launch->current->sp, launch->scheduler_sp);
+    emu_switch(&me->sp, next ? next->sp : l.scheduler_sp);
 #else
-    swapcontext(&launch->current->context, &launch->scheduler);
+    swapcontext(&me->context, next ? &next->context : &l.scheduler);
 #endif
 }
 
-// Runs the thread `t` until it yields.
-inline void run_thread(Thread& t) {
+// Runs the round's threads from `t` on, each until it stops; back when the round is over
+// or the launch has failed.
+inline void run_round_from(Thread& t) {
+    launch->current = &t;
 #ifdef EMU_FAST_SWITCH
     emu_switch(&launch->scheduler_sp, t.sp);
 #else
     swapcontext(&launch->scheduler, &t.context);
 #endif
+    launch->current = nullptr;
 }
 
 // Records the first failure of the launch (with where it happened) and stops this thread.
@@ -121,26 +160,35 @@ inline void fail(const char* what) {
                  l.block_index.x, l.block_index.y, l.block_index.z, t.x, t.y, t.z, what);
         l.failed = true;
     }
+    if (l.direct) longjmp(l.escape, 1);
     if (l.current) {
         l.current->state = State::Done;
-        yield_to_scheduler();
+        pass_turn();
     }
 }
 
+// What a thread that waits does in a kernel run without fibers.
+inline void no_waiting_here() {
+    if (launch->direct)
+        fail("waits at a barrier or shuffle, but was run without fibers (the emulated NVRTC found no wait in it)");
+}
+
 inline void barrier() {
+    no_waiting_here();
     launch->current->state = State::AtBarrier;
-    yield_to_scheduler();
+    pass_turn();
 }
 
 template <class T> T shuffle_xor(unsigned int mask, T value, int lane_mask) {
     static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffle moves at most 8 bytes");
+    no_waiting_here();
     if (mask != 0xffffffffu) fail("a shuffle with a partial lane mask (the emulator checks full warps only)");
     Thread& me = *launch->current;
     me.shuffle_in = 0;
     memcpy(&me.shuffle_in, &value, sizeof(T));
     me.shuffle_lane_mask = lane_mask;
     me.state = State::AtShuffle;
-    yield_to_scheduler();
+    pass_turn();
     T out;
     memcpy(&out, &me.shuffle_out, sizeof(T));
     return out;
@@ -149,17 +197,14 @@ template <class T> T shuffle_xor(unsigned int mask, T value, int lane_mask) {
 inline void thread_main() {
     launch->body(launch->params);
     launch->current->state = State::Done;
-#ifdef EMU_FAST_SWITCH
-    yield_to_scheduler();  // never resumed
-#endif
-    // (with ucontext, returning resumes uc_link: the scheduler)
+    pass_turn();  // never resumed
 }
 
 // A new fiber on `stack` (`bytes`, 16-aligned): its first switch-in "returns" into
 // thread_main with the stack aligned as after a call.
-inline void start_thread(Thread& t, char* stack, size_t bytes, ucontext_t* scheduler) {
+inline void start_thread(Thread& t, char* stack, size_t bytes, Launch& l) {
 #ifdef EMU_FAST_SWITCH
-    (void)scheduler;
+    (void)l;
     uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15);
     void** slot = reinterpret_cast<void**>(top - 16);  // the return address, 16-aligned
     slot[0] = reinterpret_cast<void*>(&thread_main);
@@ -171,13 +216,42 @@ inline void start_thread(Thread& t, char* stack, size_t bytes, ucontext_t* sched
     getcontext(&t.context);
     t.context.uc_stack.ss_sp = stack;
     t.context.uc_stack.ss_size = bytes;
-    t.context.uc_link = scheduler;
+    t.context.uc_link = &l.scheduler;
     makecontext(&t.context, thread_main, 0);
 #endif
 }
 
 // The order fibers run in between two synchronisations.
 enum Order { Forward = 0, Reverse = 1, Shuffled = 2 };
+
+// The order of the threads' next turns: the last one's reversed, or shuffled.
+inline void next_turns(unsigned* turn, unsigned n, int order, uint64_t* seed) {
+    if (order == Reverse) std::reverse(turn, turn + n);
+    if (order == Shuffled) {
+        for (unsigned i = n; i > 1; i--) {
+            *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+            std::swap(turn[i - 1], turn[(*seed >> 33) % i]);
+        }
+    }
+}
+
+// Runs one block of a kernel that never waits: each thread to its end, in the order of a
+// fiber block's first turns; false once the launch has failed.
+inline bool run_block_directly(int order, uint64_t* seed) {
+    Launch& l = *launch;
+    unsigned n = l.count;
+    unsigned* turn = static_cast<unsigned*>(alloca(n * sizeof(unsigned)));
+    for (unsigned i = 0; i < n; i++) turn[i] = i;
+    next_turns(turn, n, order, seed);
+    if (setjmp(l.escape)) return false;  // (a failure: `fail` came back here)
+    for (unsigned k = 0; k < n; k++) {
+        l.current = &l.threads[turn[k]];
+        l.body(l.params);
+        l.current->state = State::Done;
+    }
+    l.current = nullptr;
+    return true;
+}
 
 // Runs one block to its end; false once the launch has failed.
 inline bool run_block(int order, uint64_t* seed) {
@@ -186,23 +260,13 @@ inline bool run_block(int order, uint64_t* seed) {
     unsigned* turn = static_cast<unsigned*>(alloca(n * sizeof(unsigned)));
     for (unsigned i = 0; i < n; i++) turn[i] = i;
     for (;;) {
-        if (order == Reverse) std::reverse(turn, turn + n);
-        if (order == Shuffled) {
-            for (unsigned i = n; i > 1; i--) {
-                *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
-                std::swap(turn[i - 1], turn[(*seed >> 33) % i]);
-            }
-        }
-        bool ran = false;
-        for (unsigned k = 0; k < n; k++) {
-            Thread& t = l.threads[turn[k]];
-            if (t.state != State::Runnable) continue;
-            l.current = &t;
-            run_thread(t);
-            l.current = nullptr;
-            ran = true;
-            if (l.failed) return false;
-        }
+        next_turns(turn, n, order, seed);
+        l.turn = turn;
+        l.next = 0;
+        Thread* first = next_in_round(l);
+        bool ran = first != nullptr;
+        if (first) run_round_from(*first);
+        if (l.failed) return false;
         // Release warps whose every lane waits at a shuffle.
         bool released = false;
         for (unsigned w = 0; w * WARP_SIZE < n; w++) {
@@ -280,9 +344,10 @@ inline char* stacks_for(unsigned count) {
 }
 
 // Runs `body` (a kernel's entry) on every thread of every block of `grid` x `block`, block
-// after block; 0 on success, else the failure in `error`.
+// after block, each thread a fiber where the kernel `waits`; 0 on success, else the
+// failure in `error`.
 inline int run(const char* kernel, void (*body)(void**), void** params, dim3 grid, dim3 block, int order,
-               uint64_t seed, char* error, size_t error_len) {
+               uint64_t seed, bool waits, char* error, size_t error_len) {
     Launch l;
     l.kernel = kernel;
     l.grid = grid;
@@ -304,8 +369,9 @@ inline int run(const char* kernel, void (*body)(void**), void** params, dim3 gri
         snprintf(error, error_len, "kernel %s: launched from inside another kernel", kernel);
         return 1;
     }
-    char* stacks = stacks_for(l.count);
-    if (!stacks) {
+    l.direct = !waits;
+    char* stacks = waits ? stacks_for(l.count) : nullptr;
+    if (waits && !stacks) {
         snprintf(error, error_len, "kernel %s: no memory for %u thread stacks", kernel, l.count);
         return 1;
     }
@@ -318,13 +384,18 @@ inline int run(const char* kernel, void (*body)(void**), void** params, dim3 gri
         for (unsigned by = 0; ok && by < grid.y; by++)
             for (unsigned bx = 0; ok && bx < grid.x; bx++) {
                 l.block_index = dim3{bx, by, bz};
+                uint3 index{0, 0, 0};
                 for (unsigned i = 0; i < l.count; i++) {
                     Thread& t = threads[i];
                     t.state = State::Runnable;
-                    t.index = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
-                    start_thread(t, stacks + i * STACK_SPAN + PAGE, STACK_BYTES, &l.scheduler);
+                    t.index = index;
+                    if (++index.x == block.x) {  // (x fastest, then y, then z)
+                        index.x = 0;
+                        if (++index.y == block.y) index.y = 0, index.z++;
+                    }
+                    if (waits) start_thread(t, stacks + i * STACK_SPAN + PAGE, STACK_BYTES, l);
                 }
-                ok = run_block(order, &seed);
+                ok = waits ? run_block(order, &seed) : run_block_directly(order, &seed);
             }
     launch = outer;
     delete[] threads;

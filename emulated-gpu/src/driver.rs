@@ -334,10 +334,12 @@ struct Module {
     library: *mut c_void,
 }
 
-/// A kernel of a module: its entry point and the module's launcher.
+/// A kernel of a module: its entry point, whether it may wait at a barrier or shuffle, and
+/// the module's launcher.
 pub struct Function {
     name: CString,
     entry: *mut c_void,
+    waits: bool,
     run: nvrtc::RunFn,
     where_: nvrtc::WhereFn,
 }
@@ -363,8 +365,8 @@ pub unsafe extern "C" fn cuModuleGetFunction(
     }
     let library = (*(module as *const Module)).library;
     let name = CStr::from_ptr(name).to_owned();
-    let Some((entry, run, where_)) = nvrtc::kernel(library, &name) else { return NOT_FOUND };
-    put(function, Box::into_raw(Box::new(Function { name, entry, run, where_ })) as *mut c_void)
+    let Some((entry, waits, run, where_)) = nvrtc::kernel(library, &name) else { return NOT_FOUND };
+    put(function, Box::into_raw(Box::new(Function { name, entry, waits, run, where_ })) as *mut c_void)
 }
 
 #[no_mangle]
@@ -404,7 +406,19 @@ pub unsafe extern "C" fn cuLaunchKernel(
     let grid = [grid_x, grid_y, grid_z];
     let block = [block_x, block_y, block_z];
     let failed = fault::during_launch(f.where_, || {
-        (f.run)(f.name.as_ptr(), f.entry, params, grid.as_ptr(), block.as_ptr(), order, seed, error.as_mut_ptr(), 1024)
+        let waits = c_int::from(f.waits);
+        (f.run)(
+            f.name.as_ptr(),
+            f.entry,
+            params,
+            grid.as_ptr(),
+            block.as_ptr(),
+            order,
+            seed,
+            waits,
+            error.as_mut_ptr(),
+            1024,
+        )
     });
     if failed != 0 {
         let why = CStr::from_ptr(error.as_ptr()).to_string_lossy();

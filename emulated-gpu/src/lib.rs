@@ -13,7 +13,8 @@
 //! block and thread; "NVRTC" compiles the kernels' CUDA C as C++ with g++ against
 //! `kernels/runtime.h`, which runs every CUDA thread as a fiber (barriers and warp shuffles
 //! behave as on a GPU, a shuffle some lane never reaches is an error, and the threads can
-//! run in reverse or shuffled order between barriers, `DISTLAB_EMULATED_GPU_ORDER`);
+//! run in reverse or shuffled order between barriers, `DISTLAB_EMULATED_GPU_ORDER`; a
+//! kernel that never waits, as `waiting.rs` reads its source, runs without fibers);
 //! "cuBLAS" is a reference column-major GEMM. Every call runs to completion before it
 //! returns: streams are in order trivially, events have nothing to wait for.
 //!
@@ -31,6 +32,7 @@ pub mod memory;
 pub mod nccl;
 pub mod nvrtc;
 mod shared_group;
+mod waiting;
 
 /// Settings, read from the environment once.
 pub mod settings {

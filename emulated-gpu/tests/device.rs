@@ -4,7 +4,7 @@
 //! threads run in another order, a shuffle not every lane reaches fails the launch, and an
 //! access past the end of a buffer is reported with the kernel, block and thread.
 
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::process::Command;
 
 use distlab_emulated_gpu::driver::*;
@@ -47,6 +47,10 @@ extern "C" __global__ void warp_sum_divergent(float* x) {
     for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
     x[threadIdx.x] = v;
 }
+// Each thread writes its index (x + 10 y + 100 z) at its place in the block.
+extern "C" __global__ void indices(float* x) {
+    x[threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)] = threadIdx.x + 10 * threadIdx.y + 100 * threadIdx.z;
+}
 // One element per thread, the grid one block too many.
 extern "C" __global__ void scale(float* x, float by) {
     x[blockIdx.x * blockDim.x + threadIdx.x] *= by;
@@ -69,36 +73,8 @@ unsafe impl Sync for Module {}
 
 impl Module {
     fn load() -> Module {
-        bind();
+        let ptx = ptx();
         unsafe {
-            let mut program = std::ptr::null_mut();
-            let source = CString::new(KERNELS).unwrap();
-            let options = [CString::new("-DTEST").unwrap()];
-            let option_ptrs: Vec<_> = options.iter().map(|o| o.as_ptr()).collect();
-            assert_eq!(
-                nvrtcCreateProgram(
-                    &mut program,
-                    source.as_ptr(),
-                    std::ptr::null(),
-                    0,
-                    std::ptr::null(),
-                    std::ptr::null()
-                ),
-                0
-            );
-            let compiled = nvrtcCompileProgram(program, 1, option_ptrs.as_ptr());
-            if compiled != 0 {
-                let mut size = 0;
-                nvrtcGetProgramLogSize(program, &mut size);
-                let mut log = vec![0; size];
-                nvrtcGetProgramLog(program, log.as_mut_ptr());
-                panic!("the kernels do not compile: {}", CStr::from_ptr(log.as_ptr()).to_string_lossy());
-            }
-            let mut size = 0;
-            assert_eq!(nvrtcGetPTXSize(program, &mut size), 0);
-            let mut ptx = vec![0; size];
-            assert_eq!(nvrtcGetPTX(program, ptx.as_mut_ptr()), 0);
-            assert_eq!(nvrtcDestroyProgram(&mut program), 0);
             let mut module = std::ptr::null_mut();
             assert_eq!(cuModuleLoadData(&mut module, ptx.as_ptr() as *const c_void), 0);
             Module(module)
@@ -107,6 +83,11 @@ impl Module {
 
     /// Launches kernel `name` on `blocks` blocks of `threads`: the driver's result.
     fn launch(&self, name: &str, blocks: u32, threads: u32, args: &mut [*mut c_void]) -> u32 {
+        self.launch_block(name, blocks, [threads, 1, 1], args)
+    }
+
+    /// Launches kernel `name` on `blocks` blocks of `block` (x, y, z): the driver's result.
+    fn launch_block(&self, name: &str, blocks: u32, block: [u32; 3], args: &mut [*mut c_void]) -> u32 {
         unsafe {
             let mut function = std::ptr::null_mut();
             let name = CString::new(name).unwrap();
@@ -116,15 +97,44 @@ impl Module {
                 blocks,
                 1,
                 1,
-                threads,
-                1,
-                1,
+                block[0],
+                block[1],
+                block[2],
                 0,
                 std::ptr::null_mut(),
                 args.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
         }
+    }
+}
+
+/// The test kernels compiled by the stand-in NVRTC: their "PTX" (NUL-terminated).
+fn ptx() -> Vec<c_char> {
+    bind();
+    unsafe {
+        let mut program = std::ptr::null_mut();
+        let source = CString::new(KERNELS).unwrap();
+        let options = [CString::new("-DTEST").unwrap()];
+        let option_ptrs: Vec<_> = options.iter().map(|o| o.as_ptr()).collect();
+        assert_eq!(
+            nvrtcCreateProgram(&mut program, source.as_ptr(), std::ptr::null(), 0, std::ptr::null(), std::ptr::null()),
+            0
+        );
+        let compiled = nvrtcCompileProgram(program, 1, option_ptrs.as_ptr());
+        if compiled != 0 {
+            let mut size = 0;
+            nvrtcGetProgramLogSize(program, &mut size);
+            let mut log = vec![0; size];
+            nvrtcGetProgramLog(program, log.as_mut_ptr());
+            panic!("the kernels do not compile: {}", CStr::from_ptr(log.as_ptr()).to_string_lossy());
+        }
+        let mut size = 0;
+        assert_eq!(nvrtcGetPTXSize(program, &mut size), 0);
+        let mut ptx = vec![0; size];
+        assert_eq!(nvrtcGetPTX(program, ptx.as_mut_ptr()), 0);
+        assert_eq!(nvrtcDestroyProgram(&mut program), 0);
+        ptx
     }
 }
 
@@ -160,6 +170,56 @@ fn barriers_make_a_block_sum_the_same_in_every_thread_order() {
         let got = with_thread_order(order, 7, || sums(&module, "block_sum", 3));
         assert_eq!(got, vec![8128.0; 3], "order {order}");
     }
+}
+
+#[test]
+fn every_thread_of_a_three_dimensional_block_gets_its_own_index() {
+    let module = Module::load();
+    let mut x = device(&[-1.0; 24]);
+    let mut args = [&mut x as *mut u64 as *mut c_void];
+    assert_eq!(module.launch_block("indices", 1, [4, 3, 2], &mut args), 0);
+    let want: Vec<f32> =
+        (0..2).flat_map(|z| (0..3).flat_map(move |y| (0..4).map(move |x| (x + 10 * y + 100 * z) as f32))).collect();
+    assert_eq!(host(x, 24), want);
+}
+
+/// A kernel that never waits runs without fibers, and one run so that waits anyway fails its
+/// launch saying why (the guard behind the stand-in NVRTC's reading of the source).
+#[test]
+fn a_kernel_run_without_fibers_that_waits_fails_its_launch() {
+    let ptx = ptx();
+    let text = unsafe { CStr::from_ptr(ptx.as_ptr()) }.to_string_lossy();
+    let library = open_module(&text).expect("the module opens");
+    let waits = |name: &CStr| unsafe { kernel(library, name) }.expect("a kernel of the module").1;
+    assert!(waits(c"block_sum") && waits(c"warp_sum") && waits(c"warp_sum_divergent"));
+    assert!(!waits(c"block_sum_racy") && !waits(c"scale"));
+
+    let (entry, _, run, _) = unsafe { kernel(library, c"block_sum") }.unwrap();
+    let x: Vec<f32> = (0..128).map(|i| i as f32).collect();
+    let (mut xd, mut out) = (device(&x), device(&[0.0]));
+    let mut args = [&mut xd as *mut u64 as *mut c_void, &mut out as *mut u64 as *mut c_void];
+    let (grid, block) = ([1u32, 1, 1], [128u32, 1, 1]);
+    let mut error = [0 as c_char; 1024];
+    let mut run_with = |waits: i32, error: &mut [c_char; 1024]| unsafe {
+        run(
+            c"block_sum".as_ptr(),
+            entry,
+            args.as_mut_ptr(),
+            grid.as_ptr(),
+            block.as_ptr(),
+            FORWARD,
+            1,
+            waits,
+            error.as_mut_ptr(),
+            1024,
+        )
+    };
+    assert_eq!(run_with(0, &mut error), 1, "a barrier without fibers must fail the launch");
+    let why = unsafe { CStr::from_ptr(error.as_ptr()) }.to_string_lossy().into_owned();
+    assert!(why.contains("kernel block_sum") && why.contains("run without fibers"), "{why}");
+    // The same launch with fibers, after it: the sum.
+    assert_eq!(run_with(1, &mut error), 0);
+    assert_eq!(host(out, 1), [8128.0]);
 }
 
 #[test]
