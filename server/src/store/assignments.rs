@@ -23,12 +23,13 @@ pub async fn create(db: &Db, created_by: &str, content: &NewAssignment, now: Sys
     .await?)
 }
 
-#[derive(sqlx::FromRow)]
-struct AssignmentRow {
-    id: i64,
-    created_by: String,
-    created_at: String,
-    content: String,
+crate::store::row! {
+    struct AssignmentRow {
+        id: i64,
+        created_by: String,
+        created_at: String,
+        content: String,
+    }
 }
 
 impl AssignmentRow {
@@ -106,14 +107,15 @@ pub async fn submit(
     })
 }
 
-#[derive(sqlx::FromRow)]
-struct SubmissionRow {
-    id: i64,
-    student: String,
-    experiment_id: i64,
-    answers: String,
-    late: i64,
-    submitted_at: String,
+crate::store::row! {
+    struct SubmissionRow {
+        id: i64,
+        student: String,
+        experiment_id: i64,
+        answers: String,
+        late: i64,
+        submitted_at: String,
+    }
 }
 
 /// Assignment `assignment_id`'s submissions, newest first: `student`'s only, or everyone's.

@@ -11,13 +11,14 @@ use crate::store::{self, Db, StoreError};
 /// Texts one person may keep at once.
 pub const MAX_DATASETS_PER_OWNER: i64 = 20;
 
-#[derive(sqlx::FromRow)]
-struct DatasetRow {
-    id: i64,
-    name: String,
-    owner: String,
-    bytes: i64,
-    created_at: String,
+crate::store::row! {
+    struct DatasetRow {
+        id: i64,
+        name: String,
+        owner: String,
+        bytes: i64,
+        created_at: String,
+    }
 }
 
 impl DatasetRow {

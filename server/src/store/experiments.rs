@@ -12,20 +12,21 @@ use crate::store::changes::{Data, Writing};
 use crate::store::logs::level_from_name;
 use crate::store::{corrupt, Db, StoreError};
 
-#[derive(sqlx::FromRow)]
-struct ExperimentRow {
-    id: i64,
-    name: String,
-    owner: String,
-    status: String,
-    spec: String,
-    attempt: i64,
-    created_at: String,
-    started_at: Option<String>,
-    finished_at: Option<String>,
-    error: Option<String>,
-    summary: Option<String>,
-    steps_done: i64,
+crate::store::row! {
+    struct ExperimentRow {
+        id: i64,
+        name: String,
+        owner: String,
+        status: String,
+        spec: String,
+        attempt: i64,
+        created_at: String,
+        started_at: Option<String>,
+        finished_at: Option<String>,
+        error: Option<String>,
+        summary: Option<String>,
+        steps_done: i64,
+    }
 }
 
 const SELECT_VIEW: &str = "SELECT e.id, e.name, e.owner, e.status, e.spec, e.attempt, e.created_at, e.started_at, \
@@ -77,22 +78,23 @@ pub async fn recent_succeeded(db: &Db, limit: i64) -> Result<Vec<ExperimentView>
     rows.into_iter().map(ExperimentRow::into_view).collect()
 }
 
-#[derive(sqlx::FromRow)]
-struct MetricRow {
-    step: i64,
-    loss: f64,
-    lr: f64,
-    grad_norm: f64,
-    tokens_per_s: f64,
-    step_ms: f64,
-    loss_scale: Option<f64>,
-    skipped_steps: Option<i64>,
-    expert_balance: Option<f64>,
-    expert_assignments: Option<i64>,
-    expert_dropped: Option<i64>,
-    logit_grad_zero_share: Option<f64>,
-    val_loss: Option<f64>,
-    fp8: Option<String>,
+crate::store::row! {
+    struct MetricRow {
+        step: i64,
+        loss: f64,
+        lr: f64,
+        grad_norm: f64,
+        tokens_per_s: f64,
+        step_ms: f64,
+        loss_scale: Option<f64>,
+        skipped_steps: Option<i64>,
+        expert_balance: Option<f64>,
+        expert_assignments: Option<i64>,
+        expert_dropped: Option<i64>,
+        logit_grad_zero_share: Option<f64>,
+        val_loss: Option<f64>,
+        fp8: Option<String>,
+    }
 }
 
 /// Every stored metric point of an experiment, ordered by step.
@@ -129,11 +131,12 @@ pub async fn load_metrics(db: &Db, id: i64) -> Result<Vec<MetricPoint>, StoreErr
         .collect())
 }
 
-#[derive(sqlx::FromRow)]
-struct LogRow {
-    id: i64,
-    level: String,
-    message: String,
+crate::store::row! {
+    struct LogRow {
+        id: i64,
+        level: String,
+        message: String,
+    }
 }
 
 /// A stored log line and its id (ids grow in the order lines were stored).
@@ -208,13 +211,14 @@ pub async fn page(
     Ok((experiments, total))
 }
 
-#[derive(sqlx::FromRow)]
-struct AttemptRow {
-    attempt: i64,
-    worker: Option<String>,
-    started_at: String,
-    from_step: Option<i64>,
-    lost_steps: i64,
+crate::store::row! {
+    struct AttemptRow {
+        attempt: i64,
+        worker: Option<String>,
+        started_at: String,
+        from_step: Option<i64>,
+        lost_steps: i64,
+    }
 }
 
 /// Every lease of experiment `id`, in order: where each began and the work it had to do

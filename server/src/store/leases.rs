@@ -37,12 +37,13 @@ pub enum Ownership {
     NotFound,
 }
 
-#[derive(sqlx::FromRow)]
-struct OwnerRow {
-    status: String,
-    worker_id: Option<i64>,
-    /// 1 when the worker holds a part of the current attempt (a run across workers).
-    member: i64,
+crate::store::row! {
+    struct OwnerRow {
+        status: String,
+        worker_id: Option<i64>,
+        /// 1 when the worker holds a part of the current attempt (a run across workers).
+        member: i64,
+    }
 }
 
 /// Why a guarded update of experiment `id` by `worker_id` did not apply.

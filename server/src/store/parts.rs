@@ -111,13 +111,14 @@ pub async fn place(
     Ok(Placement { host: 0, ranks_per_host: shares.iter().map(|s| s.ranks).collect(), secret })
 }
 
-#[derive(sqlx::FromRow)]
-struct WaitingPart {
-    experiment_id: i64,
-    attempt: i64,
-    host: i64,
-    spec: String,
-    secret: String,
+crate::store::row! {
+    struct WaitingPart {
+        experiment_id: i64,
+        attempt: i64,
+        host: i64,
+        spec: String,
+        secret: String,
+    }
 }
 
 /// `worker_id`'s part of a running attempt, placed on it and not yet taken: taken now.

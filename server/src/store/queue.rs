@@ -339,13 +339,15 @@ pub(crate) fn requeued_or_failed(max: usize, error: usize, at: usize) -> String 
     )
 }
 
-/// An experiment the reaper took back from a silent worker.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
-pub struct Reaped {
-    pub id: i64,
-    pub status: String,
-    pub attempt: i64,
-    pub error: Option<String>,
+crate::store::row! {
+    /// An experiment the reaper took back from a silent worker.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct Reaped {
+        pub id: i64,
+        pub status: String,
+        pub attempt: i64,
+        pub error: Option<String>,
+    }
 }
 
 /// Running experiments whose lease ended before `now` (host 0's, or any other host's part

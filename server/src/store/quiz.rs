@@ -35,14 +35,15 @@ pub async fn record(
     Ok(())
 }
 
-#[derive(sqlx::FromRow)]
-struct ResultRow {
-    question_id: String,
-    attempts: i64,
-    correct: i64,
-    last_correct: i64,
-    last_given: Option<f64>,
-    answered_at: String,
+crate::store::row! {
+    struct ResultRow {
+        question_id: String,
+        attempts: i64,
+        correct: i64,
+        last_correct: i64,
+        last_given: Option<f64>,
+        answered_at: String,
+    }
 }
 
 /// `owner`'s results, one per question answered.

@@ -6,11 +6,12 @@ use distlab_common::review::{CardState, ExportedScheduling, LogEntry, ParameterF
 
 use crate::store::{corrupt, Db, StoreError};
 
-#[derive(sqlx::FromRow)]
-struct ProfileRow {
-    id: i64,
-    name: String,
-    created_at: String,
+crate::store::row! {
+    struct ProfileRow {
+        id: i64,
+        name: String,
+        created_at: String,
+    }
 }
 
 impl From<ProfileRow> for Profile {
@@ -19,16 +20,17 @@ impl From<ProfileRow> for Profile {
     }
 }
 
-#[derive(sqlx::FromRow)]
-struct StateRow {
-    card_id: String,
-    stability: f64,
-    difficulty: f64,
-    due: String,
-    last_review: String,
-    reps: i64,
-    lapses: i64,
-    last_rating: i64,
+crate::store::row! {
+    struct StateRow {
+        card_id: String,
+        stability: f64,
+        difficulty: f64,
+        due: String,
+        last_review: String,
+        reps: i64,
+        lapses: i64,
+        last_rating: i64,
+    }
 }
 
 impl StateRow {
@@ -46,12 +48,13 @@ impl StateRow {
     }
 }
 
-#[derive(sqlx::FromRow)]
-struct LogRow {
-    card_id: String,
-    rating: i64,
-    reviewed_at: String,
-    interval_days: f64,
+crate::store::row! {
+    struct LogRow {
+        card_id: String,
+        rating: i64,
+        reviewed_at: String,
+        interval_days: f64,
+    }
 }
 
 const SELECT_STATE: &str =

@@ -42,15 +42,16 @@ pub async fn live_ranks(db: &Db, backend: BackendKind, alive_since: &str) -> Res
         .collect())
 }
 
-/// A worker's row as admission control reads it.
-#[derive(sqlx::FromRow)]
-struct WorkerMachine {
-    backends: String,
-    memory_bytes: i64,
-    cores: Option<i64>,
-    gpus: Option<i64>,
-    gpu_memory_bytes: Option<i64>,
-    ranks: Option<i64>,
+crate::store::row! {
+    /// A worker's row as admission control reads it.
+    struct WorkerMachine {
+        backends: String,
+        memory_bytes: i64,
+        cores: Option<i64>,
+        gpus: Option<i64>,
+        gpu_memory_bytes: Option<i64>,
+        ranks: Option<i64>,
+    }
 }
 
 /// A live worker's machine and the most ranks it runs at once (None: no limit).
