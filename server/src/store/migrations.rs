@@ -53,7 +53,6 @@ fn version_and_description(file: &str) -> (i64, String) {
     parsed.unwrap_or_else(|| panic!("migration file {file} is not named NNNN_description.sql"))
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
