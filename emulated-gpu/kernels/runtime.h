@@ -42,9 +42,9 @@ enum class State { Runnable, AtBarrier, AtShuffle, Done };
 
 // Switching between fibers. A fiber that stops (it waits, or has ended) switches straight
 // to the next thread of the round that can run, the last one back to the scheduler: one
-// switch per thread and turn, not two. On x86-64 a hand-written switch (the callee-saved registers
-// pushed on the fiber's own stack, then the stack pointer swapped): swapcontext would also
-// save the signal mask, a system call at every barrier and shuffle.
+// switch per thread and turn, not two. On x86-64 a hand-written switch (the callee-saved
+// registers pushed on the fiber's own stack, then the stack pointer swapped): swapcontext
+// would also save the signal mask, a system call at every barrier and shuffle.
 #if defined(__x86_64__)
 extern "C" void emu_switch(void** save_sp, void* next_sp);
 asm(R"(

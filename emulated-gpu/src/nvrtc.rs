@@ -1,8 +1,8 @@
 //! NVRTC (libnvrtc) as cudarc calls it, compiling for the CPU: the program's CUDA C goes
-//! after `kernels/runtime.h` (CUDA's built-ins, every thread a fiber), with one entry point
-//! per kernel after it (with whether it may wait at a barrier or shuffle: `waiting.rs`),
-//! and g++ makes a shared object of the whole (kept in a cache folder
-//! by the hash of its source, so each format is compiled once per machine). The "PTX" handed
+//! after `kernels/runtime.h` (CUDA's built-ins, every thread of a kernel that may wait a
+//! fiber), with one entry point per kernel after it and whether that kernel may wait at a
+//! barrier or shuffle (`waiting.rs`), and g++ makes a shared object of the whole (kept in a
+//! cache folder by the hash of its source, so each format is compiled once per machine). The "PTX" handed
 //! back names that file; the stand-in driver's `cuModuleLoadData` opens it.
 //!
 //! The options are NVRTC's: `-D` macros go to g++, the architecture and `--fmad=false` have
