@@ -76,15 +76,8 @@ fn functions(code: &str) -> Option<Vec<(String, &str)>> {
         let start = at + next;
         at = start + "__device__".len();
         let Some(open) = code[at..].find('(').map(|i| at + i) else { break };
-        let name: String = code[..open]
-            .trim_end()
-            .chars()
-            .rev()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect();
+        let head = code[..open].trim_end();
+        let name = &head[head.rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).map_or(0, |i| i + 1)..];
         let close = open + matching(&code[open..], '(', ')')?;
         // A definition's body follows its parameters; a declaration ends at `;`.
         let after = &code[close + 1..];
@@ -95,7 +88,7 @@ fn functions(code: &str) -> Option<Vec<(String, &str)>> {
         }
         let body_start = close + 1 + body_at;
         let body_end = body_start + matching(&code[body_start..], '{', '}')?;
-        found.push((name, &code[body_start..=body_end]));
+        found.push((name.to_string(), &code[body_start..=body_end]));
         at = body_end + 1;
     }
     Some(found)
