@@ -345,6 +345,20 @@ pub const MUTANTS: &[Mutant] = &[
         tests: &["-p", "distlab-worker", "--lib", "the_forward_starts_from_bias_and_residual"],
     },
     Mutant {
+        name: "every thread's block of weight-gradient rows adds the bias gradient up (it counts once per thread)",
+        file: "gpu-worker/src/ops/gemm.rs",
+        find: "rhs_col_sums: if range.start == 0 { self.rhs_col_sums } else { std::ptr::null_mut() },",
+        replace: "rhs_col_sums: self.rhs_col_sums,",
+        tests: &["-p", "distlab-worker", "--lib", "the_bias_gradient_added_up_with_the_weights_gives_its_own_passs_bits"],
+    },
+    Mutant {
+        name: "the packed product adds the column sums of every block of B's columns onto the first block's",
+        file: "gpu-worker/src/ops/packed_gemm.rs",
+        find: "Some(p.b_col_sums.add(jc))",
+        replace: "Some(p.b_col_sums)",
+        tests: &["-p", "distlab-worker", "--lib", "column_sums_of_b_are_added_up_in_row_order"],
+    },
+    Mutant {
         name: "the streaming copy out of a peer's buffer drops the tail after the last whole store",
         file: "gpu-worker/src/comm/stream_copy.rs",
         find: "    dst[body..].copy_from_slice(&src[body..]);",

@@ -367,6 +367,34 @@ pub fn matmul_onto_bias_residual<F: Float>(
     true
 }
 
+/// `dst += lhs · rhs` and `col_sums[j] += Σ_p rhs[p, j]` with one read of `rhs` (a weight
+/// gradient and its bias's, `rhs` being the output gradient: the sums are added up as the
+/// product packs it, each in row order as a pass of its own adds it), where the packed
+/// product takes it (f32 on a machine it runs on); false, with nothing done, where it does not.
+pub fn matmul_and_rhs_col_sums<F: Float>(
+    mut dst: MatMut<'_, F>,
+    lhs: Mat<'_, F>,
+    rhs: Mat<'_, F>,
+    col_sums: &mut [F],
+    par: Parallelism,
+) -> bool {
+    if !is_f32::<F>() || !packed_gemm::takes(dst.rows, dst.cols, lhs.cols) {
+        return false;
+    }
+    // Checks the shapes (an empty product never gets here: `takes` wants some size).
+    if trivial(&mut dst, true, &lhs, &rhs) {
+        return false;
+    }
+    assert_eq!(col_sums.len(), dst.cols, "column sums for {} columns", dst.cols);
+    let raw_dst = (dst.data.as_mut_ptr(), dst.rows, dst.cols, (dst.row_stride, dst.col_stride));
+    let mut product = RawProduct::new(raw_dst, true, lhs, rhs, F::ONE);
+    product.rhs_col_sums = col_sums.as_mut_ptr();
+    // SAFETY: the views' constructors and the assert above checked every index; `dst` and
+    // `col_sums` are borrowed mutably, so they alias no input.
+    unsafe { run_on_threads(product, par) };
+    true
+}
+
 fn is_f32<F: Float>() -> bool {
     std::any::TypeId::of::<F>() == std::any::TypeId::of::<f32>()
 }
@@ -457,6 +485,9 @@ struct RawProduct<F> {
     /// The output starts from (bias row, residual laid out as the output), either null,
     /// instead of zero or itself: packed products only.
     start_rows: Option<(*const F, *const F)>,
+    /// Null, or one sum per output column that `rhs`'s column is added onto: packed
+    /// products only.
+    rhs_col_sums: *mut F,
 }
 
 // SAFETY: a product is shared among the pool's threads only as blocks that write
@@ -490,6 +521,7 @@ impl<F: Float> RawProduct<F> {
             scale,
             packed: is_f32::<F>() && packed_gemm::takes(rows, cols, inner),
             start_rows: None,
+            rhs_col_sums: std::ptr::null_mut(),
         }
     }
 
@@ -499,6 +531,8 @@ impl<F: Float> RawProduct<F> {
         Self {
             rows: range.len(),
             start_rows: self.start_rows.map(|(bias, residual)| (bias, offset(residual, range.start * dst.1))),
+            // Every block of rows reads all of rhs: the first alone adds up its columns.
+            rhs_col_sums: if range.start == 0 { self.rhs_col_sums } else { std::ptr::null_mut() },
             dst: (dst.0.wrapping_add(range.start * dst.1), dst.1, dst.2),
             lhs: (lhs.0.wrapping_add(range.start * lhs.1), lhs.1, lhs.2),
             ..self
@@ -513,6 +547,7 @@ impl<F: Float> RawProduct<F> {
             start_rows: self
                 .start_rows
                 .map(|(bias, residual)| (offset(bias, range.start), offset(residual, range.start * dst.2))),
+            rhs_col_sums: offset(self.rhs_col_sums, range.start) as *mut F,
             dst: (dst.0.wrapping_add(range.start * dst.2), dst.1, dst.2),
             rhs: (rhs.0.wrapping_add(range.start * rhs.2), rhs.1, rhs.2),
             ..self
@@ -542,12 +577,14 @@ impl<F: Float> RawProduct<F> {
                 b: f32_view(rhs),
                 start,
                 alpha: self.scale.to_f64() as f32,
+                b_col_sums: self.rhs_col_sums as *mut f32,
             };
             // SAFETY: the caller's; F is f32 (`packed` is only set then).
             let ran = unsafe { packed_gemm::run(&product) };
             assert!(ran, "the packed product runs wherever `packed_gemm::takes` chose it");
             return;
         }
+        assert!(self.rhs_col_sums.is_null(), "column sums come with packed products only");
         // dst = (accumulate ? dst : 0) + scale * lhs[:, chunk] · rhs[chunk, :], chunk by chunk.
         for start in (0..self.inner).step_by(self.depth_chunk) {
             let depth = self.depth_chunk.min(self.inner - start);

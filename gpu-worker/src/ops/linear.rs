@@ -8,6 +8,8 @@
 //! copies). Bias and residual: in f32, where the packed product runs, its epilogue adds
 //! them as it stores the output (one pass over it); elsewhere they are written first and
 //! the product is accumulated on top, so the output is written once and read once.
+//! The bias gradient: in f32, where the packed product runs, it is added up as the weight
+//! gradient's product packs dy (one read of dy for both); elsewhere in a pass of its own.
 
 use std::mem::MaybeUninit;
 
@@ -19,7 +21,8 @@ use crate::memory::{kernel_scratch, with_kernel_ledger};
 use crate::ops::float::AccRow;
 use crate::ops::float::{Float, Stored};
 use crate::ops::gemm::{
-    matmul, matmul_onto_bias_residual, matmul_wide, matmul_widened, narrow_slice, Mat, MatMut, Parallelism,
+    matmul, matmul_and_rhs_col_sums, matmul_onto_bias_residual, matmul_wide, matmul_widened, narrow_slice, Mat, MatMut,
+    Parallelism,
 };
 use crate::ops::simd::simd_kernel;
 
@@ -116,18 +119,21 @@ pub fn matmul_forward<S: Stored>(
 }
 
 /// Both halves of the backward below (`dinp = dout · Wᵀ` when asked, `dW += inpᵀ · dout`),
-/// with `dout` widened once for the two products when it is stored in 2 bytes.
+/// with `dout` widened once for the two products when it is stored in 2 bytes; and `dbias
+/// += Σ_rows dout` where the weights' product adds it up (the bias gradient back where it
+/// did not: the caller's to add up).
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_backward<S: Stored>(
+pub fn matmul_backward<'b, S: Stored>(
     dinp: Option<&mut [S]>,
     dweight: &mut [S],
+    dbias: Option<&'b mut [S]>,
     dout: &[S],
     inp: &[S],
     weight: &[S],
     c_in: usize,
     c_out: usize,
     par: Parallelism,
-) {
+) -> Option<&'b mut [S]> {
     let rows = dout.len() / c_out;
     let dout = Mat::row_major(dout, rows, c_out).widen(par);
     if let Some(dinp) = dinp {
@@ -135,7 +141,30 @@ pub fn matmul_backward<S: Stored>(
         matmul_wide(MatMut::row_major(dinp, rows, c_in), false, dout.view(), weight_t.view(), S::Acc::ONE, par);
     }
     let inp_t = Mat::row_major(inp, rows, c_in).t().widen(par);
-    matmul_wide(MatMut::row_major(dweight, c_in, c_out), true, inp_t.view(), dout.view(), S::Acc::ONE, par);
+    weight_product(dweight, dbias, inp_t.view(), dout.view(), (c_in, c_out), par)
+}
+
+/// `dW += inpᵀ · dout` on operands in the compute format, and `dbias += Σ_rows dout` with it
+/// where the packed product takes both (f32); the bias gradient back where it did not.
+fn weight_product<'b, S: Stored>(
+    dweight: &mut [S],
+    dbias: Option<&'b mut [S]>,
+    inp_t: Mat<'_, S::Acc>,
+    dout: Mat<'_, S::Acc>,
+    (c_in, c_out): (usize, usize),
+    par: Parallelism,
+) -> Option<&'b mut [S]> {
+    if let Some(dbias) = dbias {
+        if let (Some(dw), Some(db)) = (S::as_acc_mut(dweight), S::as_acc_mut(dbias)) {
+            if matmul_and_rhs_col_sums(MatMut::row_major(dw, c_in, c_out), inp_t, dout, db, par) {
+                return None;
+            }
+        }
+        matmul_wide(MatMut::row_major(dweight, c_in, c_out), true, inp_t, dout, S::Acc::ONE, par);
+        return Some(dbias);
+    }
+    matmul_wide(MatMut::row_major(dweight, c_in, c_out), true, inp_t, dout, S::Acc::ONE, par);
+    None
 }
 
 /// `dinp = dout · Wᵀ` (overwritten).
@@ -158,24 +187,20 @@ pub fn matmul_backward_input<S: Stored>(
     );
 }
 
-/// `dW += inpᵀ · dout`.
-pub fn matmul_backward_weight<S: Stored>(
+/// `dW += inpᵀ · dout`, and `dbias += Σ_rows dout` where the product adds it up (the bias
+/// gradient back where it did not: the caller's to add up).
+pub fn matmul_backward_weight<'b, S: Stored>(
     dweight: &mut [S],
+    dbias: Option<&'b mut [S]>,
     dout: &[S],
     inp: &[S],
     c_in: usize,
     c_out: usize,
     par: Parallelism,
-) {
+) -> Option<&'b mut [S]> {
     let rows = dout.len() / c_out;
-    matmul(
-        MatMut::row_major(dweight, c_in, c_out),
-        true,
-        Mat::row_major(inp, rows, c_in).t(),
-        Mat::row_major(dout, rows, c_out),
-        S::Acc::ONE,
-        par,
-    );
+    let (inp_t, dout) = (Mat::row_major(inp, rows, c_in).t().widen(par), Mat::row_major(dout, rows, c_out).widen(par));
+    weight_product(dweight, dbias, inp_t.view(), dout.view(), (c_in, c_out), par)
 }
 
 simd_kernel! {
@@ -285,10 +310,10 @@ impl<S: Stored> LinearKernels for CpuBackend<S> {
         c_out: usize,
     ) {
         let par = self.gemm_parallelism();
-        with_kernel_ledger(self.ledger.as_ref(), || {
-            matmul_backward(dinp, dweight, dout, inp, weight, c_in, c_out, par);
+        let left = with_kernel_ledger(self.ledger.as_ref(), || {
+            matmul_backward(dinp, dweight, dbias, dout, inp, weight, c_in, c_out, par)
         });
-        if let Some(dbias) = dbias {
+        if let Some(dbias) = left {
             bias_backward_split(self, dbias, dout, c_out);
         }
     }
@@ -310,10 +335,10 @@ impl<S: Stored> LinearKernels for CpuBackend<S> {
         c_out: usize,
     ) {
         let par = self.gemm_parallelism();
-        with_kernel_ledger(self.ledger.as_ref(), || {
-            matmul_backward_weight(dweight, dout, inp, c_in, c_out, par);
+        let left = with_kernel_ledger(self.ledger.as_ref(), || {
+            matmul_backward_weight(dweight, dbias, dout, inp, c_in, c_out, par)
         });
-        if let Some(dbias) = dbias {
+        if let Some(dbias) = left {
             bias_backward_split(self, dbias, dout, c_out);
         }
     }
@@ -499,21 +524,67 @@ mod tests {
                 let (mut dinp, mut dweight) = (make(rows * c_in, 0.7), make(c_in * c_out, 0.5));
                 let (mut dinp_apart, mut dweight_apart) = (dinp.clone(), dweight.clone());
                 pool.install(|| {
-                    matmul_backward(Some(&mut dinp), &mut dweight, &dout, &inp, &weight, c_in, c_out, par);
+                    matmul_backward(Some(&mut dinp), &mut dweight, None, &dout, &inp, &weight, c_in, c_out, par);
                     matmul_backward_input(&mut dinp_apart, &dout, &weight, c_in, c_out, par);
-                    matmul_backward_weight(&mut dweight_apart, &dout, &inp, c_in, c_out, par);
+                    matmul_backward_weight(&mut dweight_apart, None, &dout, &inp, c_in, c_out, par);
                 });
                 assert_eq!(dinp, dinp_apart, "{}", S::NAME);
                 assert_eq!(dweight, dweight_apart, "{}", S::NAME);
                 assert!(dinp.iter().any(|x| *x != S::default()));
                 // Without dinp, the weights' half alone.
                 let mut dweight_only = make(c_in * c_out, 0.5);
-                pool.install(|| matmul_backward(None, &mut dweight_only, &dout, &inp, &weight, c_in, c_out, par));
+                pool.install(|| matmul_backward(None, &mut dweight_only, None, &dout, &inp, &weight, c_in, c_out, par));
                 assert_eq!(dweight_only, dweight);
             }
         }
         check::<f32>();
         check::<half::bf16>();
         check::<half::f16>();
+    }
+
+    /// The bias gradient added up with the weights' product (f32, where the packed product
+    /// runs) gives the bits of its own pass, on 1 and 2 threads, the output's rows or its
+    /// columns split between them; in 2-byte formats it is left to that pass.
+    #[test]
+    fn the_bias_gradient_added_up_with_the_weights_gives_its_own_passs_bits() {
+        fn check<S: Stored>() {
+            let make = |n: usize, f: f64| (0..n).map(|i| S::from_f64((i as f64 * f).sin())).collect::<Vec<S>>();
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("a pool");
+            // (tokens, c_in, c_out): split by rows (c_in the longer side), then by columns.
+            for (rows, c_in, c_out) in [(512, 288, 40), (520, 40, 290)] {
+                let (dout, inp, weight) = (make(rows * c_out, 0.37), make(rows * c_in, 0.91), make(c_in * c_out, 0.13));
+                let mut own_pass = make(c_out, 0.29);
+                bias_backward(&mut own_pass, 0, &dout, c_out);
+                let fused_here = crate::ops::packed_gemm::takes(c_in, c_out, rows) && S::NAME == "fp32";
+                for par in [Parallelism::None, Parallelism::Rayon(2)] {
+                    let (mut dbias, mut dweight, mut dweight_alone) =
+                        (make(c_out, 0.29), make(c_in * c_out, 0.5), make(c_in * c_out, 0.5));
+                    let mut dbias_shared = dbias.clone();
+                    let mut dweight_shared = dweight.clone();
+                    pool.install(|| {
+                        let left =
+                            matmul_backward_weight(&mut dweight, Some(&mut dbias), &dout, &inp, c_in, c_out, par);
+                        assert_eq!(left.is_none(), fused_here, "{} {rows}x{c_in}x{c_out}", S::NAME);
+                        if let Some(dbias) = left {
+                            bias_backward(dbias, 0, &dout, c_out);
+                        }
+                        let shared = (&mut dweight_shared, Some(&mut dbias_shared[..]));
+                        if let Some(dbias) =
+                            matmul_backward(None, shared.0, shared.1, &dout, &inp, &weight, c_in, c_out, par)
+                        {
+                            bias_backward(dbias, 0, &dout, c_out);
+                        }
+                        matmul_backward_weight(&mut dweight_alone, None, &dout, &inp, c_in, c_out, par);
+                    });
+                    let bits = |x: &[S]| x.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&dbias), bits(&own_pass), "{} {rows}x{c_in}x{c_out} {par:?}", S::NAME);
+                    assert_eq!(bits(&dbias_shared), bits(&own_pass), "{} shared, {par:?}", S::NAME);
+                    assert_eq!(bits(&dweight), bits(&dweight_alone), "{} weights, {par:?}", S::NAME);
+                    assert_eq!(bits(&dweight_shared), bits(&dweight_alone), "{} shared weights, {par:?}", S::NAME);
+                }
+            }
+        }
+        check::<f32>();
+        check::<half::bf16>();
     }
 }

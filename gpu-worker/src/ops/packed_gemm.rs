@@ -28,6 +28,11 @@
 //! then writes its output once, with no separate pass for bias and residual); later chunks
 //! add `alpha · tile` to what the first wrote.
 //!
+//! B's column sums can come with the product: the weight gradient `dW += Xᵀ·dY` packs dY as
+//! its B, and the bias gradient `db += Σ_rows dY` is then added up from each panel just
+//! packed (still in L1) instead of in a pass of its own over dY; in row order, as that pass
+//! adds them.
+//!
 //! Pack buffers are per thread and kept between calls, as the gemm crate keeps its own.
 
 use std::cell::RefCell;
@@ -62,6 +67,8 @@ pub struct Product {
     pub b: (*const f32, usize, usize),
     pub start: Start,
     pub alpha: f32,
+    /// Null, or `cols` sums: `b_col_sums[j] += Σ_p B[p, j]`, added up in order of `p`.
+    pub b_col_sums: *mut f32,
 }
 
 /// Whether this machine runs the packed product where the gemm crate would otherwise:
@@ -158,7 +165,8 @@ unsafe fn blocked<const MR: usize, const NR: usize>(p: &Product, pack_a: &mut Ve
             let kc = KC.min(p.depth - pc);
             // SAFETY (all the pointer arithmetic below): inside the matrices, by the caller's.
             unsafe {
-                pack_b_block::<NR>(pack_b, (b.add(pc * b_rs + jc * b_cs), b_rs, b_cs), kc, nc);
+                let sums = if p.b_col_sums.is_null() { None } else { Some(p.b_col_sums.add(jc)) };
+                pack_b_block::<NR>(pack_b, (b.add(pc * b_rs + jc * b_cs), b_rs, b_cs), kc, nc, sums);
                 for ic in (0..p.rows).step_by(MC) {
                     let mc = MC.min(p.rows - ic);
                     let a_block = (a.add(ic * a_rs + pc * a_cs), a_rs, a_cs);
@@ -350,9 +358,16 @@ unsafe fn pack_a_block<const MR: usize>(dst: &mut [f32], a: (*const f32, usize, 
 }
 
 /// B's `depth x cols` block (element (p, j) at `b[p * rs + j * cs]`) as NR-wide panels,
-/// each `depth` steps of NR (`dst[panel][p * NR + j]`), the last panel padded with zeros.
+/// each `depth` steps of NR (`dst[panel][p * NR + j]`), the last panel padded with zeros;
+/// and, given `col_sums`, `col_sums[j] += Σ_p B[p, j]` from each panel as it is packed.
 #[inline(always)]
-unsafe fn pack_b_block<const NR: usize>(dst: &mut [f32], b: (*const f32, usize, usize), depth: usize, cols: usize) {
+unsafe fn pack_b_block<const NR: usize>(
+    dst: &mut [f32],
+    b: (*const f32, usize, usize),
+    depth: usize,
+    cols: usize,
+    col_sums: Option<*mut f32>,
+) {
     let (b, rs, cs) = b;
     for (panel, out) in dst.chunks_exact_mut(NR * depth).take(cols.div_ceil(NR)).enumerate() {
         let j0 = panel * NR;
@@ -378,6 +393,13 @@ unsafe fn pack_b_block<const NR: usize>(dst: &mut [f32], b: (*const f32, usize, 
                     // SAFETY: (p, j0 + j) is inside B for the live columns.
                     out[p * NR + j] = if j < live { unsafe { *b.add(p * rs + (j0 + j) * cs) } } else { 0.0 };
                 }
+            }
+        }
+        if let Some(col_sums) = col_sums {
+            // SAFETY: the caller's `cols` sums, of which this panel's live columns.
+            let sums = unsafe { std::slice::from_raw_parts_mut(col_sums.add(j0), live) };
+            for step in out.chunks_exact(NR) {
+                sums.iter_mut().zip(step).for_each(|(sum, x)| *sum += x);
             }
         }
     }
@@ -455,6 +477,7 @@ mod tests {
                             b: (b.stored.as_ptr(), b.strides.0, b.strides.1),
                             start,
                             alpha: 0.5,
+                            b_col_sums: std::ptr::null_mut(),
                         };
                         // SAFETY: the views fit their vectors; the level is the CPU's.
                         assert!(unsafe { run_at(level, &product) });
@@ -492,6 +515,7 @@ mod tests {
                     b: (b.stored.as_ptr().wrapping_add(cols.start * k), 1, k),
                     start: Start::Zero,
                     alpha: 1.0,
+                    b_col_sums: std::ptr::null_mut(),
                 };
                 // SAFETY: the blocks lie inside the matrices; the level is the CPU's.
                 unsafe { run_at(level, &product) };
@@ -503,6 +527,44 @@ mod tests {
             run(29..m, 0..41, &mut blocks);
             run(29..m, 41..n, &mut blocks);
             assert!(whole.iter().zip(&blocks).all(|(x, y)| x.to_bits() == y.to_bits()), "level {level}");
+        }
+    }
+
+    /// B's column sums, asked with the product, are each column's f32 sum in row order
+    /// onto where they started (the bits a pass of its own gives), across depth chunks (600
+    /// deep), column blocks (1,030 wide: two of NC) and short panels, in every layout of B.
+    #[test]
+    fn column_sums_of_b_are_added_up_in_row_order() {
+        for level in levels() {
+            for (m, k, n) in [(7, 600, 1030), (13, 257, 35), (1, 1, 1)] {
+                let a = operand(m, k, 0, 1.0);
+                for layout_b in [0, 1, 2] {
+                    let b = operand(k, n, layout_b, 2.0);
+                    let start: Vec<f32> = (0..n).map(|j| (j as f32 * 0.9).sin()).collect();
+                    let (mut c, mut sums) = (vec![0.0; m * n], start.clone());
+                    let product = Product {
+                        rows: m,
+                        cols: n,
+                        depth: k,
+                        c: (c.as_mut_ptr(), n, 1),
+                        a: (a.stored.as_ptr(), a.strides.0, a.strides.1),
+                        b: (b.stored.as_ptr(), b.strides.0, b.strides.1),
+                        start: Start::Zero,
+                        alpha: 1.0,
+                        b_col_sums: sums.as_mut_ptr(),
+                    };
+                    // SAFETY: the views fit their vectors; the level is the CPU's.
+                    assert!(unsafe { run_at(level, &product) });
+                    for j in 0..n {
+                        let want = (0..k).fold(start[j], |sum, p| sum + b.exact[p * n + j] as f32);
+                        assert_eq!(
+                            sums[j].to_bits(),
+                            want.to_bits(),
+                            "level {level} {m}x{k}x{n} B layout {layout_b} column {j}"
+                        );
+                    }
+                }
+            }
         }
     }
 }
