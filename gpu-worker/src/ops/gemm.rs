@@ -337,13 +337,7 @@ pub fn matmul_onto_bias_residual<F: Float>(
     residual: Option<&[F]>,
     par: Parallelism,
 ) -> bool {
-    if !is_f32::<F>() || !packed_gemm::takes(dst.rows, dst.cols, lhs.cols) {
-        return false;
-    }
-    // Checks the shapes (an empty product never gets here: `takes` wants some size).
-    if trivial(&mut dst, true, &lhs, &rhs) {
-        return false;
-    }
+    let Some(mut product) = packed_accumulating(&mut dst, lhs, rhs) else { return false };
     if let Some(bias) = bias {
         assert!(bias.len() >= dst.cols, "a bias of {} for {} columns", bias.len(), dst.cols);
     }
@@ -357,8 +351,6 @@ pub fn matmul_onto_bias_residual<F: Float>(
             dst.cols
         );
     }
-    let raw_dst = (dst.data.as_mut_ptr(), dst.rows, dst.cols, (dst.row_stride, dst.col_stride));
-    let mut product = RawProduct::new(raw_dst, true, lhs, rhs, F::ONE);
     let pointer = |x: Option<&[F]>| x.map_or(std::ptr::null(), |x| x.as_ptr());
     product.start_rows = Some((pointer(bias), pointer(residual)));
     // SAFETY: the views' constructors and the asserts above checked every index the
@@ -378,21 +370,27 @@ pub fn matmul_and_rhs_col_sums<F: Float>(
     col_sums: &mut [F],
     par: Parallelism,
 ) -> bool {
-    if !is_f32::<F>() || !packed_gemm::takes(dst.rows, dst.cols, lhs.cols) {
-        return false;
-    }
-    // Checks the shapes (an empty product never gets here: `takes` wants some size).
-    if trivial(&mut dst, true, &lhs, &rhs) {
-        return false;
-    }
+    let Some(mut product) = packed_accumulating(&mut dst, lhs, rhs) else { return false };
     assert_eq!(col_sums.len(), dst.cols, "column sums for {} columns", dst.cols);
-    let raw_dst = (dst.data.as_mut_ptr(), dst.rows, dst.cols, (dst.row_stride, dst.col_stride));
-    let mut product = RawProduct::new(raw_dst, true, lhs, rhs, F::ONE);
     product.rhs_col_sums = col_sums.as_mut_ptr();
     // SAFETY: the views' constructors and the assert above checked every index; `dst` and
     // `col_sums` are borrowed mutably, so they alias no input.
     unsafe { run_on_threads(product, par) };
     true
+}
+
+/// `dst += lhs · rhs` as a product of the packed engine, for the epilogues only it has,
+/// where it takes it (f32 on a machine it runs on), the shapes checked; None where not.
+fn packed_accumulating<F: Float>(dst: &mut MatMut<'_, F>, lhs: Mat<'_, F>, rhs: Mat<'_, F>) -> Option<RawProduct<F>> {
+    if !is_f32::<F>() || !packed_gemm::takes(dst.rows, dst.cols, lhs.cols) {
+        return None;
+    }
+    // Checks the shapes (an empty product never gets here: `takes` wants some size).
+    if trivial(dst, true, &lhs, &rhs) {
+        return None;
+    }
+    let raw_dst = (dst.data.as_mut_ptr(), dst.rows, dst.cols, (dst.row_stride, dst.col_stride));
+    Some(RawProduct::new(raw_dst, true, lhs, rhs, F::ONE))
 }
 
 fn is_f32<F: Float>() -> bool {

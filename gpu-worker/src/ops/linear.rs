@@ -148,23 +148,19 @@ pub fn matmul_backward<'b, S: Stored>(
 /// where the packed product takes both (f32); the bias gradient back where it did not.
 fn weight_product<'b, S: Stored>(
     dweight: &mut [S],
-    dbias: Option<&'b mut [S]>,
+    mut dbias: Option<&'b mut [S]>,
     inp_t: Mat<'_, S::Acc>,
     dout: Mat<'_, S::Acc>,
     (c_in, c_out): (usize, usize),
     par: Parallelism,
 ) -> Option<&'b mut [S]> {
-    if let Some(dbias) = dbias {
-        if let (Some(dw), Some(db)) = (S::as_acc_mut(dweight), S::as_acc_mut(dbias)) {
-            if matmul_and_rhs_col_sums(MatMut::row_major(dw, c_in, c_out), inp_t, dout, db, par) {
-                return None;
-            }
+    if let (Some(dw), Some(db)) = (S::as_acc_mut(dweight), dbias.as_deref_mut().and_then(S::as_acc_mut)) {
+        if matmul_and_rhs_col_sums(MatMut::row_major(dw, c_in, c_out), inp_t, dout, db, par) {
+            return None;
         }
-        matmul_wide(MatMut::row_major(dweight, c_in, c_out), true, inp_t, dout, S::Acc::ONE, par);
-        return Some(dbias);
     }
     matmul_wide(MatMut::row_major(dweight, c_in, c_out), true, inp_t, dout, S::Acc::ONE, par);
-    None
+    dbias
 }
 
 /// `dinp = dout · Wᵀ` (overwritten).
